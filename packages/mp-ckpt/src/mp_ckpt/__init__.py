@@ -1,0 +1,3 @@
+"""mp-ckpt: sharded checkpoints. Nothing is public yet; see README.md."""
+
+__all__: list[str] = []

@@ -1,0 +1,120 @@
+"""ParallelConfig: how the world's ranks are divided, with Megatron's field names."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mp_state.rank_generator import parse_order
+
+__all__ = ["ParallelConfig"]
+
+
+@dataclass(kw_only=True)
+class ParallelConfig:
+    """The parallel layout of a run. The data-parallel size is what is left of the world."""
+
+    tensor_model_parallel_size: int = 1
+    """Ranks that split each layer's weights (TP)."""
+
+    pipeline_model_parallel_size: int = 1
+    """Pipeline stages the layers are divided into (PP)."""
+
+    virtual_pipeline_model_parallel_size: int | None = None
+    """Model chunks per pipeline rank for the interleaved schedule (VPP); None for none."""
+
+    context_parallel_size: int = 1
+    """Ranks that split each sequence (CP)."""
+
+    expert_model_parallel_size: int = 1
+    """Ranks that split the experts of a MoE layer (EP)."""
+
+    expert_tensor_parallel_size: int | None = None
+    """Ranks that split each expert's weights; None means the same as tensor_model_parallel_size."""
+
+    order: str = "tp-cp-ep-dp-pp"
+    """Axes of the rank grid from fastest- to slowest-varying rank (Megatron's order string)."""
+
+    distributed_timeout_minutes: int = 10
+    """Timeout of every collective and of process-group creation, in minutes."""
+
+    def __post_init__(self) -> None:
+        for name in (
+            "tensor_model_parallel_size",
+            "pipeline_model_parallel_size",
+            "context_parallel_size",
+            "expert_model_parallel_size",
+            "distributed_timeout_minutes",
+        ):
+            _require_positive_int(name, getattr(self, name))
+        if self.expert_tensor_parallel_size is None:
+            self.expert_tensor_parallel_size = self.tensor_model_parallel_size
+        _require_positive_int("expert_tensor_parallel_size", self.expert_tensor_parallel_size)
+
+        vpp = self.virtual_pipeline_model_parallel_size
+        if vpp is not None:
+            _require_positive_int("virtual_pipeline_model_parallel_size", vpp)
+            if self.pipeline_model_parallel_size == 1:
+                raise ValueError(
+                    f"virtual_pipeline_model_parallel_size={vpp} needs "
+                    "pipeline_model_parallel_size > 1, got 1"
+                )
+
+        sizes = {
+            "tp": self.tensor_model_parallel_size,
+            "cp": self.context_parallel_size,
+            "ep": self.expert_model_parallel_size,
+            "dp": 1,  # derived from the world size; any size may stand in the order
+            "pp": self.pipeline_model_parallel_size,
+        }
+        # The expert grid uses the same order with tp = expert_tp: that size must fit too.
+        sizes["tp"] = max(sizes["tp"], self.expert_tensor_parallel_size)
+        axes = parse_order(self.order, sizes)
+        tokens = self.order.lower().split("-")
+        if "ep" in tokens:
+            ep_at = axes.index("ep")
+            if "dp" not in tokens or abs(ep_at - axes.index("dp")) != 1:
+                raise ValueError(
+                    f"order={self.order!r}: 'ep' must stand next to 'dp' (as in 'ep-dp' or "
+                    "'dp-ep'), because expert-parallel ranks are carved out of data-parallel ones"
+                )
+
+    def data_parallel_size(self, world_size: int) -> int:
+        """The data-parallel size left for `world_size` ranks (Megatron's derivation)."""
+        _require_positive_int("world_size", world_size)
+        tp = self.tensor_model_parallel_size
+        pp = self.pipeline_model_parallel_size
+        cp = self.context_parallel_size
+        if world_size % (tp * pp * cp):
+            raise ValueError(
+                f"world size {world_size} is not divisible by tensor_model_parallel_size={tp} "
+                f"x pipeline_model_parallel_size={pp} x context_parallel_size={cp} = {tp * pp * cp}"
+            )
+        return world_size // (tp * pp * cp)
+
+    def expert_data_parallel_size(self, world_size: int) -> int:
+        """The data-parallel size of expert layers: world / (expert_tp x ep x pp)."""
+        dp = self.data_parallel_size(world_size)
+        tp = self.tensor_model_parallel_size
+        cp = self.context_parallel_size
+        ep = self.expert_model_parallel_size
+        etp = self.expert_tensor_parallel_size
+        # Per pipeline stage, tp*cp*dp dense ranks are re-divided as etp*ep*edp expert ranks.
+        dense = tp * cp * dp
+        if dense % (etp * ep):
+            if etp == tp and cp == 1:
+                raise ValueError(
+                    f"data_parallel_size={dp} (world size {world_size}) is not divisible by "
+                    f"expert_model_parallel_size={ep}"
+                )
+            raise ValueError(
+                f"tensor_model_parallel_size={tp} x context_parallel_size={cp} x "
+                f"data_parallel_size={dp} = {dense} ranks per pipeline stage (world size "
+                f"{world_size}) are not divisible by expert_tensor_parallel_size={etp} x "
+                f"expert_model_parallel_size={ep} = {etp * ep}"
+            )
+        return dense // (etp * ep)
+
+
+def _require_positive_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}={value!r} must be a positive integer")

@@ -1,0 +1,70 @@
+"""Where a rank computes and how it talks: the one place that decides.
+
+CUDA + NCCL when a GPU is visible, CPU + gloo otherwise; the local rank comes
+from torchrun's environment (LOCAL_RANK), so one process per GPU picks its own.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["DeviceInfo", "init_distributed", "local_rank", "select_device"]
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    device: torch.device
+    """The device this rank computes on."""
+
+    backend: str
+    """The torch.distributed backend for that device: "nccl" or "gloo"."""
+
+    local_rank: int
+    """This rank's index on its node."""
+
+
+def local_rank() -> int:
+    """This process's rank on its node, from torchrun's LOCAL_RANK (0 when unset)."""
+    value = os.environ.get("LOCAL_RANK", "0")
+    try:
+        rank = int(value)
+    except ValueError:
+        raise ValueError(f"LOCAL_RANK={value!r} is not an integer") from None
+    if rank < 0:
+        raise ValueError(f"LOCAL_RANK={rank} must be >= 0")
+    return rank
+
+
+def select_device() -> DeviceInfo:
+    """CUDA device LOCAL_RANK (mod the visible count) with NCCL, else the CPU with gloo."""
+    rank = local_rank()
+    if torch.cuda.is_available():
+        return DeviceInfo(torch.device("cuda", rank % torch.cuda.device_count()), "nccl", rank)
+    return DeviceInfo(torch.device("cpu"), "gloo", rank)
+
+
+def init_distributed(timeout_minutes: float = 10) -> DeviceInfo:
+    """Initializes torch.distributed for this rank from torchrun's environment.
+
+    Without torchrun (no RANK / WORLD_SIZE set) it makes a one-rank world, so a
+    script runs unchanged as `python script.py`. An already initialized default
+    group is kept. On CUDA the rank's device becomes the current one.
+    """
+    info = select_device()
+    if info.device.type == "cuda":
+        torch.cuda.set_device(info.device)
+    if dist.is_initialized():
+        return info
+    timeout = timedelta(minutes=timeout_minutes)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        dist.init_process_group(info.backend, timeout=timeout)
+    else:
+        dist.init_process_group(
+            info.backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
+        )
+    return info

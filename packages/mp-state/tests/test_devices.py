@@ -1,0 +1,106 @@
+"""Device selection, LOCAL_RANK, and init_distributed with and without torchrun."""
+
+import os
+import re
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from mp_state import init_distributed, local_rank, select_device
+from mp_state.testing import run_on_ranks
+
+
+def test_local_rank_from_torchrun_environment(monkeypatch):
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert local_rank() == 0
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert local_rank() == 3
+    monkeypatch.setenv("LOCAL_RANK", "three")
+    with pytest.raises(ValueError, match="LOCAL_RANK='three' is not an integer"):
+        local_rank()
+    monkeypatch.setenv("LOCAL_RANK", "-1")
+    with pytest.raises(ValueError, match="LOCAL_RANK=-1 must be >= 0"):
+        local_rank()
+
+
+def test_select_device(monkeypatch):
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    info = select_device()
+    assert info.local_rank == 1
+    if torch.cuda.is_available():
+        assert (info.device.type, info.backend) == ("cuda", "nccl")
+        assert info.device.index == 1 % torch.cuda.device_count()
+    else:
+        assert (info.device, info.backend) == (torch.device("cpu"), "gloo")
+
+
+def single_process_init():
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        os.environ.pop(name, None)
+    info = init_distributed()
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    result = (dist.get_world_size(), dist.get_backend(), info.backend, t.item())
+    dist.destroy_process_group()
+    return result
+
+
+def test_init_distributed_without_torchrun_makes_a_one_rank_world():
+    [result] = run_on_ranks(single_process_init, 1, init_process_group=False)
+    assert result == (1, "gloo", "gloo", 1.0)
+
+
+def env_init(port: int):
+    os.environ["MASTER_PORT"] = str(port)
+    init_distributed(timeout_minutes=1)
+    t = torch.tensor([dist.get_rank() + 1.0])
+    dist.all_reduce(t)
+    result = (dist.get_rank(), dist.get_world_size(), t.item())
+    dist.destroy_process_group()
+    return result
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_init_distributed_from_torchrun_variables():
+    # run_on_ranks sets RANK, WORLD_SIZE, LOCAL_RANK and MASTER_ADDR as torchrun does.
+    results = run_on_ranks(env_init, 2, free_port(), init_process_group=False, timeout=60)
+    assert results == [(0, 2, 3.0), (1, 2, 3.0)]
+
+
+SCRIPT = """
+    import torch, torch.distributed as dist
+    import mp_state
+    info = mp_state.init_distributed(timeout_minutes=1)
+    state = mp_state.initialize(mp_state.ParallelConfig(tensor_model_parallel_size=2))
+    t = torch.tensor([float(dist.get_rank())])
+    dist.all_reduce(t, group=state.tp.group)
+    print(f"rank={dist.get_rank()} local_rank={info.local_rank} tp_sum={t.item()}", flush=True)
+    mp_state.destroy()
+    dist.destroy_process_group()
+"""
+
+
+@pytest.mark.multirank
+def test_under_real_torchrun(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent(SCRIPT))
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+         str(script)],
+        capture_output=True, text=True, timeout=240,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # Both ranks print to one pipe: their lines may interleave.
+    reports = sorted(re.findall(r"rank=\d local_rank=\d tp_sum=[\d.]+", proc.stdout))
+    assert reports == ["rank=0 local_rank=0 tp_sum=1.0", "rank=1 local_rank=1 tp_sum=1.0"]

@@ -1,0 +1,105 @@
+"""The multi-rank launcher: results, failures, deaths and hangs, never a hung test."""
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from mp_state.testing import RankFailure, RankTimeout, run_on_ranks
+
+pytestmark = pytest.mark.multirank
+
+
+def rank_and_sum(offset: int) -> tuple[int, int, str]:
+    t = torch.tensor([dist.get_rank() + offset])
+    dist.all_reduce(t)
+    return dist.get_rank(), int(t.item()), os.environ["LOCAL_RANK"]
+
+
+def test_returns_each_ranks_result_in_rank_order():
+    results = run_on_ranks(rank_and_sum, 4, 10)
+    assert results == [(r, 0 + 1 + 2 + 3 + 40, str(r)) for r in range(4)]
+
+
+def test_matmul_in_a_forked_rank_after_one_in_the_parent():
+    # The parent's thread pool is busy before the fork; children must not hang on it.
+    a = torch.randn(256, 256)
+    (a @ a).sum()
+
+    def matmul():
+        b = torch.randn(256, 256)
+        return float((b @ b).abs().sum() > 0)
+
+    assert run_on_ranks(matmul, 2, timeout=60) == [1.0, 1.0]
+
+
+def raise_on_rank_2():
+    if dist.get_rank() == 2:
+        raise ValueError("bad shard on purpose")
+    dist.barrier()  # the other ranks wait for rank 2, which never arrives
+
+
+def test_a_rank_that_raises_fails_the_run_quickly_with_its_traceback():
+    start = time.monotonic()
+    with pytest.raises(RankFailure) as info:
+        run_on_ranks(raise_on_rank_2, 4, timeout=60)
+    assert time.monotonic() - start < 30
+    message = str(info.value)
+    assert message.startswith("rank 2 of 4 failed:")
+    assert "ValueError: bad shard on purpose" in message
+    assert "in raise_on_rank_2" in message
+    assert 2 in info.value.failures
+
+
+def hang_on_rank_1():
+    if dist.get_rank() == 1:
+        time.sleep(3600)
+    return "done"
+
+
+def test_a_rank_that_hangs_times_out_with_its_stack():
+    start = time.monotonic()
+    with pytest.raises(RankTimeout) as info:
+        run_on_ranks(hang_on_rank_1, 2, timeout=4)
+    elapsed = time.monotonic() - start
+    assert elapsed < 15, elapsed
+    message = str(info.value)
+    assert "rank(s) 1 of 2 still running after 4 s (rank(s) 0 returned)" in message
+    # The stack shows where rank 1 was stuck.
+    assert "hang_on_rank_1" in info.value.failures[1]
+
+
+def die_on_rank_0():
+    if dist.get_rank() == 0:
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.barrier()
+
+
+def test_a_rank_killed_by_a_signal_is_reported():
+    with pytest.raises(RankFailure, match="rank 0 was killed by SIGKILL"):
+        run_on_ranks(die_on_rank_0, 2, timeout=60)
+
+
+def test_an_unpicklable_result_is_an_error_naming_the_rank():
+    with pytest.raises(RankFailure, match=r"rank 0 of 1 failed:(.|\n)*pickle"):
+        run_on_ranks(lambda: lambda: None, 1)
+
+
+def test_without_a_process_group():
+    def check():
+        return dist.is_initialized(), os.environ["WORLD_SIZE"]
+
+    assert run_on_ranks(check, 2, init_process_group=False) == [(False, "2"), (False, "2")]
+
+
+def test_spawned_ranks_work_too():
+    # Spawn pickles the function: take one that any fresh interpreter can import.
+    assert run_on_ranks(dist.get_rank, 2, start_method="spawn", timeout=120) == [0, 1]
+
+
+def test_world_size_must_be_positive():
+    with pytest.raises(ValueError, match="world_size=0"):
+        run_on_ranks(dist.get_rank, 0)

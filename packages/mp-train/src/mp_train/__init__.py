@@ -1,0 +1,3 @@
+"""mp-train: training loop. Nothing is public yet; see README.md."""
+
+__all__: list[str] = []
