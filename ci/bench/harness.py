@@ -1,0 +1,62 @@
+"""What every benchmark prints beside its figures: machine, command, commit, date.
+
+Each benchmark prints one JSON line per measure: its figures, the baseline
+measured in the same run, their ratio, and `context()`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["best_of", "context", "emit"]
+
+
+def context() -> dict[str, Any]:
+    import numpy
+    import torch
+
+    return {
+        "machine": {
+            "platform": platform.platform(),
+            "processor": platform.processor() or platform.machine(),
+            "cpu_count": os.cpu_count(),
+            "python": platform.python_version(),
+            "numpy": numpy.__version__,
+            "torch": torch.__version__,
+        },
+        "command": " ".join(["python", os.path.relpath(sys.argv[0]), *sys.argv[1:]]),
+        "commit": _commit(),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    }
+
+
+def best_of(repeats: int, function: Callable[..., Any], *args: Any) -> tuple[float, Any]:
+    """The fastest of `repeats` calls of function(*args), in seconds, and the last result."""
+    best, result = float("inf"), None
+    for _ in range(repeats):
+        start = time.perf_counter()
+        result = function(*args)
+        best = min(best, time.perf_counter() - start)
+    return best, result
+
+
+def emit(measure: str, figures: dict[str, Any], ctx: dict[str, Any]) -> None:
+    print(json.dumps({"measure": measure, **figures, **ctx}), flush=True)
+
+
+def _commit() -> str:
+    def git(*command: str) -> str:
+        return subprocess.run(
+            ["git", *command], capture_output=True, text=True, check=False
+        ).stdout.strip()
+
+    commit = git("rev-parse", "--short", "HEAD") or "unknown"
+    return commit + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")

@@ -1,0 +1,85 @@
+"""A tokenizer from Megatron's --tokenizer-type and file arguments, and the padded vocabulary size.
+
+`build_tokenizer` takes Megatron's type names and argument names
+(--vocab-file, --merge-file, --tokenizer-model, --vocab-size), so a Megatron
+command line or YAML maps over; each type reads only the arguments it needs.
+
+`vocab_size_with_padding` is Megatron's _vocab_size_with_padding: the
+embedding table is rounded up to a multiple of make_vocab_size_divisible_by
+times the tensor-parallel size, so every TP rank holds an equal slice of a
+GPU-friendly width (GPT-2's 50257 -> 50304 at TP=1). The extra rows are ids no
+text produces.
+"""
+
+from __future__ import annotations
+
+import os
+
+from mp_data.tokenizers.base import Tokenizer, positive_int
+from mp_data.tokenizers.bert import BertWordPieceCase, BertWordPieceLowerCase
+from mp_data.tokenizers.gpt2 import GPT2BPETokenizer
+from mp_data.tokenizers.huggingface import HuggingFaceTokenizer
+from mp_data.tokenizers.null import NullTokenizer
+
+__all__ = ["TOKENIZER_TYPES", "build_tokenizer", "vocab_size_with_padding"]
+
+TOKENIZER_TYPES = {
+    "GPT2BPETokenizer": ("vocab_file", "merge_file"),
+    "BertWordPieceLowerCase": ("vocab_file",),
+    "BertWordPieceCase": ("vocab_file",),
+    "HuggingFaceTokenizer": ("tokenizer_model",),
+    "NullTokenizer": ("vocab_size",),
+}
+"""Megatron's tokenizer types that mp provides -> the arguments each one requires."""
+
+
+def build_tokenizer(
+    tokenizer_type: str,
+    *,
+    vocab_file: str | os.PathLike | None = None,
+    merge_file: str | os.PathLike | None = None,
+    tokenizer_model: str | os.PathLike | None = None,
+    vocab_size: int | None = None,
+) -> Tokenizer:
+    """The tokenizer of `tokenizer_type`, built from the arguments it requires."""
+    if tokenizer_type not in TOKENIZER_TYPES:
+        raise ValueError(
+            f"tokenizer_type {tokenizer_type!r} is not supported; choose one of "
+            f"{', '.join(TOKENIZER_TYPES)} (a SentencePiece or tiktoken model saved as a "
+            "Hugging Face tokenizer.json works as HuggingFaceTokenizer)"
+        )
+    given = {
+        "vocab_file": vocab_file,
+        "merge_file": merge_file,
+        "tokenizer_model": tokenizer_model,
+        "vocab_size": vocab_size,
+    }
+    missing = [name for name in TOKENIZER_TYPES[tokenizer_type] if given[name] is None]
+    if missing:
+        raise ValueError(f"tokenizer_type {tokenizer_type!r} requires {' and '.join(missing)}")
+    if tokenizer_type == "GPT2BPETokenizer":
+        return GPT2BPETokenizer(vocab_file, merge_file)
+    if tokenizer_type == "BertWordPieceLowerCase":
+        return BertWordPieceLowerCase(vocab_file)
+    if tokenizer_type == "BertWordPieceCase":
+        return BertWordPieceCase(vocab_file)
+    if tokenizer_type == "HuggingFaceTokenizer":
+        return HuggingFaceTokenizer(tokenizer_model)
+    return NullTokenizer(vocab_size)
+
+
+def vocab_size_with_padding(
+    orig_vocab_size: int,
+    make_vocab_size_divisible_by: int = 128,
+    tensor_model_parallel_size: int = 1,
+) -> int:
+    """`orig_vocab_size` rounded up to a multiple of make_vocab_size_divisible_by * TP size."""
+    size = positive_int(orig_vocab_size, "orig_vocab_size", "vocab_size_with_padding")
+    divisor = positive_int(
+        make_vocab_size_divisible_by, "make_vocab_size_divisible_by", "vocab_size_with_padding"
+    )
+    tp = positive_int(
+        tensor_model_parallel_size, "tensor_model_parallel_size", "vocab_size_with_padding"
+    )
+    multiple = divisor * tp
+    return -(-size // multiple) * multiple
