@@ -78,3 +78,18 @@ def test_every_public_name_resolves_and_import_stays_light():
     code = "import sys, mp_data, mp_data.cli; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_blend_from_a_megatron_command_line_list():
+    from mp_data import get_blend_from_list
+
+    assert get_blend_from_list(None) is None
+    assert get_blend_from_list(["0.3", "web", "0.7", " code"]) == (["web", "code"], [0.3, 0.7])
+    assert get_blend_from_list(["web", "code"]) == (["web", "code"], None)
+    assert get_blend_from_list(["web", "code", "books"]) == (["web", "code", "books"], None)
+    with pytest.raises(ValueError, match=r"entries \['web'\] stand where weights should"):
+        get_blend_from_list(["1", "books", "web", "code"])
+    with pytest.raises(ValueError, match=r"weights must be >= 0, got \[-1.0\]"):
+        get_blend_from_list(["-1", "web", "2", "code"])
+    with pytest.raises(ValueError, match="the blend list is empty"):
+        get_blend_from_list([])

@@ -46,6 +46,7 @@ _EXPORTS = {
     "TOKENIZER_TYPES": "mp_data.tokenizers",
     "Tokenizer": "mp_data.tokenizers",
     "build_tokenizer": "mp_data.tokenizers",
+    "get_blend_from_list": "mp_data.blend",
     "vocab_size_with_padding": "mp_data.tokenizers",
 }
 """Public name -> the module that defines it."""
@@ -77,6 +78,7 @@ __all__ = [
     "build_sample_idx",
     "build_tokenizer",
     "get_bin_path",
+    "get_blend_from_list",
     "get_idx_path",
     "ltor_masks_and_position_ids",
     "merge_datasets",
