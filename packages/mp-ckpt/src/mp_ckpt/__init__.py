@@ -1,3 +1,5 @@
-"""mp-ckpt: sharded checkpoints. Nothing is public yet; see README.md."""
+"""mp-ckpt: sharded checkpoints. Today: the sharding description models and optimizers give."""
 
-__all__: list[str] = []
+from mp_ckpt.sharding import ShardedTensor, check_tiling
+
+__all__ = ["ShardedTensor", "check_tiling"]
