@@ -1,0 +1,200 @@
+"""TransformerConfig: the shape and numerics of a GPT model, with Megatron's field names.
+
+Rules that hold whatever the layout are checked in __post_init__; those that
+depend on the tensor-parallel size in `check_parallel`. Every message names
+the field and the value.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+__all__ = ["TransformerConfig"]
+
+
+@dataclass(kw_only=True)
+class TransformerConfig:
+    num_layers: int
+    """Transformer layers of the whole model (all pipeline stages)."""
+
+    hidden_size: int
+    """Width of the residual stream (h)."""
+
+    num_attention_heads: int
+    """Query heads per layer."""
+
+    ffn_hidden_size: int | None = None
+    """MLP inner width; None: 4 * hidden_size, or Megatron's swiglu default
+    int(4 * hidden_size * 2 / 3 / 64) * 64."""
+
+    num_query_groups: int | None = None
+    """Key/value heads for grouped-query attention; None: num_attention_heads (MHA)."""
+
+    kv_channels: int | None = None
+    """Width of each attention head; None: hidden_size / num_attention_heads."""
+
+    normalization: Literal["LayerNorm", "RMSNorm"] = "LayerNorm"
+    """Normalization of each sublayer's input and of the final output."""
+
+    layernorm_epsilon: float = 1e-5
+    """Epsilon of LayerNorm / RMSNorm."""
+
+    activation: Literal["gelu", "swiglu", "squared_relu"] = "gelu"
+    """MLP activation; swiglu gates with a second fc1 half (fused)."""
+
+    add_bias_linear: bool = True
+    """Biases in every linear layer."""
+
+    add_qkv_bias: bool = False
+    """A bias in the QKV projection even without add_bias_linear (Qwen-style)."""
+
+    hidden_dropout: float = 0.1
+    """Dropout after attention and MLP, before the residual add."""
+
+    attention_dropout: float = 0.1
+    """Dropout on the attention probabilities."""
+
+    position_embedding_type: Literal["learned_absolute", "rope", "none"] = "learned_absolute"
+    """Position information: a learned table, rotary embeddings, or none."""
+
+    rotary_base: int = 10000
+    """Base of the rotary frequencies."""
+
+    rotary_percent: float = 1.0
+    """Fraction of each head's channels that rotary embeddings rotate."""
+
+    rotary_seq_len_interpolation_factor: float | None = None
+    """Positions are divided by this factor (linear interpolation for longer contexts)."""
+
+    qk_layernorm: bool = False
+    """Normalize queries and keys per head before attention."""
+
+    init_method_std: float = 0.02
+    """Standard deviation of the normal initialization of weights."""
+
+    untie_embeddings_and_output_weights: bool = False
+    """Give the output layer its own weight instead of the input embedding's."""
+
+    params_dtype: torch.dtype = torch.float32
+    """dtype the parameters are created in."""
+
+    bf16: bool = False
+    """Train in bf16 mixed precision."""
+
+    fp16: bool = False
+    """Train in fp16 mixed precision (with loss scaling)."""
+
+    sequence_parallel: bool = False
+    """Split norms, dropouts and residuals along the sequence over the TP group (needs TP > 1)."""
+
+    recompute_granularity: Literal["full", "selective"] | None = None
+    """Recompute activations in backward: whole layers, or only core attention."""
+
+    recompute_method: Literal["uniform", "block"] | None = None
+    """With full recompute: checkpoint groups of layers (uniform) or the first N layers (block)."""
+
+    recompute_num_layers: int | None = None
+    """Layers per recompute group (uniform) or recomputed layers per stage (block)."""
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "hidden_size", "num_attention_heads"):
+            _positive(name, getattr(self, name))
+        if self.num_query_groups is None:
+            self.num_query_groups = self.num_attention_heads
+        _positive("num_query_groups", self.num_query_groups)
+        if self.num_attention_heads % self.num_query_groups:
+            raise ValueError(
+                f"num_query_groups={self.num_query_groups} does not divide "
+                f"num_attention_heads={self.num_attention_heads}"
+            )
+        if self.kv_channels is None:
+            if self.hidden_size % self.num_attention_heads:
+                raise ValueError(
+                    f"num_attention_heads={self.num_attention_heads} does not divide "
+                    f"hidden_size={self.hidden_size}; set kv_channels for another head width"
+                )
+            self.kv_channels = self.hidden_size // self.num_attention_heads
+        _positive("kv_channels", self.kv_channels)
+        if self.ffn_hidden_size is None:
+            if self.activation == "swiglu":
+                self.ffn_hidden_size = int(4 * self.hidden_size * 2 / 3 / 64) * 64
+            else:
+                self.ffn_hidden_size = 4 * self.hidden_size
+        _positive("ffn_hidden_size", self.ffn_hidden_size)
+        _choice("normalization", self.normalization, ("LayerNorm", "RMSNorm"))
+        _choice("activation", self.activation, ("gelu", "swiglu", "squared_relu"))
+        _choice(
+            "position_embedding_type", self.position_embedding_type,
+            ("learned_absolute", "rope", "none"),
+        )  # fmt: skip
+        if self.layernorm_epsilon <= 0:
+            raise ValueError(f"layernorm_epsilon={self.layernorm_epsilon} must be > 0")
+        for name in ("hidden_dropout", "attention_dropout"):
+            value = getattr(self, name)
+            if not 0.0 <= value < 1.0:
+                raise ValueError(f"{name}={value} must be in [0, 1)")
+        if self.rotary_base <= 0:
+            raise ValueError(f"rotary_base={self.rotary_base} must be > 0")
+        if not 0.0 < self.rotary_percent <= 1.0:
+            raise ValueError(f"rotary_percent={self.rotary_percent} must be in (0, 1]")
+        factor = self.rotary_seq_len_interpolation_factor
+        if factor is not None and factor < 1.0:
+            raise ValueError(f"rotary_seq_len_interpolation_factor={factor} must be >= 1")
+        if self.init_method_std <= 0:
+            raise ValueError(f"init_method_std={self.init_method_std} must be > 0")
+        if self.bf16 and self.fp16:
+            raise ValueError("bf16=True and fp16=True are exclusive: choose one")
+        self._check_recompute()
+
+    def _check_recompute(self) -> None:
+        granularity, method, n = (
+            self.recompute_granularity, self.recompute_method, self.recompute_num_layers
+        )  # fmt: skip
+        if granularity is not None:
+            _choice("recompute_granularity", granularity, ("full", "selective"))
+        if method is not None:
+            _choice("recompute_method", method, ("uniform", "block"))
+        if granularity == "full":
+            if method is None or n is None:
+                raise ValueError(
+                    "recompute_granularity='full' needs recompute_method ('uniform' or 'block') "
+                    f"and recompute_num_layers, got {method!r} and {n!r}"
+                )
+            if not 1 <= n <= self.num_layers:
+                raise ValueError(
+                    f"recompute_num_layers={n} must be in 1..num_layers={self.num_layers}"
+                )
+        elif method is not None or n is not None:
+            raise ValueError(
+                f"recompute_method={method!r} and recompute_num_layers={n!r} apply only to "
+                f"recompute_granularity='full', got {granularity!r}"
+            )
+
+    def check_parallel(self, tensor_model_parallel_size: int) -> None:
+        """The rules that depend on the tensor-parallel size; raises ValueError naming them."""
+        tp = tensor_model_parallel_size
+        for name in ("num_attention_heads", "num_query_groups", "ffn_hidden_size"):
+            value = getattr(self, name)
+            if value % tp:
+                raise ValueError(f"tensor_model_parallel_size={tp} does not divide {name}={value}")
+        if self.sequence_parallel and tp == 1:
+            raise ValueError("sequence_parallel=True needs tensor_model_parallel_size > 1, got 1")
+
+    @property
+    def output_layer_init_std(self) -> float:
+        """Megatron's scaled init of the projections into the residual: std / sqrt(2 * layers)."""
+        return self.init_method_std / math.sqrt(2.0 * self.num_layers)
+
+
+def _positive(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}={value!r} must be a positive integer")
+
+
+def _choice(name: str, value: object, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name}={value!r} must be one of {', '.join(choices)}")

@@ -1,0 +1,66 @@
+"""Initialization of sharded weights, independent of the tensor-parallel size.
+
+Shapes: a weight is described by its full (master) shape, e.g. [out, in]; the
+local piece is that shape with the partition dimension divided by tp.
+
+Every tensor-parallel rank builds the full master weight on the CPU in fp32,
+fills it with `init_method` from the default CPU generator, keeps its own
+contiguous slice along the partition dimension, and casts it to the
+parameter's dtype and device. This is Megatron's CPU-initialization path
+(`use_cpu_initialization`), and here it is the only one, because of what it
+guarantees:
+
+- Tensor-parallel ranks of one pipeline stage share the default generator's
+  seed (mp_state.set_random_seeds: seed + 100 * pp_rank), and each draws the
+  same numbers for every weight, split or not, so their default generators
+  stay in step through the whole model.
+- The draws depend on the master shape only, never on tp, so one seed gives
+  the same global model at TP = 1, 2, 4, ...: a run can change its
+  tensor-parallel size and start from the same point, and the parallel layers
+  can be tested against torch.nn layers holding the same weights.
+- CPU and GPU runs draw the same numbers (the CPU generator drives both).
+
+The cost is that each rank fills tp times the numbers it keeps, on the CPU:
+negligible against a training run, measurable at start-up for the largest
+models.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from mp_state import RankGroup
+
+__all__ = ["InitMethod", "init_partitioned_weight"]
+
+InitMethod = Callable[[torch.Tensor], object]
+"""Fills a tensor in place, e.g. functools.partial(torch.nn.init.normal_, std=0.02)."""
+
+
+def init_partitioned_weight(
+    weight: torch.Tensor,
+    master_shape: tuple[int, ...],
+    partition_dim: int | None,
+    group: RankGroup,
+    init_method: InitMethod,
+) -> None:
+    """Fills `weight` (this rank's piece) with its slice of a freshly initialized master.
+
+    `partition_dim` is the dimension split over `group` (None: not split, the
+    whole master is kept). Every rank of the group must call this for the
+    same weights in the same order, so that their generators stay in step.
+    """
+    master = torch.empty(master_shape, dtype=torch.float32, device="cpu")
+    init_method(master)
+    if partition_dim is not None:
+        piece = weight.shape[partition_dim]
+        master = master.narrow(partition_dim, group.rank * piece, piece)
+    if tuple(master.shape) != tuple(weight.shape):
+        raise ValueError(
+            f"weight of shape {tuple(weight.shape)} is not a piece of the master "
+            f"{tuple(master_shape)} split along dimension {partition_dim} over {group.size} ranks"
+        )
+    with torch.no_grad():
+        weight.copy_(master)

@@ -1,0 +1,1 @@
+"""Transformer building blocks: rotary embeddings, norms, core attention."""

@@ -1,0 +1,69 @@
+"""TransformerConfig: defaults and every validation rule."""
+
+import pytest
+import torch
+
+from mp_layers import TransformerConfig
+
+BASE = dict(num_layers=4, hidden_size=256, num_attention_heads=8)
+
+
+def test_defaults_follow_megatron():
+    c = TransformerConfig(**BASE)
+    assert (c.ffn_hidden_size, c.num_query_groups, c.kv_channels) == (1024, 8, 32)
+    assert c.params_dtype == torch.float32 and c.normalization == "LayerNorm"
+    assert c.output_layer_init_std == pytest.approx(0.02 / 8**0.5)
+    swiglu = TransformerConfig(**BASE, activation="swiglu")
+    assert swiglu.ffn_hidden_size == int(4 * 256 * 2 / 3 / 64) * 64 == 640
+    gqa = TransformerConfig(**BASE, num_query_groups=2, kv_channels=64)
+    assert (gqa.num_query_groups, gqa.kv_channels) == (2, 64)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(num_layers=0), "num_layers=0 must be a positive integer"),
+        (dict(hidden_size=250), "num_attention_heads=8 does not divide hidden_size=250"),
+        (dict(num_query_groups=3), "num_query_groups=3 does not divide num_attention_heads=8"),
+        (dict(normalization="BatchNorm"), "normalization='BatchNorm' must be one of"),
+        (dict(activation="relu"), "activation='relu' must be one of gelu, swiglu, squared_relu"),
+        (dict(position_embedding_type="alibi"), "position_embedding_type='alibi'"),
+        (dict(layernorm_epsilon=0.0), "layernorm_epsilon=0.0 must be > 0"),
+        (dict(hidden_dropout=1.0), r"hidden_dropout=1.0 must be in \[0, 1\)"),
+        (dict(attention_dropout=-0.1), "attention_dropout=-0.1"),
+        (dict(rotary_percent=0.0), r"rotary_percent=0.0 must be in \(0, 1\]"),
+        (dict(rotary_base=0), "rotary_base=0 must be > 0"),
+        (dict(rotary_seq_len_interpolation_factor=0.5), "rotary_seq_len_interpolation_factor"),
+        (dict(init_method_std=0.0), "init_method_std=0.0 must be > 0"),
+        (dict(bf16=True, fp16=True), "bf16=True and fp16=True are exclusive"),
+        (dict(recompute_granularity="full"), "needs recompute_method"),
+        (dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=5),
+         r"recompute_num_layers=5 must be in 1\.\.num_layers=4"),
+        (dict(recompute_granularity="selective", recompute_method="block"),
+         "apply only to recompute_granularity='full'"),
+        (dict(recompute_method="diagonal"), "recompute_method='diagonal' must be one of"),
+        (dict(recompute_granularity="partial"), "recompute_granularity='partial'"),
+    ],
+)  # fmt: skip
+def test_invalid_configs(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        TransformerConfig(**(BASE | kwargs))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "tp", "message"),
+    [
+        (dict(), 3, "tensor_model_parallel_size=3 does not divide num_attention_heads=8"),
+        (dict(num_query_groups=2), 4, "does not divide num_query_groups=2"),
+        (dict(ffn_hidden_size=1002), 4, "does not divide ffn_hidden_size=1002"),
+        (dict(sequence_parallel=True), 1, "sequence_parallel=True needs tensor_model_parallel"),
+    ],
+)
+def test_rules_that_depend_on_the_tensor_parallel_size(kwargs, tp, message):
+    config = TransformerConfig(**(BASE | kwargs))
+    with pytest.raises(ValueError, match=message):
+        config.check_parallel(tp)
+
+
+def test_valid_layouts_pass():
+    TransformerConfig(**BASE, num_query_groups=4, sequence_parallel=True).check_parallel(4)

@@ -1,0 +1,121 @@
+"""Vocabulary-parallel embedding and cross entropy against torch at TP 1, 2, 4.
+
+Shapes: [s, b] ids and targets, [s, b, h] embeddings, [s, b, v/tp] logits.
+Every rank builds the same full tensors and checks its piece of the
+single-process result, gradients included (fp32, RTOL / ATOL below).
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import mp_state
+from mp_layers.tensor_parallel import VocabParallelEmbedding, vocab_parallel_cross_entropy
+from mp_state.testing import run_on_ranks
+
+pytestmark = pytest.mark.multirank
+
+# assert_close imports sympy on first use (about 2 s): once here, in the
+# parent, rather than in every forked rank.
+torch.testing.assert_close(torch.zeros(1), torch.zeros(1))
+
+RTOL, ATOL = 1e-5, 1e-5
+S, B, V, H = 8, 2, 16, 6
+
+
+def close(actual, expected, what, rtol=RTOL, atol=ATOL):
+    torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol, msg=lambda m: f"{what}: {m}")
+
+
+def check_embedding(tp: int):
+    state = mp_state.initialize(mp_state.ParallelConfig(tensor_model_parallel_size=tp))
+    g, r = state.tp, state.tp.rank
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, V, (S, B), generator=gen)
+    grad = torch.randn(S, B, H, generator=gen)
+    for sp in (False, True):
+        case = f"tp={tp} sequence_parallel={sp}"
+        mp_state.set_random_seeds(99, state)
+        layer = VocabParallelEmbedding(
+            V, H, tp_group=g, init_method=torch.nn.init.normal_, sequence_parallel=sp
+        )
+        pieces = [torch.empty_like(layer.weight) for _ in range(tp)]
+        dist.all_gather(pieces, layer.weight.detach(), group=g.group)
+        reference = torch.nn.Embedding(V, H)
+        with torch.no_grad():
+            reference.weight.copy_(torch.cat(pieces))
+        y_ref = reference(ids)
+        y_ref.backward(grad)
+
+        y = layer(ids)
+        if sp:
+            close(y, y_ref.detach().chunk(tp, dim=0)[r], f"{case}: output")
+            y.backward(grad.chunk(tp, dim=0)[r])
+        else:
+            close(y, y_ref.detach(), f"{case}: output")
+            y.backward(grad)
+        close(layer.weight.grad, reference.weight.grad.chunk(tp)[r], f"{case}: weight grad")
+    mp_state.destroy()
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_vocab_parallel_embedding_equals_nn_embedding(tp):
+    run_on_ranks(check_embedding, tp, tp, timeout=60)
+
+
+def check_cross_entropy(tp: int):
+    state = mp_state.initialize(mp_state.ParallelConfig(tensor_model_parallel_size=tp))
+    g, r = state.tp, state.tp.rank
+    gen = torch.Generator().manual_seed(5)
+    target = torch.randint(0, V, (S, B), generator=gen)
+    grad = torch.rand(S, B, generator=gen)
+    base = torch.randn(S, B, V, generator=gen)
+    # 1e4: exp would overflow fp32 without the max subtraction.
+    for scale, smoothing in [(1.0, 0.0), (1.0, 0.1), (1e4, 0.0), (1e4, 0.1)]:
+        case = f"tp={tp} scale={scale} label_smoothing={smoothing}"
+        full = (base * scale).requires_grad_()
+        # Megatron's smoothing spreads its mass over the v - 1 other tokens,
+        # torch's over all v: the same loss with torch's e = a * v / (v - 1).
+        torch_smoothing = smoothing * V / (V - 1)
+        loss_ref = F.cross_entropy(
+            full.reshape(-1, V),
+            target.reshape(-1),
+            reduction="none",
+            label_smoothing=torch_smoothing,
+        ).view(S, B)
+        loss_ref.backward(grad)
+
+        local = full.detach().chunk(tp, dim=-1)[r].clone().requires_grad_()
+        loss = vocab_parallel_cross_entropy(local, target, g, label_smoothing=smoothing)
+        assert loss.dtype == torch.float32 and loss.shape == (S, B), case
+        # Large logits give large losses: the tolerance is relative to them.
+        close(loss, loss_ref.detach(), f"{case}: loss", rtol=1e-5, atol=1e-5 * scale)
+        loss.backward(grad)
+        close(local.grad, full.grad.chunk(tp, dim=-1)[r], f"{case}: logits grad")
+        assert torch.isfinite(loss).all() and torch.isfinite(local.grad).all(), case
+    # Low-precision logits: the loss is fp32, the gradient in the logits' dtype.
+    local = base.chunk(tp, dim=-1)[r].to(torch.bfloat16).requires_grad_()
+    loss = vocab_parallel_cross_entropy(local, target, g)
+    loss.sum().backward()
+    assert loss.dtype == torch.float32 and local.grad.dtype == torch.bfloat16
+    loss_ref = F.cross_entropy(base.to(torch.bfloat16).float().reshape(-1, V), target.reshape(-1))
+    close(loss.mean(), loss_ref, f"tp={tp} bf16 logits: loss")
+    mp_state.destroy()
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_vocab_parallel_cross_entropy_equals_f_cross_entropy(tp):
+    run_on_ranks(check_cross_entropy, tp, tp, timeout=60)
+
+
+def test_cross_entropy_leaves_the_logits_untouched():
+    def body():
+        state = mp_state.initialize(mp_state.ParallelConfig(tensor_model_parallel_size=2))
+        logits = torch.randn(S, B, V // 2)
+        before = logits.clone()
+        vocab_parallel_cross_entropy(logits, torch.zeros(S, B, dtype=torch.long), state.tp)
+        torch.testing.assert_close(logits, before, rtol=0, atol=0)
+        mp_state.destroy()
+
+    run_on_ranks(body, 2, timeout=60)
