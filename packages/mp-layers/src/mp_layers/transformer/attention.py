@@ -1,0 +1,111 @@
+"""Self-attention with a fused QKV projection in Megatron's per-group layout.
+
+Shapes: x [s, b, h]; ng query groups (key/value heads), qg = heads per group,
+d = kv_channels. The QKV weight is [ng * (qg + 2) * d, h]; group by group it
+holds qg query heads, then the group's key head, then its value head. A
+column split over the TP group therefore gives each rank ng/tp whole groups,
+and the layout (hence the model) does not depend on the TP size.
+sharded_state_dict describes q, k and v as logical tensors
+[ng, qg, d, h], [ng, d, h], [ng, d, h] (strided views of the fused weight),
+so that checkpoints and conversions never see the fused layout.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from mp_ckpt import ShardedTensor
+from mp_layers.config import TransformerConfig
+from mp_layers.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from mp_layers.transformer.core_attention import CoreAttention
+from mp_layers.transformer.norms import build_norm
+from mp_layers.transformer.rope import apply_rotary_pos_emb
+from mp_state import RankGroup, RNGStatesTracker
+
+__all__ = ["SelfAttention"]
+
+
+class SelfAttention(torch.nn.Module):
+    def __init__(
+        self,
+        config: TransformerConfig,
+        tp_group: RankGroup,
+        rng_tracker: RNGStatesTracker | None = None,
+    ) -> None:
+        super().__init__()
+        config.check_parallel(tp_group.size)
+        self.tp_group = tp_group
+        self.d = config.kv_channels
+        self.groups = config.num_query_groups // tp_group.size  # on this rank
+        self.per_group = config.num_attention_heads // config.num_query_groups
+        width = config.num_query_groups * (self.per_group + 2) * self.d
+        self.linear_qkv = ColumnParallelLinear(
+            config.hidden_size, width, tp_group=tp_group,
+            bias=config.add_bias_linear or config.add_qkv_bias,
+            sequence_parallel=config.sequence_parallel,
+            init_method=functools.partial(torch.nn.init.normal_, std=config.init_method_std),
+            params_dtype=config.params_dtype,
+        )  # fmt: skip
+        self.q_layernorm = build_norm(config, self.d) if config.qk_layernorm else None
+        self.k_layernorm = build_norm(config, self.d) if config.qk_layernorm else None
+        self.core_attention = CoreAttention(config.attention_dropout, rng_tracker)
+        self.linear_proj = RowParallelLinear(
+            config.num_attention_heads * self.d, config.hidden_size, tp_group=tp_group,
+            bias=config.add_bias_linear, input_is_parallel=True, skip_bias_add=True,
+            sequence_parallel=config.sequence_parallel,
+            init_method=functools.partial(
+                torch.nn.init.normal_, std=config.output_layer_init_std
+            ),
+            params_dtype=config.params_dtype,
+        )  # fmt: skip
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rotary: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x [s, b, h] -> (output [s, b, h], projection bias or None)."""
+        mixed, _ = self.linear_qkv(x)
+        s, b = mixed.shape[:2]
+        mixed = mixed.view(s, b, self.groups, self.per_group + 2, self.d)
+        q = mixed[:, :, :, : self.per_group].reshape(s, b, self.groups * self.per_group, self.d)
+        k = mixed[:, :, :, self.per_group]
+        v = mixed[:, :, :, self.per_group + 1]
+        if self.q_layernorm is not None:
+            q, k = self.q_layernorm(q), self.k_layernorm(k)
+        if rotary is not None:
+            q, k = apply_rotary_pos_emb(q, rotary), apply_rotary_pos_emb(k, rotary)
+        context = self.core_attention(q, k, v, attention_mask)
+        return self.linear_proj(context)
+
+    def sharded_state_dict(self, prefix: str = "") -> dict[str, ShardedTensor]:
+        pieces = self.linear_proj.sharded_state_dict(f"{prefix}linear_proj.")
+        rank, ng = self.tp_group.rank, self.groups * self.tp_group.size
+        offset = rank * self.groups
+        params = {"weight": self.linear_qkv.weight, "bias": self.linear_qkv.bias}
+        for name, local in params.items():
+            if local is None:
+                continue
+            tail = tuple(local.shape[1:])  # (h,) for the weight, () for the bias
+            fused = local.view(self.groups, self.per_group + 2, self.d, *tail)
+            parts = {
+                "q": fused[:, : self.per_group],
+                "k": fused[:, self.per_group],
+                "v": fused[:, self.per_group + 1],
+            }
+            for part, data in parts.items():
+                key = f"{prefix}linear_qkv.{part}.{name}"
+                shape = (ng, *data.shape[1:])
+                pieces[key] = ShardedTensor(key, data, shape, (offset,) + (0,) * (data.dim() - 1))
+        if self.q_layernorm is not None:
+            for norm_name, norm in (
+                ("q_layernorm", self.q_layernorm),
+                ("k_layernorm", self.k_layernorm),
+            ):
+                for pname, p in norm.named_parameters():
+                    key = f"{prefix}{norm_name}.{pname}"
+                    pieces[key] = ShardedTensor.from_rank(key, p, None, 0, 1, replica_id=rank)
+        return pieces

@@ -1,0 +1,88 @@
+"""The MLP: fc2(act(fc1(x))), split over the tensor-parallel group.
+
+Shapes: x [s, b, h] (or [s/tp, b, h] with sequence parallelism), the inner
+activation [s, b, f/tp] on each rank, f = ffn_hidden_size. fc1 is column-
+parallel, fc2 row-parallel: one reduction per direction (Megatron's MLP).
+
+SwiGLU uses one fused fc1 holding the gate and the up projection. Each rank
+computes silu(gate_r x) * (up_r x) on its own f/tp channels, so its local
+fc1 rows must be [gate_r; up_r]. The fused weight is initialized from the
+logical [gate; up] drawn once, then laid out per rank, so that the model is
+the same at every TP size, and sharded_state_dict describes gate and up as
+logical tensors of their own.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from mp_ckpt import ShardedTensor
+from mp_layers.config import TransformerConfig
+from mp_layers.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from mp_state import RankGroup
+
+__all__ = ["MLP"]
+
+
+class MLP(torch.nn.Module):
+    def __init__(self, config: TransformerConfig, tp_group: RankGroup) -> None:
+        super().__init__()
+        self.gated = config.activation == "swiglu"
+        self.activation = config.activation
+        self.tp_group = tp_group
+        f = config.ffn_hidden_size
+        init = functools.partial(torch.nn.init.normal_, std=config.init_method_std)
+        fc1_init = functools.partial(_gated_layout, init, tp_group.size) if self.gated else init
+        self.linear_fc1 = ColumnParallelLinear(
+            config.hidden_size, 2 * f if self.gated else f, tp_group=tp_group,
+            bias=config.add_bias_linear, sequence_parallel=config.sequence_parallel,
+            init_method=fc1_init, params_dtype=config.params_dtype,
+        )  # fmt: skip
+        self.linear_fc2 = RowParallelLinear(
+            f, config.hidden_size, tp_group=tp_group, bias=config.add_bias_linear,
+            input_is_parallel=True, skip_bias_add=True,
+            sequence_parallel=config.sequence_parallel,
+            init_method=functools.partial(
+                torch.nn.init.normal_, std=config.output_layer_init_std
+            ),
+            params_dtype=config.params_dtype,
+        )  # fmt: skip
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Returns (output, fc2 bias) for the caller to add with the residual."""
+        inner, _ = self.linear_fc1(x)
+        if self.gated:
+            gate, up = inner.chunk(2, dim=-1)
+            inner = F.silu(gate) * up
+        elif self.activation == "squared_relu":
+            inner = F.relu(inner).square()
+        else:
+            inner = F.gelu(inner)
+        return self.linear_fc2(inner)
+
+    def sharded_state_dict(self, prefix: str = "") -> dict[str, ShardedTensor]:
+        pieces = self.linear_fc2.sharded_state_dict(f"{prefix}linear_fc2.")
+        if not self.gated:
+            return pieces | self.linear_fc1.sharded_state_dict(f"{prefix}linear_fc1.")
+        rank, size = self.tp_group.rank, self.tp_group.size
+        params = {"weight": self.linear_fc1.weight, "bias": self.linear_fc1.bias}
+        for name, local in params.items():
+            if local is None:
+                continue
+            gate, up = local.chunk(2, dim=0)
+            for part, data in (("gate", gate), ("up", up)):
+                key = f"{prefix}linear_fc1.{part}.{name}"
+                pieces[key] = ShardedTensor.from_rank(key, data, 0, rank, size)
+        return pieces
+
+
+def _gated_layout(init, tp: int, master: torch.Tensor) -> None:
+    """Fills the fused [2f, h] master so that rank r's contiguous rows are [gate_r; up_r]."""
+    logical = torch.empty_like(master)
+    init(logical)  # rows 0..f-1: gate, f..2f-1: up, drawn as one [2f, h] weight
+    gate, up = logical.chunk(2, dim=0)
+    per_rank = [torch.cat([g, u]) for g, u in zip(gate.chunk(tp), up.chunk(tp), strict=True)]
+    master.copy_(torch.cat(per_rank))
