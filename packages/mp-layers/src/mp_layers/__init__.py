@@ -1,13 +1,14 @@
 """mp-layers: the model side of mp.
 
-Today: TransformerConfig, the tensor- and sequence-parallel primitives
-(mp_layers.tensor_parallel) and the first transformer pieces (rotary
-embeddings, norms, core attention in mp_layers.transformer). The transformer
-layer, block, layer specs and GPTModel follow.
+TransformerConfig, the tensor- and sequence-parallel primitives
+(mp_layers.tensor_parallel), the transformer pieces (rotary embeddings,
+norms, core attention, MLP, self-attention, layer and block in
+mp_layers.transformer) and GPTModel.
 """
 
 from mp_layers import tensor_parallel
 from mp_layers.config import TransformerConfig
+from mp_layers.gpt_model import GPTModel
 from mp_layers.tensor_parallel import (
     ColumnParallelLinear,
     InitMethod,
@@ -29,6 +30,7 @@ from mp_layers.tensor_parallel import (
 
 __all__ = [
     "ColumnParallelLinear",
+    "GPTModel",
     "InitMethod",
     "RowParallelLinear",
     "TransformerConfig",

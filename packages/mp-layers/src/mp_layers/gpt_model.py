@@ -1,0 +1,168 @@
+"""GPTModel: embeddings, this stage's transformer layers, the output layer and the loss.
+
+Shapes: input_ids, position_ids, labels [b, s]; inside [s, b, h] (or
+[s/tp, b, h] with sequence parallelism); logits [b, s, v/tp] (v with
+parallel_output=False); loss [b, s], per token.
+
+pre_process (the first pipeline stage) holds the word and position
+embeddings, post_process (the last) the output layer and the loss; a middle
+stage takes its input from the previous stage (`decoder_input`). The output
+layer is column-parallel over the vocabulary and the loss never gathers it
+(vocab_parallel_cross_entropy). With shared input/output embeddings on one
+stage the output layer uses the embedding's weight.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from mp_ckpt import ShardedTensor
+from mp_layers.config import TransformerConfig
+from mp_layers.tensor_parallel import (
+    ColumnParallelLinear,
+    VocabParallelEmbedding,
+    vocab_parallel_cross_entropy,
+)
+from mp_layers.transformer.layer import TransformerBlock
+from mp_layers.transformer.rope import RotaryEmbedding
+from mp_state import TENSOR_PARALLEL_RNG, RankGroup, RNGStatesTracker
+
+__all__ = ["GPTModel"]
+
+
+class GPTModel(torch.nn.Module):
+    def __init__(
+        self,
+        config: TransformerConfig,
+        vocab_size: int,
+        max_sequence_length: int,
+        *,
+        tp_group: RankGroup,
+        rng_tracker: RNGStatesTracker | None = None,
+        pre_process: bool = True,
+        post_process: bool = True,
+        parallel_output: bool = True,
+        share_embeddings_and_output_weights: bool | None = None,
+        layer_offset: int = 0,
+        num_layers: int | None = None,
+    ) -> None:
+        super().__init__()
+        config.check_parallel(tp_group.size)
+        share = (
+            not config.untie_embeddings_and_output_weights
+            if share_embeddings_and_output_weights is None
+            else share_embeddings_and_output_weights
+        )
+        if share and not (pre_process and post_process):
+            raise ValueError(
+                "share_embeddings_and_output_weights across pipeline stages needs the embedding "
+                "group's weight sync, which mp-pipeline's finalize provides; on one stage "
+                "(pre_process and post_process) sharing works, else untie the embeddings"
+            )
+        self.config = config
+        self.tp_group = tp_group
+        self.rng_tracker = rng_tracker
+        self.pre_process, self.post_process = pre_process, post_process
+        self.parallel_output = parallel_output
+        self.share_embeddings_and_output_weights = share
+        init = functools.partial(torch.nn.init.normal_, std=config.init_method_std)
+        if pre_process:
+            self.embedding = VocabParallelEmbedding(
+                vocab_size, config.hidden_size, tp_group=tp_group, init_method=init,
+                sequence_parallel=config.sequence_parallel, params_dtype=config.params_dtype,
+            )  # fmt: skip
+            self.position_embeddings = None
+            if config.position_embedding_type == "learned_absolute":
+                self.position_embeddings = torch.nn.Embedding(
+                    max_sequence_length, config.hidden_size, dtype=config.params_dtype
+                )
+                init(self.position_embeddings.weight)
+                self.position_embeddings.weight.sequence_parallel = config.sequence_parallel
+        self.rotary = None
+        if config.position_embedding_type == "rope":
+            self.rotary = RotaryEmbedding(
+                config.kv_channels, config.rotary_percent, config.rotary_base,
+                config.rotary_seq_len_interpolation_factor,
+            )  # fmt: skip
+        self.decoder = TransformerBlock(
+            config, tp_group, rng_tracker, layer_offset=layer_offset, num_layers=num_layers,
+            post_process=post_process,
+        )  # fmt: skip
+        if post_process:
+            self.output_layer = ColumnParallelLinear(
+                config.hidden_size, vocab_size, tp_group=tp_group, bias=False,
+                gather_output=not parallel_output, sequence_parallel=config.sequence_parallel,
+                init_method=init, params_dtype=config.params_dtype,
+            )  # fmt: skip
+            if share:
+                self.output_layer.weight = self.embedding.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        decoder_input: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Per-token loss [b, s] with labels, else logits [b, s, v/tp]; hidden states [s, b, h]
+        on a stage without post_process."""
+        if self.pre_process:
+            hidden = self._embed(input_ids, position_ids)
+        elif decoder_input is None:
+            raise ValueError("a stage without pre_process needs decoder_input")
+        else:
+            hidden = decoder_input
+        s = hidden.shape[0] * (self.tp_group.size if self.config.sequence_parallel else 1)
+        rotary = self.rotary(s) if self.rotary is not None else None
+        hidden = self.decoder(hidden, rotary, attention_mask)
+        if not self.post_process:
+            return hidden
+        logits, _ = self.output_layer(hidden)  # [s, b, v/tp]
+        if labels is None:
+            return logits.transpose(0, 1).contiguous()
+        if not self.parallel_output:
+            raise ValueError("the loss needs parallel_output=True (vocabulary-parallel logits)")
+        loss = vocab_parallel_cross_entropy(logits, labels.t(), self.tp_group)
+        return loss.t().contiguous()
+
+    def _embed(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
+        hidden = self.embedding(input_ids.t())  # [s, b, h], or [s/tp, b, h]
+        if self.position_embeddings is not None:
+            if position_ids is None:
+                position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)
+                position_ids = position_ids.expand_as(input_ids)
+            positions = position_ids.t()
+            if self.config.sequence_parallel:
+                positions = positions.chunk(self.tp_group.size)[self.tp_group.rank]
+            hidden = hidden + self.position_embeddings(positions)
+        p = self.config.hidden_dropout
+        if self.training and p > 0:
+            sharded = self.config.sequence_parallel
+            stream = (
+                self.rng_tracker.fork(TENSOR_PARALLEL_RNG) if sharded else contextlib.nullcontext()
+            )
+            with stream:
+                hidden = F.dropout(hidden, p=p, training=True)
+        return hidden
+
+    def sharded_state_dict(self, prefix: str = "") -> dict[str, ShardedTensor]:
+        """Every parameter by its logical name; the tied output weight appears once."""
+        pieces = self.decoder.sharded_state_dict(f"{prefix}decoder.")
+        rank, size = self.tp_group.rank, self.tp_group.size
+        if self.pre_process:
+            key = f"{prefix}embedding.word_embeddings.weight"
+            pieces[key] = ShardedTensor.from_rank(key, self.embedding.weight, 0, rank, size)
+            if self.position_embeddings is not None:
+                key = f"{prefix}embedding.position_embeddings.weight"
+                pieces[key] = ShardedTensor.from_rank(
+                    key, self.position_embeddings.weight, None, 0, 1, replica_id=rank
+                )
+        if self.post_process and not self.share_embeddings_and_output_weights:
+            key = f"{prefix}output_layer.weight"
+            pieces[key] = ShardedTensor.from_rank(key, self.output_layer.weight, 0, rank, size)
+        return pieces

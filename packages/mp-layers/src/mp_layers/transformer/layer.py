@@ -1,0 +1,126 @@
+"""TransformerLayer and TransformerBlock: pre-norm residual layers of one pipeline stage.
+
+Shapes: x [s, b, h], or [s/tp, b, h] with sequence parallelism (then norms,
+dropout and residual adds run on each rank's slice of the sequence).
+
+    x = x + dropout(attention(norm(x)))
+    x = x + dropout(mlp(norm(x)))
+
+Hidden dropout acts on replicated activations without sequence parallelism
+(the default stream: every TP rank draws the same mask) and on sharded ones
+with it (the tensor-parallel stream: each rank draws for its own slice).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+
+from mp_ckpt import ShardedTensor
+from mp_layers.config import TransformerConfig
+from mp_layers.transformer.attention import SelfAttention
+from mp_layers.transformer.mlp import MLP
+from mp_layers.transformer.norms import build_norm
+from mp_state import TENSOR_PARALLEL_RNG, RankGroup, RNGStatesTracker
+
+__all__ = ["TransformerBlock", "TransformerLayer"]
+
+
+class TransformerLayer(torch.nn.Module):
+    def __init__(
+        self,
+        config: TransformerConfig,
+        tp_group: RankGroup,
+        rng_tracker: RNGStatesTracker | None = None,
+    ) -> None:
+        super().__init__()
+        if config.hidden_dropout > 0 and config.sequence_parallel and rng_tracker is None:
+            raise ValueError("hidden_dropout with sequence_parallel needs an rng_tracker")
+        self.config = config
+        self.rng_tracker = rng_tracker
+        self.tp_group = tp_group
+        self.input_layernorm = build_norm(config)
+        self.self_attention = SelfAttention(config, tp_group, rng_tracker)
+        self.pre_mlp_layernorm = build_norm(config)
+        self.mlp = MLP(config, tp_group)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rotary: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        out, bias = self.self_attention(self.input_layernorm(x), rotary, attention_mask)
+        x = x + self._dropout(out if bias is None else out + bias)
+        out, bias = self.mlp(self.pre_mlp_layernorm(x))
+        return x + self._dropout(out if bias is None else out + bias)
+
+    def _dropout(self, x: torch.Tensor) -> torch.Tensor:
+        p = self.config.hidden_dropout
+        if not self.training or p == 0:
+            return x
+        sharded = self.config.sequence_parallel
+        stream = self.rng_tracker.fork(TENSOR_PARALLEL_RNG) if sharded else contextlib.nullcontext()
+        with stream:
+            return F.dropout(x, p=p, training=True)
+
+    def sharded_state_dict(self, prefix: str = "") -> dict[str, ShardedTensor]:
+        pieces = self.self_attention.sharded_state_dict(f"{prefix}self_attention.")
+        pieces |= self.mlp.sharded_state_dict(f"{prefix}mlp.")
+        for norm_name in ("input_layernorm", "pre_mlp_layernorm"):
+            pieces |= _replicated(getattr(self, norm_name), f"{prefix}{norm_name}.", self.tp_group)
+        return pieces
+
+
+class TransformerBlock(torch.nn.Module):
+    """The layers [layer_offset, layer_offset + num_layers) of the model, and the final norm."""
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        tp_group: RankGroup,
+        rng_tracker: RNGStatesTracker | None = None,
+        *,
+        layer_offset: int = 0,
+        num_layers: int | None = None,
+        post_process: bool = True,
+    ) -> None:
+        super().__init__()
+        count = config.num_layers - layer_offset if num_layers is None else num_layers
+        if layer_offset < 0 or count < 0 or layer_offset + count > config.num_layers:
+            raise ValueError(
+                f"layers {layer_offset}..{layer_offset + count} are outside the model's "
+                f"num_layers={config.num_layers}"
+            )
+        self.layer_offset = layer_offset
+        self.tp_group = tp_group
+        self.layers = torch.nn.ModuleList(
+            TransformerLayer(config, tp_group, rng_tracker) for _ in range(count)
+        )
+        self.final_layernorm = build_norm(config) if post_process else None
+
+    def forward(self, x, rotary=None, attention_mask=None) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x, rotary, attention_mask)
+        return self.final_layernorm(x) if self.final_layernorm is not None else x
+
+    def sharded_state_dict(self, prefix: str = "") -> dict[str, ShardedTensor]:
+        """Layers under their global numbers, so that pipeline stages compose."""
+        pieces: dict[str, ShardedTensor] = {}
+        for i, layer in enumerate(self.layers):
+            pieces |= layer.sharded_state_dict(f"{prefix}layers.{self.layer_offset + i}.")
+        if self.final_layernorm is not None:
+            pieces |= _replicated(self.final_layernorm, f"{prefix}final_layernorm.", self.tp_group)
+        return pieces
+
+
+def _replicated(module: torch.nn.Module, prefix: str, tp_group: RankGroup):
+    """Parameters held whole by every TP rank: rank 0's copy is the one saved."""
+    return {
+        prefix + name: ShardedTensor.from_rank(
+            prefix + name, p, None, 0, 1, replica_id=tp_group.rank
+        )
+        for name, p in module.named_parameters()
+    }
