@@ -21,6 +21,7 @@ from mp_layers.config import TransformerConfig
 from mp_layers.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from mp_layers.transformer.core_attention import CoreAttention
 from mp_layers.transformer.norms import build_norm
+from mp_layers.transformer.recompute import checkpointed
 from mp_layers.transformer.rope import apply_rotary_pos_emb
 from mp_state import RankGroup, RNGStatesTracker
 
@@ -51,6 +52,10 @@ class SelfAttention(torch.nn.Module):
         self.q_layernorm = build_norm(config, self.d) if config.qk_layernorm else None
         self.k_layernorm = build_norm(config, self.d) if config.qk_layernorm else None
         self.core_attention = CoreAttention(config.attention_dropout, rng_tracker)
+        # Selective recompute (Korthikanti et al.): core attention's activations grow with
+        # s^2 but cost little to recompute, so only they are recomputed in backward.
+        self.recompute_core_attention = config.recompute_granularity == "selective"
+        self.rng_tracker = rng_tracker
         self.linear_proj = RowParallelLinear(
             config.num_attention_heads * self.d, config.hidden_size, tp_group=tp_group,
             bias=config.add_bias_linear, input_is_parallel=True, skip_bias_add=True,
@@ -78,7 +83,10 @@ class SelfAttention(torch.nn.Module):
             q, k = self.q_layernorm(q), self.k_layernorm(k)
         if rotary is not None:
             q, k = apply_rotary_pos_emb(q, rotary), apply_rotary_pos_emb(k, rotary)
-        context = self.core_attention(q, k, v, attention_mask)
+        if self.recompute_core_attention and self.training and torch.is_grad_enabled():
+            context = checkpointed(self.core_attention, self.rng_tracker, q, k, v, attention_mask)
+        else:
+            context = self.core_attention(q, k, v, attention_mask)
         return self.linear_proj(context)
 
     def sharded_state_dict(self, prefix: str = "") -> dict[str, ShardedTensor]:

@@ -23,6 +23,7 @@ from mp_layers.config import TransformerConfig
 from mp_layers.transformer.attention import SelfAttention
 from mp_layers.transformer.mlp import MLP
 from mp_layers.transformer.norms import build_norm
+from mp_layers.transformer.recompute import checkpointed
 from mp_state import TENSOR_PARALLEL_RNG, RankGroup, RNGStatesTracker
 
 __all__ = ["TransformerBlock", "TransformerLayer"]
@@ -96,14 +97,32 @@ class TransformerBlock(torch.nn.Module):
             )
         self.layer_offset = layer_offset
         self.tp_group = tp_group
+        self.rng_tracker = rng_tracker
+        self.recompute_method = (
+            config.recompute_method if config.recompute_granularity == "full" else None
+        )
+        self.recompute_num_layers = config.recompute_num_layers
         self.layers = torch.nn.ModuleList(
             TransformerLayer(config, tp_group, rng_tracker) for _ in range(count)
         )
         self.final_layernorm = build_norm(config) if post_process else None
 
     def forward(self, x, rotary=None, attention_mask=None) -> torch.Tensor:
-        for layer in self.layers:
-            x = layer(x, rotary, attention_mask)
+        recompute = self.recompute_method if self.training and torch.is_grad_enabled() else None
+        n = len(self.layers)
+        if recompute == "uniform":
+            # Groups of recompute_num_layers layers: only each group's input is kept.
+            for start in range(0, n, self.recompute_num_layers):
+                group = self.layers[start : start + self.recompute_num_layers]
+                x = checkpointed(_run_layers, self.rng_tracker, group, x, rotary, attention_mask)
+        else:
+            # "block": the first recompute_num_layers layers of the stage, one at a time.
+            recomputed = self.recompute_num_layers if recompute == "block" else 0
+            for i, layer in enumerate(self.layers):
+                if i < recomputed:
+                    x = checkpointed(layer, self.rng_tracker, x, rotary, attention_mask)
+                else:
+                    x = layer(x, rotary, attention_mask)
         return self.final_layernorm(x) if self.final_layernorm is not None else x
 
     def sharded_state_dict(self, prefix: str = "") -> dict[str, ShardedTensor]:
@@ -114,6 +133,12 @@ class TransformerBlock(torch.nn.Module):
         if self.final_layernorm is not None:
             pieces |= _replicated(self.final_layernorm, f"{prefix}final_layernorm.", self.tp_group)
         return pieces
+
+
+def _run_layers(layers, x, rotary, attention_mask) -> torch.Tensor:
+    for layer in layers:
+        x = layer(x, rotary, attention_mask)
+    return x
 
 
 def _replicated(module: torch.nn.Module, prefix: str, tp_group: RankGroup):

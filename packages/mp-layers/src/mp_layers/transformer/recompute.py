@@ -1,0 +1,48 @@
+"""Activation recompute that reproduces every random draw.
+
+torch.utils.checkpoint stores only a function's inputs and runs it again
+during backward; it restores the default CPU and CUDA generators for the
+rerun. Dropout on tensor-parallel activations draws from the tracker's named
+streams instead, which the first run has advanced. So the tracker's states
+are captured when the function first runs and put back for the rerun (and
+the advanced states restored after it), so the rerun draws the same masks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+import torch
+
+from mp_state import RNGStatesTracker
+
+__all__ = ["checkpointed"]
+
+
+def checkpointed(function: Callable, rng_tracker: RNGStatesTracker | None, *args):
+    """function(*args), keeping only the inputs for backward and recomputing the rest."""
+    snapshot: dict[str, torch.Tensor] = {}
+
+    @contextlib.contextmanager
+    def first_run() -> Iterator[None]:
+        if rng_tracker is not None:
+            snapshot.update(rng_tracker.get_states())
+        yield
+
+    @contextlib.contextmanager
+    def rerun() -> Iterator[None]:
+        if rng_tracker is None:
+            yield
+            return
+        advanced = rng_tracker.get_states()
+        rng_tracker.set_states(snapshot)
+        try:
+            yield
+        finally:
+            rng_tracker.set_states(advanced)
+
+    return torch.utils.checkpoint.checkpoint(
+        function, *args, use_reentrant=False, preserve_rng_state=True,
+        context_fn=lambda: (first_run(), rerun()),
+    )  # fmt: skip
