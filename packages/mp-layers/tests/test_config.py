@@ -67,3 +67,33 @@ def test_rules_that_depend_on_the_tensor_parallel_size(kwargs, tp, message):
 
 def test_valid_layouts_pass():
     TransformerConfig(**BASE, num_query_groups=4, sequence_parallel=True).check_parallel(4)
+
+
+def test_layer_specs():
+    from mp_layers import LOCAL_SPEC, LayerSpec, get_layer_spec
+    from mp_layers.transformer.core_attention import CoreAttention
+
+    assert get_layer_spec("local") is LOCAL_SPEC and LOCAL_SPEC.core_attention is CoreAttention
+    custom = LayerSpec("custom")
+    assert get_layer_spec(custom) is custom
+    with pytest.raises(ValueError, match="unknown layer spec 'te'; available: local"):
+        get_layer_spec("te")
+
+
+def test_a_spec_chooses_the_implementation():
+    from mp_layers import GPTModel, LayerSpec
+    from mp_state import RankGroup
+
+    class CountingNorm(torch.nn.LayerNorm):
+        built = 0
+
+        def __init__(self, size, eps):
+            super().__init__(size, eps=eps)
+            CountingNorm.built += 1
+
+    spec = LayerSpec(
+        "counting", norm=lambda c, h: CountingNorm(h or c.hidden_size, c.layernorm_epsilon)
+    )
+    config = TransformerConfig(**BASE, attention_dropout=0.0, hidden_dropout=0.0)
+    GPTModel(config, spec, 64, 16, tp_group=RankGroup("tp", (0,), 0, None))
+    assert CountingNorm.built == 2 * 4 + 1  # two per layer and the final norm

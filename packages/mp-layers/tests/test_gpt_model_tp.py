@@ -42,7 +42,7 @@ def losses_and_grads(style: str) -> list:
         tracker = mp_state.set_random_seeds(1234, state)
         config = TransformerConfig(**STYLES[style], hidden_dropout=0.0, attention_dropout=0.0,
                                    sequence_parallel=sequence_parallel)  # fmt: skip
-        model = GPTModel(config, VOCAB, SEQ, tp_group=state.tp, rng_tracker=tracker)
+        model = GPTModel(config, "local", VOCAB, SEQ, tp_group=state.tp, rng_tracker=tracker)
         generator = torch.Generator().manual_seed(5)
         ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator)
         labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator)

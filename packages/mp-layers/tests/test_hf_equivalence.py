@@ -106,7 +106,7 @@ def test_gpt2_style_equals_gpt2lmheadmodel():
     )).eval()  # fmt: skip
     config = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4,
                                hidden_dropout=0.0, attention_dropout=0.0)  # fmt: skip
-    ours = GPTModel(config, VOCAB, SEQ, tp_group=ONE_RANK).eval()
+    ours = GPTModel(config, "local", VOCAB, SEQ, tp_group=ONE_RANK).eval()
     load_logical(ours, gpt2_logical(hf, 2, 4))
     with torch.no_grad():
         want, got = hf(ids()).logits, ours(ids())
@@ -128,7 +128,7 @@ def test_llama_style_equals_llamaforcausallm():
         add_bias_linear=False, untie_embeddings_and_output_weights=True,
         hidden_dropout=0.0, attention_dropout=0.0,
     )  # fmt: skip
-    ours = GPTModel(config, VOCAB, SEQ, tp_group=ONE_RANK).eval()
+    ours = GPTModel(config, "local", VOCAB, SEQ, tp_group=ONE_RANK).eval()
     load_logical(ours, llama_logical(hf, 2, 8, 4))
     with torch.no_grad():
         want, got = hf(ids()).logits, ours(ids())

@@ -38,7 +38,7 @@ def step(style: str, recompute: str, tp_group=ONE_RANK, tracker=None, **extra):
     if tracker is None:
         tracker = RNGStatesTracker("cpu")
         tracker.add(TENSOR_PARALLEL_RNG, 77)
-    model = GPTModel(config, VOCAB, SEQ, tp_group=tp_group, rng_tracker=tracker).train()
+    model = GPTModel(config, "local", VOCAB, SEQ, tp_group=tp_group, rng_tracker=tracker).train()
     calls = {"layer": 0, "core_attention": 0}
     for module in model.modules():
         kind = {TransformerLayer: "layer", CoreAttention: "core_attention"}.get(type(module))

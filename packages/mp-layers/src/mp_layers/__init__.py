@@ -27,11 +27,14 @@ from mp_layers.tensor_parallel import (
     tensor_parallel_dropout,
     vocab_parallel_cross_entropy,
 )
+from mp_layers.transformer.spec import LOCAL_SPEC, LayerSpec, get_layer_spec
 
 __all__ = [
+    "LOCAL_SPEC",
     "ColumnParallelLinear",
     "GPTModel",
     "InitMethod",
+    "LayerSpec",
     "RowParallelLinear",
     "TransformerConfig",
     "VocabParallelEmbedding",
@@ -40,6 +43,7 @@ __all__ = [
     "copy_to_tensor_model_parallel_region",
     "gather_from_sequence_parallel_region",
     "gather_from_tensor_model_parallel_region",
+    "get_layer_spec",
     "init_partitioned_weight",
     "reduce_from_tensor_model_parallel_region",
     "reduce_scatter_to_sequence_parallel_region",

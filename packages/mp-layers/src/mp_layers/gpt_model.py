@@ -29,6 +29,7 @@ from mp_layers.tensor_parallel import (
 )
 from mp_layers.transformer.layer import TransformerBlock
 from mp_layers.transformer.rope import RotaryEmbedding
+from mp_layers.transformer.spec import LayerSpec, get_layer_spec
 from mp_state import TENSOR_PARALLEL_RNG, RankGroup, RNGStatesTracker
 
 __all__ = ["GPTModel"]
@@ -38,6 +39,7 @@ class GPTModel(torch.nn.Module):
     def __init__(
         self,
         config: TransformerConfig,
+        spec: str | LayerSpec,
         vocab_size: int,
         max_sequence_length: int,
         *,
@@ -89,8 +91,8 @@ class GPTModel(torch.nn.Module):
                 config.rotary_seq_len_interpolation_factor,
             )  # fmt: skip
         self.decoder = TransformerBlock(
-            config, tp_group, rng_tracker, layer_offset=layer_offset, num_layers=num_layers,
-            post_process=post_process,
+            config, tp_group, rng_tracker, spec=get_layer_spec(spec), layer_offset=layer_offset,
+            num_layers=num_layers, post_process=post_process,
         )  # fmt: skip
         if post_process:
             self.output_layer = ColumnParallelLinear(

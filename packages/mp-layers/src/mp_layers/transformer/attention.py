@@ -19,10 +19,9 @@ import torch
 from mp_ckpt import ShardedTensor
 from mp_layers.config import TransformerConfig
 from mp_layers.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-from mp_layers.transformer.core_attention import CoreAttention
-from mp_layers.transformer.norms import build_norm
 from mp_layers.transformer.recompute import checkpointed
 from mp_layers.transformer.rope import apply_rotary_pos_emb
+from mp_layers.transformer.spec import LOCAL_SPEC, LayerSpec
 from mp_state import RankGroup, RNGStatesTracker
 
 __all__ = ["SelfAttention"]
@@ -34,6 +33,7 @@ class SelfAttention(torch.nn.Module):
         config: TransformerConfig,
         tp_group: RankGroup,
         rng_tracker: RNGStatesTracker | None = None,
+        spec: LayerSpec = LOCAL_SPEC,
     ) -> None:
         super().__init__()
         config.check_parallel(tp_group.size)
@@ -49,9 +49,9 @@ class SelfAttention(torch.nn.Module):
             init_method=functools.partial(torch.nn.init.normal_, std=config.init_method_std),
             params_dtype=config.params_dtype,
         )  # fmt: skip
-        self.q_layernorm = build_norm(config, self.d) if config.qk_layernorm else None
-        self.k_layernorm = build_norm(config, self.d) if config.qk_layernorm else None
-        self.core_attention = CoreAttention(config.attention_dropout, rng_tracker)
+        self.q_layernorm = spec.norm(config, self.d) if config.qk_layernorm else None
+        self.k_layernorm = spec.norm(config, self.d) if config.qk_layernorm else None
+        self.core_attention = spec.core_attention(config.attention_dropout, rng_tracker)
         # Selective recompute (Korthikanti et al.): core attention's activations grow with
         # s^2 but cost little to recompute, so only they are recomputed in backward.
         self.recompute_core_attention = config.recompute_granularity == "selective"

@@ -21,9 +21,8 @@ import torch.nn.functional as F
 from mp_ckpt import ShardedTensor
 from mp_layers.config import TransformerConfig
 from mp_layers.transformer.attention import SelfAttention
-from mp_layers.transformer.mlp import MLP
-from mp_layers.transformer.norms import build_norm
 from mp_layers.transformer.recompute import checkpointed
+from mp_layers.transformer.spec import LOCAL_SPEC, LayerSpec
 from mp_state import TENSOR_PARALLEL_RNG, RankGroup, RNGStatesTracker
 
 __all__ = ["TransformerBlock", "TransformerLayer"]
@@ -35,6 +34,7 @@ class TransformerLayer(torch.nn.Module):
         config: TransformerConfig,
         tp_group: RankGroup,
         rng_tracker: RNGStatesTracker | None = None,
+        spec: LayerSpec = LOCAL_SPEC,
     ) -> None:
         super().__init__()
         if config.hidden_dropout > 0 and config.sequence_parallel and rng_tracker is None:
@@ -42,10 +42,10 @@ class TransformerLayer(torch.nn.Module):
         self.config = config
         self.rng_tracker = rng_tracker
         self.tp_group = tp_group
-        self.input_layernorm = build_norm(config)
-        self.self_attention = SelfAttention(config, tp_group, rng_tracker)
-        self.pre_mlp_layernorm = build_norm(config)
-        self.mlp = MLP(config, tp_group)
+        self.input_layernorm = spec.norm(config, None)
+        self.self_attention = SelfAttention(config, tp_group, rng_tracker, spec)
+        self.pre_mlp_layernorm = spec.norm(config, None)
+        self.mlp = spec.mlp(config, tp_group)
 
     def forward(
         self,
@@ -84,6 +84,7 @@ class TransformerBlock(torch.nn.Module):
         tp_group: RankGroup,
         rng_tracker: RNGStatesTracker | None = None,
         *,
+        spec: LayerSpec = LOCAL_SPEC,
         layer_offset: int = 0,
         num_layers: int | None = None,
         post_process: bool = True,
@@ -103,9 +104,9 @@ class TransformerBlock(torch.nn.Module):
         )
         self.recompute_num_layers = config.recompute_num_layers
         self.layers = torch.nn.ModuleList(
-            TransformerLayer(config, tp_group, rng_tracker) for _ in range(count)
+            TransformerLayer(config, tp_group, rng_tracker, spec) for _ in range(count)
         )
-        self.final_layernorm = build_norm(config) if post_process else None
+        self.final_layernorm = spec.norm(config, None) if post_process else None
 
     def forward(self, x, rotary=None, attention_mask=None) -> torch.Tensor:
         recompute = self.recompute_method if self.training and torch.is_grad_enabled() else None

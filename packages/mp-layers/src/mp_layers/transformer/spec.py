@@ -1,0 +1,47 @@
+"""Layer specs: which implementation each submodule of a transformer layer uses.
+
+The layer names *what* it has (attention with its core, an MLP, norms); the
+spec picks *which* implementation. Model code has no branches on the
+backend: another backend is another spec with the same constructor
+signatures. `local` (pure torch: SDPA attention, torch norms) always works.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from mp_layers.config import TransformerConfig
+from mp_layers.transformer.core_attention import CoreAttention
+from mp_layers.transformer.mlp import MLP
+from mp_layers.transformer.norms import build_norm
+
+__all__ = ["LOCAL_SPEC", "LayerSpec", "get_layer_spec"]
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    name: str
+    core_attention: type = CoreAttention
+    """Built as cls(attention_dropout, rng_tracker); called as (q, k, v, attention_mask)."""
+
+    mlp: type = MLP
+    """Built as cls(config, tp_group); called as (x) -> (output, bias)."""
+
+    norm: Callable[[TransformerConfig, int | None], torch.nn.Module] = build_norm
+    """norm(config, hidden_size) for the layer norms, the final norm and QK norms."""
+
+
+LOCAL_SPEC = LayerSpec("local")
+_SPECS = {"local": LOCAL_SPEC}
+
+
+def get_layer_spec(spec: str | LayerSpec) -> LayerSpec:
+    """A spec by name ("local"), or the spec itself."""
+    if isinstance(spec, LayerSpec):
+        return spec
+    if spec not in _SPECS:
+        raise ValueError(f"unknown layer spec {spec!r}; available: {', '.join(sorted(_SPECS))}")
+    return _SPECS[spec]
