@@ -8,8 +8,10 @@ pre_process (the first pipeline stage) holds the word and position
 embeddings, post_process (the last) the output layer and the loss; a middle
 stage takes its input from the previous stage (`decoder_input`). The output
 layer is column-parallel over the vocabulary and the loss never gathers it
-(vocab_parallel_cross_entropy). With shared input/output embeddings on one
-stage the output layer uses the embedding's weight.
+(vocab_parallel_cross_entropy). With shared input/output embeddings the
+output layer uses the embedding's weight on a one-stage model; across
+pipeline stages the last stage keeps a copy that sync_tied_embeddings makes
+equal to the first stage's (Megatron's embedding group).
 """
 
 from __future__ import annotations
@@ -59,12 +61,6 @@ class GPTModel(torch.nn.Module):
             if share_embeddings_and_output_weights is None
             else share_embeddings_and_output_weights
         )
-        if share and not (pre_process and post_process):
-            raise ValueError(
-                "share_embeddings_and_output_weights across pipeline stages needs the embedding "
-                "group's weight sync, which mp-pipeline's finalize provides; on one stage "
-                "(pre_process and post_process) sharing works, else untie the embeddings"
-            )
         self.config = config
         self.tp_group = tp_group
         self.rng_tracker = rng_tracker
@@ -100,8 +96,13 @@ class GPTModel(torch.nn.Module):
                 gather_output=not parallel_output, sequence_parallel=config.sequence_parallel,
                 init_method=init, params_dtype=config.params_dtype,
             )  # fmt: skip
-            if share:
+            if share and pre_process:
                 self.output_layer.weight = self.embedding.weight
+            elif share:
+                # The first stage's embedding is the real weight: this copy starts at zero
+                # and sync_tied_embeddings adds the first stage's into it.
+                torch.nn.init.zeros_(self.output_layer.weight)
+                self.output_layer.weight.shared_embedding = True
 
     def forward(
         self,
@@ -131,6 +132,23 @@ class GPTModel(torch.nn.Module):
             raise ValueError("the loss needs parallel_output=True (vocabulary-parallel logits)")
         loss = vocab_parallel_cross_entropy(logits, labels.t(), self.tp_group)
         return loss.t().contiguous()
+
+    def sync_tied_embeddings(self, embedding_group: RankGroup | None) -> None:
+        """Makes the last stage's output weight equal the first stage's word embedding.
+
+        Collective over the embedding group (first and last pipeline stage,
+        state.embedding): call it on those ranks right after construction, when
+        the input and output embeddings are shared across stages. Their
+        gradients must then be all-reduced over the same group before each
+        optimizer step (the pipeline's finalize step does so).
+        """
+        if embedding_group is None or embedding_group.size == 1:
+            return
+        if not self.share_embeddings_and_output_weights:
+            raise ValueError("sync_tied_embeddings: this model's embeddings are not shared")
+        weight = self.embedding.weight if self.pre_process else self.output_layer.weight
+        with torch.no_grad():
+            torch.distributed.all_reduce(weight, group=embedding_group.group)
 
     def _embed(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
         hidden = self.embedding(input_ids.t())  # [s, b, h], or [s/tp, b, h]
@@ -167,4 +185,9 @@ class GPTModel(torch.nn.Module):
         if self.post_process and not self.share_embeddings_and_output_weights:
             key = f"{prefix}output_layer.weight"
             pieces[key] = ShardedTensor.from_rank(key, self.output_layer.weight, 0, rank, size)
+        elif self.post_process and not self.pre_process:
+            # The last stage's copy of the tied embedding: loaded, never saved twice.
+            key = f"{prefix}embedding.word_embeddings.weight"
+            weight = self.output_layer.weight
+            pieces[key] = ShardedTensor.from_rank(key, weight, 0, rank, size, replica_id=1)
         return pieces
