@@ -51,6 +51,11 @@ class _ColumnParallelMatmul(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         x, weight = ctx.saved_tensors
+        # Under autocast the forward matmul ran in a lower precision than the saved
+        # fp32 weight; backward may run outside autocast, so compute in grad_out's
+        # dtype (autograd casts the weight gradient back to the parameter's dtype).
+        weight = weight.to(grad_out.dtype)
+        x = x.to(grad_out.dtype)
         group = ctx.group
         grad_x = grad_weight = grad_bias = None
         if ctx.needs_input_grad[0]:
