@@ -42,14 +42,11 @@ class CoreAttention(torch.nn.Module):
         s, b, nq, d = q.shape
         if nq % k.shape[2]:
             raise ValueError(f"{nq} query heads cannot share {k.shape[2]} key/value heads")
-        repeat = nq // k.shape[2]
-        # SDPA wants [b, n, s, d].
+        # SDPA wants [b, n, s, d]; it shares each key/value head among its group's
+        # query heads itself (enable_gqa), without materializing repeated k and v.
         q_, k_, v_ = (t.permute(1, 2, 0, 3) for t in (q, k, v))
-        if repeat > 1:
-            k_ = k_.repeat_interleave(repeat, dim=1)
-            v_ = v_.repeat_interleave(repeat, dim=1)
         dropout = self.attention_dropout if self.training else 0.0
-        kwargs = {"dropout_p": dropout, "scale": 1.0 / math.sqrt(d)}
+        kwargs = {"dropout_p": dropout, "scale": 1.0 / math.sqrt(d), "enable_gqa": nq != k.shape[2]}
         if attention_mask is None:
             kwargs["is_causal"] = True
         else:
