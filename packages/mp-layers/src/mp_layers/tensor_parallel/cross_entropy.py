@@ -28,8 +28,11 @@ over each rank's vocabulary piece, which makes the loss depend on tp; here
 both are global, so every tp gives the loss of tp = 1.
 
 The gradient with respect to x_j is p_j - (1 - e) [j = t] - e / v, scaled by
-the incoming gradient; the backward keeps softmax p [s, b, v/tp] from the
-forward.
+the incoming gradient. Nothing of size [s, b, v/tp] is kept besides the
+logits themselves: the forward sums exp(x - m) chunk by chunk and keeps
+log Z, and the backward recomputes p from the logits chunk by chunk, writing
+the gradient once in the logits' dtype (docs/benchmarks.md has the effect on
+a training step).
 """
 
 from __future__ import annotations
@@ -43,32 +46,37 @@ from mp_state import RankGroup
 __all__ = ["vocab_parallel_cross_entropy"]
 
 
+_CHUNK_ROWS = 64
+"""Tokens whose [v/tp] row is exponentiated at once: a bounded fp32 buffer."""
+
+
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, group, label_smoothing):
-        # fp32 whatever the logits' dtype: exp and log need the range.
-        x = logits.float()
-        logits_max = x.amax(dim=-1)
+        v_local = logits.shape[-1]
+        x = logits.reshape(-1, v_local)  # [n, v/tp], n = s * b
+        flat_target = target.reshape(-1)
+        logits_max = x.amax(dim=-1).float()
         if group.size > 1:
             dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group.group)
-        # A new tensor: the caller's logits stay untouched.
-        shifted = x - logits_max.unsqueeze(-1)
 
-        vocab_per_rank = shifted.shape[-1]
-        vocab_size = vocab_per_rank * group.size
-        start, end = partition_range(vocab_per_rank, group.rank)
-        outside = (target < start) | (target >= end)
-        local_target = (target - start).masked_fill(outside, 0)
-        predicted = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1)
+        vocab_size = v_local * group.size
+        start, end = partition_range(v_local, group.rank)
+        outside = (flat_target < start) | (flat_target >= end)
+        local_target = (flat_target - start).masked_fill(outside, 0)
+        predicted = x.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).float() - logits_max
         predicted = predicted.masked_fill(outside, 0.0)
 
-        shifted_sum = shifted.sum(dim=-1) if label_smoothing > 0 else None
-        # In place: `shifted` is not needed after this, and at [s*b, v/tp] in fp32
-        # every extra copy costs hundreds of megabytes of memory traffic.
-        exp = shifted.exp_()
-        parts = [predicted, exp.sum(dim=-1)]
-        if shifted_sum is not None:
-            parts.append(shifted_sum)
+        # exp(x - m) summed chunk by chunk in fp32: no [n, v/tp] temporary is kept,
+        # the backward recomputes the softmax from the logits and log Z instead.
+        sum_exp = torch.empty_like(logits_max)
+        shifted_sum = torch.empty_like(logits_max) if label_smoothing > 0 else None
+        for rows in _chunks(x.shape[0]):
+            shifted = x[rows].float() - logits_max[rows].unsqueeze(-1)
+            if shifted_sum is not None:
+                shifted_sum[rows] = shifted.sum(dim=-1)
+            sum_exp[rows] = shifted.exp_().sum(dim=-1)
+        parts = [predicted, sum_exp] + ([shifted_sum] if shifted_sum is not None else [])
         summed = torch.stack(parts)
         if group.size > 1:
             dist.all_reduce(summed, group=group.group)
@@ -83,24 +91,33 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             mean_log_probs = summed[2] / vocab_size - log_sum_exp
             loss = (1.0 - smoothing) * loss - smoothing * mean_log_probs
 
-        softmax = exp.div_(sum_exp.unsqueeze(-1))
-        ctx.save_for_backward(softmax, local_target, outside)
-        ctx.smoothing, ctx.vocab_size, ctx.logits_dtype = smoothing, vocab_size, logits.dtype
-        return loss
+        ctx.save_for_backward(logits, logits_max + log_sum_exp, local_target, outside)
+        ctx.smoothing, ctx.vocab_size = smoothing, vocab_size
+        return loss.view(target.shape)
 
     @staticmethod
     def backward(ctx, grad_loss):
-        softmax, local_target, outside = ctx.saved_tensors
-        # (softmax - (1 - e) * onehot(target) - e / v) * grad_loss, built in one new
-        # tensor; the saved softmax stays intact for a retain_graph second backward.
-        g = grad_loss.unsqueeze(-1)
-        grad = softmax * g
-        if ctx.smoothing > 0:
-            grad.sub_(g * (ctx.smoothing / ctx.vocab_size))
+        logits, lse, local_target, outside = ctx.saved_tensors
+        x = logits.reshape(-1, logits.shape[-1])
+        g = grad_loss.reshape(-1, 1).float()
         # Only the rank holding the target subtracts (1 - e) at its position.
-        hit = (~outside).to(grad.dtype) * (1.0 - ctx.smoothing)
-        grad.scatter_add_(-1, local_target.unsqueeze(-1), -(hit.unsqueeze(-1) * g))
-        return grad.to(ctx.logits_dtype), None, None, None
+        hit = (~outside).float() * (1.0 - ctx.smoothing)
+        grad = torch.empty_like(x)
+        for rows in _chunks(x.shape[0]):
+            # (p - (1 - e) onehot(t) - e / v) * grad_loss, with p = exp(x - log Z - m).
+            part = (x[rows].float() - lse[rows].unsqueeze(-1)).exp_().mul_(g[rows])
+            if ctx.smoothing > 0:
+                part.sub_(g[rows] * (ctx.smoothing / ctx.vocab_size))
+            part.scatter_add_(
+                -1, local_target[rows].unsqueeze(-1), -(hit[rows] * g[rows, 0]).unsqueeze(-1)
+            )
+            grad[rows] = part
+        return grad.view(logits.shape), None, None, None
+
+
+def _chunks(n: int):
+    for begin in range(0, n, _CHUNK_ROWS):
+        yield slice(begin, min(begin + _CHUNK_ROWS, n))
 
 
 def vocab_parallel_cross_entropy(
