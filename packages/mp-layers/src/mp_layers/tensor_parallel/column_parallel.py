@@ -14,7 +14,10 @@ along s) or the output is gathered. In the backward the input gradient is a
 partial sum over each rank's features: it is all-reduced, or reduce-scattered
 along s under sequence parallelism.
 
-Under sequence parallelism the layer saves only its local input [s/tp, b, in]
+Without sequence parallelism the layer is `F.linear` behind the
+copy-to-TP-region mapping (identity forward, all-reduce backward), so
+autograd and autocast treat it as any linear layer. Under sequence
+parallelism a custom autograd function saves only its local input [s/tp, b, in]
 for the backward and all-gathers it again there to compute the weight
 gradient, as Megatron does: keeping the gathered [s, b, in] would undo the
 activation-memory saving that sequence parallelism is for. (Megatron also
@@ -25,26 +28,30 @@ runs them in order.)
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from mp_ckpt import ShardedTensor
-from mp_layers.tensor_parallel.collectives import all_reduce, gather_first, reduce_scatter_first
+from mp_layers.tensor_parallel.collectives import gather_first, reduce_scatter_first
 from mp_layers.tensor_parallel.initialization import InitMethod, init_partitioned_weight
-from mp_layers.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
+from mp_layers.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_tensor_model_parallel_region,
+)
 from mp_layers.tensor_parallel.partition import divide
 from mp_state import RankGroup
 
 __all__ = ["ColumnParallelLinear"]
 
 
-class _ColumnParallelMatmul(torch.autograd.Function):
-    """[s(/tp), b, in] -> [s, b, out/tp], with the input's collectives in forward and backward."""
+class _SequenceParallelMatmul(torch.autograd.Function):
+    """[s/tp, b, in] -> [s, b, out/tp]: all-gather along s in forward (and again in backward)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, group, sequence_parallel):
-        ctx.group, ctx.sequence_parallel = group, sequence_parallel
+    def forward(ctx, x, weight, bias, group):
+        ctx.group = group
         ctx.has_bias = bias is not None
         ctx.save_for_backward(x, weight)
-        total = gather_first(x, group) if sequence_parallel else x
+        total = gather_first(x, group)
         out = torch.matmul(total, weight.t())
         return out + bias if bias is not None else out
 
@@ -61,18 +68,14 @@ class _ColumnParallelMatmul(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             # Each rank's part of dL/dX comes from its own output features: sum them.
             grad_total = torch.matmul(grad_out, weight)
-            grad_x = (
-                reduce_scatter_first(grad_total, group)
-                if ctx.sequence_parallel
-                else all_reduce(grad_total, group)
-            )
+            grad_x = reduce_scatter_first(grad_total, group)
         if ctx.needs_input_grad[1]:
-            total = gather_first(x, group) if ctx.sequence_parallel else x
+            total = gather_first(x, group)
             grad_out_2d = grad_out.reshape(-1, grad_out.shape[-1])
             grad_weight = grad_out_2d.t().matmul(total.reshape(-1, total.shape[-1]))
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_bias = grad_out.reshape(-1, grad_out.shape[-1]).sum(dim=0)
-        return grad_x, grad_weight, grad_bias, None, None
+        return grad_x, grad_weight, grad_bias, None
 
 
 class ColumnParallelLinear(torch.nn.Module):
@@ -134,9 +137,11 @@ class ColumnParallelLinear(torch.nn.Module):
     def forward(self, input: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """[s, b, in] (or [s/tp, b, in]) -> ([s, b, out/tp] or [s, b, out], bias or None)."""
         bias = None if self.skip_bias_add else self.bias
-        output = _ColumnParallelMatmul.apply(
-            input, self.weight, bias, self.tp_group, self.sequence_parallel
-        )
+        if self.sequence_parallel:
+            output = _SequenceParallelMatmul.apply(input, self.weight, bias, self.tp_group)
+        else:
+            input = copy_to_tensor_model_parallel_region(input, self.tp_group)
+            output = F.linear(input, self.weight, bias)
         if self.gather_output:
             output = gather_from_tensor_model_parallel_region(output, self.tp_group)
         return output, (self.bias if self.skip_bias_add else None)

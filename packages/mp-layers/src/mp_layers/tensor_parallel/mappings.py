@@ -139,6 +139,8 @@ def copy_to_tensor_model_parallel_region(x: torch.Tensor, group: RankGroup) -> t
     input of a column-parallel layer): each rank's gradient is only its
     part's contribution, so the gradients are summed.
     """
+    if group.size == 1:
+        return x
     return _CopyToTensorParallel.apply(x, group)
 
 
@@ -148,6 +150,8 @@ def reduce_from_tensor_model_parallel_region(x: torch.Tensor, group: RankGroup) 
     Sums per-rank partial results (the output of a row-parallel layer); the
     gradient of a sum reaches every addend unchanged.
     """
+    if group.size == 1:
+        return x
     return _ReduceFromTensorParallel.apply(x, group)
 
 

@@ -20,7 +20,7 @@ from mp_ckpt import ShardedTensor
 from mp_layers.config import TransformerConfig
 from mp_layers.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from mp_layers.transformer.recompute import checkpointed
-from mp_layers.transformer.rope import apply_rotary_pos_emb
+from mp_layers.transformer.rope import Rotary, apply_rotary_pos_emb
 from mp_layers.transformer.spec import LOCAL_SPEC, LayerSpec
 from mp_state import RankGroup, RNGStatesTracker
 
@@ -69,7 +69,7 @@ class SelfAttention(torch.nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        rotary: torch.Tensor | None = None,
+        rotary: Rotary | None = None,
         attention_mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """x [s, b, h] -> (output [s, b, h], projection bias or None)."""

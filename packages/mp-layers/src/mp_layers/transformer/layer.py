@@ -22,6 +22,7 @@ from mp_ckpt import ShardedTensor
 from mp_layers.config import TransformerConfig
 from mp_layers.transformer.attention import SelfAttention
 from mp_layers.transformer.recompute import checkpointed
+from mp_layers.transformer.rope import Rotary
 from mp_layers.transformer.spec import LOCAL_SPEC, LayerSpec
 from mp_state import TENSOR_PARALLEL_RNG, RankGroup, RNGStatesTracker
 
@@ -50,7 +51,7 @@ class TransformerLayer(torch.nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        rotary: torch.Tensor | None = None,
+        rotary: Rotary | None = None,
         attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         out, bias = self.self_attention(self.input_layernorm(x), rotary, attention_mask)

@@ -9,13 +9,25 @@ base^(-2i/rot); positions are divided by seq_len_interpolation_factor.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
-__all__ = ["RotaryEmbedding", "apply_rotary_pos_emb"]
+__all__ = ["Rotary", "RotaryEmbedding", "apply_rotary_pos_emb"]
+
+
+class Rotary(NamedTuple):
+    """cos and sin of the rotation angles, each [s, 1, 1, rot] in fp32.
+
+    Computed once per forward and shared by every layer's attention.
+    """
+
+    cos: torch.Tensor
+    sin: torch.Tensor
 
 
 class RotaryEmbedding(torch.nn.Module):
-    """The rotation angles for positions 0 .. s-1: forward(s) -> [s, 1, 1, rot]."""
+    """The rotations for positions offset .. offset+s-1: forward(s) -> Rotary."""
 
     def __init__(
         self,
@@ -35,20 +47,22 @@ class RotaryEmbedding(torch.nn.Module):
         self.register_buffer("inv_freq", 1.0 / (rotary_base**exponents), persistent=False)
         self.seq_len_interpolation_factor = seq_len_interpolation_factor
 
-    def forward(self, seq_len: int, offset: int = 0) -> torch.Tensor:
+    def forward(self, seq_len: int, offset: int = 0) -> Rotary:
         positions = torch.arange(offset, offset + seq_len, device=self.inv_freq.device,
                                  dtype=torch.float32)  # fmt: skip
         if self.seq_len_interpolation_factor is not None:
             positions = positions / self.seq_len_interpolation_factor
         angles = torch.outer(positions, self.inv_freq)  # [s, rot/2]
-        return torch.cat([angles, angles], dim=-1)[:, None, None, :]  # [s, 1, 1, rot]
+        angles = torch.cat([angles, angles], dim=-1)[:, None, None, :]  # [s, 1, 1, rot]
+        return Rotary(angles.cos(), angles.sin())
 
 
-def apply_rotary_pos_emb(t: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
-    """Rotates the first angles.shape[-1] channels of t [s, b, n, d] by `angles`."""
-    rot = angles.shape[-1]
+def apply_rotary_pos_emb(t: torch.Tensor, rotary: Rotary) -> torch.Tensor:
+    """Rotates the first rot channels of t [s, b, n, d] (rot = rotary.cos.shape[-1])."""
+    rot = rotary.cos.shape[-1]
     t_rot, t_pass = t[..., :rot], t[..., rot:]
-    cos, sin = angles.cos().to(t.dtype), angles.sin().to(t.dtype)
+    cos, sin = rotary.cos.to(t.dtype), rotary.sin.to(t.dtype)
     first, second = t_rot.chunk(2, dim=-1)
     rotated = torch.cat([-second, first], dim=-1)
-    return torch.cat([t_rot * cos + rotated * sin, t_pass], dim=-1)
+    out = t_rot * cos + rotated * sin
+    return out if rot == t.shape[-1] else torch.cat([out, t_pass], dim=-1)
