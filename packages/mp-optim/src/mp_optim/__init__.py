@@ -1,3 +1,43 @@
-"""mp-optim: optimizer engine. Nothing is public yet; see README.md."""
+"""mp-optim: Megatron's engine for gradients and optimizer state.
 
-__all__: list[str] = []
+DistributedDataParallel (contiguous gradient buffers, bucketed and
+overlapped reductions), the optimizer wrapper (fp32 / bf16 / fp16 with fp32
+main parameters, loss scaling, global gradient clipping, the distributed
+optimizer) and the learning-rate / weight-decay schedule.
+"""
+
+from mp_optim.clip_grads import clip_grads_by_total_norm, count_zeros, get_grad_norm
+from mp_optim.config import OptimizerConfig
+from mp_optim.ddp import DistributedDataParallel
+from mp_optim.factory import default_no_weight_decay, get_optimizer, get_param_groups
+from mp_optim.grad_buffer import Bucket, GradBuffer, ParamRange
+from mp_optim.grad_scaler import ConstantGradScaler, DynamicGradScaler
+from mp_optim.optimizer import (
+    MainParamShard,
+    MixedPrecisionOptimizer,
+    StepResult,
+    counted_in_grad_norm,
+)
+from mp_optim.scheduler import OptimizerParamScheduler, get_optimizer_param_scheduler
+
+__all__ = [
+    "Bucket",
+    "ConstantGradScaler",
+    "DistributedDataParallel",
+    "DynamicGradScaler",
+    "GradBuffer",
+    "MainParamShard",
+    "MixedPrecisionOptimizer",
+    "OptimizerConfig",
+    "OptimizerParamScheduler",
+    "ParamRange",
+    "StepResult",
+    "clip_grads_by_total_norm",
+    "count_zeros",
+    "counted_in_grad_norm",
+    "default_no_weight_decay",
+    "get_grad_norm",
+    "get_optimizer",
+    "get_optimizer_param_scheduler",
+    "get_param_groups",
+]

@@ -1,0 +1,231 @@
+"""OptimizerConfig: the optimizer, mixed precision, data-parallel gradients and the LR/WD schedule.
+
+Field names and defaults are Megatron-LM's (its OptimizerConfig,
+DistributedDataParallelConfig and the scheduler's command-line arguments), so
+a Megatron YAML file or command line maps over. Rules are checked in
+__post_init__; every message names the field and the value.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+__all__ = ["OptimizerConfig"]
+
+_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
+_WSD_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")
+_WD_STYLES = ("constant", "linear", "cosine")
+
+
+@dataclass(kw_only=True)
+class OptimizerConfig:
+    # The optimizer.
+
+    optimizer: Literal["adam", "sgd"] = "adam"
+    """adam (Adam with decoupled weight decay, i.e. AdamW, as Megatron's fused Adam) or sgd."""
+
+    lr: float | None = None
+    """Peak learning rate (reached at the end of warm-up)."""
+
+    min_lr: float = 0.0
+    """Learning rate at the end of decay and beyond."""
+
+    weight_decay: float = 0.01
+    """Weight-decay coefficient (decoupled for adam, L2 for sgd)."""
+
+    adam_beta1: float = 0.9
+    """Adam's first-moment decay."""
+
+    adam_beta2: float = 0.999
+    """Adam's second-moment decay."""
+
+    adam_eps: float = 1e-8
+    """Adam's denominator epsilon."""
+
+    sgd_momentum: float = 0.9
+    """SGD momentum."""
+
+    clip_grad: float = 1.0
+    """Clip gradients to this global L2 norm; 0 disables clipping."""
+
+    log_num_zeros_in_grad: bool = False
+    """Count the zero elements of the gradients at every step."""
+
+    # Mixed precision.
+
+    fp16: bool = False
+    """Model parameters in fp16, fp32 main parameters, dynamic loss scaling."""
+
+    bf16: bool = False
+    """Model parameters in bf16, fp32 main parameters."""
+
+    params_dtype: torch.dtype = torch.float32
+    """dtype of the model's parameters (bf16 / fp16 runs set it to match)."""
+
+    loss_scale: float | None = None
+    """A constant loss scale for fp16; None: dynamic loss scaling."""
+
+    initial_loss_scale: float = 2.0**32
+    """Starting scale of dynamic loss scaling."""
+
+    min_loss_scale: float = 1.0
+    """The dynamic scale never drops below this."""
+
+    loss_scale_window: int = 1000
+    """Clean steps (no inf/nan) after which the dynamic scale doubles."""
+
+    hysteresis: int = 2
+    """Overflowing steps tolerated before the dynamic scale is halved."""
+
+    # Data-parallel gradients (Megatron's DistributedDataParallelConfig).
+
+    use_distributed_optimizer: bool = False
+    """Shard fp32 main parameters and optimizer states over data-parallel ranks (ZeRO-1)."""
+
+    overlap_grad_reduce: bool = False
+    """Start each bucket's reduction during the backward, as soon as its gradients are ready."""
+
+    overlap_param_gather: bool = False
+    """With the distributed optimizer: all-gather each bucket's parameters just before the
+    next forward uses them instead of right after the step."""
+
+    bucket_size: int | None = None
+    """Elements per gradient bucket; None: max(40M, 1M x dp) with overlap_grad_reduce,
+    otherwise one bucket per dtype."""
+
+    accumulate_allreduce_grads_in_fp32: bool = False
+    """Accumulate and reduce gradients in fp32 whatever the parameters' dtype (implied by bf16)."""
+
+    average_in_collective: bool = False
+    """Average in the reduction (ReduceOp.AVG) instead of scaling by 1/dp before a sum."""
+
+    check_for_nan_in_grad: bool = False
+    """Raise, naming the rank, when a gradient holds nan or inf before the reduction."""
+
+    # The learning-rate and weight-decay schedule (OptimizerParamScheduler).
+
+    lr_decay_style: Literal["constant", "linear", "cosine", "inverse-square-root", "WSD"] = "linear"
+    """Shape of the decay after warm-up."""
+
+    lr_decay_iters: int | None = None
+    """Iterations to decay over; None: train_iters."""
+
+    lr_decay_samples: int | None = None
+    """Samples to decay over (sample-based runs); None: train_samples."""
+
+    lr_warmup_fraction: float | None = None
+    """Warm-up as a fraction of the decay steps; overrides lr_warmup_iters/samples."""
+
+    lr_warmup_iters: int = 0
+    """Iterations of linear warm-up from lr_warmup_init to lr."""
+
+    lr_warmup_samples: int = 0
+    """Samples of linear warm-up (sample-based runs)."""
+
+    lr_warmup_init: float = 0.0
+    """Learning rate at the start of warm-up."""
+
+    lr_wsd_decay_style: Literal["linear", "cosine", "exponential", "minus_sqrt"] = "exponential"
+    """Shape of the annealing phase of WSD."""
+
+    lr_wsd_decay_iters: int | None = None
+    """Iterations of WSD's annealing phase (the end of the decay)."""
+
+    lr_wsd_decay_samples: int | None = None
+    """Samples of WSD's annealing phase (sample-based runs)."""
+
+    start_weight_decay: float | None = None
+    """Weight decay at step 0; None: weight_decay."""
+
+    end_weight_decay: float | None = None
+    """Weight decay at the end of training; None: weight_decay."""
+
+    weight_decay_incr_style: Literal["constant", "linear", "cosine"] = "constant"
+    """How weight decay goes from start_weight_decay to end_weight_decay."""
+
+    override_opt_param_scheduler: bool = False
+    """Use this config's schedule, ignoring the one in a checkpoint."""
+
+    use_checkpoint_opt_param_scheduler: bool = False
+    """Use the schedule stored in a checkpoint, ignoring this config's."""
+
+    def __post_init__(self) -> None:
+        _choice("optimizer", self.optimizer, ("adam", "sgd"))
+        _choice("lr_decay_style", self.lr_decay_style, _DECAY_STYLES)
+        _choice("lr_wsd_decay_style", self.lr_wsd_decay_style, _WSD_STYLES)
+        _choice("weight_decay_incr_style", self.weight_decay_incr_style, _WD_STYLES)
+        if self.fp16 and self.bf16:
+            raise ValueError("fp16=True and bf16=True are exclusive: choose one")
+        if self.lr is not None and self.lr < 0:
+            raise ValueError(f"lr={self.lr} must be >= 0")
+        if self.min_lr < 0:
+            raise ValueError(f"min_lr={self.min_lr} must be >= 0")
+        if self.lr is not None and self.min_lr > self.lr:
+            raise ValueError(f"min_lr={self.min_lr} must be <= lr={self.lr}")
+        for name in ("weight_decay", "clip_grad", "adam_eps", "sgd_momentum"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
+        for name in ("adam_beta1", "adam_beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be in [0, 1)")
+        if self.loss_scale is not None and self.loss_scale <= 0:
+            raise ValueError(f"loss_scale={self.loss_scale} must be > 0")
+        if self.initial_loss_scale <= 0 or self.min_loss_scale <= 0:
+            raise ValueError(
+                f"initial_loss_scale={self.initial_loss_scale} and "
+                f"min_loss_scale={self.min_loss_scale} must be > 0"
+            )
+        for name in ("loss_scale_window", "hysteresis"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.bucket_size is not None and self.bucket_size < 1:
+            raise ValueError(f"bucket_size={self.bucket_size} must be >= 1")
+        if self.overlap_param_gather and not self.use_distributed_optimizer:
+            raise ValueError("overlap_param_gather=True needs use_distributed_optimizer=True")
+        if self.lr_warmup_fraction is not None and not 0 <= self.lr_warmup_fraction <= 1:
+            raise ValueError(f"lr_warmup_fraction={self.lr_warmup_fraction} must be in [0, 1]")
+        if self.override_opt_param_scheduler and self.use_checkpoint_opt_param_scheduler:
+            raise ValueError(
+                "override_opt_param_scheduler=True and use_checkpoint_opt_param_scheduler=True "
+                "are exclusive: choose one"
+            )
+        start, end = self.start_wd, self.end_wd
+        if start < 0 or end < 0:
+            raise ValueError(f"start_weight_decay={start} and end_weight_decay={end} must be >= 0")
+        if self.weight_decay_incr_style == "constant" and start != end:
+            raise ValueError(
+                f"weight_decay_incr_style='constant' needs start_weight_decay == "
+                f"end_weight_decay, got {start} and {end}"
+            )
+
+    @property
+    def start_wd(self) -> float:
+        """start_weight_decay, or weight_decay when unset."""
+        return self.weight_decay if self.start_weight_decay is None else self.start_weight_decay
+
+    @property
+    def end_wd(self) -> float:
+        """end_weight_decay, or weight_decay when unset."""
+        return self.weight_decay if self.end_weight_decay is None else self.end_weight_decay
+
+    @property
+    def grad_reduce_in_fp32(self) -> bool:
+        """Gradient buffers in fp32: asked for, or implied by bf16 (as in Megatron)."""
+        return self.accumulate_allreduce_grads_in_fp32 or self.bf16
+
+    @property
+    def model_dtype(self) -> torch.dtype:
+        """The model parameters' dtype implied by fp16 / bf16 (else params_dtype)."""
+        if self.fp16:
+            return torch.float16
+        if self.bf16:
+            return torch.bfloat16
+        return self.params_dtype
+
+
+def _choice(name: str, value: object, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name}={value!r} must be one of {', '.join(choices)}")

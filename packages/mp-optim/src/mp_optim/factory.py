@@ -1,0 +1,105 @@
+"""get_optimizer: parameter groups and the optimizer for DDP-wrapped model chunks.
+
+    model = [DistributedDataParallel(config, chunk, dp_group=state.dp_cp) for chunk in chunks]
+    optimizer = get_optimizer(config, model, mp_group=state.mp)
+    scheduler = get_optimizer_param_scheduler(config, optimizer, global_batch_size=..., ...)
+
+Parameter groups follow Megatron: biases and other 1-D parameters (norm
+weights) get no weight decay (wd_mult 0) unless no_weight_decay_cond says
+otherwise; parameters selected by scale_lr_cond get lr_mult. Parameters with
+the same (wd_mult, lr_mult) share a group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from mp_optim.config import OptimizerConfig
+from mp_optim.ddp import DistributedDataParallel
+from mp_optim.optimizer import MixedPrecisionOptimizer
+from mp_state import RankGroup
+
+__all__ = ["default_no_weight_decay", "get_optimizer", "get_param_groups"]
+
+ParamCondition = Callable[[str, torch.nn.Parameter], bool]
+
+
+def default_no_weight_decay(name: str, param: torch.nn.Parameter) -> bool:
+    """Megatron's rule: biases and 1-D parameters (norm weights) are not decayed."""
+    return name.endswith(".bias") or param.dim() == 1
+
+
+def get_param_groups(
+    model_chunks: list[torch.nn.Module],
+    config: OptimizerConfig,
+    *,
+    no_weight_decay_cond: ParamCondition | None = None,
+    scale_lr_cond: ParamCondition | None = None,
+    lr_mult: float = 1.0,
+) -> list[dict]:
+    """Groups of model parameters with wd_mult, lr_mult and their initial lr / weight_decay."""
+    no_wd = no_weight_decay_cond or default_no_weight_decay
+    groups: dict[tuple[float, float], list[torch.nn.Parameter]] = {}
+    for chunk in model_chunks:
+        for name, param in chunk.named_parameters():
+            if not param.requires_grad:
+                continue
+            wd_mult = 0.0 if no_wd(name, param) else 1.0
+            scale = lr_mult if scale_lr_cond is not None and scale_lr_cond(name, param) else 1.0
+            groups.setdefault((wd_mult, scale), []).append(param)
+    return [
+        {
+            "params": params,
+            "wd_mult": wd_mult,
+            "lr_mult": scale,
+            "lr": config.lr * scale,
+            "weight_decay": config.weight_decay * wd_mult,
+        }
+        for (wd_mult, scale), params in sorted(groups.items())
+    ]
+
+
+def get_optimizer(
+    config: OptimizerConfig,
+    model_chunks: list[DistributedDataParallel],
+    *,
+    mp_group: RankGroup,
+    no_weight_decay_cond: ParamCondition | None = None,
+    scale_lr_cond: ParamCondition | None = None,
+    lr_mult: float = 1.0,
+) -> MixedPrecisionOptimizer:
+    """The optimizer for this rank's model chunks (see optimizer.py for what it does).
+
+    Arguments:
+        config: the OptimizerConfig (lr must be set).
+        model_chunks: DistributedDataParallel-wrapped chunks, all over the same dp group.
+        mp_group: the model-parallel group (`state.mp`), for the gradient norm and
+            the inf/nan verdict.
+        no_weight_decay_cond: (name, param) -> True for parameters without weight
+            decay; default: biases and 1-D parameters.
+        scale_lr_cond, lr_mult: (name, param) -> True for parameters whose lr is
+            multiplied by lr_mult.
+    """
+    if config.lr is None:
+        raise ValueError("OptimizerConfig.lr is not set")
+    for i, chunk in enumerate(model_chunks):
+        if not isinstance(chunk, DistributedDataParallel):
+            raise TypeError(
+                f"model_chunks[{i}] is a {type(chunk).__name__}: wrap it in "
+                "mp_optim.DistributedDataParallel first"
+            )
+        if chunk.config is not config and (
+            chunk.config.use_distributed_optimizer != config.use_distributed_optimizer
+        ):
+            raise ValueError(
+                f"model_chunks[{i}] was wrapped with use_distributed_optimizer="
+                f"{chunk.config.use_distributed_optimizer}, the optimizer config says "
+                f"{config.use_distributed_optimizer}"
+            )
+    groups = get_param_groups(
+        model_chunks, config, no_weight_decay_cond=no_weight_decay_cond,
+        scale_lr_cond=scale_lr_cond, lr_mult=lr_mult,
+    )  # fmt: skip
+    return MixedPrecisionOptimizer(config, model_chunks, groups, mp_group=mp_group)

@@ -1,0 +1,308 @@
+"""The optimizer step over DDP-wrapped model chunks: mixed precision, loss scaling,
+clipping, and the distributed optimizer.
+
+The torch optimizer (AdamW or SGD) never sees the model's parameters
+directly: it steps fp32 *main* parameters, one per piece of a model
+parameter this rank updates.
+
+    mode                          main parameter                      its gradient
+    fp32, plain                   the model parameter itself          .main_grad
+    bf16 / fp16, plain            an fp32 copy of the parameter       .main_grad (as fp32)
+    distributed, fp32             a flat view of this rank's shard    that shard of .main_grad
+    distributed, bf16 / fp16      an fp32 copy of this rank's shard   that shard (as fp32)
+
+The distributed optimizer (ZeRO-1) splits every bucket of the DDP buffers
+into dp contiguous shards (grad_buffer.py); a parameter may be cut between
+ranks, so a rank's main parameter is the flat range of it inside its shard.
+After the DDP reduce-scatter the rank's shard of .main_grad holds the summed
+gradient, the step updates the shard, the shard is copied into the model's
+parameter buffer and all-gathered (DDP.start_param_sync).
+
+step():
+  1. main gradients from .main_grad;
+  2. with a loss scaler: unscale and look for inf/nan; the verdict is
+     all-reduced over data- and model-parallel ranks, so one bad rank skips
+     the step everywhere (update_successful=False) and the scaler backs off;
+  3. the global gradient norm (each logical element counted once: replicas
+     named by the model's sharded_state_dict are left out, and each
+     distributed-optimizer shard counts on its own rank), clipping to
+     clip_grad, optionally the count of zeros;
+  4. the torch optimizer's step on the main parameters; main -> model copy;
+     the distributed optimizer's parameter all-gather.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from mp_optim.clip_grads import clip_grads_by_total_norm, count_zeros, get_grad_norm
+from mp_optim.config import OptimizerConfig
+from mp_optim.ddp import DistributedDataParallel
+from mp_optim.grad_scaler import ConstantGradScaler, DynamicGradScaler
+from mp_state import RankGroup
+
+__all__ = ["MainParamShard", "MixedPrecisionOptimizer", "StepResult", "counted_in_grad_norm"]
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What optimizer.step() reports (Megatron's triple)."""
+
+    update_successful: bool
+    """False when an inf/nan gradient made every rank skip the step."""
+
+    grad_norm: float | None
+    """The global gradient norm before clipping; None on a skipped step."""
+
+    num_zeros_in_grad: int | None
+    """Zero gradient elements (with log_num_zeros_in_grad), else None."""
+
+
+@dataclass(frozen=True)
+class MainParamShard:
+    """The piece of a model parameter one main parameter covers.
+
+    model_view and grad_view are views of the model parameter and of its
+    .main_grad; for the distributed optimizer they are flat ranges
+    [start, start + numel) of the flattened parameter.
+    """
+
+    model_param: torch.nn.Parameter
+    main_param: torch.Tensor
+    model_view: torch.Tensor
+    grad_view: torch.Tensor
+    start: int
+    counted: bool
+    """Counted in the gradient norm (not a replica)."""
+
+    @property
+    def aliased(self) -> bool:
+        """The main parameter is the model's memory (fp32): no copy back."""
+        return self.main_param.data_ptr() == self.model_view.data_ptr()
+
+
+class MixedPrecisionOptimizer:
+    """Megatron's optimizer wrapper for fp32, bf16 and fp16 models, plain or distributed.
+
+    Built by `get_optimizer`. Arguments:
+        config: the OptimizerConfig.
+        model_chunks: this rank's DDP-wrapped model chunks (one per virtual stage).
+        param_groups: dicts with "params" (model parameters) and any of
+            lr_mult, wd_mult, max_lr, min_lr, start_wd, end_wd (read by the scheduler).
+        mp_group: the model-parallel group (tensor x pipeline ranks, `state.mp`).
+    """
+
+    def __init__(
+        self,
+        config: OptimizerConfig,
+        model_chunks: list[DistributedDataParallel],
+        param_groups: list[dict],
+        *,
+        mp_group: RankGroup,
+    ) -> None:
+        if not model_chunks:
+            raise ValueError("model_chunks is empty: pass this rank's DDP-wrapped chunks")
+        if config.lr is None:
+            raise ValueError("OptimizerConfig.lr is not set")
+        self.config = config
+        self.model_chunks = model_chunks
+        self.dp_group = model_chunks[0].dp_group
+        self.mp_group = mp_group
+        self.distributed = config.use_distributed_optimizer
+        self.grad_scaler = _make_grad_scaler(config)
+
+        counted = set().union(*(counted_in_grad_norm(c.module) for c in model_chunks))
+        self.shards: dict[torch.nn.Parameter, list[MainParamShard]] = {}
+        for chunk in model_chunks:
+            for buffer in chunk.buffers:
+                for bucket in buffer.buckets:
+                    for param in bucket.params:
+                        where = buffer.ranges[param]
+                        if self.distributed:
+                            mine = bucket.shard(self.dp_group.rank, self.dp_group.size)
+                            start, end = max(where.start, mine.start), min(where.end, mine.end)
+                            if start >= end:
+                                continue
+                            span = (start - where.start, end - where.start)
+                        else:
+                            span = None
+                        self.shards.setdefault(param, []).append(
+                            _main_shard(param, span, param in counted)
+                        )
+        inner_groups = []
+        for group in param_groups:
+            mains = [s.main_param for p in group["params"] for s in self.shards.get(p, ())]
+            inner_groups.append({**group, "params": mains})
+        self.optimizer = _make_torch_optimizer(config, inner_groups)
+
+    # --- the training loop's calls -------------------------------------------------------
+
+    @property
+    def param_groups(self) -> list[dict]:
+        """The torch optimizer's groups (the scheduler writes lr and weight_decay here)."""
+        return self.optimizer.param_groups
+
+    def get_loss_scale(self) -> float:
+        """The current loss scale (1.0 without a scaler)."""
+        return self.grad_scaler.scale if self.grad_scaler is not None else 1.0
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """loss x the loss scale (the pipeline's grad_scale_func)."""
+        return loss * self.get_loss_scale() if self.grad_scaler is not None else loss
+
+    def zero_grad(self) -> None:
+        """Zeros the DDP gradient buffers (call before each global batch)."""
+        for chunk in self.model_chunks:
+            chunk.zero_grad_buffer()
+
+    @torch.no_grad()
+    def step(self) -> StepResult:
+        """One update from the reduced gradients (after DDP.finish_grad_sync)."""
+        shards = self._all_shards()
+        for shard in shards:
+            grad = shard.grad_view
+            shard.main_param.grad = grad if grad.dtype == torch.float32 else grad.float()
+        grads = [s.main_param.grad for s in shards]
+        try:
+            if self.grad_scaler is not None:
+                found_inf = self._unscale_and_check(grads)
+                self.grad_scaler.update(found_inf)
+                if found_inf:
+                    return StepResult(False, None, None)
+            counted = [s.main_param.grad for s in shards if s.counted]
+            norm_groups = [self.dp_group, self.mp_group] if self.distributed else [self.mp_group]
+            grad_norm = get_grad_norm(counted, norm_groups)
+            if self.config.clip_grad > 0:
+                clip_grads_by_total_norm(grads, self.config.clip_grad, grad_norm)
+            zeros = None
+            if self.config.log_num_zeros_in_grad:
+                zeros = count_zeros(counted, norm_groups)
+            self.optimizer.step()
+            for shard in shards:
+                if not shard.aliased:
+                    shard.model_view.copy_(shard.main_param)
+        finally:
+            for shard in shards:
+                shard.main_param.grad = None
+        for chunk in self.model_chunks:
+            chunk.start_param_sync()
+        return StepResult(True, grad_norm, zeros)
+
+    def state_dict(self) -> dict:
+        """The torch optimizer's state, the fp32 main parameters and the loss scaler."""
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "main_params": [s.main_param.detach().clone() for s in self._all_shards()],
+            "grad_scaler": self.grad_scaler.state_dict() if self.grad_scaler else None,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restores state_dict() of the same layout."""
+        self.optimizer.load_state_dict(state["optimizer"])
+        shards = self._all_shards()
+        if len(state["main_params"]) != len(shards):
+            raise ValueError(
+                f"optimizer state holds {len(state['main_params'])} main parameters, "
+                f"this optimizer {len(shards)}: saved under another layout"
+            )
+        with torch.no_grad():
+            for shard, saved in zip(shards, state["main_params"], strict=True):
+                shard.main_param.copy_(saved)
+                if not shard.aliased:
+                    shard.model_view.copy_(saved)
+        if self.grad_scaler is not None and state["grad_scaler"] is not None:
+            self.grad_scaler.load_state_dict(state["grad_scaler"])
+        for chunk in self.model_chunks:
+            chunk.start_param_sync(force_sync=True)
+
+    # --- internals -------------------------------------------------------------------------
+
+    def _all_shards(self) -> list[MainParamShard]:
+        return [s for shards in self.shards.values() for s in shards]
+
+    def _unscale_and_check(self, grads: list[torch.Tensor]) -> bool:
+        if grads:
+            torch._foreach_mul_(grads, self.grad_scaler.inv_scale)
+            local = torch.stack([torch.isfinite(g).all() for g in grads]).all()
+            found = torch.tensor(0.0 if bool(local) else 1.0)
+        else:
+            found = torch.tensor(0.0)
+        for group in (self.dp_group, self.mp_group):
+            if group.size > 1:
+                dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group.group)
+        return bool(found > 0)
+
+
+def counted_in_grad_norm(module: torch.nn.Module) -> set[torch.nn.Parameter]:
+    """The parameters of `module` whose gradients count in the global norm.
+
+    A parameter whose pieces in module.sharded_state_dict() all have
+    replica_id > 0 is a copy of one counted elsewhere (a norm weight on
+    tensor-parallel ranks > 0, the last stage's tied embedding) and is left
+    out. Parameters the description does not mention, and every parameter of
+    a module without sharded_state_dict, count.
+    """
+    params = list(module.parameters())
+    describe = getattr(module, "sharded_state_dict", None)
+    if describe is None:
+        return set(params)
+    spans = sorted(
+        (p.data_ptr(), p.data_ptr() + p.numel() * p.element_size(), i)
+        for i, p in enumerate(params)
+        if p.numel()
+    )
+    starts = [s[0] for s in spans]
+    described, counted = set(), set()
+    for piece in describe().values():
+        data = getattr(piece, "data", None)
+        if not isinstance(data, torch.Tensor) or data.numel() == 0:
+            continue
+        where = bisect.bisect_right(starts, data.data_ptr()) - 1
+        if where < 0 or data.data_ptr() >= spans[where][1]:
+            continue  # not a parameter (a buffer)
+        param = params[spans[where][2]]
+        described.add(param)
+        if piece.replica_id == 0:
+            counted.add(param)
+    return counted | (set(params) - described)
+
+
+def _main_shard(param: torch.nn.Parameter, span: tuple[int, int] | None,
+                counted: bool) -> MainParamShard:  # fmt: skip
+    if span is None:
+        model_view, grad_view, start = param.data, param.main_grad, 0
+        main = param if param.dtype == torch.float32 else param.detach().float()
+    else:
+        start, end = span
+        model_view = param.data.view(-1)[start:end]
+        grad_view = param.main_grad.view(-1)[start:end]
+        main = model_view if param.dtype == torch.float32 else model_view.float()
+    return MainParamShard(param, main, model_view, grad_view, start, counted)
+
+
+def _make_grad_scaler(config: OptimizerConfig):
+    if not config.fp16:
+        return None
+    if config.loss_scale is not None:
+        return ConstantGradScaler(config.loss_scale)
+    return DynamicGradScaler(
+        initial_scale=config.initial_loss_scale,
+        min_scale=config.min_loss_scale,
+        growth_interval=config.loss_scale_window,
+        hysteresis=config.hysteresis,
+    )
+
+
+def _make_torch_optimizer(config: OptimizerConfig, groups: list[dict]) -> torch.optim.Optimizer:
+    if config.optimizer == "adam":
+        return torch.optim.AdamW(
+            groups, lr=config.lr, betas=(config.adam_beta1, config.adam_beta2),
+            eps=config.adam_eps, weight_decay=config.weight_decay,
+        )  # fmt: skip
+    return torch.optim.SGD(
+        groups, lr=config.lr, momentum=config.sgd_momentum, weight_decay=config.weight_decay
+    )
