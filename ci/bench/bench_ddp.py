@@ -1,0 +1,248 @@
+"""Benchmark: training-step time of mp_optim's DistributedDataParallel beside torch's.
+
+DP = 2 over gloo: two ranks forked by mp_state.testing.run_on_ranks, one
+thread each (this machine has two cores). The model is a plain torch stack
+of `--layers` pre-norm MLP blocks, x + Linear(4h, h)(GELU(Linear(h, 4h)(
+LayerNorm(x)))), hidden h = 1024 and 6 blocks by default (50,374,656
+parameters, 201 MB of fp32 gradients); Linear weights ~ N(0, 0.02), biases
+zero. Activations are [b, s, h] (batch, sequence, hidden), fp32; the loss is
+output.square().mean(). Both ranks build the model from the same seed and
+feed it different data. Each rank holds two copies: one wrapped in ours, one
+in torch.nn.parallel.DistributedDataParallel, both over the same group.
+
+A step is: zero the gradients, forward, backward, gradients averaged over
+DP, optimizer step.
+
+    ours:  optimizer.zero_grad() (zeros the gradient buffers) -> forward ->
+           backward -> model.finish_grad_sync() -> optimizer.step()
+           (get_optimizer: AdamW inside, clip_grad=0)
+    torch: optimizer.zero_grad() (sets .grad to None) -> forward -> backward
+           (DDP's reducer all-reduces during it) -> torch.optim.AdamW.step()
+
+Both AdamWs have lr 1e-4, weight decay 0.01 on matrices and none on biases
+and LayerNorm weights (Megatron's rule, which get_optimizer applies), betas
+(0.9, 0.999), eps 1e-8. Clipping is off in ours, but its step still computes
+the global gradient norm (one extra pass over the gradients) that torch's
+does not. `grad_sync_only` measures leave the optimizer step out.
+
+    ddp_step[overlap]          ours: overlap_grad_reduce, buckets of 6,250,000
+                               elements (25 MB); torch: default buckets
+                               (bucket_cap_mb=25, the first 1 MiB)
+    ddp_step[no_overlap]       ours: one bucket reduced after the backward;
+                               torch: one bucket large enough for all gradients
+                               (its reduction starts when the last gradient lands)
+    grad_sync_only[...]        the same without the optimizer step
+
+Correctness first: after one step on the same data, ours' and torch's
+parameters must agree within 1e-5 relative, or the run stops: otherwise the
+two would be doing different work. Then each side takes `--warmup` untimed
+steps, and the sides alternate for `--steps` timed steps (the order flips
+every round, so drift hits both alike), each after a barrier, timed on rank 0.
+The figures are the fastest step and the median. ratio_to_torch is ours'
+time / torch's time; target: <= 1.05.
+
+The default batch is 2 sequences of 128 (a step of about 1 s per rank), so
+that the whole run takes a few minutes on two cores; the model keeps its
+size, so the gradients reduced are the same as with a larger batch.
+
+    uv run python ci/bench/bench_ddp.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from harness import context, emit
+
+import mp_state
+from mp_optim import DistributedDataParallel, OptimizerConfig, get_optimizer
+from mp_state.testing import run_on_ranks
+
+DP = 2
+TARGET_RATIO = 1.05
+LR, WEIGHT_DECAY = 1e-4, 0.01
+OURS_OVERLAP_BUCKET = 6_250_000
+"""Elements per bucket with overlap: 25 MB of fp32, torch's default bucket_cap_mb."""
+RTOL, ATOL = 1e-5, 1e-8
+SETTINGS = ("overlap", "no_overlap")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hidden", type=int, default=1024, help="hidden size h")
+    parser.add_argument("--layers", type=int, default=6, help="MLP blocks")
+    parser.add_argument("--batch", type=int, default=2, help="sequences per rank and step")
+    parser.add_argument("--seq", type=int, default=128, help="sequence length")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps per side")
+    parser.add_argument("--steps", type=int, default=8, help="timed steps per side")
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds for the run")
+    args = parser.parse_args()
+    ctx = context()
+    # The ranks are forked: load assert_close's lazy imports once, here.
+    torch.testing.assert_close(torch.ones(1), torch.ones(1))
+    results = run_on_ranks(_rank, DP, args, timeout=args.timeout)
+    shape = {
+        "dp": DP, "parameters": results[0]["parameters"], "hidden": args.hidden,
+        "layers": args.layers, "batch_per_rank": args.batch, "sequence_length": args.seq,
+        "warmup_steps": args.warmup, "timed_steps": args.steps, "threads_per_rank": 1,
+    }  # fmt: skip
+    for setting in SETTINGS:
+        measured = results[0][setting]
+        for measure, times in measured["times"].items():
+            best = {side: min(t) for side, t in times.items()}
+            median = {side: statistics.median(t) for side, t in times.items()}
+            ratio = best["ours"] / best["torch"]
+            emit(
+                f"{measure}[{setting}]",
+                {
+                    "step_s": round(best["ours"], 4),
+                    "torch_step_s": round(best["torch"], 4),
+                    "ratio_to_torch": round(ratio, 3),
+                    "ratio_to_torch_median": round(median["ours"] / median["torch"], 3),
+                    "target_ratio": TARGET_RATIO,
+                    "meets_target": ratio <= TARGET_RATIO,
+                    "step_s_median": round(median["ours"], 4),
+                    "torch_step_s_median": round(median["torch"], 4),
+                    "ours_buckets": measured["ours_buckets"],
+                    "torch_bucket_cap_mb": measured["torch_bucket_cap_mb"],
+                    "parameters_match_after_one_step": True,
+                    **shape,
+                },
+                ctx,
+            )
+
+
+# The model.
+
+
+class _Block(torch.nn.Module):
+    """x + W2 GELU(W1 LayerNorm(x)); x is [b, s, h]."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(hidden)
+        self.up = torch.nn.Linear(hidden, 4 * hidden)
+        self.down = torch.nn.Linear(4 * hidden, hidden)
+
+    def forward(self, x_bsh: torch.Tensor) -> torch.Tensor:
+        return x_bsh + self.down(torch.nn.functional.gelu(self.up(self.norm(x_bsh))))
+
+
+def _model(hidden: int, layers: int) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(_Block(hidden) for _ in range(layers)))
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            torch.nn.init.normal_(module.weight, std=0.02)
+            torch.nn.init.zeros_(module.bias)
+    return model
+
+
+# One rank.
+
+
+def _rank(args: argparse.Namespace) -> dict:
+    torch.set_num_threads(1)
+    state = mp_state.initialize(mp_state.ParallelConfig())
+    rank = state.dp.rank
+    generator = torch.Generator().manual_seed(1 + rank)
+    x_bsh = torch.randn(args.batch, args.seq, args.hidden, generator=generator)
+    result: dict = {}
+    for setting in SETTINGS:
+        result[setting] = _measure_setting(setting, state, x_bsh, args)
+        gc.collect()
+    result["parameters"] = result[SETTINGS[0]]["parameters"]
+    mp_state.destroy()
+    return result
+
+
+def _measure_setting(setting: str, state, x_bsh: torch.Tensor, args) -> dict:
+    overlap = setting == "overlap"
+    config = OptimizerConfig(
+        lr=LR, weight_decay=WEIGHT_DECAY, clip_grad=0.0, overlap_grad_reduce=overlap,
+        bucket_size=OURS_OVERLAP_BUCKET if overlap else None,
+    )  # fmt: skip
+    ours = DistributedDataParallel(config, _model(args.hidden, args.layers), dp_group=state.dp)
+    ours_optimizer = get_optimizer(config, [ours], mp_group=state.mp)
+
+    theirs_module = _model(args.hidden, args.layers)
+    grad_mb = sum(p.numel() * p.element_size() for p in theirs_module.parameters()) / 2**20
+    # None: torch's default (25 MiB, the first bucket 1 MiB); else one bucket for everything.
+    bucket_cap_mb = None if overlap else int(grad_mb) + 1
+    theirs = torch.nn.parallel.DistributedDataParallel(
+        theirs_module, process_group=state.dp.group, bucket_cap_mb=bucket_cap_mb
+    )
+    no_decay = [p for p in theirs_module.parameters() if p.dim() == 1]
+    decay = [p for p in theirs_module.parameters() if p.dim() > 1]
+    theirs_optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": WEIGHT_DECAY}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=LR, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
+    )  # fmt: skip
+
+    def ours_step(optimizer_step: bool) -> None:
+        ours_optimizer.zero_grad()
+        ours(x_bsh).square().mean().backward()
+        ours.finish_grad_sync()
+        if optimizer_step:
+            ours_optimizer.step()
+
+    def theirs_step(optimizer_step: bool) -> None:
+        theirs_optimizer.zero_grad()
+        theirs(x_bsh).square().mean().backward()
+        if optimizer_step:
+            theirs_optimizer.step()
+
+    ours_step(True)
+    theirs_step(True)
+    _check_same(ours.module, theirs_module, f"rank {state.dp.global_rank}, {setting}")
+
+    times = {}
+    for measure, optimizer_step in (("ddp_step", True), ("grad_sync_only", False)):
+        sides = {"ours": lambda o=optimizer_step: ours_step(o),
+                 "torch": lambda o=optimizer_step: theirs_step(o)}  # fmt: skip
+        times[measure] = _interleaved(sides, args.warmup, args.steps)
+    return {
+        "times": times,
+        "parameters": sum(p.numel() for p in theirs_module.parameters()),
+        "ours_buckets": len(ours.buckets),
+        "torch_bucket_cap_mb": bucket_cap_mb or 25,
+    }
+
+
+def _check_same(ours: torch.nn.Module, theirs: torch.nn.Module, where: str) -> None:
+    """Ours' and torch's parameters after the same step; raises where they differ."""
+    for (name, mine), other in zip(ours.named_parameters(), theirs.parameters(), strict=True):
+        try:
+            torch.testing.assert_close(mine, other, rtol=RTOL, atol=ATOL)
+        except AssertionError as error:
+            raise RuntimeError(
+                f"{where}: parameter {name} differs between ours and torch's DDP after one "
+                f"identical step, so the two do not do the same work:\n{error}"
+            ) from None
+
+
+def _interleaved(steps: dict[str, Callable[[], None]], warmup: int, repeats: int) -> dict:
+    """Seconds of each timed call on this rank, the sides taking turns after a barrier."""
+    for function in steps.values():
+        for _ in range(warmup):
+            function()
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    order = list(steps.items())
+    for _ in range(repeats):
+        for name, function in order:
+            dist.barrier()
+            start = time.perf_counter()
+            function()
+            times[name].append(time.perf_counter() - start)
+        order.reverse()
+    return times
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,130 @@
+"""DDP behaviour: overlapped reductions start during the backward, no_sync accumulates,
+average_in_collective, check_for_nan_in_grad, and the overlapped parameter gather."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import mp_state
+from mp_optim import DistributedDataParallel, OptimizerConfig, get_optimizer
+from mp_state import ParallelConfig
+from mp_state.testing import RankFailure, run_on_ranks
+
+pytestmark = pytest.mark.multirank
+
+
+def make_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+
+
+def overlap_body():
+    torch.set_num_threads(1)
+    state = mp_state.initialize(ParallelConfig())
+    config = OptimizerConfig(lr=0.1, overlap_grad_reduce=True, bucket_size=10)
+    model = DistributedDataParallel(config, make_model(), dp_group=state.dp)
+    seen = {}
+    x = torch.full((2, 8), float(dist.get_rank() + 1))
+    with model.no_sync():
+        model(x).sum().backward()
+    seen["launched_under_no_sync"] = len(model._grad_work)
+
+    # When the gradient reaches the first layer's output, the last layer's bucket is
+    # complete and started; the first layer's buckets are not.
+    def record(grad):
+        seen["launched_mid_backward"] = len(model._grad_work)
+
+    model.module[0].register_forward_hook(lambda m, i, out: out.register_hook(record) and None)
+    model(x).sum().backward()
+    seen["buckets"] = len(model.buckets)
+    seen["launched_after_backward"] = len(model._grad_work)
+    model.finish_grad_sync()
+    # Two micro-batches of inputs 1 and 2 on rank 0, 2 and 2... averaged over ranks.
+    seen["bias_grad"] = model.module[2].bias.main_grad.clone()
+    mp_state.destroy()
+    dist.barrier()
+    return seen
+
+
+def test_overlap_starts_buckets_during_the_backward():
+    results = run_on_ranks(overlap_body, 2, timeout=60)
+    for seen in results:
+        assert seen["buckets"] >= 3
+        assert seen["launched_under_no_sync"] == 0
+        assert 1 <= seen["launched_mid_backward"] < seen["buckets"]
+        assert seen["launched_after_backward"] == seen["buckets"]
+        # d(sum of outputs)/d(last bias) = batch size 2 per backward, 2 backwards, averaged.
+        torch.testing.assert_close(seen["bias_grad"], torch.full((4,), 4.0))
+
+
+def average_body(average_in_collective: bool):
+    torch.set_num_threads(1)
+    state = mp_state.initialize(ParallelConfig())
+    config = OptimizerConfig(lr=0.1, average_in_collective=average_in_collective)
+    model = DistributedDataParallel(config, make_model(), dp_group=state.dp)
+    x = torch.full((1, 8), float(dist.get_rank()))
+    model(x).sum().backward()
+    model.finish_grad_sync()
+    grads = [p.main_grad.clone() for p in model.module.parameters()]
+    mp_state.destroy()
+    dist.barrier()
+    return grads
+
+
+def test_average_in_collective_equals_scaling_then_summing():
+    scaled = run_on_ranks(average_body, 4, False, timeout=60)
+    averaged = run_on_ranks(average_body, 4, True, timeout=60)
+    for a, b in zip(scaled[0], averaged[0], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    # The mean over ranks of inputs 0..3 times the weights, not any one rank's gradient.
+    torch.testing.assert_close(scaled[0][-1], torch.ones(4))
+
+
+def nan_body():
+    torch.set_num_threads(1)
+    state = mp_state.initialize(ParallelConfig())
+    config = OptimizerConfig(lr=0.1, check_for_nan_in_grad=True)
+    model = DistributedDataParallel(config, make_model(), dp_group=state.dp)
+    value = float("nan") if dist.get_rank() == 1 else 1.0
+    model(torch.full((1, 8), value)).sum().backward()
+    model.finish_grad_sync()
+
+
+def test_check_for_nan_in_grad_names_the_rank_and_parameter():
+    message = r"rank 1: non-finite gradient .* reduction in .*0\.weight"
+    with pytest.raises(RankFailure, match=message):
+        run_on_ranks(nan_body, 2, timeout=30)
+
+
+def gather_body(overlap_param_gather: bool):
+    torch.set_num_threads(1)
+    state = mp_state.initialize(ParallelConfig())
+    config = OptimizerConfig(
+        lr=0.1, use_distributed_optimizer=True, overlap_param_gather=overlap_param_gather,
+        bucket_size=40,
+    )  # fmt: skip
+    model = DistributedDataParallel(config, make_model(), dp_group=state.dp)
+    optimizer = get_optimizer(config, [model], mp_group=state.mp)
+    outputs = []
+    x = torch.ones(2, 8)
+    for _ in range(3):
+        optimizer.zero_grad()
+        out = model(x)
+        outputs.append(out.detach().clone())
+        out.sum().backward()
+        model.finish_grad_sync()
+        optimizer.step()
+        in_flight = len(model._param_work)
+    outputs.append(model(x).detach().clone())
+    mp_state.destroy()
+    dist.barrier()
+    return outputs, in_flight
+
+
+def test_overlapped_parameter_gather_equals_the_synchronous_one():
+    sync = run_on_ranks(gather_body, 2, False, timeout=60)
+    overlapped = run_on_ranks(gather_body, 2, True, timeout=60)
+    assert sync[0][1] == 0 and overlapped[0][1] > 0  # gathers left running after the step
+    for a, b in zip(sync[0][0], overlapped[0][0], strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert not torch.equal(sync[0][0][0], sync[0][0][-1])  # the steps changed the model
