@@ -23,11 +23,17 @@ machine share its cores anyway). Spawn is used when CUDA is initialized (CUDA
 cannot survive a fork), and can be forced with `start_method="spawn"` or
 MP_TEST_START_METHOD=spawn; the function and its arguments must then be
 picklable.
+
+Before the first fork the parent does, once, what every rank would otherwise
+do on its own at first use: torch.testing's comparison (imports sympy) and a
+torch optimizer's first step (imports torch's compiler machinery, about 4 s
+here). Four ranks importing at once on two cores took 8 s per test.
 """
 
 from __future__ import annotations
 
 import faulthandler
+import functools
 import multiprocessing
 import os
 import pickle
@@ -63,6 +69,15 @@ class RankTimeout(RankFailure):
     """Ranks were still running at the timeout; `failures` holds their stacks."""
 
 
+@functools.cache
+def _warm_imports() -> None:
+    """Imports, in the parent, what forked ranks would each import at first use."""
+    torch.testing.assert_close(torch.ones(1), torch.ones(1))
+    param = torch.nn.Parameter(torch.ones(1))
+    param.grad = torch.ones(1)
+    torch.optim.AdamW([param]).step()
+
+
 def default_start_method() -> str:
     """fork where it is safe and fast, else spawn (see the module docstring)."""
     chosen = os.environ.get("MP_TEST_START_METHOD")
@@ -92,7 +107,10 @@ def run_on_ranks(
     """
     if world_size < 1:
         raise ValueError(f"world_size={world_size} must be >= 1")
-    ctx = multiprocessing.get_context(start_method or default_start_method())
+    method = start_method or default_start_method()
+    if method == "fork":
+        _warm_imports()
+    ctx = multiprocessing.get_context(method)
     with tempfile.TemporaryDirectory(prefix="mp-ranks-") as tmp:
         ranks = []
         for rank in range(world_size):
