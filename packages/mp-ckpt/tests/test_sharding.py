@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from mp_ckpt import ShardedTensor, check_tiling
+from mp_ckpt import ShardedTensor, assemble, check_tiling
 
 
 def test_pieces_of_a_split_axis_tile_the_tensor():
@@ -61,3 +61,40 @@ def test_a_piece_outside_its_global_tensor_is_an_error():
         ShardedTensor("w", torch.zeros(2, 2), (4, 2), (3, 0))
     with pytest.raises(ValueError, match="same number of axes"):
         ShardedTensor("w", torch.zeros(2, 2), (4,), (0,))
+
+
+def flattened_pieces(whole: torch.Tensor, ranges) -> list[ShardedTensor]:
+    """whole [4, 6] split along axis 1 over 2 "TP ranks", each box cut into flat ranges."""
+    pieces = []
+    for tp in range(2):
+        box = whole[:, 3 * tp : 3 * tp + 3]
+        for start, end in ranges:
+            data = box.reshape(-1)[start:end].clone()
+            pieces.append(ShardedTensor("w", data, (4, 6), (0, 3 * tp), 0, (start, end), (4, 3)))
+    return pieces
+
+
+def test_flattened_ranges_assemble_and_read_back():
+    whole = torch.arange(24.0).view(4, 6)
+    pieces = flattened_pieces(whole, [(0, 5), (5, 12)])
+    assert check_tiling(pieces) == {"w": (4, 6)}
+    torch.testing.assert_close(assemble(pieces)["w"], whole, rtol=0, atol=0)
+    for piece in pieces:
+        torch.testing.assert_close(piece.read_from(whole), piece.data, rtol=0, atol=0)
+
+
+def test_flattened_ranges_gap_and_overlap_are_errors():
+    whole = torch.arange(24.0).view(4, 6)
+    with pytest.raises(ValueError, match="cover 22 of 24"):
+        check_tiling(flattened_pieces(whole, [(0, 5), (6, 12)]))
+    with pytest.raises(ValueError, match="overlap"):
+        check_tiling(flattened_pieces(whole, [(0, 6), (5, 12)]))
+
+
+def test_flattened_range_validation():
+    with pytest.raises(ValueError, match="needs the box's local_shape"):
+        ShardedTensor("w", torch.zeros(3), (4,), (0,), 0, (0, 3))
+    with pytest.raises(ValueError, match=r"flattened_range \(2, 9\) must lie in 0 .. 8"):
+        ShardedTensor("w", torch.zeros(7), (2, 4), (0, 0), 0, (2, 9), (2, 4))
+    with pytest.raises(ValueError, match="must be 1-D of 3 elements"):
+        ShardedTensor("w", torch.zeros(2, 2), (2, 4), (0, 0), 0, (0, 3), (2, 4))

@@ -43,6 +43,7 @@ from mp_optim.clip_grads import clip_grads_by_total_norm, count_zeros, get_grad_
 from mp_optim.config import OptimizerConfig
 from mp_optim.ddp import DistributedDataParallel
 from mp_optim.grad_scaler import ConstantGradScaler, DynamicGradScaler
+from mp_optim.optimizer_state import load_optimizer_state, optimizer_sharded_state_dict
 from mp_state import RankGroup
 
 __all__ = ["MainParamShard", "MixedPrecisionOptimizer", "StepResult", "counted_in_grad_norm"]
@@ -218,6 +219,15 @@ class MixedPrecisionOptimizer:
             self.grad_scaler.load_state_dict(state["grad_scaler"])
         for chunk in self.model_chunks:
             chunk.start_param_sync(force_sync=True)
+
+    def sharded_state_dict(self) -> dict:
+        """The state as sharding descriptions, loadable under another layout
+        (optimizer_state.py): {"state": {key: ShardedTensor}, "common": {...}}."""
+        return optimizer_sharded_state_dict(self)
+
+    def load_sharded_state_dict(self, saved: dict) -> None:
+        """Loads sharded_state_dict()'s structure filled with a checkpoint's values."""
+        load_optimizer_state(self, saved)
 
     # --- internals -------------------------------------------------------------------------
 

@@ -1,0 +1,186 @@
+"""The optimizer's state as sharding descriptions, loadable under another layout.
+
+Each state tensor of a main parameter (Adam's exp_avg and exp_avg_sq, SGD's
+momentum_buffer, and the fp32 main parameter itself when it is a copy of a
+bf16 / fp16 parameter) is described like the model parameter it belongs to:
+for every piece of the model's sharded_state_dict (a logical tensor such as
+linear_qkv.q.weight, a view into a fused parameter) the same view of the
+state tensor, under the key "optimizer.<state>.<logical key>".
+
+The distributed optimizer holds a flat range [a, b) of each flattened
+parameter. The elements of a model piece that fall in that range are a
+contiguous range of the piece's own row-major flattening (pieces are
+order-preserving views), so the rank describes them as a flattened range of
+the piece's box; the state values are gathered from the shard. Loading under
+another data-parallel size reads each rank's new ranges.
+
+Replicas: a plain optimizer's state is the same on every data-parallel rank,
+so only dp rank 0 saves (and the model piece's own replica rule applies);
+distributed-optimizer shards are disjoint and all saved.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
+import torch
+
+from mp_ckpt import ShardedTensor
+
+if TYPE_CHECKING:
+    from mp_optim.optimizer import MainParamShard, MixedPrecisionOptimizer
+
+__all__ = ["load_optimizer_state", "optimizer_sharded_state_dict"]
+
+STATE_NAMES = {"adam": ("exp_avg", "exp_avg_sq"), "sgd": ("momentum_buffer",)}
+_Writer = Callable[[torch.Tensor], None]
+
+
+def optimizer_sharded_state_dict(optimizer: MixedPrecisionOptimizer) -> dict:
+    """{"state": {key: ShardedTensor}, "common": hyper-parameters, step, loss scale}."""
+    init_state(optimizer)
+    state = {key: piece for key, piece, _ in _described_states(optimizer)}
+    return {"state": state, "common": _common(optimizer)}
+
+
+def load_optimizer_state(optimizer: MixedPrecisionOptimizer, saved: dict) -> None:
+    """Loads `saved`: optimizer_sharded_state_dict's structure, its pieces filled with the
+    checkpoint's values (taken for this rank's layout, e.g. with ShardedTensor.read_from)."""
+    init_state(optimizer)
+    pieces = saved["state"]
+    missing = []
+    with torch.no_grad():
+        for key, _, write in _described_states(optimizer):
+            if key not in pieces:
+                missing.append(key)
+                continue
+            write(pieces[key].data)
+        if missing:
+            raise KeyError(f"optimizer state misses {len(missing)} tensors: {missing[:5]}")
+        common = saved["common"]
+        groups = optimizer.optimizer.param_groups
+        if len(common["param_groups"]) != len(groups):
+            raise ValueError(
+                f"the checkpoint has {len(common['param_groups'])} parameter groups, "
+                f"this optimizer {len(groups)}"
+            )
+        for group, hyper in zip(groups, common["param_groups"], strict=True):
+            group.update(hyper)
+        for main in _main_params(optimizer):
+            if "step" in optimizer.optimizer.state[main]:
+                optimizer.optimizer.state[main]["step"].fill_(float(common["step"]))
+        if optimizer.grad_scaler is not None and common["grad_scaler"] is not None:
+            optimizer.grad_scaler.load_state_dict(common["grad_scaler"])
+        for shards in optimizer.shards.values():
+            for shard in shards:
+                if not shard.aliased:
+                    shard.model_view.copy_(shard.main_param)
+    for chunk in optimizer.model_chunks:
+        chunk.start_param_sync(force_sync=True)
+
+
+def init_state(optimizer: MixedPrecisionOptimizer) -> None:
+    """Creates the state a first step would create (zeros), so that it can be loaded into."""
+    names = STATE_NAMES[optimizer.config.optimizer]
+    for main in _main_params(optimizer):
+        state = optimizer.optimizer.state[main]
+        if all(name in state for name in names):
+            continue
+        for name in names:
+            state[name] = torch.zeros_like(main, memory_format=torch.preserve_format)
+        if optimizer.config.optimizer == "adam":
+            state["step"] = torch.tensor(0.0)
+
+
+def _main_params(optimizer: MixedPrecisionOptimizer) -> list[torch.Tensor]:
+    return [p for group in optimizer.optimizer.param_groups for p in group["params"]]
+
+
+def _common(optimizer: MixedPrecisionOptimizer) -> dict:
+    steps = [
+        float(s["step"]) for s in optimizer.optimizer.state.values() if "step" in s
+    ]  # fmt: skip
+    return {
+        "param_groups": [
+            {k: v for k, v in group.items() if k != "params"}
+            for group in optimizer.optimizer.param_groups
+        ],
+        "step": max(steps, default=0.0),
+        "grad_scaler": optimizer.grad_scaler.state_dict() if optimizer.grad_scaler else None,
+    }
+
+
+def _described_states(
+    optimizer: MixedPrecisionOptimizer,
+) -> Iterator[tuple[str, ShardedTensor, _Writer]]:
+    """(key, piece, writer) for every state tensor piece of this rank."""
+    names = STATE_NAMES[optimizer.config.optimizer]
+    dp = optimizer.dp_group
+    for chunk in optimizer.model_chunks:
+        params = [p for p in chunk.module.parameters() if p in optimizer.shards]
+        for piece, param, offset in _model_pieces(chunk, params):
+            for shard in optimizer.shards[param]:
+                tensors = {n: optimizer.optimizer.state[shard.main_param][n] for n in names}
+                if not shard.aliased:
+                    tensors["fp32_param"] = shard.main_param
+                for name, tensor in tensors.items():
+                    key = f"optimizer.{name}.{piece.key}"
+                    if optimizer.distributed:
+                        described = _flat_range_piece(key, piece, param, offset, shard, tensor)
+                        if described is not None:
+                            yield (key, *described)
+                    else:
+                        view = tensor.as_strided(
+                            piece.data.size(), piece.data.stride(), tensor.storage_offset() + offset
+                        )
+                        replica = piece.replica_id * dp.size + dp.rank
+                        yield (
+                            key,
+                            ShardedTensor(key, view, piece.global_shape, piece.global_offset,
+                                          replica),  # fmt: skip
+                            view.copy_,
+                        )
+
+
+def _flat_range_piece(key, piece, param, offset, shard: MainParamShard, tensor):
+    """The part of `piece` inside the shard's flat range, as a flattened-range piece."""
+    index = torch.arange(param.numel()).as_strided(piece.data.size(), piece.data.stride(), offset)
+    index = index.reshape(-1)
+    if index.numel() > 1 and not bool((index[1:] > index[:-1]).all()):
+        raise ValueError(f"{piece.key}: the piece does not keep its parameter's element order")
+    lo, hi = shard.start, shard.start + shard.main_param.numel()
+    start, end = (int(i) for i in torch.searchsorted(index, torch.tensor([lo, hi])))
+    if start >= end:
+        return None
+    positions = index[start:end] - lo
+    flat = tensor.view(-1)
+
+    def write(values: torch.Tensor) -> None:
+        flat[positions] = values.to(flat.dtype)
+
+    data = flat[positions]
+    described = ShardedTensor(
+        key, data, piece.global_shape, piece.global_offset, piece.replica_id, (start, end),
+        tuple(piece.data.shape),
+    )  # fmt: skip
+    return described, write
+
+
+def _model_pieces(chunk, params: list[torch.nn.Parameter]):
+    """(piece, parameter, element offset of the piece's view in the parameter)."""
+    module = chunk.module
+    if hasattr(module, "sharded_state_dict"):
+        pieces = chunk.sharded_state_dict()
+    else:  # a plain module: every parameter whole, by its name
+        pieces = {
+            name: ShardedTensor(name, p.data, tuple(p.shape), (0,) * p.dim())
+            for name, p in module.named_parameters()
+        }
+    spans = [(p.data_ptr(), p.data_ptr() + p.numel() * p.element_size(), p) for p in params]
+    for piece in pieces.values():
+        ptr = piece.data.data_ptr()
+        for start, end, param in spans:
+            if start <= ptr < end:
+                yield piece, param, (ptr - start) // param.element_size()
+                break
