@@ -84,8 +84,15 @@ def train_step(model, optimizer, step: int, dp):
 
 def detached(pieces: dict) -> list[ShardedTensor]:
     return [
-        ShardedTensor(p.key, p.data.detach().clone(), p.global_shape, p.global_offset,
-                      p.replica_id, p.flattened_range, p.local_shape)  # fmt: skip
+        ShardedTensor(
+            p.key,
+            p.data.detach().clone(),
+            p.global_shape,
+            p.global_offset,
+            p.replica_id,
+            p.flattened_range,
+            p.local_shape,
+        )
         for p in pieces.values()
     ]
 
@@ -118,9 +125,15 @@ def load_body(distributed: bool, dtype, model_tensors, optimizer_tensors, common
             piece.data.copy_(piece.read_from(model_tensors[key]))
     template = optimizer.sharded_state_dict()
     filled = {
-        key: ShardedTensor(key, piece.read_from(optimizer_tensors[key]), piece.global_shape,
-                           piece.global_offset, piece.replica_id, piece.flattened_range,
-                           piece.local_shape)  # fmt: skip
+        key: ShardedTensor(
+            key,
+            piece.read_from(optimizer_tensors[key]),
+            piece.global_shape,
+            piece.global_offset,
+            piece.replica_id,
+            piece.flattened_range,
+            piece.local_shape,
+        )
         for key, piece in template["state"].items()
     }
     optimizer.load_sharded_state_dict({"state": filled, "common": common})
@@ -164,4 +177,7 @@ def test_a_wrong_state_would_show():
         p for r in saved for p in r["optimizer"]).items()}  # fmt: skip
     got = run_on_ranks(load_body, 1, False, torch.float32, model_tensors, zeros,
                        saved[0]["common"], timeout=60)[0]  # fmt: skip
-    assert max(float((g - w).norm() / w.norm()) for g, w in zip(got, saved[0]["after"])) > 1e-4
+    assert (
+        max(float((g - w).norm() / w.norm()) for g, w in zip(got, saved[0]["after"], strict=True))
+        > 1e-4
+    )

@@ -155,6 +155,7 @@ class ShardedTensor:
             flat[start:end] = self.data
             box.copy_(flat.view(box.shape))
 
+
 def assemble(pieces: Iterable[ShardedTensor]) -> dict[str, torch.Tensor]:
     """The whole logical tensors from the pieces of every rank (checked with check_tiling)."""
     pieces = list(pieces)

@@ -137,8 +137,9 @@ def _described_states(
                         replica = piece.replica_id * dp.size + dp.rank
                         yield (
                             key,
-                            ShardedTensor(key, view, piece.global_shape, piece.global_offset,
-                                          replica),  # fmt: skip
+                            ShardedTensor(
+                                key, view, piece.global_shape, piece.global_offset, replica
+                            ),
                             view.copy_,
                         )
 
