@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 import mp_state
-from mp_layers import GPTModel, TransformerConfig
+from mp_layers import GPTModel, TransformerConfig, all_reduce_sequence_parallel_grads
 from mp_optim import DistributedDataParallel, OptimizerConfig, get_optimizer
 from mp_state import ParallelConfig, RankGroup
 from mp_state.testing import run_on_ranks
@@ -43,16 +43,17 @@ def reference_norm() -> float:
     return float(torch.sqrt(sum(p.grad.square().sum() for p in model.parameters())))
 
 
-def layout_body(tp: int, pp: int, distributed: bool):
+def layout_body(tp: int, pp: int, distributed: bool, sequence_parallel: bool = False):
     torch.set_num_threads(1)
     state = mp_state.initialize(
         ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     )
     first, last = state.is_pipeline_first_stage(), state.is_pipeline_last_stage()
     whole = whole_model()
+    config = TransformerConfig(**MODEL, sequence_parallel=sequence_parallel)
     stage = GPTModel(
-        TransformerConfig(**MODEL), "local", VOCAB, SEQ, tp_group=state.tp, pre_process=first,
-        post_process=last, layer_offset=state.pp.rank * (2 // pp), num_layers=2 // pp,
+        config, "local", VOCAB, SEQ, tp_group=state.tp, pre_process=first, post_process=last,
+        layer_offset=state.pp.rank * (2 // pp), num_layers=2 // pp,
     )  # fmt: skip
     logical = {k: p.data for k, p in whole.sharded_state_dict().items()}
     with torch.no_grad():
@@ -79,6 +80,7 @@ def layout_body(tp: int, pp: int, distributed: bool):
         model(None, labels=labels, decoder_input=hidden).mean().backward()
         dist.send(hidden.grad.contiguous(), dst=state.pp.ranks[0])
     model.finish_grad_sync()
+    all_reduce_sequence_parallel_grads(stage, state.tp)  # norms' partial sums, in .main_grad
     if pp > 1:  # the pipeline's finalize step: sum the tied embedding's two gradients
         tied = stage.embedding.weight if first else stage.output_layer.weight
         dist.all_reduce(tied.main_grad, group=state.embedding.group)
@@ -89,14 +91,17 @@ def layout_body(tp: int, pp: int, distributed: bool):
 
 
 @pytest.mark.parametrize(
-    "tp,pp,distributed",
-    [(1, 1, False), (2, 1, False), (1, 2, False), (2, 2, False), (1, 1, True)],
-    ids=["tp1-pp1", "tp2", "pp2", "tp2-pp2", "dp2-distributed"],
-)
-def test_same_grad_norm_at_every_layout(tp, pp, distributed):
+    "tp,pp,distributed,sequence_parallel",
+    [
+        (1, 1, False, False), (2, 1, False, False), (1, 2, False, False), (2, 2, False, False),
+        (1, 1, True, False), (2, 1, False, True),
+    ],
+    ids=["tp1-pp1", "tp2", "pp2", "tp2-pp2", "dp2-distributed", "tp2-sequence-parallel"],
+)  # fmt: skip
+def test_same_grad_norm_at_every_layout(tp, pp, distributed, sequence_parallel):
     want = reference_norm()
     world = tp * pp * (2 if distributed else 1)
-    norms = run_on_ranks(layout_body, world, tp, pp, distributed, timeout=120)
+    norms = run_on_ranks(layout_body, world, tp, pp, distributed, sequence_parallel, timeout=120)
     for rank, norm in enumerate(norms):
         assert norm == pytest.approx(want, rel=1e-5), f"rank {rank}: {norm} against {want}"
 

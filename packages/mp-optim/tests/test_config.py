@@ -1,0 +1,71 @@
+"""OptimizerConfig validation (one test per rule) and parameter groups."""
+
+import pytest
+import torch
+
+from mp_optim import OptimizerConfig, get_param_groups
+
+RULES = [
+    (dict(optimizer="lamb"), "optimizer='lamb' must be one of adam, sgd"),
+    (dict(lr_decay_style="step"), "lr_decay_style='step' must be one of"),
+    (dict(lr_wsd_decay_style="step"), "lr_wsd_decay_style='step' must be one of"),
+    (dict(weight_decay_incr_style="step"), "weight_decay_incr_style='step' must be one of"),
+    (dict(fp16=True, bf16=True), "fp16=True and bf16=True are exclusive"),
+    (dict(lr=-1.0), "lr=-1.0 must be >= 0"),
+    (dict(min_lr=-1.0), "min_lr=-1.0 must be >= 0"),
+    (dict(lr=1e-4, min_lr=1e-3), "min_lr=0.001 must be <= lr=0.0001"),
+    (dict(weight_decay=-0.1), "weight_decay=-0.1 must be >= 0"),
+    (dict(clip_grad=-1.0), "clip_grad=-1.0 must be >= 0"),
+    (dict(adam_eps=-1.0), "adam_eps=-1.0 must be >= 0"),
+    (dict(sgd_momentum=-0.5), "sgd_momentum=-0.5 must be >= 0"),
+    (dict(adam_beta1=1.0), r"adam_beta1=1.0 must be in \[0, 1\)"),
+    (dict(adam_beta2=-0.1), r"adam_beta2=-0.1 must be in \[0, 1\)"),
+    (dict(loss_scale=0.0), "loss_scale=0.0 must be > 0"),
+    (dict(initial_loss_scale=0.0), "initial_loss_scale=0.0 and min_loss_scale=1.0 must be > 0"),
+    (dict(loss_scale_window=0), "loss_scale_window=0 must be >= 1"),
+    (dict(hysteresis=0), "hysteresis=0 must be >= 1"),
+    (dict(bucket_size=0), "bucket_size=0 must be >= 1"),
+    (dict(overlap_param_gather=True), "overlap_param_gather=True needs use_distributed_optimizer"),
+    (dict(lr_warmup_fraction=1.5), r"lr_warmup_fraction=1.5 must be in \[0, 1\]"),
+    (
+        dict(override_opt_param_scheduler=True, use_checkpoint_opt_param_scheduler=True),
+        "are exclusive",
+    ),
+    (dict(start_weight_decay=-0.1, weight_decay_incr_style="linear"), "must be >= 0"),
+    (
+        dict(start_weight_decay=0.0, end_weight_decay=0.1),
+        "weight_decay_incr_style='constant' needs start_weight_decay == end_weight_decay",
+    ),
+]
+
+
+@pytest.mark.parametrize("fields,message", RULES, ids=[m[:40] for _, m in RULES])
+def test_invalid_config_names_the_field(fields, message):
+    with pytest.raises(ValueError, match=message):
+        OptimizerConfig(**fields)
+
+
+def test_derived_settings():
+    config = OptimizerConfig(lr=1e-3, bf16=True, weight_decay=0.1)
+    assert config.grad_reduce_in_fp32 and config.model_dtype == torch.bfloat16
+    assert config.start_wd == config.end_wd == 0.1
+    assert OptimizerConfig(fp16=True).model_dtype == torch.float16
+    assert not OptimizerConfig().grad_reduce_in_fp32
+
+
+def test_param_groups_exclude_biases_and_norms_from_weight_decay():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4), torch.nn.Linear(4, 2))
+    config = OptimizerConfig(lr=1e-3, weight_decay=0.1)
+    groups = get_param_groups(
+        [model], config, scale_lr_cond=lambda name, p: name.startswith("2."), lr_mult=0.5
+    )
+    by_key = {(g["wd_mult"], g["lr_mult"]): g for g in groups}
+    assert set(by_key) == {(0.0, 0.5), (0.0, 1.0), (1.0, 0.5), (1.0, 1.0)}
+    named = dict(model.named_parameters())
+    assert by_key[(1.0, 1.0)]["params"] == [named["0.weight"]]
+    assert by_key[(1.0, 0.5)]["params"] == [named["2.weight"]]
+    assert by_key[(0.0, 0.5)]["params"] == [named["2.bias"]]
+    assert by_key[(0.0, 1.0)]["params"] == [named["0.bias"], named["1.weight"], named["1.bias"]]
+    assert by_key[(1.0, 0.5)]["lr"] == 5e-4 and by_key[(0.0, 1.0)]["weight_decay"] == 0.0
+    custom = get_param_groups([model], config, no_weight_decay_cond=lambda n, p: False)
+    assert [g["wd_mult"] for g in custom] == [1.0]
