@@ -67,6 +67,7 @@ class GPTModel(torch.nn.Module):
         self.pre_process, self.post_process = pre_process, post_process
         self.parallel_output = parallel_output
         self.share_embeddings_and_output_weights = share
+        self._input_tensor: torch.Tensor | None = None
         init = functools.partial(torch.nn.init.normal_, std=config.init_method_std)
         if pre_process:
             self.embedding = VocabParallelEmbedding(
@@ -103,6 +104,15 @@ class GPTModel(torch.nn.Module):
                 # and sync_tied_embeddings adds the first stage's into it.
                 torch.nn.init.zeros_(self.output_layer.weight)
                 self.output_layer.weight.shared_embedding = True
+        if share and pre_process and not post_process:
+            # The first stage's half of a tie across stages: its gradient is summed with
+            # the last stage's copy's over the embedding group (the pipeline's finalize).
+            self.embedding.weight.shared_embedding = True
+
+    def set_input_tensor(self, tensor: torch.Tensor | None) -> None:
+        """The pipeline schedules' hand-over: the previous stage's output [s, b, h], used
+        as this stage's decoder input when forward gets none (Megatron's contract)."""
+        self._input_tensor = tensor
 
     def forward(
         self,
@@ -114,10 +124,14 @@ class GPTModel(torch.nn.Module):
     ) -> torch.Tensor:
         """Per-token loss [b, s] with labels, else logits [b, s, v/tp]; hidden states [s, b, h]
         on a stage without post_process."""
+        if decoder_input is None and not self.pre_process:
+            decoder_input = self._input_tensor
         if self.pre_process:
             hidden = self._embed(input_ids, position_ids)
         elif decoder_input is None:
-            raise ValueError("a stage without pre_process needs decoder_input")
+            raise ValueError(
+                "a stage without pre_process needs decoder_input (or set_input_tensor)"
+            )
         else:
             hidden = decoder_input
         s = hidden.shape[0] * (self.tp_group.size if self.config.sequence_parallel else 1)

@@ -96,6 +96,10 @@ class DistributedDataParallel(torch.nn.Module):
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
 
+    def set_input_tensor(self, tensor: torch.Tensor | None) -> None:
+        """Passes a pipeline stage's input to the wrapped module."""
+        self.module.set_input_tensor(tensor)
+
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Gradients accumulate in the buffers without being reduced (all but the last

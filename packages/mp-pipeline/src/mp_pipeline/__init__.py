@@ -1,3 +1,30 @@
-"""mp-pipeline: pipeline engine. Nothing is public yet; see README.md."""
+"""mp-pipeline: pipeline-parallel communication and Megatron's schedules.
 
-__all__: list[str] = []
+A schedule takes a forward-step function, this rank's model chunks, a data
+iterator and the number of micro-batches; it knows nothing of the model.
+"""
+
+from mp_pipeline.config import PipelineConfig
+from mp_pipeline.finalize import finalize_model_grads
+from mp_pipeline.p2p import P2PCommunicator
+from mp_pipeline.partition import StageLayers, stage_layers
+from mp_pipeline.schedules import (
+    forward_backward_no_pipelining,
+    forward_backward_pipelining_with_interleaving,
+    forward_backward_pipelining_without_interleaving,
+    get_forward_backward_func,
+)
+from mp_pipeline.step import set_input_tensor
+
+__all__ = [
+    "P2PCommunicator",
+    "PipelineConfig",
+    "StageLayers",
+    "finalize_model_grads",
+    "forward_backward_no_pipelining",
+    "forward_backward_pipelining_with_interleaving",
+    "forward_backward_pipelining_without_interleaving",
+    "get_forward_backward_func",
+    "set_input_tensor",
+    "stage_layers",
+]

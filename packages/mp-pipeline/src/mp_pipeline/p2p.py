@@ -1,0 +1,158 @@
+"""Point-to-point communication between adjacent pipeline stages.
+
+Activations go forward (rank r to r + 1), their gradients backward (r + 1 to
+r). The ranks form a ring: with virtual stages the last rank's output of
+chunk k is the first rank's input of chunk k + 1. Every exchange is one batch
+of isend/irecv operations, waited together, so a rank that sends and
+receives at once (1F1B's steady state) cannot deadlock with its neighbour.
+
+Ordering. Two adjacent ranks may exchange several messages in one batch
+(with two stages, a rank's previous and next ranks are the same). Each rank
+posts the forward-direction operations (send to next, receive from previous)
+before the backward-direction ones (send to previous, receive from next), so
+the messages between any two ranks are matched in the same order on both
+sides; on gloo the two directions also carry different tags.
+
+Shapes. Every tensor crossing a stage boundary has the shape the caller
+gives (for GPT [s / (tp if sequence parallel) / cp, micro-batch, hidden]).
+With variable_seq_lengths the sender first sends the shape, so each micro-
+batch may differ.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from mp_state import RankGroup
+
+__all__ = ["P2PCommunicator"]
+
+_FORWARD_TAG, _BACKWARD_TAG = 1, 2
+_MAX_DIMS = 8
+
+
+@dataclass
+class P2PCommunicator:
+    """Sends and receives one stage's boundary tensors over `pp_group`.
+
+    Arguments:
+        pp_group: the pipeline-parallel group (`state.pp`).
+        tensor_shape: shape of every boundary tensor (None with variable_seq_lengths).
+        dtype: dtype of the boundary tensors.
+        device: where received tensors are allocated.
+        variable_seq_lengths: exchange each tensor's shape before the tensor.
+    """
+
+    pp_group: RankGroup
+    tensor_shape: tuple[int, ...] | None
+    dtype: torch.dtype = torch.float32
+    device: torch.device | str = "cpu"
+    variable_seq_lengths: bool = False
+
+    def __post_init__(self) -> None:
+        if self.tensor_shape is None and not self.variable_seq_lengths:
+            raise ValueError("tensor_shape is required unless variable_seq_lengths=True")
+        size, rank = self.pp_group.size, self.pp_group.rank
+        self.next_rank = self.pp_group.ranks[(rank + 1) % size]
+        self.prev_rank = self.pp_group.ranks[(rank - 1) % size]
+
+    # The eight exchanges of Megatron's schedules. `None` in, `None` out: a stage
+    # without a neighbour in that direction passes None and gets None.
+
+    def recv_forward(self) -> torch.Tensor | None:
+        return self.communicate(recv_prev=True)[0]
+
+    def recv_backward(self) -> torch.Tensor | None:
+        return self.communicate(recv_next=True)[1]
+
+    def send_forward(self, output: torch.Tensor | None) -> None:
+        self.communicate(send_next=output)
+
+    def send_backward(self, input_grad: torch.Tensor | None) -> None:
+        self.communicate(send_prev=input_grad)
+
+    def send_forward_recv_backward(self, output: torch.Tensor | None) -> torch.Tensor | None:
+        return self.communicate(send_next=output, recv_next=output is not None)[1]
+
+    def send_backward_recv_forward(self, input_grad: torch.Tensor | None) -> torch.Tensor | None:
+        return self.communicate(send_prev=input_grad, recv_prev=input_grad is not None)[0]
+
+    def communicate(
+        self,
+        *,
+        send_next: torch.Tensor | None = None,
+        send_prev: torch.Tensor | None = None,
+        recv_prev: bool = False,
+        recv_next: bool = False,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """One batched exchange; returns (from previous rank, from next rank)."""
+        if self.pp_group.size == 1:
+            return None, None
+        shape_prev = shape_next = self.tensor_shape
+        if self.variable_seq_lengths:
+            shape_prev, shape_next = self._exchange_shapes(send_next, send_prev, recv_prev,
+                                                           recv_next)  # fmt: skip
+        from_prev = self._empty(shape_prev) if recv_prev else None
+        from_next = self._empty(shape_next) if recv_next else None
+        group = self.pp_group.group
+        ops = []
+        if send_next is not None:
+            ops.append(dist.P2POp(dist.isend, _ready(send_next), self.next_rank, group,
+                                  _FORWARD_TAG))  # fmt: skip
+        if from_prev is not None:
+            ops.append(dist.P2POp(dist.irecv, from_prev, self.prev_rank, group, _FORWARD_TAG))
+        if send_prev is not None:
+            ops.append(dist.P2POp(dist.isend, _ready(send_prev), self.prev_rank, group,
+                                  _BACKWARD_TAG))  # fmt: skip
+        if from_next is not None:
+            ops.append(dist.P2POp(dist.irecv, from_next, self.next_rank, group, _BACKWARD_TAG))
+        if ops:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+        return from_prev, from_next
+
+    def _empty(self, shape) -> torch.Tensor:
+        return torch.empty(shape, dtype=self.dtype, device=self.device, requires_grad=True)
+
+    def _exchange_shapes(self, send_next, send_prev, recv_prev, recv_next):
+        """Sends the shapes of the tensors about to be sent; receives the awaited ones."""
+        group = self.pp_group.group
+        ops, received = [], {}
+        if send_next is not None:
+            ops.append(dist.P2POp(dist.isend, _encode(send_next.shape), self.next_rank, group,
+                                  _FORWARD_TAG))  # fmt: skip
+        if recv_prev:
+            received["prev"] = torch.zeros(_MAX_DIMS + 1, dtype=torch.int64)
+            ops.append(dist.P2POp(dist.irecv, received["prev"], self.prev_rank, group,
+                                  _FORWARD_TAG))  # fmt: skip
+        if send_prev is not None:
+            ops.append(dist.P2POp(dist.isend, _encode(send_prev.shape), self.prev_rank, group,
+                                  _BACKWARD_TAG))  # fmt: skip
+        if recv_next:
+            received["next"] = torch.zeros(_MAX_DIMS + 1, dtype=torch.int64)
+            ops.append(dist.P2POp(dist.irecv, received["next"], self.next_rank, group,
+                                  _BACKWARD_TAG))  # fmt: skip
+        if ops:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+        return _decode(received.get("prev")), _decode(received.get("next"))
+
+
+def _ready(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous()
+
+
+def _encode(shape: torch.Size) -> torch.Tensor:
+    if len(shape) > _MAX_DIMS:
+        raise ValueError(f"a boundary tensor has {len(shape)} dimensions; at most {_MAX_DIMS}")
+    return torch.tensor([len(shape), *shape, *[0] * (_MAX_DIMS - len(shape))], dtype=torch.int64)
+
+
+def _decode(encoded: torch.Tensor | None) -> tuple[int, ...] | None:
+    if encoded is None:
+        return None
+    n = int(encoded[0])
+    return tuple(int(x) for x in encoded[1 : n + 1])

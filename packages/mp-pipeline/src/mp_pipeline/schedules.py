@@ -1,0 +1,332 @@
+"""Megatron's pipeline schedules: no pipelining, 1F1B, interleaved 1F1B.
+
+Every schedule has Megatron's signature:
+
+    losses = forward_backward(
+        forward_step_func=..., data_iterator=..., model=model_chunks,
+        num_microbatches=m, pp_group=state.pp, config=PipelineConfig(...),
+        forward_only=False,
+    )
+
+and returns, on the last pipeline stage, the report of every micro-batch's
+loss function (an empty list elsewhere). p is the pipeline size, r this
+rank's stage, v the number of model chunks per rank (virtual stages).
+
+- No pipelining (p = 1): forward and backward of each micro-batch in turn,
+  gradients accumulating; reduction held back (no_sync) until the last.
+- 1F1B: p - r - 1 warm-up forwards, then one forward and one backward in
+  turn, then the remaining backwards. Stage r holds at most p - r micro-
+  batches' activations at once.
+- Interleaved 1F1B: each rank holds v chunks (virtual stage c * p + r); the
+  micro-batches go through in groups of p per chunk, so that the bubble
+  shrinks v-fold. m must be a multiple of p.
+
+docs/pipeline.md draws each as a timeline.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from mp_pipeline.config import PipelineConfig
+from mp_pipeline.p2p import P2PCommunicator
+from mp_pipeline.step import ForwardStepFunc, StepRunner
+from mp_state import RankGroup, select_device
+
+__all__ = [
+    "forward_backward_no_pipelining",
+    "forward_backward_pipelining_with_interleaving",
+    "forward_backward_pipelining_without_interleaving",
+    "get_forward_backward_func",
+]
+
+
+def get_forward_backward_func(
+    pipeline_model_parallel_size: int, virtual_pipeline_model_parallel_size: int | None = None
+) -> Callable[..., list[Any]]:
+    """The schedule for this layout (Megatron's get_forward_backward_func)."""
+    if pipeline_model_parallel_size == 1:
+        return forward_backward_no_pipelining
+    if virtual_pipeline_model_parallel_size is not None:
+        return forward_backward_pipelining_with_interleaving
+    return forward_backward_pipelining_without_interleaving
+
+
+def forward_backward_no_pipelining(
+    *,
+    forward_step_func: ForwardStepFunc,
+    data_iterator: Iterator | list[Iterator],
+    model: torch.nn.Module | list[torch.nn.Module],
+    num_microbatches: int,
+    config: PipelineConfig,
+    pp_group: RankGroup | None = None,
+    forward_only: bool = False,
+) -> list[Any]:
+    """Gradient accumulation over micro-batches on one stage."""
+    chunks, iterators = _as_lists(model, data_iterator)
+    if len(chunks) != 1:
+        raise ValueError(f"no pipelining takes one model chunk, got {len(chunks)}")
+    _check_microbatches(num_microbatches)
+    run = StepRunner(forward_step_func, iterators, chunks, num_microbatches, config)
+    if not forward_only:
+        run.disable_grad_sync()
+    for i in range(num_microbatches):
+        loss = run.forward(0, None, last_stage=True)
+        if not forward_only:
+            if i == num_microbatches - 1:
+                run.enable_grad_sync()
+            run.backward(None, loss, None)
+    if not forward_only:
+        run.finalize()
+    return run.losses
+
+
+def forward_backward_pipelining_without_interleaving(
+    *,
+    forward_step_func: ForwardStepFunc,
+    data_iterator: Iterator | list[Iterator],
+    model: torch.nn.Module | list[torch.nn.Module],
+    num_microbatches: int,
+    config: PipelineConfig,
+    pp_group: RankGroup,
+    forward_only: bool = False,
+) -> list[Any]:
+    """1F1B: warm-up forwards, one-forward-one-backward, cool-down backwards."""
+    chunks, iterators = _as_lists(model, data_iterator)
+    if len(chunks) != 1:
+        raise ValueError(f"1F1B takes one model chunk per rank, got {len(chunks)}")
+    _check_microbatches(num_microbatches)
+    p, r, m = pp_group.size, pp_group.rank, num_microbatches
+    first, last = r == 0, r == p - 1
+    comm = _communicator(pp_group, config)
+    run = StepRunner(forward_step_func, iterators, chunks, m, config)
+
+    def recv_forward():
+        return None if first else comm.recv_forward()
+
+    def recv_backward():
+        return None if last else comm.recv_backward()
+
+    warmup = min(p - r - 1, m)
+    remaining = m - warmup
+    inputs: list[torch.Tensor | None] = []
+    outputs: list[torch.Tensor] = []
+    if not forward_only:
+        run.disable_grad_sync()
+
+    for _ in range(warmup):
+        input_tensor = recv_forward()
+        output = run.forward(0, input_tensor, last)
+        if not last:
+            comm.send_forward(output)
+        if not forward_only:
+            inputs.append(input_tensor)
+            outputs.append(output)
+            run.deallocate(output)
+
+    input_tensor = recv_forward() if remaining > 0 else None
+    for i in range(remaining):
+        last_iteration = i == remaining - 1
+        output = run.forward(0, input_tensor, last)
+        if forward_only:
+            if not last:
+                comm.send_forward(output)
+            input_tensor = None if last_iteration else recv_forward()
+            continue
+        output_grad = None if last else comm.send_forward_recv_backward(output)
+        inputs.append(input_tensor)
+        outputs.append(output)
+        run.deallocate(output)
+        if warmup == 0 and last_iteration:
+            run.enable_grad_sync()
+        input_grad = run.backward(inputs.pop(0), outputs.pop(0), output_grad)
+        if last_iteration:
+            input_tensor = None
+            if not first:
+                comm.send_backward(input_grad)
+        else:
+            input_tensor = None if first else comm.send_backward_recv_forward(input_grad)
+
+    if not forward_only:
+        for i in range(warmup):
+            if i == warmup - 1:
+                run.enable_grad_sync()
+            output_grad = recv_backward()
+            input_grad = run.backward(inputs.pop(0), outputs.pop(0), output_grad)
+            if not first:
+                comm.send_backward(input_grad)
+        run.finalize()
+    return run.losses
+
+
+def forward_backward_pipelining_with_interleaving(
+    *,
+    forward_step_func: ForwardStepFunc,
+    data_iterator: list[Iterator],
+    model: list[torch.nn.Module],
+    num_microbatches: int,
+    config: PipelineConfig,
+    pp_group: RankGroup,
+    forward_only: bool = False,
+) -> list[Any]:
+    """Interleaved 1F1B over the v model chunks of this rank (virtual stages)."""
+    chunks, iterators = _as_lists(model, data_iterator)
+    p, r, m, v = pp_group.size, pp_group.rank, num_microbatches, len(chunks)
+    _check_microbatches(m)
+    if v < 2:
+        raise ValueError(f"the interleaved schedule needs >= 2 model chunks per rank, got {v}")
+    if len(iterators) != v:
+        raise ValueError(f"one data iterator per model chunk: {v} chunks, {len(iterators)}")
+    if m % p != 0:
+        raise ValueError(
+            f"the interleaved schedule needs num_microbatches ({m}) to be a multiple of "
+            f"pipeline_model_parallel_size ({p})"
+        )
+    comm = _communicator(pp_group, config)
+    run = StepRunner(forward_step_func, iterators, chunks, m, config)
+    total = m * v
+
+    def chunk_of(k: int, forward: bool) -> int:
+        c = (k % (p * v)) // p
+        return c if forward else v - 1 - c
+
+    def is_first(c: int) -> bool:
+        return r == 0 and c == 0
+
+    def is_last(c: int) -> bool:
+        return r == p - 1 and c == v - 1
+
+    inputs: list[list[torch.Tensor | None]] = [[] for _ in range(v)]
+    outputs: list[list[torch.Tensor]] = [[] for _ in range(v)]
+    output_grads: list[list[torch.Tensor | None]] = [[] for _ in range(v)]
+
+    def forward_k(k: int) -> torch.Tensor:
+        c = chunk_of(k, forward=True)
+        if is_first(c) and len(inputs[c]) == len(outputs[c]):
+            inputs[c].append(None)
+        output = run.forward(c, inputs[c][-1], is_last(c))
+        outputs[c].append(output)
+        if forward_only:  # nothing is kept for a backward
+            inputs[c].pop()
+            outputs[c].pop()
+        return output
+
+    def backward_k(k: int) -> torch.Tensor | None:
+        c = chunk_of(k, forward=False)
+        if is_last(c):
+            output_grads[c].append(None)
+        if k == total - 1:
+            run.enable_grad_sync()
+        return run.backward(inputs[c].pop(0), outputs[c].pop(0), output_grads[c].pop(0))
+
+    all_warmup = forward_only or m == p
+    warmup = total if all_warmup else min((p - r - 1) * 2 + (v - 1) * p, total)
+    remaining = total - warmup
+    if not forward_only:
+        run.disable_grad_sync()
+
+    if not is_first(0):
+        inputs[0].append(comm.recv_forward())
+    for k in range(warmup):
+        output = forward_k(k)
+        c = chunk_of(k, forward=True)
+        next_c = chunk_of(k + 1, forward=True)
+        recv_prev = not (r == 0 and next_c == 0) and k != total - 1
+        send = None if is_last(c) else output
+        if k == warmup - 1 and not forward_only and remaining > 0:
+            recv_next = r != p - 1
+            from_prev, from_next = comm.communicate(send_next=send, recv_prev=recv_prev,
+                                                    recv_next=recv_next)  # fmt: skip
+            if recv_next:
+                output_grads[v - 1].append(from_next)
+        else:
+            from_prev, _ = comm.communicate(send_next=send, recv_prev=recv_prev)
+        if recv_prev:
+            inputs[next_c].append(from_prev)
+        if not forward_only:
+            run.deallocate(output)
+
+    for k in range(remaining):
+        fk = k + warmup
+        output = forward_k(fk)
+        fc = chunk_of(fk, forward=True)
+        input_grad = backward_k(k)
+        bc = chunk_of(k, forward=False)
+
+        # What arrives this round: the rank before sends its next forward input, the
+        # rank after the next output gradient (Megatron's bookkeeping, ring included).
+        recv_prev = True
+        if r == 0:
+            next_fc = chunk_of(fk - (p - 1), forward=True)
+            if next_fc == v - 1:
+                recv_prev = False
+            next_fc += 1
+        else:
+            next_fc = chunk_of(fk + 1, forward=True)
+        recv_next = True
+        if r == p - 1:
+            next_bc = chunk_of(k - (p - 1), forward=False)
+            if next_bc == 0:
+                recv_next = False
+            next_bc -= 1
+        else:
+            next_bc = chunk_of(k + 1, forward=False)
+        if k == remaining - 1:
+            recv_prev = False
+        from_prev, from_next = comm.communicate(
+            send_next=None if is_last(fc) else output,
+            send_prev=None if is_first(bc) else input_grad,
+            recv_prev=recv_prev,
+            recv_next=recv_next,
+        )
+        if recv_prev:
+            inputs[next_fc].append(from_prev)
+        if recv_next:
+            output_grads[next_bc].append(from_next)
+        run.deallocate(output)
+
+    if not forward_only:
+        if remaining == 0 and r != p - 1:
+            output_grads[v - 1].append(comm.recv_backward())
+        for k in range(remaining, total):
+            input_grad = backward_k(k)
+            bc = chunk_of(k, forward=False)
+            next_bc = chunk_of(k + 1, forward=False)
+            recv_next = not (r == p - 1 and next_bc == v - 1) and k != total - 1
+            _, from_next = comm.communicate(
+                send_prev=None if is_first(bc) else input_grad, recv_next=recv_next
+            )
+            if recv_next:
+                output_grads[next_bc].append(from_next)
+        run.finalize()
+    return run.losses
+
+
+def _as_lists(model, data_iterator) -> tuple[list[torch.nn.Module], list]:
+    chunks = list(model) if isinstance(model, list | tuple) else [model]
+    if isinstance(data_iterator, list | tuple):
+        iterators = list(data_iterator)
+    else:
+        iterators = [data_iterator] * len(chunks)
+    return chunks, iterators
+
+
+def _check_microbatches(m: int) -> None:
+    if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+        raise ValueError(f"num_microbatches={m!r} must be a positive integer")
+
+
+def _communicator(pp_group: RankGroup, config: PipelineConfig) -> P2PCommunicator:
+    shape = config.tensor_shape()
+    if shape is None and not config.variable_seq_lengths:
+        raise ValueError(
+            "PipelineConfig needs seq_length, micro_batch_size and hidden_size (the boundary "
+            "tensors' shape), or variable_seq_lengths=True"
+        )
+    return P2PCommunicator(
+        pp_group, shape, config.pipeline_dtype, device=select_device().device,
+        variable_seq_lengths=config.variable_seq_lengths,
+    )  # fmt: skip

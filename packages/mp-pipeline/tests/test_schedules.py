@@ -1,0 +1,156 @@
+"""1F1B and interleaved 1F1B equal no pipelining on a stack of linear layers.
+
+Eight tanh(Linear) layers of width H, boundary tensors [S, B, H], an MSE loss
+on the last stage. The same global weights are cut into pipeline stages (and
+virtual stages); each layout's losses and gradients must equal
+forward_backward_no_pipelining over the same micro-batches (fp32, 1e-5).
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import mp_state
+from mp_pipeline import (
+    PipelineConfig,
+    forward_backward_no_pipelining,
+    get_forward_backward_func,
+    stage_layers,
+)
+from mp_state import ParallelConfig, RankGroup
+from mp_state.testing import run_on_ranks
+
+pytestmark = pytest.mark.multirank
+
+LAYERS, S, B, H = 8, 4, 2, 6
+
+
+class Stack(torch.nn.Module):
+    """Layers offset .. offset + count - 1 of the whole stack."""
+
+    def __init__(self, offset: int, count: int, first: bool):
+        super().__init__()
+        torch.manual_seed(0)
+        whole = [torch.nn.Linear(H, H) for _ in range(LAYERS)]
+        self.layers = torch.nn.ModuleList(whole[offset : offset + count])
+        self.offset, self.first = offset, first
+        self.input_tensor = None
+
+    def set_input_tensor(self, tensor):
+        self.input_tensor = tensor
+
+    def forward(self, x):
+        h = x if self.first else self.input_tensor
+        for layer in self.layers:
+            h = torch.tanh(layer(h))
+        return h
+
+
+def micro_batches(m: int):
+    generator = torch.Generator().manual_seed(3)
+    return [(torch.randn(S, B, H, generator=generator), torch.randn(S, B, H, generator=generator))
+            for _ in range(m)]  # fmt: skip
+
+
+def forward_step(data_iterator, model):
+    x, y = next(data_iterator)
+
+    def loss_func(output):
+        loss = torch.nn.functional.mse_loss(output, y)
+        return loss, {"loss": loss.detach()}
+
+    return model(x), loss_func
+
+
+def config() -> PipelineConfig:
+    return PipelineConfig(seq_length=S, micro_batch_size=B, hidden_size=H)
+
+
+def reference(m: int, forward_only: bool = False):
+    model = Stack(0, LAYERS, True)
+    losses = forward_backward_no_pipelining(
+        forward_step_func=forward_step, data_iterator=iter(micro_batches(m)), model=model,
+        num_microbatches=m, config=config(), forward_only=forward_only,
+    )  # fmt: skip
+    grads = {} if forward_only else {
+        (i, name): p.grad.clone() for i, layer in enumerate(model.layers)
+        for name, p in layer.named_parameters()
+    }  # fmt: skip
+    return [r["loss"] for r in losses], grads
+
+
+def pipeline_body(pp: int, vpp: int | None, m: int, forward_only: bool):
+    torch.set_num_threads(1)
+    state = mp_state.initialize(ParallelConfig(pipeline_model_parallel_size=pp))
+    chunks = []
+    for vp_stage in range(vpp or 1):
+        where = stage_layers(
+            LAYERS, pp, state.pp.rank, virtual_pipeline_model_parallel_size=vpp, vp_stage=vp_stage
+        )
+        chunks.append(Stack(where.offset, where.count, where.pre_process))
+    iterators = [iter(micro_batches(m)) for _ in chunks]
+    schedule = get_forward_backward_func(pp, vpp)
+    losses = schedule(
+        forward_step_func=forward_step, data_iterator=iterators if vpp else iterators[0],
+        model=chunks if vpp else chunks[0], num_microbatches=m, config=config(),
+        pp_group=state.pp, forward_only=forward_only,
+    )  # fmt: skip
+    grads = {}
+    if not forward_only:
+        for chunk in chunks:
+            for i, layer in enumerate(chunk.layers):
+                for name, p in layer.named_parameters():
+                    grads[(chunk.offset + i, name)] = p.grad.clone()
+    mp_state.destroy()
+    dist.barrier()
+    return [r["loss"] for r in losses], grads
+
+
+LAYOUTS = [(2, None, 4), (4, None, 4), (4, None, 8), (4, None, 2), (2, 2, 4), (2, 2, 2),
+           (2, 4, 4), (4, 2, 8)]  # fmt: skip
+
+
+@pytest.mark.parametrize("pp,vpp,m", LAYOUTS, ids=[f"pp{p}-vpp{v}-m{m}" for p, v, m in LAYOUTS])
+def test_pipelining_equals_no_pipelining(pp, vpp, m):
+    want_losses, want_grads = reference(m)
+    results = run_on_ranks(pipeline_body, pp, pp, vpp, m, False, timeout=120)
+    got_grads = {}
+    for _, grads in results:
+        got_grads.update(grads)
+    assert set(got_grads) == set(want_grads)
+    for key, want in want_grads.items():
+        torch.testing.assert_close(got_grads[key], want, rtol=1e-5, atol=1e-7, msg=str(key))
+    torch.testing.assert_close(results[-1][0], want_losses, rtol=1e-5, atol=1e-7)
+    assert all(losses == [] for losses, _ in results[:-1])  # losses on the last stage only
+
+
+@pytest.mark.parametrize("pp,vpp,m", [(2, None, 4), (4, None, 2), (2, 2, 4)])
+def test_forward_only_gives_the_same_losses(pp, vpp, m):
+    want_losses, _ = reference(m, forward_only=True)
+    results = run_on_ranks(pipeline_body, pp, pp, vpp, m, True, timeout=120)
+    torch.testing.assert_close(results[-1][0], want_losses, rtol=1e-5, atol=1e-7)
+
+
+def test_interleaved_needs_a_multiple_of_p_before_communicating():
+    group = RankGroup("pp", (0, 1), 0, None)  # no process group: any collective would fail
+    schedule = get_forward_backward_func(2, 2)
+    chunks = [Stack(0, 2, True), Stack(4, 2, False)]
+    with pytest.raises(ValueError, match=r"num_microbatches \(3\) to be a multiple of .*\(2\)"):
+        schedule(forward_step_func=forward_step, data_iterator=[iter([]), iter([])],
+                 model=chunks, num_microbatches=3, config=config(), pp_group=group)  # fmt: skip
+
+
+def test_stage_layers():
+    assert [stage_layers(8, 4, r) for r in range(4)][1].offset == 2
+    # pp 2 x vpp 2: virtual stages (c=0, r=0), (0, 1), (1, 0), (1, 1) hold 2 layers each.
+    offsets = [[stage_layers(8, 2, r, virtual_pipeline_model_parallel_size=2, vp_stage=c).offset
+                for c in range(2)] for r in range(2)]  # fmt: skip
+    assert offsets == [[0, 4], [2, 6]]
+    uneven = [stage_layers(10, 4, r, num_layers_in_first_pipeline_stage=1,
+                           num_layers_in_last_pipeline_stage=3) for r in range(4)]  # fmt: skip
+    assert [(s.offset, s.count) for s in uneven] == [(0, 1), (1, 3), (4, 3), (7, 3)]
+    assert uneven[0].pre_process and uneven[3].post_process and not uneven[1].post_process
+    with pytest.raises(ValueError, match="not divisible by virtual_pipeline_model_parallel_size"):
+        stage_layers(6, 2, 0, virtual_pipeline_model_parallel_size=2)
+    with pytest.raises(ValueError, match="would share 8 layers unevenly"):
+        stage_layers(10, 4, 0, num_layers_in_first_pipeline_stage=2)
