@@ -57,6 +57,11 @@ class PipelineConfig:
     deallocate_pipeline_outputs: bool = True
     """Free each sent output's data, keeping only its autograd node for the backward."""
 
+    p2p_timeout_s: float = 600.0
+    """How long a send or receive between stages may wait for its peer before raising
+    (Megatron's --distributed-timeout-minutes default, 10 minutes): a stage that hangs
+    or dies is an error on its neighbours, not a hang."""
+
     calculate_per_token_loss: bool = False
     """The loss function returns (loss sum, tokens, report); gradients are divided by
     the tokens of the global batch in finalize instead of by the micro-batch count."""

@@ -22,6 +22,7 @@ batch may differ.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -44,6 +45,7 @@ class P2PCommunicator:
         dtype: dtype of the boundary tensors.
         device: where received tensors are allocated.
         variable_seq_lengths: exchange each tensor's shape before the tensor.
+        timeout_s: how long one exchange may wait for the peer before raising.
     """
 
     pp_group: RankGroup
@@ -51,6 +53,7 @@ class P2PCommunicator:
     dtype: torch.dtype = torch.float32
     device: torch.device | str = "cpu"
     variable_seq_lengths: bool = False
+    timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
         if self.tensor_shape is None and not self.variable_seq_lengths:
@@ -109,9 +112,7 @@ class P2PCommunicator:
                                   _BACKWARD_TAG))  # fmt: skip
         if from_next is not None:
             ops.append(dist.P2POp(dist.irecv, from_next, self.next_rank, group, _BACKWARD_TAG))
-        if ops:
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
+        self._run(ops)
         return from_prev, from_next
 
     def _empty(self, shape) -> torch.Tensor:
@@ -135,10 +136,23 @@ class P2PCommunicator:
             received["next"] = torch.zeros(_MAX_DIMS + 1, dtype=torch.int64)
             ops.append(dist.P2POp(dist.irecv, received["next"], self.next_rank, group,
                                   _BACKWARD_TAG))  # fmt: skip
-        if ops:
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
+        self._run(ops)
         return _decode(received.get("prev")), _decode(received.get("next"))
+
+    def _run(self, ops: list[dist.P2POp]) -> None:
+        """Posts the batch and waits for it; a peer silent past the timeout is an error."""
+        if not ops:
+            return
+        peers = sorted({op.peer for op in ops})
+        try:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait(timeout=timedelta(seconds=self.timeout_s))
+        except RuntimeError as error:
+            raise RuntimeError(
+                f"pipeline rank {self.pp_group.rank} (global {self.pp_group.global_rank}): "
+                f"exchange with global rank(s) {peers} failed or timed out after "
+                f"{self.timeout_s:g} s: {error}"
+            ) from error
 
 
 def _ready(t: torch.Tensor) -> torch.Tensor:

@@ -328,5 +328,5 @@ def _communicator(pp_group: RankGroup, config: PipelineConfig) -> P2PCommunicato
         )
     return P2PCommunicator(
         pp_group, shape, config.pipeline_dtype, device=select_device().device,
-        variable_seq_lengths=config.variable_seq_lengths,
+        variable_seq_lengths=config.variable_seq_lengths, timeout_s=config.p2p_timeout_s,
     )  # fmt: skip
