@@ -15,12 +15,12 @@ def tiling(splits0, splits1, flat_parts):
     """Boxes from the split points on each axis, each box cut into flat_parts ranges."""
     pieces = []
     for (a0, a1), (b0, b1) in itertools.product(
-        zip(splits0, splits0[1:]), zip(splits1, splits1[1:])
+        itertools.pairwise(splits0), itertools.pairwise(splits1)
     ):
         box = GLOBAL[a0:a1, b0:b1]
         n = box.numel()
         cuts = [n * i // flat_parts for i in range(flat_parts + 1)]
-        for s, e in zip(cuts, cuts[1:]):
+        for s, e in itertools.pairwise(cuts):
             if s == e:
                 continue
             if flat_parts == 1:

@@ -1,5 +1,26 @@
-"""mp-ckpt: sharded checkpoints. Today: the sharding description models and optimizers give."""
+"""mp-ckpt: sharded checkpoints that reshard on load, and the sharding description.
 
+Installable alone (torch, numpy, safetensors): nothing here imports the rest of mp.
+"""
+
+from mp_ckpt.checkpointer import Checkpointer, storage_key
+from mp_ckpt.integrity import CheckpointCorrupted
+from mp_ckpt.layout import checkpoint_dir, list_iterations, read_tracker, write_tracker
+from mp_ckpt.loader import LoadedCheckpoint, load_checkpoint, read_metadata
 from mp_ckpt.sharding import ShardedTensor, assemble, check_tiling
 
-__all__ = ["ShardedTensor", "assemble", "check_tiling"]
+__all__ = [
+    "CheckpointCorrupted",
+    "Checkpointer",
+    "LoadedCheckpoint",
+    "ShardedTensor",
+    "assemble",
+    "check_tiling",
+    "checkpoint_dir",
+    "list_iterations",
+    "load_checkpoint",
+    "read_metadata",
+    "read_tracker",
+    "storage_key",
+    "write_tracker",
+]

@@ -1,0 +1,220 @@
+"""Saving sharded checkpoints: every rank writes its pieces, rank 0 commits.
+
+    checkpointer = Checkpointer(save_dir, async_save=True, keep_last=3)
+    checkpointer.save(iteration, pieces, common={...}, rank_state={...})
+    ...
+    checkpointer.finalize()     # at exit: waits for the save in flight, raises its error
+
+`pieces` maps logical keys to ShardedTensors (the model's and the
+optimizer's sharded_state_dict); only replica_id 0 pieces are written, each
+by the rank that holds it, through torch.distributed.checkpoint (DCP) in
+parallel. Rank 0 writes the plain state (`common`: iteration, scheduler,
+config, ...) and the readable mp_metadata.json; every rank may add its own
+`rank_state` (RNG states). See layout.py for the files and the commit.
+
+Async save: the pieces are copied to host memory first (the only part the
+training loop waits for), then a background thread writes them, checksums
+them and commits. At most one save is in flight: the next save, or
+finalize(), waits for the previous one and raises its error if it failed.
+The background thread talks to the other ranks over a group of its own, so
+its collectives never interleave with the training loop's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import threading
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from mp_ckpt.integrity import CHECKSUMS, file_digest
+from mp_ckpt.layout import checkpoint_dir, remove_old_checkpoints, write_tracker
+from mp_ckpt.sharding import ShardedTensor
+
+__all__ = ["METADATA", "Checkpointer", "storage_key"]
+
+METADATA = "mp_metadata.json"
+FORMAT_VERSION = 1
+
+
+def storage_key(piece: ShardedTensor) -> str:
+    """The name a saved piece has in DCP's storage: unique per (key, box, range)."""
+    where = ",".join(map(str, piece.global_offset))
+    if piece.flattened_range is not None:
+        where += f":{piece.flattened_range[0]}-{piece.flattened_range[1]}"
+    return f"{piece.key}@{where}"
+
+
+class Checkpointer:
+    """Writes checkpoints under save_dir (collective: every rank calls save).
+
+    Arguments:
+        save_dir: the checkpoint root (Megatron's --save).
+        async_save: write in a background thread after staging on the host.
+        keep_last: keep only this many newest checkpoints (None: all).
+    """
+
+    def __init__(self, save_dir: str | os.PathLike, *, async_save: bool = False,
+                 keep_last: int | None = None) -> None:  # fmt: skip
+        if keep_last is not None and keep_last < 1:
+            raise ValueError(f"keep_last={keep_last} must be >= 1")
+        self.save_dir = Path(save_dir)
+        self.async_save = async_save
+        self.keep_last = keep_last
+        self._distributed = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank() if self._distributed else 0
+        self.world_size = dist.get_world_size() if self._distributed else 1
+        # A gloo group of our own: a background save's collectives stay off the
+        # groups the training loop uses.
+        self._group = dist.new_group(backend="gloo") if self._distributed else None
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def save(
+        self,
+        iteration: int,
+        pieces: Mapping[str, ShardedTensor],
+        *,
+        common: dict | None = None,
+        rank_state: dict | None = None,
+        layout: dict | None = None,
+    ) -> None:
+        """Saves checkpoint `iteration` (returns once it is committed, or once staged
+        when async). `layout` (parallel sizes) is recorded for `mp-ckpt inspect`."""
+        self.finalize()
+        saved = {}
+        for name, piece in pieces.items():
+            if not isinstance(piece, ShardedTensor):
+                raise TypeError(
+                    f"pieces[{name!r}] is a {type(piece).__name__}, not a ShardedTensor"
+                )
+            if piece.replica_id == 0:
+                saved[storage_key(piece)] = piece
+        if not self.async_save:
+            self._write(iteration, saved, common, rank_state, layout)
+            return
+        staged = {k: _stage(p) for k, p in saved.items()}
+        self._thread = threading.Thread(
+            target=self._write_in_background, args=(iteration, staged, common, rank_state, layout),
+            name=f"mp-ckpt-save-{iteration}", daemon=True,
+        )  # fmt: skip
+        self._thread.start()
+
+    def finalize(self) -> None:
+        """Waits for a save in flight; raises if it failed."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise RuntimeError(
+                f"rank {self.rank}: the asynchronous checkpoint save failed"
+            ) from error
+
+    # --- the write and the commit ------------------------------------------------------
+
+    def _write_in_background(self, *args) -> None:
+        try:
+            self._write(*args)
+        except BaseException as error:  # surfaced by the next save or finalize
+            self._error = error
+
+    def _write(self, iteration: int, saved: dict[str, ShardedTensor], common, rank_state,
+               layout) -> None:  # fmt: skip
+        final = checkpoint_dir(self.save_dir, iteration)
+        tmp = final.with_name(final.name + ".tmp")
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        self._barrier()
+        writer = dcp.FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True)
+        dcp.save({k: p.data for k, p in saved.items()}, storage_writer=writer,
+                 process_group=self._group, no_dist=not self._distributed)  # fmt: skip
+        mine = []
+        if rank_state is not None:
+            name = f"rank_{self.rank:05d}.pt"
+            torch.save(rank_state, tmp / name)
+            mine.append(name)
+        mine += [p.name for p in tmp.glob(f"__{self.rank}_*.distcp")]
+        digests = {name: file_digest(tmp / name) for name in mine}
+        chunks = [_describe(k, p) for k, p in saved.items()]
+        all_digests = self._gather(digests)
+        all_chunks = self._gather(chunks)
+        if self.rank == 0:
+            torch.save(common or {}, tmp / "common.pt")
+            metadata = _metadata(iteration, all_chunks, self.world_size, layout)
+            (tmp / METADATA).write_text(json.dumps(metadata, indent=1))
+            files = {name: d for rank_digests in all_digests for name, d in rank_digests.items()}
+            for name in ("common.pt", METADATA, ".metadata"):
+                files[name] = file_digest(tmp / name)
+            (tmp / CHECKSUMS).write_text(json.dumps(files, indent=1, sort_keys=True))
+        self._barrier()
+        if self.rank == 0:
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            write_tracker(self.save_dir, iteration)
+            if self.keep_last is not None:
+                remove_old_checkpoints(self.save_dir, self.keep_last)
+        self._barrier()
+
+    def _barrier(self) -> None:
+        if self._distributed:
+            dist.barrier(group=self._group)
+
+    def _gather(self, value) -> list:
+        if not self._distributed:
+            return [value]
+        out = [None] * self.world_size
+        dist.all_gather_object(out, value, group=self._group)
+        return out
+
+
+def _stage(piece: ShardedTensor) -> ShardedTensor:
+    """A host copy of the piece, taken now, for a background write."""
+    data = piece.data.detach().to("cpu", copy=True)
+    return ShardedTensor(piece.key, data, piece.global_shape, piece.global_offset,
+                         piece.replica_id, piece.flattened_range, piece.local_shape)  # fmt: skip
+
+
+def _describe(name: str, piece: ShardedTensor) -> dict:
+    return {
+        "key": piece.key,
+        "storage_key": name,
+        "dtype": str(piece.data.dtype).removeprefix("torch."),
+        "global_shape": list(piece.global_shape),
+        "offset": list(piece.global_offset),
+        "shape": list(piece.shape),
+        "flattened_range": list(piece.flattened_range) if piece.flattened_range else None,
+    }
+
+
+def _metadata(iteration: int, per_rank_chunks: list[list[dict]], world_size: int,
+              layout: dict | None) -> dict:  # fmt: skip
+    tensors: dict[str, dict] = {}
+    chunks = []
+    for rank, rank_chunks in enumerate(per_rank_chunks):
+        for chunk in rank_chunks:
+            chunks.append({**chunk, "rank": rank})
+            entry = tensors.setdefault(chunk["key"], {"shape": chunk["global_shape"],
+                                                      "dtype": chunk["dtype"]})  # fmt: skip
+            if entry["shape"] != chunk["global_shape"]:
+                raise ValueError(
+                    f"{chunk['key']}: ranks disagree on the global shape: "
+                    f"{entry['shape']} and {chunk['global_shape']}"
+                )
+    return {
+        "format": "mp-ckpt",
+        "version": FORMAT_VERSION,
+        "iteration": iteration,
+        "world_size": world_size,
+        "layout": layout or {},
+        "tensors": dict(sorted(tensors.items())),
+        "chunks": chunks,
+    }

@@ -1,0 +1,105 @@
+"""Megatron's checkpoint directory layout and the atomic tracker.
+
+    <save>/latest_checkpointed_iteration.txt     the iteration of the last complete save
+    <save>/iter_0000100/                         one checkpoint
+        __0_0.distcp, __1_0.distcp, ...          each rank's pieces (torch.distributed.checkpoint)
+        .metadata                                DCP's index of them
+        mp_metadata.json                         logical tensors, saved pieces, layout (readable)
+        common.pt                                rank 0's plain state (iteration, config, ...)
+        rank_00000.pt, ...                       per-rank state (RNG)
+        checksums.json                           sha256 and size of every file above
+
+A save writes into iter_XXXXXXX.tmp/ and is renamed once every rank has
+finished; the tracker is then replaced atomically. A checkpoint is therefore
+either complete and named by the tracker, or invisible.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from pathlib import Path
+
+__all__ = [
+    "TRACKER",
+    "checkpoint_dir",
+    "list_iterations",
+    "read_tracker",
+    "remove_old_checkpoints",
+    "write_tracker",
+]
+
+TRACKER = "latest_checkpointed_iteration.txt"
+_ITER_DIR = re.compile(r"^iter_(\d{7,})$")
+
+
+def checkpoint_dir(root: str | os.PathLike, iteration: int) -> Path:
+    """<root>/iter_0000100 (Megatron's seven-digit name)."""
+    if iteration < 0:
+        raise ValueError(f"iteration={iteration} must be >= 0")
+    return Path(root) / f"iter_{iteration:07d}"
+
+
+def read_tracker(root: str | os.PathLike) -> int | None:
+    """The iteration named by the tracker, or None when there is no tracker."""
+    path = Path(root) / TRACKER
+    if not path.exists():
+        return None
+    text = path.read_text().strip()
+    if text == "release":
+        raise ValueError(f"{path}: 'release' checkpoints are not supported; convert it first")
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"{path}: expected an iteration number, found {text!r}") from None
+
+
+def write_tracker(root: str | os.PathLike, iteration: int) -> None:
+    """Points the tracker at `iteration`, atomically (a temporary file renamed over it)."""
+    path = Path(root) / TRACKER
+    tmp = path.with_name(f".{TRACKER}.tmp")
+    with open(tmp, "w") as f:
+        f.write(f"{iteration}\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def list_iterations(root: str | os.PathLike) -> list[int]:
+    """Iterations with a complete checkpoint directory under root, ascending."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = []
+    for entry in root.iterdir():
+        match = _ITER_DIR.match(entry.name)
+        if match and entry.is_dir():
+            found.append(int(match.group(1)))
+    return sorted(found)
+
+
+def remove_old_checkpoints(root: str | os.PathLike, keep_last: int) -> list[int]:
+    """Deletes all but the newest keep_last checkpoints (never the tracker's); returns them."""
+    if keep_last < 1:
+        raise ValueError(f"keep_last={keep_last} must be >= 1")
+    current = read_tracker(root)
+    iterations = list_iterations(root)
+    doomed = [i for i in iterations[:-keep_last] if i != current]
+    for iteration in doomed:
+        shutil.rmtree(checkpoint_dir(root, iteration), ignore_errors=True)
+    return doomed
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

@@ -1,0 +1,181 @@
+"""Loading a sharded checkpoint into this rank's pieces, under any layout.
+
+    loaded = load_checkpoint(load_dir, pieces)     # fills every piece's data in place
+
+`pieces` describes what this rank holds now (the model's and optimizer's
+sharded_state_dict under the current layout). For each piece the saved
+chunks of the same logical tensor that overlap it are read (only those) and
+their shared elements copied in (regions.py), so a checkpoint saved at
+TP2 x PP2 x DP2 loads at TP1, TP4, another pipeline split or another
+data-parallel size alike. Collective: every rank calls it.
+
+Before reading, the files are checked against checksums.json (the ranks
+share the work); a missing or corrupted file is an error naming it, on
+every rank.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from mp_ckpt.checkpointer import METADATA
+from mp_ckpt.integrity import CheckpointCorrupted, recorded_files, verify_files
+from mp_ckpt.layout import checkpoint_dir, read_tracker
+from mp_ckpt.regions import Region, copy_shared
+from mp_ckpt.sharding import ShardedTensor
+
+__all__ = ["LoadedCheckpoint", "load_checkpoint", "read_metadata"]
+
+
+@dataclass
+class LoadedCheckpoint:
+    iteration: int
+    directory: Path
+    common: dict
+    """Rank 0's plain state as saved (scheduler, config, consumed samples, ...)."""
+
+    rank_state: dict | None
+    """This rank's own saved state, when the world size is the one saved; else None."""
+
+    missing: list[str] = field(default_factory=list)
+    """Keys asked for that the checkpoint lacks (non-strict loads leave them as they were)."""
+
+    unexpected: list[str] = field(default_factory=list)
+    """Saved keys no rank asked for."""
+
+
+def read_metadata(directory: str | os.PathLike) -> dict:
+    """mp_metadata.json of a checkpoint directory."""
+    path = Path(directory) / METADATA
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing: not an mp-ckpt checkpoint directory")
+    return json.loads(path.read_text())
+
+
+def resolve(load_dir: str | os.PathLike, iteration: int | None = None) -> tuple[int, Path]:
+    """The iteration to load (the tracker's unless given) and its directory."""
+    if iteration is None:
+        iteration = read_tracker(load_dir)
+        if iteration is None:
+            raise FileNotFoundError(f"no checkpoint under {load_dir}: no tracker file")
+    directory = checkpoint_dir(load_dir, iteration)
+    if not directory.is_dir():
+        raise FileNotFoundError(f"{directory} does not exist")
+    return iteration, directory
+
+
+def load_checkpoint(
+    load_dir: str | os.PathLike,
+    pieces: Mapping[str, ShardedTensor],
+    *,
+    iteration: int | None = None,
+    strict: bool = True,
+    verify: bool = True,
+) -> LoadedCheckpoint:
+    """Fills `pieces` from a checkpoint under load_dir (see the module docstring)."""
+    distributed = dist.is_available() and dist.is_initialized()
+    rank = dist.get_rank() if distributed else 0
+    world = dist.get_world_size() if distributed else 1
+    iteration, directory = resolve(load_dir, iteration)
+    if verify:
+        _verify(directory, rank, world, distributed)
+    meta = read_metadata(directory)
+    chunks_by_key: dict[str, list[dict]] = {}
+    for chunk in meta["chunks"]:
+        chunks_by_key.setdefault(chunk["key"], []).append(chunk)
+
+    asked = {piece.key for piece in pieces.values()}
+    everyone_asked = set().union(*_gather(sorted(asked), distributed, world))
+    missing = sorted(asked - set(meta["tensors"]))
+    unexpected = sorted(set(meta["tensors"]) - everyone_asked)
+    mismatched = [
+        f"{p.key}: saved {tuple(meta['tensors'][p.key]['shape'])}, now {tuple(p.global_shape)}"
+        for p in pieces.values()
+        if p.key in meta["tensors"] and tuple(meta["tensors"][p.key]["shape"]) != p.global_shape
+    ]
+    all_missing = sorted(set().union(*_gather(missing, distributed, world)))
+    all_mismatched = sorted(set().union(*_gather(mismatched, distributed, world)))
+    if all_mismatched:
+        raise ValueError(
+            f"{directory}: {len(all_mismatched)} tensors cannot be resharded (their global "
+            "shapes differ):\n  " + "\n  ".join(all_mismatched)
+        )
+    if strict and (all_missing or unexpected):
+        raise KeyError(
+            f"{directory}: missing keys {all_missing[:20]}{' ...' if len(all_missing) > 20 else ''}"
+            f"; unexpected keys {unexpected[:20]}{' ...' if len(unexpected) > 20 else ''}"
+        )
+
+    needed: dict[str, dict] = {}
+    plan = []
+    for piece in pieces.values():
+        target = Region(piece.global_offset, piece.shape, piece.flattened_range)
+        sources = [
+            c for c in chunks_by_key.get(piece.key, ())
+            if _region(c).box_overlap(target) is not None
+        ]  # fmt: skip
+        for chunk in sources:
+            needed[chunk["storage_key"]] = chunk
+        plan.append((piece, target, sources))
+    buffers = {
+        name: torch.empty(_stored_shape(c), dtype=getattr(torch, c["dtype"]))
+        for name, c in needed.items()
+    }
+    if buffers or distributed:
+        dcp.load(buffers, storage_reader=dcp.FileSystemReader(directory),
+                 no_dist=not distributed)  # fmt: skip
+    with torch.no_grad():
+        for piece, target, sources in plan:
+            copied = sum(
+                copy_shared(buffers[c["storage_key"]], _region(c), piece.data, target)
+                for c in sources
+            )
+            if sources and copied != piece.numel:
+                raise CheckpointCorrupted(
+                    f"{directory}: {piece.key} at {piece.global_offset}: the saved pieces "
+                    f"cover {copied} of its {piece.numel} elements"
+                )
+
+    common = torch.load(directory / "common.pt", weights_only=False)
+    rank_file = directory / f"rank_{rank:05d}.pt"
+    rank_state = None
+    if meta["world_size"] == world and rank_file.exists():
+        rank_state = torch.load(rank_file, weights_only=False)
+    return LoadedCheckpoint(iteration, directory, common, rank_state, missing, unexpected)
+
+
+def _region(chunk: dict) -> Region:
+    flat = chunk["flattened_range"]
+    return Region(tuple(chunk["offset"]), tuple(chunk["shape"]), tuple(flat) if flat else None)
+
+
+def _stored_shape(chunk: dict) -> tuple[int, ...]:
+    flat = chunk["flattened_range"]
+    return (flat[1] - flat[0],) if flat else tuple(chunk["shape"])
+
+
+def _gather(value, distributed: bool, world: int) -> list:
+    if not distributed:
+        return [value]
+    out = [None] * world
+    dist.all_gather_object(out, value)
+    return out
+
+
+def _verify(directory: Path, rank: int, world: int, distributed: bool) -> None:
+    recorded = recorded_files(directory)
+    names = sorted(recorded)
+    problems = verify_files(directory, names[rank::world], recorded)
+    every = [p for rank_problems in _gather(problems, distributed, world) for p in rank_problems]
+    if every:
+        raise CheckpointCorrupted(
+            f"{directory} failed its integrity check:\n  " + "\n  ".join(every)
+        )

@@ -1,0 +1,134 @@
+"""Save and load: resharding, the commit, integrity, strictness, async saves."""
+
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from mp_ckpt import (
+    CheckpointCorrupted,
+    Checkpointer,
+    ShardedTensor,
+    checkpoint_dir,
+    load_checkpoint,
+    read_metadata,
+    read_tracker,
+)
+from mp_state.testing import run_on_ranks
+
+W = torch.arange(48.0).view(8, 6)
+M = torch.arange(30.0).view(5, 6) / 7
+
+
+def pieces_for(rank: int, world: int, flat_optimizer: bool = True) -> dict:
+    """w split by rows over the ranks; m whole (a replica past rank 0) and, as an optimizer
+    state would be, cut into flat ranges per rank."""
+    rows = 8 // world
+    w = W[rank * rows : (rank + 1) * rows].clone()
+    out = {"w": ShardedTensor("w", w, (8, 6), (rank * rows, 0))}
+    out["m"] = ShardedTensor("m", M.clone(), (5, 6), (0, 0), replica_id=rank)
+    if flat_optimizer:
+        n = M.numel()
+        s, e = n * rank // world, n * (rank + 1) // world
+        out["opt.m"] = ShardedTensor("opt.m", (M * 2).reshape(-1)[s:e].clone(), (5, 6), (0, 0),
+                                     0, (s, e), (5, 6))  # fmt: skip
+    return out
+
+
+def empty_like(pieces: dict) -> dict:
+    return {
+        k: ShardedTensor(p.key, torch.full_like(p.data, float("nan")), p.global_shape,
+                         p.global_offset, p.replica_id, p.flattened_range, p.local_shape)
+        for k, p in pieces.items()
+    }  # fmt: skip
+
+
+def save_body(root, world_async: bool):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    checkpointer = Checkpointer(root, async_save=world_async)
+    checkpointer.save(7, pieces_for(rank, world), common={"iteration": 7},
+                      rank_state={"rank": rank}, layout={"tp": world})  # fmt: skip
+    checkpointer.finalize()
+
+
+def load_body(root):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    target = empty_like(pieces_for(rank, world))
+    loaded = load_checkpoint(root, target)
+    return {k: p.data for k, p in target.items()}, loaded.common, loaded.rank_state
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_saved_on_4_ranks_loads_on_2_and_1(tmp_path, async_save):
+    run_on_ranks(save_body, 4, str(tmp_path), async_save, timeout=60)
+    assert read_tracker(tmp_path) == 7
+    meta = read_metadata(checkpoint_dir(tmp_path, 7))
+    assert meta["layout"] == {"tp": 4} and meta["tensors"]["w"]["shape"] == [8, 6]
+    for world in (2, 1):
+        results = run_on_ranks(load_body, world, str(tmp_path), timeout=60)
+        for rank, (data, common, rank_state) in enumerate(results):
+            want = pieces_for(rank, world)
+            for key, piece in want.items():
+                torch.testing.assert_close(data[key], piece.data, rtol=0, atol=0, msg=key)
+            assert common == {"iteration": 7}
+            assert rank_state is None  # saved by 4 ranks: not this layout's
+
+
+def test_single_process_round_trip_and_rank_state(tmp_path):
+    Checkpointer(tmp_path).save(3, pieces_for(0, 1), common={"a": 1}, rank_state={"rng": 5})
+    target = empty_like(pieces_for(0, 1))
+    loaded = load_checkpoint(tmp_path, target)
+    assert loaded.iteration == 3 and loaded.common == {"a": 1} and loaded.rank_state == {"rng": 5}
+    torch.testing.assert_close(target["w"].data, W, rtol=0, atol=0)
+
+
+def test_tracker_moves_only_after_a_complete_save_and_keep_last(tmp_path):
+    checkpointer = Checkpointer(tmp_path, keep_last=2)
+    for iteration in (1, 2, 3):
+        checkpointer.save(iteration, pieces_for(0, 1))
+        assert read_tracker(tmp_path) == iteration
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == [
+        "iter_0000002", "iter_0000003"
+    ]  # fmt: skip
+    # An interrupted save leaves only its .tmp directory behind, and the tracker as it was.
+    (tmp_path / "iter_0000004.tmp").mkdir()
+    assert read_tracker(tmp_path) == 3
+    load_checkpoint(tmp_path, empty_like(pieces_for(0, 1)))
+
+
+def test_a_corrupted_or_missing_file_is_named(tmp_path):
+    Checkpointer(tmp_path).save(1, pieces_for(0, 1))
+    directory = checkpoint_dir(tmp_path, 1)
+    shard = next(directory.glob("__0_*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CheckpointCorrupted, match=rf"{shard.name}: sha256 differs"):
+        load_checkpoint(tmp_path, empty_like(pieces_for(0, 1)))
+    shard.unlink()
+    with pytest.raises(CheckpointCorrupted, match=rf"{shard.name}: missing"):
+        load_checkpoint(tmp_path, empty_like(pieces_for(0, 1)))
+
+
+def test_strict_and_non_strict_keys_and_shape_changes(tmp_path):
+    Checkpointer(tmp_path).save(1, pieces_for(0, 1))
+    asked = empty_like(pieces_for(0, 1))
+    asked["extra"] = ShardedTensor("extra", torch.zeros(2), (2,), (0,))
+    del asked["m"]
+    with pytest.raises(KeyError, match=r"missing keys \['extra'\]; unexpected keys \['m'\]"):
+        load_checkpoint(tmp_path, asked)
+    loaded = load_checkpoint(tmp_path, asked, strict=False)
+    assert loaded.missing == ["extra"] and loaded.unexpected == ["m"]
+    torch.testing.assert_close(asked["w"].data, W, rtol=0, atol=0)
+    wider = {"w": ShardedTensor("w", torch.zeros(8, 7), (8, 7), (0, 0))}
+    with pytest.raises(ValueError, match=r"w: saved \(8, 6\), now \(8, 7\)"):
+        load_checkpoint(tmp_path, wider, strict=False)
+
+
+def test_metadata_is_readable_json(tmp_path):
+    Checkpointer(tmp_path).save(5, pieces_for(0, 1), layout={"tp": 1, "pp": 1})
+    meta = json.loads((checkpoint_dir(tmp_path, 5) / "mp_metadata.json").read_text())
+    assert meta["iteration"] == 5 and set(meta["tensors"]) == {"w", "m", "opt.m"}
+    assert meta["tensors"]["opt.m"] == {"shape": [5, 6], "dtype": "float32"}
