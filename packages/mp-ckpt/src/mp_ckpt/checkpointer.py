@@ -22,11 +22,13 @@ its collectives never interleave with the training loop's.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import threading
-from collections.abc import Mapping
+import warnings
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -37,7 +39,7 @@ from mp_ckpt.integrity import CHECKSUMS, file_digest
 from mp_ckpt.layout import checkpoint_dir, remove_old_checkpoints, write_tracker
 from mp_ckpt.sharding import ShardedTensor
 
-__all__ = ["METADATA", "Checkpointer", "storage_key"]
+__all__ = ["METADATA", "Checkpointer", "single_process_quiet", "storage_key"]
 
 METADATA = "mp_metadata.json"
 FORMAT_VERSION = 1
@@ -134,8 +136,9 @@ class Checkpointer:
             tmp.mkdir(parents=True)
         self._barrier()
         writer = dcp.FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True)
-        dcp.save({k: p.data for k, p in saved.items()}, storage_writer=writer,
-                 process_group=self._group, no_dist=not self._distributed)  # fmt: skip
+        with single_process_quiet():
+            dcp.save({k: p.data for k, p in saved.items()}, storage_writer=writer,
+                     process_group=self._group, no_dist=not self._distributed)  # fmt: skip
         mine = []
         if rank_state is not None:
             name = f"rank_{self.rank:05d}.pt"
@@ -174,6 +177,15 @@ class Checkpointer:
         out = [None] * self.world_size
         dist.all_gather_object(out, value, group=self._group)
         return out
+
+
+@contextlib.contextmanager
+def single_process_quiet() -> Iterator[None]:
+    """Silences DCP's warning that a process without torch.distributed saves or loads
+    alone (the CLI and single-process runs do so on purpose)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
 
 
 def _stage(piece: ShardedTensor) -> ShardedTensor:

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from mp_ckpt.checkpointer import METADATA
+from mp_ckpt.checkpointer import METADATA, single_process_quiet
 from mp_ckpt.integrity import CheckpointCorrupted, recorded_files, verify_files
 from mp_ckpt.layout import checkpoint_dir, read_tracker
 from mp_ckpt.regions import Region, copy_shared
@@ -130,8 +130,9 @@ def load_checkpoint(
         for name, c in needed.items()
     }
     if buffers or distributed:
-        dcp.load(buffers, storage_reader=dcp.FileSystemReader(directory),
-                 no_dist=not distributed)  # fmt: skip
+        with single_process_quiet():
+            dcp.load(buffers, storage_reader=dcp.FileSystemReader(directory),
+                     no_dist=not distributed)  # fmt: skip
     with torch.no_grad():
         for piece, target, sources in plan:
             copied = sum(
