@@ -1,0 +1,114 @@
+"""The commit protocol: an async save is invisible until committed and equals a sync save;
+a save killed mid-write leaves the previous checkpoint in place and loadable."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+import torch
+
+import mp_ckpt.checkpointer as checkpointer_module
+from mp_ckpt import Checkpointer, ShardedTensor, checkpoint_dir, load_checkpoint, read_tracker
+
+
+def pieces(scale: float) -> dict:
+    w = torch.arange(12.0).view(3, 4) * scale
+    return {"w": ShardedTensor("w", w, (3, 4), (0, 0))}
+
+
+def loaded(root) -> torch.Tensor:
+    target = {"w": ShardedTensor("w", torch.zeros(3, 4), (3, 4), (0, 0))}
+    load_checkpoint(root, target)
+    return target["w"].data
+
+
+def test_async_save_is_invisible_until_committed_and_equals_a_sync_save(tmp_path, monkeypatch):
+    release = threading.Event()
+    real_save = checkpointer_module.dcp.save
+
+    def held_save(*args, **kwargs):
+        real_save(*args, **kwargs)
+        assert release.wait(30)
+
+    monkeypatch.setattr(checkpointer_module.dcp, "save", held_save)
+    checkpointer = Checkpointer(tmp_path / "async", async_save=True)
+    data = pieces(2.0)
+    checkpointer.save(4, data)
+    data["w"].data.fill_(-1.0)  # the training loop moves on: the staged copy was taken
+    time.sleep(0.2)
+    assert read_tracker(tmp_path / "async") is None
+    assert not checkpoint_dir(tmp_path / "async", 4).exists()
+    release.set()
+    checkpointer.finalize()
+    assert read_tracker(tmp_path / "async") == 4
+
+    monkeypatch.setattr(checkpointer_module.dcp, "save", real_save)
+    Checkpointer(tmp_path / "sync").save(4, pieces(2.0))
+    torch.testing.assert_close(loaded(tmp_path / "async"), loaded(tmp_path / "sync"), rtol=0,
+                               atol=0)  # fmt: skip
+
+
+def test_a_failed_async_save_surfaces_at_the_next_call(tmp_path, monkeypatch):
+    def failing_save(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(checkpointer_module.dcp, "save", failing_save)
+    checkpointer = Checkpointer(tmp_path, async_save=True)
+    checkpointer.save(1, pieces(1.0))
+    with pytest.raises(RuntimeError, match="asynchronous checkpoint save failed"):
+        checkpointer.finalize()
+    assert read_tracker(tmp_path) is None
+
+
+KILLED_SAVE = textwrap.dedent(
+    """
+    import sys, time, pathlib, torch
+    import mp_ckpt.checkpointer as module
+    from mp_ckpt import Checkpointer, ShardedTensor
+
+    root, marker = sys.argv[1], pathlib.Path(sys.argv[2])
+    checkpointer = Checkpointer(root)
+    def pieces(scale):
+        w = torch.arange(12.0).view(3, 4) * scale
+        return {"w": ShardedTensor("w", w, (3, 4), (0, 0))}
+    checkpointer.save(1, pieces(1.0))
+    real_save = module.dcp.save
+    def slow_save(*args, **kwargs):
+        real_save(*args, **kwargs)   # the pieces of iteration 2 are on disk ...
+        marker.write_text("writing")
+        time.sleep(60)               # ... and the process dies before the commit
+    module.dcp.save = slow_save
+    checkpointer.save(2, pieces(2.0))
+    """
+)
+
+
+def test_a_save_killed_mid_write_leaves_the_previous_checkpoint(tmp_path):
+    marker = tmp_path / "marker"
+    process = subprocess.Popen(
+        [sys.executable, "-c", KILLED_SAVE, str(tmp_path / "ckpt"), str(marker)],
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not marker.exists():
+            assert process.poll() is None, "the saving process exited early"
+            assert time.monotonic() < deadline, "the saving process never reached iteration 2"
+            time.sleep(0.05)
+        process.send_signal(signal.SIGKILL)
+        process.wait(timeout=30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    root = tmp_path / "ckpt"
+    assert read_tracker(root) == 1
+    assert (root / "iter_0000002.tmp").exists() and not checkpoint_dir(root, 2).exists()
+    torch.testing.assert_close(loaded(root), torch.arange(12.0).view(3, 4), rtol=0, atol=0)
+    # The next save of iteration 2 replaces the leftover directory.
+    Checkpointer(root).save(2, pieces(2.0))
+    assert read_tracker(root) == 2 and not (root / "iter_0000002.tmp").exists()
