@@ -4,21 +4,32 @@ Installable alone (torch, numpy, safetensors): nothing here imports the rest of 
 """
 
 from mp_ckpt.checkpointer import Checkpointer, storage_key
+from mp_ckpt.convert import convert_checkpoint
+from mp_ckpt.hf import export_hf, import_hf, logical_from_hf, model_config_from_hf
 from mp_ckpt.integrity import CheckpointCorrupted
 from mp_ckpt.layout import checkpoint_dir, list_iterations, read_tracker, write_tracker
 from mp_ckpt.loader import LoadedCheckpoint, load_checkpoint, read_metadata
+from mp_ckpt.reader import CheckpointReader
+from mp_ckpt.regions import Region
 from mp_ckpt.sharding import ShardedTensor, assemble, check_tiling
 
 __all__ = [
     "CheckpointCorrupted",
+    "CheckpointReader",
     "Checkpointer",
     "LoadedCheckpoint",
+    "Region",
     "ShardedTensor",
     "assemble",
     "check_tiling",
     "checkpoint_dir",
+    "convert_checkpoint",
+    "export_hf",
+    "import_hf",
     "list_iterations",
     "load_checkpoint",
+    "logical_from_hf",
+    "model_config_from_hf",
     "read_metadata",
     "read_tracker",
     "storage_key",

@@ -151,7 +151,7 @@ class Checkpointer:
         all_chunks = self._gather(chunks)
         if self.rank == 0:
             torch.save(common or {}, tmp / "common.pt")
-            metadata = _metadata(iteration, all_chunks, self.world_size, layout)
+            metadata = build_metadata(iteration, all_chunks, self.world_size, layout)
             (tmp / METADATA).write_text(json.dumps(metadata, indent=1))
             files = {name: d for rank_digests in all_digests for name, d in rank_digests.items()}
             for name in ("common.pt", METADATA, ".metadata"):
@@ -207,7 +207,7 @@ def _describe(name: str, piece: ShardedTensor) -> dict:
     }
 
 
-def _metadata(iteration: int, per_rank_chunks: list[list[dict]], world_size: int,
+def build_metadata(iteration: int, per_rank_chunks: list[list[dict]], world_size: int,
               layout: dict | None) -> dict:  # fmt: skip
     tensors: dict[str, dict] = {}
     chunks = []

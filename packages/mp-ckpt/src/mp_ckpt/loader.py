@@ -120,7 +120,7 @@ def load_checkpoint(
         target = Region(piece.global_offset, piece.shape, piece.flattened_range)
         sources = [
             c for c in chunks_by_key.get(piece.key, ())
-            if _region(c).box_overlap(target) is not None
+            if Region.from_chunk(c).box_overlap(target) is not None
         ]  # fmt: skip
         for chunk in sources:
             needed[chunk["storage_key"]] = chunk
@@ -136,7 +136,7 @@ def load_checkpoint(
     with torch.no_grad():
         for piece, target, sources in plan:
             copied = sum(
-                copy_shared(buffers[c["storage_key"]], _region(c), piece.data, target)
+                copy_shared(buffers[c["storage_key"]], Region.from_chunk(c), piece.data, target)
                 for c in sources
             )
             if sources and copied != piece.numel:
@@ -151,11 +151,6 @@ def load_checkpoint(
     if meta["world_size"] == world and rank_file.exists():
         rank_state = torch.load(rank_file, weights_only=False)
     return LoadedCheckpoint(iteration, directory, common, rank_state, missing, unexpected)
-
-
-def _region(chunk: dict) -> Region:
-    flat = chunk["flattened_range"]
-    return Region(tuple(chunk["offset"]), tuple(chunk["shape"]), tuple(flat) if flat else None)
 
 
 def _stored_shape(chunk: dict) -> tuple[int, ...]:

@@ -26,6 +26,12 @@ class Region:
     shape: tuple[int, ...]
     flattened_range: tuple[int, int] | None = None
 
+    @classmethod
+    def from_chunk(cls, chunk: dict) -> Region:
+        """The region of a saved chunk as mp_metadata.json records it."""
+        flat = chunk["flattened_range"]
+        return cls(tuple(chunk["offset"]), tuple(chunk["shape"]), tuple(flat) if flat else None)
+
     def box_overlap(self, other: Region) -> tuple[slice, ...] | None:
         """The intersection of the two boxes in global coordinates, or None."""
         bounds = []

@@ -1,0 +1,142 @@
+"""Offline conversion of a checkpoint to another TP x PP layout (or one consolidated set).
+
+    mp-ckpt convert DIR OUT --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2
+
+Every logical tensor is cut for the target layout (gpt_layout.py says how)
+and written tensor by tensor: the DCP writer asks for each piece only when
+it writes it, and the piece is read from the overlapping saved chunks just
+then, so memory stays near the largest tensor plus one chunk. Optimizer
+states are written as whole boxes (a distributed optimizer's flat ranges
+depend on the run's buffers; the loader cuts them again). The output is an
+mp-ckpt checkpoint under OUT (iter_XXXXXXX/ and the tracker).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+from mp_ckpt.checkpointer import METADATA, build_metadata, single_process_quiet
+from mp_ckpt.gpt_layout import layer_index, stage_of, tp_axis
+from mp_ckpt.integrity import CHECKSUMS, file_digest
+from mp_ckpt.layout import checkpoint_dir, write_tracker
+from mp_ckpt.reader import CheckpointReader
+from mp_ckpt.regions import Region
+
+__all__ = ["convert_checkpoint"]
+
+
+class _StreamingPlanner(DefaultSavePlanner):
+    """Produces each tensor when the writer reaches it (the state dict holds meta tensors)."""
+
+    def __init__(self, producers: dict[str, Callable[[], torch.Tensor]], progress) -> None:
+        super().__init__()
+        self.producers = producers
+        self.progress = progress
+
+    def resolve_data(self, write_item):
+        tensor = self.producers[write_item.index.fqn]()
+        self.progress(write_item.index.fqn)
+        return tensor
+
+
+def convert_checkpoint(
+    source: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    tensor_model_parallel_size: int = 1,
+    pipeline_model_parallel_size: int = 1,
+    iteration: int | None = None,
+    progress: bool = True,
+) -> Path:
+    """Writes `source` (a checkpoint root or iteration directory) under `out` for the layout."""
+    tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
+    if tp < 1 or pp < 1:
+        raise ValueError(f"tensor ({tp}) and pipeline ({pp}) model-parallel sizes must be >= 1")
+    reader = CheckpointReader(source, iteration=iteration)
+    layer_stages = _layer_stages(reader.keys, pp)
+    chunks_per_rank: list[list[dict]] = [[] for _ in range(tp * pp)]
+    producers: dict[str, Callable[[], torch.Tensor]] = {}
+    plan: dict[str, torch.Tensor] = {}
+    for key in reader.keys:
+        shape, dtype = reader.shape(key), reader.dtype(key)
+        axis = tp_axis(key)
+        if axis is not None and shape[axis] % tp:
+            raise ValueError(
+                f"{key}: axis {axis} of {shape} is not divisible by tensor_model_parallel_size={tp}"
+            )
+        for stage in stage_of(key, layer_stages, pp) if pp > 1 else [0]:
+            for tp_rank in range(tp if axis is not None else 1):
+                offset, piece_shape = [0] * len(shape), list(shape)
+                if axis is not None:
+                    piece_shape[axis] = shape[axis] // tp
+                    offset[axis] = tp_rank * piece_shape[axis]
+                region = Region(tuple(offset), tuple(piece_shape))
+                name = f"{key}@{','.join(map(str, offset))}"
+                plan[name] = torch.empty(piece_shape, dtype=dtype, device="meta")
+                producers[name] = lambda k=key, r=region: reader.read(k, r)
+                chunks_per_rank[stage * tp + tp_rank].append({
+                    "key": key, "storage_key": name, "dtype": str(dtype).removeprefix("torch."),
+                    "global_shape": list(shape), "offset": offset, "shape": piece_shape,
+                    "flattened_range": None,
+                })  # fmt: skip
+
+    final = checkpoint_dir(out, reader.iteration)
+    tmp = final.with_name(final.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    bar = _ProgressBar(len(plan), enabled=progress)
+    with single_process_quiet():
+        dcp.save(plan, storage_writer=dcp.FileSystemWriter(tmp, thread_count=1),
+                 planner=_StreamingPlanner(producers, bar.step), no_dist=True)  # fmt: skip
+    bar.close()
+    common = torch.load(reader.directory / "common.pt", weights_only=False)
+    torch.save(common, tmp / "common.pt")
+    layout = {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
+              "converted_from": str(reader.directory)}  # fmt: skip
+    metadata = build_metadata(reader.iteration, chunks_per_rank, tp * pp, layout)
+    (tmp / METADATA).write_text(json.dumps(metadata, indent=1))
+    files = {p.name: file_digest(p) for p in sorted(tmp.iterdir()) if p.is_file()}
+    (tmp / CHECKSUMS).write_text(json.dumps(files, indent=1, sort_keys=True))
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    write_tracker(out, reader.iteration)
+    return final
+
+
+def _layer_stages(keys: list[str], pp: int) -> list[int]:
+    indices = {i for i in map(layer_index, keys) if i is not None}
+    layers = max(indices) + 1 if indices else 0
+    if layers % pp:
+        raise ValueError(
+            f"{layers} layers cannot be split evenly over pipeline_model_parallel_size={pp}"
+        )
+    per_stage = layers // pp
+    return [i // per_stage for i in range(layers)]
+
+
+class _ProgressBar:
+    """A one-line progress bar on stderr."""
+
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.total, self.done, self.enabled = total, 0, enabled and total > 0
+
+    def step(self, name: str) -> None:
+        self.done += 1
+        if self.enabled:
+            filled = 30 * self.done // self.total
+            sys.stderr.write(f"\r[{'#' * filled}{'.' * (30 - filled)}] {self.done}/{self.total} ")
+            sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            sys.stderr.write("\n")

@@ -1,0 +1,357 @@
+"""Hugging Face GPT-2 and Llama <-> mp's logical tensors: slicing and renaming only.
+
+Logical names are mp-layers' (Megatron's module names, fused tensors as their
+parts). The query heads of group g are q[g] ([groups, heads per group, head
+dim, hidden]); Hugging Face orders heads the same way (head j uses key/value
+head j // (heads / groups)) and both rotate channel pairs (i, i + d/2), so
+q_proj is q flattened. GPT-2's Conv1D weights are [in, out]: transposed.
+
+    export_hf(checkpoint_dir, out_dir, arch)    config.json + model.safetensors (sharded
+                                                with an index above max_shard_bytes)
+    import_hf(hf_dir, out_root)                 an mp checkpoint at iteration 0
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+
+from mp_ckpt.reader import CheckpointReader
+
+__all__ = [
+    "ARCHITECTURES",
+    "export_hf",
+    "import_hf",
+    "logical_from_hf",
+    "model_config_from_hf",
+]
+
+ARCHITECTURES = ("gpt2", "llama")
+_DEFAULT_SHARD_BYTES = 5 * 2**30
+
+# Per-layer tensors that only change names (Hugging Face -> mp).
+_LLAMA_PER_LAYER = {
+    "self_attn.o_proj": "self_attention.linear_proj",
+    "mlp.gate_proj": "mlp.linear_fc1.gate",
+    "mlp.up_proj": "mlp.linear_fc1.up",
+    "mlp.down_proj": "mlp.linear_fc2",
+    "input_layernorm": "input_layernorm",
+    "post_attention_layernorm": "pre_mlp_layernorm",
+}
+# GPT-2's Conv1D layers (weights [in, out], transposed on the way) -> mp's linear layers.
+_GPT2_CONV1D = {
+    "attn.c_proj": "self_attention.linear_proj",
+    "mlp.c_fc": "mlp.linear_fc1",
+    "mlp.c_proj": "mlp.linear_fc2",
+}
+
+
+def _layers(keys) -> int:
+    found = {int(m.group(1)) for k in keys if (m := re.match(r"decoder\.layers\.(\d+)\.", k))}
+    return max(found) + 1 if found else 0
+
+
+# --- export ------------------------------------------------------------------------------
+
+
+def export_hf(
+    checkpoint: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    arch: str,
+    *,
+    iteration: int | None = None,
+    max_shard_bytes: int = _DEFAULT_SHARD_BYTES,
+    dtype: torch.dtype | None = None,
+) -> Path:
+    """Writes a Hugging Face directory that transformers loads (GPT2LMHeadModel /
+    LlamaForCausalLM). Settings the tensors do not show (norm epsilon, rotary
+    base, ...) come from the checkpoint's common["model_config"] (Megatron names)."""
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"unknown architecture {arch!r}: choose one of {', '.join(ARCHITECTURES)}")
+    reader = CheckpointReader(checkpoint, iteration=iteration)
+    model_keys = [k for k in reader.keys if not k.startswith("optimizer.")]
+    common = torch.load(reader.directory / "common.pt", weights_only=False)
+    settings = dict(common.get("model_config", {})) if isinstance(common, dict) else {}
+    if arch == "gpt2":
+        config, tensors = _gpt2_export(reader, model_keys, settings)
+    else:
+        config, tensors = _llama_export(reader, model_keys, settings)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    _write_safetensors(out, tensors, max_shard_bytes, dtype)
+    return out
+
+
+def _gpt2_export(reader: CheckpointReader, keys: list[str], settings: dict):
+    if "output_layer.weight" in keys:
+        raise ValueError(
+            "GPT2LMHeadModel ties its output layer to the embedding; this checkpoint has a "
+            "separate output_layer.weight: export it as llama"
+        )
+    vocab, h = reader.shape("embedding.word_embeddings.weight")
+    positions = reader.shape("embedding.position_embeddings.weight")[0]
+    layers = _layers(keys)
+    heads = reader.shape("decoder.layers.0.self_attention.linear_qkv.q.weight")[0]
+    ffn = reader.shape("decoder.layers.0.mlp.linear_fc1.weight")[0]
+    config = {
+        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": vocab,
+        "n_positions": positions, "n_embd": h, "n_layer": layers, "n_head": heads,
+        "n_inner": ffn, "activation_function": "gelu",
+        "layer_norm_epsilon": settings.get("layernorm_epsilon", 1e-5),
+        "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "tie_word_embeddings": True,
+        "torch_dtype": "float32",
+    }  # fmt: skip
+
+    def tensors() -> Iterator[tuple[str, Callable[[], torch.Tensor]]]:
+        read = reader.read
+        yield "transformer.wte.weight", lambda: read("embedding.word_embeddings.weight")
+        yield "transformer.wpe.weight", lambda: read("embedding.position_embeddings.weight")
+        for i in range(layers):
+            src, dst = f"decoder.layers.{i}.", f"transformer.h.{i}."
+            qkv = src + "self_attention.linear_qkv."
+            yield (
+                dst + "attn.c_attn.weight",
+                lambda q=qkv: (
+                    torch.cat([read(q + p + ".weight").reshape(h, h) for p in "qkv"])
+                    .t()
+                    .contiguous()
+                ),
+            )
+            yield (
+                dst + "attn.c_attn.bias",
+                lambda q=qkv: torch.cat([read(q + p + ".bias").reshape(h) for p in "qkv"]),
+            )
+            for theirs, ours in _GPT2_CONV1D.items():
+                yield (
+                    dst + theirs + ".weight",
+                    lambda k=src + ours: read(k + ".weight").t().contiguous(),
+                )
+                yield dst + theirs + ".bias", lambda k=src + ours: read(k + ".bias")
+            for theirs, ours in (("ln_1", "input_layernorm"), ("ln_2", "pre_mlp_layernorm")):
+                for part in ("weight", "bias"):
+                    yield f"{dst}{theirs}.{part}", lambda k=f"{src}{ours}.{part}": read(k)
+        for part in ("weight", "bias"):
+            yield f"transformer.ln_f.{part}", lambda p=part: read(f"decoder.final_layernorm.{p}")
+
+    return config, tensors()  # fmt: skip
+
+
+def _llama_export(reader: CheckpointReader, keys: list[str], settings: dict):
+    vocab, h = reader.shape("embedding.word_embeddings.weight")
+    layers = _layers(keys)
+    groups, per_group, d, _ = reader.shape("decoder.layers.0.self_attention.linear_qkv.q.weight")
+    ffn = reader.shape("decoder.layers.0.mlp.linear_fc1.gate.weight")[0]
+    tied = "output_layer.weight" not in keys
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab,
+        "hidden_size": h, "intermediate_size": ffn, "num_hidden_layers": layers,
+        "num_attention_heads": groups * per_group, "num_key_value_heads": groups,
+        "head_dim": d, "hidden_act": "silu",
+        "max_position_embeddings": settings.get("max_position_embeddings",
+                                                settings.get("seq_length", 2048)),
+        "rms_norm_eps": settings.get("layernorm_epsilon", 1e-5),
+        "rope_theta": settings.get("rotary_base", 10000.0),
+        "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": tied,
+        "torch_dtype": "float32",
+    }  # fmt: skip
+
+    def tensors() -> Iterator[tuple[str, Callable[[], torch.Tensor]]]:
+        read = reader.read
+        yield "model.embed_tokens.weight", lambda: read("embedding.word_embeddings.weight")
+        for i in range(layers):
+            src, dst = f"decoder.layers.{i}.", f"model.layers.{i}."
+            qkv = src + "self_attention.linear_qkv."
+            for p in "qkv":
+                yield f"{dst}self_attn.{p}_proj.weight", lambda k=f"{qkv}{p}.weight": read(
+                    k).reshape(-1, h)  # fmt: skip
+            for theirs, ours in _LLAMA_PER_LAYER.items():
+                yield f"{dst}{theirs}.weight", lambda k=f"{src}{ours}.weight": read(k)
+        yield "model.norm.weight", lambda: read("decoder.final_layernorm.weight")
+        if not tied:
+            yield "lm_head.weight", lambda: read("output_layer.weight")
+
+    return config, tensors()
+
+
+def _write_safetensors(out: Path, tensors, max_shard_bytes: int, dtype) -> None:
+    from safetensors.torch import save_file
+
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    sizes = [0]
+    names: dict[str, int] = {}
+    for name, produce in tensors:
+        tensor = produce()
+        if dtype is not None:
+            tensor = tensor.to(dtype)
+        size = tensor.numel() * tensor.element_size()
+        if shards[-1] and sizes[-1] + size > max_shard_bytes:
+            shards.append({})
+            sizes.append(0)
+        shards[-1][name] = tensor.contiguous()
+        sizes[-1] += size
+        names[name] = len(shards) - 1
+    if len(shards) == 1:
+        save_file(shards[0], str(out / "model.safetensors"), metadata={"format": "pt"})
+        return
+    files = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    for shard, file in zip(shards, files, strict=True):
+        save_file(shard, str(out / file), metadata={"format": "pt"})
+    index = {
+        "metadata": {"total_size": sum(sizes)},
+        "weight_map": {name: files[i] for name, i in names.items()},
+    }
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+# --- import ------------------------------------------------------------------------------
+
+
+def import_hf(hf_dir: str | os.PathLike, out_root: str | os.PathLike) -> Path:
+    """Writes an mp checkpoint (iteration 0, model only) from a local Hugging Face
+    GPT-2 or Llama directory (config.json with safetensors or pytorch_model.bin)."""
+    from mp_ckpt.checkpointer import Checkpointer
+    from mp_ckpt.layout import checkpoint_dir
+    from mp_ckpt.sharding import ShardedTensor
+
+    hf_dir = Path(hf_dir)
+    config_path = hf_dir / "config.json"
+    if not config_path.exists():
+        raise FileNotFoundError(f"{config_path} is missing: not a Hugging Face model directory")
+    config = json.loads(config_path.read_text())
+    model_config = model_config_from_hf(config)
+    state = _read_hf_state(hf_dir)
+    logical = logical_from_hf(state, config)
+    pieces = {
+        k: ShardedTensor(k, t.contiguous(), tuple(t.shape), (0,) * t.dim())
+        for k, t in logical.items()
+    }
+    Checkpointer(out_root).save(0, pieces, common={"iteration": 0, "model_config": model_config,
+                                                   "imported_from": str(hf_dir)})  # fmt: skip
+    return checkpoint_dir(out_root, 0)
+
+
+def model_config_from_hf(config: dict) -> dict:
+    """The model's settings under Megatron's names, from a Hugging Face config.json."""
+    kind = config.get("model_type")
+    if kind == "gpt2":
+        h = config["n_embd"]
+        return {
+            "num_layers": config["n_layer"], "hidden_size": h,
+            "num_attention_heads": config["n_head"],
+            "ffn_hidden_size": config.get("n_inner") or 4 * h,
+            "normalization": "LayerNorm", "activation": "gelu",
+            "position_embedding_type": "learned_absolute",
+            "layernorm_epsilon": config.get("layer_norm_epsilon", 1e-5),
+            "add_bias_linear": True, "untie_embeddings_and_output_weights": False,
+            "vocab_size": config["vocab_size"], "max_position_embeddings": config["n_positions"],
+        }  # fmt: skip
+    if kind == "llama":
+        heads = config["num_attention_heads"]
+        return {
+            "num_layers": config["num_hidden_layers"], "hidden_size": config["hidden_size"],
+            "num_attention_heads": heads,
+            "num_query_groups": config.get("num_key_value_heads", heads),
+            "kv_channels": config.get("head_dim") or config["hidden_size"] // heads,
+            "ffn_hidden_size": config["intermediate_size"], "normalization": "RMSNorm",
+            "activation": "swiglu", "position_embedding_type": "rope",
+            "rotary_base": config.get("rope_theta", 10000.0),
+            "layernorm_epsilon": config.get("rms_norm_eps", 1e-6), "add_bias_linear": False,
+            "untie_embeddings_and_output_weights": not config.get("tie_word_embeddings", False),
+            "vocab_size": config["vocab_size"],
+            "max_position_embeddings": config.get("max_position_embeddings", 2048),
+        }  # fmt: skip
+    raise ValueError(
+        f"unsupported model_type {kind!r} in config.json: mp-ckpt imports gpt2 and llama"
+    )
+
+
+def logical_from_hf(state: dict[str, torch.Tensor], config: dict) -> dict[str, torch.Tensor]:
+    """mp's logical tensors from a Hugging Face state dict and its config.json (as a dict)."""
+    model_config_from_hf(config)  # rejects unknown model types
+    if config["model_type"] == "gpt2":
+        return _gpt2_import(state, config)
+    return _llama_import(state, config)
+
+
+def _read_hf_state(hf_dir: Path) -> dict[str, torch.Tensor]:
+    index = hf_dir / "model.safetensors.index.json"
+    if index.exists():
+        from safetensors.torch import load_file
+
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        state = {}
+        for file in files:
+            if not (hf_dir / file).exists():
+                raise FileNotFoundError(f"{hf_dir / file} (named in {index.name}) is missing")
+            state.update(load_file(str(hf_dir / file)))
+        return state
+    if (hf_dir / "model.safetensors").exists():
+        from safetensors.torch import load_file
+
+        return load_file(str(hf_dir / "model.safetensors"))
+    if (hf_dir / "pytorch_model.bin").exists():
+        return torch.load(hf_dir / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    raise FileNotFoundError(
+        f"{hf_dir} holds no model.safetensors, model.safetensors.index.json or pytorch_model.bin"
+    )
+
+
+def _take(state: dict, name: str) -> torch.Tensor:
+    for candidate in (name, name.removeprefix("transformer.")):
+        if candidate in state:
+            return state[candidate]
+    raise KeyError(f"the Hugging Face weights have no tensor {name!r}")
+
+
+def _gpt2_import(state: dict, config: dict) -> dict[str, torch.Tensor]:
+    h, heads, layers = config["n_embd"], config["n_head"], config["n_layer"]
+    d = h // heads
+    out = {
+        "embedding.word_embeddings.weight": _take(state, "transformer.wte.weight"),
+        "embedding.position_embeddings.weight": _take(state, "transformer.wpe.weight"),
+        "decoder.final_layernorm.weight": _take(state, "transformer.ln_f.weight"),
+        "decoder.final_layernorm.bias": _take(state, "transformer.ln_f.bias"),
+    }
+    for i in range(layers):
+        src, dst = f"transformer.h.{i}.", f"decoder.layers.{i}."
+        qkv_w = _take(state, src + "attn.c_attn.weight").t()
+        qkv_b = _take(state, src + "attn.c_attn.bias")
+        for part, w, b in zip("qkv", qkv_w.chunk(3), qkv_b.chunk(3), strict=True):
+            shape = (heads, 1, d) if part == "q" else (heads, d)
+            out[f"{dst}self_attention.linear_qkv.{part}.weight"] = w.reshape(*shape, h)
+            out[f"{dst}self_attention.linear_qkv.{part}.bias"] = b.reshape(shape)
+        for theirs, ours in _GPT2_CONV1D.items():
+            out[f"{dst}{ours}.weight"] = _take(state, f"{src}{theirs}.weight").t()
+            out[f"{dst}{ours}.bias"] = _take(state, f"{src}{theirs}.bias")
+        for theirs, ours in (("ln_1", "input_layernorm"), ("ln_2", "pre_mlp_layernorm")):
+            for part in ("weight", "bias"):
+                out[f"{dst}{ours}.{part}"] = _take(state, f"{src}{theirs}.{part}")
+    return out
+
+
+def _llama_import(state: dict, config: dict) -> dict[str, torch.Tensor]:
+    settings = model_config_from_hf(config)
+    h, heads = settings["hidden_size"], settings["num_attention_heads"]
+    groups, d = settings["num_query_groups"], settings["kv_channels"]
+    out = {
+        "embedding.word_embeddings.weight": state["model.embed_tokens.weight"],
+        "decoder.final_layernorm.weight": state["model.norm.weight"],
+    }
+    if settings["untie_embeddings_and_output_weights"]:
+        out["output_layer.weight"] = state["lm_head.weight"]
+    for i in range(settings["num_layers"]):
+        src, dst = f"model.layers.{i}.", f"decoder.layers.{i}."
+        qkv = f"{dst}self_attention.linear_qkv."
+        out[qkv + "q.weight"] = state[src + "self_attn.q_proj.weight"].reshape(
+            groups, heads // groups, d, h)  # fmt: skip
+        out[qkv + "k.weight"] = state[src + "self_attn.k_proj.weight"].reshape(groups, d, h)
+        out[qkv + "v.weight"] = state[src + "self_attn.v_proj.weight"].reshape(groups, d, h)
+        for theirs, ours in _LLAMA_PER_LAYER.items():
+            out[f"{dst}{ours}.weight"] = state[f"{src}{theirs}.weight"]
+    return out

@@ -1,0 +1,95 @@
+"""Reading logical tensors from a checkpoint in one process, a region at a time.
+
+The offline tools (inspect, convert, Hugging Face export) use this: they
+never hold more than the chunks overlapping the region asked for, so memory
+stays near the largest tensor, not the model.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from mp_ckpt.checkpointer import single_process_quiet
+from mp_ckpt.integrity import recorded_files, verify_files
+from mp_ckpt.loader import read_metadata, resolve
+from mp_ckpt.regions import Region, copy_shared
+
+__all__ = ["CheckpointReader"]
+
+
+class CheckpointReader:
+    """A checkpoint directory (a root with a tracker, or one iter_XXXXXXX directory)."""
+
+    def __init__(self, path: str | os.PathLike, *, iteration: int | None = None) -> None:
+        path = Path(path)
+        if (path / "mp_metadata.json").exists() and iteration is None:
+            self.directory = path
+        else:
+            _, self.directory = resolve(path, iteration)
+        self.metadata = read_metadata(self.directory)
+        self.chunks: dict[str, list[dict]] = {}
+        for chunk in self.metadata["chunks"]:
+            self.chunks.setdefault(chunk["key"], []).append(chunk)
+
+    @property
+    def iteration(self) -> int:
+        return self.metadata["iteration"]
+
+    @property
+    def keys(self) -> list[str]:
+        return list(self.metadata["tensors"])
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self._entry(key)["shape"])
+
+    def dtype(self, key: str) -> torch.dtype:
+        return getattr(torch, self._entry(key)["dtype"])
+
+    def verify(self) -> list[str]:
+        """Problems found by checking every file against checksums.json."""
+        recorded = recorded_files(self.directory)
+        return verify_files(self.directory, sorted(recorded), recorded)
+
+    def read(self, key: str, region: Region | None = None) -> torch.Tensor:
+        """The region (default: the whole tensor) of logical tensor `key`."""
+        shape = self.shape(key)
+        if region is None:
+            region = Region((0,) * len(shape), shape)
+        out_shape = (
+            (region.flattened_range[1] - region.flattened_range[0],)
+            if region.flattened_range
+            else region.shape
+        )
+        out = torch.empty(out_shape, dtype=self.dtype(key))
+        copied = 0
+        for chunk in self.chunks[key]:
+            source = Region.from_chunk(chunk)
+            if source.box_overlap(region) is None:
+                continue
+            data = self._load_chunk(chunk)
+            copied += copy_shared(data, source, out, region)
+            del data
+        if copied != out.numel():
+            raise ValueError(
+                f"{self.directory}: {key}: the saved pieces cover {copied} of {out.numel()} "
+                "elements asked for"
+            )
+        return out
+
+    def _entry(self, key: str) -> dict:
+        try:
+            return self.metadata["tensors"][key]
+        except KeyError:
+            raise KeyError(f"{self.directory} has no tensor {key!r}") from None
+
+    def _load_chunk(self, chunk: dict) -> torch.Tensor:
+        flat = chunk["flattened_range"]
+        shape = (flat[1] - flat[0],) if flat else tuple(chunk["shape"])
+        buffer = {chunk["storage_key"]: torch.empty(shape, dtype=getattr(torch, chunk["dtype"]))}
+        with single_process_quiet():
+            dcp.load(buffer, storage_reader=dcp.FileSystemReader(self.directory), no_dist=True)
+        return buffer[chunk["storage_key"]]
