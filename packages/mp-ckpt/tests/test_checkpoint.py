@@ -132,3 +132,17 @@ def test_metadata_is_readable_json(tmp_path):
     meta = json.loads((checkpoint_dir(tmp_path, 5) / "mp_metadata.json").read_text())
     assert meta["iteration"] == 5 and set(meta["tensors"]) == {"w", "m", "opt.m"}
     assert meta["tensors"]["opt.m"] == {"shape": [5, 6], "dtype": "float32"}
+
+
+def test_finetune_loads_the_model_only_and_resets_the_iteration(tmp_path):
+    Checkpointer(tmp_path).save(9, pieces_for(0, 1), rank_state={"rng": 1})
+    model_only = {k: p for k, p in empty_like(pieces_for(0, 1)).items() if k != "opt.m"}
+    with pytest.raises(KeyError, match=r"unexpected keys \['opt.m'\]"):
+        load_checkpoint(tmp_path, model_only)
+    renamed = {"w": model_only["w"], "m": model_only["m"]}
+    Checkpointer(tmp_path / "b").save(9, {**pieces_for(0, 1), "optimizer.exp_avg.w": ShardedTensor(
+        "optimizer.exp_avg.w", torch.ones(8, 6), (8, 6), (0, 0))})  # fmt: skip
+    target = {**renamed, "opt.m": empty_like(pieces_for(0, 1))["opt.m"]}
+    loaded = load_checkpoint(tmp_path / "b", target, finetune=True)
+    assert loaded.iteration == 0 and loaded.rank_state is None and loaded.unexpected == []
+    torch.testing.assert_close(target["w"].data, W, rtol=0, atol=0)

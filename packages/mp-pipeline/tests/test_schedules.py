@@ -154,3 +154,12 @@ def test_stage_layers():
         stage_layers(6, 2, 0, virtual_pipeline_model_parallel_size=2)
     with pytest.raises(ValueError, match="would share 8 layers unevenly"):
         stage_layers(10, 4, 0, num_layers_in_first_pipeline_stage=2)
+
+
+def test_interleaved_needs_one_iterator_per_chunk():
+    group = RankGroup("pp", (0, 1), 0, None)
+    with pytest.raises(ValueError, match="one data iterator per model chunk"):
+        get_forward_backward_func(2, 2)(
+            forward_step_func=forward_step, data_iterator=iter([]), model=[Stack(0, 2, True)] * 2,
+            num_microbatches=2, config=config(), pp_group=group,
+        )  # fmt: skip

@@ -79,8 +79,15 @@ def load_checkpoint(
     iteration: int | None = None,
     strict: bool = True,
     verify: bool = True,
+    finetune: bool = False,
 ) -> LoadedCheckpoint:
-    """Fills `pieces` from a checkpoint under load_dir (see the module docstring)."""
+    """Fills `pieces` from a checkpoint under load_dir (see the module docstring).
+
+    strict: every asked key must be saved and every saved key asked for.
+    finetune: model only: saved optimizer states ("optimizer." keys) are not
+    expected, and the result reads iteration 0 without rank state (a new run
+    starting from these weights).
+    """
     distributed = dist.is_available() and dist.is_initialized()
     rank = dist.get_rank() if distributed else 0
     world = dist.get_world_size() if distributed else 1
@@ -96,6 +103,8 @@ def load_checkpoint(
     everyone_asked = set().union(*_gather(sorted(asked), distributed, world))
     missing = sorted(asked - set(meta["tensors"]))
     unexpected = sorted(set(meta["tensors"]) - everyone_asked)
+    if finetune:
+        unexpected = [k for k in unexpected if not k.startswith("optimizer.")]
     mismatched = [
         f"{p.key}: saved {tuple(meta['tensors'][p.key]['shape'])}, now {tuple(p.global_shape)}"
         for p in pieces.values()
@@ -150,6 +159,8 @@ def load_checkpoint(
     rank_state = None
     if meta["world_size"] == world and rank_file.exists():
         rank_state = torch.load(rank_file, weights_only=False)
+    if finetune:
+        iteration, rank_state = 0, None
     return LoadedCheckpoint(iteration, directory, common, rank_state, missing, unexpected)
 
 

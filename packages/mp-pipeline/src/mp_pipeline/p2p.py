@@ -62,7 +62,7 @@ class P2PCommunicator:
         self.next_rank = self.pp_group.ranks[(rank + 1) % size]
         self.prev_rank = self.pp_group.ranks[(rank - 1) % size]
 
-    # The eight exchanges of Megatron's schedules. `None` in, `None` out: a stage
+    # The exchanges of Megatron's schedules. `None` in, `None` out: a stage
     # without a neighbour in that direction passes None and gets None.
 
     def recv_forward(self) -> torch.Tensor | None:

@@ -173,6 +173,11 @@ def forward_backward_pipelining_with_interleaving(
     forward_only: bool = False,
 ) -> list[Any]:
     """Interleaved 1F1B over the v model chunks of this rank (virtual stages)."""
+    if not isinstance(data_iterator, list | tuple):
+        raise ValueError(
+            "the interleaved schedule takes one data iterator per model chunk (a list): "
+            "chunks sharing one iterator would each draw different micro-batches"
+        )
     chunks, iterators = _as_lists(model, data_iterator)
     p, r, m, v = pp_group.size, pp_group.rank, num_microbatches, len(chunks)
     _check_microbatches(m)

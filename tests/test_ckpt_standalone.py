@@ -1,0 +1,58 @@
+"""mp-ckpt installs and runs alone: a fresh virtual environment with only packages/mp-ckpt
+(and its dependencies: torch, safetensors) runs inspect, convert and export-hf."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from mp_ckpt import Checkpointer
+from mp_layers import GPTModel, TransformerConfig
+from mp_state import RankGroup
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def uv() -> str:
+    found = os.environ.get("UV") or shutil.which("uv")
+    assert found, "uv is needed to build the standalone environment (run the suite with uv run)"
+    return found
+
+
+def run(*args, **kwargs) -> subprocess.CompletedProcess:
+    result = subprocess.run(args, capture_output=True, text=True, timeout=600, **kwargs)
+    assert result.returncode == 0, f"{' '.join(map(str, args))}\n{result.stdout}\n{result.stderr}"
+    return result
+
+
+def test_mp_ckpt_alone_inspects_converts_and_exports(tmp_path):
+    torch.manual_seed(0)
+    config = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4,
+                               hidden_dropout=0.0, attention_dropout=0.0)  # fmt: skip
+    model = GPTModel(config, "local", 64, 16, tp_group=RankGroup("s", (0,), 0, None))
+    Checkpointer(tmp_path / "ckpt").save(3, model.sharded_state_dict())
+
+    venv = tmp_path / "venv"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("VIRTUAL_ENV", "UV_PROJECT"))}
+    run(uv(), "venv", "--quiet", "--python", sys.executable, str(venv), env=env)
+    python = venv / "bin" / "python"
+    torch_version = torch.__version__.split("+")[0]
+    run(uv(), "pip", "install", "--quiet", "--python", str(python), str(ROOT / "packages/mp-ckpt"),
+        f"torch=={torch_version}", env=env)  # fmt: skip
+    # Nothing else of mp is there.
+    probe = subprocess.run([python, "-c", "import mp_state"], capture_output=True, env=env)
+    assert probe.returncode != 0
+    cli = venv / "bin" / "mp-ckpt"
+    summary = json.loads(run(cli, "inspect", str(tmp_path / "ckpt"), "--json", env=env).stdout)
+    assert summary["iteration"] == 3
+    assert summary["model_parameters"] == sum(p.numel() for p in model.parameters())
+    run(cli, "convert", str(tmp_path / "ckpt"), str(tmp_path / "tp2"),
+        "--tensor-model-parallel-size", "2", "--no-progress", env=env)  # fmt: skip
+    assert (tmp_path / "tp2" / "iter_0000003" / "mp_metadata.json").exists()
+    run(cli, "export-hf", str(tmp_path / "tp2"), str(tmp_path / "hf"), "--arch", "gpt2", env=env)
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["n_layer"] == 2
+    assert (tmp_path / "hf" / "model.safetensors").stat().st_size > 0
