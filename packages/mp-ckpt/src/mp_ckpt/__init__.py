@@ -4,6 +4,7 @@ Installable alone (torch, numpy, safetensors): nothing here imports the rest of 
 """
 
 from mp_ckpt.checkpointer import Checkpointer, storage_key
+from mp_ckpt.config import CheckpointConfig
 from mp_ckpt.convert import convert_checkpoint
 from mp_ckpt.hf import export_hf, import_hf, logical_from_hf, model_config_from_hf
 from mp_ckpt.integrity import CheckpointCorrupted
@@ -14,6 +15,7 @@ from mp_ckpt.regions import Region
 from mp_ckpt.sharding import ShardedTensor, assemble, check_tiling
 
 __all__ = [
+    "CheckpointConfig",
     "CheckpointCorrupted",
     "CheckpointReader",
     "Checkpointer",

@@ -14,6 +14,7 @@ import importlib
 _EXPORTS = {
     "BlendedDataset": "mp_data.blended_dataset",
     "BlendedMegatronDatasetBuilder": "mp_data.builder",
+    "DataConfig": "mp_data.config",
     "train_valid_test_num_samples": "mp_data.builder",
     "DATALOADER_TYPES": "mp_data.data_loader",
     "build_pretraining_data_loader": "mp_data.data_loader",
@@ -58,6 +59,7 @@ __all__ = [
     "BertWordPieceLowerCase",
     "BlendedDataset",
     "BlendedMegatronDatasetBuilder",
+    "DataConfig",
     "DType",
     "GPT2BPETokenizer",
     "GPTDataset",

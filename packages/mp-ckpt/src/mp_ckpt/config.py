@@ -1,0 +1,61 @@
+"""CheckpointConfig: the run's checkpoint settings, with Megatron-LM's argument names."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["CheckpointConfig"]
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    save: str | None = None
+    """Directory to save checkpoints to (none saved when unset)."""
+
+    load: str | None = None
+    """Directory to load a checkpoint from (training starts from scratch when it holds none)."""
+
+    save_interval: int | None = None
+    """Save every this many iterations (and at the end of training)."""
+
+    async_save: bool = False
+    """Write checkpoints in the background after staging them on the host."""
+
+    ckpt_keep_last: int | None = None
+    """Keep only this many newest checkpoints under save (None: all)."""
+
+    no_save_optim: bool = False
+    """Do not save the optimizer state."""
+
+    no_save_rng: bool = False
+    """Do not save the random number generators' states."""
+
+    no_load_optim: bool = False
+    """Do not load the optimizer state (it starts anew)."""
+
+    no_load_rng: bool = False
+    """Do not restore the random number generators' states."""
+
+    finetune: bool = False
+    """Load the model only and start at iteration 0 (no optimizer, scheduler, RNG or
+    consumed samples)."""
+
+    ckpt_step: int | None = None
+    """Load this iteration instead of the latest."""
+
+    use_checkpoint_args: bool = False
+    """Take the model's settings from the checkpoint being loaded."""
+
+    exit_on_missing_checkpoint: bool = False
+    """Fail when load is set but holds no checkpoint (instead of starting from scratch)."""
+
+    strict_load: bool = True
+    """Every tensor the model asks for must be in the checkpoint and every saved one asked for."""
+
+    def __post_init__(self) -> None:
+        if self.save_interval is not None and self.save_interval < 1:
+            raise ValueError(f"save_interval={self.save_interval} must be >= 1")
+        if self.ckpt_keep_last is not None and self.ckpt_keep_last < 1:
+            raise ValueError(f"ckpt_keep_last={self.ckpt_keep_last} must be >= 1")
+        if self.ckpt_step is not None and self.ckpt_step < 0:
+            raise ValueError(f"ckpt_step={self.ckpt_step} must be >= 0")

@@ -1,0 +1,96 @@
+"""DataConfig: the training run's data settings, with Megatron-LM's argument names.
+
+GPTDatasetConfig (gpt_config.py) describes one dataset build; this is what a
+user sets on the command line or in YAML (--data-path, --split,
+--tokenizer-type, ...), from which the training loop builds the datasets,
+the tokenizer and the loaders.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+__all__ = ["DataConfig"]
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    data_path: list[str] | None = None
+    """Datasets as [weight] prefix pairs or prefixes (Megatron's blend), each the path of a
+    .bin/.idx pair without the extension."""
+
+    split: str | None = "969, 30, 1"
+    """Train, validation, test proportions of data_path's documents."""
+
+    train_data_path: list[str] | None = None
+    """Training datasets of their own (instead of data_path + split)."""
+
+    valid_data_path: list[str] | None = None
+    """Validation datasets of their own."""
+
+    test_data_path: list[str] | None = None
+    """Test datasets of their own."""
+
+    data_cache_path: str | None = None
+    """Where the dataset indices are cached (default: beside the data)."""
+
+    mock_data: bool = False
+    """Random tokens instead of data (no files needed)."""
+
+    tokenizer_type: str | None = None
+    """GPT2BPETokenizer, HuggingFaceTokenizer, NullTokenizer, ... (mp_data.TOKENIZER_TYPES)."""
+
+    tokenizer_model: str | None = None
+    """A tokenizer file or directory (HuggingFaceTokenizer)."""
+
+    vocab_file: str | None = None
+    """The vocabulary (GPT2BPETokenizer's vocab.json)."""
+
+    merge_file: str | None = None
+    """The BPE merges (GPT2BPETokenizer's merges.txt)."""
+
+    vocab_size: int | None = None
+    """The vocabulary size of NullTokenizer (and of mock data without a tokenizer)."""
+
+    make_vocab_size_divisible_by: int = 128
+    """Pad the vocabulary to a multiple of this times the tensor-parallel size."""
+
+    dataloader_type: Literal["single", "cyclic"] = "single"
+    """single: one pass in order; cyclic: reshuffled every epoch."""
+
+    num_workers: int = 2
+    """Data-loader worker processes."""
+
+    reset_position_ids: bool = False
+    """Restart position ids after each end-of-document token."""
+
+    reset_attention_mask: bool = False
+    """Block attention across end-of-document tokens."""
+
+    eod_mask_loss: bool = False
+    """No loss on end-of-document tokens."""
+
+    create_attention_mask_in_dataloader: bool = True
+    """Build the attention mask in the data loader (else the model's causal mask alone)."""
+
+    def __post_init__(self) -> None:
+        if self.dataloader_type not in ("single", "cyclic"):
+            raise ValueError(
+                f"dataloader_type={self.dataloader_type!r} must be one of single, cyclic"
+            )
+        if self.num_workers < 0:
+            raise ValueError(f"num_workers={self.num_workers} must be >= 0")
+        if self.make_vocab_size_divisible_by < 1:
+            raise ValueError(
+                f"make_vocab_size_divisible_by={self.make_vocab_size_divisible_by} must be >= 1"
+            )
+        if self.vocab_size is not None and self.vocab_size < 1:
+            raise ValueError(f"vocab_size={self.vocab_size} must be >= 1")
+        if self.data_path and self.train_data_path:
+            raise ValueError("data_path and train_data_path are exclusive: give one")
+
+    @property
+    def has_data(self) -> bool:
+        """Some source of training samples is configured."""
+        return bool(self.mock_data or self.data_path or self.train_data_path)

@@ -1,0 +1,254 @@
+"""The run's configuration: one dataclass tree, each part defined by the package that owns it.
+
+    RunConfig
+      model:       TransformerConfig (mp-layers)   YAML section language_model:
+      parallel:    ParallelConfig (mp-state)       YAML section model_parallel:
+      gpt:         GPTConfig (here)                top-level fields
+      optimizer:   OptimizerConfig (mp-optim)      top-level fields
+      data:        DataConfig (mp-data)            top-level fields
+      checkpoint:  CheckpointConfig (mp-ckpt)      top-level fields
+      training:    TrainingConfig (here)           top-level fields
+      logging:     LoggingConfig (here)            top-level fields
+
+Every field keeps Megatron-LM's name, so `--num-layers` or a Megatron YAML
+file maps over. A name may live in several parts (bf16 and fp16 are the
+model's and the optimizer's): setting it sets it everywhere. `validate`
+checks the rules that span parts and the world size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from mp_ckpt import CheckpointConfig
+from mp_data import DataConfig
+from mp_layers import TransformerConfig
+from mp_optim import OptimizerConfig
+from mp_state import ParallelConfig
+
+__all__ = [
+    "GPTConfig",
+    "LoggingConfig",
+    "RunConfig",
+    "TrainingConfig",
+    "validate",
+]
+
+
+@dataclass(kw_only=True)
+class GPTConfig:
+    seq_length: int = 1024
+    """Tokens per sample."""
+
+    max_position_embeddings: int | None = None
+    """Positions the model supports (learned position embeddings); None: seq_length."""
+
+    transformer_impl: Literal["local", "transformer_engine"] = "local"
+    """The layer spec: local (pure torch, always) or transformer_engine (CUDA)."""
+
+    def __post_init__(self) -> None:
+        if self.seq_length < 1:
+            raise ValueError(f"seq_length={self.seq_length} must be >= 1")
+        if self.max_position_embeddings is not None and self.max_position_embeddings < 1:
+            raise ValueError(f"max_position_embeddings={self.max_position_embeddings} must be >= 1")
+
+
+@dataclass(kw_only=True)
+class TrainingConfig:
+    micro_batch_size: int = 1
+    """Samples per micro-batch on one data-parallel rank."""
+
+    global_batch_size: int | None = None
+    """Samples per iteration over all data-parallel ranks; None: micro_batch_size x dp."""
+
+    rampup_batch_size: list[int] | None = None
+    """Start size, increment and ramp samples: the global batch grows from the start size by
+    the increment, evenly over the ramp samples (Megatron's --rampup-batch-size)."""
+
+    train_iters: int | None = None
+    """Iterations to train (or train_samples)."""
+
+    train_samples: int | None = None
+    """Samples to train (or train_iters)."""
+
+    eval_interval: int | None = 1000
+    """Evaluate every this many iterations (None: never)."""
+
+    eval_iters: int = 100
+    """Iterations (global batches) per evaluation."""
+
+    skip_train: bool = False
+    """Only evaluate."""
+
+    exit_interval: int | None = None
+    """Exit after an iteration divisible by this (saving first)."""
+
+    exit_duration_in_mins: float | None = None
+    """Exit (saving first) once the run has lasted this long."""
+
+    exit_signal_handler: bool = False
+    """On SIGTERM every rank finishes its iteration, saves and exits 0."""
+
+    seed: int = 1234
+    """Random seed of the run."""
+
+    data_parallel_random_init: bool = False
+    """Initialize each data-parallel replica differently (then synchronize from rank 0)."""
+
+    manual_gc: bool = False
+    """Disable Python's automatic garbage collection and collect every manual_gc_interval."""
+
+    manual_gc_interval: int = 0
+    """Iterations between manual collections (0: only at evaluation and save)."""
+
+    check_for_nan_in_loss_and_grad: bool = True
+    """Stop, naming the rank, when the loss is nan or inf."""
+
+    skip_nan_loss_iterations: bool = False
+    """Instead of stopping, skip the optimizer step of an iteration with a nan or inf loss."""
+
+
+@dataclass(kw_only=True)
+class LoggingConfig:
+    log_interval: int = 100
+    """Print (and write TensorBoard) every this many iterations."""
+
+    tensorboard_dir: str | None = None
+    """Write TensorBoard events here (last rank)."""
+
+    wandb_project: str | None = None
+    """Log to Weights & Biases as well, when wandb is installed."""
+
+    wandb_exp_name: str | None = None
+    """The run's name in Weights & Biases."""
+
+    log_params_norm: bool = False
+    """Log the norm of all parameters (each logical parameter counted once)."""
+
+    log_throughput: bool = True
+    """Log tokens/s, FLOP/s per rank and MFU."""
+
+    log_memory: bool = True
+    """Log current and peak memory."""
+
+    peak_tflops: float | None = None
+    """The device's peak TFLOP/s per rank for MFU; None: measured (a bf16 matmul) on CPUs,
+    looked up on known GPUs."""
+
+    timing_log_level: int = 0
+    """0: iteration time only; 1: also the main phases; 2: everything timed."""
+
+    timing_log_option: Literal["max", "minmax", "all"] = "minmax"
+    """How timers are reported across ranks."""
+
+    barrier_with_L1_time: bool = True
+    """Put a barrier before stopping level-1 timers (comparable times, some cost)."""
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    model: TransformerConfig
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    gpt: GPTConfig = field(default_factory=GPTConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    @staticmethod
+    def parts() -> dict[str, type]:
+        """Part name -> its dataclass, in order."""
+        return {f.name: f.type for f in dataclasses.fields(RunConfig)}
+
+    def as_dict(self) -> dict[str, dict[str, Any]]:
+        """Every part's fields (plain values), for logs and checkpoints."""
+        return {name: _plain(dataclasses.asdict(getattr(self, name))) for name in self.parts()}
+
+
+def validate(config: RunConfig, world_size: int) -> dict[str, int]:
+    """Checks the rules spanning parts; returns the derived sizes (data_parallel_size,
+    global_batch_size, num_microbatches). Raises ValueError naming fields and values."""
+    parallel, training = config.parallel, config.training
+    model_parallel = (
+        parallel.tensor_model_parallel_size
+        * parallel.pipeline_model_parallel_size
+        * parallel.context_parallel_size
+    )
+    if world_size % model_parallel:
+        raise ValueError(
+            f"world size {world_size} is not divisible by tensor_model_parallel_size="
+            f"{parallel.tensor_model_parallel_size} x pipeline_model_parallel_size="
+            f"{parallel.pipeline_model_parallel_size} x context_parallel_size="
+            f"{parallel.context_parallel_size}"
+        )
+    dp = world_size // model_parallel
+    mbs = training.micro_batch_size
+    if mbs < 1:
+        raise ValueError(f"micro_batch_size={mbs} must be >= 1")
+    gbs = training.global_batch_size if training.global_batch_size is not None else mbs * dp
+    if gbs % (mbs * dp):
+        raise ValueError(
+            f"global_batch_size={gbs} is not divisible by micro_batch_size={mbs} x "
+            f"data_parallel_size={dp}"
+        )
+    if (training.train_iters is None) == (training.train_samples is None):
+        raise ValueError(
+            "give exactly one of train_iters and train_samples, got "
+            f"train_iters={training.train_iters} and train_samples={training.train_samples}"
+        )
+    if training.rampup_batch_size is not None:
+        if len(training.rampup_batch_size) != 3:
+            raise ValueError(
+                f"rampup_batch_size={training.rampup_batch_size} must be [start, increment, "
+                "ramp samples]"
+            )
+        if training.train_samples is None:
+            raise ValueError("rampup_batch_size needs train_samples (Megatron's rule)")
+    model, optimizer = config.model, config.optimizer
+    if model.bf16 and model.fp16:
+        raise ValueError("bf16=True and fp16=True are exclusive: choose one")
+    if (model.bf16, model.fp16) != (optimizer.bf16, optimizer.fp16):
+        raise ValueError(
+            f"the model (bf16={model.bf16}, fp16={model.fp16}) and the optimizer "
+            f"(bf16={optimizer.bf16}, fp16={optimizer.fp16}) disagree on the precision"
+        )
+    if optimizer.bf16 and not optimizer.grad_reduce_in_fp32:
+        raise ValueError("bf16 needs gradients accumulated in fp32")
+    vpp = parallel.virtual_pipeline_model_parallel_size
+    pp = parallel.pipeline_model_parallel_size
+    layers = model.num_layers
+    if layers % (pp * (vpp or 1)):
+        raise ValueError(
+            f"num_layers={layers} is not divisible by pipeline_model_parallel_size={pp} x "
+            f"virtual_pipeline_model_parallel_size={vpp or 1}"
+        )
+    microbatches = gbs // (mbs * dp)
+    if vpp is not None and microbatches % pp:
+        raise ValueError(
+            f"the interleaved schedule needs the micro-batches per iteration "
+            f"({microbatches} = global_batch_size {gbs} / (micro_batch_size {mbs} x dp {dp})) "
+            f"to be a multiple of pipeline_model_parallel_size={pp}"
+        )
+    if config.gpt.transformer_impl == "transformer_engine":
+        raise ValueError(
+            "transformer_impl='transformer_engine' is not available: the Transformer Engine "
+            "layer spec needs CUDA and transformer-engine; use transformer_impl='local'"
+        )
+    if training.eval_interval is not None and training.eval_interval < 1:
+        raise ValueError(f"eval_interval={training.eval_interval} must be >= 1 (or None)")
+    if not config.data.has_data and not training.skip_train:
+        raise ValueError("no training data: set data_path, train_data_path or mock_data")
+    return {"data_parallel_size": dp, "global_batch_size": gbs, "num_microbatches": microbatches}
+
+
+def _plain(value):
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    if isinstance(value, bool | int | float | str) or value is None:
+        return value
+    return str(value)
