@@ -31,6 +31,7 @@ from mp_layers.tensor_parallel import (
 )
 from mp_layers.transformer.layer import TransformerBlock
 from mp_layers.transformer.rope import RotaryEmbedding
+from mp_layers.transformer.seeded_init import seeded_init
 from mp_layers.transformer.spec import LayerSpec, get_layer_spec
 from mp_state import TENSOR_PARALLEL_RNG, RankGroup, RNGStatesTracker
 
@@ -53,6 +54,7 @@ class GPTModel(torch.nn.Module):
         share_embeddings_and_output_weights: bool | None = None,
         layer_offset: int = 0,
         num_layers: int | None = None,
+        init_seed: int | None = None,
     ) -> None:
         super().__init__()
         config.check_parallel(tp_group.size)
@@ -70,16 +72,18 @@ class GPTModel(torch.nn.Module):
         self._input_tensor: torch.Tensor | None = None
         init = functools.partial(torch.nn.init.normal_, std=config.init_method_std)
         if pre_process:
-            self.embedding = VocabParallelEmbedding(
-                vocab_size, config.hidden_size, tp_group=tp_group, init_method=init,
-                sequence_parallel=config.sequence_parallel, params_dtype=config.params_dtype,
-            )  # fmt: skip
+            with seeded_init(init_seed, "embedding"):
+                self.embedding = VocabParallelEmbedding(
+                    vocab_size, config.hidden_size, tp_group=tp_group, init_method=init,
+                    sequence_parallel=config.sequence_parallel, params_dtype=config.params_dtype,
+                )  # fmt: skip
             self.position_embeddings = None
             if config.position_embedding_type == "learned_absolute":
                 self.position_embeddings = torch.nn.Embedding(
                     max_sequence_length, config.hidden_size, dtype=config.params_dtype
                 )
-                init(self.position_embeddings.weight)
+                with seeded_init(init_seed, "position_embeddings"):
+                    init(self.position_embeddings.weight)
                 self.position_embeddings.weight.sequence_parallel = config.sequence_parallel
         self.rotary = None
         if config.position_embedding_type == "rope":
@@ -89,14 +93,15 @@ class GPTModel(torch.nn.Module):
             )  # fmt: skip
         self.decoder = TransformerBlock(
             config, tp_group, rng_tracker, spec=get_layer_spec(spec), layer_offset=layer_offset,
-            num_layers=num_layers, post_process=post_process,
+            num_layers=num_layers, post_process=post_process, init_seed=init_seed,
         )  # fmt: skip
         if post_process:
-            self.output_layer = ColumnParallelLinear(
-                config.hidden_size, vocab_size, tp_group=tp_group, bias=False,
-                gather_output=not parallel_output, sequence_parallel=config.sequence_parallel,
-                init_method=init, params_dtype=config.params_dtype,
-            )  # fmt: skip
+            with seeded_init(init_seed, "output_layer"):
+                self.output_layer = ColumnParallelLinear(
+                    config.hidden_size, vocab_size, tp_group=tp_group, bias=False,
+                    gather_output=not parallel_output, sequence_parallel=config.sequence_parallel,
+                    init_method=init, params_dtype=config.params_dtype,
+                )  # fmt: skip
             if share and pre_process:
                 self.output_layer.weight = self.embedding.weight
             elif share:

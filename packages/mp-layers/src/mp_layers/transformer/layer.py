@@ -23,6 +23,7 @@ from mp_layers.config import TransformerConfig
 from mp_layers.transformer.attention import SelfAttention
 from mp_layers.transformer.recompute import checkpointed
 from mp_layers.transformer.rope import Rotary
+from mp_layers.transformer.seeded_init import seeded_init
 from mp_layers.transformer.spec import LOCAL_SPEC, LayerSpec
 from mp_state import TENSOR_PARALLEL_RNG, RankGroup, RNGStatesTracker
 
@@ -89,6 +90,7 @@ class TransformerBlock(torch.nn.Module):
         layer_offset: int = 0,
         num_layers: int | None = None,
         post_process: bool = True,
+        init_seed: int | None = None,
     ) -> None:
         super().__init__()
         count = config.num_layers - layer_offset if num_layers is None else num_layers
@@ -104,9 +106,11 @@ class TransformerBlock(torch.nn.Module):
             config.recompute_method if config.recompute_granularity == "full" else None
         )
         self.recompute_num_layers = config.recompute_num_layers
-        self.layers = torch.nn.ModuleList(
-            TransformerLayer(config, tp_group, rng_tracker, spec) for _ in range(count)
-        )
+        layers = []
+        for i in range(count):
+            with seeded_init(init_seed, f"layer{layer_offset + i}"):
+                layers.append(TransformerLayer(config, tp_group, rng_tracker, spec))
+        self.layers = torch.nn.ModuleList(layers)
         self.final_layernorm = spec.norm(config, None) if post_process else None
 
     def forward(self, x, rotary=None, attention_mask=None) -> torch.Tensor:
