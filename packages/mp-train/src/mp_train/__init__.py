@@ -1,3 +1,36 @@
-"""mp-train: training loop. Nothing is public yet; see README.md."""
+"""mp-train: the run's configuration, initialization and Megatron's training loop.
 
-__all__: list[str] = []
+RunConfig (one dataclass tree, Megatron's names), the argument parser and
+YAML loader, `mp-train estimate` (theoretical memory and FLOPs), setup_run
+and pretrain().
+"""
+
+from mp_train.arguments import ArgumentGroupFactory, build_parser, parse_config
+from mp_train.config import GPTConfig, LoggingConfig, RunConfig, TrainingConfig, validate
+from mp_train.estimate import MoESettings, estimate
+from mp_train.microbatches import MicroBatchCalculator
+from mp_train.setup import Run, TrainState, setup_run
+from mp_train.timers import Timers
+from mp_train.training import evaluate, pretrain
+from mp_train.yaml_config import load_yaml_config
+
+__all__ = [
+    "ArgumentGroupFactory",
+    "GPTConfig",
+    "LoggingConfig",
+    "MicroBatchCalculator",
+    "MoESettings",
+    "Run",
+    "RunConfig",
+    "Timers",
+    "TrainState",
+    "TrainingConfig",
+    "build_parser",
+    "estimate",
+    "evaluate",
+    "load_yaml_config",
+    "parse_config",
+    "pretrain",
+    "setup_run",
+    "validate",
+]

@@ -19,6 +19,7 @@ checks the rules that span parts and the world size.
 from __future__ import annotations
 
 import dataclasses
+import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -161,7 +162,8 @@ class RunConfig:
     @staticmethod
     def parts() -> dict[str, type]:
         """Part name -> its dataclass, in order."""
-        return {f.name: f.type for f in dataclasses.fields(RunConfig)}
+        hints = typing.get_type_hints(RunConfig)
+        return {f.name: hints[f.name] for f in dataclasses.fields(RunConfig)}
 
     def as_dict(self) -> dict[str, dict[str, Any]]:
         """Every part's fields (plain values), for logs and checkpoints."""

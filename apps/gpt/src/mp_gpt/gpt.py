@@ -1,0 +1,125 @@
+"""GPT pretraining's three providers, as Megatron's pretrain_gpt.py has them.
+
+- model_provider: this rank's GPTModel chunk for its (virtual) pipeline stage;
+- datasets_provider: GPT datasets (or mock ones) from mp-data, built on the
+  ranks that read data (tensor-parallel rank 0 of the first and last stage);
+- forward_step: get_batch (tensor-parallel rank 0 reads the micro-batch and
+  broadcasts it to its group; middle stages read nothing), the model, and a
+  loss masked by loss_mask, reported as its data-parallel sum and token count.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.distributed as dist
+
+import mp_state
+from mp_data import (
+    BlendedMegatronDatasetBuilder,
+    GPTDataset,
+    GPTDatasetConfig,
+    MockGPTDataset,
+    get_blend_from_list,
+)
+from mp_layers import GPTModel, broadcast_data
+
+__all__ = ["datasets_provider", "forward_step", "get_batch", "loss_func", "model_provider"]
+
+
+def model_provider(*, config, state, stage, vp_stage, padded_vocab_size, rng_tracker):
+    """The GPTModel chunk holding `stage`'s layers (the same global model at any layout)."""
+    gpt = config.gpt
+    spec = "local" if gpt.transformer_impl == "local" else "te"
+    return GPTModel(
+        config.model, spec, padded_vocab_size, gpt.max_position_embeddings or gpt.seq_length,
+        tp_group=state.tp, rng_tracker=rng_tracker, pre_process=stage.pre_process,
+        post_process=stage.post_process, layer_offset=stage.offset, num_layers=stage.count,
+        init_seed=config.training.seed,
+    )  # fmt: skip
+
+
+def datasets_provider(run, counts: list[int]):
+    """[train, valid, test] datasets for the sample counts the loop needs."""
+    config = run.config
+    data, state = config.data, run.state
+    tokenizer = run.tokenizer
+    per_split = None
+    if data.train_data_path or data.valid_data_path or data.test_data_path:
+        per_split = [get_blend_from_list(p) for p in
+                     (data.train_data_path, data.valid_data_path, data.test_data_path)]  # fmt: skip
+    dataset_config = GPTDatasetConfig(
+        random_seed=config.training.seed, sequence_length=config.gpt.seq_length,
+        blend=get_blend_from_list(data.data_path), blend_per_split=per_split,
+        split=data.split if per_split is None else None, path_to_cache=data.data_cache_path,
+        mock=data.mock_data, tokenizer=tokenizer, reset_position_ids=data.reset_position_ids,
+        reset_attention_mask=data.reset_attention_mask, eod_mask_loss=data.eod_mask_loss,
+        create_attention_mask=data.reset_attention_mask,
+    )  # fmt: skip
+    first = state.pp.rank == 0
+    last = state.pp.rank == state.pp.size - 1
+
+    def reads_data() -> bool:
+        return state.tp.rank == 0 and (first or last)
+
+    cls = MockGPTDataset if data.mock_data else GPTDataset
+    return BlendedMegatronDatasetBuilder(cls, counts, reads_data, dataset_config).build()
+
+
+_INT_KEYS = ["tokens", "labels", "position_ids"]
+
+
+def get_batch(data_iterator, model, attention_mask: bool = False) -> dict | None:
+    """This chunk's micro-batch: tokens and positions on the first stage, labels and
+    loss_mask on the last, nothing in between. attention_mask: the samples carry one
+    (reset_attention_mask); otherwise attention is causal."""
+    stage = _unwrap(model)
+    if not (stage.pre_process or stage.post_process):
+        return None
+    tp = mp_state.current().tp
+    item = next(data_iterator) if tp.rank == 0 else None
+    batch = broadcast_data(_INT_KEYS, _as(item, _INT_KEYS, torch.int64), torch.int64, tp)
+    batch |= broadcast_data(["loss_mask"], _as(item, ["loss_mask"], torch.float32),
+                            torch.float32, tp)  # fmt: skip
+    if attention_mask:
+        batch |= broadcast_data(["attention_mask"], _as(item, ["attention_mask"], torch.bool),
+                                torch.bool, tp)  # fmt: skip
+    # Padding samples carry a label no token has (under a zero loss mask).
+    batch["labels"] = batch["labels"].clamp(min=0)
+    return batch
+
+
+def forward_step(data_iterator, model, *, attention_mask: bool = False):
+    """Megatron's forward step: (per-token loss or hidden states, the loss function)."""
+    batch = get_batch(data_iterator, model, attention_mask)
+    if batch is None:
+        return model(None), functools.partial(loss_func, None)
+    mask = batch.get("attention_mask")
+    output = model(batch["tokens"], batch["position_ids"], mask, labels=batch["labels"])
+    return output, functools.partial(loss_func, batch["loss_mask"])
+
+
+def loss_func(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
+    """(masked loss sum, its token count, {"lm loss": [sum, count] over data-parallel ranks})."""
+    losses = per_token_loss.float().reshape(-1)
+    mask = loss_mask.reshape(-1).float()
+    total = torch.sum(losses * mask)
+    tokens = mask.sum()
+    reported = torch.stack([total.detach(), tokens.detach()])
+    dp = mp_state.current().dp_cp
+    if dp.size > 1:
+        dist.all_reduce(reported, group=dp.group)
+    return total, tokens, {"lm loss": reported}
+
+
+def _unwrap(model):
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def _as(item, keys, dtype):
+    if item is None:
+        return None
+    return {k: torch.as_tensor(item[k]).to(dtype) for k in keys}

@@ -1,0 +1,407 @@
+"""The command line of a run: one option per field of the RunConfig dataclasses.
+
+    pretrain_gpt.py --num-layers 24 --hidden-size 1024 --num-attention-heads 16 \\
+        --config run.yaml --bf16 --micro-batch-size 4 ...
+
+Each dataclass field becomes `--field-name`; its type picks the option's
+kind (a value, a `--x` / `--no-x` flag, a list, a choice) and the docstring
+under the field is its help. A field may adjust its option with
+`metadata={"argparse_meta": {...}}` (keys: names, type, nargs, default,
+choices, help). Options are absent from the parsed namespace unless given,
+so the command line overrides a YAML file (`--config`) only where it says
+something. Precedence: dataclass default < argparse_meta default < YAML <
+command line (< the checkpoint's model settings with --use-checkpoint-args).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import functools
+import inspect
+import os
+import textwrap
+import warnings
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from mp_ckpt import CheckpointReader
+from mp_train.config import RunConfig
+from mp_train.yaml_config import (
+    FieldType,
+    field_owners,
+    field_types,
+    load_yaml_config,
+    run_parts,
+)
+
+__all__ = ["ArgumentGroupFactory", "build_parser", "field_docs", "parse_config"]
+
+_METAVARS = {int: "N", float: "X"}
+
+
+# --- help texts ---------------------------------------------------------------------
+
+
+@functools.cache
+def field_docs(cls: type) -> dict[str, str]:
+    """Field name -> the docstring under it in the class body (base classes included),
+    whitespace collapsed. A class whose source cannot be read has none."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if klass is object:
+            continue
+        try:
+            source = textwrap.dedent(inspect.getsource(klass))
+        except (OSError, TypeError):
+            continue
+        node = next(n for n in ast.parse(source).body if isinstance(n, ast.ClassDef))
+        for statement, following in zip(node.body, node.body[1:], strict=False):
+            if (
+                isinstance(statement, ast.AnnAssign)
+                and isinstance(statement.target, ast.Name)
+                and isinstance(following, ast.Expr)
+                and isinstance(following.value, ast.Constant)
+                and isinstance(following.value.value, str)
+            ):
+                docs[statement.target.id] = " ".join(following.value.value.split())
+    return docs
+
+
+# --- options from a dataclass -----------------------------------------------------------
+
+
+class _FlagAction(argparse.Action):
+    """`--x` sets True, `--no-x` sets False."""
+
+    def __init__(self, option_strings, dest, negatives=(), **kwargs) -> None:
+        super().__init__(option_strings, dest, nargs=0, **kwargs)
+        self.negatives = frozenset(negatives)
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        setattr(namespace, self.dest, option_string not in self.negatives)
+
+    def format_usage(self) -> str:
+        return " | ".join(self.option_strings)
+
+
+class ArgumentGroupFactory:
+    """Adds one option per field of a dataclass to an argparse parser.
+
+    Arguments:
+        dataclass_type: the dataclass.
+        exclude: fields to leave out.
+        name_map: field name -> the option's main name (`--name`) instead of `--field-name`.
+
+    The option's dest is the field name; its argparse default is SUPPRESS, so the parsed
+    namespace holds only the options given. `values(namespace)` returns the field values
+    they set (with argparse_meta defaults beneath them).
+    """
+
+    def __init__(self, dataclass_type: type, exclude: Sequence[str] = (),
+                 name_map: Mapping[str, str] | None = None) -> None:  # fmt: skip
+        if not dataclasses.is_dataclass(dataclass_type):
+            raise TypeError(f"{dataclass_type!r} is not a dataclass")
+        self.dataclass_type = dataclass_type
+        self.exclude = frozenset(exclude)
+        self.name_map = dict(name_map or {})
+        types_ = field_types(dataclass_type)
+        unknown = (self.exclude | set(self.name_map)) - set(types_)
+        if unknown:
+            raise ValueError(
+                f"{dataclass_type.__name__} has no field(s) {', '.join(sorted(unknown))}"
+            )
+        self.fields = [
+            f for f in dataclasses.fields(dataclass_type) if f.init and f.name not in self.exclude
+        ]
+        self.types = {f.name: types_[f.name] for f in self.fields}
+        self.defaults = {f.name: _meta(f)["default"] for f in self.fields if "default" in _meta(f)}
+        self.actions: dict[str, argparse.Action] = {}
+
+    def build_group(self, parser: argparse.ArgumentParser, title: str,
+                    description: str | None = None) -> argparse._ArgumentGroup:  # fmt: skip
+        """Adds the options, in field order, to a new group of `parser`."""
+        group = parser.add_argument_group(title, description)
+        docs = field_docs(self.dataclass_type)
+        for f in self.fields:
+            self.actions[f.name] = self._add(group, f, docs.get(f.name, ""))
+        return group
+
+    def values(self, namespace: argparse.Namespace) -> dict[str, Any]:
+        """Field -> value: argparse_meta defaults, then the options given."""
+        given = vars(namespace)
+        return {**self.defaults, **{n: given[n] for n in self.types if n in given}}
+
+    def _add(self, group, f: dataclasses.Field, doc: str) -> argparse.Action:
+        kind, meta = self.types[f.name], _meta(f)
+        main = self.name_map.get(f.name, f.name.replace("_", "-"))
+        main = main if main.startswith("-") else f"--{main}"
+        names = [main, *meta.get("names", ())]
+        default = meta.get("default", _default(f))
+        help_text = meta.get("help", doc)
+        shown = (
+            "required" if default is dataclasses.MISSING else f"default: {FieldType.show(default)}"
+        )
+        kwargs: dict[str, Any] = {
+            "dest": f.name,
+            "default": argparse.SUPPRESS,
+            "help": f"{help_text} ({shown})".lstrip().replace("%", "%%"),
+        }
+        if kind.base is bool and not kind.many and "type" not in meta and "nargs" not in meta:
+            negative = "--no-" + main.lstrip("-")
+            # A field named no_x (Megatron's --no-save-optim) gets no --no-no-x.
+            negatives = [] if f.name.startswith("no_") else [negative]
+            return group.add_argument(*names, *negatives, action=_FlagAction,
+                                      negatives=negatives, **kwargs)  # fmt: skip
+        kwargs["type"] = meta.get("type") or _word_parser(kind)
+        if kind.many or "nargs" in meta:
+            kwargs["nargs"] = meta.get("nargs", "+")
+        if "choices" in meta:
+            kwargs["choices"] = meta["choices"]
+        else:
+            words = kind.words()
+            kwargs["metavar"] = (
+                "{" + ",".join(words) + "}" if words else _METAVARS.get(kind.base, f.name.upper())
+            )
+        return group.add_argument(*names, **kwargs)
+
+
+def _word_parser(kind: FieldType):
+    """argparse's `type=`: one word converted, a bad one reported against the option."""
+
+    def parse(word: str) -> Any:
+        try:
+            return kind.convert_word(word)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+
+    return parse
+
+
+def _meta(f: dataclasses.Field) -> dict[str, Any]:
+    return f.metadata.get("argparse_meta", {})
+
+
+def _default(f: dataclasses.Field) -> Any:
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return f.default
+
+
+# --- the run's parser -------------------------------------------------------------------
+
+# Megatron-LM flags that set fields of ours by another name.
+_ALIASES = {
+    "swiglu": "Use the SwiGLU MLP (sets activation=swiglu).",
+    "squared_relu": "Use the squared-ReLU MLP (sets activation=squared_relu).",
+    "group_query_attention": "Use grouped-query attention with num_query_groups key/value "
+    "heads (1 when --num-query-groups is not given, as in Megatron-LM).",
+    "use_rotary_position_embeddings": "Rotary position embeddings (sets "
+    "position_embedding_type=rope).",
+    "disable_bias_linear": "No biases in linear layers (sets add_bias_linear=False).",
+    "recompute_activations": "Recompute core attention in backward (sets "
+    "recompute_granularity=selective).",
+}
+_ALIAS_SETS = {
+    "swiglu": ("model", "activation", "swiglu"),
+    "squared_relu": ("model", "activation", "squared_relu"),
+    "use_rotary_position_embeddings": ("model", "position_embedding_type", "rope"),
+    "disable_bias_linear": ("model", "add_bias_linear", False),
+    "recompute_activations": ("model", "recompute_granularity", "selective"),
+}
+_PER_STAGE = "num_layers_per_virtual_pipeline_stage"
+_SECTIONS = {"model": "language_model:", "parallel": "model_parallel:"}
+
+
+def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
+    """The run's parser: a group of options per RunConfig part, `--config` and Megatron-LM's
+    alias flags."""
+    return _build(prog)[0]
+
+
+def _build(prog: str) -> tuple[argparse.ArgumentParser, dict[str, ArgumentGroupFactory]]:
+    owners = field_owners()
+    parser = argparse.ArgumentParser(
+        prog=prog, allow_abbrev=False, usage="%(prog)s [--config PATH] [options]",
+        description="Pretrain a GPT model. Options override the --config YAML file.",
+    )  # fmt: skip
+    parser.add_argument(
+        "--config", "--yaml-cfg", dest="config", default=argparse.SUPPRESS, metavar="PATH",
+        help="A YAML file in Megatron-LM's layout (language_model:, model_parallel:, then "
+        "fields by name); ${VAR} and ${VAR:default} are read from the environment.",
+    )  # fmt: skip
+    factories = {}
+    for part, cls in run_parts().items():
+        # A shared name gets its option in the first part that has it.
+        taken = [name for name in field_types(cls) if owners[name][0] != part]
+        factories[part] = ArgumentGroupFactory(cls, exclude=taken)
+        where = f"section {_SECTIONS[part]}" if part in _SECTIONS else "top-level fields"
+        description = f"{cls.__name__} ({cls.__module__.split('.')[0]}); in YAML: {where}"
+        factories[part].build_group(parser, part, description)
+    for name, parts in owners.items():
+        if len(parts) > 1:
+            action = factories[parts[0]].actions[name]
+            action.help = f"{action.help} Sets {' and '.join(f'{p}.{name}' for p in parts)}."
+    aliases = parser.add_argument_group("Megatron-LM aliases")
+    for name, help_text in _ALIASES.items():
+        aliases.add_argument(f"--{name.replace('_', '-')}", action="store_true",
+                             default=argparse.SUPPRESS, help=help_text)  # fmt: skip
+    aliases.add_argument(
+        f"--{_PER_STAGE.replace('_', '-')}", dest=_PER_STAGE, type=int, metavar="N",
+        default=argparse.SUPPRESS,
+        help="Layers per virtual pipeline stage (sets virtual_pipeline_model_parallel_size "
+        "= num_layers / pipeline_model_parallel_size / N).",
+    )  # fmt: skip
+    return parser, factories
+
+
+def parse_config(argv: list[str] | None = None, *, environ: Mapping[str, str] = os.environ,
+                 prog: str = "pretrain_gpt.py") -> RunConfig:  # fmt: skip
+    """The RunConfig of a command line (sys.argv[1:] when None). Each part's dataclass
+    validates its own fields: its ValueError propagates. A bad option exits via argparse."""
+    parser, factories = _build(prog)
+    given = vars(parser.parse_args(argv))
+    config_path = given.pop("config", None)
+    flags = {name: given.pop(name) for name in [*_ALIASES, _PER_STAGE] if name in given}
+
+    values: dict[str, dict[str, Any]] = {part: {} for part in factories}
+    for factory in factories.values():
+        for name, value in factory.defaults.items():
+            for owner in field_owners()[name]:
+                values[owner][name] = value
+    if config_path is not None:
+        for part, settings in load_yaml_config(config_path, environ).items():
+            values[part].update(settings)
+    for name, value in given.items():
+        for part in field_owners()[name]:
+            values[part][name] = value
+    _apply_aliases(flags, given, values)
+    _apply_checkpoint_args(values)
+    _require_model_fields(values)
+    _apply_layers_per_stage(flags, given, values)
+    _apply_precision(values)
+    return RunConfig(**{part: cls(**values[part]) for part, cls in run_parts().items()})
+
+
+def _apply_aliases(flags: dict, given: dict, values: dict) -> None:
+    for flag, (part, name, value) in _ALIAS_SETS.items():
+        if flag in flags:
+            _set_from_flag(flag, part, name, value, given, values)
+    # Megatron's --num-query-groups defaults to 1: GQA without a group count is MQA.
+    if "group_query_attention" in flags and values["model"].get("num_query_groups") is None:
+        values["model"]["num_query_groups"] = 1
+
+
+def _set_from_flag(flag: str, part: str, name: str, value, given: dict, values: dict) -> None:
+    if name in given and given[name] != value:
+        raise ValueError(
+            f"--{flag.replace('_', '-')} sets {name}={value!r} but --{name.replace('_', '-')} "
+            f"gives {FieldType.show(given[name])}"
+        )
+    values[part][name] = value
+
+
+def _current(values: dict, part: str, name: str) -> Any:
+    """The value a field will have: as set, else the dataclass default."""
+    if name in values[part]:
+        return values[part][name]
+    f = next(f for f in dataclasses.fields(run_parts()[part]) if f.name == name)
+    return _default(f)
+
+
+def _require_model_fields(values: dict) -> None:
+    model_cls = run_parts()["model"]
+    required = [
+        f.name for f in dataclasses.fields(model_cls)
+        if f.init and f.default is dataclasses.MISSING
+        and f.default_factory is dataclasses.MISSING
+    ]  # fmt: skip
+    missing = [name for name in required if name not in values["model"]]
+    if missing:
+        options = " ".join(f"--{name.replace('_', '-')} N" for name in missing)
+        raise ValueError(
+            f"the model needs {', '.join(missing)}: give {options} (or set them under "
+            "language_model: in the --config file, or take them from a checkpoint with "
+            "--use-checkpoint-args)"
+        )
+
+
+def _apply_layers_per_stage(flags: dict, given: dict, values: dict) -> None:
+    if _PER_STAGE not in flags:
+        return
+    per_stage = flags[_PER_STAGE]
+    layers = values["model"]["num_layers"]
+    pp = _current(values, "parallel", "pipeline_model_parallel_size")
+    if per_stage < 1 or layers % pp or (layers // pp) % per_stage:
+        raise ValueError(
+            f"{_PER_STAGE}={per_stage} must divide the layers of each pipeline stage: "
+            f"num_layers={layers} / pipeline_model_parallel_size={pp}"
+        )
+    vpp = layers // pp // per_stage
+    _set_from_flag(_PER_STAGE, "parallel", "virtual_pipeline_model_parallel_size", vpp,
+                   given, values)  # fmt: skip
+
+
+def _apply_precision(values: dict) -> None:
+    """bf16 / fp16 imply the parameters' dtype, unless params_dtype was set (Megatron)."""
+    for part, settings in values.items():
+        if "params_dtype" in settings or "params_dtype" not in field_types(run_parts()[part]):
+            continue
+        if settings.get("bf16"):
+            settings["params_dtype"] = torch.bfloat16
+        elif settings.get("fp16"):
+            settings["params_dtype"] = torch.float16
+
+
+# Model fields that describe how this run trains, not the architecture it loads: with
+# --use-checkpoint-args they still come from the command line / YAML.
+_RUN_MODEL_FIELDS = frozenset({
+    "bf16", "fp16", "params_dtype", "hidden_dropout", "attention_dropout", "sequence_parallel",
+    "recompute_granularity", "recompute_method", "recompute_num_layers",
+})  # fmt: skip
+
+
+def _apply_checkpoint_args(values: dict) -> None:
+    """--use-checkpoint-args: the model's architecture, seq_length and
+    max_position_embeddings from the config saved in the checkpoint's common.pt."""
+    settings = values["checkpoint"]
+    if not settings.get("use_checkpoint_args"):
+        return
+    load = settings.get("load")
+    if load is None:
+        raise ValueError("use_checkpoint_args=True needs load (the checkpoint to read)")
+    try:
+        reader = CheckpointReader(load, iteration=settings.get("ckpt_step"))
+    except FileNotFoundError as error:
+        if settings.get("exit_on_missing_checkpoint"):
+            raise FileNotFoundError(
+                f"use_checkpoint_args=True: no checkpoint under load={load}: {error}"
+            ) from error
+        warnings.warn(
+            f"use_checkpoint_args=True but no checkpoint under load={load} ({error}); "
+            "using the given model settings", stacklevel=3,
+        )  # fmt: skip
+        return
+    path = reader.directory / "common.pt"
+    common = torch.load(path, weights_only=False)
+    saved = common.get("config") if isinstance(common, dict) else None
+    if not isinstance(saved, dict) or not isinstance(saved.get("model"), dict):
+        raise ValueError(
+            f"{path} holds no run config (common['config']['model']): the checkpoint cannot "
+            "provide the model's settings; drop use_checkpoint_args"
+        )
+    taken = [("model", n) for n in saved["model"] if n not in _RUN_MODEL_FIELDS]
+    taken += [("gpt", n) for n in ("seq_length", "max_position_embeddings")
+              if n in saved.get("gpt", {})]  # fmt: skip
+    for part, name in taken:
+        kind = field_types(run_parts()[part]).get(name)
+        if kind is None:  # a field this version does not have
+            continue
+        value = saved[part][name]
+        try:
+            values[part][name] = kind.convert(value)
+        except ValueError as error:
+            raise ValueError(f"{path}: config {part}.{name}={value!r}: {error}") from None

@@ -1,0 +1,126 @@
+"""What the loop saves and restores through mp-ckpt.
+
+Pieces: every model chunk's sharded_state_dict (data-parallel ranks > 0 mark
+theirs as replicas, so each logical piece is written once) and, unless
+no_save_optim, the optimizer's. Common (rank 0): the iteration and consumed
+samples, the scheduler, the optimizer's plain state, the run's configuration
+(and the model's settings under Megatron's names, for `mp-ckpt export-hf`).
+Per rank: the RNG states, restored only when the layout is the saved one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import mp_state
+from mp_ckpt import Checkpointer, ShardedTensor, load_checkpoint, read_tracker
+from mp_train.setup import Run, TrainState
+
+__all__ = ["load_run_checkpoint", "run_pieces", "save_run_checkpoint"]
+
+log = logging.getLogger("mp_train")
+
+
+def run_pieces(run: Run, *, with_optimizer: bool) -> dict[str, ShardedTensor]:
+    """The pieces this rank saves (and loads into)."""
+    dp = run.state.dp_cp
+    pieces: dict[str, ShardedTensor] = {}
+    for chunk in run.model:
+        for key, p in chunk.sharded_state_dict().items():
+            pieces[key] = ShardedTensor(
+                p.key, p.data, p.global_shape, p.global_offset,
+                p.replica_id * dp.size + dp.rank, p.flattened_range, p.local_shape,
+            )  # fmt: skip
+    if with_optimizer:
+        pieces.update(run.optimizer.sharded_state_dict()["state"])
+    return pieces
+
+
+def save_run_checkpoint(run: Run, checkpointer: Checkpointer) -> None:
+    """Saves the run at its current iteration (collective)."""
+    ckpt = run.config.checkpoint
+    optimizer_state = None if ckpt.no_save_optim else run.optimizer.sharded_state_dict()
+    pieces = run_pieces(run, with_optimizer=False)
+    if optimizer_state is not None:
+        pieces.update(optimizer_state["state"])
+    common = {
+        "iteration": run.train.iteration,
+        "train_state": dataclasses.asdict(run.train),
+        "scheduler": run.scheduler.state_dict(),
+        "optimizer": optimizer_state["common"] if optimizer_state is not None else None,
+        "config": run.config.as_dict(),
+        "model_config": model_settings(run),
+    }
+    rank_state = None if ckpt.no_save_rng else mp_state.get_rng_state(run.rng_tracker)
+    parallel = run.config.parallel
+    layout = {
+        "tensor_model_parallel_size": run.state.tp.size,
+        "pipeline_model_parallel_size": run.state.pp.size,
+        "virtual_pipeline_model_parallel_size": parallel.virtual_pipeline_model_parallel_size,
+        "data_parallel_size": run.data_parallel_size,
+    }
+    checkpointer.save(run.train.iteration, pieces, common=common, rank_state=rank_state,
+                      layout=layout)  # fmt: skip
+
+
+def load_run_checkpoint(run: Run) -> bool:
+    """Loads `checkpoint.load` into the run when it holds a checkpoint; True if loaded."""
+    ckpt = run.config.checkpoint
+    if ckpt.load is None or (read_tracker(ckpt.load) is None and ckpt.ckpt_step is None):
+        if ckpt.load is not None and ckpt.exit_on_missing_checkpoint:
+            raise FileNotFoundError(f"load={ckpt.load} holds no checkpoint")
+        return False
+    with_optimizer = not (ckpt.no_load_optim or ckpt.finetune)
+    pieces = run_pieces(run, with_optimizer=with_optimizer)
+    loaded = load_checkpoint(
+        ckpt.load, pieces, iteration=ckpt.ckpt_step, finetune=ckpt.finetune,
+        strict=ckpt.strict_load and with_optimizer,
+    )  # fmt: skip
+    common = loaded.common
+    if with_optimizer:
+        template = run.optimizer.sharded_state_dict()
+        if common.get("optimizer") is None:
+            raise ValueError(
+                f"{loaded.directory} holds no optimizer state: load with no_load_optim"
+            )
+        run.optimizer.load_sharded_state_dict(
+            {"state": {k: pieces[k] for k in template["state"]}, "common": common["optimizer"]}
+        )
+    else:
+        for chunk in run.model:  # the model changed under the optimizer's fp32 copies
+            chunk.start_param_sync(force_sync=True)
+        _refresh_main_params(run)
+    if not ckpt.finetune:
+        run.train = TrainState(**common["train_state"])
+        run.scheduler.load_state_dict(common["scheduler"])
+        if loaded.rank_state is not None and not ckpt.no_load_rng:
+            mp_state.set_rng_state(loaded.rank_state, run.rng_tracker)
+    log.info("loaded %s (iteration %d)", loaded.directory, loaded.iteration)
+    return True
+
+
+def _refresh_main_params(run: Run) -> None:
+    """fp32 main parameters that are copies take the loaded model weights."""
+    for shards in run.optimizer.shards.values():
+        for shard in shards:
+            if not shard.aliased:
+                shard.main_param.data.copy_(shard.model_view)
+
+
+def model_settings(run: Run) -> dict:
+    """The model's settings under Megatron's names (read by mp-ckpt export-hf)."""
+    model = run.config.model
+    return {
+        "num_layers": model.num_layers, "hidden_size": model.hidden_size,
+        "num_attention_heads": model.num_attention_heads,
+        "num_query_groups": model.num_query_groups, "kv_channels": model.kv_channels,
+        "ffn_hidden_size": model.ffn_hidden_size, "normalization": model.normalization,
+        "activation": model.activation, "layernorm_epsilon": model.layernorm_epsilon,
+        "position_embedding_type": model.position_embedding_type,
+        "rotary_base": model.rotary_base, "add_bias_linear": model.add_bias_linear,
+        "untie_embeddings_and_output_weights": model.untie_embeddings_and_output_weights,
+        "vocab_size": run.padded_vocab_size, "seq_length": run.config.gpt.seq_length,
+        "max_position_embeddings": run.config.gpt.max_position_embeddings
+        or run.config.gpt.seq_length,
+    }  # fmt: skip

@@ -1,0 +1,415 @@
+"""Theoretical memory of the most loaded rank and FLOPs per iteration, from the configuration alone.
+
+    mp-train estimate [--config FILE.yaml] [overrides...] --world-size N [--vocab-size V]
+        [--num-experts E --moe-router-topk K --moe-ffn-hidden-size F
+         --moe-shared-expert-intermediate-size S --moe-layer-freq 2|1,0,1,0]
+
+prints one JSON object and starts no process. Symbols: s sequence, b micro-batch,
+h hidden, a heads, g query groups, d head width (kv_channels), f ffn width, L layers,
+V padded vocabulary, t/p/c/e tensor/pipeline/context/expert parallel sizes, m
+micro-batches per iteration, B global batch. MB is 2^20 bytes.
+
+Parameters (Megatron-LM's compute_weight_and_optimizer_memory): per layer attention
+2hd(a + g), MLP hf x (3 if swiglu else 2), norms 2h x (2 for LayerNorm, 1 for RMSNorm);
+a MoE layer's MLP is h(E f_moe + f_shared) x (3|2); final norm; embedding hV, doubled
+when untied. Biases, learned position embeddings and the router are not counted
+(as in Megatron). The most loaded rank holds (block / p + hV) / t, plus the output
+layer's hV / t when p = 1 and untied; routed experts are divided by e x expert-t
+instead of t (Megatron ignores expert parallelism here).
+
+Bytes per parameter: weight + gradient + optimizer state (fp32 main copy under mixed
+precision, Adam's two moments or SGD's momentum). bf16/fp16 with fp32 gradients and Adam
+is Megatron's 2 + 4 + 12 = 18, and 6 + 12 / dp with the distributed optimizer, which
+shards only the optimizer state, over dp x c ranks (experts: their data-parallel ranks).
+
+Activations of the first pipeline stage (Korthikanti et al. 2022, "Reducing Activation
+Recomputation in Large Transformer Models", Table 2, with f generalised as Megatron
+does): one layer and micro-batch stores 10sbh that tensor parallelism leaves whole
+(norm inputs, QKV and fc1 inputs, dropout masks), sbh(8 + 4f/h) it splits, and the
+attention scores 5as^2b unless core attention is recomputed (selective):
+
+    sequence parallel + selective   sbh(18 + 4f/h) / t         Megatron's compute_activation_memory
+    sequence parallel               (sbh(18 + 4f/h) + 5as^2b) / t
+    selective                       sbh(10 + (8 + 4f/h) / t)   (f = 4h: Megatron's sbh(10 + 24/t))
+    no recompute                    sbh(10 + (8 + 4f/h) / t) + 5as^2b / t
+    full recompute                  2sbh (/ t with sequence parallel) per checkpointed input,
+                                    plus one recomputed group's activations during backward
+
+times L (p micro-batches in flight x L / p layers), plus the embedding's 8sb + sbh per
+in-flight micro-batch; all of it x (1 + (p - 1) / (p v)) under the interleaved schedule,
+or x min(1, m / p) under 1F1B; plus the output layer's 4sbh + 4sbV when p = 1. Under
+sequence parallelism every term is divided by t, otherwise only the split ones. Megatron
+itself reports only the first form; for every other case it uses sbh(10 + 24/t), its
+own output-layer term and a 5% margin. Context parallelism stores s / c tokens per rank;
+the scores are a (s / c) s b. MoE layers replace f by k f_moe + f_shared (Megatron uses f
+everywhere).
+The score term assumes attention that materialises its probabilities; fused kernels
+(flash attention) store none, so the forms with 5as^2b overstate them.
+
+FLOPs (Megatron-LM's num_floating_point_operations): forward + backward is 3 GEMMs per
+weight and a GEMM of (m x n)(n x k) is 2mnk, so per token and layer
+6[h(ad + 2gd) + ad s + ad h] for attention (the causal mask halves QK^T and its product
+with V), 6hf x (3|2) for a dense MLP, 6h(k f_moe + f_shared) x (3|2) for a MoE one, and
+6hV for the logits; times B s. With a = g, f = 4h it is 72BsLh^2(1 + s/(12h) + V/(12Lh)).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import dataclass
+
+from mp_train.config import RunConfig
+
+__all__ = ["MoESettings", "estimate", "main", "padded_vocab_size"]
+
+_MB = 2**20
+
+
+@dataclass(kw_only=True)
+class MoESettings:
+    """Mixture-of-experts layers, with Megatron's argument names."""
+
+    num_experts: int
+    """Routed experts per MoE layer (E)."""
+
+    moe_router_topk: int = 2
+    """Experts each token is routed to (k)."""
+
+    moe_ffn_hidden_size: int | None = None
+    """Inner width of each routed expert; None: the model's ffn_hidden_size."""
+
+    moe_shared_expert_intermediate_size: int | None = None
+    """Inner width of the shared expert every token passes through; None: none."""
+
+    expert_model_parallel_size: int | None = None
+    """Ranks the experts are divided over (e); None: the run's parallel setting."""
+
+    moe_layer_freq: int | list[int] = 1
+    """Every this many layers is MoE (layer i when i % freq == 0), or a 0/1 per layer."""
+
+    def __post_init__(self) -> None:
+        for name in ("num_experts", "moe_router_topk"):
+            _positive(name, getattr(self, name))
+        for name in ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
+                     "expert_model_parallel_size"):  # fmt: skip
+            if getattr(self, name) is not None:
+                _positive(name, getattr(self, name))
+        if self.moe_router_topk > self.num_experts:
+            raise ValueError(
+                f"moe_router_topk={self.moe_router_topk} exceeds num_experts={self.num_experts}"
+            )
+        freq = self.moe_layer_freq
+        if isinstance(freq, list):
+            if any(flag not in (0, 1) for flag in freq):
+                raise ValueError(f"moe_layer_freq={freq} must hold only 0 and 1")
+        else:
+            _positive("moe_layer_freq", freq)
+
+    def pattern(self, num_layers: int) -> list[int]:
+        """1 for each MoE layer, 0 for each dense one."""
+        if isinstance(self.moe_layer_freq, int):
+            return [int(i % self.moe_layer_freq == 0) for i in range(num_layers)]
+        if len(self.moe_layer_freq) != num_layers:
+            raise ValueError(
+                f"moe_layer_freq has {len(self.moe_layer_freq)} entries; num_layers={num_layers}"
+            )
+        return list(self.moe_layer_freq)
+
+
+def padded_vocab_size(vocab_size: int, make_vocab_size_divisible_by: int, tp: int) -> int:
+    """Megatron's padding: up to a multiple of make_vocab_size_divisible_by x tp."""
+    multiple = make_vocab_size_divisible_by * tp
+    return -(-vocab_size // multiple) * multiple
+
+
+def estimate(
+    config: RunConfig,
+    world_size: int,
+    *,
+    vocab_size: int | None = None,
+    moe: MoESettings | None = None,
+) -> dict:
+    """num_parameters, weight_and_optimizer_mb, activation_mb, total_mb (most loaded rank)
+    and flops_per_iteration (one global batch, forward + backward), with the figures they
+    are made of. `vocab_size` overrides config.data.vocab_size."""
+    layout = _layout(config, world_size, moe)
+    vocab = vocab_size if vocab_size is not None else config.data.vocab_size
+    if vocab is None:
+        raise ValueError(
+            "no vocabulary size: set vocab_size (--vocab-size); the tokenizer is not read"
+        )
+    _positive("vocab_size", vocab)
+    V = padded_vocab_size(vocab, config.data.make_vocab_size_divisible_by, layout["tp"])
+    params = _parameters(config, V, moe)
+    weights = _weight_and_optimizer(config, layout, params)
+    activation_bytes, formula = _activation_bytes(config, layout, V, moe)
+    weight_mb = weights["bytes"] / _MB
+    activation_mb = activation_bytes / _MB
+    return {
+        "num_parameters": params["total"],
+        "weight_and_optimizer_mb": weight_mb,
+        "activation_mb": activation_mb,
+        "total_mb": weight_mb + activation_mb,
+        "flops_per_iteration": _flops(config, layout, V, moe),
+        "padded_vocab_size": V,
+        "parameters_on_most_loaded_shard": weights["shard"],
+        "expert_parameters_on_most_loaded_shard": weights["expert_shard"],
+        "bytes_per_parameter": weights["bytes_per_parameter"],
+        "activation_formula": formula,
+        "data_parallel_size": layout["dp"],
+        "global_batch_size": layout["gbs"],
+        "num_microbatches": layout["microbatches"],
+    }
+
+
+def _layout(config: RunConfig, world_size: int, moe: MoESettings | None) -> dict:
+    """Sizes derived from the world (what `validate` derives, without needing data)."""
+    parallel, model, training = config.parallel, config.model, config.training
+    tp, pp, cp = (
+        parallel.tensor_model_parallel_size,
+        parallel.pipeline_model_parallel_size,
+        parallel.context_parallel_size,
+    )
+    vpp = parallel.virtual_pipeline_model_parallel_size
+    dp = parallel.data_parallel_size(world_size)
+    model.check_parallel(tp)
+    if model.num_layers % (pp * (vpp or 1)):
+        raise ValueError(
+            f"num_layers={model.num_layers} is not divisible by pipeline_model_parallel_size="
+            f"{pp} x virtual_pipeline_model_parallel_size={vpp or 1}"
+        )
+    seq = config.gpt.seq_length
+    if seq % cp:
+        raise ValueError(f"context_parallel_size={cp} does not divide seq_length={seq}")
+    mbs = training.micro_batch_size
+    gbs = training.global_batch_size if training.global_batch_size is not None else mbs * dp
+    if mbs < 1 or gbs % (mbs * dp):
+        raise ValueError(
+            f"global_batch_size={gbs} is not divisible by micro_batch_size={mbs} x "
+            f"data_parallel_size={dp} (world size {world_size})"
+        )
+    if config.optimizer.bf16 != model.bf16 or config.optimizer.fp16 != model.fp16:
+        raise ValueError(
+            f"the model (bf16={model.bf16}, fp16={model.fp16}) and the optimizer "
+            f"(bf16={config.optimizer.bf16}, fp16={config.optimizer.fp16}) disagree on the "
+            "precision"
+        )
+    ep, etp, edp = 1, parallel.expert_tensor_parallel_size, dp * cp
+    if moe is not None:
+        ep = moe.expert_model_parallel_size or parallel.expert_model_parallel_size
+        if moe.num_experts % ep:
+            raise ValueError(
+                f"expert_model_parallel_size={ep} does not divide num_experts={moe.num_experts}"
+            )
+        if (tp * cp * dp) % (etp * ep):
+            raise ValueError(
+                f"tensor_model_parallel_size={tp} x context_parallel_size={cp} x "
+                f"data_parallel_size={dp} ranks per stage are not divisible by "
+                f"expert_tensor_parallel_size={etp} x expert_model_parallel_size={ep}"
+            )
+        edp = tp * cp * dp // (etp * ep)
+    return {
+        "tp": tp, "pp": pp, "cp": cp, "vpp": vpp, "dp": dp, "ep": ep, "etp": etp, "edp": edp,
+        "gbs": gbs, "microbatches": gbs // (mbs * dp),
+    }  # fmt: skip
+
+
+def _moe_layers(config: RunConfig, moe: MoESettings | None) -> tuple[int, int]:
+    """(dense layers, MoE layers)."""
+    layers = config.model.num_layers
+    n_moe = 0 if moe is None else sum(moe.pattern(layers))
+    return layers - n_moe, n_moe
+
+
+def _parameters(config: RunConfig, V: int, moe: MoESettings | None) -> dict:
+    m = config.model
+    h, d = m.hidden_size, m.kv_channels
+    gated = 3 if m.activation == "swiglu" else 2  # fc1 (twice as wide when gated) and fc2
+    norm = 1 if m.normalization == "RMSNorm" else 2  # LayerNorm has a bias
+    attention = 2 * h * d * (m.num_attention_heads + m.num_query_groups)  # Q, K, V and out
+    shared = 0
+    n_dense, n_moe = _moe_layers(config, moe)
+    if moe is not None:
+        shared = h * (moe.moe_shared_expert_intermediate_size or 0) * gated
+    dense_layer = attention + h * m.ffn_hidden_size * gated + 2 * h * norm
+    experts = 0 if moe is None else h * _moe_ffn(config, moe) * moe.num_experts * gated * n_moe
+    block = dense_layer * n_dense + (attention + shared + 2 * h * norm) * n_moe + experts
+    block += norm * h  # the final norm
+    embedding = h * V
+    embeddings = 2 * embedding if m.untie_embeddings_and_output_weights else embedding
+    return {"total": block + embeddings, "block": block, "experts": experts, "embedding": embedding}
+
+
+def _weight_and_optimizer(config: RunConfig, layout: dict, params: dict) -> dict:
+    tp, pp = layout["tp"], layout["pp"]
+    # Megatron's most loaded shard: the first stage's layers and the embedding; with one
+    # stage also the untied output layer.
+    shard = ((params["block"] - params["experts"]) / pp + params["embedding"]) / tp
+    if config.model.untie_embeddings_and_output_weights and pp == 1:
+        shard += params["embedding"] / tp
+    expert_shard = params["experts"] / pp / (layout["ep"] * layout["etp"])
+    weight, grad, state = _bytes_per_parameter(config)
+    if config.optimizer.use_distributed_optimizer:
+        # Megatron shards over the data-parallel group that includes the context ranks.
+        dense_bytes = weight + grad + state / (layout["dp"] * layout["cp"])
+        expert_bytes = weight + grad + state / layout["edp"]
+    else:
+        dense_bytes = expert_bytes = weight + grad + state
+    return {
+        "shard": shard,
+        "expert_shard": expert_shard,
+        "bytes_per_parameter": dense_bytes,
+        "bytes": shard * dense_bytes + expert_shard * expert_bytes,
+    }
+
+
+def _bytes_per_parameter(config: RunConfig) -> tuple[int, int, int]:
+    """(weight, gradient, optimizer state) bytes of one parameter."""
+    optimizer = config.optimizer
+    mixed = optimizer.bf16 or optimizer.fp16
+    weight = 2 if mixed else 4
+    grad = 4 if optimizer.grad_reduce_in_fp32 or not mixed else 2
+    sgd_moments = 4 if optimizer.sgd_momentum > 0 else 0
+    moments = 8 if optimizer.optimizer == "adam" else sgd_moments
+    return weight, grad, (4 if mixed else 0) + moments
+
+
+def _activation_bytes(
+    config: RunConfig, layout: dict, V: int, moe: MoESettings | None
+) -> tuple[float, str]:
+    """Activation bytes of the first pipeline stage (see the module docstring)."""
+    m = config.model
+    tp, pp, vpp = layout["tp"], layout["pp"], layout["vpp"]
+    s_full = config.gpt.seq_length
+    s = s_full / layout["cp"]  # tokens of a sequence on one rank
+    b, h = config.training.micro_batch_size, m.hidden_size
+    a, L = m.num_attention_heads, m.num_layers
+    n_dense, n_moe = _moe_layers(config, moe)
+    f = m.ffn_hidden_size
+    if moe is not None:
+        moe_f = moe.moe_router_topk * _moe_ffn(config, moe)
+        moe_f += moe.moe_shared_expert_intermediate_size or 0
+        f = (n_dense * f + n_moe * moe_f) / L
+    sp, granularity = m.sequence_parallel, m.recompute_granularity
+    sbh = s * b * h
+
+    def stored(whole: float, split: float) -> float:
+        return (whole + split) / tp if sp else whole + split / tp
+
+    scores = 0.0 if granularity == "selective" else 5 * a * s * s_full * b
+    layer = stored(10 * sbh, (8 + 4 * f / h) * sbh + scores)
+    transient = 0.0
+    if granularity == "full":
+        chunk = L // (pp * (vpp or 1))  # layers of one model chunk
+        n = min(m.recompute_num_layers, chunk)
+        checkpoint = stored(2 * sbh, 0)  # each recomputed group keeps only its input
+        if m.recompute_method == "uniform":
+            per_layer = checkpoint * math.ceil(chunk / n) / chunk
+        else:  # block: the first n layers of each chunk, one layer at a time
+            per_layer = (n * checkpoint + (chunk - n) * layer) / chunk
+            n = 1
+        transient = n * layer  # the group being recomputed, one micro-batch
+        layer = per_layer
+    total = layer * L + stored(8 * s * b + sbh, 0) * pp  # token ids, embedding dropout mask
+    if vpp is not None:
+        total *= 1 + (pp - 1) / (pp * vpp)
+    elif pp > 1:
+        total *= min(1.0, layout["microbatches"] / pp)
+    if pp == 1:
+        total += stored(4 * sbh, 4 * s * b * V)  # the output layer's input and logits
+    recompute = {None: "no recompute", "selective": "selective recompute"}.get(
+        granularity, f"full recompute ({m.recompute_method})"
+    )
+    formula = ("sequence parallel, " if sp else "") + recompute
+    return total + transient, formula
+
+
+def _flops(config: RunConfig, layout: dict, V: int, moe: MoESettings | None) -> int:
+    m = config.model
+    s, h, L = config.gpt.seq_length, m.hidden_size, m.num_layers
+    q = m.kv_channels * m.num_attention_heads
+    kv = m.kv_channels * m.num_query_groups
+    gated = 3 if m.activation == "swiglu" else 2
+    # Per token: QKV and output projections, and QK^T, (QK^T)V at half (causal): 2 x qs/2.
+    attention = h * (q + 2 * kv) + q * s + q * h
+    n_dense, n_moe = _moe_layers(config, moe)
+    mlp = m.ffn_hidden_size * gated * n_dense
+    if moe is not None:
+        routed = _moe_ffn(config, moe) * moe.moe_router_topk
+        mlp += (routed + (moe.moe_shared_expert_intermediate_size or 0)) * gated * n_moe
+    per_token = 3 * 2 * (h * mlp + attention * L + h * V)  # fwd + 2 bwd GEMMs, 2 per multiply-add
+    return layout["gbs"] * s * per_token
+
+
+def _moe_ffn(config: RunConfig, moe: MoESettings) -> int:
+    return moe.moe_ffn_hidden_size or config.model.ffn_hidden_size
+
+
+def _positive(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}={value!r} must be a positive integer")
+
+
+# The command line.
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`mp-train estimate ...`: prints one JSON object; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "estimate":
+        argv = argv[1:]
+    elif argv and not argv[0].startswith("-"):
+        print(f"mp-train: unknown command {argv[0]!r}; commands: estimate", file=sys.stderr)
+        return 2
+    own, rest = _parser().parse_known_args(argv)
+    from mp_train.arguments import parse_config  # the run's own flags and --config YAML
+
+    try:
+        config = parse_config(rest, prog="mp-train estimate")
+        moe = None
+        if own.num_experts is not None:
+            moe = MoESettings(
+                num_experts=own.num_experts,
+                moe_router_topk=own.moe_router_topk,
+                moe_ffn_hidden_size=own.moe_ffn_hidden_size,
+                moe_shared_expert_intermediate_size=own.moe_shared_expert_intermediate_size,
+                moe_layer_freq=own.moe_layer_freq,
+            )
+        result = estimate(config, own.world_size, vocab_size=own.vocab_size, moe=moe)
+    except (OSError, ValueError) as error:
+        print(f"mp-train estimate: error: {error}", file=sys.stderr)
+        return 2
+    print(json.dumps(result))
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="mp-train estimate",
+        description="Theoretical memory of the most loaded rank and FLOPs per iteration. "
+        "Every other flag (and --config FILE.yaml) is the run's own.",
+        allow_abbrev=False,
+    )
+    parser.add_argument("--world-size", type=int, required=True, help="ranks of the run")
+    parser.add_argument("--vocab-size", type=int, help="vocabulary before padding")
+    moe = parser.add_argument_group("mixture of experts")
+    moe.add_argument("--num-experts", type=int, help="routed experts per MoE layer")
+    moe.add_argument("--moe-router-topk", type=int, default=2, help="experts per token")
+    moe.add_argument("--moe-ffn-hidden-size", type=int, help="inner width of each expert")
+    moe.add_argument("--moe-shared-expert-intermediate-size", type=int,
+                     help="inner width of the shared expert")  # fmt: skip
+    moe.add_argument("--moe-layer-freq", type=_layer_freq, default=1,
+                     help="every N-th layer is MoE, or a 0/1 per layer: 1,0,1,0")  # fmt: skip
+    return parser
+
+
+def _layer_freq(text: str) -> int | list[int]:
+    items = text.strip().strip("[]").split(",")
+    try:
+        values = [int(item) for item in items]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: an integer or 0/1 list like 1,0,1,0") from None
+    return values[0] if len(values) == 1 and "," not in text else values

@@ -1,0 +1,220 @@
+"""The loop's logs: a line every log_interval on the last rank, TensorBoard, memory, MFU.
+
+Each line: iteration, consumed samples, ms per iteration, learning rate,
+global batch, the reported losses, loss scale, gradient norm, optional
+parameter norm, skipped and nan iterations, tokens/s, TFLOP/s per rank and
+MFU, current and peak memory. At start the theoretical memory and FLOPs
+(mp_train.estimate) are printed; after the first logged iterations the
+measured peak memory stands beside them.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import resource
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from mp_optim import counted_in_grad_norm
+from mp_train.estimate import estimate
+from mp_train.setup import Run
+
+__all__ = ["MetricsLogger", "measure_peak_tflops"]
+
+log = logging.getLogger("mp_train")
+
+_GPU_PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0}
+"""Dense bf16 peak TFLOP/s by device name (a substring of torch's device name)."""
+
+
+def measure_peak_tflops(n: int = 1024, repeats: int = 5) -> float:
+    """A bf16 n x n matmul's best TFLOP/s on this CPU (the MFU reference without a GPU)."""
+    a = torch.randn(n, n, dtype=torch.bfloat16)
+    b = torch.randn(n, n, dtype=torch.bfloat16)
+    a @ b
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    return 2 * n**3 / best / 1e12
+
+
+class MetricsLogger:
+    def __init__(self, run: Run) -> None:
+        self.run = run
+        self.config = run.config.logging
+        self.writer = None
+        self.wandb = None
+        if run.is_last_rank and self.config.tensorboard_dir:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(log_dir=self.config.tensorboard_dir)
+        if run.is_last_rank and self.config.wandb_project:
+            try:
+                import wandb
+            except ImportError:
+                self.print("wandb_project is set but wandb is not installed: not logging to it")
+            else:
+                self.wandb = wandb.init(project=self.config.wandb_project,
+                                        name=self.config.wandb_exp_name,
+                                        config=run.config.as_dict())  # fmt: skip
+        self.estimate = estimate(run.config, dist.get_world_size(),
+                                 vocab_size=run.padded_vocab_size)  # fmt: skip
+        self.peak_tflops = self.config.peak_tflops or _default_peak(run.device)
+        self._interval_start = time.perf_counter()
+        self._iteration_start = time.perf_counter()
+        self._sums: dict[str, float] = {}
+        self._count = 0
+        self._tokens = 0
+        self._flops = 0.0
+
+    def print(self, message: str) -> None:
+        if self.run.is_last_rank:
+            print(message, flush=True)
+
+    def print_start(self) -> None:
+        e, run = self.estimate, self.run
+        self.print(
+            f"mp-train: world {dist.get_world_size()} = tp {run.state.tp.size} x pp "
+            f"{run.state.pp.size} x dp {run.data_parallel_size}; {e['num_parameters']:,} "
+            f"parameters; theoretical memory of the most loaded rank: weights and optimizer "
+            f"{e['weight_and_optimizer_mb']:.1f} MB, activations {e['activation_mb']:.1f} MB, "
+            f"total {e['total_mb']:.1f} MB; {e['flops_per_iteration'] / 1e12:.3f} TFLOP per "
+            f"iteration; MFU reference {self.peak_tflops:.2f} TFLOP/s per rank"
+        )
+
+    def iteration_started(self) -> None:
+        self._iteration_start = time.perf_counter()
+
+    def iteration_finished(self, losses, result, global_batch: int, microbatches: int) -> None:
+        run = self.run
+        for name, value in losses.items():
+            self._sums[name] = self._sums.get(name, 0.0) + value
+        self._count += 1
+        self._tokens += global_batch * run.config.gpt.seq_length
+        flops = self.estimate["flops_per_iteration"] * global_batch / self.estimate[
+            "global_batch_size"]  # fmt: skip
+        self._flops += flops
+        run.train.floating_point_operations_so_far += flops
+        iteration = run.train.iteration
+        if iteration % self.config.log_interval:
+            return
+        elapsed = time.perf_counter() - self._interval_start
+        per_iteration_ms = 1000.0 * elapsed / self._count
+        values = {
+            "lr": run.optimizer.param_groups[0]["lr"] if run.optimizer.param_groups else 0.0,
+            "global batch": global_batch,
+            **{name: total / self._count for name, total in self._sums.items()},
+            "loss scale": run.optimizer.get_loss_scale(),
+        }
+        if result is not None and result.grad_norm is not None:
+            values["grad norm"] = result.grad_norm
+        if result is not None and result.num_zeros_in_grad is not None:
+            values["zeros in grad"] = result.num_zeros_in_grad
+        if self.config.log_params_norm:
+            values["params norm"] = parameters_norm(run)
+        values["skipped iterations"] = run.train.skipped_iterations
+        values["nan iterations"] = run.train.nan_iterations
+        if self.config.log_throughput:
+            tflops = self._flops / elapsed / dist.get_world_size() / 1e12
+            values["tokens/s"] = self._tokens / elapsed
+            values["TFLOP/s per rank"] = tflops
+            values["MFU"] = tflops / self.peak_tflops
+        if self.config.log_memory:
+            values.update(memory_mb(run.device))
+        line = (
+            f"iteration {iteration:>8} | consumed samples {run.train.consumed_train_samples:>10} "
+            f"| ms/iteration {per_iteration_ms:.1f} | "
+            + " | ".join(f"{k} {_fmt(v)}" for k, v in values.items())
+        )
+        timing = run.timers.report(["forward-backward", "optimizer"], normalizer=self._count)
+        self.print(line if self.config.timing_log_level == 0 else f"{line}\n{timing}")
+        if iteration == self.config.log_interval and self.config.log_memory:
+            self.print(
+                f"memory after {iteration} iterations: peak {values.get('peak memory MB', 0):.1f} "
+                f"MB measured, {self.estimate['total_mb']:.1f} MB theoretical (weights, "
+                "optimizer, activations; the process's own overhead is not in it)"
+            )
+        self._scalars("train", {**values, "ms per iteration": per_iteration_ms}, iteration)
+        self._interval_start = time.perf_counter()
+        self._sums, self._count, self._tokens, self._flops = {}, 0, 0, 0.0
+
+    def evaluation(self, results: dict[str, float], final: bool) -> None:
+        iteration = self.run.train.iteration
+        parts = []
+        for name, value in results.items():
+            parts.append(f"{name} {value:.6g}")
+            if "loss" in name and math.isfinite(value) and value < 50:
+                parts.append(f"{name} PPL {math.exp(value):.6g}")
+        label = "final validation" if final else f"validation at iteration {iteration}"
+        self.print(f"{label} | " + " | ".join(parts))
+        self._scalars("valid", results, iteration)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.flush()
+            self.writer.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+    def _scalars(self, prefix: str, values: dict, step: int) -> None:
+        if self.writer is not None:
+            for name, value in values.items():
+                if isinstance(value, int | float) and math.isfinite(value):
+                    self.writer.add_scalar(f"{prefix}/{name}", value, step)
+            self.writer.flush()
+        if self.wandb is not None:
+            self.wandb.log({f"{prefix}/{k}": v for k, v in values.items()}, step=step)
+
+
+def parameters_norm(run: Run) -> float:
+    """L2 norm of all parameters, each logical parameter counted once (collective)."""
+    total = torch.zeros((), dtype=torch.float64)
+    for chunk in run.model:
+        for param in counted_in_grad_norm(chunk.module):
+            total += param.detach().double().square().sum().cpu()
+    group = run.state.mp
+    if group.size > 1:
+        total = total.to(run.device)
+        dist.all_reduce(total, group=group.group)
+    return float(total.sqrt())
+
+
+def memory_mb(device: torch.device) -> dict[str, float]:
+    if device.type == "cuda":
+        return {
+            "memory MB": torch.cuda.memory_allocated(device) / 2**20,
+            "peak memory MB": torch.cuda.max_memory_allocated(device) / 2**20,
+        }
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    if sys.platform == "darwin":
+        peak /= 1024
+    current = peak
+    try:
+        with open(f"/proc/{os.getpid()}/statm") as f:
+            current = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except OSError:
+        pass
+    return {"memory MB": current, "peak memory MB": peak}
+
+
+def _default_peak(device: torch.device) -> float:
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, tflops in _GPU_PEAK_TFLOPS.items():
+            if key in name:
+                return tflops
+        log.warning("no known peak for %s: MFU uses a measured bf16 matmul", name)
+    return measure_peak_tflops()
+
+
+def _fmt(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}" if abs(value) < 1e5 else f"{value:.4e}"
+    return str(value)

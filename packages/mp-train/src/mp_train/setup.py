@@ -1,0 +1,175 @@
+"""Everything a run builds before its first iteration, held in one object.
+
+    run = setup_run(config, model_provider)
+
+initializes torch.distributed from torchrun's environment (NCCL on GPUs,
+gloo on CPUs; a one-rank world without torchrun), the rank groups
+(mp_state), the seeds, the tokenizer and padded vocabulary, this rank's
+model chunks wrapped in DistributedDataParallel, the optimizer and the
+scheduler. Nothing is kept in module globals: the loop's mutable state is
+`run.train` (TrainState).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+import mp_state
+from mp_data import build_tokenizer, vocab_size_with_padding
+from mp_optim import (
+    DistributedDataParallel,
+    MixedPrecisionOptimizer,
+    OptimizerParamScheduler,
+    get_optimizer,
+    get_optimizer_param_scheduler,
+)
+from mp_pipeline import PipelineConfig, finalize_model_grads, stage_layers
+from mp_state import ParallelState, RNGStatesTracker
+from mp_train.config import RunConfig, validate
+from mp_train.microbatches import MicroBatchCalculator
+from mp_train.timers import Timers
+
+__all__ = ["ModelProvider", "Run", "TrainState", "setup_run"]
+
+
+@dataclass
+class TrainState:
+    """The loop's counters: saved in checkpoints, restored on resume."""
+
+    iteration: int = 0
+    consumed_train_samples: int = 0
+    consumed_valid_samples: int = 0
+    skipped_iterations: int = 0
+    nan_iterations: int = 0
+    floating_point_operations_so_far: float = 0.0
+
+
+@dataclass
+class Run:
+    config: RunConfig
+    state: ParallelState
+    device: torch.device
+    rng_tracker: RNGStatesTracker
+    data_parallel_size: int
+    calculator: MicroBatchCalculator
+    tokenizer: Any
+    padded_vocab_size: int
+    model: list[DistributedDataParallel]
+    optimizer: MixedPrecisionOptimizer
+    scheduler: OptimizerParamScheduler
+    pipeline: PipelineConfig
+    timers: Timers
+    train: TrainState = field(default_factory=TrainState)
+    start_time: float = field(default_factory=time.time)
+    has_train_data: bool = False
+    has_valid_data: bool = False
+
+    @property
+    def is_last_rank(self) -> bool:
+        return torch.distributed.get_rank() == torch.distributed.get_world_size() - 1
+
+    @property
+    def is_first_rank(self) -> bool:
+        return torch.distributed.get_rank() == 0
+
+    @property
+    def on_last_stage(self) -> bool:
+        return self.state.pp.rank == self.state.pp.size - 1
+
+
+ModelProvider = Callable[..., torch.nn.Module]
+"""Called with keywords config (RunConfig), state (ParallelState), stage (StageLayers:
+layer offset and count, pre_process, post_process), vp_stage, padded_vocab_size and
+rng_tracker; returns this rank's model chunk for that (virtual) stage."""
+
+
+def setup_run(config: RunConfig, model_provider: ModelProvider) -> Run:
+    """Initializes the run (collective: every rank calls it)."""
+    device_info = mp_state.init_distributed(config.parallel.distributed_timeout_minutes)
+    world = torch.distributed.get_world_size()
+    sizes = validate(config, world)
+    state = mp_state.initialize(config.parallel)
+    tracker = mp_state.set_random_seeds(
+        config.training.seed, state,
+        data_parallel_random_init=config.training.data_parallel_random_init,
+    )  # fmt: skip
+    data = config.data
+    kind = data.tokenizer_type
+    if kind is None and data.vocab_size is not None:
+        kind = "NullTokenizer"  # token ids given as they are, plus an end-of-document id
+    if kind is None:
+        raise ValueError("the vocabulary is unknown: set tokenizer_type (or vocab_size)")
+    tokenizer = build_tokenizer(
+        kind, vocab_file=data.vocab_file, merge_file=data.merge_file,
+        tokenizer_model=data.tokenizer_model, vocab_size=data.vocab_size,
+    )  # fmt: skip
+    vocab = tokenizer.vocab_size
+    padded = vocab_size_with_padding(
+        vocab, data.make_vocab_size_divisible_by, config.parallel.tensor_model_parallel_size
+    )
+    model = _build_model(config, state, tracker, padded, model_provider)
+    optimizer = get_optimizer(config.optimizer, model, mp_group=state.mp)
+    training = config.training
+    scheduler = get_optimizer_param_scheduler(
+        config.optimizer, optimizer, global_batch_size=sizes["global_batch_size"],
+        train_iters=training.train_iters, train_samples=training.train_samples,
+    )  # fmt: skip
+    pipeline = PipelineConfig(
+        seq_length=config.gpt.seq_length,
+        micro_batch_size=training.micro_batch_size,
+        hidden_size=config.model.hidden_size,
+        tensor_model_parallel_size=state.tp.size,
+        context_parallel_size=state.cp.size,
+        sequence_parallel=config.model.sequence_parallel,
+        pipeline_dtype=config.optimizer.model_dtype,
+        grad_scale_func=optimizer.scale_loss if config.optimizer.fp16 else None,
+        no_sync_func=[chunk.no_sync for chunk in model],
+        finalize_model_grads_func=functools.partial(finalize_model_grads, state=state),
+        p2p_timeout_s=60.0 * config.parallel.distributed_timeout_minutes,
+    )  # fmt: skip
+    calculator = MicroBatchCalculator(
+        sizes["global_batch_size"], training.micro_batch_size, sizes["data_parallel_size"],
+        training.rampup_batch_size,
+    )  # fmt: skip
+    timers = Timers(config.logging.timing_log_level, config.logging.timing_log_option)
+    return Run(
+        config=config, state=state, device=device_info.device, rng_tracker=tracker,
+        data_parallel_size=sizes["data_parallel_size"], calculator=calculator,
+        tokenizer=tokenizer, padded_vocab_size=padded, model=model, optimizer=optimizer,
+        scheduler=scheduler, pipeline=pipeline, timers=timers,
+    )  # fmt: skip
+
+
+def _build_model(config, state, tracker, padded_vocab, model_provider) -> list:
+    parallel = config.parallel
+    vpp = parallel.virtual_pipeline_model_parallel_size
+    chunks = []
+    for vp_stage in range(vpp or 1):
+        stage = stage_layers(
+            config.model.num_layers, state.pp.size, state.pp.rank,
+            virtual_pipeline_model_parallel_size=vpp, vp_stage=vp_stage,
+        )  # fmt: skip
+        module = model_provider(
+            config=config, state=state, stage=stage, vp_stage=vp_stage,
+            padded_vocab_size=padded_vocab, rng_tracker=tracker,
+        )  # fmt: skip
+        module.to(mp_state.select_device().device)
+        chunks.append(DistributedDataParallel(config.optimizer, module, dp_group=state.dp_cp))
+    if config.training.data_parallel_random_init:
+        for chunk in chunks:
+            chunk.broadcast_params()
+    for chunk in chunks:
+        # Embeddings tied across the first and last stage: the last stage's copy takes
+        # the first stage's weights (collective over the embedding group).
+        module = chunk.module
+        tied = getattr(module, "share_embeddings_and_output_weights", False)
+        ends = getattr(module, "pre_process", False) or getattr(module, "post_process", False)
+        if tied and ends and state.embedding is not None and state.pp.size > 1:
+            module.sync_tied_embeddings(state.embedding)
+    return chunks

@@ -1,0 +1,286 @@
+"""pretrain(): Megatron's training loop over the mp packages.
+
+    pretrain(config, model_provider=..., datasets_provider=..., forward_step_func=...)
+
+1. setup_run: torch.distributed, rank groups, seeds, tokenizer, model chunks
+   (DDP), optimizer, scheduler (setup.py);
+2. a checkpoint under `load`, resharded if the layout changed (checkpointing.py);
+3. datasets from datasets_provider(run, [train, valid, test] sample counts)
+   and loaders that start after the consumed samples (mp-data);
+4. iterations until train_iters / train_samples: the pipeline schedule's
+   forward and backward (mp-pipeline), the optimizer step (a step skipped on
+   inf/nan gradients is counted), the scheduler by the global batch, logs
+   every log_interval, evaluation every eval_interval, saves every
+   save_interval; exit_interval, exit_duration_in_mins and SIGTERM (every
+   rank agrees, saves and returns);
+5. a final evaluation and save.
+
+forward_step_func(data_iterator, model) -> (output, loss_func), with
+loss_func(output) -> (loss, report) as in Megatron; a report's values are
+scalars (averaged) or [sum, count] pairs (summed over micro-batches, then
+divided): the loss function averages them over data-parallel ranks.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import math
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mp_ckpt import Checkpointer, read_tracker
+from mp_data import build_pretraining_data_loader, train_valid_test_num_samples
+from mp_pipeline import get_forward_backward_func
+from mp_train.checkpointing import load_run_checkpoint, save_run_checkpoint
+from mp_train.config import RunConfig
+from mp_train.metrics import MetricsLogger
+from mp_train.setup import ModelProvider, Run, setup_run
+from mp_train.signals import DistributedSignalHandler
+
+__all__ = ["evaluate", "pretrain"]
+
+log = logging.getLogger("mp_train")
+
+DatasetsProvider = Callable[[Run, list[int]], tuple[Any, Any, Any]]
+
+
+def pretrain(
+    config: RunConfig,
+    *,
+    model_provider: ModelProvider,
+    datasets_provider: DatasetsProvider,
+    forward_step_func: Callable,
+) -> Run:
+    """Trains (see the module docstring); returns the run at its end (collective)."""
+    run = setup_run(config, model_provider)
+    metrics = MetricsLogger(run)
+    metrics.print_start()
+    checkpointer = None
+    if config.checkpoint.save is not None:
+        checkpointer = Checkpointer(config.checkpoint.save, async_save=config.checkpoint.async_save,
+                                    keep_last=config.checkpoint.ckpt_keep_last)  # fmt: skip
+    load_run_checkpoint(run)
+    train_iter, valid_iter = _data_iterators(run, datasets_provider)
+    try:
+        if not config.training.skip_train:
+            _train(run, forward_step_func, train_iter, valid_iter, checkpointer, metrics)
+        if config.training.eval_interval is not None and run.has_valid_data:
+            evaluate(run, forward_step_func, valid_iter, metrics, final=True)
+        trained = checkpointer is not None and not config.training.skip_train
+        if trained and _last_saved(run) != run.train.iteration:
+            save_run_checkpoint(run, checkpointer)
+    finally:
+        if checkpointer is not None:
+            checkpointer.finalize()
+        metrics.close()
+    return run
+
+
+def _train(run: Run, forward_step_func, train_iter, valid_iter, checkpointer, metrics) -> None:
+    config, training = run.config, run.config.training
+    if training.manual_gc:
+        gc.disable()
+        gc.collect()
+    for chunk in run.model:
+        chunk.train()
+    schedule = _schedule(run)
+    start = time.time()
+    with DistributedSignalHandler() as signals:
+        while not _done(run):
+            metrics.iteration_started()
+            global_batch = run.calculator.global_batch(run.train.consumed_train_samples)
+            num_microbatches = run.calculator.num_microbatches(run.train.consumed_train_samples)
+            run.optimizer.zero_grad()
+            barrier = config.logging.barrier_with_L1_time
+            run.timers("forward-backward", log_level=1).start(barrier=barrier)
+            reports = schedule(
+                forward_step_func=forward_step_func, data_iterator=train_iter, model=run.model,
+                num_microbatches=num_microbatches, config=run.pipeline, pp_group=run.state.pp,
+            )  # fmt: skip
+            run.timers("forward-backward", log_level=1).stop()
+            losses = reduce_reports(reports)
+            bad_loss = _nonfinite_anywhere(losses)
+            if (
+                bad_loss
+                and not training.skip_nan_loss_iterations
+                and (training.check_for_nan_in_loss_and_grad)
+            ):
+                raise FloatingPointError(
+                    f"rank {dist.get_rank()}: loss is nan or inf at iteration "
+                    f"{run.train.iteration + 1}: {losses}"
+                    if losses
+                    else f"a rank of the last pipeline stage saw a nan or inf loss at iteration "
+                    f"{run.train.iteration + 1}"
+                )
+            if bad_loss:
+                run.train.nan_iterations += 1
+                result = None
+            else:
+                run.timers("optimizer", log_level=1).start(barrier=barrier)
+                result = run.optimizer.step()
+                run.timers("optimizer", log_level=1).stop()
+            run.train.iteration += 1
+            run.train.consumed_train_samples += global_batch
+            if result is not None and result.update_successful:
+                run.scheduler.step(increment=global_batch)
+            else:
+                run.train.skipped_iterations += 1
+            metrics.iteration_finished(losses, result, global_batch, num_microbatches)
+            if (
+                training.manual_gc
+                and training.manual_gc_interval
+                and (run.train.iteration % training.manual_gc_interval == 0)
+            ):
+                gc.collect()
+            iteration = run.train.iteration
+            if (
+                training.eval_interval
+                and run.has_valid_data
+                and (iteration % training.eval_interval == 0)
+                and not _done(run)
+            ):
+                evaluate(run, forward_step_func, valid_iter, metrics)
+            saved = False
+            if (
+                checkpointer is not None
+                and config.checkpoint.save_interval
+                and (iteration % config.checkpoint.save_interval == 0)
+            ):
+                save_run_checkpoint(run, checkpointer)
+                saved = True
+            stop = _should_exit(run, signals, start)
+            if stop:
+                if checkpointer is not None and not saved:
+                    save_run_checkpoint(run, checkpointer)
+                metrics.print(f"exiting at iteration {iteration}: {stop}")
+                break
+
+
+def evaluate(run: Run, forward_step_func, valid_iter, metrics, final: bool = False) -> dict:
+    """eval_iters forward-only global batches; logs and returns the averaged reports."""
+    for chunk in run.model:
+        chunk.eval()
+    schedule = _schedule(run)
+    gathered: list = []
+    with torch.no_grad():
+        for _ in range(run.config.training.eval_iters):
+            global_batch = run.calculator.global_batch(run.train.consumed_train_samples)
+            gathered += schedule(
+                forward_step_func=forward_step_func, data_iterator=valid_iter, model=run.model,
+                num_microbatches=run.calculator.num_microbatches(run.train.consumed_train_samples),
+                config=run.pipeline, pp_group=run.state.pp, forward_only=True,
+            )  # fmt: skip
+            run.train.consumed_valid_samples += global_batch
+    for chunk in run.model:
+        chunk.train()
+    results = reduce_reports(gathered)
+    metrics.evaluation(results, final=final)
+    return results
+
+
+def reduce_reports(reports: list[dict]) -> dict[str, float]:
+    """Averages each reported value over micro-batches ([sum, count] pairs: sum / count)."""
+    if not reports:
+        return {}
+    out = {}
+    for name in reports[0]:
+        values = [torch.as_tensor(r[name]).detach().double().cpu() for r in reports]
+        if values[0].numel() == 2:
+            total = torch.stack(values).sum(0)
+            out[name] = float(total[0] / total[1]) if total[1] > 0 else float("nan")
+        else:
+            out[name] = float(torch.stack([v.reshape(()) for v in values]).mean())
+    return out
+
+
+def _nonfinite_anywhere(losses: dict[str, float]) -> bool:
+    """Whether any rank's reported loss is nan or inf (collective)."""
+    bad = any(not math.isfinite(v) for v in losses.values())
+    flag = torch.tensor([1.0 if bad else 0.0])
+    if dist.get_backend() == "nccl":
+        flag = flag.cuda()
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item() > 0)
+
+
+def _schedule(run: Run):
+    vpp = run.config.parallel.virtual_pipeline_model_parallel_size
+    return get_forward_backward_func(run.state.pp.size, vpp)
+
+
+def _done(run: Run) -> bool:
+    training = run.config.training
+    if training.train_iters is not None:
+        return run.train.iteration >= training.train_iters
+    return run.train.consumed_train_samples >= training.train_samples
+
+
+def _should_exit(run: Run, signals: DistributedSignalHandler, start: float) -> str | None:
+    training = run.config.training
+    if training.exit_signal_handler and signals.received():
+        return "SIGTERM received"
+    if training.exit_interval and run.train.iteration % training.exit_interval == 0:
+        return f"exit_interval={training.exit_interval}"
+    if training.exit_duration_in_mins is not None:
+        elapsed = torch.tensor([(time.time() - start) / 60.0])
+        if dist.get_backend() == "nccl":
+            elapsed = elapsed.cuda()
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        if float(elapsed) > training.exit_duration_in_mins:
+            return f"exit_duration_in_mins={training.exit_duration_in_mins}"
+    return None
+
+
+def _last_saved(run: Run) -> int | None:
+    return read_tracker(run.config.checkpoint.save)
+
+
+def _data_iterators(run: Run, datasets_provider) -> tuple[Iterator | list | None, Iterator | None]:
+    """Train and validation iterators: one per model chunk with virtual stages."""
+    training, data = run.config.training, run.config.data
+    gbs = run.calculator.global_batch_size
+    if training.train_iters is not None:
+        counts = train_valid_test_num_samples(
+            training.train_iters, gbs, training.eval_interval or 0, training.eval_iters
+        )
+    else:
+        evaluations = (training.train_samples // gbs // training.eval_interval + 1
+                       if training.eval_interval else 0)  # fmt: skip
+        counts = [training.train_samples, evaluations * training.eval_iters * gbs,
+                  training.eval_iters * gbs]  # fmt: skip
+    train_ds, valid_ds, _ = datasets_provider(run, counts)
+    dp = run.state.dp_cp
+
+    def loader(dataset, consumed, kind):
+        if dataset is None:
+            return None
+        return build_pretraining_data_loader(
+            dataset, consumed, dataloader_type=kind,
+            micro_batch_size=training.micro_batch_size, data_parallel_rank=dp.rank,
+            data_parallel_size=dp.size, num_workers=data.num_workers,
+        )  # fmt: skip
+
+    # Ranks that read no data (tensor-parallel ranks > 0, middle stages) have no datasets
+    # but take part in every step: rank 0, which reads, tells them what exists.
+    flags = torch.tensor([float(train_ds is not None), float(valid_ds is not None)])
+    if dist.get_backend() == "nccl":
+        flags = flags.cuda()
+    dist.broadcast(flags, src=0)
+    run.has_train_data, run.has_valid_data = bool(flags[0]), bool(flags[1])
+    train = loader(train_ds, run.train.consumed_train_samples, data.dataloader_type)
+    valid = loader(valid_ds, run.train.consumed_valid_samples, "cyclic")
+    vpp = run.config.parallel.virtual_pipeline_model_parallel_size
+    train_iter = iter(train) if train is not None else None
+    valid_iter = iter(valid) if valid is not None else None
+    if vpp is not None:
+        # Each chunk draws the same micro-batches: separate loaders over the same samples.
+        train_iter = [iter(loader(train_ds, run.train.consumed_train_samples,
+                                  data.dataloader_type)) for _ in range(vpp)]  # fmt: skip
+        valid_iter = [iter(loader(valid_ds, run.train.consumed_valid_samples, "cyclic"))
+                      for _ in range(vpp)] if valid_ds is not None else None  # fmt: skip
+    return train_iter, valid_iter

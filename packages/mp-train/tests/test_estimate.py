@@ -1,0 +1,356 @@
+"""`estimate` against hand-worked figures (the arithmetic is in the comments) and
+published ones. Symbols as in mp_train.estimate: s sequence, b micro-batch, h hidden,
+a heads, f ffn width, L layers, V padded vocabulary, t tensor-parallel size.
+
+The base model unless a test says otherwise: L=2, h=64, a=4 (head width 16), f=4h=256,
+LayerNorm, gelu, tied embeddings, s=32, b=2, vocabulary 100, bf16 with Adam."""
+
+from __future__ import annotations
+
+import json
+import sys
+import types
+
+import pytest
+
+from mp_data import DataConfig
+from mp_layers import TransformerConfig
+from mp_optim import OptimizerConfig
+from mp_state import ParallelConfig
+from mp_train.config import GPTConfig, RunConfig, TrainingConfig
+from mp_train.estimate import MoESettings, estimate, main, padded_vocab_size
+
+MB = 2**20
+CONTRACT = ("num_parameters", "weight_and_optimizer_mb", "activation_mb", "total_mb",
+            "flops_per_iteration")  # fmt: skip
+
+
+def make_config(
+    *, seq=32, mbs=2, gbs=None, vocab=100, bf16=True, parallel=None, optimizer=None, **model
+) -> RunConfig:
+    fields = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, **model}
+    return RunConfig(
+        model=TransformerConfig(bf16=bf16, **fields),
+        parallel=ParallelConfig(**(parallel or {})),
+        gpt=GPTConfig(seq_length=seq),
+        optimizer=OptimizerConfig(bf16=bf16, **(optimizer or {})),
+        data=DataConfig(vocab_size=vocab),
+        training=TrainingConfig(micro_batch_size=mbs, global_batch_size=gbs),
+    )
+
+
+# Base model, tp=1: attention 2 h d (a + g) = 2*64*16*8 = 16384; MLP 2 h f = 32768;
+# two LayerNorms (weight + bias) 2*h*2 = 256; a layer 49408; two layers plus the final
+# norm 2*49408 + 128 = 98944; V = 100 padded to 128: embedding 64*128 = 8192.
+BASE_BLOCK = 98944
+BASE_PARAMETERS = 98944 + 8192  # 107136
+
+
+def test_padded_vocab_size_follows_megatron():
+    assert padded_vocab_size(50257, 128, 1) == 50304  # GPT-2's well-known padded vocabulary
+    assert padded_vocab_size(50257, 128, 8) == 51200  # multiple of 1024
+    assert padded_vocab_size(128, 128, 1) == 128
+
+
+def test_small_dense_gpt():
+    result = estimate(make_config(gbs=4), world_size=1)
+    assert set(CONTRACT) <= set(result)
+    assert result["num_parameters"] == BASE_PARAMETERS
+    assert result["padded_vocab_size"] == 128
+    # bf16 weight 2 + fp32 gradient 4 + fp32 main weight 4 + Adam 8 = 18 bytes.
+    assert result["bytes_per_parameter"] == 18
+    assert result["parameters_on_most_loaded_shard"] == 107136
+    assert result["weight_and_optimizer_mb"] == pytest.approx(107136 * 18 / MB)  # 1928448 B
+    # No recompute, t=1: sbh = 32*2*64 = 4096; per layer 10 sbh + (8 + 4f/h) sbh + 5 a s^2 b
+    # = 40960 + 24*4096 + 5*4*32*32*2 = 40960 + 98304 + 40960 = 180224; two layers 360448;
+    # embedding 8sb + sbh = 512 + 4096 = 4608; output layer 4sbh + 4sbV = 16384 + 32768.
+    activation = 360448 + 4608 + 49152  # 414208
+    assert result["activation_mb"] == pytest.approx(activation / MB)
+    assert result["total_mb"] == pytest.approx((1928448 + activation) / MB)
+    assert result["num_microbatches"] == 2 and result["data_parallel_size"] == 1
+
+
+def test_flops_dense():
+    # Per token and layer: h(q + 2kv) + q s + q h = 64*192 + 64*32 + 64*64 = 18432 (q = kv = 64);
+    # MLP h f 2 = 32768; logits h V = 8192. 6 (2*18432 + 2*32768 + 8192) = 663552 per token,
+    # times B s = 4*32: 84934656. Also 72 B s L h^2 (1 + s/(12h) + V/(12 L h))
+    # = 72*4*32*2*4096 * (1 + 1/24 + 1/12) = 75497472 * 1.125 = 84934656.
+    assert estimate(make_config(gbs=4), world_size=1)["flops_per_iteration"] == 84934656
+
+
+def test_gqa():
+    # a=8, g=2, head width 8, RMSNorm, fp32 (no bf16), t=2: V = 100 padded to 256.
+    config = make_config(
+        num_attention_heads=8, num_query_groups=2, normalization="RMSNorm", bf16=False,
+        parallel={"tensor_model_parallel_size": 2},
+    )  # fmt: skip
+    result = estimate(config, world_size=2)
+    # Attention 2*64*8*(8 + 2) = 10240; MLP 32768; norms 2*64*1 = 128; layer 43136;
+    # block 2*43136 + 64 = 86336; embedding 64*256 = 16384.
+    assert result["num_parameters"] == 86336 + 16384  # 102720
+    assert result["parameters_on_most_loaded_shard"] == (86336 + 16384) / 2  # 51360
+    # fp32 weight 4 + gradient 4 + Adam 8, no main copy.
+    assert result["bytes_per_parameter"] == 16
+    assert result["weight_and_optimizer_mb"] == pytest.approx(51360 * 16 / MB)
+    # No SP, no recompute, t=2: 10 sbh + (24 sbh + 5 a s^2 b)/2 = 40960 + (98304 + 81920)/2
+    # = 131072 per layer; embedding 4608 (whole); output 4sbh + 4sbV/2 = 16384 + 32768.
+    activation = 2 * 131072 + 4608 + 49152  # 315904
+    assert result["activation_mb"] == pytest.approx(activation / MB)
+
+
+def test_flops_gqa():
+    config = make_config(
+        num_attention_heads=8, num_query_groups=2, parallel={"tensor_model_parallel_size": 2}
+    )
+    # B = b x dp = 2. q = 64, kv = 2*8 = 16: attention 64*(64 + 32) + 64*32 + 64*64 = 12288;
+    # MLP 32768; logits 64*256 = 16384. 6 (2*12288 + 2*32768 + 16384) = 638976 per token,
+    # times B s = 64: 40894464.
+    assert estimate(config, world_size=2)["flops_per_iteration"] == 40894464
+
+
+def test_swiglu():
+    # Megatron's default f for swiglu: int(4*64*2/3/64)*64 = 128. s=16, b=1, V=128.
+    config = make_config(activation="swiglu", seq=16, mbs=1, vocab=128)
+    assert config.model.ffn_hidden_size == 128
+    result = estimate(config, world_size=1)
+    # MLP 3 h f = 3*64*128 = 24576 (Megatron's 3/2 factor); layer 16384 + 24576 + 256 = 41216;
+    # block 2*41216 + 128 = 82560; embedding 8192.
+    assert result["num_parameters"] == 82560 + 8192  # 90752
+    # Activations take f as is (Megatron's 4f/h, not widened for the gate): sbh = 1024;
+    # layer 10*1024 + (8 + 8)*1024 + 5*4*16*16*1 = 10240 + 16384 + 5120 = 31744;
+    # embedding 8*16 + 1024 = 1152; output 4*1024 + 4*16*128 = 12288.
+    assert result["activation_mb"] == pytest.approx((2 * 31744 + 1152 + 12288) / MB)
+
+
+def test_flops_swiglu():
+    config = make_config(activation="swiglu", seq=16, mbs=1, vocab=128)
+    # q = kv = 64: attention 64*192 + 64*16 + 64*64 = 17408; MLP h f 3 = 24576; logits 8192.
+    # 6 (2*17408 + 2*24576 + 8192) = 552960 per token, times B s = 16: 8847360.
+    assert estimate(config, world_size=1)["flops_per_iteration"] == 8847360
+
+
+def test_untied_embeddings():
+    untied = {"untie_embeddings_and_output_weights": True}
+    # t=2: V = 256, embedding 64*256 = 16384, two of them.
+    one_stage = estimate(
+        make_config(parallel={"tensor_model_parallel_size": 2}, **untied), world_size=2
+    )
+    assert one_stage["num_parameters"] == BASE_BLOCK + 2 * 16384  # 131712
+    # pp = 1: (block + embedding)/t plus the output layer's embedding/t (Megatron's rule).
+    assert one_stage["parameters_on_most_loaded_shard"] == (98944 + 16384) / 2 + 16384 / 2
+    two_stages = estimate(
+        make_config(
+            parallel={"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2},
+            **untied,
+        ),
+        world_size=4,
+    )
+    # pp = 2: the first stage holds half the block and the input embedding only.
+    assert two_stages["parameters_on_most_loaded_shard"] == (98944 / 2 + 16384) / 2  # 32928
+
+
+def test_distributed_optimizer():
+    config = make_config(gbs=8, optimizer={"use_distributed_optimizer": True})
+    result = estimate(config, world_size=4)
+    # dp = 4: 6 + 12/4 = 9 bytes per parameter (Megatron's), 107136 on the shard.
+    assert result["bytes_per_parameter"] == 9
+    assert result["weight_and_optimizer_mb"] == pytest.approx(107136 * 9 / MB)
+    # fp32: weight 4 + gradient 4 unsharded, Adam 8 sharded: 4 + 4 + 8/4 = 10.
+    fp32 = make_config(gbs=8, bf16=False, optimizer={"use_distributed_optimizer": True})
+    assert estimate(fp32, world_size=4)["bytes_per_parameter"] == 10
+    # Context parallel ranks share the optimizer state too: dp x cp = 4 x 2: 6 + 12/8.
+    with_cp = make_config(
+        gbs=8, optimizer={"use_distributed_optimizer": True},
+        parallel={"context_parallel_size": 2},
+    )  # fmt: skip
+    assert estimate(with_cp, world_size=8)["bytes_per_parameter"] == 7.5
+
+
+def test_context_parallel_splits_the_sequence():
+    config = make_config(gbs=8, parallel={"context_parallel_size": 2})
+    result = estimate(config, world_size=8)
+    # c=2: 16 of the 32 tokens per rank, sbh = 16*2*64 = 2048; the scores a (s/c) s b:
+    # layer 10*2048 + 24*2048 + 5*4*16*32*2 = 20480 + 49152 + 20480 = 90112;
+    # embedding 8*16*2 + 2048 = 2304; output 4*2048 + 4*16*2*128 = 8192 + 16384 = 24576.
+    assert result["activation_mb"] * MB == pytest.approx(2 * 90112 + 2304 + 24576)
+    assert result["data_parallel_size"] == 4
+    # FLOPs count the whole global batch whatever the layout: B = 8, twice test_flops_dense.
+    assert result["flops_per_iteration"] == 2 * 84934656
+
+
+def _activation(**model) -> float:
+    config = make_config(parallel={"tensor_model_parallel_size": 2}, **model)
+    return estimate(config, world_size=2)["activation_mb"] * MB
+
+
+def test_activation_sequence_parallel_and_selective_recompute():
+    # t=2, V=256, sbh = 4096, f/h = 4, the scores 5 a s^2 b = 40960.
+    # Megatron's form: (sbh(18 + 4f/h) L + 8sb + sbh + 4sbh(1 + V/h)) / t
+    # = (34*4096*2 + 512 + 4096 + 4*4096*5) / 2 = (278528 + 4608 + 81920)/2 = 182528.
+    assert _activation(sequence_parallel=True, recompute_granularity="selective") == (
+        pytest.approx(182528)
+    )
+    # Sequence parallel, no recompute: every term / t, the scores kept:
+    # layer (34*4096 + 40960)/2 = 90112; embedding 4608/2; output 81920/2.
+    assert _activation(sequence_parallel=True) == pytest.approx(2 * 90112 + 2304 + 40960)
+    # Selective without SP: sbh(10 + 24/t) = 4096*22 = 90112 a layer; embedding 4608 whole;
+    # output 4sbh whole + 4sbV/t = 16384 + 65536/2.
+    assert _activation(recompute_granularity="selective") == pytest.approx(2 * 90112 + 4608 + 49152)
+    # Neither: sbh(10 + 24/t) + 5as^2b/t = 90112 + 20480 = 110592 a layer.
+    assert _activation() == pytest.approx(2 * 110592 + 4608 + 49152)
+
+
+def test_activation_full_recompute():
+    # t=1, the base model: a full layer stores 180224; a checkpoint 2 sbh = 8192.
+    # uniform, 1 layer per group: 2 checkpoints + one layer recomputed during backward.
+    uniform = make_config(
+        recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
+    )
+    expected = 2 * 8192 + 4608 + 49152 + 180224  # 250368
+    assert estimate(uniform, world_size=1)["activation_mb"] * MB == pytest.approx(expected)
+    # block, 1 layer: the first layer checkpointed, the second stored whole, + one recomputed.
+    block = make_config(
+        recompute_granularity="full", recompute_method="block", recompute_num_layers=1
+    )
+    expected = 8192 + 180224 + 4608 + 49152 + 180224  # 422400
+    assert estimate(block, world_size=1)["activation_mb"] * MB == pytest.approx(expected)
+
+
+def test_interleaved_pipeline_penalty():
+    # L=4, t=2, p=2, v=2, dp=1, B=4: m = 2; sequence parallel + selective; V = 256.
+    parallel = {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2}
+    common = {"num_layers": 4, "sequence_parallel": True, "recompute_granularity": "selective"}
+    interleaved = {**parallel, "virtual_pipeline_model_parallel_size": 2}
+    result = estimate(make_config(gbs=4, parallel=interleaved, **common), world_size=4)
+    # (34 sbh L + (8sb + sbh) p) = 34*4096*4 + 4608*2 = 557056 + 9216 = 566272;
+    # x (1 + (p-1)/(p v)) = 1.25: 707840; / t: 353920. No output layer (p > 1).
+    assert result["activation_mb"] * MB == pytest.approx(353920)
+    # Layers 4*49408 + 128 = 197760; the first stage (197760/2 + 256*64) / 2 = 57632.
+    assert result["parameters_on_most_loaded_shard"] == 57632
+    assert result["weight_and_optimizer_mb"] == pytest.approx(57632 * 18 / MB)
+    # 1F1B, m = 2 >= p: 566272 / 2 = 283136; with m = 1 < p: x 1/2 = 141568.
+    one_f_one_b = estimate(make_config(gbs=4, parallel=parallel, **common), world_size=4)
+    assert one_f_one_b["activation_mb"] * MB == pytest.approx(283136)
+    one_microbatch = estimate(make_config(gbs=2, parallel=parallel, **common), world_size=4)
+    assert one_microbatch["activation_mb"] * MB == pytest.approx(141568)
+
+
+MOE = MoESettings(
+    num_experts=4,
+    moe_router_topk=2,
+    moe_ffn_hidden_size=64,
+    moe_shared_expert_intermediate_size=32,
+    expert_model_parallel_size=2,
+    moe_layer_freq=2,  # layer 0 MoE, layer 1 dense
+)
+
+
+def test_moe():
+    config = make_config(gbs=4, optimizer={"use_distributed_optimizer": True})
+    result = estimate(config, world_size=2, moe=MOE)
+    # MoE layer: attention 16384 + shared expert 2*64*32 = 4096 + norms 256 = 20736, and
+    # experts 2*64*64*4 = 32768 (Megatron: 2h(64*4 + 32 + 2) + 16384 = 53504 = 20736 + 32768);
+    # dense layer 49408; block 20736 + 32768 + 49408 + 128 = 103040; embedding 8192.
+    assert result["num_parameters"] == 103040 + 8192  # 111232
+    # dp = 2, e = 2: dense shard 103040 - 32768 + 8192 = 78464; experts 32768 / e = 16384.
+    assert result["parameters_on_most_loaded_shard"] == 78464
+    assert result["expert_parameters_on_most_loaded_shard"] == 16384
+    # Distributed optimizer: dense 6 + 12/2 = 12 bytes; experts (expert dp = 2/2 = 1) 18.
+    assert result["weight_and_optimizer_mb"] == pytest.approx((78464 * 12 + 16384 * 18) / MB)
+    # Activations: f averaged over the layers, (256 + (2*64 + 32)) / 2 = 208;
+    # layer 10 sbh + (8 + 4*208/64) sbh + scores = 40960 + 21*4096 + 40960 = 167936.
+    assert result["activation_mb"] * MB == pytest.approx(2 * 167936 + 4608 + 49152)
+
+
+def test_flops_moe():
+    config = make_config(gbs=4)
+    # Attention 2*18432 = 36864; MLP widths: dense 256*2, MoE (2*64 + 32)*2 = 320, so
+    # h*832 = 53248; logits 8192. 6*98304 = 589824 per token, times B s = 128: 75497472.
+    assert estimate(config, world_size=2, moe=MOE)["flops_per_iteration"] == 75497472
+
+
+def test_gpt3_175b_against_published_figures():
+    config = make_config(
+        num_layers=96, hidden_size=12288, num_attention_heads=96, seq=2048, mbs=1, gbs=1536,
+        vocab=50257, parallel={"tensor_model_parallel_size": 8},
+    )  # fmt: skip
+    result = estimate(config, world_size=8)
+    # Brown et al. 2020, Table 2.1: 175.0B. Megatron's count leaves out biases and the
+    # position embeddings (about 0.03B): 174.58B, within 0.5%.
+    assert result["num_parameters"] == pytest.approx(175.0e9, rel=5e-3)
+    # Narayanan et al. 2021 (Megatron-LM, section 5.1) without recomputation:
+    # 72 B s L h^2 (1 + s/(6h) + V/(12 L h)). Megatron now counts half of QK^T and of its
+    # product with V (the causal mask), s/(12h) for s/(6h): 1.35% less here, within 1.5%.
+    B, s, L, h, V = 1536, 2048, 96, 12288, 51200
+    published = 72 * B * s * L * h**2 * (1 + s / (6 * h) + V / (12 * L * h))
+    assert result["flops_per_iteration"] == pytest.approx(published, rel=1.5e-2)
+    assert result["flops_per_iteration"] == pytest.approx(
+        72 * B * s * L * h**2 * (1 + s / (12 * h) + V / (12 * L * h)), rel=1e-12
+    )
+
+
+def test_errors_name_the_setting():
+    with pytest.raises(ValueError, match="vocab_size"):
+        estimate(make_config(vocab=None), world_size=1)
+    assert estimate(make_config(vocab=None), world_size=1, vocab_size=100)["padded_vocab_size"]
+    with pytest.raises(ValueError, match="world size 3"):
+        estimate(make_config(parallel={"tensor_model_parallel_size": 2}), world_size=3)
+    with pytest.raises(ValueError, match="global_batch_size=3"):
+        estimate(make_config(gbs=3), world_size=1)
+    with pytest.raises(ValueError, match="num_experts=4"):
+        estimate(
+            make_config(),
+            world_size=2,
+            moe=MoESettings(num_experts=4, expert_model_parallel_size=3),
+        )
+
+
+def _stub_parse_config(monkeypatch, config: RunConfig) -> list[list[str]]:
+    seen: list[list[str]] = []
+    module = types.ModuleType("mp_train.arguments")
+
+    def parse_config(argv, **_):
+        seen.append(list(argv))
+        return config
+
+    module.parse_config = parse_config
+    monkeypatch.setitem(sys.modules, "mp_train.arguments", module)
+    return seen
+
+
+def test_cli_prints_one_json_object(monkeypatch, capsys):
+    seen = _stub_parse_config(monkeypatch, make_config(gbs=4, vocab=None))
+    argv = ["estimate", "--num-layers", "2", "--world-size", "1", "--vocab-size", "100",
+            "--num-experts", "4", "--moe-ffn-hidden-size", "64",
+            "--moe-shared-expert-intermediate-size", "32", "--moe-layer-freq", "1,0"]  # fmt: skip
+    assert main(argv) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 1
+    result = json.loads(lines[0])
+    assert set(CONTRACT) <= set(result)
+    assert seen == [["--num-layers", "2"]]  # the estimate's own flags are taken out
+    # The MoE of test_moe (top-2 by default, layer 0 MoE): the same totals.
+    assert result["num_parameters"] == 111232
+    assert result["flops_per_iteration"] == 75497472
+
+
+def test_cli_reports_bad_settings(monkeypatch, capsys):
+    _stub_parse_config(monkeypatch, make_config(vocab=None))
+    assert main(["estimate", "--world-size", "1"]) == 2
+    assert "vocab_size" in capsys.readouterr().err
+    assert main(["train"]) == 2
+    monkeypatch.delitem(sys.modules, "mp_train.arguments")
+    assert main(["estimate", "--config", "/nonexistent/run.yaml", "--world-size", "1"]) == 2
+    assert "/nonexistent/run.yaml" in capsys.readouterr().err
+
+
+def test_cli_with_the_run_arguments(capsys):
+    pytest.importorskip("mp_train.arguments")
+    argv = ["estimate", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads",
+            "4", "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "4",
+            "--bf16", "--world-size", "1", "--vocab-size", "100"]  # fmt: skip
+    assert main(argv) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["num_parameters"] == BASE_PARAMETERS
+    assert result["flops_per_iteration"] == 84934656
+    assert result["weight_and_optimizer_mb"] == pytest.approx(107136 * 18 / MB)
