@@ -125,6 +125,10 @@ class LoggingConfig:
     wandb_exp_name: str | None = None
     """The run's name in Weights & Biases."""
 
+    metrics_file: str | None = None
+    """Append every iteration's reported losses, learning rate and gradient norm here as
+    JSON lines, at full precision (last rank)."""
+
     log_params_norm: bool = False
     """Log the norm of all parameters (each logical parameter counted once)."""
 

@@ -10,6 +10,7 @@ measured peak memory stands beside them.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -69,6 +70,10 @@ class MetricsLogger:
         self.peak_tflops = self.config.peak_tflops or _default_peak(run.device)
         self._interval_start = time.perf_counter()
         self._iteration_start = time.perf_counter()
+        self._metrics_file = None
+        if run.is_last_rank and self.config.metrics_file:
+            os.makedirs(os.path.dirname(os.path.abspath(self.config.metrics_file)), exist_ok=True)
+            self._metrics_file = open(self.config.metrics_file, "a")  # noqa: SIM115
         self._sums: dict[str, float] = {}
         self._count = 0
         self._tokens = 0
@@ -96,6 +101,17 @@ class MetricsLogger:
         run = self.run
         for name, value in losses.items():
             self._sums[name] = self._sums.get(name, 0.0) + value
+        if self._metrics_file is not None:
+            record = {
+                "iteration": run.train.iteration,
+                "consumed_samples": run.train.consumed_train_samples,
+                "lr": run.optimizer.param_groups[0]["lr"] if run.optimizer.param_groups else 0.0,
+                "grad_norm": result.grad_norm if result is not None else None,
+                "skipped": result is None or not result.update_successful,
+                **losses,
+            }
+            self._metrics_file.write(json.dumps(record) + "\n")
+            self._metrics_file.flush()
         self._count += 1
         self._tokens += global_batch * run.config.gpt.seq_length
         flops = self.estimate["flops_per_iteration"] * global_batch / self.estimate[
@@ -157,6 +173,8 @@ class MetricsLogger:
         self._scalars("valid", results, iteration)
 
     def close(self) -> None:
+        if self._metrics_file is not None:
+            self._metrics_file.close()
         if self.writer is not None:
             self.writer.flush()
             self.writer.close()

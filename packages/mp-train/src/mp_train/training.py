@@ -64,7 +64,11 @@ def pretrain(
     if config.checkpoint.save is not None:
         checkpointer = Checkpointer(config.checkpoint.save, async_save=config.checkpoint.async_save,
                                     keep_last=config.checkpoint.ckpt_keep_last)  # fmt: skip
-    load_run_checkpoint(run)
+    if load_run_checkpoint(run):
+        metrics.print(
+            f"resumed from {run.config.checkpoint.load} at iteration {run.train.iteration} "
+            f"({run.train.consumed_train_samples} samples consumed)"
+        )
     train_iter, valid_iter = _data_iterators(run, datasets_provider)
     try:
         if not config.training.skip_train:

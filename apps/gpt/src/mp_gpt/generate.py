@@ -1,0 +1,125 @@
+"""Text from a checkpoint: greedy, temperature, top-k and top-p sampling, at any TP size.
+
+    torchrun --nproc-per-node 2 -m mp_gpt.generate --load runs/quickstart/checkpoints \\
+        --tensor-model-parallel-size 2 --prompt "The function" --max-new-tokens 40
+
+The model's settings come from the checkpoint (--use-checkpoint-args is
+implied); the weights are loaded (resharded) for this TP size. Every rank
+computes the full-vocabulary logits (gathered over tensor-parallel ranks)
+and draws with the same generator, so all ranks agree on each token; rank 0
+prints the text.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+import torch.distributed as dist
+
+import mp_state
+from mp_ckpt import load_checkpoint
+from mp_data import build_tokenizer, vocab_size_with_padding
+from mp_layers import GPTModel
+from mp_train import parse_config
+
+__all__ = ["generate", "main", "sample_next"]
+
+
+def sample_next(logits: torch.Tensor, *, temperature: float, top_k: int, top_p: float,
+                generator: torch.Generator) -> int:  # fmt: skip
+    """One token id from the last position's logits [vocab]."""
+    if temperature <= 0:
+        return int(torch.argmax(logits))
+    logits = logits.float() / temperature
+    if top_k > 0:
+        kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if 0 < top_p < 1:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
+        drop = cumulative - torch.softmax(sorted_logits, dim=-1) > top_p
+        logits[order[drop]] = float("-inf")
+    return int(torch.multinomial(torch.softmax(logits, -1), 1, generator=generator))
+
+
+@torch.no_grad()
+def generate(model: GPTModel, ids: list[int], *, max_new_tokens: int, max_length: int,
+             temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+             eod: int | None = None) -> list[int]:  # fmt: skip
+    """ids extended by up to max_new_tokens tokens (stops at eod)."""
+    generator = torch.Generator().manual_seed(seed)
+    ids = list(ids)
+    for _ in range(max_new_tokens):
+        window = torch.tensor([ids[-max_length:]])
+        logits = model(window)[0, -1].cpu()
+        token = sample_next(logits, temperature=temperature, top_k=top_k, top_p=top_p,
+                            generator=generator)  # fmt: skip
+        ids.append(token)
+        if eod is not None and token == eod:
+            break
+    return ids
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="mp_gpt.generate", description=__doc__.split("\n")[0])
+    parser.add_argument("--load", required=True, help="checkpoint root (or its iteration dir)")
+    parser.add_argument("--prompt", default="")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    args, rest = parser.parse_known_args(argv)
+    text = run_generation(args, rest)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(text)
+    return 0
+
+
+def run_generation(args, extra: list[str]) -> str:
+    """Builds the model from the checkpoint and generates (collective under torchrun)."""
+    config = parse_config([
+        "--load", args.load, "--use-checkpoint-args", "--micro-batch-size", "1",
+        "--train-iters", "1", "--mock-data",
+        "--tensor-model-parallel-size", str(args.tensor_model_parallel_size), *extra,
+    ])  # fmt: skip
+    mp_state.init_distributed(config.parallel.distributed_timeout_minutes)
+    state = mp_state.initialize(config.parallel)
+    try:
+        saved = _saved_data_settings(args.load)
+        tokenizer = build_tokenizer(
+            saved["tokenizer_type"] or "NullTokenizer", vocab_file=saved["vocab_file"],
+            merge_file=saved["merge_file"], tokenizer_model=saved["tokenizer_model"],
+            vocab_size=saved["vocab_size"],
+        )  # fmt: skip
+        divisible = saved["make_vocab_size_divisible_by"]
+        padded = vocab_size_with_padding(tokenizer.vocab_size, divisible, state.tp.size)
+        gpt = config.gpt
+        config.model.hidden_dropout = config.model.attention_dropout = 0.0
+        positions = gpt.max_position_embeddings or gpt.seq_length
+        model = GPTModel(config.model, "local", padded, positions, tp_group=state.tp,
+                         parallel_output=False).eval()  # fmt: skip
+        load_checkpoint(args.load, model.sharded_state_dict(), finetune=True, strict=False)
+        ids = tokenizer.tokenize(args.prompt) if args.prompt else [tokenizer.eod]
+        out = generate(model, ids, max_new_tokens=args.max_new_tokens, max_length=gpt.seq_length,
+                       temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                       seed=args.seed, eod=tokenizer.eod)  # fmt: skip
+        start = len(ids) if args.prompt else 1
+        return args.prompt + tokenizer.detokenize([t for t in out[start:] if t != tokenizer.eod])
+    finally:
+        mp_state.destroy()
+
+
+def _saved_data_settings(load: str) -> dict:
+    from mp_ckpt import CheckpointReader
+
+    common = torch.load(CheckpointReader(load).directory / "common.pt", weights_only=False)
+    data = common["config"]["data"]
+    return data
+
+
+if __name__ == "__main__":
+    sys.exit(main())
