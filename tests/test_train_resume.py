@@ -1,0 +1,127 @@
+"""Killed runs resume exactly; SIGTERM to one rank makes every rank save and exit 0.
+
+Both run apps/gpt's pretrain_gpt under torchrun (two ranks, gloo), as a user
+would, on the tiny config with mock data.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from mp_ckpt import read_tracker
+
+CONFIG = Path(__file__).resolve().parents[1] / "apps" / "gpt" / "configs" / "tiny.yaml"
+
+
+def command(run_dir: Path, *extra: str) -> list[str]:
+    return [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+        "-m", "mp_gpt.pretrain", "--config", str(CONFIG), "--mock-data",
+        "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000", "--seq-length", "64",
+        "--micro-batch-size", "2", "--global-batch-size", "8", "--eval-interval", "none",
+        "--log-interval", "100", "--num-workers", "0", "--tensorboard-dir", "none",
+        "--lr-warmup-iters", "2",
+        "--save", str(run_dir / "ckpt"), "--load", str(run_dir / "ckpt"),
+        "--metrics-file", str(run_dir / "metrics.jsonl"), *extra,
+    ]  # fmt: skip
+
+
+def environment(run_dir: Path) -> dict:
+    return {**os.environ, "MP_RUN_DIR": str(run_dir), "OMP_NUM_THREADS": "1"}
+
+
+def records(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def start(run_dir: Path, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen(command(run_dir, *extra), env=environment(run_dir),
+                            start_new_session=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
+
+
+def wait_for(process: subprocess.Popen, condition, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if process.poll() is not None:
+            raise AssertionError(f"the run exited early:\n{process.stdout.read()[-3000:]}")
+        if time.monotonic() > deadline:
+            os.killpg(process.pid, signal.SIGKILL)
+            raise AssertionError("the condition never held")
+        time.sleep(0.1)
+
+
+def finish(process: subprocess.Popen, timeout: float = 300) -> str:
+    try:
+        output, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        raise
+    assert process.returncode == 0, output[-3000:]
+    return output
+
+
+@pytest.mark.multirank
+def test_sigkill_every_rank_then_rerun_continues_bitwise(tmp_path):
+    iterations = ["--train-iters", "40", "--save-interval", "4"]
+    reference = tmp_path / "reference"
+    finish(start(reference, *iterations))
+    want = {r["iteration"]: r for r in records(reference)}
+    assert sorted(want) == list(range(1, 41))
+
+    killed = tmp_path / "killed"
+    process = start(killed, *iterations)
+    wait_for(process, lambda: (read_tracker(killed / "ckpt") or 0) >= 4)
+    os.killpg(process.pid, signal.SIGKILL)  # every rank and the launcher, mid-run
+    process.wait(timeout=60)
+    saved = read_tracker(killed / "ckpt")
+    seen = len(records(killed))
+    assert 4 <= saved < 40 and seen >= saved  # iterations past the checkpoint are redone
+    output = finish(start(killed, *iterations))
+    assert f"at iteration {saved}" in output
+    after = records(killed)
+    assert len(after) == seen + 40 - saved  # the rerun's iterations, appended
+    resumed = after[seen:]
+    assert [r["iteration"] for r in resumed] == list(range(saved + 1, 41))
+    for record in resumed:
+        expected = want[record["iteration"]]
+        assert record["consumed_samples"] == expected["consumed_samples"]  # none skipped
+        assert record["lm loss"] == expected["lm loss"], record["iteration"]
+        assert record["lr"] == expected["lr"] and record["grad_norm"] == expected["grad_norm"]
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+@pytest.mark.multirank
+def test_sigterm_to_one_rank_saves_and_exits_zero(tmp_path):
+    process = start(tmp_path, "--train-iters", "1000", "--exit-signal-handler")
+    wait_for(process, lambda: len(records(tmp_path)) >= 3)
+    workers = _children(process.pid)
+    assert len(workers) == 2, workers
+    os.kill(workers[1], signal.SIGTERM)
+    sent = time.monotonic()
+    output = finish(process, timeout=60)
+    assert time.monotonic() - sent < 60
+    assert "SIGTERM received" in output
+    saved = read_tracker(tmp_path / "ckpt")
+    assert saved is not None and saved == records(tmp_path)[-1]["iteration"] < 1000
