@@ -37,10 +37,33 @@ def environment(run_dir: Path) -> dict:
 
 
 def records(run_dir: Path) -> list[dict]:
+    """The metrics file's complete records (a line cut by a kill is not one)."""
     path = run_dir / "metrics.jsonl"
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    found = []
+    for line in path.read_text().splitlines():
+        try:
+            found.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return found
+
+
+def _wait_until_gone(pids: list[int], timeout: float = 30) -> None:
+    """Until the processes are gone (SIGKILL is delivered asynchronously)."""
+    deadline = time.monotonic() + timeout
+    while any(Path(f"/proc/{pid}").exists() and not _zombie(pid) for pid in pids):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"processes {pids} outlived SIGKILL")
+        time.sleep(0.05)
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return False
 
 
 def start(run_dir: Path, *extra: str) -> subprocess.Popen:
@@ -81,8 +104,15 @@ def test_sigkill_every_rank_then_rerun_continues_bitwise(tmp_path):
     killed = tmp_path / "killed"
     process = start(killed, *iterations)
     wait_for(process, lambda: (read_tracker(killed / "ckpt") or 0) >= 4)
-    os.killpg(process.pid, signal.SIGKILL)  # every rank and the launcher, mid-run
+    # Every rank and the launcher, mid-run (torchrun starts its workers in sessions of
+    # their own, so the launcher's group alone would leave them running).
+    workers = _children(process.pid)
+    assert len(workers) == 2, workers
+    for pid in workers:
+        os.kill(pid, signal.SIGKILL)
+    os.killpg(process.pid, signal.SIGKILL)
     process.wait(timeout=60)
+    _wait_until_gone(workers)
     saved = read_tracker(killed / "ckpt")
     seen = len(records(killed))
     assert 4 <= saved < 40 and seen >= saved  # iterations past the checkpoint are redone

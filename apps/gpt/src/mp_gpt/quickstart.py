@@ -24,8 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from mp_data.cli import main as mp_data
-from mp_data.python_corpus import write_docstring_corpus
+from mp_data import write_docstring_corpus
 
 __all__ = ["main"]
 
@@ -91,6 +90,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def _step(message: str) -> None:
     print(f"==> {message}", flush=True)
+
+
+def mp_data(args: list[str]) -> int:
+    """Runs the `mp-data` command (its exit status)."""
+    return subprocess.run([sys.executable, "-m", "mp_data.cli", *args]).returncode
 
 
 def _check(status: int) -> None:

@@ -49,6 +49,7 @@ _EXPORTS = {
     "build_tokenizer": "mp_data.tokenizers",
     "get_blend_from_list": "mp_data.blend",
     "vocab_size_with_padding": "mp_data.tokenizers",
+    "write_docstring_corpus": "mp_data.python_corpus",
 }
 """Public name -> the module that defines it."""
 
@@ -90,6 +91,7 @@ __all__ = [
     "split_matrix",
     "train_valid_test_num_samples",
     "vocab_size_with_padding",
+    "write_docstring_corpus",
 ]
 
 

@@ -73,7 +73,11 @@ class MetricsLogger:
         self._metrics_file = None
         if run.is_last_rank and self.config.metrics_file:
             os.makedirs(os.path.dirname(os.path.abspath(self.config.metrics_file)), exist_ok=True)
-            self._metrics_file = open(self.config.metrics_file, "a")  # noqa: SIM115
+            self._metrics_file = open(self.config.metrics_file, "a+")  # noqa: SIM115
+            if self._metrics_file.tell() > 0:
+                self._metrics_file.seek(self._metrics_file.tell() - 1)
+                if self._metrics_file.read(1) != "\n":  # a line cut by a killed run
+                    self._metrics_file.write("\n")
         self._sums: dict[str, float] = {}
         self._count = 0
         self._tokens = 0
