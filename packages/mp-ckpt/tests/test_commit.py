@@ -112,3 +112,26 @@ def test_a_save_killed_mid_write_leaves_the_previous_checkpoint(tmp_path):
     # The next save of iteration 2 replaces the leftover directory.
     Checkpointer(root).save(2, pieces(2.0))
     assert read_tracker(root) == 2 and not (root / "iter_0000002.tmp").exists()
+
+
+def test_async_save_keeps_the_plain_state_as_it_was_at_save(tmp_path, monkeypatch):
+    release = threading.Event()
+    real_save = checkpointer_module.dcp.save
+
+    def held_save(*args, **kwargs):
+        real_save(*args, **kwargs)
+        assert release.wait(30)
+
+    monkeypatch.setattr(checkpointer_module.dcp, "save", held_save)
+    checkpointer = Checkpointer(tmp_path, async_save=True)
+    common = {"step": 1}
+    checkpointer.save(1, pieces(1.0), common=common)
+    common["step"] = 2  # the loop goes on while the thread writes
+    release.set()
+    checkpointer.finalize()
+    assert torch.load(checkpoint_dir(tmp_path, 1) / "common.pt")["step"] == 1
+    # A second save of the same iteration replaces the first (set aside, then removed).
+    monkeypatch.setattr(checkpointer_module.dcp, "save", real_save)
+    Checkpointer(tmp_path).save(1, pieces(3.0))
+    torch.testing.assert_close(loaded(tmp_path), torch.arange(12.0).view(3, 4) * 3, rtol=0, atol=0)
+    assert not (tmp_path / "iter_0000001.old").exists()

@@ -23,6 +23,7 @@ its collectives never interleave with the training loop's.
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import os
 import shutil
@@ -36,7 +37,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from mp_ckpt.integrity import CHECKSUMS, file_digest
-from mp_ckpt.layout import checkpoint_dir, remove_old_checkpoints, write_tracker
+from mp_ckpt.layout import checkpoint_dir, fsync_dir, remove_old_checkpoints, write_tracker
 from mp_ckpt.sharding import ShardedTensor
 
 __all__ = ["METADATA", "Checkpointer", "single_process_quiet", "storage_key"]
@@ -77,6 +78,7 @@ class Checkpointer:
         self._group = dist.new_group(backend="gloo") if self._distributed else None
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._staging: dict[str, torch.Tensor] = {}
 
     def save(
         self,
@@ -101,7 +103,9 @@ class Checkpointer:
         if not self.async_save:
             self._write(iteration, saved, common, rank_state, layout)
             return
-        staged = {k: _stage(p) for k, p in saved.items()}
+        staged = {k: self._stage(k, p) for k, p in saved.items()}
+        # The plain state too is taken now: the loop may change it while the thread writes.
+        common, rank_state = copy.deepcopy(common), copy.deepcopy(rank_state)
         self._thread = threading.Thread(
             target=self._write_in_background, args=(iteration, staged, common, rank_state, layout),
             name=f"mp-ckpt-save-{iteration}", daemon=True,
@@ -120,6 +124,27 @@ class Checkpointer:
             ) from error
 
     # --- the write and the commit ------------------------------------------------------
+
+    def _stage(self, name: str, piece: ShardedTensor) -> ShardedTensor:
+        """A host copy of the piece, taken now, for the background write. The host buffers
+        are kept from one save to the next (the same pieces come back every time), so
+        staging is a copy, not an allocation."""
+        data = piece.data.detach()
+        buffer = self._staging.get(name)
+        if buffer is None or buffer.shape != data.shape or buffer.dtype != data.dtype:
+            pin = data.is_cuda and torch.cuda.is_available()
+            buffer = torch.empty(data.shape, dtype=data.dtype, pin_memory=pin)
+            self._staging[name] = buffer
+        buffer.copy_(data)
+        return ShardedTensor(
+            piece.key,
+            buffer,
+            piece.global_shape,
+            piece.global_offset,
+            piece.replica_id,
+            piece.flattened_range,
+            piece.local_shape,
+        )
 
     def _write_in_background(self, *args) -> None:
         try:
@@ -142,7 +167,7 @@ class Checkpointer:
         mine = []
         if rank_state is not None:
             name = f"rank_{self.rank:05d}.pt"
-            torch.save(rank_state, tmp / name)
+            _save_synced(lambda f: torch.save(rank_state, f), tmp / name)
             mine.append(name)
         mine += [p.name for p in tmp.glob(f"__{self.rank}_*.distcp")]
         digests = {name: file_digest(tmp / name) for name in mine}
@@ -150,18 +175,17 @@ class Checkpointer:
         all_digests = self._gather(digests)
         all_chunks = self._gather(chunks)
         if self.rank == 0:
-            torch.save(common or {}, tmp / "common.pt")
+            _save_synced(lambda f: torch.save(common or {}, f), tmp / "common.pt")
             metadata = build_metadata(iteration, all_chunks, self.world_size, layout)
-            (tmp / METADATA).write_text(json.dumps(metadata, indent=1))
+            _write_synced(tmp / METADATA, json.dumps(metadata, indent=1))
             files = {name: d for rank_digests in all_digests for name, d in rank_digests.items()}
             for name in ("common.pt", METADATA, ".metadata"):
                 files[name] = file_digest(tmp / name)
-            (tmp / CHECKSUMS).write_text(json.dumps(files, indent=1, sort_keys=True))
+            _write_synced(tmp / CHECKSUMS, json.dumps(files, indent=1, sort_keys=True))
+            fsync_dir(tmp)
         self._barrier()
         if self.rank == 0:
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(tmp, final)
+            replace_dir(tmp, final)
             write_tracker(self.save_dir, iteration)
             if self.keep_last is not None:
                 remove_old_checkpoints(self.save_dir, self.keep_last)
@@ -188,11 +212,28 @@ def single_process_quiet() -> Iterator[None]:
         yield
 
 
-def _stage(piece: ShardedTensor) -> ShardedTensor:
-    """A host copy of the piece, taken now, for a background write."""
-    data = piece.data.detach().to("cpu", copy=True)
-    return ShardedTensor(piece.key, data, piece.global_shape, piece.global_offset,
-                         piece.replica_id, piece.flattened_range, piece.local_shape)  # fmt: skip
+def replace_dir(new: Path, final: Path) -> None:
+    """Puts `new` at `final`. An existing `final` (a save of the same iteration again)
+    is renamed aside first and deleted last: a crash between the steps leaves a
+    complete directory under one of the two names, never none."""
+    old = final.with_name(final.name + ".old")
+    if final.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+    os.replace(new, final)
+    fsync_dir(final.parent)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _write_synced(path: Path, text: str) -> None:
+    _save_synced(lambda f: f.write(text.encode()), path)
+
+
+def _save_synced(write, path: Path) -> None:
+    with open(path, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def _describe(name: str, piece: ShardedTensor) -> dict:

@@ -24,10 +24,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-from mp_ckpt.checkpointer import METADATA, build_metadata, single_process_quiet
+from mp_ckpt.checkpointer import METADATA, build_metadata, replace_dir, single_process_quiet
 from mp_ckpt.gpt_layout import layer_index, stage_of, tp_axis
 from mp_ckpt.integrity import CHECKSUMS, file_digest
-from mp_ckpt.layout import checkpoint_dir, write_tracker
+from mp_ckpt.layout import checkpoint_dir, fsync_dir, write_tracker
 from mp_ckpt.reader import CheckpointReader
 from mp_ckpt.regions import Region
 
@@ -95,7 +95,10 @@ def convert_checkpoint(
     tmp.mkdir(parents=True)
     bar = _ProgressBar(len(plan), enabled=progress)
     with single_process_quiet():
-        dcp.save(plan, storage_writer=dcp.FileSystemWriter(tmp, thread_count=1),
+        # One file per tensor: DCP keeps every tensor written to a file referenced until
+        # the file closes, so a single file would hold the whole model in memory.
+        writer = dcp.FileSystemWriter(tmp, thread_count=1, single_file_per_rank=False)
+        dcp.save(plan, storage_writer=writer,
                  planner=_StreamingPlanner(producers, bar.step), no_dist=True)  # fmt: skip
     bar.close()
     common = torch.load(reader.directory / "common.pt", weights_only=False)
@@ -106,9 +109,8 @@ def convert_checkpoint(
     (tmp / METADATA).write_text(json.dumps(metadata, indent=1))
     files = {p.name: file_digest(p) for p in sorted(tmp.iterdir()) if p.is_file()}
     (tmp / CHECKSUMS).write_text(json.dumps(files, indent=1, sort_keys=True))
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
+    fsync_dir(tmp)
+    replace_dir(tmp, final)
     write_tracker(out, reader.iteration)
     return final
 

@@ -55,8 +55,9 @@ def layer_index(key: str) -> int | None:
 def stage_of(key: str, layer_stages: list[int], pp: int) -> list[int]:
     """The pipeline stages holding `key` (layer_stages[i]: the stage of layer i).
 
-    The word embedding is on the first stage, and with pp > 1 also on the last
-    when the output layer shares it (tied embeddings: `tied`).
+    The embeddings belong to the first stage. (With tied embeddings the last
+    stage holds a copy of the word embedding, which loading fills from the
+    same logical tensor: it needs no pieces of its own.)
     """
     name = model_key(key)
     index = layer_index(key)

@@ -24,6 +24,7 @@ from pathlib import Path
 __all__ = [
     "TRACKER",
     "checkpoint_dir",
+    "fsync_dir",
     "list_iterations",
     "read_tracker",
     "remove_old_checkpoints",
@@ -64,7 +65,7 @@ def write_tracker(root: str | os.PathLike, iteration: int) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 def list_iterations(root: str | os.PathLike) -> list[int]:
@@ -92,7 +93,8 @@ def remove_old_checkpoints(root: str | os.PathLike, keep_last: int) -> list[int]
     return doomed
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """Makes a directory's entries durable (renames and new files in it)."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
