@@ -108,18 +108,17 @@ def _train(run: Run, forward_step_func, train_iter, valid_iter, checkpointer, me
             )  # fmt: skip
             run.timers("forward-backward", log_level=1).stop()
             losses = reduce_reports(reports)
-            bad_loss = _nonfinite_anywhere(losses)
-            if (
-                bad_loss
-                and not training.skip_nan_loss_iterations
-                and (training.check_for_nan_in_loss_and_grad)
-            ):
-                raise FloatingPointError(
-                    f"rank {dist.get_rank()}: loss is nan or inf at iteration "
-                    f"{run.train.iteration + 1}: {losses}"
+            checked = training.check_for_nan_in_loss_and_grad or training.skip_nan_loss_iterations
+            bad_loss = checked and _nonfinite_anywhere(losses)
+            if bad_loss and not training.skip_nan_loss_iterations:
+                where = (
+                    f"rank {dist.get_rank()}: loss {losses}"
                     if losses
-                    else f"a rank of the last pipeline stage saw a nan or inf loss at iteration "
-                    f"{run.train.iteration + 1}"
+                    else f"rank {dist.get_rank()}: a rank of the last pipeline stage saw a loss"
+                )
+                raise FloatingPointError(
+                    f"{where} is nan or inf at iteration {run.train.iteration + 1} "
+                    "(skip_nan_loss_iterations skips such iterations instead)"
                 )
             if bad_loss:
                 run.train.nan_iterations += 1

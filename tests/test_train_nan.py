@@ -1,0 +1,44 @@
+"""A nan or inf loss stops the run naming the rank, or is skipped by option."""
+
+from pathlib import Path
+
+import pytest
+
+from mp_state.testing import RankFailure, run_on_ranks
+
+CONFIG = Path(__file__).resolve().parents[1] / "apps" / "gpt" / "configs" / "tiny.yaml"
+DIVERGING = [
+    "--config", str(CONFIG), "--mock-data", "--tokenizer-type", "NullTokenizer",
+    "--vocab-size", "1000", "--seq-length", "32", "--micro-batch-size", "2",
+    "--global-batch-size", "4", "--train-iters", "30", "--eval-interval", "none",
+    "--save", "none", "--load", "none", "--tensorboard-dir", "none", "--num-workers", "0",
+    "--lr", "1e12", "--min-lr", "0", "--lr-warmup-iters", "0", "--clip-grad", "0",
+    "--log-interval", "100",
+]  # fmt: skip
+
+
+def body(argv):
+    import os
+
+    import torch
+
+    torch.set_num_threads(1)
+    os.environ.setdefault("MP_RUN_DIR", "/nonexistent")
+    from mp_gpt.pretrain import train
+    from mp_train import parse_config
+
+    run = train(parse_config(argv))
+    return run.train.nan_iterations, run.train.iteration
+
+
+@pytest.mark.multirank
+def test_a_nan_loss_stops_every_rank_naming_one():
+    with pytest.raises(RankFailure, match=r"rank \d: loss .* is nan or inf at iteration \d+"):
+        run_on_ranks(body, 2, DIVERGING, timeout=120)
+
+
+@pytest.mark.multirank
+def test_skip_nan_loss_iterations_goes_on():
+    results = run_on_ranks(body, 2, [*DIVERGING, "--skip-nan-loss-iterations"], timeout=120)
+    for nan_iterations, iteration in results:
+        assert iteration == 30 and nan_iterations > 0
