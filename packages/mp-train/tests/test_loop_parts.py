@@ -1,0 +1,39 @@
+"""The micro-batch calculator (constant and ramp-up) and the timers."""
+
+import time
+
+import pytest
+
+from mp_train import MicroBatchCalculator, Timers
+
+
+def test_constant_global_batch():
+    calculator = MicroBatchCalculator(64, 2, 4)
+    assert calculator.num_microbatches(0) == 8 and calculator.global_batch(10**6) == 64
+    with pytest.raises(ValueError, match="global_batch_size=30 is not divisible"):
+        MicroBatchCalculator(30, 2, 4)
+
+
+def test_rampup_batch_size():
+    # start 16, +16 every 1000 / ((64 - 16) / 16) = 333.3 samples, 64 after 1000 samples.
+    calculator = MicroBatchCalculator(64, 2, 4, rampup_batch_size=[16, 16, 1000])
+    sizes = [calculator.global_batch(n) for n in (0, 333, 334, 666, 667, 1000, 1001)]
+    assert sizes == [16, 16, 32, 32, 48, 64, 64]
+    assert calculator.num_microbatches(0) == 2 and calculator.num_microbatches(2000) == 8
+    with pytest.raises(ValueError, match="not divisible by micro_batch_size x data_parallel"):
+        MicroBatchCalculator(64, 2, 4, rampup_batch_size=[12, 4, 100])
+
+
+def test_timers_levels_and_report():
+    timers = Timers(log_level=1, log_option="minmax")
+    timers("work", log_level=1).start()
+    time.sleep(0.01)
+    timers("work", log_level=1).stop()
+    timers("detail", log_level=2).start()  # above the level: not timed
+    timers("detail", log_level=2).stop()
+    line = timers.report(["work", "detail"])
+    assert line.startswith("time (ms) | work: (") and "detail" not in line
+    low, high = (float(x) for x in line.split("(")[-1].rstrip(")").split(", "))
+    assert 9 <= low == high < 200
+    with pytest.raises(RuntimeError, match="not running"):
+        timers("work", log_level=1).stop()
