@@ -13,8 +13,17 @@ from __future__ import annotations
 import dataclasses
 import logging
 
+import torch
+
 import mp_state
-from mp_ckpt import Checkpointer, ShardedTensor, load_checkpoint, read_tracker
+from mp_ckpt import (
+    Checkpointer,
+    CheckpointReader,
+    ShardedTensor,
+    load_checkpoint,
+    read_metadata,
+    read_tracker,
+)
 from mp_train.setup import Run, TrainState
 
 __all__ = ["load_run_checkpoint", "run_pieces", "save_run_checkpoint"]
@@ -53,15 +62,53 @@ def save_run_checkpoint(run: Run, checkpointer: Checkpointer) -> None:
         "model_config": model_settings(run),
     }
     rank_state = None if ckpt.no_save_rng else mp_state.get_rng_state(run.rng_tracker)
-    parallel = run.config.parallel
-    layout = {
+    checkpointer.save(run.train.iteration, pieces, common=common, rank_state=rank_state,
+                      layout=_layout(run))  # fmt: skip
+
+
+def _layout(run: Run) -> dict:
+    """The parallel layout a checkpoint records (RNG states are restored only under it)."""
+    return {
         "tensor_model_parallel_size": run.state.tp.size,
         "pipeline_model_parallel_size": run.state.pp.size,
-        "virtual_pipeline_model_parallel_size": parallel.virtual_pipeline_model_parallel_size,
+        "virtual_pipeline_model_parallel_size": (
+            run.config.parallel.virtual_pipeline_model_parallel_size
+        ),
         "data_parallel_size": run.data_parallel_size,
     }
-    checkpointer.save(run.train.iteration, pieces, common=common, rank_state=rank_state,
-                      layout=layout)  # fmt: skip
+
+
+# Model settings that change tensor shapes or names: a checkpoint made with other values
+# cannot be resharded into this model.
+_SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
+                 "kv_channels", "ffn_hidden_size", "activation", "normalization",
+                 "add_bias_linear", "add_qkv_bias", "qk_layernorm",
+                 "untie_embeddings_and_output_weights", "position_embedding_type")  # fmt: skip
+
+
+def _check_model_matches(run: Run, load: str, iteration: int | None) -> None:
+    """Raises, listing every differing field, when the saved model has another shape."""
+    common = torch.load(CheckpointReader(load, iteration=iteration).directory / "common.pt",
+                        weights_only=False)  # fmt: skip
+    saved = (common.get("config") or {}).get("model")
+    if saved is None:
+        return  # not saved by the training loop (an imported checkpoint): tensors decide
+    now = run.config.as_dict()["model"]
+    differing = [
+        f"{name}: checkpoint {saved.get(name)!r}, this run {now.get(name)!r}"
+        for name in _SHAPE_FIELDS
+        if name in saved and saved.get(name) != now.get(name)
+    ]
+    saved_vocab = (common.get("model_config") or {}).get("vocab_size")
+    if saved_vocab is not None and saved_vocab != run.padded_vocab_size:
+        differing.append(
+            f"padded vocabulary: checkpoint {saved_vocab}, this run {run.padded_vocab_size}"
+        )
+    if differing:
+        raise ValueError(
+            f"the checkpoint under {load} holds another model and cannot be resharded into "
+            "this one:\n  " + "\n  ".join(differing)
+        )
 
 
 def load_run_checkpoint(run: Run) -> bool:
@@ -71,6 +118,7 @@ def load_run_checkpoint(run: Run) -> bool:
         if ckpt.load is not None and ckpt.exit_on_missing_checkpoint:
             raise FileNotFoundError(f"load={ckpt.load} holds no checkpoint")
         return False
+    _check_model_matches(run, ckpt.load, ckpt.ckpt_step)
     with_optimizer = not (ckpt.no_load_optim or ckpt.finetune)
     pieces = run_pieces(run, with_optimizer=with_optimizer)
     loaded = load_checkpoint(
@@ -94,7 +142,8 @@ def load_run_checkpoint(run: Run) -> bool:
     if not ckpt.finetune:
         run.train = TrainState(**common["train_state"])
         run.scheduler.load_state_dict(common["scheduler"])
-        if loaded.rank_state is not None and not ckpt.no_load_rng:
+        same_layout = read_metadata(loaded.directory).get("layout") == _layout(run)
+        if loaded.rank_state is not None and same_layout and not ckpt.no_load_rng:
             mp_state.set_rng_state(loaded.rank_state, run.rng_tracker)
     log.info("loaded %s (iteration %d)", loaded.directory, loaded.iteration)
     return True
