@@ -52,7 +52,7 @@ def generate(model: GPTModel, ids: list[int], *, max_new_tokens: int, max_length
     generator = torch.Generator().manual_seed(seed)
     ids = list(ids)
     for _ in range(max_new_tokens):
-        window = torch.tensor([ids[-max_length:]])
+        window = torch.tensor([ids[-max_length:]], device=next(model.parameters()).device)
         logits = model(window)[0, -1].cpu()
         token = sample_next(logits, temperature=temperature, top_k=top_k, top_p=top_p,
                             generator=generator)  # fmt: skip
@@ -100,8 +100,9 @@ def run_generation(args, extra: list[str]) -> str:
         gpt = config.gpt
         config.model.hidden_dropout = config.model.attention_dropout = 0.0
         positions = gpt.max_position_embeddings or gpt.seq_length
+        device = mp_state.select_device().device
         model = GPTModel(config.model, "local", padded, positions, tp_group=state.tp,
-                         parallel_output=False).eval()  # fmt: skip
+                         parallel_output=False).to(device).eval()  # fmt: skip
         load_checkpoint(args.load, model.sharded_state_dict(), finetune=True, strict=False)
         ids = tokenizer.tokenize(args.prompt) if args.prompt else [tokenizer.eod]
         out = generate(model, ids, max_new_tokens=args.max_new_tokens, max_length=gpt.seq_length,

@@ -36,7 +36,7 @@ class DataConfig:
     """Where the dataset indices are cached (default: beside the data)."""
 
     mock_data: bool = False
-    """Random tokens instead of data (no files needed)."""
+    """Synthetic token sequences instead of data (no files needed)."""
 
     tokenizer_type: str | None = None
     """GPT2BPETokenizer, HuggingFaceTokenizer, NullTokenizer, ... (mp_data.TOKENIZER_TYPES)."""

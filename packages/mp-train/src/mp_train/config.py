@@ -102,7 +102,7 @@ class TrainingConfig:
     """Disable Python's automatic garbage collection and collect every manual_gc_interval."""
 
     manual_gc_interval: int = 0
-    """Iterations between manual collections (0: only at evaluation and save)."""
+    """Iterations between manual collections (0: none after the one at the start)."""
 
     check_for_nan_in_loss_and_grad: bool = True
     """Stop, naming the rank, when the loss is nan or inf."""
@@ -149,7 +149,7 @@ class LoggingConfig:
     """How timers are reported across ranks."""
 
     barrier_with_L1_time: bool = True
-    """Put a barrier before stopping level-1 timers (comparable times, some cost)."""
+    """Put a barrier before starting level-1 timers (comparable times, some cost)."""
 
 
 @dataclass(kw_only=True)

@@ -23,6 +23,7 @@ divided): the loss function averages them over data-parallel ranks.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import math
@@ -71,9 +72,13 @@ def pretrain(
         )
     train_iter, valid_iter = _data_iterators(run, datasets_provider)
     try:
+        stopped = None
         if not config.training.skip_train:
-            _train(run, forward_step_func, train_iter, valid_iter, checkpointer, metrics)
-        if config.training.eval_interval is not None and run.has_valid_data:
+            stopped = _train(run, forward_step_func, train_iter, valid_iter, checkpointer,
+                             metrics)  # fmt: skip
+        # An early exit (SIGTERM, exit_interval, exit_duration) has saved: leave at once.
+        final_eval = config.training.eval_interval is not None and stopped is None
+        if final_eval and run.has_valid_data:
             evaluate(run, forward_step_func, valid_iter, metrics, final=True)
         trained = checkpointer is not None and not config.training.skip_train
         if trained and _last_saved(run) != run.train.iteration:
@@ -85,7 +90,9 @@ def pretrain(
     return run
 
 
-def _train(run: Run, forward_step_func, train_iter, valid_iter, checkpointer, metrics) -> None:
+def _train(run: Run, forward_step_func, train_iter, valid_iter, checkpointer,
+           metrics) -> str | None:  # fmt: skip
+    """The iterations; returns why it stopped early, or None at the end of training."""
     config, training = run.config, run.config.training
     if training.manual_gc:
         gc.disable()
@@ -94,7 +101,9 @@ def _train(run: Run, forward_step_func, train_iter, valid_iter, checkpointer, me
         chunk.train()
     schedule = _schedule(run)
     start = time.time()
-    with DistributedSignalHandler() as signals:
+    handler = DistributedSignalHandler() if training.exit_signal_handler else None
+    with handler or contextlib.nullcontext():
+        signals = handler
         while not _done(run):
             metrics.iteration_started()
             global_batch = run.calculator.global_batch(run.train.consumed_train_samples)
@@ -161,7 +170,8 @@ def _train(run: Run, forward_step_func, train_iter, valid_iter, checkpointer, me
                 if checkpointer is not None and not saved:
                     save_run_checkpoint(run, checkpointer)
                 metrics.print(f"exiting at iteration {iteration}: {stop}")
-                break
+                return stop
+    return None
 
 
 def evaluate(run: Run, forward_step_func, valid_iter, metrics, final: bool = False) -> dict:
@@ -223,9 +233,9 @@ def _done(run: Run) -> bool:
     return run.train.consumed_train_samples >= training.train_samples
 
 
-def _should_exit(run: Run, signals: DistributedSignalHandler, start: float) -> str | None:
+def _should_exit(run: Run, signals: DistributedSignalHandler | None, start: float) -> str | None:
     training = run.config.training
-    if training.exit_signal_handler and signals.received():
+    if signals is not None and signals.received():
         return "SIGTERM received"
     if training.exit_interval and run.train.iteration % training.exit_interval == 0:
         return f"exit_interval={training.exit_interval}"

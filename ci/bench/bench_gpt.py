@@ -1,0 +1,341 @@
+"""Benchmark: training tokens/s of apps/gpt's loop beside a plain PyTorch loop over
+transformers' LlamaForCausalLM.
+
+One process, all cores (torch.set_num_threads(os.cpu_count())). The model is the
+Llama-style shape of bench_layers.py: hidden 512, 8 layers, 8 heads in 4 query
+groups of 64 channels, ffn 1376 (SwiGLU), RMSNorm, RoPE, no biases, untied
+embeddings, vocabulary 32,000 (NullTokenizer: 32,001 with the end-of-document
+id, padded to 32,128 as Megatron pads it), sequence 512, micro-batch 4 = global
+batch, dropout 0; about 56M parameters.
+
+Ours is the real run: `mp_train.parse_config` of Megatron flags (`--bf16
+--mock-data ...`) and `mp_gpt.pretrain.train(config)` in this process (a
+one-rank gloo world): data loader, forward/backward through the no-pipelining
+schedule, DDP gradient buffers, the mixed-precision optimizer step, the
+scheduler, logging every iteration. An iteration's time is the interval between
+two consecutive log lines of the loop, so everything it does counts.
+
+The baseline is what one writes by hand for the same job, with the same
+precision treatment and the same work:
+
+- bf16 parameters (no autocast), their fp32 gradients and fp32 main parameters
+  stepped by torch.optim.AdamW (Megatron's mixed precision, which ours does);
+- the same AdamW settings and parameter groups (no weight decay on 1-D
+  parameters), the same global-norm clipping to 1.0, the same constant
+  learning rate;
+- the same samples: mp_gpt's datasets_provider (MockGPTDataset) read by
+  mp_data's loader in the same order; the loss is transformers' own
+  (shift_labels = the dataset's labels, so both predict the same tokens).
+
+First, both loops train check_iters iterations untimed and their losses are
+printed side by side: on the mock corpus (sequences 1, 2, 3, ... closed by an
+end-of-document token) both must fall alike, which shows that they do the
+same work. Then the two loops take turns: each round trains ours for warm-up +
+timed iterations, then the baseline for as many; tokens/s comes from the
+fastest timed iteration of each over all rounds (as in bench_layers.py), the
+median beside it. Target: ours >= 1.2x the baseline.
+
+MFU: the loop's FLOPs per iteration (mp_train.estimate, Megatron's count: 3
+GEMMs per weight, causal attention at half the square) over the measured peak
+of a bf16 n x n matmul (mp_train.metrics.measure_peak_tflops, the better of a
+measure before and one after the runs).
+
+    uv run python ci/bench/bench_gpt.py [--rounds 3 --warmup 2 --iters 3 --check-iters 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import itertools
+import json
+import os
+import re
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch
+from harness import context, emit
+
+import mp_state
+from mp_data import (
+    build_pretraining_data_loader,
+    build_tokenizer,
+    train_valid_test_num_samples,
+    vocab_size_with_padding,
+)
+from mp_gpt.gpt import datasets_provider
+from mp_gpt.pretrain import train
+from mp_train import estimate, parse_config
+from mp_train.metrics import measure_peak_tflops
+
+HIDDEN, LAYERS, HEADS, GROUPS, HEAD_DIM, FFN, VOCAB = 512, 8, 8, 4, 64, 1376, 32000
+TARGET_RATIO = 1.2
+LR = 1e-3
+_LOG_LINE = re.compile(r"^iteration\s+(\d+) \|.*\| ms/iteration ([\d.]+) \|")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seq", type=int, default=512, help="sequence length")
+    parser.add_argument("--batch", type=int, default=4, help="micro-batch = global batch")
+    parser.add_argument("--rounds", type=int, default=3, help="turns of ours, then baseline")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed iterations per run")
+    parser.add_argument("--iters", type=int, default=3, help="timed iterations per run")
+    parser.add_argument(
+        "--check-iters",
+        type=int,
+        default=20,
+        help="untimed iterations of each loop first, comparing losses (0: none)",
+    )
+    parser.add_argument("--peak-n", type=int, default=2048, help="n of the n x n matmul peak")
+    parser.add_argument("--show-log", action="store_true", help="print the loop's own log")
+    args = parser.parse_args()
+    if args.warmup < 1:
+        parser.error("--warmup must be >= 1: a timed iteration is measured from the previous")
+    torch.set_num_threads(os.cpu_count() or 1)
+    ctx = context()
+
+    peak = measure_peak_tflops(args.peak_n) * 1e12
+    iterations = args.warmup + args.iters
+    config = _config(args, iterations, peak)
+    flops = estimate(config, 1, vocab_size=_padded_vocab(config))["flops_per_iteration"]
+    tokens = args.batch * args.seq
+
+    if args.check_iters:
+        _check_convergence(args, peak, ctx)
+    times: dict[str, list[float]] = {"ours": [], "hf": []}
+    losses: dict[str, list[list[float]]] = {"ours": [], "hf": []}
+    logged_ms: list[float] = []
+    params = {}
+    with tempfile.TemporaryDirectory() as scratch:
+        for round_ in range(args.rounds):
+            config = _config(args, iterations, peak, f"{scratch}/metrics{round_}.jsonl")
+            seconds, loss, ms, params["ours"] = _run_ours(config, args.show_log)
+            times["ours"] += seconds[args.warmup :]
+            logged_ms += ms[args.warmup :]
+            losses["ours"].append(loss)
+            seconds, loss, params["hf"] = _run_hf(config, iterations)
+            times["hf"] += seconds[args.warmup :]
+            losses["hf"].append(loss)
+
+    # Measured again at the end: the better of the two is the machine's (another
+    # process running during one of them lowers it).
+    peak = max(peak, measure_peak_tflops(args.peak_n) * 1e12)
+    emit("matmul_peak[bf16]", {"tflops": round(peak / 1e12, 4), "n": args.peak_n}, ctx)
+    median = {k: statistics.median(v) for k, v in times.items()}
+    best = {k: min(v) for k, v in times.items()}
+    ratio = best["hf"] / best["ours"]
+    falls = {k: all(run[-1] < run[0] for run in v) for k, v in losses.items()}
+    shape = {
+        "hidden": HIDDEN, "layers": LAYERS, "heads": HEADS, "query_groups": GROUPS,
+        "ffn": FFN, "vocab": VOCAB, "padded_vocab": _padded_vocab(config),
+        "sequence_length": args.seq, "batch": args.batch, "rounds": args.rounds,
+        "warmup_per_run": args.warmup, "timed_per_run": args.iters,
+        "precision": "bf16 parameters, fp32 gradients and main parameters (both)",
+    }  # fmt: skip
+    emit(
+        "gpt_train_iteration[bf16]",
+        {
+            "tokens_per_s": round(tokens / best["ours"], 1),
+            "hf_tokens_per_s": round(tokens / best["hf"], 1),
+            "ratio_to_hf": round(ratio, 3),
+            "ratio_to_hf_median": round(median["hf"] / median["ours"], 3),
+            "target_ratio": TARGET_RATIO,
+            "meets_target": ratio >= TARGET_RATIO,
+            "iteration_s": [round(t, 3) for t in times["ours"]],
+            "hf_iteration_s": [round(t, 3) for t in times["hf"]],
+            "loop_logged_ms_per_iteration": [round(t, 1) for t in logged_ms],
+            "achieved_tflops": round(flops / best["ours"] / 1e12, 4),
+            "hf_achieved_tflops": round(flops / best["hf"] / 1e12, 4),
+            "mfu": round(flops / best["ours"] / peak, 3),
+            "hf_mfu": round(flops / best["hf"] / peak, 3),
+            "matmul_peak_tflops": round(peak / 1e12, 4),
+            "flops_per_iteration": flops,
+            "losses": [[round(x, 3) for x in run] for run in losses["ours"]],
+            "hf_losses": [[round(x, 3) for x in run] for run in losses["hf"]],
+            "losses_fall": falls["ours"],
+            "hf_losses_fall": falls["hf"],
+            "parameters": params["ours"],
+            "hf_parameters": params["hf"],
+            **shape,
+        },
+        ctx,
+    )
+
+
+def _check_convergence(args, peak: float, ctx) -> None:
+    """Both loops on the same samples for check_iters iterations: the losses must fall
+    alike (the two do the same work)."""
+    with tempfile.TemporaryDirectory() as scratch:
+        config = _config(args, args.check_iters, peak, f"{scratch}/metrics.jsonl")
+        _, ours, _, _ = _run_ours(config, show_log=False)
+        _, hf, _ = _run_hf(config, args.check_iters)
+    tail = max(1, args.check_iters // 4)
+    last = {"ours": statistics.mean(ours[-tail:]), "hf": statistics.mean(hf[-tail:])}
+    emit(
+        "gpt_convergence[bf16]",
+        {
+            "iterations": args.check_iters,
+            "losses": [round(x, 3) for x in ours],
+            "hf_losses": [round(x, 3) for x in hf],
+            f"mean_of_last_{tail}": round(last["ours"], 3),
+            f"hf_mean_of_last_{tail}": round(last["hf"], 3),
+            "both_fall": last["ours"] < ours[0] - 1.0 and last["hf"] < hf[0] - 1.0,
+        },
+        ctx,
+    )
+
+
+# Ours: the real training loop.
+
+
+def _config(args, iterations: int, peak: float, metrics_file: str | None = None):
+    argv = [
+        "--num-layers", str(LAYERS), "--hidden-size", str(HIDDEN),
+        "--num-attention-heads", str(HEADS), "--group-query-attention",
+        "--num-query-groups", str(GROUPS), "--kv-channels", str(HEAD_DIM),
+        "--ffn-hidden-size", str(FFN), "--normalization", "RMSNorm", "--layernorm-epsilon",
+        "1e-6", "--swiglu", "--use-rotary-position-embeddings", "--disable-bias-linear",
+        "--untie-embeddings-and-output-weights", "--hidden-dropout", "0",
+        "--attention-dropout", "0",
+        "--seq-length", str(args.seq), "--micro-batch-size", str(args.batch),
+        "--global-batch-size", str(args.batch), "--train-iters", str(iterations),
+        "--eval-interval", "none",
+        "--bf16", "--lr", str(LR), "--lr-decay-style", "constant", "--clip-grad", "1.0",
+        "--mock-data", "--vocab-size", str(VOCAB), "--make-vocab-size-divisible-by", "128",
+        "--num-workers", "0", "--split", "100,0,0",
+        "--log-interval", "1", "--peak-tflops", str(peak / 1e12),
+    ]  # fmt: skip
+    if metrics_file is not None:
+        argv += ["--metrics-file", metrics_file]
+    return parse_config(argv)
+
+
+def _run_ours(config, show_log: bool) -> tuple[list[float], list[float], list[float], int]:
+    """(seconds per iteration, losses, the loop's own ms/iteration, parameters)."""
+    clock = _LineClock(show_log)
+    try:
+        with contextlib.redirect_stdout(clock):
+            run = train(config)
+        params = sum(p.numel() for chunk in run.model for p in chunk.parameters())
+    finally:
+        mp_state.destroy()
+    stamps = [t for t, line in clock.lines if _LOG_LINE.match(line)]
+    logged = [float(_LOG_LINE.match(line).group(2)) for _, line in clock.lines
+              if _LOG_LINE.match(line)]  # fmt: skip
+    if len(stamps) != config.training.train_iters:
+        raise RuntimeError(f"expected {config.training.train_iters} log lines, got {len(stamps)}")
+    # The first iteration has no previous line: it is always a warm-up one.
+    seconds = [float("nan")] + [b - a for a, b in itertools.pairwise(stamps)]
+    lines = Path(config.logging.metrics_file).read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    return seconds, [r["lm loss"] for r in records], logged, params
+
+
+class _LineClock(io.TextIOBase):
+    """A stdout stand-in that notes when each line arrives."""
+
+    def __init__(self, echo: bool) -> None:
+        self.lines: list[tuple[float, str]] = []
+        self._partial = ""
+        self._echo = echo
+
+    def write(self, text: str) -> int:
+        now = time.perf_counter()
+        self._partial += text
+        *complete, self._partial = self._partial.split("\n")
+        for line in complete:
+            self.lines.append((now, line))
+            if self._echo:
+                print(line, file=sys.__stdout__, flush=True)
+        return len(text)
+
+
+# The baseline: a plain loop over transformers' Llama.
+
+
+def _run_hf(config, iterations: int) -> tuple[list[float], list[float], int]:
+    """(seconds per iteration, losses, parameters)."""
+    import transformers
+
+    torch.manual_seed(config.training.seed)
+    vocab = _padded_vocab(config)
+    hf_config = transformers.LlamaConfig(
+        vocab_size=vocab, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS, num_key_value_heads=GROUPS, head_dim=HEAD_DIM,
+        rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=config.gpt.seq_length,
+        tie_word_embeddings=False, attention_bias=False, mlp_bias=False, attention_dropout=0.0,
+        initializer_range=0.02, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+        attn_implementation="sdpa",
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(hf_config).to(torch.bfloat16).train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    # fp32 main parameters and gradients, allocated once (as ours keeps its buffers).
+    main = [p.detach().float() for p in params]
+    for m in main:
+        m.grad = torch.zeros_like(m)
+    optimizer_config = config.optimizer
+    decayed = [m for m, p in zip(main, params, strict=True) if p.dim() > 1]
+    not_decayed = [m for m, p in zip(main, params, strict=True) if p.dim() <= 1]
+    optimizer = torch.optim.AdamW(
+        [{"params": not_decayed, "weight_decay": 0.0},
+         {"params": decayed, "weight_decay": optimizer_config.weight_decay}],
+        lr=optimizer_config.lr, betas=(optimizer_config.adam_beta1, optimizer_config.adam_beta2),
+        eps=optimizer_config.adam_eps,
+    )  # fmt: skip
+    batches = iter(_loader(config))
+    seconds, losses = [], []
+    for _ in range(iterations):
+        start = time.perf_counter()
+        batch = next(batches)
+        out = model(input_ids=batch["tokens"], position_ids=batch["position_ids"],
+                    labels=batch["labels"], shift_labels=batch["labels"])  # fmt: skip
+        out.loss.backward()
+        for m, p in zip(main, params, strict=True):
+            m.grad.copy_(p.grad)
+            p.grad = None
+        torch.nn.utils.clip_grad_norm_(main, optimizer_config.clip_grad)
+        optimizer.step()
+        with torch.no_grad():
+            for m, p in zip(main, params, strict=True):
+                p.copy_(m)
+        losses.append(float(out.loss.detach()))
+        seconds.append(time.perf_counter() - start)
+    return seconds, losses, sum(p.numel() for p in params)
+
+
+def _loader(config):
+    """The training loop's samples, in its order: mp_gpt's datasets_provider on a
+    one-rank stand-in of the run, mp_data's loader."""
+    one = SimpleNamespace(rank=0, size=1)
+    tokenizer = build_tokenizer("NullTokenizer", vocab_size=config.data.vocab_size)
+    stand_in = SimpleNamespace(config=config, state=SimpleNamespace(tp=one, pp=one),
+                               tokenizer=tokenizer)  # fmt: skip
+    training = config.training
+    counts = train_valid_test_num_samples(
+        training.train_iters, training.micro_batch_size, training.eval_interval or 0,
+        training.eval_iters,
+    )  # fmt: skip
+    train_set, _, _ = datasets_provider(stand_in, counts)
+    return build_pretraining_data_loader(
+        train_set, 0, dataloader_type="single", micro_batch_size=training.micro_batch_size,
+        data_parallel_rank=0, data_parallel_size=1, num_workers=0,
+    )  # fmt: skip
+
+
+def _padded_vocab(config) -> int:
+    """The loop's vocabulary: NullTokenizer's ids and its end-of-document id, padded."""
+    tokenizer = build_tokenizer("NullTokenizer", vocab_size=config.data.vocab_size)
+    return vocab_size_with_padding(tokenizer.vocab_size, config.data.make_vocab_size_divisible_by)
+
+
+if __name__ == "__main__":
+    main()
