@@ -90,7 +90,7 @@ def init_state(optimizer: MixedPrecisionOptimizer) -> None:
         for name in names:
             state[name] = torch.zeros_like(main, memory_format=torch.preserve_format)
         if optimizer.config.optimizer == "adam":
-            state["step"] = torch.tensor(0.0)
+            state["step"] = torch.tensor(0.0, device=main.device)
 
 
 def _main_params(optimizer: MixedPrecisionOptimizer) -> list[torch.Tensor]:
