@@ -27,7 +27,8 @@ def loaded(root) -> torch.Tensor:
     return target["w"].data
 
 
-def test_async_save_is_invisible_until_committed_and_equals_a_sync_save(tmp_path, monkeypatch):
+def hold_writes(monkeypatch) -> tuple[threading.Event, object]:
+    """DCP's save writes, then waits for the returned event (the real save is returned too)."""
     release = threading.Event()
     real_save = checkpointer_module.dcp.save
 
@@ -36,6 +37,11 @@ def test_async_save_is_invisible_until_committed_and_equals_a_sync_save(tmp_path
         assert release.wait(30)
 
     monkeypatch.setattr(checkpointer_module.dcp, "save", held_save)
+    return release, real_save
+
+
+def test_async_save_is_invisible_until_committed_and_equals_a_sync_save(tmp_path, monkeypatch):
+    release, real_save = hold_writes(monkeypatch)
     checkpointer = Checkpointer(tmp_path / "async", async_save=True)
     data = pieces(2.0)
     checkpointer.save(4, data)
@@ -115,14 +121,7 @@ def test_a_save_killed_mid_write_leaves_the_previous_checkpoint(tmp_path):
 
 
 def test_async_save_keeps_the_plain_state_as_it_was_at_save(tmp_path, monkeypatch):
-    release = threading.Event()
-    real_save = checkpointer_module.dcp.save
-
-    def held_save(*args, **kwargs):
-        real_save(*args, **kwargs)
-        assert release.wait(30)
-
-    monkeypatch.setattr(checkpointer_module.dcp, "save", held_save)
+    release, real_save = hold_writes(monkeypatch)
     checkpointer = Checkpointer(tmp_path, async_save=True)
     common = {"step": 1}
     checkpointer.save(1, pieces(1.0), common=common)
