@@ -5,6 +5,7 @@ import json
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 
 from mp_ckpt import (
     CheckpointCorrupted,
@@ -15,6 +16,8 @@ from mp_ckpt import (
     read_metadata,
     read_tracker,
 )
+from mp_ckpt.checkpointer import single_process_quiet
+from mp_ckpt.integrity import HashingFileSystemWriter, file_digest
 from mp_state.testing import run_on_ranks
 
 W = torch.arange(48.0).view(8, 6)
@@ -96,6 +99,29 @@ def test_tracker_moves_only_after_a_complete_save_and_keep_last(tmp_path):
     (tmp_path / "iter_0000004.tmp").mkdir()
     assert read_tracker(tmp_path) == 3
     load_checkpoint(tmp_path, empty_like(pieces_for(0, 1)))
+
+
+def test_checksums_taken_while_writing_match_the_files(tmp_path):
+    big = {f"t{i}": ShardedTensor(f"t{i}", torch.randn(300, 700), (300, 700), (0, 0))
+           for i in range(5)}  # fmt: skip
+    Checkpointer(tmp_path).save(1, big | pieces_for(0, 1), common={"a": 1},
+                                rank_state={"rng": 5})  # fmt: skip
+    directory = checkpoint_dir(tmp_path, 1)
+    recorded = json.loads((directory / "checksums.json").read_text())
+    data_files = sorted(p.name for p in directory.glob("*.distcp"))
+    assert len(data_files) == 2  # two writer threads, two files
+    assert set(data_files) <= set(recorded)
+    assert {name: file_digest(directory / name) for name in recorded} == recorded
+
+
+def test_the_hashing_writer_records_every_data_file(tmp_path):
+    writer = HashingFileSystemWriter(tmp_path, thread_count=2)
+    with single_process_quiet():
+        dcp.save({"a": torch.randn(100, 100), "b": torch.arange(10)}, storage_writer=writer,
+                 no_dist=True)  # fmt: skip
+    files = sorted(p.name for p in tmp_path.glob("*.distcp"))
+    assert files and sorted(writer.digests) == files
+    assert all(writer.digests[n] == file_digest(tmp_path / n) for n in files)
 
 
 def test_a_corrupted_or_missing_file_is_named(tmp_path):

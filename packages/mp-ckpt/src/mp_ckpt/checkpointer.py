@@ -30,14 +30,13 @@ import shutil
 import threading
 import warnings
 from collections.abc import Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from mp_ckpt.integrity import CHECKSUMS, file_digest
+from mp_ckpt.integrity import CHECKSUMS, HashingFileSystemWriter, file_digest
 from mp_ckpt.layout import checkpoint_dir, fsync_dir, remove_old_checkpoints, write_tracker
 from mp_ckpt.sharding import ShardedTensor
 
@@ -162,10 +161,10 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         self._barrier()
-        # Two files per rank, written by two threads and then hashed by two: checksumming
-        # every byte is a large part of a save, and hashlib releases the GIL.
-        writer = dcp.FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True,
-                                      thread_count=_IO_THREADS)  # fmt: skip
+        # Two files per rank, written by two threads, each hashing what it writes:
+        # reading the files back to checksum them would cost a large part of a save.
+        writer = HashingFileSystemWriter(tmp, single_file_per_rank=True, sync_files=True,
+                                         thread_count=_IO_THREADS)  # fmt: skip
         with single_process_quiet():
             dcp.save({k: p.data for k, p in saved.items()}, storage_writer=writer,
                      process_group=self._group, no_dist=not self._distributed)  # fmt: skip
@@ -175,8 +174,7 @@ class Checkpointer:
             _save_synced(lambda f: torch.save(rank_state, f), tmp / name)
             mine.append(name)
         mine += [p.name for p in tmp.glob(f"__{self.rank}_*.distcp")]
-        with ThreadPoolExecutor(_IO_THREADS) as pool:
-            digests = dict(zip(mine, pool.map(file_digest, [tmp / n for n in mine]), strict=True))
+        digests = {name: writer.digest(tmp / name) for name in mine}
         chunks = [_describe(k, p) for k, p in saved.items()]
         all_digests = self._gather(digests)
         all_chunks = self._gather(chunks)

@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from mp_ckpt.checkpointer import METADATA, build_metadata, replace_dir, single_process_quiet
 from mp_ckpt.gpt_layout import layer_index, stage_of, tp_axis
-from mp_ckpt.integrity import CHECKSUMS, file_digest
+from mp_ckpt.integrity import CHECKSUMS, HashingFileSystemWriter
 from mp_ckpt.layout import checkpoint_dir, fsync_dir, write_tracker
 from mp_ckpt.reader import CheckpointReader
 from mp_ckpt.regions import Region
@@ -97,7 +97,7 @@ def convert_checkpoint(
     with single_process_quiet():
         # One file per tensor: DCP keeps every tensor written to a file referenced until
         # the file closes, so a single file would hold the whole model in memory.
-        writer = dcp.FileSystemWriter(tmp, thread_count=1, single_file_per_rank=False)
+        writer = HashingFileSystemWriter(tmp, thread_count=1, single_file_per_rank=False)
         dcp.save(plan, storage_writer=writer,
                  planner=_StreamingPlanner(producers, bar.step), no_dist=True)  # fmt: skip
     bar.close()
@@ -107,7 +107,7 @@ def convert_checkpoint(
               "converted_from": str(reader.directory)}  # fmt: skip
     metadata = build_metadata(reader.iteration, chunks_per_rank, tp * pp, layout)
     (tmp / METADATA).write_text(json.dumps(metadata, indent=1))
-    files = {p.name: file_digest(p) for p in sorted(tmp.iterdir()) if p.is_file()}
+    files = {p.name: writer.digest(p) for p in sorted(tmp.iterdir()) if p.is_file()}
     (tmp / CHECKSUMS).write_text(json.dumps(files, indent=1, sort_keys=True))
     fsync_dir(tmp)
     replace_dir(tmp, final)

@@ -3,9 +3,11 @@
     loaded = load_checkpoint(load_dir, pieces)     # fills every piece's data in place
 
 `pieces` describes what this rank holds now (the model's and optimizer's
-sharded_state_dict under the current layout). For each piece the saved
-chunks of the same logical tensor that overlap it are read (only those) and
-their shared elements copied in (regions.py), so a checkpoint saved at
+sharded_state_dict under the current layout). For each piece only the saved
+chunks of the same logical tensor that overlap it are read: the shared box
+straight into its place in the piece (box_reads.py), or, for flattened
+ranges, the chunk whole and then its shared elements (regions.py). So a
+checkpoint saved at
 TP2 x PP2 x DP2 loads at TP1, TP4, another pipeline split or another
 data-parallel size alike. Collective: every rank calls it.
 
@@ -24,12 +26,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 
-from mp_ckpt.checkpointer import METADATA, single_process_quiet
+from mp_ckpt.box_reads import read_boxes, stored_buffer
+from mp_ckpt.checkpointer import METADATA
 from mp_ckpt.integrity import CheckpointCorrupted, recorded_files, verify_files
 from mp_ckpt.layout import checkpoint_dir, read_tracker
-from mp_ckpt.regions import Region, copy_shared
+from mp_ckpt.regions import Region, copy_shared, local_box
 from mp_ckpt.sharding import ShardedTensor
 
 __all__ = ["LoadedCheckpoint", "load_checkpoint", "read_metadata"]
@@ -123,36 +125,45 @@ def load_checkpoint(
             f"; unexpected keys {unexpected[:20]}{' ...' if len(unexpected) > 20 else ''}"
         )
 
-    needed: dict[str, dict] = {}
-    plan = []
-    for piece in pieces.values():
-        target = Region(piece.global_offset, piece.shape, piece.flattened_range)
-        sources = [
-            c for c in chunks_by_key.get(piece.key, ())
-            if Region.from_chunk(c).box_overlap(target) is not None
-        ]  # fmt: skip
-        for chunk in sources:
-            needed[chunk["storage_key"]] = chunk
-        plan.append((piece, target, sources))
-    buffers = {
-        name: torch.empty(_stored_shape(c), dtype=getattr(torch, c["dtype"]))
-        for name, c in needed.items()
-    }
-    if buffers or distributed:
-        with single_process_quiet():
-            dcp.load(buffers, storage_reader=dcp.FileSystemReader(directory),
-                     no_dist=not distributed)  # fmt: skip
+    # Where a saved box overlaps a wanted box, DCP reads the overlap straight into its
+    # place in the piece. Flattened ranges (the distributed optimizer's) are read whole
+    # into a buffer per saved chunk, then copied element by element.
+    reads: dict[str, list] = {}
+    buffers: dict[str, torch.Tensor] = {}
+    coverage = []  # (piece, its region, elements read in place, [(buffer, its region)])
     with torch.no_grad():
-        for piece, target, sources in plan:
-            copied = sum(
-                copy_shared(buffers[c["storage_key"]], Region.from_chunk(c), piece.data, target)
-                for c in sources
+        for piece in pieces.values():
+            target = Region(piece.global_offset, piece.shape, piece.flattened_range)
+            in_place, via_buffer = 0, []
+            for chunk in chunks_by_key.get(piece.key, ()):
+                source = Region.from_chunk(chunk)
+                shared = source.box_overlap(target)
+                if shared is None:
+                    continue
+                name = chunk["storage_key"]
+                if source.flattened_range is None and target.flattened_range is None:
+                    destination = piece.data[local_box(shared, target)]
+                    reads.setdefault(name, []).append((local_box(shared, source), destination))
+                    in_place += destination.numel()
+                    continue
+                if name not in buffers:
+                    buffers[name], whole = stored_buffer(chunk)
+                    reads.setdefault(name, []).append((whole, buffers[name]))
+                via_buffer.append((name, source))
+            coverage.append((piece, target, in_place, via_buffer))
+        if reads or distributed:
+            read_boxes(directory, reads, distributed=distributed)
+        for piece, target, in_place, via_buffer in coverage:
+            copied = in_place + sum(
+                copy_shared(buffers[name], source, piece.data, target)
+                for name, source in via_buffer
             )
-            if sources and copied != piece.numel:
+            if (in_place or via_buffer) and copied != piece.numel:
                 raise CheckpointCorrupted(
                     f"{directory}: {piece.key} at {piece.global_offset}: the saved pieces "
                     f"cover {copied} of its {piece.numel} elements"
                 )
+    del buffers
 
     common = torch.load(directory / "common.pt", weights_only=False)
     rank_file = directory / f"rank_{rank:05d}.pt"
@@ -162,11 +173,6 @@ def load_checkpoint(
     if finetune:
         iteration, rank_state = 0, None
     return LoadedCheckpoint(iteration, directory, common, rank_state, missing, unexpected)
-
-
-def _stored_shape(chunk: dict) -> tuple[int, ...]:
-    flat = chunk["flattened_range"]
-    return (flat[1] - flat[0],) if flat else tuple(chunk["shape"])
 
 
 def _gather(value, distributed: bool, world: int) -> list:

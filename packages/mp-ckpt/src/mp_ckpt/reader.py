@@ -12,16 +12,11 @@ import os
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
-from torch.distributed.checkpoint.planner import LoadPlan
-from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from mp_ckpt.checkpointer import single_process_quiet
+from mp_ckpt.box_reads import read_boxes, stored_buffer
 from mp_ckpt.integrity import recorded_files, verify_files
 from mp_ckpt.loader import read_metadata, resolve
-from mp_ckpt.regions import Region, copy_shared
+from mp_ckpt.regions import Region, copy_shared, local_box
 
 __all__ = ["CheckpointReader"]
 
@@ -78,8 +73,10 @@ class CheckpointReader:
                 continue
             if source.flattened_range is None and region.flattened_range is None:
                 # Only the shared box is read, straight into its place in `out`.
-                target = out[_local(shared, region)]
-                self._load_box(chunk, _local(shared, source), target)
+                target = out[local_box(shared, region)]
+                read_boxes(self.directory, {chunk["storage_key"]: [(local_box(shared, source),
+                                                                   target)]},
+                           distributed=False)  # fmt: skip
                 copied += target.numel()
                 continue
             data = self._load_chunk(chunk)
@@ -98,40 +95,7 @@ class CheckpointReader:
         except KeyError:
             raise KeyError(f"{self.directory} has no tensor {key!r}") from None
 
-    def _load_box(self, chunk: dict, box: tuple[slice, ...], target: torch.Tensor) -> None:
-        planner = _BoxLoadPlanner(chunk["storage_key"], box)
-        with single_process_quiet():
-            dcp.load({chunk["storage_key"]: target}, planner=planner, no_dist=True,
-                     storage_reader=dcp.FileSystemReader(self.directory))  # fmt: skip
-
     def _load_chunk(self, chunk: dict) -> torch.Tensor:
-        flat = chunk["flattened_range"]
-        shape = (flat[1] - flat[0],) if flat else tuple(chunk["shape"])
-        buffer = {chunk["storage_key"]: torch.empty(shape, dtype=getattr(torch, chunk["dtype"]))}
-        with single_process_quiet():
-            dcp.load(buffer, storage_reader=dcp.FileSystemReader(self.directory), no_dist=True)
-        return buffer[chunk["storage_key"]]
-
-
-class _BoxLoadPlanner(DefaultLoadPlanner):
-    """Reads from one stored tensor only the box `box` (slices in its own coordinates)."""
-
-    def __init__(self, name: str, box: tuple[slice, ...]) -> None:
-        super().__init__()
-        self.name = name
-        self.box = box
-
-    def create_local_plan(self) -> LoadPlan:
-        stored = self.metadata.state_dict_metadata[self.name]
-        wanted = ChunkStorageMetadata(
-            offsets=torch.Size(s.start for s in self.box),
-            sizes=torch.Size(s.stop - s.start for s in self.box),
-        )
-        return LoadPlan(create_read_items_for_chunk_list(self.name, stored, [wanted]))
-
-    def lookup_tensor(self, index) -> torch.Tensor:
-        return self.state_dict[index.fqn]
-
-
-def _local(shared: tuple[slice, ...], region: Region) -> tuple[slice, ...]:
-    return tuple(slice(s.start - o, s.stop - o) for s, o in zip(shared, region.offset, strict=True))
+        buffer, whole = stored_buffer(chunk)
+        read_boxes(self.directory, {chunk["storage_key"]: [(whole, buffer)]}, distributed=False)
+        return buffer

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Region", "copy_shared"]
+__all__ = ["Region", "copy_shared", "local_box"]
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,12 @@ class Region:
         """The region of a saved chunk as mp_metadata.json records it."""
         flat = chunk["flattened_range"]
         return cls(tuple(chunk["offset"]), tuple(chunk["shape"]), tuple(flat) if flat else None)
+
+    @property
+    def stored_shape(self) -> tuple[int, ...]:
+        """The shape of the piece as stored: its flat range's length, or its box."""
+        flat = self.flattened_range
+        return (flat[1] - flat[0],) if flat else self.shape
 
     def box_overlap(self, other: Region) -> tuple[slice, ...] | None:
         """The intersection of the two boxes in global coordinates, or None."""
@@ -54,8 +60,8 @@ def copy_shared(source: torch.Tensor, source_region: Region, target: torch.Tenso
     if shared is None:
         return 0
     if source_region.flattened_range is None and target_region.flattened_range is None:
-        dst = target[_local(shared, target_region)]
-        dst.copy_(source[_local(shared, source_region)])
+        dst = target[local_box(shared, target_region)]
+        dst.copy_(source[local_box(shared, source_region)])
         return dst.numel()
     src_index, src_ok = _flat_positions(shared, source_region)
     dst_index, dst_ok = _flat_positions(shared, target_region)
@@ -67,7 +73,8 @@ def copy_shared(source: torch.Tensor, source_region: Region, target: torch.Tenso
     return int(both.sum())
 
 
-def _local(shared: tuple[slice, ...], region: Region) -> tuple[slice, ...]:
+def local_box(shared: tuple[slice, ...], region: Region) -> tuple[slice, ...]:
+    """A box given in global coordinates, in the region's own (its offset subtracted)."""
     return tuple(slice(s.start - o, s.stop - o) for s, o in zip(shared, region.offset, strict=True))
 
 
@@ -91,13 +98,13 @@ def _flat_positions(shared, region: Region) -> tuple[torch.Tensor, torch.Tensor]
 
 def _read(source, region: Region, shared, index, mask) -> torch.Tensor:
     if region.flattened_range is None:
-        return source[_local(shared, region)][mask]
+        return source[local_box(shared, region)][mask]
     return source[index[mask] - region.flattened_range[0]]
 
 
 def _write(target, region: Region, shared, index, mask, values) -> None:
     if region.flattened_range is None:
-        box = target[_local(shared, region)]
+        box = target[local_box(shared, region)]
         box[mask] = values.to(box.dtype)
         return
     target[index[mask] - region.flattened_range[0]] = values.to(target.dtype)

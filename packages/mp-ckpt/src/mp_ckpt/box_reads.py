@@ -1,0 +1,75 @@
+"""Reading boxes of stored tensors straight into their destinations, through DCP.
+
+    read_boxes(directory, {"w@0,0": [(box, destination), ...], ...}, distributed=False)
+
+A box is a tuple of slices in the stored tensor's own coordinates; its
+destination is a tensor (often a view into a larger one) of the box's shape.
+DCP reads each stored tensor, cuts the box and copies it into the
+destination: no buffer holds the stored tensors between the read and the copy,
+so a load needs little memory beyond its targets.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+from torch.distributed.checkpoint.planner import LoadPlan
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+from mp_ckpt.checkpointer import single_process_quiet
+from mp_ckpt.regions import Region
+
+__all__ = ["Box", "BoxReads", "read_boxes", "stored_buffer"]
+
+Box = tuple[slice, ...]
+BoxReads = dict[str, list[tuple[Box, torch.Tensor]]]
+"""Stored tensor name -> [(box in its coordinates, destination of the box's shape)]."""
+
+
+def stored_buffer(chunk: dict) -> tuple[torch.Tensor, Box]:
+    """An empty tensor for a whole saved chunk (as mp_metadata.json records it), and the
+    box that reads all of it."""
+    shape = Region.from_chunk(chunk).stored_shape
+    return torch.empty(shape, dtype=getattr(torch, chunk["dtype"])), tuple(
+        slice(0, n) for n in shape
+    )
+
+
+def read_boxes(directory: str | os.PathLike, reads: BoxReads, *, distributed: bool) -> None:
+    """Fills every destination (collective when distributed: every rank calls it, with
+    its own reads, possibly none)."""
+    for name, boxes in reads.items():
+        for box, destination in boxes:
+            shape = tuple(s.stop - s.start for s in box)
+            if tuple(destination.shape) != shape:
+                raise ValueError(f"{name}: box {box} has shape {shape}, its destination "
+                                 f"{tuple(destination.shape)}")  # fmt: skip
+    with single_process_quiet():
+        dcp.load({}, storage_reader=dcp.FileSystemReader(directory),
+                 planner=_BoxReadPlanner(reads), no_dist=not distributed)  # fmt: skip
+
+
+class _BoxReadPlanner(DefaultLoadPlanner):
+    def __init__(self, reads: BoxReads) -> None:
+        super().__init__()
+        self.reads = reads
+
+    def create_local_plan(self) -> LoadPlan:
+        items = []
+        for name, boxes in self.reads.items():
+            stored = self.metadata.state_dict_metadata[name]
+            wanted = [
+                ChunkStorageMetadata(offsets=torch.Size(s.start for s in box),
+                                     sizes=torch.Size(s.stop - s.start for s in box))
+                for box, _ in boxes
+            ]  # fmt: skip
+            items += create_read_items_for_chunk_list(name, stored, wanted)
+        return LoadPlan(items)
+
+    def lookup_tensor(self, index) -> torch.Tensor:
+        # The read item's index is the position of its box in the name's list.
+        return self.reads[index.fqn][index.index][1]
