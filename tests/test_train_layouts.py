@@ -12,17 +12,17 @@ from pathlib import Path
 
 import pytest
 
+from mp_gpt.testing import TINY_CONFIG, train_on_rank
 from mp_state.testing import run_on_ranks
 
 pytestmark = pytest.mark.multirank
 
-CONFIG = Path(__file__).resolve().parents[1] / "apps" / "gpt" / "configs" / "tiny.yaml"
 ITERATIONS = 20
 
 
 def options(run_dir: Path, tp: int, pp: int) -> list[str]:
     return [
-        "--config", str(CONFIG), "--mock-data", "--tokenizer-type", "NullTokenizer",
+        "--config", str(TINY_CONFIG), "--mock-data", "--tokenizer-type", "NullTokenizer",
         "--vocab-size", "1000", "--make-vocab-size-divisible-by", "512",
         "--seq-length", "64", "--micro-batch-size", "2", "--global-batch-size", "8",
         "--train-iters", str(ITERATIONS), "--eval-interval", "none", "--log-interval", "10",
@@ -31,18 +31,6 @@ def options(run_dir: Path, tp: int, pp: int) -> list[str]:
         "--metrics-file", str(run_dir / "metrics.jsonl"), "--num-workers", "0",
         "--lr-warmup-iters", "2",
     ]  # fmt: skip
-
-
-def train_body(argv: list[str]):
-    import os
-
-    import torch
-
-    torch.set_num_threads(1)
-    os.environ.setdefault("MP_RUN_DIR", "/nonexistent")
-    from mp_gpt.pretrain import main
-
-    return main(argv)
 
 
 def losses(run_dir: Path) -> list[float]:
@@ -56,7 +44,7 @@ LAYOUTS = [(1, 1, 2), (2, 1, 1), (1, 2, 1), (2, 2, 2)]
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("tp1pp1dp1")
-    run_on_ranks(train_body, 1, options(run_dir, 1, 1), timeout=300)
+    run_on_ranks(train_on_rank, 1, options(run_dir, 1, 1), timeout=300)
     curve = losses(run_dir)
     assert len(curve) == ITERATIONS and curve[-1] < curve[0] - 0.5  # it learns
     return curve
@@ -64,7 +52,7 @@ def reference(tmp_path_factory):
 
 @pytest.mark.parametrize("tp,pp,dp", LAYOUTS, ids=[f"tp{t}-pp{p}-dp{d}" for t, p, d in LAYOUTS])
 def test_same_loss_curve(tmp_path, reference, tp, pp, dp):
-    run_on_ranks(train_body, tp * pp * dp, options(tmp_path, tp, pp), timeout=300)
+    run_on_ranks(train_on_rank, tp * pp * dp, options(tmp_path, tp, pp), timeout=300)
     curve = losses(tmp_path)
     assert len(curve) == ITERATIONS
     for iteration, (got, want) in enumerate(zip(curve, reference, strict=True), start=1):

@@ -177,3 +177,19 @@ def test_configuration_reference_is_fresh():
     assert committed == expected, (
         "docs/configuration.md is stale: run `uv run python ci/gen_config_docs.py`"
     )
+
+
+def test_shipped_configs_are_found_by_name():
+    from mp_gpt.config_files import config_names, config_path
+
+    assert config_names() == sorted(p.name for p in (APP / "configs").glob("*.yaml"))
+    assert config_path("tiny.yaml").read_bytes() == (APP / "configs" / "tiny.yaml").read_bytes()
+    with pytest.raises(FileNotFoundError, match=r"no shipped config named 'nano.yaml'.*tiny"):
+        config_path("nano.yaml")
+
+
+def test_the_wheel_carries_the_configs():
+    import tomllib
+
+    wheel = tomllib.loads((APP / "pyproject.toml").read_text())["tool"]["hatch"]["build"]
+    assert wheel["targets"]["wheel"]["force-include"] == {"configs": "mp_gpt/configs"}

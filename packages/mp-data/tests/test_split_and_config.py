@@ -5,7 +5,14 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from mp_data import GPTDatasetConfig, Split, parse_and_normalize_split, split_indices, split_matrix
+from mp_data import (
+    DataConfig,
+    GPTDatasetConfig,
+    Split,
+    parse_and_normalize_split,
+    split_indices,
+    split_matrix,
+)
 
 TOKENIZER = SimpleNamespace(vocab_size=100, eod=0, pad=None)
 
@@ -93,3 +100,11 @@ def test_blend_from_a_megatron_command_line_list():
         get_blend_from_list(["-1", "web", "2", "code"])
     with pytest.raises(ValueError, match="the blend list is empty"):
         get_blend_from_list([])
+
+
+def test_data_config_attention_mask_rules():
+    assert not DataConfig().batches_carry_attention_mask  # causal attention needs no mask
+    assert DataConfig(reset_attention_mask=True).batches_carry_attention_mask
+    with pytest.raises(ValueError, match="reset_attention_mask=True needs "
+                                         "create_attention_mask_in_dataloader=True"):  # fmt: skip
+        DataConfig(reset_attention_mask=True, create_attention_mask_in_dataloader=False)

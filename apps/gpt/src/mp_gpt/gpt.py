@@ -55,7 +55,7 @@ def datasets_provider(run, counts: list[int]):
         split=data.split if per_split is None else None, path_to_cache=data.data_cache_path,
         mock=data.mock_data, tokenizer=tokenizer, reset_position_ids=data.reset_position_ids,
         reset_attention_mask=data.reset_attention_mask, eod_mask_loss=data.eod_mask_loss,
-        create_attention_mask=data.reset_attention_mask,
+        create_attention_mask=data.batches_carry_attention_mask,
     )  # fmt: skip
     first = state.pp.rank == 0
     last = state.pp.rank == state.pp.size - 1

@@ -19,7 +19,7 @@ __all__ = ["main", "train"]
 
 def train(config: RunConfig):
     """Pretrains a GPT with `config` (collective: every rank calls it); returns the run."""
-    step = functools.partial(forward_step, attention_mask=config.data.reset_attention_mask)
+    step = functools.partial(forward_step, attention_mask=config.data.batches_carry_attention_mask)
     return pretrain(config, model_provider=model_provider, datasets_provider=datasets_provider,
                     forward_step_func=step)  # fmt: skip
 

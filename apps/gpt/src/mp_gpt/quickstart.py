@@ -25,10 +25,11 @@ import time
 from pathlib import Path
 
 from mp_data import write_docstring_corpus
+from mp_gpt.config_files import config_path
 
 __all__ = ["main"]
 
-CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"
+CONFIG = config_path("tiny.yaml")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -72,7 +72,10 @@ class DataConfig:
     """No loss on end-of-document tokens."""
 
     create_attention_mask_in_dataloader: bool = True
-    """Build the attention mask in the data loader (else the model's causal mask alone)."""
+    """Build attention masks in the data loader (Megatron's default). A mask is built
+    only when it holds more than causality, i.e. with reset_attention_mask: a plain
+    causal mask is never materialized, the attention is causal by itself. False
+    forbids reset_attention_mask (documents would see each other)."""
 
     def __post_init__(self) -> None:
         if self.dataloader_type not in ("single", "cyclic"):
@@ -87,8 +90,18 @@ class DataConfig:
             )
         if self.vocab_size is not None and self.vocab_size < 1:
             raise ValueError(f"vocab_size={self.vocab_size} must be >= 1")
+        if self.reset_attention_mask and not self.create_attention_mask_in_dataloader:
+            raise ValueError(
+                "reset_attention_mask=True needs create_attention_mask_in_dataloader=True: the "
+                "per-document attention mask is built by the data loader"
+            )
         if self.data_path and self.train_data_path:
             raise ValueError("data_path and train_data_path are exclusive: give one")
+
+    @property
+    def batches_carry_attention_mask(self) -> bool:
+        """The samples carry an attention_mask (per-document masks built by the loader)."""
+        return self.reset_attention_mask and self.create_attention_mask_in_dataloader
 
     @property
     def has_data(self) -> bool:

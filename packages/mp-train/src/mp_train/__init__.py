@@ -9,7 +9,7 @@ from mp_train.arguments import ArgumentGroupFactory, build_parser, parse_config
 from mp_train.config import GPTConfig, LoggingConfig, RunConfig, TrainingConfig, validate
 from mp_train.estimate import MoESettings, estimate
 from mp_train.microbatches import MicroBatchCalculator
-from mp_train.setup import Run, TrainState, setup_run
+from mp_train.setup import Initialized, Run, TrainState, initialize, setup_run
 from mp_train.timers import Timers
 from mp_train.training import evaluate, pretrain
 from mp_train.yaml_config import load_yaml_config
@@ -17,6 +17,7 @@ from mp_train.yaml_config import load_yaml_config
 __all__ = [
     "ArgumentGroupFactory",
     "GPTConfig",
+    "Initialized",
     "LoggingConfig",
     "MicroBatchCalculator",
     "MoESettings",
@@ -28,6 +29,7 @@ __all__ = [
     "build_parser",
     "estimate",
     "evaluate",
+    "initialize",
     "load_yaml_config",
     "parse_config",
     "pretrain",

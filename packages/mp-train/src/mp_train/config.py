@@ -95,6 +95,12 @@ class TrainingConfig:
     seed: int = 1234
     """Random seed of the run."""
 
+    lazy_mpu_init: bool = False
+    """Megatron's --lazy-mpu-init: mp_train.initialize() does not start torch.distributed,
+    the rank groups and the seeds; it returns a function that does, for a launcher that
+    starts the process group itself (an external process-group manager) and calls it
+    afterwards. pretrain() initializes at once either way."""
+
     data_parallel_random_init: bool = False
     """Initialize each data-parallel replica differently (then synchronize from rank 0)."""
 

@@ -109,6 +109,7 @@ class MetricsLogger:
             record = {
                 "iteration": run.train.iteration,
                 "consumed_samples": run.train.consumed_train_samples,
+                "global_batch_size": global_batch,
                 "lr": run.optimizer.param_groups[0]["lr"] if run.optimizer.param_groups else 0.0,
                 "grad_norm": result.grad_norm if result is not None else None,
                 "skipped": result is None or not result.update_successful,

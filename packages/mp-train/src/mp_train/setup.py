@@ -2,7 +2,7 @@
 
     run = setup_run(config, model_provider)
 
-initializes torch.distributed from torchrun's environment (NCCL on GPUs,
+initializes (see initialize()) torch.distributed from torchrun's environment (NCCL on GPUs,
 gloo on CPUs; a one-rank world without torchrun), the rank groups
 (mp_state), the seeds, the tokenizer and padded vocabulary, this rank's
 model chunks wrapped in DistributedDataParallel, the optimizer and the
@@ -35,7 +35,7 @@ from mp_train.config import RunConfig, validate
 from mp_train.microbatches import MicroBatchCalculator
 from mp_train.timers import Timers
 
-__all__ = ["ModelProvider", "Run", "TrainState", "setup_run"]
+__all__ = ["Initialized", "ModelProvider", "Run", "TrainState", "initialize", "setup_run"]
 
 
 @dataclass
@@ -89,16 +89,49 @@ layer offset and count, pre_process, post_process), vp_stage, padded_vocab_size 
 rng_tracker; returns this rank's model chunk for that (virtual) stage."""
 
 
-def setup_run(config: RunConfig, model_provider: ModelProvider) -> Run:
-    """Initializes the run (collective: every rank calls it)."""
+@dataclass(frozen=True)
+class Initialized:
+    """What initialize() set up: the rank groups, the device, the RNG tracker and the
+    sizes derived by validate()."""
+
+    state: ParallelState
+    device: torch.device
+    rng_tracker: RNGStatesTracker
+    sizes: dict[str, int]
+
+
+def initialize(config: RunConfig) -> Initialized | Callable[[], Initialized]:
+    """Megatron's initialize_megatron (collective): torch.distributed from torchrun's
+    environment, or the default group already there; the configuration validated against
+    the world size; the rank groups; the seeds.
+
+    With config.training.lazy_mpu_init, nothing is initialized now: the returned
+    function does it when called, after the caller (an external process-group manager)
+    has started torch.distributed its own way."""
+    if config.training.lazy_mpu_init:
+        return functools.partial(_initialize_now, config)
+    return _initialize_now(config)
+
+
+def _initialize_now(config: RunConfig) -> Initialized:
     device_info = mp_state.init_distributed(config.parallel.distributed_timeout_minutes)
-    world = torch.distributed.get_world_size()
-    sizes = validate(config, world)
+    sizes = validate(config, torch.distributed.get_world_size())
     state = mp_state.initialize(config.parallel)
     tracker = mp_state.set_random_seeds(
         config.training.seed, state,
         data_parallel_random_init=config.training.data_parallel_random_init,
     )  # fmt: skip
+    return Initialized(state, device_info.device, tracker, sizes)
+
+
+def setup_run(
+    config: RunConfig, model_provider: ModelProvider, initialized: Initialized | None = None
+) -> Run:
+    """Builds the run (collective: every rank calls it); initializes first unless given
+    what initialize() (or the function it returned under lazy_mpu_init) set up."""
+    if initialized is None:
+        initialized = _initialize_now(config)
+    state, tracker, sizes = initialized.state, initialized.rng_tracker, initialized.sizes
     data = config.data
     kind = data.tokenizer_type
     if kind is None and data.vocab_size is not None:
@@ -139,7 +172,7 @@ def setup_run(config: RunConfig, model_provider: ModelProvider) -> Run:
     )  # fmt: skip
     timers = Timers(config.logging.timing_log_level, config.logging.timing_log_option)
     return Run(
-        config=config, state=state, device=device_info.device, rng_tracker=tracker,
+        config=config, state=state, device=initialized.device, rng_tracker=tracker,
         data_parallel_size=sizes["data_parallel_size"], calculator=calculator,
         tokenizer=tokenizer, padded_vocab_size=padded, model=model, optimizer=optimizer,
         scheduler=scheduler, pipeline=pipeline, timers=timers,

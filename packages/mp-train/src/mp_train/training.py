@@ -40,7 +40,7 @@ from mp_pipeline import get_forward_backward_func
 from mp_train.checkpointing import load_run_checkpoint, save_run_checkpoint
 from mp_train.config import RunConfig
 from mp_train.metrics import MetricsLogger
-from mp_train.setup import ModelProvider, Run, setup_run
+from mp_train.setup import Initialized, ModelProvider, Run, setup_run
 from mp_train.signals import DistributedSignalHandler
 
 __all__ = ["evaluate", "pretrain"]
@@ -56,9 +56,11 @@ def pretrain(
     model_provider: ModelProvider,
     datasets_provider: DatasetsProvider,
     forward_step_func: Callable,
+    initialized: Initialized | None = None,
 ) -> Run:
-    """Trains (see the module docstring); returns the run at its end (collective)."""
-    run = setup_run(config, model_provider)
+    """Trains (see the module docstring); returns the run at its end (collective).
+    `initialized`: what initialize() set up, when the caller initialized first."""
+    run = setup_run(config, model_provider, initialized)
     metrics = MetricsLogger(run)
     metrics.print_start()
     checkpointer = None

@@ -1,0 +1,51 @@
+"""The batch-size ramp end to end: the global batch grows with the consumed samples.
+
+rampup_batch_size = [4, 4, 24] towards a global batch of 12 over 60 samples:
+the batch is 4 for the first 12 samples, 8 for the next 12, then 12, so the
+run takes 8 iterations. At DP1 (more micro-batches per rank) and DP2 the
+schedule is the same and so is the loss curve: every sample is consumed
+once, in the same order.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from mp_gpt.testing import TINY_CONFIG, train_on_rank
+from mp_state.testing import run_on_ranks
+
+pytestmark = pytest.mark.multirank
+
+EXPECTED_BATCHES = [4, 4, 4, 8, 8, 12, 12, 12]
+
+
+def options(run_dir: Path) -> list[str]:
+    return [
+        "--config", str(TINY_CONFIG), "--mock-data", "--tokenizer-type", "NullTokenizer",
+        "--vocab-size", "1000", "--make-vocab-size-divisible-by", "512",
+        "--seq-length", "64", "--micro-batch-size", "2", "--global-batch-size", "12",
+        "--rampup-batch-size", "4", "4", "24", "--train-samples", "60",
+        "--train-iters", "none", "--lr-decay-samples", "60", "--lr-warmup-samples", "8",
+        "--eval-interval", "none", "--log-interval", "4", "--save", "none", "--load", "none",
+        "--tensorboard-dir", "none", "--metrics-file", str(run_dir / "metrics.jsonl"),
+        "--num-workers", "0",
+    ]  # fmt: skip
+
+
+def records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_the_global_batch_ramps_up_alike_at_dp1_and_dp2(tmp_path):
+    curves = {}
+    for dp in (1, 2):
+        run_dir = tmp_path / f"dp{dp}"
+        run_on_ranks(train_on_rank, dp, options(run_dir), timeout=300)
+        rows = records(run_dir)
+        assert [r["global_batch_size"] for r in rows] == EXPECTED_BATCHES, f"dp{dp}"
+        consumed = [r["consumed_samples"] for r in rows]
+        assert consumed == [sum(EXPECTED_BATCHES[: i + 1]) for i in range(len(rows))], f"dp{dp}"
+        curves[dp] = [r["lm loss"] for r in rows]
+    for iteration, (got, want) in enumerate(zip(curves[2], curves[1], strict=True), start=1):
+        assert abs(got - want) <= 1e-4 * abs(want), f"iteration {iteration}: {got} vs {want}"
