@@ -29,12 +29,17 @@ async_save_blocking
 convert_peak_rss
     A GPT-like checkpoint (vocabulary 65,536 x hidden 1,024: the word
     embedding and an untied output layer of 256 MiB each, the largest tensors;
-    4 layers of q/k/v, proj, fc1, fc2, norms) is converted by
+    4 layers of q/k/v, proj, fc1 gate and up, fc2, norms: 768 MiB) is
+    converted by
     `python -m mp_ckpt.cli convert SRC OUT --tensor-model-parallel-size 2
     --pipeline-model-parallel-size 2` in a subprocess, and its peak RSS taken
     from getrusage(RUSAGE_CHILDREN) once it exits. The baseline is the fixed
     overhead: the peak RSS of a process that imports torch and mp_ckpt and
     does nothing. Target: peak <= 2 x largest tensor + fixed overhead.
+
+export_hf_peak_rss
+    The same for `mp-ckpt export-hf SRC OUT --arch llama --max-shard-size
+    300MB` on that checkpoint (no target; the ratio is reported alike).
 
 Every timing is the best of --repeats, the figure and its baseline taking
 turns. Free disk space (shutil.disk_usage) and available memory are checked
@@ -161,7 +166,7 @@ def _equal(state: dict[str, ShardedTensor], loaded: dict[str, ShardedTensor]) ->
 
 
 def _gpt_like() -> dict[str, ShardedTensor]:
-    """Logical tensors under the names gpt_layout.py cuts (fp32, 704 MiB in all)."""
+    """Logical tensors under the names gpt_layout.py cuts (fp32, 768 MiB in all)."""
     generator = torch.Generator().manual_seed(1)
 
     def tensor(*shape: int) -> torch.Tensor:
@@ -181,7 +186,8 @@ def _gpt_like() -> dict[str, ShardedTensor]:
             layer + "self_attention.linear_qkv.v.weight": tensor(GROUPS, HEAD_DIM, HIDDEN),
             layer + "self_attention.linear_proj.weight": tensor(HIDDEN, GROUPS * HEAD_DIM),
             layer + "pre_mlp_layernorm.weight": tensor(HIDDEN),
-            layer + "mlp.linear_fc1.weight": tensor(FFN, HIDDEN),
+            layer + "mlp.linear_fc1.gate.weight": tensor(FFN, HIDDEN),
+            layer + "mlp.linear_fc1.up.weight": tensor(FFN, HIDDEN),
             layer + "mlp.linear_fc2.weight": tensor(HIDDEN, FFN),
         }
     return {k: _whole(k, t) for k, t in logical.items()}
@@ -385,6 +391,27 @@ def _convert_memory(work: Path, ctx) -> None:
             "convert_s": round(seconds, 2),
             "converted_equal": converted_equal,
             "convert_command": "mp-ckpt " + " ".join(command).replace(str(work), "$WORK"),
+            "ratio_means": "(peak - fixed overhead) / largest tensor",
+        },
+        ctx,
+    )
+    # export-hf on the same checkpoint: no target, the same measure.
+    hf = work / "gpt_hf"
+    command = ["export-hf", str(source), str(hf), "--arch", "llama", "--max-shard-size", "300MB"]
+    peak_kib, seconds = _peak_rss([sys.executable, "-m", "mp_ckpt.cli", *command])
+    peak = peak_kib * 1024
+    emit(
+        "export_hf_peak_rss",
+        {
+            "peak_rss_mib": round(peak / MIB, 1),
+            "fixed_overhead_rss_mib": round(baseline / MIB, 1),
+            "largest_tensor_mib": round(largest / MIB, 1),
+            "checkpoint_mib": round(total / MIB, 1),
+            "peak_above_overhead_mib": round((peak - baseline) / MIB, 1),
+            "ratio": round((peak - baseline) / largest, 3),
+            "export_s": round(seconds, 2),
+            "files": sorted(p.name for p in hf.iterdir()),
+            "export_command": "mp-ckpt " + " ".join(command).replace(str(work), "$WORK"),
             "ratio_means": "(peak - fixed overhead) / largest tensor",
         },
         ctx,

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from mp_ckpt.reader import CheckpointReader
+from mp_ckpt.safetensors_writer import ShardedSafetensorsWriter
 
 __all__ = [
     "ARCHITECTURES",
@@ -180,33 +181,11 @@ def _llama_export(reader: CheckpointReader, keys: list[str], settings: dict):
 
 
 def _write_safetensors(out: Path, tensors, max_shard_bytes: int, dtype) -> None:
-    from safetensors.torch import save_file
-
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    sizes = [0]
-    names: dict[str, int] = {}
-    for name, produce in tensors:
-        tensor = produce()
-        if dtype is not None:
-            tensor = tensor.to(dtype)
-        size = tensor.numel() * tensor.element_size()
-        if shards[-1] and sizes[-1] + size > max_shard_bytes:
-            shards.append({})
-            sizes.append(0)
-        shards[-1][name] = tensor.contiguous()
-        sizes[-1] += size
-        names[name] = len(shards) - 1
-    if len(shards) == 1:
-        save_file(shards[0], str(out / "model.safetensors"), metadata={"format": "pt"})
-        return
-    files = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    for shard, file in zip(shards, files, strict=True):
-        save_file(shard, str(out / file), metadata={"format": "pt"})
-    index = {
-        "metadata": {"total_size": sum(sizes)},
-        "weight_map": {name: files[i] for name, i in names.items()},
-    }
-    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    """One tensor in memory at a time (ShardedSafetensorsWriter)."""
+    with ShardedSafetensorsWriter(out, max_shard_bytes) as writer:
+        for name, produce in tensors:
+            tensor = produce()
+            writer.add(name, tensor if dtype is None else tensor.to(dtype))
 
 
 # --- import ------------------------------------------------------------------------------
