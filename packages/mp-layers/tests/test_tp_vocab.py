@@ -119,3 +119,24 @@ def test_cross_entropy_leaves_the_logits_untouched():
         mp_state.destroy()
 
     run_on_ranks(body, 2, timeout=60)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cross_entropy_over_several_chunks_of_rows(dtype):
+    """150 tokens: two full chunks of 64 rows and a partial one, in both paths."""
+    one_rank = mp_state.RankGroup("tp", (0,), 0, None)
+    gen = torch.Generator().manual_seed(7)
+    logits = (torch.randn(75, 2, 40, generator=gen) * 4).to(dtype)
+    target = torch.randint(0, 40, (75, 2), generator=gen)
+    grad = torch.rand(75, 2, generator=gen)
+    for smoothing in (0.0, 0.1):
+        ours = logits.detach().clone().requires_grad_()
+        loss = vocab_parallel_cross_entropy(ours, target, one_rank, label_smoothing=smoothing)
+        loss.backward(grad)
+        ref = logits.detach().float().clone().requires_grad_()
+        ref_loss = F.cross_entropy(ref.reshape(-1, 40), target.reshape(-1), reduction="none",
+                                   label_smoothing=smoothing * 40 / 39).view(75, 2)  # fmt: skip
+        ref_loss.backward(grad)
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5)
+        tolerance = {"rtol": 1e-5, "atol": 1e-6} if dtype == torch.float32 else {}
+        torch.testing.assert_close(ours.grad, ref.grad.to(dtype), **tolerance)

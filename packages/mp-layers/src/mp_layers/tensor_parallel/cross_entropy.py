@@ -71,8 +71,11 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         # the backward recomputes the softmax from the logits and log Z instead.
         sum_exp = torch.empty_like(logits_max)
         shifted_sum = torch.empty_like(logits_max) if label_smoothing > 0 else None
+        buffer = _chunk_buffer(x)
         for rows in _chunks(x.shape[0]):
-            shifted = x[rows].float() - logits_max[rows].unsqueeze(-1)
+            # One pass reads the logits in their dtype and writes x - m in fp32.
+            shifted = torch.sub(x[rows], logits_max[rows].unsqueeze(-1),
+                                out=buffer[: rows.stop - rows.start])  # fmt: skip
             if shifted_sum is not None:
                 shifted_sum[rows] = shifted.sum(dim=-1)
             sum_exp[rows] = shifted.exp_().sum(dim=-1)
@@ -103,16 +106,24 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         # Only the rank holding the target subtracts (1 - e) at its position.
         hit = (~outside).float() * (1.0 - ctx.smoothing)
         grad = torch.empty_like(x)
+        buffer = _chunk_buffer(x)
         for rows in _chunks(x.shape[0]):
-            # (p - (1 - e) onehot(t) - e / v) * grad_loss, with p = exp(x - log Z - m).
-            part = (x[rows].float() - lse[rows].unsqueeze(-1)).exp_().mul_(g[rows])
+            # (p - (1 - e) onehot(t) - e / v) * grad_loss, with p = exp(x - log Z - m), in
+            # three passes: x - (m + log Z) into the fp32 buffer, exp in place, and the
+            # product with grad_loss written in the logits' dtype.
+            part = torch.sub(x[rows], lse[rows].unsqueeze(-1),
+                             out=buffer[: rows.stop - rows.start]).exp_()  # fmt: skip
             if ctx.smoothing > 0:
-                part.sub_(g[rows] * (ctx.smoothing / ctx.vocab_size))
-            part.scatter_add_(
-                -1, local_target[rows].unsqueeze(-1), -(hit[rows] * g[rows, 0]).unsqueeze(-1)
-            )
-            grad[rows] = part
+                part.sub_(ctx.smoothing / ctx.vocab_size)
+            part.scatter_add_(-1, local_target[rows].unsqueeze(-1), -hit[rows].unsqueeze(-1))
+            torch.mul(part, g[rows], out=grad[rows])
         return grad.view(logits.shape), None, None, None
+
+
+def _chunk_buffer(x: torch.Tensor) -> torch.Tensor:
+    """The fp32 work space of one chunk of rows."""
+    return torch.empty(min(_CHUNK_ROWS, x.shape[0]), x.shape[1], dtype=torch.float32,
+                       device=x.device)  # fmt: skip
 
 
 def _chunks(n: int):
