@@ -87,6 +87,22 @@ def test_single_process_round_trip_and_rank_state(tmp_path):
     torch.testing.assert_close(target["w"].data, W, rtol=0, atol=0)
 
 
+def test_prepare_allocates_the_staging_buffers_saves_reuse(tmp_path):
+    pieces = pieces_for(0, 1)
+    checkpointer = Checkpointer(tmp_path, async_save=True)
+    checkpointer.prepare(pieces)
+    prepared = {name: buffer.data_ptr() for name, buffer in checkpointer._staging.items()}
+    assert len(prepared) == 3  # w, m and opt.m: every replica-0 piece
+    pieces["w"].data.add_(1.0)  # the state moves on before the save
+    checkpointer.save(1, pieces)
+    checkpointer.finalize()
+    assert {n: b.data_ptr() for n, b in checkpointer._staging.items()} == prepared
+    target = empty_like(pieces_for(0, 1))
+    load_checkpoint(tmp_path, target)
+    torch.testing.assert_close(target["w"].data, W + 1.0, rtol=0, atol=0)
+    Checkpointer(tmp_path / "sync").prepare(pieces)  # nothing to prepare: no staging
+
+
 def test_tracker_moves_only_after_a_complete_save_and_keep_last(tmp_path):
     checkpointer = Checkpointer(tmp_path, keep_last=2)
     for iteration in (1, 2, 3):

@@ -93,14 +93,7 @@ class Checkpointer:
         """Saves checkpoint `iteration` (returns once it is committed, or once staged
         when async). `layout` (parallel sizes) is recorded for `mp-ckpt inspect`."""
         self.finalize()
-        saved = {}
-        for name, piece in pieces.items():
-            if not isinstance(piece, ShardedTensor):
-                raise TypeError(
-                    f"pieces[{name!r}] is a {type(piece).__name__}, not a ShardedTensor"
-                )
-            if piece.replica_id == 0:
-                saved[storage_key(piece)] = piece
+        saved = _saved_pieces(pieces)
         if not self.async_save:
             self._write(iteration, saved, common, rank_state, layout)
             return
@@ -112,6 +105,14 @@ class Checkpointer:
             name=f"mp-ckpt-save-{iteration}", daemon=True,
         )  # fmt: skip
         self._thread.start()
+
+    def prepare(self, pieces: Mapping[str, ShardedTensor]) -> None:
+        """Allocates and touches the host buffers an async save of these pieces stages
+        into, so that no save pays for them (a run calls it once, at start). Does
+        nothing for a synchronous Checkpointer."""
+        if self.async_save:
+            for name, piece in _saved_pieces(pieces).items():
+                self._stage(name, piece)
 
     def finalize(self) -> None:
         """Waits for a save in flight; raises if it failed."""
@@ -205,6 +206,17 @@ class Checkpointer:
         out = [None] * self.world_size
         dist.all_gather_object(out, value, group=self._group)
         return out
+
+
+def _saved_pieces(pieces: Mapping[str, ShardedTensor]) -> dict[str, ShardedTensor]:
+    """The pieces this rank writes (replica 0), by storage key."""
+    saved = {}
+    for name, piece in pieces.items():
+        if not isinstance(piece, ShardedTensor):
+            raise TypeError(f"pieces[{name!r}] is a {type(piece).__name__}, not a ShardedTensor")
+        if piece.replica_id == 0:
+            saved[storage_key(piece)] = piece
+    return saved
 
 
 @contextlib.contextmanager

@@ -26,7 +26,7 @@ from mp_ckpt import (
 )
 from mp_train.setup import Run, TrainState
 
-__all__ = ["load_run_checkpoint", "run_pieces", "save_run_checkpoint"]
+__all__ = ["load_run_checkpoint", "prepare_run_checkpointer", "run_pieces", "save_run_checkpoint"]
 
 log = logging.getLogger("mp_train")
 
@@ -46,13 +46,30 @@ def run_pieces(run: Run, *, with_optimizer: bool) -> dict[str, ShardedTensor]:
     return pieces
 
 
-def save_run_checkpoint(run: Run, checkpointer: Checkpointer) -> None:
-    """Saves the run at its current iteration (collective)."""
-    ckpt = run.config.checkpoint
-    optimizer_state = None if ckpt.no_save_optim else run.optimizer.sharded_state_dict()
+def prepare_run_checkpointer(run: Run, checkpointer: Checkpointer) -> None:
+    """Lets an async checkpointer allocate its staging buffers now, not at the first save.
+    (The optimizer's states are created here if no step made them yet: zeros, as the
+    first step would create them.)"""
+    if checkpointer.async_save:
+        pieces, _ = _saved_pieces(run)
+        checkpointer.prepare(pieces)
+
+
+def _saved_pieces(run: Run) -> tuple[dict, dict | None]:
+    """What a save writes: the pieces, and the optimizer's sharded state (or None)."""
+    optimizer_state = None
+    if not run.config.checkpoint.no_save_optim:
+        optimizer_state = run.optimizer.sharded_state_dict()
     pieces = run_pieces(run, with_optimizer=False)
     if optimizer_state is not None:
         pieces.update(optimizer_state["state"])
+    return pieces, optimizer_state
+
+
+def save_run_checkpoint(run: Run, checkpointer: Checkpointer) -> None:
+    """Saves the run at its current iteration (collective)."""
+    ckpt = run.config.checkpoint
+    pieces, optimizer_state = _saved_pieces(run)
     common = {
         "iteration": run.train.iteration,
         "train_state": dataclasses.asdict(run.train),

@@ -37,7 +37,11 @@ import torch.distributed as dist
 from mp_ckpt import Checkpointer, read_tracker
 from mp_data import build_pretraining_data_loader, train_valid_test_num_samples
 from mp_pipeline import get_forward_backward_func
-from mp_train.checkpointing import load_run_checkpoint, save_run_checkpoint
+from mp_train.checkpointing import (
+    load_run_checkpoint,
+    prepare_run_checkpointer,
+    save_run_checkpoint,
+)
 from mp_train.config import RunConfig
 from mp_train.metrics import MetricsLogger
 from mp_train.setup import Initialized, ModelProvider, Run, setup_run
@@ -72,6 +76,8 @@ def pretrain(
             f"resumed from {run.config.checkpoint.load} at iteration {run.train.iteration} "
             f"({run.train.consumed_train_samples} samples consumed)"
         )
+    if checkpointer is not None and not config.training.skip_train:
+        prepare_run_checkpointer(run, checkpointer)
     train_iter, valid_iter = _data_iterators(run, datasets_provider)
     try:
         stopped = None
