@@ -51,11 +51,11 @@ def prepare_run_checkpointer(run: Run, checkpointer: Checkpointer) -> None:
     (The optimizer's states are created here if no step made them yet: zeros, as the
     first step would create them.)"""
     if checkpointer.async_save:
-        pieces, _ = _saved_pieces(run)
+        pieces, _ = _pieces_to_save(run)
         checkpointer.prepare(pieces)
 
 
-def _saved_pieces(run: Run) -> tuple[dict, dict | None]:
+def _pieces_to_save(run: Run) -> tuple[dict, dict | None]:
     """What a save writes: the pieces, and the optimizer's sharded state (or None)."""
     optimizer_state = None
     if not run.config.checkpoint.no_save_optim:
@@ -69,7 +69,7 @@ def _saved_pieces(run: Run) -> tuple[dict, dict | None]:
 def save_run_checkpoint(run: Run, checkpointer: Checkpointer) -> None:
     """Saves the run at its current iteration (collective)."""
     ckpt = run.config.checkpoint
-    pieces, optimizer_state = _saved_pieces(run)
+    pieces, optimizer_state = _pieces_to_save(run)
     common = {
         "iteration": run.train.iteration,
         "train_state": dataclasses.asdict(run.train),
