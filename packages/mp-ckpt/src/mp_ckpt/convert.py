@@ -35,16 +35,28 @@ __all__ = ["convert_checkpoint"]
 
 
 class _StreamingPlanner(DefaultSavePlanner):
-    """Produces each tensor when the writer reaches it (the state dict holds meta tensors)."""
+    """Produces each tensor when the writer reaches it (the state dict holds meta tensors).
+
+    The writer (one thread, one file per tensor) keeps its last tensor referenced while
+    it asks for the next one, so two pieces would live at once beside the read of the
+    second. Each tensor has been written and its file closed when the next is asked
+    for: its memory is released then (its storage emptied), and the writer would fail
+    loudly, never write wrong data, if it ever touched it again.
+    """
 
     def __init__(self, producers: dict[str, Callable[[], torch.Tensor]], progress) -> None:
         super().__init__()
         self.producers = producers
         self.progress = progress
+        self._last: torch.Tensor | None = None
 
     def resolve_data(self, write_item):
+        if self._last is not None:
+            self._last.untyped_storage().resize_(0)
+            self._last = None
         tensor = self.producers[write_item.index.fqn]()
         self.progress(write_item.index.fqn)
+        self._last = tensor
         return tensor
 
 
@@ -96,7 +108,8 @@ def convert_checkpoint(
     bar = _ProgressBar(len(plan), enabled=progress)
     with single_process_quiet():
         # One file per tensor: DCP keeps every tensor written to a file referenced until
-        # the file closes, so a single file would hold the whole model in memory.
+        # the file closes, so a single file would hold the whole model in memory. One
+        # thread: _StreamingPlanner releases each tensor when the next is asked for.
         writer = HashingFileSystemWriter(tmp, thread_count=1, single_file_per_rank=False)
         dcp.save(plan, storage_writer=writer,
                  planner=_StreamingPlanner(producers, bar.step), no_dist=True)  # fmt: skip
