@@ -139,6 +139,8 @@ class ShardedSafetensorsWriter:
             out.write(struct.pack("<Q", len(header)))
             out.write(header)
             shutil.copyfileobj(data, out, _COPY_BLOCK)
+            out.flush()
+            os.fsync(out.fileno())  # on disk before it is renamed into place
         data_path.unlink()
         self._finished.append((shard, self._entries, self._size))
         self._entries, self._size = {}, 0
