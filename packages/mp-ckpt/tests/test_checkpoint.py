@@ -79,6 +79,31 @@ def test_saved_on_4_ranks_loads_on_2_and_1(tmp_path, async_save):
             assert rank_state is None  # saved by 4 ranks: not this layout's
 
 
+def load_expecting_corruption(root):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    try:
+        load_checkpoint(root, empty_like(pieces_for(rank, world)))
+    except CheckpointCorrupted as error:
+        return str(error)
+    return "loaded"
+
+
+@pytest.mark.multirank
+def test_a_bad_data_file_is_named_on_every_rank(tmp_path):
+    """The data files are checked while they are read: a corrupted one, or one missing
+    (which DCP's read also trips over), is still named by every rank."""
+    run_on_ranks(save_body, 2, str(tmp_path), False, timeout=60)
+    shard = sorted(checkpoint_dir(tmp_path, 7).glob("*.distcp"))[-1]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    for message in run_on_ranks(load_expecting_corruption, 2, str(tmp_path), timeout=60):
+        assert f"{shard.name}: sha256 differs" in message
+    shard.unlink()
+    for message in run_on_ranks(load_expecting_corruption, 2, str(tmp_path), timeout=60):
+        assert f"{shard.name}: missing" in message
+
+
 def test_single_process_round_trip_and_rank_state(tmp_path):
     Checkpointer(tmp_path).save(3, pieces_for(0, 1), common={"a": 1}, rank_state={"rng": 5})
     target = empty_like(pieces_for(0, 1))

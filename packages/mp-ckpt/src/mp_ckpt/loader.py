@@ -11,21 +11,25 @@ checkpoint saved at
 TP2 x PP2 x DP2 loads at TP1, TP4, another pipeline split or another
 data-parallel size alike. Collective: every rank calls it.
 
-Before reading, the files are checked against checksums.json (the ranks
-share the work); a missing or corrupted file is an error naming it, on
-every rank.
+The files are checked against checksums.json, the ranks sharing the work:
+the small ones before anything is read, the data files (*.distcp) in a
+thread while DCP reads them (hashing and reading overlap); a missing or
+corrupted file is an error naming it, on every rank, raised before
+load_checkpoint returns (also when the read itself failed on it).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint import CheckpointException
 
 from mp_ckpt.box_reads import read_boxes, stored_buffer
 from mp_ckpt.checkpointer import METADATA
@@ -94,8 +98,7 @@ def load_checkpoint(
     rank = dist.get_rank() if distributed else 0
     world = dist.get_world_size() if distributed else 1
     iteration, directory = resolve(load_dir, iteration)
-    if verify:
-        _verify(directory, rank, world, distributed)
+    check = _Verification(directory, rank, world, distributed) if verify else None
     meta = read_metadata(directory)
     chunks_by_key: dict[str, list[dict]] = {}
     for chunk in meta["chunks"]:
@@ -151,8 +154,15 @@ def load_checkpoint(
                     reads.setdefault(name, []).append((whole, buffers[name]))
                 via_buffer.append((name, source))
             coverage.append((piece, target, in_place, via_buffer))
-        if reads or distributed:
-            read_boxes(directory, reads, distributed=distributed)
+        try:
+            if reads or distributed:
+                read_boxes(directory, reads, distributed=distributed)
+        except (Exception, CheckpointException):  # DCP's is not an Exception
+            if check is not None:
+                check.finish()  # a corrupted or missing file explains the failure: name it
+            raise
+        if check is not None:
+            check.finish()
         for piece, target, in_place, via_buffer in coverage:
             copied = in_place + sum(
                 copy_shared(buffers[name], source, piece.data, target)
@@ -183,12 +193,40 @@ def _gather(value, distributed: bool, world: int) -> list:
     return out
 
 
-def _verify(directory: Path, rank: int, world: int, distributed: bool) -> None:
-    recorded = recorded_files(directory)
-    names = sorted(recorded)
-    problems = verify_files(directory, names[rank::world], recorded)
-    every = [p for rank_problems in _gather(problems, distributed, world) for p in rank_problems]
-    if every:
-        raise CheckpointCorrupted(
-            f"{directory} failed its integrity check:\n  " + "\n  ".join(every)
-        )
+class _Verification:
+    """This rank's share of the integrity check (collective: every rank makes one and
+    calls finish). The small files are checked at once, before anything is read; the
+    data files (*.distcp) by a thread, while DCP reads them."""
+
+    def __init__(self, directory: Path, rank: int, world: int, distributed: bool) -> None:
+        self.directory, self.world, self.distributed = directory, world, distributed
+        recorded = recorded_files(directory)
+        names = sorted(recorded)
+        small = [n for n in names if not n.endswith(".distcp")][rank::world]
+        data = [n for n in names if n.endswith(".distcp")][rank::world]
+        self._raise_if_any(verify_files(directory, small, recorded))
+        self._problems: list[str] = []
+
+        def check_data_files() -> None:
+            try:
+                self._problems = verify_files(directory, data, recorded)
+            except Exception as error:  # reported like a bad file: every rank must hear it
+                self._problems = [f"{directory}: the check failed on rank {rank}: {error!r}"]
+
+        self._thread = threading.Thread(target=check_data_files, daemon=True,
+                                        name="mp-ckpt-verify")  # fmt: skip
+        self._thread.start()
+
+    def finish(self) -> None:
+        """Waits for the data files' check; raises CheckpointCorrupted on every rank if
+        any rank found a problem."""
+        self._thread.join()
+        self._raise_if_any(self._problems)
+
+    def _raise_if_any(self, problems: list[str]) -> None:
+        gathered = _gather(problems, self.distributed, self.world)
+        every = [p for rank_problems in gathered for p in rank_problems]
+        if every:
+            raise CheckpointCorrupted(
+                f"{self.directory} failed its integrity check:\n  " + "\n  ".join(every)
+            )
