@@ -9,8 +9,7 @@ cos(pi/4) = sqrt(0.5) = 0.70710678, 0.5**0.25 = 0.84089642.
 import pytest
 import torch
 
-from mp_optim.config import OptimizerConfig
-from mp_optim.scheduler import OptimizerParamScheduler, get_optimizer_param_scheduler
+from mp_optim.scheduler import OptimizerParamScheduler
 
 
 class FakeOptimizer:
@@ -418,97 +417,3 @@ def test_validation(overrides, message):
 def test_wsd_annealing_as_long_as_the_decay_is_allowed():
     kwargs = dict(lr_decay_style="WSD", wsd_decay_steps=110, lr_wsd_decay_style="linear")
     assert lr_at(55, **kwargs) == pytest.approx(0.55)  # r = 55/110 = 0.5
-
-
-# Building from an OptimizerConfig.
-
-
-def test_iteration_based_with_warmup_fraction():
-    config = OptimizerConfig(lr=1.0, min_lr=0.1, lr_warmup_fraction=0.1)
-    scheduler = get_optimizer_param_scheduler(
-        config, FakeOptimizer(), global_batch_size=4, train_iters=100
-    )
-    assert scheduler.lr_decay_steps == 400  # 100 iterations * 4
-    assert scheduler.lr_warmup_steps == pytest.approx(40)  # 0.1 * 400
-    assert scheduler.wd_incr_steps == 400
-    assert scheduler.use_checkpoint_opt_param_scheduler is False  # the config's default
-    group = scheduler.optimizer.param_groups[0]
-    for _ in range(10):
-        scheduler.step(increment=4)
-    assert group["lr"] == pytest.approx(1.0)  # 40 samples: end of warm-up
-    for _ in range(10):
-        scheduler.step(increment=4)
-    # 80 samples: ratio (80 - 40) / 360 = 1/9; 0.1 + 8/9 * 0.9 = 0.9
-    assert group["lr"] == pytest.approx(0.9)
-
-
-def test_iteration_based_settings_are_multiplied_by_the_batch_size():
-    config = OptimizerConfig(
-        lr=1.0,
-        lr_decay_iters=50,
-        lr_warmup_iters=5,
-        lr_warmup_init=0.5,
-        lr_decay_style="WSD",
-        lr_wsd_decay_style="cosine",
-        lr_wsd_decay_iters=10,
-        start_weight_decay=0.0,
-        end_weight_decay=0.1,
-        weight_decay_incr_style="linear",
-    )
-    scheduler = get_optimizer_param_scheduler(
-        config, FakeOptimizer(), global_batch_size=4, train_iters=100
-    )
-    assert scheduler.lr_decay_steps == 200
-    assert scheduler.lr_warmup_steps == 20
-    assert scheduler.wsd_decay_steps == 40
-    assert scheduler.wd_incr_steps == 400  # train_iters, not lr_decay_iters
-    assert scheduler.lr_wsd_decay_style == "cosine"
-    assert (scheduler.start_wd, scheduler.end_wd) == (0.0, 0.1)
-    assert scheduler.optimizer.param_groups[0]["lr"] == 0.5  # init_lr = lr_warmup_init
-
-
-def test_sample_based():
-    config = OptimizerConfig(lr=1.0, lr_warmup_fraction=0.01)
-    scheduler = get_optimizer_param_scheduler(
-        config, FakeOptimizer(), global_batch_size=8, train_samples=1000
-    )
-    assert scheduler.lr_decay_steps == 1000
-    assert scheduler.lr_warmup_steps == pytest.approx(10)  # 0.01 * 1000
-    assert scheduler.wd_incr_steps == 1000
-
-    config = OptimizerConfig(
-        lr=1.0,
-        lr_decay_samples=500,
-        lr_warmup_samples=20,
-        lr_decay_style="WSD",
-        lr_wsd_decay_samples=100,
-    )
-    scheduler = get_optimizer_param_scheduler(
-        config, FakeOptimizer(), global_batch_size=8, train_samples=1000
-    )
-    assert (scheduler.lr_decay_steps, scheduler.lr_warmup_steps) == (500, 20)
-    assert scheduler.wsd_decay_steps == 100
-    assert scheduler.wd_incr_steps == 1000
-
-
-@pytest.mark.parametrize(
-    ("kwargs", "message"),
-    [
-        ({}, "train_iters=None and train_samples=None"),
-        ({"train_iters": 10, "train_samples": 80}, "train_iters=10 and train_samples=80"),
-        ({"train_iters": 0}, "train_iters=0"),
-        ({"train_samples": 0}, "train_samples=0"),
-    ],
-)
-def test_needs_exactly_one_positive_length(kwargs, message):
-    with pytest.raises(ValueError, match=message):
-        get_optimizer_param_scheduler(
-            OptimizerConfig(lr=1.0), FakeOptimizer(), global_batch_size=8, **kwargs
-        )
-
-
-def test_needs_lr():
-    with pytest.raises(ValueError, match="lr=None"):
-        get_optimizer_param_scheduler(
-            OptimizerConfig(), FakeOptimizer(), global_batch_size=8, train_iters=10
-        )
