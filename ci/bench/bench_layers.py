@@ -45,6 +45,7 @@ import torch
 from harness import best_of, context, emit
 
 from mp_layers import GPTModel, TransformerConfig
+from mp_layers.config import ATTENTION_BACKENDS
 from mp_state import RankGroup
 
 HIDDEN, LAYERS, HEADS, GROUPS, HEAD_DIM, FFN, VOCAB = 512, 8, 8, 4, 64, 1376, 32000
@@ -60,13 +61,20 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per model")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per model")
     parser.add_argument("--peak-n", type=int, default=2048, help="n of the n x n matmul peak")
+    parser.add_argument(
+        "--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
+        help="our core attention (TransformerConfig.attention_backend)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES), help="dtypes to run"
+    )
     args = parser.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
     ctx = context()
 
     peaks = {}
-    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-        peaks[name] = _matmul_peak(args.peak_n, dtype)
+    for name in args.dtypes:
+        peaks[name] = _matmul_peak(args.peak_n, DTYPES[name] or torch.float32)
         emit(
             f"matmul_peak[{name}]",
             {"tflops": round(peaks[name] / 1e12, 4), "n": args.peak_n, "repeats": 5},
@@ -74,7 +82,7 @@ def main() -> None:
         )
 
     torch.manual_seed(0)
-    ours, hf = _ours(args.seq), _hf(args.seq)
+    ours, hf = _ours(args.seq, args.attention_backend), _hf(args.seq)
     params = sum(p.numel() for p in ours.parameters())
     hf_params = sum(p.numel() for p in hf.parameters())
     print(f"parameters: ours {params:,}, transformers {hf_params:,}", flush=True)
@@ -97,8 +105,10 @@ def main() -> None:
         "heads": HEADS, "query_groups": GROUPS, "ffn": FFN, "vocab": VOCAB,
         "sequence_length": args.seq, "batch": args.batch,
         "flops_per_token": flops_per_token, "timed_steps": args.steps,
+        "attention_backend": args.attention_backend,
     }  # fmt: skip
-    for name, dtype in DTYPES.items():
+    for name in args.dtypes:
+        dtype = DTYPES[name]
         times = _interleaved({"ours": ours_step, "hf": hf_step}, dtype, args.warmup, args.steps)
         best = {k: min(v) for k, v in times.items()}
         median = {k: statistics.median(v) for k, v in times.items()}
@@ -130,18 +140,20 @@ def main() -> None:
 # The models.
 
 
-def _config(seq: int) -> TransformerConfig:
+def _config(seq: int, attention_backend: str) -> TransformerConfig:
     return TransformerConfig(
         num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS,
         num_query_groups=GROUPS, kv_channels=HEAD_DIM, ffn_hidden_size=FFN,
         normalization="RMSNorm", layernorm_epsilon=1e-6, activation="swiglu",
         position_embedding_type="rope", rotary_base=10000, add_bias_linear=False,
         untie_embeddings_and_output_weights=True, hidden_dropout=0.0, attention_dropout=0.0,
+        attention_backend=attention_backend,
     )  # fmt: skip
 
 
-def _ours(seq: int) -> GPTModel:
-    return GPTModel(_config(seq), "local", VOCAB, seq, tp_group=ONE_RANK).train()
+def _ours(seq: int, attention_backend: str) -> GPTModel:
+    config = _config(seq, attention_backend)
+    return GPTModel(config, "local", VOCAB, seq, tp_group=ONE_RANK).train()
 
 
 def _hf(seq: int) -> torch.nn.Module:

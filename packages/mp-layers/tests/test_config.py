@@ -27,6 +27,7 @@ def test_defaults_follow_megatron():
         (dict(num_query_groups=3), "num_query_groups=3 does not divide num_attention_heads=8"),
         (dict(normalization="BatchNorm"), "normalization='BatchNorm' must be one of"),
         (dict(activation="relu"), "activation='relu' must be one of gelu, swiglu, squared_relu"),
+        (dict(attention_backend="sdpa"), "attention_backend='sdpa' must be one of auto, flash"),
         (dict(position_embedding_type="alibi"), "position_embedding_type='alibi'"),
         (dict(layernorm_epsilon=0.0), "layernorm_epsilon=0.0 must be > 0"),
         (dict(hidden_dropout=1.0), r"hidden_dropout=1.0 must be in \[0, 1\)"),

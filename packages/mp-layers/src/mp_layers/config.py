@@ -13,7 +13,10 @@ from typing import Literal
 
 import torch
 
-__all__ = ["TransformerConfig"]
+__all__ = ["ATTENTION_BACKENDS", "TransformerConfig"]
+
+ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
+"""Megatron's --attention-backend choices; mp_layers.transformer.core_attention maps them."""
 
 
 @dataclass(kw_only=True)
@@ -57,6 +60,14 @@ class TransformerConfig:
 
     attention_dropout: float = 0.1
     """Dropout on the attention probabilities."""
+
+    attention_backend: Literal["auto", "flash", "fused", "unfused", "local"] = "auto"
+    """Core attention: "flash" or "fused" run torch's scaled_dot_product_attention
+    (a flash or memory-efficient kernel on CUDA, the flash kernel on CPUs); "local" or
+    "unfused" write the probabilities out, a block of 256 query positions at a time,
+    skipping the blocks above the causal diagonal; "auto" takes the blocked matmuls on
+    a CPU when the probabilities they keep for backward fit in 32 MiB per layer in fp32,
+    128 MiB in bf16 or fp16 (where they were measured faster), SDPA otherwise."""
 
     position_embedding_type: Literal["learned_absolute", "rope", "none"] = "learned_absolute"
     """Position information: a learned table, rotary embeddings, or none."""
@@ -127,6 +138,7 @@ class TransformerConfig:
         _positive("ffn_hidden_size", self.ffn_hidden_size)
         _choice("normalization", self.normalization, ("LayerNorm", "RMSNorm"))
         _choice("activation", self.activation, ("gelu", "swiglu", "squared_relu"))
+        _choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _choice(
             "position_embedding_type", self.position_embedding_type,
             ("learned_absolute", "rope", "none"),

@@ -51,7 +51,9 @@ class SelfAttention(torch.nn.Module):
         )  # fmt: skip
         self.q_layernorm = spec.norm(config, self.d) if config.qk_layernorm else None
         self.k_layernorm = spec.norm(config, self.d) if config.qk_layernorm else None
-        self.core_attention = spec.core_attention(config.attention_dropout, rng_tracker)
+        self.core_attention = spec.core_attention(
+            config.attention_dropout, rng_tracker, config.attention_backend
+        )
         # Selective recompute (Korthikanti et al.): core attention's activations grow with
         # s^2 but cost little to recompute, so only they are recomputed in backward.
         self.recompute_core_attention = config.recompute_granularity == "selective"

@@ -1,4 +1,5 @@
-"""Core attention: softmax(q k^T / sqrt(d)) v, causal, through torch's SDPA.
+"""Core attention: softmax(q k^T / sqrt(d)) v, causal, through torch's SDPA or blocked
+matmuls.
 
 Shapes: q [s, b, nq, d], k and v [s, b, ng, d] with nq = ng * (heads per
 group), the output [s, b, nq * d]. All heads here are this TP rank's. Key and
@@ -6,6 +7,19 @@ value heads are shared by the query heads of their group (grouped-query
 attention; ng = nq is multi-head attention). Dropout on the attention
 probabilities runs inside the tracker's tensor-parallel stream: the heads are
 sharded, so each TP rank must draw its own mask.
+
+Backends (TransformerConfig.attention_backend, Megatron's names):
+
+- "flash", "fused": torch's scaled_dot_product_attention, which runs a
+  flash-attention or memory-efficient kernel (CUDA) or the CPU flash kernel;
+- "local", "unfused": `blocked_attention`, the probabilities written out a
+  block of query positions at a time;
+- "auto": blocked on a CPU when the probabilities it keeps for backward fit in
+  AUTO_BLOCKED_LIMIT_BYTES[dtype] per layer (32 MiB in fp32, 128 MiB in bf16 and
+  fp16), SDPA otherwise. On this project's CPU measurements (ci/bench/
+  bench_attention.py, docs/layers.md) the blocked matmuls are faster within
+  those limits; beyond them SDPA is as fast or faster in fp32, and the memory
+  the blocked path keeps grows with s^2.
 """
 
 from __future__ import annotations
@@ -15,14 +29,30 @@ import math
 import torch
 import torch.nn.functional as F
 
+from mp_layers.config import ATTENTION_BACKENDS
+from mp_layers.transformer.blocked_attention import blocked_attention, saved_probability_bytes
 from mp_state import TENSOR_PARALLEL_RNG, RNGStatesTracker
 
-__all__ = ["CoreAttention"]
+__all__ = ["AUTO_BLOCKED_LIMIT_BYTES", "CoreAttention"]
+
+AUTO_BLOCKED_LIMIT_BYTES = {
+    torch.float32: 32 * 2**20,
+    torch.bfloat16: 128 * 2**20,
+    torch.float16: 128 * 2**20,
+}
 
 
 class CoreAttention(torch.nn.Module):
-    def __init__(self, attention_dropout: float, rng_tracker: RNGStatesTracker | None) -> None:
+    def __init__(
+        self,
+        attention_dropout: float,
+        rng_tracker: RNGStatesTracker | None,
+        backend: str = "auto",
+    ) -> None:
         super().__init__()
+        if backend not in ATTENTION_BACKENDS:
+            choices = ", ".join(ATTENTION_BACKENDS)
+            raise ValueError(f"attention_backend={backend!r} must be one of {choices}")
         if attention_dropout > 0 and rng_tracker is None:
             raise ValueError(
                 f"attention_dropout={attention_dropout} needs an rng_tracker (mp_state.set_random_"
@@ -30,6 +60,7 @@ class CoreAttention(torch.nn.Module):
             )
         self.attention_dropout = attention_dropout
         self.rng_tracker = rng_tracker
+        self.backend = backend
 
     def forward(
         self,
@@ -42,11 +73,16 @@ class CoreAttention(torch.nn.Module):
         s, b, nq, d = q.shape
         if nq % k.shape[2]:
             raise ValueError(f"{nq} query heads cannot share {k.shape[2]} key/value heads")
+        dropout = self.attention_dropout if self.training else 0.0
+        scale = 1.0 / math.sqrt(d)
+        if self.uses_blocked(q, explicit_mask=attention_mask is not None):
+            return blocked_attention(
+                q, k, v, attention_mask, scale=scale, dropout=dropout, rng_tracker=self.rng_tracker
+            )
         # SDPA wants [b, n, s, d]; it shares each key/value head among its group's
         # query heads itself (enable_gqa), without materializing repeated k and v.
         q_, k_, v_ = (t.permute(1, 2, 0, 3) for t in (q, k, v))
-        dropout = self.attention_dropout if self.training else 0.0
-        kwargs = {"dropout_p": dropout, "scale": 1.0 / math.sqrt(d), "enable_gqa": nq != k.shape[2]}
+        kwargs = {"dropout_p": dropout, "scale": scale, "enable_gqa": nq != k.shape[2]}
         if attention_mask is None:
             kwargs["is_causal"] = True
         else:
@@ -57,3 +93,15 @@ class CoreAttention(torch.nn.Module):
         else:
             out = F.scaled_dot_product_attention(q_, k_, v_, **kwargs)
         return out.permute(2, 0, 1, 3).reshape(s, b, nq * d)
+
+    def uses_blocked(self, q: torch.Tensor, explicit_mask: bool = False) -> bool:
+        """Whether attention over these queries [s, b, heads, d] goes through
+        blocked_attention (True) or SDPA (False). With an explicit mask no block
+        is skipped, so the probabilities kept are the full square."""
+        if self.backend in ("local", "unfused"):
+            return True
+        if self.backend in ("flash", "fused") or q.device.type != "cpu":
+            return False
+        s, b, heads, _ = q.shape
+        saved = saved_probability_bytes(s, b, heads, q.element_size(), causal=not explicit_mask)
+        return saved <= AUTO_BLOCKED_LIMIT_BYTES.get(q.dtype, 0)

@@ -1,0 +1,117 @@
+"""Attention with the probabilities written out, one block of query positions at a time.
+
+softmax(q k^T * scale) v as a matmul, a softmax over the materialized scores and a
+second matmul, like Megatron's local (unfused) DotProductAttention, but by blocks
+of `block` query positions. Under the causal mask the block [lo, hi) sees only the
+keys [0, hi), so the score blocks above the diagonal are never computed: n blocks
+do (n + 1) / 2n of the full square's work and hold as much of it in memory.
+
+Grouped-query attention without repeating k and v: the qg query heads that share
+a key/value head are stacked along the rows, so one [qg * c, d] x [d, keys]
+matmul serves the whole group, and backward sums the group's key and value
+gradients inside the matmuls.
+
+Shapes: q [s, b, ng * qg, d] with each group's qg heads adjacent, k and v
+[s, b, ng, d]; the output is [s, b, ng * qg * d]. The probabilities stay alive
+for backward: b * heads * s * (s + block) / 2 elements per layer
+(`saved_probability_bytes`), which is why `CoreAttention` picks this only for
+short sequences (docs/layers.md has the measurements behind its choice).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from mp_state import TENSOR_PARALLEL_RNG, RNGStatesTracker
+
+__all__ = ["DEFAULT_BLOCK", "blocked_attention", "saved_probability_bytes"]
+
+DEFAULT_BLOCK = 256
+"""Query positions per block: 2 blocks at s = 512, 4 at 1024 (the fastest measured)."""
+
+
+def blocked_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    *,
+    scale: float,
+    dropout: float = 0.0,
+    rng_tracker: RNGStatesTracker | None = None,
+    block: int = DEFAULT_BLOCK,
+) -> torch.Tensor:
+    """attention_mask: [b or 1, 1, s, s] bool, True = masked; None = causal.
+
+    With an explicit mask every block sees all s keys (the mask may allow any
+    of them). Dropout on the probabilities draws from the tracker's
+    tensor-parallel stream, block by block in order, so a replay with the same
+    tracker state draws the same masks.
+    """
+    s, b, nq, d = q.shape
+    ng = k.shape[2]
+    qg = nq // ng
+    rows = q.reshape(s, b, ng, qg, d).permute(1, 2, 3, 0, 4)  # [b, ng, qg, s, d]
+    keys = k.permute(1, 2, 0, 3).reshape(b * ng, s, d)
+    values = v.permute(1, 2, 0, 3).reshape(b * ng, s, d)
+    outputs = []
+    for lo in range(0, s, block):
+        hi = min(lo + block, s)
+        c = hi - lo
+        if attention_mask is None:
+            seen = hi
+            bias = _causal_bias(lo, hi, qg, q.dtype, q.device).expand(b * ng, qg * c, seen)
+        else:
+            seen = s
+            bias = _mask_bias(attention_mask[:, 0, lo:hi], b, ng, qg, q.dtype)
+        block_rows = rows[:, :, :, lo:hi].reshape(b * ng, qg * c, d)
+        scores = torch.baddbmm(bias, block_rows, keys[:, :seen].transpose(1, 2), alpha=scale)
+        probs = torch.softmax(scores, dim=-1)
+        if dropout > 0:
+            with rng_tracker.fork(TENSOR_PARALLEL_RNG):
+                probs = F.dropout(probs, dropout)
+        out = torch.bmm(probs, values[:, :seen])  # [b * ng, qg * c, d]
+        outputs.append(out.view(b, ng, qg, c, d).permute(3, 0, 1, 2, 4))
+    return torch.cat(outputs).view(s, b, nq * d)
+
+
+def saved_probability_bytes(
+    s: int,
+    b: int,
+    heads: int,
+    element_size: int,
+    *,
+    causal: bool = True,
+    block: int = DEFAULT_BLOCK,
+) -> int:
+    """Bytes of probabilities one layer keeps for backward: the blocks at and below
+    the diagonal under the causal mask, the whole square with an explicit one."""
+    if not causal:
+        return b * heads * s * s * element_size
+    n = -(-s // block)
+    c = min(block, s)
+    # Blocks of c rows seeing c, 2c, ..., n c keys (the last may be shorter).
+    elements = sum(min(c, s - i * c) * min((i + 1) * c, s) for i in range(n))
+    return b * heads * elements * element_size
+
+
+@functools.lru_cache(maxsize=64)
+def _causal_bias(
+    lo: int, hi: int, qg: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """[qg * (hi - lo), hi]: 0 where key <= query position, -inf above; qg copies of the
+    rows, one per query head of a group."""
+    position = torch.arange(lo, hi, device=device)[:, None]
+    masked = torch.arange(hi, device=device)[None, :] > position
+    bias = torch.zeros(hi - lo, hi, dtype=dtype, device=device).masked_fill_(masked, -torch.inf)
+    return bias.repeat(qg, 1)
+
+
+def _mask_bias(mask: torch.Tensor, b: int, ng: int, qg: int, dtype: torch.dtype) -> torch.Tensor:
+    """mask [b or 1, c, s] bool (True = masked) -> additive bias [b * ng, qg * c, s]."""
+    c, s = mask.shape[1:]
+    bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(mask, -torch.inf)
+    return bias[:, None, None].expand(b, ng, qg, c, s).reshape(b * ng, qg * c, s)
