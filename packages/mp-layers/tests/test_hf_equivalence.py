@@ -34,7 +34,8 @@ def ids() -> torch.Tensor:
     return torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(0))
 
 
-def test_gpt2_style_equals_gpt2lmheadmodel():
+@pytest.mark.parametrize("attention_backend", ["flash", "local"])
+def test_gpt2_style_equals_gpt2lmheadmodel(attention_backend):
     torch.manual_seed(0)
     hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(
         vocab_size=VOCAB, n_positions=SEQ, n_embd=64, n_layer=2, n_head=4,
@@ -42,7 +43,8 @@ def test_gpt2_style_equals_gpt2lmheadmodel():
         bos_token_id=0, eos_token_id=0,
     )).eval()  # fmt: skip
     config = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4,
-                               hidden_dropout=0.0, attention_dropout=0.0)  # fmt: skip
+                               hidden_dropout=0.0, attention_dropout=0.0,
+                               attention_backend=attention_backend)  # fmt: skip
     ours = GPTModel(config, "local", VOCAB, SEQ, tp_group=ONE_RANK).eval()
     load_logical(ours, logical_from_hf(hf.state_dict(), hf.config.to_dict()))
     with torch.no_grad():
@@ -50,7 +52,8 @@ def test_gpt2_style_equals_gpt2lmheadmodel():
     assert (got - want).abs().max() < 1e-4
 
 
-def test_llama_style_equals_llamaforcausallm():
+@pytest.mark.parametrize("attention_backend", ["flash", "local"])
+def test_llama_style_equals_llamaforcausallm(attention_backend):
     torch.manual_seed(0)
     hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -63,7 +66,7 @@ def test_llama_style_equals_llamaforcausallm():
         kv_channels=8, ffn_hidden_size=96, normalization="RMSNorm", layernorm_epsilon=1e-6,
         activation="swiglu", position_embedding_type="rope", rotary_base=10000,
         add_bias_linear=False, untie_embeddings_and_output_weights=True,
-        hidden_dropout=0.0, attention_dropout=0.0,
+        hidden_dropout=0.0, attention_dropout=0.0, attention_backend=attention_backend,
     )  # fmt: skip
     ours = GPTModel(config, "local", VOCAB, SEQ, tp_group=ONE_RANK).eval()
     load_logical(ours, logical_from_hf(hf.state_dict(), hf.config.to_dict()))

@@ -140,3 +140,42 @@ def test_cross_entropy_over_several_chunks_of_rows(dtype):
         torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-5)
         tolerance = {"rtol": 1e-5, "atol": 1e-6} if dtype == torch.float32 else {}
         torch.testing.assert_close(ours.grad, ref.grad.to(dtype), **tolerance)
+
+
+def test_gradient_written_over_the_logits_equals_the_separate_one():
+    one_rank = mp_state.RankGroup("tp", (0,), 0, None)
+    gen = torch.Generator().manual_seed(3)
+    hidden = torch.randn(75, 2, 16, generator=gen)
+    weight = torch.randn(40, 16, generator=gen)
+    target = torch.randint(0, 40, (75, 2), generator=gen)
+    grad = torch.rand(75, 2, generator=gen)
+    grads, pointers = {}, {}
+    for in_place in (False, True):
+        w = weight.clone().requires_grad_()
+        logits = hidden @ w.t()  # not a leaf: computed by autograd
+        pointers[in_place] = logits.data_ptr()
+        loss = vocab_parallel_cross_entropy(logits, target, one_rank, grad_in_logits=in_place)
+        seen = {}
+
+        def note(g, seen=seen):
+            seen["ptr"] = g.data_ptr()
+
+        logits.register_hook(note)
+        loss.backward(grad)
+        grads[in_place] = w.grad
+        assert (seen["ptr"] == pointers[in_place]) == in_place
+    torch.testing.assert_close(grads[True], grads[False], rtol=0, atol=0)
+
+
+def test_gradient_over_the_logits_fails_loudly_when_they_are_needed_again():
+    one_rank = mp_state.RankGroup("tp", (0,), 0, None)
+    w = torch.randn(40, 16, requires_grad=True)
+    logits = torch.randn(5, 2, 16) @ w.t()
+    penalty = logits.pow(2).sum()  # saves the logits; its backward runs after the loss's
+    target = torch.zeros(5, 2, dtype=torch.long)
+    loss = vocab_parallel_cross_entropy(logits, target, one_rank, grad_in_logits=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        (loss.sum() + penalty).backward()
+    with pytest.raises(ValueError, match="grad_in_logits=True needs logits computed by autograd"):
+        vocab_parallel_cross_entropy(torch.randn(5, 2, 40, requires_grad=True), target,
+                                     one_rank, grad_in_logits=True)  # fmt: skip

@@ -1,6 +1,8 @@
 """DDP behaviour: overlapped reductions start during the backward, no_sync accumulates,
 average_in_collective, check_for_nan_in_grad, and the overlapped parameter gather."""
 
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -128,3 +130,45 @@ def test_overlapped_parameter_gather_equals_the_synchronous_one():
     for a, b in zip(sync[0][0], overlapped[0][0], strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     assert not torch.equal(sync[0][0][0], sync[0][0][-1])  # the steps changed the model
+
+
+def test_gradients_accumulate_over_micro_batches_from_a_zeroed_buffer():
+    """bf16 parameters, fp32 buffer: the first gradient after zero_grad_buffer is copied,
+    later ones added; a parameter with no gradient stays zero; nothing survives a zero."""
+    one = mp_state.RankGroup("dp", (0,), 0, None)
+
+    class WithUnused(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net, self.unused = make_model().bfloat16(), torch.nn.Linear(2, 2).bfloat16()
+
+        def forward(self, x):
+            return self.net(x)
+
+    module = WithUnused()
+    net = module.net
+    reference = [p.detach().clone().requires_grad_() for p in net[0].parameters()]
+    config = OptimizerConfig(lr=0.1, bf16=True, accumulate_allreduce_grads_in_fp32=True)
+    model = DistributedDataParallel(config, module, dp_group=one)
+    assert all(b.grad_dtype == torch.float32 for b in model.buffers)
+    inputs = [torch.randn(2, 8, dtype=torch.bfloat16) for _ in range(3)]
+
+    def expected(batches):
+        total = [torch.zeros_like(p, dtype=torch.float32) for p in reference]
+        for x in batches:
+            out = torch.nn.functional.linear(x, *reference)
+            grads = torch.autograd.grad(net[2](net[1](out)).sum(), reference)
+            total = [t + g.float() for t, g in zip(total, grads, strict=True)]
+        return total
+
+    for round_ in range(2):
+        model.zero_grad_buffer()
+        batches = inputs if round_ == 0 else inputs[:1]
+        for i, x in enumerate(batches):
+            with model.no_sync() if i < len(batches) - 1 else contextlib.nullcontext():
+                model(x).sum().backward()
+        model.finish_grad_sync()
+        got = [p.main_grad for p in net[0].parameters()]
+        for g, e in zip(got, expected(batches), strict=True):
+            torch.testing.assert_close(g, e)
+        assert all(not p.main_grad.any() for p in module.unused.parameters())

@@ -149,7 +149,11 @@ class GPTModel(torch.nn.Module):
             return logits.transpose(0, 1).contiguous()
         if not self.parallel_output:
             raise ValueError("the loss needs parallel_output=True (vocabulary-parallel logits)")
-        loss = vocab_parallel_cross_entropy(logits, labels.t(), self.tp_group)
+        # The logits are not handed out: their memory takes their gradient in backward.
+        grad_in_logits = logits.grad_fn is not None
+        loss = vocab_parallel_cross_entropy(
+            logits, labels.t(), self.tp_group, grad_in_logits=grad_in_logits
+        )
         return loss.t().contiguous()
 
     def sync_tied_embeddings(self, embedding_group: RankGroup | None) -> None:

@@ -9,7 +9,11 @@
     optimizer.step()             # (the distributed optimizer also gathers the parameters)
 
 The backward adds each parameter's gradient into its `.main_grad`, a view
-into the contiguous buffers of grad_buffer.py, and drops `.grad`. On the last
+into the contiguous buffers of grad_buffer.py, and drops `.grad`. The first
+gradient of a parameter after zero_grad_buffer() is copied rather than added
+(the same values: the buffer is zero): converting a bf16 gradient into an
+fp32 buffer is a copy at memory speed, where add_ first makes an fp32
+temporary of the whole gradient. On the last
 micro-batch (outside no_sync) each bucket is reduced as one collective: an
 all-reduce, or with the distributed optimizer a reduce-scatter that leaves
 each rank the sum of its own shard. With overlap_grad_reduce a bucket's
@@ -81,6 +85,7 @@ class DistributedDataParallel(torch.nn.Module):
         self._bucket_of = {p: b for buffer in self.buffers for p, b in buffer.bucket_of.items()}
 
         self._sync_enabled = True
+        self._empty: set[torch.nn.Parameter] = set(params)  # .main_grad still all zero
         self._ready: list[set[torch.nn.Parameter]] = [set() for _ in self.buckets]
         self._next_launch = 0
         self._grad_work: dict[int, tuple[dist.Work | None, torch.Tensor | None]] = {}
@@ -136,6 +141,7 @@ class DistributedDataParallel(torch.nn.Module):
             buffer.reset()
         for param in self._bucket_of:
             param.grad = None
+        self._empty = set(self._bucket_of)
         self._ready = [set() for _ in self.buckets]
         self._next_launch = 0
         self._grad_work.clear()
@@ -191,7 +197,11 @@ class DistributedDataParallel(torch.nn.Module):
 
     def _on_grad(self, param: torch.nn.Parameter) -> None:
         """After the backward accumulated param.grad: move it into the buffer."""
-        param.main_grad.add_(param.grad)
+        if param in self._empty:
+            param.main_grad.copy_(param.grad)
+            self._empty.discard(param)
+        else:
+            param.main_grad.add_(param.grad)
         param.grad = None
         if self.config.overlap_grad_reduce and self._sync_enabled:
             bucket = self._bucket_of[param]

@@ -32,7 +32,10 @@ the incoming gradient. Nothing of size [s, b, v/tp] is kept besides the
 logits themselves: the forward sums exp(x - m) chunk by chunk and keeps
 log Z, and the backward recomputes p from the logits chunk by chunk, writing
 the gradient once in the logits' dtype (docs/benchmarks.md has the effect on
-a training step).
+a training step). With `grad_in_logits` it writes the gradient over the
+logits themselves, as Megatron's cross entropy does: no second [s, b, v/tp]
+tensor is allocated. GPTModel, which never hands its logits out when it
+computes the loss, uses it.
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ _CHUNK_ROWS = 64
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, target, group, label_smoothing):
+    def forward(ctx, logits, target, group, label_smoothing, grad_in_logits):
         v_local = logits.shape[-1]
         x = logits.reshape(-1, v_local)  # [n, v/tp], n = s * b
         flat_target = target.reshape(-1)
@@ -96,6 +99,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
         ctx.save_for_backward(logits, logits_max + log_sum_exp, local_target, outside)
         ctx.smoothing, ctx.vocab_size = smoothing, vocab_size
+        ctx.grad_in_logits = grad_in_logits
         return loss.view(target.shape)
 
     @staticmethod
@@ -105,7 +109,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         g = grad_loss.reshape(-1, 1).float()
         # Only the rank holding the target subtracts (1 - e) at its position.
         hit = (~outside).float() * (1.0 - ctx.smoothing)
-        grad = torch.empty_like(x)
+        # Each chunk's gradient is written after its logits are read for the last time.
+        grad = x.detach() if ctx.grad_in_logits else torch.empty_like(x)
         buffer = _chunk_buffer(x)
         for rows in _chunks(x.shape[0]):
             # (p - (1 - e) onehot(t) - e / v) * grad_loss, with p = exp(x - log Z - m), in
@@ -117,7 +122,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
                 part.sub_(ctx.smoothing / ctx.vocab_size)
             part.scatter_add_(-1, local_target[rows].unsqueeze(-1), -hit[rows].unsqueeze(-1))
             torch.mul(part, g[rows], out=grad[rows])
-        return grad.view(logits.shape), None, None, None
+        return grad.view(logits.shape), None, None, None, None
 
 
 def _chunk_buffer(x: torch.Tensor) -> torch.Tensor:
@@ -136,6 +141,8 @@ def vocab_parallel_cross_entropy(
     target: torch.Tensor,
     tp_group: RankGroup,
     label_smoothing: float = 0.0,
+    *,
+    grad_in_logits: bool = False,
 ) -> torch.Tensor:
     """Per-token loss [s, b] (fp32) of logits [s, b, v/tp] split over tp_group.
 
@@ -143,6 +150,11 @@ def vocab_parallel_cross_entropy(
     the gathered [s, b, v] logits (with label smoothing, see the module
     docstring for how `label_smoothing` maps to torch's). Differentiable in
     `logits`.
+
+    grad_in_logits: the backward overwrites the logits with their gradient
+    instead of allocating one; for logits nothing else reads afterwards
+    (another backward that saved them fails on the changed version rather
+    than reading the gradient). Needs logits computed by autograd (not a leaf).
     """
     if not 0.0 <= label_smoothing < 1.0:
         raise ValueError(f"label_smoothing={label_smoothing!r} must be in [0, 1)")
@@ -153,4 +165,11 @@ def vocab_parallel_cross_entropy(
         )
     if label_smoothing > 0 and logits.shape[-1] * tp_group.size < 2:
         raise ValueError("label_smoothing needs a vocabulary of at least 2 tokens")
-    return _VocabParallelCrossEntropy.apply(logits, target, tp_group, label_smoothing)
+    if grad_in_logits and logits.grad_fn is None:
+        raise ValueError(
+            "grad_in_logits=True needs logits computed by autograd (they are overwritten by "
+            "their gradient), got a tensor without grad_fn"
+        )
+    return _VocabParallelCrossEntropy.apply(
+        logits, target, tp_group, label_smoothing, grad_in_logits
+    )

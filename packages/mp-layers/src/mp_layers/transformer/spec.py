@@ -3,7 +3,8 @@
 The layer names *what* it has (attention with its core, an MLP, norms); the
 spec picks *which* implementation. Model code has no branches on the
 backend: another backend is another spec with the same constructor
-signatures. `local` (pure torch: SDPA attention, torch norms) always works.
+signatures. `local` (pure torch: SDPA or blocked core attention as
+TransformerConfig.attention_backend says, torch norms) always works.
 """
 
 from __future__ import annotations
