@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 import mp_state
 from mp_pipeline import PipelineConfig, forward_backward_no_pipelining, get_forward_backward_func
+from mp_pipeline.testing import TanhStack
 from mp_state import ParallelConfig
 from mp_state.testing import run_on_ranks
 
@@ -48,20 +49,8 @@ class _Held:
         self.counter.live -= self.size
 
 
-class Stage(torch.nn.Module):
-    def __init__(self, first: bool):
-        super().__init__()
-        self.layers = torch.nn.ModuleList(torch.nn.Linear(H, H) for _ in range(LAYERS_PER_STAGE))
-        self.first, self.input_tensor = first, None
-
-    def set_input_tensor(self, tensor):
-        self.input_tensor = tensor
-
-    def forward(self, x):
-        h = x if self.first else self.input_tensor
-        for layer in self.layers:
-            h = torch.tanh(layer(h))
-        return h
+def make_stage(first: bool) -> TanhStack:
+    return TanhStack((torch.nn.Linear(H, H) for _ in range(LAYERS_PER_STAGE)), first)
 
 
 def forward_step(data_iterator, model):
@@ -86,7 +75,7 @@ def memory_body(p: int, m: int):
     torch.set_num_threads(1)
     state = mp_state.initialize(ParallelConfig(pipeline_model_parallel_size=p))
     torch.manual_seed(0)
-    stage = Stage(first=state.pp.rank == 0)
+    stage = make_stage(first=state.pp.rank == 0)
     config = PipelineConfig(seq_length=S, micro_batch_size=B, hidden_size=H)
     counter = LiveSavedBytes()
     with counter.hooks():
@@ -108,7 +97,7 @@ def test_1f1b_stage_0_holds_p_microbatches(p, m):
 
 def test_no_pipelining_holds_one_microbatch():
     torch.manual_seed(0)
-    stage = Stage(first=True)
+    stage = make_stage(first=True)
     counter = LiveSavedBytes()
     with counter.hooks():
         forward_backward_no_pipelining(
@@ -129,7 +118,7 @@ def failing_body(bad_rank: int, group_timeout_s: float, hang: bool = False):
     dist.init_process_group("gloo", store=store, rank=int(os.environ["RANK"]), world_size=4,
                             timeout=timedelta(seconds=group_timeout_s))  # fmt: skip
     state = mp_state.initialize(ParallelConfig(pipeline_model_parallel_size=4))
-    stage = Stage(first=state.pp.rank == 0)
+    stage = make_stage(first=state.pp.rank == 0)
     calls = 0
 
     def forward_step_failing(data_iterator, model):

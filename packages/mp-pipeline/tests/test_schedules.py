@@ -17,6 +17,7 @@ from mp_pipeline import (
     get_forward_backward_func,
     stage_layers,
 )
+from mp_pipeline.testing import TanhStack
 from mp_state import ParallelConfig, RankGroup
 from mp_state.testing import run_on_ranks
 
@@ -25,25 +26,11 @@ pytestmark = pytest.mark.multirank
 LAYERS, S, B, H = 8, 4, 2, 6
 
 
-class Stack(torch.nn.Module):
+def stack(offset: int, count: int, first: bool) -> TanhStack:
     """Layers offset .. offset + count - 1 of the whole stack."""
-
-    def __init__(self, offset: int, count: int, first: bool):
-        super().__init__()
-        torch.manual_seed(0)
-        whole = [torch.nn.Linear(H, H) for _ in range(LAYERS)]
-        self.layers = torch.nn.ModuleList(whole[offset : offset + count])
-        self.offset, self.first = offset, first
-        self.input_tensor = None
-
-    def set_input_tensor(self, tensor):
-        self.input_tensor = tensor
-
-    def forward(self, x):
-        h = x if self.first else self.input_tensor
-        for layer in self.layers:
-            h = torch.tanh(layer(h))
-        return h
+    torch.manual_seed(0)
+    whole = [torch.nn.Linear(H, H) for _ in range(LAYERS)]
+    return TanhStack(whole[offset : offset + count], first)
 
 
 def micro_batches(m: int):
@@ -67,7 +54,7 @@ def config() -> PipelineConfig:
 
 
 def reference(m: int, forward_only: bool = False):
-    model = Stack(0, LAYERS, True)
+    model = stack(0, LAYERS, True)
     losses = forward_backward_no_pipelining(
         forward_step_func=forward_step, data_iterator=iter(micro_batches(m)), model=model,
         num_microbatches=m, config=config(), forward_only=forward_only,
@@ -82,12 +69,13 @@ def reference(m: int, forward_only: bool = False):
 def pipeline_body(pp: int, vpp: int | None, m: int, forward_only: bool):
     torch.set_num_threads(1)
     state = mp_state.initialize(ParallelConfig(pipeline_model_parallel_size=pp))
-    chunks = []
+    chunks, offsets = [], []
     for vp_stage in range(vpp or 1):
         where = stage_layers(
             LAYERS, pp, state.pp.rank, virtual_pipeline_model_parallel_size=vpp, vp_stage=vp_stage
         )
-        chunks.append(Stack(where.offset, where.count, where.pre_process))
+        chunks.append(stack(where.offset, where.count, where.pre_process))
+        offsets.append(where.offset)
     iterators = [iter(micro_batches(m)) for _ in chunks]
     schedule = get_forward_backward_func(pp, vpp)
     losses = schedule(
@@ -97,10 +85,10 @@ def pipeline_body(pp: int, vpp: int | None, m: int, forward_only: bool):
     )  # fmt: skip
     grads = {}
     if not forward_only:
-        for chunk in chunks:
+        for chunk, offset in zip(chunks, offsets, strict=True):
             for i, layer in enumerate(chunk.layers):
                 for name, p in layer.named_parameters():
-                    grads[(chunk.offset + i, name)] = p.grad.clone()
+                    grads[(offset + i, name)] = p.grad.clone()
     mp_state.destroy()
     dist.barrier()
     return [r["loss"] for r in losses], grads
@@ -134,7 +122,7 @@ def test_forward_only_gives_the_same_losses(pp, vpp, m):
 def test_interleaved_needs_a_multiple_of_p_before_communicating():
     group = RankGroup("pp", (0, 1), 0, None)  # no process group: any collective would fail
     schedule = get_forward_backward_func(2, 2)
-    chunks = [Stack(0, 2, True), Stack(4, 2, False)]
+    chunks = [stack(0, 2, True), stack(4, 2, False)]
     with pytest.raises(ValueError, match=r"num_microbatches \(3\) to be a multiple of .*\(2\)"):
         schedule(forward_step_func=forward_step, data_iterator=[iter([]), iter([])],
                  model=chunks, num_microbatches=3, config=config(), pp_group=group)  # fmt: skip
@@ -160,6 +148,6 @@ def test_interleaved_needs_one_iterator_per_chunk():
     group = RankGroup("pp", (0, 1), 0, None)
     with pytest.raises(ValueError, match="one data iterator per model chunk"):
         get_forward_backward_func(2, 2)(
-            forward_step_func=forward_step, data_iterator=iter([]), model=[Stack(0, 2, True)] * 2,
+            forward_step_func=forward_step, data_iterator=iter([]), model=[stack(0, 2, True)] * 2,
             num_microbatches=2, config=config(), pp_group=group,
         )  # fmt: skip
