@@ -172,3 +172,32 @@ def test_gradients_accumulate_over_micro_batches_from_a_zeroed_buffer():
         for g, e in zip(got, expected(batches), strict=True):
             torch.testing.assert_close(g, e)
         assert all(not p.main_grad.any() for p in module.unused.parameters())
+
+
+def unused_here_body():
+    """A parameter with a gradient on rank 1 only: after the reduction rank 0 holds rank 1's
+    half; without zero_grad_buffer() a later gradient on rank 0 adds to it."""
+    torch.set_num_threads(1)
+    state = mp_state.initialize(ParallelConfig())
+    model = DistributedDataParallel(OptimizerConfig(lr=0.1), make_model(), dp_group=state.dp)
+    bias = model.module[2].bias
+    x = torch.ones(2, 8)
+    if dist.get_rank() == 1:
+        model(x).sum().backward()  # rank 0 runs no backward at all
+    model.finish_grad_sync()
+    reduced = bias.main_grad.clone()  # rank 1's gradient / 2 on both ranks
+    model(x).sum().backward()
+    model.finish_grad_sync()
+    mp_state.destroy()
+    dist.barrier()
+    return reduced, bias.main_grad.clone()
+
+
+def test_a_reduced_buffer_is_added_to_until_it_is_zeroed():
+    per_rank = run_on_ranks(unused_here_body, 2, timeout=60)
+    (reduced0, after0), (reduced1, after1) = per_rank
+    torch.testing.assert_close(reduced0, reduced1)
+    own = 2 * reduced1  # one backward's bias gradient (both ranks see the same inputs)
+    # Second round: each rank adds its own gradient, the sum is averaged again.
+    torch.testing.assert_close(after0, (reduced0 + own + reduced1 + own) / 2)
+    torch.testing.assert_close(after0, after1)

@@ -216,6 +216,9 @@ class DistributedDataParallel(torch.nn.Module):
 
     def _launch(self, bucket: Bucket) -> None:
         grad = bucket.grad_data
+        # The reduction writes the whole bucket: a parameter that had no gradient here
+        # may hold other ranks' from now on, so only a zero_grad_buffer() empties it again.
+        self._empty.difference_update(bucket.params)
         if self.config.check_for_nan_in_grad and not torch.isfinite(grad).all():
             names = [self._names[p] for p in bucket.params if not p.main_grad.isfinite().all()]
             raise RuntimeError(
