@@ -53,6 +53,23 @@ def test_an_explicit_mask_resets_documents(backend):
     torch.testing.assert_close(attention(q, k, v, mask), by_formula(q, k, v, mask))
 
 
+def test_a_row_that_sees_no_key_gives_zero_in_both_backends():
+    """A fully masked row: output 0 (torch's SDPA on a CPU gives 0) and finite gradients
+    for every input; the other rows as the formula gives them."""
+    torch.manual_seed(4)
+    q, k, v = torch.randn(6, 2, 4, 8), torch.randn(6, 2, 2, 8), torch.randn(6, 2, 2, 8)
+    mask = torch.ones(6, 6, dtype=torch.bool).triu(1).repeat(2, 1, 1, 1)
+    mask[1, 0, 3, :] = True  # sample 1, position 3 may see nothing
+    formula = outputs_and_grads(by_formula, q, k, v, mask)[0]
+    for backend in ("flash", "local"):
+        out, *grads = outputs_and_grads(CoreAttention(0.0, None, backend), q, k, v, mask)
+        assert not out.view(6, 2, 4, 8)[3, 1].any(), backend
+        assert all(g.isfinite().all() for g in grads), backend
+        live = torch.ones(6, 2, dtype=torch.bool)
+        live[3, 1] = False
+        torch.testing.assert_close(out[live], formula[live])
+
+
 @pytest.mark.parametrize("explicit_mask", [False, True])
 @pytest.mark.parametrize(("s", "block"), [(7, 3), (8, 4), (9, 9), (5, 16)])
 def test_blocks_of_any_size_give_the_formula(s, block, explicit_mask):

@@ -47,7 +47,7 @@ def blocked_attention(
     """attention_mask: [b or 1, 1, s, s] bool, True = masked; None = causal.
 
     With an explicit mask every block sees all s keys (the mask may allow any
-    of them). Dropout on the probabilities draws from the tracker's
+    of them); a row the mask leaves no key gives 0, as torch's SDPA does. Dropout on the probabilities draws from the tracker's
     tensor-parallel stream, block by block in order, so a replay with the same
     tracker state draws the same masks.
     """
@@ -61,15 +61,25 @@ def blocked_attention(
     for lo in range(0, s, block):
         hi = min(lo + block, s)
         c = hi - lo
+        keep = None  # 0 for rows that may see no key at all
         if attention_mask is None:
             seen = hi
             bias = _causal_bias(lo, hi, qg, q.dtype, q.device).expand(b * ng, qg * c, seen)
         else:
             seen = s
-            bias = _mask_bias(attention_mask[:, 0, lo:hi], b, ng, qg, q.dtype)
+            masked = attention_mask[:, 0, lo:hi]
+            dead = masked.all(dim=-1, keepdim=True)
+            if dead.any():
+                # Softmax over no key is 0 / 0: such rows see every key, then get probability
+                # 0 everywhere (output 0, as SDPA gives, and finite gradients).
+                masked = masked & ~dead
+                keep = _per_head(~dead, b, ng, qg).to(q.dtype)
+            bias = _per_head(_additive(masked, q.dtype), b, ng, qg)
         block_rows = rows[:, :, :, lo:hi].reshape(b * ng, qg * c, d)
         scores = torch.baddbmm(bias, block_rows, keys[:, :seen].transpose(1, 2), alpha=scale)
         probs = torch.softmax(scores, dim=-1)
+        if keep is not None:
+            probs = probs * keep
         if dropout > 0:
             with rng_tracker.fork(TENSOR_PARALLEL_RNG):
                 probs = F.dropout(probs, dropout)
@@ -110,8 +120,12 @@ def _causal_bias(
     return bias.repeat(qg, 1)
 
 
-def _mask_bias(mask: torch.Tensor, b: int, ng: int, qg: int, dtype: torch.dtype) -> torch.Tensor:
-    """mask [b or 1, c, s] bool (True = masked) -> additive bias [b * ng, qg * c, s]."""
-    c, s = mask.shape[1:]
-    bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(mask, -torch.inf)
-    return bias[:, None, None].expand(b, ng, qg, c, s).reshape(b * ng, qg * c, s)
+def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """bool mask (True = masked) -> 0 / -inf."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(mask, -torch.inf)
+
+
+def _per_head(rows: torch.Tensor, b: int, ng: int, qg: int) -> torch.Tensor:
+    """[b or 1, c, n] per sample -> [b * ng, qg * c, n]: the same rows for every head."""
+    c, n = rows.shape[1:]
+    return rows[:, None, None].expand(b, ng, qg, c, n).reshape(b * ng, qg * c, n)
