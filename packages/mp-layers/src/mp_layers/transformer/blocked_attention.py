@@ -47,9 +47,10 @@ def blocked_attention(
     """attention_mask: [b or 1, 1, s, s] bool, True = masked; None = causal.
 
     With an explicit mask every block sees all s keys (the mask may allow any
-    of them); a row the mask leaves no key gives 0, as torch's SDPA does. Dropout on the probabilities draws from the tracker's
-    tensor-parallel stream, block by block in order, so a replay with the same
-    tracker state draws the same masks.
+    of them); a row the mask leaves no key gives 0, as torch's SDPA does.
+    Dropout on the probabilities draws from the tracker's tensor-parallel
+    stream, block by block in order, so a replay with the same tracker state
+    draws the same masks.
     """
     s, b, nq, d = q.shape
     ng = k.shape[2]
