@@ -62,7 +62,7 @@ from types import SimpleNamespace
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
-from harness import context, emit
+from harness import LLAMA_SHAPE, context, emit
 
 import mp_state
 from mp_data import (
@@ -76,7 +76,7 @@ from mp_gpt.pretrain import train
 from mp_train import estimate, parse_config
 from mp_train.metrics import measure_peak_tflops
 
-HIDDEN, LAYERS, HEADS, GROUPS, HEAD_DIM, FFN, VOCAB = 512, 8, 8, 4, 64, 1376, 32000
+HIDDEN, LAYERS, HEADS, GROUPS, HEAD_DIM, FFN, VOCAB = LLAMA_SHAPE
 TARGET_RATIO = 1.2
 LR = 1e-3
 _LOG_LINE = re.compile(r"^iteration\s+(\d+) \|.*\| ms/iteration ([\d.]+) \|")

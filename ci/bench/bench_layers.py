@@ -25,8 +25,9 @@ full s x s square as Megatron does, although causal kernels skip half):
 
 (h hidden, L layers, nq query heads, ng query groups, d head channels,
 f ffn, V vocabulary; the embedding lookup is no matmul). The fraction is of
-the measured peak of the same dtype: the best of a few square n x n
-torch.matmul, 2 n^3 / t, measured before and after the steps (the better of the two).
+the measured peak of the same dtype: the best of 5 square n x n matmuls
+(mp_train.metrics.measure_peak_tflops), 2 n^3 / t, measured before and after
+the steps (the better of the two).
 
     uv run python ci/bench/bench_layers.py
 """
@@ -42,13 +43,14 @@ from collections.abc import Callable
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
-from harness import best_of, context, emit
+from harness import LLAMA_SHAPE, best_of, context, emit
 
 from mp_layers import GPTModel, TransformerConfig
 from mp_layers.config import ATTENTION_BACKENDS
 from mp_state import RankGroup
+from mp_train.metrics import measure_peak_tflops
 
-HIDDEN, LAYERS, HEADS, GROUPS, HEAD_DIM, FFN, VOCAB = 512, 8, 8, 4, 64, 1376, 32000
+HIDDEN, LAYERS, HEADS, GROUPS, HEAD_DIM, FFN, VOCAB = LLAMA_SHAPE
 TARGET_RATIO = 1.2
 ONE_RANK = RankGroup("tp", (0,), 0, None)
 DTYPES = {"fp32": None, "bf16": torch.bfloat16}
@@ -189,11 +191,8 @@ def _flops_per_token(seq: int) -> int:
 
 
 def _matmul_peak(n: int, dtype: torch.dtype | None) -> float:
-    dtype = dtype or torch.float32
-    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-    torch.matmul(a, b)
-    seconds, _ = best_of(5, torch.matmul, a, b)
-    return 2 * n**3 / seconds
+    """FLOP/s of the best of 5 n x n matmuls in dtype (None: fp32)."""
+    return measure_peak_tflops(n, repeats=5, dtype=dtype or torch.float32) * 1e12
 
 
 def _autocast(dtype: torch.dtype | None):

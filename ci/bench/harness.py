@@ -16,7 +16,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["best_of", "context", "emit"]
+__all__ = ["LLAMA_SHAPE", "best_of", "context", "emit"]
+
+LLAMA_SHAPE = (512, 8, 8, 4, 64, 1376, 32000)
+"""The ~56M-parameter Llama-style model of bench_layers.py and bench_gpt.py: hidden,
+layers, heads, query groups, head channels, ffn, vocabulary."""
 
 
 def context() -> dict[str, Any]:

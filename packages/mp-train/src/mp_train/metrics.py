@@ -33,10 +33,13 @@ _GPU_PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L40S": 362.0, 
 """Dense bf16 peak TFLOP/s by device name (a substring of torch's device name)."""
 
 
-def measure_peak_tflops(n: int = 1024, repeats: int = 5) -> float:
-    """A bf16 n x n matmul's best TFLOP/s on this CPU (the MFU reference without a GPU)."""
-    a = torch.randn(n, n, dtype=torch.bfloat16)
-    b = torch.randn(n, n, dtype=torch.bfloat16)
+def measure_peak_tflops(
+    n: int = 1024, repeats: int = 5, dtype: torch.dtype = torch.bfloat16
+) -> float:
+    """An n x n matmul's best TFLOP/s on this CPU (in bf16: the MFU reference without a
+    GPU)."""
+    a = torch.randn(n, n, dtype=dtype)
+    b = torch.randn(n, n, dtype=dtype)
     a @ b
     best = math.inf
     for _ in range(repeats):
