@@ -103,3 +103,25 @@ def test_needs_lr():
         get_optimizer_param_scheduler(
             OptimizerConfig(), _optimizer(), global_batch_size=8, train_iters=10
         )
+
+
+def test_a_longer_run_names_the_flag_that_resumes_it():
+    """Resuming with a larger train_iters changes the derived decay length: by default
+    (Megatron's too) that is refused, and the message says which flag goes on."""
+    config = OptimizerConfig(lr=1.0, min_lr=0.1, lr_warmup_iters=2)
+    saved = get_optimizer_param_scheduler(config, _optimizer(), global_batch_size=4, train_iters=10)
+    saved.step(increment=40)
+    longer = get_optimizer_param_scheduler(
+        config, _optimizer(), global_batch_size=4, train_iters=20
+    )
+    with pytest.raises(ValueError) as error:
+        longer.load_state_dict(saved.state_dict())
+    message = str(error.value)
+    assert message.startswith("lr_decay_steps=80 differs from the checkpoint's lr_decay_steps=40")
+    assert "train_iters" in message and "--override-opt-param-scheduler" in message
+    config.override_opt_param_scheduler = True
+    longer = get_optimizer_param_scheduler(
+        config, _optimizer(), global_batch_size=4, train_iters=20
+    )
+    longer.load_state_dict(saved.state_dict())
+    assert (longer.num_steps, longer.lr_decay_steps) == (40, 80)

@@ -12,7 +12,8 @@
 
 Each step is skipped when its output exists, and training resumes from the
 latest checkpoint: running the command again continues instead of starting
-over (`--train-iters N` trains further).
+over (`--train-iters N --override-opt-param-scheduler` trains further: the
+learning-rate schedule then decays over the new length).
 """
 
 from __future__ import annotations

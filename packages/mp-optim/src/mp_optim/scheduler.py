@@ -43,6 +43,16 @@ _CHECKPOINT_KEYS = {
 }
 _WD_KEYS = ("start_wd", "end_wd", "wd_incr_steps", "wd_incr_style")
 _WSD_KEYS = ("wsd_decay_steps", "lr_wsd_decay_style")
+# Settings a user does not set directly: the mismatch message says where they come from.
+_DERIVED_FROM = {
+    "lr_decay_steps": " (in samples: lr_decay_iters, or train_iters when it is unset, x the "
+    "global batch; lr_decay_samples or train_samples in a sample-based run)",
+    "wd_incr_steps": " (in samples: train_iters x the global batch, or train_samples)",
+    "lr_warmup_steps": " (in samples: lr_warmup_iters x the global batch, lr_warmup_samples, "
+    "or lr_warmup_fraction of the decay)",
+    "wsd_decay_steps": " (in samples: lr_wsd_decay_iters x the global batch, or "
+    "lr_wsd_decay_samples)",
+}
 
 
 class HasParamGroups(Protocol):
@@ -214,10 +224,13 @@ class OptimizerParamScheduler:
         if self.override_opt_param_scheduler:
             return class_value
         if not self.use_checkpoint_opt_param_scheduler and class_value != checkpoint_value:
+            derived = _DERIVED_FROM.get(name, "")
             raise ValueError(
                 f"{name}={class_value!r} differs from the checkpoint's {name}="
-                f"{checkpoint_value!r}; set override_opt_param_scheduler to keep the former "
-                "or use_checkpoint_opt_param_scheduler to take the latter"
+                f"{checkpoint_value!r}{derived}; to go on with this run's value pass "
+                "--override-opt-param-scheduler (override_opt_param_scheduler), to keep the "
+                "checkpoint's pass --use-checkpoint-opt-param-scheduler "
+                "(use_checkpoint_opt_param_scheduler)"
             )
         return checkpoint_value
 

@@ -23,10 +23,12 @@ class ParallelConfig:
     """Model chunks per pipeline rank for the interleaved schedule (VPP); None for none."""
 
     context_parallel_size: int = 1
-    """Ranks that split each sequence (CP)."""
+    """Ranks that split each sequence (CP). The groups exist; mp-train refuses > 1 until
+    context-parallel attention is implemented."""
 
     expert_model_parallel_size: int = 1
-    """Ranks that split the experts of a MoE layer (EP)."""
+    """Ranks that split the experts of a MoE layer (EP). The groups exist; mp-train refuses
+    > 1 until mixture-of-experts layers are implemented."""
 
     expert_tensor_parallel_size: int | None = None
     """Ranks that split each expert's weights; None means the same as tensor_model_parallel_size."""

@@ -184,6 +184,7 @@ def validate(config: RunConfig, world_size: int) -> dict[str, int]:
     """Checks the rules spanning parts; returns the derived sizes (data_parallel_size,
     global_batch_size, num_microbatches). Raises ValueError naming fields and values."""
     parallel, training = config.parallel, config.training
+    _refuse_unimplemented_parallelism(parallel)
     model_parallel = (
         parallel.tensor_model_parallel_size
         * parallel.pipeline_model_parallel_size
@@ -254,6 +255,30 @@ def validate(config: RunConfig, world_size: int) -> dict[str, int]:
     if not config.data.has_data and not training.skip_train:
         raise ValueError("no training data: set data_path, train_data_path or mock_data")
     return {"data_parallel_size": dp, "global_batch_size": gbs, "num_microbatches": microbatches}
+
+
+def _refuse_unimplemented_parallelism(parallel: ParallelConfig) -> None:
+    # The rank groups of every axis exist (mp_state plans and creates them), but the model
+    # and the data path do not split sequences or experts yet: run approximately, a layout
+    # would train something other than what it names, so it is refused.
+    if parallel.context_parallel_size > 1:
+        raise ValueError(
+            f"context_parallel_size={parallel.context_parallel_size}: context parallelism is "
+            "not implemented yet (the attention and the data path do not split sequences); "
+            "use context_parallel_size=1"
+        )
+    if parallel.expert_model_parallel_size > 1:
+        raise ValueError(
+            f"expert_model_parallel_size={parallel.expert_model_parallel_size}: the model has "
+            "no mixture-of-experts layers yet, so there are no experts to split; use "
+            "expert_model_parallel_size=1"
+        )
+    if parallel.expert_tensor_parallel_size != parallel.tensor_model_parallel_size:
+        raise ValueError(
+            f"expert_tensor_parallel_size={parallel.expert_tensor_parallel_size}: the model "
+            "has no mixture-of-experts layers yet; leave it unset (it follows "
+            f"tensor_model_parallel_size={parallel.tensor_model_parallel_size})"
+        )
 
 
 def _plain(value):

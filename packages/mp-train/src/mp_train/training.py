@@ -292,7 +292,9 @@ def _data_iterators(run: Run, datasets_provider) -> tuple[Iterator | list | None
     if dist.get_backend() == "nccl":
         flags = flags.cuda()
     dist.broadcast(flags, src=0)
-    run.has_train_data, run.has_valid_data = bool(flags[0]), bool(flags[1])
+    # As Megatron's do_valid: no evaluation without validation data or with eval_iters=0.
+    run.has_train_data = bool(flags[0])
+    run.has_valid_data = bool(flags[1]) and training.eval_iters > 0
     train = loader(train_ds, run.train.consumed_train_samples, data.dataloader_type)
     valid = loader(valid_ds, run.train.consumed_valid_samples, "cyclic")
     vpp = run.config.parallel.virtual_pipeline_model_parallel_size
