@@ -1,0 +1,19 @@
+"""Context parallelism: a sequence split across ranks (Megatron's load-balanced chunks) and
+attention over the whole of it."""
+
+from mp_layers.context_parallel.layout import (
+    attention_blocks,
+    local_chunks,
+    local_positions,
+    shard_sequence,
+)
+from mp_layers.context_parallel.ring_attention import CP_COMM_TYPES, context_parallel_attention
+
+__all__ = [
+    "CP_COMM_TYPES",
+    "attention_blocks",
+    "context_parallel_attention",
+    "local_chunks",
+    "local_positions",
+    "shard_sequence",
+]

@@ -1,0 +1,89 @@
+"""Attention over one block of queries and keys, with the log-sum-exp, and the merge of
+blocks by their log-sum-exp (the online softmax of Milakov & Gimelshein, 2018, as used
+by flash attention and ring attention).
+
+For scores S = scale q k^T over a block of keys, lse = log sum_j exp(S_j) and the
+block's output o = softmax(S) v. Two blocks of keys for the same queries merge as
+lse = logaddexp(lse_1, lse_2), o = o_1 exp(lse_1 - lse) + o_2 exp(lse_2 - lse): the
+softmax over both. Backward from the final o and lse (Dao et al., 2022): with
+P = exp(S - lse) the probabilities over all keys restricted to the block,
+dv = P^T do, dP = do v^T, dS = P (dP - delta), delta = rowsum(do o), dq = scale dS k,
+dk = scale dS^T q: each block's gradients need only the block and the row statistics.
+
+Shapes (grouped-query attention without repeating k and v): q [B, qg, c, d] where B is
+batch x key/value heads and qg the query heads sharing each; k, v [B, c_k, d]; o [B,
+qg, c, d]; lse and delta [B, qg, c]. Outputs, lse and gradients are fp32. A "causal"
+block lies on the diagonal (query i sees keys 0..i, c == c_k); a "full" one sees every
+key.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+__all__ = ["block_backward", "block_forward", "merge_into"]
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
+    """[B, qg, c, c_k] fp32 scores, -inf above the diagonal of a causal block."""
+    b, qg, c, d = q.shape
+    scores = torch.bmm(q.reshape(b, qg * c, d), k.transpose(1, 2)).float().mul_(scale)
+    scores = scores.view(b, qg, c, k.shape[1])
+    if causal:
+        scores.masked_fill_(_above_diagonal(c, q.device), -torch.inf)
+    return scores
+
+
+@functools.lru_cache(maxsize=16)
+def _above_diagonal(c: int, device: torch.device) -> torch.Tensor:
+    return torch.ones(c, c, dtype=torch.bool, device=device).triu_(1)
+
+
+def block_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The block's output [B, qg, c, d] and log-sum-exp [B, qg, c], both fp32."""
+    scores = _scores(q, k, causal, scale)
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = scores.sub_(lse.unsqueeze(-1)).exp_()
+    b, qg, c, ck = probs.shape
+    out = torch.bmm(probs.view(b, qg * c, ck).to(v.dtype), v).float()
+    return out.view(b, qg, c, -1), lse
+
+
+def merge_into(
+    out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor
+) -> None:
+    """out, lse (views of the running result; lse may be -inf where nothing was seen yet)
+    become the softmax over their keys and the block's."""
+    merged = torch.logaddexp(lse, block_lse)
+    out.mul_(torch.exp(lse - merged).unsqueeze(-1))
+    out.add_(block_out * torch.exp(block_lse - merged).unsqueeze(-1))
+    lse.copy_(merged)
+
+
+def block_backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dout: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq [B, qg, c, d], dk and dv [B, c_k, d] (fp32) of this block, from the final lse and
+    delta = rowsum(dout * out) of its query rows."""
+    b, qg, c, d = q.shape
+    ck = k.shape[1]
+    probs = _scores(q, k, causal, scale).sub_(lse.unsqueeze(-1)).exp_()  # [B, qg, c, ck]
+    rows = probs.view(b, qg * c, ck)
+    dout_rows = dout.reshape(b, qg * c, d).float()
+    dv = torch.bmm(rows.transpose(1, 2), dout_rows)
+    dprobs = torch.bmm(dout_rows, v.float().transpose(1, 2)).view(b, qg, c, ck)
+    dscores = probs.mul_(dprobs.sub_(delta.unsqueeze(-1))).mul_(scale).view(b, qg * c, ck)
+    dq = torch.bmm(dscores, k.float()).view(b, qg, c, d)
+    dk = torch.bmm(dscores.transpose(1, 2), q.reshape(b, qg * c, d).float())
+    return dq, dk, dv

@@ -1,0 +1,191 @@
+"""Causal attention over a sequence split across the context-parallel group: each rank
+holds its two load-balanced chunks of queries, keys and values (layout.py) and attends
+to the keys and values of every rank.
+
+Two ways to reach the other ranks' keys and values (Megatron's --cp-comm-type):
+
+- "p2p" (ring attention, Liu et al., 2023): the local k/v block travels around the
+  ring; at step i rank r holds the block of rank r - i. The exchange for step i + 1 is
+  posted before step i's blocks are computed, so the transfer overlaps the compute.
+  Backward walks the ring again: k/v travel as in forward, and their gradient
+  accumulators travel with them, picking up each rank's contribution; after the last
+  step each accumulator reaches the rank that owns its block.
+- "all_gather": every rank's k/v at once (all-gather), and their gradients
+  reduce-scattered back to their owners in backward.
+
+Either way, blocks merge by their log-sum-exp (block_math.py) and the load-balanced
+layout decides which blocks to compute: at step i > 0 either both query chunks see
+the first k/v chunk only (it comes from an earlier rank) or the second query chunk
+sees both (a later rank); a quarter of the square is skipped besides the diagonal.
+
+Shapes: q [s, b, nq, d], k and v [s, b, ng, d], s this rank's tokens (two chunks of
+s/2), nq = ng x qg; the output [s, b, nq * d]. Inside, q is [B, qg, s, d] and k, v
+[B, s, d] with B = b x ng (block_math.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from mp_layers.context_parallel.block_math import block_backward, block_forward, merge_into
+from mp_layers.context_parallel.layout import attention_blocks, local_chunks
+from mp_layers.tensor_parallel.collectives import gather_first, reduce_scatter_first
+from mp_state import RankGroup
+
+__all__ = ["CP_COMM_TYPES", "context_parallel_attention"]
+
+CP_COMM_TYPES = ("p2p", "all_gather")
+# Keys and values and their gradients are in flight at once in backward: own tags keep
+# the two streams of messages apart.
+_KV_TAG, _GRAD_TAG = 1, 2
+
+
+def context_parallel_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cp_group: RankGroup,
+    *,
+    scale: float,
+    comm_type: str = "p2p",
+) -> torch.Tensor:
+    """Causal attention of this rank's queries over the whole split sequence."""
+    if comm_type not in CP_COMM_TYPES:
+        raise ValueError(f"cp_comm_type={comm_type!r} must be one of {', '.join(CP_COMM_TYPES)}")
+    s, _, nq, _ = q.shape
+    if s % 2:
+        raise ValueError(f"a context-parallel rank holds two equal chunks; got {s} positions")
+    if nq % k.shape[2]:
+        raise ValueError(f"{nq} query heads cannot share {k.shape[2]} key/value heads")
+    return _ContextParallelAttention.apply(q, k, v, cp_group, scale, comm_type)
+
+
+class _ContextParallelAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, cp_group: RankGroup, scale: float, comm_type: str):
+        s, b, nq, d = q.shape
+        ng = k.shape[2]
+        rows = q.reshape(s, b, ng, nq // ng, d).permute(1, 2, 3, 0, 4).contiguous()
+        rows = rows.view(b * ng, nq // ng, s, d)  # [B, qg, s, d]
+        kv = torch.stack([_flat(k), _flat(v)])  # [2, B, s, d]
+        out = torch.zeros(rows.shape, dtype=torch.float32, device=q.device)
+        lse = torch.full(rows.shape[:-1], -torch.inf, dtype=torch.float32, device=q.device)
+        q_chunks = local_chunks(cp_group.size, cp_group.rank)
+        for source, step_kv in _kv_steps(kv, cp_group, comm_type):
+            for block in attention_blocks(q_chunks, local_chunks(cp_group.size, source)):
+                qs, ks = _half(s, block.q_half), _half(s, block.kv_half)
+                o, l = block_forward(
+                    rows[:, :, qs], step_kv[0][:, ks], step_kv[1][:, ks],
+                    block.kind == "causal", scale,
+                )  # fmt: skip
+                merge_into(out[:, :, qs], lse[:, :, qs], o, l)
+        ctx.save_for_backward(rows, kv, out, lse)
+        ctx.cp_group, ctx.scale, ctx.comm_type = cp_group, scale, comm_type
+        ctx.shape = (s, b, nq, d, ng)
+        return _unflat_rows(out.to(q.dtype), s, b, nq, d)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        rows, kv, out, lse = ctx.saved_tensors
+        group, scale = ctx.cp_group, ctx.scale
+        s, b, nq, d, ng = ctx.shape
+        dout = grad_out.reshape(s, b, ng, nq // ng, d).permute(1, 2, 3, 0, 4)  # [B, qg, s, d]
+        dout = dout.reshape(rows.shape)
+        delta = (dout.float() * out).sum(dim=-1)  # [B, qg, s]
+        dq = torch.zeros(rows.shape, dtype=torch.float32, device=rows.device)
+        q_chunks = local_chunks(group.size, group.rank)
+
+        def accumulate(source: int, step_kv: torch.Tensor, dkv: torch.Tensor) -> None:
+            for block in attention_blocks(q_chunks, local_chunks(group.size, source)):
+                qs, ks = _half(s, block.q_half), _half(s, block.kv_half)
+                dq_, dk_, dv_ = block_backward(
+                    rows[:, :, qs], step_kv[0][:, ks], step_kv[1][:, ks], dout[:, :, qs],
+                    lse[:, :, qs], delta[:, :, qs], block.kind == "causal", scale,
+                )  # fmt: skip
+                dq[:, :, qs] += dq_
+                dkv[0][:, ks] += dk_
+                dkv[1][:, ks] += dv_
+
+        if ctx.comm_type == "all_gather":
+            gathered = _all_gather(kv, group)
+            dkvs = torch.zeros(gathered.shape, dtype=torch.float32, device=kv.device)
+            for source in range(group.size):
+                accumulate(source, gathered[source], dkvs[source])
+            dkv = reduce_scatter_first(dkvs, group)[0]
+        else:
+            dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+            for source, step_kv in _kv_steps(kv, group, "p2p"):
+                accumulate(source, step_kv, dkv)
+                # This block's accumulator moves on with it; after the last step the one
+                # that arrives belongs to this rank's own block.
+                dkv = _Exchange(dkv, group, tag=_GRAD_TAG).wait_result()
+        dk, dv = (_unflat(t.to(kv.dtype), s, b, ng, d) for t in dkv)
+        return _unflat_rows(dq.to(rows.dtype), s, b, nq, d).view(s, b, nq, d), dk, dv, None, None, None
+
+
+def _kv_steps(kv: torch.Tensor, group: RankGroup, comm_type: str):
+    """(source rank, its k/v block [2, B, s, d]) for every rank of the group, in the order
+    the comm type delivers them; p2p posts each next exchange before yielding a block."""
+    if group.size == 1:
+        yield 0, kv
+        return
+    if comm_type == "all_gather":
+        for source, block in enumerate(_all_gather(kv, group)):
+            yield source, block
+        return
+    for step in range(group.size):
+        pending = _Exchange(kv, group, tag=_KV_TAG) if step + 1 < group.size else None
+        yield (group.rank - step) % group.size, kv
+        if pending is not None:
+            kv = pending.wait_result()
+
+
+def _all_gather(kv: torch.Tensor, group: RankGroup) -> torch.Tensor:
+    """[2, B, s, d] -> [cp, 2, B, s, d]: every rank's block, in rank order."""
+    return gather_first(kv.unsqueeze(0), group)
+
+
+class _Exchange:
+    """A posted send to the next rank of the ring and receive from the previous one."""
+
+    def __init__(self, tensor: torch.Tensor, group: RankGroup, tag: int) -> None:
+        self.received = torch.empty_like(tensor)
+        if group.size == 1:
+            self.received.copy_(tensor)
+            self.requests = []
+            return
+        nxt = group.ranks[(group.rank + 1) % group.size]
+        prev = group.ranks[(group.rank - 1) % group.size]
+        self.requests = dist.batch_isend_irecv(
+            [
+                dist.P2POp(dist.isend, tensor.contiguous(), nxt, group.group, tag),
+                dist.P2POp(dist.irecv, self.received, prev, group.group, tag),
+            ]
+        )
+
+    def wait_result(self) -> torch.Tensor:
+        for request in self.requests:
+            request.wait()
+        return self.received
+
+
+def _half(s: int, half: int) -> slice:
+    return slice(half * (s // 2), (half + 1) * (s // 2))
+
+
+def _flat(x: torch.Tensor) -> torch.Tensor:
+    """[s, b, ng, d] -> [b * ng, s, d]."""
+    s, b, ng, d = x.shape
+    return x.permute(1, 2, 0, 3).reshape(b * ng, s, d)
+
+
+def _unflat(x: torch.Tensor, s: int, b: int, ng: int, d: int) -> torch.Tensor:
+    """[b * ng, s, d] -> [s, b, ng, d]."""
+    return x.view(b, ng, s, d).permute(2, 0, 1, 3).contiguous()
+
+
+def _unflat_rows(x: torch.Tensor, s: int, b: int, nq: int, d: int) -> torch.Tensor:
+    """[b * ng, qg, s, d] -> [s, b, nq * d] (each group's query heads adjacent)."""
+    ng = x.shape[0] // b
+    return x.view(b, ng, nq // ng, s, d).permute(3, 0, 1, 2, 4).reshape(s, b, nq * d)

@@ -1,0 +1,137 @@
+"""Context-parallel attention equals causal attention over the whole sequence on one rank:
+outputs and the gradients of q, k and v, for every comm type, with GQA, at cp = 1, 2
+and 4; and the pieces it is made of (the load-balanced layout, the block plan, the
+log-sum-exp merge) on their own."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mp_layers.context_parallel import (
+    CP_COMM_TYPES,
+    attention_blocks,
+    local_chunks,
+    local_positions,
+    shard_sequence,
+)
+from mp_layers.context_parallel.block_math import block_backward, block_forward, merge_into
+from mp_state.testing import run_on_ranks
+
+S, B, NQ, NG, D = 32, 2, 4, 2, 8
+
+
+def test_load_balanced_chunks():
+    assert [local_chunks(2, r) for r in range(2)] == [(0, 3), (1, 2)]
+    assert [local_chunks(4, r) for r in range(4)] == [(0, 7), (1, 6), (2, 5), (3, 4)]
+    assert local_positions(8, 2, 0).tolist() == [0, 1, 6, 7]
+    assert local_positions(8, 2, 1).tolist() == [2, 3, 4, 5]
+    x = torch.arange(16).view(2, 8)
+    assert shard_sequence(x, 2, 1).tolist() == [[2, 3, 4, 5], [10, 11, 12, 13]]
+    assert shard_sequence(x, 1, 0) is x
+    with pytest.raises(ValueError, match="sequence length 8 is not divisible by 2 x "):
+        shard_sequence(x, 3, 0)
+
+
+def test_block_plan_skips_what_the_causal_mask_hides():
+    # Own chunks (the first step): the diagonals, and the late chunk over the early one.
+    assert [tuple(b) for b in attention_blocks((1, 6), (1, 6))] == [
+        (0, 0, "causal"), (1, 0, "full"), (1, 1, "causal"),
+    ]  # fmt: skip
+    # From an earlier rank: both query chunks see its early chunk only.
+    assert [tuple(b) for b in attention_blocks((1, 6), (0, 7))] == [(0, 0, "full"), (1, 0, "full")]
+    # From a later rank: only the late query chunk, over both.
+    assert [tuple(b) for b in attention_blocks((1, 6), (3, 4))] == [(1, 0, "full"), (1, 1, "full")]
+    # Over all ranks of cp = 4, the blocks computed are the causal square's, no more.
+    cp = 4
+    for rank in range(cp):
+        q = local_chunks(cp, rank)
+        blocks = [b for src in range(cp) for b in attention_blocks(q, local_chunks(cp, src))]
+        full = sum(b.kind == "full" for b in blocks)
+        assert full == sum(q)  # chunk a sees a earlier chunks in full
+        assert sum(b.kind == "causal" for b in blocks) == 2
+
+
+def test_merged_blocks_equal_one_softmax():
+    torch.manual_seed(0)
+    q, k, v = torch.randn(3, 2, 8, 16).double(), torch.randn(3, 16, 16), torch.randn(3, 16, 16)
+    k, v = k.double(), v.double()
+    scale = 0.3
+    ref_out, ref_lse = block_forward(q, k, v, False, scale)
+    out = torch.zeros(ref_out.shape, dtype=torch.float32)
+    lse = torch.full(ref_lse.shape, -torch.inf)
+    for keys in (slice(8, 16), slice(0, 8)):
+        merge_into(out, lse, *block_forward(q, k[:, keys], v[:, keys], False, scale))
+    torch.testing.assert_close(out, ref_out.float(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(lse, ref_lse.float(), rtol=1e-6, atol=1e-6)
+
+
+def test_block_backward_equals_autograd():
+    torch.manual_seed(1)
+    q = torch.randn(3, 2, 8, 16, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(3, 8, 16, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(3, 8, 16, dtype=torch.float64, requires_grad=True)
+    scale = 0.25
+    mask = torch.ones(8, 8, dtype=torch.bool).triu(1)
+    scores = (q.reshape(3, 16, 16) @ k.transpose(1, 2)).view(3, 2, 8, 8) * scale
+    probs = scores.masked_fill(mask, -torch.inf).softmax(-1)
+    out = (probs.view(3, 16, 8) @ v).view(3, 2, 8, 16)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    _, lse = block_forward(q.detach(), k.detach(), v.detach(), True, scale)
+    delta = (dout * out.detach()).sum(-1)
+    grads = block_backward(q.detach(), k.detach(), v.detach(), dout, lse.double(), delta, True,
+                           scale)  # fmt: skip
+    for got, want in zip(grads, (q.grad, k.grad, v.grad), strict=True):
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def _reference(q, k, v, grad):
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    out = F.scaled_dot_product_attention(
+        *(t.permute(1, 2, 0, 3) for t in (q, k, v)), is_causal=True, enable_gqa=True
+    )
+    out = out.permute(2, 0, 1, 3).reshape(S, B, NQ * D)
+    out.backward(grad)
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def _inputs():
+    generator = torch.Generator().manual_seed(2)
+    q = torch.randn(S, B, NQ, D, generator=generator)
+    k, v = (torch.randn(S, B, NG, D, generator=generator) for _ in range(2))
+    grad = torch.randn(S, B, NQ * D, generator=generator)
+    return q, k, v, grad
+
+
+def compare_on_ranks(comm_type: str) -> float:
+    import mp_state
+    from mp_layers.context_parallel import context_parallel_attention
+
+    torch.set_num_threads(1)
+    cp = torch.distributed.get_world_size()
+    state = mp_state.initialize(mp_state.ParallelConfig(context_parallel_size=cp))
+    group = state.cp
+    q, k, v, grad = _inputs()
+    expected = _reference(q, k, v, grad)
+    local = [shard_sequence(t, cp, group.rank, dim=0) for t in (q, k, v)]
+    local = [t.clone().requires_grad_() for t in local]
+    out = context_parallel_attention(*local, group, scale=1 / math.sqrt(D), comm_type=comm_type)
+    out.backward(shard_sequence(grad, cp, group.rank, dim=0))
+    worst = 0.0
+    for got, want in zip((out, *(t.grad for t in local)), expected, strict=True):
+        want = shard_sequence(want, cp, group.rank, dim=0)
+        assert got.shape == want.shape
+        worst = max(worst, ((got - want).abs().max() / want.abs().max()).item())
+    return worst
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("comm_type", CP_COMM_TYPES)
+@pytest.mark.parametrize("cp", [1, 2, 4])
+def test_context_parallel_attention_equals_one_rank(cp, comm_type):
+    errors = run_on_ranks(compare_on_ranks, cp, comm_type, timeout=120)
+    assert max(errors) < 1e-5, errors
