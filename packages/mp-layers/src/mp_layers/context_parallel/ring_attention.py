@@ -75,11 +75,11 @@ class _ContextParallelAttention(torch.autograd.Function):
         for source, step_kv in _kv_steps(kv, cp_group, comm_type):
             for block in attention_blocks(q_chunks, local_chunks(cp_group.size, source)):
                 qs, ks = _half(s, block.q_half), _half(s, block.kv_half)
-                o, l = block_forward(
+                block_out, block_lse = block_forward(
                     rows[:, :, qs], step_kv[0][:, ks], step_kv[1][:, ks],
                     block.kind == "causal", scale,
                 )  # fmt: skip
-                merge_into(out[:, :, qs], lse[:, :, qs], o, l)
+                merge_into(out[:, :, qs], lse[:, :, qs], block_out, block_lse)
         ctx.save_for_backward(rows, kv, out, lse)
         ctx.cp_group, ctx.scale, ctx.comm_type = cp_group, scale, comm_type
         ctx.shape = (s, b, nq, d, ng)
@@ -121,7 +121,8 @@ class _ContextParallelAttention(torch.autograd.Function):
                 # that arrives belongs to this rank's own block.
                 dkv = _Exchange(dkv, group, tag=_GRAD_TAG).wait_result()
         dk, dv = (_unflat(t.to(kv.dtype), s, b, ng, d) for t in dkv)
-        return _unflat_rows(dq.to(rows.dtype), s, b, nq, d).view(s, b, nq, d), dk, dv, None, None, None
+        dq = _unflat_rows(dq.to(rows.dtype), s, b, nq, d).view(s, b, nq, d)
+        return dq, dk, dv, None, None, None
 
 
 def _kv_steps(kv: torch.Tensor, group: RankGroup, comm_type: str):
@@ -131,8 +132,7 @@ def _kv_steps(kv: torch.Tensor, group: RankGroup, comm_type: str):
         yield 0, kv
         return
     if comm_type == "all_gather":
-        for source, block in enumerate(_all_gather(kv, group)):
-            yield source, block
+        yield from enumerate(_all_gather(kv, group))
         return
     for step in range(group.size):
         pending = _Exchange(kv, group, tag=_KV_TAG) if step + 1 < group.size else None
