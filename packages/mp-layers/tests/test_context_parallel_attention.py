@@ -19,9 +19,9 @@ from mp_layers.context_parallel import (
     shard_sequence,
 )
 from mp_layers.context_parallel.block_math import block_backward, block_forward, merge_into
-from mp_state.testing import run_on_ranks
+from mp_state.testing import RankFailure, run_on_ranks
 
-S, B, NQ, NG, D = 32, 2, 4, 2, 8
+S, B, NQ, NG, D = 32, 2, 8, 4, 8
 
 
 def test_load_balanced_chunks():
@@ -89,12 +89,17 @@ def test_block_backward_equals_autograd():
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
 
 
-def _reference(q, k, v, grad):
-    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+def causal_attention(q, k, v):
+    """[s, b, n, d] -> [s, b, n * d] on one rank (torch's SDPA)."""
     out = F.scaled_dot_product_attention(
         *(t.permute(1, 2, 0, 3) for t in (q, k, v)), is_causal=True, enable_gqa=True
     )
-    out = out.permute(2, 0, 1, 3).reshape(S, B, NQ * D)
+    return out.permute(2, 0, 1, 3).flatten(2)
+
+
+def _reference(q, k, v, grad):
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    out = causal_attention(q, k, v)
     out.backward(grad)
     return out.detach(), q.grad, k.grad, v.grad
 
@@ -110,6 +115,7 @@ def _inputs():
 def compare_on_ranks(comm_type: str) -> float:
     import mp_state
     from mp_layers.context_parallel import context_parallel_attention
+    from mp_layers.context_parallel.ulysses import ulysses_attention
 
     torch.set_num_threads(1)
     cp = torch.distributed.get_world_size()
@@ -119,7 +125,11 @@ def compare_on_ranks(comm_type: str) -> float:
     expected = _reference(q, k, v, grad)
     local = [shard_sequence(t, cp, group.rank, dim=0) for t in (q, k, v)]
     local = [t.clone().requires_grad_() for t in local]
-    out = context_parallel_attention(*local, group, scale=1 / math.sqrt(D), comm_type=comm_type)
+    if comm_type == "a2a":
+        out = ulysses_attention(*local, group, causal_attention)
+    else:
+        scale = 1 / math.sqrt(D)
+        out = context_parallel_attention(*local, group, scale=scale, comm_type=comm_type)
     out.backward(shard_sequence(grad, cp, group.rank, dim=0))
     worst = 0.0
     for got, want in zip((out, *(t.grad for t in local)), expected, strict=True):
@@ -130,8 +140,25 @@ def compare_on_ranks(comm_type: str) -> float:
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("comm_type", CP_COMM_TYPES)
+@pytest.mark.parametrize("comm_type", [*CP_COMM_TYPES, "a2a"])
 @pytest.mark.parametrize("cp", [1, 2, 4])
 def test_context_parallel_attention_equals_one_rank(cp, comm_type):
     errors = run_on_ranks(compare_on_ranks, cp, comm_type, timeout=120)
     assert max(errors) < 1e-5, errors
+
+
+def refuse_on_ranks() -> None:
+    import mp_state
+    from mp_layers.context_parallel.ulysses import ulysses_attention
+
+    state = mp_state.initialize(mp_state.ParallelConfig(context_parallel_size=3))
+    q = torch.zeros(6, 1, 4, 2)
+    k = torch.zeros(6, 1, 2, 2)
+    ulysses_attention(q, k, k, state.cp, causal_attention)
+
+
+@pytest.mark.multirank
+def test_all_to_all_needs_heads_divisible_by_cp():
+    message = r"num_query_groups=2 \(with num_attention_heads=4\) is not divisible"
+    with pytest.raises(RankFailure, match=message):
+        run_on_ranks(refuse_on_ranks, 3, timeout=60)
