@@ -1,0 +1,225 @@
+"""Hugging Face -> mp -> Hugging Face, exactly: a random transformers model imported by
+`mp-ckpt import-hf` gives transformers' logits in GPTModel (built from the imported
+settings alone), and `mp-ckpt export-hf` gives back its config and every tensor;
+the tokenizer and generation settings travel both ways."""
+
+import dataclasses
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from mp_ckpt import CheckpointReader, Checkpointer, load_checkpoint
+from mp_ckpt.cli import main
+from mp_layers import GPTModel, TransformerConfig
+from mp_state import RankGroup
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+transformers = pytest.importorskip("transformers")
+tokenizers = pytest.importorskip("tokenizers")
+
+SINGLE = RankGroup("single", (0,), 0, None)
+SEQ = 24
+LLAMA = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+             num_attention_heads=8, num_key_value_heads=4, head_dim=8, rms_norm_eps=1e-6,
+             max_position_embeddings=SEQ, initializer_range=0.2)  # fmt: skip
+LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                  "high_freq_factor": 4.0, "original_max_position_embeddings": 256}  # fmt: skip
+CASES = {
+    # GPT-2's default activation is gelu_new (the tanh approximation).
+    "gpt2": lambda: transformers.GPT2Config(
+        vocab_size=96, n_positions=SEQ, n_embd=64, n_layer=2, n_head=4, initializer_range=0.2,
+        layer_norm_epsilon=1e-4, bos_token_id=3, eos_token_id=5,
+    ),
+    "gpt2-exact-gelu-n-inner": lambda: transformers.GPT2Config(
+        vocab_size=96, n_positions=SEQ, n_embd=64, n_layer=2, n_head=4, n_inner=96,
+        activation_function="gelu", initializer_range=0.2,
+    ),
+    "llama-untied": lambda: transformers.LlamaConfig(**LLAMA, tie_word_embeddings=False),
+    "llama-tied": lambda: transformers.LlamaConfig(**LLAMA, tie_word_embeddings=True),
+    "llama-theta-500000": lambda: transformers.LlamaConfig(
+        **LLAMA, rope_parameters={"rope_type": "default", "rope_theta": 500000.0}
+    ),
+    "llama3-scaling": lambda: transformers.LlamaConfig(
+        **LLAMA, rope_parameters={"rope_theta": 500000.0, **LLAMA3_SCALING}
+    ),
+}  # fmt: skip
+
+
+def ids(vocab: int) -> torch.Tensor:
+    return torch.randint(0, vocab, (2, SEQ), generator=torch.Generator().manual_seed(3))
+
+
+def random_hf(config):
+    torch.manual_seed(0)
+    cls = transformers.GPT2LMHeadModel if config.model_type == "gpt2" else (
+        transformers.LlamaForCausalLM)  # fmt: skip
+    return cls(config).eval()
+
+
+def mp_model(checkpoint) -> GPTModel:
+    """GPTModel built from the settings import-hf recorded, with the checkpoint's weights."""
+    common = torch.load(CheckpointReader(checkpoint).directory / "common.pt", weights_only=False)
+    settings = common["model_config"]
+    fields = {f.name for f in dataclasses.fields(TransformerConfig)}
+    kept = {k: v for k, v in settings.items() if k in fields}
+    config = TransformerConfig(**kept | {"hidden_dropout": 0.0, "attention_dropout": 0.0})
+    torch.manual_seed(9)  # other weights until loaded
+    model = GPTModel(config, "local", settings["vocab_size"], settings["max_position_embeddings"],
+                     tp_group=SINGLE).eval()  # fmt: skip
+    load_checkpoint(checkpoint, model.sharded_state_dict())
+    return model
+
+
+def hf_config_dict(folder) -> dict:
+    config = transformers.AutoConfig.from_pretrained(folder).to_dict()
+    config.pop("_name_or_path")
+    return config
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_import_gives_transformers_logits_and_export_gives_back_config_and_tensors(
+    tmp_path, case
+):
+    hf = random_hf(CASES[case]())
+    hf.save_pretrained(tmp_path / "hf_in")
+    assert main(["import-hf", str(tmp_path / "hf_in"), str(tmp_path / "ckpt")]) == 0
+    model = mp_model(tmp_path / "ckpt")
+    x = ids(hf.config.vocab_size)
+    with torch.no_grad():
+        assert (model(x) - hf(x).logits).abs().max() < 1e-5
+
+    arch = hf.config.model_type
+    args = ["export-hf", str(tmp_path / "ckpt"), str(tmp_path / "hf_out"), "--arch", arch]
+    assert main(args) == 0
+    assert hf_config_dict(tmp_path / "hf_out") == hf_config_dict(tmp_path / "hf_in")
+    written = json.loads((tmp_path / "hf_out" / "config.json").read_text())
+    original = json.loads((tmp_path / "hf_in" / "config.json").read_text())
+    for key in ("activation_function", "n_inner", "layer_norm_epsilon", "rms_norm_eps",
+                "rope_parameters", "bos_token_id", "eos_token_id", "tie_word_embeddings"):  # fmt: skip
+        assert written.get(key) == original.get(key), key
+    exported = load_file(str(tmp_path / "hf_out" / "model.safetensors"))
+    source = load_file(str(tmp_path / "hf_in" / "model.safetensors"))
+    assert exported.keys() == source.keys()
+    for name, tensor in source.items():
+        assert torch.equal(exported[name], tensor), name
+    reloaded = type(hf).from_pretrained(tmp_path / "hf_out").eval()
+    with torch.no_grad():
+        assert torch.equal(reloaded(x).logits, hf(x).logits)
+
+
+def tiny_tokenizer(special: list[str]):
+    """A byte-level BPE trained on a sentence (no download)."""
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    tok = tokenizers.Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=special,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
+    tok.train_from_iterator(["the quick brown fox jumps over the lazy dog, then naps"] * 8,
+                            trainer)  # fmt: skip
+    return tok
+
+
+TEXT = "the lazy fox naps, the quick dog jumps"
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_tokenizer_and_generation_travel_through_import_and_export(tmp_path, arch):
+    if arch == "gpt2":
+        backend = tiny_tokenizer(["<|endoftext|>"])
+        tokenizer = transformers.GPT2TokenizerFast(
+            tokenizer_object=backend, bos_token="<|endoftext|>", eos_token="<|endoftext|>"
+        )
+        config = transformers.GPT2Config(vocab_size=backend.get_vocab_size(), n_positions=SEQ,
+                                         n_embd=64, n_layer=2, n_head=4, initializer_range=0.2,
+                                         bos_token_id=tokenizer.bos_token_id,
+                                         eos_token_id=tokenizer.eos_token_id)  # fmt: skip
+    else:
+        backend = tiny_tokenizer(["<s>", "</s>", "<pad>"])
+        tokenizer = transformers.PreTrainedTokenizerFast(
+            tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
+        )
+        config = transformers.LlamaConfig(**LLAMA | {"vocab_size": backend.get_vocab_size()},
+                                          tie_word_embeddings=True,
+                                          bos_token_id=tokenizer.bos_token_id,
+                                          eos_token_id=tokenizer.eos_token_id,
+                                          pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+    hf = random_hf(config)
+    hf.save_pretrained(tmp_path / "hf_in")
+    tokenizer.save_pretrained(tmp_path / "hf_in")
+    assert main(["import-hf", str(tmp_path / "hf_in"), str(tmp_path / "ckpt")]) == 0
+    args = ["export-hf", str(tmp_path / "ckpt"), str(tmp_path / "hf_out"), "--arch", arch]
+    assert main(args) == 0
+
+    source = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf_in")
+    exported = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf_out")
+    assert exported(TEXT).input_ids == source(TEXT).input_ids
+    assert len(source(TEXT).input_ids) < len(TEXT)  # merges applied, not bytes
+    generation = json.loads((tmp_path / "hf_out" / "generation_config.json").read_text())
+    assert generation["eos_token_id"] == tokenizer.eos_token_id
+
+    prompt = exported(TEXT, return_tensors="pt").input_ids[:, :8]
+    reloaded = type(hf).from_pretrained(tmp_path / "hf_out").eval()
+    kwargs = dict(max_new_tokens=6, do_sample=False, min_new_tokens=6)
+    with torch.no_grad():
+        got = reloaded.generate(prompt, attention_mask=torch.ones_like(prompt), **kwargs)
+        want = hf.generate(prompt, attention_mask=torch.ones_like(prompt), **kwargs)
+    assert got.shape == (1, 14) and torch.equal(got, want)
+
+
+def test_export_writes_the_tokenizer_of_a_checkpoint_trained_with_gpt2_bpe(tmp_path):
+    from mp_data import build_tokenizer
+
+    backend = tiny_tokenizer(["<|endoftext|>"])
+    (tmp_path / "tok").mkdir()
+    backend.model.save(str(tmp_path / "tok"))  # vocab.json, merges.txt
+    data = {"tokenizer_type": "GPT2BPETokenizer", "vocab_file": str(tmp_path / "tok/vocab.json"),
+            "merge_file": str(tmp_path / "tok/merges.txt"), "tokenizer_model": None}  # fmt: skip
+    ours = build_tokenizer("GPT2BPETokenizer", vocab_file=data["vocab_file"],
+                           merge_file=data["merge_file"])  # fmt: skip
+    config = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4,
+                               hidden_dropout=0.0, attention_dropout=0.0)  # fmt: skip
+    model = GPTModel(config, "local", 320, SEQ, tp_group=SINGLE)
+    common = {"config": {"data": data}, "model_config": {"max_position_embeddings": SEQ}}
+    Checkpointer(tmp_path / "ckpt").save(3, model.sharded_state_dict(), common=common)
+    args = ["export-hf", str(tmp_path / "ckpt"), str(tmp_path / "hf"), "--arch", "gpt2"]
+    assert main(args) == 0
+
+    exported = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    assert exported(TEXT).input_ids == ours.tokenize(TEXT)
+    assert exported.eos_token_id == ours.eod
+    generation = json.loads((tmp_path / "hf" / "generation_config.json").read_text())
+    assert generation == {"bos_token_id": ours.eod, "eos_token_id": ours.eod}
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}},
+         "rope_type='yarn'"),
+        ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "rope_type='dynamic'"),
+        ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
+        ({"attention_bias": True}, "attention_bias=True"),
+    ],
+)  # fmt: skip
+def test_import_refuses_what_mp_cannot_compute(tmp_path, capsys, change, message):
+    random_hf(CASES["llama-untied"]()).save_pretrained(tmp_path / "hf")
+    path = tmp_path / "hf" / "config.json"
+    config = json.loads(path.read_text())
+    config.pop("rope_parameters")
+    path.write_text(json.dumps(config | change))
+    assert main(["import-hf", str(tmp_path / "hf"), str(tmp_path / "ckpt")]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "ckpt").exists()
+
+
+def test_import_refuses_an_unknown_gpt2_activation(tmp_path, capsys):
+    random_hf(CASES["gpt2"]()).save_pretrained(tmp_path / "hf")
+    path = tmp_path / "hf" / "config.json"
+    path.write_text(json.dumps(json.loads(path.read_text()) | {"activation_function": "relu"}))
+    assert main(["import-hf", str(tmp_path / "hf"), str(tmp_path / "ckpt")]) == 2
+    assert "activation_function='relu'" in capsys.readouterr().err
