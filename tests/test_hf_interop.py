@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from mp_ckpt import CheckpointReader, Checkpointer, load_checkpoint
+from mp_ckpt import Checkpointer, CheckpointReader, load_checkpoint
 from mp_ckpt.cli import main
 from mp_layers import GPTModel, TransformerConfig
 from mp_state import RankGroup
@@ -80,9 +80,7 @@ def hf_config_dict(folder) -> dict:
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_import_gives_transformers_logits_and_export_gives_back_config_and_tensors(
-    tmp_path, case
-):
+def test_import_gives_transformers_logits_and_export_gives_back_config_and_tensors(tmp_path, case):
     hf = random_hf(CASES[case]())
     hf.save_pretrained(tmp_path / "hf_in")
     assert main(["import-hf", str(tmp_path / "hf_in"), str(tmp_path / "ckpt")]) == 0
@@ -97,8 +95,9 @@ def test_import_gives_transformers_logits_and_export_gives_back_config_and_tenso
     assert hf_config_dict(tmp_path / "hf_out") == hf_config_dict(tmp_path / "hf_in")
     written = json.loads((tmp_path / "hf_out" / "config.json").read_text())
     original = json.loads((tmp_path / "hf_in" / "config.json").read_text())
-    for key in ("activation_function", "n_inner", "layer_norm_epsilon", "rms_norm_eps",
-                "rope_parameters", "bos_token_id", "eos_token_id", "tie_word_embeddings"):  # fmt: skip
+    kept = ("activation_function", "n_inner", "layer_norm_epsilon", "rms_norm_eps",
+            "rope_parameters", "bos_token_id", "eos_token_id", "tie_word_embeddings")  # fmt: skip
+    for key in kept:
         assert written.get(key) == original.get(key), key
     exported = load_file(str(tmp_path / "hf_out" / "model.safetensors"))
     source = load_file(str(tmp_path / "hf_in" / "model.safetensors"))
