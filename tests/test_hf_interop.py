@@ -1,11 +1,13 @@
 """Hugging Face -> mp -> Hugging Face, exactly: a random transformers model imported by
 `mp-ckpt import-hf` gives transformers' logits in GPTModel (built from the imported
 settings alone), and `mp-ckpt export-hf` gives back its config and every tensor;
-the tokenizer and generation settings travel both ways."""
+the tokenizer and generation settings travel both ways. A checkpoint saved by mp's
+training exports with its model's settings (activation, rotary base and scaling)."""
 
 import dataclasses
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +17,7 @@ from mp_ckpt import Checkpointer, CheckpointReader, load_checkpoint
 from mp_ckpt.cli import main
 from mp_layers import GPTModel, TransformerConfig
 from mp_state import RankGroup
+from mp_state.testing import run_on_ranks
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
@@ -222,3 +225,57 @@ def test_import_refuses_an_unknown_gpt2_activation(tmp_path, capsys):
     path.write_text(json.dumps(json.loads(path.read_text()) | {"activation_function": "relu"}))
     assert main(["import-hf", str(tmp_path / "hf"), str(tmp_path / "ckpt")]) == 2
     assert "activation_function='relu'" in capsys.readouterr().err
+
+
+# --- checkpoints saved by mp's training ---
+
+CONFIG = Path(__file__).resolve().parents[1] / "apps" / "gpt" / "configs" / "tiny.yaml"
+TRAIN_SEQ = 32
+TRAINED_STYLES = {
+    "gpt2": ["--normalization", "LayerNorm", "--activation", "gelu", "--openai-gelu",
+             "--position-embedding-type", "learned_absolute", "--add-bias-linear",
+             "--num-query-groups", "4", "--ffn-hidden-size", "256"],
+    "llama": ["--use-rope-scaling", "--rope-scaling-factor", "4",
+              "--rope-scaling-original-max-position-embeddings", "64",
+              "--rotary-base", "500000", "--untie-embeddings-and-output-weights"],
+}  # fmt: skip
+
+
+def train_body(run_dir: str, extra: list[str]):
+    torch.set_num_threads(1)
+    os.environ.setdefault("MP_RUN_DIR", "/nonexistent")
+    from mp_gpt.pretrain import main as pretrain
+
+    return pretrain([
+        "--config", str(CONFIG), "--mock-data", "--tokenizer-type", "NullTokenizer",
+        "--vocab-size", "200", "--make-vocab-size-divisible-by", "128",
+        "--seq-length", str(TRAIN_SEQ), "--num-layers", "2", "--hidden-size", "64",
+        "--init-method-std", "0.2", "--micro-batch-size", "2", "--global-batch-size", "2",
+        "--train-iters", "1", "--eval-interval", "none", "--save", run_dir,
+        "--tensorboard-dir", "none", "--num-workers", "0", "--lr-warmup-iters", "0",
+        "--log-interval", "100", *extra,
+    ])  # fmt: skip
+
+
+@pytest.mark.parametrize("style", sorted(TRAINED_STYLES))
+def test_a_trained_checkpoint_exports_with_its_activation_and_rotary_settings(tmp_path, style):
+    run_on_ranks(train_body, 1, str(tmp_path / "run"), TRAINED_STYLES[style], timeout=120)
+    common = torch.load(CheckpointReader(tmp_path / "run").directory / "common.pt",
+                        weights_only=False)  # fmt: skip
+    saved = common["config"]["model"]
+    fields = {f.name for f in dataclasses.fields(TransformerConfig)}
+    config = TransformerConfig(**{k: v for k, v in saved.items() if k in fields and k not in
+                                  ("params_dtype", "hidden_dropout", "attention_dropout")},
+                               hidden_dropout=0.0, attention_dropout=0.0)  # fmt: skip
+    assert config.openai_gelu == (style == "gpt2")
+    assert config.use_rope_scaling == (style == "llama")
+    vocab = common["model_config"]["vocab_size"]
+    model = GPTModel(config, "local", vocab, TRAIN_SEQ, tp_group=SINGLE).eval()
+    load_checkpoint(tmp_path / "run", model.sharded_state_dict(), strict=False)
+
+    args = ["export-hf", str(tmp_path / "run"), str(tmp_path / "hf"), "--arch", style]
+    assert main(args) == 0
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    x = torch.randint(0, vocab, (2, TRAIN_SEQ), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (hf(x).logits - model(x)).abs().max() < 1e-5

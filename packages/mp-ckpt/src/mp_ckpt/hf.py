@@ -83,14 +83,18 @@ def export_hf(
     LlamaForCausalLM): the safetensors, the tokenizer files (hf_tokenizer),
     generation_config.json when a special token id is known, and config.json last.
     Settings the tensors do not show (norm epsilon, activation, rotary base and
-    scaling, ...) come from the checkpoint's common["model_config"] (Megatron names)."""
+    scaling, ...) come from the checkpoint's common["model_config"] (Megatron names),
+    completed by common["config"]["model"] (the training run's TransformerConfig)."""
     if arch not in ARCHITECTURES:
         raise ValueError(f"unknown architecture {arch!r}: choose one of {', '.join(ARCHITECTURES)}")
     reader = CheckpointReader(checkpoint, iteration=iteration)
     model_keys = [k for k in reader.keys if not k.startswith("optimizer.")]
     common = torch.load(reader.directory / "common.pt", weights_only=False)
     common = common if isinstance(common, dict) else {}
-    settings = dict(common.get("model_config") or {})
+    # A checkpoint saved by mp's training also holds the run's whole model config
+    # (TransformerConfig's fields: activation details, rotary scaling, ...).
+    run_model = (common.get("config") or {}).get("model") or {}
+    settings = dict(run_model) | dict(common.get("model_config") or {})
     files, ids = export_tokenizer(common)
     saved_dtype = reader.dtype("embedding.word_embeddings.weight")
     dtype_name = str(dtype or saved_dtype).removeprefix("torch.")
