@@ -129,8 +129,8 @@ def tiny_tokenizer(special: list[str]):
 TEXT = "the lazy fox naps, the quick dog jumps"
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "llama"])
-def test_tokenizer_and_generation_travel_through_import_and_export(tmp_path, arch):
+def hf_folder_with_tokenizer(folder, arch: str):
+    """A random model of `arch` saved with a tiny tokenizer: (model, tokenizer)."""
     if arch == "gpt2":
         backend = tiny_tokenizer(["<|endoftext|>"])
         tokenizer = transformers.GPT2TokenizerFast(
@@ -151,8 +151,14 @@ def test_tokenizer_and_generation_travel_through_import_and_export(tmp_path, arc
                                           eos_token_id=tokenizer.eos_token_id,
                                           pad_token_id=tokenizer.pad_token_id)  # fmt: skip
     hf = random_hf(config)
-    hf.save_pretrained(tmp_path / "hf_in")
-    tokenizer.save_pretrained(tmp_path / "hf_in")
+    hf.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return hf, tokenizer
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_tokenizer_and_generation_travel_through_import_and_export(tmp_path, arch):
+    hf, tokenizer = hf_folder_with_tokenizer(tmp_path / "hf_in", arch)
     assert main(["import-hf", str(tmp_path / "hf_in"), str(tmp_path / "ckpt")]) == 0
     args = ["export-hf", str(tmp_path / "ckpt"), str(tmp_path / "hf_out"), "--arch", arch]
     assert main(args) == 0
@@ -171,6 +177,32 @@ def test_tokenizer_and_generation_travel_through_import_and_export(tmp_path, arc
         got = reloaded.generate(prompt, attention_mask=torch.ones_like(prompt), **kwargs)
         want = hf.generate(prompt, attention_mask=torch.ones_like(prompt), **kwargs)
     assert got.shape == (1, 14) and torch.equal(got, want)
+
+
+def generate_body(checkpoint: str, prompt: str) -> str:
+    import argparse
+
+    torch.set_num_threads(1)
+    from mp_gpt.generate import run_generation
+
+    args = argparse.Namespace(load=checkpoint, prompt=prompt, max_new_tokens=6, temperature=0.0,
+                              top_k=0, top_p=1.0, seed=0, tensor_model_parallel_size=1)  # fmt: skip
+    return run_generation(args, ["--seq-length", str(SEQ)])
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_generate_on_an_imported_checkpoint_uses_its_tokenizer(tmp_path, arch):
+    hf, tokenizer = hf_folder_with_tokenizer(tmp_path / "hf_in", arch)
+    assert main(["import-hf", str(tmp_path / "hf_in"), str(tmp_path / "ckpt")]) == 0
+    prompt = "the lazy fox"
+    text = run_on_ranks(generate_body, 1, str(tmp_path / "ckpt"), prompt, timeout=120)[0]
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    with torch.no_grad():
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6,
+                          do_sample=False)[0, ids.shape[1]:].tolist()  # fmt: skip
+    new = [t for t in out if t != tokenizer.eos_token_id]
+    assert len(new) > 0
+    assert text == prompt + tokenizer.decode(new)
 
 
 def test_export_writes_the_tokenizer_of_a_checkpoint_trained_with_gpt2_bpe(tmp_path):
