@@ -48,6 +48,9 @@ CASES = {
     "llama3-scaling": lambda: transformers.LlamaConfig(
         **LLAMA, rope_parameters={"rope_theta": 500000.0, **LLAMA3_SCALING}
     ),
+    "llama-linear-scaling": lambda: transformers.LlamaConfig(
+        **LLAMA, rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}
+    ),
 }  # fmt: skip
 
 
@@ -249,6 +252,33 @@ def test_import_refuses_what_mp_cannot_compute(tmp_path, capsys, change, message
     assert main(["import-hf", str(tmp_path / "hf"), str(tmp_path / "ckpt")]) == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "ckpt").exists()
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(add_qkv_bias=True), "has no place for decoder.layers.0.self_attention.linear_qkv"),
+        (dict(qk_layernorm=True), "has no place for"),
+        (dict(num_query_groups=4, untie_embeddings_and_output_weights=False, arch="gpt2"),
+         "grouped-query attention"),
+    ],
+)  # fmt: skip
+def test_export_refuses_tensors_the_architecture_has_no_place_for(tmp_path, capsys, change,
+                                                                  message):  # fmt: skip
+    arch = change.pop("arch", "llama")
+    style = dict(num_layers=1, hidden_size=64, num_attention_heads=8, num_query_groups=4,
+                 ffn_hidden_size=96, normalization="RMSNorm", activation="swiglu",
+                 position_embedding_type="rope", add_bias_linear=False,
+                 untie_embeddings_and_output_weights=True)  # fmt: skip
+    if arch == "gpt2":
+        style = dict(num_layers=1, hidden_size=64, num_attention_heads=8)
+    config = TransformerConfig(**style | change, hidden_dropout=0.0, attention_dropout=0.0)
+    model = GPTModel(config, "local", 96, SEQ, tp_group=SINGLE)
+    Checkpointer(tmp_path / "ckpt").save(1, model.sharded_state_dict())
+    args = ["export-hf", str(tmp_path / "ckpt"), str(tmp_path / "hf"), "--arch", arch]
+    assert main(args) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "hf" / "config.json").exists()
 
 
 def test_import_refuses_an_unknown_gpt2_activation(tmp_path, capsys):

@@ -95,6 +95,12 @@ def export_hf(
     # (TransformerConfig's fields: activation details, rotary scaling, ...).
     run_model = (common.get("config") or {}).get("model") or {}
     settings = dict(run_model) | dict(common.get("model_config") or {})
+    _check_keys(arch, model_keys, reader.directory)
+    if arch == "llama" and settings.get("rotary_percent", 1.0) != 1.0:
+        raise ValueError(
+            f"model_config rotary_percent={settings['rotary_percent']!r}: LlamaForCausalLM "
+            "rotates every channel of a head"
+        )
     files, ids = export_tokenizer(common)
     saved_dtype = reader.dtype("embedding.word_embeddings.weight")
     dtype_name = str(dtype or saved_dtype).removeprefix("torch.")
@@ -114,6 +120,29 @@ def export_hf(
     return out
 
 
+def _check_keys(arch: str, keys: list[str], directory: Path) -> None:
+    """Raises unless the model tensors are exactly those `arch` has a place for (a Llama's
+    output_layer.weight is optional: absent, the output is tied to the embedding)."""
+    if arch == "gpt2":
+        parts = [f"self_attention.linear_qkv.{p}" for p in "qkv"]
+        parts += [*_GPT2_CONV1D.values(), "input_layernorm", "pre_mlp_layernorm"]
+        per_layer = [f"{part}.{w}" for part in parts for w in ("weight", "bias")]
+        fixed = {"embedding.word_embeddings.weight", "embedding.position_embeddings.weight",
+                 "decoder.final_layernorm.weight", "decoder.final_layernorm.bias"}  # fmt: skip
+    else:
+        parts = [f"self_attention.linear_qkv.{p}" for p in "qkv"] + list(_LLAMA_PER_LAYER.values())
+        per_layer = [f"{part}.weight" for part in parts]
+        fixed = {"embedding.word_embeddings.weight", "decoder.final_layernorm.weight"}
+    layers = _layers(keys)
+    needed = fixed | {f"decoder.layers.{i}.{k}" for i in range(layers) for k in per_layer}
+    extra = sorted(set(keys) - needed - {"output_layer.weight"})  # gpt2's: refused later
+    missing = sorted(needed - set(keys))
+    for what, names in (("has no place for", extra), ("needs, and the checkpoint lacks", missing)):
+        if names:
+            shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+            raise ValueError(f"{directory}: the {arch} export {what} {shown}")
+
+
 def _json(value: dict) -> bytes:
     return (json.dumps(value, indent=2) + "\n").encode()
 
@@ -128,7 +157,12 @@ def _gpt2_export(reader: CheckpointReader, keys: list[str], settings: dict, ids:
     vocab, h = reader.shape("embedding.word_embeddings.weight")
     positions = reader.shape("embedding.position_embeddings.weight")[0]
     layers = _layers(keys)
-    heads = reader.shape("decoder.layers.0.self_attention.linear_qkv.q.weight")[0]
+    heads, per_group = reader.shape("decoder.layers.0.self_attention.linear_qkv.q.weight")[:2]
+    if per_group != 1:
+        raise ValueError(
+            f"{reader.directory}: grouped-query attention ({per_group} query heads per group); "
+            "GPT-2 has one key/value head per query head: export it as llama"
+        )
     ffn = reader.shape("decoder.layers.0.mlp.linear_fc1.weight")[0]
     shapes = {"vocab": vocab, "positions": positions, "hidden": h, "layers": layers,
               "heads": heads, "ffn": ffn}  # fmt: skip

@@ -19,8 +19,10 @@ exact erf form. Llama's only activation is silu, gated (swiglu).
 Rotary embeddings: transformers 5 writes the base and the scaling under
 "rope_parameters" ({"rope_theta", "rope_type", ...}); earlier versions wrote a
 top-level "rope_theta" and "rope_scaling". Both are read; both are written, so
-that either version loads the export. rope_type "default" is plain RoPE and
-"llama3" is Llama 3.1's rescaling (use_rope_scaling with its four settings).
+that either version loads the export. rope_type "default" is plain RoPE,
+"linear" divides the frequencies by its factor (rotary_seq_len_interpolation_factor
+divides the positions: the same angles) and "llama3" is Llama 3.1's rescaling
+(use_rope_scaling with its four settings).
 """
 
 from __future__ import annotations
@@ -111,10 +113,14 @@ def _rope_settings(config: dict, max_positions: int) -> dict:
     settings = {"rotary_base": int(theta), "use_rope_scaling": False}
     if kind == "default":
         return settings
+    if kind == "linear":  # frequencies / factor: the same angles as positions / factor
+        if "factor" not in parameters:
+            raise ValueError("config.json rope_type='linear' without factor")
+        return settings | {"rotary_seq_len_interpolation_factor": parameters["factor"]}
     if kind != "llama3":
         raise ValueError(
-            f"config.json rope_type={kind!r}: mp implements RoPE scaling 'llama3' only "
-            "(and 'default', none)"
+            f"config.json rope_type={kind!r}: mp implements the RoPE types 'default', "
+            "'linear' and 'llama3'"
         )
     given = {"original_max_position_embeddings": max_positions} | parameters
     missing = [k for k in _LLAMA3_KEYS if k not in given]
@@ -168,12 +174,14 @@ def llama_config(settings: dict, shapes: dict, tokens: dict, dtype: str) -> dict
             key: settings.get(field, default)
             for key, field, default in zip(_LLAMA3_KEYS, _LLAMA3_FIELDS, defaults, strict=True)
         }
-    if settings.get("rotary_seq_len_interpolation_factor") is not None:
-        raise ValueError(
-            "model_config rotary_seq_len_interpolation_factor="
-            f"{settings['rotary_seq_len_interpolation_factor']!r}: the Llama export writes "
-            "no linear RoPE scaling"
-        )
+    linear = settings.get("rotary_seq_len_interpolation_factor")
+    if linear is not None:
+        if scaling is not None:
+            raise ValueError(
+                f"model_config rotary_seq_len_interpolation_factor={linear!r} with "
+                "use_rope_scaling=True: config.json holds one rope_type"
+            )
+        scaling = {"rope_type": "linear", "factor": linear}
     return {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
         "vocab_size": shapes["vocab"], "hidden_size": shapes["hidden"],
