@@ -208,16 +208,23 @@ def test_generate_on_an_imported_checkpoint_uses_its_tokenizer(tmp_path, arch):
     assert text == prompt + tokenizer.decode(new)
 
 
-def test_export_writes_the_tokenizer_of_a_checkpoint_trained_with_gpt2_bpe(tmp_path):
+@pytest.mark.parametrize("kind", ["GPT2BPETokenizer", "HuggingFaceTokenizer"])
+def test_export_writes_the_tokenizer_of_a_checkpoint_trained_with_it(tmp_path, kind):
     from mp_data import build_tokenizer
 
     backend = tiny_tokenizer(["<|endoftext|>"])
-    (tmp_path / "tok").mkdir()
-    backend.model.save(str(tmp_path / "tok"))  # vocab.json, merges.txt
-    data = {"tokenizer_type": "GPT2BPETokenizer", "vocab_file": str(tmp_path / "tok/vocab.json"),
-            "merge_file": str(tmp_path / "tok/merges.txt"), "tokenizer_model": None}  # fmt: skip
-    ours = build_tokenizer("GPT2BPETokenizer", vocab_file=data["vocab_file"],
-                           merge_file=data["merge_file"])  # fmt: skip
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    if kind == "GPT2BPETokenizer":
+        backend.model.save(str(folder))  # vocab.json, merges.txt
+        data = {"vocab_file": str(folder / "vocab.json"), "merge_file": str(folder / "merges.txt"),
+                "tokenizer_model": None}  # fmt: skip
+    else:
+        backend.save(str(folder / "tokenizer.json"))  # no role files: eod is <|endoftext|>
+        data = {"vocab_file": None, "merge_file": None, "tokenizer_model": str(folder)}
+    data["tokenizer_type"] = kind
+    ours = build_tokenizer(kind, vocab_file=data["vocab_file"], merge_file=data["merge_file"],
+                           tokenizer_model=data["tokenizer_model"])  # fmt: skip
     config = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4,
                                hidden_dropout=0.0, attention_dropout=0.0)  # fmt: skip
     model = GPTModel(config, "local", 320, SEQ, tp_group=SINGLE)
@@ -230,7 +237,10 @@ def test_export_writes_the_tokenizer_of_a_checkpoint_trained_with_gpt2_bpe(tmp_p
     assert exported(TEXT).input_ids == ours.tokenize(TEXT)
     assert exported.eos_token_id == ours.eod
     generation = json.loads((tmp_path / "hf" / "generation_config.json").read_text())
-    assert generation == {"bos_token_id": ours.eod, "eos_token_id": ours.eod}
+    want = {"eos_token_id": ours.eod}
+    if kind == "GPT2BPETokenizer":  # Megatron's GPT-2: <|endoftext|> is bos too
+        want["bos_token_id"] = ours.eod
+    assert generation == want
 
 
 @pytest.mark.parametrize(

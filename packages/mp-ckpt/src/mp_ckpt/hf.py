@@ -26,6 +26,7 @@ import torch
 
 from mp_ckpt.hf_config import gpt2_config, llama_config, model_config_from_hf
 from mp_ckpt.hf_tokenizer import (
+    TOKENIZER_FILES,
     export_tokenizer,
     generation_config,
     tokenizer_from_hf,
@@ -112,6 +113,8 @@ def export_hf(
     out.mkdir(parents=True, exist_ok=True)
     _write_safetensors(out, tensors, max_shard_bytes, dtype)
     for name, data in files.items():
+        if name not in TOKENIZER_FILES:
+            raise ValueError(f"common['tokenizer'] names a file {name!r}, not a tokenizer file")
         write_atomically(out / name, data)
     generation = generation_config(common, ids)
     if generation is not None:

@@ -105,12 +105,14 @@ def _huggingface_files(data: dict) -> tuple[dict[str, bytes], dict]:
         if (folder / name).is_file():
             files[name] = (folder / name).read_bytes()
             roles.update(_roles(json.loads(files[name])))
-    if "tokenizer_config.json" not in files:
-        files["tokenizer_config.json"] = json.dumps(
-            {"tokenizer_class": "PreTrainedTokenizerFast"} | roles, indent=2
-        ).encode()
     vocab = _vocabulary(json.loads(tokenizer))
+    # mp-data's eod without a role file naming one: the first end-of-text token it knows.
     eos = roles.get("eos_token") or next((t for t in _END_OF_TEXT if t in vocab), None)
+    if "tokenizer_config.json" not in files:
+        config = {"tokenizer_class": "PreTrainedTokenizerFast"} | roles
+        if eos is not None:
+            config["eos_token"] = eos
+        files["tokenizer_config.json"] = json.dumps(config, indent=2).encode()
     ids = {"bos_token_id": vocab.get(roles.get("bos_token")), "eos_token_id": vocab.get(eos),
            "pad_token_id": vocab.get(roles.get("pad_token"))}  # fmt: skip
     return files, ids
@@ -163,6 +165,8 @@ def write_tokenizer_files(common: dict, out_dir: str | os.PathLike) -> list[Path
     files, _ = export_tokenizer(common)
     written = []
     for name, data in files.items():
+        if name not in TOKENIZER_FILES:
+            raise ValueError(f"common['tokenizer'] names a file {name!r}, not a tokenizer file")
         write_atomically(out / name, data)
         written.append(out / name)
     return written
