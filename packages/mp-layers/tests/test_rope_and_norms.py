@@ -5,7 +5,12 @@ import torch
 
 from mp_layers import TransformerConfig
 from mp_layers.transformer.norms import build_norm
-from mp_layers.transformer.rope import RotaryEmbedding, apply_rotary_pos_emb
+from mp_layers.transformer.rope import (
+    Llama3Scaling,
+    RotaryEmbedding,
+    apply_rotary_pos_emb,
+    llama3_scaled,
+)
 
 
 def by_complex_numbers(t, base, rot, factor=1.0):
@@ -35,6 +40,38 @@ def test_rope_equals_the_complex_rotation(percent, factor):
 def test_rope_rejects_an_odd_number_of_rotated_channels():
     with pytest.raises(ValueError, match="gives 3 rotated channels"):
         RotaryEmbedding(6, rotary_percent=0.5)
+
+
+def test_llama3_scaling_keeps_high_divides_low_and_blends_between():
+    scaling = Llama3Scaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                            original_max_position_embeddings=256)  # fmt: skip
+    inv_freq = 1.0 / 500000 ** (torch.arange(0, 16, 2, dtype=torch.float32) / 16)
+    wavelength = 2 * torch.pi / inv_freq
+    scaled = llama3_scaled(inv_freq, scaling)
+    high, low = wavelength < 256 / 4, wavelength > 256 / 1
+    between = ~high & ~low
+    assert high.any() and low.any() and between.any()
+    assert torch.equal(scaled[high], inv_freq[high])
+    assert torch.equal(scaled[low], inv_freq[low] / 8)
+    t = (256 / wavelength[between] - 1) / (4 - 1)
+    assert torch.allclose(scaled[between], (1 - t) * inv_freq[between] / 8 + t * inv_freq[between])
+    rope = RotaryEmbedding(16, rotary_base=500000, llama3_scaling=scaling)
+    assert torch.equal(rope.inv_freq, scaled)
+
+
+def test_llama3_scaling_equals_transformers():
+    transformers = pytest.importorskip("transformers")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    parameters = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,
+                  "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 8192}  # fmt: skip
+    config = transformers.LlamaConfig(hidden_size=2048, num_attention_heads=32, head_dim=64,
+                                      rope_parameters=parameters)  # fmt: skip
+    want, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
+    scaling = Llama3Scaling(32.0, 1.0, 4.0, 8192)
+    assert torch.equal(RotaryEmbedding(64, rotary_base=500000, llama3_scaling=scaling).inv_freq,
+                       want)  # fmt: skip
 
 
 def test_norms_follow_the_config():

@@ -361,6 +361,23 @@ def test_use_checkpoint_args_takes_the_model_from_the_checkpoint(tmp_path):
     assert model.bf16 and model.params_dtype == torch.bfloat16
 
 
+def test_use_checkpoint_args_takes_an_imported_checkpoints_model_settings(tmp_path):
+    settings = {"num_layers": 3, "hidden_size": 64, "num_attention_heads": 8,
+                "num_query_groups": 4, "activation": "swiglu", "normalization": "RMSNorm",
+                "position_embedding_type": "rope", "rotary_base": 500000,
+                "use_rope_scaling": True, "rope_scaling_factor": 32.0,
+                "hidden_dropout": 0.3, "vocab_size": 96,
+                "max_position_embeddings": 128}  # fmt: skip
+    Checkpointer(tmp_path).save(0, {}, common={"iteration": 0, "model_config": settings})
+    config = parse_config(["--load", str(tmp_path), "--use-checkpoint-args",
+                           "--micro-batch-size", "1", "--seq-length", "64"])  # fmt: skip
+    model = config.model
+    assert (model.num_layers, model.num_query_groups, model.rotary_base) == (3, 4, 500000)
+    assert model.use_rope_scaling and model.rope_scaling_factor == 32.0
+    assert model.hidden_dropout != 0.3  # how this run trains stays its own
+    assert (config.gpt.max_position_embeddings, config.gpt.seq_length) == (128, 64)
+
+
 def test_use_checkpoint_args_needs_a_saved_config(tmp_path):
     Checkpointer(tmp_path).save(1, {}, common={"iteration": 1})
     with pytest.raises(ValueError, match="holds no run config"):

@@ -4,7 +4,11 @@
         --tensor-model-parallel-size 2 --prompt "The function" --max-new-tokens 40
 
 The model's settings come from the checkpoint (--use-checkpoint-args is
-implied); the weights are loaded (resharded) for this TP size. Every rank
+implied); the weights are loaded (resharded) for this TP size. The tokenizer
+is the one the training run named; a checkpoint made by `mp-ckpt import-hf`
+uses the tokenizer files it kept from the Hugging Face folder (tokenizer.json
+as HuggingFaceTokenizer, else vocab.json + merges.txt as GPT2BPETokenizer) and
+its model's vocabulary size. Every rank
 computes the full-vocabulary logits (gathered over tensor-parallel ranks)
 and draws with the same generator, so all ranks agree on each token; rank 0
 prints the text.
@@ -14,12 +18,13 @@ from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 
 import torch
 import torch.distributed as dist
 
 import mp_state
-from mp_ckpt import load_checkpoint
+from mp_ckpt import CheckpointReader, load_checkpoint, write_tokenizer_files
 from mp_data import build_tokenizer, vocab_size_with_padding
 from mp_layers import GPTModel
 from mp_train import parse_config
@@ -89,14 +94,7 @@ def run_generation(args, extra: list[str]) -> str:
     mp_state.init_distributed(config.parallel.distributed_timeout_minutes)
     state = mp_state.initialize(config.parallel)
     try:
-        saved = _saved_data_settings(args.load)
-        tokenizer = build_tokenizer(
-            saved["tokenizer_type"] or "NullTokenizer", vocab_file=saved["vocab_file"],
-            merge_file=saved["merge_file"], tokenizer_model=saved["tokenizer_model"],
-            vocab_size=saved["vocab_size"],
-        )  # fmt: skip
-        divisible = saved["make_vocab_size_divisible_by"]
-        padded = vocab_size_with_padding(tokenizer.vocab_size, divisible, state.tp.size)
+        tokenizer, padded = _tokenizer_and_vocabulary(args.load, state.tp.size)
         gpt = config.gpt
         config.model.hidden_dropout = config.model.attention_dropout = 0.0
         positions = gpt.max_position_embeddings or gpt.seq_length
@@ -114,12 +112,43 @@ def run_generation(args, extra: list[str]) -> str:
         mp_state.destroy()
 
 
-def _saved_data_settings(load: str) -> dict:
-    from mp_ckpt import CheckpointReader
-
+def _tokenizer_and_vocabulary(load: str, tp: int):
+    """(tokenizer, the model's padded vocabulary size) of the checkpoint under `load`."""
     common = torch.load(CheckpointReader(load).directory / "common.pt", weights_only=False)
-    data = common["config"]["data"]
-    return data
+    data = (common.get("config") or {}).get("data")
+    if data is not None:  # saved by mp's training: the run's tokenizer settings
+        tokenizer = build_tokenizer(
+            data["tokenizer_type"] or "NullTokenizer", vocab_file=data["vocab_file"],
+            merge_file=data["merge_file"], tokenizer_model=data["tokenizer_model"],
+            vocab_size=data["vocab_size"],
+        )  # fmt: skip
+        divisible = data["make_vocab_size_divisible_by"]
+        return tokenizer, vocab_size_with_padding(tokenizer.vocab_size, divisible, tp)
+    vocab = (common.get("model_config") or {}).get("vocab_size")
+    if vocab is None:
+        raise ValueError(f"{load}: common.pt names neither a tokenizer nor a vocabulary size")
+    if vocab % tp:
+        raise ValueError(
+            f"tensor_model_parallel_size={tp} does not divide the imported model's "
+            f"vocab_size={vocab}"
+        )
+    with tempfile.TemporaryDirectory() as folder:
+        names = {path.name for path in write_tokenizer_files(common, folder)}
+        if "tokenizer.json" in names:
+            tokenizer = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=folder)
+        elif {"vocab.json", "merges.txt"} <= names:
+            tokenizer = build_tokenizer("GPT2BPETokenizer", vocab_file=f"{folder}/vocab.json",
+                                        merge_file=f"{folder}/merges.txt")  # fmt: skip
+        else:
+            raise ValueError(
+                f"{load}: the checkpoint keeps no tokenizer.json nor vocab.json + merges.txt "
+                f"(it has {sorted(names) or 'no tokenizer files'})"
+            )
+    if tokenizer.vocab_size > vocab:
+        raise ValueError(
+            f"{load}: the tokenizer has {tokenizer.vocab_size} tokens, the model {vocab}"
+        )
+    return tokenizer, vocab
 
 
 if __name__ == "__main__":

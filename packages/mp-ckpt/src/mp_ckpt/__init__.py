@@ -7,6 +7,7 @@ from mp_ckpt.checkpointer import Checkpointer, storage_key
 from mp_ckpt.config import CheckpointConfig
 from mp_ckpt.convert import convert_checkpoint
 from mp_ckpt.hf import export_hf, import_hf, logical_from_hf, model_config_from_hf
+from mp_ckpt.hf_tokenizer import write_tokenizer_files
 from mp_ckpt.integrity import CheckpointCorrupted
 from mp_ckpt.layout import checkpoint_dir, list_iterations, read_tracker, write_tracker
 from mp_ckpt.loader import LoadedCheckpoint, load_checkpoint, read_metadata
@@ -35,5 +36,6 @@ __all__ = [
     "read_metadata",
     "read_tracker",
     "storage_key",
+    "write_tokenizer_files",
     "write_tracker",
 ]

@@ -7,8 +7,11 @@ head j // (heads / groups)) and both rotate channel pairs (i, i + d/2), so
 q_proj is q flattened. GPT-2's Conv1D weights are [in, out]: transposed.
 
     export_hf(checkpoint_dir, out_dir, arch)    config.json + model.safetensors (sharded
-                                                with an index above max_shard_bytes)
+                                                with an index above max_shard_bytes),
+                                                tokenizer files, generation_config.json
     import_hf(hf_dir, out_root)                 an mp checkpoint at iteration 0
+
+config.json's mapping is hf_config's; the tokenizer's, hf_tokenizer's.
 """
 
 from __future__ import annotations
@@ -21,6 +24,14 @@ from pathlib import Path
 
 import torch
 
+from mp_ckpt.hf_config import gpt2_config, llama_config, model_config_from_hf
+from mp_ckpt.hf_tokenizer import (
+    TOKENIZER_FILES,
+    export_tokenizer,
+    generation_config,
+    tokenizer_from_hf,
+    write_atomically,
+)
 from mp_ckpt.reader import CheckpointReader
 from mp_ckpt.safetensors_writer import ShardedSafetensorsWriter
 
@@ -70,26 +81,77 @@ def export_hf(
     dtype: torch.dtype | None = None,
 ) -> Path:
     """Writes a Hugging Face directory that transformers loads (GPT2LMHeadModel /
-    LlamaForCausalLM). Settings the tensors do not show (norm epsilon, rotary
-    base, ...) come from the checkpoint's common["model_config"] (Megatron names)."""
+    LlamaForCausalLM): the safetensors, the tokenizer files (hf_tokenizer),
+    generation_config.json when a special token id is known, and config.json last.
+    Settings the tensors do not show (norm epsilon, activation, rotary base and
+    scaling, ...) come from the checkpoint's common["model_config"] (Megatron names),
+    completed by common["config"]["model"] (the training run's TransformerConfig)."""
     if arch not in ARCHITECTURES:
         raise ValueError(f"unknown architecture {arch!r}: choose one of {', '.join(ARCHITECTURES)}")
     reader = CheckpointReader(checkpoint, iteration=iteration)
     model_keys = [k for k in reader.keys if not k.startswith("optimizer.")]
     common = torch.load(reader.directory / "common.pt", weights_only=False)
-    settings = dict(common.get("model_config", {})) if isinstance(common, dict) else {}
+    common = common if isinstance(common, dict) else {}
+    # A checkpoint saved by mp's training also holds the run's whole model config
+    # (TransformerConfig's fields: activation details, rotary scaling, ...).
+    run_model = (common.get("config") or {}).get("model") or {}
+    settings = dict(run_model) | dict(common.get("model_config") or {})
+    _check_keys(arch, model_keys, reader.directory)
+    if arch == "llama" and settings.get("rotary_percent", 1.0) != 1.0:
+        raise ValueError(
+            f"model_config rotary_percent={settings['rotary_percent']!r}: LlamaForCausalLM "
+            "rotates every channel of a head"
+        )
+    files, ids = export_tokenizer(common)
+    saved_dtype = reader.dtype("embedding.word_embeddings.weight")
+    dtype_name = str(dtype or saved_dtype).removeprefix("torch.")
     if arch == "gpt2":
-        config, tensors = _gpt2_export(reader, model_keys, settings)
+        config, tensors = _gpt2_export(reader, model_keys, settings, ids, dtype_name)
     else:
-        config, tensors = _llama_export(reader, model_keys, settings)
+        config, tensors = _llama_export(reader, model_keys, settings, ids, dtype_name)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(config, indent=2))
     _write_safetensors(out, tensors, max_shard_bytes, dtype)
+    for name, data in files.items():
+        if name not in TOKENIZER_FILES:
+            raise ValueError(f"common['tokenizer'] names a file {name!r}, not a tokenizer file")
+        write_atomically(out / name, data)
+    generation = generation_config(common, ids)
+    if generation is not None:
+        write_atomically(out / "generation_config.json", _json(generation))
+    write_atomically(out / "config.json", _json(config))
     return out
 
 
-def _gpt2_export(reader: CheckpointReader, keys: list[str], settings: dict):
+def _check_keys(arch: str, keys: list[str], directory: Path) -> None:
+    """Raises unless the model tensors are exactly those `arch` has a place for (a Llama's
+    output_layer.weight is optional: absent, the output is tied to the embedding)."""
+    if arch == "gpt2":
+        parts = [f"self_attention.linear_qkv.{p}" for p in "qkv"]
+        parts += [*_GPT2_CONV1D.values(), "input_layernorm", "pre_mlp_layernorm"]
+        per_layer = [f"{part}.{w}" for part in parts for w in ("weight", "bias")]
+        fixed = {"embedding.word_embeddings.weight", "embedding.position_embeddings.weight",
+                 "decoder.final_layernorm.weight", "decoder.final_layernorm.bias"}  # fmt: skip
+    else:
+        parts = [f"self_attention.linear_qkv.{p}" for p in "qkv"] + list(_LLAMA_PER_LAYER.values())
+        per_layer = [f"{part}.weight" for part in parts]
+        fixed = {"embedding.word_embeddings.weight", "decoder.final_layernorm.weight"}
+    layers = _layers(keys)
+    needed = fixed | {f"decoder.layers.{i}.{k}" for i in range(layers) for k in per_layer}
+    extra = sorted(set(keys) - needed - {"output_layer.weight"})  # gpt2's: refused later
+    missing = sorted(needed - set(keys))
+    for what, names in (("has no place for", extra), ("needs, and the checkpoint lacks", missing)):
+        if names:
+            shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+            raise ValueError(f"{directory}: the {arch} export {what} {shown}")
+
+
+def _json(value: dict) -> bytes:
+    return (json.dumps(value, indent=2) + "\n").encode()
+
+
+def _gpt2_export(reader: CheckpointReader, keys: list[str], settings: dict, ids: dict,
+                 dtype: str):  # fmt: skip
     if "output_layer.weight" in keys:
         raise ValueError(
             "GPT2LMHeadModel ties its output layer to the embedding; this checkpoint has a "
@@ -98,16 +160,16 @@ def _gpt2_export(reader: CheckpointReader, keys: list[str], settings: dict):
     vocab, h = reader.shape("embedding.word_embeddings.weight")
     positions = reader.shape("embedding.position_embeddings.weight")[0]
     layers = _layers(keys)
-    heads = reader.shape("decoder.layers.0.self_attention.linear_qkv.q.weight")[0]
+    heads, per_group = reader.shape("decoder.layers.0.self_attention.linear_qkv.q.weight")[:2]
+    if per_group != 1:
+        raise ValueError(
+            f"{reader.directory}: grouped-query attention ({per_group} query heads per group); "
+            "GPT-2 has one key/value head per query head: export it as llama"
+        )
     ffn = reader.shape("decoder.layers.0.mlp.linear_fc1.weight")[0]
-    config = {
-        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": vocab,
-        "n_positions": positions, "n_embd": h, "n_layer": layers, "n_head": heads,
-        "n_inner": ffn, "activation_function": "gelu",
-        "layer_norm_epsilon": settings.get("layernorm_epsilon", 1e-5),
-        "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "tie_word_embeddings": True,
-        "torch_dtype": "float32",
-    }  # fmt: skip
+    shapes = {"vocab": vocab, "positions": positions, "hidden": h, "layers": layers,
+              "heads": heads, "ffn": ffn}  # fmt: skip
+    config = gpt2_config(settings, shapes, ids, dtype)
 
     def tensors() -> Iterator[tuple[str, Callable[[], torch.Tensor]]]:
         read = reader.read
@@ -143,24 +205,16 @@ def _gpt2_export(reader: CheckpointReader, keys: list[str], settings: dict):
     return config, tensors()  # fmt: skip
 
 
-def _llama_export(reader: CheckpointReader, keys: list[str], settings: dict):
+def _llama_export(reader: CheckpointReader, keys: list[str], settings: dict, ids: dict,
+                  dtype: str):  # fmt: skip
     vocab, h = reader.shape("embedding.word_embeddings.weight")
     layers = _layers(keys)
     groups, per_group, d, _ = reader.shape("decoder.layers.0.self_attention.linear_qkv.q.weight")
     ffn = reader.shape("decoder.layers.0.mlp.linear_fc1.gate.weight")[0]
     tied = "output_layer.weight" not in keys
-    config = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab,
-        "hidden_size": h, "intermediate_size": ffn, "num_hidden_layers": layers,
-        "num_attention_heads": groups * per_group, "num_key_value_heads": groups,
-        "head_dim": d, "hidden_act": "silu",
-        "max_position_embeddings": settings.get("max_position_embeddings",
-                                                settings.get("seq_length", 2048)),
-        "rms_norm_eps": settings.get("layernorm_epsilon", 1e-5),
-        "rope_theta": settings.get("rotary_base", 10000.0),
-        "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": tied,
-        "torch_dtype": "float32",
-    }  # fmt: skip
+    shapes = {"vocab": vocab, "hidden": h, "layers": layers, "heads": groups * per_group,
+              "groups": groups, "head_dim": d, "ffn": ffn, "tied": tied}  # fmt: skip
+    config = llama_config(settings, shapes, ids, dtype)
 
     def tensors() -> Iterator[tuple[str, Callable[[], torch.Tensor]]]:
         read = reader.read
@@ -193,61 +247,43 @@ def _write_safetensors(out: Path, tensors, max_shard_bytes: int, dtype) -> None:
 
 def import_hf(hf_dir: str | os.PathLike, out_root: str | os.PathLike) -> Path:
     """Writes an mp checkpoint (iteration 0, model only) from a local Hugging Face
-    GPT-2 or Llama directory (config.json with safetensors or pytorch_model.bin)."""
+    GPT-2 or Llama directory (config.json with safetensors or pytorch_model.bin).
+    common.pt holds the model's settings (Megatron names), the folder's tokenizer
+    files and special token ids, and its generation_config.json (hf_tokenizer)."""
     from mp_ckpt.checkpointer import Checkpointer
     from mp_ckpt.layout import checkpoint_dir
     from mp_ckpt.sharding import ShardedTensor
 
     hf_dir = Path(hf_dir)
-    config_path = hf_dir / "config.json"
-    if not config_path.exists():
-        raise FileNotFoundError(f"{config_path} is missing: not a Hugging Face model directory")
-    config = json.loads(config_path.read_text())
+    config = _read_json(hf_dir / "config.json", "not a Hugging Face model directory")
     model_config = model_config_from_hf(config)
+    generation = None
+    if (hf_dir / "generation_config.json").exists():
+        generation = _read_json(hf_dir / "generation_config.json", "")
     state = _read_hf_state(hf_dir)
     logical = logical_from_hf(state, config)
     pieces = {
         k: ShardedTensor(k, t.contiguous(), tuple(t.shape), (0,) * t.dim())
         for k, t in logical.items()
     }
-    Checkpointer(out_root).save(0, pieces, common={"iteration": 0, "model_config": model_config,
-                                                   "imported_from": str(hf_dir)})  # fmt: skip
+    common = {"iteration": 0, "model_config": model_config, "imported_from": str(hf_dir),
+              "tokenizer": tokenizer_from_hf(hf_dir, config, generation)}  # fmt: skip
+    if generation is not None:
+        common["generation_config"] = generation
+    Checkpointer(out_root).save(0, pieces, common=common)
     return checkpoint_dir(out_root, 0)
 
 
-def model_config_from_hf(config: dict) -> dict:
-    """The model's settings under Megatron's names, from a Hugging Face config.json."""
-    kind = config.get("model_type")
-    if kind == "gpt2":
-        h = config["n_embd"]
-        return {
-            "num_layers": config["n_layer"], "hidden_size": h,
-            "num_attention_heads": config["n_head"],
-            "ffn_hidden_size": config.get("n_inner") or 4 * h,
-            "normalization": "LayerNorm", "activation": "gelu",
-            "position_embedding_type": "learned_absolute",
-            "layernorm_epsilon": config.get("layer_norm_epsilon", 1e-5),
-            "add_bias_linear": True, "untie_embeddings_and_output_weights": False,
-            "vocab_size": config["vocab_size"], "max_position_embeddings": config["n_positions"],
-        }  # fmt: skip
-    if kind == "llama":
-        heads = config["num_attention_heads"]
-        return {
-            "num_layers": config["num_hidden_layers"], "hidden_size": config["hidden_size"],
-            "num_attention_heads": heads,
-            "num_query_groups": config.get("num_key_value_heads", heads),
-            "kv_channels": config.get("head_dim") or config["hidden_size"] // heads,
-            "ffn_hidden_size": config["intermediate_size"], "normalization": "RMSNorm",
-            "activation": "swiglu", "position_embedding_type": "rope",
-            "rotary_base": config.get("rope_theta", 10000.0),
-            "layernorm_epsilon": config.get("rms_norm_eps", 1e-6), "add_bias_linear": False,
-            "untie_embeddings_and_output_weights": not config.get("tie_word_embeddings", False),
-            "vocab_size": config["vocab_size"],
-            "max_position_embeddings": config.get("max_position_embeddings", 2048),
-        }  # fmt: skip
-    raise ValueError(
-        f"unsupported model_type {kind!r} in config.json: mp-ckpt imports gpt2 and llama"
-    )
+def _read_json(path: Path, missing: str) -> dict:
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing: {missing}")
+    try:
+        value = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path}: not JSON ({error})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(value).__name__}")
+    return value
 
 
 def logical_from_hf(state: dict[str, torch.Tensor], config: dict) -> dict[str, torch.Tensor]:

@@ -49,6 +49,11 @@ class TransformerConfig:
     activation: Literal["gelu", "swiglu", "squared_relu"] = "gelu"
     """MLP activation; swiglu gates with a second fc1 half (fused)."""
 
+    openai_gelu: bool = False
+    """With activation="gelu": the tanh approximation
+    0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) of GPT-2 (Hugging Face's gelu_new)
+    instead of the exact x Phi(x) (Megatron's --openai-gelu)."""
+
     add_bias_linear: bool = True
     """Biases in every linear layer."""
 
@@ -80,6 +85,28 @@ class TransformerConfig:
 
     rotary_seq_len_interpolation_factor: float | None = None
     """Positions are divided by this factor (linear interpolation for longer contexts)."""
+
+    use_rope_scaling: bool = False
+    """Llama 3.1's rescaling of the rotary frequencies (Megatron's --use-rope-scaling):
+    wavelengths above original_max / low_freq_factor are divided by rope_scaling_factor,
+    those below original_max / high_freq_factor are kept, and those between are blended
+    smoothly (Hugging Face's rope_type "llama3")."""
+
+    rope_scaling_factor: float = 8.0
+    """Divisor of the low rotary frequencies under use_rope_scaling (Megatron's
+    --rope-scaling-factor)."""
+
+    rope_scaling_low_freq_factor: float = 1.0
+    """Under use_rope_scaling, wavelengths above rope_scaling_original_max_position_embeddings
+    / this are fully scaled. Megatron has no option for it and uses 1."""
+
+    rope_scaling_high_freq_factor: float = 4.0
+    """Under use_rope_scaling, wavelengths below rope_scaling_original_max_position_embeddings
+    / this are kept. Megatron has no option for it and uses 4."""
+
+    rope_scaling_original_max_position_embeddings: int = 8192
+    """The context length the model was pretrained with before use_rope_scaling. Megatron has
+    no option for it and uses 8192."""
 
     qk_layernorm: bool = False
     """Normalize queries and keys per head before attention."""
@@ -143,6 +170,11 @@ class TransformerConfig:
             "position_embedding_type", self.position_embedding_type,
             ("learned_absolute", "rope", "none"),
         )  # fmt: skip
+        if self.openai_gelu and self.activation != "gelu":
+            raise ValueError(
+                f"openai_gelu=True applies to activation='gelu', got {self.activation!r}"
+            )
+        self._check_rope_scaling()
         if self.layernorm_epsilon <= 0:
             raise ValueError(f"layernorm_epsilon={self.layernorm_epsilon} must be > 0")
         for name in ("hidden_dropout", "attention_dropout"):
@@ -161,6 +193,27 @@ class TransformerConfig:
         if self.bf16 and self.fp16:
             raise ValueError("bf16=True and fp16=True are exclusive: choose one")
         self._check_recompute()
+
+    def _check_rope_scaling(self) -> None:
+        if not self.use_rope_scaling:
+            return
+        if self.position_embedding_type != "rope":
+            raise ValueError(
+                "use_rope_scaling=True needs position_embedding_type='rope', got "
+                f"{self.position_embedding_type!r}"
+            )
+        if self.rope_scaling_factor < 1.0:
+            raise ValueError(f"rope_scaling_factor={self.rope_scaling_factor} must be >= 1")
+        low, high = self.rope_scaling_low_freq_factor, self.rope_scaling_high_freq_factor
+        if not 0.0 < low < high:
+            raise ValueError(
+                f"rope_scaling_low_freq_factor={low} and rope_scaling_high_freq_factor={high} "
+                "must satisfy 0 < low < high"
+            )
+        _positive(
+            "rope_scaling_original_max_position_embeddings",
+            self.rope_scaling_original_max_position_embeddings,
+        )
 
     def _check_recompute(self) -> None:
         granularity, method, n = (

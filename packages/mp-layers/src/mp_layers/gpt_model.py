@@ -30,7 +30,7 @@ from mp_layers.tensor_parallel import (
     vocab_parallel_cross_entropy,
 )
 from mp_layers.transformer.layer import TransformerBlock
-from mp_layers.transformer.rope import RotaryEmbedding
+from mp_layers.transformer.rope import Llama3Scaling, RotaryEmbedding
 from mp_layers.transformer.seeded_init import seeded_init
 from mp_layers.transformer.spec import LayerSpec, get_layer_spec
 from mp_state import TENSOR_PARALLEL_RNG, RankGroup, RNGStatesTracker
@@ -90,6 +90,11 @@ class GPTModel(torch.nn.Module):
             self.rotary = RotaryEmbedding(
                 config.kv_channels, config.rotary_percent, config.rotary_base,
                 config.rotary_seq_len_interpolation_factor,
+                llama3_scaling=Llama3Scaling(
+                    config.rope_scaling_factor, config.rope_scaling_low_freq_factor,
+                    config.rope_scaling_high_freq_factor,
+                    config.rope_scaling_original_max_position_embeddings,
+                ) if config.use_rope_scaling else None,
             )  # fmt: skip
         self.decoder = TransformerBlock(
             config, tp_group, rng_tracker, spec=get_layer_spec(spec), layer_offset=layer_offset,

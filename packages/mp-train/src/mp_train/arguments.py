@@ -364,6 +364,22 @@ _RUN_MODEL_FIELDS = frozenset({
 })  # fmt: skip
 
 
+def _saved_run_config(common: object) -> dict | None:
+    """The saved run config ({"model": ..., "gpt": ...}) of a checkpoint's common.pt. One
+    without a run config but with model settings under Megatron's names (`mp-ckpt
+    import-hf` writes them) gives those and its max_position_embeddings."""
+    if not isinstance(common, dict):
+        return None
+    saved = common.get("config")
+    if isinstance(saved, dict) and isinstance(saved.get("model"), dict):
+        return saved
+    settings = common.get("model_config")
+    if not isinstance(settings, dict):
+        return None
+    gpt = {"max_position_embeddings": settings["max_position_embeddings"]}
+    return {"model": settings, "gpt": gpt if "max_position_embeddings" in settings else {}}
+
+
 def _apply_checkpoint_args(values: dict) -> None:
     """--use-checkpoint-args: the model's architecture, seq_length and
     max_position_embeddings from the config saved in the checkpoint's common.pt."""
@@ -387,11 +403,12 @@ def _apply_checkpoint_args(values: dict) -> None:
         return
     path = reader.directory / "common.pt"
     common = torch.load(path, weights_only=False)
-    saved = common.get("config") if isinstance(common, dict) else None
-    if not isinstance(saved, dict) or not isinstance(saved.get("model"), dict):
+    saved = _saved_run_config(common)
+    if saved is None:
         raise ValueError(
-            f"{path} holds no run config (common['config']['model']): the checkpoint cannot "
-            "provide the model's settings; drop use_checkpoint_args"
+            f"{path} holds no run config (common['config']['model']) nor model settings "
+            "(common['model_config']): the checkpoint cannot provide the model's settings; "
+            "drop use_checkpoint_args"
         )
     taken = [("model", n) for n in saved["model"] if n not in _RUN_MODEL_FIELDS]
     taken += [("gpt", n) for n in ("seq_length", "max_position_embeddings")

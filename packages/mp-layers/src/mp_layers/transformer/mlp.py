@@ -32,6 +32,7 @@ class MLP(torch.nn.Module):
         super().__init__()
         self.gated = config.activation == "swiglu"
         self.activation = config.activation
+        self.gelu_approximation = "tanh" if config.openai_gelu else "none"
         self.tp_group = tp_group
         f = config.ffn_hidden_size
         init = functools.partial(torch.nn.init.normal_, std=config.init_method_std)
@@ -60,7 +61,7 @@ class MLP(torch.nn.Module):
         elif self.activation == "squared_relu":
             inner = F.relu(inner).square()
         else:
-            inner = F.gelu(inner)
+            inner = F.gelu(inner, approximate=self.gelu_approximation)
         return self.linear_fc2(inner)
 
     def sharded_state_dict(self, prefix: str = "") -> dict[str, ShardedTensor]:

@@ -5,15 +5,45 @@ Megatron's attention). The first rot = int(d * rotary_percent) channels of
 each head are rotated, the rest pass through. Channel pairs are (i, i + rot/2)
 ("rotate half", GPT-NeoX and Hugging Face Llama), with frequencies
 base^(-2i/rot); positions are divided by seq_len_interpolation_factor.
+
+Llama 3.1 rescales those frequencies for a longer context (Llama3Scaling,
+Megatron's --use-rope-scaling, Hugging Face's rope_type "llama3"): with L the
+original context length, a frequency whose wavelength 2 pi / f exceeds
+L / low_freq_factor is divided by factor; one whose wavelength is under
+L / high_freq_factor is kept; in between, with
+t = (L / wavelength - low) / (high - low), it becomes (1 - t) f / factor + t f.
 """
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
 
-__all__ = ["Rotary", "RotaryEmbedding", "apply_rotary_pos_emb"]
+__all__ = ["Llama3Scaling", "Rotary", "RotaryEmbedding", "apply_rotary_pos_emb", "llama3_scaled"]
+
+
+class Llama3Scaling(NamedTuple):
+    """The settings of Llama 3.1's frequency rescaling (defaults: Megatron's)."""
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+def llama3_scaled(inv_freq: torch.Tensor, scaling: Llama3Scaling) -> torch.Tensor:
+    """The frequencies inv_freq [rot/2] rescaled as Llama 3.1 does (module docstring)."""
+    context = scaling.original_max_position_embeddings
+    wavelength = 2 * math.pi / inv_freq
+    blend = (context / wavelength - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    scaled = (1 - blend) * inv_freq / scaling.factor + blend * inv_freq  # in between
+    scaled = torch.where(wavelength < context / scaling.high_freq_factor, inv_freq, scaled)
+    return torch.where(wavelength > context / scaling.low_freq_factor,
+                       inv_freq / scaling.factor, scaled)  # fmt: skip
 
 
 class Rotary(NamedTuple):
@@ -35,6 +65,7 @@ class RotaryEmbedding(torch.nn.Module):
         rotary_percent: float = 1.0,
         rotary_base: float = 10000,
         seq_len_interpolation_factor: float | None = None,
+        llama3_scaling: Llama3Scaling | None = None,
     ) -> None:
         super().__init__()
         rot = int(kv_channels * rotary_percent)
@@ -44,7 +75,10 @@ class RotaryEmbedding(torch.nn.Module):
                 "rotated channels; it must be even and >= 2"
             )
         exponents = torch.arange(0, rot, 2, dtype=torch.float32) / rot
-        self.register_buffer("inv_freq", 1.0 / (rotary_base**exponents), persistent=False)
+        inv_freq = 1.0 / (rotary_base**exponents)
+        if llama3_scaling is not None:
+            inv_freq = llama3_scaled(inv_freq, llama3_scaling)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.seq_len_interpolation_factor = seq_len_interpolation_factor
 
     def forward(self, seq_len: int, offset: int = 0) -> Rotary:

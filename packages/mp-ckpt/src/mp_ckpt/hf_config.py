@@ -1,0 +1,203 @@
+"""Hugging Face config.json <-> a model's settings under Megatron's names.
+
+    model_config_from_hf(config)                  config.json (a dict) -> settings
+    gpt2_config(settings, shapes, tokens)         settings -> GPT2LMHeadModel's config.json
+    llama_config(settings, shapes, tokens)        settings -> LlamaForCausalLM's config.json
+
+The settings are those a checkpoint keeps in common["model_config"] (and
+TransformerConfig's field names): the shapes, normalization, activation,
+rotary embeddings, dropouts and init std. What only a tokenizer knows (the
+bos / eos / pad ids) travels beside them (mp_ckpt.hf_tokenizer). A config
+mp cannot compute the same way (another activation, biased Llama
+projections, another rotary scaling) is refused with the field and value,
+never imported approximately.
+
+Activations: GPT-2's "gelu_new" (its default) and "gelu_pytorch_tanh" are the
+tanh approximation, Megatron's --openai-gelu (openai_gelu=True); "gelu" is the
+exact erf form. Llama's only activation is silu, gated (swiglu).
+
+Rotary embeddings: transformers 5 writes the base and the scaling under
+"rope_parameters" ({"rope_theta", "rope_type", ...}); earlier versions wrote a
+top-level "rope_theta" and "rope_scaling". Both are read; both are written, so
+that either version loads the export. rope_type "default" is plain RoPE,
+"linear" divides the frequencies by its factor (rotary_seq_len_interpolation_factor
+divides the positions: the same angles) and "llama3" is Llama 3.1's rescaling
+(use_rope_scaling with its four settings).
+"""
+
+from __future__ import annotations
+
+__all__ = ["gpt2_config", "llama_config", "model_config_from_hf"]
+
+# GPT-2's activation_function -> openai_gelu (activation is "gelu" for each).
+_GPT2_ACTIVATIONS = {"gelu": False, "gelu_new": True, "gelu_pytorch_tanh": True}
+_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
+                "original_max_position_embeddings")  # fmt: skip
+_LLAMA3_FIELDS = ("rope_scaling_factor", "rope_scaling_low_freq_factor",
+                  "rope_scaling_high_freq_factor",
+                  "rope_scaling_original_max_position_embeddings")  # fmt: skip
+
+
+def model_config_from_hf(config: dict) -> dict:
+    """The model's settings under Megatron's names, from a Hugging Face config.json."""
+    kind = config.get("model_type")
+    if kind == "gpt2":
+        return _gpt2_settings(config)
+    if kind == "llama":
+        return _llama_settings(config)
+    raise ValueError(
+        f"unsupported model_type {kind!r} in config.json: mp-ckpt imports gpt2 and llama"
+    )
+
+
+def _gpt2_settings(config: dict) -> dict:
+    h = config["n_embd"]
+    activation = config.get("activation_function", "gelu_new")
+    if activation not in _GPT2_ACTIVATIONS:
+        raise ValueError(
+            f"config.json activation_function={activation!r}: mp computes "
+            f"{', '.join(_GPT2_ACTIVATIONS)} for GPT-2"
+        )
+    _refuse(config, "scale_attn_weights", True)
+    _refuse(config, "scale_attn_by_inverse_layer_idx", False)
+    return {
+        "num_layers": config["n_layer"], "hidden_size": h,
+        "num_attention_heads": config["n_head"],
+        "ffn_hidden_size": config.get("n_inner") or 4 * h,
+        "normalization": "LayerNorm", "activation": "gelu",
+        "openai_gelu": _GPT2_ACTIVATIONS[activation],
+        "position_embedding_type": "learned_absolute",
+        "layernorm_epsilon": config.get("layer_norm_epsilon", 1e-5),
+        "add_bias_linear": True, "untie_embeddings_and_output_weights": False,
+        "hidden_dropout": config.get("resid_pdrop", 0.1),
+        "attention_dropout": config.get("attn_pdrop", 0.1),
+        "init_method_std": config.get("initializer_range", 0.02),
+        "vocab_size": config["vocab_size"], "max_position_embeddings": config["n_positions"],
+    }  # fmt: skip
+
+
+def _llama_settings(config: dict) -> dict:
+    heads = config["num_attention_heads"]
+    _refuse(config, "hidden_act", "silu")
+    _refuse(config, "attention_bias", False)
+    _refuse(config, "mlp_bias", False)
+    max_positions = config.get("max_position_embeddings", 2048)
+    return {
+        "num_layers": config["num_hidden_layers"], "hidden_size": config["hidden_size"],
+        "num_attention_heads": heads,
+        "num_query_groups": config.get("num_key_value_heads") or heads,
+        "kv_channels": config.get("head_dim") or config["hidden_size"] // heads,
+        "ffn_hidden_size": config["intermediate_size"], "normalization": "RMSNorm",
+        "activation": "swiglu", "position_embedding_type": "rope",
+        **_rope_settings(config, max_positions),
+        "layernorm_epsilon": config.get("rms_norm_eps", 1e-6), "add_bias_linear": False,
+        "untie_embeddings_and_output_weights": not config.get("tie_word_embeddings", False),
+        "hidden_dropout": 0.0, "attention_dropout": config.get("attention_dropout", 0.0),
+        "init_method_std": config.get("initializer_range", 0.02),
+        "vocab_size": config["vocab_size"], "max_position_embeddings": max_positions,
+    }  # fmt: skip
+
+
+def _rope_settings(config: dict, max_positions: int) -> dict:
+    """rotary_base and the scaling fields, from either form of config.json."""
+    parameters = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if not isinstance(parameters, dict) or any(isinstance(v, dict) for v in parameters.values()):
+        raise ValueError(
+            f"config.json rope_parameters={parameters!r}: mp reads one set of rotary "
+            "parameters for every layer"
+        )
+    theta = parameters.get("rope_theta", config.get("rope_theta", 10000.0))
+    if float(theta) != int(theta):
+        raise ValueError(f"config.json rope_theta={theta!r}: rotary_base is an integer in mp")
+    kind = parameters.get("rope_type", parameters.get("type", "default"))
+    settings = {"rotary_base": int(theta), "use_rope_scaling": False}
+    if kind == "default":
+        return settings
+    if kind == "linear":  # frequencies / factor: the same angles as positions / factor
+        if "factor" not in parameters:
+            raise ValueError("config.json rope_type='linear' without factor")
+        return settings | {"rotary_seq_len_interpolation_factor": parameters["factor"]}
+    if kind != "llama3":
+        raise ValueError(
+            f"config.json rope_type={kind!r}: mp implements the RoPE types 'default', "
+            "'linear' and 'llama3'"
+        )
+    given = {"original_max_position_embeddings": max_positions} | parameters
+    missing = [k for k in _LLAMA3_KEYS if k not in given]
+    if missing:
+        raise ValueError(f"config.json rope_type='llama3' without {', '.join(missing)}")
+    settings["use_rope_scaling"] = True
+    for key, field in zip(_LLAMA3_KEYS, _LLAMA3_FIELDS, strict=True):
+        settings[field] = given[key]
+    return settings
+
+
+def _refuse(config: dict, key: str, supported: object) -> None:
+    """Raises unless config[key] (when present) is the one value mp computes."""
+    if key in config and config[key] != supported:
+        raise ValueError(f"config.json {key}={config[key]!r}: mp computes only {key}={supported!r}")
+
+
+# --- export ------------------------------------------------------------------------------
+
+
+def gpt2_config(settings: dict, shapes: dict, tokens: dict, dtype: str) -> dict:
+    """GPT2LMHeadModel's config.json. shapes: vocab, positions, hidden, layers, heads, ffn
+    (read from the tensors); tokens: bos/eos/pad ids (or empty)."""
+    h = shapes["hidden"]
+    hidden_dropout = settings.get("hidden_dropout", 0.0)
+    if settings.get("activation", "gelu") != "gelu":
+        raise ValueError(f"model_config activation={settings['activation']!r}: GPT-2 computes gelu")
+    return {
+        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
+        "vocab_size": shapes["vocab"], "n_positions": shapes["positions"], "n_embd": h,
+        "n_layer": shapes["layers"], "n_head": shapes["heads"],
+        "n_inner": None if shapes["ffn"] == 4 * h else shapes["ffn"],
+        "activation_function": "gelu_new" if settings.get("openai_gelu") else "gelu",
+        "layer_norm_epsilon": settings.get("layernorm_epsilon", 1e-5),
+        "resid_pdrop": hidden_dropout, "embd_pdrop": hidden_dropout,
+        "attn_pdrop": settings.get("attention_dropout", 0.0),
+        "initializer_range": settings.get("init_method_std", 0.02),
+        "tie_word_embeddings": True, **_token_ids(tokens), "torch_dtype": dtype,
+    }  # fmt: skip
+
+
+def llama_config(settings: dict, shapes: dict, tokens: dict, dtype: str) -> dict:
+    """LlamaForCausalLM's config.json. shapes: vocab, hidden, layers, heads, groups,
+    head_dim, ffn, tied; tokens: bos/eos/pad ids (or empty)."""
+    max_positions = settings.get("max_position_embeddings", settings.get("seq_length", 2048))
+    theta = float(settings.get("rotary_base", 10000))
+    scaling = None
+    if settings.get("use_rope_scaling"):
+        defaults = (8.0, 1.0, 4.0, 8192)  # Megatron's (TransformerConfig's) defaults
+        scaling = {"rope_type": "llama3"} | {
+            key: settings.get(field, default)
+            for key, field, default in zip(_LLAMA3_KEYS, _LLAMA3_FIELDS, defaults, strict=True)
+        }
+    linear = settings.get("rotary_seq_len_interpolation_factor")
+    if linear is not None:
+        if scaling is not None:
+            raise ValueError(
+                f"model_config rotary_seq_len_interpolation_factor={linear!r} with "
+                "use_rope_scaling=True: config.json holds one rope_type"
+            )
+        scaling = {"rope_type": "linear", "factor": linear}
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "vocab_size": shapes["vocab"], "hidden_size": shapes["hidden"],
+        "intermediate_size": shapes["ffn"], "num_hidden_layers": shapes["layers"],
+        "num_attention_heads": shapes["heads"], "num_key_value_heads": shapes["groups"],
+        "head_dim": shapes["head_dim"], "hidden_act": "silu",
+        "max_position_embeddings": max_positions,
+        "rms_norm_eps": settings.get("layernorm_epsilon", 1e-5),
+        "rope_theta": theta, "rope_scaling": scaling,
+        "rope_parameters": {"rope_theta": theta, **(scaling or {"rope_type": "default"})},
+        "attention_bias": False, "mlp_bias": False,
+        "attention_dropout": settings.get("attention_dropout", 0.0),
+        "initializer_range": settings.get("init_method_std", 0.02),
+        "tie_word_embeddings": shapes["tied"], **_token_ids(tokens), "torch_dtype": dtype,
+    }  # fmt: skip
+
+
+def _token_ids(tokens: dict) -> dict:
+    return {k: tokens.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}

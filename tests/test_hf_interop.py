@@ -1,0 +1,353 @@
+"""Hugging Face -> mp -> Hugging Face, exactly: a random transformers model imported by
+`mp-ckpt import-hf` gives transformers' logits in GPTModel (built from the imported
+settings alone), and `mp-ckpt export-hf` gives back its config and every tensor;
+the tokenizer and generation settings travel both ways. A checkpoint saved by mp's
+training exports with its model's settings (activation, rotary base and scaling)."""
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from mp_ckpt import Checkpointer, CheckpointReader, load_checkpoint
+from mp_ckpt.cli import main
+from mp_layers import GPTModel, TransformerConfig
+from mp_state import RankGroup
+from mp_state.testing import run_on_ranks
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+transformers = pytest.importorskip("transformers")
+tokenizers = pytest.importorskip("tokenizers")
+
+SINGLE = RankGroup("single", (0,), 0, None)
+SEQ = 24
+LLAMA = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+             num_attention_heads=8, num_key_value_heads=4, head_dim=8, rms_norm_eps=1e-6,
+             max_position_embeddings=SEQ, initializer_range=0.2)  # fmt: skip
+LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                  "high_freq_factor": 4.0, "original_max_position_embeddings": 256}  # fmt: skip
+CASES = {
+    # GPT-2's default activation is gelu_new (the tanh approximation).
+    "gpt2": lambda: transformers.GPT2Config(
+        vocab_size=96, n_positions=SEQ, n_embd=64, n_layer=2, n_head=4, initializer_range=0.2,
+        layer_norm_epsilon=1e-4, bos_token_id=3, eos_token_id=5,
+    ),
+    "gpt2-exact-gelu-n-inner": lambda: transformers.GPT2Config(
+        vocab_size=96, n_positions=SEQ, n_embd=64, n_layer=2, n_head=4, n_inner=96,
+        activation_function="gelu", initializer_range=0.2,
+    ),
+    "llama-untied": lambda: transformers.LlamaConfig(**LLAMA, tie_word_embeddings=False),
+    "llama-tied": lambda: transformers.LlamaConfig(**LLAMA, tie_word_embeddings=True),
+    "llama-theta-500000": lambda: transformers.LlamaConfig(
+        **LLAMA, rope_parameters={"rope_type": "default", "rope_theta": 500000.0}
+    ),
+    "llama3-scaling": lambda: transformers.LlamaConfig(
+        **LLAMA, rope_parameters={"rope_theta": 500000.0, **LLAMA3_SCALING}
+    ),
+    "llama-linear-scaling": lambda: transformers.LlamaConfig(
+        **LLAMA, rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}
+    ),
+}  # fmt: skip
+
+
+def ids(vocab: int) -> torch.Tensor:
+    return torch.randint(0, vocab, (2, SEQ), generator=torch.Generator().manual_seed(3))
+
+
+def random_hf(config):
+    torch.manual_seed(0)
+    cls = transformers.GPT2LMHeadModel if config.model_type == "gpt2" else (
+        transformers.LlamaForCausalLM)  # fmt: skip
+    return cls(config).eval()
+
+
+def mp_model(checkpoint) -> GPTModel:
+    """GPTModel built from the settings import-hf recorded, with the checkpoint's weights."""
+    common = torch.load(CheckpointReader(checkpoint).directory / "common.pt", weights_only=False)
+    settings = common["model_config"]
+    fields = {f.name for f in dataclasses.fields(TransformerConfig)}
+    kept = {k: v for k, v in settings.items() if k in fields}
+    config = TransformerConfig(**kept | {"hidden_dropout": 0.0, "attention_dropout": 0.0})
+    torch.manual_seed(9)  # other weights until loaded
+    model = GPTModel(config, "local", settings["vocab_size"], settings["max_position_embeddings"],
+                     tp_group=SINGLE).eval()  # fmt: skip
+    load_checkpoint(checkpoint, model.sharded_state_dict())
+    return model
+
+
+def hf_config_dict(folder) -> dict:
+    config = transformers.AutoConfig.from_pretrained(folder).to_dict()
+    config.pop("_name_or_path")
+    return config
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_import_gives_transformers_logits_and_export_gives_back_config_and_tensors(tmp_path, case):
+    hf = random_hf(CASES[case]())
+    hf.save_pretrained(tmp_path / "hf_in")
+    assert main(["import-hf", str(tmp_path / "hf_in"), str(tmp_path / "ckpt")]) == 0
+    model = mp_model(tmp_path / "ckpt")
+    x = ids(hf.config.vocab_size)
+    with torch.no_grad():
+        assert (model(x) - hf(x).logits).abs().max() < 1e-5
+
+    arch = hf.config.model_type
+    args = ["export-hf", str(tmp_path / "ckpt"), str(tmp_path / "hf_out"), "--arch", arch]
+    assert main(args) == 0
+    assert hf_config_dict(tmp_path / "hf_out") == hf_config_dict(tmp_path / "hf_in")
+    written = json.loads((tmp_path / "hf_out" / "config.json").read_text())
+    original = json.loads((tmp_path / "hf_in" / "config.json").read_text())
+    kept = ("activation_function", "n_inner", "layer_norm_epsilon", "rms_norm_eps",
+            "rope_parameters", "bos_token_id", "eos_token_id", "tie_word_embeddings")  # fmt: skip
+    for key in kept:
+        assert written.get(key) == original.get(key), key
+    exported = load_file(str(tmp_path / "hf_out" / "model.safetensors"))
+    source = load_file(str(tmp_path / "hf_in" / "model.safetensors"))
+    assert exported.keys() == source.keys()
+    for name, tensor in source.items():
+        assert torch.equal(exported[name], tensor), name
+    reloaded = type(hf).from_pretrained(tmp_path / "hf_out").eval()
+    with torch.no_grad():
+        assert torch.equal(reloaded(x).logits, hf(x).logits)
+
+
+def tiny_tokenizer(special: list[str]):
+    """A byte-level BPE trained on a sentence (no download)."""
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    tok = tokenizers.Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=special,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
+    tok.train_from_iterator(["the quick brown fox jumps over the lazy dog, then naps"] * 8,
+                            trainer)  # fmt: skip
+    return tok
+
+
+TEXT = "the lazy fox naps, the quick dog jumps"
+
+
+def hf_folder_with_tokenizer(folder, arch: str):
+    """A random model of `arch` saved with a tiny tokenizer: (model, tokenizer)."""
+    if arch == "gpt2":
+        backend = tiny_tokenizer(["<|endoftext|>"])
+        tokenizer = transformers.GPT2TokenizerFast(
+            tokenizer_object=backend, bos_token="<|endoftext|>", eos_token="<|endoftext|>"
+        )
+        config = transformers.GPT2Config(vocab_size=backend.get_vocab_size(), n_positions=SEQ,
+                                         n_embd=64, n_layer=2, n_head=4, initializer_range=0.2,
+                                         bos_token_id=tokenizer.bos_token_id,
+                                         eos_token_id=tokenizer.eos_token_id)  # fmt: skip
+    else:
+        backend = tiny_tokenizer(["<s>", "</s>", "<pad>"])
+        tokenizer = transformers.PreTrainedTokenizerFast(
+            tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
+        )
+        config = transformers.LlamaConfig(**LLAMA | {"vocab_size": backend.get_vocab_size()},
+                                          tie_word_embeddings=True,
+                                          bos_token_id=tokenizer.bos_token_id,
+                                          eos_token_id=tokenizer.eos_token_id,
+                                          pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+    hf = random_hf(config)
+    hf.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return hf, tokenizer
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_tokenizer_and_generation_travel_through_import_and_export(tmp_path, arch):
+    hf, tokenizer = hf_folder_with_tokenizer(tmp_path / "hf_in", arch)
+    assert main(["import-hf", str(tmp_path / "hf_in"), str(tmp_path / "ckpt")]) == 0
+    args = ["export-hf", str(tmp_path / "ckpt"), str(tmp_path / "hf_out"), "--arch", arch]
+    assert main(args) == 0
+
+    source = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf_in")
+    exported = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf_out")
+    assert exported(TEXT).input_ids == source(TEXT).input_ids
+    assert len(source(TEXT).input_ids) < len(TEXT)  # merges applied, not bytes
+    generation = json.loads((tmp_path / "hf_out" / "generation_config.json").read_text())
+    assert generation["eos_token_id"] == tokenizer.eos_token_id
+
+    prompt = exported(TEXT, return_tensors="pt").input_ids[:, :8]
+    reloaded = type(hf).from_pretrained(tmp_path / "hf_out").eval()
+    kwargs = dict(max_new_tokens=6, do_sample=False, min_new_tokens=6)
+    with torch.no_grad():
+        got = reloaded.generate(prompt, attention_mask=torch.ones_like(prompt), **kwargs)
+        want = hf.generate(prompt, attention_mask=torch.ones_like(prompt), **kwargs)
+    assert got.shape == (1, 14) and torch.equal(got, want)
+
+
+def generate_body(checkpoint: str, prompt: str) -> str:
+    import argparse
+
+    torch.set_num_threads(1)
+    from mp_gpt.generate import run_generation
+
+    args = argparse.Namespace(load=checkpoint, prompt=prompt, max_new_tokens=6, temperature=0.0,
+                              top_k=0, top_p=1.0, seed=0, tensor_model_parallel_size=1)  # fmt: skip
+    return run_generation(args, ["--seq-length", str(SEQ)])
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_generate_on_an_imported_checkpoint_uses_its_tokenizer(tmp_path, arch):
+    hf, tokenizer = hf_folder_with_tokenizer(tmp_path / "hf_in", arch)
+    assert main(["import-hf", str(tmp_path / "hf_in"), str(tmp_path / "ckpt")]) == 0
+    prompt = "the lazy fox"
+    text = run_on_ranks(generate_body, 1, str(tmp_path / "ckpt"), prompt, timeout=120)[0]
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    with torch.no_grad():
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6,
+                          do_sample=False)[0, ids.shape[1]:].tolist()  # fmt: skip
+    new = [t for t in out if t != tokenizer.eos_token_id]
+    assert len(new) > 0
+    assert text == prompt + tokenizer.decode(new)
+
+
+@pytest.mark.parametrize("kind", ["GPT2BPETokenizer", "HuggingFaceTokenizer"])
+def test_export_writes_the_tokenizer_of_a_checkpoint_trained_with_it(tmp_path, kind):
+    from mp_data import build_tokenizer
+
+    backend = tiny_tokenizer(["<|endoftext|>"])
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    if kind == "GPT2BPETokenizer":
+        backend.model.save(str(folder))  # vocab.json, merges.txt
+        data = {"vocab_file": str(folder / "vocab.json"), "merge_file": str(folder / "merges.txt"),
+                "tokenizer_model": None}  # fmt: skip
+    else:
+        backend.save(str(folder / "tokenizer.json"))  # no role files: eod is <|endoftext|>
+        data = {"vocab_file": None, "merge_file": None, "tokenizer_model": str(folder)}
+    data["tokenizer_type"] = kind
+    ours = build_tokenizer(kind, vocab_file=data["vocab_file"], merge_file=data["merge_file"],
+                           tokenizer_model=data["tokenizer_model"])  # fmt: skip
+    config = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4,
+                               hidden_dropout=0.0, attention_dropout=0.0)  # fmt: skip
+    model = GPTModel(config, "local", 320, SEQ, tp_group=SINGLE)
+    common = {"config": {"data": data}, "model_config": {"max_position_embeddings": SEQ}}
+    Checkpointer(tmp_path / "ckpt").save(3, model.sharded_state_dict(), common=common)
+    args = ["export-hf", str(tmp_path / "ckpt"), str(tmp_path / "hf"), "--arch", "gpt2"]
+    assert main(args) == 0
+
+    exported = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    assert exported(TEXT).input_ids == ours.tokenize(TEXT)
+    assert exported.eos_token_id == ours.eod
+    generation = json.loads((tmp_path / "hf" / "generation_config.json").read_text())
+    want = {"eos_token_id": ours.eod}
+    if kind == "GPT2BPETokenizer":  # Megatron's GPT-2: <|endoftext|> is bos too
+        want["bos_token_id"] = ours.eod
+    assert generation == want
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}},
+         "rope_type='yarn'"),
+        ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "rope_type='dynamic'"),
+        ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
+        ({"attention_bias": True}, "attention_bias=True"),
+    ],
+)  # fmt: skip
+def test_import_refuses_what_mp_cannot_compute(tmp_path, capsys, change, message):
+    random_hf(CASES["llama-untied"]()).save_pretrained(tmp_path / "hf")
+    path = tmp_path / "hf" / "config.json"
+    config = json.loads(path.read_text())
+    config.pop("rope_parameters")
+    path.write_text(json.dumps(config | change))
+    assert main(["import-hf", str(tmp_path / "hf"), str(tmp_path / "ckpt")]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "ckpt").exists()
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(add_qkv_bias=True), "has no place for decoder.layers.0.self_attention.linear_qkv"),
+        (dict(qk_layernorm=True), "has no place for"),
+        (dict(num_query_groups=4, untie_embeddings_and_output_weights=False, arch="gpt2"),
+         "grouped-query attention"),
+    ],
+)  # fmt: skip
+def test_export_refuses_tensors_the_architecture_has_no_place_for(tmp_path, capsys, change,
+                                                                  message):  # fmt: skip
+    arch = change.pop("arch", "llama")
+    style = dict(num_layers=1, hidden_size=64, num_attention_heads=8, num_query_groups=4,
+                 ffn_hidden_size=96, normalization="RMSNorm", activation="swiglu",
+                 position_embedding_type="rope", add_bias_linear=False,
+                 untie_embeddings_and_output_weights=True)  # fmt: skip
+    if arch == "gpt2":
+        style = dict(num_layers=1, hidden_size=64, num_attention_heads=8)
+    config = TransformerConfig(**style | change, hidden_dropout=0.0, attention_dropout=0.0)
+    model = GPTModel(config, "local", 96, SEQ, tp_group=SINGLE)
+    Checkpointer(tmp_path / "ckpt").save(1, model.sharded_state_dict())
+    args = ["export-hf", str(tmp_path / "ckpt"), str(tmp_path / "hf"), "--arch", arch]
+    assert main(args) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "hf" / "config.json").exists()
+
+
+def test_import_refuses_an_unknown_gpt2_activation(tmp_path, capsys):
+    random_hf(CASES["gpt2"]()).save_pretrained(tmp_path / "hf")
+    path = tmp_path / "hf" / "config.json"
+    path.write_text(json.dumps(json.loads(path.read_text()) | {"activation_function": "relu"}))
+    assert main(["import-hf", str(tmp_path / "hf"), str(tmp_path / "ckpt")]) == 2
+    assert "activation_function='relu'" in capsys.readouterr().err
+
+
+# --- checkpoints saved by mp's training ---
+
+CONFIG = Path(__file__).resolve().parents[1] / "apps" / "gpt" / "configs" / "tiny.yaml"
+TRAIN_SEQ = 32
+TRAINED_STYLES = {
+    "gpt2": ["--normalization", "LayerNorm", "--activation", "gelu", "--openai-gelu",
+             "--position-embedding-type", "learned_absolute", "--add-bias-linear",
+             "--num-query-groups", "4", "--ffn-hidden-size", "256"],
+    "llama": ["--use-rope-scaling", "--rope-scaling-factor", "4",
+              "--rope-scaling-original-max-position-embeddings", "64",
+              "--rotary-base", "500000", "--untie-embeddings-and-output-weights"],
+}  # fmt: skip
+
+
+def train_body(run_dir: str, extra: list[str]):
+    torch.set_num_threads(1)
+    os.environ.setdefault("MP_RUN_DIR", "/nonexistent")
+    from mp_gpt.pretrain import main as pretrain
+
+    return pretrain([
+        "--config", str(CONFIG), "--mock-data", "--tokenizer-type", "NullTokenizer",
+        "--vocab-size", "200", "--make-vocab-size-divisible-by", "128",
+        "--seq-length", str(TRAIN_SEQ), "--num-layers", "2", "--hidden-size", "64",
+        "--init-method-std", "0.2", "--micro-batch-size", "2", "--global-batch-size", "2",
+        "--train-iters", "1", "--eval-interval", "none", "--save", run_dir,
+        "--tensorboard-dir", "none", "--num-workers", "0", "--lr-warmup-iters", "0",
+        "--log-interval", "100", *extra,
+    ])  # fmt: skip
+
+
+@pytest.mark.parametrize("style", sorted(TRAINED_STYLES))
+def test_a_trained_checkpoint_exports_with_its_activation_and_rotary_settings(tmp_path, style):
+    run_on_ranks(train_body, 1, str(tmp_path / "run"), TRAINED_STYLES[style], timeout=120)
+    common = torch.load(CheckpointReader(tmp_path / "run").directory / "common.pt",
+                        weights_only=False)  # fmt: skip
+    saved = common["config"]["model"]
+    fields = {f.name for f in dataclasses.fields(TransformerConfig)}
+    config = TransformerConfig(**{k: v for k, v in saved.items() if k in fields and k not in
+                                  ("params_dtype", "hidden_dropout", "attention_dropout")},
+                               hidden_dropout=0.0, attention_dropout=0.0)  # fmt: skip
+    assert config.openai_gelu == (style == "gpt2")
+    assert config.use_rope_scaling == (style == "llama")
+    vocab = common["model_config"]["vocab_size"]
+    model = GPTModel(config, "local", vocab, TRAIN_SEQ, tp_group=SINGLE).eval()
+    load_checkpoint(tmp_path / "run", model.sharded_state_dict(), strict=False)
+
+    args = ["export-hf", str(tmp_path / "run"), str(tmp_path / "hf"), "--arch", style]
+    assert main(args) == 0
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    x = torch.randint(0, vocab, (2, TRAIN_SEQ), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (hf(x).logits - model(x)).abs().max() < 1e-5
