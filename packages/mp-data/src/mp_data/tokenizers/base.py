@@ -7,7 +7,8 @@ by the loss and attention masks), `pad` and `bos` (None when it has none).
 `vocab_size_with_padding` (build.py).
 
 `identity` is a string that changes whenever the ids for some text would: the
-type plus a SHA-256 of the bytes of every file that shapes tokenization. It
+type, the special-tokens-as-text option when set, and a SHA-256 of the bytes
+of every file that shapes tokenization. It
 goes into dataset cache keys, so an index built for one vocabulary is never
 reused for another (the same files at another path give the same identity).
 

@@ -2,10 +2,10 @@
 
 `HuggingFaceTokenizer(path)` reads a local tokenizer.json, given as the file
 or as the folder holding it; nothing is ever downloaded. Ids are those of
-Megatron's HuggingFaceTokenizer (megatron/training/tokenizer, whose
-`tokenize` is transformers' `tokenizer(text).input_ids`): the tokenizer's
-post-processor runs, so a Llama tokenizer starts every text with <s>
-(megatron.core.tokenizers' version skips the post-processor unless asked).
+Megatron's HuggingFaceTokenizer, whose `tokenize` is transformers'
+`tokenizer(text).input_ids` (megatron-core 0.19's by default, and the legacy
+megatron/training one): the tokenizer's post-processor runs, so a Llama
+tokenizer starts every text with <s>.
 Its `detokenize` keeps special tokens, like transformers' `decode`. The
 tokenizer's special tokens are matched in the text (transformers' behaviour)
 unless `special_tokens_as_text` (base.py).
