@@ -184,6 +184,18 @@ def test_bert_vocab_file_errors(tmp_path):
         BertWordPieceLowerCase(repeated)
 
 
+def test_bert_vocab_lines_are_read_as_transformers_reads_them(tmp_path):
+    # tokenizers' WordPiece.read_file: \r\n ends a line, a lone \r does not,
+    # trailing whitespace goes, leading whitespace stays (megatron-core 0.19.2
+    # with transformers 5 gives these ids for this file).
+    vocab = tmp_path / "vocab.txt"
+    vocab.write_bytes(b"[PAD]\r\n[UNK]\r\n[CLS]\r\n[SEP]\r\n[MASK]\r\nhello \r\n there\r\na\rb\ny\n")
+    tokenizer = BertWordPieceLowerCase(vocab)
+    assert tokenizer.vocab_size == 9
+    assert tokenizer.tokenize("hello there y") == [2, 5, 1, 8, 3]
+    assert tokenizer.tokenize("a b") == [2, 1, 1, 3]
+
+
 def test_bert_special_ids_are_those_of_the_file(tmp_path):
     vocab = tmp_path / "vocab.txt"
     vocab.write_text("[PAD]\n[EOS]\n[UNK]\n[CLS]\n[SEP]\n[MASK]\nhello\n")

@@ -118,22 +118,20 @@ class BertWordPieceCase(BertWordPieceTokenizer):
 
 
 def _read_vocab(path: str, data: bytes) -> dict[str, int]:
-    # One token a line, its id the line number, each line stripped: Megatron's
-    # bert_tokenization.load_vocab. A repeated token would leave a hole in the
-    # ids, so it is an error here.
+    # One token a line, its id the line number, trailing whitespace trimmed:
+    # tokenizers' WordPiece.read_file, which transformers' BERT tokenizer uses
+    # (a lone \r is no line end there). A repeated token would leave a hole in
+    # the ids, so it is an error here.
     try:
-        text = data.decode("utf-8")
+        data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise ValueError(f"{path}: not UTF-8 ({e})") from e
-    lines = text.split("\n")
-    if lines and lines[-1] == "":
-        lines.pop()
-    vocab: dict[str, int] = {}
-    for i, line in enumerate(lines):
-        token = line.strip()
-        if token in vocab:
-            raise ValueError(f"{path}:{i + 1}: token {token!r} repeats line {vocab[token] + 1}")
-        vocab[token] = i
+    vocab = models.WordPiece.read_file(path)
     if not vocab:
         raise ValueError(f"{path}: empty vocabulary")
+    taken = set(vocab.values())
+    hole = next((i for i in range(max(taken) + 1) if i not in taken), None)
+    if hole is not None:
+        token = data.decode("utf-8").split("\n")[hole].rstrip()
+        raise ValueError(f"{path}:{vocab[token] + 1}: token {token!r} repeats line {hole + 1}")
     return vocab
