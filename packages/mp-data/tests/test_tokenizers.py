@@ -189,7 +189,8 @@ def test_bert_vocab_lines_are_read_as_transformers_reads_them(tmp_path):
     # trailing whitespace goes, leading whitespace stays (megatron-core 0.19.2
     # with transformers 5 gives these ids for this file).
     vocab = tmp_path / "vocab.txt"
-    vocab.write_bytes(b"[PAD]\r\n[UNK]\r\n[CLS]\r\n[SEP]\r\n[MASK]\r\nhello \r\n there\r\na\rb\ny\n")
+    special = b"[PAD]\r\n[UNK]\r\n[CLS]\r\n[SEP]\r\n[MASK]\r\n"
+    vocab.write_bytes(special + b"hello \r\n there\r\na\rb\ny\n")
     tokenizer = BertWordPieceLowerCase(vocab)
     assert tokenizer.vocab_size == 9
     assert tokenizer.tokenize("hello there y") == [2, 5, 1, 8, 3]
