@@ -53,7 +53,7 @@ def datasets_provider(run, counts: list[int]):
         random_seed=config.training.seed, sequence_length=config.gpt.seq_length,
         blend=get_blend_from_list(data.data_path), blend_per_split=per_split,
         split=data.split if per_split is None else None, path_to_cache=data.data_cache_path,
-        mock=data.mock_data, tokenizer=tokenizer, reset_position_ids=data.reset_position_ids,
+        tokenizer=tokenizer, reset_position_ids=data.reset_position_ids,
         reset_attention_mask=data.reset_attention_mask, eod_mask_loss=data.eod_mask_loss,
         create_attention_mask=data.batches_carry_attention_mask,
     )  # fmt: skip
@@ -63,6 +63,7 @@ def datasets_provider(run, counts: list[int]):
     def reads_data() -> bool:
         return state.tp.rank == 0 and (first or last)
 
+    # With no blend named, the config takes megatron-core's mock path (split 1,1,1).
     cls = MockGPTDataset if data.mock_data else GPTDataset
     return BlendedMegatronDatasetBuilder(cls, counts, reads_data, dataset_config).build()
 
