@@ -1,4 +1,5 @@
-"""Killed runs resume exactly; SIGTERM to one rank makes every rank save and exit 0.
+"""Killed runs resume exactly, dropout included; SIGTERM to one rank makes every rank
+save and exit 0.
 
 Both run apps/gpt's pretrain_gpt under torchrun (two ranks, gloo), as a user
 would, on the tiny config with mock data.
@@ -93,13 +94,22 @@ def finish(process: subprocess.Popen, timeout: float = 300) -> str:
     return output
 
 
+# Megatron's default dropout, so that every rank's generators and streams must come back
+# from the checkpoint for the losses to.
+DROPOUT = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
+LAYOUTS = {"dp2": [], "tp2": ["--tensor-model-parallel-size", "2"]}
+ITERATIONS = 16
+
+
 @pytest.mark.multirank
-def test_sigkill_every_rank_then_rerun_continues_bitwise(tmp_path):
-    iterations = ["--train-iters", "40", "--save-interval", "4"]
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_sigkill_every_rank_then_rerun_continues_bitwise(tmp_path, layout):
+    iterations = ["--train-iters", str(ITERATIONS), "--save-interval", "2", *DROPOUT,
+                  *LAYOUTS[layout]]  # fmt: skip
     reference = tmp_path / "reference"
     finish(start(reference, *iterations))
     want = {r["iteration"]: r for r in records(reference)}
-    assert sorted(want) == list(range(1, 41))
+    assert sorted(want) == list(range(1, ITERATIONS + 1))
 
     killed = tmp_path / "killed"
     process = start(killed, *iterations)
@@ -115,13 +125,14 @@ def test_sigkill_every_rank_then_rerun_continues_bitwise(tmp_path):
     _wait_until_gone(workers)
     saved = read_tracker(killed / "ckpt")
     seen = len(records(killed))
-    assert 4 <= saved < 40 and seen >= saved  # iterations past the checkpoint are redone
+    # Iterations past the checkpoint are redone.
+    assert 4 <= saved < ITERATIONS and seen >= saved
     output = finish(start(killed, *iterations))
-    assert f"at iteration {saved}" in output
+    assert f"at iteration {saved}" in output and "RNG states not restored" not in output
     after = records(killed)
-    assert len(after) == seen + 40 - saved  # the rerun's iterations, appended
+    assert len(after) == seen + ITERATIONS - saved  # the rerun's iterations, appended
     resumed = after[seen:]
-    assert [r["iteration"] for r in resumed] == list(range(saved + 1, 41))
+    assert [r["iteration"] for r in resumed] == list(range(saved + 1, ITERATIONS + 1))
     for record in resumed:
         expected = want[record["iteration"]]
         assert record["consumed_samples"] == expected["consumed_samples"]  # none skipped
