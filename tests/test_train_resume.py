@@ -16,14 +16,19 @@ from pathlib import Path
 import pytest
 
 from mp_ckpt import read_tracker
+from mp_state.testing import run_on_ranks
 
 CONFIG = Path(__file__).resolve().parents[1] / "apps" / "gpt" / "configs" / "tiny.yaml"
 
 
 def command(run_dir: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+            "-m", "mp_gpt.pretrain", *options(run_dir, *extra)]  # fmt: skip
+
+
+def options(run_dir: Path, *extra: str) -> list[str]:
     return [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-        "-m", "mp_gpt.pretrain", "--config", str(CONFIG), "--mock-data",
+        "--config", str(CONFIG), "--mock-data",
         "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000", "--seq-length", "64",
         "--micro-batch-size", "2", "--global-batch-size", "8", "--eval-interval", "none",
         "--log-interval", "100", "--num-workers", "0", "--tensorboard-dir", "none",
@@ -106,8 +111,10 @@ ITERATIONS = 16
 def test_sigkill_every_rank_then_rerun_continues_bitwise(tmp_path, layout):
     iterations = ["--train-iters", str(ITERATIONS), "--save-interval", "2", *DROPOUT,
                   *LAYOUTS[layout]]  # fmt: skip
+    # The uninterrupted run on forked ranks (spared a torchrun start-up): the same code
+    # and settings, one thread per rank as under torchrun with OMP_NUM_THREADS=1.
     reference = tmp_path / "reference"
-    finish(start(reference, *iterations))
+    run_on_ranks(pretrain_body, 2, options(reference, *iterations), str(reference), timeout=180)
     want = {r["iteration"]: r for r in records(reference)}
     assert sorted(want) == list(range(1, ITERATIONS + 1))
 
@@ -138,6 +145,14 @@ def test_sigkill_every_rank_then_rerun_continues_bitwise(tmp_path, layout):
         assert record["consumed_samples"] == expected["consumed_samples"]  # none skipped
         assert record["lm loss"] == expected["lm loss"], record["iteration"]
         assert record["lr"] == expected["lr"] and record["grad_norm"] == expected["grad_norm"]
+
+
+def pretrain_body(argv: list[str], run_dir: str) -> None:
+    os.environ["MP_RUN_DIR"] = run_dir
+    from mp_gpt.pretrain import train
+    from mp_train import parse_config
+
+    train(parse_config(argv))
 
 
 def _children(pid: int) -> list[int]:
