@@ -2,7 +2,8 @@
 save and exit 0.
 
 Both run apps/gpt's pretrain_gpt under torchrun (two ranks, gloo), as a user
-would, on the tiny config with mock data.
+would, on the tiny config with mock data; the uninterrupted run the killed one is
+compared with goes on two forked ranks.
 """
 
 import json
