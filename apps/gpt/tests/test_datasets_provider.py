@@ -1,4 +1,5 @@
-"""The datasets of a --mock-data run are megatron-core's: split 1,1,1 whatever `split` says."""
+"""The datasets of a --mock-data run are megatron-core's: split 1,1,1 whatever `split` says,
+and no data file is read."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ def test_mock_data_splits_evenly_as_megatron():
         "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
         "--seq-length", "32", "--micro-batch-size", "1", "--train-iters", "10", "--mock-data",
         "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000", "--split", "969,30,1",
+        "--data-path", "/nonexistent/corpus_text_document",  # a YAML file's, say: not read
     ])  # fmt: skip
     first_rank = SimpleNamespace(rank=0, size=1)
     run = SimpleNamespace(

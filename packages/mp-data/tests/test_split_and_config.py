@@ -108,11 +108,3 @@ def test_data_config_attention_mask_rules():
     with pytest.raises(ValueError, match="reset_attention_mask=True needs "
                                          "create_attention_mask_in_dataloader=True"):  # fmt: skip
         DataConfig(reset_attention_mask=True, create_attention_mask_in_dataloader=False)
-
-
-def test_mock_data_and_data_files_are_exclusive():
-    assert DataConfig(mock_data=True).has_data
-    with pytest.raises(ValueError, match=r"mock_data=True and data_path=\['web'\] are exclusive"):
-        DataConfig(mock_data=True, data_path=["web"])
-    with pytest.raises(ValueError, match="mock_data=True and valid_data_path="):
-        DataConfig(mock_data=True, valid_data_path=["web"])

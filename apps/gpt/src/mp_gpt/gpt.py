@@ -45,13 +45,17 @@ def datasets_provider(run, counts: list[int]):
     config = run.config
     data, state = config.data, run.state
     tokenizer = run.tokenizer
-    per_split = None
-    if data.train_data_path or data.valid_data_path or data.test_data_path:
-        per_split = [get_blend_from_list(p) for p in
-                     (data.train_data_path, data.valid_data_path, data.test_data_path)]  # fmt: skip
+    blend, per_split = None, None
+    # Mock data reads no files: with no blend named, the config takes megatron-core's mock
+    # path (MockGPTDataset, split 1,1,1), whatever data paths a YAML file may carry.
+    if not data.mock_data:
+        blend = get_blend_from_list(data.data_path)
+        if data.train_data_path or data.valid_data_path or data.test_data_path:
+            per_split = [get_blend_from_list(p) for p in
+                         (data.train_data_path, data.valid_data_path, data.test_data_path)]  # fmt: skip
     dataset_config = GPTDatasetConfig(
         random_seed=config.training.seed, sequence_length=config.gpt.seq_length,
-        blend=get_blend_from_list(data.data_path), blend_per_split=per_split,
+        blend=blend, blend_per_split=per_split,
         split=data.split if per_split is None else None, path_to_cache=data.data_cache_path,
         tokenizer=tokenizer, reset_position_ids=data.reset_position_ids,
         reset_attention_mask=data.reset_attention_mask, eod_mask_loss=data.eod_mask_loss,
@@ -63,7 +67,6 @@ def datasets_provider(run, counts: list[int]):
     def reads_data() -> bool:
         return state.tp.rank == 0 and (first or last)
 
-    # With no blend named, the config takes megatron-core's mock path (split 1,1,1).
     cls = MockGPTDataset if data.mock_data else GPTDataset
     return BlendedMegatronDatasetBuilder(cls, counts, reads_data, dataset_config).build()
 

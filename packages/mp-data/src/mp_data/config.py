@@ -36,8 +36,8 @@ class DataConfig:
     """Where the dataset indices are cached (default: beside the data)."""
 
     mock_data: bool = False
-    """Synthetic token sequences instead of data files (none may be given); the three
-    splits are even (split 1,1,1), as megatron-core does for mock data."""
+    """Synthetic token sequences instead of data files (data paths are not read); the
+    three splits are even (split 1,1,1), as megatron-core's mock data."""
 
     tokenizer_type: str | None = None
     """GPT2BPETokenizer, HuggingFaceTokenizer, NullTokenizer, ... (mp_data.TOKENIZER_TYPES)."""
@@ -98,14 +98,6 @@ class DataConfig:
             )
         if self.data_path and self.train_data_path:
             raise ValueError("data_path and train_data_path are exclusive: give one")
-        paths = [name for name in ("data_path", "train_data_path", "valid_data_path",
-                                   "test_data_path") if getattr(self, name)]  # fmt: skip
-        if self.mock_data and paths:
-            raise ValueError(
-                f"mock_data=True and {paths[0]}={getattr(self, paths[0])!r} are exclusive: mock "
-                "data stands in for data files only when none are given (as in Megatron-LM, "
-                "whose mock datasets split 1,1,1)"
-            )
 
     @property
     def batches_carry_attention_mask(self) -> bool:
