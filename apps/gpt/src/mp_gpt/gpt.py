@@ -51,8 +51,8 @@ def datasets_provider(run, counts: list[int]):
     if not data.mock_data:
         blend = get_blend_from_list(data.data_path)
         if data.train_data_path or data.valid_data_path or data.test_data_path:
-            per_split = [get_blend_from_list(p) for p in
-                         (data.train_data_path, data.valid_data_path, data.test_data_path)]  # fmt: skip
+            paths = (data.train_data_path, data.valid_data_path, data.test_data_path)
+            per_split = [get_blend_from_list(p) for p in paths]
     dataset_config = GPTDatasetConfig(
         random_seed=config.training.seed, sequence_length=config.gpt.seq_length,
         blend=blend, blend_per_split=per_split,
