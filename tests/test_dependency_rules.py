@@ -32,7 +32,7 @@ OURS = {
 ALLOWED = {
     "mp_state": {"torch"},
     "mp_ckpt": {"torch", "numpy", "safetensors"},
-    "mp_data": {"numpy", "torch", "tokenizers", "punkt"},
+    "mp_data": {"numpy", "torch", "tokenizers", "punkt", "nltk"},
     "mp_layers": {"torch", "mp_state", "mp_ckpt"},
     "mp_optim": {"torch", "mp_state", "mp_ckpt"},
     "mp_pipeline": {"torch", "mp_state"},

@@ -1,7 +1,9 @@
-"""Killed runs resume exactly; SIGTERM to one rank makes every rank save and exit 0.
+"""Killed runs resume exactly, dropout included; SIGTERM to one rank makes every rank
+save and exit 0.
 
 Both run apps/gpt's pretrain_gpt under torchrun (two ranks, gloo), as a user
-would, on the tiny config with mock data.
+would, on the tiny config with mock data; the uninterrupted run the killed one is
+compared with goes on two forked ranks.
 """
 
 import json
@@ -15,14 +17,19 @@ from pathlib import Path
 import pytest
 
 from mp_ckpt import read_tracker
+from mp_state.testing import run_on_ranks
 
 CONFIG = Path(__file__).resolve().parents[1] / "apps" / "gpt" / "configs" / "tiny.yaml"
 
 
 def command(run_dir: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+            "-m", "mp_gpt.pretrain", *options(run_dir, *extra)]  # fmt: skip
+
+
+def options(run_dir: Path, *extra: str) -> list[str]:
     return [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-        "-m", "mp_gpt.pretrain", "--config", str(CONFIG), "--mock-data",
+        "--config", str(CONFIG), "--mock-data",
         "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000", "--seq-length", "64",
         "--micro-batch-size", "2", "--global-batch-size", "8", "--eval-interval", "none",
         "--log-interval", "100", "--num-workers", "0", "--tensorboard-dir", "none",
@@ -93,13 +100,24 @@ def finish(process: subprocess.Popen, timeout: float = 300) -> str:
     return output
 
 
+# Megatron's default dropout, so that every rank's generators and streams must come back
+# from the checkpoint for the losses to.
+DROPOUT = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
+LAYOUTS = {"dp2": [], "tp2": ["--tensor-model-parallel-size", "2"]}
+ITERATIONS = 16
+
+
 @pytest.mark.multirank
-def test_sigkill_every_rank_then_rerun_continues_bitwise(tmp_path):
-    iterations = ["--train-iters", "40", "--save-interval", "4"]
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_sigkill_every_rank_then_rerun_continues_bitwise(tmp_path, layout):
+    iterations = ["--train-iters", str(ITERATIONS), "--save-interval", "2", *DROPOUT,
+                  *LAYOUTS[layout]]  # fmt: skip
+    # The uninterrupted run on forked ranks (spared a torchrun start-up): the same code
+    # and settings, one thread per rank as under torchrun with OMP_NUM_THREADS=1.
     reference = tmp_path / "reference"
-    finish(start(reference, *iterations))
+    run_on_ranks(pretrain_body, 2, options(reference, *iterations), str(reference), timeout=180)
     want = {r["iteration"]: r for r in records(reference)}
-    assert sorted(want) == list(range(1, 41))
+    assert sorted(want) == list(range(1, ITERATIONS + 1))
 
     killed = tmp_path / "killed"
     process = start(killed, *iterations)
@@ -115,18 +133,27 @@ def test_sigkill_every_rank_then_rerun_continues_bitwise(tmp_path):
     _wait_until_gone(workers)
     saved = read_tracker(killed / "ckpt")
     seen = len(records(killed))
-    assert 4 <= saved < 40 and seen >= saved  # iterations past the checkpoint are redone
+    # Iterations past the checkpoint are redone.
+    assert 4 <= saved < ITERATIONS and seen >= saved
     output = finish(start(killed, *iterations))
-    assert f"at iteration {saved}" in output
+    assert f"at iteration {saved}" in output and "RNG states not restored" not in output
     after = records(killed)
-    assert len(after) == seen + 40 - saved  # the rerun's iterations, appended
+    assert len(after) == seen + ITERATIONS - saved  # the rerun's iterations, appended
     resumed = after[seen:]
-    assert [r["iteration"] for r in resumed] == list(range(saved + 1, 41))
+    assert [r["iteration"] for r in resumed] == list(range(saved + 1, ITERATIONS + 1))
     for record in resumed:
         expected = want[record["iteration"]]
         assert record["consumed_samples"] == expected["consumed_samples"]  # none skipped
         assert record["lm loss"] == expected["lm loss"], record["iteration"]
         assert record["lr"] == expected["lr"] and record["grad_norm"] == expected["grad_norm"]
+
+
+def pretrain_body(argv: list[str], run_dir: str) -> None:
+    os.environ["MP_RUN_DIR"] = run_dir
+    from mp_gpt.pretrain import train
+    from mp_train import parse_config
+
+    train(parse_config(argv))
 
 
 def _children(pid: int) -> list[int]:

@@ -12,6 +12,7 @@ import torch
 
 import mp_data.gpt_dataset as gpt_module
 from mp_data import (
+    BlendedMegatronDatasetBuilder,
     GPTDataset,
     GPTDatasetConfig,
     IndexedDataset,
@@ -192,4 +193,24 @@ def test_mock_dataset(tmp_path):
     assert low.get(5, 1, 2).tolist() == low.get(5)[1:3].tolist()
     assert mock[7]["tokens"].shape == (64,)
     with pytest.raises(ValueError, match="mock=True"):
-        MockGPTDataset(None, None, ids, 5, Split.train, config(tmp_path))
+        MockGPTDataset(None, None, ids, 5, Split.train, config(tmp_path, blend=(["c"], None),
+                                                               split="1"))  # fmt: skip
+
+
+def test_mock_data_without_a_blend_builds_megatrons_three_splits():
+    # megatron-core: no blend and no blend_per_split means mock data split "1,1,1"
+    # (any split given is replaced), each split's documents being
+    # arange(round(lo * N), round(hi * N)) of the 100,000 mock sequences.
+    cfg = GPTDatasetConfig(random_seed=1, sequence_length=64, tokenizer=TOKENIZER,
+                           split="969,30,1", create_attention_mask=False)  # fmt: skip
+    assert cfg.mock and cfg.split == "1,1,1"
+    sizes = [40, 20, 10]
+    built = BlendedMegatronDatasetBuilder(MockGPTDataset, sizes, lambda: True, cfg).build()
+    bounds = [(0, 33333), (33333, 66667), (66667, 100000)]  # 1/3 and 2/3 of 100,000, rounded
+    for split, dataset, size, (lo, hi) in zip(Split, built, sizes, bounds, strict=True):
+        assert isinstance(dataset, MockGPTDataset) and dataset.index_split is split
+        np.testing.assert_array_equal(dataset.indices, np.arange(lo, hi, dtype=np.int32))
+        direct = MockGPTDataset(None, None, np.arange(lo, hi, dtype=np.int32), size, split, cfg)
+        assert len(dataset) == len(direct) >= size
+        for i in (0, size - 1):
+            assert torch.equal(dataset[i]["tokens"], direct[i]["tokens"])

@@ -1,9 +1,13 @@
 """GPT-2 and BERT ids against independent re-implementations of the originals.
 
 The product code configures Hugging Face's tokenizers; the references below
-re-state, in a few lines of Python each, the algorithms Megatron ships
-(OpenAI's GPT-2 encoder in gpt2_tokenization.py, Google's BERT FullTokenizer
-in bert_tokenization.py), and a mixed text must give the same ids both ways.
+re-state, in a few lines of Python each, the algorithms (OpenAI's GPT-2
+encoder, Google's BERT FullTokenizer) plus what megatron-core 0.19's
+transformers-backed tokenizers add around them: the text is first cut at
+every special token written in it (each becoming its id), and BERT wraps the
+result in [CLS] ... [SEP] and makes words over 100 characters [UNK]. A mixed
+text must give the same ids both ways, with special tokens matched and with
+special_tokens_as_text.
 
 One limit, stated: Python's `re` has no \\p{L}, so the GPT-2 reference uses
 [^\\W\\d_] for letters and \\d for numbers, which agree with Unicode's classes
@@ -92,7 +96,12 @@ class ReferenceGPT2:
         self.byte_encoder = bytes_to_unicode()
         self.byte_decoder = {c: b for b, c in self.byte_encoder.items()}
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, special_tokens_as_text: bool = False) -> list[int]:
+        if special_tokens_as_text:
+            return self._encode_ordinary(text)
+        return with_special_tokens(text, {"<|endoftext|>": 50256}, self._encode_ordinary)
+
+    def _encode_ordinary(self, text: str) -> list[int]:
         ids = []
         for word in GPT2_PATTERN.findall(text):
             mapped = "".join(self.byte_encoder[b] for b in word.encode("utf-8"))
@@ -105,18 +114,30 @@ class ReferenceGPT2:
         return bytes(self.byte_decoder[c] for c in chars).decode("utf-8", errors="replace")
 
 
+def with_special_tokens(text: str, special: dict[str, int], encode) -> list[int]:
+    """encode() of the text between the special tokens written in `text`, their ids in between."""
+    pattern = "(" + "|".join(re.escape(token) for token in special) + ")"
+    ids = []
+    for i, part in enumerate(re.split(pattern, text)):
+        ids += [special[part]] if i % 2 else encode(part) if part else []
+    return ids
+
+
 @pytest.fixture(scope="module")
 def gpt2_pair():
     gpt2 = GPT2BPETokenizer(GPT2_VOCAB, GPT2_MERGES)
     return gpt2, ReferenceGPT2(gpt2)
 
 
-def test_gpt2_equals_the_reference_line_by_line(gpt2_pair):
-    gpt2, reference = gpt2_pair
+@pytest.mark.parametrize("as_text", [False, True])
+def test_gpt2_equals_the_reference_line_by_line(gpt2_pair, as_text):
+    _, reference = gpt2_pair
+    gpt2 = GPT2BPETokenizer(GPT2_VOCAB, GPT2_MERGES, special_tokens_as_text=as_text)
     for line in [*TEXT.splitlines(keepends=True), TEXT, *LONG_WORDS]:
         ids = gpt2.tokenize(line)
-        assert ids == reference.encode(line), repr(line)
+        assert ids == reference.encode(line, special_tokens_as_text=as_text), repr(line)
         assert gpt2.detokenize(ids) == reference.decode(ids) == line
+    assert (50256 in gpt2.tokenize(TEXT)) is not as_text
 
 
 def test_gpt2_decodes_partial_characters_like_the_reference(gpt2_pair):
@@ -170,7 +191,7 @@ def reference_bert(text: str, vocab: dict[str, int], lower_case: bool) -> list[i
     ids = []
     for word in words:
         pieces, start = [], 0
-        while start < len(word) and len(word) <= 200:
+        while start < len(word) and len(word) <= 100:
             end = len(word)
             while end > start and ("##" * (start > 0) + word[start:end]) not in vocab:
                 end -= 1
@@ -182,13 +203,23 @@ def reference_bert(text: str, vocab: dict[str, int], lower_case: bool) -> list[i
     return ids
 
 
+@pytest.mark.parametrize("as_text", [False, True])
 @pytest.mark.parametrize("cls", [BertWordPieceLowerCase, BertWordPieceCase])
-def test_bert_equals_the_reference_line_by_line(cls):
-    bert = cls(BERT_VOCAB)
+def test_bert_equals_the_reference_line_by_line(cls, as_text):
+    bert = cls(BERT_VOCAB, special_tokens_as_text=as_text)
     file_vocab = {t: i for t, i in bert.vocab.items() if i < 30522}
-    for line in [*TEXT.splitlines(), TEXT, " ".join(LONG_WORDS)]:
-        expected = reference_bert(line, file_vocab, lower_case=cls is BertWordPieceLowerCase)
-        assert bert.tokenize(line) == expected, repr(line)
-    # Megatron's 200-character limit (the library's default is 100).
-    assert bert.tokenize(LONG_WORDS[0]) != [bert.vocab["[UNK]"]]
-    assert bert.tokenize(LONG_WORDS[1]) == [bert.vocab["[UNK]"]]
+    lower_case = cls is BertWordPieceLowerCase
+    special = {t: file_vocab[t] for t in ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")}
+    if not lower_case:
+        special |= {f"<extra_id_{i}>": 30522 + i for i in range(100)}
+
+    def ordinary(text):
+        return reference_bert(text, file_vocab, lower_case)
+
+    cls_id, sep_id = file_vocab["[CLS]"], file_vocab["[SEP]"]
+    for line in [*TEXT.splitlines(), TEXT, " ".join(LONG_WORDS), "a <extra_id_7> b", ""]:
+        inner = ordinary(line) if as_text else with_special_tokens(line, special, ordinary)
+        assert bert.tokenize(line) == [cls_id, *inner, sep_id], repr(line)
+    # transformers' 100-character limit (Megatron's legacy tokenizer had 200).
+    assert bert.tokenize(LONG_WORDS[0]) == [cls_id, bert.vocab["[UNK]"], sep_id]
+    assert len(bert.tokenize("x" * 100)) > 3

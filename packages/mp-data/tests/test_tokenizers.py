@@ -63,8 +63,9 @@ GPT2_KNOWN = [
     ("\n\n", [628]),  # one pre-token when nothing follows ...
     ("a\n\nb", [64, 198, 198, 65]),  # ... two when a word does (GPT-2's \s+(?!\S))
     ("  ", [220, 220]),  # GPT-2 has no multi-space tokens
-    # The literal text is ordinary text in Megatron's GPT-2 tokenizer, not eod.
-    ("<|endoftext|>", [27, 91, 437, 1659, 5239, 91, 29]),
+    # The literal text is the special token, as in megatron-core 0.19 (transformers).
+    ("<|endoftext|>", [50256]),
+    ("Hello <|endoftext|> world", [15496, 220, 50256, 995]),
     ("", []),
 ]
 
@@ -75,9 +76,21 @@ def test_gpt2_known_ids(gpt2, text, ids):
     assert gpt2.detokenize(ids) == text
 
 
+def test_gpt2_special_tokens_as_text(gpt2):
+    plain = GPT2BPETokenizer(GPT2_VOCAB, GPT2_MERGES, special_tokens_as_text=True)
+    assert plain.tokenize("<|endoftext|>") == [27, 91, 437, 1659, 5239, 91, 29]
+    assert plain.tokenize("Hello world") == gpt2.tokenize("Hello world")
+    assert plain.detokenize(plain.tokenize("a<|endoftext|>b")) == "a<|endoftext|>b"
+    # The ids of some texts differ, so cached dataset indices must not be shared.
+    assert plain.identity != gpt2.identity
+    built = build_tokenizer("GPT2BPETokenizer", vocab_file=GPT2_VOCAB, merge_file=GPT2_MERGES,
+                            special_tokens_as_text=True)  # fmt: skip
+    assert built.identity == plain.identity
+
+
 def test_gpt2_special_ids_and_sizes(gpt2):
-    assert (gpt2.vocab_size, gpt2.eod, gpt2.eos) == (50257, 50256, 50256)
-    assert gpt2.pad is None and gpt2.bos is None
+    assert (gpt2.vocab_size, gpt2.eod, gpt2.eos, gpt2.bos) == (50257, 50256, 50256, 50256)
+    assert gpt2.pad is None
     assert gpt2.vocab["<|endoftext|>"] == 50256 and gpt2.inv_vocab[15496] == "Hello"
     assert len(gpt2.vocab) == len(gpt2.inv_vocab) == 50257
     assert vocab_size_with_padding(gpt2.vocab_size) == 50304
@@ -114,43 +127,50 @@ def test_gpt2_accepts_numpy_ids(gpt2):
 
 
 def test_bert_known_ids(bert):
-    # The transformers docs' example, [CLS] and [SEP] aside: Megatron's tokenize adds neither.
-    assert bert.tokenize("Hello, my dog is cute") == [7592, 1010, 2026, 3899, 2003, 10140]
-    assert bert.tokenize("hello world") == [7592, 2088]
+    # The transformers docs' example: every encoded text is [CLS] ... [SEP].
+    assert bert.tokenize("Hello, my dog is cute") == [101, 7592, 1010, 2026, 3899, 2003, 10140,
+                                                      102]  # fmt: skip
+    assert bert.tokenize("hello world") == [101, 7592, 2088, 102]
     assert bert.tokenize("Héllo") == bert.tokenize("hello")  # lowercased, accent stripped
-    assert bert.tokenize("") == []
+    assert bert.tokenize("") == [101, 102]
 
 
-def test_bert_special_ids_follow_megatron(bert):
-    # Megatron's _BertWordPieceTokenizer appends [BOS] and [EOS] to the file's
-    # 30522 entries and uses [EOS] as eod.
+def test_bert_special_ids_follow_megatron_core(bert):
+    # megatron-core 0.19: [SEP] is eos and eod, [CLS] is bos; nothing is appended.
     assert (bert.pad, bert.cls, bert.sep, bert.mask) == (0, 101, 102, 103)
-    assert (bert.bos, bert.eos, bert.eod, bert.vocab_size) == (30522, 30523, 30523, 30524)
-    assert bert.inv_vocab[30523] == "[EOS]" and bert.vocab["[BOS]"] == 30522
-    assert vocab_size_with_padding(bert.vocab_size) == vocab_size_with_padding(30522) == 30592
+    assert (bert.bos, bert.eos, bert.eod, bert.vocab_size) == (101, 102, 102, 30522)
+    assert vocab_size_with_padding(bert.vocab_size) == 30592
 
 
-def test_bert_special_tokens_in_text_are_text(bert):
-    assert bert.tokenize("[SEP]") == [1031, 19802, 1033]
-    assert bert.tokenize("[EOS]") != [bert.eos]
+def test_bert_special_tokens_in_text(bert):
+    # Matched as written, before lower-casing: "[sep]" is text.
+    assert bert.tokenize("a [SEP] b [sep]") == [101, 1037, 102, 1038, 1031, 19802, 1033, 102]
+    assert bert.tokenize("[CLS][MASK]") == [101, 101, 103, 102]
+    plain = BertWordPieceLowerCase(BERT_VOCAB, special_tokens_as_text=True)
+    assert plain.tokenize("a [SEP] b") == [101, 1037, 1031, 19802, 1033, 1038, 102]
+    assert plain.identity != bert.identity
 
 
 def test_bert_detokenize(bert):
-    ids = [bert.cls, *bert.tokenize("Hello, my dog is cute!"), bert.sep, bert.eod]
-    assert bert.detokenize(ids) == "[CLS] hello, my dog is cute! [SEP] [EOS]"
-    assert bert.detokenize(bert.tokenize("unaffable")) == "unaffable"
+    ids = bert.tokenize("Hello, my dog is cute!")
+    assert bert.detokenize(ids) == "[CLS] hello, my dog is cute! [SEP]"
+    assert bert.detokenize(bert.tokenize("unaffable")[1:-1]) == "unaffable"
     # tokenizers cleans up token by token; Megatron's join would give "it's".
-    assert bert.detokenize(bert.tokenize("it's")) == "it ' s"
-    with pytest.raises(ValueError, match="id 30524 is outside"):
-        bert.detokenize([30524])
+    assert bert.detokenize(bert.tokenize("it's")[1:-1]) == "it ' s"
+    with pytest.raises(ValueError, match="id 30522 is outside"):
+        bert.detokenize([30522])
 
 
-def test_bert_case_keeps_case_and_accents(bert):
+def test_bert_case_keeps_case_and_accents_and_adds_extra_ids(bert):
     cased = BertWordPieceCase(BERT_VOCAB)
-    assert cased.tokenize("hello Hello") == [7592, 100]  # the uncased file has no "Hello"
+    assert cased.tokenize("hello Hello") == [101, 7592, 100, 102]  # the file has no "Hello"
     assert cased.tokenize("café") != bert.tokenize("café")
     assert cased.identity != bert.identity
-    assert (cased.eod, cased.vocab_size) == (bert.eod, bert.vocab_size)
+    # megatron-core 0.19 gives BertWordPieceCase 100 <extra_id_N> special tokens.
+    assert (cased.eod, cased.vocab_size) == (bert.eod, 30522 + 100)
+    assert cased.tokenize("x <extra_id_3>") == [101, 1060, 30525, 102]
+    assert cased.detokenize([30621]) == "<extra_id_99>"
+    assert "<extra_id_3>" not in bert.vocab
 
 
 def test_bert_vocab_file_errors(tmp_path):
@@ -164,12 +184,25 @@ def test_bert_vocab_file_errors(tmp_path):
         BertWordPieceLowerCase(repeated)
 
 
-def test_bert_keeps_bos_and_eos_found_in_the_file(tmp_path):
+def test_bert_vocab_lines_are_read_as_transformers_reads_them(tmp_path):
+    # tokenizers' WordPiece.read_file: \r\n ends a line, a lone \r does not,
+    # trailing whitespace goes, leading whitespace stays (megatron-core 0.19.2
+    # with transformers 5 gives these ids for this file).
+    vocab = tmp_path / "vocab.txt"
+    special = b"[PAD]\r\n[UNK]\r\n[CLS]\r\n[SEP]\r\n[MASK]\r\n"
+    vocab.write_bytes(special + b"hello \r\n there\r\na\rb\ny\n")
+    tokenizer = BertWordPieceLowerCase(vocab)
+    assert tokenizer.vocab_size == 9
+    assert tokenizer.tokenize("hello there y") == [2, 5, 1, 8, 3]
+    assert tokenizer.tokenize("a b") == [2, 1, 1, 3]
+
+
+def test_bert_special_ids_are_those_of_the_file(tmp_path):
     vocab = tmp_path / "vocab.txt"
     vocab.write_text("[PAD]\n[EOS]\n[UNK]\n[CLS]\n[SEP]\n[MASK]\nhello\n")
     tokenizer = BertWordPieceLowerCase(vocab)
-    assert (tokenizer.eod, tokenizer.bos, tokenizer.vocab_size) == (1, 7, 8)
-    assert tokenizer.tokenize("Hello there") == [6, 2]
+    assert (tokenizer.eod, tokenizer.bos, tokenizer.vocab_size) == (4, 3, 7)
+    assert tokenizer.tokenize("Hello there") == [3, 6, 2, 4]
 
 
 # Hugging Face tokenizer.json ----------------------------------------------------
@@ -190,12 +223,16 @@ def save_gpt2_tokenizer_json(folder: Path, post_processor=None, added=()) -> Pat
 
 
 def test_huggingface_gpt2_json_matches_gpt2(tmp_path, gpt2):
-    path = save_gpt2_tokenizer_json(tmp_path / "gpt2")
+    # GPT-2's tokenizer.json registers <|endoftext|> as a special token.
+    path = save_gpt2_tokenizer_json(tmp_path / "gpt2", added=["<|endoftext|>"])
     hf = HuggingFaceTokenizer(path.parent)  # the folder, or the file itself
     assert HuggingFaceTokenizer(str(path)).identity == hf.identity
     text = "Hello world, <|endoftext|> and naïve 🤗\n\nbye"
     assert hf.tokenize(text) == gpt2.tokenize(text)
     assert hf.detokenize(hf.tokenize(text)) == text
+    plain = HuggingFaceTokenizer(path, special_tokens_as_text=True)
+    assert plain.tokenize(text) == GPT2BPETokenizer(GPT2_VOCAB, GPT2_MERGES, True).tokenize(text)
+    assert plain.tokenize(text) != hf.tokenize(text) and plain.identity != hf.identity
     # No role file: eod is the conventional <|endoftext|>; GPT-2 has no pad or bos.
     assert (hf.vocab_size, hf.eod, hf.pad, hf.bos) == (50257, 50256, None, None)
     assert hf.vocab == gpt2.vocab

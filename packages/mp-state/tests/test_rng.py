@@ -16,6 +16,7 @@ from mp_state import (
     get_rng_state,
     initialize,
     model_parallel_seeds,
+    rng_state_kept,
     set_random_seeds,
     set_rng_state,
     stage_seed,
@@ -154,6 +155,22 @@ def test_full_rng_state_round_trips():
     second = sample()
     assert first[:2] == second[:2]
     assert torch.equal(first[2], second[2]) and torch.equal(first[3], second[3])
+
+
+def test_rng_state_kept_undoes_a_blocks_draws_even_when_it_raises():
+    tracker = tracker_with(a=3)
+    saved = get_rng_state(tracker)
+    expected = (random.random(), np.random.rand(), torch.rand(2))
+    set_rng_state(saved, tracker)
+    with pytest.raises(RuntimeError), rng_state_kept(tracker):
+        random.random(), np.random.rand(), torch.rand(5)
+        iter(torch.utils.data.DataLoader(range(4)))  # takes a base seed from torch
+        with tracker.fork("a"):
+            torch.rand(3)
+        raise RuntimeError
+    assert (random.random(), np.random.rand()) == expected[:2]
+    assert torch.equal(torch.rand(2), expected[2])
+    assert torch.equal(tracker.get_states()["a"], saved["tracker"]["a"])
 
 
 def seeded_draws(data_parallel_random_init: bool) -> dict:

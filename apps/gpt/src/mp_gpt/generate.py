@@ -52,13 +52,14 @@ def sample_next(logits: torch.Tensor, *, temperature: float, top_k: int, top_p: 
 @torch.no_grad()
 def generate(model: GPTModel, ids: list[int], *, max_new_tokens: int, max_length: int,
              temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
-             eod: int | None = None) -> list[int]:  # fmt: skip
-    """ids extended by up to max_new_tokens tokens (stops at eod)."""
+             eod: int | None = None, vocab_size: int | None = None) -> list[int]:  # fmt: skip
+    """ids extended by up to max_new_tokens tokens (stops at eod). vocab_size: the
+    tokenizer's; the rows padding the model's vocabulary beyond it are never drawn."""
     generator = torch.Generator().manual_seed(seed)
     ids = list(ids)
     for _ in range(max_new_tokens):
         window = torch.tensor([ids[-max_length:]], device=next(model.parameters()).device)
-        logits = model(window)[0, -1].cpu()
+        logits = model(window)[0, -1, :vocab_size].cpu()
         token = sample_next(logits, temperature=temperature, top_k=top_k, top_p=top_p,
                             generator=generator)  # fmt: skip
         ids.append(token)
@@ -105,9 +106,12 @@ def run_generation(args, extra: list[str]) -> str:
         ids = tokenizer.tokenize(args.prompt) if args.prompt else [tokenizer.eod]
         out = generate(model, ids, max_new_tokens=args.max_new_tokens, max_length=gpt.seq_length,
                        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                       seed=args.seed, eod=tokenizer.eod)  # fmt: skip
-        start = len(ids) if args.prompt else 1
-        return args.prompt + tokenizer.detokenize([t for t in out[start:] if t != tokenizer.eod])
+                       seed=args.seed, eod=tokenizer.eod,
+                       vocab_size=tokenizer.vocab_size)  # fmt: skip
+        # The prompt's ids and the new ones detokenized together, as one text (a tokenizer
+        # may join tokens with spaces or merge bytes across the boundary).
+        kept = out if args.prompt else out[1:]
+        return tokenizer.detokenize([t for t in kept if t != tokenizer.eod])
     finally:
         mp_state.destroy()
 

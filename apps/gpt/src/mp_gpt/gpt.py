@@ -45,15 +45,19 @@ def datasets_provider(run, counts: list[int]):
     config = run.config
     data, state = config.data, run.state
     tokenizer = run.tokenizer
-    per_split = None
-    if data.train_data_path or data.valid_data_path or data.test_data_path:
-        per_split = [get_blend_from_list(p) for p in
-                     (data.train_data_path, data.valid_data_path, data.test_data_path)]  # fmt: skip
+    blend, per_split = None, None
+    # Mock data reads no files: with no blend named, the config takes megatron-core's mock
+    # path (MockGPTDataset, split 1,1,1), whatever data paths a YAML file may carry.
+    if not data.mock_data:
+        blend = get_blend_from_list(data.data_path)
+        if data.train_data_path or data.valid_data_path or data.test_data_path:
+            paths = (data.train_data_path, data.valid_data_path, data.test_data_path)
+            per_split = [get_blend_from_list(p) for p in paths]
     dataset_config = GPTDatasetConfig(
         random_seed=config.training.seed, sequence_length=config.gpt.seq_length,
-        blend=get_blend_from_list(data.data_path), blend_per_split=per_split,
+        blend=blend, blend_per_split=per_split,
         split=data.split if per_split is None else None, path_to_cache=data.data_cache_path,
-        mock=data.mock_data, tokenizer=tokenizer, reset_position_ids=data.reset_position_ids,
+        tokenizer=tokenizer, reset_position_ids=data.reset_position_ids,
         reset_attention_mask=data.reset_attention_mask, eod_mask_loss=data.eod_mask_loss,
         create_attention_mask=data.batches_carry_attention_mask,
     )  # fmt: skip

@@ -36,7 +36,8 @@ class DataConfig:
     """Where the dataset indices are cached (default: beside the data)."""
 
     mock_data: bool = False
-    """Synthetic token sequences instead of data (no files needed)."""
+    """Synthetic token sequences instead of data files (data paths are not read); the
+    three splits are even (split 1,1,1), as megatron-core's mock data."""
 
     tokenizer_type: str | None = None
     """GPT2BPETokenizer, HuggingFaceTokenizer, NullTokenizer, ... (mp_data.TOKENIZER_TYPES)."""

@@ -29,6 +29,10 @@ def tokenizer_identity(tokenizer: Any) -> str | None:
     return f"{name}(vocab_size={tokenizer.vocab_size}, eod={tokenizer.eod}, pad={pad})"
 
 
+MOCK_SPLIT = "1,1,1"
+"""The split megatron-core gives mock data when no blend is configured."""
+
+
 @dataclass(kw_only=True)
 class GPTDatasetConfig:
     random_seed: int
@@ -44,13 +48,19 @@ class GPTDatasetConfig:
     """One blend each for train, valid and test; excludes `blend` and `split`."""
 
     split: str | None = None
-    """How each dataset of `blend` is divided into train, valid, test, e.g. "969,30,1"."""
+    """How each dataset of `blend` is divided into train, valid, test, e.g. "969,30,1".
+
+    With neither blend nor blend_per_split it is set to "1,1,1" (megatron-core's
+    mock path replaces any value given)."""
 
     path_to_cache: str | None = None
     """Folder for the index arrays; None: a cache/ folder beside each dataset."""
 
     mock: bool = False
-    """Use generated data instead of files (MockGPTDataset)."""
+    """Use generated data instead of files (MockGPTDataset), split by `split`.
+
+    Set automatically, as in megatron-core, when neither blend nor
+    blend_per_split is given; the split is then "1,1,1"."""
 
     tokenizer: Any = None
     """Needs vocab_size, eod and, optionally, pad and identity."""
@@ -96,7 +106,13 @@ class GPTDatasetConfig:
                 )
             if self.split is not None:
                 raise ValueError(f"split={self.split!r} is meaningless with blend_per_split")
-        elif self.blend is not None or self.mock:
+        elif self.blend is None and not self.mock:
+            # megatron-core's BlendedMegatronDatasetConfig: no data named means
+            # mock data, split evenly whatever `split` said.
+            self.mock = True
+            self.split = MOCK_SPLIT
+            self.split_matrix = split_matrix(parse_and_normalize_split(self.split))
+        else:
             if self.split is None:
                 raise ValueError("split is required with blend or mock, e.g. split='969,30,1'")
             self.split_matrix = split_matrix(parse_and_normalize_split(self.split))

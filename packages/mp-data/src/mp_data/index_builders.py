@@ -2,7 +2,7 @@
 
 Three functions, each the counterpart of one of megatron/core/datasets/helpers.cpp
 (same arguments, same arrays), so that the same data, seed and settings give
-the same samples; shared/formats/gpt-indices.md describes the algorithms and
+the same samples; docs/formats/gpt-indices.md describes the algorithms and
 mp_data.index_reference restates them in numpy. Names: L = sequence_length,
 e = add_extra_token_to_sequence, E = num_epochs, T = tokens_per_epoch.
 

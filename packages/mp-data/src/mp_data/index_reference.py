@@ -2,7 +2,7 @@
 
 The tests' oracle and the benchmark's baseline: same arguments and same
 results as mp_data.index_builders (see its docstring and
-shared/formats/gpt-indices.md), derived independently of the native walk:
+docs/formats/gpt-indices.md), derived independently of the native walk:
 
 - The sample index is computed in closed form. Lay the sequences of
   document_index end to end and let ends[k] be the tokens up to and including

@@ -22,6 +22,9 @@ generator) draws from it:
 (`seed` here is the per-stage seed above.) The tracker works on the CPU
 generator or on one CUDA device's, and its states can be saved and restored,
 so a resumed run draws the same numbers as an uninterrupted one.
+`rng_state_kept()` undoes whatever a block draws, for work (such as starting
+a DataLoader, which takes its base seed from the default generator) that must
+not move the training's streams.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ __all__ = [
     "RNGStatesTracker",
     "get_rng_state",
     "model_parallel_seeds",
+    "rng_state_kept",
     "set_random_seeds",
     "set_rng_state",
     "stage_seed",
@@ -203,3 +207,14 @@ def set_rng_state(saved: dict[str, Any], tracker: RNGStatesTracker | None = None
         numpy.random.set_state(saved["numpy"])
     if tracker is not None and saved["tracker"] is not None:
         tracker.set_states(saved["tracker"])
+
+
+@contextmanager
+def rng_state_kept(tracker: RNGStatesTracker | None = None) -> Iterator[None]:
+    """Every generator `get_rng_state` captures is back at its state of entry when the
+    block ends, whatever the block drew."""
+    saved = get_rng_state(tracker)
+    try:
+        yield
+    finally:
+        set_rng_state(saved, tracker)

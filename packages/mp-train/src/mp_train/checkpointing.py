@@ -5,7 +5,17 @@ theirs as replicas, so each logical piece is written once) and, unless
 no_save_optim, the optimizer's. Common (rank 0): the iteration and consumed
 samples, the scheduler, the optimizer's plain state, the run's configuration
 (and the model's settings under Megatron's names, for `mp-ckpt export-hf`).
-Per rank: the RNG states, restored only when the layout is the saved one.
+
+Per rank (mp-ckpt's rank_state, one file per rank), unless no_save_rng: every
+generator the rank draws from (python, numpy, torch's CPU and CUDA ones, and
+the tracker's streams), keyed by the rank's position: its rank and size in
+each group that decides a seed or a stream (tp, pp, dp, cp, ep, expert_tp)
+and the virtual pipeline size. Megatron's rng_state holds the same states,
+one entry per data-parallel rank of each (pp, tp) rank. A resume restores
+them only when every rank finds its own position saved; otherwise (another
+layout, another rank order, a checkpoint saved with no_save_rng or
+converted) no rank does, a warning says why, and the generators keep what
+this run's seeding gave them, as after no_load_rng.
 """
 
 from __future__ import annotations
@@ -14,6 +24,7 @@ import dataclasses
 import logging
 
 import torch
+import torch.distributed as dist
 
 import mp_state
 from mp_ckpt import (
@@ -78,7 +89,10 @@ def save_run_checkpoint(run: Run, checkpointer: Checkpointer) -> None:
         "config": run.config.as_dict(),
         "model_config": model_settings(run),
     }
-    rank_state = None if ckpt.no_save_rng else mp_state.get_rng_state(run.rng_tracker)
+    rank_state = None
+    if not ckpt.no_save_rng:
+        rank_state = {"position": _rng_position(run),
+                      "rng_state": mp_state.get_rng_state(run.rng_tracker)}  # fmt: skip
     checkpointer.save(run.train.iteration, pieces, common=common, rank_state=rank_state,
                       layout=_layout(run))  # fmt: skip
 
@@ -93,6 +107,21 @@ def _layout(run: Run) -> dict:
         ),
         "data_parallel_size": run.data_parallel_size,
     }
+
+
+def _rng_position(run: Run) -> dict:
+    """This rank's place in the layout, as far as its seeds and streams depend on it: the
+    key its saved RNG states are restored under."""
+    groups = {kind: getattr(run.state, kind) for kind in _RNG_GROUPS}
+    return {
+        **{kind: [group.rank, group.size] for kind, group in groups.items()},
+        "virtual_pipeline_model_parallel_size": (
+            run.config.parallel.virtual_pipeline_model_parallel_size
+        ),
+    }
+
+
+_RNG_GROUPS = ("tp", "pp", "dp", "cp", "ep", "expert_tp")
 
 
 # Model settings that change tensor shapes or names: a checkpoint made with other values
@@ -159,11 +188,57 @@ def load_run_checkpoint(run: Run) -> bool:
     if not ckpt.finetune:
         run.train = TrainState(**common["train_state"])
         run.scheduler.load_state_dict(common["scheduler"])
-        same_layout = read_metadata(loaded.directory).get("layout") == _layout(run)
-        if loaded.rank_state is not None and same_layout and not ckpt.no_load_rng:
-            mp_state.set_rng_state(loaded.rank_state, run.rng_tracker)
+        if not ckpt.no_load_rng:
+            _restore_rng(run, loaded)
     log.info("loaded %s (iteration %d)", loaded.directory, loaded.iteration)
     return True
+
+
+# Why a rank cannot take back RNG states: ordered, so that the largest code, reduced over
+# the ranks, names the reason that applies to the run as a whole.
+_RNG_FITS, _RNG_ELSEWHERE, _RNG_MISSING = 0, 1, 2
+
+
+def _restore_rng(run: Run, loaded) -> None:
+    """Every rank takes back the RNG states saved at its position, or none does and rank 0
+    warns (collective)."""
+    saved = loaded.rank_state
+    if saved is None or "position" not in saved:
+        status = _RNG_MISSING
+    elif saved["position"] != _rng_position(run):
+        status = _RNG_ELSEWHERE
+    else:
+        status = _RNG_FITS
+    flag = torch.tensor([float(status)])
+    if dist.get_backend() == "nccl":
+        flag = flag.cuda()
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    status = int(flag.item())
+    if status == _RNG_FITS:
+        mp_state.set_rng_state(saved["rng_state"], run.rng_tracker)
+        return
+    if dist.get_rank() == 0:
+        log.warning(
+            "%s: RNG states not restored: %s; the generators keep this run's seeding "
+            "(seed=%d), as with no_load_rng", loaded.directory,
+            _rng_mismatch(run, read_metadata(loaded.directory), status),
+            run.config.training.seed,
+        )  # fmt: skip
+
+
+def _rng_mismatch(run: Run, metadata: dict, status: int) -> str:
+    """Why the saved RNG states do not fit this run, in words."""
+    saved, now = metadata.get("layout") or {}, _layout(run)
+    differing = [f"{name}: checkpoint {saved.get(name)!r}, this run {now[name]!r}"
+                 for name in now if name in saved and saved[name] != now[name]]  # fmt: skip
+    if differing:
+        return "saved under another layout (" + "; ".join(differing) + ")"
+    if status == _RNG_MISSING:
+        return (
+            "some rank finds none in the checkpoint (saved with no_save_rng, converted, "
+            "or saved before RNG states were keyed by position)"
+        )
+    return "saved with the ranks placed otherwise (another rank order)"
 
 
 def _refresh_main_params(run: Run) -> None:

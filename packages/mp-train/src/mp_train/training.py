@@ -34,6 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+import mp_state
 from mp_ckpt import Checkpointer, read_tracker
 from mp_data import build_pretraining_data_loader, train_valid_test_num_samples
 from mp_pipeline import get_forward_backward_func
@@ -78,7 +79,10 @@ def pretrain(
         )
     if checkpointer is not None and not config.training.skip_train:
         prepare_run_checkpointer(run, checkpointer)
-    train_iter, valid_iter = _data_iterators(run, datasets_provider)
+    # Starting a DataLoader draws its base seed from torch's default generator: undone, so
+    # that the first iteration draws what the checkpoint (or the seeding) left there.
+    with mp_state.rng_state_kept(run.rng_tracker):
+        train_iter, valid_iter = _data_iterators(run, datasets_provider)
     try:
         stopped = None
         if not config.training.skip_train:

@@ -4,7 +4,10 @@ For each line and each --json-keys key, as megatron tools/preprocess_data.py:
 
 - the value is one text, split into sentences with --split-sentences, or a
   list of texts taken as the sentences (a file split beforehand);
-- each sentence is tokenized; sentences with no tokens are dropped;
+- each sentence is tokenized with the tokenizer's ordinary encode call
+  (special-token text is the special token, unless --special-tokens-as-text;
+  a BERT tokenizer wraps each sentence in [CLS] ... [SEP]); sentences with no
+  tokens are dropped;
 - with --append-eod the tokenizer's eod goes after the document's last
   sentence, if the document has any token;
 - the document is then one `add_document(ids, sentence lengths)` call, so a
@@ -50,6 +53,7 @@ class EncodeOptions:
     split_sentences: bool = False
     keep_newlines: bool = False
     lang: str = "english"
+    special_tokens_as_text: bool = False
 
     def build_tokenizer(self) -> Tokenizer:
         return build_tokenizer(
@@ -58,6 +62,7 @@ class EncodeOptions:
             merge_file=self.merge_file,
             tokenizer_model=self.tokenizer_model,
             vocab_size=self.vocab_size,
+            special_tokens_as_text=self.special_tokens_as_text,
         )
 
 

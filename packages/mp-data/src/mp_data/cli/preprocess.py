@@ -93,6 +93,13 @@ def add_parser(subparsers) -> None:
         help="append the tokenizer's end-of-document token to each document",
     )
     e.add_argument(
+        "--special-tokens-as-text",
+        action="store_true",
+        help="tokenize the text of special tokens (<|endoftext|>, [SEP], ...) as ordinary "
+        "text; by default it is the special token, as in Megatron, so a document "
+        "containing '<|endoftext|>' holds an end of document there",
+    )
+    e.add_argument(
         "--split-sentences",
         action="store_true",
         help="split documents into sentences with Punkt; write sentence-level files",
@@ -148,6 +155,7 @@ def run(args: argparse.Namespace) -> None:
         split_sentences=args.split_sentences,
         keep_newlines=args.keep_newlines,
         lang=args.lang,
+        special_tokens_as_text=args.special_tokens_as_text,
     )
     try:
         encoder = Encoder(options)  # checks the files before any worker starts

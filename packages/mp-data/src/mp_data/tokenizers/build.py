@@ -40,8 +40,13 @@ def build_tokenizer(
     merge_file: str | os.PathLike | None = None,
     tokenizer_model: str | os.PathLike | None = None,
     vocab_size: int | None = None,
+    special_tokens_as_text: bool = False,
 ) -> Tokenizer:
-    """The tokenizer of `tokenizer_type`, built from the arguments it requires."""
+    """The tokenizer of `tokenizer_type`, built from the arguments it requires.
+
+    `special_tokens_as_text` tokenizes the text of special tokens as ordinary
+    text instead of matching it (base.py); NullTokenizer has no special text.
+    """
     if tokenizer_type not in TOKENIZER_TYPES:
         raise ValueError(
             f"tokenizer_type {tokenizer_type!r} is not supported; choose one of "
@@ -58,13 +63,13 @@ def build_tokenizer(
     if missing:
         raise ValueError(f"tokenizer_type {tokenizer_type!r} requires {' and '.join(missing)}")
     if tokenizer_type == "GPT2BPETokenizer":
-        return GPT2BPETokenizer(vocab_file, merge_file)
+        return GPT2BPETokenizer(vocab_file, merge_file, special_tokens_as_text)
     if tokenizer_type == "BertWordPieceLowerCase":
-        return BertWordPieceLowerCase(vocab_file)
+        return BertWordPieceLowerCase(vocab_file, special_tokens_as_text)
     if tokenizer_type == "BertWordPieceCase":
-        return BertWordPieceCase(vocab_file)
+        return BertWordPieceCase(vocab_file, special_tokens_as_text)
     if tokenizer_type == "HuggingFaceTokenizer":
-        return HuggingFaceTokenizer(tokenizer_model)
+        return HuggingFaceTokenizer(tokenizer_model, special_tokens_as_text)
     return NullTokenizer(vocab_size)
 
 

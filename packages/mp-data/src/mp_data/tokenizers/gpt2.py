@@ -8,12 +8,21 @@ pre-tokenizer (add_prefix_space=False, GPT-2's regex) does exactly this, and
 its ByteLevel decoder undoes it (bytes that are not valid UTF-8 become U+FFFD,
 as with Megatron's errors='replace').
 
-As in Megatron's GPT2BPETokenizer (megatron/training/tokenizer), the text
-"<|endoftext|>" is ordinary text (7 tokens): no special token is registered,
-so a document can never smuggle in a document boundary. The boundary is
-`eod`, the id of <|endoftext|> (50256), which preprocessing appends. GPT-2
-has no pad token. (megatron.core.tokenizers goes through transformers'
-GPT-2 tokenizer, which matches "<|endoftext|>" in text as 50256.)
+Ids are those of megatron-core 0.19's GPT2BPETokenizer, which is transformers'
+GPT-2 tokenizer built from the same two files: "<|endoftext|>" is a special
+token, so the literal text "<|endoftext|>" anywhere in a document becomes the
+one id 50256, the same id as `eod`, which preprocessing appends after each
+document ("Hello <|endoftext|> world" -> [15496, 220, 50256, 995]). The text
+around it is tokenized on its own, as if the special token were a document
+edge.
+
+That lets a document's text inject document boundaries. With
+`special_tokens_as_text=True` the text is ordinary text instead (7 tokens,
+[27, 91, 437, 1659, 5239, 91, 29]), as in the tokenizer Megatron used before
+megatron.core.tokenizers (megatron/training/tokenizer, --legacy-tokenizer).
+
+bos and eos are <|endoftext|> too (transformers' GPT-2 roles); GPT-2 has no
+pad token.
 """
 
 from __future__ import annotations
@@ -23,7 +32,7 @@ import os
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers
 
-from mp_data.tokenizers.base import BackedTokenizer, digest, read_file
+from mp_data.tokenizers.base import BackedTokenizer, read_file
 
 __all__ = ["GPT2BPETokenizer"]
 
@@ -33,7 +42,12 @@ END_OF_TEXT = "<|endoftext|>"
 class GPT2BPETokenizer(BackedTokenizer):
     """Megatron's GPT2BPETokenizer: byte-level BPE from vocab.json + merges.txt."""
 
-    def __init__(self, vocab_file: str | os.PathLike, merge_file: str | os.PathLike) -> None:
+    def __init__(
+        self,
+        vocab_file: str | os.PathLike,
+        merge_file: str | os.PathLike,
+        special_tokens_as_text: bool = False,
+    ) -> None:
         self.vocab_file, self.merge_file = os.fspath(vocab_file), os.fspath(merge_file)
         vocab_bytes = read_file(self.vocab_file, "vocab_file of GPT2BPETokenizer")
         merge_bytes = read_file(self.merge_file, "merge_file of GPT2BPETokenizer")
@@ -48,12 +62,13 @@ class GPT2BPETokenizer(BackedTokenizer):
         backend = tokenizers.Tokenizer(models.BPE(vocab, merges))
         backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
         backend.decoder = decoders.ByteLevel()
-        self.backend = backend
+        backend.add_special_tokens([tokenizers.AddedToken(END_OF_TEXT, special=True)])
+        self._set_backend(backend, special_tokens_as_text)
         self.vocab_size = len(vocab)
         self.eod = vocab[END_OF_TEXT]
-        self.eos = self.eod
-        self.identity = "GPT2BPETokenizer:sha256=" + digest(
-            [("vocab.json", vocab_bytes), ("merges.txt", merge_bytes)]
+        self.eos = self.bos = self.eod
+        self.identity = self._identity(
+            "GPT2BPETokenizer", [("vocab.json", vocab_bytes), ("merges.txt", merge_bytes)]
         )
 
     def detokenize(self, ids) -> str:

@@ -2,11 +2,13 @@
 
 `HuggingFaceTokenizer(path)` reads a local tokenizer.json, given as the file
 or as the folder holding it; nothing is ever downloaded. Ids are those of
-Megatron's HuggingFaceTokenizer (megatron/training/tokenizer, whose
-`tokenize` is transformers' `tokenizer(text).input_ids`): the tokenizer's
-post-processor runs, so a Llama tokenizer starts every text with <s>
-(megatron.core.tokenizers' version skips the post-processor unless asked).
-Its `detokenize` keeps special tokens, like transformers' `decode`.
+Megatron's HuggingFaceTokenizer, whose `tokenize` is transformers'
+`tokenizer(text).input_ids` (megatron-core 0.19's by default, and the legacy
+megatron/training one): the tokenizer's post-processor runs, so a Llama
+tokenizer starts every text with <s>.
+Its `detokenize` keeps special tokens, like transformers' `decode`. The
+tokenizer's special tokens are matched in the text (transformers' behaviour)
+unless `special_tokens_as_text` (base.py).
 
 tokenizer.json says how to tokenize but not which token plays which role;
 transformers reads that from tokenizer_config.json and special_tokens_map.json
@@ -31,7 +33,7 @@ import os
 
 import tokenizers
 
-from mp_data.tokenizers.base import BackedTokenizer, check_ids, digest, read_file
+from mp_data.tokenizers.base import BackedTokenizer, check_ids, read_file
 
 __all__ = ["HuggingFaceTokenizer"]
 
@@ -47,16 +49,17 @@ class HuggingFaceTokenizer(BackedTokenizer):
 
     add_special_tokens = True
 
-    def __init__(self, path: str | os.PathLike) -> None:
+    def __init__(self, path: str | os.PathLike, special_tokens_as_text: bool = False) -> None:
         path = os.fspath(path)
         if os.path.isdir(path):
             path = os.path.join(path, "tokenizer.json")
         self.path = path
         contents = [("tokenizer.json", read_file(path, "tokenizer.json of HuggingFaceTokenizer"))]
         try:
-            self.backend = tokenizers.Tokenizer.from_str(contents[0][1].decode("utf-8"))
+            backend = tokenizers.Tokenizer.from_str(contents[0][1].decode("utf-8"))
         except Exception as e:  # tokenizers raises a bare Exception for a bad file
             raise ValueError(f"{path}: not a Hugging Face tokenizer.json: {e}") from e
+        self._set_backend(backend, special_tokens_as_text)
         self.vocab_size = self.backend.get_vocab_size(with_added_tokens=True)
         folder = os.path.dirname(path)
         roles: dict[str, tuple[str, str]] = {}  # role -> (token, file naming it)
@@ -71,7 +74,7 @@ class HuggingFaceTokenizer(BackedTokenizer):
         self.bos = ids.get("bos_token")
         padding = self.backend.padding
         self.pad = ids.get("pad_token", padding["pad_id"] if padding else None)
-        self.identity = "HuggingFaceTokenizer:sha256=" + digest(contents)
+        self.identity = self._identity("HuggingFaceTokenizer", contents)
 
     def detokenize(self, ids) -> str:
         ids = check_ids(ids, self.vocab_size, "HuggingFaceTokenizer")
