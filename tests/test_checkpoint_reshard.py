@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 import mp_state
 from mp_ckpt import Checkpointer, ShardedTensor, assemble, load_checkpoint
-from mp_layers import GPTModel, TransformerConfig
+from mp_layers import GPTModel, ModelGroups, TransformerConfig
 from mp_optim import DistributedDataParallel, OptimizerConfig, get_optimizer
 from mp_pipeline import (
     PipelineConfig,
@@ -51,7 +51,7 @@ class Run:
         where = stage_layers(LAYERS, pp, self.state.pp.rank)
         torch.manual_seed(1234 + self.state.pp.rank)  # weights differ by layout until loaded
         self.stage = GPTModel(
-            TransformerConfig(**MODEL), "local", VOCAB, SEQ, tp_group=self.state.tp,
+            TransformerConfig(**MODEL), "local", VOCAB, SEQ, groups=ModelGroups.of(self.state),
             pre_process=where.pre_process, post_process=where.post_process,
             layer_offset=where.offset, num_layers=where.count,
         )  # fmt: skip

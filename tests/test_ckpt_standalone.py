@@ -11,8 +11,7 @@ from pathlib import Path
 import torch
 
 from mp_ckpt import Checkpointer
-from mp_layers import GPTModel, TransformerConfig
-from mp_state import RankGroup
+from mp_layers import GPTModel, ModelGroups, TransformerConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -33,7 +32,7 @@ def test_mp_ckpt_alone_inspects_converts_and_exports(tmp_path):
     torch.manual_seed(0)
     config = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4,
                                hidden_dropout=0.0, attention_dropout=0.0)  # fmt: skip
-    model = GPTModel(config, "local", 64, 16, tp_group=RankGroup("s", (0,), 0, None))
+    model = GPTModel(config, "local", 64, 16, groups=ModelGroups.single())
     Checkpointer(tmp_path / "ckpt").save(3, model.sharded_state_dict())
 
     venv = tmp_path / "venv"

@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 
 from mp_ckpt import Checkpointer, load_checkpoint
 from mp_ckpt.cli import main
-from mp_layers import GPTModel, TransformerConfig
+from mp_layers import GPTModel, ModelGroups, TransformerConfig
 from mp_state import RankGroup
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -32,7 +32,7 @@ def ours(style: str, seed: int = 0) -> GPTModel:
     torch.manual_seed(seed)
     config = TransformerConfig(**STYLES[style], hidden_dropout=0.0, attention_dropout=0.0,
                                init_method_std=0.2)  # fmt: skip
-    return GPTModel(config, "local", VOCAB, SEQ, tp_group=SINGLE).eval()
+    return GPTModel(config, "local", VOCAB, SEQ, groups=ModelGroups.single()).eval()
 
 
 def save(model: GPTModel, root, style: str) -> None:

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 import mp_state
-from mp_layers import GPTModel, TransformerConfig, all_reduce_sequence_parallel_grads
+from mp_layers import GPTModel, ModelGroups, TransformerConfig, all_reduce_sequence_parallel_grads
 from mp_optim import DistributedDataParallel, OptimizerConfig, get_optimizer
 from mp_state import ParallelConfig, RankGroup
 from mp_state.testing import run_on_ranks
@@ -33,7 +33,7 @@ def batch():
 
 def whole_model() -> GPTModel:
     torch.manual_seed(0)
-    return GPTModel(TransformerConfig(**MODEL), "local", VOCAB, SEQ, tp_group=SINGLE)
+    return GPTModel(TransformerConfig(**MODEL), "local", VOCAB, SEQ, groups=ModelGroups.single())
 
 
 def reference_norm() -> float:
@@ -52,7 +52,8 @@ def layout_body(tp: int, pp: int, distributed: bool, sequence_parallel: bool = F
     whole = whole_model()
     config = TransformerConfig(**MODEL, sequence_parallel=sequence_parallel)
     stage = GPTModel(
-        config, "local", VOCAB, SEQ, tp_group=state.tp, pre_process=first, post_process=last,
+        config, "local", VOCAB, SEQ, groups=ModelGroups.of(state), pre_process=first,
+        post_process=last,
         layer_offset=state.pp.rank * (2 // pp), num_layers=2 // pp,
     )  # fmt: skip
     logical = {k: p.data for k, p in whole.sharded_state_dict().items()}

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from mp_ckpt import Checkpointer, CheckpointReader, load_checkpoint
 from mp_ckpt.cli import main
-from mp_layers import GPTModel, TransformerConfig
+from mp_layers import GPTModel, ModelGroups, TransformerConfig
 from mp_state import RankGroup
 from mp_state.testing import run_on_ranks
 
@@ -74,7 +74,7 @@ def mp_model(checkpoint) -> GPTModel:
     config = TransformerConfig(**kept | {"hidden_dropout": 0.0, "attention_dropout": 0.0})
     torch.manual_seed(9)  # other weights until loaded
     model = GPTModel(config, "local", settings["vocab_size"], settings["max_position_embeddings"],
-                     tp_group=SINGLE).eval()  # fmt: skip
+                     groups=ModelGroups.single()).eval()  # fmt: skip
     load_checkpoint(checkpoint, model.sharded_state_dict())
     return model
 
@@ -227,7 +227,7 @@ def test_export_writes_the_tokenizer_of_a_checkpoint_trained_with_it(tmp_path, k
                            tokenizer_model=data["tokenizer_model"])  # fmt: skip
     config = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4,
                                hidden_dropout=0.0, attention_dropout=0.0)  # fmt: skip
-    model = GPTModel(config, "local", 320, SEQ, tp_group=SINGLE)
+    model = GPTModel(config, "local", 320, SEQ, groups=ModelGroups.single())
     common = {"config": {"data": data}, "model_config": {"max_position_embeddings": SEQ}}
     Checkpointer(tmp_path / "ckpt").save(3, model.sharded_state_dict(), common=common)
     args = ["export-hf", str(tmp_path / "ckpt"), str(tmp_path / "hf"), "--arch", "gpt2"]
@@ -283,7 +283,7 @@ def test_export_refuses_tensors_the_architecture_has_no_place_for(tmp_path, caps
     if arch == "gpt2":
         style = dict(num_layers=1, hidden_size=64, num_attention_heads=8)
     config = TransformerConfig(**style | change, hidden_dropout=0.0, attention_dropout=0.0)
-    model = GPTModel(config, "local", 96, SEQ, tp_group=SINGLE)
+    model = GPTModel(config, "local", 96, SEQ, groups=ModelGroups.single())
     Checkpointer(tmp_path / "ckpt").save(1, model.sharded_state_dict())
     args = ["export-hf", str(tmp_path / "ckpt"), str(tmp_path / "hf"), "--arch", arch]
     assert main(args) == 2
@@ -342,7 +342,7 @@ def test_a_trained_checkpoint_exports_with_its_activation_and_rotary_settings(tm
     assert config.openai_gelu == (style == "gpt2")
     assert config.use_rope_scaling == (style == "llama")
     vocab = common["model_config"]["vocab_size"]
-    model = GPTModel(config, "local", vocab, TRAIN_SEQ, tp_group=SINGLE).eval()
+    model = GPTModel(config, "local", vocab, TRAIN_SEQ, groups=ModelGroups.single()).eval()
     load_checkpoint(tmp_path / "run", model.sharded_state_dict(), strict=False)
 
     args = ["export-hf", str(tmp_path / "run"), str(tmp_path / "hf"), "--arch", style]

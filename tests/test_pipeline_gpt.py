@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 import mp_state
 from mp_ckpt import ShardedTensor, assemble
-from mp_layers import GPTModel, TransformerConfig
+from mp_layers import GPTModel, ModelGroups, TransformerConfig
 from mp_optim import DistributedDataParallel, OptimizerConfig
 from mp_pipeline import (
     PipelineConfig,
@@ -81,7 +81,7 @@ def grad_pieces(model: torch.nn.Module) -> list[ShardedTensor]:
 
 def whole_model(style: str) -> GPTModel:
     torch.manual_seed(0)
-    return GPTModel(transformer_config(style), "local", VOCAB, SEQ, tp_group=SINGLE)
+    return GPTModel(transformer_config(style), "local", VOCAB, SEQ, groups=ModelGroups.single())
 
 
 def reference(style: str, m: int):
@@ -108,7 +108,8 @@ def layout_body(style: str, tp: int, pp: int, vpp: int | None, m: int, sequence_
             LAYERS, pp, state.pp.rank, virtual_pipeline_model_parallel_size=vpp, vp_stage=vp_stage
         )
         stage = GPTModel(
-            config, "local", VOCAB, SEQ, tp_group=state.tp, pre_process=where.pre_process,
+            config, "local", VOCAB, SEQ, groups=ModelGroups.of(state),
+            pre_process=where.pre_process,
             post_process=where.post_process, layer_offset=where.offset, num_layers=where.count,
         )  # fmt: skip
         with torch.no_grad():

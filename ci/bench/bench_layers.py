@@ -45,7 +45,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch
 from harness import LLAMA_SHAPE, best_of, context, emit
 
-from mp_layers import GPTModel, TransformerConfig
+from mp_layers import GPTModel, ModelGroups, TransformerConfig
 from mp_layers.config import ATTENTION_BACKENDS
 from mp_state import RankGroup
 from mp_train.metrics import measure_peak_tflops
@@ -161,7 +161,7 @@ def _config(seq: int, attention_backend: str) -> TransformerConfig:
 
 def _ours(seq: int, attention_backend: str) -> GPTModel:
     config = _config(seq, attention_backend)
-    return GPTModel(config, "local", VOCAB, seq, tp_group=ONE_RANK).train()
+    return GPTModel(config, "local", VOCAB, seq, groups=ModelGroups.single()).train()
 
 
 def _hf(seq: int) -> torch.nn.Module:

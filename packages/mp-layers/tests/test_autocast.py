@@ -2,7 +2,7 @@
 
 import torch
 
-from mp_layers import GPTModel, TransformerConfig
+from mp_layers import GPTModel, ModelGroups, TransformerConfig
 from mp_state import RankGroup
 
 ONE_RANK = RankGroup("tp", (0,), 0, None)
@@ -15,7 +15,7 @@ def grads(backward_inside_autocast: bool) -> dict[str, torch.Tensor]:
         position_embedding_type="rope", normalization="RMSNorm", activation="swiglu",
         ffn_hidden_size=64, add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
     )  # fmt: skip
-    model = GPTModel(config, "local", 64, 16, tp_group=ONE_RANK)
+    model = GPTModel(config, "local", 64, 16, groups=ModelGroups.single())
     ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         loss = model(ids, labels=ids).mean()

@@ -6,7 +6,7 @@ import torch.distributed as dist
 
 import mp_state
 from mp_ckpt import check_tiling
-from mp_layers import TransformerConfig
+from mp_layers import ModelGroups, TransformerConfig
 from mp_layers.transformer.attention import SelfAttention
 from mp_layers.transformer.mlp import MLP
 from mp_layers.transformer.rope import RotaryEmbedding
@@ -38,10 +38,14 @@ def compare(case: str, tp: int, sequence_parallel: bool):
     kwargs = kwargs | dict(hidden_dropout=0.0, attention_dropout=0.0)
     rank = dist.get_rank()
     state = mp_state.initialize(ParallelConfig(tensor_model_parallel_size=tp))
+    alone = RankGroup("tp", (rank,), 0, None)
+    if cls is SelfAttention:  # a model constructor: all its groups in one bundle
+        alone = ModelGroups(tp=alone, cp=RankGroup("cp", (rank,), 0, None))
     torch.manual_seed(3)
-    reference = cls(TransformerConfig(**kwargs), RankGroup("tp", (rank,), 0, None))
+    reference = cls(TransformerConfig(**kwargs), alone)
     torch.manual_seed(3)
-    parallel = cls(TransformerConfig(**kwargs, sequence_parallel=sequence_parallel), state.tp)
+    groups = ModelGroups.of(state) if cls is SelfAttention else state.tp
+    parallel = cls(TransformerConfig(**kwargs, sequence_parallel=sequence_parallel), groups)
     torch.manual_seed(11)  # the same input and output weighting on every rank
     x = torch.randn(S, B, 32, requires_grad=True)
     weights = torch.randn(S, B, 32)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from mp_layers import TransformerConfig
+from mp_layers import ModelGroups, TransformerConfig
 
 BASE = dict(num_layers=4, hidden_size=256, num_attention_heads=8)
 
@@ -92,7 +92,6 @@ def test_layer_specs():
 
 def test_a_spec_chooses_the_implementation():
     from mp_layers import GPTModel, LayerSpec
-    from mp_state import RankGroup
 
     class CountingNorm(torch.nn.LayerNorm):
         built = 0
@@ -105,5 +104,5 @@ def test_a_spec_chooses_the_implementation():
         "counting", norm=lambda c, h: CountingNorm(h or c.hidden_size, c.layernorm_epsilon)
     )
     config = TransformerConfig(**BASE, attention_dropout=0.0, hidden_dropout=0.0)
-    GPTModel(config, spec, 64, 16, tp_group=RankGroup("tp", (0,), 0, None))
+    GPTModel(config, spec, 64, 16, groups=ModelGroups.single())
     assert CountingNorm.built == 2 * 4 + 1  # two per layer and the final norm

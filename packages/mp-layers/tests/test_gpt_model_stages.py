@@ -6,8 +6,8 @@ import torch.distributed as dist
 
 import mp_state
 from mp_ckpt import check_tiling
-from mp_layers import GPTModel, TransformerConfig
-from mp_state import ParallelConfig, RankGroup
+from mp_layers import GPTModel, ModelGroups, TransformerConfig
+from mp_state import ParallelConfig
 
 pytestmark = pytest.mark.multirank
 
@@ -21,10 +21,10 @@ def two_stages():
     config = TransformerConfig(**CONFIG)
     first = state.is_pipeline_first_stage()
     torch.manual_seed(0)
-    whole = GPTModel(config, "local", VOCAB, SEQ, tp_group=RankGroup("tp", (0,), 0, None))
+    whole = GPTModel(config, "local", VOCAB, SEQ, groups=ModelGroups.single())
     torch.manual_seed(state.pp.rank + 10)  # stage weights start different from `whole`
     stage = GPTModel(
-        config, "local", VOCAB, SEQ, tp_group=state.tp, pre_process=first,
+        config, "local", VOCAB, SEQ, groups=ModelGroups.of(state), pre_process=first,
         post_process=not first, layer_offset=0 if first else 1, num_layers=1,
     )  # fmt: skip
     # Load `whole`'s weights by logical name, except the last stage's tied copy ...

@@ -8,7 +8,7 @@ import torch
 
 import mp_state
 from mp_ckpt import ShardedTensor, check_tiling
-from mp_layers import GPTModel, TransformerConfig, all_reduce_sequence_parallel_grads
+from mp_layers import GPTModel, ModelGroups, TransformerConfig, all_reduce_sequence_parallel_grads
 from mp_state import ParallelConfig
 from mp_state.testing import run_on_ranks
 
@@ -46,7 +46,8 @@ def losses_and_grads(style: str, attention_backend: str) -> list:
         config = TransformerConfig(**STYLES[style], hidden_dropout=0.0, attention_dropout=0.0,
                                    sequence_parallel=sequence_parallel,
                                    attention_backend=attention_backend)  # fmt: skip
-        model = GPTModel(config, "local", VOCAB, SEQ, tp_group=state.tp, rng_tracker=tracker)
+        groups = ModelGroups.of(state)
+        model = GPTModel(config, "local", VOCAB, SEQ, groups=groups, rng_tracker=tracker)
         generator = torch.Generator().manual_seed(5)
         ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator)
         labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator)

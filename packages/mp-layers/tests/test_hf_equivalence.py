@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from mp_ckpt import logical_from_hf
-from mp_layers import GPTModel, TransformerConfig
+from mp_layers import GPTModel, ModelGroups, TransformerConfig
 from mp_state import RankGroup
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -45,7 +45,7 @@ def test_gpt2_style_equals_gpt2lmheadmodel(attention_backend):
     config = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4,
                                hidden_dropout=0.0, attention_dropout=0.0,
                                attention_backend=attention_backend)  # fmt: skip
-    ours = GPTModel(config, "local", VOCAB, SEQ, tp_group=ONE_RANK).eval()
+    ours = GPTModel(config, "local", VOCAB, SEQ, groups=ModelGroups.single()).eval()
     load_logical(ours, logical_from_hf(hf.state_dict(), hf.config.to_dict()))
     with torch.no_grad():
         want, got = hf(ids()).logits, ours(ids())
@@ -68,7 +68,7 @@ def test_llama_style_equals_llamaforcausallm(attention_backend):
         add_bias_linear=False, untie_embeddings_and_output_weights=True,
         hidden_dropout=0.0, attention_dropout=0.0, attention_backend=attention_backend,
     )  # fmt: skip
-    ours = GPTModel(config, "local", VOCAB, SEQ, tp_group=ONE_RANK).eval()
+    ours = GPTModel(config, "local", VOCAB, SEQ, groups=ModelGroups.single()).eval()
     load_logical(ours, logical_from_hf(hf.state_dict(), hf.config.to_dict()))
     with torch.no_grad():
         want, got = hf(ids()).logits, ours(ids())

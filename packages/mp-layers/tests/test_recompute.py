@@ -4,13 +4,12 @@ import pytest
 import torch
 
 import mp_state
-from mp_layers import GPTModel, TransformerConfig
+from mp_layers import GPTModel, ModelGroups, TransformerConfig
 from mp_layers.transformer.core_attention import CoreAttention
 from mp_layers.transformer.layer import TransformerLayer
-from mp_state import TENSOR_PARALLEL_RNG, ParallelConfig, RankGroup, RNGStatesTracker
+from mp_state import TENSOR_PARALLEL_RNG, ParallelConfig, RNGStatesTracker
 from mp_state.testing import run_on_ranks
 
-ONE_RANK = RankGroup("tp", (0,), 0, None)
 VOCAB, SEQ = 64, 16
 STYLES = {
     "gpt2": dict(num_layers=3, hidden_size=32, num_attention_heads=4),
@@ -30,7 +29,7 @@ RECOMPUTE = {
 }  # fmt: skip
 
 
-def step(style: str, recompute: str, tp_group=ONE_RANK, tracker=None, **extra):
+def step(style: str, recompute: str, groups=None, tracker=None, **extra):
     """Loss and gradients of one training step, from fixed seeds; counts forward calls."""
     config = TransformerConfig(**STYLES[style], **RECOMPUTE[recompute], **extra,
                                hidden_dropout=0.2, attention_dropout=0.2)  # fmt: skip
@@ -38,7 +37,8 @@ def step(style: str, recompute: str, tp_group=ONE_RANK, tracker=None, **extra):
     if tracker is None:
         tracker = RNGStatesTracker("cpu")
         tracker.add(TENSOR_PARALLEL_RNG, 77)
-    model = GPTModel(config, "local", VOCAB, SEQ, tp_group=tp_group, rng_tracker=tracker).train()
+    groups = groups or ModelGroups.single()
+    model = GPTModel(config, "local", VOCAB, SEQ, groups=groups, rng_tracker=tracker).train()
     calls = {"layer": 0, "core_attention": 0}
     for module in model.modules():
         kind = {TransformerLayer: "layer", CoreAttention: "core_attention"}.get(type(module))
@@ -85,7 +85,8 @@ def tensor_parallel_steps() -> list:
     for recompute in ("none", "full_uniform_1", "selective"):
         state = mp_state.initialize(ParallelConfig(tensor_model_parallel_size=2))
         tracker = mp_state.set_random_seeds(1234, state)
-        loss, grads, _ = step("llama", recompute, state.tp, tracker, sequence_parallel=True)
+        groups = ModelGroups.of(state)
+        loss, grads, _ = step("llama", recompute, groups, tracker, sequence_parallel=True)
         results.append((loss, grads))
         mp_state.destroy()
     return results

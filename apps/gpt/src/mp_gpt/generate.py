@@ -26,7 +26,7 @@ import torch.distributed as dist
 import mp_state
 from mp_ckpt import CheckpointReader, load_checkpoint, write_tokenizer_files
 from mp_data import build_tokenizer, vocab_size_with_padding
-from mp_layers import GPTModel
+from mp_layers import GPTModel, ModelGroups
 from mp_train import parse_config
 
 __all__ = ["generate", "main", "sample_next"]
@@ -100,7 +100,7 @@ def run_generation(args, extra: list[str]) -> str:
         config.model.hidden_dropout = config.model.attention_dropout = 0.0
         positions = gpt.max_position_embeddings or gpt.seq_length
         device = mp_state.select_device().device
-        model = GPTModel(config.model, "local", padded, positions, tp_group=state.tp,
+        model = GPTModel(config.model, "local", padded, positions, groups=ModelGroups.of(state),
                          parallel_output=False).to(device).eval()  # fmt: skip
         load_checkpoint(args.load, model.sharded_state_dict(), finetune=True, strict=False)
         ids = tokenizer.tokenize(args.prompt) if args.prompt else [tokenizer.eod]

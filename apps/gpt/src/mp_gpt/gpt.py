@@ -23,7 +23,7 @@ from mp_data import (
     MockGPTDataset,
     get_blend_from_list,
 )
-from mp_layers import GPTModel, broadcast_data
+from mp_layers import GPTModel, ModelGroups, broadcast_data
 
 __all__ = ["datasets_provider", "forward_step", "get_batch", "loss_func", "model_provider"]
 
@@ -34,7 +34,7 @@ def model_provider(*, config, state, stage, vp_stage, padded_vocab_size, rng_tra
     spec = "local" if gpt.transformer_impl == "local" else "te"
     return GPTModel(
         config.model, spec, padded_vocab_size, gpt.max_position_embeddings or gpt.seq_length,
-        tp_group=state.tp, rng_tracker=rng_tracker, pre_process=stage.pre_process,
+        groups=ModelGroups.of(state), rng_tracker=rng_tracker, pre_process=stage.pre_process,
         post_process=stage.post_process, layer_offset=stage.offset, num_layers=stage.count,
         init_seed=config.training.seed,
     )  # fmt: skip

@@ -9,6 +9,7 @@ mp_layers.transformer) and GPTModel.
 from mp_layers import tensor_parallel
 from mp_layers.config import TransformerConfig
 from mp_layers.gpt_model import GPTModel
+from mp_layers.groups import ModelGroups
 from mp_layers.tensor_parallel import (
     ColumnParallelLinear,
     InitMethod,
@@ -35,6 +36,7 @@ __all__ = [
     "GPTModel",
     "InitMethod",
     "LayerSpec",
+    "ModelGroups",
     "RowParallelLinear",
     "TransformerConfig",
     "VocabParallelEmbedding",

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from mp_ckpt import ShardedTensor
 from mp_layers.config import TransformerConfig
+from mp_layers.groups import ModelGroups
 from mp_layers.tensor_parallel import (
     ColumnParallelLinear,
     VocabParallelEmbedding,
@@ -46,7 +47,7 @@ class GPTModel(torch.nn.Module):
         vocab_size: int,
         max_sequence_length: int,
         *,
-        tp_group: RankGroup,
+        groups: ModelGroups,
         rng_tracker: RNGStatesTracker | None = None,
         pre_process: bool = True,
         post_process: bool = True,
@@ -57,6 +58,7 @@ class GPTModel(torch.nn.Module):
         init_seed: int | None = None,
     ) -> None:
         super().__init__()
+        tp_group = groups.tp
         config.check_parallel(tp_group.size)
         share = (
             not config.untie_embeddings_and_output_weights
@@ -64,6 +66,7 @@ class GPTModel(torch.nn.Module):
             else share_embeddings_and_output_weights
         )
         self.config = config
+        self.groups = groups
         self.tp_group = tp_group
         self.rng_tracker = rng_tracker
         self.pre_process, self.post_process = pre_process, post_process
@@ -97,7 +100,7 @@ class GPTModel(torch.nn.Module):
                 ) if config.use_rope_scaling else None,
             )  # fmt: skip
         self.decoder = TransformerBlock(
-            config, tp_group, rng_tracker, spec=get_layer_spec(spec), layer_offset=layer_offset,
+            config, groups, rng_tracker, spec=get_layer_spec(spec), layer_offset=layer_offset,
             num_layers=num_layers, post_process=post_process, init_seed=init_seed,
         )  # fmt: skip
         if post_process:

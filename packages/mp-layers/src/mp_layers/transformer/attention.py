@@ -18,11 +18,12 @@ import torch
 
 from mp_ckpt import ShardedTensor
 from mp_layers.config import TransformerConfig
+from mp_layers.groups import ModelGroups
 from mp_layers.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from mp_layers.transformer.recompute import checkpointed
 from mp_layers.transformer.rope import Rotary, apply_rotary_pos_emb
 from mp_layers.transformer.spec import LOCAL_SPEC, LayerSpec
-from mp_state import RankGroup, RNGStatesTracker
+from mp_state import RNGStatesTracker
 
 __all__ = ["SelfAttention"]
 
@@ -31,11 +32,12 @@ class SelfAttention(torch.nn.Module):
     def __init__(
         self,
         config: TransformerConfig,
-        tp_group: RankGroup,
+        groups: ModelGroups,
         rng_tracker: RNGStatesTracker | None = None,
         spec: LayerSpec = LOCAL_SPEC,
     ) -> None:
         super().__init__()
+        tp_group = groups.tp
         config.check_parallel(tp_group.size)
         self.tp_group = tp_group
         self.d = config.kv_channels

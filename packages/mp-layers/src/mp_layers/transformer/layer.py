@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from mp_ckpt import ShardedTensor
 from mp_layers.config import TransformerConfig
+from mp_layers.groups import ModelGroups
 from mp_layers.transformer.attention import SelfAttention
 from mp_layers.transformer.recompute import checkpointed
 from mp_layers.transformer.rope import Rotary
@@ -34,7 +35,7 @@ class TransformerLayer(torch.nn.Module):
     def __init__(
         self,
         config: TransformerConfig,
-        tp_group: RankGroup,
+        groups: ModelGroups,
         rng_tracker: RNGStatesTracker | None = None,
         spec: LayerSpec = LOCAL_SPEC,
     ) -> None:
@@ -43,11 +44,11 @@ class TransformerLayer(torch.nn.Module):
             raise ValueError("hidden_dropout with sequence_parallel needs an rng_tracker")
         self.config = config
         self.rng_tracker = rng_tracker
-        self.tp_group = tp_group
+        self.tp_group = groups.tp
         self.input_layernorm = spec.norm(config, None)
-        self.self_attention = SelfAttention(config, tp_group, rng_tracker, spec)
+        self.self_attention = SelfAttention(config, groups, rng_tracker, spec)
         self.pre_mlp_layernorm = spec.norm(config, None)
-        self.mlp = spec.mlp(config, tp_group)
+        self.mlp = spec.mlp(config, groups.tp)
 
     def forward(
         self,
@@ -83,7 +84,7 @@ class TransformerBlock(torch.nn.Module):
     def __init__(
         self,
         config: TransformerConfig,
-        tp_group: RankGroup,
+        groups: ModelGroups,
         rng_tracker: RNGStatesTracker | None = None,
         *,
         spec: LayerSpec = LOCAL_SPEC,
@@ -100,7 +101,7 @@ class TransformerBlock(torch.nn.Module):
                 f"num_layers={config.num_layers}"
             )
         self.layer_offset = layer_offset
-        self.tp_group = tp_group
+        self.tp_group = groups.tp
         self.rng_tracker = rng_tracker
         self.recompute_method = (
             config.recompute_method if config.recompute_granularity == "full" else None
@@ -109,7 +110,7 @@ class TransformerBlock(torch.nn.Module):
         layers = []
         for i in range(count):
             with seeded_init(init_seed, f"layer{layer_offset + i}"):
-                layers.append(TransformerLayer(config, tp_group, rng_tracker, spec))
+                layers.append(TransformerLayer(config, groups, rng_tracker, spec))
         self.layers = torch.nn.ModuleList(layers)
         self.final_layernorm = spec.norm(config, None) if post_process else None
 
