@@ -74,6 +74,14 @@ class TransformerConfig:
     a CPU when the probabilities they keep for backward fit in 32 MiB per layer in fp32,
     128 MiB in bf16 or fp16 (where they were measured faster), SDPA otherwise."""
 
+    cp_comm_type: Literal["p2p", "all_gather", "a2a", "a2a+p2p"] = "p2p"
+    """How attention reaches the other context-parallel ranks' keys and values (with
+    context_parallel_size > 1): "p2p" passes them around a ring, overlapping each transfer
+    with the previous block's compute; "all_gather" gathers them all at once; "a2a"
+    (Ulysses) trades the sequence split for a head split before attention and back after
+    (the query groups must divide over the ranks). "a2a+p2p" (hierarchical) is refused: it
+    is not implemented."""
+
     position_embedding_type: Literal["learned_absolute", "rope", "none"] = "learned_absolute"
     """Position information: a learned table, rotary embeddings, or none."""
 
@@ -166,6 +174,12 @@ class TransformerConfig:
         _choice("normalization", self.normalization, ("LayerNorm", "RMSNorm"))
         _choice("activation", self.activation, ("gelu", "swiglu", "squared_relu"))
         _choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        if self.cp_comm_type == "a2a+p2p":
+            raise ValueError(
+                "cp_comm_type='a2a+p2p' (hierarchical context parallelism) is not implemented: "
+                "choose p2p, all_gather or a2a"
+            )
+        _choice("cp_comm_type", self.cp_comm_type, ("p2p", "all_gather", "a2a"))
         _choice(
             "position_embedding_type", self.position_embedding_type,
             ("learned_absolute", "rope", "none"),
@@ -239,15 +253,32 @@ class TransformerConfig:
                 f"recompute_granularity='full', got {granularity!r}"
             )
 
-    def check_parallel(self, tensor_model_parallel_size: int) -> None:
-        """The rules that depend on the tensor-parallel size; raises ValueError naming them."""
-        tp = tensor_model_parallel_size
+    def check_parallel(
+        self, tensor_model_parallel_size: int, context_parallel_size: int = 1
+    ) -> None:
+        """The rules that depend on the tensor- and context-parallel sizes; raises ValueError
+        naming them."""
+        tp, cp = tensor_model_parallel_size, context_parallel_size
         for name in ("num_attention_heads", "num_query_groups", "ffn_hidden_size"):
             value = getattr(self, name)
             if value % tp:
                 raise ValueError(f"tensor_model_parallel_size={tp} does not divide {name}={value}")
         if self.sequence_parallel and tp == 1:
             raise ValueError("sequence_parallel=True needs tensor_model_parallel_size > 1, got 1")
+        if cp == 1:
+            return
+        if self.cp_comm_type == "a2a" and (self.num_query_groups // tp) % cp:
+            raise ValueError(
+                f"cp_comm_type='a2a' splits each tensor-parallel rank's num_query_groups="
+                f"{self.num_query_groups} / tensor_model_parallel_size={tp} over "
+                f"context_parallel_size={cp}, which does not divide it"
+            )
+        if self.cp_comm_type != "a2a" and self.attention_dropout > 0:
+            raise ValueError(
+                f"attention_dropout={self.attention_dropout} with cp_comm_type="
+                f"{self.cp_comm_type!r}: the ring and all-gather attention have no dropout; "
+                "set attention_dropout=0 or use cp_comm_type='a2a'"
+            )
 
     @property
     def output_layer_init_std(self) -> float:

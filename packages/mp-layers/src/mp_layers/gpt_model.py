@@ -2,7 +2,10 @@
 
 Shapes: input_ids, position_ids, labels [b, s]; inside [s, b, h] (or
 [s/tp, b, h] with sequence parallelism); logits [b, s, v/tp] (v with
-parallel_output=False); loss [b, s], per token.
+parallel_output=False); loss [b, s], per token. With context parallelism s is
+this rank's part of the sequence, its two load-balanced chunks
+(mp_layers.context_parallel.shard_sequence gives the inputs); rotary
+embeddings take the chunks' true positions, learned ones the position ids.
 
 pre_process (the first pipeline stage) holds the word and position
 embeddings, post_process (the last) the output layer and the loss; a middle
@@ -24,6 +27,7 @@ import torch.nn.functional as F
 
 from mp_ckpt import ShardedTensor
 from mp_layers.config import TransformerConfig
+from mp_layers.context_parallel import local_positions, shard_sequence
 from mp_layers.groups import ModelGroups
 from mp_layers.tensor_parallel import (
     ColumnParallelLinear,
@@ -31,7 +35,7 @@ from mp_layers.tensor_parallel import (
     vocab_parallel_cross_entropy,
 )
 from mp_layers.transformer.layer import TransformerBlock
-from mp_layers.transformer.rope import Llama3Scaling, RotaryEmbedding
+from mp_layers.transformer.rope import Llama3Scaling, Rotary, RotaryEmbedding
 from mp_layers.transformer.seeded_init import seeded_init
 from mp_layers.transformer.spec import LayerSpec, get_layer_spec
 from mp_state import TENSOR_PARALLEL_RNG, RankGroup, RNGStatesTracker
@@ -59,7 +63,7 @@ class GPTModel(torch.nn.Module):
     ) -> None:
         super().__init__()
         tp_group = groups.tp
-        config.check_parallel(tp_group.size)
+        config.check_parallel(tp_group.size, groups.cp.size)
         share = (
             not config.untie_embeddings_and_output_weights
             if share_embeddings_and_output_weights is None
@@ -147,8 +151,7 @@ class GPTModel(torch.nn.Module):
             )
         else:
             hidden = decoder_input
-        s = hidden.shape[0] * (self.tp_group.size if self.config.sequence_parallel else 1)
-        rotary = self.rotary(s) if self.rotary is not None else None
+        rotary = self._rotary(hidden.shape[0]) if self.rotary is not None else None
         hidden = self.decoder(hidden, rotary, attention_mask)
         if not self.post_process:
             return hidden
@@ -181,12 +184,24 @@ class GPTModel(torch.nn.Module):
         with torch.no_grad():
             torch.distributed.all_reduce(weight, group=embedding_group.group)
 
+    def _rotary(self, local_positions: int) -> Rotary:
+        """The rotations of this rank's positions: of the whole sequence, then this rank's
+        load-balanced chunks with context parallelism (Megatron's way: the true positions,
+        whatever the position ids say)."""
+        cp = self.groups.cp
+        s = local_positions * (self.tp_group.size if self.config.sequence_parallel else 1)
+        rotary = self.rotary(s * cp.size)
+        if cp.size == 1:
+            return rotary
+        return Rotary(*(shard_sequence(t, cp.size, cp.rank, dim=0) for t in rotary))
+
     def _embed(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
         hidden = self.embedding(input_ids.t())  # [s, b, h], or [s/tp, b, h]
         if self.position_embeddings is not None:
             if position_ids is None:
-                position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)
-                position_ids = position_ids.expand_as(input_ids)
+                cp = self.groups.cp
+                position_ids = local_positions(input_ids.shape[1] * cp.size, cp.size, cp.rank)
+                position_ids = position_ids.to(input_ids.device).expand_as(input_ids)
             positions = position_ids.t()
             if self.config.sequence_parallel:
                 positions = positions.chunk(self.tp_group.size)[self.tp_group.rank]

@@ -38,7 +38,7 @@ class SelfAttention(torch.nn.Module):
     ) -> None:
         super().__init__()
         tp_group = groups.tp
-        config.check_parallel(tp_group.size)
+        config.check_parallel(tp_group.size, groups.cp.size)
         self.tp_group = tp_group
         self.d = config.kv_channels
         self.groups = config.num_query_groups // tp_group.size  # on this rank
@@ -54,8 +54,9 @@ class SelfAttention(torch.nn.Module):
         self.q_layernorm = spec.norm(config, self.d) if config.qk_layernorm else None
         self.k_layernorm = spec.norm(config, self.d) if config.qk_layernorm else None
         self.core_attention = spec.core_attention(
-            config.attention_dropout, rng_tracker, config.attention_backend
-        )
+            config.attention_dropout, rng_tracker, config.attention_backend,
+            cp_group=groups.cp, cp_comm_type=config.cp_comm_type,
+        )  # fmt: skip
         # Selective recompute (Korthikanti et al.): core attention's activations grow with
         # s^2 but cost little to recompute, so only they are recomputed in backward.
         self.recompute_core_attention = config.recompute_granularity == "selective"

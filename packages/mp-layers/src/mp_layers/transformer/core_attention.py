@@ -30,8 +30,10 @@ import torch
 import torch.nn.functional as F
 
 from mp_layers.config import ATTENTION_BACKENDS
+from mp_layers.context_parallel import context_parallel_attention
+from mp_layers.context_parallel.ulysses import ulysses_attention
 from mp_layers.transformer.blocked_attention import blocked_attention, saved_probability_bytes
-from mp_state import TENSOR_PARALLEL_RNG, RNGStatesTracker
+from mp_state import TENSOR_PARALLEL_RNG, RankGroup, RNGStatesTracker
 
 __all__ = ["AUTO_BLOCKED_LIMIT_BYTES", "CoreAttention"]
 
@@ -48,8 +50,12 @@ class CoreAttention(torch.nn.Module):
         attention_dropout: float,
         rng_tracker: RNGStatesTracker | None,
         backend: str = "auto",
+        cp_group: RankGroup | None = None,
+        cp_comm_type: str = "p2p",
     ) -> None:
         super().__init__()
+        self.cp_group = cp_group if cp_group is not None and cp_group.size > 1 else None
+        self.cp_comm_type = cp_comm_type
         if backend not in ATTENTION_BACKENDS:
             choices = ", ".join(ATTENTION_BACKENDS)
             raise ValueError(f"attention_backend={backend!r} must be one of {choices}")
@@ -69,10 +75,36 @@ class CoreAttention(torch.nn.Module):
         v: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """attention_mask: [b or 1, 1, s, s] bool, True = masked; None = causal."""
-        s, b, nq, d = q.shape
+        """attention_mask: [b or 1, 1, s, s] bool, True = masked; None = causal. With a
+        context-parallel group, q, k and v hold this rank's load-balanced chunks and
+        attention is causal over the whole sequence."""
+        nq, d = q.shape[2], q.shape[3]
         if nq % k.shape[2]:
             raise ValueError(f"{nq} query heads cannot share {k.shape[2]} key/value heads")
+        if self.cp_group is not None:
+            if attention_mask is not None:
+                raise ValueError(
+                    "an explicit attention mask (reset_attention_mask) with context "
+                    "parallelism: the split sequence is attended causally only"
+                )
+            if self.cp_comm_type == "a2a":
+                return ulysses_attention(q, k, v, self.cp_group, self._attend)
+            if self.training and self.attention_dropout > 0:
+                raise ValueError(f"cp_comm_type={self.cp_comm_type!r} has no attention dropout")
+            return context_parallel_attention(
+                q, k, v, self.cp_group, scale=1.0 / math.sqrt(d), comm_type=self.cp_comm_type
+            )
+        return self._attend(q, k, v, attention_mask)
+
+    def _attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Attention over whole sequences on this rank."""
+        s, b, nq, d = q.shape
         dropout = self.attention_dropout if self.training else 0.0
         scale = 1.0 / math.sqrt(d)
         if self.uses_blocked(q, explicit_mask=attention_mask is not None):

@@ -26,8 +26,8 @@ __all__ = ["LOCAL_SPEC", "LayerSpec", "get_layer_spec"]
 class LayerSpec:
     name: str
     core_attention: type = CoreAttention
-    """Built as cls(attention_dropout, rng_tracker, attention_backend); called as
-    (q, k, v, attention_mask)."""
+    """Built as cls(attention_dropout, rng_tracker, attention_backend, cp_group=...,
+    cp_comm_type=...); called as (q, k, v, attention_mask)."""
 
     mlp: type = MLP
     """Built as cls(config, tp_group); called as (x) -> (output, bias)."""
