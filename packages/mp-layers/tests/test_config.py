@@ -112,7 +112,7 @@ def test_context_parallel_rules():
     base = dict(num_layers=2, hidden_size=64, num_attention_heads=8, num_query_groups=4)
     with pytest.raises(ValueError, match=r"cp_comm_type='a2a\+p2p' \(hierarchical"):
         TransformerConfig(**base, cp_comm_type="a2a+p2p")
-    with pytest.raises(ValueError, match="cp_comm_type='ring' must be one of p2p, all_gather"):
+    with pytest.raises(ValueError, match=r"cp_comm_type='ring' must be one of p2p, all_gather"):
         TransformerConfig(**base, cp_comm_type="ring")
     a2a = TransformerConfig(**base, cp_comm_type="a2a")
     a2a.check_parallel(2, 2)  # 4 groups / tp 2 = 2 per rank, split over cp 2
@@ -120,5 +120,5 @@ def test_context_parallel_rules():
         a2a.check_parallel(2, 4)
     ring = TransformerConfig(**base)  # attention_dropout 0.1, Megatron's default
     ring.check_parallel(1)
-    with pytest.raises(ValueError, match="attention_dropout=0.1 with cp_comm_type='p2p'"):
+    with pytest.raises(ValueError, match=r"attention_dropout=0\.1 with cp_comm_type='p2p'"):
         ring.check_parallel(1, 2)

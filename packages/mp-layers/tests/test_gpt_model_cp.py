@@ -72,7 +72,7 @@ def test_context_parallel_layouts_give_the_one_rank_losses_and_gradients(style):
     for i, (tp, cp, sp, comm_type) in enumerate(LAYOUTS):
         where = f"TP{tp} CP{cp} SP={sp} {comm_type}"
         for rank in range(4):
-            tp_rank, cp_rank, loss, grads = per_rank[rank][i]
+            _, cp_rank, loss, grads = per_rank[rank][i]
             want = shard_sequence(reference_loss, cp, cp_rank, dim=1)
             torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-6, msg=where)
             if tp == 1:

@@ -1,4 +1,5 @@
-"""`mp_train.validate` refuses layouts the model cannot run yet, with a one-line reason."""
+"""`mp_train.validate` checks the layout against the model and the data, and refuses what
+the model cannot run yet, with a one-line reason."""
 
 from __future__ import annotations
 
@@ -16,30 +17,55 @@ def _validate(*flags: str, world: int = 4) -> dict[str, int]:
     return validate(parse_config([*BASE, *flags]), world)
 
 
-def test_the_dense_layouts_validate():
+def test_the_layouts_validate():
     assert _validate("--tensor-model-parallel-size", "2")["data_parallel_size"] == 2
     assert _validate("--pipeline-model-parallel-size", "2")["data_parallel_size"] == 2
     # An expert tensor-parallel size equal to the dense one is the default spelled out.
     flags = ["--tensor-model-parallel-size", "2", "--expert-tensor-parallel-size", "2"]
     assert _validate(*flags)["data_parallel_size"] == 2
+    # Context-parallel ranks are not data-parallel ones: 4 ranks at CP 2 are DP 2.
+    cp = ["--context-parallel-size", "2", "--attention-dropout", "0"]
+    assert _validate(*cp) == {"data_parallel_size": 2, "global_batch_size": 2,
+                              "num_microbatches": 1}  # fmt: skip
+    assert _validate("--context-parallel-size", "2", "--cp-comm-type", "a2a")
 
 
 @pytest.mark.parametrize(
-    ("flags", "message"),
+    ("flags", "world", "message"),
     [
-        (["--context-parallel-size", "2"], r"^context_parallel_size=2: context parallelism is "),
-        (
-            ["--context-parallel-size", "2", "--pipeline-model-parallel-size", "2"],
-            r"^context_parallel_size=2: ",
-        ),
-        (["--expert-model-parallel-size", "2"], r"^expert_model_parallel_size=2: .* no mixture"),
+        (["--expert-model-parallel-size", "2"], 4, r"^expert_model_parallel_size=2: .* no mixture"),
         (
             ["--tensor-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"],
+            4,
             r"^expert_tensor_parallel_size=1: .* follows tensor_model_parallel_size=2",
+        ),
+        (
+            ["--context-parallel-size", "3", "--attention-dropout", "0"],
+            6,
+            r"^seq_length=32 is not divisible by 2 x context_parallel_size=3: ",
+        ),
+        (
+            ["--context-parallel-size", "2", "--attention-dropout", "0", "--reset-attention-mask"],
+            4,
+            r"^reset_attention_mask=True with context_parallel_size=2: ",
+        ),
+        (["--context-parallel-size", "2"], 4, r"^attention_dropout=0\.1 with cp_comm_type='p2p'"),
+        (
+            [
+                "--tensor-model-parallel-size",
+                "2",
+                "--context-parallel-size",
+                "4",
+                "--cp-comm-type",
+                "a2a",
+            ],
+            8,
+            r"^cp_comm_type='a2a' splits .* num_query_groups=4 / tensor_model_parallel_size=2 "
+            r"over context_parallel_size=4",
         ),
     ],
 )
-def test_context_and_expert_parallelism_are_refused(flags, message):
+def test_what_cannot_run_is_refused(flags, world, message):
     with pytest.raises(ValueError, match=message) as error:
-        _validate(*flags)
+        _validate(*flags, world=world)
     assert "\n" not in str(error.value)

@@ -23,7 +23,7 @@ from mp_data import (
     MockGPTDataset,
     get_blend_from_list,
 )
-from mp_layers import GPTModel, ModelGroups, broadcast_data
+from mp_layers import GPTModel, ModelGroups, broadcast_data, shard_sequence
 
 __all__ = ["datasets_provider", "forward_step", "get_batch", "loss_func", "model_provider"]
 
@@ -91,7 +91,10 @@ def get_batch(data_iterator, model, attention_mask: bool = False) -> dict | None
                                 torch.bool, tp)  # fmt: skip
     # Padding samples carry a label no token has (under a zero loss mask).
     batch["labels"] = batch["labels"].clamp(min=0)
-    return batch
+    # Context parallelism: this rank keeps its two load-balanced chunks of every
+    # sequence, positions with their tokens.
+    cp = mp_state.current().cp
+    return {key: shard_sequence(value, cp.size, cp.rank, dim=1) for key, value in batch.items()}
 
 
 def forward_step(data_iterator, model, *, attention_mask: bool = False):
@@ -105,15 +108,25 @@ def forward_step(data_iterator, model, *, attention_mask: bool = False):
 
 
 def loss_func(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
-    """(masked loss sum, its token count, {"lm loss": [sum, count] over data-parallel ranks})."""
+    """(masked loss sum, its token count, {"lm loss": [sum, count] over data-parallel ranks}).
+
+    With context parallelism each rank holds part of every sequence: the count is the whole
+    sequences' (summed over the cp group) and the sum is scaled by cp, so that after the
+    schedule divides by the count and the gradients are averaged over dp x cp, they are the
+    gradients of the whole sequences' mean loss, whatever each rank's share of the mask.
+    """
     losses = per_token_loss.float().reshape(-1)
     mask = loss_mask.reshape(-1).float()
     total = torch.sum(losses * mask)
     tokens = mask.sum()
     reported = torch.stack([total.detach(), tokens.detach()])
-    dp = mp_state.current().dp_cp
-    if dp.size > 1:
-        dist.all_reduce(reported, group=dp.group)
+    state = mp_state.current()
+    if state.dp_cp.size > 1:
+        dist.all_reduce(reported, group=state.dp_cp.group)
+    if state.cp.size > 1:
+        tokens = tokens.detach().clone()
+        dist.all_reduce(tokens, group=state.cp.group)
+        total = total * state.cp.size
     return total, tokens, {"lm loss": reported}
 
 

@@ -1,13 +1,15 @@
 """mp-layers: the model side of mp.
 
 TransformerConfig, the tensor- and sequence-parallel primitives
-(mp_layers.tensor_parallel), the transformer pieces (rotary embeddings,
-norms, core attention, MLP, self-attention, layer and block in
-mp_layers.transformer) and GPTModel.
+(mp_layers.tensor_parallel), context parallelism (mp_layers.context_parallel:
+the load-balanced sequence split and attention across it), the transformer
+pieces (rotary embeddings, norms, core attention, MLP, self-attention, layer
+and block in mp_layers.transformer), ModelGroups and GPTModel.
 """
 
-from mp_layers import tensor_parallel
+from mp_layers import context_parallel, tensor_parallel
 from mp_layers.config import TransformerConfig
+from mp_layers.context_parallel import shard_sequence
 from mp_layers.gpt_model import GPTModel
 from mp_layers.groups import ModelGroups
 from mp_layers.tensor_parallel import (
@@ -42,6 +44,7 @@ __all__ = [
     "VocabParallelEmbedding",
     "all_reduce_sequence_parallel_grads",
     "broadcast_data",
+    "context_parallel",
     "copy_to_tensor_model_parallel_region",
     "gather_from_sequence_parallel_region",
     "gather_from_tensor_model_parallel_region",
@@ -51,6 +54,7 @@ __all__ = [
     "reduce_scatter_to_sequence_parallel_region",
     "scatter_to_sequence_parallel_region",
     "scatter_to_tensor_model_parallel_region",
+    "shard_sequence",
     "tensor_parallel",
     "tensor_parallel_dropout",
     "vocab_parallel_cross_entropy",

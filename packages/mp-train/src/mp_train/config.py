@@ -185,6 +185,7 @@ def validate(config: RunConfig, world_size: int) -> dict[str, int]:
     global_batch_size, num_microbatches). Raises ValueError naming fields and values."""
     parallel, training = config.parallel, config.training
     _refuse_unimplemented_parallelism(parallel)
+    _check_context_parallel(config)
     model_parallel = (
         parallel.tensor_model_parallel_size
         * parallel.pipeline_model_parallel_size
@@ -258,15 +259,9 @@ def validate(config: RunConfig, world_size: int) -> dict[str, int]:
 
 
 def _refuse_unimplemented_parallelism(parallel: ParallelConfig) -> None:
-    # The rank groups of every axis exist (mp_state plans and creates them), but the model
-    # and the data path do not split sequences or experts yet: run approximately, a layout
-    # would train something other than what it names, so it is refused.
-    if parallel.context_parallel_size > 1:
-        raise ValueError(
-            f"context_parallel_size={parallel.context_parallel_size}: context parallelism is "
-            "not implemented yet (the attention and the data path do not split sequences); "
-            "use context_parallel_size=1"
-        )
+    # The expert rank groups exist (mp_state plans and creates them), but the model has no
+    # mixture-of-experts layers yet: run approximately, such a layout would train something
+    # other than what it names, so it is refused.
     if parallel.expert_model_parallel_size > 1:
         raise ValueError(
             f"expert_model_parallel_size={parallel.expert_model_parallel_size}: the model has "
@@ -278,6 +273,25 @@ def _refuse_unimplemented_parallelism(parallel: ParallelConfig) -> None:
             f"expert_tensor_parallel_size={parallel.expert_tensor_parallel_size}: the model "
             "has no mixture-of-experts layers yet; leave it unset (it follows "
             f"tensor_model_parallel_size={parallel.tensor_model_parallel_size})"
+        )
+
+
+def _check_context_parallel(config: RunConfig) -> None:
+    cp = config.parallel.context_parallel_size
+    config.model.check_parallel(config.parallel.tensor_model_parallel_size, cp)
+    if cp == 1:
+        return
+    seq = config.gpt.seq_length
+    if seq % (2 * cp):
+        raise ValueError(
+            f"seq_length={seq} is not divisible by 2 x context_parallel_size={cp}: each "
+            "context-parallel rank holds two equal chunks of every sequence"
+        )
+    if config.data.reset_attention_mask:
+        raise ValueError(
+            f"reset_attention_mask=True with context_parallel_size={cp}: per-document "
+            "attention masks are not split across context-parallel ranks (Megatron-LM "
+            "refuses them too); attention is causal over the whole sequence"
         )
 
 

@@ -93,8 +93,9 @@ class MetricsLogger:
     def print_start(self) -> None:
         e, run = self.estimate, self.run
         self.print(
-            f"mp-train: world {dist.get_world_size()} = tp {run.state.tp.size} x pp "
-            f"{run.state.pp.size} x dp {run.data_parallel_size}; {e['num_parameters']:,} "
+            f"mp-train: world {dist.get_world_size()} = tp {run.state.tp.size} x cp "
+            f"{run.state.cp.size} x pp {run.state.pp.size} x dp {run.data_parallel_size}; "
+            f"{e['num_parameters']:,} "
             f"parameters; theoretical memory of the most loaded rank: weights and optimizer "
             f"{e['weight_and_optimizer_mb']:.1f} MB, activations {e['activation_mb']:.1f} MB, "
             f"total {e['total_mb']:.1f} MB; {e['flops_per_iteration'] / 1e12:.3f} TFLOP per "

@@ -279,7 +279,9 @@ def _data_iterators(run: Run, datasets_provider) -> tuple[Iterator | list | None
         counts = [training.train_samples, evaluations * training.eval_iters * gbs,
                   training.eval_iters * gbs]  # fmt: skip
     train_ds, valid_ds, _ = datasets_provider(run, counts)
-    dp = run.state.dp_cp
+    # Context-parallel ranks read the same samples (each keeps its part of every
+    # sequence): the loaders split over data-parallel ranks only.
+    dp = run.state.dp
 
     def loader(dataset, consumed, kind):
         if dataset is None:

@@ -1,0 +1,62 @@
+"""Context parallelism end to end: apps/gpt's tiny config (GQA, RoPE, fp32, dropout 0) at
+sequence 256 trains with the one-rank loss curve, gradient norms and consumed samples at
+CP2 (every comm type), CP2 x TP2 with sequence parallelism, CP2 x PP2 and CP2 x DP2."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from mp_gpt.testing import TINY_CONFIG, train_on_rank
+from mp_state.testing import run_on_ranks
+
+pytestmark = pytest.mark.multirank
+
+ITERATIONS = 4
+
+
+def options(run_dir: Path, *layout: str) -> list[str]:
+    return [
+        "--config", str(TINY_CONFIG), "--mock-data", "--tokenizer-type", "NullTokenizer",
+        "--vocab-size", "1000", "--make-vocab-size-divisible-by", "512",
+        "--seq-length", "256", "--micro-batch-size", "2", "--global-batch-size", "4",
+        "--train-iters", str(ITERATIONS), "--eval-interval", "none", "--log-interval", "10",
+        "--save", "none", "--load", "none", "--tensorboard-dir", "none",
+        "--metrics-file", str(run_dir / "metrics.jsonl"), "--num-workers", "0",
+        "--lr-warmup-iters", "1", *layout,
+    ]  # fmt: skip
+
+
+def records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+CP2 = ["--context-parallel-size", "2"]
+LAYOUTS = {
+    "cp2-p2p": (2, [*CP2, "--cp-comm-type", "p2p"]),
+    "cp2-all_gather": (2, [*CP2, "--cp-comm-type", "all_gather"]),
+    "cp2-a2a": (2, [*CP2, "--cp-comm-type", "a2a"]),
+    "cp2-tp2-sp": (4, [*CP2, "--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+    "cp2-pp2": (4, [*CP2, "--pipeline-model-parallel-size", "2"]),
+    "cp2-dp2": (4, CP2),
+}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("one-rank")
+    run_on_ranks(train_on_rank, 1, options(run_dir), timeout=300)
+    return records(run_dir)
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_context_parallel_trains_as_one_rank(tmp_path, reference, name):
+    world, layout = LAYOUTS[name]
+    run_on_ranks(train_on_rank, world, options(tmp_path, *layout), timeout=300)
+    got = records(tmp_path)
+    assert len(got) == len(reference) == ITERATIONS
+    for mine, want in zip(got, reference, strict=True):
+        where = f"{name}, iteration {want['iteration']}"
+        assert mine["consumed_samples"] == want["consumed_samples"], where
+        for key in ("lm loss", "grad_norm"):
+            assert abs(mine[key] - want[key]) <= 1e-5 * abs(want[key]), (where, key, mine, want)
