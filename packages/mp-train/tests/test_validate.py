@@ -27,7 +27,7 @@ def test_the_layouts_validate():
     cp = ["--context-parallel-size", "2", "--attention-dropout", "0"]
     assert _validate(*cp) == {"data_parallel_size": 2, "global_batch_size": 2,
                               "num_microbatches": 1}  # fmt: skip
-    assert _validate("--context-parallel-size", "2", "--cp-comm-type", "a2a")
+    assert _validate(*cp, "--cp-comm-type", "a2a")
 
 
 @pytest.mark.parametrize(
@@ -49,7 +49,11 @@ def test_the_layouts_validate():
             4,
             r"^reset_attention_mask=True with context_parallel_size=2: ",
         ),
-        (["--context-parallel-size", "2"], 4, r"^attention_dropout=0\.1 with cp_comm_type='p2p'"),
+        (
+            ["--context-parallel-size", "2"],
+            4,
+            r"^attention_dropout=0\.1 with context_parallel_size=2: ",
+        ),
         (
             [
                 "--tensor-model-parallel-size",

@@ -273,11 +273,11 @@ class TransformerConfig:
                 f"{self.num_query_groups} / tensor_model_parallel_size={tp} over "
                 f"context_parallel_size={cp}, which does not divide it"
             )
-        if self.cp_comm_type != "a2a" and self.attention_dropout > 0:
+        if self.attention_dropout > 0:
             raise ValueError(
-                f"attention_dropout={self.attention_dropout} with cp_comm_type="
-                f"{self.cp_comm_type!r}: the ring and all-gather attention have no dropout; "
-                "set attention_dropout=0 or use cp_comm_type='a2a'"
+                f"attention_dropout={self.attention_dropout} with context_parallel_size={cp}: "
+                "attention across context-parallel ranks has no dropout; set "
+                "attention_dropout=0"
             )
 
     @property

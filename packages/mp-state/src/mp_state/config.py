@@ -23,8 +23,7 @@ class ParallelConfig:
     """Model chunks per pipeline rank for the interleaved schedule (VPP); None for none."""
 
     context_parallel_size: int = 1
-    """Ranks that split each sequence (CP). The groups exist; mp-train refuses > 1 until
-    context-parallel attention is implemented."""
+    """Ranks that split each sequence (CP)."""
 
     expert_model_parallel_size: int = 1
     """Ranks that split the experts of a MoE layer (EP). The groups exist; mp-train refuses

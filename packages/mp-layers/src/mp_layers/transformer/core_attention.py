@@ -87,10 +87,10 @@ class CoreAttention(torch.nn.Module):
                     "an explicit attention mask (reset_attention_mask) with context "
                     "parallelism: the split sequence is attended causally only"
                 )
+            if self.training and self.attention_dropout > 0:
+                raise ValueError("attention across context-parallel ranks has no dropout")
             if self.cp_comm_type == "a2a":
                 return ulysses_attention(q, k, v, self.cp_group, self._attend)
-            if self.training and self.attention_dropout > 0:
-                raise ValueError(f"cp_comm_type={self.cp_comm_type!r} has no attention dropout")
             return context_parallel_attention(
                 q, k, v, self.cp_group, scale=1.0 / math.sqrt(d), comm_type=self.cp_comm_type
             )
