@@ -1,6 +1,7 @@
 """Context parallelism end to end: apps/gpt's tiny config (GQA, RoPE, fp32, dropout 0) at
 sequence 256 trains with the one-rank loss curve, gradient norms and consumed samples at
-CP2 (every comm type), CP2 x TP2 with sequence parallelism, CP2 x PP2 and CP2 x DP2."""
+CP2 (every comm type), CP2 x TP2 with sequence parallelism, CP2 x PP2 (also with virtual
+stages) and CP2 x DP2 (also with the distributed optimizer)."""
 
 import json
 from pathlib import Path
@@ -38,7 +39,18 @@ LAYOUTS = {
     "cp2-a2a": (2, [*CP2, "--cp-comm-type", "a2a"]),
     "cp2-tp2-sp": (4, [*CP2, "--tensor-model-parallel-size", "2", "--sequence-parallel"]),
     "cp2-pp2": (4, [*CP2, "--pipeline-model-parallel-size", "2"]),
+    "cp2-pp2-vpp2": (
+        4,
+        [
+            *CP2,
+            "--pipeline-model-parallel-size",
+            "2",
+            "--num-layers-per-virtual-pipeline-stage",
+            "1",
+        ],
+    ),
     "cp2-dp2": (4, CP2),
+    "cp2-dp2-distopt": (4, [*CP2, "--use-distributed-optimizer"]),
 }
 
 
