@@ -1,10 +1,13 @@
 """Evaluation runs and reports what it measured; with eval_iters=0 there is none (Megatron's
 do_valid), and no empty "validation |" line."""
 
+import contextlib
+import io
 from pathlib import Path
 
 import pytest
 
+from mp_gpt.testing import train_run_on_rank
 from mp_state.testing import run_on_ranks
 
 CONFIG = Path(__file__).resolve().parents[1] / "apps" / "gpt" / "configs" / "tiny.yaml"
@@ -18,20 +21,9 @@ ARGV = [
 
 
 def body(argv):
-    import contextlib
-    import io
-    import os
-
-    import torch
-
-    torch.set_num_threads(1)
-    os.environ.setdefault("MP_RUN_DIR", "/nonexistent")
-    from mp_gpt.pretrain import train
-    from mp_train import parse_config
-
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        train(parse_config(argv))
+        train_run_on_rank(argv)
     return [line for line in out.getvalue().splitlines() if "validation" in line]
 
 

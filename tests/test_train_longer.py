@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 
+from mp_gpt.testing import train_run_on_rank
 from mp_state.testing import RankFailure, run_on_ranks
 
 CONFIG = Path(__file__).resolve().parents[1] / "apps" / "gpt" / "configs" / "tiny.yaml"
@@ -21,16 +22,7 @@ def argv(ckpt: Path, iterations: int, *extra: str) -> list[str]:
 
 
 def body(argv):
-    import os
-
-    import torch
-
-    torch.set_num_threads(1)
-    os.environ.setdefault("MP_RUN_DIR", "/nonexistent")
-    from mp_gpt.pretrain import train
-    from mp_train import parse_config
-
-    run = train(parse_config(argv))
+    run = train_run_on_rank(argv)
     return run.train.iteration, run.scheduler.lr_decay_steps
 
 

@@ -47,10 +47,10 @@ def ulysses_attention(
     s = q.shape[0]
     order = torch.cat([local_positions(s * cp, cp, r) for r in range(cp)]).to(q.device)
     to_positions = torch.argsort(order)  # gathered index of each position
-    q, k, v = (_SequenceToHeads.apply(t, cp_group)[to_positions] for t in (q, k, v))
+    q, k, v = (_AllToAll.apply(t, cp_group, True)[to_positions] for t in (q, k, v))
     out = attention(q, k, v)  # [cp * s, b, nq / cp * d]
     out = out.view(cp * s, out.shape[1], nq // cp, -1)[order]
-    return _HeadsToSequence.apply(out, cp_group).flatten(2)
+    return _AllToAll.apply(out, cp_group, False).flatten(2)
 
 
 def _seq_to_heads(x: torch.Tensor, group: RankGroup) -> torch.Tensor:
@@ -74,23 +74,14 @@ def _heads_to_seq(x: torch.Tensor, group: RankGroup) -> torch.Tensor:
     return received.permute(1, 2, 0, 3, 4).reshape(total // cp, b, cp * heads, d)
 
 
-class _SequenceToHeads(torch.autograd.Function):
+class _AllToAll(torch.autograd.Function):
+    """_seq_to_heads (to_heads) or _heads_to_seq; backward is the other one."""
+
     @staticmethod
-    def forward(ctx, x, group: RankGroup):
-        ctx.group = group
-        return _seq_to_heads(x, group)
+    def forward(ctx, x, group: RankGroup, to_heads: bool):
+        ctx.group, ctx.to_heads = group, to_heads
+        return (_seq_to_heads if to_heads else _heads_to_seq)(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _heads_to_seq(grad, ctx.group), None
-
-
-class _HeadsToSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group: RankGroup):
-        ctx.group = group
-        return _heads_to_seq(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _seq_to_heads(grad, ctx.group), None
+        return (_heads_to_seq if ctx.to_heads else _seq_to_heads)(grad, ctx.group), None, None
