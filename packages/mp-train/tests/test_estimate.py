@@ -28,7 +28,10 @@ CONTRACT = ("num_parameters", "weight_and_optimizer_mb", "activation_mb", "total
 def make_config(
     *, seq=32, mbs=2, gbs=None, vocab=100, bf16=True, parallel=None, optimizer=None, **model
 ) -> RunConfig:
-    fields = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, **model}
+    # "local" attention keeps its probabilities (Megatron's 5as^2b, the whole square at
+    # these short sequences), so the formulas below are Megatron's.
+    fields = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+              "attention_backend": "local", **model}  # fmt: skip
     return RunConfig(
         model=TransformerConfig(bf16=bf16, **fields),
         parallel=ParallelConfig(**(parallel or {})),
@@ -94,8 +97,9 @@ def test_gqa():
     assert result["weight_and_optimizer_mb"] == pytest.approx(51360 * 16 / MB)
     # No SP, no recompute, t=2: 10 sbh + (24 sbh + 5 a s^2 b)/2 = 40960 + (98304 + 81920)/2
     # = 131072 per layer; embedding 4608 (whole); output 4sbh + 4sbV/2 = 16384 + 32768.
+    # The formula counts 16-bit activations: fp32 keeps twice as many bytes.
     activation = 2 * 131072 + 4608 + 49152  # 315904
-    assert result["activation_mb"] == pytest.approx(activation / MB)
+    assert result["activation_mb"] == pytest.approx(2 * activation / MB)
 
 
 def test_flops_gqa():
@@ -167,15 +171,48 @@ def test_distributed_optimizer():
 
 
 def test_context_parallel_splits_the_sequence():
-    config = make_config(gbs=8, parallel={"context_parallel_size": 2})
+    config = make_config(gbs=8, parallel={"context_parallel_size": 2}, cp_comm_type="a2a",
+                         attention_dropout=0.0)  # fmt: skip
     result = estimate(config, world_size=8)
-    # c=2: 16 of the 32 tokens per rank, sbh = 16*2*64 = 2048; the scores a (s/c) s b:
-    # layer 10*2048 + 24*2048 + 5*4*16*32*2 = 20480 + 49152 + 20480 = 90112;
+    # c=2: 16 of the 32 tokens per rank, sbh = 16*2*64 = 2048; all-to-all attends over the
+    # whole sequence with a/c heads, keeping (a/c) s^2 b probabilities, 2 bytes each without
+    # dropout: layer 10*2048 + 24*2048 + 2*2*32*32*2 = 20480 + 49152 + 8192 = 77824;
     # embedding 8*16*2 + 2048 = 2304; output 4*2048 + 4*16*2*128 = 8192 + 16384 = 24576.
-    assert result["activation_mb"] * MB == pytest.approx(2 * 90112 + 2304 + 24576)
+    assert result["activation_mb"] * MB == pytest.approx(2 * 77824 + 2304 + 24576)
     assert result["data_parallel_size"] == 4
     # FLOPs count the whole global batch whatever the layout: B = 8, twice test_flops_dense.
     assert result["flops_per_iteration"] == 2 * 84934656
+    # The ring (and all-gather) blocks keep no probabilities: the score term goes.
+    ring = make_config(gbs=8, parallel={"context_parallel_size": 2}, attention_dropout=0.0)
+    assert estimate(ring, world_size=8)["activation_mb"] * MB == pytest.approx(
+        2 * (77824 - 8192) + 2304 + 24576
+    )
+
+
+def test_the_score_term_follows_the_core_attention():
+    # Megatron's 5as^2b is kept only where the core attention keeps its probabilities.
+    def activation(seq, device_type="cuda", **model):
+        config = make_config(seq=seq, mbs=1, **model)
+        return estimate(config, world_size=1, device_type=device_type)["activation_mb"] * MB
+
+    flash = activation(32, attention_backend="flash")
+    assert activation(32) - flash == pytest.approx(2 * 5 * 4 * 32 * 32)  # local: two layers
+    # "auto": SDPA (none kept) on CUDA; the blocked attention on a CPU while its
+    # probabilities fit the limit (here the whole square: one block), SDPA beyond.
+    assert activation(32, attention_backend="auto") == pytest.approx(flash)
+    assert activation(32, "cpu", attention_backend="auto") == pytest.approx(activation(32))
+    # bf16 at 8192 positions: 4 heads x 256^2 x 528 blocks x 2 bytes = 277 MB > 128 MiB.
+    long_flash = activation(8192, attention_backend="flash")
+    assert activation(8192, "cpu", attention_backend="auto") == pytest.approx(long_flash)
+    # Beyond one block of 256 rows, blocked attention keeps the causal blocks only:
+    # rows [256 i, 256 (i + 1)) see 256 (i + 1) keys; 2 bytes each without dropout.
+    kept = sum(256 * 256 * (i + 1) for i in range(4096 // 256))
+    local = activation(4096, attention_dropout=0.0)
+    assert local - activation(4096, attention_backend="flash", attention_dropout=0.0) == (
+        pytest.approx(2 * 2 * 4 * kept)
+    )
+    with pytest.raises(ValueError, match="device_type='tpu' must be cuda or cpu"):
+        estimate(make_config(), world_size=1, device_type="tpu")
 
 
 def _activation(**model) -> float:

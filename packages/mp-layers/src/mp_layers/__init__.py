@@ -30,6 +30,8 @@ from mp_layers.tensor_parallel import (
     tensor_parallel_dropout,
     vocab_parallel_cross_entropy,
 )
+from mp_layers.transformer.blocked_attention import saved_probability_bytes
+from mp_layers.transformer.core_attention import keeps_attention_probabilities
 from mp_layers.transformer.spec import LOCAL_SPEC, LayerSpec, get_layer_spec
 
 __all__ = [
@@ -50,9 +52,11 @@ __all__ = [
     "gather_from_tensor_model_parallel_region",
     "get_layer_spec",
     "init_partitioned_weight",
+    "keeps_attention_probabilities",
     "reduce_from_tensor_model_parallel_region",
     "reduce_scatter_to_sequence_parallel_region",
     "scatter_to_sequence_parallel_region",
+    "saved_probability_bytes",
     "scatter_to_tensor_model_parallel_region",
     "shard_sequence",
     "tensor_parallel",

@@ -43,8 +43,12 @@ itself reports only the first form; for every other case it uses sbh(10 + 24/t),
 own output-layer term and a 5% margin. Context parallelism stores s / c tokens per rank;
 the scores are a (s / c) s b. MoE layers replace f by k f_moe + f_shared (Megatron uses f
 everywhere).
-The score term assumes attention that materialises its probabilities; fused kernels
-(flash attention) store none, so the forms with 5as^2b overstate them.
+The score term counts what mp's core attention keeps: blocked attention ("local",
+"unfused", or "auto" on a CPU within its memory limit) keeps the causal blocks of its
+probabilities, 5 bytes a score with dropout and 2 without; SDPA (flash attention) and the
+context-parallel ring and all-gather blocks keep none; all-to-all context parallelism
+attends over the whole sequence with a / c heads. The coefficients count 16-bit
+activations; an fp32 model doubles them.
 
 FLOPs (Megatron-LM's num_floating_point_operations): forward + backward is 3 GEMMs per
 weight and a GEMM of (m x n)(n x k) is 2mnk, so per token and layer
@@ -61,6 +65,9 @@ import math
 import sys
 from dataclasses import dataclass
 
+import torch
+
+from mp_layers import keeps_attention_probabilities, saved_probability_bytes
 from mp_train.config import RunConfig
 
 __all__ = ["MoESettings", "estimate", "main", "padded_vocab_size"]
@@ -131,10 +138,12 @@ def estimate(
     *,
     vocab_size: int | None = None,
     moe: MoESettings | None = None,
+    device_type: str = "cuda",
 ) -> dict:
     """num_parameters, weight_and_optimizer_mb, activation_mb, total_mb (most loaded rank)
     and flops_per_iteration (one global batch, forward + backward), with the figures they
-    are made of. `vocab_size` overrides config.data.vocab_size."""
+    are made of. `vocab_size` overrides config.data.vocab_size; `device_type` ("cuda" or
+    "cpu") is where the run computes, which decides the core attention "auto" picks."""
     layout = _layout(config, world_size, moe)
     vocab = vocab_size if vocab_size is not None else config.data.vocab_size
     if vocab is None:
@@ -145,7 +154,9 @@ def estimate(
     V = padded_vocab_size(vocab, config.data.make_vocab_size_divisible_by, layout["tp"])
     params = _parameters(config, V, moe)
     weights = _weight_and_optimizer(config, layout, params)
-    activation_bytes, formula = _activation_bytes(config, layout, V, moe)
+    if device_type not in ("cuda", "cpu"):
+        raise ValueError(f"device_type={device_type!r} must be cuda or cpu")
+    activation_bytes, formula = _activation_bytes(config, layout, V, moe, device_type)
     weight_mb = weights["bytes"] / _MB
     activation_mb = activation_bytes / _MB
     return {
@@ -278,7 +289,7 @@ def _bytes_per_parameter(config: RunConfig) -> tuple[int, int, int]:
 
 
 def _activation_bytes(
-    config: RunConfig, layout: dict, V: int, moe: MoESettings | None
+    config: RunConfig, layout: dict, V: int, moe: MoESettings | None, device_type: str
 ) -> tuple[float, str]:
     """Activation bytes of the first pipeline stage (see the module docstring)."""
     m = config.model
@@ -286,7 +297,7 @@ def _activation_bytes(
     s_full = config.gpt.seq_length
     s = s_full / layout["cp"]  # tokens of a sequence on one rank
     b, h = config.training.micro_batch_size, m.hidden_size
-    a, L = m.num_attention_heads, m.num_layers
+    L = m.num_layers
     n_dense, n_moe = _moe_layers(config, moe)
     f = m.ffn_hidden_size
     if moe is not None:
@@ -299,7 +310,7 @@ def _activation_bytes(
     def stored(whole: float, split: float) -> float:
         return (whole + split) / tp if sp else whole + split / tp
 
-    scores = 0.0 if granularity == "selective" else 5 * a * s * s_full * b
+    scores = _score_bytes(config, layout, b, device_type)
     layer = stored(10 * sbh, (8 + 4 * f / h) * sbh + scores)
     transient = 0.0
     if granularity == "full":
@@ -324,7 +335,32 @@ def _activation_bytes(
         granularity, f"full recompute ({m.recompute_method})"
     )
     formula = ("sequence parallel, " if sp else "") + recompute
-    return total + transient, formula
+    # The coefficients count 16-bit activations (bf16/fp16 runs, as Megatron's); an fp32
+    # model keeps every activation at twice the size.
+    width = 1 if m.bf16 or m.fp16 else 2
+    return (total + transient) * width, formula
+
+
+def _score_bytes(config: RunConfig, layout: dict, b: int, device_type: str) -> float:
+    """The attention probabilities one layer keeps for backward on the most loaded rank,
+    before the tensor-parallel split: 5 bytes per kept score with dropout (softmax output,
+    dropout output, mask: Megatron's 5as^2b), 2 without; none where the core attention
+    keeps none (see the module docstring)."""
+    m = config.model
+    if m.recompute_granularity == "selective":
+        return 0.0
+    cp, tp = layout["cp"], layout["tp"]
+    if cp > 1 and m.cp_comm_type != "a2a":
+        return 0.0  # ring and all-gather blocks keep their outputs and log-sum-exps only
+    s = config.gpt.seq_length  # a2a attends over the whole sequence with a / cp heads
+    heads = m.num_attention_heads // cp
+    dtype = torch.bfloat16 if m.bf16 else torch.float16 if m.fp16 else torch.float32
+    explicit = config.data.batches_carry_attention_mask
+    if not keeps_attention_probabilities(m.attention_backend, device_type, s, b, heads // tp,
+                                         dtype, explicit_mask=explicit):  # fmt: skip
+        return 0.0
+    kept = saved_probability_bytes(s, b, heads, 1, causal=not explicit)
+    return (5 if m.attention_dropout > 0 else 2) * kept
 
 
 def _flops(config: RunConfig, layout: dict, V: int, moe: MoESettings | None) -> int:
@@ -378,7 +414,8 @@ def main(argv: list[str] | None = None) -> int:
                 moe_shared_expert_intermediate_size=own.moe_shared_expert_intermediate_size,
                 moe_layer_freq=own.moe_layer_freq,
             )
-        result = estimate(config, own.world_size, vocab_size=own.vocab_size, moe=moe)
+        result = estimate(config, own.world_size, vocab_size=own.vocab_size, moe=moe,
+                          device_type=own.device)  # fmt: skip
     except (OSError, ValueError) as error:
         print(f"mp-train estimate: error: {error}", file=sys.stderr)
         return 2
@@ -395,6 +432,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--world-size", type=int, required=True, help="ranks of the run")
     parser.add_argument("--vocab-size", type=int, help="vocabulary before padding")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                        help="where the run computes (decides the core attention 'auto' "
+                        "picks, hence whether attention probabilities are kept)")  # fmt: skip
     moe = parser.add_argument_group("mixture of experts")
     moe.add_argument("--num-experts", type=int, help="routed experts per MoE layer")
     moe.add_argument("--moe-router-topk", type=int, default=2, help="experts per token")

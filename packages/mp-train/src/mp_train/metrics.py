@@ -69,7 +69,8 @@ class MetricsLogger:
                                         name=self.config.wandb_exp_name,
                                         config=run.config.as_dict())  # fmt: skip
         self.estimate = estimate(run.config, dist.get_world_size(),
-                                 vocab_size=run.padded_vocab_size)  # fmt: skip
+                                 vocab_size=run.padded_vocab_size,
+                                 device_type=run.device.type)  # fmt: skip
         self.peak_tflops = self.config.peak_tflops or _default_peak(run.device)
         self._interval_start = time.perf_counter()
         self._iteration_start = time.perf_counter()

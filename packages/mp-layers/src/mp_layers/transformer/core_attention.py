@@ -35,7 +35,7 @@ from mp_layers.context_parallel.ulysses import ulysses_attention
 from mp_layers.transformer.blocked_attention import blocked_attention, saved_probability_bytes
 from mp_state import TENSOR_PARALLEL_RNG, RankGroup, RNGStatesTracker
 
-__all__ = ["AUTO_BLOCKED_LIMIT_BYTES", "CoreAttention"]
+__all__ = ["AUTO_BLOCKED_LIMIT_BYTES", "CoreAttention", "keeps_attention_probabilities"]
 
 AUTO_BLOCKED_LIMIT_BYTES = {
     torch.float32: 32 * 2**20,
@@ -128,12 +128,33 @@ class CoreAttention(torch.nn.Module):
 
     def uses_blocked(self, q: torch.Tensor, explicit_mask: bool = False) -> bool:
         """Whether attention over these queries [s, b, heads, d] goes through
-        blocked_attention (True) or SDPA (False). With an explicit mask no block
-        is skipped, so the probabilities kept are the full square."""
-        if self.backend in ("local", "unfused"):
-            return True
-        if self.backend in ("flash", "fused") or q.device.type != "cpu":
-            return False
+        blocked_attention (True) or SDPA (False)."""
         s, b, heads, _ = q.shape
-        saved = saved_probability_bytes(s, b, heads, q.element_size(), causal=not explicit_mask)
-        return saved <= AUTO_BLOCKED_LIMIT_BYTES.get(q.dtype, 0)
+        return keeps_attention_probabilities(
+            self.backend, q.device.type, s, b, heads, q.dtype, explicit_mask=explicit_mask
+        )
+
+
+def keeps_attention_probabilities(
+    backend: str,
+    device_type: str,
+    s: int,
+    b: int,
+    heads: int,
+    dtype: torch.dtype,
+    *,
+    explicit_mask: bool = False,
+) -> bool:
+    """Whether core attention over s query positions (b samples, `heads` heads on this
+    rank) runs blocked_attention, which keeps its probabilities for backward, rather than
+    SDPA, which keeps none: "local"/"unfused" always, "flash"/"fused" never, "auto" on a
+    CPU within AUTO_BLOCKED_LIMIT_BYTES. With an explicit mask no block is skipped, so the
+    probabilities kept are the full square."""
+    if backend in ("local", "unfused"):
+        return True
+    if backend in ("flash", "fused") or device_type != "cpu":
+        return False
+    saved = saved_probability_bytes(
+        s, b, heads, torch.empty((), dtype=dtype).element_size(), causal=not explicit_mask
+    )
+    return saved <= AUTO_BLOCKED_LIMIT_BYTES.get(dtype, 0)
