@@ -147,6 +147,35 @@ def test_context_parallel_attention_equals_one_rank(cp, comm_type):
     assert max(errors) < 1e-5, errors
 
 
+def time_ring_waits() -> tuple[dict, dict, bool]:
+    import mp_state
+    from mp_layers.context_parallel import context_parallel_attention, timed_ring_waits
+
+    torch.set_num_threads(1)
+    cp = torch.distributed.get_world_size()
+    state = mp_state.initialize(mp_state.ParallelConfig(context_parallel_size=cp))
+    q, k, v, grad = _inputs()
+    local = [shard_sequence(t, cp, state.cp.rank, dim=0).requires_grad_() for t in (q, k, v)]
+    with timed_ring_waits() as timed:
+        out = context_parallel_attention(*local, state.cp, scale=1.0, comm_type="p2p")
+        out.backward(shard_sequence(grad, cp, state.cp.rank, dim=0))
+        with pytest.raises(RuntimeError, match="already timing"), timed_ring_waits():
+            pass
+    # Outside, nothing is counted any more.
+    context_parallel_attention(*local, state.cp, scale=1.0, comm_type="p2p").sum().backward()
+    return timed.waits, timed.seconds, all(s >= 0 for s in timed.seconds.values())
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("cp", [2, 4])
+def test_timed_ring_waits_count_every_exchange(cp):
+    for waits, seconds, nonnegative in run_on_ranks(time_ring_waits, cp, timeout=120):
+        # k/v: cp - 1 exchanges in forward and again in backward; each backward step
+        # passes its gradient accumulator on, the last one home.
+        assert waits == {"kv": 2 * (cp - 1), "grad": cp}, waits
+        assert set(seconds) == {"kv", "grad"} and nonnegative, seconds
+
+
 def refuse_on_ranks() -> None:
     import mp_state
     from mp_layers.context_parallel.ulysses import ulysses_attention
