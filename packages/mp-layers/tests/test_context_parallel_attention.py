@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from mp_layers.context_parallel import (
     CP_COMM_TYPES,
     attention_blocks,
+    block_math,
     local_chunks,
     local_positions,
     shard_sequence,
@@ -55,7 +56,14 @@ def test_block_plan_skips_what_the_causal_mask_hides():
         assert sum(b.kind == "causal" for b in blocks) == 2
 
 
-def test_merged_blocks_equal_one_softmax():
+@pytest.fixture(params=["flash", "matmul"])
+def kernel(request, monkeypatch):
+    """Each block kernel in turn (flash is the CPU's; matmul the one elsewhere)."""
+    monkeypatch.setattr(block_math, "_flash", lambda q: request.param == "flash")
+    return request.param
+
+
+def test_merged_blocks_equal_one_softmax(kernel):
     torch.manual_seed(0)
     q, k, v = torch.randn(3, 2, 8, 16).double(), torch.randn(3, 16, 16), torch.randn(3, 16, 16)
     k, v = k.double(), v.double()
@@ -69,7 +77,8 @@ def test_merged_blocks_equal_one_softmax():
     torch.testing.assert_close(lse, ref_lse.float(), rtol=1e-6, atol=1e-6)
 
 
-def test_block_backward_equals_autograd():
+@pytest.mark.parametrize("causal", [True, False])
+def test_block_backward_equals_autograd(kernel, causal):
     torch.manual_seed(1)
     q = torch.randn(3, 2, 8, 16, dtype=torch.float64, requires_grad=True)
     k = torch.randn(3, 8, 16, dtype=torch.float64, requires_grad=True)
@@ -77,13 +86,13 @@ def test_block_backward_equals_autograd():
     scale = 0.25
     mask = torch.ones(8, 8, dtype=torch.bool).triu(1)
     scores = (q.reshape(3, 16, 16) @ k.transpose(1, 2)).view(3, 2, 8, 8) * scale
-    probs = scores.masked_fill(mask, -torch.inf).softmax(-1)
+    probs = (scores.masked_fill(mask, -torch.inf) if causal else scores).softmax(-1)
     out = (probs.view(3, 16, 8) @ v).view(3, 2, 8, 16)
     dout = torch.randn_like(out)
     out.backward(dout)
-    _, lse = block_forward(q.detach(), k.detach(), v.detach(), True, scale)
-    delta = (dout * out.detach()).sum(-1)
-    grads = block_backward(q.detach(), k.detach(), v.detach(), dout, lse.double(), delta, True,
+    block_out, lse = block_forward(q.detach(), k.detach(), v.detach(), causal, scale)
+    torch.testing.assert_close(block_out.double(), out.detach(), rtol=1e-5, atol=1e-5)
+    grads = block_backward(q.detach(), k.detach(), v.detach(), dout, out.detach(), lse, causal,
                            scale)  # fmt: skip
     for got, want in zip(grads, (q.grad, k.grad, v.grad), strict=True):
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)

@@ -127,7 +127,6 @@ class _ContextParallelAttention(torch.autograd.Function):
         s, b, nq, d, ng = ctx.shape
         dout = grad_out.reshape(s, b, ng, nq // ng, d).permute(1, 2, 3, 0, 4)  # [B, qg, s, d]
         dout = dout.reshape(rows.shape)
-        delta = (dout.float() * out).sum(dim=-1)  # [B, qg, s]
         dq = torch.zeros(rows.shape, dtype=torch.float32, device=rows.device)
         q_chunks = local_chunks(group.size, group.rank)
 
@@ -136,7 +135,7 @@ class _ContextParallelAttention(torch.autograd.Function):
                 qs, ks = _half(s, block.q_half), _half(s, block.kv_half)
                 dq_, dk_, dv_ = block_backward(
                     rows[:, :, qs], step_kv[0][:, ks], step_kv[1][:, ks], dout[:, :, qs],
-                    lse[:, :, qs], delta[:, :, qs], block.kind == "causal", scale,
+                    out[:, :, qs], lse[:, :, qs], block.kind == "causal", scale,
                 )  # fmt: skip
                 dq[:, :, qs] += dq_
                 dkv[0][:, ks] += dk_
