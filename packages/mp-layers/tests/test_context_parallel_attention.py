@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from mp_layers.context_parallel import (
     CP_COMM_TYPES,
     attention_blocks,
+    block_math,
     local_chunks,
     local_positions,
     shard_sequence,
@@ -55,7 +56,14 @@ def test_block_plan_skips_what_the_causal_mask_hides():
         assert sum(b.kind == "causal" for b in blocks) == 2
 
 
-def test_merged_blocks_equal_one_softmax():
+@pytest.fixture(params=["flash", "matmul"])
+def kernel(request, monkeypatch):
+    """Each block kernel in turn (flash is the CPU's; matmul the one elsewhere)."""
+    monkeypatch.setattr(block_math, "_flash", lambda q: request.param == "flash")
+    return request.param
+
+
+def test_merged_blocks_equal_one_softmax(kernel):
     torch.manual_seed(0)
     q, k, v = torch.randn(3, 2, 8, 16).double(), torch.randn(3, 16, 16), torch.randn(3, 16, 16)
     k, v = k.double(), v.double()
@@ -69,7 +77,8 @@ def test_merged_blocks_equal_one_softmax():
     torch.testing.assert_close(lse, ref_lse.float(), rtol=1e-6, atol=1e-6)
 
 
-def test_block_backward_equals_autograd():
+@pytest.mark.parametrize("causal", [True, False])
+def test_block_backward_equals_autograd(kernel, causal):
     torch.manual_seed(1)
     q = torch.randn(3, 2, 8, 16, dtype=torch.float64, requires_grad=True)
     k = torch.randn(3, 8, 16, dtype=torch.float64, requires_grad=True)
@@ -77,13 +86,13 @@ def test_block_backward_equals_autograd():
     scale = 0.25
     mask = torch.ones(8, 8, dtype=torch.bool).triu(1)
     scores = (q.reshape(3, 16, 16) @ k.transpose(1, 2)).view(3, 2, 8, 8) * scale
-    probs = scores.masked_fill(mask, -torch.inf).softmax(-1)
+    probs = (scores.masked_fill(mask, -torch.inf) if causal else scores).softmax(-1)
     out = (probs.view(3, 16, 8) @ v).view(3, 2, 8, 16)
     dout = torch.randn_like(out)
     out.backward(dout)
-    _, lse = block_forward(q.detach(), k.detach(), v.detach(), True, scale)
-    delta = (dout * out.detach()).sum(-1)
-    grads = block_backward(q.detach(), k.detach(), v.detach(), dout, lse.double(), delta, True,
+    block_out, lse = block_forward(q.detach(), k.detach(), v.detach(), causal, scale)
+    torch.testing.assert_close(block_out.double(), out.detach(), rtol=1e-5, atol=1e-5)
+    grads = block_backward(q.detach(), k.detach(), v.detach(), dout, out.detach(), lse, causal,
                            scale)  # fmt: skip
     for got, want in zip(grads, (q.grad, k.grad, v.grad), strict=True):
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
@@ -145,6 +154,35 @@ def compare_on_ranks(comm_type: str) -> float:
 def test_context_parallel_attention_equals_one_rank(cp, comm_type):
     errors = run_on_ranks(compare_on_ranks, cp, comm_type, timeout=120)
     assert max(errors) < 1e-5, errors
+
+
+def time_ring_waits() -> tuple[dict, dict, bool]:
+    import mp_state
+    from mp_layers.context_parallel import context_parallel_attention, timed_ring_waits
+
+    torch.set_num_threads(1)
+    cp = torch.distributed.get_world_size()
+    state = mp_state.initialize(mp_state.ParallelConfig(context_parallel_size=cp))
+    q, k, v, grad = _inputs()
+    local = [shard_sequence(t, cp, state.cp.rank, dim=0).requires_grad_() for t in (q, k, v)]
+    with timed_ring_waits() as timed:
+        out = context_parallel_attention(*local, state.cp, scale=1.0, comm_type="p2p")
+        out.backward(shard_sequence(grad, cp, state.cp.rank, dim=0))
+        with pytest.raises(RuntimeError, match="already timing"), timed_ring_waits():
+            pass
+    # Outside, nothing is counted any more.
+    context_parallel_attention(*local, state.cp, scale=1.0, comm_type="p2p").sum().backward()
+    return timed.waits, timed.seconds, all(s >= 0 for s in timed.seconds.values())
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("cp", [2, 4])
+def test_timed_ring_waits_count_every_exchange(cp):
+    for waits, seconds, nonnegative in run_on_ranks(time_ring_waits, cp, timeout=120):
+        # k/v: cp - 1 exchanges in forward and again in backward; each backward step
+        # passes its gradient accumulator on, the last one home.
+        assert waits == {"kv": 2 * (cp - 1), "grad": cp}, waits
+        assert set(seconds) == {"kv", "grad"} and nonnegative, seconds
 
 
 def refuse_on_ranks() -> None:

@@ -7,13 +7,20 @@ from mp_layers.context_parallel.layout import (
     local_positions,
     shard_sequence,
 )
-from mp_layers.context_parallel.ring_attention import CP_COMM_TYPES, context_parallel_attention
+from mp_layers.context_parallel.ring_attention import (
+    CP_COMM_TYPES,
+    RingWaits,
+    context_parallel_attention,
+    timed_ring_waits,
+)
 
 __all__ = [
     "CP_COMM_TYPES",
+    "RingWaits",
     "attention_blocks",
     "context_parallel_attention",
     "local_chunks",
     "local_positions",
     "shard_sequence",
+    "timed_ring_waits",
 ]

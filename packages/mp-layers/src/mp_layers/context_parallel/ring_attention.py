@@ -18,12 +18,21 @@ layout decides which blocks to compute: at step i > 0 either both query chunks s
 the first k/v chunk only (it comes from an earlier rank) or the second query chunk
 sees both (a later rank); a quarter of the square is skipped besides the diagonal.
 
+Exposed communication: inside `timed_ring_waits()`, every wait on a ring exchange is
+timed (the transfer time not hidden behind the block computed meanwhile, plus any
+wait for a peer that is late); outside it the waits are untimed.
+
 Shapes: q [s, b, nq, d], k and v [s, b, ng, d], s this rank's tokens (two chunks of
 s/2), nq = ng x qg; the output [s, b, nq * d]. Inside, q is [B, qg, s, d] and k, v
 [B, s, d] with B = b x ng (block_math.py).
 """
 
 from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -33,12 +42,38 @@ from mp_layers.context_parallel.layout import attention_blocks, local_chunks
 from mp_layers.tensor_parallel.collectives import gather_first, reduce_scatter_first
 from mp_state import RankGroup
 
-__all__ = ["CP_COMM_TYPES", "context_parallel_attention"]
+__all__ = ["CP_COMM_TYPES", "RingWaits", "context_parallel_attention", "timed_ring_waits"]
 
 CP_COMM_TYPES = ("p2p", "all_gather")
 # Keys and values and their gradients are in flight at once in backward: own tags keep
 # the two streams of messages apart.
 _KV_TAG, _GRAD_TAG = 1, 2
+
+
+@dataclass
+class RingWaits:
+    """Time spent waiting on the ring's exchanges, by what was exchanged: "kv" (keys and
+    values, forward and backward) and "grad" (their gradient accumulators, backward)."""
+
+    seconds: dict[str, float] = field(default_factory=lambda: {"kv": 0.0, "grad": 0.0})
+    waits: dict[str, int] = field(default_factory=lambda: {"kv": 0, "grad": 0})
+
+
+_timed: RingWaits | None = None
+
+
+@contextlib.contextmanager
+def timed_ring_waits() -> Iterator[RingWaits]:
+    """Times every wait on a p2p ring exchange of this process while inside; yields the
+    running totals."""
+    global _timed
+    if _timed is not None:
+        raise RuntimeError("timed_ring_waits() is already timing the ring's waits")
+    _timed = RingWaits()
+    try:
+        yield _timed
+    finally:
+        _timed = None
 
 
 def context_parallel_attention(
@@ -92,7 +127,6 @@ class _ContextParallelAttention(torch.autograd.Function):
         s, b, nq, d, ng = ctx.shape
         dout = grad_out.reshape(s, b, ng, nq // ng, d).permute(1, 2, 3, 0, 4)  # [B, qg, s, d]
         dout = dout.reshape(rows.shape)
-        delta = (dout.float() * out).sum(dim=-1)  # [B, qg, s]
         dq = torch.zeros(rows.shape, dtype=torch.float32, device=rows.device)
         q_chunks = local_chunks(group.size, group.rank)
 
@@ -101,7 +135,7 @@ class _ContextParallelAttention(torch.autograd.Function):
                 qs, ks = _half(s, block.q_half), _half(s, block.kv_half)
                 dq_, dk_, dv_ = block_backward(
                     rows[:, :, qs], step_kv[0][:, ks], step_kv[1][:, ks], dout[:, :, qs],
-                    lse[:, :, qs], delta[:, :, qs], block.kind == "causal", scale,
+                    out[:, :, qs], lse[:, :, qs], block.kind == "causal", scale,
                 )  # fmt: skip
                 dq[:, :, qs] += dq_
                 dkv[0][:, ks] += dk_
@@ -151,6 +185,7 @@ class _Exchange:
 
     def __init__(self, tensor: torch.Tensor, group: RankGroup, tag: int) -> None:
         self.received = torch.empty_like(tensor)
+        self.kind = "kv" if tag == _KV_TAG else "grad"
         if group.size == 1:
             self.received.copy_(tensor)
             self.requests = []
@@ -165,8 +200,13 @@ class _Exchange:
         )
 
     def wait_result(self) -> torch.Tensor:
+        timed = _timed
+        start = time.perf_counter() if timed is not None else 0.0
         for request in self.requests:
             request.wait()
+        if timed is not None:
+            timed.seconds[self.kind] += time.perf_counter() - start
+            timed.waits[self.kind] += 1
         return self.received
 
 
