@@ -63,7 +63,7 @@ import time
 from pathlib import Path
 
 import torch
-from harness import LLAMA_SHAPE, context, emit
+from harness import LLAMA_SHAPE, context, emit, llama_flags
 
 from mp_state.testing import run_on_ranks
 
@@ -174,13 +174,7 @@ def _measure(seq: int, cp: int, args) -> dict:
 
 def _argv(seq: int, cp: int, iterations: int, metrics_file: str) -> list[str]:
     argv = [
-        "--num-layers", str(LAYERS), "--hidden-size", str(HIDDEN),
-        "--num-attention-heads", str(HEADS), "--group-query-attention",
-        "--num-query-groups", str(GROUPS), "--kv-channels", str(HEAD_DIM),
-        "--ffn-hidden-size", str(FFN), "--normalization", "RMSNorm", "--layernorm-epsilon",
-        "1e-6", "--swiglu", "--use-rotary-position-embeddings", "--disable-bias-linear",
-        "--untie-embeddings-and-output-weights", "--hidden-dropout", "0",
-        "--attention-dropout", "0",
+        *llama_flags(),
         "--seq-length", str(seq), "--micro-batch-size", "1", "--global-batch-size", "1",
         "--train-iters", str(iterations), "--eval-interval", "none",
         "--bf16", "--lr", "1e-3", "--lr-decay-style", "constant", "--clip-grad", "1.0",

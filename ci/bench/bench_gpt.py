@@ -62,7 +62,7 @@ from types import SimpleNamespace
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
-from harness import LLAMA_SHAPE, context, emit
+from harness import LLAMA_SHAPE, context, emit, llama_flags
 
 import mp_state
 from mp_data import (
@@ -199,13 +199,7 @@ def _check_convergence(args, peak: float, ctx) -> None:
 
 def _config(args, iterations: int, peak: float, metrics_file: str | None = None):
     argv = [
-        "--num-layers", str(LAYERS), "--hidden-size", str(HIDDEN),
-        "--num-attention-heads", str(HEADS), "--group-query-attention",
-        "--num-query-groups", str(GROUPS), "--kv-channels", str(HEAD_DIM),
-        "--ffn-hidden-size", str(FFN), "--normalization", "RMSNorm", "--layernorm-epsilon",
-        "1e-6", "--swiglu", "--use-rotary-position-embeddings", "--disable-bias-linear",
-        "--untie-embeddings-and-output-weights", "--hidden-dropout", "0",
-        "--attention-dropout", "0",
+        *llama_flags(),
         "--seq-length", str(args.seq), "--micro-batch-size", str(args.batch),
         "--global-batch-size", str(args.batch), "--train-iters", str(iterations),
         "--eval-interval", "none",

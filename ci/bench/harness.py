@@ -23,6 +23,21 @@ LLAMA_SHAPE = (512, 8, 8, 4, 64, 1376, 32000)
 layers, heads, query groups, head channels, ffn, vocabulary."""
 
 
+def llama_flags() -> list[str]:
+    """LLAMA_SHAPE as Megatron's model flags: GQA, RMSNorm, SwiGLU, RoPE, no biases,
+    untied embeddings, dropout 0."""
+    hidden, layers, heads, groups, head_dim, ffn, _ = LLAMA_SHAPE
+    return [
+        "--num-layers", str(layers), "--hidden-size", str(hidden),
+        "--num-attention-heads", str(heads), "--group-query-attention",
+        "--num-query-groups", str(groups), "--kv-channels", str(head_dim),
+        "--ffn-hidden-size", str(ffn), "--normalization", "RMSNorm", "--layernorm-epsilon",
+        "1e-6", "--swiglu", "--use-rotary-position-embeddings", "--disable-bias-linear",
+        "--untie-embeddings-and-output-weights", "--hidden-dropout", "0",
+        "--attention-dropout", "0",
+    ]  # fmt: skip
+
+
 def context() -> dict[str, Any]:
     import numpy
     import torch
