@@ -8,8 +8,9 @@ Two ways to reach the other ranks' keys and values (Megatron's --cp-comm-type):
   ring; at step i rank r holds the block of rank r - i. The exchange for step i + 1 is
   posted before step i's blocks are computed, so the transfer overlaps the compute.
   Backward walks the ring again: k/v travel as in forward, and their gradient
-  accumulators travel with them, picking up each rank's contribution; after the last
-  step each accumulator reaches the rank that owns its block.
+  accumulators follow one step behind, picking up each rank's contribution (computed
+  while the accumulator is in flight); after the last step each accumulator reaches
+  the rank that owns its block.
 - "all_gather": every rank's k/v at once (all-gather), and their gradients
   reduce-scattered back to their owners in backward.
 
@@ -148,12 +149,19 @@ class _ContextParallelAttention(torch.autograd.Function):
                 accumulate(source, gathered[source], dkvs[source])
             dkv = reduce_scatter_first(dkvs, group)[0]
         else:
-            dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+            # Each block's accumulator travels one step behind its block: at step i the
+            # accumulator of the block computed here arrives from the previous rank while
+            # this rank computes its contribution into a fresh buffer; it is added on
+            # arrival and posted onwards, so its transfer overlaps the next step's compute.
+            # After the last step the one that arrives belongs to this rank's own block.
+            pending = None
             for source, step_kv in _kv_steps(kv, group, "p2p"):
+                dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
                 accumulate(source, step_kv, dkv)
-                # This block's accumulator moves on with it; after the last step the one
-                # that arrives belongs to this rank's own block.
-                dkv = _Exchange(dkv, group, tag=_GRAD_TAG).wait_result()
+                if pending is not None:
+                    dkv += pending.wait_result()
+                pending = _Exchange(dkv, group, tag=_GRAD_TAG)
+            dkv = pending.wait_result()
         dk, dv = (_unflat(t.to(kv.dtype), s, b, ng, d) for t in dkv)
         dq = _unflat_rows(dq.to(rows.dtype), s, b, nq, d).view(s, b, nq, d)
         return dq, dk, dv, None, None, None
