@@ -346,6 +346,11 @@ class TransformerConfig:
             raise ValueError(
                 "moe_router_pre_softmax=True needs moe_router_score_function='softmax'"
             )
+        if self.moe_router_enable_expert_bias and self.moe_router_score_function != "sigmoid":
+            raise ValueError(
+                "moe_router_enable_expert_bias=True needs moe_router_score_function='sigmoid' "
+                f"(got {self.moe_router_score_function!r}), as in Megatron"
+            )
         _choice(
             "moe_router_load_balancing_type", self.moe_router_load_balancing_type,
             ("aux_loss", "seq_aux_loss", "none"),

@@ -96,8 +96,9 @@ def grouped_matmul(
     """Rows of x in groups of counts[g], group g times weights[g]: [N, k] x [G, k, n] -> [N, n].
 
     grouped: torch's grouped matmul kernel (on CPUs, and on CUDA for bf16 from compute
-    capability 9.0); otherwise, or where it is missing, one matmul per group."""
-    if grouped and _has_grouped_kernel(x):
+    capability 9.0, with rows of a multiple of 16 bytes); otherwise, or where it is
+    missing, one matmul per group."""
+    if grouped and _has_grouped_kernel(x, weights):
         offsets = torch.tensor(counts, dtype=torch.int32, device=x.device).cumsum(
             0, dtype=torch.int32
         )
@@ -109,8 +110,10 @@ def grouped_matmul(
     return torch.cat([rows @ w for rows, w in zip(x.split(counts), weights, strict=True)])
 
 
-def _has_grouped_kernel(x: torch.Tensor) -> bool:
+def _has_grouped_kernel(x: torch.Tensor, weights: torch.Tensor) -> bool:
     if not hasattr(torch, "_grouped_mm"):
+        return False
+    if any(n * x.element_size() % 16 for n in weights.shape[1:]):
         return False
     if x.device.type == "cpu":
         return True

@@ -53,12 +53,13 @@ class TopKRouter(torch.nn.Module):
         torch.nn.init.normal_(master, std=config.init_method_std)
         self.weight = torch.nn.Parameter(master.to(config.params_dtype))
         self.weight.sequence_parallel = config.sequence_parallel
-        self.expert_bias = None
         if config.moe_router_enable_expert_bias:
             self.register_buffer("expert_bias", torch.zeros(self.experts))
             self.register_buffer(
                 "local_tokens_per_expert", torch.zeros(self.experts), persistent=False
             )
+        else:
+            self.expert_bias = None
         self.metrics: dict[str, torch.Tensor] = {}
         """Sums over the micro-batches since the last reset of the auxiliary losses divided by
         their coefficients (Megatron's logged values), this rank's part."""
