@@ -122,8 +122,8 @@ def test_auxiliary_losses_have_their_formulas_and_reach_the_router_weight():
 
 
 def test_sequence_aux_loss_averages_the_per_sequence_losses():
-    router = TopKRouter(config(moe_aux_loss_coeff=1.0,
-                               moe_router_load_balancing_type="seq_aux_loss"), ALONE.tp)  # fmt: skip
+    settings = dict(moe_aux_loss_coeff=1.0, moe_router_load_balancing_type="seq_aux_loss")
+    router = TopKRouter(config(**settings), ALONE.tp)
     x = torch.randn(5, 3, H)
     _, _, logits = routed(router, x)
     got = take_metrics([router])["seq_load_balancing_loss"]
