@@ -64,8 +64,6 @@ _SYNTAX_ROWS = [
      "the same words"),
     ("choice", "one of the words listed in the type column", "the same words"),
     ("integer", "`1000`, also `1e3`", "`1000`, `1e3`"),
-    ("value or list", "`--moe-layer-freq 2` or `--moe-layer-freq 1,0,1,0` (commas)",
-     "`2` or `[1, 0, 1, 0]`"),
 ]  # fmt: skip
 
 _SHARED = """\
@@ -186,8 +184,6 @@ def _type(kind: FieldType) -> str:
         base = kind.base.__name__
     if kind.many:
         base = f"list of {base}"
-    elif kind.one_or_many:
-        base = f"{base} or list of {base}"
     return f"{base} or `None`" if kind.optional else base
 
 

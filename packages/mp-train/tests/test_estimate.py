@@ -433,7 +433,7 @@ def test_cli_moe_from_the_run_arguments(capsys):
             "4", "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "4",
             "--bf16", "--attention-backend", "local", "--world-size", "2", "--vocab-size",
             "100", "--num-moe-experts", "4", "--moe-ffn-hidden-size", "64",
-            "--moe-shared-expert-intermediate-size", "32", "--moe-layer-freq", "1,0",
+            "--moe-shared-expert-intermediate-size", "32", "--moe-layer-freq", "1", "0",
             "--disable-bias-linear", "--expert-model-parallel-size", "2",
             "--use-distributed-optimizer"]  # fmt: skip
     assert main(argv) == 0
@@ -442,6 +442,10 @@ def test_cli_moe_from_the_run_arguments(capsys):
     assert result["flops_per_iteration"] == 75497472
     assert result["weight_and_optimizer_mb"] == pytest.approx((78720 * 12 + 16384 * 18) / MB)
     assert result["activation_mb"] * MB == pytest.approx(2 * 167936 + 4608 + 49152)
+    # Megatron's --num-experts names the same field.
+    alias = [("--num-experts" if word == "--num-moe-experts" else word) for word in argv]
+    assert main(alias) == 0
+    assert json.loads(capsys.readouterr().out) == result
     # An expert layout that does not fit is reported, not run.
     assert main([*argv, "--expert-model-parallel-size", "3", "--world-size", "3"]) == 2
     assert "expert_model_parallel_size=3 does not divide num_moe_experts=4" in (

@@ -189,18 +189,3 @@ def test_group_query_attention_over_a_file(tmp_path):
     path = _write(tmp_path, text, "gqa.yaml")
     config = parse_config(["--config", str(path), "--group-query-attention"], environ=environ)
     assert config.model.num_query_groups == 2
-
-
-def test_a_value_or_a_list_field(tmp_path):
-    # moe_layer_freq is int | list[int]: every N-th layer, or one 0/1 per layer.
-    moe = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
-           "--num-moe-experts", "4", "--disable-bias-linear"]  # fmt: skip
-    assert parse_config([*moe, "--moe-layer-freq", "2"]).model.moe_layer_freq == 2
-    config = parse_config([*moe, "--moe-layer-freq", "1,0,0,1"])
-    assert config.model.moe_layer_pattern() == [True, False, False, True]
-    with pytest.raises(SystemExit):
-        parse_config([*moe, "--moe-layer-freq", "1,x"])
-    path = _write(tmp_path, "language_model:\n  moe_layer_freq: [0, 1, 1, 0]\n")
-    assert load_yaml_config(path)["model"]["moe_layer_freq"] == [0, 1, 1, 0]
-    path = _write(tmp_path, "language_model:\n  moe_layer_freq: 3\n", "three.yaml")
-    assert load_yaml_config(path)["model"]["moe_layer_freq"] == 3

@@ -17,7 +17,7 @@ are. Every error names the file, the line and the key.
 FieldType converts a plain value (a YAML scalar, a command-line word, a
 value saved in a checkpoint) to what a field holds: int, float, str, bool,
 torch.dtype (fp32 / bf16 / fp16), an Enum, a Literal's choices, a list of
-them, a value or a list of them (Megatron's `moe_layer_freq: int | list[int]`), or None.
+them, or None.
 """
 
 from __future__ import annotations
@@ -75,31 +75,21 @@ _REFERENCE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::([^}]*))?\}")
 class FieldType:
     """What a field holds, as far as the command line and YAML need to know: one of
     int, float, str, bool, torch.dtype, an Enum or a Literal's choices, maybe a list of
-    them (`many`) or either one value or a list (`one_or_many`: `T | list[T]`, written
-    `2` or `1,0,1,0` on the command line), maybe None (`optional`)."""
+    them (`many`), maybe None (`optional`)."""
 
     base: Any
     optional: bool = False
     many: bool = False
     choices: tuple = ()
-    one_or_many: bool = False
 
     @classmethod
     def of(cls, hint: Any) -> FieldType:
         """The FieldType of a resolved annotation; TypeError for one with no mapping."""
         hint, optional, many = _strip_annotated(hint), False, False
         if typing.get_origin(hint) in (typing.Union, types.UnionType):
-            args = [_strip_annotated(a) for a in typing.get_args(hint) if a is not type(None)]
-            if len(args) == 2 and list[args[0]] in args[1:]:  # T | list[T]
-                base = cls.of(args[0])
-                if base.many or base.optional:
-                    raise TypeError(f"{hint}: only T | list[T] of a plain T maps")
-                optional = type(None) in typing.get_args(hint)
-                return cls(base.base, optional, False, base.choices, one_or_many=True)
+            args = [a for a in typing.get_args(hint) if a is not type(None)]
             if len(args) != 1:
-                raise TypeError(
-                    f"{hint} is a union of several types; only T | None and T | list[T] map"
-                )
+                raise TypeError(f"{hint} is a union of several types; only T | None maps")
             hint, optional = _strip_annotated(args[0]), True
         if typing.get_origin(hint) is list:
             (hint,), many = typing.get_args(hint), True
@@ -122,7 +112,7 @@ class FieldType:
             if self.optional:
                 return None
             raise ValueError("null is not allowed here")
-        if self.many or (self.one_or_many and isinstance(value, list | tuple)):
+        if self.many:
             items = value if isinstance(value, list | tuple) else [value]
             return [self.element(item) for item in items]
         if self.optional and _is_null_text(value) and value not in self.choices:
@@ -157,10 +147,7 @@ class FieldType:
         return _to_enum(self.base, value)
 
     def convert_word(self, word: str) -> Any:
-        """One command-line word (argparse converts a list's words one by one); a
-        `one_or_many` field takes one value or a comma-separated list (`1,0,1,0`)."""
-        if self.one_or_many and "," in word:
-            return [self.element(item.strip()) for item in word.strip("[] ").split(",")]
+        """One command-line word (argparse converts a list's words one by one)."""
         return self.element(word) if self.many else self.convert(word)
 
     def words(self) -> list[str] | None:
