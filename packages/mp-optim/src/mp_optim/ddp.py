@@ -274,8 +274,8 @@ class DistributedDataParallel(torch.nn.Module):
         if self.config.check_for_nan_in_grad and not torch.isfinite(grad).all():
             names = [self._names[p] for p in bucket.params if not p.main_grad.isfinite().all()]
             raise RuntimeError(
-                f"rank {group.global_rank}: non-finite gradient before the {group.kind} "
-                f"reduction in {', '.join(names)}"
+                f"rank {group.global_rank}: non-finite gradient before the data-parallel "
+                f"reduction over {group.kind} in {', '.join(names)}"
             )
         # Both kinds end as the mean over dp_group (the module docstring says why experts
         # too): 1/dp before a sum, or group/dp before an average over the group.
