@@ -192,13 +192,40 @@ def test_the_optimizer_needs_the_expert_model_parallel_group():
         get_optimizer(model.config, [model], mp_group=SINGLE)
 
 
+def broadcast_body():
+    state = start(2)
+    module = ToyMoE(state.ep)
+    torch.manual_seed(state.rank)  # data-parallel random initialization: every rank differs
+    with torch.no_grad():
+        for p in module.parameters():
+            p.normal_()
+    model = DistributedDataParallel(OptimizerConfig(lr=0.1), module, **groups(state))
+    model.broadcast_params()
+    values = {n: p.detach().clone() for n, p in module.named_parameters()}
+    stop()
+    return values
+
+
+def test_broadcast_params_sends_experts_over_expert_dp():
+    per_rank = run_on_ranks(broadcast_body, 4, timeout=60)  # ep groups {0, 1}, {2, 3}
+    for name in per_rank[0]:
+        if name in ("experts", "spare"):  # rank 0's experts on rank 2, rank 1's on rank 3
+            torch.testing.assert_close(per_rank[2][name], per_rank[0][name], rtol=0, atol=0)
+            torch.testing.assert_close(per_rank[3][name], per_rank[1][name], rtol=0, atol=0)
+            assert not torch.equal(per_rank[0][name], per_rank[1][name])
+        else:
+            for values in per_rank[1:]:
+                torch.testing.assert_close(values[name], per_rank[0][name], rtol=0, atol=0)
+
+
 # --- training: norm, zeros, clipping, the distributed optimizer --------------------------------
 
 
 def sgd_config(distributed: bool, overlap: bool) -> OptimizerConfig:
     return OptimizerConfig(
         optimizer="sgd", lr=0.5, sgd_momentum=0.9, clip_grad=0.05, log_num_zeros_in_grad=True,
-        use_distributed_optimizer=distributed, overlap_grad_reduce=overlap, bucket_size=8,
+        use_distributed_optimizer=distributed, overlap_grad_reduce=overlap,
+        overlap_param_gather=distributed and overlap, bucket_size=8,
     )  # fmt: skip
 
 
@@ -213,6 +240,7 @@ def train(config, ep, dp, edp, mp, emp, steps=3):
         model.finish_grad_sync()
         result = optimizer.step()
         reports.append((result.grad_norm, result.num_zeros_in_grad))
+    model.finish_param_sync()  # overlap_param_gather leaves the last gathers running
     return model.module, reports
 
 
