@@ -109,9 +109,9 @@ class DistributedDataParallel(torch.nn.Module):
             by_kind.setdefault(key, []).append(param)
         shard = config.use_distributed_optimizer
         self.buffers = [
-            GradBuffer(group, grad_dtype, bucket_size=bucket_size, shard_for_dp=shard,
+            GradBuffer(members, grad_dtype, bucket_size=bucket_size, shard_for_dp=shard,
                        dp_size=self._group_of(expert).size, expert_parallel=expert)
-            for (expert, _, grad_dtype), group in by_kind.items()
+            for (expert, _, grad_dtype), members in by_kind.items()
         ]  # fmt: skip
         self.buckets: list[Bucket] = [b for buffer in self.buffers for b in buffer.buckets]
         self._bucket_of = {p: b for buffer in self.buffers for p, b in buffer.bucket_of.items()}
