@@ -1,4 +1,7 @@
-"""Gradient norm, clipping and the count of zeros on one rank (layouts: test_grad_norm_layouts)."""
+"""Gradient norm, clipping and the count of zeros on one rank.
+
+Across ranks: test_dp_equivalence (dense), test_expert_params (dense and expert).
+"""
 
 import pytest
 import torch
@@ -22,3 +25,11 @@ def test_no_clipping_below_the_limit_and_bf16_norm_in_fp32():
     big = [torch.full((4,), 300.0, dtype=torch.bfloat16)]
     assert get_grad_norm(big, []) == pytest.approx(600.0)
     assert get_grad_norm([], []) == 0.0
+
+
+def test_expert_gradients_add_to_the_dense_ones():
+    dense, expert = [torch.tensor([3.0, 0.0])], [torch.tensor([0.0, 4.0, 0.0])]
+    assert get_grad_norm(dense, [], expert_grads=expert, expert_groups=[]) == pytest.approx(5.0)
+    assert count_zeros(dense, [], expert_grads=expert, expert_groups=[]) == 3
+    with pytest.raises(ValueError, match="1 expert gradients given without expert_groups"):
+        get_grad_norm(dense, [], expert_grads=expert)

@@ -92,8 +92,8 @@ def nan_body():
     model.finish_grad_sync()
 
 
-def test_check_for_nan_in_grad_names_the_rank_and_parameter():
-    message = r"rank 1: non-finite gradient .* reduction in .*0\.weight"
+def test_check_for_nan_in_grad_names_the_rank_group_and_parameter():
+    message = r"rank 1: non-finite gradient .* reduction over dp in .*0\.weight"
     with pytest.raises(RankFailure, match=message):
         run_on_ranks(nan_body, 2, timeout=30)
 

@@ -3,12 +3,14 @@
 DistributedDataParallel (contiguous gradient buffers, bucketed and
 overlapped reductions), the optimizer wrapper (fp32 / bf16 / fp16 with fp32
 main parameters, loss scaling, global gradient clipping, the distributed
-optimizer) and the learning-rate / weight-decay schedule.
+optimizer) and the learning-rate / weight-decay schedule. Expert parameters
+of mixture-of-experts layers (`param.expert_parallel = True`) are reduced,
+sharded and normed over their own groups.
 """
 
 from mp_optim.clip_grads import clip_grads_by_total_norm, count_zeros, get_grad_norm
 from mp_optim.config import OptimizerConfig
-from mp_optim.ddp import DistributedDataParallel
+from mp_optim.ddp import DistributedDataParallel, is_expert_parallel
 from mp_optim.factory import default_no_weight_decay, get_optimizer, get_param_groups
 from mp_optim.grad_buffer import Bucket, GradBuffer, ParamRange
 from mp_optim.grad_scaler import ConstantGradScaler, DynamicGradScaler
@@ -40,4 +42,5 @@ __all__ = [
     "get_optimizer",
     "get_optimizer_param_scheduler",
     "get_param_groups",
+    "is_expert_parallel",
 ]

@@ -7,6 +7,13 @@ of tied embeddings) are left out by the caller; with the distributed
 optimizer each data-parallel rank counts only its own shard. The squares are
 then summed over `groups` in turn: sums over orthogonal groups (say dp, then
 tp x pp) add up to the sum over all of their ranks.
+
+Expert parameters of mixture-of-experts layers are split over other ranks
+(expert tp x ep x pp, and expert dp for the distributed optimizer's shards),
+so their squares (or zeros) are passed apart, as `expert_grads`, and summed
+over `expert_groups`; the two totals are added before the square root. Every
+rank of a run must pass expert_groups alike (None, or groups), even a rank
+without expert parameters: the sums are collectives.
 """
 
 from __future__ import annotations
@@ -16,18 +23,27 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from mp_state import RankGroup
+from mp_state import RankGroup, select_device
 
 __all__ = ["clip_grads_by_total_norm", "count_zeros", "get_grad_norm"]
 
 
-def get_grad_norm(grads: Sequence[torch.Tensor], groups: Sequence[RankGroup]) -> float:
-    """The L2 norm of `grads` across `groups` (computed in fp32)."""
-    total = torch.zeros((), dtype=torch.float32)
-    if grads:
-        norms = torch._foreach_norm([g.float() if g.dtype != torch.float32 else g for g in grads])
-        total = torch.stack(norms).square().sum()
-    return float(_sum_over(total, groups).sqrt())
+def get_grad_norm(
+    grads: Sequence[torch.Tensor],
+    groups: Sequence[RankGroup],
+    *,
+    expert_grads: Sequence[torch.Tensor] = (),
+    expert_groups: Sequence[RankGroup] | None = None,
+) -> float:
+    """The L2 norm of `grads` across `groups` and `expert_grads` across `expert_groups`
+    (computed in fp32)."""
+    device = _device_of(grads, expert_grads)
+    total = _sum_over(_sum_of_squares(grads, device), groups)
+    if expert_groups is not None:
+        total = total + _sum_over(_sum_of_squares(expert_grads, device), expert_groups)
+    elif expert_grads:
+        raise ValueError(f"{len(expert_grads)} expert gradients given without expert_groups")
+    return float(total.sqrt())
 
 
 def clip_grads_by_total_norm(
@@ -39,12 +55,45 @@ def clip_grads_by_total_norm(
         torch._foreach_mul_(list(grads), coefficient)
 
 
-def count_zeros(grads: Sequence[torch.Tensor], groups: Sequence[RankGroup]) -> int:
-    """The number of zero elements in `grads` across `groups`."""
-    zeros = torch.zeros((), dtype=torch.float64)
+def count_zeros(
+    grads: Sequence[torch.Tensor],
+    groups: Sequence[RankGroup],
+    *,
+    expert_grads: Sequence[torch.Tensor] = (),
+    expert_groups: Sequence[RankGroup] | None = None,
+) -> int:
+    """The number of zero elements in `grads` across `groups` plus those of
+    `expert_grads` across `expert_groups`."""
+    device = _device_of(grads, expert_grads)
+    total = _sum_over(_zeros(grads, device), groups)
+    if expert_groups is not None:
+        total = total + _sum_over(_zeros(expert_grads, device), expert_groups)
+    elif expert_grads:
+        raise ValueError(f"{len(expert_grads)} expert gradients given without expert_groups")
+    return int(total)
+
+
+def _device_of(*grad_lists: Sequence[torch.Tensor]) -> torch.device:
+    """Where the totals live: with the gradients, or on the run's device for a rank
+    without any (it still joins the collectives)."""
+    for grads in grad_lists:
+        if grads:
+            return grads[0].device
+    return select_device().device
+
+
+def _sum_of_squares(grads: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    if not grads:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    norms = torch._foreach_norm([g.float() if g.dtype != torch.float32 else g for g in grads])
+    return torch.stack(norms).square().sum().to(device)
+
+
+def _zeros(grads: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    zeros = torch.zeros((), dtype=torch.float64, device=device)
     for grad in grads:
         zeros += grad.numel() - torch.count_nonzero(grad)
-    return int(_sum_over(zeros, groups))
+    return zeros
 
 
 def _sum_over(value: torch.Tensor, groups: Sequence[RankGroup]) -> torch.Tensor:

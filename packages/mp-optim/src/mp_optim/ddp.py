@@ -27,6 +27,20 @@ sum, or with average_in_collective by the collective itself (ReduceOp.AVG).
 After the distributed optimizer's step, start_param_sync() all-gathers every
 bucket's parameters; with overlap_param_gather it returns at once and each
 module waits for its own parameters in a forward pre-hook.
+
+Expert parameters (`param.expert_parallel = True`: the routed experts of a
+mixture-of-experts layer, split over the expert-parallel ranks) have buffers
+of their own, reduced (and, for the distributed optimizer, sharded and
+gathered) over `expert_dp_group`, which with expert parallelism is smaller
+than dp: the ep ranks are carved out of the data-parallel ones. Their result
+is still the mean over all dp ranks, as for dense gradients: the all-to-all
+brings each expert the tokens of every micro-batch of its ep group, so its
+local gradient already sums ep ranks' losses, and the sum over expert_dp
+then covers every data-parallel rank once. The factor is therefore 1/dp for
+both kinds; with average_in_collective an expert bucket is first multiplied
+by expert_dp/dp and then averaged over expert_dp. Dense and expert buckets
+are started in two independent sequences, each in the same order on every
+rank of its group.
 """
 
 from __future__ import annotations
@@ -41,7 +55,7 @@ from mp_optim.config import OptimizerConfig
 from mp_optim.grad_buffer import Bucket, GradBuffer
 from mp_state import RankGroup
 
-__all__ = ["DistributedDataParallel"]
+__all__ = ["DistributedDataParallel", "is_expert_parallel"]
 
 _DEFAULT_OVERLAP_BUCKET = 40_000_000
 
@@ -56,14 +70,24 @@ class DistributedDataParallel(torch.nn.Module):
         module: the model chunk; its parameters must not change afterwards.
         dp_group: the group gradients are averaged over (`state.dp_cp`, or
             `state.dp` without context parallelism).
+        expert_dp_group: the group that reduces expert parameters' gradients
+            (`state.expert_dp`); needed only when the module has parameters
+            marked `expert_parallel = True`.
     """
 
-    def __init__(self, config: OptimizerConfig, module: torch.nn.Module, *,
-                 dp_group: RankGroup) -> None:  # fmt: skip
+    def __init__(
+        self,
+        config: OptimizerConfig,
+        module: torch.nn.Module,
+        *,
+        dp_group: RankGroup,
+        expert_dp_group: RankGroup | None = None,
+    ) -> None:
         super().__init__()
         self.config = config
         self.module = module
         self.dp_group = dp_group
+        self.expert_dp_group = expert_dp_group
         bucket_size = config.bucket_size
         if bucket_size is None and config.overlap_grad_reduce:
             bucket_size = max(_DEFAULT_OVERLAP_BUCKET, 1_000_000 * dp_group.size)
@@ -71,30 +95,47 @@ class DistributedDataParallel(torch.nn.Module):
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self._names = {p: n for n, p in named}
         params = [p for _, p in named]
-        by_dtype: dict[tuple[torch.dtype, torch.dtype], list[torch.nn.Parameter]] = {}
+        experts = [n for n, p in named if is_expert_parallel(p)]
+        if experts and expert_dp_group is None:
+            raise ValueError(
+                f"{experts[0]} is an expert-parallel parameter (expert_parallel=True), but "
+                "DistributedDataParallel got no expert_dp_group to reduce its gradient over: "
+                "pass expert_dp_group=state.expert_dp"
+            )
+        by_kind: dict[tuple[bool, torch.dtype, torch.dtype], list[torch.nn.Parameter]] = {}
         for param in reversed(params):  # about the order the backward produces them
             grad_dtype = torch.float32 if config.grad_reduce_in_fp32 else param.dtype
-            by_dtype.setdefault((param.dtype, grad_dtype), []).append(param)
+            key = (is_expert_parallel(param), param.dtype, grad_dtype)
+            by_kind.setdefault(key, []).append(param)
         shard = config.use_distributed_optimizer
         self.buffers = [
-            GradBuffer(group, grad_dtype, bucket_size=bucket_size, dp_size=dp_group.size,
-                       shard_for_dp=shard)
-            for (_, grad_dtype), group in by_dtype.items()
+            GradBuffer(members, grad_dtype, bucket_size=bucket_size, shard_for_dp=shard,
+                       dp_size=self._group_of(expert).size, expert_parallel=expert)
+            for (expert, _, grad_dtype), members in by_kind.items()
         ]  # fmt: skip
         self.buckets: list[Bucket] = [b for buffer in self.buffers for b in buffer.buckets]
         self._bucket_of = {p: b for buffer in self.buffers for p, b in buffer.bucket_of.items()}
+        # One launch sequence (lane) per reducing group: dense buckets, then expert ones.
+        kinds = sorted({b.buffer.expert_parallel for b in self.buckets})
+        self._lanes = [[b for b in self.buckets if b.buffer.expert_parallel == k] for k in kinds]
+        self._lane_of = {b: i for i, lane in enumerate(self._lanes) for b in lane}
 
         self._sync_enabled = True
         self._empty: set[torch.nn.Parameter] = set(params)  # .main_grad still all zero
-        self._ready: list[set[torch.nn.Parameter]] = [set() for _ in self.buckets]
-        self._next_launch = 0
-        self._grad_work: dict[int, tuple[dist.Work | None, torch.Tensor | None]] = {}
-        self._param_work: dict[int, dist.Work] = {}
+        self._ready: dict[Bucket, set[torch.nn.Parameter]] = {}
+        self._next_launch = [0] * len(self._lanes)
+        self._grad_work: dict[Bucket, tuple[dist.Work | None, torch.Tensor | None]] = {}
+        self._param_work: dict[Bucket, dist.Work] = {}
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
         if config.overlap_param_gather:
             for sub in module.modules():
                 if any(True for _ in sub.parameters(recurse=False)):
                     self._hooks.append(sub.register_forward_pre_hook(self._wait_params_of))
+
+    def reduce_group(self, bucket: Bucket) -> RankGroup:
+        """The group that reduces `bucket` (and shards it, for the distributed optimizer):
+        expert_dp_group for expert-parallel buckets, else dp_group."""
+        return self._group_of(bucket.buffer.expert_parallel)
 
     # --- the training loop's calls -------------------------------------------------------
 
@@ -117,23 +158,24 @@ class DistributedDataParallel(torch.nn.Module):
 
     def start_grad_sync(self) -> None:
         """Starts the reduction of every bucket not yet started."""
-        while self._next_launch < len(self.buckets):
-            self._launch(self.buckets[self._next_launch])
-            self._next_launch += 1
+        for lane, bucket_list in enumerate(self._lanes):
+            while self._next_launch[lane] < len(bucket_list):
+                self._launch(bucket_list[self._next_launch[lane]])
+                self._next_launch[lane] += 1
 
     def finish_grad_sync(self) -> None:
         """Waits until every bucket is reduced (starting those not yet started)."""
         self.start_grad_sync()
-        for index, (work, received) in sorted(self._grad_work.items()):
+        for bucket, (work, received) in self._grad_work.items():
             if work is not None:
                 work.wait()
             if received is not None:
-                bucket = self.buckets[index]
-                shard = bucket.shard(self.dp_group.rank, self.dp_group.size)
+                group = self.reduce_group(bucket)
+                shard = bucket.shard(group.rank, group.size)
                 bucket.buffer.grad_data[shard.start : shard.end].copy_(received)
         self._grad_work.clear()
-        self._ready = [set() for _ in self.buckets]
-        self._next_launch = 0
+        self._ready.clear()
+        self._next_launch = [0] * len(self._lanes)
 
     def zero_grad_buffer(self) -> None:
         """Zeros the gradient buffers before a new global batch."""
@@ -142,8 +184,8 @@ class DistributedDataParallel(torch.nn.Module):
         for param in self._bucket_of:
             param.grad = None
         self._empty = set(self._bucket_of)
-        self._ready = [set() for _ in self.buckets]
-        self._next_launch = 0
+        self._ready.clear()
+        self._next_launch = [0] * len(self._lanes)
         self._grad_work.clear()
 
     def start_param_sync(self, *, force_sync: bool = False) -> None:
@@ -153,15 +195,17 @@ class DistributedDataParallel(torch.nn.Module):
         (and not force_sync) the gathers run in the background and each module
         waits for its parameters when its forward starts.
         """
-        if not self.config.use_distributed_optimizer or self.dp_group.size == 1:
+        if not self.config.use_distributed_optimizer:
             return
         self.finish_param_sync()
-        rank, size = self.dp_group.rank, self.dp_group.size
         for bucket in reversed(self.buckets):  # the forward needs the last buckets first
-            shard = bucket.shard(rank, size)
+            group = self.reduce_group(bucket)
+            if group.size == 1:
+                continue
+            shard = bucket.shard(group.rank, group.size)
             mine = bucket.buffer.param_data[shard.start : shard.end].clone()
-            self._param_work[bucket.index] = dist.all_gather_into_tensor(
-                bucket.param_data, mine, group=self.dp_group.group, async_op=True
+            self._param_work[bucket] = dist.all_gather_into_tensor(
+                bucket.param_data, mine, group=group.group, async_op=True
             )
         if force_sync or not self.config.overlap_param_gather:
             self.finish_param_sync()
@@ -174,11 +218,12 @@ class DistributedDataParallel(torch.nn.Module):
 
     def broadcast_params(self) -> None:
         """Copies data-parallel rank 0's parameters to the other ranks (after a
-        data-parallel random initialization)."""
-        if self.dp_group.size == 1:
-            return
+        data-parallel random initialization); expert parameters go from expert
+        data-parallel rank 0 over expert_dp_group."""
         for param in self.module.parameters():
-            dist.broadcast(param.data, src=self.dp_group.ranks[0], group=self.dp_group.group)
+            group = self._group_of(is_expert_parallel(param))
+            if group.size > 1:
+                dist.broadcast(param.data, src=group.ranks[0], group=group.group)
 
     def state_dict(self, *args, **kwargs):
         self.finish_param_sync()
@@ -195,6 +240,9 @@ class DistributedDataParallel(torch.nn.Module):
 
     # --- internals -------------------------------------------------------------------------
 
+    def _group_of(self, expert: bool) -> RankGroup:
+        return self.expert_dp_group if expert else self.dp_group
+
     def _on_grad(self, param: torch.nn.Parameter) -> None:
         """After the backward accumulated param.grad: move it into the buffer."""
         if param in self._empty:
@@ -205,48 +253,59 @@ class DistributedDataParallel(torch.nn.Module):
         param.grad = None
         if self.config.overlap_grad_reduce and self._sync_enabled:
             bucket = self._bucket_of[param]
-            ready = self._ready[bucket.index]
-            ready.add(param)
-            # Buckets start in order, so every rank issues the same collectives.
-            while self._next_launch < len(self.buckets) and len(
-                self._ready[self._next_launch]
-            ) == len(self.buckets[self._next_launch].params):
-                self._launch(self.buckets[self._next_launch])
-                self._next_launch += 1
+            self._ready.setdefault(bucket, set()).add(param)
+            # Each lane starts its buckets in order, so every rank of its group issues
+            # the same collectives.
+            lane = self._lane_of[bucket]
+            bucket_list = self._lanes[lane]
+            while self._next_launch[lane] < len(bucket_list):
+                head = bucket_list[self._next_launch[lane]]
+                if len(self._ready.get(head, ())) != len(head.params):
+                    break
+                self._launch(head)
+                self._next_launch[lane] += 1
 
     def _launch(self, bucket: Bucket) -> None:
         grad = bucket.grad_data
+        group = self.reduce_group(bucket)
         # The reduction writes the whole bucket: a parameter that had no gradient here
         # may hold other ranks' from now on, so only a zero_grad_buffer() empties it again.
         self._empty.difference_update(bucket.params)
         if self.config.check_for_nan_in_grad and not torch.isfinite(grad).all():
             names = [self._names[p] for p in bucket.params if not p.main_grad.isfinite().all()]
             raise RuntimeError(
-                f"rank {self.dp_group.global_rank}: non-finite gradient before the data-parallel "
-                f"reduction in {', '.join(names)}"
+                f"rank {group.global_rank}: non-finite gradient before the data-parallel "
+                f"reduction over {group.kind} in {', '.join(names)}"
             )
-        size = self.dp_group.size
-        if size == 1:
-            self._grad_work[bucket.index] = (None, None)
+        # Both kinds end as the mean over dp_group (the module docstring says why experts
+        # too): 1/dp before a sum, or group/dp before an average over the group.
+        average = self.config.average_in_collective and group.size > 1
+        scale = group.size / self.dp_group.size if average else 1.0 / self.dp_group.size
+        if scale != 1.0:
+            grad.mul_(scale)
+        if group.size == 1:
+            self._grad_work[bucket] = (None, None)
             return
-        op = dist.ReduceOp.SUM
-        if self.config.average_in_collective:
-            op = dist.ReduceOp.AVG
-        else:
-            grad.mul_(1.0 / size)
-        group = self.dp_group.group
+        op = dist.ReduceOp.AVG if average else dist.ReduceOp.SUM
         if self.config.use_distributed_optimizer:
-            received = torch.empty(bucket.numel // size, dtype=grad.dtype, device=grad.device)
-            work = dist.reduce_scatter_tensor(received, grad, op=op, group=group, async_op=True)
-            self._grad_work[bucket.index] = (work, received)
+            received = torch.empty(bucket.numel // group.size, dtype=grad.dtype, device=grad.device)
+            work = dist.reduce_scatter_tensor(
+                received, grad, op=op, group=group.group, async_op=True
+            )
+            self._grad_work[bucket] = (work, received)
         else:
-            work = dist.all_reduce(grad, op=op, group=group, async_op=True)
-            self._grad_work[bucket.index] = (work, None)
+            work = dist.all_reduce(grad, op=op, group=group.group, async_op=True)
+            self._grad_work[bucket] = (work, None)
 
     def _wait_params_of(self, module: torch.nn.Module, args) -> None:
         if not self._param_work:
             return
         for param in module.parameters(recurse=False):
             bucket = self._bucket_of.get(param)
-            if bucket is not None and bucket.index in self._param_work:
-                self._param_work.pop(bucket.index).wait()
+            if bucket is not None and bucket in self._param_work:
+                self._param_work.pop(bucket).wait()
+
+
+def is_expert_parallel(param: torch.nn.Parameter) -> bool:
+    """The parameter is a routed expert's, split over the expert-parallel ranks."""
+    return bool(getattr(param, "expert_parallel", False))

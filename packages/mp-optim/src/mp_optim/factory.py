@@ -1,7 +1,8 @@
 """get_optimizer: parameter groups and the optimizer for DDP-wrapped model chunks.
 
-    model = [DistributedDataParallel(config, chunk, dp_group=state.dp_cp) for chunk in chunks]
-    optimizer = get_optimizer(config, model, mp_group=state.mp)
+    groups = {"dp_group": state.dp_cp, "expert_dp_group": state.expert_dp}
+    model = [DistributedDataParallel(config, chunk, **groups) for chunk in chunks]
+    optimizer = get_optimizer(config, model, mp_group=state.mp, expert_mp_group=state.tp_ep_pp)
     scheduler = get_optimizer_param_scheduler(config, optimizer, global_batch_size=..., ...)
 
 Parameter groups follow Megatron: biases and other 1-D parameters (norm
@@ -66,6 +67,7 @@ def get_optimizer(
     model_chunks: list[DistributedDataParallel],
     *,
     mp_group: RankGroup,
+    expert_mp_group: RankGroup | None = None,
     no_weight_decay_cond: ParamCondition | None = None,
     scale_lr_cond: ParamCondition | None = None,
     lr_mult: float = 1.0,
@@ -77,6 +79,8 @@ def get_optimizer(
         model_chunks: DistributedDataParallel-wrapped chunks, all over the same dp group.
         mp_group: the model-parallel group (`state.mp`), for the gradient norm and
             the inf/nan verdict.
+        expert_mp_group: the ranks expert parameters are split over (`state.tp_ep_pp`),
+            for their part of the gradient norm; needed with expert parameters.
         no_weight_decay_cond: (name, param) -> True for parameters without weight
             decay; default: biases and 1-D parameters.
         scale_lr_cond, lr_mult: (name, param) -> True for parameters whose lr is
@@ -102,4 +106,6 @@ def get_optimizer(
         model_chunks, config, no_weight_decay_cond=no_weight_decay_cond,
         scale_lr_cond=scale_lr_cond, lr_mult=lr_mult,
     )  # fmt: skip
-    return MixedPrecisionOptimizer(config, model_chunks, groups, mp_group=mp_group)
+    return MixedPrecisionOptimizer(
+        config, model_chunks, groups, mp_group=mp_group, expert_mp_group=expert_mp_group
+    )

@@ -21,6 +21,12 @@ view into it.
     buffer    | bucket 0                    | bucket 1               |
               | p5  | p4    | p3   | pad    | p2  | p1   | p0  | pad |
     dp = 2:   | shard 0      | shard 1      | shard 0    | shard 1    |
+
+Expert-parallel parameters (`param.expert_parallel = True`, the routed
+experts of a mixture-of-experts layer) never share a buffer with dense ones:
+their gradients are reduced over another group (the expert data-parallel
+group), so a buffer records which kind it holds and dp_size is the size of
+the group that reduces it.
 """
 
 from __future__ import annotations
@@ -78,19 +84,23 @@ class GradBuffer:
         grad_dtype: dtype of the gradients (fp32 to accumulate bf16 gradients in fp32).
         bucket_size: elements per bucket (a bucket closes once it holds at least
             this many); None: one bucket.
-        dp_size: data-parallel size; with shard_for_dp, buckets are padded to a
-            multiple of lcm(dp_size, 128).
+        dp_size: size of the group that reduces the gradients; with shard_for_dp,
+            buckets are padded to a multiple of lcm(dp_size, 128).
         shard_for_dp: lay out for the distributed optimizer: padded buckets and a
             parameter buffer holding the parameters' data.
+        expert_parallel: the parameters are expert-parallel (reduced over the
+            expert data-parallel group); recorded for the buffer's users.
     """
 
     def __init__(self, params: list[torch.nn.Parameter], grad_dtype: torch.dtype, *,
-                 bucket_size: int | None, dp_size: int, shard_for_dp: bool) -> None:  # fmt: skip
+                 bucket_size: int | None, dp_size: int, shard_for_dp: bool,
+                 expert_parallel: bool = False) -> None:  # fmt: skip
         dtypes = {p.dtype for p in params}
         if len(dtypes) != 1:
             names = sorted(map(str, dtypes))
             raise ValueError(f"one buffer holds one parameter dtype, got {names}")
         self.params = params
+        self.expert_parallel = expert_parallel
         self.param_dtype = params[0].dtype
         self.grad_dtype = grad_dtype
         self.device = params[0].device
@@ -140,8 +150,9 @@ class GradBuffer:
         self.grad_data.zero_()
 
     def __repr__(self) -> str:
+        kind = ", expert" if self.expert_parallel else ""
         return (
-            f"GradBuffer(params={len(self.params)}, {self.param_dtype} -> {self.grad_dtype}, "
+            f"GradBuffer(params={len(self.params)}{kind}, {self.param_dtype} -> {self.grad_dtype}, "
             f"numel={self.numel}, buckets={len(self.buckets)})"
         )
 

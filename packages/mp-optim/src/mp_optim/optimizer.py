@@ -29,6 +29,13 @@ step():
      clip_grad, optionally the count of zeros;
   4. the torch optimizer's step on the main parameters; main -> model copy;
      the distributed optimizer's parameter all-gather.
+
+Expert parameters (`expert_parallel = True`, see ddp.py) are sharded by the
+distributed optimizer over the expert data-parallel group, as DDP reduces
+them; the squares of their gradients are summed over the expert
+model-parallel ranks (expert tp x ep x pp, `state.tp_ep_pp`, given as
+expert_mp_group) and, for the distributed optimizer, over expert dp, then
+added to the dense squares before the square root.
 """
 
 from __future__ import annotations
@@ -79,6 +86,8 @@ class MainParamShard:
     start: int
     counted: bool
     """Counted in the gradient norm (not a replica)."""
+    expert_parallel: bool = False
+    """An expert parameter's piece (sharded over expert dp, normed over expert tp x ep x pp)."""
 
     @property
     def aliased(self) -> bool:
@@ -95,6 +104,10 @@ class MixedPrecisionOptimizer:
         param_groups: dicts with "params" (model parameters) and any of
             lr_mult, wd_mult, max_lr, min_lr, start_wd, end_wd (read by the scheduler).
         mp_group: the model-parallel group (tensor x pipeline ranks, `state.mp`).
+        expert_mp_group: the ranks expert parameters are split over (expert tensor x
+            expert x pipeline ranks, `state.tp_ep_pp`); needed when the chunks hold
+            expert parameters. Given, the gradient norm sums expert squares over it
+            (and over expert dp for the distributed optimizer) on every rank.
     """
 
     def __init__(
@@ -104,6 +117,7 @@ class MixedPrecisionOptimizer:
         param_groups: list[dict],
         *,
         mp_group: RankGroup,
+        expert_mp_group: RankGroup | None = None,
     ) -> None:
         if not model_chunks:
             raise ValueError("model_chunks is empty: pass this rank's DDP-wrapped chunks")
@@ -112,7 +126,10 @@ class MixedPrecisionOptimizer:
         self.config = config
         self.model_chunks = model_chunks
         self.dp_group = model_chunks[0].dp_group
+        self.expert_dp_group = model_chunks[0].expert_dp_group
         self.mp_group = mp_group
+        self.expert_mp_group = expert_mp_group
+        _check_groups(model_chunks, expert_mp_group)
         self.distributed = config.use_distributed_optimizer
         self.grad_scaler = _make_grad_scaler(config)
 
@@ -124,7 +141,8 @@ class MixedPrecisionOptimizer:
                     for param in bucket.params:
                         where = buffer.ranges[param]
                         if self.distributed:
-                            mine = bucket.shard(self.dp_group.rank, self.dp_group.size)
+                            group = chunk.reduce_group(bucket)
+                            mine = bucket.shard(group.rank, group.size)
                             start, end = max(where.start, mine.start), min(where.end, mine.end)
                             if start >= end:
                                 continue
@@ -132,7 +150,7 @@ class MixedPrecisionOptimizer:
                         else:
                             span = None
                         self.shards.setdefault(param, []).append(
-                            _main_shard(param, span, param in counted)
+                            _main_shard(param, span, param in counted, buffer.expert_parallel)
                         )
         inner_groups = []
         for group in param_groups:
@@ -174,14 +192,13 @@ class MixedPrecisionOptimizer:
                 self.grad_scaler.update(found_inf)
                 if found_inf:
                     return StepResult(False, None, None)
-            counted = [s.main_param.grad for s in shards if s.counted]
-            norm_groups = [self.dp_group, self.mp_group] if self.distributed else [self.mp_group]
-            grad_norm = get_grad_norm(counted, norm_groups)
+            norm_inputs = self._norm_inputs(shards)
+            grad_norm = get_grad_norm(**norm_inputs)
             if self.config.clip_grad > 0:
                 clip_grads_by_total_norm(grads, self.config.clip_grad, grad_norm)
             zeros = None
             if self.config.log_num_zeros_in_grad:
-                zeros = count_zeros(counted, norm_groups)
+                zeros = count_zeros(**norm_inputs)
             self.optimizer.step()
             for shard in shards:
                 if not shard.aliased:
@@ -234,6 +251,22 @@ class MixedPrecisionOptimizer:
     def _all_shards(self) -> list[MainParamShard]:
         return [s for shards in self.shards.values() for s in shards]
 
+    def _norm_inputs(self, shards: list[MainParamShard]) -> dict:
+        """get_grad_norm's and count_zeros' arguments: each kind of gradient with the
+        groups of ranks that split it."""
+        counted = [s for s in shards if s.counted]
+        inputs = {
+            "grads": [s.main_param.grad for s in counted if not s.expert_parallel],
+            "groups": [self.dp_group, self.mp_group] if self.distributed else [self.mp_group],
+        }
+        if self.expert_mp_group is not None:
+            expert_groups = [self.expert_mp_group]
+            if self.distributed and self.expert_dp_group is not None:
+                expert_groups.insert(0, self.expert_dp_group)
+            inputs["expert_grads"] = [s.main_param.grad for s in counted if s.expert_parallel]
+            inputs["expert_groups"] = expert_groups
+        return inputs
+
     def _unscale_and_check(self, grads: list[torch.Tensor]) -> bool:
         if grads:
             torch._foreach_mul_(grads, self.grad_scaler.inv_scale)
@@ -241,6 +274,7 @@ class MixedPrecisionOptimizer:
             found = torch.tensor(0.0 if bool(local) else 1.0)
         else:
             found = torch.tensor(0.0)
+        # dp x (tp x pp) is the whole world: the verdict reaches every rank.
         for group in (self.dp_group, self.mp_group):
             if group.size > 1:
                 dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group.group)
@@ -281,8 +315,29 @@ def counted_in_grad_norm(module: torch.nn.Module) -> set[torch.nn.Parameter]:
     return counted | (set(params) - described)
 
 
+def _check_groups(chunks: list[DistributedDataParallel], expert_mp_group: RankGroup | None) -> None:
+    """Every chunk reduces over the same groups; expert parameters come with their groups."""
+    first = chunks[0]
+    for i, chunk in enumerate(chunks):
+        for kind in ("dp_group", "expert_dp_group"):
+            mine, theirs = getattr(chunk, kind), getattr(first, kind)
+            if (mine and mine.ranks) != (theirs and theirs.ranks):
+                raise ValueError(
+                    f"model_chunks[{i}] has {kind}={mine}, model_chunks[0] {theirs}: "
+                    "wrap every chunk over the same groups"
+                )
+        expert = next((b for b in chunk.buffers if b.expert_parallel), None)
+        if expert is not None and expert_mp_group is None:
+            name = next(n for n, p in chunk.module.named_parameters() if p is expert.params[0])
+            raise ValueError(
+                f"model_chunks[{i}]: {name} is an expert-parallel parameter, but the optimizer "
+                "got no expert_mp_group to sum its gradient norm over: pass "
+                "expert_mp_group=state.tp_ep_pp"
+            )
+
+
 def _main_shard(param: torch.nn.Parameter, span: tuple[int, int] | None,
-                counted: bool) -> MainParamShard:  # fmt: skip
+                counted: bool, expert: bool) -> MainParamShard:  # fmt: skip
     if span is None:
         model_view, grad_view, start = param.data, param.main_grad, 0
         main = param if param.dtype == torch.float32 else param.detach().float()
@@ -291,7 +346,7 @@ def _main_shard(param: torch.nn.Parameter, span: tuple[int, int] | None,
         model_view = param.data.view(-1)[start:end]
         grad_view = param.main_grad.view(-1)[start:end]
         main = model_view if param.dtype == torch.float32 else model_view.float()
-    return MainParamShard(param, main, model_view, grad_view, start, counted)
+    return MainParamShard(param, main, model_view, grad_view, start, counted, expert)
 
 
 def _make_grad_scaler(config: OptimizerConfig):

@@ -17,6 +17,11 @@ another data-parallel size reads each rank's new ranges.
 Replicas: a plain optimizer's state is the same on every data-parallel rank,
 so only dp rank 0 saves (and the model piece's own replica rule applies);
 distributed-optimizer shards are disjoint and all saved.
+
+Expert parameters follow the same rules over their own data-parallel group
+(expert dp): the model piece of an expert weight names the logical tensor of
+all experts and where this rank's experts sit in it, so the optimizer state
+saved under one expert-parallel size loads under another.
 """
 
 from __future__ import annotations
@@ -116,11 +121,11 @@ def _described_states(
 ) -> Iterator[tuple[str, ShardedTensor, _Writer]]:
     """(key, piece, writer) for every state tensor piece of this rank."""
     names = STATE_NAMES[optimizer.config.optimizer]
-    dp = optimizer.dp_group
     for chunk in optimizer.model_chunks:
         params = [p for p in chunk.module.parameters() if p in optimizer.shards]
         for piece, param, offset in _model_pieces(chunk, params):
             for shard in optimizer.shards[param]:
+                dp = optimizer.expert_dp_group if shard.expert_parallel else optimizer.dp_group
                 tensors = {n: optimizer.optimizer.state[shard.main_param][n] for n in names}
                 if not shard.aliased:
                     tensors["fp32_param"] = shard.main_param

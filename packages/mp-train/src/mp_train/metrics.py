@@ -21,7 +21,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from mp_optim import counted_in_grad_norm
+from mp_optim import counted_in_grad_norm, is_expert_parallel
 from mp_train.estimate import estimate
 from mp_train.setup import Run
 
@@ -202,16 +202,25 @@ class MetricsLogger:
 
 
 def parameters_norm(run: Run) -> float:
-    """L2 norm of all parameters, each logical parameter counted once (collective)."""
-    total = torch.zeros((), dtype=torch.float64)
+    """L2 norm of all parameters, each logical parameter counted once (collective).
+
+    Dense squares are summed over the model-parallel ranks, those of expert
+    parameters over the ranks that split them (the optimizer's expert_mp_group,
+    expert tp x ep x pp).
+    """
+    totals = {kind: torch.zeros((), dtype=torch.float64) for kind in ("dense", "expert")}
     for chunk in run.model:
         for param in counted_in_grad_norm(chunk.module):
-            total += param.detach().double().square().sum().cpu()
-    group = run.state.mp
-    if group.size > 1:
-        total = total.to(run.device)
-        dist.all_reduce(total, group=group.group)
-    return float(total.sqrt())
+            kind = "expert" if is_expert_parallel(param) else "dense"
+            totals[kind] += param.detach().double().square().sum().cpu()
+    groups = {"dense": run.state.mp}
+    if run.optimizer.expert_mp_group is not None:  # set alike on every rank
+        groups["expert"] = run.optimizer.expert_mp_group
+    for kind, group in groups.items():
+        if group.size > 1:
+            totals[kind] = totals[kind].to(run.device)
+            dist.all_reduce(totals[kind], group=group.group)
+    return float((totals["dense"].cpu() + totals["expert"].cpu()).sqrt())
 
 
 def memory_mb(device: torch.device) -> dict[str, float]:

@@ -28,6 +28,7 @@ from mp_optim import (
     OptimizerParamScheduler,
     get_optimizer,
     get_optimizer_param_scheduler,
+    is_expert_parallel,
 )
 from mp_pipeline import PipelineConfig, finalize_model_grads, stage_layers
 from mp_state import ParallelState, RNGStatesTracker
@@ -147,7 +148,11 @@ def setup_run(
         vocab, data.make_vocab_size_divisible_by, config.parallel.tensor_model_parallel_size
     )
     model = _build_model(config, state, tracker, padded, model_provider)
-    optimizer = get_optimizer(config.optimizer, model, mp_group=state.mp)
+    experts = _any_expert_parameters(model, initialized.device)
+    optimizer = get_optimizer(
+        config.optimizer, model, mp_group=state.mp,
+        expert_mp_group=state.tp_ep_pp if experts else None,
+    )  # fmt: skip
     training = config.training
     scheduler = get_optimizer_param_scheduler(
         config.optimizer, optimizer, global_batch_size=sizes["global_batch_size"],
@@ -179,6 +184,16 @@ def setup_run(
     )  # fmt: skip
 
 
+def _any_expert_parameters(model: list, device: torch.device) -> bool:
+    """Whether any rank holds expert parameters (collective, once): the optimizer's
+    reductions of expert gradient norms then run on every rank, or on none."""
+    mine = any(is_expert_parallel(p) for chunk in model for p in chunk.parameters())
+    flag = torch.tensor(float(mine), device=device)
+    if torch.distributed.get_world_size() > 1:
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+    return bool(flag > 0)
+
+
 def _build_model(config, state, tracker, padded_vocab, model_provider) -> list:
     parallel = config.parallel
     vpp = parallel.virtual_pipeline_model_parallel_size
@@ -193,7 +208,11 @@ def _build_model(config, state, tracker, padded_vocab, model_provider) -> list:
             padded_vocab_size=padded_vocab, rng_tracker=tracker,
         )  # fmt: skip
         module.to(mp_state.select_device().device)
-        chunks.append(DistributedDataParallel(config.optimizer, module, dp_group=state.dp_cp))
+        chunks.append(
+            DistributedDataParallel(
+                config.optimizer, module, dp_group=state.dp_cp, expert_dp_group=state.expert_dp
+            )
+        )
     if config.training.data_parallel_random_init:
         for chunk in chunks:
             chunk.broadcast_params()
