@@ -56,18 +56,21 @@ def config_of(settings: dict, tp: int) -> TransformerConfig:
     return TransformerConfig(**MODEL | settings, sequence_parallel=tp > 1)
 
 
-def grad_pieces(model: GPTModel, dp: mp_state.RankGroup) -> list[ShardedTensor]:
-    """The sharding description over the gradients, dense pieces of dp ranks > 0 marked as
-    replicas (a checkpoint's rule)."""
+def grad_pieces(model: GPTModel, state: mp_state.ParallelState) -> list[ShardedTensor]:
+    """The sharding description over the gradients, pieces of data-parallel ranks > 0 marked
+    as replicas (a checkpoint's rule: expert_dp for the experts, dp for the rest)."""
     params = list(model.parameters())
     for p in params:
         p.data, p.grad = p.grad, p.data
     try:
-        return [
-            ShardedTensor(k, v.data.clone(), v.global_shape, v.global_offset,
-                          v.replica_id if is_expert_key(k) else v.replica_id * dp.size + dp.rank)
-            for k, v in model.sharded_state_dict().items()
-        ]  # fmt: skip
+        pieces = []
+        for k, v in model.sharded_state_dict().items():
+            dp = state.expert_dp if is_expert_key(k) else state.dp
+            replica = v.replica_id * dp.size + dp.rank
+            pieces.append(
+                ShardedTensor(k, v.data.clone(), v.global_shape, v.global_offset, replica)
+            )
+        return pieces
     finally:
         for p in params:
             p.data, p.grad = p.grad, p.data
@@ -92,7 +95,7 @@ def on_rank(name: str):
         if group.size > 1:
             dist.all_reduce(param.grad, group=group.group)
         param.grad /= state.dp.size
-    return state.dp.rank, loss.detach(), grad_pieces(model, state.dp)
+    return state.dp.rank, loss.detach(), grad_pieces(model, state)
 
 
 def one_process(name: str, micro_batches: int):

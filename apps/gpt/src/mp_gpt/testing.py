@@ -2,15 +2,47 @@
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 
 import torch
 
 from mp_gpt.config_files import config_path
 
-__all__ = ["TINY_CONFIG", "train_on_rank", "train_run_on_rank"]
+__all__ = [
+    "LOGGED_MOE",
+    "TINY_CONFIG",
+    "metrics_records",
+    "tiny_moe_options",
+    "train_on_rank",
+    "train_run_on_rank",
+]
 
 TINY_CONFIG = config_path("tiny.yaml")
+
+LOGGED_MOE = ("lm loss", "load_balancing_loss", "z_loss", "grad_norm")
+"""What a MoE run's metrics file records per iteration that layouts must agree on."""
+
+
+def tiny_moe_options(run_dir: Path, *extra: str) -> list[str]:
+    """tiny-moe.yaml on mock data, fp32, 4 iterations of 4 sequences of 64 tokens in
+    micro-batches of one, metrics to run_dir/metrics.jsonl, no checkpoints; then extra."""
+    return [
+        "--config", str(config_path("tiny-moe.yaml")), "--mock-data",
+        "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000",
+        "--make-vocab-size-divisible-by", "512", "--seq-length", "64",
+        "--micro-batch-size", "1", "--global-batch-size", "4",
+        "--train-iters", "4", "--eval-interval", "none", "--log-interval", "10",
+        "--save", "none", "--load", "none", "--tensorboard-dir", "none",
+        "--metrics-file", str(run_dir / "metrics.jsonl"), "--num-workers", "0",
+        "--lr-warmup-iters", "1", "--expert-model-parallel-size", "1", *extra,
+    ]  # fmt: skip
+
+
+def metrics_records(run_dir: Path) -> list[dict]:
+    """The records of run_dir/metrics.jsonl, one per iteration."""
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def train_on_rank(argv: list[str]) -> int:

@@ -36,10 +36,6 @@ class ModelGroups:
     expert_tp: RankGroup = field(default_factory=lambda: _alone("expert_tp"))
     """Expert tensor parallelism: the ranks that split each expert's weights."""
 
-    expert_dp: RankGroup = field(default_factory=lambda: _alone("expert_dp"))
-    """Expert data parallelism: the ranks holding the same expert weights (their checkpoint
-    pieces are replicas beyond its rank 0)."""
-
     tp_ep: RankGroup = field(default_factory=lambda: _alone("tp_ep"))
     """expert_tp x ep: the ranks whose tokens share one set of experts (the all-gather
     dispatcher gathers over it)."""
@@ -48,8 +44,7 @@ class ModelGroups:
     def of(cls, state: ParallelState) -> ModelGroups:
         """This rank's groups in an initialized ParallelState."""
         return cls(
-            tp=state.tp, cp=state.cp, ep=state.ep, expert_tp=state.expert_tp,
-            expert_dp=state.expert_dp, tp_ep=state.tp_ep,
+            tp=state.tp, cp=state.cp, ep=state.ep, expert_tp=state.expert_tp, tp_ep=state.tp_ep,
         )  # fmt: skip
 
     @classmethod

@@ -45,13 +45,13 @@ log = logging.getLogger("mp_train")
 
 def run_pieces(run: Run, *, with_optimizer: bool) -> dict[str, ShardedTensor]:
     """The pieces this rank saves (and loads into)."""
-    dp = run.state.dp_cp
     pieces: dict[str, ShardedTensor] = {}
     for chunk in run.model:
         for key, p in chunk.sharded_state_dict().items():
-            # Experts' pieces already name their replicas (the expert data-parallel ranks);
-            # every other piece is replicated over the data-parallel ranks.
-            replica = p.replica_id if is_expert_key(key) else p.replica_id * dp.size + dp.rank
+            # Experts are replicated over the expert data-parallel ranks, the rest over the
+            # data-parallel ones.
+            dp = run.state.expert_dp if is_expert_key(key) else run.state.dp_cp
+            replica = p.replica_id * dp.size + dp.rank
             pieces[key] = ShardedTensor(
                 p.key, p.data, p.global_shape, p.global_offset, replica, p.flattened_range,
                 p.local_shape,

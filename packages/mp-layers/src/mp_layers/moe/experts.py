@@ -31,12 +31,10 @@ __all__ = ["GroupedExperts", "grouped_matmul", "is_expert_key"]
 
 
 class GroupedExperts(torch.nn.Module):
-    def __init__(
-        self, config: TransformerConfig, ep: RankGroup, etp: RankGroup, expert_dp: RankGroup
-    ) -> None:
+    def __init__(self, config: TransformerConfig, ep: RankGroup, etp: RankGroup) -> None:
         super().__init__()
         self.config = config
-        self.ep, self.etp, self.expert_dp = ep, etp, expert_dp
+        self.ep, self.etp = ep, etp
         self.gated = config.activation == "swiglu"
         experts, f, h = config.num_moe_experts, config.moe_ffn_hidden_size, config.hidden_size
         self.num_local = experts // ep.size
@@ -75,18 +73,17 @@ class GroupedExperts(torch.nn.Module):
         for name, index in parts.items():
             data = self.weight1.chunk(len(parts), dim=1)[index]
             pieces[prefix + name] = ShardedTensor(
-                prefix + name, data, (experts, f, h), (first, inner, 0), self.expert_dp.rank
+                prefix + name, data, (experts, f, h), (first, inner, 0)
             )
         key = prefix + "linear_fc2.weight"
-        pieces[key] = ShardedTensor(
-            key, self.weight2, (experts, h, f), (first, 0, inner), self.expert_dp.rank
-        )
+        pieces[key] = ShardedTensor(key, self.weight2, (experts, h, f), (first, 0, inner))
         return pieces
 
 
 def is_expert_key(key: str) -> bool:
-    """Whether a checkpoint key names routed experts' weights (their replicas are the
-    expert data-parallel ranks, not the data-parallel ones)."""
+    """Whether a checkpoint key names routed experts' weights (replicated over the expert
+    data-parallel ranks, where every other weight is replicated over the data-parallel
+    ones)."""
     return ".mlp.experts." in key or key.startswith("mlp.experts.")
 
 

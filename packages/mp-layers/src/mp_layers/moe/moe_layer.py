@@ -31,7 +31,7 @@ class MoELayer(torch.nn.Module):
     def __init__(self, config: TransformerConfig, groups: ModelGroups) -> None:
         super().__init__()
         self.router = TopKRouter(config, groups.tp)
-        self.experts = GroupedExperts(config, groups.ep, groups.expert_tp, groups.expert_dp)
+        self.experts = GroupedExperts(config, groups.ep, groups.expert_tp)
         if config.moe_token_dispatcher_type == "alltoall":
             self.dispatcher = AllToAllDispatcher(
                 config.num_moe_experts, groups.ep, groups.expert_tp

@@ -1,0 +1,60 @@
+"""Mixture of experts end to end: apps/gpt's tiny-moe config (4 experts, top-2, the
+load-balancing and z-losses on; fp32, dropout 0) trains with the one-rank loss curve,
+auxiliary losses, gradient norms and consumed samples at EP2 (all-to-all and all-gather
+dispatch), EP2 x TP2 with sequence parallelism (expert TP 1 and 2), EP2 x DP2 (also with
+the distributed optimizer), EP2 x PP2 and EP2 with every layer recomputed in backward.
+One rank runs the global batch as micro-batches of one sequence, as each data-parallel
+rank does."""
+
+import pytest
+
+from mp_gpt.testing import LOGGED_MOE, metrics_records, tiny_moe_options, train_on_rank
+from mp_state.testing import run_on_ranks
+
+pytestmark = pytest.mark.multirank
+
+ITERATIONS = 4
+
+EP2 = ["--expert-model-parallel-size", "2"]
+TP2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+LAYOUTS = {
+    "ep2": (2, EP2),
+    "ep2-allgather": (2, [*EP2, "--moe-token-dispatcher-type", "allgather"]),
+    "ep2-tp2-etp1": (4, [*EP2, *TP2, "--expert-tensor-parallel-size", "1"]),
+    "ep2-tp2-etp2": (4, [*EP2, *TP2]),
+    "ep2-dp2": (4, EP2),
+    "ep2-dp2-distopt": (4, [*EP2, "--use-distributed-optimizer"]),
+    "ep2-pp2": (4, [*EP2, "--pipeline-model-parallel-size", "2"]),
+    "ep2-recompute": (
+        2,
+        [
+            *EP2,
+            "--recompute-granularity",
+            "full",
+            "--recompute-method",
+            "uniform",
+            "--recompute-num-layers",
+            "1",
+        ],
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("one-rank")
+    run_on_ranks(train_on_rank, 1, tiny_moe_options(run_dir), timeout=300)
+    return metrics_records(run_dir)
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_expert_parallel_layouts_train_as_one_rank(tmp_path, reference, name):
+    world, layout = LAYOUTS[name]
+    run_on_ranks(train_on_rank, world, tiny_moe_options(tmp_path, *layout), timeout=300)
+    got = metrics_records(tmp_path)
+    assert len(got) == len(reference) == ITERATIONS
+    for mine, want in zip(got, reference, strict=True):
+        where = f"{name}, iteration {want['iteration']}"
+        assert mine["consumed_samples"] == want["consumed_samples"], where
+        for key in LOGGED_MOE:
+            assert abs(mine[key] - want[key]) <= 1e-5 * abs(want[key]), (where, key, mine, want)
