@@ -2,12 +2,13 @@
 
 TransformerConfig, the tensor- and sequence-parallel primitives
 (mp_layers.tensor_parallel), context parallelism (mp_layers.context_parallel:
-the load-balanced sequence split and attention across it), the transformer
+the load-balanced sequence split and attention across it), mixture of experts
+(mp_layers.moe: router, token dispatchers, grouped experts), the transformer
 pieces (rotary embeddings, norms, core attention, MLP, self-attention, layer
 and block in mp_layers.transformer), ModelGroups and GPTModel.
 """
 
-from mp_layers import context_parallel, tensor_parallel
+from mp_layers import context_parallel, moe, tensor_parallel
 from mp_layers.config import TransformerConfig
 from mp_layers.context_parallel import shard_sequence
 from mp_layers.gpt_model import GPTModel
@@ -53,6 +54,7 @@ __all__ = [
     "get_layer_spec",
     "init_partitioned_weight",
     "keeps_attention_probabilities",
+    "moe",
     "reduce_from_tensor_model_parallel_region",
     "reduce_scatter_to_sequence_parallel_region",
     "saved_probability_bytes",

@@ -146,6 +146,77 @@ class TransformerConfig:
     recompute_num_layers: int | None = None
     """Layers per recompute group (uniform) or recomputed layers per stage (block)."""
 
+    # --- Mixture of experts (Megatron's --num-experts and --moe-* options) ---------------
+
+    num_moe_experts: int | None = None
+    """Routed experts of each MoE layer (Megatron's --num-experts); None: a dense model."""
+
+    moe_ffn_hidden_size: int | None = None
+    """Inner width of each routed expert; None: ffn_hidden_size."""
+
+    moe_router_topk: int = 2
+    """Experts each token is sent to."""
+
+    moe_router_score_function: Literal["softmax", "sigmoid"] = "softmax"
+    """How the router turns its logits into scores."""
+
+    moe_router_pre_softmax: bool = False
+    """With softmax scores: the softmax over all experts, then the top k (their weights do
+    not sum to 1); False: the top k logits, then a softmax over those k."""
+
+    moe_router_topk_scaling_factor: float | None = None
+    """Multiplies the routing weights of the chosen experts."""
+
+    moe_router_load_balancing_type: Literal["aux_loss", "seq_aux_loss", "none"] = "aux_loss"
+    """The auxiliary load-balancing loss: over the micro-batch's tokens (Switch
+    Transformer), per sequence, or none."""
+
+    moe_aux_loss_coeff: float = 0.0
+    """Weight of the load-balancing loss (0: not computed)."""
+
+    moe_z_loss_coeff: float | None = None
+    """Weight of the router z-loss mean(logsumexp(logits)^2) (ST-MoE); None: none."""
+
+    moe_router_enable_expert_bias: bool = False
+    """Auxiliary-loss-free balancing (DeepSeek-V3): a per-expert bias added to the scores
+    when choosing experts (not to the weights), moved after each step towards the
+    experts that received fewer tokens than the mean."""
+
+    moe_router_bias_update_rate: float = 1e-3
+    """Step of the expert bias update: bias += rate * sign(mean load - load)."""
+
+    moe_expert_capacity_factor: float | None = None
+    """Each expert takes at most ceil(tokens * topk / experts * factor) tokens of a
+    micro-batch (per rank); the others are dropped (their weight is 0). None: no limit."""
+
+    moe_pad_expert_input_to_capacity: bool = False
+    """With a capacity factor: every expert computes exactly its capacity, padded."""
+
+    moe_token_drop_policy: Literal["probs", "position"] = "probs"
+    """Which tokens an expert over capacity keeps: the highest routing weights, or the
+    earliest positions."""
+
+    moe_shared_expert_intermediate_size: int | None = None
+    """Inner width of the shared expert every token passes through; None: none."""
+
+    moe_shared_expert_gate: bool = False
+    """Scale the shared expert's output by sigmoid(x . w) with a learned w [1, h]
+    (Qwen2-MoE's shared_expert_gate)."""
+
+    moe_layer_freq: int | list[int] = 1
+    """Which layers are MoE: every N-th (layer i when i % N == 0), or one 0/1 per layer."""
+
+    moe_token_dispatcher_type: Literal["alltoall", "allgather"] = "allgather"
+    """How tokens reach experts on other expert-parallel ranks: an all-to-all of each
+    expert's tokens, or an all-gather of every token."""
+
+    moe_grouped_gemm: bool = False
+    """Compute the local experts with torch's grouped matmul (torch._grouped_mm) instead of
+    one matmul per expert."""
+
+    moe_router_dtype: Literal["fp32", "fp64"] | None = None
+    """Precision of the router's logits and scores; None: the activations' dtype."""
+
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_attention_heads"):
             _positive(name, getattr(self, name))
@@ -207,6 +278,7 @@ class TransformerConfig:
         if self.bf16 and self.fp16:
             raise ValueError("bf16=True and fp16=True are exclusive: choose one")
         self._check_recompute()
+        self._check_moe()
 
     def _check_rope_scaling(self) -> None:
         if not self.use_rope_scaling:
@@ -253,12 +325,97 @@ class TransformerConfig:
                 f"recompute_granularity='full', got {granularity!r}"
             )
 
+    def _check_moe(self) -> None:
+        if self.num_moe_experts is None:
+            for name, default in _MOE_DEFAULTS.items():
+                if getattr(self, name) != default:
+                    raise ValueError(f"{name}={getattr(self, name)!r} needs num_moe_experts")
+            return
+        _positive("num_moe_experts", self.num_moe_experts)
+        if self.moe_ffn_hidden_size is None:
+            self.moe_ffn_hidden_size = self.ffn_hidden_size
+        _positive("moe_ffn_hidden_size", self.moe_ffn_hidden_size)
+        _positive("moe_router_topk", self.moe_router_topk)
+        if self.moe_router_topk > self.num_moe_experts:
+            raise ValueError(
+                f"moe_router_topk={self.moe_router_topk} exceeds "
+                f"num_moe_experts={self.num_moe_experts}"
+            )
+        _choice("moe_router_score_function", self.moe_router_score_function, ("softmax", "sigmoid"))
+        if self.moe_router_pre_softmax and self.moe_router_score_function != "softmax":
+            raise ValueError(
+                "moe_router_pre_softmax=True needs moe_router_score_function='softmax'"
+            )
+        if self.moe_router_enable_expert_bias and self.moe_router_score_function != "sigmoid":
+            raise ValueError(
+                "moe_router_enable_expert_bias=True needs moe_router_score_function='sigmoid' "
+                f"(got {self.moe_router_score_function!r}), as in Megatron"
+            )
+        _choice(
+            "moe_router_load_balancing_type", self.moe_router_load_balancing_type,
+            ("aux_loss", "seq_aux_loss", "none"),
+        )  # fmt: skip
+        _choice("moe_token_drop_policy", self.moe_token_drop_policy, ("probs", "position"))
+        _choice(
+            "moe_token_dispatcher_type", self.moe_token_dispatcher_type, ("alltoall", "allgather")
+        )
+        if self.moe_router_dtype is not None:
+            _choice("moe_router_dtype", self.moe_router_dtype, ("fp32", "fp64"))
+        for name in ("moe_aux_loss_coeff", "moe_router_bias_update_rate"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
+        if self.moe_z_loss_coeff is not None and self.moe_z_loss_coeff < 0:
+            raise ValueError(f"moe_z_loss_coeff={self.moe_z_loss_coeff} must be >= 0")
+        factor = self.moe_expert_capacity_factor
+        if factor is not None and factor <= 0:
+            raise ValueError(f"moe_expert_capacity_factor={factor} must be > 0")
+        if self.moe_pad_expert_input_to_capacity and factor is None:
+            raise ValueError(
+                "moe_pad_expert_input_to_capacity=True needs moe_expert_capacity_factor"
+            )
+        if self.moe_shared_expert_intermediate_size is not None:
+            _positive(
+                "moe_shared_expert_intermediate_size", self.moe_shared_expert_intermediate_size
+            )
+        elif self.moe_shared_expert_gate:
+            raise ValueError(
+                "moe_shared_expert_gate=True needs moe_shared_expert_intermediate_size"
+            )
+        if self.add_bias_linear:
+            raise ValueError(
+                "add_bias_linear=True with num_moe_experts: experts have no biases here; set "
+                "add_bias_linear=False"
+            )
+        self.moe_layer_pattern()  # validates moe_layer_freq
+
+    def moe_layer_pattern(self) -> list[bool]:
+        """Per layer of the whole model: whether it is a MoE layer."""
+        if self.num_moe_experts is None:
+            return [False] * self.num_layers
+        freq = self.moe_layer_freq
+        if isinstance(freq, int) and not isinstance(freq, bool):
+            _positive("moe_layer_freq", freq)
+            return [i % freq == 0 for i in range(self.num_layers)]
+        pattern = list(freq)
+        if len(pattern) != self.num_layers or any(x not in (0, 1) for x in pattern):
+            raise ValueError(
+                f"moe_layer_freq={freq!r} must be an integer or {self.num_layers} values "
+                "(num_layers) of 0 or 1"
+            )
+        return [bool(x) for x in pattern]
+
     def check_parallel(
-        self, tensor_model_parallel_size: int, context_parallel_size: int = 1
+        self,
+        tensor_model_parallel_size: int,
+        context_parallel_size: int = 1,
+        expert_model_parallel_size: int = 1,
+        expert_tensor_parallel_size: int | None = None,
     ) -> None:
-        """The rules that depend on the tensor- and context-parallel sizes; raises ValueError
-        naming them."""
+        """The rules that depend on the parallel sizes; raises ValueError naming them."""
         tp, cp = tensor_model_parallel_size, context_parallel_size
+        self._check_expert_parallel(
+            tp, cp, expert_model_parallel_size, expert_tensor_parallel_size or tp
+        )
         for name in ("num_attention_heads", "num_query_groups", "ffn_hidden_size"):
             value = getattr(self, name)
             if value % tp:
@@ -280,10 +437,47 @@ class TransformerConfig:
                 "attention_dropout=0"
             )
 
+    def _check_expert_parallel(self, tp: int, cp: int, ep: int, etp: int) -> None:
+        if self.num_moe_experts is None:
+            if ep > 1:
+                raise ValueError(
+                    f"expert_model_parallel_size={ep} needs num_moe_experts (a MoE model)"
+                )
+            return
+        if self.num_moe_experts % ep:
+            raise ValueError(
+                f"expert_model_parallel_size={ep} does not divide "
+                f"num_moe_experts={self.num_moe_experts}"
+            )
+        if self.moe_ffn_hidden_size % etp:
+            raise ValueError(
+                f"expert_tensor_parallel_size={etp} does not divide "
+                f"moe_ffn_hidden_size={self.moe_ffn_hidden_size}"
+            )
+        if tp > 1 and not self.sequence_parallel:
+            raise ValueError(
+                f"num_moe_experts with tensor_model_parallel_size={tp} needs "
+                "sequence_parallel=True (each tensor-parallel rank routes its own tokens)"
+            )
+        if cp > 1:
+            raise ValueError(
+                f"num_moe_experts with context_parallel_size={cp}: MoE layers do not "
+                "support context parallelism yet; use context_parallel_size=1"
+            )
+
     @property
     def output_layer_init_std(self) -> float:
         """Megatron's scaled init of the projections into the residual: std / sqrt(2 * layers)."""
         return self.init_method_std / math.sqrt(2.0 * self.num_layers)
+
+
+_MOE_DEFAULTS = {
+    "moe_shared_expert_intermediate_size": None,
+    "moe_expert_capacity_factor": None,
+    "moe_router_enable_expert_bias": False,
+    "moe_aux_loss_coeff": 0.0,
+    "moe_z_loss_coeff": None,
+}
 
 
 def _positive(name: str, value: object) -> None:

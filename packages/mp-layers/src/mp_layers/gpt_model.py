@@ -63,7 +63,7 @@ class GPTModel(torch.nn.Module):
     ) -> None:
         super().__init__()
         tp_group = groups.tp
-        config.check_parallel(tp_group.size, groups.cp.size)
+        config.check_parallel(tp_group.size, groups.cp.size, groups.ep.size, groups.expert_tp.size)
         share = (
             not config.untie_embeddings_and_output_weights
             if share_embeddings_and_output_weights is None

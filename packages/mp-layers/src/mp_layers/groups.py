@@ -12,7 +12,7 @@ handles as the plain case.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from mp_state import ParallelState, RankGroup
 
@@ -29,12 +29,34 @@ class ModelGroups:
     """Context parallelism: the ranks that hold the parts of each sequence; attention
     runs across them."""
 
+    ep: RankGroup = field(default_factory=lambda: _alone("ep"))
+    """Expert parallelism: the ranks that divide a MoE layer's experts among them; tokens
+    travel across it to their experts."""
+
+    expert_tp: RankGroup = field(default_factory=lambda: _alone("expert_tp"))
+    """Expert tensor parallelism: the ranks that split each expert's weights."""
+
+    expert_dp: RankGroup = field(default_factory=lambda: _alone("expert_dp"))
+    """Expert data parallelism: the ranks holding the same expert weights (their checkpoint
+    pieces are replicas beyond its rank 0)."""
+
+    tp_ep: RankGroup = field(default_factory=lambda: _alone("tp_ep"))
+    """expert_tp x ep: the ranks whose tokens share one set of experts (the all-gather
+    dispatcher gathers over it)."""
+
     @classmethod
     def of(cls, state: ParallelState) -> ModelGroups:
         """This rank's groups in an initialized ParallelState."""
-        return cls(tp=state.tp, cp=state.cp)
+        return cls(
+            tp=state.tp, cp=state.cp, ep=state.ep, expert_tp=state.expert_tp,
+            expert_dp=state.expert_dp, tp_ep=state.tp_ep,
+        )  # fmt: skip
 
     @classmethod
     def single(cls) -> ModelGroups:
         """Groups of this process alone (no process group needed)."""
-        return cls(tp=RankGroup("tp", (0,), 0, None), cp=RankGroup("cp", (0,), 0, None))
+        return cls(tp=_alone("tp"), cp=_alone("cp"))
+
+
+def _alone(kind: str) -> RankGroup:
+    return RankGroup(kind, (0,), 0, None)

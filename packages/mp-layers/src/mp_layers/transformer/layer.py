@@ -38,7 +38,9 @@ class TransformerLayer(torch.nn.Module):
         groups: ModelGroups,
         rng_tracker: RNGStatesTracker | None = None,
         spec: LayerSpec = LOCAL_SPEC,
+        layer_number: int = 0,
     ) -> None:
+        """layer_number: the layer's index in the whole model (which layers are MoE)."""
         super().__init__()
         if config.hidden_dropout > 0 and config.sequence_parallel and rng_tracker is None:
             raise ValueError("hidden_dropout with sequence_parallel needs an rng_tracker")
@@ -48,7 +50,10 @@ class TransformerLayer(torch.nn.Module):
         self.input_layernorm = spec.norm(config, None)
         self.self_attention = SelfAttention(config, groups, rng_tracker, spec)
         self.pre_mlp_layernorm = spec.norm(config, None)
-        self.mlp = spec.mlp(config, groups.tp)
+        if config.moe_layer_pattern()[layer_number]:
+            self.mlp = spec.moe(config, groups)
+        else:
+            self.mlp = spec.mlp(config, groups.tp)
 
     def forward(
         self,
@@ -110,7 +115,7 @@ class TransformerBlock(torch.nn.Module):
         layers = []
         for i in range(count):
             with seeded_init(init_seed, f"layer{layer_offset + i}"):
-                layers.append(TransformerLayer(config, groups, rng_tracker, spec))
+                layers.append(TransformerLayer(config, groups, rng_tracker, spec, layer_offset + i))
         self.layers = torch.nn.ModuleList(layers)
         self.final_layernorm = spec.norm(config, None) if post_process else None
 

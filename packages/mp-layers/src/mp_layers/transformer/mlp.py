@@ -24,17 +24,18 @@ from mp_layers.config import TransformerConfig
 from mp_layers.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from mp_state import RankGroup
 
-__all__ = ["MLP"]
+__all__ = ["MLP", "activate"]
 
 
 class MLP(torch.nn.Module):
-    def __init__(self, config: TransformerConfig, tp_group: RankGroup) -> None:
+    def __init__(
+        self, config: TransformerConfig, tp_group: RankGroup, ffn_hidden_size: int | None = None
+    ) -> None:
         super().__init__()
+        self.config = config
         self.gated = config.activation == "swiglu"
-        self.activation = config.activation
-        self.gelu_approximation = "tanh" if config.openai_gelu else "none"
         self.tp_group = tp_group
-        f = config.ffn_hidden_size
+        f = ffn_hidden_size or config.ffn_hidden_size
         init = functools.partial(torch.nn.init.normal_, std=config.init_method_std)
         fc1_init = functools.partial(_gated_layout, init, tp_group.size) if self.gated else init
         self.linear_fc1 = ColumnParallelLinear(
@@ -55,14 +56,7 @@ class MLP(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Returns (output, fc2 bias) for the caller to add with the residual."""
         inner, _ = self.linear_fc1(x)
-        if self.gated:
-            gate, up = inner.chunk(2, dim=-1)
-            inner = F.silu(gate) * up
-        elif self.activation == "squared_relu":
-            inner = F.relu(inner).square()
-        else:
-            inner = F.gelu(inner, approximate=self.gelu_approximation)
-        return self.linear_fc2(inner)
+        return self.linear_fc2(activate(self.config, inner))
 
     def sharded_state_dict(self, prefix: str = "") -> dict[str, ShardedTensor]:
         pieces = self.linear_fc2.sharded_state_dict(f"{prefix}linear_fc2.")
@@ -78,6 +72,16 @@ class MLP(torch.nn.Module):
                 key = f"{prefix}linear_fc1.{part}.{name}"
                 pieces[key] = ShardedTensor.from_rank(key, data, 0, rank, size)
         return pieces
+
+
+def activate(config: TransformerConfig, inner: torch.Tensor) -> torch.Tensor:
+    """The MLP's activation of fc1's output [.., f] (or [.., 2f] = [gate; up] for swiglu)."""
+    if config.activation == "swiglu":
+        gate, up = inner.chunk(2, dim=-1)
+        return F.silu(gate) * up
+    if config.activation == "squared_relu":
+        return F.relu(inner).square()
+    return F.gelu(inner, approximate="tanh" if config.openai_gelu else "none")
 
 
 def _gated_layout(init, tp: int, master: torch.Tensor) -> None:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from mp_layers.config import TransformerConfig
+from mp_layers.moe.moe_layer import MoELayer
 from mp_layers.transformer.core_attention import CoreAttention
 from mp_layers.transformer.mlp import MLP
 from mp_layers.transformer.norms import build_norm
@@ -31,6 +32,10 @@ class LayerSpec:
 
     mlp: type = MLP
     """Built as cls(config, tp_group); called as (x) -> (output, bias)."""
+
+    moe: type = MoELayer
+    """The MLP of a mixture-of-experts layer (TransformerConfig.moe_layer_pattern), built as
+    cls(config, groups); called as (x) -> (output, bias)."""
 
     norm: Callable[[TransformerConfig, int | None], torch.nn.Module] = build_norm
     """norm(config, hidden_size) for the layer norms, the final norm and QK norms."""

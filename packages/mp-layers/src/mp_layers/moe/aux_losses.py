@@ -1,0 +1,77 @@
+"""The router's auxiliary losses and how their gradient reaches the parameters.
+
+Load balancing (Switch Transformer, Fedus et al., 2021), over the T tokens of a
+micro-batch, E experts, top-k routing:
+
+    loss = coeff * E / (k T^2) * sum_i n_i * sum_t p_t,i
+
+n_i the tokens routed to expert i, p_t,i the scores of token t (a softmax over all
+experts, or normalized sigmoids). With sequence parallelism a rank holds T / tp tokens:
+n_i is summed over the tensor-parallel group and T is the whole micro-batch's, while
+the scores stay local, so the ranks' losses add up to the micro-batch's loss and their
+router gradients (summed over the group like every sequence-parallel weight's) to its
+gradient. The per-sequence variant computes the same for each sequence of s tokens and
+averages over the b sequences. The z-loss (ST-MoE, Zoph et al., 2022) is
+coeff * mean_t logsumexp(logits_t)^2, its coefficient divided by tp for the same sum.
+
+The losses never join `lm loss`: `attach` makes the router's output carry them, so that
+backward adds d(loss)/d(scores) scaled by the factor of `set_aux_loss_scale` (the
+training loop sets the loss scale / number of micro-batches, the same factor the main
+loss gets). The pipeline schedules need not know about them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["attach", "aux_loss_scale", "load_balancing_loss", "set_aux_loss_scale", "z_loss"]
+
+_scale = torch.ones(())
+
+
+def set_aux_loss_scale(scale: float | torch.Tensor) -> None:
+    """The factor the auxiliary losses' gradients get in backward (default 1)."""
+    global _scale
+    _scale = torch.as_tensor(scale, dtype=torch.float32).detach().clone()
+
+
+def aux_loss_scale() -> torch.Tensor:
+    return _scale
+
+
+def load_balancing_loss(
+    scores: torch.Tensor,
+    tokens_per_expert: torch.Tensor,
+    total_tokens: int,
+    topk: int,
+    experts: int,
+    coeff: float,
+) -> torch.Tensor:
+    """coeff * E / (k T^2) * sum_i n_i sum_t scores[t, i]; scores [t, E] (this rank's
+    tokens), tokens_per_expert [E] (n_i over the T tokens)."""
+    per_expert = scores.float().sum(dim=0)
+    return (per_expert * tokens_per_expert.float()).sum() * (
+        coeff * experts / (topk * total_tokens * total_tokens)
+    )
+
+
+def z_loss(logits: torch.Tensor, coeff: float) -> torch.Tensor:
+    """coeff * mean over tokens of logsumexp(logits)^2; logits [t, E]."""
+    return torch.logsumexp(logits.float(), dim=-1).square().mean() * coeff
+
+
+def attach(activation: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+    """`activation` unchanged; in backward, `loss` receives the gradient aux_loss_scale()."""
+    return _AttachLoss.apply(activation, loss)
+
+
+class _AttachLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, activation, loss):
+        ctx.save_for_backward(loss)
+        return activation.view_as(activation)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (loss,) = ctx.saved_tensors
+        return grad, torch.ones_like(loss) * _scale.to(loss.device)

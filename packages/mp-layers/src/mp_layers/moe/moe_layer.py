@@ -1,0 +1,88 @@
+"""MoELayer: the MLP of a mixture-of-experts layer (Megatron's MoELayer).
+
+Shapes: x [s, b, h] (this rank's tokens; [s/tp, b, h] with sequence parallelism, where
+each tensor-parallel rank routes its own tokens); T = s b.
+
+    probs, routing_map = router(x)                 [T, E] each      (tp: aux-loss counts)
+    tokens, counts = dispatcher.dispatch(...)      [N, h], [El]     (ep, expert_tp / tp_ep)
+    out = experts(tokens, counts)                  [N, h]           (local experts)
+    y = dispatcher.combine(out)                    [T, h]           (expert_tp, ep / tp_ep)
+    y += shared_experts(x) [* sigmoid(x w)]        every token      (tp, like a dense MLP)
+
+Returns (y [s, b, h], None): no bias to add with the residual.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mp_ckpt import ShardedTensor
+from mp_layers.config import TransformerConfig
+from mp_layers.groups import ModelGroups
+from mp_layers.moe.dispatcher import AllGatherDispatcher, AllToAllDispatcher
+from mp_layers.moe.experts import GroupedExperts
+from mp_layers.moe.router import TopKRouter
+from mp_layers.transformer.mlp import MLP
+
+__all__ = ["MoELayer", "SharedExperts"]
+
+
+class MoELayer(torch.nn.Module):
+    def __init__(self, config: TransformerConfig, groups: ModelGroups) -> None:
+        super().__init__()
+        self.router = TopKRouter(config, groups.tp)
+        self.experts = GroupedExperts(config, groups.ep, groups.expert_tp, groups.expert_dp)
+        if config.moe_token_dispatcher_type == "alltoall":
+            self.dispatcher = AllToAllDispatcher(
+                config.num_moe_experts, groups.ep, groups.expert_tp
+            )
+        else:
+            self.dispatcher = AllGatherDispatcher(config.num_moe_experts, groups.ep, groups.tp_ep)
+        self.shared_experts = None
+        if config.moe_shared_expert_intermediate_size is not None:
+            self.shared_experts = SharedExperts(config, groups)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:
+        s, b, h = x.shape
+        probs, routing_map = self.router(x)
+        tokens, counts, state = self.dispatcher.dispatch(x.reshape(s * b, h), probs, routing_map)
+        out = self.dispatcher.combine(self.experts(tokens, counts), state).view(s, b, h)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out, None
+
+    def sharded_state_dict(self, prefix: str = "") -> dict[str, ShardedTensor]:
+        pieces = self.router.sharded_state_dict(f"{prefix}router.")
+        pieces |= self.experts.sharded_state_dict(f"{prefix}experts.")
+        if self.shared_experts is not None:
+            pieces |= self.shared_experts.sharded_state_dict(f"{prefix}shared_experts.")
+        return pieces
+
+
+class SharedExperts(MLP):
+    """The expert every token passes through: a dense MLP of inner width
+    moe_shared_expert_intermediate_size, split over tp; with moe_shared_expert_gate its
+    output is scaled per token by sigmoid(x . gate_weight)."""
+
+    def __init__(self, config: TransformerConfig, groups: ModelGroups) -> None:
+        super().__init__(config, groups.tp, config.moe_shared_expert_intermediate_size)
+        self.gate_weight = None
+        if config.moe_shared_expert_gate:
+            weight = torch.empty(1, config.hidden_size).normal_(std=config.init_method_std)
+            self.gate_weight = torch.nn.Parameter(weight.to(config.params_dtype))
+            self.gate_weight.sequence_parallel = config.sequence_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, _ = super().forward(x)
+        if self.gate_weight is None:
+            return out
+        return out * torch.sigmoid(torch.nn.functional.linear(x, self.gate_weight))
+
+    def sharded_state_dict(self, prefix: str = "") -> dict[str, ShardedTensor]:
+        pieces = super().sharded_state_dict(prefix)
+        if self.gate_weight is not None:
+            key = prefix + "gate_weight"
+            pieces[key] = ShardedTensor.from_rank(
+                key, self.gate_weight, None, 0, 1, replica_id=self.tp_group.rank
+            )
+        return pieces

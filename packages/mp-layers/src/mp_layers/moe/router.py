@@ -1,0 +1,219 @@
+"""TopKRouter: which experts each token goes to, and with which weight.
+
+Shapes: x [s, b, h] (this rank's tokens: [s/tp, b, h] with sequence parallelism),
+flattened to T = s b tokens; logits [T, E]; the result is Megatron's pair
+probs [T, E] (the routing weight of each chosen expert, 0 elsewhere) and
+routing_map [T, E] (bool, the chosen experts).
+
+Scores (Megatron's topk_routing_with_score_function): softmax with pre_softmax takes
+the top k of softmax(logits); softmax without it the top k logits, then a softmax over
+those k (equal to renormalizing the top k of the full softmax, Mixtral's rule); sigmoid
+the top k of sigmoid(logits) (+ the expert bias, for the choice only), normalized to sum
+1 when k > 1. A scaling factor multiplies the weights.
+
+With a capacity factor each expert keeps at most ceil(T k / E * factor) of its tokens
+(Megatron's rule; none dropped when that exceeds T): those with the highest weights
+("probs") or the earliest ("position"); with pad_to_capacity it computes exactly that
+many, padded with tokens of weight 0.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from mp_ckpt import ShardedTensor
+from mp_layers.config import TransformerConfig
+from mp_layers.moe import aux_losses
+from mp_layers.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+from mp_state import RankGroup
+
+__all__ = [
+    "TopKRouter",
+    "capacity_mask",
+    "expert_capacity",
+    "routers_of",
+    "take_metrics",
+    "update_expert_biases",
+]
+
+_DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
+
+
+class TopKRouter(torch.nn.Module):
+    def __init__(self, config: TransformerConfig, tp_group: RankGroup) -> None:
+        super().__init__()
+        self.config = config
+        self.tp_group = tp_group
+        self.experts, self.topk = config.num_moe_experts, config.moe_router_topk
+        master = torch.empty(self.experts, config.hidden_size, dtype=torch.float32)
+        torch.nn.init.normal_(master, std=config.init_method_std)
+        self.weight = torch.nn.Parameter(master.to(config.params_dtype))
+        self.weight.sequence_parallel = config.sequence_parallel
+        if config.moe_router_enable_expert_bias:
+            self.register_buffer("expert_bias", torch.zeros(self.experts))
+            self.register_buffer(
+                "local_tokens_per_expert", torch.zeros(self.experts), persistent=False
+            )
+        else:
+            self.expert_bias = None
+        self.metrics: dict[str, torch.Tensor] = {}
+        """Sums over the micro-batches since the last reset of the auxiliary losses divided by
+        their coefficients (Megatron's logged values), this rank's part."""
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        s, b, h = x.shape
+        dtype = _DTYPES.get(self.config.moe_router_dtype, x.dtype)
+        logits = F.linear(x.reshape(s * b, h).to(dtype), self.weight.to(dtype))  # [T, E]
+        training = self.training and torch.is_grad_enabled()
+        coeff = self.config.moe_z_loss_coeff
+        if coeff and training:
+            loss = aux_losses.z_loss(logits, coeff / self.tp_group.size)
+            logits = aux_losses.attach(logits, loss)
+            self._record("z_loss", loss / coeff)
+        probs, routing_map = self._topk(logits)
+        if self.config.moe_expert_capacity_factor is not None:
+            keep = capacity_mask(
+                probs, routing_map, self.topk, self.config.moe_expert_capacity_factor,
+                self.config.moe_token_drop_policy,
+            )  # fmt: skip
+            if not self.config.moe_pad_expert_input_to_capacity:
+                keep = keep & routing_map
+            probs, routing_map = probs * keep, keep
+        if training and self.config.moe_aux_loss_coeff > 0:
+            probs = self._attach_balancing_loss(probs, logits, s, b)
+        if training and self.expert_bias is not None:
+            with torch.no_grad():
+                self.local_tokens_per_expert += routing_map.sum(dim=0)
+        return probs.to(x.dtype), routing_map
+
+    def _topk(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        config = self.config
+        if config.moe_router_score_function == "softmax":
+            if config.moe_router_pre_softmax:
+                weights, chosen = torch.softmax(logits, -1, dtype=torch.float32).topk(self.topk)
+            else:
+                top, chosen = logits.topk(self.topk)
+                weights = torch.softmax(top, -1, dtype=torch.float32)
+        else:
+            scores = torch.sigmoid(logits.float())
+            ranking = scores if self.expert_bias is None else scores + self.expert_bias
+            chosen = ranking.topk(self.topk).indices
+            weights = scores.gather(1, chosen)
+            if self.topk > 1:
+                weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        if config.moe_router_topk_scaling_factor:
+            weights = weights * config.moe_router_topk_scaling_factor
+        probs = torch.zeros_like(logits, dtype=torch.float32).scatter(1, chosen, weights)
+        routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter(1, chosen, True)
+        return probs, routing_map
+
+    def _attach_balancing_loss(self, probs, logits, s: int, b: int) -> torch.Tensor:
+        """The load-balancing loss over this micro-batch's tokens (or per sequence), from
+        the scores of every expert and the top-k choice they make (no bias, no drop)."""
+        if self.config.moe_router_score_function == "softmax":
+            scores = torch.softmax(logits, -1, dtype=torch.float32)
+        else:
+            scores = torch.sigmoid(logits.float())
+            scores = scores / (scores.sum(-1, keepdim=True) + 1e-20)
+        chosen = torch.zeros_like(scores, dtype=torch.bool).scatter(
+            1, scores.topk(self.topk)[1], True
+        )
+        coeff, tp = self.config.moe_aux_loss_coeff, self.tp_group
+        if self.config.moe_router_load_balancing_type == "seq_aux_loss":
+            # Sequences side by side as b E "experts": the sum of b per-sequence losses.
+            scores, chosen = scores.reshape(s, -1), chosen.reshape(s, -1)
+            counts = reduce_from_tensor_model_parallel_region(chosen.sum(0).float(), tp)
+            total = s * tp.size
+            loss = (
+                aux_losses.load_balancing_loss(
+                    scores, counts, total, self.topk, self.experts, coeff
+                )
+                / b
+            )  # the mean over the sequences
+            name = "seq_load_balancing_loss"
+        elif self.config.moe_router_load_balancing_type == "aux_loss":
+            counts = reduce_from_tensor_model_parallel_region(chosen.sum(0).float(), tp)
+            total = scores.shape[0] * tp.size
+            loss = aux_losses.load_balancing_loss(
+                scores, counts, total, self.topk, self.experts, coeff
+            )
+            name = "load_balancing_loss"
+        else:
+            return probs
+        self._record(name, loss / coeff)
+        return aux_losses.attach(probs, loss)
+
+    def _record(self, name: str, value: torch.Tensor) -> None:
+        value = value.detach().float()
+        self.metrics[name] = self.metrics[name] + value if name in self.metrics else value
+
+    def sharded_state_dict(self, prefix: str = "") -> dict[str, ShardedTensor]:
+        tensors = {"weight": self.weight}
+        if self.expert_bias is not None:
+            tensors["expert_bias"] = self.expert_bias
+        return {
+            prefix + name: ShardedTensor.from_rank(
+                prefix + name, data, None, 0, 1, replica_id=self.tp_group.rank
+            )
+            for name, data in tensors.items()
+        }
+
+
+def expert_capacity(tokens: int, topk: int, experts: int, factor: float) -> int:
+    """Megatron's get_capacity: ceil(tokens * topk / experts * factor)."""
+    return math.ceil(tokens * topk / experts * factor)
+
+
+def capacity_mask(
+    probs: torch.Tensor, routing_map: torch.Tensor, topk: int, factor: float, policy: str
+) -> torch.Tensor:
+    """[T, E] bool: the token slots each expert keeps under its capacity."""
+    tokens, experts = probs.shape
+    capacity = expert_capacity(tokens, topk, experts, factor)
+    if capacity > tokens:
+        return torch.ones_like(routing_map)
+    if policy == "probs":
+        kept = probs.topk(capacity, dim=0).indices
+    else:
+        # The first `capacity` routed tokens of each expert; unrouted ones after them.
+        order = (
+            torch.where(routing_map, 0, tokens) + torch.arange(tokens, device=probs.device)[:, None]
+        )
+        kept = order.topk(capacity, dim=0, largest=False).indices
+    return torch.zeros_like(routing_map).scatter(0, kept, True)
+
+
+def routers_of(modules) -> list[TopKRouter]:
+    """Every router in the given modules (model chunks), in module order."""
+    return [m for module in modules for m in module.modules() if isinstance(m, TopKRouter)]
+
+
+def take_metrics(routers: list[TopKRouter]) -> dict[str, torch.Tensor]:
+    """Per auxiliary loss, its value summed over the routers' micro-batches since the last
+    call (this rank's part); resets them."""
+    totals: dict[str, torch.Tensor] = {}
+    for router in routers:
+        for name, value in router.metrics.items():
+            totals[name] = totals[name] + value if name in totals else value
+        router.metrics = {}
+    return totals
+
+
+def update_expert_biases(routers: list[TopKRouter], group: RankGroup) -> None:
+    """After a step's micro-batches: sum each router's token counts over `group` (every rank
+    of this pipeline stage: tp x dp x cp) and move its bias by rate * sign(mean - count)."""
+    routers = [r for r in routers if r.expert_bias is not None]
+    if not routers:
+        return
+    counts = torch.stack([r.local_tokens_per_expert for r in routers])
+    if group.size > 1:
+        dist.all_reduce(counts, group=group.group)
+    with torch.no_grad():
+        for router, count in zip(routers, counts, strict=True):
+            offset = count.mean() - count
+            router.expert_bias += torch.sign(offset) * router.config.moe_router_bias_update_rate
+            router.local_tokens_per_expert.zero_()

@@ -1,0 +1,218 @@
+"""The MoE layer's parts in one process: routing rules, capacity, auxiliary losses, the
+grouped matmul, and the whole layer against a token-by-token reference."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mp_layers import ModelGroups, TransformerConfig
+from mp_layers.moe import (
+    MoELayer,
+    TopKRouter,
+    capacity_mask,
+    expert_capacity,
+    grouped_matmul,
+    routers_of,
+    set_aux_loss_scale,
+    take_metrics,
+    update_expert_biases,
+)
+
+H, E = 16, 4
+ALONE = ModelGroups.single()
+
+
+def config(**settings) -> TransformerConfig:
+    base = dict(num_layers=1, hidden_size=H, num_attention_heads=2, activation="swiglu",
+                add_bias_linear=False, num_moe_experts=E, moe_ffn_hidden_size=8, ffn_hidden_size=32,
+                hidden_dropout=0.0, attention_dropout=0.0)  # fmt: skip
+    return TransformerConfig(**base | settings)
+
+
+def routed(router: TopKRouter, x: torch.Tensor):
+    probs, routing_map = router(x)
+    return probs, routing_map, x.reshape(-1, H) @ router.weight.t()
+
+
+def test_softmax_routing_renormalizes_the_top_k_like_mixtral():
+    router = TopKRouter(config(), ALONE.tp)
+    probs, routing_map, logits = routed(router, torch.randn(5, 2, H))
+    full = torch.softmax(logits, -1)
+    top, chosen = full.topk(2)
+    want = torch.zeros_like(full).scatter(1, chosen, top / top.sum(-1, keepdim=True))
+    torch.testing.assert_close(probs, want)
+    assert routing_map.sum(-1).eq(2).all() and torch.equal(routing_map, want > 0)
+
+
+def test_pre_softmax_keeps_the_full_softmax_weights_and_scaling_multiplies():
+    router = TopKRouter(config(moe_router_pre_softmax=True, moe_router_topk_scaling_factor=2.5),
+                        ALONE.tp)  # fmt: skip
+    probs, _, logits = routed(router, torch.randn(5, 2, H))
+    full = torch.softmax(logits, -1)
+    top, chosen = full.topk(2)
+    torch.testing.assert_close(probs, torch.zeros_like(full).scatter(1, chosen, 2.5 * top))
+
+
+def test_sigmoid_scores_are_normalized_and_the_expert_bias_only_chooses():
+    router = TopKRouter(config(moe_router_score_function="sigmoid",
+                               moe_router_enable_expert_bias=True), ALONE.tp)  # fmt: skip
+    x = torch.randn(6, 1, H)
+    router.expert_bias.copy_(torch.tensor([0.0, 0.0, 10.0, 10.0]))
+    probs, routing_map, logits = routed(router, x)
+    assert routing_map[:, 2:].all() and not routing_map[:, :2].any()
+    scores = torch.sigmoid(logits[:, 2:])
+    torch.testing.assert_close(probs[:, 2:], scores / scores.sum(-1, keepdim=True))
+
+
+def test_capacity_keeps_megatrons_tokens():
+    # 6 tokens, top-1 over 2 experts, factor 1: capacity ceil(6 * 1 / 2 * 1) = 3.
+    probs = torch.tensor([[0.9, 0], [0.8, 0], [0.95, 0], [0.7, 0], [0, 0.6], [0.99, 0]])
+    routing_map = probs > 0
+    assert expert_capacity(6, 1, 2, 1.0) == 3
+    by_probs = capacity_mask(probs, routing_map, 1, 1.0, "probs") & routing_map
+    assert by_probs[:, 0].nonzero().flatten().tolist() == [0, 2, 5]
+    by_position = capacity_mask(probs, routing_map, 1, 1.0, "position") & routing_map
+    assert by_position[:, 0].nonzero().flatten().tolist() == [0, 1, 2]
+    assert by_probs[4, 1] and by_position[4, 1]
+    padded = capacity_mask(probs, routing_map, 1, 1.0, "position")
+    assert padded.sum(0).tolist() == [3, 3] and padded[:, 1].nonzero().flatten().tolist() == [
+        0, 1, 4
+    ]  # fmt: skip
+    # A capacity above the token count drops nothing.
+    assert capacity_mask(probs, routing_map, 1, 3.0, "probs").all()
+
+
+def test_router_drops_over_capacity_and_pads():
+    x = torch.randn(8, 1, H)
+    dropping = TopKRouter(config(moe_expert_capacity_factor=0.5), ALONE.tp)
+    probs, routing_map = dropping(x)
+    capacity = math.ceil(8 * 2 / E * 0.5)
+    assert routing_map.sum(0).le(capacity).all() and routing_map.sum() < 16
+    assert torch.equal(probs > 0, routing_map)
+    padding = TopKRouter(config(moe_expert_capacity_factor=0.5,
+                                moe_pad_expert_input_to_capacity=True), ALONE.tp)  # fmt: skip
+    padding.load_state_dict(dropping.state_dict())
+    _, padded_map = padding(x)
+    assert padded_map.sum(0).eq(capacity).all()
+
+
+def test_auxiliary_losses_have_their_formulas_and_reach_the_router_weight():
+    router = TopKRouter(config(moe_aux_loss_coeff=0.1, moe_z_loss_coeff=0.01), ALONE.tp)
+    x = torch.randn(6, 2, H)
+    probs, routing_map, logits = routed(router, x)
+    metrics = take_metrics([router])
+    scores = torch.softmax(logits, -1)
+    counts = routing_map.sum(0).float()
+    tokens = 12
+    balance = E / (2 * tokens**2) * (scores.sum(0) * counts).sum()
+    z = torch.logsumexp(logits, -1).square().mean()
+    torch.testing.assert_close(metrics["load_balancing_loss"], balance.detach())
+    torch.testing.assert_close(metrics["z_loss"], z.detach())
+    assert take_metrics([router]) == {}
+    # Backward of nothing but the router's output: the losses' gradients alone, scaled.
+    set_aux_loss_scale(3.0)
+    try:
+        (probs * 0).sum().backward()
+    finally:
+        set_aux_loss_scale(1.0)
+    want = torch.autograd.grad(3.0 * (0.1 * balance + 0.01 * z), router.weight)[0]
+    torch.testing.assert_close(router.weight.grad, want)
+
+
+def test_sequence_aux_loss_averages_the_per_sequence_losses():
+    settings = dict(moe_aux_loss_coeff=1.0, moe_router_load_balancing_type="seq_aux_loss")
+    router = TopKRouter(config(**settings), ALONE.tp)
+    x = torch.randn(5, 3, H)
+    _, _, logits = routed(router, x)
+    got = take_metrics([router])["seq_load_balancing_loss"]
+    per_sequence = []
+    for j in range(3):
+        seq_logits = logits.view(5, 3, E)[:, j]
+        scores = torch.softmax(seq_logits, -1)
+        counts = torch.zeros(E).scatter_add(0, scores.topk(2).indices.flatten(), torch.ones(10))
+        per_sequence.append(E / (2 * 25) * (scores.sum(0) * counts).sum())
+    torch.testing.assert_close(got, torch.stack(per_sequence).mean().detach())
+
+
+def test_expert_bias_moves_towards_the_underloaded_experts():
+    router = TopKRouter(config(moe_router_score_function="sigmoid",
+                               moe_router_enable_expert_bias=True,
+                               moe_router_bias_update_rate=0.5), ALONE.tp)  # fmt: skip
+    router.local_tokens_per_expert.copy_(torch.tensor([4.0, 0.0, 2.0, 2.0]))
+    update_expert_biases(routers_of([router]), ALONE.tp)
+    assert router.expert_bias.tolist() == [-0.5, 0.5, 0.0, 0.0]
+    assert router.local_tokens_per_expert.eq(0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("width", [16, 6])  # 6: rows the kernel cannot take, one matmul each
+def test_grouped_matmul_equals_one_matmul_per_group(dtype, width):
+    x = torch.randn(10, 8, dtype=dtype, requires_grad=True)
+    w = torch.randn(3, width, 8, dtype=dtype, requires_grad=True)
+    counts = [4, 0, 6]
+    outs = []
+    for grouped in (True, False):
+        out = grouped_matmul(x, w.transpose(1, 2), counts, grouped)
+        grads = torch.autograd.grad(out.sum(), (x, w))
+        outs.append((out, *grads))
+    for got, want in zip(*outs, strict=True):
+        torch.testing.assert_close(got, want)
+    torch.testing.assert_close(outs[0][0][4:], x[4:] @ w[2].t())
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+def test_moe_layer_equals_a_token_by_token_reference(grouped):
+    cfg = config(moe_shared_expert_intermediate_size=12, moe_shared_expert_gate=True,
+                 moe_grouped_gemm=grouped)  # fmt: skip
+    layer = MoELayer(cfg, ALONE)
+    x = torch.randn(5, 2, H)
+    out, bias = layer(x)
+    assert bias is None
+    probs, _ = layer.router(x)
+    tokens = x.reshape(-1, H)
+    gate, up = layer.experts.weight1.chunk(2, dim=1)
+    want = []
+    for t, token in enumerate(tokens):
+        total = torch.zeros(H)
+        for e in probs[t].nonzero().flatten().tolist():
+            inner = F.silu(gate[e] @ token) * (up[e] @ token)
+            total += probs[t, e] * (layer.experts.weight2[e] @ inner)
+        want.append(total)
+    shared = layer.shared_experts
+    s_gate, s_up = shared.linear_fc1.weight.chunk(2)
+    shared_out = shared.linear_fc2.weight @ (F.silu(s_gate @ tokens.t()) * (s_up @ tokens.t()))
+    want = torch.stack(want) + torch.sigmoid(tokens @ shared.gate_weight.t()) * shared_out.t()
+    torch.testing.assert_close(out.reshape(-1, H), want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        (dict(moe_router_topk=5), "moe_router_topk=5 exceeds num_moe_experts=4"),
+        (dict(add_bias_linear=True), "add_bias_linear=True with num_moe_experts"),
+        (dict(moe_layer_freq=[1, 0]), r"moe_layer_freq=\[1, 0\] must be an integer or 1"),
+        (dict(moe_pad_expert_input_to_capacity=True), "needs moe_expert_capacity_factor"),
+        (dict(moe_router_enable_expert_bias=True), "needs moe_router_score_function='sigmoid'"),
+        (dict(num_moe_experts=None, moe_aux_loss_coeff=0.1), "moe_aux_loss_coeff=0.1 needs"),
+    ],
+)
+def test_moe_settings_are_checked(settings, message):
+    with pytest.raises(ValueError, match=message):
+        config(**settings)
+
+
+@pytest.mark.parametrize(
+    ("sizes", "settings", "message"),
+    [
+        ((1, 1, 3, 1), {}, "expert_model_parallel_size=3 does not divide num_moe_experts=4"),
+        ((1, 1, 1, 3), {}, "expert_tensor_parallel_size=3 does not divide moe_ffn"),
+        ((2, 1, 1, 2), {}, "needs sequence_parallel=True"),
+        ((1, 2, 1, 1), {}, "context_parallel_size=2"),
+        ((1, 1, 2, 1), dict(num_moe_experts=None), "expert_model_parallel_size=2 needs"),
+    ],
+)
+def test_expert_layouts_are_checked(sizes, settings, message):
+    with pytest.raises(ValueError, match=message):
+        config(**settings).check_parallel(*sizes)
