@@ -1,4 +1,5 @@
-"""generate.py gives the same greedy text at TP 1 and TP 2 from one checkpoint."""
+"""generate.py gives the same greedy text at TP 1 and TP 2 from one checkpoint, and at
+EP 1 and EP 2 from a mixture-of-experts checkpoint trained at EP 2."""
 
 import argparse
 from pathlib import Path
@@ -10,7 +11,7 @@ from mp_state.testing import run_on_ranks
 CONFIG = Path(__file__).resolve().parents[1] / "apps" / "gpt" / "configs" / "tiny.yaml"
 
 
-def train_body(run_dir: str):
+def train_body(run_dir: str, config: Path = CONFIG, *layout: str):
     import os
 
     import torch
@@ -20,16 +21,16 @@ def train_body(run_dir: str):
     from mp_gpt.pretrain import main
 
     return main([
-        "--config", str(CONFIG), "--mock-data", "--tokenizer-type", "NullTokenizer",
+        "--config", str(config), "--mock-data", "--tokenizer-type", "NullTokenizer",
         "--vocab-size", "1000", "--make-vocab-size-divisible-by", "512", "--seq-length", "32",
         "--micro-batch-size", "2", "--global-batch-size", "2", "--train-iters", "3",
         "--eval-interval", "none", "--save", run_dir, "--load", run_dir,
         "--tensorboard-dir", "none", "--num-workers", "0", "--lr-warmup-iters", "0",
-        "--log-interval", "100",
+        "--log-interval", "100", *layout,
     ])  # fmt: skip
 
 
-def generate_body(run_dir: str, tp: int):
+def generate_body(run_dir: str, tp: int, *extra: str):
     import torch
 
     torch.set_num_threads(1)
@@ -45,7 +46,7 @@ def generate_body(run_dir: str, tp: int):
         seed=0,
         tensor_model_parallel_size=tp,
     )
-    return run_generation(args, [])
+    return run_generation(args, list(extra))
 
 
 @pytest.mark.multirank
@@ -56,3 +57,15 @@ def test_greedy_text_is_the_same_at_tp_1_and_2(tmp_path):
     assert one[0] == two[0] == two[1]
     assert one[0].startswith("1 2 3 ")
     assert len(one[0].split()) == 3 + 12  # NullTokenizer text: the ids, spaced
+
+
+@pytest.mark.multirank
+def test_greedy_text_of_a_moe_checkpoint_is_the_same_at_ep_1_and_2(tmp_path):
+    moe = CONFIG.with_name("tiny-moe.yaml")
+    run_on_ranks(train_body, 2, str(tmp_path), moe, "--expert-model-parallel-size", "2",
+                 "--global-batch-size", "4", timeout=120)  # fmt: skip
+    one = run_on_ranks(generate_body, 1, str(tmp_path), 1, timeout=120)
+    two = run_on_ranks(generate_body, 2, str(tmp_path), 1, "--expert-model-parallel-size", "2",
+                       timeout=120)  # fmt: skip
+    assert one[0] == two[0] == two[1]
+    assert len(one[0].split()) == 3 + 12

@@ -31,6 +31,7 @@ MB = 2**20
 #                 data-parallel size, micro-batches per iteration)
 CONFIGS = {
     "tiny.yaml": (2, 4096, 2, 2),
+    "tiny-moe.yaml": (2, 4096, 2, 2),
     "gpt2-125m.yaml": (8, 50257, 8, 8),
     "llama-1b.yaml": (16, 128256, 8, 32),
     "llama-8b.yaml": (64, 128256, 8, 16),

@@ -17,6 +17,9 @@ def _validate(*flags: str, world: int = 4) -> dict[str, int]:
     return validate(parse_config([*BASE, *flags]), world)
 
 
+MOE = ["--num-experts", "4", "--moe-ffn-hidden-size", "32", "--disable-bias-linear"]
+
+
 def test_the_layouts_validate():
     assert _validate("--tensor-model-parallel-size", "2")["data_parallel_size"] == 2
     assert _validate("--pipeline-model-parallel-size", "2")["data_parallel_size"] == 2
@@ -28,16 +31,31 @@ def test_the_layouts_validate():
     assert _validate(*cp) == {"data_parallel_size": 2, "global_batch_size": 2,
                               "num_microbatches": 1}  # fmt: skip
     assert _validate(*cp, "--cp-comm-type", "a2a")
+    # Experts split over 2 of 4 data-parallel ranks; expert TP 1 beside TP 2 + SP.
+    ep = [*MOE, "--expert-model-parallel-size", "2"]
+    assert _validate(*ep)["data_parallel_size"] == 4
+    tp = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+    assert _validate(*ep, *tp, "--expert-tensor-parallel-size", "1")["data_parallel_size"] == 2
 
 
 @pytest.mark.parametrize(
     ("flags", "world", "message"),
     [
-        (["--expert-model-parallel-size", "2"], 4, r"^expert_model_parallel_size=2: .* no mixture"),
+        (["--expert-model-parallel-size", "2"], 4, r"^expert_model_parallel_size=2 needs num_moe"),
         (
             ["--tensor-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"],
             4,
-            r"^expert_tensor_parallel_size=1: .* follows tensor_model_parallel_size=2",
+            r"^expert_tensor_parallel_size=1 needs num_moe_experts",
+        ),
+        (
+            [*MOE, "--expert-model-parallel-size", "3"],
+            6,
+            r"^expert_model_parallel_size=3 does not divide num_moe_experts=4",
+        ),
+        (
+            [*MOE, "--tensor-model-parallel-size", "2"],
+            4,
+            r"needs sequence_parallel=True",
         ),
         (
             ["--context-parallel-size", "3", "--attention-dropout", "0"],

@@ -8,7 +8,7 @@ the field and the value.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -148,7 +148,9 @@ class TransformerConfig:
 
     # --- Mixture of experts (Megatron's --num-experts and --moe-* options) ---------------
 
-    num_moe_experts: int | None = None
+    num_moe_experts: int | None = field(
+        default=None, metadata={"argparse_meta": {"names": ["--num-experts"]}}
+    )
     """Routed experts of each MoE layer (Megatron's --num-experts); None: a dense model."""
 
     moe_ffn_hidden_size: int | None = None
@@ -203,8 +205,9 @@ class TransformerConfig:
     """Scale the shared expert's output by sigmoid(x . w) with a learned w [1, h]
     (Qwen2-MoE's shared_expert_gate)."""
 
-    moe_layer_freq: int | list[int] = 1
-    """Which layers are MoE: every N-th (layer i when i % N == 0), or one 0/1 per layer."""
+    moe_layer_freq: list[int] = field(default_factory=lambda: [1])
+    """Which layers are MoE: one value N, every N-th (layer i when i % N == 0); or one 0/1
+    per layer (num_layers values). An int N is taken as [N]."""
 
     moe_token_dispatcher_type: Literal["alltoall", "allgather"] = "allgather"
     """How tokens reach experts on other expert-parallel ranks: an all-to-all of each
@@ -394,8 +397,10 @@ class TransformerConfig:
             return [False] * self.num_layers
         freq = self.moe_layer_freq
         if isinstance(freq, int) and not isinstance(freq, bool):
-            _positive("moe_layer_freq", freq)
-            return [i % freq == 0 for i in range(self.num_layers)]
+            freq = [freq]
+        if len(freq) == 1 and self.num_layers > 1:
+            _positive("moe_layer_freq", freq[0])
+            return [i % freq[0] == 0 for i in range(self.num_layers)]
         pattern = list(freq)
         if len(pattern) != self.num_layers or any(x not in (0, 1) for x in pattern):
             raise ValueError(

@@ -35,6 +35,7 @@ from mp_ckpt import (
     read_metadata,
     read_tracker,
 )
+from mp_layers.moe import is_expert_key
 from mp_train.setup import Run, TrainState
 
 __all__ = ["load_run_checkpoint", "prepare_run_checkpointer", "run_pieces", "save_run_checkpoint"]
@@ -48,9 +49,12 @@ def run_pieces(run: Run, *, with_optimizer: bool) -> dict[str, ShardedTensor]:
     pieces: dict[str, ShardedTensor] = {}
     for chunk in run.model:
         for key, p in chunk.sharded_state_dict().items():
+            # Experts' pieces already name their replicas (the expert data-parallel ranks);
+            # every other piece is replicated over the data-parallel ranks.
+            replica = p.replica_id if is_expert_key(key) else p.replica_id * dp.size + dp.rank
             pieces[key] = ShardedTensor(
-                p.key, p.data, p.global_shape, p.global_offset,
-                p.replica_id * dp.size + dp.rank, p.flattened_range, p.local_shape,
+                p.key, p.data, p.global_shape, p.global_offset, replica, p.flattened_range,
+                p.local_shape,
             )  # fmt: skip
     if with_optimizer:
         pieces.update(run.optimizer.sharded_state_dict()["state"])

@@ -184,8 +184,7 @@ def validate(config: RunConfig, world_size: int) -> dict[str, int]:
     """Checks the rules spanning parts; returns the derived sizes (data_parallel_size,
     global_batch_size, num_microbatches). Raises ValueError naming fields and values."""
     parallel, training = config.parallel, config.training
-    _refuse_unimplemented_parallelism(parallel)
-    _check_context_parallel(config)
+    _check_model_parallel(config)
     model_parallel = (
         parallel.tensor_model_parallel_size
         * parallel.pipeline_model_parallel_size
@@ -258,27 +257,20 @@ def validate(config: RunConfig, world_size: int) -> dict[str, int]:
     return {"data_parallel_size": dp, "global_batch_size": gbs, "num_microbatches": microbatches}
 
 
-def _refuse_unimplemented_parallelism(parallel: ParallelConfig) -> None:
-    # The expert rank groups exist (mp_state plans and creates them), but the model has no
-    # mixture-of-experts layers yet: run approximately, such a layout would train something
-    # other than what it names, so it is refused.
-    if parallel.expert_model_parallel_size > 1:
+def _check_model_parallel(config: RunConfig) -> None:
+    parallel = config.parallel
+    cp = parallel.context_parallel_size
+    config.model.check_parallel(
+        parallel.tensor_model_parallel_size, cp, parallel.expert_model_parallel_size,
+        parallel.expert_tensor_parallel_size,
+    )  # fmt: skip
+    if parallel.expert_tensor_parallel_size != parallel.tensor_model_parallel_size and (
+        config.model.num_moe_experts is None
+    ):
         raise ValueError(
-            f"expert_model_parallel_size={parallel.expert_model_parallel_size}: the model has "
-            "no mixture-of-experts layers yet, so there are no experts to split; use "
-            "expert_model_parallel_size=1"
+            f"expert_tensor_parallel_size={parallel.expert_tensor_parallel_size} needs "
+            "num_moe_experts (a MoE model); leave it unset"
         )
-    if parallel.expert_tensor_parallel_size != parallel.tensor_model_parallel_size:
-        raise ValueError(
-            f"expert_tensor_parallel_size={parallel.expert_tensor_parallel_size}: the model "
-            "has no mixture-of-experts layers yet; leave it unset (it follows "
-            f"tensor_model_parallel_size={parallel.tensor_model_parallel_size})"
-        )
-
-
-def _check_context_parallel(config: RunConfig) -> None:
-    cp = config.parallel.context_parallel_size
-    config.model.check_parallel(config.parallel.tensor_model_parallel_size, cp)
     if cp == 1:
         return
     seq = config.gpt.seq_length

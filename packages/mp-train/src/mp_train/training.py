@@ -45,6 +45,7 @@ from mp_train.checkpointing import (
 )
 from mp_train.config import RunConfig
 from mp_train.metrics import MetricsLogger
+from mp_train.moe_step import MoEStep
 from mp_train.setup import Initialized, ModelProvider, Run, setup_run
 from mp_train.signals import DistributedSignalHandler
 
@@ -112,6 +113,7 @@ def _train(run: Run, forward_step_func, train_iter, valid_iter, checkpointer,
     for chunk in run.model:
         chunk.train()
     schedule = _schedule(run)
+    experts = MoEStep(config.model, run.model, run.state, config.optimizer.fp16)
     start = time.time()
     handler = DistributedSignalHandler() if training.exit_signal_handler else None
     with handler or contextlib.nullcontext():
@@ -121,6 +123,7 @@ def _train(run: Run, forward_step_func, train_iter, valid_iter, checkpointer,
             global_batch = run.calculator.global_batch(run.train.consumed_train_samples)
             num_microbatches = run.calculator.num_microbatches(run.train.consumed_train_samples)
             run.optimizer.zero_grad()
+            experts.before(run.optimizer, num_microbatches)
             barrier = config.logging.barrier_with_L1_time
             run.timers("forward-backward", log_level=1).start(barrier=barrier)
             reports = schedule(
@@ -128,7 +131,8 @@ def _train(run: Run, forward_step_func, train_iter, valid_iter, checkpointer,
                 num_microbatches=num_microbatches, config=run.pipeline, pp_group=run.state.pp,
             )  # fmt: skip
             run.timers("forward-backward", log_level=1).stop()
-            losses = reduce_reports(reports)
+            experts.after_backward()
+            losses = reduce_reports(reports) | experts.aux_losses(num_microbatches)
             checked = training.check_for_nan_in_loss_and_grad or training.skip_nan_loss_iterations
             bad_loss = checked and _nonfinite_anywhere(losses)
             if bad_loss and not training.skip_nan_loss_iterations:

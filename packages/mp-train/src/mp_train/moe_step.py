@@ -1,0 +1,71 @@
+"""What a training step does for mixture-of-experts layers, beside the schedule (which
+knows nothing of them):
+
+- before the micro-batches: the factor the routers' auxiliary losses get in backward,
+  the one the main loss gets (the loss scale / the number of micro-batches);
+- after them: the expert biases of auxiliary-loss-free balancing move (their token
+  counts summed over the stage's tp x dp x cp ranks, Megatron's finalize step);
+- for the log: each auxiliary loss (divided by its coefficient, as Megatron logs it)
+  per micro-batch, summed over tensor-parallel parts and pipeline stages, averaged over
+  data-parallel ranks and over the model's MoE layers: `load_balancing_loss` (or
+  `seq_load_balancing_loss`) and `z_loss`, beside `lm loss`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from mp_layers import moe
+from mp_layers.config import TransformerConfig
+from mp_state import ParallelState
+
+__all__ = ["MoEStep", "aux_loss_names"]
+
+
+def aux_loss_names(model: TransformerConfig) -> list[str]:
+    """The auxiliary losses a model's routers record in training, in log order."""
+    if model.num_moe_experts is None:
+        return []
+    names = []
+    balancing = model.moe_router_load_balancing_type
+    if model.moe_aux_loss_coeff > 0 and balancing != "none":
+        names.append(
+            "seq_load_balancing_loss" if balancing == "seq_aux_loss" else "load_balancing_loss"
+        )
+    if model.moe_z_loss_coeff:
+        names.append("z_loss")
+    return names
+
+
+class MoEStep:
+    def __init__(self, model_config: TransformerConfig, chunks, state: ParallelState,
+                 fp16: bool) -> None:  # fmt: skip
+        self.routers = moe.routers_of(chunks)
+        self.names = aux_loss_names(model_config)
+        self.moe_layers = sum(model_config.moe_layer_pattern())
+        self.state, self.fp16 = state, fp16
+
+    def before(self, optimizer, num_microbatches: int) -> None:
+        scale = optimizer.get_loss_scale() if self.fp16 else 1.0
+        moe.set_aux_loss_scale(scale / num_microbatches)
+
+    def after_backward(self) -> None:
+        moe.update_expert_biases(self.routers, self.state.tp_dp_cp)
+
+    def aux_losses(self, num_microbatches: int) -> dict[str, float]:
+        """The logged auxiliary losses of the step (collective over every rank)."""
+        if not self.names:
+            return {}
+        taken = moe.take_metrics(self.routers)
+        values = torch.stack([taken.get(n, torch.zeros(())).float() for n in self.names])
+        if dist.get_backend() == "nccl":
+            values = values.cuda()
+        for group in (self.state.tp, self.state.pp):
+            if group.size > 1:
+                dist.all_reduce(values, group=group.group)
+        dp = self.state.dp
+        if dp.size > 1:
+            dist.all_reduce(values, group=dp.group)
+        values = values.cpu() / (dp.size * num_microbatches * self.moe_layers)
+        return {name: float(v) for name, v in zip(self.names, values, strict=True)}
