@@ -256,6 +256,8 @@ def test_import_then_export_gives_back_every_tensor_and_config(tmp_path, arch, f
         ("mixtral", "moe_router_score_function", "sigmoid", "moe_router_score_function='sigmoid'"),
         ("qwen2_moe", "moe_router_topk_scaling_factor", 2.5, "moe_router_topk_scaling_factor=2.5"),
         ("qwen2_moe", "moe_router_topk", None, "moe_router_topk=None"),
+        ("mixtral", "moe_expert_capacity_factor", 1.0, "moe_expert_capacity_factor=1.0"),
+        ("qwen2_moe", "moe_router_enable_expert_bias", True, "moe_router_enable_expert_bias=True"),
     ],
 )  # fmt: skip
 def test_export_refuses_a_routing_it_cannot_write(tmp_path, capsys, arch, field, value, message):

@@ -151,12 +151,19 @@ def _check_routing(settings: dict, arch: str, pre_softmax: bool | None) -> int:
     topk = settings.get("moe_router_topk")
     if not isinstance(topk, int) or topk < 1:
         raise ValueError(f"model_config moe_router_topk={topk!r}: the {arch} export needs it")
-    checks = [("moe_router_score_function", "softmax"), ("moe_router_topk_scaling_factor", None)]
+    # transformers' experts take every routed token (no capacity) and route on the scores
+    # alone (no expert bias)
+    checks = [
+        ("moe_router_score_function", "softmax"),
+        ("moe_router_topk_scaling_factor", None),
+        ("moe_expert_capacity_factor", None),
+        ("moe_router_enable_expert_bias", False),
+    ]
     if pre_softmax is not None:
         checks.append(("moe_router_pre_softmax", pre_softmax))
     for field, supported in checks:
         value = settings.get(field, supported)
-        if value != supported and not (field.endswith("factor") and value == 1.0):
+        if value != supported and not (field == "moe_router_topk_scaling_factor" and value == 1.0):
             raise ValueError(
                 f"model_config {field}={value!r}: {arch} computes only {field}={supported!r}"
             )
