@@ -397,6 +397,12 @@ TRAINED_STYLES = {
     "llama": ["--use-rope-scaling", "--rope-scaling-factor", "4",
               "--rope-scaling-original-max-position-embeddings", "64",
               "--rotary-base", "500000", "--untie-embeddings-and-output-weights"],
+    "mixtral": ["--num-moe-experts", "4", "--moe-ffn-hidden-size", "96", "--moe-router-topk", "2",
+                "--moe-aux-loss-coeff", "0.01", "--untie-embeddings-and-output-weights"],
+    # layer 0 sparse, layer 1 dense; the top 2 of the full softmax, not renormalized
+    "qwen2_moe": ["--num-moe-experts", "4", "--moe-ffn-hidden-size", "96", "--moe-router-topk",
+                  "2", "--moe-router-pre-softmax", "--moe-shared-expert-intermediate-size", "64",
+                  "--moe-shared-expert-gate", "--moe-layer-freq", "2", "--add-qkv-bias"],
 }  # fmt: skip
 
 
