@@ -35,6 +35,7 @@ CONFIGS = {
     "gpt2-125m.yaml": (8, 50257, 8, 8),
     "llama-1b.yaml": (16, 128256, 8, 32),
     "llama-8b.yaml": (64, 128256, 8, 16),
+    "mixtral-8x7b.yaml": (64, 32000, 8, 32),
 }
 
 
@@ -162,6 +163,88 @@ def test_llama_8b_layout():
     # The layout holds at other cluster sizes with the same batch: 32 nodes, and 2.
     assert validate(config, 256)["num_microbatches"] == 4
     assert validate(config, 16)["num_microbatches"] == 64
+
+
+def test_mixtral_8x7b_estimate_by_hand():
+    config = load("mixtral-8x7b.yaml")
+    result = estimate(config, 64, vocab_size=32000)
+    print("mixtral-8x7b.yaml at 64 ranks:", result)
+    h, a, g, d, E, k, f, L, V, s = 4096, 32, 8, 128, 8, 2, 14336, 32, 32000, 4096
+    t, p, e, B = 2, 4, 8, 256
+
+    # Parameters. Per layer: attention 2hd(a + g) = 41,943,040; 8 SwiGLU experts 3hfE =
+    # 1,409,286,144; the router hE = 32,768; two RMSNorms 2h = 8,192: 1,451,270,144. The
+    # block: 32 layers + the final norm 4,096 = 46,440,648,704. Untied embedding and
+    # output layer 2hV = 262,144,000 (V stays 32,000: make_vocab_size_divisible_by 128 x
+    # t 2 = 256 divides it). Total 46,702,792,704: Mixtral-8x7B's 46.7B (Jiang et al.
+    # 2024, "Mixtral of Experts"; the Hugging Face model's count to the parameter).
+    attention = 2 * h * d * (a + g)
+    experts = 3 * h * f * E
+    layer = attention + experts + h * E + 2 * h
+    assert layer == 1_451_270_144
+    assert result["padded_vocab_size"] == V
+    assert result["num_parameters"] == L * layer + h + 2 * h * V == 46_702_792_704
+    # Per token only k = 2 of the 8 experts run: 46,702,792,704 - 32 x 6/8 x experts =
+    # 12,879,925,248, the published 12.9B active parameters.
+    active = L * (layer - experts + experts * k // E) + h + 2 * h * V
+    assert result["num_active_parameters"] == active == 12_879_925_248
+    assert active == pytest.approx(12.9e9, rel=5e-3)
+
+    # Weights and optimizer of the most loaded rank. Dense: the first stage's quarter of
+    # the non-expert block and the embedding, over t: ((46,440,648,704 - 32 x
+    # 1,409,286,144) / 4 + 131,072,000) / 2 = 233,472,512 at 6 + 12 / dp 8 = 7.5 bytes.
+    # Experts: 8 layers' experts over e x expert-t = 8: 1,409,286,144 (one expert per
+    # layer) at 6 + 12 / expert-dp 2 = 12 bytes (each stage's 16 ranks are 8 x 2).
+    dense = ((L * (layer - experts) + h) / p + h * V) / t
+    assert result["parameters_on_most_loaded_shard"] == dense == 233_472_512
+    expert_shard = L * experts / p / e
+    assert result["expert_parameters_on_most_loaded_shard"] == expert_shard == 1_409_286_144
+    assert config.parallel.expert_data_parallel_size(64) == 2
+    weights = dense * 7.5 + expert_shard * 12
+    assert weights == 18_662_477_568
+    assert result["weight_and_optimizer_mb"] == pytest.approx(weights / MB)  # 17,798 MB
+
+    # Activations (sequence parallel + selective recompute), f replaced by k f = 28,672:
+    # sbh(18 + 4kf/h) / t = 16,777,216 x 46 / 2 = 385,875,968 bytes a layer, x 32 layers
+    # (p micro-batches in flight x L / p), plus (8sb + sbh) / t per in-flight micro-batch:
+    # 4 x 8,404,992. Total 12,381,650,944 bytes = 11,808 MB.
+    sbh = s * h
+    activations = sbh * (18 + 4 * k * f / h) / t * L + (8 * s + sbh) / t * p
+    assert activations == 12_381_650_944
+    assert result["activation_mb"] == pytest.approx(activations / MB)
+
+    # FLOPs per token: 6[h(ad + 2gd) + ad s + ad h] = 6 x 58,720,256 for attention and
+    # 6 x 3hkf = 6 x 352,321,536 for the two experts a token visits, per layer; 6hV for
+    # the logits: 6 x 13,284,409,344 = 79,706,456,064, times B s = 256 x 4096 tokens.
+    per_token = 6 * (L * (h * (a * d + 2 * g * d) + a * d * s + a * d * h + 3 * h * k * f)
+                     + h * V)  # fmt: skip
+    assert per_token == 79_706_456_064
+    assert result["flops_per_iteration"] == per_token * B * s == 83_578_276_873_764_864
+
+
+def test_mixtral_8x7b_layout():
+    config = load("mixtral-8x7b.yaml")
+    parallel, model, optimizer = config.parallel, config.model, config.optimizer
+    assert (parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size) == (2, 4)
+    assert (parallel.expert_model_parallel_size, parallel.expert_tensor_parallel_size) == (8, 1)
+    assert model.sequence_parallel and optimizer.use_distributed_optimizer and optimizer.bf16
+    assert model.params_dtype == torch.bfloat16
+    assert (model.num_moe_experts, model.moe_router_topk, model.moe_ffn_hidden_size) == (
+        8, 2, 14336,
+    )  # fmt: skip
+    assert model.moe_layer_pattern() == [True] * 32
+    assert model.moe_token_dispatcher_type == "alltoall" and model.moe_grouped_gemm
+    assert model.moe_aux_loss_coeff == 0.02
+    assert model.rotary_base == 1_000_000 and model.layernorm_epsilon == 1e-5
+    assert model.untie_embeddings_and_output_weights and not model.add_bias_linear
+    # At 32 nodes the same batch is 8 micro-batches per pipeline (dp 32, expert dp 8).
+    assert validate(config, 256)["num_microbatches"] == 8
+    assert parallel.expert_data_parallel_size(256) == 8
+    # Expert parallel must divide the 8 experts and fit each stage's t x dp ranks.
+    with pytest.raises(ValueError, match="expert_model_parallel_size=16"):
+        estimate(parse_config(["--config", str(APP / "configs" / "mixtral-8x7b.yaml"),
+                               "--expert-model-parallel-size", "16"], environ=ENVIRON),
+                 64, vocab_size=32000)  # fmt: skip
 
 
 def _generator():

@@ -18,7 +18,7 @@ from mp_layers import TransformerConfig
 from mp_optim import OptimizerConfig
 from mp_state import ParallelConfig
 from mp_train.config import GPTConfig, RunConfig, TrainingConfig
-from mp_train.estimate import MoESettings, estimate, main, padded_vocab_size
+from mp_train.estimate import estimate, main, padded_vocab_size
 
 MB = 2**20
 CONTRACT = ("num_parameters", "weight_and_optimizer_mb", "activation_mb", "total_mb",
@@ -165,7 +165,7 @@ def test_distributed_optimizer():
     # Context parallel ranks share the optimizer state too: dp x cp = 4 x 2: 6 + 12/8.
     with_cp = make_config(
         gbs=8, optimizer={"use_distributed_optimizer": True},
-        parallel={"context_parallel_size": 2},
+        parallel={"context_parallel_size": 2}, attention_dropout=0.0,
     )  # fmt: skip
     assert estimate(with_cp, world_size=8)["bytes_per_parameter"] == 7.5
 
@@ -272,38 +272,75 @@ def test_interleaved_pipeline_penalty():
     assert one_microbatch["activation_mb"] * MB == pytest.approx(141568)
 
 
-MOE = MoESettings(
-    num_experts=4,
-    moe_router_topk=2,
-    moe_ffn_hidden_size=64,
-    moe_shared_expert_intermediate_size=32,
-    expert_model_parallel_size=2,
-    moe_layer_freq=2,  # layer 0 MoE, layer 1 dense
-)
+# The MoE model of the MoE tests: 4 routed experts of width 64, top-2, a shared expert of
+# width 32, layer 0 MoE and layer 1 dense (moe_layer_freq 2), expert parallel 2 (MoE
+# layers have no biases: add_bias_linear=False, which the counts leave out anyway).
+MOE = {"num_moe_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 64,
+       "moe_shared_expert_intermediate_size": 32, "moe_layer_freq": 2,
+       "add_bias_linear": False}  # fmt: skip
+EP2 = {"expert_model_parallel_size": 2}
 
 
 def test_moe():
-    config = make_config(gbs=4, optimizer={"use_distributed_optimizer": True})
-    result = estimate(config, world_size=2, moe=MOE)
+    config = make_config(gbs=4, optimizer={"use_distributed_optimizer": True}, parallel=EP2,
+                         **MOE)  # fmt: skip
+    result = estimate(config, world_size=2)
     # MoE layer: attention 16384 + shared expert 2*64*32 = 4096 + norms 256 = 20736, and
     # experts 2*64*64*4 = 32768 (Megatron: 2h(64*4 + 32 + 2) + 16384 = 53504 = 20736 + 32768);
     # dense layer 49408; block 20736 + 32768 + 49408 + 128 = 103040; embedding 8192.
-    assert result["num_parameters"] == 103040 + 8192  # 111232
-    # dp = 2, e = 2: dense shard 103040 - 32768 + 8192 = 78464; experts 32768 / e = 16384.
-    assert result["parameters_on_most_loaded_shard"] == 78464
+    # Megatron leaves the router out; mp counts its h x E = 64*4 = 256 weights per MoE
+    # layer (trained, saved and held by the optimizer like any other): 103296.
+    assert result["num_parameters"] == 103040 + 256 + 8192  # 111488
+    # A token passes through 2 of the 4 experts: 111488 - 32768 / 2.
+    assert result["num_active_parameters"] == 111488 - 16384
+    # dp = 2, e = 2: dense shard 103296 - 32768 + 8192 = 78720; experts 32768 / e = 16384.
+    assert result["parameters_on_most_loaded_shard"] == 78720
     assert result["expert_parameters_on_most_loaded_shard"] == 16384
     # Distributed optimizer: dense 6 + 12/2 = 12 bytes; experts (expert dp = 2/2 = 1) 18.
-    assert result["weight_and_optimizer_mb"] == pytest.approx((78464 * 12 + 16384 * 18) / MB)
+    assert result["weight_and_optimizer_mb"] == pytest.approx((78720 * 12 + 16384 * 18) / MB)
     # Activations: f averaged over the layers, (256 + (2*64 + 32)) / 2 = 208;
     # layer 10 sbh + (8 + 4*208/64) sbh + scores = 40960 + 21*4096 + 40960 = 167936.
     assert result["activation_mb"] * MB == pytest.approx(2 * 167936 + 4608 + 49152)
 
 
+def test_moe_shared_expert_gate_and_layer_list():
+    # The shared expert's gate adds its h = 64 weights per MoE layer; moe_layer_freq as a
+    # list [1, 0] is the same layout as 2.
+    gated = {**MOE, "moe_shared_expert_gate": True, "moe_layer_freq": [1, 0]}
+    result = estimate(make_config(gbs=4, parallel=EP2, **gated), world_size=2)
+    assert result["num_parameters"] == 111488 + 64
+    # Every layer MoE (moe_layer_freq 1): layer 1 becomes a MoE layer like layer 0, 20736 +
+    # 256 + 32768 = 53760 for 49408: 111488 + 4352.
+    every = {**MOE, "moe_layer_freq": 1}
+    result = estimate(make_config(gbs=4, parallel=EP2, **every), world_size=2)
+    assert result["num_parameters"] == 111488 + 4352
+
+
+def test_moe_expert_tensor_parallel():
+    # t = 2 with sequence parallelism, e = 2, expert-t 1: the 4 dense x data ranks of a
+    # stage (world 4, dp 2) hold the experts as e 2 x expert-dp 2; V = 256.
+    parallel = {"tensor_model_parallel_size": 2, "expert_tensor_parallel_size": 1, **EP2}
+    config = make_config(gbs=4, parallel=parallel, sequence_parallel=True,
+                         optimizer={"use_distributed_optimizer": True}, **MOE)  # fmt: skip
+    result = estimate(config, world_size=4)
+    # Routed experts 32768 over e x expert-t = 2: 16384; the rest (103296 - 32768 +
+    # 64*256) / t = 43456.
+    assert result["expert_parameters_on_most_loaded_shard"] == 16384
+    assert result["parameters_on_most_loaded_shard"] == (103296 - 32768 + 16384) / 2
+    # Dense 6 + 12/2 = 12 bytes, experts 6 + 12/2 (expert dp 2) = 12.
+    assert result["weight_and_optimizer_mb"] == pytest.approx((43456 + 16384) * 12 / MB)
+    expert_tp = estimate(make_config(gbs=4, sequence_parallel=True, **MOE,
+                                     parallel={**parallel, "expert_tensor_parallel_size": 2}),
+                         world_size=4)  # fmt: skip
+    assert expert_tp["expert_parameters_on_most_loaded_shard"] == 8192
+
+
 def test_flops_moe():
-    config = make_config(gbs=4)
+    config = make_config(gbs=4, parallel=EP2, **MOE)
     # Attention 2*18432 = 36864; MLP widths: dense 256*2, MoE (2*64 + 32)*2 = 320, so
     # h*832 = 53248; logits 8192. 6*98304 = 589824 per token, times B s = 128: 75497472.
-    assert estimate(config, world_size=2, moe=MOE)["flops_per_iteration"] == 75497472
+    # The router's 6hE per token is left out, as in Megatron.
+    assert estimate(config, world_size=2)["flops_per_iteration"] == 75497472
 
 
 def test_gpt3_175b_against_published_figures():
@@ -334,12 +371,11 @@ def test_errors_name_the_setting():
         estimate(make_config(parallel={"tensor_model_parallel_size": 2}), world_size=3)
     with pytest.raises(ValueError, match="global_batch_size=3"):
         estimate(make_config(gbs=3), world_size=1)
-    with pytest.raises(ValueError, match="num_experts=4"):
-        estimate(
-            make_config(),
-            world_size=2,
-            moe=MoESettings(num_experts=4, expert_model_parallel_size=3),
-        )
+    with pytest.raises(ValueError, match="expert_model_parallel_size=3 does not divide "
+                                         "num_moe_experts=4"):  # fmt: skip
+        estimate(make_config(parallel={"expert_model_parallel_size": 3}, **MOE), world_size=3)
+    with pytest.raises(ValueError, match="expert_model_parallel_size=2 needs num_moe_experts"):
+        estimate(make_config(parallel=EP2), world_size=2)
 
 
 def _stub_parse_config(monkeypatch, config: RunConfig) -> list[list[str]]:
@@ -358,17 +394,14 @@ def _stub_parse_config(monkeypatch, config: RunConfig) -> list[list[str]]:
 def test_cli_prints_one_json_object(monkeypatch, capsys):
     seen = _stub_parse_config(monkeypatch, make_config(gbs=4, vocab=None))
     argv = ["estimate", "--num-layers", "2", "--world-size", "1", "--vocab-size", "100",
-            "--num-experts", "4", "--moe-ffn-hidden-size", "64",
-            "--moe-shared-expert-intermediate-size", "32", "--moe-layer-freq", "1,0"]  # fmt: skip
+            "--device", "cpu"]  # fmt: skip
     assert main(argv) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 1
     result = json.loads(lines[0])
     assert set(CONTRACT) <= set(result)
     assert seen == [["--num-layers", "2"]]  # the estimate's own flags are taken out
-    # The MoE of test_moe (top-2 by default, layer 0 MoE): the same totals.
-    assert result["num_parameters"] == 111232
-    assert result["flops_per_iteration"] == 75497472
+    assert result["num_parameters"] == BASE_PARAMETERS
 
 
 def test_cli_reports_bad_settings(monkeypatch, capsys):
@@ -391,3 +424,30 @@ def test_cli_with_the_run_arguments(capsys):
     assert result["num_parameters"] == BASE_PARAMETERS
     assert result["flops_per_iteration"] == 84934656
     assert result["weight_and_optimizer_mb"] == pytest.approx(107136 * 18 / MB)
+
+
+def test_cli_moe_from_the_run_arguments(capsys):
+    # The MoE of test_moe, given by the model's own options (top-2 by default, layer 0
+    # MoE) and the run's expert-parallel size: the same totals.
+    argv = ["estimate", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads",
+            "4", "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "4",
+            "--bf16", "--attention-backend", "local", "--world-size", "2", "--vocab-size",
+            "100", "--num-moe-experts", "4", "--moe-ffn-hidden-size", "64",
+            "--moe-shared-expert-intermediate-size", "32", "--moe-layer-freq", "1", "0",
+            "--disable-bias-linear", "--expert-model-parallel-size", "2",
+            "--use-distributed-optimizer"]  # fmt: skip
+    assert main(argv) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["num_parameters"] == 111488
+    assert result["flops_per_iteration"] == 75497472
+    assert result["weight_and_optimizer_mb"] == pytest.approx((78720 * 12 + 16384 * 18) / MB)
+    assert result["activation_mb"] * MB == pytest.approx(2 * 167936 + 4608 + 49152)
+    # Megatron's --num-experts names the same field.
+    alias = [("--num-experts" if word == "--num-moe-experts" else word) for word in argv]
+    assert main(alias) == 0
+    assert json.loads(capsys.readouterr().out) == result
+    # An expert layout that does not fit is reported, not run.
+    assert main([*argv, "--expert-model-parallel-size", "3", "--world-size", "3"]) == 2
+    assert "expert_model_parallel_size=3 does not divide num_moe_experts=4" in (
+        capsys.readouterr().err
+    )

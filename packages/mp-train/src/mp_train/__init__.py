@@ -7,7 +7,7 @@ and pretrain().
 
 from mp_train.arguments import ArgumentGroupFactory, build_parser, parse_config
 from mp_train.config import GPTConfig, LoggingConfig, RunConfig, TrainingConfig, validate
-from mp_train.estimate import MoESettings, estimate
+from mp_train.estimate import estimate
 from mp_train.microbatches import MicroBatchCalculator
 from mp_train.setup import Initialized, Run, TrainState, initialize, setup_run
 from mp_train.timers import Timers
@@ -20,7 +20,6 @@ __all__ = [
     "Initialized",
     "LoggingConfig",
     "MicroBatchCalculator",
-    "MoESettings",
     "Run",
     "RunConfig",
     "Timers",

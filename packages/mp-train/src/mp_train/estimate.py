@@ -1,21 +1,29 @@
 """Theoretical memory of the most loaded rank and FLOPs per iteration, from the configuration alone.
 
     mp-train estimate [--config FILE.yaml] [overrides...] --world-size N [--vocab-size V]
-        [--num-experts E --moe-router-topk K --moe-ffn-hidden-size F
-         --moe-shared-expert-intermediate-size S --moe-layer-freq 2|1,0,1,0]
+        [--device cuda|cpu]
 
-prints one JSON object and starts no process. Symbols: s sequence, b micro-batch,
-h hidden, a heads, g query groups, d head width (kv_channels), f ffn width, L layers,
-V padded vocabulary, t/p/c/e tensor/pipeline/context/expert parallel sizes, m
-micro-batches per iteration, B global batch. MB is 2^20 bytes.
+prints one JSON object and starts no process. Every option of the run applies; a
+mixture-of-experts model is described by the model's own fields (num_moe_experts,
+moe_router_topk, moe_ffn_hidden_size, moe_shared_expert_intermediate_size,
+moe_shared_expert_gate, moe_layer_freq) and the layout by expert_model_parallel_size and
+expert_tensor_parallel_size. Symbols: s sequence, b micro-batch, h hidden, a heads, g
+query groups, d head width (kv_channels), f ffn width, L layers, V padded vocabulary,
+t/p/c/e tensor/pipeline/context/expert parallel sizes, m micro-batches per iteration, B
+global batch; for MoE layers E routed experts, k of them per token, f_moe their width,
+f_shared the shared expert's. MB is 2^20 bytes.
 
 Parameters (Megatron-LM's compute_weight_and_optimizer_memory): per layer attention
 2hd(a + g), MLP hf x (3 if swiglu else 2), norms 2h x (2 for LayerNorm, 1 for RMSNorm);
-a MoE layer's MLP is h(E f_moe + f_shared) x (3|2); final norm; embedding hV, doubled
-when untied. Biases, learned position embeddings and the router are not counted
-(as in Megatron). The most loaded rank holds (block / p + hV) / t, plus the output
-layer's hV / t when p = 1 and untied; routed experts are divided by e x expert-t
-instead of t (Megatron ignores expert parallelism here).
+a MoE layer's MLP is h(E f_moe + f_shared) x (3|2), plus its router hE and, with
+moe_shared_expert_gate, the gate's h (Megatron leaves both out; they are trained and
+saved like any weight); final norm; embedding hV, doubled when untied. Biases and
+learned position embeddings are not counted (as in Megatron). num_active_parameters
+counts the k routed experts a token passes through instead of all E. The most loaded
+rank holds (block / p + hV) / t, plus the output layer's hV / t when p = 1 and untied;
+routed experts are divided by e x expert-t instead of t (Megatron ignores expert
+parallelism here). Norms, the router and the gate are in truth whole on every
+tensor-parallel rank; like Megatron's norms they are counted / t (a few h per layer).
 
 Bytes per parameter: weight + gradient + optimizer state (fp32 main copy under mixed
 precision, Adam's two moments or SGD's momentum). bf16/fp16 with fp32 gradients and Adam
@@ -42,7 +50,7 @@ sequence parallelism every term is divided by t, otherwise only the split ones. 
 itself reports only the first form; for every other case it uses sbh(10 + 24/t), its
 own output-layer term and a 5% margin. Context parallelism stores s / c tokens per rank;
 the scores are a (s / c) s b. MoE layers replace f by k f_moe + f_shared (Megatron uses f
-everywhere).
+everywhere); the router's logits and the dispatcher's buffers are not counted.
 The score term counts what mp's core attention keeps: blocked attention ("local",
 "unfused", or "auto" on a CPU within its memory limit) keeps the causal blocks of its
 probabilities, 5 bytes a score with dropout and 2 without; SDPA (flash attention) and the
@@ -54,7 +62,8 @@ FLOPs (Megatron-LM's num_floating_point_operations): forward + backward is 3 GEM
 weight and a GEMM of (m x n)(n x k) is 2mnk, so per token and layer
 6[h(ad + 2gd) + ad s + ad h] for attention (the causal mask halves QK^T and its product
 with V), 6hf x (3|2) for a dense MLP, 6h(k f_moe + f_shared) x (3|2) for a MoE one, and
-6hV for the logits; times B s. With a = g, f = 4h it is 72BsLh^2(1 + s/(12h) + V/(12Lh)).
+6hV for the logits; times B s (the router's 6hE per token and MoE layer is left out, as
+Megatron does). With a = g, f = 4h it is 72BsLh^2(1 + s/(12h) + V/(12Lh)).
 """
 
 from __future__ import annotations
@@ -63,67 +72,15 @@ import argparse
 import json
 import math
 import sys
-from dataclasses import dataclass
 
 import torch
 
 from mp_layers import keeps_attention_probabilities, saved_probability_bytes
 from mp_train.config import RunConfig
 
-__all__ = ["MoESettings", "estimate", "main", "padded_vocab_size"]
+__all__ = ["estimate", "main", "padded_vocab_size"]
 
 _MB = 2**20
-
-
-@dataclass(kw_only=True)
-class MoESettings:
-    """Mixture-of-experts layers, with Megatron's argument names."""
-
-    num_experts: int
-    """Routed experts per MoE layer (E)."""
-
-    moe_router_topk: int = 2
-    """Experts each token is routed to (k)."""
-
-    moe_ffn_hidden_size: int | None = None
-    """Inner width of each routed expert; None: the model's ffn_hidden_size."""
-
-    moe_shared_expert_intermediate_size: int | None = None
-    """Inner width of the shared expert every token passes through; None: none."""
-
-    expert_model_parallel_size: int | None = None
-    """Ranks the experts are divided over (e); None: the run's parallel setting."""
-
-    moe_layer_freq: int | list[int] = 1
-    """Every this many layers is MoE (layer i when i % freq == 0), or a 0/1 per layer."""
-
-    def __post_init__(self) -> None:
-        for name in ("num_experts", "moe_router_topk"):
-            _positive(name, getattr(self, name))
-        for name in ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
-                     "expert_model_parallel_size"):  # fmt: skip
-            if getattr(self, name) is not None:
-                _positive(name, getattr(self, name))
-        if self.moe_router_topk > self.num_experts:
-            raise ValueError(
-                f"moe_router_topk={self.moe_router_topk} exceeds num_experts={self.num_experts}"
-            )
-        freq = self.moe_layer_freq
-        if isinstance(freq, list):
-            if any(flag not in (0, 1) for flag in freq):
-                raise ValueError(f"moe_layer_freq={freq} must hold only 0 and 1")
-        else:
-            _positive("moe_layer_freq", freq)
-
-    def pattern(self, num_layers: int) -> list[int]:
-        """1 for each MoE layer, 0 for each dense one."""
-        if isinstance(self.moe_layer_freq, int):
-            return [int(i % self.moe_layer_freq == 0) for i in range(num_layers)]
-        if len(self.moe_layer_freq) != num_layers:
-            raise ValueError(
-                f"moe_layer_freq has {len(self.moe_layer_freq)} entries; num_layers={num_layers}"
-            )
-        return list(self.moe_layer_freq)
 
 
 def padded_vocab_size(vocab_size: int, make_vocab_size_divisible_by: int, tp: int) -> int:
@@ -137,14 +94,15 @@ def estimate(
     world_size: int,
     *,
     vocab_size: int | None = None,
-    moe: MoESettings | None = None,
     device_type: str = "cuda",
 ) -> dict:
     """num_parameters, weight_and_optimizer_mb, activation_mb, total_mb (most loaded rank)
     and flops_per_iteration (one global batch, forward + backward), with the figures they
-    are made of. `vocab_size` overrides config.data.vocab_size; `device_type` ("cuda" or
-    "cpu") is where the run computes, which decides the core attention "auto" picks."""
-    layout = _layout(config, world_size, moe)
+    are made of. A MoE model (config.model.num_moe_experts) is read from the model's fields
+    and config.parallel's expert sizes. `vocab_size` overrides config.data.vocab_size;
+    `device_type` ("cuda" or "cpu") is where the run computes, which decides the core
+    attention "auto" picks."""
+    layout = _layout(config, world_size)
     vocab = vocab_size if vocab_size is not None else config.data.vocab_size
     if vocab is None:
         raise ValueError(
@@ -152,19 +110,20 @@ def estimate(
         )
     _positive("vocab_size", vocab)
     V = padded_vocab_size(vocab, config.data.make_vocab_size_divisible_by, layout["tp"])
-    params = _parameters(config, V, moe)
+    params = _parameters(config, V)
     weights = _weight_and_optimizer(config, layout, params)
     if device_type not in ("cuda", "cpu"):
         raise ValueError(f"device_type={device_type!r} must be cuda or cpu")
-    activation_bytes, formula = _activation_bytes(config, layout, V, moe, device_type)
+    activation_bytes, formula = _activation_bytes(config, layout, V, device_type)
     weight_mb = weights["bytes"] / _MB
     activation_mb = activation_bytes / _MB
     return {
         "num_parameters": params["total"],
+        "num_active_parameters": params["active"],
         "weight_and_optimizer_mb": weight_mb,
         "activation_mb": activation_mb,
         "total_mb": weight_mb + activation_mb,
-        "flops_per_iteration": _flops(config, layout, V, moe),
+        "flops_per_iteration": _flops(config, layout, V),
         "padded_vocab_size": V,
         "parameters_on_most_loaded_shard": weights["shard"],
         "expert_parameters_on_most_loaded_shard": weights["expert_shard"],
@@ -176,7 +135,7 @@ def estimate(
     }
 
 
-def _layout(config: RunConfig, world_size: int, moe: MoESettings | None) -> dict:
+def _layout(config: RunConfig, world_size: int) -> dict:
     """Sizes derived from the world (what `validate` derives, without needing data)."""
     parallel, model, training = config.parallel, config.model, config.training
     tp, pp, cp = (
@@ -185,8 +144,9 @@ def _layout(config: RunConfig, world_size: int, moe: MoESettings | None) -> dict
         parallel.context_parallel_size,
     )
     vpp = parallel.virtual_pipeline_model_parallel_size
+    ep, etp = parallel.expert_model_parallel_size, parallel.expert_tensor_parallel_size
     dp = parallel.data_parallel_size(world_size)
-    model.check_parallel(tp)
+    model.check_parallel(tp, cp, ep, etp)
     if model.num_layers % (pp * (vpp or 1)):
         raise ValueError(
             f"num_layers={model.num_layers} is not divisible by pipeline_model_parallel_size="
@@ -208,50 +168,44 @@ def _layout(config: RunConfig, world_size: int, moe: MoESettings | None) -> dict
             f"(bf16={config.optimizer.bf16}, fp16={config.optimizer.fp16}) disagree on the "
             "precision"
         )
-    ep, etp, edp = 1, parallel.expert_tensor_parallel_size, dp * cp
-    if moe is not None:
-        ep = moe.expert_model_parallel_size or parallel.expert_model_parallel_size
-        if moe.num_experts % ep:
-            raise ValueError(
-                f"expert_model_parallel_size={ep} does not divide num_experts={moe.num_experts}"
-            )
-        if (tp * cp * dp) % (etp * ep):
-            raise ValueError(
-                f"tensor_model_parallel_size={tp} x context_parallel_size={cp} x "
-                f"data_parallel_size={dp} ranks per stage are not divisible by "
-                f"expert_tensor_parallel_size={etp} x expert_model_parallel_size={ep}"
-            )
-        edp = tp * cp * dp // (etp * ep)
+    # Expert layers re-divide each stage's t x c x dp ranks as expert-t x e x expert-dp.
+    edp = parallel.expert_data_parallel_size(world_size) if model.num_moe_experts else dp * cp
     return {
         "tp": tp, "pp": pp, "cp": cp, "vpp": vpp, "dp": dp, "ep": ep, "etp": etp, "edp": edp,
         "gbs": gbs, "microbatches": gbs // (mbs * dp),
     }  # fmt: skip
 
 
-def _moe_layers(config: RunConfig, moe: MoESettings | None) -> tuple[int, int]:
+def _moe_layers(config: RunConfig) -> tuple[int, int]:
     """(dense layers, MoE layers)."""
-    layers = config.model.num_layers
-    n_moe = 0 if moe is None else sum(moe.pattern(layers))
-    return layers - n_moe, n_moe
+    n_moe = sum(config.model.moe_layer_pattern())
+    return config.model.num_layers - n_moe, n_moe
 
 
-def _parameters(config: RunConfig, V: int, moe: MoESettings | None) -> dict:
+def _parameters(config: RunConfig, V: int) -> dict:
     m = config.model
     h, d = m.hidden_size, m.kv_channels
     gated = 3 if m.activation == "swiglu" else 2  # fc1 (twice as wide when gated) and fc2
     norm = 1 if m.normalization == "RMSNorm" else 2  # LayerNorm has a bias
     attention = 2 * h * d * (m.num_attention_heads + m.num_query_groups)  # Q, K, V and out
-    shared = 0
-    n_dense, n_moe = _moe_layers(config, moe)
-    if moe is not None:
-        shared = h * (moe.moe_shared_expert_intermediate_size or 0) * gated
+    n_dense, n_moe = _moe_layers(config)
     dense_layer = attention + h * m.ffn_hidden_size * gated + 2 * h * norm
-    experts = 0 if moe is None else h * _moe_ffn(config, moe) * moe.num_experts * gated * n_moe
-    block = dense_layer * n_dense + (attention + shared + 2 * h * norm) * n_moe + experts
-    block += norm * h  # the final norm
+    block = dense_layer * n_dense + norm * h  # and the final norm
+    experts = active_experts = 0
+    if n_moe:
+        E, k = m.num_moe_experts, m.moe_router_topk
+        shared = h * (m.moe_shared_expert_intermediate_size or 0) * gated
+        router = h * E + (h if m.moe_shared_expert_gate else 0)  # and the shared expert's gate
+        experts = h * m.moe_ffn_hidden_size * gated * E * n_moe
+        active_experts = experts // E * k
+        block += (attention + shared + router + 2 * h * norm) * n_moe + experts
     embedding = h * V
     embeddings = 2 * embedding if m.untie_embeddings_and_output_weights else embedding
-    return {"total": block + embeddings, "block": block, "experts": experts, "embedding": embedding}
+    total = block + embeddings
+    return {
+        "total": total, "active": total - experts + active_experts, "block": block,
+        "experts": experts, "embedding": embedding,
+    }  # fmt: skip
 
 
 def _weight_and_optimizer(config: RunConfig, layout: dict, params: dict) -> dict:
@@ -289,7 +243,7 @@ def _bytes_per_parameter(config: RunConfig) -> tuple[int, int, int]:
 
 
 def _activation_bytes(
-    config: RunConfig, layout: dict, V: int, moe: MoESettings | None, device_type: str
+    config: RunConfig, layout: dict, V: int, device_type: str
 ) -> tuple[float, str]:
     """Activation bytes of the first pipeline stage (see the module docstring)."""
     m = config.model
@@ -298,11 +252,11 @@ def _activation_bytes(
     s = s_full / layout["cp"]  # tokens of a sequence on one rank
     b, h = config.training.micro_batch_size, m.hidden_size
     L = m.num_layers
-    n_dense, n_moe = _moe_layers(config, moe)
+    n_dense, n_moe = _moe_layers(config)
     f = m.ffn_hidden_size
-    if moe is not None:
-        moe_f = moe.moe_router_topk * _moe_ffn(config, moe)
-        moe_f += moe.moe_shared_expert_intermediate_size or 0
+    if n_moe:
+        moe_f = m.moe_router_topk * m.moe_ffn_hidden_size
+        moe_f += m.moe_shared_expert_intermediate_size or 0
         f = (n_dense * f + n_moe * moe_f) / L
     sp, granularity = m.sequence_parallel, m.recompute_granularity
     sbh = s * b * h
@@ -363,7 +317,7 @@ def _score_bytes(config: RunConfig, layout: dict, b: int, device_type: str) -> f
     return (5 if m.attention_dropout > 0 else 2) * kept
 
 
-def _flops(config: RunConfig, layout: dict, V: int, moe: MoESettings | None) -> int:
+def _flops(config: RunConfig, layout: dict, V: int) -> int:
     m = config.model
     s, h, L = config.gpt.seq_length, m.hidden_size, m.num_layers
     q = m.kv_channels * m.num_attention_heads
@@ -371,17 +325,13 @@ def _flops(config: RunConfig, layout: dict, V: int, moe: MoESettings | None) -> 
     gated = 3 if m.activation == "swiglu" else 2
     # Per token: QKV and output projections, and QK^T, (QK^T)V at half (causal): 2 x qs/2.
     attention = h * (q + 2 * kv) + q * s + q * h
-    n_dense, n_moe = _moe_layers(config, moe)
+    n_dense, n_moe = _moe_layers(config)
     mlp = m.ffn_hidden_size * gated * n_dense
-    if moe is not None:
-        routed = _moe_ffn(config, moe) * moe.moe_router_topk
-        mlp += (routed + (moe.moe_shared_expert_intermediate_size or 0)) * gated * n_moe
+    if n_moe:
+        routed = m.moe_ffn_hidden_size * m.moe_router_topk
+        mlp += (routed + (m.moe_shared_expert_intermediate_size or 0)) * gated * n_moe
     per_token = 3 * 2 * (h * mlp + attention * L + h * V)  # fwd + 2 bwd GEMMs, 2 per multiply-add
     return layout["gbs"] * s * per_token
-
-
-def _moe_ffn(config: RunConfig, moe: MoESettings) -> int:
-    return moe.moe_ffn_hidden_size or config.model.ffn_hidden_size
 
 
 def _positive(name: str, value: object) -> None:
@@ -405,16 +355,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         config = parse_config(rest, prog="mp-train estimate")
-        moe = None
-        if own.num_experts is not None:
-            moe = MoESettings(
-                num_experts=own.num_experts,
-                moe_router_topk=own.moe_router_topk,
-                moe_ffn_hidden_size=own.moe_ffn_hidden_size,
-                moe_shared_expert_intermediate_size=own.moe_shared_expert_intermediate_size,
-                moe_layer_freq=own.moe_layer_freq,
-            )
-        result = estimate(config, own.world_size, vocab_size=own.vocab_size, moe=moe,
+        result = estimate(config, own.world_size, vocab_size=own.vocab_size,
                           device_type=own.device)  # fmt: skip
     except (OSError, ValueError) as error:
         print(f"mp-train estimate: error: {error}", file=sys.stderr)
@@ -427,7 +368,9 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mp-train estimate",
         description="Theoretical memory of the most loaded rank and FLOPs per iteration. "
-        "Every other flag (and --config FILE.yaml) is the run's own.",
+        "Every other flag (and --config FILE.yaml) is the run's own, mixture-of-experts "
+        "layers included (--num-moe-experts, --moe-router-topk, --expert-model-parallel-size, "
+        "...).",
         allow_abbrev=False,
     )
     parser.add_argument("--world-size", type=int, required=True, help="ranks of the run")
@@ -435,21 +378,4 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                         help="where the run computes (decides the core attention 'auto' "
                         "picks, hence whether attention probabilities are kept)")  # fmt: skip
-    moe = parser.add_argument_group("mixture of experts")
-    moe.add_argument("--num-experts", type=int, help="routed experts per MoE layer")
-    moe.add_argument("--moe-router-topk", type=int, default=2, help="experts per token")
-    moe.add_argument("--moe-ffn-hidden-size", type=int, help="inner width of each expert")
-    moe.add_argument("--moe-shared-expert-intermediate-size", type=int,
-                     help="inner width of the shared expert")  # fmt: skip
-    moe.add_argument("--moe-layer-freq", type=_layer_freq, default=1,
-                     help="every N-th layer is MoE, or a 0/1 per layer: 1,0,1,0")  # fmt: skip
     return parser
-
-
-def _layer_freq(text: str) -> int | list[int]:
-    items = text.strip().strip("[]").split(",")
-    try:
-        values = [int(item) for item in items]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: an integer or 0/1 list like 1,0,1,0") from None
-    return values[0] if len(values) == 1 and "," not in text else values

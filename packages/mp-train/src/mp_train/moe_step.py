@@ -16,8 +16,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from mp_layers import moe
-from mp_layers.config import TransformerConfig
+from mp_layers import TransformerConfig, moe
 from mp_state import ParallelState
 
 __all__ = ["MoEStep", "aux_loss_names"]

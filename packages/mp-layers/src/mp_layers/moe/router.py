@@ -29,6 +29,7 @@ from mp_ckpt import ShardedTensor
 from mp_layers.config import TransformerConfig
 from mp_layers.moe import aux_losses
 from mp_layers.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+from mp_layers.transformer.recompute import recomputing
 from mp_state import RankGroup
 
 __all__ = [
@@ -69,11 +70,14 @@ class TopKRouter(torch.nn.Module):
         dtype = _DTYPES.get(self.config.moe_router_dtype, x.dtype)
         logits = F.linear(x.reshape(s * b, h).to(dtype), self.weight.to(dtype))  # [T, E]
         training = self.training and torch.is_grad_enabled()
+        # A recomputation for backward routes again; what the first run counted stays.
+        counting = training and not recomputing()
         coeff = self.config.moe_z_loss_coeff
         if coeff and training:
             loss = aux_losses.z_loss(logits, coeff / self.tp_group.size)
             logits = aux_losses.attach(logits, loss)
-            self._record("z_loss", loss / coeff)
+            if counting:
+                self._record("z_loss", loss / coeff)
         probs, routing_map = self._topk(logits)
         if self.config.moe_expert_capacity_factor is not None:
             keep = capacity_mask(
@@ -84,8 +88,8 @@ class TopKRouter(torch.nn.Module):
                 keep = keep & routing_map
             probs, routing_map = probs * keep, keep
         if training and self.config.moe_aux_loss_coeff > 0:
-            probs = self._attach_balancing_loss(probs, logits, s, b)
-        if training and self.expert_bias is not None:
+            probs = self._attach_balancing_loss(probs, logits, s, b, counting)
+        if counting and self.expert_bias is not None:
             with torch.no_grad():
                 self.local_tokens_per_expert += routing_map.sum(dim=0)
         return probs.to(x.dtype), routing_map
@@ -111,7 +115,7 @@ class TopKRouter(torch.nn.Module):
         routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter(1, chosen, True)
         return probs, routing_map
 
-    def _attach_balancing_loss(self, probs, logits, s: int, b: int) -> torch.Tensor:
+    def _attach_balancing_loss(self, probs, logits, s: int, b: int, counting: bool):
         """The load-balancing loss over this micro-batch's tokens (or per sequence), from
         the scores of every expert and the top-k choice they make (no bias, no drop)."""
         if self.config.moe_router_score_function == "softmax":
@@ -144,7 +148,8 @@ class TopKRouter(torch.nn.Module):
             name = "load_balancing_loss"
         else:
             return probs
-        self._record(name, loss / coeff)
+        if counting:
+            self._record(name, loss / coeff)
         return aux_losses.attach(probs, loss)
 
     def _record(self, name: str, value: torch.Tensor) -> None:

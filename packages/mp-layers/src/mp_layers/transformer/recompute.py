@@ -17,7 +17,15 @@ import torch
 
 from mp_state import RNGStatesTracker
 
-__all__ = ["checkpointed"]
+__all__ = ["checkpointed", "recomputing"]
+
+_reruns = 0
+
+
+def recomputing() -> bool:
+    """Whether a recomputation for backward is running: the forward of the layers runs a
+    second time, which must not count what the first run counted (a router's statistics)."""
+    return _reruns > 0
 
 
 def checkpointed(function: Callable, rng_tracker: RNGStatesTracker | None, *args):
@@ -32,15 +40,20 @@ def checkpointed(function: Callable, rng_tracker: RNGStatesTracker | None, *args
 
     @contextlib.contextmanager
     def rerun() -> Iterator[None]:
-        if rng_tracker is None:
-            yield
-            return
-        advanced = rng_tracker.get_states()
-        rng_tracker.set_states(snapshot)
+        global _reruns
+        _reruns += 1
         try:
-            yield
+            if rng_tracker is None:
+                yield
+                return
+            advanced = rng_tracker.get_states()
+            rng_tracker.set_states(snapshot)
+            try:
+                yield
+            finally:
+                rng_tracker.set_states(advanced)
         finally:
-            rng_tracker.set_states(advanced)
+            _reruns -= 1
 
     return torch.utils.checkpoint.checkpoint(
         function, *args, use_reentrant=False, preserve_rng_state=True,

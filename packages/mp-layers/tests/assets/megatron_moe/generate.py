@@ -1,0 +1,68 @@
+"""Writes routing.pt: megatron-core 0.19's routing of fixed logits, the reference of
+test_moe_megatron_routing.py. Run with megatron-core 0.19.2 installed (it runs on a CPU;
+nothing here needs CUDA):
+
+    python generate.py            # -> routing.pt beside this file
+
+Cases: the top-k choice and weights of every score function setting, expert capacity
+with both drop policies (with and without padding to capacity), the load-balancing loss
+and the z-loss. Inputs: x [T, h] and the router weight [E, h] (logits = x w^T).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from megatron.core.transformer.moe import moe_utils
+
+TOKENS, HIDDEN, EXPERTS, TOPK = 24, 16, 8, 2
+
+ROUTING = {
+    "softmax": dict(score_function="softmax"),
+    "softmax-pre": dict(score_function="softmax", use_pre_softmax=True),
+    "softmax-scaled": dict(score_function="softmax", scaling_factor=2.5),
+    "sigmoid": dict(score_function="sigmoid"),
+    "sigmoid-bias": dict(score_function="sigmoid"),  # expert_bias below
+}
+CAPACITY = [
+    (factor, policy, pad)
+    for factor in (0.5, 1.0, 1.5)
+    for policy in ("probs", "position")
+    for pad in (False, True)
+]
+
+
+def main() -> None:
+    generator = torch.Generator().manual_seed(2024)
+    x = torch.randn(TOKENS, HIDDEN, generator=generator)
+    weight = torch.randn(EXPERTS, HIDDEN, generator=generator) * 0.5
+    bias = torch.randn(EXPERTS, generator=generator) * 0.3
+    logits = x @ weight.t()
+    out = {"x": x, "weight": weight, "expert_bias": bias, "topk": TOPK, "routing": {},
+           "capacity": {}}  # fmt: skip
+    for name, settings in ROUTING.items():
+        extra = {"expert_bias": bias} if name == "sigmoid-bias" else {}
+        probs, routing_map = moe_utils.topk_routing_with_score_function(
+            logits, TOPK, **settings, **extra
+        )
+        out["routing"][name] = {"settings": settings, "probs": probs, "routing_map": routing_map}
+    probs, routing_map = (
+        out["routing"]["softmax"]["probs"],
+        out["routing"]["softmax"]["routing_map"],
+    )
+    for factor, policy, pad in CAPACITY:
+        kept_probs, kept_map = moe_utils.apply_router_token_dropping(
+            probs, routing_map, TOPK, factor, drop_policy=policy, pad_to_capacity=pad
+        )
+        out["capacity"][(factor, policy, pad)] = {"probs": kept_probs, "routing_map": kept_map}
+    scores_map, scores = moe_utils.compute_routing_scores_for_aux_loss(logits, TOPK, "softmax")
+    out["load_balancing_loss"] = moe_utils.switch_load_balancing_loss_func(
+        scores, scores_map.sum(0), TOKENS, TOPK, EXPERTS, 0.01
+    )
+    out["z_loss"] = moe_utils.z_loss_func(logits, 0.001)
+    torch.save(out, Path(__file__).with_name("routing.pt"))
+
+
+if __name__ == "__main__":
+    main()

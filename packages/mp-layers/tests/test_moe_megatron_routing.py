@@ -1,0 +1,82 @@
+"""The router against megatron-core 0.19's own routing of the same logits
+(assets/megatron_moe/routing.pt, written by assets/megatron_moe/generate.py with
+megatron-core installed): top-k choice and weights for every score-function setting,
+the tokens kept under an expert capacity with both drop policies, and the auxiliary
+losses."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from mp_layers import ModelGroups, TransformerConfig
+from mp_layers.moe import TopKRouter, capacity_mask
+from mp_layers.moe.aux_losses import load_balancing_loss, z_loss
+
+FIXTURE = torch.load(Path(__file__).parent / "assets" / "megatron_moe" / "routing.pt")
+TOKENS, HIDDEN = FIXTURE["x"].shape
+EXPERTS, TOPK = FIXTURE["weight"].shape[0], FIXTURE["topk"]
+SETTINGS = {  # Megatron's function arguments -> TransformerConfig fields
+    "score_function": "moe_router_score_function",
+    "use_pre_softmax": "moe_router_pre_softmax",
+    "scaling_factor": "moe_router_topk_scaling_factor",
+}
+
+
+def router(name: str) -> TopKRouter:
+    settings = {SETTINGS[k]: v for k, v in FIXTURE["routing"][name]["settings"].items()}
+    config = TransformerConfig(
+        num_layers=1, hidden_size=HIDDEN, num_attention_heads=2, add_bias_linear=False,
+        num_moe_experts=EXPERTS, moe_router_topk=TOPK,
+        moe_router_enable_expert_bias=name == "sigmoid-bias", **settings,
+    )  # fmt: skip
+    module = TopKRouter(config, ModelGroups.single().tp)
+    with torch.no_grad():
+        module.weight.copy_(FIXTURE["weight"])
+        if module.expert_bias is not None:
+            module.expert_bias.copy_(FIXTURE["expert_bias"])
+    return module
+
+
+@pytest.mark.parametrize("name", list(FIXTURE["routing"]))
+def test_routing_equals_megatrons(name):
+    want = FIXTURE["routing"][name]
+    with torch.no_grad():
+        probs, routing_map = router(name)(FIXTURE["x"].unsqueeze(1))
+    assert torch.equal(routing_map, want["routing_map"])
+    torch.testing.assert_close(probs, want["probs"])
+
+
+@pytest.mark.parametrize("case", list(FIXTURE["capacity"]), ids=str)
+def test_dropped_tokens_follow_megatrons_rule(case):
+    factor, policy, pad = case
+    softmax = FIXTURE["routing"]["softmax"]
+    keep = capacity_mask(softmax["probs"], softmax["routing_map"], TOPK, factor, policy)
+    routing_map = keep if pad else keep & softmax["routing_map"]
+    want = FIXTURE["capacity"][case]
+    # Every expert keeps as many tokens as Megatron's.
+    assert torch.equal(routing_map.sum(0), want["routing_map"].sum(0))
+    if policy == "probs":
+        assert torch.equal(routing_map, want["routing_map"])
+        torch.testing.assert_close(softmax["probs"] * routing_map, want["probs"])
+        return
+    # "position": Megatron's documented rule drops the tokens at the end of the batch.
+    # Its implementation takes a top-k over the 0/1 routing map, and which of the tied
+    # tokens that keeps is left to the top-k kernel (on a CPU, not the earliest), so mp
+    # keeps the earliest routed tokens of each expert (padding with the earliest others).
+    routed = softmax["routing_map"]
+    for expert in range(EXPERTS):
+        kept = routing_map[:, expert].nonzero().flatten().tolist()
+        order = routed[:, expert].nonzero().flatten().tolist()
+        order += (~routed[:, expert]).nonzero().flatten().tolist() if pad else []
+        assert kept == sorted(order[: len(kept)]), (expert, kept, order)
+
+
+def test_auxiliary_losses_equal_megatrons():
+    logits = FIXTURE["x"] @ FIXTURE["weight"].t()
+    scores = torch.softmax(logits, -1)
+    counts = torch.zeros(EXPERTS).scatter_add(0, scores.topk(TOPK).indices.flatten(),
+                                              torch.ones(TOKENS * TOPK))  # fmt: skip
+    got = load_balancing_loss(scores, counts, TOKENS, TOPK, EXPERTS, 0.01)
+    torch.testing.assert_close(got, FIXTURE["load_balancing_loss"])
+    torch.testing.assert_close(z_loss(logits, 0.001), FIXTURE["z_loss"])
