@@ -11,6 +11,7 @@ from safetensors.torch import load_file, save_file
 from mp_ckpt.cli import main
 from mp_ckpt.hf import logical_from_hf
 from mp_ckpt.hf_config import model_config_from_hf
+from mp_ckpt.hf_moe import is_moe_layer
 from mp_ckpt.hf_moe_config import _sparse_step, qwen2_moe_sparse_layers
 
 H, HEADS, GROUPS, E, F, S, FFN, VOCAB = 16, 4, 2, 4, 6, 10, 12, 32
@@ -54,7 +55,7 @@ def test_mixtral_settings():
     assert settings["moe_aux_loss_coeff"] == 0.02
     assert settings["moe_router_load_balancing_type"] == "aux_loss"
     assert settings["moe_shared_expert_intermediate_size"] is None
-    assert settings["moe_layer_freq"] == 1 and settings["rotary_base"] == 1000000
+    assert settings["moe_layer_freq"] == [1] and settings["rotary_base"] == 1000000
     assert not settings.get("add_qkv_bias")
 
 
@@ -87,8 +88,14 @@ def test_qwen2_moe_sparse_layers_and_back(layers, step, dense, pattern):
     assert _sparse_step(pattern) == (step, dense)
 
 
-def _settings_for_export(arch: str) -> dict:
-    return model_config_from_hf(CONFIGS[arch])
+@pytest.mark.parametrize(
+    "freq, layers, pattern",
+    [(1, 3, [1, 1, 1]), ([1], 3, [1, 1, 1]), ([2], 4, [1, 0, 1, 0]), (2, 3, [1, 0, 1]),
+     ([1, 0, 1], 3, [1, 0, 1]), ([1], 1, [1])],
+)  # fmt: skip
+def test_moe_layer_freq_is_read_as_transformer_config_reads_it(freq, layers, pattern):
+    settings = {"num_moe_experts": E, "num_layers": layers, "moe_layer_freq": freq}
+    assert [int(is_moe_layer(settings, i)) for i in range(layers)] == pattern
 
 
 @pytest.mark.parametrize(

@@ -46,12 +46,16 @@ _BLOCKS = {"mixtral": ("block_sparse_moe", "mlp"), "qwen2_moe": ("mlp",)}
 
 
 def is_moe_layer(settings: dict, i: int) -> bool:
-    """Whether layer i is a mixture of experts under the settings' moe_layer_freq
-    (every N-th layer from layer 0, or a 0/1 entry per layer)."""
+    """Whether layer i is a mixture of experts under the settings' moe_layer_freq, read as
+    TransformerConfig reads it: N or [N] (with more than one layer) for every N-th layer
+    from layer 0, else a 0/1 entry per layer."""
     if settings.get("num_moe_experts") is None:
         return False
-    freq = settings.get("moe_layer_freq", 1)
-    return bool(freq[i]) if isinstance(freq, list) else i % freq == 0
+    freq = settings.get("moe_layer_freq", [1])
+    freq = [freq] if isinstance(freq, int) else list(freq)
+    if len(freq) == 1 and settings["num_layers"] > 1:
+        return i % freq[0] == 0
+    return bool(freq[i])
 
 
 def moe_mlp_keys(shared: bool) -> list[str]:

@@ -14,7 +14,7 @@ softmax's: moe_router_pre_softmax=True. Both train with the Switch load-balancin
 loss over the batch (moe_router_load_balancing_type="aux_loss", router_aux_loss_coef
 -> moe_aux_loss_coeff).
 
-Layers. Every Mixtral layer is a mixture of experts (moe_layer_freq=1). Qwen2-MoE
+Layers. Every Mixtral layer is a mixture of experts (moe_layer_freq=[1]). Qwen2-MoE
 layer i is sparse iff i is not in mlp_only_layers and (i + 1) % decoder_sparse_step
 == 0; the others are a dense SwiGLU MLP of intermediate_size. mp keeps the pattern as
 moe_layer_freq, a 0/1 list per layer. Every sparse Qwen2-MoE layer also has a shared
@@ -94,7 +94,7 @@ def mixtral_settings(config: dict) -> dict:
     return base | _routing(config, "num_local_experts", _MIXTRAL_DEFAULTS) | {
         "moe_ffn_hidden_size": ffn, "moe_router_pre_softmax": False,
         "moe_shared_expert_intermediate_size": None, "moe_shared_expert_gate": False,
-        "moe_layer_freq": 1,
+        "moe_layer_freq": [1],
     }  # fmt: skip
 
 
