@@ -2,7 +2,9 @@
 `mp-ckpt import-hf` gives transformers' logits in GPTModel (built from the imported
 settings alone), and `mp-ckpt export-hf` gives back its config and every tensor;
 the tokenizer and generation settings travel both ways. A checkpoint saved by mp's
-training exports with its model's settings (activation, rotary base and scaling)."""
+training exports with its model's settings (activation, rotary base and scaling).
+Mixtral and Qwen2-MoE come back as transformers' save_pretrained wrote them (config.json
+and every per-expert tensor), from its files or from its fused in-memory state dict."""
 
 import dataclasses
 import json
@@ -15,6 +17,7 @@ from safetensors.torch import load_file
 
 from mp_ckpt import Checkpointer, CheckpointReader, load_checkpoint
 from mp_ckpt.cli import main
+from mp_ckpt.hf import logical_from_hf
 from mp_layers import GPTModel, ModelGroups, TransformerConfig
 from mp_state import RankGroup
 from mp_state.testing import run_on_ranks
@@ -52,6 +55,34 @@ CASES = {
         **LLAMA, rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}
     ),
 }  # fmt: skip
+# initializer_range 0.1: routing still varies token to token, and the logits stay small
+# enough that fp32 rounding (the two implementations differ by ~1e-5 at 0.2) keeps clear
+# of the 1e-5 tolerance.
+MOE = dict(vocab_size=96, hidden_size=64, num_hidden_layers=3, num_attention_heads=8,
+           num_key_value_heads=4, num_experts_per_tok=2, rms_norm_eps=1e-6,
+           max_position_embeddings=SEQ, initializer_range=0.1)  # fmt: skip
+QWEN2_MOE = dict(MOE, intermediate_size=80, moe_intermediate_size=48, num_experts=4,
+                 shared_expert_intermediate_size=56)  # fmt: skip
+MOE_CASES = {
+    "mixtral": lambda: transformers.MixtralConfig(
+        **MOE, head_dim=8, intermediate_size=48, num_local_experts=4, router_aux_loss_coef=0.02
+    ),
+    # layer 1 dense; top-k weights are the full softmax's (norm_topk_prob False)
+    "qwen2_moe": lambda: transformers.Qwen2MoeConfig(**QWEN2_MOE, mlp_only_layers=[1]),
+    # layer 1 sparse (every 2nd); top-k weights renormalized; no qkv bias; tied output
+    "qwen2_moe-step2-norm-topk": lambda: transformers.Qwen2MoeConfig(
+        **QWEN2_MOE, decoder_sparse_step=2, norm_topk_prob=True, qkv_bias=False,
+        tie_word_embeddings=True,
+    ),
+}  # fmt: skip
+CASES |= MOE_CASES
+HF_CLASSES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM",
+              "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}  # fmt: skip
+# GPTModel builds a mixture of experts once mp_layers' TransformerConfig has its fields.
+needs_moe_layer = pytest.mark.skipif(
+    "num_moe_experts" not in TransformerConfig.__dataclass_fields__,
+    reason="mp_layers.TransformerConfig has no num_moe_experts (no MoE layer in this tree)",
+)
 
 
 def ids(vocab: int) -> torch.Tensor:
@@ -60,9 +91,13 @@ def ids(vocab: int) -> torch.Tensor:
 
 def random_hf(config):
     torch.manual_seed(0)
-    cls = transformers.GPT2LMHeadModel if config.model_type == "gpt2" else (
-        transformers.LlamaForCausalLM)  # fmt: skip
-    return cls(config).eval()
+    model = getattr(transformers, HF_CLASSES[config.model_type])(config).eval()
+    if config.model_type in ("mixtral", "qwen2_moe"):
+        with torch.no_grad():  # biases start at 0 and norms at 1: give them values to map
+            for name, param in model.named_parameters():
+                if name.endswith("bias") or "norm" in name:
+                    param.add_(torch.randn_like(param) * 0.1)
+    return model
 
 
 def mp_model(checkpoint) -> GPTModel:
@@ -85,7 +120,10 @@ def hf_config_dict(folder) -> dict:
     return config
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize(
+    "case", [c if c not in MOE_CASES else pytest.param(c, marks=needs_moe_layer)
+             for c in sorted(CASES)],
+)  # fmt: skip
 def test_import_gives_transformers_logits_and_export_gives_back_config_and_tensors(tmp_path, case):
     hf = random_hf(CASES[case]())
     hf.save_pretrained(tmp_path / "hf_in")
@@ -113,6 +151,46 @@ def test_import_gives_transformers_logits_and_export_gives_back_config_and_tenso
     reloaded = type(hf).from_pretrained(tmp_path / "hf_out").eval()
     with torch.no_grad():
         assert torch.equal(reloaded(x).logits, hf(x).logits)
+
+
+@pytest.mark.parametrize("case", sorted(MOE_CASES))
+def test_moe_export_writes_what_save_pretrained_wrote(tmp_path, case):
+    hf = random_hf(MOE_CASES[case]())
+    hf.save_pretrained(tmp_path / "hf_in")
+    assert main(["import-hf", str(tmp_path / "hf_in"), str(tmp_path / "ckpt")]) == 0
+    arch = hf.config.model_type
+    args = ["export-hf", str(tmp_path / "ckpt"), str(tmp_path / "hf_out"), "--arch", arch]
+    assert main(args) == 0
+
+    written = json.loads((tmp_path / "hf_out" / "config.json").read_text())
+    original = json.loads((tmp_path / "hf_in" / "config.json").read_text())
+    original.pop("transformers_version")
+    assert written == original
+    assert hf_config_dict(tmp_path / "hf_out") == hf_config_dict(tmp_path / "hf_in")
+    exported = load_file(str(tmp_path / "hf_out" / "model.safetensors"))
+    source = load_file(str(tmp_path / "hf_in" / "model.safetensors"))
+    assert any(".experts.3." in name for name in source)  # save_pretrained writes per expert
+    assert exported.keys() == source.keys()
+    for name, tensor in source.items():
+        assert torch.equal(exported[name], tensor), name
+    reloaded = type(hf).from_pretrained(tmp_path / "hf_out").eval()
+    x = ids(hf.config.vocab_size)
+    with torch.no_grad():
+        assert torch.equal(reloaded(x).logits, hf(x).logits)
+
+
+@pytest.mark.parametrize("case", sorted(MOE_CASES))
+def test_moe_fused_state_dict_imports_as_its_saved_files(tmp_path, case):
+    hf = random_hf(MOE_CASES[case]())
+    hf.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    state = hf.state_dict()
+    assert any(name.endswith("mlp.experts.gate_up_proj") for name in state)
+    fused = logical_from_hf(state, config)
+    saved = logical_from_hf(load_file(str(tmp_path / "model.safetensors")), config)
+    assert fused.keys() == saved.keys()
+    for name, tensor in saved.items():
+        assert torch.equal(fused[name], tensor), name
 
 
 def tiny_tokenizer(special: list[str]):
@@ -148,6 +226,12 @@ def hf_folder_with_tokenizer(folder, arch: str):
         tokenizer = transformers.PreTrainedTokenizerFast(
             tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
         )
+    if arch in MOE_CASES:
+        config = MOE_CASES[arch]()
+        config.vocab_size = backend.get_vocab_size()
+        for role in ("bos", "eos", "pad"):
+            setattr(config, f"{role}_token_id", getattr(tokenizer, f"{role}_token_id"))
+    elif arch == "llama":
         config = transformers.LlamaConfig(**LLAMA | {"vocab_size": backend.get_vocab_size()},
                                           tie_word_embeddings=True,
                                           bos_token_id=tokenizer.bos_token_id,
@@ -159,7 +243,7 @@ def hf_folder_with_tokenizer(folder, arch: str):
     return hf, tokenizer
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "mixtral", "qwen2_moe"])
 def test_tokenizer_and_generation_travel_through_import_and_export(tmp_path, arch):
     hf, tokenizer = hf_folder_with_tokenizer(tmp_path / "hf_in", arch)
     assert main(["import-hf", str(tmp_path / "hf_in"), str(tmp_path / "ckpt")]) == 0
@@ -193,7 +277,10 @@ def generate_body(checkpoint: str, prompt: str) -> str:
     return run_generation(args, ["--seq-length", str(SEQ)])
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+@pytest.mark.parametrize(
+    "arch", ["gpt2", "llama", *(pytest.param(a, marks=needs_moe_layer)
+                                for a in ("mixtral", "qwen2_moe"))],
+)  # fmt: skip
 def test_generate_on_an_imported_checkpoint_uses_its_tokenizer(tmp_path, arch):
     hf, tokenizer = hf_folder_with_tokenizer(tmp_path / "hf_in", arch)
     assert main(["import-hf", str(tmp_path / "hf_in"), str(tmp_path / "ckpt")]) == 0
@@ -310,6 +397,12 @@ TRAINED_STYLES = {
     "llama": ["--use-rope-scaling", "--rope-scaling-factor", "4",
               "--rope-scaling-original-max-position-embeddings", "64",
               "--rotary-base", "500000", "--untie-embeddings-and-output-weights"],
+    "mixtral": ["--num-moe-experts", "4", "--moe-ffn-hidden-size", "96", "--moe-router-topk", "2",
+                "--moe-aux-loss-coeff", "0.01", "--untie-embeddings-and-output-weights"],
+    # layer 0 sparse, layer 1 dense; the top 2 of the full softmax, not renormalized
+    "qwen2_moe": ["--num-moe-experts", "4", "--moe-ffn-hidden-size", "96", "--moe-router-topk",
+                  "2", "--moe-router-pre-softmax", "--moe-shared-expert-intermediate-size", "64",
+                  "--moe-shared-expert-gate", "--moe-layer-freq", "2", "--add-qkv-bias"],
 }  # fmt: skip
 
 

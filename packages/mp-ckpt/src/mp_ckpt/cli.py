@@ -2,8 +2,9 @@
 
     mp-ckpt inspect DIR [--json] [--verify]
     mp-ckpt convert DIR OUT --tensor-model-parallel-size N --pipeline-model-parallel-size M
-    mp-ckpt export-hf DIR OUT --arch gpt2|llama [--max-shard-size 5GB] [--dtype bf16]
-    mp-ckpt import-hf HF_DIR OUT
+    mp-ckpt export-hf DIR OUT --arch gpt2|llama|mixtral|qwen2_moe [--max-shard-size 5GB]
+                      [--dtype bf16]
+    mp-ckpt import-hf HF_DIR OUT          (the architecture is config.json's model_type)
 
 DIR is a checkpoint root (with latest_checkpointed_iteration.txt) or one
 iter_XXXXXXX directory; --iteration picks another than the latest.

@@ -1,17 +1,21 @@
-"""Hugging Face GPT-2 and Llama <-> mp's logical tensors: slicing and renaming only.
+"""Hugging Face GPT-2, Llama, Mixtral and Qwen2-MoE <-> mp's logical tensors: slicing
+and renaming only.
 
 Logical names are mp-layers' (Megatron's module names, fused tensors as their
 parts). The query heads of group g are q[g] ([groups, heads per group, head
 dim, hidden]); Hugging Face orders heads the same way (head j uses key/value
 head j // (heads / groups)) and both rotate channel pairs (i, i + d/2), so
 q_proj is q flattened. GPT-2's Conv1D weights are [in, out]: transposed.
+Mixtral and Qwen2-MoE are Llama's attention and norms with mixture-of-experts
+layers (hf_moe); Qwen2-MoE adds q/k/v biases.
 
     export_hf(checkpoint_dir, out_dir, arch)    config.json + model.safetensors (sharded
                                                 with an index above max_shard_bytes),
                                                 tokenizer files, generation_config.json
     import_hf(hf_dir, out_root)                 an mp checkpoint at iteration 0
 
-config.json's mapping is hf_config's; the tokenizer's, hf_tokenizer's.
+config.json's mapping is hf_config's (hf_moe_config's for the experts); the
+tokenizer's, hf_tokenizer's.
 """
 
 from __future__ import annotations
@@ -25,6 +29,14 @@ from pathlib import Path
 import torch
 
 from mp_ckpt.hf_config import gpt2_config, llama_config, model_config_from_hf
+from mp_ckpt.hf_moe import (
+    MOE_ARCHITECTURES,
+    export_moe_mlp,
+    import_moe_mlp,
+    is_moe_layer,
+    moe_mlp_keys,
+)
+from mp_ckpt.hf_moe_config import mixtral_config, moe_topk, qwen2_moe_config
 from mp_ckpt.hf_tokenizer import (
     TOKENIZER_FILES,
     export_tokenizer,
@@ -43,17 +55,20 @@ __all__ = [
     "model_config_from_hf",
 ]
 
-ARCHITECTURES = ("gpt2", "llama")
+ARCHITECTURES = ("gpt2", "llama", *MOE_ARCHITECTURES)
 _DEFAULT_SHARD_BYTES = 5 * 2**30
 
-# Per-layer tensors that only change names (Hugging Face -> mp).
+# Per-layer tensors that only change names (Hugging Face -> mp): attention and norms,
+# then a dense (not mixture-of-experts) MLP.
 _LLAMA_PER_LAYER = {
     "self_attn.o_proj": "self_attention.linear_proj",
+    "input_layernorm": "input_layernorm",
+    "post_attention_layernorm": "pre_mlp_layernorm",
+}
+_LLAMA_MLP = {
     "mlp.gate_proj": "mlp.linear_fc1.gate",
     "mlp.up_proj": "mlp.linear_fc1.up",
     "mlp.down_proj": "mlp.linear_fc2",
-    "input_layernorm": "input_layernorm",
-    "post_attention_layernorm": "pre_mlp_layernorm",
 }
 # GPT-2's Conv1D layers (weights [in, out], transposed on the way) -> mp's linear layers.
 _GPT2_CONV1D = {
@@ -80,9 +95,10 @@ def export_hf(
     max_shard_bytes: int = _DEFAULT_SHARD_BYTES,
     dtype: torch.dtype | None = None,
 ) -> Path:
-    """Writes a Hugging Face directory that transformers loads (GPT2LMHeadModel /
-    LlamaForCausalLM): the safetensors, the tokenizer files (hf_tokenizer),
-    generation_config.json when a special token id is known, and config.json last.
+    """Writes a Hugging Face directory that transformers loads (GPT2LMHeadModel,
+    LlamaForCausalLM, MixtralForCausalLM, Qwen2MoeForCausalLM): the safetensors, the
+    tokenizer files (hf_tokenizer), generation_config.json when a special token id is
+    known, and config.json last.
     Settings the tensors do not show (norm epsilon, activation, rotary base and
     scaling, ...) come from the checkpoint's common["model_config"] (Megatron names),
     completed by common["config"]["model"] (the training run's TransformerConfig)."""
@@ -97,9 +113,9 @@ def export_hf(
     run_model = (common.get("config") or {}).get("model") or {}
     settings = dict(run_model) | dict(common.get("model_config") or {})
     _check_keys(arch, model_keys, reader.directory)
-    if arch == "llama" and settings.get("rotary_percent", 1.0) != 1.0:
+    if arch != "gpt2" and settings.get("rotary_percent", 1.0) != 1.0:
         raise ValueError(
-            f"model_config rotary_percent={settings['rotary_percent']!r}: LlamaForCausalLM "
+            f"model_config rotary_percent={settings['rotary_percent']!r}: the {arch} export "
             "rotates every channel of a head"
         )
     files, ids = export_tokenizer(common)
@@ -108,7 +124,7 @@ def export_hf(
     if arch == "gpt2":
         config, tensors = _gpt2_export(reader, model_keys, settings, ids, dtype_name)
     else:
-        config, tensors = _llama_export(reader, model_keys, settings, ids, dtype_name)
+        config, tensors = _llama_export(arch, reader, model_keys, settings, ids, dtype_name)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     _write_safetensors(out, tensors, max_shard_bytes, dtype)
@@ -135,9 +151,18 @@ def _check_keys(arch: str, keys: list[str], directory: Path) -> None:
     else:
         parts = [f"self_attention.linear_qkv.{p}" for p in "qkv"] + list(_LLAMA_PER_LAYER.values())
         per_layer = [f"{part}.weight" for part in parts]
+        if arch == "qwen2_moe" and "decoder.layers.0.self_attention.linear_qkv.q.bias" in keys:
+            per_layer += [f"self_attention.linear_qkv.{p}.bias" for p in "qkv"]
         fixed = {"embedding.word_embeddings.weight", "decoder.final_layernorm.weight"}
     layers = _layers(keys)
     needed = fixed | {f"decoder.layers.{i}.{k}" for i in range(layers) for k in per_layer}
+    if arch != "gpt2":
+        dense = [f"{part}.weight" for part in _LLAMA_MLP.values()]
+        shared = arch == "qwen2_moe"
+        for i in range(layers):
+            # Mixtral's layers are all MoE; a Qwen2-MoE layer is MoE where it has a router.
+            moe = arch == "mixtral" or (shared and f"decoder.layers.{i}.mlp.router.weight" in keys)
+            needed |= {f"decoder.layers.{i}.{k}" for k in (moe_mlp_keys(shared) if moe else dense)}
     extra = sorted(set(keys) - needed - {"output_layer.weight"})  # gpt2's: refused later
     missing = sorted(needed - set(keys))
     for what, names in (("has no place for", extra), ("needs, and the checkpoint lacks", missing)):
@@ -205,16 +230,40 @@ def _gpt2_export(reader: CheckpointReader, keys: list[str], settings: dict, ids:
     return config, tensors()  # fmt: skip
 
 
-def _llama_export(reader: CheckpointReader, keys: list[str], settings: dict, ids: dict,
-                  dtype: str):  # fmt: skip
+def _llama_export(arch: str, reader: CheckpointReader, keys: list[str], settings: dict,
+                  ids: dict, dtype: str):  # fmt: skip
+    """Llama, and the Llama-style Mixtral and Qwen2-MoE (whose MoE layers hf_moe maps)."""
     vocab, h = reader.shape("embedding.word_embeddings.weight")
     layers = _layers(keys)
     groups, per_group, d, _ = reader.shape("decoder.layers.0.self_attention.linear_qkv.q.weight")
-    ffn = reader.shape("decoder.layers.0.mlp.linear_fc1.gate.weight")[0]
+    moe = [f"decoder.layers.{i}.mlp.router.weight" in keys for i in range(layers)]
+    qkv_bias = "decoder.layers.0.self_attention.linear_qkv.q.bias" in keys
+    dense = [i for i in range(layers) if not moe[i]]
     tied = "output_layer.weight" not in keys
     shapes = {"vocab": vocab, "hidden": h, "layers": layers, "heads": groups * per_group,
-              "groups": groups, "head_dim": d, "ffn": ffn, "tied": tied}  # fmt: skip
-    config = llama_config(settings, shapes, ids, dtype)
+              "groups": groups, "head_dim": d, "tied": tied}  # fmt: skip
+    if dense:
+        shapes["ffn"] = reader.shape(f"decoder.layers.{dense[0]}.mlp.linear_fc1.gate.weight")[0]
+    experts = 0
+    if arch == "llama":
+        config = llama_config(settings, shapes, ids, dtype)
+    else:
+        if not any(moe):
+            raise ValueError(
+                f"{reader.directory}: no layer has an mlp.router.weight: a dense model, "
+                "export it as llama"
+            )
+        first = f"decoder.layers.{moe.index(True)}.mlp."
+        experts, expert_ffn, _ = reader.shape(first + "experts.linear_fc1.gate.weight")
+        shapes |= {"experts": experts, "expert_ffn": expert_ffn,
+                   "topk": moe_topk(settings, arch), "sparse": [int(m) for m in moe],
+                   "qkv_bias": qkv_bias}  # fmt: skip
+        if arch == "mixtral":
+            config = mixtral_config(settings, shapes, ids, dtype)
+        else:
+            shapes["shared_ffn"] = reader.shape(first + "shared_experts.linear_fc1.gate.weight")[0]
+            shapes.setdefault("ffn", settings.get("ffn_hidden_size") or expert_ffn)
+            config = qwen2_moe_config(settings, shapes, ids, dtype)
 
     def tensors() -> Iterator[tuple[str, Callable[[], torch.Tensor]]]:
         read = reader.read
@@ -225,7 +274,15 @@ def _llama_export(reader: CheckpointReader, keys: list[str], settings: dict, ids
             for p in "qkv":
                 yield f"{dst}self_attn.{p}_proj.weight", lambda k=f"{qkv}{p}.weight": read(
                     k).reshape(-1, h)  # fmt: skip
+                if qkv_bias:
+                    yield f"{dst}self_attn.{p}_proj.bias", lambda k=f"{qkv}{p}.bias": read(
+                        k).reshape(-1)  # fmt: skip
             for theirs, ours in _LLAMA_PER_LAYER.items():
+                yield f"{dst}{theirs}.weight", lambda k=f"{src}{ours}.weight": read(k)
+            if moe[i]:
+                yield from export_moe_mlp(reader, arch, src, dst, experts, arch == "qwen2_moe")
+                continue
+            for theirs, ours in _LLAMA_MLP.items():
                 yield f"{dst}{theirs}.weight", lambda k=f"{src}{ours}.weight": read(k)
         yield "model.norm.weight", lambda: read("decoder.final_layernorm.weight")
         if not tied:
@@ -247,7 +304,8 @@ def _write_safetensors(out: Path, tensors, max_shard_bytes: int, dtype) -> None:
 
 def import_hf(hf_dir: str | os.PathLike, out_root: str | os.PathLike) -> Path:
     """Writes an mp checkpoint (iteration 0, model only) from a local Hugging Face
-    GPT-2 or Llama directory (config.json with safetensors or pytorch_model.bin).
+    GPT-2, Llama, Mixtral or Qwen2-MoE directory (config.json with safetensors or
+    pytorch_model.bin).
     common.pt holds the model's settings (Megatron names), the folder's tokenizer
     files and special token ids, and its generation_config.json (hf_tokenizer)."""
     from mp_ckpt.checkpointer import Checkpointer
@@ -287,7 +345,8 @@ def _read_json(path: Path, missing: str) -> dict:
 
 
 def logical_from_hf(state: dict[str, torch.Tensor], config: dict) -> dict[str, torch.Tensor]:
-    """mp's logical tensors from a Hugging Face state dict and its config.json (as a dict)."""
+    """mp's logical tensors from a Hugging Face state dict and its config.json (as a dict).
+    Mixtral's and Qwen2-MoE's experts may be per expert or fused (hf_moe)."""
     model_config_from_hf(config)  # rejects unknown model types
     if config["model_type"] == "gpt2":
         return _gpt2_import(state, config)
@@ -354,19 +413,29 @@ def _llama_import(state: dict, config: dict) -> dict[str, torch.Tensor]:
     settings = model_config_from_hf(config)
     h, heads = settings["hidden_size"], settings["num_attention_heads"]
     groups, d = settings["num_query_groups"], settings["kv_channels"]
+    arch = config["model_type"]
     out = {
-        "embedding.word_embeddings.weight": state["model.embed_tokens.weight"],
-        "decoder.final_layernorm.weight": state["model.norm.weight"],
+        "embedding.word_embeddings.weight": _take(state, "model.embed_tokens.weight"),
+        "decoder.final_layernorm.weight": _take(state, "model.norm.weight"),
     }
     if settings["untie_embeddings_and_output_weights"]:
-        out["output_layer.weight"] = state["lm_head.weight"]
+        out["output_layer.weight"] = _take(state, "lm_head.weight")
+    shapes = {"q": (groups, heads // groups, d), "k": (groups, d), "v": (groups, d)}
     for i in range(settings["num_layers"]):
         src, dst = f"model.layers.{i}.", f"decoder.layers.{i}."
         qkv = f"{dst}self_attention.linear_qkv."
-        out[qkv + "q.weight"] = state[src + "self_attn.q_proj.weight"].reshape(
-            groups, heads // groups, d, h)  # fmt: skip
-        out[qkv + "k.weight"] = state[src + "self_attn.k_proj.weight"].reshape(groups, d, h)
-        out[qkv + "v.weight"] = state[src + "self_attn.v_proj.weight"].reshape(groups, d, h)
+        for p, shape in shapes.items():
+            out[f"{qkv}{p}.weight"] = _take(state, f"{src}self_attn.{p}_proj.weight").reshape(
+                *shape, h)  # fmt: skip
+            if settings.get("add_qkv_bias"):
+                out[f"{qkv}{p}.bias"] = _take(state, f"{src}self_attn.{p}_proj.bias").reshape(shape)
         for theirs, ours in _LLAMA_PER_LAYER.items():
-            out[f"{dst}{ours}.weight"] = state[f"{src}{theirs}.weight"]
+            out[f"{dst}{ours}.weight"] = _take(state, f"{src}{theirs}.weight")
+        if is_moe_layer(settings, i):
+            shared = settings.get("moe_shared_expert_intermediate_size") is not None
+            moe = import_moe_mlp(state, arch, src, settings["num_moe_experts"], shared)
+            out |= {dst + k: v for k, v in moe.items()}
+            continue
+        for theirs, ours in _LLAMA_MLP.items():
+            out[f"{dst}{ours}.weight"] = _take(state, f"{src}{theirs}.weight")
     return out

@@ -4,6 +4,9 @@
     gpt2_config(settings, shapes, tokens)         settings -> GPT2LMHeadModel's config.json
     llama_config(settings, shapes, tokens)        settings -> LlamaForCausalLM's config.json
 
+Mixtral and Qwen2-MoE are Llama-style attention and norms (llama_settings, with
+their own defaults) plus a mixture of experts: hf_moe_config.
+
 The settings are those a checkpoint keeps in common["model_config"] (and
 TransformerConfig's field names): the shapes, normalization, activation,
 rotary embeddings, dropouts and init std. What only a tokenizer knows (the
@@ -44,9 +47,14 @@ def model_config_from_hf(config: dict) -> dict:
     if kind == "gpt2":
         return _gpt2_settings(config)
     if kind == "llama":
-        return _llama_settings(config)
+        return llama_settings(config)
+    if kind in ("mixtral", "qwen2_moe"):
+        from mp_ckpt.hf_moe_config import mixtral_settings, qwen2_moe_settings
+
+        return mixtral_settings(config) if kind == "mixtral" else qwen2_moe_settings(config)
     raise ValueError(
-        f"unsupported model_type {kind!r} in config.json: mp-ckpt imports gpt2 and llama"
+        f"unsupported model_type {kind!r} in config.json: mp-ckpt imports gpt2, llama, "
+        "mixtral and qwen2_moe"
     )
 
 
@@ -58,8 +66,8 @@ def _gpt2_settings(config: dict) -> dict:
             f"config.json activation_function={activation!r}: mp computes "
             f"{', '.join(_GPT2_ACTIVATIONS)} for GPT-2"
         )
-    _refuse(config, "scale_attn_weights", True)
-    _refuse(config, "scale_attn_by_inverse_layer_idx", False)
+    refuse(config, "scale_attn_weights", True)
+    refuse(config, "scale_attn_by_inverse_layer_idx", False)
     return {
         "num_layers": config["n_layer"], "hidden_size": h,
         "num_attention_heads": config["n_head"],
@@ -76,12 +84,16 @@ def _gpt2_settings(config: dict) -> dict:
     }  # fmt: skip
 
 
-def _llama_settings(config: dict) -> dict:
+def llama_settings(config: dict, *, rope_theta: float = 10000.0, rms_norm_eps: float = 1e-6,
+                   max_positions: int = 2048) -> dict:  # fmt: skip
+    """Settings of a Llama-style config.json (attention without biases, RMSNorm, gated
+    silu, RoPE); the keyword arguments are the defaults of a key config.json may omit
+    (Mixtral's and Qwen2-MoE's differ from Llama's)."""
     heads = config["num_attention_heads"]
-    _refuse(config, "hidden_act", "silu")
-    _refuse(config, "attention_bias", False)
-    _refuse(config, "mlp_bias", False)
-    max_positions = config.get("max_position_embeddings", 2048)
+    refuse(config, "hidden_act", "silu")
+    refuse(config, "attention_bias", False)
+    refuse(config, "mlp_bias", False)
+    max_positions = config.get("max_position_embeddings", max_positions)
     return {
         "num_layers": config["num_hidden_layers"], "hidden_size": config["hidden_size"],
         "num_attention_heads": heads,
@@ -89,8 +101,8 @@ def _llama_settings(config: dict) -> dict:
         "kv_channels": config.get("head_dim") or config["hidden_size"] // heads,
         "ffn_hidden_size": config["intermediate_size"], "normalization": "RMSNorm",
         "activation": "swiglu", "position_embedding_type": "rope",
-        **_rope_settings(config, max_positions),
-        "layernorm_epsilon": config.get("rms_norm_eps", 1e-6), "add_bias_linear": False,
+        **_rope_settings(config, max_positions, rope_theta),
+        "layernorm_epsilon": config.get("rms_norm_eps", rms_norm_eps), "add_bias_linear": False,
         "untie_embeddings_and_output_weights": not config.get("tie_word_embeddings", False),
         "hidden_dropout": 0.0, "attention_dropout": config.get("attention_dropout", 0.0),
         "init_method_std": config.get("initializer_range", 0.02),
@@ -98,7 +110,7 @@ def _llama_settings(config: dict) -> dict:
     }  # fmt: skip
 
 
-def _rope_settings(config: dict, max_positions: int) -> dict:
+def _rope_settings(config: dict, max_positions: int, default_theta: float) -> dict:
     """rotary_base and the scaling fields, from either form of config.json."""
     parameters = config.get("rope_parameters") or config.get("rope_scaling") or {}
     if not isinstance(parameters, dict) or any(isinstance(v, dict) for v in parameters.values()):
@@ -106,7 +118,7 @@ def _rope_settings(config: dict, max_positions: int) -> dict:
             f"config.json rope_parameters={parameters!r}: mp reads one set of rotary "
             "parameters for every layer"
         )
-    theta = parameters.get("rope_theta", config.get("rope_theta", 10000.0))
+    theta = parameters.get("rope_theta", config.get("rope_theta", default_theta))
     if float(theta) != int(theta):
         raise ValueError(f"config.json rope_theta={theta!r}: rotary_base is an integer in mp")
     kind = parameters.get("rope_type", parameters.get("type", "default"))
@@ -132,7 +144,7 @@ def _rope_settings(config: dict, max_positions: int) -> dict:
     return settings
 
 
-def _refuse(config: dict, key: str, supported: object) -> None:
+def refuse(config: dict, key: str, supported: object) -> None:
     """Raises unless config[key] (when present) is the one value mp computes."""
     if key in config and config[key] != supported:
         raise ValueError(f"config.json {key}={config[key]!r}: mp computes only {key}={supported!r}")
@@ -158,7 +170,7 @@ def gpt2_config(settings: dict, shapes: dict, tokens: dict, dtype: str) -> dict:
         "resid_pdrop": hidden_dropout, "embd_pdrop": hidden_dropout,
         "attn_pdrop": settings.get("attention_dropout", 0.0),
         "initializer_range": settings.get("init_method_std", 0.02),
-        "tie_word_embeddings": True, **_token_ids(tokens), "torch_dtype": dtype,
+        "tie_word_embeddings": True, **token_ids(tokens), "torch_dtype": dtype,
     }  # fmt: skip
 
 
@@ -166,6 +178,26 @@ def llama_config(settings: dict, shapes: dict, tokens: dict, dtype: str) -> dict
     """LlamaForCausalLM's config.json. shapes: vocab, hidden, layers, heads, groups,
     head_dim, ffn, tied; tokens: bos/eos/pad ids (or empty)."""
     max_positions = settings.get("max_position_embeddings", settings.get("seq_length", 2048))
+    theta, scaling = rope_scaling(settings)
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "vocab_size": shapes["vocab"], "hidden_size": shapes["hidden"],
+        "intermediate_size": shapes["ffn"], "num_hidden_layers": shapes["layers"],
+        "num_attention_heads": shapes["heads"], "num_key_value_heads": shapes["groups"],
+        "head_dim": shapes["head_dim"], "hidden_act": "silu",
+        "max_position_embeddings": max_positions,
+        "rms_norm_eps": settings.get("layernorm_epsilon", 1e-5),
+        "rope_theta": theta, "rope_scaling": scaling,
+        "rope_parameters": {"rope_theta": theta, **(scaling or {"rope_type": "default"})},
+        "attention_bias": False, "mlp_bias": False,
+        "attention_dropout": settings.get("attention_dropout", 0.0),
+        "initializer_range": settings.get("init_method_std", 0.02),
+        "tie_word_embeddings": shapes["tied"], **token_ids(tokens), "torch_dtype": dtype,
+    }  # fmt: skip
+
+
+def rope_scaling(settings: dict) -> tuple[float, dict | None]:
+    """(rope_theta, the rope_scaling entries or None) of a model's settings."""
     theta = float(settings.get("rotary_base", 10000))
     scaling = None
     if settings.get("use_rope_scaling"):
@@ -182,22 +214,8 @@ def llama_config(settings: dict, shapes: dict, tokens: dict, dtype: str) -> dict
                 "use_rope_scaling=True: config.json holds one rope_type"
             )
         scaling = {"rope_type": "linear", "factor": linear}
-    return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "vocab_size": shapes["vocab"], "hidden_size": shapes["hidden"],
-        "intermediate_size": shapes["ffn"], "num_hidden_layers": shapes["layers"],
-        "num_attention_heads": shapes["heads"], "num_key_value_heads": shapes["groups"],
-        "head_dim": shapes["head_dim"], "hidden_act": "silu",
-        "max_position_embeddings": max_positions,
-        "rms_norm_eps": settings.get("layernorm_epsilon", 1e-5),
-        "rope_theta": theta, "rope_scaling": scaling,
-        "rope_parameters": {"rope_theta": theta, **(scaling or {"rope_type": "default"})},
-        "attention_bias": False, "mlp_bias": False,
-        "attention_dropout": settings.get("attention_dropout", 0.0),
-        "initializer_range": settings.get("init_method_std", 0.02),
-        "tie_word_embeddings": shapes["tied"], **_token_ids(tokens), "torch_dtype": dtype,
-    }  # fmt: skip
+    return theta, scaling
 
 
-def _token_ids(tokens: dict) -> dict:
+def token_ids(tokens: dict) -> dict:
     return {k: tokens.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
