@@ -3,12 +3,11 @@ sequence 256 trains with the one-rank loss curve, gradient norms and consumed sa
 CP2 (every comm type), CP2 x TP2 with sequence parallelism, CP2 x PP2 (also with virtual
 stages) and CP2 x DP2 (also with the distributed optimizer)."""
 
-import json
 from pathlib import Path
 
 import pytest
 
-from mp_gpt.testing import TINY_CONFIG, train_on_rank
+from mp_gpt.testing import TINY_CONFIG, assert_same_curve, metrics_records, train_on_rank
 from mp_state.testing import run_on_ranks
 
 pytestmark = pytest.mark.multirank
@@ -26,10 +25,6 @@ def options(run_dir: Path, *layout: str) -> list[str]:
         "--metrics-file", str(run_dir / "metrics.jsonl"), "--num-workers", "0",
         "--lr-warmup-iters", "1", *layout,
     ]  # fmt: skip
-
-
-def records(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 CP2 = ["--context-parallel-size", "2"]
@@ -58,17 +53,12 @@ LAYOUTS = {
 def reference(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("one-rank")
     run_on_ranks(train_on_rank, 1, options(run_dir), timeout=300)
-    return records(run_dir)
+    return metrics_records(run_dir)
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_context_parallel_trains_as_one_rank(tmp_path, reference, name):
     world, layout = LAYOUTS[name]
     run_on_ranks(train_on_rank, world, options(tmp_path, *layout), timeout=300)
-    got = records(tmp_path)
-    assert len(got) == len(reference) == ITERATIONS
-    for mine, want in zip(got, reference, strict=True):
-        where = f"{name}, iteration {want['iteration']}"
-        assert mine["consumed_samples"] == want["consumed_samples"], where
-        for key in ("lm loss", "grad_norm"):
-            assert abs(mine[key] - want[key]) <= 1e-5 * abs(want[key]), (where, key, mine, want)
+    assert len(reference) == ITERATIONS
+    assert_same_curve(metrics_records(tmp_path), reference, ("lm loss", "grad_norm"), name)

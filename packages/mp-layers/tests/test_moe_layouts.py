@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 import mp_state
-from mp_ckpt import ShardedTensor, check_tiling
+from mp_ckpt import ShardedTensor, assemble
 from mp_layers import GPTModel, ModelGroups, TransformerConfig, all_reduce_sequence_parallel_grads
 from mp_layers.moe import is_expert_key, set_aux_loss_scale
 from mp_state import ParallelConfig
@@ -120,16 +120,6 @@ def _grads(model: GPTModel) -> dict[str, torch.Tensor]:
     finally:
         for p in params:
             p.data, p.grad = p.grad, p.data
-
-
-def assemble(pieces: list[ShardedTensor]) -> dict[str, torch.Tensor]:
-    check_tiling(pieces)
-    tensors: dict[str, torch.Tensor] = {}
-    for p in pieces:
-        if p.replica_id == 0:
-            full = tensors.setdefault(p.key, torch.zeros(p.global_shape))
-            full[p.global_slices] = p.data
-    return tensors
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))

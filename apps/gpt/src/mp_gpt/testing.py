@@ -13,6 +13,7 @@ from mp_gpt.config_files import config_path
 __all__ = [
     "LOGGED_MOE",
     "TINY_CONFIG",
+    "assert_same_curve",
     "metrics_records",
     "tiny_moe_options",
     "train_on_rank",
@@ -43,6 +44,18 @@ def tiny_moe_options(run_dir: Path, *extra: str) -> list[str]:
 def metrics_records(run_dir: Path) -> list[dict]:
     """The records of run_dir/metrics.jsonl, one per iteration."""
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_same_curve(got: list[dict], want: list[dict], keys, name: str) -> None:
+    """The same iterations and consumed samples, and every value of `keys` within 1e-5
+    relative of the reference's."""
+    assert [r["iteration"] for r in got] == [r["iteration"] for r in want], name
+    for mine, reference in zip(got, want, strict=True):
+        where = f"{name}, iteration {reference['iteration']}"
+        assert mine["consumed_samples"] == reference["consumed_samples"], where
+        for key in keys:
+            difference = abs(mine[key] - reference[key])
+            assert difference <= 1e-5 * abs(reference[key]), (where, key, mine, reference)
 
 
 def train_on_rank(argv: list[str]) -> int:

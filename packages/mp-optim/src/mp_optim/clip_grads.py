@@ -37,13 +37,8 @@ def get_grad_norm(
 ) -> float:
     """The L2 norm of `grads` across `groups` and `expert_grads` across `expert_groups`
     (computed in fp32)."""
-    device = _device_of(grads, expert_grads)
-    total = _sum_over(_sum_of_squares(grads, device), groups)
-    if expert_groups is not None:
-        total = total + _sum_over(_sum_of_squares(expert_grads, device), expert_groups)
-    elif expert_grads:
-        raise ValueError(f"{len(expert_grads)} expert gradients given without expert_groups")
-    return float(total.sqrt())
+    squares = _dense_and_expert(_sum_of_squares, grads, groups, expert_grads, expert_groups)
+    return float(squares.sqrt())
 
 
 def clip_grads_by_total_norm(
@@ -64,13 +59,18 @@ def count_zeros(
 ) -> int:
     """The number of zero elements in `grads` across `groups` plus those of
     `expert_grads` across `expert_groups`."""
+    return int(_dense_and_expert(_zeros, grads, groups, expert_grads, expert_groups))
+
+
+def _dense_and_expert(measure, grads, groups, expert_grads, expert_groups) -> torch.Tensor:
+    """measure(grads) summed over groups plus measure(expert_grads) over expert_groups."""
     device = _device_of(grads, expert_grads)
-    total = _sum_over(_zeros(grads, device), groups)
+    total = _sum_over(measure(grads, device), groups)
     if expert_groups is not None:
-        total = total + _sum_over(_zeros(expert_grads, device), expert_groups)
+        total = total + _sum_over(measure(expert_grads, device), expert_groups)
     elif expert_grads:
         raise ValueError(f"{len(expert_grads)} expert gradients given without expert_groups")
-    return int(total)
+    return total
 
 
 def _device_of(*grad_lists: Sequence[torch.Tensor]) -> torch.device:
