@@ -49,7 +49,7 @@ MFU counts the active parameters: per token, 6 FLOPs per active matmul weight
 embedding lookup is no matmul) plus causal attention, 6 L s nq d (the scores and
 the weighted sum, half of the s x s square, forward and backward), over the
 measured peak of a bf16 n x n matmul (mp_train.metrics.measure_peak_tflops, the
-better of a measure before and one after the runs).
+best of measures before the runs, before each round and after the runs).
 
     uv run python ci/bench/bench_moe.py [--seq 2048 --batch 1 --rounds 3 --warmup 2 --iters 3]
 """
@@ -113,6 +113,7 @@ def main() -> None:
     batches = _batches(args.batch, args.seq)
     per_turn = args.warmup + args.iters
     for round_ in range(args.rounds):
+        peak = max(peak, measure_peak_tflops(args.peak_n) * 1e12)
         for name, step in steps.items():
             for i in range(per_turn):
                 tokens_, labels = batches(round_ * per_turn + i)
@@ -122,8 +123,8 @@ def main() -> None:
                     times[name].append(time.perf_counter() - start)
             print(f"round {round_} {name}: {[round(t, 2) for t in times[name][-args.iters:]]}",
                   file=sys.stderr, flush=True)  # fmt: skip
-    # Measured again at the end: the better of the two is the machine's (another
-    # process running during one of them lowers it).
+    # Measured before each round and at the end: the best is the machine's (another
+    # process running during a measure lowers it).
     peak = max(peak, measure_peak_tflops(args.peak_n) * 1e12)
     emit("matmul_peak[bf16]", {"tflops": round(peak / 1e12, 4), "n": args.peak_n}, ctx)
     best = {k: min(v) for k, v in times.items()}
