@@ -51,7 +51,7 @@ the weighted sum, half of the s x s square, forward and backward), over the
 measured peak of a bf16 n x n matmul (mp_train.metrics.measure_peak_tflops, the
 best of measures before the runs, before each round and after the runs).
 
-    uv run python ci/bench/bench_moe.py [--seq 2048 --batch 1 --rounds 3 --warmup 2 --iters 3]
+    uv run python ci/bench/bench_moe.py [--seq 2048 --batch 1 --rounds 4 --warmup 1 --iters 3]
 """
 
 from __future__ import annotations
@@ -89,8 +89,8 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=2048, help="sequence length")
     parser.add_argument("--batch", type=int, default=1, help="sequences per iteration")
     parser.add_argument("--expert-ffn", type=int, default=EXPERT_FFN, help="experts' width")
-    parser.add_argument("--rounds", type=int, default=3, help="turns of ours, then baseline")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed iterations per turn")
+    parser.add_argument("--rounds", type=int, default=4, help="turns of ours, then baseline")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed iterations per turn")
     parser.add_argument("--iters", type=int, default=3, help="timed iterations per turn")
     parser.add_argument("--peak-n", type=int, default=2048, help="n of the n x n matmul peak")
     args = parser.parse_args()
