@@ -14,12 +14,9 @@ from mp_layers.moe import (
     capacity_mask,
     expert_capacity,
     grouped_matmul,
-    permutation,
-    permute,
     routers_of,
     set_aux_loss_scale,
     take_metrics,
-    unpermute,
     update_expert_biases,
 )
 
@@ -163,33 +160,6 @@ def test_grouped_matmul_equals_one_matmul_per_group(dtype, width):
     for got, want in zip(*outs, strict=True):
         torch.testing.assert_close(got, want)
     torch.testing.assert_close(outs[0][0][4:], x[4:] @ w[2].t())
-
-
-@pytest.mark.parametrize("drop", [False, True])  # True: tokens with 0, 1 or 2 copies
-def test_permuting_gathers_and_sums_each_tokens_copies(drop):
-    probs = torch.rand(6, E)
-    chosen = probs.topk(2).indices
-    routing_map = torch.zeros(6, E, dtype=torch.bool).scatter(1, chosen, True)
-    if drop:
-        routing_map[1, chosen[1, 0]] = False
-        routing_map[4] = False
-    probs = (probs * routing_map).requires_grad_()
-    hidden = torch.randn(6, H, requires_grad=True)
-    plan = permutation(probs, routing_map)
-    assert (plan.copies_per_token is None) == drop
-    copies = permute(hidden, plan)
-    torch.testing.assert_close(copies, hidden.detach()[plan.token_index])
-    factors = torch.arange(1.0, len(copies) + 1)  # one per copy, standing for the experts
-    upstream = torch.randn(6, H)
-    y = unpermute(copies * factors.unsqueeze(-1), plan, 6)
-    got = (y, *torch.autograd.grad((y * upstream).sum(), (hidden, probs)))
-    # A dense reference: y[t] = sum_e probs[t, e] * factor[t, e] * hidden[t].
-    factor = torch.zeros(6, E)
-    factor[plan.token_index, routing_map.t().nonzero()[:, 0]] = factors
-    want_y = (probs * factor).sum(-1, keepdim=True) * hidden
-    want = (want_y, *torch.autograd.grad((want_y * upstream).sum(), (hidden, probs)))
-    for a, b in zip(got, want, strict=True):
-        torch.testing.assert_close(a, b)
 
 
 @pytest.mark.parametrize("grouped", [False, True])

@@ -5,7 +5,6 @@ from mp_layers.moe.aux_losses import set_aux_loss_scale
 from mp_layers.moe.dispatcher import AllGatherDispatcher, AllToAllDispatcher
 from mp_layers.moe.experts import GroupedExperts, grouped_matmul, is_expert_key
 from mp_layers.moe.moe_layer import MoELayer, SharedExperts
-from mp_layers.moe.permutation import Permutation, permutation, permute, unpermute
 from mp_layers.moe.router import (
     TopKRouter,
     capacity_mask,
@@ -20,18 +19,14 @@ __all__ = [
     "AllToAllDispatcher",
     "GroupedExperts",
     "MoELayer",
-    "Permutation",
     "SharedExperts",
     "TopKRouter",
     "capacity_mask",
     "expert_capacity",
     "grouped_matmul",
     "is_expert_key",
-    "permutation",
-    "permute",
     "routers_of",
     "set_aux_loss_scale",
     "take_metrics",
-    "unpermute",
     "update_expert_biases",
 ]

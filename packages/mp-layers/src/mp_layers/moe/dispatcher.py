@@ -5,8 +5,9 @@ Shapes: hidden [T, h] (this rank's tokens), probs and routing_map [T, E] (router
 what the experts get is tokens [N, h] sorted by local expert with counts [El]; combine
 turns the experts' [N, h] back into [T, h].
 
-Permuting (permutation.py) is a sort by expert, never a loop over tokens; combining
-weights each copy's output and sums them per token.
+Permuting is a sort by expert, never a loop over tokens: the (expert, token) pairs of
+the routing map in expert-major order give each routed copy's token index and weight;
+the output is an index_add of the weighted copies.
 
 - AllToAllDispatcher (Megatron's "alltoall"): a rank sends each expert-parallel rank the
   copies routed to its experts (an all-to-all of uneven pieces over ep, the counts
@@ -29,7 +30,6 @@ import torch
 import torch.distributed as dist
 
 from mp_layers.moe.collectives import all_to_all, gather_uneven, reduce_scatter_uneven
-from mp_layers.moe.permutation import Permutation, permutation, permute, unpermute
 from mp_layers.tensor_parallel.collectives import gather_first
 from mp_layers.tensor_parallel.mappings import (
     gather_from_sequence_parallel_region,
@@ -37,7 +37,35 @@ from mp_layers.tensor_parallel.mappings import (
 )
 from mp_state import RankGroup
 
-__all__ = ["AllGatherDispatcher", "AllToAllDispatcher"]
+__all__ = ["AllGatherDispatcher", "AllToAllDispatcher", "permutation"]
+
+
+@dataclass
+class Permutation:
+    """The routed copies in expert-major order: their token index and routing weight."""
+
+    token_index: torch.Tensor  # [M]
+    weights: torch.Tensor  # [M]
+    counts: torch.Tensor  # [E'] copies per expert
+
+
+def permutation(probs: torch.Tensor, routing_map: torch.Tensor) -> Permutation:
+    """probs, routing_map [T, E'] -> the copies sorted by expert (then token)."""
+    tokens = routing_map.shape[0]
+    by_expert = routing_map.t()
+    token_index = torch.arange(tokens, device=probs.device).expand_as(by_expert)
+    return Permutation(
+        token_index.masked_select(by_expert),
+        probs.t().masked_select(by_expert),
+        by_expert.sum(dim=1),
+    )
+
+
+def unpermute(out: torch.Tensor, plan: Permutation, tokens: int) -> torch.Tensor:
+    """[M, h] outputs of the copies -> [tokens, h]: weighted, summed per token."""
+    weighted = out * plan.weights.to(out.dtype).unsqueeze(-1)
+    result = out.new_zeros((tokens, out.shape[-1]))
+    return result.index_add(0, plan.token_index, weighted)
 
 
 class AllToAllDispatcher:
@@ -47,7 +75,7 @@ class AllToAllDispatcher:
 
     def dispatch(self, hidden, probs, routing_map):
         plan = permutation(probs, routing_map)
-        copies = permute(hidden, plan)
+        copies = hidden.index_select(0, plan.token_index)
         send = plan.counts.view(self.ep.size, self.num_local)  # [ep, El]
         received = _exchange_counts(send, self.ep)  # [ep, El]: from each source
         grid = gather_first(received.unsqueeze(0), self.etp)  # [etp, ep, El]
@@ -106,7 +134,7 @@ class AllGatherDispatcher:
             routing_map = gather_first(routing_map.to(torch.uint8), self.tp_ep).bool()
         plan = permutation(probs[:, self.local], routing_map[:, self.local])
         return (
-            permute(hidden, plan),
+            hidden.index_select(0, plan.token_index),
             plan.counts.tolist(),
             (plan, hidden.shape[0]),
         )
