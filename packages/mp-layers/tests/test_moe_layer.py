@@ -147,11 +147,11 @@ def test_expert_bias_moves_towards_the_underloaded_experts():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("width", [16, 6])  # 6: rows the kernel cannot take, one matmul each
-def test_grouped_matmul_equals_one_matmul_per_group(dtype, width):
+@pytest.mark.parametrize("width", [16, 6])  # 6: rows the kernel cannot take
+@pytest.mark.parametrize("counts", [[4, 0, 6], [5, 5]])  # equal counts: one batched matmul
+def test_grouped_matmul_equals_one_matmul_per_group(dtype, width, counts):
     x = torch.randn(10, 8, dtype=dtype, requires_grad=True)
-    w = torch.randn(3, width, 8, dtype=dtype, requires_grad=True)
-    counts = [4, 0, 6]
+    w = torch.randn(len(counts), width, 8, dtype=dtype, requires_grad=True)
     outs = []
     for grouped in (True, False):
         out = grouped_matmul(x, w.transpose(1, 2), counts, grouped)
@@ -159,7 +159,8 @@ def test_grouped_matmul_equals_one_matmul_per_group(dtype, width):
         outs.append((out, *grads))
     for got, want in zip(*outs, strict=True):
         torch.testing.assert_close(got, want)
-    torch.testing.assert_close(outs[0][0][4:], x[4:] @ w[2].t())
+    start = counts[0] + (counts[1] if len(counts) > 2 else 0)
+    torch.testing.assert_close(outs[0][0][start:], x[start:] @ w[-1].t())
 
 
 @pytest.mark.parametrize("grouped", [False, True])
