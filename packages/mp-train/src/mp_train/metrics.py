@@ -93,9 +93,16 @@ class MetricsLogger:
 
     def print_start(self) -> None:
         e, run = self.estimate, self.run
+        state = run.state
+        experts = ""
+        if run.config.model.num_moe_experts is not None:
+            experts = (
+                f" (experts: ep {state.ep.size} x expert tp {state.expert_tp.size} x expert dp "
+                f"{state.expert_dp.size}; {e['num_active_parameters']:,} parameters active)"
+            )
         self.print(
-            f"mp-train: world {dist.get_world_size()} = tp {run.state.tp.size} x cp "
-            f"{run.state.cp.size} x pp {run.state.pp.size} x dp {run.data_parallel_size}; "
+            f"mp-train: world {dist.get_world_size()} = tp {state.tp.size} x cp "
+            f"{state.cp.size} x pp {state.pp.size} x dp {run.data_parallel_size}{experts}; "
             f"{e['num_parameters']:,} "
             f"parameters; theoretical memory of the most loaded rank: weights and optimizer "
             f"{e['weight_and_optimizer_mb']:.1f} MB, activations {e['activation_mb']:.1f} MB, "
