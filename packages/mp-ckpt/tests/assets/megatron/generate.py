@@ -241,6 +241,32 @@ def adam_state(model, optimizer):
     return out
 
 
+def optimizer_layout(model, optimizer):
+    """How Megatron lays out this rank's optimizer state, by parameter name.
+
+    ``param_order``: names in the order of the torch optimizer's ``state_dict`` indices
+    (legacy ``optimizer.state.<i>`` / ``param_groups[g].params``), without the distributed
+    optimizer.  ``grad_buffer``: with the distributed optimizer, ``name -> (start, end,
+    bucket_id)`` in the flat fp32 grad/param buffer that the checkpoint's
+    ``...bucket_idx_<b>.{param,exp_avg,exp_avg_sq}`` tensors follow, plus its bucket sizes.
+    """
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    names = {p: n for n, p in model.module.named_parameters()}
+    out = {}
+    inner = getattr(optimizer, "chained_optimizers", [optimizer])
+    if not any(isinstance(o, DistributedOptimizer) for o in inner):
+        out["param_order"] = [names[p] for o in inner for g in o.optimizer.param_groups for p in g["params"]]
+        out["param_groups"] = [[names[p] for p in g["params"]] for o in inner for g in o.optimizer.param_groups]
+    else:
+        out["grad_buffer"] = [
+            {"param_index_map": {names[p]: tuple(int(x) for x in r) for p, r in buf.param_index_map.items()},
+             "bucket_indices": [tuple(int(x) for x in b) for b in buf.bucket_indices],
+             "numel": int(buf.numel), "numel_unpadded": int(buf.numel_unpadded)}
+            for buf in model.buffers]
+    return out
+
+
 def full_logits(model, data):
     import torch
     from megatron.core import parallel_state as ps
@@ -268,6 +294,9 @@ def plain_args(args):
     assert not missing, missing
     out = {k: plain(getattr(args, ARG_ALIASES.get(k, k))) for k in ARG_NAMES}
     out["layernorm_epsilon"] = out["norm_epsilon"]
+    # without --group-query-attention Megatron leaves num_query_groups at 1 and uses one
+    # KV head per attention head; spell out the count the model really has
+    out["num_kv_heads"] = args.num_query_groups if args.group_query_attention else args.num_attention_heads
     return out
 
 
@@ -316,6 +345,8 @@ def worker(rank, world, port, case):
     logits, loss = full_logits(model, ref_data)
     state = adam_state(model, optimizer)
     lr_next = optimizer.param_groups[0]["lr"]
+    layouts = [None] * world
+    torch.distributed.all_gather_object(layouts, optimizer_layout(model, optimizer))
     sched_state = scheduler.state_dict()
 
     # reload into a differently initialised model + optimizer and compare
@@ -350,11 +381,12 @@ def worker(rank, world, port, case):
             iteration=ITERATIONS,
             optimizer_step=next(iter(state.values()))["step"],
             scheduler=sched_state,
+            optimizer_layout_per_rank=layouts,
             lr_next=lr_next,
             train_losses=[l for l, _ in losses],
             train_grad_norms=[g for _, g in losses],
-            megatron_core_version=megatron.core.__version__,
-            torch_version=torch.__version__,
+            megatron_core_version=str(megatron.core.__version__),
+            torch_version=str(torch.__version__),   # plain str: loads with weights_only=True
             reload_check=dict(max_abs_logits_diff=d_logits, max_abs_adam_state_diff=d_state,
                               lr_next_after_load=lr2),
         )
