@@ -7,11 +7,15 @@ Engine, no Apex), from anywhere:
 
 For each case (all by default) it starts ``tp * pp`` gloo processes, builds a tiny GPTModel
 with megatron-core's *local* layer spec, wraps it in megatron's DistributedDataParallel and
-optimizer (Adam, fp32), trains 2 steps on a fixed batch, calls Megatron-LM's own
+optimizer (Adam, fp32), trains 2 steps on a fixed batch through megatron's
+forward-backward schedule (1F1B over gloo for the PP case), calls Megatron-LM's own
 ``megatron.training.checkpointing.save_checkpoint`` and writes, next to this file:
 
     <case>/latest_checkpointed_iteration.txt      ("2")
     <case>/iter_0000002/...                        (the checkpoint as Megatron-LM writes it)
+
+for the cases llama_torch_dist_tp1, llama_torch_dist_tp2_distopt, llama_torch_tp2,
+gpt2_torch_dist_tp1 and llama_torch_pp2 (see CASES and README.md)
     <case>/reference.pt                            (tokens, logits, losses, args, Adam state)
 
 then reloads the checkpoint with ``load_checkpoint`` into a freshly initialised model and
@@ -20,6 +24,7 @@ optimizer and checks the logits and the recorded Adam state come back identical.
 The CUDA-only calls megatron makes are replaced by CPU stand-ins in ``patches.py``.
 The tests that use these files never import megatron.
 """
+
 import os
 import shutil
 import socket
@@ -31,23 +36,55 @@ sys.path.insert(0, HERE)
 
 SEQ = 16
 MICRO_BATCH = 2
-VOCAB = 100           # tokenizer vocabulary; padded by Megatron to 128 (divisible-by 64 * TP)
+VOCAB = 100  # tokenizer vocabulary; padded by Megatron to 128 (divisible-by 64 * TP)
 ITERATIONS = 2
 SEED = 1234
 
 LLAMA = [
-    "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
-    "--group-query-attention", "--num-query-groups", "2", "--ffn-hidden-size", "64",
-    "--normalization", "RMSNorm", "--norm-epsilon", "1e-5", "--swiglu",
-    "--position-embedding-type", "rope", "--rotary-base", "10000",
-    "--untie-embeddings-and-output-weights", "--disable-bias-linear",
-    "--no-rope-fusion", "--no-bias-swiglu-fusion", "--no-persist-layer-norm",
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "32",
+    "--num-attention-heads",
+    "4",
+    "--group-query-attention",
+    "--num-query-groups",
+    "2",
+    "--ffn-hidden-size",
+    "64",
+    "--normalization",
+    "RMSNorm",
+    "--norm-epsilon",
+    "1e-5",
+    "--swiglu",
+    "--position-embedding-type",
+    "rope",
+    "--rotary-base",
+    "10000",
+    "--untie-embeddings-and-output-weights",
+    "--disable-bias-linear",
+    "--no-rope-fusion",
+    "--no-bias-swiglu-fusion",
+    "--no-persist-layer-norm",
 ]
 GPT2 = [
-    "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
-    "--ffn-hidden-size", "128", "--normalization", "LayerNorm", "--norm-epsilon", "1e-5",
-    "--position-embedding-type", "learned_absolute", "--no-bias-gelu-fusion",
-    "--no-bias-dropout-fusion", "--no-persist-layer-norm",
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "32",
+    "--num-attention-heads",
+    "4",
+    "--ffn-hidden-size",
+    "128",
+    "--normalization",
+    "LayerNorm",
+    "--norm-epsilon",
+    "1e-5",
+    "--position-embedding-type",
+    "learned_absolute",
+    "--no-bias-gelu-fusion",
+    "--no-bias-dropout-fusion",
+    "--no-persist-layer-norm",
 ]
 
 # name -> (model args, ckpt format, tp, pp, distributed optimizer)
@@ -56,6 +93,7 @@ CASES = {
     "llama_torch_dist_tp2_distopt": (LLAMA, "torch_dist", 2, 1, True),
     "llama_torch_tp2": (LLAMA, "torch", 2, 1, False),
     "gpt2_torch_dist_tp1": (GPT2, "torch_dist", 1, 1, False),
+    "llama_torch_pp2": (LLAMA, "torch", 1, 2, False),
 }
 
 # Parameters whose Adam state goes into reference.pt (those the model has).
@@ -67,20 +105,52 @@ TRACKED = [
     "decoder.layers.0.self_attention.linear_qkv.bias",
     "decoder.layers.0.self_attention.linear_proj.weight",
     "decoder.layers.0.mlp.linear_fc1.weight",
+    "decoder.layers.1.mlp.linear_fc2.weight",  # under PP2: stage 1's local layer 0
     "output_layer.weight",
 ]
 
 # reference.pt["args"]: the Megatron args an importer needs, as plain values
 ARG_NAMES = [
-    "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "group_query_attention",
-    "kv_channels", "ffn_hidden_size", "normalization", "norm_epsilon", "swiglu",
-    "position_embedding_type", "rotary_base", "rotary_percent", "untie_embeddings_and_output_weights",
-    "add_bias_linear", "add_qkv_bias", "vocab_size", "padded_vocab_size", "make_vocab_size_divisible_by",
-    "max_position_embeddings", "seq_length", "micro_batch_size", "global_batch_size",
-    "tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size",
-    "use_distributed_optimizer", "ckpt_format", "lr", "min_lr", "lr_decay_style", "lr_warmup_iters",
-    "train_iters", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad",
-    "params_dtype", "transformer_impl",
+    "num_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "num_query_groups",
+    "group_query_attention",
+    "kv_channels",
+    "ffn_hidden_size",
+    "normalization",
+    "norm_epsilon",
+    "swiglu",
+    "position_embedding_type",
+    "rotary_base",
+    "rotary_percent",
+    "untie_embeddings_and_output_weights",
+    "add_bias_linear",
+    "add_qkv_bias",
+    "vocab_size",
+    "padded_vocab_size",
+    "make_vocab_size_divisible_by",
+    "max_position_embeddings",
+    "seq_length",
+    "micro_batch_size",
+    "global_batch_size",
+    "tensor_model_parallel_size",
+    "pipeline_model_parallel_size",
+    "data_parallel_size",
+    "use_distributed_optimizer",
+    "ckpt_format",
+    "lr",
+    "min_lr",
+    "lr_decay_style",
+    "lr_warmup_iters",
+    "train_iters",
+    "weight_decay",
+    "adam_beta1",
+    "adam_beta2",
+    "adam_eps",
+    "clip_grad",
+    "params_dtype",
+    "transformer_impl",
 ]
 
 
@@ -89,21 +159,69 @@ def megatron_args(case, model_argv, fmt, tp, pp, dist_opt, world):
     from megatron.core.tokenizers.utils.build_tokenizer import vocab_size_with_padding
     from megatron.training import arguments, global_vars
 
-    argv = ["pretrain_gpt.py", *model_argv,
-            "--seq-length", str(SEQ), "--max-position-embeddings", str(SEQ),
-            "--attention-dropout", "0", "--hidden-dropout", "0",
-            "--micro-batch-size", str(MICRO_BATCH),
-            "--global-batch-size", str(MICRO_BATCH * (world // (tp * pp))),
-            "--optimizer", "adam", "--lr", "1e-3", "--min-lr", "1e-4", "--lr-decay-style", "cosine",
-            "--lr-warmup-iters", "0", "--train-iters", "10", "--weight-decay", "0.01",
-            "--adam-beta1", "0.9", "--adam-beta2", "0.95", "--adam-eps", "1e-8", "--clip-grad", "1.0",
-            "--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB),
-            "--make-vocab-size-divisible-by", "64",
-            "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
-            "--transformer-impl", "local", "--use-cpu-initialization", "--seed", str(SEED),
-            "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion",
-            "--save", case, "--load", case, "--ckpt-format", fmt,
-            "--save-interval", str(ITERATIONS)]
+    argv = [
+        "pretrain_gpt.py",
+        *model_argv,
+        "--seq-length",
+        str(SEQ),
+        "--max-position-embeddings",
+        str(SEQ),
+        "--attention-dropout",
+        "0",
+        "--hidden-dropout",
+        "0",
+        "--micro-batch-size",
+        str(MICRO_BATCH),
+        "--global-batch-size",
+        str(MICRO_BATCH * (world // (tp * pp))),
+        "--optimizer",
+        "adam",
+        "--lr",
+        "1e-3",
+        "--min-lr",
+        "1e-4",
+        "--lr-decay-style",
+        "cosine",
+        "--lr-warmup-iters",
+        "0",
+        "--train-iters",
+        "10",
+        "--weight-decay",
+        "0.01",
+        "--adam-beta1",
+        "0.9",
+        "--adam-beta2",
+        "0.95",
+        "--adam-eps",
+        "1e-8",
+        "--clip-grad",
+        "1.0",
+        "--tokenizer-type",
+        "NullTokenizer",
+        "--vocab-size",
+        str(VOCAB),
+        "--make-vocab-size-divisible-by",
+        "64",
+        "--tensor-model-parallel-size",
+        str(tp),
+        "--pipeline-model-parallel-size",
+        str(pp),
+        "--transformer-impl",
+        "local",
+        "--use-cpu-initialization",
+        "--seed",
+        str(SEED),
+        "--no-gradient-accumulation-fusion",
+        "--no-masked-softmax-fusion",
+        "--save",
+        case,
+        "--load",
+        case,
+        "--ckpt-format",
+        fmt,
+        "--save-interval",
+        str(ITERATIONS),
+    ]
     if dist_opt:
         argv.append("--use-distributed-optimizer")
     saved = sys.argv
@@ -130,10 +248,9 @@ def build(args, seed):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.training.argument_utils import core_transformer_config_from_args
     from megatron.training.training import get_optimizer_param_scheduler
-
     from patches import cuda_as_cpu
 
-    torch.manual_seed(seed)   # use_cpu_initialization draws the full weights from this generator
+    torch.manual_seed(seed)  # use_cpu_initialization draws the full weights from this generator
     config = core_transformer_config_from_args(args)
     module = GPTModel(
         config=config,
@@ -149,8 +266,10 @@ def build(args, seed):
         rotary_base=args.rotary_base,
     )
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=False, overlap_grad_reduce=False,
-        use_distributed_optimizer=args.use_distributed_optimizer)
+        grad_reduce_in_fp32=False,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+    )
     opt_fields = {f.name for f in dataclasses.fields(OptimizerConfig)}
     opt_config = OptimizerConfig(**{k: v for k, v in vars(args).items() if k in opt_fields})
     with cuda_as_cpu():
@@ -176,20 +295,42 @@ def train_step(args, model, optimizer, scheduler, data):
     """One Megatron-LM iteration: zero grads, forward with labels (mean token loss), backward,
     finalize grads (DP/TP reductions), optimizer step (clip + Adam), scheduler step."""
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
-
+    from megatron.core.pipeline_parallel import get_forward_backward_func
     from patches import cuda_as_cpu
 
     tokens, position_ids, mask, labels = data
+
+    def forward_step(data_iterator, model):
+        # first stages return hidden states, the last stage per-token losses
+        output = model(tokens, position_ids, mask, labels=labels)
+
+        def loss_func(per_token):
+            loss = per_token.float().mean()
+            return loss, {"lm loss": loss.detach()}
+
+        return output, loss_func
+
     model.zero_grad_buffer()
     optimizer.zero_grad()
-    loss = model(tokens, position_ids, mask, labels=labels).float().mean()
-    loss.backward()
+    # megatron's schedule: no pipelining at PP1, 1F1B (gloo send/recv) at PP>1; the 1F1B
+    # schedule allocates its token counter with device="cuda"
+    with cuda_as_cpu():
+        out = get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iter([None]),
+            model=[model],
+            num_microbatches=1,
+            seq_length=SEQ,
+            micro_batch_size=MICRO_BATCH,
+            forward_only=False,
+        )
+    loss = out[0]["lm loss"] if out else None
     with cuda_as_cpu():
         finalize_model_grads([model])
         ok, grad_norm, _ = optimizer.step()
     assert ok
     scheduler.step(increment=args.global_batch_size)
-    return loss.item(), float(grad_norm)
+    return (None if loss is None else loss.item()), float(grad_norm)
 
 
 def tp_gather(t, param):
@@ -201,12 +342,32 @@ def tp_gather(t, param):
     if tp == 1 or not getattr(param, "tensor_model_parallel", False):
         return t.detach().clone()
     parts = [torch.empty_like(t) for _ in range(tp)]
-    torch.distributed.all_gather(parts, t.detach().contiguous(), group=ps.get_tensor_model_parallel_group())
+    torch.distributed.all_gather(
+        parts, t.detach().contiguous(), group=ps.get_tensor_model_parallel_group()
+    )
     if getattr(param, "partition_stride", 1) == 2:
         # SwiGLU fc1: each rank holds [gate_r; up_r]; a TP1 model holds [gate; up]
         halves = [p.chunk(2, dim=0) for p in parts]
         return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
     return torch.cat(parts, dim=param.partition_dim)
+
+
+def global_name(name):
+    """Model-global parameter name: under PP every stage numbers its layers from 0."""
+    from megatron.core import parallel_state as ps
+
+    prefix = "decoder.layers."
+    if not name.startswith(prefix):
+        return name
+    per_stage = get_args_num_layers() // ps.get_pipeline_model_parallel_world_size()
+    i, rest = name[len(prefix) :].split(".", 1)
+    return f"{prefix}{int(i) + ps.get_pipeline_model_parallel_rank() * per_stage}.{rest}"
+
+
+def get_args_num_layers():
+    from megatron.training import get_args
+
+    return get_args().num_layers
 
 
 def adam_state(model, optimizer):
@@ -216,7 +377,7 @@ def adam_state(model, optimizer):
 
     assert ps.get_data_parallel_world_size() == 1, "state gathering assumes DP=1"
     inner = getattr(optimizer, "chained_optimizers", [optimizer])
-    named = dict(model.module.named_parameters())
+    named = {global_name(n): p for n, p in model.module.named_parameters()}
     out = {}
     for name in TRACKED:
         if name not in named:
@@ -228,12 +389,18 @@ def adam_state(model, optimizer):
                     continue
                 local = opt._get_main_param_and_optimizer_states(p)
                 # DP=1: this rank's shard is the whole (TP-local) param, flattened
-                local = {k: local[k].detach().view(p.shape) for k in ("param", "exp_avg", "exp_avg_sq")}
+                local = {
+                    k: local[k].detach().view(p.shape) for k in ("param", "exp_avg", "exp_avg_sq")
+                }
             else:
                 if p not in opt.optimizer.state:
                     continue
                 st = opt.optimizer.state[p]
-                local = {"param": p.detach(), "exp_avg": st["exp_avg"], "exp_avg_sq": st["exp_avg_sq"]}
+                local = {
+                    "param": p.detach(),
+                    "exp_avg": st["exp_avg"],
+                    "exp_avg_sq": st["exp_avg_sq"],
+                }
                 local["step"] = st["step"]
             step = opt.optimizer.state[opt.optimizer.param_groups[0]["params"][0]]["step"]
             out[name] = {k: tp_gather(local[k], p) for k in ("param", "exp_avg", "exp_avg_sq")}
@@ -256,14 +423,24 @@ def optimizer_layout(model, optimizer):
     out = {}
     inner = getattr(optimizer, "chained_optimizers", [optimizer])
     if not any(isinstance(o, DistributedOptimizer) for o in inner):
-        out["param_order"] = [names[p] for o in inner for g in o.optimizer.param_groups for p in g["params"]]
-        out["param_groups"] = [[names[p] for p in g["params"]] for o in inner for g in o.optimizer.param_groups]
+        out["param_order"] = [
+            names[p] for o in inner for g in o.optimizer.param_groups for p in g["params"]
+        ]
+        out["param_groups"] = [
+            [names[p] for p in g["params"]] for o in inner for g in o.optimizer.param_groups
+        ]
     else:
         out["grad_buffer"] = [
-            {"param_index_map": {names[p]: tuple(int(x) for x in r) for p, r in buf.param_index_map.items()},
-             "bucket_indices": [tuple(int(x) for x in b) for b in buf.bucket_indices],
-             "numel": int(buf.numel), "numel_unpadded": int(buf.numel_unpadded)}
-            for buf in model.buffers]
+            {
+                "param_index_map": {
+                    names[p]: tuple(int(x) for x in r) for p, r in buf.param_index_map.items()
+                },
+                "bucket_indices": [tuple(int(x) for x in b) for b in buf.bucket_indices],
+                "numel": int(buf.numel),
+                "numel_unpadded": int(buf.numel_unpadded),
+            }
+            for buf in model.buffers
+        ]
     return out
 
 
@@ -274,13 +451,27 @@ def full_logits(model, data):
     tokens, position_ids, mask, labels = data
     model.eval()
     with torch.no_grad():
+        if not ps.is_pipeline_first_stage():
+            hidden = torch.empty(SEQ, MICRO_BATCH, model.module.config.hidden_size)
+            torch.distributed.recv(hidden, src=ps.get_pipeline_model_parallel_prev_rank())
+            model.module.set_input_tensor(hidden)
         local = model(tokens, position_ids, mask)
+        if not ps.is_pipeline_last_stage():
+            torch.distributed.send(
+                local.contiguous(), dst=ps.get_pipeline_model_parallel_next_rank()
+            )
+            model.train()
+            return None, None
+        if not ps.is_pipeline_first_stage():
+            model.module.set_input_tensor(hidden)
         loss = model(tokens, position_ids, mask, labels=labels)
     model.train()
     tp = ps.get_tensor_model_parallel_world_size()
     if tp > 1:
         parts = [torch.empty_like(local) for _ in range(tp)]
-        torch.distributed.all_gather(parts, local.contiguous(), group=ps.get_tensor_model_parallel_group())
+        torch.distributed.all_gather(
+            parts, local.contiguous(), group=ps.get_tensor_model_parallel_group()
+        )
         local = torch.cat(parts, dim=-1)
     return local.float(), loss.float()
 
@@ -296,7 +487,9 @@ def plain_args(args):
     out["layernorm_epsilon"] = out["norm_epsilon"]
     # without --group-query-attention Megatron leaves num_query_groups at 1 and uses one
     # KV head per attention head; spell out the count the model really has
-    out["num_kv_heads"] = args.num_query_groups if args.group_query_attention else args.num_attention_heads
+    out["num_kv_heads"] = (
+        args.num_query_groups if args.group_query_attention else args.num_attention_heads
+    )
     return out
 
 
@@ -313,14 +506,16 @@ def worker(rank, world, port, case):
 
     warnings.filterwarnings("ignore")
     import logging
+
     logging.disable(logging.WARNING)
     torch.set_num_threads(1)
-    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
-                                         rank=rank, world_size=world)
+    torch.distributed.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    import megatron.core
     import patches
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
-    import megatron.core
 
     model_argv, fmt, tp, pp, dist_opt = CASES[case]
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
@@ -338,7 +533,9 @@ def worker(rank, world, port, case):
         losses.append(train_step(args, model, optimizer, scheduler, train_data))
     args.consumed_train_samples = ITERATIONS * args.global_batch_size
     with patches.cuda_as_cpu():
-        save_checkpoint(ITERATIONS, [model], optimizer, scheduler, num_floating_point_operations_so_far=0)
+        save_checkpoint(
+            ITERATIONS, [model], optimizer, scheduler, num_floating_point_operations_so_far=0
+        )
     torch.distributed.barrier()
 
     ref_data = batch(args, seed=7)
@@ -365,17 +562,38 @@ def worker(rank, world, port, case):
         iteration, _ = load_checkpoint([model2], optimizer2, scheduler2)
     logits2, _ = full_logits(model2, ref_data)
     state2 = adam_state(model2, optimizer2)
-    d_logits = (logits - logits2).abs().max().item()
-    d_state = max((state[n][k] - state2[n][k]).abs().max().item()
-                  for n in state for k in ("param", "exp_avg", "exp_avg_sq"))
+    d_logits = 0.0 if logits is None else (logits - logits2).abs().max().item()
+    d_state = max(
+        (state[n][k] - state2[n][k]).abs().max().item()
+        for n in state
+        for k in ("param", "exp_avg", "exp_avg_sq")
+    )
     lr2 = optimizer2.param_groups[0]["lr"]
     assert iteration == ITERATIONS, iteration
     assert d_logits == 0.0 and d_state == 0.0 and lr2 == lr_next, (d_logits, d_state, lr2, lr_next)
 
+    # merge what the ranks hold (PP: logits on the last stage, params spread over stages)
+    everything = [None] * world
+    torch.distributed.all_gather_object(
+        everything, dict(logits=logits, loss=loss, adam=state, losses=losses)
+    )
+    logits = next(e["logits"] for e in everything if e["logits"] is not None)
+    loss = next(e["loss"] for e in everything if e["loss"] is not None)
+    state = {n: v for e in everything for n, v in e["adam"].items()}
+    state = {n: state[n] for n in TRACKED if n in state}
+    losses = [
+        (next(e["losses"][i][0] for e in everything if e["losses"][i][0] is not None), losses[i][1])
+        for i in range(ITERATIONS)
+    ]
+
     if rank == 0:
         tokens, position_ids, _, labels = ref_data
         ref = dict(
-            tokens=tokens, position_ids=position_ids, labels=labels, logits=logits, loss=loss,
+            tokens=tokens,
+            position_ids=position_ids,
+            labels=labels,
+            logits=logits,
+            loss=loss,
             args=plain_args(args),
             adam=state,
             iteration=ITERATIONS,
@@ -383,16 +601,22 @@ def worker(rank, world, port, case):
             scheduler=sched_state,
             optimizer_layout_per_rank=layouts,
             lr_next=lr_next,
-            train_losses=[l for l, _ in losses],
+            train_losses=[step_loss for step_loss, _ in losses],
             train_grad_norms=[g for _, g in losses],
             megatron_core_version=str(megatron.core.__version__),
-            torch_version=str(torch.__version__),   # plain str: loads with weights_only=True
-            reload_check=dict(max_abs_logits_diff=d_logits, max_abs_adam_state_diff=d_state,
-                              lr_next_after_load=lr2),
+            torch_version=str(torch.__version__),  # plain str: loads with weights_only=True
+            reload_check=dict(
+                max_abs_logits_diff=d_logits,
+                max_abs_adam_state_diff=d_state,
+                lr_next_after_load=lr2,
+            ),
         )
         torch.save(ref, os.path.join(case, "reference.pt"))
-        print(f"[{case}] OK: losses {[round(l, 4) for l, _ in losses]}, lr_next {lr_next:.3e}, "
-              f"reload max|dlogits| {d_logits} max|dstate| {d_state}", flush=True)
+        print(
+            f"[{case}] OK: losses {[round(x, 4) for x, _ in losses]}, lr_next {lr_next:.3e}, "
+            f"reload max|dlogits| {d_logits} max|dstate| {d_state}",
+            flush=True,
+        )
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 

@@ -5,6 +5,7 @@ this).  Megatron hard-codes CUDA in a handful of places; each function below rep
 of them and says where it bites.  Nothing here changes numerics: the CPU takes the place
 of "the current CUDA device" and the CPU generator the place of the CUDA generator.
 """
+
 import os
 import types
 
@@ -46,7 +47,8 @@ def patch_cuda_calls():
     torch.cuda.set_rng_state = lambda new_state, device="cuda": None
     torch.cuda.manual_seed = lambda seed: torch.manual_seed(seed)
     torch.cuda.get_device_properties = lambda *a, **k: types.SimpleNamespace(
-        major=9, minor=0, name="cpu", total_memory=0, multi_processor_count=1)
+        major=9, minor=0, name="cpu", total_memory=0, multi_processor_count=1
+    )
     os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
 
 
@@ -57,8 +59,12 @@ def patch_megatron_rng_tracker():
     ``rng_tracker_states`` and ``load_checkpoint`` refuses a checkpoint without them)."""
     from megatron.core.tensor_parallel import random as mrandom
 
-    mrandom._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state()
-    mrandom._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)
+    mrandom._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: (
+        torch.get_rng_state()
+    )
+    mrandom._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: (
+        torch.set_rng_state(new_state)
+    )
 
 
 def patch_psutil():
@@ -126,9 +132,13 @@ def cuda_as_cpu():
             if func is torch.Tensor.type and len(args) == 1 and not kwargs:
                 name = func(*args)
                 return _CUDA_TYPE_NAMES.get(name, name)
-            if (func is torch.Tensor.to and len(args) >= 2 and not isinstance(args[1], int)
-                    and _names_cuda(args[1])):
-                args = (args[0], "cpu") + tuple(args[2:])
+            if (
+                func is torch.Tensor.to
+                and len(args) >= 2
+                and not isinstance(args[1], int)
+                and _names_cuda(args[1])
+            ):
+                args = (args[0], "cpu", *args[2:])
             return func(*args, **kwargs)
 
     return CudaAsCpu()
