@@ -1,0 +1,392 @@
+"""Write the Megatron-LM training-checkpoint fixtures of mp-ckpt's importer tests.
+
+Run in a Python 3.12 venv with megatron-core 0.19.2 (CPU torch is enough; no Transformer
+Engine, no Apex), from anywhere:
+
+    /tmp/mcore-data-venv/bin/python packages/mp-ckpt/tests/assets/megatron/generate.py [CASE ...]
+
+For each case (all by default) it starts ``tp * pp`` gloo processes, builds a tiny GPTModel
+with megatron-core's *local* layer spec, wraps it in megatron's DistributedDataParallel and
+optimizer (Adam, fp32), trains 2 steps on a fixed batch, calls Megatron-LM's own
+``megatron.training.checkpointing.save_checkpoint`` and writes, next to this file:
+
+    <case>/latest_checkpointed_iteration.txt      ("2")
+    <case>/iter_0000002/...                        (the checkpoint as Megatron-LM writes it)
+    <case>/reference.pt                            (tokens, logits, losses, args, Adam state)
+
+then reloads the checkpoint with ``load_checkpoint`` into a freshly initialised model and
+optimizer and checks the logits and the recorded Adam state come back identical.
+
+The CUDA-only calls megatron makes are replaced by CPU stand-ins in ``patches.py``.
+The tests that use these files never import megatron.
+"""
+import os
+import shutil
+import socket
+import sys
+import warnings
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+SEQ = 16
+MICRO_BATCH = 2
+VOCAB = 100           # tokenizer vocabulary; padded by Megatron to 128 (divisible-by 64 * TP)
+ITERATIONS = 2
+SEED = 1234
+
+LLAMA = [
+    "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+    "--group-query-attention", "--num-query-groups", "2", "--ffn-hidden-size", "64",
+    "--normalization", "RMSNorm", "--norm-epsilon", "1e-5", "--swiglu",
+    "--position-embedding-type", "rope", "--rotary-base", "10000",
+    "--untie-embeddings-and-output-weights", "--disable-bias-linear",
+    "--no-rope-fusion", "--no-bias-swiglu-fusion", "--no-persist-layer-norm",
+]
+GPT2 = [
+    "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+    "--ffn-hidden-size", "128", "--normalization", "LayerNorm", "--norm-epsilon", "1e-5",
+    "--position-embedding-type", "learned_absolute", "--no-bias-gelu-fusion",
+    "--no-bias-dropout-fusion", "--no-persist-layer-norm",
+]
+
+# name -> (model args, ckpt format, tp, pp, distributed optimizer)
+CASES = {
+    "llama_torch_dist_tp1": (LLAMA, "torch_dist", 1, 1, False),
+    "llama_torch_dist_tp2_distopt": (LLAMA, "torch_dist", 2, 1, True),
+    "llama_torch_tp2": (LLAMA, "torch", 2, 1, False),
+    "gpt2_torch_dist_tp1": (GPT2, "torch_dist", 1, 1, False),
+}
+
+# Parameters whose Adam state goes into reference.pt (those the model has).
+TRACKED = [
+    "embedding.word_embeddings.weight",
+    "embedding.position_embeddings.weight",
+    "decoder.layers.0.input_layernorm.weight",
+    "decoder.layers.0.self_attention.linear_qkv.weight",
+    "decoder.layers.0.self_attention.linear_qkv.bias",
+    "decoder.layers.0.self_attention.linear_proj.weight",
+    "decoder.layers.0.mlp.linear_fc1.weight",
+    "output_layer.weight",
+]
+
+# reference.pt["args"]: the Megatron args an importer needs, as plain values
+ARG_NAMES = [
+    "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "group_query_attention",
+    "kv_channels", "ffn_hidden_size", "normalization", "norm_epsilon", "swiglu",
+    "position_embedding_type", "rotary_base", "rotary_percent", "untie_embeddings_and_output_weights",
+    "add_bias_linear", "add_qkv_bias", "vocab_size", "padded_vocab_size", "make_vocab_size_divisible_by",
+    "max_position_embeddings", "seq_length", "micro_batch_size", "global_batch_size",
+    "tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size",
+    "use_distributed_optimizer", "ckpt_format", "lr", "min_lr", "lr_decay_style", "lr_warmup_iters",
+    "train_iters", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad",
+    "params_dtype", "transformer_impl",
+]
+
+
+def megatron_args(case, model_argv, fmt, tp, pp, dist_opt, world):
+    """Parse + validate a Megatron-LM command line and install it as megatron's global args."""
+    from megatron.core.tokenizers.utils.build_tokenizer import vocab_size_with_padding
+    from megatron.training import arguments, global_vars
+
+    argv = ["pretrain_gpt.py", *model_argv,
+            "--seq-length", str(SEQ), "--max-position-embeddings", str(SEQ),
+            "--attention-dropout", "0", "--hidden-dropout", "0",
+            "--micro-batch-size", str(MICRO_BATCH),
+            "--global-batch-size", str(MICRO_BATCH * (world // (tp * pp))),
+            "--optimizer", "adam", "--lr", "1e-3", "--min-lr", "1e-4", "--lr-decay-style", "cosine",
+            "--lr-warmup-iters", "0", "--train-iters", "10", "--weight-decay", "0.01",
+            "--adam-beta1", "0.9", "--adam-beta2", "0.95", "--adam-eps", "1e-8", "--clip-grad", "1.0",
+            "--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB),
+            "--make-vocab-size-divisible-by", "64",
+            "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
+            "--transformer-impl", "local", "--use-cpu-initialization", "--seed", str(SEED),
+            "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion",
+            "--save", case, "--load", case, "--ckpt-format", fmt,
+            "--save-interval", str(ITERATIONS)]
+    if dist_opt:
+        argv.append("--use-distributed-optimizer")
+    saved = sys.argv
+    sys.argv = argv
+    try:
+        args = arguments.parse_args()
+    finally:
+        sys.argv = saved
+    arguments.validate_args(args)
+    args.padded_vocab_size = vocab_size_with_padding(args.vocab_size, args, logging_enabled=False)
+    global_vars.set_global_variables(args, build_tokenizer=False)
+    return args
+
+
+def build(args, seed):
+    """GPTModel (local spec) + megatron DDP + optimizer + LR scheduler, all from ``args``."""
+    import dataclasses
+
+    import torch
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.training.argument_utils import core_transformer_config_from_args
+    from megatron.training.training import get_optimizer_param_scheduler
+
+    from patches import cuda_as_cpu
+
+    torch.manual_seed(seed)   # use_cpu_initialization draws the full weights from this generator
+    config = core_transformer_config_from_args(args)
+    module = GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(normalization=args.normalization),
+        vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings,
+        pre_process=ps.is_pipeline_first_stage(),
+        post_process=ps.is_pipeline_last_stage(),
+        parallel_output=True,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type,
+        rotary_percent=args.rotary_percent,
+        rotary_base=args.rotary_base,
+    )
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=False, overlap_grad_reduce=False,
+        use_distributed_optimizer=args.use_distributed_optimizer)
+    opt_fields = {f.name for f in dataclasses.fields(OptimizerConfig)}
+    opt_config = OptimizerConfig(**{k: v for k, v in vars(args).items() if k in opt_fields})
+    with cuda_as_cpu():
+        model = DistributedDataParallel(config, ddp_config, module)
+        optimizer = get_megatron_optimizer(opt_config, [model])
+    scheduler = get_optimizer_param_scheduler(optimizer)
+    return model, optimizer, scheduler
+
+
+def batch(args, seed):
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    seq = torch.randint(0, args.vocab_size, (MICRO_BATCH, SEQ + 1), generator=g)
+    tokens, labels = seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
+    position_ids = torch.arange(SEQ).unsqueeze(0).expand(MICRO_BATCH, SEQ).contiguous()
+    # explicit causal mask (True = masked): with None megatron builds one on "cuda"
+    mask = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), diagonal=1)[None, None]
+    return tokens, position_ids, mask, labels
+
+
+def train_step(args, model, optimizer, scheduler, data):
+    """One Megatron-LM iteration: zero grads, forward with labels (mean token loss), backward,
+    finalize grads (DP/TP reductions), optimizer step (clip + Adam), scheduler step."""
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+
+    from patches import cuda_as_cpu
+
+    tokens, position_ids, mask, labels = data
+    model.zero_grad_buffer()
+    optimizer.zero_grad()
+    loss = model(tokens, position_ids, mask, labels=labels).float().mean()
+    loss.backward()
+    with cuda_as_cpu():
+        finalize_model_grads([model])
+        ok, grad_norm, _ = optimizer.step()
+    assert ok
+    scheduler.step(increment=args.global_batch_size)
+    return loss.item(), float(grad_norm)
+
+
+def tp_gather(t, param):
+    """Full tensor from this rank's TP shard of ``param`` (layout of a TP1 model)."""
+    import torch
+    from megatron.core import parallel_state as ps
+
+    tp = ps.get_tensor_model_parallel_world_size()
+    if tp == 1 or not getattr(param, "tensor_model_parallel", False):
+        return t.detach().clone()
+    parts = [torch.empty_like(t) for _ in range(tp)]
+    torch.distributed.all_gather(parts, t.detach().contiguous(), group=ps.get_tensor_model_parallel_group())
+    if getattr(param, "partition_stride", 1) == 2:
+        # SwiGLU fc1: each rank holds [gate_r; up_r]; a TP1 model holds [gate; up]
+        halves = [p.chunk(2, dim=0) for p in parts]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+    return torch.cat(parts, dim=param.partition_dim)
+
+
+def adam_state(model, optimizer):
+    """{name: {param, exp_avg, exp_avg_sq, step}} for TRACKED params, as full global tensors."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    assert ps.get_data_parallel_world_size() == 1, "state gathering assumes DP=1"
+    inner = getattr(optimizer, "chained_optimizers", [optimizer])
+    named = dict(model.module.named_parameters())
+    out = {}
+    for name in TRACKED:
+        if name not in named:
+            continue
+        p = named[name]
+        for opt in inner:
+            if isinstance(opt, DistributedOptimizer):
+                if p not in opt.model_param_group_index_map:
+                    continue
+                local = opt._get_main_param_and_optimizer_states(p)
+                # DP=1: this rank's shard is the whole (TP-local) param, flattened
+                local = {k: local[k].detach().view(p.shape) for k in ("param", "exp_avg", "exp_avg_sq")}
+            else:
+                if p not in opt.optimizer.state:
+                    continue
+                st = opt.optimizer.state[p]
+                local = {"param": p.detach(), "exp_avg": st["exp_avg"], "exp_avg_sq": st["exp_avg_sq"]}
+                local["step"] = st["step"]
+            step = opt.optimizer.state[opt.optimizer.param_groups[0]["params"][0]]["step"]
+            out[name] = {k: tp_gather(local[k], p) for k in ("param", "exp_avg", "exp_avg_sq")}
+            out[name]["step"] = int(step)
+    return out
+
+
+def full_logits(model, data):
+    import torch
+    from megatron.core import parallel_state as ps
+
+    tokens, position_ids, mask, labels = data
+    model.eval()
+    with torch.no_grad():
+        local = model(tokens, position_ids, mask)
+        loss = model(tokens, position_ids, mask, labels=labels)
+    model.train()
+    tp = ps.get_tensor_model_parallel_world_size()
+    if tp > 1:
+        parts = [torch.empty_like(local) for _ in range(tp)]
+        torch.distributed.all_gather(parts, local.contiguous(), group=ps.get_tensor_model_parallel_group())
+        local = torch.cat(parts, dim=-1)
+    return local.float(), loss.float()
+
+
+# names whose Megatron args attribute differs from the command-line flag
+ARG_ALIASES = {"norm_epsilon": "layernorm_epsilon"}
+
+
+def plain_args(args):
+    missing = [k for k in ARG_NAMES if not hasattr(args, ARG_ALIASES.get(k, k))]
+    assert not missing, missing
+    out = {k: plain(getattr(args, ARG_ALIASES.get(k, k))) for k in ARG_NAMES}
+    out["layernorm_epsilon"] = out["norm_epsilon"]
+    return out
+
+
+def plain(v):
+    import torch
+
+    if isinstance(v, torch.dtype):
+        return str(v).replace("torch.", "")
+    return v
+
+
+def worker(rank, world, port, case):
+    import torch
+
+    warnings.filterwarnings("ignore")
+    import logging
+    logging.disable(logging.WARNING)
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
+                                         rank=rank, world_size=world)
+    import patches
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+    import megatron.core
+
+    model_argv, fmt, tp, pp, dist_opt = CASES[case]
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    patches.patch_cuda_calls()
+    patches.patch_megatron_rng_tracker()
+    patches.patch_psutil()
+    tensor_parallel.model_parallel_cuda_manual_seed(SEED)
+    args = megatron_args(case, model_argv, fmt, tp, pp, dist_opt, world)
+    from megatron.training.checkpointing import load_checkpoint, save_checkpoint
+
+    model, optimizer, scheduler = build(args, SEED)
+    train_data = batch(args, seed=0)
+    losses = []
+    for _ in range(ITERATIONS):
+        losses.append(train_step(args, model, optimizer, scheduler, train_data))
+    args.consumed_train_samples = ITERATIONS * args.global_batch_size
+    with patches.cuda_as_cpu():
+        save_checkpoint(ITERATIONS, [model], optimizer, scheduler, num_floating_point_operations_so_far=0)
+    torch.distributed.barrier()
+
+    ref_data = batch(args, seed=7)
+    logits, loss = full_logits(model, ref_data)
+    state = adam_state(model, optimizer)
+    lr_next = optimizer.param_groups[0]["lr"]
+    sched_state = scheduler.state_dict()
+
+    # reload into a differently initialised model + optimizer and compare
+    model2, optimizer2, scheduler2 = build(args, SEED + 1)
+    if dist_opt:
+        if fmt == "torch":
+            patches.patch_distopt_legacy_step()
+        # a never-stepped torch Adam has no state; DistributedOptimizer.state_dict() (used while
+        # loading) expects one, so materialise it with megatron's own helper first
+        with patches.cuda_as_cpu():
+            for o in getattr(optimizer2, "chained_optimizers", [optimizer2]):
+                o._init_optimizer_states_with_dummy_values()
+    # no_grad: with fp32 + distributed optimizer the main params are views of leaf params
+    # and loading copies into them in place
+    with patches.cuda_as_cpu(), torch.no_grad():
+        iteration, _ = load_checkpoint([model2], optimizer2, scheduler2)
+    logits2, _ = full_logits(model2, ref_data)
+    state2 = adam_state(model2, optimizer2)
+    d_logits = (logits - logits2).abs().max().item()
+    d_state = max((state[n][k] - state2[n][k]).abs().max().item()
+                  for n in state for k in ("param", "exp_avg", "exp_avg_sq"))
+    lr2 = optimizer2.param_groups[0]["lr"]
+    assert iteration == ITERATIONS, iteration
+    assert d_logits == 0.0 and d_state == 0.0 and lr2 == lr_next, (d_logits, d_state, lr2, lr_next)
+
+    if rank == 0:
+        tokens, position_ids, _, labels = ref_data
+        ref = dict(
+            tokens=tokens, position_ids=position_ids, labels=labels, logits=logits, loss=loss,
+            args=plain_args(args),
+            adam=state,
+            iteration=ITERATIONS,
+            optimizer_step=next(iter(state.values()))["step"],
+            scheduler=sched_state,
+            lr_next=lr_next,
+            train_losses=[l for l, _ in losses],
+            train_grad_norms=[g for _, g in losses],
+            megatron_core_version=megatron.core.__version__,
+            torch_version=torch.__version__,
+            reload_check=dict(max_abs_logits_diff=d_logits, max_abs_adam_state_diff=d_state,
+                              lr_next_after_load=lr2),
+        )
+        torch.save(ref, os.path.join(case, "reference.pt"))
+        print(f"[{case}] OK: losses {[round(l, 4) for l, _ in losses]}, lr_next {lr_next:.3e}, "
+              f"reload max|dlogits| {d_logits} max|dstate| {d_state}", flush=True)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+def free_port():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def main():
+    import torch.multiprocessing as mp
+
+    cases = sys.argv[1:] or list(CASES)
+    # relative paths: the args pickled into the checkpoints then name no directory of this machine
+    os.chdir(HERE)
+    for case in cases:
+        _, _, tp, pp, _ = CASES[case]
+        world = tp * pp
+        shutil.rmtree(case, ignore_errors=True)
+        os.makedirs(case)
+        os.environ["WORLD_SIZE"] = str(world)
+        mp.spawn(worker, args=(world, free_port(), case), nprocs=world, join=True)
+
+
+if __name__ == "__main__":
+    main()
