@@ -107,6 +107,7 @@ def _torch_globals() -> dict[tuple[str, str], object]:
     found: dict[tuple[str, str], object] = {
         ("torch", "Size"): torch.Size,
         ("torch", "device"): torch.device,
+        ("torch.torch_version", "TorchVersion"): torch.torch_version.TorchVersion,  # a str
         ("torch", "Tensor"): torch.Tensor,
         ("torch.nn.parameter", "Parameter"): torch.nn.Parameter,
         ("torch._tensor", "_rebuild_from_type_v2"): torch._tensor._rebuild_from_type_v2,
