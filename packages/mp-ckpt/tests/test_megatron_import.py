@@ -92,3 +92,64 @@ def test_cli_imports_and_refuses_what_it_does_not_do(tmp_path, capsys):
     assert main(["export-megatron", str(tmp_path / "out"), str(tmp_path / "o3")]) == 2
     assert main(["import-megatron", str(src), str(tmp_path / "o4"), "--iteration", "7"]) == 2
     assert "iter_0000007" in capsys.readouterr().err
+
+
+GPT2_TOKENIZER = Path(__file__).parents[2] / "mp-data/tests/assets/tokenizers/gpt2"
+
+
+def test_the_runs_gpt2_tokenizer_files_are_kept_when_they_are_here(tmp_path):
+    import types
+
+    from mp_ckpt.megatron import tokenizer_from_megatron
+
+    args = types.SimpleNamespace(tokenizer_type="GPT2BPETokenizer",
+                                 vocab_file=str(GPT2_TOKENIZER / "vocab.json"),
+                                 merge_file=str(GPT2_TOKENIZER / "merges.txt"))  # fmt: skip
+    record = tokenizer_from_megatron(args)
+    assert record["files"]["vocab.json"] == (GPT2_TOKENIZER / "vocab.json").read_bytes()
+    assert record["eos_token_id"] is not None
+    args.vocab_file = str(tmp_path / "elsewhere.json")
+    assert tokenizer_from_megatron(args) is None
+    assert tokenizer_from_megatron(types.SimpleNamespace(tokenizer_type="NullTokenizer")) is None
+
+
+def _as_plain(value):
+    """A safe_load result re-saved without the stand-ins (plain Namespace args)."""
+    import argparse
+
+    from mp_ckpt.megatron_pickle import MegatronObject, Namespace
+
+    if isinstance(value, Namespace):
+        return argparse.Namespace(**{k: _as_plain(v) for k, v in vars(value).items()})
+    if isinstance(value, MegatronObject):
+        return value.value
+    if isinstance(value, dict):
+        return {k: _as_plain(v) for k, v in value.items()}
+    return value
+
+
+def test_legacy_pipeline_stages_number_their_layers_from_zero(tmp_path):
+    """The TP2 fixture cut into two pipeline stages (mp_rank_TT_PPP, layers local to each
+    stage) imports to the same tensors."""
+    src = ASSETS / "llama_torch_tp2" / "iter_0000002"
+    staged = tmp_path / "pp" / "iter_0000002"
+    for t in range(2):
+        state = _as_plain(safe_load(src / f"mp_rank_{t:02d}" / "model_optim_rng.pt"))
+        model = state["model"]
+        for stage in range(2):
+            first = ("embedding.",) if stage == 0 else ()
+            last = ("decoder.final_layernorm", "output_layer") if stage == 1 else ()
+            layer = f"decoder.layers.{stage}."
+            keep = {key.replace(layer, "decoder.layers.0.", 1): value
+                    for key, value in model.items()
+                    if key.startswith((layer, *first, *last))}  # fmt: skip
+            folder = staged / f"mp_rank_{t:02d}_{stage:03d}"
+            folder.mkdir(parents=True)
+            torch.save({"args": state["args"], "iteration": 2, "model": keep},
+                       folder / "model_optim_rng.pt")  # fmt: skip
+    import_megatron(ASSETS / "llama_torch_tp2", tmp_path / "whole")
+    import_megatron(staged, tmp_path / "staged")
+    whole, cut = CheckpointReader(tmp_path / "whole"), CheckpointReader(tmp_path / "staged")
+    assert sorted(whole.keys) == sorted(cut.keys)
+    for key in whole.keys:
+        torch.testing.assert_close(cut.read(key), whole.read(key), rtol=0, atol=0)

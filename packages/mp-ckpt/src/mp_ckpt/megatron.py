@@ -13,9 +13,10 @@ unfuses them:
     linear_fc1.layer_norm_weight (TE spec) -> pre_mlp_layernorm.weight
 
 The model's settings come from the saved args, under the names mp uses
-(common["model_config"], as import-hf writes it). A setting mp does not compute
-the same way is refused with its name and value, as are mixture-of-experts
-layers and optimizer state.
+(common["model_config"], as import-hf writes it); the tokenizer files the run
+named (GPT-2 BPE, a local Hugging Face tokenizer) are kept when they are here.
+A setting mp does not compute the same way is refused with its name and value,
+as are mixture-of-experts layers and optimizer state.
 """
 
 from __future__ import annotations
@@ -28,7 +29,12 @@ import torch
 
 from mp_ckpt.megatron_read import MegatronModel, read_megatron
 
-__all__ = ["import_megatron", "logical_from_megatron", "model_config_from_megatron"]
+__all__ = [
+    "import_megatron",
+    "logical_from_megatron",
+    "model_config_from_megatron",
+    "tokenizer_from_megatron",
+]
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _RENAMED = {
@@ -191,6 +197,22 @@ def logical_from_megatron(model: MegatronModel) -> tuple[dict[str, torch.Tensor]
     return out, settings
 
 
+def tokenizer_from_megatron(args) -> dict | None:
+    """common["tokenizer"] (as import-hf keeps it) from the files the Megatron run named:
+    GPT2BPETokenizer's vocab_file / merge_file, HuggingFaceTokenizer's local
+    tokenizer_model. None when the run used another tokenizer or the files are not here
+    (a Megatron checkpoint does not hold its tokenizer)."""
+    from mp_ckpt.hf_tokenizer import export_tokenizer
+
+    data = {name: _arg(args, name) for name in
+            ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model")}  # fmt: skip
+    try:
+        files, ids = export_tokenizer({"config": {"data": data}})
+    except (FileNotFoundError, ValueError):
+        return None
+    return {"files": files, **ids} if files else None
+
+
 def import_megatron(src: str | os.PathLike, out_root: str | os.PathLike, *,
                     iteration: int | None = None) -> Path:  # fmt: skip
     """Writes an mp checkpoint (iteration 0, model only, as import-hf does) from a
@@ -209,5 +231,8 @@ def import_megatron(src: str | os.PathLike, out_root: str | os.PathLike, *,
     }
     common = {"iteration": 0, "model_config": settings, "imported_from": str(model.directory),
               "source_iteration": model.iteration, "source_format": model.format}  # fmt: skip
+    tokenizer = tokenizer_from_megatron(model.args)
+    if tokenizer is not None:
+        common["tokenizer"] = tokenizer
     Checkpointer(out_root).save(0, pieces, common=common)
     return checkpoint_dir(out_root, 0)
