@@ -151,8 +151,8 @@ def _read_torch_dist(directory: Path, iteration: int) -> MegatronModel:
     for key, value in wanted.items():
         if not isinstance(value, torch.Tensor):
             continue
-        if key.startswith("decoder.layers."):  # stacked: [layers, ...]
-            rest = key.removeprefix("decoder.layers.")
+        rest = key.removeprefix("decoder.layers.")
+        if rest != key and not _LAYER.match(key):  # stacked: [layers, ...]
             for i, layer in enumerate(value.unbind(0)):
                 tensors[f"decoder.layers.{i}.{rest}"] = layer.contiguous()
         else:
