@@ -1,10 +1,12 @@
-"""The mp-ckpt command line: inspect, convert, export-hf, import-hf.
+"""The mp-ckpt command line: inspect, convert, export-hf, import-hf, import-megatron.
 
     mp-ckpt inspect DIR [--json] [--verify]
     mp-ckpt convert DIR OUT --tensor-model-parallel-size N --pipeline-model-parallel-size M
     mp-ckpt export-hf DIR OUT --arch gpt2|llama|mixtral|qwen2_moe [--max-shard-size 5GB]
                       [--dtype bf16]
     mp-ckpt import-hf HF_DIR OUT          (the architecture is config.json's model_type)
+    mp-ckpt import-megatron SRC OUT [--iteration N]   (a Megatron-LM training checkpoint:
+                                          torch_dist or legacy torch, any TP x PP; model only)
 
 DIR is a checkpoint root (with latest_checkpointed_iteration.txt) or one
 iter_XXXXXXX directory; --iteration picks another than the latest.
@@ -22,6 +24,7 @@ import torch
 
 from mp_ckpt.convert import convert_checkpoint
 from mp_ckpt.hf import ARCHITECTURES, export_hf, import_hf
+from mp_ckpt.megatron import import_megatron
 from mp_ckpt.reader import CheckpointReader
 
 __all__ = ["main"]
@@ -73,6 +76,21 @@ def _parser() -> argparse.ArgumentParser:
     imported.add_argument("hf_dir")
     imported.add_argument("out")
     imported.set_defaults(run=_import)
+
+    megatron = sub.add_parser(
+        "import-megatron", help="an mp checkpoint from a Megatron-LM training checkpoint"
+    )
+    megatron.add_argument("src", help="a Megatron --save root or one iter_XXXXXXX directory")
+    megatron.add_argument("out")
+    megatron.add_argument("--iteration", type=int, help="default: the tracker's")
+    megatron.add_argument(
+        "--with-optimizer", action="store_true", help="refused: optimizer state is not imported"
+    )
+    megatron.set_defaults(run=_import_megatron)
+
+    refused = sub.add_parser("export-megatron", help="refused: not implemented")
+    refused.add_argument("rest", nargs="*")
+    refused.set_defaults(run=_export_megatron)
     return parser
 
 
@@ -140,6 +158,18 @@ def _import(args) -> int:
     out = import_hf(args.hf_dir, args.out)
     print(f"wrote {out}")
     return 0
+
+
+def _import_megatron(args) -> int:
+    if args.with_optimizer:
+        raise ValueError("--with-optimizer: Megatron optimizer state is not imported (model only)")
+    out = import_megatron(args.src, args.out, iteration=args.iteration)
+    print(f"wrote {out}")
+    return 0
+
+
+def _export_megatron(args) -> int:
+    raise ValueError("writing Megatron-LM checkpoints is not implemented; use export-hf")
 
 
 def _parse_size(text: str) -> int:

@@ -1,0 +1,238 @@
+"""Megatron-LM training checkpoints -> an mp checkpoint (model weights).
+
+    import_megatron(src, out_root, iteration=None)   an mp checkpoint at iteration 0
+
+megatron_read gives Megatron's tensors whole, under its names and fused
+layouts; this file renames them to mp's logical tensors (mp-layers' names) and
+unfuses them:
+
+    linear_qkv.weight [groups x (heads/groups + 2) x d, h]
+        -> linear_qkv.q [groups, heads/groups, d, h], .k / .v [groups, d, h]
+    linear_fc1.weight (SwiGLU) [gate; up] -> linear_fc1.gate, linear_fc1.up
+    linear_qkv.layer_norm_weight (TE spec) -> input_layernorm.weight
+    linear_fc1.layer_norm_weight (TE spec) -> pre_mlp_layernorm.weight
+
+The model's settings come from the saved args, under the names mp uses
+(common["model_config"], as import-hf writes it); the tokenizer files the run
+named (GPT-2 BPE, a local Hugging Face tokenizer) are kept when they are here.
+A setting mp does not compute the same way is refused with its name and value,
+as are mixture-of-experts layers and optimizer state.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import torch
+
+from mp_ckpt.megatron_read import MegatronModel, read_megatron
+
+__all__ = [
+    "import_megatron",
+    "logical_from_megatron",
+    "model_config_from_megatron",
+    "tokenizer_from_megatron",
+]
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_RENAMED = {
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "self_attention.linear_qkv.layer_norm_bias": "input_layernorm.bias",
+    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias",
+}
+_KEPT = {
+    "input_layernorm.weight", "input_layernorm.bias", "pre_mlp_layernorm.weight",
+    "pre_mlp_layernorm.bias", "self_attention.linear_proj.weight",
+    "self_attention.linear_proj.bias", "mlp.linear_fc2.weight", "mlp.linear_fc2.bias",
+    "self_attention.q_layernorm.weight", "self_attention.q_layernorm.bias",
+    "self_attention.k_layernorm.weight", "self_attention.k_layernorm.bias",
+}  # fmt: skip
+_GLOBAL = {
+    "embedding.word_embeddings.weight", "embedding.position_embeddings.weight",
+    "decoder.final_layernorm.weight", "decoder.final_layernorm.bias", "output_layer.weight",
+}  # fmt: skip
+
+
+# Megatron settings that change the computation in ways mp does not implement.
+_REFUSED = (
+    ("multi_latent_attention", False),
+    ("apply_layernorm_1p", False),
+    ("rotary_interleaved", False),
+    ("apply_residual_connection_post_layernorm", False),
+    ("heterogeneous_layers_config_path", None),
+    ("mtp_num_layers", None),
+)
+
+
+def _arg(args, name: str, default=None):
+    return getattr(args, name, default)
+
+
+def model_config_from_megatron(args, vocab_size: int, where: str = "args") -> dict:
+    """mp's model settings (Megatron's names) from Megatron's saved args; vocab_size is
+    the padded vocabulary the embedding holds."""
+
+    def refuse(name: str, supported) -> None:
+        value = _arg(args, name, supported)
+        if value != supported and value is not None:
+            raise ValueError(f"{where}: {name}={value!r}: mp imports only {name}={supported!r}")
+
+    if _arg(args, "num_experts"):
+        raise ValueError(
+            f"{where}: num_experts={args.num_experts}: MoE checkpoints are not imported"
+        )
+    for name, supported in _REFUSED:
+        refuse(name, supported)
+    heads = args.num_attention_heads
+    groups = _arg(args, "num_query_groups") if _arg(args, "group_query_attention") else None
+    normalization = _arg(args, "normalization", "LayerNorm")
+    if normalization not in ("LayerNorm", "RMSNorm"):
+        raise ValueError(
+            f"{where}: normalization={normalization!r}: mp computes LayerNorm, RMSNorm"
+        )
+    position = _arg(args, "position_embedding_type", "learned_absolute")
+    if position not in ("learned_absolute", "rope", "none"):
+        raise ValueError(
+            f"{where}: position_embedding_type={position!r}: mp computes learned_absolute, "
+            "rope and none"
+        )
+    if _arg(args, "swiglu"):
+        activation = "swiglu"
+    elif _arg(args, "squared_relu"):
+        activation = "squared_relu"
+    else:
+        activation = "gelu"
+    epsilon = _arg(args, "norm_epsilon", _arg(args, "layernorm_epsilon", 1e-5))
+    seq_length = _arg(args, "seq_length")
+    settings = {
+        "num_layers": args.num_layers, "hidden_size": args.hidden_size,
+        "num_attention_heads": heads, "num_query_groups": groups or heads,
+        "kv_channels": _arg(args, "kv_channels") or args.hidden_size // heads,
+        "ffn_hidden_size": _arg(args, "ffn_hidden_size") or 4 * args.hidden_size,
+        "normalization": normalization, "activation": activation,
+        "openai_gelu": bool(_arg(args, "openai_gelu", False)),
+        "layernorm_epsilon": epsilon, "position_embedding_type": position,
+        "rotary_base": int(_arg(args, "rotary_base", 10000)),
+        "rotary_percent": float(_arg(args, "rotary_percent", 1.0)),
+        "rotary_seq_len_interpolation_factor": _arg(args, "rotary_seq_len_interpolation_factor"),
+        "use_rope_scaling": bool(_arg(args, "use_rope_scaling", False)),
+        "add_bias_linear": bool(_arg(args, "add_bias_linear", True)),
+        "add_qkv_bias": bool(_arg(args, "add_qkv_bias", False)),
+        "qk_layernorm": bool(_arg(args, "qk_layernorm", False)),
+        "untie_embeddings_and_output_weights": bool(
+            _arg(args, "untie_embeddings_and_output_weights", False)),
+        "hidden_dropout": _arg(args, "hidden_dropout", 0.1),
+        "attention_dropout": _arg(args, "attention_dropout", 0.1),
+        "init_method_std": _arg(args, "init_method_std", 0.02),
+        "vocab_size": vocab_size,
+        "max_position_embeddings": _arg(args, "max_position_embeddings") or seq_length,
+    }  # fmt: skip
+    if seq_length is not None:
+        settings["seq_length"] = seq_length
+    if settings["use_rope_scaling"]:
+        settings["rope_scaling_factor"] = _arg(args, "rope_scaling_factor", 8.0)
+    return settings
+
+
+def logical_from_megatron(model: MegatronModel) -> tuple[dict[str, torch.Tensor], dict]:
+    """(mp's logical tensors, mp's model settings) of a Megatron checkpoint read whole."""
+    where = str(model.directory)
+    moe = sorted(k for k in model.tensors if ".mlp.experts." in k or ".mlp.router." in k)
+    if moe:
+        raise ValueError(f"{where}: {moe[0]}: MoE checkpoints are not imported")
+    vocab = model.tensors.get("embedding.word_embeddings.weight")
+    if vocab is None:
+        raise KeyError(f"{where}: no embedding.word_embeddings.weight")
+    settings = model_config_from_megatron(model.args, vocab.shape[0], f"{where} args")
+    heads, groups = settings["num_attention_heads"], settings["num_query_groups"]
+    d, per_group = settings["kv_channels"], heads // groups
+    out: dict[str, torch.Tensor] = {}
+    for key, tensor in model.tensors.items():
+        match = _LAYER.match(key)
+        if match is None:
+            if key not in _GLOBAL:
+                raise ValueError(f"{where}: {key}: no place for this tensor in mp's GPTModel")
+            if key == "output_layer.weight" and not settings["untie_embeddings_and_output_weights"]:
+                continue  # a tied copy
+            out[key] = tensor
+            continue
+        prefix, rest = f"decoder.layers.{match.group(1)}.", match.group(2)
+        if rest in _RENAMED:
+            out[prefix + _RENAMED[rest]] = tensor
+        elif rest in _KEPT:
+            out[prefix + rest] = tensor
+        elif rest.startswith("self_attention.linear_qkv."):
+            part = rest.rsplit(".", 1)[1]
+            tail = tuple(tensor.shape[1:])
+            expected = groups * (per_group + 2) * d
+            if tensor.shape[0] != expected:
+                raise ValueError(
+                    f"{where}: {key} has {tensor.shape[0]} rows; {groups} query groups of "
+                    f"{per_group} heads (+ k, v) of {d} channels make {expected}"
+                )
+            fused = tensor.reshape(groups, per_group + 2, d, *tail)
+            qkv = prefix + "self_attention.linear_qkv."
+            out[f"{qkv}q.{part}"] = fused[:, :per_group].contiguous()
+            out[f"{qkv}k.{part}"] = fused[:, per_group].contiguous()
+            out[f"{qkv}v.{part}"] = fused[:, per_group + 1].contiguous()
+        elif rest.startswith("mlp.linear_fc1.") and rest.count(".") == 2:
+            part = rest.rsplit(".", 1)[1]
+            if settings["activation"] == "swiglu":
+                gate, up = tensor.chunk(2, dim=0)
+                out[f"{prefix}mlp.linear_fc1.gate.{part}"] = gate.contiguous()
+                out[f"{prefix}mlp.linear_fc1.up.{part}"] = up.contiguous()
+            else:
+                out[prefix + rest] = tensor
+        else:
+            raise ValueError(f"{where}: {key}: no place for this tensor in mp's GPTModel")
+    layers = {int(m.group(1)) for k in out if (m := _LAYER.match(k))}
+    if layers != set(range(settings["num_layers"])):
+        raise ValueError(
+            f"{where}: the tensors hold layers {sorted(layers)}, args num_layers="
+            f"{settings['num_layers']}"
+        )
+    return out, settings
+
+
+def tokenizer_from_megatron(args) -> dict | None:
+    """common["tokenizer"] (as import-hf keeps it) from the files the Megatron run named:
+    GPT2BPETokenizer's vocab_file / merge_file, HuggingFaceTokenizer's local
+    tokenizer_model. None when the run used another tokenizer or the files are not here
+    (a Megatron checkpoint does not hold its tokenizer)."""
+    from mp_ckpt.hf_tokenizer import export_tokenizer
+
+    data = {name: _arg(args, name) for name in
+            ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model")}  # fmt: skip
+    try:
+        files, ids = export_tokenizer({"config": {"data": data}})
+    except (FileNotFoundError, ValueError):
+        return None
+    return {"files": files, **ids} if files else None
+
+
+def import_megatron(src: str | os.PathLike, out_root: str | os.PathLike, *,
+                    iteration: int | None = None) -> Path:  # fmt: skip
+    """Writes an mp checkpoint (iteration 0, model only, as import-hf does) from a
+    Megatron-LM training checkpoint (torch_dist or legacy torch, any TP x PP).
+    common.pt holds the model's settings (common["model_config"]) and where it came
+    from (imported_from, source_iteration)."""
+    from mp_ckpt.checkpointer import Checkpointer
+    from mp_ckpt.layout import checkpoint_dir
+    from mp_ckpt.sharding import ShardedTensor
+
+    model = read_megatron(src, iteration)
+    logical, settings = logical_from_megatron(model)
+    pieces = {
+        k: ShardedTensor(k, t.contiguous(), tuple(t.shape), (0,) * t.dim())
+        for k, t in logical.items()
+    }
+    common = {"iteration": 0, "model_config": settings, "imported_from": str(model.directory),
+              "source_iteration": model.iteration, "source_format": model.format}  # fmt: skip
+    tokenizer = tokenizer_from_megatron(model.args)
+    if tokenizer is not None:
+        common["tokenizer"] = tokenizer
+    Checkpointer(out_root).save(0, pieces, common=common)
+    return checkpoint_dir(out_root, 0)

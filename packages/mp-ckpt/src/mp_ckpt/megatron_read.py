@@ -1,0 +1,229 @@
+"""Reading a Megatron-LM training checkpoint's model tensors, without Megatron.
+
+    read_megatron(src, iteration=None) -> MegatronModel(directory, iteration, args,
+                                                        format, tensors)
+
+`tensors` holds Megatron's own names and fused layouts, whole (not TP-split),
+one entry per layer ("decoder.layers.<i>."), as Megatron saved them:
+
+- torch_dist: one torch.distributed.checkpoint folder. Keys have no "model."
+  prefix and stack the layers in a leading dimension; each key's global tensor
+  is already layout-neutral (QKV interleaved by query group over all groups,
+  a SwiGLU fc1 as [gate; up]). The non-tensor state (args, iteration) is a
+  pickled object under "common_state/..." (or common.pt beside it).
+- torch (legacy): iter_XXXXXXX/mp_rank_TT[_PPP]/model_optim_rng.pt per TP (and
+  PP) rank, per-layer keys local to the rank and TP-sliced; each pipeline
+  stage numbers its layers from 0. Column-parallel tensors are joined on rows,
+  row-parallel on columns; a SwiGLU fc1 is [gate_r; up_r] per rank and is
+  regrouped into [gate; up]; QKV rows join as they are (each rank holds whole
+  query groups, so the concatenation is the interleaved whole).
+
+Every pickle goes through megatron_pickle's allow-list; .metadata too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import os
+import re
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, StorageMeta
+
+from mp_ckpt.checkpointer import single_process_quiet
+from mp_ckpt.megatron_pickle import safe_load, safe_unpickle
+
+__all__ = ["MegatronModel", "read_megatron", "resolve_megatron"]
+
+_TRACKER = "latest_checkpointed_iteration.txt"
+_RANK_DIR = re.compile(r"^mp_rank_(\d+)(?:_(\d+))?$")
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+# Per-layer tensors split over TP on rows (0) or columns (1); the rest are whole per rank.
+_COLUMN = re.compile(r"(linear_qkv|linear_fc1)\.(weight|bias)$")
+_ROW = re.compile(r"(linear_proj|linear_fc2)\.weight$")
+
+
+@dataclasses.dataclass
+class MegatronModel:
+    directory: Path
+    iteration: int
+    args: object
+    format: str
+    tensors: dict[str, torch.Tensor]
+    checkpoint_version: float | None = None
+
+
+def resolve_megatron(src: str | os.PathLike, iteration: int | None = None) -> tuple[Path, int]:
+    """(iter_XXXXXXX directory, iteration) of a Megatron checkpoint root or iteration dir."""
+    src = Path(src)
+    match = re.fullmatch(r"iter_(\d+)", src.name)
+    if match and iteration is None:
+        return src, int(match.group(1))
+    if iteration is None:
+        tracker = src / _TRACKER
+        if not tracker.exists():
+            raise FileNotFoundError(f"{src}: no {_TRACKER} (pass --iteration or an iter_* dir)")
+        text = tracker.read_text().strip()
+        if text == "release":
+            directory = src / "release"
+            if not directory.is_dir():
+                raise FileNotFoundError(f"{tracker} says 'release' but {directory} is missing")
+            return directory, 0
+        try:
+            iteration = int(text)
+        except ValueError:
+            raise ValueError(f"{tracker}: expected an iteration number, got {text!r}") from None
+    directory = src / f"iter_{iteration:07d}"
+    if not directory.is_dir():
+        raise FileNotFoundError(f"{directory} is missing")
+    return directory, iteration
+
+
+def read_megatron(src: str | os.PathLike, iteration: int | None = None) -> MegatronModel:
+    directory, number = resolve_megatron(src, iteration)
+    if (directory / ".metadata").exists():
+        return _read_torch_dist(directory, number)
+    if any(_RANK_DIR.match(p.name) for p in directory.iterdir()):
+        return _read_torch(directory, number)
+    raise ValueError(
+        f"{directory}: neither a torch_dist checkpoint (.metadata) nor a legacy torch one "
+        "(mp_rank_* folders); other Megatron formats (zarr, fsdp_dtensor) are not imported"
+    )
+
+
+# --- torch_dist -------------------------------------------------------------------------
+
+
+class _SafeReader(dcp.FileSystemReader):
+    """DCP's reader, with .metadata unpickled through the allow-list."""
+
+    def read_metadata(self, *args, **kwargs):
+        path = Path(self._get_metadata_path(kwargs.get("rank")))
+        metadata = safe_unpickle(path.read_bytes(), name=str(path))
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class _RawBytesPlanner(DefaultLoadPlanner):
+    """Keeps byte items as bytes (DCP's default would unpickle them unchecked)."""
+
+    def __init__(self) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.raw: dict[str, bytes] = {}
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        self.raw[read_item.dest_index.fqn] = value.read()
+
+
+def _read_torch_dist(directory: Path, iteration: int) -> MegatronModel:
+    reader = _SafeReader(directory)
+    metadata = reader.read_metadata()
+    entries = metadata.state_dict_metadata
+    common_keys = [k for k in entries if k.startswith("common_state")]
+    wanted: dict[str, object] = {}
+    for key, entry in entries.items():
+        if key.startswith(("optimizer.", "rng_state", "common_state")) or "_extra_state" in key:
+            continue
+        if isinstance(entry, BytesStorageMetadata):
+            continue
+        wanted[key] = torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
+    for key in common_keys:
+        wanted[key] = io.BytesIO()
+    planner = _RawBytesPlanner()
+    with single_process_quiet():
+        dcp.load(wanted, storage_reader=_SafeReader(directory), planner=planner, no_dist=True)
+    if common_keys:
+        common = safe_load(planner.raw[common_keys[0]], name=f"{directory}:{common_keys[0]}")
+        if isinstance(common, list) and common:  # a ShardedObject: one entry per saving rank
+            common = common[0]
+    elif (directory / "common.pt").exists():
+        common = safe_load(directory / "common.pt")
+    else:
+        raise FileNotFoundError(f"{directory}: no common_state item nor common.pt (the args)")
+    args = _args(common, directory)
+    tensors: dict[str, torch.Tensor] = {}
+    for key, value in wanted.items():
+        if not isinstance(value, torch.Tensor):
+            continue
+        rest = key.removeprefix("decoder.layers.")
+        if rest != key and not _LAYER.match(key):  # stacked: [layers, ...]
+            for i, layer in enumerate(value.unbind(0)):
+                tensors[f"decoder.layers.{i}.{rest}"] = layer.contiguous()
+        else:
+            tensors[key] = value
+    return MegatronModel(directory, iteration, args, "torch_dist", tensors,
+                         common.get("checkpoint_version"))  # fmt: skip
+
+
+def _args(common: object, where: Path):
+    if not isinstance(common, dict) or common.get("args") is None:
+        raise ValueError(f"{where}: the checkpoint holds no 'args' (Megatron's arguments)")
+    return common["args"]
+
+
+# --- torch (legacy) ---------------------------------------------------------------------
+
+
+def _read_torch(directory: Path, iteration: int) -> MegatronModel:
+    ranks: dict[tuple[int, int], Path] = {}
+    for path in directory.iterdir():
+        match = _RANK_DIR.match(path.name)
+        if match:
+            ranks[(int(match.group(2) or 0), int(match.group(1)))] = path / "model_optim_rng.pt"
+    pp = 1 + max(p for p, _ in ranks)
+    tp = 1 + max(t for _, t in ranks)
+    missing = [f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else "")
+               for p in range(pp) for t in range(tp) if (p, t) not in ranks]  # fmt: skip
+    if missing:
+        raise FileNotFoundError(f"{directory}: missing rank folders {', '.join(missing)}")
+    args = checkpoint_version = None
+    tensors: dict[str, torch.Tensor] = {}
+    offset = 0
+    for stage in range(pp):
+        states = []
+        for t in range(tp):
+            path = ranks[(stage, t)]
+            if not path.exists():
+                raise FileNotFoundError(f"{path} is missing")
+            state = safe_load(path)
+            if "model" not in state:
+                keys = sorted(k for k in state if re.fullmatch(r"model\d+", str(k)))
+                reason = "virtual pipeline stages (model0, model1, ...)" if keys else "no 'model'"
+                raise ValueError(f"{path}: {reason}: not imported")
+            args = args if args is not None else _args(state, path)
+            checkpoint_version = state.get("checkpoint_version")
+            states.append({k: v for k, v in state["model"].items()
+                           if isinstance(v, torch.Tensor) and "_extra_state" not in k})  # fmt: skip
+        stage_layers = {int(m.group(1)) for k in states[0] if (m := _LAYER.match(k))}
+        swiglu = bool(getattr(args, "swiglu", False))
+        for key in states[0]:
+            pieces = [s.get(key) for s in states]
+            if any(p is None for p in pieces):
+                raise ValueError(f"{directory}: {key} is missing on some TP ranks")
+            match = _LAYER.match(key)
+            name = (
+                f"decoder.layers.{int(match.group(1)) + offset}.{match.group(2)}" if match else key
+            )
+            tensors[name] = _join(key, pieces, swiglu)
+        offset += len(stage_layers)
+    return MegatronModel(directory, iteration, args, "torch", tensors, checkpoint_version)
+
+
+def _join(key: str, pieces: list[torch.Tensor], swiglu: bool) -> torch.Tensor:
+    """One tensor from its TP pieces (rank order)."""
+    if len(pieces) == 1:
+        return pieces[0]
+    if swiglu and re.search(r"linear_fc1\.(weight|bias)$", key):
+        halves = [p.chunk(2, dim=0) for p in pieces]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves])
+    if _COLUMN.search(key) or key.endswith(("word_embeddings.weight", "output_layer.weight")):
+        return torch.cat(pieces, dim=0)
+    if _ROW.search(key):
+        return torch.cat(pieces, dim=1)
+    return pieces[0]

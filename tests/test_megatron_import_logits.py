@@ -1,0 +1,30 @@
+"""A Megatron-LM checkpoint imported by mp-ckpt gives, in mp's GPTModel, the logits
+megatron-core computed with it (packages/mp-ckpt/tests/assets/megatron/*/reference.pt)."""
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from mp_ckpt import import_megatron, load_checkpoint, safe_load
+from mp_layers import GPTModel, ModelGroups, TransformerConfig
+
+ASSETS = Path(__file__).resolve().parents[1] / "packages/mp-ckpt/tests/assets/megatron"
+
+
+@pytest.mark.parametrize("case", ["llama_torch_dist_tp1", "llama_torch_dist_tp2_distopt",
+                                  "llama_torch_tp2", "gpt2_torch_dist_tp1"])  # fmt: skip
+def test_imported_megatron_checkpoint_gives_megatron_logits(case, tmp_path):
+    out = import_megatron(ASSETS / case, tmp_path / "mp")
+    settings = torch.load(out / "common.pt", weights_only=False)["model_config"]
+    fields = {f.name for f in dataclasses.fields(TransformerConfig)}
+    config = TransformerConfig(**{k: v for k, v in settings.items() if k in fields})
+    model = GPTModel(config, "local", settings["vocab_size"], settings["max_position_embeddings"],
+                     groups=ModelGroups.single())  # fmt: skip
+    load_checkpoint(tmp_path / "mp", model.sharded_state_dict())
+    reference = safe_load(ASSETS / case / "reference.pt")
+    model.eval()
+    with torch.no_grad():
+        logits = model(reference["tokens"], reference["position_ids"])
+    torch.testing.assert_close(logits, reference["logits"], rtol=0, atol=1e-5)
