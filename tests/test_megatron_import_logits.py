@@ -7,14 +7,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from mp_ckpt import import_megatron, load_checkpoint, safe_load
+from mp_ckpt import export_hf, import_megatron, load_checkpoint, safe_load
 from mp_layers import GPTModel, ModelGroups, TransformerConfig
 
 ASSETS = Path(__file__).resolve().parents[1] / "packages/mp-ckpt/tests/assets/megatron"
 
 
 @pytest.mark.parametrize("case", ["llama_torch_dist_tp1", "llama_torch_dist_tp2_distopt",
-                                  "llama_torch_tp2", "gpt2_torch_dist_tp1"])  # fmt: skip
+                                  "llama_torch_tp2", "llama_torch_pp2",
+                                  "gpt2_torch_dist_tp1"])  # fmt: skip
 def test_imported_megatron_checkpoint_gives_megatron_logits(case, tmp_path):
     out = import_megatron(ASSETS / case, tmp_path / "mp")
     settings = torch.load(out / "common.pt", weights_only=False)["model_config"]
@@ -28,3 +29,20 @@ def test_imported_megatron_checkpoint_gives_megatron_logits(case, tmp_path):
     with torch.no_grad():
         logits = model(reference["tokens"], reference["position_ids"])
     torch.testing.assert_close(logits, reference["logits"], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize(("case", "arch"), [("llama_torch_dist_tp2_distopt", "llama"),
+                                            ("llama_torch_pp2", "llama"),
+                                            ("gpt2_torch_dist_tp1", "gpt2")])  # fmt: skip
+def test_an_imported_megatron_checkpoint_exports_to_transformers_with_megatron_logits(
+    case, arch, tmp_path
+):
+    transformers = pytest.importorskip("transformers")
+    import_megatron(ASSETS / case, tmp_path / "mp")
+    export_hf(tmp_path / "mp", tmp_path / "hf", arch)
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    reference = safe_load(ASSETS / case / "reference.pt")
+    with torch.no_grad():
+        logits = model(reference["tokens"]).logits
+    vocab = logits.shape[-1]
+    torch.testing.assert_close(logits, reference["logits"][..., :vocab], rtol=0, atol=1e-5)
