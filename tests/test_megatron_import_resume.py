@@ -22,10 +22,10 @@ def body(argv, load):
     state = {k: p.data.clone() for k, p in optimizer.sharded_state_dict()["state"].items()}
     named = dict(run.model[0].module.named_parameters())
     main = optimizer.shards[named["output_layer.weight"]][0].main_param
+    moments = {k: optimizer.optimizer.state[main][k].clone() for k in ("exp_avg", "exp_avg_sq")}
     return {
         "state": state,
-        "output_layer": {k: optimizer.optimizer.state[main][k].clone()
-                         for k in ("exp_avg", "exp_avg_sq", "step")},  # fmt: skip
+        "output_layer": {**moments, "step": optimizer.optimizer.state[main]["step"].clone()},
         "iteration": run.train.iteration,
         "consumed": run.train.consumed_train_samples,
         "lrs": [g["lr"] for g in optimizer.param_groups],

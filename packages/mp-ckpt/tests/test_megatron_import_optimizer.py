@@ -122,8 +122,9 @@ def test_cli_with_optimizer_and_what_it_refuses(tmp_path, capsys):
         state = safe_load(src / "iter_0000002" / f"mp_rank_{t:02d}" / "model_optim_rng.pt")
         folder = staged / f"mp_rank_{t:02d}"
         folder.mkdir(parents=True)
-        torch.save({"args": args, "iteration": 2, "model": state["model"]},
-                   folder / "model_optim_rng.pt")
+        torch.save(
+            {"args": args, "iteration": 2, "model": state["model"]}, folder / "model_optim_rng.pt"
+        )
     assert main(["import-megatron", str(staged), str(tmp_path / "o2"), "--with-optimizer"]) == 2
     err = capsys.readouterr().err
     assert "mp_rank_00/model_optim_rng.pt: optimizer: no torch optimizer state" in err

@@ -214,8 +214,13 @@ def tokenizer_from_megatron(args) -> dict | None:
     return {"files": files, **ids} if files else None
 
 
-def import_megatron(src: str | os.PathLike, out_root: str | os.PathLike, *,
-                    iteration: int | None = None, with_optimizer: bool = False) -> Path:  # fmt: skip
+def import_megatron(
+    src: str | os.PathLike,
+    out_root: str | os.PathLike,
+    *,
+    iteration: int | None = None,
+    with_optimizer: bool = False,
+) -> Path:
     """Writes an mp checkpoint (iteration 0, model only, as import-hf does) from a
     Megatron-LM training checkpoint (torch_dist or legacy torch, any TP x PP).
     common.pt holds the model's settings (common["model_config"]) and where it came

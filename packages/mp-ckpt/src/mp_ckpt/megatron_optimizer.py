@@ -97,8 +97,8 @@ def _sort_key(name: str, where: str) -> tuple:
         return (_GLOBAL_ORDER[name] if _GLOBAL_ORDER[name] < 2 else _GLOBAL_ORDER[name] + 1000,)
     rest = match.group(2)
     for i, prefix in enumerate(_LAYER_ORDER):
-        if rest.startswith(prefix) and rest[len(prefix):] in _SUFFIX_ORDER:
-            return (2, int(match.group(1)), i, _SUFFIX_ORDER.index(rest[len(prefix):]))
+        if rest.startswith(prefix) and rest[len(prefix) :] in _SUFFIX_ORDER:
+            return (2, int(match.group(1)), i, _SUFFIX_ORDER.index(rest[len(prefix) :]))
     raise ValueError(f"{where}: {name}: unknown place in Megatron's parameter order")
 
 
@@ -289,7 +289,7 @@ def _distributed(model: MegatronModel, tensors: dict, raw: dict, entries):
                                  f"TP-local parameters packed at {_ALIGN}-element offsets "
                                  f"end at {offset}")  # fmt: skip
             for name, (start, shape) in spans.items():
-                piece = buffer[start:start + shape.numel()].view(shape)
+                piece = buffer[start : start + shape.numel()].view(shape)
                 pieces[state].setdefault(names[name], []).append(piece)
     states = {s: {n: _join(n, p, swiglu).contiguous() for n, p in by_name.items()}
               for s, by_name in pieces.items()}  # fmt: skip
