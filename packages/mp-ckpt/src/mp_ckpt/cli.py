@@ -84,7 +84,9 @@ def _parser() -> argparse.ArgumentParser:
     megatron.add_argument("out")
     megatron.add_argument("--iteration", type=int, help="default: the tracker's")
     megatron.add_argument(
-        "--with-optimizer", action="store_true", help="refused: optimizer state is not imported"
+        "--with-optimizer",
+        action="store_true",
+        help="also the Adam state, scheduler and iteration (at the source iteration)",
     )
     megatron.set_defaults(run=_import_megatron)
 
@@ -161,9 +163,9 @@ def _import(args) -> int:
 
 
 def _import_megatron(args) -> int:
-    if args.with_optimizer:
-        raise ValueError("--with-optimizer: Megatron optimizer state is not imported (model only)")
-    out = import_megatron(args.src, args.out, iteration=args.iteration)
+    out = import_megatron(
+        args.src, args.out, iteration=args.iteration, with_optimizer=args.with_optimizer
+    )
     print(f"wrote {out}")
     return 0
 

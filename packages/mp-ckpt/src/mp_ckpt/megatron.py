@@ -16,7 +16,8 @@ The model's settings come from the saved args, under the names mp uses
 (common["model_config"], as import-hf writes it); the tokenizer files the run
 named (GPT-2 BPE, a local Hugging Face tokenizer) are kept when they are here.
 A setting mp does not compute the same way is refused with its name and value,
-as are mixture-of-experts layers and optimizer state.
+as are mixture-of-experts layers. With with_optimizer, megatron_optimizer
+reads the Adam state, which is renamed and unfused like the weights.
 """
 
 from __future__ import annotations
@@ -213,12 +214,19 @@ def tokenizer_from_megatron(args) -> dict | None:
     return {"files": files, **ids} if files else None
 
 
-def import_megatron(src: str | os.PathLike, out_root: str | os.PathLike, *,
-                    iteration: int | None = None) -> Path:  # fmt: skip
+def import_megatron(
+    src: str | os.PathLike,
+    out_root: str | os.PathLike,
+    *,
+    iteration: int | None = None,
+    with_optimizer: bool = False,
+) -> Path:
     """Writes an mp checkpoint (iteration 0, model only, as import-hf does) from a
     Megatron-LM training checkpoint (torch_dist or legacy torch, any TP x PP).
     common.pt holds the model's settings (common["model_config"]) and where it came
-    from (imported_from, source_iteration)."""
+    from (imported_from, source_iteration). with_optimizer: also the Adam state, the
+    scheduler and the training position (megatron_optimizer), at the source iteration,
+    as mp's training checkpoints hold them, for a resume."""
     from mp_ckpt.checkpointer import Checkpointer
     from mp_ckpt.layout import checkpoint_dir
     from mp_ckpt.sharding import ShardedTensor
@@ -231,8 +239,15 @@ def import_megatron(src: str | os.PathLike, out_root: str | os.PathLike, *,
     }
     common = {"iteration": 0, "model_config": settings, "imported_from": str(model.directory),
               "source_iteration": model.iteration, "source_format": model.format}  # fmt: skip
+    if with_optimizer:
+        from mp_ckpt.megatron_optimizer import mp_optimizer_state
+
+        states, entries = mp_optimizer_state(model, logical)
+        pieces.update({k: ShardedTensor(k, t, tuple(t.shape), (0,) * t.dim())
+                       for k, t in states.items()})  # fmt: skip
+        common.update(entries)
     tokenizer = tokenizer_from_megatron(model.args)
     if tokenizer is not None:
         common["tokenizer"] = tokenizer
-    Checkpointer(out_root).save(0, pieces, common=common)
-    return checkpoint_dir(out_root, 0)
+    Checkpointer(out_root).save(common["iteration"], pieces, common=common)
+    return checkpoint_dir(out_root, common["iteration"])
