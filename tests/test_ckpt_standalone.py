@@ -1,5 +1,6 @@
 """mp-ckpt installs and runs alone: a fresh virtual environment with only packages/mp-ckpt
-(and its dependencies: torch, safetensors) runs inspect, convert and export-hf."""
+(and its dependencies: torch, safetensors) runs inspect, convert, export-hf and
+import-megatron (a checkpoint megatron-core wrote, optimizer state included)."""
 
 import json
 import os
@@ -55,3 +56,8 @@ def test_mp_ckpt_alone_inspects_converts_and_exports(tmp_path):
     run(cli, "export-hf", str(tmp_path / "tp2"), str(tmp_path / "hf"), "--arch", "gpt2", env=env)
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["n_layer"] == 2
     assert (tmp_path / "hf" / "model.safetensors").stat().st_size > 0
+    megatron = ROOT / "packages/mp-ckpt/tests/assets/megatron/llama_torch_dist_tp2_distopt"
+    run(cli, "import-megatron", str(megatron), str(tmp_path / "imported"), "--with-optimizer",
+        env=env)  # fmt: skip
+    summary = json.loads(run(cli, "inspect", str(tmp_path / "imported"), "--json", env=env).stdout)
+    assert summary["iteration"] == 2
