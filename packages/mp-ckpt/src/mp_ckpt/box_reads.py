@@ -39,9 +39,11 @@ def stored_buffer(chunk: dict) -> tuple[torch.Tensor, Box]:
     )
 
 
-def read_boxes(directory: str | os.PathLike, reads: BoxReads, *, distributed: bool) -> None:
+def read_boxes(directory: str | os.PathLike, reads: BoxReads, *, distributed: bool,
+               storage_reader: dcp.StorageReader | None = None) -> None:  # fmt: skip
     """Fills every destination (collective when distributed: every rank calls it, with
-    its own reads, possibly none)."""
+    its own reads, possibly none). storage_reader: DCP's FileSystemReader(directory)
+    unless given."""
     for name, boxes in reads.items():
         for box, destination in boxes:
             shape = tuple(s.stop - s.start for s in box)
@@ -49,7 +51,8 @@ def read_boxes(directory: str | os.PathLike, reads: BoxReads, *, distributed: bo
                 raise ValueError(f"{name}: box {box} has shape {shape}, its destination "
                                  f"{tuple(destination.shape)}")  # fmt: skip
     with single_process_quiet():
-        dcp.load({}, storage_reader=dcp.FileSystemReader(directory),
+        reader = storage_reader or dcp.FileSystemReader(directory)
+        dcp.load({}, storage_reader=reader,
                  planner=_BoxReadPlanner(reads), no_dist=not distributed)  # fmt: skip
 
 

@@ -31,7 +31,7 @@ from mp_ckpt.layout import checkpoint_dir, fsync_dir, write_tracker
 from mp_ckpt.reader import CheckpointReader
 from mp_ckpt.regions import Region
 
-__all__ = ["convert_checkpoint"]
+__all__ = ["convert_checkpoint", "write_streaming"]
 
 
 class _StreamingPlanner(DefaultSavePlanner):
@@ -101,7 +101,29 @@ def convert_checkpoint(
                     "flattened_range": None,
                 })  # fmt: skip
 
-    final = checkpoint_dir(out, reader.iteration)
+    common = torch.load(reader.directory / "common.pt", weights_only=False)
+    layout = {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
+              "converted_from": str(reader.directory)}  # fmt: skip
+    return write_streaming(out, reader.iteration, plan, producers, chunks_per_rank, common,
+                           layout, progress=progress)  # fmt: skip
+
+
+def write_streaming(
+    out: str | os.PathLike,
+    iteration: int,
+    plan: dict[str, torch.Tensor],
+    producers: dict[str, Callable[[], torch.Tensor]],
+    chunks_per_rank: list[list[dict]],
+    common: dict,
+    layout: dict | None,
+    *,
+    progress: bool = False,
+) -> Path:
+    """Writes checkpoint `iteration` under `out`, one stored tensor at a time: `plan` maps
+    each storage key to a meta tensor of its shape and dtype, `producers` to the function
+    that makes it (called when the writer reaches it; released once written);
+    chunks_per_rank is what mp_metadata.json records for each rank of the layout."""
+    final = checkpoint_dir(out, iteration)
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -114,17 +136,14 @@ def convert_checkpoint(
         dcp.save(plan, storage_writer=writer,
                  planner=_StreamingPlanner(producers, bar.step), no_dist=True)  # fmt: skip
     bar.close()
-    common = torch.load(reader.directory / "common.pt", weights_only=False)
     torch.save(common, tmp / "common.pt")
-    layout = {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
-              "converted_from": str(reader.directory)}  # fmt: skip
-    metadata = build_metadata(reader.iteration, chunks_per_rank, tp * pp, layout)
+    metadata = build_metadata(iteration, chunks_per_rank, len(chunks_per_rank), layout)
     (tmp / METADATA).write_text(json.dumps(metadata, indent=1))
     files = {p.name: writer.digest(p) for p in sorted(tmp.iterdir()) if p.is_file()}
     (tmp / CHECKSUMS).write_text(json.dumps(files, indent=1, sort_keys=True))
     fsync_dir(tmp)
     replace_dir(tmp, final)
-    write_tracker(out, reader.iteration)
+    write_tracker(out, iteration)
     return final
 
 

@@ -28,7 +28,9 @@ from pathlib import Path
 
 import torch
 
-from mp_ckpt.megatron_read import MegatronModel, read_megatron
+from mp_ckpt.convert import write_streaming
+from mp_ckpt.layout import checkpoint_dir
+from mp_ckpt.megatron_read import MegatronModel, MegatronTensors, read_megatron
 
 __all__ = [
     "import_megatron",
@@ -140,62 +142,111 @@ def model_config_from_megatron(args, vocab_size: int, where: str = "args") -> di
 
 def logical_from_megatron(model: MegatronModel) -> tuple[dict[str, torch.Tensor], dict]:
     """(mp's logical tensors, mp's model settings) of a Megatron checkpoint read whole."""
+    plan, settings = logical_plan(model)
+    return {key: produce() for key, (_, _, produce) in plan.items()}, settings
+
+
+def _shape(tensors, key: str) -> tuple[int, ...]:
+    return tensors.shape(key) if isinstance(tensors, MegatronTensors) else tuple(tensors[key].shape)
+
+
+def _dtype(tensors, key: str) -> torch.dtype:
+    return tensors.dtype(key) if isinstance(tensors, MegatronTensors) else tensors[key].dtype
+
+
+def logical_plan(model: MegatronModel) -> tuple[dict[str, tuple], dict]:
+    """({mp's logical key: (shape, dtype, produce)}, mp's model settings): produce() reads
+    the one Megatron tensor the logical tensor comes from and cuts it, so that the tensors
+    can be made (and written) one at a time."""
     where = str(model.directory)
-    moe = sorted(k for k in model.tensors if ".mlp.experts." in k or ".mlp.router." in k)
+    tensors = model.tensors
+    moe = sorted(k for k in tensors if ".mlp.experts." in k or ".mlp.router." in k)
     if moe:
         raise ValueError(f"{where}: {moe[0]}: MoE checkpoints are not imported")
-    vocab = model.tensors.get("embedding.word_embeddings.weight")
-    if vocab is None:
+    if "embedding.word_embeddings.weight" not in tensors:
         raise KeyError(f"{where}: no embedding.word_embeddings.weight")
-    settings = model_config_from_megatron(model.args, vocab.shape[0], f"{where} args")
+    vocab_size = _shape(tensors, "embedding.word_embeddings.weight")[0]
+    settings = model_config_from_megatron(model.args, vocab_size, f"{where} args")
     heads, groups = settings["num_attention_heads"], settings["num_query_groups"]
     d, per_group = settings["kv_channels"], heads // groups
-    out: dict[str, torch.Tensor] = {}
-    for key, tensor in model.tensors.items():
+    plan: dict[str, tuple] = {}
+
+    def add(name: str, key: str, shape, cut=None) -> None:
+        def produce() -> torch.Tensor:
+            tensor = tensors[key]
+            return tensor if cut is None else cut(tensor).contiguous()
+
+        plan[name] = (tuple(shape), _dtype(tensors, key), produce)
+
+    for key in tensors:
+        shape = _shape(tensors, key)
         match = _LAYER.match(key)
         if match is None:
             if key not in _GLOBAL:
                 raise ValueError(f"{where}: {key}: no place for this tensor in mp's GPTModel")
             if key == "output_layer.weight" and not settings["untie_embeddings_and_output_weights"]:
                 continue  # a tied copy
-            out[key] = tensor
+            add(key, key, shape)
             continue
         prefix, rest = f"decoder.layers.{match.group(1)}.", match.group(2)
         if rest in _RENAMED:
-            out[prefix + _RENAMED[rest]] = tensor
+            add(prefix + _RENAMED[rest], key, shape)
         elif rest in _KEPT:
-            out[prefix + rest] = tensor
+            add(prefix + rest, key, shape)
         elif rest.startswith("self_attention.linear_qkv."):
             part = rest.rsplit(".", 1)[1]
-            tail = tuple(tensor.shape[1:])
+            tail = tuple(shape[1:])
             expected = groups * (per_group + 2) * d
-            if tensor.shape[0] != expected:
+            if shape[0] != expected:
                 raise ValueError(
-                    f"{where}: {key} has {tensor.shape[0]} rows; {groups} query groups of "
+                    f"{where}: {key} has {shape[0]} rows; {groups} query groups of "
                     f"{per_group} heads (+ k, v) of {d} channels make {expected}"
                 )
-            fused = tensor.reshape(groups, per_group + 2, d, *tail)
             qkv = prefix + "self_attention.linear_qkv."
-            out[f"{qkv}q.{part}"] = fused[:, :per_group].contiguous()
-            out[f"{qkv}k.{part}"] = fused[:, per_group].contiguous()
-            out[f"{qkv}v.{part}"] = fused[:, per_group + 1].contiguous()
+            fused = (groups, per_group + 2, d, *tail)
+            add(
+                f"{qkv}q.{part}",
+                key,
+                (groups, per_group, d, *tail),
+                lambda t, f=fused, n=per_group: t.reshape(f)[:, :n],
+            )
+            add(
+                f"{qkv}k.{part}",
+                key,
+                (groups, d, *tail),
+                lambda t, f=fused, n=per_group: t.reshape(f)[:, n],
+            )
+            add(
+                f"{qkv}v.{part}",
+                key,
+                (groups, d, *tail),
+                lambda t, f=fused, n=per_group: t.reshape(f)[:, n + 1],
+            )
         elif rest.startswith("mlp.linear_fc1.") and rest.count(".") == 2:
             part = rest.rsplit(".", 1)[1]
             if settings["activation"] == "swiglu":
-                gate, up = tensor.chunk(2, dim=0)
-                out[f"{prefix}mlp.linear_fc1.gate.{part}"] = gate.contiguous()
-                out[f"{prefix}mlp.linear_fc1.up.{part}"] = up.contiguous()
+                half = (shape[0] - shape[0] // 2, *shape[1:])  # torch.chunk's first half
+                rest_half = (shape[0] // 2, *shape[1:])
+                add(
+                    f"{prefix}mlp.linear_fc1.gate.{part}", key, half, lambda t: t.chunk(2, dim=0)[0]
+                )
+                add(
+                    f"{prefix}mlp.linear_fc1.up.{part}",
+                    key,
+                    rest_half,
+                    lambda t: t.chunk(2, dim=0)[1],
+                )
             else:
-                out[prefix + rest] = tensor
+                add(prefix + rest, key, shape)
         else:
             raise ValueError(f"{where}: {key}: no place for this tensor in mp's GPTModel")
-    layers = {int(m.group(1)) for k in out if (m := _LAYER.match(k))}
+    layers = {int(m.group(1)) for k in plan if (m := _LAYER.match(k))}
     if layers != set(range(settings["num_layers"])):
         raise ValueError(
             f"{where}: the tensors hold layers {sorted(layers)}, args num_layers="
             f"{settings['num_layers']}"
         )
-    return out, settings
+    return plan, settings
 
 
 def tokenizer_from_megatron(args) -> dict | None:
@@ -227,27 +278,43 @@ def import_megatron(
     from (imported_from, source_iteration). with_optimizer: also the Adam state, the
     scheduler and the training position (megatron_optimizer), at the source iteration,
     as mp's training checkpoints hold them, for a resume."""
-    from mp_ckpt.checkpointer import Checkpointer
-    from mp_ckpt.layout import checkpoint_dir
-    from mp_ckpt.sharding import ShardedTensor
-
     model = read_megatron(src, iteration)
-    logical, settings = logical_from_megatron(model)
-    pieces = {
-        k: ShardedTensor(k, t.contiguous(), tuple(t.shape), (0,) * t.dim())
-        for k, t in logical.items()
-    }
-    common = {"iteration": 0, "model_config": settings, "imported_from": str(model.directory),
+    common = {"iteration": 0, "model_config": None, "imported_from": str(model.directory),
               "source_iteration": model.iteration, "source_format": model.format}  # fmt: skip
-    if with_optimizer:
+    if with_optimizer:  # the Adam state is read whole, beside the weights
+        from mp_ckpt.checkpointer import Checkpointer
         from mp_ckpt.megatron_optimizer import mp_optimizer_state
+        from mp_ckpt.sharding import ShardedTensor
 
+        logical, settings = logical_from_megatron(model)
         states, entries = mp_optimizer_state(model, logical)
-        pieces.update({k: ShardedTensor(k, t, tuple(t.shape), (0,) * t.dim())
-                       for k, t in states.items()})  # fmt: skip
+        tensors = {**{k: t.contiguous() for k, t in logical.items()}, **states}
+        pieces = {k: ShardedTensor(k, t, tuple(t.shape), (0,) * t.dim())
+                  for k, t in tensors.items()}  # fmt: skip
+        common["model_config"] = settings
         common.update(entries)
-    tokenizer = tokenizer_from_megatron(model.args)
+        _add_tokenizer(common, model.args)
+        Checkpointer(out_root).save(common["iteration"], pieces, common=common)
+        return checkpoint_dir(out_root, common["iteration"])
+    # One tensor at a time: each logical tensor is read (one Megatron tensor, one layer),
+    # cut and written before the next is read.
+    plan, settings = logical_plan(model)
+    common["model_config"] = settings
+    _add_tokenizer(common, model.args)
+    meta, producers, chunks = {}, {}, []
+    for key, (shape, dtype, produce) in plan.items():
+        name = f"{key}@{','.join('0' * len(shape))}"
+        meta[name] = torch.empty(shape, dtype=dtype, device="meta")
+        producers[name] = produce
+        chunks.append({"key": key, "storage_key": name,
+                       "dtype": str(dtype).removeprefix("torch."), "global_shape": list(shape),
+                       "offset": [0] * len(shape), "shape": list(shape),
+                       "flattened_range": None})  # fmt: skip
+    return write_streaming(out_root, common["iteration"], meta, producers, [chunks], common,
+                           None)  # fmt: skip
+
+
+def _add_tokenizer(common: dict, args) -> None:
+    tokenizer = tokenizer_from_megatron(args)
     if tokenizer is not None:
         common["tokenizer"] = tokenizer
-    Checkpointer(out_root).save(common["iteration"], pieces, common=common)
-    return checkpoint_dir(out_root, common["iteration"])

@@ -29,6 +29,7 @@ import os
 import pickle
 import signal
 import types
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -185,13 +186,21 @@ class _PickleModule:
         return _Unpickler(file, **kwargs).load()
 
 
-def safe_load(source: str | os.PathLike | bytes, *, name: str | None = None):
+def safe_load(source: str | os.PathLike | bytes, *, name: str | None = None,
+              mmap: bool = False):  # fmt: skip
     """torch.load of a file (or its bytes) with the allow-list above, on the CPU.
+    mmap: a file in torch's zip format is mapped, not read: its tensors are views of
+    the file, paged in when used (other files are read whole).
     Raises UnsafePickleError naming the file (or `name`) and the refused global."""
     where = name or str(source)
-    data = source if isinstance(source, bytes) else Path(source).read_bytes()
+    if mmap and not isinstance(source, bytes) and zipfile.is_zipfile(source):
+        data = None
+        opened = str(source)
+    else:
+        data = source if isinstance(source, bytes) else Path(source).read_bytes()
+        opened = io.BytesIO(data)
     try:
-        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False,
+        return torch.load(opened, map_location="cpu", weights_only=False, mmap=data is None,
                           pickle_module=_PickleModule)  # fmt: skip
     except UnsafePickleError as error:
         raise UnsafePickleError(

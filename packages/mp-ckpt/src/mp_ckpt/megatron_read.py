@@ -4,7 +4,10 @@
                                                         format, tensors)
 
 `tensors` holds Megatron's own names and fused layouts, whole (not TP-split),
-one entry per layer ("decoder.layers.<i>."), as Megatron saved them:
+one entry per layer ("decoder.layers.<i>."), as Megatron saved them. It is a
+MegatronTensors mapping: shapes and dtypes come from the metadata, and each
+tensor is read from disk only when it is looked up (never kept), so a caller
+that takes one tensor at a time holds one tensor at a time:
 
 - torch_dist: one torch.distributed.checkpoint folder. Keys have no "model."
   prefix and stack the layers in a leading dimension; each key's global tensor
@@ -18,15 +21,21 @@ one entry per layer ("decoder.layers.<i>."), as Megatron saved them:
   regrouped into [gate; up]; QKV rows join as they are (each rank holds whole
   query groups, so the concatenation is the interleaved whole).
 
+- torch_dist reads one layer's chunks of a stacked key (DCP reads the stored
+  chunks that overlap it straight into the tensor); legacy torch maps the rank
+  files (torch.load mmap) and joins one tensor's TP pieces, paged in then.
+
 Every pickle goes through megatron_pickle's allow-list; .metadata too.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import io
 import os
 import re
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -34,10 +43,11 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, StorageMeta
 
+from mp_ckpt.box_reads import read_boxes
 from mp_ckpt.checkpointer import single_process_quiet
 from mp_ckpt.megatron_pickle import safe_load, safe_unpickle
 
-__all__ = ["MegatronModel", "read_megatron", "resolve_megatron"]
+__all__ = ["MegatronModel", "MegatronTensors", "read_megatron", "resolve_megatron"]
 
 _TRACKER = "latest_checkpointed_iteration.txt"
 _RANK_DIR = re.compile(r"^mp_rank_(\d+)(?:_(\d+))?$")
@@ -47,13 +57,38 @@ _COLUMN = re.compile(r"(linear_qkv|linear_fc1)\.(weight|bias)$")
 _ROW = re.compile(r"(linear_proj|linear_fc2)\.weight$")
 
 
+class MegatronTensors(Mapping):
+    """name -> tensor, each read when looked up (a new tensor every time, not kept)."""
+
+    def __init__(self) -> None:
+        self._specs: dict[str, tuple[tuple[int, ...], torch.dtype, Callable]] = {}
+
+    def add(self, name: str, shape, dtype: torch.dtype, read: Callable[[], torch.Tensor]):
+        self._specs[name] = (tuple(shape), dtype, read)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._specs[name][0]
+
+    def dtype(self, name: str) -> torch.dtype:
+        return self._specs[name][1]
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._specs[name][2]()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._specs)
+
+    def __len__(self) -> int:
+        return len(self._specs)
+
+
 @dataclasses.dataclass
 class MegatronModel:
     directory: Path
     iteration: int
     args: object
     format: str
-    tensors: dict[str, torch.Tensor]
+    tensors: Mapping[str, torch.Tensor]
     checkpoint_version: float | None = None
 
 
@@ -122,23 +157,14 @@ class _RawBytesPlanner(DefaultLoadPlanner):
 
 
 def _read_torch_dist(directory: Path, iteration: int) -> MegatronModel:
-    reader = _SafeReader(directory)
-    metadata = reader.read_metadata()
+    metadata = _SafeReader(directory).read_metadata()
     entries = metadata.state_dict_metadata
     common_keys = [k for k in entries if k.startswith("common_state")]
-    wanted: dict[str, object] = {}
-    for key, entry in entries.items():
-        if key.startswith(("optimizer.", "rng_state", "common_state")) or "_extra_state" in key:
-            continue
-        if isinstance(entry, BytesStorageMetadata):
-            continue
-        wanted[key] = torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
-    for key in common_keys:
-        wanted[key] = io.BytesIO()
-    planner = _RawBytesPlanner()
-    with single_process_quiet():
-        dcp.load(wanted, storage_reader=_SafeReader(directory), planner=planner, no_dist=True)
     if common_keys:
+        planner = _RawBytesPlanner()
+        with single_process_quiet():
+            dcp.load({common_keys[0]: io.BytesIO()}, storage_reader=_SafeReader(directory),
+                     planner=planner, no_dist=True)  # fmt: skip
         common = safe_load(planner.raw[common_keys[0]], name=f"{directory}:{common_keys[0]}")
         if isinstance(common, list) and common:  # a ShardedObject: one entry per saving rank
             common = common[0]
@@ -147,18 +173,37 @@ def _read_torch_dist(directory: Path, iteration: int) -> MegatronModel:
     else:
         raise FileNotFoundError(f"{directory}: no common_state item nor common.pt (the args)")
     args = _args(common, directory)
-    tensors: dict[str, torch.Tensor] = {}
-    for key, value in wanted.items():
-        if not isinstance(value, torch.Tensor):
+    tensors = MegatronTensors()
+    for key, entry in entries.items():
+        if key.startswith(("optimizer.", "rng_state", "common_state")) or "_extra_state" in key:
             continue
+        if isinstance(entry, BytesStorageMetadata):
+            continue
+        shape, dtype = tuple(entry.size), entry.properties.dtype
         rest = key.removeprefix("decoder.layers.")
         if rest != key and not _LAYER.match(key):  # stacked: [layers, ...]
-            for i, layer in enumerate(value.unbind(0)):
-                tensors[f"decoder.layers.{i}.{rest}"] = layer.contiguous()
+            for i in range(shape[0]):
+                read = functools.partial(_read_dist_box, directory, key, shape, dtype, i)
+                tensors.add(f"decoder.layers.{i}.{rest}", shape[1:], dtype, read)
         else:
-            tensors[key] = value
+            read = functools.partial(_read_dist_box, directory, key, shape, dtype)
+            tensors.add(key, shape, dtype, read)
     return MegatronModel(directory, iteration, args, "torch_dist", tensors,
                          common.get("checkpoint_version"))  # fmt: skip
+
+
+def _read_dist_box(directory: Path, key: str, shape, dtype, layer: int | None = None):
+    """The stored tensor `key` whole, or its slice `layer` of the leading dimension."""
+    if layer is None:
+        out = torch.empty(shape, dtype=dtype)
+        target, box = out, tuple(slice(0, n) for n in shape)
+    else:
+        out = torch.empty(shape[1:], dtype=dtype)
+        target = out.unsqueeze(0)
+        box = (slice(layer, layer + 1), *(slice(0, n) for n in shape[1:]))
+    read_boxes(directory, {key: [(box, target)]}, distributed=False,
+               storage_reader=_SafeReader(directory))  # fmt: skip
+    return out
 
 
 def _args(common: object, where: Path):
@@ -183,36 +228,51 @@ def _read_torch(directory: Path, iteration: int) -> MegatronModel:
     if missing:
         raise FileNotFoundError(f"{directory}: missing rank folders {', '.join(missing)}")
     args = checkpoint_version = None
-    tensors: dict[str, torch.Tensor] = {}
+    tensors = MegatronTensors()
     offset = 0
     for stage in range(pp):
-        states = []
-        for t in range(tp):
-            path = ranks[(stage, t)]
+        paths = [ranks[(stage, t)] for t in range(tp)]
+        shapes = []  # per TP rank: {key: meta tensor}
+        for path in paths:
             if not path.exists():
                 raise FileNotFoundError(f"{path} is missing")
-            state = safe_load(path)
+            state = safe_load(path, mmap=True)  # nothing is paged in but the pickle
             if "model" not in state:
                 keys = sorted(k for k in state if re.fullmatch(r"model\d+", str(k)))
                 reason = "virtual pipeline stages (model0, model1, ...)" if keys else "no 'model'"
                 raise ValueError(f"{path}: {reason}: not imported")
             args = args if args is not None else _args(state, path)
             checkpoint_version = state.get("checkpoint_version")
-            states.append({k: v for k, v in state["model"].items()
+            shapes.append({k: torch.empty(v.shape, dtype=v.dtype, device="meta")
+                           for k, v in state["model"].items()
                            if isinstance(v, torch.Tensor) and "_extra_state" not in k})  # fmt: skip
-        stage_layers = {int(m.group(1)) for k in states[0] if (m := _LAYER.match(k))}
+            del state
+        stage_layers = {int(m.group(1)) for k in shapes[0] if (m := _LAYER.match(k))}
         swiglu = bool(getattr(args, "swiglu", False))
-        for key in states[0]:
-            pieces = [s.get(key) for s in states]
+        for key in shapes[0]:
+            pieces = [s.get(key) for s in shapes]
             if any(p is None for p in pieces):
                 raise ValueError(f"{directory}: {key} is missing on some TP ranks")
             match = _LAYER.match(key)
             name = (
                 f"decoder.layers.{int(match.group(1)) + offset}.{match.group(2)}" if match else key
             )
-            tensors[name] = _join(key, pieces, swiglu)
+            joined = _join(key, pieces, swiglu)
+            read = functools.partial(_read_rank_tensor, paths, key, swiglu)
+            tensors.add(name, joined.shape, joined.dtype, read)
         offset += len(stage_layers)
     return MegatronModel(directory, iteration, args, "torch", tensors, checkpoint_version)
+
+
+def _read_rank_tensor(paths: list[Path], key: str, swiglu: bool) -> torch.Tensor:
+    """One tensor joined from the TP ranks' files (mapped: only its pages are read; the
+    mappings close when this returns)."""
+    pieces = [safe_load(path, mmap=True)["model"][key] for path in paths]
+    joined = _join(key, pieces, swiglu)
+    if any(joined.untyped_storage().data_ptr() == p.untyped_storage().data_ptr()
+           for p in pieces):  # fmt: skip
+        joined = joined.clone()  # a view of a mapped file: a tensor of its own
+    return joined
 
 
 def _join(key: str, pieces: list[torch.Tensor], swiglu: bool) -> torch.Tensor:
