@@ -13,7 +13,7 @@ from mp_ckpt.layout import checkpoint_dir, list_iterations, read_tracker, write_
 from mp_ckpt.loader import LoadedCheckpoint, load_checkpoint, read_metadata
 from mp_ckpt.megatron import import_megatron, logical_from_megatron, model_config_from_megatron
 from mp_ckpt.megatron_pickle import UnsafePickleError, safe_load
-from mp_ckpt.megatron_read import MegatronModel, read_megatron
+from mp_ckpt.megatron_read import MegatronModel, MegatronTensors, read_megatron
 from mp_ckpt.reader import CheckpointReader
 from mp_ckpt.regions import Region
 from mp_ckpt.sharding import ShardedTensor, assemble, check_tiling
@@ -25,6 +25,7 @@ __all__ = [
     "Checkpointer",
     "LoadedCheckpoint",
     "MegatronModel",
+    "MegatronTensors",
     "Region",
     "ShardedTensor",
     "UnsafePickleError",
