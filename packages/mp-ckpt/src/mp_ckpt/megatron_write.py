@@ -75,10 +75,17 @@ def megatron_from_logical(logical: dict[str, torch.Tensor],
     return out
 
 
-def megatron_args(settings: dict, *, ckpt_format: str, tp: int, pp: int,
-                  iteration: int) -> argparse.Namespace:  # fmt: skip
+def _divisible_by(vocab: int, tp: int) -> int:
+    """The largest of Megatron's --make-vocab-size-divisible-by (128, 64, ... 1) under which
+    Megatron pads its vocabulary to exactly `vocab` rows at this TP (a multiple of it x TP)."""
+    return next(d for d in (128, 64, 32, 16, 8, 4, 2, 1) if vocab % (d * tp) == 0)
+
+
+def megatron_args(settings: dict, *, ckpt_format: str, tp: int, pp: int, iteration: int,
+                  data: dict | None = None) -> argparse.Namespace:  # fmt: skip
     """Megatron's argument names for the model's settings (those Megatron's load checks
-    and the ones a run needs to rebuild the same GPTModel)."""
+    and the ones a run needs to rebuild the same GPTModel); `data` is the training run's
+    data settings (tokenizer_type and its files), when the mp checkpoint recorded them."""
     heads, groups = settings["num_attention_heads"], settings["num_query_groups"]
     activation = settings.get("activation", "gelu")
     position = settings.get("position_embedding_type", "learned_absolute")
@@ -94,7 +101,8 @@ def megatron_args(settings: dict, *, ckpt_format: str, tp: int, pp: int,
         "swiglu": activation == "swiglu", "squared_relu": activation == "squared_relu",
         "openai_gelu": bool(settings.get("openai_gelu", False)),
         "position_embedding_type": position,
-        "add_position_embedding": position == "learned_absolute",
+        # Megatron's default; the embedding type alone decides the model's layout
+        "add_position_embedding": True,
         "rotary_base": settings.get("rotary_base", 10000),
         "rotary_percent": settings.get("rotary_percent", 1.0),
         "rotary_seq_len_interpolation_factor":
@@ -109,15 +117,18 @@ def megatron_args(settings: dict, *, ckpt_format: str, tp: int, pp: int,
         "hidden_dropout": settings.get("hidden_dropout", 0.1),
         "attention_dropout": settings.get("attention_dropout", 0.1),
         "init_method_std": settings.get("init_method_std", 0.02),
-        "padded_vocab_size": vocab, "make_vocab_size_divisible_by": 1,
+        "padded_vocab_size": vocab,
+        "make_vocab_size_divisible_by": _divisible_by(vocab, tp),
         "max_position_embeddings": settings["max_position_embeddings"], "seq_length": seq,
         "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
         "ckpt_format": ckpt_format, "iteration": iteration,
         "num_experts": None, "apply_layernorm_1p": False, "rotary_interleaved": False,
         "apply_residual_connection_post_layernorm": False, "multi_latent_attention": False,
         "consumed_train_samples": 0, "skipped_train_samples": 0, "consumed_valid_samples": 0,
-        "data_parallel_random_init": False, "tokenizer_type": None,
+        "data_parallel_random_init": False,
     }  # fmt: skip
+    for name in ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model"):
+        values[name] = (data or {}).get(name)
     return argparse.Namespace(**values)
 
 
@@ -144,7 +155,7 @@ def _check(settings: dict, logical: dict, tp: int, pp: int, fmt: str) -> None:
                          f"{layers}")  # fmt: skip
 
 
-def _read_mp(src: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict, int]:
+def _read_mp(src: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict, int, dict]:
     from mp_ckpt.reader import CheckpointReader
 
     reader = CheckpointReader(src)
@@ -163,7 +174,8 @@ def _read_mp(src: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict, int
     settings["kv_channels"] = settings["kv_channels"] or settings["hidden_size"] // heads
     settings.setdefault("ffn_hidden_size", 4 * settings["hidden_size"])
     logical = {k: reader.read(k) for k in reader.keys if not k.startswith("optimizer.")}
-    return logical, settings, reader.iteration
+    data = (common.get("config") or {}).get("data") or {}
+    return logical, settings, reader.iteration, data
 
 
 def export_megatron(src: str | os.PathLike, dst: str | os.PathLike, *,
@@ -172,10 +184,11 @@ def export_megatron(src: str | os.PathLike, dst: str | os.PathLike, *,
     """Writes dst/latest_checkpointed_iteration.txt and dst/iter_XXXXXXX (the mp
     checkpoint's iteration) with the model's weights; returns the iteration folder."""
     tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
-    logical, settings, iteration = _read_mp(src)
+    logical, settings, iteration, data = _read_mp(src)
     _check(settings, logical, tp, pp, ckpt_format)
     tensors = megatron_from_logical(logical, settings)
-    args = megatron_args(settings, ckpt_format=ckpt_format, tp=tp, pp=pp, iteration=iteration)
+    args = megatron_args(settings, ckpt_format=ckpt_format, tp=tp, pp=pp, iteration=iteration,
+                         data=data)  # fmt: skip
     dst = Path(dst)
     dst.mkdir(parents=True, exist_ok=True)
     final = dst / f"iter_{iteration:07d}"
@@ -238,7 +251,7 @@ def _write_torch_dist(work: Path, tensors: dict[str, torch.Tensor], args,
         state[f"decoder.layers.{rest}"] = torch.stack(per_layer).contiguous()
     for linear in _LINEARS:
         for i in range(layers):
-            state[f"decoder.layers.{linear}._extra_state/shard_{i}_{layers}"] = None
+            state[f"decoder.layers.{linear}._extra_state/shard_{i}_{layers}"] = [None]
     content = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
     common = _common(args, iteration) | {"content_metadata": content}
     state["common_state/shard_0_1"] = [common]
