@@ -118,3 +118,17 @@ def test_cli_writes(tmp_path, capsys):
                  "--tensor-model-parallel-size", "2"]) == 0  # fmt: skip
     assert "no-load-optim" in capsys.readouterr().out
     assert (tmp_path / "meg" / "iter_0000000" / "mp_rank_01" / "model_optim_rng.pt").exists()
+
+
+def test_moe_models_are_refused():
+    from mp_ckpt.megatron_write import _check
+
+    settings = {"num_attention_heads": 4, "num_query_groups": 2, "num_layers": 2,
+                "vocab_size": 128, "ffn_hidden_size": 64}  # fmt: skip
+    with pytest.raises(ValueError, match="MoE models are not exported"):
+        _check(settings, {"decoder.layers.0.mlp.experts.0.linear_fc1.weight": None}, 1, 1,
+               "torch_dist")  # fmt: skip
+    with pytest.raises(ValueError, match="MoE models are not exported"):
+        _check(settings | {"num_moe_experts": 8}, {}, 1, 1, "torch")
+    with pytest.raises(ValueError, match="does not divide num_query_groups 2"):
+        _check(settings | {"num_attention_heads": 8}, {}, 4, 1, "torch")
