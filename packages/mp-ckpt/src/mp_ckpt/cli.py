@@ -1,4 +1,4 @@
-"""The mp-ckpt command line: inspect, convert, export-hf, import-hf, import-megatron.
+"""The mp-ckpt command line: inspect, convert, export-hf, import-hf, import/export-megatron.
 
     mp-ckpt inspect DIR [--json] [--verify]
     mp-ckpt convert DIR OUT --tensor-model-parallel-size N --pipeline-model-parallel-size M
@@ -7,6 +7,9 @@
     mp-ckpt import-hf HF_DIR OUT          (the architecture is config.json's model_type)
     mp-ckpt import-megatron SRC OUT [--iteration N]   (a Megatron-LM training checkpoint:
                                           torch_dist or legacy torch, any TP x PP; model only)
+    mp-ckpt export-megatron DIR OUT [--ckpt-format torch_dist|torch]
+                      [--tensor-model-parallel-size T] [--pipeline-model-parallel-size P]
+                                          (a Megatron-LM training checkpoint; model only)
 
 DIR is a checkpoint root (with latest_checkpointed_iteration.txt) or one
 iter_XXXXXXX directory; --iteration picks another than the latest.
@@ -90,9 +93,15 @@ def _parser() -> argparse.ArgumentParser:
     )
     megatron.set_defaults(run=_import_megatron)
 
-    refused = sub.add_parser("export-megatron", help="refused: not implemented")
-    refused.add_argument("rest", nargs="*")
-    refused.set_defaults(run=_export_megatron)
+    to_megatron = sub.add_parser(
+        "export-megatron", help="a Megatron-LM training checkpoint of the model (no optimizer)"
+    )
+    to_megatron.add_argument("dir")
+    to_megatron.add_argument("out")
+    to_megatron.add_argument("--ckpt-format", choices=("torch_dist", "torch"), default="torch_dist")
+    to_megatron.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    to_megatron.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    to_megatron.set_defaults(run=_export_megatron)
     return parser
 
 
@@ -171,7 +180,15 @@ def _import_megatron(args) -> int:
 
 
 def _export_megatron(args) -> int:
-    raise ValueError("writing Megatron-LM checkpoints is not implemented; use export-hf")
+    from mp_ckpt.megatron_write import export_megatron
+
+    out = export_megatron(
+        args.dir, args.out, ckpt_format=args.ckpt_format,
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+    )  # fmt: skip
+    print(f"wrote {out} (model weights only: Megatron loads it with --no-load-optim --no-load-rng)")
+    return 0
 
 
 def _parse_size(text: str) -> int:

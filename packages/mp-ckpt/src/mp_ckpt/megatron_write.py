@@ -1,0 +1,317 @@
+"""An mp checkpoint's model -> a Megatron-LM training checkpoint (`--load` reads it).
+
+    export_megatron(src, dst, ckpt_format="torch_dist"|"torch",
+                    tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+
+The inverse of megatron.logical_from_megatron: mp's logical tensors are fused
+back into Megatron's layouts (QKV interleaved by query group, a SwiGLU fc1 as
+[gate; up]) and written as
+
+- torch_dist: one torch.distributed.checkpoint folder saved by this process
+  alone; layers stacked on a leading axis, norms under the names Megatron's
+  sharded state dict gives them (`linear_qkv.layer_norm_weight`,
+  `linear_fc1.layer_norm_weight`), a None `_extra_state` byte item per linear
+  layer, the `common_state` byte item (args, iteration, checkpoint_version) and
+  metadata.json. The tensors are global: any TP x PP loads them.
+- torch (legacy): iter_XXXXXXX/mp_rank_TT[_PPP]/model_optim_rng.pt per TP and
+  PP rank, each with the rank's TP slices under per-stage layer numbers.
+
+Only the model is written: no optimizer state, no RNG state, no scheduler.
+Megatron loads it with --no-load-optim --no-load-rng (or --finetune). The
+pickles hold only builtins, torch tensors and an argparse.Namespace.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+import torch
+
+__all__ = ["export_megatron", "megatron_args", "megatron_from_logical"]
+
+CHECKPOINT_VERSION = 3.0
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_TE_NAMES = {
+    "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+    "input_layernorm.bias": "self_attention.linear_qkv.layer_norm_bias",
+    "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
+    "pre_mlp_layernorm.bias": "mlp.linear_fc1.layer_norm_bias",
+}
+_LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1",
+            "mlp.linear_fc2")  # fmt: skip
+_FORMATS = ("torch_dist", "torch")
+
+
+def megatron_from_logical(logical: dict[str, torch.Tensor],
+                          settings: dict) -> dict[str, torch.Tensor]:  # fmt: skip
+    """Megatron's whole tensors (per-layer keys, local-spec names) from mp's logical ones."""
+    out: dict[str, torch.Tensor] = {}
+    fused: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
+    for key, tensor in logical.items():
+        match = _LAYER.match(key)
+        rest = match.group(2) if match else ""
+        head = re.match(r"^(self_attention\.linear_qkv|mlp\.linear_fc1)\.(q|k|v|gate|up)\.(\w+)$",
+                        rest)  # fmt: skip
+        if head:
+            module, part, kind = head.groups()
+            name = f"decoder.layers.{match.group(1)}.{module}.{kind}"
+            fused.setdefault((name, module), {})[part] = tensor
+        else:
+            out[key] = tensor
+    for (name, module), parts in fused.items():
+        if module.endswith("linear_qkv"):
+            q, k, v = parts["q"], parts["k"], parts["v"]
+            whole = torch.cat([q, k.unsqueeze(1), v.unsqueeze(1)], dim=1)
+            out[name] = whole.reshape(-1, *q.shape[3:]).contiguous()
+        else:
+            out[name] = torch.cat([parts["gate"], parts["up"]], dim=0).contiguous()
+    if not settings.get("untie_embeddings_and_output_weights"):
+        out.pop("output_layer.weight", None)
+    return out
+
+
+def _divisible_by(vocab: int, tp: int) -> int:
+    """The largest of Megatron's --make-vocab-size-divisible-by (128, 64, ... 1) under which
+    Megatron pads its vocabulary to exactly `vocab` rows at this TP (a multiple of it x TP)."""
+    return next(d for d in (128, 64, 32, 16, 8, 4, 2, 1) if vocab % (d * tp) == 0)
+
+
+def megatron_args(settings: dict, *, ckpt_format: str, tp: int, pp: int, iteration: int,
+                  data: dict | None = None) -> argparse.Namespace:  # fmt: skip
+    """Megatron's argument names for the model's settings (those Megatron's load checks
+    and the ones a run needs to rebuild the same GPTModel); `data` is the training run's
+    data settings (tokenizer_type and its files), when the mp checkpoint recorded them."""
+    heads, groups = settings["num_attention_heads"], settings["num_query_groups"]
+    activation = settings.get("activation", "gelu")
+    position = settings.get("position_embedding_type", "learned_absolute")
+    vocab = settings["vocab_size"]
+    seq = settings.get("seq_length") or settings["max_position_embeddings"]
+    values = {
+        "num_layers": settings["num_layers"], "hidden_size": settings["hidden_size"],
+        "num_attention_heads": heads, "num_query_groups": groups,
+        "group_query_attention": groups != heads,
+        "kv_channels": settings["kv_channels"], "ffn_hidden_size": settings["ffn_hidden_size"],
+        "normalization": settings.get("normalization", "LayerNorm"),
+        "norm_epsilon": settings.get("layernorm_epsilon", 1e-5),
+        "swiglu": activation == "swiglu", "squared_relu": activation == "squared_relu",
+        "openai_gelu": bool(settings.get("openai_gelu", False)),
+        "position_embedding_type": position,
+        # Megatron's default; the embedding type alone decides the model's layout
+        "add_position_embedding": True,
+        "rotary_base": settings.get("rotary_base", 10000),
+        "rotary_percent": settings.get("rotary_percent", 1.0),
+        "rotary_seq_len_interpolation_factor":
+            settings.get("rotary_seq_len_interpolation_factor"),
+        "use_rope_scaling": bool(settings.get("use_rope_scaling", False)),
+        "rope_scaling_factor": settings.get("rope_scaling_factor", 8.0),
+        "untie_embeddings_and_output_weights":
+            bool(settings.get("untie_embeddings_and_output_weights", False)),
+        "add_bias_linear": bool(settings.get("add_bias_linear", True)),
+        "add_qkv_bias": bool(settings.get("add_qkv_bias", False)),
+        "qk_layernorm": bool(settings.get("qk_layernorm", False)),
+        "hidden_dropout": settings.get("hidden_dropout", 0.1),
+        "attention_dropout": settings.get("attention_dropout", 0.1),
+        "init_method_std": settings.get("init_method_std", 0.02),
+        "padded_vocab_size": vocab,
+        "make_vocab_size_divisible_by": _divisible_by(vocab, tp),
+        "max_position_embeddings": settings["max_position_embeddings"], "seq_length": seq,
+        "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
+        "ckpt_format": ckpt_format, "iteration": iteration,
+        "num_experts": None, "apply_layernorm_1p": False, "rotary_interleaved": False,
+        "apply_residual_connection_post_layernorm": False, "multi_latent_attention": False,
+        "consumed_train_samples": 0, "skipped_train_samples": 0, "consumed_valid_samples": 0,
+        "data_parallel_random_init": False,
+    }  # fmt: skip
+    for name in ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model"):
+        values[name] = (data or {}).get(name)
+    return argparse.Namespace(**values)
+
+
+def _check(settings: dict, logical: dict, tp: int, pp: int, fmt: str) -> None:
+    if fmt not in _FORMATS:
+        raise ValueError(f"--ckpt-format {fmt!r}: expected torch_dist or torch")
+    if (
+        settings.get("num_moe_experts")
+        or settings.get("num_experts")
+        or any(".mlp.experts." in k or ".mlp.router." in k for k in logical)
+    ):
+        raise ValueError("MoE models are not exported to Megatron-LM (dense GPT only)")
+    if tp < 1 or pp < 1:
+        raise ValueError(f"TP={tp}, PP={pp}: both must be >= 1")
+    heads, groups = settings["num_attention_heads"], settings["num_query_groups"]
+    layers, vocab = settings["num_layers"], settings["vocab_size"]
+    for what, n in (("num_attention_heads", heads), ("num_query_groups", groups),
+                    ("ffn_hidden_size", settings["ffn_hidden_size"]),
+                    ("the padded vocabulary", vocab)):  # fmt: skip
+        if n % tp:
+            raise ValueError(f"--tensor-model-parallel-size {tp} does not divide {what} {n}")
+    if layers % pp:
+        raise ValueError(f"--pipeline-model-parallel-size {pp} does not divide num_layers "
+                         f"{layers}")  # fmt: skip
+
+
+def _read_mp(src: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict, int, dict]:
+    from mp_ckpt.reader import CheckpointReader
+
+    reader = CheckpointReader(src)
+    common = torch.load(reader.directory / "common.pt", weights_only=False)
+    common = common if isinstance(common, dict) else {}
+    run_model = (common.get("config") or {}).get("model") or {}
+    settings = dict(run_model) | dict(common.get("model_config") or {})
+    missing = [n for n in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size",
+                           "max_position_embeddings") if settings.get(n) is None]  # fmt: skip
+    if missing:
+        raise ValueError(f"{reader.directory}: common.pt's model settings lack {missing}")
+    heads = settings["num_attention_heads"]
+    settings.setdefault("num_query_groups", heads)
+    settings["num_query_groups"] = settings["num_query_groups"] or heads
+    settings.setdefault("kv_channels", settings["hidden_size"] // heads)
+    settings["kv_channels"] = settings["kv_channels"] or settings["hidden_size"] // heads
+    settings.setdefault("ffn_hidden_size", 4 * settings["hidden_size"])
+    logical = {k: reader.read(k) for k in reader.keys if not k.startswith("optimizer.")}
+    data = (common.get("config") or {}).get("data") or {}
+    return logical, settings, reader.iteration, data
+
+
+def export_megatron(src: str | os.PathLike, dst: str | os.PathLike, *,
+                    ckpt_format: str = "torch_dist", tensor_model_parallel_size: int = 1,
+                    pipeline_model_parallel_size: int = 1) -> Path:  # fmt: skip
+    """Writes dst/latest_checkpointed_iteration.txt and dst/iter_XXXXXXX (the mp
+    checkpoint's iteration) with the model's weights; returns the iteration folder."""
+    tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
+    logical, settings, iteration, data = _read_mp(src)
+    _check(settings, logical, tp, pp, ckpt_format)
+    tensors = megatron_from_logical(logical, settings)
+    args = megatron_args(settings, ckpt_format=ckpt_format, tp=tp, pp=pp, iteration=iteration,
+                         data=data)  # fmt: skip
+    dst = Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    final = dst / f"iter_{iteration:07d}"
+    work = dst / f".iter_{iteration:07d}.writing"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir()
+    if ckpt_format == "torch_dist":
+        _write_torch_dist(work, tensors, args, iteration)
+    else:
+        _write_torch(work, tensors, args, iteration, settings, tp, pp)
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(work, final)
+    (dst / "latest_checkpointed_iteration.txt").write_text(str(iteration))
+    return final
+
+
+def _common(args, iteration: int) -> dict:
+    return {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration,
+            "num_floating_point_operations_so_far": 0}  # fmt: skip
+
+
+def _writer_class():
+    import torch.distributed.checkpoint as dcp
+
+    class _Writer(dcp.FileSystemWriter):
+        """DCP's writer, recording its checkpoint_id as a str (not a PosixPath) so that
+        the .metadata pickle holds no class outside torch's own records."""
+
+        def storage_meta(self):
+            meta = super().storage_meta()
+            if meta is not None:
+                meta.checkpoint_id = str(meta.checkpoint_id) if meta.checkpoint_id else None
+            return meta
+
+    return _Writer
+
+
+def _write_torch_dist(work: Path, tensors: dict[str, torch.Tensor], args,
+                      iteration: int) -> None:  # fmt: skip
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    from mp_ckpt.checkpointer import single_process_quiet
+
+    _Writer = _writer_class()
+    layers = args.num_layers
+    stacked: dict[str, list] = {}
+    state: dict[str, object] = {}
+    for key, tensor in tensors.items():
+        match = _LAYER.match(key)
+        if match is None:
+            state[key] = tensor.contiguous()
+            continue
+        rest = _TE_NAMES.get(match.group(2), match.group(2))
+        stacked.setdefault(rest, [None] * layers)[int(match.group(1))] = tensor
+    for rest, per_layer in stacked.items():
+        if any(t is None for t in per_layer):
+            raise ValueError(f"decoder.layers.*.{rest}: missing in some layers")
+        state[f"decoder.layers.{rest}"] = torch.stack(per_layer).contiguous()
+    for linear in _LINEARS:
+        for i in range(layers):
+            state[f"decoder.layers.{linear}._extra_state/shard_{i}_{layers}"] = [None]
+    content = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+    common = _common(args, iteration) | {"content_metadata": content}
+    state["common_state/shard_0_1"] = [common]
+    with single_process_quiet():
+        dcp.save(state, storage_writer=_Writer(work), no_dist=True,
+                 planner=DefaultSavePlanner(flatten_state_dict=False))  # fmt: skip
+    (work / "metadata.json").write_text(
+        json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1})
+    )
+
+
+def _slice(key: str, tensor: torch.Tensor, rank: int, tp: int, swiglu: bool) -> torch.Tensor:
+    """TP rank `rank`'s piece of a whole Megatron tensor (the inverse of megatron_read._join)."""
+    if tp == 1:
+        return tensor
+    if swiglu and re.search(r"linear_fc1\.(weight|bias)$", key):
+        gate, up = tensor.chunk(2, dim=0)
+        return torch.cat([gate.chunk(tp)[rank], up.chunk(tp)[rank]])
+    if re.search(r"(linear_qkv|linear_fc1)\.(weight|bias)$", key) or key.endswith(
+        ("word_embeddings.weight", "output_layer.weight")
+    ):
+        return tensor.chunk(tp, dim=0)[rank]
+    if re.search(r"(linear_proj|linear_fc2)\.weight$", key):
+        return tensor.chunk(tp, dim=1)[rank]
+    return tensor
+
+
+def _write_torch(work: Path, tensors: dict[str, torch.Tensor], args, iteration: int,
+                 settings: dict, tp: int, pp: int) -> None:  # fmt: skip
+    per_stage = args.num_layers // pp
+    swiglu = bool(args.swiglu)
+    tied = not args.untie_embeddings_and_output_weights
+    for stage in range(pp):
+        first, last = stage == 0, stage == pp - 1
+        model: dict[str, object] = {}
+        for key, tensor in tensors.items():
+            match = _LAYER.match(key)
+            if match:
+                layer = int(match.group(1))
+                if layer // per_stage != stage:
+                    continue
+                model[f"decoder.layers.{layer - stage * per_stage}.{match.group(2)}"] = tensor
+            elif key.startswith("embedding."):
+                if first:
+                    model[key] = tensor
+            elif last:
+                model[key] = tensor
+        if last and tied and pp > 1:  # the last stage's copy of the shared embedding
+            model["output_layer.weight"] = tensors["embedding.word_embeddings.weight"]
+        for i in range(per_stage):
+            for linear in _LINEARS:
+                model[f"decoder.layers.{i}.{linear}._extra_state"] = None
+        if last:
+            model["output_layer._extra_state"] = None
+        for rank in range(tp):
+            local = {
+                k: v if v is None else _slice(k, v, rank, tp, swiglu).clone().contiguous()
+                for k, v in model.items()
+            }
+            name = f"mp_rank_{rank:02d}" + (f"_{stage:03d}" if pp > 1 else "")
+            (work / name).mkdir()
+            torch.save(_common(args, iteration) | {"model": local},
+                       work / name / "model_optim_rng.pt")  # fmt: skip

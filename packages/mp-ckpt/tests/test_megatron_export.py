@@ -1,0 +1,134 @@
+"""export-megatron: mp -> Megatron-LM -> mp is tensor-exact for each fixture, format,
+TP and PP; the written files are what Megatron's loader reads; clear refusals."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from mp_ckpt import CheckpointReader, import_megatron, safe_load
+from mp_ckpt.cli import main
+from mp_ckpt.megatron_read import read_megatron
+from mp_ckpt.megatron_write import export_megatron
+
+ASSETS = Path(__file__).parent / "assets" / "megatron"
+LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
+
+
+def _mp(case: str, tmp_path: Path) -> Path:
+    import_megatron(ASSETS / case, tmp_path / "mp")
+    return tmp_path / "mp"
+
+
+def _tensors(root: Path) -> dict[str, torch.Tensor]:
+    reader = CheckpointReader(root)
+    return {k: reader.read(k) for k in reader.keys}
+
+
+def _settings(root: Path) -> dict:
+    directory = CheckpointReader(root).directory
+    return torch.load(directory / "common.pt", weights_only=False)["model_config"]
+
+
+CASES = ["llama_torch_dist_tp1", "gpt2_torch_dist_tp1", "llama_torch_pp2"]
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("fmt", ["torch_dist", "torch"])
+@pytest.mark.parametrize("tp,pp", LAYOUTS)
+def test_round_trip_is_tensor_exact(case, fmt, tp, pp, tmp_path):
+    src = _mp(case, tmp_path)
+    out = export_megatron(
+        src, tmp_path / "meg", ckpt_format=fmt, tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+    )  # fmt: skip
+    assert out.name == "iter_0000000"
+    assert (tmp_path / "meg" / "latest_checkpointed_iteration.txt").read_text() == "0"
+    import_megatron(tmp_path / "meg", tmp_path / "back")
+    before, after = _tensors(src), _tensors(tmp_path / "back")
+    assert before.keys() == after.keys()
+    for key, tensor in before.items():
+        assert after[key].dtype == tensor.dtype and torch.equal(after[key], tensor), key
+    assert _settings(src) == _settings(tmp_path / "back")
+    model = read_megatron(tmp_path / "meg")
+    assert model.checkpoint_version == 3.0 and model.format == fmt
+    assert model.args.tensor_model_parallel_size == tp
+    assert model.args.pipeline_model_parallel_size == pp
+    assert model.args.ckpt_format == fmt
+
+
+def test_torch_dist_files_mirror_megatron(tmp_path):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    out = export_megatron(_mp("llama_torch_dist_tp1", tmp_path), tmp_path / "meg")
+    assert (out / "metadata.json").read_text() == (
+        '{"sharded_backend": "torch_dist", "sharded_backend_version": 1}'
+    )
+    ours = FileSystemReader(out).read_metadata().state_dict_metadata
+    theirs = FileSystemReader(ASSETS / "llama_torch_dist_tp1" / "iter_0000002")
+    theirs = theirs.read_metadata().state_dict_metadata
+    model_keys = {k for k in theirs if not k.startswith(("optimizer.", "rng_state"))}
+    assert set(ours) == model_keys
+    for key in model_keys:
+        if hasattr(theirs[key], "size"):
+            assert tuple(ours[key].size) == tuple(theirs[key].size), key
+
+
+def test_legacy_files_mirror_megatron(tmp_path):
+    out = export_megatron(_mp("llama_torch_tp2", tmp_path), tmp_path / "meg", ckpt_format="torch",
+                          tensor_model_parallel_size=2)  # fmt: skip
+    for rank in range(2):
+        ours = safe_load(out / f"mp_rank_{rank:02d}" / "model_optim_rng.pt")
+        theirs = safe_load(ASSETS / "llama_torch_tp2" / "iter_0000002" / f"mp_rank_{rank:02d}"
+                           / "model_optim_rng.pt")  # fmt: skip
+        assert "optimizer" not in ours and ours["checkpoint_version"] == 3.0
+        assert ours["model"].keys() == theirs["model"].keys()
+        for key, value in theirs["model"].items():
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(ours["model"][key], value), key
+
+
+def test_pickles_need_only_builtins_and_torch(tmp_path):
+    out = export_megatron(_mp("gpt2_torch_dist_tp1", tmp_path), tmp_path / "meg",
+                          ckpt_format="torch")  # fmt: skip
+    import argparse
+
+    with torch.serialization.safe_globals([argparse.Namespace]):
+        state = torch.load(out / "mp_rank_00" / "model_optim_rng.pt", weights_only=True)
+    assert state["args"].num_layers == 2 and state["iteration"] == 0
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--tensor-model-parallel-size", "3"], "does not divide num_attention_heads 4"),
+        (["--pipeline-model-parallel-size", "4"], "does not divide num_layers 2"),
+    ],
+)
+def test_cli_refusals_are_one_line(argv, message, tmp_path, capsys):
+    src = _mp("llama_torch_dist_tp1", tmp_path)
+    assert main(["export-megatron", str(src), str(tmp_path / "meg"), *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and message in err
+
+
+def test_cli_writes(tmp_path, capsys):
+    src = _mp("llama_torch_dist_tp1", tmp_path)
+    assert main(["export-megatron", str(src), str(tmp_path / "meg"), "--ckpt-format", "torch",
+                 "--tensor-model-parallel-size", "2"]) == 0  # fmt: skip
+    assert "no-load-optim" in capsys.readouterr().out
+    assert (tmp_path / "meg" / "iter_0000000" / "mp_rank_01" / "model_optim_rng.pt").exists()
+
+
+def test_moe_models_are_refused():
+    from mp_ckpt.megatron_write import _check
+
+    settings = {"num_attention_heads": 4, "num_query_groups": 2, "num_layers": 2,
+                "vocab_size": 128, "ffn_hidden_size": 64}  # fmt: skip
+    with pytest.raises(ValueError, match="MoE models are not exported"):
+        _check(settings, {"decoder.layers.0.mlp.experts.0.linear_fc1.weight": None}, 1, 1,
+               "torch_dist")  # fmt: skip
+    with pytest.raises(ValueError, match="MoE models are not exported"):
+        _check(settings | {"num_moe_experts": 8}, {}, 1, 1, "torch")
+    with pytest.raises(ValueError, match="does not divide num_query_groups 2"):
+        _check(settings | {"num_attention_heads": 8}, {}, 4, 1, "torch")
