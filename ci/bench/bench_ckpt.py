@@ -55,14 +55,13 @@ import argparse
 import hashlib
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
-from harness import context, emit
+from harness import context, emit, peak_rss
 
 from mp_ckpt import Checkpointer, CheckpointReader, ShardedTensor, load_checkpoint
 
@@ -72,17 +71,6 @@ COLUMNS = 1024
 SAVE_TARGET, ASYNC_TARGET, CONVERT_TARGET = 0.7, 0.10, 2.0
 VOCAB, HIDDEN, FFN, GROUPS, HEAD_DIM, LAYERS = 65536, 1024, 4096, 8, 128, 4
 CONVERT_DISK = 2 * GIB  # the GPT-like source and its converted copy, with room to spare
-
-# Runs the command given as its arguments and prints the child's peak RSS (KiB).
-# A separate small launcher, because a child started from this (large) process
-# inherits its high-water RSS: Linux records the old memory map's peak into
-# the child's maxrss when the child calls exec.
-_PEAK_RSS = """
-import resource, subprocess, sys
-code = subprocess.run(sys.argv[1:], stdout=sys.stderr).returncode
-print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
-sys.exit(code)
-"""
 
 
 def main() -> None:
@@ -370,10 +358,10 @@ def _convert_memory(work: Path, ctx) -> None:
     embedding = logical["embedding.word_embeddings.weight"].data.clone()
     del logical
 
-    baseline_kib, _ = _peak_rss([sys.executable, "-c", "import torch, mp_ckpt"])
+    baseline_kib, _ = peak_rss([sys.executable, "-c", "import torch, mp_ckpt"])
     command = ["convert", str(source), str(out), "--tensor-model-parallel-size", "2",
                "--pipeline-model-parallel-size", "2", "--no-progress"]  # fmt: skip
-    peak_kib, seconds = _peak_rss([sys.executable, "-m", "mp_ckpt.cli", *command])
+    peak_kib, seconds = peak_rss([sys.executable, "-m", "mp_ckpt.cli", *command])
     converted = CheckpointReader(out).read("embedding.word_embeddings.weight")
     converted_equal = torch.equal(converted, embedding)
     peak, baseline = peak_kib * 1024, baseline_kib * 1024
@@ -401,7 +389,7 @@ def _convert_memory(work: Path, ctx) -> None:
     # export-hf on the same checkpoint: no target, the same measure.
     hf = work / "gpt_hf"
     command = ["export-hf", str(source), str(hf), "--arch", "llama", "--max-shard-size", "300MB"]
-    peak_kib, seconds = _peak_rss([sys.executable, "-m", "mp_ckpt.cli", *command])
+    peak_kib, seconds = peak_rss([sys.executable, "-m", "mp_ckpt.cli", *command])
     peak = peak_kib * 1024
     emit(
         "export_hf_peak_rss",
@@ -419,17 +407,6 @@ def _convert_memory(work: Path, ctx) -> None:
         },
         ctx,
     )
-
-
-def _peak_rss(command: list[str]) -> tuple[int, float]:
-    """Peak RSS (KiB) of `command` run to completion, and its seconds; raises if it fails."""
-    start = time.perf_counter()
-    done = subprocess.run([sys.executable, "-c", _PEAK_RSS, *command], capture_output=True,
-                          text=True, check=False)  # fmt: skip
-    seconds = time.perf_counter() - start
-    if done.returncode != 0:
-        raise RuntimeError(f"{' '.join(command)} failed ({done.returncode}):\n{done.stderr}")
-    return int(done.stdout.split()[-1]), seconds
 
 
 if __name__ == "__main__":

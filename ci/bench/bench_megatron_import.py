@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import io
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -43,7 +42,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from harness import context, emit
+from harness import context, emit, peak_rss
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
@@ -63,12 +62,6 @@ MIB = 2**20
 TARGET = 1.5
 HIDDEN, HEADS, GROUPS, HEAD_DIM, FFN, VOCAB = 2048, 32, 8, 64, 8192, 32000
 ITERATION = 1000
-_PEAK_RSS = """
-import resource, subprocess, sys
-code = subprocess.run(sys.argv[1:], stdout=sys.stderr).returncode
-print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
-sys.exit(code)
-"""
 
 
 def main() -> None:
@@ -79,7 +72,7 @@ def main() -> None:
     ctx = context()
     with tempfile.TemporaryDirectory(dir=args.dir) as work:
         work = Path(work)
-        baseline_kib, _ = _peak_rss([sys.executable, "-c", "import torch, mp_ckpt"])
+        baseline_kib, _ = peak_rss([sys.executable, "-c", "import torch, mp_ckpt"])
         for fmt, write in (("torch_dist", _write_torch_dist), ("torch", _write_torch_tp2)):
             source = work / f"megatron_{fmt}"
             write(source, args.layers)
@@ -280,7 +273,7 @@ def _measure(fmt: str, source: Path, work: Path, layers: int, baseline: int, ctx
     total = sum(p.stat().st_size for p in source.rglob("*") if p.is_file())
     out = work / f"mp_{fmt}"
     command = ["import-megatron", str(source), str(out)]
-    peak_kib, seconds = _peak_rss([sys.executable, "-m", "mp_ckpt.cli", *command])
+    peak_kib, seconds = peak_rss([sys.executable, "-m", "mp_ckpt.cli", *command])
     peak = peak_kib * 1024
 
     reader = CheckpointReader(out)
@@ -328,17 +321,6 @@ def _measure(fmt: str, source: Path, work: Path, layers: int, baseline: int, ctx
         },
         ctx,
     )
-
-
-def _peak_rss(command: list[str]) -> tuple[int, float]:
-    """Peak RSS (KiB) of `command` run to completion, and its seconds; raises if it fails."""
-    start = time.perf_counter()
-    done = subprocess.run([sys.executable, "-c", _PEAK_RSS, *command], capture_output=True,
-                          text=True, check=False)  # fmt: skip
-    seconds = time.perf_counter() - start
-    if done.returncode != 0:
-        raise RuntimeError(f"{' '.join(command)} failed ({done.returncode}):\n{done.stderr}")
-    return int(done.stdout.split()[-1]), seconds
 
 
 if __name__ == "__main__":

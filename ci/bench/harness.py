@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["LLAMA_SHAPE", "best_of", "context", "emit"]
+__all__ = ["LLAMA_SHAPE", "best_of", "context", "emit", "peak_rss"]
 
 LLAMA_SHAPE = (512, 8, 8, 4, 64, 1376, 32000)
 """The ~56M-parameter Llama-style model of bench_layers.py and bench_gpt.py: hidden,
@@ -79,3 +79,26 @@ def _commit() -> str:
 
     commit = git("rev-parse", "--short", "HEAD") or "unknown"
     return commit + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+
+
+# Runs the command given as its arguments and prints the child's peak RSS (KiB).
+# A separate small launcher, because a child started from a large process
+# inherits its high-water RSS: Linux records the old memory map's peak into
+# the child's maxrss when the child calls exec.
+_PEAK_RSS = """
+import resource, subprocess, sys
+code = subprocess.run(sys.argv[1:], stdout=sys.stderr).returncode
+print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
+sys.exit(code)
+"""
+
+
+def peak_rss(command: list[str]) -> tuple[int, float]:
+    """Peak RSS (KiB) of `command` run to completion, and its seconds; raises if it fails."""
+    start = time.perf_counter()
+    done = subprocess.run([sys.executable, "-c", _PEAK_RSS, *command], capture_output=True,
+                          text=True, check=False)  # fmt: skip
+    seconds = time.perf_counter() - start
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} failed ({done.returncode}):\n{done.stderr}")
+    return int(done.stdout.split()[-1]), seconds
