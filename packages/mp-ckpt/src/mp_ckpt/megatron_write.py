@@ -202,7 +202,10 @@ def export_megatron(src: str | os.PathLike, dst: str | os.PathLike, *,
     if final.exists():
         shutil.rmtree(final)
     os.replace(work, final)
-    (dst / "latest_checkpointed_iteration.txt").write_text(str(iteration))
+    # The tracker last, itself renamed into place: Megatron sees the iteration only whole.
+    tracker = dst / ".latest_checkpointed_iteration.txt.writing"
+    tracker.write_text(str(iteration))
+    os.replace(tracker, dst / "latest_checkpointed_iteration.txt")
     return final
 
 
