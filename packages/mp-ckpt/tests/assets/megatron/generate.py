@@ -34,58 +34,25 @@ import warnings
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
+from record import TRACKED, adam_state, full_logits, optimizer_layout, plain_args  # noqa: E402
+
 SEQ = 16
 MICRO_BATCH = 2
 VOCAB = 100  # tokenizer vocabulary; padded by Megatron to 128 (divisible-by 64 * TP)
 ITERATIONS = 2
 SEED = 1234
 
-LLAMA = [
-    "--num-layers",
-    "2",
-    "--hidden-size",
-    "32",
-    "--num-attention-heads",
-    "4",
-    "--group-query-attention",
-    "--num-query-groups",
-    "2",
-    "--ffn-hidden-size",
-    "64",
-    "--normalization",
-    "RMSNorm",
-    "--norm-epsilon",
-    "1e-5",
-    "--swiglu",
-    "--position-embedding-type",
-    "rope",
-    "--rotary-base",
-    "10000",
-    "--untie-embeddings-and-output-weights",
-    "--disable-bias-linear",
-    "--no-rope-fusion",
-    "--no-bias-swiglu-fusion",
-    "--no-persist-layer-norm",
-]
-GPT2 = [
-    "--num-layers",
-    "2",
-    "--hidden-size",
-    "32",
-    "--num-attention-heads",
-    "4",
-    "--ffn-hidden-size",
-    "128",
-    "--normalization",
-    "LayerNorm",
-    "--norm-epsilon",
-    "1e-5",
-    "--position-embedding-type",
-    "learned_absolute",
-    "--no-bias-gelu-fusion",
-    "--no-bias-dropout-fusion",
-    "--no-persist-layer-norm",
-]
+# Both models: 2 layers, hidden 32, 4 attention heads, norm epsilon 1e-5, no fused kernels.
+COMMON = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+          "--norm-epsilon", "1e-5", "--no-persist-layer-norm"]  # fmt: skip
+LLAMA = [*COMMON, "--group-query-attention", "--num-query-groups", "2",
+         "--ffn-hidden-size", "64", "--normalization", "RMSNorm", "--swiglu",
+         "--position-embedding-type", "rope", "--rotary-base", "10000",
+         "--untie-embeddings-and-output-weights", "--disable-bias-linear",
+         "--no-rope-fusion", "--no-bias-swiglu-fusion"]  # fmt: skip
+GPT2 = [*COMMON, "--ffn-hidden-size", "128", "--normalization", "LayerNorm",
+        "--position-embedding-type", "learned_absolute", "--no-bias-gelu-fusion",
+        "--no-bias-dropout-fusion"]  # fmt: skip
 
 # name -> (model args, ckpt format, tp, pp, distributed optimizer)
 CASES = {
@@ -95,63 +62,6 @@ CASES = {
     "gpt2_torch_dist_tp1": (GPT2, "torch_dist", 1, 1, False),
     "llama_torch_pp2": (LLAMA, "torch", 1, 2, False),
 }
-
-# Parameters whose Adam state goes into reference.pt (those the model has).
-TRACKED = [
-    "embedding.word_embeddings.weight",
-    "embedding.position_embeddings.weight",
-    "decoder.layers.0.input_layernorm.weight",
-    "decoder.layers.0.self_attention.linear_qkv.weight",
-    "decoder.layers.0.self_attention.linear_qkv.bias",
-    "decoder.layers.0.self_attention.linear_proj.weight",
-    "decoder.layers.0.mlp.linear_fc1.weight",
-    "decoder.layers.1.mlp.linear_fc2.weight",  # under PP2: stage 1's local layer 0
-    "output_layer.weight",
-]
-
-# reference.pt["args"]: the Megatron args an importer needs, as plain values
-ARG_NAMES = [
-    "num_layers",
-    "hidden_size",
-    "num_attention_heads",
-    "num_query_groups",
-    "group_query_attention",
-    "kv_channels",
-    "ffn_hidden_size",
-    "normalization",
-    "norm_epsilon",
-    "swiglu",
-    "position_embedding_type",
-    "rotary_base",
-    "rotary_percent",
-    "untie_embeddings_and_output_weights",
-    "add_bias_linear",
-    "add_qkv_bias",
-    "vocab_size",
-    "padded_vocab_size",
-    "make_vocab_size_divisible_by",
-    "max_position_embeddings",
-    "seq_length",
-    "micro_batch_size",
-    "global_batch_size",
-    "tensor_model_parallel_size",
-    "pipeline_model_parallel_size",
-    "data_parallel_size",
-    "use_distributed_optimizer",
-    "ckpt_format",
-    "lr",
-    "min_lr",
-    "lr_decay_style",
-    "lr_warmup_iters",
-    "train_iters",
-    "weight_decay",
-    "adam_beta1",
-    "adam_beta2",
-    "adam_eps",
-    "clip_grad",
-    "params_dtype",
-    "transformer_impl",
-]
 
 
 def megatron_args(case, model_argv, fmt, tp, pp, dist_opt, world):
@@ -331,174 +241,6 @@ def train_step(args, model, optimizer, scheduler, data):
     assert ok
     scheduler.step(increment=args.global_batch_size)
     return (None if loss is None else loss.item()), float(grad_norm)
-
-
-def tp_gather(t, param):
-    """Full tensor from this rank's TP shard of ``param`` (layout of a TP1 model)."""
-    import torch
-    from megatron.core import parallel_state as ps
-
-    tp = ps.get_tensor_model_parallel_world_size()
-    if tp == 1 or not getattr(param, "tensor_model_parallel", False):
-        return t.detach().clone()
-    parts = [torch.empty_like(t) for _ in range(tp)]
-    torch.distributed.all_gather(
-        parts, t.detach().contiguous(), group=ps.get_tensor_model_parallel_group()
-    )
-    if getattr(param, "partition_stride", 1) == 2:
-        # SwiGLU fc1: each rank holds [gate_r; up_r]; a TP1 model holds [gate; up]
-        halves = [p.chunk(2, dim=0) for p in parts]
-        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
-    return torch.cat(parts, dim=param.partition_dim)
-
-
-def global_name(name):
-    """Model-global parameter name: under PP every stage numbers its layers from 0."""
-    from megatron.core import parallel_state as ps
-
-    prefix = "decoder.layers."
-    if not name.startswith(prefix):
-        return name
-    per_stage = get_args_num_layers() // ps.get_pipeline_model_parallel_world_size()
-    i, rest = name[len(prefix) :].split(".", 1)
-    return f"{prefix}{int(i) + ps.get_pipeline_model_parallel_rank() * per_stage}.{rest}"
-
-
-def get_args_num_layers():
-    from megatron.training import get_args
-
-    return get_args().num_layers
-
-
-def adam_state(model, optimizer):
-    """{name: {param, exp_avg, exp_avg_sq, step}} for TRACKED params, as full global tensors."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-    assert ps.get_data_parallel_world_size() == 1, "state gathering assumes DP=1"
-    inner = getattr(optimizer, "chained_optimizers", [optimizer])
-    named = {global_name(n): p for n, p in model.module.named_parameters()}
-    out = {}
-    for name in TRACKED:
-        if name not in named:
-            continue
-        p = named[name]
-        for opt in inner:
-            if isinstance(opt, DistributedOptimizer):
-                if p not in opt.model_param_group_index_map:
-                    continue
-                local = opt._get_main_param_and_optimizer_states(p)
-                # DP=1: this rank's shard is the whole (TP-local) param, flattened
-                local = {
-                    k: local[k].detach().view(p.shape) for k in ("param", "exp_avg", "exp_avg_sq")
-                }
-            else:
-                if p not in opt.optimizer.state:
-                    continue
-                st = opt.optimizer.state[p]
-                local = {
-                    "param": p.detach(),
-                    "exp_avg": st["exp_avg"],
-                    "exp_avg_sq": st["exp_avg_sq"],
-                }
-                local["step"] = st["step"]
-            step = opt.optimizer.state[opt.optimizer.param_groups[0]["params"][0]]["step"]
-            out[name] = {k: tp_gather(local[k], p) for k in ("param", "exp_avg", "exp_avg_sq")}
-            out[name]["step"] = int(step)
-    return out
-
-
-def optimizer_layout(model, optimizer):
-    """How Megatron lays out this rank's optimizer state, by parameter name.
-
-    ``param_order``: names in the order of the torch optimizer's ``state_dict`` indices
-    (legacy ``optimizer.state.<i>`` / ``param_groups[g].params``), without the distributed
-    optimizer.  ``grad_buffer``: with the distributed optimizer, ``name -> (start, end,
-    bucket_id)`` in the flat fp32 grad/param buffer that the checkpoint's
-    ``...bucket_idx_<b>.{param,exp_avg,exp_avg_sq}`` tensors follow, plus its bucket sizes.
-    """
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-    names = {p: n for n, p in model.module.named_parameters()}
-    out = {}
-    inner = getattr(optimizer, "chained_optimizers", [optimizer])
-    if not any(isinstance(o, DistributedOptimizer) for o in inner):
-        out["param_order"] = [
-            names[p] for o in inner for g in o.optimizer.param_groups for p in g["params"]
-        ]
-        out["param_groups"] = [
-            [names[p] for p in g["params"]] for o in inner for g in o.optimizer.param_groups
-        ]
-    else:
-        out["grad_buffer"] = [
-            {
-                "param_index_map": {
-                    names[p]: tuple(int(x) for x in r) for p, r in buf.param_index_map.items()
-                },
-                "bucket_indices": [tuple(int(x) for x in b) for b in buf.bucket_indices],
-                "numel": int(buf.numel),
-                "numel_unpadded": int(buf.numel_unpadded),
-            }
-            for buf in model.buffers
-        ]
-    return out
-
-
-def full_logits(model, data):
-    import torch
-    from megatron.core import parallel_state as ps
-
-    tokens, position_ids, mask, labels = data
-    model.eval()
-    with torch.no_grad():
-        if not ps.is_pipeline_first_stage():
-            hidden = torch.empty(SEQ, MICRO_BATCH, model.module.config.hidden_size)
-            torch.distributed.recv(hidden, src=ps.get_pipeline_model_parallel_prev_rank())
-            model.module.set_input_tensor(hidden)
-        local = model(tokens, position_ids, mask)
-        if not ps.is_pipeline_last_stage():
-            torch.distributed.send(
-                local.contiguous(), dst=ps.get_pipeline_model_parallel_next_rank()
-            )
-            model.train()
-            return None, None
-        if not ps.is_pipeline_first_stage():
-            model.module.set_input_tensor(hidden)
-        loss = model(tokens, position_ids, mask, labels=labels)
-    model.train()
-    tp = ps.get_tensor_model_parallel_world_size()
-    if tp > 1:
-        parts = [torch.empty_like(local) for _ in range(tp)]
-        torch.distributed.all_gather(
-            parts, local.contiguous(), group=ps.get_tensor_model_parallel_group()
-        )
-        local = torch.cat(parts, dim=-1)
-    return local.float(), loss.float()
-
-
-# names whose Megatron args attribute differs from the command-line flag
-ARG_ALIASES = {"norm_epsilon": "layernorm_epsilon"}
-
-
-def plain_args(args):
-    missing = [k for k in ARG_NAMES if not hasattr(args, ARG_ALIASES.get(k, k))]
-    assert not missing, missing
-    out = {k: plain(getattr(args, ARG_ALIASES.get(k, k))) for k in ARG_NAMES}
-    out["layernorm_epsilon"] = out["norm_epsilon"]
-    # without --group-query-attention Megatron leaves num_query_groups at 1 and uses one
-    # KV head per attention head; spell out the count the model really has
-    out["num_kv_heads"] = (
-        args.num_query_groups if args.group_query_attention else args.num_attention_heads
-    )
-    return out
-
-
-def plain(v):
-    import torch
-
-    if isinstance(v, torch.dtype):
-        return str(v).replace("torch.", "")
-    return v
 
 
 def worker(rank, world, port, case):
