@@ -23,14 +23,13 @@ reads the Adam state, which is renamed and unfused like the weights.
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 
 import torch
 
 from mp_ckpt.convert import write_streaming
 from mp_ckpt.layout import checkpoint_dir
-from mp_ckpt.megatron_read import MegatronModel, MegatronTensors, read_megatron
+from mp_ckpt.megatron_read import _LAYER, MegatronModel, MegatronTensors, read_megatron
 
 __all__ = [
     "import_megatron",
@@ -39,8 +38,7 @@ __all__ = [
     "tokenizer_from_megatron",
 ]
 
-_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
-_RENAMED = {
+TE_NORM_NAMES = {
     "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
     "self_attention.linear_qkv.layer_norm_bias": "input_layernorm.bias",
     "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
@@ -189,8 +187,8 @@ def logical_plan(model: MegatronModel) -> tuple[dict[str, tuple], dict]:
             add(key, key, shape)
             continue
         prefix, rest = f"decoder.layers.{match.group(1)}.", match.group(2)
-        if rest in _RENAMED:
-            add(prefix + _RENAMED[rest], key, shape)
+        if rest in TE_NORM_NAMES:
+            add(prefix + TE_NORM_NAMES[rest], key, shape)
         elif rest in _KEPT:
             add(prefix + rest, key, shape)
         elif rest.startswith("self_attention.linear_qkv."):

@@ -32,16 +32,14 @@ from pathlib import Path
 
 import torch
 
+from mp_ckpt.megatron import TE_NORM_NAMES
+from mp_ckpt.megatron_read import _LAYER
+
 __all__ = ["export_megatron", "megatron_args", "megatron_from_logical"]
 
 CHECKPOINT_VERSION = 3.0
-_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
-_TE_NAMES = {
-    "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
-    "input_layernorm.bias": "self_attention.linear_qkv.layer_norm_bias",
-    "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
-    "pre_mlp_layernorm.bias": "mlp.linear_fc1.layer_norm_bias",
-}
+# mp's norm names -> the Transformer Engine names Megatron's sharded state dict uses.
+_TE_NAMES = {mp: te for te, mp in TE_NORM_NAMES.items()}
 _LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1",
             "mlp.linear_fc2")  # fmt: skip
 _FORMATS = ("torch_dist", "torch")
