@@ -217,3 +217,24 @@ def test_moe_settings_are_checked(settings, message):
 def test_expert_layouts_are_checked(sizes, settings, message):
     with pytest.raises(ValueError, match=message):
         config(**settings).check_parallel(*sizes)
+
+
+def test_router_dtype_computes_the_scores_in_that_precision():
+    # Logits 256.05 and 256.95 for experts 0 and 1: equal in bf16 (both 256), so the top 2
+    # weigh 0.5 each; in fp64 they weigh softmax([256.05, 256.95]).
+    x = torch.ones(3, 1, H, dtype=torch.bfloat16)
+    rows = torch.full((E, H), -1.0)
+    rows[0], rows[1] = 256.05 / H, 256.95 / H
+    weights = {}
+    for dtype in (None, "fp64"):
+        router = TopKRouter(config(moe_router_dtype=dtype), ALONE.tp)
+        with torch.no_grad():
+            router.weight.copy_(rows)
+        probs, routing_map = router(x)
+        assert probs.dtype == torch.bfloat16 and routing_map[:, :2].all()
+        weights[dtype] = probs[:, :2].float()
+    torch.testing.assert_close(weights[None], torch.full((3, 2), 0.5))
+    want = torch.softmax(torch.tensor([256.05, 256.95], dtype=torch.float64), -1)
+    torch.testing.assert_close(
+        weights["fp64"], want.float().to(torch.bfloat16).float().expand(3, 2)
+    )
