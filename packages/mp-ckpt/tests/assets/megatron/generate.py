@@ -5,7 +5,7 @@ Engine, no Apex), from anywhere:
 
     /tmp/mcore-data-venv/bin/python packages/mp-ckpt/tests/assets/megatron/generate.py [CASE ...]
 
-For each case (all by default) it starts ``tp * pp`` gloo processes, builds a tiny GPTModel
+For each case (all by default) it starts ``tp * pp * dp`` gloo processes, builds a tiny GPTModel
 with megatron-core's *local* layer spec, wraps it in megatron's DistributedDataParallel and
 optimizer (Adam, fp32), trains 2 steps on a fixed batch through megatron's
 forward-backward schedule (1F1B over gloo for the PP case), calls Megatron-LM's own
@@ -30,6 +30,7 @@ import shutil
 import socket
 import sys
 import warnings
+from typing import NamedTuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -54,24 +55,42 @@ GPT2 = [*COMMON, "--ffn-hidden-size", "128", "--normalization", "LayerNorm",
         "--position-embedding-type", "learned_absolute", "--no-bias-gelu-fusion",
         "--no-bias-dropout-fusion"]  # fmt: skip
 
-# name -> (model args, ckpt format, tp, pp, distributed optimizer)
+
+
+class Case(NamedTuple):
+    model: list  # the model's Megatron flags
+    fmt: str  # --ckpt-format
+    tp: int
+    pp: int
+    dist_opt: bool
+    dp: int = 1  # data-parallel size: the run has tp * pp * dp ranks
+    ep: int = 1  # expert-parallel size (divides dp * tp)
+    extra: tuple = ()  # more Megatron flags (bucket size, experts, ...)
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp * self.dp
+
+
 CASES = {
-    "llama_torch_dist_tp1": (LLAMA, "torch_dist", 1, 1, False),
-    "llama_torch_dist_tp2_distopt": (LLAMA, "torch_dist", 2, 1, True),
-    "llama_torch_tp2": (LLAMA, "torch", 2, 1, False),
-    "gpt2_torch_dist_tp1": (GPT2, "torch_dist", 1, 1, False),
-    "llama_torch_pp2": (LLAMA, "torch", 1, 2, False),
+    "llama_torch_dist_tp1": Case(LLAMA, "torch_dist", 1, 1, False),
+    "llama_torch_dist_tp2_distopt": Case(LLAMA, "torch_dist", 2, 1, True),
+    "llama_torch_tp2": Case(LLAMA, "torch", 2, 1, False),
+    "gpt2_torch_dist_tp1": Case(GPT2, "torch_dist", 1, 1, False),
+    "llama_torch_pp2": Case(LLAMA, "torch", 1, 2, False),
 }
 
 
-def megatron_args(case, model_argv, fmt, tp, pp, dist_opt, world):
+def megatron_args(name, case):
     """Parse + validate a Megatron-LM command line and install it as megatron's global args."""
     from megatron.core.tokenizers.utils.build_tokenizer import vocab_size_with_padding
     from megatron.training import arguments, global_vars
 
+    tp, pp = case.tp, case.pp
     argv = [
         "pretrain_gpt.py",
-        *model_argv,
+        *case.model,
+        *case.extra,
         "--seq-length",
         str(SEQ),
         "--max-position-embeddings",
@@ -83,7 +102,7 @@ def megatron_args(case, model_argv, fmt, tp, pp, dist_opt, world):
         "--micro-batch-size",
         str(MICRO_BATCH),
         "--global-batch-size",
-        str(MICRO_BATCH * (world // (tp * pp))),
+        str(MICRO_BATCH * case.dp),
         "--optimizer",
         "adam",
         "--lr",
@@ -124,16 +143,18 @@ def megatron_args(case, model_argv, fmt, tp, pp, dist_opt, world):
         "--no-gradient-accumulation-fusion",
         "--no-masked-softmax-fusion",
         "--save",
-        case,
+        name,
         "--load",
-        case,
+        name,
         "--ckpt-format",
-        fmt,
+        case.fmt,
         "--save-interval",
         str(ITERATIONS),
     ]
-    if dist_opt:
+    if case.dist_opt:
         argv.append("--use-distributed-optimizer")
+    if case.ep > 1:
+        argv += ["--expert-model-parallel-size", str(case.ep)]
     saved = sys.argv
     sys.argv = argv
     try:
@@ -243,7 +264,7 @@ def train_step(args, model, optimizer, scheduler, data):
     return (None if loss is None else loss.item()), float(grad_norm)
 
 
-def worker(rank, world, port, case):
+def worker(rank, world, port, name):
     import torch
 
     warnings.filterwarnings("ignore")
@@ -259,13 +280,17 @@ def worker(rank, world, port, case):
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
-    model_argv, fmt, tp, pp, dist_opt = CASES[case]
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    case = CASES[name]
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=case.tp,
+        pipeline_model_parallel_size=case.pp,
+        expert_model_parallel_size=case.ep,
+    )
     patches.patch_cuda_calls()
     patches.patch_megatron_rng_tracker()
     patches.patch_psutil()
     tensor_parallel.model_parallel_cuda_manual_seed(SEED)
-    args = megatron_args(case, model_argv, fmt, tp, pp, dist_opt, world)
+    args = megatron_args(name, case)
     from megatron.training.checkpointing import load_checkpoint, save_checkpoint
 
     model, optimizer, scheduler = build(args, SEED)
@@ -290,8 +315,8 @@ def worker(rank, world, port, case):
 
     # reload into a differently initialised model + optimizer and compare
     model2, optimizer2, scheduler2 = build(args, SEED + 1)
-    if dist_opt:
-        if fmt == "torch":
+    if case.dist_opt:
+        if case.fmt == "torch":
             patches.patch_distopt_legacy_step()
         # a never-stepped torch Adam has no state; DistributedOptimizer.state_dict() (used while
         # loading) expects one, so materialise it with megatron's own helper first
@@ -353,9 +378,9 @@ def worker(rank, world, port, case):
                 lr_next_after_load=lr2,
             ),
         )
-        torch.save(ref, os.path.join(case, "reference.pt"))
+        torch.save(ref, os.path.join(name, "reference.pt"))
         print(
-            f"[{case}] OK: losses {[round(x, 4) for x, _ in losses]}, lr_next {lr_next:.3e}, "
+            f"[{name}] OK: losses {[round(x, 4) for x, _ in losses]}, lr_next {lr_next:.3e}, "
             f"reload max|dlogits| {d_logits} max|dstate| {d_state}",
             flush=True,
         )
@@ -377,13 +402,12 @@ def main():
     cases = sys.argv[1:] or list(CASES)
     # relative paths: the args pickled into the checkpoints then name no directory of this machine
     os.chdir(HERE)
-    for case in cases:
-        _, _, tp, pp, _ = CASES[case]
-        world = tp * pp
-        shutil.rmtree(case, ignore_errors=True)
-        os.makedirs(case)
+    for name in cases:
+        world = CASES[name].world
+        shutil.rmtree(name, ignore_errors=True)
+        os.makedirs(name)
         os.environ["WORLD_SIZE"] = str(world)
-        mp.spawn(worker, args=(world, free_port(), case), nprocs=world, join=True)
+        mp.spawn(worker, args=(world, free_port(), name), nprocs=world, join=True)
 
 
 if __name__ == "__main__":
