@@ -15,7 +15,8 @@ ASSETS = Path(__file__).resolve().parents[1] / "packages/mp-ckpt/tests/assets/me
 
 @pytest.mark.parametrize("case", ["llama_torch_dist_tp1", "llama_torch_dist_tp2_distopt",
                                   "llama_torch_tp2", "llama_torch_pp2",
-                                  "gpt2_torch_dist_tp1"])  # fmt: skip
+                                  "gpt2_torch_dist_tp1", "moe_torch_dist_ep2",
+                                  "moe_torch_ep2"])  # fmt: skip
 def test_imported_megatron_checkpoint_gives_megatron_logits(case, tmp_path):
     out = import_megatron(ASSETS / case, tmp_path / "mp")
     settings = torch.load(out / "common.pt", weights_only=False)["model_config"]
@@ -33,7 +34,8 @@ def test_imported_megatron_checkpoint_gives_megatron_logits(case, tmp_path):
 
 @pytest.mark.parametrize(("case", "arch"), [("llama_torch_dist_tp2_distopt", "llama"),
                                             ("llama_torch_pp2", "llama"),
-                                            ("gpt2_torch_dist_tp1", "gpt2")])  # fmt: skip
+                                            ("gpt2_torch_dist_tp1", "gpt2"),
+                                            ("moe_torch_dist_ep2", "qwen2_moe")])  # fmt: skip
 def test_an_imported_megatron_checkpoint_exports_to_transformers_with_megatron_logits(
     case, arch, tmp_path
 ):

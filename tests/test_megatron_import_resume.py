@@ -26,6 +26,7 @@ def body(argv, load):
     return {
         "state": state,
         "output_layer": {**moments, "step": optimizer.optimizer.state[main]["step"].clone()},
+        "expert_params": sum(".mlp.experts." in n for n in named),
         "iteration": run.train.iteration,
         "consumed": run.train.consumed_train_samples,
         "lrs": [g["lr"] for g in optimizer.param_groups],
@@ -34,7 +35,9 @@ def body(argv, load):
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("case", ["llama_torch_dist_tp2_distopt", "llama_torch_tp2"])
+@pytest.mark.parametrize(
+    "case", ["llama_torch_dist_tp2_distopt", "llama_torch_tp2", "moe_torch_ep2"]
+)
 def test_a_run_resumes_with_megatrons_adam_state(case, tmp_path):
     reference = safe_load(ASSETS / case / "reference.pt")
     load = tmp_path / "mp"
@@ -50,7 +53,9 @@ def test_a_run_resumes_with_megatrons_adam_state(case, tmp_path):
         "--eval-interval", "none", "--log-interval", "100",
     ]  # fmt: skip
     got = run_on_ranks(body, 1, argv, str(load), timeout=180)[0]
-    assert got["iteration"] == 2 and got["consumed"] == 4
+    assert got["iteration"] == 2
+    assert (got["expert_params"] > 0) == case.startswith("moe")  # the model the args describe
+    assert got["consumed"] == 2 * reference["args"]["global_batch_size"]
     for lr in got["lrs"]:
         assert lr == pytest.approx(reference["lr_next"], rel=1e-6)
     assert got["weight_decays"] == [0.0, 0.01]

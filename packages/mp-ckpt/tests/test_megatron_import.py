@@ -133,6 +133,7 @@ def test_legacy_pipeline_stages_number_their_layers_from_zero(tmp_path):
     staged = tmp_path / "pp" / "iter_0000002"
     for t in range(2):
         state = _as_plain(safe_load(src / f"mp_rank_{t:02d}" / "model_optim_rng.pt"))
+        state["args"].pipeline_model_parallel_size = 2  # the args say what the numbers mean
         model = state["model"]
         for stage in range(2):
             first = ("embedding.",) if stage == 0 else ()

@@ -2,6 +2,7 @@
 parameters, step count, scheduler and training position, in mp's optimizer-state keys,
 against the full tensors megatron-core recorded (reference.pt's "adam")."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,8 @@ from mp_ckpt.megatron_optimizer import megatron_param_order
 
 ASSETS = Path(__file__).parent / "assets" / "megatron"
 CASES = ["llama_torch_dist_tp1", "llama_torch_dist_tp2_distopt", "llama_torch_tp2",
-         "llama_torch_pp2", "gpt2_torch_dist_tp1"]  # fmt: skip
+         "llama_torch_pp2", "gpt2_torch_dist_tp1", "moe_torch_dist_ep2",
+         "moe_torch_ep2"]  # fmt: skip
 
 
 def _fused(reader: CheckpointReader, state: str, name: str, swiglu: bool) -> torch.Tensor:
@@ -22,6 +24,10 @@ def _fused(reader: CheckpointReader, state: str, name: str, swiglu: bool) -> tor
     prefix = "" if state is None else f"optimizer.{state}."
     name = name.replace("self_attention.linear_qkv.layer_norm_", "input_layernorm.")
     name = name.replace("mlp.linear_fc1.layer_norm_", "pre_mlp_layernorm.")
+    expert = re.match(r"(.+\.mlp\.experts\.)local_experts\.(\d+)\.(.+)$", name)
+    if expert:  # mp stacks the experts: [experts, ...]
+        whole = _fused(reader, state, expert.group(1) + expert.group(3), swiglu)
+        return whole[int(expert.group(2))]
     if ".linear_qkv." in name:
         base, part = name.rsplit(".", 1)
         q, k, v = (reader.read(f"{prefix}{base}.{x}.{part}") for x in "qkv")
@@ -29,7 +35,9 @@ def _fused(reader: CheckpointReader, state: str, name: str, swiglu: bool) -> tor
         return fused.reshape(-1, *q.shape[3:])
     if ".linear_fc1." in name and swiglu:
         base, part = name.rsplit(".", 1)
-        return torch.cat([reader.read(f"{prefix}{base}.{x}.{part}") for x in ("gate", "up")])
+        dim = 1 if ".mlp.experts." in name else 0
+        return torch.cat([reader.read(f"{prefix}{base}.{x}.{part}") for x in ("gate", "up")],
+                         dim=dim)  # fmt: skip
     return reader.read(prefix + name)
 
 
@@ -50,14 +58,20 @@ def test_imported_adam_state_is_megatrons(case, tmp_path):
                                    rtol=0, atol=0)  # fmt: skip
         assert recorded["step"] == reference["optimizer_step"]
     assert not any(k.startswith("optimizer.fp32_param.") for k in reader.keys)
-    weights = [k for k in reader.keys if not k.startswith("optimizer.")]
+    # every parameter has its moments; the router's expert bias is a buffer
+    weights = [k for k in reader.keys
+               if not k.startswith("optimizer.") and not k.endswith("expert_bias")]  # fmt: skip
     for state in ("exp_avg", "exp_avg_sq"):
         assert sorted(k.removeprefix(f"optimizer.{state}.") for k in reader.keys
                       if k.startswith(f"optimizer.{state}.")) == sorted(weights)  # fmt: skip
     common = torch.load(out / "common.pt", weights_only=False)
     assert common["iteration"] == reference["iteration"] == 2
     assert common["train_state"]["iteration"] == 2
-    assert common["train_state"]["consumed_train_samples"] == 4  # 2 steps x global batch 2
+    # 2 steps x the global batch
+    assert (
+        common["train_state"]["consumed_train_samples"]
+        == 2 * reference["args"]["global_batch_size"]
+    )
     assert common["optimizer"]["step"] == float(reference["optimizer_step"])
     assert common["scheduler"] == reference["scheduler"]
     groups = common["optimizer"]["param_groups"]
@@ -67,20 +81,27 @@ def test_imported_adam_state_is_megatrons(case, tmp_path):
     assert groups[0]["lr"] == pytest.approx(reference["lr_next"])
 
 
-@pytest.mark.parametrize("case", ["llama_torch_tp2", "llama_torch_pp2"])
+@pytest.mark.parametrize("case", ["llama_torch_tp2", "llama_torch_pp2", "moe_torch_ep2"])
 def test_legacy_state_order_is_megatrons_parameter_order(case):
-    """The rule (decayed parameters, then the others, each in module order) gives the
-    order megatron-core recorded for every rank's optimizer state indices."""
+    """The rule (decayed parameters, then the others, each in module order; with experts
+    the dense optimizer's, then the expert optimizer's) gives the order megatron-core
+    recorded for every rank's optimizer state indices."""
     reference = safe_load(ASSETS / case / "reference.pt")
     directory = ASSETS / case / "iter_0000002"
     for rank, layout in enumerate(reference["optimizer_layout_per_rank"]):
         files = sorted(directory.glob("mp_rank_*/model_optim_rng.pt"))
         model = safe_load(files[rank])["model"]
-        weights = {k: v for k, v in model.items()
-                   if isinstance(v, torch.Tensor) and "_extra_state" not in k}  # fmt: skip
+        weights = {k: v for k, v in model.items() if isinstance(v, torch.Tensor)
+                   and "_extra_state" not in k and not k.endswith("expert_bias")}  # fmt: skip
+
+        def decayed_first(names, weights=weights):
+            decayed = [n for n in names if weights[n].dim() > 1 and not n.endswith("bias")]
+            return decayed + [n for n in names if n not in decayed]
+
         order = megatron_param_order(weights)
-        decayed = [n for n in order if weights[n].dim() > 1 and not n.endswith("bias")]
-        assert decayed + [n for n in order if n not in decayed] == layout["param_order"]
+        experts = [n for n in order if ".local_experts." in n]
+        dense = [n for n in order if n not in experts]
+        assert decayed_first(dense) + decayed_first(experts) == layout["param_order"]
 
 
 def test_distributed_optimizer_map_is_megatrons():

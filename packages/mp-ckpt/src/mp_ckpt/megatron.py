@@ -12,17 +12,27 @@ unfuses them:
     linear_qkv.layer_norm_weight (TE spec) -> input_layernorm.weight
     linear_fc1.layer_norm_weight (TE spec) -> pre_mlp_layernorm.weight
 
+A mixture-of-experts layer (mlp.router.weight, mlp.router.expert_bias, the shared
+expert's linear_fc1 / linear_fc2 / gate_weight keep their names):
+
+    mlp.experts.experts.linear_fc1.weight [E, 2F, h] (torch_dist: the experts stacked
+        by global number; the legacy format's mlp.experts.local_experts.<e>.* are
+        stacked the same way) -> mlp.experts.linear_fc1.gate / .up [E, F, h]
+    mlp.experts.experts.linear_fc2.weight [E, h, F] -> mlp.experts.linear_fc2.weight
+
 The model's settings come from the saved args, under the names mp uses
 (common["model_config"], as import-hf writes it); the tokenizer files the run
 named (GPT-2 BPE, a local Hugging Face tokenizer) are kept when they are here.
-A setting mp does not compute the same way is refused with its name and value,
-as are mixture-of-experts layers. With with_optimizer, megatron_optimizer
-reads the Adam state, which is renamed and unfused like the weights.
+A setting mp does not compute the same way (group-limited routing, input jitter,
+several load-balancing losses, ...) is refused with its name and value. With
+with_optimizer, megatron_optimizer reads the Adam state, which is renamed and
+unfused like the weights.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import torch
@@ -50,7 +60,21 @@ _KEPT = {
     "self_attention.linear_proj.bias", "mlp.linear_fc2.weight", "mlp.linear_fc2.bias",
     "self_attention.q_layernorm.weight", "self_attention.q_layernorm.bias",
     "self_attention.k_layernorm.weight", "self_attention.k_layernorm.bias",
+    "mlp.router.weight", "mlp.router.expert_bias", "mlp.shared_experts.linear_fc2.weight",
+    "mlp.shared_experts.gate_weight",
 }  # fmt: skip
+# A layer's fc1 tensors (a SwiGLU one is [gate; up] on `dim`) -> mp's name for them.
+_FC1 = {
+    "mlp.linear_fc1.": ("mlp.linear_fc1.", 0),
+    "mlp.shared_experts.linear_fc1.": ("mlp.shared_experts.linear_fc1.", 0),
+    "mlp.experts.experts.linear_fc1.": ("mlp.experts.linear_fc1.", 1),  # [experts, 2F, h]
+}
+_EXPERTS_FC2 = "mlp.experts.experts.linear_fc2."
+# One expert's tensor: the legacy format's local_experts.<e> (numbered globally by
+# megatron_read), or torch_dist's experts.experts.<e> (singleton_local_shards)
+_ONE_EXPERT = re.compile(
+    r"^(decoder\.layers\.\d+\.mlp\.experts\.)(?:local_experts|experts)\.(\d+)\.(.+)$"
+)
 _GLOBAL = {
     "embedding.word_embeddings.weight", "embedding.position_embeddings.weight",
     "decoder.final_layernorm.weight", "decoder.final_layernorm.bias", "output_layer.weight",
@@ -81,10 +105,6 @@ def model_config_from_megatron(args, vocab_size: int, where: str = "args") -> di
         if value != supported and value is not None:
             raise ValueError(f"{where}: {name}={value!r}: mp imports only {name}={supported!r}")
 
-    if _arg(args, "num_experts"):
-        raise ValueError(
-            f"{where}: num_experts={args.num_experts}: MoE checkpoints are not imported"
-        )
     for name, supported in _REFUSED:
         refuse(name, supported)
     heads = args.num_attention_heads
@@ -135,7 +155,68 @@ def model_config_from_megatron(args, vocab_size: int, where: str = "args") -> di
         settings["seq_length"] = seq_length
     if settings["use_rope_scaling"]:
         settings["rope_scaling_factor"] = _arg(args, "rope_scaling_factor", 8.0)
+    if _arg(args, "num_experts"):
+        settings |= moe_settings_from_megatron(args, settings, where)
     return settings
+
+
+# Megatron MoE settings that change the computation in ways mp does not implement.
+_MOE_REFUSED = (
+    ("moe_router_num_groups", None), ("moe_router_group_topk", None),
+    ("moe_input_jitter_eps", None), ("moe_apply_probs_on_input", False),
+    ("moe_latent_size", None), ("moe_router_force_load_balancing", False),
+    ("moe_use_legacy_grouped_gemm", False),
+)  # fmt: skip
+# Copied as they are (mp's TransformerConfig has Megatron's names and meanings).
+_MOE_COPIED = {
+    "moe_router_topk": 2, "moe_router_score_function": "softmax",
+    "moe_router_pre_softmax": False, "moe_router_topk_scaling_factor": None,
+    "moe_z_loss_coeff": None, "moe_router_enable_expert_bias": False,
+    "moe_router_bias_update_rate": 1e-3, "moe_expert_capacity_factor": None,
+    "moe_pad_expert_input_to_capacity": False, "moe_token_drop_policy": "probs",
+    "moe_shared_expert_intermediate_size": None, "moe_shared_expert_gate": False,
+    "moe_grouped_gemm": False, "moe_router_dtype": None,
+}  # fmt: skip
+
+
+def moe_settings_from_megatron(args, settings: dict, where: str) -> dict:
+    """mp's mixture-of-experts settings from Megatron's saved args."""
+    for name, supported in _MOE_REFUSED:
+        value = _arg(args, name, supported)
+        if value not in (supported, None, False):
+            raise ValueError(f"{where}: {name}={value!r}: mp imports only {name}={supported!r}")
+    out = {
+        "num_moe_experts": int(args.num_experts),
+        "moe_ffn_hidden_size": _arg(args, "moe_ffn_hidden_size") or settings["ffn_hidden_size"],
+    }
+    out |= {name: _arg(args, name, default) for name, default in _MOE_COPIED.items()}
+    for name, default in _MOE_COPIED.items():
+        if out[name] is None:
+            out[name] = default
+    balancing = _arg(args, "moe_router_load_balancing_type", "aux_loss")
+    coeff = _arg(args, "moe_aux_loss_coeff", 0.0)
+    if isinstance(balancing, list):  # one entry per loss: mp computes one
+        if len(balancing) != 1:
+            raise ValueError(f"{where}: moe_router_load_balancing_type={balancing!r}: mp "
+                             "computes one load-balancing loss")  # fmt: skip
+        balancing, coeff = balancing[0], coeff[0] if isinstance(coeff, list) else coeff
+    if balancing not in ("aux_loss", "seq_aux_loss", "none"):
+        raise ValueError(f"{where}: moe_router_load_balancing_type={balancing!r}: mp computes "
+                         "aux_loss, seq_aux_loss and none")  # fmt: skip
+    out["moe_router_load_balancing_type"] = balancing
+    out["moe_aux_loss_coeff"] = float(coeff or 0.0)
+    dispatcher = _arg(args, "moe_token_dispatcher_type", "allgather")
+    # flex is all-to-all through another communication library: the same tokens move
+    out["moe_token_dispatcher_type"] = "alltoall" if dispatcher == "flex" else dispatcher
+    freq = _arg(args, "moe_layer_freq", 1)
+    layers = settings["num_layers"]
+    if isinstance(freq, int):
+        freq = [1 if i % freq == 0 else 0 for i in range(layers)]
+    if len(freq) != layers:
+        raise ValueError(f"{where}: moe_layer_freq={freq!r}: {len(freq)} entries for "
+                         f"{layers} layers")  # fmt: skip
+    out["moe_layer_freq"] = [int(x) for x in freq]
+    return out
 
 
 def logical_from_megatron(model: MegatronModel) -> tuple[dict[str, torch.Tensor], dict]:
@@ -157,10 +238,7 @@ def logical_plan(model: MegatronModel) -> tuple[dict[str, tuple], dict]:
     the one Megatron tensor the logical tensor comes from and cuts it, so that the tensors
     can be made (and written) one at a time."""
     where = str(model.directory)
-    tensors = model.tensors
-    moe = sorted(k for k in tensors if ".mlp.experts." in k or ".mlp.router." in k)
-    if moe:
-        raise ValueError(f"{where}: {moe[0]}: MoE checkpoints are not imported")
+    tensors = stack_experts(model.tensors, where)
     if "embedding.word_embeddings.weight" not in tensors:
         raise KeyError(f"{where}: no embedding.word_embeddings.weight")
     vocab_size = _shape(tensors, "embedding.word_embeddings.weight")[0]
@@ -220,22 +298,21 @@ def logical_plan(model: MegatronModel) -> tuple[dict[str, tuple], dict]:
                 (groups, d, *tail),
                 lambda t, f=fused, n=per_group: t.reshape(f)[:, n + 1],
             )
-        elif rest.startswith("mlp.linear_fc1.") and rest.count(".") == 2:
+        elif (fc1 := rest.rsplit(".", 1)[0] + ".") in _FC1:
             part = rest.rsplit(".", 1)[1]
+            name, dim = _FC1[fc1]
             if settings["activation"] == "swiglu":
-                half = (shape[0] - shape[0] // 2, *shape[1:])  # torch.chunk's first half
-                rest_half = (shape[0] // 2, *shape[1:])
-                add(
-                    f"{prefix}mlp.linear_fc1.gate.{part}", key, half, lambda t: t.chunk(2, dim=0)[0]
-                )
-                add(
-                    f"{prefix}mlp.linear_fc1.up.{part}",
-                    key,
-                    rest_half,
-                    lambda t: t.chunk(2, dim=0)[1],
-                )
+                first, second = list(shape), list(shape)
+                first[dim] -= shape[dim] // 2  # torch.chunk's first half
+                second[dim] = shape[dim] // 2
+                add(f"{prefix}{name}gate.{part}", key, first,
+                    lambda t, d=dim: t.chunk(2, dim=d)[0])  # fmt: skip
+                add(f"{prefix}{name}up.{part}", key, second,
+                    lambda t, d=dim: t.chunk(2, dim=d)[1])  # fmt: skip
             else:
-                add(prefix + rest, key, shape)
+                add(f"{prefix}{name}{part}", key, shape)
+        elif rest.startswith(_EXPERTS_FC2):
+            add(f"{prefix}mlp.experts.linear_fc2.{rest.rsplit('.', 1)[1]}", key, shape)
         else:
             raise ValueError(f"{where}: {key}: no place for this tensor in mp's GPTModel")
     layers = {int(m.group(1)) for k in plan if (m := _LAYER.match(k))}
@@ -245,6 +322,32 @@ def logical_plan(model: MegatronModel) -> tuple[dict[str, tuple], dict]:
             f"{settings['num_layers']}"
         )
     return plan, settings
+
+
+def stack_experts(tensors, where: str) -> MegatronTensors:
+    """The tensors with each layer's per-expert tensors (legacy local_experts.<e>, or
+    torch_dist's experts.experts.<e>) stacked into one [experts, ...] tensor under
+    torch_dist's name mlp.experts.experts.<rest>, read expert by expert when looked up."""
+    out = MegatronTensors()
+    groups: dict[str, dict[int, str]] = {}
+    for key in tensors:
+        match = _ONE_EXPERT.match(key)
+        if match is None:
+            out.add(key, _shape(tensors, key), _dtype(tensors, key),
+                    lambda k=key: tensors[k])  # fmt: skip
+        else:
+            name = f"{match.group(1)}experts.{match.group(3)}"
+            groups.setdefault(name, {})[int(match.group(2))] = key
+    for name, by_expert in groups.items():
+        if sorted(by_expert) != list(range(len(by_expert))):
+            raise ValueError(f"{where}: {name}: experts {sorted(by_expert)} are not 0..E-1")
+        keys = [by_expert[e] for e in range(len(by_expert))]
+        shapes = {_shape(tensors, k) for k in keys}
+        if len(shapes) != 1:
+            raise ValueError(f"{where}: {name}: the experts' shapes differ: {sorted(shapes)}")
+        out.add(name, (len(keys), *shapes.pop()), _dtype(tensors, keys[0]),
+                lambda ks=keys: torch.stack([tensors[k] for k in ks]))  # fmt: skip
+    return out
 
 
 def tokenizer_from_megatron(args) -> dict | None:

@@ -10,14 +10,17 @@ megatron.logical_from_megatron renames and unfuses them exactly as it does the
 weights. The three layouts Megatron writes:
 
 - torch_dist, no distributed optimizer: "optimizer.state.<state>.<model key>",
-  stacked and chunked like the model key (fp32 copies: "fp32_param").
+  stacked and chunked like the model key (fp32 copies: "fp32_param"). With
+  experts, Megatron chains a dense and an expert optimizer: common_state's
+  "optimizer" is then {0: ..., 1: ...}, their parameter groups merge by kind.
 - legacy torch, no distributed optimizer: each rank's "optimizer" holds
   torch's state dict, indexed by the parameter's place in the param groups.
   Megatron's groups are the weight-decayed parameters (not a bias, more than
   one dimension) then the others, each in the module's parameter order
   (registration order: in an attention block linear_proj comes before
   linear_qkv). fp32 copies of bf16 / fp16 weights: "fp32_from_fp16_params".
-  TP pieces are joined like the weights.
+  TP pieces are joined like the weights. With experts "optimizer" is a list:
+  the dense parameters' state dict, then the (local) experts'.
 - torch_dist, distributed optimizer: per data-parallel group one flat buffer
   per state ("optimizer.distributed.dp_group_idx_<g>.gbuf_idx_0.dtype_(...)
   .bucket_idx_0.<state>"): the rank's TP-local parameters in reverse module
@@ -45,12 +48,14 @@ from mp_ckpt.megatron_pickle import safe_load
 from mp_ckpt.megatron_read import (
     _COLUMN,
     _LAYER,
-    _RANK_DIR,
+    _LOCAL_EXPERT,
     _ROW,
     MegatronModel,
     _join,
     _RawBytesPlanner,
     _SafeReader,
+    global_expert_name,
+    legacy_rank_files,
 )
 
 __all__ = ["MegatronOptimizer", "megatron_param_order", "read_megatron_optimizer"]
@@ -61,8 +66,12 @@ _ALIGN = 64  # the distributed optimizer starts every parameter at a multiple of
 _LAYER_ORDER = (
     "input_layernorm.", "self_attention.linear_proj.", "self_attention.linear_qkv.",
     "self_attention.q_layernorm.", "self_attention.k_layernorm.", "pre_mlp_layernorm.",
-    "mlp.linear_fc1.", "mlp.linear_fc2.",
+    "mlp.linear_fc1.", "mlp.linear_fc2.", "mlp.router.", "mlp.experts.",
+    "mlp.shared_experts.gate_", "mlp.shared_experts.linear_fc1.",
+    "mlp.shared_experts.linear_fc2.",
 )  # fmt: skip
+# An expert's parameters, in the order of its number then its module (legacy names).
+_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.(weight|bias)$")
 _SUFFIX_ORDER = ("layer_norm_weight", "layer_norm_bias", "weight", "bias")
 _GLOBAL_ORDER = {
     "embedding.word_embeddings.weight": 0, "embedding.position_embeddings.weight": 1,
@@ -76,6 +85,8 @@ _LOCAL_NORMS = {
     "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
     "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias",
 }
+# Model tensors that are buffers, not parameters: no optimizer state.
+_BUFFERS = ("mlp.router.expert_bias",)
 # Keys of a Megatron parameter group mp's optimizer groups take back.
 _GROUP_KEYS = ("lr", "weight_decay", "wd_mult", "lr_mult", "max_lr", "min_lr", "betas", "eps")
 
@@ -96,6 +107,14 @@ def _sort_key(name: str, where: str) -> tuple:
             raise ValueError(f"{where}: {name}: unknown place in Megatron's parameter order")
         return (_GLOBAL_ORDER[name] if _GLOBAL_ORDER[name] < 2 else _GLOBAL_ORDER[name] + 1000,)
     rest = match.group(2)
+    expert = _EXPERT.match(rest)
+    if expert:
+        position = _LAYER_ORDER.index("mlp.experts.")
+        module = 0 if expert.group(2) == "linear_fc1" else 1
+        suffix = _SUFFIX_ORDER.index(expert.group(3))
+        return (2, int(match.group(1)), position, int(expert.group(1)), module, suffix)
+    if rest == "mlp.shared_experts.gate_weight":
+        return (2, int(match.group(1)), _LAYER_ORDER.index("mlp.shared_experts.gate_"), 0)
     for i, prefix in enumerate(_LAYER_ORDER):
         if rest.startswith(prefix) and rest[len(prefix) :] in _SUFFIX_ORDER:
             return (2, int(match.group(1)), i, _SUFFIX_ORDER.index(rest[len(prefix) :]))
@@ -146,10 +165,13 @@ def _groups(groups: list[dict], where: str) -> list[dict]:
         if "betas" in hyper:
             hyper["betas"] = tuple(hyper["betas"])
         out.append(hyper)
-    keys = [(g["wd_mult"], g["lr_mult"]) for g in out]
-    if len(set(keys)) != len(keys):
-        raise ValueError(f"{where}: optimizer param_groups: several groups share {keys}")
-    return sorted(out, key=lambda g: (g["wd_mult"], g["lr_mult"]))
+    merged: dict[tuple, dict] = {}
+    for group in out:  # the dense and the expert optimizers' groups of the same kind merge
+        key = (group["wd_mult"], group["lr_mult"])
+        if merged.setdefault(key, group) != group:
+            raise ValueError(f"{where}: optimizer param_groups: two groups with wd_mult, "
+                             f"lr_mult {key} differ: {merged[key]} and {group}")  # fmt: skip
+    return [merged[k] for k in sorted(merged)]
 
 
 def _step(values, where: str) -> float:
@@ -210,13 +232,18 @@ def _read_torch_dist(model: MegatronModel) -> MegatronOptimizer:
                 raise ValueError(f"{directory}: {key}: unknown optimizer state {name!r}")
             states[state].update(_unstack(model_key, value))
         saved = common.get("optimizer") or {}
-        step_value = (saved.get("state") or {}).get("common_step")
-        groups = saved.get("param_groups")
-        if groups is None:
-            raise ValueError(f"{directory}: common_state: no optimizer.param_groups")
-        if step_value is None:
-            step_value = _step((g.get("step") for g in groups), f"{where} common_state")
-        step = float(step_value)
+        # several optimizers (dense, experts) are saved as {0: state dict, 1: ...}
+        chained = [saved[k] for k in sorted(saved)] if saved and all(
+            isinstance(k, int) for k in saved) else [saved]  # fmt: skip
+        groups, steps = [], []
+        for part in chained:
+            if part.get("param_groups") is None:
+                raise ValueError(f"{directory}: common_state: no optimizer.param_groups")
+            groups += part["param_groups"]
+            step_value = (part.get("state") or {}).get("common_step")
+            steps += [step_value] if step_value is not None else [
+                g.get("step") for g in part["param_groups"]]  # fmt: skip
+        step = _step(steps, f"{where} common_state")
     else:
         states, groups, step = _distributed(model, tensors, raw, entries)
     return MegatronOptimizer(states, step, _groups(groups, where), _scheduler(common, where),
@@ -310,54 +337,81 @@ def _distributed(model: MegatronModel, tensors: dict, raw: dict, entries):
 
 def _read_torch(model: MegatronModel) -> MegatronOptimizer:
     directory = model.directory
-    ranks: dict[tuple[int, int], Path] = {}
-    for path in directory.iterdir():
-        match = _RANK_DIR.match(path.name)
-        if match:
-            ranks[(int(match.group(2) or 0), int(match.group(1)))] = path / "model_optim_rng.pt"
-    pp, tp = 1 + max(p for p, _ in ranks), 1 + max(t for _, t in ranks)
+    args, files = legacy_rank_files(directory)
+    tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
+    pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
+    ep = int(getattr(args, "expert_model_parallel_size", 1) or 1)
+    local_experts = (getattr(args, "num_experts", None) or 0) // ep
     swiglu = bool(getattr(model.args, "swiglu", False))
     states: dict[str, dict[str, torch.Tensor]] = {s: {} for s in STATES}
-    steps, groups, first = [], None, None
+    steps, groups, first = [], [], None
     offset = 0
     for stage in range(pp):
-        per_rank: list[dict[str, dict[str, torch.Tensor]]] = []
-        for t in range(tp):
-            path = ranks[(stage, t)]
-            if (path.parent / "distrib_optim.pt").exists():
-                raise ValueError(f"{path.parent / 'distrib_optim.pt'}: the legacy distributed "
-                                 "optimizer's state is not imported")  # fmt: skip
-            state = safe_load(path)
-            first = first if first is not None else state
-            local, rank_steps, rank_groups = _rank_state(state, path)
-            steps += rank_steps
-            groups = groups if groups is not None else rank_groups
-            per_rank.append(local)
-        layers = {int(m.group(1)) for n in per_rank[0]["exp_avg"] if (m := _LAYER.match(n))}
-        for state_name in STATES:
-            for name in per_rank[0][state_name]:
-                pieces = [r[state_name][name] for r in per_rank]
-                match = _LAYER.match(name)
-                glob = (f"decoder.layers.{int(match.group(1)) + offset}.{match.group(2)}"
-                        if match else name)  # fmt: skip
-                states[state_name][glob] = _join(name, pieces, swiglu)
+        layers: set[int] = set()
+        for e in range(ep):
+            per_rank: list[dict[str, dict[str, torch.Tensor]]] = []
+            for t in range(tp):
+                path = files[(stage, e, t)]
+                if (path.parent / "distrib_optim.pt").exists():
+                    raise ValueError(f"{path.parent / 'distrib_optim.pt'}: the legacy distributed "
+                                     "optimizer's state is not imported")  # fmt: skip
+                state = safe_load(path)
+                first = first if first is not None else state
+                local, rank_steps, rank_groups = _rank_state(state, path)
+                steps += rank_steps
+                groups = groups or rank_groups
+                per_rank.append(local)
+            layers |= {int(m.group(1)) for n in per_rank[0]["exp_avg"] if (m := _LAYER.match(n))}
+            for state_name in STATES:
+                for name in per_rank[0][state_name]:
+                    if e > 0 and not _LOCAL_EXPERT.match(name):
+                        continue  # every EP rank holds the same copy of what is not an expert
+                    pieces = [r[state_name][name] for r in per_rank]
+                    glob = global_expert_name(name, e, local_experts)
+                    match = _LAYER.match(glob)
+                    if match:
+                        glob = f"decoder.layers.{int(match.group(1)) + offset}.{match.group(2)}"
+                    states[state_name][glob] = _join(name, pieces, swiglu)
         offset += len(layers)
     where = str(directory)
     return MegatronOptimizer(states, _step(steps, where), _groups(groups, where),
-                             _scheduler(first, str(ranks[(0, 0)])),
+                             _scheduler(first, str(files[(0, 0, 0)])),
                              _train_state(model, first))  # fmt: skip
 
 
 def _rank_state(state: dict, path: Path):
-    """({state: {local name: tensor}}, steps, param groups) of one rank's file."""
+    """({state: {local name: tensor}}, steps, param groups) of one rank's file. With experts
+    Megatron chains two optimizers, saved as a list: the dense parameters', then the
+    experts'."""
     optimizer = state.get("optimizer")
-    if not isinstance(optimizer, dict) or "param_groups" not in optimizer:
+    parts = optimizer if isinstance(optimizer, list) else [optimizer]
+    if not all(isinstance(p, dict) and "param_groups" in p for p in parts):
         raise ValueError(f"{path}: optimizer: no torch optimizer state (saved without it?)")
+    weights = {k: v for k, v in state["model"].items() if isinstance(v, torch.Tensor)
+               and "_extra_state" not in k and not k.endswith(_BUFFERS)}  # fmt: skip
+    experts = {k for k in weights if _LOCAL_EXPERT.match(k)}
+    if len(parts) == 2:
+        kinds = [{k: v for k, v in weights.items() if k not in experts},
+                 {k: v for k, v in weights.items() if k in experts}]  # fmt: skip
+    elif len(parts) == 1:
+        kinds = [weights]
+    else:
+        raise ValueError(f"{path}: optimizer: {len(parts)} chained optimizers; mp reads one, "
+                         "or the dense and the expert ones")  # fmt: skip
+    local: dict[str, dict[str, torch.Tensor]] = {s: {} for s in STATES}
+    steps, groups = [], []
+    for part, kind in zip(parts, kinds, strict=True):
+        part_steps, part_groups = _torch_optimizer_state(part, kind, path, local)
+        steps += part_steps
+        groups += part_groups
+    return local, steps, groups
+
+
+def _torch_optimizer_state(optimizer: dict, weights: dict, path: Path, local: dict):
+    """Reads one torch optimizer's state of `weights` into `local`: (steps, param groups)."""
     inner = optimizer.get("optimizer", optimizer)  # mixed precision wraps torch's state dict
     if "state" not in inner or "param_groups" not in inner:
         raise ValueError(f"{path}: optimizer: no state / param_groups")
-    weights = {k: v for k, v in state["model"].items()
-               if isinstance(v, torch.Tensor) and "_extra_state" not in k}  # fmt: skip
     decayed = [n for n in megatron_param_order(weights, str(path)) if _decayed(n, weights[n])]
     others = [n for n in megatron_param_order(weights, str(path)) if not _decayed(n, weights[n])]
     by_group = []
@@ -374,7 +428,6 @@ def _rank_state(state: dict, path: Path):
         raise ValueError(f"{path}: optimizer.param_groups do not cover the model's "
                          f"{len(weights)} parameters")  # fmt: skip
     fp32 = optimizer.get("fp32_from_fp16_params")
-    local: dict[str, dict[str, torch.Tensor]] = {s: {} for s in STATES}
     steps = []
     for g, (indices, names) in enumerate(by_group):
         for j, (index, name) in enumerate(zip(indices, names, strict=True)):
@@ -390,7 +443,7 @@ def _rank_state(state: dict, path: Path):
             steps.append(entry.get("step"))
             if fp32 is not None:
                 local["param"][name] = fp32[g][j].float()
-    return local, steps, inner["param_groups"]
+    return steps, inner["param_groups"]
 
 
 # --- mp's form ------------------------------------------------------------------------------
@@ -409,7 +462,7 @@ def mp_optimizer_state(model: MegatronModel, weights: dict[str, torch.Tensor]):
         by_name = read.states[state]
         if not by_name:
             continue
-        missing = sorted(set(model.tensors) - set(by_name))
+        missing = sorted(k for k in set(model.tensors) - set(by_name) if not k.endswith(_BUFFERS))
         if missing and state != "param":
             raise ValueError(f"{model.directory}: no {state} for {missing[0]}")
         if missing:  # some fp32 copies only: the others are the weights

@@ -14,9 +14,12 @@ that takes one tensor at a time holds one tensor at a time:
   is already layout-neutral (QKV interleaved by query group over all groups,
   a SwiGLU fc1 as [gate; up]). The non-tensor state (args, iteration) is a
   pickled object under "common_state/..." (or common.pt beside it).
-- torch (legacy): iter_XXXXXXX/mp_rank_TT[_PPP]/model_optim_rng.pt per TP (and
-  PP) rank, per-layer keys local to the rank and TP-sliced; each pipeline
-  stage numbers its layers from 0. Column-parallel tensors are joined on rows,
+- torch (legacy): iter_XXXXXXX/mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt per TP
+  (and PP, and EP) rank, per-layer keys local to the rank and TP-sliced; each
+  pipeline stage numbers its layers from 0, each expert-parallel rank its
+  experts (mlp.experts.local_experts.<e>), which are renamed to their global
+  numbers; what is not an expert is read from EP rank 0. The saved args say
+  which of the folder's numbers is PP and which EP. Column-parallel tensors are joined on rows,
   row-parallel on columns; a SwiGLU fc1 is [gate_r; up_r] per rank and is
   regrouped into [gate; up]; QKV rows join as they are (each rank holds whole
   query groups, so the concatenation is the interleaved whole).
@@ -47,10 +50,21 @@ from mp_ckpt.box_reads import read_boxes
 from mp_ckpt.checkpointer import single_process_quiet
 from mp_ckpt.megatron_pickle import safe_load, safe_unpickle
 
-__all__ = ["MegatronModel", "MegatronTensors", "read_megatron", "resolve_megatron"]
+__all__ = [
+    "MegatronModel",
+    "MegatronTensors",
+    "global_expert_name",
+    "legacy_rank_files",
+    "read_megatron",
+    "resolve_megatron",
+]
 
 _TRACKER = "latest_checkpointed_iteration.txt"
-_RANK_DIR = re.compile(r"^mp_rank_(\d+)(?:_(\d+))?$")
+_RANK_DIR = re.compile(r"^mp_rank_\d+(?:_\d+){0,2}$")
+# A legacy file's expert: decoder.layers.<i>.mlp.experts.local_experts.<local number>.<rest>
+_LOCAL_EXPERT = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts\.local_experts\.)(\d+)\.(.+)$")
+# Transformer Engine's grouped experts: mlp.experts.linear_fc1.weight<local number>
+_GROUPED_EXPERT = re.compile(r"\.mlp\.experts\.linear_fc[12]\.(weight|bias)\d+$")
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 # Per-layer tensors split over TP on rows (0) or columns (1); the rest are whole per rank.
 _COLUMN = re.compile(r"(linear_qkv|linear_fc1)\.(weight|bias)$")
@@ -215,53 +229,106 @@ def _args(common: object, where: Path):
 # --- torch (legacy) ---------------------------------------------------------------------
 
 
-def _read_torch(directory: Path, iteration: int) -> MegatronModel:
-    ranks: dict[tuple[int, int], Path] = {}
+def legacy_rank_files(directory: Path) -> tuple[object, dict[tuple[int, int, int], Path]]:
+    """(args, {(pp rank, ep rank, tp rank): model_optim_rng.pt}) of a legacy checkpoint.
+
+    Megatron names a rank's folder mp_rank_TT, then _PPP with pipeline parallelism, then
+    _EEE with expert parallelism, so the saved args say which number is which."""
+    folders = {}
     for path in directory.iterdir():
         match = _RANK_DIR.match(path.name)
         if match:
-            ranks[(int(match.group(2) or 0), int(match.group(1)))] = path / "model_optim_rng.pt"
-    pp = 1 + max(p for p, _ in ranks)
-    tp = 1 + max(t for _, t in ranks)
+            folders[tuple(int(n) for n in path.name.removeprefix("mp_rank_").split("_"))] = path
+    first = folders[min(folders)] / "model_optim_rng.pt"
+    if not first.exists():
+        raise FileNotFoundError(f"{first} is missing")
+    args = _args(safe_load(first, mmap=True), first)
+    tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
+    pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
+    ep = int(getattr(args, "expert_model_parallel_size", 1) or 1)
+    files = {}
+    for numbers, path in folders.items():
+        expected = 1 + (pp > 1) + (ep > 1)
+        if len(numbers) != expected:
+            raise ValueError(f"{path}: the args say TP {tp} x PP {pp} x EP {ep}, whose rank "
+                             f"folders are named by {expected} numbers")  # fmt: skip
+        t, rest = numbers[0], list(numbers[1:])
+        p = rest.pop(0) if pp > 1 else 0
+        e = rest.pop(0) if ep > 1 else 0
+        files[(p, e, t)] = path / "model_optim_rng.pt"
     missing = [f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else "")
-               for p in range(pp) for t in range(tp) if (p, t) not in ranks]  # fmt: skip
+               + (f"_{e:03d}" if ep > 1 else "")
+               for p in range(pp) for e in range(ep) for t in range(tp)
+               if (p, e, t) not in files]  # fmt: skip
     if missing:
         raise FileNotFoundError(f"{directory}: missing rank folders {', '.join(missing)}")
-    args = checkpoint_version = None
+    return args, files
+
+
+def global_expert_name(key: str, ep_rank: int, local_experts: int) -> str:
+    """A legacy file's expert key under the expert's global number (each EP rank numbers
+    its local experts from 0)."""
+    match = _LOCAL_EXPERT.match(key)
+    if match is None:
+        return key
+    index = ep_rank * local_experts + int(match.group(2))
+    return f"{match.group(1)}{index}.{match.group(3)}"
+
+
+def _read_torch(directory: Path, iteration: int) -> MegatronModel:
+    args, files = legacy_rank_files(directory)
+    tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
+    pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
+    ep = int(getattr(args, "expert_model_parallel_size", 1) or 1)
+    local_experts = (getattr(args, "num_experts", None) or 0) // ep
+    swiglu = bool(getattr(args, "swiglu", False))
+    checkpoint_version = None
     tensors = MegatronTensors()
     offset = 0
     for stage in range(pp):
-        paths = [ranks[(stage, t)] for t in range(tp)]
-        shapes = []  # per TP rank: {key: meta tensor}
-        for path in paths:
-            if not path.exists():
-                raise FileNotFoundError(f"{path} is missing")
-            state = safe_load(path, mmap=True)  # nothing is paged in but the pickle
-            if "model" not in state:
-                keys = sorted(k for k in state if re.fullmatch(r"model\d+", str(k)))
-                reason = "virtual pipeline stages (model0, model1, ...)" if keys else "no 'model'"
-                raise ValueError(f"{path}: {reason}: not imported")
-            args = args if args is not None else _args(state, path)
-            checkpoint_version = state.get("checkpoint_version")
-            shapes.append({k: torch.empty(v.shape, dtype=v.dtype, device="meta")
-                           for k, v in state["model"].items()
-                           if isinstance(v, torch.Tensor) and "_extra_state" not in k})  # fmt: skip
-            del state
-        stage_layers = {int(m.group(1)) for k in shapes[0] if (m := _LAYER.match(k))}
-        swiglu = bool(getattr(args, "swiglu", False))
-        for key in shapes[0]:
-            pieces = [s.get(key) for s in shapes]
-            if any(p is None for p in pieces):
-                raise ValueError(f"{directory}: {key} is missing on some TP ranks")
-            match = _LAYER.match(key)
-            name = (
-                f"decoder.layers.{int(match.group(1)) + offset}.{match.group(2)}" if match else key
-            )
-            joined = _join(key, pieces, swiglu)
-            read = functools.partial(_read_rank_tensor, paths, key, swiglu)
-            tensors.add(name, joined.shape, joined.dtype, read)
+        stage_layers: set[int] = set()
+        for e in range(ep):
+            paths = [files[(stage, e, t)] for t in range(tp)]
+            shapes = [_meta_shapes(path) for path in paths]  # per TP rank
+            versions = [s.pop("checkpoint_version") for s in shapes]
+            checkpoint_version = versions[0]
+            stage_layers |= {int(m.group(1)) for k in shapes[0] if (m := _LAYER.match(k))}
+            for key in shapes[0]:
+                expert = _LOCAL_EXPERT.match(key) is not None
+                if e > 0 and not expert:
+                    continue  # every EP rank holds the same copy of what is not an expert
+                if _GROUPED_EXPERT.search(key):
+                    raise ValueError(
+                        f"{paths[0]}: {key}: Transformer Engine's grouped experts in the legacy "
+                        "format are not imported; save with --ckpt-format torch_dist"
+                    )
+                pieces = [s.get(key) for s in shapes]
+                if any(p is None for p in pieces):
+                    raise ValueError(f"{directory}: {key} is missing on some TP ranks")
+                name = global_expert_name(key, e, local_experts)
+                match = _LAYER.match(name)
+                if match:
+                    name = f"decoder.layers.{int(match.group(1)) + offset}.{match.group(2)}"
+                joined = _join(key, pieces, swiglu)
+                read = functools.partial(_read_rank_tensor, paths, key, swiglu)
+                tensors.add(name, joined.shape, joined.dtype, read)
         offset += len(stage_layers)
     return MegatronModel(directory, iteration, args, "torch", tensors, checkpoint_version)
+
+
+def _meta_shapes(path: Path) -> dict:
+    """{key: meta tensor} of a legacy file's model, and its checkpoint_version."""
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing")
+    state = safe_load(path, mmap=True)  # nothing is paged in but the pickle
+    if "model" not in state:
+        keys = sorted(k for k in state if re.fullmatch(r"model\d+", str(k)))
+        reason = "virtual pipeline stages (model0, model1, ...)" if keys else "no 'model'"
+        raise ValueError(f"{path}: {reason}: not imported")
+    shapes = {k: torch.empty(v.shape, dtype=v.dtype, device="meta")
+              for k, v in state["model"].items()
+              if isinstance(v, torch.Tensor) and "_extra_state" not in k}  # fmt: skip
+    return shapes | {"checkpoint_version": state.get("checkpoint_version")}
 
 
 def _read_rank_tensor(paths: list[Path], key: str, swiglu: bool) -> torch.Tensor:

@@ -55,6 +55,17 @@ GPT2 = [*COMMON, "--ffn-hidden-size", "128", "--normalization", "LayerNorm",
         "--position-embedding-type", "learned_absolute", "--no-bias-gelu-fusion",
         "--no-bias-dropout-fusion"]  # fmt: skip
 
+# Mixture of experts on the Llama model: 4 experts of width 32, top-2, a gated shared expert
+# of width 64, aux loss, every second layer (layer 0 MoE, layer 1 dense), the all-gather dispatcher
+# (the all-to-all one needs CUDA streams; the checkpoint does not depend on it).
+MOE = [*LLAMA, "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32",
+       "--moe-shared-expert-intermediate-size", "64", "--moe-shared-expert-gate",
+       "--moe-layer-freq", "2", "--moe-token-dispatcher-type", "allgather",
+       "--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", "0.01"]  # fmt: skip
+
+# The legacy MoE case routes with sigmoid scores and a learned-free expert bias.
+MOE_SIGMOID = ("--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+               "--moe-router-bias-update-rate", "0.01")  # fmt: skip
 
 
 class Case(NamedTuple):
@@ -78,6 +89,8 @@ CASES = {
     "llama_torch_tp2": Case(LLAMA, "torch", 2, 1, False),
     "gpt2_torch_dist_tp1": Case(GPT2, "torch_dist", 1, 1, False),
     "llama_torch_pp2": Case(LLAMA, "torch", 1, 2, False),
+    "moe_torch_dist_ep2": Case(MOE, "torch_dist", 1, 1, False, dp=2, ep=2),
+    "moe_torch_ep2": Case(MOE, "torch", 1, 1, False, dp=2, ep=2, extra=MOE_SIGMOID),
 }
 
 
@@ -175,7 +188,10 @@ def build(args, seed):
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_decoder_block_spec,
+        get_gpt_layer_local_spec,
+    )
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.training.argument_utils import core_transformer_config_from_args
     from megatron.training.training import get_optimizer_param_scheduler
@@ -183,9 +199,15 @@ def build(args, seed):
 
     torch.manual_seed(seed)  # use_cpu_initialization draws the full weights from this generator
     config = core_transformer_config_from_args(args)
+    if args.num_experts:  # per-layer specs (MoE or dense), as pretrain_gpt.py builds them
+        spec = get_gpt_decoder_block_spec(
+            config, use_transformer_engine=False, normalization=args.normalization
+        )
+    else:
+        spec = get_gpt_layer_local_spec(normalization=args.normalization)
     module = GPTModel(
         config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(normalization=args.normalization),
+        transformer_layer_spec=spec,
         vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings,
         pre_process=ps.is_pipeline_first_stage(),

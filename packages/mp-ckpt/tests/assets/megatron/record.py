@@ -15,6 +15,12 @@ TRACKED = [
     "decoder.layers.0.mlp.linear_fc1.weight",
     "decoder.layers.1.mlp.linear_fc2.weight",  # under PP2: stage 1's local layer 0
     "output_layer.weight",
+    # MoE layer 0 (expert numbers are global: expert 3 lives on EP rank 1)
+    "decoder.layers.0.mlp.router.weight",
+    "decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight",
+    "decoder.layers.0.mlp.experts.local_experts.3.linear_fc2.weight",
+    "decoder.layers.0.mlp.shared_experts.linear_fc1.weight",
+    "decoder.layers.0.mlp.shared_experts.gate_weight",
 ]
 
 # reference.pt["args"]: the Megatron args an importer needs, as plain values
@@ -59,6 +65,17 @@ ARG_NAMES = [
     "clip_grad",
     "params_dtype",
     "transformer_impl",
+    "num_experts",
+    "moe_router_topk",
+    "moe_ffn_hidden_size",
+    "moe_shared_expert_intermediate_size",
+    "moe_shared_expert_gate",
+    "moe_layer_freq",
+    "moe_router_load_balancing_type",
+    "moe_aux_loss_coeff",
+    "moe_router_pre_softmax",
+    "moe_router_score_function",
+    "expert_model_parallel_size",
 ]
 
 
@@ -82,14 +99,23 @@ def tp_gather(t, param):
 
 
 def global_name(name):
-    """Model-global parameter name: under PP every stage numbers its layers from 0."""
+    """Model-global parameter name: under PP every stage numbers its layers from 0, under
+    EP every rank its experts."""
+    import re
+
     from megatron.core import parallel_state as ps
+    from megatron.training import get_args
 
     prefix = "decoder.layers."
     if not name.startswith(prefix):
         return name
     per_stage = get_args_num_layers() // ps.get_pipeline_model_parallel_world_size()
     i, rest = name[len(prefix) :].split(".", 1)
+    expert = re.match(r"mlp\.experts\.local_experts\.(\d+)\.(.+)$", rest)
+    if expert:
+        local = get_args().num_experts // ps.get_expert_model_parallel_world_size()
+        index = int(expert.group(1)) + ps.get_expert_model_parallel_rank() * local
+        rest = f"mlp.experts.local_experts.{index}.{expert.group(2)}"
     return f"{prefix}{int(i) + ps.get_pipeline_model_parallel_rank() * per_stage}.{rest}"
 
 
@@ -104,8 +130,11 @@ def adam_state(model, optimizer):
     from megatron.core import parallel_state as ps
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-    assert ps.get_data_parallel_world_size() == 1, "state gathering assumes DP=1"
     inner = getattr(optimizer, "chained_optimizers", [optimizer])
+    # without the distributed optimizer every DP rank holds the whole state
+    assert ps.get_data_parallel_world_size() == 1 or not any(
+        isinstance(o, DistributedOptimizer) for o in inner
+    ), "state gathering of the distributed optimizer assumes DP=1"
     named = {global_name(n): p for n, p in model.module.named_parameters()}
     out = {}
     for name in TRACKED:
