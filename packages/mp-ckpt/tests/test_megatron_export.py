@@ -120,15 +120,42 @@ def test_cli_writes(tmp_path, capsys):
     assert (tmp_path / "meg" / "iter_0000000" / "mp_rank_01" / "model_optim_rng.pt").exists()
 
 
-def test_moe_models_are_refused():
+def test_what_export_refuses():
     from mp_ckpt.megatron_write import _check
 
     settings = {"num_attention_heads": 4, "num_query_groups": 2, "num_layers": 2,
                 "vocab_size": 128, "ffn_hidden_size": 64}  # fmt: skip
-    with pytest.raises(ValueError, match="MoE models are not exported"):
-        _check(settings, {"decoder.layers.0.mlp.experts.0.linear_fc1.weight": None}, 1, 1,
+    with pytest.raises(ValueError, match="no num_moe_experts"):
+        _check(settings, {"decoder.layers.0.mlp.experts.linear_fc2.weight": None}, 1, 1,
                "torch_dist")  # fmt: skip
-    with pytest.raises(ValueError, match="MoE models are not exported"):
-        _check(settings | {"num_moe_experts": 8}, {}, 1, 1, "torch")
+    with pytest.raises(ValueError, match="does not divide num_moe_experts 6"):
+        _check(settings | {"num_moe_experts": 6}, {}, 1, 1, "torch", ep=4)
+    with pytest.raises(ValueError, match="does not divide moe_ffn_hidden_size 6"):
+        _check(settings | {"num_moe_experts": 4, "moe_ffn_hidden_size": 6}, {}, 4, 1, "torch")
+    with pytest.raises(ValueError, match="the model has no experts"):
+        _check(settings, {}, 1, 1, "torch", ep=2)
     with pytest.raises(ValueError, match="does not divide num_query_groups 2"):
         _check(settings | {"num_attention_heads": 8}, {}, 4, 1, "torch")
+
+
+MOE_LAYOUTS = [(1, 1, 1), (1, 1, 2), (2, 1, 2), (1, 2, 4)]
+
+
+@pytest.mark.parametrize("case", ["moe_torch_dist_ep2", "moe_torch_ep2"])
+@pytest.mark.parametrize("fmt", ["torch_dist", "torch"])
+@pytest.mark.parametrize("tp,pp,ep", MOE_LAYOUTS)
+def test_moe_round_trip_is_tensor_exact(case, fmt, tp, pp, ep, tmp_path):
+    src = _mp(case, tmp_path)
+    export_megatron(
+        src, tmp_path / "meg", ckpt_format=fmt, tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
+    )  # fmt: skip
+    import_megatron(tmp_path / "meg", tmp_path / "back")
+    before, after = _tensors(src), _tensors(tmp_path / "back")
+    assert before.keys() == after.keys()
+    for key, tensor in before.items():
+        assert after[key].dtype == tensor.dtype and torch.equal(after[key], tensor), key
+    assert _settings(src) == _settings(tmp_path / "back")
+    model = read_megatron(tmp_path / "meg")
+    assert model.args.expert_model_parallel_size == ep
+    assert model.args.moe_layer_freq == [1, 0]  # layer 0 MoE, layer 1 dense

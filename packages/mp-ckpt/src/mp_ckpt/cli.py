@@ -6,9 +6,10 @@
                       [--dtype bf16]
     mp-ckpt import-hf HF_DIR OUT          (the architecture is config.json's model_type)
     mp-ckpt import-megatron SRC OUT [--iteration N]   (a Megatron-LM training checkpoint:
-                                          torch_dist or legacy torch, any TP x PP; model only)
+                                          torch_dist or legacy torch, any TP x PP x EP)
     mp-ckpt export-megatron DIR OUT [--ckpt-format torch_dist|torch]
                       [--tensor-model-parallel-size T] [--pipeline-model-parallel-size P]
+                      [--expert-model-parallel-size E]
                                           (a Megatron-LM training checkpoint; model only)
 
 DIR is a checkpoint root (with latest_checkpointed_iteration.txt) or one
@@ -101,6 +102,7 @@ def _parser() -> argparse.ArgumentParser:
     to_megatron.add_argument("--ckpt-format", choices=("torch_dist", "torch"), default="torch_dist")
     to_megatron.add_argument("--tensor-model-parallel-size", type=int, default=1)
     to_megatron.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    to_megatron.add_argument("--expert-model-parallel-size", type=int, default=1)
     to_megatron.set_defaults(run=_export_megatron)
     return parser
 
@@ -186,6 +188,7 @@ def _export_megatron(args) -> int:
         args.dir, args.out, ckpt_format=args.ckpt_format,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        expert_model_parallel_size=args.expert_model_parallel_size,
     )  # fmt: skip
     print(f"wrote {out} (model weights only: Megatron loads it with --no-load-optim --no-load-rng)")
     return 0

@@ -1,7 +1,8 @@
 """An mp checkpoint's model -> a Megatron-LM training checkpoint (`--load` reads it).
 
     export_megatron(src, dst, ckpt_format="torch_dist"|"torch",
-                    tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+                    tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+                    expert_model_parallel_size=1)
 
 The inverse of megatron.logical_from_megatron: mp's logical tensors are fused
 back into Megatron's layouts (QKV interleaved by query group, a SwiGLU fc1 as
@@ -13,8 +14,15 @@ back into Megatron's layouts (QKV interleaved by query group, a SwiGLU fc1 as
   `linear_fc1.layer_norm_weight`), a None `_extra_state` byte item per linear
   layer, the `common_state` byte item (args, iteration, checkpoint_version) and
   metadata.json. The tensors are global: any TP x PP loads them.
-- torch (legacy): iter_XXXXXXX/mp_rank_TT[_PPP]/model_optim_rng.pt per TP and
-  PP rank, each with the rank's TP slices under per-stage layer numbers.
+- torch (legacy): iter_XXXXXXX/mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt per TP,
+  PP and EP rank, each with the rank's TP slices under per-stage layer numbers
+  and its experts as mlp.experts.local_experts.<local number>.
+
+A mixture-of-experts model is written as Megatron's MoE layers save themselves:
+the experts' weights under mlp.experts.experts.* ([E, ...], global numbers) in
+torch_dist, the router (and its expert bias) and the shared expert under their
+names. When only some layers are MoE, Megatron saves torch_dist layer by layer
+(no stacking) and moe_layer_freq is recorded as a 0/1 list; when all are, as 1.
 
 Only the model is written: no optimizer state, no RNG state, no scheduler.
 Megatron loads it with --no-load-optim --no-load-rng (or --finetune). The
@@ -40,9 +48,19 @@ __all__ = ["export_megatron", "megatron_args", "megatron_from_logical"]
 CHECKPOINT_VERSION = 3.0
 # mp's norm names -> the Transformer Engine names Megatron's sharded state dict uses.
 _TE_NAMES = {mp: te for te, mp in TE_NORM_NAMES.items()}
-_LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1",
-            "mlp.linear_fc2")  # fmt: skip
 _FORMATS = ("torch_dist", "torch")
+# mp's unfused pieces: q/k/v of the attention, gate/up of a SwiGLU fc1 (dense, shared
+# expert, experts)
+_FUSED = re.compile(
+    r"^(self_attention\.linear_qkv|mlp\.linear_fc1|mlp\.shared_experts\.linear_fc1"
+    r"|mlp\.experts\.linear_fc1)\.(q|k|v|gate|up)\.(\w+)$"
+)
+_EXPERTS_FC1 = "mlp.experts.experts.linear_fc1"
+_LINEAR_WEIGHT = re.compile(
+    r"^(decoder\.layers\..*\.(?:linear_qkv|linear_proj|linear_fc[12]))\.weight$"
+)
+# The experts' stacked tensors (torch_dist names): [E, ...]
+_STACKED_EXPERTS = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts\.)experts\.(.+)$")
 
 
 def megatron_from_logical(logical: dict[str, torch.Tensor],
@@ -53,12 +71,14 @@ def megatron_from_logical(logical: dict[str, torch.Tensor],
     for key, tensor in logical.items():
         match = _LAYER.match(key)
         rest = match.group(2) if match else ""
-        head = re.match(r"^(self_attention\.linear_qkv|mlp\.linear_fc1)\.(q|k|v|gate|up)\.(\w+)$",
-                        rest)  # fmt: skip
+        head = _FUSED.match(rest)
         if head:
             module, part, kind = head.groups()
-            name = f"decoder.layers.{match.group(1)}.{module}.{kind}"
+            fused_name = _EXPERTS_FC1 if module == "mlp.experts.linear_fc1" else module
+            name = f"decoder.layers.{match.group(1)}.{fused_name}.{kind}"
             fused.setdefault((name, module), {})[part] = tensor
+        elif rest.startswith("mlp.experts.linear_fc2."):
+            out[key.replace(".mlp.experts.", ".mlp.experts.experts.")] = tensor
         else:
             out[key] = tensor
     for (name, module), parts in fused.items():
@@ -66,8 +86,9 @@ def megatron_from_logical(logical: dict[str, torch.Tensor],
             q, k, v = parts["q"], parts["k"], parts["v"]
             whole = torch.cat([q, k.unsqueeze(1), v.unsqueeze(1)], dim=1)
             out[name] = whole.reshape(-1, *q.shape[3:]).contiguous()
-        else:
-            out[name] = torch.cat([parts["gate"], parts["up"]], dim=0).contiguous()
+        else:  # [gate; up], per expert for the experts' [E, F, h]
+            dim = 1 if module == "mlp.experts.linear_fc1" else 0
+            out[name] = torch.cat([parts["gate"], parts["up"]], dim=dim).contiguous()
     if not settings.get("untie_embeddings_and_output_weights"):
         out.pop("output_layer.weight", None)
     return out
@@ -80,7 +101,7 @@ def _divisible_by(vocab: int, tp: int) -> int:
 
 
 def megatron_args(settings: dict, *, ckpt_format: str, tp: int, pp: int, iteration: int,
-                  data: dict | None = None) -> argparse.Namespace:  # fmt: skip
+                  data: dict | None = None, ep: int = 1) -> argparse.Namespace:  # fmt: skip
     """Megatron's argument names for the model's settings (those Megatron's load checks
     and the ones a run needs to rebuild the same GPTModel); `data` is the training run's
     data settings (tokenizer_type and its files), when the mp checkpoint recorded them."""
@@ -120,27 +141,62 @@ def megatron_args(settings: dict, *, ckpt_format: str, tp: int, pp: int, iterati
         "max_position_embeddings": settings["max_position_embeddings"], "seq_length": seq,
         "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
         "ckpt_format": ckpt_format, "iteration": iteration,
-        "num_experts": None, "apply_layernorm_1p": False, "rotary_interleaved": False,
+        "num_experts": None, "expert_model_parallel_size": 1,
+        "apply_layernorm_1p": False, "rotary_interleaved": False,
         "apply_residual_connection_post_layernorm": False, "multi_latent_attention": False,
         "consumed_train_samples": 0, "skipped_train_samples": 0, "consumed_valid_samples": 0,
         "data_parallel_random_init": False,
     }  # fmt: skip
     for name in ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model"):
         values[name] = (data or {}).get(name)
+    if settings.get("num_moe_experts"):
+        values |= _moe_args(settings, tp, ep)
     return argparse.Namespace(**values)
 
 
-def _check(settings: dict, logical: dict, tp: int, pp: int, fmt: str) -> None:
+def _moe_layer_freq(settings: dict) -> int | list[int]:
+    """Megatron's moe_layer_freq: 1 when every layer is MoE (Megatron then stacks the layers
+    in torch_dist, as for a dense model), else one 0/1 per layer (saved layer by layer)."""
+    from mp_ckpt.hf_moe import is_moe_layer
+
+    pattern = [int(is_moe_layer(settings, i)) for i in range(settings["num_layers"])]
+    return 1 if all(pattern) else pattern
+
+
+def _moe_args(settings: dict, tp: int, ep: int) -> dict:
+    from mp_ckpt.megatron import _MOE_COPIED
+
+    values = {name: settings.get(name, default) for name, default in _MOE_COPIED.items()}
+    return values | {
+        "num_experts": settings["num_moe_experts"],
+        "moe_ffn_hidden_size": settings.get("moe_ffn_hidden_size") or settings["ffn_hidden_size"],
+        "moe_router_load_balancing_type": settings.get("moe_router_load_balancing_type",
+                                                       "aux_loss"),
+        "moe_aux_loss_coeff": settings.get("moe_aux_loss_coeff", 0.0),
+        "moe_token_dispatcher_type": settings.get("moe_token_dispatcher_type", "allgather"),
+        "moe_layer_freq": _moe_layer_freq(settings),
+        "expert_model_parallel_size": ep, "expert_tensor_parallel_size": tp,
+    }  # fmt: skip
+
+
+def _check(settings: dict, logical: dict, tp: int, pp: int, fmt: str, ep: int = 1) -> None:
     if fmt not in _FORMATS:
         raise ValueError(f"--ckpt-format {fmt!r}: expected torch_dist or torch")
-    if (
-        settings.get("num_moe_experts")
-        or settings.get("num_experts")
-        or any(".mlp.experts." in k or ".mlp.router." in k for k in logical)
-    ):
-        raise ValueError("MoE models are not exported to Megatron-LM (dense GPT only)")
-    if tp < 1 or pp < 1:
-        raise ValueError(f"TP={tp}, PP={pp}: both must be >= 1")
+    if tp < 1 or pp < 1 or ep < 1:
+        raise ValueError(f"TP={tp}, PP={pp}, EP={ep}: each must be >= 1")
+    experts = settings.get("num_moe_experts")
+    if not experts and any(".mlp.experts." in k or ".mlp.router." in k for k in logical):
+        raise ValueError("the checkpoint holds experts but its model_config no num_moe_experts")
+    if experts:
+        if experts % ep:
+            raise ValueError(f"--expert-model-parallel-size {ep} does not divide "
+                             f"num_moe_experts {experts}")  # fmt: skip
+        for name in ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size"):
+            if settings.get(name) and settings[name] % tp:
+                raise ValueError(f"--tensor-model-parallel-size {tp} does not divide {name} "
+                                 f"{settings[name]}")  # fmt: skip
+    elif ep != 1:
+        raise ValueError(f"--expert-model-parallel-size {ep}: the model has no experts")
     heads, groups = settings["num_attention_heads"], settings["num_query_groups"]
     layers, vocab = settings["num_layers"], settings["vocab_size"]
     for what, n in (("num_attention_heads", heads), ("num_query_groups", groups),
@@ -178,15 +234,17 @@ def _read_mp(src: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict, int
 
 def export_megatron(src: str | os.PathLike, dst: str | os.PathLike, *,
                     ckpt_format: str = "torch_dist", tensor_model_parallel_size: int = 1,
-                    pipeline_model_parallel_size: int = 1) -> Path:  # fmt: skip
+                    pipeline_model_parallel_size: int = 1,
+                    expert_model_parallel_size: int = 1) -> Path:  # fmt: skip
     """Writes dst/latest_checkpointed_iteration.txt and dst/iter_XXXXXXX (the mp
     checkpoint's iteration) with the model's weights; returns the iteration folder."""
     tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
+    ep = expert_model_parallel_size
     logical, settings, iteration, data = _read_mp(src)
-    _check(settings, logical, tp, pp, ckpt_format)
+    _check(settings, logical, tp, pp, ckpt_format, ep)
     tensors = megatron_from_logical(logical, settings)
     args = megatron_args(settings, ckpt_format=ckpt_format, tp=tp, pp=pp, iteration=iteration,
-                         data=data)  # fmt: skip
+                         data=data, ep=ep)  # fmt: skip
     dst = Path(dst)
     dst.mkdir(parents=True, exist_ok=True)
     final = dst / f"iter_{iteration:07d}"
@@ -196,7 +254,7 @@ def export_megatron(src: str | os.PathLike, dst: str | os.PathLike, *,
     if ckpt_format == "torch_dist":
         _write_torch_dist(work, tensors, args, iteration)
     else:
-        _write_torch(work, tensors, args, iteration, settings, tp, pp)
+        _write_torch(work, tensors, args, iteration, tp, pp, ep)
     if final.exists():
         shutil.rmtree(final)
     os.replace(work, final)
@@ -237,6 +295,8 @@ def _write_torch_dist(work: Path, tensors: dict[str, torch.Tensor], args,
 
     _Writer = _writer_class()
     layers = args.num_layers
+    # Megatron stacks the layers on a leading axis unless they differ (some MoE, some dense)
+    stack = not isinstance(getattr(args, "moe_layer_freq", 1), list)
     stacked: dict[str, list] = {}
     state: dict[str, object] = {}
     for key, tensor in tensors.items():
@@ -245,14 +305,29 @@ def _write_torch_dist(work: Path, tensors: dict[str, torch.Tensor], args,
             state[key] = tensor.contiguous()
             continue
         rest = _TE_NAMES.get(match.group(2), match.group(2))
+        if not stack:
+            state[f"decoder.layers.{match.group(1)}.{rest}"] = tensor.contiguous()
+            continue
         stacked.setdefault(rest, [None] * layers)[int(match.group(1))] = tensor
     for rest, per_layer in stacked.items():
         if any(t is None for t in per_layer):
             raise ValueError(f"decoder.layers.*.{rest}: missing in some layers")
         state[f"decoder.layers.{rest}"] = torch.stack(per_layer).contiguous()
-    for linear in _LINEARS:
-        for i in range(layers):
-            state[f"decoder.layers.{linear}._extra_state/shard_{i}_{layers}"] = [None]
+    experts = getattr(args, "num_experts", None) or 0
+    for module in _linear_modules(tensors):
+        # a None byte item per linear layer, named by its place in the [layers] (and, for
+        # the experts, [experts]) grid Megatron shards it over
+        match = _LAYER.match(module)
+        layer, rest = int(match.group(1)), match.group(2)
+        per_expert = ".experts.experts." in module
+        for e in range(experts) if per_expert else [None]:
+            offsets = ([layer] if stack else []) + ([e] if per_expert else [])
+            shape = ([layers] if stack else []) + ([experts] if per_expert else [])
+            offsets, shape = offsets or [0], shape or [1]
+            prefix = f"decoder.layers.{rest}" if stack else module
+            name = (f"{prefix}._extra_state/shard_{'.'.join(map(str, offsets))}_"
+                    f"{'.'.join(map(str, shape))}")  # fmt: skip
+            state[name] = [None]
     content = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
     common = _common(args, iteration) | {"content_metadata": content}
     state["common_state/shard_0_1"] = [common]
@@ -280,8 +355,34 @@ def _slice(key: str, tensor: torch.Tensor, rank: int, tp: int, swiglu: bool) -> 
     return tensor
 
 
+def _linear_modules(keys) -> list[str]:
+    """The linear layers among the keys' modules (each has an _extra_state entry)."""
+    found = []
+    for key in keys:
+        match = _LINEAR_WEIGHT.match(key)
+        if match:
+            found.append(match.group(1))
+    return found
+
+
+def _expert_pieces(model: dict, ep_rank: int, ep: int) -> dict:
+    """A rank's model: the experts' [E, ...] tensors cut into its local experts, numbered
+    from 0 (mlp.experts.local_experts.<l>.*), everything else as it is."""
+    out = {}
+    for key, tensor in model.items():
+        match = _STACKED_EXPERTS.match(key)
+        if match is None:
+            out[key] = tensor
+            continue
+        local = tensor.shape[0] // ep
+        for index in range(local):
+            name = f"{match.group(1)}local_experts.{index}.{match.group(2)}"
+            out[name] = tensor[ep_rank * local + index]
+    return out
+
+
 def _write_torch(work: Path, tensors: dict[str, torch.Tensor], args, iteration: int,
-                 settings: dict, tp: int, pp: int) -> None:  # fmt: skip
+                 tp: int, pp: int, ep: int) -> None:  # fmt: skip
     per_stage = args.num_layers // pp
     swiglu = bool(args.swiglu)
     tied = not args.untie_embeddings_and_output_weights
@@ -302,17 +403,19 @@ def _write_torch(work: Path, tensors: dict[str, torch.Tensor], args, iteration: 
                 model[key] = tensor
         if last and tied and pp > 1:  # the last stage's copy of the shared embedding
             model["output_layer.weight"] = tensors["embedding.word_embeddings.weight"]
-        for i in range(per_stage):
-            for linear in _LINEARS:
-                model[f"decoder.layers.{i}.{linear}._extra_state"] = None
-        if last:
-            model["output_layer._extra_state"] = None
-        for rank in range(tp):
-            local = {
-                k: v if v is None else _slice(k, v, rank, tp, swiglu).clone().contiguous()
-                for k, v in model.items()
-            }
-            name = f"mp_rank_{rank:02d}" + (f"_{stage:03d}" if pp > 1 else "")
-            (work / name).mkdir()
-            torch.save(_common(args, iteration) | {"model": local},
-                       work / name / "model_optim_rng.pt")  # fmt: skip
+        for e in range(ep):
+            local_model = _expert_pieces(model, e, ep)
+            for module in _linear_modules(list(local_model)):
+                local_model[f"{module}._extra_state"] = None
+            if last:
+                local_model["output_layer._extra_state"] = None
+            for rank in range(tp):
+                local = {
+                    k: v if v is None else _slice(k, v, rank, tp, swiglu).clone().contiguous()
+                    for k, v in local_model.items()
+                }
+                name = (f"mp_rank_{rank:02d}" + (f"_{stage:03d}" if pp > 1 else "")
+                        + (f"_{e:03d}" if ep > 1 else ""))  # fmt: skip
+                (work / name).mkdir()
+                torch.save(_common(args, iteration) | {"model": local},
+                           work / name / "model_optim_rng.pt")  # fmt: skip

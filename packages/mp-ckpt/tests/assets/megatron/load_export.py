@@ -3,7 +3,9 @@ a GPTModel of the fixture's shape (fresh init, another seed), computes the logit
 fixture's reference tokens and compares them with the fixture's reference logits.
 
     /tmp/mcore-data-venv/bin/python packages/mp-ckpt/tests/assets/megatron/load_export.py \
-        FIXTURE_CASE EXPORTED_DIR FORMAT TP PP
+        FIXTURE_CASE EXPORTED_DIR FORMAT TP PP [EP]
+
+(EP > 1: the run has EP data-parallel ranks per TP x PP, EP x TP x PP in all.)
 
 Needs megatron-core 0.19.2 (as generate.py); the tests never run it.
 """
@@ -18,7 +20,7 @@ import generate as g
 FIXTURES = g.HERE
 
 
-def worker(rank, world, port, case, exported, fmt, tp, pp):
+def worker(rank, world, port, case, exported, fmt, tp, pp, ep):
     import logging
 
     import torch
@@ -34,13 +36,17 @@ def worker(rank, world, port, case, exported, fmt, tp, pp):
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
-    model_argv = g.CASES[case][0]
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    layout = g.CASES[case]._replace(fmt=fmt, tp=tp, pp=pp, dist_opt=False, dp=ep, ep=ep)
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep,
+    )
     patches.patch_cuda_calls()
     patches.patch_megatron_rng_tracker()
     patches.patch_psutil()
     tensor_parallel.model_parallel_cuda_manual_seed(g.SEED)
-    args = g.megatron_args(exported, model_argv, fmt, tp, pp, False, world)
+    args = g.megatron_args(exported, layout)
     args.load = exported
     args.no_load_optim = True
     args.no_load_rng = True
@@ -59,12 +65,12 @@ def worker(rank, world, port, case, exported, fmt, tp, pp):
         d = (logits - ref["logits"]).abs().max().item()
         d0 = (before - ref["logits"]).abs().max().item()
         print(
-            f"[{case} -> {fmt} TP{tp} PP{pp}] load_checkpoint iteration {iteration}: "
+            f"[{case} -> {fmt} TP{tp} PP{pp} EP{ep}] load_checkpoint iteration {iteration}: "
             f"max|logits - reference| = {d} (before loading: {d0:.3f})",
             flush=True,
         )
         # bit-exact where the layout is the fixture's own; another TP sums in another order
-        same = g.CASES[case][2:4] == (tp, pp)
+        same = (g.CASES[case].tp, g.CASES[case].pp) == (tp, pp)
         assert d == 0.0 if same else d < 1e-6, d
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
@@ -73,12 +79,9 @@ def worker(rank, world, port, case, exported, fmt, tp, pp):
 if __name__ == "__main__":
     import torch.multiprocessing as mp
 
-    case, exported, fmt, tp, pp = (
-        sys.argv[1],
-        os.path.abspath(sys.argv[2]),
-        sys.argv[3],
-        int(sys.argv[4]),
-        int(sys.argv[5]),
-    )
-
-    mp.spawn(worker, args=(tp * pp, g.free_port(), case, exported, fmt, tp, pp), nprocs=tp * pp)
+    case, exported, fmt = sys.argv[1], os.path.abspath(sys.argv[2]), sys.argv[3]
+    tp, pp = int(sys.argv[4]), int(sys.argv[5])
+    ep = int(sys.argv[6]) if len(sys.argv) > 6 else 1
+    world = tp * pp * ep
+    os.environ["WORLD_SIZE"] = str(world)
+    mp.spawn(worker, args=(world, g.free_port(), case, exported, fmt, tp, pp, ep), nprocs=world)
