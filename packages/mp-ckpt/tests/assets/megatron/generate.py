@@ -55,6 +55,9 @@ GPT2 = [*COMMON, "--ffn-hidden-size", "128", "--normalization", "LayerNorm",
         "--position-embedding-type", "learned_absolute", "--no-bias-gelu-fusion",
         "--no-bias-dropout-fusion"]  # fmt: skip
 
+# Several distributed-optimizer buckets per grad buffer: Megatron-LM's training loop keeps
+# --ddp-bucket-size only with --overlap-grad-reduce (otherwise one bucket per buffer).
+BUCKETS = ("--overlap-grad-reduce", "--ddp-bucket-size", "2000")
 
 
 class Case(NamedTuple):
@@ -78,6 +81,10 @@ CASES = {
     "llama_torch_tp2": Case(LLAMA, "torch", 2, 1, False),
     "gpt2_torch_dist_tp1": Case(GPT2, "torch_dist", 1, 1, False),
     "llama_torch_pp2": Case(LLAMA, "torch", 1, 2, False),
+    # 4 ranks; buckets of ~2000 elements (Megatron buckets only with --overlap-grad-reduce)
+    "llama_torch_dist_pp2_dp2_distopt": Case(LLAMA, "torch_dist", 1, 2, True, dp=2, extra=BUCKETS),
+    "llama_torch_pp2_dp2_distopt": Case(LLAMA, "torch", 1, 2, True, dp=2, extra=BUCKETS),
+    "llama_torch_dist_tp2_dp2_distopt": Case(LLAMA, "torch_dist", 2, 1, True, dp=2, extra=BUCKETS),
 }
 
 
@@ -178,7 +185,11 @@ def build(args, seed):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.training.argument_utils import core_transformer_config_from_args
-    from megatron.training.training import get_optimizer_param_scheduler
+    from megatron.training.training import (
+        get_optimizer_param_scheduler,
+        resolve_ddp_bucket_size,
+        wrap_model_chunks_with_ddp,
+    )
     from patches import cuda_as_cpu
 
     torch.manual_seed(seed)  # use_cpu_initialization draws the full weights from this generator
@@ -198,13 +209,26 @@ def build(args, seed):
     )
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=False,
-        overlap_grad_reduce=False,
+        overlap_grad_reduce=args.overlap_grad_reduce,
         use_distributed_optimizer=args.use_distributed_optimizer,
+        bucket_size=args.ddp_bucket_size,
     )
+    # as Megatron-LM's get_model: the bucket size resolved (None without overlapped grad
+    # reduction), no bucketing on pipeline stages after the first, and the distributed
+    # optimizer's parameter layout computed before the DDP wrap
+    ddp_config.bucket_size = resolve_ddp_bucket_size(
+        ddp_config,
+        ps.get_data_parallel_group(with_context_parallel=True),
+        ddp_config.overlap_grad_reduce,
+        sum(p.numel() for p in module.parameters()),
+    )
+    bucket_size = None if ps.get_pipeline_model_parallel_rank() > 0 else ddp_config.bucket_size
     opt_fields = {f.name for f in dataclasses.fields(OptimizerConfig)}
     opt_config = OptimizerConfig(**{k: v for k, v in vars(args).items() if k in opt_fields})
     with cuda_as_cpu():
-        model = DistributedDataParallel(config, ddp_config, module)
+        (model,) = wrap_model_chunks_with_ddp(
+            [module], config, ddp_config, DP=DistributedDataParallel, bucket_sizes=[bucket_size]
+        )
         optimizer = get_megatron_optimizer(opt_config, [model])
     scheduler = get_optimizer_param_scheduler(optimizer)
     return model, optimizer, scheduler
