@@ -14,8 +14,7 @@ forward-backward schedule (1F1B over gloo for the PP case), calls Megatron-LM's 
     <case>/latest_checkpointed_iteration.txt      ("2")
     <case>/iter_0000002/...                        (the checkpoint as Megatron-LM writes it)
 
-for the cases llama_torch_dist_tp1, llama_torch_dist_tp2_distopt, llama_torch_tp2,
-gpt2_torch_dist_tp1 and llama_torch_pp2 (see CASES and README.md)
+for each case of CASES (see README.md)
     <case>/reference.pt                            (tokens, logits, losses, args, Adam state)
 
 then reloads the checkpoint with ``load_checkpoint`` into a freshly initialised model and
