@@ -57,6 +57,10 @@ GPT2 = [*COMMON, "--ffn-hidden-size", "128", "--normalization", "LayerNorm",
 # Several distributed-optimizer buckets per grad buffer: Megatron-LM's training loop keeps
 # --ddp-bucket-size only with --overlap-grad-reduce (otherwise one bucket per buffer).
 BUCKETS = ("--overlap-grad-reduce", "--ddp-bucket-size", "2000")
+# Cases whose reference.pt also records one more training step on NEXT_BATCH_SEED's batch,
+# taken after the save and after everything else is recorded (the rest stays the same).
+NEXT_STEP = {"llama_torch_dist_tp2_distopt"}
+NEXT_BATCH_SEED = 11
 
 
 class Case(NamedTuple):
@@ -376,6 +380,8 @@ def worker(rank, world, port, name):
         for i in range(ITERATIONS)
     ]
 
+    next_step = one_more_step(args, model, optimizer, scheduler) if name in NEXT_STEP else None
+
     if rank == 0:
         tokens, position_ids, _, labels = ref_data
         ref = dict(
@@ -401,6 +407,8 @@ def worker(rank, world, port, name):
                 lr_next_after_load=lr2,
             ),
         )
+        if next_step is not None:
+            ref["next_step"] = next_step
         torch.save(ref, os.path.join(name, "reference.pt"))
         print(
             f"[{name}] OK: losses {[round(x, 4) for x, _ in losses]}, lr_next {lr_next:.3e}, "
@@ -409,6 +417,30 @@ def worker(rank, world, port, name):
         )
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
+
+
+def one_more_step(args, model, optimizer, scheduler):
+    """Iteration 3 from the saved state on a known batch: {tokens, position_ids, labels,
+    lr, loss, grad_norm, adam (the TRACKED params' state after it, as in reference.pt)}."""
+    import torch
+
+    data = batch(args, seed=NEXT_BATCH_SEED)
+    lr = optimizer.param_groups[0]["lr"]
+    loss, grad_norm = train_step(args, model, optimizer, scheduler, data)
+    state = adam_state(model, optimizer)
+    everything = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(everything, dict(loss=loss, adam=state))
+    merged = {n: v for e in everything for n, v in e["adam"].items()}
+    tokens, position_ids, _, labels = data
+    return dict(
+        tokens=tokens,
+        position_ids=position_ids,
+        labels=labels,
+        lr=lr,
+        loss=next(e["loss"] for e in everything if e["loss"] is not None),
+        grad_norm=grad_norm,
+        adam={n: merged[n] for n in TRACKED if n in merged},
+    )
 
 
 def free_port():
