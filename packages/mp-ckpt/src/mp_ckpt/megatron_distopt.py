@@ -41,6 +41,7 @@ from pathlib import Path
 
 import torch
 
+from mp_ckpt.megatron_order import megatron_param_order
 from mp_ckpt.megatron_pickle import safe_load
 from mp_ckpt.megatron_read import _COLUMN, _LAYER, _ROW, MegatronModel, _join
 
@@ -92,8 +93,6 @@ def _sizes(args) -> tuple[int, int, int]:
 def buffer_params(model: MegatronModel, stage: int, rank: int, where: str):
     """[(model.tensors name, TP-local shape)] of one pipeline stage and TP rank, in the
     order Megatron packs its grad buffer (reverse module order)."""
-    from mp_ckpt.megatron_optimizer import megatron_param_order
-
     args = model.args
     tp, pp, layers = _sizes(args)
     if layers % pp or any(getattr(args, a, None) for a in _UNEVEN):
@@ -196,6 +195,11 @@ def read_distributed_buckets(model: MegatronModel, tensors: dict, raw: dict) -> 
                              "stages or mixed dtypes) are not imported")  # fmt: skip
         group, bucket = int(match.group(1)), int(match.group(4))
         flat.setdefault(group, {}).setdefault(bucket, {})[match.group(5)] = value
+    if not flat:
+        found = next((k for k in tensors if k.startswith("optimizer.distributed.")), None)
+        raise ValueError(f"{directory}: no optimizer.distributed.dp_group_idx_*.gbuf_idx_*."
+                         "bucket_idx_* tensors: only the dp_reshardable sharding is imported"
+                         + (f" (found {found})" if found else ""))  # fmt: skip
     if sorted(flat) != list(range(tp * pp)):
         raise ValueError(f"{directory}: optimizer.distributed.dp_group_idx_*: groups "
                          f"{sorted(flat)} for TP {tp} x PP {pp} (expected one per "

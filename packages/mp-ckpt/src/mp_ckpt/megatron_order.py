@@ -1,0 +1,43 @@
+"""Megatron's parameter order: the order of a GPT model's `named_parameters()` (module
+registration order), which fixes both the legacy optimizer's state indices and the
+distributed optimizer's flat-buffer layout (there reversed).
+
+    megatron_param_order(names) -> names sorted as Megatron's modules register them
+"""
+
+from __future__ import annotations
+
+from mp_ckpt.megatron_read import _LAYER
+
+__all__ = ["megatron_param_order"]
+
+# Order of a layer's parameters in Megatron's modules (registration order).
+_LAYER_ORDER = (
+    "input_layernorm.", "self_attention.linear_proj.", "self_attention.linear_qkv.",
+    "self_attention.q_layernorm.", "self_attention.k_layernorm.", "pre_mlp_layernorm.",
+    "mlp.linear_fc1.", "mlp.linear_fc2.",
+)  # fmt: skip
+_SUFFIX_ORDER = ("layer_norm_weight", "layer_norm_bias", "weight", "bias")
+_GLOBAL_ORDER = {
+    "embedding.word_embeddings.weight": 0, "embedding.position_embeddings.weight": 1,
+    "decoder.final_layernorm.weight": 3, "decoder.final_layernorm.bias": 4,
+    "output_layer.weight": 5,
+}  # fmt: skip
+
+
+def _sort_key(name: str, where: str) -> tuple:
+    match = _LAYER.match(name)
+    if match is None:
+        if name not in _GLOBAL_ORDER:
+            raise ValueError(f"{where}: {name}: unknown place in Megatron's parameter order")
+        return (_GLOBAL_ORDER[name] if _GLOBAL_ORDER[name] < 2 else _GLOBAL_ORDER[name] + 1000,)
+    rest = match.group(2)
+    for i, prefix in enumerate(_LAYER_ORDER):
+        if rest.startswith(prefix) and rest[len(prefix) :] in _SUFFIX_ORDER:
+            return (2, int(match.group(1)), i, _SUFFIX_ORDER.index(rest[len(prefix) :]))
+    raise ValueError(f"{where}: {name}: unknown place in Megatron's parameter order")
+
+
+def megatron_param_order(names, where: str = "checkpoint") -> list[str]:
+    """The names in Megatron's module (named_parameters) order."""
+    return sorted(names, key=lambda n: _sort_key(n, where))
