@@ -15,6 +15,23 @@ from mp_state.testing import run_on_ranks
 ASSETS = Path(__file__).resolve().parents[1] / "packages/mp-ckpt/tests/assets/megatron"
 
 
+def _argv(load: Path) -> list[str]:
+    """A run that loads `load` and takes no step (it is at iteration 2 of 2), with the
+    fixtures' optimizer settings. The fixture's vocabulary: 100 ids (+ NullTokenizer's eod)
+    padded to 128."""
+    return [
+        "--config", str(TINY_CONFIG), "--mock-data", "--tokenizer-type", "NullTokenizer",
+        "--vocab-size", "100", "--make-vocab-size-divisible-by", "64",
+        "--load", str(load), "--use-checkpoint-args", "--use-checkpoint-opt-param-scheduler",
+        "--micro-batch-size", "2", "--global-batch-size", "2", "--train-iters", "2",
+        "--lr", "1e-3", "--min-lr", "1e-4", "--lr-warmup-iters", "0", "--weight-decay", "0.01",
+        "--clip-grad", "1.0", "--adam-beta1", "0.9", "--adam-beta2", "0.95",
+        "--adam-eps", "1e-8",
+        "--save", "none", "--tensorboard-dir", "none", "--num-workers", "0",
+        "--eval-interval", "none", "--log-interval", "100",
+    ]  # fmt: skip
+
+
 def body(argv, load):
     """The run loaded from `load`, at the imported iteration (no step taken): its
     optimizer state per key, and its counters."""
@@ -41,17 +58,7 @@ def test_a_run_resumes_with_megatrons_adam_state(case, tmp_path):
     reference = safe_load(ASSETS / case / "reference.pt")
     load = tmp_path / "mp"
     import_megatron(ASSETS / case, load, with_optimizer=True)
-    # The fixture's vocabulary: 100 ids (+ NullTokenizer's eod) padded to 128.
-    argv = [
-        "--config", str(TINY_CONFIG), "--mock-data", "--tokenizer-type", "NullTokenizer",
-        "--vocab-size", "100", "--make-vocab-size-divisible-by", "64",
-        "--load", str(load), "--use-checkpoint-args", "--use-checkpoint-opt-param-scheduler",
-        "--micro-batch-size", "2", "--global-batch-size", "2", "--train-iters", "2",
-        "--lr", "1e-3", "--min-lr", "1e-4", "--lr-warmup-iters", "0", "--weight-decay", "0.01",
-        "--save", "none", "--tensorboard-dir", "none", "--num-workers", "0",
-        "--eval-interval", "none", "--log-interval", "100",
-    ]  # fmt: skip
-    got = run_on_ranks(body, 1, argv, str(load), timeout=180)[0]
+    got = run_on_ranks(body, 1, _argv(load), str(load), timeout=180)[0]
     assert got["iteration"] == 2
     assert got["consumed"] == 2 * reference["args"]["global_batch_size"]
     for lr in got["lrs"]:
@@ -129,19 +136,8 @@ def test_the_step_after_resuming_is_megatrons(tmp_path):
     step = reference["next_step"]
     load = tmp_path / "mp"
     import_megatron(ASSETS / case, load, with_optimizer=True)
-    argv = [
-        "--config", str(TINY_CONFIG), "--mock-data", "--tokenizer-type", "NullTokenizer",
-        "--vocab-size", "100", "--make-vocab-size-divisible-by", "64",
-        "--load", str(load), "--use-checkpoint-args", "--use-checkpoint-opt-param-scheduler",
-        "--micro-batch-size", "2", "--global-batch-size", "2", "--train-iters", "2",
-        "--lr", "1e-3", "--min-lr", "1e-4", "--lr-warmup-iters", "0", "--weight-decay", "0.01",
-        "--clip-grad", "1.0", "--adam-beta1", "0.9", "--adam-beta2", "0.95",
-        "--adam-eps", "1e-8",
-        "--save", "none", "--tensorboard-dir", "none", "--num-workers", "0",
-        "--eval-interval", "none", "--log-interval", "100",
-    ]  # fmt: skip
     data = {k: step[k] for k in ("tokens", "labels", "position_ids")}
-    got = run_on_ranks(step_body, 1, argv, str(load), data, timeout=180)[0]
+    got = run_on_ranks(step_body, 1, _argv(load), str(load), data, timeout=180)[0]
     assert got["lr"] == step["lr"]
     assert got["loss"] == pytest.approx(step["loss"], rel=1e-6)
     assert got["grad_norm"] == pytest.approx(step["grad_norm"], rel=1e-5)
