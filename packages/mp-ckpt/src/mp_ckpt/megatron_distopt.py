@@ -121,9 +121,17 @@ def buffer_params(model: MegatronModel, stage: int, rank: int, where: str):
         ):
             continue
         names[name] = name
-    order = reversed(megatron_param_order(names, where))
-    return [(names[n], tp_piece(n, model.tensors[names[n]], rank, tp, swiglu).shape)
-            for n in order]  # fmt: skip
+    out = []
+    for name in reversed(megatron_param_order(names, where)):
+        # the whole tensor's shape, not its data (MegatronTensors reads on lookup)
+        whole = torch.empty(_shape(model.tensors, names[name]), device="meta")
+        out.append((names[name], tp_piece(name, whole, rank, tp, swiglu).shape))
+    return out
+
+
+def _shape(tensors, name: str) -> tuple[int, ...]:
+    shape = getattr(tensors, "shape", None)
+    return tuple(shape(name)) if callable(shape) else tuple(tensors[name].shape)
 
 
 def megatron_buckets(numels: list[int], bucket_size: int | None) -> list[int]:
