@@ -205,3 +205,20 @@ def test_cli_with_optimizer_and_what_it_refuses(tmp_path, capsys):
     assert main(["import-megatron", str(staged), str(tmp_path / "o2"), "--with-optimizer"]) == 2
     err = capsys.readouterr().err
     assert "mp_rank_00/model_optim_rng.pt: optimizer: no torch optimizer state" in err
+
+
+@pytest.mark.parametrize(("setting", "value", "message"), [
+    ("untie_embeddings_and_output_weights", False, "tied embeddings under pipeline parallelism"),
+    ("decoder_first_pipeline_num_layers", 1, "only an even pipeline split of 2 layers"),
+    ("num_layers_per_virtual_pipeline_stage", 1, "without virtual stages"),
+])  # fmt: skip
+def test_a_distributed_optimizer_layout_it_cannot_map_is_refused(setting, value, message):
+    import argparse
+    import dataclasses
+
+    from mp_ckpt.megatron_optimizer import read_megatron_optimizer
+
+    model = read_megatron(ASSETS / "llama_torch_dist_pp2_dp2_distopt")
+    args = argparse.Namespace(**{**vars(model.args), setting: value})
+    with pytest.raises(ValueError, match=r"dp_group_idx_0: .*" + message):
+        read_megatron_optimizer(dataclasses.replace(model, args=args))
