@@ -16,7 +16,9 @@ ASSETS = Path(__file__).resolve().parents[1] / "packages/mp-ckpt/tests/assets/me
 @pytest.mark.parametrize("case", ["llama_torch_dist_tp1", "llama_torch_dist_tp2_distopt",
                                   "llama_torch_tp2", "llama_torch_pp2",
                                   "gpt2_torch_dist_tp1", "moe_torch_dist_ep2",
-                                  "moe_torch_ep2"])  # fmt: skip
+                                  "moe_torch_ep2", "llama_torch_dist_pp2_dp2_distopt",
+                                  "llama_torch_pp2_dp2_distopt",
+                                  "llama_torch_dist_tp2_dp2_distopt"])  # fmt: skip
 def test_imported_megatron_checkpoint_gives_megatron_logits(case, tmp_path):
     out = import_megatron(ASSETS / case, tmp_path / "mp")
     settings = torch.load(out / "common.pt", weights_only=False)["model_config"]

@@ -3,6 +3,7 @@ parameters, step count, scheduler and training position, in mp's optimizer-state
 against the full tensors megatron-core recorded (reference.pt's "adam")."""
 
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -11,11 +12,13 @@ import torch
 from mp_ckpt import CheckpointReader, import_megatron, safe_load
 from mp_ckpt.cli import main
 from mp_ckpt.megatron_optimizer import megatron_param_order
+from mp_ckpt.megatron_read import read_megatron
 
 ASSETS = Path(__file__).parent / "assets" / "megatron"
-CASES = ["llama_torch_dist_tp1", "llama_torch_dist_tp2_distopt", "llama_torch_tp2",
-         "llama_torch_pp2", "gpt2_torch_dist_tp1", "moe_torch_dist_ep2",
-         "moe_torch_ep2"]  # fmt: skip
+DISTOPT = ["llama_torch_dist_tp2_distopt", "llama_torch_dist_pp2_dp2_distopt",
+           "llama_torch_pp2_dp2_distopt", "llama_torch_dist_tp2_dp2_distopt"]  # fmt: skip
+CASES = ["llama_torch_dist_tp1", "llama_torch_tp2", "llama_torch_pp2", "gpt2_torch_dist_tp1",
+         "moe_torch_dist_ep2", "moe_torch_ep2", *DISTOPT]  # fmt: skip
 
 
 def _fused(reader: CheckpointReader, state: str, name: str, swiglu: bool) -> torch.Tensor:
@@ -104,30 +107,98 @@ def test_legacy_state_order_is_megatrons_parameter_order(case):
         assert decayed_first(dense) + decayed_first(experts) == layout["param_order"]
 
 
-def test_distributed_optimizer_map_is_megatrons():
-    """The rebuilt flat-buffer map (reverse module order, 64-aligned) is the recorded one."""
-    from mp_ckpt.megatron_optimizer import _ALIGN, _tp_piece
+def _module_name(name: str, stage: int, per_stage: int) -> str:
+    """A stage's local module name (layers from 0) as a model-global one."""
+    match = re.match(r"decoder\.layers\.(\d+)\.(.+)$", name)
+    if match is None:
+        return name
+    return f"decoder.layers.{int(match.group(1)) + stage * per_stage}.{match.group(2)}"
+
+
+@pytest.mark.parametrize("case", DISTOPT)
+def test_distributed_optimizer_map_is_megatrons(case):
+    """The rebuilt flat-buffer map (reverse module order, 64-aligned, buckets cut at the
+    unpadded sizes) is the one megatron-core recorded for every rank, and the bucket sizes
+    Megatron's rule gives for a legacy file (no sizes stored) are the recorded ones."""
+    from mp_ckpt.megatron_distopt import _LOCAL_NORMS, buffer_params, megatron_buckets, place
     from mp_ckpt.megatron_read import read_megatron
 
-    case = "llama_torch_dist_tp2_distopt"
     reference = safe_load(ASSETS / case / "reference.pt")
+    args = reference["args"]
+    tp, pp = args["tensor_model_parallel_size"], args["pipeline_model_parallel_size"]
+    dp, per_stage = args["data_parallel_size"], args["num_layers"] // pp
     model = read_megatron(ASSETS / case)
-    rename = {"self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
-              "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight"}  # fmt: skip
-    tensors = {}
-    for name, tensor in model.tensors.items():
-        for old, new in rename.items():
-            name = name.replace(old, new)
-        tensors[name] = tensor
+    bucket_size = getattr(model.args, "ddp_bucket_size", None)
     for rank, layout in enumerate(reference["optimizer_layout_per_rank"]):
-        recorded = layout["grad_buffer"][0]["param_index_map"]
-        offset, rebuilt = 0, {}
-        for name in reversed(megatron_param_order(tensors)):
-            offset = -(-offset // _ALIGN) * _ALIGN
-            numel = _tp_piece(name, tensors[name], rank, 2, True).numel()
-            rebuilt[name] = (offset, offset + numel, 0)
-            offset += numel
+        # Megatron's default rank order: TP fastest, then DP, then PP
+        stage, tp_rank = rank // (tp * dp), rank % tp
+        (buffer,) = layout["grad_buffer"]
+        recorded = {_module_name(n, stage, per_stage): v
+                    for n, v in buffer["param_index_map"].items()}  # fmt: skip
+        buckets = buffer["bucket_indices"]
+        unpadded = [max(e for _, e, b in recorded.values() if b == i) - start
+                    for i, (start, _) in enumerate(buckets)]  # fmt: skip
+        params = buffer_params(model, stage, tp_rank, case)
+        rebuilt = {}
+        for (name, shape), (b, start) in zip(params, place([s for _, s in params], unpadded,
+                                                            case), strict=True):  # fmt: skip
+            for te, norm in _LOCAL_NORMS.items():
+                name = name.replace(te, norm)
+            offset = buckets[b][0] + start
+            rebuilt[name] = (offset, offset + shape.numel(), b)
         assert rebuilt == recorded
+        expected = bucket_size if stage == 0 and model.args.overlap_grad_reduce else None
+        assert megatron_buckets([s.numel() for _, s in params], expected) == unpadded
+    if "dp2" in case:  # the first stage of these fixtures is cut into 4 or 5 buckets
+        first = reference["optimizer_layout_per_rank"][0]["grad_buffer"][0]
+        assert len(first["bucket_indices"]) >= 4
+
+
+def test_a_bucket_of_another_size_is_refused(tmp_path):
+    """A legacy distrib_optim.pt whose flat state lost elements, and a torch_dist bucket
+    that disagrees with its recorded size, are refused naming the file and the key."""
+    from mp_ckpt.megatron_distopt import read_distributed_buckets
+    from mp_ckpt.megatron_optimizer import _load_dist
+    from mp_ckpt.megatron_read import _SafeReader
+
+    case = "llama_torch_pp2_dp2_distopt"
+    copy = tmp_path / case
+    shutil.copytree(ASSETS / case, copy)
+    path = copy / "iter_0000002" / "mp_rank_00_001" / "distrib_optim.pt"
+    saved = torch.load(path, weights_only=False)
+    (buffer,) = saved[0].values()
+    buffer["exp_avg_sq"] = buffer["exp_avg_sq"][:-64]
+    torch.save(saved, path)
+    with pytest.raises(ValueError, match=r"mp_rank_00_001/distrib_optim.pt: 0.exp_avg_sq: "
+                                         r"expected 13472 elements"):  # fmt: skip
+        import_megatron(copy, tmp_path / "out", with_optimizer=True)
+
+    case = "llama_torch_dist_pp2_dp2_distopt"
+    model = read_megatron(ASSETS / case)
+    entries = _SafeReader(model.directory).read_metadata().state_dict_metadata
+    keys = [k for k in entries if k.startswith("optimizer.distributed.")]
+    tensors, raw = _load_dist(model.directory, keys, entries)
+    sizes_key = "optimizer.distributed.dp_group_idx_0.per_bucket_numel_unpadded/shard_0_1"
+    (sizes,) = raw[sizes_key][0][0].values()
+    sizes[2] -= 64
+    with pytest.raises(ValueError, match=r"dp_group_idx_0.per_bucket_numel_unpadded: bucket 2 "
+                                         r"holds 2048 elements"):  # fmt: skip
+        read_distributed_buckets(model, tensors, raw)
+    sizes[2] += 64
+    bucket = next(
+        k
+        for k in tensors
+        if k.endswith(
+            "dp_group_idx_0.gbuf_idx_0.dtype_(torch.float32, torch.float32).bucket_idx_3.param"
+        )
+    )
+    tensors[bucket] = tensors[bucket][:-1]
+    with pytest.raises(
+        ValueError,
+        match=r"dp_group_idx_0.gbuf_idx_0.bucket_idx_3.param: "
+        r"5183 elements, per_bucket_numel_unpadded says 5184",
+    ):
+        read_distributed_buckets(model, tensors, raw)
 
 
 def test_cli_with_optimizer_and_what_it_refuses(tmp_path, capsys):
@@ -149,3 +220,20 @@ def test_cli_with_optimizer_and_what_it_refuses(tmp_path, capsys):
     assert main(["import-megatron", str(staged), str(tmp_path / "o2"), "--with-optimizer"]) == 2
     err = capsys.readouterr().err
     assert "mp_rank_00/model_optim_rng.pt: optimizer: no torch optimizer state" in err
+
+
+@pytest.mark.parametrize(("setting", "value", "message"), [
+    ("untie_embeddings_and_output_weights", False, "tied embeddings under pipeline parallelism"),
+    ("decoder_first_pipeline_num_layers", 1, "only an even pipeline split of 2 layers"),
+    ("num_layers_per_virtual_pipeline_stage", 1, "without virtual stages"),
+])  # fmt: skip
+def test_a_distributed_optimizer_layout_it_cannot_map_is_refused(setting, value, message):
+    import argparse
+    import dataclasses
+
+    from mp_ckpt.megatron_optimizer import read_megatron_optimizer
+
+    model = read_megatron(ASSETS / "llama_torch_dist_pp2_dp2_distopt")
+    args = argparse.Namespace(**{**vars(model.args), setting: value})
+    with pytest.raises(ValueError, match=r"dp_group_idx_0: .*" + message):
+        read_megatron_optimizer(dataclasses.replace(model, args=args))

@@ -7,7 +7,7 @@
 main parameter that is a copy) to tensors named and laid out like
 MegatronModel.tensors (whole, one entry per layer), so that
 megatron.logical_from_megatron renames and unfuses them exactly as it does the
-weights. The three layouts Megatron writes:
+weights. The layouts Megatron writes:
 
 - torch_dist, no distributed optimizer: "optimizer.state.<state>.<model key>",
   stacked and chunked like the model key (fp32 copies: "fp32_param"). With
@@ -21,22 +21,18 @@ weights. The three layouts Megatron writes:
   linear_qkv). fp32 copies of bf16 / fp16 weights: "fp32_from_fp16_params".
   TP pieces are joined like the weights. With experts "optimizer" is a list:
   the dense parameters' state dict, then the (local) experts'.
-- torch_dist, distributed optimizer: per data-parallel group one flat buffer
-  per state ("optimizer.distributed.dp_group_idx_<g>.gbuf_idx_0.dtype_(...)
-  .bucket_idx_0.<state>"): the rank's TP-local parameters in reverse module
-  order, each starting at a multiple of 64 elements. The map is rebuilt from
-  the local shapes.
+- the distributed optimizer (torch_dist's per-bucket flat tensors, or the legacy
+  format's distrib_optim.pt beside model_optim_rng.pt, whose param_groups carry the
+  step): read by megatron_distopt, which maps each stage's and TP rank's flat grad
+  buffer back to parameters, across buckets and data-parallel ranks.
 
-Anything else (several buckets or buffers, a distributed optimizer under
-pipeline parallelism, distrib_optim.pt beside legacy files) is refused with
-the file and key that could not be read.
+A layout that cannot be mapped is refused with the file and key that could not be read.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import io
-import re
 from pathlib import Path
 
 import torch
@@ -44,12 +40,12 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
 from mp_ckpt.checkpointer import single_process_quiet
+from mp_ckpt.megatron_distopt import STATES, read_distrib_optim, read_distributed_buckets
+from mp_ckpt.megatron_order import megatron_param_order
 from mp_ckpt.megatron_pickle import safe_load
 from mp_ckpt.megatron_read import (
-    _COLUMN,
     _LAYER,
     _LOCAL_EXPERT,
-    _ROW,
     MegatronModel,
     _join,
     _RawBytesPlanner,
@@ -60,31 +56,6 @@ from mp_ckpt.megatron_read import (
 
 __all__ = ["MegatronOptimizer", "megatron_param_order", "read_megatron_optimizer"]
 
-STATES = ("exp_avg", "exp_avg_sq", "param")
-_ALIGN = 64  # the distributed optimizer starts every parameter at a multiple of 64 elements
-# Order of a layer's parameters in Megatron's modules (registration order).
-_LAYER_ORDER = (
-    "input_layernorm.", "self_attention.linear_proj.", "self_attention.linear_qkv.",
-    "self_attention.q_layernorm.", "self_attention.k_layernorm.", "pre_mlp_layernorm.",
-    "mlp.linear_fc1.", "mlp.linear_fc2.", "mlp.router.", "mlp.experts.",
-    "mlp.shared_experts.gate_", "mlp.shared_experts.linear_fc1.",
-    "mlp.shared_experts.linear_fc2.",
-)  # fmt: skip
-# An expert's parameters, in the order of its number then its module (legacy names).
-_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.(weight|bias)$")
-_SUFFIX_ORDER = ("layer_norm_weight", "layer_norm_bias", "weight", "bias")
-_GLOBAL_ORDER = {
-    "embedding.word_embeddings.weight": 0, "embedding.position_embeddings.weight": 1,
-    "decoder.final_layernorm.weight": 3, "decoder.final_layernorm.bias": 4,
-    "output_layer.weight": 5,
-}  # fmt: skip
-# torch_dist names the local spec's norms as TE's fused ones; the modules are the norms.
-_LOCAL_NORMS = {
-    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
-    "self_attention.linear_qkv.layer_norm_bias": "input_layernorm.bias",
-    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
-    "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias",
-}
 # Model tensors that are buffers, not parameters: no optimizer state.
 _BUFFERS = ("mlp.router.expert_bias",)
 # Keys of a Megatron parameter group mp's optimizer groups take back.
@@ -98,32 +69,6 @@ class MegatronOptimizer:
     param_groups: list[dict]
     scheduler: dict
     train_state: dict
-
-
-def _sort_key(name: str, where: str) -> tuple:
-    match = _LAYER.match(name)
-    if match is None:
-        if name not in _GLOBAL_ORDER:
-            raise ValueError(f"{where}: {name}: unknown place in Megatron's parameter order")
-        return (_GLOBAL_ORDER[name] if _GLOBAL_ORDER[name] < 2 else _GLOBAL_ORDER[name] + 1000,)
-    rest = match.group(2)
-    expert = _EXPERT.match(rest)
-    if expert:
-        position = _LAYER_ORDER.index("mlp.experts.")
-        module = 0 if expert.group(2) == "linear_fc1" else 1
-        suffix = _SUFFIX_ORDER.index(expert.group(3))
-        return (2, int(match.group(1)), position, int(expert.group(1)), module, suffix)
-    if rest == "mlp.shared_experts.gate_weight":
-        return (2, int(match.group(1)), _LAYER_ORDER.index("mlp.shared_experts.gate_"), 0)
-    for i, prefix in enumerate(_LAYER_ORDER):
-        if rest.startswith(prefix) and rest[len(prefix) :] in _SUFFIX_ORDER:
-            return (2, int(match.group(1)), i, _SUFFIX_ORDER.index(rest[len(prefix) :]))
-    raise ValueError(f"{where}: {name}: unknown place in Megatron's parameter order")
-
-
-def megatron_param_order(names, where: str = "checkpoint") -> list[str]:
-    """The names in Megatron's module (named_parameters) order."""
-    return sorted(names, key=lambda n: _sort_key(n, where))
 
 
 def _decayed(name: str, tensor: torch.Tensor) -> bool:
@@ -245,91 +190,20 @@ def _read_torch_dist(model: MegatronModel) -> MegatronOptimizer:
                 g.get("step") for g in part["param_groups"]]  # fmt: skip
         step = _step(steps, f"{where} common_state")
     else:
-        states, groups, step = _distributed(model, tensors, raw, entries)
+        states, groups, step = _distributed(model, tensors, raw)
     return MegatronOptimizer(states, step, _groups(groups, where), _scheduler(common, where),
                              _train_state(model, common))  # fmt: skip
 
 
-def _tp_piece(name: str, tensor: torch.Tensor, rank: int, size: int, swiglu: bool):
-    """The TP rank's piece of a whole Megatron tensor (the inverse of megatron_read._join)."""
-    if size == 1:
-        return tensor
-    if swiglu and re.search(r"linear_fc1\.(weight|bias)$", name):
-        gate, up = tensor.chunk(2, dim=0)
-        return torch.cat([gate.chunk(size, 0)[rank], up.chunk(size, 0)[rank]])
-    if _COLUMN.search(name) or name.endswith(("word_embeddings.weight", "output_layer.weight")):
-        return tensor.chunk(size, dim=0)[rank]
-    if _ROW.search(name):
-        return tensor.chunk(size, dim=1)[rank]
-    return tensor
-
-
-def _distributed(model: MegatronModel, tensors: dict, raw: dict, entries):
-    directory, args = model.directory, model.args
-    tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
-    pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
-    flat = re.compile(
-        r"^optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.(dtype_.*)\.bucket_idx_(\d+)"
-        r"\.(param|exp_avg|exp_avg_sq)$"
-    )
-    buffers: dict[int, dict[str, torch.Tensor]] = {}
-    for key, value in tensors.items():
-        match = flat.match(key)
-        if match is None:
-            continue
-        if match.group(2) != "0" or match.group(4) != "0":
-            raise ValueError(f"{directory}: {key}: several grad buffers or buckets are not "
-                             "imported (their padding is not recorded)")  # fmt: skip
-        buffers.setdefault(int(match.group(1)), {})[match.group(5)] = value
-    if pp != 1 or sorted(buffers) != list(range(tp)):
-        raise ValueError(
-            f"{directory}: optimizer.distributed.dp_group_idx_*: {len(buffers)} groups for TP "
-            f"{tp} x PP {pp}: only TP-only layouts (one group per TP rank) are imported"
-        )
-    local_spec = getattr(args, "transformer_impl", "local") == "local"
-    swiglu = bool(getattr(args, "swiglu", False))
-    names = {}
-    for name in model.tensors:
-        match = _LAYER.match(name)
-        if match and local_spec and match.group(2) in _LOCAL_NORMS:
-            names[f"decoder.layers.{match.group(1)}.{_LOCAL_NORMS[match.group(2)]}"] = name
-        else:
-            names[name] = name
-    untied = bool(getattr(args, "untie_embeddings_and_output_weights", False))
-    order = [n for n in megatron_param_order(names, str(directory))
-             if untied or n != "output_layer.weight"]  # fmt: skip
-    pieces: dict[str, dict[str, list[torch.Tensor]]] = {s: {} for s in STATES}
-    for rank in range(tp):
-        where = f"{directory}: optimizer.distributed.dp_group_idx_{rank}"
-        offset, spans = 0, {}
-        for name in reversed(order):
-            local = _tp_piece(name, model.tensors[names[name]], rank, tp, swiglu)
-            offset = -(-offset // _ALIGN) * _ALIGN
-            spans[name] = (offset, local.shape)
-            offset += local.numel()
-        for state in STATES:
-            buffer = buffers[rank].get(state)
-            if buffer is None:
-                raise ValueError(f"{where}: no {state} buffer")
-            if buffer.numel() != offset:
-                raise ValueError(f"{where}: {state} holds {buffer.numel()} elements; the model's "
-                                 f"TP-local parameters packed at {_ALIGN}-element offsets "
-                                 f"end at {offset}")  # fmt: skip
-            for name, (start, shape) in spans.items():
-                piece = buffer[start : start + shape.numel()].view(shape)
-                pieces[state].setdefault(names[name], []).append(piece)
-    states = {s: {n: _join(n, p, swiglu).contiguous() for n, p in by_name.items()}
-              for s, by_name in pieces.items()}  # fmt: skip
-    groups_key = [k for k in raw if k.startswith("optimizer.distributed.dp_group_idx_0.optimizer")]
-    if not groups_key:
-        raise ValueError(f"{directory}: no optimizer.distributed.dp_group_idx_0.optimizer "
-                         "(the parameter groups)")  # fmt: skip
-    saved = _one(raw[groups_key[0]])
+def _distributed(model: MegatronModel, tensors: dict, raw: dict):
+    directory = model.directory
+    states = read_distributed_buckets(model, tensors, raw)
+    groups_key = "optimizer.distributed.dp_group_idx_0.optimizer/shard_0_1"
+    saved = _one(raw.get(groups_key))
     groups = saved.get("param_groups") if isinstance(saved, dict) else None
     if not groups:
-        raise ValueError(f"{directory}: {groups_key[0]}: no param_groups")
-    step = _step((g.get("step") for g in groups), f"{directory}: {groups_key[0]}")
-    return states, groups, step
+        raise ValueError(f"{directory}: {groups_key}: no param_groups")
+    return states, groups, _step((g.get("step") for g in groups), f"{directory}: {groups_key}")
 
 
 # --- torch (legacy) -------------------------------------------------------------------------
@@ -342,6 +216,11 @@ def _read_torch(model: MegatronModel) -> MegatronOptimizer:
     pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
     ep = int(getattr(args, "expert_model_parallel_size", 1) or 1)
     local_experts = (getattr(args, "num_experts", None) or 0) // ep
+    if any((path.parent / "distrib_optim.pt").exists() for path in files.values()):
+        if ep > 1:
+            raise ValueError(f"{directory}: distrib_optim.pt with expert parallelism "
+                             f"(EP {ep}) is not imported")  # fmt: skip
+        return _read_torch_distopt(model, {(p, t): f for (p, _, t), f in files.items()})
     swiglu = bool(getattr(model.args, "swiglu", False))
     states: dict[str, dict[str, torch.Tensor]] = {s: {} for s in STATES}
     steps, groups, first = [], [], None
@@ -376,6 +255,30 @@ def _read_torch(model: MegatronModel) -> MegatronOptimizer:
     where = str(directory)
     return MegatronOptimizer(states, _step(steps, where), _groups(groups, where),
                              _scheduler(first, str(files[(0, 0, 0)])),
+                             _train_state(model, first))  # fmt: skip
+
+
+def _read_torch_distopt(model: MegatronModel, ranks: dict[tuple[int, int], Path]):
+    """Legacy files with the distributed optimizer: the Adam state in each folder's
+    distrib_optim.pt, the parameter groups (with the step) in model_optim_rng.pt."""
+    files = {}
+    for key, path in ranks.items():
+        files[key] = path.parent / "distrib_optim.pt"
+        if not files[key].exists():
+            raise ValueError(f"{files[key]}: missing (other ranks have one)")
+    steps, groups, first = [], None, None
+    for key in sorted(ranks):
+        state = safe_load(ranks[key])
+        first = first if first is not None else state
+        inner = (state.get("optimizer") or {}).get("optimizer") or {}
+        rank_groups = inner.get("param_groups")
+        if not rank_groups:
+            raise ValueError(f"{ranks[key]}: optimizer.optimizer.param_groups: missing")
+        steps += [g.get("step") for g in rank_groups]
+        groups = groups if groups is not None else rank_groups
+    where = str(model.directory)
+    return MegatronOptimizer(read_distrib_optim(model, files), _step(steps, where),
+                             _groups(groups, where), _scheduler(first, str(ranks[(0, 0)])),
                              _train_state(model, first))  # fmt: skip
 
 

@@ -14,8 +14,7 @@ forward-backward schedule (1F1B over gloo for the PP case), calls Megatron-LM's 
     <case>/latest_checkpointed_iteration.txt      ("2")
     <case>/iter_0000002/...                        (the checkpoint as Megatron-LM writes it)
 
-for the cases llama_torch_dist_tp1, llama_torch_dist_tp2_distopt, llama_torch_tp2,
-gpt2_torch_dist_tp1 and llama_torch_pp2 (see CASES and README.md)
+for each case of CASES (see README.md)
     <case>/reference.pt                            (tokens, logits, losses, args, Adam state)
 
 then reloads the checkpoint with ``load_checkpoint`` into a freshly initialised model and
@@ -67,6 +66,14 @@ MOE = [*LLAMA, "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden
 MOE_SIGMOID = ("--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
                "--moe-router-bias-update-rate", "0.01")  # fmt: skip
 
+# Several distributed-optimizer buckets per grad buffer: Megatron-LM's training loop keeps
+# --ddp-bucket-size only with --overlap-grad-reduce (otherwise one bucket per buffer).
+BUCKETS = ("--overlap-grad-reduce", "--ddp-bucket-size", "2000")
+# Cases whose reference.pt also records one more training step on NEXT_BATCH_SEED's batch,
+# taken after the save and after everything else is recorded (the rest stays the same).
+NEXT_STEP = {"llama_torch_dist_tp2_distopt"}
+NEXT_BATCH_SEED = 11
+
 
 class Case(NamedTuple):
     model: list  # the model's Megatron flags
@@ -91,6 +98,10 @@ CASES = {
     "llama_torch_pp2": Case(LLAMA, "torch", 1, 2, False),
     "moe_torch_dist_ep2": Case(MOE, "torch_dist", 1, 1, False, dp=2, ep=2),
     "moe_torch_ep2": Case(MOE, "torch", 1, 1, False, dp=2, ep=2, extra=MOE_SIGMOID),
+    # 4 ranks; buckets of ~2000 elements (Megatron buckets only with --overlap-grad-reduce)
+    "llama_torch_dist_pp2_dp2_distopt": Case(LLAMA, "torch_dist", 1, 2, True, dp=2, extra=BUCKETS),
+    "llama_torch_pp2_dp2_distopt": Case(LLAMA, "torch", 1, 2, True, dp=2, extra=BUCKETS),
+    "llama_torch_dist_tp2_dp2_distopt": Case(LLAMA, "torch_dist", 2, 1, True, dp=2, extra=BUCKETS),
 }
 
 
@@ -194,7 +205,11 @@ def build(args, seed):
     )
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.training.argument_utils import core_transformer_config_from_args
-    from megatron.training.training import get_optimizer_param_scheduler
+    from megatron.training.training import (
+        get_optimizer_param_scheduler,
+        resolve_ddp_bucket_size,
+        wrap_model_chunks_with_ddp,
+    )
     from patches import cuda_as_cpu
 
     torch.manual_seed(seed)  # use_cpu_initialization draws the full weights from this generator
@@ -220,13 +235,26 @@ def build(args, seed):
     )
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=False,
-        overlap_grad_reduce=False,
+        overlap_grad_reduce=args.overlap_grad_reduce,
         use_distributed_optimizer=args.use_distributed_optimizer,
+        bucket_size=args.ddp_bucket_size,
     )
+    # as Megatron-LM's get_model: the bucket size resolved (None without overlapped grad
+    # reduction), no bucketing on pipeline stages after the first, and the distributed
+    # optimizer's parameter layout computed before the DDP wrap
+    ddp_config.bucket_size = resolve_ddp_bucket_size(
+        ddp_config,
+        ps.get_data_parallel_group(with_context_parallel=True),
+        ddp_config.overlap_grad_reduce,
+        sum(p.numel() for p in module.parameters()),
+    )
+    bucket_size = None if ps.get_pipeline_model_parallel_rank() > 0 else ddp_config.bucket_size
     opt_fields = {f.name for f in dataclasses.fields(OptimizerConfig)}
     opt_config = OptimizerConfig(**{k: v for k, v in vars(args).items() if k in opt_fields})
     with cuda_as_cpu():
-        model = DistributedDataParallel(config, ddp_config, module)
+        (model,) = wrap_model_chunks_with_ddp(
+            [module], config, ddp_config, DP=DistributedDataParallel, bucket_sizes=[bucket_size]
+        )
         optimizer = get_megatron_optimizer(opt_config, [model])
     scheduler = get_optimizer_param_scheduler(optimizer)
     return model, optimizer, scheduler
@@ -375,6 +403,8 @@ def worker(rank, world, port, name):
         for i in range(ITERATIONS)
     ]
 
+    next_step = one_more_step(args, model, optimizer, scheduler) if name in NEXT_STEP else None
+
     if rank == 0:
         tokens, position_ids, _, labels = ref_data
         ref = dict(
@@ -400,6 +430,8 @@ def worker(rank, world, port, name):
                 lr_next_after_load=lr2,
             ),
         )
+        if next_step is not None:
+            ref["next_step"] = next_step
         torch.save(ref, os.path.join(name, "reference.pt"))
         print(
             f"[{name}] OK: losses {[round(x, 4) for x, _ in losses]}, lr_next {lr_next:.3e}, "
@@ -408,6 +440,30 @@ def worker(rank, world, port, name):
         )
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
+
+
+def one_more_step(args, model, optimizer, scheduler):
+    """Iteration 3 from the saved state on a known batch: {tokens, position_ids, labels,
+    lr, loss, grad_norm, adam (the TRACKED params' state after it, as in reference.pt)}."""
+    import torch
+
+    data = batch(args, seed=NEXT_BATCH_SEED)
+    lr = optimizer.param_groups[0]["lr"]
+    loss, grad_norm = train_step(args, model, optimizer, scheduler, data)
+    state = adam_state(model, optimizer)
+    everything = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(everything, dict(loss=loss, adam=state))
+    merged = {n: v for e in everything for n, v in e["adam"].items()}
+    tokens, position_ids, _, labels = data
+    return dict(
+        tokens=tokens,
+        position_ids=position_ids,
+        labels=labels,
+        lr=lr,
+        loss=next(e["loss"] for e in everything if e["loss"] is not None),
+        grad_norm=grad_norm,
+        adam={n: merged[n] for n in TRACKED if n in merged},
+    )
 
 
 def free_port():

@@ -126,15 +126,11 @@ def get_args_num_layers():
 
 
 def adam_state(model, optimizer):
-    """{name: {param, exp_avg, exp_avg_sq, step}} for TRACKED params, as full global tensors."""
-    from megatron.core import parallel_state as ps
+    """{name: {param, exp_avg, exp_avg_sq, step}} for TRACKED params, as full global tensors
+    (collective: every rank of the run calls it)."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     inner = getattr(optimizer, "chained_optimizers", [optimizer])
-    # without the distributed optimizer every DP rank holds the whole state
-    assert ps.get_data_parallel_world_size() == 1 or not any(
-        isinstance(o, DistributedOptimizer) for o in inner
-    ), "state gathering of the distributed optimizer assumes DP=1"
     named = {global_name(n): p for n, p in model.module.named_parameters()}
     out = {}
     for name in TRACKED:
@@ -143,13 +139,9 @@ def adam_state(model, optimizer):
         p = named[name]
         for opt in inner:
             if isinstance(opt, DistributedOptimizer):
-                if p not in opt.model_param_group_index_map:
+                if not any(p in b.param_index_map for b in opt.buffers):
                     continue
-                local = opt._get_main_param_and_optimizer_states(p)
-                # DP=1: this rank's shard is the whole (TP-local) param, flattened
-                local = {
-                    k: local[k].detach().view(p.shape) for k in ("param", "exp_avg", "exp_avg_sq")
-                }
+                local = dp_gather(opt, p)
             else:
                 if p not in opt.optimizer.state:
                     continue
@@ -159,11 +151,31 @@ def adam_state(model, optimizer):
                     "exp_avg": st["exp_avg"],
                     "exp_avg_sq": st["exp_avg_sq"],
                 }
-                local["step"] = st["step"]
             step = opt.optimizer.state[opt.optimizer.param_groups[0]["params"][0]]["step"]
             out[name] = {k: tp_gather(local[k], p) for k in ("param", "exp_avg", "exp_avg_sq")}
             out[name]["step"] = int(step)
     return out
+
+
+def dp_gather(opt, p):
+    """The distributed optimizer's state of ``p`` (TP-local shape), put together from the
+    pieces the data-parallel ranks own: each rank writes its piece into zeros and a sum over
+    the DP group adds the others' (x + 0 = x, so exact)."""
+    import torch
+
+    full = {k: torch.zeros(p.numel()) for k in ("param", "exp_avg", "exp_avg_sq")}
+    where = opt.model_param_gbuf_map.get(p)
+    if where is not None:
+        gbuf, dtype, bucket = where
+        piece = opt.gbuf_ranges[gbuf][dtype][bucket]["param_map"][p]["param"]
+        states = opt._get_main_param_and_optimizer_states(p)
+        for k in full:
+            full[k][piece.start : piece.end] = states[k].detach().view(-1)
+    group = opt.data_parallel_group
+    if group.size() > 1:
+        for k in full:
+            torch.distributed.all_reduce(full[k], group=group)
+    return {k: v.view(p.shape) for k, v in full.items()}
 
 
 def optimizer_layout(model, optimizer):
