@@ -102,6 +102,13 @@ class OptimizerConfig:
     average_in_collective: bool = False
     """Average in the reduction (ReduceOp.AVG) instead of scaling by 1/dp before a sum."""
 
+    calculate_per_token_loss: bool = False
+    """Normalize the loss by the global batch's loss tokens (Megatron's
+    --calculate-per-token-loss): each rank's loss stays a sum over its tokens, the gradients
+    are summed (not averaged) over data-parallel ranks, and finalize divides them by the
+    token count of the whole global batch. Otherwise each micro-batch's loss is its mean
+    per token and the gradients are averaged over micro-batches and data-parallel ranks."""
+
     check_for_nan_in_grad: bool = False
     """Raise, naming the rank, when a gradient holds nan or inf before the reduction."""
 
@@ -159,6 +166,11 @@ class OptimizerConfig:
         _choice("weight_decay_incr_style", self.weight_decay_incr_style, _WD_STYLES)
         if self.fp16 and self.bf16:
             raise ValueError("fp16=True and bf16=True are exclusive: choose one")
+        if self.calculate_per_token_loss and self.average_in_collective:
+            raise ValueError(
+                "calculate_per_token_loss=True sums the gradients over data-parallel ranks; "
+                "average_in_collective=True would average them: choose one"
+            )
         if self.lr is not None and self.lr < 0:
             raise ValueError(f"lr={self.lr} must be >= 0")
         if self.min_lr < 0:

@@ -24,6 +24,8 @@ starts them all after the backward.
 
 Gradients are averaged over the data-parallel group: scaled by 1/dp before a
 sum, or with average_in_collective by the collective itself (ReduceOp.AVG).
+With calculate_per_token_loss they are summed (each rank's loss is a sum over
+its tokens) and finalize divides them by the global batch's token count.
 After the distributed optimizer's step, start_param_sync() all-gathers every
 bucket's parameters; with overlap_param_gather it returns at once and each
 module waits for its own parameters in a forward pre-hook.
@@ -278,9 +280,15 @@ class DistributedDataParallel(torch.nn.Module):
                 f"reduction over {group.kind} in {', '.join(names)}"
             )
         # Both kinds end as the mean over dp_group (the module docstring says why experts
-        # too): 1/dp before a sum, or group/dp before an average over the group.
+        # too): 1/dp before a sum, or group/dp before an average over the group. With a
+        # per-token loss they end as the sum, which finalize divides by the batch's tokens.
         average = self.config.average_in_collective and group.size > 1
-        scale = group.size / self.dp_group.size if average else 1.0 / self.dp_group.size
+        if self.config.calculate_per_token_loss:
+            scale = 1.0
+        elif average:
+            scale = group.size / self.dp_group.size
+        else:
+            scale = 1.0 / self.dp_group.size
         if scale != 1.0:
             grad.mul_(scale)
         if group.size == 1:

@@ -2,7 +2,8 @@
 knows nothing of them):
 
 - before the micro-batches: the factor the routers' auxiliary losses get in backward,
-  the one the main loss gets (the loss scale / the number of micro-batches);
+  the one the main loss gets (the loss scale / the number of micro-batches; with a
+  per-token loss the loss scale alone, as in Megatron);
 - after them: the expert biases of auxiliary-loss-free balancing move (their token
   counts summed over the stage's tp x dp x cp ranks, Megatron's finalize step);
 - for the log: each auxiliary loss (divided by its coefficient, as Megatron logs it)
@@ -39,15 +40,18 @@ def aux_loss_names(model: TransformerConfig) -> list[str]:
 
 class MoEStep:
     def __init__(self, model_config: TransformerConfig, chunks, state: ParallelState,
-                 fp16: bool) -> None:  # fmt: skip
+                 fp16: bool, per_token: bool = False) -> None:  # fmt: skip
         self.routers = moe.routers_of(chunks)
+        self.per_token = per_token
         self.names = aux_loss_names(model_config)
         self.moe_layers = sum(model_config.moe_layer_pattern())
         self.state, self.fp16 = state, fp16
 
     def before(self, optimizer, num_microbatches: int) -> None:
         scale = optimizer.get_loss_scale() if self.fp16 else 1.0
-        moe.set_aux_loss_scale(scale / num_microbatches)
+        # With a per-token loss the main loss is not divided by the micro-batches (finalize
+        # divides every gradient by the batch's tokens): neither are the auxiliary losses.
+        moe.set_aux_loss_scale(scale if self.per_token else scale / num_microbatches)
 
     def after_backward(self) -> None:
         moe.update_expert_biases(self.routers, self.state.tp_dp_cp)

@@ -169,6 +169,7 @@ def setup_run(
         grad_scale_func=optimizer.scale_loss if config.optimizer.fp16 else None,
         no_sync_func=[chunk.no_sync for chunk in model],
         finalize_model_grads_func=functools.partial(finalize_model_grads, state=state),
+        calculate_per_token_loss=config.optimizer.calculate_per_token_loss,
         p2p_timeout_s=60.0 * config.parallel.distributed_timeout_minutes,
     )  # fmt: skip
     calculator = MicroBatchCalculator(

@@ -113,7 +113,8 @@ def _train(run: Run, forward_step_func, train_iter, valid_iter, checkpointer,
     for chunk in run.model:
         chunk.train()
     schedule = _schedule(run)
-    experts = MoEStep(config.model, run.model, run.state, config.optimizer.fp16)
+    experts = MoEStep(config.model, run.model, run.state, config.optimizer.fp16,
+                      config.optimizer.calculate_per_token_loss)  # fmt: skip
     start = time.time()
     handler = DistributedSignalHandler() if training.exit_signal_handler else None
     with handler or contextlib.nullcontext():

@@ -1,0 +1,58 @@
+"""--calculate-per-token-loss: the loss is the global batch's mean over its loss tokens.
+
+Each rank's loss is a sum over its tokens, the gradients are summed over data-parallel
+ranks and divided once by the global batch's token count. So a data-parallel run takes
+the steps of a one-rank run (the same losses and gradient norms), and when every
+micro-batch holds as many loss tokens as the others, the steps of a run without the flag
+(the mean of the micro-batches' means is then the mean over the batch's tokens).
+"""
+
+from pathlib import Path
+
+import pytest
+
+from mp_gpt.testing import TINY_CONFIG, assert_same_curve, metrics_records, train_on_rank
+from mp_state.testing import run_on_ranks
+
+pytestmark = pytest.mark.multirank
+
+LOGGED = ("lm loss", "grad_norm")
+
+
+def options(run_dir: Path, *extra: str) -> list[str]:
+    return [
+        "--config", str(TINY_CONFIG), "--mock-data", "--tokenizer-type", "NullTokenizer",
+        "--vocab-size", "1000", "--make-vocab-size-divisible-by", "512",
+        "--seq-length", "64", "--micro-batch-size", "1", "--global-batch-size", "4",
+        "--train-iters", "4", "--eval-interval", "none", "--log-interval", "10",
+        "--save", "none", "--load", "none", "--tensorboard-dir", "none",
+        "--metrics-file", str(run_dir / "metrics.jsonl"), "--num-workers", "0",
+        "--lr-warmup-iters", "1", *extra,
+    ]  # fmt: skip
+
+
+def run(tmp_path: Path, name: str, ranks: int, *extra: str) -> list[dict]:
+    run_dir = tmp_path / name
+    run_on_ranks(train_on_rank, ranks, options(run_dir, *extra), timeout=300)
+    return metrics_records(run_dir)
+
+
+def test_data_parallel_ranks_take_the_one_rank_steps(tmp_path):
+    # EOD tokens masked out of the loss: the micro-batches hold different token counts
+    flags = ("--calculate-per-token-loss", "--eod-mask-loss")
+    one = run(tmp_path, "dp1", 1, *flags)
+    two = run(tmp_path, "dp2", 2, *flags)
+    assert_same_curve(two, one, LOGGED, "per-token loss, DP2 against DP1")
+
+
+def test_equal_token_counts_give_the_mean_loss_steps(tmp_path):
+    per_token = run(tmp_path, "per_token", 2, "--calculate-per-token-loss")
+    mean = run(tmp_path, "mean", 2)
+    assert_same_curve(per_token, mean, LOGGED, "per-token loss against the mean loss")
+
+
+def test_per_token_loss_refuses_averaging_in_the_collective():
+    from mp_optim import OptimizerConfig
+
+    with pytest.raises(ValueError, match="choose one"):
+        OptimizerConfig(calculate_per_token_loss=True, average_in_collective=True)
