@@ -92,7 +92,8 @@ def run_generation(args, extra: list[str]) -> str:
         "--train-iters", "1", "--mock-data",
         "--tensor-model-parallel-size", str(args.tensor_model_parallel_size), *extra,
     ])  # fmt: skip
-    mp_state.init_distributed(config.parallel.distributed_timeout_minutes)
+    mp_state.init_distributed(config.parallel.distributed_timeout_minutes,
+                              config.parallel.distributed_backend)  # fmt: skip
     state = mp_state.initialize(config.parallel)
     try:
         tokenizer, padded = _tokenizer_and_vocabulary(args.load, state.tp.size)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from mp_state.rank_generator import parse_order
 
@@ -26,17 +27,29 @@ class ParallelConfig:
     """Ranks that split each sequence (CP)."""
 
     expert_model_parallel_size: int = 1
-    """Ranks that split the experts of a MoE layer (EP). The groups exist; mp-train refuses
-    > 1 until mixture-of-experts layers are implemented."""
+    """Ranks that split the experts of a MoE layer (EP)."""
 
     expert_tensor_parallel_size: int | None = None
     """Ranks that split each expert's weights; None means the same as tensor_model_parallel_size."""
+
+    decoder_first_pipeline_num_layers: int | None = None
+    """Layers of the first pipeline stage when it should hold another number than the
+    others (e.g. fewer, beside the embedding); the remaining layers are split evenly over
+    the other stages. None: an even split."""
+
+    decoder_last_pipeline_num_layers: int | None = None
+    """Layers of the last pipeline stage (beside the output layer and the loss); as
+    decoder_first_pipeline_num_layers."""
 
     order: str = "tp-cp-ep-dp-pp"
     """Axes of the rank grid from fastest- to slowest-varying rank (Megatron's order string)."""
 
     distributed_timeout_minutes: int = 10
     """Timeout of every collective and of process-group creation, in minutes."""
+
+    distributed_backend: Literal["nccl", "gloo"] | None = None
+    """The torch.distributed backend; None: nccl on CUDA devices, gloo on CPUs (Megatron
+    defaults to nccl, which needs CUDA)."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -51,6 +64,13 @@ class ParallelConfig:
             self.expert_tensor_parallel_size = self.tensor_model_parallel_size
         _require_positive_int("expert_tensor_parallel_size", self.expert_tensor_parallel_size)
 
+        for name in ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers"):
+            if getattr(self, name) is None:
+                continue
+            _require_positive_int(name, getattr(self, name))
+            if self.pipeline_model_parallel_size == 1:
+                raise ValueError(f"{name}={getattr(self, name)} needs "
+                                 "pipeline_model_parallel_size > 1, got 1")  # fmt: skip
         vpp = self.virtual_pipeline_model_parallel_size
         if vpp is not None:
             _require_positive_int("virtual_pipeline_model_parallel_size", vpp)

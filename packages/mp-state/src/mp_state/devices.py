@@ -40,22 +40,33 @@ def local_rank() -> int:
     return rank
 
 
-def select_device() -> DeviceInfo:
-    """CUDA device LOCAL_RANK (mod the visible count) with NCCL, else the CPU with gloo."""
+def select_device(backend: str | None = None) -> DeviceInfo:
+    """CUDA device LOCAL_RANK (mod the visible count) with NCCL, else the CPU with gloo.
+    `backend` (Megatron's --distributed-backend) overrides the backend: gloo on CUDA
+    devices, or nccl, which needs CUDA."""
     rank = local_rank()
+    if backend not in (None, "nccl", "gloo"):
+        raise ValueError(f"--distributed-backend {backend!r}: expected nccl or gloo")
     if torch.cuda.is_available():
-        return DeviceInfo(torch.device("cuda", rank % torch.cuda.device_count()), "nccl", rank)
+        device = torch.device("cuda", rank % torch.cuda.device_count())
+        return DeviceInfo(device, backend or "nccl", rank)
+    if backend == "nccl":
+        raise ValueError(
+            "--distributed-backend nccl needs CUDA devices and none is visible: use "
+            "--distributed-backend gloo (the default without a GPU)"
+        )
     return DeviceInfo(torch.device("cpu"), "gloo", rank)
 
 
-def init_distributed(timeout_minutes: float = 10) -> DeviceInfo:
-    """Initializes torch.distributed for this rank from torchrun's environment.
+def init_distributed(timeout_minutes: float = 10, backend: str | None = None) -> DeviceInfo:
+    """Initializes torch.distributed for this rank from torchrun's environment, with
+    `backend` or the device's own (nccl on CUDA, gloo on a CPU).
 
     Without torchrun (no RANK / WORLD_SIZE set) it makes a one-rank world, so a
     script runs unchanged as `python script.py`. An already initialized default
     group is kept. On CUDA the rank's device becomes the current one.
     """
-    info = select_device()
+    info = select_device(backend)
     if info.device.type == "cuda":
         torch.cuda.set_device(info.device)
     if dist.is_initialized():

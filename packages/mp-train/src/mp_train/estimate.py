@@ -76,6 +76,7 @@ import sys
 import torch
 
 from mp_layers import keeps_attention_probabilities, saved_probability_bytes
+from mp_pipeline import stage_layers
 from mp_train.config import RunConfig
 
 __all__ = ["estimate", "main", "padded_vocab_size"]
@@ -147,11 +148,18 @@ def _layout(config: RunConfig, world_size: int) -> dict:
     ep, etp = parallel.expert_model_parallel_size, parallel.expert_tensor_parallel_size
     dp = parallel.data_parallel_size(world_size)
     model.check_parallel(tp, cp, ep, etp)
-    if model.num_layers % (pp * (vpp or 1)):
+    first = parallel.decoder_first_pipeline_num_layers
+    last = parallel.decoder_last_pipeline_num_layers
+    if first is None and last is None and model.num_layers % (pp * (vpp or 1)):
         raise ValueError(
             f"num_layers={model.num_layers} is not divisible by pipeline_model_parallel_size="
             f"{pp} x virtual_pipeline_model_parallel_size={vpp or 1}"
         )
+    # every stage's share (refused, naming the stage, when it does not split)
+    stages = [stage_layers(model.num_layers, pp, rank, virtual_pipeline_model_parallel_size=vpp,
+                           num_layers_in_first_pipeline_stage=first,
+                           num_layers_in_last_pipeline_stage=last).count * (vpp or 1)
+              for rank in range(pp)]  # fmt: skip
     seq = config.gpt.seq_length
     if seq % cp:
         raise ValueError(f"context_parallel_size={cp} does not divide seq_length={seq}")
@@ -172,7 +180,7 @@ def _layout(config: RunConfig, world_size: int) -> dict:
     edp = parallel.expert_data_parallel_size(world_size) if model.num_moe_experts else dp * cp
     return {
         "tp": tp, "pp": pp, "cp": cp, "vpp": vpp, "dp": dp, "ep": ep, "etp": etp, "edp": edp,
-        "gbs": gbs, "microbatches": gbs // (mbs * dp),
+        "gbs": gbs, "microbatches": gbs // (mbs * dp), "first_stage_layers": stages[0],
     }  # fmt: skip
 
 
@@ -268,7 +276,7 @@ def _activation_bytes(
     layer = stored(10 * sbh, (8 + 4 * f / h) * sbh + scores)
     transient = 0.0
     if granularity == "full":
-        chunk = L // (pp * (vpp or 1))  # layers of one model chunk
+        chunk = layout["first_stage_layers"] // (vpp or 1)  # layers of one model chunk
         n = min(m.recompute_num_layers, chunk)
         checkpoint = stored(2 * sbh, 0)  # each recomputed group keeps only its input
         if m.recompute_method == "uniform":
@@ -278,7 +286,9 @@ def _activation_bytes(
             n = 1
         transient = n * layer  # the group being recomputed, one micro-batch
         layer = per_layer
-    total = layer * L + stored(8 * s * b + sbh, 0) * pp  # token ids, embedding dropout mask
+    # the first stage's layers, each with up to pp micro-batches in flight (L with an even split)
+    total = layer * layout["first_stage_layers"] * pp
+    total += stored(8 * s * b + sbh, 0) * pp  # token ids, embedding dropout mask
     if vpp is not None:
         total *= 1 + (pp - 1) / (pp * vpp)
     elif pp > 1:

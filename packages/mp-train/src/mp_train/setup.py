@@ -115,7 +115,8 @@ def initialize(config: RunConfig) -> Initialized | Callable[[], Initialized]:
 
 
 def _initialize_now(config: RunConfig) -> Initialized:
-    device_info = mp_state.init_distributed(config.parallel.distributed_timeout_minutes)
+    device_info = mp_state.init_distributed(config.parallel.distributed_timeout_minutes,
+                                            config.parallel.distributed_backend)  # fmt: skip
     sizes = validate(config, torch.distributed.get_world_size())
     state = mp_state.initialize(config.parallel)
     tracker = mp_state.set_random_seeds(
@@ -203,6 +204,8 @@ def _build_model(config, state, tracker, padded_vocab, model_provider) -> list:
         stage = stage_layers(
             config.model.num_layers, state.pp.size, state.pp.rank,
             virtual_pipeline_model_parallel_size=vpp, vp_stage=vp_stage,
+            num_layers_in_first_pipeline_stage=parallel.decoder_first_pipeline_num_layers,
+            num_layers_in_last_pipeline_stage=parallel.decoder_last_pipeline_num_layers,
         )  # fmt: skip
         module = model_provider(
             config=config, state=state, stage=stage, vp_stage=vp_stage,
