@@ -192,3 +192,29 @@ def test_help(command, capsys):
         options += ["--workers", "--log-interval", "--skip-bad-lines", "--merge-file"]
         for option in options:
             assert option in out
+
+
+def test_partitions_give_megatrons_order(tmp_path):
+    """--partitions 3: partition p holds lines p, p + 3, ...; the output is partition 0's
+    documents, then 1's, then 2's. --keep-sequential-samples keeps the input's order."""
+    records = [{"text": t} for t in DOCUMENTS]
+    source = write_jsonl(tmp_path / "in.jsonl", records)
+    whole = documents_of(f"{preprocess(tmp_path, source, 'whole')}_text_document")
+    parts = preprocess(tmp_path, source, "parts", "--partitions", "3", "--workers", "2")
+    parts = documents_of(f"{parts}_text_document")
+    order = [i for p in range(3) for i in range(len(DOCUMENTS)) if i % 3 == p]
+    assert len(parts) == len(whole) == len(DOCUMENTS)
+    for got, i in zip(parts, order, strict=True):
+        np.testing.assert_array_equal(got, whole[i])
+    sequential = preprocess(tmp_path, source, "seq", "--partitions", "3",
+                            "--keep-sequential-samples")  # fmt: skip
+    for suffix in (".bin", ".idx"):
+        assert (Path(f"{sequential}_text_document{suffix}").read_bytes()
+                == Path(f"{tmp_path / 'whole'}_text_document{suffix}").read_bytes())  # fmt: skip
+
+
+def test_partitions_must_be_positive(tmp_path, capsys):
+    source = write_jsonl(tmp_path / "in.jsonl", [{"text": "a"}])
+    args = ["preprocess", "--input", str(source), "--output-prefix", str(tmp_path / "o")]
+    assert main([*args, *GPT2_ARGS, "--partitions", "0"]) == 1
+    assert "--partitions must be at least 1, got 0" in capsys.readouterr().err

@@ -8,6 +8,7 @@ the tokenizer and the loaders.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Literal
 
@@ -31,6 +32,14 @@ class DataConfig:
 
     test_data_path: list[str] | None = None
     """Test datasets of their own."""
+
+    data_args_path: str | None = None
+    """A text file holding data_path (weights and prefixes separated by whitespace), for a
+    blend too long for the command line; instead of data_path."""
+
+    per_split_data_args_path: str | None = None
+    """A JSON file {"train": ..., "valid": ..., "test": ...}, each a list of weights and
+    prefixes (or one whitespace-separated string); instead of train/valid/test_data_path."""
 
     data_cache_path: str | None = None
     """Where the dataset indices are cached (default: beside the data)."""
@@ -96,8 +105,42 @@ class DataConfig:
                 "reset_attention_mask=True needs create_attention_mask_in_dataloader=True: the "
                 "per-document attention mask is built by the data loader"
             )
+        self._read_data_args()
         if self.data_path and self.train_data_path:
             raise ValueError("data_path and train_data_path are exclusive: give one")
+
+    def _read_data_args(self) -> None:
+        """data_path from data_args_path; the per-split paths from per_split_data_args_path."""
+        if self.data_args_path is not None:
+            if self.data_path:
+                raise ValueError("data_path and data_args_path are exclusive: give one")
+            self.data_path = _read_text(self.data_args_path, "data_args_path").split()
+            if not self.data_path:
+                raise ValueError(f"data_args_path {self.data_args_path}: the file is empty")
+        if self.per_split_data_args_path is None:
+            return
+        path = self.per_split_data_args_path
+        if self.train_data_path or self.valid_data_path or self.test_data_path:
+            raise ValueError("per_split_data_args_path and train/valid/test_data_path are "
+                             "exclusive: give one")  # fmt: skip
+        try:
+            splits = json.loads(_read_text(path, "per_split_data_args_path"))
+        except json.JSONDecodeError as error:
+            raise ValueError(f"per_split_data_args_path {path}, line {error.lineno}: not "
+                             f"JSON ({error.msg})") from None  # fmt: skip
+        if not isinstance(splits, dict):
+            raise ValueError(f"per_split_data_args_path {path}: expected a JSON object with "
+                             "train, valid and test")  # fmt: skip
+        for split in ("train", "valid", "test"):
+            if split not in splits:
+                raise ValueError(f"per_split_data_args_path {path}: no {split!r} key")
+            value = splits[split]
+            paths = value.split() if isinstance(value, str) else value
+            if not isinstance(paths, list) or not all(isinstance(p, str | int | float)
+                                                      for p in paths):  # fmt: skip
+                raise ValueError(f"per_split_data_args_path {path}: {split!r} must be a list "
+                                 "of weights and prefixes or one string of them")  # fmt: skip
+            setattr(self, f"{split}_data_path", [str(p) for p in paths] or None)
 
     @property
     def batches_carry_attention_mask(self) -> bool:
@@ -108,3 +151,11 @@ class DataConfig:
     def has_data(self) -> bool:
         """Some source of training samples is configured."""
         return bool(self.mock_data or self.data_path or self.train_data_path)
+
+
+def _read_text(path: str, field: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except OSError as error:
+        raise FileNotFoundError(f"{field} {path}: cannot read it ({error.strerror})") from None

@@ -21,6 +21,7 @@ import dataclasses
 import functools
 import inspect
 import os
+import sys
 import textwrap
 import warnings
 from collections.abc import Mapping, Sequence
@@ -29,6 +30,7 @@ from typing import Any
 import torch
 
 from mp_ckpt import CheckpointReader
+from mp_train import megatron_flags
 from mp_train.config import RunConfig
 from mp_train.yaml_config import (
     FieldType,
@@ -204,6 +206,9 @@ _ALIASES = {
     "disable_bias_linear": "No biases in linear layers (sets add_bias_linear=False).",
     "recompute_activations": "Recompute core attention in backward (sets "
     "recompute_granularity=selective).",
+    "use_flash_attn": "Flash attention (sets attention_backend=flash: torch's SDPA, a "
+    "flash-attention kernel on CUDA).",
+    "no_position_embedding": "No position embedding (sets position_embedding_type=none).",
 }
 _ALIAS_SETS = {
     "swiglu": ("model", "activation", "swiglu"),
@@ -211,6 +216,8 @@ _ALIAS_SETS = {
     "use_rotary_position_embeddings": ("model", "position_embedding_type", "rope"),
     "disable_bias_linear": ("model", "add_bias_linear", False),
     "recompute_activations": ("model", "recompute_granularity", "selective"),
+    "use_flash_attn": ("model", "attention_backend", "flash"),
+    "no_position_embedding": ("model", "position_embedding_type", "none"),
 }
 _PER_STAGE = "num_layers_per_virtual_pipeline_stage"
 _SECTIONS = {"model": "language_model:", "parallel": "model_parallel:"}
@@ -255,6 +262,7 @@ def _build(prog: str) -> tuple[argparse.ArgumentParser, dict[str, ArgumentGroupF
         help="Layers per virtual pipeline stage (sets virtual_pipeline_model_parallel_size "
         "= num_layers / pipeline_model_parallel_size / N).",
     )  # fmt: skip
+    megatron_flags.add_to(parser)
     return parser, factories
 
 
@@ -275,6 +283,10 @@ def parse_config(argv: list[str] | None = None, *, environ: Mapping[str, str] = 
     if config_path is not None:
         for part, settings in load_yaml_config(config_path, environ).items():
             values[part].update(settings)
+    ignored = megatron_flags.apply(given, values)
+    if ignored and environ.get("RANK", "0") == "0":
+        print(f"note: Megatron-LM flags accepted without effect: {' '.join(ignored)} "
+              "(--help says why each changes nothing here)", file=sys.stderr)  # fmt: skip
     for name, value in given.items():
         for part in field_owners()[name]:
             values[part][name] = value

@@ -15,6 +15,14 @@ CPU use: this command sets TOKENIZERS_PARALLELISM=false, so each process
 tokenizes on one thread and --workers alone decides how many cores are used
 (plus the main process, which reads and writes).
 
+--partitions N gives Megatron's document order: Megatron deals the input lines
+out to N partition files in turn (line i to partition i mod N), encodes each
+and concatenates them in partition order; here the input is read N times,
+each pass encoding the lines of one partition (the others read as blank, so
+line numbers in errors stay the file's), with no partition files. With
+--keep-sequential-samples Megatron gives each partition a contiguous run of
+lines instead, so the order is the input's, as without --partitions.
+
 Outputs appear only complete: the builders write hidden temporaries beside the
 targets and rename them at the end; any error, Ctrl-C or SIGTERM discards
 them, and a killed run (SIGKILL) leaves only hidden `.*.tmp` files.
@@ -27,6 +35,7 @@ import contextlib
 import os
 import signal
 import sys
+from collections.abc import Iterator
 
 from mp_data.cli.encode import EncodedBlock, EncodeOptions, Encoder
 from mp_data.cli.errors import CliError
@@ -130,6 +139,21 @@ def add_parser(subparsers) -> None:
         help="without a terminal, log progress every N documents (default: 10000)",
     )
     r.add_argument(
+        "--partitions",
+        type=int,
+        default=1,
+        metavar="N",
+        help="Megatron's input partitions: line i goes to partition i mod N and the output "
+        "holds partition 0's documents, then partition 1's, ... (the order Megatron's "
+        "preprocess_data.py --partitions N writes); the input is read N times",
+    )
+    r.add_argument(
+        "--keep-sequential-samples",
+        action="store_true",
+        help="with --partitions, partitions are contiguous runs of lines (Megatron's flag): "
+        "the documents keep the input's order",
+    )
+    r.add_argument(
         "--skip-bad-lines",
         action="store_true",
         help="skip and count bad lines (not JSON, a key missing, text the tokenizer "
@@ -174,7 +198,7 @@ def run(args: argparse.Namespace) -> None:
         }
         stack.callback(progress.close)
         results = stack.enter_context(
-            encoded_blocks(options, source.blocks(), args.workers, encoder)
+            encoded_blocks(options, _partitioned(source, args), args.workers, encoder)
         )
         for block in results:
             if block.bad_lines:
@@ -196,6 +220,22 @@ def run(args: argparse.Namespace) -> None:
     _summary(progress, bad_count, bad_lines, source, prefixes)
 
 
+def _partitioned(source: InputFile, args) -> Iterator[tuple[int, bytes]]:
+    """The input's blocks in Megatron's partition order (see the module docstring)."""
+    n = args.partitions
+    if n == 1 or args.keep_sequential_samples:
+        yield from source.blocks()
+        return
+    for partition in range(n):
+        for first, data in source.blocks():
+            lines = data.split(b"\n")
+            kept = [line if (first + i - 1) % n == partition else b""
+                    for i, line in enumerate(lines)]  # fmt: skip
+            yield first, b"\n".join(kept)
+        if partition < n - 1:
+            source.lines_read = 0  # the next pass numbers the lines again
+
+
 def _write(block: EncodedBlock, builders: dict[str, IndexedDatasetBuilder]) -> None:
     for key, part in block.keys.items():
         builder = builders[key]
@@ -214,6 +254,8 @@ def _write(block: EncodedBlock, builders: dict[str, IndexedDatasetBuilder]) -> N
 def _check_numbers(args) -> None:
     if args.workers < 1:
         raise CliError(f"--workers must be at least 1, got {args.workers}")
+    if args.partitions < 1:
+        raise CliError(f"--partitions must be at least 1, got {args.partitions}")
     if args.log_interval < 1:
         raise CliError(f"--log-interval must be at least 1, got {args.log_interval}")
     if len(set(args.json_keys)) != len(args.json_keys):
