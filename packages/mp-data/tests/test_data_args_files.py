@@ -25,7 +25,7 @@ def test_per_split_data_args_path_gives_each_split(tmp_path):
 
 
 def test_bad_files_name_the_file_and_the_fault(tmp_path):
-    with pytest.raises(FileNotFoundError, match="data_args_path .*missing.txt: cannot read it"):
+    with pytest.raises(FileNotFoundError, match=r"data_args_path .*missing.txt: cannot read it"):
         DataConfig(data_args_path=str(tmp_path / "missing.txt"))
     blend = tmp_path / "blend.txt"
     blend.write_text("/d/a")
