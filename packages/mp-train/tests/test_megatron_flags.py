@@ -34,9 +34,10 @@ def test_refused_flags_say_why(dest):
 
 
 def test_renamed_flags_set_our_fields():
-    config = parse_config([*MODEL, "--norm-epsilon", "1e-6", "--ddp-bucket-size", "1000",
-                           "--use-flash-attn", "--no-position-embedding",
-                           "--override-opt_param-scheduler", "--ckpt-format", "torch_dist"])  # fmt: skip
+    renamed = ["--norm-epsilon", "1e-6", "--ddp-bucket-size", "1000", "--use-flash-attn",
+               "--no-position-embedding", "--override-opt_param-scheduler",
+               "--ckpt-format", "torch_dist"]  # fmt: skip
+    config = parse_config([*MODEL, *renamed])
     assert config.model.layernorm_epsilon == 1e-6
     assert config.optimizer.bucket_size == 1000
     assert config.model.attention_backend == "flash"
@@ -45,7 +46,7 @@ def test_renamed_flags_set_our_fields():
 
 
 def test_what_is_refused_or_contradicts():
-    with pytest.raises(ValueError, match="--ckpt-format torch: .*mp-ckpt import-megatron"):
+    with pytest.raises(ValueError, match=r"--ckpt-format torch: .*mp-ckpt import-megatron"):
         parse_config([*MODEL, "--ckpt-format", "torch"])
     with pytest.raises(ValueError, match="--norm-epsilon 1e-06 and --layernorm-epsilon 1e-05"):
         parse_config([*MODEL, "--norm-epsilon", "1e-6", "--layernorm-epsilon", "1e-5"])
