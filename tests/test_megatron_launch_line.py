@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -56,8 +55,8 @@ def test_a_megatron_launch_line_trains_on_two_cpu_ranks(tmp_path):
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                "--nproc-per-node=2", "-m", "mp_gpt.pretrain", *argv]  # fmt: skip
     environment = {**os.environ, "OMP_NUM_THREADS": "1", "MP_RUN_DIR": str(tmp_path)}
-    process = subprocess.Popen(command, env=environment, start_new_session=True,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    process = subprocess.Popen(command, env=environment, start_new_session=True, text=True,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
     try:
         output, _ = process.communicate(timeout=300)
     except subprocess.TimeoutExpired:
