@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from mp_gpt.testing import TINY_CONFIG, assert_same_curve, metrics_records, train_on_rank
+from mp_gpt.testing import assert_same_curve, metrics_records, tiny_options, train_on_rank
 from mp_state.testing import run_on_ranks
 
 pytestmark = pytest.mark.multirank
@@ -19,21 +19,9 @@ pytestmark = pytest.mark.multirank
 LOGGED = ("lm loss", "grad_norm")
 
 
-def options(run_dir: Path, *extra: str) -> list[str]:
-    return [
-        "--config", str(TINY_CONFIG), "--mock-data", "--tokenizer-type", "NullTokenizer",
-        "--vocab-size", "1000", "--make-vocab-size-divisible-by", "512",
-        "--seq-length", "64", "--micro-batch-size", "1", "--global-batch-size", "4",
-        "--train-iters", "4", "--eval-interval", "none", "--log-interval", "10",
-        "--save", "none", "--load", "none", "--tensorboard-dir", "none",
-        "--metrics-file", str(run_dir / "metrics.jsonl"), "--num-workers", "0",
-        "--lr-warmup-iters", "1", *extra,
-    ]  # fmt: skip
-
-
 def run(tmp_path: Path, name: str, ranks: int, *extra: str) -> list[dict]:
     run_dir = tmp_path / name
-    run_on_ranks(train_on_rank, ranks, options(run_dir, *extra), timeout=300)
+    run_on_ranks(train_on_rank, ranks, tiny_options(run_dir, *extra), timeout=300)
     return metrics_records(run_dir)
 
 

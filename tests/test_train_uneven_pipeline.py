@@ -2,11 +2,9 @@
 model's 4 layers split 1 + 3 and 3 + 1 over two pipeline stages train to the one-stage
 loss curve, and the checkpoint of an uneven run loads at an even layout."""
 
-from pathlib import Path
-
 import pytest
 
-from mp_gpt.testing import TINY_CONFIG, assert_same_curve, metrics_records, train_on_rank
+from mp_gpt.testing import assert_same_curve, metrics_records, tiny_options, train_on_rank
 from mp_state.testing import run_on_ranks
 
 pytestmark = pytest.mark.multirank
@@ -14,22 +12,10 @@ pytestmark = pytest.mark.multirank
 LOGGED = ("lm loss", "grad_norm")
 
 
-def options(run_dir: Path, *extra: str) -> list[str]:
-    return [
-        "--config", str(TINY_CONFIG), "--mock-data", "--tokenizer-type", "NullTokenizer",
-        "--vocab-size", "1000", "--make-vocab-size-divisible-by", "512",
-        "--seq-length", "64", "--micro-batch-size", "1", "--global-batch-size", "4",
-        "--train-iters", "4", "--eval-interval", "none", "--log-interval", "10",
-        "--load", "none", "--tensorboard-dir", "none",
-        "--metrics-file", str(run_dir / "metrics.jsonl"), "--num-workers", "0",
-        "--lr-warmup-iters", "1", *extra,
-    ]  # fmt: skip
-
-
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("pp1")
-    run_on_ranks(train_on_rank, 1, options(run_dir, "--save", "none"), timeout=300)
+    run_on_ranks(train_on_rank, 1, tiny_options(run_dir), timeout=300)
     return metrics_records(run_dir)
 
 
@@ -41,13 +27,13 @@ def test_an_uneven_split_trains_like_one_stage(tmp_path, reference, first, last)
         flags += ["--decoder-first-pipeline-num-layers", str(first)]
     if last is not None:
         flags += ["--decoder-last-pipeline-num-layers", str(last)]
-    run_on_ranks(train_on_rank, 2, options(tmp_path, *flags), timeout=300)
+    run_on_ranks(train_on_rank, 2, tiny_options(tmp_path, *flags), timeout=300)
     assert_same_curve(metrics_records(tmp_path), reference, LOGGED, f"PP2 {first}/{last}")
     # the checkpoint numbers layers model-wide: an even PP2 run resumes from it
     resumed = tmp_path / "resumed"
-    argv = options(resumed, "--pipeline-model-parallel-size", "2", "--save", "none",
-                   "--train-iters", "5", "--use-checkpoint-opt-param-scheduler")  # fmt: skip
-    argv[argv.index("--load") + 1] = str(tmp_path / "ckpt")
+    flags = ["--pipeline-model-parallel-size", "2", "--train-iters", "5",
+             "--use-checkpoint-opt-param-scheduler", "--load", str(tmp_path / "ckpt")]  # fmt: skip
+    argv = tiny_options(resumed, *flags)
     run_on_ranks(train_on_rank, 2, argv, timeout=300)
     assert [r["iteration"] for r in metrics_records(resumed)] == [5]
 

@@ -33,14 +33,13 @@ def _settings(root: Path) -> dict:
 CASES = ["llama_torch_dist_tp1", "gpt2_torch_dist_tp1", "llama_torch_pp2"]
 
 
-@pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("fmt", ["torch_dist", "torch"])
-@pytest.mark.parametrize("tp,pp", LAYOUTS)
-def test_round_trip_is_tensor_exact(case, fmt, tp, pp, tmp_path):
+def _round_trip(case: str, fmt: str, tp: int, pp: int, ep: int, tmp_path: Path):
+    """mp -> export-megatron -> import-megatron: every tensor and setting comes back; the
+    Megatron checkpoint read back."""
     src = _mp(case, tmp_path)
     out = export_megatron(
         src, tmp_path / "meg", ckpt_format=fmt, tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp,
+        pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
     )  # fmt: skip
     assert out.name == "iter_0000000"
     assert (tmp_path / "meg" / "latest_checkpointed_iteration.txt").read_text() == "0"
@@ -54,7 +53,16 @@ def test_round_trip_is_tensor_exact(case, fmt, tp, pp, tmp_path):
     assert model.checkpoint_version == 3.0 and model.format == fmt
     assert model.args.tensor_model_parallel_size == tp
     assert model.args.pipeline_model_parallel_size == pp
+    assert model.args.expert_model_parallel_size == ep
     assert model.args.ckpt_format == fmt
+    return model
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("fmt", ["torch_dist", "torch"])
+@pytest.mark.parametrize("tp,pp", LAYOUTS)
+def test_round_trip_is_tensor_exact(case, fmt, tp, pp, tmp_path):
+    _round_trip(case, fmt, tp, pp, 1, tmp_path)
 
 
 def test_torch_dist_files_mirror_megatron(tmp_path):
@@ -145,17 +153,5 @@ MOE_LAYOUTS = [(1, 1, 1), (1, 1, 2), (2, 1, 2), (1, 2, 4)]
 @pytest.mark.parametrize("fmt", ["torch_dist", "torch"])
 @pytest.mark.parametrize("tp,pp,ep", MOE_LAYOUTS)
 def test_moe_round_trip_is_tensor_exact(case, fmt, tp, pp, ep, tmp_path):
-    src = _mp(case, tmp_path)
-    export_megatron(
-        src, tmp_path / "meg", ckpt_format=fmt, tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
-    )  # fmt: skip
-    import_megatron(tmp_path / "meg", tmp_path / "back")
-    before, after = _tensors(src), _tensors(tmp_path / "back")
-    assert before.keys() == after.keys()
-    for key, tensor in before.items():
-        assert after[key].dtype == tensor.dtype and torch.equal(after[key], tensor), key
-    assert _settings(src) == _settings(tmp_path / "back")
-    model = read_megatron(tmp_path / "meg")
-    assert model.args.expert_model_parallel_size == ep
+    model = _round_trip(case, fmt, tp, pp, ep, tmp_path)
     assert model.args.moe_layer_freq == [1, 0]  # layer 0 MoE, layer 1 dense

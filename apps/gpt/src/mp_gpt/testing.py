@@ -16,6 +16,7 @@ __all__ = [
     "assert_same_curve",
     "metrics_records",
     "tiny_moe_options",
+    "tiny_options",
     "train_on_rank",
     "train_run_on_rank",
 ]
@@ -24,6 +25,21 @@ TINY_CONFIG = config_path("tiny.yaml")
 
 LOGGED_MOE = ("lm loss", "load_balancing_loss", "z_loss", "grad_norm")
 """What a MoE run's metrics file records per iteration that layouts must agree on."""
+
+
+def tiny_options(run_dir: Path, *extra: str) -> list[str]:
+    """tiny.yaml on mock data, fp32, 4 iterations of 4 sequences of 64 tokens in
+    micro-batches of one, metrics to run_dir/metrics.jsonl, no checkpoints (a later
+    --save / --load in `extra` wins); then extra."""
+    return [
+        "--config", str(TINY_CONFIG), "--mock-data", "--tokenizer-type", "NullTokenizer",
+        "--vocab-size", "1000", "--make-vocab-size-divisible-by", "512",
+        "--seq-length", "64", "--micro-batch-size", "1", "--global-batch-size", "4",
+        "--train-iters", "4", "--eval-interval", "none", "--log-interval", "10",
+        "--save", "none", "--load", "none", "--tensorboard-dir", "none",
+        "--metrics-file", str(run_dir / "metrics.jsonl"), "--num-workers", "0",
+        "--lr-warmup-iters", "1", *extra,
+    ]  # fmt: skip
 
 
 def tiny_moe_options(run_dir: Path, *extra: str) -> list[str]:
