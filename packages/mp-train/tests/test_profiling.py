@@ -84,3 +84,32 @@ def test_megatron_defaults_and_flags():
         log_world_size_to_tensorboard=True, profile=True, use_pytorch_profiler=True,
         profile_step_start=3, profile_step_end=4, profile_ranks=[0, 2],
     )  # fmt: skip
+
+
+def test_memory_tags_on_cpu():
+    from mp_train.metrics import memory_bytes
+
+    got = memory_bytes(torch.device("cpu"))
+    assert sorted(got) == ["mem-allocated-bytes", "mem-max-allocated-bytes"]
+    assert 0 < got["mem-allocated-bytes"] <= got["mem-max-allocated-bytes"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_memory_tags_and_profile_on_cuda(tmp_path):
+    from mp_train.metrics import memory_bytes
+
+    device = torch.device("cuda")
+    kept = torch.ones(1024, device=device)
+    got = memory_bytes(device)
+    assert sorted(got) == ["mem-allocated-bytes", "mem-allocated-count",
+                           "mem-max-allocated-bytes", "mem-reserved-bytes"]  # fmt: skip
+    assert got["mem-allocated-bytes"] >= kept.numel() * 4
+    config = LoggingConfig(tensorboard_dir=str(tmp_path), profile=True, profile_step_start=1,
+                           profile_step_end=2)  # fmt: skip
+    profiler = StepProfiler(config, 0, device)
+    profiler.iteration_started(1)
+    (kept @ kept).item()
+    profiler.iteration_finished(1)
+    (trace,) = tmp_path.glob("rank0.*.pt.trace.json")
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert any(e.get("cat") == "kernel" for e in events)  # CUDA activity recorded

@@ -298,7 +298,7 @@ def _process_memory_bytes() -> tuple[int, int]:
             current = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except OSError:
         pass
-    return current, peak
+    return current, max(current, peak)  # the kernel's peak may lag the current
 
 
 def _default_peak(device: torch.device) -> float:
