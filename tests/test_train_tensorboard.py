@@ -10,8 +10,6 @@ rank 0 only. A one-rank MoE run checks tensorboard_log_interval and the MoE
 auxiliary-loss tags.
 """
 
-import contextlib
-import io
 import json
 import math
 import re
@@ -21,7 +19,12 @@ import numpy as np
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from mp_gpt.testing import TINY_CONFIG, metrics_records, tiny_moe_options, train_run_on_rank
+from mp_gpt.testing import (
+    TINY_CONFIG,
+    metrics_records,
+    tiny_moe_options,
+    train_printed_on_rank,
+)
 from mp_state.testing import run_on_ranks
 
 pytestmark = pytest.mark.multirank
@@ -54,13 +57,6 @@ def options(run_dir: Path) -> list[str]:
     ]  # fmt: skip
 
 
-def train_printing(argv):
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        train_run_on_rank(argv)
-    return out.getvalue()
-
-
 def scalars(directory: Path) -> dict[str, list[tuple[int, float]]]:
     events = EventAccumulator(str(directory))
     events.Reload()
@@ -72,7 +68,7 @@ def scalars(directory: Path) -> dict[str, list[tuple[int, float]]]:
 @pytest.fixture(scope="module")
 def pp2_run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("tensorboard")
-    printed = run_on_ranks(train_printing, 2, options(run_dir), timeout=300)
+    printed = run_on_ranks(train_printed_on_rank, 2, options(run_dir), timeout=300)
     return run_dir, printed
 
 
@@ -127,7 +123,7 @@ def test_profile_traces_the_given_iterations_on_the_given_ranks(pp2_run):
 def test_interval_and_moe_tags(tmp_path):
     argv = tiny_moe_options(tmp_path, "--tensorboard-dir", str(tmp_path / "tb"),
                             "--tensorboard-log-interval", "2")  # fmt: skip
-    run_on_ranks(train_printing, 1, argv, timeout=300)
+    run_on_ranks(train_printed_on_rank, 1, argv, timeout=300)
     got = scalars(tmp_path / "tb")
     records = metrics_records(tmp_path)
     every = ["learning-rate", "lm loss", "batch-size", "loss-scale", "grad-norm"]
