@@ -1,13 +1,11 @@
 """Evaluation runs and reports what it measured; with eval_iters=0 there is none (Megatron's
 do_valid), and no empty "validation |" line."""
 
-import contextlib
-import io
 from pathlib import Path
 
 import pytest
 
-from mp_gpt.testing import train_run_on_rank
+from mp_gpt.testing import train_printed_on_rank
 from mp_state.testing import run_on_ranks
 
 CONFIG = Path(__file__).resolve().parents[1] / "apps" / "gpt" / "configs" / "tiny.yaml"
@@ -21,10 +19,7 @@ ARGV = [
 
 
 def body(argv):
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        train_run_on_rank(argv)
-    return [line for line in out.getvalue().splitlines() if "validation" in line]
+    return [line for line in train_printed_on_rank(argv).splitlines() if "validation" in line]
 
 
 @pytest.mark.multirank

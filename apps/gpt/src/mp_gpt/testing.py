@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 from pathlib import Path
@@ -18,6 +20,7 @@ __all__ = [
     "tiny_moe_options",
     "tiny_options",
     "train_on_rank",
+    "train_printed_on_rank",
     "train_run_on_rank",
 ]
 
@@ -91,6 +94,14 @@ def train_run_on_rank(argv: list[str]):
     from mp_train import parse_config
 
     return train(parse_config(argv))
+
+
+def train_printed_on_rank(argv: list[str]) -> str:
+    """As train_run_on_rank, but returns what the rank printed (its stdout)."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        train_run_on_rank(argv)
+    return out.getvalue()
 
 
 def _rank_setup() -> None:

@@ -120,10 +120,59 @@ class TrainingConfig:
 @dataclass(kw_only=True)
 class LoggingConfig:
     log_interval: int = 100
-    """Print (and write TensorBoard) every this many iterations."""
+    """Print a line every this many iterations (and write the timing scalars to
+    TensorBoard; the other scalars follow tensorboard_log_interval)."""
 
     tensorboard_dir: str | None = None
-    """Write TensorBoard events here (last rank)."""
+    """Write TensorBoard events here (last rank), with Megatron-LM's tag names."""
+
+    tensorboard_log_interval: int = 1
+    """Write the per-iteration TensorBoard scalars every this many iterations."""
+
+    tensorboard_queue_size: int = 1000
+    """Events TensorBoard's writer holds before one of them forces a write to disk."""
+
+    log_timers_to_tensorboard: bool = False
+    """Write iteration-time, throughput and the timers (<name>-time) to TensorBoard, every
+    log_interval."""
+
+    log_validation_ppl_to_tensorboard: bool = False
+    """Write each validation value's perplexity (`<name> validation ppl`) to TensorBoard."""
+
+    log_loss_scale_to_tensorboard: bool = True
+    """Write the loss scale (loss-scale) to TensorBoard."""
+
+    log_learning_rate_to_tensorboard: bool = True
+    """Write the learning rate (learning-rate) to TensorBoard."""
+
+    log_batch_size_to_tensorboard: bool = True
+    """Write the global batch size (batch-size) to TensorBoard."""
+
+    log_world_size_to_tensorboard: bool = False
+    """Write the world size (world-size) to TensorBoard."""
+
+    log_memory_to_tensorboard: bool = False
+    """Write memory to TensorBoard: CUDA's reserved, allocated, peak allocated bytes and
+    allocation count (mem-*); on CPUs the process's resident and peak resident bytes as
+    mem-allocated-bytes and mem-max-allocated-bytes."""
+
+    profile: bool = False
+    """Profile iterations profile_step_start to profile_step_end - 1 with torch.profiler
+    (CPU activities, and CUDA on GPUs) on the profile_ranks; each rank's trace goes to
+    tensorboard_dir as rank<N>.<time>.pt.trace.json."""
+
+    use_pytorch_profiler: bool = False
+    """Megatron-LM's choice of torch.profiler for --profile; accepted, and changes nothing:
+    mp profiles with torch.profiler only (for Nsight Systems, run under nsys)."""
+
+    profile_step_start: int = 10
+    """The first iteration profiled (with profile)."""
+
+    profile_step_end: int = 12
+    """The iteration at which profiling stops, not itself profiled (with profile)."""
+
+    profile_ranks: list[int] = field(default_factory=list)
+    """Global ranks that profile; empty: every rank."""
 
     wandb_project: str | None = None
     """Log to Weights & Biases as well, when wandb is installed."""
@@ -156,6 +205,21 @@ class LoggingConfig:
 
     barrier_with_L1_time: bool = True
     """Put a barrier before starting level-1 timers (comparable times, some cost)."""
+
+    def __post_init__(self) -> None:
+        for name in ("log_interval", "tensorboard_log_interval", "tensorboard_queue_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if not self.profile:
+            return
+        if not self.tensorboard_dir:
+            raise ValueError("profile=True needs tensorboard_dir: the profiler's traces are "
+                             "written there")  # fmt: skip
+        if not 0 <= self.profile_step_start < self.profile_step_end:
+            raise ValueError(
+                f"profile_step_start={self.profile_step_start} and profile_step_end="
+                f"{self.profile_step_end}: need 0 <= profile_step_start < profile_step_end"
+            )
 
 
 @dataclass(kw_only=True)

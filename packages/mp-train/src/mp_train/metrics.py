@@ -1,4 +1,5 @@
-"""The loop's logs: a line every log_interval on the last rank, TensorBoard, memory, MFU.
+"""The loop's logs: a line every log_interval on the last rank, TensorBoard (Megatron's
+tags, mp_train.tensorboard), memory, MFU.
 
 Each line: iteration, consumed samples, ms per iteration, learning rate,
 global batch, the reported losses, loss scale, gradient norm, optional
@@ -23,7 +24,9 @@ import torch.distributed as dist
 
 from mp_optim import counted_in_grad_norm, is_expert_parallel
 from mp_train.estimate import estimate
+from mp_train.moe_step import aux_loss_names
 from mp_train.setup import Run
+from mp_train.tensorboard import TensorBoard
 
 __all__ = ["MetricsLogger", "measure_peak_tflops"]
 
@@ -53,21 +56,18 @@ class MetricsLogger:
     def __init__(self, run: Run) -> None:
         self.run = run
         self.config = run.config.logging
-        self.writer = None
-        self.wandb = None
-        if run.is_last_rank and self.config.tensorboard_dir:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.writer = SummaryWriter(log_dir=self.config.tensorboard_dir)
+        wandb_run = None
         if run.is_last_rank and self.config.wandb_project:
             try:
                 import wandb
             except ImportError:
                 self.print("wandb_project is set but wandb is not installed: not logging to it")
             else:
-                self.wandb = wandb.init(project=self.config.wandb_project,
-                                        name=self.config.wandb_exp_name,
-                                        config=run.config.as_dict())  # fmt: skip
+                wandb_run = wandb.init(project=self.config.wandb_project,
+                                       name=self.config.wandb_exp_name,
+                                       config=run.config.as_dict())  # fmt: skip
+        self.board = TensorBoard(self.config, run.is_last_rank, wandb_run)
+        self._aux_names = set(aux_loss_names(run.config.model))
         self.estimate = estimate(run.config, dist.get_world_size(),
                                  vocab_size=run.padded_vocab_size,
                                  device_type=run.device.type)  # fmt: skip
@@ -115,18 +115,19 @@ class MetricsLogger:
 
     def iteration_finished(self, losses, result, global_batch: int, microbatches: int) -> None:
         run = self.run
+        iteration, consumed = run.train.iteration, run.train.consumed_train_samples
+        lr = run.optimizer.param_groups[0]["lr"] if run.optimizer.param_groups else 0.0
+        loss_scale = float(run.optimizer.get_loss_scale())
+        grad_norm = result.grad_norm if result is not None else None
         for name, value in losses.items():
             self._sums[name] = self._sums.get(name, 0.0) + value
         if self._metrics_file is not None:
             record = {
-                "iteration": run.train.iteration,
-                "consumed_samples": run.train.consumed_train_samples,
-                "global_batch_size": global_batch,
-                "lr": run.optimizer.param_groups[0]["lr"] if run.optimizer.param_groups else 0.0,
-                "grad_norm": result.grad_norm if result is not None else None,
-                "skipped": result is None or not result.update_successful,
+                "iteration": iteration, "consumed_samples": consumed,
+                "global_batch_size": global_batch, "lr": lr, "loss_scale": loss_scale,
+                "grad_norm": grad_norm, "skipped": result is None or not result.update_successful,
                 **losses,
-            }
+            }  # fmt: skip
             self._metrics_file.write(json.dumps(record) + "\n")
             self._metrics_file.flush()
         self._count += 1
@@ -135,27 +136,58 @@ class MetricsLogger:
             "global_batch_size"]  # fmt: skip
         self._flops += flops
         run.train.floating_point_operations_so_far += flops
-        iteration = run.train.iteration
-        if iteration % self.config.log_interval:
-            return
+        printing = iteration % self.config.log_interval == 0
+        boarding = self.board.writes_iteration(iteration)
+        params_norm = None
+        if self.config.log_params_norm and (printing or boarding):
+            params_norm = parameters_norm(run)  # collective: every rank decides alike
+        # MoE auxiliary losses every iteration, without a vs-samples series (Megatron's
+        # MoE metrics tracker); the rest every tensorboard_log_interval.
+        self.board.add(iteration, {k: v for k, v in losses.items() if k in self._aux_names})
+        if boarding:
+            values = {k: v for k, v in losses.items() if k not in self._aux_names}
+            if self.config.log_learning_rate_to_tensorboard:
+                values = {"learning-rate": lr, **values}
+            if self.config.log_batch_size_to_tensorboard:
+                values["batch-size"] = global_batch
+            if self.config.log_loss_scale_to_tensorboard:
+                values["loss-scale"] = loss_scale
+            if self.config.log_world_size_to_tensorboard:
+                values["world-size"] = dist.get_world_size()
+            if grad_norm is not None:
+                values["grad-norm"] = grad_norm
+            if result is not None and result.num_zeros_in_grad is not None:
+                values["num-zeros"] = result.num_zeros_in_grad
+            if params_norm is not None:
+                values["params-norm"] = params_norm
+            self.board.add(iteration, values, consumed)
+            if self.config.log_memory_to_tensorboard:
+                self.board.add(iteration, memory_bytes(run.device))
+        if printing:
+            self._print_interval(lr, loss_scale, result, global_batch, params_norm)
+
+    def _print_interval(self, lr, loss_scale, result, global_batch, params_norm) -> None:
+        """The log line (and timing line) of the iterations since the previous one; with
+        log_timers_to_tensorboard their times to TensorBoard (collective: the timers)."""
+        run, iteration = self.run, self.run.train.iteration
         elapsed = time.perf_counter() - self._interval_start
         per_iteration_ms = 1000.0 * elapsed / self._count
         values = {
-            "lr": run.optimizer.param_groups[0]["lr"] if run.optimizer.param_groups else 0.0,
+            "lr": lr,
             "global batch": global_batch,
             **{name: total / self._count for name, total in self._sums.items()},
-            "loss scale": run.optimizer.get_loss_scale(),
+            "loss scale": loss_scale,
         }
         if result is not None and result.grad_norm is not None:
             values["grad norm"] = result.grad_norm
         if result is not None and result.num_zeros_in_grad is not None:
             values["zeros in grad"] = result.num_zeros_in_grad
-        if self.config.log_params_norm:
-            values["params norm"] = parameters_norm(run)
+        if params_norm is not None:
+            values["params norm"] = params_norm
         values["skipped iterations"] = run.train.skipped_iterations
         values["nan iterations"] = run.train.nan_iterations
+        tflops = self._flops / elapsed / dist.get_world_size() / 1e12
         if self.config.log_throughput:
-            tflops = self._flops / elapsed / dist.get_world_size() / 1e12
             values["tokens/s"] = self._tokens / elapsed
             values["TFLOP/s per rank"] = tflops
             values["MFU"] = tflops / self.peak_tflops
@@ -166,7 +198,8 @@ class MetricsLogger:
             f"| ms/iteration {per_iteration_ms:.1f} | "
             + " | ".join(f"{k} {_fmt(v)}" for k, v in values.items())
         )
-        timing = run.timers.report(["forward-backward", "optimizer"], normalizer=self._count)
+        times = run.timers.gather(["forward-backward", "optimizer"], normalizer=self._count)
+        timing = run.timers.format(times)
         self.print(line if self.config.timing_log_level == 0 else f"{line}\n{timing}")
         if iteration == self.config.log_interval and self.config.log_memory:
             self.print(
@@ -174,7 +207,13 @@ class MetricsLogger:
                 f"MB measured, {self.estimate['total_mb']:.1f} MB theoretical (weights, "
                 "optimizer, activations; the process's own overhead is not in it)"
             )
-        self._scalars("train", {**values, "ms per iteration": per_iteration_ms}, iteration)
+        if self.config.log_timers_to_tensorboard:
+            # Megatron's: seconds per iteration over the interval, timers at their max rank.
+            timed = {"iteration-time": elapsed / self._count}
+            if self.config.log_throughput:
+                timed["throughput"] = tflops
+            timed.update({f"{name}-time": max(ms) / 1000.0 for name, ms in times.items()})
+            self.board.add(iteration, timed)
         self._interval_start = time.perf_counter()
         self._sums, self._count, self._tokens, self._flops = {}, 0, 0, 0.0
 
@@ -187,25 +226,16 @@ class MetricsLogger:
                 parts.append(f"{name} PPL {math.exp(value):.6g}")
         label = "final validation" if final else f"validation at iteration {iteration}"
         self.print(f"{label} | " + " | ".join(parts))
-        self._scalars("valid", results, iteration)
+        # As Megatron: an evaluation-only run (skip_train) writes nothing to TensorBoard.
+        if not self.run.config.training.skip_train:
+            self.board.validation(results, iteration, self.run.train.consumed_train_samples)
 
     def close(self) -> None:
         if self._metrics_file is not None:
             self._metrics_file.close()
-        if self.writer is not None:
-            self.writer.flush()
-            self.writer.close()
-        if self.wandb is not None:
-            self.wandb.finish()
-
-    def _scalars(self, prefix: str, values: dict, step: int) -> None:
-        if self.writer is not None:
-            for name, value in values.items():
-                if isinstance(value, int | float) and math.isfinite(value):
-                    self.writer.add_scalar(f"{prefix}/{name}", value, step)
-            self.writer.flush()
-        if self.wandb is not None:
-            self.wandb.log({f"{prefix}/{k}": v for k, v in values.items()}, step=step)
+        self.board.close()
+        if self.board.wandb is not None:
+            self.board.wandb.finish()
 
 
 def parameters_norm(run: Run) -> float:
@@ -231,21 +261,44 @@ def parameters_norm(run: Run) -> float:
 
 
 def memory_mb(device: torch.device) -> dict[str, float]:
+    """The log line's memory: allocated and peak CUDA memory, or the process's resident
+    and peak resident memory on CPUs."""
     if device.type == "cuda":
         return {
             "memory MB": torch.cuda.memory_allocated(device) / 2**20,
             "peak memory MB": torch.cuda.max_memory_allocated(device) / 2**20,
         }
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    current, peak = _process_memory_bytes()
+    return {"memory MB": current / 2**20, "peak memory MB": peak / 2**20}
+
+
+def memory_bytes(device: torch.device) -> dict[str, int]:
+    """Megatron's mem-* TensorBoard tags from CUDA's memory statistics; on CPUs the
+    process's resident and peak resident bytes as the allocated and peak allocated."""
+    if device.type == "cuda":
+        stats = torch.cuda.memory_stats(device)
+        return {
+            "mem-reserved-bytes": stats["reserved_bytes.all.current"],
+            "mem-allocated-bytes": stats["allocated_bytes.all.current"],
+            "mem-max-allocated-bytes": stats["allocated_bytes.all.peak"],
+            "mem-allocated-count": stats["allocation.all.current"],
+        }
+    current, peak = _process_memory_bytes()
+    return {"mem-allocated-bytes": current, "mem-max-allocated-bytes": peak}
+
+
+def _process_memory_bytes() -> tuple[int, int]:
+    """This process's resident and peak resident bytes."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
     if sys.platform == "darwin":
-        peak /= 1024
+        peak //= 1024  # bytes on macOS
     current = peak
     try:
         with open(f"/proc/{os.getpid()}/statm") as f:
-            current = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+            current = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except OSError:
         pass
-    return {"memory MB": current, "peak memory MB": peak}
+    return current, max(current, peak)  # the kernel's peak may lag the current
 
 
 def _default_peak(device: torch.device) -> float:

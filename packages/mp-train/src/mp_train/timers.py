@@ -5,6 +5,7 @@
     ...
     timers("forward-backward").stop()
     line = timers.report(["forward-backward"], normalizer=log_interval)   # collective
+    times = timers.gather(["forward-backward"])   # {name: ms on each rank}, collective
 
 A timer above the configured level is a no-op. `barrier=True` puts a
 barrier before starting (comparable times across ranks). Reporting gathers
@@ -78,8 +79,9 @@ class Timers:
         """This rank's milliseconds per timer (divided by normalizer); resets them."""
         return {n: self._timers[n].take() * 1000.0 / normalizer for n in names if n in self._timers}
 
-    def report(self, names: list[str], normalizer: float = 1.0) -> str:
-        """One line with each timer across ranks (collective when distributed)."""
+    def gather(self, names: list[str], normalizer: float = 1.0) -> dict[str, list[float]]:
+        """Each timer's milliseconds on every rank, in rank order (divided by normalizer);
+        resets them. Collective when distributed."""
         mine = self.elapsed_ms(names, normalizer)
         names = [n for n in names if n in mine]
         values = torch.tensor([mine[n] for n in names], dtype=torch.float64)
@@ -88,18 +90,25 @@ class Timers:
         if dist.is_initialized() and names:
             gathered = [torch.zeros_like(values) for _ in range(dist.get_world_size())]
             dist.all_gather(gathered, values)
-            table = torch.stack(gathered)
+            table = torch.stack(gathered).cpu()
         else:
-            table = values.unsqueeze(0)
+            table = values.cpu().unsqueeze(0)
+        return {name: table[:, i].tolist() for i, name in enumerate(names)}
+
+    def report(self, names: list[str], normalizer: float = 1.0) -> str:
+        """One line with each timer across ranks (collective when distributed)."""
+        return self.format(self.gather(names, normalizer))
+
+    def format(self, gathered: dict[str, list[float]]) -> str:
+        """The line of `report` for what `gather` returned."""
         parts = []
-        for i, name in enumerate(names):
-            column = table[:, i]
+        for name, column in gathered.items():
             if self.log_option == "max":
-                parts.append(f"{name}: {float(column.max()):.1f}")
+                parts.append(f"{name}: {max(column):.1f}")
             elif self.log_option == "minmax":
-                parts.append(f"{name}: ({float(column.min()):.1f}, {float(column.max()):.1f})")
+                parts.append(f"{name}: ({min(column):.1f}, {max(column):.1f})")
             else:
-                parts.append(f"{name}: [{', '.join(f'{float(v):.1f}' for v in column)}]")
+                parts.append(f"{name}: [{', '.join(f'{v:.1f}' for v in column)}]")
         return "time (ms) | " + " | ".join(parts)
 
 

@@ -10,7 +10,8 @@
 4. iterations until train_iters / train_samples: the pipeline schedule's
    forward and backward (mp-pipeline), the optimizer step (a step skipped on
    inf/nan gradients is counted), the scheduler by the global batch, logs
-   every log_interval, evaluation every eval_interval, saves every
+   every log_interval (TensorBoard every tensorboard_log_interval), the
+   profiler's window (profile), evaluation every eval_interval, saves every
    save_interval; exit_interval, exit_duration_in_mins and SIGTERM (every
    rank agrees, saves and returns);
 5. a final evaluation and save.
@@ -46,6 +47,7 @@ from mp_train.checkpointing import (
 from mp_train.config import RunConfig
 from mp_train.metrics import MetricsLogger
 from mp_train.moe_step import MoEStep
+from mp_train.profiling import StepProfiler
 from mp_train.setup import Initialized, ModelProvider, Run, setup_run
 from mp_train.signals import DistributedSignalHandler
 
@@ -117,9 +119,11 @@ def _train(run: Run, forward_step_func, train_iter, valid_iter, checkpointer,
                       config.optimizer.calculate_per_token_loss)  # fmt: skip
     start = time.time()
     handler = DistributedSignalHandler() if training.exit_signal_handler else None
-    with handler or contextlib.nullcontext():
+    profiler = StepProfiler(config.logging, dist.get_rank(), run.device)
+    with handler or contextlib.nullcontext(), contextlib.closing(profiler):
         signals = handler
         while not _done(run):
+            profiler.iteration_started(run.train.iteration + 1)
             metrics.iteration_started()
             global_batch = run.calculator.global_batch(run.train.consumed_train_samples)
             num_microbatches = run.calculator.num_microbatches(run.train.consumed_train_samples)
@@ -160,6 +164,7 @@ def _train(run: Run, forward_step_func, train_iter, valid_iter, checkpointer,
             else:
                 run.train.skipped_iterations += 1
             metrics.iteration_finished(losses, result, global_batch, num_microbatches)
+            profiler.iteration_finished(run.train.iteration)
             if (
                 training.manual_gc
                 and training.manual_gc_interval

@@ -1,0 +1,115 @@
+"""--profile's window on one process, and the TensorBoard and profiling options as
+Megatron-LM spells them."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from mp_train import LoggingConfig
+from mp_train.arguments import parse_config
+from mp_train.profiling import StepProfiler
+
+MODEL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
+         "--train-iters", "10", "--mock-data"]  # fmt: skip
+
+
+def profiled(tmp_path, start: int, end: int, iterations: range, rank: int = 0,
+             ranks: list[int] | None = None) -> list[set[str]]:  # fmt: skip
+    """The `iteration <n>` ranges of each trace written while running `iterations`."""
+    config = LoggingConfig(tensorboard_dir=str(tmp_path), profile=True, profile_step_start=start,
+                           profile_step_end=end, profile_ranks=ranks or [])  # fmt: skip
+    profiler = StepProfiler(config, rank, torch.device("cpu"))
+    for iteration in iterations:
+        profiler.iteration_started(iteration)
+        torch.ones(8, 8) @ torch.ones(8, 8)
+        profiler.iteration_finished(iteration)
+    profiler.close()
+    ranges = []
+    for path in sorted(tmp_path.glob(f"rank{rank}.*.pt.trace.json")):
+        events = json.loads(path.read_text())["traceEvents"]
+        ranges.append({e["name"] for e in events if e.get("name", "").startswith("iteration ")})
+    return ranges
+
+
+def test_profiles_start_to_end_exclusive(tmp_path):
+    assert profiled(tmp_path, 3, 5, range(1, 8)) == [{"iteration 3", "iteration 4"}]
+
+
+def test_a_resumed_run_inside_the_window_profiles_the_rest(tmp_path):
+    assert profiled(tmp_path, 3, 6, range(5, 8)) == [{"iteration 5"}]
+
+
+def test_a_run_ending_inside_the_window_writes_what_it_profiled(tmp_path):
+    assert profiled(tmp_path, 2, 6, range(1, 4)) == [{"iteration 2", "iteration 3"}]
+
+
+def test_only_the_profile_ranks_profile(tmp_path):
+    assert profiled(tmp_path, 1, 2, range(1, 3), rank=1, ranks=[0]) == []
+    assert profiled(tmp_path, 1, 2, range(1, 3), rank=1) == [{"iteration 1"}]  # []: all
+
+
+def test_profile_needs_a_tensorboard_dir_and_a_window():
+    with pytest.raises(ValueError, match="profile=True needs tensorboard_dir"):
+        LoggingConfig(profile=True)
+    with pytest.raises(ValueError, match="profile_step_start=5 and profile_step_end=5"):
+        LoggingConfig(profile=True, tensorboard_dir="tb", profile_step_start=5,
+                      profile_step_end=5)  # fmt: skip
+    with pytest.raises(ValueError, match="tensorboard_log_interval=0 must be >= 1"):
+        LoggingConfig(tensorboard_log_interval=0)
+
+
+def test_megatron_defaults_and_flags():
+    logging = parse_config(MODEL).logging
+    assert (logging.tensorboard_log_interval, logging.tensorboard_queue_size) == (1, 1000)
+    assert logging.log_loss_scale_to_tensorboard and not logging.log_timers_to_tensorboard
+    assert (logging.profile_step_start, logging.profile_step_end, logging.profile_ranks) == (
+        10, 12, [])  # fmt: skip
+    logging = parse_config([
+        *MODEL, "--tensorboard-dir", "tb", "--tensorboard-log-interval", "5",
+        "--tensorboard-queue-size", "10", "--log-timers-to-tensorboard",
+        "--log-validation-ppl-to-tensorboard", "--no-log-loss-scale-to-tensorboard",
+        "--no-log-learning-rate-to-tensorboard", "--no-log-batch-size-to-tensorboard",
+        "--log-memory-to-tensorboard", "--log-world-size-to-tensorboard", "--profile",
+        "--use-pytorch-profiler", "--profile-step-start", "3", "--profile-step-end", "4",
+        "--profile-ranks", "0", "2",
+    ]).logging  # fmt: skip
+    assert logging == LoggingConfig(
+        tensorboard_dir="tb", tensorboard_log_interval=5, tensorboard_queue_size=10,
+        log_timers_to_tensorboard=True, log_validation_ppl_to_tensorboard=True,
+        log_loss_scale_to_tensorboard=False, log_learning_rate_to_tensorboard=False,
+        log_batch_size_to_tensorboard=False, log_memory_to_tensorboard=True,
+        log_world_size_to_tensorboard=True, profile=True, use_pytorch_profiler=True,
+        profile_step_start=3, profile_step_end=4, profile_ranks=[0, 2],
+    )  # fmt: skip
+
+
+def test_memory_tags_on_cpu():
+    from mp_train.metrics import memory_bytes
+
+    got = memory_bytes(torch.device("cpu"))
+    assert sorted(got) == ["mem-allocated-bytes", "mem-max-allocated-bytes"]
+    assert 0 < got["mem-allocated-bytes"] <= got["mem-max-allocated-bytes"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_memory_tags_and_profile_on_cuda(tmp_path):
+    from mp_train.metrics import memory_bytes
+
+    device = torch.device("cuda")
+    kept = torch.ones(1024, device=device)
+    got = memory_bytes(device)
+    assert sorted(got) == ["mem-allocated-bytes", "mem-allocated-count",
+                           "mem-max-allocated-bytes", "mem-reserved-bytes"]  # fmt: skip
+    assert got["mem-allocated-bytes"] >= kept.numel() * 4
+    config = LoggingConfig(tensorboard_dir=str(tmp_path), profile=True, profile_step_start=1,
+                           profile_step_end=2)  # fmt: skip
+    profiler = StepProfiler(config, 0, device)
+    profiler.iteration_started(1)
+    (kept @ kept).item()
+    profiler.iteration_finished(1)
+    (trace,) = tmp_path.glob("rank0.*.pt.trace.json")
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert any(e.get("cat") == "kernel" for e in events)  # CUDA activity recorded
