@@ -1,7 +1,8 @@
 """A GPT launch line written for Megatron-LM's pretrain_gpt.py runs under torchrun on two
-CPU ranks: its model, training, parallel, data, checkpoint and logging flags, the GPU
-fusion switches (accepted without effect) and the renamed ones, on a corpus that
-`mp-data preprocess` built, as Megatron's preprocess_data.py would have."""
+CPU ranks: its model, training, parallel, data, checkpoint, TensorBoard and profiling
+flags, the GPU fusion switches (accepted without effect) and the renamed ones, on a
+corpus that `mp-data preprocess` built, as Megatron's preprocess_data.py would have.
+(TensorBoard's tags themselves: tests/test_train_tensorboard.py.)"""
 
 import json
 import os
@@ -38,6 +39,8 @@ MEGATRON_LINE = """
     --tokenizer-type NullTokenizer --vocab-size 1000 --split 90,5,5 --num-workers 0
     --log-interval 2 --eval-interval 3 --eval-iters 1 --save-interval 6
     --ckpt-format torch_dist --log-throughput --log-params-norm
+    --tensorboard-log-interval 1 --log-timers-to-tensorboard --log-validation-ppl-to-tensorboard
+    --profile --use-pytorch-profiler --profile-step-start 2 --profile-step-end 3
 """
 
 
@@ -51,6 +54,7 @@ def test_a_megatron_launch_line_trains_on_two_cpu_ranks(tmp_path):
                     "--append-eod", "--partitions", "2"]) == 0  # fmt: skip
     argv = [*MEGATRON_LINE.split(), "--data-path", f"{prefix}_text_document",
             "--save", str(tmp_path / "ckpt"), "--load", str(tmp_path / "ckpt"),
+            "--tensorboard-dir", str(tmp_path / "tb"),
             "--metrics-file", str(tmp_path / "metrics.jsonl")]  # fmt: skip
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                "--nproc-per-node=2", "-m", "mp_gpt.pretrain", *argv]  # fmt: skip
@@ -69,3 +73,6 @@ def test_a_megatron_launch_line_trains_on_two_cpu_ranks(tmp_path):
     assert "Megatron-LM flags accepted without effect: --use-mcore-models" in output
     assert output.count("accepted without effect") == 1  # rank 0 only
     assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "6"
+    events = list((tmp_path / "tb").glob("events.out.tfevents.*"))
+    traces = sorted(p.name.split(".")[0] for p in (tmp_path / "tb").glob("*.pt.trace.json"))
+    assert events and traces == ["rank0", "rank1"]  # every rank profiles by default
