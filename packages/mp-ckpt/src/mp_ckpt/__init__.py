@@ -1,22 +1,46 @@
 """mp-ckpt: sharded checkpoints that reshard on load, and the sharding description.
 
 Installable alone (torch, numpy, safetensors): nothing here imports the rest of mp.
+
+Names are imported on first use: `mp-ckpt --help` should not wait seconds for
+torch, which only the commands themselves need.
 """
 
-from mp_ckpt.checkpointer import Checkpointer, storage_key
-from mp_ckpt.config import CheckpointConfig
-from mp_ckpt.convert import convert_checkpoint
-from mp_ckpt.hf import export_hf, import_hf, logical_from_hf, model_config_from_hf
-from mp_ckpt.hf_tokenizer import write_tokenizer_files
-from mp_ckpt.integrity import CheckpointCorrupted
-from mp_ckpt.layout import checkpoint_dir, list_iterations, read_tracker, write_tracker
-from mp_ckpt.loader import LoadedCheckpoint, load_checkpoint, read_metadata
-from mp_ckpt.megatron import import_megatron, logical_from_megatron, model_config_from_megatron
-from mp_ckpt.megatron_pickle import UnsafePickleError, safe_load
-from mp_ckpt.megatron_read import MegatronModel, MegatronTensors, read_megatron
-from mp_ckpt.reader import CheckpointReader
-from mp_ckpt.regions import Region
-from mp_ckpt.sharding import ShardedTensor, assemble, check_tiling
+import importlib
+
+_EXPORTS = {
+    "Checkpointer": "mp_ckpt.checkpointer",
+    "storage_key": "mp_ckpt.checkpointer",
+    "CheckpointConfig": "mp_ckpt.config",
+    "convert_checkpoint": "mp_ckpt.convert",
+    "export_hf": "mp_ckpt.hf",
+    "import_hf": "mp_ckpt.hf",
+    "logical_from_hf": "mp_ckpt.hf",
+    "model_config_from_hf": "mp_ckpt.hf",
+    "write_tokenizer_files": "mp_ckpt.hf_tokenizer",
+    "CheckpointCorrupted": "mp_ckpt.integrity",
+    "checkpoint_dir": "mp_ckpt.layout",
+    "list_iterations": "mp_ckpt.layout",
+    "read_tracker": "mp_ckpt.layout",
+    "write_tracker": "mp_ckpt.layout",
+    "LoadedCheckpoint": "mp_ckpt.loader",
+    "load_checkpoint": "mp_ckpt.loader",
+    "read_metadata": "mp_ckpt.loader",
+    "import_megatron": "mp_ckpt.megatron",
+    "logical_from_megatron": "mp_ckpt.megatron",
+    "model_config_from_megatron": "mp_ckpt.megatron",
+    "UnsafePickleError": "mp_ckpt.megatron_pickle",
+    "safe_load": "mp_ckpt.megatron_pickle",
+    "MegatronModel": "mp_ckpt.megatron_read",
+    "MegatronTensors": "mp_ckpt.megatron_read",
+    "read_megatron": "mp_ckpt.megatron_read",
+    "CheckpointReader": "mp_ckpt.reader",
+    "Region": "mp_ckpt.regions",
+    "ShardedTensor": "mp_ckpt.sharding",
+    "assemble": "mp_ckpt.sharding",
+    "check_tiling": "mp_ckpt.sharding",
+}
+"""Public name -> the module that defines it."""
 
 __all__ = [
     "CheckpointConfig",
@@ -50,3 +74,16 @@ __all__ = [
     "write_tokenizer_files",
     "write_tracker",
 ]
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'mp_ckpt' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later look-ups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])

@@ -29,14 +29,13 @@ from pathlib import Path
 import torch
 
 from mp_ckpt.hf_config import gpt2_config, llama_config, model_config_from_hf
-from mp_ckpt.hf_moe import (
-    MOE_ARCHITECTURES,
-    export_moe_mlp,
-    import_moe_mlp,
-    is_moe_layer,
-    moe_mlp_keys,
+from mp_ckpt.hf_moe import export_moe_mlp, import_moe_mlp, is_moe_layer, moe_mlp_keys
+from mp_ckpt.hf_moe_config import (
+    ARCHITECTURES,
+    mixtral_config,
+    moe_topk,
+    qwen2_moe_config,
 )
-from mp_ckpt.hf_moe_config import mixtral_config, moe_topk, qwen2_moe_config
 from mp_ckpt.hf_tokenizer import (
     TOKENIZER_FILES,
     export_tokenizer,
@@ -55,7 +54,6 @@ __all__ = [
     "model_config_from_hf",
 ]
 
-ARCHITECTURES = ("gpt2", "llama", *MOE_ARCHITECTURES)
 _DEFAULT_SHARD_BYTES = 5 * 2**30
 
 # Per-layer tensors that only change names (Hugging Face -> mp): attention and norms,

@@ -35,10 +35,8 @@ import torch
 
 from mp_ckpt.regions import Region
 
-__all__ = ["MOE_ARCHITECTURES", "export_moe_mlp", "import_moe_mlp", "is_moe_layer",
-           "moe_mlp_keys"]  # fmt: skip
+__all__ = ["export_moe_mlp", "import_moe_mlp", "is_moe_layer", "moe_mlp_keys"]
 
-MOE_ARCHITECTURES = ("mixtral", "qwen2_moe")
 _OURS = ("linear_fc1.gate", "linear_fc1.up", "linear_fc2")
 # Each expert's (gate, up, down) projections, per architecture.
 _THEIRS = {"mixtral": ("w1", "w3", "w2"), "qwen2_moe": ("gate_proj", "up_proj", "down_proj")}

@@ -32,6 +32,8 @@ from __future__ import annotations
 from mp_ckpt.hf_config import llama_settings, rope_scaling, token_ids
 
 __all__ = [
+    "ARCHITECTURES",
+    "MOE_ARCHITECTURES",
     "mixtral_config",
     "mixtral_settings",
     "moe_topk",
@@ -39,6 +41,10 @@ __all__ = [
     "qwen2_moe_settings",
     "qwen2_moe_sparse_layers",
 ]
+
+MOE_ARCHITECTURES = ("mixtral", "qwen2_moe")
+ARCHITECTURES = ("gpt2", "llama", *MOE_ARCHITECTURES)
+"""Every architecture export_hf writes; here, without torch, for `mp-ckpt --help`."""
 
 # Keys config.json may omit, at the values transformers' config classes give them.
 _MIXTRAL_DEFAULTS = {"num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 14336}

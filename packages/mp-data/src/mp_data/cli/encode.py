@@ -29,12 +29,15 @@ import gc
 import json
 from dataclasses import dataclass
 from itertools import chain
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from mp_data.cli.sentences import SentenceSplitter
 from mp_data.indexed_format import DType
 from mp_data.tokenizers import Tokenizer, build_tokenizer
+
+if TYPE_CHECKING:  # NLTK is imported only with --split-sentences: half a second saved
+    from mp_data.cli.sentences import SentenceSplitter
 
 __all__ = ["BadLine", "EncodeOptions", "EncodedBlock", "EncodedKey", "Encoder", "parse_line"]
 
@@ -142,11 +145,11 @@ class Encoder:
         self.options = options
         self.keys = options.json_keys
         self.tokenizer = options.build_tokenizer()
-        self.splitter = (
-            SentenceSplitter(options.lang, options.keep_newlines)
-            if options.split_sentences
-            else None
-        )
+        self.splitter: SentenceSplitter | None = None
+        if options.split_sentences:
+            from mp_data.cli.sentences import SentenceSplitter
+
+            self.splitter = SentenceSplitter(options.lang, options.keep_newlines)
         self.dtype = np.dtype(DType.optimal_dtype(self.tokenizer.vocab_size))
         self.eod = self.tokenizer.eod if options.append_eod else None
         if options.append_eod and self.eod is None:
