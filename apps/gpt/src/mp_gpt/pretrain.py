@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 import mp_state
 from mp_gpt.gpt import datasets_provider, forward_step, model_provider
-from mp_train import RunConfig, parse_config, pretrain
+from mp_train import ConfigError, RunConfig, load_config, pretrain, report
 
 __all__ = ["main", "train"]
 
@@ -25,9 +25,12 @@ def train(config: RunConfig):
 
 
 def main(argv: list[str] | None = None) -> int:
-    config = parse_config(argv)
+    """Runs `pretrain_gpt.py ARGV`; returns the exit status: 0, or 2 for a configuration
+    mistake (one line from rank 0, the same mistake found by every rank)."""
     try:
-        train(config)
+        train(load_config(argv))
+    except ConfigError as error:
+        return report(error)
     finally:
         mp_state.destroy()
         if dist.is_initialized():

@@ -7,6 +7,8 @@ and pretrain().
 
 from mp_train.arguments import ArgumentGroupFactory, build_parser, parse_config
 from mp_train.config import GPTConfig, LoggingConfig, RunConfig, TrainingConfig, validate
+from mp_train.entry_point import load_config
+from mp_train.errors import ConfigError, report
 from mp_train.estimate import estimate
 from mp_train.microbatches import MicroBatchCalculator
 from mp_train.setup import Initialized, Run, TrainState, initialize, setup_run
@@ -16,6 +18,7 @@ from mp_train.yaml_config import load_yaml_config
 
 __all__ = [
     "ArgumentGroupFactory",
+    "ConfigError",
     "GPTConfig",
     "Initialized",
     "LoggingConfig",
@@ -29,9 +32,11 @@ __all__ = [
     "estimate",
     "evaluate",
     "initialize",
+    "load_config",
     "load_yaml_config",
     "parse_config",
     "pretrain",
+    "report",
     "setup_run",
     "validate",
 ]

@@ -32,6 +32,7 @@ import torch
 from mp_ckpt import CheckpointReader
 from mp_train import megatron_flags
 from mp_train.config import RunConfig
+from mp_train.errors import ConfigError
 from mp_train.yaml_config import (
     FieldType,
     field_owners,
@@ -229,9 +230,21 @@ def build_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
     return _build(prog)[0]
 
 
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser that, with `raise_errors`, raises a ConfigError for a bad option
+    instead of printing the usage and exiting (on every rank)."""
+
+    raise_errors = False
+
+    def error(self, message: str):
+        if self.raise_errors:
+            raise ConfigError(f"{message} (see {self.prog} --help)")
+        super().error(message)
+
+
 def _build(prog: str) -> tuple[argparse.ArgumentParser, dict[str, ArgumentGroupFactory]]:
     owners = field_owners()
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog=prog, allow_abbrev=False, usage="%(prog)s [--config PATH] [options]",
         description="Pretrain a GPT model. Options override the --config YAML file.",
     )  # fmt: skip
@@ -266,11 +279,18 @@ def _build(prog: str) -> tuple[argparse.ArgumentParser, dict[str, ArgumentGroupF
     return parser, factories
 
 
-def parse_config(argv: list[str] | None = None, *, environ: Mapping[str, str] = os.environ,
-                 prog: str = "pretrain_gpt.py") -> RunConfig:  # fmt: skip
+def parse_config(
+    argv: list[str] | None = None,
+    *,
+    environ: Mapping[str, str] = os.environ,
+    prog: str = "pretrain_gpt.py",
+    exit_on_error: bool = True,
+) -> RunConfig:
     """The RunConfig of a command line (sys.argv[1:] when None). Each part's dataclass
-    validates its own fields: its ValueError propagates. A bad option exits via argparse."""
+    validates its own fields: its ValueError propagates. A bad option exits via argparse
+    (raises a ConfigError with `exit_on_error=False`)."""
     parser, factories = _build(prog)
+    parser.raise_errors = not exit_on_error
     given = vars(parser.parse_args(argv))
     config_path = given.pop("config", None)
     flags = {name: given.pop(name) for name in [*_ALIASES, _PER_STAGE] if name in given}

@@ -28,6 +28,8 @@ from mp_data import DataConfig
 from mp_layers import TransformerConfig
 from mp_optim import OptimizerConfig
 from mp_state import ParallelConfig
+from mp_train.log_setup import parse_level
+from mp_train.run_checks import check_schedule
 
 __all__ = [
     "GPTConfig",
@@ -203,6 +205,12 @@ class LoggingConfig:
     timing_log_option: Literal["max", "minmax", "all"] = "minmax"
     """How timers are reported across ranks."""
 
+    logging_level: int | None = field(
+        default=None, metadata={"argparse_meta": {"type": parse_level}}
+    )
+    """Python logging level of rank 0 and the last rank: a number (10 debug, 20 info, 30
+    warning) or, on the command line, a name; None: 20 (info). Other ranks show warnings."""
+
     barrier_with_L1_time: bool = True
     """Put a barrier before starting level-1 timers (comparable times, some cost)."""
 
@@ -259,7 +267,8 @@ def validate(config: RunConfig, world_size: int) -> dict[str, int]:
             f"world size {world_size} is not divisible by tensor_model_parallel_size="
             f"{parallel.tensor_model_parallel_size} x pipeline_model_parallel_size="
             f"{parallel.pipeline_model_parallel_size} x context_parallel_size="
-            f"{parallel.context_parallel_size}"
+            f"{parallel.context_parallel_size}: launch a multiple of {model_parallel} ranks "
+            "or lower these sizes"
         )
     dp = world_size // model_parallel
     mbs = training.micro_batch_size
@@ -318,6 +327,7 @@ def validate(config: RunConfig, world_size: int) -> dict[str, int]:
         raise ValueError(f"eval_interval={training.eval_interval} must be >= 1 (or None)")
     if not config.data.has_data and not training.skip_train:
         raise ValueError("no training data: set data_path, train_data_path or mock_data")
+    check_schedule(config)
     return {"data_parallel_size": dp, "global_batch_size": gbs, "num_microbatches": microbatches}
 
 

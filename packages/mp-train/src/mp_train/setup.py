@@ -13,6 +13,7 @@ scheduler. Nothing is kept in module globals: the loop's mutable state is
 from __future__ import annotations
 
 import functools
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -33,10 +34,13 @@ from mp_optim import (
 from mp_pipeline import PipelineConfig, finalize_model_grads, stage_layers
 from mp_state import ParallelState, RNGStatesTracker
 from mp_train.config import RunConfig, validate
+from mp_train.log_setup import configure_logging
 from mp_train.microbatches import MicroBatchCalculator
 from mp_train.timers import Timers
 
 __all__ = ["Initialized", "ModelProvider", "Run", "TrainState", "initialize", "setup_run"]
+
+log = logging.getLogger("mp_train")
 
 
 @dataclass
@@ -118,11 +122,15 @@ def _initialize_now(config: RunConfig) -> Initialized:
     device_info = mp_state.init_distributed(config.parallel.distributed_timeout_minutes,
                                             config.parallel.distributed_backend)  # fmt: skip
     sizes = validate(config, torch.distributed.get_world_size())
+    world = torch.distributed.get_world_size()
+    configure_logging(config.logging.logging_level, torch.distributed.get_rank(), world)
     state = mp_state.initialize(config.parallel)
     tracker = mp_state.set_random_seeds(
         config.training.seed, state,
         data_parallel_random_init=config.training.data_parallel_random_init,
     )  # fmt: skip
+    log.info("torch.distributed initialized: world size %d, backend %s, device %s; seed %d",
+             world, device_info.backend, device_info.device, config.training.seed)  # fmt: skip
     return Initialized(state, device_info.device, tracker, sizes)
 
 

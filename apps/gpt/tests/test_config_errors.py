@@ -1,0 +1,148 @@
+"""A configuration mistake ends pretrain_gpt with one line from rank 0 naming the flag and
+the fix, exit status 2 on every rank, and no traceback (docs/errors-and-logging.md).
+
+Every message is checked through main() in this process (an error before the model is
+built costs nothing); the real entry point runs as a subprocess for one rank, for two
+ranks started as torchrun starts them (each rank's output and status apart), and
+under torchrun itself."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from mp_gpt.config_files import config_path
+from mp_gpt.pretrain import main
+
+BASE = [
+    "--config", str(config_path("tiny.yaml")), "--mock-data",
+    "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000", "--seq-length", "64",
+    "--train-iters", "200", "--eval-interval", "none", "--save", "none", "--load", "none",
+    "--tensorboard-dir", "none", "--num-workers", "0",
+]  # fmt: skip
+
+# (flags replacing or added to BASE, the whole line rank 0 prints)
+MISTAKES = {
+    "precision": (["--bf16", "--fp16"], "error: --bf16 and --fp16 are exclusive: choose one"),
+    "tokenizer": (
+        ["--tokenizer-type", "GPT3Tokenizer"],
+        "error: --tokenizer-type GPT3Tokenizer is not one mp has: choose one of "
+        "GPT2BPETokenizer, BertWordPieceLowerCase, BertWordPieceCase, HuggingFaceTokenizer, "
+        "NullTokenizer",
+    ),
+    "tokenizer argument": (
+        ["--tokenizer-type", "GPT2BPETokenizer", "--merge-file", "none"],
+        "error: --tokenizer-type GPT2BPETokenizer needs --merge-file",
+    ),
+    "tokenizer file": (
+        ["--tokenizer-type", "GPT2BPETokenizer"],
+        "error: --vocab-file /nonexistent/data/tokenizer/vocab.json does not exist "
+        "(--tokenizer-type GPT2BPETokenizer)",
+    ),
+    "warmup iterations": (
+        ["--lr-warmup-iters", "100", "--lr-decay-iters", "50"],
+        "error: --lr-warmup-iters 100 is not below --lr-decay-iters 50: warm up for fewer "
+        "iterations or decay over more",
+    ),
+    "warmup samples": (
+        ["--train-iters", "none", "--train-samples", "6400", "--lr-warmup-samples", "6400"],
+        "error: --lr-warmup-samples 6400 is not below --train-samples 6400 (the decay length "
+        "without --lr-decay-samples): warm up for fewer samples or decay over more",
+    ),
+    "data path": (
+        ["--no-mock-data", "--data-path", "/nonexistent/corpus_text_document"],
+        "error: --data-path /nonexistent/corpus_text_document: "
+        "/nonexistent/corpus_text_document.bin does not exist; give the path of a .bin/.idx "
+        "pair without its extension",
+    ),
+    "layout": (
+        ["--tensor-model-parallel-size", "2"],
+        "error: world size 1 is not divisible by --tensor-model-parallel-size 2 x "
+        "--pipeline-model-parallel-size 1 x --context-parallel-size 1: launch a multiple of "
+        "2 ranks or lower these sizes",
+    ),
+    "heads": (
+        ["--tensor-model-parallel-size", "3"],
+        "error: --tensor-model-parallel-size 3 does not divide --num-attention-heads 4",
+    ),
+    "unknown flag": (
+        ["--no-such-flag"],
+        "error: unrecognized arguments: --no-such-flag (see pretrain_gpt.py --help)",
+    ),
+    "bad value": (
+        ["--micro-batch-size", "two"],
+        "error: argument --micro-batch-size: 'two' is not an integer (see pretrain_gpt.py --help)",
+    ),
+    "config file": (
+        ["--config", "/nonexistent/run.yaml"],
+        "error: /nonexistent/run.yaml: No such file or directory",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", MISTAKES)
+def test_a_mistake_is_one_line_and_status_2(name, capsys, monkeypatch):
+    flags, line = MISTAKES[name]
+    monkeypatch.setenv("MP_RUN_DIR", "/nonexistent")
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert main([*BASE, *flags]) == 2
+    out, err = capsys.readouterr()
+    assert (out, err) == ("", line + "\n")
+
+
+def _environment(**extra: str) -> dict[str, str]:
+    return {**os.environ, "MP_RUN_DIR": "/nonexistent", "OMP_NUM_THREADS": "1", **extra}
+
+
+def _entry_point(*flags: str) -> list[str]:
+    return [sys.executable, "-m", "mp_gpt.pretrain", *BASE, *flags]
+
+
+def test_one_rank_subprocess():
+    flags, line = MISTAKES["precision"]
+    done = subprocess.run(_entry_point(*flags), env=_environment(), capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert (done.returncode, done.stdout, done.stderr) == (2, "", line + "\n")
+
+
+@pytest.mark.parametrize("name", ["data path", "warmup iterations"])
+def test_two_ranks_as_torchrun_starts_them(name):
+    """Both ranks find the mistake and exit 2; rank 0 alone prints, rank 1 says nothing."""
+    flags, line = MISTAKES[name]
+    ranks = [
+        subprocess.Popen(_entry_point(*flags), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, env=_environment(
+                             RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
+                             LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="29591"))
+        for rank in range(2)
+    ]  # fmt: skip
+    results = []
+    for process in ranks:
+        try:
+            out, err = process.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            for p in ranks:
+                p.kill()
+            raise
+        results.append((process.returncode, out, err))
+    assert results == [(2, "", line + "\n"), (2, "", "")]
+
+
+def test_under_torchrun():
+    """torchrun adds its own report of the ranks' exit statuses (with its launcher's
+    traceback, and exits 1); the ranks print one line and no traceback."""
+    flags, line = MISTAKES["precision"]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node=2", *_entry_point(*flags)[1:]]  # fmt: skip
+    done = subprocess.run(command, env=_environment(), capture_output=True, text=True,
+                          timeout=180)  # fmt: skip
+    output = done.stdout + done.stderr
+    assert [text for text in output.splitlines() if text.startswith("error:")] == [line]
+    # torchrun stops the other rank once one has exited: one status 2 at least.
+    assert "exitcode  : 2" in output, output
+    # The one traceback is the launcher's own (torch/distributed/run.py), no rank's.
+    assert "mp_gpt" not in output.split("Traceback", 1)[-1].split("ChildFailedError")[0], output

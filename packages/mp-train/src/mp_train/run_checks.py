@@ -1,0 +1,94 @@
+"""Checks of a run's settings that would otherwise fail late, deep in the setup, on every
+rank: in the user's terms (the flags they gave, in iterations when they gave iterations).
+
+    check_schedule(config)    the learning-rate warm-up ends before the decay does
+    check_tokenizer(config)   a tokenizer type mp has, with the arguments it requires
+    check_input_files(config) the data prefixes and tokenizer files exist
+
+validate() applies the first; an entry point applies the other two (load_config),
+before torch.distributed starts: the library's own callers may build their tokenizer
+and datasets their own way.
+"""
+
+from __future__ import annotations
+
+import os
+
+from mp_data import TOKENIZER_TYPES, get_blend_from_list
+from mp_train.errors import ConfigError, flag
+
+__all__ = ["check_input_files", "check_schedule", "check_tokenizer"]
+
+
+def check_schedule(config) -> None:
+    """Warm-up shorter than the decay (mp_optim's scheduler would refuse it after the model
+    is built, in samples), said in iterations or samples as the run counts."""
+    optimizer, training = config.optimizer, config.training
+    unit = "iters" if training.train_iters is not None else "samples"
+    decay_name = f"lr_decay_{unit}"
+    decay = getattr(optimizer, decay_name)
+    if decay is None:
+        decay_name = f"train_{unit}"
+        decay = getattr(training, decay_name)
+    if decay is None:
+        return  # validate() reports the missing length
+    words = "iterations" if unit == "iters" else "samples"
+    decay_flag = f"{flag(decay_name)} {decay}"
+    if decay_name.startswith("train_"):
+        decay_flag += f" (the decay length without {flag(f'lr_decay_{unit}')})"
+    if decay < 1:
+        raise ConfigError(f"{decay_flag} must be >= 1: the learning rate decays over {words}")
+    if optimizer.lr_warmup_fraction is not None:
+        if optimizer.lr_warmup_fraction >= 1:
+            raise ConfigError(
+                f"--lr-warmup-fraction {optimizer.lr_warmup_fraction} is not below 1: the "
+                "warm-up would not end before the decay does; give a fraction below 1"
+            )
+        return
+    warmup_name = f"lr_warmup_{unit}"
+    warmup = getattr(optimizer, warmup_name)
+    if warmup >= decay:
+        raise ConfigError(
+            f"{flag(warmup_name)} {warmup} is not below {decay_flag}: warm up for fewer "
+            f"{words} or decay over more"
+        )
+
+
+def check_tokenizer(config) -> None:
+    """A tokenizer type mp provides and the arguments it reads (mp_data.TOKENIZER_TYPES)."""
+    data = config.data
+    kind = data.tokenizer_type
+    if kind is None:
+        if data.vocab_size is None:
+            raise ConfigError(
+                "the vocabulary is unknown: give --tokenizer-type (or --vocab-size for token "
+                "ids used as they are)"
+            )
+        return
+    if kind not in TOKENIZER_TYPES:
+        raise ConfigError(
+            f"--tokenizer-type {kind} is not one mp has: choose one of {', '.join(TOKENIZER_TYPES)}"
+        )
+    missing = [flag(name) for name in TOKENIZER_TYPES[kind] if getattr(data, name) is None]
+    if missing:
+        raise ConfigError(f"--tokenizer-type {kind} needs {' and '.join(missing)}")
+
+
+def check_input_files(config) -> None:
+    """Every dataset prefix (.bin and .idx) and tokenizer file the run will read exists."""
+    data = config.data
+    if not data.mock_data:
+        for name in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
+            blend = get_blend_from_list(getattr(data, name))
+            for prefix in blend[0] if blend else ():
+                for suffix in (".bin", ".idx"):
+                    if not os.path.isfile(prefix + suffix):
+                        raise ConfigError(
+                            f"{flag(name)} {prefix}: {prefix}{suffix} does not exist; give "
+                            "the path of a .bin/.idx pair without its extension"
+                        )
+    kind = data.tokenizer_type
+    for name in ("vocab_file", "merge_file"):
+        path = getattr(data, name)
+        if name in TOKENIZER_TYPES.get(kind, ()) and path is not None and not os.path.exists(path):
+            raise ConfigError(f"{flag(name)} {path} does not exist (--tokenizer-type {kind})")
