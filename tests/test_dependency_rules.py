@@ -31,8 +31,8 @@ OURS = {
 }
 ALLOWED = {
     "mp_state": {"torch"},
-    "mp_ckpt": {"torch", "numpy", "safetensors"},
-    "mp_data": {"numpy", "torch", "tokenizers", "punkt", "nltk"},
+    "mp_ckpt": {"torch", "numpy", "safetensors", "tqdm"},
+    "mp_data": {"numpy", "torch", "tokenizers", "punkt", "nltk", "tqdm"},
     "mp_layers": {"torch", "mp_state", "mp_ckpt"},
     "mp_optim": {"torch", "mp_state", "mp_ckpt"},
     "mp_pipeline": {"torch", "mp_state"},

@@ -153,9 +153,7 @@ def test_null_tokenizer_writes_the_ids_it_is_given(tmp_path):
     assert [s.tolist() for s in dataset] == [[1, 2, 3, 70001], [70000, 4, 70001]]
 
 
-def test_progress_is_a_redrawn_line_on_a_terminal_and_log_lines_otherwise(
-    tmp_path, monkeypatch, capsys
-):
+def test_progress_is_a_bar_on_a_terminal_and_log_lines_otherwise(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(input_file, "BLOCK_BYTES", 200)
     source = write_jsonl(tmp_path / "in.jsonl", [{"text": d} for d in DOCUMENTS])
     preprocess(tmp_path, source, "log", "--log-interval", "10")
@@ -175,7 +173,9 @@ def test_progress_is_a_redrawn_line_on_a_terminal_and_log_lines_otherwise(
     monkeypatch.setattr("sys.stderr", terminal)
     preprocess(tmp_path, source, "tty")
     drawn = terminal.getvalue()
-    assert drawn.startswith("\r") and drawn.endswith("\x1b[K\n") and "46 documents" in drawn
+    # tqdm's bar, redrawn in place (mp_data.progress), with the counts after it.
+    assert drawn.startswith("\r") and drawn.endswith("\n") and "preprocess: 46doc" in drawn
+    assert "626 tokens" in drawn.rsplit("\r", 1)[1]
 
 
 @pytest.mark.parametrize(

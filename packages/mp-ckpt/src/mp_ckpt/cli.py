@@ -62,7 +62,6 @@ def _parser() -> argparse.ArgumentParser:
     convert.add_argument("--iteration", type=int)
     convert.add_argument("--tensor-model-parallel-size", type=int, default=1)
     convert.add_argument("--pipeline-model-parallel-size", type=int, default=1)
-    convert.add_argument("--no-progress", action="store_true")
     convert.set_defaults(run=_convert)
 
     export = sub.add_parser("export-hf", help="a Hugging Face directory transformers loads")
@@ -102,6 +101,11 @@ def _parser() -> argparse.ArgumentParser:
     to_megatron.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     to_megatron.add_argument("--expert-model-parallel-size", type=int, default=1)
     to_megatron.set_defaults(run=_export_megatron)
+    for command in (convert, export, imported, megatron, to_megatron):
+        command.add_argument(
+            "--no-progress", action="store_true",
+            help="no progress on stderr (a bar on a terminal, else lines)",
+        )  # fmt: skip
     return parser
 
 
@@ -170,7 +174,8 @@ def _export(args) -> int:
 
     out = export_hf(args.dir, args.out, args.arch, iteration=args.iteration,
                     max_shard_bytes=_parse_size(args.max_shard_size),
-                    dtype=getattr(torch, _DTYPES[args.dtype]) if args.dtype else None)  # fmt: skip
+                    dtype=getattr(torch, _DTYPES[args.dtype]) if args.dtype else None,
+                    progress=not args.no_progress)  # fmt: skip
     print(f"wrote {out}")
     return 0
 
@@ -178,7 +183,7 @@ def _export(args) -> int:
 def _import(args) -> int:
     from mp_ckpt.hf import import_hf
 
-    out = import_hf(args.hf_dir, args.out)
+    out = import_hf(args.hf_dir, args.out, progress=not args.no_progress)
     print(f"wrote {out}")
     return 0
 
@@ -187,8 +192,9 @@ def _import_megatron(args) -> int:
     from mp_ckpt.megatron import import_megatron
 
     out = import_megatron(
-        args.src, args.out, iteration=args.iteration, with_optimizer=args.with_optimizer
-    )
+        args.src, args.out, iteration=args.iteration, with_optimizer=args.with_optimizer,
+        progress=not args.no_progress,
+    )  # fmt: skip
     print(f"wrote {out}")
     return 0
 
@@ -201,6 +207,7 @@ def _export_megatron(args) -> int:
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         expert_model_parallel_size=args.expert_model_parallel_size,
+        progress=not args.no_progress,
     )  # fmt: skip
     print(f"wrote {out} (model weights only: Megatron loads it with --no-load-optim --no-load-rng)")
     return 0

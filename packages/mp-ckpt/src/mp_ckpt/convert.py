@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -28,6 +27,7 @@ from mp_ckpt.checkpointer import METADATA, build_metadata, replace_dir, single_p
 from mp_ckpt.gpt_layout import layer_index, stage_of, tp_axis
 from mp_ckpt.integrity import CHECKSUMS, HashingFileSystemWriter
 from mp_ckpt.layout import checkpoint_dir, fsync_dir, write_tracker
+from mp_ckpt.progress import progress as progress_reporter
 from mp_ckpt.reader import CheckpointReader
 from mp_ckpt.regions import Region
 
@@ -55,7 +55,7 @@ class _StreamingPlanner(DefaultSavePlanner):
             self._last.untyped_storage().resize_(0)
             self._last = None
         tensor = self.producers[write_item.index.fqn]()
-        self.progress(write_item.index.fqn)
+        self.progress()
         self._last = tensor
         return tensor
 
@@ -105,7 +105,7 @@ def convert_checkpoint(
     layout = {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
               "converted_from": str(reader.directory)}  # fmt: skip
     return write_streaming(out, reader.iteration, plan, producers, chunks_per_rank, common,
-                           layout, progress=progress)  # fmt: skip
+                           layout, progress=progress, description="convert")  # fmt: skip
 
 
 def write_streaming(
@@ -118,23 +118,25 @@ def write_streaming(
     layout: dict | None,
     *,
     progress: bool = False,
+    description: str = "write",
 ) -> Path:
     """Writes checkpoint `iteration` under `out`, one stored tensor at a time: `plan` maps
     each storage key to a meta tensor of its shape and dtype, `producers` to the function
     that makes it (called when the writer reaches it; released once written);
-    chunks_per_rank is what mp_metadata.json records for each rank of the layout."""
+    chunks_per_rank is what mp_metadata.json records for each rank of the layout.
+    progress: report the tensors written on stderr (progress.py), as `description`."""
     final = checkpoint_dir(out, iteration)
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    bar = _ProgressBar(len(plan), enabled=progress)
+    bar = progress_reporter(len(plan), description, unit="tensor", enabled=progress)
     with single_process_quiet():
         # One file per tensor: DCP keeps every tensor written to a file referenced until
         # the file closes, so a single file would hold the whole model in memory. One
         # thread: _StreamingPlanner releases each tensor when the next is asked for.
         writer = HashingFileSystemWriter(tmp, thread_count=1, single_file_per_rank=False)
         dcp.save(plan, storage_writer=writer,
-                 planner=_StreamingPlanner(producers, bar.step), no_dist=True)  # fmt: skip
+                 planner=_StreamingPlanner(producers, bar.update), no_dist=True)  # fmt: skip
     bar.close()
     torch.save(common, tmp / "common.pt")
     metadata = build_metadata(iteration, chunks_per_rank, len(chunks_per_rank), layout)
@@ -156,21 +158,3 @@ def _layer_stages(keys: list[str], pp: int) -> list[int]:
         )
     per_stage = layers // pp
     return [i // per_stage for i in range(layers)]
-
-
-class _ProgressBar:
-    """A one-line progress bar on stderr."""
-
-    def __init__(self, total: int, enabled: bool) -> None:
-        self.total, self.done, self.enabled = total, 0, enabled and total > 0
-
-    def step(self, name: str) -> None:
-        self.done += 1
-        if self.enabled:
-            filled = 30 * self.done // self.total
-            sys.stderr.write(f"\r[{'#' * filled}{'.' * (30 - filled)}] {self.done}/{self.total} ")
-            sys.stderr.flush()
-
-    def close(self) -> None:
-        if self.enabled:
-            sys.stderr.write("\n")

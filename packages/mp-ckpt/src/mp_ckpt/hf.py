@@ -43,6 +43,7 @@ from mp_ckpt.hf_tokenizer import (
     tokenizer_from_hf,
     write_atomically,
 )
+from mp_ckpt.progress import progress as progress_reporter
 from mp_ckpt.reader import CheckpointReader
 from mp_ckpt.safetensors_writer import ShardedSafetensorsWriter
 
@@ -92,6 +93,7 @@ def export_hf(
     iteration: int | None = None,
     max_shard_bytes: int = _DEFAULT_SHARD_BYTES,
     dtype: torch.dtype | None = None,
+    progress: bool = False,
 ) -> Path:
     """Writes a Hugging Face directory that transformers loads (GPT2LMHeadModel,
     LlamaForCausalLM, MixtralForCausalLM, Qwen2MoeForCausalLM): the safetensors, the
@@ -99,7 +101,8 @@ def export_hf(
     known, and config.json last.
     Settings the tensors do not show (norm epsilon, activation, rotary base and
     scaling, ...) come from the checkpoint's common["model_config"] (Megatron names),
-    completed by common["config"]["model"] (the training run's TransformerConfig)."""
+    completed by common["config"]["model"] (the training run's TransformerConfig).
+    progress: report the tensors written on stderr (progress.py)."""
     if arch not in ARCHITECTURES:
         raise ValueError(f"unknown architecture {arch!r}: choose one of {', '.join(ARCHITECTURES)}")
     reader = CheckpointReader(checkpoint, iteration=iteration)
@@ -125,7 +128,8 @@ def export_hf(
         config, tensors = _llama_export(arch, reader, model_keys, settings, ids, dtype_name)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    _write_safetensors(out, tensors, max_shard_bytes, dtype)
+    with progress_reporter(None, "export-hf", unit="tensor", enabled=progress) as bar:
+        _write_safetensors(out, tensors, max_shard_bytes, dtype, bar.update)
     for name, data in files.items():
         if name not in TOKENIZER_FILES:
             raise ValueError(f"common['tokenizer'] names a file {name!r}, not a tokenizer file")
@@ -289,23 +293,26 @@ def _llama_export(arch: str, reader: CheckpointReader, keys: list[str], settings
     return config, tensors()
 
 
-def _write_safetensors(out: Path, tensors, max_shard_bytes: int, dtype) -> None:
-    """One tensor in memory at a time (ShardedSafetensorsWriter)."""
+def _write_safetensors(out: Path, tensors, max_shard_bytes: int, dtype, written) -> None:
+    """One tensor in memory at a time (ShardedSafetensorsWriter); written() after each."""
     with ShardedSafetensorsWriter(out, max_shard_bytes) as writer:
         for name, produce in tensors:
             tensor = produce()
             writer.add(name, tensor if dtype is None else tensor.to(dtype))
+            written()
 
 
 # --- import ------------------------------------------------------------------------------
 
 
-def import_hf(hf_dir: str | os.PathLike, out_root: str | os.PathLike) -> Path:
+def import_hf(hf_dir: str | os.PathLike, out_root: str | os.PathLike, *,
+              progress: bool = False) -> Path:  # fmt: skip
     """Writes an mp checkpoint (iteration 0, model only) from a local Hugging Face
     GPT-2, Llama, Mixtral or Qwen2-MoE directory (config.json with safetensors or
     pytorch_model.bin).
     common.pt holds the model's settings (Megatron names), the folder's tokenizer
-    files and special token ids, and its generation_config.json (hf_tokenizer)."""
+    files and special token ids, and its generation_config.json (hf_tokenizer).
+    progress: report the weight files read on stderr (progress.py)."""
     from mp_ckpt.checkpointer import Checkpointer
     from mp_ckpt.layout import checkpoint_dir
     from mp_ckpt.sharding import ShardedTensor
@@ -316,7 +323,7 @@ def import_hf(hf_dir: str | os.PathLike, out_root: str | os.PathLike) -> Path:
     generation = None
     if (hf_dir / "generation_config.json").exists():
         generation = _read_json(hf_dir / "generation_config.json", "")
-    state = _read_hf_state(hf_dir)
+    state = _read_hf_state(hf_dir, progress)
     logical = logical_from_hf(state, config)
     pieces = {
         k: ShardedTensor(k, t.contiguous(), tuple(t.shape), (0,) * t.dim())
@@ -351,17 +358,19 @@ def logical_from_hf(state: dict[str, torch.Tensor], config: dict) -> dict[str, t
     return _llama_import(state, config)
 
 
-def _read_hf_state(hf_dir: Path) -> dict[str, torch.Tensor]:
+def _read_hf_state(hf_dir: Path, progress: bool = False) -> dict[str, torch.Tensor]:
     index = hf_dir / "model.safetensors.index.json"
     if index.exists():
         from safetensors.torch import load_file
 
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         state = {}
-        for file in files:
-            if not (hf_dir / file).exists():
-                raise FileNotFoundError(f"{hf_dir / file} (named in {index.name}) is missing")
-            state.update(load_file(str(hf_dir / file)))
+        with progress_reporter(len(files), "import-hf", unit="file", enabled=progress) as bar:
+            for file in files:
+                if not (hf_dir / file).exists():
+                    raise FileNotFoundError(f"{hf_dir / file} (named in {index.name}) is missing")
+                state.update(load_file(str(hf_dir / file)))
+                bar.update()
         return state
     if (hf_dir / "model.safetensors").exists():
         from safetensors.torch import load_file

@@ -372,13 +372,15 @@ def import_megatron(
     *,
     iteration: int | None = None,
     with_optimizer: bool = False,
+    progress: bool = False,
 ) -> Path:
     """Writes an mp checkpoint (iteration 0, model only, as import-hf does) from a
     Megatron-LM training checkpoint (torch_dist or legacy torch, any TP x PP).
     common.pt holds the model's settings (common["model_config"]) and where it came
     from (imported_from, source_iteration). with_optimizer: also the Adam state, the
     scheduler and the training position (megatron_optimizer), at the source iteration,
-    as mp's training checkpoints hold them, for a resume."""
+    as mp's training checkpoints hold them, for a resume. progress: report the tensors
+    written on stderr (progress.py; not with_optimizer, which saves them at once)."""
     model = read_megatron(src, iteration)
     common = {"iteration": 0, "model_config": None, "imported_from": str(model.directory),
               "source_iteration": model.iteration, "source_format": model.format}  # fmt: skip
@@ -412,7 +414,7 @@ def import_megatron(
                        "offset": [0] * len(shape), "shape": list(shape),
                        "flattened_range": None})  # fmt: skip
     return write_streaming(out_root, common["iteration"], meta, producers, [chunks], common,
-                           None)  # fmt: skip
+                           None, progress=progress, description="import-megatron")  # fmt: skip
 
 
 def _add_tokenizer(common: dict, args) -> None:

@@ -42,6 +42,7 @@ import torch
 
 from mp_ckpt.megatron import TE_NORM_NAMES
 from mp_ckpt.megatron_read import _LAYER
+from mp_ckpt.progress import progress as progress_reporter
 
 __all__ = ["export_megatron", "megatron_args", "megatron_from_logical"]
 
@@ -179,13 +180,13 @@ def _moe_args(settings: dict, tp: int, ep: int) -> dict:
     }  # fmt: skip
 
 
-def _check(settings: dict, logical: dict, tp: int, pp: int, fmt: str, ep: int = 1) -> None:
+def _check(settings: dict, keys: list[str], tp: int, pp: int, fmt: str, ep: int = 1) -> None:
     if fmt not in _FORMATS:
         raise ValueError(f"--ckpt-format {fmt!r}: expected torch_dist or torch")
     if tp < 1 or pp < 1 or ep < 1:
         raise ValueError(f"TP={tp}, PP={pp}, EP={ep}: each must be >= 1")
     experts = settings.get("num_moe_experts")
-    if not experts and any(".mlp.experts." in k or ".mlp.router." in k for k in logical):
+    if not experts and any(".mlp.experts." in k or ".mlp.router." in k for k in keys):
         raise ValueError("the checkpoint holds experts but its model_config no num_moe_experts")
     if experts:
         if experts % ep:
@@ -209,7 +210,8 @@ def _check(settings: dict, logical: dict, tp: int, pp: int, fmt: str, ep: int = 
                          f"{layers}")  # fmt: skip
 
 
-def _read_mp(src: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict, int, dict]:
+def _read_mp(src: str | os.PathLike):
+    """The checkpoint's reader, model keys, settings (Megatron names) and data settings."""
     from mp_ckpt.reader import CheckpointReader
 
     reader = CheckpointReader(src)
@@ -227,21 +229,28 @@ def _read_mp(src: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict, int
     settings.setdefault("kv_channels", settings["hidden_size"] // heads)
     settings["kv_channels"] = settings["kv_channels"] or settings["hidden_size"] // heads
     settings.setdefault("ffn_hidden_size", 4 * settings["hidden_size"])
-    logical = {k: reader.read(k) for k in reader.keys if not k.startswith("optimizer.")}
+    keys = [k for k in reader.keys if not k.startswith("optimizer.")]
     data = (common.get("config") or {}).get("data") or {}
-    return logical, settings, reader.iteration, data
+    return reader, keys, settings, data
 
 
 def export_megatron(src: str | os.PathLike, dst: str | os.PathLike, *,
                     ckpt_format: str = "torch_dist", tensor_model_parallel_size: int = 1,
                     pipeline_model_parallel_size: int = 1,
-                    expert_model_parallel_size: int = 1) -> Path:  # fmt: skip
+                    expert_model_parallel_size: int = 1,
+                    progress: bool = False) -> Path:  # fmt: skip
     """Writes dst/latest_checkpointed_iteration.txt and dst/iter_XXXXXXX (the mp
-    checkpoint's iteration) with the model's weights; returns the iteration folder."""
+    checkpoint's iteration) with the model's weights; returns the iteration folder.
+    progress: report the tensors read on stderr (progress.py)."""
     tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
     ep = expert_model_parallel_size
-    logical, settings, iteration, data = _read_mp(src)
-    _check(settings, logical, tp, pp, ckpt_format, ep)
+    reader, keys, settings, data = _read_mp(src)
+    _check(settings, keys, tp, pp, ckpt_format, ep)
+    iteration, logical = reader.iteration, {}
+    with progress_reporter(len(keys), "export-megatron", unit="tensor", enabled=progress) as bar:
+        for key in keys:
+            logical[key] = reader.read(key)
+            bar.update()
     tensors = megatron_from_logical(logical, settings)
     args = megatron_args(settings, ckpt_format=ckpt_format, tp=tp, pp=pp, iteration=iteration,
                          data=data, ep=ep)  # fmt: skip

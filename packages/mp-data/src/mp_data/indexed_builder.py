@@ -17,6 +17,7 @@ import numpy as np
 
 from mp_data.indexed_dataset import IndexedDataset
 from mp_data.indexed_format import IndexHeader, get_bin_path, get_idx_path
+from mp_data.progress import progress as progress_reporter
 
 __all__ = ["IndexedDatasetBuilder", "merge_datasets"]
 
@@ -159,14 +160,20 @@ class IndexedDatasetBuilder:
         return array.astype(self.dtype, copy=False)
 
 
-def merge_datasets(prefixes: Sequence[str], output_prefix: str) -> IndexedDataset:
-    """Concatenates the datasets at `prefixes`, in order, into `output_prefix`."""
+def merge_datasets(prefixes: Sequence[str], output_prefix: str, *,
+                   progress: bool = False) -> IndexedDataset:  # fmt: skip
+    """Concatenates the datasets at `prefixes`, in order, into `output_prefix`.
+    progress: report the datasets appended on stderr (mp_data.progress)."""
     if not prefixes:
         raise ValueError("merge_datasets needs at least one input prefix")
     first = IndexedDataset(prefixes[0])
-    with IndexedDatasetBuilder(get_bin_path(output_prefix), first.dtype) as builder:
+    with (
+        IndexedDatasetBuilder(get_bin_path(output_prefix), first.dtype) as builder,
+        progress_reporter(len(prefixes), "merge", unit="dataset", enabled=progress) as bar,
+    ):
         for prefix in prefixes:
             builder.add_index(prefix)
+            bar.update()
         builder.finalize(get_idx_path(output_prefix))
     return IndexedDataset(output_prefix)
 

@@ -39,6 +39,8 @@ def add_parser(subparsers) -> None:
     p.add_argument(
         "--output-prefix", required=True, metavar="OUT", help="write OUT.bin and OUT.idx"
     )
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress on stderr (a bar on a terminal, else lines)")  # fmt: skip
     p.set_defaults(run=run)
 
 
@@ -60,7 +62,7 @@ def run(args: argparse.Namespace) -> None:
                 raise CliError(f"--input {item} is also the --output-prefix")
             prefixes.append(prefix)
     try:
-        merged = merge_datasets(prefixes, output)
+        merged = merge_datasets(prefixes, output, progress=not args.no_progress)
     except (ValueError, OSError) as e:
         raise CliError(str(e)) from None
     tokens = int(merged.sequence_lengths.sum(dtype="int64"))

@@ -1,11 +1,11 @@
 """Progress of a long preprocessing run, for a person at a terminal or for a log file.
 
-On a terminal (the stream is a tty) one line is redrawn in place at most
-every REDRAW_SECONDS: documents, tokens, MB/s of input text and, when the
-input size is known, how far through the file the run is. Elsewhere (a job
-log) a plain line is written each time the document count passes another
-multiple of `log_interval`, as Megatron's preprocess_data.py does. `close()`
-ends the in-place line so that what follows starts on a fresh one.
+On a terminal (the stream is a tty) a tqdm bar (mp_data.progress) counts the
+documents, followed by the tokens, MB/s of input text and, when the input
+size is known, how far through the file the run is. Elsewhere (a job log) a
+plain line is written each time the document count passes another multiple
+of `log_interval`, as Megatron's preprocess_data.py does. `close()` ends the
+bar so that what follows starts on a fresh line.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import time
 from collections.abc import Callable
 from typing import TextIO
 
-__all__ = ["Progress", "human"]
+from mp_data.progress import is_terminal, progress
 
-REDRAW_SECONDS = 0.2
+__all__ = ["Progress", "human"]
 
 
 class Progress:
@@ -31,12 +31,12 @@ class Progress:
         self.stream = stream
         self.log_interval = log_interval
         self.fraction_read = fraction_read
-        self.interactive = _isatty(stream)
+        self.interactive = is_terminal(stream)
         self.start = time.perf_counter()
         self.documents = self.tokens = self.input_bytes = 0
         self._next_log = log_interval
-        self._last_draw = 0.0
-        self._drawn = False
+        self._bar = progress(None, "preprocess", unit="doc", stream=stream,
+                             enabled=self.interactive)  # fmt: skip
 
     @property
     def seconds(self) -> float:
@@ -47,31 +47,25 @@ class Progress:
         self.documents += documents
         self.tokens += tokens
         self.input_bytes += input_bytes
-        now = time.perf_counter()
         if self.interactive:
-            if now - self._last_draw >= REDRAW_SECONDS:
-                self._last_draw = now
-                # \r back to the line start, \x1b[K clears what a longer line left.
-                self.stream.write(f"\r{self._line()}\x1b[K")
-                self.stream.flush()
-                self._drawn = True
+            self._bar.set_postfix_str(self._details(), refresh=False)
+            self._bar.update(documents)
         elif self.documents >= self._next_log:
             self._next_log = (self.documents // self.log_interval + 1) * self.log_interval
             self.stream.write(self._line() + "\n")
             self.stream.flush()
 
     def close(self) -> None:
-        if self._drawn:
-            self.stream.write(f"\r{self._line()}\x1b[K\n")
-            self.stream.flush()
-            self._drawn = False
+        if self.interactive:
+            self._bar.set_postfix_str(self._details(), refresh=False)
+        self._bar.close()
 
     def _line(self) -> str:
+        return f"{self.documents:,} documents, {self._details()}, {self.seconds:.0f} s"
+
+    def _details(self) -> str:
         seconds = max(self.seconds, 1e-9)
-        line = (
-            f"{self.documents:,} documents, {human(self.tokens)} tokens, "
-            f"{self.input_bytes / seconds / 1e6:.1f} MB/s, {seconds:.0f} s"
-        )
+        line = f"{human(self.tokens)} tokens, {self.input_bytes / seconds / 1e6:.1f} MB/s"
         fraction = self.fraction_read()
         if fraction is not None:
             line += f" ({100 * fraction:.0f}% of the input)"
@@ -84,10 +78,3 @@ def human(count: float) -> str:
         if abs(count) >= limit:
             return f"{count / limit:.2f}{suffix}"
     return f"{count:.0f}" if isinstance(count, float) else str(count)
-
-
-def _isatty(stream) -> bool:
-    try:
-        return stream.isatty()
-    except (AttributeError, ValueError):
-        return False
