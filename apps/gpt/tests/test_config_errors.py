@@ -94,6 +94,26 @@ def test_a_mistake_is_one_line_and_status_2(name, capsys, monkeypatch):
     assert (out, err) == ("", line + "\n")
 
 
+def test_a_data_path_from_a_file_names_the_file(tmp_path, capsys, monkeypatch):
+    listing = tmp_path / "data-args.txt"
+    listing.write_text("0.5 /nonexistent/web 0.5 /nonexistent/code\n")
+    monkeypatch.setenv("MP_RUN_DIR", "/nonexistent")
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    argv = [
+        "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+        "--seq-length", "32", "--micro-batch-size", "1", "--train-iters", "10",
+        "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000",
+        "--data-args-path", str(listing),
+    ]  # fmt: skip
+    assert main(argv) == 2
+    line = (
+        f"error: --data-args-path {listing} lists /nonexistent/web: /nonexistent/web.bin does "
+        "not exist; give the path of a .bin/.idx pair without its extension"
+    )
+    assert capsys.readouterr() == ("", line + "\n")
+
+
 def _environment(**extra: str) -> dict[str, str]:
     return {**os.environ, "MP_RUN_DIR": "/nonexistent", "OMP_NUM_THREADS": "1", **extra}
 

@@ -84,11 +84,19 @@ def check_input_files(config) -> None:
                 for suffix in (".bin", ".idx"):
                     if not os.path.isfile(prefix + suffix):
                         raise ConfigError(
-                            f"{flag(name)} {prefix}: {prefix}{suffix} does not exist; give "
-                            "the path of a .bin/.idx pair without its extension"
+                            f"{_named_by(data, name)} {prefix}: {prefix}{suffix} does not "
+                            "exist; give the path of a .bin/.idx pair without its extension"
                         )
     kind = data.tokenizer_type
     for name in ("vocab_file", "merge_file"):
         path = getattr(data, name)
         if name in TOKENIZER_TYPES.get(kind, ()) and path is not None and not os.path.exists(path):
             raise ConfigError(f"{flag(name)} {path} does not exist (--tokenizer-type {kind})")
+
+
+def _named_by(data, name: str) -> str:
+    """Where the user gave a data path: its flag, or the file (--data-args-path,
+    --per-split-data-args-path) that listed it."""
+    listed_in = "data_args_path" if name == "data_path" else "per_split_data_args_path"
+    path = getattr(data, listed_in, None)
+    return flag(name) if path is None else f"{flag(listed_in)} {path} lists"
