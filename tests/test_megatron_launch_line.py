@@ -41,6 +41,7 @@ MEGATRON_LINE = """
     --ckpt-format torch_dist --log-throughput --log-params-norm
     --tensorboard-log-interval 1 --log-timers-to-tensorboard --log-validation-ppl-to-tensorboard
     --profile --use-pytorch-profiler --profile-step-start 2 --profile-step-end 3
+    --logging-level 20
 """
 
 
@@ -72,6 +73,7 @@ def test_a_megatron_launch_line_trains_on_two_cpu_ranks(tmp_path):
     assert records[-1]["lm loss"] < records[0]["lm loss"]
     assert "Megatron-LM flags accepted without effect: --use-mcore-models" in output
     assert output.count("accepted without effect") == 1  # rank 0 only
+    assert "[rank 0] INFO mp_train" in output  # --logging-level 20 shows rank 0's info lines
     assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "6"
     events = list((tmp_path / "tb").glob("events.out.tfevents.*"))
     traces = sorted(p.name.split(".")[0] for p in (tmp_path / "tb").glob("*.pt.trace.json"))

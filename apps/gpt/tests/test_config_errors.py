@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from mp_gpt.config_files import config_path
 from mp_gpt.pretrain import main
@@ -80,7 +81,24 @@ MISTAKES = {
         ["--config", "/nonexistent/run.yaml"],
         "error: /nonexistent/run.yaml: No such file or directory",
     ),
+    "refused Megatron flag": (
+        ["--use-torch-fsdp2"],
+        "error: --use-torch-fsdp2: FSDP2 is not implemented: shard with "
+        "--use-distributed-optimizer",
+    ),
+    "checkpoint format": (
+        ["--ckpt-format", "torch"],
+        "error: --ckpt-format torch: mp saves and loads its own torch_dist-style checkpoints; "
+        "drop the flag (a Megatron-LM checkpoint in another format converts with `mp-ckpt "
+        "import-megatron SRC DST`)",
+    ),
 }
+if not torch.cuda.is_available():
+    MISTAKES["backend"] = (
+        ["--distributed-backend", "nccl"],
+        "error: --distributed-backend nccl needs CUDA devices and none is visible: use "
+        "--distributed-backend gloo (the default without a GPU)",
+    )
 
 
 @pytest.mark.parametrize("name", MISTAKES)

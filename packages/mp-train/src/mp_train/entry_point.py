@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from mp_train.arguments import parse_config
 from mp_train.config import RunConfig, validate
 from mp_train.errors import config_errors
-from mp_train.run_checks import check_input_files, check_tokenizer
+from mp_train.run_checks import check_backend, check_input_files, check_tokenizer
 from mp_train.yaml_config import field_owners
 
 __all__ = ["load_config"]
@@ -36,4 +36,5 @@ def load_config(argv: list[str] | None = None, *, environ: Mapping[str, str] = o
         validate(config, int(environ.get("WORLD_SIZE", 1)))
     check_tokenizer(config)
     check_input_files(config)
+    check_backend(config)
     return config

@@ -4,6 +4,7 @@ rank: in the user's terms (the flags they gave, in iterations when they gave ite
     check_schedule(config)    the learning-rate warm-up ends before the decay does
     check_tokenizer(config)   a tokenizer type mp has, with the arguments it requires
     check_input_files(config) the data prefixes and tokenizer files exist
+    check_backend(config)     --distributed-backend nccl has CUDA devices to run on
 
 validate() applies the first; an entry point applies the other two (load_config),
 before torch.distributed starts: the library's own callers may build their tokenizer
@@ -17,7 +18,18 @@ import os
 from mp_data import TOKENIZER_TYPES, get_blend_from_list
 from mp_train.errors import ConfigError, flag
 
-__all__ = ["check_input_files", "check_schedule", "check_tokenizer"]
+__all__ = ["check_backend", "check_input_files", "check_schedule", "check_tokenizer"]
+
+
+def check_backend(config) -> None:
+    """The backend the run names can start here (nccl needs CUDA), before any rank starts
+    torch.distributed."""
+    import mp_state
+
+    try:
+        mp_state.select_device(config.parallel.distributed_backend)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
 
 
 def check_schedule(config) -> None:
