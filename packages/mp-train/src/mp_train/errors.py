@@ -1,6 +1,6 @@
 """Configuration mistakes, reported as one line naming the flag and the fix.
 
-    error: --fp16 and --bf16 are both set: choose one
+    error: --bf16 and --fp16 are exclusive: choose one
 
 A run's entry point (apps/gpt's pretrain) loads its configuration with
 `load_config` (entry_point.py): a bad option, a dataclass's `__post_init__`
