@@ -64,7 +64,8 @@ def init_distributed(timeout_minutes: float = 10, backend: str | None = None) ->
 
     Without torchrun (no RANK / WORLD_SIZE set) it makes a one-rank world, so a
     script runs unchanged as `python script.py`. An already initialized default
-    group is kept. On CUDA the rank's device becomes the current one.
+    group is kept. On CUDA the rank's device becomes the current one. Under torchrun's
+    --max-restarts, each attempt's workers meet under keys of their own in its store.
     """
     info = select_device(backend)
     if info.device.type == "cuda":
@@ -73,7 +74,16 @@ def init_distributed(timeout_minutes: float = 10, backend: str | None = None) ->
         return info
     timeout = timedelta(minutes=timeout_minutes)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        dist.init_process_group(info.backend, timeout=timeout)
+        store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
+        store.set_timeout(timeout)
+        # torchrun's store outlives a restart of its workers (--max-restarts): without a
+        # prefix per attempt, a restarted rank can read the dead workers' addresses and
+        # fail to connect. The default group's own prefix is kept inside it.
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        store = dist.PrefixStore(f"mp/attempt_{attempt}/default_pg", store)
+        dist.init_process_group(
+            info.backend, store=store, rank=rank, world_size=world_size, timeout=timeout
+        )
     else:
         dist.init_process_group(
             info.backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
