@@ -214,8 +214,19 @@ class LoggingConfig:
     barrier_with_L1_time: bool = True
     """Put a barrier before starting level-1 timers (comparable times, some cost)."""
 
+    log_straggler: bool = False
+    """Every log_interval, print each rank's forward-step time per iteration across ranks
+    (min, median, max) and name the slowest ranks. A rank's forward steps (its batches and
+    model forwards) are timed, not its whole iteration, which the loss's and gradients'
+    collectives make equal on every rank; on GPUs the device is synchronized around each
+    micro-batch's forward step."""
+
+    straggler_minmax_count: int = 1
+    """With log_straggler, how many of the slowest (and of the fastest) ranks to name."""
+
     def __post_init__(self) -> None:
-        for name in ("log_interval", "tensorboard_log_interval", "tensorboard_queue_size"):
+        for name in ("log_interval", "tensorboard_log_interval", "tensorboard_queue_size",
+                     "straggler_minmax_count"):  # fmt: skip
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         if not self.profile:

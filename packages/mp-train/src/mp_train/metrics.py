@@ -4,7 +4,8 @@ tags, mp_train.tensorboard), memory, MFU.
 Each line: iteration, consumed samples, ms per iteration, learning rate,
 global batch, the reported losses, loss scale, gradient norm, optional
 parameter norm, skipped and nan iterations, tokens/s, TFLOP/s per rank and
-MFU, current and peak memory. At start the theoretical memory and FLOPs
+MFU, current and peak memory; with log_straggler a second line, each rank's forward-step
+time across ranks (mp_train.stragglers). At start the theoretical memory and FLOPs
 (mp_train.estimate) are printed; after the first logged iterations the
 measured peak memory stands beside them.
 """
@@ -26,6 +27,7 @@ from mp_optim import counted_in_grad_norm, is_expert_parallel
 from mp_train.estimate import estimate
 from mp_train.moe_step import aux_loss_names
 from mp_train.setup import Run
+from mp_train.stragglers import STRAGGLER_TIMER, straggler_line
 from mp_train.tensorboard import TensorBoard
 
 __all__ = ["MetricsLogger", "measure_peak_tflops"]
@@ -198,9 +200,15 @@ class MetricsLogger:
             f"| ms/iteration {per_iteration_ms:.1f} | "
             + " | ".join(f"{k} {_fmt(v)}" for k, v in values.items())
         )
-        times = run.timers.gather(["forward-backward", "optimizer"], normalizer=self._count)
+        names = ["forward-backward", "optimizer"]
+        if self.config.log_straggler:
+            names.append(STRAGGLER_TIMER)  # one gather for the timers and the stragglers
+        times = run.timers.gather(names, normalizer=self._count)
+        forward_steps = times.pop(STRAGGLER_TIMER, None)
         timing = run.timers.format(times)
         self.print(line if self.config.timing_log_level == 0 else f"{line}\n{timing}")
+        if forward_steps is not None:
+            self.print(straggler_line(forward_steps, self.config.straggler_minmax_count))
         if iteration == self.config.log_interval and self.config.log_memory:
             self.print(
                 f"memory after {iteration} iterations: peak {values.get('peak memory MB', 0):.1f} "

@@ -50,6 +50,7 @@ from mp_train.moe_step import MoEStep
 from mp_train.profiling import StepProfiler
 from mp_train.setup import Initialized, ModelProvider, Run, setup_run
 from mp_train.signals import DistributedSignalHandler
+from mp_train.stragglers import timed_forward_step
 
 __all__ = ["evaluate", "pretrain"]
 
@@ -115,6 +116,9 @@ def _train(run: Run, forward_step_func, train_iter, valid_iter, checkpointer,
     for chunk in run.model:
         chunk.train()
     schedule = _schedule(run)
+    train_step_func = forward_step_func
+    if config.logging.log_straggler:  # evaluation's forward steps stay untimed
+        train_step_func = timed_forward_step(forward_step_func, run.timers)
     experts = MoEStep(config.model, run.model, run.state, config.optimizer.fp16,
                       config.optimizer.calculate_per_token_loss)  # fmt: skip
     start = time.time()
@@ -132,7 +136,7 @@ def _train(run: Run, forward_step_func, train_iter, valid_iter, checkpointer,
             barrier = config.logging.barrier_with_L1_time
             run.timers("forward-backward", log_level=1).start(barrier=barrier)
             reports = schedule(
-                forward_step_func=forward_step_func, data_iterator=train_iter, model=run.model,
+                forward_step_func=train_step_func, data_iterator=train_iter, model=run.model,
                 num_microbatches=num_microbatches, config=run.pipeline, pp_group=run.state.pp,
             )  # fmt: skip
             run.timers("forward-backward", log_level=1).stop()
