@@ -1,7 +1,8 @@
 """A rank killed mid-run under `torchrun --max-restarts 1`: torchrun restarts the workers,
 they resume from the latest complete checkpoint with the unchanged command, redo at
 most save_interval iterations, finish with exit 0, and the losses after the restart are
-the uninterrupted run's, bit for bit.
+the uninterrupted run's, bit for bit; with checkpoints saved in the foreground and in
+the background (--async-save).
 
 The killed run goes under torchrun as a user would launch it; the uninterrupted run it
 is compared with goes on two forked ranks (the same code and settings, spared a
@@ -28,10 +29,13 @@ ITERATIONS = 16
 SAVE_INTERVAL = 4
 
 
-def options(run_dir: Path) -> list[str]:
+SAVING = {"sync": [], "async": ["--async-save"]}
+
+
+def options(run_dir: Path, saving: str) -> list[str]:
     return tiny_options(
         run_dir, "--train-iters", str(ITERATIONS), "--save-interval", str(SAVE_INTERVAL),
-        "--save", str(run_dir / "ckpt"), "--load", str(run_dir / "ckpt"),
+        "--save", str(run_dir / "ckpt"), "--load", str(run_dir / "ckpt"), *SAVING[saving],
     )  # fmt: skip
 
 
@@ -80,16 +84,17 @@ def wait_for(process: subprocess.Popen, condition, what: str, timeout: float = 1
 
 
 @pytest.mark.multirank
-def test_killed_rank_restarts_and_resumes_bitwise(tmp_path):
+@pytest.mark.parametrize("saving", sorted(SAVING))
+def test_killed_rank_restarts_and_resumes_bitwise(tmp_path, saving):
     reference = tmp_path / "reference"
-    run_on_ranks(train_on_rank, 2, options(reference), timeout=240)
+    run_on_ranks(train_on_rank, 2, options(reference, saving), timeout=240)
     want = {r["iteration"]: r for r in records(reference)}
     assert sorted(want) == list(range(1, ITERATIONS + 1))
 
     run_dir = tmp_path / "restarted"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                "--nproc-per-node=2", "--max-restarts", "1", "-m", "mp_gpt.pretrain",
-               *options(run_dir)]  # fmt: skip
+               *options(run_dir, saving)]  # fmt: skip
     env = {**os.environ, "MP_RUN_DIR": str(run_dir), "OMP_NUM_THREADS": "1"}
     process = subprocess.Popen(command, env=env, start_new_session=True, text=True,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
