@@ -94,6 +94,12 @@ class TrainingConfig:
     exit_signal_handler: bool = False
     """On SIGTERM every rank finishes its iteration, saves and exits 0."""
 
+    hang_timeout_minutes: float | None = 5.0
+    """When no rank has finished an iteration for this long, log which rank is stuck, dump
+    every rank's Python stacks and end the job (exit code 1); below
+    distributed_timeout_minutes. The clock starts at the first finished iteration and
+    pauses during checkpoint saves. None or 0: no hang detection."""
+
     seed: int = 1234
     """Random seed of the run."""
 
@@ -325,6 +331,15 @@ def validate(config: RunConfig, world_size: int) -> dict[str, int]:
         )
     if training.eval_interval is not None and training.eval_interval < 1:
         raise ValueError(f"eval_interval={training.eval_interval} must be >= 1 (or None)")
+    hang = training.hang_timeout_minutes
+    if hang is not None and hang < 0:
+        raise ValueError(f"hang_timeout_minutes={hang} must be >= 0 (0 or None: no hang detection)")
+    if hang and hang >= parallel.distributed_timeout_minutes:
+        raise ValueError(
+            f"hang_timeout_minutes={hang} must be below distributed_timeout_minutes="
+            f"{parallel.distributed_timeout_minutes}: a hang would end in the collective's "
+            "timeout first, without naming the stuck rank"
+        )
     if not config.data.has_data and not training.skip_train:
         raise ValueError("no training data: set data_path, train_data_path or mock_data")
     check_schedule(config)
