@@ -48,6 +48,10 @@ log = logging.getLogger("mp_train")
 
 PREFIX = "mp_hang_watchdog/"
 
+# Every rank creates its watchdogs in the same order (one per pretrain call): the count
+# keeps a second run in the same process group clear of the first one's keys.
+_created = 0
+
 
 @dataclass
 class Beat:
@@ -206,7 +210,9 @@ class HangWatchdog:
 
         if not timeout_minutes or not dist.is_initialized() or world_size < 2:
             return contextlib.nullcontext(_NullWatchdog())
-        store = dist.PrefixStore(PREFIX, dist.distributed_c10d._get_default_store())
+        global _created
+        _created += 1
+        store = dist.PrefixStore(f"{PREFIX}{_created}/", dist.distributed_c10d._get_default_store())
         return cls(store, rank, world_size, timeout_minutes * 60)
 
     # -- the main thread's side: an assignment each, no store traffic.
