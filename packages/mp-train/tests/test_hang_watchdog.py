@@ -6,6 +6,7 @@
 import pytest
 
 from mp_train import parse_config, validate
+from mp_train.config import hang_timeout_minutes
 from mp_train.hang_watchdog import Beat, HangMonitor, HangWatchdog
 
 
@@ -159,7 +160,11 @@ def test_the_timeout_is_below_the_collective_timeout(flags, error):
             "--train-iters", "1", "--mock-data", "--seq-length", "16",
             "--max-position-embeddings", "16"]  # fmt: skip
     assert validate(parse_config(base), 1)["data_parallel_size"] == 1
-    assert validate(parse_config([*base, "--hang-timeout-minutes", "0"]), 1)
-    assert validate(parse_config([*base, "--hang-timeout-minutes", "none"]), 1)
+    assert hang_timeout_minutes(parse_config(base)) == 5
+    # Unset, it follows the collective timeout: a shorter one stays valid.
+    shorter = parse_config([*base, "--distributed-timeout-minutes", "3"])
+    assert validate(shorter, 1) and hang_timeout_minutes(shorter) == 1.5
+    off = parse_config([*base, "--hang-timeout-minutes", "0"])
+    assert validate(off, 1) and hang_timeout_minutes(off) == 0
     with pytest.raises(ValueError, match=error):
         validate(parse_config([*base, *flags]), 1)

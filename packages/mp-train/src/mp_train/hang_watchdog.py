@@ -205,7 +205,7 @@ class HangWatchdog:
     @classmethod
     def for_run(cls, timeout_minutes: float | None, rank: int, world_size: int):
         """The watchdog over torch.distributed's default store, or a null context when
-        timeout_minutes is None or 0, or without a store (a one-rank run)."""
+        timeout_minutes is 0, or without a store (a one-rank run)."""
         import torch.distributed as dist
 
         if not timeout_minutes or not dist.is_initialized() or world_size < 2:

@@ -47,7 +47,7 @@ from mp_train.checkpointing import (
     prepare_run_checkpointer,
     save_run_checkpoint,
 )
-from mp_train.config import RunConfig
+from mp_train.config import RunConfig, hang_timeout_minutes
 from mp_train.hang_watchdog import HangWatchdog
 from mp_train.metrics import MetricsLogger
 from mp_train.moe_step import MoEStep
@@ -90,7 +90,7 @@ def pretrain(
     # that the first iteration draws what the checkpoint (or the seeding) left there.
     with mp_state.rng_state_kept(run.rng_tracker):
         train_iter, valid_iter = _data_iterators(run, datasets_provider)
-    watching = HangWatchdog.for_run(config.training.hang_timeout_minutes, dist.get_rank(),
+    watching = HangWatchdog.for_run(hang_timeout_minutes(config), dist.get_rank(),
                                     dist.get_world_size())  # fmt: skip
     try:
         with watching as watchdog:
