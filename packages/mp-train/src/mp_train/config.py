@@ -94,6 +94,13 @@ class TrainingConfig:
     exit_signal_handler: bool = False
     """On SIGTERM every rank finishes its iteration, saves and exits 0."""
 
+    hang_timeout_minutes: float | None = None
+    """When no rank has finished an iteration for this long, log which rank is stuck, dump
+    every rank's Python stacks and end the job (exit code 1); below
+    distributed_timeout_minutes. The clock starts at the first finished iteration and
+    pauses during checkpoint saves. None: half of distributed_timeout_minutes (5 of the
+    default 10); 0: no hang detection."""
+
     seed: int = 1234
     """Random seed of the run."""
 
@@ -336,10 +343,26 @@ def validate(config: RunConfig, world_size: int) -> dict[str, int]:
         )
     if training.eval_interval is not None and training.eval_interval < 1:
         raise ValueError(f"eval_interval={training.eval_interval} must be >= 1 (or None)")
+    hang = training.hang_timeout_minutes
+    if hang is not None and hang < 0:
+        raise ValueError(f"hang_timeout_minutes={hang} must be >= 0 (0: no hang detection)")
+    if hang and hang >= parallel.distributed_timeout_minutes:
+        raise ValueError(
+            f"hang_timeout_minutes={hang} must be below distributed_timeout_minutes="
+            f"{parallel.distributed_timeout_minutes}: a hang would end in the collective's "
+            "timeout first, without naming the stuck rank"
+        )
     if not config.data.has_data and not training.skip_train:
         raise ValueError("no training data: set data_path, train_data_path or mock_data")
     check_schedule(config)
     return {"data_parallel_size": dp, "global_batch_size": gbs, "num_microbatches": microbatches}
+
+
+def hang_timeout_minutes(config: RunConfig) -> float:
+    """The hang watchdog's timeout: hang_timeout_minutes, or half of
+    distributed_timeout_minutes when None; 0: no hang detection."""
+    hang = config.training.hang_timeout_minutes
+    return config.parallel.distributed_timeout_minutes / 2 if hang is None else hang
 
 
 def _check_model_parallel(config: RunConfig) -> None:

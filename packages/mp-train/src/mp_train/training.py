@@ -16,6 +16,9 @@
    rank agrees, saves and returns);
 5. a final evaluation and save.
 
+From the first iteration to the final save, each finished iteration is a heartbeat of
+the hang watchdog (hang_timeout_minutes; hang_watchdog.py).
+
 forward_step_func(data_iterator, model) -> (output, loss_func), with
 loss_func(output) -> (loss, report) as in Megatron; a report's values are
 scalars (averaged) or [sum, count] pairs (summed over micro-batches, then
@@ -44,7 +47,8 @@ from mp_train.checkpointing import (
     prepare_run_checkpointer,
     save_run_checkpoint,
 )
-from mp_train.config import RunConfig
+from mp_train.config import RunConfig, hang_timeout_minutes
+from mp_train.hang_watchdog import HangWatchdog
 from mp_train.metrics import MetricsLogger
 from mp_train.moe_step import MoEStep
 from mp_train.profiling import StepProfiler
@@ -87,18 +91,23 @@ def pretrain(
     # that the first iteration draws what the checkpoint (or the seeding) left there.
     with mp_state.rng_state_kept(run.rng_tracker):
         train_iter, valid_iter = _data_iterators(run, datasets_provider)
+    watching = HangWatchdog.for_run(hang_timeout_minutes(config), dist.get_rank(),
+                                    dist.get_world_size())  # fmt: skip
     try:
-        stopped = None
-        if not config.training.skip_train:
-            stopped = _train(run, forward_step_func, train_iter, valid_iter, checkpointer,
-                             metrics)  # fmt: skip
-        # An early exit (SIGTERM, exit_interval, exit_duration) has saved: leave at once.
-        final_eval = config.training.eval_interval is not None and stopped is None
-        if final_eval and run.has_valid_data:
-            evaluate(run, forward_step_func, valid_iter, metrics, final=True)
-        trained = checkpointer is not None and not config.training.skip_train
-        if trained and _last_saved(run) != run.train.iteration:
-            save_run_checkpoint(run, checkpointer)
+        with watching as watchdog:
+            stopped = None
+            if not config.training.skip_train:
+                stopped = _train(run, forward_step_func, train_iter, valid_iter, checkpointer,
+                                 metrics, watchdog)  # fmt: skip
+            # An early exit (SIGTERM, exit_interval, exit_duration) has saved: leave at once.
+            final_eval = config.training.eval_interval is not None and stopped is None
+            if final_eval and run.has_valid_data:
+                evaluate(run, forward_step_func, valid_iter, metrics, final=True,
+                         watchdog=watchdog)  # fmt: skip
+            trained = checkpointer is not None and not config.training.skip_train
+            if trained and _last_saved(run) != run.train.iteration:
+                with watchdog.paused():
+                    save_run_checkpoint(run, checkpointer)
     finally:
         if checkpointer is not None:
             checkpointer.finalize()
@@ -106,8 +115,8 @@ def pretrain(
     return run
 
 
-def _train(run: Run, forward_step_func, train_iter, valid_iter, checkpointer,
-           metrics) -> str | None:  # fmt: skip
+def _train(run: Run, forward_step_func, train_iter, valid_iter, checkpointer, metrics,
+           watchdog) -> str | None:  # fmt: skip
     """The iterations; returns why it stopped early, or None at the end of training."""
     config, training = run.config, run.config.training
     if training.manual_gc:
@@ -169,6 +178,7 @@ def _train(run: Run, forward_step_func, train_iter, valid_iter, checkpointer,
                 run.train.skipped_iterations += 1
             metrics.iteration_finished(losses, result, global_batch, num_microbatches)
             profiler.iteration_finished(run.train.iteration)
+            watchdog.beat(run.train.iteration)
             if (
                 training.manual_gc
                 and training.manual_gc_interval
@@ -182,26 +192,30 @@ def _train(run: Run, forward_step_func, train_iter, valid_iter, checkpointer,
                 and (iteration % training.eval_interval == 0)
                 and not _done(run)
             ):
-                evaluate(run, forward_step_func, valid_iter, metrics)
+                evaluate(run, forward_step_func, valid_iter, metrics, watchdog=watchdog)
             saved = False
             if (
                 checkpointer is not None
                 and config.checkpoint.save_interval
                 and (iteration % config.checkpoint.save_interval == 0)
             ):
-                save_run_checkpoint(run, checkpointer)
+                with watchdog.paused():
+                    save_run_checkpoint(run, checkpointer)
                 saved = True
             stop = _should_exit(run, signals, start)
             if stop:
                 if checkpointer is not None and not saved:
-                    save_run_checkpoint(run, checkpointer)
+                    with watchdog.paused():
+                        save_run_checkpoint(run, checkpointer)
                 metrics.print(f"exiting at iteration {iteration}: {stop}")
                 return stop
     return None
 
 
-def evaluate(run: Run, forward_step_func, valid_iter, metrics, final: bool = False) -> dict:
-    """eval_iters forward-only global batches; logs and returns the averaged reports."""
+def evaluate(run: Run, forward_step_func, valid_iter, metrics, final: bool = False,
+             watchdog: HangWatchdog | None = None) -> dict:  # fmt: skip
+    """eval_iters forward-only global batches; logs and returns the averaged reports.
+    Each is progress for the hang watchdog, when given."""
     for chunk in run.model:
         chunk.eval()
     schedule = _schedule(run)
@@ -215,6 +229,8 @@ def evaluate(run: Run, forward_step_func, valid_iter, metrics, final: bool = Fal
                 config=run.pipeline, pp_group=run.state.pp, forward_only=True,
             )  # fmt: skip
             run.train.consumed_valid_samples += global_batch
+            if watchdog is not None:
+                watchdog.step()
     for chunk in run.model:
         chunk.train()
     results = reduce_reports(gathered)

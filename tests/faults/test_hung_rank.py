@@ -1,0 +1,143 @@
+"""A rank stopped with SIGSTOP mid-run, or stuck in I/O: the job ends within its bound,
+naming that rank.
+
+apps/gpt's pretrain under torchrun (two ranks, gloo) with --hang-timeout-minutes 0.25
+(15 s); once training runs, one rank gets SIGSTOP (or blocks reading a pipe:
+blocking_rank.py). A watchdog must say which rank it is, have the ranks dump their Python
+stacks and end the job, long before the collective's 10-minute timeout.
+"""
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from mp_gpt.testing import tiny_options
+
+HANG_TIMEOUT_S = 15
+BOUND_S = 60  # the timeout, a few watchdog periods, and torchrun's teardown
+
+
+def _iterations(run_dir: Path) -> int:
+    """The metrics file's complete lines (one per iteration at --log-interval 1)."""
+    path = run_dir / "metrics.jsonl"
+    return path.read_text().count("\n") if path.exists() else 0
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+def _rank_of(pid: int) -> int:
+    environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return int(next(v for v in environ if v.startswith(b"RANK=")).split(b"=", 1)[1])
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def _launch(run_dir: Path, target: list[str], **env: str) -> subprocess.Popen:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node=2", *target,
+               *tiny_options(run_dir, "--train-iters", "100000", "--log-interval", "1",
+                             "--hang-timeout-minutes", str(HANG_TIMEOUT_S / 60))]  # fmt: skip
+    env = {**os.environ, "MP_RUN_DIR": str(run_dir), "OMP_NUM_THREADS": "1", **env}
+    with (run_dir / "output.log").open("w") as log:
+        return subprocess.Popen(command, env=env, start_new_session=True, stdout=log,
+                                stderr=subprocess.STDOUT)  # fmt: skip
+
+
+def _end(process: subprocess.Popen, workers: list[int]) -> None:
+    """Nothing lingers: stopped workers continued and killed, then the launcher's group
+    (torchrun starts its workers in sessions of their own)."""
+    for pid in workers:
+        for sig in (signal.SIGCONT, signal.SIGKILL):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait(timeout=30)
+
+
+@pytest.mark.multirank
+def test_a_rank_stuck_in_io_is_shown_and_the_job_ends(tmp_path):
+    script = str(Path(__file__).with_name("blocking_rank.py"))
+    process = _launch(tmp_path, [script], BLOCK_RANK="1", BLOCK_AFTER="20")
+    workers: list[int] = []
+    try:
+        deadline = time.monotonic() + 240
+        while _iterations(tmp_path) < 3:
+            assert process.poll() is None, (tmp_path / "output.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "training never started"
+            time.sleep(0.2)
+        workers = _children(process.pid)
+        process.wait(timeout=BOUND_S + 60)
+        output = (tmp_path / "output.log").read_text()
+        assert process.returncode != 0
+        # Both threads run, at the same iteration: the line says where each main thread
+        # is, rank 1's in its read.
+        verdict = next(line for line in output.splitlines() if "hang detected" in line)
+        assert "stuck: rank 0, rank 1 all wait" in verdict, verdict
+        assert re.search(r"rank 1 \(.*blocking_rank\.py:\d+ in forward_step\)", verdict), verdict
+        # Every rank dumped its stacks, the judge's and the other on request.
+        assert "Python stacks (hang detected)" in output
+        assert "Python stacks (requested by rank" in output
+        assert re.search(r'blocking_rank\.py", line \d+ in forward_step', output)
+        assert not any(_alive(pid) for pid in workers)
+    finally:
+        _end(process, workers)
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("stopped_rank", [1, 0])
+def test_a_stopped_rank_is_named_and_the_job_ends(tmp_path, stopped_rank):
+    log_path = tmp_path / "output.log"
+    process = _launch(tmp_path, ["-m", "mp_gpt.pretrain"])
+    workers: list[int] = []
+    try:
+        deadline = time.monotonic() + 240
+        while _iterations(tmp_path) < 3:
+            assert process.poll() is None, log_path.read_text()[-3000:]
+            assert time.monotonic() < deadline, "training never started"
+            time.sleep(0.2)
+        # A watchdog period (3 s) of training, so that the stopped rank has published.
+        time.sleep(4)
+        workers = _children(process.pid)
+        assert len(workers) == 2, workers
+        target = next(pid for pid in workers if _rank_of(pid) == stopped_rank)
+        os.kill(target, signal.SIGSTOP)
+        stopped = time.monotonic()
+        process.wait(timeout=BOUND_S + 60)
+        took = time.monotonic() - stopped
+        output = log_path.read_text()
+        print(f"SIGSTOP of rank {stopped_rank} to the job's end: {took:.1f} s")
+        assert process.returncode != 0
+        assert f"stuck: rank {stopped_rank} stopped responding" in output, output[-4000:]
+        assert f"rank {stopped_rank} (last finished iteration 0" not in output
+        live = 1 - stopped_rank
+        assert f"rank {live}: Python stacks (hang detected)" in output, output[-4000:]
+        assert "Thread 0x" in output or "Current thread 0x" in output
+        assert HANG_TIMEOUT_S / 2 < took < BOUND_S, output[-4000:]
+        assert not any(_alive(pid) for pid in workers)
+    finally:
+        _end(process, workers)
