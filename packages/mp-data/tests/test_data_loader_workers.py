@@ -67,6 +67,9 @@ try:
         next(batches)
 except RuntimeError as error:
     print(pid, error, flush=True)
+    for worker in batches._iterator._workers:  # os._exit leaves them, else orphaned
+        worker.kill()
+        worker.join()
     os._exit(0)
 """
 
