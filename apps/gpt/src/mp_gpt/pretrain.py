@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 import mp_state
 from mp_gpt.gpt import datasets_provider, forward_step, model_provider
-from mp_train import ConfigError, RunConfig, load_config, pretrain, report
+from mp_train import ConfigError, RunConfig, launch_rank, load_config, pretrain, report
 
 __all__ = ["main", "train"]
 
@@ -26,16 +26,27 @@ def train(config: RunConfig):
 
 def main(argv: list[str] | None = None) -> int:
     """Runs `pretrain_gpt.py ARGV`; returns the exit status: 0, or 2 for a configuration
-    mistake (one line from rank 0, the same mistake found by every rank)."""
+    mistake (one line from rank 0, the same mistake found by every rank). Any other error
+    is printed as `error: rank N: MESSAGE` and raised, so that the rank exits non-zero at
+    once with its traceback."""
     try:
         train(load_config(argv))
     except ConfigError as error:
-        return report(error)
-    finally:
-        mp_state.destroy()
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    return 0
+        # Every rank found the same mistake: the collective teardown below meets them all.
+        status = report(error)
+    except Exception as error:
+        # This rank may have failed alone (one of its data-loader workers died, a step
+        # raised): its peers may sit in a collective it will never join, where a teardown
+        # barrier would hold it with them until the collective timeout (10 minutes). It
+        # leaves now; torchrun ends the other ranks once one has exited non-zero.
+        print(f"error: rank {launch_rank()}: {error}", file=sys.stderr, flush=True)
+        raise
+    else:
+        status = 0
+    mp_state.destroy()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return status
 
 
 if __name__ == "__main__":

@@ -8,15 +8,24 @@ needs nothing of mp-state. dataloader_type picks the sampler:
     single    MegatronPretrainingSampler: one pass, in order, resumable
     cyclic    MegatronPretrainingRandomSampler: shuffled epochs, resumable
     external  none: the dataset is already an iterable of batches, returned as is
+
+A worker that dies (killed, out of memory) is reported by the next batch drawn, or by
+torch's SIGCHLD handler in the main thread wherever it is, both as
+`DataLoader worker (pid N) is killed by signal: Killed.`: torch's own check at the next
+batch names only the pid (or raises a reset connection to the dead worker), so the
+loader's iterator says which worker ended and how.
 """
 
 from __future__ import annotations
+
+import multiprocessing.connection
+import signal
 
 import torch
 
 from mp_data.samplers import MegatronPretrainingRandomSampler, MegatronPretrainingSampler
 
-__all__ = ["DATALOADER_TYPES", "build_pretraining_data_loader"]
+__all__ = ["DATALOADER_TYPES", "DataLoaderWorkerError", "build_pretraining_data_loader"]
 
 DATALOADER_TYPES = ("single", "cyclic", "external")
 
@@ -70,7 +79,7 @@ def build_pretraining_data_loader(
             data_parallel_size=data_parallel_size,
             data_sharding=data_sharding,
         )
-    return torch.utils.data.DataLoader(
+    return _PretrainingDataLoader(
         dataset,
         batch_sampler=batch_sampler,
         num_workers=num_workers,
@@ -81,3 +90,60 @@ def build_pretraining_data_loader(
         # (as in Megatron-LM).
         persistent_workers=num_workers > 0,
     )
+
+
+class DataLoaderWorkerError(RuntimeError):
+    """A DataLoader worker process ended while its loader was in use."""
+
+
+class _PretrainingDataLoader(torch.utils.data.DataLoader):
+    """A DataLoader whose iterators say which worker died and how."""
+
+    def __iter__(self):
+        return _WorkerWatch(super().__iter__())
+
+
+class _WorkerWatch:
+    """A DataLoader iterator whose worker failures name the pid and the signal or status."""
+
+    def __init__(self, iterator) -> None:
+        self._iterator = iterator
+
+    def __iter__(self):
+        return self
+
+    def __len__(self) -> int:
+        return len(self._iterator)
+
+    def __next__(self):
+        try:
+            return next(self._iterator)
+        except (StopIteration, DataLoaderWorkerError):
+            raise
+        except Exception as error:
+            workers = list(getattr(self._iterator, "_workers", ()))
+            if workers and isinstance(error, (OSError, EOFError)):
+                # A batch cut off by its worker's death (a reset connection to the dying
+                # worker) can arrive a moment before the worker can be waited for: give
+                # the workers a second to be seen ended (join waits once the pipe closes).
+                sentinels = [w.sentinel for w in workers]
+                ready = multiprocessing.connection.wait(sentinels, timeout=1.0)
+                for worker in workers:
+                    if worker.sentinel in ready:
+                        worker.join(timeout=1.0)
+            ended = [e for e in map(_how_it_ended, workers) if e is not None]
+            if not ended:
+                raise
+            raise DataLoaderWorkerError("; ".join(ended)) from error
+
+
+def _how_it_ended(worker) -> str | None:
+    """torch's SIGCHLD handler's words for a worker that has ended; None while it runs."""
+    if worker.is_alive() or worker.exitcode is None:  # is_alive() reaps an ended worker
+        return None
+    code, said = worker.exitcode, f"DataLoader worker (pid {worker.pid})"
+    if code < 0:
+        return f"{said} is killed by signal: {signal.strsignal(-code)}."
+    if code > 0:
+        return f"{said} exited unexpectedly with exit code {code}."
+    return None

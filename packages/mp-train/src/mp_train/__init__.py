@@ -8,7 +8,7 @@ and pretrain().
 from mp_train.arguments import ArgumentGroupFactory, build_parser, parse_config
 from mp_train.config import GPTConfig, LoggingConfig, RunConfig, TrainingConfig, validate
 from mp_train.entry_point import load_config
-from mp_train.errors import ConfigError, report
+from mp_train.errors import ConfigError, launch_rank, report
 from mp_train.estimate import estimate
 from mp_train.microbatches import MicroBatchCalculator
 from mp_train.setup import Initialized, Run, TrainState, initialize, setup_run
@@ -32,6 +32,7 @@ __all__ = [
     "estimate",
     "evaluate",
     "initialize",
+    "launch_rank",
     "load_config",
     "load_yaml_config",
     "parse_config",

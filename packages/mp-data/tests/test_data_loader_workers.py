@@ -1,0 +1,84 @@
+"""A pretraining loader whose worker dies says which worker and how it ended, by either of
+torch's two checks: its SIGCHLD handler, or the check at the next batch drawn."""
+
+import gc
+import os
+import re
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from mp_data import DataLoaderWorkerError, build_pretraining_data_loader
+
+SAID = r"DataLoader worker \(pid {pid}\) is killed by signal: Killed\."
+
+
+class Numbers(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 10_000
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return torch.tensor([index])
+
+
+def loader():
+    return build_pretraining_data_loader(
+        Numbers(), 0, dataloader_type="single", micro_batch_size=2, data_parallel_rank=0,
+        data_parallel_size=1, num_workers=2,
+    )  # fmt: skip
+
+
+def test_the_next_batch_names_the_killed_worker_and_the_signal():
+    # Without torch's SIGCHLD handler, its check at the next batch finds the worker gone
+    # (within its 5 s poll) and names only the pid, or the batch the worker was sending
+    # fails with a reset connection. The handler is put back once every worker is gone,
+    # so that it cannot raise into the test run.
+    torch_handler = signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    try:
+        batches = iter(loader())
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the first iterator installs it
+        next(batches)
+        pid = batches._iterator._workers[0].pid
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(DataLoaderWorkerError, match=SAID.format(pid=pid)) as raised:
+            for _ in range(10_000):
+                next(batches)
+        assert not isinstance(raised.value.__cause__, DataLoaderWorkerError)
+        del batches
+        gc.collect()
+    finally:
+        signal.signal(signal.SIGCHLD, torch_handler)
+
+
+SIGCHLD_RUN = """
+import faulthandler, os, signal, sys
+faulthandler.dump_traceback_later(50, exit=True)  # the stacks, should it ever hang
+sys.path.insert(0, os.path.dirname(sys.argv[1]))
+from test_data_loader_workers import loader
+batches = iter(loader())
+next(batches)
+pid = batches._iterator._workers[0].pid
+try:
+    os.kill(pid, signal.SIGKILL)
+    for _ in range(10_000):
+        next(batches)
+except RuntimeError as error:
+    print(pid, error, flush=True)
+    for worker in batches._iterator._workers:  # os._exit leaves them, else orphaned
+        worker.kill()
+        worker.join()
+    os._exit(0)
+"""
+
+
+def test_the_sigchld_handler_says_the_same():
+    # torch's handler raises wherever the main thread is when SIGCHLD arrives: in a
+    # process of its own, not in the test run.
+    done = subprocess.run([sys.executable, "-c", SIGCHLD_RUN, __file__], capture_output=True,
+                          text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    pid, said = done.stdout.split(" ", 1)
+    assert re.fullmatch(SAID.format(pid=pid), said.strip()), said
