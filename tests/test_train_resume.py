@@ -6,7 +6,6 @@ would, on the tiny config with mock data; the uninterrupted run the killed one i
 compared with goes on two forked ranks.
 """
 
-import json
 import os
 import signal
 import subprocess
@@ -17,7 +16,9 @@ from pathlib import Path
 import pytest
 
 from mp_ckpt import read_tracker
+from mp_gpt.testing import complete_records
 from mp_state.testing import run_on_ranks
+from mp_state.testing.processes import alive, children
 
 CONFIG = Path(__file__).resolve().parents[1] / "apps" / "gpt" / "configs" / "tiny.yaml"
 
@@ -43,34 +44,13 @@ def environment(run_dir: Path) -> dict:
     return {**os.environ, "MP_RUN_DIR": str(run_dir), "OMP_NUM_THREADS": "1"}
 
 
-def records(run_dir: Path) -> list[dict]:
-    """The metrics file's complete records (a line cut by a kill is not one)."""
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    found = []
-    for line in path.read_text().splitlines():
-        try:
-            found.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return found
-
-
 def _wait_until_gone(pids: list[int], timeout: float = 30) -> None:
     """Until the processes are gone (SIGKILL is delivered asynchronously)."""
     deadline = time.monotonic() + timeout
-    while any(Path(f"/proc/{pid}").exists() and not _zombie(pid) for pid in pids):
+    while any(alive(pid) for pid in pids):
         if time.monotonic() > deadline:
             raise AssertionError(f"processes {pids} outlived SIGKILL")
         time.sleep(0.05)
-
-
-def _zombie(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except OSError:
-        return False
 
 
 def start(run_dir: Path, *extra: str) -> subprocess.Popen:
@@ -116,7 +96,7 @@ def test_sigkill_every_rank_then_rerun_continues_bitwise(tmp_path, layout):
     # and settings, one thread per rank as under torchrun with OMP_NUM_THREADS=1.
     reference = tmp_path / "reference"
     run_on_ranks(pretrain_body, 2, options(reference, *iterations), str(reference), timeout=180)
-    want = {r["iteration"]: r for r in records(reference)}
+    want = {r["iteration"]: r for r in complete_records(reference)}
     assert sorted(want) == list(range(1, ITERATIONS + 1))
 
     killed = tmp_path / "killed"
@@ -124,7 +104,7 @@ def test_sigkill_every_rank_then_rerun_continues_bitwise(tmp_path, layout):
     wait_for(process, lambda: (read_tracker(killed / "ckpt") or 0) >= 4)
     # Every rank and the launcher, mid-run (torchrun starts its workers in sessions of
     # their own, so the launcher's group alone would leave them running).
-    workers = _children(process.pid)
+    workers = children(process.pid)
     assert len(workers) == 2, workers
     for pid in workers:
         os.kill(pid, signal.SIGKILL)
@@ -132,12 +112,12 @@ def test_sigkill_every_rank_then_rerun_continues_bitwise(tmp_path, layout):
     process.wait(timeout=60)
     _wait_until_gone(workers)
     saved = read_tracker(killed / "ckpt")
-    seen = len(records(killed))
+    seen = len(complete_records(killed))
     # Iterations past the checkpoint are redone.
     assert 4 <= saved < ITERATIONS and seen >= saved
     output = finish(start(killed, *iterations))
     assert f"at iteration {saved}" in output and "RNG states not restored" not in output
-    after = records(killed)
+    after = complete_records(killed)
     assert len(after) == seen + ITERATIONS - saved  # the rerun's iterations, appended
     resumed = after[seen:]
     assert [r["iteration"] for r in resumed] == list(range(saved + 1, ITERATIONS + 1))
@@ -156,24 +136,11 @@ def pretrain_body(argv: list[str], run_dir: str) -> None:
     train(parse_config(argv))
 
 
-def _children(pid: int) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid:
-                found.append(int(entry.name))
-    return found
-
-
 @pytest.mark.multirank
 def test_sigterm_to_one_rank_saves_and_exits_zero(tmp_path):
     process = start(tmp_path, "--train-iters", "1000", "--exit-signal-handler")
-    wait_for(process, lambda: len(records(tmp_path)) >= 3)
-    workers = _children(process.pid)
+    wait_for(process, lambda: len(complete_records(tmp_path)) >= 3)
+    workers = children(process.pid)
     assert len(workers) == 2, workers
     os.kill(workers[1], signal.SIGTERM)
     sent = time.monotonic()
@@ -181,4 +148,4 @@ def test_sigterm_to_one_rank_saves_and_exits_zero(tmp_path):
     assert time.monotonic() - sent < 60
     assert "SIGTERM received" in output
     saved = read_tracker(tmp_path / "ckpt")
-    assert saved is not None and saved == records(tmp_path)[-1]["iteration"] < 1000
+    assert saved is not None and saved == complete_records(tmp_path)[-1]["iteration"] < 1000

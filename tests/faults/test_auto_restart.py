@@ -11,7 +11,6 @@ torchrun start-up).
 
 import contextlib
 import itertools
-import json
 import os
 import signal
 import subprocess
@@ -22,8 +21,9 @@ from pathlib import Path
 import pytest
 
 from mp_ckpt import read_tracker
-from mp_gpt.testing import tiny_options, train_on_rank
+from mp_gpt.testing import complete_records, tiny_options, train_on_rank
 from mp_state.testing import run_on_ranks
+from mp_state.testing.processes import workers_of
 
 ITERATIONS = 16
 SAVE_INTERVAL = 4
@@ -37,40 +37,6 @@ def options(run_dir: Path, saving: str) -> list[str]:
         run_dir, "--train-iters", str(ITERATIONS), "--save-interval", str(SAVE_INTERVAL),
         "--save", str(run_dir / "ckpt"), "--load", str(run_dir / "ckpt"), *SAVING[saving],
     )  # fmt: skip
-
-
-def records(run_dir: Path) -> list[dict]:
-    """The metrics file's complete records, in the order written (a line cut by the
-    kill is not one)."""
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    found = []
-    for line in path.read_text().splitlines():
-        try:
-            found.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return found
-
-
-def workers_of(pid: int) -> dict[int, int]:
-    """The processes whose parent is pid, by their RANK (torchrun's workers)."""
-    found = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            environ = (entry / "environ").read_bytes().split(b"\0")
-        except (OSError, IndexError, ValueError):
-            continue
-        if parent != pid:
-            continue
-        for item in environ:
-            if item.startswith(b"RANK="):
-                found[int(item[5:])] = int(entry.name)
-    return found
 
 
 def wait_for(process: subprocess.Popen, condition, what: str, timeout: float = 180) -> None:
@@ -88,7 +54,7 @@ def wait_for(process: subprocess.Popen, condition, what: str, timeout: float = 1
 def test_killed_rank_restarts_and_resumes_bitwise(tmp_path, saving):
     reference = tmp_path / "reference"
     run_on_ranks(train_on_rank, 2, options(reference, saving), timeout=240)
-    want = {r["iteration"]: r for r in records(reference)}
+    want = {r["iteration"]: r for r in complete_records(reference)}
     assert sorted(want) == list(range(1, ITERATIONS + 1))
 
     run_dir = tmp_path / "restarted"
@@ -102,7 +68,7 @@ def test_killed_rank_restarts_and_resumes_bitwise(tmp_path, saving):
     try:
         # Past the first save: an iteration after it is logged.
         wait_for(process, lambda: (read_tracker(run_dir / "ckpt") or 0) >= SAVE_INTERVAL
-                 and any(r["iteration"] > SAVE_INTERVAL for r in records(run_dir)),
+                 and any(r["iteration"] > SAVE_INTERVAL for r in complete_records(run_dir)),
                  "an iteration past the first checkpoint")  # fmt: skip
         workers = workers_of(process.pid)
         assert sorted(workers) == [0, 1], workers
@@ -110,7 +76,7 @@ def test_killed_rank_restarts_and_resumes_bitwise(tmp_path, saving):
         killed_at = time.monotonic()
 
         def redoing() -> bool:  # a record that does not follow the one before it
-            iterations = [r["iteration"] for r in records(run_dir)]
+            iterations = [r["iteration"] for r in complete_records(run_dir)]
             return any(b <= a for a, b in itertools.pairwise(iterations))
 
         wait_for(process, redoing, "the first iteration after the restart")
@@ -129,7 +95,7 @@ def test_killed_rank_restarts_and_resumes_bitwise(tmp_path, saving):
     assert output.count("torch.distributed initialized") == 4, output[-3000:]
     assert "RNG states not restored" not in output
 
-    written = records(run_dir)
+    written = complete_records(run_dir)
     # The records up to the kill, then those after the restart.
     first = next(i for i in range(1, len(written))
                  if written[i]["iteration"] <= written[i - 1]["iteration"])  # fmt: skip

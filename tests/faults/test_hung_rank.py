@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from mp_gpt.testing import tiny_options
+from mp_state.testing.processes import alive, children, rank_of
 
 HANG_TIMEOUT_S = 15
 BOUND_S = 60  # the timeout, a few watchdog periods, and torchrun's teardown
@@ -28,32 +29,6 @@ def _iterations(run_dir: Path) -> int:
     """The metrics file's complete lines (one per iteration at --log-interval 1)."""
     path = run_dir / "metrics.jsonl"
     return path.read_text().count("\n") if path.exists() else 0
-
-
-def _children(pid: int) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid:
-                found.append(int(entry.name))
-    return found
-
-
-def _rank_of(pid: int) -> int:
-    environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    return int(next(v for v in environ if v.startswith(b"RANK=")).split(b"=", 1)[1])
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 def _launch(run_dir: Path, target: list[str], **env: str) -> subprocess.Popen:
@@ -90,7 +65,7 @@ def test_a_rank_stuck_in_io_is_shown_and_the_job_ends(tmp_path):
             assert process.poll() is None, (tmp_path / "output.log").read_text()[-3000:]
             assert time.monotonic() < deadline, "training never started"
             time.sleep(0.2)
-        workers = _children(process.pid)
+        workers = children(process.pid)
         process.wait(timeout=BOUND_S + 60)
         output = (tmp_path / "output.log").read_text()
         assert process.returncode != 0
@@ -103,7 +78,7 @@ def test_a_rank_stuck_in_io_is_shown_and_the_job_ends(tmp_path):
         assert "Python stacks (hang detected)" in output
         assert "Python stacks (requested by rank" in output
         assert re.search(r'blocking_rank\.py", line \d+ in forward_step', output)
-        assert not any(_alive(pid) for pid in workers)
+        assert not any(alive(pid) for pid in workers)
     finally:
         _end(process, workers)
 
@@ -122,9 +97,9 @@ def test_a_stopped_rank_is_named_and_the_job_ends(tmp_path, stopped_rank):
             time.sleep(0.2)
         # A watchdog period (3 s) of training, so that the stopped rank has published.
         time.sleep(4)
-        workers = _children(process.pid)
+        workers = children(process.pid)
         assert len(workers) == 2, workers
-        target = next(pid for pid in workers if _rank_of(pid) == stopped_rank)
+        target = next(pid for pid in workers if rank_of(pid) == stopped_rank)
         os.kill(target, signal.SIGSTOP)
         stopped = time.monotonic()
         process.wait(timeout=BOUND_S + 60)
@@ -138,6 +113,6 @@ def test_a_stopped_rank_is_named_and_the_job_ends(tmp_path, stopped_rank):
         assert f"rank {live}: Python stacks (hang detected)" in output, output[-4000:]
         assert "Thread 0x" in output or "Current thread 0x" in output
         assert HANG_TIMEOUT_S / 2 < took < BOUND_S, output[-4000:]
-        assert not any(_alive(pid) for pid in workers)
+        assert not any(alive(pid) for pid in workers)
     finally:
         _end(process, workers)

@@ -20,6 +20,7 @@ import pytest
 
 from mp_ckpt import CheckpointReader, read_tracker
 from mp_gpt.testing import TINY_CONFIG
+from mp_state.testing.processes import children, rank_of
 
 DEADLINE = 60.0
 """How long after the kill the whole job may take to end."""
@@ -37,29 +38,6 @@ def command(run_dir: Path) -> list[str]:
         "--save", str(run_dir / "ckpt"), "--load", "none",
         "--metrics-file", str(run_dir / "metrics.jsonl"),
     ]  # fmt: skip
-
-
-def children(pid: int) -> list[int]:
-    """The processes whose parent is `pid`, oldest first."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid:
-                found.append(int(entry.name))
-    return sorted(found)
-
-
-def rank_of(pid: int) -> int | None:
-    try:
-        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    except OSError:
-        return None
-    ranks = [int(v[len(b"RANK=") :]) for v in environ if v.startswith(b"RANK=")]
-    return ranks[0] if ranks else None
 
 
 def kill_everything(launcher: subprocess.Popen) -> None:

@@ -16,6 +16,7 @@ __all__ = [
     "LOGGED_MOE",
     "TINY_CONFIG",
     "assert_same_curve",
+    "complete_records",
     "metrics_records",
     "tiny_moe_options",
     "tiny_options",
@@ -63,6 +64,21 @@ def tiny_moe_options(run_dir: Path, *extra: str) -> list[str]:
 def metrics_records(run_dir: Path) -> list[dict]:
     """The records of run_dir/metrics.jsonl, one per iteration."""
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def complete_records(run_dir: Path) -> list[dict]:
+    """The records of run_dir/metrics.jsonl written whole, in order: a line a kill cut
+    short is not one (for runs a test kills)."""
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    found = []
+    for line in path.read_text().splitlines():
+        try:
+            found.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return found
 
 
 def assert_same_curve(got: list[dict], want: list[dict], keys, name: str) -> None:
