@@ -34,12 +34,15 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as error:
         # Every rank found the same mistake: the collective teardown below meets them all.
         status = report(error)
-    except Exception as error:
+    except BaseException as error:  # torch's CheckpointException is a BaseException
+        if isinstance(error, KeyboardInterrupt | SystemExit):
+            raise
         # This rank may have failed alone (one of its data-loader workers died, a step
         # raised): its peers may sit in a collective it will never join, where a teardown
         # barrier would hold it with them until the collective timeout (10 minutes). It
         # leaves now; torchrun ends the other ranks once one has exited non-zero.
-        print(f"error: rank {launch_rank()}: {error}", file=sys.stderr, flush=True)
+        rank = launch_rank()
+        print(f"error: rank {rank}: {_cause(error, rank)}", file=sys.stderr, flush=True)
         raise
     else:
         status = 0
@@ -47,6 +50,25 @@ def main(argv: list[str] | None = None) -> int:
     if dist.is_initialized():
         dist.destroy_process_group()
     return status
+
+
+def _cause(error: BaseException, rank: int) -> str:
+    """The error's first line; for a failed checkpoint save or load (torch's
+    CheckpointException gathers every rank's failure), the failure of this rank, or the
+    ranks it came from."""
+    failures = getattr(error, "failures", None)
+    if isinstance(failures, dict) and failures:
+        if rank in failures:
+            error = failures[rank][0]
+        else:
+            first, (cause, _) = next(iter(failures.items()))
+            return f"checkpoint failed on rank {first}: {_first_line(cause)}"
+    return _first_line(error)
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
 
 
 if __name__ == "__main__":
