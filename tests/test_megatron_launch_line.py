@@ -31,7 +31,7 @@ MEGATRON_LINE = """
     --micro-batch-size 2 --global-batch-size 8 --train-iters 6
     --lr 1e-3 --min-lr 1e-4 --lr-decay-style cosine --lr-warmup-iters 1 --lr-decay-iters 6
     --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --clip-grad 1.0
-    --calculate-per-token-loss --manual-gc --empty-unused-memory-level 1
+    --calculate-per-token-loss --manual-gc
     --tensor-model-parallel-size 1 --pipeline-model-parallel-size 2
     --decoder-first-pipeline-num-layers 1
     --use-distributed-optimizer --overlap-grad-reduce --ddp-bucket-size 100000

@@ -66,21 +66,9 @@ IGNORED: dict[str, tuple[bool, str]] = {
     "ckpt_fully_parallel_load": (False, "every rank of mp reads only the pieces it needs"),
     "ckpt_assume_constant_structure": (False, "a save-planning cache mp does not need"),
     "no_query_key_layer_scaling": (False, "mp scales attention scores by 1/sqrt(d) only"),
-    "defer_embedding_wgrad_compute": (
-        False,
-        "a pipeline overlap trick of the TE spec; mp computes the embedding gradient in place",
-    ),
-    "overlap_p2p_communication": (
-        False,
-        "mp's pipeline sends and receives are issued asynchronously by its schedules already",
-    ),
     "no_overlap_p2p_communication": (
         False,
-        "mp's pipeline sends and receives are issued asynchronously by its schedules",
-    ),
-    "empty_unused_memory_level": (
-        True,
-        "a CUDA caching-allocator switch; mp does not empty the cache between steps",
+        "mp batches each exchange's pipeline sends and receives and waits for them together",
     ),
 }
 
@@ -104,6 +92,18 @@ REFUSED: dict[str, tuple[bool, str]] = {
         "fp16 query-key layer scaling is not implemented: drop it (use bf16)",
     ),
     "fp8_format": (True, "fp8 training is not implemented: use --bf16"),
+    "overlap_p2p_communication": (
+        False,
+        "mp's schedules do not overlap pipeline sends and receives with compute: drop it",
+    ),
+    "defer_embedding_wgrad_compute": (
+        False,
+        "mp computes the embedding's weight gradient in its backward, not deferred: drop it",
+    ),
+    "empty_unused_memory_level": (
+        True,
+        "mp does not empty the CUDA caching allocator between steps: drop it",
+    ),
     "microbatch_group_size_per_virtual_pipeline_stage": (
         True,
         "mp's interleaved schedule groups pipeline_model_parallel_size micro-batches: drop it",
