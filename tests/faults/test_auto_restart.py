@@ -9,12 +9,9 @@ is compared with goes on two forked ranks (the same code and settings, spared a
 torchrun start-up).
 """
 
-import contextlib
 import itertools
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -22,8 +19,7 @@ import pytest
 
 from mp_ckpt import read_tracker
 from mp_gpt.testing import complete_records, tiny_options, train_on_rank
-from mp_state.testing import run_on_ranks
-from mp_state.testing.processes import workers_of
+from mp_state.testing import TorchrunJob, run_on_ranks
 
 ITERATIONS = 16
 SAVE_INTERVAL = 4
@@ -39,16 +35,6 @@ def options(run_dir: Path, saving: str) -> list[str]:
     )  # fmt: skip
 
 
-def wait_for(process: subprocess.Popen, condition, what: str, timeout: float = 180) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if process.poll() is not None:
-            raise AssertionError(f"the run exited before {what}:\n{process.stdout.read()[-3000:]}")
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} never happened within {timeout} s")
-        time.sleep(0.05)
-
-
 @pytest.mark.multirank
 @pytest.mark.parametrize("saving", sorted(SAVING))
 def test_killed_rank_restarts_and_resumes_bitwise(tmp_path, saving):
@@ -58,19 +44,13 @@ def test_killed_rank_restarts_and_resumes_bitwise(tmp_path, saving):
     assert sorted(want) == list(range(1, ITERATIONS + 1))
 
     run_dir = tmp_path / "restarted"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node=2", "--max-restarts", "1", "-m", "mp_gpt.pretrain",
-               *options(run_dir, saving)]  # fmt: skip
-    env = {**os.environ, "MP_RUN_DIR": str(run_dir), "OMP_NUM_THREADS": "1"}
-    process = subprocess.Popen(command, env=env, start_new_session=True, text=True,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
-    workers: dict[int, int] = {}
-    try:
+    target = ["-m", "mp_gpt.pretrain", *options(run_dir, saving)]
+    with TorchrunJob(target, run_dir, launcher_args=("--max-restarts", "1")) as job:
         # Past the first save: an iteration after it is logged.
-        wait_for(process, lambda: (read_tracker(run_dir / "ckpt") or 0) >= SAVE_INTERVAL
-                 and any(r["iteration"] > SAVE_INTERVAL for r in complete_records(run_dir)),
-                 "an iteration past the first checkpoint")  # fmt: skip
-        workers = workers_of(process.pid)
+        job.wait_for(lambda: (read_tracker(run_dir / "ckpt") or 0) >= SAVE_INTERVAL
+                     and any(r["iteration"] > SAVE_INTERVAL for r in complete_records(run_dir)),
+                     "an iteration past the first checkpoint")  # fmt: skip
+        workers = job.workers()
         assert sorted(workers) == [0, 1], workers
         os.kill(workers[1], signal.SIGKILL)
         killed_at = time.monotonic()
@@ -79,18 +59,11 @@ def test_killed_rank_restarts_and_resumes_bitwise(tmp_path, saving):
             iterations = [r["iteration"] for r in complete_records(run_dir)]
             return any(b <= a for a, b in itertools.pairwise(iterations))
 
-        wait_for(process, redoing, "the first iteration after the restart")
+        job.wait_for(redoing, "the first iteration after the restart")
         restart_s = time.monotonic() - killed_at
-        output, _ = process.communicate(timeout=240)
-    finally:
-        if process.poll() is None:
-            # torchrun starts its workers in sessions of their own: they go first.
-            for pid in workers_of(process.pid).values():
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait(timeout=30)
-    assert process.returncode == 0, output[-3000:]
+        job.wait(timeout=240)
+    output = job.output()
+    assert job.returncode == 0, output[-3000:]
     # torchrun started the workers twice: each rank initialized twice.
     assert output.count("torch.distributed initialized") == 4, output[-3000:]
     assert "RNG states not restored" not in output
@@ -107,7 +80,8 @@ def test_killed_rank_restarts_and_resumes_bitwise(tmp_path, saving):
     redone = before[-1]["iteration"] - resumed_from
     assert 0 <= redone <= SAVE_INTERVAL, (redone, resumed_from)
     print(
-        f"killed rank 1 after iteration {before[-1]['iteration']}; resumed from "
+        f"figure: auto-restart {saving}: killed rank 1 after iteration "
+        f"{before[-1]['iteration']}; resumed from "
         f"{resumed_from}, {redone} iterations redone; first iteration after the restart "
         f"logged {restart_s:.1f} s after the kill"
     )

@@ -7,19 +7,17 @@ blocking_rank.py). A watchdog must say which rank it is, have the ranks dump the
 stacks and end the job, long before the collective's 10-minute timeout.
 """
 
-import contextlib
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from mp_gpt.testing import tiny_options
-from mp_state.testing.processes import alive, children, rank_of
+from mp_state.testing import TorchrunJob
+from mp_state.testing.processes import alive
 
 HANG_TIMEOUT_S = 15
 BOUND_S = 60  # the timeout, a few watchdog periods, and torchrun's teardown
@@ -31,44 +29,25 @@ def _iterations(run_dir: Path) -> int:
     return path.read_text().count("\n") if path.exists() else 0
 
 
-def _launch(run_dir: Path, target: list[str], **env: str) -> subprocess.Popen:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node=2", *target,
-               *tiny_options(run_dir, "--train-iters", "100000", "--log-interval", "1",
-                             "--hang-timeout-minutes", str(HANG_TIMEOUT_S / 60))]  # fmt: skip
-    env = {**os.environ, "MP_RUN_DIR": str(run_dir), "OMP_NUM_THREADS": "1", **env}
-    with (run_dir / "output.log").open("w") as log:
-        return subprocess.Popen(command, env=env, start_new_session=True, stdout=log,
-                                stderr=subprocess.STDOUT)  # fmt: skip
+def _job(run_dir: Path, target: list[str], **env: str) -> TorchrunJob:
+    options = tiny_options(run_dir, "--train-iters", "100000", "--log-interval", "1",
+                           "--hang-timeout-minutes", str(HANG_TIMEOUT_S / 60))  # fmt: skip
+    return TorchrunJob([*target, *options], run_dir, env=env)
 
 
-def _end(process: subprocess.Popen, workers: list[int]) -> None:
-    """Nothing lingers: stopped workers continued and killed, then the launcher's group
-    (torchrun starts its workers in sessions of their own)."""
-    for pid in workers:
-        for sig in (signal.SIGCONT, signal.SIGKILL):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, sig)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGKILL)
-    process.wait(timeout=30)
+def _training(job: TorchrunJob, run_dir: Path) -> None:
+    job.wait_for(lambda: _iterations(run_dir) >= 3, "training", timeout=240, poll=0.2)
 
 
 @pytest.mark.multirank
 def test_a_rank_stuck_in_io_is_shown_and_the_job_ends(tmp_path):
     script = str(Path(__file__).with_name("blocking_rank.py"))
-    process = _launch(tmp_path, [script], BLOCK_RANK="1", BLOCK_AFTER="20")
-    workers: list[int] = []
-    try:
-        deadline = time.monotonic() + 240
-        while _iterations(tmp_path) < 3:
-            assert process.poll() is None, (tmp_path / "output.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, "training never started"
-            time.sleep(0.2)
-        workers = children(process.pid)
-        process.wait(timeout=BOUND_S + 60)
-        output = (tmp_path / "output.log").read_text()
-        assert process.returncode != 0
+    with _job(tmp_path, [script], BLOCK_RANK="1", BLOCK_AFTER="20") as job:
+        _training(job, tmp_path)
+        workers = list(job.workers().values())
+        job.wait(timeout=BOUND_S + 60)
+        output = job.output()
+        assert job.returncode != 0
         # Both threads run, at the same iteration: the line says where each main thread
         # is, rank 1's in its read.
         verdict = next(line for line in output.splitlines() if "hang detected" in line)
@@ -79,40 +58,28 @@ def test_a_rank_stuck_in_io_is_shown_and_the_job_ends(tmp_path):
         assert "Python stacks (requested by rank" in output
         assert re.search(r'blocking_rank\.py", line \d+ in forward_step', output)
         assert not any(alive(pid) for pid in workers)
-    finally:
-        _end(process, workers)
 
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("stopped_rank", [1, 0])
 def test_a_stopped_rank_is_named_and_the_job_ends(tmp_path, stopped_rank):
-    log_path = tmp_path / "output.log"
-    process = _launch(tmp_path, ["-m", "mp_gpt.pretrain"])
-    workers: list[int] = []
-    try:
-        deadline = time.monotonic() + 240
-        while _iterations(tmp_path) < 3:
-            assert process.poll() is None, log_path.read_text()[-3000:]
-            assert time.monotonic() < deadline, "training never started"
-            time.sleep(0.2)
+    with _job(tmp_path, ["-m", "mp_gpt.pretrain"]) as job:
+        _training(job, tmp_path)
         # A watchdog period (3 s) of training, so that the stopped rank has published.
         time.sleep(4)
-        workers = children(process.pid)
-        assert len(workers) == 2, workers
-        target = next(pid for pid in workers if rank_of(pid) == stopped_rank)
-        os.kill(target, signal.SIGSTOP)
+        workers = job.workers()
+        assert sorted(workers) == [0, 1], workers
+        os.kill(workers[stopped_rank], signal.SIGSTOP)
         stopped = time.monotonic()
-        process.wait(timeout=BOUND_S + 60)
+        job.wait(timeout=BOUND_S + 60)
         took = time.monotonic() - stopped
-        output = log_path.read_text()
-        print(f"SIGSTOP of rank {stopped_rank} to the job's end: {took:.1f} s")
-        assert process.returncode != 0
+        output = job.output()
+        print(f"figure: SIGSTOP of rank {stopped_rank}: the job ended {took:.1f} s later")
+        assert job.returncode != 0
         assert f"stuck: rank {stopped_rank} stopped responding" in output, output[-4000:]
         assert f"rank {stopped_rank} (last finished iteration 0" not in output
         live = 1 - stopped_rank
         assert f"rank {live}: Python stacks (hang detected)" in output, output[-4000:]
         assert "Thread 0x" in output or "Current thread 0x" in output
         assert HANG_TIMEOUT_S / 2 < took < BOUND_S, output[-4000:]
-        assert not any(alive(pid) for pid in workers)
-    finally:
-        _end(process, workers)
+        assert not any(alive(pid) for pid in workers.values())

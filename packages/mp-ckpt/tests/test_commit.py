@@ -1,6 +1,7 @@
 """The commit protocol: an async save is invisible until committed and equals a sync save;
 a save killed mid-write leaves the previous checkpoint in place and loadable."""
 
+import errno
 import os
 import signal
 import subprocess
@@ -13,7 +14,14 @@ import pytest
 import torch
 
 import mp_ckpt.checkpointer as checkpointer_module
-from mp_ckpt import Checkpointer, ShardedTensor, checkpoint_dir, load_checkpoint, read_tracker
+from mp_ckpt import (
+    Checkpointer,
+    CheckpointSaveError,
+    ShardedTensor,
+    checkpoint_dir,
+    load_checkpoint,
+    read_tracker,
+)
 
 
 def pieces(scale: float) -> dict:
@@ -69,6 +77,24 @@ def test_a_failed_async_save_surfaces_at_the_next_call(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="asynchronous checkpoint save failed"):
         checkpointer.finalize()
     assert read_tracker(tmp_path) is None
+
+
+def test_a_full_disk_is_named_and_the_partial_save_removed(tmp_path, monkeypatch):
+    Checkpointer(tmp_path).save(1, pieces(1.0))
+
+    def full_disk(*args, **kwargs):
+        (tmp_path / "iter_0000002.tmp" / "__0_0.distcp").write_bytes(b"partial")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(checkpointer_module.dcp, "save", full_disk)
+    with pytest.raises(CheckpointSaveError) as failed:
+        Checkpointer(tmp_path).save(2, pieces(2.0))
+    message = str(failed.value)
+    assert message.startswith(f"saving iteration 2 into {tmp_path / 'iter_0000002.tmp'} failed: ")
+    assert "No space left on device; the file system is full (" in message
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "iter_0000001", "latest_checkpointed_iteration.txt"]  # fmt: skip
+    assert read_tracker(tmp_path) == 1
 
 
 KILLED_SAVE = textwrap.dedent(

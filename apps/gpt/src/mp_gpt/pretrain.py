@@ -11,6 +11,7 @@ import sys
 import torch.distributed as dist
 
 import mp_state
+from mp_ckpt import failure_line
 from mp_gpt.gpt import datasets_provider, forward_step, model_provider
 from mp_train import ConfigError, RunConfig, launch_rank, load_config, pretrain, report
 
@@ -42,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
         # barrier would hold it with them until the collective timeout (10 minutes). It
         # leaves now; torchrun ends the other ranks once one has exited non-zero.
         rank = launch_rank()
-        print(f"error: rank {rank}: {_cause(error, rank)}", file=sys.stderr, flush=True)
+        print(f"error: rank {rank}: {failure_line(error, rank)}", file=sys.stderr, flush=True)
         raise
     else:
         status = 0
@@ -50,25 +51,6 @@ def main(argv: list[str] | None = None) -> int:
     if dist.is_initialized():
         dist.destroy_process_group()
     return status
-
-
-def _cause(error: BaseException, rank: int) -> str:
-    """The error's first line; for a failed checkpoint save or load (torch's
-    CheckpointException gathers every rank's failure), the failure of this rank, or the
-    ranks it came from."""
-    failures = getattr(error, "failures", None)
-    if isinstance(failures, dict) and failures:
-        if rank in failures:
-            error = failures[rank][0]
-        else:
-            first, (cause, _) = next(iter(failures.items()))
-            return f"checkpoint failed on rank {first}: {_first_line(cause)}"
-    return _first_line(error)
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
 
 
 if __name__ == "__main__":

@@ -10,6 +10,8 @@ import importlib
 
 _EXPORTS = {
     "Checkpointer": "mp_ckpt.checkpointer",
+    "CheckpointSaveError": "mp_ckpt.checkpointer",
+    "failure_line": "mp_ckpt.failures",
     "storage_key": "mp_ckpt.checkpointer",
     "CheckpointConfig": "mp_ckpt.config",
     "convert_checkpoint": "mp_ckpt.convert",
@@ -46,6 +48,7 @@ __all__ = [
     "CheckpointConfig",
     "CheckpointCorrupted",
     "CheckpointReader",
+    "CheckpointSaveError",
     "Checkpointer",
     "LoadedCheckpoint",
     "MegatronModel",
@@ -58,6 +61,7 @@ __all__ = [
     "checkpoint_dir",
     "convert_checkpoint",
     "export_hf",
+    "failure_line",
     "import_hf",
     "import_megatron",
     "list_iterations",

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import errno
 import json
 import os
 import shutil
@@ -36,15 +37,22 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from mp_ckpt.failures import failure_line, has_errno
 from mp_ckpt.integrity import CHECKSUMS, HashingFileSystemWriter, file_digest
 from mp_ckpt.layout import checkpoint_dir, fsync_dir, remove_old_checkpoints, write_tracker
 from mp_ckpt.sharding import ShardedTensor
 
-__all__ = ["METADATA", "Checkpointer", "single_process_quiet", "storage_key"]
+__all__ = ["METADATA", "CheckpointSaveError", "Checkpointer", "single_process_quiet", "storage_key"]
 
 METADATA = "mp_metadata.json"
 _IO_THREADS = 2
 FORMAT_VERSION = 1
+
+
+class CheckpointSaveError(RuntimeError):
+    """A save failed: names the iteration, the directory and the cause (a full
+    file system says so, with the space left). The partial directory is removed; the
+    checkpoints committed before, and the tracker, are as they were."""
 
 
 def storage_key(piece: ShardedTensor) -> str:
@@ -80,6 +88,8 @@ class Checkpointer:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._staging: dict[str, torch.Tensor] = {}
+        self.last_saved: int | None = None
+        """The iteration of the latest save begun (committed, or in flight when async)."""
 
     def save(
         self,
@@ -93,6 +103,7 @@ class Checkpointer:
         """Saves checkpoint `iteration` (returns once it is committed, or once staged
         when async). `layout` (parallel sizes) is recorded for `mp-ckpt inspect`."""
         self.finalize()
+        self.last_saved = iteration
         saved = _saved_pieces(pieces)
         if not self.async_save:
             self._write(iteration, saved, common, rank_state, layout)
@@ -121,8 +132,8 @@ class Checkpointer:
             self._thread = None
         if self._error is not None:
             error, self._error = self._error, None
-            raise RuntimeError(
-                f"rank {self.rank}: the asynchronous checkpoint save failed"
+            raise CheckpointSaveError(
+                f"the asynchronous checkpoint save failed: {failure_line(error, self.rank)}"
             ) from error
 
     # --- the write and the commit ------------------------------------------------------
@@ -156,8 +167,23 @@ class Checkpointer:
 
     def _write(self, iteration: int, saved: dict[str, ShardedTensor], common, rank_state,
                layout) -> None:  # fmt: skip
+        tmp = checkpoint_dir(self.save_dir, iteration).with_name(f"iter_{iteration:07d}.tmp")
+        try:
+            self._write_and_commit(iteration, tmp, saved, common, rank_state, layout)
+        except BaseException as error:  # DCP's CheckpointException is a BaseException
+            if isinstance(error, KeyboardInterrupt | SystemExit):
+                raise
+            mine = sum(p.data.numel() * p.data.element_size() for p in saved.values())
+            message = _save_failure(self.rank, iteration, tmp, mine, error)
+            # Nothing of this save may stay: a partial directory fills the disk further.
+            # Rank 0 made it and removes it (the next save's rank 0 would, too).
+            if self.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise CheckpointSaveError(message) from error
+
+    def _write_and_commit(self, iteration: int, tmp: Path, saved: dict[str, ShardedTensor],
+                          common, rank_state, layout) -> None:  # fmt: skip
         final = checkpoint_dir(self.save_dir, iteration)
-        tmp = final.with_name(final.name + ".tmp")
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
@@ -206,6 +232,27 @@ class Checkpointer:
         out = [None] * self.world_size
         dist.all_gather_object(out, value, group=self._group)
         return out
+
+
+def _save_failure(rank: int, iteration: int, tmp: Path, needed: int, error: BaseException) -> str:
+    """What a failed save says: where, and why (rank's own failure, or the rank it came
+    from); a full file system by name, with the space left."""
+    cause = failure_line(error, rank)
+    try:
+        free = shutil.disk_usage(tmp.parent).free
+    except OSError:
+        free = None
+    full = has_errno(error, errno.ENOSPC) or (free is not None and free < needed)
+    text = f"saving iteration {iteration} into {tmp} failed: {cause}"
+    if full:
+        text += (f"; the file system is full ({_mib(free)} free, and this rank's part of "
+                 f"the checkpoint is {_mib(needed)}): make room for one more checkpoint "
+                 "beside those kept, then resume from the last committed one")  # fmt: skip
+    return text + "; the checkpoints committed before are untouched"
+
+
+def _mib(size: int | None) -> str:
+    return "unknown" if size is None else f"{size / 2**20:.1f} MiB"
 
 
 def _saved_pieces(pieces: Mapping[str, ShardedTensor]) -> dict[str, ShardedTensor]:

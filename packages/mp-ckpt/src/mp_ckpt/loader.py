@@ -227,6 +227,10 @@ class _Verification:
         gathered = _gather(problems, self.distributed, self.world)
         every = [p for rank_problems in gathered for p in rank_problems]
         if every:
+            # The first problem on the first line: a one-line report shows it.
+            more = (
+                f" (and {len(every) - 1} more:)\n  " + "\n  ".join(every[1:]) if every[1:] else ""
+            )
             raise CheckpointCorrupted(
-                f"{self.directory} failed its integrity check:\n  " + "\n  ".join(every)
+                f"{self.directory} failed its integrity check: {every[0]}{more}"
             )

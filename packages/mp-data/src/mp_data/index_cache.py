@@ -40,8 +40,19 @@ class IndexCache:
         )
 
     def load(self) -> dict[str, np.ndarray]:
-        """The arrays, memory-mapped."""
-        return {a: np.load(self.path(f"{a}.npy"), mmap_mode="r") for a in self.arrays}
+        """The arrays, memory-mapped. A file that cannot be (a truncated or overwritten
+        one) is named, with how to have the entry rebuilt."""
+        arrays = {}
+        for name in self.arrays:
+            path = self.path(f"{name}.npy")
+            try:
+                arrays[name] = np.load(path, mmap_mode="r")
+            except (ValueError, OSError, EOFError) as error:
+                raise ValueError(
+                    f"{path}: the index cache entry is damaged ({error}); delete its files "
+                    f"({self.base}*) and the next run rebuilds them"
+                ) from error
+        return arrays
 
     def load_or_build(
         self, build: Callable[[], dict[str, np.ndarray]], may_build: bool

@@ -22,15 +22,18 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 
 import torch
 import torch.distributed as dist
 
 import mp_state
 from mp_ckpt import (
+    CheckpointCorrupted,
     Checkpointer,
     CheckpointReader,
     ShardedTensor,
+    list_iterations,
     load_checkpoint,
     read_metadata,
     read_tracker,
@@ -97,8 +100,18 @@ def save_run_checkpoint(run: Run, checkpointer: Checkpointer) -> None:
     if not ckpt.no_save_rng:
         rank_state = {"position": _rng_position(run),
                       "rng_state": mp_state.get_rng_state(run.rng_tracker)}  # fmt: skip
+    start = time.perf_counter()
     checkpointer.save(run.train.iteration, pieces, common=common, rank_state=rank_state,
                       layout=_layout(run))  # fmt: skip
+    took = time.perf_counter() - start
+    if not run.is_first_rank:
+        return
+    if checkpointer.async_save:
+        log.info("checkpoint of iteration %d staged in %.3f s; writing it to %s in the "
+                 "background", run.train.iteration, took, ckpt.save)  # fmt: skip
+    else:
+        log.info("saved checkpoint of iteration %d to %s in %.3f s", run.train.iteration,
+                 ckpt.save, took)  # fmt: skip
 
 
 def _layout(run: Run) -> dict:
@@ -138,8 +151,10 @@ _SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_
 
 def _check_model_matches(run: Run, load: str, iteration: int | None) -> None:
     """Raises, listing every differing field, when the saved model has another shape."""
-    common = torch.load(CheckpointReader(load, iteration=iteration).directory / "common.pt",
-                        weights_only=False)  # fmt: skip
+    path = CheckpointReader(load, iteration=iteration).directory / "common.pt"
+    if not path.exists():
+        raise CheckpointCorrupted(f"{path.parent} failed its integrity check: {path}: missing")
+    common = torch.load(path, weights_only=False)
     saved = (common.get("config") or {}).get("model")
     if saved is None:
         return  # not saved by the training loop (an imported checkpoint): tensors decide
@@ -161,6 +176,18 @@ def _check_model_matches(run: Run, load: str, iteration: int | None) -> None:
         )
 
 
+def _earlier_checkpoints(load: str, iteration: int) -> str:
+    """The hint a corrupted checkpoint's error ends with: the complete checkpoint
+    directories under `load` older than `iteration`, newest first, and how to resume
+    from one."""
+    older = [i for i in reversed(list_iterations(load)) if i < iteration]
+    if not older:
+        return f"; no earlier checkpoint under {load} to resume from"
+    listed = ", ".join(map(str, older[:5])) + (" ..." if len(older) > 5 else "")
+    return (f"; earlier checkpoints under {load}: iterations {listed}; resume from the newest "
+            f"with --ckpt-step {older[0]} (it is checked the same way as it loads)")  # fmt: skip
+
+
 def load_run_checkpoint(run: Run) -> bool:
     """Loads `checkpoint.load` into the run when it holds a checkpoint; True if loaded."""
     ckpt = run.config.checkpoint
@@ -168,13 +195,17 @@ def load_run_checkpoint(run: Run) -> bool:
         if ckpt.load is not None and ckpt.exit_on_missing_checkpoint:
             raise FileNotFoundError(f"load={ckpt.load} holds no checkpoint")
         return False
-    _check_model_matches(run, ckpt.load, ckpt.ckpt_step)
     with_optimizer = not (ckpt.no_load_optim or ckpt.finetune)
     pieces = run_pieces(run, with_optimizer=with_optimizer)
-    loaded = load_checkpoint(
-        ckpt.load, pieces, iteration=ckpt.ckpt_step, finetune=ckpt.finetune,
-        strict=ckpt.strict_load and with_optimizer,
-    )  # fmt: skip
+    try:
+        _check_model_matches(run, ckpt.load, ckpt.ckpt_step)
+        loaded = load_checkpoint(
+            ckpt.load, pieces, iteration=ckpt.ckpt_step, finetune=ckpt.finetune,
+            strict=ckpt.strict_load and with_optimizer,
+        )  # fmt: skip
+    except CheckpointCorrupted as error:
+        iteration = ckpt.ckpt_step if ckpt.ckpt_step is not None else read_tracker(ckpt.load)
+        raise CheckpointCorrupted(f"{error}{_earlier_checkpoints(ckpt.load, iteration)}") from error
     common = loaded.common
     if with_optimizer:
         template = run.optimizer.sharded_state_dict()

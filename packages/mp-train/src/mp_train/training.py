@@ -105,7 +105,10 @@ def pretrain(
                 evaluate(run, forward_step_func, valid_iter, metrics, final=True,
                          watchdog=watchdog)  # fmt: skip
             trained = checkpointer is not None and not config.training.skip_train
-            if trained and _last_saved(run) != run.train.iteration:
+            if trained and run.train.iteration not in (
+                checkpointer.last_saved,
+                read_tracker(config.checkpoint.save),
+            ):
                 with watchdog.paused():
                     save_run_checkpoint(run, checkpointer)
     finally:
@@ -289,10 +292,6 @@ def _should_exit(run: Run, signals: DistributedSignalHandler | None, start: floa
         if float(elapsed) > training.exit_duration_in_mins:
             return f"exit_duration_in_mins={training.exit_duration_in_mins}"
     return None
-
-
-def _last_saved(run: Run) -> int | None:
-    return read_tracker(run.config.checkpoint.save)
 
 
 def _data_iterators(run: Run, datasets_provider) -> tuple[Iterator | list | None, Iterator | None]:
