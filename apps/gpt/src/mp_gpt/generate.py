@@ -1,24 +1,28 @@
-"""Text from a checkpoint: greedy, temperature, top-k and top-p sampling, at any TP size.
+"""Text (or token ids) from a checkpoint: batched prompts, a KV cache, greedy or sampled,
+at any tensor- and pipeline-parallel size.
 
-    torchrun --nproc-per-node 2 -m mp_gpt.generate --load runs/quickstart/checkpoints \\
-        --tensor-model-parallel-size 2 --prompt "The function" --max-new-tokens 40
+    python -m mp_gpt.generate --load runs/quickstart/checkpoints --prompt "The function" \\
+        --prompt "A list" --max-new-tokens 40
+    torchrun --nproc-per-node 2 -m mp_gpt.generate --load DIR --tensor-model-parallel-size 2 \\
+        --prompt-token-ids 464,2068 --max-new-tokens 32 --output-format json
 
-The model's settings come from the checkpoint (--use-checkpoint-args is
-implied); the weights are loaded (resharded) for this TP size. The tokenizer
-is the one the training run named; a checkpoint made by `mp-ckpt import-hf`
-uses the tokenizer files it kept from the Hugging Face folder (tokenizer.json
-as HuggingFaceTokenizer, else vocab.json + merges.txt as GPT2BPETokenizer) and
-its model's vocabulary size. Every rank
-computes the full-vocabulary logits (gathered over tensor-parallel ranks)
-and draws with the same generator, so all ranks agree on each token; rank 0
-prints the text.
+The model's settings come from the checkpoint (--use-checkpoint-args is implied); the
+weights are loaded (resharded) for this layout. The tokenizer is the one the training
+run named; a checkpoint made by `mp-ckpt import-hf` uses the tokenizer files it kept
+(tokenizer.json as HuggingFaceTokenizer, else vocab.json + merges.txt as
+GPT2BPETokenizer). A checkpoint without a tokenizer takes --prompt-token-ids and gives
+token ids. Rank 0 prints: per prompt its text (text format), or one JSON object per
+line (json format) with `prompt_token_ids`, `token_ids` (the new ones), `text` (when a
+tokenizer is known), `logprobs` and `finish_reason` ("eod", "stop", "length").
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import tempfile
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -26,59 +30,120 @@ import torch.distributed as dist
 import mp_state
 from mp_ckpt import CheckpointReader, load_checkpoint, write_tokenizer_files
 from mp_data import build_tokenizer, vocab_size_with_padding
+from mp_gpt.generation import Completion, Sampling, generate_batch
 from mp_layers import GPTModel, ModelGroups
+from mp_pipeline import stage_layers
 from mp_train import parse_config
 
-__all__ = ["generate", "main", "sample_next"]
+__all__ = ["Generator", "main", "run_generation"]
 
 
-def sample_next(logits: torch.Tensor, *, temperature: float, top_k: int, top_p: float,
-                generator: torch.Generator) -> int:  # fmt: skip
-    """One token id from the last position's logits [vocab]."""
-    if temperature <= 0:
-        return int(torch.argmax(logits))
-    logits = logits.float() / temperature
-    if top_k > 0:
-        kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if 0 < top_p < 1:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
-        drop = cumulative - torch.softmax(sorted_logits, dim=-1) > top_p
-        logits[order[drop]] = float("-inf")
-    return int(torch.multinomial(torch.softmax(logits, -1), 1, generator=generator))
+class Generator:
+    """A checkpoint's model on this rank, ready to generate (collective: every rank of
+    the layout builds one and calls `complete` with the same arguments)."""
+
+    def __init__(self, load: str, extra: Sequence[str] = ()) -> None:
+        """extra: options for the run's settings (the layout: --tensor-model-parallel-size,
+        --pipeline-model-parallel-size, --expert-model-parallel-size, ...)."""
+        config = parse_config([
+            "--load", load, "--use-checkpoint-args", "--micro-batch-size", "1",
+            "--train-iters", "1", "--mock-data", *extra,
+        ])  # fmt: skip
+        parallel = config.parallel
+        if parallel.virtual_pipeline_model_parallel_size:
+            raise ValueError("generation runs without virtual pipeline stages")
+        if parallel.context_parallel_size > 1:
+            raise ValueError("generation runs without context parallelism")
+        config.model.sequence_parallel = False
+        config.model.hidden_dropout = config.model.attention_dropout = 0.0
+        mp_state.init_distributed(parallel.distributed_timeout_minutes,
+                                  parallel.distributed_backend)  # fmt: skip
+        self.state = mp_state.initialize(parallel)
+        try:
+            self.tokenizer, padded = _tokenizer_and_vocabulary(load, self.state.tp.size)
+            gpt = config.gpt
+            self.max_length = gpt.max_position_embeddings or gpt.seq_length
+            stage = stage_layers(
+                config.model.num_layers, self.state.pp.size, self.state.pp.rank,
+                num_layers_in_first_pipeline_stage=parallel.decoder_first_pipeline_num_layers,
+                num_layers_in_last_pipeline_stage=parallel.decoder_last_pipeline_num_layers,
+            )  # fmt: skip
+            device = mp_state.select_device().device
+            self.model = GPTModel(
+                config.model, "local", padded, self.max_length, groups=ModelGroups.of(self.state),
+                parallel_output=False, pre_process=stage.pre_process,
+                post_process=stage.post_process, layer_offset=stage.offset, num_layers=stage.count,
+            ).to(device).eval()  # fmt: skip
+            load_checkpoint(load, self.model.sharded_state_dict(), finetune=True, strict=False)
+        except BaseException:
+            mp_state.destroy()
+            raise
+        self.vocab_size = self.tokenizer.vocab_size if self.tokenizer is not None else padded
+        self.eod = self.tokenizer.eod if self.tokenizer is not None else None
+
+    def complete(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
+                 sampling: Sequence[Sampling], stop_strings: Sequence[str] = (),
+                 prompt_logprobs: bool = False) -> list[Completion]:  # fmt: skip
+        """Every prompt's completion (mp_gpt.generation.generate_batch); a stop string
+        ends a sequence once the text of its new tokens holds it."""
+        stop = None
+        if stop_strings:
+            if self.tokenizer is None:
+                raise ValueError("stop strings need a tokenizer; this checkpoint has none")
+
+            def stop(i: int, tokens: list[int]) -> bool:
+                text = self.tokenizer.detokenize(tokens)
+                return any(s in text for s in stop_strings)
+
+        return generate_batch(
+            self.model, prompts, max_new_tokens=max_new_tokens, sampling=sampling, eod=self.eod,
+            vocab_size=self.vocab_size, max_length=self.max_length, pp_group=self.state.pp,
+            stop=stop, prompt_logprobs=prompt_logprobs,
+        )  # fmt: skip
+
+    def text(self, completion: Completion, stop_strings: Sequence[str] = ()) -> str:
+        """The new tokens' text, without the end-of-document token, cut before the first
+        stop string."""
+        kept = [t for t in completion.tokens if t != self.eod]
+        text = self.tokenizer.detokenize(kept)
+        cuts = [text.index(s) for s in stop_strings if s in text]
+        return text[: min(cuts)] if cuts else text
+
+    def close(self) -> None:
+        mp_state.destroy()
 
 
-@torch.no_grad()
-def generate(model: GPTModel, ids: list[int], *, max_new_tokens: int, max_length: int,
-             temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
-             eod: int | None = None, vocab_size: int | None = None) -> list[int]:  # fmt: skip
-    """ids extended by up to max_new_tokens tokens (stops at eod). vocab_size: the
-    tokenizer's; the rows padding the model's vocabulary beyond it are never drawn."""
-    generator = torch.Generator().manual_seed(seed)
-    ids = list(ids)
-    for _ in range(max_new_tokens):
-        window = torch.tensor([ids[-max_length:]], device=next(model.parameters()).device)
-        logits = model(window)[0, -1, :vocab_size].cpu()
-        token = sample_next(logits, temperature=temperature, top_k=top_k, top_p=top_p,
-                            generator=generator)  # fmt: skip
-        ids.append(token)
-        if eod is not None and token == eod:
-            break
-    return ids
-
-
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mp_gpt.generate", description=__doc__.split("\n")[0])
     parser.add_argument("--load", required=True, help="checkpoint root (or its iteration dir)")
-    parser.add_argument("--prompt", default="")
+    parser.add_argument("--prompt", action="append", default=[],
+                        help="a prompt's text (repeat for a batch)")  # fmt: skip
+    parser.add_argument("--prompt-token-ids", action="append", default=[], type=_ids,
+                        help="a prompt as comma-separated token ids (repeatable)")  # fmt: skip
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed (prompt i: seed + i)")
+    parser.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+    parser.add_argument("--output-format", choices=("text", "json"), default="text")
     parser.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    args, rest = parser.parse_known_args(argv)
+    parser.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    return parser
+
+
+def _ids(text: str) -> list[int]:
+    try:
+        ids = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not comma-separated token ids") from None
+    if not ids:
+        raise argparse.ArgumentTypeError("an empty list of token ids")
+    return ids
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, rest = _parser().parse_known_args(argv)
     text = run_generation(args, rest)
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(text)
@@ -86,39 +151,68 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_generation(args, extra: list[str]) -> str:
-    """Builds the model from the checkpoint and generates (collective under torchrun)."""
-    config = parse_config([
-        "--load", args.load, "--use-checkpoint-args", "--micro-batch-size", "1",
-        "--train-iters", "1", "--mock-data",
-        "--tensor-model-parallel-size", str(args.tensor_model_parallel_size), *extra,
-    ])  # fmt: skip
-    mp_state.init_distributed(config.parallel.distributed_timeout_minutes,
-                              config.parallel.distributed_backend)  # fmt: skip
-    state = mp_state.initialize(config.parallel)
+    """Builds the model from the checkpoint and generates (collective under torchrun);
+    returns what rank 0 prints."""
+    layout = ["--tensor-model-parallel-size", str(args.tensor_model_parallel_size),
+              "--pipeline-model-parallel-size",
+              str(getattr(args, "pipeline_model_parallel_size", 1))]  # fmt: skip
+    generator = Generator(args.load, [*layout, *extra])
     try:
-        tokenizer, padded = _tokenizer_and_vocabulary(args.load, state.tp.size)
-        gpt = config.gpt
-        config.model.hidden_dropout = config.model.attention_dropout = 0.0
-        positions = gpt.max_position_embeddings or gpt.seq_length
-        device = mp_state.select_device().device
-        model = GPTModel(config.model, "local", padded, positions, groups=ModelGroups.of(state),
-                         parallel_output=False).to(device).eval()  # fmt: skip
-        load_checkpoint(args.load, model.sharded_state_dict(), finetune=True, strict=False)
-        ids = tokenizer.tokenize(args.prompt) if args.prompt else [tokenizer.eod]
-        out = generate(model, ids, max_new_tokens=args.max_new_tokens, max_length=gpt.seq_length,
-                       temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                       seed=args.seed, eod=tokenizer.eod,
-                       vocab_size=tokenizer.vocab_size)  # fmt: skip
-        # The prompt's ids and the new ones detokenized together, as one text (a tokenizer
-        # may join tokens with spaces or merge bytes across the boundary).
-        kept = out if args.prompt else out[1:]
-        return tokenizer.detokenize([t for t in kept if t != tokenizer.eod])
+        texts = getattr(args, "prompt", None) or []
+        texts = [texts] if isinstance(texts, str) else list(texts)
+        token_prompts = list(getattr(args, "prompt_token_ids", None) or [])
+        if texts and generator.tokenizer is None:
+            raise ValueError(f"{args.load}: the checkpoint keeps no tokenizer: give the prompts "
+                             "as --prompt-token-ids")  # fmt: skip
+        prompts = [generator.tokenizer.tokenize(t) if t else [generator.eod] for t in texts]
+        prompts += token_prompts
+        if not prompts:
+            if generator.eod is None:
+                raise ValueError("no prompt given, and no end-of-document token to start from")
+            prompts, texts = [[generator.eod]], [""]
+        stops = list(getattr(args, "stop", None) or [])
+        sampling = [Sampling(args.temperature, args.top_k, args.top_p, args.seed + i)
+                    for i in range(len(prompts))]  # fmt: skip
+        completions = generator.complete(prompts, max_new_tokens=args.max_new_tokens,
+                                         sampling=sampling, stop_strings=stops)  # fmt: skip
+        if getattr(args, "output_format", "text") == "json":
+            return "\n".join(json.dumps(_record(generator, c, stops)) for c in completions)
+        if generator.tokenizer is None:
+            return "\n".join(" ".join(map(str, c.tokens)) for c in completions)
+        shown = []
+        for i, completion in enumerate(completions):
+            if i < len(texts) and texts[i]:
+                # The prompt's ids and the new ones detokenized together, as one text (a
+                # tokenizer may join tokens with spaces or merge bytes across them).
+                whole = generator.tokenizer.detokenize(
+                    [t for t in completion.prompt + completion.tokens if t != generator.eod]
+                )
+                shown.append(_cut(whole, stops, len(texts[i])))
+            else:
+                shown.append(generator.text(completion, stops))
+        return "\n\n".join(shown)
     finally:
-        mp_state.destroy()
+        generator.close()
+
+
+def _cut(text: str, stops: list[str], start: int) -> str:
+    """text cut before the first stop string found after position `start`."""
+    cuts = [text.index(s, start) for s in stops if s in text[start:]]
+    return text[: min(cuts)] if cuts else text
+
+
+def _record(generator: Generator, completion: Completion, stops: list[str]) -> dict:
+    record = {"prompt_token_ids": completion.prompt, "token_ids": completion.tokens}
+    if generator.tokenizer is not None:
+        record["text"] = generator.text(completion, stops)
+    record["logprobs"] = completion.logprobs
+    record["finish_reason"] = completion.finish_reason
+    return record
 
 
 def _tokenizer_and_vocabulary(load: str, tp: int):
-    """(tokenizer, the model's padded vocabulary size) of the checkpoint under `load`."""
+    """(tokenizer or None, the model's padded vocabulary size) of the checkpoint under
+    `load`; None when an imported checkpoint kept no tokenizer files."""
     common = torch.load(CheckpointReader(load).directory / "common.pt", weights_only=False)
     data = (common.get("config") or {}).get("data")
     if data is not None:  # saved by mp's training: the run's tokenizer settings
@@ -145,10 +239,7 @@ def _tokenizer_and_vocabulary(load: str, tp: int):
             tokenizer = build_tokenizer("GPT2BPETokenizer", vocab_file=f"{folder}/vocab.json",
                                         merge_file=f"{folder}/merges.txt")  # fmt: skip
         else:
-            raise ValueError(
-                f"{load}: the checkpoint keeps no tokenizer.json nor vocab.json + merges.txt "
-                f"(it has {sorted(names) or 'no tokenizer files'})"
-            )
+            return None, vocab  # token ids in and out
     if tokenizer.vocab_size > vocab:
         raise ValueError(
             f"{load}: the tokenizer has {tokenizer.vocab_size} tokens, the model {vocab}"

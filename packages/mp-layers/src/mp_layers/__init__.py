@@ -33,6 +33,7 @@ from mp_layers.tensor_parallel import (
 )
 from mp_layers.transformer.blocked_attention import saved_probability_bytes
 from mp_layers.transformer.core_attention import keeps_attention_probabilities
+from mp_layers.transformer.kv_cache import KVCache
 from mp_layers.transformer.spec import LOCAL_SPEC, LayerSpec, get_layer_spec
 
 __all__ = [
@@ -40,6 +41,7 @@ __all__ = [
     "ColumnParallelLinear",
     "GPTModel",
     "InitMethod",
+    "KVCache",
     "LayerSpec",
     "ModelGroups",
     "RowParallelLinear",

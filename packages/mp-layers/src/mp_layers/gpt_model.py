@@ -34,6 +34,7 @@ from mp_layers.tensor_parallel import (
     VocabParallelEmbedding,
     vocab_parallel_cross_entropy,
 )
+from mp_layers.transformer.kv_cache import KVCache
 from mp_layers.transformer.layer import TransformerBlock
 from mp_layers.transformer.rope import Llama3Scaling, Rotary, RotaryEmbedding
 from mp_layers.transformer.seeded_init import seeded_init
@@ -138,11 +139,23 @@ class GPTModel(torch.nn.Module):
         attention_mask: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
         decoder_input: torch.Tensor | None = None,
+        kv_cache: KVCache | None = None,
     ) -> torch.Tensor:
         """Per-token loss [b, s] with labels, else logits [b, s, v/tp]; hidden states [s, b, h]
-        on a stage without post_process."""
+        on a stage without post_process.
+
+        kv_cache: generation. The input holds the next positions of the cache's sequences
+        only (the prompts', then one at a time); positions and the attention mask come
+        from the cache (position_ids and attention_mask must be None), which remembers
+        the keys and values; the logits are the last position's, [b, 1, v/tp], unless
+        kv_cache.all_logits."""
         if decoder_input is None and not self.pre_process:
             decoder_input = self._input_tensor
+        if kv_cache is not None:
+            if position_ids is not None or attention_mask is not None or labels is not None:
+                raise ValueError("with a kv_cache, positions and the mask are the cache's, "
+                                 "and there are no labels")  # fmt: skip
+            position_ids, attention_mask = self._from_cache(kv_cache, input_ids, decoder_input)
         if self.pre_process:
             hidden = self._embed(input_ids, position_ids)
         elif decoder_input is None:
@@ -151,10 +164,19 @@ class GPTModel(torch.nn.Module):
             )
         else:
             hidden = decoder_input
-        rotary = self._rotary(hidden.shape[0]) if self.rotary is not None else None
-        hidden = self.decoder(hidden, rotary, attention_mask)
+        if self.rotary is None:
+            rotary = None
+        elif kv_cache is not None:
+            rotary = self.rotary.at(position_ids.t())
+        else:
+            rotary = self._rotary(hidden.shape[0])
+        hidden = self.decoder(hidden, rotary, attention_mask, kv_cache)
+        if kv_cache is not None:
+            kv_cache.advance(hidden.shape[0])
         if not self.post_process:
             return hidden
+        if kv_cache is not None and not kv_cache.all_logits:
+            hidden = hidden[-1:]
         logits, _ = self.output_layer(hidden)  # [s, b, v/tp]
         if labels is None:
             return logits.transpose(0, 1).contiguous()
@@ -183,6 +205,19 @@ class GPTModel(torch.nn.Module):
         weight = self.embedding.weight if self.pre_process else self.output_layer.weight
         with torch.no_grad():
             torch.distributed.all_reduce(weight, group=embedding_group.group)
+
+    def _from_cache(self, kv_cache: KVCache, input_ids, decoder_input):
+        """(position ids [b, s], attention mask) of the next positions of a generation."""
+        if self.config.sequence_parallel or self.groups.cp.size > 1:
+            raise ValueError(
+                "generation with a KVCache runs without sequence or context parallelism "
+                f"(sequence_parallel={self.config.sequence_parallel}, "
+                f"context_parallel_size={self.groups.cp.size})"
+            )
+        s = input_ids.shape[1] if self.pre_process else decoder_input.shape[0]
+        device = input_ids.device if self.pre_process else decoder_input.device
+        kv_cache.check_room(s)
+        return kv_cache.position_ids(s, device), kv_cache.attention_mask(s, device)
 
     def _rotary(self, local_positions: int) -> Rotary:
         """The rotations of this rank's positions: of the whole sequence, then this rank's

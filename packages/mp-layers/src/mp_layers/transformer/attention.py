@@ -20,6 +20,7 @@ from mp_ckpt import ShardedTensor
 from mp_layers.config import TransformerConfig
 from mp_layers.groups import ModelGroups
 from mp_layers.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from mp_layers.transformer.kv_cache import KVCache
 from mp_layers.transformer.recompute import checkpointed
 from mp_layers.transformer.rope import Rotary, apply_rotary_pos_emb
 from mp_layers.transformer.spec import LOCAL_SPEC, LayerSpec
@@ -35,8 +36,11 @@ class SelfAttention(torch.nn.Module):
         groups: ModelGroups,
         rng_tracker: RNGStatesTracker | None = None,
         spec: LayerSpec = LOCAL_SPEC,
+        layer_number: int = 0,
     ) -> None:
+        """layer_number: the layer's index in the whole model (its place in a KVCache)."""
         super().__init__()
+        self.layer_number = layer_number
         tp_group = groups.tp
         config.check_parallel(tp_group.size, groups.cp.size)
         self.tp_group = tp_group
@@ -76,8 +80,11 @@ class SelfAttention(torch.nn.Module):
         x: torch.Tensor,
         rotary: Rotary | None = None,
         attention_mask: torch.Tensor | None = None,
+        kv_cache: KVCache | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """x [s, b, h] -> (output [s, b, h], projection bias or None)."""
+        """x [s, b, h] -> (output [s, b, h], projection bias or None). With a kv_cache, x
+        holds the next positions only: their keys and values join the cache's, and the
+        queries attend to all of them (attention_mask: the cache's)."""
         mixed, _ = self.linear_qkv(x)
         s, b = mixed.shape[:2]
         mixed = mixed.view(s, b, self.groups, self.per_group + 2, self.d)
@@ -88,6 +95,8 @@ class SelfAttention(torch.nn.Module):
             q, k = self.q_layernorm(q), self.k_layernorm(k)
         if rotary is not None:
             q, k = apply_rotary_pos_emb(q, rotary), apply_rotary_pos_emb(k, rotary)
+        if kv_cache is not None:
+            k, v = kv_cache.update(self.layer_number, k, v)
         if self.recompute_core_attention and self.training and torch.is_grad_enabled():
             context = checkpointed(self.core_attention, self.rng_tracker, q, k, v, attention_mask)
         else:

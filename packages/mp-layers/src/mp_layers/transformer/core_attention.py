@@ -107,7 +107,9 @@ class CoreAttention(torch.nn.Module):
         s, b, nq, d = q.shape
         dropout = self.attention_dropout if self.training else 0.0
         scale = 1.0 / math.sqrt(d)
-        if self.uses_blocked(q, explicit_mask=attention_mask is not None):
+        # Queries fewer than keys (generation from a KVCache): SDPA takes the mask as is.
+        same_length = q.shape[0] == k.shape[0]
+        if same_length and self.uses_blocked(q, explicit_mask=attention_mask is not None):
             return blocked_attention(
                 q, k, v, attention_mask, scale=scale, dropout=dropout, rng_tracker=self.rng_tracker
             )

@@ -22,6 +22,7 @@ from mp_ckpt import ShardedTensor
 from mp_layers.config import TransformerConfig
 from mp_layers.groups import ModelGroups
 from mp_layers.transformer.attention import SelfAttention
+from mp_layers.transformer.kv_cache import KVCache
 from mp_layers.transformer.recompute import checkpointed
 from mp_layers.transformer.rope import Rotary
 from mp_layers.transformer.seeded_init import seeded_init
@@ -48,7 +49,7 @@ class TransformerLayer(torch.nn.Module):
         self.rng_tracker = rng_tracker
         self.tp_group = groups.tp
         self.input_layernorm = spec.norm(config, None)
-        self.self_attention = SelfAttention(config, groups, rng_tracker, spec)
+        self.self_attention = SelfAttention(config, groups, rng_tracker, spec, layer_number)
         self.pre_mlp_layernorm = spec.norm(config, None)
         if config.moe_layer_pattern()[layer_number]:
             self.mlp = spec.moe(config, groups)
@@ -60,8 +61,9 @@ class TransformerLayer(torch.nn.Module):
         x: torch.Tensor,
         rotary: Rotary | None = None,
         attention_mask: torch.Tensor | None = None,
+        kv_cache: KVCache | None = None,
     ) -> torch.Tensor:
-        out, bias = self.self_attention(self.input_layernorm(x), rotary, attention_mask)
+        out, bias = self.self_attention(self.input_layernorm(x), rotary, attention_mask, kv_cache)
         x = x + self._dropout(out if bias is None else out + bias)
         out, bias = self.mlp(self.pre_mlp_layernorm(x))
         return x + self._dropout(out if bias is None else out + bias)
@@ -119,7 +121,11 @@ class TransformerBlock(torch.nn.Module):
         self.layers = torch.nn.ModuleList(layers)
         self.final_layernorm = spec.norm(config, None) if post_process else None
 
-    def forward(self, x, rotary=None, attention_mask=None) -> torch.Tensor:
+    def forward(self, x, rotary=None, attention_mask=None, kv_cache=None) -> torch.Tensor:
+        if kv_cache is not None:  # generation: no backward, nothing to recompute
+            for layer in self.layers:
+                x = layer(x, rotary, attention_mask, kv_cache)
+            return self.final_layernorm(x) if self.final_layernorm is not None else x
         recompute = self.recompute_method if self.training and torch.is_grad_enabled() else None
         n = len(self.layers)
         if recompute == "uniform":

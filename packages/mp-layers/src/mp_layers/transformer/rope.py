@@ -47,7 +47,8 @@ def llama3_scaled(inv_freq: torch.Tensor, scaling: Llama3Scaling) -> torch.Tenso
 
 
 class Rotary(NamedTuple):
-    """cos and sin of the rotation angles, each [s, 1, 1, rot] in fp32.
+    """cos and sin of the rotation angles, each [s, 1, 1, rot] in fp32 ([s, b, 1, rot]
+    when each sequence has positions of its own).
 
     Computed once per forward and shared by every layer's attention.
     """
@@ -82,12 +83,17 @@ class RotaryEmbedding(torch.nn.Module):
         self.seq_len_interpolation_factor = seq_len_interpolation_factor
 
     def forward(self, seq_len: int, offset: int = 0) -> Rotary:
-        positions = torch.arange(offset, offset + seq_len, device=self.inv_freq.device,
-                                 dtype=torch.float32)  # fmt: skip
+        positions = torch.arange(offset, offset + seq_len, device=self.inv_freq.device)
+        return self.at(positions[:, None])  # [s, 1, 1, rot]
+
+    def at(self, positions: torch.Tensor) -> Rotary:
+        """The rotations of positions [s, b] (each sequence its own): cos and sin
+        [s, b, 1, rot]."""
+        positions = positions.to(self.inv_freq.device, torch.float32)
         if self.seq_len_interpolation_factor is not None:
             positions = positions / self.seq_len_interpolation_factor
-        angles = torch.outer(positions, self.inv_freq)  # [s, rot/2]
-        angles = torch.cat([angles, angles], dim=-1)[:, None, None, :]  # [s, 1, 1, rot]
+        angles = positions[..., None] * self.inv_freq  # [s, b, rot/2]
+        angles = torch.cat([angles, angles], dim=-1)[:, :, None, :]
         return Rotary(angles.cos(), angles.sin())
 
 

@@ -1,0 +1,80 @@
+"""Generation from a KVCache equals recomputing every position: a batch of prompts of
+different lengths (left-padded), a prefill, then one position at a time, gives at every
+step each sequence's logits of a full forward of that sequence alone; with rotary
+(grouped-query attention) and learned position embeddings, at TP1 and TP2."""
+
+import pytest
+import torch
+
+from mp_layers import GPTModel, KVCache, ModelGroups, TransformerConfig
+from mp_state.testing import run_on_ranks
+
+VOCAB, MAX = 64, 40
+STYLES = {
+    "llama-gqa": dict(num_attention_heads=4, num_query_groups=2, kv_channels=8,
+                      ffn_hidden_size=48, normalization="RMSNorm", activation="swiglu",
+                      position_embedding_type="rope", add_bias_linear=False,
+                      untie_embeddings_and_output_weights=True),
+    "gpt2": dict(num_attention_heads=4),
+}  # fmt: skip
+
+
+def model(style: str, groups: ModelGroups) -> GPTModel:
+    config = TransformerConfig(num_layers=2, hidden_size=32, hidden_dropout=0.0,
+                               attention_dropout=0.0, init_method_std=0.2, **STYLES[style])  # fmt: skip
+    torch.manual_seed(0)
+    return GPTModel(config, "local", VOCAB, MAX, groups=groups, parallel_output=False,
+                    init_seed=1).eval()  # fmt: skip
+
+
+def check_cached_equals_recomputed(style: str, groups: ModelGroups) -> float:
+    gpt = model(style, groups)
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=generator).tolist() for n in (5, 9, 1)]
+    longest = max(map(len, prompts))
+    padding = torch.tensor([longest - len(p) for p in prompts])
+    batch = torch.tensor([[0] * (longest - len(p)) + p for p in prompts])
+    cache = KVCache(padding, MAX)
+    worst = 0.0
+    sequences = [list(p) for p in prompts]
+    with torch.no_grad():
+        step_input = batch
+        for _ in range(6):
+            logits = gpt(step_input, kv_cache=cache)[:, -1]  # [b, v]
+            for i, sequence in enumerate(sequences):
+                alone = gpt(torch.tensor([sequence]))[0, -1]
+                worst = max(worst, float((logits[i] - alone).abs().max()))
+            new = logits.argmax(-1)
+            for sequence, token in zip(sequences, new.tolist(), strict=True):
+                sequence.append(token)
+            step_input = new[:, None]
+    assert cache.length == longest + 5  # the prompts, then five one-position steps
+    return worst
+
+
+@pytest.mark.parametrize("style", sorted(STYLES))
+def test_cached_generation_equals_recomputing(style):
+    assert check_cached_equals_recomputed(style, ModelGroups.single()) < 1e-5
+
+
+def tp_body(style: str) -> float:
+    import mp_state
+
+    torch.set_num_threads(1)
+    state = mp_state.initialize(mp_state.ParallelConfig(tensor_model_parallel_size=2))
+    return check_cached_equals_recomputed(style, ModelGroups.of(state))
+
+
+@pytest.mark.multirank
+def test_cached_generation_equals_recomputing_at_tp2():
+    for worst in run_on_ranks(tp_body, 2, "llama-gqa", timeout=120):
+        assert worst < 1e-5
+
+
+def test_the_cache_refuses_what_it_cannot_hold():
+    with pytest.raises(ValueError, match="leaves no room in max_length=4"):
+        KVCache(torch.tensor([4, 0]), 4)
+    cache = KVCache(torch.tensor([0]), 4)
+    gpt = model("gpt2", ModelGroups.single())
+    with torch.no_grad(), pytest.raises(ValueError, match="5 more positions after 0 exceed"):
+        gpt(torch.zeros(1, 5, dtype=torch.long), kv_cache=cache)
