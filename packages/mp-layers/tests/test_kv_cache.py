@@ -21,7 +21,8 @@ STYLES = {
 
 def model(style: str, groups: ModelGroups) -> GPTModel:
     config = TransformerConfig(num_layers=2, hidden_size=32, hidden_dropout=0.0,
-                               attention_dropout=0.0, init_method_std=0.2, **STYLES[style])  # fmt: skip
+                               attention_dropout=0.0, init_method_std=0.2,
+                               **STYLES[style])  # fmt: skip
     torch.manual_seed(0)
     return GPTModel(config, "local", VOCAB, MAX, groups=groups, parallel_output=False,
                     init_seed=1).eval()  # fmt: skip
