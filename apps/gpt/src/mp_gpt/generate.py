@@ -81,7 +81,7 @@ class Generator:
         self.vocab_size = self.tokenizer.vocab_size if self.tokenizer is not None else padded
         self.eod = self.tokenizer.eod if self.tokenizer is not None else None
 
-    def complete(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
+    def complete(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int | Sequence[int],
                  sampling: Sequence[Sampling], stop_strings: Sequence[str] = (),
                  prompt_logprobs: bool = False) -> list[Completion]:  # fmt: skip
         """Every prompt's completion (mp_gpt.generation.generate_batch); a stop string

@@ -95,7 +95,7 @@ def generate_batch(
     model: GPTModel,
     prompts: Sequence[Sequence[int]],
     *,
-    max_new_tokens: int,
+    max_new_tokens: int | Sequence[int],
     sampling: Sequence[Sampling],
     eod: int | None,
     vocab_size: int | None = None,
@@ -107,7 +107,8 @@ def generate_batch(
     """Extends every prompt by up to max_new_tokens tokens (module docstring); collective
     over the model's ranks.
 
-    sampling: one per prompt. vocab_size: the tokenizer's (the rows padding the model's
+    max_new_tokens: for every prompt, or one per prompt. sampling: one per prompt.
+    vocab_size: the tokenizer's (the rows padding the model's
     vocabulary are never drawn). max_length: the most positions a sequence may take
     (the model's position embeddings; default: the longest prompt plus
     max_new_tokens). stop(i, new_tokens): whether sequence i is done (stop strings).
@@ -118,13 +119,19 @@ def generate_batch(
         raise ValueError(f"{len(prompts)} prompts but {len(sampling)} sampling settings")
     if any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
+    limits = ([max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int)
+              else list(max_new_tokens))  # fmt: skip
+    if len(limits) != len(prompts) or min(limits) < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens}: one count >= 1 for every prompt")
+    if max_length is not None:
+        for prompt, limit in zip(prompts, limits, strict=True):
+            if len(prompt) + limit > max_length:
+                raise ValueError(
+                    f"a prompt of {len(prompt)} tokens and {limit} new ones exceed the "
+                    f"model's {max_length} positions"
+                )
     longest = max(map(len, prompts))
-    needed = longest + max_new_tokens
-    if max_length is not None and needed > max_length:
-        raise ValueError(
-            f"a prompt of {longest} tokens and {max_new_tokens} new ones exceed the model's "
-            f"{max_length} positions"
-        )
+    needed = longest + max(limits)
     device = next(model.parameters()).device
     stages = _Stages(model, pp_group, device)
     padding = torch.tensor([longest - len(p) for p in prompts])
@@ -134,7 +141,7 @@ def generate_batch(
     generators = [torch.Generator().manual_seed(s.seed) for s in sampling]
     completions = [Completion(list(p)) for p in prompts]
     running = list(range(len(prompts)))
-    for step in range(max_new_tokens):
+    for step in range(max(limits)):
         logits = stages.forward(step_input, cache)  # [b, s, v] on the last stage, else None
         if logits is not None and prompt_logprobs and step == 0:
             _prompt_logprobs(logits, step_input, padding, completions, vocab_size)
@@ -154,7 +161,7 @@ def generate_batch(
                 completion.finish_reason = "eod"
             elif stop is not None and stop(i, completion.tokens):
                 completion.finish_reason = "stop"
-            else:
+            elif len(completion.tokens) < limits[i]:
                 continue
             running.remove(i)
         if not running:
