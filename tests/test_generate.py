@@ -1,5 +1,6 @@
 """generate.py gives the same greedy text at TP 1 and TP 2 from one checkpoint, and at
-EP 1 and EP 2 from a mixture-of-experts checkpoint trained at EP 2."""
+EP 1 and EP 2 from a mixture-of-experts checkpoint trained at EP 2; a prompt in a batch
+continues as it does alone, and a stop string ends its sequence."""
 
 import argparse
 from pathlib import Path
@@ -69,3 +70,35 @@ def test_greedy_text_of_a_moe_checkpoint_is_the_same_at_ep_1_and_2(tmp_path):
                        timeout=120)  # fmt: skip
     assert one[0] == two[0] == two[1]
     assert len(one[0].split()) == 3 + 12
+
+
+def batch_body(run_dir: str, stops: list[str]):
+    import torch
+
+    torch.set_num_threads(1)
+    from mp_gpt.generate import Generator
+    from mp_gpt.generation import Sampling
+
+    generator = Generator(run_dir)
+    try:
+        prompts = [generator.tokenizer.tokenize("1 2 3"), generator.tokenizer.tokenize("7")]
+        done = generator.complete(prompts, max_new_tokens=12, sampling=[Sampling()] * 2,
+                                  stop_strings=stops)  # fmt: skip
+        return [(c.tokens, c.finish_reason, generator.text(c, stops)) for c in done]
+    finally:
+        generator.close()
+
+
+@pytest.mark.multirank
+def test_a_batch_equals_its_prompts_alone_and_stop_strings_end_a_sequence(tmp_path):
+    run_on_ranks(train_body, 1, str(tmp_path), timeout=120)
+    (first, why, text), _ = run_on_ranks(batch_body, 1, str(tmp_path), [], timeout=120)[0]
+    assert why == "length" and len(first) == 12 and text == " ".join(map(str, first))
+    # The batch's first sequence is what the command gives for that prompt alone.
+    alone = run_on_ranks(generate_body, 1, str(tmp_path), 1, timeout=120)[0]
+    assert alone == "1 2 3 " + text
+    # A stop string (the fourth new token's text) ends the first sequence there.
+    stop = f" {first[3]}"
+    (cut, why, shown), _ = run_on_ranks(batch_body, 1, str(tmp_path), [stop], timeout=120)[0]
+    assert why == "stop" and cut == first[: len(cut)] and len(cut) <= 4
+    assert stop not in shown and " ".join(map(str, first)).startswith(shown)
