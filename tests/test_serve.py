@@ -2,7 +2,7 @@
 requests batched and answered with the greedy text of `Generator.complete`; bad
 requests refused with 400 naming the field; a full queue refused with 503; SIGTERM
 answers the running batch, refuses the waiting requests and exits 0; the same greedy
-text at TP 2 under torchrun."""
+text and log-probabilities at TP 2 and PP 2 under torchrun."""
 
 from __future__ import annotations
 
@@ -48,7 +48,8 @@ def train_body(run_dir: str, *layout: str):
 
 
 def greedy_body(run_dir: str, prompts: list[str], tokens: list[int]):
-    """Each prompt's greedy new token ids from Generator.complete, one prompt at a time."""
+    """Each prompt's greedy new token ids and its log-probabilities (the prompt's after
+    its first, then the new tokens') from Generator.complete, one prompt at a time."""
     import torch
 
     torch.set_num_threads(1)
@@ -57,9 +58,12 @@ def greedy_body(run_dir: str, prompts: list[str], tokens: list[int]):
 
     generator = Generator(run_dir)
     try:
-        return [generator.complete([generator.tokenizer.tokenize(p)], max_new_tokens=n,
-                                   sampling=[Sampling()])[0].tokens
-                for p, n in zip(prompts, tokens, strict=True)]  # fmt: skip
+        found = []
+        for prompt, n in zip(prompts, tokens, strict=True):
+            [done] = generator.complete([generator.tokenizer.tokenize(prompt)], max_new_tokens=n,
+                                        sampling=[Sampling()], prompt_logprobs=True)  # fmt: skip
+            found.append((done.tokens, done.prompt_logprobs + done.logprobs))
+        return found
     finally:
         generator.close()
 
@@ -135,17 +139,20 @@ def in_threads(calls) -> list:
     return results
 
 
-def expected(checkpoint: str, tokens: list[int]) -> list[list[int]]:
+def expected(checkpoint: str, tokens: list[int]) -> list[tuple[list[int], list[float]]]:
     return run_on_ranks(greedy_body, 1, checkpoint, PROMPTS, tokens, timeout=120)[0]
 
 
 def check_greedy(replies, wanted) -> None:
-    for prompt, (status, body), new in zip(PROMPTS, replies, wanted, strict=True):
+    """Each reply holds the prompt's greedy tokens, text, segments and log-probabilities
+    as Generator.complete gives them."""
+    for prompt, (status, body), (new, logprobs) in zip(PROMPTS, replies, wanted, strict=True):
         assert status == 200, body
         ids = [int(t) for t in prompt.split()]
         assert body["tokens"] == [ids + new]
         assert body["text"] == [" ".join(str(t) for t in ids + new if t != EOD)]
         assert body["segments"] == [[str(t) for t in ids + new]]
+        assert body["logprobs"][0] == pytest.approx(logprobs, abs=1e-4)
 
 
 @pytest.mark.multirank
@@ -163,9 +170,6 @@ def test_concurrent_requests_are_batched_and_answered_with_generator_greedy(chec
         ])  # fmt: skip
         slow.join(timeout=120)
         check_greedy(replies, wanted)
-        for prompt, (_, body), n in zip(PROMPTS, replies, tokens, strict=True):
-            assert len(body["logprobs"][0]) == len(prompt.split()) - 1 + n
-            assert all(v <= 0 for v in body["logprobs"][0])
         batches = re.findall(r"batch of (\d+) request", server.output())
         assert len(batches) < 1 + len(PROMPTS) and max(map(int, batches)) > 1, batches
 
@@ -213,16 +217,21 @@ def test_bad_requests_get_400_naming_the_field_and_a_full_queue_503(checkpoint, 
 
 
 @pytest.mark.multirank
-def test_tp2_under_torchrun_gives_the_same_greedy_text_and_stops_on_sigterm(checkpoint, tmp_path):
+@pytest.mark.parametrize(
+    "layout", ["--tensor-model-parallel-size", "--pipeline-model-parallel-size"]
+)
+def test_tp2_and_pp2_under_torchrun_give_the_same_greedy_text_and_stop_on_sigterm(
+    checkpoint, tmp_path, layout
+):
     tokens = [5] * len(PROMPTS)
     wanted = expected(checkpoint, tokens)
-    target = ["-m", "mp_gpt.serve", "--load", checkpoint, "--port", "0",
-              "--tensor-model-parallel-size", "2"]  # fmt: skip
+    target = ["-m", "mp_gpt.serve", "--load", checkpoint, "--port", "0", layout, "2"]
     with TorchrunJob(target, tmp_path, nproc=2) as job:
         job.wait_for(lambda: serving_url(job.output()) is not None, "the server", timeout=120)
         url = serving_url(job.output())
         replies = in_threads([
-            lambda p=p: put(url, {"prompts": [p], "tokens_to_generate": 5, "top_k": 1})
+            lambda p=p: put(url, {"prompts": [p], "tokens_to_generate": 5, "top_k": 1,
+                                  "logprobs": True})
             for p in PROMPTS
         ])  # fmt: skip
         check_greedy(replies, wanted)
