@@ -218,10 +218,11 @@ def test_bad_requests_get_400_naming_the_field_and_a_full_queue_503(checkpoint, 
 
 @pytest.mark.multirank
 @pytest.mark.parametrize(
-    "layout", ["--tensor-model-parallel-size", "--pipeline-model-parallel-size"]
+    ("layout", "signalled"),
+    [("--tensor-model-parallel-size", "rank 0"), ("--pipeline-model-parallel-size", "torchrun")],
 )
 def test_tp2_and_pp2_under_torchrun_give_the_same_greedy_text_and_stop_on_sigterm(
-    checkpoint, tmp_path, layout
+    checkpoint, tmp_path, layout, signalled
 ):
     tokens = [5] * len(PROMPTS)
     wanted = expected(checkpoint, tokens)
@@ -235,6 +236,11 @@ def test_tp2_and_pp2_under_torchrun_give_the_same_greedy_text_and_stop_on_sigter
             for p in PROMPTS
         ])  # fmt: skip
         check_greedy(replies, wanted)
-        os.kill(job.workers()[0], signal.SIGTERM)  # rank 0 stops rank 1
-        assert job.wait(timeout=60) < 60
-        assert job.returncode == 0, job.output()[-4000:]
+        if signalled == "rank 0":
+            os.kill(job.workers()[0], signal.SIGTERM)  # rank 0 stops rank 1
+            assert job.wait(timeout=60) < 60
+            assert job.returncode == 0, job.output()[-4000:]
+        else:  # torchrun sends SIGTERM to both ranks; rank 1 waits for rank 0's word
+            job.process.send_signal(signal.SIGTERM)
+            assert job.wait(timeout=60) < 20  # not torchrun's 30 s grace before SIGKILL
+            assert "mp_gpt.serve: stopped" in job.output(), job.output()[-4000:]

@@ -1,5 +1,6 @@
-"""A text generation server for a checkpoint, compatible with Megatron-LM's
-tools/run_text_generation_server.py (`PUT /api`).
+"""A text generation server for a checkpoint: Megatron-LM's `PUT /api`.
+
+Compatible with Megatron-LM's tools/run_text_generation_server.py:
 
     python -m mp_gpt.serve --load runs/quickstart/checkpoints [--port 5000]
     torchrun --nproc-per-node 2 -m mp_gpt.serve --load DIR --tensor-model-parallel-size 2
@@ -72,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("max_batch_size", "max_queue"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= 1")
+    if args.heartbeat_seconds <= 0:
+        parser.error(f"--heartbeat-seconds {args.heartbeat_seconds} must be > 0")
     if not 0 <= args.port <= 65535:
         parser.error(f"--port {args.port} is not a port number (0..65535)")
     generator = Generator(args.load, extra)
