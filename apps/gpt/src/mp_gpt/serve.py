@@ -112,20 +112,26 @@ async def _serve(generator: Generator, args) -> None:
     app.router.add_put("/api", _handler(batcher, vocabulary, args.max_batch_size))
     runner = web.AppRunner(app, access_log=None, shutdown_timeout=5.0)
     await runner.setup()
-    site = web.TCPSite(runner, args.host, args.port)
-    await site.start()
-    host, port = runner.addresses[0][:2]
-    print(f"mp_gpt.serve: serving http://{host}:{port}/api", flush=True)
-    worker = asyncio.create_task(batcher.serve())
-    stop = asyncio.create_task(stopping.wait())
-    await asyncio.wait([worker, stop], return_when=asyncio.FIRST_COMPLETED)
-    print("mp_gpt.serve: stopping", flush=True)
-    await site.stop()
-    batcher.close()
     try:
-        await worker  # the running batch answers; a failed worker ends the server
-    finally:
-        stop.cancel()
+        site = web.TCPSite(runner, args.host, args.port)
+        try:
+            await site.start()
+        except OSError as error:
+            raise SystemExit(f"error: mp_gpt.serve: cannot listen on {args.host}:{args.port}: "
+                             f"{error}") from None  # fmt: skip
+        host, port = runner.addresses[0][:2]
+        print(f"mp_gpt.serve: serving http://{host}:{port}/api", flush=True)
+        worker = asyncio.create_task(batcher.serve())
+        stop = asyncio.create_task(stopping.wait())
+        await asyncio.wait([worker, stop], return_when=asyncio.FIRST_COMPLETED)
+        print("mp_gpt.serve: stopping", flush=True)
+        await site.stop()
+        batcher.close()
+        try:
+            await worker  # the running batch answers; a failed worker ends the server
+        finally:
+            stop.cancel()
+    finally:  # however rank 0 ends, the other ranks stop too
         await runner.cleanup()
         await loop.run_in_executor(executor, lead, generator, STOP)
         executor.shutdown()
