@@ -98,7 +98,8 @@ def main() -> None:
 
 
 def _compare(model, hf_model, b: int, args) -> dict:
-    prompts = torch.randint(0, VOCAB, (b, args.prompt_len), generator=torch.Generator().manual_seed(b))
+    seeded = torch.Generator().manual_seed(b)
+    prompts = torch.randint(0, VOCAB, (b, args.prompt_len), generator=seeded)
     sides = {"ours": _ours(model, prompts), "hf": _hf(hf_model, prompts)}
     tokens = {side: run(args.new_tokens)[1] for side, run in sides.items()}  # warm-up
     same = 0
@@ -119,6 +120,11 @@ def _compare(model, hf_model, b: int, args) -> dict:
     best = {side: min(v) * 1e3 for side, v in per_token.items()}
     median = {side: statistics.median(v) * 1e3 for side, v in per_token.items()}
     prompt_tokens = b * args.prompt_len
+    shape = {
+        "hidden": HIDDEN, "layers": LAYERS, "heads": HEADS, "query_groups": GROUPS,
+        "ffn": FFN, "vocab": VOCAB, "batch": b, "prompt_len": args.prompt_len,
+        "new_tokens": args.new_tokens, "rounds": args.rounds, "greedy": True,
+    }  # fmt: skip
     return {
         "ms_per_token": round(best["ours"], 3),
         "ms_per_token_median": round(median["ours"], 3),
@@ -134,11 +140,7 @@ def _compare(model, hf_model, b: int, args) -> dict:
             prompt_tokens / statistics.median(prefill["hf"]), 1
         ),
         "same_tokens": same,
-        "shape": {
-            "hidden": HIDDEN, "layers": LAYERS, "heads": HEADS, "query_groups": GROUPS,
-            "ffn": FFN, "vocab": VOCAB, "batch": b, "prompt_len": args.prompt_len,
-            "new_tokens": args.new_tokens, "rounds": args.rounds, "greedy": True,
-        },  # fmt: skip
+        "shape": shape,
     }
 
 

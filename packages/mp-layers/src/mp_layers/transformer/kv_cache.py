@@ -10,8 +10,8 @@ left, `padding[i]` positions for sequence i, so that every sequence's next token
 to the same slot. A sequence's positions (for RoPE or learned position embeddings)
 count from its first real token; its padding is never attended to. Each layer keeps
 its keys and values [max_length, b, key/value heads on this rank, d] (grouped-query
-attention caches only the groups' heads), allocated on first use with the layer's
-dtype and device. A pipeline stage's model fills the layers it holds.
+attention caches only the groups' heads; stored [b, heads, max_length, d]), allocated
+on first use with the layer's dtype and device. A pipeline stage's model fills the layers it holds.
 """
 
 from __future__ import annotations
@@ -82,8 +82,12 @@ class KVCache:
         if k.shape[1] != self.batch_size:
             raise ValueError(f"keys of {k.shape[1]} sequences in a cache of {self.batch_size}")
         if layer not in self._layers:
-            shape = (self.max_length, *k.shape[1:])
-            self._layers[layer] = (k.new_empty(shape), v.new_empty((self.max_length, *v.shape[1:])))
+            # Stored [b, heads, max_length, d], handed out as [T, b, heads, d] views: each
+            # head's positions are rows of one matrix, as attention's matmuls read them.
+            b, heads, d = k.shape[1:]
+            self._layers[layer] = tuple(
+                t.new_empty((b, heads, self.max_length, d)).permute(2, 0, 1, 3) for t in (k, v)
+            )
         keys, values = self._layers[layer]
         keys[self.length : self.length + s] = k
         values[self.length : self.length + s] = v
