@@ -1,5 +1,5 @@
 """Core attention against the written-out formula, through each backend: outputs and
-gradients; GQA; masks; dropout streams; the auto choice."""
+gradients; GQA; masks; dropout streams; the auto choice; attention over a KVCache."""
 
 import math
 
@@ -7,7 +7,11 @@ import pytest
 import torch
 
 from mp_layers.transformer.blocked_attention import blocked_attention, saved_probability_bytes
-from mp_layers.transformer.core_attention import AUTO_BLOCKED_LIMIT_BYTES, CoreAttention
+from mp_layers.transformer.core_attention import (
+    AUTO_BLOCKED_LIMIT_BYTES,
+    CoreAttention,
+)
+from mp_layers.transformer.kv_cache import KVCache
 from mp_state import TENSOR_PARALLEL_RNG, RNGStatesTracker
 
 
@@ -159,3 +163,21 @@ def test_dropout_draws_from_the_tensor_parallel_stream(backend):
     assert not torch.equal(first, CoreAttention(0.0, None, backend)(q, q, q))  # it drops
     with pytest.raises(ValueError, match="needs an rng_tracker"):
         CoreAttention(0.1, None)
+
+
+@pytest.mark.parametrize("groups", [4, 2])
+def test_attention_over_a_kv_cache_equals_the_formula(groups):
+    """The next positions (one, then two) over a left-padded cache's keys (read in blocks
+    of KEY_BLOCK slots, the unfilled ones masked), GQA included, through CoreAttention as
+    generation calls it."""
+    torch.manual_seed(0)
+    b, nq, d = 2, 4, 8
+    cache = KVCache(torch.tensor([2, 0]), 12)
+    attention = CoreAttention(0.0, None)
+    for s in (5, 1, 2):  # the prompts, then one new position, then two
+        q = torch.randn(s, b, nq, d)
+        k, v = cache.update(0, torch.randn(s, b, groups, d), torch.randn(s, b, groups, d))
+        mask = cache.attention_mask(s, "cpu")
+        got = attention(q, k, v, mask)  # cached_attention once keys outnumber queries
+        torch.testing.assert_close(got, by_formula(q, k, v, mask))
+        cache.advance(s)

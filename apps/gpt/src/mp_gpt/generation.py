@@ -147,11 +147,7 @@ def generate_batch(
             _prompt_logprobs(logits, step_input, padding, completions, vocab_size)
         drawn = None
         if logits is not None:
-            last = logits[:, -1, :vocab_size].float().cpu()
-            tokens = [sample(last[i], sampling[i], generators[i]) for i in range(len(prompts))]
-            chosen = F.log_softmax(last, dim=-1)[torch.arange(len(tokens)), tokens]
-            drawn = torch.stack([torch.tensor(tokens, dtype=torch.float64),
-                                 chosen.double()])  # fmt: skip
+            drawn = _draw(logits[:, -1, :vocab_size].float(), sampling, generators)
         tokens, logprobs = stages.from_last(drawn, len(prompts))
         for i in list(running):
             completion = completions[i]
@@ -168,6 +164,20 @@ def generate_batch(
             break
         step_input = torch.tensor(tokens, device=device)[:, None]
     return completions
+
+
+def _draw(last: torch.Tensor, sampling: Sequence[Sampling], generators) -> torch.Tensor:
+    """[2, b] float64: the token drawn for each sequence from its logits last [b, v] (fp32)
+    and its log-probability. Greedy rows take one argmax over the batch, on the logits'
+    device; only sampled rows go to the CPU, for their generators."""
+    tokens = torch.argmax(last, dim=-1)
+    sampled = [i for i, s in enumerate(sampling) if s.temperature > 0]
+    if sampled:
+        rows = last[sampled].cpu()
+        drawn = [sample(rows[j], sampling[i], generators[i]) for j, i in enumerate(sampled)]
+        tokens[sampled] = torch.tensor(drawn, device=tokens.device)
+    chosen = F.log_softmax(last, dim=-1).gather(-1, tokens[:, None])[:, 0]
+    return torch.stack([tokens.double(), chosen.double()]).cpu()
 
 
 def _prompt_logprobs(logits, prompt_ids, padding, completions, vocab_size) -> None:

@@ -167,7 +167,8 @@ class GPTModel(torch.nn.Module):
         if self.rotary is None:
             rotary = None
         elif kv_cache is not None:
-            rotary = self.rotary.at(position_ids.t())
+            # Cast once for every layer (apply_rotary_pos_emb casts to the activations' dtype).
+            rotary = Rotary(*(t.to(hidden.dtype) for t in self.rotary.at(position_ids.t())))
         else:
             rotary = self._rotary(hidden.shape[0])
         hidden = self.decoder(hidden, rotary, attention_mask, kv_cache)

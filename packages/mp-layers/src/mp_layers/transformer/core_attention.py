@@ -35,7 +35,12 @@ from mp_layers.context_parallel.ulysses import ulysses_attention
 from mp_layers.transformer.blocked_attention import blocked_attention, saved_probability_bytes
 from mp_state import TENSOR_PARALLEL_RNG, RankGroup, RNGStatesTracker
 
-__all__ = ["AUTO_BLOCKED_LIMIT_BYTES", "CoreAttention", "keeps_attention_probabilities"]
+__all__ = [
+    "AUTO_BLOCKED_LIMIT_BYTES",
+    "CoreAttention",
+    "cached_attention",
+    "keeps_attention_probabilities",
+]
 
 AUTO_BLOCKED_LIMIT_BYTES = {
     torch.float32: 32 * 2**20,
@@ -107,9 +112,9 @@ class CoreAttention(torch.nn.Module):
         s, b, nq, d = q.shape
         dropout = self.attention_dropout if self.training else 0.0
         scale = 1.0 / math.sqrt(d)
-        # Queries fewer than keys (generation from a KVCache): SDPA takes the mask as is.
-        same_length = q.shape[0] == k.shape[0]
-        if same_length and self.uses_blocked(q, explicit_mask=attention_mask is not None):
+        if s < k.shape[0]:  # generation: the next positions over a KVCache's keys
+            return cached_attention(q, k, v, attention_mask, scale)
+        if self.uses_blocked(q, explicit_mask=attention_mask is not None):
             return blocked_attention(
                 q, k, v, attention_mask, scale=scale, dropout=dropout, rng_tracker=self.rng_tracker
             )
@@ -160,3 +165,30 @@ def keeps_attention_probabilities(
         s, b, heads, torch.empty((), dtype=dtype).element_size(), causal=not explicit_mask
     )
     return saved <= AUTO_BLOCKED_LIMIT_BYTES.get(dtype, 0)
+
+
+def cached_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> torch.Tensor:
+    """Attention of the next s positions q [s, b, nq, d] over a KVCache's keys and values
+    k, v [T, b, ng, d] (T > s; views of the cache's [b, ng, max_length, d] storage),
+    mask [b, 1, s, T] bool, True = masked (None: every key visible); the output [s, b, nq * d].
+
+    Two matmuls and a softmax in fp32, for generation: with one query a sequence,
+    SDPA's CPU flash kernel fills a whole block of queries per head and copies the
+    strided cache (2.7 ms a layer at b 8 in bf16 against 0.3 ms here, ci/bench/
+    bench_generate.py). The scores are taken as k q^T, [b, ng, T, qs]: a CPU bf16 matmul
+    reads the cache's rows in place that way, where q k^T would copy them transposed.
+    A group's query heads share its key/value head (grouped-query attention)."""
+    s, b, nq, d = q.shape
+    t, ng = k.shape[0], k.shape[2]
+    per_group = nq // ng
+    q_ = q.permute(1, 2, 0, 3).reshape(b, ng, per_group * s, d)  # rows (head, position)
+    k_, v_ = k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3)  # [b, ng, T, d]
+    scores = torch.matmul(k_, q_.transpose(-1, -2)).float().mul_(scale)  # [b, ng, T, qs]
+    if mask is not None:
+        masked = mask.view(b, 1, s, t).transpose(-1, -2)[:, :, :, None, :]  # [b, 1, T, 1, s]
+        scores.view(b, ng, t, per_group, s).masked_fill_(masked, float("-inf"))
+    probs = torch.softmax(scores, dim=2).to(v.dtype)
+    out = torch.matmul(probs.transpose(-1, -2), v_)  # [b, ng, qs, d]
+    return out.view(b, nq, s, d).permute(2, 0, 1, 3).reshape(s, b, nq * d)

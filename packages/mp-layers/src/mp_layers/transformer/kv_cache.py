@@ -10,15 +10,19 @@ left, `padding[i]` positions for sequence i, so that every sequence's next token
 to the same slot. A sequence's positions (for RoPE or learned position embeddings)
 count from its first real token; its padding is never attended to. Each layer keeps
 its keys and values [max_length, b, key/value heads on this rank, d] (grouped-query
-attention caches only the groups' heads), allocated on first use with the layer's
-dtype and device. A pipeline stage's model fills the layers it holds.
+attention caches only the groups' heads; stored [b, heads, max_length, d]), allocated
+on first use with the layer's dtype and device. A pipeline stage's model fills the layers it holds.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["KVCache"]
+__all__ = ["KEY_BLOCK", "KVCache"]
+
+KEY_BLOCK = 64
+"""After the prompts, attention reads the cache's keys in multiples of this many slots
+(KVCache.slots_read)."""
 
 
 class KVCache:
@@ -60,14 +64,27 @@ class KVCache:
         slots = torch.arange(self.length, self.length + s, device=device)
         return (slots[None, :] - self.padding.to(device)[:, None]).clamp(min=0)
 
+    def slots_read(self, s: int) -> int:
+        """T, the key slots attention reads for the next s positions: length + s for the
+        prompts (the first forward), after them length + s rounded up to KEY_BLOCK
+        slots (at most max_length). The slots past length + s hold zeros and are masked.
+        Why: a CPU bf16 matmul (oneDNN) builds a kernel for each new shape and keeps 1,024
+        of them; a key count growing by one each step would build two a step per layer
+        shape and, past 512 steps, evict each before its reuse (about 1 ms a step at
+        batch 1, ci/bench/bench_generate.py)."""
+        total = self.length + s
+        if self.length == 0:
+            return total
+        return min(-(-total // KEY_BLOCK) * KEY_BLOCK, self.max_length)
+
     def attention_mask(self, s: int, device: torch.device | str) -> torch.Tensor:
-        """[b, 1, s, length + s] bool, True = masked: the next s slots attend causally to
-        every filled slot but padding. A padding slot attends to itself alone (a row
-        with nothing to attend to would give NaN, which would reach the real positions
-        through the values)."""
+        """[b, 1, s, T] bool (T = slots_read(s)), True = masked: the next s slots attend
+        causally to every filled slot but padding. A padding slot attends to itself alone
+        (a row with nothing to attend to would give NaN, which would reach the real
+        positions through the values)."""
         total = self.length + s
         queries = torch.arange(self.length, total, device=device)[:, None]  # [s, 1]
-        keys = torch.arange(total, device=device)[None, :]  # [1, T]
+        keys = torch.arange(self.slots_read(s), device=device)[None, :]  # [1, T]
         padded = keys[None] < self.padding.to(device)[:, None, None]  # [b, 1, T]
         masked = (keys > queries)[None] | (padded & (keys != queries)[None])  # [b, s, T]
         return masked[:, None]
@@ -76,18 +93,23 @@ class KVCache:
         self, layer: int, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Stores the new positions' keys and values [s, b, heads, d] of `layer` (its
-        number in the whole model) after the filled ones; returns all of them so far
-        [length + s, b, heads, d]."""
+        number in the whole model) after the filled ones; returns those of the slots
+        attention reads, [slots_read(s), b, heads, d]."""
         s = k.shape[0]
         if k.shape[1] != self.batch_size:
             raise ValueError(f"keys of {k.shape[1]} sequences in a cache of {self.batch_size}")
         if layer not in self._layers:
-            shape = (self.max_length, *k.shape[1:])
-            self._layers[layer] = (k.new_empty(shape), v.new_empty((self.max_length, *v.shape[1:])))
+            # Stored [b, heads, max_length, d], handed out as [T, b, heads, d] views: each
+            # head's positions are rows of one matrix, as attention's matmuls read them.
+            b, heads, d = k.shape[1:]
+            self._layers[layer] = tuple(
+                t.new_zeros((b, heads, self.max_length, d)).permute(2, 0, 1, 3) for t in (k, v)
+            )
         keys, values = self._layers[layer]
         keys[self.length : self.length + s] = k
         values[self.length : self.length + s] = v
-        return keys[: self.length + s], values[: self.length + s]
+        read = self.slots_read(s)
+        return keys[:read], values[:read]
 
     def advance(self, s: int) -> None:
         """Marks s more positions filled (the model calls it after its forward)."""
