@@ -102,3 +102,27 @@ def test_a_batch_equals_its_prompts_alone_and_stop_strings_end_a_sequence(tmp_pa
     (cut, why, shown), _ = run_on_ranks(batch_body, 1, str(tmp_path), [stop], timeout=120)[0]
     assert why == "stop" and cut == first[: len(cut)] and len(cut) <= 4
     assert stop not in shown and " ".join(map(str, first)).startswith(shown)
+
+
+def too_long_body(run_dir: str):
+    import contextlib
+    import io
+
+    import torch
+
+    torch.set_num_threads(1)
+    from mp_gpt.generate import main
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        status = main(["--load", run_dir, "--prompt", "1 2 3", "--max-new-tokens", "100"])
+    return status, err.getvalue()
+
+
+@pytest.mark.multirank
+def test_a_prompt_too_long_for_the_model_is_one_line_and_status_2(tmp_path):
+    run_on_ranks(train_body, 1, str(tmp_path), timeout=120)
+    status, said = run_on_ranks(too_long_body, 1, str(tmp_path), timeout=120)[0]
+    assert status == 2
+    assert said == ("error: mp_gpt.generate: a prompt of 3 tokens and 100 new ones exceed the "
+                    "model's 32 positions\n")  # fmt: skip

@@ -143,8 +143,14 @@ def _ids(text: str) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Runs the command; returns 0, or 2 with one line on stderr for a request it cannot
+    meet (no tokenizer for text prompts, a prompt too long for the model, ...)."""
     args, rest = _parser().parse_known_args(argv)
-    text = run_generation(args, rest)
+    try:
+        text = run_generation(args, rest)
+    except ValueError as error:
+        print(f"error: mp_gpt.generate: {error}", file=sys.stderr)
+        return 2
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(text)
     return 0
