@@ -205,7 +205,11 @@ def load_run_checkpoint(run: Run) -> bool:
         )  # fmt: skip
     except CheckpointCorrupted as error:
         iteration = ckpt.ckpt_step if ckpt.ckpt_step is not None else read_tracker(ckpt.load)
-        raise CheckpointCorrupted(f"{error}{_earlier_checkpoints(ckpt.load, iteration)}") from error
+        # The hint ends the first line, which a one-line report shows; any more problems
+        # follow on their lines.
+        first, *more = str(error).split("\n", 1)
+        hint = _earlier_checkpoints(ckpt.load, iteration)
+        raise CheckpointCorrupted("\n".join([first + hint, *more])) from error
     common = loaded.common
     if with_optimizer:
         template = run.optimizer.sharded_state_dict()
