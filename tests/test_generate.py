@@ -2,7 +2,6 @@
 EP 1 and EP 2 from a mixture-of-experts checkpoint trained at EP 2; a prompt in a batch
 continues as it does alone, and a stop string ends its sequence."""
 
-import argparse
 from pathlib import Path
 
 import pytest
@@ -37,17 +36,8 @@ def generate_body(run_dir: str, tp: int, *extra: str):
     torch.set_num_threads(1)
     from mp_gpt.generate import run_generation
 
-    args = argparse.Namespace(
-        load=run_dir,
-        prompt="1 2 3",
-        max_new_tokens=12,
-        temperature=0.0,
-        top_k=0,
-        top_p=1.0,
-        seed=0,
-        tensor_model_parallel_size=tp,
-    )
-    return run_generation(args, list(extra))
+    return run_generation(["--load", run_dir, "--prompt", "1 2 3", "--max-new-tokens", "12",
+                           "--tensor-model-parallel-size", str(tp), *extra])  # fmt: skip
 
 
 @pytest.mark.multirank

@@ -267,14 +267,12 @@ def test_tokenizer_and_generation_travel_through_import_and_export(tmp_path, arc
 
 
 def generate_body(checkpoint: str, prompt: str) -> str:
-    import argparse
 
     torch.set_num_threads(1)
     from mp_gpt.generate import run_generation
 
-    args = argparse.Namespace(load=checkpoint, prompt=prompt, max_new_tokens=6, temperature=0.0,
-                              top_k=0, top_p=1.0, seed=0, tensor_model_parallel_size=1)  # fmt: skip
-    return run_generation(args, ["--seq-length", str(SEQ)])
+    return run_generation(["--load", checkpoint, "--prompt", prompt, "--max-new-tokens", "6",
+                           "--seq-length", str(SEQ)])  # fmt: skip
 
 
 @pytest.mark.parametrize(

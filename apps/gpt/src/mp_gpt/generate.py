@@ -105,9 +105,7 @@ class Generator:
         """The new tokens' text, without the end-of-document token, cut before the first
         stop string."""
         kept = [t for t in completion.tokens if t != self.eod]
-        text = self.tokenizer.detokenize(kept)
-        cuts = [text.index(s) for s in stop_strings if s in text]
-        return text[: min(cuts)] if cuts else text
+        return _cut(self.tokenizer.detokenize(kept), stop_strings)
 
     def close(self) -> None:
         mp_state.destroy()
@@ -145,9 +143,8 @@ def _ids(text: str) -> list[int]:
 def main(argv: list[str] | None = None) -> int:
     """Runs the command; returns 0, or 2 with one line on stderr for a request it cannot
     meet (no tokenizer for text prompts, a prompt too long for the model, ...)."""
-    args, rest = _parser().parse_known_args(argv)
     try:
-        text = run_generation(args, rest)
+        text = run_generation(argv)
     except ValueError as error:
         print(f"error: mp_gpt.generate: {error}", file=sys.stderr)
         return 2
@@ -156,32 +153,29 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def run_generation(args, extra: list[str]) -> str:
-    """Builds the model from the checkpoint and generates (collective under torchrun);
-    returns what rank 0 prints."""
+def run_generation(argv: list[str] | None = None) -> str:
+    """Builds the model from the checkpoint and generates as the command line `argv`
+    says (collective under torchrun); returns what rank 0 prints."""
+    args, extra = _parser().parse_known_args(argv)
     layout = ["--tensor-model-parallel-size", str(args.tensor_model_parallel_size),
-              "--pipeline-model-parallel-size",
-              str(getattr(args, "pipeline_model_parallel_size", 1))]  # fmt: skip
+              "--pipeline-model-parallel-size", str(args.pipeline_model_parallel_size)]  # fmt: skip
     generator = Generator(args.load, [*layout, *extra])
     try:
-        texts = getattr(args, "prompt", None) or []
-        texts = [texts] if isinstance(texts, str) else list(texts)
-        token_prompts = list(getattr(args, "prompt_token_ids", None) or [])
+        texts, stops = args.prompt, args.stop
         if texts and generator.tokenizer is None:
             raise ValueError(f"{args.load}: the checkpoint keeps no tokenizer: give the prompts "
                              "as --prompt-token-ids")  # fmt: skip
         prompts = [generator.tokenizer.tokenize(t) if t else [generator.eod] for t in texts]
-        prompts += token_prompts
+        prompts += args.prompt_token_ids
         if not prompts:
             if generator.eod is None:
                 raise ValueError("no prompt given, and no end-of-document token to start from")
             prompts, texts = [[generator.eod]], [""]
-        stops = list(getattr(args, "stop", None) or [])
         sampling = [Sampling(args.temperature, args.top_k, args.top_p, args.seed + i)
                     for i in range(len(prompts))]  # fmt: skip
         completions = generator.complete(prompts, max_new_tokens=args.max_new_tokens,
                                          sampling=sampling, stop_strings=stops)  # fmt: skip
-        if getattr(args, "output_format", "text") == "json":
+        if args.output_format == "json":
             return "\n".join(json.dumps(_record(generator, c, stops)) for c in completions)
         if generator.tokenizer is None:
             return "\n".join(" ".join(map(str, c.tokens)) for c in completions)
@@ -201,7 +195,7 @@ def run_generation(args, extra: list[str]) -> str:
         generator.close()
 
 
-def _cut(text: str, stops: list[str], start: int) -> str:
+def _cut(text: str, stops: Sequence[str], start: int = 0) -> str:
     """text cut before the first stop string found after position `start`."""
     cuts = [text.index(s, start) for s in stops if s in text[start:]]
     return text[: min(cuts)] if cuts else text
