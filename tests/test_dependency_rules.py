@@ -79,6 +79,7 @@ class Import:
     module: str  # full dotted name imported from ("mp_state.testing")
     names: tuple[str, ...]  # for `from m import a, b`; empty for `import m`
     optional: bool  # inside try/except ImportError
+    typing_only: bool = False  # inside `if TYPE_CHECKING:`, never run
 
 
 def imports_of(path: Path, own: str) -> list[Import]:
@@ -87,15 +88,24 @@ def imports_of(path: Path, own: str) -> list[Import]:
     for node in ast.walk(tree):
         if isinstance(node, ast.Try) and any(_catches_import_error(h) for h in node.handlers):
             guarded |= {id(n) for stmt in node.body for n in ast.walk(stmt)}
+    typing = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
+              and "TYPE_CHECKING" in ast.unparse(node.test)
+              for stmt in node.body for n in ast.walk(stmt)}  # fmt: skip
     found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for alias in node.names:
-                found.append(Import(path, node.lineno, alias.name, (), id(node) in guarded))
+                found.append(
+                    Import(
+                        path, node.lineno, alias.name, (), id(node) in guarded, id(node) in typing
+                    )
+                )
         elif isinstance(node, ast.ImportFrom):
             module = own if node.level else node.module or ""
             names = tuple(a.name for a in node.names)
-            found.append(Import(path, node.lineno, module, names, id(node) in guarded))
+            found.append(
+                Import(path, node.lineno, module, names, id(node) in guarded, id(node) in typing)
+            )
     return found
 
 
@@ -237,3 +247,98 @@ def test_guarded_optional_and_public_imports_pass(tree):
     write(tree, "packages/mp-layers/tests/test_a.py", "from mp_state import ok\nimport mp_ckpt\n")
     write(tree, "packages/mp-layers/src/mp_layers/b.py", "from . import c\nimport os, json\n")
     assert violations(tree) == []
+
+
+# --- inside a package: no import cycles, and mp-ckpt's parts in layers ------------------------
+
+PARTS = {"mp_ckpt": {"core": {"core"}, "families": {"families", "core"},
+                     "hf": {"hf", "families", "core"},
+                     "megatron": {"megatron", "families", "core", "hf"}}}  # fmt: skip
+"""Package -> its subpackages -> the subpackages each may import (the core imports no
+conversion code; the families are data the converters read)."""
+
+
+def module_name(package: Package, path: Path) -> str:
+    parts = path.relative_to(package.src).with_suffix("").parts
+    parts = parts[:-1] if parts[-1] == "__init__" else parts
+    return ".".join((package.module, *parts))
+
+
+def internal_graph(package: Package) -> dict[str, set[str]]:
+    """Module -> the modules of the same package it imports, at any depth of the file
+    (an import inside a function counts: it closes a cycle all the same)."""
+    modules = {module_name(package, p): p for p in sorted(package.src.rglob("*.py"))}
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    for name, path in modules.items():
+        for imp in imports_of(path, package.module):
+            if imp.module.split(".")[0] != package.module or imp.typing_only:
+                continue
+            targets = [f"{imp.module}.{n}" for n in imp.names if f"{imp.module}.{n}" in modules]
+            targets = targets or [imp.module]
+            graph[name] |= {t for t in targets if t in modules and t != name}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle through each strongly connected group of modules (depth-first)."""
+    found, done = [], set()
+    for start in sorted(graph):
+        stack, on_path = [(start, iter(sorted(graph[start])))], [start]
+        while stack:
+            node, edges = stack[-1]
+            nxt = next(edges, None)
+            if nxt is None:
+                stack.pop()
+                on_path.pop()
+                done.add(node)
+            elif nxt in on_path:
+                cycle = [*on_path[on_path.index(nxt) :], nxt]
+                if not any(set(cycle) == set(c) for c in found):
+                    found.append(cycle)
+            elif nxt not in done:
+                stack.append((nxt, iter(sorted(graph[nxt]))))
+                on_path.append(nxt)
+    return found
+
+
+def part_violations(package: Package) -> list[str]:
+    parts = PARTS.get(package.module, {})
+    problems = []
+    for module, targets in sorted(internal_graph(package).items()):
+        part = module.split(".")[1] if module.count(".") else None
+        for target in sorted(targets):
+            other = target.split(".")[1] if target.count(".") else None
+            if part in parts and other is not None and other not in parts[part]:
+                problems.append(f"{module} imports {target}: {package.module}.{part} may import "
+                                f"{', '.join(sorted(parts[part]))}")  # fmt: skip
+    return problems
+
+
+def test_no_package_has_an_import_cycle():
+    for package in workspace_packages(ROOT):
+        assert cycles(internal_graph(package)) == [], package.module
+
+
+def test_mp_ckpt_parts_import_only_their_layers():
+    (ckpt,) = [p for p in workspace_packages(ROOT) if p.module == "mp_ckpt"]
+    assert part_violations(ckpt) == []
+
+
+def test_a_cycle_through_a_function_level_import_is_found(tree):
+    folder = tree / "packages" / "mp-ckpt" / "src" / "mp_ckpt"
+    write(tree, "packages/mp-ckpt/src/mp_ckpt/a.py", "from mp_ckpt.b import x\n")
+    write(tree, "packages/mp-ckpt/src/mp_ckpt/b.py", "def f():\n    from mp_ckpt import a\n")
+    (package,) = [p for p in workspace_packages(tree) if p.module == "mp_ckpt"]
+    assert package.src == folder
+    assert cycles(internal_graph(package)) == [["mp_ckpt.a", "mp_ckpt.b", "mp_ckpt.a"]]
+
+
+def test_core_importing_a_converter_is_reported(tree):
+    (tree / "packages/mp-ckpt/src/mp_ckpt/core").mkdir()
+    (tree / "packages/mp-ckpt/src/mp_ckpt/hf").mkdir()
+    write(tree, "packages/mp-ckpt/src/mp_ckpt/hf/x.py", "")
+    write(tree, "packages/mp-ckpt/src/mp_ckpt/core/y.py", "from mp_ckpt.hf import x\n")
+    (package,) = [p for p in workspace_packages(tree) if p.module == "mp_ckpt"]
+    assert part_violations(package) == [
+        "mp_ckpt.core.y imports mp_ckpt.hf.x: mp_ckpt.core may import core"
+    ]

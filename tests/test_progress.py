@@ -1,4 +1,4 @@
-"""Progress of long work (mp_ckpt.progress, mp_data.progress): a tqdm bar on a terminal,
+"""Progress of long work (mp_ckpt.core.progress, mp_data.progress): a tqdm bar on a terminal,
 plain periodic lines without carriage returns elsewhere; mp-ckpt's commands and
 mp-data merge report through it."""
 
@@ -16,14 +16,14 @@ import numpy as np
 import pytest
 import torch
 
-import mp_ckpt.progress
+import mp_ckpt.core.progress
 import mp_data.progress
 from mp_ckpt import Checkpointer, ShardedTensor
 from mp_ckpt.cli import main as ckpt_main
 from mp_data import IndexedDatasetBuilder
 from mp_data.cli import main as data_main
 
-MODULES = [mp_ckpt.progress, mp_data.progress]
+MODULES = [mp_ckpt.core.progress, mp_data.progress]
 
 
 def test_the_two_copies_are_the_same_code():

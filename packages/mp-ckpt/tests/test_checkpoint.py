@@ -16,8 +16,8 @@ from mp_ckpt import (
     read_metadata,
     read_tracker,
 )
-from mp_ckpt.checkpointer import single_process_quiet
-from mp_ckpt.integrity import HashingFileSystemWriter, file_digest
+from mp_ckpt.core.checkpointer import single_process_quiet
+from mp_ckpt.core.integrity import HashingFileSystemWriter, file_digest
 from mp_state.testing import run_on_ranks
 
 W = torch.arange(48.0).view(8, 6)

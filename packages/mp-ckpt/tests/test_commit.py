@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-import mp_ckpt.checkpointer as checkpointer_module
+import mp_ckpt.core.checkpointer as checkpointer_module
 from mp_ckpt import (
     Checkpointer,
     CheckpointSaveError,
@@ -100,7 +100,7 @@ def test_a_full_disk_is_named_and_the_partial_save_removed(tmp_path, monkeypatch
 KILLED_SAVE = textwrap.dedent(
     """
     import sys, time, pathlib, torch
-    import mp_ckpt.checkpointer as module
+    import mp_ckpt.core.checkpointer as module
     from mp_ckpt import Checkpointer, ShardedTensor
 
     root, marker = sys.argv[1], pathlib.Path(sys.argv[2])

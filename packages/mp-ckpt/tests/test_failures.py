@@ -8,7 +8,7 @@ import errno
 from torch.distributed.checkpoint.api import CheckpointException
 
 from mp_ckpt import failure_line
-from mp_ckpt.failures import has_errno
+from mp_ckpt.core.failures import has_errno
 
 
 def test_a_failed_save_names_the_cause_and_the_rank_it_came_from():

@@ -9,10 +9,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from mp_ckpt.cli import main
-from mp_ckpt.hf import logical_from_hf
-from mp_ckpt.hf_config import model_config_from_hf
-from mp_ckpt.hf_moe import is_moe_layer
-from mp_ckpt.hf_moe_config import _sparse_step, qwen2_moe_sparse_layers
+from mp_ckpt.families.moe import is_moe_layer
+from mp_ckpt.families.moe_settings import sparse_layers, sparse_step
+from mp_ckpt.hf import logical_from_hf, model_config_from_hf
 
 H, HEADS, GROUPS, E, F, S, FFN, VOCAB = 16, 4, 2, 4, 6, 10, 12, 32
 D = H // HEADS
@@ -84,8 +83,8 @@ def test_qwen2_moe_settings(norm, pre_softmax):
 def test_qwen2_moe_sparse_layers_and_back(layers, step, dense, pattern):
     # Qwen2-MoE: layer i is sparse iff i not in mlp_only_layers and (i + 1) % step == 0
     config = {"num_hidden_layers": layers, "decoder_sparse_step": step, "mlp_only_layers": dense}
-    assert qwen2_moe_sparse_layers(config) == pattern
-    assert _sparse_step(pattern) == (step, dense)
+    assert sparse_layers(config) == pattern
+    assert sparse_step(pattern) == (step, dense)
 
 
 @pytest.mark.parametrize(
@@ -136,7 +135,7 @@ def hf_state(arch: str, fused: bool = False) -> dict[str, torch.Tensor]:
     config = CONFIGS[arch]
     state = {"model.embed_tokens.weight": _random(VOCAB, H), "model.norm.weight": _random(H),
              "lm_head.weight": _random(VOCAB, H)}  # fmt: skip
-    sparse = [1, 1] if arch == "mixtral" else qwen2_moe_sparse_layers(config)
+    sparse = [1, 1] if arch == "mixtral" else sparse_layers(config)
     names = ("w1", "w3", "w2") if arch == "mixtral" else ("gate_proj", "up_proj", "down_proj")
     for i, moe in enumerate(sparse):
         p = f"model.layers.{i}."

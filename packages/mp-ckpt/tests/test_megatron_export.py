@@ -8,8 +8,8 @@ import torch
 
 from mp_ckpt import CheckpointReader, import_megatron, safe_load
 from mp_ckpt.cli import main
-from mp_ckpt.megatron_read import read_megatron
-from mp_ckpt.megatron_write import export_megatron
+from mp_ckpt.megatron.read import read_megatron
+from mp_ckpt.megatron.write import export_megatron
 
 ASSETS = Path(__file__).parent / "assets" / "megatron"
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
@@ -129,7 +129,7 @@ def test_cli_writes(tmp_path, capsys):
 
 
 def test_what_export_refuses():
-    from mp_ckpt.megatron_write import _check
+    from mp_ckpt.megatron.write import _check
 
     settings = {"num_attention_heads": 4, "num_query_groups": 2, "num_layers": 2,
                 "vocab_size": 128, "ffn_hidden_size": 64}  # fmt: skip

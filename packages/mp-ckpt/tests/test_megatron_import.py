@@ -98,7 +98,7 @@ GPT2_TOKENIZER = Path(__file__).parents[2] / "mp-data/tests/assets/tokenizers/gp
 def test_the_runs_gpt2_tokenizer_files_are_kept_when_they_are_here(tmp_path):
     import types
 
-    from mp_ckpt.megatron import tokenizer_from_megatron
+    from mp_ckpt.megatron.importer import tokenizer_from_megatron
 
     args = types.SimpleNamespace(tokenizer_type="GPT2BPETokenizer",
                                  vocab_file=str(GPT2_TOKENIZER / "vocab.json"),
@@ -115,7 +115,7 @@ def _as_plain(value):
     """A safe_load result re-saved without the stand-ins (plain Namespace args)."""
     import argparse
 
-    from mp_ckpt.megatron_pickle import MegatronObject, Namespace
+    from mp_ckpt.megatron.safe_pickle import MegatronObject, Namespace
 
     if isinstance(value, Namespace):
         return argparse.Namespace(**{k: _as_plain(v) for k, v in vars(value).items()})

@@ -11,8 +11,8 @@ import torch
 
 from mp_ckpt import CheckpointReader, import_megatron, safe_load
 from mp_ckpt.cli import main
-from mp_ckpt.megatron_optimizer import megatron_param_order
-from mp_ckpt.megatron_read import read_megatron
+from mp_ckpt.megatron.optimizer import megatron_param_order
+from mp_ckpt.megatron.read import read_megatron
 
 ASSETS = Path(__file__).parent / "assets" / "megatron"
 DISTOPT = ["llama_torch_dist_tp2_distopt", "llama_torch_dist_pp2_dp2_distopt",
@@ -120,8 +120,8 @@ def test_distributed_optimizer_map_is_megatrons(case):
     """The rebuilt flat-buffer map (reverse module order, 64-aligned, buckets cut at the
     unpadded sizes) is the one megatron-core recorded for every rank, and the bucket sizes
     Megatron's rule gives for a legacy file (no sizes stored) are the recorded ones."""
-    from mp_ckpt.megatron_distopt import _LOCAL_NORMS, buffer_params, megatron_buckets, place
-    from mp_ckpt.megatron_read import read_megatron
+    from mp_ckpt.megatron.distopt import _LOCAL_NORMS, buffer_params, megatron_buckets, place
+    from mp_ckpt.megatron.read import read_megatron
 
     reference = safe_load(ASSETS / case / "reference.pt")
     args = reference["args"]
@@ -157,9 +157,9 @@ def test_distributed_optimizer_map_is_megatrons(case):
 def test_a_bucket_of_another_size_is_refused(tmp_path):
     """A legacy distrib_optim.pt whose flat state lost elements, and a torch_dist bucket
     that disagrees with its recorded size, are refused naming the file and the key."""
-    from mp_ckpt.megatron_distopt import read_distributed_buckets
-    from mp_ckpt.megatron_optimizer import _load_dist
-    from mp_ckpt.megatron_read import _SafeReader
+    from mp_ckpt.megatron.distopt import read_distributed_buckets
+    from mp_ckpt.megatron.optimizer import _load_dist
+    from mp_ckpt.megatron.read import _SafeReader
 
     case = "llama_torch_pp2_dp2_distopt"
     copy = tmp_path / case
@@ -231,7 +231,7 @@ def test_a_distributed_optimizer_layout_it_cannot_map_is_refused(setting, value,
     import argparse
     import dataclasses
 
-    from mp_ckpt.megatron_optimizer import read_megatron_optimizer
+    from mp_ckpt.megatron.optimizer import read_megatron_optimizer
 
     model = read_megatron(ASSETS / "llama_torch_dist_pp2_dp2_distopt")
     args = argparse.Namespace(**{**vars(model.args), setting: value})

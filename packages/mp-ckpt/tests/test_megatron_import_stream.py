@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from mp_ckpt import MegatronTensors, UnsafePickleError, read_megatron, safe_load
-from mp_ckpt.megatron import logical_from_megatron, logical_plan
+from mp_ckpt.megatron.importer import logical_from_megatron, logical_plan
 
 ASSETS = Path(__file__).parent / "assets" / "megatron"
 CASES = ["llama_torch_dist_tp1", "llama_torch_dist_tp2_distopt", "llama_torch_tp2",

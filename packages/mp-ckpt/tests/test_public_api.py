@@ -23,7 +23,7 @@ def test_the_command_line_module_does_not_import_torch():
 
 def test_help_lists_every_export_architecture(capsys):
     from mp_ckpt.cli import main
-    from mp_ckpt.hf_moe_config import ARCHITECTURES
+    from mp_ckpt.families import ARCHITECTURES
 
     with pytest.raises(SystemExit) as exit_:
         main(["export-hf", "--help"])

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mp_ckpt import ShardedTensor
-from mp_ckpt.regions import Region, copy_shared
+from mp_ckpt.core.regions import Region, copy_shared
 
 GLOBAL = torch.arange(60.0).view(6, 10)
 

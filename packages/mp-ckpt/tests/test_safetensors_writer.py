@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from mp_ckpt.safetensors_writer import ShardedSafetensorsWriter
+from mp_ckpt.hf.safetensors_writer import ShardedSafetensorsWriter
 
 
 def tensors() -> dict[str, torch.Tensor]:

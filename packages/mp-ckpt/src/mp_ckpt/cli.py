@@ -2,7 +2,7 @@
 
     mp-ckpt inspect DIR [--json] [--verify]
     mp-ckpt convert DIR OUT --tensor-model-parallel-size N --pipeline-model-parallel-size M
-    mp-ckpt export-hf DIR OUT --arch gpt2|llama|mixtral|qwen2_moe [--max-shard-size 5GB]
+    mp-ckpt export-hf DIR OUT [--arch FAMILY] [--max-shard-size 5GB]
                       [--dtype bf16]
     mp-ckpt import-hf HF_DIR OUT          (the architecture is config.json's model_type)
     mp-ckpt import-megatron SRC OUT [--iteration N]   (a Megatron-LM training checkpoint:
@@ -26,7 +26,7 @@ import sys
 
 # torch and the converters are imported by the command that needs them: `mp-ckpt --help`
 # answers in a fraction of the seconds torch takes to import.
-from mp_ckpt.hf_moe_config import ARCHITECTURES
+from mp_ckpt.families import ARCHITECTURES
 
 __all__ = ["main"]
 
@@ -67,7 +67,11 @@ def _parser() -> argparse.ArgumentParser:
     export = sub.add_parser("export-hf", help="a Hugging Face directory transformers loads")
     export.add_argument("dir")
     export.add_argument("out")
-    export.add_argument("--arch", required=True, choices=ARCHITECTURES)
+    export.add_argument(
+        "--arch", choices=ARCHITECTURES,
+        help="default: the family the checkpoint was imported as, else the one its settings "
+        "describe",
+    )  # fmt: skip
     export.add_argument("--iteration", type=int)
     export.add_argument("--max-shard-size", default="5GB", help="e.g. 500MB, 5GB")
     export.add_argument("--dtype", choices=sorted(_DTYPES), help="default: as saved")
@@ -112,7 +116,7 @@ def _parser() -> argparse.ArgumentParser:
 def _inspect(args) -> int:
     import torch
 
-    from mp_ckpt.reader import CheckpointReader
+    from mp_ckpt.core.reader import CheckpointReader
 
     reader = CheckpointReader(args.dir, iteration=args.iteration)
     meta = reader.metadata
@@ -155,7 +159,7 @@ def _inspect(args) -> int:
 
 
 def _convert(args) -> int:
-    from mp_ckpt.convert import convert_checkpoint
+    from mp_ckpt.core.reshard import convert_checkpoint
 
     out = convert_checkpoint(
         args.dir, args.out, iteration=args.iteration,
@@ -189,7 +193,7 @@ def _import(args) -> int:
 
 
 def _import_megatron(args) -> int:
-    from mp_ckpt.megatron import import_megatron
+    from mp_ckpt.megatron.importer import import_megatron
 
     out = import_megatron(
         args.src, args.out, iteration=args.iteration, with_optimizer=args.with_optimizer,
@@ -200,7 +204,7 @@ def _import_megatron(args) -> int:
 
 
 def _export_megatron(args) -> int:
-    from mp_ckpt.megatron_write import export_megatron
+    from mp_ckpt.megatron.write import export_megatron
 
     out = export_megatron(
         args.dir, args.out, ckpt_format=args.ckpt_format,

@@ -8,7 +8,7 @@ On a terminal (the stream is a tty) a tqdm bar, redrawn in place. Elsewhere
 (a job's log file, a pipe) plain lines, never a carriage return: one each
 time the work passes another tenth of its total, or LINE_SECONDS after the
 last line when the total is unknown or a tenth takes long, and one at the end.
-`enabled=False` shows nothing. mp-ckpt has the same helper (mp_ckpt.progress):
+`enabled=False` shows nothing. mp-ckpt has the same helper (mp_ckpt.core.progress):
 each package installs alone, so neither imports the other.
 """
 

@@ -179,7 +179,7 @@ class _PickleModule:
 
     Unpickler = _Unpickler
     UnpicklingError = pickle.UnpicklingError
-    __name__ = "mp_ckpt.megatron_pickle"
+    __name__ = "mp_ckpt.megatron.safe_pickle"
 
     @staticmethod
     def load(file, **kwargs):

@@ -41,9 +41,9 @@ from pathlib import Path
 
 import torch
 
-from mp_ckpt.megatron_order import megatron_param_order
-from mp_ckpt.megatron_pickle import safe_load
-from mp_ckpt.megatron_read import _COLUMN, _LAYER, _ROW, MegatronModel, _join
+from mp_ckpt.megatron.order import megatron_param_order
+from mp_ckpt.megatron.read import _COLUMN, _LAYER, _ROW, MegatronModel, _join
+from mp_ckpt.megatron.safe_pickle import safe_load
 
 __all__ = ["ALIGN", "buffer_params", "megatron_buckets", "place", "read_distrib_optim",
            "read_distributed_buckets"]  # fmt: skip
@@ -71,7 +71,7 @@ def _align(offset: int) -> int:
 
 
 def tp_piece(name: str, tensor: torch.Tensor, rank: int, size: int, swiglu: bool):
-    """The TP rank's piece of a whole Megatron tensor (the inverse of megatron_read._join)."""
+    """The TP rank's piece of a whole Megatron tensor (the inverse of read._join)."""
     if size == 1:
         return tensor
     if swiglu and re.search(r"linear_fc1\.(weight|bias)$", name):

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import torch
 
-from mp_ckpt.box_reads import read_boxes, stored_buffer
-from mp_ckpt.integrity import recorded_files, verify_files
-from mp_ckpt.loader import read_metadata, resolve
-from mp_ckpt.regions import Region, copy_shared, local_box
+from mp_ckpt.core.box_reads import read_boxes, stored_buffer
+from mp_ckpt.core.integrity import recorded_files, verify_files
+from mp_ckpt.core.loader import read_metadata, resolve
+from mp_ckpt.core.regions import Region, copy_shared, local_box
 
 __all__ = ["CheckpointReader"]
 

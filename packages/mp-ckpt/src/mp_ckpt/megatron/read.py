@@ -28,7 +28,7 @@ that takes one tensor at a time holds one tensor at a time:
   chunks that overlap it straight into the tensor); legacy torch maps the rank
   files (torch.load mmap) and joins one tensor's TP pieces, paged in then.
 
-Every pickle goes through megatron_pickle's allow-list; .metadata too.
+Every pickle goes through safe_pickle's allow-list; .metadata too.
 """
 
 from __future__ import annotations
@@ -46,9 +46,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, StorageMeta
 
-from mp_ckpt.box_reads import read_boxes
-from mp_ckpt.checkpointer import single_process_quiet
-from mp_ckpt.megatron_pickle import safe_load, safe_unpickle
+from mp_ckpt.core.box_reads import read_boxes
+from mp_ckpt.core.checkpointer import single_process_quiet
+from mp_ckpt.megatron.safe_pickle import safe_load, safe_unpickle
 
 __all__ = [
     "MegatronModel",

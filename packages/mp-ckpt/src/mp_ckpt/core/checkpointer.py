@@ -37,10 +37,10 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from mp_ckpt.failures import failure_line, has_errno
-from mp_ckpt.integrity import CHECKSUMS, HashingFileSystemWriter, file_digest
-from mp_ckpt.layout import checkpoint_dir, fsync_dir, remove_old_checkpoints, write_tracker
-from mp_ckpt.sharding import ShardedTensor
+from mp_ckpt.core.failures import failure_line, has_errno
+from mp_ckpt.core.integrity import CHECKSUMS, HashingFileSystemWriter, file_digest
+from mp_ckpt.core.layout import checkpoint_dir, fsync_dir, remove_old_checkpoints, write_tracker
+from mp_ckpt.core.sharding import ShardedTensor
 
 __all__ = ["METADATA", "CheckpointSaveError", "Checkpointer", "single_process_quiet", "storage_key"]
 

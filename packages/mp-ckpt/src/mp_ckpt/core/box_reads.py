@@ -20,8 +20,8 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from mp_ckpt.checkpointer import single_process_quiet
-from mp_ckpt.regions import Region
+from mp_ckpt.core.checkpointer import single_process_quiet
+from mp_ckpt.core.regions import Region
 
 __all__ = ["Box", "BoxReads", "read_boxes", "stored_buffer"]
 

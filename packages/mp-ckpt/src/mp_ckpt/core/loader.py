@@ -31,12 +31,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import CheckpointException
 
-from mp_ckpt.box_reads import read_boxes, stored_buffer
-from mp_ckpt.checkpointer import METADATA
-from mp_ckpt.integrity import CheckpointCorrupted, recorded_files, verify_files
-from mp_ckpt.layout import checkpoint_dir, read_tracker
-from mp_ckpt.regions import Region, copy_shared, local_box
-from mp_ckpt.sharding import ShardedTensor
+from mp_ckpt.core.box_reads import read_boxes, stored_buffer
+from mp_ckpt.core.checkpointer import METADATA
+from mp_ckpt.core.integrity import CheckpointCorrupted, recorded_files, verify_files
+from mp_ckpt.core.layout import checkpoint_dir, read_tracker
+from mp_ckpt.core.regions import Region, copy_shared, local_box
+from mp_ckpt.core.sharding import ShardedTensor
 
 __all__ = ["LoadedCheckpoint", "load_checkpoint", "read_metadata"]
 

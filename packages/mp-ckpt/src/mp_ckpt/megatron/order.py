@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 
-from mp_ckpt.megatron_read import _LAYER
+from mp_ckpt.megatron.read import _LAYER
 
 __all__ = ["megatron_param_order"]
 

@@ -1,23 +1,15 @@
-"""Hugging Face config.json <-> a model's settings under Megatron's names.
+"""config.json <-> a model's settings under Megatron's names: what the Llama-style
+families share.
 
-    model_config_from_hf(config)                  config.json (a dict) -> settings
-    gpt2_config(settings, shapes, tokens)         settings -> GPT2LMHeadModel's config.json
-    llama_config(settings, shapes, tokens)        settings -> LlamaForCausalLM's config.json
-
-Mixtral and Qwen2-MoE are Llama-style attention and norms (llama_settings, with
-their own defaults) plus a mixture of experts: hf_moe_config.
+    llama_settings(config)                       a Llama-style config.json -> settings
+    llama_config(settings, shapes, tokens, ...)  settings -> a Llama-style config.json
 
 The settings are those a checkpoint keeps in common["model_config"] (and
 TransformerConfig's field names): the shapes, normalization, activation,
 rotary embeddings, dropouts and init std. What only a tokenizer knows (the
-bos / eos / pad ids) travels beside them (mp_ckpt.hf_tokenizer). A config
-mp cannot compute the same way (another activation, biased Llama
-projections, another rotary scaling) is refused with the field and value,
-never imported approximately.
-
-Activations: GPT-2's "gelu_new" (its default) and "gelu_pytorch_tanh" are the
-tanh approximation, Megatron's --openai-gelu (openai_gelu=True); "gelu" is the
-exact erf form. Llama's only activation is silu, gated (swiglu).
+bos / eos / pad ids) travels beside them (mp_ckpt.hf.tokenizer). A config
+mp cannot compute the same way (another activation, another rotary scaling)
+is refused with the field and value, never imported approximately.
 
 Rotary embeddings: transformers 5 writes the base and the scaling under
 "rope_parameters" ({"rope_theta", "rope_type", ...}); earlier versions wrote a
@@ -30,58 +22,21 @@ divides the positions: the same angles) and "llama3" is Llama 3.1's rescaling
 
 from __future__ import annotations
 
-__all__ = ["gpt2_config", "llama_config", "model_config_from_hf"]
+__all__ = [
+    "base_config",
+    "llama_config",
+    "llama_settings",
+    "refuse",
+    "rope_parameters",
+    "rope_scaling",
+    "token_ids",
+]
 
-# GPT-2's activation_function -> openai_gelu (activation is "gelu" for each).
-_GPT2_ACTIVATIONS = {"gelu": False, "gelu_new": True, "gelu_pytorch_tanh": True}
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
                 "original_max_position_embeddings")  # fmt: skip
 _LLAMA3_FIELDS = ("rope_scaling_factor", "rope_scaling_low_freq_factor",
                   "rope_scaling_high_freq_factor",
                   "rope_scaling_original_max_position_embeddings")  # fmt: skip
-
-
-def model_config_from_hf(config: dict) -> dict:
-    """The model's settings under Megatron's names, from a Hugging Face config.json."""
-    kind = config.get("model_type")
-    if kind == "gpt2":
-        return _gpt2_settings(config)
-    if kind == "llama":
-        return llama_settings(config)
-    if kind in ("mixtral", "qwen2_moe"):
-        from mp_ckpt.hf_moe_config import mixtral_settings, qwen2_moe_settings
-
-        return mixtral_settings(config) if kind == "mixtral" else qwen2_moe_settings(config)
-    raise ValueError(
-        f"unsupported model_type {kind!r} in config.json: mp-ckpt imports gpt2, llama, "
-        "mixtral and qwen2_moe"
-    )
-
-
-def _gpt2_settings(config: dict) -> dict:
-    h = config["n_embd"]
-    activation = config.get("activation_function", "gelu_new")
-    if activation not in _GPT2_ACTIVATIONS:
-        raise ValueError(
-            f"config.json activation_function={activation!r}: mp computes "
-            f"{', '.join(_GPT2_ACTIVATIONS)} for GPT-2"
-        )
-    refuse(config, "scale_attn_weights", True)
-    refuse(config, "scale_attn_by_inverse_layer_idx", False)
-    return {
-        "num_layers": config["n_layer"], "hidden_size": h,
-        "num_attention_heads": config["n_head"],
-        "ffn_hidden_size": config.get("n_inner") or 4 * h,
-        "normalization": "LayerNorm", "activation": "gelu",
-        "openai_gelu": _GPT2_ACTIVATIONS[activation],
-        "position_embedding_type": "learned_absolute",
-        "layernorm_epsilon": config.get("layer_norm_epsilon", 1e-5),
-        "add_bias_linear": True, "untie_embeddings_and_output_weights": False,
-        "hidden_dropout": config.get("resid_pdrop", 0.1),
-        "attention_dropout": config.get("attn_pdrop", 0.1),
-        "init_method_std": config.get("initializer_range", 0.02),
-        "vocab_size": config["vocab_size"], "max_position_embeddings": config["n_positions"],
-    }  # fmt: skip
 
 
 def llama_settings(config: dict, *, rope_theta: float = 10000.0, rms_norm_eps: float = 1e-6,
@@ -153,47 +108,32 @@ def refuse(config: dict, key: str, supported: object) -> None:
 # --- export ------------------------------------------------------------------------------
 
 
-def gpt2_config(settings: dict, shapes: dict, tokens: dict, dtype: str) -> dict:
-    """GPT2LMHeadModel's config.json. shapes: vocab, positions, hidden, layers, heads, ffn
-    (read from the tensors); tokens: bos/eos/pad ids (or empty)."""
-    h = shapes["hidden"]
-    hidden_dropout = settings.get("hidden_dropout", 0.0)
-    if settings.get("activation", "gelu") != "gelu":
-        raise ValueError(f"model_config activation={settings['activation']!r}: GPT-2 computes gelu")
+def base_config(settings: dict, shapes: dict, tokens: dict, dtype: str) -> dict:
+    """The keys every Llama-style config.json of transformers 5 has. shapes: vocab,
+    hidden, layers, heads, groups, head_dim, ffn, tied; tokens: bos/eos/pad ids."""
     return {
-        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
-        "vocab_size": shapes["vocab"], "n_positions": shapes["positions"], "n_embd": h,
-        "n_layer": shapes["layers"], "n_head": shapes["heads"],
-        "n_inner": None if shapes["ffn"] == 4 * h else shapes["ffn"],
-        "activation_function": "gelu_new" if settings.get("openai_gelu") else "gelu",
-        "layer_norm_epsilon": settings.get("layernorm_epsilon", 1e-5),
-        "resid_pdrop": hidden_dropout, "embd_pdrop": hidden_dropout,
-        "attn_pdrop": settings.get("attention_dropout", 0.0),
-        "initializer_range": settings.get("init_method_std", 0.02),
-        "tie_word_embeddings": True, **token_ids(tokens), "torch_dtype": dtype,
-    }  # fmt: skip
-
-
-def llama_config(settings: dict, shapes: dict, tokens: dict, dtype: str) -> dict:
-    """LlamaForCausalLM's config.json. shapes: vocab, hidden, layers, heads, groups,
-    head_dim, ffn, tied; tokens: bos/eos/pad ids (or empty)."""
-    max_positions = settings.get("max_position_embeddings", settings.get("seq_length", 2048))
-    theta, scaling = rope_scaling(settings)
-    return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
         "vocab_size": shapes["vocab"], "hidden_size": shapes["hidden"],
         "intermediate_size": shapes["ffn"], "num_hidden_layers": shapes["layers"],
         "num_attention_heads": shapes["heads"], "num_key_value_heads": shapes["groups"],
         "head_dim": shapes["head_dim"], "hidden_act": "silu",
-        "max_position_embeddings": max_positions,
+        "max_position_embeddings": settings.get("max_position_embeddings",
+                                                settings.get("seq_length", 2048)),
         "rms_norm_eps": settings.get("layernorm_epsilon", 1e-5),
-        "rope_theta": theta, "rope_scaling": scaling,
-        "rope_parameters": {"rope_theta": theta, **(scaling or {"rope_type": "default"})},
-        "attention_bias": False, "mlp_bias": False,
+        "rope_parameters": rope_parameters(settings),
         "attention_dropout": settings.get("attention_dropout", 0.0),
         "initializer_range": settings.get("init_method_std", 0.02),
-        "tie_word_embeddings": shapes["tied"], **token_ids(tokens), "torch_dtype": dtype,
+        "tie_word_embeddings": shapes["tied"], **token_ids(tokens), "dtype": dtype,
     }  # fmt: skip
+
+
+def llama_config(settings: dict, shapes: dict, tokens: dict, dtype: str) -> dict:
+    """LlamaForCausalLM's config.json, with the rotary keys earlier transformers read."""
+    theta, scaling = rope_scaling(settings)
+    config = base_config(settings, shapes, tokens, dtype)
+    del config["dtype"]
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama"} | config | {
+        "rope_theta": theta, "rope_scaling": scaling, "attention_bias": False,
+        "mlp_bias": False, "torch_dtype": dtype}  # fmt: skip
 
 
 def rope_scaling(settings: dict) -> tuple[float, dict | None]:
@@ -219,3 +159,9 @@ def rope_scaling(settings: dict) -> tuple[float, dict | None]:
 
 def token_ids(tokens: dict) -> dict:
     return {k: tokens.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+
+
+def rope_parameters(settings: dict) -> dict:
+    """config.json's rope_parameters of a model's settings (transformers 5's form)."""
+    theta, scaling = rope_scaling(settings)
+    return {"rope_theta": theta, **(scaling or {"rope_type": "default"})}

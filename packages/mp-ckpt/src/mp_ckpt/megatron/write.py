@@ -40,9 +40,12 @@ from pathlib import Path
 
 import torch
 
-from mp_ckpt.megatron import TE_NORM_NAMES
-from mp_ckpt.megatron_read import _LAYER
-from mp_ckpt.progress import progress as progress_reporter
+from mp_ckpt.core.progress import progress as progress_reporter
+from mp_ckpt.core.reader import CheckpointReader
+from mp_ckpt.families.moe import is_moe_layer
+from mp_ckpt.megatron.logical import TE_NORM_NAMES
+from mp_ckpt.megatron.read import _LAYER
+from mp_ckpt.megatron.settings import MOE_COPIED
 
 __all__ = ["export_megatron", "megatron_args", "megatron_from_logical"]
 
@@ -158,16 +161,14 @@ def megatron_args(settings: dict, *, ckpt_format: str, tp: int, pp: int, iterati
 def _moe_layer_freq(settings: dict) -> int | list[int]:
     """Megatron's moe_layer_freq: 1 when every layer is MoE (Megatron then stacks the layers
     in torch_dist, as for a dense model), else one 0/1 per layer (saved layer by layer)."""
-    from mp_ckpt.hf_moe import is_moe_layer
 
     pattern = [int(is_moe_layer(settings, i)) for i in range(settings["num_layers"])]
     return 1 if all(pattern) else pattern
 
 
 def _moe_args(settings: dict, tp: int, ep: int) -> dict:
-    from mp_ckpt.megatron import _MOE_COPIED
 
-    values = {name: settings.get(name, default) for name, default in _MOE_COPIED.items()}
+    values = {name: settings.get(name, default) for name, default in MOE_COPIED.items()}
     return values | {
         "num_experts": settings["num_moe_experts"],
         "moe_ffn_hidden_size": settings.get("moe_ffn_hidden_size") or settings["ffn_hidden_size"],
@@ -212,7 +213,6 @@ def _check(settings: dict, keys: list[str], tp: int, pp: int, fmt: str, ep: int 
 
 def _read_mp(src: str | os.PathLike):
     """The checkpoint's reader, model keys, settings (Megatron names) and data settings."""
-    from mp_ckpt.reader import CheckpointReader
 
     reader = CheckpointReader(src)
     common = torch.load(reader.directory / "common.pt", weights_only=False)
@@ -300,7 +300,7 @@ def _write_torch_dist(work: Path, tensors: dict[str, torch.Tensor], args,
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-    from mp_ckpt.checkpointer import single_process_quiet
+    from mp_ckpt.core.checkpointer import single_process_quiet
 
     _Writer = _writer_class()
     layers = args.num_layers
@@ -349,7 +349,7 @@ def _write_torch_dist(work: Path, tensors: dict[str, torch.Tensor], args,
 
 
 def _slice(key: str, tensor: torch.Tensor, rank: int, tp: int, swiglu: bool) -> torch.Tensor:
-    """TP rank `rank`'s piece of a whole Megatron tensor (the inverse of megatron_read._join)."""
+    """TP rank `rank`'s piece of a whole Megatron tensor (the inverse of read._join)."""
     if tp == 1:
         return tensor
     if swiglu and re.search(r"linear_fc1\.(weight|bias)$", key):

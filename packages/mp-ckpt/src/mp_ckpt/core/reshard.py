@@ -23,13 +23,13 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-from mp_ckpt.checkpointer import METADATA, build_metadata, replace_dir, single_process_quiet
-from mp_ckpt.gpt_layout import layer_index, stage_of, tp_axis
-from mp_ckpt.integrity import CHECKSUMS, HashingFileSystemWriter
-from mp_ckpt.layout import checkpoint_dir, fsync_dir, write_tracker
-from mp_ckpt.progress import progress as progress_reporter
-from mp_ckpt.reader import CheckpointReader
-from mp_ckpt.regions import Region
+from mp_ckpt.core.checkpointer import METADATA, build_metadata, replace_dir, single_process_quiet
+from mp_ckpt.core.gpt_layout import layer_index, stage_of, tp_axis
+from mp_ckpt.core.integrity import CHECKSUMS, HashingFileSystemWriter
+from mp_ckpt.core.layout import checkpoint_dir, fsync_dir, write_tracker
+from mp_ckpt.core.progress import progress as progress_reporter
+from mp_ckpt.core.reader import CheckpointReader
+from mp_ckpt.core.regions import Region
 
 __all__ = ["convert_checkpoint", "write_streaming"]
 

@@ -23,7 +23,7 @@ weights. The layouts Megatron writes:
   the dense parameters' state dict, then the (local) experts'.
 - the distributed optimizer (torch_dist's per-bucket flat tensors, or the legacy
   format's distrib_optim.pt beside model_optim_rng.pt, whose param_groups carry the
-  step): read by megatron_distopt, which maps each stage's and TP rank's flat grad
+  step): read by distopt.py, which maps each stage's and TP rank's flat grad
   buffer back to parameters, across buckets and data-parallel ranks.
 
 A layout that cannot be mapped is refused with the file and key that could not be read.
@@ -39,11 +39,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
-from mp_ckpt.checkpointer import single_process_quiet
-from mp_ckpt.megatron_distopt import STATES, read_distrib_optim, read_distributed_buckets
-from mp_ckpt.megatron_order import megatron_param_order
-from mp_ckpt.megatron_pickle import safe_load
-from mp_ckpt.megatron_read import (
+from mp_ckpt.core.checkpointer import single_process_quiet
+from mp_ckpt.megatron.distopt import STATES, read_distrib_optim, read_distributed_buckets
+from mp_ckpt.megatron.logical import logical_from_megatron
+from mp_ckpt.megatron.order import megatron_param_order
+from mp_ckpt.megatron.read import (
     _LAYER,
     _LOCAL_EXPERT,
     MegatronModel,
@@ -53,6 +53,7 @@ from mp_ckpt.megatron_read import (
     global_expert_name,
     legacy_rank_files,
 )
+from mp_ckpt.megatron.safe_pickle import safe_load
 
 __all__ = ["MegatronOptimizer", "megatron_param_order", "read_megatron_optimizer"]
 
@@ -356,8 +357,6 @@ def mp_optimizer_state(model: MegatronModel, weights: dict[str, torch.Tensor]):
     """({"optimizer.<state>.<logical key>": tensor}, common entries) as mp's training
     checkpoints hold them; `weights` are mp's logical weights (fp32 copies equal to them
     are not written: the main parameters are the weights)."""
-    from mp_ckpt.megatron import logical_from_megatron
-
     read = read_megatron_optimizer(model)
     tensors: dict[str, torch.Tensor] = {}
     for state, name in (("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq"),

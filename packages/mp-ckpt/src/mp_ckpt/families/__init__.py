@@ -1,0 +1,46 @@
+"""Model families as data: one file per family, each a table of its parameters.
+
+    ARCHITECTURES               every family's Hugging Face model_type (no torch import,
+                                for `mp-ckpt --help`)
+    family(model_type)          its Family (table.py): rules and config.json mapping
+    family_of(settings)         the family a model's settings describe, for a checkpoint
+                                that does not say which it was imported as
+
+Adding a family is a file here (its Rules, its settings <-> config.json functions, a
+FAMILY) and its name in ARCHITECTURES.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+__all__ = ["ARCHITECTURES", "family", "family_of"]
+
+ARCHITECTURES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe",
+                 "qwen3_moe")  # fmt: skip
+
+
+def family(model_type: str):
+    if model_type not in ARCHITECTURES:
+        raise ValueError(
+            f"unsupported model_type {model_type!r}: mp-ckpt converts {', '.join(ARCHITECTURES)}"
+        )
+    return importlib.import_module(f"mp_ckpt.families.{model_type}").FAMILY
+
+
+def family_of(settings: dict) -> str:
+    """The family whose layers the settings describe (the first that fits, most specific
+    first): learned positions are GPT-2; experts with a shared expert Qwen2-MoE, with
+    qk-layernorm Qwen3-MoE, else Mixtral; dense with qk-layernorm Qwen3, with q/k/v biases
+    Qwen2, with a sliding window Mistral, else Llama."""
+    if settings.get("position_embedding_type", "learned_absolute") == "learned_absolute":
+        return "gpt2"
+    if settings.get("num_moe_experts"):
+        if settings.get("moe_shared_expert_intermediate_size"):
+            return "qwen2_moe"
+        return "qwen3_moe" if settings.get("qk_layernorm") else "mixtral"
+    if settings.get("qk_layernorm"):
+        return "qwen3"
+    if settings.get("add_qkv_bias"):
+        return "qwen2"
+    return "mistral" if settings.get("window_size") else "llama"

@@ -1,0 +1,157 @@
+"""A model family as data: every parameter named once, with its transform each way.
+
+A `Rule` ties mp's logical tensors (mp-layers' names) to the Hugging Face tensors
+they are stored as:
+
+    Rule(mp=("self_attention.linear_qkv.q.weight",),
+         hf="model.layers.{i}.self_attn.q_proj.weight",
+         to_hf=heads_flat, to_mp=q_heads, scope="layer")
+
+Names hold "{i}" for the layer (mp's are relative to "decoder.layers.{i}." when the
+scope is a layer's) and "{e}" for an expert: a per-expert Hugging Face name stands
+for E tensors that mp keeps stacked on dim 0. `to_mp` takes the Hugging Face tensors
+(a list, in `hf` order) and returns mp's (in `mp` order); `to_hf` the other way;
+both also get the model's `Dims`. Absent, the tensor passes unchanged.
+
+`scope` says where a rule applies: "model" once, "layer" every layer, "dense" a
+layer with a plain MLP, "moe" a mixture-of-experts layer. `when(settings)` says
+whether the model has the tensor at all (a bias, an untied output layer, ...).
+
+`megatron` is Megatron-LM's module name of the tensor (relative like `mp`) where it
+differs from mp's: the unfused parts of linear_qkv and of a gated linear_fc1 are
+stored fused there (mp_ckpt.megatron.logical cuts them).
+
+`Family` holds a family's rules with its config.json mapping: `settings(config)`
+reads config.json into mp's model settings (Megatron's names) and `config(settings,
+dims, tokens, dtype)` writes it back. Import and export (mp_ckpt.hf) are loops over
+these rules.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+__all__ = [
+    "Dims",
+    "Family",
+    "Rule",
+    "flat",
+    "heads_flat",
+    "kv_heads",
+    "q_heads",
+    "transposed",
+]
+
+Tensors = Sequence[torch.Tensor]
+Transform = Callable[[Tensors, "Dims"], list[torch.Tensor]]
+Scope = Literal["model", "layer", "dense", "moe"]
+
+
+@dataclass(frozen=True)
+class Dims:
+    """The shapes a transform needs: query heads, key/value groups, head dim, hidden."""
+
+    heads: int
+    groups: int
+    head_dim: int
+    hidden: int
+
+    @property
+    def per_group(self) -> int:
+        return self.heads // self.groups
+
+    @classmethod
+    def of(cls, settings: dict) -> Dims:
+        heads = settings["num_attention_heads"]
+        return cls(
+            heads=heads,
+            groups=settings.get("num_query_groups") or heads,
+            head_dim=settings.get("kv_channels") or settings["hidden_size"] // heads,
+            hidden=settings["hidden_size"],
+        )
+
+
+@dataclass(frozen=True)
+class Rule:
+    mp: tuple[str, ...]
+    hf: str | tuple[str, ...]
+    scope: Scope = "layer"
+    to_mp: Transform | None = None
+    to_hf: Transform | None = None
+    when: Callable[[dict], bool] | None = None
+    megatron: str | None = None
+
+    @property
+    def hf_names(self) -> tuple[str, ...]:
+        return (self.hf,) if isinstance(self.hf, str) else self.hf
+
+    @property
+    def per_expert(self) -> bool:
+        return any("{e}" in name for name in self.hf_names)
+
+    def applies(self, settings: dict) -> bool:
+        return self.when is None or bool(self.when(settings))
+
+    def import_(self, tensors: Tensors, dims: Dims) -> list[torch.Tensor]:
+        out = list(tensors) if self.to_mp is None else self.to_mp(tensors, dims)
+        return _checked(out, len(self.mp), "to_mp", self)
+
+    def export(self, tensors: Tensors, dims: Dims) -> list[torch.Tensor]:
+        out = list(tensors) if self.to_hf is None else self.to_hf(tensors, dims)
+        return _checked(out, len(self.hf_names), "to_hf", self)
+
+
+def _checked(out: list, count: int, what: str, rule: Rule) -> list:
+    if len(out) != count:
+        raise ValueError(f"{rule.mp}: {what} gave {len(out)} tensors, expected {count}")
+    return out
+
+
+@dataclass(frozen=True)
+class Family:
+    """One model family: its Hugging Face names and its parameter table."""
+
+    model_type: str
+    architecture: str
+    rules: tuple[Rule, ...]
+    settings: Callable[[dict], dict]
+    config: Callable[[dict, dict, dict, str], dict]
+    prepare: Callable[[dict, dict], dict] | None = None
+    """Rewrites a Hugging Face state dict into the names of `rules` before import
+    (transformers' in-memory fused experts -> its saved per-expert names)."""
+    notes: str = field(default="", compare=False)
+
+    def rules_for(self, scope: Scope, settings: dict) -> list[Rule]:
+        return [r for r in self.rules if r.scope == scope and r.applies(settings)]
+
+
+# --- transforms ---------------------------------------------------------------------------
+
+
+def q_heads(t: Tensors, dims: Dims) -> list[torch.Tensor]:
+    """[heads x d, ...] -> mp's [groups, heads per group, d, ...] (Hugging Face orders the
+    query heads by group already: head j reads key/value head j // heads per group)."""
+    return [t[0].reshape(dims.groups, dims.per_group, dims.head_dim, *t[0].shape[1:])]
+
+
+def kv_heads(t: Tensors, dims: Dims) -> list[torch.Tensor]:
+    """[groups x d, ...] -> mp's [groups, d, ...]."""
+    return [t[0].reshape(dims.groups, dims.head_dim, *t[0].shape[1:])]
+
+
+def heads_flat(t: Tensors, dims: Dims) -> list[torch.Tensor]:
+    """mp's per-head q / k / v weight ([groups, (per group,) d, h]) -> [heads x d, h]."""
+    return [t[0].reshape(-1, dims.hidden)]
+
+
+def flat(t: Tensors, dims: Dims) -> list[torch.Tensor]:
+    """mp's per-head q / k / v bias ([groups, (per group,) d]) -> [heads x d]."""
+    return [t[0].reshape(-1)]
+
+
+def transposed(t: Tensors, dims: Dims) -> list[torch.Tensor]:
+    return [t[0].t().contiguous()]

@@ -1,0 +1,212 @@
+"""An mp checkpoint -> a Hugging Face directory transformers loads: a loop over the
+family's rules, one tensor in memory at a time.
+
+    export_hf(checkpoint_dir, out_dir, arch=None)   config.json + model.safetensors
+                                                    (sharded with an index above
+                                                    max_shard_bytes), tokenizer files,
+                                                    generation_config.json
+
+The family is `arch`, else the one the checkpoint was imported as (common["family"]),
+else the one its settings describe (families.family_of). Settings the tensors do not
+show (norm epsilon, activation, rotary base and scaling, ...) come from the
+checkpoint's common["model_config"] (Megatron names), completed by
+common["config"]["model"] (the training run's TransformerConfig); the shapes, an
+untied output layer, q/k/v biases and which layers have experts come from the tensors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from mp_ckpt.core.progress import progress as progress_reporter
+from mp_ckpt.core.reader import CheckpointReader
+from mp_ckpt.core.regions import Region
+from mp_ckpt.families import family, family_of
+from mp_ckpt.families.moe import is_moe_layer
+from mp_ckpt.families.table import Dims, Family, Rule
+from mp_ckpt.hf.safetensors_writer import ShardedSafetensorsWriter
+from mp_ckpt.hf.tokenizer import (
+    TOKENIZER_FILES,
+    export_tokenizer,
+    generation_config,
+    write_atomically,
+)
+
+__all__ = ["export_hf"]
+
+_DEFAULT_SHARD_BYTES = 5 * 2**30
+_Q = "decoder.layers.0.self_attention.linear_qkv.q"
+Producer = Callable[[], torch.Tensor]
+
+
+def export_hf(
+    checkpoint: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    arch: str | None = None,
+    *,
+    iteration: int | None = None,
+    max_shard_bytes: int = _DEFAULT_SHARD_BYTES,
+    dtype: torch.dtype | None = None,
+    progress: bool = False,
+) -> Path:
+    """Writes the safetensors, the tokenizer files (hf.tokenizer), generation_config.json
+    when a special token id is known, and config.json last. progress: report the tensors
+    written on stderr."""
+    reader = CheckpointReader(checkpoint, iteration=iteration)
+    keys = [k for k in reader.keys if not k.startswith("optimizer.")]
+    common = torch.load(reader.directory / "common.pt", weights_only=False)
+    common = common if isinstance(common, dict) else {}
+    run_model = (common.get("config") or {}).get("model") or {}
+    settings = _from_tensors(reader, keys, dict(run_model) | dict(common.get("model_config") or {}))
+    arch = arch or common.get("family") or family_of(settings)
+    fam = family(arch)
+    if arch != "gpt2" and settings.get("rotary_percent", 1.0) != 1.0:
+        raise ValueError(
+            f"model_config rotary_percent={settings['rotary_percent']!r}: the {arch} export "
+            "rotates every channel of a head"
+        )
+    tensors = _plan(fam, reader, settings)
+    _check_keys(arch, keys, tensors, reader.directory)
+    files, ids = export_tokenizer(common)
+    saved_dtype = reader.dtype("embedding.word_embeddings.weight")
+    dtype_name = str(dtype or saved_dtype).removeprefix("torch.")
+    config = fam.config(settings, _shapes(reader, keys, settings), ids, dtype_name)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    with progress_reporter(None, "export-hf", unit="tensor", enabled=progress) as bar, \
+            ShardedSafetensorsWriter(out, max_shard_bytes) as writer:  # fmt: skip
+        for name, (_, produce) in tensors.items():
+            tensor = produce()
+            writer.add(name, tensor if dtype is None else tensor.to(dtype))
+            bar.update()
+    for name, data in files.items():
+        if name not in TOKENIZER_FILES:
+            raise ValueError(f"common['tokenizer'] names a file {name!r}, not a tokenizer file")
+        write_atomically(out / name, data)
+    generation = generation_config(common, ids)
+    if generation is not None:
+        write_atomically(out / "generation_config.json", _json(generation))
+    write_atomically(out / "config.json", _json(config))
+    return out
+
+
+def _layers(keys) -> int:
+    found = {int(m.group(1)) for k in keys if (m := re.match(r"decoder\.layers\.(\d+)\.", k))}
+    return max(found) + 1 if found else 0
+
+
+def _from_tensors(reader: CheckpointReader, keys: list[str], settings: dict) -> dict:
+    """The settings with what the tensors show put over them."""
+    layers = _layers(keys)
+    routers = [f"decoder.layers.{i}.mlp.router.weight" in keys for i in range(layers)]
+    shown = {
+        "num_layers": layers,
+        "untie_embeddings_and_output_weights": "output_layer.weight" in keys,
+        "add_qkv_bias": f"{_Q}.bias" in keys,
+        "num_moe_experts": reader.shape(
+            f"decoder.layers.{routers.index(True)}.mlp.router.weight")[0] if any(routers) else None,
+        "moe_layer_freq": [int(r) for r in routers],
+    }  # fmt: skip
+    groups, per_group, d, h = reader.shape(f"{_Q}.weight")
+    shown |= {"num_attention_heads": groups * per_group, "num_query_groups": groups,
+              "kv_channels": d, "hidden_size": h}  # fmt: skip
+    return settings | shown
+
+
+def _shapes(reader: CheckpointReader, keys: list[str], settings: dict) -> dict:
+    """What a family's config writer reads from the tensors."""
+    vocab, h = reader.shape("embedding.word_embeddings.weight")
+    layers = settings["num_layers"]
+    moe = [is_moe_layer(settings, i) for i in range(layers)]
+    shapes = {"vocab": vocab, "hidden": h, "layers": layers,
+              "heads": settings["num_attention_heads"], "groups": settings["num_query_groups"],
+              "head_dim": settings["kv_channels"],
+              "tied": not settings["untie_embeddings_and_output_weights"],
+              "sparse": [int(m) for m in moe]}  # fmt: skip
+    if "embedding.position_embeddings.weight" in keys:
+        shapes["positions"] = reader.shape("embedding.position_embeddings.weight")[0]
+    if not all(moe):
+        fc1 = f"decoder.layers.{moe.index(False)}.mlp.linear_fc1."
+        shapes["ffn"] = reader.shape(fc1 + ("gate.weight" if fc1 + "gate.weight" in keys
+                                            else "weight"))[0]  # fmt: skip
+    if any(moe):
+        first = f"decoder.layers.{moe.index(True)}.mlp."
+        shapes["experts"], shapes["expert_ffn"], _ = reader.shape(
+            first + "experts.linear_fc1.gate.weight")  # fmt: skip
+        shared = first + "shared_experts.linear_fc1.gate.weight"
+        if shared in keys:
+            shapes["shared_ffn"] = reader.shape(shared)[0]
+    return shapes
+
+
+def _plan(
+    fam: Family, reader: CheckpointReader, settings: dict
+) -> dict[str, tuple[tuple, Producer]]:
+    """{Hugging Face name: (the mp keys it reads, produce())} in the export's order."""
+    dims = Dims.of(settings)
+    plan: dict[str, tuple[tuple, Producer]] = {}
+
+    def add(rule: Rule, layer: int | None) -> None:
+        prefix = "" if layer is None else f"decoder.layers.{layer}."
+        sources = tuple(prefix + name for name in rule.mp)
+        names = [n.replace("{i}", str(layer)) for n in rule.hf_names]
+        if rule.per_expert:
+            (source,), (name,) = sources, names
+            for e in range(reader.shape(source)[0]):
+                one = lambda s=source, e=e, r=rule: r.export([_expert(reader, s, e)], dims)[0]  # noqa: E731
+                plan[name.replace("{e}", str(e))] = (sources, one)
+            return
+        outputs = _shared_outputs(rule, [lambda s=s: reader.read(s) for s in sources], dims)
+        for j, name in enumerate(names):
+            plan[name] = (sources, lambda j=j: outputs(j))
+
+    model_rules = fam.rules_for("model", settings)
+    for rule in (r for r in model_rules if r.mp[0].startswith("embedding.")):
+        add(rule, None)
+    for i in range(settings["num_layers"]):
+        scopes = ("layer", "moe" if is_moe_layer(settings, i) else "dense")
+        for rule in (r for scope in scopes for r in fam.rules_for(scope, settings)):
+            add(rule, i)
+    for rule in (r for r in model_rules if not r.mp[0].startswith("embedding.")):
+        add(rule, None)
+    return plan
+
+
+def _shared_outputs(rule: Rule, reads: list[Producer], dims: Dims) -> Callable[[int], torch.Tensor]:
+    """output(j): the rule's j-th Hugging Face tensor, its sources read once for all of them
+    and dropped once each output was taken."""
+    cache: dict[int, torch.Tensor] = {}
+
+    def output(j: int) -> torch.Tensor:
+        if not cache:
+            cache.update(enumerate(rule.export([read() for read in reads], dims)))
+        return cache.pop(j)
+
+    return output
+
+
+def _expert(reader: CheckpointReader, key: str, e: int) -> torch.Tensor:
+    """Expert e's slice of the stacked tensor `key`, reading only that slice."""
+    shape = reader.shape(key)
+    return reader.read(key, Region((e,) + (0,) * (len(shape) - 1), (1, *shape[1:])))[0]
+
+
+def _check_keys(arch: str, keys: list[str], plan: dict, directory: Path) -> None:
+    """Raises unless the checkpoint's model tensors are exactly those the family's rules
+    read."""
+    needed = {source for sources, _ in plan.values() for source in sources}
+    extra, missing = sorted(set(keys) - needed), sorted(needed - set(keys))
+    for what, names in (("has no place for", extra), ("needs, and the checkpoint lacks", missing)):
+        if names:
+            shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+            raise ValueError(f"{directory}: the {arch} export {what} {shown}")
+
+
+def _json(value: dict) -> bytes:
+    return (json.dumps(value, indent=2) + "\n").encode()

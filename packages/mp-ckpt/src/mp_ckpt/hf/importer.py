@@ -1,0 +1,146 @@
+"""A Hugging Face model directory -> an mp checkpoint: a loop over its family's rules.
+
+    import_hf(hf_dir, out_root)       an mp checkpoint at iteration 0
+    logical_from_hf(state, config)    mp's logical tensors of a state dict
+    model_config_from_hf(config)      mp's model settings (Megatron's names) of config.json
+
+The family is config.json's model_type (mp_ckpt.families). common.pt records it
+(common["family"]), so export-hf needs no --arch, beside the settings, the folder's
+tokenizer files and special token ids, and its generation_config.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import torch
+
+from mp_ckpt.core.checkpointer import Checkpointer
+from mp_ckpt.core.layout import checkpoint_dir
+from mp_ckpt.core.progress import progress as progress_reporter
+from mp_ckpt.core.sharding import ShardedTensor
+from mp_ckpt.families import family
+from mp_ckpt.families.moe import is_moe_layer
+from mp_ckpt.families.table import Dims, Rule
+from mp_ckpt.hf.tokenizer import tokenizer_from_hf
+
+__all__ = ["import_hf", "logical_from_hf", "model_config_from_hf", "read_json"]
+
+# Saved beside the weights by some versions, never weights: rotary tables, GPT-2's mask.
+_NOT_WEIGHTS = re.compile(r"(rotary_emb\.inv_freq|attn\.bias|attn\.masked_bias)$")
+
+
+def model_config_from_hf(config: dict) -> dict:
+    """The model's settings under Megatron's names, from a Hugging Face config.json."""
+    return family(config.get("model_type")).settings(config)
+
+
+def import_hf(hf_dir: str | os.PathLike, out_root: str | os.PathLike, *,
+              progress: bool = False) -> Path:  # fmt: skip
+    """Writes an mp checkpoint (iteration 0, model only) from a local Hugging Face
+    directory (config.json with safetensors or pytorch_model.bin) of any family in
+    mp_ckpt.families.ARCHITECTURES. progress: report the weight files read on stderr."""
+    hf_dir = Path(hf_dir)
+    config = read_json(hf_dir / "config.json", "not a Hugging Face model directory")
+    model_config = model_config_from_hf(config)
+    generation = None
+    if (hf_dir / "generation_config.json").exists():
+        generation = read_json(hf_dir / "generation_config.json", "")
+    logical = logical_from_hf(_read_state(hf_dir, progress), config)
+    pieces = {k: ShardedTensor(k, t.contiguous(), tuple(t.shape), (0,) * t.dim())
+              for k, t in logical.items()}  # fmt: skip
+    common = {"iteration": 0, "model_config": model_config, "family": config["model_type"],
+              "imported_from": str(hf_dir),
+              "tokenizer": tokenizer_from_hf(hf_dir, config, generation)}  # fmt: skip
+    if generation is not None:
+        common["generation_config"] = generation
+    Checkpointer(out_root).save(0, pieces, common=common)
+    return checkpoint_dir(out_root, 0)
+
+
+def logical_from_hf(state: dict[str, torch.Tensor], config: dict) -> dict[str, torch.Tensor]:
+    """mp's logical tensors from a Hugging Face state dict and its config.json (a dict).
+    A tensor the family has no place for is refused by name."""
+    fam = family(config.get("model_type"))
+    settings = fam.settings(config)
+    if fam.prepare is not None:
+        state = fam.prepare(state, config)
+    dims = Dims.of(settings)
+    used: set[str] = set()
+    out: dict[str, torch.Tensor] = {}
+
+    def take(name: str) -> torch.Tensor:
+        if name not in state:
+            raise KeyError(f"the Hugging Face weights have no tensor {name!r}")
+        used.add(name)
+        return state[name]
+
+    def apply(rule: Rule, layer: int | None) -> None:
+        names = [n.replace("{i}", str(layer)) for n in rule.hf_names]
+        if rule.per_expert:
+            experts = settings["num_moe_experts"]
+            tensors = [torch.stack([take(n.replace("{e}", str(e))) for e in range(experts)])
+                       for n in names]  # fmt: skip
+        else:
+            tensors = [take(n) for n in names]
+        prefix = "" if layer is None else f"decoder.layers.{layer}."
+        for name, tensor in zip(rule.mp, rule.import_(tensors, dims), strict=True):
+            out[prefix + name] = tensor.contiguous()
+
+    for rule in fam.rules_for("model", settings):
+        apply(rule, None)
+    for i in range(settings["num_layers"]):
+        scopes = ("layer", "moe" if is_moe_layer(settings, i) else "dense")
+        for rule in (r for scope in scopes for r in fam.rules_for(scope, settings)):
+            apply(rule, i)
+    _refuse_unused(state, used, settings)
+    return out
+
+
+def _refuse_unused(state: dict, used: set[str], settings: dict) -> None:
+    left = sorted(n for n in set(state) - used if not _NOT_WEIGHTS.search(n))
+    if left == ["lm_head.weight"] and not settings["untie_embeddings_and_output_weights"]:
+        return  # a tied output layer saved anyway: the embedding it equals is imported
+    if left:
+        shown = ", ".join(left[:4]) + (f" and {len(left) - 4} more" if len(left) > 4 else "")
+        raise ValueError(f"the Hugging Face weights hold tensors mp has no place for: {shown}")
+
+
+def read_json(path: Path, missing: str) -> dict:
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing: {missing}")
+    try:
+        value = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path}: not JSON ({error})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _read_state(hf_dir: Path, progress: bool = False) -> dict[str, torch.Tensor]:
+    index = hf_dir / "model.safetensors.index.json"
+    if index.exists():
+        from safetensors.torch import load_file
+
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        state = {}
+        with progress_reporter(len(files), "import-hf", unit="file", enabled=progress) as bar:
+            for file in files:
+                if not (hf_dir / file).exists():
+                    raise FileNotFoundError(f"{hf_dir / file} (named in {index.name}) is missing")
+                state.update(load_file(str(hf_dir / file)))
+                bar.update()
+        return state
+    if (hf_dir / "model.safetensors").exists():
+        from safetensors.torch import load_file
+
+        return load_file(str(hf_dir / "model.safetensors"))
+    if (hf_dir / "pytorch_model.bin").exists():
+        return torch.load(hf_dir / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    raise FileNotFoundError(
+        f"{hf_dir} holds no model.safetensors, model.safetensors.index.json or pytorch_model.bin"
+    )

@@ -1,0 +1,148 @@
+"""Megatron-LM's saved args -> mp's model settings (TransformerConfig's names).
+
+    model_config_from_megatron(args, vocab_size)    the settings import-megatron records
+
+A setting mp does not compute the same way (group-limited routing, input jitter,
+several load-balancing losses, ...) is refused with its name and value.
+"""
+
+from __future__ import annotations
+
+__all__ = ["MOE_COPIED", "model_config_from_megatron", "moe_settings_from_megatron"]
+
+# Megatron settings that change the computation in ways mp does not implement.
+_REFUSED = (
+    ("multi_latent_attention", False),
+    ("apply_layernorm_1p", False),
+    ("rotary_interleaved", False),
+    ("apply_residual_connection_post_layernorm", False),
+    ("heterogeneous_layers_config_path", None),
+    ("mtp_num_layers", None),
+)
+
+
+def _arg(args, name: str, default=None):
+    return getattr(args, name, default)
+
+
+def model_config_from_megatron(args, vocab_size: int, where: str = "args") -> dict:
+    """mp's model settings (Megatron's names) from Megatron's saved args; vocab_size is
+    the padded vocabulary the embedding holds."""
+
+    def refuse(name: str, supported) -> None:
+        value = _arg(args, name, supported)
+        if value != supported and value is not None:
+            raise ValueError(f"{where}: {name}={value!r}: mp imports only {name}={supported!r}")
+
+    for name, supported in _REFUSED:
+        refuse(name, supported)
+    heads = args.num_attention_heads
+    groups = _arg(args, "num_query_groups") if _arg(args, "group_query_attention") else None
+    normalization = _arg(args, "normalization", "LayerNorm")
+    if normalization not in ("LayerNorm", "RMSNorm"):
+        raise ValueError(
+            f"{where}: normalization={normalization!r}: mp computes LayerNorm, RMSNorm"
+        )
+    position = _arg(args, "position_embedding_type", "learned_absolute")
+    if position not in ("learned_absolute", "rope", "none"):
+        raise ValueError(
+            f"{where}: position_embedding_type={position!r}: mp computes learned_absolute, "
+            "rope and none"
+        )
+    if _arg(args, "swiglu"):
+        activation = "swiglu"
+    elif _arg(args, "squared_relu"):
+        activation = "squared_relu"
+    else:
+        activation = "gelu"
+    epsilon = _arg(args, "norm_epsilon", _arg(args, "layernorm_epsilon", 1e-5))
+    seq_length = _arg(args, "seq_length")
+    settings = {
+        "num_layers": args.num_layers, "hidden_size": args.hidden_size,
+        "num_attention_heads": heads, "num_query_groups": groups or heads,
+        "kv_channels": _arg(args, "kv_channels") or args.hidden_size // heads,
+        "ffn_hidden_size": _arg(args, "ffn_hidden_size") or 4 * args.hidden_size,
+        "normalization": normalization, "activation": activation,
+        "openai_gelu": bool(_arg(args, "openai_gelu", False)),
+        "layernorm_epsilon": epsilon, "position_embedding_type": position,
+        "rotary_base": int(_arg(args, "rotary_base", 10000)),
+        "rotary_percent": float(_arg(args, "rotary_percent", 1.0)),
+        "rotary_seq_len_interpolation_factor": _arg(args, "rotary_seq_len_interpolation_factor"),
+        "use_rope_scaling": bool(_arg(args, "use_rope_scaling", False)),
+        "add_bias_linear": bool(_arg(args, "add_bias_linear", True)),
+        "add_qkv_bias": bool(_arg(args, "add_qkv_bias", False)),
+        "qk_layernorm": bool(_arg(args, "qk_layernorm", False)),
+        "untie_embeddings_and_output_weights": bool(
+            _arg(args, "untie_embeddings_and_output_weights", False)),
+        "hidden_dropout": _arg(args, "hidden_dropout", 0.1),
+        "attention_dropout": _arg(args, "attention_dropout", 0.1),
+        "init_method_std": _arg(args, "init_method_std", 0.02),
+        "vocab_size": vocab_size,
+        "max_position_embeddings": _arg(args, "max_position_embeddings") or seq_length,
+    }  # fmt: skip
+    if seq_length is not None:
+        settings["seq_length"] = seq_length
+    if settings["use_rope_scaling"]:
+        settings["rope_scaling_factor"] = _arg(args, "rope_scaling_factor", 8.0)
+    if _arg(args, "num_experts"):
+        settings |= moe_settings_from_megatron(args, settings, where)
+    return settings
+
+
+# Megatron MoE settings that change the computation in ways mp does not implement.
+_MOE_REFUSED = (
+    ("moe_router_num_groups", None), ("moe_router_group_topk", None),
+    ("moe_input_jitter_eps", None), ("moe_apply_probs_on_input", False),
+    ("moe_latent_size", None), ("moe_router_force_load_balancing", False),
+    ("moe_use_legacy_grouped_gemm", False),
+)  # fmt: skip
+# Copied as they are (mp's TransformerConfig has Megatron's names and meanings).
+MOE_COPIED = {
+    "moe_router_topk": 2, "moe_router_score_function": "softmax",
+    "moe_router_pre_softmax": False, "moe_router_topk_scaling_factor": None,
+    "moe_z_loss_coeff": None, "moe_router_enable_expert_bias": False,
+    "moe_router_bias_update_rate": 1e-3, "moe_expert_capacity_factor": None,
+    "moe_pad_expert_input_to_capacity": False, "moe_token_drop_policy": "probs",
+    "moe_shared_expert_intermediate_size": None, "moe_shared_expert_gate": False,
+    "moe_grouped_gemm": False, "moe_router_dtype": None,
+}  # fmt: skip
+
+
+def moe_settings_from_megatron(args, settings: dict, where: str) -> dict:
+    """mp's mixture-of-experts settings from Megatron's saved args."""
+    for name, supported in _MOE_REFUSED:
+        value = _arg(args, name, supported)
+        if value not in (supported, None, False):
+            raise ValueError(f"{where}: {name}={value!r}: mp imports only {name}={supported!r}")
+    out = {
+        "num_moe_experts": int(args.num_experts),
+        "moe_ffn_hidden_size": _arg(args, "moe_ffn_hidden_size") or settings["ffn_hidden_size"],
+    }
+    out |= {name: _arg(args, name, default) for name, default in MOE_COPIED.items()}
+    for name, default in MOE_COPIED.items():
+        if out[name] is None:
+            out[name] = default
+    balancing = _arg(args, "moe_router_load_balancing_type", "aux_loss")
+    coeff = _arg(args, "moe_aux_loss_coeff", 0.0)
+    if isinstance(balancing, list):  # one entry per loss: mp computes one
+        if len(balancing) != 1:
+            raise ValueError(f"{where}: moe_router_load_balancing_type={balancing!r}: mp "
+                             "computes one load-balancing loss")  # fmt: skip
+        balancing, coeff = balancing[0], coeff[0] if isinstance(coeff, list) else coeff
+    if balancing not in ("aux_loss", "seq_aux_loss", "none"):
+        raise ValueError(f"{where}: moe_router_load_balancing_type={balancing!r}: mp computes "
+                         "aux_loss, seq_aux_loss and none")  # fmt: skip
+    out["moe_router_load_balancing_type"] = balancing
+    out["moe_aux_loss_coeff"] = float(coeff or 0.0)
+    dispatcher = _arg(args, "moe_token_dispatcher_type", "allgather")
+    # flex is all-to-all through another communication library: the same tokens move
+    out["moe_token_dispatcher_type"] = "alltoall" if dispatcher == "flex" else dispatcher
+    freq = _arg(args, "moe_layer_freq", 1)
+    layers = settings["num_layers"]
+    if isinstance(freq, int):
+        freq = [1 if i % freq == 0 else 0 for i in range(layers)]
+    if len(freq) != layers:
+        raise ValueError(f"{where}: moe_layer_freq={freq!r}: {len(freq)} entries for "
+                         f"{layers} layers")  # fmt: skip
+    out["moe_layer_freq"] = [int(x) for x in freq]
+    return out

@@ -1,0 +1,120 @@
+"""Every family of mp_ckpt.families, from a random transformers model (small config, no
+downloads): `mp-ckpt import-hf` gives transformers' fp32 logits within 1e-5 in GPTModel
+(built from the imported settings alone); `mp-ckpt export-hf` without --arch (the
+checkpoint remembers its family) gives back the config and every tensor; greedy
+generation equals generate(do_sample=False) over 32 new tokens."""
+
+import dataclasses
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from mp_ckpt import CheckpointReader, load_checkpoint
+from mp_ckpt.cli import main
+from mp_layers import GPTModel, ModelGroups, TransformerConfig
+from mp_state.testing import run_on_ranks
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+transformers = pytest.importorskip("transformers")
+
+SEQ, NEW = 16, 32
+PROMPTS = [[5, 17, 3, 88, 41], [9], [60, 2, 2, 71, 30, 12, 33]]
+SMALL = dict(vocab_size=96, hidden_size=64, num_hidden_layers=2, num_attention_heads=8,
+             num_key_value_heads=4, max_position_embeddings=64, initializer_range=0.1)  # fmt: skip
+MOE = dict(SMALL, num_hidden_layers=3, num_experts=4, num_experts_per_tok=2,
+           moe_intermediate_size=32, intermediate_size=80)  # fmt: skip
+CASES = {
+    # Qwen2.5: q/k/v biases; the small sizes tie the output layer
+    "qwen2": lambda: transformers.Qwen2Config(**SMALL, intermediate_size=96),
+    "qwen2-tied": lambda: transformers.Qwen2Config(**SMALL, intermediate_size=96,
+                                                   tie_word_embeddings=True),
+    # Qwen3: qk-layernorm, head_dim 16 where hidden / heads is 8
+    "qwen3": lambda: transformers.Qwen3Config(**SMALL, intermediate_size=96, head_dim=16,
+                                              rope_parameters={"rope_type": "default",
+                                                               "rope_theta": 1000000.0}),
+    # Qwen3-MoE: normalized top-k, layer 1 dense, no shared expert
+    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(**MOE, head_dim=16, norm_topk_prob=True,
+                                                     mlp_only_layers=[1]),
+    "qwen3_moe-full-softmax": lambda: transformers.Qwen3MoeConfig(**MOE, head_dim=16,
+                                                                  decoder_sparse_step=2),
+    # Mistral: Llama's layers, a window (4096, the default) no sequence here reaches
+    "mistral": lambda: transformers.MistralConfig(**SMALL, intermediate_size=96, head_dim=8),
+    "mistral-no-window": lambda: transformers.MistralConfig(**SMALL, intermediate_size=96,
+                                                            sliding_window=None),
+}  # fmt: skip
+
+
+def random_hf(config):
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():  # biases start at 0 and norms at 1: give them values to map
+        for name, param in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                param.add_(torch.randn_like(param) * 0.1)
+    return model
+
+
+def mp_model(checkpoint) -> GPTModel:
+    common = torch.load(CheckpointReader(checkpoint).directory / "common.pt", weights_only=False)
+    settings = common["model_config"]
+    fields = {f.name for f in dataclasses.fields(TransformerConfig)}
+    kept = {k: v for k, v in settings.items() if k in fields}
+    config = TransformerConfig(**kept | {"hidden_dropout": 0.0, "attention_dropout": 0.0})
+    model = GPTModel(config, "local", settings["vocab_size"], settings["max_position_embeddings"],
+                     groups=ModelGroups.single()).eval()  # fmt: skip
+    load_checkpoint(checkpoint, model.sharded_state_dict())
+    return model
+
+
+def hf_config_dict(folder) -> dict:
+    config = transformers.AutoConfig.from_pretrained(folder).to_dict()
+    config.pop("_name_or_path")
+    config.pop("transformers_version", None)
+    return config
+
+
+def greedy_body(checkpoint: str) -> list[list[int]]:
+    torch.set_num_threads(1)
+    from mp_gpt.generate import Generator
+    from mp_gpt.generation import Sampling
+
+    generator = Generator(checkpoint, [])
+    try:
+        done = generator.complete(PROMPTS, max_new_tokens=NEW, sampling=[Sampling()] * 3)
+    finally:
+        generator.close()
+    return [c.tokens for c in done]
+
+
+def hf_greedy(hf) -> list[list[int]]:
+    want = []
+    with torch.no_grad():
+        for prompt in PROMPTS:
+            ids = torch.tensor([prompt])
+            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW,
+                              do_sample=False, eos_token_id=None, pad_token_id=0)  # fmt: skip
+            want.append(out[0, len(prompt) :].tolist())
+    return want
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_family_imports_exactly_exports_back_and_generates_as_transformers(tmp_path, case):
+    hf = random_hf(CASES[case]())
+    hf.save_pretrained(tmp_path / "hf_in")
+    assert main(["import-hf", str(tmp_path / "hf_in"), str(tmp_path / "ckpt")]) == 0
+    x = torch.randint(0, hf.config.vocab_size, (2, SEQ), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert (mp_model(tmp_path / "ckpt")(x) - hf(x).logits).abs().max() < 1e-5
+
+    assert main(["export-hf", str(tmp_path / "ckpt"), str(tmp_path / "hf_out")]) == 0
+    assert hf_config_dict(tmp_path / "hf_out") == hf_config_dict(tmp_path / "hf_in")
+    exported = load_file(str(tmp_path / "hf_out" / "model.safetensors"))
+    source = load_file(str(tmp_path / "hf_in" / "model.safetensors"))
+    assert exported.keys() == source.keys()
+    for name, tensor in source.items():
+        assert torch.equal(exported[name], tensor), name
+
+    got = run_on_ranks(greedy_body, 1, str(tmp_path / "ckpt"), timeout=180)[0]
+    assert got == hf_greedy(hf)
