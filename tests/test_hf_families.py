@@ -39,6 +39,8 @@ CASES = {
                                                      mlp_only_layers=[1]),
     "qwen3_moe-full-softmax": lambda: transformers.Qwen3MoeConfig(**MOE, head_dim=16,
                                                                   decoder_sparse_step=2),
+    # Nemotron: LayerNorm1P with biases, squared ReLU, half of each head rotated
+    "nemotron": lambda: transformers.NemotronConfig(**SMALL, intermediate_size=96, head_dim=8),
     # Mistral: Llama's layers, a window (4096, the default) no sequence here reaches
     "mistral": lambda: transformers.MistralConfig(**SMALL, intermediate_size=96, head_dim=8),
     "mistral-no-window": lambda: transformers.MistralConfig(**SMALL, intermediate_size=96,

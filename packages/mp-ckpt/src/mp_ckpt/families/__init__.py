@@ -16,8 +16,8 @@ import importlib
 
 __all__ = ["ARCHITECTURES", "family", "family_of"]
 
-ARCHITECTURES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe",
-                 "qwen3_moe")  # fmt: skip
+ARCHITECTURES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "nemotron", "mixtral",
+                 "qwen2_moe", "qwen3_moe")  # fmt: skip
 
 
 def family(model_type: str):
@@ -31,8 +31,9 @@ def family(model_type: str):
 def family_of(settings: dict) -> str:
     """The family whose layers the settings describe (the first that fits, most specific
     first): learned positions are GPT-2; experts with a shared expert Qwen2-MoE, with
-    qk-layernorm Qwen3-MoE, else Mixtral; dense with qk-layernorm Qwen3, with q/k/v biases
-    Qwen2, with a sliding window Mistral, else Llama."""
+    qk-layernorm Qwen3-MoE, else Mixtral; dense with qk-layernorm Qwen3, with
+    LayerNorm1P Nemotron, with q/k/v biases Qwen2, with a sliding window Mistral, else
+    Llama."""
     if settings.get("position_embedding_type", "learned_absolute") == "learned_absolute":
         return "gpt2"
     if settings.get("num_moe_experts"):
@@ -41,6 +42,8 @@ def family_of(settings: dict) -> str:
         return "qwen3_moe" if settings.get("qk_layernorm") else "mixtral"
     if settings.get("qk_layernorm"):
         return "qwen3"
+    if settings.get("apply_layernorm_1p"):
+        return "nemotron"
     if settings.get("add_qkv_bias"):
         return "qwen2"
     return "mistral" if settings.get("window_size") else "llama"

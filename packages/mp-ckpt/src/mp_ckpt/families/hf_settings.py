@@ -110,7 +110,13 @@ def refuse(config: dict, key: str, supported: object) -> None:
 
 def base_config(settings: dict, shapes: dict, tokens: dict, dtype: str) -> dict:
     """The keys every Llama-style config.json of transformers 5 has. shapes: vocab,
-    hidden, layers, heads, groups, head_dim, ffn, tied; tokens: bos/eos/pad ids."""
+    hidden, layers, heads, groups, head_dim, ffn, tied; tokens: bos/eos/pad ids.
+    These families rotate every channel of a head (Nemotron writes its own fraction)."""
+    if settings.get("rotary_percent", 1.0) != 1.0:
+        raise ValueError(
+            f"model_config rotary_percent={settings['rotary_percent']!r}: this family "
+            "rotates every channel of a head"
+        )
     return {
         "vocab_size": shapes["vocab"], "hidden_size": shapes["hidden"],
         "intermediate_size": shapes["ffn"], "num_hidden_layers": shapes["layers"],

@@ -66,11 +66,6 @@ def export_hf(
     settings = _from_tensors(reader, keys, dict(run_model) | dict(common.get("model_config") or {}))
     arch = arch or common.get("family") or family_of(settings)
     fam = family(arch)
-    if arch != "gpt2" and settings.get("rotary_percent", 1.0) != 1.0:
-        raise ValueError(
-            f"model_config rotary_percent={settings['rotary_percent']!r}: the {arch} export "
-            "rotates every channel of a head"
-        )
     tensors = _plan(fam, reader, settings)
     _check_keys(arch, keys, tensors, reader.directory)
     files, ids = export_tokenizer(common)
