@@ -120,3 +120,32 @@ def test_family_imports_exactly_exports_back_and_generates_as_transformers(tmp_p
 
     got = run_on_ranks(greedy_body, 1, str(tmp_path / "ckpt"), timeout=180)[0]
     assert got == hf_greedy(hf)
+
+
+def finetune_body(load: str, save: str) -> None:
+    torch.set_num_threads(1)
+    os.environ.setdefault("MP_RUN_DIR", "/nonexistent")
+    from mp_gpt.pretrain import main as pretrain
+
+    pretrain([
+        "--load", load, "--use-checkpoint-args", "--finetune", "--save", save,
+        "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "95",  # and its EOD: 96
+        "--make-vocab-size-divisible-by", "1", "--seq-length", str(SEQ),
+        "--micro-batch-size", "2", "--global-batch-size", "2", "--train-iters", "1",
+        "--lr", "1e-4", "--lr-warmup-iters", "0", "--eval-interval", "none",
+        "--tensorboard-dir", "none", "--num-workers", "0", "--log-interval", "100",
+    ])  # fmt: skip
+
+
+def test_a_model_trained_from_an_import_exports_as_its_family(tmp_path):
+    # Mistral without a window computes what Llama computes: only the recorded family
+    # tells the export to write a Mistral config.
+    hf = random_hf(CASES["mistral-no-window"]())
+    hf.save_pretrained(tmp_path / "hf_in")
+    assert main(["import-hf", str(tmp_path / "hf_in"), str(tmp_path / "ckpt")]) == 0
+    run_on_ranks(finetune_body, 1, str(tmp_path / "ckpt"), str(tmp_path / "run"), timeout=120)
+    assert main(["export-hf", str(tmp_path / "run"), str(tmp_path / "hf_out")]) == 0
+    config = transformers.AutoConfig.from_pretrained(tmp_path / "hf_out")
+    assert config.model_type == "mistral"
+    trained = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf_out")
+    assert type(trained).__name__ == "MistralForCausalLM"

@@ -96,6 +96,8 @@ def save_run_checkpoint(run: Run, checkpointer: Checkpointer) -> None:
         "config": run.config.as_dict(),
         "model_config": model_settings(run),
     }
+    if run.family is not None:
+        common["family"] = run.family
     rank_state = None
     if not ckpt.no_save_rng:
         rank_state = {"position": _rng_position(run),
@@ -211,6 +213,7 @@ def load_run_checkpoint(run: Run) -> bool:
         hint = _earlier_checkpoints(ckpt.load, iteration)
         raise CheckpointCorrupted("\n".join([first + hint, *more])) from error
     common = loaded.common
+    run.family = common.get("family")
     if with_optimizer:
         template = run.optimizer.sharded_state_dict()
         if common.get("optimizer") is None:

@@ -74,6 +74,10 @@ class Run:
     start_time: float = field(default_factory=time.time)
     has_train_data: bool = False
     has_valid_data: bool = False
+    family: str | None = None
+    """The model family (mp_ckpt.families) of the checkpoint this run loaded, when that
+    checkpoint named one (import-hf records it): its saves name it too, so that export-hf
+    of a fine-tuned model needs no --arch."""
 
     @property
     def is_last_rank(self) -> bool:
