@@ -1,0 +1,47 @@
+"""Today's MoE families train with the one-rank loss curve at TP2 (with sequence
+parallelism), EP2 and PP2 through apps/gpt's pretrain (fp32, dropout 0): apps/gpt's
+tiny-moe config with each family's Megatron flags put over it."""
+
+import pytest
+
+from mp_gpt.testing import (
+    assert_same_curve,
+    metrics_records,
+    tiny_moe_options,
+    train_on_rank,
+)
+from mp_state.testing import run_on_ranks
+
+pytestmark = pytest.mark.multirank
+
+LOGGED = ("lm loss", "load_balancing_loss", "grad_norm")
+
+FAMILIES = {
+    # Qwen3-MoE: qk-layernorm, a head dim (64) other than hidden / heads (32), the top-k
+    # probabilities renormalized, no shared expert, untied output layer
+    "qwen3_moe": ["--qk-layernorm", "--kv-channels", "64", "--num-moe-experts", "8",
+                  "--moe-router-topk", "4", "--moe-z-loss-coeff", "0",
+                  "--untie-embeddings-and-output-weights"],
+}  # fmt: skip
+LAYOUTS = {
+    "tp2": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+    "ep2": ["--expert-model-parallel-size", "2"],
+    "pp2": ["--pipeline-model-parallel-size", "2"],
+}
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def reference(request, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp(request.param)
+    options = tiny_moe_options(run_dir, *FAMILIES[request.param])
+    run_on_ranks(train_on_rank, 1, options, timeout=300)
+    return request.param, metrics_records(run_dir)
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_family_trains_as_one_rank(tmp_path, reference, layout):
+    family, want = reference
+    options = tiny_moe_options(tmp_path, *FAMILIES[family], *LAYOUTS[layout])
+    run_on_ranks(train_on_rank, 2, options, timeout=300)
+    assert len(want) == 4
+    assert_same_curve(metrics_records(tmp_path), want, LOGGED, f"{family} {layout}")
