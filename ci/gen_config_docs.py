@@ -182,9 +182,7 @@ def _type(kind: FieldType) -> str:
         base = " \\| ".join(f"`{m.name}`" for m in kind.base)
     else:
         base = kind.base.__name__
-    if kind.one_or_many:
-        base = f"{base} or list of {base}"
-    elif kind.many:
+    if kind.many:
         base = f"list of {base}"
     return f"{base} or `None`" if kind.optional else base
 

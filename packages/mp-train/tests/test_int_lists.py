@@ -1,11 +1,10 @@
 """Megatron-LM's layer patterns ("([0]+[1]*26)") read without eval, on the command line and
-in YAML, for list-of-integer fields (moe_layer_freq) and int-or-list ones."""
+in YAML, for list-of-integer fields (moe_layer_freq)."""
 
 import pytest
 
 from mp_train import ConfigError, parse_config
 from mp_train.int_lists import MAX_LENGTH, parse_int_list, parse_int_or_list
-from mp_train.yaml_config import FieldType
 
 MOE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
        "--num-experts", "4", "--disable-bias-linear"]  # fmt: skip
@@ -39,12 +38,7 @@ def test_anything_else_is_refused_naming_it(text, says):
 
 def test_an_integer_stays_one_for_int_or_list():
     assert parse_int_or_list("3") == 3 and parse_int_or_list("[1]*2") == [1, 1]
-    kind = FieldType.of(int | list[int] | None)
-    assert kind.one_or_many and kind.takes_int_lists
-    assert [kind.convert(v) for v in ("2", 2, "[1,0]*2", [1, 0], None, "none")] == [
-        2, 2, [1, 0, 1, 0], [1, 0], None, None,
-    ]  # fmt: skip
-    assert kind.convert_word("([1]*3+[0])") == [1, 1, 1, 0]
+    assert parse_int_list("3") == [3]
 
 
 def test_moe_layer_freq_takes_megatrons_expressions_and_our_words():

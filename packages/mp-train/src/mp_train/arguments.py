@@ -168,11 +168,11 @@ class ArgumentGroupFactory:
             return group.add_argument(*names, *negatives, action=_FlagAction,
                                       negatives=negatives, **kwargs)  # fmt: skip
         kwargs["type"] = meta.get("type") or _word_parser(kind)
-        if (kind.many and not kind.one_or_many) or "nargs" in meta:
+        if kind.takes_int_lists and not meta.keys() & {"type", "nargs"}:
+            kwargs["type"] = _word_parser(kind, kind.convert_int_list_word)
+            kwargs["action"] = _IntListsAction
+        if kind.many or "nargs" in meta:
             kwargs["nargs"] = meta.get("nargs", "+")
-            if kind.takes_int_lists and "type" not in meta and "nargs" not in meta:
-                kwargs["action"] = _IntListsAction
-                kwargs["type"] = _word_parser(kind, kind.convert_int_list_word)
         if "choices" in meta:
             kwargs["choices"] = meta["choices"]
         else:

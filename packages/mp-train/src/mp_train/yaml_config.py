@@ -40,7 +40,7 @@ import torch
 import yaml
 
 from mp_train.config import RunConfig
-from mp_train.int_lists import parse_int_or_list
+from mp_train.int_lists import parse_int_list
 
 __all__ = [
     "DTYPE_NAMES",
@@ -76,15 +76,12 @@ _REFERENCE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::([^}]*))?\}")
 class FieldType:
     """What a field holds, as far as the command line and YAML need to know: one of
     int, float, str, bool, torch.dtype, an Enum or a Literal's choices, maybe a list of
-    them (`many`), maybe None (`optional`); or `int | list[int]` (`one_or_many`: an integer
-    stays one). A list of integers also takes Megatron-LM's list expressions
-    (`takes_int_lists`)."""
+    them (`many`), maybe None (`optional`)."""
 
     base: Any
     optional: bool = False
     many: bool = False
     choices: tuple = ()
-    one_or_many: bool = False
 
     @classmethod
     def of(cls, hint: Any) -> FieldType:
@@ -92,9 +89,6 @@ class FieldType:
         hint, optional, many = _strip_annotated(hint), False, False
         if typing.get_origin(hint) in (typing.Union, types.UnionType):
             args = [a for a in typing.get_args(hint) if a is not type(None)]
-            optional = len(args) < len(typing.get_args(hint))
-            if len(args) == 2 and int in args and list[int] in args:  # Megatron's layer patterns
-                return cls(int, optional, many=True, one_or_many=True)
             if len(args) != 1:
                 raise TypeError(f"{hint} is a union of several types; only T | None maps")
             hint, optional = _strip_annotated(args[0]), True
@@ -121,9 +115,7 @@ class FieldType:
             raise ValueError("null is not allowed here")
         if self.many:
             if self.takes_int_lists and isinstance(value, str):
-                return self._int_lists(value)
-            if self.one_or_many and not isinstance(value, list | tuple):
-                return _to_int(value)
+                return parse_int_list(value)
             items = value if isinstance(value, list | tuple) else [value]
             return [self.element(item) for item in items]
         if self.optional and _is_null_text(value) and value not in self.choices:
@@ -159,25 +151,18 @@ class FieldType:
 
     def convert_word(self, word: str) -> Any:
         """One command-line word (argparse converts a list's words one by one)."""
-        if self.one_or_many:
-            return self._int_lists(word)
         return self.element(word) if self.many else self.convert(word)
 
     def convert_int_list_word(self, word: str) -> list[int]:
-        """One command-line word of a list-of-integers field: its integers (an integer, or a
-        Megatron list expression); the option's value is the words' lists joined."""
-        return self._int_lists(word)
-
-    def _int_lists(self, text: str) -> int | list[int] | None:
-        if self.optional and _is_null_text(text):
-            return None
-        value = parse_int_or_list(text)
-        return value if self.one_or_many or isinstance(value, list) else [value]
+        """One command-line word of a list-of-integers field (`takes_int_lists`): its
+        integers, an integer or a Megatron list expression; the option's value is the
+        words' lists joined."""
+        return parse_int_list(word)
 
     @property
     def takes_int_lists(self) -> bool:
-        """A list of integers: each command-line word, and a YAML string, may be a Megatron
-        list expression ("([0]+[1]*26)", mp_train.int_lists)."""
+        """A list of integers (moe_layer_freq): a command-line word, and a YAML string, may
+        be Megatron-LM's list expression ("([0]+[1]*26)", read by mp_train.int_lists)."""
         return self.many and self.base is int and not self.choices
 
     def words(self) -> list[str] | None:
