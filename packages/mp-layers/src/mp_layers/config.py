@@ -485,7 +485,6 @@ _MOE_DEFAULTS = {
     "moe_router_enable_expert_bias": False,
     "moe_aux_loss_coeff": 0.0,
     "moe_z_loss_coeff": None,
-    "moe_layer_recompute": False,
 }
 
 
