@@ -5,6 +5,7 @@ import torch
 
 import mp_state
 from mp_layers import GPTModel, ModelGroups, TransformerConfig
+from mp_layers.moe import MoELayer
 from mp_layers.transformer.core_attention import CoreAttention
 from mp_layers.transformer.layer import TransformerLayer
 from mp_state import TENSOR_PARALLEL_RNG, ParallelConfig, RNGStatesTracker
@@ -16,6 +17,9 @@ STYLES = {
     "llama": dict(num_layers=3, hidden_size=32, num_attention_heads=4, num_query_groups=2,
                   position_embedding_type="rope", normalization="RMSNorm", activation="swiglu",
                   ffn_hidden_size=64, add_bias_linear=False),
+    "moe": dict(num_layers=3, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64,
+                add_bias_linear=False, num_moe_experts=4, moe_router_topk=2,
+                moe_layer_freq=[1, 0, 1], moe_aux_loss_coeff=1e-2, moe_z_loss_coeff=1e-3),
 }  # fmt: skip
 RECOMPUTE = {
     "none": {},
@@ -26,6 +30,7 @@ RECOMPUTE = {
     "full_block_2": dict(recompute_granularity="full", recompute_method="block",
                          recompute_num_layers=2),
     "selective": dict(recompute_granularity="selective"),
+    "moe_layer": dict(moe_layer_recompute=True),
 }  # fmt: skip
 
 
@@ -39,9 +44,10 @@ def step(style: str, recompute: str, groups=None, tracker=None, **extra):
         tracker.add(TENSOR_PARALLEL_RNG, 77)
     groups = groups or ModelGroups.single()
     model = GPTModel(config, "local", VOCAB, SEQ, groups=groups, rng_tracker=tracker).train()
-    calls = {"layer": 0, "core_attention": 0}
+    calls = {"layer": 0, "core_attention": 0, "moe": 0}
     for module in model.modules():
-        kind = {TransformerLayer: "layer", CoreAttention: "core_attention"}.get(type(module))
+        kinds = {TransformerLayer: "layer", CoreAttention: "core_attention", MoELayer: "moe"}
+        kind = kinds.get(type(module))
         if kind:
             # A pre-hook: a recomputation stops as soon as it has rebuilt every saved
             # tensor (torch's early stop), before a post-forward hook would run.
@@ -55,8 +61,12 @@ def step(style: str, recompute: str, groups=None, tracker=None, **extra):
     return loss.detach(), grads, calls
 
 
-@pytest.mark.parametrize("style", sorted(STYLES))
-@pytest.mark.parametrize("recompute", [r for r in RECOMPUTE if r != "none"])
+CASES = [(style, recompute) for style in STYLES for recompute in RECOMPUTE
+         if recompute != "none" and (recompute == "moe_layer") == (style == "moe")]  # fmt: skip
+CASES.append(("moe", "full_uniform_1"))
+
+
+@pytest.mark.parametrize(("style", "recompute"), CASES)
 def test_recompute_equals_no_recompute(style, recompute):
     want_loss, want_grads, plain_calls = step(style, "none")
     loss, grads, calls = step(style, recompute)
@@ -65,7 +75,8 @@ def test_recompute_equals_no_recompute(style, recompute):
         torch.testing.assert_close(grads[name], grad, rtol=1e-6, atol=1e-7, msg=name)
     # The recomputation really happened: layers (or core attention) ran again in backward.
     recomputed = {"full_uniform_1": ("layer", 3), "full_uniform_2": ("layer", 3),
-                  "full_block_2": ("layer", 2), "selective": ("core_attention", 3)}  # fmt: skip
+                  "full_block_2": ("layer", 2), "selective": ("core_attention", 3),
+                  "moe_layer": ("moe", 2)}  # fmt: skip
     kind, again = recomputed[recompute]
     assert calls[kind] == plain_calls[kind] + again
 

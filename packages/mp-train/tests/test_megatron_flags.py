@@ -5,7 +5,8 @@ import dataclasses
 
 import pytest
 
-from mp_train import parse_config
+from mp_train import ConfigError, build_parser, parse_config, validate
+from mp_train.megatron_aliases import PRESETS
 from mp_train.megatron_flags import IGNORED, REFUSED
 
 MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"]
@@ -35,14 +36,60 @@ def test_refused_flags_say_why(dest):
 
 def test_renamed_flags_set_our_fields():
     renamed = ["--norm-epsilon", "1e-6", "--ddp-bucket-size", "1000", "--use-flash-attn",
-               "--no-position-embedding", "--override-opt_param-scheduler",
-               "--ckpt-format", "torch_dist"]  # fmt: skip
+               "--override-opt_param-scheduler", "--ckpt-format", "torch_dist"]  # fmt: skip
     config = parse_config([*MODEL, *renamed])
     assert config.model.layernorm_epsilon == 1e-6
     assert config.optimizer.bucket_size == 1000
     assert config.model.attention_backend == "flash"
-    assert config.model.position_embedding_type == "none"
     assert config.optimizer.override_opt_param_scheduler
+
+
+def test_no_position_embedding_keeps_rope_as_megatron_does():
+    # Llama 3.x's lines: the deprecated flag beside RoPE leaves RoPE on (and its scaling).
+    for rope in (["--use-rotary-position-embeddings"], ["--position-embedding-type", "rope"]):
+        config = parse_config([*MODEL, *rope, "--no-position-embedding", "--use-rope-scaling"])
+        assert config.model.position_embedding_type == "rope" and config.model.use_rope_scaling
+    for other in ([], ["--position-embedding-type", "none"]):
+        with pytest.raises(ValueError, match="--no-position-embedding with position_embedding"):
+            parse_config([*MODEL, *other, "--no-position-embedding"])
+
+
+def test_sequence_parallel_is_off_without_tensor_parallelism(capsys):
+    assert not parse_config([*MODEL, "--sequence-parallel"]).model.sequence_parallel
+    assert "sequence parallelism is off (as in Megatron-LM)" in capsys.readouterr().err
+    two = parse_config([*MODEL, "--sequence-parallel", "--tensor-model-parallel-size", "2"])
+    assert two.model.sequence_parallel
+
+
+def test_a_refused_family_flag_is_named_before_unknown_flags():
+    line = [*MODEL, "--mamba-unknown-size", "3", "--hybrid-layer-pattern", "M*M*"]
+    with pytest.raises(ValueError, match="--hybrid-layer-pattern: Mamba-hybrid models"):
+        parse_config(line, exit_on_error=False)
+    with pytest.raises(ValueError, match="--export-model-type HybridModel: Mamba-hybrid"):
+        parse_config([*MODEL, "--export-model-type", "HybridModel"])
+    parse_config([*MODEL, "--export-model-type", "GPTModel"])
+    with pytest.raises(ConfigError, match="unrecognized arguments: --mamba-unknown-size 3"):
+        parse_config(line[:-2], exit_on_error=False)
+
+
+def test_padded_vocab_size_is_checked_against_tensor_parallelism():
+    assert parse_config([*MODEL, "--padded-vocab-size", "1000"]).data.padded_vocab_size == 1000
+    config = parse_config([*MODEL, "--padded-vocab-size", "1001",
+                           "--tensor-model-parallel-size", "2"])  # fmt: skip
+    with pytest.raises(ValueError, match="padded_vocab_size=1001 is not divisible by tensor"):
+        validate(config, 2)
+
+
+def test_enable_gpt_oss_stands_for_yarn_or_names_what_is_missing():
+    parser = build_parser()
+    flags = PRESETS["enable_gpt_oss"][1]
+    if all(word in parser._option_string_actions for word in flags if word.startswith("--")):
+        config = parse_config([*MODEL, "--enable-gpt-oss", "--yarn-beta-fast", "8"])
+        assert config.model.position_embedding_type == "yarn"
+        assert config.model.yarn_beta_fast == 32  # set over the command line, as Megatron does
+    else:
+        with pytest.raises(ValueError, match="--enable-gpt-oss stands for gpt-oss's YaRN"):
+            parse_config([*MODEL, "--enable-gpt-oss"])
 
 
 def test_what_is_refused_or_contradicts():

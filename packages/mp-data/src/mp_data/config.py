@@ -66,6 +66,11 @@ class DataConfig:
     make_vocab_size_divisible_by: int = 128
     """Pad the vocabulary to a multiple of this times the tensor-parallel size."""
 
+    padded_vocab_size: int | None = None
+    """The embedding table's rows as given (Megatron's --padded-vocab-size): at least the
+    tokenizer's vocabulary and divisible by the tensor-parallel size; None: the vocabulary
+    padded by make_vocab_size_divisible_by."""
+
     dataloader_type: Literal["single", "cyclic"] = "single"
     """single: one pass in order; cyclic: reshuffled every epoch."""
 
@@ -98,6 +103,8 @@ class DataConfig:
             raise ValueError(
                 f"make_vocab_size_divisible_by={self.make_vocab_size_divisible_by} must be >= 1"
             )
+        if self.padded_vocab_size is not None and self.padded_vocab_size < 1:
+            raise ValueError(f"padded_vocab_size={self.padded_vocab_size} must be >= 1")
         if self.vocab_size is not None and self.vocab_size < 1:
             raise ValueError(f"vocab_size={self.vocab_size} must be >= 1")
         if self.reset_attention_mask and not self.create_attention_mask_in_dataloader:

@@ -207,7 +207,7 @@ class TransformerConfig:
 
     moe_layer_freq: list[int] = field(default_factory=lambda: [1])
     """Which layers are MoE: one value N, every N-th (layer i when i % N == 0); or one 0/1
-    per layer (num_layers values). An int N is taken as [N]."""
+    per layer (num_layers values), also as Megatron's "([0]+[1]*26)". An int N is [N]."""
 
     moe_token_dispatcher_type: Literal["alltoall", "allgather"] = "allgather"
     """How tokens reach experts on other expert-parallel ranks: an all-to-all of each
@@ -219,6 +219,9 @@ class TransformerConfig:
 
     moe_router_dtype: Literal["fp32", "fp64"] | None = None
     """Precision of the router's logits and scores; None: the activations' dtype."""
+
+    moe_layer_recompute: bool = False
+    """Recompute each MoE layer in backward from its input (under a full recompute: no-op)."""
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_attention_heads"):

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from mp_ckpt import CheckpointReader
-from mp_train import megatron_flags
+from mp_train import megatron_aliases, megatron_flags
 from mp_train.config import RunConfig
 from mp_train.errors import ConfigError
 from mp_train.yaml_config import (
@@ -89,6 +89,14 @@ class _FlagAction(argparse.Action):
 
     def format_usage(self) -> str:
         return " | ".join(self.option_strings)
+
+
+class _IntListsAction(argparse.Action):
+    """A list-of-integers option: each word converts to a list (an integer or a Megatron
+    list expression); the option's value is their concatenation."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        setattr(namespace, self.dest, [item for value in values for item in value])
 
 
 class ArgumentGroupFactory:
@@ -160,6 +168,9 @@ class ArgumentGroupFactory:
             return group.add_argument(*names, *negatives, action=_FlagAction,
                                       negatives=negatives, **kwargs)  # fmt: skip
         kwargs["type"] = meta.get("type") or _word_parser(kind)
+        if kind.takes_int_lists and not meta.keys() & {"type", "nargs"}:
+            kwargs["type"] = _word_parser(kind, kind.convert_int_list_word)
+            kwargs["action"] = _IntListsAction
         if kind.many or "nargs" in meta:
             kwargs["nargs"] = meta.get("nargs", "+")
         if "choices" in meta:
@@ -172,12 +183,13 @@ class ArgumentGroupFactory:
         return group.add_argument(*names, **kwargs)
 
 
-def _word_parser(kind: FieldType):
-    """argparse's `type=`: one word converted, a bad one reported against the option."""
+def _word_parser(kind: FieldType, convert=None):
+    """argparse's `type=`: one word converted (by kind.convert_word unless `convert` is
+    given), a bad one reported against the option."""
 
     def parse(word: str) -> Any:
         try:
-            return kind.convert_word(word)
+            return (convert or kind.convert_word)(word)
         except ValueError as error:
             raise argparse.ArgumentTypeError(str(error)) from None
 
@@ -196,31 +208,6 @@ def _default(f: dataclasses.Field) -> Any:
 
 # --- the run's parser -------------------------------------------------------------------
 
-# Megatron-LM flags that set fields of ours by another name.
-_ALIASES = {
-    "swiglu": "Use the SwiGLU MLP (sets activation=swiglu).",
-    "squared_relu": "Use the squared-ReLU MLP (sets activation=squared_relu).",
-    "group_query_attention": "Use grouped-query attention with num_query_groups key/value "
-    "heads (1 when --num-query-groups is not given, as in Megatron-LM).",
-    "use_rotary_position_embeddings": "Rotary position embeddings (sets "
-    "position_embedding_type=rope).",
-    "disable_bias_linear": "No biases in linear layers (sets add_bias_linear=False).",
-    "recompute_activations": "Recompute core attention in backward (sets "
-    "recompute_granularity=selective).",
-    "use_flash_attn": "Flash attention (sets attention_backend=flash: torch's SDPA, a "
-    "flash-attention kernel on CUDA).",
-    "no_position_embedding": "No position embedding (sets position_embedding_type=none).",
-}
-_ALIAS_SETS = {
-    "swiglu": ("model", "activation", "swiglu"),
-    "squared_relu": ("model", "activation", "squared_relu"),
-    "use_rotary_position_embeddings": ("model", "position_embedding_type", "rope"),
-    "disable_bias_linear": ("model", "add_bias_linear", False),
-    "recompute_activations": ("model", "recompute_granularity", "selective"),
-    "use_flash_attn": ("model", "attention_backend", "flash"),
-    "no_position_embedding": ("model", "position_embedding_type", "none"),
-}
-_PER_STAGE = "num_layers_per_virtual_pipeline_stage"
 _SECTIONS = {"model": "language_model:", "parallel": "model_parallel:"}
 
 
@@ -265,16 +252,7 @@ def _build(prog: str) -> tuple[argparse.ArgumentParser, dict[str, ArgumentGroupF
         if len(parts) > 1:
             action = factories[parts[0]].actions[name]
             action.help = f"{action.help} Sets {' and '.join(f'{p}.{name}' for p in parts)}."
-    aliases = parser.add_argument_group("Megatron-LM aliases")
-    for name, help_text in _ALIASES.items():
-        aliases.add_argument(f"--{name.replace('_', '-')}", action="store_true",
-                             default=argparse.SUPPRESS, help=help_text)  # fmt: skip
-    aliases.add_argument(
-        f"--{_PER_STAGE.replace('_', '-')}", dest=_PER_STAGE, type=int, metavar="N",
-        default=argparse.SUPPRESS,
-        help="Layers per virtual pipeline stage (sets virtual_pipeline_model_parallel_size "
-        "= num_layers / pipeline_model_parallel_size / N).",
-    )  # fmt: skip
+    megatron_aliases.add_to(parser)
     megatron_flags.add_to(parser)
     return parser, factories
 
@@ -291,9 +269,16 @@ def parse_config(
     (raises a ConfigError with `exit_on_error=False`)."""
     parser, factories = _build(prog)
     parser.raise_errors = not exit_on_error
-    given = vars(parser.parse_args(argv))
+    argv = megatron_aliases.expand_presets(parser, sys.argv[1:] if argv is None else list(argv))
+    namespace, unknown = parser.parse_known_args(argv)
+    given = vars(namespace)
+    # A refused flag names the feature it needs, which says more than the unknown flags
+    # of the same model family.
+    megatron_flags.refuse(given)
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     config_path = given.pop("config", None)
-    flags = {name: given.pop(name) for name in [*_ALIASES, _PER_STAGE] if name in given}
+    flags = megatron_aliases.take(given)
 
     values: dict[str, dict[str, Any]] = {part: {} for part in factories}
     for factory in factories.values():
@@ -304,44 +289,20 @@ def parse_config(
         for part, settings in load_yaml_config(config_path, environ).items():
             values[part].update(settings)
     ignored = megatron_flags.apply(given, values)
-    if ignored and environ.get("RANK", "0") == "0":
-        print(f"note: Megatron-LM flags accepted without effect: {' '.join(ignored)} "
-              "(--help says why each changes nothing here)", file=sys.stderr)  # fmt: skip
+    notes = [f"Megatron-LM flags accepted without effect: {' '.join(ignored)} (--help says "
+             "why each changes nothing here)"] if ignored else []  # fmt: skip
     for name, value in given.items():
         for part in field_owners()[name]:
             values[part][name] = value
-    _apply_aliases(flags, given, values)
+    megatron_aliases.apply(flags, given, values)
     _apply_checkpoint_args(values)
     _require_model_fields(values)
-    _apply_layers_per_stage(flags, given, values)
+    notes += megatron_aliases.settle(flags, given, values)
     _apply_precision(values)
+    if environ.get("RANK", "0") == "0":
+        for note in notes:
+            print(f"note: {note}", file=sys.stderr)
     return RunConfig(**{part: cls(**values[part]) for part, cls in run_parts().items()})
-
-
-def _apply_aliases(flags: dict, given: dict, values: dict) -> None:
-    for flag, (part, name, value) in _ALIAS_SETS.items():
-        if flag in flags:
-            _set_from_flag(flag, part, name, value, given, values)
-    # Megatron's --num-query-groups defaults to 1: GQA without a group count is MQA.
-    if "group_query_attention" in flags and values["model"].get("num_query_groups") is None:
-        values["model"]["num_query_groups"] = 1
-
-
-def _set_from_flag(flag: str, part: str, name: str, value, given: dict, values: dict) -> None:
-    if name in given and given[name] != value:
-        raise ValueError(
-            f"--{flag.replace('_', '-')} sets {name}={value!r} but --{name.replace('_', '-')} "
-            f"gives {FieldType.show(given[name])}"
-        )
-    values[part][name] = value
-
-
-def _current(values: dict, part: str, name: str) -> Any:
-    """The value a field will have: as set, else the dataclass default."""
-    if name in values[part]:
-        return values[part][name]
-    f = next(f for f in dataclasses.fields(run_parts()[part]) if f.name == name)
-    return _default(f)
 
 
 def _require_model_fields(values: dict) -> None:
@@ -359,22 +320,6 @@ def _require_model_fields(values: dict) -> None:
             "language_model: in the --config file, or take them from a checkpoint with "
             "--use-checkpoint-args)"
         )
-
-
-def _apply_layers_per_stage(flags: dict, given: dict, values: dict) -> None:
-    if _PER_STAGE not in flags:
-        return
-    per_stage = flags[_PER_STAGE]
-    layers = values["model"]["num_layers"]
-    pp = _current(values, "parallel", "pipeline_model_parallel_size")
-    if per_stage < 1 or layers % pp or (layers // pp) % per_stage:
-        raise ValueError(
-            f"{_PER_STAGE}={per_stage} must divide the layers of each pipeline stage: "
-            f"num_layers={layers} / pipeline_model_parallel_size={pp}"
-        )
-    vpp = layers // pp // per_stage
-    _set_from_flag(_PER_STAGE, "parallel", "virtual_pipeline_model_parallel_size", vpp,
-                   given, values)  # fmt: skip
 
 
 def _apply_precision(values: dict) -> None:

@@ -379,6 +379,12 @@ def _check_model_parallel(config: RunConfig) -> None:
             f"expert_tensor_parallel_size={parallel.expert_tensor_parallel_size} needs "
             "num_moe_experts (a MoE model); leave it unset"
         )
+    padded, tp = config.data.padded_vocab_size, parallel.tensor_model_parallel_size
+    if padded is not None and padded % tp:
+        raise ValueError(
+            f"padded_vocab_size={padded} is not divisible by tensor_model_parallel_size={tp}: "
+            "each tensor-parallel rank holds an equal slice of the vocabulary"
+        )
     if cp == 1:
         return
     seq = config.gpt.seq_length

@@ -105,12 +105,13 @@ def estimate(
     attention "auto" picks."""
     layout = _layout(config, world_size)
     vocab = vocab_size if vocab_size is not None else config.data.vocab_size
-    if vocab is None:
-        raise ValueError(
-            "no vocabulary size: set vocab_size (--vocab-size); the tokenizer is not read"
-        )
-    _positive("vocab_size", vocab)
-    V = padded_vocab_size(vocab, config.data.make_vocab_size_divisible_by, layout["tp"])
+    V = config.data.padded_vocab_size
+    if V is None:
+        if vocab is None:
+            raise ValueError("no vocabulary size: set vocab_size (--vocab-size) or "
+                             "padded_vocab_size; the tokenizer is not read")  # fmt: skip
+        _positive("vocab_size", vocab)
+        V = padded_vocab_size(vocab, config.data.make_vocab_size_divisible_by, layout["tp"])
     params = _parameters(config, V)
     weights = _weight_and_optimizer(config, layout, params)
     if device_type not in ("cuda", "cpu"):

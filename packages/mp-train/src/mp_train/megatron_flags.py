@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-__all__ = ["IGNORED", "REFUSED", "RENAMED", "add_to", "apply"]
+__all__ = ["IGNORED", "REFUSED", "RENAMED", "add_to", "apply", "refuse"]
 
 # flag (dest) -> (takes a value, why mp needs nothing for it)
 IGNORED: dict[str, tuple[bool, str]] = {
@@ -70,10 +70,66 @@ IGNORED: dict[str, tuple[bool, str]] = {
         False,
         "mp batches each exchange's pipeline sends and receives and waits for them together",
     ),
+    "trust_remote_code": (
+        False,
+        "mp's HuggingFaceTokenizer reads tokenizer.json with the tokenizers library and never "
+        "runs code from a model repository",
+    ),
+    "export_force_local_attention": (
+        False,
+        "a ModelOpt switch choosing Megatron's local attention over Transformer Engine's; "
+        "mp's attention is its own (--transformer-impl, --attention-backend)",
+    ),
+    "moe_shared_expert_overlap": (
+        False,
+        "overlaps the shared expert with the token dispatch on CUDA streams; mp runs them "
+        "one after the other, with the same result",
+    ),
 }
+
+# Megatron-LM's features of other model families, refused by what they need (the first
+# one given is named). Their flags are known, so that a family's launch line ends with
+# the feature it lacks rather than with its unknown flags.
+_HYBRID = (
+    "Mamba-hybrid models (Nemotron-H, NVIDIA-Nemotron-Nano-9B-v2, Nemotron 3) are not "
+    "implemented: mp builds attention + MLP transformer layers only"
+)
+_MLA = "multi-latent attention (DeepSeek-V2/V3, Kimi K2) is not implemented"
+_FAMILIES: dict[str, tuple[bool, str]] = {
+    "hybrid_layer_pattern": (True, _HYBRID),
+    "hybrid_override_pattern": (True, _HYBRID),
+    "is_hybrid_model": (False, _HYBRID),
+    "mamba_num_heads": (True, f"Mamba layers: {_HYBRID}"),
+    "mamba_head_dim": (True, f"Mamba layers: {_HYBRID}"),
+    "mamba_num_groups": (True, f"Mamba layers: {_HYBRID}"),
+    "mamba_state_dim": (True, f"Mamba layers: {_HYBRID}"),
+    "multi_latent_attention": (False, _MLA),
+    "q_lora_rank": (True, f"a size of {_MLA}"),
+    "kv_lora_rank": (True, f"a size of {_MLA}"),
+    "qk_head_dim": (True, f"a size of {_MLA}"),
+    "qk_pos_emb_head_dim": (True, f"a size of {_MLA}"),
+    "v_head_dim": (True, f"a size of {_MLA}"),
+    "mtp_num_layers": (True, "multi-token prediction (DeepSeek-V3's MTP layers) is not "
+                       "implemented"),
+    "mtp_loss_scaling_factor": (True, "multi-token prediction (DeepSeek-V3's MTP layers) is "
+                                "not implemented"),
+    "moe_router_num_groups": (True, "group-limited expert routing (DeepSeek-V3) is not "
+                              "implemented"),
+    "moe_router_group_topk": (True, "group-limited expert routing (DeepSeek-V3) is not "
+                              "implemented"),
+    "no_rope_freq": (True, "layers without rotary embeddings (NoPE layers, Llama 4) are not "
+                     "implemented"),
+    "export_moe_apply_probs_on_input": (False, "routing weights applied to the experts' input "
+                                        "(Llama 4) are not implemented"),
+    "export_qk_l2_norm": (False, "L2-normalized queries and keys (Llama 4) are not "
+                          "implemented"),
+    "rotary_interleaved": (False, "interleaved rotary embeddings (rotating channel pairs 2i, "
+                           "2i+1, as Llama 4 does) are not implemented"),
+}  # fmt: skip
 
 # flag (dest) -> why mp refuses it and what to do instead
 REFUSED: dict[str, tuple[bool, str]] = {
+    **_FAMILIES,
     "use_torch_fsdp2": (False, "FSDP2 is not implemented: shard with --use-distributed-optimizer"),
     "use_megatron_fsdp": (
         False,
@@ -120,6 +176,9 @@ _SPELLINGS = {
     "override-opt_param-scheduler": "override_opt_param_scheduler",
     "use-checkpoint-opt_param-scheduler": "use_checkpoint_opt_param_scheduler",
 }
+# ModelOpt's --export-model-type: mp builds GPTModel; the other two are Mamba-hybrid models.
+_MODEL_TYPE = "export_model_type"
+_MODEL_TYPES = ("GPTModel", "HybridModel", "MambaModel")
 # The checkpoint format flags: mp writes and reads torch_dist-style checkpoints only.
 _FORMATS = ("ckpt_format", "dist_ckpt_format")
 _FORMAT_CHOICES = ("torch_dist", "torch", "torch_dcp", "zarr", "fsdp_dtensor")
@@ -147,6 +206,10 @@ def add_to(parser: argparse.ArgumentParser) -> None:
     for flag, field in _SPELLINGS.items():
         renamed.add_argument(f"--{flag}", dest=field, action="store_true",
                              default=argparse.SUPPRESS, help=f"Sets {field}.")  # fmt: skip
+    refused.add_argument(
+        _option(_MODEL_TYPE), dest=_MODEL_TYPE, choices=_MODEL_TYPES, default=argparse.SUPPRESS,
+        help=f"GPTModel: what mp builds, so nothing changes; refused otherwise: {_HYBRID}.",
+    )  # fmt: skip
     for dest in _FORMATS:
         renamed.add_argument(
             _option(dest), dest=dest, choices=_FORMAT_CHOICES, default=argparse.SUPPRESS,
@@ -165,13 +228,20 @@ def _add(group, dest: str, valued: bool, help_text: str) -> None:
                            default=argparse.SUPPRESS, help=help_text)  # fmt: skip
 
 
-def apply(given: dict[str, Any], values: dict[str, dict[str, Any]]) -> list[str]:
-    """Takes the flags above out of `given` (the parsed options), sets the fields the
-    renamed ones stand for in `values` (part -> field -> value) and returns the ignored
-    flags given; a refused flag or format raises a ValueError naming it."""
+def refuse(given: dict[str, Any]) -> None:
+    """Raises a ValueError naming the first refused flag among the parsed options, if any."""
     for dest, (_, why) in REFUSED.items():
         if dest in given:
             raise ValueError(f"{_option(dest)}: {why}")
+    model_type = given.pop(_MODEL_TYPE, "GPTModel")
+    if model_type != "GPTModel":
+        raise ValueError(f"{_option(_MODEL_TYPE)} {model_type}: {_HYBRID}")
+
+
+def apply(given: dict[str, Any], values: dict[str, dict[str, Any]]) -> list[str]:
+    """Takes the flags above out of `given` (the parsed options), sets the fields the
+    renamed ones stand for in `values` (part -> field -> value) and returns the ignored
+    flags given; a refused format raises a ValueError naming it."""
     for dest in _FORMATS:
         fmt = given.pop(dest, "torch_dist")
         if fmt != "torch_dist":

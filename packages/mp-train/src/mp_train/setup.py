@@ -157,9 +157,13 @@ def setup_run(
         tokenizer_model=data.tokenizer_model, vocab_size=data.vocab_size,
     )  # fmt: skip
     vocab = tokenizer.vocab_size
-    padded = vocab_size_with_padding(
+    padded = data.padded_vocab_size or vocab_size_with_padding(
         vocab, data.make_vocab_size_divisible_by, config.parallel.tensor_model_parallel_size
     )
+    if padded < vocab:
+        raise ValueError(
+            f"padded_vocab_size={padded} is below the tokenizer's vocabulary of {vocab} tokens"
+        )
     model = _build_model(config, state, tracker, padded, model_provider)
     experts = _any_expert_parameters(model, initialized.device)
     optimizer = get_optimizer(

@@ -40,6 +40,7 @@ import torch
 import yaml
 
 from mp_train.config import RunConfig
+from mp_train.int_lists import parse_int_list
 
 __all__ = [
     "DTYPE_NAMES",
@@ -113,6 +114,8 @@ class FieldType:
                 return None
             raise ValueError("null is not allowed here")
         if self.many:
+            if self.takes_int_lists and isinstance(value, str):
+                return parse_int_list(value)
             items = value if isinstance(value, list | tuple) else [value]
             return [self.element(item) for item in items]
         if self.optional and _is_null_text(value) and value not in self.choices:
@@ -149,6 +152,18 @@ class FieldType:
     def convert_word(self, word: str) -> Any:
         """One command-line word (argparse converts a list's words one by one)."""
         return self.element(word) if self.many else self.convert(word)
+
+    def convert_int_list_word(self, word: str) -> list[int]:
+        """One command-line word of a list-of-integers field (`takes_int_lists`): its
+        integers, an integer or a Megatron list expression; the option's value is the
+        words' lists joined."""
+        return parse_int_list(word)
+
+    @property
+    def takes_int_lists(self) -> bool:
+        """A list of integers (moe_layer_freq): a command-line word, and a YAML string, may
+        be Megatron-LM's list expression ("([0]+[1]*26)", read by mp_train.int_lists)."""
+        return self.many and self.base is int and not self.choices
 
     def words(self) -> list[str] | None:
         """The accepted words of a field with a closed set of values, else None."""

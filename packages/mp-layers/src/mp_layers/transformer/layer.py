@@ -51,10 +51,12 @@ class TransformerLayer(torch.nn.Module):
         self.input_layernorm = spec.norm(config, None)
         self.self_attention = SelfAttention(config, groups, rng_tracker, spec, layer_number)
         self.pre_mlp_layernorm = spec.norm(config, None)
-        if config.moe_layer_pattern()[layer_number]:
-            self.mlp = spec.moe(config, groups)
-        else:
-            self.mlp = spec.mlp(config, groups.tp)
+        is_moe = config.moe_layer_pattern()[layer_number]
+        self.mlp = spec.moe(config, groups) if is_moe else spec.mlp(config, groups.tp)
+        # Megatron's --moe-layer-recompute; a full recompute reruns the whole layer already.
+        self.recompute_mlp = (
+            is_moe and config.moe_layer_recompute and config.recompute_granularity != "full"
+        )
 
     def forward(
         self,
@@ -65,7 +67,11 @@ class TransformerLayer(torch.nn.Module):
     ) -> torch.Tensor:
         out, bias = self.self_attention(self.input_layernorm(x), rotary, attention_mask, kv_cache)
         x = x + self._dropout(out if bias is None else out + bias)
-        out, bias = self.mlp(self.pre_mlp_layernorm(x))
+        mlp_input = self.pre_mlp_layernorm(x)
+        if self.recompute_mlp and self.training and torch.is_grad_enabled():
+            out, bias = checkpointed(self.mlp, self.rng_tracker, mlp_input)
+        else:
+            out, bias = self.mlp(mlp_input)
         return x + self._dropout(out if bias is None else out + bias)
 
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,188 @@
+"""Megatron-LM's flags that stand for settings of mp's fields: `--swiglu` for
+activation=swiglu, `--group-query-attention`, the deprecated rotary spellings, a
+per-virtual-stage layer count, and the rules Megatron's validation applies to
+them (sequence parallelism switched off without tensor parallelism).
+
+`add_to(parser)` adds them to the run's parser; `take(given)` removes them from
+the parsed options; `apply(flags, given, values)` sets what they stand for in
+`values` (part -> field -> value), before a checkpoint's settings are read;
+`settle(flags, given, values)` applies the rules that need the final values and
+returns the notes rank 0 prints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Any
+
+from mp_train.yaml_config import FieldType, run_parts
+
+__all__ = ["add_to", "apply", "expand_presets", "settle", "take"]
+
+# flag (dest) -> help
+_HELP = {
+    "swiglu": "Use the SwiGLU MLP (sets activation=swiglu).",
+    "squared_relu": "Use the squared-ReLU MLP (sets activation=squared_relu).",
+    "group_query_attention": "Use grouped-query attention with num_query_groups key/value "
+    "heads (1 when --num-query-groups is not given, as in Megatron-LM).",
+    "use_rotary_position_embeddings": "Rotary position embeddings (sets "
+    "position_embedding_type=rope).",
+    "disable_bias_linear": "No biases in linear layers (sets add_bias_linear=False).",
+    "recompute_activations": "Recompute core attention in backward (sets "
+    "recompute_granularity=selective).",
+    "use_flash_attn": "Flash attention (sets attention_backend=flash: torch's SDPA, a "
+    "flash-attention kernel on CUDA).",
+    "no_position_embedding": "Megatron-LM's deprecated spelling, kept for RoPE models: "
+    "accepted when position_embedding_type is rope (it leaves RoPE on, as in Megatron-LM), "
+    "refused otherwise (give --position-embedding-type).",
+}
+# flag (dest) -> (RunConfig part, field, value it sets)
+_SETS = {
+    "swiglu": ("model", "activation", "swiglu"),
+    "squared_relu": ("model", "activation", "squared_relu"),
+    "use_rotary_position_embeddings": ("model", "position_embedding_type", "rope"),
+    "disable_bias_linear": ("model", "add_bias_linear", False),
+    "recompute_activations": ("model", "recompute_granularity", "selective"),
+    "use_flash_attn": ("model", "attention_backend", "flash"),
+}
+_PER_STAGE = "num_layers_per_virtual_pipeline_stage"
+
+# Flags that stand for several others, appended after the command line so that they win
+# over it, as Megatron-LM sets them over the arguments. --enable-gpt-oss is ModelOpt's
+# switch (megatron/post_training/model_builder.py): gpt-oss's YaRN rotary settings.
+PRESETS: dict[str, tuple[str, list[str]]] = {
+    "enable_gpt_oss": (
+        "gpt-oss's YaRN rotary embeddings",
+        ["--position-embedding-type", "yarn", "--rotary-scaling-factor", "32",
+         "--yarn-original-max-position-embeddings", "131072", "--yarn-beta-fast", "32",
+         "--yarn-beta-slow", "1", "--mscale", "1.0", "--mscale-all-dim", "0.0",
+         "--no-yarn-correction-range-round-to-int"],
+    ),
+}  # fmt: skip
+
+
+def _option(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def add_to(parser: argparse.ArgumentParser) -> None:
+    """Adds the alias flags (and the presets) to the run's parser, in one group."""
+    group = parser.add_argument_group("Megatron-LM aliases")
+    for dest, help_text in _HELP.items():
+        group.add_argument(_option(dest), action="store_true", default=argparse.SUPPRESS,
+                           help=help_text)  # fmt: skip
+    group.add_argument(
+        _option(_PER_STAGE), dest=_PER_STAGE, type=int, metavar="N",
+        default=argparse.SUPPRESS,
+        help="Layers per virtual pipeline stage (sets virtual_pipeline_model_parallel_size "
+        "= num_layers / pipeline_model_parallel_size / N).",
+    )  # fmt: skip
+    for dest, (what, flags) in PRESETS.items():
+        group.add_argument(_option(dest), action="store_true", default=argparse.SUPPRESS,
+                           help=f"{what}: stands for {' '.join(flags)}.")  # fmt: skip
+
+
+def expand_presets(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """argv with each preset flag replaced by the flags it stands for, put last; a preset
+    whose flags this build lacks raises a ValueError naming them."""
+    for dest, (what, flags) in PRESETS.items():
+        if _option(dest) not in argv:
+            continue
+        lacking = _unknown(parser, flags)
+        if lacking:
+            raise ValueError(
+                f"{_option(dest)} stands for {what} ({' '.join(flags)}); this build lacks "
+                f"{', '.join(lacking)}"
+            )
+        argv = [word for word in argv if word != _option(dest)] + flags
+    return argv
+
+
+def _unknown(parser: argparse.ArgumentParser, flags: list[str]) -> list[str]:
+    """The flags (or flag values) of `flags` that the parser does not accept."""
+    lacking, actions = [], parser._option_string_actions
+    for i, word in enumerate(flags):
+        if not word.startswith("--"):
+            continue
+        action = actions.get(word)
+        if action is None:
+            lacking.append(word)
+        elif action.type is not None and i + 1 < len(flags):
+            try:
+                action.type(flags[i + 1])
+            except (argparse.ArgumentTypeError, ValueError):
+                lacking.append(f"{word} {flags[i + 1]}")
+    return lacking
+
+
+def take(given: dict[str, Any]) -> dict[str, Any]:
+    """Removes the alias flags from the parsed options; returns them."""
+    return {name: given.pop(name) for name in [*_HELP, _PER_STAGE] if name in given}
+
+
+def apply(flags: dict, given: dict, values: dict) -> None:
+    """Sets the fields the alias flags stand for (after the options and the YAML file)."""
+    for flag, (part, name, value) in _SETS.items():
+        if flag in flags:
+            _set_from_flag(flag, part, name, value, given, values)
+    # Megatron's --num-query-groups defaults to 1: GQA without a group count is MQA.
+    if "group_query_attention" in flags and values["model"].get("num_query_groups") is None:
+        values["model"]["num_query_groups"] = 1
+
+
+def settle(flags: dict, given: dict, values: dict) -> list[str]:
+    """The rules that read the final values (after --use-checkpoint-args); returns notes."""
+    _apply_layers_per_stage(flags, given, values)
+    position = _current(values, "model", "position_embedding_type")
+    # Megatron-LM: --no-position-embedding is deprecated and only allowed with RoPE, which
+    # it leaves on (arguments.py: "use --position-embedding-type").
+    if "no_position_embedding" in flags and position != "rope":
+        raise ValueError(
+            f"--no-position-embedding with position_embedding_type={position!r}: the flag is "
+            "Megatron-LM's deprecated spelling, allowed only with rope (which it keeps); give "
+            "--position-embedding-type none (or rope) instead"
+        )
+    # Megatron-LM switches sequence parallelism off without tensor parallelism, to keep the
+    # numerics of TP 1.
+    tp = _current(values, "parallel", "tensor_model_parallel_size")
+    if tp == 1 and _current(values, "model", "sequence_parallel"):
+        values["model"]["sequence_parallel"] = False
+        return ["sequence_parallel=True with tensor_model_parallel_size=1: sequence "
+                "parallelism is off (as in Megatron-LM)"]  # fmt: skip
+    return []
+
+
+def _set_from_flag(flag: str, part: str, name: str, value, given: dict, values: dict) -> None:
+    if name in given and given[name] != value:
+        raise ValueError(
+            f"{_option(flag)} sets {name}={value!r} but {_option(name)} "
+            f"gives {FieldType.show(given[name])}"
+        )
+    values[part][name] = value
+
+
+def _current(values: dict, part: str, name: str) -> Any:
+    """The value a field will have: as set, else the dataclass default."""
+    if name in values[part]:
+        return values[part][name]
+    f = next(f for f in dataclasses.fields(run_parts()[part]) if f.name == name)
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return f.default
+
+
+def _apply_layers_per_stage(flags: dict, given: dict, values: dict) -> None:
+    if _PER_STAGE not in flags:
+        return
+    per_stage = flags[_PER_STAGE]
+    layers = values["model"]["num_layers"]
+    pp = _current(values, "parallel", "pipeline_model_parallel_size")
+    if per_stage < 1 or layers % pp or (layers // pp) % per_stage:
+        raise ValueError(
+            f"{_PER_STAGE}={per_stage} must divide the layers of each pipeline stage: "
+            f"num_layers={layers} / pipeline_model_parallel_size={pp}"
+        )
+    vpp = layers // pp // per_stage
+    _set_from_flag(_PER_STAGE, "parallel", "virtual_pipeline_model_parallel_size", vpp,
+                   given, values)  # fmt: skip
