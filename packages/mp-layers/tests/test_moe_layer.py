@@ -164,6 +164,16 @@ def test_grouped_matmul_equals_one_matmul_per_group(dtype, width, counts):
 
 
 @pytest.mark.parametrize("grouped", [False, True])
+def test_grouped_matmul_of_experts_without_tokens(grouped):
+    x = torch.randn(0, 8, requires_grad=True)
+    w = torch.randn(2, 16, 8, requires_grad=True)
+    out = grouped_matmul(x, w.transpose(1, 2), [0, 0], grouped)
+    assert out.shape == (0, 16)
+    (grad,) = torch.autograd.grad(out.sum(), w)
+    assert grad.eq(0).all()
+
+
+@pytest.mark.parametrize("grouped", [False, True])
 def test_moe_layer_equals_a_token_by_token_reference(grouped):
     cfg = config(moe_shared_expert_intermediate_size=12, moe_shared_expert_gate=True,
                  moe_grouped_gemm=grouped)  # fmt: skip

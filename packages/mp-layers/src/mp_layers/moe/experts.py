@@ -147,8 +147,9 @@ def grouped_matmul(
     grouped: torch's grouped matmul kernel (on CPUs, and on CUDA for bf16 from compute
     capability 9.0, with rows of a multiple of 16 bytes). Otherwise, or where it is
     missing: one batched matmul when every group has as many rows (experts padded to
-    their capacity), else one matmul per group."""
-    if grouped and _has_grouped_kernel(x, weights):
+    their capacity), else one matmul per group (also when no group has any: a rank whose
+    experts received no tokens still joins the backward, with zero gradients)."""
+    if grouped and x.shape[0] and _has_grouped_kernel(x, weights):
         offsets = torch.tensor(counts, dtype=torch.int32, device=x.device).cumsum(
             0, dtype=torch.int32
         )
@@ -157,7 +158,7 @@ def grouped_matmul(
             # The kernel's backward needs a dense gradient (a sum's is a broadcast view).
             out.register_hook(torch.Tensor.contiguous)
         return out
-    if len(set(counts)) == 1:
+    if len(set(counts)) == 1 and counts[0] > 0:
         return torch.bmm(x.view(len(counts), counts[0], -1), weights).flatten(0, 1)
     return torch.cat([rows @ w for rows, w in zip(x.split(counts), weights, strict=True)])
 
