@@ -85,6 +85,11 @@ def _layers(keys) -> int:
 # --- export ------------------------------------------------------------------------------
 
 
+# Settings neither export computes (Nemotron's and gpt-oss's; no family table has them yet).
+_NOT_EXPORTED = (("apply_layernorm_1p", False), ("quick_geglu", False),
+                 ("glu_linear_offset", 0.0), ("activation_func_clamp_value", None))  # fmt: skip
+
+
 def export_hf(
     checkpoint: str | os.PathLike,
     out_dir: str | os.PathLike,
@@ -119,6 +124,10 @@ def export_hf(
             f"model_config rotary_percent={settings['rotary_percent']!r}: the {arch} export "
             "rotates every channel of a head"
         )
+    for name, plain in _NOT_EXPORTED:
+        if settings.get(name, plain) not in (plain, None):
+            raise ValueError(f"model_config {name}={settings[name]!r}: the {arch} export "
+                             f"computes {name}={plain!r}")  # fmt: skip
     files, ids = export_tokenizer(common)
     saved_dtype = reader.dtype("embedding.word_embeddings.weight")
     dtype_name = str(dtype or saved_dtype).removeprefix("torch.")
