@@ -312,43 +312,6 @@ class TransformerConfig:
         self._check_recompute()
         check_moe(self)
 
-    @property
-    def gated_linear_unit(self) -> bool:
-        """Whether fc1 gives a gate and a linear part (swiglu, quick_geglu): Megatron's name."""
-        return self.activation == "swiglu" or self.quick_geglu
-
-    def _check_gated_activation(self) -> None:
-        clamp, offset = self.activation_func_clamp_value, self.glu_linear_offset
-        if self.quick_geglu and (self.activation != "gelu" or self.openai_gelu):
-            raise ValueError(
-                f"quick_geglu=True replaces activation='gelu' (without openai_gelu), got "
-                f"activation={self.activation!r}, openai_gelu={self.openai_gelu}"
-            )
-        if not self.gated_linear_unit:
-            for name, value, default in (
-                ("glu_linear_offset", offset, 0.0), ("activation_func_clamp_value", clamp, None),
-            ):  # fmt: skip
-                if value != default:
-                    raise ValueError(
-                        f"{name}={value} applies to a gated activation (swiglu or quick_geglu), "
-                        f"got activation={self.activation!r}"
-                    )
-            return
-        if clamp is not None and not (math.isfinite(clamp) and clamp > 0):
-            raise ValueError(f"activation_func_clamp_value={clamp} must be finite and > 0")
-        if clamp is not None and self.activation == "swiglu":
-            # Megatron's rules for the clamped SwiGLU.
-            if self.num_moe_experts is None:
-                raise ValueError(
-                    f"activation_func_clamp_value={clamp} with activation='swiglu' needs "
-                    "num_moe_experts (Megatron clamps SwiGLU in MoE models only)"
-                )
-            if offset != 0.0:
-                raise ValueError(
-                    f"glu_linear_offset={offset} with activation='swiglu' and "
-                    f"activation_func_clamp_value={clamp} must be 0 (as in Megatron)"
-                )
-
     def _check_rope_scaling(self) -> None:
         if not self.use_rope_scaling:
             return
@@ -393,6 +356,43 @@ class TransformerConfig:
                 f"recompute_method={method!r} and recompute_num_layers={n!r} apply only to "
                 f"recompute_granularity='full', got {granularity!r}"
             )
+
+    @property
+    def gated_linear_unit(self) -> bool:
+        """Whether fc1 gives a gate and a linear part (swiglu, quick_geglu): Megatron's name."""
+        return self.activation == "swiglu" or self.quick_geglu
+
+    def _check_gated_activation(self) -> None:
+        clamp, offset = self.activation_func_clamp_value, self.glu_linear_offset
+        if self.quick_geglu and (self.activation != "gelu" or self.openai_gelu):
+            raise ValueError(
+                f"quick_geglu=True replaces activation='gelu' (without openai_gelu), got "
+                f"activation={self.activation!r}, openai_gelu={self.openai_gelu}"
+            )
+        if not self.gated_linear_unit:
+            for name, value, default in (
+                ("glu_linear_offset", offset, 0.0), ("activation_func_clamp_value", clamp, None),
+            ):  # fmt: skip
+                if value != default:
+                    raise ValueError(
+                        f"{name}={value} applies to a gated activation (swiglu or quick_geglu), "
+                        f"got activation={self.activation!r}"
+                    )
+            return
+        if clamp is not None and not (math.isfinite(clamp) and clamp > 0):
+            raise ValueError(f"activation_func_clamp_value={clamp} must be finite and > 0")
+        if clamp is not None and self.activation == "swiglu":
+            # Megatron's rules for the clamped SwiGLU.
+            if self.num_moe_experts is None:
+                raise ValueError(
+                    f"activation_func_clamp_value={clamp} with activation='swiglu' needs "
+                    "num_moe_experts (Megatron clamps SwiGLU in MoE models only)"
+                )
+            if offset != 0.0:
+                raise ValueError(
+                    f"glu_linear_offset={offset} with activation='swiglu' and "
+                    f"activation_func_clamp_value={clamp} must be 0 (as in Megatron)"
+                )
 
     def moe_layer_pattern(self) -> list[bool]:
         """Per layer of the whole model: whether it is a MoE layer."""
