@@ -4,7 +4,7 @@ auxiliary losses, gradient norms and consumed samples at EP2 (all-to-all and all
 dispatch), EP2 x TP2 with sequence parallelism (expert TP 1 and 2), EP2 x DP2 (also with
 the distributed optimizer), EP2 x PP2 and EP2 with every layer recomputed in backward.
 One rank runs the global batch as micro-batches of one sequence, as each data-parallel
-rank does."""
+rank does. gpt-oss's MLP (biases everywhere) trains the same at EP2 x TP2 x expert-TP2."""
 
 import pytest
 
@@ -60,3 +60,20 @@ def test_expert_parallel_layouts_train_as_one_rank(tmp_path, reference, name):
     got = metrics_records(tmp_path)
     assert len(reference) == ITERATIONS
     assert_same_curve(got, reference, LOGGED_MOE, name)
+
+
+GPT_OSS = ["--activation", "gelu", "--quick-geglu", "--glu-linear-offset", "1",
+           "--activation-func-clamp-value", "7", "--add-bias-linear"]  # fmt: skip
+
+
+def test_gpt_oss_mlp_trains_as_one_rank_at_ep2_tp2_etp2(tmp_path):
+    """gpt-oss's MLP (the clamped quick GEGLU, router and expert biases, attention biases)
+    at EP2 x TP2 with expert TP 2 and the distributed optimizer: the one-rank curve, the
+    gradient norm counting the fc2 biases held whole on both expert-TP ranks once."""
+    run_on_ranks(train_on_rank, 1, tiny_moe_options(tmp_path / "one", *GPT_OSS), timeout=300)
+    reference = metrics_records(tmp_path / "one")
+    layout = [*GPT_OSS, *EP2, *TP2, "--use-distributed-optimizer"]
+    run_on_ranks(train_on_rank, 4, tiny_moe_options(tmp_path / "four", *layout), timeout=300)
+    got = metrics_records(tmp_path / "four")
+    assert len(reference) == ITERATIONS
+    assert_same_curve(got, reference, LOGGED_MOE, "gpt-oss ep2-tp2-etp2")

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mp_ckpt import CheckpointReader, import_megatron, safe_load
+from mp_ckpt import CheckpointReader, export_hf, import_megatron, safe_load
 from mp_ckpt.cli import main
 from mp_ckpt.megatron.read import read_megatron
 from mp_ckpt.megatron.write import export_megatron
@@ -155,3 +155,50 @@ MOE_LAYOUTS = [(1, 1, 1), (1, 1, 2), (2, 1, 2), (1, 2, 4)]
 def test_moe_round_trip_is_tensor_exact(case, fmt, tp, pp, ep, tmp_path):
     model = _round_trip(case, fmt, tp, pp, ep, tmp_path)
     assert model.args.moe_layer_freq == [1, 0]  # layer 0 MoE, layer 1 dense
+
+
+def _with_setting(root: Path, field: str, value) -> None:
+    path = CheckpointReader(root).directory / "common.pt"
+    common = torch.load(path, weights_only=False)
+    common["model_config"][field] = value
+    torch.save(common, path)
+
+
+def test_layernorm_1p_goes_to_megatron_and_back(tmp_path):
+    """Megatron's --apply-layernorm-1p stores the same zero-centered weight as mp."""
+    src = _mp("llama_torch_dist_tp1", tmp_path)
+    _with_setting(src, "apply_layernorm_1p", True)
+    export_megatron(src, tmp_path / "meg", ckpt_format="torch_dist")
+    assert read_megatron(tmp_path / "meg").args.apply_layernorm_1p is True
+    import_megatron(tmp_path / "meg", tmp_path / "back")
+    assert _settings(tmp_path / "back")["apply_layernorm_1p"] is True
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("quick_geglu", True), ("glu_linear_offset", 1.0), ("activation_func_clamp_value", 7.0)],
+)
+def test_gpt_oss_activation_is_refused_by_the_exports(field, value, tmp_path):
+    src = _mp("llama_torch_dist_tp1", tmp_path)
+    _with_setting(src, field, value)
+    with pytest.raises(ValueError, match=f"{field}={value!r}: the Megatron export does not"):
+        export_megatron(src, tmp_path / "meg", ckpt_format="torch_dist")
+    with pytest.raises(ValueError, match=f"model_config {field}={value!r}: llama computes only"):
+        export_hf(src, tmp_path / "hf", "llama")
+
+
+def test_layernorm_1p_is_refused_by_the_hf_export(tmp_path):
+    src = _mp("llama_torch_dist_tp1", tmp_path)
+    _with_setting(src, "apply_layernorm_1p", True)
+    with pytest.raises(ValueError, match="apply_layernorm_1p=True: llama computes only"):
+        export_hf(src, tmp_path / "hf", "llama")
+
+
+def test_megatron_args_with_gpt_oss_activation_are_refused_on_import():
+    from argparse import Namespace
+
+    from mp_ckpt import model_config_from_megatron
+
+    args = Namespace(num_layers=2, hidden_size=64, num_attention_heads=4, quick_geglu=True)
+    with pytest.raises(ValueError, match="args: quick_geglu=True: mp imports only"):
+        model_config_from_megatron(args, 128)

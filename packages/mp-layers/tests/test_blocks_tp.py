@@ -1,4 +1,5 @@
-"""MLP and self-attention at TP 2 and 4 (with and without sequence parallelism) equal TP 1."""
+"""MLP (gelu, swiglu, gpt-oss's clamped quick GEGLU with biases) and self-attention at TP 2
+and 4 (with and without sequence parallelism) equal TP 1."""
 
 import pytest
 import torch
@@ -20,6 +21,9 @@ CASES = {
     "gelu_mlp": (MLP, dict(num_layers=2, hidden_size=32, num_attention_heads=4)),
     "swiglu_mlp": (MLP, dict(num_layers=2, hidden_size=32, num_attention_heads=4,
                              activation="swiglu", ffn_hidden_size=48, add_bias_linear=False)),
+    "gpt_oss_mlp": (MLP, dict(num_layers=2, hidden_size=32, num_attention_heads=4,
+                              quick_geglu=True, glu_linear_offset=1.0,
+                              activation_func_clamp_value=0.05, ffn_hidden_size=48)),
     "mha": (SelfAttention, dict(num_layers=2, hidden_size=32, num_attention_heads=4)),
     "gqa_rope_qknorm": (SelfAttention, dict(
         num_layers=2, hidden_size=32, num_attention_heads=8, num_query_groups=4,
@@ -94,8 +98,10 @@ def test_tensor_parallel_equals_one_rank(case):
         if case.startswith("gqa"):
             assert shapes["linear_qkv.q.weight"] == (4, 2, 8, 32)
             assert shapes["linear_qkv.k.weight"] == (4, 8, 32)
-        if case.startswith("swiglu"):
+        if case.startswith(("swiglu", "gpt_oss")):
             assert shapes["linear_fc1.gate.weight"] == shapes["linear_fc1.up.weight"] == (48, 32)
+        if case.startswith("gpt_oss"):
+            assert shapes["linear_fc1.gate.bias"] == shapes["linear_fc1.up.bias"] == (48,)
 
 
 def mp_state_piece(key, shape, offset, replica, data):

@@ -164,6 +164,16 @@ def test_grouped_matmul_equals_one_matmul_per_group(dtype, width, counts):
 
 
 @pytest.mark.parametrize("grouped", [False, True])
+def test_grouped_matmul_of_experts_without_tokens(grouped):
+    x = torch.randn(0, 8, requires_grad=True)
+    w = torch.randn(2, 16, 8, requires_grad=True)
+    out = grouped_matmul(x, w.transpose(1, 2), [0, 0], grouped)
+    assert out.shape == (0, 16)
+    (grad,) = torch.autograd.grad(out.sum(), w)
+    assert grad.eq(0).all()
+
+
+@pytest.mark.parametrize("grouped", [False, True])
 def test_moe_layer_equals_a_token_by_token_reference(grouped):
     cfg = config(moe_shared_expert_intermediate_size=12, moe_shared_expert_gate=True,
                  moe_grouped_gemm=grouped)  # fmt: skip
@@ -173,13 +183,13 @@ def test_moe_layer_equals_a_token_by_token_reference(grouped):
     assert bias is None
     probs, _ = layer.router(x)
     tokens = x.reshape(-1, H)
-    gate, up = layer.experts.weight1.chunk(2, dim=1)
+    gate, up = layer.experts.linear_fc1.weight.chunk(2, dim=1)
     want = []
     for t, token in enumerate(tokens):
         total = torch.zeros(H)
         for e in probs[t].nonzero().flatten().tolist():
             inner = F.silu(gate[e] @ token) * (up[e] @ token)
-            total += probs[t, e] * (layer.experts.weight2[e] @ inner)
+            total += probs[t, e] * (layer.experts.linear_fc2.weight[e] @ inner)
         want.append(total)
     shared = layer.shared_experts
     s_gate, s_up = shared.linear_fc1.weight.chunk(2)
@@ -192,7 +202,10 @@ def test_moe_layer_equals_a_token_by_token_reference(grouped):
     ("settings", "message"),
     [
         (dict(moe_router_topk=5), "moe_router_topk=5 exceeds num_moe_experts=4"),
-        (dict(add_bias_linear=True), "add_bias_linear=True with num_moe_experts"),
+        (
+            dict(add_bias_linear=True, moe_shared_expert_intermediate_size=8),
+            "add_bias_linear=True with moe_shared_expert_intermediate_size=8",
+        ),
         (dict(moe_layer_freq=[1, 0]), r"moe_layer_freq=\[1, 0\] must be an integer or 1"),
         (dict(moe_pad_expert_input_to_capacity=True), "needs moe_expert_capacity_factor"),
         (dict(moe_router_enable_expert_bias=True), "needs moe_router_score_function='sigmoid'"),

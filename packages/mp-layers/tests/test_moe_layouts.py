@@ -6,7 +6,12 @@ loss divided by their number (and the auxiliary losses scaled alike), as a train
 does. The parallel run reduces gradients as a training step does: sequence-parallel
 weights summed over tp, dense gradients averaged over dp, experts' summed over
 expert_dp and divided by dp (they already hold every rank's tokens' contributions).
-Top-2 routing, load-balancing and z-losses on, a gated shared expert, fp32."""
+Top-2 routing, load-balancing and z-losses on, a gated shared expert, fp32. The gpt-oss
+layouts have its MLP instead: the clamped quick GEGLU and biases everywhere (router, experts'
+fc1 and fc2, attention), no shared expert; every bias is set away from 0 first, so that an
+fc2 bias added more than once over expert-TP, or to a padded copy, would show."""
+
+import zlib
 
 import pytest
 import torch
@@ -45,6 +50,29 @@ LAYOUTS = {
         moe_token_dispatcher_type="alltoall", moe_router_score_function="sigmoid",
         moe_router_load_balancing_type="seq_aux_loss", moe_router_topk_scaling_factor=2.0)),
 }  # fmt: skip
+GPT_OSS = dict(activation="gelu", quick_geglu=True, glu_linear_offset=1.0,
+               activation_func_clamp_value=7.0, add_bias_linear=True,
+               moe_shared_expert_intermediate_size=None, moe_shared_expert_gate=False)  # fmt: skip
+LAYOUTS |= {
+    "gpt-oss-EP2": (1, 2, 1, GPT_OSS | dict(moe_token_dispatcher_type="alltoall")),
+    "gpt-oss-EP2xTP2xETP2": (2, 2, 2, GPT_OSS | dict(moe_token_dispatcher_type="alltoall")),
+    "gpt-oss-EP2xTP2xETP2-allgather": (2, 2, 2, GPT_OSS | dict(
+        moe_token_dispatcher_type="allgather")),
+    "gpt-oss-EP2-padded": (1, 2, 1, GPT_OSS | dict(
+        moe_token_dispatcher_type="alltoall", moe_expert_capacity_factor=1.0,
+        moe_pad_expert_input_to_capacity=True)),
+}  # fmt: skip
+
+
+def set_biases(model: GPTModel) -> None:
+    """Every bias to values drawn from its logical name, whatever the layout (small
+    enough that the router still sends every expert tokens)."""
+    with torch.no_grad():
+        for key, piece in model.sharded_state_dict().items():
+            if key.endswith("bias"):
+                generator = torch.Generator().manual_seed(zlib.crc32(key.encode()))
+                whole = torch.randn(piece.global_shape, generator=generator) * 0.01
+                piece.data.copy_(whole[piece.global_slices])
 
 
 def batch() -> torch.Tensor:
@@ -85,6 +113,7 @@ def on_rank(name: str):
     )  # fmt: skip
     model = GPTModel(config_of(settings, tp), "local", VOCAB, SEQ, groups=ModelGroups.of(state),
                      init_seed=11)  # fmt: skip
+    set_biases(model)
     ids, labels = (t.chunk(state.dp.size)[state.dp.rank] for t in batch())
     set_aux_loss_scale(1.0)
     loss = model(ids, labels=labels)
@@ -101,6 +130,7 @@ def on_rank(name: str):
 def one_process(name: str, micro_batches: int):
     config = config_of(LAYOUTS[name][3], 1)
     model = GPTModel(config, "local", VOCAB, SEQ, groups=ModelGroups.single(), init_seed=11)
+    set_biases(model)
     set_aux_loss_scale(1.0 / micro_batches)
     losses = []
     for ids, labels in zip(*(t.chunk(micro_batches) for t in batch()), strict=True):

@@ -14,7 +14,7 @@ import types
 import pytest
 
 from mp_data import DataConfig
-from mp_layers import TransformerConfig
+from mp_layers import GPTModel, ModelGroups, TransformerConfig
 from mp_optim import OptimizerConfig
 from mp_state import ParallelConfig
 from mp_train.config import GPTConfig, RunConfig, TrainingConfig
@@ -273,8 +273,8 @@ def test_interleaved_pipeline_penalty():
 
 
 # The MoE model of the MoE tests: 4 routed experts of width 64, top-2, a shared expert of
-# width 32, layer 0 MoE and layer 1 dense (moe_layer_freq 2), expert parallel 2 (MoE
-# layers have no biases: add_bias_linear=False, which the counts leave out anyway).
+# width 32, layer 0 MoE and layer 1 dense (moe_layer_freq 2), expert parallel 2
+# (add_bias_linear=False: a shared expert has no biases).
 MOE = {"num_moe_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 64,
        "moe_shared_expert_intermediate_size": 32, "moe_layer_freq": 2,
        "add_bias_linear": False}  # fmt: skip
@@ -333,6 +333,39 @@ def test_moe_expert_tensor_parallel():
                                      parallel={**parallel, "expert_tensor_parallel_size": 2}),
                          world_size=4)  # fmt: skip
     assert expert_tp["expert_parameters_on_most_loaded_shard"] == 8192
+
+
+# gpt-oss's shape: RMSNorm, GQA (a = 4, g = 2, d = 16), rope, untied, the clamped quick
+# GEGLU and biases everywhere, every layer MoE (4 experts of width 32, top-2, no shared).
+GPT_OSS = {"normalization": "RMSNorm", "num_query_groups": 2, "kv_channels": 16,
+           "position_embedding_type": "rope", "untie_embeddings_and_output_weights": True,
+           "quick_geglu": True, "glu_linear_offset": 1.0, "activation_func_clamp_value": 7.0,
+           "add_bias_linear": True, "num_moe_experts": 4, "moe_ffn_hidden_size": 32,
+           "moe_router_topk": 2, "hidden_dropout": 0.0, "attention_dropout": 0.0}  # fmt: skip
+
+
+def test_gpt_oss_shaped_moe_counts_the_models_parameters():
+    config = make_config(bf16=False, **GPT_OSS)
+    result = estimate(config, world_size=1)
+    # Per layer: attention 2*64*16*(4 + 2) = 12288, norms 2*64 = 128, router 64*4 + 4 = 260,
+    # experts 4*(64*32*3 + 2*32 + 64) = 4*6272 = 25088: 37764. Two layers and the final
+    # norm 75592; embedding and output layer 2*64*128 = 16384.
+    assert result["num_parameters"] == 75592 + 16384  # 91976
+    # A token passes through 2 of the 4 experts: 91976 - 2*25088/2.
+    assert result["num_active_parameters"] == 91976 - 25088
+    # The model holds exactly these, and the attention biases the count leaves out (as
+    # Megatron's): QKV (4 + 2*2)*16 = 128 and projection 64 per layer.
+    model = GPTModel(config.model, "local", result["padded_vocab_size"], config.gpt.seq_length,
+                     groups=ModelGroups.single())  # fmt: skip
+    named = dict(model.named_parameters())
+    attention_biases = [k for k in named if ".self_attention." in k and k.endswith(".bias")]
+    assert sum(named[k].numel() for k in attention_biases) == 2 * (128 + 64)
+    held = sum(p.numel() for k, p in named.items() if k not in attention_biases)
+    assert held == result["num_parameters"]
+    # FLOPs: attention 64*(64 + 64) + 64*32 + 64*64 = 14336 a layer; the gated experts
+    # 2*32*3 = 192 wide per layer; logits 64*128. 6 (2*14336 + 64*384 + 8192) = 368640 per
+    # token, times B s = 2*32: 23592960.
+    assert result["flops_per_iteration"] == 23592960
 
 
 def test_flops_moe():

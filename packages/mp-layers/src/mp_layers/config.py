@@ -13,6 +13,10 @@ from typing import Literal
 
 import torch
 
+from mp_layers.config_moe import check_expert_parallel, check_moe
+from mp_layers.config_rules import choice as _choice
+from mp_layers.config_rules import positive as _positive
+
 __all__ = ["ATTENTION_BACKENDS", "TransformerConfig"]
 
 ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
@@ -43,6 +47,12 @@ class TransformerConfig:
     normalization: Literal["LayerNorm", "RMSNorm"] = "LayerNorm"
     """Normalization of each sublayer's input and of the final output."""
 
+    apply_layernorm_1p: bool = False
+    """Zero-centered gamma (Megatron's --apply-layernorm-1p, its config's
+    layernorm_zero_centered_gamma; Nemotron's LayerNorm1P): every norm (the layers', the
+    final one, the QK norms) stores w and scales by 1 + w, y = norm(x) (1 + w) + b, w
+    initialized to 0. With LayerNorm or RMSNorm (no b)."""
+
     layernorm_epsilon: float = 1e-5
     """Epsilon of LayerNorm / RMSNorm."""
 
@@ -54,8 +64,26 @@ class TransformerConfig:
     0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) of GPT-2 (Hugging Face's gelu_new)
     instead of the exact x Phi(x) (Megatron's --openai-gelu)."""
 
+    quick_geglu: bool = False
+    """Instead of activation="gelu": the gated quick GELU of gpt-oss (Megatron's
+    --quick-geglu): fc1 gives a gate g and a linear part u (twice as wide, as for swiglu)
+    and the MLP computes g sigmoid(1.702 g) (u + glu_linear_offset), after
+    activation_func_clamp_value's clamp."""
+
+    glu_linear_offset: float = 0.0
+    """Added to the linear part u of a gated activation (swiglu, quick_geglu) before the
+    product: act(g) (u + offset); gpt-oss uses 1 (Megatron's --glu-linear-offset)."""
+
+    activation_func_clamp_value: float | None = None
+    """A gated activation's inputs clamped before it (Megatron's
+    --activation-func-clamp-value): the gate g to at most the value, the linear part u to
+    [-value, value]; gpt-oss uses 7. With swiglu only in MoE models, as in Megatron.
+    None: no clamp."""
+
     add_bias_linear: bool = True
-    """Biases in every linear layer."""
+    """Biases in every linear layer: attention's, the MLP's, and in MoE layers the router's
+    (logits x w^T + b) and each routed expert's fc1 and fc2 (the shared expert has none:
+    refused, as in Megatron)."""
 
     add_qkv_bias: bool = False
     """A bias in the QKV projection even without add_bias_linear (Qwen-style)."""
@@ -265,6 +293,7 @@ class TransformerConfig:
             raise ValueError(
                 f"openai_gelu=True applies to activation='gelu', got {self.activation!r}"
             )
+        self._check_gated_activation()
         self._check_rope_scaling()
         if self.layernorm_epsilon <= 0:
             raise ValueError(f"layernorm_epsilon={self.layernorm_epsilon} must be > 0")
@@ -284,7 +313,7 @@ class TransformerConfig:
         if self.bf16 and self.fp16:
             raise ValueError("bf16=True and fp16=True are exclusive: choose one")
         self._check_recompute()
-        self._check_moe()
+        check_moe(self)
 
     def _check_rope_scaling(self) -> None:
         if not self.use_rope_scaling:
@@ -331,68 +360,42 @@ class TransformerConfig:
                 f"recompute_granularity='full', got {granularity!r}"
             )
 
-    def _check_moe(self) -> None:
-        if self.num_moe_experts is None:
-            for name, default in _MOE_DEFAULTS.items():
-                if getattr(self, name) != default:
-                    raise ValueError(f"{name}={getattr(self, name)!r} needs num_moe_experts")
+    @property
+    def gated_linear_unit(self) -> bool:
+        """Whether fc1 gives a gate and a linear part (swiglu, quick_geglu): Megatron's name."""
+        return self.activation == "swiglu" or self.quick_geglu
+
+    def _check_gated_activation(self) -> None:
+        clamp, offset = self.activation_func_clamp_value, self.glu_linear_offset
+        if self.quick_geglu and (self.activation != "gelu" or self.openai_gelu):
+            raise ValueError(
+                f"quick_geglu=True replaces activation='gelu' (without openai_gelu), got "
+                f"activation={self.activation!r}, openai_gelu={self.openai_gelu}"
+            )
+        if not self.gated_linear_unit:
+            for name, value, default in (
+                ("glu_linear_offset", offset, 0.0), ("activation_func_clamp_value", clamp, None),
+            ):  # fmt: skip
+                if value != default:
+                    raise ValueError(
+                        f"{name}={value} applies to a gated activation (swiglu or quick_geglu), "
+                        f"got activation={self.activation!r}"
+                    )
             return
-        _positive("num_moe_experts", self.num_moe_experts)
-        if self.moe_ffn_hidden_size is None:
-            self.moe_ffn_hidden_size = self.ffn_hidden_size
-        _positive("moe_ffn_hidden_size", self.moe_ffn_hidden_size)
-        _positive("moe_router_topk", self.moe_router_topk)
-        if self.moe_router_topk > self.num_moe_experts:
-            raise ValueError(
-                f"moe_router_topk={self.moe_router_topk} exceeds "
-                f"num_moe_experts={self.num_moe_experts}"
-            )
-        _choice("moe_router_score_function", self.moe_router_score_function, ("softmax", "sigmoid"))
-        if self.moe_router_pre_softmax and self.moe_router_score_function != "softmax":
-            raise ValueError(
-                "moe_router_pre_softmax=True needs moe_router_score_function='softmax'"
-            )
-        if self.moe_router_enable_expert_bias and self.moe_router_score_function != "sigmoid":
-            raise ValueError(
-                "moe_router_enable_expert_bias=True needs moe_router_score_function='sigmoid' "
-                f"(got {self.moe_router_score_function!r}), as in Megatron"
-            )
-        _choice(
-            "moe_router_load_balancing_type", self.moe_router_load_balancing_type,
-            ("aux_loss", "seq_aux_loss", "none"),
-        )  # fmt: skip
-        _choice("moe_token_drop_policy", self.moe_token_drop_policy, ("probs", "position"))
-        _choice(
-            "moe_token_dispatcher_type", self.moe_token_dispatcher_type, ("alltoall", "allgather")
-        )
-        if self.moe_router_dtype is not None:
-            _choice("moe_router_dtype", self.moe_router_dtype, ("fp32", "fp64"))
-        for name in ("moe_aux_loss_coeff", "moe_router_bias_update_rate"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
-        if self.moe_z_loss_coeff is not None and self.moe_z_loss_coeff < 0:
-            raise ValueError(f"moe_z_loss_coeff={self.moe_z_loss_coeff} must be >= 0")
-        factor = self.moe_expert_capacity_factor
-        if factor is not None and factor <= 0:
-            raise ValueError(f"moe_expert_capacity_factor={factor} must be > 0")
-        if self.moe_pad_expert_input_to_capacity and factor is None:
-            raise ValueError(
-                "moe_pad_expert_input_to_capacity=True needs moe_expert_capacity_factor"
-            )
-        if self.moe_shared_expert_intermediate_size is not None:
-            _positive(
-                "moe_shared_expert_intermediate_size", self.moe_shared_expert_intermediate_size
-            )
-        elif self.moe_shared_expert_gate:
-            raise ValueError(
-                "moe_shared_expert_gate=True needs moe_shared_expert_intermediate_size"
-            )
-        if self.add_bias_linear:
-            raise ValueError(
-                "add_bias_linear=True with num_moe_experts: experts have no biases here; set "
-                "add_bias_linear=False"
-            )
-        self.moe_layer_pattern()  # validates moe_layer_freq
+        if clamp is not None and not (math.isfinite(clamp) and clamp > 0):
+            raise ValueError(f"activation_func_clamp_value={clamp} must be finite and > 0")
+        if clamp is not None and self.activation == "swiglu":
+            # Megatron's rules for the clamped SwiGLU.
+            if self.num_moe_experts is None:
+                raise ValueError(
+                    f"activation_func_clamp_value={clamp} with activation='swiglu' needs "
+                    "num_moe_experts (Megatron clamps SwiGLU in MoE models only)"
+                )
+            if offset != 0.0:
+                raise ValueError(
+                    f"glu_linear_offset={offset} with activation='swiglu' and "
+                    f"activation_func_clamp_value={clamp} must be 0 (as in Megatron)"
+                )
 
     def moe_layer_pattern(self) -> list[bool]:
         """Per layer of the whole model: whether it is a MoE layer."""
@@ -421,8 +424,8 @@ class TransformerConfig:
     ) -> None:
         """The rules that depend on the parallel sizes; raises ValueError naming them."""
         tp, cp = tensor_model_parallel_size, context_parallel_size
-        self._check_expert_parallel(
-            tp, cp, expert_model_parallel_size, expert_tensor_parallel_size or tp
+        check_expert_parallel(
+            self, tp, cp, expert_model_parallel_size, expert_tensor_parallel_size or tp
         )
         for name in ("num_attention_heads", "num_query_groups", "ffn_hidden_size"):
             value = getattr(self, name)
@@ -445,54 +448,7 @@ class TransformerConfig:
                 "attention_dropout=0"
             )
 
-    def _check_expert_parallel(self, tp: int, cp: int, ep: int, etp: int) -> None:
-        if self.num_moe_experts is None:
-            if ep > 1:
-                raise ValueError(
-                    f"expert_model_parallel_size={ep} needs num_moe_experts (a MoE model)"
-                )
-            return
-        if self.num_moe_experts % ep:
-            raise ValueError(
-                f"expert_model_parallel_size={ep} does not divide "
-                f"num_moe_experts={self.num_moe_experts}"
-            )
-        if self.moe_ffn_hidden_size % etp:
-            raise ValueError(
-                f"expert_tensor_parallel_size={etp} does not divide "
-                f"moe_ffn_hidden_size={self.moe_ffn_hidden_size}"
-            )
-        if tp > 1 and not self.sequence_parallel:
-            raise ValueError(
-                f"num_moe_experts with tensor_model_parallel_size={tp} needs "
-                "sequence_parallel=True (each tensor-parallel rank routes its own tokens)"
-            )
-        if cp > 1:
-            raise ValueError(
-                f"num_moe_experts with context_parallel_size={cp}: MoE layers do not "
-                "support context parallelism yet; use context_parallel_size=1"
-            )
-
     @property
     def output_layer_init_std(self) -> float:
         """Megatron's scaled init of the projections into the residual: std / sqrt(2 * layers)."""
         return self.init_method_std / math.sqrt(2.0 * self.num_layers)
-
-
-_MOE_DEFAULTS = {
-    "moe_shared_expert_intermediate_size": None,
-    "moe_expert_capacity_factor": None,
-    "moe_router_enable_expert_bias": False,
-    "moe_aux_loss_coeff": 0.0,
-    "moe_z_loss_coeff": None,
-}
-
-
-def _positive(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name}={value!r} must be a positive integer")
-
-
-def _choice(name: str, value: object, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ValueError(f"{name}={value!r} must be one of {', '.join(choices)}")

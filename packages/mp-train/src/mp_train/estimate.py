@@ -14,11 +14,14 @@ global batch; for MoE layers E routed experts, k of them per token, f_moe their 
 f_shared the shared expert's. MB is 2^20 bytes.
 
 Parameters (Megatron-LM's compute_weight_and_optimizer_memory): per layer attention
-2hd(a + g), MLP hf x (3 if swiglu else 2), norms 2h x (2 for LayerNorm, 1 for RMSNorm);
-a MoE layer's MLP is h(E f_moe + f_shared) x (3|2), plus its router hE and, with
-moe_shared_expert_gate, the gate's h (Megatron leaves both out; they are trained and
-saved like any weight); final norm; embedding hV, doubled when untied. Biases and
-learned position embeddings are not counted (as in Megatron). num_active_parameters
+2hd(a + g), MLP hf x (3 if gated (swiglu, quick_geglu) else 2), norms 2h x (2 for
+LayerNorm, 1 for RMSNorm); a MoE layer's MLP is h(E f_moe + f_shared) x (3|2), plus its
+router hE and, with moe_shared_expert_gate, the gate's h (Megatron leaves both out; they
+are trained and saved like any weight); final norm; embedding hV, doubled when untied.
+The biases of attention and dense MLPs and learned position embeddings are not counted
+(as in Megatron); a MoE layer's, with add_bias_linear, are, like its router: the router's
+E and the routed experts' E(f_moe x (2|1) + h) (gpt-oss), counted with the experts.
+num_active_parameters
 counts the k routed experts a token passes through instead of all E. The most loaded
 rank holds (block / p + hV) / t, plus the output layer's hV / t when p = 1 and untied;
 routed experts are divided by e x expert-t instead of t (Megatron ignores expert
@@ -194,7 +197,7 @@ def _moe_layers(config: RunConfig) -> tuple[int, int]:
 def _parameters(config: RunConfig, V: int) -> dict:
     m = config.model
     h, d = m.hidden_size, m.kv_channels
-    gated = 3 if m.activation == "swiglu" else 2  # fc1 (twice as wide when gated) and fc2
+    gated = 3 if m.gated_linear_unit else 2  # fc1 (twice as wide when gated) and fc2
     norm = 1 if m.normalization == "RMSNorm" else 2  # LayerNorm has a bias
     attention = 2 * h * d * (m.num_attention_heads + m.num_query_groups)  # Q, K, V and out
     n_dense, n_moe = _moe_layers(config)
@@ -205,7 +208,11 @@ def _parameters(config: RunConfig, V: int) -> dict:
         E, k = m.num_moe_experts, m.moe_router_topk
         shared = h * (m.moe_shared_expert_intermediate_size or 0) * gated
         router = h * E + (h if m.moe_shared_expert_gate else 0)  # and the shared expert's gate
-        experts = h * m.moe_ffn_hidden_size * gated * E * n_moe
+        expert = h * m.moe_ffn_hidden_size * gated
+        if m.add_bias_linear:  # the router's bias [E]; each expert's fc1 [(2|1) f] and fc2 [h]
+            router += E
+            expert += m.moe_ffn_hidden_size * (gated - 1) + h
+        experts = expert * E * n_moe
         active_experts = experts // E * k
         block += (attention + shared + router + 2 * h * norm) * n_moe + experts
     embedding = h * V
@@ -333,7 +340,7 @@ def _flops(config: RunConfig, layout: dict, V: int) -> int:
     s, h, L = config.gpt.seq_length, m.hidden_size, m.num_layers
     q = m.kv_channels * m.num_attention_heads
     kv = m.kv_channels * m.num_query_groups
-    gated = 3 if m.activation == "swiglu" else 2
+    gated = 3 if m.gated_linear_unit else 2
     # Per token: QKV and output projections, and QK^T, (QK^T)V at half (causal): 2 x qs/2.
     attention = h * (q + 2 * kv) + q * s + q * h
     n_dense, n_moe = _moe_layers(config)

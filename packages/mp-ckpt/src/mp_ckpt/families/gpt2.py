@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from mp_ckpt.families.hf_settings import refuse, token_ids
+from mp_ckpt.families.hf_settings import LLAMA_STYLE, check_computes, refuse, token_ids
 from mp_ckpt.families.table import Dims, Family, Rule, transposed
 
 __all__ = ["FAMILY"]
@@ -19,6 +19,8 @@ __all__ = ["FAMILY"]
 _ACTIVATIONS = {"gelu": False, "gelu_new": True, "gelu_pytorch_tanh": True}
 _QKV = tuple(f"self_attention.linear_qkv.{p}.{w}" for w in ("weight", "bias") for p in "qkv")
 _LAYER = "transformer.h.{i}."
+_COMPUTES = LLAMA_STYLE | {"normalization": "LayerNorm", "activation": "gelu",
+                           "position_embedding_type": "learned_absolute"}  # fmt: skip
 
 
 def _qkv_to_mp(t, dims: Dims) -> list[torch.Tensor]:
@@ -97,8 +99,7 @@ def _config(settings: dict, shapes: dict, tokens: dict, dtype: str) -> dict:
     """GPT2LMHeadModel's config.json."""
     h = shapes["hidden"]
     hidden_dropout = settings.get("hidden_dropout", 0.0)
-    if settings.get("activation", "gelu") != "gelu":
-        raise ValueError(f"model_config activation={settings['activation']!r}: GPT-2 computes gelu")
+    check_computes(settings, "gpt2", _COMPUTES)
     if not shapes["tied"]:
         raise ValueError(
             "GPT2LMHeadModel ties its output layer to the embedding; this checkpoint has a "

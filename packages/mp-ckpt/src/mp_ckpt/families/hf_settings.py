@@ -108,15 +108,35 @@ def refuse(config: dict, key: str, supported: object) -> None:
 # --- export ------------------------------------------------------------------------------
 
 
-def base_config(settings: dict, shapes: dict, tokens: dict, dtype: str) -> dict:
+LLAMA_STYLE = {
+    "normalization": "RMSNorm", "apply_layernorm_1p": False, "activation": "swiglu",
+    "quick_geglu": False, "glu_linear_offset": 0.0, "activation_func_clamp_value": None,
+    "position_embedding_type": "rope", "rotary_percent": 1.0, "qk_layernorm": False,
+    "softmax_type": "vanilla", "window_size": None, "window_attn_skip_freq": None,
+}  # fmt: skip
+"""What a Llama-style family computes, under TransformerConfig's names (and defaults)."""
+
+
+def check_computes(settings: dict, model_type: str, computes: dict) -> None:
+    """Raises unless each setting has the value the family computes (an absent one counts
+    as TransformerConfig's default, which `computes` holds for the fields it names)."""
+    for field, value in computes.items():
+        have = settings.get(field, value)
+        if isinstance(value, tuple) and isinstance(have, list):
+            have = tuple(have)
+        if have != value:
+            raise ValueError(
+                f"model_config {field}={have!r}: {model_type} computes only {field}={value!r}"
+            )
+
+
+def base_config(settings: dict, shapes: dict, tokens: dict, dtype: str, model_type: str,
+                **computes) -> dict:  # fmt: skip
     """The keys every Llama-style config.json of transformers 5 has. shapes: vocab,
     hidden, layers, heads, groups, head_dim, ffn, tied; tokens: bos/eos/pad ids.
-    These families rotate every channel of a head (Nemotron writes its own fraction)."""
-    if settings.get("rotary_percent", 1.0) != 1.0:
-        raise ValueError(
-            f"model_config rotary_percent={settings['rotary_percent']!r}: this family "
-            "rotates every channel of a head"
-        )
+    Refuses settings the family does not compute: LLAMA_STYLE's, with `computes` over
+    them."""
+    check_computes(settings, model_type, LLAMA_STYLE | computes)
     return {
         "vocab_size": shapes["vocab"], "hidden_size": shapes["hidden"],
         "intermediate_size": shapes["ffn"], "num_hidden_layers": shapes["layers"],
@@ -135,7 +155,7 @@ def base_config(settings: dict, shapes: dict, tokens: dict, dtype: str) -> dict:
 def llama_config(settings: dict, shapes: dict, tokens: dict, dtype: str) -> dict:
     """LlamaForCausalLM's config.json, with the rotary keys earlier transformers read."""
     theta, scaling = rope_scaling(settings)
-    config = base_config(settings, shapes, tokens, dtype)
+    config = base_config(settings, shapes, tokens, dtype, "llama")
     del config["dtype"]
     return {"architectures": ["LlamaForCausalLM"], "model_type": "llama"} | config | {
         "rope_theta": theta, "rope_scaling": scaling, "attention_bias": False,

@@ -18,7 +18,9 @@ def _settings(config: dict) -> dict:
 
 
 def _config(settings: dict, shapes: dict, tokens: dict, dtype: str) -> dict:
-    config = base_config(settings, shapes, tokens, dtype)
+    window = settings.get("window_size")
+    config = base_config(settings, shapes, tokens, dtype, "mistral",
+                         window_size=tuple(window) if window else None)  # fmt: skip
     return config | {"architectures": ["MistralForCausalLM"], "model_type": "mistral",
                      "sliding_window": sliding_window(settings, shapes["layers"])}  # fmt: skip
 

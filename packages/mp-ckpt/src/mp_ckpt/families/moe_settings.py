@@ -114,9 +114,9 @@ def sparse_step(sparse: list[int]) -> tuple[int, list[int]]:
 
 
 def moe_config(settings: dict, shapes: dict, tokens: dict, dtype: str, arch: str,
-               pre_softmax: bool | None) -> dict:  # fmt: skip
+               pre_softmax: bool | None, **computes) -> dict:  # fmt: skip
     """base_config's keys without the dense width, and the routing's keys."""
-    config = base_config(settings, shapes | {"ffn": None}, tokens, dtype)
+    config = base_config(settings, shapes | {"ffn": None}, tokens, dtype, arch, **computes)
     del config["intermediate_size"]
     return config | {
         "use_cache": True, "output_router_logits": False,

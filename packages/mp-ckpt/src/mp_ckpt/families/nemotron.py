@@ -30,14 +30,10 @@ def _settings(config: dict) -> dict:
 
 
 def _config(settings: dict, shapes: dict, tokens: dict, dtype: str) -> dict:
-    checks = (("normalization", "LayerNorm"), ("apply_layernorm_1p", True),
-              ("activation", "squared_relu"))  # fmt: skip
-    for field, value in checks:
-        if settings.get(field) != value:
-            raise ValueError(f"model_config {field}={settings.get(field)!r}: Nemotron computes "
-                             f"only {field}={value!r}")  # fmt: skip
     partial = settings.get("rotary_percent", 1.0)
-    config = base_config(settings | {"rotary_percent": 1.0}, shapes, tokens, dtype)
+    config = base_config(settings, shapes, tokens, dtype, "nemotron", normalization="LayerNorm",
+                         apply_layernorm_1p=True, activation="squared_relu",
+                         rotary_percent=partial)  # fmt: skip
     config["norm_eps"] = config.pop("rms_norm_eps")
     config["rope_parameters"] = {"partial_rotary_factor": partial, **config["rope_parameters"]}
     return config | {

@@ -24,7 +24,7 @@ def _config(settings: dict, shapes: dict, tokens: dict, dtype: str) -> dict:
     if not settings.get("add_qkv_bias"):
         raise ValueError("model_config add_qkv_bias=False: Qwen2 always has q/k/v biases; "
                          "export it as llama")  # fmt: skip
-    config = base_config(settings, shapes, tokens, dtype) | qwen_window_keys(settings)
+    config = base_config(settings, shapes, tokens, dtype, "qwen2") | qwen_window_keys(settings)
     if shapes["head_dim"] * shapes["heads"] == shapes["hidden"]:
         del config["head_dim"]  # Qwen2 writes it only where it differs
     return config | {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}

@@ -32,7 +32,7 @@ def qwen3_keys(settings: dict) -> dict:
 
 
 def _config(settings: dict, shapes: dict, tokens: dict, dtype: str) -> dict:
-    config = base_config(settings, shapes, tokens, dtype)
+    config = base_config(settings, shapes, tokens, dtype, "qwen3", qk_layernorm=True)
     return (
         config
         | qwen3_keys(settings)

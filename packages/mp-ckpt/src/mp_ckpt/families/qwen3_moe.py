@@ -41,7 +41,9 @@ def _settings(config: dict) -> dict:
 
 def _config(settings: dict, shapes: dict, tokens: dict, dtype: str) -> dict:
     step, dense = sparse_step(shapes["sparse"])
-    config = moe_config(settings, shapes, tokens, dtype, "qwen3_moe", None) | qwen3_keys(settings)
+    config = moe_config(
+        settings, shapes, tokens, dtype, "qwen3_moe", None, qk_layernorm=True
+    ) | qwen3_keys(settings)
     del config["max_window_layers"]  # Qwen3-MoE has no such key
     return config | {
         "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",

@@ -13,7 +13,9 @@ __all__ = ["MOE_COPIED", "model_config_from_megatron", "moe_settings_from_megatr
 # Megatron settings that change the computation in ways mp does not implement.
 _REFUSED = (
     ("multi_latent_attention", False),
-    ("apply_layernorm_1p", False),
+    ("quick_geglu", False),  # gpt-oss's activation: mp computes it, the import not yet
+    ("glu_linear_offset", 0.0),
+    ("activation_func_clamp_value", None),
     ("rotary_interleaved", False),
     ("apply_residual_connection_post_layernorm", False),
     ("heterogeneous_layers_config_path", None),
@@ -72,6 +74,8 @@ def model_config_from_megatron(args, vocab_size: int, where: str = "args") -> di
         "add_bias_linear": bool(_arg(args, "add_bias_linear", True)),
         "add_qkv_bias": bool(_arg(args, "add_qkv_bias", False)),
         "qk_layernorm": bool(_arg(args, "qk_layernorm", False)),
+        # the same zero-centered weight in both (Megatron's layernorm_zero_centered_gamma)
+        "apply_layernorm_1p": bool(_arg(args, "apply_layernorm_1p", False)),
         "untie_embeddings_and_output_weights": bool(
             _arg(args, "untie_embeddings_and_output_weights", False)),
         "hidden_dropout": _arg(args, "hidden_dropout", 0.1),

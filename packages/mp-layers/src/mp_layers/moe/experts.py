@@ -4,18 +4,27 @@ Shapes: E experts of inner width F over ep expert-parallel ranks and etp expert
 tensor-parallel ranks; this rank holds El = E / ep experts (global indices
 ep_rank El .. ep_rank El + El - 1) and Fl = F / etp of each one's inner channels:
 
-    weight1 [El, 2 Fl, h]   fc1, each expert's rows [gate_r; up_r] for swiglu ([Fl, h] else)
-    weight2 [El, h, Fl]     fc2
+    linear_fc1.weight [El, 2 Fl, h]   each expert's rows [gate_r; up_r] when gated ([Fl, h] else)
+    linear_fc1.bias   [El, 2 Fl]      (add_bias_linear) laid out as the weight's rows
+    linear_fc2.weight [El, h, Fl]
+    linear_fc2.bias   [El, h]         (add_bias_linear) whole on every expert-TP rank
 
 tokens [N, h] arrive sorted by local expert, `counts` [El] of them each; the output
 [N, h] is this rank's partial sum over its Fl channels (the dispatcher sums it over
-expert_tp). Weights are drawn expert by expert from one generator whatever the layout
-(every rank draws all E and keeps its own), so a seed gives the same model at every EP
-and expert-TP size.
+expert_tp, then weights each copy by its routing probability p, so a copy's output is
+p (fc2(act(fc1(x))) + b2) as in Megatron's TEGroupedMLP and Hugging Face's GptOssExperts,
+and a padded copy, of weight 0, adds nothing). The fc2 bias must enter that sum once: as
+a RowParallelLinear adds its bias after the reduction, expert-TP rank 0 adds it and the
+others add zeros, while its gradient, the same on every expert-TP rank (the combine's
+backward gathers the output gradient), reaches every rank's copy whole. Weights are drawn
+expert by expert from one generator whatever the layout (every rank draws all E and keeps
+its own), so a seed gives the same model at every EP and expert-TP size; biases start at 0.
 
 The checkpoint holds the experts stacked by global index (Megatron's and Hugging Face's
 per-expert tensors are their slices): linear_fc1.gate.weight and linear_fc1.up.weight
-[E, F, h] (linear_fc1.weight without swiglu), linear_fc2.weight [E, h, F].
+[E, F, h] (linear_fc1.weight without a gate), linear_fc2.weight [E, h, F], and with
+add_bias_linear linear_fc1.gate.bias and linear_fc1.up.bias [E, F] (linear_fc1.bias),
+linear_fc2.bias [E, h] (a replica on expert-TP ranks > 0).
 """
 
 from __future__ import annotations
@@ -35,49 +44,92 @@ class GroupedExperts(torch.nn.Module):
         super().__init__()
         self.config = config
         self.ep, self.etp = ep, etp
-        self.gated = config.activation == "swiglu"
+        self.gated = config.gated_linear_unit
         experts, f, h = config.num_moe_experts, config.moe_ffn_hidden_size, config.hidden_size
         self.num_local = experts // ep.size
         self.local_ffn = f // etp.size
         first = ep.rank * self.num_local
         rows = slice(etp.rank * self.local_ffn, (etp.rank + 1) * self.local_ffn)
+        parts = 2 if self.gated else 1
         fc1, fc2 = [], []
         for expert in range(experts):
-            w1 = torch.empty((2 if self.gated else 1) * f, h).normal_(std=config.init_method_std)
+            w1 = torch.empty(parts * f, h).normal_(std=config.init_method_std)
             w2 = torch.empty(h, f).normal_(std=config.output_layer_init_std)
             if first <= expert < first + self.num_local:
-                fc1.append(torch.cat([part[rows] for part in w1.chunk(2 if self.gated else 1)]))
+                fc1.append(torch.cat([part[rows] for part in w1.chunk(parts)]))
                 fc2.append(w2[:, rows])
-        self.weight1 = torch.nn.Parameter(torch.stack(fc1).to(config.params_dtype))
-        self.weight2 = torch.nn.Parameter(torch.stack(fc2).to(config.params_dtype))
-        for weight in (self.weight1, self.weight2):
-            weight.expert_parallel = True
+        bias = config.add_bias_linear
+        self.linear_fc1 = _ExpertWeights(torch.stack(fc1), bias, config.params_dtype)
+        self.linear_fc2 = _ExpertWeights(torch.stack(fc2), bias, config.params_dtype)
 
     def forward(self, tokens: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """tokens [N, h] sorted by local expert, counts [El] -> [N, h] (partial over etp)."""
         grouped = self.config.moe_grouped_gemm
-        inner = grouped_matmul(tokens, self.weight1.transpose(1, 2), counts, grouped)
-        return grouped_matmul(
-            activate(self.config, inner), self.weight2.transpose(1, 2), counts, grouped
-        )
+        fc1, fc2 = self.linear_fc1, self.linear_fc2
+        inner = grouped_matmul(tokens, fc1.weight.transpose(1, 2), counts, grouped)
+        if fc1.bias is not None:
+            inner = inner + _per_copy(fc1.bias, counts)
+        out = grouped_matmul(activate(self.config, inner), fc2.weight.transpose(1, 2), counts,
+                             grouped)  # fmt: skip
+        if fc2.bias is not None:
+            out = out + _AddedOnce.apply(_per_copy(fc2.bias, counts), self.etp.rank == 0)
+        return out
 
     def sharded_state_dict(self, prefix: str = "") -> dict[str, ShardedTensor]:
         experts = self.config.num_moe_experts
         f, h = self.config.moe_ffn_hidden_size, self.config.hidden_size
         first, inner = self.ep.rank * self.num_local, self.etp.rank * self.local_ffn
-        parts = (
-            {"linear_fc1.gate.weight": 0, "linear_fc1.up.weight": 1}
-            if self.gated
-            else {"linear_fc1.weight": 0}
-        )
+        parts = ("linear_fc1.gate.", "linear_fc1.up.") if self.gated else ("linear_fc1.",)
+        fc1, fc2 = self.linear_fc1, self.linear_fc2
         pieces = {}
-        for name, index in parts.items():
-            data = self.weight1.chunk(len(parts), dim=1)[index]
-            pieces[prefix + name] = ShardedTensor(
-                prefix + name, data, (experts, f, h), (first, inner, 0)
-            )
+        for name, data in zip(parts, fc1.weight.chunk(len(parts), dim=1), strict=True):
+            key = f"{prefix}{name}weight"
+            pieces[key] = ShardedTensor(key, data, (experts, f, h), (first, inner, 0))
+        if fc1.bias is not None:
+            for name, data in zip(parts, fc1.bias.chunk(len(parts), dim=1), strict=True):
+                key = f"{prefix}{name}bias"
+                pieces[key] = ShardedTensor(key, data, (experts, f), (first, inner))
         key = prefix + "linear_fc2.weight"
-        pieces[key] = ShardedTensor(key, self.weight2, (experts, h, f), (first, 0, inner))
+        pieces[key] = ShardedTensor(key, fc2.weight, (experts, h, f), (first, 0, inner))
+        if fc2.bias is not None:
+            key = prefix + "linear_fc2.bias"
+            pieces[key] = ShardedTensor(
+                key, fc2.bias, (experts, h), (first, 0), replica_id=self.etp.rank
+            )
         return pieces
+
+
+class _ExpertWeights(torch.nn.Module):
+    """One linear layer of the local experts: weight [El, out, in] and, with `bias`, bias
+    [El, out] (zeros), both marked expert_parallel (reduced over expert-dp)."""
+
+    def __init__(self, weight: torch.Tensor, bias: bool, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(weight.to(dtype))
+        self.bias = None
+        if bias:
+            self.bias = torch.nn.Parameter(weight.new_zeros(weight.shape[:2], dtype=dtype))
+        for param in self.parameters():
+            param.expert_parallel = True
+
+
+def _per_copy(bias: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """bias [El, n] -> [sum(counts), n]: expert g's row repeated counts[g] times."""
+    repeats = torch.tensor(counts, device=bias.device)
+    return bias.repeat_interleave(repeats, dim=0, output_size=sum(counts))
+
+
+class _AddedOnce(torch.autograd.Function):
+    """The fc2 bias rows on expert-TP rank 0, zeros on the others; the gradient passes to
+    every rank unchanged (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, adds: bool) -> torch.Tensor:
+        return rows if adds else torch.zeros_like(rows)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
 
 
 def is_expert_key(key: str) -> bool:
@@ -95,8 +147,9 @@ def grouped_matmul(
     grouped: torch's grouped matmul kernel (on CPUs, and on CUDA for bf16 from compute
     capability 9.0, with rows of a multiple of 16 bytes). Otherwise, or where it is
     missing: one batched matmul when every group has as many rows (experts padded to
-    their capacity), else one matmul per group."""
-    if grouped and _has_grouped_kernel(x, weights):
+    their capacity), else one matmul per group (also when no group has any: a rank whose
+    experts received no tokens still joins the backward, with zero gradients)."""
+    if grouped and x.shape[0] and _has_grouped_kernel(x, weights):
         offsets = torch.tensor(counts, dtype=torch.int32, device=x.device).cumsum(
             0, dtype=torch.int32
         )
@@ -105,7 +158,7 @@ def grouped_matmul(
             # The kernel's backward needs a dense gradient (a sum's is a broadcast view).
             out.register_hook(torch.Tensor.contiguous)
         return out
-    if len(set(counts)) == 1:
+    if len(set(counts)) == 1 and counts[0] > 0:
         return torch.bmm(x.view(len(counts), counts[0], -1), weights).flatten(0, 1)
     return torch.cat([rows @ w for rows, w in zip(x.split(counts), weights, strict=True)])
 

@@ -1,7 +1,8 @@
 """TopKRouter: which experts each token goes to, and with which weight.
 
 Shapes: x [s, b, h] (this rank's tokens: [s/tp, b, h] with sequence parallelism),
-flattened to T = s b tokens; logits [T, E]; the result is Megatron's pair
+flattened to T = s b tokens; logits = x w^T (+ b with add_bias_linear, Megatron's router
+bias and gpt-oss's) [T, E], w [E, h], b [E]; the result is Megatron's pair
 probs [T, E] (the routing weight of each chosen expert, 0 elsewhere) and
 routing_map [T, E] (bool, the chosen experts).
 
@@ -53,7 +54,12 @@ class TopKRouter(torch.nn.Module):
         master = torch.empty(self.experts, config.hidden_size, dtype=torch.float32)
         torch.nn.init.normal_(master, std=config.init_method_std)
         self.weight = torch.nn.Parameter(master.to(config.params_dtype))
-        self.weight.sequence_parallel = config.sequence_parallel
+        self.bias = None
+        if config.add_bias_linear:  # Megatron's TopKRouter: normal, as the weight
+            bias = torch.empty(self.experts).normal_(std=config.init_method_std)
+            self.bias = torch.nn.Parameter(bias.to(config.params_dtype))
+        for param in self.parameters():
+            param.sequence_parallel = config.sequence_parallel
         if config.moe_router_enable_expert_bias:
             self.register_buffer("expert_bias", torch.zeros(self.experts))
             self.register_buffer(
@@ -68,7 +74,8 @@ class TopKRouter(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         s, b, h = x.shape
         dtype = _DTYPES.get(self.config.moe_router_dtype, x.dtype)
-        logits = F.linear(x.reshape(s * b, h).to(dtype), self.weight.to(dtype))  # [T, E]
+        bias = None if self.bias is None else self.bias.to(dtype)
+        logits = F.linear(x.reshape(s * b, h).to(dtype), self.weight.to(dtype), bias)  # [T, E]
         training = self.training and torch.is_grad_enabled()
         # A recomputation for backward routes again; what the first run counted stays.
         counting = training and not recomputing()
@@ -158,6 +165,8 @@ class TopKRouter(torch.nn.Module):
 
     def sharded_state_dict(self, prefix: str = "") -> dict[str, ShardedTensor]:
         tensors = {"weight": self.weight}
+        if self.bias is not None:
+            tensors["bias"] = self.bias
         if self.expert_bias is not None:
             tensors["expert_bias"] = self.expert_bias
         return {

@@ -4,8 +4,8 @@ Shapes: x [s, b, h] (or [s/tp, b, h] with sequence parallelism), the inner
 activation [s, b, f/tp] on each rank, f = ffn_hidden_size. fc1 is column-
 parallel, fc2 row-parallel: one reduction per direction (Megatron's MLP).
 
-SwiGLU uses one fused fc1 holding the gate and the up projection. Each rank
-computes silu(gate_r x) * (up_r x) on its own f/tp channels, so its local
+A gated activation (swiglu, quick_geglu) uses one fused fc1 holding the gate and the
+up projection. Each rank computes act(gate_r x) * (up_r x) on its own f/tp channels, so its local
 fc1 rows must be [gate_r; up_r]. The fused weight is initialized from the
 logical [gate; up] drawn once, then laid out per rank, so that the model is
 the same at every TP size, and sharded_state_dict describes gate and up as
@@ -33,7 +33,7 @@ class MLP(torch.nn.Module):
     ) -> None:
         super().__init__()
         self.config = config
-        self.gated = config.activation == "swiglu"
+        self.gated = config.gated_linear_unit
         self.tp_group = tp_group
         f = ffn_hidden_size or config.ffn_hidden_size
         init = functools.partial(torch.nn.init.normal_, std=config.init_method_std)
@@ -75,13 +75,27 @@ class MLP(torch.nn.Module):
 
 
 def activate(config: TransformerConfig, inner: torch.Tensor) -> torch.Tensor:
-    """The MLP's activation of fc1's output [.., f] (or [.., 2f] = [gate; up] for swiglu)."""
-    if config.activation == "swiglu":
+    """The MLP's activation of fc1's output [.., f], or [.., 2f] = [gate; up] when gated.
+
+    Gated (Megatron's glu): with c = activation_func_clamp_value, gate = min(gate, c) and
+    up = clamp(up, -c, c); then act(gate) (up + glu_linear_offset), act silu (swiglu) or
+    quick GELU g sigmoid(1.702 g) (quick_geglu). gpt-oss is quick_geglu with c = 7 and
+    offset 1: Hugging Face's GptOssExperts, whose (up + 1) is this offset."""
+    if config.gated_linear_unit:
         gate, up = inner.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        clamp = config.activation_func_clamp_value
+        if clamp is not None:
+            gate, up = gate.clamp(max=clamp), up.clamp(-clamp, clamp)
+        act = _quick_gelu(gate) if config.quick_geglu else F.silu(gate)
+        return act * (up + config.glu_linear_offset)
     if config.activation == "squared_relu":
         return F.relu(inner).square()
     return F.gelu(inner, approximate="tanh" if config.openai_gelu else "none")
+
+
+def _quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    """x sigmoid(1.702 x), the sigmoid approximation of GELU (Hendrycks and Gimpel, 2016)."""
+    return x * torch.sigmoid(1.702 * x)
 
 
 def _gated_layout(init, tp: int, master: torch.Tensor) -> None:

@@ -4,25 +4,54 @@ With sequence parallelism each TP rank normalizes its own slice of the
 sequence, so the norm's weight gradients are partial sums: the parameters
 carry `sequence_parallel = True`, which tells the finalize step to all-reduce
 their gradients over the TP group (Megatron's convention).
+
+apply_layernorm_1p (Megatron's zero-centered gamma, Nemotron's LayerNorm1P): the
+weight w is stored centred on 0 and the norm scales by 1 + w, initialized to w = 0, so
+that weight decay pulls the scale towards 1 rather than 0. Hugging Face's
+NemotronLayerNorm1P stores the same w: checkpoints need no transform.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from mp_layers.config import TransformerConfig
 
-__all__ = ["build_norm"]
+__all__ = ["LayerNorm1P", "RMSNorm1P", "build_norm"]
 
 
 def build_norm(config: TransformerConfig, hidden_size: int | None = None) -> torch.nn.Module:
     """A norm over the last dimension (hidden_size by default)."""
     size = config.hidden_size if hidden_size is None else hidden_size
+    one_p = config.apply_layernorm_1p
     if config.normalization == "RMSNorm":
-        norm: torch.nn.Module = torch.nn.RMSNorm(size, eps=config.layernorm_epsilon)
+        cls = RMSNorm1P if one_p else torch.nn.RMSNorm
     else:
-        norm = torch.nn.LayerNorm(size, eps=config.layernorm_epsilon)
+        cls = LayerNorm1P if one_p else torch.nn.LayerNorm
+    norm = cls(size, eps=config.layernorm_epsilon)
     norm.to(dtype=config.params_dtype)
     for p in norm.parameters():
         p.sequence_parallel = config.sequence_parallel
     return norm
+
+
+class LayerNorm1P(torch.nn.LayerNorm):
+    """y = (x - mean) / sqrt(var + eps) (1 + weight) + bias over the last dimension."""
+
+    def reset_parameters(self) -> None:
+        torch.nn.init.zeros_(self.weight)
+        torch.nn.init.zeros_(self.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, self.normalized_shape, self.weight + 1, self.bias, self.eps)
+
+
+class RMSNorm1P(torch.nn.RMSNorm):
+    """y = x / sqrt(mean(x^2) + eps) (1 + weight) over the last dimension."""
+
+    def reset_parameters(self) -> None:
+        torch.nn.init.zeros_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, self.normalized_shape, self.weight + 1, self.eps)

@@ -1,0 +1,112 @@
+"""Validation of TransformerConfig's mixture-of-experts fields (Megatron's --num-experts
+and --moe-* options): the rules that hold whatever the layout (`check_moe`, from
+__post_init__) and those that depend on the parallel sizes (`check_expert_parallel`, from
+check_parallel). Every message names the field and the value."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from mp_layers.config_rules import choice, positive
+
+if TYPE_CHECKING:
+    from mp_layers.config import TransformerConfig
+
+__all__ = ["check_expert_parallel", "check_moe"]
+
+_MOE_DEFAULTS = {
+    "moe_shared_expert_intermediate_size": None,
+    "moe_expert_capacity_factor": None,
+    "moe_router_enable_expert_bias": False,
+    "moe_aux_loss_coeff": 0.0,
+    "moe_z_loss_coeff": None,
+}
+"""Fields that mean something only in a MoE model: set without num_moe_experts, refused."""
+
+
+def check_moe(config: TransformerConfig) -> None:
+    """Fills moe_ffn_hidden_size and checks the MoE fields; a dense model must leave them."""
+    if config.num_moe_experts is None:
+        for name, default in _MOE_DEFAULTS.items():
+            if getattr(config, name) != default:
+                raise ValueError(f"{name}={getattr(config, name)!r} needs num_moe_experts")
+        return
+    positive("num_moe_experts", config.num_moe_experts)
+    if config.moe_ffn_hidden_size is None:
+        config.moe_ffn_hidden_size = config.ffn_hidden_size
+    positive("moe_ffn_hidden_size", config.moe_ffn_hidden_size)
+    positive("moe_router_topk", config.moe_router_topk)
+    if config.moe_router_topk > config.num_moe_experts:
+        raise ValueError(
+            f"moe_router_topk={config.moe_router_topk} exceeds "
+            f"num_moe_experts={config.num_moe_experts}"
+        )
+    _check_router(config)
+    choice("moe_token_drop_policy", config.moe_token_drop_policy, ("probs", "position"))
+    choice("moe_token_dispatcher_type", config.moe_token_dispatcher_type, ("alltoall", "allgather"))
+    factor = config.moe_expert_capacity_factor
+    if factor is not None and factor <= 0:
+        raise ValueError(f"moe_expert_capacity_factor={factor} must be > 0")
+    if config.moe_pad_expert_input_to_capacity and factor is None:
+        raise ValueError("moe_pad_expert_input_to_capacity=True needs moe_expert_capacity_factor")
+    if config.moe_shared_expert_intermediate_size is not None:
+        positive("moe_shared_expert_intermediate_size", config.moe_shared_expert_intermediate_size)
+        if config.add_bias_linear:
+            raise ValueError(
+                "add_bias_linear=True with moe_shared_expert_intermediate_size="
+                f"{config.moe_shared_expert_intermediate_size}: the shared expert has no biases "
+                "(as in Megatron); set add_bias_linear=False or drop the shared expert"
+            )
+    elif config.moe_shared_expert_gate:
+        raise ValueError("moe_shared_expert_gate=True needs moe_shared_expert_intermediate_size")
+    config.moe_layer_pattern()  # validates moe_layer_freq
+
+
+def _check_router(config: TransformerConfig) -> None:
+    choice("moe_router_score_function", config.moe_router_score_function, ("softmax", "sigmoid"))
+    if config.moe_router_pre_softmax and config.moe_router_score_function != "softmax":
+        raise ValueError("moe_router_pre_softmax=True needs moe_router_score_function='softmax'")
+    if config.moe_router_enable_expert_bias and config.moe_router_score_function != "sigmoid":
+        raise ValueError(
+            "moe_router_enable_expert_bias=True needs moe_router_score_function='sigmoid' "
+            f"(got {config.moe_router_score_function!r}), as in Megatron"
+        )
+    choice(
+        "moe_router_load_balancing_type", config.moe_router_load_balancing_type,
+        ("aux_loss", "seq_aux_loss", "none"),
+    )  # fmt: skip
+    if config.moe_router_dtype is not None:
+        choice("moe_router_dtype", config.moe_router_dtype, ("fp32", "fp64"))
+    for name in ("moe_aux_loss_coeff", "moe_router_bias_update_rate"):
+        if getattr(config, name) < 0:
+            raise ValueError(f"{name}={getattr(config, name)} must be >= 0")
+    if config.moe_z_loss_coeff is not None and config.moe_z_loss_coeff < 0:
+        raise ValueError(f"moe_z_loss_coeff={config.moe_z_loss_coeff} must be >= 0")
+
+
+def check_expert_parallel(config: TransformerConfig, tp: int, cp: int, ep: int, etp: int) -> None:
+    """The rules of the expert-parallel (ep) and expert tensor-parallel (etp) sizes."""
+    if config.num_moe_experts is None:
+        if ep > 1:
+            raise ValueError(f"expert_model_parallel_size={ep} needs num_moe_experts (a MoE model)")
+        return
+    if config.num_moe_experts % ep:
+        raise ValueError(
+            f"expert_model_parallel_size={ep} does not divide "
+            f"num_moe_experts={config.num_moe_experts}"
+        )
+    if config.moe_ffn_hidden_size % etp:
+        raise ValueError(
+            f"expert_tensor_parallel_size={etp} does not divide "
+            f"moe_ffn_hidden_size={config.moe_ffn_hidden_size}"
+        )
+    if tp > 1 and not config.sequence_parallel:
+        raise ValueError(
+            f"num_moe_experts with tensor_model_parallel_size={tp} needs "
+            "sequence_parallel=True (each tensor-parallel rank routes its own tokens)"
+        )
+    if cp > 1:
+        raise ValueError(
+            f"num_moe_experts with context_parallel_size={cp}: MoE layers do not "
+            "support context parallelism yet; use context_parallel_size=1"
+        )

@@ -1,0 +1,16 @@
+"""The small checks TransformerConfig's validation is made of; each message names the
+field and the value."""
+
+from __future__ import annotations
+
+__all__ = ["choice", "positive"]
+
+
+def positive(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}={value!r} must be a positive integer")
+
+
+def choice(name: str, value: object, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name}={value!r} must be one of {', '.join(choices)}")
