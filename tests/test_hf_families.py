@@ -25,6 +25,11 @@ SMALL = dict(vocab_size=96, hidden_size=64, num_hidden_layers=2, num_attention_h
              num_key_value_heads=4, max_position_embeddings=64, initializer_range=0.1)  # fmt: skip
 MOE = dict(SMALL, num_hidden_layers=3, num_experts=4, num_experts_per_tok=2,
            moe_intermediate_size=32, intermediate_size=80)  # fmt: skip
+YARN = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+        "beta_slow": 1.0, "original_max_position_embeddings": 16}  # fmt: skip
+GPT_OSS = dict(SMALL, num_hidden_layers=3, head_dim=16, num_local_experts=4,
+               num_experts_per_tok=2, intermediate_size=32, sliding_window=4,
+               rope_parameters=YARN, swiglu_limit=1.5)  # fmt: skip
 CASES = {
     # Qwen2.5: q/k/v biases; the small sizes tie the output layer
     "qwen2": lambda: transformers.Qwen2Config(**SMALL, intermediate_size=96),
@@ -41,6 +46,12 @@ CASES = {
                                                                   decoder_sparse_step=2),
     # Nemotron: LayerNorm1P with biases, squared ReLU, half of each head rotated
     "nemotron": lambda: transformers.NemotronConfig(**SMALL, intermediate_size=96, head_dim=8),
+    # gpt-oss: sinks, a window of 4 on layers 0 and 2 (sequences of 16 reach past it),
+    # YaRN, biases everywhere, clamped quick GEGLU experts with softmax after the top k
+    "gpt_oss": lambda: transformers.GptOssConfig(**GPT_OSS),
+    "gpt_oss-no-truncate-full-layers": lambda: transformers.GptOssConfig(
+        **GPT_OSS | {"layer_types": ["full_attention"] * 3}, rope_parameters=YARN | {
+            "truncate": False, "factor": 8.0}),
     # Mistral: Llama's layers, a window (4096, the default) no sequence here reaches
     "mistral": lambda: transformers.MistralConfig(**SMALL, intermediate_size=96, head_dim=8),
     "mistral-no-window": lambda: transformers.MistralConfig(**SMALL, intermediate_size=96,
@@ -53,7 +64,7 @@ def random_hf(config):
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():  # biases start at 0 and norms at 1: give them values to map
         for name, param in model.named_parameters():
-            if name.endswith("bias") or "norm" in name:
+            if name.endswith(("bias", "sinks")) or "norm" in name:
                 param.add_(torch.randn_like(param) * 0.1)
     return model
 

@@ -27,6 +27,9 @@ CONFIGS = {
     "qwen2_moe": {"model_type": "qwen2_moe", **LLAMA_STYLE, "num_experts": 4,
                   "moe_intermediate_size": 8, "shared_expert_intermediate_size": 8,
                   "num_experts_per_tok": 2},
+    "gpt_oss": {"model_type": "gpt_oss", **LLAMA_STYLE, "num_local_experts": 4,
+                "num_experts_per_tok": 2, "sliding_window": 4, "head_dim": 8,
+                "layer_types": ["sliding_attention", "full_attention"]},
     "qwen3_moe": {"model_type": "qwen3_moe", **LLAMA_STYLE, "num_experts": 4,
                   "moe_intermediate_size": 8, "num_experts_per_tok": 2},
 }  # fmt: skip

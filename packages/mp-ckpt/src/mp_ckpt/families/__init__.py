@@ -17,7 +17,7 @@ import importlib
 __all__ = ["ARCHITECTURES", "family", "family_of"]
 
 ARCHITECTURES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "nemotron", "mixtral",
-                 "qwen2_moe", "qwen3_moe")  # fmt: skip
+                 "qwen2_moe", "qwen3_moe", "gpt_oss")  # fmt: skip
 
 
 def family(model_type: str):
@@ -30,13 +30,15 @@ def family(model_type: str):
 
 def family_of(settings: dict) -> str:
     """The family whose layers the settings describe (the first that fits, most specific
-    first): learned positions are GPT-2; experts with a shared expert Qwen2-MoE, with
-    qk-layernorm Qwen3-MoE, else Mixtral; dense with qk-layernorm Qwen3, with
-    LayerNorm1P Nemotron, with q/k/v biases Qwen2, with a sliding window Mistral, else
-    Llama."""
+    first): learned positions are GPT-2; experts with quick GEGLU or sinks gpt-oss, with a
+    shared expert Qwen2-MoE, with qk-layernorm Qwen3-MoE, else Mixtral; dense with
+    qk-layernorm Qwen3, with LayerNorm1P Nemotron, with q/k/v biases Qwen2, with a
+    sliding window Mistral, else Llama."""
     if settings.get("position_embedding_type", "learned_absolute") == "learned_absolute":
         return "gpt2"
     if settings.get("num_moe_experts"):
+        if settings.get("quick_geglu") or settings.get("softmax_type", "vanilla") != "vanilla":
+            return "gpt_oss"
         if settings.get("moe_shared_expert_intermediate_size"):
             return "qwen2_moe"
         return "qwen3_moe" if settings.get("qk_layernorm") else "mixtral"
