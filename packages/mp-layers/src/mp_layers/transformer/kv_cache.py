@@ -89,6 +89,14 @@ class KVCache:
         masked = (keys > queries)[None] | (padded & (keys != queries)[None])  # [b, s, T]
         return masked[:, None]
 
+    def outside_window(self, s: int, window: int, device: torch.device | str) -> torch.Tensor:
+        """[1, 1, s, T] bool (T = slots_read(s)), True for the keys more than `window`
+        positions before each of the next s slots (a layer's sliding window; the
+        sequences' padding shifts queries and keys alike)."""
+        queries = torch.arange(self.length, self.length + s, device=device)[:, None]
+        keys = torch.arange(self.slots_read(s), device=device)[None, :]
+        return (keys < queries - window)[None, None]
+
     def update(
         self, layer: int, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
