@@ -75,8 +75,9 @@ class CoreAttention(torch.nn.Module):
         super().__init__()
         self.softmax_type = softmax_type
         self.window = window
-        self.softmax_offset: torch.Tensor | None = None
-        if softmax_type != "vanilla":
+        if softmax_type == "vanilla":
+            self.softmax_offset = None
+        else:
             if heads is None:
                 raise ValueError(f"softmax_type={softmax_type!r} needs heads (a sink per head)")
             offset = torch.zeros(heads, dtype=params_dtype)
