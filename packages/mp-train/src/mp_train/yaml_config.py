@@ -17,11 +17,14 @@ are. Every error names the file, the line and the key.
 FieldType converts a plain value (a YAML scalar, a command-line word, a
 value saved in a checkpoint) to what a field holds: int, float, str, bool,
 torch.dtype (fp32 / bf16 / fp16), an Enum, a Literal's choices, a list of
-them, or None.
+them, or None; a tuple of n of them (tuple[int, int], one word "127,0"); or one
+value or a list (int | list[int], one word: "2", "1,1,0" or Megatron's pattern
+"[1,1,0]*3").
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import difflib
 import enum
@@ -81,16 +84,31 @@ class FieldType:
     optional: bool = False
     many: bool = False
     choices: tuple = ()
+    length: int = 0
+    """n for a tuple of n values (tuple[int, int]), else 0."""
+    one_or_many: bool = False
+    """A value or a list of them (int | list[int]), given as one word."""
 
     @classmethod
     def of(cls, hint: Any) -> FieldType:
         """The FieldType of a resolved annotation; TypeError for one with no mapping."""
         hint, optional, many = _strip_annotated(hint), False, False
         if typing.get_origin(hint) in (typing.Union, types.UnionType):
-            args = [a for a in typing.get_args(hint) if a is not type(None)]
+            args = [_strip_annotated(a) for a in typing.get_args(hint) if a is not type(None)]
+            optional = len(args) < len(typing.get_args(hint))
+            scalars = [a for a in args if typing.get_origin(a) is not list]
+            if len(args) == 2 and len(scalars) == 1 and list[scalars[0]] in args:
+                return dataclasses.replace(cls.of(scalars[0]), optional=optional, one_or_many=True)
             if len(args) != 1:
-                raise TypeError(f"{hint} is a union of several types; only T | None maps")
-            hint, optional = _strip_annotated(args[0]), True
+                raise TypeError(
+                    f"{hint} is a union of several types; only T | None and T | list[T] map"
+                )
+            hint = args[0]
+        if typing.get_origin(hint) is tuple:
+            items = typing.get_args(hint)
+            if not items or Ellipsis in items or len(set(items)) != 1:
+                raise TypeError(f"{hint}: only tuples of n values of one type map")
+            return dataclasses.replace(cls.of(items[0]), optional=optional, length=len(items))
         if typing.get_origin(hint) is list:
             (hint,), many = typing.get_args(hint), True
             hint = _strip_annotated(hint)
@@ -117,6 +135,16 @@ class FieldType:
             return [self.element(item) for item in items]
         if self.optional and _is_null_text(value) and value not in self.choices:
             return None
+        if self.length:
+            items = _words(value) if isinstance(value, str) else value
+            if not isinstance(items, list | tuple) or len(items) != self.length:
+                raise ValueError(f"{value!r} is not {self.length} values (e.g. 127,0)")
+            return tuple(self.element(item) for item in items)
+        if self.one_or_many:
+            if isinstance(value, str) and any(c in value for c in ",[]"):
+                value = _int_pattern(value) if "[" in value else _words(value)
+            if isinstance(value, list | tuple):
+                return [self.element(item) for item in value]
         return self.element(value)
 
     def element(self, value: Any) -> Any:
@@ -170,6 +198,34 @@ class FieldType:
         if isinstance(value, list | tuple):
             return " ".join(FieldType.show(v) for v in value)
         return str(value)
+
+
+def _words(text: str) -> list[str]:
+    """ "127,0" or "(127, 0)" -> ["127", "0"]."""
+    return [w.strip() for w in text.strip().strip("()[]").split(",")]
+
+
+def _int_pattern(text: str) -> list[int]:
+    """Megatron's layer patterns: a Python list of integers, repeated (*) and joined (+),
+    e.g. "[1,1,1,0]*3" or "([1]*3+[0])*2"; evaluated without eval."""
+
+    def value(node: ast.AST):
+        if isinstance(node, ast.List):
+            return [value(item) for item in node.elts]
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            return node.value
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult | ast.Add):
+            left, right = value(node.left), value(node.right)
+            return left * right if isinstance(node.op, ast.Mult) else left + right
+        raise ValueError(f"{text!r} is not a list pattern like [1,1,0]*3")
+
+    try:
+        result = value(ast.parse(text.strip(), mode="eval").body)
+    except SyntaxError:
+        raise ValueError(f"{text!r} is not a list pattern like [1,1,0]*3") from None
+    if not isinstance(result, list):
+        raise ValueError(f"{text!r} is not a list pattern like [1,1,0]*3")
+    return result
 
 
 def _strip_annotated(hint: Any) -> Any:
