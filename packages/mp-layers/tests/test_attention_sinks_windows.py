@@ -222,3 +222,21 @@ def test_cached_generation_with_windows_and_sinks_equals_recomputing():
     with torch.no_grad():
         ids = torch.tensor([prompts[1]])
         assert not torch.allclose(full(ids), gpt(ids), atol=1e-3)
+
+
+@pytest.mark.parametrize("backend", ["flash", "local"])
+def test_selective_recompute_keeps_the_sinks_gradient(backend):
+    def grads(granularity):
+        cfg = config(num_layers=2, num_query_groups=2, softmax_type="learnable",
+                     window_size=(3, 0), window_attn_skip_freq=2, hidden_dropout=0.0,
+                     attention_dropout=0.0, recompute_granularity=granularity,
+                     attention_backend=backend)  # fmt: skip
+        model = GPTModel(cfg, "local", VOCAB, 16, groups=ModelGroups.single(), init_seed=1)
+        ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
+        model(ids, labels=ids).mean().backward()
+        return {name: p.grad for name, p in model.named_parameters()}
+
+    plain, recomputed = grads(None), grads("selective")
+    assert plain["decoder.layers.0.self_attention.core_attention.softmax_offset"].abs().sum() > 0
+    for name, grad in plain.items():
+        torch.testing.assert_close(recomputed[name], grad, msg=name)
