@@ -118,7 +118,8 @@ class SelfAttention(torch.nn.Module):
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer_number, k, v)
             if self.window is not None:
-                attention_mask = attention_mask | kv_cache.outside_window(s, self.window, x.device)
+                outside = kv_cache.outside_window(s, self.window, x.device)
+                attention_mask = outside if attention_mask is None else attention_mask | outside
         if self.recompute_core_attention and self.training and torch.is_grad_enabled():
             context = checkpointed(self.core_attention, self.rng_tracker, q, k, v, attention_mask)
         else:
