@@ -183,9 +183,7 @@ def test_context_parallelism_but_a2a_refuses_sinks_and_windows(comm_type):
 VOCAB, MAX = 64, 40
 
 
-def test_cached_generation_with_windows_and_sinks_equals_recomputing():
-    """A KVCache of left-padded prompts, window 3 on every other layer, learnable sinks,
-    YaRN: each step's logits are those of a full forward of the sequence alone."""
+def gpt_oss_like(max_length: int = MAX) -> GPTModel:
     cfg = TransformerConfig(
         num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, kv_channels=8,
         ffn_hidden_size=48, normalization="RMSNorm", activation="swiglu",
@@ -194,8 +192,15 @@ def test_cached_generation_with_windows_and_sinks_equals_recomputing():
         softmax_type="learnable", window_size=(3, 0), window_attn_skip_freq=2,
         hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.2,
     )  # fmt: skip
-    gpt = GPTModel(cfg, "local", VOCAB, MAX, groups=ModelGroups.single(), parallel_output=False,
-                   init_seed=1).eval()  # fmt: skip
+    return GPTModel(cfg, "local", VOCAB, max_length, groups=ModelGroups.single(),
+                    parallel_output=False, init_seed=1).eval()  # fmt: skip
+
+
+def test_cached_generation_with_windows_and_sinks_equals_recomputing():
+    """A KVCache of left-padded prompts, window 3 on every other layer, learnable sinks,
+    YaRN: each step's logits are those of a full forward of the sequence alone."""
+    gpt = gpt_oss_like()
+    cfg = gpt.config
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, VOCAB, (n,), generator=generator).tolist() for n in (6, 9, 1)]
     longest = max(map(len, prompts))
@@ -240,3 +245,26 @@ def test_selective_recompute_keeps_the_sinks_gradient(backend):
     assert plain["decoder.layers.0.self_attention.core_attention.softmax_offset"].abs().sum() > 0
     for name, grad in plain.items():
         torch.testing.assert_close(recomputed[name], grad, msg=name)
+
+
+def test_a_windowed_layer_reads_only_the_cache_slots_its_window_reaches():
+    """Past KEY_BLOCK (64) positions a windowed layer reads the slots from
+    KVCache.window_start on; the logits stay those of full forwards."""
+    gpt = gpt_oss_like(max_length=80)
+    generator = torch.Generator().manual_seed(2)
+    sequences = [torch.randint(0, VOCAB, (n,), generator=generator).tolist() for n in (62, 60)]
+    cache = KVCache(torch.tensor([0, 2]), 80)
+    step_input = torch.tensor([sequences[0], [0, 0, *sequences[1]]])
+    starts = set()
+    with torch.no_grad():
+        for _ in range(8):
+            starts.add(cache.window_start(3))
+            logits = gpt(step_input, kv_cache=cache)[:, -1]
+            for i, sequence in enumerate(sequences):
+                alone = gpt(torch.tensor([sequence]))[0, -1]
+                torch.testing.assert_close(logits[i], alone, rtol=1e-5, atol=1e-5)
+            new = logits.argmax(-1)
+            for sequence, token in zip(sequences, new.tolist(), strict=True):
+                sequence.append(token)
+            step_input = new[:, None]
+    assert starts == {0, 64}  # from slot 67 on, slots 0..63 were no longer read
