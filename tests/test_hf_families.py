@@ -50,8 +50,8 @@ CASES = {
     # YaRN, biases everywhere, clamped quick GEGLU experts with softmax after the top k
     "gpt_oss": lambda: transformers.GptOssConfig(**GPT_OSS),
     "gpt_oss-no-truncate-full-layers": lambda: transformers.GptOssConfig(
-        **GPT_OSS | {"layer_types": ["full_attention"] * 3}, rope_parameters=YARN | {
-            "truncate": False, "factor": 8.0}),
+        **GPT_OSS | {"layer_types": ["full_attention"] * 3,
+                     "rope_parameters": YARN | {"truncate": False, "factor": 8.0}}),
     # Mistral: Llama's layers, a window (4096, the default) no sequence here reaches
     "mistral": lambda: transformers.MistralConfig(**SMALL, intermediate_size=96, head_dim=8),
     "mistral-no-window": lambda: transformers.MistralConfig(**SMALL, intermediate_size=96,

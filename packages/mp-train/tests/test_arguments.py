@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import enum
+import re
 import warnings
 from dataclasses import dataclass, field
 from typing import Literal, Optional
@@ -394,3 +395,42 @@ def test_use_checkpoint_args_without_a_checkpoint(tmp_path):
         parse_config([*argv, "--exit-on-missing-checkpoint"])
     with pytest.raises(ValueError, match="needs load"):
         parse_config(["--use-checkpoint-args", *MODEL])
+
+
+def test_a_window_parses_as_megatron_writes_it():
+    """tuple[int, int] from one word "127,0"; int | list[int] from "2" or a pattern."""
+    config = parse_config([*MODEL, "--window-size", "127,0", "--window-attn-skip-freq", "2",
+                           "--softmax-type", "learnable"])  # fmt: skip
+    assert config.model.window_size == (127, 0)
+    assert config.model.window_attn_skip_freq == 2
+    assert config.model.softmax_type == "learnable"
+    config = parse_config([*MODEL, "--window-size", "(3, 0)", "--window-attn-skip-freq",
+                           "[1,0]*2"])  # fmt: skip
+    assert config.model.window_attn_skip_freq == [1, 0, 1, 0]
+    config = parse_config([*MODEL, "--window-size", "3,0", "--window-attn-skip-freq", "1,1,0,1"])
+    assert config.model.window_attn_skip_freq == [1, 1, 0, 1]
+    help_text = build_parser().format_help()
+    assert "--window-size N,N" in help_text and "--window-attn-skip-freq N|LIST" in help_text
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--window-size", "127"], r"'127' is not 2 values"),
+        (["--window-size", "a,0"], r"'a' is not an integer"),
+        (["--window-attn-skip-freq", "[1,x]"], r"a Python list expression of integer lists"),
+    ],
+)
+def test_a_bad_window_exits_naming_the_option(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        parse_config([*MODEL, *argv])
+    assert re.search(message, capsys.readouterr().err)
+
+
+def test_yarn_options_take_megatrons_names():
+    config = parse_config([*MODEL, "--position-embedding-type", "yarn", "--rotary-scaling-factor",
+                           "32", "--yarn-original-max-position-embeddings", "4096", "--mscale",
+                           "1.0", "--no-yarn-correction-range-round-to-int"])  # fmt: skip
+    model = config.model
+    assert (model.position_embedding_type, model.yarn_rotary_scaling_factor) == ("yarn", 32.0)
+    assert model.yarn_correction_range_round_to_int is False

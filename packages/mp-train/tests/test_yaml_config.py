@@ -189,3 +189,30 @@ def test_group_query_attention_over_a_file(tmp_path):
     path = _write(tmp_path, text, "gqa.yaml")
     config = parse_config(["--config", str(path), "--group-query-attention"], environ=environ)
     assert config.model.num_query_groups == 2
+
+
+def test_a_window_and_its_pattern_from_yaml(tmp_path):
+    path = _write(tmp_path, """\
+        language_model:
+          num_layers: 4
+          hidden_size: 64
+          num_attention_heads: 4
+          window_size: [127, 0]
+          window_attn_skip_freq: "[1,1,1,0]"
+        """)  # fmt: skip
+    config = parse_config(["--config", str(path)])
+    assert config.model.window_size == (127, 0)
+    assert config.model.window_attn_skip_freq == [1, 1, 1, 0]
+    path = _write(tmp_path, """\
+        language_model:
+          num_layers: 4
+          hidden_size: 64
+          num_attention_heads: 4
+          window_size: 127,0
+          window_attn_skip_freq: [1, 0, 1, 0]
+        """)  # fmt: skip
+    config = parse_config(["--config", str(path)])
+    assert (config.model.window_size, config.model.window_attn_skip_freq) == (
+        (127, 0),
+        [1, 0, 1, 0],
+    )

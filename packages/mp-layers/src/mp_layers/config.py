@@ -13,6 +13,7 @@ from typing import Literal
 
 import torch
 
+from mp_layers.config_attention import check_attention_fields, check_attention_parallel
 from mp_layers.config_moe import check_expert_parallel, check_moe
 from mp_layers.config_rules import choice as _choice
 from mp_layers.config_rules import positive as _positive
@@ -110,8 +111,26 @@ class TransformerConfig:
     (the query groups must divide over the ranks). "a2a+p2p" (hierarchical) is refused: it
     is not implemented."""
 
-    position_embedding_type: Literal["learned_absolute", "rope", "none"] = "learned_absolute"
-    """Position information: a learned table, rotary embeddings, or none."""
+    softmax_type: Literal["vanilla", "off-by-one", "learnable"] = "vanilla"
+    """Attention sinks: "off-by-one" adds a logit 0 to each softmax row (softmax_1), "learnable"
+    a learned logit per head (softmax_offset, gpt-oss's sinks; init normal(0,
+    init_method_std)); a sink takes probability but contributes no value."""
+
+    window_size: tuple[int, int] | None = None
+    """Sliding-window attention (left, right), flash-attn's convention: query i attends to
+    keys i - left .. i + right; right must be 0 (causal). "127,0" is gpt-oss's
+    sliding_window=128. None: full causal attention."""
+
+    window_attn_skip_freq: int | list[int] | None = None
+    """Which layers attend fully despite window_size: an integer N, those numbered n % N == 0
+    (1-based; N=2: window, full, window, ... as gpt-oss); or per layer 1 = window, 0 = full
+    (1,1,1,0 or [1,1,1,0]*3). None: every layer uses the window."""
+
+    position_embedding_type: Literal["learned_absolute", "rope", "yarn", "none"] = (
+        "learned_absolute"
+    )
+    """Position information: a learned table, rotary embeddings (plain, or YaRN's scaling of
+    Peng et al. 2023 with the yarn_* fields), or none."""
 
     rotary_base: int = 10000
     """Base of the rotary frequencies."""
@@ -143,6 +162,31 @@ class TransformerConfig:
     rope_scaling_original_max_position_embeddings: int = 8192
     """The context length the model was pretrained with before use_rope_scaling. Megatron has
     no option for it and uses 8192."""
+
+    yarn_rotary_scaling_factor: float = field(
+        default=1.0, metadata={"argparse_meta": {"names": ["--rotary-scaling-factor"]}}
+    )
+    """YaRN's context extension factor s: the low frequencies are divided by it."""
+
+    yarn_original_max_position_embeddings: int = 4096
+    """YaRN: the context length before extension."""
+
+    yarn_beta_fast: float = 32.0
+    """YaRN: frequencies turning over this many times in the original context are kept."""
+
+    yarn_beta_slow: float = 1.0
+    """YaRN: those turning fewer times are divided by s; the channels between blend linearly."""
+
+    yarn_mscale: float = field(default=1.0, metadata={"argparse_meta": {"names": ["--mscale"]}})
+    """YaRN: cos and sin are multiplied by (0.1 mscale ln s + 1) / (0.1 mscale_all_dim ln s + 1)."""
+
+    yarn_mscale_all_dim: float = field(
+        default=0.0, metadata={"argparse_meta": {"names": ["--mscale-all-dim"]}}
+    )
+    """YaRN: the denominator's mscale (see yarn_mscale)."""
+
+    yarn_correction_range_round_to_int: bool = True
+    """YaRN: round the blended channels' ends to integers (gpt-oss does not: truncate false)."""
 
     qk_layernorm: bool = False
     """Normalize queries and keys per head before attention."""
@@ -279,62 +323,28 @@ class TransformerConfig:
         _choice("normalization", self.normalization, ("LayerNorm", "RMSNorm"))
         _choice("activation", self.activation, ("gelu", "swiglu", "squared_relu"))
         _choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
-        if self.cp_comm_type == "a2a+p2p":
-            raise ValueError(
-                "cp_comm_type='a2a+p2p' (hierarchical context parallelism) is not implemented: "
-                "choose p2p, all_gather or a2a"
-            )
-        _choice("cp_comm_type", self.cp_comm_type, ("p2p", "all_gather", "a2a"))
         _choice(
             "position_embedding_type", self.position_embedding_type,
-            ("learned_absolute", "rope", "none"),
+            ("learned_absolute", "rope", "yarn", "none"),
         )  # fmt: skip
         if self.openai_gelu and self.activation != "gelu":
             raise ValueError(
                 f"openai_gelu=True applies to activation='gelu', got {self.activation!r}"
             )
         self._check_gated_activation()
-        self._check_rope_scaling()
+        check_attention_fields(self)
         if self.layernorm_epsilon <= 0:
             raise ValueError(f"layernorm_epsilon={self.layernorm_epsilon} must be > 0")
         for name in ("hidden_dropout", "attention_dropout"):
             value = getattr(self, name)
             if not 0.0 <= value < 1.0:
                 raise ValueError(f"{name}={value} must be in [0, 1)")
-        if self.rotary_base <= 0:
-            raise ValueError(f"rotary_base={self.rotary_base} must be > 0")
-        if not 0.0 < self.rotary_percent <= 1.0:
-            raise ValueError(f"rotary_percent={self.rotary_percent} must be in (0, 1]")
-        factor = self.rotary_seq_len_interpolation_factor
-        if factor is not None and factor < 1.0:
-            raise ValueError(f"rotary_seq_len_interpolation_factor={factor} must be >= 1")
         if self.init_method_std <= 0:
             raise ValueError(f"init_method_std={self.init_method_std} must be > 0")
         if self.bf16 and self.fp16:
             raise ValueError("bf16=True and fp16=True are exclusive: choose one")
         self._check_recompute()
         check_moe(self)
-
-    def _check_rope_scaling(self) -> None:
-        if not self.use_rope_scaling:
-            return
-        if self.position_embedding_type != "rope":
-            raise ValueError(
-                "use_rope_scaling=True needs position_embedding_type='rope', got "
-                f"{self.position_embedding_type!r}"
-            )
-        if self.rope_scaling_factor < 1.0:
-            raise ValueError(f"rope_scaling_factor={self.rope_scaling_factor} must be >= 1")
-        low, high = self.rope_scaling_low_freq_factor, self.rope_scaling_high_freq_factor
-        if not 0.0 < low < high:
-            raise ValueError(
-                f"rope_scaling_low_freq_factor={low} and rope_scaling_high_freq_factor={high} "
-                "must satisfy 0 < low < high"
-            )
-        _positive(
-            "rope_scaling_original_max_position_embeddings",
-            self.rope_scaling_original_max_position_embeddings,
-        )
 
     def _check_recompute(self) -> None:
         granularity, method, n = (
@@ -433,20 +443,7 @@ class TransformerConfig:
                 raise ValueError(f"tensor_model_parallel_size={tp} does not divide {name}={value}")
         if self.sequence_parallel and tp == 1:
             raise ValueError("sequence_parallel=True needs tensor_model_parallel_size > 1, got 1")
-        if cp == 1:
-            return
-        if self.cp_comm_type == "a2a" and (self.num_query_groups // tp) % cp:
-            raise ValueError(
-                f"cp_comm_type='a2a' splits each tensor-parallel rank's num_query_groups="
-                f"{self.num_query_groups} / tensor_model_parallel_size={tp} over "
-                f"context_parallel_size={cp}, which does not divide it"
-            )
-        if self.attention_dropout > 0:
-            raise ValueError(
-                f"attention_dropout={self.attention_dropout} with context_parallel_size={cp}: "
-                "attention across context-parallel ranks has no dropout; set "
-                "attention_dropout=0"
-            )
+        check_attention_parallel(self, tp, cp)
 
     @property
     def output_layer_init_std(self) -> float:

@@ -36,7 +36,7 @@ from mp_layers.tensor_parallel import (
 )
 from mp_layers.transformer.kv_cache import KVCache
 from mp_layers.transformer.layer import TransformerBlock
-from mp_layers.transformer.rope import Llama3Scaling, Rotary, RotaryEmbedding
+from mp_layers.transformer.rope import Llama3Scaling, Rotary, RotaryEmbedding, yarn_scaling
 from mp_layers.transformer.seeded_init import seeded_init
 from mp_layers.transformer.spec import LayerSpec, get_layer_spec
 from mp_state import TENSOR_PARALLEL_RNG, RankGroup, RNGStatesTracker
@@ -94,7 +94,7 @@ class GPTModel(torch.nn.Module):
                     init(self.position_embeddings.weight)
                 self.position_embeddings.weight.sequence_parallel = config.sequence_parallel
         self.rotary = None
-        if config.position_embedding_type == "rope":
+        if config.position_embedding_type in ("rope", "yarn"):
             self.rotary = RotaryEmbedding(
                 config.kv_channels, config.rotary_percent, config.rotary_base,
                 config.rotary_seq_len_interpolation_factor,
@@ -103,6 +103,7 @@ class GPTModel(torch.nn.Module):
                     config.rope_scaling_high_freq_factor,
                     config.rope_scaling_original_max_position_embeddings,
                 ) if config.use_rope_scaling else None,
+                yarn=yarn_scaling(config),
             )  # fmt: skip
         self.decoder = TransformerBlock(
             config, groups, rng_tracker, spec=get_layer_spec(spec), layer_offset=layer_offset,

@@ -177,9 +177,12 @@ class ArgumentGroupFactory:
             kwargs["choices"] = meta["choices"]
         else:
             words = kind.words()
-            kwargs["metavar"] = (
-                "{" + ",".join(words) + "}" if words else _METAVARS.get(kind.base, f.name.upper())
-            )
+            metavar = _METAVARS.get(kind.base, f.name.upper())
+            if kind.length:  # one word "127,0"
+                metavar = ",".join([metavar] * kind.length)
+            elif kind.one_or_many:  # one word "2", "1,1,0" or "[1,1,0]*3"
+                metavar = f"{metavar}|LIST"
+            kwargs["metavar"] = "{" + ",".join(words) + "}" if words else metavar
         return group.add_argument(*names, **kwargs)
 
 

@@ -17,7 +17,9 @@ are. Every error names the file, the line and the key.
 FieldType converts a plain value (a YAML scalar, a command-line word, a
 value saved in a checkpoint) to what a field holds: int, float, str, bool,
 torch.dtype (fp32 / bf16 / fp16), an Enum, a Literal's choices, a list of
-them, or None.
+them, or None; a tuple of n of them (tuple[int, int], one word "127,0"); or one
+value or a list (int | list[int], one word: "2", "1,1,0" or Megatron's pattern
+"[1,1,0]*3").
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ import torch
 import yaml
 
 from mp_train.config import RunConfig
-from mp_train.int_lists import parse_int_list
+from mp_train.int_lists import parse_int_list, parse_int_or_list
 
 __all__ = [
     "DTYPE_NAMES",
@@ -82,16 +84,31 @@ class FieldType:
     optional: bool = False
     many: bool = False
     choices: tuple = ()
+    length: int = 0
+    """n for a tuple of n values (tuple[int, int]), else 0."""
+    one_or_many: bool = False
+    """A value or a list of them (int | list[int]), given as one word."""
 
     @classmethod
     def of(cls, hint: Any) -> FieldType:
         """The FieldType of a resolved annotation; TypeError for one with no mapping."""
         hint, optional, many = _strip_annotated(hint), False, False
         if typing.get_origin(hint) in (typing.Union, types.UnionType):
-            args = [a for a in typing.get_args(hint) if a is not type(None)]
+            args = [_strip_annotated(a) for a in typing.get_args(hint) if a is not type(None)]
+            optional = len(args) < len(typing.get_args(hint))
+            scalars = [a for a in args if typing.get_origin(a) is not list]
+            if len(args) == 2 and len(scalars) == 1 and list[scalars[0]] in args:
+                return dataclasses.replace(cls.of(scalars[0]), optional=optional, one_or_many=True)
             if len(args) != 1:
-                raise TypeError(f"{hint} is a union of several types; only T | None maps")
-            hint, optional = _strip_annotated(args[0]), True
+                raise TypeError(
+                    f"{hint} is a union of several types; only T | None and T | list[T] map"
+                )
+            hint = args[0]
+        if typing.get_origin(hint) is tuple:
+            items = typing.get_args(hint)
+            if not items or Ellipsis in items or len(set(items)) != 1:
+                raise TypeError(f"{hint}: only tuples of n values of one type map")
+            return dataclasses.replace(cls.of(items[0]), optional=optional, length=len(items))
         if typing.get_origin(hint) is list:
             (hint,), many = typing.get_args(hint), True
             hint = _strip_annotated(hint)
@@ -120,6 +137,18 @@ class FieldType:
             return [self.element(item) for item in items]
         if self.optional and _is_null_text(value) and value not in self.choices:
             return None
+        if self.length:
+            items = _words(value) if isinstance(value, str) else value
+            if not isinstance(items, list | tuple) or len(items) != self.length:
+                raise ValueError(f"{value!r} is not {self.length} values (e.g. 127,0)")
+            return tuple(self.element(item) for item in items)
+        if self.one_or_many:
+            if isinstance(value, str) and "[" in value:
+                value = parse_int_or_list(value)  # Megatron's "[1,1,0]*3"
+            elif isinstance(value, str) and "," in value:
+                value = _words(value)
+            if isinstance(value, list | tuple):
+                return [self.element(item) for item in value]
         return self.element(value)
 
     def element(self, value: Any) -> Any:
@@ -185,6 +214,11 @@ class FieldType:
         if isinstance(value, list | tuple):
             return " ".join(FieldType.show(v) for v in value)
         return str(value)
+
+
+def _words(text: str) -> list[str]:
+    """ "127,0" or "(127, 0)" -> ["127", "0"]."""
+    return [w.strip() for w in text.strip().strip("()[]").split(",")]
 
 
 def _strip_annotated(hint: Any) -> Any:

@@ -32,9 +32,9 @@ def window_settings(sliding: int | None, types: list[str] | None, layers: int) -
             "'sliding_attention' or 'full_attention'"
         )
     windowed = [int(t == "sliding_attention") for t in types]
-    if not any(windowed):
-        return {}
     settings = window_size(sliding)
+    if not any(windowed):  # the window is kept (for the export) and no layer uses it
+        return settings and settings | {"window_attn_skip_freq": windowed}
     if not settings:
         raise ValueError(
             "config.json layer_types has sliding_attention layers, sliding_window null"

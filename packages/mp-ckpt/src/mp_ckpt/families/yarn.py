@@ -51,8 +51,9 @@ def yarn_parameters(settings: dict) -> dict:
             "yarn_original_max_position_embeddings", 4096),
         "beta_fast": settings.get("yarn_beta_fast", 32.0),
         "beta_slow": settings.get("yarn_beta_slow", 1.0),
-        "truncate": settings.get("yarn_correction_range_round_to_int", True),
     }  # fmt: skip
+    if not settings.get("yarn_correction_range_round_to_int", True):
+        parameters["truncate"] = False  # transformers' default (absent) is true
     mscale, all_dim = settings.get("yarn_mscale", 1.0), settings.get("yarn_mscale_all_dim", 0.0)
     if (mscale, all_dim) != (1.0, 0.0):
         if not (mscale and all_dim):

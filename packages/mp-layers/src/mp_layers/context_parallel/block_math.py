@@ -22,7 +22,8 @@ Shapes (grouped-query attention without repeating k and v): q [B, qg, c, d] wher
 batch x key/value heads and qg the query heads sharing each; k, v [B, c_k, d]; o [B,
 qg, c, d]; lse and delta [B, qg, c]. Outputs, lse and gradients are fp32. A "causal"
 block lies on the diagonal (query i sees keys 0..i, c == c_k); a "full" one sees every
-key.
+key. A `bias` [c, c_k] (0 or -inf, q's dtype; every row with a 0) is added to the scores
+of a block that is not "causal": a band of a sliding window (banded_attention.py).
 """
 
 from __future__ import annotations
@@ -34,13 +35,17 @@ import torch
 __all__ = ["block_backward", "block_forward", "merge_into"]
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
+def _scores(
+    q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float, bias: torch.Tensor | None
+) -> torch.Tensor:
     """[B, qg, c, c_k] fp32 scores, -inf above the diagonal of a causal block."""
     b, qg, c, d = q.shape
     scores = torch.bmm(q.reshape(b, qg * c, d), k.transpose(1, 2)).float().mul_(scale)
     scores = scores.view(b, qg, c, k.shape[1])
     if causal:
         scores.masked_fill_(_above_diagonal(c, q.device), -torch.inf)
+    if bias is not None:
+        scores.add_(bias)
     return scores
 
 
@@ -60,16 +65,22 @@ def _per_query_head(x: torch.Tensor, qg: int) -> torch.Tensor:
 
 
 def block_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    scale: float,
+    bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The block's output [B, qg, c, d] and log-sum-exp [B, qg, c], both fp32."""
     if _flash(q):
         qg = q.shape[1]
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, _per_query_head(k, qg), _per_query_head(v, qg), 0.0, causal, scale=scale
-        )
+            q, _per_query_head(k, qg), _per_query_head(v, qg), 0.0, causal, attn_mask=bias,
+            scale=scale,
+        )  # fmt: skip
         return out.float(), lse.float()
-    scores = _scores(q, k, causal, scale)
+    scores = _scores(q, k, causal, scale, bias)
     lse = torch.logsumexp(scores, dim=-1)
     probs = scores.sub_(lse.unsqueeze(-1)).exp_()
     b, qg, c, ck = probs.shape
@@ -97,6 +108,7 @@ def block_backward(
     lse: torch.Tensor,
     causal: bool,
     scale: float,
+    bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq [B, qg, c, d], dk and dv [B, c_k, d] (fp32) of this block, from the final output
     `out` [B, qg, c, d] and lse [B, qg, c] (fp32) of its query rows: the attention over
@@ -106,12 +118,12 @@ def block_backward(
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout.to(q.dtype), q, _per_query_head(k, qg), _per_query_head(v, qg),
             out.to(q.dtype), lse.to(torch.float64 if q.dtype == torch.float64 else torch.float32),
-            0.0, causal, scale=scale,
+            0.0, causal, attn_mask=bias, scale=scale,
         )  # fmt: skip
         return dq.float(), dk.float().sum(1), dv.float().sum(1)
     ck = k.shape[1]
     delta = (dout.float() * out).sum(dim=-1)  # [B, qg, c]
-    probs = _scores(q, k, causal, scale).sub_(lse.unsqueeze(-1)).exp_()  # [B, qg, c, ck]
+    probs = _scores(q, k, causal, scale, bias).sub_(lse.unsqueeze(-1)).exp_()  # [B, qg, c, ck]
     rows = probs.view(b, qg * c, ck)
     dout_rows = dout.reshape(b, qg * c, d).float()
     dv = torch.bmm(rows.transpose(1, 2), dout_rows)

@@ -8,6 +8,13 @@ and the layout (hence the model) does not depend on the TP size.
 sharded_state_dict describes q, k and v as logical tensors
 [ng, qg, d, h], [ng, d, h], [ng, d, h] (strided views of the fused weight),
 so that checkpoints and conversions never see the fused layout.
+
+With softmax_type "learnable", core attention's softmax_offset [heads on this rank]
+(Megatron's name) is split over the TP group with the heads and described as
+core_attention.softmax_offset [num_attention_heads]. A layer that
+TransformerConfig.window_size applies to (window_layer_pattern) attends through the
+window; with a KVCache the window joins the cache's mask, and the slots before every
+new query's window are not read (the cache still keeps them).
 """
 
 from __future__ import annotations
@@ -18,8 +25,13 @@ import torch
 
 from mp_ckpt import ShardedTensor
 from mp_layers.config import TransformerConfig
+from mp_layers.config_attention import window_layer_pattern
 from mp_layers.groups import ModelGroups
-from mp_layers.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from mp_layers.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    init_partitioned_weight,
+)
 from mp_layers.transformer.kv_cache import KVCache
 from mp_layers.transformer.recompute import checkpointed
 from mp_layers.transformer.rope import Rotary, apply_rotary_pos_emb
@@ -57,10 +69,19 @@ class SelfAttention(torch.nn.Module):
         )  # fmt: skip
         self.q_layernorm = spec.norm(config, self.d) if config.qk_layernorm else None
         self.k_layernorm = spec.norm(config, self.d) if config.qk_layernorm else None
+        windowed = window_layer_pattern(config)[layer_number]
+        self.window = config.window_size[0] if windowed else None
         self.core_attention = spec.core_attention(
             config.attention_dropout, rng_tracker, config.attention_backend,
             cp_group=groups.cp, cp_comm_type=config.cp_comm_type,
+            softmax_type=config.softmax_type, window=self.window,
+            heads=self.groups * self.per_group, params_dtype=config.params_dtype,
         )  # fmt: skip
+        if config.softmax_type == "learnable":  # the same sinks whatever the TP size
+            init_partitioned_weight(
+                self.core_attention.softmax_offset, (config.num_attention_heads,), 0, tp_group,
+                functools.partial(torch.nn.init.normal_, std=config.init_method_std),
+            )  # fmt: skip
         # Selective recompute (Korthikanti et al.): core attention's activations grow with
         # s^2 but cost little to recompute, so only they are recomputed in backward.
         self.recompute_core_attention = config.recompute_granularity == "selective"
@@ -97,6 +118,11 @@ class SelfAttention(torch.nn.Module):
             q, k = apply_rotary_pos_emb(q, rotary), apply_rotary_pos_emb(k, rotary)
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer_number, k, v)
+            if self.window is not None:  # read only the slots inside some query's window
+                outside = kv_cache.outside_window(s, self.window, x.device)
+                attention_mask = outside if attention_mask is None else attention_mask | outside
+                first = kv_cache.window_start(self.window)
+                k, v, attention_mask = k[first:], v[first:], attention_mask[..., first:]
         if self.recompute_core_attention and self.training and torch.is_grad_enabled():
             context = checkpointed(self.core_attention, self.rng_tracker, q, k, v, attention_mask)
         else:
@@ -122,6 +148,11 @@ class SelfAttention(torch.nn.Module):
                 key = f"{prefix}linear_qkv.{part}.{name}"
                 shape = (ng, *data.shape[1:])
                 pieces[key] = ShardedTensor(key, data, shape, (offset,) + (0,) * (data.dim() - 1))
+        if isinstance(self.core_attention.softmax_offset, torch.nn.Parameter):
+            key = f"{prefix}core_attention.softmax_offset"
+            pieces[key] = ShardedTensor.from_rank(
+                key, self.core_attention.softmax_offset, 0, rank, self.tp_group.size
+            )
         if self.q_layernorm is not None:
             for norm_name, norm in (
                 ("q_layernorm", self.q_layernorm),

@@ -11,8 +11,17 @@ a key/value head are stacked along the rows, so one [qg * c, d] x [d, keys]
 matmul serves the whole group, and backward sums the group's key and value
 gradients inside the matmuls.
 
+A sliding window (left, 0) narrows each block's keys to [lo - left, hi) besides the
+causal mask (with an explicit mask, it masks the keys more than `window` positions back).
+A sink logit z per head (softmax_type "off-by-one" or "learnable") is one more key with
+value 0 and score z: each query row gets one more channel z / scale, the keys a channel
+0 and the sink key (0, ..., 0, 1), so the one matmul gives its column with the scores
+without copying the scores (a concatenated score column was 1.05 times slower in fp32
+and 1.5 times in bf16, s 2048 and 4096, forward and backward, on the loaded 2-core CPU
+of docs/layers.md).
+
 Shapes: q [s, b, ng * qg, d] with each group's qg heads adjacent, k and v
-[s, b, ng, d]; the output is [s, b, ng * qg * d]. The probabilities stay alive
+[s, b, ng, d], sink [ng * qg]; the output is [s, b, ng * qg * d]. The probabilities stay alive
 for backward: b * heads * s * (s + block) / 2 elements per layer
 (`saved_probability_bytes`), which is why `CoreAttention` picks this only for
 short sequences (docs/layers.md has the measurements behind its choice).
@@ -25,6 +34,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from mp_layers.transformer.banded_attention import band_bias
 from mp_state import TENSOR_PARALLEL_RNG, RNGStatesTracker
 
 __all__ = ["DEFAULT_BLOCK", "blocked_attention", "saved_probability_bytes"]
@@ -43,8 +53,11 @@ def blocked_attention(
     dropout: float = 0.0,
     rng_tracker: RNGStatesTracker | None = None,
     block: int = DEFAULT_BLOCK,
+    window: int | None = None,
+    sink: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """attention_mask: [b or 1, 1, s, s] bool, True = masked; None = causal.
+    """attention_mask: [b or 1, 1, s, s] bool, True = masked; None = causal. window: the
+    earlier keys each query sees besides its own (None: all). sink: [nq] logits.
 
     With an explicit mask every block sees all s keys (the mask may allow any
     of them); a row the mask leaves no key gives 0, as torch's SDPA does.
@@ -58,17 +71,28 @@ def blocked_attention(
     rows = q.reshape(s, b, ng, qg, d).permute(1, 2, 3, 0, 4)  # [b, ng, qg, s, d]
     keys = k.permute(1, 2, 0, 3).reshape(b * ng, s, d)
     values = v.permute(1, 2, 0, 3).reshape(b * ng, s, d)
+    if sink is not None:  # the sink as a key (module docstring); channels d + 1
+        channel = (sink.to(q.dtype) / scale).view(1, ng, qg, 1, 1).expand(b, ng, qg, s, 1)
+        rows = torch.cat([rows, channel], dim=-1)
+        keys = F.pad(keys, (0, 1))
+        sink_key = F.pad(keys.new_ones(b * ng, 1, 1), (d, 0))
+        no_value = values.new_zeros(b * ng, 1, d)
+    width = rows.shape[-1]
     outputs = []
     for lo in range(0, s, block):
         hi = min(lo + block, s)
         c = hi - lo
         keep = None  # 0 for rows that may see no key at all
         if attention_mask is None:
-            seen = hi
-            bias = _causal_bias(lo, hi, qg, q.dtype, q.device).expand(b * ng, qg * c, seen)
+            first = 0 if window is None else max(0, lo - window)
+            bias = _causal_bias(lo, hi, first, window, qg, q.dtype, q.device, sink is not None)
+            bias = bias.expand(b * ng, *bias.shape)
+            seen = slice(first, hi)
         else:
-            seen = s
+            seen = slice(0, s)
             masked = attention_mask[:, 0, lo:hi]
+            if window is not None:
+                masked = masked | _outside_window(lo, hi, s, window, q.device)
             dead = masked.all(dim=-1, keepdim=True)
             if dead.any():
                 # Softmax over no key is 0 / 0: such rows see every key, then get probability
@@ -76,15 +100,21 @@ def blocked_attention(
                 masked = masked & ~dead
                 keep = _per_head(~dead, b, ng, qg).to(q.dtype)
             bias = _per_head(_additive(masked, q.dtype), b, ng, qg)
-        block_rows = rows[:, :, :, lo:hi].reshape(b * ng, qg * c, d)
-        scores = torch.baddbmm(bias, block_rows, keys[:, :seen].transpose(1, 2), alpha=scale)
+            if sink is not None:
+                bias = F.pad(bias, (0, 1))
+        block_rows = rows[:, :, :, lo:hi].reshape(b * ng, qg * c, width)
+        block_keys, block_values = keys[:, seen], values[:, seen]
+        if sink is not None:
+            block_keys = torch.cat([block_keys, sink_key], dim=1)
+            block_values = torch.cat([block_values, no_value], dim=1)
+        scores = torch.baddbmm(bias, block_rows, block_keys.transpose(1, 2), alpha=scale)
         probs = torch.softmax(scores, dim=-1)
         if keep is not None:
             probs = probs * keep
         if dropout > 0:
             with rng_tracker.fork(TENSOR_PARALLEL_RNG):
                 probs = F.dropout(probs, dropout)
-        out = torch.bmm(probs, values[:, :seen])  # [b * ng, qg * c, d]
+        out = torch.bmm(probs, block_values)  # [b * ng, qg * c, d]
         outputs.append(out.view(b, ng, qg, c, d).permute(3, 0, 1, 2, 4))
     return torch.cat(outputs).view(s, b, nq * d)
 
@@ -111,14 +141,26 @@ def saved_probability_bytes(
 
 @functools.lru_cache(maxsize=64)
 def _causal_bias(
-    lo: int, hi: int, qg: int, dtype: torch.dtype, device: torch.device
+    lo: int,
+    hi: int,
+    first: int,
+    window: int | None,
+    qg: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    sink: bool = False,
 ) -> torch.Tensor:
-    """[qg * (hi - lo), hi]: 0 where key <= query position, -inf above; qg copies of the
-    rows, one per query head of a group."""
-    position = torch.arange(lo, hi, device=device)[:, None]
-    masked = torch.arange(hi, device=device)[None, :] > position
-    bias = torch.zeros(hi - lo, hi, dtype=dtype, device=device).masked_fill_(masked, -torch.inf)
-    return bias.repeat(qg, 1)
+    """[qg * (hi - lo), hi - first] over keys first..hi-1: 0 where the query position sees
+    the key (key <= query, and at most `window` back), -inf elsewhere; qg copies of the
+    rows, one per query head of a group; with `sink`, a last column of 0 (the sink key)."""
+    bias = band_bias(lo, hi, first, window, dtype, device).repeat(qg, 1)
+    return F.pad(bias, (0, 1)) if sink else bias
+
+
+def _outside_window(lo: int, hi: int, s: int, window: int, device: torch.device) -> torch.Tensor:
+    """[1, hi - lo, s] bool: True for keys more than `window` positions before the query."""
+    queries = torch.arange(lo, hi, device=device)[:, None]
+    return (torch.arange(s, device=device)[None, :] < queries - window)[None]
 
 
 def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -20,6 +20,12 @@ Backends (TransformerConfig.attention_backend, Megatron's names):
   bench_attention.py, docs/layers.md) the blocked matmuls are faster within
   those limits; beyond them SDPA is as fast or faster in fp32, and the memory
   the blocked path keeps grows with s^2.
+
+Attention sinks (softmax_type "off-by-one": a logit 0, "learnable": the parameter
+softmax_offset [heads on this rank]) and a sliding window (window: the earlier keys
+each query sees) go through `banded_attention` where SDPA would run (it keeps no
+probabilities; no s x s mask), and through `blocked_attention` where the blocked path
+would run or where an explicit mask or dropout is given.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import torch.nn.functional as F
 from mp_layers.config import ATTENTION_BACKENDS
 from mp_layers.context_parallel import context_parallel_attention
 from mp_layers.context_parallel.ulysses import ulysses_attention
+from mp_layers.transformer.banded_attention import banded_attention
 from mp_layers.transformer.blocked_attention import blocked_attention, saved_probability_bytes
 from mp_state import TENSOR_PARALLEL_RNG, RankGroup, RNGStatesTracker
 
@@ -57,8 +64,31 @@ class CoreAttention(torch.nn.Module):
         backend: str = "auto",
         cp_group: RankGroup | None = None,
         cp_comm_type: str = "p2p",
+        *,
+        softmax_type: str = "vanilla",
+        window: int | None = None,
+        heads: int | None = None,
+        params_dtype: torch.dtype = torch.float32,
     ) -> None:
+        """softmax_type, window (the earlier keys each query sees; None: all) and heads
+        (this rank's query heads, for the sinks): module docstring."""
         super().__init__()
+        self.softmax_type = softmax_type
+        self.window = window
+        if softmax_type == "vanilla":
+            self.softmax_offset = None
+        else:
+            if heads is None:
+                raise ValueError(f"softmax_type={softmax_type!r} needs heads (a sink per head)")
+            offset = torch.zeros(heads, dtype=params_dtype)
+            if softmax_type == "learnable":
+                self.softmax_offset = torch.nn.Parameter(offset)
+            elif softmax_type == "off-by-one":
+                self.register_buffer("softmax_offset", offset, persistent=False)
+            else:
+                raise ValueError(
+                    f"softmax_type={softmax_type!r} must be one of vanilla, off-by-one, learnable"
+                )
         self.cp_group = cp_group if cp_group is not None and cp_group.size > 1 else None
         self.cp_comm_type = cp_comm_type
         if backend not in ATTENTION_BACKENDS:
@@ -95,11 +125,22 @@ class CoreAttention(torch.nn.Module):
             if self.training and self.attention_dropout > 0:
                 raise ValueError("attention across context-parallel ranks has no dropout")
             if self.cp_comm_type == "a2a":
-                return ulysses_attention(q, k, v, self.cp_group, self._attend)
+                sink = self.softmax_offset
+                if sink is not None:  # this rank attends with heads piece cp_rank (ulysses.py)
+                    sink = sink.view(self.cp_group.size, -1)[self.cp_group.rank]
+                return ulysses_attention(
+                    q, k, v, self.cp_group, lambda *qkv: self._attend(*qkv, sink=sink)
+                )
+            if self.softmax_offset is not None or self.window is not None:
+                raise ValueError(
+                    f"softmax_type={self.softmax_type!r}, window={self.window} with "
+                    f"cp_comm_type={self.cp_comm_type!r}: sinks and windows across "
+                    "context-parallel ranks need cp_comm_type='a2a'"
+                )
             return context_parallel_attention(
                 q, k, v, self.cp_group, scale=1.0 / math.sqrt(d), comm_type=self.cp_comm_type
             )
-        return self._attend(q, k, v, attention_mask)
+        return self._attend(q, k, v, attention_mask, sink=self.softmax_offset)
 
     def _attend(
         self,
@@ -107,17 +148,25 @@ class CoreAttention(torch.nn.Module):
         k: torch.Tensor,
         v: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
+        *,
+        sink: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Attention over whole sequences on this rank."""
+        """Attention over whole sequences on this rank; sink [nq] or None."""
         s, b, nq, d = q.shape
         dropout = self.attention_dropout if self.training else 0.0
         scale = 1.0 / math.sqrt(d)
         if s < k.shape[0]:  # generation: the next positions over a KVCache's keys
-            return cached_attention(q, k, v, attention_mask, scale)
-        if self.uses_blocked(q, explicit_mask=attention_mask is not None):
+            return cached_attention(q, k, v, attention_mask, scale, sink=sink)
+        blocked = self.uses_blocked(q, explicit_mask=attention_mask is not None)
+        if sink is not None or self.window is not None:
+            if not blocked and attention_mask is None and dropout == 0:
+                return banded_attention(q, k, v, scale=scale, window=self.window, sink=sink)
+            blocked = True
+        if blocked:
             return blocked_attention(
-                q, k, v, attention_mask, scale=scale, dropout=dropout, rng_tracker=self.rng_tracker
-            )
+                q, k, v, attention_mask, scale=scale, dropout=dropout,
+                rng_tracker=self.rng_tracker, window=self.window, sink=sink,
+            )  # fmt: skip
         # SDPA wants [b, n, s, d]; it shares each key/value head among its group's
         # query heads itself (enable_gqa), without materializing repeated k and v.
         q_, k_, v_ = (t.permute(1, 2, 0, 3) for t in (q, k, v))
@@ -168,11 +217,19 @@ def keeps_attention_probabilities(
 
 
 def cached_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    *,
+    sink: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of the next s positions q [s, b, nq, d] over a KVCache's keys and values
     k, v [T, b, ng, d] (T > s; views of the cache's [b, ng, max_length, d] storage),
-    mask [b, 1, s, T] bool, True = masked (None: every key visible); the output [s, b, nq * d].
+    mask [b, 1, s, T] bool, True = masked (None: every key visible; a sliding window is
+    part of the mask, KVCache.outside_window); sink [nq] logits or None; the output
+    [s, b, nq * d].
 
     Two matmuls and a softmax in fp32, for generation: with one query a sequence,
     SDPA's CPU flash kernel fills a whole block of queries per head and copies the
@@ -189,6 +246,11 @@ def cached_attention(
     if mask is not None:
         masked = mask.view(b, 1, s, t).transpose(-1, -2)[:, :, :, None, :]  # [b, 1, T, 1, s]
         scores.view(b, ng, t, per_group, s).masked_fill_(masked, float("-inf"))
-    probs = torch.softmax(scores, dim=2).to(v.dtype)
+    if sink is not None:  # one more key row: the sink's logit, no value
+        column = sink.float().view(1, ng, 1, per_group, 1).expand(b, ng, 1, per_group, s)
+        scores = torch.cat([scores, column.reshape(b, ng, 1, per_group * s)], dim=2)
+        probs = torch.softmax(scores, dim=2)[:, :, :t].to(v.dtype)
+    else:
+        probs = torch.softmax(scores, dim=2).to(v.dtype)
     out = torch.matmul(probs.transpose(-1, -2), v_)  # [b, ng, qs, d]
     return out.view(b, nq, s, d).permute(2, 0, 1, 3).reshape(s, b, nq * d)

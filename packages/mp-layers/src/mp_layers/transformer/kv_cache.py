@@ -89,6 +89,21 @@ class KVCache:
         masked = (keys > queries)[None] | (padded & (keys != queries)[None])  # [b, s, T]
         return masked[:, None]
 
+    def window_start(self, window: int) -> int:
+        """The first key slot a layer with a sliding window of `window` earlier keys reads
+        for the next positions: every slot before length - window is out of every new
+        query's window. Rounded down to KEY_BLOCK slots, so the slots read keep few shapes
+        (slots_read); 0 for the prompts."""
+        return max(0, self.length - window) // KEY_BLOCK * KEY_BLOCK
+
+    def outside_window(self, s: int, window: int, device: torch.device | str) -> torch.Tensor:
+        """[1, 1, s, T] bool (T = slots_read(s)), True for the keys more than `window`
+        positions before each of the next s slots (a layer's sliding window; the
+        sequences' padding shifts queries and keys alike)."""
+        queries = torch.arange(self.length, self.length + s, device=device)[:, None]
+        keys = torch.arange(self.slots_read(s), device=device)[None, :]
+        return (keys < queries - window)[None, None]
+
     def update(
         self, layer: int, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -12,6 +12,15 @@ original context length, a frequency whose wavelength 2 pi / f exceeds
 L / low_freq_factor is divided by factor; one whose wavelength is under
 L / high_freq_factor is kept; in between, with
 t = (L / wavelength - low) / (high - low), it becomes (1 - t) f / factor + t f.
+
+YaRN (Peng et al., 2023; Megatron's --position-embedding-type yarn, Hugging Face's
+rope_type "yarn") blends by channel instead: with L the original context and s the
+factor, channel pair i turns L f_i / 2 pi times over L; the pairs turning more than
+beta_fast times keep f_i, those turning fewer than beta_slow times get f_i / s, and a
+linear ramp over the pair index blends between (its ends rounded to integers unless
+told not to). cos and sin are multiplied by the attention factor
+(0.1 mscale ln s + 1) / (0.1 mscale_all_dim ln s + 1), 1 for s <= 1, which scales
+every attention logit by its square.
 """
 
 from __future__ import annotations
@@ -21,7 +30,18 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["Llama3Scaling", "Rotary", "RotaryEmbedding", "apply_rotary_pos_emb", "llama3_scaled"]
+from mp_layers.config import TransformerConfig
+
+__all__ = [
+    "Llama3Scaling",
+    "Rotary",
+    "RotaryEmbedding",
+    "YarnScaling",
+    "apply_rotary_pos_emb",
+    "llama3_scaled",
+    "yarn_frequencies",
+    "yarn_scaling",
+]
 
 
 class Llama3Scaling(NamedTuple):
@@ -46,6 +66,55 @@ def llama3_scaled(inv_freq: torch.Tensor, scaling: Llama3Scaling) -> torch.Tenso
                        inv_freq / scaling.factor, scaled)  # fmt: skip
 
 
+class YarnScaling(NamedTuple):
+    """YaRN's settings (defaults: Megatron's)."""
+
+    factor: float = 1.0
+    original_max_position_embeddings: int = 4096
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+    round_to_int: bool = True
+
+
+def yarn_frequencies(rot: int, base: float, scaling: YarnScaling) -> tuple[torch.Tensor, float]:
+    """The frequencies [rot/2] of rot rotated channels under YaRN (module docstring), and
+    the attention factor that multiplies cos and sin."""
+    powers = base ** (torch.arange(0, rot, 2, dtype=torch.float32) / rot)
+    kept, divided = 1.0 / powers, 1.0 / (scaling.factor * powers)
+    context = scaling.original_max_position_embeddings
+
+    def pair_turning(turns: float) -> float:  # the (fractional) pair index turning `turns` times
+        return rot * math.log(context / (turns * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = pair_turning(scaling.beta_fast), pair_turning(scaling.beta_slow)
+    if scaling.round_to_int:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rot - 1)
+    if low == high:
+        high += 0.001  # a step instead of a ramp
+    ramp = ((torch.arange(rot // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1.0 - ramp  # 1: the frequency kept, 0: divided by the factor
+    inv_freq = divided * (1 - keep) + kept * keep
+
+    def mscale(m: float) -> float:
+        return 1.0 if scaling.factor <= 1 else 0.1 * m * math.log(scaling.factor) + 1.0
+
+    return inv_freq, mscale(scaling.mscale) / mscale(scaling.mscale_all_dim)
+
+
+def yarn_scaling(config: TransformerConfig) -> YarnScaling | None:
+    """The YaRN settings of a config (position_embedding_type "yarn"), else None."""
+    if config.position_embedding_type != "yarn":
+        return None
+    return YarnScaling(
+        config.yarn_rotary_scaling_factor, config.yarn_original_max_position_embeddings,
+        config.yarn_beta_fast, config.yarn_beta_slow, config.yarn_mscale,
+        config.yarn_mscale_all_dim, config.yarn_correction_range_round_to_int,
+    )  # fmt: skip
+
+
 class Rotary(NamedTuple):
     """cos and sin of the rotation angles, each [s, 1, 1, rot] in fp32 ([s, b, 1, rot]
     when each sequence has positions of its own).
@@ -67,6 +136,7 @@ class RotaryEmbedding(torch.nn.Module):
         rotary_base: float = 10000,
         seq_len_interpolation_factor: float | None = None,
         llama3_scaling: Llama3Scaling | None = None,
+        yarn: YarnScaling | None = None,
     ) -> None:
         super().__init__()
         rot = int(kv_channels * rotary_percent)
@@ -79,6 +149,10 @@ class RotaryEmbedding(torch.nn.Module):
         inv_freq = 1.0 / (rotary_base**exponents)
         if llama3_scaling is not None:
             inv_freq = llama3_scaled(inv_freq, llama3_scaling)
+        self.attention_factor = 1.0
+        """Multiplies cos and sin (YaRN's; 1 otherwise)."""
+        if yarn is not None:
+            inv_freq, self.attention_factor = yarn_frequencies(rot, rotary_base, yarn)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.seq_len_interpolation_factor = seq_len_interpolation_factor
 
@@ -94,7 +168,9 @@ class RotaryEmbedding(torch.nn.Module):
             positions = positions / self.seq_len_interpolation_factor
         angles = positions[..., None] * self.inv_freq  # [s, b, rot/2]
         angles = torch.cat([angles, angles], dim=-1)[:, :, None, :]
-        return Rotary(angles.cos(), angles.sin())
+        if self.attention_factor == 1.0:
+            return Rotary(angles.cos(), angles.sin())
+        return Rotary(angles.cos() * self.attention_factor, angles.sin() * self.attention_factor)
 
 
 def apply_rotary_pos_emb(t: torch.Tensor, rotary: Rotary) -> torch.Tensor:

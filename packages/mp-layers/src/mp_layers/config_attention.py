@@ -1,0 +1,198 @@
+"""Validation of TransformerConfig's attention and position-embedding fields: rotary
+settings (plain, Llama 3.1 scaling, YaRN), attention sinks (softmax_type), sliding windows
+(window_size, window_attn_skip_freq), and the per-layer window pattern.
+
+TransformerConfig.__post_init__ calls `check_attention_fields`, check_parallel calls
+`check_attention_parallel`; every message names the field and the value.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from mp_layers.config import TransformerConfig
+
+__all__ = [
+    "SOFTMAX_TYPES",
+    "YARN_DEFAULTS",
+    "check_attention_fields",
+    "check_attention_parallel",
+    "window_layer_pattern",
+]
+
+SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
+
+YARN_DEFAULTS = {
+    "yarn_rotary_scaling_factor": 1.0,
+    "yarn_original_max_position_embeddings": 4096,
+    "yarn_beta_fast": 32.0,
+    "yarn_beta_slow": 1.0,
+    "yarn_mscale": 1.0,
+    "yarn_mscale_all_dim": 0.0,
+    "yarn_correction_range_round_to_int": True,
+}
+"""Megatron's defaults (megatron/training/argument_utils.py, _apply_yarn_config_from_args)."""
+
+
+def check_attention_fields(config: TransformerConfig) -> None:
+    """The rules of the attention and position-embedding fields that hold whatever the
+    parallel layout."""
+    if config.rotary_base <= 0:
+        raise ValueError(f"rotary_base={config.rotary_base} must be > 0")
+    if not 0.0 < config.rotary_percent <= 1.0:
+        raise ValueError(f"rotary_percent={config.rotary_percent} must be in (0, 1]")
+    factor = config.rotary_seq_len_interpolation_factor
+    if factor is not None and factor < 1.0:
+        raise ValueError(f"rotary_seq_len_interpolation_factor={factor} must be >= 1")
+    if config.cp_comm_type == "a2a+p2p":
+        raise ValueError(
+            "cp_comm_type='a2a+p2p' (hierarchical context parallelism) is not implemented: "
+            "choose p2p, all_gather or a2a"
+        )
+    if config.cp_comm_type not in ("p2p", "all_gather", "a2a"):
+        raise ValueError(
+            f"cp_comm_type={config.cp_comm_type!r} must be one of p2p, all_gather, a2a"
+        )
+    _check_rope_scaling(config)
+    _check_yarn(config)
+    if config.softmax_type not in SOFTMAX_TYPES:
+        raise ValueError(
+            f"softmax_type={config.softmax_type!r} must be one of {', '.join(SOFTMAX_TYPES)}"
+        )
+    _check_window(config)
+
+
+def _check_rope_scaling(config: TransformerConfig) -> None:
+    if not config.use_rope_scaling:
+        return
+    if config.position_embedding_type != "rope":
+        raise ValueError(
+            "use_rope_scaling=True needs position_embedding_type='rope', got "
+            f"{config.position_embedding_type!r}"
+        )
+    if config.rope_scaling_factor < 1.0:
+        raise ValueError(f"rope_scaling_factor={config.rope_scaling_factor} must be >= 1")
+    low, high = config.rope_scaling_low_freq_factor, config.rope_scaling_high_freq_factor
+    if not 0.0 < low < high:
+        raise ValueError(
+            f"rope_scaling_low_freq_factor={low} and rope_scaling_high_freq_factor={high} "
+            "must satisfy 0 < low < high"
+        )
+    original = config.rope_scaling_original_max_position_embeddings
+    if isinstance(original, bool) or not isinstance(original, int) or original < 1:
+        raise ValueError(
+            f"rope_scaling_original_max_position_embeddings={original!r} must be a positive integer"
+        )
+
+
+def _check_yarn(config: TransformerConfig) -> None:
+    if config.position_embedding_type != "yarn":
+        for name, default in YARN_DEFAULTS.items():
+            if getattr(config, name) != default:
+                raise ValueError(
+                    f"{name}={getattr(config, name)!r} needs position_embedding_type='yarn', got "
+                    f"{config.position_embedding_type!r}"
+                )
+        return
+    if config.rotary_percent != 1.0:
+        raise ValueError(
+            f"rotary_percent={config.rotary_percent} with position_embedding_type='yarn': YaRN "
+            "rotates every channel (Megatron's YarnRotaryEmbedding); set rotary_percent=1"
+        )
+    if config.yarn_rotary_scaling_factor < 1.0:
+        raise ValueError(
+            f"yarn_rotary_scaling_factor={config.yarn_rotary_scaling_factor} must be >= 1"
+        )
+    original = config.yarn_original_max_position_embeddings
+    if isinstance(original, bool) or not isinstance(original, int) or original < 1:
+        raise ValueError(
+            f"yarn_original_max_position_embeddings={original!r} must be a positive integer"
+        )
+    fast, slow = config.yarn_beta_fast, config.yarn_beta_slow
+    if not 0.0 < slow <= fast:
+        raise ValueError(
+            f"yarn_beta_fast={fast} and yarn_beta_slow={slow} must satisfy 0 < slow <= fast"
+        )
+
+
+def _check_window(config: TransformerConfig) -> None:
+    window, freq = config.window_size, config.window_attn_skip_freq
+    if window is None:
+        if freq is not None:
+            raise ValueError(f"window_attn_skip_freq={freq!r} needs window_size")
+        return
+    window = tuple(window)
+    if len(window) != 2 or any(isinstance(x, bool) or not isinstance(x, int) for x in window):
+        raise ValueError(f"window_size={config.window_size!r} must be two integers (left, right)")
+    left, right = window
+    if right != 0:
+        raise ValueError(
+            f"window_size={window}: right={right} would attend to later positions; GPT "
+            "attention is causal, so right must be 0"
+        )
+    if left < 0:
+        raise ValueError(
+            f"window_size={window}: left={left} must be >= 0 (for full attention leave "
+            "window_size None)"
+        )
+    config.window_size = window
+    window_layer_pattern(config)  # validates window_attn_skip_freq
+
+
+def window_layer_pattern(config: TransformerConfig) -> list[bool]:
+    """Per layer of the whole model (0-based index i): whether it attends through the
+    sliding window. Megatron's rule (is_layer_window_attention) on its 1-based layer
+    number n = i + 1: every layer without window_attn_skip_freq; for an integer N, the
+    layers with n % N != 0 (N = 2: window, full, window, full, ...; gpt-oss's
+    layer_types); for a list, its value for layer n (1 = window, 0 = full)."""
+    n_layers = config.num_layers
+    if config.window_size is None:
+        return [False] * n_layers
+    freq = config.window_attn_skip_freq
+    if freq is None:
+        return [True] * n_layers
+    if isinstance(freq, int) and not isinstance(freq, bool):
+        if freq < 1:
+            raise ValueError(f"window_attn_skip_freq={freq} must be a positive integer")
+        return [(i + 1) % freq != 0 for i in range(n_layers)]
+    pattern = list(freq)
+    if len(pattern) != n_layers or any(x not in (0, 1) or isinstance(x, bool) for x in pattern):
+        raise ValueError(
+            f"window_attn_skip_freq={freq!r} must be an integer or {n_layers} values "
+            "(num_layers) of 0 or 1"
+        )
+    return [bool(x) for x in pattern]
+
+
+def check_attention_parallel(config: TransformerConfig, tp: int, cp: int) -> None:
+    """The attention rules that depend on the tensor- and context-parallel sizes. Sinks and
+    windows across context-parallel ranks: "a2a" gathers whole sequences per head and
+    supports both; the ring ("p2p") and "all_gather" merge blocks of keys without them,
+    so they refuse."""
+    if cp == 1:
+        return
+    comm = config.cp_comm_type
+    if comm == "a2a" and (config.num_query_groups // tp) % cp:
+        raise ValueError(
+            f"cp_comm_type='a2a' splits each tensor-parallel rank's num_query_groups="
+            f"{config.num_query_groups} / tensor_model_parallel_size={tp} over "
+            f"context_parallel_size={cp}, which does not divide it"
+        )
+    if config.attention_dropout > 0:
+        raise ValueError(
+            f"attention_dropout={config.attention_dropout} with context_parallel_size={cp}: "
+            "attention across context-parallel ranks has no dropout; set attention_dropout=0"
+        )
+    if comm == "a2a":
+        return
+    if config.window_size is not None:
+        raise ValueError(
+            f"window_size={config.window_size} with context parallelism "
+            f"(cp_comm_type={comm!r}) is not implemented; use cp_comm_type='a2a'"
+        )
+    if config.softmax_type != "vanilla":
+        raise ValueError(
+            f"softmax_type={config.softmax_type!r} with context parallelism "
+            f"(cp_comm_type={comm!r}) is not implemented; use cp_comm_type='a2a'"
+        )
