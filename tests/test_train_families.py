@@ -1,4 +1,4 @@
-"""Today's MoE families train with the one-rank loss curve at TP2 (with sequence
+"""Today's MoE families (Qwen3-MoE, gpt-oss) train with the one-rank loss curve at TP2 (with sequence
 parallelism), EP2 and PP2 through apps/gpt's pretrain (fp32, dropout 0): apps/gpt's
 tiny-moe config with each family's Megatron flags put over it."""
 
@@ -22,6 +22,14 @@ FAMILIES = {
     "qwen3_moe": ["--qk-layernorm", "--kv-channels", "64", "--num-moe-experts", "8",
                   "--moe-router-topk", "4", "--moe-z-loss-coeff", "0",
                   "--untie-embeddings-and-output-weights"],
+    # gpt-oss: sinks, a window of 16 on odd-numbered layers, YaRN, biases on every linear
+    # layer and the router, clamped quick GEGLU experts, softmax after the top k
+    "gpt_oss": ["--softmax-type", "learnable", "--window-size", "15,0",
+                "--window-attn-skip-freq", "2", "--position-embedding-type", "yarn",
+                "--rotary-scaling-factor", "4", "--yarn-original-max-position-embeddings", "16",
+                "--activation", "gelu", "--quick-geglu", "--glu-linear-offset", "1.0",
+                "--activation-func-clamp-value", "7.0", "--add-bias-linear", "--add-qkv-bias",
+                "--moe-z-loss-coeff", "0", "--untie-embeddings-and-output-weights"],
 }  # fmt: skip
 LAYOUTS = {
     "tp2": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
