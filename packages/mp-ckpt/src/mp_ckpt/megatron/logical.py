@@ -39,7 +39,8 @@ _KEPT = {
     "self_attention.linear_proj.bias", "mlp.linear_fc2.weight", "mlp.linear_fc2.bias",
     "self_attention.q_layernorm.weight", "self_attention.q_layernorm.bias",
     "self_attention.k_layernorm.weight", "self_attention.k_layernorm.bias",
-    "mlp.router.weight", "mlp.router.expert_bias", "mlp.shared_experts.linear_fc2.weight",
+    "self_attention.core_attention.softmax_offset", "mlp.router.weight", "mlp.router.bias",
+    "mlp.router.expert_bias", "mlp.shared_experts.linear_fc2.weight",
     "mlp.shared_experts.gate_weight",
 }  # fmt: skip
 # A layer's fc1 tensors (a SwiGLU one is [gate; up] on `dim`) -> mp's name for them.

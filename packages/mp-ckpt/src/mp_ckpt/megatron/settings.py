@@ -8,7 +8,7 @@ several load-balancing losses, ...) is refused with its name and value.
 
 from __future__ import annotations
 
-__all__ = ["MOE_COPIED", "model_config_from_megatron", "moe_settings_from_megatron"]
+__all__ = ["MOE_COPIED", "YARN_ARGS", "model_config_from_megatron", "moe_settings_from_megatron"]
 
 # Megatron settings that change the computation in ways mp does not implement.
 _REFUSED = (
@@ -46,10 +46,10 @@ def model_config_from_megatron(args, vocab_size: int, where: str = "args") -> di
             f"{where}: normalization={normalization!r}: mp computes LayerNorm, RMSNorm"
         )
     position = _arg(args, "position_embedding_type", "learned_absolute")
-    if position not in ("learned_absolute", "rope", "none"):
+    if position not in ("learned_absolute", "rope", "yarn", "none"):
         raise ValueError(
             f"{where}: position_embedding_type={position!r}: mp computes learned_absolute, "
-            "rope and none"
+            "rope, yarn and none"
         )
     if _arg(args, "swiglu"):
         activation = "swiglu"
@@ -84,6 +84,7 @@ def model_config_from_megatron(args, vocab_size: int, where: str = "args") -> di
         "vocab_size": vocab_size,
         "max_position_embeddings": _arg(args, "max_position_embeddings") or seq_length,
     }  # fmt: skip
+    settings |= _attention_settings(args, position)
     if seq_length is not None:
         settings["seq_length"] = seq_length
     if settings["use_rope_scaling"]:
@@ -91,6 +92,31 @@ def model_config_from_megatron(args, vocab_size: int, where: str = "args") -> di
     if _arg(args, "num_experts"):
         settings |= moe_settings_from_megatron(args, settings, where)
     return settings
+
+
+# Megatron's args -> mp's field: YaRN (the command line drops the prefix of three).
+YARN_ARGS = {
+    "rotary_scaling_factor": ("yarn_rotary_scaling_factor", 1.0),
+    "yarn_original_max_position_embeddings": ("yarn_original_max_position_embeddings", 4096),
+    "yarn_beta_fast": ("yarn_beta_fast", 32.0), "yarn_beta_slow": ("yarn_beta_slow", 1.0),
+    "mscale": ("yarn_mscale", 1.0), "mscale_all_dim": ("yarn_mscale_all_dim", 0.0),
+    "yarn_correction_range_round_to_int": ("yarn_correction_range_round_to_int", True),
+}  # fmt: skip
+
+
+def _attention_settings(args, position: str) -> dict:
+    """Sinks, windows and YaRN (gpt-oss's attention), at Megatron's defaults when absent."""
+    window = _arg(args, "window_size")
+    out = {
+        "softmax_type": _arg(args, "softmax_type") or "vanilla",
+        "window_size": tuple(window) if window else None,
+        "window_attn_skip_freq": _arg(args, "window_attn_skip_freq"),
+    }
+    if position == "yarn":
+        for arg, (field, default) in YARN_ARGS.items():
+            value = _arg(args, arg)
+            out[field] = default if value is None else value
+    return out
 
 
 # Megatron MoE settings that change the computation in ways mp does not implement.

@@ -45,7 +45,7 @@ from mp_ckpt.core.reader import CheckpointReader
 from mp_ckpt.families.moe import is_moe_layer
 from mp_ckpt.megatron.logical import TE_NORM_NAMES
 from mp_ckpt.megatron.read import _LAYER
-from mp_ckpt.megatron.settings import MOE_COPIED
+from mp_ckpt.megatron.settings import MOE_COPIED, YARN_ARGS
 
 __all__ = ["export_megatron", "megatron_args", "megatron_from_logical"]
 
@@ -154,6 +154,13 @@ def megatron_args(settings: dict, *, ckpt_format: str, tp: int, pp: int, iterati
     }  # fmt: skip
     for name in ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model"):
         values[name] = (data or {}).get(name)
+    window = settings.get("window_size")
+    values |= {"softmax_type": settings.get("softmax_type", "vanilla"),
+               "window_size": tuple(window) if window else None,
+               "window_attn_skip_freq": settings.get("window_attn_skip_freq")}  # fmt: skip
+    if position == "yarn":
+        values |= {arg: settings.get(field, default)
+                   for arg, (field, default) in YARN_ARGS.items()}  # fmt: skip
     if settings.get("num_moe_experts"):
         values |= _moe_args(settings, tp, ep)
     return argparse.Namespace(**values)
