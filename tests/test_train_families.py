@@ -1,6 +1,6 @@
-"""Today's MoE families (Qwen3-MoE, gpt-oss) train with the one-rank loss curve at TP2 (with sequence
-parallelism), EP2 and PP2 through apps/gpt's pretrain (fp32, dropout 0): apps/gpt's
-tiny-moe config with each family's Megatron flags put over it."""
+"""Today's MoE families (Qwen3-MoE, gpt-oss) train with the one-rank loss curve at TP2
+(with sequence parallelism), EP2 and PP2 through apps/gpt's pretrain (fp32, dropout 0):
+apps/gpt's tiny-moe config with each family's Megatron flags put over it."""
 
 import pytest
 
