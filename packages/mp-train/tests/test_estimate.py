@@ -3,7 +3,9 @@ published ones. Symbols as in mp_train.estimate: s sequence, b micro-batch, h hi
 a heads, f ffn width, L layers, V padded vocabulary, t tensor-parallel size.
 
 The base model unless a test says otherwise: L=2, h=64, a=4 (head width 16), f=4h=256,
-LayerNorm, gelu, tied embeddings, s=32, b=2, vocabulary 100, bf16 with Adam."""
+LayerNorm, gelu, tied embeddings, s=32, b=2, vocabulary 100, bf16 with Adam; no linear
+biases and rotary positions, so that the counts are Megatron's formula's (the parameters
+beside it are checked against GPTModel's count at the end)."""
 
 from __future__ import annotations
 
@@ -31,7 +33,8 @@ def make_config(
     # "local" attention keeps its probabilities (Megatron's 5as^2b, the whole square at
     # these short sequences), so the formulas below are Megatron's.
     fields = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
-              "attention_backend": "local", **model}  # fmt: skip
+              "attention_backend": "local", "add_bias_linear": False,
+              "position_embedding_type": "rope", **model}  # fmt: skip
     return RunConfig(
         model=TransformerConfig(bf16=bf16, **fields),
         parallel=ParallelConfig(**(parallel or {})),
@@ -347,21 +350,16 @@ GPT_OSS = {"normalization": "RMSNorm", "num_query_groups": 2, "kv_channels": 16,
 def test_gpt_oss_shaped_moe_counts_the_models_parameters():
     config = make_config(bf16=False, **GPT_OSS)
     result = estimate(config, world_size=1)
-    # Per layer: attention 2*64*16*(4 + 2) = 12288, norms 2*64 = 128, router 64*4 + 4 = 260,
-    # experts 4*(64*32*3 + 2*32 + 64) = 4*6272 = 25088: 37764. Two layers and the final
-    # norm 75592; embedding and output layer 2*64*128 = 16384.
-    assert result["num_parameters"] == 75592 + 16384  # 91976
-    # A token passes through 2 of the 4 experts: 91976 - 2*25088/2.
-    assert result["num_active_parameters"] == 91976 - 25088
-    # The model holds exactly these, and the attention biases the count leaves out (as
-    # Megatron's): QKV (4 + 2*2)*16 = 128 and projection 64 per layer.
+    # Per layer: attention 2*64*16*(4 + 2) = 12288 and its biases, QKV (4 + 2*2)*16 = 128
+    # and projection 64; norms 2*64 = 128, router 64*4 + 4 = 260, experts
+    # 4*(64*32*3 + 2*32 + 64) = 4*6272 = 25088: 37956. Two layers and the final norm
+    # 75976; embedding and output layer 2*64*128 = 16384.
+    assert result["num_parameters"] == 75976 + 16384  # 92360
+    # A token passes through 2 of the 4 experts: 92360 - 2*25088/2.
+    assert result["num_active_parameters"] == 92360 - 25088
     model = GPTModel(config.model, "local", result["padded_vocab_size"], config.gpt.seq_length,
                      groups=ModelGroups.single())  # fmt: skip
-    named = dict(model.named_parameters())
-    attention_biases = [k for k in named if ".self_attention." in k and k.endswith(".bias")]
-    assert sum(named[k].numel() for k in attention_biases) == 2 * (128 + 64)
-    held = sum(p.numel() for k, p in named.items() if k not in attention_biases)
-    assert held == result["num_parameters"]
+    assert sum(p.numel() for p in model.parameters()) == result["num_parameters"]
     # FLOPs: attention 64*(64 + 64) + 64*32 + 64*64 = 14336 a layer; the gated experts
     # 2*32*3 = 192 wide per layer; logits 64*128. 6 (2*14336 + 64*384 + 8192) = 368640 per
     # token, times B s = 2*32: 23592960.
@@ -451,7 +449,8 @@ def test_cli_with_the_run_arguments(capsys):
     pytest.importorskip("mp_train.arguments")
     argv = ["estimate", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads",
             "4", "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "4",
-            "--bf16", "--world-size", "1", "--vocab-size", "100"]  # fmt: skip
+            "--bf16", "--world-size", "1", "--vocab-size", "100", "--disable-bias-linear",
+            "--position-embedding-type", "rope"]  # fmt: skip
     assert main(argv) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["num_parameters"] == BASE_PARAMETERS
@@ -467,8 +466,8 @@ def test_cli_moe_from_the_run_arguments(capsys):
             "--bf16", "--attention-backend", "local", "--world-size", "2", "--vocab-size",
             "100", "--num-moe-experts", "4", "--moe-ffn-hidden-size", "64",
             "--moe-shared-expert-intermediate-size", "32", "--moe-layer-freq", "1", "0",
-            "--disable-bias-linear", "--expert-model-parallel-size", "2",
-            "--use-distributed-optimizer"]  # fmt: skip
+            "--disable-bias-linear", "--position-embedding-type", "rope",
+            "--expert-model-parallel-size", "2", "--use-distributed-optimizer"]  # fmt: skip
     assert main(argv) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["num_parameters"] == 111488

@@ -195,13 +195,28 @@ def _moe_layers(config: RunConfig) -> tuple[int, int]:
 
 
 def _parameters(config: RunConfig, V: int) -> dict:
+    """Every parameter the model holds: the weights of Megatron's formula and the small
+    ones beside them (biases, norms, qk-layernorm, attention sinks, learned positions), so
+    that the total equals GPTModel's count for every family."""
     m = config.model
     h, d = m.hidden_size, m.kv_channels
+    a, g = m.num_attention_heads, m.num_query_groups
     gated = 3 if m.gated_linear_unit else 2  # fc1 (twice as wide when gated) and fc2
     norm = 1 if m.normalization == "RMSNorm" else 2  # LayerNorm has a bias
-    attention = 2 * h * d * (m.num_attention_heads + m.num_query_groups)  # Q, K, V and out
+    attention = 2 * h * d * (a + g)  # Q, K, V and out
+    if m.add_bias_linear or m.add_qkv_bias:
+        attention += d * (a + 2 * g)
+    if m.add_bias_linear:
+        attention += h  # the output projection's bias
+    if m.qk_layernorm:
+        attention += 2 * d * norm
+    if m.softmax_type == "learnable":
+        attention += a  # one sink logit per head
     n_dense, n_moe = _moe_layers(config)
-    dense_layer = attention + h * m.ffn_hidden_size * gated + 2 * h * norm
+    mlp = h * m.ffn_hidden_size * gated
+    if m.add_bias_linear:
+        mlp += m.ffn_hidden_size * (gated - 1) + h
+    dense_layer = attention + mlp + 2 * h * norm
     block = dense_layer * n_dense + norm * h  # and the final norm
     experts = active_experts = 0
     if n_moe:
@@ -217,6 +232,8 @@ def _parameters(config: RunConfig, V: int) -> dict:
         block += (attention + shared + router + 2 * h * norm) * n_moe + experts
     embedding = h * V
     embeddings = 2 * embedding if m.untie_embeddings_and_output_weights else embedding
+    if m.position_embedding_type == "learned_absolute":
+        embeddings += h * (config.gpt.max_position_embeddings or config.gpt.seq_length)
     total = block + embeddings
     return {
         "total": total, "active": total - experts + active_experts, "block": block,

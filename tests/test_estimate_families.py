@@ -1,0 +1,53 @@
+"""`mp-train estimate` counts exactly the parameters GPTModel holds, for every family
+mp-ckpt converts: the settings of a small transformers config of each model_type (as
+import-hf reads them) become the run's TransformerConfig."""
+
+import dataclasses
+
+import pytest
+
+from mp_ckpt import model_config_from_hf
+from mp_data import DataConfig
+from mp_layers import GPTModel, ModelGroups, TransformerConfig
+from mp_optim import OptimizerConfig
+from mp_state import ParallelConfig
+from mp_train.config import GPTConfig, RunConfig, TrainingConfig
+from mp_train.estimate import estimate
+
+transformers = pytest.importorskip("transformers")
+
+SMALL = dict(vocab_size=128, hidden_size=64, num_hidden_layers=3, num_attention_heads=8,
+             num_key_value_heads=4, max_position_embeddings=64, intermediate_size=96)  # fmt: skip
+MOE = dict(num_experts_per_tok=2, moe_intermediate_size=32)
+FAMILIES = {
+    "gpt2": dict(vocab_size=128, n_embd=64, n_layer=3, n_head=4, n_positions=64),
+    "llama": dict(SMALL, tie_word_embeddings=True),
+    "mistral": dict(SMALL, sliding_window=16),
+    "qwen2": SMALL,
+    "qwen3": dict(SMALL, head_dim=16),
+    "nemotron": dict(SMALL, head_dim=8),
+    "mixtral": dict(SMALL, num_local_experts=4, num_experts_per_tok=2),
+    "qwen2_moe": dict(SMALL, **MOE, num_experts=4, shared_expert_intermediate_size=48,
+                      mlp_only_layers=[1]),
+    "qwen3_moe": dict(SMALL, **MOE, num_experts=4, head_dim=16, decoder_sparse_step=2),
+    "gpt_oss": dict(SMALL, num_local_experts=4, num_experts_per_tok=2, head_dim=16,
+                    sliding_window=8),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_estimate_counts_the_models_parameters(family):
+    settings = model_config_from_hf(transformers.AutoConfig.for_model(
+        family, **FAMILIES[family]).to_dict())  # fmt: skip
+    fields = {f.name for f in dataclasses.fields(TransformerConfig)}
+    kept = {k: v for k, v in settings.items() if k in fields}
+    model = TransformerConfig(**kept | {"hidden_dropout": 0.0, "attention_dropout": 0.0})
+    vocab, positions = settings["vocab_size"], settings["max_position_embeddings"]
+    run = RunConfig(model=model, parallel=ParallelConfig(),
+                    gpt=GPTConfig(seq_length=32, max_position_embeddings=positions),
+                    optimizer=OptimizerConfig(), data=DataConfig(vocab_size=vocab),
+                    training=TrainingConfig(micro_batch_size=1))  # fmt: skip
+    result = estimate(run, world_size=1, vocab_size=vocab)
+    gpt = GPTModel(model, "local", result["padded_vocab_size"], positions,
+                   groups=ModelGroups.single())  # fmt: skip
+    assert sum(p.numel() for p in gpt.parameters()) == result["num_parameters"]
