@@ -16,7 +16,6 @@ import pytest
 from mp_gpt.testing import metrics_records, train_on_rank
 from mp_state.testing import run_on_ranks
 from mp_train import build_parser
-from mp_train.megatron_aliases import PRESETS
 
 pytestmark = pytest.mark.multirank
 
@@ -363,15 +362,6 @@ REFUSED = {
     "Nemotron-Nano-9B-v2": ["--hybrid-layer-pattern", "Mamba-hybrid models"],
     "Nemotron-3-Nano-30B": ["--hybrid-layer-pattern", "Mamba-hybrid models"],
 }
-# Flags of these lines that the attention and MLP work adds as TransformerConfig fields:
-# until this build's parser has them all, the family's run is expected to fail.
-# (--enable-gpt-oss stands for YaRN's flags: megatron_aliases.PRESETS.)
-_YARN = [word for word in PRESETS["enable_gpt_oss"][1] if word.startswith("--")]
-_GPT_OSS = ["--quick-geglu", "--glu-linear-offset", "--softmax-type", "--window-size",
-            "--window-attn-skip-freq", "--activation-func-clamp-value", *_YARN]  # fmt: skip
-PENDING = {"Nemotron-Mini-4B": ["--apply-layernorm-1p"], "gpt-oss-20b": _GPT_OSS,
-           "gpt-oss-120b": _GPT_OSS}  # fmt: skip
-
 # The width shrunk to a few seconds per run: flag -> its value here.
 SHRINK = {
     "--num-layers": "2", "--hidden-size": "64", "--ffn-hidden-size": "128",
@@ -401,19 +391,7 @@ def run_options(run_dir) -> list[str]:
     ]  # fmt: skip
 
 
-def _lacking(family: str) -> list[str]:
-    known = build_parser()._option_string_actions
-    return [flag for flag in PENDING.get(family, []) if flag not in known]
-
-
-def _trains(family: str):
-    lacking = _lacking(family)
-    mark = pytest.mark.xfail(bool(lacking), strict=True,
-                             reason=f"this build lacks {' '.join(lacking)}")  # fmt: skip
-    return pytest.param(family, marks=mark)
-
-
-@pytest.mark.parametrize("family", [_trains(family) for family in TRAINS])
+@pytest.mark.parametrize("family", TRAINS)
 def test_the_family_trains(tmp_path, family):
     run_on_ranks(train_on_rank, 1, [*shrunk(family), *run_options(tmp_path)], timeout=120)
     records = metrics_records(tmp_path)
@@ -436,4 +414,4 @@ def test_every_family_is_tested_and_every_flag_known():
     known = build_parser()._option_string_actions
     for family in TRAINS:
         unknown = [w for w in shrunk(family) if w.startswith("--") and w not in known]
-        assert set(unknown) <= set(_lacking(family)), family
+        assert unknown == [], family
