@@ -178,11 +178,15 @@ def test_layernorm_1p_goes_to_megatron_and_back(tmp_path):
     ("field", "value"),
     [("quick_geglu", True), ("glu_linear_offset", 1.0), ("activation_func_clamp_value", 7.0)],
 )
-def test_gpt_oss_activation_is_refused_by_the_exports(field, value, tmp_path):
+def test_gpt_oss_activation_goes_to_megatron_and_is_refused_by_the_llama_export(
+    field, value, tmp_path
+):
     src = _mp("llama_torch_dist_tp1", tmp_path)
     _with_setting(src, field, value)
-    with pytest.raises(ValueError, match=f"{field}={value!r}: the Megatron export does not"):
-        export_megatron(src, tmp_path / "meg", ckpt_format="torch_dist")
+    export_megatron(src, tmp_path / "meg", ckpt_format="torch_dist")
+    assert getattr(read_megatron(tmp_path / "meg").args, field) == value
+    import_megatron(tmp_path / "meg", tmp_path / "back")
+    assert _settings(tmp_path / "back")[field] == value
     with pytest.raises(ValueError, match=f"model_config {field}={value!r}: llama computes only"):
         export_hf(src, tmp_path / "hf", "llama")
 
@@ -194,11 +198,13 @@ def test_layernorm_1p_is_refused_by_the_hf_export(tmp_path):
         export_hf(src, tmp_path / "hf", "llama")
 
 
-def test_megatron_args_with_gpt_oss_activation_are_refused_on_import():
+def test_megatron_args_with_gpt_oss_activation_import_as_gated():
     from argparse import Namespace
 
     from mp_ckpt import model_config_from_megatron
 
-    args = Namespace(num_layers=2, hidden_size=64, num_attention_heads=4, quick_geglu=True)
-    with pytest.raises(ValueError, match="args: quick_geglu=True: mp imports only"):
-        model_config_from_megatron(args, 128)
+    args = Namespace(num_layers=2, hidden_size=64, num_attention_heads=4, quick_geglu=True,
+                     glu_linear_offset=1.0, activation_func_clamp_value=7.0)  # fmt: skip
+    settings = model_config_from_megatron(args, 128)
+    assert (settings["quick_geglu"], settings["glu_linear_offset"]) == (True, 1.0)
+    assert settings["activation_func_clamp_value"] == 7.0

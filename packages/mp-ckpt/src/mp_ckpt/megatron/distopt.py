@@ -44,6 +44,7 @@ import torch
 from mp_ckpt.megatron.order import megatron_param_order
 from mp_ckpt.megatron.read import _COLUMN, _LAYER, _ROW, MegatronModel, _join
 from mp_ckpt.megatron.safe_pickle import safe_load
+from mp_ckpt.megatron.settings import gated
 
 __all__ = ["ALIGN", "buffer_params", "megatron_buckets", "place", "read_distrib_optim",
            "read_distributed_buckets"]  # fmt: skip
@@ -104,7 +105,7 @@ def buffer_params(model: MegatronModel, stage: int, rank: int, where: str):
                          "stage's shared copy) are not imported")  # fmt: skip
     per_stage = layers // pp
     local_spec = getattr(args, "transformer_impl", "local") == "local"
-    swiglu = bool(getattr(args, "swiglu", False))
+    swiglu = gated(args)
     names = {}
     for name in model.tensors:
         match = _LAYER.match(name)

@@ -143,7 +143,7 @@ def logical_plan(model: MegatronModel) -> tuple[dict[str, tuple], dict]:
         elif (fc1 := rest.rsplit(".", 1)[0] + ".") in _FC1:
             part = rest.rsplit(".", 1)[1]
             name, dim = _FC1[fc1]
-            if settings["activation"] == "swiglu":
+            if settings["activation"] == "swiglu" or settings.get("quick_geglu"):
                 first, second = list(shape), list(shape)
                 first[dim] -= shape[dim] // 2  # torch.chunk's first half
                 second[dim] = shape[dim] // 2

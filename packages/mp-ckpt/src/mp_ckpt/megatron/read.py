@@ -49,6 +49,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, StorageM
 from mp_ckpt.core.box_reads import read_boxes
 from mp_ckpt.core.checkpointer import single_process_quiet
 from mp_ckpt.megatron.safe_pickle import safe_load, safe_unpickle
+from mp_ckpt.megatron.settings import gated
 
 __all__ = [
     "MegatronModel",
@@ -281,7 +282,7 @@ def _read_torch(directory: Path, iteration: int) -> MegatronModel:
     pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
     ep = int(getattr(args, "expert_model_parallel_size", 1) or 1)
     local_experts = (getattr(args, "num_experts", None) or 0) // ep
-    swiglu = bool(getattr(args, "swiglu", False))
+    swiglu = gated(args)
     checkpoint_version = None
     tensors = MegatronTensors()
     offset = 0

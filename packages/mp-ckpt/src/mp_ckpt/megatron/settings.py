@@ -8,14 +8,17 @@ several load-balancing losses, ...) is refused with its name and value.
 
 from __future__ import annotations
 
-__all__ = ["MOE_COPIED", "YARN_ARGS", "model_config_from_megatron", "moe_settings_from_megatron"]
+__all__ = [
+    "MOE_COPIED",
+    "YARN_ARGS",
+    "gated",
+    "model_config_from_megatron",
+    "moe_settings_from_megatron",
+]
 
 # Megatron settings that change the computation in ways mp does not implement.
 _REFUSED = (
     ("multi_latent_attention", False),
-    ("quick_geglu", False),  # gpt-oss's activation: mp computes it, the import not yet
-    ("glu_linear_offset", 0.0),
-    ("activation_func_clamp_value", None),
     ("rotary_interleaved", False),
     ("apply_residual_connection_post_layernorm", False),
     ("heterogeneous_layers_config_path", None),
@@ -25,6 +28,11 @@ _REFUSED = (
 
 def _arg(args, name: str, default=None):
     return getattr(args, name, default)
+
+
+def gated(args) -> bool:
+    """Whether Megatron's fc1 holds [gate; up] (swiglu, or gpt-oss's quick_geglu)."""
+    return bool(_arg(args, "swiglu", False) or _arg(args, "quick_geglu", False))
 
 
 def model_config_from_megatron(args, vocab_size: int, where: str = "args") -> dict:
@@ -74,6 +82,10 @@ def model_config_from_megatron(args, vocab_size: int, where: str = "args") -> di
         "add_bias_linear": bool(_arg(args, "add_bias_linear", True)),
         "add_qkv_bias": bool(_arg(args, "add_qkv_bias", False)),
         "qk_layernorm": bool(_arg(args, "qk_layernorm", False)),
+        # gpt-oss's activation: fc1 is [gate; up] as for swiglu (Megatron's quick_geglu)
+        "quick_geglu": bool(_arg(args, "quick_geglu", False)),
+        "glu_linear_offset": float(_arg(args, "glu_linear_offset", 0.0) or 0.0),
+        "activation_func_clamp_value": _arg(args, "activation_func_clamp_value"),
         # the same zero-centered weight in both (Megatron's layernorm_zero_centered_gamma)
         "apply_layernorm_1p": bool(_arg(args, "apply_layernorm_1p", False)),
         "untie_embeddings_and_output_weights": bool(

@@ -45,7 +45,7 @@ from mp_ckpt.core.reader import CheckpointReader
 from mp_ckpt.families.moe import is_moe_layer
 from mp_ckpt.megatron.logical import TE_NORM_NAMES
 from mp_ckpt.megatron.read import _LAYER
-from mp_ckpt.megatron.settings import MOE_COPIED, YARN_ARGS
+from mp_ckpt.megatron.settings import MOE_COPIED, YARN_ARGS, gated
 
 __all__ = ["export_megatron", "megatron_args", "megatron_from_logical"]
 
@@ -122,6 +122,9 @@ def megatron_args(settings: dict, *, ckpt_format: str, tp: int, pp: int, iterati
         "normalization": settings.get("normalization", "LayerNorm"),
         "norm_epsilon": settings.get("layernorm_epsilon", 1e-5),
         "swiglu": activation == "swiglu", "squared_relu": activation == "squared_relu",
+        "quick_geglu": bool(settings.get("quick_geglu", False)),
+        "glu_linear_offset": settings.get("glu_linear_offset", 0.0),
+        "activation_func_clamp_value": settings.get("activation_func_clamp_value"),
         "openai_gelu": bool(settings.get("openai_gelu", False)),
         "position_embedding_type": position,
         # Megatron's default; the embedding type alone decides the model's layout
@@ -189,20 +192,11 @@ def _moe_args(settings: dict, tp: int, ep: int) -> dict:
     }  # fmt: skip
 
 
-# mp settings the export cannot express yet (its fc1 layout knows swiglu as the only gate).
-_NOT_WRITTEN = (("quick_geglu", False), ("glu_linear_offset", 0.0),
-                ("activation_func_clamp_value", None))  # fmt: skip
-
-
 def _check(settings: dict, keys: list[str], tp: int, pp: int, fmt: str, ep: int = 1) -> None:
     if fmt not in _FORMATS:
         raise ValueError(f"--ckpt-format {fmt!r}: expected torch_dist or torch")
     if tp < 1 or pp < 1 or ep < 1:
         raise ValueError(f"TP={tp}, PP={pp}, EP={ep}: each must be >= 1")
-    for name, plain in _NOT_WRITTEN:
-        if settings.get(name, plain) not in (plain, None):
-            raise ValueError(f"{name}={settings[name]!r}: the Megatron export does not write "
-                             "gpt-oss's gated activation yet")  # fmt: skip
     experts = settings.get("num_moe_experts")
     if not experts and any(".mlp.experts." in k or ".mlp.router." in k for k in keys):
         raise ValueError("the checkpoint holds experts but its model_config no num_moe_experts")
@@ -410,7 +404,7 @@ def _expert_pieces(model: dict, ep_rank: int, ep: int) -> dict:
 def _write_torch(work: Path, tensors: dict[str, torch.Tensor], args, iteration: int,
                  tp: int, pp: int, ep: int) -> None:  # fmt: skip
     per_stage = args.num_layers // pp
-    swiglu = bool(args.swiglu)
+    swiglu = gated(args)
     tied = not args.untie_embeddings_and_output_weights
     for stage in range(pp):
         first, last = stage == 0, stage == pp - 1
