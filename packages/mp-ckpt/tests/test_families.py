@@ -53,6 +53,20 @@ def test_family_of_finds_the_family_of_its_settings(name):
     assert family_of(model_config_from_hf(CONFIGS[name])) == name
 
 
+@pytest.mark.parametrize("name", ARCHITECTURES)
+def test_the_config_written_names_the_family(name):
+    fam = family(name)
+    settings = fam.settings(CONFIGS[name])
+    dims = Dims.of(settings)
+    shapes = {"vocab": 32, "hidden": dims.hidden, "layers": settings["num_layers"],
+              "heads": dims.heads, "groups": dims.groups, "head_dim": dims.head_dim,
+              "tied": True, "positions": 8, "ffn": settings.get("ffn_hidden_size"),
+              "experts": 4, "expert_ffn": 8, "shared_ffn": 8,
+              "sparse": [1] * settings["num_layers"]}  # fmt: skip
+    config = fam.config(settings, shapes, {}, "float32")
+    assert (config["architectures"], config["model_type"]) == ([fam.architecture], name)
+
+
 def test_a_mistral_without_a_window_computes_as_llama():
     settings = model_config_from_hf(CONFIGS["mistral"] | {"sliding_window": None})
     assert family_of(settings) == "llama"

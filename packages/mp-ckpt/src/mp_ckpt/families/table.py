@@ -30,7 +30,7 @@ these rules.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -117,13 +117,13 @@ class Family:
 
     model_type: str
     architecture: str
+    """transformers' class (config.json's "architectures"), written by `config`."""
     rules: tuple[Rule, ...]
     settings: Callable[[dict], dict]
     config: Callable[[dict, dict, dict, str], dict]
     prepare: Callable[[dict, dict], dict] | None = None
     """Rewrites a Hugging Face state dict into the names of `rules` before import
     (transformers' in-memory fused experts -> its saved per-expert names)."""
-    notes: str = field(default="", compare=False)
 
     def rules_for(self, scope: Scope, settings: dict) -> list[Rule]:
         return [r for r in self.rules if r.scope == scope and r.applies(settings)]
