@@ -29,21 +29,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import tempfile
-from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
-from hf_training import (
-    MoeShape,
-    add_arguments,
-    attention_flops,
-    hf_step,
-    imported_config,
-    mp_step,
-    report,
-)
+from hf_training import MoeShape, add_arguments, attention_flops, imported_steps, report
 
 SHAPE = MoeShape(hidden=512, layers=8, heads=8, query_groups=4, head_dim=128, experts=32,
                  topk=8, expert_ffn=256, vocab=32000, qk_norm=True)  # fmt: skip
@@ -57,12 +47,7 @@ def main() -> None:
     add_arguments(parser)
     args = parser.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
-    hf_model = _hf_model(args.seq)
-    with tempfile.TemporaryDirectory() as folder:
-        config, weights = imported_config(hf_model, Path(folder), params_dtype=torch.bfloat16,
-                                          moe_grouped_gemm=True)  # fmt: skip
-        steps = {"ours": mp_step(config, SHAPE.vocab, args.seq, weights)}
-    steps["hf"] = hf_step(hf_model, AUX_LOSS_COEFF)
+    steps = imported_steps(_hf_model(args.seq), args.seq, AUX_LOSS_COEFF)
     attention = SHAPE.layers * attention_flops(args.seq, SHAPE.heads, SHAPE.head_dim)
     report("qwen3_moe_train_iteration[bf16]", SHAPE, steps, args, attention, TARGET_RATIO,
            first_loss_tolerance=FIRST_LOSS_TOLERANCE)  # fmt: skip

@@ -33,6 +33,7 @@ import argparse
 import dataclasses
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -49,7 +50,7 @@ from mp_state import RankGroup
 from mp_train.metrics import measure_peak_tflops
 
 __all__ = ["MoeShape", "Runs", "Step", "add_arguments", "attention_flops", "hf_step",
-           "imported_config", "mp_step", "report", "run_rounds"]  # fmt: skip
+           "imported_steps", "mp_step", "report", "run_rounds"]  # fmt: skip
 
 LR, WEIGHT_DECAY, CLIP_GRAD = 1e-3, 0.01, 1.0
 DP, EXPERT_DP, MP, EXPERT_MP = (RankGroup(name, (0,), 0, None) for name in
@@ -148,16 +149,23 @@ def mp_step(config: TransformerConfig, vocab: int, seq: int, weights: Path | Non
     return step
 
 
-def imported_config(hf_model, folder: Path, **overrides: Any) -> tuple[TransformerConfig, Path]:
-    """The same weights on both sides: `hf_model` (fp32) saved under folder and imported by
-    mp_ckpt.import_hf; the TransformerConfig built from the imported settings alone (as
-    tests/test_hf_families.py builds it) with `overrides`, and the checkpoint to load."""
-    hf_model.save_pretrained(folder / "hf")
-    checkpoint = import_hf(folder / "hf", folder / "mp")
-    common = torch.load(CheckpointReader(checkpoint).directory / "common.pt", weights_only=False)
-    names = {f.name for f in dataclasses.fields(TransformerConfig)}
-    settings = {k: v for k, v in common["model_config"].items() if k in names}
-    return TransformerConfig(**settings | overrides), folder / "mp"
+def imported_steps(hf_model, seq: int, aux_loss_coeff: float) -> dict[str, Step]:
+    """Both sides from the same weights: `hf_model` (fp32) saved and imported by
+    mp_ckpt.import_hf; ours the GPTModel of the imported settings alone (as
+    tests/test_hf_families.py builds it) with bf16 parameters and grouped expert matmuls,
+    loaded from that checkpoint; the baseline `hf_model` cast to bf16."""
+    with tempfile.TemporaryDirectory() as folder:
+        hf_model.save_pretrained(Path(folder) / "hf")
+        checkpoint = import_hf(Path(folder) / "hf", Path(folder) / "mp")
+        common = torch.load(CheckpointReader(checkpoint).directory / "common.pt",
+                            weights_only=False)  # fmt: skip
+        names = {f.name for f in dataclasses.fields(TransformerConfig)}
+        settings = {k: v for k, v in common["model_config"].items() if k in names}
+        config = TransformerConfig(
+            **settings | {"params_dtype": torch.bfloat16, "moe_grouped_gemm": True}
+        )
+        ours = mp_step(config, hf_model.config.vocab_size, seq, Path(folder) / "mp")
+    return {"ours": ours, "hf": hf_step(hf_model, aux_loss_coeff)}
 
 
 # The baseline: a plain loop over a transformers model.
