@@ -14,11 +14,8 @@ GEGLU g sigmoid(1.702 g) (u + 1) with g <= 7 and |u| <= 7 (quick_geglu,
 glu_linear_offset=1, activation_func_clamp_value=7), biases on both expert matmuls, no
 capacity limit, the load-balancing loss with coefficient 1e-2, dropout 0.
 
-The weights: a random GptOssForCausalLM (transformers' initialization, fp32) is saved
-and imported by mp_ckpt.import_hf; ours is the GPTModel of the imported settings
-(moe_grouped_gemm=True, bf16 parameters) loaded from that checkpoint, the baseline the
-same transformers model cast to bf16. Both first iterations see the same weights and
-tokens: their losses must agree within FIRST_LOSS_TOLERANCE (bf16), or the run stops.
+Both sides start from the weights of one random GptOssForCausalLM, imported by
+mp_ckpt.import_hf (hf_training.imported_steps): their first losses must agree.
 
 Ours and the baseline (transformers' default experts implementation, grouped_mm, and
 its eager attention: gpt-oss's sinks have no SDPA path in transformers, and
@@ -33,13 +30,12 @@ Target: ours >= 1.3x the baseline.
 
 from __future__ import annotations
 
-import argparse
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
-from hf_training import MoeShape, add_arguments, attention_flops, imported_steps, report
+from hf_training import MoeShape, attention_flops, imported_steps, parse_arguments, report
 
 SHAPE = MoeShape(hidden=512, layers=8, heads=8, query_groups=4, head_dim=64, experts=32,
                  topk=4, expert_ffn=256, vocab=32000, biases=True)  # fmt: skip
@@ -47,21 +43,17 @@ WINDOW = 128
 """Hugging Face's sliding_window: the keys a windowed layer's query sees, itself included."""
 AUX_LOSS_COEFF = 1e-2
 TARGET_RATIO = 1.3
-FIRST_LOSS_TOLERANCE = 5e-2
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    args = parser.parse_args()
-    torch.set_num_threads(os.cpu_count() or 1)
-    steps = imported_steps(_hf_model(), args.seq, AUX_LOSS_COEFF)
+    args = parse_arguments(__doc__)
+    steps = imported_steps(_hf_model(), args.seq)
     windowed = (SHAPE.layers + 1) // 2  # layers 0, 2, 4, ...
     per_layer = {w: attention_flops(args.seq, SHAPE.heads, SHAPE.head_dim, w)
                  for w in (WINDOW - 1, None)}  # fmt: skip
     attention = windowed * per_layer[WINDOW - 1] + (SHAPE.layers - windowed) * per_layer[None]
     report("gpt_oss_train_iteration[bf16]", SHAPE, steps, args, attention, TARGET_RATIO,
-           first_loss_tolerance=FIRST_LOSS_TOLERANCE, window=WINDOW)  # fmt: skip
+           same_weights=True, window=WINDOW)  # fmt: skip
 
 
 def _hf_model():

@@ -63,7 +63,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
 from harness import LLAMA_SHAPE
-from hf_training import MoeShape, add_arguments, attention_flops, hf_step, mp_step, report
+from hf_training import MoeShape, attention_flops, hf_step, mp_step, parse_arguments, report
 
 from mp_layers import TransformerConfig
 
@@ -74,11 +74,9 @@ TARGET_RATIO = 1.5
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_arguments(parser)
+    parser = argparse.ArgumentParser()
     parser.add_argument("--expert-ffn", type=int, default=EXPERT_FFN, help="experts' width")
-    args = parser.parse_args()
-    torch.set_num_threads(os.cpu_count() or 1)
+    args = parse_arguments(__doc__, parser)
     shape = MoeShape(HIDDEN, LAYERS, HEADS, GROUPS, HEAD_DIM, EXPERTS, TOPK, args.expert_ffn,
                      VOCAB)  # fmt: skip
     steps = {"ours": _ours(args.seq, args.expert_ffn), "hf": _hf(args.seq, args.expert_ffn)}
@@ -112,7 +110,7 @@ def _hf(seq: int, expert_ffn: int):
         tie_word_embeddings=False, attention_dropout=0.0, initializer_range=0.02,
         bos_token_id=0, eos_token_id=0, pad_token_id=0, attn_implementation="sdpa",
     )  # fmt: skip
-    return hf_step(transformers.MixtralForCausalLM(config), AUX_LOSS_COEFF)
+    return hf_step(transformers.MixtralForCausalLM(config))
 
 
 if __name__ == "__main__":

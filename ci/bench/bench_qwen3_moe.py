@@ -10,11 +10,8 @@ attention is wider than its hidden size) in 4 query groups, qk-layernorm, RMSNor
 limit, the load-balancing loss with coefficient 1e-2, dropout 0 (both printed: active
 and total parameters).
 
-The weights: a random Qwen3MoeForCausalLM (transformers' initialization, fp32) is saved
-and imported by mp_ckpt.import_hf; ours is the GPTModel of the imported settings
-(moe_grouped_gemm=True, bf16 parameters) loaded from that checkpoint, the baseline the
-same transformers model cast to bf16. Both first iterations see the same weights and
-tokens: their losses must agree within FIRST_LOSS_TOLERANCE (bf16), or the run stops.
+Both sides start from the weights of one random Qwen3MoeForCausalLM, imported by
+mp_ckpt.import_hf (hf_training.imported_steps): their first losses must agree.
 
 Ours and the baseline (transformers' default experts implementation, grouped_mm, and
 SDPA attention), the rounds, tokens/s and MFU: hf_training.py. MFU counts the active
@@ -27,30 +24,25 @@ the baseline.
 
 from __future__ import annotations
 
-import argparse
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
-from hf_training import MoeShape, add_arguments, attention_flops, imported_steps, report
+from hf_training import MoeShape, attention_flops, imported_steps, parse_arguments, report
 
 SHAPE = MoeShape(hidden=512, layers=8, heads=8, query_groups=4, head_dim=128, experts=32,
                  topk=8, expert_ffn=256, vocab=32000, qk_norm=True)  # fmt: skip
 AUX_LOSS_COEFF = 1e-2
 TARGET_RATIO = 1.5
-FIRST_LOSS_TOLERANCE = 5e-2
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    args = parser.parse_args()
-    torch.set_num_threads(os.cpu_count() or 1)
-    steps = imported_steps(_hf_model(args.seq), args.seq, AUX_LOSS_COEFF)
+    args = parse_arguments(__doc__)
+    steps = imported_steps(_hf_model(args.seq), args.seq)
     attention = SHAPE.layers * attention_flops(args.seq, SHAPE.heads, SHAPE.head_dim)
     report("qwen3_moe_train_iteration[bf16]", SHAPE, steps, args, attention, TARGET_RATIO,
-           first_loss_tolerance=FIRST_LOSS_TOLERANCE)  # fmt: skip
+           same_weights=True)  # fmt: skip
 
 
 def _hf_model(seq: int):
