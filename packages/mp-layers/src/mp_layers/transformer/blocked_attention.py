@@ -78,6 +78,10 @@ def blocked_attention(
         sink_key = F.pad(keys.new_ones(b * ng, 1, 1), (d, 0))
         no_value = values.new_zeros(b * ng, 1, d)
     width = rows.shape[-1]
+    # Keys transposed once per layer ([b * ng, d, s]): a block's [d, keys] is then a view
+    # whose rows are contiguous, which the matmul reads without a copy of its own per block
+    # (with the sink each block joins its sink key anyway).
+    keys_t = keys.transpose(1, 2).contiguous() if sink is None else None
     outputs = []
     for lo in range(0, s, block):
         hi = min(lo + block, s)
@@ -103,11 +107,13 @@ def blocked_attention(
             if sink is not None:
                 bias = F.pad(bias, (0, 1))
         block_rows = rows[:, :, :, lo:hi].reshape(b * ng, qg * c, width)
-        block_keys, block_values = keys[:, seen], values[:, seen]
-        if sink is not None:
-            block_keys = torch.cat([block_keys, sink_key], dim=1)
+        block_values = values[:, seen]
+        if sink is None:
+            block_keys_t = keys_t[:, :, seen]
+        else:
+            block_keys_t = torch.cat([keys[:, seen], sink_key], dim=1).transpose(1, 2)
             block_values = torch.cat([block_values, no_value], dim=1)
-        scores = torch.baddbmm(bias, block_rows, block_keys.transpose(1, 2), alpha=scale)
+        scores = torch.baddbmm(bias, block_rows, block_keys_t, alpha=scale)
         probs = torch.softmax(scores, dim=-1)
         if keep is not None:
             probs = probs * keep
