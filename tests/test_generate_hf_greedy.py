@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from mp_ckpt.cli import main as mp_ckpt_main
+from mp_gpt.testing import greedy_on_rank, reference_greedy
 from mp_state.testing import run_on_ranks
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -42,27 +43,7 @@ def imported(request, tmp_path_factory):
     hf = MODELS[request.param]().eval()
     hf.save_pretrained(folder / "hf")
     assert mp_ckpt_main(["import-hf", str(folder / "hf"), str(folder / "ckpt")]) == 0
-    want = []
-    with torch.no_grad():
-        for prompt in PROMPTS:
-            ids = torch.tensor([prompt])
-            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW,
-                              do_sample=False, eos_token_id=None, pad_token_id=0)  # fmt: skip
-            want.append(out[0, len(prompt) :].tolist())
-    return str(folder / "ckpt"), want
-
-
-def greedy_body(checkpoint: str, layout: list[str]) -> list[list[int]]:
-    torch.set_num_threads(1)
-    from mp_gpt.generate import Generator
-    from mp_gpt.generation import Sampling
-
-    generator = Generator(checkpoint, layout)
-    try:
-        done = generator.complete(PROMPTS, max_new_tokens=NEW, sampling=[Sampling()] * 3)
-    finally:
-        generator.close()
-    return [c.tokens for c in done]
+    return str(folder / "ckpt"), reference_greedy(hf, PROMPTS, NEW)
 
 
 @pytest.mark.multirank
@@ -70,7 +51,7 @@ def greedy_body(checkpoint: str, layout: list[str]) -> list[list[int]]:
 def test_greedy_equals_transformers_generate(imported, layout):
     checkpoint, want = imported
     ranks, options = LAYOUTS[layout]
-    for got in run_on_ranks(greedy_body, ranks, checkpoint, options, timeout=180):
+    for got in run_on_ranks(greedy_on_rank, ranks, checkpoint, options, PROMPTS, NEW, timeout=180):
         assert got == want
 
 

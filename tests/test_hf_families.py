@@ -4,16 +4,14 @@ downloads): `mp-ckpt import-hf` gives transformers' fp32 logits within 1e-5 in G
 checkpoint remembers its family) gives back the config and every tensor; greedy
 generation equals generate(do_sample=False) over 32 new tokens."""
 
-import dataclasses
 import os
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from mp_ckpt import CheckpointReader, load_checkpoint
 from mp_ckpt.cli import main
-from mp_layers import GPTModel, ModelGroups, TransformerConfig
+from mp_gpt.testing import greedy_on_rank, imported_model, reference_greedy
 from mp_state.testing import run_on_ranks
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -69,47 +67,11 @@ def random_hf(config):
     return model
 
 
-def mp_model(checkpoint) -> GPTModel:
-    common = torch.load(CheckpointReader(checkpoint).directory / "common.pt", weights_only=False)
-    settings = common["model_config"]
-    fields = {f.name for f in dataclasses.fields(TransformerConfig)}
-    kept = {k: v for k, v in settings.items() if k in fields}
-    config = TransformerConfig(**kept | {"hidden_dropout": 0.0, "attention_dropout": 0.0})
-    model = GPTModel(config, "local", settings["vocab_size"], settings["max_position_embeddings"],
-                     groups=ModelGroups.single()).eval()  # fmt: skip
-    load_checkpoint(checkpoint, model.sharded_state_dict())
-    return model
-
-
 def hf_config_dict(folder) -> dict:
     config = transformers.AutoConfig.from_pretrained(folder).to_dict()
     config.pop("_name_or_path")
     config.pop("transformers_version", None)
     return config
-
-
-def greedy_body(checkpoint: str) -> list[list[int]]:
-    torch.set_num_threads(1)
-    from mp_gpt.generate import Generator
-    from mp_gpt.generation import Sampling
-
-    generator = Generator(checkpoint, [])
-    try:
-        done = generator.complete(PROMPTS, max_new_tokens=NEW, sampling=[Sampling()] * 3)
-    finally:
-        generator.close()
-    return [c.tokens for c in done]
-
-
-def hf_greedy(hf) -> list[list[int]]:
-    want = []
-    with torch.no_grad():
-        for prompt in PROMPTS:
-            ids = torch.tensor([prompt])
-            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW,
-                              do_sample=False, eos_token_id=None, pad_token_id=0)  # fmt: skip
-            want.append(out[0, len(prompt) :].tolist())
-    return want
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -119,7 +81,7 @@ def test_family_imports_exactly_exports_back_and_generates_as_transformers(tmp_p
     assert main(["import-hf", str(tmp_path / "hf_in"), str(tmp_path / "ckpt")]) == 0
     x = torch.randint(0, hf.config.vocab_size, (2, SEQ), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
-        assert (mp_model(tmp_path / "ckpt")(x) - hf(x).logits).abs().max() < 1e-5
+        assert (imported_model(tmp_path / "ckpt")(x) - hf(x).logits).abs().max() < 1e-5
 
     assert main(["export-hf", str(tmp_path / "ckpt"), str(tmp_path / "hf_out")]) == 0
     assert hf_config_dict(tmp_path / "hf_out") == hf_config_dict(tmp_path / "hf_in")
@@ -129,8 +91,9 @@ def test_family_imports_exactly_exports_back_and_generates_as_transformers(tmp_p
     for name, tensor in source.items():
         assert torch.equal(exported[name], tensor), name
 
-    got = run_on_ranks(greedy_body, 1, str(tmp_path / "ckpt"), timeout=180)[0]
-    assert got == hf_greedy(hf)
+    got = run_on_ranks(greedy_on_rank, 1, str(tmp_path / "ckpt"), [], PROMPTS, NEW,
+                       timeout=180)[0]  # fmt: skip
+    assert got == reference_greedy(hf, PROMPTS, NEW)
 
 
 def finetune_body(load: str, save: str) -> None:

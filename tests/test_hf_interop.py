@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 from mp_ckpt import Checkpointer, CheckpointReader, load_checkpoint
 from mp_ckpt.cli import main
 from mp_ckpt.hf import logical_from_hf
+from mp_gpt.testing import imported_model
 from mp_layers import GPTModel, ModelGroups, TransformerConfig
 from mp_state import RankGroup
 from mp_state.testing import run_on_ranks
@@ -100,20 +101,6 @@ def random_hf(config):
     return model
 
 
-def mp_model(checkpoint) -> GPTModel:
-    """GPTModel built from the settings import-hf recorded, with the checkpoint's weights."""
-    common = torch.load(CheckpointReader(checkpoint).directory / "common.pt", weights_only=False)
-    settings = common["model_config"]
-    fields = {f.name for f in dataclasses.fields(TransformerConfig)}
-    kept = {k: v for k, v in settings.items() if k in fields}
-    config = TransformerConfig(**kept | {"hidden_dropout": 0.0, "attention_dropout": 0.0})
-    torch.manual_seed(9)  # other weights until loaded
-    model = GPTModel(config, "local", settings["vocab_size"], settings["max_position_embeddings"],
-                     groups=ModelGroups.single()).eval()  # fmt: skip
-    load_checkpoint(checkpoint, model.sharded_state_dict())
-    return model
-
-
 def hf_config_dict(folder) -> dict:
     config = transformers.AutoConfig.from_pretrained(folder).to_dict()
     config.pop("_name_or_path")
@@ -128,7 +115,7 @@ def test_import_gives_transformers_logits_and_export_gives_back_config_and_tenso
     hf = random_hf(CASES[case]())
     hf.save_pretrained(tmp_path / "hf_in")
     assert main(["import-hf", str(tmp_path / "hf_in"), str(tmp_path / "ckpt")]) == 0
-    model = mp_model(tmp_path / "ckpt")
+    model = imported_model(tmp_path / "ckpt")
     x = ids(hf.config.vocab_size)
     with torch.no_grad():
         assert (model(x) - hf(x).logits).abs().max() < 1e-5

@@ -17,7 +17,10 @@ __all__ = [
     "TINY_CONFIG",
     "assert_same_curve",
     "complete_records",
+    "greedy_on_rank",
+    "imported_model",
     "metrics_records",
+    "reference_greedy",
     "tiny_moe_options",
     "tiny_options",
     "train_on_rank",
@@ -118,6 +121,57 @@ def train_printed_on_rank(argv: list[str]) -> str:
     with contextlib.redirect_stdout(out):
         train_run_on_rank(argv)
     return out.getvalue()
+
+
+def imported_model(checkpoint) -> torch.nn.Module:
+    """mp_layers.GPTModel on one rank, built from the settings a checkpoint's common.pt
+    records (common["model_config"], as mp-ckpt import-hf writes it), dropout 0, with the
+    checkpoint's weights, in eval mode."""
+    import dataclasses
+
+    from mp_ckpt import CheckpointReader, load_checkpoint
+    from mp_layers import GPTModel, ModelGroups, TransformerConfig
+
+    path = CheckpointReader(checkpoint).directory / "common.pt"
+    settings = torch.load(path, weights_only=False)["model_config"]
+    fields = {f.name for f in dataclasses.fields(TransformerConfig)}
+    kept = {k: v for k, v in settings.items() if k in fields}
+    config = TransformerConfig(**kept | {"hidden_dropout": 0.0, "attention_dropout": 0.0})
+    torch.manual_seed(9)  # other weights until loaded
+    model = GPTModel(config, "local", settings["vocab_size"], settings["max_position_embeddings"],
+                     groups=ModelGroups.single()).eval()  # fmt: skip
+    load_checkpoint(checkpoint, model.sharded_state_dict())
+    return model
+
+
+def reference_greedy(model, prompts: list[list[int]], new: int) -> list[list[int]]:
+    """The new tokens of a transformers model's generate(do_sample=False) for each prompt
+    alone (exactly `new` of them: no end-of-document stop)."""
+    want = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+                                 do_sample=False, eos_token_id=None, pad_token_id=0)  # fmt: skip
+            want.append(out[0, len(prompt) :].tolist())
+    return want
+
+
+def greedy_on_rank(checkpoint: str, layout: list[str], prompts: list[list[int]],
+                   new: int) -> list[list[int]]:  # fmt: skip
+    """One rank of mp_gpt.generate's Generator over `checkpoint` at `layout` (its parallel
+    options): the greedy new tokens of the prompts, generated in one batch."""
+    torch.set_num_threads(1)
+    from mp_gpt.generate import Generator
+    from mp_gpt.generation import Sampling
+
+    generator = Generator(checkpoint, layout)
+    try:
+        done = generator.complete(prompts, max_new_tokens=new,
+                                  sampling=[Sampling()] * len(prompts))  # fmt: skip
+    finally:
+        generator.close()
+    return [c.tokens for c in done]
 
 
 def _rank_setup() -> None:
