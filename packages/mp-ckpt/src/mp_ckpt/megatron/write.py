@@ -45,7 +45,7 @@ from mp_ckpt.core.progress import progress as progress_reporter
 from mp_ckpt.core.reader import CheckpointReader
 from mp_ckpt.families.megatron_view import MegatronView, megatron_view
 from mp_ckpt.families.moe import is_moe_layer
-from mp_ckpt.megatron.read import _LAYER
+from mp_ckpt.megatron.read import _LAYER, tp_piece
 from mp_ckpt.megatron.settings import MOE_COPIED, YARN_ARGS, gated
 
 __all__ = ["export_megatron", "megatron_args", "megatron_from_logical"]
@@ -349,22 +349,6 @@ def _write_torch_dist(work: Path, tensors: dict[str, torch.Tensor], args, iterat
     )
 
 
-def _slice(key: str, tensor: torch.Tensor, rank: int, tp: int, swiglu: bool) -> torch.Tensor:
-    """TP rank `rank`'s piece of a whole Megatron tensor (the inverse of read._join)."""
-    if tp == 1:
-        return tensor
-    if swiglu and re.search(r"linear_fc1\.(weight|bias)$", key):
-        gate, up = tensor.chunk(2, dim=0)
-        return torch.cat([gate.chunk(tp)[rank], up.chunk(tp)[rank]])
-    if re.search(r"(linear_qkv|linear_fc1)\.(weight|bias)$", key) or key.endswith(
-        ("word_embeddings.weight", "output_layer.weight")
-    ):
-        return tensor.chunk(tp, dim=0)[rank]
-    if re.search(r"(linear_proj|linear_fc2)\.weight$", key):
-        return tensor.chunk(tp, dim=1)[rank]
-    return tensor
-
-
 def _linear_modules(keys) -> list[str]:
     """The linear layers among the keys' modules (each has an _extra_state entry)."""
     found = []
@@ -421,7 +405,7 @@ def _write_torch(work: Path, tensors: dict[str, torch.Tensor], args, iteration: 
                 local_model["output_layer._extra_state"] = None
             for rank in range(tp):
                 local = {
-                    k: v if v is None else _slice(k, v, rank, tp, swiglu).clone().contiguous()
+                    k: v if v is None else tp_piece(k, v, rank, tp, swiglu).clone().contiguous()
                     for k, v in local_model.items()
                 }
                 name = (f"mp_rank_{rank:02d}" + (f"_{stage:03d}" if pp > 1 else "")
