@@ -1,15 +1,24 @@
 """The family tables without transformers: each names every parameter once, the registry
 lists every family file, family_of finds the family a model's settings describe, and
-import refuses a tensor its family has no place for."""
+import refuses a tensor its family has no place for. The Megatron conversion reads the
+same tables: a rule added to a family is written to Megatron and read back."""
 
+import dataclasses
+import re
 from pathlib import Path
 
 import pytest
 import torch
 
+from mp_ckpt import families
 from mp_ckpt.families import ARCHITECTURES, family, family_of
-from mp_ckpt.families.table import Dims
+from mp_ckpt.families.megatron_view import megatron_name, megatron_view
+from mp_ckpt.families.moe import is_moe_layer
+from mp_ckpt.families.table import Dims, Rule
 from mp_ckpt.hf import logical_from_hf, model_config_from_hf
+from mp_ckpt.megatron.logical import logical_plan
+from mp_ckpt.megatron.read import MegatronModel
+from mp_ckpt.megatron.write import megatron_args, megatron_from_logical
 
 FOLDER = Path(__file__).resolve().parents[1] / "src" / "mp_ckpt" / "families"
 LLAMA_STYLE = {"hidden_size": 16, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -113,3 +122,126 @@ def test_import_refuses_a_tensor_its_family_has_no_place_for(name):
     state["model.layers.0.mlp.extra_proj.weight"] = torch.ones(2)
     with pytest.raises(ValueError, match=r"no place for: model\.layers\.0\.mlp\.extra_proj"):
         logical_from_hf(state, config)
+
+
+# --- the Megatron side reads the same tables --------------------------------------------
+
+
+def logical_tensors(fam, settings: dict) -> dict[str, torch.Tensor]:
+    """Random mp tensors for every parameter the family's rules name under the settings."""
+    dims, gen = Dims.of(settings), torch.Generator().manual_seed(0)
+    h, d, g, n = dims.hidden, dims.head_dim, dims.groups, dims.per_group
+    f, v = settings["ffn_hidden_size"], settings["vocab_size"]
+    e, ef = settings.get("num_moe_experts"), settings.get("moe_ffn_hidden_size")
+    s = settings.get("moe_shared_expert_intermediate_size")
+    fc1, q, kv = {"weight": (f, h), "bias": (f,)}, (g, n, d), (g, d)
+    shapes = {
+        "embedding.word_embeddings.weight": (v, h), "output_layer.weight": (v, h),
+        "embedding.position_embeddings.weight": (settings["max_position_embeddings"], h),
+        "self_attention.linear_qkv.q": {"weight": (*q, h), "bias": q},
+        "self_attention.linear_qkv.k": {"weight": (*kv, h), "bias": kv},
+        "self_attention.linear_qkv.v": {"weight": (*kv, h), "bias": kv},
+        "self_attention.linear_proj.weight": (h, g * n * d),
+        "self_attention.q_layernorm.weight": (d,), "self_attention.k_layernorm.weight": (d,),
+        "self_attention.core_attention.softmax_offset": (g * n,),
+        "mlp.linear_fc1.gate": fc1, "mlp.linear_fc1.up": fc1, "mlp.linear_fc1": fc1,
+        "mlp.linear_fc2.weight": (h, f), "mlp.router.weight": (e, h), "mlp.router.bias": (e,),
+        "mlp.experts.linear_fc1.gate": {"weight": (e, ef, h), "bias": (e, ef)},
+        "mlp.experts.linear_fc1.up": {"weight": (e, ef, h), "bias": (e, ef)},
+        "mlp.experts.linear_fc2": {"weight": (e, h, ef), "bias": (e, h)},
+        "mlp.shared_experts.linear_fc1.gate.weight": (s, h),
+        "mlp.shared_experts.linear_fc1.up.weight": (s, h),
+        "mlp.shared_experts.linear_fc2.weight": (h, s), "mlp.shared_experts.gate_weight": (1, h),
+    }  # fmt: skip
+
+    def shape(name: str) -> tuple[int, ...]:  # a norm's or a bias's [h] unless listed
+        module, part = name.rsplit(".", 1)
+        return shapes.get(name) or shapes.get(module, {}).get(part) or (h,)
+
+    out = {}
+    for rule in fam.rules_for("model", settings):
+        out |= {name: torch.randn(shape(name), generator=gen) for name in rule.mp}
+    for i in range(settings["num_layers"]):
+        for scope in ("layer", "moe" if is_moe_layer(settings, i) else "dense"):
+            for rule in fam.rules_for(scope, settings):
+                out |= {f"decoder.layers.{i}.{name}": torch.randn(shape(name), generator=gen)
+                        for name in rule.mp}  # fmt: skip
+    return out
+
+
+def megatron_model(settings: dict, tensors: dict) -> MegatronModel:
+    dims = Dims.of(settings)  # what export-megatron completes the settings with
+    settings = {"num_query_groups": dims.groups, "kv_channels": dims.head_dim} | settings
+    args = megatron_args(settings, ckpt_format="torch", tp=1, pp=1, iteration=0)
+    return MegatronModel(Path("in-memory"), 0, args, "torch", tensors)
+
+
+def read_back(settings: dict, tensors: dict) -> dict[str, torch.Tensor]:
+    plan, _ = logical_plan(megatron_model(settings, tensors))
+    return {key: produce() for key, (_, _, produce) in plan.items()}
+
+
+def relative(key: str) -> str:
+    return re.sub(r"^decoder\.layers\.\d+\.", "", key)
+
+
+@pytest.mark.parametrize("name", ARCHITECTURES)
+def test_the_family_table_names_every_megatron_tensor(name):
+    """A Megatron write of the family's model holds only tensors the family's rules name
+    (their `megatron` column), and the Megatron read gives back every mp tensor."""
+    fam = family(name)
+    settings = fam.settings(CONFIGS[name])
+    logical = logical_tensors(fam, settings)
+    megatron = megatron_from_logical(logical, settings)
+    named = {megatron_name(rule, n) for rule in fam.rules for n in rule.mp}
+    assert {relative(k) for k in megatron} <= named
+    back = read_back(settings, megatron)
+    assert back.keys() == logical.keys()
+    for key, tensor in logical.items():
+        assert torch.equal(back[key], tensor), key
+
+
+EXTRA = Rule(("self_attention.gain.weight",), "model.layers.{i}.self_attn.gain.weight",
+             megatron="self_attention.linear_gain")  # fmt: skip
+
+
+def test_a_rule_added_to_a_family_goes_to_megatron_and_back(monkeypatch):
+    fam = family("llama")
+    settings = fam.settings(CONFIGS["llama"])
+    logical = logical_tensors(fam, settings)
+    logical |= {f"decoder.layers.{i}.self_attention.gain.weight": torch.randn(16) for i in (0, 1)}
+    with pytest.raises(ValueError, match=r"layers\.0\.self_attention\.gain\.weight: no place"):
+        megatron_from_logical(logical, settings)
+    extended = dataclasses.replace(fam, rules=(*fam.rules, EXTRA))
+    monkeypatch.setattr(families, "family", lambda model_type: extended)
+    megatron = megatron_from_logical(logical, settings)
+    gain = "decoder.layers.1.self_attention.gain.weight"
+    assert torch.equal(
+        megatron["decoder.layers.1.self_attention.linear_gain.weight"], logical[gain]
+    )
+    assert torch.equal(read_back(settings, megatron)[gain], logical[gain])
+    monkeypatch.undo()
+    with pytest.raises(
+        ValueError, match=r"layers\.0\.self_attention\.linear_gain\.weight: no place"
+    ):
+        read_back(settings, megatron)
+
+
+def test_the_gpt_model_table_completes_a_family():
+    """Megatron's settings may hold what the family's table does not: a plain MLP, biases;
+    Transformer Engine's norm names are an alias of the norms."""
+    settings = family("llama").settings(CONFIGS["llama"])
+    view = megatron_view(settings)
+    fc1 = view.named("mlp.linear_fc1.weight", layer=True)
+    assert (fc1.mp, fc1.fusion) == (
+        ("mlp.linear_fc1.gate.weight", "mlp.linear_fc1.up.weight"),
+        "glu",
+    )
+    plain = megatron_view(settings | {"activation": "gelu"}).named("mlp.linear_fc1.weight", True)
+    assert (plain.mp, plain.fusion) == (("mlp.linear_fc1.weight",), None)
+    assert view.named("self_attention.linear_proj.bias", True).mp == (
+        "self_attention.linear_proj.bias",
+    )
+    norm = view.named("self_attention.linear_qkv.layer_norm_weight", True)
+    assert norm.name == "input_layernorm.weight" and norm.mp == ("input_layernorm.weight",)
+    assert view.named("mlp.linear_fc1.layer_norm_weight", False) is None  # a layer's name

@@ -7,7 +7,10 @@
                                 that does not say which it was imported as
 
 Adding a family is a file here (its Rules, its settings <-> config.json functions, a
-FAMILY) and its name in ARCHITECTURES.
+FAMILY) and its name in ARCHITECTURES. Import and export (mp_ckpt.hf) loop over its
+rules; the Megatron reader and writer read the same rules through megatron_view.py
+(Megatron's names and fusions), completed by gpt_model.py's table of every tensor
+mp's GPTModel can have.
 """
 
 from __future__ import annotations

@@ -32,6 +32,7 @@ _QUICK_GELU_ALPHA = 1.702
 _DEFAULTS = {"num_local_experts": 128, "num_experts_per_tok": 4, "intermediate_size": 2880}
 _MLP = "model.layers.{i}.mlp."
 _FC1 = ("mlp.experts.linear_fc1.gate", "mlp.experts.linear_fc1.up")
+_EXPERTS_FC1, _EXPERTS_FC2 = "mlp.experts.experts.linear_fc1", "mlp.experts.experts.linear_fc2"
 
 
 def _split(t, dims: Dims) -> list[torch.Tensor]:
@@ -58,12 +59,13 @@ RULES = (
     Rule(("mlp.router.weight",), _MLP + "router.weight", "moe"),
     Rule(("mlp.router.bias",), _MLP + "router.bias", "moe"),
     Rule(tuple(f"{p}.weight" for p in _FC1), _MLP + "experts.gate_up_proj", "moe",
-         to_mp=_split, to_hf=_interleave, megatron="mlp.experts.experts.linear_fc1.weight"),
+         to_mp=_split, to_hf=_interleave, megatron=_EXPERTS_FC1),
     Rule(tuple(f"{p}.bias" for p in _FC1), _MLP + "experts.gate_up_proj_bias", "moe",
-         to_mp=_split, to_hf=_interleave, megatron="mlp.experts.experts.linear_fc1.bias"),
+         to_mp=_split, to_hf=_interleave, megatron=_EXPERTS_FC1),
     Rule(("mlp.experts.linear_fc2.weight",), _MLP + "experts.down_proj", "moe",
-         to_mp=_swap, to_hf=_swap),
-    Rule(("mlp.experts.linear_fc2.bias",), _MLP + "experts.down_proj_bias", "moe"),
+         to_mp=_swap, to_hf=_swap, megatron=_EXPERTS_FC2),
+    Rule(("mlp.experts.linear_fc2.bias",), _MLP + "experts.down_proj_bias", "moe",
+         megatron=_EXPERTS_FC2),
 )  # fmt: skip
 
 

@@ -46,17 +46,17 @@ def attention_rules(*, qkv_bias: bool | None = False, proj_bias: bool = False,
     layer = "model.layers.{i}.self_attn."
     rules = [
         Rule((f"{_QKV}.q.weight",), layer + "q_proj.weight", to_mp=q_heads, to_hf=heads_flat,
-             megatron=f"{_QKV}.weight"),
+             megatron=_QKV),
         Rule((f"{_QKV}.k.weight",), layer + "k_proj.weight", to_mp=kv_heads, to_hf=heads_flat,
-             megatron=f"{_QKV}.weight"),
+             megatron=_QKV),
         Rule((f"{_QKV}.v.weight",), layer + "v_proj.weight", to_mp=kv_heads, to_hf=heads_flat,
-             megatron=f"{_QKV}.weight"),
+             megatron=_QKV),
         Rule(("self_attention.linear_proj.weight",), layer + "o_proj.weight"),
     ]  # fmt: skip
     if qkv_bias is not False:
         when = None if qkv_bias else _has("add_qkv_bias")
         rules += [
-            Rule((f"{_QKV}.{p}.bias",), f"{layer}{p}_proj.bias", when=when, megatron=f"{_QKV}.bias",
+            Rule((f"{_QKV}.{p}.bias",), f"{layer}{p}_proj.bias", when=when, megatron=_QKV,
                  to_mp=q_heads if p == "q" else kv_heads, to_hf=flat)
             for p in "qkv"
         ]  # fmt: skip
@@ -87,8 +87,8 @@ def dense_mlp_rules(*, gated: bool = True) -> tuple[Rule, ...]:
         return (Rule(("mlp.linear_fc1.weight",), layer + "up_proj.weight", "dense"), down)
     return (
         Rule(("mlp.linear_fc1.gate.weight",), layer + "gate_proj.weight", "dense",
-             megatron="mlp.linear_fc1.weight"),
+             megatron="mlp.linear_fc1"),
         Rule(("mlp.linear_fc1.up.weight",), layer + "up_proj.weight", "dense",
-             megatron="mlp.linear_fc1.weight"),
+             megatron="mlp.linear_fc1"),
         down,
     )  # fmt: skip

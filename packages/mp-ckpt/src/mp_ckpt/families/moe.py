@@ -48,11 +48,11 @@ def expert_rules(block: str, gate: str, up: str, down: str) -> tuple[Rule, ...]:
     return (
         Rule(("mlp.router.weight",), layer + "gate.weight", "moe"),
         Rule(("mlp.experts.linear_fc1.gate.weight",), layer + f"experts.{{e}}.{gate}.weight",
-             "moe", megatron="mlp.experts.experts.linear_fc1.weight"),
+             "moe", megatron="mlp.experts.experts.linear_fc1"),
         Rule(("mlp.experts.linear_fc1.up.weight",), layer + f"experts.{{e}}.{up}.weight",
-             "moe", megatron="mlp.experts.experts.linear_fc1.weight"),
+             "moe", megatron="mlp.experts.experts.linear_fc1"),
         Rule(("mlp.experts.linear_fc2.weight",), layer + f"experts.{{e}}.{down}.weight",
-             "moe", megatron="mlp.experts.experts.linear_fc2.weight"),
+             "moe", megatron="mlp.experts.experts.linear_fc2"),
     )  # fmt: skip
 
 
@@ -63,7 +63,7 @@ def shared_expert_rules() -> tuple[Rule, ...]:
              ("linear_fc2", "down_proj"))  # fmt: skip
     rules = tuple(
         Rule((f"mlp.shared_experts.{ours}.weight",), f"{layer}shared_expert.{theirs}.weight",
-             "moe", megatron="mlp.shared_experts.linear_fc1.weight" if "fc1" in ours else None)
+             "moe", megatron="mlp.shared_experts.linear_fc1" if "fc1" in ours else None)
         for ours, theirs in names
     )  # fmt: skip
     return (*rules, Rule(("mlp.shared_experts.gate_weight",), layer + "shared_expert_gate.weight",

@@ -17,9 +17,11 @@ both also get the model's `Dims`. Absent, the tensor passes unchanged.
 layer with a plain MLP, "moe" a mixture-of-experts layer. `when(settings)` says
 whether the model has the tensor at all (a bias, an untied output layer, ...).
 
-`megatron` is Megatron-LM's module name of the tensor (relative like `mp`) where it
-differs from mp's: the unfused parts of linear_qkv and of a gated linear_fc1 are
-stored fused there (mp_ckpt.megatron.logical cuts them).
+`megatron` is Megatron-LM's module holding the tensors (relative like `mp`) where it
+differs from mp's; the last part of each mp name (weight, bias) completes its Megatron
+name. mp names that land in one Megatron tensor are stored fused there: q, k and v
+interleaved per query group in linear_qkv, a gated fc1's gate and up as [gate; up]
+(megatron_view.py says how; mp_ckpt.megatron reads and writes through it).
 
 `Family` holds a family's rules with its config.json mapping: `settings(config)`
 reads config.json into mp's model settings (Megatron's names) and `config(settings,

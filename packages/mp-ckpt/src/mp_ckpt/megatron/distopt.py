@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 
 from mp_ckpt.megatron.order import megatron_param_order
-from mp_ckpt.megatron.read import _COLUMN, _LAYER, _ROW, MegatronModel, _join
+from mp_ckpt.megatron.read import _LAYER, MegatronModel, _join, tp_piece
 from mp_ckpt.megatron.safe_pickle import safe_load
 from mp_ckpt.megatron.settings import gated
 
@@ -69,20 +69,6 @@ _FLAT = re.compile(
 
 def _align(offset: int) -> int:
     return -(-offset // ALIGN) * ALIGN
-
-
-def tp_piece(name: str, tensor: torch.Tensor, rank: int, size: int, swiglu: bool):
-    """The TP rank's piece of a whole Megatron tensor (the inverse of read._join)."""
-    if size == 1:
-        return tensor
-    if swiglu and re.search(r"linear_fc1\.(weight|bias)$", name):
-        gate, up = tensor.chunk(2, dim=0)
-        return torch.cat([gate.chunk(size, 0)[rank], up.chunk(size, 0)[rank]])
-    if _COLUMN.search(name) or name.endswith(("word_embeddings.weight", "output_layer.weight")):
-        return tensor.chunk(size, dim=0)[rank]
-    if _ROW.search(name):
-        return tensor.chunk(size, dim=1)[rank]
-    return tensor
 
 
 def _sizes(args) -> tuple[int, int, int]:

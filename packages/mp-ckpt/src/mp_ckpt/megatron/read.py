@@ -58,6 +58,7 @@ __all__ = [
     "legacy_rank_files",
     "read_megatron",
     "resolve_megatron",
+    "tp_piece",
 ]
 
 _TRACKER = "latest_checkpointed_iteration.txt"
@@ -343,15 +344,34 @@ def _read_rank_tensor(paths: list[Path], key: str, swiglu: bool) -> torch.Tensor
     return joined
 
 
+def _tp_split(key: str, swiglu: bool) -> int | str | None:
+    """How tensor parallelism splits a Megatron tensor: on rows (0: the column-parallel
+    linear_qkv and linear_fc1, the embedding and output layer), on columns (1: the
+    row-parallel weights), "glu" (a gated fc1: each rank [gate_r; up_r]) or not (None)."""
+    if swiglu and re.search(r"linear_fc1\.(weight|bias)$", key):
+        return "glu"
+    if _COLUMN.search(key) or key.endswith(("word_embeddings.weight", "output_layer.weight")):
+        return 0
+    return 1 if _ROW.search(key) else None
+
+
 def _join(key: str, pieces: list[torch.Tensor], swiglu: bool) -> torch.Tensor:
     """One tensor from its TP pieces (rank order)."""
     if len(pieces) == 1:
         return pieces[0]
-    if swiglu and re.search(r"linear_fc1\.(weight|bias)$", key):
+    split = _tp_split(key, swiglu)
+    if split == "glu":
         halves = [p.chunk(2, dim=0) for p in pieces]
         return torch.cat([h[0] for h in halves] + [h[1] for h in halves])
-    if _COLUMN.search(key) or key.endswith(("word_embeddings.weight", "output_layer.weight")):
-        return torch.cat(pieces, dim=0)
-    if _ROW.search(key):
-        return torch.cat(pieces, dim=1)
-    return pieces[0]
+    return pieces[0] if split is None else torch.cat(pieces, dim=split)
+
+
+def tp_piece(key: str, tensor: torch.Tensor, rank: int, size: int, swiglu: bool):
+    """The TP rank's piece of a whole Megatron tensor (the inverse of _join)."""
+    if size == 1:
+        return tensor
+    split = _tp_split(key, swiglu)
+    if split == "glu":
+        gate, up = tensor.chunk(2, dim=0)
+        return torch.cat([gate.chunk(size, 0)[rank], up.chunk(size, 0)[rank]])
+    return tensor if split is None else tensor.chunk(size, dim=split)[rank]

@@ -4,9 +4,10 @@
                     tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
                     expert_model_parallel_size=1)
 
-The inverse of megatron.logical_from_megatron: mp's logical tensors are fused
-back into Megatron's layouts (QKV interleaved by query group, a SwiGLU fc1 as
-[gate; up]) and written as
+The inverse of megatron.logical_from_megatron: mp's logical tensors are named and
+fused back into Megatron's layouts (QKV interleaved by query group, a SwiGLU fc1 as
+[gate; up]) as the family tables' Megatron view says (mp_ckpt.families.megatron_view),
+and written as
 
 - torch_dist: one torch.distributed.checkpoint folder saved by this process
   alone; layers stacked on a leading axis, norms under the names Megatron's
@@ -42,24 +43,15 @@ import torch
 
 from mp_ckpt.core.progress import progress as progress_reporter
 from mp_ckpt.core.reader import CheckpointReader
+from mp_ckpt.families.megatron_view import MegatronView, megatron_view
 from mp_ckpt.families.moe import is_moe_layer
-from mp_ckpt.megatron.logical import TE_NORM_NAMES
-from mp_ckpt.megatron.read import _LAYER
+from mp_ckpt.megatron.read import _LAYER, tp_piece
 from mp_ckpt.megatron.settings import MOE_COPIED, YARN_ARGS, gated
 
 __all__ = ["export_megatron", "megatron_args", "megatron_from_logical"]
 
 CHECKPOINT_VERSION = 3.0
-# mp's norm names -> the Transformer Engine names Megatron's sharded state dict uses.
-_TE_NAMES = {mp: te for te, mp in TE_NORM_NAMES.items()}
 _FORMATS = ("torch_dist", "torch")
-# mp's unfused pieces: q/k/v of the attention, gate/up of a SwiGLU fc1 (dense, shared
-# expert, experts)
-_FUSED = re.compile(
-    r"^(self_attention\.linear_qkv|mlp\.linear_fc1|mlp\.shared_experts\.linear_fc1"
-    r"|mlp\.experts\.linear_fc1)\.(q|k|v|gate|up)\.(\w+)$"
-)
-_EXPERTS_FC1 = "mlp.experts.experts.linear_fc1"
 _LINEAR_WEIGHT = re.compile(
     r"^(decoder\.layers\..*\.(?:linear_qkv|linear_proj|linear_fc[12]))\.weight$"
 )
@@ -70,29 +62,25 @@ _STACKED_EXPERTS = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts\.)experts\.
 def megatron_from_logical(logical: dict[str, torch.Tensor],
                           settings: dict) -> dict[str, torch.Tensor]:  # fmt: skip
     """Megatron's whole tensors (per-layer keys, local-spec names) from mp's logical ones."""
+    view = megatron_view(settings)
     out: dict[str, torch.Tensor] = {}
-    fused: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
+    fused: dict[str, tuple] = {}  # Megatron name -> (its MegatronTensor, {index: mp tensor})
     for key, tensor in logical.items():
         match = _LAYER.match(key)
-        rest = match.group(2) if match else ""
-        head = _FUSED.match(rest)
-        if head:
-            module, part, kind = head.groups()
-            fused_name = _EXPERTS_FC1 if module == "mlp.experts.linear_fc1" else module
-            name = f"decoder.layers.{match.group(1)}.{fused_name}.{kind}"
-            fused.setdefault((name, module), {})[part] = tensor
-        elif rest.startswith("mlp.experts.linear_fc2."):
-            out[key.replace(".mlp.experts.", ".mlp.experts.experts.")] = tensor
+        prefix, rest = (f"decoder.layers.{match.group(1)}.", match.group(2)) if match else ("", key)
+        found = view.holding(rest, layer=match is not None)
+        if found is None:
+            raise ValueError(f"{key}: no place for this tensor in Megatron's GPTModel")
+        held, j = found
+        if held.fusion is None:
+            out[prefix + held.name] = tensor
         else:
-            out[key] = tensor
-    for (name, module), parts in fused.items():
-        if module.endswith("linear_qkv"):
-            q, k, v = parts["q"], parts["k"], parts["v"]
-            whole = torch.cat([q, k.unsqueeze(1), v.unsqueeze(1)], dim=1)
-            out[name] = whole.reshape(-1, *q.shape[3:]).contiguous()
-        else:  # [gate; up], per expert for the experts' [E, F, h]
-            dim = 1 if module == "mlp.experts.linear_fc1" else 0
-            out[name] = torch.cat([parts["gate"], parts["up"]], dim=dim).contiguous()
+            fused.setdefault(prefix + held.name, (held, {}))[1][j] = tensor
+    for name, (held, parts) in fused.items():
+        if len(parts) != len(held.mp):
+            missing = [mp for i, mp in enumerate(held.mp) if i not in parts]
+            raise ValueError(f"{name}: mp's {', '.join(missing)} missing beside the others")
+        out[name] = held.fuse([parts[i] for i in range(len(held.mp))])
     if not settings.get("untie_embeddings_and_output_weights"):
         out.pop("output_layer.weight", None)
     return out
@@ -272,7 +260,7 @@ def export_megatron(src: str | os.PathLike, dst: str | os.PathLike, *,
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir()
     if ckpt_format == "torch_dist":
-        _write_torch_dist(work, tensors, args, iteration)
+        _write_torch_dist(work, tensors, args, iteration, megatron_view(settings))
     else:
         _write_torch(work, tensors, args, iteration, tp, pp, ep)
     if final.exists():
@@ -306,8 +294,8 @@ def _writer_class():
     return _Writer
 
 
-def _write_torch_dist(work: Path, tensors: dict[str, torch.Tensor], args,
-                      iteration: int) -> None:  # fmt: skip
+def _write_torch_dist(work: Path, tensors: dict[str, torch.Tensor], args, iteration: int,
+                      view: MegatronView) -> None:  # fmt: skip
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
@@ -324,7 +312,9 @@ def _write_torch_dist(work: Path, tensors: dict[str, torch.Tensor], args,
         if match is None:
             state[key] = tensor.contiguous()
             continue
-        rest = _TE_NAMES.get(match.group(2), match.group(2))
+        held = view.named(match.group(2), layer=True)
+        # the norms under the Transformer Engine names Megatron's sharded state dict uses
+        rest = held.te if held is not None and held.te else match.group(2)
         if not stack:
             state[f"decoder.layers.{match.group(1)}.{rest}"] = tensor.contiguous()
             continue
@@ -357,22 +347,6 @@ def _write_torch_dist(work: Path, tensors: dict[str, torch.Tensor], args,
     (work / "metadata.json").write_text(
         json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1})
     )
-
-
-def _slice(key: str, tensor: torch.Tensor, rank: int, tp: int, swiglu: bool) -> torch.Tensor:
-    """TP rank `rank`'s piece of a whole Megatron tensor (the inverse of read._join)."""
-    if tp == 1:
-        return tensor
-    if swiglu and re.search(r"linear_fc1\.(weight|bias)$", key):
-        gate, up = tensor.chunk(2, dim=0)
-        return torch.cat([gate.chunk(tp)[rank], up.chunk(tp)[rank]])
-    if re.search(r"(linear_qkv|linear_fc1)\.(weight|bias)$", key) or key.endswith(
-        ("word_embeddings.weight", "output_layer.weight")
-    ):
-        return tensor.chunk(tp, dim=0)[rank]
-    if re.search(r"(linear_proj|linear_fc2)\.weight$", key):
-        return tensor.chunk(tp, dim=1)[rank]
-    return tensor
 
 
 def _linear_modules(keys) -> list[str]:
@@ -431,7 +405,7 @@ def _write_torch(work: Path, tensors: dict[str, torch.Tensor], args, iteration: 
                 local_model["output_layer._extra_state"] = None
             for rank in range(tp):
                 local = {
-                    k: v if v is None else _slice(k, v, rank, tp, swiglu).clone().contiguous()
+                    k: v if v is None else tp_piece(k, v, rank, tp, swiglu).clone().contiguous()
                     for k, v in local_model.items()
                 }
                 name = (f"mp_rank_{rank:02d}" + (f"_{stage:03d}" if pp > 1 else "")
