@@ -2,12 +2,13 @@
 the experts' outputs back, weighted by the router and summed per token.
 
 Shapes: hidden [T, h] (this rank's tokens), probs and routing_map [T, E] (router.py);
-what the experts get is tokens [N, h] sorted by local expert with counts [El]; combine
-turns the experts' [N, h] back into [T, h].
+what the experts get is tokens [N, h] sorted by local expert with counts [El] and each
+copy's routing probability [N] (the experts weight their outputs by it, experts.py);
+combine sums the experts' weighted [N, h] back into [T, h].
 
 Permuting is a sort by expert, never a loop over tokens: the (expert, token) pairs of
 the routing map in expert-major order give each routed copy's token index and weight;
-the output is an index_add of the weighted copies.
+the output is an index_add of the copies' (weighted) outputs.
 
 - AllToAllDispatcher (Megatron's "alltoall"): a rank sends each expert-parallel rank the
   copies routed to its experts (an all-to-all of uneven pieces over ep, the counts
@@ -62,10 +63,9 @@ def permutation(probs: torch.Tensor, routing_map: torch.Tensor) -> Permutation:
 
 
 def unpermute(out: torch.Tensor, plan: Permutation, tokens: int) -> torch.Tensor:
-    """[M, h] outputs of the copies -> [tokens, h]: weighted, summed per token."""
-    weighted = out * plan.weights.to(out.dtype).unsqueeze(-1)
+    """[M, h] weighted outputs of the copies -> [tokens, h]: summed per token."""
     result = out.new_zeros((tokens, out.shape[-1]))
-    return result.index_add(0, plan.token_index, weighted)
+    return result.index_add(0, plan.token_index, out)
 
 
 class AllToAllDispatcher:
@@ -82,10 +82,13 @@ class AllToAllDispatcher:
         state = _AllToAllState(plan, hidden.shape[0], send.sum(1).tolist(),
                                received.sum(1).tolist(), grid.sum((1, 2)).tolist(),
                                grid.reshape(-1, self.num_local))  # fmt: skip
-        x = all_to_all(copies, self.ep, state.received_splits, state.sent_splits)
-        x = gather_uneven(x, self.etp, state.pooled_sizes)
-        x = _regroup(x, state.chunks)
-        return x, state.chunks.sum(0).tolist(), state
+        x, weights = (self._to_experts(t, state) for t in (copies, plan.weights[:, None]))
+        return x, state.chunks.sum(0).tolist(), weights[:, 0], state
+
+    def _to_experts(self, rows: torch.Tensor, state: _AllToAllState) -> torch.Tensor:
+        """The copies' rows on the ranks of their experts, grouped by local expert."""
+        rows = all_to_all(rows, self.ep, state.received_splits, state.sent_splits)
+        return _regroup(gather_uneven(rows, self.etp, state.pooled_sizes), state.chunks)
 
     def combine(self, out: torch.Tensor, state: _AllToAllState) -> torch.Tensor:
         out = _regroup(out, state.chunks.t())
@@ -136,6 +139,7 @@ class AllGatherDispatcher:
         return (
             hidden.index_select(0, plan.token_index),
             plan.counts.tolist(),
+            plan.weights,
             (plan, hidden.shape[0]),
         )
 

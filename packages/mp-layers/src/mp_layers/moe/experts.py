@@ -9,14 +9,16 @@ ep_rank El .. ep_rank El + El - 1) and Fl = F / etp of each one's inner channels
     linear_fc2.weight [El, h, Fl]
     linear_fc2.bias   [El, h]         (add_bias_linear) whole on every expert-TP rank
 
-tokens [N, h] arrive sorted by local expert, `counts` [El] of them each; the output
-[N, h] is this rank's partial sum over its Fl channels (the dispatcher sums it over
-expert_tp, then weights each copy by its routing probability p, so a copy's output is
-p (fc2(act(fc1(x))) + b2) as in Megatron's TEGroupedMLP and Hugging Face's GptOssExperts,
-and a padded copy, of weight 0, adds nothing). The fc2 bias must enter that sum once: as
-a RowParallelLinear adds its bias after the reduction, expert-TP rank 0 adds it and the
-others add zeros, while its gradient, the same on every expert-TP rank (the combine's
-backward gathers the output gradient), reaches every rank's copy whole. Weights are drawn
+tokens [N, h] arrive sorted by local expert, `counts` [El] of them each, with each
+copy's routing probability p [N]; the output [N, h] is this rank's partial sum over its
+Fl channels (the dispatcher sums it over expert_tp) of a copy's p (fc2(act(fc1(x))) + b2),
+as in Megatron's TEGroupedMLP and Hugging Face's GptOssExperts; a padded copy, of weight
+0, adds nothing. p scales the activation, fc2's input: [N, Fl] is half as wide as the
+output when F = h / 2, as in Qwen3-MoE and gpt-oss (Megatron's grouped MLP applies it
+there too). The fc2 bias must enter the sum once: as a RowParallelLinear adds its bias
+after the reduction, expert-TP rank 0 adds p b2 and the others add zeros, while the bias'
+gradient, the same on every expert-TP rank (the combine's backward gathers the output
+gradient), reaches every rank's copy whole. Weights are drawn
 expert by expert from one generator whatever the layout (every rank draws all E and keeps
 its own), so a seed gives the same model at every EP and expert-TP size; biases start at 0.
 
@@ -62,17 +64,19 @@ class GroupedExperts(torch.nn.Module):
         self.linear_fc1 = _ExpertWeights(torch.stack(fc1), bias, config.params_dtype)
         self.linear_fc2 = _ExpertWeights(torch.stack(fc2), bias, config.params_dtype)
 
-    def forward(self, tokens: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """tokens [N, h] sorted by local expert, counts [El] -> [N, h] (partial over etp)."""
+    def forward(self, tokens: torch.Tensor, counts: list[int], probs: torch.Tensor) -> torch.Tensor:
+        """tokens [N, h] sorted by local expert, counts [El], probs [N] -> the weighted
+        outputs [N, h] (partial over etp)."""
         grouped = self.config.moe_grouped_gemm
         fc1, fc2 = self.linear_fc1, self.linear_fc2
+        p = probs.to(tokens.dtype).unsqueeze(-1)
         inner = grouped_matmul(tokens, fc1.weight.transpose(1, 2), counts, grouped)
         if fc1.bias is not None:
             inner = inner + _per_copy(fc1.bias, counts)
-        out = grouped_matmul(activate(self.config, inner), fc2.weight.transpose(1, 2), counts,
-                             grouped)  # fmt: skip
+        weighted = activate(self.config, inner) * p
+        out = grouped_matmul(weighted, fc2.weight.transpose(1, 2), counts, grouped)
         if fc2.bias is not None:
-            out = out + _AddedOnce.apply(_per_copy(fc2.bias, counts), self.etp.rank == 0)
+            out = out + _AddedOnce.apply(_per_copy(fc2.bias, counts), self.etp.rank == 0) * p
         return out
 
     def sharded_state_dict(self, prefix: str = "") -> dict[str, ShardedTensor]:

@@ -4,8 +4,8 @@ Shapes: x [s, b, h] (this rank's tokens; [s/tp, b, h] with sequence parallelism,
 each tensor-parallel rank routes its own tokens); T = s b.
 
     probs, routing_map = router(x)                 [T, E] each      (tp: aux-loss counts)
-    tokens, counts = dispatcher.dispatch(...)      [N, h], [El]     (ep, expert_tp / tp_ep)
-    out = experts(tokens, counts)                  [N, h]           (local experts)
+    tokens, counts, weights = dispatcher.dispatch(...)  [N, h], [El], [N]  (ep, expert_tp / tp_ep)
+    out = experts(tokens, counts, weights)         [N, h]           (local experts)
     y = dispatcher.combine(out)                    [T, h]           (expert_tp, ep / tp_ep)
     y += shared_experts(x) [* sigmoid(x w)]        every token      (tp, like a dense MLP)
 
@@ -45,8 +45,11 @@ class MoELayer(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:
         s, b, h = x.shape
         probs, routing_map = self.router(x)
-        tokens, counts, state = self.dispatcher.dispatch(x.reshape(s * b, h), probs, routing_map)
-        out = self.dispatcher.combine(self.experts(tokens, counts), state).view(s, b, h)
+        tokens, counts, weights, state = self.dispatcher.dispatch(
+            x.reshape(s * b, h), probs, routing_map
+        )
+        out = self.experts(tokens, counts, weights)
+        out = self.dispatcher.combine(out, state).view(s, b, h)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out, None

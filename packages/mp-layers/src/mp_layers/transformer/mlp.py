@@ -87,7 +87,9 @@ def activate(config: TransformerConfig, inner: torch.Tensor) -> torch.Tensor:
         if clamp is not None:
             gate, up = gate.clamp(max=clamp), up.clamp(-clamp, clamp)
         act = _quick_gelu(gate) if config.quick_geglu else F.silu(gate)
-        return act * (up + config.glu_linear_offset)
+        if config.glu_linear_offset:
+            up = up + config.glu_linear_offset
+        return act * up
     if config.activation == "squared_relu":
         return F.relu(inner).square()
     return F.gelu(inner, approximate="tanh" if config.openai_gelu else "none")
