@@ -2,7 +2,8 @@
 mp_layers.KVCache for a model with gpt-oss's attention, whose windowed layers keep a ring
 of their window's latest keys.
 
-One process, all cores (torch.set_num_threads(os.cpu_count())). The model: the
+One process, all cores (torch.set_num_threads(os.cpu_count()); --threads 1 is steadier
+on a machine other processes share). The model: the
 Llama-style shape of bench_generate.py (harness.LLAMA_SHAPE: hidden 512, 8 layers, 8
 heads in 4 query groups of 64 channels, SwiGLU ffn 1376, RMSNorm, untied embeddings,
 vocabulary 32,000) with gpt-oss's attention: a learnable sink per head, a sliding window
@@ -19,7 +20,7 @@ layer after the prompts and one step, measured (KVCache.layer_bytes); a full lay
 bytes per position and sequence; the positions a windowed layer holds.
 
     uv run python ci/bench/bench_generate_window.py [--batch-sizes 1 8 --new-tokens 512
-        --prompt-len 128 --rounds 3 --dtypes bf16]
+        --prompt-len 128 --rounds 3 --dtypes bf16 --threads 2]
 """
 
 from __future__ import annotations
@@ -47,10 +48,12 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds")
     parser.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=["bf16"])
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
+                        help="torch threads (default: every core)")  # fmt: skip
     args = parser.parse_args()
     if args.new_tokens < 2:
         parser.error("--new-tokens must be >= 2: decode time is the calls' difference")
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(args.threads)
     ctx = context()
     config = TransformerConfig(
         num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS,
