@@ -2,7 +2,8 @@
 downloads): `mp-ckpt import-hf` gives transformers' fp32 logits within 1e-5 in GPTModel
 (built from the imported settings alone); `mp-ckpt export-hf` without --arch (the
 checkpoint remembers its family) gives back the config and every tensor; greedy
-generation equals generate(do_sample=False) over 32 new tokens."""
+generation equals generate(do_sample=False) over 32 new tokens; gpt-oss's also over 72 at
+PP2, past its windowed layers' cache rings."""
 
 import os
 
@@ -123,3 +124,19 @@ def test_a_model_trained_from_an_import_exports_as_its_family(tmp_path):
     assert config.model_type == "mistral"
     trained = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf_out")
     assert type(trained).__name__ == "MistralForCausalLM"
+
+
+@pytest.mark.multirank
+def test_gpt_oss_generates_past_its_window_ring_through_two_stages_as_transformers(tmp_path):
+    """Greedy generation past 64 positions, where each windowed layer's KVCache ring (64
+    slots for the window of 4) wraps, at PP2 (layers 0-1, then 2: a cache per stage),
+    equals transformers' generate."""
+    hf = random_hf(transformers.GptOssConfig(**GPT_OSS | {"max_position_embeddings": 128}))
+    hf.save_pretrained(tmp_path / "hf")
+    assert main(["import-hf", str(tmp_path / "hf"), str(tmp_path / "ckpt")]) == 0
+    layout = ["--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "2"]
+    new = 72
+    want = reference_greedy(hf, PROMPTS, new)
+    for got in run_on_ranks(greedy_on_rank, 2, str(tmp_path / "ckpt"), layout, PROMPTS, new,
+                            timeout=240):  # fmt: skip
+        assert got == want

@@ -247,19 +247,21 @@ def test_selective_recompute_keeps_the_sinks_gradient(backend):
         torch.testing.assert_close(recomputed[name], grad, msg=name)
 
 
-def test_a_windowed_layer_reads_only_the_cache_slots_its_window_reaches():
-    """Past KEY_BLOCK (64) positions a windowed layer reads the slots from
-    KVCache.window_start on; the logits stay those of full forwards."""
+def test_a_windowed_layer_keeps_a_ring_of_key_block_slots_past_it():
+    """Window 3 keeps a ring of 64 slots (KEY_BLOCK) in layer 0 while the sequences grow
+    past them (from slot 64 on, new keys overwrite the oldest); full layer 1 keeps all 80
+    slots; the logits stay those of full forwards."""
     gpt = gpt_oss_like(max_length=80)
     generator = torch.Generator().manual_seed(2)
     sequences = [torch.randint(0, VOCAB, (n,), generator=generator).tolist() for n in (62, 60)]
     cache = KVCache(torch.tensor([0, 2]), 80)
     step_input = torch.tensor([sequences[0], [0, 0, *sequences[1]]])
-    starts = set()
+    per_slot = 2 * 2 * 2 * 8 * 4  # keys and values, b 2, 2 key/value heads, d 8, fp32
     with torch.no_grad():
         for _ in range(8):
-            starts.add(cache.window_start(3))
             logits = gpt(step_input, kv_cache=cache)[:, -1]
+            assert cache.layer_bytes(0) == 64 * per_slot
+            assert cache.layer_bytes(1) == 80 * per_slot
             for i, sequence in enumerate(sequences):
                 alone = gpt(torch.tensor([sequence]))[0, -1]
                 torch.testing.assert_close(logits[i], alone, rtol=1e-5, atol=1e-5)
@@ -267,4 +269,4 @@ def test_a_windowed_layer_reads_only_the_cache_slots_its_window_reaches():
             for sequence, token in zip(sequences, new.tolist(), strict=True):
                 sequence.append(token)
             step_input = new[:, None]
-    assert starts == {0, 64}  # from slot 67 on, slots 0..63 were no longer read
+    assert cache.length == 69

@@ -13,8 +13,8 @@ With softmax_type "learnable", core attention's softmax_offset [heads on this ra
 (Megatron's name) is split over the TP group with the heads and described as
 core_attention.softmax_offset [num_attention_heads]. A layer that
 TransformerConfig.window_size applies to (window_layer_pattern) attends through the
-window; with a KVCache the window joins the cache's mask, and the slots before every
-new query's window are not read (the cache still keeps them).
+window; with a KVCache such a layer keeps only its window's latest keys
+(KVCache.update_window), and its mask is the cache's for them.
 """
 
 from __future__ import annotations
@@ -116,13 +116,10 @@ class SelfAttention(torch.nn.Module):
             q, k = self.q_layernorm(q), self.k_layernorm(k)
         if rotary is not None:
             q, k = apply_rotary_pos_emb(q, rotary), apply_rotary_pos_emb(k, rotary)
-        if kv_cache is not None:
+        if kv_cache is not None and self.window is None:
             k, v = kv_cache.update(self.layer_number, k, v)
-            if self.window is not None:  # read only the slots inside some query's window
-                outside = kv_cache.outside_window(s, self.window, x.device)
-                attention_mask = outside if attention_mask is None else attention_mask | outside
-                first = kv_cache.window_start(self.window)
-                k, v, attention_mask = k[first:], v[first:], attention_mask[..., first:]
+        elif kv_cache is not None:  # the layer's ring of recent keys, with its own mask
+            k, v, attention_mask = kv_cache.update_window(self.layer_number, k, v, self.window)
         if self.recompute_core_attention and self.training and torch.is_grad_enabled():
             context = checkpointed(self.core_attention, self.rng_tracker, q, k, v, attention_mask)
         else:

@@ -226,10 +226,10 @@ def cached_attention(
     sink: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of the next s positions q [s, b, nq, d] over a KVCache's keys and values
-    k, v [T, b, ng, d] (T > s; views of the cache's [b, ng, max_length, d] storage),
-    mask [b, 1, s, T] bool, True = masked (None: every key visible; a sliding window is
-    part of the mask, KVCache.outside_window); sink [nq] logits or None; the output
-    [s, b, nq * d].
+    k, v [T, b, ng, d] (T > s; views of [b, ng, T', d] storage, the cache's or a
+    windowed layer's ring beside the new keys), mask [b, 1, s, T] bool, True = masked
+    (None: every key visible; a sliding window is part of the mask,
+    KVCache.update_window); sink [nq] logits or None; the output [s, b, nq * d].
 
     Two matmuls and a softmax in fp32, for generation: with one query a sequence,
     SDPA's CPU flash kernel fills a whole block of queries per head and copies the
