@@ -1,5 +1,5 @@
 """pretrain_gpt shows mp's Python log records (rank 0's info lines by default) and
---logging-level hides them."""
+--logging-level hides them; an MFU above 1 is not printed."""
 
 from __future__ import annotations
 
@@ -18,9 +18,9 @@ OPTIONS = [
 INFO = "[rank 0] INFO mp_train: torch.distributed initialized: world size 1, backend gloo"
 
 
-def _run(*extra: str) -> str:
+def _run(*extra: str, options: list[str] = OPTIONS) -> str:
     env = {**os.environ, "MP_RUN_DIR": "/nonexistent", "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-m", "mp_gpt.pretrain", *OPTIONS, *extra],
+    done = subprocess.run([sys.executable, "-m", "mp_gpt.pretrain", *options, *extra],
                           env=env, capture_output=True, text=True, timeout=180)  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     return done.stdout + done.stderr
@@ -29,3 +29,16 @@ def _run(*extra: str) -> str:
 def test_info_lines_show_and_the_level_hides_them():
     assert INFO in _run()
     assert INFO not in _run("--logging-level", "WARNING")
+
+
+def test_an_mfu_above_one_is_not_printed():
+    """A peak below what the run achieves (--peak-tflops 1e-9, as a reference measured
+    on a busy machine could be) gives one line saying why, and no MFU in the log lines."""
+    training = [o for o in OPTIONS if o != "--skip-train"]
+    out = _run("--peak-tflops", "1e-9", "--train-iters", "2", "--log-interval", "1",
+               "--micro-batch-size", "1", "--global-batch-size", "1", "--lr-warmup-iters", "0",
+               options=training)  # fmt: skip
+    assert out.count("MFU not shown:") == 1, out
+    assert "give the device's peak with --peak-tflops" in out
+    lines = [line for line in out.splitlines() if line.startswith("iteration ")]
+    assert len(lines) == 2 and not any("MFU" in line for line in lines), out
