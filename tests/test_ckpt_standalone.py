@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from mp_ckpt import Checkpointer
+from mp_ckpt import Checkpointer, CheckpointReader
 from mp_layers import GPTModel, ModelGroups, TransformerConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -59,5 +59,7 @@ def test_mp_ckpt_alone_inspects_converts_and_exports(tmp_path):
     megatron = ROOT / "packages/mp-ckpt/tests/assets/megatron/llama_torch_dist_tp2_distopt"
     run(cli, "import-megatron", str(megatron), str(tmp_path / "imported"), "--with-optimizer",
         env=env)  # fmt: skip
-    summary = json.loads(run(cli, "inspect", str(tmp_path / "imported"), "--json", env=env).stdout)
-    assert summary["iteration"] == 2
+    # Read back here (each command of the standalone CLI costs a torch import, ~5 s).
+    imported = CheckpointReader(tmp_path / "imported")
+    assert imported.iteration == 2
+    assert any(key.startswith("optimizer.") for key in imported.keys)
