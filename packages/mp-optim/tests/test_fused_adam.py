@@ -1,0 +1,71 @@
+"""The optimizer steps with torch's fused AdamW (one pass over every fp32 main parameter
+and its state): its updates against torch's single-tensor AdamW, the per-parameter
+reference, given the same gradients (after clipping and loss scaling), groups and
+learning rates."""
+
+import pytest
+import torch
+
+import mp_state
+from mp_optim import DistributedDataParallel, OptimizerConfig, get_optimizer
+from mp_state import ParallelConfig
+from mp_state.testing import run_on_ranks
+
+pytestmark = pytest.mark.multirank
+
+
+def body(bf16: bool):
+    torch.set_num_threads(1)
+    state = mp_state.initialize(ParallelConfig())
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    module = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.LayerNorm(64),
+                                 torch.nn.GELU(), torch.nn.Linear(64, 8)).to(dtype)  # fmt: skip
+    config = OptimizerConfig(lr=1e-2, weight_decay=0.1, clip_grad=0.05, bf16=bf16)
+    model = DistributedDataParallel(config, module, dp_group=state.dp)
+    optimizer = get_optimizer(config, [model], mp_group=state.mp)
+    fused = optimizer.optimizer
+    assert fused.defaults["fused"], "the optimizer is torch's fused AdamW"
+    # The reference: torch's single-tensor AdamW over copies of the main parameters,
+    # grouped as the optimizer groups them, given each step the gradients it is given.
+    mains = [p for group in fused.param_groups for p in group["params"]]
+    copies = [p.detach().clone() for p in mains]
+    start = [p.detach().clone() for p in mains]
+    groups, at = [], 0
+    for group in fused.param_groups:
+        n = len(group["params"])
+        groups.append({"params": copies[at : at + n], "weight_decay": group["weight_decay"]})
+        at += n
+    reference = torch.optim.AdamW(groups, lr=config.lr, betas=(config.adam_beta1,
+                                  config.adam_beta2), eps=config.adam_eps,
+                                  foreach=False, fused=False)  # fmt: skip
+    real_step = fused.step
+
+    def step(*args, **kwargs):
+        for copy, main in zip(copies, mains, strict=True):
+            copy.grad = main.grad.clone()
+        for ours, theirs in zip(fused.param_groups, reference.param_groups, strict=True):
+            theirs["lr"] = ours["lr"]
+        reference.step()
+        return real_step(*args, **kwargs)
+
+    fused.step = step
+    x = torch.randn(16, 32, generator=torch.Generator().manual_seed(1)).to(dtype)
+    for _ in range(5):
+        optimizer.zero_grad()
+        model(x).float().square().mean().backward()
+        model.finish_grad_sync()
+        assert optimizer.step().update_successful
+    errors = [
+        float((m - c).abs().max() / c.abs().max()) for m, c in zip(mains, copies, strict=True)
+    ]
+    moved = min(float((c - s).abs().max()) for c, s in zip(copies, start, strict=True))
+    mp_state.destroy()
+    return max(errors), moved
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+def test_the_fused_update_equals_the_single_tensor_reference(bf16):
+    error, moved = run_on_ranks(body, 1, bf16, timeout=120)[0]
+    assert moved > 1e-3  # every parameter took its steps
+    assert error <= 1e-6, f"fused and single-tensor AdamW differ by {error:.2e} (relative)"
