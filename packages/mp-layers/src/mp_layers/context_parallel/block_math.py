@@ -32,7 +32,14 @@ import functools
 
 import torch
 
-__all__ = ["block_backward", "block_forward", "merge_into"]
+__all__ = ["block_backward", "block_forward", "heads_first", "merge_into"]
+
+
+def heads_first(x: torch.Tensor) -> torch.Tensor:
+    """Keys or values [s, b, ng, d] -> [b * ng, s, d], the layout of `k` and `v` here
+    (a copy unless b * ng is 1)."""
+    s, b, ng, d = x.shape
+    return x.permute(1, 2, 0, 3).reshape(b * ng, s, d)
 
 
 def _scores(

@@ -38,7 +38,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from mp_layers.context_parallel.block_math import block_backward, block_forward, merge_into
+from mp_layers.context_parallel.block_math import (
+    block_backward,
+    block_forward,
+    heads_first,
+    merge_into,
+)
 from mp_layers.context_parallel.layout import attention_blocks, local_chunks
 from mp_layers.tensor_parallel.collectives import gather_first, reduce_scatter_first
 from mp_state import RankGroup
@@ -104,7 +109,7 @@ class _ContextParallelAttention(torch.autograd.Function):
         ng = k.shape[2]
         rows = q.reshape(s, b, ng, nq // ng, d).permute(1, 2, 3, 0, 4).contiguous()
         rows = rows.view(b * ng, nq // ng, s, d)  # [B, qg, s, d]
-        kv = torch.stack([_flat(k), _flat(v)])  # [2, B, s, d]
+        kv = torch.stack([heads_first(k), heads_first(v)])  # [2, B, s, d]
         out = torch.zeros(rows.shape, dtype=torch.float32, device=q.device)
         lse = torch.full(rows.shape[:-1], -torch.inf, dtype=torch.float32, device=q.device)
         q_chunks = local_chunks(cp_group.size, cp_group.rank)
@@ -220,12 +225,6 @@ class _Exchange:
 
 def _half(s: int, half: int) -> slice:
     return slice(half * (s // 2), (half + 1) * (s // 2))
-
-
-def _flat(x: torch.Tensor) -> torch.Tensor:
-    """[s, b, ng, d] -> [b * ng, s, d]."""
-    s, b, ng, d = x.shape
-    return x.permute(1, 2, 0, 3).reshape(b * ng, s, d)
 
 
 def _unflat(x: torch.Tensor, s: int, b: int, ng: int, d: int) -> torch.Tensor:

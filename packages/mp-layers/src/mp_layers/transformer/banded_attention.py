@@ -27,7 +27,7 @@ import functools
 
 import torch
 
-from mp_layers.context_parallel.block_math import block_backward, block_forward
+from mp_layers.context_parallel.block_math import block_backward, block_forward, heads_first
 
 __all__ = ["BAND_BLOCK", "band_bias", "banded_attention"]
 
@@ -75,7 +75,7 @@ class _BandedAttention(torch.autograd.Function):
         qg = nq // ng
         rows = q.reshape(s, b, ng, qg, d).permute(1, 2, 3, 0, 4).contiguous()
         rows = rows.view(b * ng, qg, s, d)
-        keys, values = (t.permute(1, 2, 0, 3).contiguous().view(b * ng, s, d) for t in (k, v))
+        keys, values = heads_first(k), heads_first(v)
         out = torch.empty(rows.shape, dtype=torch.float32, device=q.device)
         lse = torch.empty(rows.shape[:-1], dtype=torch.float32, device=q.device)
         plan = list(_blocks(s, window, block, q.device))

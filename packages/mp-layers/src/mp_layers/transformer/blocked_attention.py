@@ -41,6 +41,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from mp_layers.context_parallel.block_math import heads_first
 from mp_layers.transformer.banded_attention import band_bias
 from mp_state import TENSOR_PARALLEL_RNG, RNGStatesTracker
 
@@ -123,20 +124,14 @@ class _Plan:
         return by_group.reshape(self.b * self.ng, self.qg * (hi - lo), -1)
 
 
-def _heads_first(t: torch.Tensor) -> torch.Tensor:
-    """[s, b, ng, d] -> [b * ng, s, d] (a copy)."""
-    s, b, ng, d = t.shape
-    return t.permute(1, 2, 0, 3).reshape(b * ng, s, d)
-
-
 def _forward(plan: _Plan, q, k, v, sink, keep_for_backward: bool):
     """(output [s, b, nq * d], what backward needs: the keys as [b * ng, d, s] (a view of
     [b * ng, s, d] with a sink), the values [b * ng, s, d], and per block the
     probabilities after `keep` and the dropout mask or None)."""
     b, ng, qg, d, scale = plan.b, plan.ng, plan.qg, plan.d, plan.scale
-    values = _heads_first(v)
+    values = heads_first(v)
     if sink is not None:  # the sink as a key (module docstring); channels d + 1
-        keys = _heads_first(k)
+        keys = heads_first(k)
         keys_t = keys.transpose(1, 2)  # a view: backward reads the keys by rows
         padded_keys = F.pad(keys, (0, 1))
         sink_key = F.pad(keys.new_ones(b * ng, 1, 1), (d, 0))
