@@ -92,10 +92,10 @@ class MetricsLogger:
         self.estimate = estimate(run.config, dist.get_world_size(),
                                  vocab_size=run.padded_vocab_size,
                                  device_type=run.device.type)  # fmt: skip
-        self.peak_tflops = self.config.peak_tflops or _default_peak(run.device)
+        self.peak_tflops = self.config.peak_tflops or _known_gpu_peak(run.device)
         self._remeasure = None  # a measured reference is measured again if MFU passes 1
-        if not self.config.peak_tflops and _known_gpu_peak(run.device) is None:
-            self._remeasure = measure_peak_tflops
+        if not self.peak_tflops:
+            self.peak_tflops, self._remeasure = _measured_peak(run.device), measure_peak_tflops
         self._mfu_warned = False
         self._interval_start = time.perf_counter()
         self._iteration_start = time.perf_counter()
@@ -351,10 +351,7 @@ def _known_gpu_peak(device: torch.device) -> float | None:
     return next((tflops for key, tflops in _GPU_PEAK_TFLOPS.items() if key in name), None)
 
 
-def _default_peak(device: torch.device) -> float:
-    known = _known_gpu_peak(device)
-    if known is not None:
-        return known
+def _measured_peak(device: torch.device) -> float:
     if device.type == "cuda":
         log.warning("no known peak for %s: MFU uses a measured bf16 matmul",
                     torch.cuda.get_device_name(device))  # fmt: skip
