@@ -32,6 +32,7 @@ from mp_layers.tensor_parallel import (
     vocab_parallel_cross_entropy,
 )
 from mp_layers.transformer.blocked_attention import saved_probability_bytes
+from mp_layers.transformer.compiled import compile_layers
 from mp_layers.transformer.core_attention import keeps_attention_probabilities
 from mp_layers.transformer.kv_cache import KVCache
 from mp_layers.transformer.spec import LOCAL_SPEC, LayerSpec, get_layer_spec
@@ -49,6 +50,7 @@ __all__ = [
     "VocabParallelEmbedding",
     "all_reduce_sequence_parallel_grads",
     "broadcast_data",
+    "compile_layers",
     "context_parallel",
     "copy_to_tensor_model_parallel_region",
     "gather_from_sequence_parallel_region",

@@ -46,6 +46,7 @@ from mp_layers.context_parallel.block_math import (
 )
 from mp_layers.context_parallel.layout import attention_blocks, local_chunks
 from mp_layers.tensor_parallel.collectives import gather_first, reduce_scatter_first
+from mp_layers.transformer.eager import eager_when_compiled
 from mp_state import RankGroup
 
 __all__ = ["CP_COMM_TYPES", "RingWaits", "context_parallel_attention", "timed_ring_waits"]
@@ -82,6 +83,9 @@ def timed_ring_waits() -> Iterator[RingWaits]:
         _timed = None
 
 
+# Eager inside a compiled layer: Dynamo does not trace the ring's p2p exchanges (nor
+# the timing of their waits); the layer around it is compiled.
+@eager_when_compiled
 def context_parallel_attention(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -22,6 +22,7 @@ from mp_layers.groups import ModelGroups
 from mp_layers.moe.dispatcher import AllGatherDispatcher, AllToAllDispatcher
 from mp_layers.moe.experts import GroupedExperts
 from mp_layers.moe.router import TopKRouter
+from mp_layers.transformer.eager import eager_when_compiled
 from mp_layers.transformer.mlp import MLP
 
 __all__ = ["MoELayer", "SharedExperts"]
@@ -42,6 +43,9 @@ class MoELayer(torch.nn.Module):
         if config.moe_shared_expert_intermediate_size is not None:
             self.shared_experts = SharedExperts(config, groups)
 
+    # Eager inside a compiled layer: the tokens each expert receives depend on the
+    # routing (data-dependent shapes, a recompile or graph break every iteration).
+    @eager_when_compiled
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:
         s, b, h = x.shape
         probs, routing_map = self.router(x)

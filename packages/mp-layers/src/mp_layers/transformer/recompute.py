@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from mp_layers.transformer.eager import eager_when_compiled
 from mp_state import RNGStatesTracker
 
 __all__ = ["checkpointed", "recomputing"]
@@ -28,6 +29,10 @@ def recomputing() -> bool:
     return _reruns > 0
 
 
+# Inside a compiled layer (selective recompute, a MoE layer's MLP) the checkpoint runs
+# eagerly: Dynamo traces torch.utils.checkpoint only with the context_fn of
+# selective-checkpoint policies, not the RNG-restoring one above.
+@eager_when_compiled
 def checkpointed(function: Callable, rng_tracker: RNGStatesTracker | None, *args):
     """function(*args), keeping only the inputs for backward and recomputing the rest."""
     snapshot: dict[str, torch.Tensor] = {}
