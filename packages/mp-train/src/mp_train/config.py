@@ -125,6 +125,13 @@ class TrainingConfig:
     skip_nan_loss_iterations: bool = False
     """Instead of stopping, skip the optimizer step of an iteration with a nan or inf loss."""
 
+    torch_compile: bool = False
+    """Compile each transformer layer with torch.compile (inductor; regional: parameter
+    names and checkpoints unchanged). The first iteration includes the compilation (its
+    time is logged). Inside the compiled layers, context-parallel ring attention (p2p,
+    all_gather), MoE MLPs, selective recompute and dropout on the tensor-parallel random
+    stream run eagerly. Training and evaluation only: generation is not compiled."""
+
 
 @dataclass(kw_only=True)
 class LoggingConfig:

@@ -97,6 +97,7 @@ class MetricsLogger:
         if not self.peak_tflops:
             self.peak_tflops, self._remeasure = _measured_peak(run.device), measure_peak_tflops
         self._mfu_warned = False
+        self._compile_reported = False
         self._interval_start = time.perf_counter()
         self._iteration_start = time.perf_counter()
         self._metrics_file = None
@@ -140,6 +141,7 @@ class MetricsLogger:
 
     def iteration_finished(self, losses, result, global_batch: int, microbatches: int) -> None:
         run = self.run
+        seconds = time.perf_counter() - self._iteration_start
         iteration, consumed = run.train.iteration, run.train.consumed_train_samples
         lr = run.optimizer.param_groups[0]["lr"] if run.optimizer.param_groups else 0.0
         loss_scale = float(run.optimizer.get_loss_scale())
@@ -190,6 +192,20 @@ class MetricsLogger:
                 self.board.add(iteration, memory_bytes(run.device))
         if printing:
             self._print_interval(lr, loss_scale, result, global_batch, params_norm)
+        if run.compiled_layers and not self._compile_reported:
+            self._compile_reported = True
+            self._print_compile_time(seconds)
+
+    def _print_compile_time(self, seconds: float) -> None:
+        """torch_compile compiles the layers in this process's first iteration."""
+        run = self.run
+        count = run.compiled_layers
+        layers = f"{count} transformer layer" + ("s" if count > 1 else "")
+        where = " of the last pipeline stage" if run.state.pp.size > 1 else ""
+        self.print(
+            f"compiled {layers}{where} (torch_compile): "
+            f"first iteration {seconds:.1f} s, compilation included"
+        )
 
     def _print_interval(self, lr, loss_scale, result, global_batch, params_norm) -> None:
         """The log line (and timing line) of the iterations since the previous one; with

@@ -23,6 +23,7 @@ import torch
 
 import mp_state
 from mp_data import build_tokenizer, vocab_size_with_padding
+from mp_layers import compile_layers
 from mp_optim import (
     DistributedDataParallel,
     MixedPrecisionOptimizer,
@@ -74,6 +75,8 @@ class Run:
     start_time: float = field(default_factory=time.time)
     has_train_data: bool = False
     has_valid_data: bool = False
+    compiled_layers: int = 0
+    """The transformer layers this rank compiled (torch_compile)."""
     family: str | None = None
     """The model family (mp_ckpt.families) of the checkpoint this run loaded, when that
     checkpoint named one (import-hf records it): its saves name it too, so that export-hf
@@ -165,6 +168,9 @@ def setup_run(
             f"padded_vocab_size={padded} is below the tokenizer's vocabulary of {vocab} tokens"
         )
     model = _build_model(config, state, tracker, padded, model_provider)
+    compiled = 0
+    if config.training.torch_compile:  # regional: each layer in place, inside DDP's wrapper
+        compiled = sum(compile_layers(chunk.module) for chunk in model)
     experts = _any_expert_parameters(model, initialized.device)
     optimizer = get_optimizer(
         config.optimizer, model, mp_group=state.mp,
@@ -198,7 +204,7 @@ def setup_run(
         config=config, state=state, device=initialized.device, rng_tracker=tracker,
         data_parallel_size=sizes["data_parallel_size"], calculator=calculator,
         tokenizer=tokenizer, padded_vocab_size=padded, model=model, optimizer=optimizer,
-        scheduler=scheduler, pipeline=pipeline, timers=timers,
+        scheduler=scheduler, pipeline=pipeline, timers=timers, compiled_layers=compiled,
     )  # fmt: skip
 
 
