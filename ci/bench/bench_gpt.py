@@ -40,7 +40,16 @@ GEMMs per weight, causal attention at half the square) over the measured peak
 of a bf16 n x n matmul (mp_train.metrics.measure_peak_tflops, the better of a
 measure before and one after the runs).
 
+With --torch-compile the baseline is ours run eagerly instead: the same loop with and
+without `--torch-compile` (each transformer layer compiled by inductor), taking turns as
+above; the warm-up iterations hold the compilation, whose time is the compiled runs'
+first iteration as the loop logs it ("compiled 8 transformer layers ...: first
+iteration X s"), the first round's in a fresh inductor cache (the later rounds find
+the graphs compiled). Both sides train on the same samples from the same weights: the
+largest relative difference of their losses is reported. Target: compiled >= 1.1x.
+
     uv run python ci/bench/bench_gpt.py [--rounds 3 --warmup 2 --iters 3 --check-iters 20]
+    uv run python ci/bench/bench_gpt.py --torch-compile [--rounds 3 --warmup 2 --iters 3]
 """
 
 from __future__ import annotations
@@ -78,8 +87,10 @@ from mp_train.metrics import measure_peak_tflops
 
 HIDDEN, LAYERS, HEADS, GROUPS, HEAD_DIM, FFN, VOCAB = LLAMA_SHAPE
 TARGET_RATIO = 1.2
+COMPILED_TARGET_RATIO = 1.1
 LR = 1e-3
 _LOG_LINE = re.compile(r"^iteration\s+(\d+) \|.*\| ms/iteration ([\d.]+) \|")
+_COMPILE_LINE = re.compile(r"^compiled \d+ transformer layers? .*: first iteration ([\d.]+) s")
 
 
 def main() -> None:
@@ -97,6 +108,9 @@ def main() -> None:
     )
     parser.add_argument("--peak-n", type=int, default=2048, help="n of the n x n matmul peak")
     parser.add_argument("--show-log", action="store_true", help="print the loop's own log")
+    parser.add_argument(
+        "--torch-compile", action="store_true", help="ours compiled against ours eager"
+    )
     args = parser.parse_args()
     if args.warmup < 1:
         parser.error("--warmup must be >= 1: a timed iteration is measured from the previous")
@@ -108,6 +122,9 @@ def main() -> None:
     config = _config(args, iterations, peak)
     flops = estimate(config, 1, vocab_size=_padded_vocab(config))["flops_per_iteration"]
     tokens = args.batch * args.seq
+    if args.torch_compile:
+        _compare_compiled(args, iterations, peak, flops, tokens, ctx)
+        return
 
     if args.check_iters:
         _check_convergence(args, peak, ctx)
@@ -118,7 +135,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as scratch:
         for round_ in range(args.rounds):
             config = _config(args, iterations, peak, f"{scratch}/metrics{round_}.jsonl")
-            seconds, loss, ms, params["ours"] = _run_ours(config, args.show_log)
+            seconds, loss, ms, params["ours"], _ = _run_ours(config, args.show_log)
             times["ours"] += seconds[args.warmup :]
             logged_ms += ms[args.warmup :]
             losses["ours"].append(loss)
@@ -171,12 +188,66 @@ def main() -> None:
     )
 
 
+def _compare_compiled(args, iterations: int, peak: float, flops: float, tokens: int,
+                      ctx) -> None:  # fmt: skip
+    """Ours with --torch-compile beside ours eager, taking turns (module docstring)."""
+    sides = ("eager", "compiled")
+    times: dict[str, list[float]] = {side: [] for side in sides}
+    first: dict[str, list[float]] = {side: [] for side in sides}
+    losses: dict[str, list[list[float]]] = {side: [] for side in sides}
+    with tempfile.TemporaryDirectory() as scratch:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = f"{scratch}/inductor"
+        for round_ in range(args.rounds):
+            for side in sides:
+                extra = ["--torch-compile"] if side == "compiled" else []
+                config = _config(args, iterations, peak, f"{scratch}/{side}{round_}.jsonl", extra)
+                seconds, loss, ms, _, compile_s = _run_ours(config, args.show_log)
+                times[side] += seconds[args.warmup :]
+                # The eager loop's first logged interval (from the loop's start).
+                first[side].append(compile_s if side == "compiled" else ms[0] / 1000)
+                losses[side].append(loss)
+    best = {side: min(v) for side, v in times.items()}
+    median = {side: statistics.median(v) for side, v in times.items()}
+    ratio = best["eager"] / best["compiled"]
+    difference = max(
+        abs(c - e) / abs(e)
+        for run_c, run_e in zip(losses["compiled"], losses["eager"], strict=True)
+        for c, e in zip(run_c, run_e, strict=True)
+    )
+    emit(
+        "gpt_train_iteration_compiled[bf16]",
+        {
+            "tokens_per_s": round(tokens / best["compiled"], 1),
+            "eager_tokens_per_s": round(tokens / best["eager"], 1),
+            "ratio_to_eager": round(ratio, 3),
+            "ratio_to_eager_median": round(median["eager"] / median["compiled"], 3),
+            "target_ratio": COMPILED_TARGET_RATIO,
+            "meets_target": ratio >= COMPILED_TARGET_RATIO,
+            "first_iteration_s": [round(t, 1) for t in first["compiled"]],
+            "eager_first_iteration_s": [round(t, 2) for t in first["eager"]],
+            "iteration_s": [round(t, 3) for t in times["compiled"]],
+            "eager_iteration_s": [round(t, 3) for t in times["eager"]],
+            "achieved_tflops": round(flops / best["compiled"] / 1e12, 4),
+            "eager_achieved_tflops": round(flops / best["eager"] / 1e12, 4),
+            "mfu": round(flops / best["compiled"] / peak, 3),
+            "eager_mfu": round(flops / best["eager"] / peak, 3),
+            "losses": [round(x, 4) for x in losses["compiled"][0]],
+            "eager_losses": [round(x, 4) for x in losses["eager"][0]],
+            "max_loss_relative_difference": float(f"{difference:.2e}"),
+            "hidden": HIDDEN, "layers": LAYERS, "sequence_length": args.seq,
+            "batch": args.batch, "rounds": args.rounds, "warmup_per_run": args.warmup,
+            "timed_per_run": args.iters,
+        },
+        ctx,
+    )  # fmt: skip
+
+
 def _check_convergence(args, peak: float, ctx) -> None:
     """Both loops on the same samples for check_iters iterations: the losses must fall
     alike (the two do the same work)."""
     with tempfile.TemporaryDirectory() as scratch:
         config = _config(args, args.check_iters, peak, f"{scratch}/metrics.jsonl")
-        _, ours, _, _ = _run_ours(config, show_log=False)
+        _, ours, _, _, _ = _run_ours(config, show_log=False)
         _, hf, _ = _run_hf(config, args.check_iters)
     tail = max(1, args.check_iters // 4)
     last = {"ours": statistics.mean(ours[-tail:]), "hf": statistics.mean(hf[-tail:])}
@@ -197,7 +268,8 @@ def _check_convergence(args, peak: float, ctx) -> None:
 # Ours: the real training loop.
 
 
-def _config(args, iterations: int, peak: float, metrics_file: str | None = None):
+def _config(args, iterations: int, peak: float, metrics_file: str | None = None,
+            extra: list[str] | None = None):  # fmt: skip
     argv = [
         *llama_flags(),
         "--seq-length", str(args.seq), "--micro-batch-size", str(args.batch),
@@ -210,11 +282,13 @@ def _config(args, iterations: int, peak: float, metrics_file: str | None = None)
     ]  # fmt: skip
     if metrics_file is not None:
         argv += ["--metrics-file", metrics_file]
-    return parse_config(argv)
+    return parse_config(argv + (extra or []))
 
 
-def _run_ours(config, show_log: bool) -> tuple[list[float], list[float], list[float], int]:
-    """(seconds per iteration, losses, the loop's own ms/iteration, parameters)."""
+def _run_ours(config, show_log: bool) -> tuple[list[float], list[float], list[float], int,
+                                              float | None]:  # fmt: skip
+    """(seconds per iteration, losses, the loop's own ms/iteration, parameters, the
+    first iteration's seconds logged by a compiled run or None)."""
     clock = _LineClock(show_log)
     try:
         with contextlib.redirect_stdout(clock):
@@ -231,7 +305,8 @@ def _run_ours(config, show_log: bool) -> tuple[list[float], list[float], list[fl
     seconds = [float("nan")] + [b - a for a, b in itertools.pairwise(stamps)]
     lines = Path(config.logging.metrics_file).read_text().splitlines()
     records = [json.loads(line) for line in lines]
-    return seconds, [r["lm loss"] for r in records], logged, params
+    compiled = [float(m.group(1)) for _, line in clock.lines if (m := _COMPILE_LINE.match(line))]
+    return seconds, [r["lm loss"] for r in records], logged, params, next(iter(compiled), None)
 
 
 class _LineClock(io.TextIOBase):
