@@ -129,8 +129,9 @@ class TrainingConfig:
     """Compile each transformer layer with torch.compile (inductor; regional: parameter
     names and checkpoints unchanged). The first iteration includes the compilation (its
     time is logged). Inside the compiled layers, context-parallel ring attention (p2p,
-    all_gather), MoE MLPs, selective recompute and dropout on the tensor-parallel random
-    stream run eagerly. Training and evaluation only: generation is not compiled."""
+    all_gather), the blocked attention, MoE MLPs, selective recompute and dropout on the
+    tensor-parallel random stream run eagerly. Training and evaluation only: generation
+    is not compiled."""
 
 
 @dataclass(kw_only=True)

@@ -43,6 +43,7 @@ import torch.nn.functional as F
 
 from mp_layers.context_parallel.block_math import heads_first
 from mp_layers.transformer.banded_attention import band_bias
+from mp_layers.transformer.eager import eager_when_compiled
 from mp_state import TENSOR_PARALLEL_RNG, RNGStatesTracker
 
 __all__ = ["DEFAULT_BLOCK", "blocked_attention", "saved_probability_bytes"]
@@ -51,6 +52,9 @@ DEFAULT_BLOCK = 256
 """Query positions per block: 2 blocks at s = 512, 4 at 1024 (the fastest measured)."""
 
 
+# Eager inside a compiled layer: inductor's code for these blocks and their own backward
+# was slower than this eager code on the 2-core CPU (docs/training.md).
+@eager_when_compiled
 def blocked_attention(
     q: torch.Tensor,
     k: torch.Tensor,

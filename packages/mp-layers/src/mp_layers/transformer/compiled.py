@@ -18,6 +18,8 @@ What the compiled graph holds, and what stays eager (a graph break at each):
 - a mixture-of-experts MLP (moe_layer.py) runs eagerly: routing gives data-dependent
   token counts per expert (a recompile or a break every iteration); the layer's
   attention, norms and residuals are compiled around it;
+- the blocked attention (blocked_attention.py, with its own backward) runs eagerly:
+  it was faster so than compiled on the CPU measured (docs/training.md);
 - activation recompute (recompute.checkpointed) runs eagerly around its function:
   selective recompute's core attention and a MoE layer's recomputed MLP; full
   recompute checkpoints the compiled layers from outside;
