@@ -92,8 +92,20 @@ MISTAKES = {
         "drop the flag (a Megatron-LM checkpoint in another format converts with `mp-ckpt "
         "import-megatron SRC DST`)",
     ),
+    "fp8 recipe": (
+        ["--bf16", "--fp8-format", "e4m3", "--fp8-recipe", "delayed"],
+        "error: --fp8-recipe delayed: delayed scaling (an amax history) is Transformer "
+        "Engine's and torchao's float8 training has none; use --fp8-recipe tensorwise (mp's "
+        "default) or rowwise",
+    ),
 }
 if not torch.cuda.is_available():
+    MISTAKES["fp8 without a GPU"] = (
+        ["--bf16", "--fp8-format", "hybrid"],
+        "error: --fp8-format hybrid needs a CUDA GPU with FP8 tensor cores (compute "
+        "capability 8.9+: L4, L40S, H100, H200, B200); this rank computes on cpu "
+        "(--fp8-emulate checks FP8 numerics without one, slowly)",
+    )
     MISTAKES["backend"] = (
         ["--distributed-backend", "nccl"],
         "error: --distributed-backend nccl needs CUDA devices and none is visible: use "

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from mp_layers.config_rules import choice, positive
+from mp_layers.config_rules import choice, left_default, positive
 
 if TYPE_CHECKING:
     from mp_layers.config import TransformerConfig
@@ -27,9 +27,7 @@ _MOE_DEFAULTS = {
 def check_moe(config: TransformerConfig) -> None:
     """Fills moe_ffn_hidden_size and checks the MoE fields; a dense model must leave them."""
     if config.num_moe_experts is None:
-        for name, default in _MOE_DEFAULTS.items():
-            if getattr(config, name) != default:
-                raise ValueError(f"{name}={getattr(config, name)!r} needs num_moe_experts")
+        left_default(config, _MOE_DEFAULTS, "num_moe_experts")
         return
     positive("num_moe_experts", config.num_moe_experts)
     if config.moe_ffn_hidden_size is None:

@@ -53,6 +53,11 @@ IGNORED: dict[str, tuple[bool, str]] = {
         False,
         "a CUDA overlap switch; mp's tensor-parallel reductions are synchronous",
     ),
+    "tp_only_amax_red": (
+        False,
+        "mp's FP8 scales each rank's tensors from their own amax, with no amax reduction",
+    ),
+    "fp8_interval": (True, "deprecated by Transformer Engine and ignored by Megatron too"),
     "use_cpu_initialization": (
         False,
         "mp always initializes weights on the CPU (the same model at every TP size)",
@@ -93,6 +98,10 @@ IGNORED: dict[str, tuple[bool, str]] = {
 _HYBRID = (
     "Mamba-hybrid models (Nemotron-H, NVIDIA-Nemotron-Nano-9B-v2, Nemotron 3) are not "
     "implemented: mp builds attention + MLP transformer layers only"
+)
+_FP8_DELAYED = (
+    "a knob of delayed FP8 scaling (Transformer Engine's); mp's FP8 (torchao) scales each "
+    "tensor from its current amax: drop it"
 )
 _MLA = "multi-latent attention (DeepSeek-V2/V3, Kimi K2) is not implemented"
 _FAMILIES: dict[str, tuple[bool, str]] = {
@@ -147,7 +156,22 @@ REFUSED: dict[str, tuple[bool, str]] = {
         False,
         "fp16 query-key layer scaling is not implemented: drop it (use bf16)",
     ),
-    "fp8_format": (True, "fp8 training is not implemented: use --bf16"),
+    "fp8_margin": (True, _FP8_DELAYED),
+    "fp8_amax_history_len": (True, _FP8_DELAYED),
+    "fp8_amax_compute_algo": (True, _FP8_DELAYED),
+    "fp8_param_gather": (
+        False,
+        "FP8 parameters and their all-gather need Transformer "
+        "Engine: mp keeps parameters in their dtype under --fp8-format",
+    ),
+    "fp8_dot_product_attention": (
+        False,
+        "FP8 attention needs Transformer Engine: mp's attention stays in bf16 under --fp8-format",
+    ),
+    "fp8_multi_head_attention": (
+        False,
+        "FP8 attention needs Transformer Engine: mp's attention stays in bf16 under --fp8-format",
+    ),
     "overlap_p2p_communication": (
         False,
         "mp's schedules do not overlap pipeline sends and receives with compute: drop it",

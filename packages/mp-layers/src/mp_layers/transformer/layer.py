@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from mp_ckpt import ShardedTensor
 from mp_layers.config import TransformerConfig
+from mp_layers.fp8 import apply_fp8
 from mp_layers.groups import ModelGroups
 from mp_layers.transformer.attention import SelfAttention
 from mp_layers.transformer.kv_cache import KVCache
@@ -125,6 +126,7 @@ class TransformerBlock(torch.nn.Module):
             with seeded_init(init_seed, f"layer{layer_offset + i}"):
                 layers.append(TransformerLayer(config, groups, rng_tracker, spec, layer_offset + i))
         self.layers = torch.nn.ModuleList(layers)
+        self.fp8_linear_layers = apply_fp8(self.layers, config, layer_offset) if config.fp8 else 0
         self.final_layernorm = spec.norm(config, None) if post_process else None
 
     def forward(self, x, rotary=None, attention_mask=None, kv_cache=None) -> torch.Tensor:
