@@ -198,6 +198,16 @@ class TransformerConfig:
     untie_embeddings_and_output_weights: bool = False
     """Give the output layer its own weight instead of the input embedding's."""
 
+    output_loss_chunk_tokens: int = 0
+    """Compute the output layer and the cross entropy together, this many tokens at a time
+    (mp_layers.tensor_parallel.chunked_linear_cross_entropy), so that the [s, b, v/tp]
+    logits and their gradient are never held whole: [chunk, v/tp] logits (with an fp32
+    copy in bf16/fp16) replace them, the loss's largest activation (2 s b v/tp bytes in
+    bf16; 2 GiB for 8,192 tokens of a 128k vocabulary). The backward recomputes each
+    chunk's logits: one more output-layer GEMM (2 s b h v/tp FLOPs). Same loss and
+    gradients as 0 (to rounding; bf16/fp16 weights accumulate their gradient over the
+    chunks in their own dtype). 0: the logits are computed whole."""
+
     params_dtype: torch.dtype = torch.float32
     """dtype the parameters are created in."""
 
@@ -378,6 +388,9 @@ class TransformerConfig:
             value = getattr(self, name)
             if not 0.0 <= value < 1.0:
                 raise ValueError(f"{name}={value} must be in [0, 1)")
+        chunk = self.output_loss_chunk_tokens
+        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0:
+            raise ValueError(f"output_loss_chunk_tokens={chunk!r} must be an integer >= 0")
         if self.init_method_std <= 0:
             raise ValueError(f"init_method_std={self.init_method_std} must be > 0")
         if self.bf16 and self.fp16:

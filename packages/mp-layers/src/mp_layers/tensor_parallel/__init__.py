@@ -9,6 +9,8 @@ Shapes: [s, b, h] = sequence, batch, hidden; x/tp = split over the TP ranks.
     row_parallel.py      RowParallelLinear: weight [out, in/tp]
     vocab_parallel.py    VocabParallelEmbedding: weight [v/tp, h]
     cross_entropy.py     vocab_parallel_cross_entropy on [s, b, v/tp] logits
+    chunked_output_loss.py   chunked_linear_cross_entropy: the output layer's matmul and
+                         that loss a chunk of tokens at a time, no [s, b, v/tp] logits
     data.py              broadcast_data from TP rank 0
     initialization.py    the full weight on every rank, each keeps its slice
     dropout.py           dropout on sharded activations (the TP random stream)
@@ -19,6 +21,7 @@ Every layer and function takes the group it communicates over (an
 mp_state.RankGroup such as `state.tp`) and handles a group of one rank itself.
 """
 
+from mp_layers.tensor_parallel.chunked_output_loss import chunked_linear_cross_entropy
 from mp_layers.tensor_parallel.column_parallel import ColumnParallelLinear
 from mp_layers.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from mp_layers.tensor_parallel.data import broadcast_data
@@ -45,6 +48,7 @@ __all__ = [
     "VocabParallelEmbedding",
     "all_reduce_sequence_parallel_grads",
     "broadcast_data",
+    "chunked_linear_cross_entropy",
     "copy_to_tensor_model_parallel_region",
     "divide",
     "gather_from_sequence_parallel_region",

@@ -151,11 +151,20 @@ class ColumnParallelLinear(torch.nn.Module):
         elif self.sequence_parallel:
             output = _SequenceParallelMatmul.apply(input, self.weight, bias, self.tp_group)
         else:
-            input = copy_to_tensor_model_parallel_region(input, self.tp_group)
-            output = F.linear(input, self.weight, bias)
+            output = F.linear(self.matmul_input(input), self.weight, bias)
         if self.gather_output:
             output = gather_from_tensor_model_parallel_region(output, self.tp_group)
         return output, (self.bias if self.skip_bias_add else None)
+
+    def matmul_input(self, input: torch.Tensor) -> torch.Tensor:
+        """The input [s, b, in] as this layer's matmul sees it, for a caller that computes
+        with self.weight itself (chunked_linear_cross_entropy): behind the mapping whose
+        backward sums the ranks' partial input gradients, an all-reduce, or under sequence
+        parallelism the all-gather of [s/tp, b, in] whose backward reduce-scatters (a
+        caller that saves it for backward keeps [s, b, in], forward() [s/tp, b, in])."""
+        if self.sequence_parallel:
+            return gather_from_sequence_parallel_region(input, self.tp_group)
+        return copy_to_tensor_model_parallel_region(input, self.tp_group)
 
     def sharded_state_dict(self, prefix: str = "") -> dict[str, ShardedTensor]:
         """weight and bias, each split along its first axis over the TP ranks."""
