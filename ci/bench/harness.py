@@ -6,6 +6,7 @@ measured in the same run, their ratio, and `context()`.
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import json
 import os
@@ -14,9 +15,18 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
-__all__ = ["LLAMA_SHAPE", "best_of", "context", "emit", "peak_rss"]
+__all__ = [
+    "LLAMA_SHAPE",
+    "best_of",
+    "context",
+    "emit",
+    "peak_rss",
+    "reset_peak_rss",
+    "status_mib",
+]
 
 LLAMA_SHAPE = (512, 8, 8, 4, 64, 1376, 32000)
 """The ~56M-parameter Llama-style model of bench_layers.py and bench_gpt.py: hidden,
@@ -102,3 +112,20 @@ def peak_rss(command: list[str]) -> tuple[int, float]:
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} failed ({done.returncode}):\n{done.stderr}")
     return int(done.stdout.split()[-1]), seconds
+
+
+def reset_peak_rss() -> float:
+    """Hands freed heap back (malloc_trim), resets this process's peak resident set
+    (VmHWM, by `echo 5 > /proc/self/clear_refs`) and returns the resident set (MiB): a
+    later status_mib("VmHWM") minus it is what was allocated since at the peak (Linux)."""
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    Path("/proc/self/clear_refs").write_text("5")
+    return status_mib("VmRSS")
+
+
+def status_mib(field: str) -> float:
+    """A memory field of /proc/self/status (VmRSS, VmHWM, ...) in MiB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024  # kB
+    raise RuntimeError(f"no {field} in /proc/self/status")
