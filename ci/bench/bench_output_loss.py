@@ -19,8 +19,8 @@ the resident set before the output layer's forward: the logits, their gradient, 
 spaces, and the gradients of the hidden states and of the weight (the weight's gradient,
 2 v h bytes, is in both; it is printed beside them). Figures: the median share of each,
 their ratio (target <= 0.5), and the best and median seconds of an iteration, the first
-iteration of each process left out of the times. The losses of the two paths are printed
-side by side (the same inputs).
+iteration of each process left out of the times (unless --iters 1). The losses of the two
+paths are printed side by side (the same inputs).
 
     uv run python ci/bench/bench_output_loss.py [--tokens 4096 8192] [--chunk 1024]
         [--hidden 2048] [--vocab 128256] [--rounds 2] [--iters 2]
@@ -99,7 +99,8 @@ def _child(args: argparse.Namespace, tokens: int, chunk: int) -> dict:
 
 def _summary(runs: list[dict]) -> dict:
     shares = [share for run in runs for share in run["share_mib"]]
-    seconds = [s for run in runs for s in run["seconds"][1:]] or [runs[0]["seconds"][0]]
+    # Each process's first iteration is left out, unless it ran only one.
+    seconds = [s for run in runs for s in (run["seconds"][1:] or run["seconds"])]
     return {
         "share_mib": round(statistics.median(shares), 1),
         "shares": [round(s, 1) for s in shares],
