@@ -201,12 +201,12 @@ class TransformerConfig:
     output_loss_chunk_tokens: int = 0
     """Compute the output layer and the cross entropy together, this many tokens at a time
     (mp_layers.tensor_parallel.chunked_linear_cross_entropy), so that the [s, b, v/tp]
-    logits and their gradient are never held whole: [chunk, v/tp] logits (with an fp32
-    copy in bf16/fp16) replace them, the loss's largest activation (2 s b v/tp bytes in
-    bf16; 2 GiB for 8,192 tokens of a 128k vocabulary). The backward recomputes each
-    chunk's logits: one more output-layer GEMM (2 s b h v/tp FLOPs). Same loss and
-    gradients as 0 (to rounding; bf16/fp16 weights accumulate their gradient over the
-    chunks in their own dtype). 0: the logits are computed whole."""
+    logits and their gradient, the loss's largest activation (2 s b v/tp bytes in bf16:
+    2 GiB for 8,192 tokens of a 128k vocabulary), are never held whole: [chunk, v/tp]
+    logits replace them. The backward recomputes each chunk's logits: one more
+    output-layer GEMM (2 s b h v/tp FLOPs). The same loss and gradients as 0 (to rounding;
+    bf16/fp16 weights sum their gradient over the chunks in their own dtype). 0: the
+    logits are computed whole."""
 
     params_dtype: torch.dtype = torch.float32
     """dtype the parameters are created in."""
