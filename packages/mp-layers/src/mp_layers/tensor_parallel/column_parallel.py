@@ -141,11 +141,7 @@ class ColumnParallelLinear(torch.nn.Module):
         """[s, b, in] (or [s/tp, b, in]) -> ([s, b, out/tp] or [s, b, out], bias or None)."""
         bias = None if self.skip_bias_add else self.bias
         if self.fp8_matmul is not None:
-            if self.sequence_parallel:
-                input = gather_from_sequence_parallel_region(input, self.tp_group)
-            else:
-                input = copy_to_tensor_model_parallel_region(input, self.tp_group)
-            output = self.fp8_matmul(input, self.weight)
+            output = self.fp8_matmul(self.matmul_input(input), self.weight)
             if bias is not None:
                 output = output + bias
         elif self.sequence_parallel:
@@ -157,11 +153,12 @@ class ColumnParallelLinear(torch.nn.Module):
         return output, (self.bias if self.skip_bias_add else None)
 
     def matmul_input(self, input: torch.Tensor) -> torch.Tensor:
-        """The input [s, b, in] as this layer's matmul sees it, for a caller that computes
-        with self.weight itself (chunked_linear_cross_entropy): behind the mapping whose
-        backward sums the ranks' partial input gradients, an all-reduce, or under sequence
-        parallelism the all-gather of [s/tp, b, in] whose backward reduce-scatters (a
-        caller that saves it for backward keeps [s, b, in], forward() [s/tp, b, in])."""
+        """The input [s, b, in] as this layer's matmul sees it, for a matmul other than
+        forward()'s own (the FP8 one, chunked_linear_cross_entropy): behind the mapping
+        whose backward sums the ranks' partial input gradients, an all-reduce, or under
+        sequence parallelism the all-gather of [s/tp, b, in] whose backward
+        reduce-scatters (a caller that saves it for backward keeps [s, b, in], where the
+        sequence-parallel matmul of forward() keeps [s/tp, b, in])."""
         if self.sequence_parallel:
             return gather_from_sequence_parallel_region(input, self.tp_group)
         return copy_to_tensor_model_parallel_region(input, self.tp_group)
