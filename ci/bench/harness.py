@@ -15,14 +15,17 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 __all__ = [
     "LLAMA_SHAPE",
+    "LlamaShape",
     "best_of",
     "context",
     "emit",
+    "llama_flags",
     "peak_rss",
     "reset_peak_rss",
     "status_mib",
@@ -33,19 +36,51 @@ LLAMA_SHAPE = (512, 8, 8, 4, 64, 1376, 32000)
 layers, heads, query groups, head channels, ffn, vocabulary."""
 
 
+@dataclass(frozen=True)
+class LlamaShape:
+    """A Llama-style model: GQA, RMSNorm (eps 1e-6), SwiGLU, RoPE (theta 10,000), no
+    biases, dropout 0; its embeddings untied unless `tied`."""
+
+    hidden: int
+    layers: int
+    heads: int
+    query_groups: int
+    head_dim: int
+    ffn: int
+    vocab: int
+    tied: bool = False
+
+    def flags(self) -> list[str]:
+        """The shape as Megatron's model flags."""
+        untie = [] if self.tied else ["--untie-embeddings-and-output-weights"]
+        return [
+            "--num-layers", str(self.layers), "--hidden-size", str(self.hidden),
+            "--num-attention-heads", str(self.heads), "--group-query-attention",
+            "--num-query-groups", str(self.query_groups), "--kv-channels", str(self.head_dim),
+            "--ffn-hidden-size", str(self.ffn), "--normalization", "RMSNorm",
+            "--layernorm-epsilon", "1e-6", "--swiglu", "--use-rotary-position-embeddings",
+            "--disable-bias-linear", *untie, "--hidden-dropout", "0", "--attention-dropout", "0",
+        ]  # fmt: skip
+
+    def hf_config(self, vocab: int, max_positions: int):
+        """transformers' LlamaConfig of the shape over `vocab` ids (ours pads its
+        vocabulary: the baseline gets the padded size), token ids 0, SDPA attention."""
+        import transformers
+
+        return transformers.LlamaConfig(
+            vocab_size=vocab, hidden_size=self.hidden, intermediate_size=self.ffn,
+            num_hidden_layers=self.layers, num_attention_heads=self.heads,
+            num_key_value_heads=self.query_groups, head_dim=self.head_dim, rms_norm_eps=1e-6,
+            rope_theta=10000.0, max_position_embeddings=max_positions,
+            tie_word_embeddings=self.tied, attention_bias=False, mlp_bias=False,
+            attention_dropout=0.0, initializer_range=0.02, bos_token_id=0, eos_token_id=0,
+            pad_token_id=0, attn_implementation="sdpa",
+        )  # fmt: skip
+
+
 def llama_flags() -> list[str]:
-    """LLAMA_SHAPE as Megatron's model flags: GQA, RMSNorm, SwiGLU, RoPE, no biases,
-    untied embeddings, dropout 0."""
-    hidden, layers, heads, groups, head_dim, ffn, _ = LLAMA_SHAPE
-    return [
-        "--num-layers", str(layers), "--hidden-size", str(hidden),
-        "--num-attention-heads", str(heads), "--group-query-attention",
-        "--num-query-groups", str(groups), "--kv-channels", str(head_dim),
-        "--ffn-hidden-size", str(ffn), "--normalization", "RMSNorm", "--layernorm-epsilon",
-        "1e-6", "--swiglu", "--use-rotary-position-embeddings", "--disable-bias-linear",
-        "--untie-embeddings-and-output-weights", "--hidden-dropout", "0",
-        "--attention-dropout", "0",
-    ]  # fmt: skip
+    """LLAMA_SHAPE (untied embeddings) as Megatron's model flags."""
+    return LlamaShape(*LLAMA_SHAPE).flags()
 
 
 def context() -> dict[str, Any]:
