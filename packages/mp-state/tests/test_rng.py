@@ -243,7 +243,9 @@ def test_tracker_on_cuda(monkeypatch):
     # set_random_seeds drives the CUDA generator where the process computes on CUDA.
     one = SimpleNamespace(rank=0)
     state = SimpleNamespace(pp=one, dp=one, tp=one, ep=one, expert_tp=one)
-    monkeypatch.setenv("MP_DEVICE", "cuda")
-    assert set_random_seeds(5, state).device == torch.device("cuda", torch.cuda.current_device())
-    monkeypatch.setenv("MP_DEVICE", "cpu")
-    assert set_random_seeds(5, state).device == torch.device("cpu")
+    with rng_state_kept():  # the seeds it sets go no further than this test
+        monkeypatch.setenv("MP_DEVICE", "cuda")
+        cuda = torch.device("cuda", torch.cuda.current_device())
+        assert set_random_seeds(5, state).device == cuda
+        monkeypatch.setenv("MP_DEVICE", "cpu")
+        assert set_random_seeds(5, state).device == torch.device("cpu")
