@@ -118,9 +118,11 @@ def emit(measure: str, figures: dict[str, Any], ctx: dict[str, Any]) -> None:
 
 def _commit() -> str:
     def git(*command: str) -> str:
-        return subprocess.run(
-            ["git", *command], capture_output=True, text=True, check=False
-        ).stdout.strip()
+        try:
+            done = subprocess.run(["git", *command], capture_output=True, text=True, check=False)
+        except OSError:  # no git on this machine (a GPU box with the sources copied over)
+            return ""
+        return done.stdout.strip()
 
     commit = git("rev-parse", "--short", "HEAD") or "unknown"
     return commit + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
