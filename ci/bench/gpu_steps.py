@@ -8,9 +8,7 @@ on the device mp_state picks (gpu_suite.py sets MP_DEVICE for the suite's proces
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
-import io
 import json
 import math
 import os
@@ -79,7 +77,7 @@ SIZES = {
         generate_shape="llama-3.2-1b",
         generate_batches=(1, 2),
         prompt_len=8,
-        new_tokens=4,
+        new_tokens=16,
         generate_rounds=1,
     ),
 }
@@ -125,20 +123,17 @@ def preload() -> None:
 
 
 def refusal(mode: str, shape_name: str, flags: list[str]) -> str | None:
-    """The parser's one-line reason for refusing a training step's flags, or None."""
+    """The one line with which pretrain_gpt.py would refuse a training step's flags here
+    (mp_train.load_config: the parser, validation, and whether this machine can run them,
+    e.g. FP8 needs FP8 tensor cores and torchao), or None."""
     from bench_gpt import config_argv
 
-    from mp_train import parse_config
+    from mp_train import load_config
 
     shape, seq, batch = SIZES[mode].shapes[shape_name]
-    stderr = io.StringIO()
     try:
-        with contextlib.redirect_stderr(stderr):
-            parse_config([*config_argv(shape, seq, batch, 2, 1.0), *flags])
-    except SystemExit:
-        lines = [line for line in stderr.getvalue().splitlines() if "error: " in line]
-        return lines[-1].split("error: ", 1)[1] if lines else "the parser exited"
-    except ValueError as error:
+        load_config([*config_argv(shape, seq, batch, 2, 1.0), *flags])
+    except ValueError as error:  # ConfigError, named flags and the fix
         return _one_line(str(error))
     return None
 
@@ -224,7 +219,7 @@ def train(mode: str, shape_name: str, variant: str, flags: list[str]) -> dict[st
     import torch
 
     import mp_state
-    from mp_train import estimate, parse_config
+    from mp_train import estimate, load_config
 
     sizes = SIZES[mode]
     shape, seq, batch = sizes.shapes[shape_name]
@@ -238,7 +233,7 @@ def train(mode: str, shape_name: str, variant: str, flags: list[str]) -> dict[st
         for round_ in range(sizes.rounds):
             argv = bench_gpt.config_argv(shape, seq, batch, iterations, peak,
                                          f"{scratch}/metrics{round_}.jsonl")  # fmt: skip
-            config = parse_config([*argv, *flags])
+            config = load_config([*argv, *flags])
             _reset_peak(device)
             seconds, loss, _, params["ours"] = bench_gpt.run_ours(config)
             times["ours"] += seconds[sizes.warmup :]

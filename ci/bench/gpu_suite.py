@@ -5,7 +5,8 @@ measures it beside transformers, printing one table and writing JSON.
     python3 ci/bench/gpu_suite.py --cpu-smoke   # the same steps on the CPU, tiny shapes
 
 It needs the repository and a Python with torch and transformers (numpy, tokenizers,
-safetensors, pyyaml and tqdm come with transformers), and pytest for the CUDA tests; no
+safetensors, pyyaml and tqdm come with transformers), pytest for the CUDA tests and
+torchao for the fp8 variant; no
 uv and no install of mp: the suite puts packages/*/src, apps/gpt/src and ci/bench on
 sys.path, and on PYTHONPATH for the processes it starts. mp-data's index builders are a
 native extension, which the mock data of every step needs. Build it once into .site
@@ -43,9 +44,11 @@ Shapes (sequence, micro-batch = global batch):
                      14,336, vocabulary 128,256, untied; 8192, 1
 
 Variants of each training step: a name and the flags added to ours (the baseline stays
-the plain bf16 loop). A variant whose flags the parser refuses is not run: its row says
-"refused: " and the parser's one line, so that the variant runs once its flag lands. With
---cpu-smoke only bf16 runs; the others are checked by the parser alone.
+the plain bf16 loop). A variant that pretrain_gpt.py would refuse here (mp_train.load_config:
+an unknown flag, or one this machine cannot run, such as FP8 without FP8 tensor cores or
+without torchao) is not run: its row says "refused" and gives that one line, so that the
+variant runs once its flag lands and the machine has what it needs. With --cpu-smoke only
+bf16 runs; the others are only checked.
 
 MFU: Megatron's FLOPs per iteration (mp_train.estimate) over the GPU's dense bf16 peak
 (mp_train.metrics.known_peak_tflops: 989 TFLOP/s for an H100), or over a measured bf16
@@ -54,8 +57,8 @@ matmul for a GPU not in that table (and on the CPU).
 Budget on one H100, estimated (the suite has not run on a GPU since it was written):
 smoke 30 s, CUDA tests 90 s, each training step 60 s (2 rounds of 2 warm-up and 3 timed
 iterations per side, the models built anew each turn), generation 60 s (b 1 and 8, 128
-new tokens after 128, 2 rounds): about 5 minutes. --cpu-smoke took 17 to 29 s on the
-2-core CI machine, busy with other tests.
+new tokens after 128, 2 rounds): about 5 minutes. --cpu-smoke took 17 to 43 s (11 to 13 s of
+CPU) on the 2-core CI machine, busy with other tests.
 """
 
 from __future__ import annotations
@@ -108,7 +111,7 @@ class Row:
 
     name: str
     status: str
-    """ok, failed, timeout, skipped, refused, or parsed (a variant --cpu-smoke only parses)."""
+    """ok, failed, timeout, skipped, refused, or checked (a variant --cpu-smoke only checks)."""
     seconds: float | None = None
     figures: dict[str, Any] = field(default_factory=dict)
     reason: str = ""
@@ -166,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
                 if refused:
                     rows.append(Row(name, "refused", reason=refused))
                 elif flags and not cuda:
-                    rows.append(Row(name, "parsed", reason="accepted; not run on the CPU"))
+                    rows.append(Row(name, "checked", reason="accepted; not run on the CPU"))
                 else:
                     kwargs = {"mode": sizes, "shape_name": shape_name, "variant": variant,
                               "flags": list(flags)}  # fmt: skip
