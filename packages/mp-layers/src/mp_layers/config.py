@@ -15,6 +15,7 @@ import torch
 
 from mp_layers.config_attention import check_attention_fields, check_attention_parallel
 from mp_layers.config_fp8 import check_fp8
+from mp_layers.config_mla import check_mla
 from mp_layers.config_moe import check_expert_parallel, check_moe
 from mp_layers.config_rules import choice as _choice
 from mp_layers.config_rules import positive as _positive
@@ -44,7 +45,9 @@ class TransformerConfig:
     """Key/value heads for grouped-query attention; None: num_attention_heads (MHA)."""
 
     kv_channels: int | None = None
-    """Width of each attention head; None: hidden_size / num_attention_heads."""
+    """Width of each attention head; None: hidden_size / num_attention_heads. Unused with
+    multi_latent_attention, whose widths are qk_head_dim, qk_pos_emb_head_dim and v_head_dim
+    (Megatron ignores it there too)."""
 
     normalization: Literal["LayerNorm", "RMSNorm"] = "LayerNorm"
     """Normalization of each sublayer's input and of the final output."""
@@ -131,7 +134,14 @@ class TransformerConfig:
         "learned_absolute"
     )
     """Position information: a learned table, rotary embeddings (plain, or YaRN's scaling of
-    Peng et al. 2023 with the yarn_* fields), or none."""
+    Peng et al. 2023 with the yarn_* fields), or none. Multi-latent attention takes "rope"
+    (Megatron's DeepSeek lines), its rope_type choosing plain or YaRN."""
+
+    rope_type: Literal["rope", "yarn"] | None = None
+    """Multi-latent attention's rotary embeddings (Megatron's --rope-type): plain, or YaRN
+    with the yarn_* fields; None: yarn, Megatron's MLA default (YaRN with
+    yarn_rotary_scaling_factor 1 rotates as plain RoPE). Standard attention takes YaRN as
+    position_embedding_type="yarn" and accepts only "rope" here, as Megatron does."""
 
     rotary_base: int = 10000
     """Base of the rotary frequencies."""
@@ -184,13 +194,44 @@ class TransformerConfig:
     yarn_mscale_all_dim: float = field(
         default=0.0, metadata={"argparse_meta": {"names": ["--mscale-all-dim"]}}
     )
-    """YaRN: the denominator's mscale (see yarn_mscale)."""
+    """YaRN: the denominator's mscale (see yarn_mscale). Multi-latent attention also
+    multiplies its softmax scale by (0.1 mscale_all_dim ln s + 1)^2, as Megatron and
+    DeepSeek do."""
 
     yarn_correction_range_round_to_int: bool = True
     """YaRN: round the blended channels' ends to integers (gpt-oss does not: truncate false)."""
 
     qk_layernorm: bool = False
-    """Normalize queries and keys per head before attention."""
+    """Normalize queries and keys per head before attention. With multi_latent_attention:
+    normalize the query and key/value latents instead (q_layernorm, kv_layernorm), as
+    Megatron does; DeepSeek's models have them."""
+
+    # --- Multi-latent attention (Megatron's --multi-latent-attention and MLA options) ----
+
+    multi_latent_attention: bool = False
+    """Multi-latent attention (DeepSeek-V2/V3, Kimi K2; Megatron's MLASelfAttention): queries
+    from a latent of q_lora_rank channels, keys and values from a shared latent of
+    kv_lora_rank channels (all a KVCache keeps), each head's query and key a
+    qk_head_dim part and a rotated qk_pos_emb_head_dim part whose key is shared by all
+    heads, values of v_head_dim. Needs position_embedding_type "rope" (rope_type picks
+    YaRN, the default, or plain RoPE); no query groups, sinks, windows or QKV bias."""
+
+    q_lora_rank: int | None = None
+    """MLA: channels of the query latent (linear_q_down_proj, q_layernorm,
+    linear_q_up_proj; DeepSeek-V3 1536); None: queries projected from the hidden state
+    at once (linear_q_proj; DeepSeek-V2-Lite)."""
+
+    kv_lora_rank: int = 32
+    """MLA: channels of the key/value latent (DeepSeek 512)."""
+
+    qk_head_dim: int = 128
+    """MLA: query and key channels per head without rotary embeddings."""
+
+    qk_pos_emb_head_dim: int = 64
+    """MLA: rotary channels per head of the queries and of the one key all heads share."""
+
+    v_head_dim: int = 128
+    """MLA: value channels per head."""
 
     init_method_std: float = 0.02
     """Standard deviation of the normal initialization of weights."""
@@ -381,6 +422,7 @@ class TransformerConfig:
                 f"openai_gelu=True applies to activation='gelu', got {self.activation!r}"
             )
         self._check_gated_activation()
+        check_mla(self)
         check_attention_fields(self)
         if self.layernorm_epsilon <= 0:
             raise ValueError(f"layernorm_epsilon={self.layernorm_epsilon} must be > 0")
@@ -497,6 +539,12 @@ class TransformerConfig:
         if self.sequence_parallel and tp == 1:
             raise ValueError("sequence_parallel=True needs tensor_model_parallel_size > 1, got 1")
         check_attention_parallel(self, tp, cp)
+
+    @property
+    def rotary_head_dim(self) -> int:
+        """The channels of each head that rotary embeddings see (rotary_percent of them are
+        rotated): kv_channels, or multi-latent attention's qk_pos_emb_head_dim."""
+        return self.qk_pos_emb_head_dim if self.multi_latent_attention else self.kv_channels
 
     @property
     def output_layer_init_std(self) -> float:

@@ -100,7 +100,7 @@ class GPTModel(torch.nn.Module):
         self.rotary = None
         if config.position_embedding_type in ("rope", "yarn"):
             self.rotary = RotaryEmbedding(
-                config.kv_channels, config.rotary_percent, config.rotary_base,
+                config.rotary_head_dim, config.rotary_percent, config.rotary_base,
                 config.rotary_seq_len_interpolation_factor,
                 llama3_scaling=Llama3Scaling(
                     config.rope_scaling_factor, config.rope_scaling_low_freq_factor,

@@ -90,6 +90,15 @@ IGNORED: dict[str, tuple[bool, str]] = {
         "overlaps the shared expert with the token dispatch on CUDA streams; mp runs them "
         "one after the other, with the same result",
     ),
+    "cache_mla_latents": (
+        False,
+        "mp's KV cache always keeps multi-latent attention's latents (and attends in their space)",
+    ),
+    "mla_down_proj_fusion": (
+        False,
+        "fuses MLA's query and key/value down projections (and the input norm) where the "
+        "backend supports it; mp runs them as two linear layers, with the same result",
+    ),
 }
 
 # Megatron-LM's features of other model families, refused by what they need (the first
@@ -103,7 +112,6 @@ _FP8_DELAYED = (
     "a knob of delayed FP8 scaling (Transformer Engine's); mp's FP8 (torchao) scales each "
     "tensor from its current amax: drop it"
 )
-_MLA = "multi-latent attention (DeepSeek-V2/V3, Kimi K2) is not implemented"
 _FAMILIES: dict[str, tuple[bool, str]] = {
     "hybrid_layer_pattern": (True, _HYBRID),
     "hybrid_override_pattern": (True, _HYBRID),
@@ -112,12 +120,6 @@ _FAMILIES: dict[str, tuple[bool, str]] = {
     "mamba_head_dim": (True, f"Mamba layers: {_HYBRID}"),
     "mamba_num_groups": (True, f"Mamba layers: {_HYBRID}"),
     "mamba_state_dim": (True, f"Mamba layers: {_HYBRID}"),
-    "multi_latent_attention": (False, _MLA),
-    "q_lora_rank": (True, f"a size of {_MLA}"),
-    "kv_lora_rank": (True, f"a size of {_MLA}"),
-    "qk_head_dim": (True, f"a size of {_MLA}"),
-    "qk_pos_emb_head_dim": (True, f"a size of {_MLA}"),
-    "v_head_dim": (True, f"a size of {_MLA}"),
     "mtp_num_layers": (True, "multi-token prediction (DeepSeek-V3's MTP layers) is not "
                        "implemented"),
     "mtp_loss_scaling_factor": (True, "multi-token prediction (DeepSeek-V3's MTP layers) is "

@@ -15,6 +15,7 @@ Shapes: [s, b, h] = sequence, batch, hidden; x/tp = split over the TP ranks.
     initialization.py    the full weight on every rank, each keeps its slice
     dropout.py           dropout on sharded activations (the TP random stream)
     sequence_parallel_grads.py   summing the gradients of SP-replicated parameters
+    replicated.py        the sharding description of parameters whole on every rank
     partition.py         divide and ranges, with errors that name the argument
 
 Every layer and function takes the group it communicates over (an
@@ -37,6 +38,7 @@ from mp_layers.tensor_parallel.mappings import (
     scatter_to_tensor_model_parallel_region,
 )
 from mp_layers.tensor_parallel.partition import divide
+from mp_layers.tensor_parallel.replicated import replicated_state_dict
 from mp_layers.tensor_parallel.row_parallel import RowParallelLinear
 from mp_layers.tensor_parallel.sequence_parallel_grads import all_reduce_sequence_parallel_grads
 from mp_layers.tensor_parallel.vocab_parallel import VocabParallelEmbedding
@@ -56,6 +58,7 @@ __all__ = [
     "init_partitioned_weight",
     "reduce_from_tensor_model_parallel_region",
     "reduce_scatter_to_sequence_parallel_region",
+    "replicated_state_dict",
     "scatter_to_sequence_parallel_region",
     "scatter_to_tensor_model_parallel_region",
     "tensor_parallel_dropout",
