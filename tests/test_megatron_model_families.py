@@ -350,15 +350,12 @@ FAMILIES = {
 TRAINS = [
     "Llama-3.1-8B", "Llama-3.2-1B", "Qwen2.5-0.5B", "Qwen2.5-7B", "Qwen3-0.6B", "Qwen3-8B",
     "Qwen3-30B-A3B", "Qwen3-235B-A22B", "Nemotron-Mini-4B", "gpt-oss-20b", "gpt-oss-120b",
-    "DeepSeek-V2-Lite",
+    "DeepSeek-V2-Lite", "DeepSeek-R1", "Kimi-K2",
 ]  # fmt: skip
 # family -> the words its run's one-line refusal holds
 REFUSED = {
     "Llama-4-Scout": ["--export-moe-apply-probs-on-input", "Llama 4"],
     "Llama-4-Maverick": ["--no-rope-freq", "NoPE layers, Llama 4"],
-    "DeepSeek-R1": ["--moe-router-num-groups", "group-limited expert routing"],
-    # Megatron ignores --moe-router-pre-softmax under sigmoid scores; mp refuses the pair.
-    "Kimi-K2": ["--moe-router-pre-softmax", "--moe-router-score-function softmax"],
     "Nemotron-H-8B": ["--hybrid-layer-pattern", "Mamba-hybrid models"],
     "Nemotron-Nano-9B-v2": ["--hybrid-layer-pattern", "Mamba-hybrid models"],
     "Nemotron-3-Nano-30B": ["--hybrid-layer-pattern", "Mamba-hybrid models"],
@@ -373,6 +370,7 @@ SHRINK = {
     "--tokenizer-type": "NullTokenizer", "--moe-layer-freq": "([0]+[1]*1)",
     "--q-lora-rank": "48", "--kv-lora-rank": "32", "--qk-head-dim": "16",
     "--qk-pos-emb-head-dim": "8", "--v-head-dim": "16",
+    "--moe-router-num-groups": "2", "--moe-router-group-topk": "1",
 }  # fmt: skip
 
 

@@ -326,17 +326,34 @@ class TransformerConfig:
 
     moe_router_pre_softmax: bool = False
     """With softmax scores: the softmax over all experts, then the top k (their weights do
-    not sum to 1); False: the top k logits, then a softmax over those k."""
+    not sum to 1); False: the top k logits, then a softmax over those k. No effect with
+    sigmoid scores (as in Megatron, which accepts it there)."""
+
+    moe_router_num_groups: int | None = None
+    """Group-limited routing (DeepSeek-V2/V3's device- or node-limited routing): the
+    experts are split into this many equal groups (consecutive expert indices); None: no
+    groups. Needs moe_router_group_topk."""
+
+    moe_router_group_topk: int | None = None
+    """Group-limited routing: the groups each token may use, those with the highest sum of
+    their top (topk / group_topk) scores (with the expert bias, if any); the top k experts
+    are then chosen within them. Needs moe_router_num_groups."""
 
     moe_router_topk_scaling_factor: float | None = None
     """Multiplies the routing weights of the chosen experts."""
 
-    moe_router_load_balancing_type: Literal["aux_loss", "seq_aux_loss", "none"] = "aux_loss"
+    moe_router_load_balancing_type: Literal[
+        "aux_loss", "seq_aux_loss", "global_aux_loss", "none"
+    ] = field(default="aux_loss", metadata={"argparse_meta": {"nargs": "+"}})
     """The auxiliary load-balancing loss: over the micro-batch's tokens (Switch
-    Transformer), per sequence, or none."""
+    Transformer), per sequence (DeepSeek-V2/V3), over the global batch (token counts
+    summed over the tp x dp x cp ranks and averaged over the step's micro-batches so far),
+    or none. One type: Megatron's list of several (with a list of coefficients) is
+    refused."""
 
-    moe_aux_loss_coeff: float = 0.0
-    """Weight of the load-balancing loss (0: not computed)."""
+    moe_aux_loss_coeff: float = field(default=0.0, metadata={"argparse_meta": {"nargs": "+"}})
+    """Weight of the load-balancing loss (0: not computed); one value (Megatron's list of
+    one per balancing type is refused with more than one)."""
 
     moe_z_loss_coeff: float | None = None
     """Weight of the router z-loss mean(logsumexp(logits)^2) (ST-MoE); None: none."""

@@ -124,10 +124,6 @@ _FAMILIES: dict[str, tuple[bool, str]] = {
                        "implemented"),
     "mtp_loss_scaling_factor": (True, "multi-token prediction (DeepSeek-V3's MTP layers) is "
                                 "not implemented"),
-    "moe_router_num_groups": (True, "group-limited expert routing (DeepSeek-V3) is not "
-                              "implemented"),
-    "moe_router_group_topk": (True, "group-limited expert routing (DeepSeek-V3) is not "
-                              "implemented"),
     "no_rope_freq": (True, "layers without rotary embeddings (NoPE layers, Llama 4) are not "
                      "implemented"),
     "export_moe_apply_probs_on_input": (False, "routing weights applied to the experts' input "
