@@ -1,6 +1,7 @@
 """mp-ckpt installs and runs alone: a fresh virtual environment with only packages/mp-ckpt
 (and its dependencies: torch, safetensors) runs inspect, convert, export-hf and
-import-megatron (a checkpoint megatron-core wrote, optimizer state included)."""
+import-megatron (a checkpoint megatron-core wrote, optimizer state included): `mp-ckpt
+inspect` as a command, the others through its main() in one process."""
 
 import json
 import os
@@ -15,6 +16,14 @@ from mp_ckpt import Checkpointer, CheckpointReader
 from mp_layers import GPTModel, ModelGroups, TransformerConfig
 
 ROOT = Path(__file__).resolve().parents[1]
+ONE_PROCESS = """
+import json, sys
+from mp_ckpt.cli import main
+for argv in json.loads(sys.argv[1]):
+    if main(argv):
+        sys.exit(f"mp-ckpt {argv[0]} failed")
+"""
+"""Runs `mp-ckpt ARGV` for each ARGV of a JSON list given as its argument, in order."""
 
 
 def uv() -> str:
@@ -50,16 +59,20 @@ def test_mp_ckpt_alone_inspects_converts_and_exports(tmp_path):
     summary = json.loads(run(cli, "inspect", str(tmp_path / "ckpt"), "--json", env=env).stdout)
     assert summary["iteration"] == 3
     assert summary["model_parameters"] == sum(p.numel() for p in model.parameters())
-    run(cli, "convert", str(tmp_path / "ckpt"), str(tmp_path / "tp2"),
-        "--tensor-model-parallel-size", "2", "--no-progress", env=env)  # fmt: skip
+    # The other commands through the command's main() in one process of the venv: each
+    # start of the CLI costs a torch import (~5 s).
+    megatron = ROOT / "packages/mp-ckpt/tests/assets/megatron/llama_torch_dist_tp2_distopt"
+    commands = [
+        ["convert", str(tmp_path / "ckpt"), str(tmp_path / "tp2"),
+         "--tensor-model-parallel-size", "2", "--no-progress"],
+        ["export-hf", str(tmp_path / "tp2"), str(tmp_path / "hf"), "--arch", "gpt2"],
+        ["import-megatron", str(megatron), str(tmp_path / "imported"), "--with-optimizer"],
+    ]  # fmt: skip
+    run(python, "-c", ONE_PROCESS, json.dumps(commands), env=env)
     assert (tmp_path / "tp2" / "iter_0000003" / "mp_metadata.json").exists()
-    run(cli, "export-hf", str(tmp_path / "tp2"), str(tmp_path / "hf"), "--arch", "gpt2", env=env)
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["n_layer"] == 2
     assert (tmp_path / "hf" / "model.safetensors").stat().st_size > 0
-    megatron = ROOT / "packages/mp-ckpt/tests/assets/megatron/llama_torch_dist_tp2_distopt"
-    run(cli, "import-megatron", str(megatron), str(tmp_path / "imported"), "--with-optimizer",
-        env=env)  # fmt: skip
-    # Read back here (each command of the standalone CLI costs a torch import, ~5 s).
+    # Read back in this process (inspect would be another torch import).
     imported = CheckpointReader(tmp_path / "imported")
     assert imported.iteration == 2
     assert any(key.startswith("optimizer.") for key in imported.keys)

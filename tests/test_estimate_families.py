@@ -51,3 +51,27 @@ def test_estimate_counts_the_models_parameters(family):
     gpt = GPTModel(model, "local", result["padded_vocab_size"], positions,
                    groups=ModelGroups.single())  # fmt: skip
     assert sum(p.numel() for p in gpt.parameters()) == result["num_parameters"]
+
+
+MLA = dict(num_layers=2, hidden_size=64, num_attention_heads=4, multi_latent_attention=True,
+           kv_lora_rank=32, qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=16,
+           position_embedding_type="rope", hidden_dropout=0.0, attention_dropout=0.0)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [dict(q_lora_rank=48, qk_layernorm=True, normalization="RMSNorm", add_bias_linear=False,
+          num_moe_experts=4, moe_ffn_hidden_size=32, moe_layer_freq=[0, 1]),
+     dict(qk_layernorm=True, add_bias_linear=True), dict(q_lora_rank=48)],
+    ids=["deepseek-v3", "v2-lite-layernorm-bias", "no-latent-norms"],
+)  # fmt: skip
+def test_estimate_counts_multi_latent_attention(changes):
+    """DeepSeek's attention (no Hugging Face import yet): a query latent or none, latent
+    norms (LayerNorm's biases included) or none, the output projection's bias."""
+    model = TransformerConfig(**MLA | changes)
+    run = RunConfig(model=model, parallel=ParallelConfig(), gpt=GPTConfig(seq_length=32),
+                    optimizer=OptimizerConfig(), data=DataConfig(vocab_size=100),
+                    training=TrainingConfig(micro_batch_size=1))  # fmt: skip
+    result = estimate(run, world_size=1)
+    gpt = GPTModel(model, "local", result["padded_vocab_size"], 32, groups=ModelGroups.single())
+    assert sum(p.numel() for p in gpt.parameters()) == result["num_parameters"]

@@ -25,6 +25,7 @@ from mp_state.testing import TorchrunJob, run_on_ranks
 CONFIG = Path(__file__).resolve().parents[1] / "apps" / "gpt" / "configs" / "tiny.yaml"
 EOD = 1000  # NullTokenizer(vocab_size=1000)
 PROMPTS = ["1 2 3", "7", "40 41", "5 6 7 8", "999", "12 0"]
+TOKENS = [6, 9, 3, 12, 1, 7]  # new tokens asked for each prompt
 SLOW = {"prompts": ["1 2 3"] * 16, "tokens_to_generate": 1000, "top_k": 1}  # seconds on a CPU
 
 
@@ -73,6 +74,12 @@ def checkpoint(tmp_path_factory) -> str:
     run_dir = str(tmp_path_factory.mktemp("serve") / "run")
     run_on_ranks(train_body, 1, run_dir, timeout=120)
     return run_dir
+
+
+@pytest.fixture(scope="module")
+def wanted(checkpoint) -> list[tuple[list[int], list[float]]]:
+    """Generator.complete's greedy new tokens and log-probabilities for PROMPTS, TOKENS."""
+    return run_on_ranks(greedy_body, 1, checkpoint, PROMPTS, TOKENS, timeout=120)[0]
 
 
 def serving_url(output: str) -> str | None:
@@ -139,10 +146,6 @@ def in_threads(calls) -> list:
     return results
 
 
-def expected(checkpoint: str, tokens: list[int]) -> list[tuple[list[int], list[float]]]:
-    return run_on_ranks(greedy_body, 1, checkpoint, PROMPTS, tokens, timeout=120)[0]
-
-
 def check_greedy(replies, wanted) -> None:
     """Each reply holds the prompt's greedy tokens, text, segments and log-probabilities
     as Generator.complete gives them."""
@@ -156,9 +159,9 @@ def check_greedy(replies, wanted) -> None:
 
 
 @pytest.mark.multirank
-def test_concurrent_requests_are_batched_and_answered_with_generator_greedy(checkpoint, tmp_path):
-    tokens = [6, 9, 3, 12, 1, 7]
-    wanted = expected(checkpoint, tokens)
+def test_concurrent_requests_are_batched_and_answered_with_generator_greedy(
+    checkpoint, wanted, tmp_path
+):
     with Server(checkpoint, tmp_path / "server.log") as server:
         slow = threading.Thread(target=put, args=(server.url, SLOW))
         slow.start()  # the queries below wait for it and are batched together
@@ -166,7 +169,7 @@ def test_concurrent_requests_are_batched_and_answered_with_generator_greedy(chec
         replies = in_threads([
             lambda p=p, n=n: put(server.url, {"prompts": [p], "tokens_to_generate": n,
                                               "top_k": 1, "logprobs": True})
-            for p, n in zip(PROMPTS, tokens, strict=True)
+            for p, n in zip(PROMPTS, TOKENS, strict=True)
         ])  # fmt: skip
         slow.join(timeout=120)
         check_greedy(replies, wanted)
@@ -222,18 +225,16 @@ def test_bad_requests_get_400_naming_the_field_and_a_full_queue_503(checkpoint, 
     [("--tensor-model-parallel-size", "rank 0"), ("--pipeline-model-parallel-size", "torchrun")],
 )
 def test_tp2_and_pp2_under_torchrun_give_the_same_greedy_text_and_stop_on_sigterm(
-    checkpoint, tmp_path, layout, signalled
+    checkpoint, wanted, tmp_path, layout, signalled
 ):
-    tokens = [5] * len(PROMPTS)
-    wanted = expected(checkpoint, tokens)
     target = ["-m", "mp_gpt.serve", "--load", checkpoint, "--port", "0", layout, "2"]
     with TorchrunJob(target, tmp_path, nproc=2) as job:
         job.wait_for(lambda: serving_url(job.output()) is not None, "the server", timeout=120)
         url = serving_url(job.output())
         replies = in_threads([
-            lambda p=p: put(url, {"prompts": [p], "tokens_to_generate": 5, "top_k": 1,
-                                  "logprobs": True})
-            for p in PROMPTS
+            lambda p=p, n=n: put(url, {"prompts": [p], "tokens_to_generate": n, "top_k": 1,
+                                       "logprobs": True})
+            for p, n in zip(PROMPTS, TOKENS, strict=True)
         ])  # fmt: skip
         check_greedy(replies, wanted)
         if signalled == "rank 0":

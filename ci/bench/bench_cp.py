@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import io
 import json
 import os
@@ -63,7 +62,7 @@ import time
 from pathlib import Path
 
 import torch
-from harness import LLAMA_SHAPE, context, emit, llama_flags
+from harness import LLAMA_SHAPE, context, emit, llama_flags, reset_peak_rss, status_mib
 
 from mp_state.testing import run_on_ranks
 
@@ -223,12 +222,11 @@ class _IterationProbe:
             "ring_wait_kv_s": [], "ring_wait_grad_s": [], "ring_waits": [],
         }  # fmt: skip
         self._start = None
-        self._libc = ctypes.CDLL("libc.so.6")
 
     def iteration_boundary(self) -> None:
         end = time.perf_counter()
         if self._start is not None:
-            peak = _status_mib("VmHWM")
+            peak = status_mib("VmHWM")
             seconds = dict(self.waits.seconds)
             r = self.records
             r["iteration_s"].append(end - self._start)
@@ -241,19 +239,10 @@ class _IterationProbe:
                 {k: self.waits.waits[k] - self._count[k] for k in self.waits.waits}
             )
         # Bookkeeping outside the timed interval.
-        self._libc.malloc_trim(0)
-        Path("/proc/self/clear_refs").write_text("5")
-        self._rss = _status_mib("VmRSS")
+        self._rss = reset_peak_rss()
         self._seconds = dict(self.waits.seconds)
         self._count = dict(self.waits.waits)
         self._start = time.perf_counter()
-
-
-def _status_mib(field: str) -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) / 1024  # kB
-    raise RuntimeError(f"no {field} in /proc/self/status")
 
 
 if __name__ == "__main__":

@@ -30,6 +30,8 @@ over near-uniform logits of random weights: bf16 rounding may change an argmax).
     uv run python ci/bench/bench_generate.py [--batch-sizes 1 8 --new-tokens 512
         --prompt-len 128 --rounds 3 --dtypes bf16 fp32]
     uv run python ci/bench/bench_generate.py --quick   # smoke: 32 new tokens, 1 round
+
+gpu_suite.py runs the same comparison (model_pair, compare) on a GPU with another shape.
 """
 
 from __future__ import annotations
@@ -39,17 +41,18 @@ import os
 import statistics
 import tempfile
 import time
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
-from harness import LLAMA_SHAPE, context, emit
+from harness import LLAMA_SHAPE, LlamaShape, context, emit
 
 from mp_ckpt.cli import main as mp_ckpt_main
 from mp_gpt.generate import Generator
 from mp_gpt.generation import Sampling, generate_batch
 
-HIDDEN, LAYERS, HEADS, GROUPS, HEAD_DIM, FFN, VOCAB = LLAMA_SHAPE
+SHAPE = LlamaShape(*LLAMA_SHAPE)
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 TARGET_RATIO = 1.0
 
@@ -71,36 +74,44 @@ def main() -> None:
     torch.set_num_threads(os.cpu_count() or 1)
     ctx = context()
 
-    import transformers
-
-    torch.manual_seed(0)
-    hf_model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
-        num_attention_heads=HEADS, num_key_value_heads=GROUPS, head_dim=HEAD_DIM,
-        rms_norm_eps=1e-6, max_position_embeddings=args.prompt_len + args.new_tokens,
-        tie_word_embeddings=False,
-    )).eval()  # fmt: skip
     with tempfile.TemporaryDirectory() as scratch:
-        hf_model.save_pretrained(f"{scratch}/hf")
-        if mp_ckpt_main(["import-hf", f"{scratch}/hf", f"{scratch}/ckpt"]) != 0:
-            raise RuntimeError("mp-ckpt import-hf failed")
-        ours = Generator(f"{scratch}/ckpt")
+        ours, hf_model = model_pair(SHAPE, args.prompt_len + args.new_tokens, Path(scratch))
     try:
         for name in args.dtypes:
             dtype = DTYPES[name]
             ours.model.to(dtype)
             hf_model.to(dtype)
             for b in args.batch_sizes:
-                figures = _compare(ours.model, hf_model, b, args)
+                figures = compare(ours.model, hf_model, b, args, SHAPE)
                 emit(f"generate_per_token[{name},b{b}]", figures, ctx)
     finally:
         ours.close()
 
 
-def _compare(model, hf_model, b: int, args) -> dict:
+def model_pair(shape: LlamaShape, max_positions: int, scratch: Path,
+               device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):  # fmt: skip
+    """(ours, transformers'): a LlamaForCausalLM of `shape` (transformers' initialization,
+    seed 0, built on `device` in `dtype`), saved under `scratch` and imported by `mp-ckpt
+    import-hf`; ours mp_gpt.generate's Generator over that checkpoint (a one-rank world on
+    mp_state's device), the same weights. Both in eval mode."""
+    import transformers
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        hf_model = transformers.LlamaForCausalLM(shape.hf_config(shape.vocab, max_positions))
+    hf_model = hf_model.to(dtype).eval()
+    hf_model.save_pretrained(scratch / "hf")
+    if mp_ckpt_main(["import-hf", str(scratch / "hf"), str(scratch / "ckpt")]) != 0:
+        raise RuntimeError("mp-ckpt import-hf failed")
+    return Generator(str(scratch / "ckpt")), hf_model
+
+
+def compare(model, hf_model, b: int, args, shape: LlamaShape) -> dict:
+    """Both sides' figures for b prompts of args.prompt_len random ids (see the module
+    docstring); args: new_tokens, prompt_len, rounds."""
     seeded = torch.Generator().manual_seed(b)
-    prompts = torch.randint(0, VOCAB, (b, args.prompt_len), generator=seeded)
-    sides = {"ours": _ours(model, prompts), "hf": _hf(hf_model, prompts)}
+    prompts = torch.randint(0, shape.vocab, (b, args.prompt_len), generator=seeded)
+    sides = {"ours": _ours(model, prompts, shape.vocab), "hf": _hf(hf_model, prompts)}
     tokens = {side: run(args.new_tokens)[1] for side, run in sides.items()}  # warm-up
     same = 0
     for a, c in zip(tokens["ours"][0], tokens["hf"][0], strict=True):
@@ -120,9 +131,10 @@ def _compare(model, hf_model, b: int, args) -> dict:
     best = {side: min(v) * 1e3 for side, v in per_token.items()}
     median = {side: statistics.median(v) * 1e3 for side, v in per_token.items()}
     prompt_tokens = b * args.prompt_len
-    shape = {
-        "hidden": HIDDEN, "layers": LAYERS, "heads": HEADS, "query_groups": GROUPS,
-        "ffn": FFN, "vocab": VOCAB, "batch": b, "prompt_len": args.prompt_len,
+    settings = {
+        "hidden": shape.hidden, "layers": shape.layers, "heads": shape.heads,
+        "query_groups": shape.query_groups, "ffn": shape.ffn, "vocab": shape.vocab,
+        "tied": shape.tied, "batch": b, "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens, "rounds": args.rounds, "greedy": True,
     }  # fmt: skip
     return {
@@ -140,11 +152,11 @@ def _compare(model, hf_model, b: int, args) -> dict:
             prompt_tokens / statistics.median(prefill["hf"]), 1
         ),
         "same_tokens": same,
-        "shape": shape,
+        "shape": settings,
     }
 
 
-def _ours(model, prompts: torch.Tensor):
+def _ours(model, prompts: torch.Tensor, vocab: int):
     """A call of generate_batch: (seconds, the new tokens per sequence)."""
     ids = prompts.tolist()
 
@@ -152,7 +164,7 @@ def _ours(model, prompts: torch.Tensor):
         start = time.perf_counter()
         done = generate_batch(model, ids, max_new_tokens=new_tokens,
                               sampling=[Sampling()] * len(ids), eod=None,
-                              vocab_size=VOCAB)  # fmt: skip
+                              vocab_size=vocab)  # fmt: skip
         return time.perf_counter() - start, [c.tokens for c in done]
 
     return run
@@ -160,6 +172,7 @@ def _ours(model, prompts: torch.Tensor):
 
 def _hf(hf_model, prompts: torch.Tensor):
     """A call of transformers' generate: (seconds, the new tokens per sequence)."""
+    prompts = prompts.to(hf_model.device)
     mask = torch.ones_like(prompts)
 
     @torch.no_grad()
@@ -168,6 +181,8 @@ def _hf(hf_model, prompts: torch.Tensor):
         out = hf_model.generate(prompts, attention_mask=mask, max_new_tokens=new_tokens,
                                 min_new_tokens=new_tokens, do_sample=False, eos_token_id=None,
                                 pad_token_id=0)  # fmt: skip
+        if out.is_cuda:  # the last step's kernels may still run
+            torch.cuda.synchronize(out.device)
         seconds = time.perf_counter() - start
         return seconds, out[:, prompts.shape[1] :].tolist()
 

@@ -50,6 +50,9 @@ largest relative difference of their losses is reported. Target: compiled >= 1.1
 
     uv run python ci/bench/bench_gpt.py [--rounds 3 --warmup 2 --iters 3 --check-iters 20]
     uv run python ci/bench/bench_gpt.py --torch-compile [--rounds 3 --warmup 2 --iters 3]
+
+gpu_suite.py runs the same two sides (config_for, run_ours, run_hf) on a GPU, with
+other shapes.
 """
 
 from __future__ import annotations
@@ -71,7 +74,7 @@ from types import SimpleNamespace
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
-from harness import LLAMA_SHAPE, context, emit, llama_flags
+from harness import LLAMA_SHAPE, LlamaShape, context, emit
 
 import mp_state
 from mp_data import (
@@ -85,7 +88,7 @@ from mp_gpt.pretrain import train
 from mp_train import estimate, parse_config
 from mp_train.metrics import measure_peak_tflops
 
-HIDDEN, LAYERS, HEADS, GROUPS, HEAD_DIM, FFN, VOCAB = LLAMA_SHAPE
+SHAPE = LlamaShape(*LLAMA_SHAPE)
 TARGET_RATIO = 1.2
 COMPILED_TARGET_RATIO = 1.1
 LR = 1e-3
@@ -120,7 +123,7 @@ def main() -> None:
     peak = measure_peak_tflops(args.peak_n) * 1e12
     iterations = args.warmup + args.iters
     config = _config(args, iterations, peak)
-    flops = estimate(config, 1, vocab_size=_padded_vocab(config))["flops_per_iteration"]
+    flops = estimate(config, 1, vocab_size=padded_vocab(config))["flops_per_iteration"]
     tokens = args.batch * args.seq
     if args.torch_compile:
         _compare_compiled(args, iterations, peak, flops, tokens, ctx)
@@ -135,11 +138,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as scratch:
         for round_ in range(args.rounds):
             config = _config(args, iterations, peak, f"{scratch}/metrics{round_}.jsonl")
-            seconds, loss, ms, params["ours"], _ = _run_ours(config, args.show_log)
+            seconds, loss, ms, params["ours"] = run_ours(config, args.show_log)
             times["ours"] += seconds[args.warmup :]
             logged_ms += ms[args.warmup :]
             losses["ours"].append(loss)
-            seconds, loss, params["hf"] = _run_hf(config, iterations)
+            seconds, loss, params["hf"] = run_hf(config, SHAPE, iterations)
             times["hf"] += seconds[args.warmup :]
             losses["hf"].append(loss)
 
@@ -149,8 +152,9 @@ def main() -> None:
     emit("matmul_peak[bf16]", {"tflops": round(peak / 1e12, 4), "n": args.peak_n}, ctx)
     falls = {k: all(run[-1] < run[0] for run in v) for k, v in losses.items()}
     shape = {
-        "hidden": HIDDEN, "layers": LAYERS, "heads": HEADS, "query_groups": GROUPS,
-        "ffn": FFN, "vocab": VOCAB, "padded_vocab": _padded_vocab(config),
+        "hidden": SHAPE.hidden, "layers": SHAPE.layers, "heads": SHAPE.heads,
+        "query_groups": SHAPE.query_groups, "ffn": SHAPE.ffn, "vocab": SHAPE.vocab,
+        "padded_vocab": padded_vocab(config),
         "sequence_length": args.seq, "batch": args.batch, "rounds": args.rounds,
         "warmup_per_run": args.warmup, "timed_per_run": args.iters,
         "precision": "bf16 parameters, fp32 gradients and main parameters (both)",
@@ -187,7 +191,7 @@ def _compare_compiled(args, iterations: int, peak: float, flops: float, tokens: 
             for side in sides:
                 extra = ["--torch-compile"] if side == "compiled" else []
                 config = _config(args, iterations, peak, f"{scratch}/{side}{round_}.jsonl", extra)
-                seconds, loss, ms, _, compile_s = _run_ours(config, args.show_log)
+                (seconds, loss, ms, _), compile_s = _run_ours(config, args.show_log)
                 times[side] += seconds[args.warmup :]
                 # The eager loop's first logged interval (from the loop's start).
                 first[side].append(compile_s if side == "compiled" else ms[0] / 1000)
@@ -209,7 +213,7 @@ def _compare_compiled(args, iterations: int, peak: float, flops: float, tokens: 
             "losses": [round(x, 4) for x in losses["compiled"][0]],
             "eager_losses": [round(x, 4) for x in losses["eager"][0]],
             "max_loss_relative_difference": float(f"{difference:.2e}"),
-            "hidden": HIDDEN, "layers": LAYERS, "sequence_length": args.seq,
+            "hidden": SHAPE.hidden, "layers": SHAPE.layers, "sequence_length": args.seq,
             "batch": args.batch, "rounds": args.rounds, "warmup_per_run": args.warmup,
             "timed_per_run": args.iters,
         },
@@ -244,8 +248,8 @@ def _check_convergence(args, peak: float, ctx) -> None:
     alike (the two do the same work)."""
     with tempfile.TemporaryDirectory() as scratch:
         config = _config(args, args.check_iters, peak, f"{scratch}/metrics.jsonl")
-        _, ours, _, _, _ = _run_ours(config, show_log=False)
-        _, hf, _ = _run_hf(config, args.check_iters)
+        _, ours, _, _ = run_ours(config, show_log=False)
+        _, hf, _ = run_hf(config, SHAPE, args.check_iters)
     tail = max(1, args.check_iters // 4)
     last = {"ours": statistics.mean(ours[-tail:]), "hf": statistics.mean(hf[-tail:])}
     emit(
@@ -267,25 +271,38 @@ def _check_convergence(args, peak: float, ctx) -> None:
 
 def _config(args, iterations: int, peak: float, metrics_file: str | None = None,
             extra: list[str] | None = None):  # fmt: skip
-    argv = [
-        *llama_flags(),
-        "--seq-length", str(args.seq), "--micro-batch-size", str(args.batch),
-        "--global-batch-size", str(args.batch), "--train-iters", str(iterations),
-        "--eval-interval", "none",
-        "--bf16", "--lr", str(LR), "--lr-decay-style", "constant", "--clip-grad", "1.0",
-        "--mock-data", "--vocab-size", str(VOCAB), "--make-vocab-size-divisible-by", "128",
-        "--num-workers", "0", "--split", "100,0,0",
-        "--log-interval", "1", "--peak-tflops", str(peak / 1e12),
-    ]  # fmt: skip
-    if metrics_file is not None:
-        argv += ["--metrics-file", metrics_file]
+    argv = config_argv(SHAPE, args.seq, args.batch, iterations, peak / 1e12, metrics_file)
     return parse_config(argv + (extra or []))
 
 
-def _run_ours(config, show_log: bool) -> tuple[list[float], list[float], list[float], int,
-                                              float | None]:  # fmt: skip
-    """(seconds per iteration, losses, the loop's own ms/iteration, parameters, the
-    first iteration's seconds logged by a compiled run or None)."""
+def config_argv(shape: LlamaShape, seq: int, batch: int, iterations: int, peak_tflops: float,
+                metrics_file: str | None = None) -> list[str]:  # fmt: skip
+    """The run's flags: `shape`, bf16, micro-batch = global batch = `batch`, mock data over
+    shape.vocab ids, constant learning rate, clipping at 1.0, a log line per iteration
+    with MFU against `peak_tflops`, no evaluation, no checkpoints."""
+    argv = [
+        *shape.flags(),
+        "--seq-length", str(seq), "--micro-batch-size", str(batch),
+        "--global-batch-size", str(batch), "--train-iters", str(iterations),
+        "--eval-interval", "none",
+        "--bf16", "--lr", str(LR), "--lr-decay-style", "constant", "--clip-grad", "1.0",
+        "--mock-data", "--vocab-size", str(shape.vocab), "--make-vocab-size-divisible-by", "128",
+        "--num-workers", "0", "--split", "100,0,0",
+        "--log-interval", "1", "--peak-tflops", str(peak_tflops),
+    ]  # fmt: skip
+    if metrics_file is not None:
+        argv += ["--metrics-file", metrics_file]
+    return argv
+
+
+def run_ours(config, show_log: bool = False) -> tuple[list[float], list[float], list[float], int]:
+    """(seconds per iteration, losses, the loop's own ms/iteration, parameters)."""
+    return _run_ours(config, show_log)[0]
+
+
+def _run_ours(config, show_log: bool) -> tuple[tuple, float | None]:
+    """(run_ours' figures, the first iteration's seconds that a compiled run logs, or
+    None)."""
     clock = _LineClock(show_log)
     try:
         with contextlib.redirect_stdout(clock):
@@ -303,7 +320,7 @@ def _run_ours(config, show_log: bool) -> tuple[list[float], list[float], list[fl
     lines = Path(config.logging.metrics_file).read_text().splitlines()
     records = [json.loads(line) for line in lines]
     compiled = [float(m.group(1)) for _, line in clock.lines if (m := _COMPILE_LINE.match(line))]
-    return seconds, [r["lm loss"] for r in records], logged, params, next(iter(compiled), None)
+    return (seconds, [r["lm loss"] for r in records], logged, params), next(iter(compiled), None)
 
 
 class _LineClock(io.TextIOBase):
@@ -328,21 +345,16 @@ class _LineClock(io.TextIOBase):
 # The baseline: a plain loop over transformers' Llama.
 
 
-def _run_hf(config, iterations: int) -> tuple[list[float], list[float], int]:
-    """(seconds per iteration, losses, parameters)."""
+def run_hf(config, shape: LlamaShape, iterations: int,
+           device: torch.device | str = "cpu") -> tuple[list[float], list[float], int]:  # fmt: skip
+    """(seconds per iteration, losses, parameters) of the baseline on `device` (built
+    there, batches moved there)."""
     import transformers
 
     torch.manual_seed(config.training.seed)
-    vocab = _padded_vocab(config)
-    hf_config = transformers.LlamaConfig(
-        vocab_size=vocab, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
-        num_attention_heads=HEADS, num_key_value_heads=GROUPS, head_dim=HEAD_DIM,
-        rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=config.gpt.seq_length,
-        tie_word_embeddings=False, attention_bias=False, mlp_bias=False, attention_dropout=0.0,
-        initializer_range=0.02, bos_token_id=0, eos_token_id=0, pad_token_id=0,
-        attn_implementation="sdpa",
-    )  # fmt: skip
-    model = transformers.LlamaForCausalLM(hf_config).to(torch.bfloat16).train()
+    hf_config = shape.hf_config(padded_vocab(config), config.gpt.seq_length)
+    with torch.device(device):
+        model = transformers.LlamaForCausalLM(hf_config).to(torch.bfloat16).train()
     params = [p for p in model.parameters() if p.requires_grad]
     # fp32 main parameters and gradients, allocated once (as ours keeps its buffers).
     main = [p.detach().float() for p in params]
@@ -361,7 +373,8 @@ def _run_hf(config, iterations: int) -> tuple[list[float], list[float], int]:
     seconds, losses = [], []
     for _ in range(iterations):
         start = time.perf_counter()
-        batch = next(batches)
+        batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v
+                 for k, v in next(batches).items()}  # fmt: skip
         out = model(input_ids=batch["tokens"], position_ids=batch["position_ids"],
                     labels=batch["labels"], shift_labels=batch["labels"])  # fmt: skip
         out.loss.backward()
@@ -397,7 +410,7 @@ def _loader(config):
     )  # fmt: skip
 
 
-def _padded_vocab(config) -> int:
+def padded_vocab(config) -> int:
     """The loop's vocabulary: NullTokenizer's ids and its end-of-document id, padded."""
     tokenizer = build_tokenizer("NullTokenizer", vocab_size=config.data.vocab_size)
     return vocab_size_with_padding(tokenizer.vocab_size, config.data.make_vocab_size_divisible_by)

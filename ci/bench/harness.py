@@ -6,6 +6,7 @@ measured in the same run, their ratio, and `context()`.
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import json
 import os
@@ -14,28 +15,72 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-__all__ = ["LLAMA_SHAPE", "best_of", "context", "emit", "peak_rss"]
+__all__ = [
+    "LLAMA_SHAPE",
+    "LlamaShape",
+    "best_of",
+    "context",
+    "emit",
+    "llama_flags",
+    "peak_rss",
+    "reset_peak_rss",
+    "status_mib",
+]
 
 LLAMA_SHAPE = (512, 8, 8, 4, 64, 1376, 32000)
 """The ~56M-parameter Llama-style model of bench_layers.py and bench_gpt.py: hidden,
 layers, heads, query groups, head channels, ffn, vocabulary."""
 
 
+@dataclass(frozen=True)
+class LlamaShape:
+    """A Llama-style model: GQA, RMSNorm (eps 1e-6), SwiGLU, RoPE (theta 10,000), no
+    biases, dropout 0; its embeddings untied unless `tied`."""
+
+    hidden: int
+    layers: int
+    heads: int
+    query_groups: int
+    head_dim: int
+    ffn: int
+    vocab: int
+    tied: bool = False
+
+    def flags(self) -> list[str]:
+        """The shape as Megatron's model flags."""
+        untie = [] if self.tied else ["--untie-embeddings-and-output-weights"]
+        return [
+            "--num-layers", str(self.layers), "--hidden-size", str(self.hidden),
+            "--num-attention-heads", str(self.heads), "--group-query-attention",
+            "--num-query-groups", str(self.query_groups), "--kv-channels", str(self.head_dim),
+            "--ffn-hidden-size", str(self.ffn), "--normalization", "RMSNorm",
+            "--layernorm-epsilon", "1e-6", "--swiglu", "--use-rotary-position-embeddings",
+            "--disable-bias-linear", *untie, "--hidden-dropout", "0", "--attention-dropout", "0",
+        ]  # fmt: skip
+
+    def hf_config(self, vocab: int, max_positions: int):
+        """transformers' LlamaConfig of the shape over `vocab` ids (ours pads its
+        vocabulary: the baseline gets the padded size), token ids 0, SDPA attention."""
+        import transformers
+
+        return transformers.LlamaConfig(
+            vocab_size=vocab, hidden_size=self.hidden, intermediate_size=self.ffn,
+            num_hidden_layers=self.layers, num_attention_heads=self.heads,
+            num_key_value_heads=self.query_groups, head_dim=self.head_dim, rms_norm_eps=1e-6,
+            rope_theta=10000.0, max_position_embeddings=max_positions,
+            tie_word_embeddings=self.tied, attention_bias=False, mlp_bias=False,
+            attention_dropout=0.0, initializer_range=0.02, bos_token_id=0, eos_token_id=0,
+            pad_token_id=0, attn_implementation="sdpa",
+        )  # fmt: skip
+
+
 def llama_flags() -> list[str]:
-    """LLAMA_SHAPE as Megatron's model flags: GQA, RMSNorm, SwiGLU, RoPE, no biases,
-    untied embeddings, dropout 0."""
-    hidden, layers, heads, groups, head_dim, ffn, _ = LLAMA_SHAPE
-    return [
-        "--num-layers", str(layers), "--hidden-size", str(hidden),
-        "--num-attention-heads", str(heads), "--group-query-attention",
-        "--num-query-groups", str(groups), "--kv-channels", str(head_dim),
-        "--ffn-hidden-size", str(ffn), "--normalization", "RMSNorm", "--layernorm-epsilon",
-        "1e-6", "--swiglu", "--use-rotary-position-embeddings", "--disable-bias-linear",
-        "--untie-embeddings-and-output-weights", "--hidden-dropout", "0",
-        "--attention-dropout", "0",
-    ]  # fmt: skip
+    """LLAMA_SHAPE (untied embeddings) as Megatron's model flags."""
+    return LlamaShape(*LLAMA_SHAPE).flags()
 
 
 def context() -> dict[str, Any]:
@@ -73,9 +118,11 @@ def emit(measure: str, figures: dict[str, Any], ctx: dict[str, Any]) -> None:
 
 def _commit() -> str:
     def git(*command: str) -> str:
-        return subprocess.run(
-            ["git", *command], capture_output=True, text=True, check=False
-        ).stdout.strip()
+        try:
+            done = subprocess.run(["git", *command], capture_output=True, text=True, check=False)
+        except OSError:  # no git on this machine (a GPU box with the sources copied over)
+            return ""
+        return done.stdout.strip()
 
     commit = git("rev-parse", "--short", "HEAD") or "unknown"
     return commit + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
@@ -102,3 +149,20 @@ def peak_rss(command: list[str]) -> tuple[int, float]:
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} failed ({done.returncode}):\n{done.stderr}")
     return int(done.stdout.split()[-1]), seconds
+
+
+def reset_peak_rss() -> float:
+    """Hands freed heap back (malloc_trim), resets this process's peak resident set
+    (VmHWM, by `echo 5 > /proc/self/clear_refs`) and returns the resident set (MiB): a
+    later status_mib("VmHWM") minus it is what was allocated since at the peak (Linux)."""
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    Path("/proc/self/clear_refs").write_text("5")
+    return status_mib("VmRSS")
+
+
+def status_mib(field: str) -> float:
+    """A memory field of /proc/self/status (VmRSS, VmHWM, ...) in MiB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024  # kB
+    raise RuntimeError(f"no {field} in /proc/self/status")

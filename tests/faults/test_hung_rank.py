@@ -1,10 +1,11 @@
 """A rank stopped with SIGSTOP mid-run, or stuck in I/O: the job ends within its bound,
 naming that rank.
 
-apps/gpt's pretrain under torchrun (two ranks, gloo) with --hang-timeout-minutes 0.25
-(15 s); once training runs, one rank gets SIGSTOP (or blocks reading a pipe:
-blocking_rank.py). A watchdog must say which rank it is, have the ranks dump their Python
-stacks and end the job, long before the collective's 10-minute timeout.
+apps/gpt's pretrain under torchrun (two ranks, gloo) with --hang-timeout-minutes 0.1
+(6 s: a heartbeat every 1.2 s, a rank silent for 3.6 s counted as stopped; an iteration
+takes well under a second here); once training runs, one rank gets SIGSTOP (or blocks
+reading a pipe: blocking_rank.py). A watchdog must say which rank it is, have the ranks
+dump their Python stacks and end the job, long before the collective's 10-minute timeout.
 """
 
 import os
@@ -19,7 +20,7 @@ from mp_gpt.testing import tiny_options
 from mp_state.testing import TorchrunJob
 from mp_state.testing.processes import alive
 
-HANG_TIMEOUT_S = 15
+HANG_TIMEOUT_S = 6
 BOUND_S = 60  # the timeout, a few watchdog periods, and torchrun's teardown
 
 
@@ -65,8 +66,9 @@ def test_a_rank_stuck_in_io_is_shown_and_the_job_ends(tmp_path):
 def test_a_stopped_rank_is_named_and_the_job_ends(tmp_path, stopped_rank):
     with _job(tmp_path, ["-m", "mp_gpt.pretrain"]) as job:
         _training(job, tmp_path)
-        # A watchdog period (3 s) of training, so that the stopped rank has published.
-        time.sleep(4)
+        # Two watchdog periods (1.2 s each) of training, so that the stopped rank has
+        # published a finished iteration.
+        time.sleep(2.5)
         workers = job.workers()
         assert sorted(workers) == [0, 1], workers
         os.kill(workers[stopped_rank], signal.SIGSTOP)

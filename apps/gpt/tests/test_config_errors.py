@@ -2,21 +2,23 @@
 the fix, exit status 2 on every rank, and no traceback (docs/errors-and-logging.md).
 
 Every message is checked through main() in this process (an error before the model is
-built costs nothing); the real entry point runs as a subprocess for one rank, for two
-ranks started as torchrun starts them (each rank's output and status apart), and
-under torchrun itself."""
+built costs nothing); two forked ranks, with the variables torchrun sets, run main() at
+once (each rank's output and status apart); the real entry point runs as a subprocess
+for one rank, and under torchrun itself."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import subprocess
 import sys
 
 import pytest
-import torch
 
 from mp_gpt.config_files import config_path
 from mp_gpt.pretrain import main
+from mp_state.testing import run_on_ranks
 
 BASE = [
     "--config", str(config_path("tiny.yaml")), "--mock-data",
@@ -92,13 +94,25 @@ MISTAKES = {
         "drop the flag (a Megatron-LM checkpoint in another format converts with `mp-ckpt "
         "import-megatron SRC DST`)",
     ),
-}
-if not torch.cuda.is_available():
-    MISTAKES["backend"] = (
+    "fp8 recipe": (
+        ["--bf16", "--fp8-format", "e4m3", "--fp8-recipe", "delayed"],
+        "error: --fp8-recipe delayed: delayed scaling (an amax history) is Transformer "
+        "Engine's and torchao's float8 training has none; use --fp8-recipe tensorwise (mp's "
+        "default) or rowwise",
+    ),
+    # The suite runs with MP_DEVICE=cpu (conftest.py), with or without a GPU.
+    "fp8 without a GPU": (
+        ["--bf16", "--fp8-format", "hybrid"],
+        "error: --fp8-format hybrid needs a CUDA GPU with FP8 tensor cores (compute "
+        "capability 8.9+: L4, L40S, H100, H200, B200); this rank computes on cpu "
+        "(--fp8-emulate checks FP8 numerics without one, slowly)",
+    ),
+    "backend": (
         ["--distributed-backend", "nccl"],
-        "error: --distributed-backend nccl needs CUDA devices and none is visible: use "
-        "--distributed-backend gloo (the default without a GPU)",
-    )
+        "error: --distributed-backend nccl needs CUDA devices and MP_DEVICE=cpu keeps this "
+        "process on the CPU: use --distributed-backend gloo or unset MP_DEVICE",
+    ),
+}
 
 
 @pytest.mark.parametrize("name", MISTAKES)
@@ -147,27 +161,28 @@ def test_one_rank_subprocess():
     assert (done.returncode, done.stdout, done.stderr) == (2, "", line + "\n")
 
 
-@pytest.mark.parametrize("name", ["data path", "warmup iterations"])
-def test_two_ranks_as_torchrun_starts_them(name):
-    """Both ranks find the mistake and exit 2; rank 0 alone prints, rank 1 says nothing."""
-    flags, line = MISTAKES[name]
-    ranks = [
-        subprocess.Popen(_entry_point(*flags), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True, env=_environment(
-                             RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
-                             LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="29591"))
-        for rank in range(2)
-    ]  # fmt: skip
-    results = []
-    for process in ranks:
-        try:
-            out, err = process.communicate(timeout=120)
-        except subprocess.TimeoutExpired:
-            for p in ranks:
-                p.kill()
-            raise
-        results.append((process.returncode, out, err))
-    assert results == [(2, "", line + "\n"), (2, "", "")]
+def _main_on_rank(argv_per_mistake: list[list[str]]) -> list[tuple[int, str, str]]:
+    """Each main(argv)'s status and what it printed (stdout, stderr) on this rank."""
+    os.environ["MP_RUN_DIR"] = "/nonexistent"
+    found = []
+    for argv in argv_per_mistake:
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            status = main(argv)
+        found.append((status, out.getvalue(), err.getvalue()))
+    return found
+
+
+@pytest.mark.multirank
+def test_two_ranks_find_the_mistake_and_rank_0_alone_prints():
+    """Both ranks find the mistake and return 2; rank 0 alone prints, rank 1 says nothing.
+    The ranks are forked with torchrun's variables (RANK, WORLD_SIZE 2, ...) and no
+    process group: the mistakes are found before torch.distributed starts."""
+    names = ["data path", "warmup iterations"]
+    argvs = [[*BASE, *MISTAKES[name][0]] for name in names]
+    rank0, rank1 = run_on_ranks(_main_on_rank, 2, argvs, init_process_group=False, timeout=120)
+    assert rank0 == [(2, "", MISTAKES[name][1] + "\n") for name in names]
+    assert rank1 == [(2, "", "")] * len(names)
 
 
 def test_under_torchrun():

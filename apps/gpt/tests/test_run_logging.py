@@ -1,13 +1,16 @@
 """pretrain_gpt shows mp's Python log records (rank 0's info lines by default) and
---logging-level hides them; an MFU above 1 is not printed."""
+--logging-level hides them; an MFU above 1 is not printed.
+
+Each run is main() on a forked rank (mp_state.testing), its stdout and stderr read
+together (mp_gpt.testing.train_output_on_rank)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
+import pytest
 
 from mp_gpt.config_files import config_path
+from mp_gpt.testing import train_output_on_rank
+from mp_state.testing import run_on_ranks
 
 OPTIONS = [
     "--config", str(config_path("tiny.yaml")), "--mock-data", "--skip-train",
@@ -19,13 +22,12 @@ INFO = "[rank 0] INFO mp_train: torch.distributed initialized: world size 1, bac
 
 
 def _run(*extra: str, options: list[str] = OPTIONS) -> str:
-    env = {**os.environ, "MP_RUN_DIR": "/nonexistent", "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-m", "mp_gpt.pretrain", *options, *extra],
-                          env=env, capture_output=True, text=True, timeout=180)  # fmt: skip
-    assert done.returncode == 0, done.stdout + done.stderr
-    return done.stdout + done.stderr
+    [(status, out)] = run_on_ranks(train_output_on_rank, 1, [*options, *extra], timeout=180)
+    assert status == 0, out
+    return out
 
 
+@pytest.mark.multirank
 def test_info_lines_show_and_the_level_hides_them():
     assert INFO not in _run("--logging-level", "WARNING")
     # The default level, in a run of 2 iterations given a peak below what it achieves

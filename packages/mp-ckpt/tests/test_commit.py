@@ -2,13 +2,12 @@
 a save killed mid-write leaves the previous checkpoint in place and loadable."""
 
 import errno
+import multiprocessing
 import os
 import signal
-import subprocess
-import sys
-import textwrap
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -97,46 +96,42 @@ def test_a_full_disk_is_named_and_the_partial_save_removed(tmp_path, monkeypatch
     assert read_tracker(tmp_path) == 1
 
 
-KILLED_SAVE = textwrap.dedent(
-    """
-    import sys, time, pathlib, torch
-    import mp_ckpt.core.checkpointer as module
-    from mp_ckpt import Checkpointer, ShardedTensor
-
-    root, marker = sys.argv[1], pathlib.Path(sys.argv[2])
+def save_then_wait_before_the_commit(root: str, marker: Path) -> None:
+    """In a forked process: saves iteration 1, then writes iteration 2's pieces, says so
+    in `marker` and waits (to be killed) before the commit."""
+    torch.set_num_threads(1)  # a forked child cannot use the parent's OpenMP threads
     checkpointer = Checkpointer(root)
-    def pieces(scale):
-        w = torch.arange(12.0).view(3, 4) * scale
-        return {"w": ShardedTensor("w", w, (3, 4), (0, 0))}
     checkpointer.save(1, pieces(1.0))
-    real_save = module.dcp.save
+    real_save = checkpointer_module.dcp.save
+
     def slow_save(*args, **kwargs):
-        real_save(*args, **kwargs)   # the pieces of iteration 2 are on disk ...
+        real_save(*args, **kwargs)  # the pieces of iteration 2 are on disk ...
         marker.write_text("writing")
-        time.sleep(60)               # ... and the process dies before the commit
-    module.dcp.save = slow_save
+        time.sleep(60)  # ... and the process dies before the commit
+
+    checkpointer_module.dcp.save = slow_save
     checkpointer.save(2, pieces(2.0))
-    """
-)
 
 
 def test_a_save_killed_mid_write_leaves_the_previous_checkpoint(tmp_path):
     marker = tmp_path / "marker"
-    process = subprocess.Popen(
-        [sys.executable, "-c", KILLED_SAVE, str(tmp_path / "ckpt"), str(marker)],
-        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    # Forked: a new interpreter would spend seconds importing torch.
+    process = multiprocessing.get_context("fork").Process(
+        target=save_then_wait_before_the_commit, args=(str(tmp_path / "ckpt"), marker)
     )
+    process.start()
     try:
         deadline = time.monotonic() + 60
         while not marker.exists():
-            assert process.poll() is None, "the saving process exited early"
+            assert process.is_alive(), "the saving process exited early"
             assert time.monotonic() < deadline, "the saving process never reached iteration 2"
             time.sleep(0.05)
-        process.send_signal(signal.SIGKILL)
-        process.wait(timeout=30)
+        os.kill(process.pid, signal.SIGKILL)
+        process.join(timeout=30)
     finally:
-        if process.poll() is None:
+        if process.is_alive():
             process.kill()
+            process.join()
     root = tmp_path / "ckpt"
     assert read_tracker(root) == 1
     assert (root / "iter_0000002.tmp").exists() and not checkpoint_dir(root, 2).exists()

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from mp_ckpt import families
-from mp_ckpt.families import ARCHITECTURES, family, family_of
+from mp_ckpt.families import ARCHITECTURES, check_convertible, family, family_of
 from mp_ckpt.families.megatron_view import megatron_name, megatron_view
 from mp_ckpt.families.moe import is_moe_layer
 from mp_ckpt.families.table import Dims, Rule
@@ -245,3 +245,10 @@ def test_the_gpt_model_table_completes_a_family():
     norm = view.named("self_attention.linear_qkv.layer_norm_weight", True)
     assert norm.name == "input_layernorm.weight" and norm.mp == ("input_layernorm.weight",)
     assert view.named("mlp.linear_fc1.layer_norm_weight", False) is None  # a layer's name
+
+
+def test_a_model_no_family_describes_is_refused_before_any_tensor_is_read():
+    settings = {"position_embedding_type": "rope", "multi_latent_attention": True}
+    for convert in (check_convertible, family_of, megatron_view):
+        with pytest.raises(ValueError, match=r"multi-latent attention .* has no Hugging Face"):
+            convert(settings)

@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 import mp_state
 from mp_ckpt import check_tiling
-from mp_layers import ModelGroups, TransformerConfig
+from mp_layers import LOCAL_SPEC, ModelGroups, TransformerConfig
 from mp_layers.transformer.attention import SelfAttention
 from mp_layers.transformer.mlp import MLP
 from mp_layers.transformer.rope import RotaryEmbedding
@@ -45,11 +45,13 @@ def compare(case: str, tp: int, sequence_parallel: bool):
     alone = RankGroup("tp", (rank,), 0, None)
     if cls is SelfAttention:  # a model constructor: all its groups in one bundle
         alone = ModelGroups(tp=alone, cp=RankGroup("cp", (rank,), 0, None))
+    spec = {"spec": LOCAL_SPEC} if cls is SelfAttention else {}
     torch.manual_seed(3)
-    reference = cls(TransformerConfig(**kwargs), alone)
+    reference = cls(TransformerConfig(**kwargs), alone, **spec)
     torch.manual_seed(3)
     groups = ModelGroups.of(state) if cls is SelfAttention else state.tp
-    parallel = cls(TransformerConfig(**kwargs, sequence_parallel=sequence_parallel), groups)
+    config = TransformerConfig(**kwargs, sequence_parallel=sequence_parallel)
+    parallel = cls(config, groups, **spec)
     torch.manual_seed(11)  # the same input and output weighting on every rank
     x = torch.randn(S, B, 32, requires_grad=True)
     weights = torch.randn(S, B, 32)

@@ -36,6 +36,7 @@ def test_defaults_follow_megatron():
         (dict(rotary_base=0), "rotary_base=0 must be > 0"),
         (dict(rotary_seq_len_interpolation_factor=0.5), "rotary_seq_len_interpolation_factor"),
         (dict(init_method_std=0.0), "init_method_std=0.0 must be > 0"),
+        (dict(output_loss_chunk_tokens=-1), "output_loss_chunk_tokens=-1 must be an integer >= 0"),
         (dict(activation="swiglu", openai_gelu=True), "openai_gelu=True applies to activation"),
         (dict(use_rope_scaling=True), "use_rope_scaling=True needs position_embedding_type"),
         (dict(position_embedding_type="rope", use_rope_scaling=True, rope_scaling_factor=0.5),

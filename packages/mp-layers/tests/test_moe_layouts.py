@@ -46,9 +46,12 @@ LAYOUTS = {
     "EP2xTP2xETP2-allgather": (2, 2, 2, dict(moe_token_dispatcher_type="allgather")),
     "EP2-capacity": (1, 2, 1, dict(moe_token_dispatcher_type="alltoall",
                                    moe_expert_capacity_factor=1.0, moe_grouped_gemm=True)),
-    "EP2-sigmoid-seq-aux": (1, 2, 1, dict(
+    # Group-limited as device-limited routing: 2 groups of 2 experts, one per EP rank, and
+    # each token's experts in one of them.
+    "EP2-sigmoid-seq-aux-groups": (1, 2, 1, dict(
         moe_token_dispatcher_type="alltoall", moe_router_score_function="sigmoid",
-        moe_router_load_balancing_type="seq_aux_loss", moe_router_topk_scaling_factor=2.0)),
+        moe_router_load_balancing_type="seq_aux_loss", moe_router_topk_scaling_factor=2.0,
+        moe_router_num_groups=2, moe_router_group_topk=1)),
 }  # fmt: skip
 GPT_OSS = dict(activation="gelu", quick_geglu=True, glu_linear_offset=1.0,
                activation_func_clamp_value=7.0, add_bias_linear=True,

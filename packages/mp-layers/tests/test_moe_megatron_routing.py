@@ -1,8 +1,8 @@
 """The router against megatron-core 0.19's own routing of the same logits
 (assets/megatron_moe/routing.pt, written by assets/megatron_moe/generate.py with
 megatron-core installed): top-k choice and weights for every score-function setting,
-the tokens kept under an expert capacity with both drop policies, and the auxiliary
-losses."""
+with and without group-limited routing, the tokens kept under an expert capacity with
+both drop policies, and the auxiliary losses."""
 
 from pathlib import Path
 
@@ -20,15 +20,18 @@ SETTINGS = {  # Megatron's function arguments -> TransformerConfig fields
     "score_function": "moe_router_score_function",
     "use_pre_softmax": "moe_router_pre_softmax",
     "scaling_factor": "moe_router_topk_scaling_factor",
+    "num_groups": "moe_router_num_groups",
+    "group_topk": "moe_router_group_topk",
 }
 
 
 def router(name: str) -> TopKRouter:
-    settings = {SETTINGS[k]: v for k, v in FIXTURE["routing"][name]["settings"].items()}
+    case = FIXTURE["routing"][name]
+    settings = {SETTINGS[k]: v for k, v in case["settings"].items()}
     config = TransformerConfig(
         num_layers=1, hidden_size=HIDDEN, num_attention_heads=2, add_bias_linear=False,
-        num_moe_experts=EXPERTS, moe_router_topk=TOPK,
-        moe_router_enable_expert_bias=name == "sigmoid-bias", **settings,
+        num_moe_experts=EXPERTS, moe_router_topk=case["topk"],
+        moe_router_enable_expert_bias=name.startswith("sigmoid-bias"), **settings,
     )  # fmt: skip
     module = TopKRouter(config, ModelGroups.single().tp)
     with torch.no_grad():

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mp_state import init_distributed, local_rank, select_device
+from mp_state import DeviceInfo, device_type, init_distributed, local_rank, select_device
 from mp_state.testing import run_on_ranks
 
 
@@ -28,15 +28,31 @@ def test_local_rank_from_torchrun_environment(monkeypatch):
         local_rank()
 
 
-def test_select_device(monkeypatch):
-    monkeypatch.setenv("LOCAL_RANK", "1")
-    info = select_device()
-    assert info.local_rank == 1
-    if torch.cuda.is_available():
-        assert (info.device.type, info.backend) == ("cuda", "nccl")
-        assert info.device.index == 1 % torch.cuda.device_count()
-    else:
-        assert (info.device, info.backend) == (torch.device("cpu"), "gloo")
+def test_select_device_and_the_mp_device_override(monkeypatch):
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    # MP_DEVICE=cpu (the suite's own setting): the CPU and gloo, with or without a GPU.
+    monkeypatch.setenv("MP_DEVICE", "cpu")
+    assert device_type() == "cpu"
+    assert select_device() == DeviceInfo(torch.device("cpu"), "gloo", 3)
+    with pytest.raises(ValueError, match="nccl needs CUDA devices and MP_DEVICE=cpu keeps"):
+        select_device("nccl")
+    monkeypatch.setenv("MP_DEVICE", "tpu")
+    with pytest.raises(ValueError, match="MP_DEVICE='tpu': expected cpu or cuda"):
+        select_device()
+    # Unset or empty: CUDA when torch sees a GPU (two GPUs here: local rank 3 takes the
+    # second), else the CPU; MP_DEVICE=cuda insists on one.
+    monkeypatch.setenv("MP_DEVICE", "")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert select_device() == DeviceInfo(torch.device("cuda", 1), "nccl", 3)
+    assert select_device("gloo") == DeviceInfo(torch.device("cuda", 1), "gloo", 3)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert select_device() == DeviceInfo(torch.device("cpu"), "gloo", 3)
+    with pytest.raises(ValueError, match="nccl needs CUDA devices and none is visible"):
+        select_device("nccl")
+    monkeypatch.setenv("MP_DEVICE", "cuda")
+    with pytest.raises(ValueError, match="MP_DEVICE=cuda needs a CUDA device and none is"):
+        select_device()
 
 
 def single_process_init():
@@ -90,17 +106,40 @@ SCRIPT = """
 """
 
 
-@pytest.mark.multirank
-def test_under_real_torchrun(tmp_path):
-    script = tmp_path / "job.py"
-    script.write_text(textwrap.dedent(SCRIPT))
+def torchrun(tmp_path, script: str, nproc: int, **env: str) -> str:
+    """What `script` printed under torchrun with `nproc` workers; fails if it failed."""
+    path = tmp_path / "job.py"
+    path.write_text(textwrap.dedent(script))
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-         str(script)],
+        [sys.executable, "-m", "torch.distributed.run", "--standalone",
+         f"--nproc-per-node={nproc}", str(path)],
         capture_output=True, text=True, timeout=240,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        env={**os.environ, "OMP_NUM_THREADS": "1", **env},
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+@pytest.mark.multirank
+def test_under_real_torchrun(tmp_path):
+    out = torchrun(tmp_path, SCRIPT, 2)
     # Both ranks print to one pipe: their lines may interleave.
-    reports = sorted(re.findall(r"rank=\d local_rank=\d tp_sum=[\d.]+", proc.stdout))
+    reports = sorted(re.findall(r"rank=\d local_rank=\d tp_sum=[\d.]+", out))
     assert reports == ["rank=0 local_rank=0 tp_sum=1.0", "rank=1 local_rank=1 tp_sum=1.0"]
+
+
+NCCL_SCRIPT = """
+    import torch, torch.distributed as dist
+    import mp_state
+    info = mp_state.init_distributed(timeout_minutes=1)
+    t = torch.full((4,), 2.0, device=info.device)
+    dist.all_reduce(t)
+    print(f"backend={dist.get_backend()} device={t.device} sum={t.sum().item()}", flush=True)
+    dist.destroy_process_group()
+"""
+
+
+@pytest.mark.cuda
+def test_nccl_on_one_gpu_under_torchrun(tmp_path):
+    out = torchrun(tmp_path, NCCL_SCRIPT, 1, MP_DEVICE="cuda")
+    assert "backend=nccl device=cuda:0 sum=8.0" in out, out

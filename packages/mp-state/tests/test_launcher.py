@@ -2,13 +2,14 @@
 
 import os
 import signal
+import sys
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from mp_state.testing import RankFailure, RankTimeout, run_on_ranks
+from mp_state.testing import RankFailure, RankTimeout, default_start_method, run_on_ranks
 
 pytestmark = pytest.mark.multirank
 
@@ -90,9 +91,11 @@ def test_an_unpicklable_result_is_an_error_naming_the_rank():
 
 def test_without_a_process_group():
     def check():
-        return dist.is_initialized(), os.environ["WORLD_SIZE"]
+        return dist.is_initialized(), os.environ["WORLD_SIZE"], os.environ["MP_DEVICE"]
 
-    assert run_on_ranks(check, 2, init_process_group=False) == [(False, "2"), (False, "2")]
+    # CPU ranks by default: MP_DEVICE=cpu in each (mp_state.devices reads it).
+    expected = [(False, "2", "cpu")] * 2
+    assert run_on_ranks(check, 2, init_process_group=False) == expected
 
 
 def test_spawned_ranks_work_too():
@@ -100,6 +103,13 @@ def test_spawned_ranks_work_too():
     assert run_on_ranks(dist.get_rank, 2, start_method="spawn", timeout=120) == [0, 1]
 
 
-def test_world_size_must_be_positive():
+def test_world_size_must_be_positive_and_the_device_known(monkeypatch):
     with pytest.raises(ValueError, match="world_size=0"):
         run_on_ranks(dist.get_rank, 0)
+    with pytest.raises(ValueError, match="device='tpu': expected cpu or cuda"):
+        run_on_ranks(dist.get_rank, 1, device="tpu")
+    # CPU ranks fork (even after this process used CUDA); CUDA ranks must be spawned.
+    monkeypatch.delenv("MP_TEST_START_METHOD", raising=False)
+    assert default_start_method("cuda") == "spawn"
+    if sys.platform == "linux":
+        assert default_start_method() == "fork"

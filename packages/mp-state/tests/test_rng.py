@@ -1,6 +1,7 @@
 """Seeds and the RNG tracker: fork, restore, nesting, per-rank streams, round trips."""
 
 import random
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -177,6 +178,7 @@ def seeded_draws(data_parallel_random_init: bool) -> dict:
     state = initialize(ParallelConfig(tensor_model_parallel_size=2, pipeline_model_parallel_size=2))
     tracker = set_random_seeds(1234, state, data_parallel_random_init=data_parallel_random_init)
     out = {"tp": state.tp.rank, "pp": state.pp.rank, "dp": state.dp.rank}
+    out["tracker_device"] = str(tracker.device)
     out["python"] = random.random()
     out["numpy"] = float(np.random.rand())
     out["default"] = torch.rand(4)
@@ -218,8 +220,16 @@ def test_data_parallel_random_init_separates_replicas():
     assert torch.equal(ranks[0]["default"], ranks[1]["default"])
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_tracker_on_cuda():
+@pytest.mark.cuda
+def test_cpu_ranks_forked_from_a_process_that_uses_cuda():
+    torch.ones(1, device="cuda").sum().item()  # CUDA initialized here
+    ranks = run_on_ranks(seeded_draws, 8, False)  # forked: a rank touching CUDA would fail
+    assert {r["tracker_device"] for r in ranks} == {"cpu"}
+    assert not torch.equal(ranks[0][TENSOR_PARALLEL_RNG], ranks[1][TENSOR_PARALLEL_RNG])
+
+
+@pytest.mark.cuda
+def test_tracker_on_cuda(monkeypatch):
     tracker = RNGStatesTracker("cuda")
     tracker.add("a", 7)
     torch.cuda.manual_seed(3)
@@ -230,3 +240,12 @@ def test_tracker_on_cuda():
     assert torch.equal(torch.rand(4, device="cuda"), expected)
     reference = torch.rand(4, device="cuda", generator=torch.Generator("cuda").manual_seed(7))
     assert torch.equal(forked, reference)
+    # set_random_seeds drives the CUDA generator where the process computes on CUDA.
+    one = SimpleNamespace(rank=0)
+    state = SimpleNamespace(pp=one, dp=one, tp=one, ep=one, expert_tp=one)
+    with rng_state_kept():  # the seeds it sets go no further than this test
+        monkeypatch.setenv("MP_DEVICE", "cuda")
+        cuda = torch.device("cuda", torch.cuda.current_device())
+        assert set_random_seeds(5, state).device == cuda
+        monkeypatch.setenv("MP_DEVICE", "cpu")
+        assert set_random_seeds(5, state).device == torch.device("cpu")

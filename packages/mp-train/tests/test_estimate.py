@@ -394,6 +394,33 @@ def test_gpt3_175b_against_published_figures():
     )
 
 
+def test_flops_mla():
+    config = make_config(multi_latent_attention=True, q_lora_rank=48, kv_lora_rank=32,
+                         qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=16)  # fmt: skip
+    # Megatron's MLA terms, r_q = 48, r = 32, dn = 16, dr = 8, dv = 16, a = 4: queries
+    # 48 (64 + 4*24 + 1) = 7728; keys and values 32 (64 + 4*32 + 1) = 6176; the rotated key
+    # 64*8 = 512; output 4*16*64 = 4096; QK^T and (QK^T)V at half 32 (4*24 + 4*16) / 2 = 2560:
+    # attention 21072. MLP 32768, logits 64*128 = 8192. 6 (2*21072 + 2*32768 + 8192) =
+    # 695232 per token, times B s = 64: 44494848.
+    assert estimate(config, world_size=1)["flops_per_iteration"] == 44494848
+
+
+def test_deepseek_v3_against_published_figures():
+    config = make_config(
+        num_layers=61, hidden_size=7168, num_attention_heads=128, ffn_hidden_size=18432,
+        multi_latent_attention=True, q_lora_rank=1536, kv_lora_rank=512, qk_head_dim=128,
+        qk_pos_emb_head_dim=64, v_head_dim=128, qk_layernorm=True, normalization="RMSNorm",
+        activation="swiglu", untie_embeddings_and_output_weights=True, num_moe_experts=256,
+        moe_ffn_hidden_size=2048, moe_router_topk=8, moe_shared_expert_intermediate_size=2048,
+        moe_layer_freq=[0] * 3 + [1] * 58, seq=4096, mbs=1, vocab=129280,
+    )  # fmt: skip
+    result = estimate(config, world_size=1)
+    # DeepSeek-V3 technical report (DeepSeek-AI 2024), abstract: 671B total parameters, 37B
+    # activated for each token (the multi-token prediction module's 14B apart).
+    assert result["num_parameters"] == pytest.approx(671e9, rel=1e-3)
+    assert result["num_active_parameters"] == pytest.approx(37e9, rel=2e-2)
+
+
 def test_errors_name_the_setting():
     with pytest.raises(ValueError, match="vocab_size"):
         estimate(make_config(vocab=None), world_size=1)

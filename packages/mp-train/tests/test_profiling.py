@@ -94,7 +94,7 @@ def test_memory_tags_on_cpu():
     assert 0 < got["mem-allocated-bytes"] <= got["mem-max-allocated-bytes"]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.cuda
 def test_memory_tags_and_profile_on_cuda(tmp_path):
     from mp_train.metrics import memory_bytes
 

@@ -6,6 +6,7 @@ import contextlib
 import io
 import json
 import os
+import tempfile
 from pathlib import Path
 
 import torch
@@ -24,6 +25,7 @@ __all__ = [
     "tiny_moe_options",
     "tiny_options",
     "train_on_rank",
+    "train_output_on_rank",
     "train_printed_on_rank",
     "train_run_on_rank",
 ]
@@ -103,6 +105,18 @@ def train_on_rank(argv: list[str]) -> int:
     from mp_gpt.pretrain import main
 
     return main(argv)
+
+
+def train_output_on_rank(argv: list[str]) -> tuple[int, str]:
+    """As train_on_rank, with what the rank printed: (exit status, stdout and stderr in
+    one text). mp's log handler writes to sys.stderr as it is at each record, so the log
+    lines are in it. The streams go to a file, not a StringIO: the hang watchdog hands
+    sys.stderr's descriptor to faulthandler."""
+    with tempfile.TemporaryFile("w+") as out:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+            status = train_on_rank(argv)
+        out.seek(0)
+        return status, out.read()
 
 
 def train_run_on_rank(argv: list[str]):

@@ -5,12 +5,14 @@ TransformerConfig, the tensor- and sequence-parallel primitives
 the load-balanced sequence split and attention across it), mixture of experts
 (mp_layers.moe: router, token dispatchers, grouped experts), the transformer
 pieces (rotary embeddings, norms, core attention, MLP, self-attention, layer
-and block in mp_layers.transformer), ModelGroups and GPTModel.
+and block in mp_layers.transformer), FP8 GEMMs through torchao (mp_layers.fp8),
+ModelGroups and GPTModel.
 """
 
 from mp_layers import context_parallel, moe, tensor_parallel
 from mp_layers.config import TransformerConfig
 from mp_layers.context_parallel import shard_sequence
+from mp_layers.fp8 import check_fp8_device
 from mp_layers.gpt_model import GPTModel
 from mp_layers.groups import ModelGroups
 from mp_layers.tensor_parallel import (
@@ -20,6 +22,7 @@ from mp_layers.tensor_parallel import (
     VocabParallelEmbedding,
     all_reduce_sequence_parallel_grads,
     broadcast_data,
+    chunked_linear_cross_entropy,
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
     gather_from_tensor_model_parallel_region,
@@ -50,6 +53,8 @@ __all__ = [
     "VocabParallelEmbedding",
     "all_reduce_sequence_parallel_grads",
     "broadcast_data",
+    "check_fp8_device",
+    "chunked_linear_cross_entropy",
     "compile_layers",
     "context_parallel",
     "copy_to_tensor_model_parallel_region",

@@ -14,6 +14,8 @@ from typing import Literal
 import torch
 
 from mp_layers.config_attention import check_attention_fields, check_attention_parallel
+from mp_layers.config_fp8 import check_fp8
+from mp_layers.config_mla import check_mla
 from mp_layers.config_moe import check_expert_parallel, check_moe
 from mp_layers.config_rules import choice as _choice
 from mp_layers.config_rules import positive as _positive
@@ -43,7 +45,9 @@ class TransformerConfig:
     """Key/value heads for grouped-query attention; None: num_attention_heads (MHA)."""
 
     kv_channels: int | None = None
-    """Width of each attention head; None: hidden_size / num_attention_heads."""
+    """Width of each attention head; None: hidden_size / num_attention_heads. Unused with
+    multi_latent_attention, whose widths are qk_head_dim, qk_pos_emb_head_dim and v_head_dim
+    (Megatron ignores it there too)."""
 
     normalization: Literal["LayerNorm", "RMSNorm"] = "LayerNorm"
     """Normalization of each sublayer's input and of the final output."""
@@ -130,7 +134,14 @@ class TransformerConfig:
         "learned_absolute"
     )
     """Position information: a learned table, rotary embeddings (plain, or YaRN's scaling of
-    Peng et al. 2023 with the yarn_* fields), or none."""
+    Peng et al. 2023 with the yarn_* fields), or none. Multi-latent attention takes "rope"
+    (Megatron's DeepSeek lines), its rope_type choosing plain or YaRN."""
+
+    rope_type: Literal["rope", "yarn"] | None = None
+    """Multi-latent attention's rotary embeddings (Megatron's --rope-type): plain, or YaRN
+    with the yarn_* fields; None: yarn, Megatron's MLA default (YaRN with
+    yarn_rotary_scaling_factor 1 rotates as plain RoPE). Standard attention takes YaRN as
+    position_embedding_type="yarn" and accepts only "rope" here, as Megatron does."""
 
     rotary_base: int = 10000
     """Base of the rotary frequencies."""
@@ -183,19 +194,60 @@ class TransformerConfig:
     yarn_mscale_all_dim: float = field(
         default=0.0, metadata={"argparse_meta": {"names": ["--mscale-all-dim"]}}
     )
-    """YaRN: the denominator's mscale (see yarn_mscale)."""
+    """YaRN: the denominator's mscale (see yarn_mscale). Multi-latent attention also
+    multiplies its softmax scale by (0.1 mscale_all_dim ln s + 1)^2, as Megatron and
+    DeepSeek do."""
 
     yarn_correction_range_round_to_int: bool = True
     """YaRN: round the blended channels' ends to integers (gpt-oss does not: truncate false)."""
 
     qk_layernorm: bool = False
-    """Normalize queries and keys per head before attention."""
+    """Normalize queries and keys per head before attention. With multi_latent_attention:
+    normalize the query and key/value latents instead (q_layernorm, kv_layernorm), as
+    Megatron does; DeepSeek's models have them."""
+
+    # --- Multi-latent attention (Megatron's --multi-latent-attention and MLA options) ----
+
+    multi_latent_attention: bool = False
+    """Multi-latent attention (DeepSeek-V2/V3, Kimi K2; Megatron's MLASelfAttention): queries
+    from a latent of q_lora_rank channels, keys and values from a shared latent of
+    kv_lora_rank channels (all a KVCache keeps), each head's query and key a
+    qk_head_dim part and a rotated qk_pos_emb_head_dim part whose key is shared by all
+    heads, values of v_head_dim. Needs position_embedding_type "rope" (rope_type picks
+    YaRN, the default, or plain RoPE); no query groups, sinks, windows or QKV bias."""
+
+    q_lora_rank: int | None = None
+    """MLA: channels of the query latent (linear_q_down_proj, q_layernorm,
+    linear_q_up_proj; DeepSeek-V3 1536); None: queries projected from the hidden state
+    at once (linear_q_proj; DeepSeek-V2-Lite)."""
+
+    kv_lora_rank: int = 32
+    """MLA: channels of the key/value latent (DeepSeek 512)."""
+
+    qk_head_dim: int = 128
+    """MLA: query and key channels per head without rotary embeddings."""
+
+    qk_pos_emb_head_dim: int = 64
+    """MLA: rotary channels per head of the queries and of the one key all heads share."""
+
+    v_head_dim: int = 128
+    """MLA: value channels per head."""
 
     init_method_std: float = 0.02
     """Standard deviation of the normal initialization of weights."""
 
     untie_embeddings_and_output_weights: bool = False
     """Give the output layer its own weight instead of the input embedding's."""
+
+    output_loss_chunk_tokens: int = 0
+    """Compute the output layer and the cross entropy together, this many tokens at a time
+    (mp_layers.tensor_parallel.chunked_linear_cross_entropy), so that the [s, b, v/tp]
+    logits and their gradient, the loss's largest activation (2 s b v/tp bytes in bf16:
+    2 GiB for 8,192 tokens of a 128k vocabulary), are never held whole: [chunk, v/tp]
+    logits replace them. The backward recomputes each chunk's logits: one more
+    output-layer GEMM (2 s b h v/tp FLOPs). The same loss and gradients as 0 (to rounding;
+    bf16/fp16 weights sum their gradient over the chunks in their own dtype). 0: the
+    logits are computed whole."""
 
     params_dtype: torch.dtype = torch.float32
     """dtype the parameters are created in."""
@@ -205,6 +257,44 @@ class TransformerConfig:
 
     fp16: bool = False
     """Train in fp16 mixed precision (with loss scaling)."""
+
+    # --- FP8 (Megatron's --fp8-* options), through torchao's float8 training -------------
+
+    fp8: Literal["e4m3", "hybrid"] | None = field(
+        default=None, metadata={"argparse_meta": {"names": ["--fp8-format"]}}
+    )
+    """FP8 GEMMs in the transformer layers' linear layers (Megatron's --fp8-format), through
+    torchao's float8 training (pip install 'mp-layers[fp8]'): e4m3 for every FP8 tensor, or
+    hybrid: e4m3 for activations and weights, e5m2 for the output gradients. Needs bf16 and a
+    CUDA GPU with FP8 tensor cores (compute capability 8.9+); the embedding, the output layer,
+    norms, attention and routed experts stay in bf16, and parameters, gradients and
+    checkpoints keep their dtypes. None: no FP8."""
+
+    fp8_recipe: Literal["tensorwise", "rowwise", "delayed", "mxfp8", "blockwise", "custom"] = (
+        "tensorwise"
+    )
+    """How FP8 tensors are scaled, from their current absolute maximum: one scale per tensor,
+    or one per row (torchao's rowwise recipe, e4m3 only). Megatron's default, delayed scaling
+    from an amax history, is Transformer Engine's and is refused, as are mxfp8, blockwise
+    and custom."""
+
+    fp8_wgrad: bool = True
+    """Compute the weight gradients' GEMMs in FP8 too; --no-fp8-wgrad keeps them in bf16."""
+
+    fp8_emulate: bool = False
+    """Emulate the FP8 casts and GEMMs (torchao's emulate: FP8 rounding, matmuls in high
+    precision) on any device, a CPU included: slow, for checking FP8 numerics and layouts on a
+    machine without an FP8 GPU."""
+
+    first_last_layers_bf16: bool = False
+    """Keep the first num_layers_at_start_in_bf16 and the last num_layers_at_end_in_bf16
+    transformer layers of the model in bf16 under --fp8-format."""
+
+    num_layers_at_start_in_bf16: int = 1
+    """Layers at the start of the model kept in bf16 with first_last_layers_bf16."""
+
+    num_layers_at_end_in_bf16: int = 1
+    """Layers at the end of the model kept in bf16 with first_last_layers_bf16."""
 
     sequence_parallel: bool = False
     """Split norms, dropouts and residuals along the sequence over the TP group (needs TP > 1)."""
@@ -236,17 +326,34 @@ class TransformerConfig:
 
     moe_router_pre_softmax: bool = False
     """With softmax scores: the softmax over all experts, then the top k (their weights do
-    not sum to 1); False: the top k logits, then a softmax over those k."""
+    not sum to 1); False: the top k logits, then a softmax over those k. No effect with
+    sigmoid scores (as in Megatron, which accepts it there)."""
+
+    moe_router_num_groups: int | None = None
+    """Group-limited routing (DeepSeek-V2/V3's device- or node-limited routing): the
+    experts are split into this many equal groups (consecutive expert indices); None: no
+    groups. Needs moe_router_group_topk."""
+
+    moe_router_group_topk: int | None = None
+    """Group-limited routing: the groups each token may use, those with the highest sum of
+    their top (topk / group_topk) scores (with the expert bias, if any); the top k experts
+    are then chosen within them. Needs moe_router_num_groups."""
 
     moe_router_topk_scaling_factor: float | None = None
     """Multiplies the routing weights of the chosen experts."""
 
-    moe_router_load_balancing_type: Literal["aux_loss", "seq_aux_loss", "none"] = "aux_loss"
+    moe_router_load_balancing_type: Literal[
+        "aux_loss", "seq_aux_loss", "global_aux_loss", "none"
+    ] = field(default="aux_loss", metadata={"argparse_meta": {"nargs": "+"}})
     """The auxiliary load-balancing loss: over the micro-batch's tokens (Switch
-    Transformer), per sequence, or none."""
+    Transformer), per sequence (DeepSeek-V2/V3), over the global batch (token counts
+    summed over the tp x dp x cp ranks and averaged over the step's micro-batches so far),
+    or none. One type: Megatron's list of several (with a list of coefficients) is
+    refused."""
 
-    moe_aux_loss_coeff: float = 0.0
-    """Weight of the load-balancing loss (0: not computed)."""
+    moe_aux_loss_coeff: float = field(default=0.0, metadata={"argparse_meta": {"nargs": "+"}})
+    """Weight of the load-balancing loss (0: not computed); one value (Megatron's list of
+    one per balancing type is refused with more than one)."""
 
     moe_z_loss_coeff: float | None = None
     """Weight of the router z-loss mean(logsumexp(logits)^2) (ST-MoE); None: none."""
@@ -332,6 +439,7 @@ class TransformerConfig:
                 f"openai_gelu=True applies to activation='gelu', got {self.activation!r}"
             )
         self._check_gated_activation()
+        check_mla(self)
         check_attention_fields(self)
         if self.layernorm_epsilon <= 0:
             raise ValueError(f"layernorm_epsilon={self.layernorm_epsilon} must be > 0")
@@ -339,10 +447,14 @@ class TransformerConfig:
             value = getattr(self, name)
             if not 0.0 <= value < 1.0:
                 raise ValueError(f"{name}={value} must be in [0, 1)")
+        chunk = self.output_loss_chunk_tokens
+        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0:
+            raise ValueError(f"output_loss_chunk_tokens={chunk!r} must be an integer >= 0")
         if self.init_method_std <= 0:
             raise ValueError(f"init_method_std={self.init_method_std} must be > 0")
         if self.bf16 and self.fp16:
             raise ValueError("bf16=True and fp16=True are exclusive: choose one")
+        check_fp8(self)
         self._check_recompute()
         check_moe(self)
 
@@ -444,6 +556,12 @@ class TransformerConfig:
         if self.sequence_parallel and tp == 1:
             raise ValueError("sequence_parallel=True needs tensor_model_parallel_size > 1, got 1")
         check_attention_parallel(self, tp, cp)
+
+    @property
+    def rotary_head_dim(self) -> int:
+        """The channels of each head that rotary embeddings see (rotary_percent of them are
+        rotated): kv_channels, or multi-latent attention's qk_pos_emb_head_dim."""
+        return self.qk_pos_emb_head_dim if self.multi_latent_attention else self.kv_channels
 
     @property
     def output_layer_init_std(self) -> float:

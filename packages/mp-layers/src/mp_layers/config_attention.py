@@ -18,6 +18,7 @@ __all__ = [
     "YARN_DEFAULTS",
     "check_attention_fields",
     "check_attention_parallel",
+    "uses_yarn",
     "window_layer_pattern",
 ]
 
@@ -86,13 +87,24 @@ def _check_rope_scaling(config: TransformerConfig) -> None:
         )
 
 
+def uses_yarn(config: TransformerConfig) -> bool:
+    """Whether the rotary embeddings are YaRN's: position_embedding_type "yarn", or
+    multi-latent attention with "rope" and rope_type "yarn" (None: Megatron's MLA default)."""
+    if config.position_embedding_type == "yarn":
+        return True
+    mla_yarn = config.rope_type in (None, "yarn")
+    return config.multi_latent_attention and config.position_embedding_type == "rope" and mla_yarn
+
+
 def _check_yarn(config: TransformerConfig) -> None:
-    if config.position_embedding_type != "yarn":
+    if not uses_yarn(config):
         for name, default in YARN_DEFAULTS.items():
             if getattr(config, name) != default:
                 raise ValueError(
-                    f"{name}={getattr(config, name)!r} needs position_embedding_type='yarn', got "
-                    f"{config.position_embedding_type!r}"
+                    f"{name}={getattr(config, name)!r} needs position_embedding_type='yarn' "
+                    "(or multi_latent_attention with rope_type 'yarn'), got "
+                    f"position_embedding_type={config.position_embedding_type!r}, "
+                    f"rope_type={config.rope_type!r}"
                 )
         return
     if config.rotary_percent != 1.0:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from mp_layers.config_rules import choice, positive
+from mp_layers.config_rules import choice, left_default, positive
 
 if TYPE_CHECKING:
     from mp_layers.config import TransformerConfig
@@ -20,16 +20,17 @@ _MOE_DEFAULTS = {
     "moe_router_enable_expert_bias": False,
     "moe_aux_loss_coeff": 0.0,
     "moe_z_loss_coeff": None,
+    "moe_router_num_groups": None,
+    "moe_router_group_topk": None,
 }
 """Fields that mean something only in a MoE model: set without num_moe_experts, refused."""
 
 
 def check_moe(config: TransformerConfig) -> None:
     """Fills moe_ffn_hidden_size and checks the MoE fields; a dense model must leave them."""
+    _one_balancing_loss(config)
     if config.num_moe_experts is None:
-        for name, default in _MOE_DEFAULTS.items():
-            if getattr(config, name) != default:
-                raise ValueError(f"{name}={getattr(config, name)!r} needs num_moe_experts")
+        left_default(config, _MOE_DEFAULTS, "num_moe_experts")
         return
     positive("num_moe_experts", config.num_moe_experts)
     if config.moe_ffn_hidden_size is None:
@@ -62,10 +63,29 @@ def check_moe(config: TransformerConfig) -> None:
     config.moe_layer_pattern()  # validates moe_layer_freq
 
 
+def _one_balancing_loss(config: TransformerConfig) -> None:
+    """Megatron's list form (`--moe-router-load-balancing-type a b` with one coefficient
+    each): a list of one is that one value; several losses at once are refused."""
+    kinds, coeffs = config.moe_router_load_balancing_type, config.moe_aux_loss_coeff
+    if isinstance(kinds, (list, tuple)) and len(kinds) > 1:
+        raise ValueError(
+            f"moe_router_load_balancing_type={list(kinds)!r}: mp computes one load-balancing "
+            "loss per router; give one type (and one moe_aux_loss_coeff)"
+        )
+    if isinstance(coeffs, (list, tuple)) and len(coeffs) > 1:
+        raise ValueError(
+            f"moe_aux_loss_coeff={list(coeffs)!r}: one coefficient per load-balancing type, "
+            "and mp computes one"
+        )
+    if isinstance(kinds, (list, tuple)) and kinds:
+        config.moe_router_load_balancing_type = kinds[0]
+    if isinstance(coeffs, (list, tuple)) and coeffs:
+        config.moe_aux_loss_coeff = float(coeffs[0])
+
+
 def _check_router(config: TransformerConfig) -> None:
+    # Megatron accepts moe_router_pre_softmax with sigmoid scores, where it has no effect.
     choice("moe_router_score_function", config.moe_router_score_function, ("softmax", "sigmoid"))
-    if config.moe_router_pre_softmax and config.moe_router_score_function != "softmax":
-        raise ValueError("moe_router_pre_softmax=True needs moe_router_score_function='softmax'")
     if config.moe_router_enable_expert_bias and config.moe_router_score_function != "sigmoid":
         raise ValueError(
             "moe_router_enable_expert_bias=True needs moe_router_score_function='sigmoid' "
@@ -73,8 +93,18 @@ def _check_router(config: TransformerConfig) -> None:
         )
     choice(
         "moe_router_load_balancing_type", config.moe_router_load_balancing_type,
-        ("aux_loss", "seq_aux_loss", "none"),
+        ("aux_loss", "seq_aux_loss", "global_aux_loss", "none"),
     )  # fmt: skip
+    if config.moe_router_load_balancing_type == "global_aux_loss" and (
+        config.recompute_granularity == "full" or config.moe_layer_recompute
+    ):
+        raise ValueError(
+            "moe_router_load_balancing_type='global_aux_loss' with a recomputed router "
+            f"(recompute_granularity={config.recompute_granularity!r}, moe_layer_recompute="
+            f"{config.moe_layer_recompute}): the recomputation would see other running token "
+            "counts than the first forward; use aux_loss or seq_aux_loss, or selective recompute"
+        )
+    _check_groups(config)
     if config.moe_router_dtype is not None:
         choice("moe_router_dtype", config.moe_router_dtype, ("fp32", "fp64"))
     for name in ("moe_aux_loss_coeff", "moe_router_bias_update_rate"):
@@ -82,6 +112,41 @@ def _check_router(config: TransformerConfig) -> None:
             raise ValueError(f"{name}={getattr(config, name)} must be >= 0")
     if config.moe_z_loss_coeff is not None and config.moe_z_loss_coeff < 0:
         raise ValueError(f"moe_z_loss_coeff={config.moe_z_loss_coeff} must be >= 0")
+
+
+def _check_groups(config: TransformerConfig) -> None:
+    """Group-limited routing: both fields or neither, groups that split the experts evenly
+    and hold the top k."""
+    groups, group_topk = config.moe_router_num_groups, config.moe_router_group_topk
+    if (groups is None) != (group_topk is None):
+        raise ValueError(
+            f"moe_router_num_groups={groups} with moe_router_group_topk={group_topk}: "
+            "group-limited routing needs both (or neither)"
+        )
+    if groups is None:
+        return
+    positive("moe_router_num_groups", groups)
+    positive("moe_router_group_topk", group_topk)
+    experts, topk = config.num_moe_experts, config.moe_router_topk
+    if experts % groups:
+        raise ValueError(
+            f"moe_router_num_groups={groups} does not divide num_moe_experts={experts}"
+        )
+    if group_topk > groups:
+        raise ValueError(
+            f"moe_router_group_topk={group_topk} exceeds moe_router_num_groups={groups}"
+        )
+    if topk > group_topk * (experts // groups):
+        raise ValueError(
+            f"moe_router_topk={topk} exceeds the {group_topk * (experts // groups)} experts "
+            f"of moe_router_group_topk={group_topk} groups of {experts // groups}"
+        )
+    if topk < group_topk:
+        # A group's score sums its top (topk // group_topk) scores: zero of them here.
+        raise ValueError(
+            f"moe_router_topk={topk} is below moe_router_group_topk={group_topk}: each group "
+            "would be ranked by the sum of its top 0 scores"
+        )
 
 
 def check_expert_parallel(config: TransformerConfig, tp: int, cp: int, ep: int, etp: int) -> None:

@@ -11,10 +11,13 @@ pre_process (the first pipeline stage) holds the word and position
 embeddings, post_process (the last) the output layer and the loss; a middle
 stage takes its input from the previous stage (`decoder_input`). The output
 layer is column-parallel over the vocabulary and the loss never gathers it
-(vocab_parallel_cross_entropy). With shared input/output embeddings the
-output layer uses the embedding's weight on a one-stage model; across
-pipeline stages the last stage keeps a copy that sync_tied_embeddings makes
-equal to the first stage's (Megatron's embedding group).
+(vocab_parallel_cross_entropy; with config.output_loss_chunk_tokens the output
+layer and the loss run together a chunk of tokens at a time,
+chunked_linear_cross_entropy, and the [s, b, v/tp] logits never exist). With
+shared input/output embeddings the output layer uses the embedding's weight on
+a one-stage model; across pipeline stages the last stage keeps a copy that
+sync_tied_embeddings makes equal to the first stage's (Megatron's embedding
+group).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from mp_layers.groups import ModelGroups
 from mp_layers.tensor_parallel import (
     ColumnParallelLinear,
     VocabParallelEmbedding,
+    chunked_linear_cross_entropy,
     vocab_parallel_cross_entropy,
 )
 from mp_layers.transformer.kv_cache import KVCache
@@ -96,7 +100,7 @@ class GPTModel(torch.nn.Module):
         self.rotary = None
         if config.position_embedding_type in ("rope", "yarn"):
             self.rotary = RotaryEmbedding(
-                config.kv_channels, config.rotary_percent, config.rotary_base,
+                config.rotary_head_dim, config.rotary_percent, config.rotary_base,
                 config.rotary_seq_len_interpolation_factor,
                 llama3_scaling=Llama3Scaling(
                     config.rope_scaling_factor, config.rope_scaling_low_freq_factor,
@@ -179,11 +183,18 @@ class GPTModel(torch.nn.Module):
             return hidden
         if kv_cache is not None and not kv_cache.all_logits:
             hidden = hidden[-1:]
+        if labels is not None and not self.parallel_output:
+            raise ValueError("the loss needs parallel_output=True (vocabulary-parallel logits)")
+        if labels is not None and self.config.output_loss_chunk_tokens:
+            layer, chunk = self.output_layer, self.config.output_loss_chunk_tokens
+            total = layer.matmul_input(hidden)  # [s, b, h], the whole sequence
+            loss = chunked_linear_cross_entropy(
+                total, layer.weight, labels.t(), self.tp_group, chunk
+            )
+            return loss.t().contiguous()
         logits, _ = self.output_layer(hidden)  # [s, b, v/tp]
         if labels is None:
             return logits.transpose(0, 1).contiguous()
-        if not self.parallel_output:
-            raise ValueError("the loss needs parallel_output=True (vocabulary-parallel logits)")
         # The logits are not handed out: their memory takes their gradient in backward.
         grad_in_logits = logits.grad_fn is not None
         loss = vocab_parallel_cross_entropy(

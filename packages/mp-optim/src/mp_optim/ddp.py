@@ -48,6 +48,7 @@ rank of its group.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator
 
 import torch
@@ -128,7 +129,11 @@ class DistributedDataParallel(torch.nn.Module):
         self._next_launch = [0] * len(self._lanes)
         self._grad_work: dict[Bucket, tuple[dist.Work | None, torch.Tensor | None]] = {}
         self._param_work: dict[Bucket, dist.Work] = {}
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
+        # The hooks reach this wrapper through a weak reference: torch does not show a
+        # tensor's hooks to Python's garbage collector, so a hook holding the wrapper (a
+        # bound method) kept the model and its buffers alive after the last reference.
+        on_grad = _weakly(self, DistributedDataParallel._on_grad)
+        self._hooks = [p.register_post_accumulate_grad_hook(on_grad) for p in params]
         if config.overlap_param_gather:
             for sub in module.modules():
                 if any(True for _ in sub.parameters(recurse=False)):
@@ -312,6 +317,18 @@ class DistributedDataParallel(torch.nn.Module):
             bucket = self._bucket_of.get(param)
             if bucket is not None and bucket in self._param_work:
                 self._param_work.pop(bucket).wait()
+
+
+def _weakly(owner: object, method):
+    """method(owner, *args) while owner lives, holding owner by a weak reference."""
+    ref = weakref.ref(owner)
+
+    def call(*args):
+        alive = ref()
+        if alive is not None:
+            method(alive, *args)
+
+    return call
 
 
 def is_expert_parallel(param: torch.nn.Parameter) -> bool:

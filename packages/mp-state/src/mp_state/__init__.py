@@ -8,7 +8,14 @@ torch.distributed, held in one ParallelState) -> seeds and RNG streams.
 
 from mp_state import testing
 from mp_state.config import ParallelConfig
-from mp_state.devices import DeviceInfo, init_distributed, local_rank, select_device
+from mp_state.devices import (
+    DEVICE_ENV,
+    DeviceInfo,
+    device_type,
+    init_distributed,
+    local_rank,
+    select_device,
+)
 from mp_state.parallel_state import ParallelState, RankGroup, current, destroy, initialize
 from mp_state.plan import (
     GroupPlan,
@@ -32,6 +39,7 @@ from mp_state.rng import (
 
 __all__ = [
     "DATA_PARALLEL_RNG",
+    "DEVICE_ENV",
     "EXPERT_PARALLEL_RNG",
     "TENSOR_PARALLEL_RNG",
     "DeviceInfo",
@@ -45,6 +53,7 @@ __all__ = [
     "default_embedding_ranks",
     "default_position_embedding_ranks",
     "destroy",
+    "device_type",
     "get_rng_state",
     "init_distributed",
     "initialize",

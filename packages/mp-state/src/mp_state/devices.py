@@ -2,6 +2,12 @@
 
 CUDA + NCCL when a GPU is visible, CPU + gloo otherwise; the local rank comes
 from torchrun's environment (LOCAL_RANK), so one process per GPU picks its own.
+
+MP_DEVICE overrides the choice: `cpu` keeps a process on the CPU with gloo on a
+machine with GPUs (and never asks torch about CUDA, so a rank forked from a process
+that has used CUDA runs), `cuda` insists on a GPU and fails at once without one.
+Unset or empty, the choice is automatic. The test suite runs with MP_DEVICE=cpu
+except for the tests marked `cuda` (docs/testing.md).
 """
 
 from __future__ import annotations
@@ -13,7 +19,17 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-__all__ = ["DeviceInfo", "init_distributed", "local_rank", "select_device"]
+__all__ = [
+    "DEVICE_ENV",
+    "DeviceInfo",
+    "device_type",
+    "init_distributed",
+    "local_rank",
+    "select_device",
+]
+
+DEVICE_ENV = "MP_DEVICE"
+"""The environment variable that overrides the device: cpu, cuda, or unset (automatic)."""
 
 
 @dataclass(frozen=True)
@@ -40,17 +56,42 @@ def local_rank() -> int:
     return rank
 
 
+def device_type() -> str:
+    """Where this process computes, "cuda" or "cpu": MP_DEVICE when set, else "cuda"
+    when torch sees a GPU.
+
+    With MP_DEVICE=cpu torch is not asked about CUDA at all."""
+    chosen = os.environ.get(DEVICE_ENV, "")
+    if chosen == "cpu":
+        return "cpu"
+    if chosen not in ("", "cuda"):
+        raise ValueError(
+            f"{DEVICE_ENV}={chosen!r}: expected cpu or cuda (or unset: CUDA when a GPU is "
+            "visible, else the CPU)"
+        )
+    available = torch.cuda.is_available()
+    if chosen == "cuda" and not available:
+        raise ValueError(f"{DEVICE_ENV}=cuda needs a CUDA device and none is visible")
+    return "cuda" if available else "cpu"
+
+
 def select_device(backend: str | None = None) -> DeviceInfo:
-    """CUDA device LOCAL_RANK (mod the visible count) with NCCL, else the CPU with gloo.
-    `backend` (Megatron's --distributed-backend) overrides the backend: gloo on CUDA
-    devices, or nccl, which needs CUDA."""
+    """CUDA device LOCAL_RANK (mod the visible count) with NCCL, else the CPU with gloo
+    (device_type() decides, MP_DEVICE first). `backend` (Megatron's
+    --distributed-backend) overrides the backend: gloo on CUDA devices, or nccl, which
+    needs CUDA."""
     rank = local_rank()
     if backend not in (None, "nccl", "gloo"):
         raise ValueError(f"--distributed-backend {backend!r}: expected nccl or gloo")
-    if torch.cuda.is_available():
+    if device_type() == "cuda":
         device = torch.device("cuda", rank % torch.cuda.device_count())
         return DeviceInfo(device, backend or "nccl", rank)
     if backend == "nccl":
+        if os.environ.get(DEVICE_ENV) == "cpu":
+            raise ValueError(
+                f"--distributed-backend nccl needs CUDA devices and {DEVICE_ENV}=cpu keeps "
+                f"this process on the CPU: use --distributed-backend gloo or unset {DEVICE_ENV}"
+            )
         raise ValueError(
             "--distributed-backend nccl needs CUDA devices and none is visible: use "
             "--distributed-backend gloo (the default without a GPU)"

@@ -36,6 +36,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from mp_state.devices import device_type
+
 if TYPE_CHECKING:
     from mp_state.parallel_state import ParallelState
 
@@ -168,7 +170,7 @@ def set_random_seeds(
     """Seeds python, numpy and torch for this rank and returns its stream tracker.
 
     `device` is the generator the tracker drives: by default the current CUDA
-    device when CUDA is available, else the CPU.
+    device when this process computes on CUDA (mp_state.device_type()), else the CPU.
     """
     s = stage_seed(seed, state.pp.rank, state.dp.rank, data_parallel_random_init)
     random.seed(s)
@@ -176,7 +178,7 @@ def set_random_seeds(
         numpy.random.seed(s)
     torch.manual_seed(s)  # the CPU and every CUDA device
     if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+        device = device_type()
     tracker = RNGStatesTracker(device)
     for name, stream_seed in model_parallel_seeds(
         s, state.tp.rank, state.ep.rank, state.expert_tp.rank

@@ -148,7 +148,9 @@ _RNG_GROUPS = ("tp", "pp", "dp", "cp", "ep", "expert_tp")
 _SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
                  "kv_channels", "ffn_hidden_size", "activation", "normalization",
                  "add_bias_linear", "add_qkv_bias", "qk_layernorm",
-                 "untie_embeddings_and_output_weights", "position_embedding_type")  # fmt: skip
+                 "untie_embeddings_and_output_weights", "position_embedding_type",
+                 "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim",
+                 "qk_pos_emb_head_dim", "v_head_dim")  # fmt: skip
 
 
 def _check_model_matches(run: Run, load: str, iteration: int | None) -> None:

@@ -18,6 +18,10 @@ Parameters (Megatron-LM's compute_weight_and_optimizer_memory): per layer attent
 LayerNorm, 1 for RMSNorm); a MoE layer's MLP is h(E f_moe + f_shared) x (3|2), plus its
 router hE and, with moe_shared_expert_gate, the gate's h (Megatron leaves both out; they
 are trained and saved like any weight); final norm; embedding hV, doubled when untied.
+Multi-latent attention (r kv_lora_rank, r_q q_lora_rank, dn qk_head_dim, dr
+qk_pos_emb_head_dim, dv v_head_dim) has r_q(h + a(dn + dr)) for its queries (ha(dn + dr)
+without r_q), r(h + a(dn + dv)) + h dr for keys and values and a dv h for its output,
+plus the latent norms' r_q and r with qk_layernorm (Megatron counts them always).
 The biases of attention and dense MLPs and learned position embeddings are not counted
 (as in Megatron); a MoE layer's, with add_bias_linear, are, like its router: the router's
 E and the routed experts' E(f_moe x (2|1) + h) (gpt-oss), counted with the experts.
@@ -66,7 +70,11 @@ weight and a GEMM of (m x n)(n x k) is 2mnk, so per token and layer
 6[h(ad + 2gd) + ad s + ad h] for attention (the causal mask halves QK^T and its product
 with V), 6hf x (3|2) for a dense MLP, 6h(k f_moe + f_shared) x (3|2) for a MoE one, and
 6hV for the logits; times B s (the router's 6hE per token and MoE layer is left out, as
-Megatron does). With a = g, f = 4h it is 72BsLh^2(1 + s/(12h) + V/(12Lh)).
+Megatron does). With a = g, f = 4h it is 72BsLh^2(1 + s/(12h) + V/(12Lh)). Multi-latent
+attention's per token and layer, Megatron's MLA branch: 6[r_q(h + a(dn + dr) + 1) + r(h +
+a(dn + dv) + 1) + h dr + a dv h + s a(dn + dr + dv)/2] (r_q(...) is ha(dn + dr) without a
+query latent; the + 1 counts each latent norm). Its activations are estimated with the
+formula above, as Megatron does (h for the widths the layer keeps).
 """
 
 from __future__ import annotations
@@ -78,7 +86,7 @@ import sys
 
 import torch
 
-from mp_layers import keeps_attention_probabilities, saved_probability_bytes
+from mp_layers import TransformerConfig, keeps_attention_probabilities, saved_probability_bytes
 from mp_pipeline import stage_layers
 from mp_train.config import RunConfig
 
@@ -199,19 +207,10 @@ def _parameters(config: RunConfig, V: int) -> dict:
     ones beside them (biases, norms, qk-layernorm, attention sinks, learned positions), so
     that the total equals GPTModel's count for every family."""
     m = config.model
-    h, d = m.hidden_size, m.kv_channels
-    a, g = m.num_attention_heads, m.num_query_groups
+    h = m.hidden_size
     gated = 3 if m.gated_linear_unit else 2  # fc1 (twice as wide when gated) and fc2
     norm = 1 if m.normalization == "RMSNorm" else 2  # LayerNorm has a bias
-    attention = 2 * h * d * (a + g)  # Q, K, V and out
-    if m.add_bias_linear or m.add_qkv_bias:
-        attention += d * (a + 2 * g)
-    if m.add_bias_linear:
-        attention += h  # the output projection's bias
-    if m.qk_layernorm:
-        attention += 2 * d * norm
-    if m.softmax_type == "learnable":
-        attention += a  # one sink logit per head
+    attention = _attention_parameters(m, norm)
     n_dense, n_moe = _moe_layers(config)
     mlp = h * m.ffn_hidden_size * gated
     if m.add_bias_linear:
@@ -239,6 +238,40 @@ def _parameters(config: RunConfig, V: int) -> dict:
         "total": total, "active": total - experts + active_experts, "block": block,
         "experts": experts, "embedding": embedding,
     }  # fmt: skip
+
+
+def _attention_parameters(m: TransformerConfig, norm: int) -> int:
+    """One layer's attention parameters; norm: parameters per normalized channel."""
+    h, a = m.hidden_size, m.num_attention_heads
+    if m.multi_latent_attention:
+        return _mla_parameters(m, norm)
+    d, g = m.kv_channels, m.num_query_groups
+    attention = 2 * h * d * (a + g)  # Q, K, V and out
+    if m.add_bias_linear or m.add_qkv_bias:
+        attention += d * (a + 2 * g)
+    if m.add_bias_linear:
+        attention += h  # the output projection's bias
+    if m.qk_layernorm:
+        attention += 2 * d * norm
+    if m.softmax_type == "learnable":
+        attention += a  # one sink logit per head
+    return attention
+
+
+def _mla_parameters(m: TransformerConfig, norm: int) -> int:
+    """Multi-latent attention's: the query projection (or its down and up projections and
+    latent norm), the key/value down projection [r + dr, h], its latent norm and up
+    projection [a (dn + dv), r], the output projection [h, a dv] and its bias; the latent
+    norms only when qk_layernorm builds them (Megatron's formula counts them always)."""
+    h, a, r = m.hidden_size, m.num_attention_heads, m.kv_lora_rank
+    dn, dr, dv = m.qk_head_dim, m.qk_pos_emb_head_dim, m.v_head_dim
+    latent_norm = norm if m.qk_layernorm else 0
+    if m.q_lora_rank is None:
+        query = h * a * (dn + dr)
+    else:
+        query = m.q_lora_rank * (h + a * (dn + dr) + latent_norm)
+    key_value = r * (h + a * (dn + dv) + latent_norm) + h * dr
+    return query + key_value + a * dv * h + (h if m.add_bias_linear else 0)
 
 
 def _weight_and_optimizer(config: RunConfig, layout: dict, params: dict) -> dict:
@@ -355,11 +388,8 @@ def _score_bytes(config: RunConfig, layout: dict, b: int, device_type: str) -> f
 def _flops(config: RunConfig, layout: dict, V: int) -> int:
     m = config.model
     s, h, L = config.gpt.seq_length, m.hidden_size, m.num_layers
-    q = m.kv_channels * m.num_attention_heads
-    kv = m.kv_channels * m.num_query_groups
     gated = 3 if m.gated_linear_unit else 2
-    # Per token: QKV and output projections, and QK^T, (QK^T)V at half (causal): 2 x qs/2.
-    attention = h * (q + 2 * kv) + q * s + q * h
+    attention = _attention_flops(m, s)
     n_dense, n_moe = _moe_layers(config)
     mlp = m.ffn_hidden_size * gated * n_dense
     if n_moe:
@@ -367,6 +397,24 @@ def _flops(config: RunConfig, layout: dict, V: int) -> int:
         mlp += (routed + (m.moe_shared_expert_intermediate_size or 0)) * gated * n_moe
     per_token = 3 * 2 * (h * mlp + attention * L + h * V)  # fwd + 2 bwd GEMMs, 2 per multiply-add
     return layout["gbs"] * s * per_token
+
+
+def _attention_flops(m: TransformerConfig, s: int) -> float:
+    """One layer's attention multiply-adds per token, Megatron's num_floating_point_operations:
+    the projections, and QK^T and (QK^T)V at half (the causal mask)."""
+    a = m.num_attention_heads
+    if not m.multi_latent_attention:
+        q = m.kv_channels * a
+        kv = m.kv_channels * m.num_query_groups
+        return m.hidden_size * (q + 2 * kv) + q * s + q * m.hidden_size
+    h, r = m.hidden_size, m.kv_lora_rank
+    dn, dr, dv = m.qk_head_dim, m.qk_pos_emb_head_dim, m.v_head_dim
+    # Megatron's MLA terms, each latent norm counted as one multiply-add per channel.
+    query = h * a * (dn + dr)
+    if m.q_lora_rank is not None:
+        query = m.q_lora_rank * (h + a * (dn + dr) + 1)
+    projections = query + r * (h + a * (dn + dv) + 1) + h * dr + a * dv * h
+    return projections + s * (a * (dn + dr) + a * dv) / 2
 
 
 def _positive(name: str, value: object) -> None:

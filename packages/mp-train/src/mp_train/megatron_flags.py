@@ -53,6 +53,11 @@ IGNORED: dict[str, tuple[bool, str]] = {
         False,
         "a CUDA overlap switch; mp's tensor-parallel reductions are synchronous",
     ),
+    "tp_only_amax_red": (
+        False,
+        "mp's FP8 scales each rank's tensors from their own amax, with no amax reduction",
+    ),
+    "fp8_interval": (True, "deprecated by Transformer Engine and ignored by Megatron too"),
     "use_cpu_initialization": (
         False,
         "mp always initializes weights on the CPU (the same model at every TP size)",
@@ -85,6 +90,15 @@ IGNORED: dict[str, tuple[bool, str]] = {
         "overlaps the shared expert with the token dispatch on CUDA streams; mp runs them "
         "one after the other, with the same result",
     ),
+    "cache_mla_latents": (
+        False,
+        "mp's KV cache always keeps multi-latent attention's latents (and attends in their space)",
+    ),
+    "mla_down_proj_fusion": (
+        False,
+        "fuses MLA's query and key/value down projections (and the input norm) where the "
+        "backend supports it; mp runs them as two linear layers, with the same result",
+    ),
 }
 
 # Megatron-LM's features of other model families, refused by what they need (the first
@@ -94,7 +108,10 @@ _HYBRID = (
     "Mamba-hybrid models (Nemotron-H, NVIDIA-Nemotron-Nano-9B-v2, Nemotron 3) are not "
     "implemented: mp builds attention + MLP transformer layers only"
 )
-_MLA = "multi-latent attention (DeepSeek-V2/V3, Kimi K2) is not implemented"
+_FP8_DELAYED = (
+    "a knob of delayed FP8 scaling (Transformer Engine's); mp's FP8 (torchao) scales each "
+    "tensor from its current amax: drop it"
+)
 _FAMILIES: dict[str, tuple[bool, str]] = {
     "hybrid_layer_pattern": (True, _HYBRID),
     "hybrid_override_pattern": (True, _HYBRID),
@@ -103,20 +120,10 @@ _FAMILIES: dict[str, tuple[bool, str]] = {
     "mamba_head_dim": (True, f"Mamba layers: {_HYBRID}"),
     "mamba_num_groups": (True, f"Mamba layers: {_HYBRID}"),
     "mamba_state_dim": (True, f"Mamba layers: {_HYBRID}"),
-    "multi_latent_attention": (False, _MLA),
-    "q_lora_rank": (True, f"a size of {_MLA}"),
-    "kv_lora_rank": (True, f"a size of {_MLA}"),
-    "qk_head_dim": (True, f"a size of {_MLA}"),
-    "qk_pos_emb_head_dim": (True, f"a size of {_MLA}"),
-    "v_head_dim": (True, f"a size of {_MLA}"),
     "mtp_num_layers": (True, "multi-token prediction (DeepSeek-V3's MTP layers) is not "
                        "implemented"),
     "mtp_loss_scaling_factor": (True, "multi-token prediction (DeepSeek-V3's MTP layers) is "
                                 "not implemented"),
-    "moe_router_num_groups": (True, "group-limited expert routing (DeepSeek-V3) is not "
-                              "implemented"),
-    "moe_router_group_topk": (True, "group-limited expert routing (DeepSeek-V3) is not "
-                              "implemented"),
     "no_rope_freq": (True, "layers without rotary embeddings (NoPE layers, Llama 4) are not "
                      "implemented"),
     "export_moe_apply_probs_on_input": (False, "routing weights applied to the experts' input "
@@ -147,7 +154,22 @@ REFUSED: dict[str, tuple[bool, str]] = {
         False,
         "fp16 query-key layer scaling is not implemented: drop it (use bf16)",
     ),
-    "fp8_format": (True, "fp8 training is not implemented: use --bf16"),
+    "fp8_margin": (True, _FP8_DELAYED),
+    "fp8_amax_history_len": (True, _FP8_DELAYED),
+    "fp8_amax_compute_algo": (True, _FP8_DELAYED),
+    "fp8_param_gather": (
+        False,
+        "FP8 parameters and their all-gather need Transformer "
+        "Engine: mp keeps parameters in their dtype under --fp8-format",
+    ),
+    "fp8_dot_product_attention": (
+        False,
+        "FP8 attention needs Transformer Engine: mp's attention stays in bf16 under --fp8-format",
+    ),
+    "fp8_multi_head_attention": (
+        False,
+        "FP8 attention needs Transformer Engine: mp's attention stays in bf16 under --fp8-format",
+    ),
     "overlap_p2p_communication": (
         False,
         "mp's schedules do not overlap pipeline sends and receives with compute: drop it",

@@ -31,7 +31,12 @@ from mp_train.setup import Run
 from mp_train.stragglers import STRAGGLER_TIMER, straggler_line
 from mp_train.tensorboard import TensorBoard
 
-__all__ = ["MetricsLogger", "measure_peak_tflops", "model_flops_utilization"]
+__all__ = [
+    "MetricsLogger",
+    "known_peak_tflops",
+    "measure_peak_tflops",
+    "model_flops_utilization",
+]
 
 log = logging.getLogger("mp_train")
 
@@ -92,7 +97,7 @@ class MetricsLogger:
         self.estimate = estimate(run.config, dist.get_world_size(),
                                  vocab_size=run.padded_vocab_size,
                                  device_type=run.device.type)  # fmt: skip
-        self.peak_tflops = self.config.peak_tflops or _known_gpu_peak(run.device)
+        self.peak_tflops = self.config.peak_tflops or known_peak_tflops(run.device)
         self._remeasure = None  # a measured reference is measured again if MFU passes 1
         if not self.peak_tflops:
             self.peak_tflops, self._remeasure = _measured_peak(run.device), measure_peak_tflops
@@ -360,7 +365,9 @@ def _process_memory_bytes() -> tuple[int, int]:
     return current, max(current, peak)  # the kernel's peak may lag the current
 
 
-def _known_gpu_peak(device: torch.device) -> float | None:
+def known_peak_tflops(device: torch.device) -> float | None:
+    """The dense bf16 peak TFLOP/s of a known GPU (by its name), else None (a CPU, or a GPU
+    the table does not name)."""
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)

@@ -4,12 +4,15 @@ knows nothing of them):
 - before the micro-batches: the factor the routers' auxiliary losses get in backward,
   the one the main loss gets (the loss scale / the number of micro-batches; with a
   per-token loss the loss scale alone, as in Megatron);
+  the global load-balancing loss's token counts start from zero;
 - after them: the expert biases of auxiliary-loss-free balancing move (their token
   counts summed over the stage's tp x dp x cp ranks, Megatron's finalize step);
 - for the log: each auxiliary loss (divided by its coefficient, as Megatron logs it)
   per micro-batch, summed over tensor-parallel parts and pipeline stages, averaged over
-  data-parallel ranks and over the model's MoE layers: `load_balancing_loss` (or
-  `seq_load_balancing_loss`) and `z_loss`, beside `lm loss`.
+  data-parallel ranks (summed for the global loss, whose ranks' parts add up to the
+  global batch's loss, as in Megatron) and over the model's MoE layers:
+  `load_balancing_loss` (or `seq_load_balancing_loss`, `global_load_balancing_loss`)
+  and `z_loss`, beside `lm loss`.
 """
 
 from __future__ import annotations
@@ -22,6 +25,12 @@ from mp_state import ParallelState
 
 __all__ = ["MoEStep", "aux_loss_names"]
 
+_BALANCING_NAMES = {
+    "aux_loss": "load_balancing_loss",
+    "seq_aux_loss": "seq_load_balancing_loss",
+    "global_aux_loss": "global_load_balancing_loss",
+}
+
 
 def aux_loss_names(model: TransformerConfig) -> list[str]:
     """The auxiliary losses a model's routers record in training, in log order."""
@@ -30,9 +39,7 @@ def aux_loss_names(model: TransformerConfig) -> list[str]:
     names = []
     balancing = model.moe_router_load_balancing_type
     if model.moe_aux_loss_coeff > 0 and balancing != "none":
-        names.append(
-            "seq_load_balancing_loss" if balancing == "seq_aux_loss" else "load_balancing_loss"
-        )
+        names.append(_BALANCING_NAMES[balancing])
     if model.moe_z_loss_coeff:
         names.append("z_loss")
     return names
@@ -52,6 +59,8 @@ class MoEStep:
         # With a per-token loss the main loss is not divided by the micro-batches (finalize
         # divides every gradient by the batch's tokens): neither are the auxiliary losses.
         moe.set_aux_loss_scale(scale if self.per_token else scale / num_microbatches)
+        for router in self.routers:
+            router.reset_global_counts()
 
     def after_backward(self) -> None:
         moe.update_expert_biases(self.routers, self.state.tp_dp_cp)
@@ -70,5 +79,7 @@ class MoEStep:
         dp = self.state.dp
         if dp.size > 1:
             dist.all_reduce(values, group=dp.group)
-        values = values.cpu() / (dp.size * num_microbatches * self.moe_layers)
+        summed = torch.tensor([n == "global_load_balancing_loss" for n in self.names])
+        values = values.cpu() / torch.where(summed, 1, dp.size)
+        values = values / (num_microbatches * self.moe_layers)
         return {name: float(v) for name, v in zip(self.names, values, strict=True)}

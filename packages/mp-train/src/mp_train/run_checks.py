@@ -4,7 +4,8 @@ rank: in the user's terms (the flags they gave, in iterations when they gave ite
     check_schedule(config)    the learning-rate warm-up ends before the decay does
     check_tokenizer(config)   a tokenizer type mp has, with the arguments it requires
     check_input_files(config) the data prefixes and tokenizer files exist
-    check_backend(config)     --distributed-backend nccl has CUDA devices to run on
+    check_backend(config)     --distributed-backend nccl has CUDA devices to run on, and
+                              --fp8-format a GPU with FP8 tensor cores (and torchao)
 
 validate() applies the first; an entry point applies the other two (load_config),
 before torch.distributed starts: the library's own callers may build their tokenizer
@@ -22,13 +23,15 @@ __all__ = ["check_backend", "check_input_files", "check_schedule", "check_tokeni
 
 
 def check_backend(config) -> None:
-    """The backend the run names can start here (nccl needs CUDA), before any rank starts
-    torch.distributed."""
+    """The backend the run names can start here (nccl needs CUDA), and its FP8 GEMMs can
+    run on this device, before any rank starts torch.distributed."""
     import mp_state
+    from mp_layers import check_fp8_device
 
     try:
-        mp_state.select_device(config.parallel.distributed_backend)
-    except ValueError as error:
+        device = mp_state.select_device(config.parallel.distributed_backend).device
+        check_fp8_device(config.model, device)
+    except (ValueError, RuntimeError) as error:
         raise ConfigError(str(error)) from None
 
 

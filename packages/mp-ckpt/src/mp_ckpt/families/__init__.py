@@ -5,6 +5,7 @@
     family(model_type)          its Family (table.py): rules and config.json mapping
     family_of(settings)         the family a model's settings describe, for a checkpoint
                                 that does not say which it was imported as
+    check_convertible(settings) refuses, naming it, a layer no family's table describes yet
 
 Adding a family is a file here (its Rules, its settings <-> config.json functions, a
 FAMILY) and its name in ARCHITECTURES. Import and export (mp_ckpt.hf) loop over its
@@ -17,10 +18,21 @@ from __future__ import annotations
 
 import importlib
 
-__all__ = ["ARCHITECTURES", "family", "family_of"]
+__all__ = ["ARCHITECTURES", "check_convertible", "family", "family_of"]
 
 ARCHITECTURES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "nemotron", "mixtral",
                  "qwen2_moe", "qwen3_moe", "gpt_oss")  # fmt: skip
+
+
+def check_convertible(settings: dict) -> None:
+    """Raises a ValueError naming the feature when the settings describe layers that no
+    family's table holds, so that a conversion stops before reading any tensor."""
+    if settings.get("multi_latent_attention"):
+        raise ValueError(
+            "multi-latent attention (DeepSeek-V2/V3, Kimi K2) has no Hugging Face or "
+            "Megatron-LM conversion yet: the checkpoint trains, resumes and reshards in mp's "
+            "own format only"
+        )
 
 
 def family(model_type: str):
@@ -37,6 +49,7 @@ def family_of(settings: dict) -> str:
     shared expert Qwen2-MoE, with qk-layernorm Qwen3-MoE, else Mixtral; dense with
     qk-layernorm Qwen3, with LayerNorm1P Nemotron, with q/k/v biases Qwen2, with a
     sliding window Mistral, else Llama."""
+    check_convertible(settings)
     if settings.get("position_embedding_type", "learned_absolute") == "learned_absolute":
         return "gpt2"
     if settings.get("num_moe_experts"):

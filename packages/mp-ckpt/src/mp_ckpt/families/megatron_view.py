@@ -134,6 +134,7 @@ class MegatronView:
 def megatron_view(settings: dict, family: Family | None = None) -> MegatronView:
     """The Megatron view of `family` (default: the one the settings describe) completed by
     the generic GPT table, for a model with these settings."""
+    families.check_convertible(settings)
     family = family or families.family(families.family_of(settings))
     generic = gpt_model.RULES
 

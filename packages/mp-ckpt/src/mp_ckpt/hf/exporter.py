@@ -27,7 +27,7 @@ import torch
 from mp_ckpt.core.progress import progress as progress_reporter
 from mp_ckpt.core.reader import CheckpointReader
 from mp_ckpt.core.regions import Region
-from mp_ckpt.families import family, family_of
+from mp_ckpt.families import check_convertible, family, family_of
 from mp_ckpt.families.moe import is_moe_layer
 from mp_ckpt.families.table import Dims, Family, Rule
 from mp_ckpt.hf.safetensors_writer import ShardedSafetensorsWriter
@@ -64,6 +64,7 @@ def export_hf(
     common = common if isinstance(common, dict) else {}
     run_model = (common.get("config") or {}).get("model") or {}
     settings = _from_tensors(reader, keys, dict(run_model) | dict(common.get("model_config") or {}))
+    check_convertible(settings)
     arch = arch or common.get("family") or family_of(settings)
     fam = family(arch)
     tensors = _plan(fam, reader, settings)

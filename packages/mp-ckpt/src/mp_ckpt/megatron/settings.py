@@ -133,7 +133,6 @@ def _attention_settings(args, position: str) -> dict:
 
 # Megatron MoE settings that change the computation in ways mp does not implement.
 _MOE_REFUSED = (
-    ("moe_router_num_groups", None), ("moe_router_group_topk", None),
     ("moe_input_jitter_eps", None), ("moe_apply_probs_on_input", False),
     ("moe_latent_size", None), ("moe_router_force_load_balancing", False),
     ("moe_use_legacy_grouped_gemm", False),
@@ -147,6 +146,7 @@ MOE_COPIED = {
     "moe_pad_expert_input_to_capacity": False, "moe_token_drop_policy": "probs",
     "moe_shared_expert_intermediate_size": None, "moe_shared_expert_gate": False,
     "moe_grouped_gemm": False, "moe_router_dtype": None,
+    "moe_router_num_groups": None, "moe_router_group_topk": None,
 }  # fmt: skip
 
 
@@ -171,9 +171,9 @@ def moe_settings_from_megatron(args, settings: dict, where: str) -> dict:
             raise ValueError(f"{where}: moe_router_load_balancing_type={balancing!r}: mp "
                              "computes one load-balancing loss")  # fmt: skip
         balancing, coeff = balancing[0], coeff[0] if isinstance(coeff, list) else coeff
-    if balancing not in ("aux_loss", "seq_aux_loss", "none"):
+    if balancing not in ("aux_loss", "seq_aux_loss", "global_aux_loss", "none"):
         raise ValueError(f"{where}: moe_router_load_balancing_type={balancing!r}: mp computes "
-                         "aux_loss, seq_aux_loss and none")  # fmt: skip
+                         "aux_loss, seq_aux_loss, global_aux_loss and none")  # fmt: skip
     out["moe_router_load_balancing_type"] = balancing
     out["moe_aux_loss_coeff"] = float(coeff or 0.0)
     dispatcher = _arg(args, "moe_token_dispatcher_type", "allgather")

@@ -25,7 +25,9 @@ wait for a peer that is late); outside it the waits are untimed.
 
 Shapes: q [s, b, nq, d], k and v [s, b, ng, d], s this rank's tokens (two chunks of
 s/2), nq = ng x qg; the output [s, b, nq * d]. Inside, q is [B, qg, s, d] and k, v
-[B, s, d] with B = b x ng (block_math.py).
+[B, s, d] with B = b x ng (block_math.py). Values of another width dv (multi-latent
+attention) travel zero-padded, with q and k, to the wider of d and dv (the zero channels
+add nothing to q k^T): the output keeps its first dv channels, [s, b, nq * dv].
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from mp_layers.context_parallel.block_math import (
     block_backward,
@@ -103,7 +106,14 @@ def context_parallel_attention(
         raise ValueError(f"a context-parallel rank holds two equal chunks; got {s} positions")
     if nq % k.shape[2]:
         raise ValueError(f"{nq} query heads cannot share {k.shape[2]} key/value heads")
-    return _ContextParallelAttention.apply(q, k, v, cp_group, scale, comm_type)
+    d, dv = q.shape[-1], v.shape[-1]
+    if d == dv:
+        return _ContextParallelAttention.apply(q, k, v, cp_group, scale, comm_type)
+    # Keys and values travel stacked in one tensor, so of one width (module docstring).
+    width = max(d, dv)
+    q, k, v = (F.pad(t, (0, width - t.shape[-1])) for t in (q, k, v))
+    out = _ContextParallelAttention.apply(q, k, v, cp_group, scale, comm_type)
+    return out.view(s, out.shape[1], nq, width)[..., :dv].reshape(s, out.shape[1], nq * dv)
 
 
 class _ContextParallelAttention(torch.autograd.Function):

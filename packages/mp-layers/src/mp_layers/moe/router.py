@@ -10,7 +10,12 @@ Scores (Megatron's topk_routing_with_score_function): softmax with pre_softmax t
 the top k of softmax(logits); softmax without it the top k logits, then a softmax over
 those k (equal to renormalizing the top k of the full softmax, Mixtral's rule); sigmoid
 the top k of sigmoid(logits) (+ the expert bias, for the choice only), normalized to sum
-1 when k > 1. A scaling factor multiplies the weights.
+1 when k > 1 (pre_softmax has no effect there). A scaling factor multiplies the weights.
+
+Group-limited routing (DeepSeek-V2/V3, Megatron's group_limited_topk): the E experts form
+G groups of E/G consecutive ones; each token ranks the groups by the sum of their top
+k // group_topk values (those the top k is taken of: logits, softmax or biased sigmoid
+scores), keeps the best group_topk and takes its top k among their experts only.
 
 With a capacity factor each expert keeps at most ceil(T k / E * factor) of its tokens
 (Megatron's rule; none dropped when that exceeds T): those with the highest weights
@@ -46,10 +51,16 @@ _DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
 
 
 class TopKRouter(torch.nn.Module):
-    def __init__(self, config: TransformerConfig, tp_group: RankGroup) -> None:
+    """`balance_group` (tp x dp x cp, needed by the global load-balancing loss only; None:
+    this rank alone) is where that loss counts tokens."""
+
+    def __init__(
+        self, config: TransformerConfig, tp_group: RankGroup, balance_group: RankGroup | None = None
+    ) -> None:
         super().__init__()
         self.config = config
         self.tp_group = tp_group
+        self.balance_group = balance_group
         self.experts, self.topk = config.num_moe_experts, config.moe_router_topk
         master = torch.empty(self.experts, config.hidden_size, dtype=torch.float32)
         torch.nn.init.normal_(master, std=config.init_method_std)
@@ -67,6 +78,12 @@ class TopKRouter(torch.nn.Module):
             )
         else:
             self.expert_bias = None
+        if config.moe_router_load_balancing_type == "global_aux_loss":
+            # Counts over balance_group, summed over the micro-batches since the last reset
+            # (Megatron's global_tokens_per_expert and ga_steps).
+            self.register_buffer("global_tokens_per_expert", torch.zeros(self.experts),
+                                 persistent=False)  # fmt: skip
+            self.register_buffer("global_steps", torch.zeros(()), persistent=False)
         self.metrics: dict[str, torch.Tensor] = {}
         """Sums over the micro-batches since the last reset of the auxiliary losses divided by
         their coefficients (Megatron's logged values), this rank's part."""
@@ -105,14 +122,15 @@ class TopKRouter(torch.nn.Module):
         config = self.config
         if config.moe_router_score_function == "softmax":
             if config.moe_router_pre_softmax:
-                weights, chosen = torch.softmax(logits, -1, dtype=torch.float32).topk(self.topk)
+                scores = torch.softmax(logits, -1, dtype=torch.float32)
+                weights, chosen = self._choose(scores)
             else:
-                top, chosen = logits.topk(self.topk)
+                top, chosen = self._choose(logits)
                 weights = torch.softmax(top, -1, dtype=torch.float32)
         else:
             scores = torch.sigmoid(logits.float())
             ranking = scores if self.expert_bias is None else scores + self.expert_bias
-            chosen = ranking.topk(self.topk).indices
+            chosen = self._choose(ranking)[1]
             weights = scores.gather(1, chosen)
             if self.topk > 1:
                 weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
@@ -121,6 +139,20 @@ class TopKRouter(torch.nn.Module):
         probs = torch.zeros_like(logits, dtype=torch.float32).scatter(1, chosen, weights)
         routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter(1, chosen, True)
         return probs, routing_map
+
+    def _choose(self, ranking: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The top k of ranking [T, E] (values, indices [T, k]); with groups, among the
+        experts of each token's best moe_router_group_topk groups."""
+        groups, group_topk = self.config.moe_router_num_groups, self.config.moe_router_group_topk
+        if groups is None:
+            return ranking.topk(self.topk)
+        tokens = ranking.shape[0]
+        per_group = ranking.view(tokens, groups, -1)  # [T, G, E/G]
+        group_score = per_group.topk(self.topk // group_topk).values.sum(-1)  # [T, G]
+        kept = group_score.topk(group_topk).indices
+        allowed = torch.zeros_like(group_score, dtype=torch.bool).scatter(1, kept, True)
+        allowed = allowed.unsqueeze(-1).expand_as(per_group).reshape(tokens, -1)
+        return ranking.masked_fill(~allowed, float("-inf")).topk(self.topk)
 
     def _attach_balancing_loss(self, probs, logits, s: int, b: int, counting: bool):
         """The load-balancing loss over this micro-batch's tokens (or per sequence), from
@@ -146,6 +178,12 @@ class TopKRouter(torch.nn.Module):
                 / b
             )  # the mean over the sequences
             name = "seq_load_balancing_loss"
+        elif self.config.moe_router_load_balancing_type == "global_aux_loss":
+            counts, total = self._global_counts(chosen)
+            loss = aux_losses.load_balancing_loss(
+                scores, counts, total, self.topk, self.experts, coeff
+            )
+            name = "global_load_balancing_loss"
         elif self.config.moe_router_load_balancing_type == "aux_loss":
             counts = reduce_from_tensor_model_parallel_region(chosen.sum(0).float(), tp)
             total = scores.shape[0] * tp.size
@@ -158,6 +196,26 @@ class TopKRouter(torch.nn.Module):
         if counting:
             self._record(name, loss / coeff)
         return aux_losses.attach(probs, loss)
+
+    def _global_counts(self, chosen: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """Megatron's global load balancing: this micro-batch's counts summed over
+        balance_group, added to those of the step's earlier micro-batches and averaged over
+        them; the tokens of one micro-batch over the group."""
+        counts = chosen.sum(0).float()
+        group = self.balance_group
+        if group is not None and group.size > 1:
+            dist.all_reduce(counts, group=group.group)
+        with torch.no_grad():
+            self.global_tokens_per_expert += counts
+            self.global_steps += 1
+        size = 1 if group is None else group.size
+        return self.global_tokens_per_expert / self.global_steps, chosen.shape[0] * size
+
+    def reset_global_counts(self) -> None:
+        """A new step: the global load-balancing loss counts from zero again."""
+        if self.config.moe_router_load_balancing_type == "global_aux_loss":
+            self.global_tokens_per_expert.zero_()
+            self.global_steps.zero_()
 
     def _record(self, name: str, value: torch.Tensor) -> None:
         value = value.detach().float()

@@ -35,6 +35,7 @@ from mp_layers.tensor_parallel.collectives import gather_first, reduce_scatter_f
 from mp_layers.tensor_parallel.initialization import InitMethod, init_partitioned_weight
 from mp_layers.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
     gather_from_tensor_model_parallel_region,
 )
 from mp_layers.tensor_parallel.partition import divide
@@ -133,18 +134,34 @@ class ColumnParallelLinear(torch.nn.Module):
             self.bias = torch.nn.Parameter(torch.zeros(self.output_size_per_partition, **factory))
         else:
             self.register_parameter("bias", None)
+        self.fp8_matmul = None
+        """mp_layers.fp8.Fp8Matmul when the local GEMM computes in FP8 (mp_layers.fp8)."""
 
     def forward(self, input: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """[s, b, in] (or [s/tp, b, in]) -> ([s, b, out/tp] or [s, b, out], bias or None)."""
         bias = None if self.skip_bias_add else self.bias
-        if self.sequence_parallel:
+        if self.fp8_matmul is not None:
+            output = self.fp8_matmul(self.matmul_input(input), self.weight)
+            if bias is not None:
+                output = output + bias
+        elif self.sequence_parallel:
             output = _SequenceParallelMatmul.apply(input, self.weight, bias, self.tp_group)
         else:
-            input = copy_to_tensor_model_parallel_region(input, self.tp_group)
-            output = F.linear(input, self.weight, bias)
+            output = F.linear(self.matmul_input(input), self.weight, bias)
         if self.gather_output:
             output = gather_from_tensor_model_parallel_region(output, self.tp_group)
         return output, (self.bias if self.skip_bias_add else None)
+
+    def matmul_input(self, input: torch.Tensor) -> torch.Tensor:
+        """The input [s, b, in] as this layer's matmul sees it, for a matmul other than
+        forward()'s own (the FP8 one, chunked_linear_cross_entropy): behind the mapping
+        whose backward sums the ranks' partial input gradients, an all-reduce, or under
+        sequence parallelism the all-gather of [s/tp, b, in] whose backward
+        reduce-scatters (a caller that saves it for backward keeps [s, b, in], where the
+        sequence-parallel matmul of forward() keeps [s/tp, b, in])."""
+        if self.sequence_parallel:
+            return gather_from_sequence_parallel_region(input, self.tp_group)
+        return copy_to_tensor_model_parallel_region(input, self.tp_group)
 
     def sharded_state_dict(self, prefix: str = "") -> dict[str, ShardedTensor]:
         """weight and bias, each split along its first axis over the TP ranks."""

@@ -63,10 +63,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         if group.size > 1:
             dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group.group)
 
-        vocab_size = v_local * group.size
-        start, end = partition_range(v_local, group.rank)
-        outside = (flat_target < start) | (flat_target >= end)
-        local_target = (flat_target - start).masked_fill(outside, 0)
+        local_target, outside = split_targets(flat_target, v_local, group.rank)
         predicted = x.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).float() - logits_max
         predicted = predicted.masked_fill(outside, 0.0)
 
@@ -74,28 +71,10 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         # the backward recomputes the softmax from the logits and log Z instead.
         sum_exp = torch.empty_like(logits_max)
         shifted_sum = torch.empty_like(logits_max) if label_smoothing > 0 else None
-        buffer = _chunk_buffer(x)
-        for rows in _chunks(x.shape[0]):
-            # One pass reads the logits in their dtype and writes x - m in fp32.
-            shifted = torch.sub(x[rows], logits_max[rows].unsqueeze(-1),
-                                out=buffer[: rows.stop - rows.start])  # fmt: skip
-            if shifted_sum is not None:
-                shifted_sum[rows] = shifted.sum(dim=-1)
-            sum_exp[rows] = shifted.exp_().sum(dim=-1)
+        sum_exp_rows(x, logits_max, sum_exp, shifted_sum)
         parts = [predicted, sum_exp] + ([shifted_sum] if shifted_sum is not None else [])
-        summed = torch.stack(parts)
-        if group.size > 1:
-            dist.all_reduce(summed, group=group.group)
-        predicted, sum_exp = summed[0], summed[1]
-
-        log_sum_exp = sum_exp.log()
-        loss = log_sum_exp - predicted
-        smoothing = 0.0
-        if label_smoothing > 0:
-            smoothing = label_smoothing * vocab_size / (vocab_size - 1)
-            # mean_j log p_j = mean_j (x_j - m) - log Z
-            mean_log_probs = summed[2] / vocab_size - log_sum_exp
-            loss = (1.0 - smoothing) * loss - smoothing * mean_log_probs
+        vocab_size = v_local * group.size
+        loss, log_sum_exp, smoothing = combine_and_reduce(parts, group, vocab_size, label_smoothing)
 
         ctx.save_for_backward(logits, logits_max + log_sum_exp, local_target, outside)
         ctx.smoothing, ctx.vocab_size = smoothing, vocab_size
@@ -109,20 +88,50 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         g = grad_loss.reshape(-1, 1).float()
         # Only the rank holding the target subtracts (1 - e) at its position.
         hit = (~outside).float() * (1.0 - ctx.smoothing)
-        # Each chunk's gradient is written after its logits are read for the last time.
         grad = x.detach() if ctx.grad_in_logits else torch.empty_like(x)
-        buffer = _chunk_buffer(x)
-        for rows in _chunks(x.shape[0]):
-            # (p - (1 - e) onehot(t) - e / v) * grad_loss, with p = exp(x - log Z - m), in
-            # three passes: x - (m + log Z) into the fp32 buffer, exp in place, and the
-            # product with grad_loss written in the logits' dtype.
-            part = torch.sub(x[rows], lse[rows].unsqueeze(-1),
-                             out=buffer[: rows.stop - rows.start]).exp_()  # fmt: skip
-            if ctx.smoothing > 0:
-                part.sub_(ctx.smoothing / ctx.vocab_size)
-            part.scatter_add_(-1, local_target[rows].unsqueeze(-1), -hit[rows].unsqueeze(-1))
-            torch.mul(part, g[rows], out=grad[rows])
+        softmax_gradient_rows(x, lse, local_target, hit, g, ctx.smoothing, ctx.vocab_size, grad)
         return grad.view(logits.shape), None, None, None, None
+
+
+def sum_exp_rows(
+    x: torch.Tensor, m: torch.Tensor, sum_exp: torch.Tensor, shifted_sum: torch.Tensor | None
+) -> None:
+    """sum_exp[i] = sum_j exp(x[i, j] - m[i]) and, unless None, shifted_sum[i] =
+    sum_j (x[i, j] - m[i]) for x [c, v/tp] in any dtype, m [c] fp32, in fp32, through a
+    work space of _CHUNK_ROWS rows."""
+    buffer = _chunk_buffer(x)
+    for rows in chunks(x.shape[0]):
+        # One pass reads the logits in their dtype and writes x - m in fp32.
+        shifted = torch.sub(x[rows], m[rows].unsqueeze(-1), out=buffer[: rows.stop - rows.start])
+        if shifted_sum is not None:
+            shifted_sum[rows] = shifted.sum(dim=-1)
+        sum_exp[rows] = shifted.exp_().sum(dim=-1)
+
+
+def softmax_gradient_rows(
+    x: torch.Tensor,
+    lse: torch.Tensor,
+    local_target: torch.Tensor,
+    hit: torch.Tensor,
+    grad_loss: torch.Tensor,
+    smoothing: float,
+    vocab_size: int,
+    out: torch.Tensor,
+) -> None:
+    """out = (p - (1 - e) onehot(t) - e / v) * grad_loss for logits x [c, v/tp], with
+    p = exp(x - lse), lse = m + log Z [c]; `hit` [c] is 1 - e where this rank holds the
+    target, else 0; grad_loss [c, 1]. Written in out's dtype, a piece of _CHUNK_ROWS rows
+    at a time after that piece of x is read for the last time, so out may be x itself."""
+    buffer = _chunk_buffer(x)
+    for rows in chunks(x.shape[0]):
+        # Three passes: x - (m + log Z) into the fp32 buffer, exp in place, and the
+        # product with grad_loss written in out's dtype.
+        part = torch.sub(x[rows], lse[rows].unsqueeze(-1), out=buffer[: rows.stop - rows.start])
+        part.exp_()
+        if smoothing > 0:
+            part.sub_(smoothing / vocab_size)
+        part.scatter_add_(-1, local_target[rows].unsqueeze(-1), -hit[rows].unsqueeze(-1))
+        torch.mul(part, grad_loss[rows], out=out[rows])
 
 
 def _chunk_buffer(x: torch.Tensor) -> torch.Tensor:
@@ -131,9 +140,46 @@ def _chunk_buffer(x: torch.Tensor) -> torch.Tensor:
                        device=x.device)  # fmt: skip
 
 
-def _chunks(n: int):
-    for begin in range(0, n, _CHUNK_ROWS):
-        yield slice(begin, min(begin + _CHUNK_ROWS, n))
+def chunks(n: int, size: int = _CHUNK_ROWS):
+    """Slices of `size` rows (the last one shorter) covering n rows."""
+    for begin in range(0, n, size):
+        yield slice(begin, min(begin + size, n))
+
+
+def split_targets(target: torch.Tensor, v_local: int, rank: int):
+    """(local index [n], outside [n]): each target's index in this rank's vocabulary piece
+    (0 where the piece does not hold it) and whether the piece does not hold it."""
+    start, end = partition_range(v_local, rank)
+    outside = (target < start) | (target >= end)
+    return (target - start).masked_fill(outside, 0), outside
+
+
+def combine_and_reduce(
+    parts: list[torch.Tensor], group: RankGroup, vocab_size: int, label_smoothing: float
+):
+    """Per-token loss [n], log Z [n] and the smoothing e, from each rank's parts (x_t - m,
+    sum_j exp(x_j - m), and with label smoothing sum_j (x_j - m), all [n] against the
+    global maximum m), summed over the group in one all-reduce."""
+    summed = torch.stack(parts)
+    if group.size > 1:
+        dist.all_reduce(summed, group=group.group)
+    predicted, sum_exp = summed[0], summed[1]
+    log_sum_exp = sum_exp.log()
+    loss = log_sum_exp - predicted
+    smoothing = 0.0
+    if label_smoothing > 0:
+        smoothing = label_smoothing * vocab_size / (vocab_size - 1)
+        # mean_j log p_j = mean_j (x_j - m) - log Z
+        mean_log_probs = summed[2] / vocab_size - log_sum_exp
+        loss = (1.0 - smoothing) * loss - smoothing * mean_log_probs
+    return loss, log_sum_exp, smoothing
+
+
+def check_label_smoothing(label_smoothing: float, vocab_size: int) -> None:
+    if not 0.0 <= label_smoothing < 1.0:
+        raise ValueError(f"label_smoothing={label_smoothing!r} must be in [0, 1)")
+    if label_smoothing > 0 and vocab_size < 2:
+        raise ValueError("label_smoothing needs a vocabulary of at least 2 tokens")
 
 
 def vocab_parallel_cross_entropy(
@@ -156,15 +202,12 @@ def vocab_parallel_cross_entropy(
     (another backward that saved them fails on the changed version rather
     than reading the gradient). Needs logits computed by autograd (not a leaf).
     """
-    if not 0.0 <= label_smoothing < 1.0:
-        raise ValueError(f"label_smoothing={label_smoothing!r} must be in [0, 1)")
+    check_label_smoothing(label_smoothing, logits.shape[-1] * tp_group.size)
     if tuple(target.shape) != tuple(logits.shape[:-1]):
         raise ValueError(
             f"target.shape={tuple(target.shape)} must be logits.shape[:-1]="
             f"{tuple(logits.shape[:-1])}"
         )
-    if label_smoothing > 0 and logits.shape[-1] * tp_group.size < 2:
-        raise ValueError("label_smoothing needs a vocabulary of at least 2 tokens")
     if grad_in_logits and logits.grad_fn is None:
         raise ValueError(
             "grad_in_logits=True needs logits computed by autograd (they are overwritten by "

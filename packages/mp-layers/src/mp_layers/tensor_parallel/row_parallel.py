@@ -100,12 +100,17 @@ class RowParallelLinear(torch.nn.Module):
             self.bias.sequence_parallel = sequence_parallel
         else:
             self.register_parameter("bias", None)
+        self.fp8_matmul = None
+        """mp_layers.fp8.Fp8Matmul when the local GEMM computes in FP8 (mp_layers.fp8)."""
 
     def forward(self, input: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """[s, b, in/tp] (or [s, b, in]) -> ([s, b, out] or [s/tp, b, out], bias or None)."""
         if not self.input_is_parallel:
             input = scatter_to_tensor_model_parallel_region(input, self.tp_group)
-        partial = F.linear(input, self.weight)
+        if self.fp8_matmul is not None:
+            partial = self.fp8_matmul(input, self.weight)
+        else:
+            partial = F.linear(input, self.weight)
         if self.sequence_parallel:
             output = reduce_scatter_to_sequence_parallel_region(partial, self.tp_group)
         else:

@@ -20,6 +20,7 @@ window; with a KVCache such a layer keeps only its window's latest keys
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -29,14 +30,17 @@ from mp_layers.config_attention import window_layer_pattern
 from mp_layers.groups import ModelGroups
 from mp_layers.tensor_parallel import (
     ColumnParallelLinear,
-    RowParallelLinear,
     init_partitioned_weight,
+    replicated_state_dict,
 )
 from mp_layers.transformer.kv_cache import KVCache
+from mp_layers.transformer.mlp import residual_projection
 from mp_layers.transformer.recompute import checkpointed
 from mp_layers.transformer.rope import Rotary, apply_rotary_pos_emb
-from mp_layers.transformer.spec import LOCAL_SPEC, LayerSpec
 from mp_state import RNGStatesTracker
+
+if TYPE_CHECKING:
+    from mp_layers.transformer.spec import LayerSpec
 
 __all__ = ["SelfAttention"]
 
@@ -47,10 +51,12 @@ class SelfAttention(torch.nn.Module):
         config: TransformerConfig,
         groups: ModelGroups,
         rng_tracker: RNGStatesTracker | None = None,
-        spec: LayerSpec = LOCAL_SPEC,
+        *,
+        spec: LayerSpec,
         layer_number: int = 0,
     ) -> None:
-        """layer_number: the layer's index in the whole model (its place in a KVCache)."""
+        """spec: the layer's (its norm and core attention); layer_number: the layer's index
+        in the whole model (its place in a KVCache)."""
         super().__init__()
         self.layer_number = layer_number
         tp_group = groups.tp
@@ -86,15 +92,9 @@ class SelfAttention(torch.nn.Module):
         # s^2 but cost little to recompute, so only they are recomputed in backward.
         self.recompute_core_attention = config.recompute_granularity == "selective"
         self.rng_tracker = rng_tracker
-        self.linear_proj = RowParallelLinear(
-            config.num_attention_heads * self.d, config.hidden_size, tp_group=tp_group,
-            bias=config.add_bias_linear, input_is_parallel=True, skip_bias_add=True,
-            sequence_parallel=config.sequence_parallel,
-            init_method=functools.partial(
-                torch.nn.init.normal_, std=config.output_layer_init_std
-            ),
-            params_dtype=config.params_dtype,
-        )  # fmt: skip
+        self.linear_proj = residual_projection(
+            config, tp_group, config.num_attention_heads * self.d
+        )
 
     def forward(
         self,
@@ -151,11 +151,7 @@ class SelfAttention(torch.nn.Module):
                 key, self.core_attention.softmax_offset, 0, rank, self.tp_group.size
             )
         if self.q_layernorm is not None:
-            for norm_name, norm in (
-                ("q_layernorm", self.q_layernorm),
-                ("k_layernorm", self.k_layernorm),
-            ):
-                for pname, p in norm.named_parameters():
-                    key = f"{prefix}{norm_name}.{pname}"
-                    pieces[key] = ShardedTensor.from_rank(key, p, None, 0, 1, replica_id=rank)
+            for name in ("q_layernorm", "k_layernorm"):
+                pieces |= replicated_state_dict(getattr(self, name), f"{prefix}{name}.",
+                                                self.tp_group)  # fmt: skip
         return pieces

@@ -27,9 +27,9 @@ Matmuls over a block's slice of the keys run as b * ng two-dimensional ones, whi
 the slice's strided rows in place, where one batched matmul would copy the slice first
 (1.07x faster forward and backward at s 2048, 1.2x with sinks, bf16, one thread).
 
-Shapes: q [s, b, ng * qg, d] with each group's qg heads adjacent, k and v
-[s, b, ng, d], sink [ng * qg]; the output is [s, b, ng * qg * d]. The probabilities stay alive
-for backward: b * heads * s * (s + block) / 2 elements per layer
+Shapes: q [s, b, ng * qg, d] with each group's qg heads adjacent, k [s, b, ng, d], v
+[s, b, ng, dv] (dv may differ from d), sink [ng * qg]; the output is [s, b, ng * qg * dv].
+The probabilities stay alive for backward: b * heads * s * (s + block) / 2 elements per layer
 (`saved_probability_bytes`), which is why `CoreAttention` picks this only for
 short sequences (docs/layers.md has the measurements behind its choice).
 """
@@ -77,7 +77,7 @@ def blocked_attention(
     stream, block by block in order, so a replay with the same tracker state
     draws the same masks.
     """
-    plan = _Plan(q, k, attention_mask, scale, dropout, rng_tracker, block, window, sink)
+    plan = _Plan(q, k, v, attention_mask, scale, dropout, rng_tracker, block, window, sink)
     inputs = (q, k, v) if sink is None else (q, k, v, sink)
     if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
         return _BlockedAttention.apply(plan, q, k, v, sink)
@@ -87,9 +87,9 @@ def blocked_attention(
 class _Plan:
     """What forward and backward share: the shapes, and each block's keys and bias."""
 
-    def __init__(self, q, k, attention_mask, scale, dropout, rng_tracker, block, window, sink):
+    def __init__(self, q, k, v, attention_mask, scale, dropout, rng_tracker, block, window, sink):
         self.s, self.b, self.nq, self.d = q.shape
-        self.ng = k.shape[2]
+        self.ng, self.dv = k.shape[2], v.shape[3]
         self.qg = self.nq // self.ng
         self.mask, self.window, self.block = attention_mask, window, block
         self.scale, self.dropout, self.rng_tracker = scale, dropout, rng_tracker
@@ -129,23 +129,23 @@ class _Plan:
 
 
 def _forward(plan: _Plan, q, k, v, sink, keep_for_backward: bool):
-    """(output [s, b, nq * d], what backward needs: the keys as [b * ng, d, s] (a view of
-    [b * ng, s, d] with a sink), the values [b * ng, s, d], and per block the
+    """(output [s, b, nq * dv], what backward needs: the keys as [b * ng, d, s] (a view of
+    [b * ng, s, d] with a sink), the values [b * ng, s, dv], and per block the
     probabilities after `keep` and the dropout mask or None)."""
-    b, ng, qg, d, scale = plan.b, plan.ng, plan.qg, plan.d, plan.scale
+    b, ng, qg, d, dv, scale = plan.b, plan.ng, plan.qg, plan.d, plan.dv, plan.scale
     values = heads_first(v)
     if sink is not None:  # the sink as a key (module docstring); channels d + 1
         keys = heads_first(k)
         keys_t = keys.transpose(1, 2)  # a view: backward reads the keys by rows
         padded_keys = F.pad(keys, (0, 1))
         sink_key = F.pad(keys.new_ones(b * ng, 1, 1), (d, 0))
-        no_value = values.new_zeros(b * ng, 1, d)
+        no_value = values.new_zeros(b * ng, 1, dv)
         channel = (sink.to(q.dtype) / scale).view(1, ng, qg, 1, 1)
     else:
         # The keys transposed once per layer ([b * ng, d, s]): a block's [d, keys] is then
         # a matrix of contiguous rows for each of the b * ng matmuls (_bmm).
         keys_t = k.permute(1, 2, 3, 0).reshape(b * ng, d, plan.s)
-    out = q.new_empty(plan.s, b, ng, qg, d)
+    out = q.new_empty(plan.s, b, ng, qg, dv)
     saved = []
     for lo, hi, seen, bias, keep in plan.blocks():
         c = hi - lo
@@ -166,11 +166,11 @@ def _forward(plan: _Plan, q, k, v, sink, keep_for_backward: bool):
             with plan.rng_tracker.fork(TENSOR_PARALLEL_RNG):
                 dropped = torch.empty_like(probs).bernoulli_(1 - plan.dropout)
         weights = probs if dropped is None else probs * dropped / (1 - plan.dropout)
-        block_out = _bmm(weights, block_values)  # [b * ng, qg * c, d]
-        out[lo:hi] = block_out.view(b, ng, qg, c, d).permute(3, 0, 1, 2, 4)
+        block_out = _bmm(weights, block_values)  # [b * ng, qg * c, dv]
+        out[lo:hi] = block_out.view(b, ng, qg, c, dv).permute(3, 0, 1, 2, 4)
         if keep_for_backward:
             saved.append((probs, None if dropped is None else dropped.bool()))
-    return out.view(plan.s, b, plan.nq * d), (keys_t, values, saved)
+    return out.view(plan.s, b, plan.nq * dv), (keys_t, values, saved)
 
 
 class _BlockedAttention(torch.autograd.Function):
@@ -188,14 +188,14 @@ class _BlockedAttention(torch.autograd.Function):
     def backward(ctx, grad_out):
         plan = ctx.plan
         q, keys_t, values = ctx.saved_tensors
-        s, b, ng, qg, d = plan.s, plan.b, plan.ng, plan.qg, plan.d
-        grad_out = grad_out.view(s, b, ng, qg, d)
+        s, b, ng, qg, d, d_v = plan.s, plan.b, plan.ng, plan.qg, plan.d, plan.dv
+        grad_out = grad_out.view(s, b, ng, qg, d_v)
         dq = q.new_empty(s, b, ng, qg, d)
-        dk, dv = torch.zeros_like(values), torch.zeros_like(values)
+        dk, dv = values.new_zeros(b * ng, s, d), torch.zeros_like(values)
         dsink = torch.zeros(ng, qg, dtype=torch.float32, device=q.device) if plan.sink else None
         for (lo, hi, seen, _, _), (probs, dropped) in zip(plan.blocks(), ctx.probs, strict=True):
             c = hi - lo
-            grad_rows = grad_out[lo:hi].permute(1, 2, 3, 0, 4).reshape(b * ng, qg * c, d)
+            grad_rows = grad_out[lo:hi].permute(1, 2, 3, 0, 4).reshape(b * ng, qg * c, d_v)
             weights = probs
             if dropped is not None:
                 weights = probs * dropped / (1 - plan.dropout)
@@ -219,7 +219,7 @@ class _BlockedAttention(torch.autograd.Function):
             _bmm_add_(dk[:, seen], grad_scores.transpose(1, 2), rows, alpha=plan.scale)
         dq = dq.view(s, b, plan.nq, d)
         dk = dk.view(b, ng, s, d).permute(2, 0, 1, 3)
-        dv = dv.view(b, ng, s, d).permute(2, 0, 1, 3)
+        dv = dv.view(b, ng, s, d_v).permute(2, 0, 1, 3)
         dsink = None if dsink is None else dsink.flatten().to(plan.sink_dtype)
         return None, dq, dk, dv, dsink
 

@@ -1,12 +1,14 @@
 """Core attention: softmax(q k^T / sqrt(d)) v, causal, through torch's SDPA or blocked
 matmuls.
 
-Shapes: q [s, b, nq, d], k and v [s, b, ng, d] with nq = ng * (heads per
-group), the output [s, b, nq * d]. All heads here are this TP rank's. Key and
-value heads are shared by the query heads of their group (grouped-query
-attention; ng = nq is multi-head attention). Dropout on the attention
-probabilities runs inside the tracker's tensor-parallel stream: the heads are
-sharded, so each TP rank must draw its own mask.
+Shapes: q and k [s, b, nq, d] and [s, b, ng, d], v [s, b, ng, dv] with nq = ng * (heads
+per group), the output [s, b, nq * dv]; the value width dv may differ from d (multi-latent
+attention; but not on the banded path of sinks and windows, which MLA refuses), and the
+scale 1 / sqrt(d) may be given instead (softmax_scale). All heads here are this TP
+rank's. Key and value heads are shared by the query heads of their group (grouped-query
+attention; ng = nq is multi-head attention). Dropout on the attention probabilities runs
+inside the tracker's tensor-parallel stream: the heads are sharded, so each TP rank must
+draw its own mask.
 
 Backends (TransformerConfig.attention_backend, Megatron's names):
 
@@ -69,10 +71,13 @@ class CoreAttention(torch.nn.Module):
         window: int | None = None,
         heads: int | None = None,
         params_dtype: torch.dtype = torch.float32,
+        softmax_scale: float | None = None,
     ) -> None:
         """softmax_type, window (the earlier keys each query sees; None: all) and heads
-        (this rank's query heads, for the sinks): module docstring."""
+        (this rank's query heads, for the sinks): module docstring. softmax_scale
+        multiplies the logits q k^T (None: 1 / sqrt(d), d the query's width)."""
         super().__init__()
+        self.softmax_scale = softmax_scale
         self.softmax_type = softmax_type
         self.window = window
         if softmax_type == "vanilla":
@@ -110,10 +115,10 @@ class CoreAttention(torch.nn.Module):
         v: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """attention_mask: [b or 1, 1, s, s] bool, True = masked; None = causal. With a
-        context-parallel group, q, k and v hold this rank's load-balanced chunks and
-        attention is causal over the whole sequence."""
-        nq, d = q.shape[2], q.shape[3]
+        """attention_mask: [b or 1, 1, s, s] bool, True = masked; None = causal (with a
+        KVCache's keys: [b, 1, s, T]). With a context-parallel group, q, k and v hold this
+        rank's load-balanced chunks and attention is causal over the whole sequence."""
+        nq = q.shape[2]
         if nq % k.shape[2]:
             raise ValueError(f"{nq} query heads cannot share {k.shape[2]} key/value heads")
         if self.cp_group is not None:
@@ -138,7 +143,7 @@ class CoreAttention(torch.nn.Module):
                     "context-parallel ranks need cp_comm_type='a2a'"
                 )
             return context_parallel_attention(
-                q, k, v, self.cp_group, scale=1.0 / math.sqrt(d), comm_type=self.cp_comm_type
+                q, k, v, self.cp_group, scale=self._scale(q), comm_type=self.cp_comm_type
             )
         return self._attend(q, k, v, attention_mask, sink=self.softmax_offset)
 
@@ -152,9 +157,9 @@ class CoreAttention(torch.nn.Module):
         sink: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Attention over whole sequences on this rank; sink [nq] or None."""
-        s, b, nq, d = q.shape
+        s, b, nq, _ = q.shape
         dropout = self.attention_dropout if self.training else 0.0
-        scale = 1.0 / math.sqrt(d)
+        scale = self._scale(q)
         if s < k.shape[0]:  # generation: the next positions over a KVCache's keys
             return cached_attention(q, k, v, attention_mask, scale, sink=sink)
         blocked = self.uses_blocked(q, explicit_mask=attention_mask is not None)
@@ -180,7 +185,10 @@ class CoreAttention(torch.nn.Module):
                 out = F.scaled_dot_product_attention(q_, k_, v_, **kwargs)
         else:
             out = F.scaled_dot_product_attention(q_, k_, v_, **kwargs)
-        return out.permute(2, 0, 1, 3).reshape(s, b, nq * d)
+        return out.permute(2, 0, 1, 3).reshape(s, b, nq * v.shape[-1])
+
+    def _scale(self, q: torch.Tensor) -> float:
+        return 1.0 / math.sqrt(q.shape[-1]) if self.softmax_scale is None else self.softmax_scale
 
     def uses_blocked(self, q: torch.Tensor, explicit_mask: bool = False) -> bool:
         """Whether attention over these queries [s, b, heads, d] goes through
@@ -226,10 +234,10 @@ def cached_attention(
     sink: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of the next s positions q [s, b, nq, d] over a KVCache's keys and values
-    k, v [T, b, ng, d] (T > s; views of [b, ng, T', d] storage, the cache's or a
+    k [T, b, ng, d], v [T, b, ng, dv] (T > s; views of [b, ng, T', d] storage, the cache's or a
     windowed layer's ring beside the new keys), mask [b, 1, s, T] bool, True = masked
     (None: every key visible; a sliding window is part of the mask,
-    KVCache.update_window); sink [nq] logits or None; the output [s, b, nq * d].
+    KVCache.update_window); sink [nq] logits or None; the output [s, b, nq * dv].
 
     Two matmuls and a softmax in fp32, for generation: with one query a sequence,
     SDPA's CPU flash kernel fills a whole block of queries per head and copies the
@@ -252,5 +260,6 @@ def cached_attention(
         probs = torch.softmax(scores, dim=2)[:, :, :t].to(v.dtype)
     else:
         probs = torch.softmax(scores, dim=2).to(v.dtype)
-    out = torch.matmul(probs.transpose(-1, -2), v_)  # [b, ng, qs, d]
-    return out.view(b, nq, s, d).permute(2, 0, 1, 3).reshape(s, b, nq * d)
+    out = torch.matmul(probs.transpose(-1, -2), v_)  # [b, ng, qs, dv]
+    dv = v.shape[-1]
+    return out.view(b, nq, s, dv).permute(2, 0, 1, 3).reshape(s, b, nq * dv)

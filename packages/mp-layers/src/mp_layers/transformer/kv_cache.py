@@ -21,6 +21,11 @@ the latest positions and its size, hence the layer's memory, does not grow with
 max_length. Attention over the ring masks by the slot each entry holds (`ring_slots`);
 softmax does not depend on the keys' order, and keys are cached after RoPE, so the
 ring's order does not matter.
+
+A multi-latent attention layer keeps one tensor, [max_length, b, 1, kv_lora_rank +
+qk_pos_emb_head_dim] (stored [b, 1, max_length, w]): each position's normalized key/value
+latent and its rotated key, from which every head's key and value are computed
+(`update_latent`; multi_latent_attention.py attends in the latent space).
 """
 
 from __future__ import annotations
@@ -61,7 +66,7 @@ class KVCache:
         self.all_logits = all_logits
         self.length = 0
         """Positions filled (the same for every sequence and layer once a forward ends)."""
-        self._layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._layers: dict[int, tuple[torch.Tensor, ...]] = {}
         self._window_masks: dict[tuple[int, int, bool], torch.Tensor] = {}
         """This forward's masks of the windowed layers, by (window, s, in place)."""
 
@@ -116,7 +121,7 @@ class KVCache:
         `layer` (its number in the whole model) after the filled ones; returns those of
         the slots attention reads, [slots_read(s), b, heads, d]."""
         s = k.shape[0]
-        keys, values = self._storage(layer, k, v, self.max_length)
+        keys, values = self._storage(layer, (k, v), self.max_length)
         keys[self.length : self.length + s] = k
         values[self.length : self.length + s] = v
         read = self.slots_read(s)
@@ -138,7 +143,7 @@ class KVCache:
         future keys and those more than `window` positions back."""
         s = k.shape[0]
         size = self.ring_size(window)
-        keys, values = self._storage(layer, k, v, size)
+        keys, values = self._storage(layer, (k, v), size)
         in_place = self._writes_first(s, window, size)
         mask_key = (window, s, in_place)
         if mask_key not in self._window_masks:
@@ -151,8 +156,18 @@ class KVCache:
         self._write_ring(keys, values, k, v)
         return read_k, read_v, mask
 
+    def update_latent(self, layer: int, latent: torch.Tensor) -> torch.Tensor:
+        """Stores the new positions' latents [s, b, 1, w] of the multi-latent attention
+        `layer` after the filled ones; returns those of the slots attention reads,
+        [slots_read(s), b, 1, w] (module docstring)."""
+        s = latent.shape[0]
+        (stored,) = self._storage(layer, (latent,), self.max_length)
+        stored[self.length : self.length + s] = latent
+        return stored[: self.slots_read(s)]
+
     def layer_bytes(self, layer: int) -> int:
-        """The bytes `layer`'s keys and values hold (0 before its first update)."""
+        """The bytes `layer`'s keys and values (or latents) hold (0 before its first
+        update)."""
         if layer not in self._layers:
             return 0
         return sum(t.untyped_storage().nbytes() for t in self._layers[layer])
@@ -163,17 +178,17 @@ class KVCache:
         self._window_masks.clear()
 
     def _storage(
-        self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layer's keys and values, [slots, b, heads, d] views of [b, heads, slots, d]
-        storage (each head's positions are rows of one matrix, as attention's matmuls read
-        them), allocated on first use."""
-        if k.shape[1] != self.batch_size:
-            raise ValueError(f"keys of {k.shape[1]} sequences in a cache of {self.batch_size}")
+        self, layer: int, new: tuple[torch.Tensor, ...], slots: int
+    ) -> tuple[torch.Tensor, ...]:
+        """The layer's keys and values (or latents), like the new positions' [s, b, heads,
+        d] each: [slots, b, heads, d] views of [b, heads, slots, d] storage (each head's
+        positions are rows of one matrix, as attention's matmuls read them), allocated on
+        first use."""
+        if new[0].shape[1] != self.batch_size:
+            raise ValueError(f"keys of {new[0].shape[1]} sequences in a cache of {self.batch_size}")
         if layer not in self._layers:
-            b, heads, d = k.shape[1:]
             self._layers[layer] = tuple(
-                t.new_zeros((b, heads, slots, d)).permute(2, 0, 1, 3) for t in (k, v)
+                t.new_zeros((*t.shape[1:3], slots, t.shape[3])).permute(2, 0, 1, 3) for t in new
             )
         return self._layers[layer]
 

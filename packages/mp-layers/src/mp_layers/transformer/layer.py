@@ -20,14 +20,15 @@ import torch.nn.functional as F
 
 from mp_ckpt import ShardedTensor
 from mp_layers.config import TransformerConfig
+from mp_layers.fp8 import apply_fp8
 from mp_layers.groups import ModelGroups
-from mp_layers.transformer.attention import SelfAttention
+from mp_layers.tensor_parallel import replicated_state_dict
 from mp_layers.transformer.kv_cache import KVCache
 from mp_layers.transformer.recompute import checkpointed
 from mp_layers.transformer.rope import Rotary
 from mp_layers.transformer.seeded_init import seeded_init
 from mp_layers.transformer.spec import LOCAL_SPEC, LayerSpec
-from mp_state import TENSOR_PARALLEL_RNG, RankGroup, RNGStatesTracker
+from mp_state import TENSOR_PARALLEL_RNG, RNGStatesTracker
 
 __all__ = ["TransformerBlock", "TransformerLayer"]
 
@@ -49,7 +50,12 @@ class TransformerLayer(torch.nn.Module):
         self.rng_tracker = rng_tracker
         self.tp_group = groups.tp
         self.input_layernorm = spec.norm(config, None)
-        self.self_attention = SelfAttention(config, groups, rng_tracker, spec, layer_number)
+        attention = (
+            spec.multi_latent_attention if config.multi_latent_attention else spec.self_attention
+        )
+        self.self_attention = attention(
+            config, groups, rng_tracker, spec=spec, layer_number=layer_number
+        )
         self.pre_mlp_layernorm = spec.norm(config, None)
         is_moe = config.moe_layer_pattern()[layer_number]
         self.mlp = spec.moe(config, groups) if is_moe else spec.mlp(config, groups.tp)
@@ -87,7 +93,9 @@ class TransformerLayer(torch.nn.Module):
         pieces = self.self_attention.sharded_state_dict(f"{prefix}self_attention.")
         pieces |= self.mlp.sharded_state_dict(f"{prefix}mlp.")
         for norm_name in ("input_layernorm", "pre_mlp_layernorm"):
-            pieces |= _replicated(getattr(self, norm_name), f"{prefix}{norm_name}.", self.tp_group)
+            pieces |= replicated_state_dict(
+                getattr(self, norm_name), f"{prefix}{norm_name}.", self.tp_group
+            )
         return pieces
 
 
@@ -125,6 +133,7 @@ class TransformerBlock(torch.nn.Module):
             with seeded_init(init_seed, f"layer{layer_offset + i}"):
                 layers.append(TransformerLayer(config, groups, rng_tracker, spec, layer_offset + i))
         self.layers = torch.nn.ModuleList(layers)
+        self.fp8_linear_layers = apply_fp8(self.layers, config, layer_offset) if config.fp8 else 0
         self.final_layernorm = spec.norm(config, None) if post_process else None
 
     def forward(self, x, rotary=None, attention_mask=None, kv_cache=None) -> torch.Tensor:
@@ -155,7 +164,9 @@ class TransformerBlock(torch.nn.Module):
         for i, layer in enumerate(self.layers):
             pieces |= layer.sharded_state_dict(f"{prefix}layers.{self.layer_offset + i}.")
         if self.final_layernorm is not None:
-            pieces |= _replicated(self.final_layernorm, f"{prefix}final_layernorm.", self.tp_group)
+            pieces |= replicated_state_dict(
+                self.final_layernorm, f"{prefix}final_layernorm.", self.tp_group
+            )
         return pieces
 
 
@@ -163,13 +174,3 @@ def _run_layers(layers, x, rotary, attention_mask) -> torch.Tensor:
     for layer in layers:
         x = layer(x, rotary, attention_mask)
     return x
-
-
-def _replicated(module: torch.nn.Module, prefix: str, tp_group: RankGroup):
-    """Parameters held whole by every TP rank: rank 0's copy is the one saved."""
-    return {
-        prefix + name: ShardedTensor.from_rank(
-            prefix + name, p, None, 0, 1, replica_id=tp_group.rank
-        )
-        for name, p in module.named_parameters()
-    }

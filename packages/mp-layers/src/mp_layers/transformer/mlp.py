@@ -24,7 +24,7 @@ from mp_layers.config import TransformerConfig
 from mp_layers.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from mp_state import RankGroup
 
-__all__ = ["MLP", "activate"]
+__all__ = ["MLP", "activate", "residual_projection"]
 
 
 class MLP(torch.nn.Module):
@@ -43,15 +43,7 @@ class MLP(torch.nn.Module):
             bias=config.add_bias_linear, sequence_parallel=config.sequence_parallel,
             init_method=fc1_init, params_dtype=config.params_dtype,
         )  # fmt: skip
-        self.linear_fc2 = RowParallelLinear(
-            f, config.hidden_size, tp_group=tp_group, bias=config.add_bias_linear,
-            input_is_parallel=True, skip_bias_add=True,
-            sequence_parallel=config.sequence_parallel,
-            init_method=functools.partial(
-                torch.nn.init.normal_, std=config.output_layer_init_std
-            ),
-            params_dtype=config.params_dtype,
-        )  # fmt: skip
+        self.linear_fc2 = residual_projection(config, tp_group, f)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Returns (output, fc2 bias) for the caller to add with the residual."""
@@ -72,6 +64,20 @@ class MLP(torch.nn.Module):
                 key = f"{prefix}linear_fc1.{part}.{name}"
                 pieces[key] = ShardedTensor.from_rank(key, data, 0, rank, size)
         return pieces
+
+
+def residual_projection(
+    config: TransformerConfig, tp_group: RankGroup, input_size: int
+) -> RowParallelLinear:
+    """The row-parallel projection of a sublayer back into the residual stream (the MLP's
+    linear_fc2, attention's linear_proj): input [s, b, input_size/tp], Megatron's scaled
+    init (output_layer_init_std), its bias handed to the caller to add with the residual."""
+    return RowParallelLinear(
+        input_size, config.hidden_size, tp_group=tp_group, bias=config.add_bias_linear,
+        input_is_parallel=True, skip_bias_add=True, sequence_parallel=config.sequence_parallel,
+        init_method=functools.partial(torch.nn.init.normal_, std=config.output_layer_init_std),
+        params_dtype=config.params_dtype,
+    )  # fmt: skip
 
 
 def activate(config: TransformerConfig, inner: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,9 @@ beta_fast times keep f_i, those turning fewer than beta_slow times get f_i / s, 
 linear ramp over the pair index blends between (its ends rounded to integers unless
 told not to). cos and sin are multiplied by the attention factor
 (0.1 mscale ln s + 1) / (0.1 mscale_all_dim ln s + 1), 1 for s <= 1, which scales
-every attention logit by its square.
+every attention logit by its square. Multi-latent attention (DeepSeek) multiplies its
+softmax scale by (0.1 mscale_all_dim ln s + 1)^2 besides (multi_latent_attention.py), so that
+with mscale = mscale_all_dim the rotary and the other channels alike get that factor.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from typing import NamedTuple
 import torch
 
 from mp_layers.config import TransformerConfig
+from mp_layers.config_attention import uses_yarn
 
 __all__ = [
     "Llama3Scaling",
@@ -40,6 +43,7 @@ __all__ = [
     "apply_rotary_pos_emb",
     "llama3_scaled",
     "yarn_frequencies",
+    "yarn_mscale",
     "yarn_scaling",
 ]
 
@@ -98,15 +102,22 @@ def yarn_frequencies(rot: int, base: float, scaling: YarnScaling) -> tuple[torch
     keep = 1.0 - ramp  # 1: the frequency kept, 0: divided by the factor
     inv_freq = divided * (1 - keep) + kept * keep
 
-    def mscale(m: float) -> float:
-        return 1.0 if scaling.factor <= 1 else 0.1 * m * math.log(scaling.factor) + 1.0
+    factor = scaling.factor
+    attention_factor = yarn_mscale(factor, scaling.mscale) / yarn_mscale(
+        factor, scaling.mscale_all_dim
+    )
+    return inv_freq, attention_factor
 
-    return inv_freq, mscale(scaling.mscale) / mscale(scaling.mscale_all_dim)
+
+def yarn_mscale(factor: float, mscale: float) -> float:
+    """YaRN's 0.1 mscale ln(factor) + 1, 1 for factor <= 1 (Megatron's _yarn_get_mscale)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 def yarn_scaling(config: TransformerConfig) -> YarnScaling | None:
-    """The YaRN settings of a config (position_embedding_type "yarn"), else None."""
-    if config.position_embedding_type != "yarn":
+    """The YaRN settings of a config (position_embedding_type "yarn", or multi-latent
+    attention's rope_type "yarn"), else None."""
+    if not uses_yarn(config):
         return None
     return YarnScaling(
         config.yarn_rotary_scaling_factor, config.yarn_original_max_position_embeddings,

@@ -18,6 +18,8 @@ from collections.abc import Iterator
 
 import torch
 
+import mp_state
+
 __all__ = ["seeded_init"]
 
 
@@ -28,7 +30,9 @@ def seeded_init(init_seed: int | None, part: str) -> Iterator[None]:
         yield
         return
     digest = hashlib.sha256(f"{init_seed}:{part}".encode()).digest()
-    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    # The CUDA generator is kept only where this process computes on CUDA: a CPU rank
+    # (MP_DEVICE=cpu on a GPU machine) must not initialize CUDA.
+    devices = [torch.cuda.current_device()] if mp_state.device_type() == "cuda" else []
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
         yield

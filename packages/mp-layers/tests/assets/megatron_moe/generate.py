@@ -4,7 +4,8 @@ nothing here needs CUDA):
 
     python generate.py            # -> routing.pt beside this file
 
-Cases: the top-k choice and weights of every score function setting, expert capacity
+Cases: the top-k choice and weights of every score function setting (with and without
+group-limited routing; a case's "topk" overrides TOPK), expert capacity
 with both drop policies (with and without padding to capacity), the load-balancing loss
 and the z-loss. Inputs: x [T, h] and the router weight [E, h] (logits = x w^T).
 """
@@ -24,6 +25,16 @@ ROUTING = {
     "softmax-scaled": dict(score_function="softmax", scaling_factor=2.5),
     "sigmoid": dict(score_function="sigmoid"),
     "sigmoid-bias": dict(score_function="sigmoid"),  # expert_bias below
+    # Group-limited: each group ranked by the sum of its top (topk // group_topk) scores.
+    "softmax-groups": dict(score_function="softmax", num_groups=4, group_topk=1),
+    "softmax-pre-groups": dict(
+        score_function="softmax", use_pre_softmax=True, num_groups=2, group_topk=1
+    ),
+    "sigmoid-bias-groups": dict(
+        score_function="sigmoid", num_groups=2, group_topk=1, scaling_factor=2.5
+    ),
+    # DeepSeek-V3's shape: groups ranked by their top 2 (topk 4 // group_topk 2).
+    "sigmoid-bias-groups-top4": dict(score_function="sigmoid", num_groups=4, group_topk=2, topk=4),
 }
 CAPACITY = [
     (factor, policy, pad)
@@ -42,11 +53,14 @@ def main() -> None:
     out = {"x": x, "weight": weight, "expert_bias": bias, "topk": TOPK, "routing": {},
            "capacity": {}}  # fmt: skip
     for name, settings in ROUTING.items():
-        extra = {"expert_bias": bias} if name == "sigmoid-bias" else {}
+        settings = dict(settings)
+        topk = settings.pop("topk", TOPK)
+        extra = {"expert_bias": bias} if name.startswith("sigmoid-bias") else {}
         probs, routing_map = moe_utils.topk_routing_with_score_function(
-            logits, TOPK, **settings, **extra
+            logits, topk, **settings, **extra
         )
-        out["routing"][name] = {"settings": settings, "probs": probs, "routing_map": routing_map}
+        out["routing"][name] = {"settings": settings, "probs": probs, "routing_map": routing_map,
+                                "topk": topk}  # fmt: skip
     probs, routing_map = (
         out["routing"]["softmax"]["probs"],
         out["routing"]["softmax"]["routing_map"],

@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from mp_state.devices import DEVICE_ENV
 from mp_state.testing.processes import alive, children, workers_of
 
 __all__ = ["TorchrunJob"]
@@ -30,16 +31,21 @@ __all__ = ["TorchrunJob"]
 
 class TorchrunJob:
     """`python -m torch.distributed.run --standalone --nproc-per-node N [launcher_args]
-    TARGET...` with OMP_NUM_THREADS=1 and MP_RUN_DIR=run_dir, output in run_dir/output.log."""
+    TARGET...` with OMP_NUM_THREADS=1, MP_RUN_DIR=run_dir and MP_DEVICE=device (cpu by
+    default: gloo, even on a machine with GPUs; cuda: one GPU per worker, NCCL), output
+    in run_dir/output.log."""
 
     def __init__(self, target: list[str], run_dir: Path, *, nproc: int = 2,
-                 launcher_args: tuple[str, ...] = (), env: dict | None = None) -> None:  # fmt: skip
+                 launcher_args: tuple[str, ...] = (), env: dict | None = None,
+                 device: str = "cpu") -> None:  # fmt: skip
+        if device not in ("cpu", "cuda"):
+            raise ValueError(f"device={device!r}: expected cpu or cuda")
         run_dir.mkdir(parents=True, exist_ok=True)
         self.log = run_dir / "output.log"
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                    f"--nproc-per-node={nproc}", *launcher_args, *target]  # fmt: skip
         environment = {**os.environ, "MP_RUN_DIR": str(run_dir), "OMP_NUM_THREADS": "1",
-                       **(env or {})}  # fmt: skip
+                       DEVICE_ENV: device, **(env or {})}  # fmt: skip
         with self.log.open("a") as log:
             self.process = subprocess.Popen(command, env=environment, start_new_session=True,
                                             stdout=log, stderr=subprocess.STDOUT)  # fmt: skip

@@ -1,4 +1,4 @@
-"""Runs a function on N ranks as real processes over gloo, for tests.
+"""Runs a function on N ranks as real processes (gloo on the CPU, or NCCL), for tests.
 
 Every multi-rank test of the project goes through `run_on_ranks`: it starts
 one process per rank, joins them into one torch.distributed world (a FileStore
@@ -12,17 +12,27 @@ every rank and returns the per-rank return values. It never hangs:
   (faulthandler on SIGUSR1) and then every rank is killed; the stacks are in
   the error, so a hang shows where each rank was waiting.
 
+Device. `device` ("cpu" by default, or "cuda") is set as MP_DEVICE in every rank,
+which mp_state.devices reads: a CPU rank computes on the CPU and talks over gloo
+even on a machine with GPUs, and never initializes CUDA. A "cuda" rank uses GPU
+LOCAL_RANK (mod the visible count) and NCCL, so several ranks need as many GPUs.
+
 Start method. Measured on the 2-core CI machine with the PyPI torch build
 (torch 2.15), run_on_ranks(dist.get_rank, 8) takes 12.8 s with spawn (each
-child imports torch anew) and 0.17 s with fork. Forking is therefore the
-default where it is safe (Linux, CUDA not initialized in the parent). A
+child imports torch anew) and 0.17 s with fork. CPU ranks are therefore
+forked (on Linux), even when the parent has used CUDA: like a DataLoader's
+workers they never touch it, which is all a fork of a CUDA process forbids.
+CUDA ranks are spawned: once the parent has asked torch about CUDA at all
+(torch.cuda.is_available() does), a forked child cannot initialize it. A
 forked child inherits the parent's OpenMP thread pool in a broken state: its
 first multi-threaded op would wait for threads that do not exist, so each
 child calls torch.set_num_threads(1) before anything else (ranks on one
-machine share its cores anyway). Spawn is used when CUDA is initialized (CUDA
-cannot survive a fork), and can be forced with `start_method="spawn"` or
-MP_TEST_START_METHOD=spawn; the function and its arguments must then be
-picklable.
+machine share its cores anyway). Spawn can be forced with
+`start_method="spawn"` or MP_TEST_START_METHOD=spawn. A spawned rank imports
+the function by its module and name, so it must live in an importable module
+(a test file under pytest's importlib mode is not one), and its arguments and
+results must be picklable; a CUDA rank returns CPU values (a CUDA tensor would
+initialize CUDA in the parent).
 
 Before the first fork the parent does, once, what every rank would otherwise
 do on its own at first use: torch.testing's comparison (imports sympy) and a
@@ -51,6 +61,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mp_state.devices import DEVICE_ENV, select_device
+
 __all__ = ["RankFailure", "RankTimeout", "default_start_method", "run_on_ranks"]
 
 _GRACE_S = 1.0
@@ -78,12 +90,13 @@ def _warm_imports() -> None:
     torch.optim.AdamW([param]).step()
 
 
-def default_start_method() -> str:
-    """fork where it is safe and fast, else spawn (see the module docstring)."""
+def default_start_method(device: str = "cpu") -> str:
+    """fork for CPU ranks on Linux, spawn for CUDA ranks and elsewhere;
+    MP_TEST_START_METHOD first (see the module docstring)."""
     chosen = os.environ.get("MP_TEST_START_METHOD")
     if chosen:
         return chosen
-    if sys.platform == "linux" and not torch.cuda.is_initialized():
+    if sys.platform == "linux" and device == "cpu":
         return "fork"
     return "spawn"
 
@@ -93,21 +106,26 @@ def run_on_ranks(
     world_size: int,
     *args: Any,
     timeout: float = 120.0,
-    backend: str = "gloo",
+    device: str = "cpu",
+    backend: str | None = None,
     start_method: str | None = None,
     init_process_group: bool = True,
     **kwargs: Any,
 ) -> list[Any]:
     """Calls fn(*args, **kwargs) on `world_size` ranks; returns their results by rank.
 
-    Each rank sees torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, ...) and,
-    unless `init_process_group` is False, an initialized default process group.
-    Raises RankFailure naming the failing rank with its traceback, or
+    Each rank sees torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, ...),
+    MP_DEVICE=`device` ("cpu" or "cuda") and, unless `init_process_group` is False,
+    an initialized default process group over `backend` (by default gloo on the CPU,
+    nccl on CUDA). Raises RankFailure naming the failing rank with its traceback, or
     RankTimeout with the stack of every rank still running after `timeout` s.
     """
     if world_size < 1:
         raise ValueError(f"world_size={world_size} must be >= 1")
-    method = start_method or default_start_method()
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device={device!r}: expected cpu or cuda")
+    backend = backend or ("nccl" if device == "cuda" else "gloo")
+    method = start_method or default_start_method(device)
     if method == "fork":
         _warm_imports()
     ctx = multiprocessing.get_context(method)
@@ -115,7 +133,7 @@ def run_on_ranks(
         ranks = []
         for rank in range(world_size):
             receiver, sender = ctx.Pipe(duplex=False)
-            spec = _RankSpec(rank, world_size, tmp, backend, timeout, init_process_group)
+            spec = _RankSpec(rank, world_size, tmp, device, backend, timeout, init_process_group)
             process = ctx.Process(
                 target=_rank_main,
                 args=(spec, sender, fn, args, kwargs),
@@ -140,6 +158,7 @@ class _RankSpec:
     rank: int
     world_size: int
     folder: str
+    device: str
     backend: str
     timeout: float
     init_process_group: bool
@@ -169,8 +188,11 @@ def _rank_main(spec: _RankSpec, conn: Connection, fn: Callable, args: tuple, kwa
         LOCAL_WORLD_SIZE=str(spec.world_size),
         GROUP_RANK="0",
         MASTER_ADDR="127.0.0.1",
+        **{DEVICE_ENV: spec.device},
     )
     try:
+        if spec.device == "cuda":
+            torch.cuda.set_device(select_device().device)
         if spec.init_process_group:
             store = dist.FileStore(os.path.join(spec.folder, "store"), spec.world_size)
             dist.init_process_group(

@@ -1,0 +1,28 @@
+"""The suite's device rule: a test runs on the CPU unless it is marked `cuda`.
+
+This process, and through its environment every process a test starts (forked
+ranks, torchrun jobs, command-line subprocesses), runs with MP_DEVICE=cpu, which
+mp_state.devices reads: on a machine with a GPU the CPU tests stay on the CPU with
+gloo, as they run on one without. A test marked `cuda` asks for the GPU itself
+(run_on_ranks(device="cuda"), TorchrunJob(device="cuda"), MP_DEVICE=cuda for one
+call) and is skipped where torch sees no CUDA device. docs/testing.md has the rules.
+"""
+
+import os
+
+import pytest
+
+os.environ["MP_DEVICE"] = "cpu"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    marked = [item for item in items if item.get_closest_marker("cuda")]
+    if not marked:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in marked:
+        item.add_marker(skip)

@@ -1,0 +1,65 @@
+"""Validation of TransformerConfig's FP8 fields (Megatron's --fp8-* options, computed with
+torchao's float8 training): the rules that hold whatever the device (`check_fp8`, from
+__post_init__). Whether this rank's device can run FP8 is `mp_layers.fp8.check_fp8_device`.
+Every message names the field and the value."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from mp_layers.config_rules import choice, left_default
+
+if TYPE_CHECKING:
+    from mp_layers.config import TransformerConfig
+
+__all__ = ["check_fp8"]
+
+_REFUSED_RECIPES = {
+    "delayed": "delayed scaling (an amax history) is Transformer Engine's and torchao's "
+    "float8 training has none",
+    "mxfp8": "MXFP8 needs Transformer Engine on a Blackwell GPU",
+    "blockwise": "blockwise scaling needs Transformer Engine",
+    "custom": "a custom quantizer factory needs Transformer Engine",
+}
+
+_FP8_ONLY = {
+    "fp8_recipe": "tensorwise",
+    "fp8_wgrad": True,
+    "fp8_emulate": False,
+    "first_last_layers_bf16": False,
+}
+"""Fields that mean something only with fp8 set: changed without it, refused."""
+
+
+def check_fp8(config: TransformerConfig) -> None:
+    if config.fp8 is None:
+        left_default(config, _FP8_ONLY, "fp8 (--fp8-format)")
+        return
+    choice("fp8", config.fp8, ("e4m3", "hybrid"))
+    if config.fp8_recipe in _REFUSED_RECIPES:
+        raise ValueError(
+            f"fp8_recipe={config.fp8_recipe!r}: {_REFUSED_RECIPES[config.fp8_recipe]}; "
+            "use --fp8-recipe tensorwise (mp's default) or rowwise"
+        )
+    choice("fp8_recipe", config.fp8_recipe, ("tensorwise", "rowwise"))
+    if config.fp8_recipe == "rowwise" and config.fp8 == "hybrid":
+        raise ValueError(
+            "fp8='hybrid' with fp8_recipe='rowwise': torchao's rowwise recipe scales e4m3 "
+            "tensors only; use --fp8-format e4m3, or --fp8-recipe tensorwise"
+        )
+    if not config.bf16:
+        raise ValueError(
+            f"fp8={config.fp8!r} needs bf16=True: the FP8 GEMMs take and give bf16 activations"
+        )
+    if config.first_last_layers_bf16:
+        for name in ("num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16"):
+            value = getattr(config, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name}={value!r} must be an integer >= 0")
+        kept = config.num_layers_at_start_in_bf16 + config.num_layers_at_end_in_bf16
+        if kept > config.num_layers:
+            raise ValueError(
+                f"num_layers_at_start_in_bf16={config.num_layers_at_start_in_bf16} plus "
+                f"num_layers_at_end_in_bf16={config.num_layers_at_end_in_bf16} exceed "
+                f"num_layers={config.num_layers}"
+            )

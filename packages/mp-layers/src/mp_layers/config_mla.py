@@ -1,0 +1,91 @@
+"""Validation of TransformerConfig's multi-latent attention fields (Megatron's
+--multi-latent-attention, --q-lora-rank, --kv-lora-rank, --qk-head-dim,
+--qk-pos-emb-head-dim, --v-head-dim and --rope-type): `check_mla`, from __post_init__.
+The tensor- and context-parallel rules of MLA are those of standard attention (the heads
+divide over the tensor-parallel ranks; check_parallel). Every message names the field and
+the value."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from mp_layers.config_rules import choice, left_default, positive
+
+if TYPE_CHECKING:
+    from mp_layers.config import TransformerConfig
+
+__all__ = ["check_mla"]
+
+_MLA_ONLY = {
+    "q_lora_rank": None,
+    "kv_lora_rank": 32,
+    "qk_head_dim": 128,
+    "qk_pos_emb_head_dim": 64,
+    "v_head_dim": 128,
+}
+"""Fields that mean something only with multi_latent_attention (Megatron's defaults)."""
+
+_NOT_WITH_MLA = {
+    "use_rope_scaling": False,
+    "rotary_seq_len_interpolation_factor": None,
+    "rotary_percent": 1.0,
+    "add_qkv_bias": False,
+    "softmax_type": "vanilla",
+    "window_size": None,
+}
+"""Standard attention's options that mp's MLA does not implement (no MLA model uses them):
+refused with multi_latent_attention."""
+
+
+def check_mla(config: TransformerConfig) -> None:
+    rope_type = config.rope_type
+    if rope_type is not None:
+        choice("rope_type", rope_type, ("rope", "yarn"))
+    if not config.multi_latent_attention:
+        left_default(config, _MLA_ONLY, "multi_latent_attention")
+        if rope_type is not None and config.position_embedding_type != "rope":
+            raise ValueError(
+                f"rope_type={rope_type!r} chooses multi-latent attention's rotary embeddings; "
+                "standard attention takes position_embedding_type='rope' (with rope_type "
+                f"'rope') or 'yarn', got position_embedding_type="
+                f"{config.position_embedding_type!r}"
+            )
+        if rope_type == "yarn":
+            raise ValueError(
+                "rope_type='yarn' applies to multi-latent attention; for YaRN in standard "
+                "attention set position_embedding_type='yarn'"
+            )
+        return
+    for name in ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"):
+        positive(name, getattr(config, name))
+    if config.q_lora_rank is not None:
+        positive("q_lora_rank", config.q_lora_rank)
+    if config.qk_pos_emb_head_dim % 2:
+        raise ValueError(
+            f"qk_pos_emb_head_dim={config.qk_pos_emb_head_dim} must be even: rotary "
+            "embeddings turn its channels in pairs"
+        )
+    if config.num_query_groups != config.num_attention_heads:
+        raise ValueError(
+            f"num_query_groups={config.num_query_groups} with multi_latent_attention: MLA has "
+            f"no query groups (each of the num_attention_heads={config.num_attention_heads} "
+            "heads has its own key and value); leave num_query_groups unset"
+        )
+    position = config.position_embedding_type
+    if position not in ("rope", "yarn"):
+        raise ValueError(
+            f"position_embedding_type={position!r} with multi_latent_attention: MLA rotates "
+            "its qk_pos_emb_head_dim channels; set position_embedding_type='rope' (rope_type "
+            "picks YaRN or plain RoPE)"
+        )
+    if position == "yarn" and rope_type == "rope":
+        raise ValueError(
+            "position_embedding_type='yarn' and rope_type='rope' disagree: give one of them"
+        )
+    for name, default in _NOT_WITH_MLA.items():
+        value = getattr(config, name)
+        if value != default:
+            raise ValueError(
+                f"{name}={value!r} is not implemented with multi_latent_attention (no MLA "
+                f"model uses it); leave it at {default!r}"
+            )

@@ -1,0 +1,220 @@
+"""Multi-latent attention (DeepSeek-V2, DeepSeek-AI 2024; DeepSeek-V3, Kimi K2) with
+Megatron-LM's module names and tensor-parallel layout (its MLASelfAttention).
+
+Shapes: x [s, b, h] ([s/tp, b, h] with sequence parallelism); n heads, nl = n/tp of them
+on this rank; dn = qk_head_dim, dr = qk_pos_emb_head_dim, dv = v_head_dim, r =
+kv_lora_rank, rq = q_lora_rank.
+
+    queries  linear_q_down_proj [rq, h] -> q_layernorm -> linear_q_up_proj [n (dn + dr), rq]
+             (or linear_q_proj [n (dn + dr), h] without q_lora_rank): per head q_nope [dn],
+             q_rope [dr]
+    latent   linear_kv_down_proj [r + dr, h] -> c [r] (then kv_layernorm), k_rope [dr]
+    keys     linear_kv_up_proj [n (dn + dv), r] of c: per head k_nope [dn], v [dv]
+    output   linear_proj [h, n dv]
+
+Head i attends with query (q_nope, rope(q_rope)) and key (k_nope, rope(k_rope)): the
+rotated part of the key is one for all heads. The logits are scaled by
+mscale^2 / sqrt(dn + dr) with mscale = 0.1 mscale_all_dim ln(s) + 1 under YaRN of factor
+s, else 1 (Megatron's and DeepSeek's softmax scale; rope.py). The rope parts keep
+DeepSeek's layout, channel pairs (2i, 2i + 1): they are regrouped as (even, odd) halves
+before rotating (Megatron's mla_rotary_interleaved, transformers' rope_interleave), which
+permutes the rotated channels of queries and keys alike and leaves the logits DeepSeek's.
+
+Tensor parallelism as Megatron's: the up projections are column-parallel and the output
+projection row-parallel, so a rank holds nl whole heads; the down projections and the
+latent norms are replicated. Under sequence parallelism those run on this rank's s/tp
+positions and their parameters carry `sequence_parallel` (their gradients summed over the
+TP group, as the layer norms'); the up projections gather the latents along s and k_rope
+is gathered for the heads. Without it k_rope enters the heads through the copy-to-TP
+mapping, whose backward sums the heads' gradients over the ranks, as a column-parallel
+layer does for its input.
+
+sharded_state_dict names Megatron's tensors (its local spec): linear_q_down_proj.weight,
+q_layernorm.*, linear_q_up_proj.weight (or linear_q_proj.weight),
+linear_kv_down_proj.weight, kv_layernorm.*, linear_kv_up_proj.weight, linear_proj.*. The up
+projections hold each head's rows together (dn + dr, or dn + dv), as Megatron and
+Hugging Face store them, so the TP split gives whole heads and the logical tensor is the
+checkpoint's own.
+
+Generation with a KVCache keeps, per position, the latent (c, rope(k_rope)): r + dr
+channels instead of n (dn + dr + dv) keys and values. Attention runs in the latent space
+(the weight absorption of DeepSeek-V2's section 2.1.3): with W_uk [dn, r] and W_uv [dv, r]
+a head's rows of linear_kv_up_proj, q_nope . (W_uk c) = (W_uk^T q_nope) . c, so the query
+(W_uk^T q_nope, rope(q_rope)) attends over the latents as keys (one group for all heads),
+and W_uv times the weighted sum of the c gives the head's value.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import TYPE_CHECKING
+
+import torch
+
+from mp_ckpt import ShardedTensor
+from mp_layers.config import TransformerConfig
+from mp_layers.groups import ModelGroups
+from mp_layers.tensor_parallel import (
+    ColumnParallelLinear,
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+    replicated_state_dict,
+)
+from mp_layers.transformer.kv_cache import KVCache
+from mp_layers.transformer.mlp import residual_projection
+from mp_layers.transformer.recompute import checkpointed
+from mp_layers.transformer.rope import Rotary, apply_rotary_pos_emb, yarn_mscale, yarn_scaling
+from mp_state import RankGroup, RNGStatesTracker
+
+if TYPE_CHECKING:
+    from mp_layers.transformer.spec import LayerSpec
+
+__all__ = ["MultiLatentAttention", "mla_softmax_scale"]
+
+_REPLICATED = ("linear_q_down_proj", "q_layernorm", "linear_kv_down_proj", "kv_layernorm")
+_SPLIT = ("linear_q_proj", "linear_q_up_proj", "linear_kv_up_proj", "linear_proj")
+
+
+def mla_softmax_scale(config: TransformerConfig) -> float:
+    """mscale^2 / sqrt(qk_head_dim + qk_pos_emb_head_dim) (module docstring)."""
+    scaling = yarn_scaling(config)
+    mscale = 1.0 if scaling is None else yarn_mscale(scaling.factor, scaling.mscale_all_dim)
+    return mscale * mscale / math.sqrt(config.qk_head_dim + config.qk_pos_emb_head_dim)
+
+
+class MultiLatentAttention(torch.nn.Module):
+    def __init__(
+        self,
+        config: TransformerConfig,
+        groups: ModelGroups,
+        rng_tracker: RNGStatesTracker | None = None,
+        *,
+        spec: LayerSpec,
+        layer_number: int = 0,
+    ) -> None:
+        """layer_number: the layer's index in the whole model (its place in a KVCache)."""
+        super().__init__()
+        self.layer_number = layer_number
+        tp_group = groups.tp
+        config.check_parallel(tp_group.size, groups.cp.size)
+        self.tp_group = tp_group
+        self.sequence_parallel = config.sequence_parallel
+        n, h = config.num_attention_heads, config.hidden_size
+        self.heads = n // tp_group.size  # on this rank
+        self.dn, self.dr = config.qk_head_dim, config.qk_pos_emb_head_dim
+        self.dv, self.r = config.v_head_dim, config.kv_lora_rank
+        normal = functools.partial(torch.nn.init.normal_, std=config.init_method_std)
+        column = functools.partial(
+            ColumnParallelLinear, tp_group=tp_group, bias=False,
+            sequence_parallel=config.sequence_parallel, init_method=normal,
+            params_dtype=config.params_dtype,
+        )  # fmt: skip
+        # A column-parallel layer over this rank alone: the whole weight, on every rank.
+        alone = RankGroup(tp_group.kind, (tp_group.global_rank,), 0, None)
+        replicated = functools.partial(
+            ColumnParallelLinear, tp_group=alone, bias=False, init_method=normal,
+            params_dtype=config.params_dtype,
+        )  # fmt: skip
+
+        def latent_norm(size: int) -> torch.nn.Module:  # Megatron's IdentityOp without them
+            return spec.norm(config, size) if config.qk_layernorm else torch.nn.Identity()
+
+        q_width = n * (self.dn + self.dr)
+        self.linear_q_proj = self.linear_q_down_proj = self.linear_q_up_proj = None
+        self.q_layernorm = None
+        if config.q_lora_rank is None:
+            self.linear_q_proj = column(h, q_width)
+        else:
+            self.linear_q_down_proj = replicated(h, config.q_lora_rank)
+            self.q_layernorm = latent_norm(config.q_lora_rank)
+            self.linear_q_up_proj = column(config.q_lora_rank, q_width)
+        self.linear_kv_down_proj = replicated(h, self.r + self.dr)
+        self.kv_layernorm = latent_norm(self.r)
+        self.linear_kv_up_proj = column(self.r, n * (self.dn + self.dv))
+        for module in (self.linear_q_down_proj, self.linear_kv_down_proj):  # norms: their own
+            for p in module.parameters() if module is not None else ():
+                p.sequence_parallel = config.sequence_parallel
+        self.core_attention = spec.core_attention(
+            config.attention_dropout, rng_tracker, config.attention_backend,
+            cp_group=groups.cp, cp_comm_type=config.cp_comm_type,
+            softmax_scale=mla_softmax_scale(config), params_dtype=config.params_dtype,
+        )  # fmt: skip
+        # Selective recompute (Korthikanti et al.): core attention only, as SelfAttention.
+        self.recompute_core_attention = config.recompute_granularity == "selective"
+        self.rng_tracker = rng_tracker
+        self.linear_proj = residual_projection(config, tp_group, n * self.dv)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rotary: Rotary | None = None,
+        attention_mask: torch.Tensor | None = None,
+        kv_cache: KVCache | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x [s, b, h] -> (output [s, b, h], projection bias or None); rotary: the
+        rotations of qk_pos_emb_head_dim channels. With a kv_cache, x holds the next
+        positions only; their latents join the cache's (module docstring)."""
+        if rotary is None:
+            raise ValueError(
+                "multi-latent attention needs rotary embeddings of qk_pos_emb_head_dim "
+                "channels (GPTModel's with position_embedding_type 'rope')"
+            )
+        if self.linear_q_proj is not None:
+            q, _ = self.linear_q_proj(x)
+        else:
+            q, _ = self.linear_q_up_proj(self.q_layernorm(self.linear_q_down_proj(x)[0]))
+        s, b = q.shape[:2]
+        q = q.view(s, b, self.heads, self.dn + self.dr)
+        q_nope, q_rope = q.split([self.dn, self.dr], dim=-1)
+        latent, _ = self.linear_kv_down_proj(x)  # [s(/tp), b, r + dr]
+        c, k_rope = latent.split([self.r, self.dr], dim=-1)
+        c = self.kv_layernorm(c)
+        if self.sequence_parallel:
+            k_rope = gather_from_sequence_parallel_region(k_rope, self.tp_group)
+        else:
+            k_rope = copy_to_tensor_model_parallel_region(k_rope, self.tp_group)
+        q_rope = apply_rotary_pos_emb(_pairs_as_halves(q_rope), rotary)
+        k_rope = apply_rotary_pos_emb(_pairs_as_halves(k_rope)[:, :, None], rotary)
+        if kv_cache is not None:
+            return self._attend_latents(q_nope, q_rope, c, k_rope, attention_mask, kv_cache)
+        kv, _ = self.linear_kv_up_proj(c)
+        k_nope, v = kv.view(s, b, self.heads, self.dn + self.dv).split([self.dn, self.dv], -1)
+        query = torch.cat([q_nope, q_rope], dim=-1)
+        key = torch.cat([k_nope, k_rope.expand(s, b, self.heads, self.dr)], dim=-1)
+        if self.recompute_core_attention and self.training and torch.is_grad_enabled():
+            context = checkpointed(self.core_attention, self.rng_tracker, query, key, v,
+                                   attention_mask)  # fmt: skip
+        else:
+            context = self.core_attention(query, key, v, attention_mask)
+        return self.linear_proj(context)
+
+    def _attend_latents(self, q_nope, q_rope, c, k_rope, attention_mask, kv_cache: KVCache):
+        """Attention of the new positions over the cache's latents (module docstring):
+        q_nope [s, b, nl, dn], q_rope [s, b, nl, dr], c [s, b, r], k_rope [s, b, 1, dr]."""
+        s, b = q_nope.shape[:2]
+        latents = kv_cache.update_latent(
+            self.layer_number, torch.cat([c[:, :, None], k_rope], dim=-1)
+        )  # [T, b, 1, r + dr]
+        up = self.linear_kv_up_proj.weight.to(q_nope.dtype)
+        w_uk, w_uv = up.view(self.heads, self.dn + self.dv, self.r).split([self.dn, self.dv], 1)
+        query = torch.cat([torch.einsum("sbnd,ndr->sbnr", q_nope, w_uk), q_rope], dim=-1)
+        context = self.core_attention(query, latents, latents[..., : self.r], attention_mask)
+        values = torch.einsum("sbnr,nvr->sbnv", context.view(s, b, self.heads, self.r), w_uv)
+        return self.linear_proj(values.reshape(s, b, self.heads * self.dv))
+
+    def sharded_state_dict(self, prefix: str = "") -> dict[str, ShardedTensor]:
+        pieces: dict[str, ShardedTensor] = {}
+        for name in _SPLIT:
+            if getattr(self, name) is not None:
+                pieces |= getattr(self, name).sharded_state_dict(f"{prefix}{name}.")
+        for name in _REPLICATED:
+            if getattr(self, name) is not None:
+                pieces |= replicated_state_dict(getattr(self, name), f"{prefix}{name}.",
+                                                self.tp_group)  # fmt: skip
+        return pieces
+
+
+def _pairs_as_halves(t: torch.Tensor) -> torch.Tensor:
+    """[..., dr] with rotary pairs (2i, 2i + 1) -> [..., dr] with pair i at (i, i + dr/2)."""
+    return torch.cat([t[..., 0::2], t[..., 1::2]], dim=-1)

@@ -1,0 +1,30 @@
+"""On a GPU: apps/gpt trains in bf16 under torchrun with NCCL and saves; generation from
+that checkpoint on CUDA gives the greedy tokens it gives on the CPU (both in fp32: the
+generator takes the model's settings, not the run's precision, from a checkpoint)."""
+
+import math
+
+import pytest
+
+from mp_gpt.testing import greedy_on_rank, metrics_records, tiny_options
+from mp_state.testing import TorchrunJob, run_on_ranks
+
+
+@pytest.mark.cuda
+def test_train_bf16_under_torchrun_then_generate_on_cuda(tmp_path):
+    checkpoint = tmp_path / "checkpoints"
+    options = tiny_options(tmp_path, "--bf16", "--save", str(checkpoint))
+    with TorchrunJob(["-m", "mp_gpt.pretrain", *options], tmp_path, nproc=1,
+                     device="cuda") as job:  # fmt: skip
+        job.wait(timeout=300)
+    assert job.returncode == 0, job.output()[-4000:]
+    assert "backend nccl, device cuda:0" in job.output()
+    losses = [record["lm loss"] for record in metrics_records(tmp_path)]
+    assert len(losses) == 4 and all(math.isfinite(loss) for loss in losses), losses
+
+    prompts, new = [[1, 2, 3], [7]], 12
+    [on_cuda] = run_on_ranks(greedy_on_rank, 1, str(checkpoint), [], prompts, new,
+                             device="cuda", timeout=300)  # fmt: skip
+    [on_cpu] = run_on_ranks(greedy_on_rank, 1, str(checkpoint), [], prompts, new, timeout=120)
+    assert [len(tokens) for tokens in on_cuda] == [new, new]
+    assert on_cuda == on_cpu
