@@ -37,6 +37,10 @@ LAYOUT = ["--tensor-model-parallel-size", "2", "--sequence-parallel",
 def eager_then_compiled(run_dir: str, layout: list[str]) -> dict:
     """One rank: the eager run, then the compiled one; what the test checks of them."""
     torch.set_num_threads(1)
+    # A test run earlier in the forking pytest worker may have compiled the same layer
+    # code (its cache entries guard on that process's thread count): start clean.
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
     os.environ.setdefault("MP_RUN_DIR", "/nonexistent")  # tiny.yaml's data paths, unused
     from mp_gpt.pretrain import train
     from mp_train import parse_config

@@ -3,6 +3,7 @@ attention stay eager inside it. Dynamo's "eager" backend runs the captured graph
 they are (no inductor code generation: the test takes seconds), so the loss and
 gradients equal the uncompiled model's, over two steps that compile once."""
 
+import pytest
 import torch
 import torch._dynamo
 
@@ -38,8 +39,16 @@ def two_steps(compiled: bool):
     return losses, {n: p.grad for n, p in model.named_parameters()}, keys, graphs
 
 
-def test_compiled_layers_equal_eager_with_moe_and_selective_recompute():
+@pytest.fixture
+def fresh_dynamo():
+    """Dynamo's caches and counters empty before, and no compiled code left to the worker's
+    later tests (or to ranks they fork) after."""
     torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def test_compiled_layers_equal_eager_with_moe_and_selective_recompute(fresh_dynamo):
     counters = torch._dynamo.utils.counters
     counters.clear()
     want_losses, want_grads, _, _ = two_steps(compiled=False)
