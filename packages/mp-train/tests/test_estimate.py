@@ -192,6 +192,17 @@ def test_context_parallel_splits_the_sequence():
     )
 
 
+def test_the_chunked_output_loss_counts_one_chunk_of_logits():
+    whole = estimate(make_config(), world_size=1)["activation_mb"] * MB
+    chunked = estimate(make_config(output_loss_chunk_tokens=16), world_size=1)
+    # s b = 64 tokens, V = 128: the logits term 4 s b V = 32768 becomes 4 c V = 8192.
+    assert whole - chunked["activation_mb"] * MB == pytest.approx(32768 - 8192)
+    larger = estimate(make_config(output_loss_chunk_tokens=1000), world_size=1)
+    assert larger["activation_mb"] * MB == pytest.approx(whole)  # one chunk: all 64 tokens
+    # FLOPs stay the model's: the backward's recomputed GEMM is not counted (as recompute).
+    assert chunked["flops_per_iteration"] == estimate(make_config(), 1)["flops_per_iteration"]
+
+
 def test_the_score_term_follows_the_core_attention():
     # Megatron's 5as^2b is kept only where the core attention keeps its probabilities.
     def activation(seq, device_type="cuda", **model):

@@ -52,7 +52,8 @@ attention scores 5as^2b unless core attention is recomputed (selective):
 
 times L (p micro-batches in flight x L / p layers), plus the embedding's 8sb + sbh per
 in-flight micro-batch; all of it x (1 + (p - 1) / (p v)) under the interleaved schedule,
-or x min(1, m / p) under 1F1B; plus the output layer's 4sbh + 4sbV when p = 1. Under
+or x min(1, m / p) under 1F1B; plus the output layer's 4sbh + 4sbV when p = 1 (4cV
+for the logits of a chunk of c < sb tokens with output_loss_chunk_tokens c). Under
 sequence parallelism every term is divided by t, otherwise only the split ones. Megatron
 itself reports only the first form; for every other case it uses sbh(10 + 24/t), its
 own output-layer term and a 5% margin. Context parallelism stores s / c tokens per rank;
@@ -70,7 +71,9 @@ weight and a GEMM of (m x n)(n x k) is 2mnk, so per token and layer
 6[h(ad + 2gd) + ad s + ad h] for attention (the causal mask halves QK^T and its product
 with V), 6hf x (3|2) for a dense MLP, 6h(k f_moe + f_shared) x (3|2) for a MoE one, and
 6hV for the logits; times B s (the router's 6hE per token and MoE layer is left out, as
-Megatron does). With a = g, f = 4h it is 72BsLh^2(1 + s/(12h) + V/(12Lh)). Multi-latent
+Megatron does). They are the model's FLOPs: recomputation (activation recompute, the
+chunked output loss's second logits GEMM) is not counted, as in Megatron's MFU.
+With a = g, f = 4h it is 72BsLh^2(1 + s/(12h) + V/(12Lh)). Multi-latent
 attention's per token and layer, Megatron's MLA branch: 6[r_q(h + a(dn + dr) + 1) + r(h +
 a(dn + dv) + 1) + h dr + a dv h + s a(dn + dr + dv)/2] (r_q(...) is ha(dn + dr) without a
 query latent; the + 1 counts each latent norm). Its activations are estimated with the
@@ -352,7 +355,9 @@ def _activation_bytes(
     elif pp > 1:
         total *= min(1.0, layout["microbatches"] / pp)
     if pp == 1:
-        total += stored(4 * sbh, 4 * s * b * V)  # the output layer's input and logits
+        # The output layer's input and logits: one chunk's with output_loss_chunk_tokens.
+        tokens = min(s * b, m.output_loss_chunk_tokens or s * b)
+        total += stored(4 * sbh, 4 * tokens * V)
     recompute = {None: "no recompute", "selective": "selective recompute"}.get(
         granularity, f"full recompute ({m.recompute_method})"
     )
