@@ -7,13 +7,14 @@ import torch
 
 import mp_state
 from mp_layers import (
+    ColumnParallelLinear,
     GPTModel,
     ModelGroups,
     TransformerConfig,
     all_reduce_sequence_parallel_grads,
     check_fp8_device,
 )
-from mp_layers.fp8 import Fp8Matmul
+from mp_layers.fp8 import Fp8Matmul, apply_fp8
 from mp_state import ParallelConfig
 from mp_state.testing import run_on_ranks
 
@@ -148,3 +149,16 @@ def test_fp8_gpt_model_at_tp2_with_sequence_parallelism_equals_tp1():
 
 def _losses_of_three(kept: dict) -> list:
     return [_losses({}), _losses(FP8), _losses({**FP8, **kept})]
+
+
+def test_a_gemm_dimension_fp8_cannot_take_is_refused_naming_the_layer():
+    one_rank = mp_state.RankGroup("tp", (0,), 0, None)
+    linear = ColumnParallelLinear(64, 24, tp_group=one_rank, bias=False,
+                                  init_method=torch.nn.init.zeros_)  # fmt: skip
+    layers = torch.nn.ModuleList([torch.nn.ModuleDict({"fc": linear})])
+    config = TransformerConfig(**LLAMA, **FP8)
+    with pytest.raises(ValueError, match="layer 2 fc has 24 output features on this rank"):
+        apply_fp8(layers, config, layer_offset=2)
+    assert linear.fp8_matmul is None
+    linear.weight = torch.nn.Parameter(torch.zeros(32, 64))
+    assert apply_fp8(layers, config, layer_offset=0) == 1 and linear.fp8_matmul is not None
