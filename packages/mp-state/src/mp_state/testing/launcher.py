@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import faulthandler
 import functools
+import gc
 import multiprocessing
 import os
 import pickle
@@ -79,6 +80,22 @@ class RankFailure(RuntimeError):
 
 class RankTimeout(RankFailure):
     """Ranks were still running at the timeout; `failures` holds their stacks."""
+
+
+def _start(process, method: str) -> None:
+    """Starts a rank. A forked rank inherits the parent's objects, garbage included (a
+    test's leftover DataLoader iterator, whose finalizer takes a semaphore shared with
+    the parent's loader workers): frozen before the fork, they are never collected in the
+    rank, so a rank killed mid-finalizer cannot leave the parent's collector waiting on
+    that semaphore forever."""
+    if method != "fork":
+        process.start()
+        return
+    gc.freeze()
+    try:
+        process.start()
+    finally:
+        gc.unfreeze()
 
 
 @functools.cache
@@ -140,7 +157,7 @@ def run_on_ranks(
                 name=f"mp-rank-{rank}",
                 daemon=True,
             )
-            process.start()
+            _start(process, method)
             sender.close()
             ranks.append(_Running(rank, process, receiver, spec.stack_path))
         try:
