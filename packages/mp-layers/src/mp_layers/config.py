@@ -17,6 +17,7 @@ from mp_layers.config_attention import check_attention_fields, check_attention_p
 from mp_layers.config_fp8 import check_fp8
 from mp_layers.config_mla import check_mla
 from mp_layers.config_moe import check_expert_parallel, check_moe
+from mp_layers.config_mtp import check_mtp
 from mp_layers.config_rules import choice as _choice
 from mp_layers.config_rules import positive as _positive
 
@@ -233,6 +234,19 @@ class TransformerConfig:
     v_head_dim: int = 128
     """MLA: value channels per head."""
 
+    # --- Multi-token prediction (Megatron's --mtp-num-layers, DeepSeek-V3) -------------
+    mtp_num_layers: int | None = None
+    """Multi-token prediction modules after the last layer (DeepSeek-V3 1): the k-th
+    predicts the token k+1 positions ahead from the (k-1)-th's output and the embedding of
+    the token k positions ahead, through its own norms, a projection and one transformer
+    layer shaped as the model's last, and the shared output layer. Training only: their
+    losses, scaled by mtp_loss_scaling_factor, add to the gradients; generation ignores
+    them. On the last pipeline stage, which then holds a copy of the word embedding."""
+
+    mtp_loss_scaling_factor: float = 0.1
+    """Weight of the multi-token prediction losses: each module's mean loss counts
+    mtp_loss_scaling_factor / mtp_num_layers (Megatron's default 0.1)."""
+
     init_method_std: float = 0.02
     """Standard deviation of the normal initialization of weights."""
 
@@ -440,6 +454,7 @@ class TransformerConfig:
             )
         self._check_gated_activation()
         check_mla(self)
+        check_mtp(self)
         check_attention_fields(self)
         if self.layernorm_epsilon <= 0:
             raise ValueError(f"layernorm_epsilon={self.layernorm_epsilon} must be > 0")

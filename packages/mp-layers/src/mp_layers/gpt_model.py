@@ -68,6 +68,11 @@ class GPTModel(torch.nn.Module):
     ) -> None:
         super().__init__()
         tp_group = groups.tp
+        if config.mtp_num_layers:
+            raise NotImplementedError(
+                f"mtp_num_layers={config.mtp_num_layers}: the multi-token prediction block "
+                "is not built yet"
+            )
         config.check_parallel(tp_group.size, groups.cp.size, groups.ep.size, groups.expert_tp.size)
         share = (
             not config.untie_embeddings_and_output_weights

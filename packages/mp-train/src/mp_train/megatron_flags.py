@@ -120,10 +120,6 @@ _FAMILIES: dict[str, tuple[bool, str]] = {
     "mamba_head_dim": (True, f"Mamba layers: {_HYBRID}"),
     "mamba_num_groups": (True, f"Mamba layers: {_HYBRID}"),
     "mamba_state_dim": (True, f"Mamba layers: {_HYBRID}"),
-    "mtp_num_layers": (True, "multi-token prediction (DeepSeek-V3's MTP layers) is not "
-                       "implemented"),
-    "mtp_loss_scaling_factor": (True, "multi-token prediction (DeepSeek-V3's MTP layers) is "
-                                "not implemented"),
     "no_rope_freq": (True, "layers without rotary embeddings (NoPE layers, Llama 4) are not "
                      "implemented"),
     "export_moe_apply_probs_on_input": (False, "routing weights applied to the experts' input "

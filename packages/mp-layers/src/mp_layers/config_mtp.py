@@ -1,0 +1,34 @@
+"""Validation of TransformerConfig's multi-token prediction fields (Megatron's
+--mtp-num-layers and --mtp-loss-scaling-factor): `check_mtp`, from __post_init__. Every
+message names the field and the value."""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from mp_layers.config_rules import positive
+
+if TYPE_CHECKING:
+    from mp_layers.config import TransformerConfig
+
+__all__ = ["check_mtp"]
+
+
+def check_mtp(config: TransformerConfig) -> None:
+    n, factor = config.mtp_num_layers, config.mtp_loss_scaling_factor
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)):
+        raise ValueError(f"mtp_loss_scaling_factor={factor!r} must be a number")
+    if not (math.isfinite(factor) and factor >= 0):
+        raise ValueError(f"mtp_loss_scaling_factor={factor} must be finite and >= 0")
+    if n is None:
+        return
+    if isinstance(n, bool) or not isinstance(n, int):
+        raise ValueError(f"mtp_num_layers={n!r} must be an integer")
+    positive("mtp_num_layers", n)
+    if config.position_embedding_type == "learned_absolute":
+        raise ValueError(
+            f"mtp_num_layers={n} with position_embedding_type='learned_absolute': "
+            "multi-token prediction would need the position embeddings on the last pipeline "
+            "stage, which mp does not build; use 'rope', 'yarn' or 'none'"
+        )
