@@ -50,13 +50,21 @@ def train_body(run_dir: str, *layout: str):
 
 def greedy_body(run_dir: str, prompts: list[str], tokens: list[int]):
     """Each prompt's greedy new token ids and its log-probabilities (the prompt's after
-    its first, then the new tokens') from Generator.complete, one prompt at a time."""
+    its first, then the new tokens') from Generator.complete, one prompt at a time; and,
+    as the generator started the world itself (as under `python -m mp_gpt.serve`), the
+    gloo threads there were before and after its close(), and whether the world was
+    still up."""
+    import os
+
     import torch
+    import torch.distributed as dist
 
     torch.set_num_threads(1)
     from mp_gpt.generate import Generator
     from mp_gpt.generation import Sampling
 
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        del os.environ[name]  # no launcher: the generator makes a one-rank world
     generator = Generator(run_dir)
     try:
         found = []
@@ -64,9 +72,18 @@ def greedy_body(run_dir: str, prompts: list[str], tokens: list[int]):
             [done] = generator.complete([generator.tokenizer.tokenize(prompt)], max_new_tokens=n,
                                         sampling=[Sampling()], prompt_logprobs=True)  # fmt: skip
             found.append((done.tokens, done.prompt_logprobs + done.logprobs))
-        return found
+        before = gloo_threads()
     finally:
         generator.close()
+    return found, (before, gloo_threads(), dist.is_initialized())
+
+
+def gloo_threads() -> list[str]:
+    """The names of this process's threads that gloo started (pt_gloo_runloop: a process
+    group's workers; gloo_tcp_loop: its connections)."""
+    tasks = Path("/proc/self/task")
+    names = [(task / "comm").read_text().strip() for task in tasks.iterdir()]
+    return sorted(name for name in names if "gloo" in name)
 
 
 @pytest.fixture(scope="module")
@@ -77,9 +94,25 @@ def checkpoint(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def wanted(checkpoint) -> list[tuple[list[int], list[float]]]:
+def greedy(checkpoint):
+    """greedy_body's answers for PROMPTS, TOKENS, in a rank without a process group."""
+    return run_on_ranks(greedy_body, 1, checkpoint, PROMPTS, TOKENS, timeout=120,
+                        init_process_group=False)[0]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def wanted(greedy) -> list[tuple[list[int], list[float]]]:
     """Generator.complete's greedy new tokens and log-probabilities for PROMPTS, TOKENS."""
-    return run_on_ranks(greedy_body, 1, checkpoint, PROMPTS, TOKENS, timeout=120)[0]
+    return greedy[0]
+
+
+@pytest.mark.multirank
+def test_a_closed_generator_has_ended_the_world_it_started_and_every_gloo_thread(greedy):
+    # A gloo worker thread that outlives close() can release a collective's Python
+    # tensors once the interpreter is finalizing: the server then aborted at exit.
+    before, after, world_up = greedy[1]
+    assert "pt_gloo_runloop" in before, before  # the threads are seen while they run
+    assert after == [] and not world_up, (after, world_up)
 
 
 def serving_url(output: str) -> str | None:

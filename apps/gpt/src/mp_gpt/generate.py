@@ -33,7 +33,7 @@ from mp_data import build_tokenizer, vocab_size_with_padding
 from mp_gpt.generation import Completion, Sampling, generate_batch
 from mp_layers import GPTModel, ModelGroups
 from mp_pipeline import stage_layers
-from mp_train import parse_config
+from mp_train import launch_rank, parse_config
 
 __all__ = ["Generator", "main", "run_generation"]
 
@@ -56,6 +56,9 @@ class Generator:
             raise ValueError("generation runs without context parallelism")
         config.model.sequence_parallel = False
         config.model.hidden_dropout = config.model.attention_dropout = 0.0
+        # A world this generator starts (a command under torchrun) is ended by close(); a
+        # caller's own stays up.
+        self._owns_world = not dist.is_initialized()
         mp_state.init_distributed(parallel.distributed_timeout_minutes,
                                   parallel.distributed_backend)  # fmt: skip
         self.state = mp_state.initialize(parallel)
@@ -76,7 +79,7 @@ class Generator:
             ).to(device).eval()  # fmt: skip
             load_checkpoint(load, self.model.sharded_state_dict(), finetune=True, strict=False)
         except BaseException:
-            mp_state.destroy()
+            self.close()
             raise
         self.vocab_size = self.tokenizer.vocab_size if self.tokenizer is not None else padded
         self.eod = self.tokenizer.eod if self.tokenizer is not None else None
@@ -108,7 +111,17 @@ class Generator:
         return _cut(self.tokenizer.detokenize(kept), stop_strings)
 
     def close(self) -> None:
-        mp_state.destroy()
+        """Ends the model's process groups, and the default one when this generator
+        started it (collective: every rank calls it); the generator cannot generate after.
+
+        Each gloo group's worker threads are joined here, when the last reference to the
+        group goes: left to the interpreter's exit, a worker thread releasing a finished
+        collective's Python tensors after finalization has begun aborts the process
+        ("terminate called without an active exception")."""
+        mp_state.destroy()  # a barrier first: no peer is still sending to this rank
+        self.model = self.state = None  # the groups' last references
+        if self._owns_world and dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -148,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:
         print(f"error: mp_gpt.generate: {error}", file=sys.stderr)
         return 2
-    if not dist.is_initialized() or dist.get_rank() == 0:
+    if launch_rank() == 0:  # the world has ended: the rank torchrun gave
         print(text)
     return 0
 
