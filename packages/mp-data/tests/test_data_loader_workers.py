@@ -1,7 +1,6 @@
 """A pretraining loader whose worker dies says which worker and how it ended, by either of
 torch's two checks: its SIGCHLD handler, or the check at the next batch drawn."""
 
-import gc
 import os
 import re
 import signal
@@ -36,21 +35,27 @@ def test_the_next_batch_names_the_killed_worker_and_the_signal():
     # (within its 5 s poll) and names only the pid, or the batch the worker was sending
     # fails with a reset connection. The handler is put back once every worker is gone,
     # so that it cannot raise into the test run.
+    # The iterator is closed before the test ends: the error's traceback (held by
+    # `raised`) keeps it alive, and left to the garbage collector its workers would be
+    # shut down during some later test, waiting there on locks the killed one may hold.
     torch_handler = signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    batches = iter(loader())
     try:
-        batches = iter(loader())
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the first iterator installs it
         next(batches)
-        pid = batches._iterator._workers[0].pid
+        workers = batches._iterator._workers
+        pid = workers[0].pid
         os.kill(pid, signal.SIGKILL)
         with pytest.raises(DataLoaderWorkerError, match=SAID.format(pid=pid)) as raised:
             for _ in range(10_000):
                 next(batches)
         assert not isinstance(raised.value.__cause__, DataLoaderWorkerError)
-        del batches
-        gc.collect()
     finally:
+        batches.close()
         signal.signal(signal.SIGCHLD, torch_handler)
+    assert not any(w.is_alive() for w in workers)
+    with pytest.raises(StopIteration):
+        next(batches)
 
 
 SIGCHLD_RUN = """

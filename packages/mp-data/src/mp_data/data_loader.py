@@ -14,6 +14,11 @@ torch's SIGCHLD handler in the main thread wherever it is, both as
 `DataLoader worker (pid N) is killed by signal: Killed.`: torch's own check at the next
 batch names only the pid (or raises a reset connection to the dead worker), so the
 loader's iterator says which worker ended and how.
+
+Its iterator's `close()` stops the worker processes at once (a no-op without workers),
+however far it was read: left to the garbage collector, an iterator held by an error's
+traceback shuts its workers down whenever a collection happens to run, in whatever code
+is running then, and waits there on locks it shares with them.
 """
 
 from __future__ import annotations
@@ -46,7 +51,8 @@ def build_pretraining_data_loader(
     """A DataLoader yielding this rank's micro-batches after consumed_samples; None for no dataset.
 
     data_sharding applies to "cyclic" only, drop_last to "single" only (the
-    cyclic sampler always drops a short last micro-batch).
+    cyclic sampler always drops a short last micro-batch). The loader's iterators have
+    close(), which stops their worker processes (not for "external": the dataset itself).
     """
     # Checked before the None case, so a misspelt type fails on every rank
     # and split, not only where a dataset happens to exist.
@@ -100,14 +106,15 @@ class _PretrainingDataLoader(torch.utils.data.DataLoader):
     """A DataLoader whose iterators say which worker died and how."""
 
     def __iter__(self):
-        return _WorkerWatch(super().__iter__())
+        return _WorkerWatch(super().__iter__(), self)
 
 
 class _WorkerWatch:
-    """A DataLoader iterator whose worker failures name the pid and the signal or status."""
+    """A DataLoader iterator whose worker failures name the pid and the signal or status,
+    and whose close() stops its workers."""
 
-    def __init__(self, iterator) -> None:
-        self._iterator = iterator
+    def __init__(self, iterator, loader: torch.utils.data.DataLoader) -> None:
+        self._iterator, self._loader = iterator, loader
 
     def __iter__(self):
         return self
@@ -115,7 +122,22 @@ class _WorkerWatch:
     def __len__(self) -> int:
         return len(self._iterator)
 
+    def close(self) -> None:
+        """Stops the worker processes now and lets the torch iterator go; later next()
+        calls raise StopIteration (as a closed generator's). The loader's next iterator
+        starts workers of its own."""
+        iterator, self._iterator = self._iterator, None
+        if iterator is None:
+            return
+        shutdown = getattr(iterator, "_shutdown_workers", None)  # workers > 0 only
+        if shutdown is not None:
+            shutdown()
+        if getattr(self._loader, "_iterator", None) is iterator:  # persistent workers
+            self._loader._iterator = None
+
     def __next__(self):
+        if self._iterator is None:
+            raise StopIteration
         try:
             return next(self._iterator)
         except (StopIteration, DataLoaderWorkerError):
