@@ -87,13 +87,14 @@ def pretrain(
         )
     if checkpointer is not None and not config.training.skip_train:
         prepare_run_checkpointer(run, checkpointer)
-    # Starting a DataLoader draws its base seed from torch's default generator: undone, so
-    # that the first iteration draws what the checkpoint (or the seeding) left there.
-    with mp_state.rng_state_kept(run.rng_tracker):
-        train_iter, valid_iter = _data_iterators(run, datasets_provider)
-    watching = HangWatchdog.for_run(hang_timeout_minutes(config), dist.get_rank(),
-                                    dist.get_world_size())  # fmt: skip
+    opened: list = []  # the loaders' iterators, closed however the run ends
     try:
+        # Starting a DataLoader draws its base seed from torch's default generator: undone,
+        # so that the first iteration draws what the checkpoint (or the seeding) left there.
+        with mp_state.rng_state_kept(run.rng_tracker):
+            train_iter, valid_iter = _data_iterators(run, datasets_provider, opened)
+        watching = HangWatchdog.for_run(hang_timeout_minutes(config), dist.get_rank(),
+                                        dist.get_world_size())  # fmt: skip
         with watching as watchdog:
             stopped = None
             if not config.training.skip_train:
@@ -112,6 +113,10 @@ def pretrain(
                 with watchdog.paused():
                     save_run_checkpoint(run, checkpointer)
     finally:
+        # Their worker processes stop here, not whenever the collector reaches an
+        # iterator that an error's traceback kept alive.
+        for iterator in opened:
+            iterator.close()
         if checkpointer is not None:
             checkpointer.finalize()
         metrics.close()
@@ -294,8 +299,11 @@ def _should_exit(run: Run, signals: DistributedSignalHandler | None, start: floa
     return None
 
 
-def _data_iterators(run: Run, datasets_provider) -> tuple[Iterator | list | None, Iterator | None]:
-    """Train and validation iterators: one per model chunk with virtual stages."""
+def _data_iterators(run: Run, datasets_provider,
+                    opened: list) -> tuple[Iterator | list | None, Iterator | None]:  # fmt: skip
+    """Train and validation iterators: one per model chunk with virtual stages. Each
+    iterator of a loader mp-data built is appended to `opened` as it starts (its workers
+    with it), for the caller to close."""
     training, data = run.config.training, run.config.data
     gbs = run.calculator.global_batch_size
     if training.train_iters is not None:
@@ -312,14 +320,18 @@ def _data_iterators(run: Run, datasets_provider) -> tuple[Iterator | list | None
     # sequence): the loaders split over data-parallel ranks only.
     dp = run.state.dp
 
-    def loader(dataset, consumed, kind):
+    def start(dataset, consumed, kind):
         if dataset is None:
             return None
-        return build_pretraining_data_loader(
+        loader = build_pretraining_data_loader(
             dataset, consumed, dataloader_type=kind,
             micro_batch_size=training.micro_batch_size, data_parallel_rank=dp.rank,
             data_parallel_size=dp.size, num_workers=data.num_workers,
         )  # fmt: skip
+        iterator = iter(loader)
+        if kind != "external":  # an external dataset is the caller's own
+            opened.append(iterator)
+        return iterator
 
     # Ranks that read no data (tensor-parallel ranks > 0, middle stages) have no datasets
     # but take part in every step: rank 0, which reads, tells them what exists.
@@ -330,15 +342,11 @@ def _data_iterators(run: Run, datasets_provider) -> tuple[Iterator | list | None
     # As Megatron's do_valid: no evaluation without validation data or with eval_iters=0.
     run.has_train_data = bool(flags[0])
     run.has_valid_data = bool(flags[1]) and training.eval_iters > 0
-    train = loader(train_ds, run.train.consumed_train_samples, data.dataloader_type)
-    valid = loader(valid_ds, run.train.consumed_valid_samples, "cyclic")
+    # With virtual stages each chunk draws the same micro-batches: a loader per chunk.
     vpp = run.config.parallel.virtual_pipeline_model_parallel_size
-    train_iter = iter(train) if train is not None else None
-    valid_iter = iter(valid) if valid is not None else None
-    if vpp is not None:
-        # Each chunk draws the same micro-batches: separate loaders over the same samples.
-        train_iter = [iter(loader(train_ds, run.train.consumed_train_samples,
-                                  data.dataloader_type)) for _ in range(vpp)]  # fmt: skip
-        valid_iter = [iter(loader(valid_ds, run.train.consumed_valid_samples, "cyclic"))
-                      for _ in range(vpp)] if valid_ds is not None else None  # fmt: skip
-    return train_iter, valid_iter
+    train = [start(train_ds, run.train.consumed_train_samples, data.dataloader_type)
+             for _ in range(vpp or 1)]  # fmt: skip
+    valid = [start(valid_ds, run.train.consumed_valid_samples, "cyclic") for _ in range(vpp or 1)]
+    if vpp is None:
+        return train[0], valid[0]
+    return train, (valid if valid_ds is not None else None)
