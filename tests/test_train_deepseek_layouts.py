@@ -3,11 +3,14 @@ and YaRN, a dense and a MoE layer with sigmoid group-limited routing, the expert
 a shared expert, one MTP module) trains through pretrain_gpt to the one-rank curve at
 every layout: the language model's loss, the MTP module's and the per-sequence
 balancing loss, every iteration of 10, within 1e-5 relative (fp32, no dropout, mock
-data); and from a checkpoint saved at PP2 and resumed at TP2."""
+data); and from a checkpoint saved at PP2 and resumed at TP2. The MTP loss reaches
+TensorBoard under Megatron's tag, `mtp_1 loss`, every iteration."""
 
 from pathlib import Path
 
+import numpy as np
 import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from mp_gpt.config_files import config_path
 from mp_gpt.testing import assert_same_curve, metrics_records, train_on_rank
@@ -45,11 +48,17 @@ LAYOUTS = {
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("one-rank")
-    run_on_ranks(train_on_rank, 1, options(run_dir), timeout=300)
+    board = ["--tensorboard-dir", str(run_dir / "tb")]
+    run_on_ranks(train_on_rank, 1, options(run_dir, *board), timeout=300)
     records = metrics_records(run_dir)
     assert len(records) == ITERATIONS
     for key in ("lm loss", "mtp_1 loss"):  # both learn
         assert records[-1][key] < records[0][key] - 0.3, (key, records[0], records[-1])
+    # TensorBoard: Megatron's tag, every iteration (as the MoE losses), the logged values.
+    events = EventAccumulator(str(run_dir / "tb"))
+    events.Reload()
+    written = [(e.step, e.value) for e in events.Scalars("mtp_1 loss")]
+    assert written == [(r["iteration"], np.float32(r["mtp_1 loss"])) for r in records]
     return records
 
 
