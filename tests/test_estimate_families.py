@@ -10,7 +10,7 @@ from mp_ckpt import model_config_from_hf
 from mp_data import DataConfig
 from mp_layers import GPTModel, ModelGroups, TransformerConfig
 from mp_optim import OptimizerConfig
-from mp_state import ParallelConfig
+from mp_state import ParallelConfig, RankGroup
 from mp_train.config import GPTConfig, RunConfig, TrainingConfig
 from mp_train.estimate import estimate
 
@@ -75,3 +75,48 @@ def test_estimate_counts_multi_latent_attention(changes):
     result = estimate(run, world_size=1)
     gpt = GPTModel(model, "local", result["padded_vocab_size"], 32, groups=ModelGroups.single())
     assert sum(p.numel() for p in gpt.parameters()) == result["num_parameters"]
+
+
+def _rank(kind: str, size: int) -> RankGroup:
+    """Rank 0 of a group of `size` ranks, as a layer's constructor sees it (no process
+    group: constructing a layer takes its slice of each weight without communicating)."""
+    return RankGroup(kind, tuple(range(size)), 0, None)
+
+
+LAYOUT = dict(num_layers=2, hidden_size=64, num_attention_heads=4, hidden_dropout=0.0,
+              attention_dropout=0.0)  # fmt: skip
+MOE_TP = dict(num_moe_experts=4, moe_ffn_hidden_size=32, moe_layer_freq=[1, 0],
+              sequence_parallel=True)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("fields", "etp"),
+    [(dict(LAYOUT, num_query_groups=2, kv_channels=16, qk_layernorm=True, activation="swiglu",
+           softmax_type="learnable", **MOE_TP), 1),
+     (dict(LAYOUT, add_bias_linear=False, moe_shared_expert_intermediate_size=32,
+           moe_shared_expert_gate=True, **MOE_TP), 2),
+     (dict(MLA, q_lora_rank=48, qk_layernorm=True, add_bias_linear=True), None),
+     (dict(LAYOUT, untie_embeddings_and_output_weights=True), None)],
+    ids=["gqa-biases-sinks-moe", "shared-expert-gate-expert-tp2", "mla", "gpt2-untied"],
+)  # fmt: skip
+def test_estimate_holds_what_a_tensor_parallel_rank_allocates(fields, etp):
+    """At TP 2 (EP 2 with experts) one rank's parameters are GPTModel's on rank 0: the
+    pieces split over the ranks, the norms, row-parallel biases, routers, MLA's down
+    projections and learned positions whole, the experts over EP x expert-TP."""
+    model = TransformerConfig(**fields)
+    ep = 2 if model.num_moe_experts else 1
+    parallel = ParallelConfig(tensor_model_parallel_size=2, expert_model_parallel_size=ep,
+                              expert_tensor_parallel_size=etp)  # fmt: skip
+    run = RunConfig(model=model, parallel=parallel, gpt=GPTConfig(seq_length=32),
+                    optimizer=OptimizerConfig(), data=DataConfig(vocab_size=100),
+                    training=TrainingConfig(micro_batch_size=1))  # fmt: skip
+    result = estimate(run, world_size=2 * ep)
+    groups = dataclasses.replace(
+        ModelGroups.single(), tp=_rank("tp", 2), ep=_rank("ep", ep),
+        expert_tp=_rank("expert_tp", parallel.expert_tensor_parallel_size if ep > 1 else 1),
+    )  # fmt: skip
+    gpt = GPTModel(model, "local", result["padded_vocab_size"], 32, groups=groups)
+    held = {name: p.numel() for name, p in gpt.named_parameters()}
+    experts = sum(n for name, n in held.items() if ".experts." in name)
+    assert sum(held.values()) - experts == result["parameters_on_most_loaded_shard"]
+    assert experts == result["expert_parameters_on_most_loaded_shard"]
