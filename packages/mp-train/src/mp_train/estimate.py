@@ -1,7 +1,7 @@
 """Theoretical memory of the most loaded rank and FLOPs per iteration, from the configuration alone.
 
     mp-train estimate [--config FILE.yaml] [overrides...] --world-size N [--vocab-size V]
-        [--device cuda|cpu]
+        [--device cuda|cpu] [--megatron-formula]
 
 prints one JSON object and starts no process. Every option of the run applies; a
 mixture-of-experts model is described by the model's own fields (num_moe_experts,
@@ -15,7 +15,10 @@ f_moe their width, f_shared the shared expert's; n_mtp multi-token prediction mo
 (mtp_num_layers). MB is 2^20 bytes.
 
 This module is mp's own model: what the run allocates and keeps, measured against
-GPTModel and the run's memory (docs/benchmarks.md).
+GPTModel and the run's memory (docs/benchmarks.md). With --megatron-formula the figures
+are instead Megatron-LM's report_theoretical_memory and num_floating_point_operations
+(megatron-core 0.19.2), to the bit: mp_train.estimate_megatron, which says what those
+formulas assume.
 
 Parameters (mp_train.estimate_parameters): every parameter GPTModel holds (biases, norms,
 routers, learned positions and the MTP modules included), and each pipeline stage's
@@ -92,6 +95,7 @@ import torch
 from mp_layers import TransformerConfig, keeps_attention_probabilities, saved_probability_bytes
 from mp_pipeline import stage_layers
 from mp_train.config import RunConfig
+from mp_train.estimate_megatron import MEGATRON_VERSION, megatron_estimate
 from mp_train.estimate_parameters import model_parameters, stage_moe_layers, stage_parameters
 
 __all__ = ["estimate", "main", "padded_vocab_size"]
@@ -111,13 +115,15 @@ def estimate(
     *,
     vocab_size: int | None = None,
     device_type: str = "cuda",
+    megatron_formula: bool = False,
 ) -> dict:
     """num_parameters, weight_and_optimizer_mb, activation_mb, total_mb (most loaded rank)
     and flops_per_iteration (one global batch, forward + backward), with the figures they
     are made of. A MoE model (config.model.num_moe_experts) is read from the model's fields
     and config.parallel's expert sizes. `vocab_size` overrides config.data.vocab_size;
     `device_type` ("cuda" or "cpu") is where the run computes, which decides the core
-    attention "auto" picks."""
+    attention "auto" picks. `megatron_formula`: Megatron-LM's figures instead of mp's
+    (mp_train.estimate_megatron), with its report's lines under "megatron_report"."""
     layout = _layout(config, world_size)
     vocab = vocab_size if vocab_size is not None else config.data.vocab_size
     V = config.data.padded_vocab_size
@@ -127,6 +133,8 @@ def estimate(
                              "padded_vocab_size; the tokenizer is not read")  # fmt: skip
         _positive("vocab_size", vocab)
         V = padded_vocab_size(vocab, config.data.make_vocab_size_divisible_by, layout["tp"])
+    if megatron_formula:
+        return megatron_estimate(config, layout, V)
     if device_type not in ("cuda", "cpu"):
         raise ValueError(f"device_type={device_type!r} must be cuda or cpu")
     params = model_parameters(config, V)
@@ -382,7 +390,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = parse_config(rest, prog="mp-train estimate")
         result = estimate(config, own.world_size, vocab_size=own.vocab_size,
-                          device_type=own.device)  # fmt: skip
+                          device_type=own.device,
+                          megatron_formula=own.megatron_formula)  # fmt: skip
     except (OSError, ValueError) as error:
         print(f"mp-train estimate: error: {error}", file=sys.stderr)
         return 2
@@ -398,7 +407,8 @@ def _parser() -> argparse.ArgumentParser:
         "hold it (replicated norms whole on each tensor-parallel rank), the optimizer state "
         "of its precision and optimizer, the activations its core attention, recompute, "
         "context parallelism, MoE widths and multi-token prediction keep, of the first or "
-        "last pipeline stage, whichever holds more. Every other flag (and "
+        "last pipeline stage, whichever holds more. With --megatron-formula, "
+        f"Megatron-LM's figures instead ({MEGATRON_VERSION}). Every other flag (and "
         "--config FILE.yaml) is the run's own, mixture-of-experts layers included "
         "(--num-moe-experts, --moe-router-topk, --expert-model-parallel-size, ...).",
         allow_abbrev=False,
@@ -407,5 +417,21 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--vocab-size", type=int, help="vocabulary before padding")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                         help="where the run computes (decides the core attention 'auto' "
-                        "picks, hence whether attention probabilities are kept)")  # fmt: skip
+                        "picks, hence whether attention probabilities are kept; no effect "
+                        "with --megatron-formula, which keeps none)")  # fmt: skip
+    parser.add_argument(
+        "--megatron-formula", action="store_true",
+        help=f"Megatron-LM's report_theoretical_memory and num_floating_point_operations "
+        f"({MEGATRON_VERSION}), to the bit, with the lines Megatron prints "
+        "(megatron_report). They assume bf16 weights with fp32 gradients and Adam (18 "
+        "bytes a parameter; 6 + 12/dp with the distributed optimizer, dp without the "
+        "context-parallel ranks); count no bias but the router's, no learned positions, "
+        "and of an MTP module its layer only; take the first stage's L/p layers, the "
+        "embedding and every MTP module as the most loaded rank; store the activations of "
+        "the whole sequence in 16 bits, without the attention scores (as flash attention "
+        "or selective recompute would), ffn_hidden_size wide in every layer (MoE and MLA "
+        "layers as dense ones), without full recompute or MTP: sbh(18 + 4f/h)/t a layer "
+        "with sequence parallelism and selective recompute, otherwise sbh(10 + 24/t) a "
+        "layer and a 5%% margin.",
+    )  # fmt: skip
     return parser
