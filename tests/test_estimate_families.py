@@ -62,8 +62,11 @@ MLA = dict(num_layers=2, hidden_size=64, num_attention_heads=4, multi_latent_att
     "changes",
     [dict(q_lora_rank=48, qk_layernorm=True, normalization="RMSNorm", add_bias_linear=False,
           num_moe_experts=4, moe_ffn_hidden_size=32, moe_layer_freq=[0, 1]),
-     dict(qk_layernorm=True, add_bias_linear=True), dict(q_lora_rank=48)],
-    ids=["deepseek-v3", "v2-lite-layernorm-bias", "no-latent-norms"],
+     dict(qk_layernorm=True, add_bias_linear=True), dict(q_lora_rank=48),
+     dict(q_lora_rank=48, qk_layernorm=True, normalization="RMSNorm", add_bias_linear=False,
+          num_moe_experts=4, moe_ffn_hidden_size=32, moe_layer_freq=[0, 1], mtp_num_layers=2,
+          untie_embeddings_and_output_weights=True)],
+    ids=["deepseek-v3", "v2-lite-layernorm-bias", "no-latent-norms", "deepseek-v3-mtp2"],
 )  # fmt: skip
 def test_estimate_counts_multi_latent_attention(changes):
     """DeepSeek's attention (no Hugging Face import yet): a query latent or none, latent
@@ -96,8 +99,10 @@ MOE_TP = dict(num_moe_experts=4, moe_ffn_hidden_size=32, moe_layer_freq=[1, 0],
      (dict(LAYOUT, add_bias_linear=False, moe_shared_expert_intermediate_size=32,
            moe_shared_expert_gate=True, **MOE_TP), 2),
      (dict(MLA, q_lora_rank=48, qk_layernorm=True, add_bias_linear=True), None),
-     (dict(LAYOUT, untie_embeddings_and_output_weights=True), None)],
-    ids=["gqa-biases-sinks-moe", "shared-expert-gate-expert-tp2", "mla", "gpt2-untied"],
+     (dict(LAYOUT, untie_embeddings_and_output_weights=True), None),
+     (dict(MLA, q_lora_rank=48, mtp_num_layers=1, **MOE_TP), None)],
+    ids=["gqa-biases-sinks-moe", "shared-expert-gate-expert-tp2", "mla", "gpt2-untied",
+         "mla-moe-mtp"],
 )  # fmt: skip
 def test_estimate_holds_what_a_tensor_parallel_rank_allocates(fields, etp):
     """At TP 2 (EP 2 with experts) one rank's parameters are GPTModel's on rank 0: the
