@@ -55,8 +55,8 @@ an even split), plus the embedding's 8sb + sbh per in-flight micro-batch; all of
 stage (p > 1) keeps its layers for one micro-batch (interleaved: (v - 1) p + 1 of its
 chunks' micro-batches). The last stage also keeps the output layer's 4sbh + 4sbV (4cV for
 the logits of a chunk of c < sb tokens with output_loss_chunk_tokens c), and per MTP
-module its layer (stored whole), its norms' and eh_proj's inputs 8sbh and its own output
-layer's term. Under sequence parallelism every term is divided by t, otherwise only the
+module its layer, its norms' and eh_proj's inputs 8sbh (under a full recompute only its
+two inputs, 4sbh) and its own output layer's term. Under sequence parallelism every term is divided by t, otherwise only the
 split ones. Context parallelism stores s / c tokens per rank; the scores are a (s / c) s b.
 MoE layers replace f by k f_moe + f_shared (averaged over the stage's layers); the
 router's logits and the dispatcher's buffers are not counted.
@@ -300,9 +300,11 @@ def _activation_bytes(
         output = stored(4 * sbh, 4 * tokens * V)
         total += output
         # Each MTP module: its layer, its norms' inputs (2sbh each) and eh_proj's (4sbh),
-        # and its own logits.
+        # and its own logits; under a full recompute the module keeps only its two inputs
+        # (the hidden state and the embedding, recomputed from them in backward).
         mtp_layer = layer_bytes(_mlp_width(m, m.moe_layer_pattern()[-1]))
-        total += (m.mtp_num_layers or 0) * (mtp_layer + stored(8 * sbh, 0) + output)
+        module = stored(4 * sbh, 0) if granularity == "full" else mtp_layer + stored(8 * sbh, 0)
+        total += (m.mtp_num_layers or 0) * (module + output)
     recompute = {None: "no recompute", "selective": "selective recompute"}.get(
         granularity, f"full recompute ({m.recompute_method})"
     )
