@@ -56,10 +56,11 @@ stage (p > 1) keeps its layers for one micro-batch (interleaved: (v - 1) p + 1 o
 chunks' micro-batches). The last stage also keeps the output layer's 4sbh + 4sbV (4cV for
 the logits of a chunk of c < sb tokens with output_loss_chunk_tokens c), and per MTP
 module its layer, its norms' and eh_proj's inputs 8sbh (under a full recompute only its
-two inputs, 4sbh) and its own output layer's term. Under sequence parallelism every term is divided by t, otherwise only the
-split ones. Context parallelism stores s / c tokens per rank; the scores are a (s / c) s b.
-MoE layers replace f by k f_moe + f_shared (averaged over the stage's layers); the
-router's logits and the dispatcher's buffers are not counted.
+two inputs, 4sbh) and its own output layer's term. Under sequence parallelism every term
+is divided by t, otherwise only the split ones. Context parallelism stores s / c tokens
+per rank; the scores are a (s / c) s b. MoE layers replace f by k f_moe + f_shared
+(averaged over the stage's layers); the router's logits and the dispatcher's buffers are
+not counted.
 The score term counts what mp's core attention keeps: blocked attention ("local",
 "unfused", or "auto" on a CPU within its memory limit) keeps the causal blocks of its
 probabilities, 5 bytes a score with dropout and 2 without; SDPA (flash attention) and the
