@@ -10,8 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from mp_layers import TransformerConfig
-from mp_layers.transformer.multi_token_prediction import MultiTokenPrediction
+from mp_layers import MultiTokenPrediction, TransformerConfig
 from mp_state import ParallelState
 
 __all__ = ["mtp_loss_names", "mtp_losses"]
