@@ -2,8 +2,8 @@
 downloads): `mp-ckpt import-hf` gives transformers' fp32 logits within 1e-5 in GPTModel
 (built from the imported settings alone); `mp-ckpt export-hf` without --arch (the
 checkpoint remembers its family) gives back the config and every tensor; greedy
-generation equals generate(do_sample=False) over 32 new tokens; gpt-oss's also over 72 at
-PP2, past its windowed layers' cache rings."""
+generation equals generate(do_sample=False) over 32 new tokens (DeepSeek's through the
+cache of latents); gpt-oss's also over 72 at PP2, past its windowed layers' cache rings."""
 
 import os
 
@@ -29,6 +29,15 @@ YARN = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast"
 GPT_OSS = dict(SMALL, num_hidden_layers=3, head_dim=16, num_local_experts=4,
                num_experts_per_tok=2, intermediate_size=32, sliding_window=4,
                rope_parameters=YARN, swiglu_limit=1.5)  # fmt: skip
+# DeepSeek: multi-latent attention with YaRN (its softmax scale included), layer 0 a dense
+# MLP, layer 1 routed experts beside shared experts
+MLA_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32.0,
+            "beta_slow": 1.0, "original_max_position_embeddings": 16, "mscale": 0.707,
+            "mscale_all_dim": 0.9}  # fmt: skip
+DEEPSEEK = dict(SMALL, num_attention_heads=4, num_key_value_heads=4, intermediate_size=80,
+                moe_intermediate_size=16, kv_lora_rank=16, qk_nope_head_dim=8,
+                qk_rope_head_dim=4, v_head_dim=12, n_routed_experts=8, num_experts_per_tok=2,
+                first_k_dense_replace=1, rope_parameters=MLA_YARN)  # fmt: skip
 CASES = {
     # Qwen2.5: q/k/v biases; the small sizes tie the output layer
     "qwen2": lambda: transformers.Qwen2Config(**SMALL, intermediate_size=96),
@@ -55,6 +64,16 @@ CASES = {
     "mistral": lambda: transformers.MistralConfig(**SMALL, intermediate_size=96, head_dim=8),
     "mistral-no-window": lambda: transformers.MistralConfig(**SMALL, intermediate_size=96,
                                                             sliding_window=None),
+    # DeepSeek-V3: a query latent, sigmoid routing within 1 of 2 groups of 4 experts by
+    # score + the correction bias (random, below), weights scaled by 2.5, 1 shared expert
+    "deepseek_v3": lambda: transformers.DeepseekV3Config(
+        **DEEPSEEK, q_lora_rank=24, n_group=2, topk_group=1, n_shared_experts=1,
+        routed_scaling_factor=2.5, num_nextn_predict_layers=0, scoring_func="sigmoid",
+        topk_method="noaux_tc"),
+    # DeepSeek-V2-Lite: queries from the hidden state, softmax routing without groups or
+    # renormalization, 2 shared experts
+    "deepseek_v2": lambda: transformers.DeepseekV2Config(
+        **DEEPSEEK, q_lora_rank=None, n_shared_experts=2, scoring_func="softmax"),
 }  # fmt: skip
 
 
@@ -65,6 +84,9 @@ def random_hf(config):
         for name, param in model.named_parameters():
             if name.endswith(("bias", "sinks")) or "norm" in name:
                 param.add_(torch.randn_like(param) * 0.1)
+        for name, buffer in model.named_buffers():  # DeepSeek-V3's router bias: a buffer
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(torch.randn_like(buffer) * 0.5)  # enough to change the choice
     return model
 
 

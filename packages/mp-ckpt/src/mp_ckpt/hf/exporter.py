@@ -10,8 +10,9 @@ The family is `arch`, else the one the checkpoint was imported as (common["famil
 else the one its settings describe (families.family_of). Settings the tensors do not
 show (norm epsilon, activation, rotary base and scaling, ...) come from the
 checkpoint's common["model_config"] (Megatron names), completed by
-common["config"]["model"] (the training run's TransformerConfig); the shapes, an
-untied output layer, q/k/v biases and which layers have experts come from the tensors.
+common["config"]["model"] (the training run's TransformerConfig); the shapes (of
+multi-latent attention: every width but the number of heads), an untied output layer,
+q/k/v biases and which layers have experts come from the tensors.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import torch
 from mp_ckpt.core.progress import progress as progress_reporter
 from mp_ckpt.core.reader import CheckpointReader
 from mp_ckpt.core.regions import Region
-from mp_ckpt.families import check_convertible, family, family_of
+from mp_ckpt.families import family, family_of
 from mp_ckpt.families.moe import is_moe_layer
 from mp_ckpt.families.table import Dims, Family, Rule
 from mp_ckpt.hf.safetensors_writer import ShardedSafetensorsWriter
@@ -42,6 +43,7 @@ __all__ = ["export_hf"]
 
 _DEFAULT_SHARD_BYTES = 5 * 2**30
 _Q = "decoder.layers.0.self_attention.linear_qkv.q"
+_MLA = "decoder.layers.0.self_attention."
 Producer = Callable[[], torch.Tensor]
 
 
@@ -64,7 +66,6 @@ def export_hf(
     common = common if isinstance(common, dict) else {}
     run_model = (common.get("config") or {}).get("model") or {}
     settings = _from_tensors(reader, keys, dict(run_model) | dict(common.get("model_config") or {}))
-    check_convertible(settings)
     arch = arch or common.get("family") or family_of(settings)
     fam = family(arch)
     tensors = _plan(fam, reader, settings)
@@ -109,10 +110,47 @@ def _from_tensors(reader: CheckpointReader, keys: list[str], settings: dict) -> 
             f"decoder.layers.{routers.index(True)}.mlp.router.weight")[0] if any(routers) else None,
         "moe_layer_freq": [int(r) for r in routers],
     }  # fmt: skip
+    if f"{_Q}.weight" not in keys and f"{_MLA}linear_kv_down_proj.weight" in keys:
+        return settings | shown | _mla_from_tensors(reader, keys, settings)
     groups, per_group, d, h = reader.shape(f"{_Q}.weight")
     shown |= {"num_attention_heads": groups * per_group, "num_query_groups": groups,
               "kv_channels": d, "hidden_size": h}  # fmt: skip
     return settings | shown
+
+
+def _mla_from_tensors(reader: CheckpointReader, keys: list[str], settings: dict) -> dict:
+    """Multi-latent attention's widths from its tensors, given the number of heads n:
+    linear_kv_down_proj [r + dr, h], linear_kv_up_proj [n (dn + dv), r], the query
+    projection [n (dn + dr), h or q_lora_rank], linear_proj [h, n dv]."""
+    heads = settings.get("num_attention_heads")
+    if not heads:
+        raise ValueError("model_config has no num_attention_heads: the tensors of multi-latent "
+                         "attention do not show it")  # fmt: skip
+    latent, h = reader.shape(f"{_MLA}linear_kv_down_proj.weight")
+    kv_rows, r = reader.shape(f"{_MLA}linear_kv_up_proj.weight")
+    q_lora = None
+    if f"{_MLA}linear_q_proj.weight" in keys:
+        q_rows = reader.shape(f"{_MLA}linear_q_proj.weight")[0]
+    else:
+        q_rows, q_lora = reader.shape(f"{_MLA}linear_q_up_proj.weight")
+    v_cols = reader.shape(f"{_MLA}linear_proj.weight")[1]
+    if q_rows % heads or kv_rows % heads or v_cols % heads:
+        raise ValueError(
+            f"num_attention_heads={heads} does not divide the multi-latent attention's "
+            f"query ({q_rows}), key/value ({kv_rows}) or output ({v_cols}) rows"
+        )
+    dr = latent - r
+    dn, dv = q_rows // heads - dr, v_cols // heads
+    if dn < 1 or dn + dv != kv_rows // heads:
+        raise ValueError(
+            f"the multi-latent attention's tensors disagree: {heads} heads of {q_rows // heads} "
+            f"query, {kv_rows // heads} key/value and {dv} value channels with "
+            f"{dr} rotary channels"
+        )
+    return {"multi_latent_attention": True, "num_attention_heads": heads,
+            "num_query_groups": heads, "hidden_size": h, "q_lora_rank": q_lora,
+            "kv_lora_rank": r, "qk_head_dim": dn, "qk_pos_emb_head_dim": dr, "v_head_dim": dv,
+            "qk_layernorm": f"{_MLA}kv_layernorm.weight" in keys}  # fmt: skip
 
 
 def _shapes(reader: CheckpointReader, keys: list[str], settings: dict) -> dict:
@@ -122,7 +160,7 @@ def _shapes(reader: CheckpointReader, keys: list[str], settings: dict) -> dict:
     moe = [is_moe_layer(settings, i) for i in range(layers)]
     shapes = {"vocab": vocab, "hidden": h, "layers": layers,
               "heads": settings["num_attention_heads"], "groups": settings["num_query_groups"],
-              "head_dim": settings["kv_channels"],
+              "head_dim": settings.get("kv_channels") or h // settings["num_attention_heads"],
               "tied": not settings["untie_embeddings_and_output_weights"],
               "sparse": [int(m) for m in moe]}  # fmt: skip
     if "embedding.position_embeddings.weight" in keys:

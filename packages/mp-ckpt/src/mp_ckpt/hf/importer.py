@@ -45,6 +45,13 @@ def import_hf(hf_dir: str | os.PathLike, out_root: str | os.PathLike, *,
     mp_ckpt.families.ARCHITECTURES. progress: report the weight files read on stderr."""
     hf_dir = Path(hf_dir)
     config = read_json(hf_dir / "config.json", "not a Hugging Face model directory")
+    quantization = config.get("quantization_config")
+    if quantization:
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+        raise ValueError(
+            f"{hf_dir / 'config.json'}: quantization_config (quant_method {method!r}): mp "
+            "imports unquantized weights (fp32, bf16, fp16); dequantize them first"
+        )
     model_config = model_config_from_hf(config)
     generation = None
     if (hf_dir / "generation_config.json").exists():
@@ -52,7 +59,8 @@ def import_hf(hf_dir: str | os.PathLike, out_root: str | os.PathLike, *,
     logical = logical_from_hf(_read_state(hf_dir, progress), config)
     pieces = {k: ShardedTensor(k, t.contiguous(), tuple(t.shape), (0,) * t.dim())
               for k, t in logical.items()}  # fmt: skip
-    common = {"iteration": 0, "model_config": model_config, "family": config["model_type"],
+    common = {"iteration": 0, "model_config": model_config,
+              "family": family(config["model_type"]).model_type,
               "imported_from": str(hf_dir),
               "tokenizer": tokenizer_from_hf(hf_dir, config, generation)}  # fmt: skip
     if generation is not None:
