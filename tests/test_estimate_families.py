@@ -19,6 +19,9 @@ transformers = pytest.importorskip("transformers")
 SMALL = dict(vocab_size=128, hidden_size=64, num_hidden_layers=3, num_attention_heads=8,
              num_key_value_heads=4, max_position_embeddings=64, intermediate_size=96)  # fmt: skip
 MOE = dict(num_experts_per_tok=2, moe_intermediate_size=32)
+DEEPSEEK = dict(SMALL, num_attention_heads=4, num_key_value_heads=4, **MOE, n_routed_experts=4,
+                first_k_dense_replace=1, kv_lora_rank=16, qk_nope_head_dim=8,
+                qk_rope_head_dim=4, v_head_dim=8)  # fmt: skip
 FAMILIES = {
     "gpt2": dict(vocab_size=128, n_embd=64, n_layer=3, n_head=4, n_positions=64),
     "llama": dict(SMALL, tie_word_embeddings=True),
@@ -32,6 +35,8 @@ FAMILIES = {
     "qwen3_moe": dict(SMALL, **MOE, num_experts=4, head_dim=16, decoder_sparse_step=2),
     "gpt_oss": dict(SMALL, num_local_experts=4, num_experts_per_tok=2, head_dim=16,
                     sliding_window=8),
+    "deepseek_v3": dict(DEEPSEEK, q_lora_rank=32, n_group=2, topk_group=1),
+    "deepseek_v2": dict(DEEPSEEK, q_lora_rank=None),
 }  # fmt: skip
 
 
@@ -69,8 +74,9 @@ MLA = dict(num_layers=2, hidden_size=64, num_attention_heads=4, multi_latent_att
     ids=["deepseek-v3", "v2-lite-layernorm-bias", "no-latent-norms", "deepseek-v3-mtp2"],
 )  # fmt: skip
 def test_estimate_counts_multi_latent_attention(changes):
-    """DeepSeek's attention (no Hugging Face import yet): a query latent or none, latent
-    norms (LayerNorm's biases included) or none, the output projection's bias."""
+    """DeepSeek's attention in Megatron's variants besides the Hugging Face families': a
+    query latent or none, latent norms (LayerNorm's biases included) or none, the output
+    projection's bias."""
     model = TransformerConfig(**MLA | changes)
     run = RunConfig(model=model, parallel=ParallelConfig(), gpt=GPTConfig(seq_length=32),
                     optimizer=OptimizerConfig(), data=DataConfig(vocab_size=100),
