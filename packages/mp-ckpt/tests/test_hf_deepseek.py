@@ -90,6 +90,7 @@ def test_settings_of_deepseek_v2_lite_and_back():
         (V2_LITE | {"norm_topk_prob": True}, r"norm_topk_prob=True: transformers' DeepseekV2"),
         (V2_LITE | {"topk_method": "noaux_tc"}, r"topk_method='noaux_tc'"),
         (V3 | {"num_key_value_heads": 2}, r"num_key_value_heads=2: multi-latent attention"),
+        (V3 | {"rms_norm_eps": 1e-5}, r"rms_norm_eps=1e-05: transformers' latent norms"),
         (V3 | {"first_k_dense_replace": 3}, r"first_k_dense_replace=3: expected 0 to"),
         (V3 | {"moe_layer_freq": 2}, r"moe_layer_freq=2: mp computes only moe_layer_freq=1"),
         (V3 | {"rope_scaling": {"type": "yarn", "factor": 4, "mscale_all_dim": 1.0}},
@@ -113,6 +114,7 @@ def test_what_mp_computes_otherwise_is_refused_on_import(config, message):
         ("deepseek_v3", {}, {"shared_ffn": 7}, r"shared experts are n_shared_experts x"),
         ("deepseek_v3", {}, {"sparse": [1, 0, 1]}, r"dense layers first, then expert layers"),
         ("deepseek_v2", {"qk_layernorm": False}, {}, r"qk_layernorm=False"),
+        ("deepseek_v2", {"layernorm_epsilon": 1e-5}, {}, r"layernorm_epsilon=1e-05"),
     ],
 )  # fmt: skip
 def test_what_deepseek_computes_otherwise_is_refused_on_export(model_type, changes, shapes,
@@ -135,8 +137,9 @@ def test_multi_token_prediction_weights_and_quantized_weights_are_refused(tmp_pa
 
 def test_a_checkpoint_naming_no_family_exports_as_deepseek_v3_and_imports_back(tmp_path):
     """A checkpoint as training saves it (no family, settings without multi-latent
-    attention's widths, which the tensors show) exports as the family its settings
-    describe, and import-hf gives back every tensor."""
+    attention's widths, which the tensors show) exports in bf16 as the family its settings
+    describe, the router's correction bias kept in fp32 as transformers keeps it, and
+    import-hf gives back every tensor (in bf16 but that one)."""
     n, q, r, dn, dr, dv, e, f, s, ffn, h = 4, 8, 6, 4, 2, 3, 8, 5, 10, 24, 16
     shapes = {
         "input_layernorm.weight": (h,), "pre_mlp_layernorm.weight": (h,),
@@ -169,9 +172,10 @@ def test_a_checkpoint_naming_no_family_exports_as_deepseek_v3_and_imports_back(t
     pieces = {k: ShardedTensor(k, t, tuple(t.shape), (0,) * t.dim()) for k, t in tensors.items()}
     Checkpointer(tmp_path / "ckpt").save(0, pieces, common={"model_config": settings})
 
-    export_hf(tmp_path / "ckpt", tmp_path / "hf")
+    export_hf(tmp_path / "ckpt", tmp_path / "hf", dtype=torch.bfloat16)
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert config["model_type"] == "deepseek_v3" and config["first_k_dense_replace"] == 1
+    assert config["dtype"] == "bfloat16"
     assert [config[k] for k in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
                                 "qk_rope_head_dim", "v_head_dim", "n_shared_experts")] == \
         [q, r, dn, dr, dv, 2]  # fmt: skip
@@ -179,4 +183,6 @@ def test_a_checkpoint_naming_no_family_exports_as_deepseek_v3_and_imports_back(t
     back = CheckpointReader(tmp_path / "back")
     assert set(back.keys) == set(tensors)
     for key, tensor in tensors.items():
-        assert torch.equal(back.read(key), tensor), key
+        kept = key.endswith("expert_bias")
+        assert back.dtype(key) == (torch.float32 if kept else torch.bfloat16), key
+        assert torch.equal(back.read(key), tensor.to(back.dtype(key))), key

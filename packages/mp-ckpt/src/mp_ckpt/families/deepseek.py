@@ -38,8 +38,9 @@ config.json -> settings, both families (the routing is each family's own):
 
 The router computes in fp32 as transformers' does (moe_router_dtype "fp32"). Refused:
 another activation, attention or MLP biases, num_key_value_heads other than
-num_attention_heads, DeepSeek's moe_layer_freq other than 1, no expert layer at all, a
-rope_type other than "default" and "yarn", and YaRN's mscale_all_dim without mscale
+num_attention_heads, rms_norm_eps other than 1e-6 (transformers' latent norms keep
+1e-6 whatever it says), DeepSeek's moe_layer_freq other than 1, no expert layer at all,
+a rope_type other than "default" and "yarn", and YaRN's mscale_all_dim without mscale
 (transformers then scales the softmax by mscale_all_dim's factor but the rotary
 embeddings by the factor alone, which mp's two mscales do not express).
 """
@@ -53,8 +54,11 @@ from mp_ckpt.families.moe_settings import positive
 from mp_ckpt.families.table import Rule
 from mp_ckpt.families.yarn import yarn_parameters, yarn_settings
 
-__all__ = ["EXPERTS", "RULES", "deepseek_config", "deepseek_settings", "groups_kept"]
+__all__ = ["EXPERTS", "LATENT_EPS", "RULES", "deepseek_config", "deepseek_settings", "groups_kept"]
 
+LATENT_EPS = 1e-6
+"""The epsilon of transformers' latent norms (RMSNorm's default; rms_norm_eps is the
+other norms'): DeepSeek's rms_norm_eps, the only one mp converts."""
 EXPERTS = ("mlp", "gate_proj", "up_proj", "down_proj")
 """DeepSeek's expert names (expert_rules, unfuse_experts)."""
 
@@ -128,6 +132,12 @@ def deepseek_settings(config: dict, defaults: dict) -> dict:
     plain |= {"rope_parameters": {"rope_type": "default", "rope_theta": theta},
               "intermediate_size": positive(config, "intermediate_size", defaults)}  # fmt: skip
     base = llama_settings(plain, max_positions=max_positions)
+    if base["layernorm_epsilon"] != LATENT_EPS:
+        raise ValueError(
+            f"config.json rms_norm_eps={base['layernorm_epsilon']!r}: transformers' latent "
+            f"norms (q_a_layernorm, kv_a_layernorm) keep {LATENT_EPS} whatever it says, mp's "
+            f"norms share one layernorm_epsilon; mp converts rms_norm_eps={LATENT_EPS}"
+        )
     del base["kv_channels"]  # MLA's widths are its own fields
     layers = base["num_layers"]
     dense = config.get("first_k_dense_replace", defaults["first_k_dense_replace"])
@@ -193,7 +203,8 @@ def deepseek_config(settings: dict, shapes: dict, tokens: dict, dtype: str,
     position = settings.get("position_embedding_type", "rope")
     computes = {"qk_layernorm": True, "multi_latent_attention": True,
                 "position_embedding_type": position if position in ("rope", "yarn") else "rope",
-                "moe_expert_capacity_factor": None, "moe_shared_expert_gate": False}  # fmt: skip
+                "moe_expert_capacity_factor": None, "moe_shared_expert_gate": False,
+                "layernorm_epsilon": LATENT_EPS}  # fmt: skip
     sparse = shapes["sparse"]
     dense = sparse.index(1) if 1 in sparse else len(sparse)
     if dense == len(sparse) or sparse != [0] * dense + [1] * (len(sparse) - dense):

@@ -45,7 +45,7 @@ _GROUP_RANK = 2  # the best scores a group is ranked by (transformers' topk(2))
 RULES = (
     *deepseek.RULES,
     Rule(("mlp.router.expert_bias",), "model.layers.{i}.mlp.gate.e_score_correction_bias",
-         "moe"),
+         "moe", keep_dtype=True),
 )  # fmt: skip
 
 

@@ -16,6 +16,7 @@ both also get the model's `Dims`. Absent, the tensor passes unchanged.
 `scope` says where a rule applies: "model" once, "layer" every layer, "dense" a
 layer with a plain MLP, "moe" a mixture-of-experts layer. `when(settings)` says
 whether the model has the tensor at all (a bias, an untied output layer, ...).
+`keep_dtype` exempts a tensor from the export's cast to another dtype.
 
 `megatron` is Megatron-LM's module holding the tensors (relative like `mp`) where it
 differs from mp's; the last part of each mp name (weight, bias) completes its Megatron
@@ -86,6 +87,9 @@ class Rule:
     to_hf: Transform | None = None
     when: Callable[[dict], bool] | None = None
     megatron: str | None = None
+    keep_dtype: bool = False
+    """Written in the checkpoint's dtype whatever export-hf's --dtype says (transformers
+    keeps DeepSeek-V3's e_score_correction_bias in fp32)."""
 
     @property
     def hf_names(self) -> tuple[str, ...]:

@@ -68,7 +68,7 @@ def export_hf(
     settings = _from_tensors(reader, keys, dict(run_model) | dict(common.get("model_config") or {}))
     arch = arch or common.get("family") or family_of(settings)
     fam = family(arch)
-    tensors = _plan(fam, reader, settings)
+    tensors = _plan(fam, reader, settings, dtype)
     _check_keys(arch, keys, tensors, reader.directory)
     files, ids = export_tokenizer(common)
     saved_dtype = reader.dtype("embedding.word_embeddings.weight")
@@ -80,7 +80,7 @@ def export_hf(
             ShardedSafetensorsWriter(out, max_shard_bytes) as writer:  # fmt: skip
         for name, (_, produce) in tensors.items():
             tensor = produce()
-            writer.add(name, tensor if dtype is None else tensor.to(dtype))
+            writer.add(name, tensor)
             bar.update()
     for name, data in files.items():
         if name not in TOKENIZER_FILES:
@@ -180,9 +180,10 @@ def _shapes(reader: CheckpointReader, keys: list[str], settings: dict) -> dict:
 
 
 def _plan(
-    fam: Family, reader: CheckpointReader, settings: dict
+    fam: Family, reader: CheckpointReader, settings: dict, dtype: torch.dtype | None = None
 ) -> dict[str, tuple[tuple, Producer]]:
-    """{Hugging Face name: (the mp keys it reads, produce())} in the export's order."""
+    """{Hugging Face name: (the mp keys it reads, produce())} in the export's order; each
+    tensor produced in `dtype` (None: as saved) unless its rule keeps its dtype."""
     dims = Dims.of(settings)
     plan: dict[str, tuple[tuple, Producer]] = {}
 
@@ -190,15 +191,16 @@ def _plan(
         prefix = "" if layer is None else f"decoder.layers.{layer}."
         sources = tuple(prefix + name for name in rule.mp)
         names = [n.replace("{i}", str(layer)) for n in rule.hf_names]
+        cast = dtype if not rule.keep_dtype else None
         if rule.per_expert:
             (source,), (name,) = sources, names
             for e in range(reader.shape(source)[0]):
                 one = lambda s=source, e=e, r=rule: r.export([_expert(reader, s, e)], dims)[0]  # noqa: E731
-                plan[name.replace("{e}", str(e))] = (sources, one)
+                plan[name.replace("{e}", str(e))] = (sources, _cast(one, cast))
             return
         outputs = _shared_outputs(rule, [lambda s=s: reader.read(s) for s in sources], dims)
         for j, name in enumerate(names):
-            plan[name] = (sources, lambda j=j: outputs(j))
+            plan[name] = (sources, _cast(lambda j=j: outputs(j), cast))
 
     model_rules = fam.rules_for("model", settings)
     for rule in (r for r in model_rules if r.mp[0].startswith("embedding.")):
@@ -210,6 +212,10 @@ def _plan(
     for rule in (r for r in model_rules if not r.mp[0].startswith("embedding.")):
         add(rule, None)
     return plan
+
+
+def _cast(produce: Producer, dtype: torch.dtype | None) -> Producer:
+    return produce if dtype is None else lambda: produce().to(dtype)
 
 
 def _shared_outputs(rule: Rule, reads: list[Producer], dims: Dims) -> Callable[[int], torch.Tensor]:
