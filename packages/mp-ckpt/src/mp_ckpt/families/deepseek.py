@@ -200,6 +200,7 @@ def _balancing(settings: dict) -> dict:
 def deepseek_config(settings: dict, shapes: dict, tokens: dict, dtype: str,
                     model_type: str) -> dict:  # fmt: skip
     """The config.json keys both families write but for the routing."""
+    settings = {"layernorm_epsilon": 1e-5} | settings  # base_config's default when absent
     position = settings.get("position_embedding_type", "rope")
     computes = {"qk_layernorm": True, "multi_latent_attention": True,
                 "position_embedding_type": position if position in ("rope", "yarn") else "rope",
