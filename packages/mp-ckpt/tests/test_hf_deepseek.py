@@ -9,6 +9,7 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from mp_ckpt import Checkpointer, CheckpointReader, ShardedTensor
 from mp_ckpt.families import family
@@ -124,11 +125,19 @@ def test_what_deepseek_computes_otherwise_is_refused_on_export(model_type, chang
         family(model_type).config(settings, SHAPES | shapes, {}, "bfloat16")
 
 
-def test_multi_token_prediction_weights_and_quantized_weights_are_refused(tmp_path):
-    state = {"model.layers.3.eh_proj.weight": torch.zeros(16, 32)}
-    with pytest.raises(ValueError, match=r"model\.layers\.3\.\* beyond num_hidden_layers=3: "
-                       r"multi-token prediction"):  # fmt: skip
-        logical_from_hf(state, V3 | {"num_nextn_predict_layers": 1})
+@pytest.mark.parametrize(
+    ("layers", "counted", "message"),
+    [([3], 0, r"hold layers \[3\] past num_hidden_layers=3, where config.json counts "
+               r"num_nextn_predict_layers=0"),
+     ([4], 2, r"hold layers \[4\] past"), ([3, 4], 1, r"hold layers \[3, 4\] past")],
+)  # fmt: skip
+def test_layers_past_the_decoder_are_refused_unless_counted_as_mtp(layers, counted, message):
+    state = {f"model.layers.{i}.eh_proj.weight": torch.zeros(16, 32) for i in layers}
+    with pytest.raises(ValueError, match=message):
+        logical_from_hf(state, V3 | {"num_nextn_predict_layers": counted})
+
+
+def test_quantized_weights_are_refused(tmp_path):
     quantized = V3 | {"quantization_config": {"quant_method": "fp8", "fmt": "e4m3"}}
     (tmp_path / "config.json").write_text(json.dumps(quantized))
     with pytest.raises(ValueError, match=r"quant_method 'fp8'\): mp imports unquantized"):
@@ -137,9 +146,11 @@ def test_multi_token_prediction_weights_and_quantized_weights_are_refused(tmp_pa
 
 def test_a_checkpoint_naming_no_family_exports_as_deepseek_v3_and_imports_back(tmp_path):
     """A checkpoint as training saves it (no family, settings without multi-latent
-    attention's widths, which the tensors show) exports in bf16 as the family its settings
-    describe, the router's correction bias kept in fp32 as transformers keeps it, and
-    import-hf gives back every tensor (in bf16 but that one)."""
+    attention's widths or the MTP module, which the tensors show) exports in bf16 as the
+    family its settings describe, the router's correction bias kept in fp32 as
+    transformers keeps it, the MTP module as DeepSeek's layer 3 with copies of the
+    embedding and the output layer; import-hf gives back every tensor (in bf16 but that
+    one), and refuses a copy that differs from what it repeats."""
     n, q, r, dn, dr, dv, e, f, s, ffn, h = 4, 8, 6, 4, 2, 3, 8, 5, 10, 24, 16
     shapes = {
         "input_layernorm.weight": (h,), "pre_mlp_layernorm.weight": (h,),
@@ -165,6 +176,10 @@ def test_a_checkpoint_naming_no_family_exports_as_deepseek_v3_and_imports_back(t
              "decoder.final_layernorm.weight": (h,)}  # fmt: skip
     for i in range(3):
         names |= {f"decoder.layers.{i}.{k}": v for k, v in (shapes | (moe if i else dense)).items()}
+    mtp = "mtp.layers.0."
+    names |= {f"{mtp}transformer_layer.{k}": v for k, v in (shapes | moe).items()}
+    names |= {f"{mtp}{k}.weight": (h,) for k in ("enorm", "hnorm", "final_layernorm")}
+    names[f"{mtp}eh_proj.weight"] = (h, 2 * h)
     gen = torch.Generator().manual_seed(0)
     tensors = {k: torch.randn(shape, generator=gen) for k, shape in names.items()}
     widths = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")
@@ -179,6 +194,11 @@ def test_a_checkpoint_naming_no_family_exports_as_deepseek_v3_and_imports_back(t
     assert [config[k] for k in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
                                 "qk_rope_head_dim", "v_head_dim", "n_shared_experts")] == \
         [q, r, dn, dr, dv, 2]  # fmt: skip
+    assert config["num_nextn_predict_layers"] == 1
+    hf = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    assert torch.equal(hf["model.layers.3.shared_head.head.weight"], hf["lm_head.weight"])
+    assert torch.equal(hf["model.layers.3.eh_proj.weight"],
+                       tensors[f"{mtp}eh_proj.weight"].bfloat16())  # fmt: skip
     import_hf(tmp_path / "hf", tmp_path / "back")
     back = CheckpointReader(tmp_path / "back")
     assert set(back.keys) == set(tensors)
@@ -186,3 +206,7 @@ def test_a_checkpoint_naming_no_family_exports_as_deepseek_v3_and_imports_back(t
         kept = key.endswith("expert_bias")
         assert back.dtype(key) == (torch.float32 if kept else torch.bfloat16), key
         assert torch.equal(back.read(key), tensor.to(back.dtype(key))), key
+    hf["model.layers.3.embed_tokens.weight"][0, 0] += 1
+    differs = r"layers\.3\.embed_tokens\.weight differs from the tensor it repeats \(mp's emb"
+    with pytest.raises(ValueError, match=differs):
+        logical_from_hf(hf, config)

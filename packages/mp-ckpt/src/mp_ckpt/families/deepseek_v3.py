@@ -12,11 +12,25 @@ num_experts_per_tok // topk_group is not 2 is refused where the groups limit the
 (DeepSeek-V3's 8 // 4 is 2; Kimi K2 has one group). mp normalizes sigmoid weights when
 it takes more than one expert: norm_topk_prob must be true then, false for one expert.
 
+Multi-token prediction: DeepSeek-V3's checkpoints hold module k (num_nextn_predict_layers
+of them) as layer num_hidden_layers + k, mp's mtp.layers.{k} (mtp_num_layers):
+
+    model.layers.{L + k}.enorm.weight, hnorm.weight     enorm.weight, hnorm.weight
+    eh_proj.weight [h, 2h] (of cat(enorm(e), hnorm(h)))  eh_proj.weight
+    shared_head.norm.weight                             final_layernorm.weight
+    self_attn.*, mlp.*, input_layernorm.weight,         transformer_layer.* (as decoder
+        post_attention_layernorm.weight                     layer L - 1's)
+    embed_tokens.weight, shared_head.head.weight        (copies of the embedding and the
+                                                        output layer: checked, not kept)
+
+transformers builds no such layer and leaves them out when it saves while config.json
+keeps counting them (1 by default): the import counts the layers the weights hold.
+
 Refused besides deepseek.py's: scoring_func other than "sigmoid", topk_method other than
 "noaux_tc", rope_interleave false (positional channels in halves instead of DeepSeek's
-pairs), and weights of multi-token prediction layers (model.layers.{num_hidden_layers + k}.*:
-mp's model has no place for them). The export writes num_nextn_predict_layers 0, and
-DeepSeek's scoring_func and topk_method beside transformers' keys.
+pairs), multi-token prediction with a tied output layer, and weights of more layers than
+num_hidden_layers + num_nextn_predict_layers. The export writes DeepSeek's scoring_func
+and topk_method beside transformers' keys.
 """
 
 from __future__ import annotations
@@ -42,10 +56,18 @@ _DEFAULTS = {
 """transformers' DeepseekV3Config defaults, for a key config.json omits."""
 _GROUP_RANK = 2  # the best scores a group is ranked by (transformers' topk(2))
 
+_MTP = "model.layers.{i}."
 RULES = (
     *deepseek.RULES,
     Rule(("mlp.router.expert_bias",), "model.layers.{i}.mlp.gate.e_score_correction_bias",
          "moe", keep_dtype=True),
+    Rule(("enorm.weight",), _MTP + "enorm.weight", "mtp"),
+    Rule(("hnorm.weight",), _MTP + "hnorm.weight", "mtp"),
+    Rule(("eh_proj.weight",), _MTP + "eh_proj.weight", "mtp"),
+    Rule(("final_layernorm.weight",), _MTP + "shared_head.norm.weight", "mtp"),
+    Rule(("embedding.word_embeddings.weight",), _MTP + "embed_tokens.weight", "mtp",
+         model_copy=True),
+    Rule(("output_layer.weight",), _MTP + "shared_head.head.weight", "mtp", model_copy=True),
 )  # fmt: skip
 
 
@@ -76,28 +98,35 @@ def _settings(config: dict) -> dict:
                 f"num_experts_per_tok // topk_group = {topk // kept} best (Megatron's rule)"
             )
         routing = {"moe_router_num_groups": groups, "moe_router_group_topk": kept}
+    mtp = config.get("num_nextn_predict_layers") or 0
+    if mtp and not base["untie_embeddings_and_output_weights"]:
+        raise ValueError(
+            f"config.json num_nextn_predict_layers={mtp} with tie_word_embeddings=True: mp "
+            "converts DeepSeek's multi-token prediction with a separate output layer"
+        )
     return base | routing | {
         "moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True,
-        "moe_router_pre_softmax": False,
+        "moe_router_pre_softmax": False, "mtp_num_layers": mtp or None,
     }  # fmt: skip
 
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
-_unfuse = unfuse_experts(*EXPERTS)
 
 
-def _prepare(state: dict, config: dict) -> dict:
-    """Refuses multi-token prediction layers by name; unfuses in-memory experts."""
+def _held(config: dict, names) -> dict:
+    """num_nextn_predict_layers as the weights hold them (module docstring): the layers
+    past num_hidden_layers, which must follow one another, and no more than config.json
+    counts."""
     layers = config["num_hidden_layers"]
-    found = {int(m.group(1)) for name in state if (m := _LAYER.match(name))}
-    extra = sorted(found - set(range(layers)))
-    if extra:
+    extra = sorted({int(m.group(1)) for n in names if (m := _LAYER.match(n))} - set(range(layers)))
+    counted = config.get("num_nextn_predict_layers") or 0
+    if extra != list(range(layers, layers + len(extra))) or len(extra) > counted:
         raise ValueError(
-            f"the Hugging Face weights hold model.layers.{extra[0]}.* beyond num_hidden_layers="
-            f"{layers}: multi-token prediction layers (num_nextn_predict_layers="
-            f"{config.get('num_nextn_predict_layers')}), which mp's model has no place for yet"
+            f"the Hugging Face weights hold layers {extra} past num_hidden_layers={layers}, "
+            f"where config.json counts num_nextn_predict_layers={counted} multi-token "
+            "prediction layers after them"
         )
-    return _unfuse(state, config)
+    return config | {"num_nextn_predict_layers": len(extra)} if counted else config
 
 
 def _config(settings: dict, shapes: dict, tokens: dict, dtype: str) -> dict:
@@ -112,13 +141,19 @@ def _config(settings: dict, shapes: dict, tokens: dict, dtype: str) -> dict:
         )
     groups, kept = (settings.get("moe_router_num_groups") or 1,
                     settings.get("moe_router_group_topk") or 1)  # fmt: skip
+    mtp = settings.get("mtp_num_layers") or 0
+    if mtp and shapes["tied"]:
+        raise ValueError(
+            f"model_config mtp_num_layers={mtp} with a tied output layer: DeepSeek's "
+            "multi-token prediction layers hold a copy of a separate one"
+        )
     return deepseek_config(settings, shapes, tokens, dtype, "deepseek_v3") | {
         "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
         "n_group": groups, "topk_group": kept, "norm_topk_prob": topk > 1,
-        "rope_interleave": True, "num_nextn_predict_layers": 0,
+        "rope_interleave": True, "num_nextn_predict_layers": mtp,
         "scoring_func": "sigmoid", "topk_method": "noaux_tc",
     }  # fmt: skip
 
 
 FAMILY = Family("deepseek_v3", "DeepseekV3ForCausalLM", RULES, _settings, _config,
-                prepare=_prepare)  # fmt: skip
+                prepare=unfuse_experts(*EXPERTS), held=_held)  # fmt: skip

@@ -12,7 +12,8 @@ show (norm epsilon, activation, rotary base and scaling, ...) come from the
 checkpoint's common["model_config"] (Megatron names), completed by
 common["config"]["model"] (the training run's TransformerConfig); the shapes (of
 multi-latent attention: every width but the number of heads), an untied output layer,
-q/k/v biases and which layers have experts come from the tensors.
+q/k/v biases, which layers have experts and the multi-token prediction modules come
+from the tensors.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from mp_ckpt.core.regions import Region
 from mp_ckpt.families import family, family_of
 from mp_ckpt.families.moe import is_moe_layer
 from mp_ckpt.families.table import Dims, Family, Rule
+from mp_ckpt.hf.importer import layer_rules
 from mp_ckpt.hf.safetensors_writer import ShardedSafetensorsWriter
 from mp_ckpt.hf.tokenizer import (
     TOKENIZER_FILES,
@@ -109,6 +111,8 @@ def _from_tensors(reader: CheckpointReader, keys: list[str], settings: dict) -> 
         "num_moe_experts": reader.shape(
             f"decoder.layers.{routers.index(True)}.mlp.router.weight")[0] if any(routers) else None,
         "moe_layer_freq": [int(r) for r in routers],
+        "mtp_num_layers": len({m.group(1) for k in keys
+                               if (m := re.match(r"mtp\.layers\.(\d+)\.", k))}) or None,
     }  # fmt: skip
     if f"{_Q}.weight" not in keys and f"{_MLA}linear_kv_down_proj.weight" in keys:
         return settings | shown | _mla_from_tensors(reader, keys, settings)
@@ -187,9 +191,8 @@ def _plan(
     dims = Dims.of(settings)
     plan: dict[str, tuple[tuple, Producer]] = {}
 
-    def add(rule: Rule, layer: int | None) -> None:
-        prefix = "" if layer is None else f"decoder.layers.{layer}."
-        sources = tuple(prefix + name for name in rule.mp)
+    def add(rule: Rule, layer: int | None, prefix: str) -> None:
+        sources = tuple(name if rule.model_copy else prefix + name for name in rule.mp)
         names = [n.replace("{i}", str(layer)) for n in rule.hf_names]
         cast = dtype if not rule.keep_dtype else None
         if rule.per_expert:
@@ -204,13 +207,18 @@ def _plan(
 
     model_rules = fam.rules_for("model", settings)
     for rule in (r for r in model_rules if r.mp[0].startswith("embedding.")):
-        add(rule, None)
-    for i in range(settings["num_layers"]):
-        scopes = ("layer", "moe" if is_moe_layer(settings, i) else "dense")
-        for rule in (r for scope in scopes for r in fam.rules_for(scope, settings)):
-            add(rule, i)
+        add(rule, None, "")
+    layers = settings["num_layers"]
+    for i in range(layers):
+        for rule in layer_rules(fam, settings, i):
+            add(rule, i, f"decoder.layers.{i}.")
+    for k in range(settings.get("mtp_num_layers") or 0):
+        for rule in fam.rules_for("mtp", settings):
+            add(rule, layers + k, f"mtp.layers.{k}.")
+        for rule in layer_rules(fam, settings, layers - 1):  # shaped as the last layer
+            add(rule, layers + k, f"mtp.layers.{k}.transformer_layer.")
     for rule in (r for r in model_rules if not r.mp[0].startswith("embedding.")):
-        add(rule, None)
+        add(rule, None, "")
     return plan
 
 

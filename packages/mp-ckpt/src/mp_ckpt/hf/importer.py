@@ -24,10 +24,17 @@ from mp_ckpt.core.progress import progress as progress_reporter
 from mp_ckpt.core.sharding import ShardedTensor
 from mp_ckpt.families import family
 from mp_ckpt.families.moe import is_moe_layer
-from mp_ckpt.families.table import Dims, Rule
+from mp_ckpt.families.table import Dims, Family, Rule
 from mp_ckpt.hf.tokenizer import tokenizer_from_hf
 
-__all__ = ["import_hf", "logical_from_hf", "model_config_from_hf", "read_json"]
+__all__ = [
+    "held_config",
+    "import_hf",
+    "layer_rules",
+    "logical_from_hf",
+    "model_config_from_hf",
+    "read_json",
+]
 
 # Saved beside the weights by some versions, never weights: rotary tables, GPT-2's mask.
 _NOT_WEIGHTS = re.compile(r"(rotary_emb\.inv_freq|attn\.bias|attn\.masked_bias)$")
@@ -52,11 +59,14 @@ def import_hf(hf_dir: str | os.PathLike, out_root: str | os.PathLike, *,
             f"{hf_dir / 'config.json'}: quantization_config (quant_method {method!r}): mp "
             "imports unquantized weights (fp32, bf16, fp16); dequantize them first"
         )
-    model_config = model_config_from_hf(config)
+    model_config_from_hf(config)  # what mp cannot compute is refused before any weight is read
     generation = None
     if (hf_dir / "generation_config.json").exists():
         generation = read_json(hf_dir / "generation_config.json", "")
-    logical = logical_from_hf(_read_state(hf_dir, progress), config)
+    state = _read_state(hf_dir, progress)
+    config = held_config(state, config)
+    model_config = model_config_from_hf(config)
+    logical = logical_from_hf(state, config)
     pieces = {k: ShardedTensor(k, t.contiguous(), tuple(t.shape), (0,) * t.dim())
               for k, t in logical.items()}  # fmt: skip
     common = {"iteration": 0, "model_config": model_config,
@@ -73,6 +83,7 @@ def logical_from_hf(state: dict[str, torch.Tensor], config: dict) -> dict[str, t
     """mp's logical tensors from a Hugging Face state dict and its config.json (a dict).
     A tensor the family has no place for is refused by name."""
     fam = family(config.get("model_type"))
+    config = held_config(state, config)
     settings = fam.settings(config)
     if fam.prepare is not None:
         state = fam.prepare(state, config)
@@ -86,7 +97,7 @@ def logical_from_hf(state: dict[str, torch.Tensor], config: dict) -> dict[str, t
         used.add(name)
         return state[name]
 
-    def apply(rule: Rule, layer: int | None) -> None:
+    def apply(rule: Rule, layer: int | None, prefix: str) -> None:
         names = [n.replace("{i}", str(layer)) for n in rule.hf_names]
         if rule.per_expert:
             experts = settings["num_moe_experts"]
@@ -94,18 +105,41 @@ def logical_from_hf(state: dict[str, torch.Tensor], config: dict) -> dict[str, t
                        for n in names]  # fmt: skip
         else:
             tensors = [take(n) for n in names]
-        prefix = "" if layer is None else f"decoder.layers.{layer}."
-        for name, tensor in zip(rule.mp, rule.import_(tensors, dims), strict=True):
+        imported = zip(rule.mp, rule.import_(tensors, dims), strict=True)
+        if rule.model_copy:  # copies of model-level tensors, imported before
+            for name, tensor in imported:
+                if not torch.equal(tensor, out[name]):
+                    raise ValueError(f"the Hugging Face weights' {', '.join(names)} differs "
+                                     f"from the tensor it repeats (mp's {name})")  # fmt: skip
+            return
+        for name, tensor in imported:
             out[prefix + name] = tensor.contiguous()
 
     for rule in fam.rules_for("model", settings):
-        apply(rule, None)
-    for i in range(settings["num_layers"]):
-        scopes = ("layer", "moe" if is_moe_layer(settings, i) else "dense")
-        for rule in (r for scope in scopes for r in fam.rules_for(scope, settings)):
-            apply(rule, i)
+        apply(rule, None, "")
+    layers = settings["num_layers"]
+    for i in range(layers):
+        for rule in layer_rules(fam, settings, i):
+            apply(rule, i, f"decoder.layers.{i}.")
+    for k in range(settings.get("mtp_num_layers") or 0):
+        for rule in fam.rules_for("mtp", settings):
+            apply(rule, layers + k, f"mtp.layers.{k}.")
+        for rule in layer_rules(fam, settings, layers - 1):  # shaped as the last layer
+            apply(rule, layers + k, f"mtp.layers.{k}.transformer_layer.")
     _refuse_unused(state, used, settings)
     return out
+
+
+def layer_rules(fam: Family, settings: dict, i: int) -> list[Rule]:
+    """The rules of decoder layer i: every layer's, and those of its MLP (experts or not)."""
+    scopes = ("layer", "moe" if is_moe_layer(settings, i) else "dense")
+    return [r for scope in scopes for r in fam.rules_for(scope, settings)]
+
+
+def held_config(state: dict, config: dict) -> dict:
+    """config.json as the weights show it (the family's `held`)."""
+    fam = family(config.get("model_type"))
+    return config if fam.held is None else fam.held(config, state.keys())
 
 
 def _refuse_unused(state: dict, used: set[str], settings: dict) -> None:
