@@ -32,7 +32,7 @@ from mp_ckpt.core.regions import Region
 from mp_ckpt.families import family, family_of
 from mp_ckpt.families.moe import is_moe_layer
 from mp_ckpt.families.table import Dims, Family, Rule
-from mp_ckpt.hf.importer import layer_rules
+from mp_ckpt.hf.importer import placed_rules
 from mp_ckpt.hf.safetensors_writer import ShardedSafetensorsWriter
 from mp_ckpt.hf.tokenizer import (
     TOKENIZER_FILES,
@@ -208,15 +208,8 @@ def _plan(
     model_rules = fam.rules_for("model", settings)
     for rule in (r for r in model_rules if r.mp[0].startswith("embedding.")):
         add(rule, None, "")
-    layers = settings["num_layers"]
-    for i in range(layers):
-        for rule in layer_rules(fam, settings, i):
-            add(rule, i, f"decoder.layers.{i}.")
-    for k in range(settings.get("mtp_num_layers") or 0):
-        for rule in fam.rules_for("mtp", settings):
-            add(rule, layers + k, f"mtp.layers.{k}.")
-        for rule in layer_rules(fam, settings, layers - 1):  # shaped as the last layer
-            add(rule, layers + k, f"mtp.layers.{k}.transformer_layer.")
+    for rule, layer, prefix in placed_rules(fam, settings):
+        add(rule, layer, prefix)
     for rule in (r for r in model_rules if not r.mp[0].startswith("embedding.")):
         add(rule, None, "")
     return plan

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -30,9 +31,9 @@ from mp_ckpt.hf.tokenizer import tokenizer_from_hf
 __all__ = [
     "held_config",
     "import_hf",
-    "layer_rules",
     "logical_from_hf",
     "model_config_from_hf",
+    "placed_rules",
     "read_json",
 ]
 
@@ -117,20 +118,27 @@ def logical_from_hf(state: dict[str, torch.Tensor], config: dict) -> dict[str, t
 
     for rule in fam.rules_for("model", settings):
         apply(rule, None, "")
-    layers = settings["num_layers"]
-    for i in range(layers):
-        for rule in layer_rules(fam, settings, i):
-            apply(rule, i, f"decoder.layers.{i}.")
-    for k in range(settings.get("mtp_num_layers") or 0):
-        for rule in fam.rules_for("mtp", settings):
-            apply(rule, layers + k, f"mtp.layers.{k}.")
-        for rule in layer_rules(fam, settings, layers - 1):  # shaped as the last layer
-            apply(rule, layers + k, f"mtp.layers.{k}.transformer_layer.")
+    for rule, layer, prefix in placed_rules(fam, settings):
+        apply(rule, layer, prefix)
     _refuse_unused(state, used, settings)
     return out
 
 
-def layer_rules(fam: Family, settings: dict, i: int) -> list[Rule]:
+def placed_rules(fam: Family, settings: dict) -> Iterator[tuple[Rule, int, str]]:
+    """(rule, its Hugging Face layer number, mp's prefix) for each decoder layer, then
+    each multi-token prediction module (its own rules, then its transformer layer's,
+    shaped as the last layer)."""
+    layers = settings["num_layers"]
+    for i in range(layers):
+        yield from ((rule, i, f"decoder.layers.{i}.") for rule in _layer_rules(fam, settings, i))
+    for k in range(settings.get("mtp_num_layers") or 0):
+        module = f"mtp.layers.{k}."
+        yield from ((rule, layers + k, module) for rule in fam.rules_for("mtp", settings))
+        yield from ((rule, layers + k, f"{module}transformer_layer.")
+                    for rule in _layer_rules(fam, settings, layers - 1))  # fmt: skip
+
+
+def _layer_rules(fam: Family, settings: dict, i: int) -> list[Rule]:
     """The rules of decoder layer i: every layer's, and those of its MLP (experts or not)."""
     scopes = ("layer", "moe" if is_moe_layer(settings, i) else "dense")
     return [r for scope in scopes for r in fam.rules_for(scope, settings)]
