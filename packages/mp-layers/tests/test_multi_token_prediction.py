@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import mp_state
-from mp_layers import GPTModel, ModelGroups, TransformerConfig
+from mp_layers import GPTModel, KVCache, ModelGroups, TransformerConfig
 from mp_layers.context_parallel import shard_sequence
 from mp_layers.transformer.multi_token_prediction import roll_left
 from mp_state import ParallelConfig
@@ -102,11 +102,18 @@ def test_mtp_losses_and_gradients_equal_deepseeks_formula(recompute):
 def test_evaluation_and_generation_leave_the_modules_out():
     config = tiny_config(mtp_num_layers=1)
     model = GPTModel(config, "local", VOCAB, SEQ, groups=ModelGroups.single(), init_seed=3)
+    plain = GPTModel(tiny_config(mtp_num_layers=None), "local", VOCAB, SEQ,
+                     groups=ModelGroups.single(), init_seed=3)  # fmt: skip
     ids = torch.randint(0, VOCAB, (BATCH, SEQ))
-    model.eval()
+    model.eval(), plain.eval()
     with torch.no_grad():
-        model(ids, labels=ids)
-        model(ids)
+        assert torch.equal(model(ids, labels=ids), plain(ids, labels=ids))
+        assert torch.equal(model(ids), plain(ids))
+        # Cached generation: the prompt, then one token, the same logits as without MTP.
+        caches = [KVCache(torch.zeros(BATCH, dtype=torch.long), SEQ) for _ in range(2)]
+        for step in (ids[:, :-1], ids[:, -1:]):
+            got, want = (m(step, kv_cache=c) for m, c in zip((model, plain), caches, strict=True))
+            assert torch.equal(got, want)
     assert model.mtp.take_losses().tolist() == [0.0]
     keys = set(model.sharded_state_dict())
     layer = "mtp.layers.0."
