@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from mp_ckpt import families
-from mp_ckpt.families import ARCHITECTURES, check_convertible, family, family_of
-from mp_ckpt.families.megatron_view import megatron_name, megatron_view
+from mp_ckpt.families import ARCHITECTURES, family, family_of
+from mp_ckpt.families.megatron_view import megatron_name, megatron_view, split_name
 from mp_ckpt.families.moe import is_moe_layer
 from mp_ckpt.families.table import Dims, Rule
 from mp_ckpt.hf import logical_from_hf, model_config_from_hf
@@ -241,25 +241,54 @@ def test_the_gpt_model_table_completes_a_family():
     Transformer Engine's norm names are an alias of the norms."""
     settings = family("llama").settings(CONFIGS["llama"])
     view = megatron_view(settings)
-    fc1 = view.named("mlp.linear_fc1.weight", layer=True)
+    fc1 = view.named("mlp.linear_fc1.weight", "layer")
     assert (fc1.mp, fc1.fusion) == (
         ("mlp.linear_fc1.gate.weight", "mlp.linear_fc1.up.weight"),
         "glu",
     )
-    plain = megatron_view(settings | {"activation": "gelu"}).named("mlp.linear_fc1.weight", True)
+    plain = megatron_view(settings | {"activation": "gelu"}).named("mlp.linear_fc1.weight", "layer")
     assert (plain.mp, plain.fusion) == (("mlp.linear_fc1.weight",), None)
-    assert view.named("self_attention.linear_proj.bias", True).mp == (
+    assert view.named("self_attention.linear_proj.bias", "layer").mp == (
         "self_attention.linear_proj.bias",
     )
-    norm = view.named("self_attention.linear_qkv.layer_norm_weight", True)
+    norm = view.named("self_attention.linear_qkv.layer_norm_weight", "layer")
     assert norm.name == "input_layernorm.weight" and norm.mp == ("input_layernorm.weight",)
-    assert view.named("mlp.linear_fc1.layer_norm_weight", False) is None  # a layer's name
+    assert view.named("mlp.linear_fc1.layer_norm_weight", "model") is None  # a layer's name
 
 
-def test_multi_latent_attention_is_refused_by_the_megatron_conversion_alone():
+def test_multi_latent_attention_picks_a_deepseek_family():
     settings = {"position_embedding_type": "rope", "multi_latent_attention": True}
-    for convert in (check_convertible, megatron_view):
-        with pytest.raises(ValueError, match=r"multi-latent attention .* has no Megatron-LM"):
-            convert(settings)
     assert family_of(settings) == "deepseek_v2"
     assert family_of(settings | {"moe_router_score_function": "sigmoid"}) == "deepseek_v3"
+
+
+def test_the_megatron_view_of_multi_latent_attention_and_multi_token_prediction():
+    """The generic table names MLA's tensors (the local spec's names); the TE spec's fused
+    latent norms are aliases, and torch_dist writes both names of each norm. A
+    multi-token prediction module's tensors are looked up by `split_name`."""
+    settings = {"multi_latent_attention": True, "activation": "swiglu"}
+    view = megatron_view(settings)
+    for name in ("linear_q_proj", "linear_q_down_proj", "linear_kv_up_proj"):
+        held = view.named(f"self_attention.{name}.weight", "layer")
+        assert held.mp == (f"self_attention.{name}.weight",) and held.fusion is None
+    q_norm = view.named("self_attention.linear_q_up_proj.layer_norm_weight", "layer")
+    assert q_norm.mp == ("self_attention.q_layernorm.weight",)
+    assert q_norm.dist_names == ("self_attention.q_layernorm.weight",
+                                 "self_attention.linear_q_up_proj.layer_norm_weight")  # fmt: skip
+    kv_norm = view.named("self_attention.linear_kv_up_proj.layer_norm_weight", "layer")
+    assert kv_norm.mp == ("self_attention.kv_layernorm.weight",)
+    # MLA's TE spec keeps input_layernorm apart: no linear_qkv name
+    assert view.named("input_layernorm.weight", "layer").dist_names == ("input_layernorm.weight",)
+    assert view.named("pre_mlp_layernorm.weight", "layer").dist_names == (
+        "pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight")  # fmt: skip
+    # a multi-token prediction module's own tensors, and its layer's as a decoder layer's
+    assert split_name("mtp.layers.1.eh_proj.weight") == ("mtp.layers.1.", "eh_proj.weight", "mtp")
+    prefix, rest, where = split_name("mtp.layers.0.transformer_layer.mlp.router.expert_bias")
+    assert (prefix, where) == ("mtp.layers.0.transformer_layer.", "layer")
+    assert view.named(rest, where).mp == ("mlp.router.expert_bias",)
+    assert view.named("enorm.weight", "mtp").mp == ("enorm.weight",)
+    assert view.named("enorm.weight", "layer") is None
+    # a standard attention's norms keep the one TE name both specs save
+    llama = megatron_view(family("llama").settings(CONFIGS["llama"]))
+    assert llama.named("input_layernorm.weight", "layer").dist_names == (
+        "self_attention.linear_qkv.layer_norm_weight",)  # fmt: skip

@@ -6,8 +6,6 @@
                                 alias in ALIASES: the family it names)
     family_of(settings)         the family a model's settings describe, for a checkpoint
                                 that does not say which it was imported as
-    check_convertible(settings) refuses, naming it, a layer the Megatron-LM conversion
-                                cannot hold yet (multi-latent attention)
 
 Adding a family is a file here (its Rules, its settings <-> config.json functions, a
 FAMILY) and its name in ARCHITECTURES. Import and export (mp_ckpt.hf) loop over its
@@ -20,22 +18,10 @@ from __future__ import annotations
 
 import importlib
 
-__all__ = ["ALIASES", "ARCHITECTURES", "check_convertible", "family", "family_of"]
+__all__ = ["ALIASES", "ARCHITECTURES", "family", "family_of"]
 
 ARCHITECTURES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "nemotron", "mixtral",
                  "qwen2_moe", "qwen3_moe", "gpt_oss", "deepseek_v2", "deepseek_v3")  # fmt: skip
-
-
-def check_convertible(settings: dict) -> None:
-    """Raises a ValueError naming the feature when the settings describe layers that the
-    Megatron-LM conversion cannot write or read yet, so that it stops before reading any
-    tensor."""
-    if settings.get("multi_latent_attention"):
-        raise ValueError(
-            "multi-latent attention (DeepSeek-V2/V3, Kimi K2) has no Megatron-LM conversion "
-            "yet: the checkpoint converts to and from Hugging Face (deepseek_v2, deepseek_v3) "
-            "and trains, resumes and reshards in mp's own format"
-        )
 
 
 ALIASES = {"kimi_k2": "deepseek_v3"}
