@@ -1,5 +1,7 @@
 """A Megatron-LM checkpoint imported by mp-ckpt gives, in mp's GPTModel, the logits
-megatron-core computed with it (packages/mp-ckpt/tests/assets/megatron/*/reference.pt)."""
+megatron-core computed with it (packages/mp-ckpt/tests/assets/megatron/*/reference.pt),
+the DeepSeek-shaped ones (multi-latent attention, DeepSeek's MoE) too, and the losses
+of the multi-token prediction module one of them has."""
 
 import dataclasses
 from pathlib import Path
@@ -18,7 +20,9 @@ ASSETS = Path(__file__).resolve().parents[1] / "packages/mp-ckpt/tests/assets/me
                                   "gpt2_torch_dist_tp1", "moe_torch_dist_ep2",
                                   "moe_torch_ep2", "llama_torch_dist_pp2_dp2_distopt",
                                   "llama_torch_pp2_dp2_distopt",
-                                  "llama_torch_dist_tp2_dp2_distopt"])  # fmt: skip
+                                  "llama_torch_dist_tp2_dp2_distopt",
+                                  "mla_moe_torch_dist_tp2",
+                                  "mla_moe_mtp_torch_tp2_ep2"])  # fmt: skip
 def test_imported_megatron_checkpoint_gives_megatron_logits(case, tmp_path):
     out = import_megatron(ASSETS / case, tmp_path / "mp")
     settings = torch.load(out / "common.pt", weights_only=False)["model_config"]
@@ -32,6 +36,14 @@ def test_imported_megatron_checkpoint_gives_megatron_logits(case, tmp_path):
     with torch.no_grad():
         logits = model(reference["tokens"], reference["position_ids"])
     torch.testing.assert_close(logits, reference["logits"], rtol=0, atol=1e-5)
+    if "mtp_losses" in reference:
+        # each multi-token prediction module's mean loss, as Megatron logged it in a
+        # training-mode forward (no dropout in the fixtures; the logits do not use them)
+        model.train()
+        model(reference["tokens"], reference["position_ids"], labels=reference["labels"])
+        torch.testing.assert_close(
+            model.mtp.take_losses(), reference["mtp_losses"], rtol=0, atol=1e-5
+        )
 
 
 @pytest.mark.parametrize(("case", "arch"), [("llama_torch_dist_tp2_distopt", "llama"),

@@ -1,7 +1,8 @@
 """The family tables without transformers: each names every parameter once, the registry
 lists every family file, family_of finds the family a model's settings describe, and
 import refuses a tensor its family has no place for. The Megatron conversion reads the
-same tables: a rule added to a family is written to Megatron and read back."""
+same tables (but for multi-latent attention's, which it refuses): a rule added to a family
+is written to Megatron and read back."""
 
 import dataclasses
 import re
@@ -11,8 +12,8 @@ import pytest
 import torch
 
 from mp_ckpt import families
-from mp_ckpt.families import ARCHITECTURES, check_convertible, family, family_of
-from mp_ckpt.families.megatron_view import megatron_name, megatron_view
+from mp_ckpt.families import ARCHITECTURES, family, family_of
+from mp_ckpt.families.megatron_view import megatron_name, megatron_view, split_name
 from mp_ckpt.families.moe import is_moe_layer
 from mp_ckpt.families.table import Dims, Rule
 from mp_ckpt.hf import logical_from_hf, model_config_from_hf
@@ -23,6 +24,9 @@ from mp_ckpt.megatron.write import megatron_args, megatron_from_logical
 FOLDER = Path(__file__).resolve().parents[1] / "src" / "mp_ckpt" / "families"
 LLAMA_STYLE = {"hidden_size": 16, "num_hidden_layers": 2, "num_attention_heads": 4,
                "num_key_value_heads": 2, "intermediate_size": 24, "vocab_size": 32}  # fmt: skip
+MLA = {**LLAMA_STYLE, "num_key_value_heads": 4, "kv_lora_rank": 8, "qk_nope_head_dim": 4,
+       "qk_rope_head_dim": 2, "v_head_dim": 4, "n_routed_experts": 4, "num_experts_per_tok": 2,
+       "moe_intermediate_size": 8, "n_shared_experts": 1, "first_k_dense_replace": 1}  # fmt: skip
 CONFIGS = {
     "gpt2": {"model_type": "gpt2", "n_embd": 16, "n_layer": 2, "n_head": 4, "vocab_size": 32,
              "n_positions": 8},
@@ -41,7 +45,12 @@ CONFIGS = {
                 "layer_types": ["sliding_attention", "full_attention"]},
     "qwen3_moe": {"model_type": "qwen3_moe", **LLAMA_STYLE, "num_experts": 4,
                   "moe_intermediate_size": 8, "num_experts_per_tok": 2},
+    "deepseek_v2": {"model_type": "deepseek_v2", **MLA, "q_lora_rank": None},
+    "deepseek_v3": {"model_type": "deepseek_v3", **MLA, "q_lora_rank": 8, "n_group": 1,
+                    "topk_group": 1},
 }  # fmt: skip
+MEGATRON = [name for name in ARCHITECTURES if not name.startswith("deepseek")]
+"""The families with a Megatron-LM conversion (multi-latent attention has none yet)."""
 
 
 def test_the_registry_lists_every_family_file():
@@ -185,7 +194,7 @@ def relative(key: str) -> str:
     return re.sub(r"^decoder\.layers\.\d+\.", "", key)
 
 
-@pytest.mark.parametrize("name", ARCHITECTURES)
+@pytest.mark.parametrize("name", MEGATRON)
 def test_the_family_table_names_every_megatron_tensor(name):
     """A Megatron write of the family's model holds only tensors the family's rules name
     (their `megatron` column), and the Megatron read gives back every mp tensor."""
@@ -232,23 +241,54 @@ def test_the_gpt_model_table_completes_a_family():
     Transformer Engine's norm names are an alias of the norms."""
     settings = family("llama").settings(CONFIGS["llama"])
     view = megatron_view(settings)
-    fc1 = view.named("mlp.linear_fc1.weight", layer=True)
+    fc1 = view.named("mlp.linear_fc1.weight", "layer")
     assert (fc1.mp, fc1.fusion) == (
         ("mlp.linear_fc1.gate.weight", "mlp.linear_fc1.up.weight"),
         "glu",
     )
-    plain = megatron_view(settings | {"activation": "gelu"}).named("mlp.linear_fc1.weight", True)
+    plain = megatron_view(settings | {"activation": "gelu"}).named("mlp.linear_fc1.weight", "layer")
     assert (plain.mp, plain.fusion) == (("mlp.linear_fc1.weight",), None)
-    assert view.named("self_attention.linear_proj.bias", True).mp == (
+    assert view.named("self_attention.linear_proj.bias", "layer").mp == (
         "self_attention.linear_proj.bias",
     )
-    norm = view.named("self_attention.linear_qkv.layer_norm_weight", True)
+    norm = view.named("self_attention.linear_qkv.layer_norm_weight", "layer")
     assert norm.name == "input_layernorm.weight" and norm.mp == ("input_layernorm.weight",)
-    assert view.named("mlp.linear_fc1.layer_norm_weight", False) is None  # a layer's name
+    assert view.named("mlp.linear_fc1.layer_norm_weight", "model") is None  # a layer's name
 
 
-def test_a_model_no_family_describes_is_refused_before_any_tensor_is_read():
+def test_multi_latent_attention_picks_a_deepseek_family():
     settings = {"position_embedding_type": "rope", "multi_latent_attention": True}
-    for convert in (check_convertible, family_of, megatron_view):
-        with pytest.raises(ValueError, match=r"multi-latent attention .* has no Hugging Face"):
-            convert(settings)
+    assert family_of(settings) == "deepseek_v2"
+    assert family_of(settings | {"moe_router_score_function": "sigmoid"}) == "deepseek_v3"
+
+
+def test_the_megatron_view_of_multi_latent_attention_and_multi_token_prediction():
+    """The generic table names MLA's tensors (the local spec's names); the TE spec's fused
+    latent norms are aliases, and torch_dist writes both names of each norm. A
+    multi-token prediction module's tensors are looked up by `split_name`."""
+    settings = {"multi_latent_attention": True, "activation": "swiglu"}
+    view = megatron_view(settings)
+    for name in ("linear_q_proj", "linear_q_down_proj", "linear_kv_up_proj"):
+        held = view.named(f"self_attention.{name}.weight", "layer")
+        assert held.mp == (f"self_attention.{name}.weight",) and held.fusion is None
+    q_norm = view.named("self_attention.linear_q_up_proj.layer_norm_weight", "layer")
+    assert q_norm.mp == ("self_attention.q_layernorm.weight",)
+    assert q_norm.dist_names == ("self_attention.q_layernorm.weight",
+                                 "self_attention.linear_q_up_proj.layer_norm_weight")  # fmt: skip
+    kv_norm = view.named("self_attention.linear_kv_up_proj.layer_norm_weight", "layer")
+    assert kv_norm.mp == ("self_attention.kv_layernorm.weight",)
+    # MLA's TE spec keeps input_layernorm apart: no linear_qkv name
+    assert view.named("input_layernorm.weight", "layer").dist_names == ("input_layernorm.weight",)
+    assert view.named("pre_mlp_layernorm.weight", "layer").dist_names == (
+        "pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight")  # fmt: skip
+    # a multi-token prediction module's own tensors, and its layer's as a decoder layer's
+    assert split_name("mtp.layers.1.eh_proj.weight") == ("mtp.layers.1.", "eh_proj.weight", "mtp")
+    prefix, rest, where = split_name("mtp.layers.0.transformer_layer.mlp.router.expert_bias")
+    assert (prefix, where) == ("mtp.layers.0.transformer_layer.", "layer")
+    assert view.named(rest, where).mp == ("mlp.router.expert_bias",)
+    assert view.named("enorm.weight", "mtp").mp == ("enorm.weight",)
+    assert view.named("enorm.weight", "layer") is None
+    # a standard attention's norms keep the one TE name both specs save
+    llama = megatron_view(family("llama").settings(CONFIGS["llama"]))
+    assert llama.named("input_layernorm.weight", "layer").dist_names == (
+        "self_attention.linear_qkv.layer_norm_weight",)  # fmt: skip

@@ -144,6 +144,20 @@ def test_what_export_refuses():
         _check(settings, {}, 1, 1, "torch", ep=2)
     with pytest.raises(ValueError, match="does not divide num_query_groups 2"):
         _check(settings | {"num_attention_heads": 8}, {}, 4, 1, "torch")
+    mla = settings | {"num_query_groups": 4, "multi_latent_attention": True, "q_lora_rank": 6,
+                      "kv_lora_rank": 8, "qk_pos_emb_head_dim": 4}  # fmt: skip
+    _check(mla, {}, 2, 1, "torch")
+    _check(mla, {}, 4, 1, "torch_dist")  # global tensors: Megatron's load splits them
+    with pytest.raises(ValueError, match="does not divide the 6 rows of linear_q_down_proj"):
+        _check(mla, {}, 4, 1, "torch")
+    from mp_ckpt.megatron.write import megatron_args
+
+    mla |= {"hidden_size": 32, "kv_channels": 8, "max_position_embeddings": 16}
+    args = megatron_args(mla, ckpt_format="torch", tp=1, pp=1, iteration=0)
+    assert (args.rope_type, args.q_lora_rank, args.rotary_scaling_factor) == ("yarn", 6, 1.0)
+    with pytest.raises(ValueError, match=r"yarn_beta_fast=8\.0: Megatron's multi-latent"):
+        megatron_args(mla | {"yarn_beta_fast": 8.0}, ckpt_format="torch", tp=1, pp=1,
+                      iteration=0)  # fmt: skip
 
 
 MOE_LAYOUTS = [(1, 1, 1), (1, 1, 2), (2, 1, 2), (1, 2, 4)]
@@ -208,3 +222,47 @@ def test_megatron_args_with_gpt_oss_activation_import_as_gated():
     settings = model_config_from_megatron(args, 128)
     assert (settings["quick_geglu"], settings["glu_linear_offset"]) == (True, 1.0)
     assert settings["activation_func_clamp_value"] == 7.0
+
+
+def test_deepseek_shaped_exports_are_megatrons_files(tmp_path):
+    """The DeepSeek-shaped fixtures (multi-latent attention, DeepSeek's MoE, a multi-token
+    prediction module in the legacy one) go to Megatron and back tensor-exact. The
+    torch_dist export holds the fixture's model keys and shapes and, beside them, the TE
+    spec's names of the latent and pre-MLP norms; the legacy TP2 x EP2 export equals the
+    fixture's files tensor for tensor (the MTP module under megatron-core's
+    mtp_model_layer). Two names of one norm that differ are refused on import."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from mp_ckpt.megatron.logical import logical_from_megatron
+
+    model = _round_trip("mla_moe_torch_dist_tp2", "torch_dist", 2, 1, 1, tmp_path / "dist")
+    assert model.args.multi_latent_attention and model.args.rope_type == "yarn"
+    assert (model.args.rotary_scaling_factor, model.args.mscale_all_dim) == (4.0, 1.0)
+    ours = FileSystemReader(tmp_path / "dist" / "meg" / "iter_0000000").read_metadata()
+    ours = ours.state_dict_metadata
+    theirs = FileSystemReader(ASSETS / "mla_moe_torch_dist_tp2" / "iter_0000002")
+    theirs = theirs.read_metadata().state_dict_metadata
+    model_keys = {k for k in theirs if not k.startswith(("optimizer.", "rng_state"))}
+    assert model_keys <= set(ours)
+    te = {f"decoder.layers.{i}.{name}.layer_norm_weight" for i in range(2)
+          for name in ("self_attention.linear_q_up_proj", "self_attention.linear_kv_up_proj",
+                       "mlp.linear_fc1")}  # fmt: skip
+    assert set(ours) - model_keys == te
+    for key in model_keys:
+        if hasattr(theirs[key], "size"):
+            assert tuple(ours[key].size) == tuple(theirs[key].size), key
+    alias = "decoder.layers.0.self_attention.linear_q_up_proj.layer_norm_weight"
+    model.tensors.add(alias, (8,), torch.float32, lambda: torch.zeros(8))
+    with pytest.raises(ValueError, match=r"q_layernorm\.weight and .*linear_q_up_proj\.layer_norm"):
+        logical_from_megatron(model)
+
+    case = "mla_moe_mtp_torch_tp2_ep2"
+    assert _round_trip(case, "torch", 2, 1, 2, tmp_path / "legacy").args.mtp_num_layers == 1
+    _round_trip(case, "torch_dist", 1, 1, 1, tmp_path / "mtp_dist")
+    for folder in (ASSETS / case / "iter_0000002").glob("mp_rank_*"):
+        ours = safe_load(tmp_path / "legacy" / "meg" / "iter_0000000" / folder.name
+                         / "model_optim_rng.pt")["model"]  # fmt: skip
+        theirs = safe_load(folder / "model_optim_rng.pt")["model"]
+        assert ours.keys() == theirs.keys()
+        for key, value in theirs.items():
+            assert value is None or torch.equal(ours[key], value), (folder.name, key)

@@ -152,3 +152,56 @@ def test_legacy_pipeline_stages_number_their_layers_from_zero(tmp_path):
     assert sorted(whole.keys) == sorted(cut.keys)
     for key in whole.keys:
         torch.testing.assert_close(cut.read(key), whole.read(key), rtol=0, atol=0)
+
+
+def _tensors(root: Path) -> dict[str, torch.Tensor]:
+    reader = CheckpointReader(root)
+    return {key: reader.read(key) for key in reader.keys}
+
+
+def test_multi_latent_attention_under_the_te_specs_names_and_layout(tmp_path):
+    """The DeepSeek-shaped fixtures (megatron-core's local spec) saved as its Transformer
+    Engine spec would save them import to the same tensors: in torch_dist the latent norms
+    fused into the up projections (linear_q_up_proj / linear_kv_up_proj.layer_norm_weight)
+    and the dense layer's pre-MLP norm into linear_fc1; in the legacy files the down
+    projection whole on every TP rank (TE's duplicated linear) instead of split (the
+    multi-token prediction module's too). The Adam state of an MLA model is refused."""
+    import dataclasses
+
+    from mp_ckpt.megatron.logical import logical_from_megatron
+    from mp_ckpt.megatron.read import MegatronTensors, read_megatron
+
+    te_names = {"self_attention.q_layernorm.": "self_attention.linear_q_up_proj.layer_norm_",
+                "self_attention.kv_layernorm.": "self_attention.linear_kv_up_proj.layer_norm_",
+                "0.pre_mlp_layernorm.": "0.mlp.linear_fc1.layer_norm_"}  # fmt: skip
+    model = read_megatron(ASSETS / "mla_moe_torch_dist_tp2")
+    renamed = MegatronTensors()
+    for key in model.tensors:
+        te_key = next((key.replace(a, b) for a, b in te_names.items() if a in key), key)
+        renamed.add(te_key, model.tensors.shape(key), model.tensors.dtype(key),
+                    lambda k=key: model.tensors[k])  # fmt: skip
+    assert len([k for k in renamed if "layer_norm_weight" in k]) == 5
+    local, settings = logical_from_megatron(model)
+    te, _ = logical_from_megatron(dataclasses.replace(model, tensors=renamed))
+    assert settings["multi_latent_attention"] and settings["q_lora_rank"] == 8
+    assert local.keys() == te.keys()
+    assert all(torch.equal(local[k], te[k]) for k in local)
+
+    case = "mla_moe_mtp_torch_tp2_ep2"
+    src = ASSETS / case / "iter_0000002"
+    states = {f.parent.name: _as_plain(safe_load(f)) for f in src.glob("*/model_optim_rng.pt")}
+    down = [k for k in states["mp_rank_00_000"]["model"] if k.endswith("kv_down_proj.weight")]
+    whole = {key: torch.cat([states[f"mp_rank_{t:02d}_000"]["model"][key] for t in range(2)])
+             for key in down}  # fmt: skip
+    for name, state in states.items():  # mp_rank_<tp>_<ep>
+        state["model"] |= whole
+        (tmp_path / "te" / "iter_0000002" / name).mkdir(parents=True)
+        torch.save(state, tmp_path / "te" / "iter_0000002" / name / "model_optim_rng.pt")
+    assert len(down) == 3  # two decoder layers and the MTP module's
+    assert states["mp_rank_01_000"]["model"][down[0]].shape == (12, 16)
+    import_megatron(ASSETS / case, tmp_path / "local")
+    import_megatron(tmp_path / "te" / "iter_0000002", tmp_path / "te_mp")
+    want, got = _tensors(tmp_path / "local"), _tensors(tmp_path / "te_mp")
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    with pytest.raises(ValueError, match="--with-optimizer: the Adam state of a model with multi"):
+        import_megatron(ASSETS / case, tmp_path / "adam", with_optimizer=True)

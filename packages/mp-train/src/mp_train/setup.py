@@ -243,10 +243,10 @@ def _build_model(config, state, tracker, padded_vocab, model_provider) -> list:
         for chunk in chunks:
             chunk.broadcast_params()
     for chunk in chunks:
-        # Embeddings tied across the first and last stage: the last stage's copy takes
-        # the first stage's weights (collective over the embedding group).
+        # The last stage's copy of the word embedding (tied output layer, MTP) takes the
+        # first stage's weights (collective over the embedding group).
         module = chunk.module
-        tied = getattr(module, "share_embeddings_and_output_weights", False)
+        tied = getattr(module, "embedding_on_last_stage", False)
         ends = getattr(module, "pre_process", False) or getattr(module, "post_process", False)
         if tied and ends and state.embedding is not None and state.pp.size > 1:
             module.sync_tied_embeddings(state.embedding)

@@ -9,6 +9,11 @@ mp (decoder.layers.{i}.)                       Megatron-LM, where it differs
     self_attention.linear_qkv.{q,k,v}.{weight,bias}  self_attention.linear_qkv.*, fused
     self_attention.linear_proj.{weight,bias}
     self_attention.{q,k}_layernorm.{weight,bias}
+    self_attention.linear_q_proj.weight, or linear_q_down_proj.weight and
+        linear_q_up_proj.weight                (multi-latent attention: mp's names are
+    self_attention.linear_kv_down_proj.weight   Megatron's local spec's; its TE spec's
+    self_attention.linear_kv_up_proj.weight     names are aliases: megatron_view.py)
+    self_attention.kv_layernorm.{weight,bias}
     self_attention.core_attention.softmax_offset
     pre_mlp_layernorm.{weight,bias}
     mlp.linear_fc1.{gate,up}.{weight,bias}     mlp.linear_fc1.*, fused (gated MLP)
@@ -20,7 +25,9 @@ mp (decoder.layers.{i}.)                       Megatron-LM, where it differs
     mlp.shared_experts.linear_fc1[.{gate,up}].{weight,bias}, .linear_fc2.{weight,bias},
         .gate_weight
 and embedding.word_embeddings.weight, embedding.position_embeddings.weight,
-decoder.final_layernorm.{weight,bias}, output_layer.weight.
+decoder.final_layernorm.{weight,bias}, output_layer.weight; each multi-token prediction
+module's (mtp.layers.{k}.) enorm, hnorm, eh_proj, final_layernorm and, under
+transformer_layer., a layer's tensors (Megatron's names too).
 
 `when` marks only the tensors that exclude one another (a gated fc1's gate and up, or a
 plain fc1): which of the others a model has, its tensors say.
@@ -33,6 +40,9 @@ from mp_ckpt.families.table import Rule
 __all__ = ["RULES", "gated"]
 
 _QKV = "self_attention.linear_qkv"
+# multi-latent attention's projections (multi_latent_attention.py in mp-layers)
+_MLA = ("linear_q_proj", "linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj",
+        "linear_kv_up_proj")  # fmt: skip
 _PARTS = ("weight", "bias")
 
 
@@ -72,6 +82,8 @@ RULES = (
                    "self_attention.k_layernorm"),
             "self_attention.core_attention.softmax_offset", *_both("pre_mlp_layernorm")],
            "layer"),
+    *_same([*(f"self_attention.{m}.weight" for m in _MLA),
+            *_both("self_attention.kv_layernorm")], "layer"),
     *_fc1("mlp.linear_fc1", None, "dense"),
     *_same(_both("mlp.linear_fc2"), "dense"),
     *_same([*_both("mlp.router"), "mlp.router.expert_bias"], "moe"),
@@ -80,4 +92,5 @@ RULES = (
       for name in _both("mlp.experts.linear_fc2")),
     *_fc1("mlp.shared_experts.linear_fc1", None, "moe"),
     *_same([*_both("mlp.shared_experts.linear_fc2"), "mlp.shared_experts.gate_weight"], "moe"),
+    *_same([*_both("enorm", "hnorm", "final_layernorm"), "eh_proj.weight"], "mtp"),
 )  # fmt: skip

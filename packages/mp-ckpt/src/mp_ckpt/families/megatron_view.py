@@ -2,16 +2,22 @@
 and how they are fused there.
 
     megatron_view(settings, family=None) -> MegatronView
-        .named(name, layer)      the MegatronTensor Megatron stores as `name` (or under
+        .named(name, where)      the MegatronTensor Megatron stores as `name` (or under
                                  its Transformer Engine alias), or None
-        .holding(mp_name, layer) (the MegatronTensor holding mp's tensor, its index), or None
+        .holding(mp_name, where) (the MegatronTensor holding mp's tensor, its index), or None
         .tensors                 every one
+    split_name(key) -> (prefix, name, where)   a full key as the view looks it up
 
 A Megatron checkpoint records no family: the view is the table of the family the
 settings describe (`family_of`), completed by gpt_model.py's table of every tensor mp's
-GPTModel can have for the tensors the family does not name. A family rule for a tensor
-the settings' model cannot have (gate and up where the MLP is not gated) is left out.
-Names are relative to "decoder.layers.{i}." except in the "model" scope, as in the tables.
+GPTModel can have for the tensors the family does not name; with multi-latent attention
+that table alone (it names all of a DeepSeek-shaped model under Megatron's names; the
+DeepSeek families add Hugging Face names and copies Megatron does not keep). A family
+rule for a tensor the settings' model cannot have (gate and up where the MLP is not
+gated) is left out. Names are relative to "decoder.layers.{i}." except in the "model"
+scope, as in the tables; `where` is "layer" (a decoder layer's, or a multi-token
+prediction module's transformer layer's, under "mtp.layers.{k}.transformer_layer."),
+"mtp" (a multi-token prediction module's own, under "mtp.layers.{k}.") or "model".
 
 How mp's tensors are fused ([groups, heads per group, d, ...] q, [groups, d, ...] k and
 v; E the experts, F an MLP's width, h the hidden size):
@@ -23,11 +29,23 @@ v; E the experts, F an MLP's width, h the hidden size):
 
 Transformer Engine's layer specs fuse a layer's norms into the next linear layer:
 input_layernorm is saved as self_attention.linear_qkv.layer_norm_*, pre_mlp_layernorm
-as mlp.linear_fc1.layer_norm_* (`te`; torch_dist checkpoints use these names).
+as mlp.linear_fc1.layer_norm_* (`te`). Megatron's local spec saves them under these
+names too in torch_dist (its sharded_state_dict_keys_map), so `dist` is `te`.
+
+Multi-latent attention differs (megatron-core's gpt_layer_specs): the local spec keeps
+every module's own name in torch_dist (input_layernorm, pre_mlp_layernorm, q_layernorm,
+kv_layernorm: no keys map), while the TE spec keeps input_layernorm (and an MoE layer's
+pre_mlp_layernorm) apart and fuses the latent norms into the up projections,
+q_layernorm as self_attention.linear_q_up_proj.layer_norm_*, kv_layernorm as
+self_attention.linear_kv_up_proj.layer_norm_*, and a dense layer's pre-MLP norm into
+mlp.linear_fc1.layer_norm_*. Both are read; `dist` holds both names, so that a
+torch_dist export loads into either spec (a torch_dist load reads the keys its model
+asks for and leaves the others).
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -38,14 +56,35 @@ from mp_ckpt import families
 from mp_ckpt.families import gpt_model
 from mp_ckpt.families.table import Dims, Family, Rule, Scope
 
-__all__ = ["MegatronTensor", "MegatronView", "megatron_name", "megatron_view"]
+__all__ = ["MegatronTensor", "MegatronView", "megatron_name", "megatron_view", "split_name"]
 
 Fusion = Literal["qkv", "glu"]
+Where = Literal["model", "layer", "mtp"]
+_LAYER_KEY = re.compile(r"^(decoder\.layers\.\d+\.|mtp\.layers\.\d+\.transformer_layer\.)(.+)$")
+_MTP_KEY = re.compile(r"^(mtp\.layers\.\d+\.)(.+)$")
 _FUSIONS: dict[tuple[str, ...], Fusion] = {("q", "k", "v"): "qkv", ("gate", "up"): "glu"}
 # mp keeps the experts stacked on dim 0: their [gate; up] is on dim 1
 _STACKED = "mlp.experts."
 _TE_NORMS = {"input_layernorm": "self_attention.linear_qkv.layer_norm_",
              "pre_mlp_layernorm": "mlp.linear_fc1.layer_norm_"}  # fmt: skip
+_MLA_TE_NORMS = {
+    "pre_mlp_layernorm": "mlp.linear_fc1.layer_norm_",
+    "self_attention.q_layernorm": "self_attention.linear_q_up_proj.layer_norm_",
+    "self_attention.kv_layernorm": "self_attention.linear_kv_up_proj.layer_norm_",
+}
+
+
+def split_name(key: str) -> tuple[str, str, Where]:
+    """(prefix, the name the view knows, where) of a full key (module docstring)."""
+    for pattern, where in ((_LAYER_KEY, "layer"), (_MTP_KEY, "mtp")):
+        match = pattern.match(key)
+        if match:
+            return match.group(1), match.group(2), where
+    return "", key, "model"
+
+
+def _where(scope: Scope) -> Where:
+    return scope if scope in ("model", "mtp") else "layer"
 
 
 def megatron_name(rule: Rule, mp_name: str) -> str:
@@ -66,6 +105,12 @@ class MegatronTensor:
     """The dim a "glu" fusion stacks gate and up on."""
     te: str | None = None
     """Transformer Engine's name for it (a norm fused into the next linear layer)."""
+    dist: tuple[str, ...] = ()
+    """The names a torch_dist save holds it under (module docstring); () for `name`."""
+
+    @property
+    def dist_names(self) -> tuple[str, ...]:
+        return self.dist or (self.name,)
 
     def mp_shapes(self, shape: Sequence[int], dims: Dims) -> list[tuple[int, ...]]:
         """The shapes of mp's tensors cut from a Megatron tensor of `shape`."""
@@ -112,54 +157,57 @@ class MegatronView:
 
     def __init__(self, tensors: Sequence[MegatronTensor]) -> None:
         self.tensors = tuple(tensors)
-        self._named: dict[tuple[bool, str], MegatronTensor] = {}
-        self._holding: dict[tuple[bool, str], tuple[MegatronTensor, int]] = {}
+        self._named: dict[tuple[Where, str], MegatronTensor] = {}
+        self._holding: dict[tuple[Where, str], tuple[MegatronTensor, int]] = {}
         for tensor in self.tensors:
-            layer = tensor.scope != "model"
+            where = _where(tensor.scope)
             for name in (tensor.name, tensor.te):
                 if name is not None:
-                    self._named[(layer, name)] = tensor
+                    self._named[(where, name)] = tensor
             for j, mp_name in enumerate(tensor.mp):
-                self._holding[(layer, mp_name)] = (tensor, j)
+                self._holding[(where, mp_name)] = (tensor, j)
 
-    def named(self, name: str, layer: bool) -> MegatronTensor | None:
-        """The tensor Megatron saves as `name` (relative to its layer when `layer`)."""
-        return self._named.get((layer, name))
+    def named(self, name: str, where: Where) -> MegatronTensor | None:
+        """The tensor Megatron saves as `name` (relative to its layer or module, `where`)."""
+        return self._named.get((where, name))
 
-    def holding(self, mp_name: str, layer: bool) -> tuple[MegatronTensor, int] | None:
+    def holding(self, mp_name: str, where: Where) -> tuple[MegatronTensor, int] | None:
         """(The tensor holding mp's `mp_name`, its place among the tensor's `mp`)."""
-        return self._holding.get((layer, mp_name))
+        return self._holding.get((where, mp_name))
 
 
 def megatron_view(settings: dict, family: Family | None = None) -> MegatronView:
     """The Megatron view of `family` (default: the one the settings describe) completed by
     the generic GPT table, for a model with these settings."""
-    families.check_convertible(settings)
-    family = family or families.family(families.family_of(settings))
+    mla = bool(settings.get("multi_latent_attention"))
+    if family is None and not mla:
+        family = families.family(families.family_of(settings))
     generic = gpt_model.RULES
 
-    def names(rules) -> set[tuple[bool, str]]:
-        return {(r.scope != "model", n) for r in rules for n in r.mp}
+    def names(rules) -> set[tuple[Where, str]]:
+        return {(_where(r.scope), n) for r in rules for n in r.mp}
 
     excluded = names(r for r in generic if not r.applies(settings))
-    rules = [r for r in family.rules
+    rules = [r for r in (family.rules if family else ())
              if r.applies(settings) and not names([r]) & excluded]  # fmt: skip
     named = names(rules)
     rules += [r for r in generic if r.applies(settings) and not names([r]) & named]
-    grouped: dict[tuple[bool, str], list[tuple[str, Scope]]] = {}
+    grouped: dict[tuple[Where, str], list[tuple[str, Scope]]] = {}
     for rule in rules:
         for mp_name in rule.mp:
-            key = (rule.scope != "model", megatron_name(rule, mp_name))
+            key = (_where(rule.scope), megatron_name(rule, mp_name))
             grouped.setdefault(key, []).append((mp_name, rule.scope))
-    return MegatronView(tuple(_tensor(name, held) for (_, name), held in grouped.items()))
+    return MegatronView(tuple(_tensor(name, held, mla) for (_, name), held in grouped.items()))
 
 
-def _tensor(name: str, held: list[tuple[str, Scope]]) -> MegatronTensor:
+def _tensor(name: str, held: list[tuple[str, Scope]], mla: bool) -> MegatronTensor:
     scope = held[0][1]
     module, _, part = name.rpartition(".")
-    te = _TE_NORMS[module] + part if module in _TE_NORMS else None
+    te_norms = _MLA_TE_NORMS if mla else _TE_NORMS
+    te = te_norms[module] + part if module in te_norms else None
     if len(held) == 1:
-        return MegatronTensor(name, (held[0][0],), scope, te=te)
+        dist = (name, te) if mla and te else (te or name,)
+        return MegatronTensor(name, (held[0][0],), scope, te=te, dist=dist)
     # the pieces of one fused tensor: <mp module>.<piece>.<part> each
     pieces = {mp_name.rsplit(".", 2)[1]: mp_name for mp_name, _ in held}
     order = next((o for o in _FUSIONS if set(o) == set(pieces) and len(o) == len(held)), None)

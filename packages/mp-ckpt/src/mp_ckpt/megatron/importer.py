@@ -8,10 +8,11 @@ mp's logical tensors, and settings.py reads the model's settings from the args.
 The model's settings come from the saved args, under the names mp uses
 (common["model_config"], as import-hf writes it); the tokenizer files the run
 named (GPT-2 BPE, a local Hugging Face tokenizer) are kept when they are here.
-A setting mp does not compute the same way (group-limited routing, input jitter,
-several load-balancing losses, ...) is refused with its name and value. With
+A setting mp does not compute the same way (input jitter, several
+load-balancing losses, ...) is refused with its name and value. With
 with_optimizer, optimizer.py reads the Adam state, which is renamed and
-unfused like the weights.
+unfused like the weights (not of multi-latent attention or multi-token
+prediction: refused).
 """
 
 from __future__ import annotations
@@ -67,6 +68,14 @@ def import_megatron(
     common = {"iteration": 0, "model_config": None, "imported_from": str(model.directory),
               "source_iteration": model.iteration, "source_format": model.format}  # fmt: skip
     if with_optimizer:  # the Adam state is read whole, beside the weights
+        unread = [name for name in ("multi_latent_attention", "mtp_num_layers")
+                  if getattr(model.args, name, None)]  # fmt: skip
+        if unread:
+            raise ValueError(
+                f"{model.directory}: --with-optimizer: the Adam state of a model with "
+                f"{' and '.join(unread)} is not read (no megatron-core checkpoint with it "
+                "checks Megatron's order of those parameters); import the weights without it"
+            )
         logical, settings = logical_from_megatron(model)
         states, entries = mp_optimizer_state(model, logical)
         tensors = {**{k: t.contiguous() for k, t in logical.items()}, **states}

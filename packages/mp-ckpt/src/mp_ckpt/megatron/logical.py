@@ -9,6 +9,12 @@ completed by the table of every tensor mp's GPTModel can have):
     linear_qkv.layer_norm_weight (TE spec) -> input_layernorm.weight
     linear_fc1.layer_norm_weight (TE spec) -> pre_mlp_layernorm.weight
 
+Multi-latent attention's projections keep their names (mp's are Megatron's local
+spec's); the TE spec's latent norms linear_q_up_proj.layer_norm_weight and
+linear_kv_up_proj.layer_norm_weight are q_layernorm.weight and kv_layernorm.weight. A
+norm held under both specs' names (as export-megatron writes them) is read once, after
+checking that the two are equal.
+
 A mixture-of-experts layer (mlp.router.weight, mlp.router.expert_bias, the shared
 expert's linear_fc1 / linear_fc2 / gate_weight keep their names):
 
@@ -27,7 +33,7 @@ import re
 
 import torch
 
-from mp_ckpt.families.megatron_view import megatron_view
+from mp_ckpt.families.megatron_view import megatron_view, split_name
 from mp_ckpt.families.table import Dims
 from mp_ckpt.megatron.read import _LAYER, MegatronModel, MegatronTensors
 from mp_ckpt.megatron.settings import model_config_from_megatron
@@ -37,8 +43,10 @@ __all__ = ["logical_from_megatron", "logical_plan", "stack_experts"]
 # One expert's tensor: the legacy format's local_experts.<e> (numbered globally by
 # read.py), or torch_dist's experts.experts.<e> (singleton_local_shards)
 _ONE_EXPERT = re.compile(
-    r"^(decoder\.layers\.\d+\.mlp\.experts\.)(?:local_experts|experts)\.(\d+)\.(.+)$"
+    r"^((?:decoder\.layers\.\d+|mtp\.layers\.\d+\.transformer_layer)\.mlp\.experts\.)"
+    r"(?:local_experts|experts)\.(\d+)\.(.+)$"
 )
+_MTP = re.compile(r"^mtp\.layers\.(\d+)\.")
 
 
 def logical_from_megatron(model: MegatronModel) -> tuple[dict[str, torch.Tensor], dict]:
@@ -68,18 +76,21 @@ def logical_plan(model: MegatronModel) -> tuple[dict[str, tuple], dict]:
     view, dims = megatron_view(settings), Dims.of(settings)
     tied = not settings["untie_embeddings_and_output_weights"]
     plan: dict[str, tuple] = {}
+    sources: dict[str, str] = {}  # logical key -> the Megatron key it is read from
 
     def add(name: str, key: str, shape, cut=None) -> None:
         def produce() -> torch.Tensor:
             tensor = tensors[key]
             return tensor if cut is None else cut(tensor).contiguous()
 
+        if name in plan:  # the same tensor under a second name
+            produce = functools.partial(_same, sources[name], plan[name][2], key, produce, where)
+        sources.setdefault(name, key)
         plan[name] = (tuple(shape), _dtype(tensors, key), produce)
 
     for key in tensors:
-        match = _LAYER.match(key)
-        prefix, rest = (f"decoder.layers.{match.group(1)}.", match.group(2)) if match else ("", key)
-        held = view.named(rest, layer=match is not None)
+        prefix, rest, place = split_name(key)
+        held = view.named(rest, place)
         if held is None:
             raise ValueError(f"{where}: {key}: no place for this tensor in mp's GPTModel")
         if key == "output_layer.weight" and tied:
@@ -97,7 +108,21 @@ def logical_plan(model: MegatronModel) -> tuple[dict[str, tuple], dict]:
             f"{where}: the tensors hold layers {sorted(layers)}, args num_layers="
             f"{settings['num_layers']}"
         )
+    modules = {int(m.group(1)) for k in plan if (m := _MTP.match(k))}
+    if modules != set(range(settings.get("mtp_num_layers") or 0)):
+        raise ValueError(
+            f"{where}: the tensors hold multi-token prediction modules {sorted(modules)}, "
+            f"args mtp_num_layers={settings.get('mtp_num_layers')}"
+        )
     return plan, settings
+
+
+def _same(first: str, read_first, second: str, read_second, where: str) -> torch.Tensor:
+    tensor = read_first()
+    if not torch.equal(tensor, read_second()):
+        raise ValueError(f"{where}: {first} and {second} hold the same tensor of mp's "
+                         "GPTModel but differ")  # fmt: skip
+    return tensor
 
 
 def stack_experts(tensors, where: str) -> MegatronTensors:

@@ -18,11 +18,19 @@ that takes one tensor at a time holds one tensor at a time:
   (and PP, and EP) rank, per-layer keys local to the rank and TP-sliced; each
   pipeline stage numbers its layers from 0, each expert-parallel rank its
   experts (mlp.experts.local_experts.<e>), which are renamed to their global
-  numbers; what is not an expert is read from EP rank 0. The saved args say
+  numbers; what is not an expert is read from EP rank 0, and the word embedding
+  from the first stage (the last one holds a copy for multi-token prediction).
+  A multi-token prediction module's layer, mtp.layers.<k>.mtp_model_layer.* in
+  megatron-core's module names, is renamed transformer_layer as its torch_dist
+  keys have it. The saved args say
   which of the folder's numbers is PP and which EP. Column-parallel tensors are joined on rows,
   row-parallel on columns; a SwiGLU fc1 is [gate_r; up_r] per rank and is
   regrouped into [gate; up]; QKV rows join as they are (each rank holds whole
-  query groups, so the concatenation is the interleaved whole).
+  query groups, so the concatenation is the interleaved whole), and so do
+  multi-latent attention's linear_q_proj / linear_q_up_proj / linear_kv_up_proj
+  (whole heads per rank). Its down projections are column-parallel in
+  Megatron's local spec (joined on rows) and whole on every rank in the TE spec
+  (a rank holding all q_lora_rank, or kv_lora_rank + qk_pos_emb_head_dim, rows).
 
 - torch_dist reads one layer's chunks of a stacked key (DCP reads the stored
   chunks that overlap it straight into the tensor); legacy torch maps the rank
@@ -55,6 +63,7 @@ __all__ = [
     "MegatronModel",
     "MegatronTensors",
     "global_expert_name",
+    "latent_rows",
     "legacy_rank_files",
     "read_megatron",
     "resolve_megatron",
@@ -64,12 +73,22 @@ __all__ = [
 _TRACKER = "latest_checkpointed_iteration.txt"
 _RANK_DIR = re.compile(r"^mp_rank_\d+(?:_\d+){0,2}$")
 # A legacy file's expert: decoder.layers.<i>.mlp.experts.local_experts.<local number>.<rest>
-_LOCAL_EXPERT = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts\.local_experts\.)(\d+)\.(.+)$")
+_LOCAL_EXPERT = re.compile(
+    r"^((?:decoder\.layers\.\d+|mtp\.layers\.\d+\.(?:transformer_layer|mtp_model_layer))"
+    r"\.mlp\.experts\.local_experts\.)(\d+)\.(.+)$"
+)
+# A multi-token prediction module's layer under its legacy module name
+_MTP_MODEL_LAYER = re.compile(r"^(mtp\.layers\.\d+\.)mtp_model_layer\.")
 # Transformer Engine's grouped experts: mlp.experts.linear_fc1.weight<local number>
 _GROUPED_EXPERT = re.compile(r"\.mlp\.experts\.linear_fc[12]\.(weight|bias)\d+$")
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 # Per-layer tensors split over TP on rows (0) or columns (1); the rest are whole per rank.
-_COLUMN = re.compile(r"(linear_qkv|linear_fc1)\.(weight|bias)$")
+_COLUMN = re.compile(
+    r"(linear_qkv|linear_fc1|linear_q_proj|linear_q_up_proj|linear_kv_up_proj"
+    r"|linear_q_down_proj|linear_kv_down_proj|eh_proj)\.(weight|bias)$"
+)
+# Multi-latent attention's down projections: TP-split by the local spec, whole under TE's.
+_DOWN = re.compile(r"\.(linear_q_down_proj|linear_kv_down_proj)\.weight$")
 _ROW = re.compile(r"(linear_proj|linear_fc2)\.weight$")
 
 
@@ -284,6 +303,7 @@ def _read_torch(directory: Path, iteration: int) -> MegatronModel:
     ep = int(getattr(args, "expert_model_parallel_size", 1) or 1)
     local_experts = (getattr(args, "num_experts", None) or 0) // ep
     swiglu = gated(args)
+    down_rows = latent_rows(args)
     checkpoint_version = None
     tensors = MegatronTensors()
     offset = 0
@@ -299,6 +319,8 @@ def _read_torch(directory: Path, iteration: int) -> MegatronModel:
                 expert = _LOCAL_EXPERT.match(key) is not None
                 if e > 0 and not expert:
                     continue  # every EP rank holds the same copy of what is not an expert
+                if stage > 0 and key.startswith("embedding."):
+                    continue  # the last stage's copy of the first stage's embedding
                 if _GROUPED_EXPERT.search(key):
                     raise ValueError(
                         f"{paths[0]}: {key}: Transformer Engine's grouped experts in the legacy "
@@ -307,12 +329,15 @@ def _read_torch(directory: Path, iteration: int) -> MegatronModel:
                 pieces = [s.get(key) for s in shapes]
                 if any(p is None for p in pieces):
                     raise ValueError(f"{directory}: {key} is missing on some TP ranks")
-                name = global_expert_name(key, e, local_experts)
+                name = _MTP_MODEL_LAYER.sub(
+                    r"\1transformer_layer.", global_expert_name(key, e, local_experts)
+                )
                 match = _LAYER.match(name)
                 if match:
                     name = f"decoder.layers.{int(match.group(1)) + offset}.{match.group(2)}"
-                joined = _join(key, pieces, swiglu)
-                read = functools.partial(_read_rank_tensor, paths, key, swiglu)
+                whole = _whole_rows(key, down_rows)
+                joined = _join(key, pieces, swiglu, whole)
+                read = functools.partial(_read_rank_tensor, paths, key, swiglu, whole)
                 tensors.add(name, joined.shape, joined.dtype, read)
         offset += len(stage_layers)
     return MegatronModel(directory, iteration, args, "torch", tensors, checkpoint_version)
@@ -333,11 +358,27 @@ def _meta_shapes(path: Path) -> dict:
     return shapes | {"checkpoint_version": state.get("checkpoint_version")}
 
 
-def _read_rank_tensor(paths: list[Path], key: str, swiglu: bool) -> torch.Tensor:
+def latent_rows(args) -> dict[str, int]:
+    """The rows of multi-latent attention's down projections, by module ({} without it)."""
+    if not getattr(args, "multi_latent_attention", False):
+        return {}
+    kv = args.kv_lora_rank + args.qk_pos_emb_head_dim
+    q = getattr(args, "q_lora_rank", None)
+    return {"linear_kv_down_proj": kv} | ({"linear_q_down_proj": q} if q else {})
+
+
+def _whole_rows(key: str, down_rows: dict[str, int]) -> int | None:
+    match = _DOWN.search(key)
+    return down_rows.get(match.group(1)) if match else None
+
+
+def _read_rank_tensor(
+    paths: list[Path], key: str, swiglu: bool, whole: int | None = None
+) -> torch.Tensor:
     """One tensor joined from the TP ranks' files (mapped: only its pages are read; the
     mappings close when this returns)."""
     pieces = [safe_load(path, mmap=True)["model"][key] for path in paths]
-    joined = _join(key, pieces, swiglu)
+    joined = _join(key, pieces, swiglu, whole)
     if any(joined.untyped_storage().data_ptr() == p.untyped_storage().data_ptr()
            for p in pieces):  # fmt: skip
         joined = joined.clone()  # a view of a mapped file: a tensor of its own
@@ -345,9 +386,10 @@ def _read_rank_tensor(paths: list[Path], key: str, swiglu: bool) -> torch.Tensor
 
 
 def _tp_split(key: str, swiglu: bool) -> int | str | None:
-    """How tensor parallelism splits a Megatron tensor: on rows (0: the column-parallel
-    linear_qkv and linear_fc1, the embedding and output layer), on columns (1: the
-    row-parallel weights), "glu" (a gated fc1: each rank [gate_r; up_r]) or not (None)."""
+    """How tensor parallelism splits a Megatron tensor (its local spec): on rows (0: the
+    column-parallel linear_qkv, linear_fc1 and MLA projections, the embedding and output
+    layer), on columns (1: the row-parallel weights), "glu" (a gated fc1: each rank
+    [gate_r; up_r]) or not (None)."""
     if swiglu and re.search(r"linear_fc1\.(weight|bias)$", key):
         return "glu"
     if _COLUMN.search(key) or key.endswith(("word_embeddings.weight", "output_layer.weight")):
@@ -355,9 +397,12 @@ def _tp_split(key: str, swiglu: bool) -> int | str | None:
     return 1 if _ROW.search(key) else None
 
 
-def _join(key: str, pieces: list[torch.Tensor], swiglu: bool) -> torch.Tensor:
-    """One tensor from its TP pieces (rank order)."""
-    if len(pieces) == 1:
+def _join(
+    key: str, pieces: list[torch.Tensor], swiglu: bool, whole: int | None = None
+) -> torch.Tensor:
+    """One tensor from its TP pieces (rank order). whole: the rows of an MLA down
+    projection, which TE's spec keeps whole on every rank."""
+    if len(pieces) == 1 or (whole is not None and pieces[0].shape[0] == whole):
         return pieces[0]
     split = _tp_split(key, swiglu)
     if split == "glu":

@@ -2,13 +2,17 @@
 
     model_config_from_megatron(args, vocab_size)    the settings import-megatron records
 
-A setting mp does not compute the same way (group-limited routing, input jitter,
-several load-balancing losses, ...) is refused with its name and value.
+A setting mp does not compute the same way (input jitter, interleaved rotary
+embeddings, several load-balancing losses, ...) is refused with its name and value.
+Multi-latent attention's settings are its widths and rotary embeddings (_mla_settings);
+multi-token prediction's its number of modules and its loss scale.
 """
 
 from __future__ import annotations
 
 __all__ = [
+    "MLA_COPIED",
+    "MLA_YARN",
     "MOE_COPIED",
     "YARN_ARGS",
     "gated",
@@ -18,11 +22,9 @@ __all__ = [
 
 # Megatron settings that change the computation in ways mp does not implement.
 _REFUSED = (
-    ("multi_latent_attention", False),
     ("rotary_interleaved", False),
     ("apply_residual_connection_post_layernorm", False),
     ("heterogeneous_layers_config_path", None),
-    ("mtp_num_layers", None),
 )
 
 
@@ -97,6 +99,10 @@ def model_config_from_megatron(args, vocab_size: int, where: str = "args") -> di
         "max_position_embeddings": _arg(args, "max_position_embeddings") or seq_length,
     }  # fmt: skip
     settings |= _attention_settings(args, position)
+    settings |= _mla_settings(args, where)
+    if _arg(args, "mtp_num_layers"):  # multi-token prediction (DeepSeek-V3)
+        settings["mtp_num_layers"] = int(args.mtp_num_layers)
+        settings["mtp_loss_scaling_factor"] = float(_arg(args, "mtp_loss_scaling_factor", 0.1))
     if seq_length is not None:
         settings["seq_length"] = seq_length
     if settings["use_rope_scaling"]:
@@ -128,6 +134,43 @@ def _attention_settings(args, position: str) -> dict:
         for arg, (field, default) in YARN_ARGS.items():
             value = _arg(args, arg)
             out[field] = default if value is None else value
+    return out
+
+
+# Multi-latent attention's args, copied (mp's fields have Megatron's names and defaults).
+MLA_COPIED = {"q_lora_rank": None, "kv_lora_rank": 32, "qk_head_dim": 128,
+              "qk_pos_emb_head_dim": 64, "v_head_dim": 128}  # fmt: skip
+# Megatron's MLA rotates by its own YaRN (MLATransformerConfig): the scaling factor and the
+# two mscales come from the args (--rotary-scaling-factor, --mscale, --mscale-all-dim);
+# the rest are MLATransformerConfig's defaults, which no argument reaches.
+MLA_YARN = {"yarn_original_max_position_embeddings": 4096, "yarn_beta_fast": 32.0,
+            "yarn_beta_slow": 1.0, "yarn_correction_range_round_to_int": True}  # fmt: skip
+
+
+def _mla_settings(args, where: str) -> dict:
+    """Multi-latent attention's settings: its widths, and rope_type (None: Megatron's
+    MLA default, YaRN) with YaRN's fields."""
+    if not _arg(args, "multi_latent_attention", False):
+        return {}
+    out = {"multi_latent_attention": True}
+    out |= {name: _arg(args, name, default) for name, default in MLA_COPIED.items()}
+    rope_type = _arg(args, "rope_type") or "yarn"
+    factor = float(_arg(args, "rotary_scaling_factor", 1.0) or 1.0)
+    mscale_all_dim = float(_arg(args, "mscale_all_dim", 0.0) or 0.0)
+    out["rope_type"] = rope_type
+    if rope_type == "yarn":
+        out |= MLA_YARN | {
+            "yarn_rotary_scaling_factor": factor,
+            "yarn_mscale": float(_arg(args, "mscale", 1.0)),
+            "yarn_mscale_all_dim": mscale_all_dim,
+        }
+    elif factor > 1.0 and mscale_all_dim != 0.0:
+        # Megatron's MLA scales the softmax by YaRN's mscale whatever its rope_type
+        raise ValueError(
+            f"{where}: rope_type='rope' with rotary_scaling_factor={factor} and "
+            f"mscale_all_dim={mscale_all_dim}: Megatron's MLA then scales its softmax by "
+            "YaRN's mscale, which mp's computes only with rope_type 'yarn'"
+        )
     return out
 
 

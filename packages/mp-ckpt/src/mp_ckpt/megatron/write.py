@@ -19,6 +19,13 @@ and written as
   PP and EP rank, each with the rank's TP slices under per-stage layer numbers
   and its experts as mlp.experts.local_experts.<local number>.
 
+Multi-latent attention keeps its names (mp's are Megatron's local spec's); in
+torch_dist its latent norms are written under the local spec's names and, beside them,
+the TE spec's (q_layernorm also as linear_q_up_proj.layer_norm_weight, kv_layernorm as
+linear_kv_up_proj.layer_norm_weight, pre_mlp_layernorm as linear_fc1.layer_norm_weight)
+so that either spec loads it (megatron_view.py); the legacy files have the local spec's
+names and its layout (the down projections split on rows over TP).
+
 A mixture-of-experts model is written as Megatron's MoE layers save themselves:
 the experts' weights under mlp.experts.experts.* ([E, ...], global numbers) in
 torch_dist, the router (and its expert bias) and the shared expert under their
@@ -43,20 +50,27 @@ import torch
 
 from mp_ckpt.core.progress import progress as progress_reporter
 from mp_ckpt.core.reader import CheckpointReader
-from mp_ckpt.families.megatron_view import MegatronView, megatron_view
+from mp_ckpt.families.megatron_view import MegatronView, megatron_view, split_name
 from mp_ckpt.families.moe import is_moe_layer
-from mp_ckpt.megatron.read import _LAYER, tp_piece
-from mp_ckpt.megatron.settings import MOE_COPIED, YARN_ARGS, gated
+from mp_ckpt.megatron.read import _LAYER, latent_rows, tp_piece
+from mp_ckpt.megatron.settings import MLA_COPIED, MLA_YARN, MOE_COPIED, YARN_ARGS, gated
 
 __all__ = ["export_megatron", "megatron_args", "megatron_from_logical"]
 
 CHECKPOINT_VERSION = 3.0
 _FORMATS = ("torch_dist", "torch")
 _LINEAR_WEIGHT = re.compile(
-    r"^(decoder\.layers\..*\.(?:linear_qkv|linear_proj|linear_fc[12]))\.weight$"
+    r"^((?:decoder|mtp)\.layers\..*\.(?:linear_qkv|linear_proj|linear_fc[12]|linear_q_proj"
+    r"|linear_q_down_proj|linear_q_up_proj|linear_kv_down_proj|linear_kv_up_proj|eh_proj))"
+    r"\.weight$"
 )
 # The experts' stacked tensors (torch_dist names): [E, ...]
-_STACKED_EXPERTS = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts\.)experts\.(.+)$")
+_STACKED_EXPERTS = re.compile(
+    r"^((?:decoder\.layers\.\d+|mtp\.layers\.\d+\.(?:transformer_layer|mtp_model_layer))"
+    r"\.mlp\.experts\.)experts\.(.+)$"
+)
+# A multi-token prediction module's layer: megatron-core's module name in the legacy files
+_MTP_LAYER = re.compile(r"^(mtp\.layers\.\d+\.)transformer_layer\.")
 
 
 def megatron_from_logical(logical: dict[str, torch.Tensor],
@@ -66,9 +80,8 @@ def megatron_from_logical(logical: dict[str, torch.Tensor],
     out: dict[str, torch.Tensor] = {}
     fused: dict[str, tuple] = {}  # Megatron name -> (its MegatronTensor, {index: mp tensor})
     for key, tensor in logical.items():
-        match = _LAYER.match(key)
-        prefix, rest = (f"decoder.layers.{match.group(1)}.", match.group(2)) if match else ("", key)
-        found = view.holding(rest, layer=match is not None)
+        prefix, rest, where = split_name(key)
+        found = view.holding(rest, where)
         if found is None:
             raise ValueError(f"{key}: no place for this tensor in Megatron's GPTModel")
         held, j = found
@@ -139,7 +152,10 @@ def megatron_args(settings: dict, *, ckpt_format: str, tp: int, pp: int, iterati
         "num_experts": None, "expert_model_parallel_size": 1,
         "apply_layernorm_1p": bool(settings.get("apply_layernorm_1p", False)),
         "rotary_interleaved": False,
-        "apply_residual_connection_post_layernorm": False, "multi_latent_attention": False,
+        "apply_residual_connection_post_layernorm": False,
+        "multi_latent_attention": bool(settings.get("multi_latent_attention", False)),
+        "mtp_num_layers": settings.get("mtp_num_layers"),
+        "mtp_loss_scaling_factor": settings.get("mtp_loss_scaling_factor", 0.1),
         "consumed_train_samples": 0, "skipped_train_samples": 0, "consumed_valid_samples": 0,
         "data_parallel_random_init": False,
     }  # fmt: skip
@@ -152,9 +168,31 @@ def megatron_args(settings: dict, *, ckpt_format: str, tp: int, pp: int, iterati
     if position == "yarn":
         values |= {arg: settings.get(field, default)
                    for arg, (field, default) in YARN_ARGS.items()}  # fmt: skip
+    if values["multi_latent_attention"]:
+        values |= _mla_args(settings)
     if settings.get("num_moe_experts"):
         values |= _moe_args(settings, tp, ep)
     return argparse.Namespace(**values)
+
+
+def _mla_args(settings: dict) -> dict:
+    """Multi-latent attention's args: its widths, rope_type, and YaRN's factor and mscales
+    (Megatron's MLA takes the other YaRN fields from MLATransformerConfig's defaults)."""
+    values = {name: settings.get(name, default) for name, default in MLA_COPIED.items()}
+    rope_type = settings.get("rope_type") or "yarn"
+    values |= {"rope_type": rope_type, "rotary_scaling_factor": 1.0, "mscale": 1.0,
+               "mscale_all_dim": 0.0}  # fmt: skip
+    if rope_type == "yarn":
+        for field, fixed in MLA_YARN.items():
+            if settings.get(field, fixed) != fixed:
+                raise ValueError(
+                    f"model_config {field}={settings[field]!r}: Megatron's multi-latent "
+                    f"attention computes YaRN with {fixed!r} (no argument sets it)"
+                )
+        values |= {"rotary_scaling_factor": settings.get("yarn_rotary_scaling_factor", 1.0),
+                   "mscale": settings.get("yarn_mscale", 1.0),
+                   "mscale_all_dim": settings.get("yarn_mscale_all_dim", 0.0)}  # fmt: skip
+    return values
 
 
 def _moe_layer_freq(settings: dict) -> int | list[int]:
@@ -208,6 +246,14 @@ def _check(settings: dict, keys: list[str], tp: int, pp: int, fmt: str, ep: int 
     if layers % pp:
         raise ValueError(f"--pipeline-model-parallel-size {pp} does not divide num_layers "
                          f"{layers}")  # fmt: skip
+    if fmt == "torch" and settings.get("multi_latent_attention"):
+        # the local spec's down projections are column-parallel: TP splits their rows
+        rows = latent_rows(argparse.Namespace(**{**MLA_COPIED, **settings}))
+        for module, n in rows.items():
+            if n % tp:
+                raise ValueError(f"--tensor-model-parallel-size {tp} does not divide the "
+                                 f"{n} rows of {module} (legacy torch: Megatron's local "
+                                 "spec splits them)")  # fmt: skip
 
 
 def _read_mp(src: str | os.PathLike):
@@ -246,13 +292,13 @@ def export_megatron(src: str | os.PathLike, dst: str | os.PathLike, *,
     reader, keys, settings, data = _read_mp(src)
     _check(settings, keys, tp, pp, ckpt_format, ep)
     iteration, logical = reader.iteration, {}
+    args = megatron_args(settings, ckpt_format=ckpt_format, tp=tp, pp=pp, iteration=iteration,
+                         data=data, ep=ep)  # fmt: skip
     with progress_reporter(len(keys), "export-megatron", unit="tensor", enabled=progress) as bar:
         for key in keys:
             logical[key] = reader.read(key)
             bar.update()
     tensors = megatron_from_logical(logical, settings)
-    args = megatron_args(settings, ckpt_format=ckpt_format, tp=tp, pp=pp, iteration=iteration,
-                         data=data, ep=ep)  # fmt: skip
     dst = Path(dst)
     dst.mkdir(parents=True, exist_ok=True)
     final = dst / f"iter_{iteration:07d}"
@@ -308,17 +354,15 @@ def _write_torch_dist(work: Path, tensors: dict[str, torch.Tensor], args, iterat
     stacked: dict[str, list] = {}
     state: dict[str, object] = {}
     for key, tensor in tensors.items():
-        match = _LAYER.match(key)
-        if match is None:
-            state[key] = tensor.contiguous()
-            continue
-        held = view.named(match.group(2), layer=True)
-        # the norms under the Transformer Engine names Megatron's sharded state dict uses
-        rest = held.te if held is not None and held.te else match.group(2)
-        if not stack:
-            state[f"decoder.layers.{match.group(1)}.{rest}"] = tensor.contiguous()
-            continue
-        stacked.setdefault(rest, [None] * layers)[int(match.group(1))] = tensor
+        prefix, rest, where = split_name(key)
+        held = view.named(rest, where) if where == "layer" else None
+        layer = _LAYER.match(key)  # a decoder layer's (a multi-token prediction's: apart)
+        # the names Megatron's sharded state dict gives it (a norm's TE names: megatron_view)
+        for name in held.dist_names if held is not None else (rest,):
+            if stack and layer is not None:
+                stacked.setdefault(name, [None] * layers)[int(layer.group(1))] = tensor
+            else:
+                state[prefix + name] = tensor.contiguous()
     for rest, per_layer in stacked.items():
         if any(t is None for t in per_layer):
             raise ValueError(f"decoder.layers.*.{rest}: missing in some layers")
@@ -328,13 +372,13 @@ def _write_torch_dist(work: Path, tensors: dict[str, torch.Tensor], args, iterat
         # a None byte item per linear layer, named by its place in the [layers] (and, for
         # the experts, [experts]) grid Megatron shards it over
         match = _LAYER.match(module)
-        layer, rest = int(match.group(1)), match.group(2)
+        stacked_here = stack and match is not None
         per_expert = ".experts.experts." in module
         for e in range(experts) if per_expert else [None]:
-            offsets = ([layer] if stack else []) + ([e] if per_expert else [])
-            shape = ([layers] if stack else []) + ([experts] if per_expert else [])
+            offsets = ([int(match.group(1))] if stacked_here else []) + ([e] if per_expert else [])
+            shape = ([layers] if stacked_here else []) + ([experts] if per_expert else [])
             offsets, shape = offsets or [0], shape or [1]
-            prefix = f"decoder.layers.{rest}" if stack else module
+            prefix = f"decoder.layers.{match.group(2)}" if stacked_here else module
             name = (f"{prefix}._extra_state/shard_{'.'.join(map(str, offsets))}_"
                     f"{'.'.join(map(str, shape))}")  # fmt: skip
             state[name] = [None]
@@ -394,9 +438,12 @@ def _write_torch(work: Path, tensors: dict[str, torch.Tensor], args, iteration: 
                 if first:
                     model[key] = tensor
             elif last:
-                model[key] = tensor
+                model[_MTP_LAYER.sub(r"\1mtp_model_layer.", key)] = tensor
         if last and tied and pp > 1:  # the last stage's copy of the shared embedding
             model["output_layer.weight"] = tensors["embedding.word_embeddings.weight"]
+        if last and not first and getattr(args, "mtp_num_layers", None):
+            # the multi-token prediction modules' copy of the word embedding
+            model["embedding.word_embeddings.weight"] = tensors["embedding.word_embeddings.weight"]
         for e in range(ep):
             local_model = _expert_pieces(model, e, ep)
             for module in _linear_modules(list(local_model)):

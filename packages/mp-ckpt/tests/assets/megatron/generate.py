@@ -34,7 +34,14 @@ from typing import NamedTuple
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from record import TRACKED, adam_state, full_logits, optimizer_layout, plain_args  # noqa: E402
+from record import (  # noqa: E402
+    TRACKED,
+    adam_state,
+    full_logits,
+    mtp_losses_of,
+    optimizer_layout,
+    plain_args,
+)
 
 SEQ = 16
 MICRO_BATCH = 2
@@ -65,6 +72,45 @@ MOE = [*LLAMA, "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden
 # The legacy MoE case routes with sigmoid scores and a learned-free expert bias.
 MOE_SIGMOID = ("--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
                "--moe-router-bias-update-rate", "0.01")  # fmt: skip
+
+# DeepSeek-shaped (multi-latent attention, DeepSeek's MoE), narrower than the others to keep
+# the files small: hidden 16, 2 heads, vocabulary 60 padded to 64, the model only (no
+# optimizer or RNG state saved), weights drawn with std 0.1 (logits that rotary or softmax
+# scale errors move). Per head 8 + 4 (rotary) query/key channels and 8 value channels
+# (kv_channels: the local core attention's output width), latents of 8. Layer 0 dense
+# (DeepSeek's first dense layers), layer 1 MoE: 6 experts of width 8 in 2 groups, top-2 from
+# the group whose best two score highest (group-limited: the top-2 of all may span groups),
+# sigmoid scores with an expert bias, scaled by 2.5, an ungated shared expert of width 16,
+# the sequence-level aux loss.
+MLA = ["--num-layers", "2", "--hidden-size", "16", "--num-attention-heads", "2",
+       "--norm-epsilon", "1e-5", "--no-persist-layer-norm", "--init-method-std", "0.1",
+       "--multi-latent-attention", "--kv-lora-rank", "8", "--qk-head-dim", "8",
+       "--qk-pos-emb-head-dim", "4", "--v-head-dim", "8",
+       "--ffn-hidden-size", "32", "--normalization", "RMSNorm", "--swiglu",
+       "--position-embedding-type", "rope", "--rotary-base", "10000",
+       "--untie-embeddings-and-output-weights", "--disable-bias-linear",
+       "--no-rope-fusion", "--no-bias-swiglu-fusion",
+       "--num-experts", "6", "--moe-layer-freq", "[0,1]", "--moe-ffn-hidden-size", "8",
+       "--moe-shared-expert-intermediate-size", "16", "--moe-router-score-function", "sigmoid",
+       "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "0.01",
+       "--moe-router-topk", "2", "--moe-router-num-groups", "2", "--moe-router-group-topk", "1",
+       "--moe-router-topk-scaling-factor", "2.5", "--moe-router-dtype", "fp32",
+       "--moe-token-dispatcher-type", "allgather",
+       "--moe-router-load-balancing-type", "seq_aux_loss", "--moe-aux-loss-coeff", "0.001",
+       "--vocab-size", "60", "--make-vocab-size-divisible-by", "32",
+       "--no-save-optim", "--no-save-rng"]  # fmt: skip
+# DeepSeek-V3's queries (a latent of q_lora_rank, linear_q_down_proj / q_layernorm /
+# linear_q_up_proj), the latents normalized, with YaRN (MLA's default rope_type), whose
+# mscale_all_dim scales the softmax too; and queries projected at once (linear_q_proj,
+# DeepSeek-V2-Lite's) without latent norms (the local spec builds no kv_layernorm alone and
+# refuses a q_layernorm without q_lora_rank), with plain RoPE.
+MLA_Q_LORA_YARN = ("--q-lora-rank", "8", "--qk-layernorm", "--rotary-scaling-factor", "4",
+                   "--mscale", "0.707", "--mscale-all-dim", "1.0")  # fmt: skip
+MLA_ROPE = ("--rope-type", "rope")
+# One multi-token prediction module (DeepSeek-V3's MTP), its layer shaped as the last (MoE).
+MTP = ("--mtp-num-layers", "1", "--mtp-loss-scaling-factor", "0.1")
+# Megatron trains MoE under TP only with sequence parallelism
+SP = ("--sequence-parallel",)
 
 # Several distributed-optimizer buckets per grad buffer: Megatron-LM's training loop keeps
 # --ddp-bucket-size only with --overlap-grad-reduce (otherwise one bucket per buffer).
@@ -102,6 +148,11 @@ CASES = {
     "llama_torch_dist_pp2_dp2_distopt": Case(LLAMA, "torch_dist", 1, 2, True, dp=2, extra=BUCKETS),
     "llama_torch_pp2_dp2_distopt": Case(LLAMA, "torch", 1, 2, True, dp=2, extra=BUCKETS),
     "llama_torch_dist_tp2_dp2_distopt": Case(LLAMA, "torch_dist", 2, 1, True, dp=2, extra=BUCKETS),
+    "mla_moe_torch_dist_tp2": Case(MLA, "torch_dist", 2, 1, False, extra=(*MLA_Q_LORA_YARN, *SP)),
+    # 4 ranks: TP2 x DP2, the experts over EP2 (each EP rank's experts split over TP2)
+    "mla_moe_mtp_torch_tp2_ep2": Case(
+        MLA, "torch", 2, 1, False, dp=2, ep=2, extra=(*MLA_ROPE, *MTP, *SP)
+    ),
 }
 
 
@@ -113,8 +164,6 @@ def megatron_args(name, case):
     tp, pp = case.tp, case.pp
     argv = [
         "pretrain_gpt.py",
-        *case.model,
-        *case.extra,
         "--seq-length",
         str(SEQ),
         "--max-position-embeddings",
@@ -174,6 +223,9 @@ def megatron_args(name, case):
         case.fmt,
         "--save-interval",
         str(ITERATIONS),
+        # last, so that a case's flags override the common ones (the MLA cases' vocabulary)
+        *case.model,
+        *case.extra,
     ]
     if case.dist_opt:
         argv.append("--use-distributed-optimizer")
@@ -202,6 +254,7 @@ def build(args, seed):
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_decoder_block_spec,
         get_gpt_layer_local_spec,
+        get_gpt_mtp_block_spec,
     )
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.training.argument_utils import core_transformer_config_from_args
@@ -220,9 +273,17 @@ def build(args, seed):
         )
     else:
         spec = get_gpt_layer_local_spec(normalization=args.normalization)
+    # multi-token prediction: its layer shaped as the decoder's last (Megatron-LM's
+    # mtp_block_spec), on the last pipeline stage
+    mtp_spec = (
+        get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False)
+        if args.mtp_num_layers
+        else None
+    )
     module = GPTModel(
         config=config,
         transformer_layer_spec=spec,
+        mtp_block_spec=mtp_spec,
         vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings,
         pre_process=ps.is_pipeline_first_stage(),
@@ -339,6 +400,8 @@ def worker(rank, world, port, name):
     patches.patch_cuda_calls()
     patches.patch_megatron_rng_tracker()
     patches.patch_psutil()
+    patches.patch_local_attention_for_mla()
+    patches.patch_torch_norm_sequence_parallel()
     tensor_parallel.model_parallel_cuda_manual_seed(SEED)
     args = megatron_args(name, case)
     from megatron.training.checkpointing import load_checkpoint, save_checkpoint
@@ -357,13 +420,17 @@ def worker(rank, world, port, name):
 
     ref_data = batch(args, seed=7)
     logits, loss = full_logits(model, ref_data)
+    mtp_losses = mtp_losses_of(model, ref_data) if args.mtp_num_layers else None
     state = adam_state(model, optimizer)
     lr_next = optimizer.param_groups[0]["lr"]
     layouts = [None] * world
     torch.distributed.all_gather_object(layouts, optimizer_layout(model, optimizer))
     sched_state = scheduler.state_dict()
 
-    # reload into a differently initialised model + optimizer and compare
+    # reload into a differently initialised model + optimizer and compare (the model alone
+    # where the checkpoint holds no optimizer state)
+    model_only = args.no_save_optim
+    args.no_load_optim, args.no_load_rng = model_only, args.no_save_rng
     model2, optimizer2, scheduler2 = build(args, SEED + 1)
     if case.dist_opt:
         if case.fmt == "torch":
@@ -380,12 +447,15 @@ def worker(rank, world, port, name):
     logits2, _ = full_logits(model2, ref_data)
     state2 = adam_state(model2, optimizer2)
     d_logits = 0.0 if logits is None else (logits - logits2).abs().max().item()
-    d_state = max(
-        (state[n][k] - state2[n][k]).abs().max().item()
-        for n in state
-        for k in ("param", "exp_avg", "exp_avg_sq")
-    )
-    lr2 = optimizer2.param_groups[0]["lr"]
+    if model_only:
+        state, d_state, lr2 = {}, 0.0, lr_next
+    else:
+        d_state = max(
+            (state[n][k] - state2[n][k]).abs().max().item()
+            for n in state
+            for k in ("param", "exp_avg", "exp_avg_sq")
+        )
+        lr2 = optimizer2.param_groups[0]["lr"]
     assert iteration == ITERATIONS, iteration
     assert d_logits == 0.0 and d_state == 0.0 and lr2 == lr_next, (d_logits, d_state, lr2, lr_next)
 
@@ -416,7 +486,7 @@ def worker(rank, world, port, name):
             args=plain_args(args),
             adam=state,
             iteration=ITERATIONS,
-            optimizer_step=next(iter(state.values()))["step"],
+            optimizer_step=next(iter(state.values()))["step"] if state else None,
             scheduler=sched_state,
             optimizer_layout_per_rank=layouts,
             lr_next=lr_next,
@@ -432,6 +502,8 @@ def worker(rank, world, port, name):
         )
         if next_step is not None:
             ref["next_step"] = next_step
+        if mtp_losses is not None:
+            ref["mtp_losses"] = mtp_losses
         torch.save(ref, os.path.join(name, "reference.pt"))
         print(
             f"[{name}] OK: losses {[round(x, 4) for x, _ in losses]}, lr_next {lr_next:.3e}, "

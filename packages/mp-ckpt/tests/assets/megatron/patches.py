@@ -142,3 +142,49 @@ def cuda_as_cpu():
             return func(*args, **kwargs)
 
     return CudaAsCpu()
+
+
+def patch_local_attention_for_mla():
+    """megatron-core 0.19.2's local spec cannot build multi-latent attention: MLASelfAttention
+    passes ``k_channels`` and ``v_channels`` to its core attention, which the local
+    ``DotProductAttention`` does not accept (only Transformer Engine's does). Its forward
+    already takes keys and values of other widths than ``kv_channels`` (the scores contract
+    the query's last dim, the context the value's; the softmax scale comes from MLA); only
+    its output view assumes ``kv_channels`` per head, so accept the two arguments where
+    ``v_channels`` equals ``kv_channels`` and refuse otherwise."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    init = DotProductAttention.__init__
+
+    def with_channels(self, config, *args, k_channels=None, v_channels=None, **kwargs):
+        if v_channels is not None and v_channels != config.kv_channels:
+            raise ValueError(f"v_channels {v_channels} != kv_channels {config.kv_channels}")
+        init(self, config, *args, **kwargs)
+
+    DotProductAttention.__init__ = with_channels
+
+
+def patch_torch_norm_sequence_parallel():
+    """Megatron trains MoE under tensor parallelism only with sequence parallelism
+    (MoELayer.forward refuses otherwise), which the local spec's norm without Apex,
+    ``WrappedTorchNorm`` (a plain torch LayerNorm / RMSNorm), refuses. The norm itself needs
+    nothing for it: under sequence parallelism each TP rank normalizes its own positions and
+    the norm's weight gradient is summed over the TP group, which Megatron's
+    ``finalize_model_grads`` does for every parameter marked ``sequence_parallel`` (as Apex's
+    and Transformer Engine's norms mark theirs). So build the torch norm and mark it."""
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    new = WrappedTorchNorm.__new__
+
+    def marked(cls, config, *args, **kwargs):
+        sequence_parallel = config.sequence_parallel
+        config.sequence_parallel = False
+        try:
+            norm = new(cls, config, *args, **kwargs)
+        finally:
+            config.sequence_parallel = sequence_parallel
+        for p in norm.parameters():
+            p.sequence_parallel = sequence_parallel
+        return norm
+
+    WrappedTorchNorm.__new__ = marked

@@ -76,6 +76,23 @@ ARG_NAMES = [
     "moe_router_pre_softmax",
     "moe_router_score_function",
     "expert_model_parallel_size",
+    "moe_router_topk_scaling_factor",
+    "moe_router_enable_expert_bias",
+    "moe_router_num_groups",
+    "moe_router_group_topk",
+    "multi_latent_attention",
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_head_dim",
+    "qk_pos_emb_head_dim",
+    "v_head_dim",
+    "qk_layernorm",
+    "rope_type",
+    "rotary_scaling_factor",
+    "mscale",
+    "mscale_all_dim",
+    "mtp_num_layers",
+    "mtp_loss_scaling_factor",
 ]
 
 
@@ -270,3 +287,21 @@ def plain(v):
     if isinstance(v, torch.dtype):
         return str(v).replace("torch.", "")
     return v
+
+
+def mtp_losses_of(model, data):
+    """Each multi-token prediction module's loss on ``data`` (its masked mean token loss,
+    as Megatron logs it: MTPLossLoggingHelper), from a training-mode forward with labels
+    (no dropout here; nothing is stepped). One pipeline stage."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    assert ps.get_pipeline_model_parallel_world_size() == 1
+    tokens, position_ids, mask, labels = data
+    MTPLossLoggingHelper.clean_metrics_in_tracker()
+    model.train()
+    model(tokens, position_ids, mask, labels=labels)
+    losses = MTPLossLoggingHelper.tracker["loss_values"].detach().clone().float()
+    MTPLossLoggingHelper.clean_metrics_in_tracker()
+    model.zero_grad_buffer()
+    return losses
