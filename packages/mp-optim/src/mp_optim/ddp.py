@@ -63,7 +63,20 @@ __all__ = ["DistributedDataParallel", "broadcast_params", "is_expert_parallel"]
 _DEFAULT_OVERLAP_BUCKET = 40_000_000
 
 
-class DistributedDataParallel(torch.nn.Module):
+class ChunkWrapper(torch.nn.Module):
+    """What a data-parallel wrapper of a model chunk forwards to the chunk itself."""
+
+    module: torch.nn.Module
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def set_input_tensor(self, tensor: torch.Tensor | None) -> None:
+        """Passes a pipeline stage's input to the wrapped module."""
+        self.module.set_input_tensor(tensor)
+
+
+class DistributedDataParallel(ChunkWrapper):
     """Wraps `module`; its parameters' gradients go to buffers reduced over `dp_group`.
 
     Arguments:
@@ -145,13 +158,6 @@ class DistributedDataParallel(torch.nn.Module):
         return self._group_of(bucket.buffer.expert_parallel)
 
     # --- the training loop's calls -------------------------------------------------------
-
-    def forward(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
-
-    def set_input_tensor(self, tensor: torch.Tensor | None) -> None:
-        """Passes a pipeline stage's input to the wrapped module."""
-        self.module.set_input_tensor(tensor)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

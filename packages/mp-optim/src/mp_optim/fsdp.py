@@ -53,7 +53,7 @@ from dataclasses import dataclass
 import torch
 
 from mp_optim.config import OptimizerConfig
-from mp_optim.ddp import is_expert_parallel
+from mp_optim.ddp import ChunkWrapper, is_expert_parallel
 from mp_optim.optimizer import counted_in_grad_norm
 from mp_state import RankGroup, select_device
 
@@ -78,7 +78,7 @@ class LocalShard:
     expert_parallel: bool
 
 
-class FullyShardedDataParallel(torch.nn.Module):
+class FullyShardedDataParallel(ChunkWrapper):
     """Wraps `module`, sharding its parameters, gradients and optimizer state over
     `dp_group` with torch's FSDP2 (see the module docstring).
 
@@ -158,13 +158,6 @@ class FullyShardedDataParallel(torch.nn.Module):
                 ))  # fmt: skip
 
     # --- the training loop's calls (as DistributedDataParallel's) ---------------------------
-
-    def forward(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
-
-    def set_input_tensor(self, tensor: torch.Tensor | None) -> None:
-        """Passes a pipeline stage's input to the wrapped module."""
-        self.module.set_input_tensor(tensor)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
