@@ -10,7 +10,8 @@ overlap flags (ZeRO-3) and full recompute (ZeRO-2) on the FSDP side only, as the
 no value. ZeRO-2 and ZeRO-3
 differ only in when parameters are gathered, so their curves are equal exactly.
 Then a few iterations in bf16 (ZeRO-3, gradients reduced in fp32) and in fp16 (ZeRO-2,
-dynamic loss scaling) train with finite, decreasing losses."""
+dynamic loss scaling) train with finite, decreasing losses. On a GPU, one rank in bf16
+under ZeRO-2 and ZeRO-3 has the DDP run's curve."""
 
 import math
 
@@ -83,3 +84,16 @@ def test_half_precision_trains(tmp_path, name):
     losses = [r["lm loss"] for r in metrics_records(tmp_path)]
     assert len(losses) == 6 and all(math.isfinite(x) for x in losses)
     assert losses[-1] < losses[0] - 0.05, losses
+
+
+@pytest.mark.cuda
+def test_zero2_and_zero3_train_as_ddp_on_cuda(tmp_path):
+    """One rank on the GPU (NCCL, FSDP2's own streams), bf16: the DDP run's curve."""
+    curves = {}
+    for run, sharding in (("ddp", []), ("zero3", ZERO3), ("zero2", ZERO2)):
+        argv = tiny_options(tmp_path / run, *QUICK, "--bf16", *sharding)
+        run_on_ranks(train_on_rank, 1, argv, device="cuda", timeout=300)
+        curves[run] = metrics_records(tmp_path / run)
+    assert len(curves["ddp"]) == ITERATIONS
+    for run in ("zero3", "zero2"):
+        assert_same_curve(curves[run], curves["ddp"], LOGGED, f"cuda {run}")

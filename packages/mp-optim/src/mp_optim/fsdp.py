@@ -268,7 +268,9 @@ class FullyShardedDataParallel(ChunkWrapper):
         sharded.set_force_sum_reduction_for_comms(not averaged)
         # A parameter without a gradient on this rank joins the reduction with zeros, so
         # every rank issues the same collectives (as DDP's buffers reduce every parameter).
-        sharded.set_reduce_scatter_unused_params(True, recurse=False)
+        # Older torch (2.11) lacks the switch: mp's layers give every parameter a gradient.
+        if hasattr(sharded, "set_reduce_scatter_unused_params"):
+            sharded.set_reduce_scatter_unused_params(True, recurse=False)
 
 
 _FSDP2_CALLS = (
@@ -276,13 +278,12 @@ _FSDP2_CALLS = (
     "set_is_last_backward",
     "set_gradient_divide_factor",
     "set_force_sum_reduction_for_comms",
-    "set_reduce_scatter_unused_params",
     "set_modules_to_forward_prefetch",
 )
 
 
 def _check_torch() -> None:
-    """This torch's FSDP2 has what the wrapper calls (torch 2.15 is tested)."""
+    """This torch's FSDP2 has what the wrapper calls (torch 2.15 and 2.11 are tested)."""
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:
@@ -291,7 +292,7 @@ def _check_torch() -> None:
     if missing:
         raise RuntimeError(
             f"FullyShardedDataParallel needs torch's FSDP2 with {', '.join(missing)}, which "
-            f"torch {torch.__version__} lacks: upgrade torch (2.15 is tested)"
+            f"torch {torch.__version__} lacks: upgrade torch (2.11 and 2.15 are tested)"
         )
 
 
