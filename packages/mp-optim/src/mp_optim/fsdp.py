@@ -235,9 +235,9 @@ class FullyShardedDataParallel(ChunkWrapper):
         device_type = select_device().device.type
         dense_mesh = _mesh(self.dp_group, device_type)
         reshard = config.reshard_after_forward
+        expert_mesh = _mesh(self.expert_dp_group, device_type) if experts else None
         for unit in experts:
-            fully_shard(unit, mesh=_mesh(self.expert_dp_group, device_type),
-                        reshard_after_forward=reshard, mp_policy=policy)  # fmt: skip
+            fully_shard(unit, mesh=expert_mesh, reshard_after_forward=reshard, mp_policy=policy)
         for unit in self.unit_modules:
             fully_shard(unit, mesh=dense_mesh, reshard_after_forward=reshard, mp_policy=policy)
         # The chunk's own parameters (embeddings, output layer) are not freed after its
@@ -303,17 +303,12 @@ _NO_CHECKPOINT = (
 
 _VIEW_WARNING = r"FSDP2-wrapped module \(.*\) returned a view tensor"
 
-_meshes: dict[tuple[tuple[int, ...], str], object] = {}
-
 
 def _mesh(group: RankGroup, device_type: str):
-    """The 1-D DeviceMesh over one of mp's groups (one per group and device type)."""
+    """The 1-D DeviceMesh over one of mp's groups."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    key = (group.ranks, device_type)
-    if key not in _meshes:
-        _meshes[key] = DeviceMesh.from_group(group.group, device_type)
-    return _meshes[key]
+    return DeviceMesh.from_group(group.group, device_type)
 
 
 def _expert_units(module: torch.nn.Module) -> list[torch.nn.Module]:
