@@ -10,7 +10,7 @@ from mp_ckpt import model_config_from_hf
 from mp_data import DataConfig
 from mp_layers import GPTModel, ModelGroups, TransformerConfig
 from mp_optim import OptimizerConfig
-from mp_state import ParallelConfig
+from mp_state import ParallelConfig, RankGroup
 from mp_train.config import GPTConfig, RunConfig, TrainingConfig
 from mp_train.estimate import estimate
 
@@ -19,6 +19,9 @@ transformers = pytest.importorskip("transformers")
 SMALL = dict(vocab_size=128, hidden_size=64, num_hidden_layers=3, num_attention_heads=8,
              num_key_value_heads=4, max_position_embeddings=64, intermediate_size=96)  # fmt: skip
 MOE = dict(num_experts_per_tok=2, moe_intermediate_size=32)
+DEEPSEEK = dict(SMALL, num_attention_heads=4, num_key_value_heads=4, **MOE, n_routed_experts=4,
+                first_k_dense_replace=1, kv_lora_rank=16, qk_nope_head_dim=8,
+                qk_rope_head_dim=4, v_head_dim=8)  # fmt: skip
 FAMILIES = {
     "gpt2": dict(vocab_size=128, n_embd=64, n_layer=3, n_head=4, n_positions=64),
     "llama": dict(SMALL, tie_word_embeddings=True),
@@ -32,6 +35,8 @@ FAMILIES = {
     "qwen3_moe": dict(SMALL, **MOE, num_experts=4, head_dim=16, decoder_sparse_step=2),
     "gpt_oss": dict(SMALL, num_local_experts=4, num_experts_per_tok=2, head_dim=16,
                     sliding_window=8),
+    "deepseek_v3": dict(DEEPSEEK, q_lora_rank=32, n_group=2, topk_group=1),
+    "deepseek_v2": dict(DEEPSEEK, q_lora_rank=None),
 }  # fmt: skip
 
 
@@ -62,12 +67,16 @@ MLA = dict(num_layers=2, hidden_size=64, num_attention_heads=4, multi_latent_att
     "changes",
     [dict(q_lora_rank=48, qk_layernorm=True, normalization="RMSNorm", add_bias_linear=False,
           num_moe_experts=4, moe_ffn_hidden_size=32, moe_layer_freq=[0, 1]),
-     dict(qk_layernorm=True, add_bias_linear=True), dict(q_lora_rank=48)],
-    ids=["deepseek-v3", "v2-lite-layernorm-bias", "no-latent-norms"],
+     dict(qk_layernorm=True, add_bias_linear=True), dict(q_lora_rank=48),
+     dict(q_lora_rank=48, qk_layernorm=True, normalization="RMSNorm", add_bias_linear=False,
+          num_moe_experts=4, moe_ffn_hidden_size=32, moe_layer_freq=[0, 1], mtp_num_layers=2,
+          untie_embeddings_and_output_weights=True)],
+    ids=["deepseek-v3", "v2-lite-layernorm-bias", "no-latent-norms", "deepseek-v3-mtp2"],
 )  # fmt: skip
 def test_estimate_counts_multi_latent_attention(changes):
-    """DeepSeek's attention (no Hugging Face import yet): a query latent or none, latent
-    norms (LayerNorm's biases included) or none, the output projection's bias."""
+    """DeepSeek's attention in Megatron's variants besides the Hugging Face families': a
+    query latent or none, latent norms (LayerNorm's biases included) or none, the output
+    projection's bias."""
     model = TransformerConfig(**MLA | changes)
     run = RunConfig(model=model, parallel=ParallelConfig(), gpt=GPTConfig(seq_length=32),
                     optimizer=OptimizerConfig(), data=DataConfig(vocab_size=100),
@@ -75,3 +84,50 @@ def test_estimate_counts_multi_latent_attention(changes):
     result = estimate(run, world_size=1)
     gpt = GPTModel(model, "local", result["padded_vocab_size"], 32, groups=ModelGroups.single())
     assert sum(p.numel() for p in gpt.parameters()) == result["num_parameters"]
+
+
+def _rank(kind: str, size: int) -> RankGroup:
+    """Rank 0 of a group of `size` ranks, as a layer's constructor sees it (no process
+    group: constructing a layer takes its slice of each weight without communicating)."""
+    return RankGroup(kind, tuple(range(size)), 0, None)
+
+
+LAYOUT = dict(num_layers=2, hidden_size=64, num_attention_heads=4, hidden_dropout=0.0,
+              attention_dropout=0.0)  # fmt: skip
+MOE_TP = dict(num_moe_experts=4, moe_ffn_hidden_size=32, moe_layer_freq=[1, 0],
+              sequence_parallel=True)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("fields", "etp"),
+    [(dict(LAYOUT, num_query_groups=2, kv_channels=16, qk_layernorm=True, activation="swiglu",
+           softmax_type="learnable", **MOE_TP), 1),
+     (dict(LAYOUT, add_bias_linear=False, moe_shared_expert_intermediate_size=32,
+           moe_shared_expert_gate=True, **MOE_TP), 2),
+     (dict(MLA, q_lora_rank=48, qk_layernorm=True, add_bias_linear=True), None),
+     (dict(LAYOUT, untie_embeddings_and_output_weights=True), None),
+     (dict(MLA, q_lora_rank=48, mtp_num_layers=1, **MOE_TP), None)],
+    ids=["gqa-biases-sinks-moe", "shared-expert-gate-expert-tp2", "mla", "gpt2-untied",
+         "mla-moe-mtp"],
+)  # fmt: skip
+def test_estimate_holds_what_a_tensor_parallel_rank_allocates(fields, etp):
+    """At TP 2 (EP 2 with experts) one rank's parameters are GPTModel's on rank 0: the
+    pieces split over the ranks, the norms, row-parallel biases, routers, MLA's down
+    projections and learned positions whole, the experts over EP x expert-TP."""
+    model = TransformerConfig(**fields)
+    ep = 2 if model.num_moe_experts else 1
+    parallel = ParallelConfig(tensor_model_parallel_size=2, expert_model_parallel_size=ep,
+                              expert_tensor_parallel_size=etp)  # fmt: skip
+    run = RunConfig(model=model, parallel=parallel, gpt=GPTConfig(seq_length=32),
+                    optimizer=OptimizerConfig(), data=DataConfig(vocab_size=100),
+                    training=TrainingConfig(micro_batch_size=1))  # fmt: skip
+    result = estimate(run, world_size=2 * ep)
+    groups = dataclasses.replace(
+        ModelGroups.single(), tp=_rank("tp", 2), ep=_rank("ep", ep),
+        expert_tp=_rank("expert_tp", parallel.expert_tensor_parallel_size if ep > 1 else 1),
+    )  # fmt: skip
+    gpt = GPTModel(model, "local", result["padded_vocab_size"], 32, groups=groups)
+    held = {name: p.numel() for name, p in gpt.named_parameters()}
+    experts = sum(n for name, n in held.items() if ".experts." in name)
+    assert sum(held.values()) - experts == result["parameters_on_most_loaded_shard"]
+    assert experts == result["expert_parameters_on_most_loaded_shard"]

@@ -2,14 +2,16 @@
 downloads): `mp-ckpt import-hf` gives transformers' fp32 logits within 1e-5 in GPTModel
 (built from the imported settings alone); `mp-ckpt export-hf` without --arch (the
 checkpoint remembers its family) gives back the config and every tensor; greedy
-generation equals generate(do_sample=False) over 32 new tokens; gpt-oss's also over 72 at
-PP2, past its windowed layers' cache rings."""
+generation equals generate(do_sample=False) over 32 new tokens (DeepSeek's through the
+cache of latents); gpt-oss's also over 72 at PP2, past its windowed layers' cache rings.
+DeepSeek-V3's multi-token prediction layers import, compute as DeepSeek's and export back."""
 
+import json
 import os
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from mp_ckpt.cli import main
 from mp_gpt.testing import greedy_on_rank, imported_model, reference_greedy
@@ -29,6 +31,18 @@ YARN = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast"
 GPT_OSS = dict(SMALL, num_hidden_layers=3, head_dim=16, num_local_experts=4,
                num_experts_per_tok=2, intermediate_size=32, sliding_window=4,
                rope_parameters=YARN, swiglu_limit=1.5)  # fmt: skip
+# DeepSeek: multi-latent attention with YaRN (its softmax scale included), layer 0 a dense
+# MLP, layer 1 routed experts beside shared experts
+MLA_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32.0,
+            "beta_slow": 1.0, "original_max_position_embeddings": 16, "mscale": 0.707,
+            "mscale_all_dim": 0.9}  # fmt: skip
+DEEPSEEK = dict(SMALL, num_attention_heads=4, num_key_value_heads=4, intermediate_size=80,
+                moe_intermediate_size=16, kv_lora_rank=16, qk_nope_head_dim=8,
+                qk_rope_head_dim=4, v_head_dim=12, n_routed_experts=8, num_experts_per_tok=2,
+                first_k_dense_replace=1, rope_parameters=MLA_YARN)  # fmt: skip
+DEEPSEEK_V3 = dict(DEEPSEEK, q_lora_rank=24, n_group=2, topk_group=1, n_shared_experts=1,
+                   routed_scaling_factor=2.5, num_nextn_predict_layers=0,
+                   scoring_func="sigmoid", topk_method="noaux_tc")  # fmt: skip
 CASES = {
     # Qwen2.5: q/k/v biases; the small sizes tie the output layer
     "qwen2": lambda: transformers.Qwen2Config(**SMALL, intermediate_size=96),
@@ -55,6 +69,13 @@ CASES = {
     "mistral": lambda: transformers.MistralConfig(**SMALL, intermediate_size=96, head_dim=8),
     "mistral-no-window": lambda: transformers.MistralConfig(**SMALL, intermediate_size=96,
                                                             sliding_window=None),
+    # DeepSeek-V3: a query latent, sigmoid routing within 1 of 2 groups of 4 experts by
+    # score + the correction bias (random, below), weights scaled by 2.5, 1 shared expert
+    "deepseek_v3": lambda: transformers.DeepseekV3Config(**DEEPSEEK_V3),
+    # DeepSeek-V2-Lite: queries from the hidden state, softmax routing without groups or
+    # renormalization, 2 shared experts
+    "deepseek_v2": lambda: transformers.DeepseekV2Config(
+        **DEEPSEEK, q_lora_rank=None, n_shared_experts=2, scoring_func="softmax"),
 }  # fmt: skip
 
 
@@ -65,6 +86,9 @@ def random_hf(config):
         for name, param in model.named_parameters():
             if name.endswith(("bias", "sinks")) or "norm" in name:
                 param.add_(torch.randn_like(param) * 0.1)
+        for name, buffer in model.named_buffers():  # DeepSeek-V3's router bias: a buffer
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(torch.randn_like(buffer) * 0.5)  # enough to change the choice
     return model
 
 
@@ -140,3 +164,76 @@ def test_gpt_oss_generates_past_its_window_ring_through_two_stages_as_transforme
     for got in run_on_ranks(greedy_on_rank, 2, str(tmp_path / "ckpt"), layout, PROMPTS, new,
                             timeout=240):  # fmt: skip
         assert got == want
+
+
+def test_deepseek_v3_multi_token_prediction_imports_computes_as_deepseek_and_exports_back(
+    tmp_path,
+):
+    """DeepSeek-V3's MTP module as its checkpoints hold it (model.layers.{L}.*: a decoder
+    layer's weights, enorm, hnorm, eh_proj, shared_head.norm, and copies of the embedding
+    and lm_head), which transformers' model neither builds nor saves: the third layer of
+    a random 3-layer model with random norms and projection, beside the first two layers.
+    import-hf makes it mp's mtp.layers.0, the logits stay transformers', mp's MTP loss
+    equals the module computed from transformers' parts (h' = layer(eh_proj(cat(
+    enorm(embed(next tokens)), hnorm(h)))), lm_head(shared_head.norm(h')) against the
+    labels one further); export-hf gives back every tensor and num_nextn_predict_layers
+    1, and transformers loads the export."""
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RMSNorm
+
+    three = random_hf(transformers.DeepseekV3Config(**DEEPSEEK_V3 | {"num_hidden_layers": 3}))
+    three.save_pretrained(tmp_path / "three")
+    state = load_file(str(tmp_path / "three" / "model.safetensors"))
+    h, gen = three.config.hidden_size, torch.Generator().manual_seed(5)
+    mtp = {name: 1 + 0.1 * torch.randn(h, generator=gen)
+           for name in ("enorm", "hnorm", "shared_head.norm")}  # fmt: skip
+    mtp["eh_proj"] = 0.1 * torch.randn(h, 2 * h, generator=gen)
+    state |= {f"model.layers.2.{name}.weight": w for name, w in mtp.items()}
+    state["model.layers.2.embed_tokens.weight"] = state["model.embed_tokens.weight"].clone()
+    state["model.layers.2.shared_head.head.weight"] = state["lm_head.weight"].clone()
+    config = json.loads((tmp_path / "three" / "config.json").read_text())
+    config |= {"num_hidden_layers": 2, "num_nextn_predict_layers": 1}
+    (tmp_path / "hf_in").mkdir()
+    (tmp_path / "hf_in" / "config.json").write_text(json.dumps(config))
+    save_file(state, str(tmp_path / "hf_in" / "model.safetensors"), metadata={"format": "pt"})
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf_in").eval()
+
+    assert main(["import-hf", str(tmp_path / "hf_in"), str(tmp_path / "ckpt")]) == 0
+    model = imported_model(tmp_path / "ckpt")
+    assert model.mtp is not None and len(model.mtp.layers) == 1
+    x, labels = torch.randint(0, hf.config.vocab_size, (2, 2, SEQ),
+                              generator=torch.Generator().manual_seed(3))  # fmt: skip
+    with torch.no_grad():
+        assert (model(x) - hf(x).logits).abs().max() < 1e-5
+    model.train()
+    model(x, labels=labels)
+    got = model.mtp.take_losses()[0]
+    with torch.no_grad():
+        norms = {}
+        for name, weight in mtp.items():
+            if name != "eh_proj":
+                norms[name] = DeepseekV3RMSNorm(h, hf.config.rms_norm_eps)
+                norms[name].weight.copy_(weight)
+        ahead = torch.roll(x, -1, 1)  # the next tokens (the last position counts nothing)
+        joined = torch.cat([norms["enorm"](hf.model.embed_tokens(ahead)),
+                            norms["hnorm"](hf.model(x).last_hidden_state)], -1)  # fmt: skip
+        positions = torch.arange(SEQ)[None]
+        mask = torch.full((SEQ, SEQ), -torch.inf).triu(1)[None, None]
+        out = three.model.layers[2](
+            joined @ mtp["eh_proj"].t(), attention_mask=mask, position_ids=positions,
+            position_embeddings=hf.model.rotary_emb(joined, positions),
+        )  # fmt: skip
+        logits = hf.lm_head(norms["shared_head.norm"](out))[:, :-1]
+        want = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), torch.roll(labels, -1, 1)[:, :-1].reshape(-1)
+        )
+    assert abs(got.item() - want.item()) < 1e-5, (got, want)
+
+    assert main(["export-hf", str(tmp_path / "ckpt"), str(tmp_path / "hf_out")]) == 0
+    assert hf_config_dict(tmp_path / "hf_out") == hf_config_dict(tmp_path / "hf_in")
+    exported = load_file(str(tmp_path / "hf_out" / "model.safetensors"))
+    assert exported.keys() == state.keys()
+    for name, tensor in state.items():
+        assert torch.equal(exported[name], tensor), name
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf_out").eval()
+    with torch.no_grad():
+        assert torch.equal(reloaded(x).logits, hf(x).logits)

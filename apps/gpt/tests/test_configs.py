@@ -122,14 +122,17 @@ def test_llama_8b_estimate_by_hand():
     assert result["padded_vocab_size"] == V
     assert result["num_parameters"] == block + 2 * h * V == 8_030_261_248
 
-    # Weights and optimizer of the most loaded rank (first stage: half the block and the
-    # embedding, over t): (6,979,588,096 / 2 + 525,336,576) / 4 = 1,003,782,656
-    # parameters at 2 (bf16) + 4 (fp32 gradient) + 12 / dp 8 (the distributed optimizer's
-    # fp32 main copy and two Adam moments) = 7.5 bytes: 7,528,369,920 bytes = 7,179.6 MB.
-    shard = (block / p + h * V) / t
-    assert result["parameters_on_most_loaded_shard"] == shard == 1_003_782_656
+    # Weights and optimizer of the most loaded rank (the first stage: 16 layers and the
+    # embedding): over t the layers' 16 x 218,103,808 weights and the embedding hV, plus
+    # their norms 16 x 8,192, whole on every rank: (3,489,660,928 + 525,336,576) / 4 +
+    # 131,072 = 1,003,880,448 parameters at 2 (bf16) + 4 (fp32 gradient) + 12 / dp 8 (the
+    # distributed optimizer's fp32 main copy and two Adam moments) = 7.5 bytes:
+    # 7,529,103,360 bytes = 7,180.3 MB.
+    shard = (L // p * (2 * h * d * (a + g) + 3 * h * f) + h * V) / t + L // p * 2 * h
+    assert result["pipeline_stage"] == 0
+    assert result["parameters_on_most_loaded_shard"] == shard == 1_003_880_448
     assert result["bytes_per_parameter"] == 7.5
-    assert result["weight_and_optimizer_mb"] == pytest.approx(7_528_369_920 / MB)
+    assert result["weight_and_optimizer_mb"] == pytest.approx(7_529_103_360 / MB)
 
     # Activations of the first stage (sequence parallel + selective recompute): per layer
     # sbh(18 + 4f/h) / t = 8192*4096*(18 + 14) / 4 = 268,435,456 bytes, x 32 layers (p
@@ -192,19 +195,19 @@ def test_mixtral_8x7b_estimate_by_hand():
     assert result["num_active_parameters"] == active == 12_879_925_248
     assert active == pytest.approx(12.9e9, rel=5e-3)
 
-    # Weights and optimizer of the most loaded rank. Dense: the first stage's quarter of
-    # the non-expert block and the embedding, over t: ((46,440,648,704 - 32 x
-    # 1,409,286,144) / 4 + 131,072,000) / 2 = 233,472,512 at 6 + 12 / dp 8 = 7.5 bytes.
-    # Experts: 8 layers' experts over e x expert-t = 8: 1,409,286,144 (one expert per
-    # layer) at 6 + 12 / expert-dp 2 = 12 bytes (each stage's 16 ranks are 8 x 2).
-    dense = ((L * (layer - experts) + h) / p + h * V) / t
-    assert result["parameters_on_most_loaded_shard"] == dense == 233_472_512
+    # Weights and optimizer of the most loaded rank (the first stage, 8 layers). Dense:
+    # the attention and the embedding over t, (8 x 41,943,040 + 131,072,000) / 2 =
+    # 233,308,160, and the router and norms whole, 8 x 40,960: 233,635,840 at 6 + 12 / dp
+    # 8 = 7.5 bytes. Experts: 8 layers' experts over e x expert-t = 8: 1,409,286,144 (one
+    # expert per layer) at 6 + 12 / expert-dp 2 = 12 bytes (each stage's 16 ranks are 8 x 2).
+    dense = (L // p * attention + h * V) / t + L // p * (h * E + 2 * h)
+    assert result["parameters_on_most_loaded_shard"] == dense == 233_635_840
     expert_shard = L * experts / p / e
     assert result["expert_parameters_on_most_loaded_shard"] == expert_shard == 1_409_286_144
     assert config.parallel.expert_data_parallel_size(64) == 2
     weights = dense * 7.5 + expert_shard * 12
-    assert weights == 18_662_477_568
-    assert result["weight_and_optimizer_mb"] == pytest.approx(weights / MB)  # 17,798 MB
+    assert weights == 18_663_702_528
+    assert result["weight_and_optimizer_mb"] == pytest.approx(weights / MB)  # 17,799 MB
 
     # Activations (sequence parallel + selective recompute), f replaced by k f = 28,672:
     # sbh(18 + 4kf/h) / t = 16,777,216 x 46 / 2 = 385,875,968 bytes a layer, x 32 layers

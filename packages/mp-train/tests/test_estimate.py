@@ -94,10 +94,12 @@ def test_gqa():
     # Attention 2*64*8*(8 + 2) = 10240; MLP 32768; norms 2*64*1 = 128; layer 43136;
     # block 2*43136 + 64 = 86336; embedding 64*256 = 16384.
     assert result["num_parameters"] == 86336 + 16384  # 102720
-    assert result["parameters_on_most_loaded_shard"] == (86336 + 16384) / 2  # 51360
+    # A rank holds half the weights, (2*(10240 + 32768) + 16384) / 2 = 51200, and the
+    # norms whole, 2*128 + 64 = 320 (every tensor-parallel rank holds them).
+    assert result["parameters_on_most_loaded_shard"] == 51200 + 320  # 51520
     # fp32 weight 4 + gradient 4 + Adam 8, no main copy.
     assert result["bytes_per_parameter"] == 16
-    assert result["weight_and_optimizer_mb"] == pytest.approx(51360 * 16 / MB)
+    assert result["weight_and_optimizer_mb"] == pytest.approx(51520 * 16 / MB)
     # No SP, no recompute, t=2: 10 sbh + (24 sbh + 5 a s^2 b)/2 = 40960 + (98304 + 81920)/2
     # = 131072 per layer; embedding 4608 (whole); output 4sbh + 4sbV/2 = 16384 + 32768.
     # The formula counts 16-bit activations: fp32 keeps twice as many bytes.
@@ -143,17 +145,21 @@ def test_untied_embeddings():
         make_config(parallel={"tensor_model_parallel_size": 2}, **untied), world_size=2
     )
     assert one_stage["num_parameters"] == BASE_BLOCK + 2 * 16384  # 131712
-    # pp = 1: (block + embedding)/t plus the output layer's embedding/t (Megatron's rule).
-    assert one_stage["parameters_on_most_loaded_shard"] == (98944 + 16384) / 2 + 16384 / 2
-    two_stages = estimate(
-        make_config(
-            parallel={"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2},
-            **untied,
-        ),
-        world_size=4,
-    )
-    # pp = 2: the first stage holds half the block and the input embedding only.
-    assert two_stages["parameters_on_most_loaded_shard"] == (98944 / 2 + 16384) / 2  # 32928
+    # pp = 1: the layers' weights 2*49152, the embedding and the output layer over t,
+    # the LayerNorms (2*256 + 128) whole: (98304 + 2*16384) / 2 + 640.
+    assert one_stage["parameters_on_most_loaded_shard"] == 65536 + 640
+    pp2 = {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2}
+    two_stages = estimate(make_config(gbs=4, parallel=pp2, **untied), world_size=4)
+    # pp = 2: the first stage holds layer 0 and the input embedding: (49152 + 16384) / 2
+    # + 256; the last stage, layer 1, the final norm and the output layer, 128 more, but
+    # one micro-batch's activations to the first stage's two (m = 2): the first is the
+    # most loaded.
+    assert two_stages["pipeline_stage"] == 0
+    assert two_stages["parameters_on_most_loaded_shard"] == 32768 + 256  # 33024
+    # With one micro-batch the first stage keeps one too: the last is the most loaded.
+    one_microbatch = estimate(make_config(gbs=2, parallel=pp2, **untied), world_size=4)
+    assert one_microbatch["pipeline_stage"] == 1
+    assert one_microbatch["parameters_on_most_loaded_shard"] == 32768 + 256 + 128
 
 
 def test_distributed_optimizer():
@@ -276,14 +282,21 @@ def test_interleaved_pipeline_penalty():
     # (34 sbh L + (8sb + sbh) p) = 34*4096*4 + 4608*2 = 557056 + 9216 = 566272;
     # x (1 + (p-1)/(p v)) = 1.25: 707840; / t: 353920. No output layer (p > 1).
     assert result["activation_mb"] * MB == pytest.approx(353920)
-    # Layers 4*49408 + 128 = 197760; the first stage (197760/2 + 256*64) / 2 = 57632.
-    assert result["parameters_on_most_loaded_shard"] == 57632
-    assert result["weight_and_optimizer_mb"] == pytest.approx(57632 * 18 / MB)
-    # 1F1B, m = 2 >= p: 566272 / 2 = 283136; with m = 1 < p: x 1/2 = 141568.
+    # The first stage holds layers 0 and 2 (2*49152 / 2 + 2*256 for the norms, whole) and
+    # the embedding 256*64 / 2: 49152 + 512 + 8192 = 57856.
+    assert result["parameters_on_most_loaded_shard"] == 57856
+    assert result["weight_and_optimizer_mb"] == pytest.approx(57856 * 18 / MB)
+    # The last stage keeps (v - 1) p + 1 = 3 micro-batches of its chunks of one layer,
+    # 3 x 34 sbh / t = 208896, and the output layer's (4sbh + 4sbV) / t = 40960: less.
+    assert result["pipeline_stage"] == 0
+    # 1F1B, m = 2 >= p: 566272 / 2 = 283136 (the last stage: 2 layers of one micro-batch
+    # and the output layer, 139264 + 40960 = 180224).
     one_f_one_b = estimate(make_config(gbs=4, parallel=parallel, **common), world_size=4)
     assert one_f_one_b["activation_mb"] * MB == pytest.approx(283136)
+    # With m = 1 < p the first stage's x 1/2 gives 141568: the last stage, 180224, holds more.
     one_microbatch = estimate(make_config(gbs=2, parallel=parallel, **common), world_size=4)
-    assert one_microbatch["activation_mb"] * MB == pytest.approx(141568)
+    assert one_microbatch["pipeline_stage"] == 1
+    assert one_microbatch["activation_mb"] * MB == pytest.approx(180224)
 
 
 # The MoE model of the MoE tests: 4 routed experts of width 64, top-2, a shared expert of
@@ -337,12 +350,13 @@ def test_moe_expert_tensor_parallel():
     config = make_config(gbs=4, parallel=parallel, sequence_parallel=True,
                          optimizer={"use_distributed_optimizer": True}, **MOE)  # fmt: skip
     result = estimate(config, world_size=4)
-    # Routed experts 32768 over e x expert-t = 2: 16384; the rest (103296 - 32768 +
-    # 64*256) / t = 43456.
+    # Routed experts 32768 over e x expert-t = 2: 16384. Over t: attention 2*16384, the
+    # shared expert 4096, the dense MLP 32768 and the embedding 64*256: 86016 / 2 = 43008;
+    # whole on each rank: the norms 3*256 + 64*2 and the router 256: 896.
     assert result["expert_parameters_on_most_loaded_shard"] == 16384
-    assert result["parameters_on_most_loaded_shard"] == (103296 - 32768 + 16384) / 2
+    assert result["parameters_on_most_loaded_shard"] == 43008 + 896  # 43904
     # Dense 6 + 12/2 = 12 bytes, experts 6 + 12/2 (expert dp 2) = 12.
-    assert result["weight_and_optimizer_mb"] == pytest.approx((43456 + 16384) * 12 / MB)
+    assert result["weight_and_optimizer_mb"] == pytest.approx((43904 + 16384) * 12 / MB)
     expert_tp = estimate(make_config(gbs=4, sequence_parallel=True, **MOE,
                                      parallel={**parallel, "expert_tensor_parallel_size": 2}),
                          world_size=4)  # fmt: skip
@@ -403,6 +417,33 @@ def test_gpt3_175b_against_published_figures():
     assert result["flops_per_iteration"] == pytest.approx(
         72 * B * s * L * h**2 * (1 + s / (12 * h) + V / (12 * L * h)), rel=1e-12
     )
+
+
+def test_multi_token_prediction():
+    # One MTP module on the base model: enorm, hnorm and its final LayerNorm 3*2*64 = 384,
+    # eh_proj 2h x h = 8192 and a layer like the last (dense) 49408: 57984.
+    config = make_config(gbs=4, mtp_num_layers=1)
+    result = estimate(config, world_size=1)
+    assert result["num_parameters"] == BASE_PARAMETERS + 57984  # 165120
+    assert result["parameters_on_most_loaded_shard"] == 165120
+    # Activations: test_small_dense_gpt's 414208, and the module's layer 180224, its norms'
+    # and eh_proj's inputs 8 sbh = 32768 and its own output layer's 4sbh + 4sbV = 49152.
+    assert result["activation_mb"] * MB == pytest.approx(414208 + 180224 + 32768 + 49152)
+    # FLOPs per token (Megatron's): test_flops_dense's 663552, and the module's layer
+    # 6 (18432 + 32768), norms and eh_proj 6 (3h + 2h^2) = 6*8384, logits 6hV = 6*8192:
+    # 6*67776 = 406656; 1070208 per token, times B s = 128.
+    assert result["flops_per_iteration"] == 1070208 * 128
+    # Two stages, untied: the last holds layer 1, the final norm, the output layer, the
+    # module and a copy of the embedding it embeds with: 49408 + 128 + 8192 + 57984 + 8192
+    # = 123904 (the first: layer 0 and the embedding, 57600); its activations, one
+    # micro-batch of layer 1 (180224), the output layer's 49152 and the module's 262144,
+    # are more than the first stage's two micro-batches of layer 0, 2*(180224 + 4608).
+    two_stages = make_config(gbs=4, mtp_num_layers=1, untie_embeddings_and_output_weights=True,
+                             parallel={"pipeline_model_parallel_size": 2})  # fmt: skip
+    result = estimate(two_stages, world_size=2)
+    assert result["pipeline_stage"] == 1
+    assert result["parameters_on_most_loaded_shard"] == 123904
+    assert result["activation_mb"] * MB == pytest.approx(180224 + 49152 + 262144)
 
 
 def test_flops_mla():

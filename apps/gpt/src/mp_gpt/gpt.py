@@ -37,6 +37,7 @@ def model_provider(*, config, state, stage, vp_stage, padded_vocab_size, rng_tra
         groups=ModelGroups.of(state), rng_tracker=rng_tracker, pre_process=stage.pre_process,
         post_process=stage.post_process, layer_offset=stage.offset, num_layers=stage.count,
         init_seed=config.training.seed,
+        calculate_per_token_loss=config.optimizer.calculate_per_token_loss,
     )  # fmt: skip
 
 
@@ -103,7 +104,8 @@ def forward_step(data_iterator, model, *, attention_mask: bool = False):
     if batch is None:
         return model(None), functools.partial(loss_func, None)
     mask = batch.get("attention_mask")
-    output = model(batch["tokens"], batch["position_ids"], mask, labels=batch["labels"])
+    output = model(batch["tokens"], batch["position_ids"], mask, labels=batch["labels"],
+                   loss_mask=batch["loss_mask"])  # fmt: skip
     return output, functools.partial(loss_func, batch["loss_mask"])
 
 

@@ -39,6 +39,7 @@ from mp_layers.transformer.compiled import compile_layers
 from mp_layers.transformer.core_attention import keeps_attention_probabilities
 from mp_layers.transformer.kv_cache import KVCache
 from mp_layers.transformer.layer import TransformerLayer
+from mp_layers.transformer.multi_token_prediction import MultiTokenPrediction
 from mp_layers.transformer.spec import LOCAL_SPEC, LayerSpec, get_layer_spec
 
 __all__ = [
@@ -49,6 +50,7 @@ __all__ = [
     "KVCache",
     "LayerSpec",
     "ModelGroups",
+    "MultiTokenPrediction",
     "RowParallelLinear",
     "TransformerConfig",
     "TransformerLayer",

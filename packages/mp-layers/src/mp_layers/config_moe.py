@@ -170,8 +170,3 @@ def check_expert_parallel(config: TransformerConfig, tp: int, cp: int, ep: int, 
             f"num_moe_experts with tensor_model_parallel_size={tp} needs "
             "sequence_parallel=True (each tensor-parallel rank routes its own tokens)"
         )
-    if cp > 1:
-        raise ValueError(
-            f"num_moe_experts with context_parallel_size={cp}: MoE layers do not "
-            "support context parallelism yet; use context_parallel_size=1"
-        )

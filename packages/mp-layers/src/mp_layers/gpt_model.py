@@ -32,6 +32,7 @@ from mp_ckpt import ShardedTensor
 from mp_layers.config import TransformerConfig
 from mp_layers.context_parallel import local_positions, shard_sequence
 from mp_layers.groups import ModelGroups
+from mp_layers.moe.aux_losses import attach
 from mp_layers.tensor_parallel import (
     ColumnParallelLinear,
     VocabParallelEmbedding,
@@ -40,6 +41,7 @@ from mp_layers.tensor_parallel import (
 )
 from mp_layers.transformer.kv_cache import KVCache
 from mp_layers.transformer.layer import TransformerBlock
+from mp_layers.transformer.multi_token_prediction import MultiTokenPrediction, roll_left
 from mp_layers.transformer.rope import Llama3Scaling, Rotary, RotaryEmbedding, yarn_scaling
 from mp_layers.transformer.seeded_init import seeded_init
 from mp_layers.transformer.spec import LayerSpec, get_layer_spec
@@ -65,14 +67,12 @@ class GPTModel(torch.nn.Module):
         layer_offset: int = 0,
         num_layers: int | None = None,
         init_seed: int | None = None,
+        calculate_per_token_loss: bool = False,
     ) -> None:
+        """calculate_per_token_loss: the training loss is a token sum that the step divides
+        by the global batch's tokens (Megatron's); the MTP losses follow it."""
         super().__init__()
         tp_group = groups.tp
-        if config.mtp_num_layers:
-            raise NotImplementedError(
-                f"mtp_num_layers={config.mtp_num_layers}: the multi-token prediction block "
-                "is not built yet"
-            )
         config.check_parallel(tp_group.size, groups.cp.size, groups.ep.size, groups.expert_tp.size)
         share = (
             not config.untie_embeddings_and_output_weights
@@ -86,22 +86,32 @@ class GPTModel(torch.nn.Module):
         self.pre_process, self.post_process = pre_process, post_process
         self.parallel_output = parallel_output
         self.share_embeddings_and_output_weights = share
+        self.calculate_per_token_loss = calculate_per_token_loss
+        # The last stage holds a copy of the word embedding: the tied output layer's weight,
+        # or the MTP modules' token embedding (Megatron's embedding group keeps it equal).
+        self.embedding_on_last_stage = share or bool(config.mtp_num_layers)
+        mtp_here = post_process and bool(config.mtp_num_layers)
         self._input_tensor: torch.Tensor | None = None
         init = functools.partial(torch.nn.init.normal_, std=config.init_method_std)
-        if pre_process:
+        if pre_process or mtp_here:
             with seeded_init(init_seed, "embedding"):
                 self.embedding = VocabParallelEmbedding(
                     vocab_size, config.hidden_size, tp_group=tp_group, init_method=init,
                     sequence_parallel=config.sequence_parallel, params_dtype=config.params_dtype,
                 )  # fmt: skip
-            self.position_embeddings = None
-            if config.position_embedding_type == "learned_absolute":
-                self.position_embeddings = torch.nn.Embedding(
-                    max_sequence_length, config.hidden_size, dtype=config.params_dtype
-                )
-                with seeded_init(init_seed, "position_embeddings"):
-                    init(self.position_embeddings.weight)
-                self.position_embeddings.weight.sequence_parallel = config.sequence_parallel
+            if not pre_process:
+                # The first stage's embedding is the real weight: this copy starts at zero
+                # and sync_tied_embeddings adds the first stage's into it.
+                torch.nn.init.zeros_(self.embedding.weight)
+                self.embedding.weight.shared_embedding = True
+        self.position_embeddings = None
+        if pre_process and config.position_embedding_type == "learned_absolute":
+            self.position_embeddings = torch.nn.Embedding(
+                max_sequence_length, config.hidden_size, dtype=config.params_dtype
+            )
+            with seeded_init(init_seed, "position_embeddings"):
+                init(self.position_embeddings.weight)
+            self.position_embeddings.weight.sequence_parallel = config.sequence_parallel
         self.rotary = None
         if config.position_embedding_type in ("rope", "yarn"):
             self.rotary = RotaryEmbedding(
@@ -118,6 +128,11 @@ class GPTModel(torch.nn.Module):
             config, groups, rng_tracker, spec=get_layer_spec(spec), layer_offset=layer_offset,
             num_layers=num_layers, post_process=post_process, init_seed=init_seed,
         )  # fmt: skip
+        self.mtp = None
+        if mtp_here:
+            self.mtp = MultiTokenPrediction(
+                config, groups, rng_tracker, get_layer_spec(spec), init_seed=init_seed
+            )
         if post_process:
             with seeded_init(init_seed, "output_layer"):
                 self.output_layer = ColumnParallelLinear(
@@ -125,14 +140,14 @@ class GPTModel(torch.nn.Module):
                     gather_output=not parallel_output, sequence_parallel=config.sequence_parallel,
                     init_method=init, params_dtype=config.params_dtype,
                 )  # fmt: skip
-            if share and pre_process:
+            if share and (pre_process or mtp_here):
                 self.output_layer.weight = self.embedding.weight
             elif share:
                 # The first stage's embedding is the real weight: this copy starts at zero
                 # and sync_tied_embeddings adds the first stage's into it.
                 torch.nn.init.zeros_(self.output_layer.weight)
                 self.output_layer.weight.shared_embedding = True
-        if share and pre_process and not post_process:
+        if self.embedding_on_last_stage and pre_process and not post_process:
             # The first stage's half of a tie across stages: its gradient is summed with
             # the last stage's copy's over the embedding group (the pipeline's finalize).
             self.embedding.weight.shared_embedding = True
@@ -150,6 +165,7 @@ class GPTModel(torch.nn.Module):
         labels: torch.Tensor | None = None,
         decoder_input: torch.Tensor | None = None,
         kv_cache: KVCache | None = None,
+        loss_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Per-token loss [b, s] with labels, else logits [b, s, v/tp]; hidden states [s, b, h]
         on a stage without post_process.
@@ -158,7 +174,11 @@ class GPTModel(torch.nn.Module):
         only (the prompts', then one at a time); positions and the attention mask come
         from the cache (position_ids and attention_mask must be None), which remembers
         the keys and values; the logits are the last position's, [b, 1, v/tp], unless
-        kv_cache.all_logits."""
+        kv_cache.all_logits.
+
+        loss_mask [b, s]: with mtp_num_layers, the tokens the MTP losses count (all when
+        None); in training with labels, the MTP modules run on the last stage and their
+        losses reach the gradients (the returned loss stays the language model's)."""
         if decoder_input is None and not self.pre_process:
             decoder_input = self._input_tensor
         if kv_cache is not None:
@@ -190,7 +210,18 @@ class GPTModel(torch.nn.Module):
             hidden = hidden[-1:]
         if labels is not None and not self.parallel_output:
             raise ValueError("the loss needs parallel_output=True (vocabulary-parallel logits)")
-        if labels is not None and self.config.output_loss_chunk_tokens:
+        if labels is None:
+            logits, _ = self.output_layer(hidden)  # [s, b, v/tp]
+            return logits.transpose(0, 1).contiguous()
+        if self.mtp is not None and self.training and torch.is_grad_enabled():
+            hidden = self._multi_token_prediction(
+                hidden, input_ids, labels, loss_mask, rotary, attention_mask
+            )
+        return self._token_loss(hidden, labels)
+
+    def _token_loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The output layer's cross entropy [b, s] of hidden [s, b, h] against labels [b, s]."""
+        if self.config.output_loss_chunk_tokens:
             layer, chunk = self.output_layer, self.config.output_loss_chunk_tokens
             total = layer.matmul_input(hidden)  # [s, b, h], the whole sequence
             loss = chunked_linear_cross_entropy(
@@ -198,8 +229,6 @@ class GPTModel(torch.nn.Module):
             )
             return loss.t().contiguous()
         logits, _ = self.output_layer(hidden)  # [s, b, v/tp]
-        if labels is None:
-            return logits.transpose(0, 1).contiguous()
         # The logits are not handed out: their memory takes their gradient in backward.
         grad_in_logits = logits.grad_fn is not None
         loss = vocab_parallel_cross_entropy(
@@ -207,20 +236,50 @@ class GPTModel(torch.nn.Module):
         )
         return loss.t().contiguous()
 
+    def _multi_token_prediction(self, hidden, input_ids, labels, loss_mask, rotary,
+                                attention_mask):  # fmt: skip
+        """hidden, carrying in backward the MTP modules' scaled losses (Megatron's
+        process_mtp_loss): each module's masked loss over its rolled mask's token count,
+        times mtp_loss_scaling_factor / mtp_num_layers (times this micro-batch's tokens
+        with a per-token loss, which the step divides by the global batch's). With context
+        parallelism the counts are the whole sequences' (over cp ranks, whose gradients
+        are averaged): a rank's share is exact even where the sequence's end, which the
+        roll masks, lies in one rank's chunk only."""
+        if input_ids is None:
+            raise ValueError("multi-token prediction needs the input_ids on the last stage")
+        cp = self.groups.cp
+        mask = torch.ones_like(labels, dtype=torch.float32) if loss_mask is None else loss_mask
+        mask = mask.float()
+        tokens = _per_rank_count(mask, cp)
+        factor = self.config.mtp_loss_scaling_factor / len(self.mtp.layers)
+        out, ids = hidden, input_ids
+        for k, layer in enumerate(self.mtp.layers):
+            ids, labels, mask = (roll_left(t, cp) for t in (ids, labels, mask))
+            out = layer(out, self._embed(ids, None), rotary, attention_mask)
+            count = _per_rank_count(mask, cp)
+            total = (self._token_loss(out, labels).float() * mask).sum()
+            self.mtp.record(k, total.detach() / count)
+            denominator = count / tokens if self.calculate_per_token_loss else count
+            hidden = attach(hidden, total * factor / denominator, "mtp")
+        return hidden
+
     def sync_tied_embeddings(self, embedding_group: RankGroup | None) -> None:
-        """Makes the last stage's output weight equal the first stage's word embedding.
+        """Makes the last stage's copy of the word embedding (the tied output weight, the
+        MTP modules' embedding) equal the first stage's.
 
         Collective over the embedding group (first and last pipeline stage,
         state.embedding): call it on those ranks right after construction, when
-        the input and output embeddings are shared across stages. Their
-        gradients must then be all-reduced over the same group before each
-        optimizer step (the pipeline's finalize step does so).
+        the last stage holds a copy (embedding_on_last_stage). Their gradients
+        must then be all-reduced over the same group before each optimizer step
+        (the pipeline's finalize step does so).
         """
         if embedding_group is None or embedding_group.size == 1:
             return
-        if not self.share_embeddings_and_output_weights:
-            raise ValueError("sync_tied_embeddings: this model's embeddings are not shared")
-        weight = self.embedding.weight if self.pre_process else self.output_layer.weight
+        if not self.embedding_on_last_stage:
+            raise ValueError("sync_tied_embeddings: the last stage holds no copy of the "
+                             "word embedding (untied, no MTP)")  # fmt: skip
+        has_embedding = self.pre_process or self.mtp is not None
+        weight = self.embedding.weight if has_embedding else self.output_layer.weight
         with torch.no_grad():
             torch.distributed.all_reduce(weight, group=embedding_group.group)
 
@@ -284,9 +343,21 @@ class GPTModel(torch.nn.Module):
         if self.post_process and not self.share_embeddings_and_output_weights:
             key = f"{prefix}output_layer.weight"
             pieces[key] = ShardedTensor.from_rank(key, self.output_layer.weight, 0, rank, size)
-        elif self.post_process and not self.pre_process:
-            # The last stage's copy of the tied embedding: loaded, never saved twice.
+        if self.post_process and not self.pre_process and self.embedding_on_last_stage:
+            # The last stage's copy of the embedding: loaded, never saved twice.
             key = f"{prefix}embedding.word_embeddings.weight"
-            weight = self.output_layer.weight
+            weight = self.output_layer.weight if self.mtp is None else self.embedding.weight
             pieces[key] = ShardedTensor.from_rank(key, weight, 0, rank, size, replica_id=1)
+        if self.mtp is not None:
+            pieces |= self.mtp.sharded_state_dict(f"{prefix}mtp.")
         return pieces
+
+
+def _per_rank_count(mask: torch.Tensor, cp: RankGroup) -> torch.Tensor:
+    """The tokens mask [b, s] counts, over the context-parallel ranks' parts of the
+    sequences and divided by their number (at least one token in all)."""
+    count = mask.sum()
+    if cp.size > 1:
+        count = count.detach().clone()
+        torch.distributed.all_reduce(count, group=cp.group)
+    return count.clamp(min=1) / cp.size

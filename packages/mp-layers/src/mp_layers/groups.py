@@ -40,6 +40,10 @@ class ModelGroups:
     """expert_tp x ep: the ranks whose tokens share one set of experts (the all-gather
     dispatcher gathers over it)."""
 
+    tp_cp: RankGroup = field(default_factory=lambda: _alone("tp_cp"))
+    """tp x cp: the ranks holding the parts of one set of sequences; the routers' balancing
+    and z losses count tokens over it."""
+
     tp_dp_cp: RankGroup = field(default_factory=lambda: _alone("tp_dp_cp"))
     """tp x dp x cp: every rank of this pipeline stage; the global load-balancing loss
     counts its tokens over it."""
@@ -49,7 +53,7 @@ class ModelGroups:
         """This rank's groups in an initialized ParallelState."""
         return cls(
             tp=state.tp, cp=state.cp, ep=state.ep, expert_tp=state.expert_tp, tp_ep=state.tp_ep,
-            tp_dp_cp=state.tp_dp_cp,
+            tp_cp=state.tp_cp, tp_dp_cp=state.tp_dp_cp,
         )  # fmt: skip
 
     @classmethod

@@ -1,7 +1,7 @@
 """Theoretical memory of the most loaded rank and FLOPs per iteration, from the configuration alone.
 
     mp-train estimate [--config FILE.yaml] [overrides...] --world-size N [--vocab-size V]
-        [--device cuda|cpu]
+        [--device cuda|cpu] [--megatron-formula]
 
 prints one JSON object and starts no process. Every option of the run applies; a
 mixture-of-experts model is described by the model's own fields (num_moe_experts,
@@ -9,39 +9,38 @@ moe_router_topk, moe_ffn_hidden_size, moe_shared_expert_intermediate_size,
 moe_shared_expert_gate, moe_layer_freq) and the layout by expert_model_parallel_size and
 expert_tensor_parallel_size. Symbols: s sequence, b micro-batch, h hidden, a heads, g
 query groups, d head width (kv_channels), f ffn width, L layers, V padded vocabulary,
-t/p/c/e tensor/pipeline/context/expert parallel sizes, m micro-batches per iteration, B
-global batch; for MoE layers E routed experts, k of them per token, f_moe their width,
-f_shared the shared expert's. MB is 2^20 bytes.
+t/p/v/c/e tensor/pipeline/virtual-pipeline/context/expert parallel sizes, m micro-batches
+per iteration, B global batch; for MoE layers E routed experts, k of them per token,
+f_moe their width, f_shared the shared expert's; n_mtp multi-token prediction modules
+(mtp_num_layers). MB is 2^20 bytes.
 
-Parameters (Megatron-LM's compute_weight_and_optimizer_memory): per layer attention
-2hd(a + g), MLP hf x (3 if gated (swiglu, quick_geglu) else 2), norms 2h x (2 for
-LayerNorm, 1 for RMSNorm); a MoE layer's MLP is h(E f_moe + f_shared) x (3|2), plus its
-router hE and, with moe_shared_expert_gate, the gate's h (Megatron leaves both out; they
-are trained and saved like any weight); final norm; embedding hV, doubled when untied.
-Multi-latent attention (r kv_lora_rank, r_q q_lora_rank, dn qk_head_dim, dr
-qk_pos_emb_head_dim, dv v_head_dim) has r_q(h + a(dn + dr)) for its queries (ha(dn + dr)
-without r_q), r(h + a(dn + dv)) + h dr for keys and values and a dv h for its output,
-plus the latent norms' r_q and r with qk_layernorm (Megatron counts them always).
-The biases of attention and dense MLPs and learned position embeddings are not counted
-(as in Megatron); a MoE layer's, with add_bias_linear, are, like its router: the router's
-E and the routed experts' E(f_moe x (2|1) + h) (gpt-oss), counted with the experts.
-num_active_parameters
-counts the k routed experts a token passes through instead of all E. The most loaded
-rank holds (block / p + hV) / t, plus the output layer's hV / t when p = 1 and untied;
-routed experts are divided by e x expert-t instead of t (Megatron ignores expert
-parallelism here). Norms, the router and the gate are in truth whole on every
-tensor-parallel rank; like Megatron's norms they are counted / t (a few h per layer).
+This module is mp's own model: what the run allocates and keeps, measured against
+GPTModel and the run's memory (docs/benchmarks.md). With --megatron-formula the figures
+are instead Megatron-LM's report_theoretical_memory and num_floating_point_operations
+(megatron-core 0.19.2), to the bit: mp_train.estimate_megatron, which says what those
+formulas assume.
+
+Parameters (mp_train.estimate_parameters): every parameter GPTModel holds (biases, norms,
+routers, learned positions and the MTP modules included), and each pipeline stage's
+share as one of its ranks holds it: tensor-parallel pieces / t, replicated parameters
+(norms, row-parallel biases, routers, MLA's down projections) whole, routed experts /
+(e x expert-t). num_active_parameters counts the k routed experts a token passes through
+instead of all E.
 
 Bytes per parameter: weight + gradient + optimizer state (fp32 main copy under mixed
 precision, Adam's two moments or SGD's momentum). bf16/fp16 with fp32 gradients and Adam
 is Megatron's 2 + 4 + 12 = 18, and 6 + 12 / dp with the distributed optimizer, which
 shards only the optimizer state, over dp x c ranks (experts: their data-parallel ranks).
 
-Activations of the first pipeline stage (Korthikanti et al. 2022, "Reducing Activation
-Recomputation in Large Transformer Models", Table 2, with f generalised as Megatron
-does): one layer and micro-batch stores 10sbh that tensor parallelism leaves whole
-(norm inputs, QKV and fc1 inputs, dropout masks), sbh(8 + 4f/h) it splits, and the
-attention scores 5as^2b unless core attention is recomputed (selective):
+The most loaded rank: of the first and the last pipeline stage, the one whose weights,
+optimizer state and activations add up to more (pipeline_stage says which; one stage
+with p = 1).
+
+Activations (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
+Transformer Models", Table 2, with f generalised as Megatron does): one layer and
+micro-batch stores 10sbh that tensor parallelism leaves whole (norm inputs, QKV and fc1
+inputs, dropout masks), sbh(8 + 4f/h) it splits, and the attention scores 5as^2b unless
+core attention is recomputed (selective):
 
     sequence parallel + selective   sbh(18 + 4f/h) / t         Megatron's compute_activation_memory
     sequence parallel               (sbh(18 + 4f/h) + 5as^2b) / t
@@ -50,34 +49,39 @@ attention scores 5as^2b unless core attention is recomputed (selective):
     full recompute                  2sbh (/ t with sequence parallel) per checkpointed input,
                                     plus one recomputed group's activations during backward
 
-times L (p micro-batches in flight x L / p layers), plus the embedding's 8sb + sbh per
-in-flight micro-batch; all of it x (1 + (p - 1) / (p v)) under the interleaved schedule,
-or x min(1, m / p) under 1F1B; plus the output layer's 4sbh + 4sbV when p = 1 (4cV
-for the logits of a chunk of c < sb tokens with output_loss_chunk_tokens c). Under
-sequence parallelism every term is divided by t, otherwise only the split ones. Megatron
-itself reports only the first form; for every other case it uses sbh(10 + 24/t), its
-own output-layer term and a 5% margin. Context parallelism stores s / c tokens per rank;
-the scores are a (s / c) s b. MoE layers replace f by k f_moe + f_shared (Megatron uses f
-everywhere); the router's logits and the dispatcher's buffers are not counted.
+The first stage keeps its layers with p micro-batches in flight (L layers' worth with
+an even split), plus the embedding's 8sb + sbh per in-flight micro-batch; all of it x (1
++ (p - 1) / (p v)) under the interleaved schedule, or x min(1, m / p) under 1F1B. The last
+stage (p > 1) keeps its layers for one micro-batch (interleaved: (v - 1) p + 1 of its
+chunks' micro-batches). The last stage also keeps the output layer's 4sbh + 4sbV (4cV for
+the logits of a chunk of c < sb tokens with output_loss_chunk_tokens c), and per MTP
+module its layer, its norms' and eh_proj's inputs 8sbh (under a full recompute only its
+two inputs, 4sbh) and its own output layer's term. Under sequence parallelism every term
+is divided by t, otherwise only the split ones. Context parallelism stores s / c tokens
+per rank; the scores are a (s / c) s b. MoE layers replace f by k f_moe + f_shared
+(averaged over the stage's layers); the router's logits and the dispatcher's buffers are
+not counted.
 The score term counts what mp's core attention keeps: blocked attention ("local",
 "unfused", or "auto" on a CPU within its memory limit) keeps the causal blocks of its
 probabilities, 5 bytes a score with dropout and 2 without; SDPA (flash attention) and the
 context-parallel ring and all-gather blocks keep none; all-to-all context parallelism
 attends over the whole sequence with a / c heads. The coefficients count 16-bit
-activations; an fp32 model doubles them.
+activations; an fp32 model doubles them. Multi-latent attention's activations are
+estimated with the same formula, as Megatron does (h for the widths the layer keeps).
 
 FLOPs (Megatron-LM's num_floating_point_operations): forward + backward is 3 GEMMs per
 weight and a GEMM of (m x n)(n x k) is 2mnk, so per token and layer
 6[h(ad + 2gd) + ad s + ad h] for attention (the causal mask halves QK^T and its product
 with V), 6hf x (3|2) for a dense MLP, 6h(k f_moe + f_shared) x (3|2) for a MoE one, and
-6hV for the logits; times B s (the router's 6hE per token and MoE layer is left out, as
-Megatron does). They are the model's FLOPs: recomputation (activation recompute, the
-chunked output loss's second logits GEMM) is not counted, as in Megatron's MFU.
-With a = g, f = 4h it is 72BsLh^2(1 + s/(12h) + V/(12Lh)). Multi-latent
-attention's per token and layer, Megatron's MLA branch: 6[r_q(h + a(dn + dr) + 1) + r(h +
-a(dn + dv) + 1) + h dr + a dv h + s a(dn + dr + dv)/2] (r_q(...) is ha(dn + dr) without a
-query latent; the + 1 counts each latent norm). Its activations are estimated with the
-formula above, as Megatron does (h for the widths the layer keeps).
+6hV for the logits; per MTP module one more layer of the last layer's kind, 6(3h + 2h^2)
+for its norms and eh_proj and 6hV for its logits; times B s (the router's 6hE per token
+and MoE layer is left out, as Megatron does). They are the model's FLOPs: recomputation
+(activation recompute, the chunked output loss's second logits GEMM) is not counted, as
+in Megatron's MFU. With a = g, f = 4h it is 72BsLh^2(1 + s/(12h) + V/(12Lh)).
+Multi-latent attention's per token and layer, Megatron's MLA branch: 6[r_q(h + a(dn +
+dr) + 1) + r(h + a(dn + dv) + 1) + h dr + a dv h + s a(dn + dr + dv)/2] (r kv_lora_rank,
+r_q q_lora_rank, dn qk_head_dim, dr qk_pos_emb_head_dim, dv v_head_dim; r_q(...) is
+ha(dn + dr) without a query latent; the + 1 counts each latent norm).
 """
 
 from __future__ import annotations
@@ -92,6 +96,8 @@ import torch
 from mp_layers import TransformerConfig, keeps_attention_probabilities, saved_probability_bytes
 from mp_pipeline import stage_layers
 from mp_train.config import RunConfig
+from mp_train.estimate_megatron import MEGATRON_VERSION, megatron_estimate
+from mp_train.estimate_parameters import model_parameters, stage_moe_layers, stage_parameters
 
 __all__ = ["estimate", "main", "padded_vocab_size"]
 
@@ -110,13 +116,15 @@ def estimate(
     *,
     vocab_size: int | None = None,
     device_type: str = "cuda",
+    megatron_formula: bool = False,
 ) -> dict:
     """num_parameters, weight_and_optimizer_mb, activation_mb, total_mb (most loaded rank)
     and flops_per_iteration (one global batch, forward + backward), with the figures they
     are made of. A MoE model (config.model.num_moe_experts) is read from the model's fields
     and config.parallel's expert sizes. `vocab_size` overrides config.data.vocab_size;
     `device_type` ("cuda" or "cpu") is where the run computes, which decides the core
-    attention "auto" picks."""
+    attention "auto" picks. `megatron_formula`: Megatron-LM's figures instead of mp's
+    (mp_train.estimate_megatron), with its report's lines under "megatron_report"."""
     layout = _layout(config, world_size)
     vocab = vocab_size if vocab_size is not None else config.data.vocab_size
     V = config.data.padded_vocab_size
@@ -126,11 +134,17 @@ def estimate(
                              "padded_vocab_size; the tokenizer is not read")  # fmt: skip
         _positive("vocab_size", vocab)
         V = padded_vocab_size(vocab, config.data.make_vocab_size_divisible_by, layout["tp"])
-    params = _parameters(config, V)
-    weights = _weight_and_optimizer(config, layout, params)
+    if megatron_formula:
+        return megatron_estimate(config, layout, V)
     if device_type not in ("cuda", "cpu"):
         raise ValueError(f"device_type={device_type!r} must be cuda or cpu")
-    activation_bytes, formula = _activation_bytes(config, layout, V, device_type)
+    params = model_parameters(config, V)
+    stages = []
+    for stage in sorted({0, layout["pp"] - 1}):
+        weights = _weight_and_optimizer(config, layout, V, stage)
+        activation_bytes, formula = _activation_bytes(config, layout, V, device_type, stage)
+        stages.append((weights["bytes"] + activation_bytes, stage, weights, activation_bytes))
+    _, stage, weights, activation_bytes = max(stages, key=lambda figures: figures[0])
     weight_mb = weights["bytes"] / _MB
     activation_mb = activation_bytes / _MB
     return {
@@ -141,6 +155,7 @@ def estimate(
         "total_mb": weight_mb + activation_mb,
         "flops_per_iteration": _flops(config, layout, V),
         "padded_vocab_size": V,
+        "pipeline_stage": stage,
         "parameters_on_most_loaded_shard": weights["shard"],
         "expert_parameters_on_most_loaded_shard": weights["expert_shard"],
         "bytes_per_parameter": weights["bytes_per_parameter"],
@@ -171,10 +186,10 @@ def _layout(config: RunConfig, world_size: int) -> dict:
             f"{pp} x virtual_pipeline_model_parallel_size={vpp or 1}"
         )
     # every stage's share (refused, naming the stage, when it does not split)
-    stages = [stage_layers(model.num_layers, pp, rank, virtual_pipeline_model_parallel_size=vpp,
-                           num_layers_in_first_pipeline_stage=first,
-                           num_layers_in_last_pipeline_stage=last).count * (vpp or 1)
-              for rank in range(pp)]  # fmt: skip
+    for rank in range(pp):
+        stage_layers(model.num_layers, pp, rank, virtual_pipeline_model_parallel_size=vpp,
+                     num_layers_in_first_pipeline_stage=first,
+                     num_layers_in_last_pipeline_stage=last)  # fmt: skip
     seq = config.gpt.seq_length
     if seq % cp:
         raise ValueError(f"context_parallel_size={cp} does not divide seq_length={seq}")
@@ -194,97 +209,15 @@ def _layout(config: RunConfig, world_size: int) -> dict:
     # Expert layers re-divide each stage's t x c x dp ranks as expert-t x e x expert-dp.
     edp = parallel.expert_data_parallel_size(world_size) if model.num_moe_experts else dp * cp
     return {
-        "tp": tp, "pp": pp, "cp": cp, "vpp": vpp, "dp": dp, "ep": ep, "etp": etp, "edp": edp,
-        "gbs": gbs, "microbatches": gbs // (mbs * dp), "first_stage_layers": stages[0],
+        "world_size": world_size, "tp": tp, "pp": pp, "cp": cp, "vpp": vpp, "dp": dp,
+        "ep": ep, "etp": etp, "edp": edp, "gbs": gbs, "microbatches": gbs // (mbs * dp),
     }  # fmt: skip
 
 
-def _moe_layers(config: RunConfig) -> tuple[int, int]:
-    """(dense layers, MoE layers)."""
-    n_moe = sum(config.model.moe_layer_pattern())
-    return config.model.num_layers - n_moe, n_moe
-
-
-def _parameters(config: RunConfig, V: int) -> dict:
-    """Every parameter the model holds: the weights of Megatron's formula and the small
-    ones beside them (biases, norms, qk-layernorm, attention sinks, learned positions), so
-    that the total equals GPTModel's count for every family."""
-    m = config.model
-    h = m.hidden_size
-    gated = 3 if m.gated_linear_unit else 2  # fc1 (twice as wide when gated) and fc2
-    norm = 1 if m.normalization == "RMSNorm" else 2  # LayerNorm has a bias
-    attention = _attention_parameters(m, norm)
-    n_dense, n_moe = _moe_layers(config)
-    mlp = h * m.ffn_hidden_size * gated
-    if m.add_bias_linear:
-        mlp += m.ffn_hidden_size * (gated - 1) + h
-    dense_layer = attention + mlp + 2 * h * norm
-    block = dense_layer * n_dense + norm * h  # and the final norm
-    experts = active_experts = 0
-    if n_moe:
-        E, k = m.num_moe_experts, m.moe_router_topk
-        shared = h * (m.moe_shared_expert_intermediate_size or 0) * gated
-        router = h * E + (h if m.moe_shared_expert_gate else 0)  # and the shared expert's gate
-        expert = h * m.moe_ffn_hidden_size * gated
-        if m.add_bias_linear:  # the router's bias [E]; each expert's fc1 [(2|1) f] and fc2 [h]
-            router += E
-            expert += m.moe_ffn_hidden_size * (gated - 1) + h
-        experts = expert * E * n_moe
-        active_experts = experts // E * k
-        block += (attention + shared + router + 2 * h * norm) * n_moe + experts
-    embedding = h * V
-    embeddings = 2 * embedding if m.untie_embeddings_and_output_weights else embedding
-    if m.position_embedding_type == "learned_absolute":
-        embeddings += h * (config.gpt.max_position_embeddings or config.gpt.seq_length)
-    total = block + embeddings
-    return {
-        "total": total, "active": total - experts + active_experts, "block": block,
-        "experts": experts, "embedding": embedding,
-    }  # fmt: skip
-
-
-def _attention_parameters(m: TransformerConfig, norm: int) -> int:
-    """One layer's attention parameters; norm: parameters per normalized channel."""
-    h, a = m.hidden_size, m.num_attention_heads
-    if m.multi_latent_attention:
-        return _mla_parameters(m, norm)
-    d, g = m.kv_channels, m.num_query_groups
-    attention = 2 * h * d * (a + g)  # Q, K, V and out
-    if m.add_bias_linear or m.add_qkv_bias:
-        attention += d * (a + 2 * g)
-    if m.add_bias_linear:
-        attention += h  # the output projection's bias
-    if m.qk_layernorm:
-        attention += 2 * d * norm
-    if m.softmax_type == "learnable":
-        attention += a  # one sink logit per head
-    return attention
-
-
-def _mla_parameters(m: TransformerConfig, norm: int) -> int:
-    """Multi-latent attention's: the query projection (or its down and up projections and
-    latent norm), the key/value down projection [r + dr, h], its latent norm and up
-    projection [a (dn + dv), r], the output projection [h, a dv] and its bias; the latent
-    norms only when qk_layernorm builds them (Megatron's formula counts them always)."""
-    h, a, r = m.hidden_size, m.num_attention_heads, m.kv_lora_rank
-    dn, dr, dv = m.qk_head_dim, m.qk_pos_emb_head_dim, m.v_head_dim
-    latent_norm = norm if m.qk_layernorm else 0
-    if m.q_lora_rank is None:
-        query = h * a * (dn + dr)
-    else:
-        query = m.q_lora_rank * (h + a * (dn + dr) + latent_norm)
-    key_value = r * (h + a * (dn + dv) + latent_norm) + h * dr
-    return query + key_value + a * dv * h + (h if m.add_bias_linear else 0)
-
-
-def _weight_and_optimizer(config: RunConfig, layout: dict, params: dict) -> dict:
-    tp, pp = layout["tp"], layout["pp"]
-    # Megatron's most loaded shard: the first stage's layers and the embedding; with one
-    # stage also the untied output layer.
-    shard = ((params["block"] - params["experts"]) / pp + params["embedding"]) / tp
-    if config.model.untie_embeddings_and_output_weights and pp == 1:
-        shard += params["embedding"] / tp
-    expert_shard = params["experts"] / pp / (layout["ep"] * layout["etp"])
+def _weight_and_optimizer(config: RunConfig, layout: dict, V: int, stage: int) -> dict:
+    """The weights and optimizer state of one rank of pipeline stage `stage`."""
+    held = stage_parameters(config, V, stage)
+    shard, expert_shard = held.on_rank(layout["tp"], layout["ep"], layout["etp"])
     weight, grad, state = _bytes_per_parameter(config)
     if config.optimizer.use_distributed_optimizer:
         # Megatron shards over the data-parallel group that includes the context ranks.
@@ -311,22 +244,22 @@ def _bytes_per_parameter(config: RunConfig) -> tuple[int, int, int]:
     return weight, grad, (4 if mixed else 0) + moments
 
 
+def _mlp_width(m: TransformerConfig, moe: bool) -> int:
+    """The f of the activation formula: k f_moe + f_shared for a MoE layer."""
+    if not moe:
+        return m.ffn_hidden_size
+    return m.moe_router_topk * m.moe_ffn_hidden_size + (m.moe_shared_expert_intermediate_size or 0)
+
+
 def _activation_bytes(
-    config: RunConfig, layout: dict, V: int, device_type: str
+    config: RunConfig, layout: dict, V: int, device_type: str, stage: int
 ) -> tuple[float, str]:
-    """Activation bytes of the first pipeline stage (see the module docstring)."""
+    """Activation bytes of pipeline stage `stage` (see the module docstring)."""
     m = config.model
     tp, pp, vpp = layout["tp"], layout["pp"], layout["vpp"]
-    s_full = config.gpt.seq_length
-    s = s_full / layout["cp"]  # tokens of a sequence on one rank
+    s = config.gpt.seq_length / layout["cp"]  # tokens of a sequence on one rank
     b, h = config.training.micro_batch_size, m.hidden_size
-    L = m.num_layers
-    n_dense, n_moe = _moe_layers(config)
-    f = m.ffn_hidden_size
-    if n_moe:
-        moe_f = m.moe_router_topk * m.moe_ffn_hidden_size
-        moe_f += m.moe_shared_expert_intermediate_size or 0
-        f = (n_dense * f + n_moe * moe_f) / L
+    kinds = stage_moe_layers(config, stage)
     sp, granularity = m.sequence_parallel, m.recompute_granularity
     sbh = s * b * h
 
@@ -334,10 +267,14 @@ def _activation_bytes(
         return (whole + split) / tp if sp else whole + split / tp
 
     scores = _score_bytes(config, layout, b, device_type)
-    layer = stored(10 * sbh, (8 + 4 * f / h) * sbh + scores)
+
+    def layer_bytes(f: float) -> float:
+        return stored(10 * sbh, (8 + 4 * f / h) * sbh + scores)
+
+    layer = layer_bytes(sum(_mlp_width(m, moe) for moe in kinds) / len(kinds))
     transient = 0.0
     if granularity == "full":
-        chunk = layout["first_stage_layers"] // (vpp or 1)  # layers of one model chunk
+        chunk = len(kinds) // (vpp or 1)  # layers of one model chunk
         n = min(m.recompute_num_layers, chunk)
         checkpoint = stored(2 * sbh, 0)  # each recomputed group keeps only its input
         if m.recompute_method == "uniform":
@@ -347,17 +284,28 @@ def _activation_bytes(
             n = 1
         transient = n * layer  # the group being recomputed, one micro-batch
         layer = per_layer
-    # the first stage's layers, each with up to pp micro-batches in flight (L with an even split)
-    total = layer * layout["first_stage_layers"] * pp
-    total += stored(8 * s * b + sbh, 0) * pp  # token ids, embedding dropout mask
-    if vpp is not None:
-        total *= 1 + (pp - 1) / (pp * vpp)
-    elif pp > 1:
-        total *= min(1.0, layout["microbatches"] / pp)
-    if pp == 1:
+    if stage == 0:
+        # up to pp micro-batches in flight (L layers' worth with an even split)
+        total = layer * len(kinds) * pp
+        total += stored(8 * s * b + sbh, 0) * pp  # token ids, embedding dropout mask
+        if vpp is not None:
+            total *= 1 + (pp - 1) / (pp * vpp)
+        elif pp > 1:
+            total *= min(1.0, layout["microbatches"] / pp)
+    else:  # the last stage: one micro-batch, or (v - 1) p + 1 chunks' under interleaving
+        chunks_in_flight = 1 if vpp is None else (vpp - 1) * pp + 1
+        total = layer * len(kinds) / (vpp or 1) * chunks_in_flight
+    if stage == pp - 1:
         # The output layer's input and logits: one chunk's with output_loss_chunk_tokens.
         tokens = min(s * b, m.output_loss_chunk_tokens or s * b)
-        total += stored(4 * sbh, 4 * tokens * V)
+        output = stored(4 * sbh, 4 * tokens * V)
+        total += output
+        # Each MTP module: its layer, its norms' inputs (2sbh each) and eh_proj's (4sbh),
+        # and its own logits; under a full recompute the module keeps only its two inputs
+        # (the hidden state and the embedding, recomputed from them in backward).
+        mtp_layer = layer_bytes(_mlp_width(m, m.moe_layer_pattern()[-1]))
+        module = stored(4 * sbh, 0) if granularity == "full" else mtp_layer + stored(8 * sbh, 0)
+        total += (m.mtp_num_layers or 0) * (module + output)
     recompute = {None: "no recompute", "selective": "selective recompute"}.get(
         granularity, f"full recompute ({m.recompute_method})"
     )
@@ -392,15 +340,16 @@ def _score_bytes(config: RunConfig, layout: dict, b: int, device_type: str) -> f
 
 def _flops(config: RunConfig, layout: dict, V: int) -> int:
     m = config.model
-    s, h, L = config.gpt.seq_length, m.hidden_size, m.num_layers
+    s, h = config.gpt.seq_length, m.hidden_size
     gated = 3 if m.gated_linear_unit else 2
-    attention = _attention_flops(m, s)
-    n_dense, n_moe = _moe_layers(config)
-    mlp = m.ffn_hidden_size * gated * n_dense
-    if n_moe:
-        routed = m.moe_ffn_hidden_size * m.moe_router_topk
-        mlp += (routed + (m.moe_shared_expert_intermediate_size or 0)) * gated * n_moe
-    per_token = 3 * 2 * (h * mlp + attention * L + h * V)  # fwd + 2 bwd GEMMs, 2 per multiply-add
+    mtp = m.mtp_num_layers or 0
+    pattern = m.moe_layer_pattern()
+    kinds = pattern + pattern[-1:] * mtp  # an MTP module's layer is of the last layer's kind
+    mlp = sum(_mlp_width(m, moe) if moe else m.ffn_hidden_size for moe in kinds) * gated
+    attention = _attention_flops(m, s) * len(kinds)
+    mtp_projections = mtp * (3 * h + 2 * h * h)  # its norms (Megatron's 3h) and eh_proj
+    # fwd + 2 bwd GEMMs, 2 per multiply-add
+    per_token = 3 * 2 * (h * mlp + attention + mtp_projections + h * V * (1 + mtp))
     return layout["gbs"] * s * per_token
 
 
@@ -444,7 +393,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = parse_config(rest, prog="mp-train estimate")
         result = estimate(config, own.world_size, vocab_size=own.vocab_size,
-                          device_type=own.device)  # fmt: skip
+                          device_type=own.device,
+                          megatron_formula=own.megatron_formula)  # fmt: skip
     except (OSError, ValueError) as error:
         print(f"mp-train estimate: error: {error}", file=sys.stderr)
         return 2
@@ -456,14 +406,35 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mp-train estimate",
         description="Theoretical memory of the most loaded rank and FLOPs per iteration. "
-        "Every other flag (and --config FILE.yaml) is the run's own, mixture-of-experts "
-        "layers included (--num-moe-experts, --moe-router-topk, --expert-model-parallel-size, "
-        "...).",
+        "By default mp's own model: every parameter the run allocates, placed as its ranks "
+        "hold it (replicated norms whole on each tensor-parallel rank), the optimizer state "
+        "of its precision and optimizer, the activations its core attention, recompute, "
+        "context parallelism, MoE widths and multi-token prediction keep, of the first or "
+        "last pipeline stage, whichever holds more. With --megatron-formula, "
+        f"Megatron-LM's figures instead ({MEGATRON_VERSION}). Every other flag (and "
+        "--config FILE.yaml) is the run's own, mixture-of-experts layers included "
+        "(--num-moe-experts, --moe-router-topk, --expert-model-parallel-size, ...).",
         allow_abbrev=False,
     )
     parser.add_argument("--world-size", type=int, required=True, help="ranks of the run")
     parser.add_argument("--vocab-size", type=int, help="vocabulary before padding")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                         help="where the run computes (decides the core attention 'auto' "
-                        "picks, hence whether attention probabilities are kept)")  # fmt: skip
+                        "picks, hence whether attention probabilities are kept; no effect "
+                        "with --megatron-formula, which keeps none)")  # fmt: skip
+    parser.add_argument(
+        "--megatron-formula", action="store_true",
+        help=f"Megatron-LM's report_theoretical_memory and num_floating_point_operations "
+        f"({MEGATRON_VERSION}), to the bit, with the lines Megatron prints "
+        "(megatron_report). They assume bf16 weights with fp32 gradients and Adam (18 "
+        "bytes a parameter; 6 + 12/dp with the distributed optimizer, dp without the "
+        "context-parallel ranks); count no bias but the router's, no learned positions, "
+        "and of an MTP module its layer only; take the first stage's L/p layers, the "
+        "embedding and every MTP module as the most loaded rank; store the activations of "
+        "the whole sequence in 16 bits, without the attention scores (as flash attention "
+        "or selective recompute would), ffn_hidden_size wide in every layer (MoE and MLA "
+        "layers as dense ones), without full recompute or MTP: sbh(18 + 4f/h)/t a layer "
+        "with sequence parallelism and selective recompute, otherwise sbh(10 + 24/t) a "
+        "layer and a 5%% margin.",
+    )  # fmt: skip
     return parser

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from mp_optim import counted_in_grad_norm, is_expert_parallel
 from mp_train.estimate import estimate
 from mp_train.moe_step import aux_loss_names
+from mp_train.mtp_step import mtp_loss_names
 from mp_train.setup import Run
 from mp_train.stragglers import STRAGGLER_TIMER, straggler_line
 from mp_train.tensorboard import TensorBoard
@@ -93,7 +94,7 @@ class MetricsLogger:
                                        name=self.config.wandb_exp_name,
                                        config=run.config.as_dict())  # fmt: skip
         self.board = TensorBoard(self.config, run.is_last_rank, wandb_run)
-        self._aux_names = set(aux_loss_names(run.config.model))
+        self._aux_names = set(aux_loss_names(run.config.model) + mtp_loss_names(run.config.model))
         self.estimate = estimate(run.config, dist.get_world_size(),
                                  vocab_size=run.padded_vocab_size,
                                  device_type=run.device.type)  # fmt: skip

@@ -2,15 +2,17 @@
 knows nothing of them):
 
 - before the micro-batches: the factor the routers' auxiliary losses get in backward,
-  the one the main loss gets (the loss scale / the number of micro-batches; with a
-  per-token loss the loss scale alone, as in Megatron);
+  the one the main loss gets (the loss scale / the number of micro-batches, times cp;
+  with a per-token loss the loss scale alone, as in Megatron), and the one the
+  multi-token prediction losses get (the same without the cp);
   the global load-balancing loss's token counts start from zero;
 - after them: the expert biases of auxiliary-loss-free balancing move (their token
   counts summed over the stage's tp x dp x cp ranks, Megatron's finalize step);
 - for the log: each auxiliary loss (divided by its coefficient, as Megatron logs it)
-  per micro-batch, summed over tensor-parallel parts and pipeline stages, averaged over
-  data-parallel ranks (summed for the global loss, whose ranks' parts add up to the
-  global batch's loss, as in Megatron) and over the model's MoE layers:
+  per micro-batch, summed over tensor- and context-parallel parts and pipeline stages,
+  averaged over data-parallel ranks (summed for the global loss, whose ranks' parts add
+  up to the global batch's loss, as in Megatron) and over the model's MoE layers (the
+  MTP modules' included):
   `load_balancing_loss` (or `seq_load_balancing_loss`, `global_load_balancing_loss`)
   and `z_loss`, beside `lm loss`.
 """
@@ -51,14 +53,21 @@ class MoEStep:
         self.routers = moe.routers_of(chunks)
         self.per_token = per_token
         self.names = aux_loss_names(model_config)
-        self.moe_layers = sum(model_config.moe_layer_pattern())
+        pattern = model_config.moe_layer_pattern()
+        # The MTP modules' layers are shaped as the last one (Megatron counts them too).
+        self.moe_layers = sum(pattern) + (model_config.mtp_num_layers or 0) * pattern[-1]
         self.state, self.fp16 = state, fp16
 
     def before(self, optimizer, num_microbatches: int) -> None:
         scale = optimizer.get_loss_scale() if self.fp16 else 1.0
         # With a per-token loss the main loss is not divided by the micro-batches (finalize
         # divides every gradient by the batch's tokens): neither are the auxiliary losses.
-        moe.set_aux_loss_scale(scale if self.per_token else scale / num_microbatches)
+        # Each context-parallel rank's balancing loss is its tokens' part of the sequences'
+        # loss, and the gradients are averaged over cp: times cp, as in Megatron.
+        cp = self.state.cp.size
+        moe.set_aux_loss_scale(scale if self.per_token else scale * cp / num_microbatches)
+        # Multi-token prediction's losses: a mean per rank, the main loss's factor.
+        moe.set_aux_loss_scale(scale if self.per_token else scale / num_microbatches, "mtp")
         for router in self.routers:
             router.reset_global_counts()
 
@@ -73,7 +82,7 @@ class MoEStep:
         values = torch.stack([taken.get(n, torch.zeros(())).float() for n in self.names])
         if dist.get_backend() == "nccl":
             values = values.cuda()
-        for group in (self.state.tp, self.state.pp):
+        for group in (self.state.tp_cp, self.state.pp):
             if group.size > 1:
                 dist.all_reduce(values, group=group.group)
         dp = self.state.dp

@@ -241,9 +241,9 @@ def _build_model(config, state, tracker, padded_vocab, model_provider) -> list:
         for module in chunks:
             broadcast_params(module, state.dp_cp, state.expert_dp)
     for module in chunks:
-        # Embeddings tied across the first and last stage: the last stage's copy takes
-        # the first stage's weights (collective over the embedding group).
-        tied = getattr(module, "share_embeddings_and_output_weights", False)
+        # The last stage's copy of the word embedding (tied output layer, MTP) takes the
+        # first stage's weights (collective over the embedding group).
+        tied = getattr(module, "embedding_on_last_stage", False)
         ends = getattr(module, "pre_process", False) or getattr(module, "post_process", False)
         if tied and ends and state.embedding is not None and state.pp.size > 1:
             module.sync_tied_embeddings(state.embedding)

@@ -51,6 +51,7 @@ from mp_train.config import RunConfig, hang_timeout_minutes
 from mp_train.hang_watchdog import HangWatchdog
 from mp_train.metrics import MetricsLogger
 from mp_train.moe_step import MoEStep
+from mp_train.mtp_step import mtp_losses
 from mp_train.profiling import StepProfiler
 from mp_train.setup import Initialized, ModelProvider, Run, setup_run
 from mp_train.signals import DistributedSignalHandler
@@ -154,6 +155,7 @@ def _train(run: Run, forward_step_func, train_iter, valid_iter, checkpointer, me
             run.timers("forward-backward", log_level=1).stop()
             experts.after_backward()
             losses = reduce_reports(reports) | experts.aux_losses(num_microbatches)
+            losses |= mtp_losses(run.model, config.model, run.state, num_microbatches)
             checked = training.check_for_nan_in_loss_and_grad or training.skip_nan_loss_iterations
             bad_loss = checked and _nonfinite_anywhere(losses)
             if bad_loss and not training.skip_nan_loss_iterations:

@@ -2,10 +2,12 @@
 
     ARCHITECTURES               every family's Hugging Face model_type (no torch import,
                                 for `mp-ckpt --help`)
-    family(model_type)          its Family (table.py): rules and config.json mapping
+    family(model_type)          its Family (table.py): rules and config.json mapping (an
+                                alias in ALIASES: the family it names)
     family_of(settings)         the family a model's settings describe, for a checkpoint
                                 that does not say which it was imported as
-    check_convertible(settings) refuses, naming it, a layer no family's table describes yet
+    check_convertible(settings) refuses, naming it, a layer the Megatron-LM conversion
+                                cannot hold yet (multi-latent attention)
 
 Adding a family is a file here (its Rules, its settings <-> config.json functions, a
 FAMILY) and its name in ARCHITECTURES. Import and export (mp_ckpt.hf) loop over its
@@ -18,24 +20,31 @@ from __future__ import annotations
 
 import importlib
 
-__all__ = ["ARCHITECTURES", "check_convertible", "family", "family_of"]
+__all__ = ["ALIASES", "ARCHITECTURES", "check_convertible", "family", "family_of"]
 
 ARCHITECTURES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "nemotron", "mixtral",
-                 "qwen2_moe", "qwen3_moe", "gpt_oss")  # fmt: skip
+                 "qwen2_moe", "qwen3_moe", "gpt_oss", "deepseek_v2", "deepseek_v3")  # fmt: skip
 
 
 def check_convertible(settings: dict) -> None:
-    """Raises a ValueError naming the feature when the settings describe layers that no
-    family's table holds, so that a conversion stops before reading any tensor."""
+    """Raises a ValueError naming the feature when the settings describe layers that the
+    Megatron-LM conversion cannot write or read yet, so that it stops before reading any
+    tensor."""
     if settings.get("multi_latent_attention"):
         raise ValueError(
-            "multi-latent attention (DeepSeek-V2/V3, Kimi K2) has no Hugging Face or "
-            "Megatron-LM conversion yet: the checkpoint trains, resumes and reshards in mp's "
-            "own format only"
+            "multi-latent attention (DeepSeek-V2/V3, Kimi K2) has no Megatron-LM conversion "
+            "yet: the checkpoint converts to and from Hugging Face (deepseek_v2, deepseek_v3) "
+            "and trains, resumes and reshards in mp's own format"
         )
 
 
+ALIASES = {"kimi_k2": "deepseek_v3"}
+"""config.json model_types read as another family's: Kimi K2's names DeepSeek-V3's
+architecture (DeepseekV3ForCausalLM, its layers and routing) under a model_type of its own."""
+
+
 def family(model_type: str):
+    model_type = ALIASES.get(model_type, model_type)
     if model_type not in ARCHITECTURES:
         raise ValueError(
             f"unsupported model_type {model_type!r}: mp-ckpt converts {', '.join(ARCHITECTURES)}"
@@ -45,11 +54,14 @@ def family(model_type: str):
 
 def family_of(settings: dict) -> str:
     """The family whose layers the settings describe (the first that fits, most specific
-    first): learned positions are GPT-2; experts with quick GEGLU or sinks gpt-oss, with a
-    shared expert Qwen2-MoE, with qk-layernorm Qwen3-MoE, else Mixtral; dense with
+    first): multi-latent attention is DeepSeek-V3 with sigmoid router scores, else
+    DeepSeek-V2; learned positions are GPT-2; experts with quick GEGLU or sinks gpt-oss,
+    with a shared expert Qwen2-MoE, with qk-layernorm Qwen3-MoE, else Mixtral; dense with
     qk-layernorm Qwen3, with LayerNorm1P Nemotron, with q/k/v biases Qwen2, with a
     sliding window Mistral, else Llama."""
-    check_convertible(settings)
+    if settings.get("multi_latent_attention"):
+        sigmoid = settings.get("moe_router_score_function") == "sigmoid"
+        return "deepseek_v3" if sigmoid else "deepseek_v2"
     if settings.get("position_embedding_type", "learned_absolute") == "learned_absolute":
         return "gpt2"
     if settings.get("num_moe_experts"):

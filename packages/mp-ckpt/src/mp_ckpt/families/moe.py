@@ -4,12 +4,13 @@ mp's MoE layer i (under decoder.layers.{i}.mlp.; E experts of width F, hidden h,
 a shared expert of width S):
 
     router.weight                              [E, h]
+    router.expert_bias                         [E]         (DeepSeek-V3: its buffer)
     experts.linear_fc1.gate.weight             [E, F, h]   dim 0: the expert
     experts.linear_fc1.up.weight               [E, F, h]
     experts.linear_fc2.weight                  [E, h, F]
-    shared_experts.linear_fc1.{gate,up}.weight [S, h]      (Qwen2-MoE)
+    shared_experts.linear_fc1.{gate,up}.weight [S, h]      (Qwen2-MoE, DeepSeek)
     shared_experts.linear_fc2.weight           [h, S]
-    shared_experts.gate_weight                 [1, h]
+    shared_experts.gate_weight                 [1, h]      (Qwen2-MoE)
 
 Hugging Face saves experts one by one (hub checkpoints, and transformers 5's
 save_pretrained): `{block}.experts.{e}.{gate,up,down}.weight`, which `expert_rules`
@@ -56,16 +57,19 @@ def expert_rules(block: str, gate: str, up: str, down: str) -> tuple[Rule, ...]:
     )  # fmt: skip
 
 
-def shared_expert_rules() -> tuple[Rule, ...]:
-    """Qwen2-MoE's gated shared expert."""
+def shared_expert_rules(module: str = "shared_expert", *, gated: bool = True) -> tuple[Rule, ...]:
+    """The shared expert under model.layers.{i}.mlp.<module>: Qwen2-MoE's (gated by
+    shared_expert_gate), DeepSeek's ("shared_experts", ungated)."""
     layer = "model.layers.{i}.mlp."
     names = (("linear_fc1.gate", "gate_proj"), ("linear_fc1.up", "up_proj"),
              ("linear_fc2", "down_proj"))  # fmt: skip
     rules = tuple(
-        Rule((f"mlp.shared_experts.{ours}.weight",), f"{layer}shared_expert.{theirs}.weight",
+        Rule((f"mlp.shared_experts.{ours}.weight",), f"{layer}{module}.{theirs}.weight",
              "moe", megatron="mlp.shared_experts.linear_fc1" if "fc1" in ours else None)
         for ours, theirs in names
     )  # fmt: skip
+    if not gated:
+        return rules
     return (*rules, Rule(("mlp.shared_experts.gate_weight",), layer + "shared_expert_gate.weight",
                          "moe"))  # fmt: skip
 

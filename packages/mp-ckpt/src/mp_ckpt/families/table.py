@@ -14,8 +14,15 @@ for E tensors that mp keeps stacked on dim 0. `to_mp` takes the Hugging Face ten
 both also get the model's `Dims`. Absent, the tensor passes unchanged.
 
 `scope` says where a rule applies: "model" once, "layer" every layer, "dense" a
-layer with a plain MLP, "moe" a mixture-of-experts layer. `when(settings)` says
-whether the model has the tensor at all (a bias, an untied output layer, ...).
+layer with a plain MLP, "moe" a mixture-of-experts layer, "mtp" each multi-token
+prediction module (mp's names relative to "mtp.layers.{k}.", "{i}" the Hugging Face
+layer number num_layers + k; the module's transformer layer takes the "layer" rules and
+those of the last layer's MLP under "mtp.layers.{k}.transformer_layer."). `when(settings)`
+says whether the model has the tensor at all (a bias, an untied output layer, ...).
+`keep_dtype` exempts a tensor from the export's cast to another dtype. `model_copy`
+marks a Hugging Face tensor that repeats the model-level mp tensor named (DeepSeek-V3's
+MTP layers hold the embedding and the output layer again): import checks that it
+equals it, export writes it again.
 
 `megatron` is Megatron-LM's module holding the tensors (relative like `mp`) where it
 differs from mp's; the last part of each mp name (weight, bias) completes its Megatron
@@ -25,13 +32,13 @@ interleaved per query group in linear_qkv, a gated fc1's gate and up as [gate; u
 
 `Family` holds a family's rules with its config.json mapping: `settings(config)`
 reads config.json into mp's model settings (Megatron's names) and `config(settings,
-dims, tokens, dtype)` writes it back. Import and export (mp_ckpt.hf) are loops over
-these rules.
+dims, tokens, dtype)` writes it back; `held(config, names)` first makes config.json
+say what the weights hold. Import and export (mp_ckpt.hf) are loops over these rules.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -50,7 +57,7 @@ __all__ = [
 
 Tensors = Sequence[torch.Tensor]
 Transform = Callable[[Tensors, "Dims"], list[torch.Tensor]]
-Scope = Literal["model", "layer", "dense", "moe"]
+Scope = Literal["model", "layer", "dense", "moe", "mtp"]
 
 
 @dataclass(frozen=True)
@@ -86,6 +93,11 @@ class Rule:
     to_hf: Transform | None = None
     when: Callable[[dict], bool] | None = None
     megatron: str | None = None
+    keep_dtype: bool = False
+    """Written in the checkpoint's dtype whatever export-hf's --dtype says (transformers
+    keeps DeepSeek-V3's e_score_correction_bias in fp32)."""
+    model_copy: bool = False
+    """The Hugging Face tensor repeats the model-level mp tensor `mp` names."""
 
     @property
     def hf_names(self) -> tuple[str, ...]:
@@ -126,6 +138,10 @@ class Family:
     prepare: Callable[[dict, dict], dict] | None = None
     """Rewrites a Hugging Face state dict into the names of `rules` before import
     (transformers' in-memory fused experts -> its saved per-expert names)."""
+    held: Callable[[dict, Collection[str]], dict] | None = None
+    """config.json as the weights (their names) show it, before its settings are read
+    (DeepSeek-V3: num_nextn_predict_layers 0 for weights without multi-token prediction
+    layers, which transformers neither builds nor saves but counts in config.json)."""
 
     def rules_for(self, scope: Scope, settings: dict) -> list[Rule]:
         return [r for r in self.rules if r.scope == scope and r.applies(settings)]

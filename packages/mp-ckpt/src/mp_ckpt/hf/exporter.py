@@ -10,8 +10,10 @@ The family is `arch`, else the one the checkpoint was imported as (common["famil
 else the one its settings describe (families.family_of). Settings the tensors do not
 show (norm epsilon, activation, rotary base and scaling, ...) come from the
 checkpoint's common["model_config"] (Megatron names), completed by
-common["config"]["model"] (the training run's TransformerConfig); the shapes, an
-untied output layer, q/k/v biases and which layers have experts come from the tensors.
+common["config"]["model"] (the training run's TransformerConfig); the shapes (of
+multi-latent attention: every width but the number of heads), an untied output layer,
+q/k/v biases, which layers have experts and the multi-token prediction modules come
+from the tensors.
 """
 
 from __future__ import annotations
@@ -27,9 +29,10 @@ import torch
 from mp_ckpt.core.progress import progress as progress_reporter
 from mp_ckpt.core.reader import CheckpointReader
 from mp_ckpt.core.regions import Region
-from mp_ckpt.families import check_convertible, family, family_of
+from mp_ckpt.families import family, family_of
 from mp_ckpt.families.moe import is_moe_layer
 from mp_ckpt.families.table import Dims, Family, Rule
+from mp_ckpt.hf.importer import placed_rules
 from mp_ckpt.hf.safetensors_writer import ShardedSafetensorsWriter
 from mp_ckpt.hf.tokenizer import (
     TOKENIZER_FILES,
@@ -42,6 +45,7 @@ __all__ = ["export_hf"]
 
 _DEFAULT_SHARD_BYTES = 5 * 2**30
 _Q = "decoder.layers.0.self_attention.linear_qkv.q"
+_MLA = "decoder.layers.0.self_attention."
 Producer = Callable[[], torch.Tensor]
 
 
@@ -64,10 +68,9 @@ def export_hf(
     common = common if isinstance(common, dict) else {}
     run_model = (common.get("config") or {}).get("model") or {}
     settings = _from_tensors(reader, keys, dict(run_model) | dict(common.get("model_config") or {}))
-    check_convertible(settings)
     arch = arch or common.get("family") or family_of(settings)
     fam = family(arch)
-    tensors = _plan(fam, reader, settings)
+    tensors = _plan(fam, reader, settings, dtype)
     _check_keys(arch, keys, tensors, reader.directory)
     files, ids = export_tokenizer(common)
     saved_dtype = reader.dtype("embedding.word_embeddings.weight")
@@ -79,7 +82,7 @@ def export_hf(
             ShardedSafetensorsWriter(out, max_shard_bytes) as writer:  # fmt: skip
         for name, (_, produce) in tensors.items():
             tensor = produce()
-            writer.add(name, tensor if dtype is None else tensor.to(dtype))
+            writer.add(name, tensor)
             bar.update()
     for name, data in files.items():
         if name not in TOKENIZER_FILES:
@@ -108,11 +111,50 @@ def _from_tensors(reader: CheckpointReader, keys: list[str], settings: dict) -> 
         "num_moe_experts": reader.shape(
             f"decoder.layers.{routers.index(True)}.mlp.router.weight")[0] if any(routers) else None,
         "moe_layer_freq": [int(r) for r in routers],
+        "mtp_num_layers": len({m.group(1) for k in keys
+                               if (m := re.match(r"mtp\.layers\.(\d+)\.", k))}) or None,
     }  # fmt: skip
+    if f"{_Q}.weight" not in keys and f"{_MLA}linear_kv_down_proj.weight" in keys:
+        return settings | shown | _mla_from_tensors(reader, keys, settings)
     groups, per_group, d, h = reader.shape(f"{_Q}.weight")
     shown |= {"num_attention_heads": groups * per_group, "num_query_groups": groups,
               "kv_channels": d, "hidden_size": h}  # fmt: skip
     return settings | shown
+
+
+def _mla_from_tensors(reader: CheckpointReader, keys: list[str], settings: dict) -> dict:
+    """Multi-latent attention's widths from its tensors, given the number of heads n:
+    linear_kv_down_proj [r + dr, h], linear_kv_up_proj [n (dn + dv), r], the query
+    projection [n (dn + dr), h or q_lora_rank], linear_proj [h, n dv]."""
+    heads = settings.get("num_attention_heads")
+    if not heads:
+        raise ValueError("model_config has no num_attention_heads: the tensors of multi-latent "
+                         "attention do not show it")  # fmt: skip
+    latent, h = reader.shape(f"{_MLA}linear_kv_down_proj.weight")
+    kv_rows, r = reader.shape(f"{_MLA}linear_kv_up_proj.weight")
+    q_lora = None
+    if f"{_MLA}linear_q_proj.weight" in keys:
+        q_rows = reader.shape(f"{_MLA}linear_q_proj.weight")[0]
+    else:
+        q_rows, q_lora = reader.shape(f"{_MLA}linear_q_up_proj.weight")
+    v_cols = reader.shape(f"{_MLA}linear_proj.weight")[1]
+    if q_rows % heads or kv_rows % heads or v_cols % heads:
+        raise ValueError(
+            f"num_attention_heads={heads} does not divide the multi-latent attention's "
+            f"query ({q_rows}), key/value ({kv_rows}) or output ({v_cols}) rows"
+        )
+    dr = latent - r
+    dn, dv = q_rows // heads - dr, v_cols // heads
+    if dn < 1 or dn + dv != kv_rows // heads:
+        raise ValueError(
+            f"the multi-latent attention's tensors disagree: {heads} heads of {q_rows // heads} "
+            f"query, {kv_rows // heads} key/value and {dv} value channels with "
+            f"{dr} rotary channels"
+        )
+    return {"multi_latent_attention": True, "num_attention_heads": heads,
+            "num_query_groups": heads, "hidden_size": h, "q_lora_rank": q_lora,
+            "kv_lora_rank": r, "qk_head_dim": dn, "qk_pos_emb_head_dim": dr, "v_head_dim": dv,
+            "qk_layernorm": f"{_MLA}kv_layernorm.weight" in keys}  # fmt: skip
 
 
 def _shapes(reader: CheckpointReader, keys: list[str], settings: dict) -> dict:
@@ -122,7 +164,7 @@ def _shapes(reader: CheckpointReader, keys: list[str], settings: dict) -> dict:
     moe = [is_moe_layer(settings, i) for i in range(layers)]
     shapes = {"vocab": vocab, "hidden": h, "layers": layers,
               "heads": settings["num_attention_heads"], "groups": settings["num_query_groups"],
-              "head_dim": settings["kv_channels"],
+              "head_dim": settings.get("kv_channels") or h // settings["num_attention_heads"],
               "tied": not settings["untie_embeddings_and_output_weights"],
               "sparse": [int(m) for m in moe]}  # fmt: skip
     if "embedding.position_embeddings.weight" in keys:
@@ -142,36 +184,39 @@ def _shapes(reader: CheckpointReader, keys: list[str], settings: dict) -> dict:
 
 
 def _plan(
-    fam: Family, reader: CheckpointReader, settings: dict
+    fam: Family, reader: CheckpointReader, settings: dict, dtype: torch.dtype | None = None
 ) -> dict[str, tuple[tuple, Producer]]:
-    """{Hugging Face name: (the mp keys it reads, produce())} in the export's order."""
+    """{Hugging Face name: (the mp keys it reads, produce())} in the export's order; each
+    tensor produced in `dtype` (None: as saved) unless its rule keeps its dtype."""
     dims = Dims.of(settings)
     plan: dict[str, tuple[tuple, Producer]] = {}
 
-    def add(rule: Rule, layer: int | None) -> None:
-        prefix = "" if layer is None else f"decoder.layers.{layer}."
-        sources = tuple(prefix + name for name in rule.mp)
+    def add(rule: Rule, layer: int | None, prefix: str) -> None:
+        sources = tuple(name if rule.model_copy else prefix + name for name in rule.mp)
         names = [n.replace("{i}", str(layer)) for n in rule.hf_names]
+        cast = dtype if not rule.keep_dtype else None
         if rule.per_expert:
             (source,), (name,) = sources, names
             for e in range(reader.shape(source)[0]):
                 one = lambda s=source, e=e, r=rule: r.export([_expert(reader, s, e)], dims)[0]  # noqa: E731
-                plan[name.replace("{e}", str(e))] = (sources, one)
+                plan[name.replace("{e}", str(e))] = (sources, _cast(one, cast))
             return
         outputs = _shared_outputs(rule, [lambda s=s: reader.read(s) for s in sources], dims)
         for j, name in enumerate(names):
-            plan[name] = (sources, lambda j=j: outputs(j))
+            plan[name] = (sources, _cast(lambda j=j: outputs(j), cast))
 
     model_rules = fam.rules_for("model", settings)
     for rule in (r for r in model_rules if r.mp[0].startswith("embedding.")):
-        add(rule, None)
-    for i in range(settings["num_layers"]):
-        scopes = ("layer", "moe" if is_moe_layer(settings, i) else "dense")
-        for rule in (r for scope in scopes for r in fam.rules_for(scope, settings)):
-            add(rule, i)
+        add(rule, None, "")
+    for rule, layer, prefix in placed_rules(fam, settings):
+        add(rule, layer, prefix)
     for rule in (r for r in model_rules if not r.mp[0].startswith("embedding.")):
-        add(rule, None)
+        add(rule, None, "")
     return plan
+
+
+def _cast(produce: Producer, dtype: torch.dtype | None) -> Producer:
+    return produce if dtype is None else lambda: produce().to(dtype)
 
 
 def _shared_outputs(rule: Rule, reads: list[Producer], dims: Dims) -> Callable[[int], torch.Tensor]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -24,10 +25,17 @@ from mp_ckpt.core.progress import progress as progress_reporter
 from mp_ckpt.core.sharding import ShardedTensor
 from mp_ckpt.families import family
 from mp_ckpt.families.moe import is_moe_layer
-from mp_ckpt.families.table import Dims, Rule
+from mp_ckpt.families.table import Dims, Family, Rule
 from mp_ckpt.hf.tokenizer import tokenizer_from_hf
 
-__all__ = ["import_hf", "logical_from_hf", "model_config_from_hf", "read_json"]
+__all__ = [
+    "held_config",
+    "import_hf",
+    "logical_from_hf",
+    "model_config_from_hf",
+    "placed_rules",
+    "read_json",
+]
 
 # Saved beside the weights by some versions, never weights: rotary tables, GPT-2's mask.
 _NOT_WEIGHTS = re.compile(r"(rotary_emb\.inv_freq|attn\.bias|attn\.masked_bias)$")
@@ -45,14 +53,25 @@ def import_hf(hf_dir: str | os.PathLike, out_root: str | os.PathLike, *,
     mp_ckpt.families.ARCHITECTURES. progress: report the weight files read on stderr."""
     hf_dir = Path(hf_dir)
     config = read_json(hf_dir / "config.json", "not a Hugging Face model directory")
-    model_config = model_config_from_hf(config)
+    quantization = config.get("quantization_config")
+    if quantization:
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+        raise ValueError(
+            f"{hf_dir / 'config.json'}: quantization_config (quant_method {method!r}): mp "
+            "imports unquantized weights (fp32, bf16, fp16); dequantize them first"
+        )
+    model_config_from_hf(config)  # what mp cannot compute is refused before any weight is read
     generation = None
     if (hf_dir / "generation_config.json").exists():
         generation = read_json(hf_dir / "generation_config.json", "")
-    logical = logical_from_hf(_read_state(hf_dir, progress), config)
+    state = _read_state(hf_dir, progress)
+    config = held_config(state, config)
+    model_config = model_config_from_hf(config)
+    logical = logical_from_hf(state, config)
     pieces = {k: ShardedTensor(k, t.contiguous(), tuple(t.shape), (0,) * t.dim())
               for k, t in logical.items()}  # fmt: skip
-    common = {"iteration": 0, "model_config": model_config, "family": config["model_type"],
+    common = {"iteration": 0, "model_config": model_config,
+              "family": family(config["model_type"]).model_type,
               "imported_from": str(hf_dir),
               "tokenizer": tokenizer_from_hf(hf_dir, config, generation)}  # fmt: skip
     if generation is not None:
@@ -65,6 +84,7 @@ def logical_from_hf(state: dict[str, torch.Tensor], config: dict) -> dict[str, t
     """mp's logical tensors from a Hugging Face state dict and its config.json (a dict).
     A tensor the family has no place for is refused by name."""
     fam = family(config.get("model_type"))
+    config = held_config(state, config)
     settings = fam.settings(config)
     if fam.prepare is not None:
         state = fam.prepare(state, config)
@@ -78,7 +98,7 @@ def logical_from_hf(state: dict[str, torch.Tensor], config: dict) -> dict[str, t
         used.add(name)
         return state[name]
 
-    def apply(rule: Rule, layer: int | None) -> None:
+    def apply(rule: Rule, layer: int | None, prefix: str) -> None:
         names = [n.replace("{i}", str(layer)) for n in rule.hf_names]
         if rule.per_expert:
             experts = settings["num_moe_experts"]
@@ -86,18 +106,48 @@ def logical_from_hf(state: dict[str, torch.Tensor], config: dict) -> dict[str, t
                        for n in names]  # fmt: skip
         else:
             tensors = [take(n) for n in names]
-        prefix = "" if layer is None else f"decoder.layers.{layer}."
-        for name, tensor in zip(rule.mp, rule.import_(tensors, dims), strict=True):
+        imported = zip(rule.mp, rule.import_(tensors, dims), strict=True)
+        if rule.model_copy:  # copies of model-level tensors, imported before
+            for name, tensor in imported:
+                if not torch.equal(tensor, out[name]):
+                    raise ValueError(f"the Hugging Face weights' {', '.join(names)} differs "
+                                     f"from the tensor it repeats (mp's {name})")  # fmt: skip
+            return
+        for name, tensor in imported:
             out[prefix + name] = tensor.contiguous()
 
     for rule in fam.rules_for("model", settings):
-        apply(rule, None)
-    for i in range(settings["num_layers"]):
-        scopes = ("layer", "moe" if is_moe_layer(settings, i) else "dense")
-        for rule in (r for scope in scopes for r in fam.rules_for(scope, settings)):
-            apply(rule, i)
+        apply(rule, None, "")
+    for rule, layer, prefix in placed_rules(fam, settings):
+        apply(rule, layer, prefix)
     _refuse_unused(state, used, settings)
     return out
+
+
+def placed_rules(fam: Family, settings: dict) -> Iterator[tuple[Rule, int, str]]:
+    """(rule, its Hugging Face layer number, mp's prefix) for each decoder layer, then
+    each multi-token prediction module (its own rules, then its transformer layer's,
+    shaped as the last layer)."""
+    layers = settings["num_layers"]
+    for i in range(layers):
+        yield from ((rule, i, f"decoder.layers.{i}.") for rule in _layer_rules(fam, settings, i))
+    for k in range(settings.get("mtp_num_layers") or 0):
+        module = f"mtp.layers.{k}."
+        yield from ((rule, layers + k, module) for rule in fam.rules_for("mtp", settings))
+        yield from ((rule, layers + k, f"{module}transformer_layer.")
+                    for rule in _layer_rules(fam, settings, layers - 1))  # fmt: skip
+
+
+def _layer_rules(fam: Family, settings: dict, i: int) -> list[Rule]:
+    """The rules of decoder layer i: every layer's, and those of its MLP (experts or not)."""
+    scopes = ("layer", "moe" if is_moe_layer(settings, i) else "dense")
+    return [r for scope in scopes for r in fam.rules_for(scope, settings)]
+
+
+def held_config(state: dict, config: dict) -> dict:
+    """config.json as the weights show it (the family's `held`)."""
+    fam = family(config.get("model_type"))
+    return config if fam.held is None else fam.held(config, state.keys())
 
 
 def _refuse_unused(state: dict, used: set[str], settings: dict) -> None:

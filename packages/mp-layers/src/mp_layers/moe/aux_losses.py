@@ -17,7 +17,9 @@ coeff * mean_t logsumexp(logits_t)^2, its coefficient divided by tp for the same
 The losses never join `lm loss`: `attach` makes the router's output carry them, so that
 backward adds d(loss)/d(scores) scaled by the factor of `set_aux_loss_scale` (the
 training loop sets the loss scale / number of micro-batches, the same factor the main
-loss gets). The pipeline schedules need not know about them.
+loss gets, times cp as in Megatron). The pipeline schedules need not know about them.
+Multi-token prediction's losses reach the gradients the same way, with their own factor
+(kind "mtp": Megatron's MTPLossAutoScaler, without the cp).
 """
 
 from __future__ import annotations
@@ -26,17 +28,17 @@ import torch
 
 __all__ = ["attach", "aux_loss_scale", "load_balancing_loss", "set_aux_loss_scale", "z_loss"]
 
-_scale = torch.ones(())
+_scales = {"moe": torch.ones(()), "mtp": torch.ones(())}
 
 
-def set_aux_loss_scale(scale: float | torch.Tensor) -> None:
-    """The factor the auxiliary losses' gradients get in backward (default 1)."""
-    global _scale
-    _scale = torch.as_tensor(scale, dtype=torch.float32).detach().clone()
+def set_aux_loss_scale(scale: float | torch.Tensor, kind: str = "moe") -> None:
+    """The factor the auxiliary losses' gradients get in backward (default 1): the routers'
+    (kind "moe") or multi-token prediction's ("mtp")."""
+    _scales[kind] = torch.as_tensor(scale, dtype=torch.float32).detach().clone()
 
 
-def aux_loss_scale() -> torch.Tensor:
-    return _scale
+def aux_loss_scale(kind: str = "moe") -> torch.Tensor:
+    return _scales[kind]
 
 
 def load_balancing_loss(
@@ -60,18 +62,20 @@ def z_loss(logits: torch.Tensor, coeff: float) -> torch.Tensor:
     return torch.logsumexp(logits.float(), dim=-1).square().mean() * coeff
 
 
-def attach(activation: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
-    """`activation` unchanged; in backward, `loss` receives the gradient aux_loss_scale()."""
-    return _AttachLoss.apply(activation, loss)
+def attach(activation: torch.Tensor, loss: torch.Tensor, kind: str = "moe") -> torch.Tensor:
+    """`activation` unchanged; in backward, `loss` receives the gradient
+    aux_loss_scale(kind)."""
+    return _AttachLoss.apply(activation, loss, kind)
 
 
 class _AttachLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, activation, loss):
+    def forward(ctx, activation, loss, kind):
         ctx.save_for_backward(loss)
+        ctx.kind = kind
         return activation.view_as(activation)
 
     @staticmethod
     def backward(ctx, grad):
         (loss,) = ctx.saved_tensors
-        return grad, torch.ones_like(loss) * _scale.to(loss.device)
+        return grad, torch.ones_like(loss) * _scales[ctx.kind].to(loss.device), None

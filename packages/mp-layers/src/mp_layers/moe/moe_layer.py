@@ -31,7 +31,7 @@ __all__ = ["MoELayer", "SharedExperts"]
 class MoELayer(torch.nn.Module):
     def __init__(self, config: TransformerConfig, groups: ModelGroups) -> None:
         super().__init__()
-        self.router = TopKRouter(config, groups.tp, groups.tp_dp_cp)
+        self.router = TopKRouter(config, groups.tp, groups.tp_dp_cp, groups.tp_cp)
         self.experts = GroupedExperts(config, groups.ep, groups.expert_tp)
         if config.moe_token_dispatcher_type == "alltoall":
             self.dispatcher = AllToAllDispatcher(

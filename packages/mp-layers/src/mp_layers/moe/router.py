@@ -34,7 +34,6 @@ import torch.nn.functional as F
 from mp_ckpt import ShardedTensor
 from mp_layers.config import TransformerConfig
 from mp_layers.moe import aux_losses
-from mp_layers.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 from mp_layers.transformer.recompute import recomputing
 from mp_state import RankGroup
 
@@ -51,15 +50,19 @@ _DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
 
 
 class TopKRouter(torch.nn.Module):
-    """`balance_group` (tp x dp x cp, needed by the global load-balancing loss only; None:
+    """`token_group` (tp x cp; None: tp) holds the parts of this rank's sequences, over
+    which the load-balancing and z losses count tokens (Megatron's tp_cp group);
+    `balance_group` (tp x dp x cp, needed by the global load-balancing loss only; None:
     this rank alone) is where that loss counts tokens."""
 
     def __init__(
-        self, config: TransformerConfig, tp_group: RankGroup, balance_group: RankGroup | None = None
-    ) -> None:
+        self, config: TransformerConfig, tp_group: RankGroup,
+        balance_group: RankGroup | None = None, token_group: RankGroup | None = None,
+    ) -> None:  # fmt: skip
         super().__init__()
         self.config = config
         self.tp_group = tp_group
+        self.token_group = tp_group if token_group is None else token_group
         self.balance_group = balance_group
         self.experts, self.topk = config.num_moe_experts, config.moe_router_topk
         master = torch.empty(self.experts, config.hidden_size, dtype=torch.float32)
@@ -98,7 +101,7 @@ class TopKRouter(torch.nn.Module):
         counting = training and not recomputing()
         coeff = self.config.moe_z_loss_coeff
         if coeff and training:
-            loss = aux_losses.z_loss(logits, coeff / self.tp_group.size)
+            loss = aux_losses.z_loss(logits, coeff / self.token_group.size)
             logits = aux_losses.attach(logits, loss)
             if counting:
                 self._record("z_loss", loss / coeff)
@@ -165,12 +168,12 @@ class TopKRouter(torch.nn.Module):
         chosen = torch.zeros_like(scores, dtype=torch.bool).scatter(
             1, scores.topk(self.topk)[1], True
         )
-        coeff, tp = self.config.moe_aux_loss_coeff, self.tp_group
+        coeff, group = self.config.moe_aux_loss_coeff, self.token_group
         if self.config.moe_router_load_balancing_type == "seq_aux_loss":
             # Sequences side by side as b E "experts": the sum of b per-sequence losses.
             scores, chosen = scores.reshape(s, -1), chosen.reshape(s, -1)
-            counts = reduce_from_tensor_model_parallel_region(chosen.sum(0).float(), tp)
-            total = s * tp.size
+            counts = _summed(chosen.sum(0).float(), group)
+            total = s * group.size
             loss = (
                 aux_losses.load_balancing_loss(
                     scores, counts, total, self.topk, self.experts, coeff
@@ -185,8 +188,8 @@ class TopKRouter(torch.nn.Module):
             )
             name = "global_load_balancing_loss"
         elif self.config.moe_router_load_balancing_type == "aux_loss":
-            counts = reduce_from_tensor_model_parallel_region(chosen.sum(0).float(), tp)
-            total = scores.shape[0] * tp.size
+            counts = _summed(chosen.sum(0).float(), group)
+            total = scores.shape[0] * group.size
             loss = aux_losses.load_balancing_loss(
                 scores, counts, total, self.topk, self.experts, coeff
             )
@@ -257,6 +260,13 @@ def capacity_mask(
         )
         kept = order.topk(capacity, dim=0, largest=False).indices
     return torch.zeros_like(routing_map).scatter(0, kept, True)
+
+
+def _summed(counts: torch.Tensor, group: RankGroup) -> torch.Tensor:
+    """Token counts (no gradient) summed over group."""
+    if group.size > 1:
+        dist.all_reduce(counts, group=group.group)
+    return counts
 
 
 def routers_of(modules) -> list[TopKRouter]:

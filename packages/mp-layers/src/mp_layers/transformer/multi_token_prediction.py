@@ -1,0 +1,161 @@
+"""Multi-token prediction (DeepSeek-V3's MTP modules; Megatron's MultiTokenPredictionBlock).
+
+After the last layer, module k (1..D) predicts the token k+1 positions ahead. Its input is
+the previous module's output h_{k-1} (the decoder's normalized output for k = 1) and the
+embedding of the tokens k positions ahead, both normalized and joined:
+
+    x   = eh_proj(cat(enorm(embed(tokens rolled k left)), hnorm(h_{k-1})))   [s, b, h]
+    h_k = final_layernorm(transformer_layer(x))
+
+and its loss is the shared output layer's cross entropy of h_k against the labels rolled
+k left, under the loss mask rolled alike (the positions past the end count nothing). In
+training, mtp_loss_scaling_factor / D of each module's mean loss is added to the model's
+gradients through the decoder's output (moe.aux_losses.attach, with the main loss's
+backward factor); the main loss the model returns stays the language model's.
+
+Shapes as in GPTModel: hidden states [s, b, h] ([s/tp, b, h] with sequence
+parallelism); tokens, labels and mask [b, s], this rank's two load-balanced chunks with
+context parallelism, whose rolls take each chunk's next token from the rank holding the
+next chunk (`roll_left`). eh_proj is column-parallel (Megatron's layout: weight
+[h/tp, 2h]); its output is gathered over the tensor-parallel ranks (and split over the
+sequence again with sequence parallelism). The transformer layer is shaped as the model's
+last layer (a MoE layer when that one is).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from mp_ckpt import ShardedTensor
+from mp_layers.config import TransformerConfig
+from mp_layers.groups import ModelGroups
+from mp_layers.tensor_parallel import (
+    ColumnParallelLinear,
+    gather_from_tensor_model_parallel_region,
+    replicated_state_dict,
+    scatter_to_sequence_parallel_region,
+)
+from mp_layers.transformer.layer import TransformerLayer
+from mp_layers.transformer.recompute import checkpointed
+from mp_layers.transformer.rope import Rotary
+from mp_layers.transformer.seeded_init import seeded_init
+from mp_layers.transformer.spec import LayerSpec
+from mp_state import RankGroup, RNGStatesTracker
+
+__all__ = ["MultiTokenPrediction", "MultiTokenPredictionLayer", "roll_left"]
+
+
+def roll_left(t: torch.Tensor, cp: RankGroup) -> torch.Tensor:
+    """t [b, s] moved one position left along the sequence, the last position zero.
+
+    With context parallelism t holds this rank's chunks r and 2cp-1-r of the sequence (its
+    two halves); each chunk's new last element is the first of the chunk after it: chunk
+    r+1 is rank r+1's first half (this rank's second half for the last rank), chunk 2cp-r
+    rank r-1's second half (nothing for rank 0: the sequence ends there)."""
+    rolled = torch.roll(t, -1, dims=-1)
+    if cp.size == 1:
+        rolled[..., -1] = 0
+        return rolled
+    half = t.shape[-1] // 2
+    firsts = torch.stack([t[..., 0], t[..., half]])  # [2, b]
+    gathered = [torch.empty_like(firsts) for _ in range(cp.size)]
+    dist.all_gather(gathered, firsts.contiguous(), group=cp.group)
+    r = cp.rank
+    rolled[..., half - 1] = gathered[r + 1][0] if r + 1 < cp.size else firsts[1]
+    rolled[..., -1] = gathered[r - 1][1] if r > 0 else 0
+    return rolled
+
+
+class MultiTokenPredictionLayer(torch.nn.Module):
+    """One MTP module: enorm, hnorm, eh_proj, a transformer layer and final_layernorm."""
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        groups: ModelGroups,
+        rng_tracker: RNGStatesTracker | None,
+        spec: LayerSpec,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.tp_group = groups.tp
+        self.rng_tracker = rng_tracker
+        h = config.hidden_size
+        self.enorm = spec.norm(config, None)
+        self.hnorm = spec.norm(config, None)
+        self.eh_proj = ColumnParallelLinear(
+            2 * h, h, tp_group=groups.tp, bias=False, gather_output=False,
+            sequence_parallel=config.sequence_parallel,
+            init_method=lambda w: torch.nn.init.normal_(w, std=config.init_method_std),
+            params_dtype=config.params_dtype,
+        )  # fmt: skip
+        self.transformer_layer = TransformerLayer(
+            config, groups, rng_tracker, spec, layer_number=config.num_layers - 1
+        )
+        self.final_layernorm = spec.norm(config, None)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        embedded: torch.Tensor,
+        rotary: Rotary | None,
+        attention_mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        recompute = self.config.recompute_granularity == "full"
+        if recompute and self.training and torch.is_grad_enabled():
+            return checkpointed(self._forward, self.rng_tracker, hidden, embedded, rotary,
+                                attention_mask)  # fmt: skip
+        return self._forward(hidden, embedded, rotary, attention_mask)
+
+    def _forward(self, hidden, embedded, rotary, attention_mask) -> torch.Tensor:
+        joined = torch.cat([self.enorm(embedded), self.hnorm(hidden)], dim=-1)
+        x, _ = self.eh_proj(joined)  # [s, b, h/tp], the whole sequence
+        x = gather_from_tensor_model_parallel_region(x, self.tp_group)
+        if self.config.sequence_parallel:
+            x = scatter_to_sequence_parallel_region(x, self.tp_group)
+        x = self.transformer_layer(x, rotary, attention_mask)
+        return self.final_layernorm(x)
+
+    def sharded_state_dict(self, prefix: str = "") -> dict[str, ShardedTensor]:
+        pieces = self.eh_proj.sharded_state_dict(f"{prefix}eh_proj.")
+        pieces |= self.transformer_layer.sharded_state_dict(f"{prefix}transformer_layer.")
+        for name in ("enorm", "hnorm", "final_layernorm"):
+            pieces |= replicated_state_dict(getattr(self, name), f"{prefix}{name}.", self.tp_group)
+        return pieces
+
+
+class MultiTokenPrediction(torch.nn.Module):
+    """The mtp_num_layers modules, and each one's training loss since the last `take_losses`
+    (per micro-batch: this rank's masked mean, summed over micro-batches)."""
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        groups: ModelGroups,
+        rng_tracker: RNGStatesTracker | None,
+        spec: LayerSpec,
+        init_seed: int | None = None,
+    ) -> None:
+        super().__init__()
+        layers = []
+        for k in range(config.mtp_num_layers):
+            with seeded_init(init_seed, f"mtp{k}"):
+                layers.append(MultiTokenPredictionLayer(config, groups, rng_tracker, spec))
+        self.layers = torch.nn.ModuleList(layers)
+        self.losses = torch.zeros(len(layers))
+
+    def record(self, k: int, loss: torch.Tensor) -> None:
+        if self.losses.device != loss.device:
+            self.losses = self.losses.to(loss.device)
+        self.losses[k] += loss.detach().float()
+
+    def take_losses(self) -> torch.Tensor:
+        taken, self.losses = self.losses, torch.zeros_like(self.losses)
+        return taken
+
+    def sharded_state_dict(self, prefix: str = "") -> dict[str, ShardedTensor]:
+        pieces: dict[str, ShardedTensor] = {}
+        for k, layer in enumerate(self.layers):
+            pieces |= layer.sharded_state_dict(f"{prefix}layers.{k}.")
+        return pieces

@@ -1,0 +1,206 @@
+"""Every parameter a GPTModel of a RunConfig holds, and how a rank of each pipeline stage
+holds it: mp_train.estimate's parameter count and weight memory (`mp-train estimate`
+without --megatron-formula).
+
+Symbols as in mp_train.estimate: h hidden, a heads, g query groups, d head width, f ffn
+width (x 3 with a gated activation, swiglu or quick_geglu, x 2 otherwise: fc1 twice as
+wide and fc2), V padded vocabulary; E routed experts of width f_moe, k of them per
+token, f_shared the shared expert's width; MLA's r kv_lora_rank, r_q q_lora_rank, dn
+qk_head_dim, dr qk_pos_emb_head_dim, dv v_head_dim; t/p/e tensor/pipeline/expert
+parallel sizes.
+
+A layer's parameters (each norm x 2 for LayerNorm, its bias; checked against GPTModel's
+count, tests/test_estimate_families.py):
+
+    attention    2hd(a + g) (Q, K, V, out); biases d(a + 2g) with add_bias_linear or
+                 add_qkv_bias, h (out's) with add_bias_linear; qk-layernorm 2d; a sink
+                 per head with softmax_type learnable
+    MLA          queries r_q(h + a(dn + dr)) (ha(dn + dr) without r_q), keys and values
+                 r(h + a(dn + dv)) + h dr, out a dv h (+ h bias), the latent norms r_q and r
+                 with qk_layernorm
+    MLP          hf x (3|2), biases f x (2|1) + h with add_bias_linear
+    MoE MLP      the shared expert h f_shared x (3|2) and its gate h, the router hE (+ E
+                 bias), E routed experts of h f_moe x (3|2) (+ f_moe x (2|1) + h biases)
+    norms        2h
+
+and beside the layers the final norm, the word embedding hV, the output layer hV when
+untied, learned positions h x max_position_embeddings, and per multi-token prediction
+module its norms enorm and hnorm, eh_proj 2h x h, one layer of the last layer's kind and
+its final norm (the embedding and the output layer are the model's; GPTModel does not
+build MTP modules yet: tests/test_estimate.py counts them by hand).
+
+How a rank holds them (what GPTModel allocates): the column- and row-parallel weights, the
+column-parallel biases and the sinks are split over t; the norms, the row-parallel
+biases (out's, fc2's), the router, the shared expert's gate, MLA's down projections and
+latent norms and the learned positions are whole on every tensor-parallel rank; the
+routed experts are split over e x expert-t, but for their fc2 biases, split over e only.
+The first pipeline stage holds its layers (every virtual chunk of it), the word embedding
+and the positions; the last its layers, the final norm, the output layer (with tied
+embeddings and p > 1 a copy of the word embedding) and the MTP modules (and, untied, a
+copy of the word embedding they embed with); one stage holds all of it once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from mp_layers import TransformerConfig
+from mp_pipeline import stage_layers
+from mp_train.config import RunConfig
+
+__all__ = ["Held", "model_parameters", "stage_moe_layers", "stage_parameters"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Held:
+    """Parameters by how a rank holds them."""
+
+    split: int = 0
+    """divided over the tensor-parallel ranks"""
+    whole: int = 0
+    """whole on every tensor-parallel rank"""
+    experts: int = 0
+    """divided over e x expert-t (routed experts)"""
+    expert_whole: int = 0
+    """divided over e only (the routed experts' fc2 biases)"""
+
+    def __add__(self, other: Held) -> Held:
+        return Held(*(x + y for x, y in zip(dataclasses.astuple(self),
+                                            dataclasses.astuple(other), strict=True)))  # fmt: skip
+
+    def __mul__(self, n: int) -> Held:
+        return Held(*(x * n for x in dataclasses.astuple(self)))
+
+    @property
+    def total(self) -> int:
+        return sum(dataclasses.astuple(self))
+
+    def on_rank(self, tp: int, ep: int, etp: int) -> tuple[float, float]:
+        """(dense, expert) parameters one rank holds."""
+        return self.split / tp + self.whole, self.experts / (ep * etp) + self.expert_whole / ep
+
+
+def _gated(m: TransformerConfig) -> int:
+    return 3 if m.gated_linear_unit else 2  # fc1 (twice as wide when gated) and fc2
+
+
+def _norm(m: TransformerConfig) -> int:
+    return 1 if m.normalization == "RMSNorm" else 2  # LayerNorm has a bias
+
+
+def _attention(m: TransformerConfig) -> Held:
+    h, a, norm = m.hidden_size, m.num_attention_heads, _norm(m)
+    out_bias = h if m.add_bias_linear else 0
+    if m.multi_latent_attention:
+        r, dn, dr, dv = m.kv_lora_rank, m.qk_head_dim, m.qk_pos_emb_head_dim, m.v_head_dim
+        latent_norms = r * norm if m.qk_layernorm else 0
+        if m.q_lora_rank is None:
+            query, query_down = h * a * (dn + dr), 0
+        else:
+            query, query_down = m.q_lora_rank * a * (dn + dr), m.q_lora_rank * h
+            latent_norms += m.q_lora_rank * norm if m.qk_layernorm else 0
+        split = query + r * a * (dn + dv) + a * dv * h
+        return Held(split=split, whole=query_down + h * (r + dr) + latent_norms + out_bias)
+    d, g = m.kv_channels, m.num_query_groups
+    split = 2 * h * d * (a + g)  # Q, K, V and out
+    if m.add_bias_linear or m.add_qkv_bias:
+        split += d * (a + 2 * g)
+    if m.softmax_type == "learnable":
+        split += a  # one sink logit per head
+    qk_norms = 2 * d * norm if m.qk_layernorm else 0
+    return Held(split=split, whole=qk_norms + out_bias)
+
+
+def _layer(m: TransformerConfig, moe: bool, *, active: bool = False) -> Held:
+    """One transformer layer; `active`: the k routed experts a token passes through
+    instead of all E."""
+    h, gated = m.hidden_size, _gated(m)
+    layer = _attention(m) + Held(whole=2 * h * _norm(m))
+    if not moe:
+        f = m.ffn_hidden_size
+        bias = Held(split=f * (gated - 1), whole=h) if m.add_bias_linear else Held()
+        return layer + Held(split=h * f * gated) + bias
+    E = m.moe_router_topk if active else m.num_moe_experts
+    shared = h * (m.moe_shared_expert_intermediate_size or 0) * gated
+    router = h * m.num_moe_experts + (m.num_moe_experts if m.add_bias_linear else 0)
+    gate = h if m.moe_shared_expert_gate else 0
+    f = m.moe_ffn_hidden_size
+    expert = Held(experts=h * f * gated)
+    if m.add_bias_linear:  # fc1's [(2|1) f] split like its weight, fc2's [h] per expert
+        expert += Held(experts=f * (gated - 1), expert_whole=h)
+    return layer + Held(split=shared, whole=router + gate) + expert * E
+
+
+def _mtp_module(m: TransformerConfig, *, active: bool = False) -> Held:
+    """One multi-token prediction module: enorm, hnorm and its final norm, eh_proj
+    (column-parallel 2h -> h, no bias) and a layer of the model's last layer's kind."""
+    h = m.hidden_size
+    last_is_moe = m.moe_layer_pattern()[-1]
+    return Held(split=2 * h * h, whole=3 * h * _norm(m)) + _layer(m, last_is_moe, active=active)
+
+
+def _positions(config: RunConfig) -> int:
+    if config.model.position_embedding_type != "learned_absolute":
+        return 0
+    return config.model.hidden_size * (config.gpt.max_position_embeddings or config.gpt.seq_length)
+
+
+def model_parameters(config: RunConfig, V: int) -> dict:
+    """{"total", "active", "experts"}: every parameter of the model (MTP modules
+    included), those one token passes through, and the routed experts'."""
+    m = config.model
+    layers = Held()
+    active = Held()
+    for moe in m.moe_layer_pattern():
+        layers += _layer(m, moe)
+        active += _layer(m, moe, active=True)
+    beside = Held(whole=_norm(m) * m.hidden_size + _positions(config))
+    beside += Held(split=m.hidden_size * V * (2 if m.untie_embeddings_and_output_weights else 1))
+    mtp = _mtp_module(m) * (m.mtp_num_layers or 0)
+    mtp_active = _mtp_module(m, active=True) * (m.mtp_num_layers or 0)
+    total = layers + beside + mtp
+    return {
+        "total": total.total,
+        "active": (active + beside + mtp_active).total,
+        "experts": total.experts + total.expert_whole,
+    }
+
+
+def stage_moe_layers(config: RunConfig, stage: int) -> list[bool]:
+    """Whether each layer of pipeline stage `stage` (all its virtual chunks) is MoE."""
+    m, parallel = config.model, config.parallel
+    vpp = parallel.virtual_pipeline_model_parallel_size
+    pattern = m.moe_layer_pattern()
+    kinds = []
+    for chunk in range(vpp or 1):
+        layers = stage_layers(
+            m.num_layers, parallel.pipeline_model_parallel_size, stage,
+            virtual_pipeline_model_parallel_size=vpp, vp_stage=chunk,
+            num_layers_in_first_pipeline_stage=parallel.decoder_first_pipeline_num_layers,
+            num_layers_in_last_pipeline_stage=parallel.decoder_last_pipeline_num_layers,
+        )  # fmt: skip
+        kinds += pattern[layers.offset : layers.offset + layers.count]
+    return kinds
+
+
+def stage_parameters(config: RunConfig, V: int, stage: int) -> Held:
+    """The parameters of pipeline stage `stage` (each of its virtual chunks), by how one
+    of its ranks holds them."""
+    m = config.model
+    pp = config.parallel.pipeline_model_parallel_size
+    held = Held()
+    for moe in stage_moe_layers(config, stage):
+        held += _layer(m, moe)
+    h, embedding = m.hidden_size, m.hidden_size * V
+    untied = m.untie_embeddings_and_output_weights
+    if stage == 0:
+        held += Held(split=embedding, whole=_positions(config))
+    if stage == pp - 1:
+        held += Held(whole=_norm(m) * h)  # the final norm
+        mtp = m.mtp_num_layers or 0
+        held += _mtp_module(m) * mtp
+        # The output layer: its own weight when untied, a copy of the embedding when tied
+        # across stages; MTP embeds with a copy of the word embedding on the last stage.
+        copies = (1 if untied or pp > 1 else 0) + (1 if mtp and untied and pp > 1 else 0)
+        held += Held(split=embedding * copies)
+    return held

@@ -1,0 +1,84 @@
+"""The tiny DeepSeek-V3 (apps/gpt/configs/tiny-deepseek-v3.yaml: MLA with a query latent
+and YaRN, a dense and a MoE layer with sigmoid group-limited routing, the expert bias and
+a shared expert, one MTP module) trains through pretrain_gpt to the one-rank curve at
+every layout: the language model's loss, the MTP module's and the per-sequence
+balancing loss, every iteration of 10, within 1e-5 relative (fp32, no dropout, mock
+data); and from a checkpoint saved at PP2 and resumed at TP2. The MTP loss reaches
+TensorBoard under Megatron's tag, `mtp_1 loss`, every iteration."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from mp_gpt.config_files import config_path
+from mp_gpt.testing import assert_same_curve, metrics_records, train_on_rank
+from mp_state.testing import run_on_ranks
+
+pytestmark = pytest.mark.multirank
+
+ITERATIONS = 10
+KEYS = ("lm loss", "mtp_1 loss", "seq_load_balancing_loss")
+
+
+def options(run_dir: Path, *layout: str) -> list[str]:
+    return [
+        "--config", str(config_path("tiny-deepseek-v3.yaml")), "--mock-data",
+        "--seq-length", "64", "--micro-batch-size", "1", "--global-batch-size", "4",
+        "--train-iters", str(ITERATIONS), "--lr-warmup-iters", "2", "--eval-interval", "none",
+        "--save", "none", "--load", "none", "--tensorboard-dir", "none",
+        "--metrics-file", str(run_dir / "metrics.jsonl"), *layout,
+    ]  # fmt: skip
+
+
+LAYOUTS = {
+    "tp2-sp": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+    "pp2": (2, ["--pipeline-model-parallel-size", "2"]),
+    "ep2": (2, ["--expert-model-parallel-size", "2"]),
+    "ep2-tp2": (4, ["--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2",
+                    "--sequence-parallel"]),
+    "cp2-p2p": (2, ["--context-parallel-size", "2", "--cp-comm-type", "p2p"]),
+    "cp2-a2a": (2, ["--context-parallel-size", "2", "--cp-comm-type", "a2a"]),
+    "cp2-all-gather": (2, ["--context-parallel-size", "2", "--cp-comm-type", "all_gather"]),
+    "dp2-distopt": (2, ["--use-distributed-optimizer"]),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("one-rank")
+    board = ["--tensorboard-dir", str(run_dir / "tb")]
+    run_on_ranks(train_on_rank, 1, options(run_dir, *board), timeout=300)
+    records = metrics_records(run_dir)
+    assert len(records) == ITERATIONS
+    for key in ("lm loss", "mtp_1 loss"):  # both learn
+        assert records[-1][key] < records[0][key] - 0.3, (key, records[0], records[-1])
+    # TensorBoard: Megatron's tag, every iteration (as the MoE losses), the logged values.
+    events = EventAccumulator(str(run_dir / "tb"))
+    events.Reload()
+    written = [(e.step, e.value) for e in events.Scalars("mtp_1 loss")]
+    assert written == [(r["iteration"], np.float32(r["mtp_1 loss"])) for r in records]
+    return records
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_same_lm_and_mtp_curves(tmp_path, reference, name):
+    ranks, layout = LAYOUTS[name]
+    run_on_ranks(train_on_rank, ranks, options(tmp_path, *layout), timeout=300)
+    assert_same_curve(metrics_records(tmp_path), reference, KEYS, name)
+
+
+def test_checkpoint_at_pp2_resumes_at_tp2_on_the_same_curve(tmp_path, reference):
+    """The MTP module, the last stage's embedding copy and the expert biases are saved at
+    PP2 and resharded to TP2 with sequence parallelism: the curve goes on unchanged."""
+    checkpoint = ["--save", str(tmp_path / "ck"), "--load", str(tmp_path / "ck"),
+                  "--save-interval", "5"]  # fmt: skip
+    first, second = tmp_path / "pp2", tmp_path / "tp2"
+    first.mkdir(), second.mkdir()
+    pp2 = [*checkpoint, "--pipeline-model-parallel-size", "2", "--exit-interval", "5"]
+    run_on_ranks(train_on_rank, 2, options(first, *pp2), timeout=300)
+    tp2 = [*checkpoint, "--tensor-model-parallel-size", "2", "--sequence-parallel"]
+    run_on_ranks(train_on_rank, 2, options(second, *tp2), timeout=300)
+    records = metrics_records(first) + metrics_records(second)
+    assert_same_curve(records, reference, KEYS, "pp2 then tp2")
