@@ -5,7 +5,8 @@ DP2 x TP2 with sequence parallelism, DP2 x CP2, DP2 x PP2 (1F1B) and, on the tin
 config, EP2 with four data-parallel ranks (experts sharded over expert dp 2). Each
 layout's three runs share its settings, which also take in what FSDP composes with:
 random initialization per data-parallel rank (TP2), per-token loss normalization (CP2),
-an evaluation every 5 iterations (PP2), averaging in the collective (EP2); and at DP4 the
+a multi-token prediction layer on the last stage, its loss compared too, and an
+evaluation every 5 iterations (PP2), averaging in the collective (EP2); and at DP4 the
 overlap flags (ZeRO-3) and full recompute (ZeRO-2) on the FSDP side only, as they change
 no value. ZeRO-2 and ZeRO-3
 differ only in when parameters are gathered, so their curves are equal exactly.
@@ -40,7 +41,7 @@ RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform"]
 OVERLAP = ["--overlap-grad-reduce", "--overlap-param-gather"]
 TP2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--data-parallel-random-init"]
 CP2 = ["--context-parallel-size", "2", "--calculate-per-token-loss"]
-PP2 = ["--pipeline-model-parallel-size", "2", *EVALUATE]
+PP2 = ["--pipeline-model-parallel-size", "2", "--mtp-num-layers", "1", *EVALUATE]
 EP2 = ["--expert-model-parallel-size", "2", "--average-in-collective"]
 
 # name -> (tiny MoE config, settings of all three runs, ZeRO-3's extra, ZeRO-2's extra)
@@ -57,6 +58,8 @@ LAYOUTS = {
 def test_zero2_and_zero3_train_as_ddp(tmp_path, name):
     moe, common, zero3, zero2 = LAYOUTS[name]
     options, keys = (tiny_moe_options, LOGGED_MOE) if moe else (tiny_options, LOGGED)
+    if "--mtp-num-layers" in common:
+        keys = (*keys, "mtp_1 loss")
     curves = {}
     for run, extra in (("ddp", []), ("zero3", [*ZERO3, *zero3]), ("zero2", [*ZERO2, *zero2])):
         argv = options(tmp_path / run, *QUICK, *common, *extra)
