@@ -84,9 +84,9 @@ MISTAKES = {
         "error: /nonexistent/run.yaml: No such file or directory",
     ),
     "refused Megatron flag": (
-        ["--use-torch-fsdp2"],
-        "error: --use-torch-fsdp2: FSDP2 is not implemented: shard with "
-        "--use-distributed-optimizer",
+        ["--tp-comm-overlap"],
+        "error: --tp-comm-overlap: needs Transformer Engine's userbuffers, which mp does not "
+        "use: drop it",
     ),
     "checkpoint format": (
         ["--ckpt-format", "torch"],

@@ -186,9 +186,7 @@ def test_the_optimizer_needs_the_expert_model_parallel_group():
     model = DistributedDataParallel(
         OptimizerConfig(lr=0.1), ToyMoE(SINGLE), dp_group=SINGLE, expert_dp_group=SINGLE
     )
-    with pytest.raises(
-        ValueError, match=r"experts is an expert-parallel parameter.*expert_mp_group"
-    ):
+    with pytest.raises(ValueError, match=r"spare is an expert-parallel parameter.*expert_mp_group"):
         get_optimizer(model.config, [model], mp_group=SINGLE)
 
 

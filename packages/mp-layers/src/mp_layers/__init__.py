@@ -38,6 +38,7 @@ from mp_layers.transformer.blocked_attention import saved_probability_bytes
 from mp_layers.transformer.compiled import compile_layers
 from mp_layers.transformer.core_attention import keeps_attention_probabilities
 from mp_layers.transformer.kv_cache import KVCache
+from mp_layers.transformer.layer import TransformerLayer
 from mp_layers.transformer.multi_token_prediction import MultiTokenPrediction
 from mp_layers.transformer.spec import LOCAL_SPEC, LayerSpec, get_layer_spec
 
@@ -52,6 +53,7 @@ __all__ = [
     "MultiTokenPrediction",
     "RowParallelLinear",
     "TransformerConfig",
+    "TransformerLayer",
     "VocabParallelEmbedding",
     "all_reduce_sequence_parallel_grads",
     "broadcast_data",

@@ -3,15 +3,17 @@
 DistributedDataParallel (contiguous gradient buffers, bucketed and
 overlapped reductions), the optimizer wrapper (fp32 / bf16 / fp16 with fp32
 main parameters, loss scaling, global gradient clipping, the distributed
-optimizer) and the learning-rate / weight-decay schedule. Expert parameters
+optimizer), FullyShardedDataParallel (ZeRO-2/3 on torch's FSDP2) and the
+learning-rate / weight-decay schedule. Expert parameters
 of mixture-of-experts layers (`param.expert_parallel = True`) are reduced,
 sharded and normed over their own groups.
 """
 
 from mp_optim.clip_grads import clip_grads_by_total_norm, count_zeros, get_grad_norm
 from mp_optim.config import OptimizerConfig
-from mp_optim.ddp import DistributedDataParallel, is_expert_parallel
+from mp_optim.ddp import DistributedDataParallel, broadcast_params, is_expert_parallel
 from mp_optim.factory import default_no_weight_decay, get_optimizer, get_param_groups
+from mp_optim.fsdp import FullyShardedDataParallel, LocalShard
 from mp_optim.grad_buffer import Bucket, GradBuffer, ParamRange
 from mp_optim.grad_scaler import ConstantGradScaler, DynamicGradScaler
 from mp_optim.optimizer import (
@@ -27,13 +29,16 @@ __all__ = [
     "ConstantGradScaler",
     "DistributedDataParallel",
     "DynamicGradScaler",
+    "FullyShardedDataParallel",
     "GradBuffer",
+    "LocalShard",
     "MainParamShard",
     "MixedPrecisionOptimizer",
     "OptimizerConfig",
     "OptimizerParamScheduler",
     "ParamRange",
     "StepResult",
+    "broadcast_params",
     "clip_grads_by_total_norm",
     "count_zeros",
     "counted_in_grad_norm",

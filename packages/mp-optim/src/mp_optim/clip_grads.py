@@ -85,8 +85,23 @@ def _device_of(*grad_lists: Sequence[torch.Tensor]) -> torch.device:
 def _sum_of_squares(grads: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
     if not grads:
         return torch.zeros((), dtype=torch.float32, device=device)
-    norms = torch._foreach_norm([g.float() if g.dtype != torch.float32 else g for g in grads])
-    return torch.stack(norms).square().sum().to(device)
+    pieces = [g.float() if g.dtype != torch.float32 else g for g in grads]
+    pieces = [p for g in pieces for p in _cpu_pieces(g)]
+    norms = torch._foreach_norm(pieces)
+    return torch.stack(norms).double().square().sum().float().to(device)
+
+
+_CPU_PIECE = 16384
+
+
+def _cpu_pieces(grad: torch.Tensor) -> list[torch.Tensor]:
+    """A CPU gradient as pieces of at most _CPU_PIECE elements. torch's fp32 norm on the
+    CPU accumulates long runs in fp32 lanes: a 16M-element tensor's norm came out 1.3e-3
+    relative from the fp64 one (2.7e-6 for 131k elements), 4e-8 when summed in pieces of
+    16384, in 1.8x the time; GPUs reduce in trees and need no pieces."""
+    if grad.device.type != "cpu" or grad.numel() <= _CPU_PIECE:
+        return [grad]
+    return list(grad.reshape(-1).split(_CPU_PIECE))
 
 
 def _zeros(grads: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:

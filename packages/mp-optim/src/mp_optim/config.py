@@ -18,6 +18,7 @@ __all__ = ["OptimizerConfig"]
 _DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 _WSD_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")
 _WD_STYLES = ("constant", "linear", "cosine")
+_SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 
 
 @dataclass(kw_only=True)
@@ -110,7 +111,37 @@ class OptimizerConfig:
     per token and the gradients are averaged over micro-batches and data-parallel ranks."""
 
     check_for_nan_in_grad: bool = False
-    """Raise, naming the rank, when a gradient holds nan or inf before the reduction."""
+    """Raise, naming the rank, when a gradient holds nan or inf before the reduction (under
+    FSDP: after it, in this rank's gradient shards)."""
+
+    # Sharded data parallelism (Megatron's --use-megatron-fsdp, --use-torch-fsdp2).
+
+    use_megatron_fsdp: bool = False
+    """Shard over the data-parallel ranks what data_parallel_sharding_strategy says (Megatron's
+    --use-megatron-fsdp): no_shard is DDP, optim the distributed optimizer (ZeRO-1),
+    optim_grads and optim_grads_params torch's FSDP2 per transformer layer (ZeRO-2, ZeRO-3;
+    docs/fsdp.md). The strategy alone decides: use_distributed_optimizer is set from it."""
+
+    data_parallel_sharding_strategy: Literal[
+        "no_shard", "optim", "optim_grads", "optim_grads_params"
+    ] = "optim_grads_params"
+    """With use_megatron_fsdp, what is sharded over the data-parallel ranks: nothing
+    (no_shard), the optimizer state (optim), also the gradients (optim_grads: each layer's
+    parameters gathered at its forward and kept until its backward is over), also the
+    parameters (optim_grads_params: gathered again in backward)."""
+
+    use_torch_fsdp2: bool = False
+    """ZeRO-3 on torch's FSDP2 (Megatron's --use-torch-fsdp2), with Megatron's refusals: no
+    pipeline or expert parallelism, no distributed optimizer, no fp16, untied embeddings."""
+
+    torch_fsdp2_reshard_after_forward: bool = True
+    """With use_torch_fsdp2: free each layer's gathered parameters after its forward and
+    gather them again in backward; False keeps them until the backward (ZeRO-2, Megatron's
+    --torch-fsdp2-no-reshard-after-forward)."""
+
+    grad_reduce_in_bf16: bool = False
+    """With bf16 under FSDP (use_megatron_fsdp's optim_grads / optim_grads_params, or
+    use_torch_fsdp2): accumulate and reduce-scatter gradients in bf16 instead of fp32."""
 
     # The learning-rate and weight-decay schedule (OptimizerParamScheduler).
 
@@ -195,8 +226,14 @@ class OptimizerConfig:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         if self.bucket_size is not None and self.bucket_size < 1:
             raise ValueError(f"bucket_size={self.bucket_size} must be >= 1")
-        if self.overlap_param_gather and not self.use_distributed_optimizer:
-            raise ValueError("overlap_param_gather=True needs use_distributed_optimizer=True")
+        self._check_sharding()
+        if self.overlap_param_gather and not (
+            self.use_distributed_optimizer or self.use_megatron_fsdp
+        ):
+            raise ValueError(
+                "overlap_param_gather=True needs use_distributed_optimizer=True or "
+                "use_megatron_fsdp=True"
+            )
         if self.lr_warmup_fraction is not None and not 0 <= self.lr_warmup_fraction <= 1:
             raise ValueError(f"lr_warmup_fraction={self.lr_warmup_fraction} must be in [0, 1]")
         if self.override_opt_param_scheduler and self.use_checkpoint_opt_param_scheduler:
@@ -213,6 +250,58 @@ class OptimizerConfig:
                 f"end_weight_decay, got {start} and {end}"
             )
 
+    def _check_sharding(self) -> None:
+        """Megatron's rules for the FSDP flags; the strategy sets use_distributed_optimizer."""
+        _choice("data_parallel_sharding_strategy", self.data_parallel_sharding_strategy,
+                _SHARDING_STRATEGIES)  # fmt: skip
+        if self.use_megatron_fsdp and self.use_torch_fsdp2:
+            raise ValueError(
+                "use_megatron_fsdp=True and use_torch_fsdp2=True are exclusive: choose one"
+            )
+        if self.use_torch_fsdp2:
+            if self.use_distributed_optimizer:
+                raise ValueError(
+                    "use_torch_fsdp2=True with use_distributed_optimizer=True: FSDP2 shards "
+                    "the optimizer state itself (Megatron refuses the pair too); drop "
+                    "use_distributed_optimizer"
+                )
+            if self.fp16:
+                raise ValueError("use_torch_fsdp2=True with fp16=True: not supported (as in "
+                                 "Megatron); use bf16, or use_megatron_fsdp")  # fmt: skip
+        if self.use_megatron_fsdp:
+            # Megatron-FSDP implies the distributed optimizer; what it shards is the
+            # strategy's: no_shard shards nothing, FSDP2 shards optim_grads(_params) itself.
+            self.use_distributed_optimizer = self.data_parallel_sharding_strategy == "optim"
+        if self.grad_reduce_in_bf16:
+            if not self.fully_sharded:
+                raise ValueError(
+                    "grad_reduce_in_bf16=True needs FSDP (use_megatron_fsdp with "
+                    "optim_grads or optim_grads_params, or use_torch_fsdp2): mp's DDP "
+                    "reduces bf16 gradients in fp32 (Megatron's default)"
+                )
+            if not self.bf16:
+                raise ValueError("grad_reduce_in_bf16=True needs bf16=True")
+            if self.accumulate_allreduce_grads_in_fp32:
+                raise ValueError(
+                    "grad_reduce_in_bf16=True and accumulate_allreduce_grads_in_fp32=True "
+                    "are exclusive: choose one"
+                )
+
+    @property
+    def fully_sharded(self) -> bool:
+        """Gradients and parameters sharded by torch's FSDP2 (ZeRO-2 / ZeRO-3)."""
+        return self.use_torch_fsdp2 or (
+            self.use_megatron_fsdp
+            and self.data_parallel_sharding_strategy in ("optim_grads", "optim_grads_params")
+        )
+
+    @property
+    def reshard_after_forward(self) -> bool:
+        """Under FSDP: each layer's gathered parameters are freed after its forward (ZeRO-3)."""
+        if self.use_torch_fsdp2:
+            return self.torch_fsdp2_reshard_after_forward
+        return self.fully_sharded and self.data_parallel_sharding_strategy == "optim_grads_params"
+
     @property
     def start_wd(self) -> float:
         """start_weight_decay, or weight_decay when unset."""
@@ -225,8 +314,10 @@ class OptimizerConfig:
 
     @property
     def grad_reduce_in_fp32(self) -> bool:
-        """Gradient buffers in fp32: asked for, or implied by bf16 (as in Megatron)."""
-        return self.accumulate_allreduce_grads_in_fp32 or self.bf16
+        """Gradients accumulated and reduced in fp32: asked for, or implied by bf16 unless
+        grad_reduce_in_bf16 (as in Megatron)."""
+        implied = self.bf16 and not self.grad_reduce_in_bf16
+        return self.accumulate_allreduce_grads_in_fp32 or implied
 
     @property
     def model_dtype(self) -> torch.dtype:

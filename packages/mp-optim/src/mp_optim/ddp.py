@@ -58,12 +58,25 @@ from mp_optim.config import OptimizerConfig
 from mp_optim.grad_buffer import Bucket, GradBuffer
 from mp_state import RankGroup
 
-__all__ = ["DistributedDataParallel", "is_expert_parallel"]
+__all__ = ["DistributedDataParallel", "broadcast_params", "is_expert_parallel"]
 
 _DEFAULT_OVERLAP_BUCKET = 40_000_000
 
 
-class DistributedDataParallel(torch.nn.Module):
+class ChunkWrapper(torch.nn.Module):
+    """What a data-parallel wrapper of a model chunk forwards to the chunk itself."""
+
+    module: torch.nn.Module
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def set_input_tensor(self, tensor: torch.Tensor | None) -> None:
+        """Passes a pipeline stage's input to the wrapped module."""
+        self.module.set_input_tensor(tensor)
+
+
+class DistributedDataParallel(ChunkWrapper):
     """Wraps `module`; its parameters' gradients go to buffers reduced over `dp_group`.
 
     Arguments:
@@ -146,13 +159,6 @@ class DistributedDataParallel(torch.nn.Module):
 
     # --- the training loop's calls -------------------------------------------------------
 
-    def forward(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
-
-    def set_input_tensor(self, tensor: torch.Tensor | None) -> None:
-        """Passes a pipeline stage's input to the wrapped module."""
-        self.module.set_input_tensor(tensor)
-
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Gradients accumulate in the buffers without being reduced (all but the last
@@ -227,10 +233,7 @@ class DistributedDataParallel(torch.nn.Module):
         """Copies data-parallel rank 0's parameters to the other ranks (after a
         data-parallel random initialization); expert parameters go from expert
         data-parallel rank 0 over expert_dp_group."""
-        for param in self.module.parameters():
-            group = self._group_of(is_expert_parallel(param))
-            if group.size > 1:
-                dist.broadcast(param.data, src=group.ranks[0], group=group.group)
+        broadcast_params(self.module, self.dp_group, self.expert_dp_group)
 
     def state_dict(self, *args, **kwargs):
         self.finish_param_sync()
@@ -329,6 +332,17 @@ def _weakly(owner: object, method):
             method(alive, *args)
 
     return call
+
+
+def broadcast_params(module: torch.nn.Module, dp_group: RankGroup,
+                     expert_dp_group: RankGroup | None = None) -> None:  # fmt: skip
+    """Copies data-parallel rank 0's parameters of `module` to the other ranks of
+    dp_group, expert parameters from expert data-parallel rank 0 over expert_dp_group
+    (collective; before FSDP shards a module, or DistributedDataParallel.broadcast_params)."""
+    for param in module.parameters():
+        group = expert_dp_group if is_expert_parallel(param) else dp_group
+        if group.size > 1:
+            dist.broadcast(param.data, src=group.ranks[0], group=group.group)
 
 
 def is_expert_parallel(param: torch.nn.Parameter) -> bool:

@@ -1,4 +1,4 @@
-"""get_optimizer: parameter groups and the optimizer for DDP-wrapped model chunks.
+"""get_optimizer: parameter groups and the optimizer for DDP- or FSDP-wrapped model chunks.
 
     groups = {"dp_group": state.dp_cp, "expert_dp_group": state.expert_dp}
     model = [DistributedDataParallel(config, chunk, **groups) for chunk in chunks]
@@ -19,6 +19,7 @@ import torch
 
 from mp_optim.config import OptimizerConfig
 from mp_optim.ddp import DistributedDataParallel
+from mp_optim.fsdp import FullyShardedDataParallel
 from mp_optim.optimizer import MixedPrecisionOptimizer
 from mp_state import RankGroup
 
@@ -64,7 +65,7 @@ def get_param_groups(
 
 def get_optimizer(
     config: OptimizerConfig,
-    model_chunks: list[DistributedDataParallel],
+    model_chunks: list[DistributedDataParallel] | list[FullyShardedDataParallel],
     *,
     mp_group: RankGroup,
     expert_mp_group: RankGroup | None = None,
@@ -76,7 +77,8 @@ def get_optimizer(
 
     Arguments:
         config: the OptimizerConfig (lr must be set).
-        model_chunks: DistributedDataParallel-wrapped chunks, all over the same dp group.
+        model_chunks: DistributedDataParallel-wrapped chunks (FullyShardedDataParallel with
+            config.fully_sharded), all over the same dp group.
         mp_group: the model-parallel group (`state.mp`), for the gradient norm and
             the inf/nan verdict.
         expert_mp_group: the ranks expert parameters are split over (`state.tp_ep_pp`),
@@ -88,11 +90,13 @@ def get_optimizer(
     """
     if config.lr is None:
         raise ValueError("OptimizerConfig.lr is not set")
+    wrapper = FullyShardedDataParallel if config.fully_sharded else DistributedDataParallel
     for i, chunk in enumerate(model_chunks):
-        if not isinstance(chunk, DistributedDataParallel):
+        if not isinstance(chunk, wrapper):
             raise TypeError(
                 f"model_chunks[{i}] is a {type(chunk).__name__}: wrap it in "
-                "mp_optim.DistributedDataParallel first"
+                f"mp_optim.{wrapper.__name__} first (the config's fully_sharded="
+                f"{config.fully_sharded})"
             )
         if chunk.config is not config and (
             chunk.config.use_distributed_optimizer != config.use_distributed_optimizer

@@ -10,6 +10,8 @@ parameter this rank updates.
     bf16 / fp16, plain            an fp32 copy of the parameter       .main_grad (as fp32)
     distributed, fp32             a flat view of this rank's shard    that shard of .main_grad
     distributed, bf16 / fp16      an fp32 copy of this rank's shard   that shard (as fp32)
+    FSDP (fsdp.py), any dtype     this rank's rows of the DTensor     their reduced gradient
+                                  (fp32; FSDP2 casts for compute)     (.main_grad)
 
 The distributed optimizer (ZeRO-1) splits every bucket of the DDP buffers
 into dp contiguous shards (grad_buffer.py); a parameter may be cut between
@@ -25,7 +27,7 @@ step():
      the step everywhere (update_successful=False) and the scaler backs off;
   3. the global gradient norm (each logical element counted once: replicas
      named by the model's sharded_state_dict are left out, and each
-     distributed-optimizer shard counts on its own rank), clipping to
+     distributed-optimizer or FSDP shard counts on its own rank), clipping to
      clip_grad, optionally the count of zeros;
   4. the torch optimizer's step on the main parameters; main -> model copy;
      the distributed optimizer's parameter all-gather.
@@ -48,7 +50,7 @@ import torch.distributed as dist
 
 from mp_optim.clip_grads import clip_grads_by_total_norm, count_zeros, get_grad_norm
 from mp_optim.config import OptimizerConfig
-from mp_optim.ddp import DistributedDataParallel
+from mp_optim.ddp import is_expert_parallel
 from mp_optim.grad_scaler import ConstantGradScaler, DynamicGradScaler
 from mp_optim.optimizer_state import load_optimizer_state, optimizer_sharded_state_dict
 from mp_state import RankGroup
@@ -96,24 +98,26 @@ class MainParamShard:
 
 
 class MixedPrecisionOptimizer:
-    """Megatron's optimizer wrapper for fp32, bf16 and fp16 models, plain or distributed.
+    """Megatron's optimizer wrapper for fp32, bf16 and fp16 models, plain, distributed or
+    fully sharded.
 
     Built by `get_optimizer`. Arguments:
         config: the OptimizerConfig.
-        model_chunks: this rank's DDP-wrapped model chunks (one per virtual stage).
+        model_chunks: this rank's DDP- (or, with config.fully_sharded, FSDP-) wrapped
+            model chunks (one per virtual stage).
         param_groups: dicts with "params" (model parameters) and any of
             lr_mult, wd_mult, max_lr, min_lr, start_wd, end_wd (read by the scheduler).
         mp_group: the model-parallel group (tensor x pipeline ranks, `state.mp`).
         expert_mp_group: the ranks expert parameters are split over (expert tensor x
             expert x pipeline ranks, `state.tp_ep_pp`); needed when the chunks hold
             expert parameters. Given, the gradient norm sums expert squares over it
-            (and over expert dp for the distributed optimizer) on every rank.
+            (and over expert dp for the distributed optimizer and FSDP) on every rank.
     """
 
     def __init__(
         self,
         config: OptimizerConfig,
-        model_chunks: list[DistributedDataParallel],
+        model_chunks: list,
         param_groups: list[dict],
         *,
         mp_group: RankGroup,
@@ -131,11 +135,21 @@ class MixedPrecisionOptimizer:
         self.expert_mp_group = expert_mp_group
         _check_groups(model_chunks, expert_mp_group)
         self.distributed = config.use_distributed_optimizer
+        self.fully_sharded = config.fully_sharded
         self.grad_scaler = _make_grad_scaler(config)
 
-        counted = set().union(*(counted_in_grad_norm(c.module) for c in model_chunks))
         self.shards: dict[torch.nn.Parameter, list[MainParamShard]] = {}
         for chunk in model_chunks:
+            if self.fully_sharded:
+                # FSDP: the main parameter is this rank's fp32 rows of the DTensor itself.
+                for s in chunk.shards:
+                    if s.data.numel():
+                        self.shards[s.param] = [MainParamShard(
+                            s.param, s.data, s.data, s.grad, s.start, s.counted,
+                            s.expert_parallel,
+                        )]  # fmt: skip
+                continue
+            counted = counted_in_grad_norm(chunk.module)
             for buffer in chunk.buffers:
                 for bucket in buffer.buckets:
                     for param in bucket.params:
@@ -240,13 +254,22 @@ class MixedPrecisionOptimizer:
     def sharded_state_dict(self) -> dict:
         """The state as sharding descriptions, loadable under another layout
         (optimizer_state.py): {"state": {key: ShardedTensor}, "common": {...}}."""
+        self._refuse_fsdp_checkpoint()
         return optimizer_sharded_state_dict(self)
 
     def load_sharded_state_dict(self, saved: dict) -> None:
         """Loads sharded_state_dict()'s structure filled with a checkpoint's values."""
+        self._refuse_fsdp_checkpoint()
         load_optimizer_state(self, saved)
 
     # --- internals -------------------------------------------------------------------------
+
+    def _refuse_fsdp_checkpoint(self) -> None:
+        if self.fully_sharded:
+            raise NotImplementedError(
+                "the optimizer state of FSDP-sharded parameters is not described for "
+                "checkpoints yet: mp's sharded checkpoint under FSDP is not implemented"
+            )
 
     def _all_shards(self) -> list[MainParamShard]:
         return [s for shards in self.shards.values() for s in shards]
@@ -255,13 +278,14 @@ class MixedPrecisionOptimizer:
         """get_grad_norm's and count_zeros' arguments: each kind of gradient with the
         groups of ranks that split it."""
         counted = [s for s in shards if s.counted]
+        sharded = self.distributed or self.fully_sharded  # each dp rank counts its own shard
         inputs = {
             "grads": [s.main_param.grad for s in counted if not s.expert_parallel],
-            "groups": [self.dp_group, self.mp_group] if self.distributed else [self.mp_group],
+            "groups": [self.dp_group, self.mp_group] if sharded else [self.mp_group],
         }
         if self.expert_mp_group is not None:
             expert_groups = [self.expert_mp_group]
-            if self.distributed and self.expert_dp_group is not None:
+            if sharded and self.expert_dp_group is not None:
                 expert_groups.insert(0, self.expert_dp_group)
             inputs["expert_grads"] = [s.main_param.grad for s in counted if s.expert_parallel]
             inputs["expert_groups"] = expert_groups
@@ -315,7 +339,7 @@ def counted_in_grad_norm(module: torch.nn.Module) -> set[torch.nn.Parameter]:
     return counted | (set(params) - described)
 
 
-def _check_groups(chunks: list[DistributedDataParallel], expert_mp_group: RankGroup | None) -> None:
+def _check_groups(chunks: list, expert_mp_group: RankGroup | None) -> None:
     """Every chunk reduces over the same groups; expert parameters come with their groups."""
     first = chunks[0]
     for i, chunk in enumerate(chunks):
@@ -326,9 +350,9 @@ def _check_groups(chunks: list[DistributedDataParallel], expert_mp_group: RankGr
                     f"model_chunks[{i}] has {kind}={mine}, model_chunks[0] {theirs}: "
                     "wrap every chunk over the same groups"
                 )
-        expert = next((b for b in chunk.buffers if b.expert_parallel), None)
-        if expert is not None and expert_mp_group is None:
-            name = next(n for n, p in chunk.module.named_parameters() if p is expert.params[0])
+        names = (n for n, p in chunk.module.named_parameters() if is_expert_parallel(p))
+        name = next(names, None)
+        if name is not None and expert_mp_group is None:
             raise ValueError(
                 f"model_chunks[{i}]: {name} is an expert-parallel parameter, but the optimizer "
                 "got no expert_mp_group to sum its gradient norm over: pass "

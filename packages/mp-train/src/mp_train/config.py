@@ -29,7 +29,7 @@ from mp_layers import TransformerConfig
 from mp_optim import OptimizerConfig
 from mp_state import ParallelConfig
 from mp_train.log_setup import parse_level
-from mp_train.run_checks import check_schedule
+from mp_train.run_checks import check_schedule, check_sharding
 
 __all__ = [
     "GPTConfig",
@@ -328,7 +328,7 @@ def validate(config: RunConfig, world_size: int) -> dict[str, int]:
             f"the model (bf16={model.bf16}, fp16={model.fp16}) and the optimizer "
             f"(bf16={optimizer.bf16}, fp16={optimizer.fp16}) disagree on the precision"
         )
-    if optimizer.bf16 and not optimizer.grad_reduce_in_fp32:
+    if optimizer.bf16 and not (optimizer.grad_reduce_in_fp32 or optimizer.grad_reduce_in_bf16):
         raise ValueError("bf16 needs gradients accumulated in fp32")
     vpp = parallel.virtual_pipeline_model_parallel_size
     pp = parallel.pipeline_model_parallel_size
@@ -364,6 +364,7 @@ def validate(config: RunConfig, world_size: int) -> dict[str, int]:
     if not config.data.has_data and not training.skip_train:
         raise ValueError("no training data: set data_path, train_data_path or mock_data")
     check_schedule(config)
+    check_sharding(config)
     return {"data_parallel_size": dp, "global_batch_size": gbs, "num_microbatches": microbatches}
 
 

@@ -33,6 +33,9 @@ _HELP = {
     "recompute_granularity=selective).",
     "use_flash_attn": "Flash attention (sets attention_backend=flash: torch's SDPA, a "
     "flash-attention kernel on CUDA).",
+    "torch_fsdp2_no_reshard_after_forward": "Keep each layer's gathered parameters until "
+    "its backward under --use-torch-fsdp2 (ZeRO-2; sets "
+    "torch_fsdp2_reshard_after_forward=False).",
     "no_position_embedding": "Megatron-LM's deprecated spelling, kept for RoPE models: "
     "accepted when position_embedding_type is rope (it leaves RoPE on, as in Megatron-LM), "
     "refused otherwise (give --position-embedding-type).",
@@ -45,6 +48,11 @@ _SETS = {
     "disable_bias_linear": ("model", "add_bias_linear", False),
     "recompute_activations": ("model", "recompute_granularity", "selective"),
     "use_flash_attn": ("model", "attention_backend", "flash"),
+    "torch_fsdp2_no_reshard_after_forward": (
+        "optimizer",
+        "torch_fsdp2_reshard_after_forward",
+        False,
+    ),
 }
 _PER_STAGE = "num_layers_per_virtual_pipeline_stage"
 

@@ -133,18 +133,14 @@ _FAMILIES: dict[str, tuple[bool, str]] = {
 # flag (dest) -> why mp refuses it and what to do instead
 REFUSED: dict[str, tuple[bool, str]] = {
     **_FAMILIES,
-    "use_torch_fsdp2": (False, "FSDP2 is not implemented: shard with --use-distributed-optimizer"),
-    "use_megatron_fsdp": (
+    "init_model_with_meta_device": (
         False,
-        "Megatron FSDP is not implemented: shard with --use-distributed-optimizer",
+        "meta-device initialization is not implemented yet: mp builds every chunk's "
+        "parameters on the CPU, then shards them (drop it)",
     ),
     "tp_comm_overlap": (
         False,
         "needs Transformer Engine's userbuffers, which mp does not use: drop it",
-    ),
-    "grad_reduce_in_bf16": (
-        False,
-        "mp reduces bf16 gradients in fp32 (Megatron's default): drop it",
     ),
     "apply_query_key_layer_scaling": (
         False,

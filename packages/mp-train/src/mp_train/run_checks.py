@@ -2,12 +2,13 @@
 rank: in the user's terms (the flags they gave, in iterations when they gave iterations).
 
     check_schedule(config)    the learning-rate warm-up ends before the decay does
+    check_sharding(config)    FSDP (ZeRO-2/3) with what it composes with, or the refusal
     check_tokenizer(config)   a tokenizer type mp has, with the arguments it requires
     check_input_files(config) the data prefixes and tokenizer files exist
     check_backend(config)     --distributed-backend nccl has CUDA devices to run on, and
                               --fp8-format a GPU with FP8 tensor cores (and torchao)
 
-validate() applies the first; an entry point applies the other two (load_config),
+validate() applies the first two; an entry point applies the others (load_config),
 before torch.distributed starts: the library's own callers may build their tokenizer
 and datasets their own way.
 """
@@ -19,7 +20,13 @@ import os
 from mp_data import TOKENIZER_TYPES, get_blend_from_list
 from mp_train.errors import ConfigError, flag
 
-__all__ = ["check_backend", "check_input_files", "check_schedule", "check_tokenizer"]
+__all__ = [
+    "check_backend",
+    "check_input_files",
+    "check_schedule",
+    "check_sharding",
+    "check_tokenizer",
+]
 
 
 def check_backend(config) -> None:
@@ -67,6 +74,48 @@ def check_schedule(config) -> None:
             f"{flag(warmup_name)} {warmup} is not below {decay_flag}: warm up for fewer "
             f"{words} or decay over more"
         )
+
+
+def check_sharding(config) -> None:
+    """FSDP (use_megatron_fsdp's optim_grads / optim_grads_params, use_torch_fsdp2) with
+    what is not built for it yet refused by name, and use_torch_fsdp2 with Megatron's own
+    refusals (docs/fsdp.md lists both)."""
+    optimizer, parallel = config.optimizer, config.parallel
+    if not optimizer.fully_sharded:
+        return
+    if optimizer.use_torch_fsdp2:
+        name = "--use-torch-fsdp2"
+        pp, ep = parallel.pipeline_model_parallel_size, parallel.expert_model_parallel_size
+        megatron = {  # Megatron-LM's validation of --use-torch-fsdp2
+            f"--pipeline-model-parallel-size {pp}": pp > 1,
+            f"--expert-model-parallel-size {ep}": ep > 1,
+            "tied input and output embeddings (no --untie-embeddings-and-output-weights)": (
+                not config.model.untie_embeddings_and_output_weights
+            ),
+        }
+        for what, given in megatron.items():
+            if given:
+                raise ConfigError(f"{name} with {what}: not supported, as in Megatron-LM; "
+                                  "--use-megatron-fsdp composes with it")  # fmt: skip
+    else:
+        name = "--use-megatron-fsdp"
+    later = {
+        "--save": (config.checkpoint.save is not None,
+                   "mp's sharded checkpoint of FSDP-sharded parameters"),
+        "--load": (config.checkpoint.load is not None,
+                   "mp's sharded checkpoint of FSDP-sharded parameters"),
+        "--virtual-pipeline-model-parallel-size": (
+            parallel.virtual_pipeline_model_parallel_size is not None,
+            "the interleaved schedule over FSDP-sharded chunks",
+        ),
+        "--torch-compile": (config.training.torch_compile, "compiling FSDP-sharded layers"),
+        "--fp8-format": (config.model.fp8 is not None, "FP8 GEMMs on FSDP-sharded weights"),
+        "--log-params-norm": (config.logging.log_params_norm,
+                              "the parameter norm over FSDP shards"),
+    }  # fmt: skip
+    for option, (given, what) in later.items():
+        if given:
+            raise ConfigError(f"{option} with {name}: {what} is not implemented yet")
 
 
 def check_tokenizer(config) -> None:

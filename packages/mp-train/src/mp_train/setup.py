@@ -5,8 +5,8 @@
 initializes (see initialize()) torch.distributed from torchrun's environment (NCCL on GPUs,
 gloo on CPUs; a one-rank world without torchrun), the rank groups
 (mp_state), the seeds, the tokenizer and padded vocabulary, this rank's
-model chunks wrapped in DistributedDataParallel, the optimizer and the
-scheduler. Nothing is kept in module globals: the loop's mutable state is
+model chunks wrapped in DistributedDataParallel (FullyShardedDataParallel for ZeRO-2/3),
+the optimizer and the scheduler. Nothing is kept in module globals: the loop's mutable state is
 `run.train` (TrainState).
 """
 
@@ -23,11 +23,13 @@ import torch
 
 import mp_state
 from mp_data import build_tokenizer, vocab_size_with_padding
-from mp_layers import compile_layers
+from mp_layers import TransformerLayer, compile_layers
 from mp_optim import (
     DistributedDataParallel,
+    FullyShardedDataParallel,
     MixedPrecisionOptimizer,
     OptimizerParamScheduler,
+    broadcast_params,
     get_optimizer,
     get_optimizer_param_scheduler,
     is_expert_parallel,
@@ -66,7 +68,7 @@ class Run:
     calculator: MicroBatchCalculator
     tokenizer: Any
     padded_vocab_size: int
-    model: list[DistributedDataParallel]
+    model: list[DistributedDataParallel] | list[FullyShardedDataParallel]
     optimizer: MixedPrecisionOptimizer
     scheduler: OptimizerParamScheduler
     pipeline: PipelineConfig
@@ -234,20 +236,24 @@ def _build_model(config, state, tracker, padded_vocab, model_provider) -> list:
             padded_vocab_size=padded_vocab, rng_tracker=tracker,
         )  # fmt: skip
         module.to(mp_state.select_device().device)
-        chunks.append(
-            DistributedDataParallel(
-                config.optimizer, module, dp_group=state.dp_cp, expert_dp_group=state.expert_dp
-            )
-        )
+        chunks.append(module)
     if config.training.data_parallel_random_init:
-        for chunk in chunks:
-            chunk.broadcast_params()
-    for chunk in chunks:
+        for module in chunks:
+            broadcast_params(module, state.dp_cp, state.expert_dp)
+    for module in chunks:
         # The last stage's copy of the word embedding (tied output layer, MTP) takes the
         # first stage's weights (collective over the embedding group).
-        module = chunk.module
         tied = getattr(module, "embedding_on_last_stage", False)
         ends = getattr(module, "pre_process", False) or getattr(module, "post_process", False)
         if tied and ends and state.embedding is not None and state.pp.size > 1:
             module.sync_tied_embeddings(state.embedding)
-    return chunks
+    # Wrapped once the replicas agree: FSDP shards what each rank holds.
+    return [_wrap(config.optimizer, module, state) for module in chunks]
+
+
+def _wrap(config, module, state):
+    """DDP (with or without the distributed optimizer), or FSDP for ZeRO-2/3."""
+    groups = {"dp_group": state.dp_cp, "expert_dp_group": state.expert_dp}
+    if config.fully_sharded:
+        return FullyShardedDataParallel(config, module, units=(TransformerLayer,), **groups)
+    return DistributedDataParallel(config, module, **groups)

@@ -1,0 +1,348 @@
+"""FullyShardedDataParallel: ZeRO-2 and ZeRO-3 on torch's FSDP2, over mp's own groups.
+
+    model = FullyShardedDataParallel(config, chunk, dp_group=state.dp_cp,
+                                     expert_dp_group=state.expert_dp, units=(TransformerLayer,))
+    optimizer = get_optimizer(config, [model], mp_group=state.mp)
+    ...  # the loop of ddp.py: no_sync, finish_grad_sync, optimizer.step(), zero_grad()
+
+torch's `fully_shard` is applied, bottom-up, to
+1. each module holding only routed experts' parameters (`expert_parallel = True`,
+   e.g. a MoE layer's grouped experts), over a mesh made from `expert_dp_group`;
+2. each module of a `units` type (the transformer layers), over `dp_group`;
+3. the chunk itself (the embeddings, the final norm, the output layer), over `dp_group`.
+The tensors sharded are the ones the tensor-parallel layers already hold on this rank
+(FSDP2 sees plain tensors and splits their first dimension over the data-parallel
+ranks), so tensor, sequence, context and pipeline parallelism compose unchanged.
+
+Between steps every parameter is a DTensor holding this rank's rows (its *shard*).
+Before a unit's forward FSDP2 all-gathers its parameters; with reshard_after_forward
+(ZeRO-3, `optim_grads_params`) it frees them after the forward and gathers them again
+in backward; without (ZeRO-2, `optim_grads`) it keeps them until the unit's backward
+is over. After the backward of the last micro-batch each unit's gradients are
+reduce-scattered, leaving each rank the reduced gradient of its shard; on the other
+micro-batches (no_sync) they accumulate unreduced, so a global batch costs one
+reduction, as with DDP.
+
+Reduction: gradients end as the mean over dp_group, expert ones too (ddp.py says why
+experts divide by dp, not by their own group's size): summed by the collective, then
+divided by dp (average_in_collective: ReduceOp.AVG where dp is the group's size); with
+calculate_per_token_loss they end as the sum, which finalize divides by the tokens.
+Accumulation and reduction run in the dtype DDP would use (fp32 with bf16), in bf16
+with grad_reduce_in_bf16.
+
+Mixed precision: the shards stay fp32 (a bf16 / fp16 model's parameters are made fp32
+before sharding); FSDP2 casts them to the model's dtype for the all-gather and the
+compute (MixedPrecisionPolicy). The optimizer steps the fp32 shards in place (they are
+the main parameters) from the gradient shards, which persist between steps like DDP's
+buffers (zero_grad_buffer zeros them) and are each parameter's `.main_grad`, so the
+pipeline's finalize reduces sequence-parallel and tied-embedding gradients shard-wise.
+
+The Python attributes mp puts on parameters (sequence_parallel, shared_embedding,
+expert_parallel, ...) are copied onto the sharded parameters, which fully_shard
+creates anew.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from mp_optim.config import OptimizerConfig
+from mp_optim.ddp import ChunkWrapper, is_expert_parallel
+from mp_optim.optimizer import counted_in_grad_norm
+from mp_state import RankGroup, select_device
+
+__all__ = ["FullyShardedDataParallel", "LocalShard"]
+
+
+@dataclass(frozen=True)
+class LocalShard:
+    """This rank's rows of one FSDP-sharded parameter."""
+
+    name: str
+    param: torch.nn.Parameter
+    """The sharded parameter (a DTensor)."""
+    data: torch.Tensor
+    """Its local rows (fp32): the main parameter the optimizer steps in place."""
+    grad: torch.Tensor
+    """The reduced gradient of those rows (persistent; `param.main_grad`)."""
+    start: int
+    """Where `data` starts in the flattened whole parameter."""
+    counted: bool
+    """Counted in the gradient norm (not a replica)."""
+    expert_parallel: bool
+
+
+class FullyShardedDataParallel(ChunkWrapper):
+    """Wraps `module`, sharding its parameters, gradients and optimizer state over
+    `dp_group` with torch's FSDP2 (see the module docstring).
+
+    Arguments:
+        config: the OptimizerConfig; config.fully_sharded must be true.
+        module: the model chunk (parameters on the run's device).
+        dp_group: the group gradients are averaged over and dense parameters sharded over
+            (`state.dp_cp`).
+        expert_dp_group: the group expert parameters are sharded over (`state.expert_dp`);
+            needed when the module has parameters marked `expert_parallel = True`.
+        units: module types each gathered and freed as one (the transformer layer).
+    """
+
+    def __init__(
+        self,
+        config: OptimizerConfig,
+        module: torch.nn.Module,
+        *,
+        dp_group: RankGroup,
+        expert_dp_group: RankGroup | None = None,
+        units: tuple[type[torch.nn.Module], ...] = (),
+    ) -> None:
+        super().__init__()
+        if not config.fully_sharded:
+            raise ValueError(
+                "FullyShardedDataParallel needs a fully sharded config (use_megatron_fsdp with "
+                "data_parallel_sharding_strategy optim_grads or optim_grads_params, or "
+                "use_torch_fsdp2)"
+            )
+        _check_torch()
+        # FSDP2 warns when a root returns a view (GPTModel's [b, s] loss at b = 1): its
+        # pre-backward hook would be lost by an in-place op on the output, which mp's
+        # schedules and loss functions never make.
+        warnings.filterwarnings("ignore", message=_VIEW_WARNING, category=UserWarning)
+        self.config = config
+        self.module = module
+        self.dp_group = dp_group
+        self.expert_dp_group = expert_dp_group
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        experts = _expert_units(module)
+        if experts and expert_dp_group is None:
+            raise ValueError(
+                f"{next(n for n, p in named if is_expert_parallel(p))} is an expert-parallel "
+                "parameter (expert_parallel=True), but FullyShardedDataParallel got no "
+                "expert_dp_group to shard it over: pass expert_dp_group=state.expert_dp"
+            )
+        # What fully_shard loses or changes, read first: replicas (from the sharding
+        # description) and the parameters' Python attributes.
+        counted = counted_in_grad_norm(module)
+        counted_names = {n for n, p in named if p in counted}
+        attributes = {n: dict(vars(p)) for n, p in named}
+        # FSDP2 keeps the shards in the parameters' dtype: fp32 main parameters.
+        for _, param in named:
+            if param.is_floating_point() and param.dtype != torch.float32:
+                param.data = param.data.float()
+        self.unit_modules = [
+            m for m in module.modules() if isinstance(m, units) and m is not module
+        ]
+        self._expert_modules = set(experts)
+        self._shard(experts)
+
+        self.shards: list[LocalShard] = []
+        self._grads: list[torch.Tensor] = []  # the DTensors over the persistent shards
+        with torch.no_grad():
+            for name, param in module.named_parameters():
+                if not param.requires_grad:
+                    continue
+                for key, value in attributes[name].items():
+                    setattr(param, key, value)
+                param.grad = torch.zeros_like(param)  # FSDP2 accumulates into it
+                self._grads.append(param.grad)
+                local = param.to_local()
+                param.main_grad = param.grad.to_local()
+                self.shards.append(LocalShard(
+                    name, param, local, param.main_grad, _flat_start(param, local),
+                    name in counted_names, is_expert_parallel(param),
+                ))  # fmt: skip
+
+    # --- the training loop's calls (as DistributedDataParallel's) ---------------------------
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Gradients accumulate unreduced (all but the last micro-batch of a global batch)."""
+        self.module.set_requires_gradient_sync(False)
+        self.module.set_is_last_backward(False)
+        try:
+            yield
+        finally:
+            self.module.set_requires_gradient_sync(True)
+            self.module.set_is_last_backward(True)
+
+    def start_grad_sync(self) -> None:
+        """Nothing to start: each unit's reduce-scatter starts in its post-backward."""
+
+    def finish_grad_sync(self) -> None:
+        """After the last backward: every parameter sharded again, its reduced gradient
+        in its shard's `.main_grad`."""
+        for sharded in self._fsdp_modules():
+            sharded.reshard()
+        with torch.no_grad():
+            for shard, persistent in zip(self.shards, self._grads, strict=True):
+                grad = shard.param.grad
+                if grad is persistent:
+                    continue
+                # Someone set .grad to None (FSDP2 then made a new one): back to the
+                # persistent shard, which the optimizer reads.
+                if grad is None:
+                    shard.grad.zero_()
+                else:
+                    shard.grad.copy_(grad.to_local())
+                shard.param.grad = persistent
+        if self.config.check_for_nan_in_grad:
+            bad = [s.name for s in self.shards if not torch.isfinite(s.grad).all()]
+            if bad:
+                raise RuntimeError(
+                    f"rank {self.dp_group.global_rank}: non-finite gradient after the "
+                    f"data-parallel reduce-scatter in {', '.join(bad)}"
+                )
+
+    def zero_grad_buffer(self) -> None:
+        """Zeros the gradient shards before a new global batch."""
+        for shard in self.shards:
+            shard.grad.zero_()
+
+    def start_param_sync(self, *, force_sync: bool = False) -> None:
+        """Nothing to gather after the step: each unit gathers its shards at its forward."""
+
+    def finish_param_sync(self) -> None:
+        """Nothing to wait for (see start_param_sync)."""
+
+    def state_dict(self, *args, **kwargs):
+        raise NotImplementedError(_NO_CHECKPOINT)
+
+    def load_state_dict(self, *args, **kwargs):
+        raise NotImplementedError(_NO_CHECKPOINT)
+
+    def sharded_state_dict(self, prefix: str = ""):
+        raise NotImplementedError(_NO_CHECKPOINT)
+
+    # --- internals -------------------------------------------------------------------------
+
+    def _shard(self, experts: list[torch.nn.Module]) -> None:
+        """fully_shard bottom-up: the expert modules over expert dp, the units and the
+        chunk over dp; then how each reduces its gradients."""
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        config = self.config
+        compute = config.model_dtype
+        policy = MixedPrecisionPolicy(
+            param_dtype=None if compute == torch.float32 else compute,
+            reduce_dtype=torch.float32 if config.grad_reduce_in_fp32 else compute,
+            cast_forward_inputs=False,  # mp's layers cast what they need, as under DDP
+        )
+        device_type = select_device().device.type
+        dense_mesh = _mesh(self.dp_group, device_type)
+        reshard = config.reshard_after_forward
+        expert_mesh = _mesh(self.expert_dp_group, device_type) if experts else None
+        for unit in experts:
+            fully_shard(unit, mesh=expert_mesh, reshard_after_forward=reshard, mp_policy=policy)
+        for unit in self.unit_modules:
+            fully_shard(unit, mesh=dense_mesh, reshard_after_forward=reshard, mp_policy=policy)
+        # The chunk's own parameters (embeddings, output layer) are not freed after its
+        # forward: the backward needs them first (FSDP2's default for a root).
+        fully_shard(self.module, mesh=dense_mesh,
+                    reshard_after_forward=None if reshard else False, mp_policy=policy)  # fmt: skip
+        if config.overlap_param_gather:
+            # Each unit's forward starts the next one's all-gather.
+            for unit, following in itertools.pairwise(self.unit_modules):
+                unit.set_modules_to_forward_prefetch([following])
+        for sharded in self._fsdp_modules():
+            self._set_reduction(sharded, expert=sharded in self._expert_modules)
+
+    def _fsdp_modules(self) -> list[torch.nn.Module]:
+        from torch.distributed.fsdp import FSDPModule
+
+        return [m for m in self.module.modules() if isinstance(m, FSDPModule)]
+
+    def _set_reduction(self, sharded, *, expert: bool) -> None:
+        """Every gradient ends as the mean over dp_group (the sum with a per-token loss)."""
+        group = self.expert_dp_group if expert else self.dp_group
+        config = self.config
+        divisor = 1.0 if config.calculate_per_token_loss else float(self.dp_group.size)
+        sharded.set_gradient_divide_factor(divisor)
+        # ReduceOp.AVG divides by the group's size only; another divisor (an expert group
+        # smaller than dp) is a sum, then a division, on every backend.
+        averaged = config.average_in_collective and divisor == group.size
+        sharded.set_force_sum_reduction_for_comms(not averaged)
+        # A parameter without a gradient on this rank joins the reduction with zeros, so
+        # every rank issues the same collectives (as DDP's buffers reduce every parameter).
+        # Older torch (2.11) lacks the switch: mp's layers give every parameter a gradient.
+        if hasattr(sharded, "set_reduce_scatter_unused_params"):
+            sharded.set_reduce_scatter_unused_params(True, recurse=False)
+
+
+_FSDP2_CALLS = (
+    "set_requires_gradient_sync",
+    "set_is_last_backward",
+    "set_gradient_divide_factor",
+    "set_force_sum_reduction_for_comms",
+    "set_modules_to_forward_prefetch",
+)
+
+
+def _check_torch() -> None:
+    """This torch's FSDP2 has what the wrapper calls (torch 2.15 and 2.11 are tested)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        FSDPModule = None
+    missing = [c for c in _FSDP2_CALLS if not hasattr(FSDPModule, c)]
+    if missing:
+        raise RuntimeError(
+            f"FullyShardedDataParallel needs torch's FSDP2 with {', '.join(missing)}, which "
+            f"torch {torch.__version__} lacks: upgrade torch (2.11 and 2.15 are tested)"
+        )
+
+
+_NO_CHECKPOINT = (
+    "the state of FSDP-sharded parameters is not saved or loaded yet: mp's sharded "
+    "checkpoint of FSDP-sharded parameters is not implemented"
+)
+
+_VIEW_WARNING = r"FSDP2-wrapped module \(.*\) returned a view tensor"
+
+
+def _mesh(group: RankGroup, device_type: str):
+    """The 1-D DeviceMesh over one of mp's groups."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return DeviceMesh.from_group(group.group, device_type)
+
+
+def _expert_units(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """The largest submodules whose parameters are all expert-parallel (a MoE layer's
+    experts), in module order."""
+    found = []
+
+    def visit(name: str, sub: torch.nn.Module) -> None:
+        params = list(sub.parameters())
+        if params and all(is_expert_parallel(p) for p in params):
+            if sub is module:
+                raise ValueError("every parameter of the chunk is expert-parallel: nothing "
+                                 "to shard over dp_group")  # fmt: skip
+            found.append(sub)
+            return
+        for pname, param in sub.named_parameters(recurse=False):
+            if is_expert_parallel(param):
+                raise ValueError(
+                    f"{name}.{pname} is an expert-parallel parameter beside dense ones in "
+                    "one module: FSDP shards the two kinds over different groups, so expert "
+                    "parameters need modules of their own"
+                )
+        for child_name, child in sub.named_children():
+            visit(f"{name}.{child_name}" if name else child_name, child)
+
+    visit("", module)
+    return found
+
+
+def _flat_start(param, local: torch.Tensor) -> int:
+    """Where this rank's rows start in the flattened whole parameter (FSDP2 gives rank r
+    rows [r c, (r + 1) c) of the first dimension, c = ceil(rows / ranks))."""
+    rows = param.shape[0] if param.dim() else 1
+    ranks = param.device_mesh.size()
+    per_rank = -(-rows // ranks)
+    first = min(param.device_mesh.get_local_rank() * per_rank, rows)
+    return first * (param.numel() // max(rows, 1))

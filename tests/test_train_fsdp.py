@@ -1,0 +1,102 @@
+"""Fully sharded data parallelism end to end: apps/gpt's tiny config (fp32, dropout 0) for
+10 iterations under ZeRO-2 and ZeRO-3 (--use-megatron-fsdp with optim_grads and
+optim_grads_params) has the DDP run's losses and gradient norms (1e-5 relative) at DP4,
+DP2 x TP2 with sequence parallelism, DP2 x CP2, DP2 x PP2 (1F1B) and, on the tiny MoE
+config, EP2 with four data-parallel ranks (experts sharded over expert dp 2). Each
+layout's three runs share its settings, which also take in what FSDP composes with:
+random initialization per data-parallel rank (TP2), per-token loss normalization (CP2),
+a multi-token prediction layer on the last stage, its loss compared too, and an
+evaluation every 5 iterations (PP2), averaging in the collective (EP2); and at DP4 the
+overlap flags (ZeRO-3) and full recompute (ZeRO-2) on the FSDP side only, as they change
+no value. ZeRO-2 and ZeRO-3
+differ only in when parameters are gathered, so their curves are equal exactly.
+Then a few iterations in bf16 (ZeRO-3, gradients reduced in fp32) and in fp16 (ZeRO-2,
+dynamic loss scaling) train with finite, decreasing losses. On a GPU, one rank in bf16
+under ZeRO-2 and ZeRO-3 has the DDP run's curve."""
+
+import math
+
+import pytest
+
+from mp_gpt.testing import (
+    LOGGED_MOE,
+    assert_same_curve,
+    metrics_records,
+    tiny_moe_options,
+    tiny_options,
+    train_on_rank,
+)
+from mp_state.testing import run_on_ranks
+
+pytestmark = pytest.mark.multirank
+
+ITERATIONS = 10
+# The measured matmul peak (seconds per launch) only feeds the logged MFU.
+QUICK = ["--train-iters", str(ITERATIONS), "--peak-tflops", "1"]
+LOGGED = ("lm loss", "grad_norm")
+ZERO3 = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params"]
+ZERO2 = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads"]
+EVALUATE = ["--eval-interval", "5", "--eval-iters", "1"]  # a forward-only pass between steps
+RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform"]
+OVERLAP = ["--overlap-grad-reduce", "--overlap-param-gather"]
+TP2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--data-parallel-random-init"]
+CP2 = ["--context-parallel-size", "2", "--calculate-per-token-loss"]
+PP2 = ["--pipeline-model-parallel-size", "2", "--mtp-num-layers", "1", *EVALUATE]
+EP2 = ["--expert-model-parallel-size", "2", "--average-in-collective"]
+
+# name -> (tiny MoE config, settings of all three runs, ZeRO-3's extra, ZeRO-2's extra)
+LAYOUTS = {
+    "dp4": (False, [], OVERLAP, [*RECOMPUTE, "--recompute-num-layers", "1"]),
+    "dp2-tp2-sp": (False, TP2, [], []),
+    "dp2-cp2": (False, CP2, [], []),
+    "dp2-pp2": (False, PP2, [], []),
+    "dp4-ep2": (True, EP2, [], []),
+}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_zero2_and_zero3_train_as_ddp(tmp_path, name):
+    moe, common, zero3, zero2 = LAYOUTS[name]
+    options, keys = (tiny_moe_options, LOGGED_MOE) if moe else (tiny_options, LOGGED)
+    if "--mtp-num-layers" in common:
+        keys = (*keys, "mtp_1 loss")
+    curves = {}
+    for run, extra in (("ddp", []), ("zero3", [*ZERO3, *zero3]), ("zero2", [*ZERO2, *zero2])):
+        argv = options(tmp_path / run, *QUICK, *common, *extra)
+        run_on_ranks(train_on_rank, 4, argv, timeout=300)
+        curves[run] = metrics_records(tmp_path / run)
+    assert len(curves["ddp"]) == ITERATIONS
+    assert_same_curve(curves["zero3"], curves["ddp"], keys, f"{name} zero3")
+    assert_same_curve(curves["zero2"], curves["ddp"], keys, f"{name} zero2")
+    assert [r[k] for r in curves["zero2"] for k in keys] == [
+        r[k] for r in curves["zero3"] for k in keys
+    ]
+
+
+HALF = {
+    "bf16-zero3": ["--bf16", *ZERO3],
+    # From 2^32 every step of the first 30 would overflow and be skipped, under DDP too.
+    "fp16-zero2": ["--fp16", "--initial-loss-scale", "4096", *ZERO2],
+}
+
+
+@pytest.mark.parametrize("name", list(HALF))
+def test_half_precision_trains(tmp_path, name):
+    argv = tiny_options(tmp_path, "--train-iters", "6", "--peak-tflops", "1", *HALF[name])
+    run_on_ranks(train_on_rank, 2, argv, timeout=300)
+    losses = [r["lm loss"] for r in metrics_records(tmp_path)]
+    assert len(losses) == 6 and all(math.isfinite(x) for x in losses)
+    assert losses[-1] < losses[0] - 0.05, losses
+
+
+@pytest.mark.cuda
+def test_zero2_and_zero3_train_as_ddp_on_cuda(tmp_path):
+    """One rank on the GPU (NCCL, FSDP2's own streams), bf16: the DDP run's curve."""
+    curves = {}
+    for run, sharding in (("ddp", []), ("zero3", ZERO3), ("zero2", ZERO2)):
+        argv = tiny_options(tmp_path / run, *QUICK, "--bf16", *sharding)
+        run_on_ranks(train_on_rank, 1, argv, device="cuda", timeout=300)
+        curves[run] = metrics_records(tmp_path / run)
+    assert len(curves["ddp"]) == ITERATIONS
+    for run in ("zero3", "zero2"):
+        assert_same_curve(curves[run], curves["ddp"], LOGGED, f"cuda {run}")
