@@ -54,11 +54,11 @@ MFU: Megatron's FLOPs per iteration (mp_train.estimate) over the GPU's dense bf1
 (mp_train.metrics.known_peak_tflops: 989 TFLOP/s for an H100), or over a measured bf16
 matmul for a GPU not in that table (and on the CPU).
 
-Budget on one H100, estimated (the suite has not run on a GPU since it was written):
-smoke 30 s, CUDA tests 90 s, each training step 60 s (2 rounds of 2 warm-up and 3 timed
-iterations per side, the models built anew each turn), generation 60 s (b 1 and 8, 128
-new tokens after 128, 2 rounds): about 5 minutes. --cpu-smoke took 17 to 43 s (11 to 13 s of
-CPU) on the 2-core CI machine, busy with other tests.
+Measured on one H100 (2026-11-27, docs/benchmarks.md): about 9.5 minutes (smoke 35 s,
+CUDA tests 55 s, each training step 35-75 s, generation 95 s), more than one 10-minute
+device command holds with the build of .site: run `--steps smoke cuda-tests train`, then
+`--steps generate`. --cpu-smoke took 17 to 43 s (11 to 13 s of CPU) on the 2-core CI
+machine, busy with other tests.
 """
 
 from __future__ import annotations
