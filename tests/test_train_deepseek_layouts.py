@@ -1,9 +1,11 @@
 """The tiny DeepSeek-V3 (apps/gpt/configs/tiny-deepseek-v3.yaml: MLA with a query latent
 and YaRN, a dense and a MoE layer with sigmoid group-limited routing, the expert bias and
 a shared expert, one MTP module) trains through pretrain_gpt to the one-rank curve at
-every layout: the language model's loss, the MTP module's and the per-sequence
-balancing loss, every iteration of 10, within 1e-5 relative (fp32, no dropout, mock
-data); and from a checkpoint saved at PP2 and resumed at TP2. The MTP loss reaches
+every layout (CP2 with p2p and a2a; MLA's all_gather is checked layer by layer in
+packages/mp-layers/tests/test_mla_layouts.py): the language model's loss, the MTP
+module's and the per-sequence balancing loss, every iteration of 10, within 1e-5
+relative (fp32, no dropout, mock data); and from a checkpoint saved at PP2 and resumed
+at TP2. The MTP loss reaches
 TensorBoard under Megatron's tag, `mtp_1 loss`, every iteration."""
 
 from pathlib import Path
@@ -40,7 +42,6 @@ LAYOUTS = {
                     "--sequence-parallel"]),
     "cp2-p2p": (2, ["--context-parallel-size", "2", "--cp-comm-type", "p2p"]),
     "cp2-a2a": (2, ["--context-parallel-size", "2", "--cp-comm-type", "a2a"]),
-    "cp2-all-gather": (2, ["--context-parallel-size", "2", "--cp-comm-type", "all_gather"]),
     "dp2-distopt": (2, ["--use-distributed-optimizer"]),
 }  # fmt: skip
 
