@@ -37,10 +37,12 @@ gpu_suite.py runs the same comparison (model_pair, compare) on a GPU with anothe
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -59,6 +61,16 @@ TARGET_RATIO = 1.0
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_generation_arguments(parser)
+    args = settle_generation_arguments(parser, parser.parse_args())
+    torch.set_num_threads(os.cpu_count() or 1)
+    with tempfile.TemporaryDirectory() as scratch:
+        ours, hf_model = model_pair(SHAPE, args.prompt_len + args.new_tokens, Path(scratch))
+    run_comparisons("generate_per_token", ours, hf_model, args, SHAPE)
+
+
+def add_generation_arguments(parser: argparse.ArgumentParser) -> None:
+    """The comparison's options (compare, run_comparisons)."""
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--new-tokens", type=int, default=512)
     parser.add_argument("--prompt-len", type=int, default=128)
@@ -66,24 +78,30 @@ def main() -> None:
     parser.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=["bf16", "fp32"])
     parser.add_argument("--quick", action="store_true",
                         help="smoke test: 32 new tokens, 1 round, batch 1 and 8, bf16")  # fmt: skip
-    args = parser.parse_args()
+
+
+def settle_generation_arguments(parser: argparse.ArgumentParser,
+                                args: argparse.Namespace) -> argparse.Namespace:  # fmt: skip
+    """args with --quick applied; exits through `parser` on too few new tokens."""
     if args.quick:
         args.new_tokens, args.rounds, args.dtypes = 32, 1, ["bf16"]
     if args.new_tokens < 2:
         parser.error("--new-tokens must be >= 2: decode time is the calls' difference")
-    torch.set_num_threads(os.cpu_count() or 1)
-    ctx = context()
+    return args
 
-    with tempfile.TemporaryDirectory() as scratch:
-        ours, hf_model = model_pair(SHAPE, args.prompt_len + args.new_tokens, Path(scratch))
+
+def run_comparisons(measure: str, ours: Generator, hf_model, args, shape) -> None:
+    """compare in each of args.dtypes (both models cast to it) at each of args.batch_sizes,
+    printed as `measure`[dtype,b<b>]; closes `ours`."""
+    ctx = context()
     try:
         for name in args.dtypes:
             dtype = DTYPES[name]
             ours.model.to(dtype)
             hf_model.to(dtype)
             for b in args.batch_sizes:
-                figures = compare(ours.model, hf_model, b, args, SHAPE)
-                emit(f"generate_per_token[{name},b{b}]", figures, ctx)
+                figures = compare(ours.model, hf_model, b, args, shape)
+                emit(f"{measure}[{name},b{b}]", figures, ctx)
     finally:
         ours.close()
 
@@ -91,24 +109,31 @@ def main() -> None:
 def model_pair(shape: LlamaShape, max_positions: int, scratch: Path,
                device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):  # fmt: skip
     """(ours, transformers'): a LlamaForCausalLM of `shape` (transformers' initialization,
-    seed 0, built on `device` in `dtype`), saved under `scratch` and imported by `mp-ckpt
-    import-hf`; ours mp_gpt.generate's Generator over that checkpoint (a one-rank world on
-    mp_state's device), the same weights. Both in eval mode."""
+    seed 0, built on `device` in `dtype`) and imported_generator of it under `scratch`. Both
+    in eval mode."""
     import transformers
 
     torch.manual_seed(0)
     with torch.device(device):
         hf_model = transformers.LlamaForCausalLM(shape.hf_config(shape.vocab, max_positions))
     hf_model = hf_model.to(dtype).eval()
+    return imported_generator(hf_model, scratch), hf_model
+
+
+def imported_generator(hf_model, scratch: Path, extra: Sequence[str] = ()) -> Generator:
+    """mp_gpt.generate's Generator (a one-rank world on mp_state's device, eval mode) over
+    `hf_model` saved under `scratch` and imported by `mp-ckpt import-hf`: the same
+    weights; extra: the Generator's options beside the checkpoint's settings."""
     hf_model.save_pretrained(scratch / "hf")
     if mp_ckpt_main(["import-hf", str(scratch / "hf"), str(scratch / "ckpt")]) != 0:
         raise RuntimeError("mp-ckpt import-hf failed")
-    return Generator(str(scratch / "ckpt")), hf_model
+    return Generator(str(scratch / "ckpt"), extra)
 
 
-def compare(model, hf_model, b: int, args, shape: LlamaShape) -> dict:
+def compare(model, hf_model, b: int, args, shape) -> dict:
     """Both sides' figures for b prompts of args.prompt_len random ids (see the module
-    docstring); args: new_tokens, prompt_len, rounds."""
+    docstring); args: new_tokens, prompt_len, rounds; shape: a dataclass with the
+    vocabulary as `vocab` (LlamaShape, DeepSeekShape), reported whole."""
     seeded = torch.Generator().manual_seed(b)
     prompts = torch.randint(0, shape.vocab, (b, args.prompt_len), generator=seeded)
     sides = {"ours": _ours(model, prompts, shape.vocab), "hf": _hf(hf_model, prompts)}
@@ -131,11 +156,9 @@ def compare(model, hf_model, b: int, args, shape: LlamaShape) -> dict:
     best = {side: min(v) * 1e3 for side, v in per_token.items()}
     median = {side: statistics.median(v) * 1e3 for side, v in per_token.items()}
     prompt_tokens = b * args.prompt_len
-    settings = {
-        "hidden": shape.hidden, "layers": shape.layers, "heads": shape.heads,
-        "query_groups": shape.query_groups, "ffn": shape.ffn, "vocab": shape.vocab,
-        "tied": shape.tied, "batch": b, "prompt_len": args.prompt_len,
-        "new_tokens": args.new_tokens, "rounds": args.rounds, "greedy": True,
+    settings = dataclasses.asdict(shape) | {
+        "batch": b, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+        "rounds": args.rounds, "greedy": True,
     }  # fmt: skip
     return {
         "ms_per_token": round(best["ours"], 3),

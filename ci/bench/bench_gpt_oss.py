@@ -35,7 +35,8 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
-from hf_training import MoeShape, attention_flops, imported_steps, parse_arguments, report
+from hf_training import HF_COMMON, draw_normal, imported_steps, parse_arguments, report
+from moe_shapes import MoeShape, attention_flops
 
 SHAPE = MoeShape(hidden=512, layers=8, heads=8, query_groups=4, head_dim=64, experts=32,
                  topk=4, expert_ffn=256, vocab=32000, biases=True)  # fmt: skip
@@ -66,15 +67,10 @@ def _hf_model():
         head_dim=SHAPE.head_dim, num_local_experts=SHAPE.experts,
         num_experts_per_tok=SHAPE.topk, intermediate_size=SHAPE.expert_ffn,
         sliding_window=WINDOW, output_router_logits=True, router_aux_loss_coef=AUX_LOSS_COEFF,
-        tie_word_embeddings=False, attention_dropout=0.0,
-        initializer_range=0.02, bos_token_id=0, eos_token_id=0, pad_token_id=0,
-        attn_implementation="eager",
+        attn_implementation="eager", **HF_COMMON,
     )  # fmt: skip
     model = transformers.GptOssForCausalLM(config)
-    with torch.no_grad():  # transformers starts most biases at 0: give them values to check
-        for name, param in model.named_parameters():
-            if name.endswith("bias"):
-                param.normal_(std=config.initializer_range)
+    draw_normal(model.named_parameters(), "bias", config.initializer_range)
     return model
 
 

@@ -63,7 +63,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
 from harness import LLAMA_SHAPE
-from hf_training import MoeShape, attention_flops, hf_step, mp_step, parse_arguments, report
+from hf_training import HF_COMMON, hf_step, mp_step, parse_arguments, report
+from moe_shapes import MoeShape, attention_flops
 
 from mp_layers import TransformerConfig
 
@@ -107,8 +108,7 @@ def _hf(seq: int, expert_ffn: int):
         head_dim=HEAD_DIM, num_local_experts=EXPERTS, num_experts_per_tok=TOPK,
         output_router_logits=True, router_aux_loss_coef=AUX_LOSS_COEFF, router_jitter_noise=0.0,
         rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=seq, sliding_window=None,
-        tie_word_embeddings=False, attention_dropout=0.0, initializer_range=0.02,
-        bos_token_id=0, eos_token_id=0, pad_token_id=0, attn_implementation="sdpa",
+        attn_implementation="sdpa", **HF_COMMON,
     )  # fmt: skip
     return hf_step(transformers.MixtralForCausalLM(config))
 

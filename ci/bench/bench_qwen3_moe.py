@@ -29,7 +29,8 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
-from hf_training import MoeShape, attention_flops, imported_steps, parse_arguments, report
+from hf_training import HF_COMMON, imported_steps, parse_arguments, report
+from moe_shapes import MoeShape, attention_flops
 
 SHAPE = MoeShape(hidden=512, layers=8, heads=8, query_groups=4, head_dim=128, experts=32,
                  topk=8, expert_ffn=256, vocab=32000, qk_norm=True)  # fmt: skip
@@ -55,8 +56,7 @@ def _hf_model(seq: int):
         head_dim=SHAPE.head_dim, num_experts=SHAPE.experts, num_experts_per_tok=SHAPE.topk,
         moe_intermediate_size=SHAPE.expert_ffn, norm_topk_prob=True, output_router_logits=True,
         router_aux_loss_coef=AUX_LOSS_COEFF, rms_norm_eps=1e-6, max_position_embeddings=seq,
-        tie_word_embeddings=False, attention_dropout=0.0, initializer_range=0.02,
-        bos_token_id=0, eos_token_id=0, pad_token_id=0, attn_implementation="sdpa",
+        attn_implementation="sdpa", **HF_COMMON,
     )  # fmt: skip
     return transformers.Qwen3MoeForCausalLM(config)
 
