@@ -39,9 +39,11 @@ def tiny_config(**changes) -> TransformerConfig:
     return TransformerConfig(**(settings | changes))
 
 
-def reference_loss(model: GPTModel, ids, labels, mask) -> tuple[torch.Tensor, list[float]]:
+def reference_loss(model: GPTModel, ids, labels, mask, per_token: bool = False):
     """The language model's masked mean loss plus FACTOR / D times each module's, computed
-    directly from the model's weights (its transformer layers as they are)."""
+    directly from the model's weights (its transformer layers as they are); per_token:
+    all of it times the tokens (the language model's loss a sum), as Megatron's per-token
+    loss has it."""
     rotary = model._rotary(SEQ)
     hidden = model.decoder(model.embedding(ids.t()), rotary, None)  # normalized [s, b, h]
     weight_out, weight_in = model.output_layer.weight, model.embedding.weight
@@ -51,7 +53,8 @@ def reference_loss(model: GPTModel, ids, labels, mask) -> tuple[torch.Tensor, li
         return F.cross_entropy(logits.reshape(-1, VOCAB), targets.t().reshape(-1),
                                reduction="none").view(SEQ, BATCH).t()  # fmt: skip
 
-    total = (token_losses(hidden, labels) * mask).sum() / mask.sum()
+    tokens = mask.sum()
+    total = (token_losses(hidden, labels) * mask).sum() / tokens
     modules = []
     for k, layer in enumerate(model.mtp.layers, start=1):
         shifted = torch.zeros_like(ids)
@@ -67,25 +70,28 @@ def reference_loss(model: GPTModel, ids, labels, mask) -> tuple[torch.Tensor, li
         loss = (token_losses(hidden, targets) * kept).sum() / kept.sum()
         modules.append(float(loss.detach()))
         total = total + FACTOR / len(model.mtp.layers) * loss
-    return total, modules
+    return (total * tokens if per_token else total), modules
 
 
-@pytest.mark.parametrize("recompute", [False, True], ids=["", "full-recompute"])
-def test_mtp_losses_and_gradients_equal_deepseeks_formula(recompute):
+@pytest.mark.parametrize(("recompute", "per_token"), [(False, False), (True, False), (False, True)],
+                         ids=["", "full-recompute", "per-token-loss"])  # fmt: skip
+def test_mtp_losses_and_gradients_equal_deepseeks_formula(recompute, per_token):
     torch.manual_seed(0)
     full = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     config = tiny_config(**(full if recompute else {}))
-    model = GPTModel(config, "local", VOCAB, SEQ, groups=ModelGroups.single(), init_seed=3)
+    model = GPTModel(config, "local", VOCAB, SEQ, groups=ModelGroups.single(), init_seed=3,
+                     calculate_per_token_loss=per_token)  # fmt: skip
     twin = GPTModel(config, "local", VOCAB, SEQ, groups=ModelGroups.single(), init_seed=3)
     generator = torch.Generator().manual_seed(1)
     ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator)
     labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator)
     mask = (torch.rand(BATCH, SEQ, generator=generator) > 0.2).float()
 
-    per_token = model(ids, labels=labels, loss_mask=mask)
-    ((per_token * mask).sum() / mask.sum()).backward()
+    losses = model(ids, labels=labels, loss_mask=mask)
+    main = (losses * mask).sum()
+    (main if per_token else main / mask.sum()).backward()
     recorded = model.mtp.take_losses()
-    expected, modules = reference_loss(twin, ids, labels, mask)
+    expected, modules = reference_loss(twin, ids, labels, mask, per_token)
     expected.backward()
 
     assert recorded.tolist() == pytest.approx(modules, rel=1e-5)

@@ -250,7 +250,8 @@ class GPTModel(torch.nn.Module):
         cp = self.groups.cp
         mask = torch.ones_like(labels, dtype=torch.float32) if loss_mask is None else loss_mask
         mask = mask.float()
-        tokens = _per_rank_count(mask, cp)
+        # With a per-token loss the step divides by the batch's tokens: scale back to them.
+        tokens = _per_rank_count(mask, cp) if self.calculate_per_token_loss else None
         factor = self.config.mtp_loss_scaling_factor / len(self.mtp.layers)
         out, ids = hidden, input_ids
         for k, layer in enumerate(self.mtp.layers):
@@ -259,7 +260,7 @@ class GPTModel(torch.nn.Module):
             count = _per_rank_count(mask, cp)
             total = (self._token_loss(out, labels).float() * mask).sum()
             self.mtp.record(k, total.detach() / count)
-            denominator = count / tokens if self.calculate_per_token_loss else count
+            denominator = count if tokens is None else count / tokens
             hidden = attach(hidden, total * factor / denominator, "mtp")
         return hidden
 
