@@ -45,6 +45,12 @@ def test_strategies_map_to_engines(flags, fully_sharded, reshard, distributed):
     assert optimizer.use_distributed_optimizer is distributed
 
 
+def test_fsdp_dtensor_names_mps_format_under_megatron_fsdp():
+    config = parse_config([*BASE, *FSDP, "--ckpt-format", "fsdp_dtensor", "--save", "/ckpt"])
+    validate(config, 4)
+    assert config.checkpoint.save == "/ckpt"
+
+
 def test_gradients_reduce_in_fp32_unless_asked():
     assert _optimizer(*FSDP, "--bf16").grad_reduce_in_fp32
     assert not _optimizer(*FSDP, "--bf16", "--grad-reduce-in-bf16").grad_reduce_in_fp32
@@ -53,9 +59,8 @@ def test_gradients_reduce_in_fp32_unless_asked():
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        ([*FSDP, "--save", "/ckpt"], "--save with --use-megatron-fsdp: mp's sharded checkpoint "
-         "of FSDP-sharded parameters is not implemented yet"),
-        ([*FSDP, "--load", "/ckpt"], "--load with --use-megatron-fsdp: mp's sharded checkpoint"),
+        (["--ckpt-format", "fsdp_dtensor"], "--ckpt-format fsdp_dtensor needs "
+         "--use-megatron-fsdp, as in Megatron-LM"),
         ([*FSDP, "--torch-compile"], "--torch-compile with --use-megatron-fsdp: compiling"),
         ([*FSDP, "--log-params-norm"], "--log-params-norm with --use-megatron-fsdp:"),
         ([*FSDP, "--pipeline-model-parallel-size", "2",

@@ -75,6 +75,11 @@ class ChunkWrapper(torch.nn.Module):
         """Passes a pipeline stage's input to the wrapped module."""
         self.module.set_input_tensor(tensor)
 
+    def restore_pieces(self, pieces: dict) -> None:
+        """After a checkpoint load filled sharded_state_dict()'s pieces: puts values held
+        in copies back into the model. Nothing to do here: every piece is a view of a
+        parameter (FSDP's are not)."""
+
 
 class DistributedDataParallel(ChunkWrapper):
     """Wraps `module`; its parameters' gradients go to buffers reduced over `dp_group`.

@@ -52,8 +52,10 @@ from dataclasses import dataclass
 
 import torch
 
+from mp_ckpt import ShardedTensor
 from mp_optim.config import OptimizerConfig
 from mp_optim.ddp import ChunkWrapper, is_expert_parallel
+from mp_optim.flat_ranges import Overlap, flat_range_piece, overlap
 from mp_optim.optimizer import counted_in_grad_norm
 from mp_state import RankGroup, select_device
 
@@ -76,6 +78,8 @@ class LocalShard:
     counted: bool
     """Counted in the gradient norm (not a replica)."""
     expert_parallel: bool
+    dtype: torch.dtype
+    """The model's dtype for the parameter (its checkpoint pieces are saved in it)."""
 
 
 class FullyShardedDataParallel(ChunkWrapper):
@@ -130,6 +134,7 @@ class FullyShardedDataParallel(ChunkWrapper):
         counted = counted_in_grad_norm(module)
         counted_names = {n for n, p in named if p in counted}
         attributes = {n: dict(vars(p)) for n, p in named}
+        dtypes = {n: p.dtype for n, p in named}
         # FSDP2 keeps the shards in the parameters' dtype: fp32 main parameters.
         for _, param in named:
             if param.is_floating_point() and param.dtype != torch.float32:
@@ -154,8 +159,9 @@ class FullyShardedDataParallel(ChunkWrapper):
                 param.main_grad = param.grad.to_local()
                 self.shards.append(LocalShard(
                     name, param, local, param.main_grad, _flat_start(param, local),
-                    name in counted_names, is_expert_parallel(param),
+                    name in counted_names, is_expert_parallel(param), dtypes[name],
                 ))  # fmt: skip
+        self._shard_of = {id(s.param): s for s in self.shards}
 
     # --- the training loop's calls (as DistributedDataParallel's) ---------------------------
 
@@ -209,14 +215,71 @@ class FullyShardedDataParallel(ChunkWrapper):
     def finish_param_sync(self) -> None:
         """Nothing to wait for (see start_param_sync)."""
 
+    # --- checkpoints ---------------------------------------------------------------------
+
+    def sharded_state_dict(self, prefix: str = "") -> dict[str, ShardedTensor]:
+        """The module's pieces cut to this rank's shards: each piece of a parameter becomes
+        the flattened range of its box that this rank's rows hold (see flat_ranges.py), in
+        the model's dtype (a copy where that is not fp32 or the range is not contiguous in
+        the shard: restore_pieces writes loaded values back). Shards of different
+        data-parallel ranks are disjoint, so none is a replica. Buffers' pieces are the
+        module's own."""
+        pieces = {}
+        for key, piece, param, offset in self.piece_layout(prefix):
+            if param is None:
+                pieces[key] = piece
+                continue
+            cut = self._cut(piece, param, offset)
+            if cut is not None:
+                shard, part = cut
+                pieces[key], _ = flat_range_piece(key, piece, part, shard.data, shard.dtype)
+        return pieces
+
+    def restore_pieces(self, pieces: dict[str, ShardedTensor]) -> None:
+        """Writes sharded_state_dict()'s pieces, filled by a checkpoint load, into the
+        shards."""
+        with torch.no_grad():
+            for key, piece, param, offset in self.piece_layout():
+                cut = self._cut(piece, param, offset) if param is not None else None
+                if cut is not None and key in pieces:
+                    shard, part = cut
+                    flat_range_piece(key, piece, part, shard.data)[1](pieces[key].data)
+
+    def piece_layout(self, prefix: str = ""):
+        """(key, piece, parameter, offset) for every piece of the module's
+        sharded_state_dict as the whole (unsharded) parameters give it: the piece's data
+        is a view of a meta tensor standing in for `parameter` (the sharded one), starting
+        at element `offset` of it; for a buffer's piece, parameter is None."""
+        stand_ins: dict[int, torch.nn.Parameter] = {}
+        swapped = []
+        for module in self.module.modules():
+            for name, param in module._parameters.items():
+                if param is None or id(param) not in self._shard_of:
+                    continue
+                if id(param) not in stand_ins:
+                    meta = torch.empty(param.shape, dtype=param.dtype, device="meta")
+                    stand_ins[id(param)] = torch.nn.Parameter(meta, param.requires_grad)
+                swapped.append((module, name, param))
+        owners = {}
+        try:
+            for module, name, param in swapped:
+                module._parameters[name] = stand_in = stand_ins[id(param)]
+                owners[stand_in.untyped_storage()._cdata] = param
+            with torch.no_grad():
+                pieces = self.module.sharded_state_dict(prefix)
+        finally:
+            for module, name, param in swapped:
+                module._parameters[name] = param
+        for key, piece in pieces.items():
+            param = owners.get(piece.data.untyped_storage()._cdata)
+            offset = piece.data.storage_offset() if param is not None else 0
+            yield key, piece, param, offset
+
     def state_dict(self, *args, **kwargs):
-        raise NotImplementedError(_NO_CHECKPOINT)
+        raise NotImplementedError(_WHOLE_STATE)
 
     def load_state_dict(self, *args, **kwargs):
-        raise NotImplementedError(_NO_CHECKPOINT)
-
-    def sharded_state_dict(self, prefix: str = ""):
-        raise NotImplementedError(_NO_CHECKPOINT)
+        raise NotImplementedError(_WHOLE_STATE)
 
     # --- internals -------------------------------------------------------------------------
 
@@ -250,6 +313,14 @@ class FullyShardedDataParallel(ChunkWrapper):
                 unit.set_modules_to_forward_prefetch([following])
         for sharded in self._fsdp_modules():
             self._set_reduction(sharded, expert=sharded in self._expert_modules)
+
+    def _cut(self, piece: ShardedTensor, param, offset: int) -> tuple[LocalShard, Overlap] | None:
+        """The shard of `param` and the part of `piece` (a view of it at `offset`) in it."""
+        shard = self._shard_of[id(param)]
+        if not shard.data.numel():
+            return None
+        part = overlap(piece, param.numel(), offset, shard.start, shard.start + shard.data.numel())
+        return None if part is None else (shard, part)
 
     def _fsdp_modules(self) -> list[torch.nn.Module]:
         from torch.distributed.fsdp import FSDPModule
@@ -296,9 +367,9 @@ def _check_torch() -> None:
         )
 
 
-_NO_CHECKPOINT = (
-    "the state of FSDP-sharded parameters is not saved or loaded yet: mp's sharded "
-    "checkpoint of FSDP-sharded parameters is not implemented"
+_WHOLE_STATE = (
+    "a torch state_dict of FSDP-sharded parameters would gather the whole model on every "
+    "rank: use sharded_state_dict() (mp's sharded checkpoint; mp_train's save and load)"
 )
 
 _VIEW_WARNING = r"FSDP2-wrapped module \(.*\) returned a view tensor"

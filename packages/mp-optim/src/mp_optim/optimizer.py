@@ -90,11 +90,20 @@ class MainParamShard:
     """Counted in the gradient norm (not a replica)."""
     expert_parallel: bool = False
     """An expert parameter's piece (sharded over expert dp, normed over expert tp x ep x pp)."""
+    model_dtype: torch.dtype | None = None
+    """The dtype the model computes this parameter in when it is not model_view's (FSDP:
+    the fp32 shards of a bf16 or fp16 model)."""
 
     @property
     def aliased(self) -> bool:
         """The main parameter is the model's memory (fp32): no copy back."""
         return self.main_param.data_ptr() == self.model_view.data_ptr()
+
+    @property
+    def keeps_copy(self) -> bool:
+        """Checkpoints save the main parameter beside the model's pieces: the model holds
+        it in a lower precision."""
+        return (self.model_dtype or self.model_view.dtype) != self.main_param.dtype
 
 
 class MixedPrecisionOptimizer:
@@ -146,7 +155,7 @@ class MixedPrecisionOptimizer:
                     if s.data.numel():
                         self.shards[s.param] = [MainParamShard(
                             s.param, s.data, s.data, s.grad, s.start, s.counted,
-                            s.expert_parallel,
+                            s.expert_parallel, s.dtype,
                         )]  # fmt: skip
                 continue
             counted = counted_in_grad_norm(chunk.module)
@@ -254,22 +263,13 @@ class MixedPrecisionOptimizer:
     def sharded_state_dict(self) -> dict:
         """The state as sharding descriptions, loadable under another layout
         (optimizer_state.py): {"state": {key: ShardedTensor}, "common": {...}}."""
-        self._refuse_fsdp_checkpoint()
         return optimizer_sharded_state_dict(self)
 
     def load_sharded_state_dict(self, saved: dict) -> None:
         """Loads sharded_state_dict()'s structure filled with a checkpoint's values."""
-        self._refuse_fsdp_checkpoint()
         load_optimizer_state(self, saved)
 
     # --- internals -------------------------------------------------------------------------
-
-    def _refuse_fsdp_checkpoint(self) -> None:
-        if self.fully_sharded:
-            raise NotImplementedError(
-                "the optimizer state of FSDP-sharded parameters is not described for "
-                "checkpoints yet: mp's sharded checkpoint under FSDP is not implemented"
-            )
 
     def _all_shards(self) -> list[MainParamShard]:
         return [s for shards in self.shards.values() for s in shards]

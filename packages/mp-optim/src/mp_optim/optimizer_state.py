@@ -32,9 +32,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from mp_ckpt import ShardedTensor
+from mp_optim.flat_ranges import flat_range_piece, overlap
 
 if TYPE_CHECKING:
-    from mp_optim.optimizer import MainParamShard, MixedPrecisionOptimizer
+    from mp_optim.optimizer import MixedPrecisionOptimizer
 
 __all__ = ["load_optimizer_state", "optimizer_sharded_state_dict"]
 
@@ -121,20 +122,25 @@ def _described_states(
 ) -> Iterator[tuple[str, ShardedTensor, _Writer]]:
     """(key, piece, writer) for every state tensor piece of this rank."""
     names = STATE_NAMES[optimizer.config.optimizer]
+    flat = optimizer.distributed or optimizer.fully_sharded  # each rank holds flat ranges
     for chunk in optimizer.model_chunks:
         params = [p for p in chunk.module.parameters() if p in optimizer.shards]
         for piece, param, offset in _model_pieces(chunk, params):
             for shard in optimizer.shards[param]:
                 dp = optimizer.expert_dp_group if shard.expert_parallel else optimizer.dp_group
                 tensors = {n: optimizer.optimizer.state[shard.main_param][n] for n in names}
-                if not shard.aliased:
+                if shard.keeps_copy:
                     tensors["fp32_param"] = shard.main_param
+                part = None
+                if flat:
+                    lo = shard.start
+                    part = overlap(piece, param.numel(), offset, lo, lo + shard.main_param.numel())
+                    if part is None:
+                        continue
                 for name, tensor in tensors.items():
                     key = f"optimizer.{name}.{piece.key}"
-                    if optimizer.distributed:
-                        described = _flat_range_piece(key, piece, param, offset, shard, tensor)
-                        if described is not None:
-                            yield (key, *described)
+                    if part is not None:
+                        yield (key, *flat_range_piece(key, piece, part, tensor))
                     else:
                         view = tensor.as_strided(
                             piece.data.size(), piece.data.stride(), tensor.storage_offset() + offset
@@ -149,32 +155,14 @@ def _described_states(
                         )
 
 
-def _flat_range_piece(key, piece, param, offset, shard: MainParamShard, tensor):
-    """The part of `piece` inside the shard's flat range, as a flattened-range piece."""
-    index = torch.arange(param.numel()).as_strided(piece.data.size(), piece.data.stride(), offset)
-    index = index.reshape(-1)
-    if index.numel() > 1 and not bool((index[1:] > index[:-1]).all()):
-        raise ValueError(f"{piece.key}: the piece does not keep its parameter's element order")
-    lo, hi = shard.start, shard.start + shard.main_param.numel()
-    start, end = (int(i) for i in torch.searchsorted(index, torch.tensor([lo, hi])))
-    if start >= end:
-        return None
-    positions = index[start:end] - lo
-    flat = tensor.view(-1)
-
-    def write(values: torch.Tensor) -> None:
-        flat[positions] = values.to(flat.dtype)
-
-    data = flat[positions]
-    described = ShardedTensor(
-        key, data, piece.global_shape, piece.global_offset, piece.replica_id, (start, end),
-        tuple(piece.data.shape),
-    )  # fmt: skip
-    return described, write
-
-
 def _model_pieces(chunk, params: list[torch.nn.Parameter]):
     """(piece, parameter, element offset of the piece's view in the parameter)."""
+    if hasattr(chunk, "piece_layout"):  # FSDP: the pieces as the whole parameters give them
+        wanted = {id(p) for p in params}
+        for _, piece, param, offset in chunk.piece_layout():
+            if id(param) in wanted:
+                yield piece, param, offset
+        return
     module = chunk.module
     if hasattr(module, "sharded_state_dict"):
         pieces = chunk.sharded_state_dict()

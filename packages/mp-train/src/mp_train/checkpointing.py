@@ -1,8 +1,9 @@
 """What the loop saves and restores through mp-ckpt.
 
 Pieces: every model chunk's sharded_state_dict (data-parallel ranks > 0 mark
-theirs as replicas, so each logical piece is written once) and, unless
-no_save_optim, the optimizer's. Common (rank 0): the iteration and consumed
+theirs as replicas, so each logical piece is written once; under FSDP each
+rank's pieces are the flattened ranges its shards hold, all written) and,
+unless no_save_optim, the optimizer's. Common (rank 0): the iteration and consumed
 samples, the scheduler, the optimizer's plain state, the run's configuration
 (and the model's settings under Megatron's names, for `mp-ckpt export-hf`).
 
@@ -52,9 +53,12 @@ def run_pieces(run: Run, *, with_optimizer: bool) -> dict[str, ShardedTensor]:
     for chunk in run.model:
         for key, p in chunk.sharded_state_dict().items():
             # Experts are replicated over the expert data-parallel ranks, the rest over the
-            # data-parallel ones.
+            # data-parallel ones; a flattened range is a part of this rank's FSDP shard,
+            # disjoint from the other data-parallel ranks'.
             dp = run.state.expert_dp if is_expert_key(key) else run.state.dp_cp
-            replica = p.replica_id * dp.size + dp.rank
+            replica = p.replica_id
+            if p.flattened_range is None:
+                replica = p.replica_id * dp.size + dp.rank
             pieces[key] = ShardedTensor(
                 p.key, p.data, p.global_shape, p.global_offset, replica, p.flattened_range,
                 p.local_shape,
@@ -214,6 +218,8 @@ def load_run_checkpoint(run: Run) -> bool:
         first, *more = str(error).split("\n", 1)
         hint = _earlier_checkpoints(ckpt.load, iteration)
         raise CheckpointCorrupted("\n".join([first + hint, *more])) from error
+    for chunk in run.model:  # FSDP's pieces are copies of its shards
+        chunk.restore_pieces(pieces)
     common = loaded.common
     run.family = common.get("family")
     if with_optimizer:

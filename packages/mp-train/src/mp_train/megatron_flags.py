@@ -193,7 +193,8 @@ _SPELLINGS = {
 # ModelOpt's --export-model-type: mp builds GPTModel; the other two are Mamba-hybrid models.
 _MODEL_TYPE = "export_model_type"
 _MODEL_TYPES = ("GPTModel", "HybridModel", "MambaModel")
-# The checkpoint format flags: mp writes and reads torch_dist-style checkpoints only.
+# The checkpoint format flags: mp writes and reads torch_dist-style checkpoints only (under
+# FSDP too, where Megatron-LM names its format fsdp_dtensor).
 _FORMATS = ("ckpt_format", "dist_ckpt_format")
 _FORMAT_CHOICES = ("torch_dist", "torch", "torch_dcp", "zarr", "fsdp_dtensor")
 
@@ -228,8 +229,9 @@ def add_to(parser: argparse.ArgumentParser) -> None:
         renamed.add_argument(
             _option(dest), dest=dest, choices=_FORMAT_CHOICES, default=argparse.SUPPRESS,
             help="torch_dist: mp's own checkpoint format (sharded, resharding on load), so the "
-            "flag changes nothing; the other formats are refused (a legacy Megatron torch "
-            "checkpoint converts with `mp-ckpt import-megatron SRC DST`).",
+            "flag changes nothing; fsdp_dtensor (with --use-megatron-fsdp, as in Megatron-LM): "
+            "the same format, which holds FSDP shards too; the other formats are refused (a "
+            "legacy Megatron torch checkpoint converts with `mp-ckpt import-megatron SRC DST`).",
         )  # fmt: skip
 
 
@@ -256,9 +258,15 @@ def apply(given: dict[str, Any], values: dict[str, dict[str, Any]]) -> list[str]
     """Takes the flags above out of `given` (the parsed options), sets the fields the
     renamed ones stand for in `values` (part -> field -> value) and returns the ignored
     flags given; a refused format raises a ValueError naming it."""
+    fsdp = given.get("use_megatron_fsdp", values["optimizer"].get("use_megatron_fsdp"))
     for dest in _FORMATS:
         fmt = given.pop(dest, "torch_dist")
-        if fmt != "torch_dist":
+        if fmt == "fsdp_dtensor" and not fsdp:
+            raise ValueError(
+                f"{_option(dest)} fsdp_dtensor needs --use-megatron-fsdp, as in Megatron-LM "
+                "(without it drop the flag: mp's checkpoint format serves every layout)"
+            )
+        if fmt not in ("torch_dist", "fsdp_dtensor"):
             raise ValueError(
                 f"{_option(dest)} {fmt}: mp saves and loads its own torch_dist-style "
                 "checkpoints; drop the flag (a Megatron-LM checkpoint in another format "

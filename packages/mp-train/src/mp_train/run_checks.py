@@ -100,10 +100,6 @@ def check_sharding(config) -> None:
     else:
         name = "--use-megatron-fsdp"
     later = {
-        "--save": (config.checkpoint.save is not None,
-                   "mp's sharded checkpoint of FSDP-sharded parameters"),
-        "--load": (config.checkpoint.load is not None,
-                   "mp's sharded checkpoint of FSDP-sharded parameters"),
         "--virtual-pipeline-model-parallel-size": (
             parallel.virtual_pipeline_model_parallel_size is not None,
             "the interleaved schedule over FSDP-sharded chunks",

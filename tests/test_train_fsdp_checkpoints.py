@@ -1,0 +1,87 @@
+"""Checkpoints under fully sharded data parallelism load under every other layout, and the
+reverse, optimizer state included (apps/gpt's tiny config, fp32, 4 iterations, saved at
+iteration 2).
+
+A checkpoint saved under ZeRO-3 at DP4 (written in the background, `--ckpt-format
+fsdp_dtensor`) resumes at TP2 x DP2 with DDP and at DP2 with the distributed optimizer;
+checkpoints saved at those two layouts resume under ZeRO-3 and ZeRO-2 at DP4. Iterations
+3 and 4 of every resumed run have the losses and gradient norms of the ZeRO-3 run that
+never stopped (1e-5 relative; the layouts' own curves agree that closely, see
+test_train_fsdp.py). In bf16, where each rank's shards are the fp32 main parameters and
+the checkpoint keeps the model's bf16 weights beside them: a ZeRO-3 run resumed at its own
+layout continues the uninterrupted curve exactly, and the same checkpoint resumes at DP2
+with the distributed optimizer (its fp32 main parameters loaded)."""
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from mp_gpt.testing import assert_same_curve, metrics_records, tiny_options, train_on_rank
+from mp_state.testing import run_on_ranks
+
+pytestmark = pytest.mark.multirank
+
+LOGGED = ("lm loss", "grad_norm")
+ZERO3 = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params"]
+ZERO2 = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads"]
+TP2_DDP = ["--tensor-model-parallel-size", "2"]
+DISTOPT = ["--use-distributed-optimizer"]
+
+
+def train(run_dir: Path, ranks: int, checkpoint: Path, *extra: str) -> list[dict]:
+    """Trains (resuming from `checkpoint` if it holds one, saving there every 2 iterations)
+    and returns the run's metrics records."""
+    saves = ["--save", str(checkpoint), "--load", str(checkpoint), "--save-interval", "2"]
+    argv = tiny_options(run_dir, "--peak-tflops", "1", *saves, *extra)
+    run_on_ranks(train_on_rank, ranks, argv, timeout=300)
+    return metrics_records(run_dir)
+
+
+def resumed(tmp_path: Path, name: str, saved: Path, ranks: int, *extra: str) -> list[dict]:
+    """Iterations 3 and 4 of a run resumed from a copy of the checkpoint `saved`."""
+    checkpoint = tmp_path / name / "ckpt"
+    shutil.copytree(saved, checkpoint)
+    records = train(tmp_path / name, ranks, checkpoint, *extra)
+    assert [r["iteration"] for r in records] == [3, 4], name
+    return records
+
+
+def test_zero3_checkpoints_load_under_ddp_and_the_distributed_optimizer_and_back(tmp_path):
+    whole = train(tmp_path / "whole", 4, tmp_path / "whole" / "ckpt", *ZERO3)
+    want = whole[2:]
+    stop = ["--exit-interval", "2"]
+    saved = {
+        "zero3": (4, [*ZERO3, "--async-save", "--ckpt-format", "fsdp_dtensor"]),
+        "tp2-ddp": (4, TP2_DDP),
+        "dp2-distopt": (2, DISTOPT),
+    }
+    for name, (ranks, flags) in saved.items():
+        first = train(tmp_path / name, ranks, tmp_path / name / "ckpt", *flags, *stop)
+        assert [r["iteration"] for r in first] == [1, 2], name
+        assert_same_curve(first, whole[:2], LOGGED, f"{name} before saving")
+    loads = {
+        "zero3 -> tp2-ddp": ("zero3", 4, TP2_DDP),
+        "zero3 -> dp2-distopt": ("zero3", 2, DISTOPT),
+        "tp2-ddp -> zero3": ("tp2-ddp", 4, ZERO3),
+        "dp2-distopt -> zero2": ("dp2-distopt", 4, ZERO2),
+    }
+    for name, (source, ranks, flags) in loads.items():
+        got = resumed(tmp_path, name.replace(" -> ", "-to-"), tmp_path / source / "ckpt",
+                      ranks, *flags)  # fmt: skip
+        assert_same_curve(got, want, LOGGED, name)
+
+
+def test_a_bf16_zero3_checkpoint_keeps_the_fp32_main_parameters(tmp_path):
+    bf16 = ["--bf16"]
+    whole = train(tmp_path / "whole", 2, tmp_path / "whole" / "ckpt", *bf16, *ZERO3)
+    first = train(tmp_path / "cut", 2, tmp_path / "cut" / "ckpt", *bf16, *ZERO3,
+                  "--exit-interval", "2")  # fmt: skip
+    assert [r["iteration"] for r in first] == [1, 2]
+    again = resumed(tmp_path, "again", tmp_path / "cut" / "ckpt", 2, *bf16, *ZERO3)
+    values = [[r[k] for k in LOGGED] for r in again]
+    assert values == [[r[k] for k in LOGGED] for r in whole[2:]]
+    # Another engine from the same checkpoint: its curve within bf16's rounding of ZeRO-3's.
+    other = resumed(tmp_path, "distopt", tmp_path / "cut" / "ckpt", 2, *bf16, *DISTOPT)
+    for mine, reference in zip(other, whole[2:], strict=True):
+        assert mine["lm loss"] == pytest.approx(reference["lm loss"], rel=2e-3), mine
