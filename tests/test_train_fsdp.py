@@ -8,7 +8,8 @@ random initialization per data-parallel rank (TP2), per-token loss normalization
 a multi-token prediction layer on the last stage, its loss compared too, and an
 evaluation every 5 iterations (PP2), averaging in the collective (EP2); and at DP4 the
 overlap flags (ZeRO-3) and full recompute (ZeRO-2) on the FSDP side only, as they change
-no value. ZeRO-2 and ZeRO-3
+no value, and at DP2 x PP2 and EP2 ZeRO-3 builds its chunks layer by layer
+(--init-model-with-meta-device: the same weights). ZeRO-2 and ZeRO-3
 differ only in when parameters are gathered, so their curves are equal exactly.
 Then a few iterations in bf16 (ZeRO-3, gradients reduced in fp32) and in fp16 (ZeRO-2,
 dynamic loss scaling) train with finite, decreasing losses. On a GPU, one rank in bf16
@@ -43,14 +44,15 @@ TP2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--data-paral
 CP2 = ["--context-parallel-size", "2", "--calculate-per-token-loss"]
 PP2 = ["--pipeline-model-parallel-size", "2", "--mtp-num-layers", "1", *EVALUATE]
 EP2 = ["--expert-model-parallel-size", "2", "--average-in-collective"]
+BY_LAYER = ["--init-model-with-meta-device"]  # each layer sharded as soon as it is built
 
 # name -> (tiny MoE config, settings of all three runs, ZeRO-3's extra, ZeRO-2's extra)
 LAYOUTS = {
     "dp4": (False, [], OVERLAP, [*RECOMPUTE, "--recompute-num-layers", "1"]),
     "dp2-tp2-sp": (False, TP2, [], []),
     "dp2-cp2": (False, CP2, [], []),
-    "dp2-pp2": (False, PP2, [], []),
-    "dp4-ep2": (True, EP2, [], []),
+    "dp2-pp2": (False, PP2, BY_LAYER, []),
+    "dp4-ep2": (True, EP2, BY_LAYER, []),
 }
 
 

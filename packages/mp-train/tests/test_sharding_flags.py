@@ -61,6 +61,10 @@ def test_gradients_reduce_in_fp32_unless_asked():
     [
         (["--ckpt-format", "fsdp_dtensor"], "--ckpt-format fsdp_dtensor needs "
          "--use-megatron-fsdp, as in Megatron-LM"),
+        (["--init-model-with-meta-device", "--use-distributed-optimizer"],
+         "--init-model-with-meta-device needs ZeRO-2/3"),
+        ([*FSDP, "--init-model-with-meta-device", "--data-parallel-random-init"],
+         "--init-model-with-meta-device with --data-parallel-random-init: the broadcast"),
         ([*FSDP, "--torch-compile"], "--torch-compile with --use-megatron-fsdp: compiling"),
         ([*FSDP, "--log-params-norm"], "--log-params-norm with --use-megatron-fsdp:"),
         ([*FSDP, "--pipeline-model-parallel-size", "2",

@@ -39,6 +39,7 @@ from mp_layers.transformer.compiled import compile_layers
 from mp_layers.transformer.core_attention import keeps_attention_probabilities
 from mp_layers.transformer.kv_cache import KVCache
 from mp_layers.transformer.layer import TransformerLayer
+from mp_layers.transformer.layer_hooks import on_layer_built
 from mp_layers.transformer.multi_token_prediction import MultiTokenPrediction
 from mp_layers.transformer.spec import LOCAL_SPEC, LayerSpec, get_layer_spec
 
@@ -68,6 +69,7 @@ __all__ = [
     "init_partitioned_weight",
     "keeps_attention_probabilities",
     "moe",
+    "on_layer_built",
     "reduce_from_tensor_model_parallel_region",
     "reduce_scatter_to_sequence_parallel_region",
     "saved_probability_bytes",

@@ -56,10 +56,9 @@ from mp_ckpt import ShardedTensor
 from mp_optim.config import OptimizerConfig
 from mp_optim.ddp import ChunkWrapper, is_expert_parallel
 from mp_optim.flat_ranges import Overlap, flat_range_piece, overlap
-from mp_optim.optimizer import counted_in_grad_norm
 from mp_state import RankGroup, select_device
 
-__all__ = ["FullyShardedDataParallel", "LocalShard"]
+__all__ = ["FsdpSharding", "FullyShardedDataParallel", "LocalShard"]
 
 
 @dataclass(frozen=True)
@@ -80,6 +79,91 @@ class LocalShard:
     expert_parallel: bool
     dtype: torch.dtype
     """The model's dtype for the parameter (its checkpoint pieces are saved in it)."""
+
+
+class FsdpSharding:
+    """How modules are sharded for FullyShardedDataParallel: FSDP2's `fully_shard` over
+    meshes made from `dp_group` (and `expert_dp_group` for modules holding only routed
+    experts' parameters), with the mixed-precision policy of `config`.
+
+    `shard(layer)` may run while the chunk is still being built (as
+    `mp_layers.on_layer_built`'s callback), so that each layer is sharded before the
+    next one exists; the wrapper then shards the rest."""
+
+    def __init__(
+        self, config: OptimizerConfig, dp_group: RankGroup,
+        expert_dp_group: RankGroup | None = None,
+    ) -> None:  # fmt: skip
+        if not config.fully_sharded:
+            raise ValueError(
+                "FullyShardedDataParallel needs a fully sharded config (use_megatron_fsdp with "
+                "data_parallel_sharding_strategy optim_grads or optim_grads_params, or "
+                "use_torch_fsdp2)"
+            )
+        _check_torch()
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        self.config = config
+        self.expert_dp_group = expert_dp_group
+        compute = config.model_dtype
+        self.policy = MixedPrecisionPolicy(
+            param_dtype=None if compute == torch.float32 else compute,
+            reduce_dtype=torch.float32 if config.grad_reduce_in_fp32 else compute,
+            cast_forward_inputs=False,  # mp's layers cast what they need, as under DDP
+        )
+        self.device_type = select_device().device.type
+        self.dense_mesh = _mesh(dp_group, self.device_type)
+        self._expert_mesh = None
+        # (id of the owning module, parameter name) -> the attributes to keep
+        self._attributes: dict[tuple[int, str], dict] = {}
+
+    def shard(self, module: torch.nn.Module, *, root: bool = False) -> None:
+        """Shards `module`: first its modules holding only expert parameters (over expert
+        dp), then the rest of its parameters not sharded yet (over dp). A `root` (the
+        chunk) keeps its own parameters (embeddings, output layer) gathered from its
+        forward to its backward, which needs them first (FSDP2's default for a root)."""
+        for unit in _expert_units(module):
+            if self.expert_dp_group is None:
+                name = next(n for n, p in module.named_parameters() if is_expert_parallel(p))
+                raise ValueError(
+                    f"{name} is an expert-parallel parameter (expert_parallel=True), but "
+                    "FullyShardedDataParallel got no expert_dp_group to shard it over: pass "
+                    "expert_dp_group=state.expert_dp"
+                )
+            if self._expert_mesh is None:
+                self._expert_mesh = _mesh(self.expert_dp_group, self.device_type)
+            self._fully_shard(unit, self._expert_mesh, self.config.reshard_after_forward)
+        reshard = self.config.reshard_after_forward
+        if root:
+            reshard = None if reshard else False
+        self._fully_shard(module, self.dense_mesh, reshard)
+
+    def _fully_shard(self, module: torch.nn.Module, mesh, reshard: bool | None) -> None:
+        """fully_shard, keeping what it loses: the parameters' Python attributes (mp's
+        sequence_parallel, shared_embedding, expert_parallel, ...) and their dtype, as
+        `unsharded_dtype` (the shards are fp32: the main parameters)."""
+        from torch.distributed.fsdp import fully_shard
+
+        kept: dict[int, dict] = {}  # a tied parameter has two owners
+        for owner in module.modules():
+            for name, param in owner.named_parameters(recurse=False):
+                if not _is_dtensor(param):
+                    if id(param) not in kept:
+                        kept[id(param)] = {**vars(param), "unsharded_dtype": param.dtype}
+                    self._attributes[id(owner), name] = kept[id(param)]
+        for param in module.parameters():
+            if id(param) in kept and param.is_floating_point() and param.dtype != torch.float32:
+                param.data = param.data.float()
+        fully_shard(module, mesh=mesh, reshard_after_forward=reshard, mp_policy=self.policy)
+        self.restore_attributes(module)
+
+    def restore_attributes(self, module: torch.nn.Module) -> None:
+        """Puts the attributes kept at sharding back on `module`'s sharded parameters
+        (FSDP2 drops them again when a sharded module is moved with `.to()`)."""
+        for owner in module.modules():
+            for name, param in owner.named_parameters(recurse=False):
+                for key, value in self._attributes.get((id(owner), name), {}).items():
+                    setattr(param, key, value)
 
 
 class FullyShardedDataParallel(ChunkWrapper):
@@ -104,15 +188,9 @@ class FullyShardedDataParallel(ChunkWrapper):
         dp_group: RankGroup,
         expert_dp_group: RankGroup | None = None,
         units: tuple[type[torch.nn.Module], ...] = (),
+        sharding: FsdpSharding | None = None,
     ) -> None:
         super().__init__()
-        if not config.fully_sharded:
-            raise ValueError(
-                "FullyShardedDataParallel needs a fully sharded config (use_megatron_fsdp with "
-                "data_parallel_sharding_strategy optim_grads or optim_grads_params, or "
-                "use_torch_fsdp2)"
-            )
-        _check_torch()
         # FSDP2 warns when a root returns a view (GPTModel's [b, s] loss at b = 1): its
         # pre-backward hook would be lost by an in-place op on the output, which mp's
         # schedules and loss functions never make.
@@ -121,45 +199,38 @@ class FullyShardedDataParallel(ChunkWrapper):
         self.module = module
         self.dp_group = dp_group
         self.expert_dp_group = expert_dp_group
-        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-        experts = _expert_units(module)
-        if experts and expert_dp_group is None:
-            raise ValueError(
-                f"{next(n for n, p in named if is_expert_parallel(p))} is an expert-parallel "
-                "parameter (expert_parallel=True), but FullyShardedDataParallel got no "
-                "expert_dp_group to shard it over: pass expert_dp_group=state.expert_dp"
-            )
-        # What fully_shard loses or changes, read first: replicas (from the sharding
-        # description) and the parameters' Python attributes.
-        counted = counted_in_grad_norm(module)
-        counted_names = {n for n, p in named if p in counted}
-        attributes = {n: dict(vars(p)) for n, p in named}
-        dtypes = {n: p.dtype for n, p in named}
-        # FSDP2 keeps the shards in the parameters' dtype: fp32 main parameters.
-        for _, param in named:
-            if param.is_floating_point() and param.dtype != torch.float32:
-                param.data = param.data.float()
+        if sharding is None:
+            sharding = FsdpSharding(config, dp_group, expert_dp_group)
         self.unit_modules = [
             m for m in module.modules() if isinstance(m, units) and m is not module
         ]
-        self._expert_modules = set(experts)
-        self._shard(experts)
+        for unit in self.unit_modules:
+            if not _is_sharded(unit):  # units sharded while the chunk was built stay so
+                sharding.shard(unit)
+        sharding.shard(module, root=True)
+        sharding.restore_attributes(module)
+        if config.overlap_param_gather:
+            # Each unit's forward starts the next one's all-gather.
+            for unit, following in itertools.pairwise(self.unit_modules):
+                unit.set_modules_to_forward_prefetch([following])
+        for sharded in self._fsdp_modules():
+            self._set_reduction(sharded)
 
+        counted = self._counted()
         self.shards: list[LocalShard] = []
         self._grads: list[torch.Tensor] = []  # the DTensors over the persistent shards
         with torch.no_grad():
             for name, param in module.named_parameters():
                 if not param.requires_grad:
                     continue
-                for key, value in attributes[name].items():
-                    setattr(param, key, value)
                 param.grad = torch.zeros_like(param)  # FSDP2 accumulates into it
                 self._grads.append(param.grad)
                 local = param.to_local()
                 param.main_grad = param.grad.to_local()
                 self.shards.append(LocalShard(
                     name, param, local, param.main_grad, _flat_start(param, local),
-                    name in counted_names, is_expert_parallel(param), dtypes[name],
+                    id(param) in counted, is_expert_parallel(param),
+                    getattr(param, "unsharded_dtype", param.dtype),
                 ))  # fmt: skip
         self._shard_of = {id(s.param): s for s in self.shards}
 
@@ -254,7 +325,7 @@ class FullyShardedDataParallel(ChunkWrapper):
         swapped = []
         for module in self.module.modules():
             for name, param in module._parameters.items():
-                if param is None or id(param) not in self._shard_of:
+                if not _is_dtensor(param):
                     continue
                 if id(param) not in stand_ins:
                     meta = torch.empty(param.shape, dtype=param.dtype, device="meta")
@@ -283,36 +354,17 @@ class FullyShardedDataParallel(ChunkWrapper):
 
     # --- internals -------------------------------------------------------------------------
 
-    def _shard(self, experts: list[torch.nn.Module]) -> None:
-        """fully_shard bottom-up: the expert modules over expert dp, the units and the
-        chunk over dp; then how each reduces its gradients."""
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-        config = self.config
-        compute = config.model_dtype
-        policy = MixedPrecisionPolicy(
-            param_dtype=None if compute == torch.float32 else compute,
-            reduce_dtype=torch.float32 if config.grad_reduce_in_fp32 else compute,
-            cast_forward_inputs=False,  # mp's layers cast what they need, as under DDP
-        )
-        device_type = select_device().device.type
-        dense_mesh = _mesh(self.dp_group, device_type)
-        reshard = config.reshard_after_forward
-        expert_mesh = _mesh(self.expert_dp_group, device_type) if experts else None
-        for unit in experts:
-            fully_shard(unit, mesh=expert_mesh, reshard_after_forward=reshard, mp_policy=policy)
-        for unit in self.unit_modules:
-            fully_shard(unit, mesh=dense_mesh, reshard_after_forward=reshard, mp_policy=policy)
-        # The chunk's own parameters (embeddings, output layer) are not freed after its
-        # forward: the backward needs them first (FSDP2's default for a root).
-        fully_shard(self.module, mesh=dense_mesh,
-                    reshard_after_forward=None if reshard else False, mp_policy=policy)  # fmt: skip
-        if config.overlap_param_gather:
-            # Each unit's forward starts the next one's all-gather.
-            for unit, following in itertools.pairwise(self.unit_modules):
-                unit.set_modules_to_forward_prefetch([following])
-        for sharded in self._fsdp_modules():
-            self._set_reduction(sharded, expert=sharded in self._expert_modules)
+    def _counted(self) -> set[int]:
+        """ids of the parameters counted in the gradient norm: those with a piece that is
+        not a replica in the sharding description (a norm weight on tensor-parallel ranks
+        > 0 and the last stage's tied embedding are copies), and those it does not name."""
+        described, counted = set(), set()
+        for _, piece, param, _ in self.piece_layout():
+            if param is not None:
+                described.add(id(param))
+                if piece.replica_id == 0:
+                    counted.add(id(param))
+        return counted | {id(p) for p in self.module.parameters() if id(p) not in described}
 
     def _cut(self, piece: ShardedTensor, param, offset: int) -> tuple[LocalShard, Overlap] | None:
         """The shard of `param` and the part of `piece` (a view of it at `offset`) in it."""
@@ -327,8 +379,10 @@ class FullyShardedDataParallel(ChunkWrapper):
 
         return [m for m in self.module.modules() if isinstance(m, FSDPModule)]
 
-    def _set_reduction(self, sharded, *, expert: bool) -> None:
+    def _set_reduction(self, sharded) -> None:
         """Every gradient ends as the mean over dp_group (the sum with a per-token loss)."""
+        params = list(sharded.parameters())
+        expert = bool(params) and all(is_expert_parallel(p) for p in params)
         group = self.expert_dp_group if expert else self.dp_group
         config = self.config
         divisor = 1.0 if config.calculate_per_token_loss else float(self.dp_group.size)
@@ -383,11 +437,13 @@ def _mesh(group: RankGroup, device_type: str):
 
 
 def _expert_units(module: torch.nn.Module) -> list[torch.nn.Module]:
-    """The largest submodules whose parameters are all expert-parallel (a MoE layer's
-    experts), in module order."""
+    """The largest submodules not sharded yet whose parameters are all expert-parallel (a
+    MoE layer's experts), in module order."""
     found = []
 
     def visit(name: str, sub: torch.nn.Module) -> None:
+        if _is_sharded(sub):
+            return
         params = list(sub.parameters())
         if params and all(is_expert_parallel(p) for p in params):
             if sub is module:
@@ -407,6 +463,18 @@ def _expert_units(module: torch.nn.Module) -> list[torch.nn.Module]:
 
     visit("", module)
     return found
+
+
+def _is_sharded(module: torch.nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(module, FSDPModule)
+
+
+def _is_dtensor(param) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(param, DTensor)
 
 
 def _flat_start(param, local: torch.Tensor) -> int:

@@ -133,11 +133,6 @@ _FAMILIES: dict[str, tuple[bool, str]] = {
 # flag (dest) -> why mp refuses it and what to do instead
 REFUSED: dict[str, tuple[bool, str]] = {
     **_FAMILIES,
-    "init_model_with_meta_device": (
-        False,
-        "meta-device initialization is not implemented yet: mp builds every chunk's "
-        "parameters on the CPU, then shards them (drop it)",
-    ),
     "tp_comm_overlap": (
         False,
         "needs Transformer Engine's userbuffers, which mp does not use: drop it",

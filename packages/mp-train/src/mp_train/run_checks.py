@@ -81,6 +81,18 @@ def check_sharding(config) -> None:
     what is not built for it yet refused by name, and use_torch_fsdp2 with Megatron's own
     refusals (docs/fsdp.md lists both)."""
     optimizer, parallel = config.optimizer, config.parallel
+    if config.training.init_model_with_meta_device:
+        if not optimizer.fully_sharded:
+            raise ConfigError(
+                "--init-model-with-meta-device needs ZeRO-2/3 (--use-megatron-fsdp with "
+                "--data-parallel-sharding-strategy optim_grads or optim_grads_params, or "
+                "--use-torch-fsdp2): without them every rank holds the whole chunk anyway"
+            )
+        if config.training.data_parallel_random_init:
+            raise ConfigError(
+                "--init-model-with-meta-device with --data-parallel-random-init: the "
+                "broadcast of data-parallel rank 0's weights needs whole layers; drop one"
+            )
     if not optimizer.fully_sharded:
         return
     if optimizer.use_torch_fsdp2:

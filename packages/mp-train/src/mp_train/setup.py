@@ -12,6 +12,7 @@ the optimizer and the scheduler. Nothing is kept in module globals: the loop's m
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import time
@@ -23,9 +24,10 @@ import torch
 
 import mp_state
 from mp_data import build_tokenizer, vocab_size_with_padding
-from mp_layers import TransformerLayer, compile_layers
+from mp_layers import TransformerLayer, compile_layers, on_layer_built
 from mp_optim import (
     DistributedDataParallel,
+    FsdpSharding,
     FullyShardedDataParallel,
     MixedPrecisionOptimizer,
     OptimizerParamScheduler,
@@ -223,6 +225,9 @@ def _any_expert_parameters(model: list, device: torch.device) -> bool:
 def _build_model(config, state, tracker, padded_vocab, model_provider) -> list:
     parallel = config.parallel
     vpp = parallel.virtual_pipeline_model_parallel_size
+    sharding = None
+    if config.optimizer.fully_sharded:
+        sharding = FsdpSharding(config.optimizer, state.dp_cp, state.expert_dp)
     chunks = []
     for vp_stage in range(vpp or 1):
         stage = stage_layers(
@@ -231,10 +236,15 @@ def _build_model(config, state, tracker, padded_vocab, model_provider) -> list:
             num_layers_in_first_pipeline_stage=parallel.decoder_first_pipeline_num_layers,
             num_layers_in_last_pipeline_stage=parallel.decoder_last_pipeline_num_layers,
         )  # fmt: skip
-        module = model_provider(
-            config=config, state=state, stage=stage, vp_stage=vp_stage,
-            padded_vocab_size=padded_vocab, rng_tracker=tracker,
-        )  # fmt: skip
+        # init_model_with_meta_device: each layer sharded before the next one is built.
+        building = contextlib.nullcontext()
+        if config.training.init_model_with_meta_device:
+            building = on_layer_built(sharding.shard)
+        with building:
+            module = model_provider(
+                config=config, state=state, stage=stage, vp_stage=vp_stage,
+                padded_vocab_size=padded_vocab, rng_tracker=tracker,
+            )  # fmt: skip
         module.to(mp_state.select_device().device)
         chunks.append(module)
     if config.training.data_parallel_random_init:
@@ -248,12 +258,13 @@ def _build_model(config, state, tracker, padded_vocab, model_provider) -> list:
         if tied and ends and state.embedding is not None and state.pp.size > 1:
             module.sync_tied_embeddings(state.embedding)
     # Wrapped once the replicas agree: FSDP shards what each rank holds.
-    return [_wrap(config.optimizer, module, state) for module in chunks]
+    return [_wrap(config.optimizer, module, state, sharding) for module in chunks]
 
 
-def _wrap(config, module, state):
+def _wrap(config, module, state, sharding):
     """DDP (with or without the distributed optimizer), or FSDP for ZeRO-2/3."""
     groups = {"dp_group": state.dp_cp, "expert_dp_group": state.expert_dp}
     if config.fully_sharded:
-        return FullyShardedDataParallel(config, module, units=(TransformerLayer,), **groups)
+        return FullyShardedDataParallel(config, module, units=(TransformerLayer,),
+                                        sharding=sharding, **groups)  # fmt: skip
     return DistributedDataParallel(config, module, **groups)

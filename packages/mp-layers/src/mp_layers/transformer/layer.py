@@ -24,6 +24,7 @@ from mp_layers.fp8 import apply_fp8
 from mp_layers.groups import ModelGroups
 from mp_layers.tensor_parallel import replicated_state_dict
 from mp_layers.transformer.kv_cache import KVCache
+from mp_layers.transformer.layer_hooks import layer_built
 from mp_layers.transformer.recompute import checkpointed
 from mp_layers.transformer.rope import Rotary
 from mp_layers.transformer.seeded_init import seeded_init
@@ -131,7 +132,8 @@ class TransformerBlock(torch.nn.Module):
         layers = []
         for i in range(count):
             with seeded_init(init_seed, f"layer{layer_offset + i}"):
-                layers.append(TransformerLayer(config, groups, rng_tracker, spec, layer_offset + i))
+                layer = TransformerLayer(config, groups, rng_tracker, spec, layer_offset + i)
+            layers.append(layer_built(layer))
         self.layers = torch.nn.ModuleList(layers)
         self.fp8_linear_layers = apply_fp8(self.layers, config, layer_offset) if config.fp8 else 0
         self.final_layernorm = spec.norm(config, None) if post_process else None

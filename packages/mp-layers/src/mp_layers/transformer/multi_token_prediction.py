@@ -37,6 +37,7 @@ from mp_layers.tensor_parallel import (
     scatter_to_sequence_parallel_region,
 )
 from mp_layers.transformer.layer import TransformerLayer
+from mp_layers.transformer.layer_hooks import layer_built
 from mp_layers.transformer.recompute import checkpointed
 from mp_layers.transformer.rope import Rotary
 from mp_layers.transformer.seeded_init import seeded_init
@@ -90,8 +91,8 @@ class MultiTokenPredictionLayer(torch.nn.Module):
             init_method=lambda w: torch.nn.init.normal_(w, std=config.init_method_std),
             params_dtype=config.params_dtype,
         )  # fmt: skip
-        self.transformer_layer = TransformerLayer(
-            config, groups, rng_tracker, spec, layer_number=config.num_layers - 1
+        self.transformer_layer = layer_built(
+            TransformerLayer(config, groups, rng_tracker, spec, layer_number=config.num_layers - 1)
         )
         self.final_layernorm = spec.norm(config, None)
 
