@@ -22,8 +22,14 @@ from pathlib import Path
 import torch
 
 from mp_train import build_parser
-from mp_train.arguments import field_docs
-from mp_train.yaml_config import DTYPE_NAMES, FieldType, field_owners, field_types, run_parts
+from mp_train.configuration.arguments import field_docs
+from mp_train.configuration.yaml_config import (
+    DTYPE_NAMES,
+    FieldType,
+    field_owners,
+    field_types,
+    run_parts,
+)
 
 __all__ = ["main", "render"]
 

@@ -3,7 +3,7 @@ or refuses (mp_train.megatron_flags), so the page and the code cannot drift apar
 
 from pathlib import Path
 
-from mp_train.megatron_flags import IGNORED, REFUSED, RENAMED
+from mp_train.configuration.megatron_flags import IGNORED, REFUSED, RENAMED
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "migrating-from-megatron.md"
 

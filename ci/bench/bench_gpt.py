@@ -86,7 +86,7 @@ from mp_data import (
 from mp_gpt.gpt import datasets_provider
 from mp_gpt.pretrain import train
 from mp_train import estimate, parse_config
-from mp_train.metrics import measure_peak_tflops
+from mp_train.observability.metrics import measure_peak_tflops
 
 SHAPE = LlamaShape(*LLAMA_SHAPE)
 TARGET_RATIO = 1.2

@@ -48,7 +48,7 @@ from harness import LLAMA_SHAPE, best_of, context, emit
 from mp_layers import GPTModel, ModelGroups, TransformerConfig
 from mp_layers.config import ATTENTION_BACKENDS
 from mp_state import RankGroup
-from mp_train.metrics import measure_peak_tflops
+from mp_train.observability.metrics import measure_peak_tflops
 
 HIDDEN, LAYERS, HEADS, GROUPS, HEAD_DIM, FFN, VOCAB = LLAMA_SHAPE
 TARGET_RATIO = 1.2

@@ -50,7 +50,7 @@ from mp_ckpt import CheckpointReader, import_hf, load_checkpoint
 from mp_layers import GPTModel, ModelGroups, TransformerConfig
 from mp_optim import DistributedDataParallel, OptimizerConfig, get_optimizer
 from mp_state import RankGroup
-from mp_train.metrics import measure_peak_tflops
+from mp_train.observability.metrics import measure_peak_tflops
 
 __all__ = ["HF_COMMON", "Runs", "Side", "Step", "add_training_arguments", "draw_normal", "hf_step",
            "imported_steps", "mp_step", "parse_arguments", "report", "run_rounds"]  # fmt: skip

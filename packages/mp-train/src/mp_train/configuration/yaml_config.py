@@ -41,8 +41,8 @@ from typing import Any, Literal
 import torch
 import yaml
 
-from mp_train.config import RunConfig
-from mp_train.int_lists import parse_int_list, parse_int_or_list
+from mp_train.configuration.config import RunConfig
+from mp_train.configuration.int_lists import parse_int_list, parse_int_or_list
 
 __all__ = [
     "DTYPE_NAMES",

@@ -42,20 +42,20 @@ import mp_state
 from mp_ckpt import Checkpointer, read_tracker
 from mp_data import build_pretraining_data_loader, train_valid_test_num_samples
 from mp_pipeline import get_forward_backward_func
-from mp_train.checkpointing import (
+from mp_train.configuration.config import RunConfig, hang_timeout_minutes
+from mp_train.loop.checkpointing import (
     load_run_checkpoint,
     prepare_run_checkpointer,
     save_run_checkpoint,
 )
-from mp_train.config import RunConfig, hang_timeout_minutes
-from mp_train.hang_watchdog import HangWatchdog
-from mp_train.metrics import MetricsLogger
-from mp_train.moe_step import MoEStep
-from mp_train.mtp_step import mtp_losses
-from mp_train.profiling import StepProfiler
-from mp_train.setup import Initialized, ModelProvider, Run, setup_run
-from mp_train.signals import DistributedSignalHandler
-from mp_train.stragglers import timed_forward_step
+from mp_train.loop.hang_watchdog import HangWatchdog
+from mp_train.loop.moe_step import MoEStep
+from mp_train.loop.mtp_step import mtp_losses
+from mp_train.loop.setup import Initialized, ModelProvider, Run, setup_run
+from mp_train.loop.signals import DistributedSignalHandler
+from mp_train.observability.metrics import MetricsLogger
+from mp_train.observability.profiling import StepProfiler
+from mp_train.observability.stragglers import timed_forward_step
 
 __all__ = ["evaluate", "pretrain"]
 

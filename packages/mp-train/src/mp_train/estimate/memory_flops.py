@@ -95,9 +95,9 @@ import torch
 
 from mp_layers import TransformerConfig, keeps_attention_probabilities, saved_probability_bytes
 from mp_pipeline import stage_layers
-from mp_train.config import RunConfig
-from mp_train.estimate_megatron import MEGATRON_VERSION, megatron_estimate
-from mp_train.estimate_parameters import model_parameters, stage_moe_layers, stage_parameters
+from mp_train.configuration.config import RunConfig
+from mp_train.estimate.megatron_formula import MEGATRON_VERSION, megatron_estimate
+from mp_train.estimate.parameters import model_parameters, stage_moe_layers, stage_parameters
 
 __all__ = ["estimate", "main", "padded_vocab_size"]
 
@@ -388,7 +388,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"mp-train: unknown command {argv[0]!r}; commands: estimate", file=sys.stderr)
         return 2
     own, rest = _parser().parse_known_args(argv)
-    from mp_train.arguments import parse_config  # the run's own flags and --config YAML
+    from mp_train.configuration.arguments import (
+        parse_config,  # the run's own flags and --config YAML
+    )
 
     try:
         config = parse_config(rest, prog="mp-train estimate")

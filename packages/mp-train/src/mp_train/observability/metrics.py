@@ -26,11 +26,11 @@ import torch.distributed as dist
 
 from mp_optim import counted_in_grad_norm, is_expert_parallel
 from mp_train.estimate import estimate
-from mp_train.moe_step import aux_loss_names
-from mp_train.mtp_step import mtp_loss_names
-from mp_train.setup import Run
-from mp_train.stragglers import STRAGGLER_TIMER, straggler_line
-from mp_train.tensorboard import TensorBoard
+from mp_train.loop.moe_step import aux_loss_names
+from mp_train.loop.mtp_step import mtp_loss_names
+from mp_train.loop.setup import Run
+from mp_train.observability.stragglers import STRAGGLER_TIMER, straggler_line
+from mp_train.observability.tensorboard import TensorBoard
 
 __all__ = [
     "MetricsLogger",
