@@ -1,5 +1,5 @@
 """docs/migrating-from-megatron.md lists every Megatron-LM flag mp accepts without effect
-or refuses (mp_train.megatron_flags), so the page and the code cannot drift apart."""
+or refuses (mp_train.configuration.megatron_flags), so the page and the code cannot drift apart."""
 
 from pathlib import Path
 

@@ -24,7 +24,7 @@ runs ours for warm-up + timed iterations, then the baseline for as many (then an
 further side, such as ours with more work, for as many); tokens/s comes from the fastest
 timed iteration of each over all rounds, the median beside it (other processes on the
 machine lengthen single iterations of either side). MFU is against
-the best bf16 n x n matmul measure (mp_train.metrics.measure_peak_tflops) taken before
+the best bf16 n x n matmul measure (mp_train.observability.metrics.measure_peak_tflops) taken before
 the runs, before each round and after the runs.
 """
 

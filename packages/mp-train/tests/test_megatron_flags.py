@@ -1,5 +1,5 @@
 """Megatron-LM flags without a field of their own: accepted without effect, renamed, or
-refused with the reason (mp_train.megatron_flags)."""
+refused with the reason (mp_train.configuration.megatron_flags)."""
 
 import dataclasses
 

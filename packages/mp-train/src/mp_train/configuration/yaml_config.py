@@ -191,7 +191,8 @@ class FieldType:
     @property
     def takes_int_lists(self) -> bool:
         """A list of integers (moe_layer_freq): a command-line word, and a YAML string, may
-        be Megatron-LM's list expression ("([0]+[1]*26)", read by mp_train.int_lists)."""
+        be Megatron-LM's list expression ("([0]+[1]*26)", read by
+        mp_train.configuration.int_lists)."""
         return self.many and self.base is int and not self.choices
 
     def words(self) -> list[str] | None:

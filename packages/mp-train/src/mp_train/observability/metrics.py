@@ -1,11 +1,11 @@
 """The loop's logs: a line every log_interval on the last rank, TensorBoard (Megatron's
-tags, mp_train.tensorboard), memory, MFU.
+tags, mp_train.observability.tensorboard), memory, MFU.
 
 Each line: iteration, consumed samples, ms per iteration, learning rate,
 global batch, the reported losses, loss scale, gradient norm, optional
 parameter norm, skipped and nan iterations, tokens/s, TFLOP/s per rank and
 MFU, current and peak memory; with log_straggler a second line, each rank's forward-step
-time across ranks (mp_train.stragglers). At start the theoretical memory and FLOPs
+time across ranks (mp_train.observability.stragglers). At start the theoretical memory and FLOPs
 (mp_train.estimate) are printed; after the first logged iterations the
 measured peak memory stands beside them.
 """
