@@ -30,7 +30,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
-import math
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -53,6 +52,7 @@ from mp_train.loop.moe_step import MoEStep
 from mp_train.loop.mtp_step import mtp_losses
 from mp_train.loop.setup import Initialized, ModelProvider, Run, setup_run
 from mp_train.loop.signals import DistributedSignalHandler
+from mp_train.loop.skip_policy import SkipPolicy
 from mp_train.observability.metrics import MetricsLogger
 from mp_train.observability.profiling import StepProfiler
 from mp_train.observability.stragglers import timed_forward_step
@@ -139,6 +139,7 @@ def _train(run: Run, forward_step_func, train_iter, valid_iter, checkpointer, me
         train_step_func = timed_forward_step(forward_step_func, run.timers)
     experts = MoEStep(config.model, run.model, run.state, config.optimizer.fp16,
                       config.optimizer.calculate_per_token_loss)  # fmt: skip
+    skips = SkipPolicy(training, run.train)
     start = time.time()
     handler = DistributedSignalHandler() if training.exit_signal_handler else None
     profiler = StepProfiler(config.logging, dist.get_rank(), run.device)
@@ -161,31 +162,15 @@ def _train(run: Run, forward_step_func, train_iter, valid_iter, checkpointer, me
             experts.after_backward()
             losses = reduce_reports(reports) | experts.aux_losses(num_microbatches)
             losses |= mtp_losses(run.model, config.model, run.state, num_microbatches)
-            checked = training.check_for_nan_in_loss_and_grad or training.skip_nan_loss_iterations
-            bad_loss = checked and _nonfinite_anywhere(losses)
-            if bad_loss and not training.skip_nan_loss_iterations:
-                where = (
-                    f"rank {dist.get_rank()}: loss {losses}"
-                    if losses
-                    else f"rank {dist.get_rank()}: a rank of the last pipeline stage saw a loss"
-                )
-                raise FloatingPointError(
-                    f"{where} is nan or inf at iteration {run.train.iteration + 1} "
-                    "(skip_nan_loss_iterations skips such iterations instead)"
-                )
-            if bad_loss:
-                run.train.nan_iterations += 1
-                result = None
-            else:
+            result = None
+            if skips.takes_step(losses, run.train.iteration + 1):
                 run.timers("optimizer", log_level=1).start(barrier=barrier)
                 result = run.optimizer.step()
                 run.timers("optimizer", log_level=1).stop()
             run.train.iteration += 1
             run.train.consumed_train_samples += global_batch
-            if result is not None and result.update_successful:
+            if skips.updated(result):
                 run.scheduler.step(increment=global_batch)
-            else:
-                run.train.skipped_iterations += 1
             metrics.iteration_finished(losses, result, global_batch, num_microbatches)
             profiler.iteration_finished(run.train.iteration)
             watchdog.beat(run.train.iteration)
@@ -261,16 +246,6 @@ def reduce_reports(reports: list[dict]) -> dict[str, float]:
         else:
             out[name] = float(torch.stack([v.reshape(()) for v in values]).mean())
     return out
-
-
-def _nonfinite_anywhere(losses: dict[str, float]) -> bool:
-    """Whether any rank's reported loss is nan or inf (collective)."""
-    bad = any(not math.isfinite(v) for v in losses.values())
-    flag = torch.tensor([1.0 if bad else 0.0])
-    if dist.get_backend() == "nccl":
-        flag = flag.cuda()
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag.item() > 0)
 
 
 def _schedule(run: Run):
