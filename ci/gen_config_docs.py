@@ -4,8 +4,8 @@
     uv run python ci/gen_config_docs.py --check    # exit 1 if the file is stale
 
 Everything in the page comes from the code: the parts of RunConfig and their
-dataclasses (mp_train.yaml_config.run_parts), each field's type (field_types),
-default, and the docstring under it (mp_train.arguments.field_docs), the options
+dataclasses (mp_train.configuration.yaml_config.run_parts), each field's type (field_types),
+default, and the docstring under it (mp_train.configuration.arguments.field_docs), the options
 of mp_train.build_parser() (names, shared fields, Megatron-LM's alias flags).
 apps/gpt/tests/test_configs.py checks that the committed page equals `render()`.
 """
@@ -22,8 +22,14 @@ from pathlib import Path
 import torch
 
 from mp_train import build_parser
-from mp_train.arguments import field_docs
-from mp_train.yaml_config import DTYPE_NAMES, FieldType, field_owners, field_types, run_parts
+from mp_train.configuration.arguments import field_docs
+from mp_train.configuration.yaml_config import (
+    DTYPE_NAMES,
+    FieldType,
+    field_owners,
+    field_types,
+    run_parts,
+)
 
 __all__ = ["main", "render"]
 

@@ -11,7 +11,7 @@ from mp_data import DataConfig
 from mp_layers import GPTModel, ModelGroups, TransformerConfig
 from mp_optim import OptimizerConfig
 from mp_state import ParallelConfig, RankGroup
-from mp_train.config import GPTConfig, RunConfig, TrainingConfig
+from mp_train.configuration.config import GPTConfig, RunConfig, TrainingConfig
 from mp_train.estimate import estimate
 
 transformers = pytest.importorskip("transformers")

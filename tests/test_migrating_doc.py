@@ -1,9 +1,9 @@
 """docs/migrating-from-megatron.md lists every Megatron-LM flag mp accepts without effect
-or refuses (mp_train.megatron_flags), so the page and the code cannot drift apart."""
+or refuses (mp_train.configuration.megatron_flags), so the page and the code cannot drift apart."""
 
 from pathlib import Path
 
-from mp_train.megatron_flags import IGNORED, REFUSED, RENAMED
+from mp_train.configuration.megatron_flags import IGNORED, REFUSED, RENAMED
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "migrating-from-megatron.md"
 

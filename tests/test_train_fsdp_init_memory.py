@@ -45,7 +45,7 @@ def build_on_rank(argv: list[str]) -> dict:
     os.environ.setdefault("MP_RUN_DIR", "/nonexistent")
     from mp_gpt.gpt import model_provider
     from mp_train import parse_config
-    from mp_train.setup import initialize, setup_run
+    from mp_train.loop.setup import initialize, setup_run
 
     config = parse_config(argv)
     initialized = initialize(config)

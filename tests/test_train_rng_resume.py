@@ -87,7 +87,7 @@ def restore_body(argv, other_dir):
 
     import mp_state
     from mp_ckpt import Checkpointer
-    from mp_train.checkpointing import load_run_checkpoint, save_run_checkpoint
+    from mp_train.loop.checkpointing import load_run_checkpoint, save_run_checkpoint
 
     warned = _warnings()
     run = _train(argv)  # saves at its end, after iteration 2

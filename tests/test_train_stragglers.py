@@ -12,7 +12,7 @@ import pytest
 
 from mp_gpt.testing import tiny_options, train_printed_on_rank
 from mp_state.testing import run_on_ranks
-from mp_train.stragglers import straggler_line
+from mp_train.observability.stragglers import straggler_line
 
 SLEEP_S = 0.05
 MICROBATCHES = 2  # global batch 4 in micro-batches of 1 over two data-parallel ranks

@@ -37,7 +37,7 @@ median beside it. Target: ours >= 1.2x the baseline.
 
 MFU: the loop's FLOPs per iteration (mp_train.estimate, Megatron's count: 3
 GEMMs per weight, causal attention at half the square) over the measured peak
-of a bf16 n x n matmul (mp_train.metrics.measure_peak_tflops, the better of a
+of a bf16 n x n matmul (mp_train.observability.metrics.measure_peak_tflops, the better of a
 measure before and one after the runs).
 
 With --torch-compile the baseline is ours run eagerly instead: the same loop with and
@@ -86,7 +86,7 @@ from mp_data import (
 from mp_gpt.gpt import datasets_provider
 from mp_gpt.pretrain import train
 from mp_train import estimate, parse_config
-from mp_train.metrics import measure_peak_tflops
+from mp_train.observability.metrics import measure_peak_tflops
 
 SHAPE = LlamaShape(*LLAMA_SHAPE)
 TARGET_RATIO = 1.2

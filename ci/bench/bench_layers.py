@@ -26,7 +26,7 @@ full s x s square as Megatron does, although causal kernels skip half):
 (h hidden, L layers, nq query heads, ng query groups, d head channels,
 f ffn, V vocabulary; the embedding lookup is no matmul). The fraction is of
 the measured peak of the same dtype: the best of 5 square n x n matmuls
-(mp_train.metrics.measure_peak_tflops), 2 n^3 / t, measured before and after
+(mp_train.observability.metrics.measure_peak_tflops), 2 n^3 / t, measured before and after
 the steps (the better of the two).
 
     uv run python ci/bench/bench_layers.py
@@ -48,7 +48,7 @@ from harness import LLAMA_SHAPE, best_of, context, emit
 from mp_layers import GPTModel, ModelGroups, TransformerConfig
 from mp_layers.config import ATTENTION_BACKENDS
 from mp_state import RankGroup
-from mp_train.metrics import measure_peak_tflops
+from mp_train.observability.metrics import measure_peak_tflops
 
 HIDDEN, LAYERS, HEADS, GROUPS, HEAD_DIM, FFN, VOCAB = LLAMA_SHAPE
 TARGET_RATIO = 1.2

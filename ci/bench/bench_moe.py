@@ -48,7 +48,7 @@ MFU counts the active parameters: per token, 6 FLOPs per active matmul weight
 (the attention projections, the router, 2 experts, the output layer; the
 embedding lookup is no matmul) plus causal attention, 6 L s nq d (the scores and
 the weighted sum, half of the s x s square, forward and backward), over the
-measured peak of a bf16 n x n matmul (mp_train.metrics.measure_peak_tflops, the
+measured peak of a bf16 n x n matmul (mp_train.observability.metrics.measure_peak_tflops, the
 best of measures before the runs, before each round and after the runs).
 
     uv run python ci/bench/bench_moe.py [--seq 2048 --batch 1 --rounds 4 --warmup 1 --iters 3]

@@ -319,7 +319,7 @@ def _peak_tflops(device) -> tuple[float, str]:
     bf16 matmul on the device."""
     import torch
 
-    from mp_train.metrics import known_peak_tflops, measure_peak_tflops
+    from mp_train.observability.metrics import known_peak_tflops, measure_peak_tflops
 
     known = known_peak_tflops(device)
     if known:

@@ -51,7 +51,7 @@ variant runs once its flag lands and the machine has what it needs. With --cpu-s
 bf16 runs; the others are only checked.
 
 MFU: Megatron's FLOPs per iteration (mp_train.estimate) over the GPU's dense bf16 peak
-(mp_train.metrics.known_peak_tflops: 989 TFLOP/s for an H100), or over a measured bf16
+(mp_train.observability.metrics.known_peak_tflops: 989 TFLOP/s for an H100), or over a measured bf16
 matmul for a GPU not in that table (and on the CPU).
 
 Measured on one H100 (2026-11-27, docs/benchmarks.md): about 9.5 minutes (smoke 35 s,

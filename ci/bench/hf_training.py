@@ -24,7 +24,7 @@ runs ours for warm-up + timed iterations, then the baseline for as many (then an
 further side, such as ours with more work, for as many); tokens/s comes from the fastest
 timed iteration of each over all rounds, the median beside it (other processes on the
 machine lengthen single iterations of either side). MFU is against
-the best bf16 n x n matmul measure (mp_train.metrics.measure_peak_tflops) taken before
+the best bf16 n x n matmul measure (mp_train.observability.metrics.measure_peak_tflops) taken before
 the runs, before each round and after the runs.
 """
 
@@ -50,7 +50,7 @@ from mp_ckpt import CheckpointReader, import_hf, load_checkpoint
 from mp_layers import GPTModel, ModelGroups, TransformerConfig
 from mp_optim import DistributedDataParallel, OptimizerConfig, get_optimizer
 from mp_state import RankGroup
-from mp_train.metrics import measure_peak_tflops
+from mp_train.observability.metrics import measure_peak_tflops
 
 __all__ = ["HF_COMMON", "Runs", "Side", "Step", "add_training_arguments", "draw_normal", "hf_step",
            "imported_steps", "mp_step", "parse_arguments", "report", "run_rounds"]  # fmt: skip

@@ -15,7 +15,6 @@ from mp_layers.moe import (
     expert_capacity,
     grouped_matmul,
     routers_of,
-    set_aux_loss_scale,
     take_metrics,
     update_expert_biases,
 )
@@ -112,11 +111,8 @@ def test_auxiliary_losses_have_their_formulas_and_reach_the_router_weight():
     torch.testing.assert_close(metrics["z_loss"], z.detach())
     assert take_metrics([router]) == {}
     # Backward of nothing but the router's output: the losses' gradients alone, scaled.
-    set_aux_loss_scale(3.0)
-    try:
-        (probs * 0).sum().backward()
-    finally:
-        set_aux_loss_scale(1.0)
+    router.aux_loss_scale.set(3.0)
+    (probs * 0).sum().backward()
     want = torch.autograd.grad(3.0 * (0.1 * balance + 0.01 * z), router.weight)[0]
     torch.testing.assert_close(router.weight.grad, want)
 

@@ -20,7 +20,7 @@ import torch.distributed as dist
 import mp_state
 from mp_ckpt import ShardedTensor, assemble
 from mp_layers import GPTModel, ModelGroups, TransformerConfig, all_reduce_sequence_parallel_grads
-from mp_layers.moe import is_expert_key, set_aux_loss_scale
+from mp_layers.moe import AuxLossScale, is_expert_key, share_aux_loss_scale
 from mp_state import ParallelConfig
 from mp_state.testing import run_on_ranks
 
@@ -118,7 +118,6 @@ def on_rank(name: str):
                      init_seed=11)  # fmt: skip
     set_biases(model)
     ids, labels = (t.chunk(state.dp.size)[state.dp.rank] for t in batch())
-    set_aux_loss_scale(1.0)
     loss = model(ids, labels=labels)
     loss.mean().backward()
     all_reduce_sequence_parallel_grads(model, state.tp)
@@ -134,13 +133,12 @@ def one_process(name: str, micro_batches: int):
     config = config_of(LAYOUTS[name][3], 1)
     model = GPTModel(config, "local", VOCAB, SEQ, groups=ModelGroups.single(), init_seed=11)
     set_biases(model)
-    set_aux_loss_scale(1.0 / micro_batches)
+    share_aux_loss_scale([model], AuxLossScale("moe", 1.0 / micro_batches))
     losses = []
     for ids, labels in zip(*(t.chunk(micro_batches) for t in batch()), strict=True):
         loss = model(ids, labels=labels)
         (loss.mean() / micro_batches).backward()
         losses.append(loss.detach())
-    set_aux_loss_scale(1.0)
     return losses, _grads(model)
 
 

@@ -6,6 +6,8 @@
   norm, the shared output layer against the labels k ahead under the rolled mask) with
   the language model's mean loss plus mtp_loss_scaling_factor / D times the modules'.
 - Evaluation and generation leave the modules out; the checkpoint keys are Megatron's.
+- A training step's shared scales reach the routers and the MTP modules: the MTP
+  gradients follow the "mtp" scale set after the forward.
 - roll_left at CP2 equals rolling the whole sequence and taking each rank's chunks.
 """
 
@@ -16,6 +18,7 @@ import torch.nn.functional as F
 import mp_state
 from mp_layers import GPTModel, KVCache, ModelGroups, TransformerConfig
 from mp_layers.context_parallel import shard_sequence
+from mp_layers.moe import AuxLossScale, routers_of, share_aux_loss_scale
 from mp_layers.transformer.multi_token_prediction import roll_left
 from mp_state import ParallelConfig
 from mp_state.testing import run_on_ranks
@@ -103,6 +106,25 @@ def test_mtp_losses_and_gradients_equal_deepseeks_formula(recompute, per_token):
         torch.testing.assert_close(p.grad, want, rtol=1e-4, atol=1e-6, msg=name)
     # The modules' layers and the token embedding copy train through the MTP loss alone.
     assert model.mtp.layers[1].eh_proj.weight.grad.abs().sum() > 0
+
+
+def test_shared_scales_reach_the_routers_and_the_mtp_modules():
+    config = tiny_config(mtp_num_layers=1)
+    model = GPTModel(config, "local", VOCAB, SEQ, groups=ModelGroups.single(), init_seed=3)
+    moe, mtp = AuxLossScale("moe"), AuxLossScale("mtp")
+    # One MoE layer in the decoder, one in the module (shaped as the last layer).
+    assert share_aux_loss_scale([model], moe) == len(routers_of([model])) == 2
+    assert share_aux_loss_scale([model], mtp) == 1 and model.mtp.aux_loss_scale is mtp
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    grads = []
+    for scale in (1.0, 2.5):
+        model.zero_grad()
+        loss = model(ids, labels=ids).mean()
+        mtp.set(scale)  # read when backward runs
+        (loss * 0).backward()  # the MTP loss's gradient alone
+        grads.append(model.mtp.layers[0].eh_proj.weight.grad.clone())
+    assert grads[0].abs().sum() > 0
+    torch.testing.assert_close(grads[1], 2.5 * grads[0])
 
 
 def test_evaluation_and_generation_leave_the_modules_out():

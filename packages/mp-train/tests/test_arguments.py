@@ -13,8 +13,13 @@ import pytest
 import torch
 
 from mp_ckpt import Checkpointer
-from mp_train import yaml_config
-from mp_train.arguments import ArgumentGroupFactory, build_parser, field_docs, parse_config
+from mp_train.configuration import yaml_config
+from mp_train.configuration.arguments import (
+    ArgumentGroupFactory,
+    build_parser,
+    field_docs,
+    parse_config,
+)
 
 MODEL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4"]
 

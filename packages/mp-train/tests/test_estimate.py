@@ -19,7 +19,7 @@ from mp_data import DataConfig
 from mp_layers import GPTModel, ModelGroups, TransformerConfig
 from mp_optim import OptimizerConfig
 from mp_state import ParallelConfig
-from mp_train.config import GPTConfig, RunConfig, TrainingConfig
+from mp_train.configuration.config import GPTConfig, RunConfig, TrainingConfig
 from mp_train.estimate import estimate, main, padded_vocab_size
 
 MB = 2**20
@@ -490,14 +490,14 @@ def test_errors_name_the_setting():
 
 def _stub_parse_config(monkeypatch, config: RunConfig) -> list[list[str]]:
     seen: list[list[str]] = []
-    module = types.ModuleType("mp_train.arguments")
+    module = types.ModuleType("mp_train.configuration.arguments")
 
     def parse_config(argv, **_):
         seen.append(list(argv))
         return config
 
     module.parse_config = parse_config
-    monkeypatch.setitem(sys.modules, "mp_train.arguments", module)
+    monkeypatch.setitem(sys.modules, "mp_train.configuration.arguments", module)
     return seen
 
 
@@ -519,13 +519,13 @@ def test_cli_reports_bad_settings(monkeypatch, capsys):
     assert main(["estimate", "--world-size", "1"]) == 2
     assert "vocab_size" in capsys.readouterr().err
     assert main(["train"]) == 2
-    monkeypatch.delitem(sys.modules, "mp_train.arguments")
+    monkeypatch.delitem(sys.modules, "mp_train.configuration.arguments")
     assert main(["estimate", "--config", "/nonexistent/run.yaml", "--world-size", "1"]) == 2
     assert "/nonexistent/run.yaml" in capsys.readouterr().err
 
 
 def test_cli_with_the_run_arguments(capsys):
-    pytest.importorskip("mp_train.arguments")
+    pytest.importorskip("mp_train.configuration.arguments")
     argv = ["estimate", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads",
             "4", "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "4",
             "--bf16", "--world-size", "1", "--vocab-size", "100", "--disable-bias-linear",

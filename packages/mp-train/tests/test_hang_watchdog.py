@@ -6,8 +6,8 @@
 import pytest
 
 from mp_train import parse_config, validate
-from mp_train.config import hang_timeout_minutes
-from mp_train.hang_watchdog import Beat, HangMonitor, HangWatchdog
+from mp_train.configuration.config import hang_timeout_minutes
+from mp_train.loop.hang_watchdog import Beat, HangMonitor, HangWatchdog
 
 
 class Clock:

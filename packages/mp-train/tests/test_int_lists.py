@@ -4,7 +4,7 @@ in YAML, for list-of-integer fields (moe_layer_freq)."""
 import pytest
 
 from mp_train import ConfigError, parse_config
-from mp_train.int_lists import MAX_LENGTH, parse_int_list, parse_int_or_list
+from mp_train.configuration.int_lists import MAX_LENGTH, parse_int_list, parse_int_or_list
 
 MOE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
        "--num-experts", "4", "--disable-bias-linear"]  # fmt: skip

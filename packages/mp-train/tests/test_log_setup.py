@@ -10,7 +10,7 @@ import logging
 import pytest
 
 from mp_train import parse_config
-from mp_train.log_setup import LOGGERS, configure_logging, parse_level
+from mp_train.observability.log_setup import LOGGERS, configure_logging, parse_level
 
 MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"]
 

@@ -1,13 +1,13 @@
 """Megatron-LM flags without a field of their own: accepted without effect, renamed, or
-refused with the reason (mp_train.megatron_flags)."""
+refused with the reason (mp_train.configuration.megatron_flags)."""
 
 import dataclasses
 
 import pytest
 
 from mp_train import ConfigError, build_parser, parse_config, validate
-from mp_train.megatron_aliases import PRESETS
-from mp_train.megatron_flags import IGNORED, REFUSED
+from mp_train.configuration.megatron_aliases import PRESETS
+from mp_train.configuration.megatron_flags import IGNORED, REFUSED
 
 MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"]
 

@@ -3,8 +3,8 @@ measured again, and an MFU above 1 is never shown; the CPU measure keeps its bes
 
 import pytest
 
-from mp_train import metrics
-from mp_train.metrics import measure_peak_tflops, model_flops_utilization
+from mp_train.observability import metrics
+from mp_train.observability.metrics import measure_peak_tflops, model_flops_utilization
 
 
 def test_an_mfu_below_one_is_against_the_reference_as_it_is():

@@ -10,7 +10,7 @@ import torch.distributed as dist
 import mp_state
 from mp_state import ParallelConfig
 from mp_state.testing import run_on_ranks
-from mp_train.metrics import parameters_norm
+from mp_train.observability.metrics import parameters_norm
 
 pytestmark = pytest.mark.multirank
 

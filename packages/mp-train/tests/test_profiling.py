@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from mp_train import LoggingConfig
-from mp_train.arguments import parse_config
-from mp_train.profiling import StepProfiler
+from mp_train.configuration.arguments import parse_config
+from mp_train.observability.profiling import StepProfiler
 
 MODEL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
          "--train-iters", "10", "--mock-data"]  # fmt: skip
@@ -87,7 +87,7 @@ def test_megatron_defaults_and_flags():
 
 
 def test_memory_tags_on_cpu():
-    from mp_train.metrics import memory_bytes
+    from mp_train.observability.metrics import memory_bytes
 
     got = memory_bytes(torch.device("cpu"))
     assert sorted(got) == ["mem-allocated-bytes", "mem-max-allocated-bytes"]
@@ -96,7 +96,7 @@ def test_memory_tags_on_cpu():
 
 @pytest.mark.cuda
 def test_memory_tags_and_profile_on_cuda(tmp_path):
-    from mp_train.metrics import memory_bytes
+    from mp_train.observability.metrics import memory_bytes
 
     device = torch.device("cuda")
     kept = torch.ones(1024, device=device)

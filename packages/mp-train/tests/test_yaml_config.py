@@ -8,8 +8,8 @@ import textwrap
 import pytest
 import torch
 
-from mp_train.arguments import parse_config
-from mp_train.yaml_config import load_yaml_config
+from mp_train.configuration.arguments import parse_config
+from mp_train.configuration.yaml_config import load_yaml_config
 
 MEGATRON_YAML = """\
 language_model:

@@ -261,7 +261,7 @@ class GPTModel(torch.nn.Module):
             total = (self._token_loss(out, labels).float() * mask).sum()
             self.mtp.record(k, total.detach() / count)
             denominator = count if tokens is None else count / tokens
-            hidden = attach(hidden, total * factor / denominator, "mtp")
+            hidden = attach(hidden, total * factor / denominator, self.mtp.aux_loss_scale)
         return hidden
 
     def sync_tied_embeddings(self, embedding_group: RankGroup | None) -> None:

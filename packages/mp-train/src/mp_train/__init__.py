@@ -5,16 +5,22 @@ YAML loader, `mp-train estimate` (theoretical memory and FLOPs), setup_run
 and pretrain().
 """
 
-from mp_train.arguments import ArgumentGroupFactory, build_parser, parse_config
-from mp_train.config import GPTConfig, LoggingConfig, RunConfig, TrainingConfig, validate
+from mp_train.configuration.arguments import ArgumentGroupFactory, build_parser, parse_config
+from mp_train.configuration.config import (
+    GPTConfig,
+    LoggingConfig,
+    RunConfig,
+    TrainingConfig,
+    validate,
+)
+from mp_train.configuration.yaml_config import load_yaml_config
 from mp_train.entry_point import load_config
 from mp_train.errors import ConfigError, launch_rank, report
 from mp_train.estimate import estimate
-from mp_train.microbatches import MicroBatchCalculator
-from mp_train.setup import Initialized, Run, TrainState, initialize, setup_run
-from mp_train.timers import Timers
-from mp_train.training import evaluate, pretrain
-from mp_train.yaml_config import load_yaml_config
+from mp_train.loop.microbatches import MicroBatchCalculator
+from mp_train.loop.setup import Initialized, Run, TrainState, initialize, setup_run
+from mp_train.loop.training import evaluate, pretrain
+from mp_train.observability.timers import Timers
 
 __all__ = [
     "ArgumentGroupFactory",

@@ -17,11 +17,11 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-from mp_train.arguments import parse_config
-from mp_train.config import RunConfig, validate
+from mp_train.configuration.arguments import parse_config
+from mp_train.configuration.config import RunConfig, validate
+from mp_train.configuration.run_checks import check_backend, check_input_files, check_tokenizer
+from mp_train.configuration.yaml_config import field_owners
 from mp_train.errors import config_errors
-from mp_train.run_checks import check_backend, check_input_files, check_tokenizer
-from mp_train.yaml_config import field_owners
 
 __all__ = ["load_config"]
 

@@ -1,7 +1,7 @@
 """Mixture of experts (Megatron's MoE layer): router, token dispatchers, grouped experts,
 auxiliary losses. docs/moe.md tells how a token travels through them."""
 
-from mp_layers.moe.aux_losses import set_aux_loss_scale
+from mp_layers.moe.aux_losses import AuxLossScale, share_aux_loss_scale
 from mp_layers.moe.dispatcher import AllGatherDispatcher, AllToAllDispatcher
 from mp_layers.moe.experts import GroupedExperts, grouped_matmul, is_expert_key
 from mp_layers.moe.moe_layer import MoELayer, SharedExperts
@@ -17,6 +17,7 @@ from mp_layers.moe.router import (
 __all__ = [
     "AllGatherDispatcher",
     "AllToAllDispatcher",
+    "AuxLossScale",
     "GroupedExperts",
     "MoELayer",
     "SharedExperts",
@@ -26,7 +27,7 @@ __all__ = [
     "grouped_matmul",
     "is_expert_key",
     "routers_of",
-    "set_aux_loss_scale",
+    "share_aux_loss_scale",
     "take_metrics",
     "update_expert_biases",
 ]

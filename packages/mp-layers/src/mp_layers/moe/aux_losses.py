@@ -15,30 +15,58 @@ averages over the b sequences. The z-loss (ST-MoE, Zoph et al., 2022) is
 coeff * mean_t logsumexp(logits_t)^2, its coefficient divided by tp for the same sum.
 
 The losses never join `lm loss`: `attach` makes the router's output carry them, so that
-backward adds d(loss)/d(scores) scaled by the factor of `set_aux_loss_scale` (the
-training loop sets the loss scale / number of micro-batches, the same factor the main
-loss gets, times cp as in Megatron). The pipeline schedules need not know about them.
-Multi-token prediction's losses reach the gradients the same way, with their own factor
-(kind "mtp": Megatron's MTPLossAutoScaler, without the cp).
+backward adds d(loss)/d(scores) scaled by the factor an `AuxLossScale` holds when backward
+runs. Each router holds one (`aux_loss_scale`, 1 until set); the training step shares its
+own with every router of the model chunks (`share_aux_loss_scale`) and sets it before
+each step's micro-batches: the loss scale / number of micro-batches, the same factor the
+main loss gets, times cp as in Megatron. The pipeline schedules need not know about them.
+Multi-token prediction's losses reach the gradients the same way, through the MTP
+modules' scale of kind "mtp" (Megatron's MTPLossAutoScaler, without the cp).
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["attach", "aux_loss_scale", "load_balancing_loss", "set_aux_loss_scale", "z_loss"]
+__all__ = [
+    "AuxLossScale",
+    "attach",
+    "load_balancing_loss",
+    "share_aux_loss_scale",
+    "z_loss",
+]
 
-_scales = {"moe": torch.ones(()), "mtp": torch.ones(())}
+KINDS = ("moe", "mtp")
 
 
-def set_aux_loss_scale(scale: float | torch.Tensor, kind: str = "moe") -> None:
-    """The factor the auxiliary losses' gradients get in backward (default 1): the routers'
-    (kind "moe") or multi-token prediction's ("mtp")."""
-    _scales[kind] = torch.as_tensor(scale, dtype=torch.float32).detach().clone()
+class AuxLossScale:
+    """The factor the gradients of one kind of auxiliary loss get in backward: the
+    routers' ("moe") or multi-token prediction's ("mtp"). 1 until set."""
+
+    def __init__(self, kind: str = "moe", scale: float | torch.Tensor = 1.0) -> None:
+        if kind not in KINDS:
+            raise ValueError(f"kind={kind!r}: an auxiliary loss scale is one of {KINDS}")
+        self.kind = kind
+        self.set(scale)
+
+    def set(self, scale: float | torch.Tensor) -> None:
+        self.value = torch.as_tensor(scale, dtype=torch.float32).detach().clone()
+
+    def __repr__(self) -> str:
+        return f"AuxLossScale({self.kind!r}, {float(self.value)})"
 
 
-def aux_loss_scale(kind: str = "moe") -> torch.Tensor:
-    return _scales[kind]
+def share_aux_loss_scale(modules, scale: AuxLossScale) -> int:
+    """Makes every module of `modules` (model chunks) that holds a scale of `scale.kind`
+    (routers, the multi-token prediction modules) hold `scale` instead, so that setting it
+    sets theirs; returns how many do."""
+    shared = 0
+    for module in (m for chunk in modules for m in chunk.modules()):
+        held = getattr(module, "aux_loss_scale", None)
+        if isinstance(held, AuxLossScale) and held.kind == scale.kind:
+            module.aux_loss_scale = scale
+            shared += 1
+    return shared
 
 
 def load_balancing_loss(
@@ -62,20 +90,20 @@ def z_loss(logits: torch.Tensor, coeff: float) -> torch.Tensor:
     return torch.logsumexp(logits.float(), dim=-1).square().mean() * coeff
 
 
-def attach(activation: torch.Tensor, loss: torch.Tensor, kind: str = "moe") -> torch.Tensor:
-    """`activation` unchanged; in backward, `loss` receives the gradient
-    aux_loss_scale(kind)."""
-    return _AttachLoss.apply(activation, loss, kind)
+def attach(activation: torch.Tensor, loss: torch.Tensor, scale: AuxLossScale) -> torch.Tensor:
+    """`activation` unchanged; in backward, `loss` receives the gradient scale.value (as
+    it is then)."""
+    return _AttachLoss.apply(activation, loss, scale)
 
 
 class _AttachLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, activation, loss, kind):
+    def forward(ctx, activation, loss, scale):
         ctx.save_for_backward(loss)
-        ctx.kind = kind
+        ctx.scale = scale
         return activation.view_as(activation)
 
     @staticmethod
     def backward(ctx, grad):
         (loss,) = ctx.saved_tensors
-        return grad, torch.ones_like(loss) * _scales[ctx.kind].to(loss.device), None
+        return grad, torch.ones_like(loss) * ctx.scale.value.to(loss.device), None

@@ -87,6 +87,9 @@ class TopKRouter(torch.nn.Module):
             self.register_buffer("global_tokens_per_expert", torch.zeros(self.experts),
                                  persistent=False)  # fmt: skip
             self.register_buffer("global_steps", torch.zeros(()), persistent=False)
+        self.aux_loss_scale = aux_losses.AuxLossScale("moe")
+        """The factor the auxiliary losses' gradients get in backward (the training step
+        shares its own: aux_losses.share_aux_loss_scale)."""
         self.metrics: dict[str, torch.Tensor] = {}
         """Sums over the micro-batches since the last reset of the auxiliary losses divided by
         their coefficients (Megatron's logged values), this rank's part."""
@@ -102,7 +105,7 @@ class TopKRouter(torch.nn.Module):
         coeff = self.config.moe_z_loss_coeff
         if coeff and training:
             loss = aux_losses.z_loss(logits, coeff / self.token_group.size)
-            logits = aux_losses.attach(logits, loss)
+            logits = aux_losses.attach(logits, loss, self.aux_loss_scale)
             if counting:
                 self._record("z_loss", loss / coeff)
         probs, routing_map = self._topk(logits)
@@ -198,7 +201,7 @@ class TopKRouter(torch.nn.Module):
             return probs
         if counting:
             self._record(name, loss / coeff)
-        return aux_losses.attach(probs, loss)
+        return aux_losses.attach(probs, loss, self.aux_loss_scale)
 
     def _global_counts(self, chosen: torch.Tensor) -> tuple[torch.Tensor, int]:
         """Megatron's global load balancing: this micro-batch's counts summed over

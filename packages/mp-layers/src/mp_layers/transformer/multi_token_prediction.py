@@ -11,7 +11,8 @@ and its loss is the shared output layer's cross entropy of h_k against the label
 k left, under the loss mask rolled alike (the positions past the end count nothing). In
 training, mtp_loss_scaling_factor / D of each module's mean loss is added to the model's
 gradients through the decoder's output (moe.aux_losses.attach, with the main loss's
-backward factor); the main loss the model returns stays the language model's.
+backward factor: MultiTokenPrediction.aux_loss_scale, which the training step sets); the
+main loss the model returns stays the language model's.
 
 Shapes as in GPTModel: hidden states [s, b, h] ([s/tp, b, h] with sequence
 parallelism); tokens, labels and mask [b, s], this rank's two load-balanced chunks with
@@ -30,6 +31,7 @@ import torch.distributed as dist
 from mp_ckpt import ShardedTensor
 from mp_layers.config import TransformerConfig
 from mp_layers.groups import ModelGroups
+from mp_layers.moe.aux_losses import AuxLossScale
 from mp_layers.tensor_parallel import (
     ColumnParallelLinear,
     gather_from_tensor_model_parallel_region,
@@ -145,6 +147,9 @@ class MultiTokenPrediction(torch.nn.Module):
                 layers.append(MultiTokenPredictionLayer(config, groups, rng_tracker, spec))
         self.layers = torch.nn.ModuleList(layers)
         self.losses = torch.zeros(len(layers))
+        self.aux_loss_scale = AuxLossScale("mtp")
+        """The factor the modules' losses get in backward (the training step shares its
+        own: mp_layers.moe.share_aux_loss_scale)."""
 
     def record(self, k: int, loss: torch.Tensor) -> None:
         if self.losses.device != loss.device:

@@ -1,11 +1,11 @@
 """The loop's logs: a line every log_interval on the last rank, TensorBoard (Megatron's
-tags, mp_train.tensorboard), memory, MFU.
+tags, mp_train.observability.tensorboard), memory, MFU.
 
 Each line: iteration, consumed samples, ms per iteration, learning rate,
 global batch, the reported losses, loss scale, gradient norm, optional
 parameter norm, skipped and nan iterations, tokens/s, TFLOP/s per rank and
 MFU, current and peak memory; with log_straggler a second line, each rank's forward-step
-time across ranks (mp_train.stragglers). At start the theoretical memory and FLOPs
+time across ranks (mp_train.observability.stragglers). At start the theoretical memory and FLOPs
 (mp_train.estimate) are printed; after the first logged iterations the
 measured peak memory stands beside them.
 """
@@ -26,11 +26,11 @@ import torch.distributed as dist
 
 from mp_optim import counted_in_grad_norm, is_expert_parallel
 from mp_train.estimate import estimate
-from mp_train.moe_step import aux_loss_names
-from mp_train.mtp_step import mtp_loss_names
-from mp_train.setup import Run
-from mp_train.stragglers import STRAGGLER_TIMER, straggler_line
-from mp_train.tensorboard import TensorBoard
+from mp_train.loop.moe_step import aux_loss_names
+from mp_train.loop.mtp_step import mtp_loss_names
+from mp_train.loop.setup import Run
+from mp_train.observability.stragglers import STRAGGLER_TIMER, straggler_line
+from mp_train.observability.tensorboard import TensorBoard
 
 __all__ = [
     "MetricsLogger",

@@ -4,7 +4,8 @@ knows nothing of them):
 - before the micro-batches: the factor the routers' auxiliary losses get in backward,
   the one the main loss gets (the loss scale / the number of micro-batches, times cp;
   with a per-token loss the loss scale alone, as in Megatron), and the one the
-  multi-token prediction losses get (the same without the cp);
+  multi-token prediction losses get (the same without the cp), each an AuxLossScale
+  this step holds and shares with the model chunks' routers or MTP modules;
   the global load-balancing loss's token counts start from zero;
 - after them: the expert biases of auxiliary-loss-free balancing move (their token
   counts summed over the stage's tp x dp x cp ranks, Megatron's finalize step);
@@ -57,6 +58,10 @@ class MoEStep:
         # The MTP modules' layers are shaped as the last one (Megatron counts them too).
         self.moe_layers = sum(pattern) + (model_config.mtp_num_layers or 0) * pattern[-1]
         self.state, self.fp16 = state, fp16
+        # The factors the routers' and the MTP modules' losses get in backward, set each step.
+        self.scale, self.mtp_scale = moe.AuxLossScale("moe"), moe.AuxLossScale("mtp")
+        for scale in (self.scale, self.mtp_scale):
+            moe.share_aux_loss_scale(chunks, scale)
 
     def before(self, optimizer, num_microbatches: int) -> None:
         scale = optimizer.get_loss_scale() if self.fp16 else 1.0
@@ -65,9 +70,9 @@ class MoEStep:
         # Each context-parallel rank's balancing loss is its tokens' part of the sequences'
         # loss, and the gradients are averaged over cp: times cp, as in Megatron.
         cp = self.state.cp.size
-        moe.set_aux_loss_scale(scale if self.per_token else scale * cp / num_microbatches)
+        self.scale.set(scale if self.per_token else scale * cp / num_microbatches)
         # Multi-token prediction's losses: a mean per rank, the main loss's factor.
-        moe.set_aux_loss_scale(scale if self.per_token else scale / num_microbatches, "mtp")
+        self.mtp_scale.set(scale if self.per_token else scale / num_microbatches)
         for router in self.routers:
             router.reset_global_counts()
 

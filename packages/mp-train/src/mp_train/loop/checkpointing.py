@@ -40,7 +40,7 @@ from mp_ckpt import (
     read_tracker,
 )
 from mp_layers.moe import is_expert_key
-from mp_train.setup import Run, TrainState
+from mp_train.loop.setup import Run, TrainState
 
 __all__ = ["load_run_checkpoint", "prepare_run_checkpointer", "run_pieces", "save_run_checkpoint"]
 

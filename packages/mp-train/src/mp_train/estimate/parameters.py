@@ -46,7 +46,7 @@ import dataclasses
 
 from mp_layers import TransformerConfig
 from mp_pipeline import stage_layers
-from mp_train.config import RunConfig
+from mp_train.configuration.config import RunConfig
 
 __all__ = ["Held", "model_parameters", "stage_moe_layers", "stage_parameters"]
 

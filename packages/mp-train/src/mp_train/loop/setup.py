@@ -38,10 +38,10 @@ from mp_optim import (
 )
 from mp_pipeline import PipelineConfig, finalize_model_grads, stage_layers
 from mp_state import ParallelState, RNGStatesTracker
-from mp_train.config import RunConfig, validate
-from mp_train.log_setup import configure_logging
-from mp_train.microbatches import MicroBatchCalculator
-from mp_train.timers import Timers
+from mp_train.configuration.config import RunConfig, validate
+from mp_train.loop.microbatches import MicroBatchCalculator
+from mp_train.observability.log_setup import configure_logging
+from mp_train.observability.timers import Timers
 
 __all__ = ["Initialized", "ModelProvider", "Run", "TrainState", "initialize", "setup_run"]
 

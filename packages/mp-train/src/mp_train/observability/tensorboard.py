@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 
-from mp_train.config import LoggingConfig
+from mp_train.configuration.config import LoggingConfig
 
 __all__ = ["TensorBoard"]
 

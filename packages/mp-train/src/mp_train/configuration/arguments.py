@@ -30,16 +30,16 @@ from typing import Any
 import torch
 
 from mp_ckpt import CheckpointReader
-from mp_train import megatron_aliases, megatron_flags
-from mp_train.config import RunConfig
-from mp_train.errors import ConfigError
-from mp_train.yaml_config import (
+from mp_train.configuration import megatron_aliases, megatron_flags
+from mp_train.configuration.config import RunConfig
+from mp_train.configuration.yaml_config import (
     FieldType,
     field_owners,
     field_types,
     load_yaml_config,
     run_parts,
 )
+from mp_train.errors import ConfigError
 
 __all__ = ["ArgumentGroupFactory", "build_parser", "field_docs", "parse_config"]
 

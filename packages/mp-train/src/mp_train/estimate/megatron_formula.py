@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import math
 
-from mp_train.config import RunConfig
+from mp_train.configuration.config import RunConfig
 
 __all__ = ["MEGATRON_VERSION", "megatron_estimate"]
 

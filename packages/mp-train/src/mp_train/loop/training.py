@@ -7,13 +7,14 @@
 2. a checkpoint under `load`, resharded if the layout changed (checkpointing.py);
 3. datasets from datasets_provider(run, [train, valid, test] sample counts)
    and loaders that start after the consumed samples (mp-data);
-4. iterations until train_iters / train_samples: the pipeline schedule's
-   forward and backward (mp-pipeline), the optimizer step (a step skipped on
-   inf/nan gradients is counted), the scheduler by the global batch, logs
-   every log_interval (TensorBoard every tensorboard_log_interval), the
-   profiler's window (profile), evaluation every eval_interval, saves every
-   save_interval; exit_interval, exit_duration_in_mins and SIGTERM (every
-   rank agrees, saves and returns);
+4. iterations until train_iters / train_samples, each a step (`_Step`: the pipeline
+   schedule's forward and backward (mp-pipeline), the MoE parts around it (moe_step.py),
+   the NaN/skip policy (skip_policy.py), the optimizer step, the scheduler by the global
+   batch), then its log (observability: every log_interval, TensorBoard every
+   tensorboard_log_interval, the profiler's window) and what the cadence (cadence.py)
+   says is due: evaluation every eval_interval, saves every save_interval, an exit at
+   exit_interval, exit_duration_in_mins or SIGTERM (every rank agrees, saves and
+   returns);
 5. a final evaluation and save.
 
 From the first iteration to the final save, each finished iteration is a heartbeat of
@@ -30,8 +31,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
-import math
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -39,23 +38,24 @@ import torch
 import torch.distributed as dist
 
 import mp_state
-from mp_ckpt import Checkpointer, read_tracker
+from mp_ckpt import Checkpointer
 from mp_data import build_pretraining_data_loader, train_valid_test_num_samples
 from mp_pipeline import get_forward_backward_func
-from mp_train.checkpointing import (
+from mp_train.configuration.config import RunConfig, hang_timeout_minutes
+from mp_train.loop.cadence import Cadence, Stop
+from mp_train.loop.checkpointing import (
     load_run_checkpoint,
     prepare_run_checkpointer,
     save_run_checkpoint,
 )
-from mp_train.config import RunConfig, hang_timeout_minutes
-from mp_train.hang_watchdog import HangWatchdog
-from mp_train.metrics import MetricsLogger
-from mp_train.moe_step import MoEStep
-from mp_train.mtp_step import mtp_losses
-from mp_train.profiling import StepProfiler
-from mp_train.setup import Initialized, ModelProvider, Run, setup_run
-from mp_train.signals import DistributedSignalHandler
-from mp_train.stragglers import timed_forward_step
+from mp_train.loop.hang_watchdog import HangWatchdog
+from mp_train.loop.moe_step import MoEStep
+from mp_train.loop.mtp_step import mtp_losses
+from mp_train.loop.setup import Initialized, ModelProvider, Run, setup_run
+from mp_train.loop.skip_policy import SkipPolicy
+from mp_train.observability.metrics import MetricsLogger
+from mp_train.observability.profiling import StepProfiler
+from mp_train.observability.stragglers import timed_forward_step
 
 __all__ = ["evaluate", "pretrain"]
 
@@ -77,40 +77,27 @@ def pretrain(
     run = setup_run(config, model_provider, initialized)
     metrics = MetricsLogger(run)
     metrics.print_start()
-    checkpointer = None
-    if config.checkpoint.save is not None:
-        checkpointer = Checkpointer(config.checkpoint.save, async_save=config.checkpoint.async_save,
-                                    keep_last=config.checkpoint.ckpt_keep_last)  # fmt: skip
-    if load_run_checkpoint(run):
-        metrics.print(
-            f"resumed from {run.config.checkpoint.load} at iteration {run.train.iteration} "
-            f"({run.train.consumed_train_samples} samples consumed)"
-        )
-    if checkpointer is not None and not config.training.skip_train:
-        prepare_run_checkpointer(run, checkpointer)
+    checkpointer = _checkpointer(run, metrics)
     opened: list = []  # the loaders' iterators, closed however the run ends
     try:
         # Starting a DataLoader draws its base seed from torch's default generator: undone,
         # so that the first iteration draws what the checkpoint (or the seeding) left there.
         with mp_state.rng_state_kept(run.rng_tracker):
             train_iter, valid_iter = _data_iterators(run, datasets_provider, opened)
+        cadence = Cadence(config.training, config.checkpoint, run.has_valid_data)
         watching = HangWatchdog.for_run(hang_timeout_minutes(config), dist.get_rank(),
                                         dist.get_world_size())  # fmt: skip
         with watching as watchdog:
             stopped = None
             if not config.training.skip_train:
                 stopped = _train(run, forward_step_func, train_iter, valid_iter, checkpointer,
-                                 metrics, watchdog)  # fmt: skip
-            # An early exit (SIGTERM, exit_interval, exit_duration) has saved: leave at once.
-            final_eval = config.training.eval_interval is not None and stopped is None
-            if final_eval and run.has_valid_data:
+                                 cadence, metrics, watchdog)  # fmt: skip
+            last_saved = None if checkpointer is None else checkpointer.last_saved
+            end = cadence.at_end(run.train.iteration, stopped, last_saved)
+            if end.evaluate:
                 evaluate(run, forward_step_func, valid_iter, metrics, final=True,
                          watchdog=watchdog)  # fmt: skip
-            trained = checkpointer is not None and not config.training.skip_train
-            if trained and run.train.iteration not in (
-                checkpointer.last_saved,
-                read_tracker(config.checkpoint.save),
-            ):
+            if end.save:
                 with watchdog.paused():
                     save_run_checkpoint(run, checkpointer)
     finally:
@@ -124,102 +111,104 @@ def pretrain(
     return run
 
 
-def _train(run: Run, forward_step_func, train_iter, valid_iter, checkpointer, metrics,
-           watchdog) -> str | None:  # fmt: skip
+def _checkpointer(run: Run, metrics: MetricsLogger) -> Checkpointer | None:
+    """The run's checkpoint under `load` restored; the checkpointer that saves to `save`."""
+    config = run.config
+    checkpointer = None
+    if config.checkpoint.save is not None:
+        checkpointer = Checkpointer(config.checkpoint.save, async_save=config.checkpoint.async_save,
+                                    keep_last=config.checkpoint.ckpt_keep_last)  # fmt: skip
+    if load_run_checkpoint(run):
+        metrics.print(
+            f"resumed from {run.config.checkpoint.load} at iteration {run.train.iteration} "
+            f"({run.train.consumed_train_samples} samples consumed)"
+        )
+    if checkpointer is not None and not config.training.skip_train:
+        prepare_run_checkpointer(run, checkpointer)
+    return checkpointer
+
+
+def _train(run: Run, forward_step_func, train_iter, valid_iter, checkpointer,
+           cadence: Cadence, metrics, watchdog) -> Stop | None:  # fmt: skip
     """The iterations; returns why it stopped early, or None at the end of training."""
-    config, training = run.config, run.config.training
-    if training.manual_gc:
+    config = run.config
+    if config.training.manual_gc:
         gc.disable()
         gc.collect()
     for chunk in run.model:
         chunk.train()
-    schedule = _schedule(run)
     train_step_func = forward_step_func
     if config.logging.log_straggler:  # evaluation's forward steps stay untimed
         train_step_func = timed_forward_step(forward_step_func, run.timers)
-    experts = MoEStep(config.model, run.model, run.state, config.optimizer.fp16,
-                      config.optimizer.calculate_per_token_loss)  # fmt: skip
-    start = time.time()
-    handler = DistributedSignalHandler() if training.exit_signal_handler else None
+    step = _Step(run, train_step_func)
     profiler = StepProfiler(config.logging, dist.get_rank(), run.device)
-    with handler or contextlib.nullcontext(), contextlib.closing(profiler):
-        signals = handler
-        while not _done(run):
+    with cadence.during_training(), contextlib.closing(profiler):
+        while not cadence.finished(run.train):
             profiler.iteration_started(run.train.iteration + 1)
             metrics.iteration_started()
-            global_batch = run.calculator.global_batch(run.train.consumed_train_samples)
-            num_microbatches = run.calculator.num_microbatches(run.train.consumed_train_samples)
-            run.optimizer.zero_grad()
-            experts.before(run.optimizer, num_microbatches)
-            barrier = config.logging.barrier_with_L1_time
-            run.timers("forward-backward", log_level=1).start(barrier=barrier)
-            reports = schedule(
-                forward_step_func=train_step_func, data_iterator=train_iter, model=run.model,
-                num_microbatches=num_microbatches, config=run.pipeline, pp_group=run.state.pp,
-            )  # fmt: skip
-            run.timers("forward-backward", log_level=1).stop()
-            experts.after_backward()
-            losses = reduce_reports(reports) | experts.aux_losses(num_microbatches)
-            losses |= mtp_losses(run.model, config.model, run.state, num_microbatches)
-            checked = training.check_for_nan_in_loss_and_grad or training.skip_nan_loss_iterations
-            bad_loss = checked and _nonfinite_anywhere(losses)
-            if bad_loss and not training.skip_nan_loss_iterations:
-                where = (
-                    f"rank {dist.get_rank()}: loss {losses}"
-                    if losses
-                    else f"rank {dist.get_rank()}: a rank of the last pipeline stage saw a loss"
-                )
-                raise FloatingPointError(
-                    f"{where} is nan or inf at iteration {run.train.iteration + 1} "
-                    "(skip_nan_loss_iterations skips such iterations instead)"
-                )
-            if bad_loss:
-                run.train.nan_iterations += 1
-                result = None
-            else:
-                run.timers("optimizer", log_level=1).start(barrier=barrier)
-                result = run.optimizer.step()
-                run.timers("optimizer", log_level=1).stop()
-            run.train.iteration += 1
-            run.train.consumed_train_samples += global_batch
-            if result is not None and result.update_successful:
-                run.scheduler.step(increment=global_batch)
-            else:
-                run.train.skipped_iterations += 1
-            metrics.iteration_finished(losses, result, global_batch, num_microbatches)
+            metrics.iteration_finished(*step(train_iter))
             profiler.iteration_finished(run.train.iteration)
             watchdog.beat(run.train.iteration)
-            if (
-                training.manual_gc
-                and training.manual_gc_interval
-                and (run.train.iteration % training.manual_gc_interval == 0)
-            ):
+            due = cadence.after_iteration(run.train)
+            if due.collect_garbage:
                 gc.collect()
-            iteration = run.train.iteration
-            if (
-                training.eval_interval
-                and run.has_valid_data
-                and (iteration % training.eval_interval == 0)
-                and not _done(run)
-            ):
+            if due.evaluate:
                 evaluate(run, forward_step_func, valid_iter, metrics, watchdog=watchdog)
-            saved = False
-            if (
-                checkpointer is not None
-                and config.checkpoint.save_interval
-                and (iteration % config.checkpoint.save_interval == 0)
-            ):
+            if due.save:
                 with watchdog.paused():
                     save_run_checkpoint(run, checkpointer)
-                saved = True
-            stop = _should_exit(run, signals, start)
-            if stop:
-                if checkpointer is not None and not saved:
+            stop = cadence.stop(run.train.iteration, saved=due.save)
+            if stop is not None:
+                if stop.save:
                     with watchdog.paused():
                         save_run_checkpoint(run, checkpointer)
-                metrics.print(f"exiting at iteration {iteration}: {stop}")
+                metrics.print(f"exiting at iteration {run.train.iteration}: {stop.reason}")
                 return stop
     return None
+
+
+class _Step:
+    """One training iteration: the pipeline schedule's forward and backward over the
+    global batch's micro-batches, the MoE parts around it, the NaN/skip policy, the
+    optimizer and scheduler steps and the counters."""
+
+    def __init__(self, run: Run, forward_step_func) -> None:
+        config = run.config
+        self.run, self.forward_step_func = run, forward_step_func
+        self.schedule = _schedule(run)
+        self.experts = MoEStep(config.model, run.model, run.state, config.optimizer.fp16,
+                               config.optimizer.calculate_per_token_loss)  # fmt: skip
+        self.skips = SkipPolicy(config.training, run.train)
+        self.barrier = config.logging.barrier_with_L1_time
+
+    def __call__(self, train_iter) -> tuple[dict[str, float], Any, int, int]:
+        """Runs it; returns the losses, the optimizer step's result (None: skipped), the
+        global batch and its micro-batches."""
+        run, timers, barrier = self.run, self.run.timers, self.barrier
+        global_batch = run.calculator.global_batch(run.train.consumed_train_samples)
+        num_microbatches = run.calculator.num_microbatches(run.train.consumed_train_samples)
+        run.optimizer.zero_grad()
+        self.experts.before(run.optimizer, num_microbatches)
+        timers("forward-backward", log_level=1).start(barrier=barrier)
+        reports = self.schedule(
+            forward_step_func=self.forward_step_func, data_iterator=train_iter,
+            model=run.model, num_microbatches=num_microbatches, config=run.pipeline,
+            pp_group=run.state.pp,
+        )  # fmt: skip
+        timers("forward-backward", log_level=1).stop()
+        self.experts.after_backward()
+        losses = reduce_reports(reports) | self.experts.aux_losses(num_microbatches)
+        losses |= mtp_losses(run.model, run.config.model, run.state, num_microbatches)
+        result = None
+        if self.skips.takes_step(losses, run.train.iteration + 1):
+            timers("optimizer", log_level=1).start(barrier=barrier)
+            result = run.optimizer.step()
+            timers("optimizer", log_level=1).stop()
+        run.train.iteration += 1
+        run.train.consumed_train_samples += global_batch
+        if self.skips.updated(result):
+            run.scheduler.step(increment=global_batch)
+        return losses, result, global_batch, num_microbatches
 
 
 def evaluate(run: Run, forward_step_func, valid_iter, metrics, final: bool = False,
@@ -263,42 +252,9 @@ def reduce_reports(reports: list[dict]) -> dict[str, float]:
     return out
 
 
-def _nonfinite_anywhere(losses: dict[str, float]) -> bool:
-    """Whether any rank's reported loss is nan or inf (collective)."""
-    bad = any(not math.isfinite(v) for v in losses.values())
-    flag = torch.tensor([1.0 if bad else 0.0])
-    if dist.get_backend() == "nccl":
-        flag = flag.cuda()
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag.item() > 0)
-
-
 def _schedule(run: Run):
     vpp = run.config.parallel.virtual_pipeline_model_parallel_size
     return get_forward_backward_func(run.state.pp.size, vpp)
-
-
-def _done(run: Run) -> bool:
-    training = run.config.training
-    if training.train_iters is not None:
-        return run.train.iteration >= training.train_iters
-    return run.train.consumed_train_samples >= training.train_samples
-
-
-def _should_exit(run: Run, signals: DistributedSignalHandler | None, start: float) -> str | None:
-    training = run.config.training
-    if signals is not None and signals.received():
-        return "SIGTERM received"
-    if training.exit_interval and run.train.iteration % training.exit_interval == 0:
-        return f"exit_interval={training.exit_interval}"
-    if training.exit_duration_in_mins is not None:
-        elapsed = torch.tensor([(time.time() - start) / 60.0])
-        if dist.get_backend() == "nccl":
-            elapsed = elapsed.cuda()
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        if float(elapsed) > training.exit_duration_in_mins:
-            return f"exit_duration_in_mins={training.exit_duration_in_mins}"
-    return None
 
 
 def _data_iterators(run: Run, datasets_provider,

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from mp_train.config import LoggingConfig
+from mp_train.configuration.config import LoggingConfig
 
 __all__ = ["StepProfiler"]
 

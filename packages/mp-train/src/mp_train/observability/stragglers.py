@@ -20,7 +20,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Callable
 
-from mp_train.timers import Timers
+from mp_train.observability.timers import Timers
 
 __all__ = ["STRAGGLER_TIMER", "straggler_line", "timed_forward_step"]
 

@@ -41,8 +41,8 @@ from typing import Any, Literal
 import torch
 import yaml
 
-from mp_train.config import RunConfig
-from mp_train.int_lists import parse_int_list, parse_int_or_list
+from mp_train.configuration.config import RunConfig
+from mp_train.configuration.int_lists import parse_int_list, parse_int_or_list
 
 __all__ = [
     "DTYPE_NAMES",
@@ -191,7 +191,8 @@ class FieldType:
     @property
     def takes_int_lists(self) -> bool:
         """A list of integers (moe_layer_freq): a command-line word, and a YAML string, may
-        be Megatron-LM's list expression ("([0]+[1]*26)", read by mp_train.int_lists)."""
+        be Megatron-LM's list expression ("([0]+[1]*26)", read by
+        mp_train.configuration.int_lists)."""
         return self.many and self.base is int and not self.choices
 
     def words(self) -> list[str] | None:

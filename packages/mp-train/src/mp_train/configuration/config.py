@@ -28,8 +28,8 @@ from mp_data import DataConfig
 from mp_layers import TransformerConfig
 from mp_optim import OptimizerConfig
 from mp_state import ParallelConfig
-from mp_train.log_setup import parse_level
-from mp_train.run_checks import check_schedule, check_sharding
+from mp_train.configuration.run_checks import check_schedule, check_sharding
+from mp_train.observability.log_setup import parse_level
 
 __all__ = [
     "GPTConfig",

@@ -17,10 +17,10 @@ f_moe their width, f_shared the shared expert's; n_mtp multi-token prediction mo
 This module is mp's own model: what the run allocates and keeps, measured against
 GPTModel and the run's memory (docs/benchmarks.md). With --megatron-formula the figures
 are instead Megatron-LM's report_theoretical_memory and num_floating_point_operations
-(megatron-core 0.19.2), to the bit: mp_train.estimate_megatron, which says what those
+(megatron-core 0.19.2), to the bit: mp_train.estimate.megatron_formula, which says what those
 formulas assume.
 
-Parameters (mp_train.estimate_parameters): every parameter GPTModel holds (biases, norms,
+Parameters (mp_train.estimate.parameters): every parameter GPTModel holds (biases, norms,
 routers, learned positions and the MTP modules included), and each pipeline stage's
 share as one of its ranks holds it: tensor-parallel pieces / t, replicated parameters
 (norms, row-parallel biases, routers, MLA's down projections) whole, routed experts /
@@ -95,9 +95,9 @@ import torch
 
 from mp_layers import TransformerConfig, keeps_attention_probabilities, saved_probability_bytes
 from mp_pipeline import stage_layers
-from mp_train.config import RunConfig
-from mp_train.estimate_megatron import MEGATRON_VERSION, megatron_estimate
-from mp_train.estimate_parameters import model_parameters, stage_moe_layers, stage_parameters
+from mp_train.configuration.config import RunConfig
+from mp_train.estimate.megatron_formula import MEGATRON_VERSION, megatron_estimate
+from mp_train.estimate.parameters import model_parameters, stage_moe_layers, stage_parameters
 
 __all__ = ["estimate", "main", "padded_vocab_size"]
 
@@ -124,7 +124,7 @@ def estimate(
     and config.parallel's expert sizes. `vocab_size` overrides config.data.vocab_size;
     `device_type` ("cuda" or "cpu") is where the run computes, which decides the core
     attention "auto" picks. `megatron_formula`: Megatron-LM's figures instead of mp's
-    (mp_train.estimate_megatron), with its report's lines under "megatron_report"."""
+    (mp_train.estimate.megatron_formula), with its report's lines under "megatron_report"."""
     layout = _layout(config, world_size)
     vocab = vocab_size if vocab_size is not None else config.data.vocab_size
     V = config.data.padded_vocab_size
@@ -388,7 +388,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"mp-train: unknown command {argv[0]!r}; commands: estimate", file=sys.stderr)
         return 2
     own, rest = _parser().parse_known_args(argv)
-    from mp_train.arguments import parse_config  # the run's own flags and --config YAML
+    from mp_train.configuration.arguments import (
+        parse_config,  # the run's own flags and --config YAML
+    )
 
     try:
         config = parse_config(rest, prog="mp-train estimate")

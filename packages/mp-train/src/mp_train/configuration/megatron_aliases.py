@@ -16,7 +16,7 @@ import argparse
 import dataclasses
 from typing import Any
 
-from mp_train.yaml_config import FieldType, run_parts
+from mp_train.configuration.yaml_config import FieldType, run_parts
 
 __all__ = ["add_to", "apply", "expand_presets", "settle", "take"]
 

@@ -1,0 +1,154 @@
+"""When the loop evaluates, saves, collects garbage and stops: Megatron's eval_interval,
+save_interval, manual_gc_interval, exit_interval, exit_duration_in_mins and
+exit_signal_handler, and the final evaluation and save.
+
+After each iteration the loop asks, in Megatron's order:
+
+1. `after_iteration(train)`: evaluate (every eval_interval, with validation data, not
+   after the last iteration, which the final evaluation covers), save (every
+   save_interval, when saving), collect garbage (manual_gc every manual_gc_interval);
+2. `stop(iteration, saved=...)`, once the evaluation and save are done (they take time,
+   and a signal may come meanwhile): why the run stops after this iteration, if it does
+   (SIGTERM on any rank, exit_interval, exit_duration_in_mins on the slowest rank's
+   clock), and whether it saves first (when saving and not saved already);
+3. at the end, `at_end(...)`: the final evaluation (with eval_interval, unless the run
+   stopped early, having saved) and the final save (unless that iteration is saved
+   already).
+
+`stop` is collective (SIGTERM and the elapsed time are agreed over every rank), so every
+rank stops after the same iteration.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from mp_ckpt import CheckpointConfig, read_tracker
+from mp_train.configuration.config import TrainingConfig
+from mp_train.loop.setup import TrainState
+from mp_train.loop.signals import DistributedSignalHandler
+
+__all__ = ["Cadence", "Due", "Stop"]
+
+
+@dataclass(frozen=True)
+class Due:
+    """What the loop does now."""
+
+    evaluate: bool = False
+    save: bool = False
+    collect_garbage: bool = False
+
+
+@dataclass(frozen=True)
+class Stop:
+    """The run stops after this iteration, for `reason`; `save`: it saves first."""
+
+    reason: str
+    save: bool
+
+
+class Cadence:
+    """`has_valid_data`: whether any rank has validation data (Megatron's do_valid).
+    `signal_received()` and `minutes_elapsed()` are by default a SIGTERM handler and the
+    time since training started, both installed by `during_training()` and agreed over
+    every rank; a test may give its own."""
+
+    def __init__(
+        self,
+        training: TrainingConfig,
+        checkpoint: CheckpointConfig,
+        has_valid_data: bool,
+        *,
+        signal_received: Callable[[], bool] | None = None,
+        minutes_elapsed: Callable[[], float] | None = None,
+    ) -> None:
+        self.training = training
+        self.save_interval = checkpoint.save_interval
+        self.save_dir = checkpoint.save
+        self.saving = self.save_dir is not None
+        self.has_valid_data = has_valid_data
+        self._handler = None
+        if signal_received is None and self.training.exit_signal_handler:
+            self._handler = DistributedSignalHandler()
+            signal_received = self._handler.received
+        self.signal_received = signal_received
+        self.minutes_elapsed = minutes_elapsed or self._slowest_clock
+        self._start = time.time()
+
+    def during_training(self) -> contextlib.AbstractContextManager:
+        """For the training loop: starts exit_duration_in_mins's clock and installs the
+        SIGTERM handler (with exit_signal_handler)."""
+        self._start = time.time()
+        return self._handler or contextlib.nullcontext()
+
+    def finished(self, train: TrainState) -> bool:
+        """Whether training is over: train_iters iterations or train_samples samples."""
+        if self.training.train_iters is not None:
+            return train.iteration >= self.training.train_iters
+        return train.consumed_train_samples >= self.training.train_samples
+
+    def after_iteration(self, train: TrainState) -> Due:
+        """What follows the iteration `train` has just counted."""
+        iteration, training = train.iteration, self.training
+        return Due(
+            evaluate=bool(
+                training.eval_interval
+                and self.has_valid_data
+                and iteration % training.eval_interval == 0
+                and not self.finished(train)
+            ),
+            save=bool(self.saving and _every(self.save_interval, iteration)),
+            collect_garbage=bool(
+                training.manual_gc and _every(training.manual_gc_interval, iteration)
+            ),
+        )
+
+    def stop(self, iteration: int, saved: bool) -> Stop | None:
+        """Whether the run stops after `iteration` (collective), and saves first unless
+        `saved` (it saved this iteration already)."""
+        reason = self._stop_reason(iteration)
+        if reason is None:
+            return None
+        return Stop(reason, save=self.saving and not saved)
+
+    def _stop_reason(self, iteration: int) -> str | None:
+        training = self.training
+        if self.signal_received is not None and self.signal_received():
+            return "SIGTERM received"
+        if _every(training.exit_interval, iteration):
+            return f"exit_interval={training.exit_interval}"
+        limit = training.exit_duration_in_mins
+        if limit is not None and self.minutes_elapsed() > limit:
+            return f"exit_duration_in_mins={limit}"
+        return None
+
+    def _slowest_clock(self) -> float:
+        """Minutes since training started on the rank whose clock says the most
+        (collective)."""
+        elapsed = torch.tensor([(time.time() - self._start) / 60.0])
+        if dist.get_backend() == "nccl":
+            elapsed = elapsed.cuda()
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        return float(elapsed)
+
+    def at_end(self, iteration: int, stopped: Stop | None, last_saved: int | None) -> Due:
+        """The final evaluation and save, after training (or instead of it, with
+        skip_train): no save of an iteration saved already, by this run (`last_saved`) or
+        in `save` (its tracker)."""
+        training = self.training
+        evaluate = training.eval_interval is not None and stopped is None
+        save = self.saving and not training.skip_train
+        if save:
+            save = iteration not in (last_saved, read_tracker(self.save_dir))
+        return Due(evaluate=evaluate and self.has_valid_data, save=save)
+
+
+def _every(interval: int | None, iteration: int) -> bool:
+    return bool(interval) and iteration % interval == 0
