@@ -271,7 +271,10 @@ def _speed(batch: int, args) -> dict:
     shape = TINY_SHAPE if args.tiny else SPEED_SHAPE
     precision = args.speed_precision
     argv = _argv(shape, precision, args.speed_seq, batch, 2)
+    load_before = round(os.getloadavg()[0], 2)
     ranks = run_on_ranks(_speed_rank, 2, argv, args, timeout=args.timeout)
+    # Other processes on the machine show here (the two ranks themselves add about 2).
+    load = {"load_1min_before": load_before, "load_1min_after": round(os.getloadavg()[0], 2)}
     times = ranks[0]["times"]
     tokens = 2 * batch * args.speed_seq
     best = {side: tokens / min(t) for side, t in times.items()}
@@ -300,6 +303,7 @@ def _speed(batch: int, args) -> dict:
         "warmup_steps": args.warmup,
         "timed_steps": args.iters,
         "threads_per_rank": 1,
+        **load,
     }
 
 
