@@ -62,7 +62,9 @@ DDP's of each, and the median of the per-round ratios. Target: ZeRO-3 >= 0.8x DD
 tokens/s. Beside them, `collectives_s`: each gloo collective a step issues, timed on
 the same ranks as one call over the whole model (DDP: one all-reduce of the fp32
 gradients; ZeRO-3: two all-gathers of the bf16 parameters and one reduce-scatter of
-the fp32 gradients), which is where most of ZeRO-3's extra time goes on CPU.
+the fp32 gradients), which is where most of ZeRO-3's extra time goes on CPU, and
+`collectives_peak_growth_mib`, what each call allocates at its peak (VmHWM reset
+before it).
 
     uv run python ci/bench/bench_fsdp.py [--measure memory speed] [--precision bf16 fp32]
         [--speed-batch 2 8] [--tiny]
@@ -295,7 +297,8 @@ def _speed(batch: int, args) -> dict:
         "ddp_step_s": [round(t, 3) for t in times["zero0"]],
         "first_step_loss_rel_diff": ranks[0]["loss_rel_diff"],
         "first_step_grad_norm_rel_diff": ranks[0]["grad_norm_rel_diff"],
-        "collectives_s": ranks[0]["collectives_s"],
+        "collectives_s": ranks[0]["collectives"]["seconds"],
+        "collectives_peak_growth_mib": ranks[0]["collectives"]["peak_growth_mib"],
         "parameters": ranks[0]["parameters"],
         "dp": 2,
         **_shape_figures(shape, args.speed_seq, batch),
@@ -347,7 +350,7 @@ def _speed_rank(argv: list[str], args) -> dict:
     parameters = _global_parameters(runs["zero0"].model)
     result = {
         "times": times,
-        "collectives_s": _collectives(parameters, configs["zero3"].optimizer.model_dtype),
+        "collectives": _collectives(parameters, configs["zero3"].optimizer.model_dtype),
         "loss_rel_diff": float(f"{loss_diff:.2e}"),
         "grad_norm_rel_diff": float(f"{norm_diff:.2e}"),
         "parameters": parameters,
@@ -360,7 +363,8 @@ def _collectives(parameters: int, dtype: torch.dtype, repeats: int = 3) -> dict[
     """The fastest of `repeats` of each gloo collective a step issues, each as one call
     over the whole model: DDP all-reduces the fp32 gradients; ZeRO-3 all-gathers the
     parameters (in the compute dtype) twice, forward and backward, and reduce-scatters
-    the fp32 gradients (FSDP2 splits them into one call per layer and one for the rest)."""
+    the fp32 gradients (FSDP2 splits them into one call per layer and one for the rest).
+    Beside the seconds, what each call allocates at its peak (the resident set's)."""
     numel = parameters + parameters % 2
     grads, grad_shard = torch.ones(numel), torch.empty(numel // 2)
     params, param_shard = torch.empty(numel, dtype=dtype), torch.ones(numel // 2, dtype=dtype)
@@ -369,18 +373,20 @@ def _collectives(parameters: int, dtype: torch.dtype, repeats: int = 3) -> dict[
         "reduce_scatter_grads": lambda: dist.reduce_scatter_tensor(grad_shard, grads),
         "all_gather_params": lambda: dist.all_gather_into_tensor(params, param_shard),
     }
-    best = {}
+    best, peaks = {}, {}
     for name, call in calls.items():
         seconds = []
         for _ in range(repeats):
             dist.barrier()
+            before = reset_peak_rss()
             start = time.perf_counter()
             call()
             seconds.append(time.perf_counter() - start)
+            peaks[name] = round(status_mib("VmHWM") - before, 1)
         best[name] = round(min(seconds), 3)
     best["ddp_per_step"] = best["all_reduce_grads"]
     best["zero3_per_step"] = round(best["reduce_scatter_grads"] + 2 * best["all_gather_params"], 3)
-    return best
+    return {"seconds": best, "peak_growth_mib": peaks}
 
 
 def _interleaved(steps: dict, warmup: int, repeats: int) -> dict[str, list[float]]:
