@@ -82,7 +82,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from harness import LLAMA_SHAPE, LlamaShape, context, emit, reset_peak_rss, status_mib
+from harness import LLAMA_SHAPE, LlamaShape, context, emit, reset_peak_rss, status_mib, take_turns
 
 from mp_state.testing import run_on_ranks
 
@@ -346,7 +346,7 @@ def _speed_rank(argv: list[str], args) -> dict:
             f"from DDP's (loss {loss0}, gradient norm {norm0}) by more than {tolerance:.0e} "
             "relative, so the two do not do the same work"
         )
-    times = _interleaved(steps, args.warmup, args.iters)
+    times = take_turns(steps, args.warmup, args.iters)
     parameters = _global_parameters(runs["zero0"].model)
     result = {
         "times": times,
@@ -387,23 +387,6 @@ def _collectives(parameters: int, dtype: torch.dtype, repeats: int = 3) -> dict[
     best["ddp_per_step"] = best["all_reduce_grads"]
     best["zero3_per_step"] = round(best["reduce_scatter_grads"] + 2 * best["all_gather_params"], 3)
     return {"seconds": best, "peak_growth_mib": peaks}
-
-
-def _interleaved(steps: dict, warmup: int, repeats: int) -> dict[str, list[float]]:
-    """Seconds of each timed step on this rank, the sides taking turns after a barrier."""
-    for step in steps.values():
-        for _ in range(warmup):
-            step()
-    times: dict[str, list[float]] = {side: [] for side in steps}
-    order = list(steps.items())
-    for _ in range(repeats):
-        for side, step in order:
-            dist.barrier()
-            start = time.perf_counter()
-            step()
-            times[side].append(time.perf_counter() - start)
-        order.reverse()
-    return times
 
 
 # One run on a rank.
