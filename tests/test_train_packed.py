@@ -1,8 +1,10 @@
 """Packed documents through apps/gpt: samples of 64 tokens cut from a corpus of short
-documents (1 to 40 tokens, each closed by the end-of-document token) train with
---reset-attention-mask --reset-position-ids at TP2 with sequence parallelism and at PP4
-(two middle stages, which read the documents too) with the one-rank run's losses and
-gradient norms (1e-5 relative); the curve differs from attending across documents."""
+documents (1 to 40 tokens, each closed by the end-of-document token) train for 10
+iterations with --reset-attention-mask --reset-position-ids at TP2 with sequence
+parallelism, at PP4 (two middle stages, which read the documents too), and with context
+parallelism (CP2 with each comm type, p2p ring, all_gather and a2a, and CP4 p2p;
+documents cross the ranks' chunks) with the one-rank run's losses and gradient norms
+(1e-5 relative); the curve differs from attending across documents."""
 
 import numpy as np
 import pytest
@@ -18,6 +20,10 @@ PACKED = ["--reset-attention-mask", "--reset-position-ids"]
 LOGGED = ("lm loss", "grad_norm")
 
 
+def CP(size: int, comm: str) -> list[str]:
+    return ["--context-parallel-size", str(size), "--cp-comm-type", comm]
+
+
 def corpus(prefix: str) -> None:
     rng = np.random.default_rng(0)
     with IndexedDatasetBuilder(prefix + ".bin", np.int32) as builder:
@@ -27,24 +33,28 @@ def corpus(prefix: str) -> None:
         builder.finalize(prefix + ".idx")
 
 
-def test_packed_documents_train_alike_at_tp2_and_pp4(tmp_path):
+def test_packed_documents_train_alike_at_every_layout(tmp_path):
     prefix = str(tmp_path / "docs")
     corpus(prefix)
     data = ["--no-mock-data", "--data-path", prefix, "--split", "1,0,0",
-            "--train-iters", "4", "--peak-tflops", "1"]  # fmt: skip
+            "--train-iters", "10", "--peak-tflops", "1"]  # fmt: skip
     layouts = {
         "one": (1, PACKED),
         "across": (1, []),
         "tp2-sp": (2, [*PACKED, "--tensor-model-parallel-size", "2", "--sequence-parallel"]),
         "pp4": (4, [*PACKED, "--pipeline-model-parallel-size", "4"]),
+        "cp2-p2p": (2, [*PACKED, *CP(2, "p2p")]),
+        "cp4-p2p": (4, [*PACKED, *CP(4, "p2p")]),
+        "cp2-all-gather": (2, [*PACKED, *CP(2, "all_gather")]),
+        "cp2-a2a": (2, [*PACKED, *CP(2, "a2a")]),
     }
     curves = {}
     for name, (ranks, flags) in layouts.items():
         run_on_ranks(train_on_rank, ranks, tiny_options(tmp_path / name, *data, *flags),
                      timeout=300)  # fmt: skip
         curves[name] = metrics_records(tmp_path / name)
-    assert len(curves["one"]) == 4
-    for name in ("tp2-sp", "pp4"):
+    assert len(curves["one"]) == 10
+    for name in layouts.keys() - {"one", "across"}:
         assert_same_curve(curves[name], curves["one"], LOGGED, name)
     first = curves["one"][0]["lm loss"], curves["across"][0]["lm loss"]
     assert abs(first[0] - first[1]) > 1e-4 * abs(first[1]), first

@@ -63,11 +63,6 @@ def test_the_layouts_validate():
             r"^seq_length=32 is not divisible by 2 x context_parallel_size=3: ",
         ),
         (
-            ["--context-parallel-size", "2", "--attention-dropout", "0", "--reset-attention-mask"],
-            4,
-            r"^reset_attention_mask=True with context_parallel_size=2: ",
-        ),
-        (
             ["--context-parallel-size", "2"],
             4,
             r"^attention_dropout=0\.1 with context_parallel_size=2: ",

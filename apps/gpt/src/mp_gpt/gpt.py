@@ -98,9 +98,11 @@ def get_batch(data_iterator, model, documents: bool = False) -> dict | None:
         # Padding samples carry a label no token has (under a zero loss mask).
         batch["labels"] = batch["labels"].clamp(min=0)
     # Context parallelism: this rank keeps its two load-balanced chunks of every
-    # sequence, positions with their tokens.
+    # sequence, positions with their tokens; the documents stay whole (forward_step
+    # describes them for this rank).
     cp = mp_state.current().cp
-    return {key: shard_sequence(value, cp.size, cp.rank, dim=1) for key, value in batch.items()}
+    return {key: value if key == "document_ids" else shard_sequence(value, cp.size, cp.rank)
+            for key, value in batch.items()}  # fmt: skip
 
 
 def forward_step(data_iterator, model, *, documents: bool = False):
@@ -108,7 +110,8 @@ def forward_step(data_iterator, model, *, documents: bool = False):
     batch = get_batch(data_iterator, model, documents)
     packed = None
     if batch is not None and "document_ids" in batch:
-        packed = PackedSeqParams.from_document_ids(batch["document_ids"])
+        cp = mp_state.current().cp
+        packed = PackedSeqParams.from_document_ids(batch["document_ids"], cp.size, cp.rank)
     if batch is None or "tokens" not in batch:  # a middle stage
         return model(None, attention_mask=packed), functools.partial(loss_func, None)
     output = model(batch["tokens"], batch["position_ids"], packed, labels=batch["labels"],

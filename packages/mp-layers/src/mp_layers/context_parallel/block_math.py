@@ -22,8 +22,11 @@ Shapes (grouped-query attention without repeating k and v): q [B, qg, c, d] wher
 batch x key/value heads and qg the query heads sharing each; k, v [B, c_k, d]; o [B,
 qg, c, d]; lse and delta [B, qg, c]. Outputs, lse and gradients are fp32. A "causal"
 block lies on the diagonal (query i sees keys 0..i, c == c_k); a "full" one sees every
-key. A `bias` [c, c_k] (0 or -inf, q's dtype; every row with a 0) is added to the scores
-of a block that is not "causal": a band of a sliding window (banded_attention.py).
+key. A `bias` [c, c_k] (0 or -inf, q's dtype; every row with a 0), or [B, 1, c, c_k], is
+added to the scores of a block that is not "causal": a band of a sliding window
+(banded_attention.py), the pairs within one document of packed sequences (ring
+attention; there a row may have no 0, and the caller sets its output to 0 and its lse
+to -inf).
 """
 
 from __future__ import annotations
@@ -101,8 +104,11 @@ def merge_into(
     """out, lse (views of the running result; lse may be -inf where nothing was seen yet)
     become the softmax over their keys and the block's."""
     merged = torch.logaddexp(lse, block_lse)
-    out.mul_(torch.exp(lse - merged).unsqueeze(-1))
-    out.add_(block_out * torch.exp(block_lse - merged).unsqueeze(-1))
+    # Rows that saw no key on either side stay -inf with a zero output (packed documents
+    # leave rows of a block without keys), instead of exp(-inf - -inf) = nan.
+    base = merged.masked_fill(torch.isneginf(merged), 0.0)
+    out.mul_(torch.exp(lse - base).unsqueeze(-1))
+    out.add_(block_out * torch.exp(block_lse - base).unsqueeze(-1))
     lse.copy_(merged)
 
 

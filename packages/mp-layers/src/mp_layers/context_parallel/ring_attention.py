@@ -97,8 +97,12 @@ def context_parallel_attention(
     *,
     scale: float,
     comm_type: str = "p2p",
+    documents: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Causal attention of this rank's queries over the whole split sequence."""
+    """Causal attention of this rank's queries over the whole split sequence. documents:
+    the whole samples' document ids [b, cp x s] (packed sequences, in position order):
+    a query sees the earlier keys of its own document only, and a block of two chunks
+    that no document spans is skipped."""
     if comm_type not in CP_COMM_TYPES:
         raise ValueError(f"cp_comm_type={comm_type!r} must be one of {', '.join(CP_COMM_TYPES)}")
     s, _, nq, _ = q.shape
@@ -107,20 +111,26 @@ def context_parallel_attention(
     if nq % k.shape[2]:
         raise ValueError(f"{nq} query heads cannot share {k.shape[2]} key/value heads")
     d, dv = q.shape[-1], v.shape[-1]
+    if documents is not None and tuple(documents.shape) != (q.shape[1], s * cp_group.size):
+        raise ValueError(
+            f"documents of shape {tuple(documents.shape)} for {q.shape[1]} samples of "
+            f"{s * cp_group.size} positions over {cp_group.size} context-parallel ranks"
+        )
     if d == dv:
-        return _ContextParallelAttention.apply(q, k, v, cp_group, scale, comm_type)
+        return _ContextParallelAttention.apply(q, k, v, cp_group, scale, comm_type, documents)
     # Keys and values travel stacked in one tensor, so of one width (module docstring).
     width = max(d, dv)
     q, k, v = (F.pad(t, (0, width - t.shape[-1])) for t in (q, k, v))
-    out = _ContextParallelAttention.apply(q, k, v, cp_group, scale, comm_type)
+    out = _ContextParallelAttention.apply(q, k, v, cp_group, scale, comm_type, documents)
     return out.view(s, out.shape[1], nq, width)[..., :dv].reshape(s, out.shape[1], nq * dv)
 
 
 class _ContextParallelAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cp_group: RankGroup, scale: float, comm_type: str):
+    def forward(ctx, q, k, v, cp_group: RankGroup, scale: float, comm_type: str, documents):
         s, b, nq, d = q.shape
         ng = k.shape[2]
+        masks = None if documents is None else _DocumentMasks(documents, s // 2, ng, q.dtype)
         rows = q.reshape(s, b, ng, nq // ng, d).permute(1, 2, 3, 0, 4).contiguous()
         rows = rows.view(b * ng, nq // ng, s, d)  # [B, qg, s, d]
         kv = torch.stack([heads_first(k), heads_first(v)])  # [2, B, s, d]
@@ -128,15 +138,20 @@ class _ContextParallelAttention(torch.autograd.Function):
         lse = torch.full(rows.shape[:-1], -torch.inf, dtype=torch.float32, device=q.device)
         q_chunks = local_chunks(cp_group.size, cp_group.rank)
         for source, step_kv in _kv_steps(kv, cp_group, comm_type):
-            for block in attention_blocks(q_chunks, local_chunks(cp_group.size, source)):
+            kv_chunks = local_chunks(cp_group.size, source)
+            for block, causal, bias in _blocks(q_chunks, kv_chunks, masks):
                 qs, ks = _half(s, block.q_half), _half(s, block.kv_half)
                 block_out, block_lse = block_forward(
-                    rows[:, :, qs], step_kv[0][:, ks], step_kv[1][:, ks],
-                    block.kind == "causal", scale,
-                )  # fmt: skip
+                    rows[:, :, qs], step_kv[0][:, ks], step_kv[1][:, ks], causal, scale, bias
+                )
+                if bias is not None:  # rows without a key of their document here: nothing
+                    empty = masks.keyless(q_chunks[block.q_half], kv_chunks[block.kv_half],
+                                          block.kind == "causal")  # fmt: skip
+                    block_out = block_out.masked_fill(empty.unsqueeze(-1), 0.0)
+                    block_lse = block_lse.masked_fill(empty, -torch.inf)
                 merge_into(out[:, :, qs], lse[:, :, qs], block_out, block_lse)
         ctx.save_for_backward(rows, kv, out, lse)
-        ctx.cp_group, ctx.scale, ctx.comm_type = cp_group, scale, comm_type
+        ctx.cp_group, ctx.scale, ctx.comm_type, ctx.masks = cp_group, scale, comm_type, masks
         ctx.shape = (s, b, nq, d, ng)
         return _unflat_rows(out.to(q.dtype), s, b, nq, d)
 
@@ -151,11 +166,12 @@ class _ContextParallelAttention(torch.autograd.Function):
         q_chunks = local_chunks(group.size, group.rank)
 
         def accumulate(source: int, step_kv: torch.Tensor, dkv: torch.Tensor) -> None:
-            for block in attention_blocks(q_chunks, local_chunks(group.size, source)):
+            for block, causal, bias in _blocks(q_chunks, local_chunks(group.size, source),
+                                               ctx.masks):  # fmt: skip
                 qs, ks = _half(s, block.q_half), _half(s, block.kv_half)
                 dq_, dk_, dv_ = block_backward(
                     rows[:, :, qs], step_kv[0][:, ks], step_kv[1][:, ks], dout[:, :, qs],
-                    out[:, :, qs], lse[:, :, qs], block.kind == "causal", scale,
+                    out[:, :, qs], lse[:, :, qs], causal, scale, bias,
                 )  # fmt: skip
                 dq[:, :, qs] += dq_
                 dkv[0][:, ks] += dk_
@@ -183,7 +199,60 @@ class _ContextParallelAttention(torch.autograd.Function):
             dkv = pending.wait_result()
         dk, dv = (_unflat(t.to(kv.dtype), s, b, ng, d) for t in dkv)
         dq = _unflat_rows(dq.to(rows.dtype), s, b, nq, d).view(s, b, nq, d)
-        return dq, dk, dv, None, None, None
+        return dq, dk, dv, None, None, None, None
+
+
+def _blocks(q_chunks: tuple[int, int], kv_chunks: tuple[int, int], masks):
+    """(block, causal, bias) for each block to compute: the layout's, and with packed
+    documents only those some document spans, each with its documents' bias (causality
+    folded in)."""
+    for block in attention_blocks(q_chunks, kv_chunks):
+        causal = block.kind == "causal"
+        if masks is None:
+            yield block, causal, None
+            continue
+        bias = masks.bias(q_chunks[block.q_half], kv_chunks[block.kv_half], causal)
+        if bias is not None:
+            yield block, False, bias
+
+
+class _DocumentMasks:
+    """Which keys each query sees between two chunks of packed samples: its document's,
+    and only earlier ones on the diagonal."""
+
+    def __init__(self, documents: torch.Tensor, chunk: int, ng: int, dtype: torch.dtype) -> None:
+        self.documents, self.chunk, self.ng, self.dtype = documents, chunk, ng, dtype
+        self._allowed: dict[tuple[int, int, bool], torch.Tensor] = {}
+
+    def allowed(self, q_chunk: int, kv_chunk: int, causal: bool) -> torch.Tensor:
+        """[b, c, c] bool: query i of chunk q_chunk sees key j of chunk kv_chunk."""
+        key = (q_chunk, kv_chunk, causal)
+        if key not in self._allowed:
+            c = self.chunk
+            q_ids = self.documents[:, q_chunk * c : (q_chunk + 1) * c]
+            kv_ids = self.documents[:, kv_chunk * c : (kv_chunk + 1) * c]
+            allowed = q_ids[:, :, None] == kv_ids[:, None, :]
+            if causal:
+                allowed &= torch.ones(c, c, dtype=torch.bool, device=allowed.device).tril_()
+            self._allowed[key] = allowed
+        return self._allowed[key]
+
+    def bias(self, q_chunk: int, kv_chunk: int, causal: bool) -> torch.Tensor | None:
+        """[B, 1, c, c] (0 or -inf) over the block's scores, B = b x ng; None when no
+        query sees any key (the block is skipped)."""
+        allowed = self.allowed(q_chunk, kv_chunk, causal)
+        if not bool(allowed.any()):
+            return None
+        b, c, _ = allowed.shape
+        bias = torch.zeros(allowed.shape, dtype=self.dtype, device=allowed.device)
+        bias.masked_fill_(~allowed, -torch.inf)
+        return bias[:, None, None].expand(b, self.ng, 1, c, c).reshape(b * self.ng, 1, c, c)
+
+    def keyless(self, q_chunk: int, kv_chunk: int, causal: bool) -> torch.Tensor:
+        """[B, 1, c] bool: the queries that see no key of the block."""
+        empty = ~self.allowed(q_chunk, kv_chunk, causal).any(-1)  # [b, c]
+        b, c = empty.shape
+        return empty[:, None, None].expand(b, self.ng, 1, c).reshape(b * self.ng, 1, c)
 
 
 def _kv_steps(kv: torch.Tensor, group: RankGroup, comm_type: str):

@@ -123,18 +123,20 @@ class CoreAttention(torch.nn.Module):
         nq = q.shape[2]
         if nq % k.shape[2]:
             raise ValueError(f"{nq} query heads cannot share {k.shape[2]} key/value heads")
-        if isinstance(attention_mask, PackedSeqParams):
-            if self.cp_group is not None:
-                raise ValueError(
-                    "packed sequences (reset_attention_mask) with context parallelism: "
-                    "documents split over context-parallel ranks are not implemented yet"
-                )
-            return self._attend_packed(q, k, v, attention_mask)
+        packed = attention_mask if isinstance(attention_mask, PackedSeqParams) else None
+        if packed is not None and self.cp_group is None:
+            return self._attend_packed(q, k, v, packed, sink=self.softmax_offset)
         if self.cp_group is not None:
-            if attention_mask is not None:
+            if attention_mask is not None and packed is None:
                 raise ValueError(
-                    "an explicit attention mask (reset_attention_mask) with context "
-                    "parallelism: the split sequence is attended causally only"
+                    "an explicit attention mask with context parallelism: the split "
+                    "sequence is attended causally, or by the documents of a PackedSeqParams"
+                )
+            if packed is not None and packed.cp_size != self.cp_group.size:
+                raise ValueError(
+                    f"a PackedSeqParams made for cp_size={packed.cp_size} under a "
+                    f"context-parallel group of {self.cp_group.size}: make it with "
+                    "from_document_ids(whole samples' ids, cp_size, cp_rank)"
                 )
             if self.training and self.attention_dropout > 0:
                 raise ValueError("attention across context-parallel ranks has no dropout")
@@ -142,6 +144,12 @@ class CoreAttention(torch.nn.Module):
                 sink = self.softmax_offset
                 if sink is not None:  # this rank attends with heads piece cp_rank (ulysses.py)
                     sink = sink.view(self.cp_group.size, -1)[self.cp_group.rank]
+                if packed is not None:  # whole sequences after the all-to-all
+                    whole = packed.whole()
+                    return ulysses_attention(
+                        q, k, v, self.cp_group,
+                        lambda *qkv: self._attend_packed(*qkv, whole, sink=sink),
+                    )  # fmt: skip
                 return ulysses_attention(
                     q, k, v, self.cp_group, lambda *qkv: self._attend(*qkv, sink=sink)
                 )
@@ -151,9 +159,11 @@ class CoreAttention(torch.nn.Module):
                     f"cp_comm_type={self.cp_comm_type!r}: sinks and windows across "
                     "context-parallel ranks need cp_comm_type='a2a'"
                 )
+            documents = packed.whole_document_ids if packed is not None else None
             return context_parallel_attention(
-                q, k, v, self.cp_group, scale=self._scale(q), comm_type=self.cp_comm_type
-            )
+                q, k, v, self.cp_group, scale=self._scale(q), comm_type=self.cp_comm_type,
+                documents=documents,
+            )  # fmt: skip
         return self._attend(q, k, v, attention_mask, sink=self.softmax_offset)
 
     def _attend(
@@ -197,8 +207,9 @@ class CoreAttention(torch.nn.Module):
         return out.permute(2, 0, 1, 3).reshape(s, b, nq * v.shape[-1])
 
     def _attend_packed(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed: PackedSeqParams
-    ) -> torch.Tensor:
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed: PackedSeqParams,
+        *, sink: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # fmt: skip
         """Each document of each sample attended as a sequence of its own (causal), so
         that no score crosses documents and none is computed for pairs of them."""
         s, b = q.shape[:2]
@@ -213,7 +224,7 @@ class CoreAttention(torch.nn.Module):
             parts = []
             for a, e in documents:
                 part = tuple(t[one][a:e] for t in (q, k, v))
-                parts.append(self._attend(*part, sink=self.softmax_offset))
+                parts.append(self._attend(*part, sink=sink))
             samples.append(torch.cat(parts) if len(parts) > 1 else parts[0])
         return torch.cat(samples, dim=1) if b > 1 else samples[0]
 

@@ -10,6 +10,14 @@ own, so its cost and memory grow with the documents' lengths, not the
 sample's), and rotary positions restart at 0 at each document's first token,
 as Megatron's packed (THD) format does. Passed where a dense attention mask
 would go: GPTModel.forward's attention_mask.
+
+Under context parallelism each rank holds its two load-balanced chunks of every
+sample (context_parallel/layout.py), as without packing: `from_document_ids`
+takes the whole samples' ids with the rank's place, keeps them
+(`whole_document_ids`, for the attention across ranks) and gives the rank's
+own tokens' ids and positions. Attention between two ranks' chunks is masked
+to the pairs within one document (and causal), and a block of chunks that no
+document spans is skipped.
 """
 
 from __future__ import annotations
@@ -19,6 +27,8 @@ import itertools
 from dataclasses import dataclass
 
 import torch
+
+from mp_layers.context_parallel.layout import shard_sequence
 
 __all__ = ["PackedSeqParams"]
 
@@ -33,16 +43,35 @@ class PackedSeqParams:
     positions: torch.Tensor
     """[b, s] int64: each token's position within its document (0 at its first token)."""
 
+    whole_document_ids: torch.Tensor | None = None
+    """With context parallelism: the whole samples' ids [b, cp x s], in position order."""
+
+    cp_size: int = 1
+    cp_rank: int = 0
+
     @classmethod
-    def from_document_ids(cls, document_ids: torch.Tensor) -> PackedSeqParams:
-        """The documents of `document_ids` [b, s], and the positions within them."""
+    def from_document_ids(
+        cls, document_ids: torch.Tensor, cp_size: int = 1, cp_rank: int = 0
+    ) -> PackedSeqParams:
+        """The documents of `document_ids` [b, S] (whole samples), and the positions
+        within them; with cp_size > 1, of this context-parallel rank's tokens."""
         if document_ids.dim() != 2:
             raise ValueError(f"document_ids must be [b, s], got shape {tuple(document_ids.shape)}")
         index = torch.arange(document_ids.shape[1], device=document_ids.device)
         index = index.expand_as(document_ids)
         starts = torch.zeros_like(index)
         starts[:, 1:] = torch.where(document_ids[:, 1:] != document_ids[:, :-1], index[:, 1:], 0)
-        return cls(document_ids, index - starts.cummax(dim=1).values)
+        positions = index - starts.cummax(dim=1).values
+        if cp_size == 1:
+            return cls(document_ids, positions)
+        local = (shard_sequence(t, cp_size, cp_rank, dim=1) for t in (document_ids, positions))
+        return cls(*local, document_ids, cp_size, cp_rank)
+
+    def whole(self) -> PackedSeqParams:
+        """The whole samples' documents (itself without context parallelism)."""
+        if self.whole_document_ids is None:
+            return self
+        return PackedSeqParams.from_document_ids(self.whole_document_ids)
 
     @functools.cached_property
     def segments(self) -> list[list[tuple[int, int]]]:

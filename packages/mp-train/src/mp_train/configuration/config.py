@@ -411,12 +411,6 @@ def _check_model_parallel(config: RunConfig) -> None:
             f"seq_length={seq} is not divisible by 2 x context_parallel_size={cp}: each "
             "context-parallel rank holds two equal chunks of every sequence"
         )
-    if config.data.reset_attention_mask:
-        raise ValueError(
-            f"reset_attention_mask=True with context_parallel_size={cp}: per-document "
-            "attention masks are not split across context-parallel ranks (Megatron-LM "
-            "refuses them too); attention is causal over the whole sequence"
-        )
 
 
 def _plain(value):
