@@ -40,6 +40,14 @@ pipeline's finalize reduces sequence-parallel and tied-embedding gradients shard
 The Python attributes mp puts on parameters (sequence_parallel, shared_embedding,
 expert_parallel, ...) are copied onto the sharded parameters, which fully_shard
 creates anew.
+
+Sharding itself is FsdpSharding's, which can also shard each transformer layer as soon
+as it is built (mp_layers.on_layer_built), so that no rank holds a whole chunk.
+
+Checkpoints: sharded_state_dict() describes each rank's shards as flattened ranges of
+the logical tensors (computed on meta stand-ins of the whole parameters, piece_layout),
+so mp's sharded checkpoints load across FSDP, DDP and the distributed optimizer at any
+layout; restore_pieces() writes loaded values back into the shards.
 """
 
 from __future__ import annotations
@@ -156,7 +164,9 @@ class FsdpSharding:
                 param.data = param.data.float()
         fully_shard(module, mesh=mesh, reshard_after_forward=reshard, mp_policy=self.policy)
         if self.device_type == "cpu" and hasattr(module, "set_custom_reduce_scatter"):
-            module.set_custom_reduce_scatter(_reduce_scatter_by_all_reduce())
+            custom = _reduce_scatter_by_all_reduce()
+            if custom is not None:
+                module.set_custom_reduce_scatter(custom)
         self.restore_attributes(module)
 
     def restore_attributes(self, module: torch.nn.Module) -> None:
@@ -414,7 +424,11 @@ def _reduce_scatter_by_all_reduce():
     rank's part: on the CPU gloo's reduce-scatter of a tensor takes 1.6 to 3 times its
     all-reduce (ci/bench/bench_fsdp.py), and the all-reduce carries no more data."""
     import torch.distributed as dist
-    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+    except ImportError:  # a torch whose FSDP2 keeps the interface elsewhere: gloo's own
+        return None
 
     class AllReduceScatter(ReduceScatter):
         def allocate(self, size, *, dtype, device):
