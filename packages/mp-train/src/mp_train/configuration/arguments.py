@@ -292,12 +292,13 @@ def parse_config(
         for name, value in factory.defaults.items():
             for owner in field_owners()[name]:
                 values[owner][name] = defaults[owner, name] = value
-    written = {(part, name) for name in given for part in field_owners()[name]}
+    written = set()
     if config_path is not None:
         for part, settings in load_yaml_config(config_path, environ).items():
             values[part].update(settings)
             written |= {(part, name) for name in settings}
     ignored = megatron_flags.apply(given, values)
+    written |= {(part, name) for name in given for part in field_owners()[name]}
     notes = [f"Megatron-LM flags accepted without effect: {' '.join(ignored)} (--help says "
              "why each changes nothing here)"] if ignored else []  # fmt: skip
     for name, value in given.items():
