@@ -35,6 +35,7 @@ __all__ = [
     "logical_from_hf",
     "model_config_from_hf",
     "placed_rules",
+    "read_hf_config",
     "read_json",
 ]
 
@@ -53,14 +54,7 @@ def import_hf(hf_dir: str | os.PathLike, out_root: str | os.PathLike, *,
     directory (config.json with safetensors or pytorch_model.bin) of any family in
     mp_ckpt.families.ARCHITECTURES. progress: report the weight files read on stderr."""
     hf_dir = Path(hf_dir)
-    config = read_json(hf_dir / "config.json", "not a Hugging Face model directory")
-    quantization = config.get("quantization_config")
-    if quantization:
-        method = quantization.get("quant_method") if isinstance(quantization, dict) else None
-        raise ValueError(
-            f"{hf_dir / 'config.json'}: quantization_config (quant_method {method!r}): mp "
-            "imports unquantized weights (fp32, bf16, fp16); dequantize them first"
-        )
+    config = read_hf_config(hf_dir)
     model_config_from_hf(config)  # what mp cannot compute is refused before any weight is read
     generation = None
     if (hf_dir / "generation_config.json").exists():
@@ -189,6 +183,19 @@ def _refuse_unused(state: dict, used: set[str], settings: dict) -> None:
     if left:
         shown = ", ".join(left[:4]) + (f" and {len(left) - 4} more" if len(left) > 4 else "")
         raise ValueError(f"the Hugging Face weights hold tensors mp has no place for: {shown}")
+
+
+def read_hf_config(hf_dir: Path) -> dict:
+    """The config.json of a Hugging Face directory; quantized weights are refused."""
+    config = read_json(hf_dir / "config.json", "not a Hugging Face model directory")
+    quantization = config.get("quantization_config")
+    if quantization:
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+        raise ValueError(
+            f"{hf_dir / 'config.json'}: quantization_config (quant_method {method!r}): mp "
+            "imports unquantized weights (fp32, bf16, fp16); dequantize them first"
+        )
+    return config
 
 
 def read_json(path: Path, missing: str) -> dict:

@@ -38,6 +38,7 @@ from mp_ckpt.hf.importer import (
     held_config,
     iter_logical_from_hf,
     model_config_from_hf,
+    read_hf_config,
     read_json,
 )
 from mp_ckpt.hf.tokenizer import tokenizer_from_hf
@@ -74,21 +75,9 @@ def hf_directory_settings(path: str | os.PathLike) -> tuple[dict, dict]:
     """(config.json as the weights show it, mp's model settings under Megatron's names)
     of a Hugging Face directory, reading the weight files' headers only."""
     path = Path(path)
-    config = _config(path)
+    config = read_hf_config(path)
     config = held_config(LazySafetensors(path), config)
     return config, model_config_from_hf(config)
-
-
-def _config(path: Path) -> dict:
-    config = read_json(path / "config.json", "not a Hugging Face model directory")
-    quantization = config.get("quantization_config")
-    if quantization:
-        method = quantization.get("quant_method") if isinstance(quantization, dict) else None
-        raise ValueError(
-            f"{path / 'config.json'}: quantization_config (quant_method {method!r}): mp "
-            "loads unquantized weights (fp32, bf16, fp16); dequantize them first"
-        )
-    return config
 
 
 class LazySafetensors(Mapping):
@@ -173,7 +162,7 @@ def load_hf_pieces(path: str | os.PathLike, pieces: Mapping[str, ShardedTensor])
     made: set[str] = set()
     error = None
     try:
-        config = _config(path)
+        config = read_hf_config(path)
         state = LazySafetensors(path)
         with torch.no_grad():
             for name, tensor in iter_logical_from_hf(state, config, wanted=by_key.__contains__,
