@@ -64,12 +64,9 @@ import argparse
 import gc
 import os
 import statistics
-import time
-from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
-from harness import context, emit
+from harness import context, emit, take_turns
 
 import mp_state
 from mp_optim import DistributedDataParallel, OptimizerConfig, get_optimizer
@@ -237,7 +234,7 @@ def _measure_setting(
         "ddp_step": {"ours": ours_step, "torch": theirs_step},
         "grad_sync_only": {"ours": ours_grads, "torch": theirs_grads},
     }
-    times = {name: _interleaved(sides, args.warmup, args.steps) for name, sides in measures.items()}
+    times = {name: take_turns(sides, args.warmup, args.steps) for name, sides in measures.items()}
     return {
         "times": times,
         "parameters": sum(p.numel() for p in theirs_module.parameters()),
@@ -261,23 +258,6 @@ def _check_same(tensors: list[tuple[str, torch.Tensor, torch.Tensor]], where: st
             )
         largest = max(largest, error)
     return largest
-
-
-def _interleaved(steps: dict[str, Callable[[], None]], warmup: int, repeats: int) -> dict:
-    """Seconds of each timed call on this rank, the sides taking turns after a barrier."""
-    for function in steps.values():
-        for _ in range(warmup):
-            function()
-    times: dict[str, list[float]] = {name: [] for name in steps}
-    order = list(steps.items())
-    for _ in range(repeats):
-        for name, function in order:
-            dist.barrier()
-            start = time.perf_counter()
-            function()
-            times[name].append(time.perf_counter() - start)
-        order.reverse()
-    return times
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ __all__ = [
     "peak_rss",
     "reset_peak_rss",
     "status_mib",
+    "take_turns",
 ]
 
 LLAMA_SHAPE = (512, 8, 8, 4, 64, 1376, 32000)
@@ -110,6 +111,27 @@ def best_of(repeats: int, function: Callable[..., Any], *args: Any) -> tuple[flo
         result = function(*args)
         best = min(best, time.perf_counter() - start)
     return best, result
+
+
+def take_turns(steps: dict[str, Callable[[], Any]], warmup: int, repeats: int) -> dict:
+    """Seconds of each of `repeats` timed calls of every side on this rank: after `warmup`
+    untimed calls each, the sides take turns, each call after a barrier of the default
+    process group, the order flipped every round (so drift hits all sides alike)."""
+    import torch.distributed as dist
+
+    for function in steps.values():
+        for _ in range(warmup):
+            function()
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    order = list(steps.items())
+    for _ in range(repeats):
+        for name, function in order:
+            dist.barrier()
+            start = time.perf_counter()
+            function()
+            times[name].append(time.perf_counter() - start)
+        order.reverse()
+    return times
 
 
 def emit(measure: str, figures: dict[str, Any], ctx: dict[str, Any]) -> None:

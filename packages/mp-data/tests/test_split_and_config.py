@@ -103,8 +103,8 @@ def test_blend_from_a_megatron_command_line_list():
 
 
 def test_data_config_attention_mask_rules():
-    assert not DataConfig().batches_carry_attention_mask  # causal attention needs no mask
-    assert DataConfig(reset_attention_mask=True).batches_carry_attention_mask
+    assert not DataConfig().batches_carry_documents  # causal attention needs no mask
+    assert DataConfig(reset_attention_mask=True).batches_carry_documents
     with pytest.raises(ValueError, match="reset_attention_mask=True needs "
                                          "create_attention_mask_in_dataloader=True"):  # fmt: skip
         DataConfig(reset_attention_mask=True, create_attention_mask_in_dataloader=False)

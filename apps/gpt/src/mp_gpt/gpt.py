@@ -2,10 +2,12 @@
 
 - model_provider: this rank's GPTModel chunk for its (virtual) pipeline stage;
 - datasets_provider: GPT datasets (or mock ones) from mp-data, built on the
-  ranks that read data (tensor-parallel rank 0 of the first and last stage);
+  ranks that read data (tensor-parallel rank 0 of the first and last stage, and
+  of the middle stages when samples carry documents);
 - forward_step: get_batch (tensor-parallel rank 0 reads the micro-batch and
-  broadcasts it to its group; middle stages read nothing), the model, and a
-  loss masked by loss_mask, reported as its data-parallel sum and token count.
+  broadcasts it to its group; middle stages read nothing, or only the documents
+  with reset_attention_mask), the model, and a loss masked by loss_mask,
+  reported as its data-parallel sum and token count.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from mp_data import (
     MockGPTDataset,
     get_blend_from_list,
 )
-from mp_layers import GPTModel, ModelGroups, broadcast_data, shard_sequence
+from mp_layers import GPTModel, ModelGroups, PackedSeqParams, broadcast_data, shard_sequence
 
 __all__ = ["datasets_provider", "forward_step", "get_batch", "loss_func", "model_provider"]
 
@@ -60,13 +62,13 @@ def datasets_provider(run, counts: list[int]):
         split=data.split if per_split is None else None, path_to_cache=data.data_cache_path,
         tokenizer=tokenizer, reset_position_ids=data.reset_position_ids,
         reset_attention_mask=data.reset_attention_mask, eod_mask_loss=data.eod_mask_loss,
-        create_attention_mask=data.batches_carry_attention_mask,
+        create_attention_mask=data.batches_carry_documents,
     )  # fmt: skip
     first = state.pp.rank == 0
     last = state.pp.rank == state.pp.size - 1
 
-    def reads_data() -> bool:
-        return state.tp.rank == 0 and (first or last)
+    def reads_data() -> bool:  # a middle stage needs the samples' documents only
+        return state.tp.rank == 0 and (first or last or data.batches_carry_documents)
 
     cls = MockGPTDataset if data.mock_data else GPTDataset
     return BlendedMegatronDatasetBuilder(cls, counts, reads_data, dataset_config).build()
@@ -75,36 +77,41 @@ def datasets_provider(run, counts: list[int]):
 _INT_KEYS = ["tokens", "labels", "position_ids"]
 
 
-def get_batch(data_iterator, model, attention_mask: bool = False) -> dict | None:
+def get_batch(data_iterator, model, documents: bool = False) -> dict | None:
     """This chunk's micro-batch: tokens and positions on the first stage, labels and
-    loss_mask on the last, nothing in between. attention_mask: the samples carry one
-    (reset_attention_mask); otherwise attention is causal."""
+    loss_mask on the last, nothing in between. documents: the samples carry
+    document_ids (reset_attention_mask), which every stage needs (a middle stage gets
+    them alone); otherwise attention is causal over each whole sample."""
     stage = _unwrap(model)
-    if not (stage.pre_process or stage.post_process):
+    ends = stage.pre_process or stage.post_process
+    if not (ends or documents):
         return None
     tp = mp_state.current().tp
     item = next(data_iterator) if tp.rank == 0 else None
-    batch = broadcast_data(_INT_KEYS, _as(item, _INT_KEYS, torch.int64), torch.int64, tp)
-    batch |= broadcast_data(["loss_mask"], _as(item, ["loss_mask"], torch.float32),
-                            torch.float32, tp)  # fmt: skip
-    if attention_mask:
-        batch |= broadcast_data(["attention_mask"], _as(item, ["attention_mask"], torch.bool),
-                                torch.bool, tp)  # fmt: skip
-    # Padding samples carry a label no token has (under a zero loss mask).
-    batch["labels"] = batch["labels"].clamp(min=0)
+    keys = [*_INT_KEYS, "document_ids"] if documents else _INT_KEYS
+    batch = broadcast_data(keys, _as(item, keys, torch.int64), torch.int64, tp)
+    if not ends:
+        batch = {"document_ids": batch["document_ids"]}
+    else:
+        batch |= broadcast_data(["loss_mask"], _as(item, ["loss_mask"], torch.float32),
+                                torch.float32, tp)  # fmt: skip
+        # Padding samples carry a label no token has (under a zero loss mask).
+        batch["labels"] = batch["labels"].clamp(min=0)
     # Context parallelism: this rank keeps its two load-balanced chunks of every
     # sequence, positions with their tokens.
     cp = mp_state.current().cp
     return {key: shard_sequence(value, cp.size, cp.rank, dim=1) for key, value in batch.items()}
 
 
-def forward_step(data_iterator, model, *, attention_mask: bool = False):
+def forward_step(data_iterator, model, *, documents: bool = False):
     """Megatron's forward step: (per-token loss or hidden states, the loss function)."""
-    batch = get_batch(data_iterator, model, attention_mask)
-    if batch is None:
-        return model(None), functools.partial(loss_func, None)
-    mask = batch.get("attention_mask")
-    output = model(batch["tokens"], batch["position_ids"], mask, labels=batch["labels"],
+    batch = get_batch(data_iterator, model, documents)
+    packed = None
+    if batch is not None and "document_ids" in batch:
+        packed = PackedSeqParams.from_document_ids(batch["document_ids"])
+    if batch is None or "tokens" not in batch:  # a middle stage
+        return model(None, attention_mask=packed), functools.partial(loss_func, None)
+    output = model(batch["tokens"], batch["position_ids"], packed, labels=batch["labels"],
                    loss_mask=batch["loss_mask"])  # fmt: skip
     return output, functools.partial(loss_func, batch["loss_mask"])
 

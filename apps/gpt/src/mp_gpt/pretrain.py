@@ -20,7 +20,7 @@ __all__ = ["main", "train"]
 
 def train(config: RunConfig):
     """Pretrains a GPT with `config` (collective: every rank calls it); returns the run."""
-    step = functools.partial(forward_step, attention_mask=config.data.batches_carry_attention_mask)
+    step = functools.partial(forward_step, documents=config.data.batches_carry_documents)
     return pretrain(config, model_provider=model_provider, datasets_provider=datasets_provider,
                     forward_step_func=step)  # fmt: skip
 

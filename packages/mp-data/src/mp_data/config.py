@@ -87,9 +87,9 @@ class DataConfig:
     """No loss on end-of-document tokens."""
 
     create_attention_mask_in_dataloader: bool = True
-    """Build attention masks in the data loader (Megatron's default). A mask is built
-    only when it holds more than causality, i.e. with reset_attention_mask: a plain
-    causal mask is never materialized, the attention is causal by itself. False
+    """Build attention masks in the data loader (Megatron's default). Only what holds
+    more than causality is built: with reset_attention_mask each sample's document ids
+    (an s x s mask is never materialized; attention runs document by document). False
     forbids reset_attention_mask (documents would see each other)."""
 
     def __post_init__(self) -> None:
@@ -150,8 +150,9 @@ class DataConfig:
             setattr(self, f"{split}_data_path", [str(p) for p in paths] or None)
 
     @property
-    def batches_carry_attention_mask(self) -> bool:
-        """The samples carry an attention_mask (per-document masks built by the loader)."""
+    def batches_carry_documents(self) -> bool:
+        """The samples carry document_ids (the loader splits them into documents, which
+        attention keeps apart: reset_attention_mask)."""
         return self.reset_attention_mask and self.create_attention_mask_in_dataloader
 
     @property

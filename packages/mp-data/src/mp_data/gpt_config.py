@@ -72,13 +72,16 @@ class GPTDatasetConfig:
     """Restart position ids after every end-of-document token."""
 
     reset_attention_mask: bool = False
-    """Stop attention across end-of-document tokens (needs create_attention_mask)."""
+    """Stop attention across end-of-document tokens (needs create_attention_mask): the
+    samples carry "document_ids" instead of an s x s mask."""
 
     eod_mask_loss: bool = False
     """Give end-of-document tokens no loss."""
 
     create_attention_mask: bool = True
-    """Return an explicit [1, s, s] attention mask; causal attention needs none."""
+    """Return what attention needs beyond causality: with reset_attention_mask each
+    sample's "document_ids" ([s] int64, the document of each token: attention stays within
+    a document), else an explicit causal [1, s, s] attention mask."""
 
     add_extra_token_to_sequence: bool = True
     """Read sequence_length + 1 tokens per sample, so the last token also has a label."""

@@ -166,9 +166,9 @@ class GPTDataset(torch.utils.data.Dataset):
                 tokens,
                 self._eod,
                 self.config.reset_position_ids,
-                self.config.reset_attention_mask,
+                False,  # documents are kept apart by document_ids, without an s x s mask
                 self.config.eod_mask_loss,
-                self.config.create_attention_mask,
+                self.config.create_attention_mask and not self.config.reset_attention_mask,
             )
             if not self._masks_depend_on_data:
                 self._cached_masks = masks
@@ -192,8 +192,18 @@ class GPTDataset(torch.utils.data.Dataset):
             "position_ids": torch.from_numpy(position_ids),
         }
         if self.config.create_attention_mask:
-            item["attention_mask"] = attention_mask
+            if self.config.reset_attention_mask:  # the documents, not an s x s mask
+                item["document_ids"] = torch.from_numpy(document_ids(tokens, self._eod))
+            else:
+                item["attention_mask"] = attention_mask
         return item
+
+
+def document_ids(tokens: np.ndarray, eod: int | None) -> np.ndarray:
+    """The document of each token, int64 [s]: a document ends with its end-of-document
+    token, and the next one starts after it (0, 0, 0, 1, 1, ...)."""
+    is_eod = tokens == eod if eod is not None else np.zeros(len(tokens), dtype=bool)
+    return (np.cumsum(is_eod) - is_eod).astype(np.int64)
 
 
 def ltor_masks_and_position_ids(

@@ -41,6 +41,7 @@ from mp_layers.transformer.kv_cache import KVCache
 from mp_layers.transformer.layer import TransformerLayer
 from mp_layers.transformer.layer_hooks import on_layer_built
 from mp_layers.transformer.multi_token_prediction import MultiTokenPrediction
+from mp_layers.transformer.packed import PackedSeqParams
 from mp_layers.transformer.spec import LOCAL_SPEC, LayerSpec, get_layer_spec
 
 __all__ = [
@@ -52,6 +53,7 @@ __all__ = [
     "LayerSpec",
     "ModelGroups",
     "MultiTokenPrediction",
+    "PackedSeqParams",
     "RowParallelLinear",
     "TransformerConfig",
     "TransformerLayer",

@@ -42,6 +42,7 @@ from mp_layers.tensor_parallel import (
 from mp_layers.transformer.kv_cache import KVCache
 from mp_layers.transformer.layer import TransformerBlock
 from mp_layers.transformer.multi_token_prediction import MultiTokenPrediction, roll_left
+from mp_layers.transformer.packed import PackedSeqParams
 from mp_layers.transformer.rope import Llama3Scaling, Rotary, RotaryEmbedding, yarn_scaling
 from mp_layers.transformer.seeded_init import seeded_init
 from mp_layers.transformer.spec import LayerSpec, get_layer_spec
@@ -161,7 +162,7 @@ class GPTModel(torch.nn.Module):
         self,
         input_ids: torch.Tensor | None,
         position_ids: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | PackedSeqParams | None = None,
         labels: torch.Tensor | None = None,
         decoder_input: torch.Tensor | None = None,
         kv_cache: KVCache | None = None,
@@ -175,6 +176,11 @@ class GPTModel(torch.nn.Module):
         from the cache (position_ids and attention_mask must be None), which remembers
         the keys and values; the logits are the last position's, [b, 1, v/tp], unless
         kv_cache.all_logits.
+
+        attention_mask: [b or 1, 1, s, s] bool (True = masked), None (causal), or a
+        PackedSeqParams: the documents packed in each sample, each attended on its own with
+        rotary positions restarting at its first token (position_ids still feed learned
+        absolute position embeddings).
 
         loss_mask [b, s]: with mtp_num_layers, the tokens the MTP losses count (all when
         None); in training with labels, the MTP modules run on the last stage and their
@@ -199,6 +205,8 @@ class GPTModel(torch.nn.Module):
         elif kv_cache is not None:
             # Cast once for every layer (apply_rotary_pos_emb casts to the activations' dtype).
             rotary = Rotary(*(t.to(hidden.dtype) for t in self.rotary.at(position_ids.t())))
+        elif isinstance(attention_mask, PackedSeqParams):  # positions restart per document
+            rotary = self.rotary.at(attention_mask.positions.t())
         else:
             rotary = self._rotary(hidden.shape[0])
         hidden = self.decoder(hidden, rotary, attention_mask, kv_cache)

@@ -42,6 +42,7 @@ from mp_layers.context_parallel import context_parallel_attention
 from mp_layers.context_parallel.ulysses import ulysses_attention
 from mp_layers.transformer.banded_attention import banded_attention
 from mp_layers.transformer.blocked_attention import blocked_attention, saved_probability_bytes
+from mp_layers.transformer.packed import PackedSeqParams
 from mp_state import TENSOR_PARALLEL_RNG, RankGroup, RNGStatesTracker
 
 __all__ = [
@@ -116,11 +117,19 @@ class CoreAttention(torch.nn.Module):
         attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """attention_mask: [b or 1, 1, s, s] bool, True = masked; None = causal (with a
-        KVCache's keys: [b, 1, s, T]). With a context-parallel group, q, k and v hold this
-        rank's load-balanced chunks and attention is causal over the whole sequence."""
+        KVCache's keys: [b, 1, s, T]); a PackedSeqParams: causal within each document.
+        With a context-parallel group, q, k and v hold this rank's load-balanced chunks
+        and attention is causal over the whole sequence."""
         nq = q.shape[2]
         if nq % k.shape[2]:
             raise ValueError(f"{nq} query heads cannot share {k.shape[2]} key/value heads")
+        if isinstance(attention_mask, PackedSeqParams):
+            if self.cp_group is not None:
+                raise ValueError(
+                    "packed sequences (reset_attention_mask) with context parallelism: "
+                    "documents split over context-parallel ranks are not implemented yet"
+                )
+            return self._attend_packed(q, k, v, attention_mask)
         if self.cp_group is not None:
             if attention_mask is not None:
                 raise ValueError(
@@ -186,6 +195,27 @@ class CoreAttention(torch.nn.Module):
         else:
             out = F.scaled_dot_product_attention(q_, k_, v_, **kwargs)
         return out.permute(2, 0, 1, 3).reshape(s, b, nq * v.shape[-1])
+
+    def _attend_packed(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed: PackedSeqParams
+    ) -> torch.Tensor:
+        """Each document of each sample attended as a sequence of its own (causal), so
+        that no score crosses documents and none is computed for pairs of them."""
+        s, b = q.shape[:2]
+        if tuple(packed.document_ids.shape) != (b, s):
+            raise ValueError(
+                f"document_ids of shape {tuple(packed.document_ids.shape)} for queries of "
+                f"{b} samples of {s} positions"
+            )
+        samples = []
+        for i, documents in enumerate(packed.segments):
+            one = (slice(None), slice(i, i + 1))
+            parts = []
+            for a, e in documents:
+                part = tuple(t[one][a:e] for t in (q, k, v))
+                parts.append(self._attend(*part, sink=self.softmax_offset))
+            samples.append(torch.cat(parts) if len(parts) > 1 else parts[0])
+        return torch.cat(samples, dim=1) if b > 1 else samples[0]
 
     def _scale(self, q: torch.Tensor) -> float:
         return 1.0 / math.sqrt(q.shape[-1]) if self.softmax_scale is None else self.softmax_scale

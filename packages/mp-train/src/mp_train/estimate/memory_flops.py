@@ -330,11 +330,12 @@ def _score_bytes(config: RunConfig, layout: dict, b: int, device_type: str) -> f
     s = config.gpt.seq_length  # a2a attends over the whole sequence with a / cp heads
     heads = m.num_attention_heads // cp
     dtype = torch.bfloat16 if m.bf16 else torch.float16 if m.fp16 else torch.float32
-    explicit = config.data.batches_carry_attention_mask
+    # Packed documents (reset_attention_mask) attend one by one: at most the causal
+    # sequence's probabilities, when one document fills it.
     if not keeps_attention_probabilities(m.attention_backend, device_type, s, b, heads // tp,
-                                         dtype, explicit_mask=explicit):  # fmt: skip
+                                         dtype):  # fmt: skip
         return 0.0
-    kept = saved_probability_bytes(s, b, heads, 1, causal=not explicit)
+    kept = saved_probability_bytes(s, b, heads, 1, causal=True)
     return (5 if m.attention_dropout > 0 else 2) * kept
 
 

@@ -1,0 +1,78 @@
+"""Packed sequences: documents of lengths 1, 7, 64 and 200 packed into 512 positions (the
+rest one more document of padding) give every document the logits and every parameter
+the gradients of running each document alone (fp32, 1e-5), with grouped-query attention,
+RoPE (positions restart per document), SDPA and the blocked path, a learnable softmax
+offset and a sliding window, and selective and full recompute. Memory of packed attention at
+16,384 positions: ci/bench/bench_packed_attention.py."""
+
+import pytest
+import torch
+
+from mp_layers import GPTModel, ModelGroups, PackedSeqParams, TransformerConfig
+
+LENGTHS = (1, 7, 64, 200)
+SEQ, VOCAB = 512, 128
+
+VARIANTS = {
+    "sdpa": {},
+    "blocked": {"attention_backend": "local"},
+    "sinks-window": {"softmax_type": "learnable", "window_size": (16, 0)},
+    "recompute": {"recompute_granularity": "selective"},
+    "full-recompute": {
+        "recompute_granularity": "full",
+        "recompute_method": "uniform",
+        "recompute_num_layers": 1,
+    },
+}
+
+
+def model_of(**extra) -> GPTModel:
+    torch.manual_seed(0)
+    config = TransformerConfig(
+        num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+        position_embedding_type="rope", normalization="RMSNorm", activation="swiglu",
+        ffn_hidden_size=64, add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
+        **extra,
+    )  # fmt: skip
+    return GPTModel(config, "local", VOCAB, SEQ, groups=ModelGroups.single())
+
+
+def grads_of(model: GPTModel) -> dict[str, torch.Tensor]:
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    return grads
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_packed_documents_match_each_document_alone(variant):
+    model = model_of(**VARIANTS[variant])
+    generator = torch.Generator().manual_seed(1)
+    docs = [torch.randint(0, VOCAB, (1, n), generator=generator) for n in LENGTHS]
+    pad = SEQ - sum(LENGTHS)
+    tokens = torch.cat([*docs, torch.zeros(1, pad, dtype=torch.long)], dim=1)
+    ids = torch.cat([torch.full((n,), i) for i, n in enumerate((*LENGTHS, pad))])[None]
+    packed = PackedSeqParams.from_document_ids(ids)
+    assert packed.segments == [[(0, 1), (1, 8), (8, 72), (72, 272), (272, 512)]]
+
+    logits = model(tokens, attention_mask=packed)  # [1, s, v]
+    per_token = model(tokens, attention_mask=packed, labels=tokens)
+    per_token[:, : sum(LENGTHS)].sum().backward()
+    packed_grads = grads_of(model)
+
+    start = 0
+    for doc in docs:
+        n = doc.shape[1]
+        alone = model(doc)
+        torch.testing.assert_close(logits[:, start : start + n], alone, rtol=1e-5, atol=1e-5)
+        model(doc, labels=doc).sum().backward()
+        start += n
+    alone_grads = grads_of(model)
+    for name, grad in alone_grads.items():
+        torch.testing.assert_close(packed_grads[name], grad, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_the_documents_are_runs_of_equal_ids():
+    packed = PackedSeqParams.from_document_ids(torch.tensor([[3, 3, 7, 7, 7, 3], [0] * 6]))
+    assert packed.segments == [[(0, 2), (2, 5), (5, 6)], [(0, 6)]]
+    assert packed.positions.tolist() == [[0, 1, 0, 1, 2, 0], [0, 1, 2, 3, 4, 5]]
+    assert packed.cu_seqlens.tolist() == [0, 2, 5, 6, 12]
