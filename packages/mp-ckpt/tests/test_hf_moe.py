@@ -1,6 +1,9 @@
 """Mixtral and Qwen2-MoE <-> mp, without transformers: config.json both ways and its
 refusals, the two layouts of the experts giving the same logical tensors, and a
-hand-written Hugging Face folder coming back tensor for tensor through import and export."""
+hand-written Hugging Face folder coming back tensor for tensor through import and export.
+The same folders read straight into pieces (hf/lazy.py): what counts as a Hugging Face
+directory, each piece (row halves, a flattened range) equal to the whole import's tensor
+with the experts saved per expert or fused, only the wanted rules read, the refusals."""
 
 import json
 
@@ -8,10 +11,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from mp_ckpt import Checkpointer, ShardedTensor, is_hf_directory, load_hf_pieces
 from mp_ckpt.cli import main
 from mp_ckpt.families.moe import is_moe_layer
 from mp_ckpt.families.moe_settings import sparse_layers, sparse_step
 from mp_ckpt.hf import logical_from_hf, model_config_from_hf
+from mp_ckpt.hf.importer import iter_logical_from_hf
+from mp_ckpt.hf.lazy import LazySafetensors
 
 H, HEADS, GROUPS, E, F, S, FFN, VOCAB = 16, 4, 2, 4, 6, 10, 12, 32
 D = H // HEADS
@@ -282,3 +288,89 @@ def test_export_refuses_a_dense_layer_and_a_shared_expert_in_mixtral(tmp_path, c
     assert main(["export-hf", checkpoint, str(tmp_path / "out"), "--arch", "mixtral"]) == 2
     err = capsys.readouterr().err
     assert "the mixtral export" in err and "has no place for" in err
+
+
+# --- a Hugging Face directory read straight into pieces ---
+
+
+def hf_dir(tmp_path, arch: str, state: dict, name: str = "hf"):
+    folder = tmp_path / name
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(CONFIGS[arch]))
+    save_file({k: v.contiguous() for k, v in state.items()}, str(folder / "model.safetensors"))
+    return folder
+
+
+def test_what_is_a_hugging_face_directory(tmp_path):
+    folder = hf_dir(tmp_path, "mixtral", hf_state("mixtral"))
+    assert is_hf_directory(folder) and is_hf_directory(str(folder))
+    assert not is_hf_directory(None) and not is_hf_directory(tmp_path / "absent")
+    Checkpointer(tmp_path / "ckpt").save(1, {}, common={"iteration": 1})
+    (tmp_path / "ckpt" / "config.json").write_text(json.dumps(CONFIGS["mixtral"]))
+    assert not is_hf_directory(tmp_path / "ckpt")  # a tracker: an mp checkpoint
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "config.json").write_text(json.dumps({"hidden_size": 8}))
+    assert not is_hf_directory(tmp_path / "other")  # no model_type
+
+
+def pieces_of(logical: dict[str, torch.Tensor]) -> dict[str, ShardedTensor]:
+    """Each tensor as two halves of its rows, as two tensor-parallel ranks hold it, and the
+    embedding also as a flattened range of its second half (a distributed optimizer's)."""
+    pieces = {}
+    for key, tensor in logical.items():
+        for r, part in enumerate(tensor.chunk(2)):
+            shape = tuple(tensor.shape)
+            offset = (r * tensor.shape[0] // 2,) + (0,) * (tensor.dim() - 1)
+            pieces[f"{key}.{r}"] = ShardedTensor(key, torch.zeros_like(part), shape, offset)
+    vocab, h = logical["embedding.word_embeddings.weight"].shape
+    pieces["flat"] = ShardedTensor("embedding.word_embeddings.weight", torch.zeros(5),
+                                   (vocab, h), (vocab // 2, 0), flattened_range=(3, 8),
+                                   local_shape=(vocab // 2, h))  # fmt: skip
+    return pieces
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["per-expert", "fused"])
+@pytest.mark.parametrize("arch", sorted(CONFIGS))
+def test_pieces_equal_the_whole_import(tmp_path, arch, fused):
+    state = hf_state(arch)
+    want = logical_from_hf(state, CONFIGS[arch])
+    folder = hf_dir(tmp_path, arch, to_fused(arch, state) if fused else state)
+    pieces = pieces_of(want)
+    common = load_hf_pieces(folder, pieces)
+    assert common["family"] == arch and common["tokenizer"]["files"] == {}
+    for piece in pieces.values():
+        assert torch.equal(piece.data, piece.read_from(want[piece.key])), piece.key
+
+
+def test_only_the_wanted_rules_are_read(tmp_path):
+    folder = hf_dir(tmp_path, "mixtral", hf_state("mixtral"))
+    state = LazySafetensors(folder)
+    read = []
+
+    def reading(value):
+        read.append(value)
+        return state.read(value)
+
+    wanted = {"decoder.layers.1.mlp.experts.linear_fc2.weight"}
+    got = dict(iter_logical_from_hf(state, CONFIGS["mixtral"], wanted=wanted.__contains__,
+                                    read=reading))  # fmt: skip
+    assert set(got) == wanted and len(read) == 4  # one per expert
+
+
+def test_refusals_name_the_tensor(tmp_path):
+    state = hf_state("mixtral")
+    want = logical_from_hf(state, CONFIGS["mixtral"])
+    extra = hf_dir(tmp_path, "mixtral", state | {"model.extra.weight": torch.zeros(2)}, "extra")
+    with pytest.raises(ValueError, match=r"no place for: model\.extra\.weight"):
+        load_hf_pieces(extra, pieces_of(want))
+    del state["model.layers.1.self_attn.k_proj.weight"]
+    lacking = hf_dir(tmp_path, "mixtral", state, "lacking")
+    with pytest.raises(KeyError, match=r"no tensor .model\.layers\.1\.self_attn\.k_proj\.weight."):
+        load_hf_pieces(lacking, pieces_of(want))
+    full = hf_dir(tmp_path, "mixtral", hf_state("mixtral"), "full")
+    more = pieces_of(want | {"decoder.layers.2.mlp.router.weight": torch.zeros(4, 2)})
+    with pytest.raises(KeyError, match=r"needs decoder.layers.2.mlp.router.weight"):
+        load_hf_pieces(full, more)
+    (full / "model.safetensors").rename(full / "pytorch_model.bin")
+    with pytest.raises(FileNotFoundError, match="import-hf"):
+        load_hf_pieces(full, pieces_of(want))

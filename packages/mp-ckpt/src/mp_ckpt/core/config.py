@@ -13,7 +13,20 @@ class CheckpointConfig:
     """Directory to save checkpoints to (none saved when unset)."""
 
     load: str | None = None
-    """Directory to load a checkpoint from (training starts from scratch when it holds none)."""
+    """Directory to load a checkpoint from (training starts from scratch when it holds none).
+    A Hugging Face model directory (config.json and safetensors) is loaded as a fine-tuning
+    start: each rank reads its own pieces of the weights, iteration 0, a fresh optimizer;
+    the model's settings and the tokenizer come from the directory."""
+
+    pretrained_checkpoint: str | None = None
+    """Checkpoint to fine-tune from when load holds none (Megatron-LM's rule: loaded as
+    with finetune); an mp checkpoint or a Hugging Face model directory. A restarted job
+    resumes from load once it has saved there."""
+
+    export_hf_dir: str | None = None
+    """At the end of training, write the model as a Hugging Face directory here
+    (config.json, safetensors, the tokenizer files), gathered a tensor at a time and
+    written by rank 0 under a temporary name; an earlier export here is replaced."""
 
     save_interval: int | None = None
     """Save every this many iterations (and at the end of training)."""

@@ -23,6 +23,7 @@ import os
 import re
 from collections.abc import Callable
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
@@ -41,12 +42,23 @@ from mp_ckpt.hf.tokenizer import (
     write_atomically,
 )
 
-__all__ = ["export_hf"]
+__all__ = ["TensorSource", "export_hf", "write_hf"]
 
 _DEFAULT_SHARD_BYTES = 5 * 2**30
 _Q = "decoder.layers.0.self_attention.linear_qkv.q"
 _MLA = "decoder.layers.0.self_attention."
 Producer = Callable[[], torch.Tensor]
+
+
+class TensorSource(Protocol):
+    """Where an export reads the logical tensors: a CheckpointReader, or the pieces of
+    a live run gathered tensor by tensor (live_export.GatheredPieces)."""
+
+    def shape(self, key: str) -> tuple[int, ...]: ...
+
+    def dtype(self, key: str) -> torch.dtype: ...
+
+    def read(self, key: str, region: Region | None = None) -> torch.Tensor: ...
 
 
 def export_hf(
@@ -66,17 +78,43 @@ def export_hf(
     keys = [k for k in reader.keys if not k.startswith("optimizer.")]
     common = torch.load(reader.directory / "common.pt", weights_only=False)
     common = common if isinstance(common, dict) else {}
+    return write_hf(reader, keys, common, out_dir, arch, where=str(reader.directory),
+                    max_shard_bytes=max_shard_bytes, dtype=dtype, progress=progress)  # fmt: skip
+
+
+def write_hf(
+    source: TensorSource,
+    keys: list[str],
+    common: dict,
+    out_dir: str | os.PathLike,
+    arch: str | None = None,
+    *,
+    where: str,
+    write: bool = True,
+    max_shard_bytes: int = _DEFAULT_SHARD_BYTES,
+    dtype: torch.dtype | None = None,
+    progress: bool = False,
+) -> Path:
+    """export_hf from any source of the model's logical tensors (`keys`) and a
+    common.pt-style dict; `where` names the source in errors. write=False reads every
+    tensor in the same order and writes nothing (the ranks beside the writing one, when
+    reading is collective)."""
     run_model = (common.get("config") or {}).get("model") or {}
-    settings = _from_tensors(reader, keys, dict(run_model) | dict(common.get("model_config") or {}))
+    settings = _from_tensors(source, keys, dict(run_model) | dict(common.get("model_config") or {}))
     arch = arch or common.get("family") or family_of(settings)
     fam = family(arch)
-    tensors = _plan(fam, reader, settings, dtype)
-    _check_keys(arch, keys, tensors, reader.directory)
+    tensors = _plan(fam, source, settings, dtype)
+    _check_keys(arch, keys, tensors, where)
+    # What may be refused is computed before any tensor is read (by every rank alike).
     files, ids = export_tokenizer(common)
-    saved_dtype = reader.dtype("embedding.word_embeddings.weight")
+    saved_dtype = source.dtype("embedding.word_embeddings.weight")
     dtype_name = str(dtype or saved_dtype).removeprefix("torch.")
-    config = fam.config(settings, _shapes(reader, keys, settings), ids, dtype_name)
+    config = fam.config(settings, _shapes(source, keys, settings), ids, dtype_name)
     out = Path(out_dir)
+    if not write:
+        for _, produce in tensors.values():
+            produce()
+        return out
     out.mkdir(parents=True, exist_ok=True)
     with progress_reporter(None, "export-hf", unit="tensor", enabled=progress) as bar, \
             ShardedSafetensorsWriter(out, max_shard_bytes) as writer:  # fmt: skip
@@ -100,7 +138,7 @@ def _layers(keys) -> int:
     return max(found) + 1 if found else 0
 
 
-def _from_tensors(reader: CheckpointReader, keys: list[str], settings: dict) -> dict:
+def _from_tensors(reader: TensorSource, keys: list[str], settings: dict) -> dict:
     """The settings with what the tensors show put over them."""
     layers = _layers(keys)
     routers = [f"decoder.layers.{i}.mlp.router.weight" in keys for i in range(layers)]
@@ -122,7 +160,7 @@ def _from_tensors(reader: CheckpointReader, keys: list[str], settings: dict) -> 
     return settings | shown
 
 
-def _mla_from_tensors(reader: CheckpointReader, keys: list[str], settings: dict) -> dict:
+def _mla_from_tensors(reader: TensorSource, keys: list[str], settings: dict) -> dict:
     """Multi-latent attention's widths from its tensors, given the number of heads n:
     linear_kv_down_proj [r + dr, h], linear_kv_up_proj [n (dn + dv), r], the query
     projection [n (dn + dr), h or q_lora_rank], linear_proj [h, n dv]."""
@@ -157,7 +195,7 @@ def _mla_from_tensors(reader: CheckpointReader, keys: list[str], settings: dict)
             "qk_layernorm": f"{_MLA}kv_layernorm.weight" in keys}  # fmt: skip
 
 
-def _shapes(reader: CheckpointReader, keys: list[str], settings: dict) -> dict:
+def _shapes(reader: TensorSource, keys: list[str], settings: dict) -> dict:
     """What a family's config writer reads from the tensors."""
     vocab, h = reader.shape("embedding.word_embeddings.weight")
     layers = settings["num_layers"]
@@ -184,7 +222,7 @@ def _shapes(reader: CheckpointReader, keys: list[str], settings: dict) -> dict:
 
 
 def _plan(
-    fam: Family, reader: CheckpointReader, settings: dict, dtype: torch.dtype | None = None
+    fam: Family, reader: TensorSource, settings: dict, dtype: torch.dtype | None = None
 ) -> dict[str, tuple[tuple, Producer]]:
     """{Hugging Face name: (the mp keys it reads, produce())} in the export's order; each
     tensor produced in `dtype` (None: as saved) unless its rule keeps its dtype."""
@@ -232,13 +270,13 @@ def _shared_outputs(rule: Rule, reads: list[Producer], dims: Dims) -> Callable[[
     return output
 
 
-def _expert(reader: CheckpointReader, key: str, e: int) -> torch.Tensor:
+def _expert(reader: TensorSource, key: str, e: int) -> torch.Tensor:
     """Expert e's slice of the stacked tensor `key`, reading only that slice."""
     shape = reader.shape(key)
     return reader.read(key, Region((e,) + (0,) * (len(shape) - 1), (1, *shape[1:])))[0]
 
 
-def _check_keys(arch: str, keys: list[str], plan: dict, directory: Path) -> None:
+def _check_keys(arch: str, keys: list[str], plan: dict, where: str) -> None:
     """Raises unless the checkpoint's model tensors are exactly those the family's rules
     read."""
     needed = {source for sources, _ in plan.values() for source in sources}
@@ -246,7 +284,7 @@ def _check_keys(arch: str, keys: list[str], plan: dict, directory: Path) -> None
     for what, names in (("has no place for", extra), ("needs, and the checkpoint lacks", missing)):
         if names:
             shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
-            raise ValueError(f"{directory}: the {arch} export {what} {shown}")
+            raise ValueError(f"{where}: the {arch} export {what} {shown}")
 
 
 def _json(value: dict) -> bytes:

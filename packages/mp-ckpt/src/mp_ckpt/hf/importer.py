@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -31,9 +31,11 @@ from mp_ckpt.hf.tokenizer import tokenizer_from_hf
 __all__ = [
     "held_config",
     "import_hf",
+    "iter_logical_from_hf",
     "logical_from_hf",
     "model_config_from_hf",
     "placed_rules",
+    "read_hf_config",
     "read_json",
 ]
 
@@ -52,14 +54,7 @@ def import_hf(hf_dir: str | os.PathLike, out_root: str | os.PathLike, *,
     directory (config.json with safetensors or pytorch_model.bin) of any family in
     mp_ckpt.families.ARCHITECTURES. progress: report the weight files read on stderr."""
     hf_dir = Path(hf_dir)
-    config = read_json(hf_dir / "config.json", "not a Hugging Face model directory")
-    quantization = config.get("quantization_config")
-    if quantization:
-        method = quantization.get("quant_method") if isinstance(quantization, dict) else None
-        raise ValueError(
-            f"{hf_dir / 'config.json'}: quantization_config (quant_method {method!r}): mp "
-            "imports unquantized weights (fp32, bf16, fp16); dequantize them first"
-        )
+    config = read_hf_config(hf_dir)
     model_config_from_hf(config)  # what mp cannot compute is refused before any weight is read
     generation = None
     if (hf_dir / "generation_config.json").exists():
@@ -83,6 +78,25 @@ def import_hf(hf_dir: str | os.PathLike, out_root: str | os.PathLike, *,
 def logical_from_hf(state: dict[str, torch.Tensor], config: dict) -> dict[str, torch.Tensor]:
     """mp's logical tensors from a Hugging Face state dict and its config.json (a dict).
     A tensor the family has no place for is refused by name."""
+    return dict(iter_logical_from_hf(state, config))
+
+
+def iter_logical_from_hf(
+    state: Mapping[str, torch.Tensor],
+    config: dict,
+    *,
+    wanted: Callable[[str], bool] | None = None,
+    read: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """logical_from_hf a rule at a time: (mp's name, tensor) as each rule makes them, so
+    that a caller holding one rule's tensors at a time can copy them out and drop them.
+
+    wanted(name): whether the caller needs mp's tensor `name`; a rule none of whose
+    tensors is wanted reads nothing (its Hugging Face names still count as used).
+    read(value): the tensor a value of `state` stands for (state may hold placeholders,
+    such as lazy.LazySafetensors' meta tensors); default: the value itself. A
+    model_copy rule's tensor is compared with the model-level one it repeats only when
+    every tensor is wanted (the model-level ones are then kept until the end)."""
     fam = family(config.get("model_type"))
     config = held_config(state, config)
     settings = fam.settings(config)
@@ -90,15 +104,26 @@ def logical_from_hf(state: dict[str, torch.Tensor], config: dict) -> dict[str, t
         state = fam.prepare(state, config)
     dims = Dims.of(settings)
     used: set[str] = set()
-    out: dict[str, torch.Tensor] = {}
+    model_level: dict[str, torch.Tensor] = {}
 
     def take(name: str) -> torch.Tensor:
         if name not in state:
             raise KeyError(f"the Hugging Face weights have no tensor {name!r}")
         used.add(name)
-        return state[name]
+        return state[name] if read is None else read(state[name])
 
-    def apply(rule: Rule, layer: int | None, prefix: str) -> None:
+    def hf_names(rule: Rule, layer: int | None) -> list[str]:
+        names = [n.replace("{i}", str(layer)) for n in rule.hf_names]
+        if not rule.per_expert:
+            return names
+        experts = range(settings["num_moe_experts"])
+        return [n.replace("{e}", str(e)) for n in names for e in experts]
+
+    def apply(rule: Rule, layer: int | None, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
+        targets = [name if rule.model_copy else prefix + name for name in rule.mp]
+        if wanted is not None and not any(wanted(t) for t in targets):
+            used.update(hf_names(rule, layer))
+            return
         names = [n.replace("{i}", str(layer)) for n in rule.hf_names]
         if rule.per_expert:
             experts = settings["num_moe_experts"]
@@ -106,22 +131,23 @@ def logical_from_hf(state: dict[str, torch.Tensor], config: dict) -> dict[str, t
                        for n in names]  # fmt: skip
         else:
             tensors = [take(n) for n in names]
-        imported = zip(rule.mp, rule.import_(tensors, dims), strict=True)
+        imported = zip(targets, rule.import_(tensors, dims), strict=True)
         if rule.model_copy:  # copies of model-level tensors, imported before
             for name, tensor in imported:
-                if not torch.equal(tensor, out[name]):
+                if name in model_level and not torch.equal(tensor, model_level[name]):
                     raise ValueError(f"the Hugging Face weights' {', '.join(names)} differs "
                                      f"from the tensor it repeats (mp's {name})")  # fmt: skip
             return
         for name, tensor in imported:
-            out[prefix + name] = tensor.contiguous()
+            if layer is None and wanted is None:
+                model_level[name] = tensor
+            yield name, tensor.contiguous()
 
     for rule in fam.rules_for("model", settings):
-        apply(rule, None, "")
+        yield from apply(rule, None, "")
     for rule, layer, prefix in placed_rules(fam, settings):
-        apply(rule, layer, prefix)
+        yield from apply(rule, layer, prefix)
     _refuse_unused(state, used, settings)
-    return out
 
 
 def placed_rules(fam: Family, settings: dict) -> Iterator[tuple[Rule, int, str]]:
@@ -157,6 +183,19 @@ def _refuse_unused(state: dict, used: set[str], settings: dict) -> None:
     if left:
         shown = ", ".join(left[:4]) + (f" and {len(left) - 4} more" if len(left) > 4 else "")
         raise ValueError(f"the Hugging Face weights hold tensors mp has no place for: {shown}")
+
+
+def read_hf_config(hf_dir: Path) -> dict:
+    """The config.json of a Hugging Face directory; quantized weights are refused."""
+    config = read_json(hf_dir / "config.json", "not a Hugging Face model directory")
+    quantization = config.get("quantization_config")
+    if quantization:
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+        raise ValueError(
+            f"{hf_dir / 'config.json'}: quantization_config (quant_method {method!r}): mp "
+            "imports unquantized weights (fp32, bf16, fp16); dequantize them first"
+        )
+    return config
 
 
 def read_json(path: Path, missing: str) -> dict:

@@ -10,7 +10,9 @@ under the field is its help. A field may adjust its option with
 choices, help). Options are absent from the parsed namespace unless given,
 so the command line overrides a YAML file (`--config`) only where it says
 something. Precedence: dataclass default < argparse_meta default < YAML <
-command line (< the checkpoint's model settings with --use-checkpoint-args).
+command line (< the checkpoint's model settings with --use-checkpoint-args). A
+Hugging Face directory at --load / --pretrained-checkpoint fills the model fields not
+given and refuses those given otherwise (hf_source.py).
 """
 
 from __future__ import annotations
@@ -29,9 +31,10 @@ from typing import Any
 
 import torch
 
-from mp_ckpt import CheckpointReader
+from mp_ckpt import CheckpointReader, is_hf_directory
 from mp_train.configuration import megatron_aliases, megatron_flags
 from mp_train.configuration.config import RunConfig
+from mp_train.configuration.hf_source import apply_hf_settings
 from mp_train.configuration.yaml_config import (
     FieldType,
     field_owners,
@@ -284,14 +287,18 @@ def parse_config(
     flags = megatron_aliases.take(given)
 
     values: dict[str, dict[str, Any]] = {part: {} for part in factories}
+    defaults: dict[tuple[str, str], Any] = {}
     for factory in factories.values():
         for name, value in factory.defaults.items():
             for owner in field_owners()[name]:
-                values[owner][name] = value
+                values[owner][name] = defaults[owner, name] = value
+    written = set()
     if config_path is not None:
         for part, settings in load_yaml_config(config_path, environ).items():
             values[part].update(settings)
+            written |= {(part, name) for name in settings}
     ignored = megatron_flags.apply(given, values)
+    written |= {(part, name) for name in given for part in field_owners()[name]}
     notes = [f"Megatron-LM flags accepted without effect: {' '.join(ignored)} (--help says "
              "why each changes nothing here)"] if ignored else []  # fmt: skip
     for name, value in given.items():
@@ -299,6 +306,7 @@ def parse_config(
             values[part][name] = value
     megatron_aliases.apply(flags, given, values)
     _apply_checkpoint_args(values)
+    apply_hf_settings(values, _explicit(values, defaults, written))
     _require_model_fields(values)
     notes += megatron_aliases.settle(flags, given, values)
     _apply_precision(values)
@@ -306,6 +314,14 @@ def parse_config(
         for note in notes:
             print(f"note: {note}", file=sys.stderr)
     return RunConfig(**{part: cls(**values[part]) for part, cls in run_parts().items()})
+
+
+def _explicit(values: dict, defaults: dict, written: set) -> set[tuple[str, str]]:
+    """The (part, field) pairs set by the command line, the YAML file, an alias or the
+    checkpoint, not only by an argparse_meta default."""
+    return written | {(part, name) for part, settings in values.items() for name in settings
+                      if (part, name) not in defaults
+                      or settings[name] != defaults[part, name]}  # fmt: skip
 
 
 def _require_model_fields(values: dict) -> None:
@@ -369,6 +385,8 @@ def _apply_checkpoint_args(values: dict) -> None:
     load = settings.get("load")
     if load is None:
         raise ValueError("use_checkpoint_args=True needs load (the checkpoint to read)")
+    if is_hf_directory(load):
+        return  # its config.json gives the settings (apply_hf_settings)
     try:
         reader = CheckpointReader(load, iteration=settings.get("ckpt_step"))
     except FileNotFoundError as error:

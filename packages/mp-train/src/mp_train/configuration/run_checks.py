@@ -4,7 +4,8 @@ rank: in the user's terms (the flags they gave, in iterations when they gave ite
     check_schedule(config)    the learning-rate warm-up ends before the decay does
     check_sharding(config)    FSDP (ZeRO-2/3) with what it composes with, or the refusal
     check_tokenizer(config)   a tokenizer type mp has, with the arguments it requires
-    check_input_files(config) the data prefixes and tokenizer files exist
+    check_input_files(config) the data prefixes and tokenizer files exist, and
+                              export_hf_dir can take an export
     check_backend(config)     --distributed-backend nccl has CUDA devices to run on, and
                               --fp8-format a GPU with FP8 tensor cores (and torchao)
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import os
 
+from mp_ckpt import check_export_target
 from mp_data import TOKENIZER_TYPES, get_blend_from_list
 from mp_train.errors import ConfigError, flag
 
@@ -164,6 +166,12 @@ def check_input_files(config) -> None:
         path = getattr(data, name)
         if name in TOKENIZER_TYPES.get(kind, ()) and path is not None and not os.path.exists(path):
             raise ConfigError(f"{flag(name)} {path} does not exist (--tokenizer-type {kind})")
+    export = config.checkpoint.export_hf_dir
+    if export is not None:
+        try:
+            check_export_target(export)
+        except FileExistsError as error:
+            raise ConfigError(str(error).replace("export_hf_dir=", "--export-hf-dir ")) from None
 
 
 def _named_by(data, name: str) -> str:

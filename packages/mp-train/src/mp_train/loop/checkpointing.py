@@ -34,15 +34,24 @@ from mp_ckpt import (
     Checkpointer,
     CheckpointReader,
     ShardedTensor,
+    is_hf_directory,
     list_iterations,
     load_checkpoint,
     read_metadata,
     read_tracker,
 )
 from mp_layers.moe import is_expert_key
+from mp_train.loop.hf_start import export_hf, load_hf_start
 from mp_train.loop.setup import Run, TrainState
 
-__all__ = ["load_run_checkpoint", "prepare_run_checkpointer", "run_pieces", "save_run_checkpoint"]
+__all__ = [
+    "export_run_hf",
+    "load_run_checkpoint",
+    "prepare_run_checkpointer",
+    "run_pieces",
+    "save_run_checkpoint",
+    "starting_point",
+]
 
 log = logging.getLogger("mp_train")
 
@@ -97,11 +106,8 @@ def save_run_checkpoint(run: Run, checkpointer: Checkpointer) -> None:
         "train_state": dataclasses.asdict(run.train),
         "scheduler": run.scheduler.state_dict(),
         "optimizer": optimizer_state["common"] if optimizer_state is not None else None,
-        "config": run.config.as_dict(),
-        "model_config": model_settings(run),
+        **_model_common(run),
     }
-    if run.family is not None:
-        common["family"] = run.family
     rank_state = None
     if not ckpt.no_save_rng:
         rank_state = {"position": _rng_position(run),
@@ -118,6 +124,16 @@ def save_run_checkpoint(run: Run, checkpointer: Checkpointer) -> None:
     else:
         log.info("saved checkpoint of iteration %d to %s in %.3f s", run.train.iteration,
                  ckpt.save, took)  # fmt: skip
+
+
+def _model_common(run: Run) -> dict:
+    """What a save (and a Hugging Face export) records of the model beside its tensors:
+    the run's configuration, the model's settings under Megatron's names, its family and
+    the tokenizer files and generation settings it came with (import-hf's records)."""
+    common = {"config": run.config.as_dict(), "model_config": model_settings(run)}
+    if run.family is not None:
+        common["family"] = run.family
+    return common | run.hf_files
 
 
 def _layout(run: Run) -> dict:
@@ -196,33 +212,72 @@ def _earlier_checkpoints(load: str, iteration: int) -> str:
             f"with --ckpt-step {older[0]} (it is checked the same way as it loads)")  # fmt: skip
 
 
-def load_run_checkpoint(run: Run) -> bool:
-    """Loads `checkpoint.load` into the run when it holds a checkpoint; True if loaded."""
-    ckpt = run.config.checkpoint
-    if ckpt.load is None or (read_tracker(ckpt.load) is None and ckpt.ckpt_step is None):
+def _holds_checkpoint(path: str | None, step: int | None = None) -> bool:
+    """Whether `path` holds something to load: an mp checkpoint (its tracker, or the
+    iteration asked for) or a Hugging Face model directory."""
+    return path is not None and (step is not None or is_hf_directory(path)
+                                 or read_tracker(path) is not None)  # fmt: skip
+
+
+def starting_point(ckpt) -> tuple[str, bool] | None:
+    """(the directory a run loads, whether as a fine-tuning start), or None to start from
+    scratch. Megatron-LM's rule: load when it holds a checkpoint, else
+    pretrained_checkpoint with finetune; a Hugging Face directory is always a fine-tuning
+    start (it holds no optimizer, scheduler or iteration)."""
+    if _holds_checkpoint(ckpt.load, ckpt.ckpt_step):
+        return ckpt.load, ckpt.finetune or is_hf_directory(ckpt.load)
+    if ckpt.pretrained_checkpoint is None:
         if ckpt.load is not None and ckpt.exit_on_missing_checkpoint:
             raise FileNotFoundError(f"load={ckpt.load} holds no checkpoint")
-        return False
-    with_optimizer = not (ckpt.no_load_optim or ckpt.finetune)
+        return None
+    if not _holds_checkpoint(ckpt.pretrained_checkpoint):
+        raise FileNotFoundError(
+            f"no checkpoint under load={ckpt.load} nor under pretrained_checkpoint="
+            f"{ckpt.pretrained_checkpoint} (an mp checkpoint or a Hugging Face directory)"
+        )
+    return ckpt.pretrained_checkpoint, True
+
+
+def load_run_checkpoint(run: Run) -> str | None:
+    """Loads the run's starting point (starting_point: `checkpoint.load`, else
+    `checkpoint.pretrained_checkpoint`) into the run; returns the directory loaded, or
+    None."""
+    ckpt = run.config.checkpoint
+    start = starting_point(ckpt)
+    if start is None:
+        return None
+    path, finetune = start
+    if is_hf_directory(path):
+        if ckpt.ckpt_step is not None:
+            raise ValueError(f"ckpt_step={ckpt.ckpt_step} with the Hugging Face directory "
+                             f"{path}: it holds one model, without iterations")  # fmt: skip
+        pieces = run_pieces(run, with_optimizer=False)
+        load_hf_start(run, path, pieces)
+        _model_only_loaded(run, pieces)
+        log.info("loaded the Hugging Face model %s (fine-tuning from iteration 0)", path)
+        return path
+    with_optimizer = not (ckpt.no_load_optim or finetune)
     pieces = run_pieces(run, with_optimizer=with_optimizer)
     try:
-        _check_model_matches(run, ckpt.load, ckpt.ckpt_step)
+        _check_model_matches(run, path, ckpt.ckpt_step)
         loaded = load_checkpoint(
-            ckpt.load, pieces, iteration=ckpt.ckpt_step, finetune=ckpt.finetune,
+            path, pieces, iteration=ckpt.ckpt_step, finetune=finetune,
             strict=ckpt.strict_load and with_optimizer,
         )  # fmt: skip
     except CheckpointCorrupted as error:
-        iteration = ckpt.ckpt_step if ckpt.ckpt_step is not None else read_tracker(ckpt.load)
+        iteration = ckpt.ckpt_step if ckpt.ckpt_step is not None else read_tracker(path)
         # The hint ends the first line, which a one-line report shows; any more problems
         # follow on their lines.
         first, *more = str(error).split("\n", 1)
-        hint = _earlier_checkpoints(ckpt.load, iteration)
+        hint = _earlier_checkpoints(path, iteration)
         raise CheckpointCorrupted("\n".join([first + hint, *more])) from error
-    for chunk in run.model:  # FSDP's pieces are copies of its shards
-        chunk.restore_pieces(pieces)
     common = loaded.common
     run.family = common.get("family")
+    if _same_tokenizer(run, common):  # the files it came with still describe it
+        run.hf_files = {k: common[k] for k in ("tokenizer", "generation_config") if k in common}
     if with_optimizer:
+        for chunk in run.model:  # FSDP's pieces are copies of its shards
+            chunk.restore_pieces(pieces)
         template = run.optimizer.sharded_state_dict()
         if common.get("optimizer") is None:
             raise ValueError(
@@ -232,16 +287,40 @@ def load_run_checkpoint(run: Run) -> bool:
             {"state": {k: pieces[k] for k in template["state"]}, "common": common["optimizer"]}
         )
     else:
-        for chunk in run.model:  # the model changed under the optimizer's fp32 copies
-            chunk.start_param_sync(force_sync=True)
-        _refresh_main_params(run)
-    if not ckpt.finetune:
+        _model_only_loaded(run, pieces)
+    if not finetune:
         run.train = TrainState(**common["train_state"])
         run.scheduler.load_state_dict(common["scheduler"])
         if not ckpt.no_load_rng:
             _restore_rng(run, loaded)
     log.info("loaded %s (iteration %d)", loaded.directory, loaded.iteration)
-    return True
+    return path
+
+
+_TOKENIZER_FIELDS = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file")
+
+
+def _same_tokenizer(run: Run, common: dict) -> bool:
+    """Whether the checkpoint was saved by a run with this run's tokenizer."""
+    saved = (common.get("config") or {}).get("data")
+    now = run.config.as_dict()["data"]
+    return saved is not None and all(saved.get(k) == now.get(k) for k in _TOKENIZER_FIELDS)
+
+
+def _model_only_loaded(run: Run, pieces: dict[str, ShardedTensor]) -> None:
+    """After the model's pieces were filled without the optimizer's: FSDP's shards take
+    their pieces, and the optimizer's fp32 copies the loaded weights."""
+    for chunk in run.model:  # FSDP's pieces are copies of its shards
+        chunk.restore_pieces(pieces)
+    for chunk in run.model:  # the model changed under the optimizer's fp32 copies
+        chunk.start_param_sync(force_sync=True)
+    _refresh_main_params(run)
+
+
+def export_run_hf(run: Run) -> None:
+    """Writes the run's model to `checkpoint.export_hf_dir` as a Hugging Face directory
+    (collective; hf_start.export_hf)."""
+    export_hf(run, run_pieces(run, with_optimizer=False), _model_common(run))
 
 
 # Why a rank cannot take back RNG states: ordered, so that the largest code, reduced over

@@ -85,6 +85,10 @@ class Run:
     """The model family (mp_ckpt.families) of the checkpoint this run loaded, when that
     checkpoint named one (import-hf records it): its saves name it too, so that export-hf
     of a fine-tuned model needs no --arch."""
+    hf_files: dict = field(default_factory=dict)
+    """The tokenizer files and generation settings (common["tokenizer"],
+    common["generation_config"]) of the Hugging Face model the run started from, when
+    the run's tokenizer is that model's: its saves and its export carry them."""
 
     @property
     def is_last_rank(self) -> bool:

@@ -15,7 +15,8 @@
    says is due: evaluation every eval_interval, saves every save_interval, an exit at
    exit_interval, exit_duration_in_mins or SIGTERM (every rank agrees, saves and
    returns);
-5. a final evaluation and save.
+5. a final evaluation and save, and, with export_hf_dir, the model written as a Hugging
+   Face directory (hf_start.py).
 
 From the first iteration to the final save, each finished iteration is a heartbeat of
 the hang watchdog (hang_timeout_minutes; hang_watchdog.py).
@@ -44,6 +45,7 @@ from mp_pipeline import get_forward_backward_func
 from mp_train.configuration.config import RunConfig, hang_timeout_minutes
 from mp_train.loop.cadence import Cadence, Stop
 from mp_train.loop.checkpointing import (
+    export_run_hf,
     load_run_checkpoint,
     prepare_run_checkpointer,
     save_run_checkpoint,
@@ -100,6 +102,8 @@ def pretrain(
             if end.save:
                 with watchdog.paused():
                     save_run_checkpoint(run, checkpointer)
+            if config.checkpoint.export_hf_dir is not None:
+                _export(run, stopped, metrics, watchdog)
     finally:
         # Their worker processes stop here, not whenever the collector reaches an
         # iterator that an error's traceback kept alive.
@@ -111,6 +115,16 @@ def pretrain(
     return run
 
 
+def _export(run: Run, stopped: Stop | None, metrics: MetricsLogger, watchdog) -> None:
+    """The Hugging Face export at the end of training; none when the run stopped before
+    its end (an exit condition or a signal: it is to be resumed, not exported)."""
+    if stopped is not None:
+        metrics.print(f"no Hugging Face export: the run stopped before its end ({stopped.reason})")
+        return
+    with watchdog.paused():
+        export_run_hf(run)
+
+
 def _checkpointer(run: Run, metrics: MetricsLogger) -> Checkpointer | None:
     """The run's checkpoint under `load` restored; the checkpointer that saves to `save`."""
     config = run.config
@@ -118,9 +132,12 @@ def _checkpointer(run: Run, metrics: MetricsLogger) -> Checkpointer | None:
     if config.checkpoint.save is not None:
         checkpointer = Checkpointer(config.checkpoint.save, async_save=config.checkpoint.async_save,
                                     keep_last=config.checkpoint.ckpt_keep_last)  # fmt: skip
-    if load_run_checkpoint(run):
+    loaded = load_run_checkpoint(run)
+    if loaded is not None and run.train.iteration == 0:
+        metrics.print(f"fine-tuning from {loaded}")
+    elif loaded is not None:
         metrics.print(
-            f"resumed from {run.config.checkpoint.load} at iteration {run.train.iteration} "
+            f"resumed from {loaded} at iteration {run.train.iteration} "
             f"({run.train.consumed_train_samples} samples consumed)"
         )
     if checkpointer is not None and not config.training.skip_train:

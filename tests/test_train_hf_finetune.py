@@ -1,0 +1,138 @@
+"""Fine-tuning a Hugging Face model in one command: `--load HF_DIR` (a random Qwen3 saved
+by transformers, with a tokenizer) at TP2, each rank reading its own pieces from the
+safetensors, the model's settings and the tokenizer taken from the directory; the loss
+falls, and `--export-hf-dir` writes a directory transformers loads, whose logits equal
+mp's (the run's final save in one GPTModel) and which generates. A run that only loads
+and exports (--skip-train) gives back every tensor of the directory exactly."""
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from mp_state.testing import run_on_ranks
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+transformers = pytest.importorskip("transformers")
+tokenizers = pytest.importorskip("tokenizers")
+
+pytestmark = pytest.mark.multirank
+
+SEQ = 32
+
+
+def tiny_tokenizer():
+    """A byte-level BPE trained on a sentence (no download)."""
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    tok = tokenizers.Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
+    tok.train_from_iterator(["the quick brown fox jumps over the lazy dog, then naps"] * 8,
+                            trainer)  # fmt: skip
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
+
+
+def qwen3_folder(folder):
+    """A random Qwen3 (grouped-query attention, qk-layernorm, a head dim of its own, untied
+    output layer) saved by transformers with its tokenizer; its embedding has rows past the
+    tokenizer's (as Qwen's do), a multiple of 8."""
+    tokenizer = tiny_tokenizer()
+    config = transformers.Qwen3Config(
+        vocab_size=-(-len(tokenizer) // 8) * 8, hidden_size=64, intermediate_size=96,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        max_position_embeddings=SEQ, tie_word_embeddings=False, initializer_range=0.1,
+        eos_token_id=tokenizer.eos_token_id,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.Qwen3ForCausalLM(config).eval()
+    with torch.no_grad():  # norms start at 1: give them values to map
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.add_(torch.randn_like(param) * 0.1)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return model
+
+
+def options(hf_dir, run_dir, *extra):
+    return [
+        "--load", str(hf_dir), "--mock-data", "--seq-length", str(SEQ),
+        "--tensor-model-parallel-size", "2", "--micro-batch-size", "2",
+        "--global-batch-size", "4", "--lr", "3e-3", "--min-lr", "3e-3", "--lr-warmup-iters", "0",
+        "--eval-interval", "none", "--log-interval", "1", "--tensorboard-dir", "none",
+        "--metrics-file", str(run_dir / "metrics.jsonl"), "--num-workers", "0", *extra,
+    ]  # fmt: skip
+
+
+def two_runs(first: list[str], second: list[str]) -> None:
+    torch.set_num_threads(1)
+    os.environ.setdefault("MP_RUN_DIR", "/nonexistent")
+    import mp_state
+    from mp_gpt.pretrain import train
+    from mp_train import load_config
+
+    train(load_config(first))
+    mp_state.destroy()
+    train(load_config(second))
+
+
+def test_finetune_a_hugging_face_model_at_tp2_and_export_it(tmp_path):
+    hf_dir, run_dir = tmp_path / "qwen3", tmp_path / "run"
+    qwen3_folder(hf_dir)
+    only_export = options(hf_dir, tmp_path, "--skip-train", "--train-iters", "1",
+                          "--export-hf-dir", str(tmp_path / "same"))  # fmt: skip
+    finetune = options(hf_dir, run_dir, "--train-iters", "6", "--save", str(run_dir / "ckpt"),
+                       "--export-hf-dir", str(tmp_path / "tuned"))  # fmt: skip
+    run_on_ranks(two_runs, 2, only_export, finetune, timeout=300)
+
+    # Loaded and exported at TP2: every tensor as transformers saved it.
+    source = load_file(str(hf_dir / "model.safetensors"))
+    same = load_file(str(tmp_path / "same" / "model.safetensors"))
+    assert same.keys() == source.keys()
+    for name, tensor in source.items():
+        assert torch.equal(same[name], tensor), name
+
+    losses = [json.loads(line)["lm loss"]
+              for line in (run_dir / "metrics.jsonl").read_text().splitlines()]  # fmt: skip
+    assert len(losses) == 6 and losses[-1] < losses[0] - 0.5, losses
+
+    tuned = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "tuned").eval()
+    assert type(tuned).__name__ == "Qwen3ForCausalLM"
+    ours = trained_model(run_dir / "ckpt")
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randint(0, tuned.config.vocab_size, (2, SEQ), generator=generator)
+    with torch.no_grad():
+        assert (tuned(x).logits - ours(x)).abs().max() < 1e-5
+        assert not torch.equal(tuned.lm_head.weight, source["lm_head.weight"])
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "tuned")
+    prompt = tokenizer("the lazy fox", return_tensors="pt").input_ids
+    with torch.no_grad():
+        out = tuned.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=4,
+                             min_new_tokens=4, do_sample=False)  # fmt: skip
+    assert out.shape == (1, prompt.shape[1] + 4)
+
+
+def trained_model(checkpoint):
+    """GPTModel on one rank with the settings and weights of the run's final save."""
+    import dataclasses
+
+    from mp_ckpt import CheckpointReader, load_checkpoint
+    from mp_layers import GPTModel, ModelGroups, TransformerConfig
+
+    common = torch.load(CheckpointReader(checkpoint).directory / "common.pt", weights_only=False)
+    assert common["family"] == "qwen3" and "tokenizer.json" in common["tokenizer"]["files"]
+    saved = common["config"]["model"]
+    fields = {f.name for f in dataclasses.fields(TransformerConfig)}
+    skipped = ("params_dtype", "hidden_dropout", "attention_dropout")
+    kept = {k: v for k, v in saved.items() if k in fields and k not in skipped}
+    config = TransformerConfig(**kept, hidden_dropout=0.0, attention_dropout=0.0)
+    model = GPTModel(config, "local", common["model_config"]["vocab_size"], SEQ,
+                     groups=ModelGroups.single()).eval()  # fmt: skip
+    load_checkpoint(checkpoint, model.sharded_state_dict(), strict=False)
+    return model
