@@ -23,6 +23,7 @@ from mp_data.gpt_config import GPTDatasetConfig, tokenizer_identity
 from mp_data.gpt_indices import GPTIndices, build_gpt_indices
 from mp_data.index_cache import IndexCache
 from mp_data.indexed_dataset import IndexedDataset
+from mp_data.megatron_dataset import MegatronDataset
 from mp_data.split import Split
 
 __all__ = ["GPTDataset", "ltor_masks_and_position_ids"]
@@ -32,34 +33,25 @@ _NO_PAD = -1
 """Pad id when the tokenizer has none (or its pad is its eod): never a real token."""
 
 
-class GPTDataset(torch.utils.data.Dataset):
+class GPTDataset(MegatronDataset):
     """Samples of `config.sequence_length` tokens from the sequences `indexed_indices`.
 
     num_samples=None builds one epoch; more samples than an epoch holds are
     drawn from further epochs, each shuffled anew.
     """
 
-    def __init__(
-        self,
-        indexed_dataset,
-        dataset_path: str | None,
-        indexed_indices: np.ndarray,
-        num_samples: int | None,
-        index_split: Split,
-        config: GPTDatasetConfig,
-    ) -> None:
-        self.dataset = indexed_dataset
-        self.dataset_path = dataset_path
-        self.indices = indexed_indices
-        self.num_samples = num_samples
-        self.index_split = index_split
-        self.config = config
+    def __init__(self, *args) -> None:
+        """The builder's arguments (MegatronDataset)."""
+        super().__init__(*args)
+        config = self.config
         self._extra = int(config.add_extra_token_to_sequence)
         self._eod = config.tokenizer.eod if config.tokenizer is not None else None
         pad = getattr(config.tokenizer, "pad", None)
         self._pad = _NO_PAD if pad is None or pad == self._eod else int(pad)
         self._drop_last = (
-            config.drop_last_partial_validation_sequence if index_split == Split.valid else True
+            config.drop_last_partial_validation_sequence
+            if self.index_split == Split.valid
+            else True
         )
         indices = self._load_or_build()
         self.document_index = indices.document_index
@@ -84,16 +76,9 @@ class GPTDataset(torch.utils.data.Dataset):
         """Every setting that shapes the index arrays: the cache key."""
         c = self.config
         return {
-            "class": type(self).__name__,
+            **self.split_description(),
             "dataset_path": self.dataset_path,
             "dataset_sequences": len(self.dataset),
-            "num_samples": self.num_samples,
-            "index_split": self.index_split.name,
-            "split_elements": [int(self.indices[0]), int(self.indices[-1]), len(self.indices)]
-            if len(self.indices)
-            else [],
-            "random_seed": c.random_seed,
-            "sequence_length": c.sequence_length,
             "add_extra_token_to_sequence": bool(c.add_extra_token_to_sequence),
             "drop_last_partial_sequence": bool(self._drop_last),
             "tokenizer": tokenizer_identity(c.tokenizer),

@@ -26,7 +26,6 @@ Whitespace-only lines are skipped silently (Megatron fails on them).
 from __future__ import annotations
 
 import gc
-import json
 from dataclasses import dataclass
 from itertools import chain
 from typing import TYPE_CHECKING
@@ -34,6 +33,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from mp_data.indexed_format import DType
+from mp_data.json_lines import describe_json, json_object
 from mp_data.tokenizers import Tokenizer, build_tokenizer
 
 if TYPE_CHECKING:  # NLTK is imported only with --split-sentences: half a second saved
@@ -105,17 +105,9 @@ def parse_line(
 ) -> list[list[str]]:
     """The sentences of each key's text in one JSON line (`raw`, without its newline)."""
     try:
-        line = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise BadLine(
-            f"not UTF-8 text (byte {e.start + 1}: {raw[e.start : e.start + 1]!r})"
-        ) from None
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise BadLine(f"not valid JSON: {e.msg} (column {e.colno})") from None
-    if not isinstance(record, dict):
-        raise BadLine(f"expected a JSON object, got {_describe(record)}")
+        record = json_object(raw)
+    except ValueError as e:
+        raise BadLine(str(e)) from None
     per_key = []
     for key in keys:
         if key not in record:
@@ -129,9 +121,9 @@ def parse_line(
         else:
             if isinstance(value, list):
                 item = next(s for s in value if not isinstance(s, str))
-                what = f"an array with {_describe(item)} in it"
+                what = f"an array with {describe_json(item)} in it"
             else:
-                what = _describe(value)
+                what = describe_json(value)
             raise BadLine(
                 f"key {key!r} holds {what}; expected a string (or an array of sentence strings)"
             )
@@ -243,19 +235,6 @@ class Encoder:
                         f"of the {self.options.tokenizer_type}",
                     )
         return found
-
-
-def _describe(value) -> str:
-    """A JSON value's kind, in JSON's words."""
-    for kind, name in (
-        (bool, "true/false"),
-        (str, "a string"),
-        (dict, "an object"),
-        (list, "an array"),
-    ):
-        if isinstance(value, kind):
-            return name
-    return "null" if value is None else "a number"
 
 
 def _tokenizer_error(sentences: list[str], error: Exception) -> str:
