@@ -43,6 +43,7 @@ ALLOWED = {
 
 OPTIONAL = {
     "mp_state": {"numpy"},
+    "mp_data": {"transformers"},  # the `sft` extra: chat templates
     "mp_layers": {"transformer_engine", "torchao"},  # the `fp8` extra: torchao
     "mp_train": {"wandb"},
     "mp_gpt": {"aiohttp"},  # the `serve` extra

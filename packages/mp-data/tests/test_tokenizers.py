@@ -335,6 +335,7 @@ def test_build_tokenizer_each_type(tmp_path):
         "HuggingFaceTokenizer": build_tokenizer(
             "HuggingFaceTokenizer", tokenizer_model=save_gpt2_tokenizer_json(tmp_path).parent
         ),
+        "SFTTokenizer": build_tokenizer("SFTTokenizer", tokenizer_model=tmp_path),
         "NullTokenizer": build_tokenizer("NullTokenizer", vocab_size=50),
     }
     assert set(built) == set(TOKENIZER_TYPES)

@@ -1,7 +1,8 @@
 """mp-data: Megatron-compatible data for pretraining, from text to batches.
 
 .bin/.idx indexed datasets (byte-compatible with Megatron-LM's MMIDIDX), native
-index builders, GPT, mock and blended datasets with Megatron's sampling, the
+index builders, GPT, mock and blended datasets with Megatron's sampling, SFT
+datasets (chat JSONL packed into loss-masked samples), the
 dataset builder, samplers and the data loader, tokenizers, and the `mp-data`
 command (mp_data.cli). docs/data.md explains the pipeline.
 
@@ -36,6 +37,16 @@ _EXPORTS = {
     "MegatronPretrainingRandomSampler": "mp_data.samplers",
     "MegatronPretrainingSampler": "mp_data.samplers",
     "RandomSeedDataset": "mp_data.samplers",
+    "SFTDataError": "mp_data.sft_conversations",
+    "read_conversations": "mp_data.sft_conversations",
+    "SFTDataset": "mp_data.sft_dataset",
+    "write_chat_corpus": "mp_data.sft_example",
+    "write_chat_tokenizer": "mp_data.sft_example",
+    "SFTLowLevelDataset": "mp_data.sft_dataset",
+    "pack_conversations": "mp_data.sft_packing",
+    "packed_sample": "mp_data.sft_packing",
+    "SFT_PROMPT_FORMATS": "mp_data.sft_tokenizer",
+    "SFTTokenizer": "mp_data.sft_tokenizer",
     "Split": "mp_data.split",
     "parse_and_normalize_split": "mp_data.split",
     "split_indices": "mp_data.split",
@@ -56,6 +67,7 @@ _EXPORTS = {
 
 __all__ = [
     "DATALOADER_TYPES",
+    "SFT_PROMPT_FORMATS",
     "TOKENIZER_TYPES",
     "BertWordPieceCase",
     "BertWordPieceLowerCase",
@@ -75,6 +87,10 @@ __all__ = [
     "MockGPTDataset",
     "NullTokenizer",
     "RandomSeedDataset",
+    "SFTDataError",
+    "SFTDataset",
+    "SFTLowLevelDataset",
+    "SFTTokenizer",
     "Split",
     "Tokenizer",
     "build_blending_indices",
@@ -87,12 +103,17 @@ __all__ = [
     "get_idx_path",
     "ltor_masks_and_position_ids",
     "merge_datasets",
+    "pack_conversations",
+    "packed_sample",
     "parse_and_normalize_split",
+    "read_conversations",
     "sample_index_dtype",
     "split_indices",
     "split_matrix",
     "train_valid_test_num_samples",
     "vocab_size_with_padding",
+    "write_chat_corpus",
+    "write_chat_tokenizer",
     "write_docstring_corpus",
 ]
 

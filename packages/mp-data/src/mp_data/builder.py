@@ -112,9 +112,8 @@ class BlendedMegatronDatasetBuilder:
 
     def _splits(self, prefix: str | None, matrix, sizes: list[int | None]) -> list:
         """The datasets of one prefix: one per split of the matrix, None for the others."""
-        low_level = None
-        if not dist.is_initialized() or self.is_built_on_rank():
-            low_level = self.cls.build_low_level_dataset(prefix, self.config)
+        # Rank 0 first: a low-level dataset may build a cache the others then read (SFT).
+        low_level = self._build(self.cls.build_low_level_dataset, prefix, self.config)
         ids = [None] * len(Split)
         if low_level is not None:
             ids = split_indices(matrix, self.cls.numel_low_level_dataset(low_level))
@@ -127,8 +126,9 @@ class BlendedMegatronDatasetBuilder:
             result.append(self._build(self.cls, *args))
         return result
 
-    def _build(self, cls: type, *args):
-        """cls(*args): on rank 0 first, then, after a barrier, on the other ranks."""
+    def _build(self, cls: Callable, *args):
+        """cls(*args) where is_built_on_rank: on rank 0 first, then, after a barrier, on the
+        other ranks; None elsewhere."""
         if not dist.is_initialized():
             return cls(*args)
         rank, dataset = dist.get_rank(), None

@@ -28,6 +28,7 @@ TOKENIZER_TYPES = {
     "BertWordPieceLowerCase": ("vocab_file",),
     "BertWordPieceCase": ("vocab_file",),
     "HuggingFaceTokenizer": ("tokenizer_model",),
+    "SFTTokenizer": ("tokenizer_model",),
     "NullTokenizer": ("vocab_size",),
 }
 """Megatron's tokenizer types that mp provides -> the arguments each one requires."""
@@ -41,11 +42,15 @@ def build_tokenizer(
     tokenizer_model: str | os.PathLike | None = None,
     vocab_size: int | None = None,
     special_tokens_as_text: bool = False,
+    sft_tokenizer_prompt_format: str = "nemotron-h-aligned",
 ) -> Tokenizer:
     """The tokenizer of `tokenizer_type`, built from the arguments it requires.
 
     `special_tokens_as_text` tokenizes the text of special tokens as ordinary
     text instead of matching it (base.py); NullTokenizer has no special text.
+    "SFTTokenizer" (Megatron's, for --sft) is a HuggingFaceTokenizer that also renders
+    conversations in `sft_tokenizer_prompt_format` (mp_data.sft_tokenizer; it needs
+    transformers).
     """
     if tokenizer_type not in TOKENIZER_TYPES:
         raise ValueError(
@@ -70,6 +75,11 @@ def build_tokenizer(
         return BertWordPieceCase(vocab_file, special_tokens_as_text)
     if tokenizer_type == "HuggingFaceTokenizer":
         return HuggingFaceTokenizer(tokenizer_model, special_tokens_as_text)
+    if tokenizer_type == "SFTTokenizer":
+        # Imported here: mp_data.sft_tokenizer builds on this package's HuggingFaceTokenizer.
+        from mp_data.sft_tokenizer import SFTTokenizer
+
+        return SFTTokenizer(tokenizer_model, sft_tokenizer_prompt_format)
     return NullTokenizer(vocab_size)
 
 
