@@ -34,7 +34,7 @@ MISTAKES = {
         ["--tokenizer-type", "GPT3Tokenizer"],
         "error: --tokenizer-type GPT3Tokenizer is not one mp has: choose one of "
         "GPT2BPETokenizer, BertWordPieceLowerCase, BertWordPieceCase, HuggingFaceTokenizer, "
-        "NullTokenizer",
+        "SFTTokenizer, NullTokenizer",
     ),
     "tokenizer argument": (
         ["--tokenizer-type", "GPT2BPETokenizer", "--merge-file", "none"],

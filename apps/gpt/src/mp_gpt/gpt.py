@@ -1,9 +1,10 @@
 """GPT pretraining's three providers, as Megatron's pretrain_gpt.py has them.
 
 - model_provider: this rank's GPTModel chunk for its (virtual) pipeline stage;
-- datasets_provider: GPT datasets (or mock ones) from mp-data, built on the
-  ranks that read data (tensor-parallel rank 0 of the first and last stage, and
-  of the middle stages when samples carry documents);
+- datasets_provider: GPT datasets (or mock ones, or packed SFT conversations
+  with --sft) from mp-data, built on the ranks that read data (tensor-parallel
+  rank 0 of the first and last stage, and of the middle stages when samples
+  carry documents);
 - forward_step: get_batch (tensor-parallel rank 0 reads the micro-batch and
   broadcasts it to its group; middle stages read nothing, or only the documents
   with reset_attention_mask), the model, and a loss masked by loss_mask,
@@ -23,6 +24,8 @@ from mp_data import (
     GPTDataset,
     GPTDatasetConfig,
     MockGPTDataset,
+    SFTDataset,
+    SFTTokenizer,
     get_blend_from_list,
 )
 from mp_layers import GPTModel, ModelGroups, PackedSeqParams, broadcast_data, shard_sequence
@@ -47,7 +50,16 @@ def datasets_provider(run, counts: list[int]):
     """[train, valid, test] datasets for the sample counts the loop needs."""
     config = run.config
     data, state = config.data, run.state
+    first = state.pp.rank == 0
+    last = state.pp.rank == state.pp.size - 1
+
+    def reads_data() -> bool:  # a middle stage needs the samples' documents only
+        return state.tp.rank == 0 and (first or last or data.batches_carry_documents)
+
     tokenizer = run.tokenizer
+    if data.sft and reads_data() and not isinstance(tokenizer, SFTTokenizer):
+        # HuggingFaceTokenizer's tokenizer.json, rendering conversations in the prompt format.
+        tokenizer = SFTTokenizer(tokenizer.path, data.sft_tokenizer_prompt_format)
     blend, per_split = None, None
     # Mock data reads no files: with no blend named, the config takes megatron-core's mock
     # path (MockGPTDataset, split 1,1,1), whatever data paths a YAML file may carry.
@@ -64,13 +76,7 @@ def datasets_provider(run, counts: list[int]):
         reset_attention_mask=data.reset_attention_mask, eod_mask_loss=data.eod_mask_loss,
         create_attention_mask=data.batches_carry_documents,
     )  # fmt: skip
-    first = state.pp.rank == 0
-    last = state.pp.rank == state.pp.size - 1
-
-    def reads_data() -> bool:  # a middle stage needs the samples' documents only
-        return state.tp.rank == 0 and (first or last or data.batches_carry_documents)
-
-    cls = MockGPTDataset if data.mock_data else GPTDataset
+    cls = SFTDataset if data.sft else MockGPTDataset if data.mock_data else GPTDataset
     return BlendedMegatronDatasetBuilder(cls, counts, reads_data, dataset_config).build()
 
 
@@ -80,7 +86,7 @@ _INT_KEYS = ["tokens", "labels", "position_ids"]
 def get_batch(data_iterator, model, documents: bool = False) -> dict | None:
     """This chunk's micro-batch: tokens and positions on the first stage, labels and
     loss_mask on the last, nothing in between. documents: the samples carry
-    document_ids (reset_attention_mask), which every stage needs (a middle stage gets
+    document_ids (reset_attention_mask, sft), which every stage needs (a middle stage gets
     them alone); otherwise attention is causal over each whole sample."""
     stage = _unwrap(model)
     ends = stage.pre_process or stage.post_process

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 __all__ = ["DataConfig"]
+
+SFTPromptFormat = Literal["default", "nemotron-h-aligned", "nemotron-nano-v2", "identity"]
+"""The prompt formats of mp_data.SFT_PROMPT_FORMATS."""
 
 
 @dataclass(kw_only=True)
@@ -92,6 +95,19 @@ class DataConfig:
     (an s x s mask is never materialized; attention runs document by document). False
     forbids reset_attention_mask (documents would see each other)."""
 
+    sft: bool = False
+    """Supervised fine-tuning data (Megatron's --sft): data_path (or train/valid/test_data_path)
+    names JSONL files of chat conversations, {"messages": [{"role": ..., "content": ...}, ...]}
+    a line, rendered with sft_tokenizer_prompt_format and packed into seq_length samples,
+    loss on the assistant's tokens only, conversations kept apart by their document_ids
+    (docs/sft.md). Needs tokenizer_type HuggingFaceTokenizer (or Megatron's SFTTokenizer)
+    and transformers (pip install 'mp-data[sft]')."""
+
+    sft_tokenizer_prompt_format: SFTPromptFormat = "nemotron-h-aligned"
+    """How sft renders a conversation: default, the tokenizer's own chat template
+    (tokenizer_config.json); nemotron-h-aligned (Megatron's default), nemotron-nano-v2 or
+    identity, Megatron's named formats."""
+
     def __post_init__(self) -> None:
         if self.dataloader_type not in ("single", "cyclic"):
             raise ValueError(
@@ -112,6 +128,13 @@ class DataConfig:
                 "reset_attention_mask=True needs create_attention_mask_in_dataloader=True: the "
                 "per-document attention mask is built by the data loader"
             )
+        formats = get_args(SFTPromptFormat)
+        if self.sft_tokenizer_prompt_format not in formats:
+            raise ValueError(f"sft_tokenizer_prompt_format={self.sft_tokenizer_prompt_format!r} "
+                             f"must be one of {', '.join(formats)}")  # fmt: skip
+        if self.sft and self.mock_data:
+            raise ValueError("sft=True reads JSONL conversations; mock_data=True has none: "
+                             "give one of them")  # fmt: skip
         self._read_data_args()
         if self.data_path and self.train_data_path:
             raise ValueError("data_path and train_data_path are exclusive: give one")
@@ -152,8 +175,9 @@ class DataConfig:
     @property
     def batches_carry_documents(self) -> bool:
         """The samples carry document_ids (the loader splits them into documents, which
-        attention keeps apart: reset_attention_mask)."""
-        return self.reset_attention_mask and self.create_attention_mask_in_dataloader
+        attention keeps apart): with reset_attention_mask, and always with sft (one
+        document per conversation, as Megatron's SFT samples always carry cu_seqlens)."""
+        return self.sft or (self.reset_attention_mask and self.create_attention_mask_in_dataloader)
 
     @property
     def has_data(self) -> bool:

@@ -219,8 +219,7 @@ class SFTDataset(MegatronDataset):
         lo, hi = self.sample_bounds[j : j + 2]
         parts = [self.dataset.get(int(c)) for c in self.conversations[lo:hi]]
         c = self.config
-        item = packed_sample(parts, c.sequence_length, self._pad, self._eod, c.eod_mask_loss,
-                             c.create_attention_mask)  # fmt: skip
+        item = packed_sample(parts, c.sequence_length, self._pad, self._eod, c.eod_mask_loss)
         if idx is None:
             item["loss_mask"].zero_()
         return item

@@ -15,9 +15,8 @@ sequence_length. Its tensors, s = sequence_length:
         conversation (Megatron: the target is not IGNORE_INDEX), else 0,
     position_ids [s] int64: restarting at 0 with each conversation,
     document_ids [s] int64: the conversation's index in the sample, 0, 0, 1, ...;
-        the padding after the last conversation is a document of its own,
-    attention_mask [1, s, s] bool (True = masked), only when asked: causal within
-        each document, nothing across documents.
+        the padding after the last conversation is a document of its own. Attention
+        stays within a document (mp_layers.PackedSeqParams reads them).
 """
 
 from __future__ import annotations
@@ -50,7 +49,6 @@ def packed_sample(
     pad: int,
     eod: int | None = None,
     eod_mask_loss: bool = False,
-    attention_mask: bool = False,
 ) -> dict[str, torch.Tensor]:
     """The tensors of one sample from its conversations' (ids, assistant) in order, each
     cut to the sample's sequence_length + 1 tokens."""
@@ -76,16 +74,10 @@ def packed_sample(
     labels = ids[1:]
     if eod_mask_loss and eod is not None:
         loss_mask[labels == eod] = 0.0
-    item = {
+    return {
         "tokens": torch.from_numpy(ids[:-1].copy()),
         "labels": torch.from_numpy(labels.copy()),
         "loss_mask": torch.from_numpy(loss_mask),
         "position_ids": torch.from_numpy(position[:-1].copy()),
         "document_ids": torch.from_numpy(document[:-1].copy()),
     }
-    if attention_mask:
-        doc = item["document_ids"]
-        allowed = torch.ones(sequence_length, sequence_length, dtype=torch.bool).tril_()
-        allowed &= doc[:, None] == doc[None, :]
-        item["attention_mask"] = (~allowed).unsqueeze(0)
-    return item

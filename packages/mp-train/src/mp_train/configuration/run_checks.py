@@ -22,6 +22,9 @@ from mp_ckpt import check_export_target
 from mp_data import TOKENIZER_TYPES, get_blend_from_list
 from mp_train.errors import ConfigError, flag
 
+SFT_TOKENIZER_TYPES = ("HuggingFaceTokenizer", "SFTTokenizer")
+"""The tokenizer types --sft renders conversations with (a tokenizer.json folder)."""
+
 __all__ = [
     "check_backend",
     "check_input_files",
@@ -132,6 +135,12 @@ def check_tokenizer(config) -> None:
     """A tokenizer type mp provides and the arguments it reads (mp_data.TOKENIZER_TYPES)."""
     data = config.data
     kind = data.tokenizer_type
+    if data.sft and kind not in SFT_TOKENIZER_TYPES:
+        raise ConfigError(
+            f"--sft with --tokenizer-type {kind or '(none)'}: conversations are rendered with "
+            f"a Hugging Face tokenizer's files; give --tokenizer-type "
+            f"{' or '.join(SFT_TOKENIZER_TYPES)} and --tokenizer-model"
+        )
     if kind is None:
         if data.vocab_size is None:
             raise ConfigError(
@@ -155,6 +164,11 @@ def check_input_files(config) -> None:
         for name in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
             blend = get_blend_from_list(getattr(data, name))
             for prefix in blend[0] if blend else ():
+                if data.sft:
+                    if not os.path.isfile(prefix):
+                        raise ConfigError(f"{_named_by(data, name)} {prefix}: no such file "
+                                          "(--sft reads JSONL files of conversations)")  # fmt: skip
+                    continue
                 for suffix in (".bin", ".idx"):
                     if not os.path.isfile(prefix + suffix):
                         raise ConfigError(

@@ -166,6 +166,7 @@ def setup_run(
     tokenizer = build_tokenizer(
         kind, vocab_file=data.vocab_file, merge_file=data.merge_file,
         tokenizer_model=data.tokenizer_model, vocab_size=data.vocab_size,
+        sft_tokenizer_prompt_format=data.sft_tokenizer_prompt_format,
     )  # fmt: skip
     vocab = tokenizer.vocab_size
     padded = data.padded_vocab_size or vocab_size_with_padding(

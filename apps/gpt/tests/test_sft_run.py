@@ -1,0 +1,66 @@
+"""pretrain_gpt --sft: a run on chat JSONL trains on packed conversations, and what --sft
+cannot run with is refused before any rank starts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from mp_data import write_chat_corpus, write_chat_tokenizer
+from mp_gpt.config_files import config_path
+from mp_gpt.testing import metrics_records, train_output_on_rank
+from mp_state.testing import run_on_ranks
+from mp_train import ConfigError, load_config
+
+pytest.importorskip("transformers")
+
+
+def sft_options(folder: Path, *extra: str) -> list[str]:
+    """tiny.yaml (fp32) on folder/chat.jsonl rendered with folder/tokenizer's chat template:
+    8 iterations of 8 samples of 64 tokens, metrics to folder/metrics.jsonl. As Megatron's
+    SFT launch lines, --no-create-attention-mask-in-dataloader: the samples' document_ids
+    keep the conversations apart all the same."""
+    return [
+        "--config", str(config_path("tiny.yaml")), "--sft",
+        "--no-create-attention-mask-in-dataloader", "--sft-tokenizer-prompt-format",
+        "default", "--tokenizer-type", "HuggingFaceTokenizer",
+        "--tokenizer-model", str(folder / "tokenizer"), "--data-path", str(folder / "chat.jsonl"),
+        "--split", "90,10,0", "--data-cache-path", str(folder / "cache"),
+        "--seq-length", "64", "--micro-batch-size", "4", "--global-batch-size", "8",
+        "--train-iters", "8", "--eval-interval", "none", "--log-interval", "10",
+        "--lr-warmup-iters", "1", "--save", "none", "--load", "none",
+        "--tensorboard-dir", "none", "--num-workers", "0",
+        "--metrics-file", str(folder / "metrics.jsonl"), *extra,
+    ]  # fmt: skip
+
+
+@pytest.mark.multirank
+def test_sft_run_trains_with_falling_loss(tmp_path):
+    write_chat_tokenizer(str(tmp_path / "tokenizer"))
+    write_chat_corpus(str(tmp_path / "chat.jsonl"), 200, long_every=50, long_words=60)
+    [(status, out)] = run_on_ranks(train_output_on_rank, 1, sft_options(tmp_path), timeout=180)
+    assert status == 0, out
+    losses = [r["lm loss"] for r in metrics_records(tmp_path)]
+    assert len(losses) == 8
+    assert losses[-1] < losses[0] - 1.0, losses  # from ln(vocab) ~ 7 towards the pattern
+    # The packing's one line per split, the truncated conversations counted.
+    [train] = [line for line in out.splitlines() if "SFTDataset train" in line]
+    assert "180 lines, 180 conversations in" in train
+    assert "conversations longer than 65 tokens truncated" in train
+
+
+def test_sft_refusals(tmp_path):
+    write_chat_tokenizer(str(tmp_path / "tokenizer"))
+    (tmp_path / "chat.jsonl").write_text("")
+    base = sft_options(tmp_path)
+    cases = [
+        (["--tokenizer-type", "NullTokenizer", "--vocab-size", "100"],
+         "--sft with --tokenizer-type NullTokenizer"),
+        (["--data-path", str(tmp_path / "missing.jsonl")], "missing.jsonl: no such file"),
+        (["--mock-data"], "reads JSONL conversations; --mock-data has none"),
+    ]  # fmt: skip
+    for extra, message in cases:
+        environ = {"MP_RUN_DIR": "/nonexistent"}
+        with pytest.raises(ConfigError, match=message):
+            load_config([*base, *extra], environ=environ)
