@@ -1,8 +1,10 @@
 """Fine-tuning a Hugging Face model in one command: `--load HF_DIR` (a random Qwen3 saved
-by transformers, with a tokenizer) at TP2, each rank reading its own pieces from the
+by transformers, with a chat tokenizer) at TP2 on 200 SFT conversations (JSONL rendered
+with the directory's chat template), each rank reading its own pieces from the
 safetensors, the model's settings and the tokenizer taken from the directory; the loss
 falls, and `--export-hf-dir` writes a directory transformers loads, whose logits equal
-mp's (the run's final save in one GPTModel) and which generates. A run that only loads
+mp's (the run's final save in one GPTModel), whose tokenizer keeps its chat template, and
+which generates. A run that only loads
 and exports (--skip-train) gives back every tensor of the directory exactly."""
 
 import json
@@ -12,6 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from mp_data.sft_example import CHAT_TEMPLATE, write_chat_corpus, write_chat_tokenizer
 from mp_state.testing import run_on_ranks
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -23,25 +26,14 @@ pytestmark = pytest.mark.multirank
 SEQ = 32
 
 
-def tiny_tokenizer():
-    """A byte-level BPE trained on a sentence (no download)."""
-    from tokenizers import decoders, models, pre_tokenizers, trainers
-
-    tok = tokenizers.Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
-    tok.train_from_iterator(["the quick brown fox jumps over the lazy dog, then naps"] * 8,
-                            trainer)  # fmt: skip
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
-
-
 def qwen3_folder(folder):
     """A random Qwen3 (grouped-query attention, qk-layernorm, a head dim of its own, untied
-    output layer) saved by transformers with its tokenizer; its embedding has rows past the
-    tokenizer's (as Qwen's do), a multiple of 8."""
-    tokenizer = tiny_tokenizer()
+    output layer) saved by transformers with a chat tokenizer (mp_data.sft_example's, saved
+    again by transformers, which keeps its chat template in chat_template.jinja); its
+    embedding has rows past the tokenizer's (as Qwen's do), a multiple of 8."""
+    write_chat_tokenizer(str(folder))
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    tokenizer.save_pretrained(folder)
     config = transformers.Qwen3Config(
         vocab_size=-(-len(tokenizer) // 8) * 8, hidden_size=64, intermediate_size=96,
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -55,13 +47,16 @@ def qwen3_folder(folder):
             if "norm" in name:
                 param.add_(torch.randn_like(param) * 0.1)
     model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
     return model
 
 
-def options(hf_dir, run_dir, *extra):
+def options(hf_dir, run_dir, data_dir, *extra):
+    """Fine-tuning on data_dir/chat.jsonl (SFT: packed conversations, loss on the
+    assistant's tokens) rendered with the directory's own chat template."""
     return [
-        "--load", str(hf_dir), "--mock-data", "--seq-length", str(SEQ),
+        "--load", str(hf_dir), "--sft", "--sft-tokenizer-prompt-format", "default",
+        "--data-path", str(data_dir / "chat.jsonl"), "--split", "100,0,0",
+        "--data-cache-path", str(data_dir / "cache"), "--seq-length", str(SEQ),
         "--tensor-model-parallel-size", "2", "--micro-batch-size", "2",
         "--global-batch-size", "4", "--lr", "3e-3", "--min-lr", "3e-3", "--lr-warmup-iters", "0",
         "--eval-interval", "none", "--log-interval", "1", "--tensorboard-dir", "none",
@@ -84,9 +79,11 @@ def two_runs(first: list[str], second: list[str]) -> None:
 def test_finetune_a_hugging_face_model_at_tp2_and_export_it(tmp_path):
     hf_dir, run_dir = tmp_path / "qwen3", tmp_path / "run"
     qwen3_folder(hf_dir)
-    only_export = options(hf_dir, tmp_path, "--skip-train", "--train-iters", "1",
+    write_chat_corpus(str(tmp_path / "chat.jsonl"), 200)
+    only_export = options(hf_dir, tmp_path, tmp_path, "--skip-train", "--train-iters", "1",
                           "--export-hf-dir", str(tmp_path / "same"))  # fmt: skip
-    finetune = options(hf_dir, run_dir, "--train-iters", "6", "--save", str(run_dir / "ckpt"),
+    finetune = options(hf_dir, run_dir, tmp_path, "--train-iters", "6",
+                       "--save", str(run_dir / "ckpt"),
                        "--export-hf-dir", str(tmp_path / "tuned"))  # fmt: skip
     run_on_ranks(two_runs, 2, only_export, finetune, timeout=300)
 
@@ -111,7 +108,11 @@ def test_finetune_a_hugging_face_model_at_tp2_and_export_it(tmp_path):
         assert not torch.equal(tuned.lm_head.weight, source["lm_head.weight"])
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "tuned")
-    prompt = tokenizer("the lazy fox", return_tensors="pt").input_ids
+    assert tokenizer.chat_template == CHAT_TEMPLATE  # the template went with the tokenizer
+    chat = [{"role": "user", "content": "u3 u17"}]
+    prompt = tokenizer.apply_chat_template(
+        chat, add_generation_prompt=True, return_tensors="pt", return_dict=True
+    ).input_ids
     with torch.no_grad():
         out = tuned.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=4,
                              min_new_tokens=4, do_sample=False)  # fmt: skip

@@ -3,8 +3,8 @@
 One process, all cores, bf16 autocast over fp32 weights, AdamW. Conversations of random
 lengths averaging `--mean` tokens (300; uniform between 1/6 and 11/6 of it, seed 0) are
 packed greedily, in order, into samples of `--seq` positions (4096) without splitting
-one, as the SFT data packs them; each training step takes the conversations of one
-packed sample, three ways, taking turns:
+one (mp_data.pack_conversations, as the SFT data packs them); each training step takes
+the conversations of one packed sample, three ways, taking turns:
 
 - packed: the one sample, its documents kept apart by PackedSeqParams (each attended
   on its own), the tail padding masked out;
@@ -26,6 +26,7 @@ padded at this length mix.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import statistics
 import time
@@ -34,6 +35,7 @@ import numpy as np
 import torch
 from harness import context, emit
 
+from mp_data import pack_conversations
 from mp_layers import GPTModel, ModelGroups, PackedSeqParams, TransformerConfig
 
 VOCAB = 8192
@@ -48,16 +50,11 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
     rng = np.random.default_rng(0)
-    batches = []  # the conversations of each step
-    while len(batches) < args.warmup + args.steps:
-        batch, used = [], 0
-        while True:
-            n = int(rng.integers(args.mean // 6, args.mean * 11 // 6 + 1))
-            if used + n > args.seq:
-                break
-            batch.append(torch.from_numpy(rng.integers(1, VOCAB, n)))
-            used += n
-        batches.append(batch)
+    steps = args.warmup + args.steps
+    lengths = rng.integers(args.mean // 6, args.mean * 11 // 6 + 1, steps * args.seq // args.mean)
+    conversations = [torch.from_numpy(rng.integers(1, VOCAB, n)) for n in lengths]
+    bounds = pack_conversations(lengths, args.seq)  # the SFT data's packing
+    batches = [conversations[a:b] for a, b in itertools.pairwise(bounds[: steps + 1])]
     sides = {name: Side(args.seq, way) for name, way in
              (("packed", "packed"), ("padded", "seq"), ("padded-longest", "longest"))}  # fmt: skip
     times = {name: [] for name in sides}

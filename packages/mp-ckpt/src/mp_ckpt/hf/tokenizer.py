@@ -32,8 +32,12 @@ __all__ = [
     "write_tokenizer_files",
 ]
 
+_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
+"""Where transformers 5 keeps a tokenizer's chat template, beside tokenizer_config.json."""
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model")  # fmt: skip
+                   "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model",
+                   *_TEMPLATE_FILES)  # fmt: skip
 """The files of a Hugging Face folder that make up its tokenizer (those present are kept)."""
 
 _ROLE_FILES = ("tokenizer_config.json", "special_tokens_map.json")
@@ -105,6 +109,9 @@ def _huggingface_files(data: dict) -> tuple[dict[str, bytes], dict]:
         if (folder / name).is_file():
             files[name] = (folder / name).read_bytes()
             roles.update(_roles(json.loads(files[name])))
+    for name in _TEMPLATE_FILES:  # a chat template goes with the tokenizer
+        if (folder / name).is_file():
+            files[name] = (folder / name).read_bytes()
     vocab = _vocabulary(json.loads(tokenizer))
     # mp-data's eod without a role file naming one: the first end-of-text token it knows.
     eos = roles.get("eos_token") or next((t for t in _END_OF_TEXT if t in vocab), None)
