@@ -128,12 +128,18 @@ class BlendedMegatronDatasetBuilder:
 
     def _build(self, cls: Callable, *args):
         """cls(*args) where is_built_on_rank: on rank 0 first, then, after a barrier, on the
-        other ranks; None elsewhere."""
+        other ranks; None elsewhere. When rank 0 fails (a damaged file), it still reaches
+        the barrier before raising, so the other ranks go on and find the fault themselves,
+        each naming it, instead of losing rank 0 at the barrier."""
         if not dist.is_initialized():
             return cls(*args)
         rank, dataset = dist.get_rank(), None
         if rank == 0 and self.is_built_on_rank():
-            dataset = cls(*args)
+            try:
+                dataset = cls(*args)
+            except Exception:
+                dist.barrier()
+                raise
         dist.barrier()
         if rank != 0 and self.is_built_on_rank():
             dataset = cls(*args)
