@@ -6,13 +6,25 @@ mp_state.devices reads: on a machine with a GPU the CPU tests stay on the CPU wi
 gloo, as they run on one without. A test marked `cuda` asks for the GPU itself
 (run_on_ranks(device="cuda"), TorchrunJob(device="cuda"), MP_DEVICE=cuda for one
 call) and is skipped where torch sees no CUDA device. docs/testing.md has the rules.
+
+Bytecode for the processes the tests start: where the environment forbids writing it
+(PYTHONDONTWRITEBYTECODE), every new Python process (a torchrun job's launcher and
+workers, a command-line subprocess) would compile torch's and mp's modules from source
+again, about 3 s each. Those processes instead write and read their bytecode under one
+cache folder outside the repository (PYTHONPYCACHEPREFIX, in the temporary directory),
+so the first compiles and the others reuse it; the source tree stays free of it.
 """
 
 import os
+import tempfile
 
 import pytest
 
 os.environ["MP_DEVICE"] = "cpu"
+if os.environ.pop("PYTHONDONTWRITEBYTECODE", None):
+    os.environ.setdefault(
+        "PYTHONPYCACHEPREFIX", os.path.join(tempfile.gettempdir(), f"mp-pycache-{os.getuid()}")
+    )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
