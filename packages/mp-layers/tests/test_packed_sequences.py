@@ -2,8 +2,9 @@
 rest one more document of padding) give every document the logits and every parameter
 the gradients of running each document alone (fp32, 1e-5), with grouped-query attention,
 RoPE (positions restart per document), SDPA and the blocked path, a learnable softmax
-offset and a sliding window, and selective and full recompute. Memory of packed attention at
-16,384 positions: ci/bench/bench_packed_attention.py."""
+offset and a sliding window, and selective and full recompute; a multi-token
+prediction layer's loss over packed documents is each document's alone, pooled. Memory
+of packed attention at 16,384 positions: ci/bench/bench_packed_attention.py."""
 
 import pytest
 import torch
@@ -76,3 +77,22 @@ def test_the_documents_are_runs_of_equal_ids():
     assert packed.segments == [[(0, 2), (2, 5), (5, 6)], [(0, 6)]]
     assert packed.positions.tolist() == [[0, 1, 0, 1, 2, 0], [0, 1, 2, 3, 4, 5]]
     assert packed.cu_seqlens.tolist() == [0, 2, 5, 6, 12]
+
+
+def test_multi_token_prediction_stays_within_each_document():
+    """The MTP loss of packed documents is the one of each document alone, pooled: no
+    position predicts a token of the next document."""
+    model = model_of(mtp_num_layers=1)
+    generator = torch.Generator().manual_seed(2)
+    docs = [torch.randint(0, VOCAB, (1, n), generator=generator) for n in LENGTHS]
+    tokens = torch.cat(docs, dim=1)
+    ids = torch.cat([torch.full((n,), i) for i, n in enumerate(LENGTHS)])[None]
+    model(tokens, attention_mask=PackedSeqParams.from_document_ids(ids), labels=tokens)
+    packed = float(model.mtp.take_losses()[0])
+    totals, counts = 0.0, 0
+    for doc in docs:
+        model(doc, labels=doc)
+        count = doc.shape[1] - 1  # the last position's rolled token is past the document
+        totals += float(model.mtp.take_losses()[0]) * count  # the mean times its count
+        counts += count
+    assert packed == pytest.approx(totals / counts, rel=1e-5)

@@ -262,8 +262,17 @@ class GPTModel(torch.nn.Module):
         tokens = _per_rank_count(mask, cp) if self.calculate_per_token_loss else None
         factor = self.config.mtp_loss_scaling_factor / len(self.mtp.layers)
         out, ids = hidden, input_ids
+        # Packed documents: a position whose rolled token comes from the next document
+        # (the last k of each document at depth k) predicts nothing, as Megatron rolls
+        # within each sequence of cu_seqlens.
+        documents = rolled_documents = None
+        if isinstance(attention_mask, PackedSeqParams):
+            documents = rolled_documents = attention_mask.document_ids
         for k, layer in enumerate(self.mtp.layers):
             ids, labels, mask = (roll_left(t, cp) for t in (ids, labels, mask))
+            if documents is not None:
+                rolled_documents = roll_left(rolled_documents, cp)
+                mask = mask * (rolled_documents == documents)
             out = layer(out, self._embed(ids, None), rotary, attention_mask)
             count = _per_rank_count(mask, cp)
             total = (self._token_loss(out, labels).float() * mask).sum()
