@@ -240,7 +240,8 @@ class FullyShardedDataParallel(ChunkWrapper):
                 local = param.to_local()
                 param.main_grad = param.grad.to_local()
                 self.shards.append(LocalShard(
-                    name, param, local, param.main_grad, _flat_start(param, local),
+                    name, param, local, param.main_grad,
+                    _flat_start(param, self._group_of(param)),
                     id(param) in counted, is_expert_parallel(param),
                     getattr(param, "unsharded_dtype", param.dtype),
                 ))  # fmt: skip
@@ -365,6 +366,10 @@ class FullyShardedDataParallel(ChunkWrapper):
         raise NotImplementedError(_WHOLE_STATE)
 
     # --- internals -------------------------------------------------------------------------
+
+    def _group_of(self, param) -> RankGroup:
+        """The group `param` is sharded over: expert dp for a routed expert's, else dp."""
+        return self.expert_dp_group if is_expert_parallel(param) else self.dp_group
 
     def _counted(self) -> set[int]:
         """ids of the parameters counted in the gradient norm: those with a piece that is
@@ -516,11 +521,12 @@ def _is_dtensor(param) -> bool:
     return isinstance(param, DTensor)
 
 
-def _flat_start(param, local: torch.Tensor) -> int:
+def _flat_start(param, group: RankGroup) -> int:
     """Where this rank's rows start in the flattened whole parameter (FSDP2 gives rank r
-    rows [r c, (r + 1) c) of the first dimension, c = ceil(rows / ranks))."""
+    of the group the parameter is sharded over rows [r c, (r + 1) c) of the first
+    dimension, c = ceil(rows / ranks)). The rank is mp's group's, not read back from the
+    parameter's DeviceMesh, which resolves its group by a registered name."""
     rows = param.shape[0] if param.dim() else 1
-    ranks = param.device_mesh.size()
-    per_rank = -(-rows // ranks)
-    first = min(param.device_mesh.get_local_rank() * per_rank, rows)
+    per_rank = -(-rows // group.size)
+    first = min(group.rank * per_rank, rows)
     return first * (param.numel() // max(rows, 1))
