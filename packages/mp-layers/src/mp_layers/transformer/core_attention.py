@@ -32,6 +32,8 @@ would run or where an explicit mask or dropout is given.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 
 import torch
@@ -211,13 +213,18 @@ class CoreAttention(torch.nn.Module):
         *, sink: torch.Tensor | None = None,
     ) -> torch.Tensor:  # fmt: skip
         """Each document of each sample attended as a sequence of its own (causal), so
-        that no score crosses documents and none is computed for pairs of them."""
+        that no score crosses documents and none is computed for pairs of them: on a GPU
+        in one variable-length flash kernel where it applies (_varlen_fits), otherwise
+        one document at a time through _attend."""
         s, b = q.shape[:2]
         if tuple(packed.document_ids.shape) != (b, s):
             raise ValueError(
                 f"document_ids of shape {tuple(packed.document_ids.shape)} for queries of "
                 f"{b} samples of {s} positions"
             )
+        dropout = self.attention_dropout if self.training else 0.0
+        if sink is None and self.window is None and dropout == 0 and _varlen_fits(q, v):
+            return _varlen_packed(q, k, v, packed, self._scale(q))
         samples = []
         for i, documents in enumerate(packed.segments):
             one = (slice(None), slice(i, i + 1))
@@ -238,6 +245,47 @@ class CoreAttention(torch.nn.Module):
         return keeps_attention_probabilities(
             self.backend, q.device.type, s, b, heads, q.dtype, explicit_mask=explicit_mask
         )
+
+
+def _varlen_fits(q: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether torch's variable-length flash attention (torch.nn.attention.varlen) takes
+    these queries: on CUDA, fp16 / bf16, one head width of at most 256, and a torch whose
+    varlen_attn has the causal window and grouped-query arguments."""
+    if not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16):
+        return False
+    if q.shape[-1] != v.shape[-1] or q.shape[-1] > 256:
+        return False
+    return _varlen_attn() is not None
+
+
+@functools.cache
+def _varlen_attn():
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    wanted = {"window_size", "enable_gqa", "scale"}
+    return varlen_attn if wanted <= set(inspect.signature(varlen_attn).parameters) else None
+
+
+def _varlen_packed(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed: PackedSeqParams, scale: float
+) -> torch.Tensor:
+    """Every document of the batch in one varlen flash call: the samples flattened one
+    after the other ([b x s, heads, d]), the documents' bounds packed.cu_seqlens, causal
+    within each (window (-1, 0))."""
+    s, b, nq, _ = q.shape
+
+    def flat(t: torch.Tensor) -> torch.Tensor:
+        return t.transpose(0, 1).reshape(b * s, t.shape[2], t.shape[3])
+
+    cu = packed.cu_seqlens.to(q.device)
+    longest = max(e - a for row in packed.segments for a, e in row)
+    out = _varlen_attn()(
+        flat(q), flat(k), flat(v), cu, cu, longest, longest, scale=scale,
+        window_size=(-1, 0), enable_gqa=nq != k.shape[2],
+    )  # fmt: skip
+    return out.view(b, s, nq * v.shape[-1]).transpose(0, 1).reshape(s, b, nq * v.shape[-1])
 
 
 def keeps_attention_probabilities(
