@@ -1,6 +1,7 @@
 """ci/bench/gpu_suite.py --cpu-smoke runs every step of the GPU suite end to end on the
 CPU with tiny shapes: the smoke run trains, saves, resumes and generates; each training
-shape's bf16 variant and the generation comparison give figures; a variant whose flag
+shape's bf16 variant, the generation comparison and the packed-attention timing give
+figures; a variant whose flag
 the parser refuses is reported with the parser's reason; the table names every step."""
 
 import importlib.util
@@ -62,3 +63,7 @@ def test_cpu_smoke_runs_every_step(tmp_path, monkeypatch, capsys):
     # CPU are not checked.
     generated = rows["generate llama-3.2-1b"]
     assert generated["status"] == "ok" and {"b1", "b2"} <= set(generated["figures"])
+    # Packed attention: without a GPU the same per-document path on both packed sides.
+    packed = rows["packed"]["figures"]
+    assert rows["packed"]["status"] == "ok" and not packed["varlen_kernel"]
+    assert packed["max_difference"] == 0.0 and packed["dense_mask_ms"] > 0

@@ -300,7 +300,79 @@ def generate(mode: str) -> dict[str, Any]:
             "dtype": "bf16", **figures}  # fmt: skip
 
 
-_STEPS = {"smoke": smoke, "cuda_tests": cuda_tests, "train": train, "generate": generate}
+PACKED = {"cuda": (8192, 27, 32, 8, 128, 5), "cpu-smoke": (256, 4, 4, 2, 16, 1)}
+"""mode -> (sequence, documents, query heads, key/value heads, head width, timed calls) of
+the packed step."""
+
+
+def packed(mode: str) -> dict[str, Any]:
+    """Core attention over one bf16 sample packing documents of random lengths (mean 300
+    at 8192 positions), forward and backward, three ways taking turns: packed (one
+    variable-length flash call where torch has it), packed one document at a time (the
+    path without it), and the dense [1, 1, s, s] mask keeping the documents apart. The
+    best time of each, and the largest difference of packed's output from the
+    per-document one."""
+    import time
+
+    import numpy as np
+    import torch
+
+    import mp_state
+    from mp_layers import PackedSeqParams
+    from mp_layers.transformer import core_attention
+
+    s, docs, nq, ng, d, calls = PACKED[mode]
+    device = mp_state.select_device().device
+    rng = np.random.default_rng(0)
+    cuts = np.sort(rng.choice(np.arange(1, s), docs - 1, replace=False))
+    ids = torch.from_numpy(np.searchsorted(cuts, np.arange(s), side="right"))[None].to(device)
+    packed_params = PackedSeqParams.from_document_ids(ids)
+    allowed = torch.ones(s, s, dtype=torch.bool, device=device).tril_()
+    allowed &= ids[0][:, None] == ids[0][None, :]
+    dense = (~allowed)[None, None]
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(s, 1, n, d, device=device, dtype=torch.bfloat16, requires_grad=True)
+               for n in (nq, ng, ng))  # fmt: skip
+    grad = torch.randn(s, 1, nq * d, device=device, dtype=torch.bfloat16)
+    attention = core_attention.CoreAttention(0.0, None, "flash")
+    varlen = core_attention._varlen_fits(q, v)
+
+    def one_by_one(*inputs):  # the path without the variable-length kernel
+        fits, core_attention._varlen_fits = core_attention._varlen_fits, lambda *a: False
+        try:
+            return attention(*inputs, packed_params)
+        finally:
+            core_attention._varlen_fits = fits
+
+    ways = {"packed": lambda *t: attention(*t, packed_params), "per_document": one_by_one,
+            "dense_mask": lambda *t: attention(*t, dense)}  # fmt: skip
+    outputs, times = {}, {name: [] for name in ways}
+    for round_ in range(calls + 1):  # the first round warms up
+        for name, way in ways.items():
+            for t in (q, k, v):
+                t.grad = None
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            out = way(q, k, v)
+            out.backward(grad)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            if round_:
+                times[name].append(time.perf_counter() - start)
+            outputs[name] = out.detach().float()
+    best = {name: min(t) * 1000 for name, t in times.items()}
+    return {
+        "device": _device_name(device), "seq": s, "documents": docs, "varlen_kernel": varlen,
+        **{f"{name}_ms": round(ms, 3) for name, ms in best.items()},
+        "speedup_over_per_document": round(best["per_document"] / best["packed"], 2),
+        "speedup_over_dense_mask": round(best["dense_mask"] / best["packed"], 2),
+        "max_difference": float((outputs["packed"] - outputs["per_document"]).abs().max()),
+    }  # fmt: skip
+
+
+_STEPS = {"smoke": smoke, "cuda_tests": cuda_tests, "train": train, "generate": generate,
+          "packed": packed}  # fmt: skip
 
 
 # Devices and memory.

@@ -1,7 +1,8 @@
 """The GPU suite: one command for a machine with one GPU that checks mp on CUDA and
 measures it beside transformers, printing one table and writing JSON.
 
-    python3 ci/bench/gpu_suite.py [--out gpu_suite.json] [--steps smoke cuda-tests train generate]
+    python3 ci/bench/gpu_suite.py [--out gpu_suite.json]
+                                  [--steps smoke cuda-tests train generate packed]
     python3 ci/bench/gpu_suite.py --cpu-smoke   # the same steps on the CPU, tiny shapes
 
 It needs the repository and a Python with torch and transformers (numpy, tokenizers,
@@ -34,6 +35,9 @@ The steps, on the device mp_state picks (MP_DEVICE=cuda here, cpu with --cpu-smo
                  other in alternating rounds: tokens/s (best timed iteration), MFU
   generate S     bench_generate.compare in bf16 at each batch size: ms per new token and
                  prefill tokens/s, ours (KV cache) beside transformers' generate
+  packed         core attention over 27 packed documents in 8192 positions (bf16, forward
+                 and backward): one variable-length flash call beside one document at a
+                 time and beside the dense mask (gpu_steps.packed)
 
 Shapes (sequence, micro-batch = global batch):
 
@@ -88,8 +92,8 @@ VARIANTS = (
 )
 """Training variants: name, the flags ours runs with (on top of bench_gpt.config_argv)."""
 
-STEPS = ("smoke", "cuda-tests", "train", "generate")
-TIMEOUTS = {"smoke": 240, "cuda-tests": 480, "train": 360, "generate": 300}
+STEPS = ("smoke", "cuda-tests", "train", "generate", "packed")
+TIMEOUTS = {"smoke": 240, "cuda-tests": 480, "train": 360, "generate": 300, "packed": 120}
 """Seconds a step may take on a GPU (--cpu-smoke: a third)."""
 
 
@@ -178,6 +182,8 @@ def main(argv: list[str] | None = None) -> int:
         shape_name = gpu_steps.SIZES[sizes].generate_shape
         rows.append(run(f"generate {shape_name}", "generate", {"mode": sizes},
                         TIMEOUTS["generate"]))  # fmt: skip
+    if "packed" in args.steps:
+        rows.append(run("packed", "packed", {"mode": sizes}, TIMEOUTS["packed"]))
     total = time.perf_counter() - start
     report = {"suite": "gpu_suite", "mode": mode, "total_s": round(total, 1),
               "steps": [asdict(r) for r in rows], **context()}  # fmt: skip
@@ -251,6 +257,12 @@ def _summary(row: Row) -> str:
                  f"{g['hf_ms_per_token']:.2f} (ours {g['ratio_to_hf']:.2f}x its time)"
                  for key, g in f.items() if re.fullmatch(r"b\d+", key)]  # fmt: skip
         return "; ".join(parts)
+    if row.name == "packed":
+        kernel = "varlen kernel" if f["varlen_kernel"] else "no varlen kernel"
+        return (f"{f['documents']} documents in {f['seq']}, {kernel}: {f['packed_ms']:.1f} ms; "
+                f"{f['speedup_over_per_document']:.2f}x one document at a time, "
+                f"{f['speedup_over_dense_mask']:.2f}x the dense mask; outputs within "
+                f"{f['max_difference']:.1e}")  # fmt: skip
     return ""
 
 
