@@ -13,7 +13,8 @@ from mp_optim.clip_grads import clip_grads_by_total_norm, count_zeros, get_grad_
 from mp_optim.config import OptimizerConfig
 from mp_optim.ddp import DistributedDataParallel, broadcast_params, is_expert_parallel
 from mp_optim.factory import default_no_weight_decay, get_optimizer, get_param_groups
-from mp_optim.fsdp import FsdpSharding, FullyShardedDataParallel, LocalShard
+from mp_optim.fsdp import FullyShardedDataParallel, LocalShard
+from mp_optim.fsdp_sharding import FsdpSharding
 from mp_optim.grad_buffer import Bucket, GradBuffer, ParamRange
 from mp_optim.grad_scaler import ConstantGradScaler, DynamicGradScaler
 from mp_optim.optimizer import (

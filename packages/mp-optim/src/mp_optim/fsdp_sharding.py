@@ -1,0 +1,210 @@
+"""How FullyShardedDataParallel shards modules: torch's FSDP2 `fully_shard` over meshes
+made from mp's own groups, with mp's mixed precision, its parameters' attributes kept,
+and on the CPU a reduce-scatter gloo runs faster.
+
+    sharding = FsdpSharding(config, dp_group, expert_dp_group)
+    with mp_layers.on_layer_built(sharding.shard):   # optional: each layer as built
+        chunk = GPTModel(...)
+    model = FullyShardedDataParallel(config, chunk, ..., sharding=sharding)
+
+A module holding only routed experts' parameters is sharded over expert dp, the rest
+over dp; fully_shard runs bottom-up (the expert modules inside a unit before the unit,
+the units before the chunk).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mp_optim.config import OptimizerConfig
+from mp_optim.ddp import is_expert_parallel
+from mp_state import RankGroup, select_device
+
+__all__ = ["FsdpSharding", "is_dtensor", "is_sharded"]
+
+
+class FsdpSharding:
+    """How modules are sharded for FullyShardedDataParallel: FSDP2's `fully_shard` over
+    meshes made from `dp_group` (and `expert_dp_group` for modules holding only routed
+    experts' parameters), with the mixed-precision policy of `config`.
+
+    `shard(layer)` may run while the chunk is still being built (as
+    `mp_layers.on_layer_built`'s callback), so that each layer is sharded before the
+    next one exists; the wrapper then shards the rest."""
+
+    def __init__(
+        self, config: OptimizerConfig, dp_group: RankGroup,
+        expert_dp_group: RankGroup | None = None,
+    ) -> None:  # fmt: skip
+        if not config.fully_sharded:
+            raise ValueError(
+                "FullyShardedDataParallel needs a fully sharded config (use_megatron_fsdp with "
+                "data_parallel_sharding_strategy optim_grads or optim_grads_params, or "
+                "use_torch_fsdp2)"
+            )
+        _check_torch()
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        self.config = config
+        self.expert_dp_group = expert_dp_group
+        compute = config.model_dtype
+        self.policy = MixedPrecisionPolicy(
+            param_dtype=None if compute == torch.float32 else compute,
+            reduce_dtype=torch.float32 if config.grad_reduce_in_fp32 else compute,
+            cast_forward_inputs=False,  # mp's layers cast what they need, as under DDP
+        )
+        self.device_type = select_device().device.type
+        self.dense_mesh = _mesh(dp_group, self.device_type)
+        self._expert_mesh = None
+        # (id of the owning module, parameter name) -> the attributes to keep
+        self._attributes: dict[tuple[int, str], dict] = {}
+
+    def shard(self, module: torch.nn.Module, *, root: bool = False) -> None:
+        """Shards `module`: first its modules holding only expert parameters (over expert
+        dp), then the rest of its parameters not sharded yet (over dp). A `root` (the
+        chunk) keeps its own parameters (embeddings, output layer) gathered from its
+        forward to its backward, which needs them first (FSDP2's default for a root)."""
+        for unit in _expert_units(module):
+            if self.expert_dp_group is None:
+                name = next(n for n, p in module.named_parameters() if is_expert_parallel(p))
+                raise ValueError(
+                    f"{name} is an expert-parallel parameter (expert_parallel=True), but "
+                    "FullyShardedDataParallel got no expert_dp_group to shard it over: pass "
+                    "expert_dp_group=state.expert_dp"
+                )
+            if self._expert_mesh is None:
+                self._expert_mesh = _mesh(self.expert_dp_group, self.device_type)
+            self._fully_shard(unit, self._expert_mesh, self.config.reshard_after_forward)
+        reshard = self.config.reshard_after_forward
+        if root:
+            reshard = None if reshard else False
+        self._fully_shard(module, self.dense_mesh, reshard)
+
+    def _fully_shard(self, module: torch.nn.Module, mesh, reshard: bool | None) -> None:
+        """fully_shard, keeping what it loses: the parameters' Python attributes (mp's
+        sequence_parallel, shared_embedding, expert_parallel, ...) and their dtype, as
+        `unsharded_dtype` (the shards are fp32: the main parameters)."""
+        from torch.distributed.fsdp import fully_shard
+
+        kept: dict[int, dict] = {}  # a tied parameter has two owners
+        for owner in module.modules():
+            for name, param in owner.named_parameters(recurse=False):
+                if not is_dtensor(param):
+                    if id(param) not in kept:
+                        kept[id(param)] = {**vars(param), "unsharded_dtype": param.dtype}
+                    self._attributes[id(owner), name] = kept[id(param)]
+        for param in module.parameters():
+            if id(param) in kept and param.is_floating_point() and param.dtype != torch.float32:
+                param.data = param.data.float()
+        fully_shard(module, mesh=mesh, reshard_after_forward=reshard, mp_policy=self.policy)
+        if self.device_type == "cpu" and hasattr(module, "set_custom_reduce_scatter"):
+            custom = _reduce_scatter_by_all_reduce()
+            if custom is not None:
+                module.set_custom_reduce_scatter(custom)
+        self.restore_attributes(module)
+
+    def restore_attributes(self, module: torch.nn.Module) -> None:
+        """Puts the attributes kept at sharding back on `module`'s sharded parameters
+        (FSDP2 drops them again when a sharded module is moved with `.to()`)."""
+        for owner in module.modules():
+            for name, param in owner.named_parameters(recurse=False):
+                for key, value in self._attributes.get((id(owner), name), {}).items():
+                    setattr(param, key, value)
+
+
+def _reduce_scatter_by_all_reduce():
+    """FSDP2's reduce-scatter done as an all-reduce of the whole input and a copy of this
+    rank's part: on the CPU gloo's reduce-scatter of a tensor takes 1.6 to 3 times its
+    all-reduce (ci/bench/bench_fsdp.py), and the all-reduce carries no more data."""
+    import torch.distributed as dist
+
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+    except ImportError:  # a torch whose FSDP2 keeps the interface elsewhere: gloo's own
+        return None
+
+    class AllReduceScatter(ReduceScatter):
+        def allocate(self, size, *, dtype, device):
+            return torch.empty(*size, dtype=dtype, device=device)
+
+        def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+            averaged = op == dist.ReduceOp.AVG
+            dist.all_reduce(input_tensor, op=dist.ReduceOp.SUM if averaged else op, group=group)
+            mine = input_tensor.view(dist.get_world_size(group), -1)[dist.get_rank(group)]
+            output_tensor.copy_(mine)
+            if averaged:
+                output_tensor.div_(dist.get_world_size(group))
+            return None
+
+    return AllReduceScatter()
+
+
+_FSDP2_CALLS = (
+    "set_requires_gradient_sync",
+    "set_is_last_backward",
+    "set_gradient_divide_factor",
+    "set_force_sum_reduction_for_comms",
+    "set_modules_to_forward_prefetch",
+)
+
+
+def _check_torch() -> None:
+    """This torch's FSDP2 has what the wrapper calls (torch 2.15 and 2.11 are tested)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        FSDPModule = None
+    missing = [c for c in _FSDP2_CALLS if not hasattr(FSDPModule, c)]
+    if missing:
+        raise RuntimeError(
+            f"FullyShardedDataParallel needs torch's FSDP2 with {', '.join(missing)}, which "
+            f"torch {torch.__version__} lacks: upgrade torch (2.11 and 2.15 are tested)"
+        )
+
+
+def _mesh(group: RankGroup, device_type: str):
+    """The 1-D DeviceMesh over one of mp's groups."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return DeviceMesh.from_group(group.group, device_type)
+
+
+def _expert_units(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """The largest submodules not sharded yet whose parameters are all expert-parallel (a
+    MoE layer's experts), in module order."""
+    found = []
+
+    def visit(name: str, sub: torch.nn.Module) -> None:
+        if is_sharded(sub):
+            return
+        params = list(sub.parameters())
+        if params and all(is_expert_parallel(p) for p in params):
+            if sub is module:
+                raise ValueError("every parameter of the chunk is expert-parallel: nothing "
+                                 "to shard over dp_group")  # fmt: skip
+            found.append(sub)
+            return
+        for pname, param in sub.named_parameters(recurse=False):
+            if is_expert_parallel(param):
+                raise ValueError(
+                    f"{name}.{pname} is an expert-parallel parameter beside dense ones in "
+                    "one module: FSDP shards the two kinds over different groups, so expert "
+                    "parameters need modules of their own"
+                )
+        for child_name, child in sub.named_children():
+            visit(f"{name}.{child_name}" if name else child_name, child)
+
+    visit("", module)
+    return found
+
+
+def is_sharded(module: torch.nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(module, FSDPModule)
+
+
+def is_dtensor(param) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(param, DTensor)
