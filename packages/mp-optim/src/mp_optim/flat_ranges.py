@@ -11,14 +11,15 @@ sit at `positions` of the range's own 1-D tensor.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import bisect
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
 
 from mp_ckpt import ShardedTensor
 
-__all__ = ["Overlap", "flat_range_piece", "overlap"]
+__all__ = ["Overlap", "flat_range_piece", "locate", "overlap"]
 
 
 @dataclass(frozen=True)
@@ -70,3 +71,27 @@ def flat_range_piece(
         (part.start, part.end), tuple(piece.data.shape),
     )  # fmt: skip
     return described, write
+
+
+def locate(
+    pieces: Iterable[ShardedTensor], params: list[torch.Tensor]
+) -> Iterator[tuple[ShardedTensor, torch.Tensor, int]]:
+    """(piece, parameter, element offset of the piece's view in it) for every piece whose
+    data lies in one of `params` (found by address; pieces of buffers, and empty ones,
+    are left out)."""
+    spans = sorted(
+        (p.data_ptr(), p.data_ptr() + p.numel() * p.element_size(), i)
+        for i, p in enumerate(params)
+        if p.numel()
+    )
+    starts = [span[0] for span in spans]
+    for piece in pieces:
+        data = getattr(piece, "data", None)
+        if not isinstance(data, torch.Tensor) or data.numel() == 0:
+            continue
+        ptr = data.data_ptr()
+        where = bisect.bisect_right(starts, ptr) - 1
+        if where < 0 or ptr >= spans[where][1]:
+            continue
+        param = params[spans[where][2]]
+        yield piece, param, (ptr - spans[where][0]) // param.element_size()

@@ -66,6 +66,7 @@ from mp_optim.config import OptimizerConfig
 from mp_optim.ddp import ChunkWrapper, is_expert_parallel
 from mp_optim.flat_ranges import Overlap, flat_range_piece, overlap
 from mp_optim.fsdp_sharding import FsdpSharding, is_dtensor, is_sharded
+from mp_optim.optimizer import counted_of
 from mp_state import RankGroup
 
 __all__ = ["FullyShardedDataParallel", "LocalShard"]
@@ -155,7 +156,7 @@ class FullyShardedDataParallel(ChunkWrapper):
                 self.shards.append(LocalShard(
                     name, param, local, param.main_grad,
                     _flat_start(param, self._group_of(param)),
-                    id(param) in counted, is_expert_parallel(param),
+                    param in counted, is_expert_parallel(param),
                     getattr(param, "unsharded_dtype", param.dtype),
                 ))  # fmt: skip
         self._shard_of = {id(s.param): s for s in self.shards}
@@ -240,7 +241,8 @@ class FullyShardedDataParallel(ChunkWrapper):
                 cut = self._cut(piece, param, offset) if param is not None else None
                 if cut is not None and key in pieces:
                     shard, part = cut
-                    flat_range_piece(key, piece, part, shard.data)[1](pieces[key].data)
+                    flat = shard.data.view(-1)
+                    flat[part.positions] = pieces[key].data.to(flat.dtype)
 
     def piece_layout(self, prefix: str = ""):
         """(key, piece, parameter, offset) for every piece of the module's
@@ -284,17 +286,12 @@ class FullyShardedDataParallel(ChunkWrapper):
         """The group `param` is sharded over: expert dp for a routed expert's, else dp."""
         return self.expert_dp_group if is_expert_parallel(param) else self.dp_group
 
-    def _counted(self) -> set[int]:
-        """ids of the parameters counted in the gradient norm: those with a piece that is
-        not a replica in the sharding description (a norm weight on tensor-parallel ranks
-        > 0 and the last stage's tied embedding are copies), and those it does not name."""
-        described, counted = set(), set()
-        for _, piece, param, _ in self.piece_layout():
-            if param is not None:
-                described.add(id(param))
-                if piece.replica_id == 0:
-                    counted.add(id(param))
-        return counted | {id(p) for p in self.module.parameters() if id(p) not in described}
+    def _counted(self) -> set[torch.nn.Parameter]:
+        """The parameters counted in the gradient norm (optimizer.counted_of's rule over
+        the pieces of the whole parameters)."""
+        located = ((piece, param, offset) for _, piece, param, offset in self.piece_layout()
+                   if param is not None)  # fmt: skip
+        return counted_of(located, list(self.module.parameters()))
 
     def _cut(self, piece: ShardedTensor, param, offset: int) -> tuple[LocalShard, Overlap] | None:
         """The shard of `param` and the part of `piece` (a view of it at `offset`) in it."""

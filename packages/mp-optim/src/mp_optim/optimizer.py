@@ -42,7 +42,6 @@ added to the dense squares before the square root.
 
 from __future__ import annotations
 
-import bisect
 from dataclasses import dataclass
 
 import torch
@@ -51,6 +50,7 @@ import torch.distributed as dist
 from mp_optim.clip_grads import clip_grads_by_total_norm, count_zeros, get_grad_norm
 from mp_optim.config import OptimizerConfig
 from mp_optim.ddp import is_expert_parallel
+from mp_optim.flat_ranges import locate
 from mp_optim.grad_scaler import ConstantGradScaler, DynamicGradScaler
 from mp_optim.optimizer_state import load_optimizer_state, optimizer_sharded_state_dict
 from mp_state import RankGroup
@@ -318,21 +318,14 @@ def counted_in_grad_norm(module: torch.nn.Module) -> set[torch.nn.Parameter]:
     describe = getattr(module, "sharded_state_dict", None)
     if describe is None:
         return set(params)
-    spans = sorted(
-        (p.data_ptr(), p.data_ptr() + p.numel() * p.element_size(), i)
-        for i, p in enumerate(params)
-        if p.numel()
-    )
-    starts = [s[0] for s in spans]
+    return counted_of(locate(describe().values(), params), params)
+
+
+def counted_of(located, params: list[torch.nn.Parameter]) -> set[torch.nn.Parameter]:
+    """counted_in_grad_norm's rule over (piece, parameter, offset) triples: the parameters
+    with a piece of replica_id 0, and those no piece describes."""
     described, counted = set(), set()
-    for piece in describe().values():
-        data = getattr(piece, "data", None)
-        if not isinstance(data, torch.Tensor) or data.numel() == 0:
-            continue
-        where = bisect.bisect_right(starts, data.data_ptr()) - 1
-        if where < 0 or data.data_ptr() >= spans[where][1]:
-            continue  # not a parameter (a buffer)
-        param = params[spans[where][2]]
+    for piece, param, _ in located:
         described.add(param)
         if piece.replica_id == 0:
             counted.add(param)

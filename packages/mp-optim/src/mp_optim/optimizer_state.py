@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from mp_ckpt import ShardedTensor
-from mp_optim.flat_ranges import flat_range_piece, overlap
+from mp_optim.flat_ranges import flat_range_piece, locate, overlap
 
 if TYPE_CHECKING:
     from mp_optim.optimizer import MixedPrecisionOptimizer
@@ -171,10 +171,4 @@ def _model_pieces(chunk, params: list[torch.nn.Parameter]):
             name: ShardedTensor(name, p.data, tuple(p.shape), (0,) * p.dim())
             for name, p in module.named_parameters()
         }
-    spans = [(p.data_ptr(), p.data_ptr() + p.numel() * p.element_size(), p) for p in params]
-    for piece in pieces.values():
-        ptr = piece.data.data_ptr()
-        for start, end, param in spans:
-            if start <= ptr < end:
-                yield piece, param, (ptr - start) // param.element_size()
-                break
+    yield from locate(pieces.values(), params)
