@@ -4,7 +4,12 @@ iterations with --reset-attention-mask --reset-position-ids at TP2 with sequence
 parallelism, at PP4 (two middle stages, which read the documents too), and with context
 parallelism (CP2 with each comm type, p2p ring, all_gather and a2a, and CP4 p2p;
 documents cross the ranks' chunks) with the one-rank run's losses and gradient norms
-(1e-5 relative); the curve differs from attending across documents."""
+(1e-5 relative); the curve differs from attending across documents.
+
+A corpus whose documents are all multiples of 8 tokens long (as SFT samples are padded
+under context parallelism) is split by document at CP2 and CP4 (each document cut into
+2 x cp chunks of its own, mp_layers.PackedSeqParams): with a multi-token prediction
+layer, micro-batches of two samples, it trains with the one-rank curve too."""
 
 import numpy as np
 import pytest
@@ -24,11 +29,14 @@ def CP(size: int, comm: str) -> list[str]:
     return ["--context-parallel-size", str(size), "--cp-comm-type", comm]
 
 
-def corpus(prefix: str) -> None:
+def corpus(prefix: str, multiple: int = 1) -> None:
+    """400 documents of 1 to 40 tokens and the end-of-document token, or of a multiple of
+    `multiple` tokens with it (then every sample of 64 starts at a document's start)."""
     rng = np.random.default_rng(0)
     with IndexedDatasetBuilder(prefix + ".bin", np.int32) as builder:
         for _ in range(400):
-            builder.add_item(np.append(rng.integers(0, VOCAB, rng.integers(1, 41)), VOCAB))
+            n = rng.integers(1, 41) if multiple == 1 else multiple * rng.integers(1, 6) - 1
+            builder.add_item(np.append(rng.integers(0, VOCAB, n), VOCAB))
             builder.end_document()
         builder.finalize(prefix + ".idx")
 
@@ -58,3 +66,26 @@ def test_packed_documents_train_alike_at_every_layout(tmp_path):
         assert_same_curve(curves[name], curves["one"], LOGGED, name)
     first = curves["one"][0]["lm loss"], curves["across"][0]["lm loss"]
     assert abs(first[0] - first[1]) > 1e-4 * abs(first[1]), first
+
+
+def test_documents_split_by_document_train_alike(tmp_path):
+    prefix = str(tmp_path / "docs")
+    corpus(prefix, multiple=8)
+    flags = [*PACKED, "--no-mock-data", "--data-path", prefix, "--split", "1,0,0",
+             "--train-iters", "10", "--peak-tflops", "1", "--micro-batch-size", "2",
+             "--mtp-num-layers", "1"]  # fmt: skip
+    layouts = {
+        "one": (1, []),
+        "cp2-p2p": (2, CP(2, "p2p")),
+        "cp2-all-gather": (2, CP(2, "all_gather")),
+        "cp2-a2a": (2, CP(2, "a2a")),
+        "cp4-p2p": (4, CP(4, "p2p")),
+    }
+    curves = {}
+    for name, (ranks, extra) in layouts.items():
+        run_on_ranks(train_on_rank, ranks, tiny_options(tmp_path / name, *flags, *extra),
+                     timeout=300)  # fmt: skip
+        curves[name] = metrics_records(tmp_path / name)
+    assert len(curves["one"]) == 10
+    for name in layouts.keys() - {"one"}:
+        assert_same_curve(curves[name], curves["one"], LOGGED, name)

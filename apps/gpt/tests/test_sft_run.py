@@ -50,6 +50,21 @@ def test_sft_run_trains_with_falling_loss(tmp_path):
     assert "conversations longer than 65 tokens truncated" in train
 
 
+@pytest.mark.multirank
+def test_sft_run_at_cp2_pads_conversations_for_the_document_split(tmp_path):
+    """Under context parallelism each conversation is padded to 2 x cp tokens (Megatron's
+    SFTDataset), so every document is split into chunks of its own on each rank."""
+    write_chat_tokenizer(str(tmp_path / "tokenizer"))
+    write_chat_corpus(str(tmp_path / "chat.jsonl"), 200, long_every=50, long_words=60)
+    options = sft_options(tmp_path, "--context-parallel-size", "2")
+    outputs = run_on_ranks(train_output_on_rank, 2, options, timeout=180)
+    assert all(status == 0 for status, _ in outputs), outputs
+    losses = [r["lm loss"] for r in metrics_records(tmp_path)]
+    assert len(losses) == 8 and losses[-1] < losses[0] - 1.0, losses
+    [train] = [line for line in outputs[0][1].splitlines() if "SFTDataset train" in line]
+    assert "each conversation padded to a multiple of 4 tokens" in train
+
+
 def test_sft_refusals(tmp_path):
     write_chat_tokenizer(str(tmp_path / "tokenizer"))
     (tmp_path / "chat.jsonl").write_text("")

@@ -215,3 +215,52 @@ def test_packing_plan_and_prompt_formats(chat):
                           "{{ m['content'] }} {% endif %}{% endfor %}")  # fmt: skip
     with pytest.raises(ValueError, match=r"message 1 \(assistant\): the 'nemotron-nano-v2' chat"):
         nano.tokenize_conversation(messages + messages)
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_context_parallelism_pads_each_conversation_to_twice_cp(chat, cp):
+    """Megatron's SFTDataset under context parallelism: every conversation padded to a
+    multiple of 2 x cp tokens within its own document (no loss on the padding), so every
+    document of every sample splits into 2 x cp chunks (mp_layers.PackedSeqParams splits
+    by document); nothing else changes."""
+    folder, records, tokenizer = chat
+    hf = transformers.PreTrainedTokenizerFast.from_pretrained(folder / "tokenizer")
+    expected = [hf.apply_chat_template(r["messages"], tokenize=True, return_dict=False)
+                for r in records]  # fmt: skip
+    word = {i: w for w, i in tokenizer.vocab.items()}
+    pad = tokenizer.vocab["<pad>"]
+    settings = config(folder, tokenizer, context_parallel_size=cp)
+    train = BlendedMegatronDatasetBuilder(SFTDataset, [None] * 3, lambda: True, settings).build()[0]
+    plain = BlendedMegatronDatasetBuilder(SFTDataset, [None] * 3, lambda: True,
+                                          config(folder, tokenizer)).build()[0]  # fmt: skip
+    # The assistant's loss, conversation by conversation, without the padding.
+    plain_loss = {}
+    for j in range(len(plain)):
+        item = plain[j]
+        docs = item["document_ids"].numpy()
+        for d in np.unique(docs):
+            tokens = item["tokens"].numpy()[docs == d]
+            if tokens[0] != pad:
+                plain_loss[int(word[int(tokens[2])][1:])] = item["loss_mask"].numpy()[docs == d]
+    seen = set()
+    for j in range(len(train)):
+        item = train[j]
+        tokens, docs = item["tokens"].numpy(), item["document_ids"].numpy()
+        loss, pos = item["loss_mask"].numpy(), item["position_ids"].numpy()
+        for d in np.unique(docs):
+            run = docs == d
+            assert run.sum() % (2 * cp) == 0, f"sample {j} document {d}: {run.sum()} tokens"
+            assert np.array_equal(pos[run], np.arange(run.sum()))
+            if tokens[run][0] == pad:  # the sample's trailing padding
+                assert loss[run].sum() == 0
+                continue
+            conversation = int(word[int(tokens[run][2])][1:])
+            assert conversation not in seen
+            seen.add(conversation)
+            n = min(len(expected[conversation]), int(run.sum()))
+            assert tokens[run][:n].tolist() == expected[conversation][:n]
+            assert np.all(tokens[run][n:] == pad) and loss[run][n:].sum() == 0
+            want = plain_loss[conversation]
+            np.testing.assert_array_equal(loss[run][: len(want) - 1], want[:-1])
+    assert seen == set(plain_loss)
+    assert len(train) >= len(plain)

@@ -75,6 +75,7 @@ def datasets_provider(run, counts: list[int]):
         tokenizer=tokenizer, reset_position_ids=data.reset_position_ids,
         reset_attention_mask=data.reset_attention_mask, eod_mask_loss=data.eod_mask_loss,
         create_attention_mask=data.batches_carry_documents,
+        context_parallel_size=state.cp.size,
     )  # fmt: skip
     cls = SFTDataset if data.sft else MockGPTDataset if data.mock_data else GPTDataset
     return BlendedMegatronDatasetBuilder(cls, counts, reads_data, dataset_config).build()
@@ -87,7 +88,8 @@ def get_batch(data_iterator, model, documents: bool = False) -> dict | None:
     """This chunk's micro-batch: tokens and positions on the first stage, labels and
     loss_mask on the last, nothing in between. documents: the samples carry
     document_ids (reset_attention_mask, sft), which every stage needs (a middle stage gets
-    them alone); otherwise attention is causal over each whole sample."""
+    them alone), described for this rank as "packed" (a PackedSeqParams); otherwise
+    attention is causal over each whole sample."""
     stage = _unwrap(model)
     ends = stage.pre_process or stage.post_process
     if not (ends or documents):
@@ -104,20 +106,19 @@ def get_batch(data_iterator, model, documents: bool = False) -> dict | None:
         # Padding samples carry a label no token has (under a zero loss mask).
         batch["labels"] = batch["labels"].clamp(min=0)
     # Context parallelism: this rank keeps its two load-balanced chunks of every
-    # sequence, positions with their tokens; the documents stay whole (forward_step
-    # describes them for this rank).
+    # sequence (of every document when the documents allow: PackedSeqParams.split),
+    # positions with their tokens.
     cp = mp_state.current().cp
-    return {key: value if key == "document_ids" else shard_sequence(value, cp.size, cp.rank)
-            for key, value in batch.items()}  # fmt: skip
+    if "document_ids" in batch:
+        packed = PackedSeqParams.from_document_ids(batch.pop("document_ids"), cp.size, cp.rank)
+        return {key: packed.shard(value) for key, value in batch.items()} | {"packed": packed}
+    return {key: shard_sequence(value, cp.size, cp.rank) for key, value in batch.items()}
 
 
 def forward_step(data_iterator, model, *, documents: bool = False):
     """Megatron's forward step: (per-token loss or hidden states, the loss function)."""
     batch = get_batch(data_iterator, model, documents)
-    packed = None
-    if batch is not None and "document_ids" in batch:
-        cp = mp_state.current().cp
-        packed = PackedSeqParams.from_document_ids(batch["document_ids"], cp.size, cp.rank)
+    packed = None if batch is None else batch.get("packed")
     if batch is None or "tokens" not in batch:  # a middle stage
         return model(None, attention_mask=packed), functools.partial(loss_func, None)
     output = model(batch["tokens"], batch["position_ids"], packed, labels=batch["labels"],

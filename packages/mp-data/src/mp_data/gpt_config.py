@@ -75,6 +75,12 @@ class GPTDatasetConfig:
     """Stop attention across end-of-document tokens (needs create_attention_mask): the
     samples carry "document_ids" instead of an s x s mask."""
 
+    context_parallel_size: int = 1
+    """The run's context-parallel size: above 1, SFT samples pad each conversation to a
+    multiple of 2 x context_parallel_size tokens (Megatron's SFTDataset), so that context
+    parallelism can split every conversation into its own chunks
+    (mp_layers.PackedSeqParams, split "document")."""
+
     eod_mask_loss: bool = False
     """Give end-of-document tokens no loss."""
 
@@ -95,6 +101,8 @@ class GPTDatasetConfig:
     def __post_init__(self) -> None:
         if isinstance(self.sequence_length, bool) or self.sequence_length < 1:
             raise ValueError(f"sequence_length={self.sequence_length} must be >= 1")
+        if isinstance(self.context_parallel_size, bool) or self.context_parallel_size < 1:
+            raise ValueError(f"context_parallel_size={self.context_parallel_size} must be >= 1")
         if self.mid_level_dataset_surplus < 0:
             raise ValueError(
                 f"mid_level_dataset_surplus={self.mid_level_dataset_surplus} must be >= 0"

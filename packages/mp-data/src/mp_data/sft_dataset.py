@@ -39,7 +39,7 @@ from mp_data.gpt_config import GPTDatasetConfig, tokenizer_identity
 from mp_data.index_cache import IndexCache
 from mp_data.megatron_dataset import MegatronDataset
 from mp_data.sft_conversations import SFTDataError, read_conversations
-from mp_data.sft_packing import pack_conversations, packed_sample
+from mp_data.sft_packing import pack_conversations, packed_sample, padded_lengths
 
 __all__ = ["SFTDataset", "SFTLowLevelDataset"]
 
@@ -156,7 +156,10 @@ class SFTDataset(MegatronDataset):
         self._pad = pad if pad is not None else (self._eod if self._eod is not None else 0)
         self.conversations = self.dataset.conversations_of(self.indices)
         self._capacity = config.sequence_length + 1
-        lengths = self.dataset.lengths(self.conversations)
+        cp = config.context_parallel_size
+        self._multiple = 2 * cp if cp > 1 else 1
+        raw = self.dataset.lengths(self.conversations)
+        lengths = padded_lengths(raw, self._multiple)
         cache = IndexCache(_cache_folder(config, self.dataset.path),
                            f"{type(self).__name__}-{self.index_split.name}", self.description(),
                            _SAMPLE_ARRAYS)  # fmt: skip
@@ -164,7 +167,7 @@ class SFTDataset(MegatronDataset):
         self.sample_bounds = arrays["sample_bounds"]
         self.shuffle_index = arrays["shuffle_index"]
         if _builds_caches():
-            self._log_packing(lengths)
+            self._log_packing(raw)
 
     @staticmethod
     def build_low_level_dataset(dataset_path: str, config: GPTDatasetConfig):
@@ -178,7 +181,10 @@ class SFTDataset(MegatronDataset):
 
     def description(self) -> dict:
         """Every setting that shapes the sample bounds and the shuffle: the cache key."""
-        return {**self.split_description(), "low_level": self.dataset.description}
+        description = {**self.split_description(), "low_level": self.dataset.description}
+        if self._multiple > 1:
+            description["conversation_multiple"] = self._multiple
+        return description
 
     def _plan(self, lengths: np.ndarray) -> dict[str, np.ndarray]:
         bounds = pack_conversations(lengths, self._capacity)
@@ -196,7 +202,8 @@ class SFTDataset(MegatronDataset):
         return {"sample_bounds": bounds, "shuffle_index": shuffle.astype(np.int64)}
 
     def _log_packing(self, lengths: np.ndarray) -> None:
-        """One line per split: what was packed, how full, what was truncated."""
+        """One line per split: what was packed, how full (conversation tokens, padding
+        excluded), what was truncated."""
         packs = len(self.sample_bounds) - 1
         over = lengths > self._capacity
         kept = int(np.minimum(lengths, self._capacity).sum())
@@ -204,6 +211,10 @@ class SFTDataset(MegatronDataset):
         line = (f"SFTDataset {self.index_split.name} ({self.dataset_path}): {len(self.indices)} "
                 f"lines, {len(lengths)} conversations in {packs} samples of "
                 f"{self.config.sequence_length} + 1 tokens ({fill:.1%} filled)")  # fmt: skip
+        if self._multiple > 1:
+            padding = int((padded_lengths(lengths, self._multiple) - lengths).sum())
+            line += (f"; each conversation padded to a multiple of {self._multiple} tokens "
+                     f"(2 x context_parallel_size; {padding} padding tokens)")  # fmt: skip
         if over.any():
             dropped = int((lengths[over] - self._capacity).sum())
             line += (f"; {int(over.sum())} conversations longer than {self._capacity} tokens "
@@ -219,7 +230,8 @@ class SFTDataset(MegatronDataset):
         lo, hi = self.sample_bounds[j : j + 2]
         parts = [self.dataset.get(int(c)) for c in self.conversations[lo:hi]]
         c = self.config
-        item = packed_sample(parts, c.sequence_length, self._pad, self._eod, c.eod_mask_loss)
+        item = packed_sample(parts, c.sequence_length, self._pad, self._eod, c.eod_mask_loss,
+                             self._multiple)  # fmt: skip
         if idx is None:
             item["loss_mask"].zero_()
         return item

@@ -6,6 +6,11 @@ when it fits in what is left, else it opens the next one; a conversation
 longer than a whole sample gets one of its own, truncated. No conversation
 that fits is ever split.
 
+Under context parallelism each conversation is padded to a multiple of
+2 x cp tokens (`multiple`, Megatron's SFTDataset: the padding is part of the
+conversation's document, with no loss), so that every document can be split
+into 2 x cp equal chunks; the plan packs the padded lengths.
+
 A sample holds sequence_length + 1 tokens, as Megatron's SFTDataset packs
 them: the inputs are the first sequence_length, the labels the last
 sequence_length. Its tensors, s = sequence_length:
@@ -24,7 +29,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-__all__ = ["pack_conversations", "packed_sample"]
+__all__ = ["pack_conversations", "packed_sample", "padded_lengths"]
+
+
+def padded_lengths(lengths: np.ndarray, multiple: int) -> np.ndarray:
+    """Each length rounded up to a multiple of `multiple`."""
+    return -(-lengths // multiple) * multiple
 
 
 def pack_conversations(lengths: np.ndarray, capacity: int) -> np.ndarray:
@@ -49,9 +59,11 @@ def packed_sample(
     pad: int,
     eod: int | None = None,
     eod_mask_loss: bool = False,
+    multiple: int = 1,
 ) -> dict[str, torch.Tensor]:
     """The tensors of one sample from its conversations' (ids, assistant) in order, each
-    cut to the sample's sequence_length + 1 tokens."""
+    padded to a multiple of `multiple` tokens and cut to the sample's sequence_length + 1
+    tokens."""
     size = sequence_length + 1
     ids = np.full(size, pad, dtype=np.int64)
     assistant = np.zeros(size, dtype=bool)
@@ -64,6 +76,7 @@ def packed_sample(
             continue
         ids[end : end + n] = tokens[:n]
         assistant[end : end + n] = mask[:n]
+        n = min(int(padded_lengths(np.int64(n), multiple)), size - end)  # pad: ids stay pad
         document[end : end + n] = d
         position[end : end + n] = np.arange(n)
         end, d = end + n, d + 1

@@ -265,13 +265,14 @@ class GPTModel(torch.nn.Module):
         # Packed documents: a position whose rolled token comes from the next document
         # (the last k of each document at depth k) predicts nothing, as Megatron rolls
         # within each sequence of cu_seqlens.
-        documents = rolled_documents = None
+        documents = rolled_documents = order = None
         if isinstance(attention_mask, PackedSeqParams):
             documents = rolled_documents = attention_mask.document_ids
+            order = attention_mask.order
         for k, layer in enumerate(self.mtp.layers):
-            ids, labels, mask = (roll_left(t, cp) for t in (ids, labels, mask))
+            ids, labels, mask = (roll_left(t, cp, order) for t in (ids, labels, mask))
             if documents is not None:
-                rolled_documents = roll_left(rolled_documents, cp)
+                rolled_documents = roll_left(rolled_documents, cp, order)
                 mask = mask * (rolled_documents == documents)
             out = layer(out, self._embed(ids, None), rotary, attention_mask)
             count = _per_rank_count(mask, cp)

@@ -19,6 +19,13 @@ layout decides which blocks to compute: at step i > 0 either both query chunks s
 the first k/v chunk only (it comes from an earlier rank) or the second query chunk
 sees both (a later rank); a quarter of the square is skipped besides the diagonal.
 
+Packed documents (mp_layers.PackedSeqParams) come in one of two ways. `documents`: the
+samples are split as above and each block is masked to the pairs within one document;
+a block no document spans is skipped. `document_chunks`: every document is split into
+2 x cp chunks of its own, the same documents lie side by side in every chunk, and each
+block is computed document by document over the document's own rows and keys: the
+work is that of the documents' causal attention, whatever their lengths.
+
 Exposed communication: inside `timed_ring_waits()`, every wait on a ring exchange is
 timed (the transfer time not hidden behind the block computed meanwhile, plus any
 wait for a peer that is late); outside it the waits are untimed.
@@ -36,6 +43,7 @@ import contextlib
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -98,11 +106,14 @@ def context_parallel_attention(
     scale: float,
     comm_type: str = "p2p",
     documents: torch.Tensor | None = None,
+    document_chunks: list[list[tuple[int, int]]] | None = None,
 ) -> torch.Tensor:
-    """Causal attention of this rank's queries over the whole split sequence. documents:
-    the whole samples' document ids [b, cp x s] (packed sequences, in position order):
-    a query sees the earlier keys of its own document only, and a block of two chunks
-    that no document spans is skipped."""
+    """Causal attention of this rank's queries over the whole split sequence. Packed
+    sequences (module docstring), either documents: the whole samples' document ids
+    [b, cp x s] in the chunk order (position order for the layout above): a query sees
+    the earlier keys of its own document only, and a block of two chunks that no
+    document spans is skipped; or document_chunks: per sample, the [start, end) of each
+    document within a chunk, the same in each."""
     if comm_type not in CP_COMM_TYPES:
         raise ValueError(f"cp_comm_type={comm_type!r} must be one of {', '.join(CP_COMM_TYPES)}")
     s, _, nq, _ = q.shape
@@ -116,21 +127,25 @@ def context_parallel_attention(
             f"documents of shape {tuple(documents.shape)} for {q.shape[1]} samples of "
             f"{s * cp_group.size} positions over {cp_group.size} context-parallel ranks"
         )
+    if documents is not None and document_chunks is not None:
+        raise ValueError("give the packed documents as documents or document_chunks, not both")
+    if document_chunks is not None:
+        _check_document_chunks(document_chunks, q.shape[1], s // 2)
+    plan = _Plan(documents, document_chunks, s // 2, k.shape[2], q.dtype)
     if d == dv:
-        return _ContextParallelAttention.apply(q, k, v, cp_group, scale, comm_type, documents)
+        return _ContextParallelAttention.apply(q, k, v, cp_group, scale, comm_type, plan)
     # Keys and values travel stacked in one tensor, so of one width (module docstring).
     width = max(d, dv)
     q, k, v = (F.pad(t, (0, width - t.shape[-1])) for t in (q, k, v))
-    out = _ContextParallelAttention.apply(q, k, v, cp_group, scale, comm_type, documents)
+    out = _ContextParallelAttention.apply(q, k, v, cp_group, scale, comm_type, plan)
     return out.view(s, out.shape[1], nq, width)[..., :dv].reshape(s, out.shape[1], nq * dv)
 
 
 class _ContextParallelAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cp_group: RankGroup, scale: float, comm_type: str, documents):
+    def forward(ctx, q, k, v, cp_group: RankGroup, scale: float, comm_type: str, plan):
         s, b, nq, d = q.shape
         ng = k.shape[2]
-        masks = None if documents is None else _DocumentMasks(documents, s // 2, ng, q.dtype)
         rows = q.reshape(s, b, ng, nq // ng, d).permute(1, 2, 3, 0, 4).contiguous()
         rows = rows.view(b * ng, nq // ng, s, d)  # [B, qg, s, d]
         kv = torch.stack([heads_first(k), heads_first(v)])  # [2, B, s, d]
@@ -138,20 +153,18 @@ class _ContextParallelAttention(torch.autograd.Function):
         lse = torch.full(rows.shape[:-1], -torch.inf, dtype=torch.float32, device=q.device)
         q_chunks = local_chunks(cp_group.size, cp_group.rank)
         for source, step_kv in _kv_steps(kv, cp_group, comm_type):
-            kv_chunks = local_chunks(cp_group.size, source)
-            for block, causal, bias in _blocks(q_chunks, kv_chunks, masks):
-                qs, ks = _half(s, block.q_half), _half(s, block.kv_half)
+            for piece in plan.pieces(q_chunks, local_chunks(cp_group.size, source)):
+                r, qs, ks = piece.rows, piece.q, piece.kv
                 block_out, block_lse = block_forward(
-                    rows[:, :, qs], step_kv[0][:, ks], step_kv[1][:, ks], causal, scale, bias
-                )
-                if bias is not None:  # rows without a key of their document here: nothing
-                    empty = masks.keyless(q_chunks[block.q_half], kv_chunks[block.kv_half],
-                                          block.kind == "causal")  # fmt: skip
-                    block_out = block_out.masked_fill(empty.unsqueeze(-1), 0.0)
-                    block_lse = block_lse.masked_fill(empty, -torch.inf)
-                merge_into(out[:, :, qs], lse[:, :, qs], block_out, block_lse)
+                    rows[r, :, qs], step_kv[0][r, ks], step_kv[1][r, ks], piece.causal, scale,
+                    piece.bias,
+                )  # fmt: skip
+                if piece.keyless is not None:  # rows without a key of their document here
+                    block_out = block_out.masked_fill(piece.keyless.unsqueeze(-1), 0.0)
+                    block_lse = block_lse.masked_fill(piece.keyless, -torch.inf)
+                merge_into(out[r, :, qs], lse[r, :, qs], block_out, block_lse)
         ctx.save_for_backward(rows, kv, out, lse)
-        ctx.cp_group, ctx.scale, ctx.comm_type, ctx.masks = cp_group, scale, comm_type, masks
+        ctx.cp_group, ctx.scale, ctx.comm_type, ctx.plan = cp_group, scale, comm_type, plan
         ctx.shape = (s, b, nq, d, ng)
         return _unflat_rows(out.to(q.dtype), s, b, nq, d)
 
@@ -166,16 +179,15 @@ class _ContextParallelAttention(torch.autograd.Function):
         q_chunks = local_chunks(group.size, group.rank)
 
         def accumulate(source: int, step_kv: torch.Tensor, dkv: torch.Tensor) -> None:
-            for block, causal, bias in _blocks(q_chunks, local_chunks(group.size, source),
-                                               ctx.masks):  # fmt: skip
-                qs, ks = _half(s, block.q_half), _half(s, block.kv_half)
+            for piece in ctx.plan.pieces(q_chunks, local_chunks(group.size, source)):
+                r, qs, ks = piece.rows, piece.q, piece.kv
                 dq_, dk_, dv_ = block_backward(
-                    rows[:, :, qs], step_kv[0][:, ks], step_kv[1][:, ks], dout[:, :, qs],
-                    out[:, :, qs], lse[:, :, qs], causal, scale, bias,
+                    rows[r, :, qs], step_kv[0][r, ks], step_kv[1][r, ks], dout[r, :, qs],
+                    out[r, :, qs], lse[r, :, qs], piece.causal, scale, piece.bias,
                 )  # fmt: skip
-                dq[:, :, qs] += dq_
-                dkv[0][:, ks] += dk_
-                dkv[1][:, ks] += dv_
+                dq[r, :, qs] += dq_
+                dkv[0][r, ks] += dk_
+                dkv[1][r, ks] += dv_
 
         if ctx.comm_type == "all_gather":
             gathered = _all_gather(kv, group)
@@ -202,18 +214,49 @@ class _ContextParallelAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None
 
 
-def _blocks(q_chunks: tuple[int, int], kv_chunks: tuple[int, int], masks):
-    """(block, causal, bias) for each block to compute: the layout's, and with packed
-    documents only those some document spans, each with its documents' bias (causality
-    folded in)."""
-    for block in attention_blocks(q_chunks, kv_chunks):
-        causal = block.kind == "causal"
-        if masks is None:
-            yield block, causal, None
-            continue
-        bias = masks.bias(q_chunks[block.q_half], kv_chunks[block.kv_half], causal)
-        if bias is not None:
-            yield block, False, bias
+class _Piece(NamedTuple):
+    """One block_forward / block_backward call: query rows `rows` (of B = b x ng) at
+    local positions `q` against the keys at `kv` of the k/v block in hand."""
+
+    rows: slice
+    q: slice
+    kv: slice
+    causal: bool
+    bias: torch.Tensor | None = None
+    keyless: torch.Tensor | None = None
+    """[B', 1, c] bool: the rows that see no key of the piece (their output is none)."""
+
+
+class _Plan:
+    """The pieces to compute between this rank's query chunks and the chunks of a k/v
+    block: the layout's blocks, masked to documents (`documents`), cut into documents
+    (`document_chunks`), or whole (neither)."""
+
+    def __init__(self, documents, document_chunks, chunk: int, ng: int, dtype) -> None:
+        self.chunk, self.ng = chunk, ng
+        self.masks = None if documents is None else _DocumentMasks(documents, chunk, ng, dtype)
+        self.document_chunks = document_chunks
+
+    def pieces(self, q_chunks: tuple[int, int], kv_chunks: tuple[int, int]):
+        c, every = self.chunk, slice(None)
+        for block in attention_blocks(q_chunks, kv_chunks):
+            causal = block.kind == "causal"
+            q0, kv0 = block.q_half * c, block.kv_half * c
+            if self.document_chunks is not None:
+                for i, documents in enumerate(self.document_chunks):
+                    rows = slice(i * self.ng, (i + 1) * self.ng)
+                    for a, e in documents:
+                        yield _Piece(rows, slice(q0 + a, q0 + e), slice(kv0 + a, kv0 + e), causal)
+                continue
+            whole_q, whole_kv = slice(q0, q0 + c), slice(kv0, kv0 + c)
+            if self.masks is None:
+                yield _Piece(every, whole_q, whole_kv, causal)
+                continue
+            a, b = q_chunks[block.q_half], kv_chunks[block.kv_half]
+            bias = self.masks.bias(a, b, causal)
+            if bias is not None:  # causality is folded into the bias
+                keyless = self.masks.keyless(a, b, causal)
+                yield _Piece(every, whole_q, whole_kv, False, bias, keyless)
 
 
 class _DocumentMasks:
@@ -253,6 +296,19 @@ class _DocumentMasks:
         empty = ~self.allowed(q_chunk, kv_chunk, causal).any(-1)  # [b, c]
         b, c = empty.shape
         return empty[:, None, None].expand(b, self.ng, 1, c).reshape(b * self.ng, 1, c)
+
+
+def _check_document_chunks(document_chunks, b: int, chunk: int) -> None:
+    """Each of the b samples' documents must tile one chunk of `chunk` positions."""
+    if len(document_chunks) != b:
+        raise ValueError(f"document_chunks for {len(document_chunks)} samples, queries of {b}")
+    for i, documents in enumerate(document_chunks):
+        ends = [0, *(e for _, e in documents)]
+        if [a for a, _ in documents] != ends[:-1] or ends[-1] != chunk:
+            raise ValueError(
+                f"document_chunks of sample {i}, {documents}, do not tile a chunk of "
+                f"{chunk} positions"
+            )
 
 
 def _kv_steps(kv: torch.Tensor, group: RankGroup, comm_type: str):
@@ -304,10 +360,6 @@ class _Exchange:
             timed.seconds[self.kind] += time.perf_counter() - start
             timed.waits[self.kind] += 1
         return self.received
-
-
-def _half(s: int, half: int) -> slice:
-    return slice(half * (s // 2), (half + 1) * (s // 2))
 
 
 def _unflat(x: torch.Tensor, s: int, b: int, ng: int, d: int) -> torch.Tensor:

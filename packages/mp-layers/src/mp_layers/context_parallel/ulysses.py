@@ -5,7 +5,9 @@ into head-split ones over the whole sequence, attention runs on whole sequences 
 
 After the first all-to-all the sequence arrives rank by rank, each rank's two
 load-balanced chunks side by side; it is put in position order for causal attention
-and back in the ranks' order afterwards.
+and back in the ranks' order afterwards. Packed samples split by document
+(mp_layers.PackedSeqParams) give their chunk order, `order`: each sample is put in
+its own position order.
 
 Shapes: q [s, b, nq, d], k and v [s, b, ng, d] with s this rank's tokens; inside
 [cp x s, b, nq / cp, d]; the output [s, b, nq * d]. Each group's query heads stay
@@ -32,9 +34,11 @@ def ulysses_attention(
     v: torch.Tensor,
     cp_group: RankGroup,
     attention: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+    order: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`attention(q, k, v)` (causal, [S, b, n, d] -> [S, b, n * d]) over the whole
-    sequence with this rank's share of the heads."""
+    sequence with this rank's share of the heads. order: [b, S], the sample position at
+    each place of the chunk order (None: the positions themselves)."""
     cp = cp_group.size
     nq, ng = q.shape[2], k.shape[2]
     if ng % cp:
@@ -44,12 +48,23 @@ def ulysses_attention(
         )
     if cp == 1:
         return attention(q, k, v)
-    s = q.shape[0]
-    order = torch.cat([local_positions(s * cp, cp, r) for r in range(cp)]).to(q.device)
-    to_positions = torch.argsort(order)  # gathered index of each position
-    q, k, v = (_AllToAll.apply(t, cp_group, True)[to_positions] for t in (q, k, v))
-    out = attention(q, k, v)  # [cp * s, b, nq / cp * d]
-    out = out.view(cp * s, out.shape[1], nq // cp, -1)[order]
+    s, b = q.shape[:2]
+    # The place in the chunk order of each gathered position, and its inverse.
+    arrived = torch.cat([local_positions(s * cp, cp, r) for r in range(cp)]).to(q.device)
+    if order is None:
+        to_positions = torch.argsort(arrived)  # gathered index of each position
+        q, k, v = (_AllToAll.apply(t, cp_group, True)[to_positions] for t in (q, k, v))
+        out = attention(q, k, v)  # [cp * s, b, nq / cp * d]
+        out = out.view(cp * s, b, nq // cp, -1)[arrived]
+        return _AllToAll.apply(out, cp_group, False).flatten(2)
+    # Per sample: position p is at place inverse[p] of the chunk order, which arrived at
+    # gathered index to_places[inverse[p]].
+    order = order.to(q.device)
+    samples = torch.arange(b, device=q.device)
+    to_positions = torch.argsort(arrived)[torch.argsort(order, dim=1)].t()  # [S, b]
+    q, k, v = (_AllToAll.apply(t, cp_group, True)[to_positions, samples] for t in (q, k, v))
+    out = attention(q, k, v)
+    out = out.view(cp * s, b, nq // cp, -1)[order.t()[arrived], samples]
     return _AllToAll.apply(out, cp_group, False).flatten(2)
 
 

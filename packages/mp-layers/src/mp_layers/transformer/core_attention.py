@@ -150,7 +150,7 @@ class CoreAttention(torch.nn.Module):
                     whole = packed.whole()
                     return ulysses_attention(
                         q, k, v, self.cp_group,
-                        lambda *qkv: self._attend_packed(*qkv, whole, sink=sink),
+                        lambda *qkv: self._attend_packed(*qkv, whole, sink=sink), packed.order,
                     )  # fmt: skip
                 return ulysses_attention(
                     q, k, v, self.cp_group, lambda *qkv: self._attend(*qkv, sink=sink)
@@ -161,10 +161,14 @@ class CoreAttention(torch.nn.Module):
                     f"cp_comm_type={self.cp_comm_type!r}: sinks and windows across "
                     "context-parallel ranks need cp_comm_type='a2a'"
                 )
-            documents = packed.whole_document_ids if packed is not None else None
+            documents = chunks = None
+            if packed is not None and packed.split == "document":
+                chunks = packed.chunk_segments
+            elif packed is not None:
+                documents = packed.whole_document_ids
             return context_parallel_attention(
                 q, k, v, self.cp_group, scale=self._scale(q), comm_type=self.cp_comm_type,
-                documents=documents,
+                documents=documents, document_chunks=chunks,
             )  # fmt: skip
         return self._attend(q, k, v, attention_mask, sink=self.softmax_offset)
 

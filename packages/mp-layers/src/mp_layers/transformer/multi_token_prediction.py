@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from mp_ckpt import ShardedTensor
 from mp_layers.config import TransformerConfig
+from mp_layers.context_parallel.layout import local_positions, shard_sequence
 from mp_layers.groups import ModelGroups
 from mp_layers.moe.aux_losses import AuxLossScale
 from mp_layers.tensor_parallel import (
@@ -49,13 +50,17 @@ from mp_state import RankGroup, RNGStatesTracker
 __all__ = ["MultiTokenPrediction", "MultiTokenPredictionLayer", "roll_left"]
 
 
-def roll_left(t: torch.Tensor, cp: RankGroup) -> torch.Tensor:
+def roll_left(t: torch.Tensor, cp: RankGroup, order: torch.Tensor | None = None) -> torch.Tensor:
     """t [b, s] moved one position left along the sequence, the last position zero.
 
     With context parallelism t holds this rank's chunks r and 2cp-1-r of the sequence (its
     two halves); each chunk's new last element is the first of the chunk after it: chunk
     r+1 is rank r+1's first half (this rank's second half for the last rank), chunk 2cp-r
-    rank r-1's second half (nothing for rank 0: the sequence ends there)."""
+    rank r-1's second half (nothing for rank 0: the sequence ends there). order: packed
+    samples split by document, their chunk order [b, cp x s] (PackedSeqParams.order):
+    the whole samples are gathered, rolled in position order and cut again."""
+    if order is not None and cp.size > 1:
+        return _roll_left_in_order(t, cp, order.to(t.device))
     rolled = torch.roll(t, -1, dims=-1)
     if cp.size == 1:
         rolled[..., -1] = 0
@@ -68,6 +73,18 @@ def roll_left(t: torch.Tensor, cp: RankGroup) -> torch.Tensor:
     rolled[..., half - 1] = gathered[r + 1][0] if r + 1 < cp.size else firsts[1]
     rolled[..., -1] = gathered[r - 1][1] if r > 0 else 0
     return rolled
+
+
+def _roll_left_in_order(t: torch.Tensor, cp: RankGroup, order: torch.Tensor) -> torch.Tensor:
+    gathered = [torch.empty_like(t) for _ in range(cp.size)]
+    dist.all_gather(gathered, t.contiguous(), group=cp.group)
+    arrived = torch.cat([local_positions(order.shape[1], cp.size, r) for r in range(cp.size)])
+    in_order = torch.empty_like(order, dtype=t.dtype)
+    in_order[:, arrived.to(t.device)] = torch.cat(gathered, dim=1)  # the chunk order
+    positions = torch.empty_like(in_order).scatter_(1, order, in_order)
+    rolled = torch.roll(positions, -1, dims=-1)
+    rolled[..., -1] = 0
+    return shard_sequence(rolled.gather(1, order), cp.size, cp.rank, dim=1)
 
 
 class MultiTokenPredictionLayer(torch.nn.Module):
