@@ -145,7 +145,7 @@ def _memory(precision: str, args) -> dict:
     levels = {}
     for level, flags in LEVELS.items():
         dp = args.ddp_dp if level == "zero0" else args.dp
-        argv = _argv(shape, precision, args.memory_seq, 1, dp) + flags
+        argv = run_argv(shape, precision, args.memory_seq, 1, dp) + flags
         ranks = run_on_ranks(_memory_rank, dp, argv, args.steps, timeout=args.timeout)
         levels[level] = {"dp": dp, "ranks": ranks}
     base = _state_bytes(levels["zero0"]["ranks"])
@@ -212,7 +212,7 @@ def _memory_rank(argv: list[str], steps: int) -> dict:
     losses, step_peaks = [], []
     for _ in range(steps):
         reset_peak_rss()
-        losses.append(_train_step(run, forward_step, schedule)[0])
+        losses.append(train_step(run, forward_step, schedule)[0])
         step_peaks.append(status_mib("VmHWM"))
     figures = {
         "bytes": held_bytes(run.model, run.optimizer),
@@ -224,7 +224,7 @@ def _memory_rank(argv: list[str], steps: int) -> dict:
         "process_peak_mib": max(setup_peak, *step_peaks),
         "rss_mib": reset_peak_rss(),
     }
-    _teardown()
+    teardown()
     return figures
 
 
@@ -272,7 +272,7 @@ def _global_parameters(chunks: list) -> int:
 def _speed(batch: int, args) -> dict:
     shape = TINY_SHAPE if args.tiny else SPEED_SHAPE
     precision = args.speed_precision
-    argv = _argv(shape, precision, args.speed_seq, batch, 2)
+    argv = run_argv(shape, precision, args.speed_seq, batch, 2)
     load_before = round(os.getloadavg()[0], 2)
     ranks = run_on_ranks(_speed_rank, 2, argv, args, timeout=args.timeout)
     # Other processes on the machine show here (the two ranks themselves add about 2).
@@ -327,11 +327,11 @@ def _speed_rank(argv: list[str], args) -> dict:
     steps = {}
     for side, run in runs.items():
         config = run.config
-        batches = _batches(config, rank)
-        forward_step = _forward_step(batches)
+        batches = random_batches(config, rank)
+        forward_step = forward_step_over(batches)
 
         def step(run=run, forward_step=forward_step):
-            return _train_step(run, forward_step, schedule)
+            return train_step(run, forward_step, schedule)
 
         steps[side] = step
     # The same first batch for both sides.
@@ -355,7 +355,7 @@ def _speed_rank(argv: list[str], args) -> dict:
         "grad_norm_rel_diff": float(f"{norm_diff:.2e}"),
         "parameters": parameters,
     }
-    _teardown()
+    teardown()
     return result
 
 
@@ -389,7 +389,7 @@ def _collectives(parameters: int, dtype: torch.dtype, repeats: int = 3) -> dict[
     return {"seconds": best, "peak_growth_mib": peaks}
 
 
-# One run on a rank.
+# One run on a rank (bench_fsdp_overlap.py builds its runs and steps with these too).
 
 TINY_SHAPE = LlamaShape(hidden=128, layers=2, heads=4, query_groups=2, head_dim=32, ffn=352,
                         vocab=1000)  # fmt: skip
@@ -401,7 +401,7 @@ _PRECISION = {
 }
 
 
-def _argv(shape: LlamaShape, precision: str, seq: int, micro_batch: int, dp: int) -> list[str]:
+def run_argv(shape: LlamaShape, precision: str, seq: int, micro_batch: int, dp: int) -> list[str]:
     argv = [
         *shape.flags(),
         "--seq-length", str(seq), "--max-position-embeddings", str(seq),
@@ -426,11 +426,11 @@ def _setup(argv: list[str]):
     config = parse_config(argv)
     with contextlib.redirect_stdout(io.StringIO()):
         run = setup_run(config, model_provider)
-    forward_step = _forward_step(_batches(config, run.state.dp.rank))
+    forward_step = forward_step_over(random_batches(config, run.state.dp.rank))
     return run, forward_step, get_forward_backward_func(1, None)
 
 
-def _batches(config, dp_rank: int):
+def random_batches(config, dp_rank: int):
     """Endless micro-batches of random tokens in mp_gpt's sample layout, per dp rank."""
     generator = torch.Generator().manual_seed(1 + dp_rank)
     batch, seq = config.training.micro_batch_size, config.gpt.seq_length
@@ -442,7 +442,7 @@ def _batches(config, dp_rank: int):
                "loss_mask": torch.ones(batch, seq)}  # fmt: skip
 
 
-def _forward_step(batches):
+def forward_step_over(batches):
     from mp_gpt.gpt import forward_step
 
     def step(_data_iterator, model):
@@ -451,7 +451,7 @@ def _forward_step(batches):
     return step
 
 
-def _train_step(run, forward_step, schedule) -> tuple[float, float]:
+def train_step(run, forward_step, schedule) -> tuple[float, float]:
     """One step as the loop takes it; (loss, gradient norm)."""
     run.optimizer.zero_grad()
     reports = schedule(forward_step_func=forward_step, data_iterator=None, model=run.model,
@@ -462,7 +462,7 @@ def _train_step(run, forward_step, schedule) -> tuple[float, float]:
     return total / tokens, result.grad_norm
 
 
-def _teardown() -> None:
+def teardown() -> None:
     import mp_state
 
     mp_state.destroy()
