@@ -59,7 +59,10 @@ sides alternate for `--iters` timed steps (the order flips every round), each af
 barrier, timed on rank 0. Tokens/s = global tokens per step (dp x micro-batch x
 sequence) / step seconds; the figures are the best and the median, ZeRO-3's ratio to
 DDP's of each, and the median of the per-round ratios. Target: ZeRO-3 >= 0.8x DDP's
-tokens/s. Beside them, `collectives_s`: each gloo collective a step issues, timed on
+tokens/s. Both sides (and every memory level) run as mp's CPU runs do, with glibc's
+malloc keeping what a step frees (mp_train/loop/cpu_allocator.py, set by initialize);
+`MALLOC_MMAP_MAX_=65536` in the environment measures glibc's default instead. Beside
+them, `collectives_s`: each gloo collective a step issues, timed on
 the same ranks as one call over the whole model (DDP: one all-reduce of the fp32
 gradients; ZeRO-3: two all-gathers of the bf16 parameters and one reduce-scatter of
 the fp32 gradients), which is where most of ZeRO-3's extra time goes on CPU, and

@@ -39,6 +39,7 @@ from mp_optim import (
 from mp_pipeline import PipelineConfig, finalize_model_grads, stage_layers
 from mp_state import ParallelState, RNGStatesTracker
 from mp_train.configuration.config import RunConfig, validate
+from mp_train.loop.cpu_allocator import keep_freed_memory
 from mp_train.loop.microbatches import MicroBatchCalculator
 from mp_train.observability.log_setup import configure_logging
 from mp_train.observability.timers import Timers
@@ -146,6 +147,8 @@ def _initialize_now(config: RunConfig) -> Initialized:
     )  # fmt: skip
     log.info("torch.distributed initialized: world size %d, backend %s, device %s; seed %d",
              world, device_info.backend, device_info.device, config.training.seed)  # fmt: skip
+    if device_info.device.type == "cpu":
+        log.info("CPU memory allocator: %s", keep_freed_memory())
     return Initialized(state, device_info.device, tracker, sizes)
 
 
