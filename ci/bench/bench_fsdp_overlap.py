@@ -8,11 +8,13 @@ every side, built the way a run builds them (`mp_train.parse_config` of Megatron
     side            beside ZeRO-3 (--use-megatron-fsdp, optim_grads_params)
     plain           (nothing): each layer all-gathers its parameters at its own forward
     prefetch        --overlap-grad-reduce --overlap-param-gather: each layer's forward
-                    first starts the next layer's all-gather (FSDP2's explicit prefetch)
-    prefetch_async  as prefetch, and FSDP2's private `_set_unshard_async_op(True)`, which
-                    mp does not set: the all-gathers FSDP2 issues before a forward or a
-                    backward are asynchronous (async_op=True) and waited for at the
-                    layer that needs them. Not what mp runs: what the CPU could overlap
+                    first starts the next layer's all-gather (FSDP2's explicit prefetch),
+                    and on the CPU the all-gathers FSDP2 issues before a forward or a
+                    backward are asynchronous (async_op=True, mp_optim.fsdp sets FSDP2's
+                    `_set_unshard_async_op`), waited for at the layer that needs them
+    prefetch_sync   as prefetch, with FSDP2's all-gathers synchronous again
+                    (`_set_unshard_async_op(False)`, FSDP2's default, what a GPU uses):
+                    the prefetch order without the overlap
 
 A Llama-shaped model (default: hidden 512, 4 layers, 8 heads in 4 query groups of 64
 channels, ffn 1376, SwiGLU, RMSNorm, RoPE, untied embeddings, vocabulary 8,000 padded to
@@ -66,8 +68,8 @@ from harness import LlamaShape, context, emit, take_turns
 from mp_state.testing import run_on_ranks
 
 OVERLAP = ["--overlap-grad-reduce", "--overlap-param-gather"]
-SIDES = {"plain": [], "prefetch": OVERLAP, "prefetch_async": OVERLAP}
-"""Each side's flags beside ZeRO-3; prefetch_async also sets FSDP2's unshard_async_op."""
+SIDES = {"plain": [], "prefetch": OVERLAP, "prefetch_sync": OVERLAP}
+"""Each side's flags beside ZeRO-3; prefetch_sync turns FSDP2's unshard_async_op off."""
 TINY = LlamaShape(hidden=128, layers=3, heads=4, query_groups=2, head_dim=32, ffn=352,
                   vocab=1000)  # fmt: skip
 
@@ -140,12 +142,12 @@ def _rank(argv: list[str], args) -> dict:
         steps[side] = lambda run=run, forward_step=forward_step: train_step(
             run, forward_step, schedule
         )
-    for chunk in runs["prefetch_async"].model:
+    for chunk in runs["prefetch_sync"].model:
         # FSDP2's switch (private in torch 2.15) for issuing the pre-forward and
-        # pre-backward all-gathers with async_op=True; mp does not set it.
+        # pre-backward all-gathers with async_op=True, which mp sets on the CPU.
         if not hasattr(chunk.module, "_set_unshard_async_op"):
             raise RuntimeError(f"torch {torch.__version__}'s FSDP2 has no unshard_async_op")
-        chunk.module._set_unshard_async_op(True)
+        chunk.module._set_unshard_async_op(False)
     first = {side: step() for side, step in steps.items()}  # the same first batch
     if len(set(first.values())) != 1:
         raise RuntimeError(

@@ -74,8 +74,9 @@ class Chunk(torch.nn.Module):
         }
 
 
-def ranges_body(overlap: bool) -> list[tuple[str, float, float]]:
-    """The main thread's profiler ranges (name, start, end) of the second step."""
+def ranges_body(overlap: bool) -> tuple[list[tuple[str, float, float]], set[bool]]:
+    """The main thread's profiler ranges (name, start, end) of the second step, and
+    whether FSDP2 issues each unit's all-gathers asynchronously."""
     torch.set_num_threads(1)
     state = mp_state.initialize(ParallelConfig())
     config = OptimizerConfig(
@@ -93,9 +94,14 @@ def ranges_body(overlap: bool) -> list[tuple[str, float, float]]:
     main = next(e.thread for e in prof.events() if e.name == "FSDP::root_pre_forward")
     ranges = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
               if e.thread == main]  # fmt: skip
+    asynchronous = {
+        group.unshard_async_op
+        for unit in model.unit_modules
+        for group in unit._get_fsdp_state()._fsdp_param_groups
+    }
     mp_state.destroy()
     dist.barrier()
-    return sorted(ranges, key=lambda r: r[1])
+    return sorted(ranges, key=lambda r: r[1]), asynchronous
 
 
 def order_of(ranges) -> dict[str, list[float]]:
@@ -120,7 +126,12 @@ def order_of(ranges) -> dict[str, list[float]]:
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap_param_gather", "plain"])
 def test_forward_prefetch_issues_the_next_all_gather_before_the_compute_ends(overlap):
-    for rank, ranges in enumerate(run_on_ranks(ranges_body, 2, overlap, timeout=60)):
+    for rank, (ranges, asynchronous) in enumerate(
+        run_on_ranks(ranges_body, 2, overlap, timeout=60)
+    ):
+        # On the CPU the flag also makes the all-gathers asynchronous, so that a prefetched
+        # one runs on gloo's thread while the unit before computes.
+        assert asynchronous == {overlap}, (rank, asynchronous)
         order = order_of(ranges)
         for i in range(UNITS - 1):
             following = order["forward_gather"][i + 1]

@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -70,6 +71,8 @@ from mp_optim.optimizer import counted_of
 from mp_state import RankGroup
 
 __all__ = ["FullyShardedDataParallel", "LocalShard"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -139,6 +142,8 @@ class FullyShardedDataParallel(ChunkWrapper):
             # Each unit's forward starts the next one's all-gather.
             for unit, following in itertools.pairwise(self.unit_modules):
                 unit.set_modules_to_forward_prefetch([following])
+            if sharding.device_type == "cpu":
+                _gather_asynchronously(module)
         for sharded in self._fsdp_modules():
             self._set_reduction(sharded)
 
@@ -342,3 +347,20 @@ def _flat_start(param, group: RankGroup) -> int:
     per_rank = -(-rows // group.size)
     first = min(group.rank * per_rank, rows)
     return first * (param.numel() // max(rows, 1))
+
+
+def _gather_asynchronously(module: torch.nn.Module) -> None:
+    """On the CPU, FSDP2's all-gathers before a forward or backward are issued
+    asynchronously (async_op=True, waited for where the unit needs them), so that a
+    prefetched all-gather runs on gloo's thread while this unit computes; otherwise
+    FSDP2 waits for each where it issues it, as a GPU's stream needs no more
+    (docs/fsdp.md, Overlap). Through FSDP2's `_set_unshard_async_op`, torch's private
+    name for it; without it the run says so and gathers synchronously."""
+    setter = getattr(module, "_set_unshard_async_op", None)
+    if setter is None:
+        log.warning(
+            "--overlap-param-gather on the CPU: this torch's FSDP2 has no "
+            "_set_unshard_async_op; each all-gather is waited for where it is issued"
+        )
+        return
+    setter(True)
