@@ -9,7 +9,9 @@ documents cross the ranks' chunks) with the one-rank run's losses and gradient n
 A corpus whose documents are all multiples of 8 tokens long (as SFT samples are padded
 under context parallelism) is split by document at CP2 and CP4 (each document cut into
 2 x cp chunks of its own, mp_layers.PackedSeqParams): with a multi-token prediction
-layer, micro-batches of two samples, it trains with the one-rank curve too."""
+layer, micro-batches of two samples, it trains with the one-rank curve too at CP2 (p2p,
+a2a) and CP4 p2p (all_gather computes the same blocks as p2p:
+packages/mp-layers/tests/test_packed_context_parallel.py checks it)."""
 
 import numpy as np
 import pytest
@@ -77,7 +79,6 @@ def test_documents_split_by_document_train_alike(tmp_path):
     layouts = {
         "one": (1, []),
         "cp2-p2p": (2, CP(2, "p2p")),
-        "cp2-all-gather": (2, CP(2, "all_gather")),
         "cp2-a2a": (2, CP(2, "a2a")),
         "cp4-p2p": (4, CP(4, "p2p")),
     }

@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from mp_train.loop import cpu_allocator
 from mp_train.loop.cpu_allocator import _mallopt
 
 pytestmark = pytest.mark.skipif(_mallopt() is None, reason="glibc's mallopt only")
@@ -14,8 +15,11 @@ pytestmark = pytest.mark.skipif(_mallopt() is None, reason="glibc's mallopt only
 # A fresh process: mallopt is process-wide. Prints the minor page faults of writing a
 # freshly malloc'd 64 MiB block, four times, each after the one before was freed.
 _PROBE = """
-import ctypes, resource, sys
-from mp_train.loop.cpu_allocator import keep_freed_memory
+import ctypes, importlib.util, resource, sys
+spec = importlib.util.spec_from_file_location("cpu_allocator", sys.argv[2])
+allocator = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(allocator)  # the module alone: no torch to import
+keep_freed_memory = allocator.keep_freed_memory
 if sys.argv[1] == "keep":
     print(keep_freed_memory(), file=sys.stderr)
 libc = ctypes.CDLL(None)
@@ -34,8 +38,9 @@ print(*(faults() for _ in range(4)))
 def probe(mode: str, **env) -> list[int]:
     import os
 
-    done = subprocess.run([sys.executable, "-c", _PROBE, mode], capture_output=True, text=True,
-                          env={**os.environ, **env}, timeout=120, check=True)  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", _PROBE, mode, cpu_allocator.__file__],
+                          capture_output=True, text=True, env={**os.environ, **env},
+                          timeout=120, check=True)  # fmt: skip
     return [int(x) for x in done.stdout.split()]
 
 

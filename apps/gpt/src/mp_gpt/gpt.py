@@ -75,7 +75,7 @@ def datasets_provider(run, counts: list[int]):
         tokenizer=tokenizer, reset_position_ids=data.reset_position_ids,
         reset_attention_mask=data.reset_attention_mask, eod_mask_loss=data.eod_mask_loss,
         create_attention_mask=data.batches_carry_documents,
-        context_parallel_size=state.cp.size,
+        context_parallel_size=config.parallel.context_parallel_size,
     )  # fmt: skip
     cls = SFTDataset if data.sft else MockGPTDataset if data.mock_data else GPTDataset
     return BlendedMegatronDatasetBuilder(cls, counts, reads_data, dataset_config).build()
