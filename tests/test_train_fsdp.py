@@ -6,10 +6,11 @@ config, EP2 with four data-parallel ranks (experts sharded over expert dp 2). Ea
 layout's three runs share its settings, which also take in what FSDP composes with:
 random initialization per data-parallel rank (TP2), per-token loss normalization (CP2),
 a multi-token prediction layer on the last stage, its loss compared too, and an
-evaluation every 5 iterations (PP2), averaging in the collective (EP2); and at DP4 the
-overlap flags (ZeRO-3) and full recompute (ZeRO-2) on the FSDP side only, as they change
-no value, and at DP2 x PP2 and EP2 ZeRO-3 builds its chunks layer by layer
-(--init-model-with-meta-device: the same weights). ZeRO-2 and ZeRO-3
+evaluation every 5 iterations (PP2), averaging in the collective (EP2); and at DP4, DP2
+x PP2 and EP2 the overlap flags (ZeRO-3: on the CPU asynchronous all-gathers) and at DP4
+full recompute (ZeRO-2) on the FSDP side only, as they change no value, and at DP2 x PP2
+and EP2 ZeRO-3 builds its chunks layer by layer (--init-model-with-meta-device: the same
+weights). ZeRO-2 and ZeRO-3
 differ only in when parameters are gathered, so their curves are equal exactly.
 Then a few iterations in bf16 (ZeRO-3, gradients reduced in fp32) and in fp16 (ZeRO-2,
 dynamic loss scaling) train with finite, decreasing losses. On a GPU, one rank in bf16
@@ -53,8 +54,8 @@ LAYOUTS = {
     "dp4": (False, [], OVERLAP, [*RECOMPUTE, "--recompute-num-layers", "1"]),
     "dp2-tp2-sp": (False, TP2, [], []),
     "dp2-cp2": (False, CP2, [], []),
-    "dp2-pp2": (False, PP2, BY_LAYER, []),
-    "dp4-ep2": (True, EP2, BY_LAYER, []),
+    "dp2-pp2": (False, PP2, [*BY_LAYER, *OVERLAP], []),
+    "dp4-ep2": (True, EP2, [*BY_LAYER, *OVERLAP], []),
 }
 
 
