@@ -43,6 +43,17 @@ def corpus(prefix: str, multiple: int = 1) -> None:
         builder.finalize(prefix + ".idx")
 
 
+def train_layouts(tmp_path, layouts: dict, common: list[str]) -> dict[str, list[dict]]:
+    """Each layout (name -> (ranks, its flags)) trained with the common flags under
+    tmp_path/name; its metrics records."""
+    curves = {}
+    for name, (ranks, flags) in layouts.items():
+        run_on_ranks(train_on_rank, ranks, tiny_options(tmp_path / name, *common, *flags),
+                     timeout=300)  # fmt: skip
+        curves[name] = metrics_records(tmp_path / name)
+    return curves
+
+
 def test_packed_documents_train_alike_at_every_layout(tmp_path):
     prefix = str(tmp_path / "docs")
     corpus(prefix)
@@ -58,11 +69,7 @@ def test_packed_documents_train_alike_at_every_layout(tmp_path):
         "cp2-all-gather": (2, [*PACKED, *CP(2, "all_gather")]),
         "cp2-a2a": (2, [*PACKED, *CP(2, "a2a")]),
     }
-    curves = {}
-    for name, (ranks, flags) in layouts.items():
-        run_on_ranks(train_on_rank, ranks, tiny_options(tmp_path / name, *data, *flags),
-                     timeout=300)  # fmt: skip
-        curves[name] = metrics_records(tmp_path / name)
+    curves = train_layouts(tmp_path, layouts, data)
     assert len(curves["one"]) == 10
     for name in layouts.keys() - {"one", "across"}:
         assert_same_curve(curves[name], curves["one"], LOGGED, name)
@@ -82,11 +89,7 @@ def test_documents_split_by_document_train_alike(tmp_path):
         "cp2-a2a": (2, CP(2, "a2a")),
         "cp4-p2p": (4, CP(4, "p2p")),
     }
-    curves = {}
-    for name, (ranks, extra) in layouts.items():
-        run_on_ranks(train_on_rank, ranks, tiny_options(tmp_path / name, *flags, *extra),
-                     timeout=300)  # fmt: skip
-        curves[name] = metrics_records(tmp_path / name)
+    curves = train_layouts(tmp_path, layouts, flags)
     assert len(curves["one"]) == 10
     for name in layouts.keys() - {"one"}:
         assert_same_curve(curves[name], curves["one"], LOGGED, name)

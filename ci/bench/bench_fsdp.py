@@ -314,29 +314,8 @@ def _speed(batch: int, args) -> dict:
 
 
 def _speed_rank(argv: list[str], args) -> dict:
-    from mp_train import initialize, parse_config, setup_run
-
-    torch.set_num_threads(1)
-    os.environ["MP_RUN_DIR"] = "/nonexistent"  # no run directory
-    from mp_gpt.gpt import model_provider
-    from mp_pipeline import get_forward_backward_func
-
-    configs = {side: parse_config(argv + LEVELS[side]) for side in ("zero0", "zero3")}
-    with contextlib.redirect_stdout(io.StringIO()):
-        initialized = initialize(configs["zero0"])
-        runs = {s: setup_run(c, model_provider, initialized) for s, c in configs.items()}
-    schedule = get_forward_backward_func(1, None)
-    rank = initialized.state.dp.rank
-    steps = {}
-    for side, run in runs.items():
-        config = run.config
-        batches = random_batches(config, rank)
-        forward_step = forward_step_over(batches)
-
-        def step(run=run, forward_step=forward_step):
-            return train_step(run, forward_step, schedule)
-
-        steps[side] = step
+    runs, steps, rank = side_runs(argv, {side: LEVELS[side] for side in ("zero0", "zero3")})
+    configs = {side: run.config for side, run in runs.items()}
     # The same first batch for both sides.
     first = {side: step() for side, step in steps.items()}
     (loss0, norm0), (loss3, norm3) = first["zero0"], first["zero3"]
@@ -416,6 +395,31 @@ def run_argv(shape: LlamaShape, precision: str, seq: int, micro_batch: int, dp: 
         "--logging-level", "warning",
     ]  # fmt: skip
     return argv + (["--bf16"] if precision == "bf16" else [])
+
+
+def side_runs(argv: list[str], sides: dict[str, list[str]]):
+    """Every side's run (argv + its flags) in this rank's process (one thread; one
+    mp_state, initialized by the first side), each with a function taking one training
+    step on its own stream of random batches; (runs, steps, dp rank)."""
+    torch.set_num_threads(1)
+    os.environ["MP_RUN_DIR"] = "/nonexistent"  # no run directory
+    from mp_gpt.gpt import model_provider
+    from mp_pipeline import get_forward_backward_func
+    from mp_train import initialize, parse_config, setup_run
+
+    configs = {side: parse_config(argv + flags) for side, flags in sides.items()}
+    with contextlib.redirect_stdout(io.StringIO()):
+        initialized = initialize(next(iter(configs.values())))
+        runs = {s: setup_run(c, model_provider, initialized) for s, c in configs.items()}
+    schedule = get_forward_backward_func(1, None)
+    rank = initialized.state.dp.rank
+    steps = {}
+    for side, run in runs.items():
+        forward_step = forward_step_over(random_batches(run.config, rank))
+        steps[side] = lambda run=run, forward_step=forward_step: train_step(
+            run, forward_step, schedule
+        )
+    return runs, steps, rank
 
 
 def _setup(argv: list[str]):

@@ -54,14 +54,12 @@ Profiling slows rank 0, so the profiled steps are not the timed ones.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import os
 import statistics
 
 import torch
 import torch.distributed as dist
-from bench_fsdp import LEVELS, forward_step_over, random_batches, run_argv, teardown, train_step
+from bench_fsdp import LEVELS, run_argv, side_runs, teardown
 from fsdp_trace import detail, events_of, read_step, summarize
 from harness import LlamaShape, context, emit, take_turns
 
@@ -124,24 +122,7 @@ def main() -> None:
 def _rank(argv: list[str], args) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
-    from mp_gpt.gpt import model_provider
-    from mp_pipeline import get_forward_backward_func
-    from mp_train import initialize, parse_config, setup_run
-
-    torch.set_num_threads(1)
-    os.environ["MP_RUN_DIR"] = "/nonexistent"  # no run directory
-    configs = {side: parse_config(argv + flags) for side, flags in SIDES.items()}
-    with contextlib.redirect_stdout(io.StringIO()):
-        initialized = initialize(configs["plain"])
-        runs = {s: setup_run(c, model_provider, initialized) for s, c in configs.items()}
-    schedule = get_forward_backward_func(1, None)
-    rank = initialized.state.dp.rank
-    steps = {}
-    for side, run in runs.items():
-        forward_step = forward_step_over(random_batches(run.config, rank))
-        steps[side] = lambda run=run, forward_step=forward_step: train_step(
-            run, forward_step, schedule
-        )
+    runs, steps, rank = side_runs(argv, SIDES)
     for chunk in runs["prefetch_sync"].model:
         # FSDP2's switch (private in torch 2.15) for issuing the pre-forward and
         # pre-backward all-gathers with async_op=True, which mp sets on the CPU.

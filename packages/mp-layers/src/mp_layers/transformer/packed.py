@@ -112,7 +112,11 @@ class PackedSeqParams:
 
     def whole(self) -> PackedSeqParams:
         """The whole samples' documents, in position order (itself without context
-        parallelism)."""
+        parallelism); computed once, for every layer of the micro-batch."""
+        return self._whole
+
+    @functools.cached_property
+    def _whole(self) -> PackedSeqParams:
         if self.whole_document_ids is None:
             return self
         ids = self.whole_document_ids
