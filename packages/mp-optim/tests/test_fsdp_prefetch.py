@@ -140,3 +140,11 @@ def test_forward_prefetch_issues_the_next_all_gather_before_the_compute_ends(ove
             # Backward runs units in reverse: unit i + 1's backward, then unit i's; FSDP2
             # gathers unit i before unit i + 1's backward is done, with or without the flag.
             assert order["backward_gather"][i] < order["backward_done"][i + 1], (rank, i, order)
+
+
+def test_a_torch_without_asynchronous_all_gathers_is_logged(caplog):
+    from mp_optim.fsdp import _gather_asynchronously
+
+    with caplog.at_level("WARNING", logger="mp_optim.fsdp"):
+        _gather_asynchronously(torch.nn.Linear(2, 2))  # no FSDP2 switch on it
+    assert "has no _set_unshard_async_op" in caplog.text
