@@ -10,6 +10,8 @@ import math
 import sys
 from pathlib import Path
 
+import pytest
+
 SUITE = Path(__file__).resolve().parents[1] / "ci" / "bench" / "gpu_suite.py"
 
 
@@ -55,7 +57,7 @@ def test_cpu_smoke_runs_every_step(tmp_path, monkeypatch, capsys):
             assert all(math.isfinite(loss) for loss in run)
         # Variants beside bf16 are only checked on the CPU: refused with pretrain_gpt.py's
         # line (an unknown flag; FP8 without a GPU), or accepted and not run.
-        for variant in ("fp8", "torch-compile"):
+        for variant in ("fp8", "torch-compile", "fp8-compile"):
             row = rows[f"train {shape} {variant}"]
             assert row["status"] in ("refused", "checked"), row
             assert row["reason"] and row["reason"] in printed
@@ -67,3 +69,42 @@ def test_cpu_smoke_runs_every_step(tmp_path, monkeypatch, capsys):
     packed = rows["packed"]["figures"]
     assert rows["packed"]["status"] == "ok" and not packed["varlen_kernel"]
     assert packed["max_difference"] == 0.0 and packed["dense_mask_ms"] > 0
+    # The profile step: where one iteration's time goes; on the CPU by top-level operator.
+    for shape in ("llama-3.2-1b", "llama-3-8b-layers"):
+        row = rows[f"profile {shape} bf16"]
+        assert row["status"] == "ok", row
+        profiled = row["figures"]
+        assert 0 < profiled["busy_ms"] <= profiled["iteration_ms"]
+        assert sum(profiled["share_of_iteration"].values()) == pytest.approx(1.0, abs=1e-3)
+        assert profiled["top_kernels"] and profiled["share_of_iteration"]["attention"] > 0
+        assert rows[f"profile {shape} torch-compile"]["status"] in ("refused", "checked")
+
+
+def test_profile_step_sorts_gpu_kernels_by_kind():
+    sys.path.insert(0, str(SUITE.parent))
+    try:
+        import gpu_steps
+    finally:
+        sys.path.remove(str(SUITE.parent))
+    names = {
+        "nvjet_tst_256x128_64x4_1x2_h_bz_coopA_NNT": "matmul",
+        "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64": "matmul",
+        "void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<>": "attention",
+        "triton_per_fused__to_copy_add_mean_mul_pow_rsqrt_0": "compiled",
+        "ncclDevKernel_AllReduce_Sum_f32_RING_LL": "communication",
+        "void at::native::multi_tensor_apply_kernel<FusedAdam>": "optimizer",
+        "Memcpy HtoD (Pageable -> Device)": "copies",
+        "void at::native::vectorized_elementwise_kernel<4, silu>": "elementwise and other",
+    }
+    assert {n: gpu_steps.kernel_kind(n) for n in names} == names
+    # Two kernels of 3 and 1 us over a 10 us span: 30% matmul, 10% other, 60% idle.
+    events = [
+        {"ph": "X", "cat": "kernel", "name": "nvjet_tst_a", "ts": 100.0, "dur": 3.0},
+        {"ph": "X", "cat": "kernel", "name": "elementwise_b", "ts": 109.0, "dur": 1.0},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0.0, "dur": 500.0},
+    ]
+    found = gpu_steps.kernel_time(events, gpu=True)
+    assert found["iteration_ms"] == 0.01 and found["busy_ms"] == 0.004
+    assert found["share_of_iteration"] == {"matmul": 0.3, "elementwise and other": 0.1,
+                                           "idle": 0.6}  # fmt: skip
+    assert [k["name"] for k in found["top_kernels"]] == ["nvjet_tst_a", "elementwise_b"]

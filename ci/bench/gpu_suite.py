@@ -89,11 +89,22 @@ VARIANTS = (
     ("bf16", ()),
     ("fp8", ("--fp8-format", "hybrid")),
     ("torch-compile", ("--torch-compile",)),
+    ("fp8-compile", ("--fp8-format", "hybrid", "--torch-compile")),
 )
 """Training variants: name, the flags ours runs with (on top of bench_gpt.config_argv)."""
 
-STEPS = ("smoke", "cuda-tests", "train", "generate", "packed")
-TIMEOUTS = {"smoke": 240, "cuda-tests": 480, "train": 360, "generate": 300, "packed": 120}
+PROFILED = (("bf16", ()), ("torch-compile", ("--torch-compile",)))
+"""The variants the profile step traces (one iteration under torch.profiler)."""
+
+STEPS = ("smoke", "cuda-tests", "train", "generate", "packed", "profile")
+TIMEOUTS = {
+    "smoke": 240,
+    "cuda-tests": 480,
+    "train": 360,
+    "generate": 300,
+    "packed": 120,
+    "profile": 240,
+}
 """Seconds a step may take on a GPU (--cpu-smoke: a third)."""
 
 
@@ -134,6 +145,11 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     parser.add_argument("--steps", nargs="+", choices=STEPS, default=list(STEPS),
                         help="the steps to run (default: all)")  # fmt: skip
+    parser.add_argument("--shapes", nargs="+", metavar="SHAPE",
+                        help="the training shapes to run (default: all)")  # fmt: skip
+    parser.add_argument("--variants", nargs="+", metavar="VARIANT",
+                        choices=[name for name, _ in VARIANTS],
+                        help="the training variants to run (default: all)")  # fmt: skip
     args = parser.parse_args(argv)
     problem = _mp_data_problem()
     if problem:
@@ -166,8 +182,10 @@ def main(argv: list[str] | None = None) -> int:
         else:
             rows.append(Row("cuda-tests", "skipped", reason="no CUDA device"))
     if "train" in args.steps:
-        for shape_name in gpu_steps.SIZES[sizes].shapes:
+        for shape_name in _chosen(gpu_steps.SIZES[sizes].shapes, args.shapes):
             for variant, flags in VARIANTS:
+                if args.variants and variant not in args.variants:
+                    continue
                 name = f"train {shape_name} {variant}"
                 refused = gpu_steps.refusal(sizes, shape_name, list(flags))
                 if refused:
@@ -184,6 +202,19 @@ def main(argv: list[str] | None = None) -> int:
                         TIMEOUTS["generate"]))  # fmt: skip
     if "packed" in args.steps:
         rows.append(run("packed", "packed", {"mode": sizes}, TIMEOUTS["packed"]))
+    if "profile" in args.steps:
+        for shape_name in _chosen(gpu_steps.SIZES[sizes].shapes, args.shapes):
+            for variant, flags in PROFILED:
+                name = f"profile {shape_name} {variant}"
+                refused = gpu_steps.refusal(sizes, shape_name, list(flags))
+                if refused:
+                    rows.append(Row(name, "refused", reason=refused))
+                    continue
+                if flags and not cuda:
+                    rows.append(Row(name, "checked", reason="accepted; not run on the CPU"))
+                    continue
+                kwargs = {"mode": sizes, "shape_name": shape_name, "flags": list(flags)}
+                rows.append(run(name, "profile", kwargs, TIMEOUTS["profile"]))
     total = time.perf_counter() - start
     report = {"suite": "gpu_suite", "mode": mode, "total_s": round(total, 1),
               "steps": [asdict(r) for r in rows], **context()}  # fmt: skip
@@ -191,6 +222,14 @@ def main(argv: list[str] | None = None) -> int:
     print(table(rows, mode, total))
     print(f"report: {args.out}; step logs: {logs}/")
     return 1 if any(r.status in ("failed", "timeout") for r in rows) else 0
+
+
+def _chosen(names, wanted: list[str] | None) -> list[str]:
+    if wanted:
+        unknown = sorted(set(wanted) - set(names))
+        if unknown:
+            raise SystemExit(f"gpu_suite: unknown shape {unknown[0]}: one of {', '.join(names)}")
+    return [n for n in names if not wanted or n in wanted]
 
 
 class _Runner:
@@ -257,6 +296,9 @@ def _summary(row: Row) -> str:
                  f"{g['hf_ms_per_token']:.2f} (ours {g['ratio_to_hf']:.2f}x its time)"
                  for key, g in f.items() if re.fullmatch(r"b\d+", key)]  # fmt: skip
         return "; ".join(parts)
+    if row.name.startswith("profile "):
+        shares = ", ".join(f"{k} {v:.0%}" for k, v in f["share_of_iteration"].items() if v >= 0.005)
+        return f"iteration {f['iteration_ms']:.1f} ms: {shares}"
     if row.name == "packed":
         kernel = "varlen kernel" if f["varlen_kernel"] else "no varlen kernel"
         return (f"{f['documents']} documents in {f['seq']}, {kernel}: {f['packed_ms']:.1f} ms; "
