@@ -2,7 +2,8 @@
 measures it beside transformers, printing one table and writing JSON.
 
     python3 ci/bench/gpu_suite.py [--out gpu_suite.json]
-                                  [--steps smoke cuda-tests train generate packed]
+                                  [--steps smoke cuda-tests train generate packed profile]
+                                  [--shapes SHAPE ...] [--variants VARIANT ...]
     python3 ci/bench/gpu_suite.py --cpu-smoke   # the same steps on the CPU, tiny shapes
 
 It needs the repository and a Python with torch and transformers (numpy, tokenizers,
@@ -35,6 +36,10 @@ The steps, on the device mp_state picks (MP_DEVICE=cuda here, cpu with --cpu-smo
                  other in alternating rounds: tokens/s (best timed iteration), MFU
   generate S     bench_generate.compare in bf16 at each batch size: ms per new token and
                  prefill tokens/s, ours (KV cache) beside transformers' generate
+  profile S V    shape S, variant V (bf16, torch-compile): ours trains warm-up + 2 iterations
+                 with mp's --profile on the one after the warm-up; the share of that
+                 iteration each kind of GPU kernel took and the 20 kernels with the most
+                 time (gpu_steps.kernel_time; on the CPU, top-level operators)
   packed         core attention over 27 packed documents in 8192 positions (bf16, forward
                  and backward): one variable-length flash call beside one document at a
                  time and beside the dense mask (gpu_steps.packed)
@@ -61,7 +66,10 @@ matmul for a GPU not in that table (and on the CPU).
 Measured on one H100 (2026-11-27, docs/benchmarks.md): about 9.5 minutes (smoke 35 s,
 CUDA tests 55 s, each training step 35-75 s, generation 95 s), more than one 10-minute
 device command holds with the build of .site: run `--steps smoke cuda-tests train`, then
-`--steps generate`. --cpu-smoke took 17 to 43 s (11 to 13 s of CPU) on the 2-core CI
+`--steps generate`. On one H200 (2026-12-04): CUDA tests 47 s, each training step
+37-67 s (fp8-compile the longest), packed 16 s, each profile step 25-35 s: `--steps
+cuda-tests train --variants bf16 torch-compile fp8-compile` took 381 s, `--steps packed
+profile` 139 s. --cpu-smoke took 17 to 43 s (11 to 13 s of CPU) on the 2-core CI
 machine, busy with other tests.
 """
 
