@@ -253,6 +253,19 @@ class TransformerConfig:
     untie_embeddings_and_output_weights: bool = False
     """Give the output layer its own weight instead of the input embedding's."""
 
+    cross_entropy_loss_fusion: bool = False
+    """Compile the cross entropy's two passes over the logits (the forward's sum of
+    exponentials, the backward's gradient) with torch.compile: one kernel each per piece
+    of 1,024 tokens, reading the logits once in their dtype, instead of eight elementwise
+    kernels per 64 tokens through an fp32 work space (mp_layers.tensor_parallel.
+    fused_cross_entropy; Megatron's flag, its native implementation). The loss and
+    gradients equal the unfused ones within fp32 rounding. The first iteration includes
+    the compilation. Applies to the chunked output loss too."""
+
+    cross_entropy_fusion_impl: Literal["native", "te"] = "native"
+    """The fused cross entropy's implementation: native (torch.compile); te (Transformer
+    Engine's kernel) is refused."""
+
     output_loss_chunk_tokens: int = 0
     """Compute the output layer and the cross entropy together, this many tokens at a time
     (mp_layers.tensor_parallel.chunked_linear_cross_entropy), so that the [s, b, v/tp]
@@ -462,6 +475,12 @@ class TransformerConfig:
             value = getattr(self, name)
             if not 0.0 <= value < 1.0:
                 raise ValueError(f"{name}={value} must be in [0, 1)")
+        _choice("cross_entropy_fusion_impl", self.cross_entropy_fusion_impl, ("native", "te"))
+        if self.cross_entropy_fusion_impl == "te":
+            raise ValueError(
+                "cross_entropy_fusion_impl='te' needs Transformer Engine's fused cross entropy, "
+                "which mp does not use: use native (torch.compile)"
+            )
         chunk = self.output_loss_chunk_tokens
         if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0:
             raise ValueError(f"output_loss_chunk_tokens={chunk!r} must be an integer >= 0")

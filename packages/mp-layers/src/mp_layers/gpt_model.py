@@ -233,15 +233,17 @@ class GPTModel(torch.nn.Module):
             layer, chunk = self.output_layer, self.config.output_loss_chunk_tokens
             total = layer.matmul_input(hidden)  # [s, b, h], the whole sequence
             loss = chunked_linear_cross_entropy(
-                total, layer.weight, labels.t(), self.tp_group, chunk
-            )
+                total, layer.weight, labels.t(), self.tp_group, chunk,
+                fused=self.config.cross_entropy_loss_fusion,
+            )  # fmt: skip
             return loss.t().contiguous()
         logits, _ = self.output_layer(hidden)  # [s, b, v/tp]
         # The logits are not handed out: their memory takes their gradient in backward.
         grad_in_logits = logits.grad_fn is not None
         loss = vocab_parallel_cross_entropy(
-            logits, labels.t(), self.tp_group, grad_in_logits=grad_in_logits
-        )
+            logits, labels.t(), self.tp_group, grad_in_logits=grad_in_logits,
+            fused=self.config.cross_entropy_loss_fusion,
+        )  # fmt: skip
         return loss.t().contiguous()
 
     def _multi_token_prediction(self, hidden, input_ids, labels, loss_mask, rotary,

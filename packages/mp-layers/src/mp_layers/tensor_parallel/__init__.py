@@ -9,6 +9,7 @@ Shapes: [s, b, h] = sequence, batch, hidden; x/tp = split over the TP ranks.
     row_parallel.py      RowParallelLinear: weight [out, in/tp]
     vocab_parallel.py    VocabParallelEmbedding: weight [v/tp, h]
     cross_entropy.py     vocab_parallel_cross_entropy on [s, b, v/tp] logits
+    fused_cross_entropy.py   its two passes over the logits compiled (fused=True)
     chunked_output_loss.py   chunked_linear_cross_entropy: the output layer's matmul and
                          that loss a chunk of tokens at a time, no [s, b, v/tp] logits
     data.py              broadcast_data from TP rank 0

@@ -40,6 +40,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from mp_layers.tensor_parallel import fused_cross_entropy
 from mp_layers.tensor_parallel.cross_entropy import (
     check_label_smoothing,
     chunks,
@@ -55,7 +56,7 @@ __all__ = ["chunked_linear_cross_entropy"]
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, target, group, label_smoothing, chunk_tokens):
+    def forward(ctx, hidden, weight, target, group, label_smoothing, chunk_tokens, fused):
         device_type = hidden.device.type
         dtype = (
             torch.get_autocast_dtype(device_type)
@@ -75,8 +76,16 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 logits = torch.mm(x[rows], w.t())  # [c, v/tp]
                 target_logit[rows] = logits.gather(-1, local_target[rows].unsqueeze(-1))[:, 0]
                 local_max[rows] = logits.amax(dim=-1)
-                shifted = shifted_sum[rows] if shifted_sum is not None else None
-                sum_exp_rows(logits, local_max[rows], sum_exp[rows], shifted)
+                if fused:
+                    e, shifted = fused_cross_entropy.sum_exp(
+                        logits, local_max[rows], shifted_sum is not None
+                    )
+                    sum_exp[rows] = e
+                    if shifted is not None:
+                        shifted_sum[rows] = shifted
+                else:
+                    shifted = shifted_sum[rows] if shifted_sum is not None else None
+                    sum_exp_rows(logits, local_max[rows], sum_exp[rows], shifted)
                 del logits
 
         logits_max = local_max.clone()
@@ -95,7 +104,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
 
         ctx.save_for_backward(hidden, weight, logits_max + log_sum_exp, local_target, outside)
         ctx.smoothing, ctx.vocab_size = smoothing, v_local * group.size
-        ctx.dtype, ctx.chunk_tokens = dtype, chunk_tokens
+        ctx.dtype, ctx.chunk_tokens, ctx.fused = dtype, chunk_tokens, fused
         return loss.view(target.shape)
 
     @staticmethod
@@ -111,11 +120,12 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         want_x, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_x = torch.empty_like(x) if want_x else None
         grad_w = torch.zeros_like(weight) if want_w else None
+        gradient_rows = fused_cross_entropy.write_gradient if ctx.fused else softmax_gradient_rows
         with torch.autocast(device_type, enabled=False):
             for rows in chunks(n, ctx.chunk_tokens):
                 logits = torch.mm(x[rows], w.t())  # recomputed, [c, v/tp]
                 # The loss's gradient in the logits' place, in the matmul dtype.
-                softmax_gradient_rows(
+                gradient_rows(
                     logits,
                     lse[rows],
                     local_target[rows],
@@ -134,7 +144,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 del logits
         if want_x:
             grad_x = grad_x.view(hidden.shape)
-        return grad_x, grad_w, None, None, None, None
+        return grad_x, grad_w, None, None, None, None, None
 
 
 def chunked_linear_cross_entropy(
@@ -144,6 +154,8 @@ def chunked_linear_cross_entropy(
     tp_group: RankGroup,
     chunk_tokens: int,
     label_smoothing: float = 0.0,
+    *,
+    fused: bool = False,
 ) -> torch.Tensor:
     """Per-token loss [s, b] (fp32) of the logits hidden [s, b, h] @ weight[v/tp, h]^T.
 
@@ -153,6 +165,7 @@ def chunked_linear_cross_entropy(
     docstring). `hidden` is the output layer's input after its tensor-parallel
     mapping (ColumnParallelLinear.matmul_input), whose backward sums the ranks'
     input gradients. Under autocast the matmuls run in its dtype, as F.linear's do.
+    fused: each chunk's passes over its logits compiled (fused_cross_entropy.py).
     """
     if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
         raise ValueError(f"chunk_tokens={chunk_tokens!r} must be a positive integer")
@@ -173,5 +186,5 @@ def chunked_linear_cross_entropy(
             "outside autocast"
         )
     return _ChunkedLinearCrossEntropy.apply(
-        hidden, weight, target, tp_group, label_smoothing, chunk_tokens
+        hidden, weight, target, tp_group, label_smoothing, chunk_tokens, fused
     )

@@ -43,6 +43,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from mp_layers.tensor_parallel import fused_cross_entropy
 from mp_layers.tensor_parallel.partition import partition_range
 from mp_state import RankGroup
 
@@ -55,7 +56,7 @@ _CHUNK_ROWS = 64
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, target, group, label_smoothing, grad_in_logits):
+    def forward(ctx, logits, target, group, label_smoothing, grad_in_logits, fused):
         v_local = logits.shape[-1]
         x = logits.reshape(-1, v_local)  # [n, v/tp], n = s * b
         flat_target = target.reshape(-1)
@@ -69,16 +70,19 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
         # exp(x - m) summed chunk by chunk in fp32: no [n, v/tp] temporary is kept,
         # the backward recomputes the softmax from the logits and log Z instead.
-        sum_exp = torch.empty_like(logits_max)
-        shifted_sum = torch.empty_like(logits_max) if label_smoothing > 0 else None
-        sum_exp_rows(x, logits_max, sum_exp, shifted_sum)
+        if fused:
+            sum_exp, shifted_sum = fused_cross_entropy.sum_exp(x, logits_max, label_smoothing > 0)
+        else:
+            sum_exp = torch.empty_like(logits_max)
+            shifted_sum = torch.empty_like(logits_max) if label_smoothing > 0 else None
+            sum_exp_rows(x, logits_max, sum_exp, shifted_sum)
         parts = [predicted, sum_exp] + ([shifted_sum] if shifted_sum is not None else [])
         vocab_size = v_local * group.size
         loss, log_sum_exp, smoothing = combine_and_reduce(parts, group, vocab_size, label_smoothing)
 
         ctx.save_for_backward(logits, logits_max + log_sum_exp, local_target, outside)
         ctx.smoothing, ctx.vocab_size = smoothing, vocab_size
-        ctx.grad_in_logits = grad_in_logits
+        ctx.grad_in_logits, ctx.fused = grad_in_logits, fused
         return loss.view(target.shape)
 
     @staticmethod
@@ -89,8 +93,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         # Only the rank holding the target subtracts (1 - e) at its position.
         hit = (~outside).float() * (1.0 - ctx.smoothing)
         grad = x.detach() if ctx.grad_in_logits else torch.empty_like(x)
-        softmax_gradient_rows(x, lse, local_target, hit, g, ctx.smoothing, ctx.vocab_size, grad)
-        return grad.view(logits.shape), None, None, None, None
+        rows = fused_cross_entropy.write_gradient if ctx.fused else softmax_gradient_rows
+        rows(x, lse, local_target, hit, g, ctx.smoothing, ctx.vocab_size, grad)
+        return grad.view(logits.shape), None, None, None, None, None
 
 
 def sum_exp_rows(
@@ -189,6 +194,7 @@ def vocab_parallel_cross_entropy(
     label_smoothing: float = 0.0,
     *,
     grad_in_logits: bool = False,
+    fused: bool = False,
 ) -> torch.Tensor:
     """Per-token loss [s, b] (fp32) of logits [s, b, v/tp] split over tp_group.
 
@@ -201,6 +207,9 @@ def vocab_parallel_cross_entropy(
     instead of allocating one; for logits nothing else reads afterwards
     (another backward that saved them fails on the changed version rather
     than reading the gradient). Needs logits computed by autograd (not a leaf).
+
+    fused: both passes over the logits compiled (fused_cross_entropy.py, Megatron's
+    --cross-entropy-loss-fusion): equal within fp32 rounding.
     """
     check_label_smoothing(label_smoothing, logits.shape[-1] * tp_group.size)
     if tuple(target.shape) != tuple(logits.shape[:-1]):
@@ -214,5 +223,5 @@ def vocab_parallel_cross_entropy(
             "their gradient), got a tensor without grad_fn"
         )
     return _VocabParallelCrossEntropy.apply(
-        logits, target, tp_group, label_smoothing, grad_in_logits
+        logits, target, tp_group, label_smoothing, grad_in_logits, fused
     )

@@ -45,10 +45,6 @@ IGNORED: dict[str, tuple[bool, str]] = {
         False,
         "mp's attention softmax accumulates in fp32 already (SDPA kernels, torch.softmax)",
     ),
-    "cross_entropy_loss_fusion": (
-        False,
-        "a CUDA kernel fusion: mp's vocabulary-parallel cross entropy computes in fp32 unfused",
-    ),
     "no_async_tensor_model_parallel_allreduce": (
         False,
         "a CUDA overlap switch; mp's tensor-parallel reductions are synchronous",
