@@ -57,7 +57,7 @@ def test_cpu_smoke_runs_every_step(tmp_path, monkeypatch, capsys):
             assert all(math.isfinite(loss) for loss in run)
         # Variants beside bf16 are only checked on the CPU: refused with pretrain_gpt.py's
         # line (an unknown flag; FP8 without a GPU), or accepted and not run.
-        for variant in ("fp8", "torch-compile", "fp8-compile"):
+        for variant in ("fp8", "torch-compile", "fp8-compile", "compile-fused"):
             row = rows[f"train {shape} {variant}"]
             assert row["status"] in ("refused", "checked"), row
             assert row["reason"] and row["reason"] in printed
@@ -77,7 +77,8 @@ def test_cpu_smoke_runs_every_step(tmp_path, monkeypatch, capsys):
         assert 0 < profiled["busy_ms"] <= profiled["iteration_ms"]
         assert sum(profiled["share_of_iteration"].values()) == pytest.approx(1.0, abs=1e-3)
         assert profiled["top_kernels"] and profiled["share_of_iteration"]["attention"] > 0
-        assert rows[f"profile {shape} torch-compile"]["status"] in ("refused", "checked")
+        for variant in ("torch-compile", "compile-fused"):
+            assert rows[f"profile {shape} {variant}"]["status"] in ("refused", "checked")
 
 
 def test_profile_step_sorts_gpu_kernels_by_kind():

@@ -36,8 +36,9 @@ The steps, on the device mp_state picks (MP_DEVICE=cuda here, cpu with --cpu-smo
                  other in alternating rounds: tokens/s (best timed iteration), MFU
   generate S     bench_generate.compare in bf16 at each batch size: ms per new token and
                  prefill tokens/s, ours (KV cache) beside transformers' generate
-  profile S V    shape S, variant V (bf16, torch-compile): ours trains warm-up + 2 iterations
-                 with mp's --profile on the one after the warm-up; the share of that
+  profile S V    shape S, variant V (bf16, torch-compile, compile-fused): ours trains
+                 warm-up + 2 iterations with mp's --profile on the one after the warm-up;
+                 the share of that
                  iteration each kind of GPU kernel took and the 20 kernels with the most
                  time (gpu_steps.kernel_time; on the CPU, top-level operators)
   packed         core attention over 27 packed documents in 8192 positions (bf16, forward
@@ -98,10 +99,26 @@ VARIANTS = (
     ("fp8", ("--fp8-format", "hybrid")),
     ("torch-compile", ("--torch-compile",)),
     ("fp8-compile", ("--fp8-format", "hybrid", "--torch-compile")),
+    (
+        "compile-fused",
+        ("--torch-compile", "--cross-entropy-loss-fusion", "--torch-compile-optimizer"),
+    ),
+    (
+        "fp8-compile-fused",
+        (
+            "--fp8-format",
+            "hybrid",
+            "--torch-compile",
+            "--cross-entropy-loss-fusion",
+            "--torch-compile-optimizer",
+        ),
+    ),
 )
 """Training variants: name, the flags ours runs with (on top of bench_gpt.config_argv)."""
 
-PROFILED = (("bf16", ()), ("torch-compile", ("--torch-compile",)))
+PROFILED = tuple(
+    (name, flags) for name, flags in VARIANTS if name in ("bf16", "torch-compile", "compile-fused")
+)
 """The variants the profile step traces (one iteration under torch.profiler)."""
 
 STEPS = ("smoke", "cuda-tests", "train", "generate", "packed", "profile")

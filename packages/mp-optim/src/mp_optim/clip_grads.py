@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from mp_state import RankGroup, select_device
 
-__all__ = ["clip_grads_by_total_norm", "count_zeros", "get_grad_norm"]
+__all__ = ["clip_coefficient", "clip_grads_by_total_norm", "count_zeros", "get_grad_norm"]
 
 
 def get_grad_norm(
@@ -45,9 +45,14 @@ def clip_grads_by_total_norm(
     grads: Sequence[torch.Tensor], max_norm: float, total_norm: float
 ) -> None:
     """Scales `grads` in place by max_norm / (total_norm + 1e-6) when that is below 1."""
-    coefficient = max_norm / (total_norm + 1.0e-6)
+    coefficient = clip_coefficient(max_norm, total_norm)
     if coefficient < 1.0 and grads:
         torch._foreach_mul_(list(grads), coefficient)
+
+
+def clip_coefficient(max_norm: float, total_norm: float) -> float:
+    """What clipping to `max_norm` scales gradients of norm `total_norm` by (1: none)."""
+    return min(1.0, max_norm / (total_norm + 1.0e-6))
 
 
 def count_zeros(

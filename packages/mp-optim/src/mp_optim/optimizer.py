@@ -30,7 +30,9 @@ step():
      distributed-optimizer or FSDP shard counts on its own rank), clipping to
      clip_grad, optionally the count of zeros;
   4. the torch optimizer's step on the main parameters; main -> model copy;
-     the distributed optimizer's parameter all-gather.
+     the distributed optimizer's parameter all-gather. With
+     config.torch_compile_optimizer the clipping's scale, the AdamW update and the
+     copy are one compiled kernel per main parameter (compiled_step.py).
 
 Expert parameters (`expert_parallel = True`, see ddp.py) are sharded by the
 distributed optimizer over the expert data-parallel group, as DDP reduces
@@ -47,7 +49,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from mp_optim.clip_grads import clip_grads_by_total_norm, count_zeros, get_grad_norm
+from mp_optim.clip_grads import (
+    clip_coefficient,
+    clip_grads_by_total_norm,
+    count_zeros,
+    get_grad_norm,
+)
+from mp_optim.compiled_step import adamw_step
 from mp_optim.config import OptimizerConfig
 from mp_optim.ddp import is_expert_parallel
 from mp_optim.flat_ranges import locate
@@ -217,15 +225,23 @@ class MixedPrecisionOptimizer:
                     return StepResult(False, None, None)
             norm_inputs = self._norm_inputs(shards)
             grad_norm = get_grad_norm(**norm_inputs)
-            if self.config.clip_grad > 0:
+            compiled = self.config.torch_compile_optimizer
+            scale = 1.0
+            if self.config.clip_grad > 0 and compiled:  # applied inside the update
+                scale = clip_coefficient(self.config.clip_grad, grad_norm)
+            elif self.config.clip_grad > 0:
                 clip_grads_by_total_norm(grads, self.config.clip_grad, grad_norm)
             zeros = None
             if self.config.log_num_zeros_in_grad:
                 zeros = count_zeros(**norm_inputs)
-            self.optimizer.step()
-            for shard in shards:
-                if not shard.aliased:
-                    shard.model_view.copy_(shard.main_param)
+            if compiled:
+                views = {id(s.main_param): None if s.aliased else s.model_view for s in shards}
+                adamw_step(self.optimizer, views, scale)
+            else:
+                self.optimizer.step()
+                for shard in shards:
+                    if not shard.aliased:
+                        shard.model_view.copy_(shard.main_param)
         finally:
             for shard in shards:
                 shard.main_param.grad = None
