@@ -8,8 +8,7 @@ The compiled update scales by the clipping coefficient, updates and copies into 
 bf16 model in one kernel; the fused loss sums the exponentials in another order. Both
 equal the plain path within fp32 rounding, which bf16 parameters then round: the losses
 agree within 1e-4 relative and the gradient norms within 1e-3 (measured here: at most
-1.7e-7 and 4.0e-5 with the
-distributed optimizer, 1.3e-6 and 1.3e-4 under ZeRO-3).
+1.7e-7 and 4.0e-5 with the distributed optimizer, 1.3e-6 and 1.3e-4 under ZeRO-3).
 """
 
 import contextlib
