@@ -47,9 +47,11 @@ first iteration as the loop logs it ("compiled 8 transformer layers ...: first
 iteration X s"), the first round's in a fresh inductor cache (the later rounds find
 the graphs compiled). Both sides train on the same samples from the same weights: the
 largest relative difference of their losses is reported. Target: compiled >= 1.1x.
+With --fused-loss the compiled side also fuses the cross entropy
+(--cross-entropy-loss-fusion).
 
     uv run python ci/bench/bench_gpt.py [--rounds 3 --warmup 2 --iters 3 --check-iters 20]
-    uv run python ci/bench/bench_gpt.py --torch-compile [--rounds 3 --warmup 2 --iters 3]
+    uv run python ci/bench/bench_gpt.py --torch-compile [--fused-loss] [--rounds 3 ...]
 
 gpu_suite.py runs the same two sides (config_for, run_ours, run_hf) on a GPU, with
 other shapes.
@@ -114,7 +116,14 @@ def main() -> None:
     parser.add_argument(
         "--torch-compile", action="store_true", help="ours compiled against ours eager"
     )
+    parser.add_argument(
+        "--fused-loss", action="store_true",
+        help="with --torch-compile: the compiled side also fuses the cross entropy "
+        "(--cross-entropy-loss-fusion)",
+    )  # fmt: skip
     args = parser.parse_args()
+    if args.fused_loss and not args.torch_compile:
+        parser.error("--fused-loss compares with --torch-compile: give both")
     if args.warmup < 1:
         parser.error("--warmup must be >= 1: a timed iteration is measured from the previous")
     torch.set_num_threads(os.cpu_count() or 1)
@@ -189,7 +198,7 @@ def _compare_compiled(args, iterations: int, peak: float, flops: float, tokens: 
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = f"{scratch}/inductor"
         for round_ in range(args.rounds):
             for side in sides:
-                extra = ["--torch-compile"] if side == "compiled" else []
+                extra = _compiled_flags(args) if side == "compiled" else []
                 config = _config(args, iterations, peak, f"{scratch}/{side}{round_}.jsonl", extra)
                 (seconds, loss, ms, _), compile_s = _run_ours(config, args.show_log)
                 times[side] += seconds[args.warmup :]
@@ -205,6 +214,7 @@ def _compare_compiled(args, iterations: int, peak: float, flops: float, tokens: 
     emit(
         "gpt_train_iteration_compiled[bf16]",
         {
+            "compiled_flags": _compiled_flags(args),
             **_side_by_side(times["compiled"], times["eager"], "eager", COMPILED_TARGET_RATIO,
                             tokens, flops, peak),
             "first_iteration_s": [round(t, 1) for t in first["compiled"]],
@@ -219,6 +229,10 @@ def _compare_compiled(args, iterations: int, peak: float, flops: float, tokens: 
         },
         ctx,
     )  # fmt: skip
+
+
+def _compiled_flags(args) -> list[str]:
+    return ["--torch-compile", *(["--cross-entropy-loss-fusion"] if args.fused_loss else [])]
 
 
 def _side_by_side(ours: list[float], base: list[float], name: str, target: float, tokens: int,
