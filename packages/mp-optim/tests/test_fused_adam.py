@@ -77,6 +77,12 @@ def body(bf16: bool, compiled: bool = False):
     moved = min(float((c - s).abs().max()) for c, s in zip(copies, start, strict=True))
     rounded = all(torch.equal(p, optimizer.shards[p][0].main_param.to(dtype))
                   for p in module.parameters())  # fmt: skip
+    # The state is torch's fused AdamW's, whichever path stepped it (checkpoints alike).
+    for main in mains:
+        state = fused.state[main]
+        assert set(state) == {"step", "exp_avg", "exp_avg_sq"}, set(state)
+        assert state["step"].dtype == torch.float32 and state["step"].shape == ()
+        assert float(state["step"]) == 5.0 and state["exp_avg"].shape == main.shape
     mp_state.destroy()
     return max(errors), moved, rounded
 

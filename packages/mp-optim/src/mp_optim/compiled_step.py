@@ -61,7 +61,9 @@ def adamw_step(
                 state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
                 state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["step"] += 1
+        torch._foreach_add_([optimizer.state[p]["step"] for p in params], 1.0)  # one launch
+        for p in params:
+            state = optimizer.state[p]
             flat = (p.view(-1), p.grad.reshape(-1), state["exp_avg"].view(-1),
                     state["exp_avg_sq"].view(-1))  # fmt: skip
             constants = (beta1, beta2, group["eps"])
