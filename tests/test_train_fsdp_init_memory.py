@@ -1,10 +1,14 @@
 """Under ZeRO-3 with --init-model-with-meta-device a rank never holds the whole model: each
-transformer layer is sharded as soon as it is built, so one more layer raises the rank's
-peak memory by what it keeps of the layer (its parameter and gradient shards), not by the
-layer. Measured with torch's profiler (every CPU tensor allocation and free while
-`setup_run` builds and wraps the model) on data-parallel rank 0 of four, for the tiny
-config at 8 and 16 layers, with and without the flag. The weights are the same either way
-(bitwise, shard by shard). Training under the flag, against DDP: tests/test_train_fsdp.py."""
+transformer layer is sharded as soon as it is built, and its parallel linear weights are
+never allocated whole: they are created on the meta device and each rank draws only its
+shard's rows (mp_layers.tensor_parallel.deferred_init). So one more layer raises the
+rank's peak memory by what it keeps of the layer (its parameter and gradient shards), and
+no allocation while the layers are built is larger than the largest parameter shard.
+Measured with torch's profiler (every CPU tensor allocation and free while `setup_run`
+builds and wraps the model) on data-parallel rank 0 of four, for the tiny config at 8 and
+16 layers, with and without the flag, and at DP2 x TP2. The weights are the same either
+way (bitwise, shard by shard), and so is the generator afterwards. Training under the
+flag, against DDP: tests/test_train_fsdp.py."""
 
 import os
 
@@ -18,11 +22,13 @@ pytestmark = pytest.mark.multirank
 
 ZERO3 = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params"]
 BY_LAYER = ["--init-model-with-meta-device"]
+SMALL_VOCAB = ["--vocab-size", "100", "--make-vocab-size-divisible-by", "128"]
 
 
-def peak_while(fn):
-    """fn()'s result, the most bytes of CPU tensors it had allocated at once, and the bytes
-    still allocated at its end."""
+def measure(fn):
+    """fn()'s result; the most bytes of CPU tensors it had allocated at once; the bytes
+    still allocated at its end; and the largest allocation of one operator inside a
+    "build the model" range."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
@@ -32,12 +38,16 @@ def peak_while(fn):
     def change(e):
         return e.cpu_memory_usage if e.name == "[memory]" else e.self_cpu_memory_usage
 
-    changes = sorted((e.time_range.start, change(e)) for e in prof.events())
+    events = list(prof.events())
+    changes = sorted((e.time_range.start, change(e)) for e in events)
     live = peak = 0
     for _, delta in changes:
         live += delta
         peak = max(peak, live)
-    return result, peak, live
+    building = [e.time_range for e in events if e.name == "build the model"]
+    largest = max(e.self_cpu_memory_usage for e in events if e.name != "[memory]"
+                  and any(r.start <= e.time_range.start <= r.end for r in building))  # fmt: skip
+    return result, peak, live, largest
 
 
 def build_on_rank(argv: list[str]) -> dict:
@@ -47,27 +57,44 @@ def build_on_rank(argv: list[str]) -> dict:
     from mp_train import parse_config
     from mp_train.loop.setup import initialize, setup_run
 
+    def provider(**kwargs):
+        with torch.profiler.record_function("build the model"):
+            return model_provider(**kwargs)
+
     config = parse_config(argv)
     initialized = initialize(config)
-    run, peak, kept = peak_while(lambda: setup_run(config, model_provider, initialized))
+    run, peak, kept, largest = measure(lambda: setup_run(config, provider, initialized))
     params = list(run.model[0].parameters())
+    layers = [p for n, p in run.model[0].named_parameters() if ".layers." in n]
     return {
         "peak": peak,
         "kept": kept,  # the shards of the parameters and their gradients
         "whole": sum(p.numel() for p in params) * 4,  # fp32, the unsharded sizes
         "shards": torch.cat([p.to_local().detach().reshape(-1) for p in params]),
+        "generator": torch.get_rng_state(),
+        "largest": largest,  # one operator's allocation while the model is built
+        "largest_shard": max(p.to_local().numel() for p in layers) * 4,
+        "largest_layer_weight": max(p.numel() for p in layers) * 4,  # unsharded
     }
 
 
-def test_a_rank_holds_one_layer_whole_at_most_while_the_model_is_built(tmp_path):
+def test_a_rank_holds_one_layer_shard_at_most_while_the_model_is_built(tmp_path):
     built = {}
     for name, layers, flags in (("whole", 8, []), ("by-layer", 8, BY_LAYER),
                                 ("by-layer", 16, BY_LAYER)):  # fmt: skip
         argv = tiny_options(tmp_path, "--num-layers", str(layers), "--peak-tflops", "1",
-                            *ZERO3, *flags)  # fmt: skip
+                            *SMALL_VOCAB, *ZERO3, *flags)  # fmt: skip
         built[name, layers] = run_on_ranks(build_on_rank, 4, argv, timeout=200)[0]
     whole, by_layer = built["whole", 8], built["by-layer", 8]
     assert torch.equal(by_layer["shards"], whole["shards"])
+    assert torch.equal(by_layer["generator"], whole["generator"])
+    # Built whole, a layer's weights are drawn whole; under the flag no allocation while
+    # the model is built exceeds a layer parameter's shard (the vocabulary is small, so
+    # that the embedding, drawn whole on each rank, is below it too).
+    assert whole["largest"] >= whole["largest_layer_weight"], whole
+    for count in (8, 16):
+        seen = built["by-layer", count]
+        assert seen["largest"] <= seen["largest_shard"] < seen["largest_layer_weight"], seen
     # Built whole, the model is all there at once (the measure sees it) ...
     assert whole["peak"] >= whole["whole"], whole
     # ... built and sharded layer by layer, eight more layers raise the peak by what the
@@ -77,3 +104,23 @@ def test_a_rank_holds_one_layer_whole_at_most_while_the_model_is_built(tmp_path)
     assert more["kept"] == pytest.approx(more["whole"] / 2, rel=1e-3), more
     assert more["peak"] <= 1.1 * more["kept"], more
     assert built["by-layer", 16]["peak"] < 0.75 * built["by-layer", 16]["whole"], built
+
+
+def test_tensor_parallel_shards_are_drawn_as_the_whole_weights(tmp_path):
+    """DP2 x TP2 with sequence parallelism: each rank's shards of its tensor-parallel
+    pieces (column-parallel rows, row-parallel columns, the gated MLP's reordered rows)
+    equal the whole build's, bitwise, the generator ends in the same state, and no layer
+    weight's piece is allocated whole."""
+    built = {}
+    for name, flags in (("whole", []), ("by-layer", BY_LAYER)):
+        argv = tiny_options(tmp_path, "--num-layers", "2", "--peak-tflops", "1",
+                            "--tensor-model-parallel-size", "2", "--sequence-parallel",
+                            *SMALL_VOCAB, *ZERO3, *flags)  # fmt: skip
+        built[name] = run_on_ranks(build_on_rank, 4, argv, timeout=200)
+    for rank, (whole, by_layer) in enumerate(zip(built["whole"], built["by-layer"], strict=True)):
+        assert torch.equal(by_layer["shards"], whole["shards"]), rank
+        assert torch.equal(by_layer["generator"], whole["generator"]), rank
+        # No layer weight's piece is allocated whole (the largest allocation is the
+        # embedding's master, 2 x 128 rows of the padded vocabulary, drawn on each rank).
+        assert by_layer["largest"] < by_layer["largest_layer_weight"], (rank, by_layer)
+        assert whole["largest"] >= whole["largest_layer_weight"], (rank, whole)

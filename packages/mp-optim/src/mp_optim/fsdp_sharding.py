@@ -87,12 +87,16 @@ class FsdpSharding:
         from torch.distributed.fsdp import fully_shard
 
         kept: dict[int, dict] = {}  # a tied parameter has two owners
+        recipes: dict[tuple[int, str], object] = {}  # weights left on meta, to draw
         for owner in module.modules():
             for name, param in owner.named_parameters(recurse=False):
                 if not is_dtensor(param):
                     if id(param) not in kept:
-                        kept[id(param)] = {**vars(param), "unsharded_dtype": param.dtype}
+                        attributes = {k: v for k, v in vars(param).items() if k != _RECIPE}
+                        kept[id(param)] = {**attributes, "unsharded_dtype": param.dtype}
                     self._attributes[id(owner), name] = kept[id(param)]
+                    if hasattr(param, _RECIPE):
+                        recipes[id(owner), name] = getattr(param, _RECIPE)
         for param in module.parameters():
             if id(param) in kept and param.is_floating_point() and param.dtype != torch.float32:
                 param.data = param.data.float()
@@ -102,6 +106,8 @@ class FsdpSharding:
             if custom is not None:
                 module.set_custom_reduce_scatter(custom)
         self.restore_attributes(module)
+        if recipes:
+            _draw_shards(module, recipes, self.restore_attributes)
 
     def restore_attributes(self, module: torch.nn.Module) -> None:
         """Puts the attributes kept at sharding back on `module`'s sharded parameters
@@ -110,6 +116,61 @@ class FsdpSharding:
             for name, param in owner.named_parameters(recurse=False):
                 for key, value in self._attributes.get((id(owner), name), {}).items():
                     setattr(param, key, value)
+
+
+_RECIPE = "_mp_deferred_init"
+"""The attribute of a weight mp_layers left on the meta device: its recipe."""
+
+
+def _draw_shards(module: torch.nn.Module, recipes: dict, restore) -> None:
+    """Gives `module`'s sharded parameters still on the meta device their memory (this
+    rank's rows only) and draws their values from their recipes, as the whole weights
+    would have been drawn, rounded to the model's dtype, then sharded. A recipe (mp_layers'
+    DeferredInit) has fill_rows(start, stop, out, through): rows [start, stop) of the
+    unsharded parameter into `out`, rounded to the dtype `through` on the way. `restore`
+    puts the kept attributes back on the new parameters."""
+    device = select_device().device
+    for owner in module.modules():
+        for name, param in list(owner.named_parameters(recurse=False)):
+            if param.is_meta:
+                empty = torch.empty_like(param, device=device)  # this rank's shard
+                setattr(owner, name, torch.nn.Parameter(empty, param.requires_grad))
+    _repad_shards(module)
+    restore(module)
+    with torch.no_grad():
+        for owner in module.modules():
+            for name, param in owner.named_parameters(recurse=False):
+                recipe = recipes.get((id(owner), name))
+                if recipe is None:
+                    continue
+                local = param.to_local()  # under no_grad: the shard itself
+                ranks, rank = param.device_mesh.size(), param.device_mesh.get_local_rank()
+                rows = param.shape[0]
+                start = min(rank * -(-rows // ranks), rows)  # FSDP2's chunks along dim 0
+                through = getattr(param, "unsharded_dtype", None)
+                through = through if through not in (None, local.dtype) else None
+                staged = local if local.device.type == "cpu" else torch.empty(local.shape)
+                recipe.fill_rows(start, start + local.shape[0], staged, through)
+                if staged is not local:
+                    local.copy_(staged)
+    stray = [n for n, p in module.named_parameters() if p.is_meta]
+    if stray:
+        raise RuntimeError(f"{stray[0]} is still on the meta device after sharding")
+
+
+def _repad_shards(module: torch.nn.Module) -> None:
+    """FSDP2 keeps each shard in padded storage of its own: after a sharded parameter is
+    replaced it points its storage at the new one, as Module._apply's override does
+    (which would also swap every other parameter in place)."""
+    state = module._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:  # torch before 2.12: one group per fully_shard call
+        group = getattr(state, "_fsdp_param_group", None)
+        groups = [group] if group is not None else []
+    with torch.no_grad():
+        for group in groups:
+            for fsdp_param in group.fsdp_params:
+                fsdp_param.reset_sharded_param()
 
 
 def _reduce_scatter_by_all_reduce():

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 from mp_ckpt import ShardedTensor
 from mp_layers.tensor_parallel.collectives import gather_first, reduce_scatter_first
+from mp_layers.tensor_parallel.deferred_init import weight_device
 from mp_layers.tensor_parallel.initialization import InitMethod, init_partitioned_weight
 from mp_layers.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
@@ -127,7 +128,12 @@ class ColumnParallelLinear(torch.nn.Module):
 
         factory = {"dtype": params_dtype, "device": device}
         self.weight = torch.nn.Parameter(
-            torch.empty(self.output_size_per_partition, input_size, **factory)
+            torch.empty(
+                self.output_size_per_partition,
+                input_size,
+                dtype=params_dtype,
+                device=weight_device(device),
+            )
         )
         init_partitioned_weight(self.weight, (output_size, input_size), 0, tp_group, init_method)
         if bias:

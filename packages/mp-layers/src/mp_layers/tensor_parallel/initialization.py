@@ -31,6 +31,7 @@ from collections.abc import Callable
 
 import torch
 
+from mp_layers.tensor_parallel import deferred_init
 from mp_state import RankGroup
 
 __all__ = ["InitMethod", "init_partitioned_weight"]
@@ -50,17 +51,27 @@ def init_partitioned_weight(
 
     `partition_dim` is the dimension split over `group` (None: not split, the
     whole master is kept). Every rank of the group must call this for the
-    same weights in the same order, so that their generators stay in step.
+    same weights in the same order, so that their generators stay in step. A weight on
+    the meta device (deferred_init.deferred_weights) gets a recipe instead of values.
     """
+    expected = list(master_shape)
+    if partition_dim is not None:
+        expected[partition_dim] = weight.shape[partition_dim]
+        fits = (group.rank + 1) * weight.shape[partition_dim] <= master_shape[partition_dim]
+    else:
+        fits = True
+    if not fits or tuple(expected) != tuple(weight.shape):
+        raise ValueError(
+            f"weight of shape {tuple(weight.shape)} is not a piece of the master "
+            f"{tuple(master_shape)} split along dimension {partition_dim} over {group.size} ranks"
+        )
+    if weight.is_meta:  # deferred_weights(): filled once sharded (deferred_init.py)
+        deferred_init.record(weight, master_shape, partition_dim, group.rank, init_method)
+        return
     master = torch.empty(master_shape, dtype=torch.float32, device="cpu")
     init_method(master)
     if partition_dim is not None:
         piece = weight.shape[partition_dim]
         master = master.narrow(partition_dim, group.rank * piece, piece)
-    if tuple(master.shape) != tuple(weight.shape):
-        raise ValueError(
-            f"weight of shape {tuple(weight.shape)} is not a piece of the master "
-            f"{tuple(master_shape)} split along dimension {partition_dim} over {group.size} ranks"
-        )
     with torch.no_grad():
         weight.copy_(master)

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from mp_ckpt import ShardedTensor
+from mp_layers.tensor_parallel.deferred_init import weight_device
 from mp_layers.tensor_parallel.initialization import InitMethod, init_partitioned_weight
 from mp_layers.tensor_parallel.mappings import (
     reduce_from_tensor_model_parallel_region,
@@ -92,7 +93,12 @@ class RowParallelLinear(torch.nn.Module):
 
         factory = {"dtype": params_dtype, "device": device}
         self.weight = torch.nn.Parameter(
-            torch.empty(output_size, self.input_size_per_partition, **factory)
+            torch.empty(
+                output_size,
+                self.input_size_per_partition,
+                dtype=params_dtype,
+                device=weight_device(device),
+            )
         )
         init_partitioned_weight(self.weight, (output_size, input_size), 1, tp_group, init_method)
         if bias:

@@ -24,7 +24,7 @@ from mp_layers.fp8 import apply_fp8
 from mp_layers.groups import ModelGroups
 from mp_layers.tensor_parallel import replicated_state_dict
 from mp_layers.transformer.kv_cache import KVCache
-from mp_layers.transformer.layer_hooks import layer_built
+from mp_layers.transformer.layer_hooks import building_layer, layer_built
 from mp_layers.transformer.recompute import checkpointed
 from mp_layers.transformer.rope import Rotary
 from mp_layers.transformer.seeded_init import seeded_init
@@ -131,7 +131,7 @@ class TransformerBlock(torch.nn.Module):
         self.recompute_num_layers = config.recompute_num_layers
         layers = []
         for i in range(count):
-            with seeded_init(init_seed, f"layer{layer_offset + i}"):
+            with seeded_init(init_seed, f"layer{layer_offset + i}"), building_layer():
                 layer = TransformerLayer(config, groups, rng_tracker, spec, layer_offset + i)
             layers.append(layer_built(layer))
         self.layers = torch.nn.ModuleList(layers)

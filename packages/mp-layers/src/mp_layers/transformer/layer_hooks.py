@@ -7,8 +7,9 @@ TransformerBlock and the multi-token prediction modules hand each
 TransformerLayer to the callback right after constructing it. The callback
 must draw nothing from the default generator (for an MTP module it runs
 inside the module's seeded initialization, before its final norm is built).
-Fully sharded data parallelism uses it to keep one layer whole at a time
-while a chunk is built. Without a callback nothing happens.
+Fully sharded data parallelism uses it to shard each layer before the next one is
+built, and with defer_weights to never hold a layer's weights whole: each rank fills
+only its shard of them. Without a callback nothing happens.
 """
 
 from __future__ import annotations
@@ -19,21 +20,37 @@ from contextvars import ContextVar
 
 import torch
 
-__all__ = ["layer_built", "on_layer_built"]
+from mp_layers.tensor_parallel.deferred_init import deferred_weights
+
+__all__ = ["building_layer", "layer_built", "on_layer_built"]
 
 _callback: ContextVar[Callable[[torch.nn.Module], None] | None] = ContextVar(
     "layer_built_callback", default=None
 )
+_defer: ContextVar[bool] = ContextVar("layer_built_defer_weights", default=False)
 
 
 @contextlib.contextmanager
-def on_layer_built(callback: Callable[[torch.nn.Module], None]) -> Iterator[None]:
-    """Calls `callback(layer)` for each transformer layer built inside the block."""
+def on_layer_built(
+    callback: Callable[[torch.nn.Module], None], *, defer_weights: bool = False
+) -> Iterator[None]:
+    """Calls `callback(layer)` for each transformer layer built inside the block. With
+    `defer_weights` each layer's parallel linear weights are built on the meta device
+    with a recipe (tensor_parallel.deferred_init) for the callback to fill once it has
+    sharded them."""
     token = _callback.set(callback)
+    defer = _defer.set(defer_weights)
     try:
         yield
     finally:
+        _defer.reset(defer)
         _callback.reset(token)
+
+
+def building_layer() -> contextlib.AbstractContextManager:
+    """The context a transformer layer is constructed in: deferred weights when the
+    callback in force asked for them."""
+    return deferred_weights(_callback.get() is not None and _defer.get())
 
 
 def layer_built(layer: torch.nn.Module) -> torch.nn.Module:

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from mp_ckpt import ShardedTensor
 from mp_layers.config import TransformerConfig
 from mp_layers.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from mp_layers.tensor_parallel.deferred_init import GatedRows
 from mp_state import RankGroup
 
 __all__ = ["MLP", "activate", "residual_projection"]
@@ -37,7 +38,7 @@ class MLP(torch.nn.Module):
         self.tp_group = tp_group
         f = ffn_hidden_size or config.ffn_hidden_size
         init = functools.partial(torch.nn.init.normal_, std=config.init_method_std)
-        fc1_init = functools.partial(_gated_layout, init, tp_group.size) if self.gated else init
+        fc1_init = GatedRows(init, tp_group.size) if self.gated else init
         self.linear_fc1 = ColumnParallelLinear(
             config.hidden_size, 2 * f if self.gated else f, tp_group=tp_group,
             bias=config.add_bias_linear, sequence_parallel=config.sequence_parallel,
@@ -104,12 +105,3 @@ def activate(config: TransformerConfig, inner: torch.Tensor) -> torch.Tensor:
 def _quick_gelu(x: torch.Tensor) -> torch.Tensor:
     """x sigmoid(1.702 x), the sigmoid approximation of GELU (Hendrycks and Gimpel, 2016)."""
     return x * torch.sigmoid(1.702 * x)
-
-
-def _gated_layout(init, tp: int, master: torch.Tensor) -> None:
-    """Fills the fused [2f, h] master so that rank r's contiguous rows are [gate_r; up_r]."""
-    logical = torch.empty_like(master)
-    init(logical)  # rows 0..f-1: gate, f..2f-1: up, drawn as one [2f, h] weight
-    gate, up = logical.chunk(2, dim=0)
-    per_rank = [torch.cat([g, u]) for g, u in zip(gate.chunk(tp), up.chunk(tp), strict=True)]
-    master.copy_(torch.cat(per_rank))

@@ -25,6 +25,8 @@ last layer (a MoE layer when that one is).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 
@@ -40,7 +42,7 @@ from mp_layers.tensor_parallel import (
     scatter_to_sequence_parallel_region,
 )
 from mp_layers.transformer.layer import TransformerLayer
-from mp_layers.transformer.layer_hooks import layer_built
+from mp_layers.transformer.layer_hooks import building_layer, layer_built
 from mp_layers.transformer.recompute import checkpointed
 from mp_layers.transformer.rope import Rotary
 from mp_layers.transformer.seeded_init import seeded_init
@@ -107,12 +109,12 @@ class MultiTokenPredictionLayer(torch.nn.Module):
         self.eh_proj = ColumnParallelLinear(
             2 * h, h, tp_group=groups.tp, bias=False, gather_output=False,
             sequence_parallel=config.sequence_parallel,
-            init_method=lambda w: torch.nn.init.normal_(w, std=config.init_method_std),
+            init_method=functools.partial(torch.nn.init.normal_, std=config.init_method_std),
             params_dtype=config.params_dtype,
         )  # fmt: skip
-        self.transformer_layer = layer_built(
-            TransformerLayer(config, groups, rng_tracker, spec, layer_number=config.num_layers - 1)
-        )
+        with building_layer():
+            layer = TransformerLayer(config, groups, rng_tracker, spec, config.num_layers - 1)
+        self.transformer_layer = layer_built(layer)
         self.final_layernorm = spec.norm(config, None)
 
     def forward(

@@ -247,7 +247,7 @@ def _build_model(config, state, tracker, padded_vocab, model_provider) -> list:
         # init_model_with_meta_device: each layer sharded before the next one is built.
         building = contextlib.nullcontext()
         if config.training.init_model_with_meta_device:
-            building = on_layer_built(sharding.shard)
+            building = on_layer_built(sharding.shard, defer_weights=True)
         with building:
             module = model_provider(
                 config=config, state=state, stage=stage, vp_stage=vp_stage,
