@@ -41,6 +41,7 @@ from mp_layers.tensor_parallel import (
 )
 from mp_layers.transformer.kv_cache import KVCache
 from mp_layers.transformer.layer import TransformerBlock
+from mp_layers.transformer.layer_hooks import building_layer
 from mp_layers.transformer.multi_token_prediction import MultiTokenPrediction, roll_left
 from mp_layers.transformer.packed import PackedSeqParams
 from mp_layers.transformer.rope import Llama3Scaling, Rotary, RotaryEmbedding, yarn_scaling
@@ -94,8 +95,11 @@ class GPTModel(torch.nn.Module):
         mtp_here = post_process and bool(config.mtp_num_layers)
         self._input_tensor: torch.Tensor | None = None
         init = functools.partial(torch.nn.init.normal_, std=config.init_method_std)
+        # A whole model on one stage: the embedding and output weights may be drawn shard
+        # by shard (FSDP, deferred_init); across stages their copies are kept equal first.
+        one_stage = pre_process and post_process
         if pre_process or mtp_here:
-            with seeded_init(init_seed, "embedding"):
+            with seeded_init(init_seed, "embedding"), building_layer(one_stage):
                 self.embedding = VocabParallelEmbedding(
                     vocab_size, config.hidden_size, tp_group=tp_group, init_method=init,
                     sequence_parallel=config.sequence_parallel, params_dtype=config.params_dtype,
@@ -135,7 +139,7 @@ class GPTModel(torch.nn.Module):
                 config, groups, rng_tracker, get_layer_spec(spec), init_seed=init_seed
             )
         if post_process:
-            with seeded_init(init_seed, "output_layer"):
+            with seeded_init(init_seed, "output_layer"), building_layer(one_stage):
                 self.output_layer = ColumnParallelLinear(
                     config.hidden_size, vocab_size, tp_group=tp_group, bias=False,
                     gather_output=not parallel_output, sequence_parallel=config.sequence_parallel,

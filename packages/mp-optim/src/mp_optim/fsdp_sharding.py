@@ -130,19 +130,24 @@ def _draw_shards(module: torch.nn.Module, recipes: dict, restore) -> None:
     unsharded parameter into `out`, rounded to the dtype `through` on the way. `restore`
     puts the kept attributes back on the new parameters."""
     device = select_device().device
+    replaced: dict[int, torch.nn.Parameter] = {}  # a tied weight has two owners, one shard
     for owner in module.modules():
         for name, param in list(owner.named_parameters(recurse=False)):
             if param.is_meta:
-                empty = torch.empty_like(param, device=device)  # this rank's shard
-                setattr(owner, name, torch.nn.Parameter(empty, param.requires_grad))
+                if id(param) not in replaced:
+                    empty = torch.empty_like(param, device=device)  # this rank's shard
+                    replaced[id(param)] = torch.nn.Parameter(empty, param.requires_grad)
+                setattr(owner, name, replaced[id(param)])
     _repad_shards(module)
     restore(module)
+    filled = set()
     with torch.no_grad():
         for owner in module.modules():
             for name, param in owner.named_parameters(recurse=False):
                 recipe = recipes.get((id(owner), name))
-                if recipe is None:
+                if recipe is None or id(param) in filled:
                     continue
+                filled.add(id(param))
                 local = param.to_local()  # under no_grad: the shard itself
                 ranks, rank = param.device_mesh.size(), param.device_mesh.get_local_rank()
                 rows = param.shape[0]

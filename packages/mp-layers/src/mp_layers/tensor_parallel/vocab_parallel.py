@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from mp_ckpt import ShardedTensor
+from mp_layers.tensor_parallel.deferred_init import weight_device
 from mp_layers.tensor_parallel.initialization import InitMethod, init_partitioned_weight
 from mp_layers.tensor_parallel.mappings import (
     reduce_from_tensor_model_parallel_region,
@@ -81,7 +82,7 @@ class VocabParallelEmbedding(torch.nn.Module):
                 self.num_embeddings_per_partition,
                 embedding_dim,
                 dtype=params_dtype,
-                device=device,
+                device=weight_device(device),
             )
         )
         init_partitioned_weight(

@@ -47,10 +47,11 @@ def on_layer_built(
         _callback.reset(token)
 
 
-def building_layer() -> contextlib.AbstractContextManager:
-    """The context a transformer layer is constructed in: deferred weights when the
-    callback in force asked for them."""
-    return deferred_weights(_callback.get() is not None and _defer.get())
+def building_layer(sharded_later: bool = True) -> contextlib.AbstractContextManager:
+    """The context a part that FSDP shards once built is constructed in (a transformer
+    layer; a single stage's embedding and output layer, sharded with the chunk):
+    deferred weights when the callback in force asked for them."""
+    return deferred_weights(sharded_later and _callback.get() is not None and _defer.get())
 
 
 def layer_built(layer: torch.nn.Module) -> torch.nn.Module:

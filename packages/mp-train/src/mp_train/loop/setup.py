@@ -253,7 +253,8 @@ def _build_model(config, state, tracker, padded_vocab, model_provider) -> list:
                 config=config, state=state, stage=stage, vp_stage=vp_stage,
                 padded_vocab_size=padded_vocab, rng_tracker=tracker,
             )  # fmt: skip
-        module.to(mp_state.select_device().device)
+        device = mp_state.select_device().device  # weights left on meta: drawn when sharded
+        module._apply(lambda t, device=device: t if t.is_meta else t.to(device))
         chunks.append(module)
     if config.training.data_parallel_random_init:
         for module in chunks:
