@@ -16,7 +16,7 @@ import os
 import pytest
 import torch
 
-from mp_gpt.testing import tiny_options
+from mp_gpt.testing import tiny_moe_options, tiny_options
 from mp_state.testing import run_on_ranks
 
 pytestmark = pytest.mark.multirank
@@ -114,6 +114,24 @@ def test_tensor_parallel_shards_are_drawn_as_the_whole_weights(tmp_path):
         argv = tiny_options(tmp_path, "--num-layers", "2", "--peak-tflops", "1",
                             "--tensor-model-parallel-size", "2", "--sequence-parallel",
                             *ZERO3, *flags)  # fmt: skip
+        built[name] = run_on_ranks(build_on_rank, 4, argv, timeout=200)
+    for rank, (whole, by_layer) in enumerate(zip(built["whole"], built["by-layer"], strict=True)):
+        assert torch.equal(by_layer["shards"], whole["shards"]), rank
+        assert torch.equal(by_layer["generator"], whole["generator"]), rank
+        assert by_layer["largest"] <= by_layer["largest_shard"], (rank, by_layer)
+        assert whole["largest"] >= whole["largest_weight"], (rank, whole)
+
+
+def test_moe_expert_shards_are_drawn_as_the_whole_weights(tmp_path):
+    """The tiny MoE config at EP2 on four ranks (each rank's two experts sharded over
+    expert dp 2: one expert per rank): each rank's shards of the experts (drawn expert by
+    expert), the router and the dense weights equal the whole build's, bitwise, the
+    generator ends in the same state, and no allocation while the model is built exceeds
+    the largest parameter shard (built whole, a rank stacks its two experts' weights)."""
+    built = {}
+    for name, flags in (("whole", []), ("by-layer", BY_LAYER)):
+        argv = tiny_moe_options(tmp_path, "--num-layers", "2", "--peak-tflops", "1",
+                                "--expert-model-parallel-size", "2", *ZERO3, *flags)  # fmt: skip
         built[name] = run_on_ranks(build_on_rank, 4, argv, timeout=200)
     for rank, (whole, by_layer) in enumerate(zip(built["whole"], built["by-layer"], strict=True)):
         assert torch.equal(by_layer["shards"], whole["shards"]), rank

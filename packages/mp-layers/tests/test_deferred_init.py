@@ -2,14 +2,18 @@
 in pieces of rows, equals the whole draw's piece bitwise, and recording it leaves the
 default generator where the whole draw leaves it: for every partition (none, rows,
 columns), tensor-parallel sizes 1 and 2, shapes whose sizes are and are not multiples of
-16 (fewer than 16 elements too), a 3-d weight, and the gated MLP's fused fc1 layout."""
+16 (fewer than 16 elements too), a 3-d weight, and the gated MLP's fused fc1 layout; the
+MoE experts (drawn expert by expert) and the router, at several expert layouts."""
 
 import functools
 
 import pytest
 import torch
 
-from mp_layers.tensor_parallel.deferred_init import GatedRows, fill_rows, record
+from mp_layers import TransformerConfig
+from mp_layers.moe import GroupedExperts, TopKRouter
+from mp_layers.tensor_parallel.deferred_init import GatedRows, deferred_weights, fill_rows, record
+from mp_state import RankGroup
 
 NORMAL = functools.partial(torch.nn.init.normal_, std=0.02)
 SHAPES = [(64, 64), (192, 64), (7, 3), (100, 13), (5, 4), (2, 3), (1000, 17), (33, 4096),
@@ -70,3 +74,62 @@ def test_rounding_through_the_model_dtype():
     out = torch.empty(32, 16)
     fill_rows(weight._mp_deferred_init, 0, 32, out, torch.bfloat16)
     assert torch.equal(out, piece.bfloat16().float())
+
+
+def moe_config(gated: bool, dtype: torch.dtype = torch.float32) -> TransformerConfig:
+    return TransformerConfig(
+        num_layers=3, hidden_size=24, num_attention_heads=4, ffn_hidden_size=48,
+        activation="swiglu" if gated else "gelu", add_bias_linear=not gated,
+        num_moe_experts=4, moe_ffn_hidden_size=20, moe_router_topk=2,
+        params_dtype=dtype,
+    )  # fmt: skip
+
+
+def group(size: int, rank: int) -> RankGroup:
+    return RankGroup("stub", tuple(range(size)), rank, None)
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "plain"])
+@pytest.mark.parametrize(("ep", "etp"), [(1, 1), (2, 1), (2, 2), (1, 2), (4, 1)])
+def test_experts_filled_later_are_the_whole_draws(gated, ep, etp):
+    """Each expert-parallel and expert-TP rank's experts, filled an expert or two at a
+    time from the recipe, equal the whole build's (both weights, bf16 rounding included);
+    the generator ends where the whole build leaves it; the biases are zeros as built."""
+    config = moe_config(gated, torch.bfloat16)
+    for ep_rank in range(ep):
+        for etp_rank in range(etp):
+            torch.manual_seed(5)
+            whole = GroupedExperts(config, group(ep, ep_rank), group(etp, etp_rank))
+            after = torch.get_rng_state()
+            torch.manual_seed(5)
+            with deferred_weights():
+                later = GroupedExperts(config, group(ep, ep_rank), group(etp, etp_rank))
+            assert torch.equal(torch.get_rng_state(), after), (ep_rank, etp_rank)
+            for name in ("linear_fc1", "linear_fc2"):
+                built, meta = getattr(whole, name), getattr(later, name)
+                assert meta.weight.is_meta and meta.weight.dtype == torch.bfloat16
+                assert getattr(meta.weight, "expert_parallel", False)
+                recipe = meta.weight._mp_deferred_init
+                out = torch.full(meta.weight.shape, float("nan"))
+                for start in range(0, out.shape[0], 2):  # FSDP's shards of experts
+                    stop = min(start + 2, out.shape[0])
+                    recipe.fill_rows(start, stop, out[start:stop], torch.bfloat16)
+                recipe.fill_rows(1, 1, out[1:1])  # an empty shard writes nothing
+                assert torch.equal(out, built.weight.float()), (name, ep_rank, etp_rank)
+                if built.bias is not None:
+                    assert not meta.bias.is_meta and torch.equal(meta.bias, built.bias)
+
+
+def test_the_router_is_filled_later_as_drawn():
+    config = moe_config(True)
+    torch.manual_seed(9)
+    whole = TopKRouter(config, group(2, 1))
+    after = torch.get_rng_state()
+    torch.manual_seed(9)
+    with deferred_weights():
+        later = TopKRouter(config, group(2, 1))
+    assert later.weight.is_meta and torch.equal(torch.get_rng_state(), after)
+    out = torch.full(later.weight.shape, float("nan"))
+    later.weight._mp_deferred_init.fill_rows(0, 3, out[:3])
+    later.weight._mp_deferred_init.fill_rows(3, 4, out[3:])
+    assert torch.equal(out, whole.weight)

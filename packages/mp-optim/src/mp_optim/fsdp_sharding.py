@@ -133,6 +133,11 @@ def _draw_shards(module: torch.nn.Module, recipes: dict, restore) -> None:
     replaced: dict[int, torch.nn.Parameter] = {}  # a tied weight has two owners, one shard
     for owner in module.modules():
         for name, param in list(owner.named_parameters(recurse=False)):
+            if param.is_meta and (id(owner), name) not in recipes:
+                raise RuntimeError(
+                    f"{type(owner).__name__}.{name} is on the meta device without a recipe "
+                    f"({_RECIPE}) to draw its shard from"
+                )
             if param.is_meta:
                 if id(param) not in replaced:
                     empty = torch.empty_like(param, device=device)  # this rank's shard

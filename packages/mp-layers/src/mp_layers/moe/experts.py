@@ -31,10 +31,14 @@ linear_fc2.bias [E, h] (a replica on expert-TP ranks > 0).
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
+
 import torch
 
 from mp_ckpt import ShardedTensor
 from mp_layers.config import TransformerConfig
+from mp_layers.tensor_parallel import deferred_init
 from mp_layers.transformer.mlp import activate
 from mp_state import RankGroup
 
@@ -53,6 +57,21 @@ class GroupedExperts(torch.nn.Module):
         first = ep.rank * self.num_local
         rows = slice(etp.rank * self.local_ffn, (etp.rank + 1) * self.local_ffn)
         parts = 2 if self.gated else 1
+        bias = config.add_bias_linear
+        if deferred_init.deferring():  # filled shard by shard once sharded (_ExpertDraws)
+            draws = _ExpertDraws(experts, parts, f, h, first, rows,
+                                 (config.init_method_std, config.output_layer_init_std),
+                                 torch.get_rng_state())  # fmt: skip
+            draws.advance()
+            shapes = ((self.num_local, parts * self.local_ffn, h),
+                      (self.num_local, h, self.local_ffn))  # fmt: skip
+            self.linear_fc1, self.linear_fc2 = (
+                _ExpertWeights(torch.empty(shape, device="meta"), bias, config.params_dtype)
+                for shape in shapes
+            )
+            deferred_init.attach(self.linear_fc1.weight, draws.of_fc(1))
+            deferred_init.attach(self.linear_fc2.weight, draws.of_fc(2))
+            return
         fc1, fc2 = [], []
         for expert in range(experts):
             w1 = torch.empty(parts * f, h).normal_(std=config.init_method_std)
@@ -60,7 +79,6 @@ class GroupedExperts(torch.nn.Module):
             if first <= expert < first + self.num_local:
                 fc1.append(torch.cat([part[rows] for part in w1.chunk(parts)]))
                 fc2.append(w2[:, rows])
-        bias = config.add_bias_linear
         self.linear_fc1 = _ExpertWeights(torch.stack(fc1), bias, config.params_dtype)
         self.linear_fc2 = _ExpertWeights(torch.stack(fc2), bias, config.params_dtype)
 
@@ -111,10 +129,79 @@ class _ExpertWeights(torch.nn.Module):
         super().__init__()
         self.weight = torch.nn.Parameter(weight.to(dtype))
         self.bias = None
-        if bias:
-            self.bias = torch.nn.Parameter(weight.new_zeros(weight.shape[:2], dtype=dtype))
+        if bias:  # zeros, also beside a weight left on the meta device
+            device = None if weight.is_meta else weight.device
+            self.bias = torch.nn.Parameter(torch.zeros(weight.shape[:2], dtype=dtype,
+                                                       device=device))  # fmt: skip
         for param in self.parameters():
             param.expert_parallel = True
+
+
+@dataclass(frozen=True)
+class _ExpertDraws:
+    """The experts' weights as GroupedExperts draws them (expert by expert, each one's
+    fc1 [parts F, h] then its fc2 [h, F], from the default CPU generator in
+    `generator_state`), replayed a block of rows at a time (deferred_init.normal_blocks)
+    so that no expert's weight is ever held whole: `advance()` moves the default
+    generator past all the draws; `of_fc(n).fill_rows(...)` writes local experts of fc n."""
+
+    experts: int
+    parts: int
+    f: int
+    h: int
+    first: int
+    """The global index of this rank's first expert."""
+    inner: slice
+    """This rank's rows of each fc1 part and columns of fc2 (expert tensor parallelism)."""
+    stds: tuple[float, float]
+    generator_state: torch.Tensor
+    fc: int = 0
+    """Which weight fill_rows writes: 1 (fc1) or 2 (fc2)."""
+
+    def of_fc(self, fc: int) -> _ExpertDraws:
+        return dataclasses.replace(self, fc=fc)
+
+    def advance(self) -> None:
+        for _ in self._draws(self.experts, None):
+            pass
+
+    def fill_rows(self, start: int, stop: int, out: torch.Tensor,
+                  through: torch.dtype | None = None) -> None:  # fmt: skip
+        """out[: stop - start] = local experts [start, stop) of weight fc (the protocol
+        mp_optim's FSDP sharding calls), rounded to `through` first when given."""
+        if stop <= start:
+            return
+        generator = torch.Generator()
+        generator.set_state(self.generator_state)
+        wanted = range(self.first + start, self.first + stop)
+        local_ffn = self.inner.stop - self.inner.start
+        for expert, fc, begin, block in self._draws(wanted.stop, generator):
+            if fc != self.fc or expert not in wanted:
+                continue
+            dest = out[expert - wanted.start]
+            if fc == 2:  # rows of [h, F]: keep this rank's columns
+                rows = block[:, self.inner]
+                dest[begin : begin + rows.shape[0]].copy_(_rounded(rows, through))
+                continue
+            for part in range(self.parts):  # rows of [parts F, h]: keep each part's rows
+                lo = max(begin, part * self.f + self.inner.start)
+                hi = min(begin + block.shape[0], part * self.f + self.inner.stop)
+                if lo < hi:
+                    at = part * local_ffn + lo - part * self.f - self.inner.start
+                    dest[at : at + hi - lo].copy_(_rounded(block[lo - begin : hi - begin],
+                                                           through))  # fmt: skip
+
+    def _draws(self, experts: int, generator: torch.Generator | None):
+        """(expert, fc, first row, block) over the draws of experts 0 .. experts - 1."""
+        for expert in range(experts):
+            for fc, shape, std in ((1, (self.parts * self.f, self.h), self.stds[0]),
+                                   (2, (self.h, self.f), self.stds[1])):  # fmt: skip
+                for begin, block in deferred_init.normal_blocks(shape, 0.0, std, generator):
+                    yield expert, fc, begin, block
+
+
+def _rounded(rows: torch.Tensor, through: torch.dtype | None) -> torch.Tensor:
+    return rows if through is None else rows.to(through)
 
 
 def _per_copy(bias: torch.Tensor, counts: list[int]) -> torch.Tensor:

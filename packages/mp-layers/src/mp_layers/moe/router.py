@@ -25,6 +25,7 @@ many, padded with tokens of weight 0.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -34,6 +35,8 @@ import torch.nn.functional as F
 from mp_ckpt import ShardedTensor
 from mp_layers.config import TransformerConfig
 from mp_layers.moe import aux_losses
+from mp_layers.tensor_parallel import deferred_init
+from mp_layers.tensor_parallel.initialization import init_partitioned_weight
 from mp_layers.transformer.recompute import recomputing
 from mp_state import RankGroup
 
@@ -65,9 +68,14 @@ class TopKRouter(torch.nn.Module):
         self.token_group = tp_group if token_group is None else token_group
         self.balance_group = balance_group
         self.experts, self.topk = config.num_moe_experts, config.moe_router_topk
-        master = torch.empty(self.experts, config.hidden_size, dtype=torch.float32)
-        torch.nn.init.normal_(master, std=config.init_method_std)
-        self.weight = torch.nn.Parameter(master.to(config.params_dtype))
+        # The same draw on every rank (an fp32 master), left on the meta device to be drawn
+        # shard by shard under deferred_init.deferred_weights().
+        shape = (self.experts, config.hidden_size)
+        self.weight = torch.nn.Parameter(torch.empty(
+            shape, dtype=config.params_dtype, device=deferred_init.weight_device(None)
+        ))  # fmt: skip
+        normal = functools.partial(torch.nn.init.normal_, std=config.init_method_std)
+        init_partitioned_weight(self.weight, shape, None, tp_group, normal)
         self.bias = None
         if config.add_bias_linear:  # Megatron's TopKRouter: normal, as the weight
             bias = torch.empty(self.experts).normal_(std=config.init_method_std)

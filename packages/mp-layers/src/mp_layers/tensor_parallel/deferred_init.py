@@ -19,6 +19,12 @@ the same numbers as the whole tensor and leave the generator in the same state. 
 methods that are `functools.partial(torch.nn.init.normal_, ...)` are drawn so, and so is
 `GatedRows` (a fused gate/up weight: rows of one logical draw, reordered per rank); any
 other is drawn whole (in one scratch master per weight), which gives the same values.
+
+Other weights drawn with `normal_` follow the same pattern with recipes of their own
+(`attach`): the MoE router's weight goes through init_partitioned_weight (not split), and
+GroupedExperts replays its expert-by-expert draws with `normal_blocks`. Small tensors are
+built as before (norms, biases, attention sinks, the shared experts' gate [1, h], the
+router's bias) and sharded like any parameter.
 """
 
 from __future__ import annotations
@@ -32,7 +38,16 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["DeferredInit", "GatedRows", "deferred_weights", "fill_rows", "weight_device"]
+__all__ = [
+    "DeferredInit",
+    "GatedRows",
+    "attach",
+    "deferred_weights",
+    "deferring",
+    "fill_rows",
+    "normal_blocks",
+    "weight_device",
+]
 
 _BLOCK_ELEMENTS = 1 << 16
 """At most this many elements per drawn block (256 KiB in fp32), fewer for small weights."""
@@ -49,6 +64,11 @@ def deferred_weights(enabled: bool = True) -> Iterator[None]:
         yield
     finally:
         _deferred.reset(token)
+
+
+def deferring() -> bool:
+    """Whether weights are being deferred (inside deferred_weights())."""
+    return _deferred.get()
 
 
 def weight_device(device: torch.device | str | None) -> torch.device | str | None:
@@ -80,11 +100,18 @@ def record(weight: torch.Tensor, master_shape, partition_dim, rank: int, init_me
     """Records weight's recipe (weight: a meta tensor of this rank's piece's shape) and
     advances the default CPU generator past the master's draw."""
     piece = weight.shape[partition_dim] if partition_dim is not None else 0
-    weight._mp_deferred_init = DeferredInit(
+    attach(weight, DeferredInit(
         tuple(master_shape), partition_dim, rank, piece, init_method, torch.get_rng_state()
-    )
+    ))  # fmt: skip
     for _ in _blocks(tuple(master_shape), _plain(init_method), None):
         pass
+
+
+def attach(weight: torch.Tensor, recipe) -> None:
+    """Marks `weight` (on the meta device) as filled later by `recipe`: any object with
+    fill_rows(start, stop, out, through) writing rows [start, stop) of the weight (the
+    protocol mp_optim's FSDP sharding calls)."""
+    weight._mp_deferred_init = recipe
 
 
 def fill_rows(recipe: DeferredInit, start: int, stop: int, out: torch.Tensor,
@@ -162,8 +189,7 @@ def _blocks(shape: tuple[int, ...], init_method,
     them: from the default generator (state None) or from a generator in `state`. Each
     block is valid until the next one is drawn."""
     normal = _normal_arguments(init_method)
-    rows, width = shape[0], math.prod(shape[1:])
-    if normal is None or rows * width < 16:  # drawn whole, as init_partitioned_weight does
+    if normal is None:  # drawn whole, as init_partitioned_weight does
         master = torch.empty(shape)
         if state is None:
             init_method(master)
@@ -177,6 +203,20 @@ def _blocks(shape: tuple[int, ...], init_method,
     if state is not None:
         generator = torch.Generator()
         generator.set_state(state)
+    yield from normal_blocks(shape, *normal, generator)
+
+
+def normal_blocks(
+    shape: tuple[int, ...], mean: float, std: float, generator: torch.Generator | None
+) -> Iterator[tuple[int, torch.Tensor]]:
+    """(first row, block) over the rows of `torch.empty(shape).normal_(mean, std)` drawn
+    from `generator` (None: the default CPU generator): the same numbers, and the
+    generator left in the same state, a block of rows at a time (module docstring). Each
+    block is valid until the next one is drawn."""
+    rows, width = shape[0], math.prod(shape[1:])
+    if rows * width < 16:  # drawn one number at a time: whole (and small)
+        yield 0, torch.empty(shape).normal_(mean, std, generator=generator)
+        return
     step = 16 // math.gcd(width, 16)  # rows whose elements are a multiple of 16
     per_block = max(step, min(_BLOCK_ELEMENTS // width, rows // 16) // step * step)
     scratch = torch.empty(min(per_block, rows), *shape[1:])
@@ -187,7 +227,7 @@ def _blocks(shape: tuple[int, ...], init_method,
             count = rows - begin  # a tail under 16 elements joins this block
             scratch = torch.empty(count, *shape[1:])
         block = scratch[:count]
-        torch.nn.init.normal_(block, *normal, generator=generator)
+        block.normal_(mean, std, generator=generator)
         yield begin, block
         begin += count
 
