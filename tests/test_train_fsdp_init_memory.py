@@ -6,7 +6,8 @@ rank's peak memory by what it keeps of the layer (its parameter and gradient sha
 no allocation while the layers are built is larger than the largest parameter shard.
 Measured with torch's profiler (every CPU tensor allocation and free while `setup_run`
 builds and wraps the model) on data-parallel rank 0 of four, for the tiny config at 8 and
-16 layers, with and without the flag, and at DP2 x TP2. On one pipeline stage the
+16 layers, with and without the flag, at DP2 x TP2, and on the tiny MoE config at EP2
+(the experts and the router drawn shard by shard too). On one pipeline stage the
 embedding and output layer are drawn shard by shard too. The weights are the same either
 way (bitwise, shard by shard), and so is the generator afterwards. Training under the
 flag, against DDP: tests/test_train_fsdp.py."""

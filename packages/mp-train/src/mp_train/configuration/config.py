@@ -114,12 +114,12 @@ class TrainingConfig:
     """Initialize each data-parallel replica differently (then synchronize from rank 0)."""
 
     init_model_with_meta_device: bool = False
-    """Under ZeRO-2/3: never build a whole model chunk. Each transformer layer is sharded
-    over the data-parallel ranks as soon as it is built, before the next one exists, so a
-    rank holds one layer whole at most, beside the chunk's embeddings and output layer
-    (sharded with the chunk). The weights are those of any other layout for the same
-    seed: each is drawn whole, as mp's initialization does everywhere, not on the meta
-    device (docs/fsdp.md)."""
+    """Under ZeRO-2/3: never build a whole model chunk, nor a layer's weight whole. Each
+    transformer layer is built with its weight matrices on the meta device and sharded over
+    the data-parallel ranks before the next one exists; each rank then draws only its
+    shards' rows, so it holds no layer weight whole, beside the chunk's embeddings, output
+    layer and MTP projections (sharded with the chunk). The weights are those of any other
+    layout for the same seed, bitwise: the whole draw's rows, replayed (docs/fsdp.md)."""
 
     manual_gc: bool = False
     """Disable Python's automatic garbage collection and collect every manual_gc_interval."""
