@@ -106,12 +106,13 @@ class MultiTokenPredictionLayer(torch.nn.Module):
         h = config.hidden_size
         self.enorm = spec.norm(config, None)
         self.hnorm = spec.norm(config, None)
-        self.eh_proj = ColumnParallelLinear(
-            2 * h, h, tp_group=groups.tp, bias=False, gather_output=False,
-            sequence_parallel=config.sequence_parallel,
-            init_method=functools.partial(torch.nn.init.normal_, std=config.init_method_std),
-            params_dtype=config.params_dtype,
-        )  # fmt: skip
+        with building_layer():  # sharded with the chunk, which holds no copy elsewhere
+            self.eh_proj = ColumnParallelLinear(
+                2 * h, h, tp_group=groups.tp, bias=False, gather_output=False,
+                sequence_parallel=config.sequence_parallel,
+                init_method=functools.partial(torch.nn.init.normal_, std=config.init_method_std),
+                params_dtype=config.params_dtype,
+            )  # fmt: skip
         with building_layer():
             layer = TransformerLayer(config, groups, rng_tracker, spec, config.num_layers - 1)
         self.transformer_layer = layer_built(layer)
