@@ -117,9 +117,10 @@ class TrainingConfig:
     """Under ZeRO-2/3: never build a whole model chunk, nor a layer's weight whole. Each
     transformer layer is built with its weight matrices on the meta device and sharded over
     the data-parallel ranks before the next one exists; each rank then draws only its
-    shards' rows, so it holds no layer weight whole, beside the chunk's embeddings, output
-    layer and MTP projections (sharded with the chunk). The weights are those of any other
-    layout for the same seed, bitwise: the whole draw's rows, replayed (docs/fsdp.md)."""
+    shards' rows, so it holds no layer weight whole (on one pipeline stage no weight
+    matrix at all: the embedding and output layer are drawn so too). The weights are
+    those of any other layout for the same seed, bitwise: the whole draw's rows, replayed
+    (docs/fsdp.md)."""
 
     manual_gc: bool = False
     """Disable Python's automatic garbage collection and collect every manual_gc_interval."""
