@@ -105,16 +105,25 @@ def test_a_rank_holds_one_layer_shard_at_most_while_the_model_is_built(tmp_path)
     assert built["by-layer", 16]["peak"] < 0.75 * built["by-layer", 16]["whole"], built
 
 
-def test_tensor_parallel_shards_are_drawn_as_the_whole_weights(tmp_path):
-    """DP2 x TP2 with sequence parallelism: each rank's shards of its tensor-parallel
-    pieces (column-parallel rows, row-parallel columns, the gated MLP's reordered rows)
-    equal the whole build's, bitwise, the generator ends in the same state, and no
-    allocation while the model is built exceeds the largest parameter shard."""
+LAYOUTS = {
+    "dp2-tp2-sp": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+    "dp2-pp2-untied": ["--pipeline-model-parallel-size", "2",
+                       "--untie-embeddings-and-output-weights"],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_model_parallel_shards_are_drawn_as_the_whole_weights(tmp_path, layout):
+    """DP2 x TP2 with sequence parallelism, and DP2 x PP2 with untied embeddings (the
+    first stage's embedding and the last stage's output layer have no copy on another
+    stage, so they are drawn shard by shard too): each rank's shards of its pieces
+    (column-parallel rows, row-parallel columns, the gated MLP's reordered rows) equal
+    the whole build's, bitwise, the generator ends in the same state, and no allocation
+    while the model is built exceeds the largest parameter shard."""
     built = {}
     for name, flags in (("whole", []), ("by-layer", BY_LAYER)):
         argv = tiny_options(tmp_path, "--num-layers", "2", "--peak-tflops", "1",
-                            "--tensor-model-parallel-size", "2", "--sequence-parallel",
-                            *ZERO3, *flags)  # fmt: skip
+                            *LAYOUTS[layout], *ZERO3, *flags)  # fmt: skip
         built[name] = run_on_ranks(build_on_rank, 4, argv, timeout=200)
     for rank, (whole, by_layer) in enumerate(zip(built["whole"], built["by-layer"], strict=True)):
         assert torch.equal(by_layer["shards"], whole["shards"]), rank

@@ -95,11 +95,13 @@ class GPTModel(torch.nn.Module):
         mtp_here = post_process and bool(config.mtp_num_layers)
         self._input_tensor: torch.Tensor | None = None
         init = functools.partial(torch.nn.init.normal_, std=config.init_method_std)
-        # A whole model on one stage: the embedding and output weights may be drawn shard
-        # by shard (FSDP, deferred_init); across stages their copies are kept equal first.
+        # The embedding and output weights may be drawn shard by shard (FSDP,
+        # deferred_init) unless a copy on another stage is made equal to them first
+        # (sync_tied_embeddings: a tied output layer, MTP's embedding on the last stage).
         one_stage = pre_process and post_process
+        copied = self.embedding_on_last_stage and not one_stage
         if pre_process or mtp_here:
-            with seeded_init(init_seed, "embedding"), building_layer(one_stage):
+            with seeded_init(init_seed, "embedding"), building_layer(pre_process and not copied):
                 self.embedding = VocabParallelEmbedding(
                     vocab_size, config.hidden_size, tp_group=tp_group, init_method=init,
                     sequence_parallel=config.sequence_parallel, params_dtype=config.params_dtype,
@@ -139,7 +141,7 @@ class GPTModel(torch.nn.Module):
                 config, groups, rng_tracker, get_layer_spec(spec), init_seed=init_seed
             )
         if post_process:
-            with seeded_init(init_seed, "output_layer"), building_layer(one_stage):
+            with seeded_init(init_seed, "output_layer"), building_layer(one_stage or not share):
                 self.output_layer = ColumnParallelLinear(
                     config.hidden_size, vocab_size, tp_group=tp_group, bias=False,
                     gather_output=not parallel_output, sequence_parallel=config.sequence_parallel,
