@@ -109,3 +109,44 @@ def test_profile_step_sorts_gpu_kernels_by_kind():
     assert found["share_of_iteration"] == {"matmul": 0.3, "elementwise and other": 0.1,
                                            "idle": 0.6}  # fmt: skip
     assert [k["name"] for k in found["top_kernels"]] == ["nvjet_tst_a", "elementwise_b"]
+
+
+def test_each_finished_step_is_printed_and_in_the_report(tmp_path, monkeypatch, capsys):
+    # A suite that a device command's time limit stops keeps every step it finished: the
+    # report is rewritten (through a temporary name) and the row printed as each step ends.
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    spec = importlib.util.spec_from_file_location("gpu_suite", SUITE)
+    suite = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "gpu_suite", suite)
+    spec.loader.exec_module(suite)
+    out = tmp_path / "suite.json"
+    rows = suite._Rows(out, "cpu-smoke", 0.0)
+    rows.append(suite.Row("cuda-tests", "skipped", reason="no CUDA device"))
+    assert [r["name"] for r in json.loads(out.read_text())["steps"]] == ["cuda-tests"]
+    rows.append(suite.Row("train s v", "refused", reason="--flag needs a GPU"))
+    assert [r["status"] for r in json.loads(out.read_text())["steps"]] == ["skipped", "refused"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["suite.json"]
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0].split()[:2] == ["cuda-tests", "skipped"]
+    assert printed[1].split()[:4] == ["train", "s", "v", "refused"]
+    assert printed[1].endswith("--flag needs a GPU")
+
+
+def test_variants_choose_what_is_profiled(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    for name in ("PYTHONPATH", "MP_DEVICE", "HF_HUB_OFFLINE"):
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("MP_DEVICE", "cpu")
+    spec = importlib.util.spec_from_file_location("gpu_suite", SUITE)
+    suite = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "gpu_suite", suite)
+    spec.loader.exec_module(suite)
+    out = tmp_path / "suite.json"
+    code = suite.main(["--cpu-smoke", "--steps", "profile", "--shapes", "llama-3.2-1b",
+                       "--variants", "compile-fused", "--out", str(out)])  # fmt: skip
+    assert code == 0
+    steps = json.loads(out.read_text())["steps"]
+    assert [(s["name"], s["status"]) for s in steps] == [
+        ("profile llama-3.2-1b compile-fused", "checked")
+    ]

@@ -36,9 +36,9 @@ The steps, on the device mp_state picks (MP_DEVICE=cuda here, cpu with --cpu-smo
                  other in alternating rounds: tokens/s (best timed iteration), MFU
   generate S     bench_generate.compare in bf16 at each batch size: ms per new token and
                  prefill tokens/s, ours (KV cache) beside transformers' generate
-  profile S V    shape S, variant V (bf16, torch-compile, compile-fused): ours trains
-                 warm-up + 2 iterations with mp's --profile on the one after the warm-up;
-                 the share of that
+  profile S V    shape S, variant V (bf16, torch-compile, compile-fused; --variants
+                 chooses among them as for train): ours trains warm-up + 2 iterations
+                 with mp's --profile on the one after the warm-up; the share of that
                  iteration each kind of GPU kernel took and the 20 kernels with the most
                  time (gpu_steps.kernel_time; on the CPU, top-level operators)
   packed         core attention over 27 packed documents in 8192 positions (bf16, forward
@@ -70,8 +70,11 @@ device command holds with the build of .site: run `--steps smoke cuda-tests trai
 `--steps generate`. On one H200 (2026-12-04): CUDA tests 47 s, each training step
 37-67 s (fp8-compile the longest), packed 16 s, each profile step 25-35 s: `--steps
 cuda-tests train --variants bf16 torch-compile fp8-compile` took 381 s, `--steps packed
-profile` 139 s. --cpu-smoke took 17 to 43 s (11 to 13 s of CPU) on the 2-core CI
-machine, busy with other tests.
+profile` 139 s; later, `--steps train --variants bf16 compile-fused fp8-compile-fused`
+420 s (bf16 steps 53-55 s, the compiled ones 74-78 s). Each step's line is printed, and
+the JSON report rewritten, as the step ends, so that a suite stopped from outside (a
+device command's time limit) still leaves what it finished. --cpu-smoke took 17 to 43 s
+(11 to 13 s of CPU) on the 2-core CI machine, busy with other tests.
 """
 
 from __future__ import annotations
@@ -174,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="the training shapes to run (default: all)")  # fmt: skip
     parser.add_argument("--variants", nargs="+", metavar="VARIANT",
                         choices=[name for name, _ in VARIANTS],
-                        help="the training variants to run (default: all)")  # fmt: skip
+                        help="the variants to train and profile (default: all)")  # fmt: skip
     args = parser.parse_args(argv)
     problem = _mp_data_problem()
     if problem:
@@ -189,15 +192,14 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["MP_DEVICE"] = "cuda" if cuda else "cpu"
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import gpu_steps
-    from harness import context
 
     if not cuda:
         gpu_steps.preload()
     logs = args.out.with_suffix("").with_name(args.out.stem + ".logs")
     logs.mkdir(parents=True, exist_ok=True)
-    run = _Runner(logs, "spawn" if cuda else "fork", 1.0 if cuda else 1 / 3)
     start = time.perf_counter()
-    rows = []
+    rows = _Rows(args.out, mode, start)
+    run = _Runner(logs, "spawn" if cuda else "fork", 1.0 if cuda else 1 / 3)
     if "smoke" in args.steps:
         rows.append(run("smoke", "smoke", {"mode": sizes}, TIMEOUTS["smoke"]))
     if "cuda-tests" in args.steps:
@@ -230,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     if "profile" in args.steps:
         for shape_name in _chosen(gpu_steps.SIZES[sizes].shapes, args.shapes):
             for variant, flags in PROFILED:
+                if args.variants and variant not in args.variants:
+                    continue
                 name = f"profile {shape_name} {variant}"
                 refused = gpu_steps.refusal(sizes, shape_name, list(flags))
                 if refused:
@@ -240,13 +244,38 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 kwargs = {"mode": sizes, "shape_name": shape_name, "flags": list(flags)}
                 rows.append(run(name, "profile", kwargs, TIMEOUTS["profile"]))
-    total = time.perf_counter() - start
-    report = {"suite": "gpu_suite", "mode": mode, "total_s": round(total, 1),
-              "steps": [asdict(r) for r in rows], **context()}  # fmt: skip
-    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    total = rows.write()
     print(table(rows, mode, total))
     print(f"report: {args.out}; step logs: {logs}/")
     return 1 if any(r.status in ("failed", "timeout") for r in rows) else 0
+
+
+class _Rows(list):
+    """The rows so far; each one appended is printed as its table line and the JSON
+    report rewritten (under a temporary name, then renamed), so that a suite stopped
+    from outside still leaves every finished step."""
+
+    def __init__(self, out: Path, mode: str, start: float) -> None:
+        super().__init__()
+        self.out, self.mode, self.start = out, mode, start
+
+    def append(self, row: Row) -> None:
+        super().append(row)
+        print(table([row], self.mode, time.perf_counter() - self.start).splitlines()[3],
+              flush=True)  # fmt: skip
+        self.write()
+
+    def write(self) -> float:
+        """Writes the report; returns the seconds since the suite started."""
+        from harness import context
+
+        total = time.perf_counter() - self.start
+        report = {"suite": "gpu_suite", "mode": self.mode, "total_s": round(total, 1),
+                  "steps": [asdict(r) for r in self], **context()}  # fmt: skip
+        partial = self.out.with_name(self.out.name + ".partial")
+        partial.write_text(json.dumps(report, indent=1) + "\n")
+        partial.replace(self.out)
+        return total
 
 
 def _chosen(names, wanted: list[str] | None) -> list[str]:
