@@ -15,10 +15,10 @@ import pytest
 SUITE = Path(__file__).resolve().parents[1] / "ci" / "bench" / "gpu_suite.py"
 
 
-def test_cpu_smoke_runs_every_step(tmp_path, monkeypatch, capsys):
-    # In this process, where other tests have most likely imported torch and transformers
-    # already (seconds on 2 cores); the path, modules and environment variables the suite
-    # changes are put back afterwards.
+def _load_suite(monkeypatch):
+    """gpu_suite.py as a module, in this process, where other tests have most likely
+    imported torch and transformers already (seconds on 2 cores); the path, modules and
+    environment variables the suite changes are put back afterwards."""
     monkeypatch.setattr(sys, "path", list(sys.path))
     for name in ("PYTHONPATH", "MP_DEVICE", "HF_HUB_OFFLINE"):
         monkeypatch.setenv(name, "")  # records the value to put back ...
@@ -28,8 +28,15 @@ def test_cpu_smoke_runs_every_step(tmp_path, monkeypatch, capsys):
     suite = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "gpu_suite", suite)
     spec.loader.exec_module(suite)
+    return suite
+
+
+def test_cpu_smoke_runs_every_step(tmp_path, monkeypatch, capsys):
+    suite = _load_suite(monkeypatch)
     out = tmp_path / "suite.json"
-    code = suite.main(["--cpu-smoke", "--out", str(out)])
+    every_variant = [name for name, _ in suite.VARIANTS]
+    code = suite.main(["--cpu-smoke", "--out", str(out), "--steps", *suite.STEPS,
+                       "--variants", *every_variant])  # fmt: skip
     printed = capsys.readouterr().out
     assert code == 0, printed
     report = json.loads(out.read_text())
@@ -49,6 +56,7 @@ def test_cpu_smoke_runs_every_step(tmp_path, monkeypatch, capsys):
     )
 
     for shape in ("llama-3.2-1b", "llama-3-8b-layers"):
+        assert rows[f"train {shape}"]["figures"]["variants"] == ["bf16"]
         figures = rows[f"train {shape} bf16"]["figures"]
         assert figures["tokens_per_s"] > 0 and figures["hf_tokens_per_s"] > 0
         assert figures["flops_per_iteration"] > 0 and figures["peak_tflops"] > 0
@@ -111,14 +119,43 @@ def test_profile_step_sorts_gpu_kernels_by_kind():
     assert [k["name"] for k in found["top_kernels"]] == ["nvjet_tst_a", "elementwise_b"]
 
 
+def test_one_training_step_alternates_its_variants_with_one_transformers_run(tmp_path, monkeypatch):
+    # Each round runs every variant, then the transformers loop once, in one process.
+    suite = _load_suite(monkeypatch)
+    variants = [["bf16", []], ["clip-0.5", ["--clip-grad", "0.5"]]]
+    kwargs = {"mode": "cpu-smoke", "shape_name": "llama-3.2-1b", "variants": variants}
+    step = suite._Runner(tmp_path, "fork", 1.0)("train llama-3.2-1b", "train", kwargs, 300)
+    rows = suite._variant_rows(step, "llama-3.2-1b", variants)
+    assert [(r.name, r.status) for r in rows] == [
+        ("train llama-3.2-1b", "ok"),
+        ("train llama-3.2-1b bf16", "ok"),
+        ("train llama-3.2-1b clip-0.5", "ok"),
+    ], step.reason
+    hf = rows[0].figures["transformers"]
+    rounds = rows[0].figures["rounds"]
+    assert len(hf["run_s"]) == len(hf["losses"]) == rounds
+    assert "bf16, clip-0.5" in suite._summary(rows[0])
+    for row, (_, flags) in zip(rows[1:], variants, strict=True):
+        figures = row.figures
+        assert figures["flags"] == flags and len(figures["run_s"]) == rounds
+        pairs = zip(figures["setup_s"], figures["run_s"], strict=True)
+        assert all(0 <= setup <= run for setup, run in pairs)
+        assert figures["hf_tokens_per_s"] == hf["tokens_per_s"] > 0
+        assert figures["tokens_per_s"] > 0 and figures["peak_tflops"] > 0
+        assert row.seconds == pytest.approx(sum(figures["run_s"]), abs=0.1)
+    # Both variants build the same model from the same seed and data: the same first loss.
+    assert rows[1].figures["losses"][0][0] == rows[2].figures["losses"][0][0]
+    # A step that fails gives each of its variants a row that says so.
+    failed = suite.Row("train x", "failed", 1.0, reason="RuntimeError: out of memory")
+    assert [(r.name, r.status) for r in suite._variant_rows(failed, "x", variants)] == [
+        ("train x", "failed"), ("train x bf16", "failed"), ("train x clip-0.5", "failed")
+    ]  # fmt: skip
+
+
 def test_each_finished_step_is_printed_and_in_the_report(tmp_path, monkeypatch, capsys):
     # A suite that a device command's time limit stops keeps every step it finished: the
     # report is rewritten (through a temporary name) and the row printed as each step ends.
-    monkeypatch.setattr(sys, "path", list(sys.path))
-    spec = importlib.util.spec_from_file_location("gpu_suite", SUITE)
-    suite = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "gpu_suite", suite)
-    spec.loader.exec_module(suite)
+    suite = _load_suite(monkeypatch)
     out = tmp_path / "suite.json"
     rows = suite._Rows(out, "cpu-smoke", 0.0)
     rows.append(suite.Row("cuda-tests", "skipped", reason="no CUDA device"))
@@ -133,15 +170,7 @@ def test_each_finished_step_is_printed_and_in_the_report(tmp_path, monkeypatch, 
 
 
 def test_variants_choose_what_is_profiled(tmp_path, monkeypatch):
-    monkeypatch.setattr(sys, "path", list(sys.path))
-    for name in ("PYTHONPATH", "MP_DEVICE", "HF_HUB_OFFLINE"):
-        monkeypatch.setenv(name, "")
-        monkeypatch.delenv(name)
-    monkeypatch.setenv("MP_DEVICE", "cpu")
-    spec = importlib.util.spec_from_file_location("gpu_suite", SUITE)
-    suite = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "gpu_suite", suite)
-    spec.loader.exec_module(suite)
+    suite = _load_suite(monkeypatch)
     out = tmp_path / "suite.json"
     code = suite.main(["--cpu-smoke", "--steps", "profile", "--shapes", "llama-3.2-1b",
                        "--variants", "compile-fused", "--out", str(out)])  # fmt: skip

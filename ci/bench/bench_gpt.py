@@ -95,6 +95,7 @@ TARGET_RATIO = 1.2
 COMPILED_TARGET_RATIO = 1.1
 LR = 1e-3
 _LOG_LINE = re.compile(r"^iteration\s+(\d+) \|.*\| ms/iteration ([\d.]+) \|")
+_SETUP_LINE = re.compile(r"^time \(ms\) \| model-and-optimizer-setup: \([\d.]+, ([\d.]+)\)")
 _COMPILE_LINE = re.compile(r"^compiled \d+ transformer layers? .*: first iteration ([\d.]+) s")
 
 
@@ -200,7 +201,7 @@ def _compare_compiled(args, iterations: int, peak: float, flops: float, tokens: 
             for side in sides:
                 extra = _compiled_flags(args) if side == "compiled" else []
                 config = _config(args, iterations, peak, f"{scratch}/{side}{round_}.jsonl", extra)
-                (seconds, loss, ms, _), compile_s = _run_ours(config, args.show_log)
+                (seconds, loss, ms, _), compile_s, _ = _run_ours(config, args.show_log)
                 times[side] += seconds[args.warmup :]
                 # The eager loop's first logged interval (from the loop's start).
                 first[side].append(compile_s if side == "compiled" else ms[0] / 1000)
@@ -314,9 +315,16 @@ def run_ours(config, show_log: bool = False) -> tuple[list[float], list[float], 
     return _run_ours(config, show_log)[0]
 
 
-def _run_ours(config, show_log: bool) -> tuple[tuple, float | None]:
+def run_ours_and_setup(config) -> tuple[tuple[list[float], list[float], list[float], int], float]:
+    """(run_ours' figures, the milliseconds the loop logs for building the model and the
+    optimizer: its model-and-optimizer-setup timer, the slowest rank's)."""
+    figures, _, setup_ms = _run_ours(config, False)
+    return figures, setup_ms
+
+
+def _run_ours(config, show_log: bool) -> tuple[tuple, float | None, float]:
     """(run_ours' figures, the first iteration's seconds that a compiled run logs, or
-    None)."""
+    None, and the model-and-optimizer-setup milliseconds it logs)."""
     clock = _LineClock(show_log)
     try:
         with contextlib.redirect_stdout(clock):
@@ -334,7 +342,9 @@ def _run_ours(config, show_log: bool) -> tuple[tuple, float | None]:
     lines = Path(config.logging.metrics_file).read_text().splitlines()
     records = [json.loads(line) for line in lines]
     compiled = [float(m.group(1)) for _, line in clock.lines if (m := _COMPILE_LINE.match(line))]
-    return (seconds, [r["lm loss"] for r in records], logged, params), next(iter(compiled), None)
+    [setup_ms] = [float(m.group(1)) for _, line in clock.lines if (m := _SETUP_LINE.match(line))]
+    figures = (seconds, [r["lm loss"] for r in records], logged, params)
+    return figures, next(iter(compiled), None), setup_ms
 
 
 class _LineClock(io.TextIOBase):

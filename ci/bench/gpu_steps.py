@@ -211,10 +211,12 @@ def cuda_tests(timeout: float) -> dict[str, Any]:
     return {"summary": summary, **counts, "files": files}
 
 
-def train(mode: str, shape_name: str, variant: str, flags: list[str]) -> dict[str, Any]:
-    """Ours (the real loop with `flags` added) beside the plain transformers loop, in
-    alternating rounds on one device, each side built anew in its turn (both together
-    would not fit next to each other on one GPU at the 8B layer shape)."""
+def train(mode: str, shape_name: str, variants: list[list]) -> dict[str, Any]:
+    """Ours (the real loop) with each variant's flags, [name, flags] in `variants`, and
+    the plain transformers loop, in alternating rounds on one device: each round runs
+    every variant in turn, then the transformers loop, each side built anew in its turn
+    (two models would not fit next to each other on one GPU at the 8B layer shape). One
+    transformers run per round serves every variant's comparison."""
     import bench_gpt
     import torch
 
@@ -226,47 +228,77 @@ def train(mode: str, shape_name: str, variant: str, flags: list[str]) -> dict[st
     device = mp_state.select_device().device
     peak, peak_source = _peak_tflops(device)
     iterations = sizes.warmup + sizes.iters
-    times: dict[str, list[float]] = {"ours": [], "hf": []}
-    losses: dict[str, list[list[float]]] = {"ours": [], "hf": []}
-    params, peak_gib, left_gib = {}, {"ours": 0.0, "hf": 0.0}, []
+    sides = [name for name, _ in variants] + ["hf"]
+    times: dict[str, list[float]] = {side: [] for side in sides}
+    losses: dict[str, list[list[float]]] = {side: [] for side in sides}
+    walls: dict[str, list[float]] = {side: [] for side in sides}
+    setups: dict[str, list[float]] = {name: [] for name, _ in variants}
+    params, peak_gib = {}, dict.fromkeys(sides, 0.0)
+    left_gib: dict[str, list[float]] = {name: [] for name, _ in variants}
+    flops = {}
     with tempfile.TemporaryDirectory() as scratch:
         for round_ in range(sizes.rounds):
-            argv = bench_gpt.config_argv(shape, seq, batch, iterations, peak,
-                                         f"{scratch}/metrics{round_}.jsonl")  # fmt: skip
-            config = load_config([*argv, *flags])
+            for name, flags in variants:
+                metrics = f"{scratch}/metrics-{name}-{round_}.jsonl"
+                argv = bench_gpt.config_argv(shape, seq, batch, iterations, peak, metrics)
+                config = load_config([*argv, *flags])
+                estimated = estimate(config, 1, vocab_size=bench_gpt.padded_vocab(config))
+                flops[name] = estimated["flops_per_iteration"]
+                _reset_peak(device)
+                start = time.perf_counter()
+                (seconds, loss, _, params[name]), setup_ms = bench_gpt.run_ours_and_setup(config)
+                walls[name].append(time.perf_counter() - start)
+                setups[name].append(setup_ms / 1000)
+                times[name] += seconds[sizes.warmup :]
+                losses[name].append(loss)
+                peak_gib[name] = max(peak_gib[name], _peak_gib(device))
+                left_gib[name].append(_free(device))
             _reset_peak(device)
-            seconds, loss, _, params["ours"] = bench_gpt.run_ours(config)
-            times["ours"] += seconds[sizes.warmup :]
-            losses["ours"].append(loss)
-            peak_gib["ours"] = max(peak_gib["ours"], _peak_gib(device))
-            left_gib.append(_free(device))
+            start = time.perf_counter()
             seconds, loss, params["hf"] = bench_gpt.run_hf(config, shape, iterations, device)
+            walls["hf"].append(time.perf_counter() - start)
             times["hf"] += seconds[sizes.warmup :]
             losses["hf"].append(loss)
             peak_gib["hf"] = max(peak_gib["hf"], _peak_gib(device))
             _free(device)
-    flops = estimate(config, 1, vocab_size=bench_gpt.padded_vocab(config))["flops_per_iteration"]
     tokens = seq * batch
     best = {side: min(t) for side, t in times.items()}
     median = {side: statistics.median(t) for side, t in times.items()}
+    hf_flops = flops[variants[0][0]]  # the same model: the estimate does not see the flags
+    hf = {
+        "tokens_per_s": round(tokens / best["hf"], 1),
+        "mfu": round(hf_flops / best["hf"] / (peak * 1e12), 3),
+        "iteration_s": [round(t, 4) for t in times["hf"]],
+        "losses": [[round(x, 3) for x in run] for run in losses["hf"]],
+        "parameters": params["hf"], "peak_memory_gib": round(peak_gib["hf"], 2),
+        "run_s": [round(t, 1) for t in walls["hf"]],
+    }  # fmt: skip
+    ours = {
+        name: {
+            "variant": name, "flags": list(flags),
+            "tokens_per_s": round(tokens / best[name], 1),
+            "hf_tokens_per_s": hf["tokens_per_s"],
+            "ratio_to_hf": round(best["hf"] / best[name], 3),
+            "ratio_to_hf_median": round(median["hf"] / median[name], 3),
+            "mfu": round(flops[name] / best[name] / (peak * 1e12), 3),
+            "hf_mfu": hf["mfu"],
+            "flops_per_iteration": flops[name],
+            "iteration_s": [round(t, 4) for t in times[name]],
+            "hf_iteration_s": hf["iteration_s"],
+            "losses": [[round(x, 3) for x in run] for run in losses[name]],
+            "hf_losses": hf["losses"],
+            "parameters": params[name], "hf_parameters": params["hf"],
+            "peak_memory_gib": round(peak_gib[name], 2),
+            "hf_peak_memory_gib": hf["peak_memory_gib"],
+            "left_allocated_gib_after_ours": [round(x, 3) for x in left_gib[name]],
+            "run_s": [round(t, 1) for t in walls[name]],
+            "setup_s": [round(t, 1) for t in setups[name]],
+        }
+        for name, flags in variants
+    }  # fmt: skip
     return {
-        "device": _device_name(device), "variant": variant, "flags": flags,
-        "tokens_per_s": round(tokens / best["ours"], 1),
-        "hf_tokens_per_s": round(tokens / best["hf"], 1),
-        "ratio_to_hf": round(best["hf"] / best["ours"], 3),
-        "ratio_to_hf_median": round(median["hf"] / median["ours"], 3),
-        "mfu": round(flops / best["ours"] / (peak * 1e12), 3),
-        "hf_mfu": round(flops / best["hf"] / (peak * 1e12), 3),
+        "device": _device_name(device), "variants": ours, "hf": hf,
         "peak_tflops": round(peak, 2), "peak_source": peak_source,
-        "flops_per_iteration": flops,
-        "iteration_s": [round(t, 4) for t in times["ours"]],
-        "hf_iteration_s": [round(t, 4) for t in times["hf"]],
-        "losses": [[round(x, 3) for x in run] for run in losses["ours"]],
-        "hf_losses": [[round(x, 3) for x in run] for run in losses["hf"]],
-        "parameters": params["ours"], "hf_parameters": params["hf"],
-        "peak_memory_gib": round(peak_gib["ours"], 2),
-        "hf_peak_memory_gib": round(peak_gib["hf"], 2),
-        "left_allocated_gib_after_ours": [round(x, 3) for x in left_gib],
         "shape": asdict(shape), "sequence_length": seq, "batch": batch,
         "rounds": sizes.rounds, "warmup_per_run": sizes.warmup, "timed_per_run": sizes.iters,
         "torch": torch.__version__,

@@ -6,6 +6,10 @@ measures it beside transformers, printing one table and writing JSON.
                                   [--shapes SHAPE ...] [--variants VARIANT ...]
     python3 ci/bench/gpu_suite.py --cpu-smoke   # the same steps on the CPU, tiny shapes
 
+Without --steps it runs smoke, cuda-tests, train and generate (packed and profile are
+asked for by name); without --variants it trains bf16, compile-fused and
+fp8-compile-fused (see Variants).
+
 It needs the repository and a Python with torch and transformers (numpy, tokenizers,
 safetensors, pyyaml and tqdm come with transformers), pytest for the CUDA tests and
 torchao for the fp8 variant; no
@@ -31,9 +35,13 @@ The steps, on the device mp_state picks (MP_DEVICE=cuda here, cpu with --cpu-smo
                  mp_gpt.generate's Generator continues a prompt by 16 greedy tokens
   cuda-tests     `pytest -m cuda` on the test files that carry the marker (docs/testing.md);
                  skipped without a GPU or without pytest
-  train S V      shape S, variant V: ours (bench_gpt.run_ours, the real training loop)
-                 beside the plain transformers loop (bench_gpt.run_hf), one side after the
-                 other in alternating rounds: tokens/s (best timed iteration), MFU
+  train S        shape S: ours (bench_gpt.run_ours, the real training loop) in each
+                 variant V beside the plain transformers loop (bench_gpt.run_hf), in
+                 alternating rounds of one process: each round runs every variant, then
+                 the transformers loop once. A row for the step (the transformers loop's
+                 figures) and one per variant, `train S V`: tokens/s (best timed
+                 iteration), MFU, the seconds of its runs and of building its model and
+                 optimizer (the loop's model-and-optimizer-setup timer)
   generate S     bench_generate.compare in bf16 at each batch size: ms per new token and
                  prefill tokens/s, ours (KV cache) beside transformers' generate
   profile S V    shape S, variant V (bf16, torch-compile, compile-fused; --variants
@@ -54,7 +62,10 @@ Shapes (sequence, micro-batch = global batch):
                      14,336, vocabulary 128,256, untied; 8192, 1
 
 Variants of each training step: a name and the flags added to ours (the baseline stays
-the plain bf16 loop). A variant that pretrain_gpt.py would refuse here (mp_train.load_config:
+the plain bf16 loop): bf16 (none), fp8 (--fp8-format hybrid), torch-compile,
+fp8-compile, compile-fused (--torch-compile --cross-entropy-loss-fusion
+--torch-compile-optimizer: mp's fastest bf16 path) and fp8-compile-fused (that with
+--fp8-format hybrid). A variant that pretrain_gpt.py would refuse here (mp_train.load_config:
 an unknown flag, or one this machine cannot run, such as FP8 without FP8 tensor cores or
 without torchao) is not run: its row says "refused" and gives that one line, so that the
 variant runs once its flag lands and the machine has what it needs. With --cpu-smoke only
@@ -71,7 +82,11 @@ device command holds with the build of .site: run `--steps smoke cuda-tests trai
 37-67 s (fp8-compile the longest), packed 16 s, each profile step 25-35 s: `--steps
 cuda-tests train --variants bf16 torch-compile fp8-compile` took 381 s, `--steps packed
 profile` 139 s; later, `--steps train --variants bf16 compile-fused fp8-compile-fused`
-420 s (bf16 steps 53-55 s, the compiled ones 74-78 s). Each step's line is printed, and
+420 s with a process per variant (bf16 53-55 s, the compiled ones 74-78 s), and `--steps
+train --shapes llama-3.2-1b` 149 s with the three in one step (207 s as three steps):
+each of our runs took 13.5-25.2 s (40.3 s for the first compiled one), of which its 5
+iterations are under 1 s, against 1.1 s for transformers' run: our start-up, which each
+row now splits off (the model-and-optimizer-setup seconds). Each step's line is printed, and
 the JSON report rewritten, as the step ends, so that a suite stopped from outside (a
 device command's time limit) still leaves what it finished. --cpu-smoke took 17 to 43 s
 (11 to 13 s of CPU) on the 2-core CI machine, busy with other tests.
@@ -124,11 +139,18 @@ PROFILED = tuple(
 )
 """The variants the profile step traces (one iteration under torch.profiler)."""
 
+DEFAULT_VARIANTS = ("bf16", "compile-fused", "fp8-compile-fused")
+"""What a run without --variants trains: eager bf16, mp's fastest bf16 path, and FP8 on it."""
+
 STEPS = ("smoke", "cuda-tests", "train", "generate", "packed", "profile")
+DEFAULT_STEPS = ("smoke", "cuda-tests", "train", "generate")
+"""What a run without --steps runs; packed and profile are asked for by name."""
+
 TIMEOUTS = {
     "smoke": 240,
     "cuda-tests": 480,
-    "train": 360,
+    "train": 120,
+    "train per variant": 150,
     "generate": 300,
     "packed": 120,
     "profile": 240,
@@ -171,13 +193,14 @@ def main(argv: list[str] | None = None) -> int:
         "--cpu-smoke", action="store_true",
         help="tiny shapes on the CPU (the default without a CUDA device)",
     )  # fmt: skip
-    parser.add_argument("--steps", nargs="+", choices=STEPS, default=list(STEPS),
-                        help="the steps to run (default: all)")  # fmt: skip
+    parser.add_argument("--steps", nargs="+", choices=STEPS, default=list(DEFAULT_STEPS),
+                        help=f"the steps to run (default: {' '.join(DEFAULT_STEPS)})")  # fmt: skip
     parser.add_argument("--shapes", nargs="+", metavar="SHAPE",
                         help="the training shapes to run (default: all)")  # fmt: skip
     parser.add_argument("--variants", nargs="+", metavar="VARIANT",
                         choices=[name for name, _ in VARIANTS],
-                        help="the variants to train and profile (default: all)")  # fmt: skip
+                        help="the variants to train and profile (default: "
+                             f"{' '.join(DEFAULT_VARIANTS)})")  # fmt: skip
     args = parser.parse_args(argv)
     problem = _mp_data_problem()
     if problem:
@@ -210,19 +233,26 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(Row("cuda-tests", "skipped", reason="no CUDA device"))
     if "train" in args.steps:
         for shape_name in _chosen(gpu_steps.SIZES[sizes].shapes, args.shapes):
+            runnable, not_run = [], []
             for variant, flags in VARIANTS:
-                if args.variants and variant not in args.variants:
+                if variant not in (args.variants or DEFAULT_VARIANTS):
                     continue
                 name = f"train {shape_name} {variant}"
                 refused = gpu_steps.refusal(sizes, shape_name, list(flags))
                 if refused:
-                    rows.append(Row(name, "refused", reason=refused))
+                    not_run.append(Row(name, "refused", reason=refused))
                 elif flags and not cuda:
-                    rows.append(Row(name, "checked", reason="accepted; not run on the CPU"))
+                    not_run.append(Row(name, "checked", reason="accepted; not run on the CPU"))
                 else:
-                    kwargs = {"mode": sizes, "shape_name": shape_name, "variant": variant,
-                              "flags": list(flags)}  # fmt: skip
-                    rows.append(run(name, "train", kwargs, TIMEOUTS["train"]))
+                    runnable.append([variant, list(flags)])
+            if runnable:
+                kwargs = {"mode": sizes, "shape_name": shape_name, "variants": runnable}
+                timeout = TIMEOUTS["train"] + TIMEOUTS["train per variant"] * len(runnable)
+                step = run(f"train {shape_name}", "train", kwargs, timeout)
+                for row in _variant_rows(step, shape_name, runnable):
+                    rows.append(row)
+            for row in not_run:
+                rows.append(row)
     if "generate" in args.steps:
         shape_name = gpu_steps.SIZES[sizes].generate_shape
         rows.append(run(f"generate {shape_name}", "generate", {"mode": sizes},
@@ -232,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     if "profile" in args.steps:
         for shape_name in _chosen(gpu_steps.SIZES[sizes].shapes, args.shapes):
             for variant, flags in PROFILED:
-                if args.variants and variant not in args.variants:
+                if variant not in (args.variants or DEFAULT_VARIANTS):
                     continue
                 name = f"profile {shape_name} {variant}"
                 refused = gpu_steps.refusal(sizes, shape_name, list(flags))
@@ -276,6 +306,25 @@ class _Rows(list):
         partial.write_text(json.dumps(report, indent=1) + "\n")
         partial.replace(self.out)
         return total
+
+
+def _variant_rows(step: Row, shape_name: str, variants: list[list]) -> list[Row]:
+    """The rows of one shape's training step: the step's own (the transformers loop's
+    figures and the whole step's seconds), then one per variant (ours beside it, the
+    seconds its own runs took)."""
+    if step.status != "ok":
+        return [step] + [Row(f"{step.name} {name}", step.status, reason=f"in {step.name}",
+                             log=step.log) for name, _ in variants]  # fmt: skip
+    shared = {k: v for k, v in step.figures.items() if k not in ("variants", "hf")}
+    hf = step.figures["hf"]
+    rows = [Row(step.name, "ok", step.seconds, {**shared, "transformers": hf,
+                                                "variants": [n for n, _ in variants]},
+                log=step.log)]  # fmt: skip
+    for name, _ in variants:
+        figures = {**shared, **step.figures["variants"][name]}
+        rows.append(Row(f"{step.name} {name}", "ok", round(sum(figures["run_s"]), 1), figures,
+                        log=step.log))  # fmt: skip
+    return rows
 
 
 def _chosen(names, wanted: list[str] | None) -> list[str]:
@@ -341,10 +390,18 @@ def _summary(row: Row) -> str:
                 f"{losses[-1]:.3f}; {len(f['generated'])} tokens generated")  # fmt: skip
     if row.name == "cuda-tests":
         return f["summary"]
+    if row.name.startswith("train ") and "transformers" in f:
+        hf = f["transformers"]
+        rounds = f"{f['rounds']} round{'s' if f['rounds'] > 1 else ''}"
+        return (f"transformers {hf['tokens_per_s']:,.0f} tok/s, MFU {hf['mfu']:.2f}, beside "
+                f"{', '.join(f['variants'])}, alternating, {rounds}; its runs "
+                f"{' + '.join(f'{t:.1f}' for t in hf['run_s'])} s")  # fmt: skip
     if row.name.startswith("train "):
         return (f"ours {f['tokens_per_s']:,.0f} tok/s, MFU {f['mfu']:.2f}; transformers "
                 f"{f['hf_tokens_per_s']:,.0f} tok/s, MFU {f['hf_mfu']:.2f}; ours "
-                f"{f['ratio_to_hf']:.2f}x its tokens/s")  # fmt: skip
+                f"{f['ratio_to_hf']:.2f}x its tokens/s; its runs "
+                f"{' + '.join(f'{t:.1f}' for t in f['run_s'])} s, of which building the "
+                f"model and optimizer {' + '.join(f'{t:.1f}' for t in f['setup_s'])}")  # fmt: skip
     if row.name.startswith("generate "):
         parts = [f"{key}: ours {g['ms_per_token']:.2f} ms/token, transformers "
                  f"{g['hf_ms_per_token']:.2f} (ours {g['ratio_to_hf']:.2f}x its time)"

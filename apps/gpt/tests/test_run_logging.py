@@ -6,6 +6,8 @@ together (mp_gpt.testing.train_output_on_rank)."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from mp_gpt.config_files import config_path
@@ -42,3 +44,19 @@ def test_info_lines_show_and_the_level_hides_them():
     assert "give the device's peak with --peak-tflops" in out
     lines = [line for line in out.splitlines() if line.startswith("iteration ")]
     assert len(lines) == 2 and not any("MFU" in line for line in lines), out
+
+
+@pytest.mark.multirank
+def test_the_start_up_timers_are_printed_once_across_ranks():
+    # Megatron's two start-up timers, min and max over the ranks, on the last rank only.
+    outs = run_on_ranks(train_output_on_rank, 2, OPTIONS, timeout=180)
+    assert [status for status, _ in outs] == [0, 0], outs
+    found = [
+        [line for line in out.splitlines() if line.startswith("time (ms) | ")] for _, out in outs
+    ]
+    assert found[0] == [] and len(found[1]) == 1, outs
+    minmax = r"\(([\d.]+), ([\d.]+)\)"
+    pattern = re.compile(rf"time \(ms\) \| model-and-optimizer-setup: {minmax} \| "
+                         rf"train/valid/test-data-iterators-setup: {minmax}$")  # fmt: skip
+    low, high, data_low, data_high = map(float, pattern.match(found[1][0]).groups())
+    assert 0 < low <= high and 0 <= data_low <= data_high

@@ -48,6 +48,11 @@ __all__ = ["Initialized", "ModelProvider", "Run", "TrainState", "initialize", "s
 
 log = logging.getLogger("mp_train")
 
+SETUP_TIMERS = ("model-and-optimizer-setup", "train/valid/test-data-iterators-setup")
+"""Megatron's two start-up timers: setup_run times the first (the model built,
+initialized and wrapped, the optimizer and scheduler), pretrain the second, and pretrain
+prints both, min and max across ranks, before the first iteration."""
+
 
 @dataclass
 class TrainState:
@@ -179,6 +184,8 @@ def setup_run(
         raise ValueError(
             f"padded_vocab_size={padded} is below the tokenizer's vocabulary of {vocab} tokens"
         )
+    timers = Timers(config.logging.timing_log_level, config.logging.timing_log_option)
+    timers(SETUP_TIMERS[0]).start(barrier=True)
     model = _build_model(config, state, tracker, padded, model_provider)
     compiled = 0
     if config.training.torch_compile:  # regional: each layer in place, inside DDP's wrapper
@@ -211,7 +218,7 @@ def setup_run(
         sizes["global_batch_size"], training.micro_batch_size, sizes["data_parallel_size"],
         training.rampup_batch_size,
     )  # fmt: skip
-    timers = Timers(config.logging.timing_log_level, config.logging.timing_log_option)
+    timers(SETUP_TIMERS[0]).stop()
     return Run(
         config=config, state=state, device=initialized.device, rng_tracker=tracker,
         data_parallel_size=sizes["data_parallel_size"], calculator=calculator,

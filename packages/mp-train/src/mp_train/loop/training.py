@@ -53,7 +53,7 @@ from mp_train.loop.checkpointing import (
 from mp_train.loop.hang_watchdog import HangWatchdog
 from mp_train.loop.moe_step import MoEStep
 from mp_train.loop.mtp_step import mtp_losses
-from mp_train.loop.setup import Initialized, ModelProvider, Run, setup_run
+from mp_train.loop.setup import SETUP_TIMERS, Initialized, ModelProvider, Run, setup_run
 from mp_train.loop.skip_policy import SkipPolicy
 from mp_train.observability.metrics import MetricsLogger
 from mp_train.observability.profiling import StepProfiler
@@ -84,8 +84,11 @@ def pretrain(
     try:
         # Starting a DataLoader draws its base seed from torch's default generator: undone,
         # so that the first iteration draws what the checkpoint (or the seeding) left there.
+        run.timers(SETUP_TIMERS[1]).start(barrier=True)
         with mp_state.rng_state_kept(run.rng_tracker):
             train_iter, valid_iter = _data_iterators(run, datasets_provider, opened)
+        run.timers(SETUP_TIMERS[1]).stop()
+        metrics.print(run.timers.report(list(SETUP_TIMERS)))  # collective
         cadence = Cadence(config.training, config.checkpoint, run.has_valid_data)
         watching = HangWatchdog.for_run(hang_timeout_minutes(config), dist.get_rank(),
                                         dist.get_world_size())  # fmt: skip
