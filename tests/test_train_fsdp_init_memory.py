@@ -7,8 +7,10 @@ no allocation while the layers are built is larger than the largest parameter sh
 Measured with torch's profiler (every CPU tensor allocation and free while `setup_run`
 builds and wraps the model) on data-parallel rank 0 of four, for the tiny config at 8 and
 16 layers, with and without the flag, at DP2 x TP2, and on the tiny MoE config at EP2
-(the experts and the router drawn shard by shard too). On one pipeline stage the
-embedding and output layer are drawn shard by shard too. The weights are the same either
+(the experts and the router drawn shard by shard too). The embedding and output layer
+are drawn shard by shard too, on one pipeline stage and across two (untied, and tied
+with a multi-token prediction layer: the last stage's copy drawn as the first stage's
+embedding). The weights are the same either
 way (bitwise, shard by shard), and so is the generator afterwards. Training under the
 flag, against DDP: tests/test_train_fsdp.py."""
 
@@ -66,7 +68,14 @@ def build_on_rank(argv: list[str]) -> dict:
     initialized = initialize(config)
     run, peak, kept, largest = measure(lambda: setup_run(config, provider, initialized))
     params = list(run.model[0].parameters())
+    module = run.model[0].module
+    # The word embedding, or the last stage's copy of it (tied output layer, MTP).
+    copy = getattr(module, "embedding", None)
+    if copy is None and module.share_embeddings_and_output_weights:
+        copy = module.output_layer
     return {
+        "stage": (run.state.pp.rank, run.state.dp.rank),
+        "embedding": None if copy is None else copy.weight.to_local().detach().clone(),
         "peak": peak,
         "kept": kept,  # the shards of the parameters and their gradients
         "whole": sum(p.numel() for p in params) * 4,  # fp32, the unsharded sizes
@@ -109,17 +118,21 @@ LAYOUTS = {
     "dp2-tp2-sp": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
     "dp2-pp2-untied": ["--pipeline-model-parallel-size", "2",
                        "--untie-embeddings-and-output-weights"],
+    "dp2-pp2-tied-mtp": ["--pipeline-model-parallel-size", "2", "--mtp-num-layers", "1"],
 }  # fmt: skip
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_model_parallel_shards_are_drawn_as_the_whole_weights(tmp_path, layout):
-    """DP2 x TP2 with sequence parallelism, and DP2 x PP2 with untied embeddings (the
-    first stage's embedding and the last stage's output layer have no copy on another
-    stage, so they are drawn shard by shard too): each rank's shards of its pieces
-    (column-parallel rows, row-parallel columns, the gated MLP's reordered rows) equal
-    the whole build's, bitwise, the generator ends in the same state, and no allocation
-    while the model is built exceeds the largest parameter shard."""
+    """DP2 x TP2 with sequence parallelism; DP2 x PP2 with untied embeddings (the first
+    stage's embedding and the last stage's output layer drawn shard by shard); and DP2 x
+    PP2 with tied embeddings and a multi-token prediction layer (the last stage's copy of
+    the embedding, which its MTP layer and tied output layer use, drawn shard by shard
+    from the embedding's seeded draw): each rank's shards of its pieces (column-parallel
+    rows, row-parallel columns, the gated MLP's reordered rows) equal the whole build's,
+    bitwise, the generator ends in the same state, no allocation while the model is built
+    exceeds the largest parameter shard, and the last stage's copy of the embedding is
+    the first stage's, shard for shard."""
     built = {}
     for name, flags in (("whole", []), ("by-layer", BY_LAYER)):
         argv = tiny_options(tmp_path, "--num-layers", "2", "--peak-tflops", "1",
@@ -130,6 +143,10 @@ def test_model_parallel_shards_are_drawn_as_the_whole_weights(tmp_path, layout):
         assert torch.equal(by_layer["generator"], whole["generator"]), rank
         assert by_layer["largest"] <= by_layer["largest_shard"], (rank, by_layer)
         assert whole["largest"] >= whole["largest_weight"], (rank, whole)
+    if layout == "dp2-pp2-tied-mtp":
+        copies = {r["stage"]: r["embedding"] for r in built["by-layer"]}
+        for dp in (0, 1):
+            assert torch.equal(copies[1, dp], copies[0, dp]), dp
 
 
 def test_moe_expert_shards_are_drawn_as_the_whole_weights(tmp_path):

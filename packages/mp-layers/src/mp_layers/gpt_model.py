@@ -15,9 +15,11 @@ layer is column-parallel over the vocabulary and the loss never gathers it
 layer and the loss run together a chunk of tokens at a time,
 chunked_linear_cross_entropy, and the [s, b, v/tp] logits never exist). With
 shared input/output embeddings the output layer uses the embedding's weight on
-a one-stage model; across pipeline stages the last stage keeps a copy that
-sync_tied_embeddings makes equal to the first stage's (Megatron's embedding
-group).
+a one-stage model; across pipeline stages the last stage keeps a copy. With an
+init seed the last stage draws its copy as the first stage draws the embedding (the
+same seeded draw: equal bitwise, and drawn shard by shard under deferred_init like any
+weight); without one the copy starts at zero and sync_tied_embeddings adds the first
+stage's into it (Megatron's embedding group).
 """
 
 from __future__ import annotations
@@ -96,20 +98,24 @@ class GPTModel(torch.nn.Module):
         self._input_tensor: torch.Tensor | None = None
         init = functools.partial(torch.nn.init.normal_, std=config.init_method_std)
         # The embedding and output weights may be drawn shard by shard (FSDP,
-        # deferred_init) unless a copy on another stage is made equal to them first
-        # (sync_tied_embeddings: a tied output layer, MTP's embedding on the last stage).
+        # deferred_init) unless a copy on another stage is made equal to them after
+        # construction (sync_tied_embeddings: a tied output layer, MTP's embedding on the
+        # last stage). With an init seed the copy is drawn equal instead.
         one_stage = pre_process and post_process
         copied = self.embedding_on_last_stage and not one_stage
+        self.copy_drawn = copied and init_seed is not None
         if pre_process or mtp_here:
-            with seeded_init(init_seed, "embedding"), building_layer(pre_process and not copied):
+            deferrable = not copied or self.copy_drawn
+            with seeded_init(init_seed, "embedding"), building_layer(deferrable):
                 self.embedding = VocabParallelEmbedding(
                     vocab_size, config.hidden_size, tp_group=tp_group, init_method=init,
                     sequence_parallel=config.sequence_parallel, params_dtype=config.params_dtype,
                 )  # fmt: skip
             if not pre_process:
-                # The first stage's embedding is the real weight: this copy starts at zero
-                # and sync_tied_embeddings adds the first stage's into it.
-                torch.nn.init.zeros_(self.embedding.weight)
+                # The first stage's embedding is the real weight: this copy is drawn as it
+                # is, or starts at zero and sync_tied_embeddings adds the first stage's.
+                if not self.copy_drawn:
+                    torch.nn.init.zeros_(self.embedding.weight)
                 self.embedding.weight.shared_embedding = True
         self.position_embeddings = None
         if pre_process and config.position_embedding_type == "learned_absolute":
@@ -141,7 +147,12 @@ class GPTModel(torch.nn.Module):
                 config, groups, rng_tracker, get_layer_spec(spec), init_seed=init_seed
             )
         if post_process:
-            with seeded_init(init_seed, "output_layer"), building_layer(one_stage or not share):
+            # A tied copy of the first stage's embedding is drawn from the embedding's seed:
+            # the [vocab, hidden] master split by rows, as VocabParallelEmbedding's.
+            tied_copy = share and not (pre_process or mtp_here)
+            part = "embedding" if tied_copy else "output_layer"
+            deferrable = one_stage or not share or self.copy_drawn
+            with seeded_init(init_seed, part), building_layer(deferrable):
                 self.output_layer = ColumnParallelLinear(
                     config.hidden_size, vocab_size, tp_group=tp_group, bias=False,
                     gather_output=not parallel_output, sequence_parallel=config.sequence_parallel,
@@ -150,9 +161,10 @@ class GPTModel(torch.nn.Module):
             if share and (pre_process or mtp_here):
                 self.output_layer.weight = self.embedding.weight
             elif share:
-                # The first stage's embedding is the real weight: this copy starts at zero
-                # and sync_tied_embeddings adds the first stage's into it.
-                torch.nn.init.zeros_(self.output_layer.weight)
+                # The first stage's embedding is the real weight: this copy is drawn as it
+                # is, or starts at zero and sync_tied_embeddings adds the first stage's.
+                if not self.copy_drawn:
+                    torch.nn.init.zeros_(self.output_layer.weight)
                 self.output_layer.weight.shared_embedding = True
         if self.embedding_on_last_stage and pre_process and not post_process:
             # The first stage's half of a tie across stages: its gradient is summed with
@@ -292,7 +304,8 @@ class GPTModel(torch.nn.Module):
 
     def sync_tied_embeddings(self, embedding_group: RankGroup | None) -> None:
         """Makes the last stage's copy of the word embedding (the tied output weight, the
-        MTP modules' embedding) equal the first stage's.
+        MTP modules' embedding) equal the first stage's; nothing to do where the model was
+        built with an init seed (the copy is drawn equal).
 
         Collective over the embedding group (first and last pipeline stage,
         state.embedding): call it on those ranks right after construction, when
@@ -305,6 +318,8 @@ class GPTModel(torch.nn.Module):
         if not self.embedding_on_last_stage:
             raise ValueError("sync_tied_embeddings: the last stage holds no copy of the "
                              "word embedding (untied, no MTP)")  # fmt: skip
+        if self.copy_drawn:
+            return  # drawn equal to the first stage's embedding (an init seed)
         has_embedding = self.pre_process or self.mtp is not None
         weight = self.embedding.weight if has_embedding else self.output_layer.weight
         with torch.no_grad():
