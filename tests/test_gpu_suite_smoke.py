@@ -125,7 +125,7 @@ def test_one_training_step_alternates_its_variants_with_one_transformers_run(tmp
     variants = [["bf16", []], ["clip-0.5", ["--clip-grad", "0.5"]]]
     kwargs = {"mode": "cpu-smoke", "shape_name": "llama-3.2-1b", "variants": variants}
     step = suite._Runner(tmp_path, "fork", 1.0)("train llama-3.2-1b", "train", kwargs, 300)
-    rows = suite._variant_rows(step, "llama-3.2-1b", variants)
+    rows = suite._variant_rows(step, variants)
     assert [(r.name, r.status) for r in rows] == [
         ("train llama-3.2-1b", "ok"),
         ("train llama-3.2-1b bf16", "ok"),
@@ -147,7 +147,7 @@ def test_one_training_step_alternates_its_variants_with_one_transformers_run(tmp
     assert rows[1].figures["losses"][0][0] == rows[2].figures["losses"][0][0]
     # A step that fails gives each of its variants a row that says so.
     failed = suite.Row("train x", "failed", 1.0, reason="RuntimeError: out of memory")
-    assert [(r.name, r.status) for r in suite._variant_rows(failed, "x", variants)] == [
+    assert [(r.name, r.status) for r in suite._variant_rows(failed, variants)] == [
         ("train x", "failed"), ("train x bf16", "failed"), ("train x clip-0.5", "failed")
     ]  # fmt: skip
 

@@ -249,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
                 kwargs = {"mode": sizes, "shape_name": shape_name, "variants": runnable}
                 timeout = TIMEOUTS["train"] + TIMEOUTS["train per variant"] * len(runnable)
                 step = run(f"train {shape_name}", "train", kwargs, timeout)
-                for row in _variant_rows(step, shape_name, runnable):
+                for row in _variant_rows(step, runnable):
                     rows.append(row)
             for row in not_run:
                 rows.append(row)
@@ -308,7 +308,7 @@ class _Rows(list):
         return total
 
 
-def _variant_rows(step: Row, shape_name: str, variants: list[list]) -> list[Row]:
+def _variant_rows(step: Row, variants: list[list]) -> list[Row]:
     """The rows of one shape's training step: the step's own (the transformers loop's
     figures and the whole step's seconds), then one per variant (ours beside it, the
     seconds its own runs took)."""

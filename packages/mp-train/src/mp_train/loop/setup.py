@@ -51,7 +51,8 @@ log = logging.getLogger("mp_train")
 SETUP_TIMERS = ("model-and-optimizer-setup", "train/valid/test-data-iterators-setup")
 """Megatron's two start-up timers: setup_run times the first (the model built,
 initialized and wrapped, the optimizer and scheduler), pretrain the second, and pretrain
-prints both, min and max across ranks, before the first iteration."""
+prints both across the ranks (Timers.report: min and max by default) before the first
+iteration."""
 
 
 @dataclass
