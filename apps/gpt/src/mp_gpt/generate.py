@@ -31,7 +31,7 @@ import mp_state
 from mp_ckpt import CheckpointReader, load_checkpoint, write_tokenizer_files
 from mp_data import build_tokenizer, vocab_size_with_padding
 from mp_gpt.generation import Completion, Sampling, generate_batch
-from mp_layers import GPTModel, ModelGroups
+from mp_layers import GPTModel, ModelGroups, skipping_draws
 from mp_pipeline import stage_layers
 from mp_train import launch_rank, parse_config
 
@@ -72,12 +72,16 @@ class Generator:
                 num_layers_in_last_pipeline_stage=parallel.decoder_last_pipeline_num_layers,
             )  # fmt: skip
             device = mp_state.select_device().device
-            self.model = GPTModel(
-                config.model, "local", padded, self.max_length, groups=ModelGroups.of(self.state),
-                parallel_output=False, pre_process=stage.pre_process,
-                post_process=stage.post_process, layer_offset=stage.offset, num_layers=stage.count,
-            ).to(device).eval()  # fmt: skip
-            load_checkpoint(load, self.model.sharded_state_dict(), finetune=True, strict=False)
+            # Every weight comes from the checkpoint (a strict load: a key it lacks is an
+            # error, on every rank), so none is drawn first.
+            with skipping_draws():
+                self.model = GPTModel(
+                    config.model, "local", padded, self.max_length,
+                    groups=ModelGroups.of(self.state), parallel_output=False,
+                    pre_process=stage.pre_process, post_process=stage.post_process,
+                    layer_offset=stage.offset, num_layers=stage.count,
+                ).to(device).eval()  # fmt: skip
+            load_checkpoint(load, self.model.sharded_state_dict(), finetune=True, strict=True)
         except BaseException:
             self.close()
             raise

@@ -31,6 +31,7 @@ from mp_layers.tensor_parallel import (
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
+    skipping_draws,
     tensor_parallel_dropout,
     vocab_parallel_cross_entropy,
 )
@@ -78,6 +79,7 @@ __all__ = [
     "scatter_to_sequence_parallel_region",
     "scatter_to_tensor_model_parallel_region",
     "shard_sequence",
+    "skipping_draws",
     "tensor_parallel",
     "tensor_parallel_dropout",
     "vocab_parallel_cross_entropy",

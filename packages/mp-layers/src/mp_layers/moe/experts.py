@@ -38,7 +38,7 @@ import torch
 
 from mp_ckpt import ShardedTensor
 from mp_layers.config import TransformerConfig
-from mp_layers.tensor_parallel import deferred_init
+from mp_layers.tensor_parallel import deferred_init, initialization
 from mp_layers.transformer.mlp import activate
 from mp_state import RankGroup
 
@@ -71,6 +71,14 @@ class GroupedExperts(torch.nn.Module):
             )
             deferred_init.attach(self.linear_fc1.weight, draws.of_fc(1))
             deferred_init.attach(self.linear_fc2.weight, draws.of_fc(2))
+            return
+        if initialization.draws_skipped():  # a checkpoint fills them
+            self.linear_fc1, self.linear_fc2 = (
+                _ExpertWeights(torch.empty(shape, dtype=config.params_dtype), bias,
+                               config.params_dtype)
+                for shape in ((self.num_local, parts * self.local_ffn, h),
+                              (self.num_local, h, self.local_ffn))
+            )  # fmt: skip
             return
         fc1, fc2 = [], []
         for expert in range(experts):

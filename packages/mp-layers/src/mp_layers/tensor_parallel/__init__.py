@@ -28,7 +28,11 @@ from mp_layers.tensor_parallel.column_parallel import ColumnParallelLinear
 from mp_layers.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from mp_layers.tensor_parallel.data import broadcast_data
 from mp_layers.tensor_parallel.dropout import tensor_parallel_dropout
-from mp_layers.tensor_parallel.initialization import InitMethod, init_partitioned_weight
+from mp_layers.tensor_parallel.initialization import (
+    InitMethod,
+    init_partitioned_weight,
+    skipping_draws,
+)
 from mp_layers.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
@@ -62,6 +66,7 @@ __all__ = [
     "replicated_state_dict",
     "scatter_to_sequence_parallel_region",
     "scatter_to_tensor_model_parallel_region",
+    "skipping_draws",
     "tensor_parallel_dropout",
     "vocab_parallel_cross_entropy",
 ]
