@@ -60,9 +60,10 @@ IGNORED: dict[str, tuple[bool, str]] = {
     ),
     "no_initialization": (
         False,
-        "mp always initializes the weights before a checkpoint is loaded over them: "
-        "the flag would only shorten start-up, and a key the checkpoint lacks keeps a "
-        "drawn value, not uninitialized memory",
+        "a training run always initializes the weights before a checkpoint is loaded "
+        "over them: the flag would only shorten start-up, and a key the checkpoint lacks "
+        "keeps a drawn value, not uninitialized memory (generation skips the draws and "
+        "loads strictly)",
     ),
     "legacy_tokenizer": (False, "mp has one tokenizer implementation per --tokenizer-type"),
     "mmap_bin_files": (False, "mp always memory-maps .bin files"),
