@@ -86,3 +86,14 @@ def test_what_cannot_run_is_refused(flags, world, message):
     with pytest.raises(ValueError, match=message) as error:
         _validate(*flags, world=world)
     assert "\n" not in str(error.value)
+
+
+def test_no_initialization_needs_a_checkpoint_to_load():
+    with pytest.raises(ValueError, match="--no-initialization needs --load or --pretrained-ch"):
+        _validate("--no-initialization")
+    assert _validate("--no-initialization", "--load", "ckpt")["data_parallel_size"] == 4
+    assert _validate("--no-initialization", "--pretrained-checkpoint", "hf")
+    zero3 = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params",
+             "--init-model-with-meta-device"]  # fmt: skip
+    with pytest.raises(ValueError, match="with --init-model-with-meta-device: the meta-dev"):
+        _validate("--no-initialization", "--load", "ckpt", *zero3)

@@ -86,10 +86,13 @@ def load_checkpoint(
     strict: bool = True,
     verify: bool = True,
     finetune: bool = False,
+    every_key_saved: bool = False,
 ) -> LoadedCheckpoint:
     """Fills `pieces` from a checkpoint under load_dir (see the module docstring).
 
     strict: every asked key must be saved and every saved key asked for.
+    every_key_saved: every asked key must be saved, whatever `strict` says (for pieces
+    that hold no values before the load: a model built without drawing its weights).
     finetune: model only: saved optimizer states ("optimizer." keys) are not
     expected, and the result reads iteration 0 without rank state (a new run
     starting from these weights).
@@ -122,7 +125,7 @@ def load_checkpoint(
             f"{directory}: {len(all_mismatched)} tensors cannot be resharded (their global "
             "shapes differ):\n  " + "\n  ".join(all_mismatched)
         )
-    if strict and (all_missing or unexpected):
+    if (strict and (all_missing or unexpected)) or (every_key_saved and all_missing):
         raise KeyError(
             f"{directory}: missing keys {all_missing[:20]}{' ...' if len(all_missing) > 20 else ''}"
             f"; unexpected keys {unexpected[:20]}{' ...' if len(unexpected) > 20 else ''}"

@@ -28,7 +28,11 @@ from mp_data import DataConfig
 from mp_layers import TransformerConfig
 from mp_optim import OptimizerConfig
 from mp_state import ParallelConfig
-from mp_train.configuration.run_checks import check_schedule, check_sharding
+from mp_train.configuration.run_checks import (
+    check_initialization,
+    check_schedule,
+    check_sharding,
+)
 from mp_train.observability.log_setup import parse_level
 
 __all__ = [
@@ -121,6 +125,14 @@ class TrainingConfig:
     matrix at all: the embedding and output layer are drawn so too). The weights are
     those of any other layout for the same seed, bitwise: the whole draw's rows, replayed
     (docs/fsdp.md)."""
+
+    no_initialization: bool = False
+    """Build the model's weights undrawn (Megatron's --no-initialization: start-up
+    without the CPU draws, most of it on a GPU) for the checkpoint that load or
+    pretrained_checkpoint starts from to fill. Needs one of them; the run stops if it
+    loads nothing or the checkpoint lacks a key of the model (where a drawn weight would
+    have stayed). Not with init_model_with_meta_device, which draws each shard as it is
+    made."""
 
     manual_gc: bool = False
     """Disable Python's automatic garbage collection and collect every manual_gc_interval."""
@@ -374,6 +386,7 @@ def validate(config: RunConfig, world_size: int) -> dict[str, int]:
         raise ValueError("no training data: set data_path, train_data_path or mock_data")
     check_schedule(config)
     check_sharding(config)
+    check_initialization(config)
     return {"data_parallel_size": dp, "global_batch_size": gbs, "num_microbatches": microbatches}
 
 

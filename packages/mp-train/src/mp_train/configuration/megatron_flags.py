@@ -58,13 +58,6 @@ IGNORED: dict[str, tuple[bool, str]] = {
         False,
         "mp always initializes weights on the CPU (the same model at every TP size)",
     ),
-    "no_initialization": (
-        False,
-        "a training run always initializes the weights before a checkpoint is loaded "
-        "over them: the flag would only shorten start-up, and a key the checkpoint lacks "
-        "keeps a drawn value, not uninitialized memory (generation skips the draws and "
-        "loads strictly)",
-    ),
     "legacy_tokenizer": (False, "mp has one tokenizer implementation per --tokenizer-type"),
     "mmap_bin_files": (False, "mp always memory-maps .bin files"),
     "no_mmap_bin_files": (False, "mp always memory-maps .bin files"),

@@ -3,13 +3,14 @@ rank: in the user's terms (the flags they gave, in iterations when they gave ite
 
     check_schedule(config)    the learning-rate warm-up ends before the decay does
     check_sharding(config)    FSDP (ZeRO-2/3) with what it composes with, or the refusal
+    check_initialization(config)  no_initialization with a checkpoint to load
     check_tokenizer(config)   a tokenizer type mp has, with the arguments it requires
     check_input_files(config) the data prefixes and tokenizer files exist, and
                               export_hf_dir can take an export
     check_backend(config)     --distributed-backend nccl has CUDA devices to run on, and
                               --fp8-format a GPU with FP8 tensor cores (and torchao)
 
-validate() applies the first two; an entry point applies the others (load_config),
+validate() applies the first three; an entry point applies the others (load_config),
 before torch.distributed starts: the library's own callers may build their tokenizer
 and datasets their own way.
 """
@@ -27,6 +28,7 @@ SFT_TOKENIZER_TYPES = ("HuggingFaceTokenizer", "SFTTokenizer")
 
 __all__ = [
     "check_backend",
+    "check_initialization",
     "check_input_files",
     "check_schedule",
     "check_sharding",
@@ -78,6 +80,24 @@ def check_schedule(config) -> None:
         raise ConfigError(
             f"{flag(warmup_name)} {warmup} is not below {decay_flag}: warm up for fewer "
             f"{words} or decay over more"
+        )
+
+
+def check_initialization(config) -> None:
+    """no_initialization with a checkpoint to fill the weights, and without
+    init_model_with_meta_device."""
+    training, ckpt = config.training, config.checkpoint
+    if not training.no_initialization:
+        return
+    if ckpt.load is None and ckpt.pretrained_checkpoint is None:
+        raise ConfigError(
+            "--no-initialization needs --load or --pretrained-checkpoint: without a "
+            "checkpoint to fill them the weights would be uninitialized memory"
+        )
+    if training.init_model_with_meta_device:
+        raise ConfigError(
+            "--no-initialization with --init-model-with-meta-device: the meta-device build "
+            "draws each shard as it is made; drop one"
         )
 
 

@@ -243,8 +243,14 @@ def load_run_checkpoint(run: Run) -> str | None:
     `checkpoint.pretrained_checkpoint`) into the run; returns the directory loaded, or
     None."""
     ckpt = run.config.checkpoint
+    undrawn = run.config.training.no_initialization  # every model key must be loaded
     start = starting_point(ckpt)
     if start is None:
+        if undrawn:
+            raise ValueError(
+                f"--no-initialization: --load {ckpt.load} holds no checkpoint and no "
+                "--pretrained-checkpoint is given; the weights would be uninitialized memory"
+            )
         return None
     path, finetune = start
     if is_hf_directory(path):
@@ -262,7 +268,7 @@ def load_run_checkpoint(run: Run) -> str | None:
         _check_model_matches(run, path, ckpt.ckpt_step)
         loaded = load_checkpoint(
             path, pieces, iteration=ckpt.ckpt_step, finetune=finetune,
-            strict=ckpt.strict_load and with_optimizer,
+            strict=ckpt.strict_load and with_optimizer, every_key_saved=undrawn,
         )  # fmt: skip
     except CheckpointCorrupted as error:
         iteration = ckpt.ckpt_step if ckpt.ckpt_step is not None else read_tracker(path)

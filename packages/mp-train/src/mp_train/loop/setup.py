@@ -24,7 +24,7 @@ import torch
 
 import mp_state
 from mp_data import build_tokenizer, vocab_size_with_padding
-from mp_layers import TransformerLayer, compile_layers, on_layer_built
+from mp_layers import TransformerLayer, compile_layers, on_layer_built, skipping_draws
 from mp_optim import (
     DistributedDataParallel,
     FsdpSharding,
@@ -256,6 +256,8 @@ def _build_model(config, state, tracker, padded_vocab, model_provider) -> list:
         building = contextlib.nullcontext()
         if config.training.init_model_with_meta_device:
             building = on_layer_built(sharding.shard, defer_weights=True)
+        elif config.training.no_initialization:  # the checkpoint loaded next fills them
+            building = skipping_draws()
         with building:
             module = model_provider(
                 config=config, state=state, stage=stage, vp_stage=vp_stage,
