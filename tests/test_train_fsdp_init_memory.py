@@ -114,6 +114,21 @@ def test_a_rank_holds_one_layer_shard_at_most_while_the_model_is_built(tmp_path)
     assert built["by-layer", 16]["peak"] < 0.75 * built["by-layer", 16]["whole"], built
 
 
+def built_both_ways(argv: list[str]) -> dict[str, list[dict]]:
+    """Each rank's build_on_rank of `argv` whole and with BY_LAYER, on four ranks, checked
+    alike: the shards and the generator afterwards bitwise the same, no allocation of the
+    by-layer build above the largest parameter shard, and the whole build allocating a
+    whole weight (so that the measure sees what it should)."""
+    built = {name: run_on_ranks(build_on_rank, 4, [*argv, *flags], timeout=200)
+             for name, flags in (("whole", []), ("by-layer", BY_LAYER))}  # fmt: skip
+    for rank, (whole, by_layer) in enumerate(zip(built["whole"], built["by-layer"], strict=True)):
+        assert torch.equal(by_layer["shards"], whole["shards"]), rank
+        assert torch.equal(by_layer["generator"], whole["generator"]), rank
+        assert by_layer["largest"] <= by_layer["largest_shard"], (rank, by_layer)
+        assert whole["largest"] >= whole["largest_weight"], (rank, whole)
+    return built
+
+
 LAYOUTS = {
     "dp2-tp2-sp": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
     "dp2-pp2-untied": ["--pipeline-model-parallel-size", "2",
@@ -133,16 +148,8 @@ def test_model_parallel_shards_are_drawn_as_the_whole_weights(tmp_path, layout):
     bitwise, the generator ends in the same state, no allocation while the model is built
     exceeds the largest parameter shard, and the last stage's copy of the embedding is
     the first stage's, shard for shard."""
-    built = {}
-    for name, flags in (("whole", []), ("by-layer", BY_LAYER)):
-        argv = tiny_options(tmp_path, "--num-layers", "2", "--peak-tflops", "1",
-                            *LAYOUTS[layout], *ZERO3, *flags)  # fmt: skip
-        built[name] = run_on_ranks(build_on_rank, 4, argv, timeout=200)
-    for rank, (whole, by_layer) in enumerate(zip(built["whole"], built["by-layer"], strict=True)):
-        assert torch.equal(by_layer["shards"], whole["shards"]), rank
-        assert torch.equal(by_layer["generator"], whole["generator"]), rank
-        assert by_layer["largest"] <= by_layer["largest_shard"], (rank, by_layer)
-        assert whole["largest"] >= whole["largest_weight"], (rank, whole)
+    built = built_both_ways(tiny_options(tmp_path, "--num-layers", "2", "--peak-tflops", "1",
+                                         *LAYOUTS[layout], *ZERO3))  # fmt: skip
     if layout == "dp2-pp2-tied-mtp":
         copies = {r["stage"]: r["embedding"] for r in built["by-layer"]}
         for dp in (0, 1):
@@ -155,13 +162,5 @@ def test_moe_expert_shards_are_drawn_as_the_whole_weights(tmp_path):
     expert), the router and the dense weights equal the whole build's, bitwise, the
     generator ends in the same state, and no allocation while the model is built exceeds
     the largest parameter shard (built whole, a rank stacks its two experts' weights)."""
-    built = {}
-    for name, flags in (("whole", []), ("by-layer", BY_LAYER)):
-        argv = tiny_moe_options(tmp_path, "--num-layers", "2", "--peak-tflops", "1",
-                                "--expert-model-parallel-size", "2", *ZERO3, *flags)  # fmt: skip
-        built[name] = run_on_ranks(build_on_rank, 4, argv, timeout=200)
-    for rank, (whole, by_layer) in enumerate(zip(built["whole"], built["by-layer"], strict=True)):
-        assert torch.equal(by_layer["shards"], whole["shards"]), rank
-        assert torch.equal(by_layer["generator"], whole["generator"]), rank
-        assert by_layer["largest"] <= by_layer["largest_shard"], (rank, by_layer)
-        assert whole["largest"] >= whole["largest_weight"], (rank, whole)
+    built_both_ways(tiny_moe_options(tmp_path, "--num-layers", "2", "--peak-tflops", "1",
+                                     "--expert-model-parallel-size", "2", *ZERO3))  # fmt: skip
