@@ -92,7 +92,7 @@ def test_cpu_smoke_runs_every_step(tmp_path, monkeypatch, capsys):
 def test_profile_step_sorts_gpu_kernels_by_kind():
     sys.path.insert(0, str(SUITE.parent))
     try:
-        import gpu_steps
+        import kernel_time
     finally:
         sys.path.remove(str(SUITE.parent))
     names = {
@@ -105,14 +105,14 @@ def test_profile_step_sorts_gpu_kernels_by_kind():
         "Memcpy HtoD (Pageable -> Device)": "copies",
         "void at::native::vectorized_elementwise_kernel<4, silu>": "elementwise and other",
     }
-    assert {n: gpu_steps.kernel_kind(n) for n in names} == names
+    assert {n: kernel_time.kernel_kind(n) for n in names} == names
     # Two kernels of 3 and 1 us over a 10 us span: 30% matmul, 10% other, 60% idle.
     events = [
         {"ph": "X", "cat": "kernel", "name": "nvjet_tst_a", "ts": 100.0, "dur": 3.0},
         {"ph": "X", "cat": "kernel", "name": "elementwise_b", "ts": 109.0, "dur": 1.0},
         {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0.0, "dur": 500.0},
     ]
-    found = gpu_steps.kernel_time(events, gpu=True)
+    found = kernel_time.kernel_time(events, gpu=True)
     assert found["iteration_ms"] == 0.01 and found["busy_ms"] == 0.004
     assert found["share_of_iteration"] == {"matmul": 0.3, "elementwise and other": 0.1,
                                            "idle": 0.6}  # fmt: skip

@@ -48,7 +48,7 @@ The steps, on the device mp_state picks (MP_DEVICE=cuda here, cpu with --cpu-smo
                  chooses among them as for train): ours trains warm-up + 2 iterations
                  with mp's --profile on the one after the warm-up; the share of that
                  iteration each kind of GPU kernel took and the 20 kernels with the most
-                 time (gpu_steps.kernel_time; on the CPU, top-level operators)
+                 time (kernel_time.py; on the CPU, top-level operators)
   packed         core attention over 27 packed documents in 8192 positions (bf16, forward
                  and backward): one variable-length flash call beside one document at a
                  time and beside the dense mask (gpu_steps.packed)
