@@ -1,11 +1,13 @@
 """A pretraining loader whose worker dies says which worker and how it ended, by either of
 torch's two checks: its SIGCHLD handler, or the check at the next batch drawn."""
 
+import multiprocessing
 import os
 import re
 import signal
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -87,3 +89,36 @@ def test_the_sigchld_handler_says_the_same():
     assert done.returncode == 0, done.stderr[-3000:]
     pid, said = done.stdout.split(" ", 1)
     assert re.fullmatch(SAID.format(pid=pid), said.strip()), said
+
+
+def _hold_and_die(event) -> None:
+    event._cond.acquire()  # what a worker checking the event does; then it is killed
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_close_returns_when_a_killed_process_held_the_workers_lock():
+    # torch's own shutdown sets the event the workers check under a shared lock; a worker
+    # killed while holding that lock would leave the shutdown waiting forever. Here one
+    # worker is killed and a process that took the lock dies holding it: close() returns.
+    torch_handler = signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    batches = iter(loader())
+    try:
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        next(batches)
+        iterator = batches._iterator
+        workers = iterator._workers
+        os.kill(workers[0].pid, signal.SIGKILL)
+        workers[0].join(timeout=30)
+        holder = multiprocessing.get_context("fork").Process(
+            target=_hold_and_die, args=(iterator._workers_done_event,)
+        )
+        holder.start()
+        holder.join(timeout=30)
+        assert holder.exitcode == -signal.SIGKILL
+        closing = threading.Thread(target=batches.close, daemon=True)
+        closing.start()
+        closing.join(timeout=60)
+        assert not closing.is_alive(), "close() waits on the dead process's lock"
+    finally:
+        signal.signal(signal.SIGCHLD, torch_handler)
+    assert not any(w.is_alive() for w in workers)

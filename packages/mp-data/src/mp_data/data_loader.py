@@ -129,9 +129,11 @@ class _WorkerWatch:
         iterator, self._iterator = self._iterator, None
         if iterator is None:
             return
-        shutdown = getattr(iterator, "_shutdown_workers", None)  # workers > 0 only
-        if shutdown is not None:
-            shutdown()
+        workers = list(getattr(iterator, "_workers", ()))  # workers > 0 only
+        if any(_how_it_ended(w) is not None for w in workers):
+            _stop_after_a_death(iterator, workers)
+        elif workers:
+            iterator._shutdown_workers()
         if getattr(self._loader, "_iterator", None) is iterator:  # persistent workers
             self._loader._iterator = None
 
@@ -157,6 +159,30 @@ class _WorkerWatch:
             if not ended:
                 raise
             raise DataLoaderWorkerError("; ".join(ended)) from error
+
+
+def _stop_after_a_death(iterator, workers: list) -> None:
+    """Stops the workers of a torch iterator one of which has died, without its
+    _shutdown_workers: that sets a multiprocessing event whose lock the workers take at
+    every check, and a worker killed while holding it leaves the lock taken for good (the
+    shutdown then waits forever). The others are killed and reaped instead, the queues
+    closed without waiting for their feeder threads, and the iterator marked shut down so
+    that its own shutdown (at garbage collection) does nothing."""
+    iterator._shutdown = True
+    if hasattr(iterator, "_pin_memory_thread"):  # a thread: its event is no process's
+        iterator._pin_memory_thread_done_event.set()
+        iterator._pin_memory_thread.join(timeout=10.0)
+    for worker in workers:
+        if worker.is_alive():
+            worker.kill()
+    for worker in workers:
+        worker.join(timeout=10.0)
+    for queue in [*getattr(iterator, "_index_queues", ()), iterator._worker_result_queue]:
+        queue.cancel_join_thread()
+        queue.close()
+    if getattr(iterator, "_worker_pids_set", False):  # torch's SIGCHLD bookkeeping
+        torch.utils.data._utils.signal_handling._remove_worker_pids(id(iterator))
+        iterator._worker_pids_set = False
 
 
 def _how_it_ended(worker) -> str | None:
