@@ -294,7 +294,8 @@ def config_argv(shape: LlamaShape, seq: int, batch: int, iterations: int, peak_t
                 metrics_file: str | None = None) -> list[str]:  # fmt: skip
     """The run's flags: `shape`, bf16, micro-batch = global batch = `batch`, mock data over
     shape.vocab ids, constant learning rate, clipping at 1.0, a log line per iteration
-    with MFU against `peak_tflops`, no evaluation, no checkpoints."""
+    with MFU against `peak_tflops`, no evaluation, no checkpoints; the model built and
+    drawn on the run's device, as the transformers baseline is (on a CPU no change)."""
     argv = [
         *shape.flags(),
         "--seq-length", str(seq), "--micro-batch-size", str(batch),
@@ -304,6 +305,7 @@ def config_argv(shape: LlamaShape, seq: int, batch: int, iterations: int, peak_t
         "--mock-data", "--vocab-size", str(shape.vocab), "--make-vocab-size-divisible-by", "128",
         "--num-workers", "0", "--split", "100,0,0",
         "--log-interval", "1", "--peak-tflops", str(peak_tflops),
+        "--use-device-initialization",
     ]  # fmt: skip
     if metrics_file is not None:
         argv += ["--metrics-file", metrics_file]

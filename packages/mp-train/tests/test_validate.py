@@ -97,3 +97,15 @@ def test_no_initialization_needs_a_checkpoint_to_load():
              "--init-model-with-meta-device"]  # fmt: skip
     with pytest.raises(ValueError, match="with --init-model-with-meta-device: the meta-dev"):
         _validate("--no-initialization", "--load", "ckpt", *zero3)
+
+
+def test_device_initialization_refuses_the_meta_device_build_and_cpu_initialization():
+    assert _validate("--use-device-initialization")["data_parallel_size"] == 4
+    assert _validate("--use-device-initialization", "--no-initialization", "--load", "ckpt")
+    zero3 = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params",
+             "--init-model-with-meta-device"]  # fmt: skip
+    with pytest.raises(ValueError, match=r"^--use-device-initialization with --init-model-with"):
+        _validate("--use-device-initialization", *zero3)
+    with pytest.raises(ValueError, match="--use-cpu-initialization and --use-device-init"):
+        _validate("--use-device-initialization", "--use-cpu-initialization")
+    assert _validate("--use-cpu-initialization")  # mp's default: accepted without effect

@@ -31,7 +31,7 @@ import mp_state
 from mp_ckpt import CheckpointReader, load_checkpoint, write_tokenizer_files
 from mp_data import build_tokenizer, vocab_size_with_padding
 from mp_gpt.generation import Completion, Sampling, generate_batch
-from mp_layers import GPTModel, ModelGroups, skipping_draws
+from mp_layers import GPTModel, ModelGroups, building_on, skipping_draws
 from mp_pipeline import stage_layers
 from mp_train import launch_rank, parse_config
 
@@ -73,8 +73,8 @@ class Generator:
             )  # fmt: skip
             device = mp_state.select_device().device
             # Every weight comes from the checkpoint (a strict load: a key it lacks is an
-            # error, on every rank), so none is drawn first.
-            with skipping_draws():
+            # error, on every rank), so none is drawn first; built where it runs.
+            with skipping_draws(), building_on(device):
                 self.model = GPTModel(
                     config.model, "local", padded, self.max_length,
                     groups=ModelGroups.of(self.state), parallel_output=False,

@@ -30,6 +30,7 @@ from mp_layers.tensor_parallel.data import broadcast_data
 from mp_layers.tensor_parallel.dropout import tensor_parallel_dropout
 from mp_layers.tensor_parallel.initialization import (
     InitMethod,
+    building_on,
     init_partitioned_weight,
     skipping_draws,
 )
@@ -55,6 +56,7 @@ __all__ = [
     "VocabParallelEmbedding",
     "all_reduce_sequence_parallel_grads",
     "broadcast_data",
+    "building_on",
     "chunked_linear_cross_entropy",
     "copy_to_tensor_model_parallel_region",
     "divide",

@@ -56,7 +56,8 @@ IGNORED: dict[str, tuple[bool, str]] = {
     "fp8_interval": (True, "deprecated by Transformer Engine and ignored by Megatron too"),
     "use_cpu_initialization": (
         False,
-        "mp always initializes weights on the CPU (the same model at every TP size)",
+        "mp draws weights on the CPU unless --use-device-initialization (the same model "
+        "at every TP size either way)",
     ),
     "legacy_tokenizer": (False, "mp has one tokenizer implementation per --tokenizer-type"),
     "mmap_bin_files": (False, "mp always memory-maps .bin files"),
@@ -271,4 +272,9 @@ def apply(given: dict[str, Any], values: dict[str, dict[str, Any]]) -> list[str]
             raise ValueError(f"{_option(dest)} {value} and {_option(field)} {given[field]} "
                              "disagree: give one")  # fmt: skip
         values[part][field] = value
+    device_draws = given.get("use_device_initialization",
+                             values["training"].get("use_device_initialization"))  # fmt: skip
+    if given.get("use_cpu_initialization") and device_draws:
+        raise ValueError("--use-cpu-initialization and --use-device-initialization "
+                         "disagree: give one")  # fmt: skip
     return [_option(dest) for dest in IGNORED if given.pop(dest, None) is not None]

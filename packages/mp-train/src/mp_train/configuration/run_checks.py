@@ -3,7 +3,8 @@ rank: in the user's terms (the flags they gave, in iterations when they gave ite
 
     check_schedule(config)    the learning-rate warm-up ends before the decay does
     check_sharding(config)    FSDP (ZeRO-2/3) with what it composes with, or the refusal
-    check_initialization(config)  no_initialization with a checkpoint to load
+    check_initialization(config)  no_initialization with a checkpoint to load, and
+                              device draws not with meta-device shards
     check_tokenizer(config)   a tokenizer type mp has, with the arguments it requires
     check_input_files(config) the data prefixes and tokenizer files exist, and
                               export_hf_dir can take an export
@@ -84,9 +85,14 @@ def check_schedule(config) -> None:
 
 
 def check_initialization(config) -> None:
-    """no_initialization with a checkpoint to fill the weights, and without
-    init_model_with_meta_device."""
+    """no_initialization with a checkpoint to fill the weights; neither it nor
+    use_device_initialization with init_model_with_meta_device."""
     training, ckpt = config.training, config.checkpoint
+    if training.use_device_initialization and training.init_model_with_meta_device:
+        raise ConfigError(
+            "--use-device-initialization with --init-model-with-meta-device: the meta-device "
+            "build replays each shard's rows from the CPU generator; drop one"
+        )
     if not training.no_initialization:
         return
     if ckpt.load is None and ckpt.pretrained_checkpoint is None:

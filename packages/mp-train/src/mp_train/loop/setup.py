@@ -24,7 +24,13 @@ import torch
 
 import mp_state
 from mp_data import build_tokenizer, vocab_size_with_padding
-from mp_layers import TransformerLayer, compile_layers, on_layer_built, skipping_draws
+from mp_layers import (
+    TransformerLayer,
+    building_on,
+    compile_layers,
+    on_layer_built,
+    skipping_draws,
+)
 from mp_optim import (
     DistributedDataParallel,
     FsdpSharding,
@@ -252,18 +258,20 @@ def _build_model(config, state, tracker, padded_vocab, model_provider) -> list:
             num_layers_in_first_pipeline_stage=parallel.decoder_first_pipeline_num_layers,
             num_layers_in_last_pipeline_stage=parallel.decoder_last_pipeline_num_layers,
         )  # fmt: skip
-        # init_model_with_meta_device: each layer sharded before the next one is built.
-        building = contextlib.nullcontext()
-        if config.training.init_model_with_meta_device:
-            building = on_layer_built(sharding.shard, defer_weights=True)
-        elif config.training.no_initialization:  # the checkpoint loaded next fills them
-            building = skipping_draws()
-        with building:
+        device = mp_state.select_device().device
+        with contextlib.ExitStack() as building:
+            # init_model_with_meta_device: each layer sharded before the next one is built.
+            if config.training.init_model_with_meta_device:
+                building.enter_context(on_layer_built(sharding.shard, defer_weights=True))
+            elif config.training.no_initialization:  # the checkpoint loaded next fills them
+                building.enter_context(skipping_draws())
+            if config.training.use_device_initialization:
+                building.enter_context(building_on(device))
             module = model_provider(
                 config=config, state=state, stage=stage, vp_stage=vp_stage,
                 padded_vocab_size=padded_vocab, rng_tracker=tracker,
             )  # fmt: skip
-        device = mp_state.select_device().device  # weights left on meta: drawn when sharded
+        # Weights left on meta are drawn when sharded.
         module._apply(lambda t, device=device: t if t.is_meta else t.to(device))
         chunks.append(module)
     if config.training.data_parallel_random_init:
