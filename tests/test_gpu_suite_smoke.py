@@ -85,7 +85,7 @@ def test_cpu_smoke_runs_every_step(tmp_path, monkeypatch, capsys):
         assert 0 < profiled["busy_ms"] <= profiled["iteration_ms"]
         assert sum(profiled["share_of_iteration"].values()) == pytest.approx(1.0, abs=1e-3)
         assert profiled["top_kernels"] and profiled["share_of_iteration"]["attention"] > 0
-        for variant in ("torch-compile", "compile-fused"):
+        for variant in ("torch-compile", "compile-fused", "fp8-compile-fused"):
             assert rows[f"profile {shape} {variant}"]["status"] in ("refused", "checked")
 
 
@@ -98,6 +98,7 @@ def test_profile_step_sorts_gpu_kernels_by_kind():
     names = {
         "nvjet_tst_256x128_64x4_1x2_h_bz_coopA_NNT": "matmul",
         "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64": "matmul",
+        "sm90_xmma_gemm_e4m3e4m3_bf16f32_f32_tn_n_tilesize128x128x128_cublas": "matmul",  # FP8
         "void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<>": "attention",
         "triton_per_fused__to_copy_add_mean_mul_pow_rsqrt_0": "compiled",
         "ncclDevKernel_AllReduce_Sum_f32_RING_LL": "communication",

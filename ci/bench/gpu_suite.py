@@ -44,8 +44,8 @@ The steps, on the device mp_state picks (MP_DEVICE=cuda here, cpu with --cpu-smo
                  optimizer (the loop's model-and-optimizer-setup timer)
   generate S     bench_generate.compare in bf16 at each batch size: ms per new token and
                  prefill tokens/s, ours (KV cache) beside transformers' generate
-  profile S V    shape S, variant V (bf16, torch-compile, compile-fused; --variants
-                 chooses among them as for train): ours trains warm-up + 2 iterations
+  profile S V    shape S, variant V (any of VARIANTS; --variants chooses them as for
+                 train, FP8 included): ours trains warm-up + 2 iterations
                  with mp's --profile on the one after the warm-up; the share of that
                  iteration each kind of GPU kernel took and the 20 kernels with the most
                  time (kernel_time.py; on the CPU, top-level operators)
@@ -133,11 +133,6 @@ VARIANTS = (
     ),
 )
 """Training variants: name, the flags ours runs with (on top of bench_gpt.config_argv)."""
-
-PROFILED = tuple(
-    (name, flags) for name, flags in VARIANTS if name in ("bf16", "torch-compile", "compile-fused")
-)
-"""The variants the profile step traces (one iteration under torch.profiler)."""
 
 DEFAULT_VARIANTS = ("bf16", "compile-fused", "fp8-compile-fused")
 """What a run without --variants trains: eager bf16, mp's fastest bf16 path, and FP8 on it."""
@@ -261,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(run("packed", "packed", {"mode": sizes}, TIMEOUTS["packed"]))
     if "profile" in args.steps:
         for shape_name in _chosen(gpu_steps.SIZES[sizes].shapes, args.shapes):
-            for variant, flags in PROFILED:
+            for variant, flags in VARIANTS:
                 if variant not in (args.variants or DEFAULT_VARIANTS):
                     continue
                 name = f"profile {shape_name} {variant}"
