@@ -134,7 +134,9 @@ NCCL_SCRIPT = """
     info = mp_state.init_distributed(timeout_minutes=1)
     t = torch.full((4,), 2.0, device=info.device)
     dist.all_reduce(t)
-    print(f"backend={dist.get_backend()} device={t.device} sum={t.sum().item()}", flush=True)
+    bound = dist.distributed_c10d._get_default_group().bound_device_id
+    print(f"backend={dist.get_backend()} device={t.device} sum={t.sum().item()} "
+          f"bound={bound}", flush=True)
     dist.destroy_process_group()
 """
 
@@ -142,4 +144,21 @@ NCCL_SCRIPT = """
 @pytest.mark.cuda
 def test_nccl_on_one_gpu_under_torchrun(tmp_path):
     out = torchrun(tmp_path, NCCL_SCRIPT, 1, MP_DEVICE="cuda")
-    assert "backend=nccl device=cuda:0 sum=8.0" in out, out
+    assert "backend=nccl device=cuda:0 sum=8.0 bound=cuda:0" in out, out
+
+
+def test_an_nccl_group_is_bound_to_the_ranks_device_and_gloo_to_none(monkeypatch):
+    """What init_distributed asks of torch.distributed (a CUDA device made up here)."""
+    import mp_state.devices as devices
+
+    asked = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda *a, **kw: asked.append((a, kw)))
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    for backend, device in (("nccl", torch.device("cuda", 1)), ("gloo", torch.device("cpu"))):
+        info = DeviceInfo(device, backend, 1)
+        monkeypatch.setattr(devices, "select_device", lambda backend=None, info=info: info)
+        init_distributed()
+    [(nccl_args, nccl_kw), (gloo_args, gloo_kw)] = asked
+    assert nccl_args == ("nccl",) and nccl_kw["device_id"] == torch.device("cuda", 1)
+    assert gloo_args == ("gloo",) and "device_id" not in gloo_kw

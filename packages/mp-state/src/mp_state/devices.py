@@ -105,8 +105,11 @@ def init_distributed(timeout_minutes: float = 10, backend: str | None = None) ->
 
     Without torchrun (no RANK / WORLD_SIZE set) it makes a one-rank world, so a
     script runs unchanged as `python script.py`. An already initialized default
-    group is kept. On CUDA the rank's device becomes the current one. Under torchrun's
-    --max-restarts, each attempt's workers meet under keys of their own in its store.
+    group is kept. On CUDA the rank's device becomes the current one, and under NCCL the
+    group is bound to it (device_id, as Megatron-LM binds it): the communicator forms at
+    once, subgroups split from it, and NCCL does not guess the device from the rank.
+    Under torchrun's --max-restarts, each attempt's workers meet under keys of their own
+    in its store.
     """
     info = select_device(backend)
     if info.device.type == "cuda":
@@ -114,6 +117,7 @@ def init_distributed(timeout_minutes: float = 10, backend: str | None = None) ->
     if dist.is_initialized():
         return info
     timeout = timedelta(minutes=timeout_minutes)
+    bound = {"device_id": info.device} if info.backend == "nccl" else {}
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
         store.set_timeout(timeout)
@@ -123,10 +127,12 @@ def init_distributed(timeout_minutes: float = 10, backend: str | None = None) ->
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         store = dist.PrefixStore(f"mp/attempt_{attempt}/default_pg", store)
         dist.init_process_group(
-            info.backend, store=store, rank=rank, world_size=world_size, timeout=timeout
-        )
+            info.backend, store=store, rank=rank, world_size=world_size, timeout=timeout,
+            **bound,
+        )  # fmt: skip
     else:
         dist.init_process_group(
-            info.backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
-        )
+            info.backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout,
+            **bound,
+        )  # fmt: skip
     return info
