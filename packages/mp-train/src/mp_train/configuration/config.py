@@ -130,7 +130,7 @@ class TrainingConfig:
     """Build the model on the run's device and draw its weights there, from the device's
     generator (mp_layers.building_on), instead of drawing every weight on the CPU and
     moving the model: start-up in seconds on a GPU where the CPU draws take about 4.6 ns
-    a number (a minute for an 8B model). The model is still the same at every
+    a number (over half a minute for an 8B model). The model is still the same at every
     tensor-parallel size, but not the CPU-drawn one, and another GPU model may draw
     another. On a CPU run it changes nothing. Not with init_model_with_meta_device, whose
     shards are replayed from the CPU generator. mp's flag; Megatron draws on the GPU by
