@@ -4,8 +4,9 @@ with the directory's chat template), each rank reading its own pieces from the
 safetensors, the model's settings and the tokenizer taken from the directory; the loss
 falls, and `--export-hf-dir` writes a directory transformers loads, whose logits equal
 mp's (the run's final save in one GPTModel), whose tokenizer keeps its chat template, and
-which generates. A run that only loads
-and exports (--skip-train) gives back every tensor of the directory exactly."""
+which generates. A run that only loads and exports (--skip-train), built undrawn
+(--no-initialization: the directory fills every weight), gives back every tensor of the
+directory exactly."""
 
 import json
 import os
@@ -81,13 +82,14 @@ def test_finetune_a_hugging_face_model_at_tp2_and_export_it(tmp_path):
     qwen3_folder(hf_dir)
     write_chat_corpus(str(tmp_path / "chat.jsonl"), 200)
     only_export = options(hf_dir, tmp_path, tmp_path, "--skip-train", "--train-iters", "1",
+                          "--no-initialization",
                           "--export-hf-dir", str(tmp_path / "same"))  # fmt: skip
     finetune = options(hf_dir, run_dir, tmp_path, "--train-iters", "6",
                        "--save", str(run_dir / "ckpt"),
                        "--export-hf-dir", str(tmp_path / "tuned"))  # fmt: skip
     run_on_ranks(two_runs, 2, only_export, finetune, timeout=300)
 
-    # Loaded and exported at TP2: every tensor as transformers saved it.
+    # Built undrawn, loaded and exported at TP2: every tensor as transformers saved it.
     source = load_file(str(hf_dir / "model.safetensors"))
     same = load_file(str(tmp_path / "same" / "model.safetensors"))
     assert same.keys() == source.keys()
