@@ -13,6 +13,11 @@ workers, a command-line subprocess) would compile torch's and mp's modules from 
 again, about 3 s each. Those processes instead write and read their bytecode under one
 cache folder outside the repository (PYTHONPYCACHEPREFIX, in the temporary directory),
 so the first compiles and the others reuse it; the source tree stays free of it.
+
+No progress-bar monitor thread: tqdm (transformers' save and load bars, torch.fx's
+interpreter) would start one in a test process, and it takes the bars' locks every 10 s;
+a rank or worker forked while it held them would wait forever at its first bar
+(mp_state.testing's launcher also gives its ranks fresh locks).
 """
 
 import os
@@ -25,6 +30,14 @@ if os.environ.pop("PYTHONDONTWRITEBYTECODE", None):
     os.environ.setdefault(
         "PYTHONPYCACHEPREFIX", os.path.join(tempfile.gettempdir(), f"mp-pycache-{os.getuid()}")
     )
+
+
+try:
+    import tqdm
+
+    tqdm.tqdm.monitor_interval = 0
+except ImportError:  # not installed: no bars, no monitor
+    pass
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

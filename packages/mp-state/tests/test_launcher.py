@@ -1,5 +1,6 @@
 """The multi-rank launcher: results, failures, deaths and hangs, never a hung test."""
 
+import io
 import os
 import signal
 import sys
@@ -35,6 +36,35 @@ def test_matmul_in_a_forked_rank_after_one_in_the_parent():
         return float((b @ b).abs().sum() > 0)
 
     assert run_on_ranks(matmul, 2, timeout=60) == [1.0, 1.0]
+
+
+def test_a_progress_bar_lock_held_in_the_parent_does_not_stop_a_forked_rank():
+    # tqdm's monitor thread takes the bars' locks every few seconds; a rank forked then
+    # (or after a sibling died holding the shared one) must still make its bars.
+    import threading
+
+    tqdm = pytest.importorskip("tqdm")
+    held, done = threading.Event(), threading.Event()
+
+    def hold():
+        with tqdm.tqdm.get_lock():
+            held.set()
+            done.wait(120)
+
+    holder = threading.Thread(target=hold, daemon=True)
+    holder.start()
+    held.wait(30)
+
+    def bar():
+        with tqdm.tqdm(total=2, file=io.StringIO()) as progress:
+            progress.update(2)
+        return progress.n
+
+    try:
+        assert run_on_ranks(bar, 2, timeout=60) == [2, 2]
+    finally:
+        done.set()
+        holder.join(30)
 
 
 def raise_on_rank_2():

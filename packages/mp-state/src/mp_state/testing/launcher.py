@@ -193,9 +193,32 @@ class _Running:
     stack_path: str
 
 
+def _own_progress_bar_locks() -> None:
+    """Gives this rank progress-bar locks of its own. tqdm (which torch.fx's interpreter
+    and transformers use) guards its bars with a thread lock and a multiprocessing lock
+    that a forked rank inherits from the parent: the first may have been held by another
+    parent thread (tqdm's monitor) at the fork, the second is shared with every sibling
+    and stays taken if one is killed holding it. Either way the rank's first bar would
+    wait forever."""
+    std = sys.modules.get("tqdm.std")
+    if std is None:
+        return
+    lock_class = std.TqdmDefaultWriteLock
+    lock_class.th_lock = std.TRLock()
+    lock_class.mp_lock = multiprocessing.RLock()
+    lock = lock_class()
+    classes = [std.tqdm]
+    while classes:
+        cls = classes.pop()
+        classes.extend(cls.__subclasses__())
+        if cls is std.tqdm or "_lock" in vars(cls):
+            cls._lock = lock
+
+
 def _rank_main(spec: _RankSpec, conn: Connection, fn: Callable, args: tuple, kwargs: dict):
     # First, before any torch op: a forked child cannot use the parent's thread pool.
     torch.set_num_threads(1)
+    _own_progress_bar_locks()
     stack_file = open(spec.stack_path, "w")  # noqa: SIM115 (kept open for faulthandler)
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
     os.environ.update(
