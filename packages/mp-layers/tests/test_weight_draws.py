@@ -92,10 +92,11 @@ def test_on_the_cpu_nothing_changes(config):
 
 def test_the_draw_device_is_the_contexts_and_returns_after():
     assert draw_device() == torch.device("cpu")
-    with building_on("cpu"):
-        assert draw_device() == torch.device("cpu")
-        assert torch.empty(1).device == torch.device("cpu")
+    with building_on("meta"):  # a device other than the CPU, for the context alone
+        assert draw_device() == torch.device("meta")
+        assert torch.empty(1).device == torch.device("meta")
     assert draw_device() == torch.device("cpu")
+    assert torch.empty(1).device == torch.device("cpu")
 
 
 @pytest.mark.cuda

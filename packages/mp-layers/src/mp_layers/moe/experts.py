@@ -58,13 +58,13 @@ class GroupedExperts(torch.nn.Module):
         rows = slice(etp.rank * self.local_ffn, (etp.rank + 1) * self.local_ffn)
         parts = 2 if self.gated else 1
         bias = config.add_bias_linear
+        shapes = ((self.num_local, parts * self.local_ffn, h),
+                  (self.num_local, h, self.local_ffn))  # fmt: skip
         if deferred_init.deferring():  # filled shard by shard once sharded (_ExpertDraws)
             draws = _ExpertDraws(experts, parts, f, h, first, rows,
                                  (config.init_method_std, config.output_layer_init_std),
                                  torch.get_rng_state())  # fmt: skip
             draws.advance()
-            shapes = ((self.num_local, parts * self.local_ffn, h),
-                      (self.num_local, h, self.local_ffn))  # fmt: skip
             self.linear_fc1, self.linear_fc2 = (
                 _ExpertWeights(torch.empty(shape, device="meta"), bias, config.params_dtype)
                 for shape in shapes
@@ -76,8 +76,7 @@ class GroupedExperts(torch.nn.Module):
             self.linear_fc1, self.linear_fc2 = (
                 _ExpertWeights(torch.empty(shape, dtype=config.params_dtype), bias,
                                config.params_dtype)
-                for shape in ((self.num_local, parts * self.local_ffn, h),
-                              (self.num_local, h, self.local_ffn))
+                for shape in shapes
             )  # fmt: skip
             return
         fc1, fc2 = [], []

@@ -128,13 +128,13 @@ class TrainingConfig:
 
     use_device_initialization: bool = False
     """Build the model on the run's device and draw its weights there, from the device's
-    generator (mp_layers.building_on), instead of drawing every weight on the CPU and
-    moving the model: start-up in seconds on a GPU where the CPU draws take about 4.6 ns
-    a number (over half a minute for an 8B model). The model is still the same at every
-    tensor-parallel size, but not the CPU-drawn one, and another GPU model may draw
-    another. On a CPU run it changes nothing. Not with init_model_with_meta_device, whose
-    shards are replayed from the CPU generator. mp's flag; Megatron draws on the GPU by
-    default, per tensor-parallel rank, unless --use-cpu-initialization."""
+    generator (mp_layers.building_on), instead of drawing every weight on the CPU (about
+    4.6 ns a number on one core: over half a minute for an 8B model) and moving the
+    model. The model is still the same at every tensor-parallel size, but not the
+    CPU-drawn one, and another GPU model may draw another. On a CPU run it changes
+    nothing. Not with init_model_with_meta_device, whose shards are replayed from the CPU
+    generator. mp's flag; Megatron draws on the GPU by default, per tensor-parallel rank,
+    unless --use-cpu-initialization."""
 
     no_initialization: bool = False
     """Build the model's weights undrawn (Megatron's --no-initialization: start-up
