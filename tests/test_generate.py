@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from mp_gpt.testing import GIVEN_PEAK
 from mp_state.testing import run_on_ranks
 
 CONFIG = Path(__file__).resolve().parents[1] / "apps" / "gpt" / "configs" / "tiny.yaml"
@@ -21,7 +22,7 @@ def train_body(run_dir: str, config: Path = CONFIG, *layout: str):
     from mp_gpt.pretrain import main
 
     return main([
-        "--config", str(config), "--mock-data", "--tokenizer-type", "NullTokenizer",
+        "--config", str(config), "--mock-data", *GIVEN_PEAK, "--tokenizer-type", "NullTokenizer",
         "--vocab-size", "1000", "--make-vocab-size-divisible-by", "512", "--seq-length", "32",
         "--micro-batch-size", "2", "--global-batch-size", "2", "--train-iters", "3",
         "--eval-interval", "none", "--save", run_dir, "--load", run_dir,

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from mp_ckpt.cli import main
-from mp_gpt.testing import greedy_on_rank, imported_model, reference_greedy
+from mp_gpt.testing import GIVEN_PEAK, greedy_on_rank, imported_model, reference_greedy
 from mp_state.testing import run_on_ranks
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -128,7 +128,8 @@ def finetune_body(load: str, save: str) -> None:
 
     pretrain([
         "--load", load, "--use-checkpoint-args", "--finetune", "--save", save,
-        "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "95",  # and its EOD: 96
+        "--mock-data", *GIVEN_PEAK,
+        "--tokenizer-type", "NullTokenizer", "--vocab-size", "95",  # and its EOD: 96
         "--make-vocab-size-divisible-by", "1", "--seq-length", str(SEQ),
         "--micro-batch-size", "2", "--global-batch-size", "2", "--train-iters", "1",
         "--lr", "1e-4", "--lr-warmup-iters", "0", "--eval-interval", "none",

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from mp_ckpt import Checkpointer, CheckpointReader, load_checkpoint
 from mp_ckpt.cli import main
 from mp_ckpt.hf import logical_from_hf
-from mp_gpt.testing import imported_model
+from mp_gpt.testing import GIVEN_PEAK, imported_model
 from mp_layers import GPTModel, ModelGroups, TransformerConfig
 from mp_state import RankGroup
 from mp_state.testing import run_on_ranks
@@ -397,7 +397,7 @@ def train_body(run_dir: str, extra: list[str]):
     from mp_gpt.pretrain import main as pretrain
 
     return pretrain([
-        "--config", str(CONFIG), "--mock-data", "--tokenizer-type", "NullTokenizer",
+        "--config", str(CONFIG), "--mock-data", *GIVEN_PEAK, "--tokenizer-type", "NullTokenizer",
         "--vocab-size", "200", "--make-vocab-size-divisible-by", "128",
         "--seq-length", str(TRAIN_SEQ), "--num-layers", "2", "--hidden-size", "64",
         "--init-method-std", "0.2", "--micro-batch-size", "2", "--global-batch-size", "2",

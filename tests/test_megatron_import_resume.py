@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from mp_ckpt import CheckpointReader, import_megatron, safe_load
-from mp_gpt.testing import TINY_CONFIG, train_run_on_rank
+from mp_gpt.testing import GIVEN_PEAK, TINY_CONFIG, train_run_on_rank
 from mp_state.testing import run_on_ranks
 
 ASSETS = Path(__file__).resolve().parents[1] / "packages/mp-ckpt/tests/assets/megatron"
@@ -20,7 +20,8 @@ def _argv(load: Path) -> list[str]:
     fixtures' optimizer settings. The fixture's vocabulary: 100 ids (+ NullTokenizer's eod)
     padded to 128."""
     return [
-        "--config", str(TINY_CONFIG), "--mock-data", "--tokenizer-type", "NullTokenizer",
+        "--config", str(TINY_CONFIG), "--mock-data", *GIVEN_PEAK,
+        "--tokenizer-type", "NullTokenizer",
         "--vocab-size", "100", "--make-vocab-size-divisible-by", "64",
         "--load", str(load), "--use-checkpoint-args", "--use-checkpoint-opt-param-scheduler",
         "--micro-batch-size", "2", "--global-batch-size", "2", "--train-iters", "2",

@@ -13,7 +13,7 @@ import math
 
 import pytest
 
-from mp_gpt.testing import metrics_records, train_on_rank
+from mp_gpt.testing import GIVEN_PEAK, metrics_records, train_on_rank
 from mp_state.testing import run_on_ranks
 from mp_train import build_parser
 
@@ -385,7 +385,8 @@ def shrunk(family: str) -> list[str]:
 
 def run_options(run_dir) -> list[str]:
     return [
-        "--mock-data", "--vocab-size", "1000", "--train-iters", "3", "--global-batch-size", "2",
+        "--mock-data", *GIVEN_PEAK,
+        "--vocab-size", "1000", "--train-iters", "3", "--global-batch-size", "2",
         "--lr", "1e-3", "--lr-warmup-iters", "1", "--eval-interval", "none", "--log-interval",
         "10", "--save", "none", "--load", "none", "--tensorboard-dir", "none",
         "--metrics-file", str(run_dir / "metrics.jsonl"), "--num-workers", "0",

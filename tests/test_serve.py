@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from mp_gpt.testing import GIVEN_PEAK
 from mp_state.testing import TorchrunJob, run_on_ranks
 
 CONFIG = Path(__file__).resolve().parents[1] / "apps" / "gpt" / "configs" / "tiny.yaml"
@@ -39,7 +40,7 @@ def train_body(run_dir: str, *layout: str):
     from mp_gpt.pretrain import main
 
     return main([
-        "--config", str(CONFIG), "--mock-data", "--tokenizer-type", "NullTokenizer",
+        "--config", str(CONFIG), "--mock-data", *GIVEN_PEAK, "--tokenizer-type", "NullTokenizer",
         "--vocab-size", "1000", "--make-vocab-size-divisible-by", "512", "--seq-length", "32",
         "--max-position-embeddings", "1024", "--micro-batch-size", "2",
         "--global-batch-size", "2", "--train-iters", "3", "--eval-interval", "none",

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from mp_ckpt import CheckpointReader, read_tracker
-from mp_gpt.testing import TINY_CONFIG, train_on_rank
+from mp_gpt.testing import GIVEN_PEAK, TINY_CONFIG, train_on_rank
 from mp_state.testing import run_on_ranks
 
 pytestmark = pytest.mark.multirank
@@ -22,7 +22,8 @@ pytestmark = pytest.mark.multirank
 
 def options(run_dir: Path, *extra: str) -> list[str]:
     return [
-        "--config", str(TINY_CONFIG), "--mock-data", "--tokenizer-type", "NullTokenizer",
+        "--config", str(TINY_CONFIG), "--mock-data", *GIVEN_PEAK,
+        "--tokenizer-type", "NullTokenizer",
         "--vocab-size", "1000", "--seq-length", "64", "--micro-batch-size", "2",
         "--global-batch-size", "8", "--train-iters", "6", "--save-interval", "3",
         "--eval-interval", "none", "--log-interval", "100", "--num-workers", "0",

@@ -7,7 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from mp_gpt.testing import TINY_CONFIG, assert_same_curve, metrics_records, train_on_rank
+from mp_gpt.testing import (
+    GIVEN_PEAK,
+    TINY_CONFIG,
+    assert_same_curve,
+    metrics_records,
+    train_on_rank,
+)
 from mp_state.testing import run_on_ranks
 
 pytestmark = pytest.mark.multirank
@@ -17,7 +23,8 @@ ITERATIONS = 4
 
 def options(run_dir: Path, *layout: str) -> list[str]:
     return [
-        "--config", str(TINY_CONFIG), "--mock-data", "--tokenizer-type", "NullTokenizer",
+        "--config", str(TINY_CONFIG), "--mock-data", *GIVEN_PEAK,
+        "--tokenizer-type", "NullTokenizer",
         "--vocab-size", "1000", "--make-vocab-size-divisible-by", "512",
         "--seq-length", "256", "--micro-batch-size", "2", "--global-batch-size", "4",
         "--train-iters", str(ITERATIONS), "--eval-interval", "none", "--log-interval", "10",

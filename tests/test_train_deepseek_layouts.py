@@ -15,7 +15,7 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from mp_gpt.config_files import config_path
-from mp_gpt.testing import assert_same_curve, metrics_records, train_on_rank
+from mp_gpt.testing import GIVEN_PEAK, assert_same_curve, metrics_records, train_on_rank
 from mp_state.testing import run_on_ranks
 
 pytestmark = pytest.mark.multirank
@@ -26,7 +26,7 @@ KEYS = ("lm loss", "mtp_1 loss", "seq_load_balancing_loss")
 
 def options(run_dir: Path, *layout: str) -> list[str]:
     return [
-        "--config", str(config_path("tiny-deepseek-v3.yaml")), "--mock-data",
+        "--config", str(config_path("tiny-deepseek-v3.yaml")), "--mock-data", *GIVEN_PEAK,
         "--seq-length", "64", "--micro-batch-size", "1", "--global-batch-size", "4",
         "--train-iters", str(ITERATIONS), "--lr-warmup-iters", "2", "--eval-interval", "none",
         "--save", "none", "--load", "none", "--tensorboard-dir", "none",

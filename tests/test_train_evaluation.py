@@ -5,12 +5,12 @@ from pathlib import Path
 
 import pytest
 
-from mp_gpt.testing import train_printed_on_rank
+from mp_gpt.testing import GIVEN_PEAK, train_printed_on_rank
 from mp_state.testing import run_on_ranks
 
 CONFIG = Path(__file__).resolve().parents[1] / "apps" / "gpt" / "configs" / "tiny.yaml"
 ARGV = [
-    "--config", str(CONFIG), "--mock-data", "--tokenizer-type", "NullTokenizer",
+    "--config", str(CONFIG), "--mock-data", *GIVEN_PEAK, "--tokenizer-type", "NullTokenizer",
     "--vocab-size", "1000", "--seq-length", "32", "--micro-batch-size", "2",
     "--global-batch-size", "2", "--train-iters", "4", "--eval-interval", "2",
     "--save", "none", "--load", "none", "--tensorboard-dir", "none", "--num-workers", "0",

@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from mp_data.sft_example import CHAT_TEMPLATE, write_chat_corpus, write_chat_tokenizer
+from mp_gpt.testing import GIVEN_PEAK
 from mp_state.testing import run_on_ranks
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -61,7 +62,8 @@ def options(hf_dir, run_dir, data_dir, *extra):
         "--tensor-model-parallel-size", "2", "--micro-batch-size", "2",
         "--global-batch-size", "4", "--lr", "3e-3", "--min-lr", "3e-3", "--lr-warmup-iters", "0",
         "--eval-interval", "none", "--log-interval", "1", "--tensorboard-dir", "none",
-        "--metrics-file", str(run_dir / "metrics.jsonl"), "--num-workers", "0", *extra,
+        "--metrics-file", str(run_dir / "metrics.jsonl"), "--num-workers", "0", *GIVEN_PEAK,
+        *extra,
     ]  # fmt: skip
 
 

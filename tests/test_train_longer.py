@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from mp_gpt.testing import train_run_on_rank
+from mp_gpt.testing import GIVEN_PEAK, train_run_on_rank
 from mp_state.testing import RankFailure, run_on_ranks
 
 CONFIG = Path(__file__).resolve().parents[1] / "apps" / "gpt" / "configs" / "tiny.yaml"
@@ -13,7 +13,7 @@ CONFIG = Path(__file__).resolve().parents[1] / "apps" / "gpt" / "configs" / "tin
 
 def argv(ckpt: Path, iterations: int, *extra: str) -> list[str]:
     return [
-        "--config", str(CONFIG), "--mock-data", "--tokenizer-type", "NullTokenizer",
+        "--config", str(CONFIG), "--mock-data", *GIVEN_PEAK, "--tokenizer-type", "NullTokenizer",
         "--vocab-size", "1000", "--seq-length", "32", "--micro-batch-size", "2",
         "--global-batch-size", "2", "--train-iters", str(iterations), "--eval-interval", "none",
         "--save", str(ckpt), "--load", str(ckpt), "--tensorboard-dir", "none",

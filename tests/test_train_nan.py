@@ -4,12 +4,12 @@ from pathlib import Path
 
 import pytest
 
-from mp_gpt.testing import train_run_on_rank
+from mp_gpt.testing import GIVEN_PEAK, train_run_on_rank
 from mp_state.testing import RankFailure, run_on_ranks
 
 CONFIG = Path(__file__).resolve().parents[1] / "apps" / "gpt" / "configs" / "tiny.yaml"
 DIVERGING = [
-    "--config", str(CONFIG), "--mock-data", "--tokenizer-type", "NullTokenizer",
+    "--config", str(CONFIG), "--mock-data", *GIVEN_PEAK, "--tokenizer-type", "NullTokenizer",
     "--vocab-size", "1000", "--seq-length", "32", "--micro-batch-size", "2",
     "--global-batch-size", "4", "--train-iters", "30", "--eval-interval", "none",
     "--save", "none", "--load", "none", "--tensorboard-dir", "none", "--num-workers", "0",

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from mp_gpt.testing import TINY_CONFIG, train_on_rank
+from mp_gpt.testing import GIVEN_PEAK, TINY_CONFIG, train_on_rank
 from mp_state.testing import run_on_ranks
 
 pytestmark = pytest.mark.multirank
@@ -22,7 +22,8 @@ EXPECTED_BATCHES = [4, 4, 4, 8, 8, 12, 12, 12]
 
 def options(run_dir: Path) -> list[str]:
     return [
-        "--config", str(TINY_CONFIG), "--mock-data", "--tokenizer-type", "NullTokenizer",
+        "--config", str(TINY_CONFIG), "--mock-data", *GIVEN_PEAK,
+        "--tokenizer-type", "NullTokenizer",
         "--vocab-size", "1000", "--make-vocab-size-divisible-by", "512",
         "--seq-length", "64", "--micro-batch-size", "2", "--global-batch-size", "12",
         "--rampup-batch-size", "4", "4", "24", "--train-samples", "60",

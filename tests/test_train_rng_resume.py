@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from mp_gpt.testing import GIVEN_PEAK
 from mp_state.testing import run_on_ranks
 
 CONFIG = Path(__file__).resolve().parents[1] / "apps" / "gpt" / "configs" / "tiny.yaml"
@@ -14,7 +15,7 @@ CONFIG = Path(__file__).resolve().parents[1] / "apps" / "gpt" / "configs" / "tin
 
 def options(run_dir: Path, *extra: str) -> list[str]:
     return [
-        "--config", str(CONFIG), "--mock-data", "--tokenizer-type", "NullTokenizer",
+        "--config", str(CONFIG), "--mock-data", *GIVEN_PEAK, "--tokenizer-type", "NullTokenizer",
         "--vocab-size", "1000", "--seq-length", "32", "--micro-batch-size", "2",
         "--global-batch-size", "4", "--train-iters", "2", "--eval-interval", "none",
         "--hidden-dropout", "0.1", "--attention-dropout", "0.1",

@@ -20,6 +20,7 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from mp_gpt.testing import (
+    GIVEN_PEAK,
     TINY_CONFIG,
     metrics_records,
     tiny_moe_options,
@@ -40,7 +41,8 @@ VALIDATION = ["lm loss validation", "lm loss validation ppl"]
 
 def options(run_dir: Path) -> list[str]:
     return [
-        "--config", str(TINY_CONFIG), "--mock-data", "--tokenizer-type", "NullTokenizer",
+        "--config", str(TINY_CONFIG), "--mock-data", *GIVEN_PEAK,
+        "--tokenizer-type", "NullTokenizer",
         "--vocab-size", "1000", "--make-vocab-size-divisible-by", "512",
         "--seq-length", "32", "--micro-batch-size", "2",
         "--global-batch-size", str(GLOBAL_BATCH), "--train-iters", str(ITERATIONS),

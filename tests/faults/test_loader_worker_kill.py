@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from mp_ckpt import CheckpointReader, read_tracker
-from mp_gpt.testing import TINY_CONFIG
+from mp_gpt.testing import GIVEN_PEAK, TINY_CONFIG
 from mp_state.testing import TorchrunJob
 from mp_state.testing.processes import children
 
@@ -27,7 +27,7 @@ DEADLINE = 60.0
 def target(run_dir: Path) -> list[str]:
     return [
         "-m", "mp_gpt.pretrain",
-        "--config", str(TINY_CONFIG), "--mock-data",
+        "--config", str(TINY_CONFIG), "--mock-data", *GIVEN_PEAK,
         "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000", "--seq-length", "64",
         "--micro-batch-size", "2", "--global-batch-size", "8", "--eval-interval", "none",
         "--log-interval", "1000", "--num-workers", "2", "--tensorboard-dir", "none",

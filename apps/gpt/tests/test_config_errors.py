@@ -18,10 +18,11 @@ import pytest
 
 from mp_gpt.config_files import config_path
 from mp_gpt.pretrain import main
+from mp_gpt.testing import GIVEN_PEAK
 from mp_state.testing import run_on_ranks
 
 BASE = [
-    "--config", str(config_path("tiny.yaml")), "--mock-data",
+    "--config", str(config_path("tiny.yaml")), "--mock-data", *GIVEN_PEAK,
     "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000", "--seq-length", "64",
     "--train-iters", "200", "--eval-interval", "none", "--save", "none", "--load", "none",
     "--tensorboard-dir", "none", "--num-workers", "0",

@@ -9,7 +9,7 @@ import pytest
 
 from mp_data import write_chat_corpus, write_chat_tokenizer
 from mp_gpt.config_files import config_path
-from mp_gpt.testing import metrics_records, train_output_on_rank
+from mp_gpt.testing import GIVEN_PEAK, metrics_records, train_output_on_rank
 from mp_state.testing import run_on_ranks
 from mp_train import ConfigError, load_config
 
@@ -31,7 +31,7 @@ def sft_options(folder: Path, *extra: str) -> list[str]:
         "--train-iters", "8", "--eval-interval", "none", "--log-interval", "10",
         "--lr-warmup-iters", "1", "--save", "none", "--load", "none",
         "--tensorboard-dir", "none", "--num-workers", "0",
-        "--metrics-file", str(folder / "metrics.jsonl"), *extra,
+        "--metrics-file", str(folder / "metrics.jsonl"), *GIVEN_PEAK, *extra,
     ]  # fmt: skip
 
 

@@ -18,6 +18,7 @@ import mp_gpt.pretrain  # noqa: F401
 from mp_gpt.config_files import config_path
 
 __all__ = [
+    "GIVEN_PEAK",
     "LOGGED_MOE",
     "TINY_CONFIG",
     "assert_same_curve",
@@ -36,6 +37,11 @@ __all__ = [
 
 TINY_CONFIG = config_path("tiny.yaml")
 
+GIVEN_PEAK = ("--peak-tflops", "1")
+"""The MFU reference for test runs, given rather than measured: each rank's measure (a
+bf16 matmul, several rounds) costs 0.2 s at every start, a third of a tiny run on a
+forked rank; packages/mp-train/tests/test_mfu.py tests the measure itself."""
+
 LOGGED_MOE = ("lm loss", "load_balancing_loss", "z_loss", "grad_norm")
 """What a MoE run's metrics file records per iteration that layouts must agree on."""
 
@@ -43,7 +49,7 @@ LOGGED_MOE = ("lm loss", "load_balancing_loss", "z_loss", "grad_norm")
 def tiny_options(run_dir: Path, *extra: str) -> list[str]:
     """tiny.yaml on mock data, fp32, 4 iterations of 4 sequences of 64 tokens in
     micro-batches of one, metrics to run_dir/metrics.jsonl, no checkpoints (a later
-    --save / --load in `extra` wins); then extra."""
+    --save / --load in `extra` wins), the MFU reference given (GIVEN_PEAK); then extra."""
     return [
         "--config", str(TINY_CONFIG), "--mock-data", "--tokenizer-type", "NullTokenizer",
         "--vocab-size", "1000", "--make-vocab-size-divisible-by", "512",
@@ -51,13 +57,14 @@ def tiny_options(run_dir: Path, *extra: str) -> list[str]:
         "--train-iters", "4", "--eval-interval", "none", "--log-interval", "10",
         "--save", "none", "--load", "none", "--tensorboard-dir", "none",
         "--metrics-file", str(run_dir / "metrics.jsonl"), "--num-workers", "0",
-        "--lr-warmup-iters", "1", *extra,
+        "--lr-warmup-iters", "1", *GIVEN_PEAK, *extra,
     ]  # fmt: skip
 
 
 def tiny_moe_options(run_dir: Path, *extra: str) -> list[str]:
     """tiny-moe.yaml on mock data, fp32, 4 iterations of 4 sequences of 64 tokens in
-    micro-batches of one, metrics to run_dir/metrics.jsonl, no checkpoints; then extra."""
+    micro-batches of one, metrics to run_dir/metrics.jsonl, no checkpoints, the MFU
+    reference given (GIVEN_PEAK); then extra."""
     return [
         "--config", str(config_path("tiny-moe.yaml")), "--mock-data",
         "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000",
@@ -66,7 +73,7 @@ def tiny_moe_options(run_dir: Path, *extra: str) -> list[str]:
         "--train-iters", "4", "--eval-interval", "none", "--log-interval", "10",
         "--save", "none", "--load", "none", "--tensorboard-dir", "none",
         "--metrics-file", str(run_dir / "metrics.jsonl"), "--num-workers", "0",
-        "--lr-warmup-iters", "1", "--expert-model-parallel-size", "1", *extra,
+        "--lr-warmup-iters", "1", "--expert-model-parallel-size", "1", *GIVEN_PEAK, *extra,
     ]  # fmt: skip
 
 

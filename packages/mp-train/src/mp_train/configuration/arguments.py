@@ -24,7 +24,6 @@ import functools
 import inspect
 import os
 import sys
-import textwrap
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -58,13 +57,9 @@ def field_docs(cls: type) -> dict[str, str]:
     whitespace collapsed. A class whose source cannot be read has none."""
     docs: dict[str, str] = {}
     for klass in reversed(cls.__mro__):
-        if klass is object:
+        node = _class_node(klass)
+        if node is None:
             continue
-        try:
-            source = textwrap.dedent(inspect.getsource(klass))
-        except (OSError, TypeError):
-            continue
-        node = next(n for n in ast.parse(source).body if isinstance(n, ast.ClassDef))
         for statement, following in zip(node.body, node.body[1:], strict=False):
             if (
                 isinstance(statement, ast.AnnAssign)
@@ -75,6 +70,24 @@ def field_docs(cls: type) -> dict[str, str]:
             ):
                 docs[statement.target.id] = " ".join(following.value.value.split())
     return docs
+
+
+def _class_node(klass: type) -> ast.ClassDef | None:
+    """The class statement of a class defined at the top of a readable source file."""
+    try:
+        path = inspect.getsourcefile(klass)
+        return _top_level_classes(path).get(klass.__qualname__) if path else None
+    except (OSError, TypeError):  # a builtin (object), or no file to read
+        return None
+
+
+@functools.cache
+def _top_level_classes(path: str) -> dict[str, ast.ClassDef]:
+    """A source file's top-level class statements by name: each file parsed once (the
+    config classes share a few files; inspect.getsource would search a file per class)."""
+    with open(path, encoding="utf-8") as source:
+        tree = ast.parse(source.read(), path)
+    return {node.name: node for node in tree.body if isinstance(node, ast.ClassDef)}
 
 
 # --- options from a dataclass -----------------------------------------------------------
