@@ -39,7 +39,7 @@ TINY_CONFIG = config_path("tiny.yaml")
 
 GIVEN_PEAK = ("--peak-tflops", "1")
 """The MFU reference for test runs, given rather than measured: each rank's measure (a
-bf16 matmul, several rounds) costs 0.2 s at every start, a third of a tiny run on a
+bf16 matmul, several rounds) costs 0.2 s at every start, a quarter of a tiny run on a
 forked rank; packages/mp-train/tests/test_mfu.py tests the measure itself."""
 
 LOGGED_MOE = ("lm loss", "load_balancing_loss", "z_loss", "grad_norm")
