@@ -53,7 +53,7 @@ def test_sigkill_of_one_rank_ends_the_job_naming_it(tmp_path):
     with TorchrunJob(target(tmp_path), tmp_path) as job:
         job.wait_for(lambda: (read_tracker(ckpt) or 0) >= 3, "a first checkpoint")
         committed = read_tracker(ckpt)
-        victim = job.workers()[1]
+        survivor, victim = job.workers()[0], job.workers()[1]
         os.kill(victim, signal.SIGKILL)
         killed = time.monotonic()
         job.wait(timeout=BOUND_S)
@@ -64,8 +64,11 @@ def test_sigkill_of_one_rank_ends_the_job_naming_it(tmp_path):
     summary = output[output.rindex("Root Cause") :]
     assert "rank      : 1" in summary, summary
     assert f"Signal 9 (SIGKILL) received by PID {victim}" in summary, summary
-    # The survivor says why it stopped: its peer is gone.
-    assert "error: rank 0: " in output, output[-4000:]
+    # The survivor says why it stopped (its peer is gone), unless torchrun, having seen the
+    # kill first, ended it with SIGTERM before it was scheduled again: a race the kernel's
+    # scheduler decides, which a loaded machine sometimes loses.
+    ended_by_torchrun = f"exitcode  : -15 (pid: {survivor})" in output
+    assert ended_by_torchrun or "error: rank 0: " in output, output[-4000:]
     # Nothing committed is lost.
     assert (read_tracker(ckpt) or 0) >= committed
     assert CheckpointReader(ckpt).verify() == []
