@@ -10,7 +10,7 @@ import sys
 
 if __name__ == "__main__":
     # Started as a program (`python -m mp_gpt.pretrain`, each rank under torchrun): the
-    # imports below make some 340,000 objects that live as long as the process, and the
+    # imports below make some 290,000 objects that live as long as the process, and the
     # cyclic collector would scan them over and over while they come: 0.3 s of the 3 s
     # of CPU that `--help` takes on a 2-core machine. It is on again before the run (the
     # end of this file).
