@@ -372,6 +372,82 @@ def test_exhaustive_blending_errors_name_the_argument():
         build_exhaustive_blending_indices(*good, np.array([], dtype=np.int64), 0)
 
 
+# --- strided arrays ---------------------------------------------------------------------
+
+
+def strided_views(values):
+    """Non-contiguous views of `values`: every other entry, reversed, and a record field.
+
+    The field of a packed record (the value, then an int16) has a stride of
+    itemsize + 2 bytes, no multiple of the itemsize: the extension steps
+    through the strides in bytes, so each view gives what a contiguous copy
+    gives.
+    """
+    values = np.asarray(values)
+    every_other = np.zeros(2 * len(values), dtype=values.dtype)
+    every_other[::2] = values
+    reversed_ = values[::-1].copy()[::-1]
+    records = np.zeros(len(values), dtype=[("value", values.dtype), ("pad", np.int16)])
+    records["value"] = values
+    views = [every_other[::2], reversed_, records["value"]]
+    for view in views:
+        assert not view.flags.c_contiguous or len(view) <= 1
+        assert np.array_equal(view, values)
+    return views
+
+
+def test_strided_arrays_give_the_results_of_contiguous_copies():
+    rng = np.random.default_rng(7)
+    for _ in range(20):
+        case = random_sample_case(rng)
+        expected = index_reference.build_sample_idx(**case)
+        sizes, document_index = case.pop("sizes"), case.pop("document_index")
+        args = list(case.values())
+        for sizes_view, index_view in zip(
+            strided_views(sizes), strided_views(document_index), strict=True
+        ):
+            assert np.array_equal(build_sample_idx(sizes_view, index_view, **case), expected)
+            for build in (
+                index_builders._native.build_sample_idx_int32,
+                index_builders._native.build_sample_idx_int64,
+            ):
+                rows = build(sizes_view, index_view, *args)
+                contiguous = build(
+                    np.ascontiguousarray(sizes_view), np.ascontiguousarray(index_view), *args
+                )
+                assert np.array_equal(rows, contiguous) and np.array_equal(rows, expected)
+
+    for _ in range(10):
+        weights, size = random_weights(rng), int(rng.integers(1, 300))
+        expected = blend(weights, size)
+        for dataset_index, sample_index, weights_view in zip(
+            strided_views(np.full(size, -1, np.int16)),
+            strided_views(np.full(size, -1, np.int64)),
+            strided_views(weights),
+            strict=True,
+        ):
+            index_builders._native.build_blending_indices(
+                dataset_index, sample_index, weights_view, len(weights), size, False
+            )
+            assert np.array_equal(dataset_index, expected[0])
+            assert np.array_equal(sample_index, expected[1])
+
+        sizes = rng.integers(0, 40, len(weights))
+        expected = exhaust(sizes)
+        total = int(sizes.sum())
+        for dataset_index, sample_index, sizes_view in zip(
+            strided_views(np.full(total, -1, np.int16)),
+            strided_views(np.full(total, -1, np.int64)),
+            strided_views(sizes.astype(np.int64)),
+            strict=True,
+        ):
+            index_builders._native.build_exhaustive_blending_indices(
+                dataset_index, sample_index, sizes_view, len(sizes)
+            )
+            assert np.array_equal(dataset_index, expected[0])
+            assert np.array_equal(sample_index, expected[1])
+
+
 # --- installation ------------------------------------------------------------------------
 
 
