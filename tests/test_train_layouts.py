@@ -1,7 +1,7 @@
 """The tiny config trains to the same loss curve at every layout, end to end.
 
 apps/gpt/configs/tiny.yaml (mock data, a shorter sequence and batch so that
-eight ranks fit two cores) for 20 iterations at TP1 PP1 DP1, DP2, TP2, PP2
+eight ranks fit two cores) for 10 iterations at TP1 PP1 DP1, DP2, TP2, PP2
 and TP2 x PP2 x DP2: every iteration's loss within 1e-4 relative (fp32).
 The same global model at every layout comes from the init seed (weights
 drawn per layer) and a vocabulary padded alike at TP 1 and 2.
@@ -17,7 +17,7 @@ from mp_state.testing import run_on_ranks
 
 pytestmark = pytest.mark.multirank
 
-ITERATIONS = 20
+ITERATIONS = 10
 
 
 def options(run_dir: Path, tp: int, pp: int) -> list[str]:
