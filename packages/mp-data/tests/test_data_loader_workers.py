@@ -92,7 +92,10 @@ def test_the_sigchld_handler_says_the_same():
 
 
 def _hold_and_die(event) -> None:
-    event._cond.acquire()  # what a worker checking the event does; then it is killed
+    # What a worker checking the event does; then it is killed. The killed worker may have
+    # died holding the lock itself (it takes it at every check): then this waits in vain,
+    # gives up and dies too, and the lock is a dead process's all the same.
+    event._cond.acquire(True, 10.0)
     os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -100,8 +103,11 @@ def test_close_returns_when_a_killed_process_held_the_workers_lock():
     # torch's own shutdown sets the event the workers check under a shared lock; a worker
     # killed while holding that lock would leave the shutdown waiting forever. Here one
     # worker is killed and a process that took the lock dies holding it: close() returns.
+    # close() runs whatever happens before it: the iterator left to the garbage collector
+    # would run torch's shutdown during some later test and wait there for good.
     torch_handler = signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     batches = iter(loader())
+    closing = threading.Thread(target=batches.close, daemon=True)
     try:
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         next(batches)
@@ -115,10 +121,9 @@ def test_close_returns_when_a_killed_process_held_the_workers_lock():
         holder.start()
         holder.join(timeout=30)
         assert holder.exitcode == -signal.SIGKILL
-        closing = threading.Thread(target=batches.close, daemon=True)
+    finally:
         closing.start()
         closing.join(timeout=60)
-        assert not closing.is_alive(), "close() waits on the dead process's lock"
-    finally:
         signal.signal(signal.SIGCHLD, torch_handler)
+    assert not closing.is_alive(), "close() waits on the dead process's lock"
     assert not any(w.is_alive() for w in workers)
