@@ -1,5 +1,5 @@
 """Packed documents through apps/gpt: samples of 64 tokens cut from a corpus of short
-documents (1 to 40 tokens, each closed by the end-of-document token) train for 10
+documents (1 to 40 tokens, each closed by the end-of-document token) train for 6
 iterations with --reset-attention-mask --reset-position-ids at TP2 with sequence
 parallelism, at PP4 (two middle stages, which read the documents too), and with context
 parallelism (CP2 with each comm type, p2p ring, all_gather and a2a, and CP4 p2p;
@@ -25,6 +25,7 @@ pytestmark = pytest.mark.multirank
 VOCAB = 1000  # NullTokenizer: ids 0 .. 999, the end-of-document id 1000
 PACKED = ["--reset-attention-mask", "--reset-position-ids"]
 LOGGED = ("lm loss", "grad_norm")
+ITERATIONS = 6
 
 
 def CP(size: int, comm: str) -> list[str]:
@@ -58,7 +59,7 @@ def test_packed_documents_train_alike_at_every_layout(tmp_path):
     prefix = str(tmp_path / "docs")
     corpus(prefix)
     data = ["--no-mock-data", "--data-path", prefix, "--split", "1,0,0",
-            "--train-iters", "10", "--peak-tflops", "1"]  # fmt: skip
+            "--train-iters", str(ITERATIONS), "--peak-tflops", "1"]  # fmt: skip
     layouts = {
         "one": (1, PACKED),
         "across": (1, []),
@@ -70,7 +71,7 @@ def test_packed_documents_train_alike_at_every_layout(tmp_path):
         "cp2-a2a": (2, [*PACKED, *CP(2, "a2a")]),
     }
     curves = train_layouts(tmp_path, layouts, data)
-    assert len(curves["one"]) == 10
+    assert len(curves["one"]) == ITERATIONS
     for name in layouts.keys() - {"one", "across"}:
         assert_same_curve(curves[name], curves["one"], LOGGED, name)
     first = curves["one"][0]["lm loss"], curves["across"][0]["lm loss"]
@@ -81,7 +82,7 @@ def test_documents_split_by_document_train_alike(tmp_path):
     prefix = str(tmp_path / "docs")
     corpus(prefix, multiple=8)
     flags = [*PACKED, "--no-mock-data", "--data-path", prefix, "--split", "1,0,0",
-             "--train-iters", "10", "--peak-tflops", "1", "--micro-batch-size", "2",
+             "--train-iters", str(ITERATIONS), "--peak-tflops", "1", "--micro-batch-size", "2",
              "--mtp-num-layers", "1"]  # fmt: skip
     layouts = {
         "one": (1, []),
@@ -90,6 +91,6 @@ def test_documents_split_by_document_train_alike(tmp_path):
         "cp4-p2p": (4, CP(4, "p2p")),
     }
     curves = train_layouts(tmp_path, layouts, flags)
-    assert len(curves["one"]) == 10
+    assert len(curves["one"]) == ITERATIONS
     for name in layouts.keys() - {"one"}:
         assert_same_curve(curves[name], curves["one"], LOGGED, name)
