@@ -178,8 +178,8 @@ def _main_on_rank(argv_per_mistake: list[list[str]]) -> list[tuple[int, str, str
 def test_two_ranks_find_the_mistake_and_rank_0_alone_prints():
     """Both ranks find the mistake and return 2; rank 0 alone prints, rank 1 says nothing.
     The ranks are forked with torchrun's variables (RANK, WORLD_SIZE 2, ...) and no
-    process group: the mistakes are found before torch.distributed starts. One mistake:
-    rank 1 waits mp_train's grace period (5 s) after each."""
+    process group: the mistakes are found before torch.distributed starts. One mistake
+    only: rank 1 waits mp_train's 5 s grace period after every mistake it finds."""
     names = ["data path"]
     argvs = [[*BASE, *MISTAKES[name][0]] for name in names]
     rank0, rank1 = run_on_ranks(_main_on_rank, 2, argvs, init_process_group=False, timeout=120)
