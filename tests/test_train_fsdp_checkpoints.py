@@ -35,7 +35,7 @@ def train(run_dir: Path, ranks: int, checkpoint: Path, *extra: str) -> list[dict
     """Trains (resuming from `checkpoint` if it holds one, saving there every 2 iterations)
     and returns the run's metrics records."""
     saves = ["--save", str(checkpoint), "--load", str(checkpoint), "--save-interval", "2"]
-    argv = tiny_options(run_dir, "--peak-tflops", "1", *saves, *extra)
+    argv = tiny_options(run_dir, *saves, *extra)
     run_on_ranks(train_on_rank, ranks, argv, timeout=300)
     return metrics_records(run_dir)
 

@@ -91,8 +91,7 @@ def test_a_rank_holds_one_layer_shard_at_most_while_the_model_is_built(tmp_path)
     built = {}
     for name, layers, flags in (("whole", 8, []), ("by-layer", 8, BY_LAYER),
                                 ("by-layer", 16, BY_LAYER)):  # fmt: skip
-        argv = tiny_options(tmp_path, "--num-layers", str(layers), "--peak-tflops", "1",
-                            *ZERO3, *flags)  # fmt: skip
+        argv = tiny_options(tmp_path, "--num-layers", str(layers), *ZERO3, *flags)
         built[name, layers] = run_on_ranks(build_on_rank, 4, argv, timeout=200)[0]
     whole, by_layer = built["whole", 8], built["by-layer", 8]
     assert torch.equal(by_layer["shards"], whole["shards"])
@@ -148,8 +147,8 @@ def test_model_parallel_shards_are_drawn_as_the_whole_weights(tmp_path, layout):
     bitwise, the generator ends in the same state, no allocation while the model is built
     exceeds the largest parameter shard, and the last stage's copy of the embedding is
     the first stage's, shard for shard."""
-    built = built_both_ways(tiny_options(tmp_path, "--num-layers", "2", "--peak-tflops", "1",
-                                         *LAYOUTS[layout], *ZERO3))  # fmt: skip
+    built = built_both_ways(tiny_options(tmp_path, "--num-layers", "2", *LAYOUTS[layout],
+                                         *ZERO3))  # fmt: skip
     if layout == "dp2-pp2-tied-mtp":
         copies = {r["stage"]: r["embedding"] for r in built["by-layer"]}
         for dp in (0, 1):
@@ -162,5 +161,5 @@ def test_moe_expert_shards_are_drawn_as_the_whole_weights(tmp_path):
     expert), the router and the dense weights equal the whole build's, bitwise, the
     generator ends in the same state, and no allocation while the model is built exceeds
     the largest parameter shard (built whole, a rank stacks its two experts' weights)."""
-    built_both_ways(tiny_moe_options(tmp_path, "--num-layers", "2", "--peak-tflops", "1",
+    built_both_ways(tiny_moe_options(tmp_path, "--num-layers", "2",
                                      "--expert-model-parallel-size", "2", *ZERO3))  # fmt: skip

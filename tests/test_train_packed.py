@@ -59,7 +59,7 @@ def test_packed_documents_train_alike_at_every_layout(tmp_path):
     prefix = str(tmp_path / "docs")
     corpus(prefix)
     data = ["--no-mock-data", "--data-path", prefix, "--split", "1,0,0",
-            "--train-iters", str(ITERATIONS), "--peak-tflops", "1"]  # fmt: skip
+            "--train-iters", str(ITERATIONS)]  # fmt: skip
     layouts = {
         "one": (1, PACKED),
         "across": (1, []),
@@ -82,7 +82,7 @@ def test_documents_split_by_document_train_alike(tmp_path):
     prefix = str(tmp_path / "docs")
     corpus(prefix, multiple=8)
     flags = [*PACKED, "--no-mock-data", "--data-path", prefix, "--split", "1,0,0",
-             "--train-iters", str(ITERATIONS), "--peak-tflops", "1", "--micro-batch-size", "2",
+             "--train-iters", str(ITERATIONS), "--micro-batch-size", "2",
              "--mtp-num-layers", "1"]  # fmt: skip
     layouts = {
         "one": (1, []),

@@ -53,7 +53,8 @@ def test_sigkill_of_one_rank_ends_the_job_naming_it(tmp_path):
     with TorchrunJob(target(tmp_path), tmp_path) as job:
         job.wait_for(lambda: (read_tracker(ckpt) or 0) >= 3, "a first checkpoint")
         committed = read_tracker(ckpt)
-        survivor, victim = job.workers()[0], job.workers()[1]
+        workers = job.workers()
+        survivor, victim = workers[0], workers[1]
         os.kill(victim, signal.SIGKILL)
         killed = time.monotonic()
         job.wait(timeout=BOUND_S)
