@@ -15,8 +15,12 @@ from mp_state.testing import TorchrunJob, run_on_ranks
 @pytest.mark.cuda
 def test_train_bf16_under_torchrun_then_generate_on_cuda(tmp_path):
     checkpoint = tmp_path / "checkpoints"
+    # The CUDA-only paths of two Megatron flags ride along: the caching allocator emptied
+    # at every point (--empty-unused-memory-level 2), bf16 matmuls without reduced-precision
+    # reductions.
     options = tiny_options(tmp_path, "--bf16", "--use-device-initialization",
-                           "--save", str(checkpoint))  # fmt: skip
+                           "--save", str(checkpoint), "--empty-unused-memory-level", "2",
+                           "--disable-bf16-reduced-precision-matmul")  # fmt: skip
     with TorchrunJob(["-m", "mp_gpt.pretrain", *options], tmp_path, nproc=1,
                      device="cuda") as job:  # fmt: skip
         job.wait(timeout=300)

@@ -1,9 +1,13 @@
 """OptimizerConfig validation (one test per rule) and parameter groups."""
 
+import math
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from mp_optim import OptimizerConfig, get_param_groups
+from mp_optim.scheduler import get_optimizer_param_scheduler
 
 RULES = [
     (dict(optimizer="lamb"), "optimizer='lamb' must be one of adam, sgd"),
@@ -36,6 +40,15 @@ RULES = [
         dict(start_weight_decay=0.0, end_weight_decay=0.1),
         "weight_decay_incr_style='constant' needs start_weight_decay == end_weight_decay",
     ),
+    (dict(decoupled_min_lr=1e-5), "decoupled_min_lr=1e-05 needs decoupled_lr"),
+    (dict(decoupled_lr=-1.0), "decoupled_lr=-1.0 must be >= 0"),
+    (dict(decoupled_lr=1e-4, decoupled_min_lr=-1.0), "decoupled_min_lr=-1.0 must be >= 0"),
+    (
+        dict(decoupled_lr=1e-4, decoupled_min_lr=1e-3),
+        r"decoupled_min_lr=0.001 \(the end of the decoupled schedule\) must be <= decoupled_lr",
+    ),
+    (dict(lr=1e-3, min_lr=1e-3, decoupled_lr=1e-4), r"min_lr=0.001 \(the end of the decoupled"),
+    (dict(decoupled_lr=1e-4, lr_warmup_init=1e-3), "lr_warmup_init=0.001 must be <= decoupled_lr"),
 ]
 
 
@@ -69,3 +82,41 @@ def test_param_groups_exclude_biases_and_norms_from_weight_decay():
     assert by_key[(1.0, 0.5)]["lr"] == 5e-4 and by_key[(0.0, 1.0)]["weight_decay"] == 0.0
     custom = get_param_groups([model], config, no_weight_decay_cond=lambda n, p: False)
     assert [g["wd_mult"] for g in custom] == [1.0]
+
+
+def test_a_decoupled_lr_gives_the_marked_weights_groups_of_their_own_and_their_schedule():
+    # Megatron's decoupled learning rate: the weights a model marks (its word embedding and
+    # output layer) get their own groups, max_lr = decoupled_lr, min_lr = decoupled_min_lr
+    # (or min_lr), and the same warm-up and decay as lr.
+    model = torch.nn.Sequential(torch.nn.Embedding(8, 4), torch.nn.Linear(4, 4),
+                                torch.nn.Linear(4, 8))  # fmt: skip
+    model[0].weight.is_embedding_or_output_parameter = True
+    model[2].weight.is_embedding_or_output_parameter = True
+    named = dict(model.named_parameters())
+    plain = OptimizerConfig(lr=1e-3, min_lr=1e-4)
+    assert [len(g["params"]) for g in get_param_groups([model], plain)] == [2, 3]
+    for low, expected_low in ((None, 1e-4), (2e-5, 2e-5)):
+        config = OptimizerConfig(lr=1e-3, min_lr=1e-4, decoupled_lr=5e-3, decoupled_min_lr=low,
+                                 lr_warmup_iters=2, lr_decay_iters=6,
+                                 lr_decay_style="cosine")  # fmt: skip
+        groups = get_param_groups([model], config)
+        assert [(g["wd_mult"], g.get("decoupled_lr", False)) for g in groups] == [
+            (0.0, False), (1.0, False), (1.0, True)]  # fmt: skip
+        decoupled = groups[2]
+        assert decoupled["params"] == [named["0.weight"], named["2.weight"]]
+        assert (decoupled["max_lr"], decoupled["min_lr"]) == (5e-3, expected_low)
+        assert groups[1]["params"] == [named["1.weight"]] and "max_lr" not in groups[1]
+        scheduler = get_optimizer_param_scheduler(
+            config, SimpleNamespace(param_groups=groups), global_batch_size=1, train_iters=6
+        )
+        seen = []
+        for _ in range(7):
+            seen.append((groups[1]["lr"], decoupled["lr"]))
+            scheduler.step(increment=1)
+        assert seen[1] == pytest.approx((0.5e-3, 2.5e-3))  # half-way through warm-up
+        assert seen[2] == pytest.approx((1e-3, 5e-3))  # the peaks
+        cosine = 0.5 * (1 + math.cos(math.pi * 1 / 4))  # 1 of 4 decay steps
+        assert seen[3] == pytest.approx(
+            (1e-4 + cosine * 9e-4, expected_low + cosine * (5e-3 - expected_low))
+        )
+        assert seen[6] == pytest.approx((1e-4, expected_low))  # the ends

@@ -125,6 +125,37 @@ def gather_body(overlap_param_gather: bool):
     return outputs, in_flight
 
 
+def bf16_reduce_body(grad_reduce_in_bf16: bool, distributed: bool):
+    """Two steps of a bf16 model (rank-dependent inputs); the buffers' dtype and outputs."""
+    torch.set_num_threads(1)
+    state = mp_state.initialize(ParallelConfig())
+    config = OptimizerConfig(lr=0.1, bf16=True, grad_reduce_in_bf16=grad_reduce_in_bf16,
+                             use_distributed_optimizer=distributed)  # fmt: skip
+    model = DistributedDataParallel(config, make_model().bfloat16(), dp_group=state.dp)
+    optimizer = get_optimizer(config, [model], mp_group=state.mp)
+    x = torch.linspace(-1, 1, 16).view(2, 8).bfloat16() * (dist.get_rank() + 1)
+    for _ in range(2):
+        optimizer.zero_grad()
+        model(x).float().square().sum().backward()
+        model.finish_grad_sync()
+        optimizer.step()
+    out = model(x).detach().float()
+    mp_state.destroy()
+    dist.barrier()
+    return {str(b.grad_dtype) for b in model.buffers}, out
+
+
+@pytest.mark.parametrize("distributed", [False, True])
+def test_grad_reduce_in_bf16_reduces_bf16_gradients_under_ddp(distributed):
+    # Megatron's --grad-reduce-in-bf16 with DDP or the distributed optimizer: the gradient
+    # buffers (accumulated and reduced) are bf16; the fp32 main parameters step from them.
+    fp32 = run_on_ranks(bf16_reduce_body, 2, False, distributed, timeout=60)
+    bf16 = run_on_ranks(bf16_reduce_body, 2, True, distributed, timeout=60)
+    assert fp32[0][0] == {"torch.float32"} and bf16[0][0] == {"torch.bfloat16"}
+    for rank in (0, 1):
+        torch.testing.assert_close(bf16[rank][1], fp32[rank][1], rtol=2e-2, atol=2e-2)
+
+
 def test_overlapped_parameter_gather_equals_the_synchronous_one():
     sync = run_on_ranks(gather_body, 2, False, timeout=60)
     overlapped = run_on_ranks(gather_body, 2, True, timeout=60)

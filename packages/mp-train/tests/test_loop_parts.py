@@ -1,10 +1,15 @@
-"""The micro-batch calculator (constant and ramp-up) and the timers."""
+"""The micro-batch calculator (constant and ramp-up), the timers, which learning rate the
+log shows, and where the loop empties the CUDA caching allocator."""
 
 import time
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from mp_train import MicroBatchCalculator, Timers
+from mp_train.loop.training import empty_unused_memory
+from mp_train.observability.metrics import logged_lr
 
 
 def test_constant_global_batch():
@@ -37,3 +42,22 @@ def test_timers_levels_and_report():
     assert 9 <= low == high < 200
     with pytest.raises(RuntimeError, match="not running"):
         timers("work", log_level=1).stop()
+
+
+def test_the_log_shows_the_lr_of_the_groups_that_follow_lr():
+    decoupled = {"lr": 5e-3, "decoupled_lr": True}
+    assert logged_lr([decoupled, {"lr": 1e-3}, {"lr": 1e-3}]) == 1e-3
+    assert logged_lr([decoupled]) == 5e-3  # a stage with nothing else
+    assert logged_lr([]) == 0.0
+
+
+@pytest.mark.parametrize("level,emptied", [(0, []), (1, [1]), (2, [1, 2])])
+def test_empty_unused_memory_level_empties_at_megatrons_points(monkeypatch, level, emptied):
+    calls = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append(point))
+    config = SimpleNamespace(training=SimpleNamespace(empty_unused_memory_level=level))
+    for device in ("cpu", "cuda"):  # a CPU has no caching allocator
+        run = SimpleNamespace(config=config, device=torch.device(device))
+        for point in (1, 2):  # 1: after forward-backward and evaluation steps; 2: optimizer
+            empty_unused_memory(run, level=point)
+    assert calls == emptied

@@ -54,6 +54,7 @@ def test_fsdp_dtensor_names_mps_format_under_megatron_fsdp():
 def test_gradients_reduce_in_fp32_unless_asked():
     assert _optimizer(*FSDP, "--bf16").grad_reduce_in_fp32
     assert not _optimizer(*FSDP, "--bf16", "--grad-reduce-in-bf16").grad_reduce_in_fp32
+    assert not _optimizer("--bf16", "--grad-reduce-in-bf16").grad_reduce_in_fp32  # DDP too
 
 
 @pytest.mark.parametrize(
@@ -79,7 +80,6 @@ def test_gradients_reduce_in_fp32_unless_asked():
         (["--use-torch-fsdp2", "--fp16"], "use_torch_fsdp2=True with fp16=True: not supported"),
         ([*FSDP, "--use-torch-fsdp2"], "use_megatron_fsdp=True and use_torch_fsdp2=True are "
          "exclusive"),
-        (["--bf16", "--grad-reduce-in-bf16"], "grad_reduce_in_bf16=True needs FSDP"),
         ([*FSDP, "--grad-reduce-in-bf16"], "grad_reduce_in_bf16=True needs bf16=True"),
         (["--overlap-param-gather"], "overlap_param_gather=True needs "
          "use_distributed_optimizer=True or use_megatron_fsdp=True"),

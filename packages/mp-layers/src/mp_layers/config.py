@@ -142,7 +142,8 @@ class TransformerConfig:
     """Multi-latent attention's rotary embeddings (Megatron's --rope-type): plain, or YaRN
     with the yarn_* fields; None: yarn, Megatron's MLA default (YaRN with
     yarn_rotary_scaling_factor 1 rotates as plain RoPE). Standard attention takes YaRN as
-    position_embedding_type="yarn" and accepts only "rope" here, as Megatron does."""
+    position_embedding_type="yarn" and accepts only "rope" here, which changes nothing
+    there (position_embedding_type chooses), as in Megatron."""
 
     rotary_base: int = 10000
     """Base of the rotary frequencies."""
@@ -284,6 +285,11 @@ class TransformerConfig:
 
     fp16: bool = False
     """Train in fp16 mixed precision (with loss scaling)."""
+
+    disable_bf16_reduced_precision_matmul: bool = False
+    """With bf16 on a CUDA device, CUDA's bf16 matrix products accumulate without reduced
+    precision steps (the run sets torch.backends.cuda.matmul.
+    allow_bf16_reduced_precision_reduction=False, as Megatron does). No effect on a CPU."""
 
     # --- FP8 (Megatron's --fp8-* options), through torchao's float8 training -------------
 

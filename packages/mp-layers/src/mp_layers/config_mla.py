@@ -43,7 +43,7 @@ def check_mla(config: TransformerConfig) -> None:
         choice("rope_type", rope_type, ("rope", "yarn"))
     if not config.multi_latent_attention:
         left_default(config, _MLA_ONLY, "multi_latent_attention")
-        if rope_type is not None and config.position_embedding_type != "rope":
+        if rope_type is not None and config.position_embedding_type not in ("rope", "yarn"):
             raise ValueError(
                 f"rope_type={rope_type!r} chooses multi-latent attention's rotary embeddings; "
                 "standard attention takes position_embedding_type='rope' (with rope_type "

@@ -170,6 +170,11 @@ class GPTModel(torch.nn.Module):
             # The first stage's half of a tie across stages: its gradient is summed with
             # the last stage's copy's over the embedding group (the pipeline's finalize).
             self.embedding.weight.shared_embedding = True
+        # Megatron's mark of the weights a decoupled learning rate applies to (every copy
+        # of the word embedding, and the output layer, tied or not): mp_optim groups them.
+        for owner in (getattr(self, "embedding", None), getattr(self, "output_layer", None)):
+            if owner is not None:
+                owner.weight.is_embedding_or_output_parameter = True
 
     def set_input_tensor(self, tensor: torch.Tensor | None) -> None:
         """The pipeline schedules' hand-over: the previous stage's output [s, b, h], used

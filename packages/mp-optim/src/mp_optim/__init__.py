@@ -12,7 +12,12 @@ sharded and normed over their own groups.
 from mp_optim.clip_grads import clip_grads_by_total_norm, count_zeros, get_grad_norm
 from mp_optim.config import OptimizerConfig
 from mp_optim.ddp import DistributedDataParallel, broadcast_params, is_expert_parallel
-from mp_optim.factory import default_no_weight_decay, get_optimizer, get_param_groups
+from mp_optim.factory import (
+    default_no_weight_decay,
+    get_optimizer,
+    get_param_groups,
+    is_embedding_or_output,
+)
 from mp_optim.fsdp import FullyShardedDataParallel, LocalShard
 from mp_optim.fsdp_sharding import FsdpSharding
 from mp_optim.grad_buffer import Bucket, GradBuffer, ParamRange
@@ -49,5 +54,6 @@ __all__ = [
     "get_optimizer",
     "get_optimizer_param_scheduler",
     "get_param_groups",
+    "is_embedding_or_output",
     "is_expert_parallel",
 ]

@@ -34,6 +34,15 @@ class OptimizerConfig:
     min_lr: float = 0.0
     """Learning rate at the end of decay and beyond."""
 
+    decoupled_lr: float | None = None
+    """Peak learning rate of the input embedding's and the output layer's weights
+    (Megatron's decoupled learning rate): they get a parameter group of their own that
+    follows the same warm-up and decay from lr_warmup_init to this value and down to
+    decoupled_min_lr. None: they follow lr like every other parameter."""
+
+    decoupled_min_lr: float | None = None
+    """The end of the decoupled learning rate's decay; None: min_lr. Needs decoupled_lr."""
+
     weight_decay: float = 0.01
     """Weight-decay coefficient (decoupled for adam, L2 for sgd)."""
 
@@ -147,8 +156,9 @@ class OptimizerConfig:
     --torch-fsdp2-no-reshard-after-forward)."""
 
     grad_reduce_in_bf16: bool = False
-    """With bf16 under FSDP (use_megatron_fsdp's optim_grads / optim_grads_params, or
-    use_torch_fsdp2): accumulate and reduce-scatter gradients in bf16 instead of fp32."""
+    """With bf16: accumulate and reduce gradients in bf16 instead of fp32 (DDP's and the
+    distributed optimizer's buffers, FSDP's reduce-scatter), as Megatron does; the fp32
+    main parameters step from them. Half the gradient memory and traffic."""
 
     # The learning-rate and weight-decay schedule (OptimizerParamScheduler).
 
@@ -220,6 +230,7 @@ class OptimizerConfig:
             raise ValueError(f"min_lr={self.min_lr} must be >= 0")
         if self.lr is not None and self.min_lr > self.lr:
             raise ValueError(f"min_lr={self.min_lr} must be <= lr={self.lr}")
+        self._check_decoupled_lr()
         for name in ("weight_decay", "clip_grad", "adam_eps", "sgd_momentum"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
@@ -262,6 +273,26 @@ class OptimizerConfig:
                 f"end_weight_decay, got {start} and {end}"
             )
 
+    def _check_decoupled_lr(self) -> None:
+        high, low = self.decoupled_lr, self.decoupled_min_lr
+        if high is None:
+            if low is not None:
+                raise ValueError(f"decoupled_min_lr={low} needs decoupled_lr (the peak of "
+                                 "that schedule): give both or drop it")  # fmt: skip
+            return
+        if high < 0:
+            raise ValueError(f"decoupled_lr={high} must be >= 0")
+        low = self.min_lr if low is None else low
+        if low < 0:
+            raise ValueError(f"decoupled_min_lr={low} must be >= 0")
+        if low > high:
+            name = "decoupled_min_lr" if self.decoupled_min_lr is not None else "min_lr"
+            raise ValueError(f"{name}={low} (the end of the decoupled schedule) must be "
+                             f"<= decoupled_lr={high}")  # fmt: skip
+        if self.lr_warmup_init > high:
+            raise ValueError(f"lr_warmup_init={self.lr_warmup_init} must be <= "
+                             f"decoupled_lr={high}: both schedules warm up from it")  # fmt: skip
+
     def _check_sharding(self) -> None:
         """Megatron's rules for the FSDP flags; the strategy sets use_distributed_optimizer."""
         _choice("data_parallel_sharding_strategy", self.data_parallel_sharding_strategy,
@@ -285,12 +316,6 @@ class OptimizerConfig:
             # strategy's: no_shard shards nothing, FSDP2 shards optim_grads(_params) itself.
             self.use_distributed_optimizer = self.data_parallel_sharding_strategy == "optim"
         if self.grad_reduce_in_bf16:
-            if not self.fully_sharded:
-                raise ValueError(
-                    "grad_reduce_in_bf16=True needs FSDP (use_megatron_fsdp with "
-                    "optim_grads or optim_grads_params, or use_torch_fsdp2): mp's DDP "
-                    "reduces bf16 gradients in fp32 (Megatron's default)"
-                )
             if not self.bf16:
                 raise ValueError("grad_reduce_in_bf16=True needs bf16=True")
             if self.accumulate_allreduce_grads_in_fp32:

@@ -7,8 +7,12 @@
 
 Parameter groups follow Megatron: biases and other 1-D parameters (norm
 weights) get no weight decay (wd_mult 0) unless no_weight_decay_cond says
-otherwise; parameters selected by scale_lr_cond get lr_mult. Parameters with
-the same (wd_mult, lr_mult) share a group.
+otherwise; parameters selected by scale_lr_cond get lr_mult. With
+config.decoupled_lr, the input embedding's and the output layer's weights (those
+the model marks `is_embedding_or_output_parameter`, Megatron's attribute) get
+groups of their own, `decoupled_lr: True`, whose schedule runs to max_lr =
+decoupled_lr and min_lr = decoupled_min_lr (or min_lr). Parameters with the same
+(wd_mult, lr_mult, decoupled) share a group; the groups are in that order.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from mp_optim.fsdp import FullyShardedDataParallel
 from mp_optim.optimizer import MixedPrecisionOptimizer
 from mp_state import RankGroup
 
-__all__ = ["default_no_weight_decay", "get_optimizer", "get_param_groups"]
+__all__ = ["default_no_weight_decay", "get_optimizer", "get_param_groups", "is_embedding_or_output"]
 
 ParamCondition = Callable[[str, torch.nn.Parameter], bool]
 
@@ -41,26 +45,35 @@ def get_param_groups(
     scale_lr_cond: ParamCondition | None = None,
     lr_mult: float = 1.0,
 ) -> list[dict]:
-    """Groups of model parameters with wd_mult, lr_mult and their initial lr / weight_decay."""
+    """Groups of model parameters with wd_mult, lr_mult and their initial lr / weight_decay
+    (and the decoupled schedule's ends, see above)."""
     no_wd = no_weight_decay_cond or default_no_weight_decay
-    groups: dict[tuple[float, float], list[torch.nn.Parameter]] = {}
+    decoupling = config.decoupled_lr is not None
+    groups: dict[tuple[float, float, bool], list[torch.nn.Parameter]] = {}
     for chunk in model_chunks:
         for name, param in chunk.named_parameters():
             if not param.requires_grad:
                 continue
             wd_mult = 0.0 if no_wd(name, param) else 1.0
             scale = lr_mult if scale_lr_cond is not None and scale_lr_cond(name, param) else 1.0
-            groups.setdefault((wd_mult, scale), []).append(param)
-    return [
-        {
-            "params": params,
-            "wd_mult": wd_mult,
-            "lr_mult": scale,
-            "lr": config.lr * scale,
-            "weight_decay": config.weight_decay * wd_mult,
-        }
-        for (wd_mult, scale), params in sorted(groups.items())
-    ]
+            decoupled = decoupling and is_embedding_or_output(param)
+            groups.setdefault((wd_mult, scale, decoupled), []).append(param)
+    out = []
+    for (wd_mult, scale, decoupled), params in sorted(groups.items()):
+        group = {"params": params, "wd_mult": wd_mult, "lr_mult": scale, "lr": config.lr * scale,
+                 "weight_decay": config.weight_decay * wd_mult}  # fmt: skip
+        if decoupled:
+            low = config.min_lr if config.decoupled_min_lr is None else config.decoupled_min_lr
+            group |= {"decoupled_lr": True, "max_lr": config.decoupled_lr, "min_lr": low,
+                      "lr": config.decoupled_lr * scale}  # fmt: skip
+        out.append(group)
+    return out
+
+
+def is_embedding_or_output(param: torch.nn.Parameter) -> bool:
+    """The parameter is the input embedding's or the output layer's weight (a model marks
+    it `is_embedding_or_output_parameter`, as Megatron's language models do)."""
+    return bool(getattr(param, "is_embedding_or_output_parameter", False))
 
 
 def get_optimizer(

@@ -68,11 +68,12 @@ def load_optimizer_state(optimizer: MixedPrecisionOptimizer, saved: dict) -> Non
         groups = optimizer.optimizer.param_groups
         if len(common["param_groups"]) != len(groups):
             raise ValueError(
-                f"the checkpoint has {len(common['param_groups'])} parameter groups, "
-                f"this optimizer {len(groups)}"
+                f"the checkpoint has {len(common['param_groups'])} parameter groups "
+                f"({_kinds(common['param_groups'])}), this optimizer {len(groups)} "
+                f"({_kinds(groups)})"
             )
         for group, hyper in zip(groups, common["param_groups"], strict=True):
-            group.update(hyper)
+            group.update(_checked_hyper(group, hyper, optimizer.config))
         for main in _main_params(optimizer):
             if "step" in optimizer.optimizer.state[main]:
                 optimizer.optimizer.state[main]["step"].fill_(float(common["step"]))
@@ -84,6 +85,55 @@ def load_optimizer_state(optimizer: MixedPrecisionOptimizer, saved: dict) -> Non
                     shard.model_view.copy_(shard.main_param)
     for chunk in optimizer.model_chunks:
         chunk.start_param_sync(force_sync=True)
+
+
+_SCHEDULE_ENDS = ("max_lr", "min_lr")
+
+
+def _group_kind(group: dict) -> tuple:
+    return (group.get("wd_mult", 1.0), group.get("lr_mult", 1.0),
+            bool(group.get("decoupled_lr", False)))  # fmt: skip
+
+
+def _kinds(groups: list[dict]) -> str:
+    """The groups' (wd_mult, lr_mult, decoupled) for an error message."""
+    return ", ".join(
+        f"wd_mult {w:g} lr_mult {m:g}{' decoupled lr' if d else ''}"
+        for w, m, d in map(_group_kind, groups)
+    )
+
+
+def _checked_hyper(group: dict, hyper: dict, config) -> dict:
+    """The checkpoint's hyper-parameters of `group`, after checking that they belong to
+    a group of the same kind. The ends of the lr schedule: a group without its own
+    follows the scheduler's (which settles them with the checkpoint's); a decoupled
+    group's are settled as the scheduler settles its own: the command line's with
+    override_opt_param_scheduler, the checkpoint's with
+    use_checkpoint_opt_param_scheduler, else they must agree."""
+    if _group_kind(group) != _group_kind(hyper):
+        raise ValueError(
+            f"the checkpoint's parameter group ({_kinds([hyper])}) stands where this "
+            f"optimizer has ({_kinds([group])}): the checkpoint was saved with other "
+            "weight-decay rules or another --decoupled-lr setting"
+        )
+    hyper = dict(hyper)
+    for key in _SCHEDULE_ENDS:
+        if key not in group:  # the group follows the scheduler's own ends
+            hyper.pop(key, None)  # (a checkpoint imported from Megatron-LM carries them)
+            continue
+        if key not in hyper or group[key] == hyper[key]:
+            continue
+        if config.override_opt_param_scheduler:
+            hyper[key] = group[key]
+        elif not config.use_checkpoint_opt_param_scheduler:
+            flag = "decoupled_lr" if key == "max_lr" else "decoupled_min_lr"
+            raise ValueError(
+                f"the checkpoint's decoupled learning rate group has {key}={hyper[key]}, "
+                f"this run {group[key]} ({flag}): pass --override-opt-param-scheduler to "
+                "use this run's or --use-checkpoint-opt-param-scheduler to keep the "
+                "checkpoint's"
+            )
+    return hyper
 
 
 def init_state(optimizer: MixedPrecisionOptimizer) -> None:

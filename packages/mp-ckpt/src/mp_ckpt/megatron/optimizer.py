@@ -102,21 +102,26 @@ def _train_state(model: MegatronModel, common: dict) -> dict:
 
 
 def _groups(groups: list[dict], where: str) -> list[dict]:
-    """Megatron's parameter groups as mp orders and names them: by (wd_mult, lr_mult)."""
+    """Megatron's parameter groups as mp orders and names them: by (wd_mult, lr_mult,
+    decoupled), a group of the decoupled learning rate (`is_decoupled_lr`) marked
+    `decoupled_lr` as mp's are."""
     out = []
     for group in groups:
         hyper = {k: group[k] for k in _GROUP_KEYS if group.get(k) is not None}
         hyper.setdefault("wd_mult", 1.0 if group.get("weight_decay", 0.0) else 0.0)
         hyper.setdefault("lr_mult", 1.0)
+        if group.get("is_decoupled_lr"):
+            hyper["decoupled_lr"] = True
         if "betas" in hyper:
             hyper["betas"] = tuple(hyper["betas"])
         out.append(hyper)
     merged: dict[tuple, dict] = {}
     for group in out:  # the dense and the expert optimizers' groups of the same kind merge
-        key = (group["wd_mult"], group["lr_mult"])
+        key = (group["wd_mult"], group["lr_mult"], group.get("decoupled_lr", False))
         if merged.setdefault(key, group) != group:
             raise ValueError(f"{where}: optimizer param_groups: two groups with wd_mult, "
-                             f"lr_mult {key} differ: {merged[key]} and {group}")  # fmt: skip
+                             f"lr_mult, decoupled {key} differ: {merged[key]} and "
+                             f"{group}")  # fmt: skip
     return [merged[k] for k in sorted(merged)]
 
 
@@ -318,6 +323,12 @@ def _torch_optimizer_state(optimizer: dict, weights: dict, path: Path, local: di
         raise ValueError(f"{path}: optimizer: no state / param_groups")
     decayed = [n for n in megatron_param_order(weights, str(path)) if _decayed(n, weights[n])]
     others = [n for n in megatron_param_order(weights, str(path)) if not _decayed(n, weights[n])]
+    if any(group.get("is_decoupled_lr") for group in inner["param_groups"]):
+        raise ValueError(
+            f"{path}: optimizer.param_groups hold a decoupled learning rate group (a run "
+            "with --decoupled-lr), whose parameters this format does not name: convert a "
+            "torch_dist or distributed-optimizer checkpoint of it instead"
+        )
     by_group = []
     for i, group in enumerate(inner["param_groups"]):
         wd = group.get("wd_mult", 1.0 if group.get("weight_decay") else 0.0)

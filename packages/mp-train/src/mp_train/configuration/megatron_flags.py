@@ -91,6 +91,16 @@ IGNORED: dict[str, tuple[bool, str]] = {
         False,
         "mp's KV cache always keeps multi-latent attention's latents (and attends in their space)",
     ),
+    "moe_permute_fusion": (
+        False,
+        "fuses the MoE token permutation and its inverse into Transformer Engine kernels; mp "
+        "permutes with torch's index operations, with the same result",
+    ),
+    "tiktoken_pattern": (
+        True,
+        "the split pattern of --tokenizer-type TikTokenizer, which mp does not have (that "
+        "type is refused); Megatron-LM reads it for no other tokenizer either",
+    ),
     "mla_down_proj_fusion": (
         False,
         "fuses MLA's query and key/value down projections (and the input norm) where the "
@@ -162,9 +172,10 @@ REFUSED: dict[str, tuple[bool, str]] = {
         False,
         "mp computes the embedding's weight gradient in its backward, not deferred: drop it",
     ),
-    "empty_unused_memory_level": (
-        True,
-        "mp does not empty the CUDA caching allocator between steps: drop it",
+    "moe_per_layer_logging": (
+        False,
+        "per-layer MoE auxiliary losses are not logged: mp logs each one averaged over the "
+        "MoE layers, as Megatron does without it: drop it",
     ),
     "microbatch_group_size_per_virtual_pipeline_stage": (
         True,

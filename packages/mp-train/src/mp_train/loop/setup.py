@@ -161,6 +161,9 @@ def _initialize_now(config: RunConfig) -> Initialized:
              world, device_info.backend, device_info.device, config.training.seed)  # fmt: skip
     if device_info.device.type == "cpu":
         log.info("CPU memory allocator: %s", keep_freed_memory())
+    exact = config.model.bf16 and config.model.disable_bf16_reduced_precision_matmul
+    if exact and device_info.device.type == "cuda":
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
     return Initialized(state, device_info.device, tracker, sizes)
 
 

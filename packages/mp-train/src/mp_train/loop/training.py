@@ -216,6 +216,7 @@ class _Step:
             pp_group=run.state.pp,
         )  # fmt: skip
         timers("forward-backward", log_level=1).stop()
+        empty_unused_memory(run, level=1)
         self.experts.after_backward()
         losses = reduce_reports(reports) | self.experts.aux_losses(num_microbatches)
         losses |= mtp_losses(run.model, run.config.model, run.state, num_microbatches)
@@ -224,6 +225,7 @@ class _Step:
             timers("optimizer", log_level=1).start(barrier=barrier)
             result = run.optimizer.step()
             timers("optimizer", log_level=1).stop()
+        empty_unused_memory(run, level=2)
         run.train.iteration += 1
         run.train.consumed_train_samples += global_batch
         if self.skips.updated(result):
@@ -248,6 +250,7 @@ def evaluate(run: Run, forward_step_func, valid_iter, metrics, final: bool = Fal
                 config=run.pipeline, pp_group=run.state.pp, forward_only=True,
             )  # fmt: skip
             run.train.consumed_valid_samples += global_batch
+            empty_unused_memory(run, level=1)
             if watchdog is not None:
                 watchdog.step()
     for chunk in run.model:
@@ -255,6 +258,14 @@ def evaluate(run: Run, forward_step_func, valid_iter, metrics, final: bool = Fal
     results = reduce_reports(gathered)
     metrics.evaluation(results, final=final)
     return results
+
+
+def empty_unused_memory(run: Run, level: int) -> None:
+    """torch.cuda.empty_cache() where empty_unused_memory_level asks for it at `level`
+    (Megatron's points: 1 after forward-backward and each evaluation step, 2 after the
+    optimizer step too); nothing on a CPU."""
+    if run.config.training.empty_unused_memory_level >= level and run.device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def reduce_reports(reports: list[dict]) -> dict[str, float]:

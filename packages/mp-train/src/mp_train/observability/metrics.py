@@ -35,6 +35,7 @@ from mp_train.observability.tensorboard import TensorBoard
 __all__ = [
     "MetricsLogger",
     "known_peak_tflops",
+    "logged_lr",
     "measure_peak_tflops",
     "model_flops_utilization",
 ]
@@ -149,7 +150,7 @@ class MetricsLogger:
         run = self.run
         seconds = time.perf_counter() - self._iteration_start
         iteration, consumed = run.train.iteration, run.train.consumed_train_samples
-        lr = run.optimizer.param_groups[0]["lr"] if run.optimizer.param_groups else 0.0
+        lr = logged_lr(run.optimizer.param_groups)
         loss_scale = float(run.optimizer.get_loss_scale())
         grad_norm = result.grad_norm if result is not None else None
         for name, value in losses.items():
@@ -301,6 +302,13 @@ class MetricsLogger:
         self.board.close()
         if self.board.wandb is not None:
             self.board.wandb.finish()
+
+
+def logged_lr(param_groups: list[dict]) -> float:
+    """The learning rate the log shows: the first group's that follows lr (not a
+    decoupled learning rate's group, as Megatron logs its default-schedule group's)."""
+    followers = [g for g in param_groups if not g.get("decoupled_lr")] or param_groups
+    return followers[0]["lr"] if followers else 0.0
 
 
 def parameters_norm(run: Run) -> float:
