@@ -237,3 +237,24 @@ def test_a_distributed_optimizer_layout_it_cannot_map_is_refused(setting, value,
     args = argparse.Namespace(**{**vars(model.args), setting: value})
     with pytest.raises(ValueError, match=r"dp_group_idx_0: .*" + message):
         read_megatron_optimizer(dataclasses.replace(model, args=args))
+
+
+def test_megatron_groups_of_a_decoupled_lr_stay_apart():
+    # No megatron-core fixture trains with --decoupled-lr: Megatron's param_groups as its
+    # _get_param_groups writes them (every group carries max_lr, min_lr, is_decoupled_lr).
+    from mp_ckpt.megatron.optimizer import _groups
+
+    def group(wd_mult, decoupled, max_lr):
+        return {"wd_mult": wd_mult, "lr_mult": 1.0, "is_decoupled_lr": decoupled,
+                "max_lr": max_lr, "min_lr": 0.0, "lr": max_lr, "params": []}  # fmt: skip
+
+    dense = [group(1.0, False, 1e-3), group(0.0, False, 1e-3), group(1.0, True, 1e-2)]
+    got = _groups([*dense, group(1.0, False, 1e-3)], "ckpt")  # the experts' optimizer too
+    assert [(g["wd_mult"], g.get("decoupled_lr", False), g["max_lr"]) for g in got] == [
+        (0.0, False, 1e-3), (1.0, False, 1e-3), (1.0, True, 1e-2)]  # fmt: skip
+    # The legacy torch format matches groups to names by weight decay alone: refused.
+    from mp_ckpt.megatron.optimizer import _torch_optimizer_state
+
+    legacy = {"optimizer": {"state": {}, "param_groups": dense}}
+    with pytest.raises(ValueError, match=r"rank\.pt: optimizer\.param_groups hold a decoupled"):
+        _torch_optimizer_state(legacy, {}, Path("rank.pt"), {})

@@ -181,3 +181,64 @@ def test_a_wrong_state_would_show():
         max(float((g - w).norm() / w.norm()) for g, w in zip(got, saved[0]["after"], strict=True))
         > 1e-4
     )
+
+
+def groups_body(saved_edit, **loading):
+    """Saves a one-rank optimizer's state (decoupled lr 1e-2 on `out`), edits its groups
+    with saved_edit and loads it into an optimizer built with `loading`'s config changes:
+    the loaded groups, or the refusal's message."""
+    from mp_optim.optimizer_state import load_optimizer_state, optimizer_sharded_state_dict
+
+    state = mp_state.initialize(ParallelConfig())
+
+    def build(**changes):
+        toy = FusedToy(torch.float32)
+        toy.out.is_embedding_or_output_parameter = True
+        config = OptimizerConfig(**{"lr": 1e-3, "decoupled_lr": 1e-2, **changes})
+        model = DistributedDataParallel(config, toy, dp_group=state.dp)
+        return get_optimizer(config, [model], mp_group=state.mp)
+
+    saved = optimizer_sharded_state_dict(build())
+    saved_edit(saved["common"]["param_groups"])
+    optimizer = build(**loading)
+    try:
+        load_optimizer_state(optimizer, saved)
+        got = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    except ValueError as error:
+        got = str(error)
+    mp_state.destroy()
+    return got
+
+
+def _imported(groups):  # a Megatron-LM import carries the ends in every group
+    for group in groups:
+        group.setdefault("max_lr", 5e-4)
+        group.setdefault("min_lr", 0.0)
+
+
+def test_saved_groups_are_checked_and_the_decoupled_ends_settled():
+    def same(groups):
+        pass
+
+    def undecoupled(groups):  # as if saved without --decoupled-lr
+        del groups[-1]["decoupled_lr"]
+
+    def changed_peak(groups):
+        groups[-1]["max_lr"] = 2e-2
+
+    def run(edit, **loading):
+        return run_on_ranks(groups_body, 1, edit, timeout=60, **loading)[0]
+
+    kinds = [(g["wd_mult"], g.get("decoupled_lr", False)) for g in run(same)]
+    assert kinds == [(0.0, False), (1.0, False), (1.0, True)]
+    # Groups without ends of their own follow the scheduler, whatever the checkpoint says.
+    loaded = run(_imported)
+    assert [("max_lr" in g, g.get("max_lr")) for g in loaded] == [
+        (False, None), (False, None), (True, 1e-2)]  # fmt: skip
+    assert (
+        "(wd_mult 1 lr_mult 1) stands where this optimizer has (wd_mult 1 lr_mult 1 "
+        "decoupled lr)" in run(undecoupled)
+    )
+    assert "has max_lr=0.02, this run 0.01 (decoupled_lr)" in run(changed_peak)
+    assert run(changed_peak, override_opt_param_scheduler=True)[-1]["max_lr"] == 1e-2
+    assert run(changed_peak, use_checkpoint_opt_param_scheduler=True)[-1]["max_lr"] == 2e-2

@@ -33,6 +33,7 @@ import torch
 
 from mp_ckpt import ShardedTensor
 from mp_optim.flat_ranges import flat_range_piece, locate, overlap
+from mp_optim.scheduler import settled
 
 if TYPE_CHECKING:
     from mp_optim.optimizer import MixedPrecisionOptimizer
@@ -121,18 +122,16 @@ def _checked_hyper(group: dict, hyper: dict, config) -> dict:
         if key not in group:  # the group follows the scheduler's own ends
             hyper.pop(key, None)  # (a checkpoint imported from Megatron-LM carries them)
             continue
-        if key not in hyper or group[key] == hyper[key]:
+        if key not in hyper:
             continue
-        if config.override_opt_param_scheduler:
-            hyper[key] = group[key]
-        elif not config.use_checkpoint_opt_param_scheduler:
-            flag = "decoupled_lr" if key == "max_lr" else "decoupled_min_lr"
-            raise ValueError(
-                f"the checkpoint's decoupled learning rate group has {key}={hyper[key]}, "
-                f"this run {group[key]} ({flag}): pass --override-opt-param-scheduler to "
-                "use this run's or --use-checkpoint-opt-param-scheduler to keep the "
-                "checkpoint's"
-            )
+        flag = "decoupled_lr" if key == "max_lr" else "decoupled_min_lr"
+        hyper[key] = settled(
+            group[key], hyper[key], override=config.override_opt_param_scheduler,
+            use_checkpoint=config.use_checkpoint_opt_param_scheduler,
+            mismatch=f"the checkpoint's decoupled learning rate group has {key}={hyper[key]}, "
+            f"this run {group[key]} ({flag}): pass --override-opt-param-scheduler to use "
+            "this run's or --use-checkpoint-opt-param-scheduler to keep the checkpoint's",
+        )  # fmt: skip
     return hyper
 
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 from typing import Any, Protocol
 
-__all__ = ["OptimizerParamScheduler", "get_optimizer_param_scheduler"]
+__all__ = ["OptimizerParamScheduler", "get_optimizer_param_scheduler", "settled"]
 
 _DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 _WSD_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")
@@ -221,18 +221,28 @@ class OptimizerParamScheduler:
         self.step(0)
 
     def _check_and_set(self, class_value: Any, checkpoint_value: Any, name: str) -> Any:
-        if self.override_opt_param_scheduler:
-            return class_value
-        if not self.use_checkpoint_opt_param_scheduler and class_value != checkpoint_value:
-            derived = _DERIVED_FROM.get(name, "")
-            raise ValueError(
-                f"{name}={class_value!r} differs from the checkpoint's {name}="
-                f"{checkpoint_value!r}{derived}; to go on with this run's value pass "
-                "--override-opt-param-scheduler (override_opt_param_scheduler), to keep the "
-                "checkpoint's pass --use-checkpoint-opt-param-scheduler "
-                "(use_checkpoint_opt_param_scheduler)"
-            )
-        return checkpoint_value
+        derived = _DERIVED_FROM.get(name, "")
+        return settled(
+            class_value, checkpoint_value, override=self.override_opt_param_scheduler,
+            use_checkpoint=self.use_checkpoint_opt_param_scheduler,
+            mismatch=f"{name}={class_value!r} differs from the checkpoint's {name}="
+            f"{checkpoint_value!r}{derived}; to go on with this run's value pass "
+            "--override-opt-param-scheduler (override_opt_param_scheduler), to keep the "
+            "checkpoint's pass --use-checkpoint-opt-param-scheduler "
+            "(use_checkpoint_opt_param_scheduler)",
+        )  # fmt: skip
+
+
+def settled(ours: Any, saved: Any, *, override: bool, use_checkpoint: bool, mismatch: str) -> Any:
+    """A schedule value on resume, by Megatron's rule: this run's with override
+    (--override-opt-param-scheduler), the checkpoint's with use_checkpoint
+    (--use-checkpoint-opt-param-scheduler); with neither they must agree, else
+    ValueError(mismatch)."""
+    if override:
+        return ours
+    if not use_checkpoint and ours != saved:
+        raise ValueError(mismatch)
+    return saved
 
 
 def get_optimizer_param_scheduler(

@@ -321,14 +321,14 @@ def _torch_optimizer_state(optimizer: dict, weights: dict, path: Path, local: di
     inner = optimizer.get("optimizer", optimizer)  # mixed precision wraps torch's state dict
     if "state" not in inner or "param_groups" not in inner:
         raise ValueError(f"{path}: optimizer: no state / param_groups")
-    decayed = [n for n in megatron_param_order(weights, str(path)) if _decayed(n, weights[n])]
-    others = [n for n in megatron_param_order(weights, str(path)) if not _decayed(n, weights[n])]
     if any(group.get("is_decoupled_lr") for group in inner["param_groups"]):
         raise ValueError(
             f"{path}: optimizer.param_groups hold a decoupled learning rate group (a run "
             "with --decoupled-lr), whose parameters this format does not name: convert a "
             "torch_dist or distributed-optimizer checkpoint of it instead"
         )
+    decayed = [n for n in megatron_param_order(weights, str(path)) if _decayed(n, weights[n])]
+    others = [n for n in megatron_param_order(weights, str(path)) if not _decayed(n, weights[n])]
     by_group = []
     for i, group in enumerate(inner["param_groups"]):
         wd = group.get("wd_mult", 1.0 if group.get("weight_decay") else 0.0)
