@@ -1,5 +1,5 @@
 """The micro-batch calculator (constant and ramp-up), the timers, which learning rate the
-log shows, and where the loop empties the CUDA caching allocator."""
+log shows, where the loop empties the CUDA caching allocator, and the bf16 matmul switch."""
 
 import time
 from types import SimpleNamespace
@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from mp_train import MicroBatchCalculator, Timers
+from mp_train.loop.setup import set_matmul_precision
 from mp_train.loop.training import empty_unused_memory
 from mp_train.observability.metrics import logged_lr
 
@@ -61,3 +62,19 @@ def test_empty_unused_memory_level_empties_at_megatrons_points(monkeypatch, leve
         for point in (1, 2):  # 1: after forward-backward and evaluation steps; 2: optimizer
             empty_unused_memory(run, level=point)
     assert calls == emptied
+
+
+def test_disable_bf16_reduced_precision_matmul_sets_torchs_switch_with_bf16_on_cuda():
+    matmul = torch.backends.cuda.matmul  # a switch torch keeps even without CUDA
+    before = matmul.allow_bf16_reduced_precision_reduction
+    asked = SimpleNamespace(bf16=True, disable_bf16_reduced_precision_matmul=True)
+    fp32 = SimpleNamespace(bf16=False, disable_bf16_reduced_precision_matmul=True)
+    try:
+        matmul.allow_bf16_reduced_precision_reduction = True
+        for model, device in ((asked, "cpu"), (fp32, "cuda")):
+            set_matmul_precision(model, torch.device(device))
+            assert matmul.allow_bf16_reduced_precision_reduction
+        set_matmul_precision(asked, torch.device("cuda"))
+        assert not matmul.allow_bf16_reduced_precision_reduction
+    finally:
+        matmul.allow_bf16_reduced_precision_reduction = before

@@ -161,10 +161,16 @@ def _initialize_now(config: RunConfig) -> Initialized:
              world, device_info.backend, device_info.device, config.training.seed)  # fmt: skip
     if device_info.device.type == "cpu":
         log.info("CPU memory allocator: %s", keep_freed_memory())
-    exact = config.model.bf16 and config.model.disable_bf16_reduced_precision_matmul
-    if exact and device_info.device.type == "cuda":
-        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+    set_matmul_precision(config.model, device_info.device)
     return Initialized(state, device_info.device, tracker, sizes)
+
+
+def set_matmul_precision(model, device: torch.device) -> None:
+    """Megatron's disable_bf16_reduced_precision_matmul: with bf16 on CUDA, torch's bf16
+    matmuls no longer accumulate in reduced precision (a process-wide switch)."""
+    exact = model.bf16 and model.disable_bf16_reduced_precision_matmul
+    if exact and device.type == "cuda":
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
 
 
 def setup_run(
