@@ -350,12 +350,10 @@ FAMILIES = {
 TRAINS = [
     "Llama-3.1-8B", "Llama-3.2-1B", "Qwen2.5-0.5B", "Qwen2.5-7B", "Qwen3-0.6B", "Qwen3-8B",
     "Qwen3-30B-A3B", "Qwen3-235B-A22B", "Nemotron-Mini-4B", "gpt-oss-20b", "gpt-oss-120b",
-    "DeepSeek-V2-Lite", "DeepSeek-R1", "Kimi-K2",
+    "DeepSeek-V2-Lite", "DeepSeek-R1", "Kimi-K2", "Llama-4-Scout", "Llama-4-Maverick",
 ]  # fmt: skip
 # family -> the words its run's one-line refusal holds
 REFUSED = {
-    "Llama-4-Scout": ["--export-moe-apply-probs-on-input", "Llama 4"],
-    "Llama-4-Maverick": ["--no-rope-freq", "NoPE layers, Llama 4"],
     "Nemotron-H-8B": ["--hybrid-layer-pattern", "Mamba-hybrid models"],
     "Nemotron-Nano-9B-v2": ["--hybrid-layer-pattern", "Mamba-hybrid models"],
     "Nemotron-3-Nano-30B": ["--hybrid-layer-pattern", "Mamba-hybrid models"],
@@ -370,8 +368,11 @@ SHRINK = {
     "--tokenizer-type": "NullTokenizer", "--moe-layer-freq": "([0]+[1]*1)",
     "--q-lora-rank": "48", "--kv-lora-rank": "32", "--qk-head-dim": "16",
     "--qk-pos-emb-head-dim": "8", "--v-head-dim": "16",
-    "--moe-router-num-groups": "2", "--moe-router-group-topk": "1",
+    "--moe-router-num-groups": "2", "--moe-router-group-topk": "1", "--no-rope-freq": "2",
 }  # fmt: skip
+# Kept as given where smaller: Llama 4 routes each token to one expert (which
+# --export-moe-apply-probs-on-input needs).
+AT_MOST = {"--moe-router-topk"}
 
 
 def shrunk(family: str) -> list[str]:
@@ -379,7 +380,10 @@ def shrunk(family: str) -> list[str]:
     out = []
     for i, word in enumerate(words):
         previous = words[i - 1] if i else ""
-        out.append(SHRINK[previous] if previous in SHRINK and not word.startswith("--") else word)
+        if previous in SHRINK and not word.startswith("--"):
+            small = SHRINK[previous]
+            word = str(min(int(word), int(small))) if previous in AT_MOST else small
+        out.append(word)
     return out
 
 

@@ -1,6 +1,7 @@
-"""Today's MoE families (Qwen3-MoE, gpt-oss) train with the one-rank loss curve at TP2
-(with sequence parallelism), EP2 and PP2 through apps/gpt's pretrain (fp32, dropout 0):
-apps/gpt's tiny-moe config with each family's Megatron flags put over it."""
+"""Today's MoE families (Qwen3-MoE, gpt-oss, Llama 4) train with the one-rank loss curve at
+TP2 (with sequence parallelism), EP2, PP2 and CP2 (all-to-all) through apps/gpt's pretrain
+(fp32, dropout 0): apps/gpt's tiny-moe config with each family's Megatron flags put over
+it."""
 
 import pytest
 
@@ -30,11 +31,23 @@ FAMILIES = {
                 "--activation", "gelu", "--quick-geglu", "--glu-linear-offset", "1.0",
                 "--activation-func-clamp-value", "7.0", "--add-bias-linear", "--add-qkv-bias",
                 "--moe-z-loss-coeff", "0", "--untie-embeddings-and-output-weights"],
+    # Llama 4 (Maverick's layout): interleaved rotary pairs with Llama 3.1's scaling, no
+    # rotary embeddings on every second layer, L2-normalized queries and keys on the others,
+    # dense and MoE layers alternating, top-1 sigmoid routing applied to the experts' input
+    # beside a shared expert
+    "llama4": ["--rotary-interleaved", "--use-rope-scaling", "--rope-scaling-factor", "8",
+               "--no-rope-freq", "2", "--qk-l2-norm", "--qk-l2-norm-layers", "rope",
+               "--moe-layer-freq", "([0,1]*2)", "--moe-router-topk", "1",
+               "--moe-router-score-function", "sigmoid", "--moe-apply-probs-on-input",
+               "--moe-shared-expert-intermediate-size", "128", "--moe-z-loss-coeff", "0",
+               "--untie-embeddings-and-output-weights"],
 }  # fmt: skip
 LAYOUTS = {
     "tp2": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
     "ep2": ["--expert-model-parallel-size", "2"],
     "pp2": ["--pipeline-model-parallel-size", "2"],
+    # all-to-all context parallelism: the one kind that takes gpt-oss's windows and sinks
+    "cp2": ["--context-parallel-size", "2", "--cp-comm-type", "a2a"],
 }
 
 

@@ -194,10 +194,46 @@ def test_moe_layer_equals_a_token_by_token_reference(grouped):
     torch.testing.assert_close(out.reshape(-1, H), want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("grouped", [False, True])
+def test_probs_on_input_scale_the_experts_input_as_llama_4(grouped):
+    """Top-1 sigmoid routing with the weight applied to the expert's input (Llama 4):
+    each token's output is its shared expert's plus expert(p x) of its one expert; the
+    router's weight still gets its gradient through p."""
+    llama4 = dict(moe_router_topk=1, moe_router_score_function="sigmoid",
+                  moe_shared_expert_intermediate_size=12, init_method_std=0.3)
+    cfg = config(**llama4, moe_apply_probs_on_input=True, moe_grouped_gemm=grouped)
+    torch.manual_seed(0)
+    layer = MoELayer(cfg, ALONE)
+    x = torch.randn(5, 2, H)
+    out, _ = layer(x)
+    probs, routing_map, logits = routed(layer.router, x)
+    tokens = x.reshape(-1, H)
+    gate, up = layer.experts.linear_fc1.weight.chunk(2, dim=1)
+    shared = layer.shared_experts
+    s_gate, s_up = shared.linear_fc1.weight.chunk(2)
+    want = []
+    for t, token in enumerate(tokens):
+        (e,) = routing_map[t].nonzero().flatten().tolist()
+        assert probs[t, e] == torch.sigmoid(logits[t, e])  # one expert: not renormalized
+        scaled = torch.sigmoid(logits[t, e]) * token
+        inner = F.silu(gate[e] @ scaled) * (up[e] @ scaled)
+        shared_out = shared.linear_fc2.weight @ (F.silu(s_gate @ token) * (s_up @ token))
+        want.append(layer.experts.linear_fc2.weight[e] @ inner + shared_out)
+    torch.testing.assert_close(out.reshape(-1, H), torch.stack(want), rtol=1e-5, atol=1e-6)
+    # Not the output scaled: the expert is not linear, so the two differ.
+    plain = MoELayer(config(**llama4), ALONE)
+    plain.load_state_dict(layer.state_dict())
+    assert not torch.allclose(plain(x)[0], out, rtol=0.05, atol=0)
+    out.square().sum().backward()
+    assert layer.router.weight.grad.abs().sum() > 0
+
+
 @pytest.mark.parametrize(
     ("settings", "message"),
     [
         (dict(moe_router_topk=5), "moe_router_topk=5 exceeds num_moe_experts=4"),
+        (dict(moe_apply_probs_on_input=True), "moe_apply_probs_on_input=True needs "
+                                              "moe_router_topk=1 \\(got 2\\)"),
         (
             dict(add_bias_linear=True, moe_shared_expert_intermediate_size=8),
             "add_bias_linear=True with moe_shared_expert_intermediate_size=8",

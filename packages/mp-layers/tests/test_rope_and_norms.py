@@ -1,16 +1,20 @@
-"""Rotary embeddings against the complex-number definition; norms from the config."""
+"""Rotary embeddings against the complex-number definition (halves and interleaved pairs);
+norms from the config; Llama 4's attention parts (NoPE layers, the L2 QK norm)."""
 
 import pytest
 import torch
 
-from mp_layers import TransformerConfig
-from mp_layers.transformer.norms import build_norm
+from mp_layers import ModelGroups, TransformerConfig
+from mp_layers.transformer.attention import SelfAttention
+from mp_layers.transformer.norms import L2Norm, build_norm
 from mp_layers.transformer.rope import (
     Llama3Scaling,
+    Rotary,
     RotaryEmbedding,
     apply_rotary_pos_emb,
     llama3_scaled,
 )
+from mp_layers.transformer.spec import get_layer_spec
 
 
 def by_complex_numbers(t, base, rot, factor=1.0):
@@ -35,6 +39,27 @@ def test_rope_equals_the_complex_rotation(percent, factor):
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
     # Rotations keep each pair's length and the relative angle of two positions.
     assert torch.allclose(got.norm(dim=-1), t.norm(dim=-1), atol=1e-5)
+
+
+@pytest.mark.parametrize(("percent", "scaling"), [(1.0, None), (0.5, Llama3Scaling(8.0))])
+def test_interleaved_rope_turns_neighbouring_channels_as_complex_numbers(percent, scaling):
+    """Megatron's --rotary-interleaved, Llama 4's (Meta's) layout: x[2i] + i x[2i+1] times
+    e^(i pos f_i), the same frequencies f_i as the halves' layout."""
+    torch.manual_seed(0)
+    t = torch.randn(12, 2, 3, 16)
+    rot = int(16 * percent)
+    rope = RotaryEmbedding(16, rotary_percent=percent, rotary_base=500, llama3_scaling=scaling,
+                           interleaved=True)  # fmt: skip
+    got = apply_rotary_pos_emb(t, rope(12), interleaved=True)
+    pairs = torch.view_as_complex(t[..., :rot].double().reshape(12, 2, 3, rot // 2, 2))
+    angle = torch.outer(torch.arange(12, dtype=torch.float64), rope.inv_freq.double())
+    turned = pairs * torch.polar(torch.ones_like(angle), angle)[:, None, None, :]
+    want = torch.cat([torch.view_as_real(turned).flatten(-2), t[..., rot:].double()], dim=-1)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    # The same rotation as the halves' layout on the channels reordered (0 2 4 .. 1 3 5 ..).
+    order = torch.cat([torch.arange(0, rot, 2), torch.arange(1, rot, 2), torch.arange(rot, 16)])
+    halves = RotaryEmbedding(16, rotary_percent=percent, rotary_base=500, llama3_scaling=scaling)
+    torch.testing.assert_close(apply_rotary_pos_emb(t[..., order], halves(12)), got[..., order])
 
 
 def test_rope_rejects_an_odd_number_of_rotated_channels():
@@ -83,3 +108,54 @@ def test_norms_follow_the_config():
     ln = build_norm(TransformerConfig(**base, sequence_parallel=True))
     assert isinstance(ln, torch.nn.LayerNorm)
     assert all(p.sequence_parallel for p in ln.parameters())
+
+
+def test_l2_norm_has_no_weight_and_keeps_the_dtype():
+    x = torch.randn(3, 5, 16, dtype=torch.bfloat16)
+    got = L2Norm(1e-5)(x)
+    x32 = x.float()
+    want = x32 / torch.sqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-5)
+    assert got.dtype == torch.bfloat16 and list(L2Norm(1e-5).parameters()) == []
+    torch.testing.assert_close(got, want.bfloat16())
+
+
+LLAMA4 = dict(num_layers=4, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+              position_embedding_type="rope", rotary_interleaved=True, no_rope_freq=2,
+              attention_dropout=0.0, init_method_std=0.2)  # fmt: skip
+
+
+def attention(layer: int, **settings) -> SelfAttention:
+    torch.manual_seed(0)
+    return SelfAttention(TransformerConfig(**LLAMA4 | settings), ModelGroups.single(),
+                         spec=get_layer_spec("local"), layer_number=layer)  # fmt: skip
+
+
+def test_nope_layers_ignore_positions_and_rope_layers_rotate_interleaved():
+    """--no-rope-freq 2: layers 1 and 3 (0-based) attend without rotary embeddings; the
+    others rotate neighbouring pairs."""
+    x = torch.randn(6, 2, 32)
+    rope = RotaryEmbedding(8, interleaved=True)(6)
+    still = Rotary(torch.ones_like(rope.cos), torch.zeros_like(rope.sin))  # no rotation
+    for layer, rotates in enumerate([True, False, True, False]):
+        module = attention(layer)
+        assert module.rotates == rotates
+        turned, unturned = module(x, rope)[0], module(x, still)[0]
+        assert torch.equal(turned, unturned) != rotates, layer
+    halves = attention(0, rotary_interleaved=False)
+    assert not torch.allclose(halves(x, RotaryEmbedding(8)(6))[0], attention(0)(x, rope)[0])
+
+
+@pytest.mark.parametrize("layers", ["all", "rope"])
+def test_qk_l2_norm_replaces_qk_layernorm_on_the_layers_it_names(layers):
+    """Megatron's precedence (its Llama 4 Scout line gives both flags): no norm weights;
+    'rope' leaves the NoPE layers' queries and keys as they are (Llama 4)."""
+    x = torch.randn(6, 2, 32)
+    rope = RotaryEmbedding(8, interleaved=True)(6)
+    for layer in range(4):
+        module = attention(layer, qk_l2_norm=True, qk_layernorm=True, qk_l2_norm_layers=layers)
+        normed = layers == "all" or layer % 2 == 0
+        assert isinstance(module.q_layernorm, L2Norm) == normed
+        assert not any("layernorm" in name for name, _ in module.named_parameters())
+        assert not any("layernorm" in key for key in module.sharded_state_dict())
+        plain = attention(layer)
+        assert torch.equal(module(x, rope)[0], plain(x, rope)[0]) != normed

@@ -208,6 +208,29 @@ class TransformerConfig:
     normalize the query and key/value latents instead (q_layernorm, kv_layernorm), as
     Megatron does; DeepSeek's models have them."""
 
+    qk_l2_norm: bool = False
+    """Llama 4's query and key norm (Megatron's --qk-l2-norm, its L2Norm): each head's query
+    and key divided by sqrt(mean(x^2) + layernorm_epsilon), with no weight. Replaces
+    qk_layernorm where both are set, as in Megatron (whose Llama 4 Scout line gives both).
+    Not with multi_latent_attention."""
+
+    qk_l2_norm_layers: Literal["all", "rope"] = "all"
+    """Which layers qk_l2_norm normalizes: all (Megatron's semantics), or only those with
+    rotary embeddings (not the no_rope_freq layers), as Llama 4 does (Hugging Face's
+    use_qk_norm). mp's own field; Megatron has no such option."""
+
+    rotary_interleaved: bool = False
+    """Rotate the neighbouring channels (2i, 2i + 1) together instead of (i, i + rot/2)
+    (Megatron's --rotary-interleaved): the layout of Meta's original Llama code and of
+    Llama 4, whose checkpoints keep it. Not with multi_latent_attention, as in Megatron."""
+
+    no_rope_freq: int | list[int] | None = None
+    """Layers without rotary embeddings (NoPE; Llama 4's interleaved NoPE layers, Megatron's
+    --no-rope-freq): an integer N, the layers numbered n % N == 0 (1-based; N must divide
+    num_layers; 4: three rotary layers, then one without); or per layer 1 = no rotary
+    embeddings, 0 = rotary ("([0]*3+[1])*12"). Needs position_embedding_type "rope" or
+    "yarn", without multi_latent_attention. None: every layer rotates."""
+
     # --- Multi-latent attention (Megatron's --multi-latent-attention and MLA options) ----
 
     multi_latent_attention: bool = False
@@ -431,6 +454,11 @@ class TransformerConfig:
 
     moe_router_dtype: Literal["fp32", "fp64"] | None = None
     """Precision of the router's logits and scores; None: the activations' dtype."""
+
+    moe_apply_probs_on_input: bool = False
+    """Multiply each expert's input, not its output, by the token's routing weight (Llama 4;
+    Megatron's --moe-apply-probs-on-input): y = expert(p x) instead of p expert(x). Needs
+    moe_router_topk 1, as in Megatron."""
 
     moe_layer_recompute: bool = False
     """Recompute each MoE layer in backward from its input (under a full recompute: no-op)."""

@@ -1,6 +1,7 @@
 """Validation of TransformerConfig's attention and position-embedding fields: rotary
-settings (plain, Llama 3.1 scaling, YaRN), attention sinks (softmax_type), sliding windows
-(window_size, window_attn_skip_freq), and the per-layer window pattern.
+settings (plain, Llama 3.1 scaling, YaRN, interleaved pairs, layers without them), QK
+norms, attention sinks (softmax_type), sliding windows (window_size,
+window_attn_skip_freq), and the per-layer window and rotary patterns.
 
 TransformerConfig.__post_init__ calls `check_attention_fields`, check_parallel calls
 `check_attention_parallel`; every message names the field and the value.
@@ -10,6 +11,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from mp_layers.config_rules import choice
+
 if TYPE_CHECKING:
     from mp_layers.config import TransformerConfig
 
@@ -18,6 +21,8 @@ __all__ = [
     "YARN_DEFAULTS",
     "check_attention_fields",
     "check_attention_parallel",
+    "qk_l2_norm_layer_pattern",
+    "rope_layer_pattern",
     "uses_yarn",
     "window_layer_pattern",
 ]
@@ -62,6 +67,7 @@ def check_attention_fields(config: TransformerConfig) -> None:
             f"softmax_type={config.softmax_type!r} must be one of {', '.join(SOFTMAX_TYPES)}"
         )
     _check_window(config)
+    _check_rope_layers(config)
 
 
 def _check_rope_scaling(config: TransformerConfig) -> None:
@@ -175,6 +181,66 @@ def window_layer_pattern(config: TransformerConfig) -> list[bool]:
             "(num_layers) of 0 or 1"
         )
     return [bool(x) for x in pattern]
+
+
+def _check_rope_layers(config: TransformerConfig) -> None:
+    mla = config.multi_latent_attention
+    if config.rotary_interleaved and mla:
+        raise ValueError(
+            "rotary_interleaved=True does not work with multi_latent_attention (as in "
+            "Megatron): DeepSeek's rotary channels have their own layout"
+        )
+    if config.qk_l2_norm and mla:
+        raise ValueError("qk_l2_norm=True is not supported with multi_latent_attention")
+    choice("qk_l2_norm_layers", config.qk_l2_norm_layers, ("all", "rope"))
+    if config.qk_l2_norm_layers != "all" and not config.qk_l2_norm:
+        raise ValueError(
+            f"qk_l2_norm_layers={config.qk_l2_norm_layers!r} needs qk_l2_norm=True"
+        )
+    if config.no_rope_freq is None:
+        return
+    if config.position_embedding_type not in ("rope", "yarn") or mla:
+        raise ValueError(
+            f"no_rope_freq={config.no_rope_freq!r} needs rotary embeddings "
+            "(position_embedding_type 'rope' or 'yarn') without multi_latent_attention, got "
+            f"position_embedding_type={config.position_embedding_type!r}"
+            + (" with multi_latent_attention" if mla else "")
+        )
+    rope_layer_pattern(config)  # validates no_rope_freq
+
+
+def rope_layer_pattern(config: TransformerConfig) -> list[bool]:
+    """Per layer of the whole model (0-based index i): whether its attention applies the
+    rotary embeddings. Megatron's rule for no_rope_freq on the 1-based layer number
+    n = i + 1: for an integer N (dividing num_layers), every layer but those with
+    n % N == 0; for a list, its value for layer n (1 = no rotary embeddings)."""
+    n_layers, freq = config.num_layers, config.no_rope_freq
+    if freq is None:
+        return [True] * n_layers
+    if isinstance(freq, int) and not isinstance(freq, bool):
+        if freq < 1 or n_layers % freq:
+            raise ValueError(
+                f"no_rope_freq={freq} must be a positive integer dividing "
+                f"num_layers={n_layers}"
+            )
+        return [(i + 1) % freq != 0 for i in range(n_layers)]
+    pattern = list(freq)
+    if len(pattern) != n_layers or any(x not in (0, 1) or isinstance(x, bool) for x in pattern):
+        raise ValueError(
+            f"no_rope_freq={freq!r} must be an integer or {n_layers} values (num_layers) "
+            "of 0 or 1"
+        )
+    return [not x for x in pattern]
+
+
+def qk_l2_norm_layer_pattern(config: TransformerConfig) -> list[bool]:
+    """Per layer of the whole model: whether its queries and keys are L2-normalized
+    (qk_l2_norm on every layer, or with qk_l2_norm_layers "rope" on the rotary ones)."""
+    if not config.qk_l2_norm:
+        return [False] * config.num_layers
+    if config.qk_l2_norm_layers == "all":
+        return [True] * config.num_layers
+    return rope_layer_pattern(config)
 
 
 def check_attention_parallel(config: TransformerConfig, tp: int, cp: int) -> None:

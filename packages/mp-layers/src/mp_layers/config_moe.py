@@ -22,6 +22,7 @@ _MOE_DEFAULTS = {
     "moe_z_loss_coeff": None,
     "moe_router_num_groups": None,
     "moe_router_group_topk": None,
+    "moe_apply_probs_on_input": False,
 }
 """Fields that mean something only in a MoE model: set without num_moe_experts, refused."""
 
@@ -43,6 +44,12 @@ def check_moe(config: TransformerConfig) -> None:
             f"num_moe_experts={config.num_moe_experts}"
         )
     _check_router(config)
+    if config.moe_apply_probs_on_input and config.moe_router_topk != 1:
+        raise ValueError(
+            f"moe_apply_probs_on_input=True needs moe_router_topk=1 (got "
+            f"{config.moe_router_topk}): the weights of several experts cannot all scale one "
+            "input (Megatron's rule)"
+        )
     choice("moe_token_drop_policy", config.moe_token_drop_policy, ("probs", "position"))
     choice("moe_token_dispatcher_type", config.moe_token_dispatcher_type, ("alltoall", "allgather"))
     factor = config.moe_expert_capacity_factor

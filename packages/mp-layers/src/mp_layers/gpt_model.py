@@ -135,7 +135,7 @@ class GPTModel(torch.nn.Module):
                     config.rope_scaling_high_freq_factor,
                     config.rope_scaling_original_max_position_embeddings,
                 ) if config.use_rope_scaling else None,
-                yarn=yarn_scaling(config),
+                yarn=yarn_scaling(config), interleaved=config.rotary_interleaved,
             )  # fmt: skip
         self.decoder = TransformerBlock(
             config, groups, rng_tracker, spec=get_layer_spec(spec), layer_offset=layer_offset,

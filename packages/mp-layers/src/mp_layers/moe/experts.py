@@ -15,10 +15,13 @@ Fl channels (the dispatcher sums it over expert_tp) of a copy's p (fc2(act(fc1(x
 as in Megatron's TEGroupedMLP and Hugging Face's GptOssExperts; a padded copy, of weight
 0, adds nothing. p scales the activation, fc2's input: [N, Fl] is half as wide as the
 output when F = h / 2, as in Qwen3-MoE and gpt-oss (Megatron's grouped MLP applies it
-there too). The fc2 bias must enter the sum once: as a RowParallelLinear adds its bias
-after the reduction, expert-TP rank 0 adds p b2 and the others add zeros, while the bias'
-gradient, the same on every expert-TP rank (the combine's backward gathers the output
-gradient), reaches every rank's copy whole. Weights are drawn
+there too). With moe_apply_probs_on_input (Llama 4, top-1 routing) p scales the copy's
+input instead, x -> p x, and the output is fc2(act(fc1(p x))) + b2 (p then stands at 1
+below; a padded copy still adds nothing), as Megatron's experts compute it. The fc2 bias
+must enter the sum once: as a RowParallelLinear adds its bias after the reduction,
+expert-TP rank 0 adds p b2 and the others add zeros, while the bias' gradient, the same
+on every expert-TP rank (the combine's backward gathers the output gradient), reaches
+every rank's copy whole. Weights are drawn
 expert by expert from one generator whatever the layout (every rank draws all E and keeps
 its own), so a seed gives the same model at every EP and expert-TP size; biases start at 0.
 
@@ -95,6 +98,8 @@ class GroupedExperts(torch.nn.Module):
         grouped = self.config.moe_grouped_gemm
         fc1, fc2 = self.linear_fc1, self.linear_fc2
         p = probs.to(tokens.dtype).unsqueeze(-1)
+        if self.config.moe_apply_probs_on_input:  # Llama 4: p scales the input instead
+            tokens, p = tokens * p, (p != 0).to(p.dtype)
         inner = grouped_matmul(tokens, fc1.weight.transpose(1, 2), counts, grouped)
         if fc1.bias is not None:
             inner = inner + _per_copy(fc1.bias, counts)

@@ -15,6 +15,11 @@ core_attention.softmax_offset [num_attention_heads]. A layer that
 TransformerConfig.window_size applies to (window_layer_pattern) attends through the
 window; with a KVCache such a layer keeps only its window's latest keys
 (KVCache.update_window), and its mask is the cache's for them.
+
+Rotary embeddings rotate q and k after the QK norm (Megatron's order; an L2 norm, having
+no weight, commutes with the rotation, so Llama 4's rotate-then-normalize is the same),
+in the pairs rotary_interleaved says, on the layers no_rope_freq leaves them
+(rope_layer_pattern). qk_l2_norm's norm holds no weights: nothing enters the checkpoint.
 """
 
 from __future__ import annotations
@@ -26,7 +31,11 @@ import torch
 
 from mp_ckpt import ShardedTensor
 from mp_layers.config import TransformerConfig
-from mp_layers.config_attention import window_layer_pattern
+from mp_layers.config_attention import (
+    qk_l2_norm_layer_pattern,
+    rope_layer_pattern,
+    window_layer_pattern,
+)
 from mp_layers.groups import ModelGroups
 from mp_layers.tensor_parallel import (
     ColumnParallelLinear,
@@ -35,6 +44,7 @@ from mp_layers.tensor_parallel import (
 )
 from mp_layers.transformer.kv_cache import KVCache
 from mp_layers.transformer.mlp import residual_projection
+from mp_layers.transformer.norms import L2Norm
 from mp_layers.transformer.recompute import checkpointed
 from mp_layers.transformer.rope import Rotary, apply_rotary_pos_emb
 from mp_state import RNGStatesTracker
@@ -73,8 +83,15 @@ class SelfAttention(torch.nn.Module):
             init_method=functools.partial(torch.nn.init.normal_, std=config.init_method_std),
             params_dtype=config.params_dtype,
         )  # fmt: skip
-        self.q_layernorm = spec.norm(config, self.d) if config.qk_layernorm else None
-        self.k_layernorm = spec.norm(config, self.d) if config.qk_layernorm else None
+        self.rotates = rope_layer_pattern(config)[layer_number]
+        self.interleaved = config.rotary_interleaved
+        if config.qk_l2_norm:  # replaces qk_layernorm (Megatron's precedence); no weights
+            l2 = qk_l2_norm_layer_pattern(config)[layer_number]
+            self.q_layernorm = L2Norm(config.layernorm_epsilon) if l2 else None
+            self.k_layernorm = self.q_layernorm
+        else:
+            self.q_layernorm = spec.norm(config, self.d) if config.qk_layernorm else None
+            self.k_layernorm = spec.norm(config, self.d) if config.qk_layernorm else None
         windowed = window_layer_pattern(config)[layer_number]
         self.window = config.window_size[0] if windowed else None
         self.core_attention = spec.core_attention(
@@ -114,8 +131,9 @@ class SelfAttention(torch.nn.Module):
         v = mixed[:, :, :, self.per_group + 1]
         if self.q_layernorm is not None:
             q, k = self.q_layernorm(q), self.k_layernorm(k)
-        if rotary is not None:
-            q, k = apply_rotary_pos_emb(q, rotary), apply_rotary_pos_emb(k, rotary)
+        if rotary is not None and self.rotates:
+            q = apply_rotary_pos_emb(q, rotary, self.interleaved)
+            k = apply_rotary_pos_emb(k, rotary, self.interleaved)
         if kv_cache is not None and self.window is None:
             k, v = kv_cache.update(self.layer_number, k, v)
         elif kv_cache is not None:  # the layer's ring of recent keys, with its own mask
@@ -150,7 +168,7 @@ class SelfAttention(torch.nn.Module):
             pieces[key] = ShardedTensor.from_rank(
                 key, self.core_attention.softmax_offset, 0, rank, self.tp_group.size
             )
-        if self.q_layernorm is not None:
+        if self.q_layernorm is not None and not isinstance(self.q_layernorm, L2Norm):
             for name in ("q_layernorm", "k_layernorm"):
                 pieces |= replicated_state_dict(getattr(self, name), f"{prefix}{name}.",
                                                 self.tp_group)  # fmt: skip

@@ -9,6 +9,9 @@ apply_layernorm_1p (Megatron's zero-centered gamma, Nemotron's LayerNorm1P): the
 weight w is stored centred on 0 and the norm scales by 1 + w, initialized to w = 0, so
 that weight decay pulls the scale towards 1 rather than 0. Hugging Face's
 NemotronLayerNorm1P stores the same w: checkpoints need no transform.
+
+L2Norm (Llama 4's query and key norm, Megatron's L2Norm) has no weight:
+x / sqrt(mean(x^2) + eps), computed in fp32 and returned in x's dtype.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import torch.nn.functional as F
 
 from mp_layers.config import TransformerConfig
 
-__all__ = ["LayerNorm1P", "RMSNorm1P", "build_norm"]
+__all__ = ["L2Norm", "LayerNorm1P", "RMSNorm1P", "build_norm"]
 
 
 def build_norm(config: TransformerConfig, hidden_size: int | None = None) -> torch.nn.Module:
@@ -55,3 +58,18 @@ class RMSNorm1P(torch.nn.RMSNorm):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, self.normalized_shape, self.weight + 1, self.eps)
+
+
+class L2Norm(torch.nn.Module):
+    """y = x / sqrt(mean(x^2) + eps) over the last dimension, in fp32; no parameters."""
+
+    def __init__(self, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"eps={self.eps}"

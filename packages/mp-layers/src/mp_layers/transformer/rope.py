@@ -3,8 +3,10 @@
 Shapes: s sequence, b batch, n heads, d head channels ([s, b, n, d], as
 Megatron's attention). The first rot = int(d * rotary_percent) channels of
 each head are rotated, the rest pass through. Channel pairs are (i, i + rot/2)
-("rotate half", GPT-NeoX and Hugging Face Llama), with frequencies
-base^(-2i/rot); positions are divided by seq_len_interpolation_factor.
+("rotate half", GPT-NeoX and Hugging Face Llama), or with `interleaved` (Megatron's
+--rotary-interleaved; Meta's original Llama code and Llama 4, whose complex-number
+rotation turns x[2i] + i x[2i+1]) the neighbours (2i, 2i + 1); pair i turns at the
+frequency base^(-2i/rot) either way. Positions are divided by seq_len_interpolation_factor.
 
 Llama 3.1 rescales those frequencies for a longer context (Llama3Scaling,
 Megatron's --use-rope-scaling, Hugging Face's rope_type "llama3"): with L the
@@ -128,7 +130,8 @@ def yarn_scaling(config: TransformerConfig) -> YarnScaling | None:
 
 class Rotary(NamedTuple):
     """cos and sin of the rotation angles, each [s, 1, 1, rot] in fp32 ([s, b, 1, rot]
-    when each sequence has positions of its own).
+    when each sequence has positions of its own); channel c's angle is pair c mod rot/2's
+    (c // 2's when interleaved).
 
     Computed once per forward and shared by every layer's attention.
     """
@@ -148,8 +151,10 @@ class RotaryEmbedding(torch.nn.Module):
         seq_len_interpolation_factor: float | None = None,
         llama3_scaling: Llama3Scaling | None = None,
         yarn: YarnScaling | None = None,
+        interleaved: bool = False,
     ) -> None:
         super().__init__()
+        self.interleaved = interleaved
         rot = int(kv_channels * rotary_percent)
         if rot < 2 or rot % 2:
             raise ValueError(
@@ -178,18 +183,28 @@ class RotaryEmbedding(torch.nn.Module):
         if self.seq_len_interpolation_factor is not None:
             positions = positions / self.seq_len_interpolation_factor
         angles = positions[..., None] * self.inv_freq  # [s, b, rot/2]
-        angles = torch.cat([angles, angles], dim=-1)[:, :, None, :]
+        if self.interleaved:  # f0 f0 f1 f1 ...
+            angles = angles.repeat_interleave(2, dim=-1)[:, :, None, :]
+        else:  # f0 f1 ... f0 f1 ...
+            angles = torch.cat([angles, angles], dim=-1)[:, :, None, :]
         if self.attention_factor == 1.0:
             return Rotary(angles.cos(), angles.sin())
         return Rotary(angles.cos() * self.attention_factor, angles.sin() * self.attention_factor)
 
 
-def apply_rotary_pos_emb(t: torch.Tensor, rotary: Rotary) -> torch.Tensor:
-    """Rotates the first rot channels of t [s, b, n, d] (rot = rotary.cos.shape[-1])."""
+def apply_rotary_pos_emb(
+    t: torch.Tensor, rotary: Rotary, interleaved: bool = False
+) -> torch.Tensor:
+    """Rotates the first rot channels of t [s, b, n, d] (rot = rotary.cos.shape[-1]) in
+    pairs (i, i + rot/2), or (2i, 2i + 1) when interleaved (rotary from a RotaryEmbedding
+    with the same interleaved)."""
     rot = rotary.cos.shape[-1]
     t_rot, t_pass = t[..., :rot], t[..., rot:]
     cos, sin = rotary.cos.to(t.dtype), rotary.sin.to(t.dtype)
-    first, second = t_rot.chunk(2, dim=-1)
-    rotated = torch.cat([-second, first], dim=-1)
+    if interleaved:  # (x0, x1, x2, x3, ...) -> (-x1, x0, -x3, x2, ...)
+        rotated = torch.stack([-t_rot[..., 1::2], t_rot[..., ::2]], dim=-1).flatten(-2)
+    else:  # (first, second) -> (-second, first)
+        first, second = t_rot.chunk(2, dim=-1)
+        rotated = torch.cat([-second, first], dim=-1)
     out = t_rot * cos + rotated * sin
     return out if rot == t.shape[-1] else torch.cat([out, t_pass], dim=-1)

@@ -127,14 +127,6 @@ _FAMILIES: dict[str, tuple[bool, str]] = {
     "mamba_head_dim": (True, f"Mamba layers: {_HYBRID}"),
     "mamba_num_groups": (True, f"Mamba layers: {_HYBRID}"),
     "mamba_state_dim": (True, f"Mamba layers: {_HYBRID}"),
-    "no_rope_freq": (True, "layers without rotary embeddings (NoPE layers, Llama 4) are not "
-                     "implemented"),
-    "export_moe_apply_probs_on_input": (False, "routing weights applied to the experts' input "
-                                        "(Llama 4) are not implemented"),
-    "export_qk_l2_norm": (False, "L2-normalized queries and keys (Llama 4) are not "
-                          "implemented"),
-    "rotary_interleaved": (False, "interleaved rotary embeddings (rotating channel pairs 2i, "
-                           "2i+1, as Llama 4 does) are not implemented"),
 }  # fmt: skip
 
 # flag (dest) -> why mp refuses it and what to do instead
@@ -188,10 +180,14 @@ RENAMED: dict[str, tuple[str, str, Any]] = {
     "norm_epsilon": ("model", "layernorm_epsilon", float),
     "ddp_bucket_size": ("optimizer", "bucket_size", int),
 }
-# Megatron's spellings with an underscore inside the flag name: the same fields as ours.
+# Other names of switches mp has: Megatron's spellings with an underscore inside the flag
+# name, and ModelOpt's export names of Llama 4's features (megatron/post_training/
+# arguments.py; its model builder sets the core fields from them).
 _SPELLINGS = {
     "override-opt_param-scheduler": "override_opt_param_scheduler",
     "use-checkpoint-opt_param-scheduler": "use_checkpoint_opt_param_scheduler",
+    "export-qk-l2-norm": "qk_l2_norm",
+    "export-moe-apply-probs-on-input": "moe_apply_probs_on_input",
 }
 # ModelOpt's --export-model-type: mp builds GPTModel; the other two are Mamba-hybrid models.
 _MODEL_TYPE = "export_model_type"
