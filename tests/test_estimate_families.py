@@ -131,3 +131,17 @@ def test_estimate_holds_what_a_tensor_parallel_rank_allocates(fields, etp):
     experts = sum(n for name, n in held.items() if ".experts." in name)
     assert sum(held.values()) - experts == result["parameters_on_most_loaded_shard"]
     assert experts == result["expert_parameters_on_most_loaded_shard"]
+
+
+def test_the_l2_qk_norm_holds_no_weights_over_qk_layernorm():
+    """Megatron's Llama 4 Scout line gives --qk-layernorm and --export-qk-l2-norm: the L2
+    norm replaces the layernorm, so there are no QK norm weights to count."""
+    model = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4,
+                              position_embedding_type="rope", qk_layernorm=True,
+                              qk_l2_norm=True, attention_dropout=0.0)  # fmt: skip
+    run = RunConfig(model=model, parallel=ParallelConfig(), gpt=GPTConfig(seq_length=32),
+                    optimizer=OptimizerConfig(), data=DataConfig(vocab_size=128),
+                    training=TrainingConfig(micro_batch_size=1))  # fmt: skip
+    result = estimate(run, world_size=1, vocab_size=128)
+    gpt = GPTModel(model, "local", result["padded_vocab_size"], 32, groups=ModelGroups.single())
+    assert sum(p.numel() for p in gpt.parameters()) == result["num_parameters"]

@@ -13,7 +13,8 @@ A layer's parameters (each norm x 2 for LayerNorm, its bias; checked against GPT
 count, tests/test_estimate_families.py):
 
     attention    2hd(a + g) (Q, K, V, out); biases d(a + 2g) with add_bias_linear or
-                 add_qkv_bias, h (out's) with add_bias_linear; qk-layernorm 2d; a sink
+                 add_qkv_bias, h (out's) with add_bias_linear; qk-layernorm 2d (none under
+                 qk_l2_norm, which has no weights); a sink
                  per head with softmax_type learnable
     MLA          queries r_q(h + a(dn + dr)) (ha(dn + dr) without r_q), keys and values
                  r(h + a(dn + dv)) + h dr, out a dv h (+ h bias), the latent norms r_q and r
@@ -107,7 +108,7 @@ def _attention(m: TransformerConfig) -> Held:
         split += d * (a + 2 * g)
     if m.softmax_type == "learnable":
         split += a  # one sink logit per head
-    qk_norms = 2 * d * norm if m.qk_layernorm else 0
+    qk_norms = 2 * d * norm if m.qk_layernorm and not m.qk_l2_norm else 0  # L2: no weights
     return Held(split=split, whole=qk_norms + out_bias)
 
 
