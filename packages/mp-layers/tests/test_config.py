@@ -57,6 +57,16 @@ def test_defaults_follow_megatron():
               rotary_interleaved=True), "rotary_interleaved=True does not work with multi_"),
         (dict(position_embedding_type="rope", multi_latent_attention=True, qk_l2_norm=True),
          "qk_l2_norm=True is not supported with multi_latent_attention"),
+        (dict(attention_chunk_size=8), "attention_chunk_size=8 applies to the layers with "
+                                        "rotary embeddings"),
+        (dict(position_embedding_type="rope", attention_chunk_size=0),
+         "attention_chunk_size=0 must be a positive integer"),
+        (dict(position_embedding_type="rope", attention_chunk_size=8, window_size=(3, 0)),
+         "choose one way of limiting attention"),
+        (dict(position_embedding_type="rope", attn_temperature_floor_scale=8),
+         "attn_temperature_floor_scale=8 scales the queries of the layers without rotary "
+         "embeddings: it needs no_rope_freq"),
+        (dict(attn_temperature_scale=0.2), "attn_temperature_scale=0.2 needs attn_temperature_"),
         (dict(bf16=True, fp16=True), "bf16=True and fp16=True are exclusive"),
         (dict(recompute_granularity="full"), "needs recompute_method"),
         (dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=5),

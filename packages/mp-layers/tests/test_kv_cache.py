@@ -1,9 +1,11 @@
 """Generation from a KVCache equals recomputing every position: a batch of prompts of
 different lengths (left-padded), a prefill, then one position at a time, gives at every
 step each sequence's logits of a full forward of that sequence alone; with rotary
-(grouped-query attention), learned position embeddings and multi-latent attention (whose
-cache holds latents; attention over them against the heads' keys of the full forward),
-at TP1 and TP2. The latent cache's bytes per position and layer are r + dr elements."""
+(grouped-query attention), learned position embeddings, multi-latent attention
+(whose cache holds latents; attention over them against the heads' keys of the full
+forward) and Llama 4's attention (chunked, with NoPE layers and their query temperature:
+the cache's block mask against the full forward's blocks), at TP1 and TP2. The latent
+cache's bytes per position and layer are r + dr elements."""
 
 import pytest
 import torch
@@ -23,6 +25,15 @@ STYLES = {
                 qk_layernorm=True, normalization="RMSNorm", position_embedding_type="rope",
                 yarn_rotary_scaling_factor=4.0, yarn_original_max_position_embeddings=16,
                 yarn_mscale_all_dim=0.9, add_bias_linear=False),
+    # Llama 4: layer 1 without rotary embeddings, its queries scaled from position 2 on;
+    # layer 0 rotating interleaved pairs with L2-normalized queries and keys, attending
+    # within blocks of 4 positions (the prompts and the steps cross several)
+    "llama4": dict(num_attention_heads=4, num_query_groups=2, kv_channels=8,
+                   ffn_hidden_size=48, normalization="RMSNorm", activation="swiglu",
+                   position_embedding_type="rope", add_bias_linear=False,
+                   rotary_interleaved=True, no_rope_freq=2, qk_l2_norm=True,
+                   qk_l2_norm_layers="rope", attention_chunk_size=4,
+                   attn_temperature_floor_scale=3, attn_temperature_scale=0.5),
 }  # fmt: skip
 
 
@@ -74,7 +85,7 @@ def tp_body() -> dict[str, float]:
     torch.set_num_threads(1)
     state = mp_state.initialize(mp_state.ParallelConfig(tensor_model_parallel_size=2))
     return {style: check_cached_equals_recomputed(style, ModelGroups.of(state))
-            for style in ("llama-gqa", "mla")}  # fmt: skip
+            for style in ("llama-gqa", "mla", "llama4")}  # fmt: skip
 
 
 @pytest.mark.multirank

@@ -199,8 +199,12 @@ def test_probs_on_input_scale_the_experts_input_as_llama_4(grouped):
     """Top-1 sigmoid routing with the weight applied to the expert's input (Llama 4):
     each token's output is its shared expert's plus expert(p x) of its one expert; the
     router's weight still gets its gradient through p."""
-    llama4 = dict(moe_router_topk=1, moe_router_score_function="sigmoid",
-                  moe_shared_expert_intermediate_size=12, init_method_std=0.3)
+    llama4 = dict(
+        moe_router_topk=1,
+        moe_router_score_function="sigmoid",
+        moe_shared_expert_intermediate_size=12,
+        init_method_std=0.3,
+    )
     cfg = config(**llama4, moe_apply_probs_on_input=True, moe_grouped_gemm=grouped)
     torch.manual_seed(0)
     layer = MoELayer(cfg, ALONE)
@@ -232,8 +236,10 @@ def test_probs_on_input_scale_the_experts_input_as_llama_4(grouped):
     ("settings", "message"),
     [
         (dict(moe_router_topk=5), "moe_router_topk=5 exceeds num_moe_experts=4"),
-        (dict(moe_apply_probs_on_input=True), "moe_apply_probs_on_input=True needs "
-                                              "moe_router_topk=1 \\(got 2\\)"),
+        (
+            dict(moe_apply_probs_on_input=True),
+            "moe_apply_probs_on_input=True needs moe_router_topk=1 \\(got 2\\)",
+        ),
         (
             dict(add_bias_linear=True, moe_shared_expert_intermediate_size=8),
             "add_bias_linear=True with moe_shared_expert_intermediate_size=8",

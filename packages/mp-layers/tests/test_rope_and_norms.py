@@ -1,12 +1,16 @@
 """Rotary embeddings against the complex-number definition (halves and interleaved pairs);
-norms from the config; Llama 4's attention parts (NoPE layers, the L2 QK norm)."""
+norms from the config; Llama 4's attention parts (NoPE layers and their query temperature,
+the L2 QK norm, chunked attention)."""
 
 import pytest
 import torch
 
 from mp_layers import ModelGroups, TransformerConfig
 from mp_layers.transformer.attention import SelfAttention
+from mp_layers.transformer.chunked_attention import attend_in_blocks, block_mask
+from mp_layers.transformer.core_attention import CoreAttention
 from mp_layers.transformer.norms import L2Norm, build_norm
+from mp_layers.transformer.packed import PackedSeqParams
 from mp_layers.transformer.rope import (
     Llama3Scaling,
     Rotary,
@@ -159,3 +163,55 @@ def test_qk_l2_norm_replaces_qk_layernorm_on_the_layers_it_names(layers):
         assert not any("layernorm" in key for key in module.sharded_state_dict())
         plain = attention(layer)
         assert torch.equal(module(x, rope)[0], plain(x, rope)[0]) != normed
+
+
+def test_the_nope_layers_query_temperature_is_llama_4s():
+    """1 + scale ln(1 + floor((p + 1) / floor_scale)): 1 before position floor_scale - 1."""
+    rope = RotaryEmbedding(8, interleaved=True, temperature=(4, 0.5))(12)
+    p = torch.arange(12, dtype=torch.float64)
+    want = 1 + 0.5 * torch.log(1 + torch.floor((p + 1) / 4))
+    assert rope.query_scale.shape == (12, 1, 1, 1)
+    torch.testing.assert_close(rope.query_scale.flatten().double(), want)
+    assert rope.query_scale[:3].eq(1).all() and rope.query_scale[3] > 1
+    assert RotaryEmbedding(8)(12).query_scale is None
+    x = torch.randn(12, 2, 32)
+    nope, rotary = attention(1, attn_temperature_floor_scale=4), attention(0)
+    scaled = Rotary(rope.cos, rope.sin, rope.query_scale)
+    out, plain = nope(x, scaled)[0], nope(x, rope._replace(query_scale=None))[0]
+    assert torch.equal(out[:3], plain[:3]) and not torch.allclose(out[3:], plain[3:])
+    assert torch.equal(rotary(x, scaled)[0], rotary(x, rope._replace(query_scale=None))[0])
+
+
+@pytest.mark.parametrize("backend", ["flash", "local"])
+@pytest.mark.parametrize("s", [4, 11, 12])
+def test_chunked_attention_sees_only_its_block(backend, s):
+    """The blocks as batch entries (padded) equal each block attended alone and the block
+    mask; a sequence within one block is attended whole."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(s, 2, 4, 8), torch.randn(s, 2, 2, 8), torch.randn(s, 2, 2, 8)
+    core = CoreAttention(0.0, None, backend)
+    got = attend_in_blocks(lambda *qkv: core(*qkv), 4, q, k, v)
+    alone = torch.cat([core(q[i : i + 4], k[i : i + 4], v[i : i + 4]) for i in range(0, s, 4)])
+    torch.testing.assert_close(got, alone)
+    positions = torch.arange(s)[None]
+    causal = torch.ones(s, s, dtype=torch.bool).triu(1)[None, None]
+    masked = core(q, k, v, causal | block_mask(positions, positions, 4))
+    torch.testing.assert_close(got, masked)
+
+
+def test_chunked_attention_applies_to_the_rotary_layers():
+    x = torch.randn(10, 2, 32)
+    rope = RotaryEmbedding(8, interleaved=True)(10)
+    for layer in range(4):
+        chunked, whole = attention(layer, attention_chunk_size=4), attention(layer)
+        assert (chunked.chunk is not None) == (layer % 2 == 0)
+        same_start = torch.equal(chunked(x, rope)[0][:4], whole(x, rope)[0][:4])
+        assert same_start  # the first block sees the same keys either way
+        assert torch.equal(chunked(x, rope)[0], whole(x, rope)[0]) == (layer % 2 == 1)
+    packed = PackedSeqParams.from_document_ids(torch.zeros(2, 10, dtype=torch.long))
+    with pytest.raises(
+        ValueError,
+        match="attention_chunk_size=4 over sequences of 10 "
+        "positions with packed sequences is not implemented",
+    ):
+        attention(0, attention_chunk_size=4)(x, rope, packed)

@@ -231,6 +231,23 @@ class TransformerConfig:
     embeddings, 0 = rotary ("([0]*3+[1])*12"). Needs position_embedding_type "rope" or
     "yarn", without multi_latent_attention. None: every layer rotates."""
 
+    attention_chunk_size: int | None = None
+    """Llama 4's chunked attention (Hugging Face's attention_chunk_size; Megatron has none):
+    the layers with rotary embeddings attend only within aligned blocks of this many
+    positions (position p sees positions C floor(p / C) .. p), the no_rope_freq layers
+    over the whole sequence. Packed sequences and context parallelism over more than one
+    block are refused at the forward. None: every layer sees every earlier position."""
+
+    attn_temperature_floor_scale: int | None = None
+    """Llama 4's temperature tuning of the no_rope_freq layers' queries (Hugging Face's
+    attn_temperature_tuning with floor_scale; Megatron has none): the query at position p
+    is multiplied by 1 + attn_temperature_scale ln(1 + floor((p + 1) / this)), which is 1
+    before position this - 1. None: no scaling."""
+
+    attn_temperature_scale: float = 0.1
+    """The slope of attn_temperature_floor_scale's query scaling (Hugging Face's
+    attn_scale)."""
+
     # --- Multi-latent attention (Megatron's --multi-latent-attention and MLA options) ----
 
     multi_latent_attention: bool = False

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from mp_layers.config_rules import choice
+from mp_layers.config_rules import choice, positive
 
 if TYPE_CHECKING:
     from mp_layers.config import TransformerConfig
@@ -194,9 +194,8 @@ def _check_rope_layers(config: TransformerConfig) -> None:
         raise ValueError("qk_l2_norm=True is not supported with multi_latent_attention")
     choice("qk_l2_norm_layers", config.qk_l2_norm_layers, ("all", "rope"))
     if config.qk_l2_norm_layers != "all" and not config.qk_l2_norm:
-        raise ValueError(
-            f"qk_l2_norm_layers={config.qk_l2_norm_layers!r} needs qk_l2_norm=True"
-        )
+        raise ValueError(f"qk_l2_norm_layers={config.qk_l2_norm_layers!r} needs qk_l2_norm=True")
+    _check_llama4_attention(config)
     if config.no_rope_freq is None:
         return
     if config.position_embedding_type not in ("rope", "yarn") or mla:
@@ -207,6 +206,36 @@ def _check_rope_layers(config: TransformerConfig) -> None:
             + (" with multi_latent_attention" if mla else "")
         )
     rope_layer_pattern(config)  # validates no_rope_freq
+
+
+def _check_llama4_attention(config: TransformerConfig) -> None:
+    chunk, floor = config.attention_chunk_size, config.attn_temperature_floor_scale
+    rotary = config.position_embedding_type in ("rope", "yarn")
+    if chunk is not None:
+        positive("attention_chunk_size", chunk)
+        if not rotary or config.multi_latent_attention:
+            raise ValueError(
+                f"attention_chunk_size={chunk} applies to the layers with rotary embeddings "
+                "(position_embedding_type 'rope' or 'yarn', without multi_latent_attention), "
+                f"got position_embedding_type={config.position_embedding_type!r}"
+            )
+        if config.window_size is not None:
+            raise ValueError(
+                f"attention_chunk_size={chunk} with window_size={config.window_size}: "
+                "choose one way of limiting attention"
+            )
+    if floor is not None:
+        positive("attn_temperature_floor_scale", floor)
+        if config.no_rope_freq is None:
+            raise ValueError(
+                f"attn_temperature_floor_scale={floor} scales the queries of the layers "
+                "without rotary embeddings: it needs no_rope_freq"
+            )
+    elif config.attn_temperature_scale != 0.1:
+        raise ValueError(
+            f"attn_temperature_scale={config.attn_temperature_scale} needs "
+            "attn_temperature_floor_scale"
+        )
 
 
 def rope_layer_pattern(config: TransformerConfig) -> list[bool]:
@@ -220,15 +249,13 @@ def rope_layer_pattern(config: TransformerConfig) -> list[bool]:
     if isinstance(freq, int) and not isinstance(freq, bool):
         if freq < 1 or n_layers % freq:
             raise ValueError(
-                f"no_rope_freq={freq} must be a positive integer dividing "
-                f"num_layers={n_layers}"
+                f"no_rope_freq={freq} must be a positive integer dividing num_layers={n_layers}"
             )
         return [(i + 1) % freq != 0 for i in range(n_layers)]
     pattern = list(freq)
     if len(pattern) != n_layers or any(x not in (0, 1) or isinstance(x, bool) for x in pattern):
         raise ValueError(
-            f"no_rope_freq={freq!r} must be an integer or {n_layers} values (num_layers) "
-            "of 0 or 1"
+            f"no_rope_freq={freq!r} must be an integer or {n_layers} values (num_layers) of 0 or 1"
         )
     return [not x for x in pattern]
 

@@ -136,6 +136,8 @@ class GPTModel(torch.nn.Module):
                     config.rope_scaling_original_max_position_embeddings,
                 ) if config.use_rope_scaling else None,
                 yarn=yarn_scaling(config), interleaved=config.rotary_interleaved,
+                temperature=None if config.attn_temperature_floor_scale is None else (
+                    config.attn_temperature_floor_scale, config.attn_temperature_scale),
             )  # fmt: skip
         self.decoder = TransformerBlock(
             config, groups, rng_tracker, spec=get_layer_spec(spec), layer_offset=layer_offset,
@@ -227,7 +229,8 @@ class GPTModel(torch.nn.Module):
             rotary = None
         elif kv_cache is not None:
             # Cast once for every layer (apply_rotary_pos_emb casts to the activations' dtype).
-            rotary = Rotary(*(t.to(hidden.dtype) for t in self.rotary.at(position_ids.t())))
+            cos, sin, query_scale = self.rotary.at(position_ids.t())
+            rotary = Rotary(cos.to(hidden.dtype), sin.to(hidden.dtype), query_scale)
         elif isinstance(attention_mask, PackedSeqParams):  # positions restart per document
             rotary = self.rotary.at(attention_mask.positions.t())
         else:
@@ -352,7 +355,8 @@ class GPTModel(torch.nn.Module):
         rotary = self.rotary(s * cp.size)
         if cp.size == 1:
             return rotary
-        return Rotary(*(shard_sequence(t, cp.size, cp.rank, dim=0) for t in rotary))
+        return Rotary(*(None if t is None else shard_sequence(t, cp.size, cp.rank, dim=0)
+                        for t in rotary))  # fmt: skip
 
     def _embed(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
         hidden = self.embedding(input_ids.t())  # [s, b, h], or [s/tp, b, h]

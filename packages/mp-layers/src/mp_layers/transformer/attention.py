@@ -20,6 +20,9 @@ Rotary embeddings rotate q and k after the QK norm (Megatron's order; an L2 norm
 no weight, commutes with the rotation, so Llama 4's rotate-then-normalize is the same),
 in the pairs rotary_interleaved says, on the layers no_rope_freq leaves them
 (rope_layer_pattern). qk_l2_norm's norm holds no weights: nothing enters the checkpoint.
+Llama 4's rotary layers attend within blocks of attention_chunk_size positions
+(chunked_attention.py; with a KVCache through the cache's block mask), and its other
+layers' queries take Rotary.query_scale (attn_temperature_floor_scale).
 """
 
 from __future__ import annotations
@@ -42,9 +45,11 @@ from mp_layers.tensor_parallel import (
     init_partitioned_weight,
     replicated_state_dict,
 )
+from mp_layers.transformer.chunked_attention import attend_in_blocks, block_mask
 from mp_layers.transformer.kv_cache import KVCache
 from mp_layers.transformer.mlp import residual_projection
 from mp_layers.transformer.norms import L2Norm
+from mp_layers.transformer.packed import PackedSeqParams
 from mp_layers.transformer.recompute import checkpointed
 from mp_layers.transformer.rope import Rotary, apply_rotary_pos_emb
 from mp_state import RNGStatesTracker
@@ -85,6 +90,8 @@ class SelfAttention(torch.nn.Module):
         )  # fmt: skip
         self.rotates = rope_layer_pattern(config)[layer_number]
         self.interleaved = config.rotary_interleaved
+        self.chunk = config.attention_chunk_size if self.rotates else None
+        self.cp_size = groups.cp.size
         if config.qk_l2_norm:  # replaces qk_layernorm (Megatron's precedence); no weights
             l2 = qk_l2_norm_layer_pattern(config)[layer_number]
             self.q_layernorm = L2Norm(config.layernorm_epsilon) if l2 else None
@@ -134,15 +141,35 @@ class SelfAttention(torch.nn.Module):
         if rotary is not None and self.rotates:
             q = apply_rotary_pos_emb(q, rotary, self.interleaved)
             k = apply_rotary_pos_emb(k, rotary, self.interleaved)
+        elif rotary is not None and rotary.query_scale is not None:  # Llama 4's temperature
+            q = (q * rotary.query_scale).to(q.dtype)
         if kv_cache is not None and self.window is None:
             k, v = kv_cache.update(self.layer_number, k, v)
+            if self.chunk is not None:
+                attention_mask = kv_cache.chunked_attention_mask(s, self.chunk, q.device)
         elif kv_cache is not None:  # the layer's ring of recent keys, with its own mask
             k, v, attention_mask = kv_cache.update_window(self.layer_number, k, v, self.window)
+        attend = self.core_attention
         if self.recompute_core_attention and self.training and torch.is_grad_enabled():
-            context = checkpointed(self.core_attention, self.rng_tracker, q, k, v, attention_mask)
-        else:
-            context = self.core_attention(q, k, v, attention_mask)
-        return self.linear_proj(context)
+            attend = functools.partial(checkpointed, self.core_attention, self.rng_tracker)
+        if self.chunk is not None and kv_cache is None and s * self.cp_size > self.chunk:
+            return self.linear_proj(self._attend_in_blocks(attend, q, k, v, attention_mask))
+        return self.linear_proj(attend(q, k, v, attention_mask))
+
+    def _attend_in_blocks(self, attend, q, k, v, attention_mask) -> torch.Tensor:
+        """Chunked attention (chunked_attention.py) over a sequence longer than a block."""
+        if self.cp_size > 1 or isinstance(attention_mask, PackedSeqParams):
+            what = "context parallelism" if self.cp_size > 1 else "packed sequences"
+            raise ValueError(
+                f"attention_chunk_size={self.chunk} over sequences of {q.shape[0] * self.cp_size}"
+                f" positions with {what} is not implemented: use sequences of at most "
+                f"{self.chunk} positions"
+            )
+        if attention_mask is None:
+            return attend_in_blocks(lambda *qkv: attend(*qkv, None), self.chunk, q, k, v)
+        positions = torch.arange(q.shape[0], device=q.device)[None]
+        outside = block_mask(positions, positions, self.chunk)
+        return attend(q, k, v, attention_mask | outside)
 
     def sharded_state_dict(self, prefix: str = "") -> dict[str, ShardedTensor]:
         pieces = self.linear_proj.sharded_state_dict(f"{prefix}linear_proj.")

@@ -26,11 +26,16 @@ A multi-latent attention layer keeps one tensor, [max_length, b, 1, kv_lora_rank
 qk_pos_emb_head_dim] (stored [b, 1, max_length, w]): each position's normalized key/value
 latent and its rotated key, from which every head's key and value are computed
 (`update_latent`; multi_latent_attention.py attends in the latent space).
+
+A layer with chunked attention (Llama 4) keeps every position, as a full-attention
+layer, and masks the keys of earlier blocks (`chunked_attention_mask`).
 """
 
 from __future__ import annotations
 
 import torch
+
+from mp_layers.transformer.chunked_attention import block_mask
 
 __all__ = ["KEY_BLOCK", "KVCache", "ring_slots"]
 
@@ -69,6 +74,8 @@ class KVCache:
         self._layers: dict[int, tuple[torch.Tensor, ...]] = {}
         self._window_masks: dict[tuple[int, int, bool], torch.Tensor] = {}
         """This forward's masks of the windowed layers, by (window, s, in place)."""
+        self._block_masks: dict[tuple[int, int], torch.Tensor] = {}
+        """This forward's masks of the chunked layers, by (chunk, s)."""
 
     @property
     def batch_size(self) -> int:
@@ -113,6 +120,21 @@ class KVCache:
         positions through the values)."""
         keys = torch.arange(self.slots_read(s), device=device)
         return self._mask(s, keys, None)
+
+    def chunked_attention_mask(
+        self, s: int, chunk: int, device: torch.device | str
+    ) -> torch.Tensor:
+        """attention_mask(s) of a layer attending within aligned blocks of `chunk`
+        positions (Llama 4's chunked attention, chunked_attention.py): also masked, the
+        keys of earlier blocks than their query's. Blocks count from each sequence's
+        first real token, as its positions do."""
+        if (chunk, s) not in self._block_masks:
+            keys = self.slots_read(s)
+            key_positions = (torch.arange(keys, device=device)[None, :]
+                             - self.padding.to(device)[:, None]).clamp(min=0)  # fmt: skip
+            outside = block_mask(self.position_ids(s, device), key_positions, chunk)
+            self._block_masks[chunk, s] = self.attention_mask(s, device) | outside
+        return self._block_masks[chunk, s]
 
     def update(
         self, layer: int, k: torch.Tensor, v: torch.Tensor
@@ -176,6 +198,7 @@ class KVCache:
         """Marks s more positions filled (the model calls it after its forward)."""
         self.length += s
         self._window_masks.clear()
+        self._block_masks.clear()
 
     def _storage(
         self, layer: int, new: tuple[torch.Tensor, ...], slots: int

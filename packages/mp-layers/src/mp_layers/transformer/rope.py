@@ -138,6 +138,9 @@ class Rotary(NamedTuple):
 
     cos: torch.Tensor
     sin: torch.Tensor
+    query_scale: torch.Tensor | None = None
+    """[s, 1 or b, 1, 1] fp32: the factor of the queries of the layers without rotary
+    embeddings (Llama 4's temperature tuning), or None."""
 
 
 class RotaryEmbedding(torch.nn.Module):
@@ -152,9 +155,13 @@ class RotaryEmbedding(torch.nn.Module):
         llama3_scaling: Llama3Scaling | None = None,
         yarn: YarnScaling | None = None,
         interleaved: bool = False,
+        temperature: tuple[int, float] | None = None,
     ) -> None:
+        """temperature: (floor_scale, attn_scale) of Llama 4's query scaling on the
+        layers without rotary embeddings (Rotary.query_scale), or None."""
         super().__init__()
         self.interleaved = interleaved
+        self.temperature = temperature
         rot = int(kv_channels * rotary_percent)
         if rot < 2 or rot % 2:
             raise ValueError(
@@ -180,6 +187,11 @@ class RotaryEmbedding(torch.nn.Module):
         """The rotations of positions [s, b] (each sequence its own): cos and sin
         [s, b, 1, rot]."""
         positions = positions.to(self.inv_freq.device, torch.float32)
+        query_scale = None
+        if self.temperature is not None:  # 1 + scale ln(1 + floor((p + 1) / floor_scale))
+            floor_scale, scale = self.temperature
+            steps = torch.floor((positions + 1.0) / floor_scale)
+            query_scale = (torch.log1p(steps) * scale + 1.0)[:, :, None, None]
         if self.seq_len_interpolation_factor is not None:
             positions = positions / self.seq_len_interpolation_factor
         angles = positions[..., None] * self.inv_freq  # [s, b, rot/2]
@@ -187,9 +199,10 @@ class RotaryEmbedding(torch.nn.Module):
             angles = angles.repeat_interleave(2, dim=-1)[:, :, None, :]
         else:  # f0 f1 ... f0 f1 ...
             angles = torch.cat([angles, angles], dim=-1)[:, :, None, :]
-        if self.attention_factor == 1.0:
-            return Rotary(angles.cos(), angles.sin())
-        return Rotary(angles.cos() * self.attention_factor, angles.sin() * self.attention_factor)
+        cos, sin = angles.cos(), angles.sin()
+        if self.attention_factor != 1.0:
+            cos, sin = cos * self.attention_factor, sin * self.attention_factor
+        return Rotary(cos, sin, query_scale)
 
 
 def apply_rotary_pos_emb(
