@@ -32,11 +32,13 @@ FAMILIES = {
                 "--activation-func-clamp-value", "7.0", "--add-bias-linear", "--add-qkv-bias",
                 "--moe-z-loss-coeff", "0", "--untie-embeddings-and-output-weights"],
     # Llama 4 (Maverick's layout): interleaved rotary pairs with Llama 3.1's scaling, no
-    # rotary embeddings on every second layer, L2-normalized queries and keys on the others,
-    # dense and MoE layers alternating, top-1 sigmoid routing applied to the experts' input
-    # beside a shared expert
+    # rotary embeddings on every second layer (their queries scaled from position 7 on),
+    # L2-normalized queries and keys on the others, which attend within blocks of 16
+    # positions; dense and MoE layers alternating, top-1 sigmoid routing applied to the
+    # experts' input beside a shared expert
     "llama4": ["--rotary-interleaved", "--use-rope-scaling", "--rope-scaling-factor", "8",
                "--no-rope-freq", "2", "--qk-l2-norm", "--qk-l2-norm-layers", "rope",
+               "--attention-chunk-size", "16", "--attn-temperature-floor-scale", "8",
                "--moe-layer-freq", "([0,1]*2)", "--moe-router-topk", "1",
                "--moe-router-score-function", "sigmoid", "--moe-apply-probs-on-input",
                "--moe-shared-expert-intermediate-size", "128", "--moe-z-loss-coeff", "0",
@@ -51,6 +53,12 @@ LAYOUTS = {
 }
 
 
+NOT_RUN = {
+    ("llama4", "cp2"): "chunked attention across context-parallel ranks is refused "
+                       "(packages/mp-train/tests/test_validate.py)",
+}  # fmt: skip
+
+
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def reference(request, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp(request.param)
@@ -62,6 +70,8 @@ def reference(request, tmp_path_factory):
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_family_trains_as_one_rank(tmp_path, reference, layout):
     family, want = reference
+    if (family, layout) in NOT_RUN:
+        pytest.skip(NOT_RUN[family, layout])
     options = tiny_moe_options(tmp_path, *FAMILIES[family], *LAYOUTS[layout])
     run_on_ranks(train_on_rank, 2, options, timeout=300)
     assert len(want) == 4

@@ -18,6 +18,8 @@ def _validate(*flags: str, world: int = 4) -> dict[str, int]:
 
 
 MOE = ["--num-experts", "4", "--moe-ffn-hidden-size", "32", "--disable-bias-linear"]
+# Llama 4's chunked attention, in blocks of half the sequence
+LLAMA4_CHUNKS = ["--position-embedding-type", "rope", "--attention-chunk-size", "16"]
 
 
 def test_the_layouts_validate():
@@ -79,6 +81,17 @@ def test_the_layouts_validate():
             8,
             r"^cp_comm_type='a2a' splits .* num_query_groups=4 / tensor_model_parallel_size=2 "
             r"over context_parallel_size=4",
+        ),
+        (
+            [*LLAMA4_CHUNKS, "--context-parallel-size", "2", "--attention-dropout", "0"],
+            4,
+            r"^attention_chunk_size=16 below seq_length=32 with context_parallel_size=2 is "
+            r"not implemented: use seq_length <= 16$",
+        ),
+        (
+            [*LLAMA4_CHUNKS, "--reset-attention-mask"],
+            4,
+            r"^attention_chunk_size=16 below seq_length=32 with samples of several documents",
         ),
     ],
 )

@@ -427,6 +427,7 @@ def _check_model_parallel(config: RunConfig) -> None:
             f"expert_tensor_parallel_size={parallel.expert_tensor_parallel_size} needs "
             "num_moe_experts (a MoE model); leave it unset"
         )
+    _check_chunked_attention(config)
     padded, tp = config.data.padded_vocab_size, parallel.tensor_model_parallel_size
     if padded is not None and padded % tp:
         raise ValueError(
@@ -440,6 +441,24 @@ def _check_model_parallel(config: RunConfig) -> None:
         raise ValueError(
             f"seq_length={seq} is not divisible by 2 x context_parallel_size={cp}: each "
             "context-parallel rank holds two equal chunks of every sequence"
+        )
+
+
+def _check_chunked_attention(config: RunConfig) -> None:
+    """Llama 4's chunked attention splits a sequence longer than attention_chunk_size into
+    blocks on one rank; documents (packed samples) and context-parallel chunks would cut
+    across them, which mp does not implement."""
+    chunk, seq = config.model.attention_chunk_size, config.gpt.seq_length
+    if chunk is None or seq <= chunk:
+        return
+    cp = config.parallel.context_parallel_size
+    documents = config.data.batches_carry_documents
+    if cp > 1 or documents:
+        what = (f"context_parallel_size={cp}" if cp > 1 else
+                "samples of several documents (--sft or --reset-attention-mask)")  # fmt: skip
+        raise ValueError(
+            f"attention_chunk_size={chunk} below seq_length={seq} with {what} is not "
+            f"implemented: use seq_length <= {chunk}"
         )
 
 
