@@ -43,6 +43,12 @@ DEEPSEEK = dict(SMALL, num_attention_heads=4, num_key_value_heads=4, intermediat
 DEEPSEEK_V3 = dict(DEEPSEEK, q_lora_rank=24, n_group=2, topk_group=1, n_shared_experts=1,
                    routed_scaling_factor=2.5, num_nextn_predict_layers=0,
                    scoring_func="sigmoid", topk_method="noaux_tc")  # fmt: skip
+# Llama 4: 4 layers, experts of 32 beside a shared expert of 32, dense layers of 48
+LLAMA4 = dict(SMALL, num_hidden_layers=4, head_dim=16, intermediate_size=32,
+              intermediate_size_mlp=48, num_local_experts=4, num_experts_per_tok=1)  # fmt: skip
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+               "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16}  # fmt: skip
 CASES = {
     # Qwen2.5: q/k/v biases; the small sizes tie the output layer
     "qwen2": lambda: transformers.Qwen2Config(**SMALL, intermediate_size=96),
@@ -76,6 +82,17 @@ CASES = {
     # renormalization, 2 shared experts
     "deepseek_v2": lambda: transformers.DeepseekV2Config(
         **DEEPSEEK, q_lora_rank=None, n_shared_experts=2, scoring_func="softmax"),
+    # Llama 4 Scout's shape: experts on every layer, layer 1 without rotary embeddings
+    # (its queries scaled from position 5 on), L2-normalized queries and keys on the others,
+    # which attend within blocks of 8 positions (crossed by the prompts and the generated
+    # tokens), Llama 3.1's rotary scaling
+    "llama4_text-scout": lambda: transformers.Llama4TextConfig(
+        **LLAMA4, no_rope_layers=[1, 0, 1, 1], rope_parameters=LLAMA3_ROPE,
+        attention_chunk_size=8, floor_scale=6, attn_scale=0.5),
+    # Llama 4 Maverick's: dense and expert layers alternating (layer 3 without rotary
+    # embeddings: the interval 4), no query/key norm
+    "llama4_text-maverick": lambda: transformers.Llama4TextConfig(
+        **LLAMA4, interleave_moe_layer_step=2, use_qk_norm=False),
 }  # fmt: skip
 
 

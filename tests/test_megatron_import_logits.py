@@ -1,7 +1,9 @@
 """A Megatron-LM checkpoint imported by mp-ckpt gives, in mp's GPTModel, the logits
 megatron-core computed with it (packages/mp-ckpt/tests/assets/megatron/*/reference.pt),
-the DeepSeek-shaped ones (multi-latent attention, DeepSeek's MoE) too, and the losses
-of the multi-token prediction module one of them has."""
+the DeepSeek-shaped ones (multi-latent attention, DeepSeek's MoE) and the Llama 4-shaped
+one (interleaved rotary pairs with Llama 3's scaling, NoPE layers, L2-normalized queries
+and keys, top-1 routing weights on the experts' input) too, and the losses of the
+multi-token prediction module one of them has."""
 
 import dataclasses
 from pathlib import Path
@@ -22,7 +24,8 @@ ASSETS = Path(__file__).resolve().parents[1] / "packages/mp-ckpt/tests/assets/me
                                   "llama_torch_pp2_dp2_distopt",
                                   "llama_torch_dist_tp2_dp2_distopt",
                                   "mla_moe_torch_dist_tp2",
-                                  "mla_moe_mtp_torch_tp2_ep2"])  # fmt: skip
+                                  "mla_moe_mtp_torch_tp2_ep2",
+                                  "llama4_moe_torch_dist_tp2"])  # fmt: skip
 def test_imported_megatron_checkpoint_gives_megatron_logits(case, tmp_path):
     out = import_megatron(ASSETS / case, tmp_path / "mp")
     settings = torch.load(out / "common.pt", weights_only=False)["model_config"]

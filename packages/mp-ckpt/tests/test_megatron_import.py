@@ -205,3 +205,21 @@ def test_multi_latent_attention_under_the_te_specs_names_and_layout(tmp_path):
     assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
     with pytest.raises(ValueError, match="--with-optimizer: the Adam state of a model with multi"):
         import_megatron(ASSETS / case, tmp_path / "adam", with_optimizer=True)
+
+
+def test_llama4_settings_are_recorded_as_megatron_ran_them(tmp_path):
+    """The Llama 4-shaped fixture records Megatron's interleaved rotary pairs, Llama 3's
+    rotary scaling, NoPE layers, query/key L2 norms and routing weights on the experts'
+    input as they were given; the norms have no weights, and the MoE layers are the first
+    and the third (--moe-layer-freq 2)."""
+    case = "llama4_moe_torch_dist_tp2"
+    args = safe_load(ASSETS / case / "reference.pt")["args"]
+    out = import_megatron(ASSETS / case, tmp_path / "mp")
+    settings = torch.load(out / "common.pt", weights_only=False)["model_config"]
+    for name in ("rotary_interleaved", "use_rope_scaling", "rope_scaling_factor", "rotary_base",
+                 "no_rope_freq", "qk_l2_norm", "moe_apply_probs_on_input"):  # fmt: skip
+        assert settings[name] == args[name], name
+    assert settings["moe_router_topk"] == 1
+    keys = set(CheckpointReader(tmp_path / "mp").keys)
+    assert [i for i in range(4) if f"decoder.layers.{i}.mlp.router.weight" in keys] == [0, 2]
+    assert not any("layernorm" in k and "self_attention" in k for k in keys)

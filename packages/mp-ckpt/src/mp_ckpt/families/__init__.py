@@ -3,7 +3,8 @@
     ARCHITECTURES               every family's Hugging Face model_type (no torch import,
                                 for `mp-ckpt --help`)
     family(model_type)          its Family (table.py): rules and config.json mapping (an
-                                alias in ALIASES: the family it names)
+                                alias in ALIASES: the family it names; one in REFUSED:
+                                an error saying why not)
     family_of(settings)         the family a model's settings describe, for a checkpoint
                                 that does not say which it was imported as
 
@@ -18,19 +19,28 @@ from __future__ import annotations
 
 import importlib
 
-__all__ = ["ALIASES", "ARCHITECTURES", "family", "family_of"]
+__all__ = ["ALIASES", "ARCHITECTURES", "REFUSED", "family", "family_of"]
 
 ARCHITECTURES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "nemotron", "mixtral",
-                 "qwen2_moe", "qwen3_moe", "gpt_oss", "deepseek_v2", "deepseek_v3")  # fmt: skip
+                 "qwen2_moe", "qwen3_moe", "gpt_oss", "deepseek_v2", "deepseek_v3",
+                 "llama4_text")  # fmt: skip
 
 
 ALIASES = {"kimi_k2": "deepseek_v3"}
 """config.json model_types read as another family's: Kimi K2's names DeepSeek-V3's
 architecture (DeepseekV3ForCausalLM, its layers and routing) under a model_type of its own."""
 
+REFUSED = {
+    "llama4": "Llama 4's image-and-text model (Llama4ForConditionalGeneration): mp converts "
+    "its text model alone, a checkpoint of model_type 'llama4_text' (Llama4ForCausalLM)",
+}
+"""config.json model_types near a family's that mp does not convert, and why."""
+
 
 def family(model_type: str):
     model_type = ALIASES.get(model_type, model_type)
+    if model_type in REFUSED:
+        raise ValueError(f"model_type {model_type!r} is {REFUSED[model_type]}")
     if model_type not in ARCHITECTURES:
         raise ValueError(
             f"unsupported model_type {model_type!r}: mp-ckpt converts {', '.join(ARCHITECTURES)}"
@@ -41,7 +51,9 @@ def family(model_type: str):
 def family_of(settings: dict) -> str:
     """The family whose layers the settings describe (the first that fits, most specific
     first): multi-latent attention is DeepSeek-V3 with sigmoid router scores, else
-    DeepSeek-V2; learned positions are GPT-2; experts with quick GEGLU or sinks gpt-oss,
+    DeepSeek-V2; learned positions are GPT-2; L2-normalized queries and keys, layers
+    without rotary embeddings, routing weights on the experts' input, or interleaved
+    rotary embeddings with experts are Llama 4; experts with quick GEGLU or sinks gpt-oss,
     with a shared expert Qwen2-MoE, with qk-layernorm Qwen3-MoE, else Mixtral; dense with
     qk-layernorm Qwen3, with LayerNorm1P Nemotron, with q/k/v biases Qwen2, with a
     sliding window Mistral, else Llama."""
@@ -50,6 +62,8 @@ def family_of(settings: dict) -> str:
         return "deepseek_v3" if sigmoid else "deepseek_v2"
     if settings.get("position_embedding_type", "learned_absolute") == "learned_absolute":
         return "gpt2"
+    if _llama4(settings):
+        return "llama4_text"
     if settings.get("num_moe_experts"):
         if settings.get("quick_geglu") or settings.get("softmax_type", "vanilla") != "vanilla":
             return "gpt_oss"
@@ -63,3 +77,13 @@ def family_of(settings: dict) -> str:
     if settings.get("add_qkv_bias"):
         return "qwen2"
     return "mistral" if settings.get("window_size") else "llama"
+
+
+def _llama4(settings: dict) -> bool:
+    """Llama 4's features: L2-normalized queries and keys, NoPE layers, routing weights on
+    the experts' input; interleaved rotary embeddings only with experts (a dense model
+    with them is Llama's layers in Meta's original layout)."""
+    features = ("qk_l2_norm", "no_rope_freq", "moe_apply_probs_on_input")
+    if any(settings.get(name) for name in features):
+        return True
+    return bool(settings.get("rotary_interleaved") and settings.get("num_moe_experts"))

@@ -113,6 +113,9 @@ LLAMA_STYLE = {
     "quick_geglu": False, "glu_linear_offset": 0.0, "activation_func_clamp_value": None,
     "position_embedding_type": "rope", "rotary_percent": 1.0, "qk_layernorm": False,
     "softmax_type": "vanilla", "window_size": None, "window_attn_skip_freq": None,
+    "rotary_interleaved": False, "no_rope_freq": None, "qk_l2_norm": False,
+    "moe_apply_probs_on_input": False, "attention_chunk_size": None,
+    "attn_temperature_floor_scale": None, "attn_temperature_scale": 0.1,
 }  # fmt: skip
 """What a Llama-style family computes, under TransformerConfig's names (and defaults)."""
 

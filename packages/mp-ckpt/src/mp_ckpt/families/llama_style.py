@@ -4,7 +4,8 @@ Hugging Face (model.layers.{i}.)      mp (decoder.layers.{i}.)
     self_attn.{q,k,v}_proj.weight      self_attention.linear_qkv.{q,k,v}.weight
         q [heads x d, h] <-> [groups, heads per group, d, h]; k, v [groups x d, h] <->
         [groups, d, h]. Both orders group the query heads of a key/value head together
-        and rotate channel pairs (i, i + d/2), so the reshape is the whole transform.
+        and rotate channel pairs (i, i + d/2) (Llama 4: both (2i, 2i + 1), with
+        rotary_interleaved), so the reshape is the whole transform.
     self_attn.{q,k,v}_proj.bias        ....{q,k,v}.bias (Qwen2, gpt-oss)
     self_attn.o_proj.weight / .bias    self_attention.linear_proj.weight / .bias
     self_attn.{q,k}_norm.weight        self_attention.{q,k}_layernorm.weight (Qwen3)
@@ -80,8 +81,9 @@ def norm_rules(*, bias: bool = False) -> tuple[Rule, ...]:
     )  # fmt: skip
 
 
-def dense_mlp_rules(*, gated: bool = True) -> tuple[Rule, ...]:
-    layer = "model.layers.{i}.mlp."
+def dense_mlp_rules(*, gated: bool = True, block: str = "mlp") -> tuple[Rule, ...]:
+    """block: the MLP's module under model.layers.{i} (Llama 4's "feed_forward")."""
+    layer = f"model.layers.{{i}}.{block}."
     down = Rule(("mlp.linear_fc2.weight",), layer + "down_proj.weight", "dense")
     if not gated:
         return (Rule(("mlp.linear_fc1.weight",), layer + "up_proj.weight", "dense"), down)

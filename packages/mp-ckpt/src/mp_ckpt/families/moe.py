@@ -57,10 +57,12 @@ def expert_rules(block: str, gate: str, up: str, down: str) -> tuple[Rule, ...]:
     )  # fmt: skip
 
 
-def shared_expert_rules(module: str = "shared_expert", *, gated: bool = True) -> tuple[Rule, ...]:
-    """The shared expert under model.layers.{i}.mlp.<module>: Qwen2-MoE's (gated by
-    shared_expert_gate), DeepSeek's ("shared_experts", ungated)."""
-    layer = "model.layers.{i}.mlp."
+def shared_expert_rules(module: str = "shared_expert", *, gated: bool = True,
+                        block: str = "mlp") -> tuple[Rule, ...]:  # fmt: skip
+    """The shared expert under model.layers.{i}.<block>.<module>: Qwen2-MoE's (gated by
+    shared_expert_gate), DeepSeek's ("shared_experts", ungated), Llama 4's (ungated, under
+    "feed_forward")."""
+    layer = f"model.layers.{{i}}.{block}."
     names = (("linear_fc1.gate", "gate_proj"), ("linear_fc1.up", "up_proj"),
              ("linear_fc2", "down_proj"))  # fmt: skip
     rules = tuple(

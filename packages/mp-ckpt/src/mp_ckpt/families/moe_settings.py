@@ -6,7 +6,8 @@ Qwens with norm_topk_prob=True) equals a softmax over the k largest logits:
 moe_router_pre_softmax=False; without it the kept weights are the full softmax's:
 moe_router_pre_softmax=True. They train with the Switch load-balancing loss over the
 batch (moe_router_load_balancing_type="aux_loss", router_aux_loss_coef ->
-moe_aux_loss_coeff).
+moe_aux_loss_coeff). Llama 4 weighs its one expert by a sigmoid instead (the export's
+score_function).
 
 Layers. A Qwen-MoE layer i is sparse iff i is not in mlp_only_layers and (i + 1) %
 decoder_sparse_step == 0; the others are a dense SwiGLU MLP of intermediate_size. mp
@@ -69,14 +70,15 @@ def sparse_layers(config: dict) -> list[int]:
 # --- export ------------------------------------------------------------------------------
 
 
-def check_routing(settings: dict, arch: str, pre_softmax: bool | None) -> int:
+def check_routing(settings: dict, arch: str, pre_softmax: bool | None,
+                  score_function: str = "softmax") -> int:  # fmt: skip
     topk = settings.get("moe_router_topk")
     if not isinstance(topk, int) or topk < 1:
         raise ValueError(f"model_config moe_router_topk={topk!r}: the {arch} export needs it")
     # transformers' experts take every routed token (no capacity) and route on the scores
     # alone (no expert bias)
     checks = [
-        ("moe_router_score_function", "softmax"),
+        ("moe_router_score_function", score_function),
         ("moe_router_topk_scaling_factor", None),
         ("moe_expert_capacity_factor", None),
         ("moe_router_enable_expert_bias", False),
@@ -114,12 +116,14 @@ def sparse_step(sparse: list[int]) -> tuple[int, list[int]]:
 
 
 def moe_config(settings: dict, shapes: dict, tokens: dict, dtype: str, arch: str,
-               pre_softmax: bool | None, **computes) -> dict:  # fmt: skip
-    """base_config's keys without the dense width, and the routing's keys."""
+               pre_softmax: bool | None, score_function: str = "softmax",
+               **computes) -> dict:  # fmt: skip
+    """base_config's keys without the dense width, and the routing's keys (the router's
+    scores: score_function's)."""
     config = base_config(settings, shapes | {"ffn": None}, tokens, dtype, arch, **computes)
     del config["intermediate_size"]
     return config | {
         "use_cache": True, "output_router_logits": False,
         "router_aux_loss_coef": _aux_loss_coef(settings),
-        "num_experts_per_tok": check_routing(settings, arch, pre_softmax),
+        "num_experts_per_tok": check_routing(settings, arch, pre_softmax, score_function),
     }  # fmt: skip

@@ -2,8 +2,8 @@
 
     model_config_from_megatron(args, vocab_size)    the settings import-megatron records
 
-A setting mp does not compute the same way (input jitter, interleaved rotary
-embeddings, several load-balancing losses, ...) is refused with its name and value.
+A setting mp does not compute the same way (input jitter, a residual after the
+norm, several load-balancing losses, ...) is refused with its name and value.
 Multi-latent attention's settings are its widths and rotary embeddings (_mla_settings);
 multi-token prediction's its number of modules and its loss scale.
 """
@@ -22,7 +22,6 @@ __all__ = [
 
 # Megatron settings that change the computation in ways mp does not implement.
 _REFUSED = (
-    ("rotary_interleaved", False),
     ("apply_residual_connection_post_layernorm", False),
     ("heterogeneous_layers_config_path", None),
 )
@@ -123,12 +122,17 @@ YARN_ARGS = {
 
 
 def _attention_settings(args, position: str) -> dict:
-    """Sinks, windows and YaRN (gpt-oss's attention), at Megatron's defaults when absent."""
+    """Sinks, windows and YaRN (gpt-oss's attention); interleaved rotary embeddings, NoPE
+    layers and L2-normalized queries and keys (Llama 4's; Megatron normalizes on every
+    layer: qk_l2_norm_layers "all"), at Megatron's defaults when absent."""
     window = _arg(args, "window_size")
     out = {
         "softmax_type": _arg(args, "softmax_type") or "vanilla",
         "window_size": tuple(window) if window else None,
         "window_attn_skip_freq": _arg(args, "window_attn_skip_freq"),
+        "rotary_interleaved": bool(_arg(args, "rotary_interleaved", False)),
+        "no_rope_freq": _arg(args, "no_rope_freq"),
+        "qk_l2_norm": bool(_arg(args, "qk_l2_norm", False)),
     }
     if position == "yarn":
         for arg, (field, default) in YARN_ARGS.items():
@@ -176,9 +180,8 @@ def _mla_settings(args, where: str) -> dict:
 
 # Megatron MoE settings that change the computation in ways mp does not implement.
 _MOE_REFUSED = (
-    ("moe_input_jitter_eps", None), ("moe_apply_probs_on_input", False),
-    ("moe_latent_size", None), ("moe_router_force_load_balancing", False),
-    ("moe_use_legacy_grouped_gemm", False),
+    ("moe_input_jitter_eps", None), ("moe_latent_size", None),
+    ("moe_router_force_load_balancing", False), ("moe_use_legacy_grouped_gemm", False),
 )  # fmt: skip
 # Copied as they are (mp's TransformerConfig has Megatron's names and meanings).
 MOE_COPIED = {
@@ -190,6 +193,7 @@ MOE_COPIED = {
     "moe_shared_expert_intermediate_size": None, "moe_shared_expert_gate": False,
     "moe_grouped_gemm": False, "moe_router_dtype": None,
     "moe_router_num_groups": None, "moe_router_group_topk": None,
+    "moe_apply_probs_on_input": False,
 }  # fmt: skip
 
 

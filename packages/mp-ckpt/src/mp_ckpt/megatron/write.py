@@ -151,7 +151,7 @@ def megatron_args(settings: dict, *, ckpt_format: str, tp: int, pp: int, iterati
         "ckpt_format": ckpt_format, "iteration": iteration,
         "num_experts": None, "expert_model_parallel_size": 1,
         "apply_layernorm_1p": bool(settings.get("apply_layernorm_1p", False)),
-        "rotary_interleaved": False,
+        **_llama4_args(settings),
         "apply_residual_connection_post_layernorm": False,
         "multi_latent_attention": bool(settings.get("multi_latent_attention", False)),
         "mtp_num_layers": settings.get("mtp_num_layers"),
@@ -173,6 +173,29 @@ def megatron_args(settings: dict, *, ckpt_format: str, tp: int, pp: int, iterati
     if settings.get("num_moe_experts"):
         values |= _moe_args(settings, tp, ep)
     return argparse.Namespace(**values)
+
+
+def _llama4_args(settings: dict) -> dict:
+    """Llama 4's attention args: interleaved rotary pairs, NoPE layers, qk_l2_norm, which
+    Megatron applies on every layer (mp's qk_l2_norm_layers "rope", Llama 4's, only where
+    every layer rotates). Megatron has no chunked attention or temperature tuning."""
+    freq = settings.get("no_rope_freq")
+    nope = bool(freq) if isinstance(freq, int) else any(freq or ())
+    layers = settings.get("qk_l2_norm_layers", "all")
+    if settings.get("qk_l2_norm") and layers != "all" and nope:
+        raise ValueError(
+            f"model_config qk_l2_norm_layers={layers!r}: Megatron-LM normalizes the queries "
+            "and keys of every layer, the no_rope_freq layers' too"
+        )
+    for name in ("attention_chunk_size", "attn_temperature_floor_scale"):
+        if settings.get(name) is not None:
+            raise ValueError(f"model_config {name}={settings[name]!r}: Megatron-LM has no "
+                             "such attention (Llama 4's)")  # fmt: skip
+    return {
+        "rotary_interleaved": bool(settings.get("rotary_interleaved", False)),
+        "no_rope_freq": freq,
+        "qk_l2_norm": bool(settings.get("qk_l2_norm", False)),
+    }
 
 
 def _mla_args(settings: dict) -> dict:

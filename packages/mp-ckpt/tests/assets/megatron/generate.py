@@ -107,6 +107,25 @@ MLA = ["--num-layers", "2", "--hidden-size", "16", "--num-attention-heads", "2",
 MLA_Q_LORA_YARN = ("--q-lora-rank", "8", "--qk-layernorm", "--rotary-scaling-factor", "4",
                    "--mscale", "0.707", "--mscale-all-dim", "1.0")  # fmt: skip
 MLA_ROPE = ("--rope-type", "rope")
+# Llama 4's features on the Llama model, 4 layers, weights drawn with std 0.1 (as MLA's):
+# rotary pairs (2i, 2i+1) (--rotary-interleaved) with Llama 3's frequency scaling (factor 8,
+# Llama 4's; Megatron-LM's gpt_builder passes --use-rope-scaling to GPTModel but not
+# --rope-scaling-factor, so only GPTModel's default 8 is what Megatron computes), base
+# 500000; no rotary embeddings on every second layer (--no-rope-freq 2: layers 2 and 4,
+# 1-based); every layer's per-head queries and keys L2-normalized (weightless, eps = norm
+# epsilon); MoE on layers 1 and 3 (--moe-layer-freq 2: Megatron's integer form, so the MoE
+# layers keep their rotary embeddings and the dense ones have none): 4 experts of width 32,
+# top-1 by sigmoid score, the score multiplying the expert's input
+# (--moe-apply-probs-on-input), an ungated shared expert of width 32. The model only, as MLA's.
+LLAMA4 = [*LLAMA, "--num-layers", "4", "--init-method-std", "0.1",  # (the last --num-layers wins)
+          "--rotary-interleaved", "--rotary-base", "500000", "--use-rope-scaling",
+          "--rope-scaling-factor", "8", "--no-rope-freq", "2", "--qk-l2-norm",
+          "--num-experts", "4", "--moe-layer-freq", "2", "--moe-ffn-hidden-size", "32",
+          "--moe-router-topk", "1", "--moe-router-score-function", "sigmoid",
+          "--moe-apply-probs-on-input", "--moe-shared-expert-intermediate-size", "32",
+          "--moe-token-dispatcher-type", "allgather",
+          "--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", "0.001",
+          "--no-save-optim", "--no-save-rng"]  # fmt: skip
 # One multi-token prediction module (DeepSeek-V3's MTP), its layer shaped as the last (MoE).
 MTP = ("--mtp-num-layers", "1", "--mtp-loss-scaling-factor", "0.1")
 # Megatron trains MoE under TP only with sequence parallelism
@@ -153,6 +172,9 @@ CASES = {
     "mla_moe_mtp_torch_tp2_ep2": Case(
         MLA, "torch", 2, 1, False, dp=2, ep=2, extra=(*MLA_ROPE, *MTP, *SP)
     ),
+    # TP2 with sequence parallelism (Megatron's MoE under TP), the experts split over the
+    # expert TP (= TP 2): the query/key norms then see each TP rank's own heads
+    "llama4_moe_torch_dist_tp2": Case(LLAMA4, "torch_dist", 2, 1, False, extra=SP),
 }
 
 
@@ -269,7 +291,10 @@ def build(args, seed):
     config = core_transformer_config_from_args(args)
     if args.num_experts:  # per-layer specs (MoE or dense), as pretrain_gpt.py builds them
         spec = get_gpt_decoder_block_spec(
-            config, use_transformer_engine=False, normalization=args.normalization
+            config,
+            use_transformer_engine=False,
+            normalization=args.normalization,
+            qk_l2_norm=args.qk_l2_norm,
         )
     else:
         spec = get_gpt_layer_local_spec(normalization=args.normalization)
@@ -293,6 +318,7 @@ def build(args, seed):
         position_embedding_type=args.position_embedding_type,
         rotary_percent=args.rotary_percent,
         rotary_base=args.rotary_base,
+        rope_scaling=args.use_rope_scaling,  # as Megatron-LM's gpt_builder (no factor)
     )
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=False,

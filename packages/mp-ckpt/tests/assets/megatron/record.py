@@ -93,6 +93,13 @@ ARG_NAMES = [
     "mscale_all_dim",
     "mtp_num_layers",
     "mtp_loss_scaling_factor",
+    "rotary_interleaved",
+    "use_rope_scaling",
+    "rope_scaling_factor",
+    "no_rope_freq",
+    "qk_l2_norm",
+    "moe_apply_probs_on_input",
+    "init_method_std",
 ]
 
 
