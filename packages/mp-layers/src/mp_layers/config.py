@@ -236,7 +236,8 @@ class TransformerConfig:
     the layers with rotary embeddings attend only within aligned blocks of this many
     positions (position p sees positions C floor(p / C) .. p), the no_rope_freq layers
     over the whole sequence. Packed sequences and context parallelism over more than one
-    block are refused at the forward. None: every layer sees every earlier position."""
+    block are not implemented (refused by a run's validation, and at the forward). None:
+    every layer sees every earlier position."""
 
     attn_temperature_floor_scale: int | None = None
     """Llama 4's temperature tuning of the no_rope_freq layers' queries (Hugging Face's
