@@ -117,3 +117,41 @@ def test_a_prompt_too_long_for_the_model_is_one_line_and_status_2(tmp_path):
     assert status == 2
     assert said == ("error: mp_gpt.generate: a prompt of 3 tokens and 100 new ones exceed the "
                     "model's 32 positions\n")  # fmt: skip
+
+
+def refused_body(run_dir: str):
+    import contextlib
+    import io
+
+    import torch
+
+    torch.set_num_threads(1)
+    from mp_gpt.generate import main
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        status = main(["--load", run_dir, "--prompt", "1 2 3", "--max-new-tokens", "4"])
+    return status, err.getvalue()
+
+
+@pytest.mark.multirank
+def test_a_hybrid_checkpoint_is_refused_in_one_line(tmp_path):
+    """Generation of Mamba-hybrid models is not implemented: one line and status 2."""
+    hybrid = [
+        "--num-layers",
+        "2",
+        "--hybrid-layer-pattern",
+        "M*",
+        "--mamba-num-heads",
+        "8",
+        "--mamba-head-dim",
+        "16",
+        "--mamba-num-groups",
+        "2",
+        "--mamba-state-dim",
+        "16",
+    ]
+    assert run_on_ranks(train_body, 1, str(tmp_path), CONFIG, *hybrid, timeout=120) == [0]
+    status, said = run_on_ranks(refused_body, 1, str(tmp_path), timeout=120)[0]
+    assert status == 2 and said.count("\n") == 1, said
+    assert "a Mamba-hybrid model (hybrid_layer_pattern='M*'); its generation needs" in said

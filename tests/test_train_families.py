@@ -1,7 +1,7 @@
-"""Today's MoE families (Qwen3-MoE, gpt-oss, Llama 4) train with the one-rank loss curve at
-TP2 (with sequence parallelism), EP2, PP2 and CP2 (all-to-all) through apps/gpt's pretrain
-(fp32, dropout 0): apps/gpt's tiny-moe config with each family's Megatron flags put over
-it."""
+"""Today's MoE families (Qwen3-MoE, gpt-oss, Llama 4, a Mamba hybrid) train with the
+one-rank loss curve at TP2 (with sequence parallelism), EP2, PP2 and CP2 (all-to-all)
+through apps/gpt's pretrain (fp32, dropout 0): apps/gpt's tiny-moe config with each
+family's Megatron flags put over it."""
 
 import pytest
 
@@ -43,6 +43,12 @@ FAMILIES = {
                "--moe-router-score-function", "sigmoid", "--moe-apply-probs-on-input",
                "--moe-shared-expert-intermediate-size", "128", "--moe-z-loss-coeff", "0",
                "--untie-embeddings-and-output-weights"],
+    # A Mamba-hybrid model (Nemotron 3's kinds of layers): a Mamba-2 mixer, attention,
+    # another mixer and a MoE MLP, one per layer; squared-ReLU experts with sigmoid routing
+    "hybrid": ["--hybrid-layer-pattern", "M*ME", "--mamba-num-heads", "8",
+               "--mamba-head-dim", "16", "--mamba-num-groups", "2", "--mamba-state-dim", "16",
+               "--squared-relu", "--moe-router-score-function", "sigmoid",
+               "--moe-z-loss-coeff", "0", "--untie-embeddings-and-output-weights"],
 }  # fmt: skip
 LAYOUTS = {
     "tp2": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
@@ -55,6 +61,8 @@ LAYOUTS = {
 
 NOT_RUN = {
     ("llama4", "cp2"): "chunked attention across context-parallel ranks is refused "
+                       "(packages/mp-train/tests/test_validate.py)",
+    ("hybrid", "cp2"): "Mamba layers across context-parallel ranks are refused "
                        "(packages/mp-train/tests/test_validate.py)",
 }  # fmt: skip
 

@@ -208,6 +208,15 @@ def test_gloo_twins_share_the_group_on_a_cpu_backend_and_destroy_clears_current(
             current()
 
 
+def test_no_gloo_twins_when_disabled():
+    with fake_world(4, 1):
+        state = initialize(ParallelConfig(tensor_model_parallel_size=2,
+                                          disable_gloo_process_groups=True))  # fmt: skip
+        assert (state.dp_gloo, state.dp_cp_gloo, state.expert_dp_gloo) == (None, None, None)
+        assert state.dp is not None
+        destroy()
+
+
 def cycle_without_collectives(cycles: int) -> int:
     # No collective between creating and destroying: destroy() itself must keep a
     # fast rank from closing a group while a slow peer is still connecting to it.

@@ -61,15 +61,27 @@ def test_sequence_parallel_is_off_without_tensor_parallelism(capsys):
     assert two.model.sequence_parallel
 
 
-def test_a_refused_family_flag_is_named_before_unknown_flags():
-    line = [*MODEL, "--mamba-unknown-size", "3", "--hybrid-layer-pattern", "M*M*"]
-    with pytest.raises(ValueError, match="--hybrid-layer-pattern: Mamba-hybrid models"):
+def test_a_refused_flag_is_named_before_unknown_flags():
+    line = [*MODEL, "--mamba-unknown-size", "3", "--tp-comm-overlap"]
+    with pytest.raises(ValueError, match="--tp-comm-overlap: needs Transformer Engine"):
         parse_config(line, exit_on_error=False)
-    with pytest.raises(ValueError, match="--export-model-type HybridModel: Mamba-hybrid"):
+    with pytest.raises(ConfigError, match="unrecognized arguments: --mamba-unknown-size 3"):
+        parse_config(line[:-1], exit_on_error=False)
+
+
+def test_hybrid_model_flags():
+    """ModelOpt's model types, Megatron's older pattern flag, the layers from the pattern."""
+    hybrid = ["--hidden-size", "64", "--num-attention-heads", "4", "--mamba-num-heads", "8",
+              "--mamba-head-dim", "16", "--mamba-num-groups", "2"]  # fmt: skip
+    with pytest.raises(ValueError, match="--export-model-type HybridModel: a hybrid model "
+                                         "needs its layers, --hybrid-layer-pattern"):  # fmt: skip
         parse_config([*MODEL, "--export-model-type", "HybridModel"])
     parse_config([*MODEL, "--export-model-type", "GPTModel"])
-    with pytest.raises(ConfigError, match="unrecognized arguments: --mamba-unknown-size 3"):
-        parse_config(line[:-2], exit_on_error=False)
+    config = parse_config([*hybrid, "--hybrid-override-pattern", "M*-M",
+                           "--export-model-type", "HybridModel"])  # fmt: skip
+    assert (config.model.hybrid_layer_pattern, config.model.num_layers) == ("M*-M", 4)
+    with pytest.raises(ValueError, match="hybrid_layer_pattern='M\\*' has 2 layers, num_layers=3"):
+        parse_config([*hybrid, "--num-layers", "3", "--hybrid-layer-pattern", "M*"])
 
 
 def test_padded_vocab_size_is_checked_against_tensor_parallelism():

@@ -18,6 +18,8 @@ def _validate(*flags: str, world: int = 4) -> dict[str, int]:
 
 
 MOE = ["--num-experts", "4", "--moe-ffn-hidden-size", "32", "--disable-bias-linear"]
+# A hybrid model: a Mamba layer and an attention layer (the pattern gives num_layers 2)
+HYBRID = ["--hybrid-layer-pattern", "M*", "--mamba-num-heads", "8", "--mamba-head-dim", "8"]
 # Llama 4's chunked attention, in blocks of half the sequence
 LLAMA4_CHUNKS = ["--position-embedding-type", "rope", "--attention-chunk-size", "16"]
 
@@ -92,6 +94,22 @@ def test_the_layouts_validate():
             [*LLAMA4_CHUNKS, "--reset-attention-mask"],
             4,
             r"^attention_chunk_size=16 below seq_length=32 with samples of several documents",
+        ),
+        (
+            [*HYBRID, "--reset-attention-mask"],
+            4,
+            r"^hybrid_layer_pattern='M\*' with samples of several documents .* not implemented$",
+        ),
+        (
+            [*HYBRID, "--context-parallel-size", "2", "--attention-dropout", "0"],
+            4,
+            r"^context_parallel_size=2 with Mamba layers \(hybrid_layer_pattern\) is not "
+            r"implemented$",
+        ),
+        (
+            [*HYBRID, "--tensor-model-parallel-size", "4", "--mamba-num-groups", "2"],
+            4,
+            r"^mamba_num_groups=2 is not divisible by tensor_model_parallel_size=4",
         ),
     ],
 )

@@ -15,6 +15,7 @@ import torch
 
 from mp_layers.config_attention import check_attention_fields, check_attention_parallel
 from mp_layers.config_fp8 import check_fp8
+from mp_layers.config_hybrid import check_hybrid, check_hybrid_parallel
 from mp_layers.config_mla import check_mla
 from mp_layers.config_moe import check_expert_parallel, check_moe
 from mp_layers.config_mtp import check_mtp
@@ -289,6 +290,28 @@ class TransformerConfig:
     """Weight of the multi-token prediction losses: each module's mean loss counts
     mtp_loss_scaling_factor / mtp_num_layers (Megatron's default 0.1)."""
 
+    # --- Mamba-hybrid models (Megatron's --hybrid-layer-pattern and --mamba-* options) ----
+    hybrid_layer_pattern: str | None = None
+    """A hybrid model's layers, one symbol each (Megatron's --hybrid-layer-pattern; Nemotron-H,
+    Nemotron-Nano-9B-v2, Nemotron 3): M a Mamba-2 mixer, * self-attention, - a dense MLP,
+    E a mixture-of-experts MLP, each layer one of them behind its own norm
+    ("M-M-M*-..."); as many symbols as num_layers. None: every layer is attention then an
+    MLP."""
+
+    mamba_num_heads: int | None = None
+    """Heads of each Mamba mixer; None: Megatron's default, an inner width of 2 x
+    hidden_size divided into heads of mamba_head_dim."""
+
+    mamba_head_dim: int = 64
+    """Channels of each Mamba head (Megatron's default 64)."""
+
+    mamba_num_groups: int = 8
+    """Groups of Mamba heads sharing their B and C projections (Megatron's default 8); the
+    tensor-parallel size must divide it."""
+
+    mamba_state_dim: int = 128
+    """The state size n of each Mamba head's channels (Megatron's default 128)."""
+
     init_method_std: float = 0.02
     """Standard deviation of the normal initialization of weights."""
 
@@ -543,6 +566,7 @@ class TransformerConfig:
         check_fp8(self)
         self._check_recompute()
         check_moe(self)
+        check_hybrid(self)
 
     def _check_recompute(self) -> None:
         granularity, method, n = (
@@ -609,6 +633,8 @@ class TransformerConfig:
         """Per layer of the whole model: whether it is a MoE layer."""
         if self.num_moe_experts is None:
             return [False] * self.num_layers
+        if self.hybrid_layer_pattern is not None:
+            return [symbol == "E" for symbol in self.hybrid_layer_pattern]
         freq = self.moe_layer_freq
         if isinstance(freq, int) and not isinstance(freq, bool):
             freq = [freq]
@@ -642,6 +668,7 @@ class TransformerConfig:
         if self.sequence_parallel and tp == 1:
             raise ValueError("sequence_parallel=True needs tensor_model_parallel_size > 1, got 1")
         check_attention_parallel(self, tp, cp)
+        check_hybrid_parallel(self, tp, cp)
 
     @property
     def rotary_head_dim(self) -> int:

@@ -51,6 +51,11 @@ class ParallelConfig:
     """The torch.distributed backend; None: nccl on CUDA devices, gloo on CPUs (Megatron
     defaults to nccl, which needs CUDA)."""
 
+    disable_gloo_process_groups: bool = False
+    """Make no gloo twins of the data-parallel groups (Megatron's
+    --disable-gloo-process-groups): on a NCCL run each is one more gloo communicator, for
+    CPU-side collectives mp does not issue over them."""
+
     def __post_init__(self) -> None:
         for name in (
             "tensor_model_parallel_size",

@@ -17,7 +17,8 @@ members share one process group (when cp = 1, dp_cp is dp; when tp = 1, tp_dp
 is dp): each distinct set of ranks costs one communicator, not one per kind,
 which keeps start-up fast and, on GPUs, spares the memory every NCCL
 communicator takes. The gloo twins are separate gloo groups only when the
-main backend is not already a CPU one.
+main backend is not already a CPU one, and none are made with
+ParallelConfig.disable_gloo_process_groups (Megatron's --disable-gloo-process-groups).
 
 A group that spans the whole world is still a group of its own, not the
 default group: `destroy()` then destroys everything the state holds, and a
@@ -85,9 +86,9 @@ class ParallelState:
     tp: RankGroup
     pp: RankGroup
     dp: RankGroup
-    dp_gloo: RankGroup
+    dp_gloo: RankGroup | None
     dp_cp: RankGroup
-    dp_cp_gloo: RankGroup
+    dp_cp_gloo: RankGroup | None
     cp: RankGroup
     mp: RankGroup
     tp_dp: RankGroup
@@ -96,7 +97,8 @@ class ParallelState:
     ep: RankGroup
     expert_tp: RankGroup
     expert_dp: RankGroup
-    expert_dp_gloo: RankGroup
+    expert_dp_gloo: RankGroup | None
+    """The gloo twins are None with ParallelConfig.disable_gloo_process_groups."""
     tp_ep: RankGroup
     tp_ep_pp: RankGroup
     embedding: RankGroup | None
@@ -192,7 +194,10 @@ def initialize(
     created: dict[tuple[tuple[int, ...], str | None], dist.ProcessGroup] = {}
     mine: dict[str, RankGroup | None] = {}
     kinds = [(kind, kind, None) for kind in plan.groups]
-    kinds += [(twin, kind, twin_backend) for twin, kind in _GLOO_TWINS.items()]
+    if config.disable_gloo_process_groups:
+        mine |= dict.fromkeys(_GLOO_TWINS)
+    else:
+        kinds += [(twin, kind, twin_backend) for twin, kind in _GLOO_TWINS.items()]
     # Every rank walks the same kinds and groups in the same order: new_group is
     # collective over the whole world, members or not.
     for name, kind, group_backend in kinds:

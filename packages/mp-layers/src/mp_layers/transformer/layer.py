@@ -6,30 +6,30 @@ dropout and residual adds run on each rank's slice of the sequence).
     x = x + dropout(attention(norm(x)))
     x = x + dropout(mlp(norm(x)))
 
-Hidden dropout acts on replicated activations without sequence parallelism
-(the default stream: every TP rank draws the same mask) and on sharded ones
-with it (the tensor-parallel stream: each rank draws for its own slice).
+Hidden dropout: residual.py. In a hybrid model (TransformerConfig.hybrid_layer_pattern)
+a layer has one sublayer: attention (*), a dense MLP (-) or a MoE MLP (E) with its norm,
+or a Mamba mixer (M: mamba_layer.py, built here by the block).
 """
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
-import torch.nn.functional as F
 
 from mp_ckpt import ShardedTensor
 from mp_layers.config import TransformerConfig
+from mp_layers.config_hybrid import hybrid_layer_kinds
 from mp_layers.fp8 import apply_fp8
 from mp_layers.groups import ModelGroups
 from mp_layers.tensor_parallel import replicated_state_dict
 from mp_layers.transformer.kv_cache import KVCache
 from mp_layers.transformer.layer_hooks import building_layer, layer_built
+from mp_layers.transformer.mamba_layer import MambaLayer
 from mp_layers.transformer.recompute import checkpointed
+from mp_layers.transformer.residual import hidden_dropout
 from mp_layers.transformer.rope import Rotary
 from mp_layers.transformer.seeded_init import seeded_init
 from mp_layers.transformer.spec import LOCAL_SPEC, LayerSpec
-from mp_state import TENSOR_PARALLEL_RNG, RNGStatesTracker
+from mp_state import RNGStatesTracker
 
 __all__ = ["TransformerBlock", "TransformerLayer"]
 
@@ -50,16 +50,21 @@ class TransformerLayer(torch.nn.Module):
         self.config = config
         self.rng_tracker = rng_tracker
         self.tp_group = groups.tp
-        self.input_layernorm = spec.norm(config, None)
-        attention = (
-            spec.multi_latent_attention if config.multi_latent_attention else spec.self_attention
-        )
-        self.self_attention = attention(
-            config, groups, rng_tracker, spec=spec, layer_number=layer_number
-        )
-        self.pre_mlp_layernorm = spec.norm(config, None)
+        kind = hybrid_layer_kinds(config)[layer_number]
+        self.input_layernorm = self.self_attention = self.pre_mlp_layernorm = self.mlp = None
+        if kind in ("transformer", "attention"):
+            self.input_layernorm = spec.norm(config, None)
+            attention = (
+                spec.multi_latent_attention if config.multi_latent_attention
+                else spec.self_attention
+            )  # fmt: skip
+            self.self_attention = attention(
+                config, groups, rng_tracker, spec=spec, layer_number=layer_number
+            )
         is_moe = config.moe_layer_pattern()[layer_number]
-        self.mlp = spec.moe(config, groups) if is_moe else spec.mlp(config, groups.tp)
+        if kind in ("transformer", "mlp", "moe"):
+            self.pre_mlp_layernorm = spec.norm(config, None)
+            self.mlp = spec.moe(config, groups) if is_moe else spec.mlp(config, groups.tp)
         # Megatron's --moe-layer-recompute; a full recompute reruns the whole layer already.
         self.recompute_mlp = (
             is_moe and config.moe_layer_recompute and config.recompute_granularity != "full"
@@ -72,8 +77,12 @@ class TransformerLayer(torch.nn.Module):
         attention_mask: torch.Tensor | None = None,
         kv_cache: KVCache | None = None,
     ) -> torch.Tensor:
-        out, bias = self.self_attention(self.input_layernorm(x), rotary, attention_mask, kv_cache)
-        x = x + self._dropout(out if bias is None else out + bias)
+        if self.self_attention is not None:
+            normed = self.input_layernorm(x)
+            out, bias = self.self_attention(normed, rotary, attention_mask, kv_cache)
+            x = x + self._dropout(out if bias is None else out + bias)
+        if self.mlp is None:
+            return x
         mlp_input = self.pre_mlp_layernorm(x)
         if self.recompute_mlp and self.training and torch.is_grad_enabled():
             out, bias = checkpointed(self.mlp, self.rng_tracker, mlp_input)
@@ -82,21 +91,18 @@ class TransformerLayer(torch.nn.Module):
         return x + self._dropout(out if bias is None else out + bias)
 
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
-        p = self.config.hidden_dropout
-        if not self.training or p == 0:
-            return x
-        sharded = self.config.sequence_parallel
-        stream = self.rng_tracker.fork(TENSOR_PARALLEL_RNG) if sharded else contextlib.nullcontext()
-        with stream:
-            return F.dropout(x, p=p, training=True)
+        return hidden_dropout(self.config, self.rng_tracker, x, self.training)
 
     def sharded_state_dict(self, prefix: str = "") -> dict[str, ShardedTensor]:
-        pieces = self.self_attention.sharded_state_dict(f"{prefix}self_attention.")
-        pieces |= self.mlp.sharded_state_dict(f"{prefix}mlp.")
+        pieces = {}
+        for name in ("self_attention", "mlp"):
+            if getattr(self, name) is not None:
+                pieces |= getattr(self, name).sharded_state_dict(f"{prefix}{name}.")
         for norm_name in ("input_layernorm", "pre_mlp_layernorm"):
-            pieces |= replicated_state_dict(
-                getattr(self, norm_name), f"{prefix}{norm_name}.", self.tp_group
-            )
+            if getattr(self, norm_name) is not None:
+                pieces |= replicated_state_dict(
+                    getattr(self, norm_name), f"{prefix}{norm_name}.", self.tp_group
+                )
         return pieces
 
 
@@ -130,9 +136,11 @@ class TransformerBlock(torch.nn.Module):
         )
         self.recompute_num_layers = config.recompute_num_layers
         layers = []
+        kinds = hybrid_layer_kinds(config)
         for i in range(count):
+            cls = MambaLayer if kinds[layer_offset + i] == "mamba" else TransformerLayer
             with seeded_init(init_seed, f"layer{layer_offset + i}"), building_layer():
-                layer = TransformerLayer(config, groups, rng_tracker, spec, layer_offset + i)
+                layer = cls(config, groups, rng_tracker, spec, layer_offset + i)
             layers.append(layer_built(layer))
         self.layers = torch.nn.ModuleList(layers)
         self.fp8_linear_layers = apply_fp8(self.layers, config, layer_offset) if config.fp8 else 0

@@ -320,6 +320,7 @@ def parse_config(
     megatron_aliases.apply(flags, given, values)
     _apply_checkpoint_args(values)
     apply_hf_settings(values, _explicit(values, defaults, written))
+    _layers_of_hybrid_pattern(values)
     _require_model_fields(values)
     notes += megatron_aliases.settle(flags, given, values)
     _apply_precision(values)
@@ -335,6 +336,14 @@ def _explicit(values: dict, defaults: dict, written: set) -> set[tuple[str, str]
     return written | {(part, name) for part, settings in values.items() for name in settings
                       if (part, name) not in defaults
                       or settings[name] != defaults[part, name]}  # fmt: skip
+
+
+def _layers_of_hybrid_pattern(values: dict) -> None:
+    """A hybrid model's num_layers is its pattern's length when not given (Megatron-LM's
+    hybrid lines give no --num-layers); given, TransformerConfig checks the two agree."""
+    pattern = values["model"].get("hybrid_layer_pattern")
+    if isinstance(pattern, str) and "num_layers" not in values["model"]:
+        values["model"]["num_layers"] = len(pattern)
 
 
 def _require_model_fields(values: dict) -> None:

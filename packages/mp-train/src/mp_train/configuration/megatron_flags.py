@@ -37,6 +37,21 @@ IGNORED: dict[str, tuple[bool, str]] = {
         "a CUDA kernel fusion: mp computes bias + dropout + residual unfused",
     ),
     "no_rope_fusion": (False, "a CUDA kernel fusion: mp applies rotary embeddings unfused"),
+    "enable_experimental": (
+        False,
+        "unlocks Megatron-LM's experimental APIs; mp has no such lock (what it implements "
+        "runs without a switch)",
+    ),
+    "is_hybrid_model": (
+        False,
+        "mp builds a hybrid model whenever --hybrid-layer-pattern is given (without it the "
+        "flag names nothing to build)",
+    ),
+    "use_fused_weighted_squared_relu": (
+        False,
+        "a CUDA kernel fusion of the experts' squared ReLU and routing weight: mp computes "
+        "them unfused",
+    ),
     "no_persist_layer_norm": (
         False,
         "selects Apex's persistent LayerNorm kernel, which mp does not use",
@@ -108,30 +123,13 @@ IGNORED: dict[str, tuple[bool, str]] = {
     ),
 }
 
-# Megatron-LM's features of other model families, refused by what they need (the first
-# one given is named). Their flags are known, so that a family's launch line ends with
-# the feature it lacks rather than with its unknown flags.
-_HYBRID = (
-    "Mamba-hybrid models (Nemotron-H, NVIDIA-Nemotron-Nano-9B-v2, Nemotron 3) are not "
-    "implemented: mp builds attention + MLP transformer layers only"
-)
 _FP8_DELAYED = (
     "a knob of delayed FP8 scaling (Transformer Engine's); mp's FP8 (torchao) scales each "
     "tensor from its current amax: drop it"
 )
-_FAMILIES: dict[str, tuple[bool, str]] = {
-    "hybrid_layer_pattern": (True, _HYBRID),
-    "hybrid_override_pattern": (True, _HYBRID),
-    "is_hybrid_model": (False, _HYBRID),
-    "mamba_num_heads": (True, f"Mamba layers: {_HYBRID}"),
-    "mamba_head_dim": (True, f"Mamba layers: {_HYBRID}"),
-    "mamba_num_groups": (True, f"Mamba layers: {_HYBRID}"),
-    "mamba_state_dim": (True, f"Mamba layers: {_HYBRID}"),
-}  # fmt: skip
 
 # flag (dest) -> why mp refuses it and what to do instead
 REFUSED: dict[str, tuple[bool, str]] = {
-    **_FAMILIES,
     "tp_comm_overlap": (
         False,
         "needs Transformer Engine's userbuffers, which mp does not use: drop it",
@@ -178,6 +176,7 @@ REFUSED: dict[str, tuple[bool, str]] = {
 # flag (dest) -> (RunConfig part, field, type): another name (or an older spelling) of a field
 RENAMED: dict[str, tuple[str, str, Any]] = {
     "norm_epsilon": ("model", "layernorm_epsilon", float),
+    "hybrid_override_pattern": ("model", "hybrid_layer_pattern", str),
     "ddp_bucket_size": ("optimizer", "bucket_size", int),
 }
 # Other names of switches mp has: Megatron's spellings with an underscore inside the flag
@@ -189,7 +188,8 @@ _SPELLINGS = {
     "export-qk-l2-norm": "qk_l2_norm",
     "export-moe-apply-probs-on-input": "moe_apply_probs_on_input",
 }
-# ModelOpt's --export-model-type: mp builds GPTModel; the other two are Mamba-hybrid models.
+# ModelOpt's --export-model-type: GPTModel, or a Mamba-hybrid model (HybridModel, MambaModel),
+# which --hybrid-layer-pattern describes.
 _MODEL_TYPE = "export_model_type"
 _MODEL_TYPES = ("GPTModel", "HybridModel", "MambaModel")
 # The checkpoint format flags: mp writes and reads torch_dist-style checkpoints only (under
@@ -222,7 +222,9 @@ def add_to(parser: argparse.ArgumentParser) -> None:
                              default=argparse.SUPPRESS, help=f"Sets {field}.")  # fmt: skip
     refused.add_argument(
         _option(_MODEL_TYPE), dest=_MODEL_TYPE, choices=_MODEL_TYPES, default=argparse.SUPPRESS,
-        help=f"GPTModel: what mp builds, so nothing changes; refused otherwise: {_HYBRID}.",
+        help="GPTModel, or HybridModel / MambaModel with --hybrid-layer-pattern: what mp "
+        "builds from the other flags, so nothing changes; a hybrid type without a pattern "
+        "is refused.",
     )  # fmt: skip
     for dest in _FORMATS:
         renamed.add_argument(
@@ -249,8 +251,12 @@ def refuse(given: dict[str, Any]) -> None:
         if dest in given:
             raise ValueError(f"{_option(dest)}: {why}")
     model_type = given.pop(_MODEL_TYPE, "GPTModel")
-    if model_type != "GPTModel":
-        raise ValueError(f"{_option(_MODEL_TYPE)} {model_type}: {_HYBRID}")
+    pattern = given.get("hybrid_layer_pattern", given.get("hybrid_override_pattern"))
+    if model_type != "GPTModel" and pattern is None:
+        raise ValueError(
+            f"{_option(_MODEL_TYPE)} {model_type}: a hybrid model needs its layers, "
+            "--hybrid-layer-pattern (M Mamba, * attention, - MLP, E MoE per layer)"
+        )
 
 
 def apply(given: dict[str, Any], values: dict[str, dict[str, Any]]) -> list[str]:

@@ -1,0 +1,131 @@
+"""Validation of TransformerConfig's Mamba-hybrid fields (Megatron's --hybrid-layer-pattern
+and --mamba-* options): the pattern's symbols and length, the Mamba mixers' widths, and
+what hybrid models do not take. `hybrid_layer_kinds` gives each layer's kind.
+
+A hybrid model (Megatron's HybridModel / MambaModel: Nemotron-H, Nemotron-Nano-9B-v2,
+Nemotron 3) has one sublayer per layer, as its pattern says, each with its own pre-norm:
+
+    M   a Mamba-2 mixer (transformer/mamba_mixer.py)
+    *   self-attention
+    -   a dense MLP
+    E   a mixture-of-experts MLP
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from mp_layers.config_rules import positive
+
+if TYPE_CHECKING:
+    from mp_layers.config import TransformerConfig
+
+__all__ = ["HYBRID_SYMBOLS", "check_hybrid", "check_hybrid_parallel", "hybrid_layer_kinds",
+           "mamba_widths"]  # fmt: skip
+
+HYBRID_SYMBOLS = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
+"""The layer kinds of a hybrid pattern, by Megatron's symbol."""
+
+_OTHER_SYMBOLS = {
+    "G": "gated delta net layers",
+    "D": "DeepSeek sparse attention layers",
+    "+": "multi-latent attention layers",
+    "|": "pipeline stage boundaries in the pattern (give --pipeline-model-parallel-size)",
+    "/": "multi-token prediction patterns",
+}
+"""Megatron's other symbols, which mp refuses naming what they stand for."""
+
+
+def hybrid_layer_kinds(config: TransformerConfig) -> list[str]:
+    """Per layer of the whole model: "mamba", "attention", "mlp" or "moe" for a hybrid
+    model, "transformer" (attention then an MLP) for every layer otherwise."""
+    pattern = config.hybrid_layer_pattern
+    if pattern is None:
+        return ["transformer"] * config.num_layers
+    return [HYBRID_SYMBOLS[symbol] for symbol in pattern]
+
+
+def mamba_widths(config: TransformerConfig) -> tuple[int, int]:
+    """(heads, inner width) of the Mamba mixers: mamba_num_heads x mamba_head_dim, or
+    Megatron's default without mamba_num_heads, an inner width of 2 x hidden_size."""
+    if config.mamba_num_heads is not None:
+        return config.mamba_num_heads, config.mamba_num_heads * config.mamba_head_dim
+    inner = 2 * config.hidden_size
+    return inner // config.mamba_head_dim, inner
+
+
+def check_hybrid(config: TransformerConfig) -> None:
+    """The rules of the hybrid fields that hold whatever the parallel layout."""
+    pattern = config.hybrid_layer_pattern
+    if pattern is None:
+        return
+    if not isinstance(pattern, str) or not pattern:
+        raise ValueError(f"hybrid_layer_pattern={pattern!r} must be a string of layer symbols")
+    for symbol in pattern:
+        if symbol in _OTHER_SYMBOLS:
+            raise ValueError(
+                f"hybrid_layer_pattern={pattern!r}: {symbol!r} ({_OTHER_SYMBOLS[symbol]}) is "
+                "not implemented; mp builds M (Mamba), * (attention), - (MLP) and E (MoE)"
+            )
+        if symbol not in HYBRID_SYMBOLS:
+            raise ValueError(
+                f"hybrid_layer_pattern={pattern!r}: {symbol!r} is not a layer symbol (M, *, -, E)"
+            )
+    if len(pattern) != config.num_layers:
+        raise ValueError(
+            f"hybrid_layer_pattern={pattern!r} has {len(pattern)} layers, num_layers="
+            f"{config.num_layers}: one symbol per layer"
+        )
+    if "E" in pattern and config.num_moe_experts is None:
+        raise ValueError(
+            f"hybrid_layer_pattern={pattern!r} has E layers: they need num_moe_experts"
+        )
+    if config.num_moe_experts is not None and "E" not in pattern:
+        raise ValueError(
+            f"num_moe_experts={config.num_moe_experts} in a hybrid model needs E layers in "
+            f"hybrid_layer_pattern={pattern!r}"
+        )
+    if list(config.moe_layer_freq) != [1]:
+        raise ValueError(
+            f"moe_layer_freq={config.moe_layer_freq!r} with hybrid_layer_pattern: the "
+            "pattern's E layers are the MoE layers"
+        )
+    refused = {
+        "multi_latent_attention": config.multi_latent_attention,
+        "mtp_num_layers": config.mtp_num_layers,
+        "fp8": config.fp8,
+    }
+    for name, value in refused.items():
+        if value:
+            raise ValueError(f"{name}={value!r} with hybrid_layer_pattern is not implemented")
+    for name in ("mamba_head_dim", "mamba_num_groups", "mamba_state_dim"):
+        positive(name, getattr(config, name))
+    if config.mamba_num_heads is not None:
+        positive("mamba_num_heads", config.mamba_num_heads)
+    heads, inner = mamba_widths(config)
+    if heads * config.mamba_head_dim != inner:
+        raise ValueError(
+            f"mamba_head_dim={config.mamba_head_dim} does not divide the Mamba inner width "
+            f"{inner} (2 x hidden_size without mamba_num_heads)"
+        )
+    if heads % config.mamba_num_groups:
+        raise ValueError(
+            f"mamba_num_groups={config.mamba_num_groups} does not divide the {heads} Mamba heads"
+        )
+
+
+def check_hybrid_parallel(config: TransformerConfig, tp: int, cp: int) -> None:
+    """Tensor parallelism splits the Mamba mixers by whole groups of heads; context
+    parallelism through a Mamba layer is not implemented."""
+    if config.hybrid_layer_pattern is None or "M" not in config.hybrid_layer_pattern:
+        return
+    if config.mamba_num_groups % tp:
+        raise ValueError(
+            f"mamba_num_groups={config.mamba_num_groups} is not divisible by "
+            f"tensor_model_parallel_size={tp}: each rank holds whole groups of Mamba heads"
+        )
+    if cp > 1:
+        raise ValueError(
+            f"context_parallel_size={cp} with Mamba layers (hybrid_layer_pattern) is not "
+            "implemented"
+        )

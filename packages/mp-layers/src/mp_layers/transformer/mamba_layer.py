@@ -1,0 +1,71 @@
+"""MambaLayer: a hybrid model's M layer (Megatron's MambaLayer), x + dropout(mixer(norm(x))).
+
+Shapes as TransformerLayer's: x [s, b, h], or [s/tp, b, h] with sequence parallelism. The
+mixer (mamba_mixer.py) runs over whole sequences: samples of several documents (their
+states would have to restart at each document) and generation from a KVCache (which would
+have to hold each layer's convolution and scan states) are refused with one line.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mp_ckpt import ShardedTensor
+from mp_layers.config import TransformerConfig
+from mp_layers.groups import ModelGroups
+from mp_layers.tensor_parallel import replicated_state_dict
+from mp_layers.transformer.kv_cache import KVCache
+from mp_layers.transformer.mamba_mixer import MambaMixer
+from mp_layers.transformer.packed import PackedSeqParams
+from mp_layers.transformer.residual import hidden_dropout
+from mp_layers.transformer.rope import Rotary
+from mp_layers.transformer.spec import LOCAL_SPEC, LayerSpec
+from mp_state import RNGStatesTracker
+
+__all__ = ["MambaLayer"]
+
+
+class MambaLayer(torch.nn.Module):
+    def __init__(
+        self,
+        config: TransformerConfig,
+        groups: ModelGroups,
+        rng_tracker: RNGStatesTracker | None = None,
+        spec: LayerSpec = LOCAL_SPEC,
+        layer_number: int = 0,
+    ) -> None:
+        super().__init__()
+        if config.hidden_dropout > 0 and config.sequence_parallel and rng_tracker is None:
+            raise ValueError("hidden_dropout with sequence_parallel needs an rng_tracker")
+        self.config = config
+        self.rng_tracker = rng_tracker
+        self.tp_group = groups.tp
+        self.layer_number = layer_number
+        self.norm = spec.norm(config, None)
+        self.mixer = MambaMixer(config, groups)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rotary: Rotary | None = None,
+        attention_mask: torch.Tensor | None = None,
+        kv_cache: KVCache | None = None,
+    ) -> torch.Tensor:
+        """rotary and a causal attention_mask do not concern the mixer (it is causal)."""
+        if kv_cache is not None:
+            raise ValueError(
+                f"layer {self.layer_number} is a Mamba layer: generation from a KV cache "
+                "needs its convolution and scan states, which are not implemented"
+            )
+        if isinstance(attention_mask, PackedSeqParams):
+            raise ValueError(
+                f"layer {self.layer_number} is a Mamba layer: samples of several documents "
+                "(--sft, --reset-attention-mask) are not implemented for Mamba layers"
+            )
+        out, bias = self.mixer(self.norm(x))
+        out = out if bias is None else out + bias
+        return x + hidden_dropout(self.config, self.rng_tracker, out, self.training)
+
+    def sharded_state_dict(self, prefix: str = "") -> dict[str, ShardedTensor]:
+        pieces = self.mixer.sharded_state_dict(f"{prefix}mixer.")
+        return pieces | replicated_state_dict(self.norm, f"{prefix}norm.", self.tp_group)

@@ -1,0 +1,128 @@
+"""The Mamba-2 mixer of hybrid models: the chunked scan against the recurrence position by
+position, the mixer against transformers' NemotronHMamba2Mixer (its torch path) with the
+same weights, and at TP2 (with and without sequence parallelism) against one rank."""
+
+import os
+
+import pytest
+import torch
+
+from mp_layers import ModelGroups, TransformerConfig
+from mp_layers.transformer.mamba_mixer import MambaMixer
+from mp_layers.transformer.ssd import chunked_scan, recurrent_step
+from mp_state.testing import run_on_ranks
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+H, HEADS, P, GROUPS, N = 32, 8, 8, 2, 16
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 16])
+def test_the_chunked_scan_is_the_recurrence(chunk):
+    torch.manual_seed(0)
+    b, s, h, p, n = 2, 11, 3, 4, 5
+    x, B, C = torch.randn(b, s, h, p), torch.randn(b, s, h, n), torch.randn(b, s, h, n)
+    dt, A, D = torch.rand(b, s, h), -torch.rand(h) * 2, torch.randn(h)
+    initial = torch.randn(b, h, p, n)
+    state, want = initial, []
+    for t in range(s):
+        y, state = recurrent_step(state, x[:, t], dt[:, t], A, B[:, t], C[:, t], D)
+        want.append(y)
+    got, final = chunked_scan(x, dt, A, B, C, D, chunk, initial)
+    torch.testing.assert_close(got, torch.stack(want, dim=1), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(final, state, rtol=1e-5, atol=1e-5)
+
+
+def config(**settings) -> TransformerConfig:
+    base = dict(num_layers=1, hidden_size=H, num_attention_heads=4, hybrid_layer_pattern="M",
+                mamba_num_heads=HEADS, mamba_head_dim=P, mamba_num_groups=GROUPS,
+                mamba_state_dim=N, normalization="RMSNorm", add_bias_linear=False,
+                hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.2)  # fmt: skip
+    return TransformerConfig(**base | settings)
+
+
+def randomized(mixer: MambaMixer) -> MambaMixer:
+    """Every parameter drawn anew (the ones and fixed ranges of the initialization would
+    hide a swapped D or norm weight), A_log and dt_bias kept in their ranges."""
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for param in mixer.parameters():
+            param.copy_(torch.randn(param.shape, generator=gen) * 0.3)
+        mixer.A_log.copy_(torch.rand(mixer.A_log.shape, generator=gen) * 2)
+    return mixer
+
+
+def test_the_mixer_equals_transformers_nemotron_h_mixer():
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHMamba2Mixer
+
+    hf_config = transformers.NemotronHConfig(
+        hidden_size=H, mamba_num_heads=HEADS, mamba_head_dim=P, n_groups=GROUPS,
+        ssm_state_size=N, conv_kernel=4, use_conv_bias=True, use_bias=False,
+        layer_norm_epsilon=1e-5, chunk_size=16, time_step_min=0.0,
+        layers_block_type=["mamba"] * 1, num_attention_heads=4,
+    )  # fmt: skip
+    theirs = NemotronHMamba2Mixer(hf_config, layer_idx=0).eval()
+    ours = randomized(MambaMixer(config(), ModelGroups.single())).eval()
+    inner, gn = HEADS * P, GROUPS * N
+    state = ours.sharded_state_dict()
+    flat = {k: v.data.reshape(v.global_shape[0] * v.data.shape[1], *v.data.shape[2:])
+            if v.data.dim() > 1 and k.split(".")[0] in ("in_proj", "conv1d") else v.data
+            for k, v in state.items()}  # fmt: skip
+    in_proj = torch.cat([flat[f"in_proj.{p}.weight"] for p in ("z", "x", "B", "C", "dt")])
+    assert in_proj.shape == (2 * inner + 2 * gn + HEADS, H)
+    conv = torch.cat([flat[f"conv1d.{p}.weight"] for p in ("x", "B", "C")])
+    conv_bias = torch.cat([flat[f"conv1d.{p}.bias"] for p in ("x", "B", "C")])
+    with torch.no_grad():
+        theirs.in_proj.weight.copy_(in_proj)
+        theirs.conv1d.weight.copy_(conv[:, None, :])
+        theirs.conv1d.bias.copy_(conv_bias)
+        for name in ("dt_bias", "A_log", "D"):
+            getattr(theirs, name).copy_(flat[name])
+        theirs.norm.weight.copy_(flat["norm.weight"])
+        theirs.out_proj.weight.copy_(flat["out_proj.weight"])
+        x = torch.randn(2, 37, H)  # three chunks of 16, the last one short
+        want = theirs(x)
+        got, bias = ours(x.transpose(0, 1))
+    assert bias is None
+    torch.testing.assert_close(got.transpose(0, 1), want, rtol=1e-5, atol=1e-5)
+
+
+def tp_body(sequence_parallel: bool) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    import mp_state
+
+    torch.set_num_threads(1)
+    state = mp_state.initialize(mp_state.ParallelConfig(tensor_model_parallel_size=2))
+    groups = ModelGroups.of(state)
+    torch.manual_seed(0)
+    mixer = MambaMixer(config(sequence_parallel=sequence_parallel), groups)
+    x = torch.randn(12, 2, H, generator=torch.Generator().manual_seed(2), requires_grad=True)
+    local = x.chunk(2)[groups.tp.rank] if sequence_parallel else x
+    out, _ = mixer(local)
+    out.square().sum().backward()
+    return out.detach(), x.grad, [p.grad for p in mixer.parameters()]
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_tp2_equals_one_rank(sequence_parallel):
+    torch.manual_seed(0)
+    one = MambaMixer(config(), ModelGroups.single())
+    x = torch.randn(12, 2, H, generator=torch.Generator().manual_seed(2), requires_grad=True)
+    want, _ = one(x)
+    (want.square().sum()).backward()
+    ranks = run_on_ranks(tp_body, 2, sequence_parallel, timeout=120)
+    outs = [out for out, _, _ in ranks]
+    got = torch.cat(outs) if sequence_parallel else outs[0]
+    torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-6)
+    grads = [grad for _, grad, _ in ranks]
+    x_grad = grads[0] + grads[1] if sequence_parallel else grads[0]
+    torch.testing.assert_close(x_grad, x.grad, rtol=1e-4, atol=1e-5)
+    # Each rank's parameters are its groups' piece of one rank's: in_proj and conv1d by
+    # whole groups (their first dimension), out_proj by columns.
+    for (name, param), *pieces in zip(one.named_parameters(), *(g for _, _, g in ranks),
+                                      strict=True):  # fmt: skip
+        dim = 1 if name == "out_proj.weight" else 0
+        scale = param.grad.abs().max().item()  # gradients up to ~100: fp32 sums of many terms
+        torch.testing.assert_close(torch.cat(pieces, dim=dim), param.grad, rtol=0,
+                                   atol=1e-5 * scale, msg=name)  # fmt: skip
