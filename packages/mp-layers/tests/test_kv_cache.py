@@ -3,8 +3,9 @@ different lengths (left-padded), a prefill, then one position at a time, gives a
 step each sequence's logits of a full forward of that sequence alone; with rotary
 (grouped-query attention), learned position embeddings, multi-latent attention
 (whose cache holds latents; attention over them against the heads' keys of the full
-forward) and Llama 4's attention (chunked, with NoPE layers and their query temperature:
-the cache's block mask against the full forward's blocks), at TP1 and TP2. The latent
+forward), Llama 4's attention (chunked, with NoPE layers and their query temperature:
+the cache's block mask against the full forward's blocks) and a Mamba-hybrid model (the
+cache holding each Mamba layer's states), at TP1 and TP2. The latent
 cache's bytes per position and layer are r + dr elements."""
 
 import pytest
@@ -34,6 +35,12 @@ STYLES = {
                    rotary_interleaved=True, no_rope_freq=2, qk_l2_norm=True,
                    qk_l2_norm_layers="rope", attention_chunk_size=4,
                    attn_temperature_floor_scale=3, attn_temperature_scale=0.5),
+    # A Mamba-hybrid model: a Mamba-2 layer (its convolution's inputs and scan state in the
+    # cache; padding leaves them untouched), then attention
+    "hybrid": dict(num_attention_heads=4, num_query_groups=2, kv_channels=8,
+                   normalization="RMSNorm", position_embedding_type="none",
+                   add_bias_linear=False, hybrid_layer_pattern="M*", mamba_num_heads=8,
+                   mamba_head_dim=8, mamba_num_groups=2, mamba_state_dim=16),
 }  # fmt: skip
 
 
@@ -85,7 +92,7 @@ def tp_body() -> dict[str, float]:
     torch.set_num_threads(1)
     state = mp_state.initialize(mp_state.ParallelConfig(tensor_model_parallel_size=2))
     return {style: check_cached_equals_recomputed(style, ModelGroups.of(state))
-            for style in ("llama-gqa", "mla", "llama4")}  # fmt: skip
+            for style in ("llama-gqa", "mla", "llama4", "hybrid")}  # fmt: skip
 
 
 @pytest.mark.multirank

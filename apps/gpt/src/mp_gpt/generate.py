@@ -54,12 +54,6 @@ class Generator:
             raise ValueError("generation runs without virtual pipeline stages")
         if parallel.context_parallel_size > 1:
             raise ValueError("generation runs without context parallelism")
-        if "M" in (config.model.hybrid_layer_pattern or ""):
-            raise ValueError(
-                f"{load}: a Mamba-hybrid model (hybrid_layer_pattern="
-                f"{config.model.hybrid_layer_pattern!r}); its generation needs each Mamba "
-                "layer's convolution and scan states in the cache, which are not implemented"
-            )
         config.model.sequence_parallel = False
         config.model.hidden_dropout = config.model.attention_dropout = 0.0
         # A world this generator starts (a command under torchrun) is ended by close(); a

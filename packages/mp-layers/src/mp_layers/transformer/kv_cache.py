@@ -29,6 +29,12 @@ latent and its rotated key, from which every head's key and value are computed
 
 A layer with chunked attention (Llama 4) keeps every position, as a full-attention
 layer, and masks the keys of earlier blocks (`chunked_attention_mask`).
+
+A Mamba layer (hybrid models) keeps no keys but its states after the filled slots: its
+convolution's last K - 1 inputs [b, channels, K - 1] and its scan's state [b, heads, p,
+n] in fp32 (`mamba_states`, `set_mamba_states`), whatever the length; a sequence's
+padding slots leave them as they were (`padded`: mamba_mixer.py zeroes their inputs and
+their step size).
 """
 
 from __future__ import annotations
@@ -186,6 +192,21 @@ class KVCache:
         (stored,) = self._storage(layer, (latent,), self.max_length)
         stored[self.length : self.length + s] = latent
         return stored[: self.slots_read(s)]
+
+    def padded(self, s: int, device: torch.device | str) -> torch.Tensor:
+        """[b, s] bool: which of the next s slots are padding."""
+        slots = torch.arange(self.length, self.length + s, device=device)
+        return slots[None, :] < self.padding.to(device)[:, None]
+
+    def mamba_states(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The Mamba `layer`'s states after the filled slots (its convolution's last inputs
+        and its scan's state), None before its first forward."""
+        return self._layers.get(layer)
+
+    def set_mamba_states(self, layer: int, conv: torch.Tensor, scan: torch.Tensor) -> None:
+        """Replaces the Mamba `layer`'s states (mamba_mixer.py: conv [b, channels, K - 1]
+        of the last inputs, scan [b, heads, p, n] fp32) by those after the new slots."""
+        self._layers[layer] = (conv, scan)
 
     def layer_bytes(self, layer: int) -> int:
         """The bytes `layer`'s keys and values (or latents) hold (0 before its first

@@ -1,9 +1,9 @@
 """MambaLayer: a hybrid model's M layer (Megatron's MambaLayer), x + dropout(mixer(norm(x))).
 
 Shapes as TransformerLayer's: x [s, b, h], or [s/tp, b, h] with sequence parallelism. The
-mixer (mamba_mixer.py) runs over whole sequences: samples of several documents (their
-states would have to restart at each document) and generation from a KVCache (which would
-have to hold each layer's convolution and scan states) are refused with one line.
+mixer (mamba_mixer.py) runs over whole sequences, or with a KVCache over the next
+positions from the states it keeps; samples of several documents (their states would
+have to restart at each document) are refused with one line.
 """
 
 from __future__ import annotations
@@ -51,18 +51,14 @@ class MambaLayer(torch.nn.Module):
         attention_mask: torch.Tensor | None = None,
         kv_cache: KVCache | None = None,
     ) -> torch.Tensor:
-        """rotary and a causal attention_mask do not concern the mixer (it is causal)."""
-        if kv_cache is not None:
-            raise ValueError(
-                f"layer {self.layer_number} is a Mamba layer: generation from a KV cache "
-                "needs its convolution and scan states, which are not implemented"
-            )
+        """rotary and a causal attention_mask do not concern the mixer (it is causal; with a
+        kv_cache the cache says which slots are padding)."""
         if isinstance(attention_mask, PackedSeqParams):
             raise ValueError(
                 f"layer {self.layer_number} is a Mamba layer: samples of several documents "
                 "(--sft, --reset-attention-mask) are not implemented for Mamba layers"
             )
-        out, bias = self.mixer(self.norm(x))
+        out, bias = self.mixer(self.norm(x), kv_cache, self.layer_number)
         out = out if bias is None else out + bias
         return x + hidden_dropout(self.config, self.rng_tracker, out, self.training)
 

@@ -22,6 +22,10 @@ are ordered by group (each group's z, x', B, C, dt, and x', B, C), so that a ten
 parallel rank's contiguous piece is whole groups and a seed draws the same model at
 every TP size; out_proj is row-parallel. The scan runs in fp32 on each rank's heads.
 
+Generation: with a KVCache the convolution starts from the layer's last K - 1 inputs and
+the scan from its state, both kept in the cache (kv_cache.py), so each new position costs
+the same whatever came before.
+
 Initialization, Megatron's: in_proj normal(init_method_std), out_proj the scaled
 output-layer std; conv1d and its bias uniform(-1/sqrt(K), 1/sqrt(K)) (torch's Conv1d
 default); dt_bias the inverse softplus of dt drawn log-uniformly in [0.001, 0.1] (at
@@ -42,6 +46,7 @@ from mp_layers.config_hybrid import mamba_widths
 from mp_layers.groups import ModelGroups
 from mp_layers.tensor_parallel import ColumnParallelLinear, init_partitioned_weight
 from mp_layers.tensor_parallel.deferred_init import weight_device
+from mp_layers.transformer.kv_cache import KVCache
 from mp_layers.transformer.mlp import residual_projection
 from mp_layers.transformer.ssd import chunked_scan
 
@@ -94,29 +99,49 @@ class MambaMixer(torch.nn.Module):
         init_partitioned_weight(param, shape, 0, self.tp_group, init)
         return param
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """x [s, b, h] (or [s/tp, b, h]) -> (output, out_proj's bias or None)."""
+    def forward(
+        self, x: torch.Tensor, kv_cache: KVCache | None = None, layer: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x [s, b, h] (or [s/tp, b, h]) -> (output, out_proj's bias or None). With a
+        kv_cache, x holds the next positions: the convolution and the scan go on from the
+        cache's states of `layer` (its number in the model), which they replace."""
         fused, _ = self.in_proj(x)  # [s, b, groups * unit]
         s, b = fused.shape[:2]
         g, hg, p, n = self.groups, self.per_group, self.p, self.n
-        z, xs, B, C, dt = fused.view(s, b, g, self.unit).split([hg * p, hg * p, n, n, hg], dim=-1)
-        xbc = self._convolve(torch.cat([xs, B, C], dim=-1).reshape(s, b, g * self.conv_unit))
-        xs, B, C = xbc.view(b, s, g, self.conv_unit).split([hg * p, n, n], dim=-1)
+        z, xs, B, C, dt = fused.view(s, b, g, self.unit).split(
+            [hg * p, hg * p, n, n, hg], dim=-1
+        )
+        xbc = torch.cat([xs, B, C], dim=-1).reshape(s, b, g * self.conv_unit).permute(1, 2, 0)
         dt = F.softplus(dt.float().reshape(s, b, self.heads).transpose(0, 1) + self.dt_bias.float())
-        y, _ = chunked_scan(
+        history = initial = None
+        if kv_cache is not None:
+            # Padding slots: no input to the convolution, and a step of 0 (no decay, no
+            # input) that leaves the scan's state as it was.
+            padded = kv_cache.padded(s, x.device)
+            xbc = xbc.masked_fill(padded[:, None, :], 0)
+            dt = dt.masked_fill(padded[..., None], 0)
+            history, initial = kv_cache.mamba_states(layer) or (None, None)
+        if history is None:
+            history = xbc.new_zeros(b, xbc.shape[1], CONV_WIDTH - 1)
+        inputs = torch.cat([history, xbc], dim=-1)  # [b, channels, K - 1 + s]
+        xbc = self._convolve(inputs)
+        xs, B, C = xbc.view(b, s, g, self.conv_unit).split([hg * p, n, n], dim=-1)
+        y, state = chunked_scan(
             xs.reshape(b, s, self.heads, p), dt, -torch.exp(self.A_log.float()),
             B.repeat_interleave(hg, dim=2), C.repeat_interleave(hg, dim=2), self.D, SCAN_CHUNK,
+            initial,
         )  # fmt: skip
+        if kv_cache is not None:
+            kv_cache.set_mamba_states(layer, inputs[..., -(CONV_WIDTH - 1) :], state)
         y = self._gated_norm(y.reshape(b, s, g, hg * p), z.transpose(0, 1).reshape(b, s, g, -1))
         return self.out_proj(y.to(x.dtype).reshape(b, s, -1).transpose(0, 1))
 
-    def _convolve(self, xbc: torch.Tensor) -> torch.Tensor:
-        """[s, b, channels] -> silu of the causal depthwise convolution, [b, s, channels]."""
-        channels = xbc.shape[-1]
+    def _convolve(self, inputs: torch.Tensor) -> torch.Tensor:
+        """[b, channels, K - 1 + s] (the K - 1 earlier inputs first) -> silu of the causal
+        depthwise convolution at the s new positions, [b, s, channels]."""
         out = F.conv1d(
-            F.pad(xbc.permute(1, 2, 0), (CONV_WIDTH - 1, 0)),
-            self.conv1d_weight.to(xbc.dtype)[:, None, :],
-            self.conv1d_bias.to(xbc.dtype), groups=channels,
+            inputs, self.conv1d_weight.to(inputs.dtype)[:, None, :],
+            self.conv1d_bias.to(inputs.dtype), groups=inputs.shape[1],
         )  # fmt: skip
         return F.silu(out).transpose(1, 2)
 
