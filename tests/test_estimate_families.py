@@ -40,6 +40,11 @@ FAMILIES = {
     "llama4_text": dict(SMALL, head_dim=16, num_local_experts=4, num_experts_per_tok=1,
                         intermediate_size_mlp=80, interleave_moe_layer_step=2,
                         no_rope_layer_interval=3),
+    "nemotron_h": dict(SMALL, num_hidden_layers=4, head_dim=8, mamba_num_heads=8,
+                       mamba_head_dim=16, n_groups=2, ssm_state_size=16,
+                       layers_block_type=["mamba", "mlp", "attention", "moe"],
+                       n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                       moe_shared_expert_intermediate_size=48),
 }  # fmt: skip
 
 
@@ -148,3 +153,52 @@ def test_the_l2_qk_norm_holds_no_weights_over_qk_layernorm():
     result = estimate(run, world_size=1, vocab_size=128)
     gpt = GPTModel(model, "local", result["padded_vocab_size"], 32, groups=ModelGroups.single())
     assert sum(p.numel() for p in gpt.parameters()) == result["num_parameters"]
+
+
+HYBRID = dict(hidden_size=64, num_attention_heads=4, num_query_groups=2,
+              mamba_num_heads=8, mamba_head_dim=16, mamba_num_groups=2, mamba_state_dim=16,
+              normalization="RMSNorm", add_bias_linear=False, position_embedding_type="rope",
+              hidden_dropout=0.0, attention_dropout=0.0)  # fmt: skip
+HYBRID_MOE = dict(num_moe_experts=4, moe_ffn_hidden_size=32, moe_router_topk=2)
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [dict(hybrid_layer_pattern="M-M*-"),
+     dict(hybrid_layer_pattern="M*EM-E", **HYBRID_MOE, moe_shared_expert_intermediate_size=48,
+          moe_shared_expert_gate=True, activation="swiglu"),
+     dict(hybrid_layer_pattern="M*-M", add_bias_linear=True, normalization="LayerNorm",
+          untie_embeddings_and_output_weights=True),
+     dict(hybrid_layer_pattern="MM*E", **HYBRID_MOE, mamba_num_heads=None,
+          add_bias_linear=True)],
+    ids=["dense", "moe-shared-expert", "biases-layernorm", "default-inner-width"],
+)  # fmt: skip
+def test_estimate_counts_a_hybrid_models_parameters(changes):
+    """Mamba-hybrid models (Nemotron-H's layout): each layer one sublayer and its norm, a
+    Mamba mixer's in_proj, conv1d, dt_bias, A_log, D, gated norm and out_proj; without
+    mamba_num_heads the inner width is 2h. The whole model on one rank, and at TP 2 with
+    sequence parallelism (EP 2 with experts) what rank 0 allocates: the mixers split by
+    whole groups of heads, their layer's norm and out_proj's bias whole."""
+    fields = HYBRID | changes
+    fields["num_layers"] = len(fields["hybrid_layer_pattern"])
+    model = TransformerConfig(**fields)
+    run = RunConfig(model=model, parallel=ParallelConfig(), gpt=GPTConfig(seq_length=32),
+                    optimizer=OptimizerConfig(), data=DataConfig(vocab_size=100),
+                    training=TrainingConfig(micro_batch_size=1))  # fmt: skip
+    result = estimate(run, world_size=1)
+    gpt = GPTModel(model, "local", result["padded_vocab_size"], 32, groups=ModelGroups.single())
+    assert sum(p.numel() for p in gpt.parameters()) == result["num_parameters"]
+
+    model = TransformerConfig(**fields, sequence_parallel=True)
+    ep = 2 if model.num_moe_experts else 1
+    parallel = ParallelConfig(tensor_model_parallel_size=2, expert_model_parallel_size=ep,
+                              expert_tensor_parallel_size=1)  # fmt: skip
+    run = dataclasses.replace(run, model=model, parallel=parallel)
+    result = estimate(run, world_size=2 * ep)
+    groups = dataclasses.replace(ModelGroups.single(), tp=_rank("tp", 2), ep=_rank("ep", ep),
+                                 expert_tp=_rank("expert_tp", 1))  # fmt: skip
+    gpt = GPTModel(model, "local", result["padded_vocab_size"], 32, groups=groups)
+    held = {name: p.numel() for name, p in gpt.named_parameters()}
+    experts = sum(n for name, n in held.items() if ".experts." in name)
+    assert sum(held.values()) - experts == result["parameters_on_most_loaded_shard"]
+    assert experts == result["expert_parameters_on_most_loaded_shard"]

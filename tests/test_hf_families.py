@@ -3,7 +3,8 @@ downloads): `mp-ckpt import-hf` gives transformers' fp32 logits within 1e-5 in G
 (built from the imported settings alone); `mp-ckpt export-hf` without --arch (the
 checkpoint remembers its family) gives back the config and every tensor; greedy
 generation equals generate(do_sample=False) over 32 new tokens (DeepSeek's through the
-cache of latents); gpt-oss's also over 72 at PP2, past its windowed layers' cache rings.
+cache of latents, Nemotron-H's through its Mamba layers' states); gpt-oss's also over 72
+at PP2, past its windowed layers' cache rings.
 DeepSeek-V3's multi-token prediction layers import, compute as DeepSeek's and export back."""
 
 import json
@@ -49,6 +50,12 @@ LLAMA4 = dict(SMALL, num_hidden_layers=4, head_dim=16, intermediate_size=32,
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
                "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 16}  # fmt: skip
+# Nemotron-H: Mamba-2 mixers (8 heads of 8 channels in 2 groups, chunks of 8 that the
+# prompts cross), attention without positional embeddings, squared-ReLU MLPs
+NEMOTRON_H = dict(vocab_size=96, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=16, mamba_num_heads=8, mamba_head_dim=8, n_groups=2,
+                  ssm_state_size=16, chunk_size=8, intermediate_size=80,
+                  max_position_embeddings=64, initializer_range=0.1)  # fmt: skip
 CASES = {
     # Qwen2.5: q/k/v biases; the small sizes tie the output layer
     "qwen2": lambda: transformers.Qwen2Config(**SMALL, intermediate_size=96),
@@ -93,6 +100,16 @@ CASES = {
     # embeddings: the interval 4), no query/key norm
     "llama4_text-maverick": lambda: transformers.Llama4TextConfig(
         **LLAMA4, interleave_moe_layer_step=2, use_qk_norm=False),
+    # Nemotron-H-like: Mamba, MLP and attention layers (the older layer type names)
+    "nemotron_h": lambda: transformers.NemotronHConfig(
+        **NEMOTRON_H, layers_block_type=["mamba", "mlp", "mamba", "attention", "mlp", "mamba"]),
+    # Nemotron 3-like: expert layers (sigmoid routing by score + correction bias within 1 of
+    # 2 groups of 4 experts, weights scaled by 2.5, a shared expert)
+    "nemotron_h-moe": lambda: transformers.NemotronHConfig(
+        **NEMOTRON_H, layers_block_type=["mamba", "moe", "mamba", "full_attention", "moe", "mlp"],
+        n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
+        moe_shared_expert_intermediate_size=24, n_group=2, topk_group=1,
+        routed_scaling_factor=2.5),
 }  # fmt: skip
 
 
@@ -106,6 +123,12 @@ def random_hf(config):
         for name, buffer in model.named_buffers():  # DeepSeek-V3's router bias: a buffer
             if name.endswith("e_score_correction_bias"):
                 buffer.copy_(torch.randn_like(buffer) * 0.5)  # enough to change the choice
+        for name, param in model.named_parameters():
+            # Mamba's time step: transformers clamps softplus(dt + dt_bias) at time_step_min
+            # (0.001), Megatron and mp do not (nemotron_h.py); a dt_bias in [-1, 1] keeps
+            # dt + dt_bias well above where the clamp would act
+            if name.endswith("mixer.dt_bias"):
+                param.uniform_(-1.0, 1.0)
     return model
 
 

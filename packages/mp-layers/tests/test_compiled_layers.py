@@ -62,3 +62,29 @@ def test_compiled_layers_equal_eager_with_moe_and_selective_recompute(fresh_dyna
         assert "MoELayer.forward" in reason or "checkpointed" in reason, reason
     # The pieces of a dense and of a MoE layer, all compiled in the first step.
     assert graphs[0] == graphs[1] > 0, graphs
+
+
+def test_a_hybrid_models_mamba_layers_compile_and_equal_eager(fresh_dynamo):
+    """A Mamba layer and an attention layer, both compiled: the same loss and gradients."""
+    config = TransformerConfig(
+        num_layers=2, hidden_size=32, num_attention_heads=4, hybrid_layer_pattern="M*",
+        mamba_num_heads=8, mamba_head_dim=8, mamba_num_groups=2, mamba_state_dim=16,
+        normalization="RMSNorm", add_bias_linear=False, hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )  # fmt: skip
+    torch._dynamo.utils.counters.clear()
+    results = []
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        model = GPTModel(config, "local", VOCAB, SEQ, groups=ModelGroups.single()).train()
+        if compiled:
+            assert compile_layers(model, backend="eager") == 2
+        ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
+        loss = model(ids, labels=ids.roll(-1, 1)).mean()
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    torch.testing.assert_close(results[1], results[0])
+    # The scan traces whole: the only breaks are at the attention layer's blocked core
+    # attention, eager by design.
+    for reason in torch._dynamo.utils.counters["graph_break"]:
+        assert "blocked_attention" in reason, reason

@@ -11,6 +11,7 @@ ModelGroups and GPTModel.
 
 from mp_layers import context_parallel, moe, tensor_parallel
 from mp_layers.config import TransformerConfig
+from mp_layers.config_hybrid import hybrid_layer_kinds, mamba_widths
 from mp_layers.context_parallel import shard_sequence
 from mp_layers.fp8 import check_fp8_device
 from mp_layers.gpt_model import GPTModel
@@ -42,17 +43,23 @@ from mp_layers.transformer.core_attention import keeps_attention_probabilities
 from mp_layers.transformer.kv_cache import KVCache
 from mp_layers.transformer.layer import TransformerLayer
 from mp_layers.transformer.layer_hooks import on_layer_built
+from mp_layers.transformer.mamba_layer import MambaLayer
+from mp_layers.transformer.mamba_mixer import CONV_WIDTH, SCAN_CHUNK, MambaMixer
 from mp_layers.transformer.multi_token_prediction import MultiTokenPrediction
 from mp_layers.transformer.packed import PackedSeqParams
 from mp_layers.transformer.spec import LOCAL_SPEC, LayerSpec, get_layer_spec
 
 __all__ = [
+    "CONV_WIDTH",
     "LOCAL_SPEC",
+    "SCAN_CHUNK",
     "ColumnParallelLinear",
     "GPTModel",
     "InitMethod",
     "KVCache",
     "LayerSpec",
+    "MambaLayer",
+    "MambaMixer",
     "ModelGroups",
     "MultiTokenPrediction",
     "PackedSeqParams",
@@ -71,8 +78,10 @@ __all__ = [
     "gather_from_sequence_parallel_region",
     "gather_from_tensor_model_parallel_region",
     "get_layer_spec",
+    "hybrid_layer_kinds",
     "init_partitioned_weight",
     "keeps_attention_probabilities",
+    "mamba_widths",
     "moe",
     "on_layer_built",
     "reduce_from_tensor_model_parallel_region",

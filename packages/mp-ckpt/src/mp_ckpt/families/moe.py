@@ -24,22 +24,9 @@ from __future__ import annotations
 
 import re
 
-from mp_ckpt.families.table import Rule
+from mp_ckpt.families.table import Rule, is_moe_layer
 
 __all__ = ["expert_rules", "is_moe_layer", "shared_expert_rules", "unfuse_experts"]
-
-
-def is_moe_layer(settings: dict, i: int) -> bool:
-    """Whether layer i is a mixture of experts under the settings' moe_layer_freq, read as
-    TransformerConfig reads it: N or [N] (with more than one layer) for every N-th layer
-    from layer 0, else a 0/1 entry per layer."""
-    if settings.get("num_moe_experts") is None:
-        return False
-    freq = settings.get("moe_layer_freq", [1])
-    freq = [freq] if isinstance(freq, int) else list(freq)
-    if len(freq) == 1 and settings["num_layers"] > 1:
-        return i % freq[0] == 0
-    return bool(freq[i])
 
 
 def expert_rules(block: str, gate: str, up: str, down: str) -> tuple[Rule, ...]:

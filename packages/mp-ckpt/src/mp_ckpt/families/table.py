@@ -17,7 +17,10 @@ both also get the model's `Dims`. Absent, the tensor passes unchanged.
 layer with a plain MLP, "moe" a mixture-of-experts layer, "mtp" each multi-token
 prediction module (mp's names relative to "mtp.layers.{k}.", "{i}" the Hugging Face
 layer number num_layers + k; the module's transformer layer takes the "layer" rules and
-those of the last layer's MLP under "mtp.layers.{k}.transformer_layer."). `when(settings)`
+those of the last layer's MLP under "mtp.layers.{k}.transformer_layer."). A hybrid model
+(settings with a hybrid_layer_pattern) has one sublayer per layer: its layers take the rules
+of their kind alone, "mamba" (M), "attention" (*), "dense" (-) or "moe" (E), each with its
+own norm (`layer_scopes`). `when(settings)`
 says whether the model has the tensor at all (a bias, an untied output layer, ...).
 `keep_dtype` exempts a tensor from the export's cast to another dtype. `model_copy`
 marks a Hugging Face tensor that repeats the model-level mp tensor named (DeepSeek-V3's
@@ -50,24 +53,35 @@ __all__ = [
     "Rule",
     "flat",
     "heads_flat",
+    "is_moe_layer",
     "kv_heads",
+    "layer_scopes",
     "q_heads",
     "transposed",
 ]
 
 Tensors = Sequence[torch.Tensor]
 Transform = Callable[[Tensors, "Dims"], list[torch.Tensor]]
-Scope = Literal["model", "layer", "dense", "moe", "mtp"]
+Scope = Literal["model", "layer", "dense", "moe", "mtp", "mamba", "attention"]
+
+HYBRID_SCOPES: dict[str, Scope] = {"M": "mamba", "*": "attention", "-": "dense", "E": "moe"}
+"""The scope of a hybrid layer's rules, by its symbol in hybrid_layer_pattern."""
 
 
 @dataclass(frozen=True)
 class Dims:
-    """The shapes a transform needs: query heads, key/value groups, head dim, hidden."""
+    """The shapes a transform needs: query heads, key/value groups, head dim, hidden; in a
+    hybrid model also the Mamba mixers' heads, channels per head, groups and state size
+    (0 without Mamba layers)."""
 
     heads: int
     groups: int
     head_dim: int
     hidden: int
+    mamba_heads: int = 0
+    mamba_head_dim: int = 0
+    mamba_groups: int = 0
+    mamba_state: int = 0
 
     @property
     def per_group(self) -> int:
@@ -81,7 +95,45 @@ class Dims:
             groups=settings.get("num_query_groups") or heads,
             head_dim=settings.get("kv_channels") or settings["hidden_size"] // heads,
             hidden=settings["hidden_size"],
+            **_mamba_dims(settings),
         )
+
+
+def _mamba_dims(settings: dict) -> dict:
+    """The Mamba widths under TransformerConfig's defaults (mamba_num_heads None: an inner
+    width of 2 x hidden_size in heads of mamba_head_dim)."""
+    if "M" not in (settings.get("hybrid_layer_pattern") or ""):
+        return {}
+    head_dim = settings.get("mamba_head_dim") or 64
+    heads = settings.get("mamba_num_heads") or 2 * settings["hidden_size"] // head_dim
+    return {"mamba_heads": heads, "mamba_head_dim": head_dim,
+            "mamba_groups": settings.get("mamba_num_groups") or 8,
+            "mamba_state": settings.get("mamba_state_dim") or 128}  # fmt: skip
+
+
+def is_moe_layer(settings: dict, i: int) -> bool:
+    """Whether layer i is a mixture of experts, read as TransformerConfig reads it: an E in
+    a hybrid_layer_pattern; else under moe_layer_freq, N or [N] (with more than one layer)
+    for every N-th layer from layer 0, or a 0/1 entry per layer."""
+    if settings.get("num_moe_experts") is None:
+        return False
+    pattern = settings.get("hybrid_layer_pattern")
+    if pattern:
+        return pattern[i] == "E"
+    freq = settings.get("moe_layer_freq", [1])
+    freq = [freq] if isinstance(freq, int) else list(freq)
+    if len(freq) == 1 and settings["num_layers"] > 1:
+        return i % freq[0] == 0
+    return bool(freq[i])
+
+
+def layer_scopes(settings: dict, i: int) -> tuple[Scope, ...]:
+    """The scopes of the rules of decoder layer i: its kind's in a hybrid model, else every
+    layer's and those of its MLP (experts or not)."""
+    pattern = settings.get("hybrid_layer_pattern")
+    if pattern:
+        return (HYBRID_SCOPES[pattern[i]],)
+    return ("layer", "moe" if is_moe_layer(settings, i) else "dense")
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ checkpoint's common["model_config"] (Megatron names), completed by
 common["config"]["model"] (the training run's TransformerConfig); the shapes (of
 multi-latent attention: every width but the number of heads), an untied output layer,
 q/k/v biases, which layers have experts and the multi-token prediction modules come
-from the tensors.
+from the tensors; so do a hybrid model's layer pattern and Mamba widths.
 """
 
 from __future__ import annotations
@@ -31,8 +31,7 @@ from mp_ckpt.core.progress import progress as progress_reporter
 from mp_ckpt.core.reader import CheckpointReader
 from mp_ckpt.core.regions import Region
 from mp_ckpt.families import family, family_of
-from mp_ckpt.families.moe import is_moe_layer
-from mp_ckpt.families.table import Dims, Family, Rule
+from mp_ckpt.families.table import Dims, Family, Rule, is_moe_layer
 from mp_ckpt.hf.importer import placed_rules
 from mp_ckpt.hf.safetensors_writer import ShardedSafetensorsWriter
 from mp_ckpt.hf.tokenizer import (
@@ -45,7 +44,7 @@ from mp_ckpt.hf.tokenizer import (
 __all__ = ["TensorSource", "export_hf", "write_hf"]
 
 _DEFAULT_SHARD_BYTES = 5 * 2**30
-_Q = "decoder.layers.0.self_attention.linear_qkv.q"
+_QKV = "self_attention.linear_qkv.q"
 _MLA = "decoder.layers.0.self_attention."
 Producer = Callable[[], torch.Tensor]
 
@@ -142,22 +141,54 @@ def _from_tensors(reader: TensorSource, keys: list[str], settings: dict) -> dict
     """The settings with what the tensors show put over them."""
     layers = _layers(keys)
     routers = [f"decoder.layers.{i}.mlp.router.weight" in keys for i in range(layers)]
+    hybrid = bool(settings.get("hybrid_layer_pattern")) or any(".mixer." in k for k in keys)
+    # the first layer with attention (in a hybrid model, possibly none)
+    q = next((f"decoder.layers.{i}.{_QKV}" for i in range(layers)
+              if f"decoder.layers.{i}.{_QKV}.weight" in keys), None)  # fmt: skip
     shown = {
         "num_layers": layers,
         "untie_embeddings_and_output_weights": "output_layer.weight" in keys,
-        "add_qkv_bias": f"{_Q}.bias" in keys,
+        "add_qkv_bias": q is not None and f"{q}.bias" in keys,
         "num_moe_experts": reader.shape(
             f"decoder.layers.{routers.index(True)}.mlp.router.weight")[0] if any(routers) else None,
-        "moe_layer_freq": [int(r) for r in routers],
+        "moe_layer_freq": [1] if hybrid else [int(r) for r in routers],
         "mtp_num_layers": len({m.group(1) for k in keys
                                if (m := re.match(r"mtp\.layers\.(\d+)\.", k))}) or None,
     }  # fmt: skip
-    if f"{_Q}.weight" not in keys and f"{_MLA}linear_kv_down_proj.weight" in keys:
+    if hybrid:
+        shown |= _hybrid_from_tensors(reader, keys, layers)
+    if q is None and f"{_MLA}linear_kv_down_proj.weight" in keys:
         return settings | shown | _mla_from_tensors(reader, keys, settings)
-    groups, per_group, d, h = reader.shape(f"{_Q}.weight")
-    shown |= {"num_attention_heads": groups * per_group, "num_query_groups": groups,
-              "kv_channels": d, "hidden_size": h}  # fmt: skip
+    if q is not None:
+        groups, per_group, d, h = reader.shape(f"{q}.weight")
+        shown |= {"num_attention_heads": groups * per_group, "num_query_groups": groups,
+                  "kv_channels": d, "hidden_size": h}  # fmt: skip
     return settings | shown
+
+
+_HYBRID_KINDS = (("mixer.A_log", "M"), ("self_attention.linear_proj.weight", "*"),
+                 ("mlp.router.weight", "E"), ("mlp.linear_fc2.weight", "-"))  # fmt: skip
+"""A hybrid layer's kind by a tensor only that kind has."""
+
+
+def _hybrid_from_tensors(reader: TensorSource, keys: list[str], layers: int) -> dict:
+    """A hybrid model's hybrid_layer_pattern and Mamba widths: A_log [H], in_proj.z
+    [G, H P / G, h], in_proj.B [G, N, h]."""
+    pattern = ""
+    for i in range(layers):
+        kind = [s for name, s in _HYBRID_KINDS if f"decoder.layers.{i}.{name}" in keys]
+        if len(kind) != 1:
+            raise ValueError(f"decoder layer {i} holds no tensors of one hybrid layer kind "
+                             "(a Mamba mixer, attention, an MLP or experts)")  # fmt: skip
+        pattern += kind[0]
+    if "M" not in pattern:
+        return {"hybrid_layer_pattern": pattern}
+    mixer = f"decoder.layers.{pattern.index('M')}.mixer."
+    (heads,) = reader.shape(mixer + "A_log")
+    groups, rows, _ = reader.shape(mixer + "in_proj.z.weight")
+    return {"hybrid_layer_pattern": pattern, "mamba_num_heads": heads,
+            "mamba_head_dim": groups * rows // heads, "mamba_num_groups": groups,
+            "mamba_state_dim": reader.shape(mixer + "in_proj.B.weight")[1]}  # fmt: skip
 
 
 def _mla_from_tensors(reader: TensorSource, keys: list[str], settings: dict) -> dict:
@@ -207,18 +238,22 @@ def _shapes(reader: TensorSource, keys: list[str], settings: dict) -> dict:
               "sparse": [int(m) for m in moe]}  # fmt: skip
     if "embedding.position_embeddings.weight" in keys:
         shapes["positions"] = reader.shape("embedding.position_embeddings.weight")[0]
-    if not all(moe):
-        fc1 = f"decoder.layers.{moe.index(False)}.mlp.linear_fc1."
-        shapes["ffn"] = reader.shape(fc1 + ("gate.weight" if fc1 + "gate.weight" in keys
-                                            else "weight"))[0]  # fmt: skip
+    dense = [i for i in range(layers) if f"decoder.layers.{i}.mlp.linear_fc2.weight" in keys]
+    if dense:  # (every layer but an expert layer, unless the model is hybrid)
+        shapes["ffn"] = reader.shape(_fc1(keys, f"decoder.layers.{dense[0]}.mlp.linear_fc1."))[0]
     if any(moe):
         first = f"decoder.layers.{moe.index(True)}.mlp."
         shapes["experts"], shapes["expert_ffn"], _ = reader.shape(
-            first + "experts.linear_fc1.gate.weight")  # fmt: skip
-        shared = first + "shared_experts.linear_fc1.gate.weight"
+            _fc1(keys, first + "experts.linear_fc1."))  # fmt: skip
+        shared = _fc1(keys, first + "shared_experts.linear_fc1.")
         if shared in keys:
             shapes["shared_ffn"] = reader.shape(shared)[0]
     return shapes
+
+
+def _fc1(keys: list[str], module: str) -> str:
+    """The weight of an fc1 that shows its width: a gated one's gate, else its own."""
+    return module + ("gate.weight" if module + "gate.weight" in keys else "weight")
 
 
 def _plan(

@@ -24,8 +24,7 @@ from mp_ckpt.core.layout import checkpoint_dir
 from mp_ckpt.core.progress import progress as progress_reporter
 from mp_ckpt.core.sharding import ShardedTensor
 from mp_ckpt.families import family
-from mp_ckpt.families.moe import is_moe_layer
-from mp_ckpt.families.table import Dims, Family, Rule
+from mp_ckpt.families.table import Dims, Family, Rule, layer_scopes
 from mp_ckpt.hf.tokenizer import tokenizer_from_hf
 
 __all__ = [
@@ -165,9 +164,9 @@ def placed_rules(fam: Family, settings: dict) -> Iterator[tuple[Rule, int, str]]
 
 
 def _layer_rules(fam: Family, settings: dict, i: int) -> list[Rule]:
-    """The rules of decoder layer i: every layer's, and those of its MLP (experts or not)."""
-    scopes = ("layer", "moe" if is_moe_layer(settings, i) else "dense")
-    return [r for scope in scopes for r in fam.rules_for(scope, settings)]
+    """The rules of decoder layer i (table.layer_scopes: every layer's and those of its MLP,
+    or in a hybrid model those of its kind)."""
+    return [r for scope in layer_scopes(settings, i) for r in fam.rules_for(scope, settings)]
 
 
 def held_config(state: dict, config: dict) -> dict:

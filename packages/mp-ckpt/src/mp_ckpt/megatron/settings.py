@@ -25,6 +25,9 @@ _REFUSED = (
     ("apply_residual_connection_post_layernorm", False),
     ("heterogeneous_layers_config_path", None),
 )
+_HYBRID_ARGS = ("is_hybrid_model", "hybrid_override_pattern", "hybrid_layer_pattern")
+"""Megatron-LM's arguments of a Mamba-hybrid model (MambaModel), whose checkpoints mp does
+not read."""
 
 
 def _arg(args, name: str, default=None):
@@ -47,6 +50,10 @@ def model_config_from_megatron(args, vocab_size: int, where: str = "args") -> di
 
     for name, supported in _REFUSED:
         refuse(name, supported)
+    hybrid = [n for n in _HYBRID_ARGS if _arg(args, n)]
+    if hybrid:
+        raise ValueError(f"{where}: {hybrid[0]}={_arg(args, hybrid[0])!r}: mp does not import "
+                         "Megatron-LM's Mamba-hybrid models (MambaModel)")  # fmt: skip
     heads = args.num_attention_heads
     groups = _arg(args, "num_query_groups") if _arg(args, "group_query_attention") else None
     normalization = _arg(args, "normalization", "LayerNorm")

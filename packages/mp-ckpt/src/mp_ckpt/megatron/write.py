@@ -244,6 +244,11 @@ def _moe_args(settings: dict, tp: int, ep: int) -> dict:
 def _check(settings: dict, keys: list[str], tp: int, pp: int, fmt: str, ep: int = 1) -> None:
     if fmt not in _FORMATS:
         raise ValueError(f"--ckpt-format {fmt!r}: expected torch_dist or torch")
+    if settings.get("hybrid_layer_pattern") or any(".mixer." in k for k in keys):
+        raise ValueError(
+            f"hybrid_layer_pattern={settings.get('hybrid_layer_pattern')!r}: mp does not write "
+            "Mamba-hybrid models as Megatron-LM checkpoints (its MambaModel names them otherwise)"
+        )
     if tp < 1 or pp < 1 or ep < 1:
         raise ValueError(f"TP={tp}, PP={pp}, EP={ep}: each must be >= 1")
     experts = settings.get("num_moe_experts")

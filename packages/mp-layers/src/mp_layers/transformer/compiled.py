@@ -2,9 +2,10 @@
 
     count = compile_layers(model)    # before the first forward; returns the layers compiled
 
-Each TransformerLayer is compiled where it sits (torch.nn.Module.compile): the module
-tree, parameter names and state_dict keys stay as they were, so checkpoints, DDP's
-buffers and the sharding descriptions do not change. The layers of a model share one
+Each TransformerLayer (and a hybrid model's MambaLayer, whose scan traces whole) is
+compiled where it sits (torch.nn.Module.compile): the module tree, parameter names and
+state_dict keys stay as they were, so checkpoints, DDP's buffers and the sharding
+descriptions do not change. The layers of a model share one
 forward, so Dynamo traces it once and every layer of the same shape reuses the graph
 (its parameters are graph inputs); a pipeline stage compiles its own layers.
 
@@ -39,17 +40,19 @@ import torch
 
 from mp_layers.transformer.eager import arm_eager_functions
 from mp_layers.transformer.layer import TransformerLayer
+from mp_layers.transformer.mamba_layer import MambaLayer
 
 __all__ = ["compile_layers"]
 
 
 def compile_layers(model: torch.nn.Module, backend: str = "inductor") -> int:
-    """Compiles every TransformerLayer inside `model` in place; returns how many. The
-    compilation itself happens at each layer's first call. backend: torch.compile's
-    (inductor, or e.g. "eager": Dynamo's graphs run as captured, for tests)."""
+    """Compiles every TransformerLayer and MambaLayer inside `model` in place; returns how
+    many. The compilation itself happens at each layer's first call. backend:
+    torch.compile's (inductor, or e.g. "eager": Dynamo's graphs run as captured, for
+    tests)."""
     arm_eager_functions()
     options = {"fallback_random": True} if backend == "inductor" else None
-    layers = [m for m in model.modules() if isinstance(m, TransformerLayer)]
+    layers = [m for m in model.modules() if isinstance(m, TransformerLayer | MambaLayer)]
     for layer in layers:
         layer.compile(backend=backend, dynamic=False, options=options)
     return len(layers)

@@ -108,9 +108,7 @@ class MambaMixer(torch.nn.Module):
         fused, _ = self.in_proj(x)  # [s, b, groups * unit]
         s, b = fused.shape[:2]
         g, hg, p, n = self.groups, self.per_group, self.p, self.n
-        z, xs, B, C, dt = fused.view(s, b, g, self.unit).split(
-            [hg * p, hg * p, n, n, hg], dim=-1
-        )
+        z, xs, B, C, dt = fused.view(s, b, g, self.unit).split([hg * p, hg * p, n, n, hg], dim=-1)
         xbc = torch.cat([xs, B, C], dim=-1).reshape(s, b, g * self.conv_unit).permute(1, 2, 0)
         dt = F.softplus(dt.float().reshape(s, b, self.heads).transpose(0, 1) + self.dt_bias.float())
         history = initial = None

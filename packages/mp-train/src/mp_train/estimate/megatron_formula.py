@@ -30,6 +30,9 @@ what the run holds instead:
   sbh(10 + 24/t) a layer (f = 4h, the scores not stored, as flash attention or
   selective recompute would leave them), its own output-layer term and a 5% margin.
 - FLOPs: mp's own count (see mp_train.estimate), computed in Megatron's floating point.
+- Hybrid models (hybrid_layer_pattern): refused. report_theoretical_memory prints "not yet
+  supported for hybrid Mamba-Transformer models" and reports nothing; mp's own estimate
+  counts their layers, with Megatron's hybrid FLOPs (mp_train.estimate.hybrid).
 
 Every figure is computed in the order Megatron's code computes it, so that the floats are
 Megatron's to the last bit and the printed lines Megatron's to the character.
@@ -50,6 +53,12 @@ _MB = 1024 * 1024
 def megatron_estimate(config: RunConfig, layout: dict, V: int) -> dict:
     """The figures of Megatron's report (module docstring) for `config` on the ranks of
     `layout` (mp_train.estimate's), with V the padded vocabulary."""
+    if config.model.hybrid_layer_pattern is not None:
+        raise ValueError(
+            f"hybrid_layer_pattern={config.model.hybrid_layer_pattern!r} with "
+            f"--megatron-formula: {MEGATRON_VERSION}'s report_theoretical_memory has no "
+            "hybrid form; leave out --megatron-formula for mp's own estimate"
+        )
     report: list[str] = []
     params = _parameters(config, V, report)
     weights = _weight_and_optimizer(config, layout, params, report)

@@ -60,7 +60,10 @@ two inputs, 4sbh) and its own output layer's term. Under sequence parallelism ev
 is divided by t, otherwise only the split ones. Context parallelism stores s / c tokens
 per rank; the scores are a (s / c) s b. MoE layers replace f by k f_moe + f_shared
 (averaged over the stage's layers); the router's logits and the dispatcher's buffers are
-not counted.
+not counted. A hybrid model's layer (hybrid_layer_pattern) keeps its one sublayer's share:
+attention 5sbh whole and 8sbh + scores split, an MLP 5sbh whole and 4f/h sbh split, a Mamba
+layer what mp_train.estimate.hybrid counts (partly fp32 whatever the precision); the
+stage's layers are averaged.
 The score term counts what mp's core attention keeps: blocked attention ("local",
 "unfused", or "auto" on a CPU within its memory limit) keeps the causal blocks of its
 probabilities, 5 bytes a score with dropout and 2 without; SDPA (flash attention) and the
@@ -81,7 +84,11 @@ in Megatron's MFU. With a = g, f = 4h it is 72BsLh^2(1 + s/(12h) + V/(12Lh)).
 Multi-latent attention's per token and layer, Megatron's MLA branch: 6[r_q(h + a(dn +
 dr) + 1) + r(h + a(dn + dv) + 1) + h dr + a dv h + s a(dn + dr + dv)/2] (r kv_lora_rank,
 r_q q_lora_rank, dn qk_head_dim, dr qk_pos_emb_head_dim, dv v_head_dim; r_q(...) is
-ha(dn + dr) without a query latent; the + 1 counts each latent norm).
+ha(dn + dr) without a query latent; the + 1 counts each latent norm). A hybrid model's
+layers, Megatron's hybrid_flops: attention (*) and MLP (-, E) layers their sublayer's terms
+above, a Mamba layer (M) 3[2h(2I + 2GN + H) + 7IN + 2Ih] (Megatron's mamba_layer_flops with
+the layer's inner width I; mp_train.estimate.hybrid derives it and compares the scan with
+the chunked form's).
 """
 
 from __future__ import annotations
@@ -93,11 +100,17 @@ import sys
 
 import torch
 
-from mp_layers import TransformerConfig, keeps_attention_probabilities, saved_probability_bytes
+from mp_layers import (
+    TransformerConfig,
+    hybrid_layer_kinds,
+    keeps_attention_probabilities,
+    saved_probability_bytes,
+)
 from mp_pipeline import stage_layers
 from mp_train.configuration.config import RunConfig
+from mp_train.estimate.hybrid import mamba_activation, mamba_flops
 from mp_train.estimate.megatron_formula import MEGATRON_VERSION, megatron_estimate
-from mp_train.estimate.parameters import model_parameters, stage_moe_layers, stage_parameters
+from mp_train.estimate.parameters import model_parameters, stage_layer_kinds, stage_parameters
 
 __all__ = ["estimate", "main", "padded_vocab_size"]
 
@@ -259,19 +272,33 @@ def _activation_bytes(
     tp, pp, vpp = layout["tp"], layout["pp"], layout["vpp"]
     s = config.gpt.seq_length / layout["cp"]  # tokens of a sequence on one rank
     b, h = config.training.micro_batch_size, m.hidden_size
-    kinds = stage_moe_layers(config, stage)
+    kinds = stage_layer_kinds(config, stage)
     sp, granularity = m.sequence_parallel, m.recompute_granularity
     sbh = s * b * h
+    # The coefficients count 16-bit activations (bf16/fp16 runs, as Megatron's); an fp32
+    # model keeps every activation at twice the size.
+    width = 1 if m.bf16 or m.fp16 else 2
 
     def stored(whole: float, split: float) -> float:
         return (whole + split) / tp if sp else whole + split / tp
 
     scores = _score_bytes(config, layout, b, device_type)
 
-    def layer_bytes(f: float) -> float:
-        return stored(10 * sbh, (8 + 4 * f / h) * sbh + scores)
+    def layer_bytes(kind: str, moe: bool) -> float:
+        """Attention 5sbh whole, 8sbh + scores split; an MLP 5sbh whole, 4f/h sbh split
+        (Korthikanti et al.'s 10sbh and (8 + 4f/h)sbh by sublayer); a Mamba layer
+        mp_train.estimate.hybrid's (its fp32 part / width: the total is x width below)."""
+        if kind == "mamba":
+            whole, split, fp32 = mamba_activation(m, s, b)
+            return stored(whole, split) + fp32 / tp / width
+        whole = split = 0.0
+        if kind in ("transformer", "attention"):
+            whole, split = 5 * sbh, 8 * sbh + scores
+        if kind in ("transformer", "mlp", "moe"):
+            whole, split = whole + 5 * sbh, split + 4 * _mlp_width(m, moe) / h * sbh
+        return stored(whole, split)
 
-    layer = layer_bytes(sum(_mlp_width(m, moe) for moe in kinds) / len(kinds))
+    layer = sum(layer_bytes(kind, moe) for kind, moe in kinds) / len(kinds)  # the mean
     transient = 0.0
     if granularity == "full":
         chunk = len(kinds) // (vpp or 1)  # layers of one model chunk
@@ -303,16 +330,13 @@ def _activation_bytes(
         # Each MTP module: its layer, its norms' inputs (2sbh each) and eh_proj's (4sbh),
         # and its own logits; under a full recompute the module keeps only its two inputs
         # (the hidden state and the embedding, recomputed from them in backward).
-        mtp_layer = layer_bytes(_mlp_width(m, m.moe_layer_pattern()[-1]))
+        mtp_layer = layer_bytes("transformer", m.moe_layer_pattern()[-1])
         module = stored(4 * sbh, 0) if granularity == "full" else mtp_layer + stored(8 * sbh, 0)
         total += (m.mtp_num_layers or 0) * (module + output)
     recompute = {None: "no recompute", "selective": "selective recompute"}.get(
         granularity, f"full recompute ({m.recompute_method})"
     )
     formula = ("sequence parallel, " if sp else "") + recompute
-    # The coefficients count 16-bit activations (bf16/fp16 runs, as Megatron's); an fp32
-    # model keeps every activation at twice the size.
-    width = 1 if m.bf16 or m.fp16 else 2
     return (total + transient) * width, formula
 
 
@@ -344,13 +368,16 @@ def _flops(config: RunConfig, layout: dict, V: int) -> int:
     s, h = config.gpt.seq_length, m.hidden_size
     gated = 3 if m.gated_linear_unit else 2
     mtp = m.mtp_num_layers or 0
-    pattern = m.moe_layer_pattern()
-    kinds = pattern + pattern[-1:] * mtp  # an MTP module's layer is of the last layer's kind
-    mlp = sum(_mlp_width(m, moe) if moe else m.ffn_hidden_size for moe in kinds) * gated
-    attention = _attention_flops(m, s) * len(kinds)
+    layers = list(zip(hybrid_layer_kinds(m), m.moe_layer_pattern(), strict=True))
+    layers += layers[-1:] * mtp  # an MTP module's layer is of the last layer's kind
+    kinds = [kind for kind, _ in layers]
+    with_mlp = [moe for kind, moe in layers if kind in ("transformer", "mlp", "moe")]
+    mlp = sum(_mlp_width(m, moe) for moe in with_mlp) * gated
+    attention = _attention_flops(m, s) * sum(kind in ("transformer", "attention") for kind in kinds)
     mtp_projections = mtp * (3 * h + 2 * h * h)  # its norms (Megatron's 3h) and eh_proj
     # fwd + 2 bwd GEMMs, 2 per multiply-add
     per_token = 3 * 2 * (h * mlp + attention + mtp_projections + h * V * (1 + mtp))
+    per_token += kinds.count("mamba") * mamba_flops(m)  # mp_train.estimate.hybrid
     return layout["gbs"] * s * per_token
 
 
@@ -416,7 +443,8 @@ def _parser() -> argparse.ArgumentParser:
         "last pipeline stage, whichever holds more. With --megatron-formula, "
         f"Megatron-LM's figures instead ({MEGATRON_VERSION}). Every other flag (and "
         "--config FILE.yaml) is the run's own, mixture-of-experts layers included "
-        "(--num-moe-experts, --moe-router-topk, --expert-model-parallel-size, ...).",
+        "(--num-moe-experts, --moe-router-topk, --expert-model-parallel-size, ...) and "
+        "Mamba-hybrid models (--hybrid-layer-pattern, --mamba-num-heads, ...).",
         allow_abbrev=False,
     )
     parser.add_argument("--world-size", type=int, required=True, help="ranks of the run")
@@ -438,6 +466,7 @@ def _parser() -> argparse.ArgumentParser:
         "or selective recompute would), ffn_hidden_size wide in every layer (MoE and MLA "
         "layers as dense ones), without full recompute or MTP: sbh(18 + 4f/h)/t a layer "
         "with sequence parallelism and selective recompute, otherwise sbh(10 + 24/t) a "
-        "layer and a 5%% margin.",
+        "layer and a 5%% margin. Refused for hybrid models (--hybrid-layer-pattern), "
+        "which Megatron's report does not cover.",
     )  # fmt: skip
     return parser

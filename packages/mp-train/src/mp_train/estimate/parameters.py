@@ -24,7 +24,9 @@ count, tests/test_estimate_families.py):
                  bias), E routed experts of h f_moe x (3|2) (+ f_moe x (2|1) + h biases)
     norms        2h
 
-and beside the layers the final norm, the word embedding hV, the output layer hV when
+A hybrid model's layer (hybrid_layer_pattern) holds one sublayer and its norm h: attention
+(*), an MLP (-) or a MoE MLP (E) as above, or a Mamba mixer (M: mp_train.estimate.hybrid).
+Beside the layers the final norm, the word embedding hV, the output layer hV when
 untied, learned positions h x max_position_embeddings, and per multi-token prediction
 module its norms enorm and hnorm, eh_proj 2h x h, one layer of the last layer's kind and
 its final norm (the embedding and the output layer are the model's; GPTModel does not
@@ -33,8 +35,9 @@ build MTP modules yet: tests/test_estimate.py counts them by hand).
 How a rank holds them (what GPTModel allocates): the column- and row-parallel weights, the
 column-parallel biases and the sinks are split over t; the norms, the row-parallel
 biases (out's, fc2's), the router, the shared expert's gate, MLA's down projections and
-latent norms and the learned positions are whole on every tensor-parallel rank; the
-routed experts are split over e x expert-t, but for their fc2 biases, split over e only.
+latent norms, the learned positions and a Mamba layer's norm and out_proj bias are whole
+on every tensor-parallel rank; the routed experts are split over e x expert-t, but for
+their fc2 biases, split over e only.
 The first pipeline stage holds its layers (every virtual chunk of it), the word embedding
 and the positions; the last its layers, the final norm, the output layer (with tied
 embeddings and p > 1 a copy of the word embedding) and the MTP modules (and, untied, a
@@ -45,11 +48,12 @@ from __future__ import annotations
 
 import dataclasses
 
-from mp_layers import TransformerConfig
+from mp_layers import TransformerConfig, hybrid_layer_kinds
 from mp_pipeline import stage_layers
 from mp_train.configuration.config import RunConfig
+from mp_train.estimate.hybrid import mamba_parameters
 
-__all__ = ["Held", "model_parameters", "stage_moe_layers", "stage_parameters"]
+__all__ = ["Held", "model_parameters", "stage_layer_kinds", "stage_parameters"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,15 +116,29 @@ def _attention(m: TransformerConfig) -> Held:
     return Held(split=split, whole=qk_norms + out_bias)
 
 
-def _layer(m: TransformerConfig, moe: bool, *, active: bool = False) -> Held:
-    """One transformer layer; `active`: the k routed experts a token passes through
-    instead of all E."""
+def _layer(m: TransformerConfig, kind: str, moe: bool, *, active: bool = False) -> Held:
+    """One layer of a kind of mp_layers.hybrid_layer_kinds ("transformer": attention then an MLP),
+    its norms included; `active`: the k routed experts a token passes through instead of
+    all E."""
+    norm = Held(whole=m.hidden_size * _norm(m))
+    if kind == "mamba":
+        split, whole = mamba_parameters(m, _norm(m))
+        return Held(split=split, whole=whole)
+    layer = Held()
+    if kind in ("transformer", "attention"):
+        layer += _attention(m) + norm
+    if kind in ("transformer", "mlp", "moe"):
+        layer += _mlp(m, moe, active=active) + norm
+    return layer
+
+
+def _mlp(m: TransformerConfig, moe: bool, *, active: bool) -> Held:
+    """A dense or MoE MLP, without its norm."""
     h, gated = m.hidden_size, _gated(m)
-    layer = _attention(m) + Held(whole=2 * h * _norm(m))
     if not moe:
         f = m.ffn_hidden_size
         bias = Held(split=f * (gated - 1), whole=h) if m.add_bias_linear else Held()
-        return layer + Held(split=h * f * gated) + bias
+        return Held(split=h * f * gated) + bias
     E = m.moe_router_topk if active else m.num_moe_experts
     shared = h * (m.moe_shared_expert_intermediate_size or 0) * gated
     router = h * m.num_moe_experts + (m.num_moe_experts if m.add_bias_linear else 0)
@@ -129,7 +147,7 @@ def _layer(m: TransformerConfig, moe: bool, *, active: bool = False) -> Held:
     expert = Held(experts=h * f * gated)
     if m.add_bias_linear:  # fc1's [(2|1) f] split like its weight, fc2's [h] per expert
         expert += Held(experts=f * (gated - 1), expert_whole=h)
-    return layer + Held(split=shared, whole=router + gate) + expert * E
+    return Held(split=shared, whole=router + gate) + expert * E
 
 
 def _mtp_module(m: TransformerConfig, *, active: bool = False) -> Held:
@@ -137,7 +155,8 @@ def _mtp_module(m: TransformerConfig, *, active: bool = False) -> Held:
     (column-parallel 2h -> h, no bias) and a layer of the model's last layer's kind."""
     h = m.hidden_size
     last_is_moe = m.moe_layer_pattern()[-1]
-    return Held(split=2 * h * h, whole=3 * h * _norm(m)) + _layer(m, last_is_moe, active=active)
+    last = _layer(m, "transformer", last_is_moe, active=active)
+    return Held(split=2 * h * h, whole=3 * h * _norm(m)) + last
 
 
 def _positions(config: RunConfig) -> int:
@@ -152,9 +171,9 @@ def model_parameters(config: RunConfig, V: int) -> dict:
     m = config.model
     layers = Held()
     active = Held()
-    for moe in m.moe_layer_pattern():
-        layers += _layer(m, moe)
-        active += _layer(m, moe, active=True)
+    for kind, moe in zip(hybrid_layer_kinds(m), m.moe_layer_pattern(), strict=True):
+        layers += _layer(m, kind, moe)
+        active += _layer(m, kind, moe, active=True)
     beside = Held(whole=_norm(m) * m.hidden_size + _positions(config))
     beside += Held(split=m.hidden_size * V * (2 if m.untie_embeddings_and_output_weights else 1))
     mtp = _mtp_module(m) * (m.mtp_num_layers or 0)
@@ -167,11 +186,12 @@ def model_parameters(config: RunConfig, V: int) -> dict:
     }
 
 
-def stage_moe_layers(config: RunConfig, stage: int) -> list[bool]:
-    """Whether each layer of pipeline stage `stage` (all its virtual chunks) is MoE."""
+def stage_layer_kinds(config: RunConfig, stage: int) -> list[tuple[str, bool]]:
+    """(kind, whether MoE) of each layer of pipeline stage `stage` (all its virtual
+    chunks), the kinds of mp_layers.hybrid_layer_kinds."""
     m, parallel = config.model, config.parallel
     vpp = parallel.virtual_pipeline_model_parallel_size
-    pattern = m.moe_layer_pattern()
+    pattern = list(zip(hybrid_layer_kinds(m), m.moe_layer_pattern(), strict=True))
     kinds = []
     for chunk in range(vpp or 1):
         layers = stage_layers(
@@ -190,8 +210,8 @@ def stage_parameters(config: RunConfig, V: int, stage: int) -> Held:
     m = config.model
     pp = config.parallel.pipeline_model_parallel_size
     held = Held()
-    for moe in stage_moe_layers(config, stage):
-        held += _layer(m, moe)
+    for kind, moe in stage_layer_kinds(config, stage):
+        held += _layer(m, kind, moe)
     h, embedding = m.hidden_size, m.hidden_size * V
     untied = m.untie_embeddings_and_output_weights
     if stage == 0:
