@@ -2,6 +2,7 @@
 position, the mixer against transformers' NemotronHMamba2Mixer (its torch path) with the
 same weights, and at TP2 (with and without sequence parallelism) against one rank."""
 
+import functools
 import os
 
 import pytest
@@ -21,7 +22,7 @@ H, HEADS, P, GROUPS, N = 32, 8, 8, 2, 16
 def test_the_chunked_scan_is_the_recurrence(chunk):
     torch.manual_seed(0)
     b, s, h, p, n = 2, 11, 3, 4, 5
-    x, B, C = torch.randn(b, s, h, p), torch.randn(b, s, h, n), torch.randn(b, s, h, n)
+    x, B, C = torch.randn(b, s, h, p), torch.randn(b, s, 1, n), torch.randn(b, s, 1, n)
     dt, A, D = torch.rand(b, s, h), -torch.rand(h) * 2, torch.randn(h)
     initial = torch.randn(b, h, p, n)
     state, want = initial, []
@@ -126,3 +127,33 @@ def test_tp2_equals_one_rank(sequence_parallel):
         scale = param.grad.abs().max().item()  # gradients up to ~100: fp32 sums of many terms
         torch.testing.assert_close(torch.cat(pieces, dim=dim), param.grad, rtol=0,
                                    atol=1e-5 * scale, msg=name)  # fmt: skip
+
+
+def test_the_recomputed_training_path_equals_the_kept_one():
+    """In training the mixer keeps its convolution's inputs, dt and the gate and computes the
+    rest again in backward: the same output and gradients as keeping everything (eval
+    mode, which does not recompute), and fewer tensors kept."""
+    results = []
+    for training in (True, False):
+        torch.manual_seed(0)
+        mixer = randomized(MambaMixer(config(), ModelGroups.single())).train(training)
+        x = torch.randn(40, 2, H, generator=torch.Generator().manual_seed(2), requires_grad=True)
+        kept: list[torch.Tensor] = []
+        with torch.autograd.graph.saved_tensors_hooks(functools.partial(_keep, kept), _same):
+            out, _ = mixer(x)
+        out.square().sum().backward()
+        results.append((out.detach(), x.grad, [p.grad for p in mixer.parameters()], len(kept)))
+    (out, x_grad, grads, few), (want, want_x, want_grads, many) = results
+    torch.testing.assert_close(out, want)
+    torch.testing.assert_close(x_grad, want_x)
+    torch.testing.assert_close(grads, want_grads)
+    assert few < many / 2, (few, many)
+
+
+def _keep(kept: list, t: torch.Tensor) -> torch.Tensor:
+    kept.append(t)
+    return t
+
+
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t

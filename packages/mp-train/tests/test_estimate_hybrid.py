@@ -110,17 +110,15 @@ def test_flops_take_the_mixers_own_inner_width():
 def test_activations_by_layer_kind():
     result = estimate(make_config(), world_size=1)
     # sbh = 32*2*64 = 4096, t = 1, no recompute, the scores 5as^2b = 40960 kept.
-    # Mamba layer, 16-bit: 5 sbh = 20480 whole, sb(4X + 2I) = 64*1024 = 65536 split. fp32:
-    # the scan over 128 positions (one chunk) x b = 256: 20HN + 12QH + 16I + 12H + 8IN/Q =
-    # 2560 + 12288 + 2048 + 96 + 128 = 17120 each, 4382720; the gated norm and softplus
-    # sb(20I + 4H) = 64*2592 = 165888. 20480 + 65536 + 4548608 = 4634624.
+    # Mamba layer (X = 192, W = 328, I = 128, H = 8), 16-bit: 5 sbh = 20480 whole,
+    # sb(2X + 2W + 2I) = 64*1296 = 82944 split; fp32: dt, sb 8H = 4096. 107520 in all.
     # MLP layer: 5 sbh + 4f/h sbh = 86016. Attention layer: 5 sbh + 8 sbh + 40960 = 94208.
     # Embedding 8sb + sbh = 4608; output layer 4sbh + 4sbV = 49152.
-    expected = 2 * 4634624 + 86016 + 94208 + 4608 + 49152  # 9503232
+    expected = 2 * 107520 + 86016 + 94208 + 4608 + 49152  # 449024
     assert result["activation_mb"] * MB == pytest.approx(expected)
-    # fp32 doubles the 16-bit terms only: the scan's 2 x 4548608 are fp32 already.
+    # fp32 doubles the 16-bit terms only: dt's 2 x 4096 are fp32 already.
     fp32 = estimate(make_config(bf16=False), world_size=1)
-    assert fp32["activation_mb"] * MB == pytest.approx(2 * expected - 2 * 4548608)
+    assert fp32["activation_mb"] * MB == pytest.approx(2 * expected - 2 * 4096)
     # TP 2 with sequence parallelism: every term / 2 (the mixers split by heads), the
     # logits 4sbV of V = 256.
     tp2 = {"tensor_model_parallel_size": 2}

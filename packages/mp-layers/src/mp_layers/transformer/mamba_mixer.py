@@ -20,7 +20,12 @@ norm.weight [I], out_proj [h, I]; sharded_state_dict names their parts
 local tensors, as attention does q, k and v. Here in_proj's rows and conv1d's channels
 are ordered by group (each group's z, x', B, C, dt, and x', B, C), so that a tensor-
 parallel rank's contiguous piece is whole groups and a seed draws the same model at
-every TP size; out_proj is row-parallel. The scan runs in fp32 on each rank's heads.
+every TP size; out_proj is row-parallel. The scan runs in fp32 on each rank's heads. In
+training the convolution, the scan and the gated norm keep only their inputs (the
+convolution's, dt and the gate) for backward and run again there, as mamba_ssm's fused
+kernel does: the scan's Q x Q blocks per chunk and head and the norm's fp32 tensors
+would otherwise be most of the layer's activations (a bf16 layer of h = 64, H = 8,
+P = N = 16 keeps 2.6 kB a token instead of 21 kB).
 
 Generation: with a KVCache the convolution starts from the layer's last K - 1 inputs and
 the scan from its state, both kept in the cache (kv_cache.py), so each new position costs
@@ -39,6 +44,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 from mp_ckpt import ShardedTensor
 from mp_layers.config import TransformerConfig
@@ -122,17 +128,34 @@ class MambaMixer(torch.nn.Module):
         if history is None:
             history = xbc.new_zeros(b, xbc.shape[1], CONV_WIDTH - 1)
         inputs = torch.cat([history, xbc], dim=-1)  # [b, channels, K - 1 + s]
-        xbc = self._convolve(inputs)
-        xs, B, C = xbc.view(b, s, g, self.conv_unit).split([hg * p, n, n], dim=-1)
-        y, state = chunked_scan(
-            xs.reshape(b, s, self.heads, p), dt, -torch.exp(self.A_log.float()),
-            B.repeat_interleave(hg, dim=2), C.repeat_interleave(hg, dim=2), self.D, SCAN_CHUNK,
-            initial,
-        )  # fmt: skip
+        A = -torch.exp(self.A_log.float())
+        if self.training and torch.is_grad_enabled():
+            # As mamba_ssm's fused kernel: keep the convolution's inputs, dt and the gate,
+            # and compute the convolution, the scan's chunks and the norm again in backward.
+            y, state = torch.utils.checkpoint.checkpoint(
+                self._mix, inputs, dt, A, z, initial, use_reentrant=False
+            )
+        else:
+            y, state = self._mix(inputs, dt, A, z, initial)
         if kv_cache is not None:
             kv_cache.set_mamba_states(layer, inputs[..., -(CONV_WIDTH - 1) :], state)
-        y = self._gated_norm(y.reshape(b, s, g, hg * p), z.transpose(0, 1).reshape(b, s, g, -1))
-        return self.out_proj(y.to(x.dtype).reshape(b, s, -1).transpose(0, 1))
+        return self.out_proj(y.reshape(b, s, -1).transpose(0, 1))
+
+    def _mix(
+        self, inputs: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, z: torch.Tensor,
+        initial: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """The convolution's inputs [b, channels, K - 1 + s], dt [b, s, heads], the gate z
+        [s, b, groups, hg p] -> the gated, normalized scan output [b, s, groups, hg p] in
+        z's dtype, and the scan's final state (fp32)."""
+        b, s = dt.shape[:2]
+        g, hg, p, n = self.groups, self.per_group, self.p, self.n
+        xbc = self._convolve(inputs)
+        xs, B, C = xbc.view(b, s, g, self.conv_unit).split([hg * p, n, n], dim=-1)
+        y, state = chunked_scan(xs.reshape(b, s, self.heads, p), dt, A, B, C, self.D,
+                                SCAN_CHUNK, initial)  # fmt: skip
+        y = self._gated_norm(y.reshape(b, s, g, hg * p), z.transpose(0, 1))
+        return y.to(z.dtype), state
 
     def _convolve(self, inputs: torch.Tensor) -> torch.Tensor:
         """[b, channels, K - 1 + s] (the K - 1 earlier inputs first) -> silu of the causal

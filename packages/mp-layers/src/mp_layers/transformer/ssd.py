@@ -7,7 +7,8 @@ Per head, with a state S [p, n] (p the head's channels, n the state size) starti
     S_t = exp(dt_t A) S_{t-1} + dt_t x_t B_t^T        y_t = S_t C_t + D x_t
 
 Shapes: x [b, s, h, p], dt [b, s, h] (already through softplus), A and D [h] (A < 0),
-B and C [b, s, h, n] (each head's group's, already repeated per head). Computed in fp32.
+B and C [b, s, g, n] for g groups of heads (head j uses group j // (h / g)). Computed in
+fp32.
 
 `chunked_scan` splits the sequence into chunks of `chunk` positions: within a chunk the
 outputs come from the quadratic form y_i = sum_{j <= i} (C_i . B_j) exp(a_i - a_j) dt_j x_j
@@ -39,7 +40,9 @@ def chunked_scan(
     """(y [b, s, h, p], the final state [b, h, p, n]), all fp32 (module docstring)."""
     b, s, h, p = x.shape
     n = B.shape[-1]
-    x, dt, B, C = x.float(), dt.float(), B.float(), C.float()
+    per_group = h // B.shape[2]
+    x, dt = x.float(), dt.float()
+    B, C = (t.float().repeat_interleave(per_group, dim=2) for t in (B, C))
     pad = (-s) % chunk
     if pad:  # dt = 0 past the end: no decay and no input, the final state unchanged
         x, B, C = (F.pad(t, (0, 0, 0, 0, 0, pad)) for t in (x, B, C))
@@ -82,8 +85,10 @@ def recurrent_step(
     C: torch.Tensor,
     D: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One position: state [b, h, p, n], x [b, h, p], dt [b, h], B and C [b, h, n] ->
+    """One position: state [b, h, p, n], x [b, h, p], dt [b, h], B and C [b, g, n] ->
     (y [b, h, p], the next state), fp32."""
+    per_group = x.shape[1] // B.shape[1]
+    B, C = (t.repeat_interleave(per_group, dim=1) for t in (B, C))
     x, dt = x.float(), dt.float()
     decay = torch.exp(dt * A.float())[..., None, None]
     state = state.float() * decay + (dt[..., None] * x)[..., None] * B.float()[:, :, None, :]

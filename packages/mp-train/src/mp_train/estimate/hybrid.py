@@ -37,26 +37,21 @@ Q x Q blocks as computed. At Nemotron-H 8B's N = 128, P = 64 that is 1280 I for 
 Megatron's own note says its scan term predates the SSD kernels.
 
 Activations of a Mamba layer (Megatron's report_theoretical_memory has no hybrid form: "not
-yet supported"): what mp's MambaLayer keeps for backward, counted from its code (autograd's
-saved-tensor hooks on a bf16 layer of h = 64, H = 8, P = 16, N = 16 find 2% more).
-In the model's 16-bit precision, per token: the norm's and in_proj's inputs 2h + 2h and
-the dropout mask h, which tensor parallelism leaves whole (5h, as attention's or an MLP's
-5h), and split over t the convolution's input and output 4X and out_proj's input 2I. In
-fp32 whatever the precision (the scan and the gated norm run in fp32), split over t:
-B and C and the copies the scan's products keep of them 20HN, its chunk's score blocks
-(the decays, C . B and their product) 12QH, the inputs, their weighted copies and the
-states' readout 16I, the chunks' states 8IN/Q, dt's per-head tensors 16H and the gated
-norm's five tensors 20I. With sequence parallelism the 5h is divided by t too; the scan's
-terms count the sequence padded to whole chunks. This is what the plain-torch scan
-keeps: several times an attention + MLP layer's (Nemotron-H 8B: about 965 kB a token, an
-attention + MLP layer of f = 4h 140 kB), where Megatron's fused kernel recomputes instead.
+yet supported"): what mp's MambaLayer keeps for backward, counted from its code. In
+training its convolution, scan and gated norm keep only their inputs and run again in
+backward (as mamba_ssm's fused kernel), so per token: in the model's 16-bit precision the
+norm's and in_proj's inputs 2h + 2h and the dropout mask h, which tensor parallelism
+leaves whole (5h, as attention's or an MLP's 5h), and split over t the convolution's
+input 2X, in_proj's output 2W (the gate z, a view of it, keeps it whole) and out_proj's
+input 2I; in fp32 whatever the precision dt before and after its softplus 8H, split over
+t. With sequence parallelism the 5h is divided by t too. A bf16 layer of h = 64, H = 8,
+P = N = 16 (autograd's saved-tensor hooks) keeps 2.0 kB a token, this count 1.7 kB (the
+norm's fp32 copies); without the recompute it kept 21 kB, mostly the scan's Q x Q blocks.
 """
 
 from __future__ import annotations
 
-import math
-
-from mp_layers import CONV_WIDTH, SCAN_CHUNK, TransformerConfig, mamba_widths
+from mp_layers import CONV_WIDTH, TransformerConfig, mamba_widths
 
 __all__ = ["mamba_activation", "mamba_flops", "mamba_parameters"]
 
@@ -89,10 +84,5 @@ def mamba_activation(m: TransformerConfig, s: int, b: int) -> tuple[float, float
     """(whole, split, split fp32) bytes one Mamba layer keeps for a micro-batch of b
     sequences of s tokens (module docstring): the first two in the 16-bit units of the
     activation formula, the third in fp32 whatever the precision."""
-    h, n = m.hidden_size, m.mamba_state_dim
-    heads, inner, _, conv = _widths(m)
-    padded = math.ceil(s / SCAN_CHUNK) * SCAN_CHUNK * b  # the scan's positions
-    scan = 20 * heads * n + 12 * SCAN_CHUNK * heads + 16 * inner + 12 * heads
-    scan += 8 * inner * n / SCAN_CHUNK
-    fp32 = padded * scan + s * b * (20 * inner + 4 * heads)  # the gated norm, softplus
-    return 5 * s * b * h, s * b * (4 * conv + 2 * inner), fp32
+    heads, inner, width, conv = _widths(m)
+    return 5 * s * b * m.hidden_size, s * b * (2 * conv + 2 * width + 2 * inner), s * b * 8 * heads
