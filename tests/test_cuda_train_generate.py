@@ -2,7 +2,8 @@
 GPU (--use-device-initialization; the suite's smoke step trains from CPU draws), and
 saves; generation from that checkpoint on CUDA gives the greedy tokens it gives on the
 CPU (both in fp32: the generator takes the model's settings, not the run's precision,
-from a checkpoint)."""
+from a checkpoint). The same for a Mamba-hybrid model (its plain-torch scan, and its
+states in the cache, on CUDA)."""
 
 import math
 
@@ -12,15 +13,20 @@ from mp_gpt.testing import greedy_on_rank, metrics_records, tiny_options
 from mp_state.testing import TorchrunJob, run_on_ranks
 
 
+HYBRID = ["--hybrid-layer-pattern", "M*", "--num-layers", "2", "--mamba-num-heads", "8",
+          "--mamba-head-dim", "16", "--mamba-num-groups", "2", "--mamba-state-dim", "16"]
+
+
 @pytest.mark.cuda
-def test_train_bf16_under_torchrun_then_generate_on_cuda(tmp_path):
+@pytest.mark.parametrize("model", [[], HYBRID], ids=["gpt", "hybrid"])
+def test_train_bf16_under_torchrun_then_generate_on_cuda(tmp_path, model):
     checkpoint = tmp_path / "checkpoints"
     # The CUDA-only paths of two Megatron flags ride along: the caching allocator emptied
     # at every point (--empty-unused-memory-level 2), bf16 matmuls without reduced-precision
     # reductions.
     options = tiny_options(tmp_path, "--bf16", "--use-device-initialization",
                            "--save", str(checkpoint), "--empty-unused-memory-level", "2",
-                           "--disable-bf16-reduced-precision-matmul")  # fmt: skip
+                           "--disable-bf16-reduced-precision-matmul", *model)  # fmt: skip
     with TorchrunJob(["-m", "mp_gpt.pretrain", *options], tmp_path, nproc=1,
                      device="cuda") as job:  # fmt: skip
         job.wait(timeout=300)
