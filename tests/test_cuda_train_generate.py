@@ -12,9 +12,20 @@ import pytest
 from mp_gpt.testing import greedy_on_rank, metrics_records, tiny_options
 from mp_state.testing import TorchrunJob, run_on_ranks
 
-
-HYBRID = ["--hybrid-layer-pattern", "M*", "--num-layers", "2", "--mamba-num-heads", "8",
-          "--mamba-head-dim", "16", "--mamba-num-groups", "2", "--mamba-state-dim", "16"]
+HYBRID = [
+    "--hybrid-layer-pattern",
+    "M*",
+    "--num-layers",
+    "2",
+    "--mamba-num-heads",
+    "8",
+    "--mamba-head-dim",
+    "16",
+    "--mamba-num-groups",
+    "2",
+    "--mamba-state-dim",
+    "16",
+]
 
 
 @pytest.mark.cuda
