@@ -38,10 +38,10 @@ from __future__ import annotations
 import re
 
 from mp_ckpt.families import deepseek
-from mp_ckpt.families.deepseek import EXPERTS, deepseek_config, deepseek_settings, groups_kept
+from mp_ckpt.families.deepseek import EXPERTS, deepseek_config, deepseek_settings
 from mp_ckpt.families.hf_settings import check_computes, refuse
 from mp_ckpt.families.moe import unfuse_experts
-from mp_ckpt.families.moe_settings import positive
+from mp_ckpt.families.moe_settings import check_group_rank, sigmoid_routing
 from mp_ckpt.families.table import Family, Rule
 
 __all__ = ["FAMILY"]
@@ -54,7 +54,6 @@ _DEFAULTS = {
     "routed_scaling_factor": 2.5, "n_group": 8, "topk_group": 4,
 }  # fmt: skip
 """transformers' DeepseekV3Config defaults, for a key config.json omits."""
-_GROUP_RANK = 2  # the best scores a group is ranked by (transformers' topk(2))
 
 _MTP = "model.layers.{i}."
 RULES = (
@@ -76,28 +75,8 @@ def _settings(config: dict) -> dict:
     refuse(config, "topk_method", "noaux_tc")
     refuse(config, "rope_interleave", True)
     base = deepseek_settings(config, _DEFAULTS)
-    topk = base["moe_router_topk"]
-    norm = config.get("norm_topk_prob")
-    norm = True if norm is None else norm
-    if norm is not (topk > 1):
-        raise ValueError(
-            f"config.json norm_topk_prob={norm!r} with num_experts_per_tok={topk}: mp's sigmoid "
-            "router normalizes the weights of more than one expert and leaves one expert's "
-            f"alone (norm_topk_prob={topk > 1})"
-        )
-    groups, kept = positive(config, "n_group", _DEFAULTS), positive(config, "topk_group", _DEFAULTS)
-    if base["num_moe_experts"] % groups:
-        raise ValueError(f"config.json n_group={groups} does not divide n_routed_experts="
-                         f"{base['num_moe_experts']}")  # fmt: skip
-    routing = {"moe_router_num_groups": None, "moe_router_group_topk": None}
-    if kept < groups:
-        if topk // kept != _GROUP_RANK:
-            raise ValueError(
-                f"config.json num_experts_per_tok={topk} with topk_group={kept}: DeepSeek-V3 "
-                f"ranks a group by its {_GROUP_RANK} best scores, mp's router by its "
-                f"num_experts_per_tok // topk_group = {topk // kept} best (Megatron's rule)"
-            )
-        routing = {"moe_router_num_groups": groups, "moe_router_group_topk": kept}
+    routing = sigmoid_routing(config, base["num_moe_experts"], base["moe_router_topk"],
+                              _DEFAULTS, "DeepSeek-V3")  # fmt: skip
     mtp = config.get("num_nextn_predict_layers") or 0
     if mtp and not base["untie_embeddings_and_output_weights"]:
         raise ValueError(
@@ -130,17 +109,9 @@ def _held(config: dict, names) -> dict:
 
 
 def _config(settings: dict, shapes: dict, tokens: dict, dtype: str) -> dict:
-    topk = settings["moe_router_topk"]
     check_computes(settings, "deepseek_v3", {"moe_router_score_function": "sigmoid",
                                              "moe_router_enable_expert_bias": True})  # fmt: skip
-    limit = groups_kept(settings)
-    if limit is not None and topk // limit[1] != _GROUP_RANK:
-        raise ValueError(
-            f"model_config moe_router_topk={topk} with moe_router_group_topk={limit[1]}: "
-            f"DeepSeek-V3 ranks a group by its {_GROUP_RANK} best scores"
-        )
-    groups, kept = (settings.get("moe_router_num_groups") or 1,
-                    settings.get("moe_router_group_topk") or 1)  # fmt: skip
+    groups, kept = check_group_rank(settings, "DeepSeek-V3")
     mtp = settings.get("mtp_num_layers") or 0
     if mtp and shapes["tied"]:
         raise ValueError(
@@ -149,7 +120,7 @@ def _config(settings: dict, shapes: dict, tokens: dict, dtype: str) -> dict:
         )
     return deepseek_config(settings, shapes, tokens, dtype, "deepseek_v3") | {
         "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
-        "n_group": groups, "topk_group": kept, "norm_topk_prob": topk > 1,
+        "n_group": groups, "topk_group": kept, "norm_topk_prob": settings["moe_router_topk"] > 1,
         "rope_interleave": True, "num_nextn_predict_layers": mtp,
         "scoring_func": "sigmoid", "topk_method": "noaux_tc",
     }  # fmt: skip

@@ -7,7 +7,11 @@ moe_router_pre_softmax=False; without it the kept weights are the full softmax's
 moe_router_pre_softmax=True. They train with the Switch load-balancing loss over the
 batch (moe_router_load_balancing_type="aux_loss", router_aux_loss_coef ->
 moe_aux_loss_coeff). Llama 4 weighs its one expert by a sigmoid instead (the export's
-score_function).
+score_function). DeepSeek-V3 and Nemotron 3 score with sigmoids too, normalize the kept
+weights of more than one expert (norm_topk_prob), and may limit each token to
+topk_group of n_group groups of experts, a group ranked by the sum of its GROUP_RANK
+best scores: mp's router (Megatron's rule) ranks by num_experts_per_tok // topk_group of
+them, so the two agree where that is GROUP_RANK (`sigmoid_routing`, `check_group_rank`).
 
 Layers. A Qwen-MoE layer i is sparse iff i is not in mlp_only_layers and (i + 1) %
 decoder_sparse_step == 0; the others are a dense SwiGLU MLP of intermediate_size. mp
@@ -19,7 +23,12 @@ from __future__ import annotations
 
 from mp_ckpt.families.hf_settings import base_config
 
-__all__ = ["check_routing", "moe_config", "positive", "routing", "sparse_layers", "sparse_step"]
+__all__ = ["GROUP_RANK", "check_group_rank", "check_routing", "moe_config", "positive",
+           "routing", "sigmoid_routing", "sparse_layers", "sparse_step"]  # fmt: skip
+
+GROUP_RANK = 2
+"""The best scores a group of experts is ranked by (transformers' topk(2) in DeepSeek-V3's
+and Nemotron-H's routers)."""
 
 
 def _get(config: dict, key: str, defaults: dict):
@@ -127,3 +136,42 @@ def moe_config(settings: dict, shapes: dict, tokens: dict, dtype: str, arch: str
         "router_aux_loss_coef": _aux_loss_coef(settings),
         "num_experts_per_tok": check_routing(settings, arch, pre_softmax, score_function),
     }  # fmt: skip
+
+
+def sigmoid_routing(config: dict, experts: int, topk: int, defaults: dict, arch: str) -> dict:
+    """The group limits of DeepSeek-V3-style sigmoid routing (module docstring), after
+    checking norm_topk_prob (absent: true) against what mp's router does."""
+    norm = config.get("norm_topk_prob")
+    norm = True if norm is None else norm
+    if norm is not (topk > 1):
+        raise ValueError(
+            f"config.json norm_topk_prob={norm!r} with num_experts_per_tok={topk}: mp's sigmoid "
+            "router normalizes the weights of more than one expert and leaves one expert's "
+            f"alone (norm_topk_prob={topk > 1})"
+        )
+    groups, kept = positive(config, "n_group", defaults), positive(config, "topk_group", defaults)
+    if experts % groups:
+        raise ValueError(f"config.json n_group={groups} does not divide n_routed_experts={experts}")
+    if kept >= groups:
+        return {"moe_router_num_groups": None, "moe_router_group_topk": None}
+    if topk // kept != GROUP_RANK:
+        raise ValueError(
+            f"config.json num_experts_per_tok={topk} with topk_group={kept}: {arch} ranks a "
+            f"group by its {GROUP_RANK} best scores, mp's router by its num_experts_per_tok "
+            f"// topk_group = {topk // kept} best (Megatron's rule)"
+        )
+    return {"moe_router_num_groups": groups, "moe_router_group_topk": kept}
+
+
+def check_group_rank(settings: dict, arch: str) -> tuple[int, int]:
+    """(n_group, topk_group) of the settings' group limits (1, 1 without), refusing those
+    whose groups mp's router ranks otherwise than `arch` (module docstring)."""
+    topk = settings["moe_router_topk"]
+    groups = settings.get("moe_router_num_groups") or 1
+    kept = settings.get("moe_router_group_topk") or groups
+    if kept < groups and topk // kept != GROUP_RANK:
+        raise ValueError(
+            f"model_config moe_router_topk={topk} with moe_router_group_topk={kept}: {arch} "
+            f"ranks a group by its {GROUP_RANK} best scores"
+        )
+    return groups, kept

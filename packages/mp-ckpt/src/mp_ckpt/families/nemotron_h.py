@@ -73,7 +73,7 @@ import re
 import torch
 
 from mp_ckpt.families.hf_settings import LLAMA_STYLE, check_computes, refuse, token_ids
-from mp_ckpt.families.moe_settings import positive
+from mp_ckpt.families.moe_settings import check_group_rank, positive, sigmoid_routing
 from mp_ckpt.families.table import Dims, Family, Rule, heads_flat, kv_heads, q_heads
 
 __all__ = ["FAMILY"]
@@ -98,7 +98,6 @@ _LEGACY = {"mamba_n_groups": "n_groups", "mamba_d_conv": "conv_kernel", "mamba_e
 _SYMBOLS = {"linear_attention": "M", "mamba": "M", "full_attention": "*", "attention": "*",
             "mlp": "-", "moe": "E"}  # fmt: skip
 _LAYER_TYPES = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
-_GROUP_RANK = 2  # the best scores a group is ranked by (transformers' topk(2))
 
 # --- rules -------------------------------------------------------------------------------
 
@@ -287,26 +286,7 @@ def _routing(config: dict) -> dict:
         raise ValueError(
             f"config.json num_experts_per_tok={topk}: more than n_routed_experts={experts}"
         )
-    norm = config.get("norm_topk_prob", True)
-    if norm is not (topk > 1):
-        raise ValueError(
-            f"config.json norm_topk_prob={norm!r} with num_experts_per_tok={topk}: mp's sigmoid "
-            "router normalizes the weights of more than one expert and leaves one expert's "
-            f"alone (norm_topk_prob={topk > 1})"
-        )
-    groups = positive(config, "n_group", _DEFAULTS)
-    kept = positive(config, "topk_group", _DEFAULTS)
-    if experts % groups:
-        raise ValueError(f"config.json n_group={groups} does not divide n_routed_experts={experts}")
-    limited = {"moe_router_num_groups": None, "moe_router_group_topk": None}
-    if kept < groups:
-        if topk // kept != _GROUP_RANK:
-            raise ValueError(
-                f"config.json num_experts_per_tok={topk} with topk_group={kept}: Nemotron-H "
-                f"ranks a group by its {_GROUP_RANK} best scores, mp's router by its "
-                f"num_experts_per_tok // topk_group = {topk // kept} best (Megatron's rule)"
-            )
-        limited = {"moe_router_num_groups": groups, "moe_router_group_topk": kept}
+    limited = sigmoid_routing(config, experts, topk, _DEFAULTS, "Nemotron-H")
     return limited | {
         "num_moe_experts": experts, "moe_router_topk": topk,
         "moe_ffn_hidden_size": positive(config, "moe_intermediate_size", _DEFAULTS),
@@ -346,14 +326,8 @@ def _moe_config(settings: dict, shapes: dict) -> dict:
     if "E" not in settings["hybrid_layer_pattern"]:
         return {k: _DEFAULTS[k] for k in _MOE_KEYS} | {"norm_topk_prob": True}
     check_computes(settings, "nemotron_h", _MOE_COMPUTES)
+    groups, kept = check_group_rank(settings, "Nemotron-H")
     topk = settings["moe_router_topk"]
-    groups = settings.get("moe_router_num_groups") or 1
-    kept = settings.get("moe_router_group_topk") or groups
-    if kept < groups and topk // kept != _GROUP_RANK:
-        raise ValueError(
-            f"model_config moe_router_topk={topk} with moe_router_group_topk={kept}: "
-            f"Nemotron-H ranks a group by its {_GROUP_RANK} best scores"
-        )
     shared = shapes.get("shared_ffn")
     if not shared:
         raise ValueError("the nemotron_h export needs a shared expert in each E layer")
