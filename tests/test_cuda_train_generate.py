@@ -9,27 +9,12 @@ import math
 
 import pytest
 
-from mp_gpt.testing import greedy_on_rank, metrics_records, tiny_options
+from mp_gpt.testing import HYBRID_OPTIONS, greedy_on_rank, metrics_records, tiny_options
 from mp_state.testing import TorchrunJob, run_on_ranks
-
-HYBRID = [
-    "--hybrid-layer-pattern",
-    "M*",
-    "--num-layers",
-    "2",
-    "--mamba-num-heads",
-    "8",
-    "--mamba-head-dim",
-    "16",
-    "--mamba-num-groups",
-    "2",
-    "--mamba-state-dim",
-    "16",
-]
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("model", [[], HYBRID], ids=["gpt", "hybrid"])
+@pytest.mark.parametrize("model", [(), HYBRID_OPTIONS], ids=["gpt", "hybrid"])
 def test_train_bf16_under_torchrun_then_generate_on_cuda(tmp_path, model):
     checkpoint = tmp_path / "checkpoints"
     # The CUDA-only paths of two Megatron flags ride along: the caching allocator emptied

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from mp_gpt.testing import GIVEN_PEAK
+from mp_gpt.testing import GIVEN_PEAK, HYBRID_OPTIONS
 from mp_state.testing import run_on_ranks
 
 CONFIG = Path(__file__).resolve().parents[1] / "apps" / "gpt" / "configs" / "tiny.yaml"
@@ -124,21 +124,7 @@ def test_a_prompt_too_long_for_the_model_is_one_line_and_status_2(tmp_path):
 def test_greedy_text_of_a_hybrid_checkpoint_is_the_same_at_tp_1_and_2(tmp_path):
     """A Mamba-hybrid model (a Mamba layer, then attention) generates from its cached
     states, the same text at TP1 and TP2 (each rank its groups of Mamba heads)."""
-    hybrid = [
-        "--num-layers",
-        "2",
-        "--hybrid-layer-pattern",
-        "M*",
-        "--mamba-num-heads",
-        "8",
-        "--mamba-head-dim",
-        "16",
-        "--mamba-num-groups",
-        "2",
-        "--mamba-state-dim",
-        "16",
-    ]
-    assert run_on_ranks(train_body, 1, str(tmp_path), CONFIG, *hybrid, timeout=120) == [0]
+    assert run_on_ranks(train_body, 1, str(tmp_path), CONFIG, *HYBRID_OPTIONS, timeout=120) == [0]
     one = run_on_ranks(generate_body, 1, str(tmp_path), 1, timeout=120)
     two = run_on_ranks(generate_body, 2, str(tmp_path), 2, timeout=120)
     assert one[0] == two[0] == two[1]

@@ -19,6 +19,7 @@ from mp_gpt.config_files import config_path
 
 __all__ = [
     "GIVEN_PEAK",
+    "HYBRID_OPTIONS",
     "LOGGED_MOE",
     "TINY_CONFIG",
     "assert_same_curve",
@@ -36,6 +37,13 @@ __all__ = [
 ]
 
 TINY_CONFIG = config_path("tiny.yaml")
+
+HYBRID_OPTIONS = (
+    "--num-layers", "2", "--hybrid-layer-pattern", "M*", "--mamba-num-heads", "8",
+    "--mamba-head-dim", "16", "--mamba-num-groups", "2", "--mamba-state-dim", "16",
+)  # fmt: skip
+"""tiny.yaml's model made a Mamba-hybrid one: a Mamba-2 layer (8 heads of 16 channels in 2
+groups, a state of 16), then an attention layer."""
 
 GIVEN_PEAK = ("--peak-tflops", "1")
 """The MFU reference for test runs, given rather than measured: each rank's measure (a
