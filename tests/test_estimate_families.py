@@ -66,6 +66,18 @@ def test_estimate_counts_the_models_parameters(family):
     assert sum(p.numel() for p in gpt.parameters()) == result["num_parameters"]
 
 
+def counted_on_one_rank(model: TransformerConfig, vocab: int = 100) -> RunConfig:
+    """The run of `model` (sequences of 32) on one rank, once its estimate is checked to
+    count exactly the parameters GPTModel holds."""
+    run = RunConfig(model=model, parallel=ParallelConfig(), gpt=GPTConfig(seq_length=32),
+                    optimizer=OptimizerConfig(), data=DataConfig(vocab_size=vocab),
+                    training=TrainingConfig(micro_batch_size=1))  # fmt: skip
+    result = estimate(run, world_size=1, vocab_size=vocab)
+    gpt = GPTModel(model, "local", result["padded_vocab_size"], 32, groups=ModelGroups.single())
+    assert sum(p.numel() for p in gpt.parameters()) == result["num_parameters"]
+    return run
+
+
 MLA = dict(num_layers=2, hidden_size=64, num_attention_heads=4, multi_latent_attention=True,
            kv_lora_rank=32, qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=16,
            position_embedding_type="rope", hidden_dropout=0.0, attention_dropout=0.0)  # fmt: skip
@@ -85,13 +97,7 @@ def test_estimate_counts_multi_latent_attention(changes):
     """DeepSeek's attention in Megatron's variants besides the Hugging Face families': a
     query latent or none, latent norms (LayerNorm's biases included) or none, the output
     projection's bias."""
-    model = TransformerConfig(**MLA | changes)
-    run = RunConfig(model=model, parallel=ParallelConfig(), gpt=GPTConfig(seq_length=32),
-                    optimizer=OptimizerConfig(), data=DataConfig(vocab_size=100),
-                    training=TrainingConfig(micro_batch_size=1))  # fmt: skip
-    result = estimate(run, world_size=1)
-    gpt = GPTModel(model, "local", result["padded_vocab_size"], 32, groups=ModelGroups.single())
-    assert sum(p.numel() for p in gpt.parameters()) == result["num_parameters"]
+    counted_on_one_rank(TransformerConfig(**MLA | changes))
 
 
 def _rank(kind: str, size: int) -> RankGroup:
@@ -104,6 +110,27 @@ LAYOUT = dict(num_layers=2, hidden_size=64, num_attention_heads=4, hidden_dropou
               attention_dropout=0.0)  # fmt: skip
 MOE_TP = dict(num_moe_experts=4, moe_ffn_hidden_size=32, moe_layer_freq=[1, 0],
               sequence_parallel=True)  # fmt: skip
+HYBRID = dict(hidden_size=64, num_attention_heads=4, num_query_groups=2,
+              mamba_num_heads=8, mamba_head_dim=16, mamba_num_groups=2, mamba_state_dim=16,
+              normalization="RMSNorm", add_bias_linear=False, position_embedding_type="rope",
+              hidden_dropout=0.0, attention_dropout=0.0)  # fmt: skip
+HYBRID_MOE = dict(num_moe_experts=4, moe_ffn_hidden_size=32, moe_router_topk=2)
+HYBRIDS = {
+    "dense": dict(hybrid_layer_pattern="M-M*-"),
+    "moe-shared-expert": dict(hybrid_layer_pattern="M*EM-E", **HYBRID_MOE,
+                              moe_shared_expert_intermediate_size=48,
+                              moe_shared_expert_gate=True, activation="swiglu"),
+    "biases-layernorm": dict(hybrid_layer_pattern="M*-M", add_bias_linear=True,
+                             normalization="LayerNorm", untie_embeddings_and_output_weights=True),
+    "default-inner-width": dict(hybrid_layer_pattern="MM*E", **HYBRID_MOE,
+                                mamba_num_heads=None, add_bias_linear=True),
+}  # fmt: skip
+"""Mamba-hybrid models (Nemotron-H's layout) in the estimate's variants."""
+
+
+def hybrid(name: str, **more) -> dict:
+    fields = HYBRID | HYBRIDS[name] | more
+    return fields | {"num_layers": len(fields["hybrid_layer_pattern"])}
 
 
 @pytest.mark.parametrize(
@@ -114,14 +141,17 @@ MOE_TP = dict(num_moe_experts=4, moe_ffn_hidden_size=32, moe_layer_freq=[1, 0],
            moe_shared_expert_gate=True, **MOE_TP), 2),
      (dict(MLA, q_lora_rank=48, qk_layernorm=True, add_bias_linear=True), None),
      (dict(LAYOUT, untie_embeddings_and_output_weights=True), None),
-     (dict(MLA, q_lora_rank=48, mtp_num_layers=1, **MOE_TP), None)],
+     (dict(MLA, q_lora_rank=48, mtp_num_layers=1, **MOE_TP), None),
+     *((hybrid(name, sequence_parallel=True), 1) for name in HYBRIDS)],
     ids=["gqa-biases-sinks-moe", "shared-expert-gate-expert-tp2", "mla", "gpt2-untied",
-         "mla-moe-mtp"],
+         "mla-moe-mtp", *(f"hybrid-{name}" for name in HYBRIDS)],
 )  # fmt: skip
 def test_estimate_holds_what_a_tensor_parallel_rank_allocates(fields, etp):
     """At TP 2 (EP 2 with experts) one rank's parameters are GPTModel's on rank 0: the
     pieces split over the ranks, the norms, row-parallel biases, routers, MLA's down
-    projections and learned positions whole, the experts over EP x expert-TP."""
+    projections and learned positions whole, the experts over EP x expert-TP; in hybrid
+    models the Mamba mixers by whole groups of heads, their layer's norm and out_proj's
+    bias whole."""
     model = TransformerConfig(**fields)
     ep = 2 if model.num_moe_experts else 1
     parallel = ParallelConfig(tensor_model_parallel_size=2, expert_model_parallel_size=ep,
@@ -147,58 +177,13 @@ def test_the_l2_qk_norm_holds_no_weights_over_qk_layernorm():
     model = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4,
                               position_embedding_type="rope", qk_layernorm=True,
                               qk_l2_norm=True, attention_dropout=0.0)  # fmt: skip
-    run = RunConfig(model=model, parallel=ParallelConfig(), gpt=GPTConfig(seq_length=32),
-                    optimizer=OptimizerConfig(), data=DataConfig(vocab_size=128),
-                    training=TrainingConfig(micro_batch_size=1))  # fmt: skip
-    result = estimate(run, world_size=1, vocab_size=128)
-    gpt = GPTModel(model, "local", result["padded_vocab_size"], 32, groups=ModelGroups.single())
-    assert sum(p.numel() for p in gpt.parameters()) == result["num_parameters"]
+    counted_on_one_rank(model, vocab=128)
 
 
-HYBRID = dict(hidden_size=64, num_attention_heads=4, num_query_groups=2,
-              mamba_num_heads=8, mamba_head_dim=16, mamba_num_groups=2, mamba_state_dim=16,
-              normalization="RMSNorm", add_bias_linear=False, position_embedding_type="rope",
-              hidden_dropout=0.0, attention_dropout=0.0)  # fmt: skip
-HYBRID_MOE = dict(num_moe_experts=4, moe_ffn_hidden_size=32, moe_router_topk=2)
-
-
-@pytest.mark.parametrize(
-    "changes",
-    [dict(hybrid_layer_pattern="M-M*-"),
-     dict(hybrid_layer_pattern="M*EM-E", **HYBRID_MOE, moe_shared_expert_intermediate_size=48,
-          moe_shared_expert_gate=True, activation="swiglu"),
-     dict(hybrid_layer_pattern="M*-M", add_bias_linear=True, normalization="LayerNorm",
-          untie_embeddings_and_output_weights=True),
-     dict(hybrid_layer_pattern="MM*E", **HYBRID_MOE, mamba_num_heads=None,
-          add_bias_linear=True)],
-    ids=["dense", "moe-shared-expert", "biases-layernorm", "default-inner-width"],
-)  # fmt: skip
-def test_estimate_counts_a_hybrid_models_parameters(changes):
-    """Mamba-hybrid models (Nemotron-H's layout): each layer one sublayer and its norm, a
-    Mamba mixer's in_proj, conv1d, dt_bias, A_log, D, gated norm and out_proj; without
-    mamba_num_heads the inner width is 2h. The whole model on one rank, and at TP 2 with
-    sequence parallelism (EP 2 with experts) what rank 0 allocates: the mixers split by
-    whole groups of heads, their layer's norm and out_proj's bias whole."""
-    fields = HYBRID | changes
-    fields["num_layers"] = len(fields["hybrid_layer_pattern"])
-    model = TransformerConfig(**fields)
-    run = RunConfig(model=model, parallel=ParallelConfig(), gpt=GPTConfig(seq_length=32),
-                    optimizer=OptimizerConfig(), data=DataConfig(vocab_size=100),
-                    training=TrainingConfig(micro_batch_size=1))  # fmt: skip
-    result = estimate(run, world_size=1)
-    gpt = GPTModel(model, "local", result["padded_vocab_size"], 32, groups=ModelGroups.single())
-    assert sum(p.numel() for p in gpt.parameters()) == result["num_parameters"]
-
-    model = TransformerConfig(**fields, sequence_parallel=True)
-    ep = 2 if model.num_moe_experts else 1
-    parallel = ParallelConfig(tensor_model_parallel_size=2, expert_model_parallel_size=ep,
-                              expert_tensor_parallel_size=1)  # fmt: skip
-    run = dataclasses.replace(run, model=model, parallel=parallel)
-    result = estimate(run, world_size=2 * ep)
-    groups = dataclasses.replace(ModelGroups.single(), tp=_rank("tp", 2), ep=_rank("ep", ep),
-                                 expert_tp=_rank("expert_tp", 1))  # fmt: skip
-    gpt = GPTModel(model, "local", result["padded_vocab_size"], 32, groups=groups)
-    held = {name: p.numel() for name, p in gpt.named_parameters()}
-    experts = sum(n for name, n in held.items() if ".experts." in name)
-    assert sum(held.values()) - experts == result["parameters_on_most_loaded_shard"]
-    assert experts == result["expert_parameters_on_most_loaded_shard"]
+@pytest.mark.parametrize("name", sorted(HYBRIDS))
+def test_estimate_counts_a_hybrid_models_parameters(name):
+    """Mamba-hybrid models: each layer one sublayer and its norm, a Mamba mixer's in_proj,
+    conv1d, dt_bias, A_log, D, gated norm and out_proj; without mamba_num_heads the inner
+    width is 2h. (At TP 2 the mixers split by whole groups of heads:
+    test_estimate_holds_what_a_tensor_parallel_rank_allocates.)"""
+    counted_on_one_rank(TransformerConfig(**hybrid(name)))
