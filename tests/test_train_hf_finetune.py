@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from mp_data.sft_example import CHAT_TEMPLATE, write_chat_corpus, write_chat_tokenizer
-from mp_gpt.testing import GIVEN_PEAK
+from mp_gpt.testing import GIVEN_PEAK, runs_on_rank, saved_model
 from mp_state.testing import run_on_ranks
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -67,18 +67,6 @@ def options(hf_dir, run_dir, data_dir, *extra):
     ]  # fmt: skip
 
 
-def two_runs(first: list[str], second: list[str]) -> None:
-    torch.set_num_threads(1)
-    os.environ.setdefault("MP_RUN_DIR", "/nonexistent")
-    import mp_state
-    from mp_gpt.pretrain import train
-    from mp_train import load_config
-
-    train(load_config(first))
-    mp_state.destroy()
-    train(load_config(second))
-
-
 def test_finetune_a_hugging_face_model_at_tp2_and_export_it(tmp_path):
     hf_dir, run_dir = tmp_path / "qwen3", tmp_path / "run"
     qwen3_folder(hf_dir)
@@ -89,7 +77,7 @@ def test_finetune_a_hugging_face_model_at_tp2_and_export_it(tmp_path):
     finetune = options(hf_dir, run_dir, tmp_path, "--train-iters", "6",
                        "--save", str(run_dir / "ckpt"),
                        "--export-hf-dir", str(tmp_path / "tuned"))  # fmt: skip
-    run_on_ranks(two_runs, 2, only_export, finetune, timeout=300)
+    run_on_ranks(runs_on_rank, 2, only_export, finetune, timeout=300)
 
     # Built undrawn, loaded and exported at TP2: every tensor as transformers saved it.
     source = load_file(str(hf_dir / "model.safetensors"))
@@ -104,7 +92,8 @@ def test_finetune_a_hugging_face_model_at_tp2_and_export_it(tmp_path):
 
     tuned = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "tuned").eval()
     assert type(tuned).__name__ == "Qwen3ForCausalLM"
-    ours = trained_model(run_dir / "ckpt")
+    ours, common = saved_model(run_dir / "ckpt", SEQ)
+    assert common["family"] == "qwen3" and "tokenizer.json" in common["tokenizer"]["files"]
     generator = torch.Generator().manual_seed(0)
     x = torch.randint(0, tuned.config.vocab_size, (2, SEQ), generator=generator)
     with torch.no_grad():
@@ -121,23 +110,3 @@ def test_finetune_a_hugging_face_model_at_tp2_and_export_it(tmp_path):
         out = tuned.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=4,
                              min_new_tokens=4, do_sample=False)  # fmt: skip
     assert out.shape == (1, prompt.shape[1] + 4)
-
-
-def trained_model(checkpoint):
-    """GPTModel on one rank with the settings and weights of the run's final save."""
-    import dataclasses
-
-    from mp_ckpt import CheckpointReader, load_checkpoint
-    from mp_layers import GPTModel, ModelGroups, TransformerConfig
-
-    common = torch.load(CheckpointReader(checkpoint).directory / "common.pt", weights_only=False)
-    assert common["family"] == "qwen3" and "tokenizer.json" in common["tokenizer"]["files"]
-    saved = common["config"]["model"]
-    fields = {f.name for f in dataclasses.fields(TransformerConfig)}
-    skipped = ("params_dtype", "hidden_dropout", "attention_dropout")
-    kept = {k: v for k, v in saved.items() if k in fields and k not in skipped}
-    config = TransformerConfig(**kept, hidden_dropout=0.0, attention_dropout=0.0)
-    model = GPTModel(config, "local", common["model_config"]["vocab_size"], SEQ,
-                     groups=ModelGroups.single()).eval()  # fmt: skip
-    load_checkpoint(checkpoint, model.sharded_state_dict(), strict=False)
-    return model

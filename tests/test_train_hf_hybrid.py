@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from mp_gpt.testing import GIVEN_PEAK
+from mp_gpt.testing import GIVEN_PEAK, runs_on_rank, saved_model
 from mp_state.testing import run_on_ranks
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -44,18 +44,6 @@ def options(hf_dir, run_dir, *extra):
     ]  # fmt: skip
 
 
-def two_runs(first: list[str], second: list[str]) -> None:
-    torch.set_num_threads(1)
-    os.environ.setdefault("MP_RUN_DIR", "/nonexistent")
-    import mp_state
-    from mp_gpt.pretrain import train
-    from mp_train import load_config
-
-    train(load_config(first))
-    mp_state.destroy()
-    train(load_config(second))
-
-
 def test_finetune_a_hugging_face_hybrid_model_at_tp2_and_export_it(tmp_path):
     hf_dir, run_dir = tmp_path / "nemotron_h", tmp_path / "run"
     nemotron_h_folder(hf_dir)
@@ -71,7 +59,7 @@ def test_finetune_a_hugging_face_hybrid_model_at_tp2_and_export_it(tmp_path):
     )
     finetune = options(hf_dir, run_dir, "--train-iters", "4", "--save", str(run_dir / "ckpt"),
                        "--export-hf-dir", str(tmp_path / "tuned"))  # fmt: skip
-    run_on_ranks(two_runs, 2, only_export, finetune, timeout=300)
+    run_on_ranks(runs_on_rank, 2, only_export, finetune, timeout=300)
 
     source = load_file(str(hf_dir / "model.safetensors"))
     same = load_file(str(tmp_path / "same" / "model.safetensors"))
@@ -87,27 +75,8 @@ def test_finetune_a_hugging_face_hybrid_model_at_tp2_and_export_it(tmp_path):
     mixer = "backbone.layers.0.mixer.in_proj.weight"
     trained = load_file(str(tmp_path / "tuned" / "model.safetensors"))
     assert trained.keys() == source.keys() and not torch.equal(trained[mixer], source[mixer])
-    ours = trained_model(run_dir / "ckpt")
+    ours, common = saved_model(run_dir / "ckpt", SEQ)
+    assert common["family"] == "nemotron_h"
     x = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert (tuned(x).logits - ours(x)).abs().max() < 1e-5
-
-
-def trained_model(checkpoint):
-    """GPTModel on one rank with the settings and weights of the run's final save."""
-    import dataclasses
-
-    from mp_ckpt import CheckpointReader, load_checkpoint
-    from mp_layers import GPTModel, ModelGroups, TransformerConfig
-
-    common = torch.load(CheckpointReader(checkpoint).directory / "common.pt", weights_only=False)
-    assert common["family"] == "nemotron_h"
-    saved = common["config"]["model"]
-    fields = {f.name for f in dataclasses.fields(TransformerConfig)}
-    skipped = ("params_dtype", "hidden_dropout", "attention_dropout")
-    kept = {k: v for k, v in saved.items() if k in fields and k not in skipped}
-    config = TransformerConfig(**kept, hidden_dropout=0.0, attention_dropout=0.0)
-    model = GPTModel(config, "local", common["model_config"]["vocab_size"], SEQ,
-                     groups=ModelGroups.single(), parallel_output=False).eval()  # fmt: skip
-    load_checkpoint(str(checkpoint), model.sharded_state_dict(), strict=False)  # no optimizer
-    return model

@@ -28,6 +28,8 @@ __all__ = [
     "imported_model",
     "metrics_records",
     "reference_greedy",
+    "runs_on_rank",
+    "saved_model",
     "tiny_moe_options",
     "tiny_options",
     "train_on_rank",
@@ -175,6 +177,40 @@ def imported_model(checkpoint) -> torch.nn.Module:
                      groups=ModelGroups.single()).eval()  # fmt: skip
     load_checkpoint(checkpoint, model.sharded_state_dict())
     return model
+
+
+def saved_model(checkpoint, max_length: int) -> tuple[torch.nn.Module, dict]:
+    """(GPTModel on one rank with the settings and weights of a training run's save, in
+    eval mode, dropout 0; the save's common.pt) for tests comparing a run's result."""
+    import dataclasses
+
+    from mp_ckpt import CheckpointReader, load_checkpoint
+    from mp_layers import GPTModel, ModelGroups, TransformerConfig
+
+    common = torch.load(CheckpointReader(checkpoint).directory / "common.pt", weights_only=False)
+    fields = {f.name for f in dataclasses.fields(TransformerConfig)}
+    skipped = ("params_dtype", "hidden_dropout", "attention_dropout")
+    kept = {k: v for k, v in common["config"]["model"].items()
+            if k in fields and k not in skipped}  # fmt: skip
+    config = TransformerConfig(**kept, hidden_dropout=0.0, attention_dropout=0.0)
+    model = GPTModel(config, "local", common["model_config"]["vocab_size"], max_length,
+                     groups=ModelGroups.single()).eval()  # fmt: skip
+    load_checkpoint(checkpoint, model.sharded_state_dict(), strict=False)  # no optimizer
+    return model, common
+
+
+def runs_on_rank(*argvs: list[str]) -> None:
+    """One rank of runs of `mp_gpt.pretrain`, one after the other in the same process (each
+    ends its process groups), under mp_state.testing's launcher."""
+    _rank_setup()
+    import mp_state
+    from mp_gpt.pretrain import train
+    from mp_train import load_config
+
+    for i, argv in enumerate(argvs):
+        if i:
+            mp_state.destroy()
+        train(load_config(argv))
 
 
 def reference_greedy(model, prompts: list[list[int]], new: int) -> list[list[int]]:
