@@ -25,7 +25,7 @@ from mp_layers.transformer.kv_cache import KVCache
 from mp_layers.transformer.layer_hooks import building_layer, layer_built
 from mp_layers.transformer.mamba_layer import MambaLayer
 from mp_layers.transformer.recompute import checkpointed
-from mp_layers.transformer.residual import hidden_dropout
+from mp_layers.transformer.residual import check_dropout_stream, hidden_dropout
 from mp_layers.transformer.rope import Rotary
 from mp_layers.transformer.seeded_init import seeded_init
 from mp_layers.transformer.spec import LOCAL_SPEC, LayerSpec
@@ -45,8 +45,7 @@ class TransformerLayer(torch.nn.Module):
     ) -> None:
         """layer_number: the layer's index in the whole model (which layers are MoE)."""
         super().__init__()
-        if config.hidden_dropout > 0 and config.sequence_parallel and rng_tracker is None:
-            raise ValueError("hidden_dropout with sequence_parallel needs an rng_tracker")
+        check_dropout_stream(config, rng_tracker)
         self.config = config
         self.rng_tracker = rng_tracker
         self.tp_group = groups.tp

@@ -17,7 +17,7 @@ from mp_layers.tensor_parallel import replicated_state_dict
 from mp_layers.transformer.kv_cache import KVCache
 from mp_layers.transformer.mamba_mixer import MambaMixer
 from mp_layers.transformer.packed import PackedSeqParams
-from mp_layers.transformer.residual import hidden_dropout
+from mp_layers.transformer.residual import check_dropout_stream, hidden_dropout
 from mp_layers.transformer.rope import Rotary
 from mp_layers.transformer.spec import LOCAL_SPEC, LayerSpec
 from mp_state import RNGStatesTracker
@@ -35,8 +35,7 @@ class MambaLayer(torch.nn.Module):
         layer_number: int = 0,
     ) -> None:
         super().__init__()
-        if config.hidden_dropout > 0 and config.sequence_parallel and rng_tracker is None:
-            raise ValueError("hidden_dropout with sequence_parallel needs an rng_tracker")
+        check_dropout_stream(config, rng_tracker)
         self.config = config
         self.rng_tracker = rng_tracker
         self.tp_group = groups.tp

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from mp_layers.config import TransformerConfig
 from mp_state import TENSOR_PARALLEL_RNG, RNGStatesTracker
 
-__all__ = ["hidden_dropout"]
+__all__ = ["check_dropout_stream", "hidden_dropout"]
 
 
 def hidden_dropout(
@@ -30,3 +30,10 @@ def hidden_dropout(
     stream = rng_tracker.fork(TENSOR_PARALLEL_RNG) if sharded else contextlib.nullcontext()
     with stream:
         return F.dropout(x, p=p, training=True)
+
+
+def check_dropout_stream(config: TransformerConfig, rng_tracker: RNGStatesTracker | None) -> None:
+    """Hidden dropout under sequence parallelism draws from the tracker's tensor-parallel
+    stream: a layer built without a tracker would fail at its first forward."""
+    if config.hidden_dropout > 0 and config.sequence_parallel and rng_tracker is None:
+        raise ValueError("hidden_dropout with sequence_parallel needs an rng_tracker")
