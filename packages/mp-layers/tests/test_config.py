@@ -67,6 +67,18 @@ def test_defaults_follow_megatron():
          "attn_temperature_floor_scale=8 scales the queries of the layers without rotary "
          "embeddings: it needs no_rope_freq"),
         (dict(attn_temperature_scale=0.2), "attn_temperature_scale=0.2 needs attn_temperature_"),
+        (dict(hybrid_layer_pattern="M*-G"), r"'G' \(gated delta net layers\) is not "
+                                             "implemented"),
+        (dict(hybrid_layer_pattern="M*|-"), r"'\|' \(pipeline stage boundaries"),
+        (dict(hybrid_layer_pattern="M*-x"), "'x' is not a layer symbol"),
+        (dict(hybrid_layer_pattern="M*-"), "has 3 layers, num_layers=4: one symbol per layer"),
+        (dict(hybrid_layer_pattern="M*-E"), "has E layers: they need num_moe_experts"),
+        (dict(hybrid_layer_pattern="M*-M", mtp_num_layers=1, position_embedding_type="none"),
+         "mtp_num_layers=1 with hybrid_layer_pattern is not implemented"),
+        (dict(hybrid_layer_pattern="M*-M", mamba_num_groups=3),
+         "mamba_num_groups=3 does not divide the 8 Mamba heads"),
+        (dict(hybrid_layer_pattern="M*-M", mamba_head_dim=48),
+         "mamba_head_dim=48 does not divide the Mamba inner width 512"),
         (dict(bf16=True, fp16=True), "bf16=True and fp16=True are exclusive"),
         (dict(recompute_granularity="full"), "needs recompute_method"),
         (dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=5),
