@@ -24,8 +24,9 @@ every TP size; out_proj is row-parallel. The scan runs in fp32 on each rank's he
 training the convolution, the scan and the gated norm keep only their inputs (the
 convolution's, dt and the gate) for backward and run again there, as mamba_ssm's fused
 kernel does: the scan's Q x Q blocks per chunk and head and the norm's fp32 tensors
-would otherwise be most of the layer's activations (a bf16 layer of h = 64, H = 8,
-P = N = 16 keeps 2.6 kB a token instead of 21 kB).
+would otherwise be most of the layer's activations. ci/bench/bench_mamba_recompute.py
+(hidden 256, 2 x 1,024 tokens, this CPU): 7.8 kB a token kept instead of 72 kB in bf16
+(12.5 kB instead of 79 kB in fp32), for 27-29% more forward and backward time.
 
 Generation: with a KVCache the convolution starts from the layer's last K - 1 inputs and
 the scan from its state, both kept in the cache (kv_cache.py), so each new position costs
@@ -97,6 +98,10 @@ class MambaMixer(torch.nn.Module):
         self.D = self._sharded((heads,), torch.nn.init.ones_, config.params_dtype)
         self.norm_weight = self._sharded((inner,), torch.nn.init.ones_, config.params_dtype)
         self.out_proj = residual_projection(config, tp, inner)
+        self.recompute = True
+        """In training, keep only the convolution's inputs, dt and the gate for backward
+        (module docstring); False keeps every tensor (ci/bench/bench_mamba_recompute.py's
+        baseline)."""
 
     def _sharded(self, shape: tuple[int, ...], init, dtype: torch.dtype) -> torch.nn.Parameter:
         """This rank's piece (split along dimension 0) of a tensor of `shape`."""
@@ -129,7 +134,7 @@ class MambaMixer(torch.nn.Module):
             history = xbc.new_zeros(b, xbc.shape[1], CONV_WIDTH - 1)
         inputs = torch.cat([history, xbc], dim=-1)  # [b, channels, K - 1 + s]
         A = -torch.exp(self.A_log.float())
-        if self.training and torch.is_grad_enabled():
+        if self.recompute and self.training and torch.is_grad_enabled():
             # As mamba_ssm's fused kernel: keep the convolution's inputs, dt and the gate,
             # and compute the convolution, the scan's chunks and the norm again in backward.
             y, state = torch.utils.checkpoint.checkpoint(
