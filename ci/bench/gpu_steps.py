@@ -299,7 +299,7 @@ def train(mode: str, shape_name: str, variants: list[list]) -> dict[str, Any]:
     }  # fmt: skip
     return {
         "device": _device_name(device), "variants": ours, "hf": hf,
-        "peak_tflops": round(peak, 2), "peak_source": peak_source,
+        "peak_tflops": float(f"{peak:.3g}"), "peak_source": peak_source,
         "shape": asdict(shape), "sequence_length": seq, "batch": batch,
         "rounds": sizes.rounds, "warmup_per_run": sizes.warmup, "timed_per_run": sizes.iters,
         "torch": torch.__version__,
@@ -451,16 +451,16 @@ def _device_name(device) -> str:
 
 def _peak_tflops(device) -> tuple[float, str]:
     """The MFU reference: the GPU's dense bf16 peak from mp_train's table, else a measured
-    bf16 matmul on the device."""
+    bf16 matmul on the device (on a CPU, mp_train's cpu_peak_tflops)."""
     import torch
 
-    from mp_train.observability.metrics import known_peak_tflops, measure_peak_tflops
+    from mp_train.observability.metrics import cpu_peak_tflops, known_peak_tflops
 
     known = known_peak_tflops(device)
     if known:
         return known, "table"
     if device.type != "cuda":
-        return measure_peak_tflops(), "measured bf16 matmul"
+        return cpu_peak_tflops(), "measured matmul (the faster of bf16 and fp32)"
     a = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
     a @ a
     torch.cuda.synchronize(device)

@@ -33,3 +33,28 @@ def test_the_cpu_measure_keeps_the_fastest_round(monkeypatch):
     tflops = measure_peak_tflops(n=64, repeats=2, rounds=3)
     # the fastest, 1 ms: 2 x 64^3 FLOP, floating-point readings give 0.99999... ms
     assert tflops == pytest.approx(2 * 64**3 / 1e-3 / 1e12, rel=1e-6)
+
+
+def _measures(monkeypatch, fp32: float, bf16: float) -> list:
+    """measure_peak_tflops made to answer `fp32` or `bf16` by dtype; the calls kept."""
+    calls = []
+
+    def measure(n=1024, repeats=5, dtype=metrics.torch.bfloat16, rounds=3, device="cpu"):
+        calls.append((n, dtype))
+        return fp32 if dtype == metrics.torch.float32 else bf16
+
+    monkeypatch.setattr(metrics, "measure_peak_tflops", measure)
+    return calls
+
+
+def test_a_cpu_without_native_bf16_is_measured_in_fp32_only(monkeypatch):
+    """An AVX2 CPU: 0.12 TFLOP/s in fp32, 0.0007 in bf16 (seconds for one 1024 matmul)."""
+    calls = _measures(monkeypatch, fp32=0.12, bf16=0.0007)
+    assert metrics.cpu_peak_tflops() == 0.12
+    assert calls == [(1024, metrics.torch.float32), (256, metrics.torch.bfloat16)]
+
+
+def test_a_cpu_with_fast_bf16_takes_the_faster_measure(monkeypatch):
+    calls = _measures(monkeypatch, fp32=0.3, bf16=1.1)
+    assert metrics.cpu_peak_tflops() == 1.1
+    assert calls[-1] == (1024, metrics.torch.bfloat16)

@@ -248,9 +248,10 @@ class LoggingConfig:
     """Log current and peak memory."""
 
     peak_tflops: float | None = None
-    """The device's peak TFLOP/s per rank for MFU; None: measured (a bf16 matmul, the best
-    of 3 rounds, measured again if a logged interval passes it) on CPUs, looked up on known
-    GPUs. An MFU above 1 is not shown (one line says so)."""
+    """The device's peak TFLOP/s per rank for MFU; None: looked up on known GPUs, else
+    measured (on a CPU the faster of a bf16 and an fp32 matmul, the best of 3 rounds;
+    measured again if a logged interval passes it). An MFU above 1 is not shown (one line
+    says so)."""
 
     timing_log_level: int = 0
     """0: iteration time only; 1: also the main phases; 2: everything timed."""

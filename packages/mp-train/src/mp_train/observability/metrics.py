@@ -12,6 +12,7 @@ measured peak memory stands beside them.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -36,6 +37,7 @@ __all__ = [
     "MetricsLogger",
     "known_peak_tflops",
     "logged_lr",
+    "cpu_peak_tflops",
     "measure_peak_tflops",
     "model_flops_utilization",
 ]
@@ -47,14 +49,17 @@ _GPU_PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L40S": 362.0, 
 
 
 def measure_peak_tflops(
-    n: int = 1024, repeats: int = 5, dtype: torch.dtype = torch.bfloat16, rounds: int = 3
+    n: int = 1024, repeats: int = 5, dtype: torch.dtype = torch.bfloat16, rounds: int = 3,
+    device: torch.device | str = "cpu",
 ) -> float:
-    """An n x n matmul's best TFLOP/s on this CPU (in bf16: the MFU reference without a
-    GPU): the fastest of `rounds` rounds of `repeats` calls, the rounds 10 ms apart, so
-    that other processes busy at one moment lower it less."""
-    a = torch.randn(n, n, dtype=dtype)
-    b = torch.randn(n, n, dtype=dtype)
+    """An n x n matmul's best TFLOP/s on `device`: the fastest of `rounds` rounds of
+    `repeats` calls, the rounds 10 ms apart, so that other processes busy at one moment
+    lower it less."""
+    a = torch.randn(n, n, dtype=dtype, device=device)
+    b = torch.randn(n, n, dtype=dtype, device=device)
+    sync = torch.cuda.synchronize if a.is_cuda else (lambda: None)
     a @ b
+    sync()
     best = math.inf
     for round_ in range(rounds):
         if round_:
@@ -62,8 +67,21 @@ def measure_peak_tflops(
         for _ in range(repeats):
             start = time.perf_counter()
             a @ b
+            sync()
             best = min(best, time.perf_counter() - start)
     return 2 * n**3 / best / 1e12
+
+
+def cpu_peak_tflops(n: int = 1024) -> float:
+    """The MFU reference without a GPU: the faster of an n x n matmul in bf16 and in fp32
+    (measure_peak_tflops). A CPU without native bf16 (AVX2 only) computes bf16 matmuls a
+    hundred times slower than fp32 ones, and its 1024 x 1024 bf16 measure alone would take
+    seconds: a 256 x 256 bf16 probe finds such a CPU, and the full bf16 measure is left
+    out."""
+    fp32 = measure_peak_tflops(n, dtype=torch.float32)
+    if measure_peak_tflops(256, repeats=1, rounds=1) < fp32 / 4:
+        return fp32
+    return max(fp32, measure_peak_tflops(n))
 
 
 def model_flops_utilization(
@@ -102,7 +120,8 @@ class MetricsLogger:
         self.peak_tflops = self.config.peak_tflops or known_peak_tflops(run.device)
         self._remeasure = None  # a measured reference is measured again if MFU passes 1
         if not self.peak_tflops:
-            self.peak_tflops, self._remeasure = _measured_peak(run.device), measure_peak_tflops
+            self.peak_tflops = _measured_peak(run.device)
+            self._remeasure = functools.partial(_measured_peak, run.device)
         self._mfu_warned = False
         self._compile_reported = False
         self._interval_start = time.perf_counter()
@@ -384,10 +403,13 @@ def known_peak_tflops(device: torch.device) -> float | None:
 
 
 def _measured_peak(device: torch.device) -> float:
+    """The reference measured on `device`: a bf16 matmul on a GPU, cpu_peak_tflops on a
+    CPU."""
     if device.type == "cuda":
         log.warning("no known peak for %s: MFU uses a measured bf16 matmul",
                     torch.cuda.get_device_name(device))  # fmt: skip
-    return measure_peak_tflops()
+        return measure_peak_tflops(4096, device=device)
+    return cpu_peak_tflops()
 
 
 def _fmt(value) -> str:
