@@ -428,4 +428,6 @@ def test_a_trained_checkpoint_exports_with_its_activation_and_rotary_settings(tm
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
     x = torch.randint(0, vocab, (2, TRAIN_SEQ), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        assert (hf(x).logits - model(x)).abs().max() < 1e-5
+        # fp32 logits of magnitude ~4, summed in other orders (the MoE's experts): a few
+        # units in their last place apart; a wrong setting moves them by more than 1e-2.
+        assert (hf(x).logits - model(x)).abs().max() < 3e-5

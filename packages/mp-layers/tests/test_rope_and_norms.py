@@ -205,9 +205,14 @@ def test_chunked_attention_applies_to_the_rotary_layers():
     for layer in range(4):
         chunked, whole = attention(layer, attention_chunk_size=4), attention(layer)
         assert (chunked.chunk is not None) == (layer % 2 == 0)
-        same_start = torch.equal(chunked(x, rope)[0][:4], whole(x, rope)[0][:4])
-        assert same_start  # the first block sees the same keys either way
-        assert torch.equal(chunked(x, rope)[0], whole(x, rope)[0]) == (layer % 2 == 1)
+        got, full = chunked(x, rope)[0], whole(x, rope)[0]
+        # The first block sees the same keys either way (computed as a batch of blocks, in
+        # another order of the sums).
+        torch.testing.assert_close(got[:4], full[:4])
+        if layer % 2:
+            assert torch.equal(got, full)
+        else:
+            assert (got[4:] - full[4:]).abs().max() > 1e-3
     packed = PackedSeqParams.from_document_ids(torch.zeros(2, 10, dtype=torch.long))
     with pytest.raises(
         ValueError,
