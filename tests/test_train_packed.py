@@ -11,13 +11,23 @@ under context parallelism) is split by document at CP2 and CP4 (each document cu
 2 x cp chunks of its own, mp_layers.PackedSeqParams): with a multi-token prediction
 layer, micro-batches of two samples, it trains with the one-rank curve too at CP2 (p2p,
 a2a) and CP4 p2p (all_gather computes the same blocks as p2p:
-packages/mp-layers/tests/test_packed_context_parallel.py checks it)."""
+packages/mp-layers/tests/test_packed_context_parallel.py checks it).
+
+A Mamba-hybrid model (a Mamba-2 layer, then attention) trains packed documents with the
+one-rank curve at TP2 with sequence parallelism and at CP2 (p2p attention beside the
+Mamba layer's all-to-all), its curve differing from mixing across documents."""
 
 import numpy as np
 import pytest
 
 from mp_data import IndexedDatasetBuilder
-from mp_gpt.testing import assert_same_curve, metrics_records, tiny_options, train_on_rank
+from mp_gpt.testing import (
+    HYBRID_OPTIONS,
+    assert_same_curve,
+    metrics_records,
+    tiny_options,
+    train_on_rank,
+)
 from mp_state.testing import run_on_ranks
 
 pytestmark = pytest.mark.multirank
@@ -94,3 +104,22 @@ def test_documents_split_by_document_train_alike(tmp_path):
     assert len(curves["one"]) == ITERATIONS
     for name in layouts.keys() - {"one"}:
         assert_same_curve(curves[name], curves["one"], LOGGED, name)
+
+
+def test_a_hybrid_model_trains_packed_documents_alike(tmp_path):
+    prefix = str(tmp_path / "docs")
+    corpus(prefix)
+    flags = [*HYBRID_OPTIONS, "--no-mock-data", "--data-path", prefix, "--split", "1,0,0",
+             "--train-iters", "4"]  # fmt: skip
+    layouts = {
+        "one": (1, PACKED),
+        "across": (1, []),
+        "tp2-sp": (2, [*PACKED, "--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+        "cp2-p2p": (2, [*PACKED, *CP(2, "p2p")]),
+    }
+    curves = train_layouts(tmp_path, layouts, flags)
+    assert len(curves["one"]) == 4
+    for name in ("tp2-sp", "cp2-p2p"):
+        assert_same_curve(curves[name], curves["one"], LOGGED, name)
+    first = curves["one"][0]["lm loss"], curves["across"][0]["lm loss"]
+    assert abs(first[0] - first[1]) > 1e-4 * abs(first[1]), first

@@ -9,7 +9,7 @@ import pytest
 
 from mp_data import write_chat_corpus, write_chat_tokenizer
 from mp_gpt.config_files import config_path
-from mp_gpt.testing import GIVEN_PEAK, metrics_records, train_output_on_rank
+from mp_gpt.testing import GIVEN_PEAK, HYBRID_OPTIONS, metrics_records, train_output_on_rank
 from mp_state.testing import run_on_ranks
 from mp_train import ConfigError, load_config
 
@@ -51,12 +51,16 @@ def test_sft_run_trains_with_falling_loss(tmp_path):
 
 
 @pytest.mark.multirank
-def test_sft_run_at_cp2_pads_conversations_for_the_document_split(tmp_path):
+@pytest.mark.parametrize("model", ["gpt", "hybrid"])
+def test_sft_run_at_cp2_pads_conversations_for_the_document_split(tmp_path, model):
     """Under context parallelism each conversation is padded to 2 x cp tokens (Megatron's
-    SFTDataset), so every document is split into chunks of its own on each rank."""
+    SFTDataset), so every document is split into chunks of its own on each rank; a
+    Mamba-hybrid model's Mamba layer mixes each conversation alone across the two ranks
+    (its CP2 numerics against one rank: mp-layers' test_mamba_packed_and_cp.py)."""
     write_chat_tokenizer(str(tmp_path / "tokenizer"))
     write_chat_corpus(str(tmp_path / "chat.jsonl"), 200, long_every=50, long_words=60)
-    options = sft_options(tmp_path, "--context-parallel-size", "2")
+    hybrid = HYBRID_OPTIONS if model == "hybrid" else ()
+    options = sft_options(tmp_path, "--context-parallel-size", "2", *hybrid)
     outputs = run_on_ranks(train_output_on_rank, 2, options, timeout=180)
     assert all(status == 0 for status, _ in outputs), outputs
     losses = [r["lm loss"] for r in metrics_records(tmp_path)]

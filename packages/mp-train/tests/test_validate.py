@@ -35,6 +35,8 @@ def test_the_layouts_validate():
     assert _validate(*cp) == {"data_parallel_size": 2, "global_batch_size": 2,
                               "num_microbatches": 1}  # fmt: skip
     assert _validate(*cp, "--cp-comm-type", "a2a")
+    # A hybrid model's Mamba layers take context parallelism and packed documents.
+    assert _validate(*HYBRID, *cp, "--reset-attention-mask")["data_parallel_size"] == 2
     # Experts split over 2 of 4 data-parallel ranks; expert TP 1 beside TP 2 + SP.
     ep = [*MOE, "--expert-model-parallel-size", "2"]
     assert _validate(*ep)["data_parallel_size"] == 4
@@ -96,15 +98,20 @@ def test_the_layouts_validate():
             r"^attention_chunk_size=16 below seq_length=32 with samples of several documents",
         ),
         (
-            [*HYBRID, "--reset-attention-mask"],
+            [
+                *HYBRID,
+                "--context-parallel-size",
+                "2",
+                "--tensor-model-parallel-size",
+                "2",
+                "--mamba-num-groups",
+                "2",
+                "--attention-dropout",
+                "0",
+            ],
             4,
-            r"^hybrid_layer_pattern='M\*' with samples of several documents .* not implemented$",
-        ),
-        (
-            [*HYBRID, "--context-parallel-size", "2", "--attention-dropout", "0"],
-            4,
-            r"^context_parallel_size=2 with Mamba layers \(hybrid_layer_pattern\) is not "
-            r"implemented$",
+            r"^mamba_num_groups=2 is not divisible by tensor_model_parallel_size=2 x "
+            r"context_parallel_size=2: each rank mixes whole groups of Mamba heads$",
         ),
         (
             [*HYBRID, "--tensor-model-parallel-size", "4", "--mamba-num-groups", "2"],

@@ -115,17 +115,13 @@ def check_hybrid(config: TransformerConfig) -> None:
 
 
 def check_hybrid_parallel(config: TransformerConfig, tp: int, cp: int) -> None:
-    """Tensor parallelism splits the Mamba mixers by whole groups of heads; context
-    parallelism through a Mamba layer is not implemented."""
+    """Tensor parallelism splits the Mamba mixers by whole groups of heads, and context
+    parallelism splits each tensor-parallel rank's groups again (mamba_mixer.py)."""
     if config.hybrid_layer_pattern is None or "M" not in config.hybrid_layer_pattern:
         return
-    if config.mamba_num_groups % tp:
+    if config.mamba_num_groups % (tp * cp):
         raise ValueError(
             f"mamba_num_groups={config.mamba_num_groups} is not divisible by "
-            f"tensor_model_parallel_size={tp}: each rank holds whole groups of Mamba heads"
-        )
-    if cp > 1:
-        raise ValueError(
-            f"context_parallel_size={cp} with Mamba layers (hybrid_layer_pattern) is not "
-            "implemented"
+            f"tensor_model_parallel_size={tp} x context_parallel_size={cp}: each rank mixes "
+            "whole groups of Mamba heads"
         )

@@ -1,9 +1,9 @@
 """MambaLayer: a hybrid model's M layer (Megatron's MambaLayer), x + dropout(mixer(norm(x))).
 
 Shapes as TransformerLayer's: x [s, b, h], or [s/tp, b, h] with sequence parallelism. The
-mixer (mamba_mixer.py) runs over whole sequences, or with a KVCache over the next
-positions from the states it keeps; samples of several documents (their states would
-have to restart at each document) are refused with one line.
+mixer (mamba_mixer.py) runs over whole sequences, each document of packed samples on its
+own (an attention_mask that is a PackedSeqParams), or with a KVCache over the next
+positions from the states it keeps.
 """
 
 from __future__ import annotations
@@ -51,13 +51,10 @@ class MambaLayer(torch.nn.Module):
         kv_cache: KVCache | None = None,
     ) -> torch.Tensor:
         """rotary and a causal attention_mask do not concern the mixer (it is causal; with a
-        kv_cache the cache says which slots are padding)."""
-        if isinstance(attention_mask, PackedSeqParams):
-            raise ValueError(
-                f"layer {self.layer_number} is a Mamba layer: samples of several documents "
-                "(--sft, --reset-attention-mask) are not implemented for Mamba layers"
-            )
-        out, bias = self.mixer(self.norm(x), kv_cache, self.layer_number)
+        kv_cache the cache says which slots are padding); a PackedSeqParams gives it the
+        documents."""
+        packed = attention_mask if isinstance(attention_mask, PackedSeqParams) else None
+        out, bias = self.mixer(self.norm(x), kv_cache, self.layer_number, packed)
         out = out if bias is None else out + bias
         return x + hidden_dropout(self.config, self.rng_tracker, out, self.training)
 

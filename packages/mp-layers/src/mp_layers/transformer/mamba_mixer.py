@@ -28,6 +28,21 @@ would otherwise be most of the layer's activations. ci/bench/bench_mamba_recompu
 (hidden 256, 2 x 1,024 tokens, this CPU): 7.8 kB a token kept instead of 72 kB in bf16
 (12.5 kB instead of 79 kB in fp32), for 27-29% more forward and backward time.
 
+Packed documents (mp_layers.PackedSeqParams; Megatron's packed sequences, its seq_idx):
+each document is mixed as if alone: the convolution leaves out the taps that reach back
+past a document's first position, and the scan's state restarts at 0 there (ssd.py).
+
+Context parallelism (Megatron's MambaContextParallel): the mixer needs the whole sequence,
+so an all-to-all after in_proj turns this rank's load-balanced chunks of every group into
+the whole sequence, in position order, of 1/cp of the groups (context_parallel/
+head_split.py: the fused in_proj output moves as [s, b, groups, rows of a group], so
+each group's z, x', B, C and dt travel together); the convolution, the scan and the norm
+run there with those groups' parameters, and a second all-to-all returns the output to
+the rank's chunks before out_proj. Each (TP x CP) rank mixes whole groups: mamba_num_groups
+must be divisible by tp x cp. The parameters stay whole on every CP rank, as attention's;
+each CP rank's gradient is nonzero only on its groups' slices, and the data-parallel
+reduction over CP sums them.
+
 Generation: with a KVCache the convolution starts from the layer's last K - 1 inputs and
 the scan from its state, both kept in the cache (kv_cache.py), so each new position costs
 the same whatever came before.
@@ -42,6 +57,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -50,11 +66,13 @@ import torch.utils.checkpoint
 from mp_ckpt import ShardedTensor
 from mp_layers.config import TransformerConfig
 from mp_layers.config_hybrid import mamba_widths
+from mp_layers.context_parallel.head_split import HeadSplit
 from mp_layers.groups import ModelGroups
 from mp_layers.tensor_parallel import ColumnParallelLinear, init_partitioned_weight
 from mp_layers.tensor_parallel.deferred_init import weight_device
 from mp_layers.transformer.kv_cache import KVCache
 from mp_layers.transformer.mlp import residual_projection
+from mp_layers.transformer.packed import PackedSeqParams
 from mp_layers.transformer.ssd import chunked_scan
 
 __all__ = ["CONV_WIDTH", "SCAN_CHUNK", "MambaMixer"]
@@ -66,11 +84,24 @@ SCAN_CHUNK = 128
 """Positions per chunk of the scan (Megatron's chunk_size)."""
 
 
+class _Here(NamedTuple):
+    """The groups a rank mixes and their parameters (MambaMixer._here)."""
+
+    groups: int
+    conv_weight: torch.Tensor
+    conv_bias: torch.Tensor
+    dt_bias: torch.Tensor
+    A_log: torch.Tensor
+    D: torch.Tensor
+    norm_weight: torch.Tensor
+
+
 class MambaMixer(torch.nn.Module):
     def __init__(self, config: TransformerConfig, groups: ModelGroups) -> None:
         super().__init__()
         tp = groups.tp
         self.tp_group = tp
+        self.cp_group = groups.cp if groups.cp.size > 1 else None
         heads, inner = mamba_widths(config)
         self.p, self.n = config.mamba_head_dim, config.mamba_state_dim
         self.all_groups = config.mamba_num_groups
@@ -111,17 +142,34 @@ class MambaMixer(torch.nn.Module):
         return param
 
     def forward(
-        self, x: torch.Tensor, kv_cache: KVCache | None = None, layer: int = 0
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        self, x: torch.Tensor, kv_cache: KVCache | None = None, layer: int = 0,
+        packed: PackedSeqParams | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
         """x [s, b, h] (or [s/tp, b, h]) -> (output, out_proj's bias or None). With a
         kv_cache, x holds the next positions: the convolution and the scan go on from the
-        cache's states of `layer` (its number in the model), which they replace."""
+        cache's states of `layer` (its number in the model), which they replace. packed:
+        the samples' documents, each mixed on its own (module docstring)."""
         fused, _ = self.in_proj(x)  # [s, b, groups * unit]
         s, b = fused.shape[:2]
-        g, hg, p, n = self.groups, self.per_group, self.p, self.n
-        z, xs, B, C, dt = fused.view(s, b, g, self.unit).split([hg * p, hg * p, n, n, hg], dim=-1)
-        xbc = torch.cat([xs, B, C], dim=-1).reshape(s, b, g * self.conv_unit).permute(1, 2, 0)
-        dt = F.softplus(dt.float().reshape(s, b, self.heads).transpose(0, 1) + self.dt_bias.float())
+        fused = fused.view(s, b, self.groups, self.unit)
+        if (kv_cache is not None) and (packed is not None or self.cp_group is not None):
+            raise ValueError(
+                "MambaMixer with a KVCache (generation) takes neither packed documents nor "
+                "context parallelism"
+            )
+        split = None
+        if self.cp_group is not None:
+            order = None if packed is None else packed.order
+            split = HeadSplit(s, b, self.cp_group, x.device, order)
+            fused = split.to_heads(fused)  # [cp s, b, groups / cp, unit], in position order
+        documents, positions = self._documents(packed, fused.shape[:2])
+        here = self._here()
+        length = fused.shape[0]
+        g, hg, p, n = here.groups, self.per_group, self.p, self.n
+        z, xs, B, C, dt = fused.split([hg * p, hg * p, n, n, hg], dim=-1)
+        xbc = torch.cat([xs, B, C], dim=-1).reshape(length, b, g * self.conv_unit).permute(1, 2, 0)
+        dt = dt.float().reshape(length, b, g * hg).transpose(0, 1)
+        dt = F.softplus(dt + here.dt_bias.float())
         history = initial = None
         if kv_cache is not None:
             # Padding slots: no input to the convolution, and a step of 0 (no decay, no
@@ -133,49 +181,93 @@ class MambaMixer(torch.nn.Module):
         if history is None:
             history = xbc.new_zeros(b, xbc.shape[1], CONV_WIDTH - 1)
         inputs = torch.cat([history, xbc], dim=-1)  # [b, channels, K - 1 + s]
-        A = -torch.exp(self.A_log.float())
+        A = -torch.exp(here.A_log.float())
+        args = (inputs, dt, A, z, initial, here, positions, documents)
         if self.recompute and self.training and torch.is_grad_enabled():
             # As mamba_ssm's fused kernel: keep the convolution's inputs, dt and the gate,
             # and compute the convolution, the scan's chunks and the norm again in backward.
-            y, state = torch.utils.checkpoint.checkpoint(
-                self._mix, inputs, dt, A, z, initial, use_reentrant=False
-            )
+            y, state = torch.utils.checkpoint.checkpoint(self._mix, *args, use_reentrant=False)
         else:
-            y, state = self._mix(inputs, dt, A, z, initial)
+            y, state = self._mix(*args)
         if kv_cache is not None:
             kv_cache.set_mamba_states(layer, inputs[..., -(CONV_WIDTH - 1) :], state)
-        return self.out_proj(y.reshape(b, s, -1).transpose(0, 1))
+        y = y.transpose(0, 1)  # [length, b, g, hg p]
+        if split is not None:
+            y = split.to_sequence(y)
+        return self.out_proj(y.reshape(s, b, -1))
+
+    def _documents(
+        self, packed: PackedSeqParams | None, shape: torch.Size
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(document ids, positions within the documents) [b, length] of the whole samples
+        the mixer runs over (length = cp x s), in position order; None without packing."""
+        if packed is None:
+            return None, None
+        whole = packed.whole()
+        length, b = shape
+        if tuple(whole.document_ids.shape) != (b, length):
+            raise ValueError(
+                f"document_ids of shape {tuple(whole.document_ids.shape)} for a Mamba mixer "
+                f"over {b} samples of {length} positions"
+            )
+        return whole.document_ids, whole.positions
+
+    def _here(self) -> _Here:
+        """The parameters of the groups this rank mixes: all of its own, or with context
+        parallelism those of its CP rank's share (Megatron's MambaContextParallel slices
+        them the same way)."""
+        if self.cp_group is None:
+            return _Here(self.groups, self.conv1d_weight, self.conv1d_bias, self.dt_bias,
+                         self.A_log, self.D, self.norm_weight)  # fmt: skip
+        g = self.groups // self.cp_group.size
+        first = self.cp_group.rank * g
+        heads, channels = g * self.per_group, g * self.per_group * self.p
+        conv = slice(first * self.conv_unit, (first + g) * self.conv_unit)
+        head = slice(first * self.per_group, first * self.per_group + heads)
+        inner = slice(head.start * self.p, head.start * self.p + channels)
+        return _Here(g, self.conv1d_weight[conv], self.conv1d_bias[conv], self.dt_bias[head],
+                     self.A_log[head], self.D[head], self.norm_weight[inner])  # fmt: skip
 
     def _mix(
         self, inputs: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, z: torch.Tensor,
-        initial: torch.Tensor | None,
+        initial: torch.Tensor | None, here: _Here, positions: torch.Tensor | None,
+        documents: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """The convolution's inputs [b, channels, K - 1 + s], dt [b, s, heads], the gate z
         [s, b, groups, hg p] -> the gated, normalized scan output [b, s, groups, hg p] in
         z's dtype, and the scan's final state (fp32)."""
         b, s = dt.shape[:2]
-        g, hg, p, n = self.groups, self.per_group, self.p, self.n
-        xbc = self._convolve(inputs)
+        g, hg, p, n = here.groups, self.per_group, self.p, self.n
+        xbc = self._convolve(inputs, here, positions)
         xs, B, C = xbc.view(b, s, g, self.conv_unit).split([hg * p, n, n], dim=-1)
-        y, state = chunked_scan(xs.reshape(b, s, self.heads, p), dt, A, B, C, self.D,
-                                SCAN_CHUNK, initial)  # fmt: skip
-        y = self._gated_norm(y.reshape(b, s, g, hg * p), z.transpose(0, 1))
+        y, state = chunked_scan(xs.reshape(b, s, g * hg, p), dt, A, B, C, here.D, SCAN_CHUNK,
+                                initial, documents)  # fmt: skip
+        y = self._gated_norm(y.reshape(b, s, g, hg * p), z.transpose(0, 1), here)
         return y.to(z.dtype), state
 
-    def _convolve(self, inputs: torch.Tensor) -> torch.Tensor:
+    def _convolve(
+        self, inputs: torch.Tensor, here: _Here, positions: torch.Tensor | None
+    ) -> torch.Tensor:
         """[b, channels, K - 1 + s] (the K - 1 earlier inputs first) -> silu of the causal
-        depthwise convolution at the s new positions, [b, s, channels]."""
-        out = F.conv1d(
-            inputs, self.conv1d_weight.to(inputs.dtype)[:, None, :],
-            self.conv1d_bias.to(inputs.dtype), groups=inputs.shape[1],
-        )  # fmt: skip
+        depthwise convolution at the s new positions, [b, s, channels]. positions [b, s]
+        (packed documents): each position's place in its document; a tap reaching back
+        past its document's first position is left out."""
+        weight, bias = here.conv_weight.to(inputs.dtype), here.conv_bias.to(inputs.dtype)
+        if positions is None:
+            out = F.conv1d(inputs, weight[:, None, :], bias, groups=inputs.shape[1])
+        else:
+            s = positions.shape[1]
+            out = bias[:, None]
+            for k in range(CONV_WIDTH):  # tap k reaches K - 1 - k positions back
+                inside = (positions >= CONV_WIDTH - 1 - k)[:, None, :]
+                out = out + inputs[..., k : k + s] * weight[:, k, None] * inside
         return F.silu(out).transpose(1, 2)
 
-    def _gated_norm(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    def _gated_norm(self, y: torch.Tensor, z: torch.Tensor, here: _Here) -> torch.Tensor:
         """RMS norm per group of y silu(z) (fp32) times norm_weight: [b, s, g, hg p]."""
         gated = y.float() * F.silu(z.float())
         normed = gated * torch.rsqrt(gated.pow(2).mean(-1, keepdim=True) + self.eps)
-        return normed * self.norm_weight.float().view(self.groups, -1)
+        return normed * here.norm_weight.float().view(here.groups, -1)
 
     def sharded_state_dict(self, prefix: str = "") -> dict[str, ShardedTensor]:
         """Megatron's logical tensors (module docstring), each part of in_proj and conv1d a

@@ -15,8 +15,15 @@ outputs come from the quadratic form y_i = sum_{j <= i} (C_i . B_j) exp(a_i - a_
 (a the cumulative sum of dt A within the chunk), a causal masked matmul as attention's;
 each chunk's final state is carried to the next by a short loop over the chunks, and
 reaches the outputs as C_i S_start exp(a_i). `recurrent_step` advances the state by one
-position, as generation does. Both give the recurrence's values (test_ssd.py checks them
-against it position by position).
+position, as generation does. Both give the recurrence's values (test_mamba_mixer.py
+checks them against it position by position).
+
+Packed documents (`documents` [b, s], a document a run of equal ids; Megatron's seq_idx):
+the state restarts at 0 at each document's first position, as if each document were
+scanned alone. Within a chunk the pairs of two documents are masked out of the quadratic
+form and out of the chunk's final state, a state carried into a chunk reaches only the
+positions of its own document, and it leaves the chunk only if no document starts there
+(test_mamba_packed_and_cp.py checks it against each document scanned alone).
 """
 
 from __future__ import annotations
@@ -36,8 +43,10 @@ def chunked_scan(
     D: torch.Tensor,
     chunk: int,
     initial: torch.Tensor | None = None,
+    documents: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(y [b, s, h, p], the final state [b, h, p, n]), all fp32 (module docstring)."""
+    """(y [b, s, h, p], the final state [b, h, p, n]), all fp32 (module docstring);
+    `initial` is the state before the first document."""
     b, s, h, p = x.shape
     n = B.shape[-1]
     per_group = h // B.shape[2]
@@ -48,32 +57,52 @@ def chunked_scan(
         x, B, C = (F.pad(t, (0, 0, 0, 0, 0, pad)) for t in (x, B, C))
         dt = F.pad(dt, (0, 0, 0, pad))
     chunks = (s + pad) // chunk
+    runs = None if documents is None else _run_numbers(documents, pad).view(b, chunks, chunk)
     x = x.view(b, chunks, chunk, h, p)
     B, C = B.view(b, chunks, chunk, h, n), C.view(b, chunks, chunk, h, n)
     dt = dt.view(b, chunks, chunk, h)
     a = torch.cumsum(dt * A.float(), dim=2)  # [b, c, l, h]: log decay from the chunk's start
     # Within each chunk: exp(a_i - a_j) for j <= i, 0 above the diagonal.
-    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=x.device).tril()
-    gaps = (a[:, :, :, None, :] - a[:, :, None, :, :]).masked_fill(~causal[..., None], -torch.inf)
+    pairs = torch.ones(chunk, chunk, dtype=torch.bool, device=x.device).tril()
+    if runs is not None:  # and within one document
+        pairs = pairs & (runs[:, :, :, None] == runs[:, :, None, :])
+    gaps = (a[:, :, :, None, :] - a[:, :, None, :, :]).masked_fill(~pairs[..., None], -torch.inf)
     scores = torch.einsum("bcihn,bcjhn->bcijh", C, B) * torch.exp(gaps)
     inputs = x * dt[..., None]  # dt_j x_j
     y = torch.einsum("bcijh,bcjhp->bcihp", scores, inputs)
     # Each chunk's own contribution to its final state, then the states chunk to chunk.
     to_end = torch.exp(a[:, :, -1:, :] - a)  # [b, c, l, h]
-    added = torch.einsum("bclhn,bclhp->bchpn", B * to_end[..., None], inputs)
     decay = torch.exp(a[:, :, -1, :])  # [b, c, h]: the whole chunk's decay
+    if runs is not None:
+        # The document of the state entering each chunk (the first one's for the first):
+        # it reaches the positions of that document only, and passes the chunk only if
+        # the chunk ends in it; a chunk's own inputs reach its end from its last document.
+        entering = torch.cat([runs[:, :1, 0], runs[:, :-1, -1]], dim=1)  # [b, c]
+        reached = runs == entering[..., None]  # [b, c, l]
+        decay = decay * reached[:, :, -1, None]
+        to_end = to_end * (runs == runs[:, :, -1:])[..., None]
+    added = torch.einsum("bclhn,bclhp->bchpn", B * to_end[..., None], inputs)
     state = x.new_zeros(b, h, p, n) if initial is None else initial.float()
     starts = []
     for c in range(chunks):
         starts.append(state)
         state = state * decay[:, c, :, None, None] + added[:, c]
     start = torch.stack(starts, dim=1)  # [b, c, h, p, n]
-    y = y + torch.einsum("bcihn,bchpn->bcihp", C, start) * torch.exp(a)[..., None]
+    carried = torch.exp(a) if runs is None else torch.exp(a) * reached[..., None]
+    y = y + torch.einsum("bcihn,bchpn->bcihp", C, start) * carried[..., None]
     y = (
         y.reshape(b, chunks * chunk, h, p)[:, :s]
         + D.float()[:, None] * x.reshape(b, chunks * chunk, h, p)[:, :s]
     )
     return y, state
+
+
+def _run_numbers(documents: torch.Tensor, pad: int) -> torch.Tensor:
+    """[b, s] document ids -> [b, s + pad] the number of each position's run of equal ids
+    in its sample (0, 0, 1, 1, 1, 2, ...), the padding in the last run."""
+    change = documents[:, 1:] != documents[:, :-1]
+    runs = torch.cat([torch.zeros_like(change[:, :1]), change], dim=1).long().cumsum(dim=1)
+    return torch.cat([runs, runs[:, -1:].expand(-1, pad)], dim=1)
 
 
 def recurrent_step(

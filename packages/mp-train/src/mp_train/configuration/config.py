@@ -429,13 +429,6 @@ def _check_model_parallel(config: RunConfig) -> None:
             "num_moe_experts (a MoE model); leave it unset"
         )
     _check_chunked_attention(config)
-    pattern = config.model.hybrid_layer_pattern
-    if pattern is not None and "M" in pattern and config.data.batches_carry_documents:
-        raise ValueError(
-            f"hybrid_layer_pattern={pattern!r} with samples of several documents (--sft or "
-            "--reset-attention-mask): Mamba layers over packed documents (their states "
-            "restarting at each document) are not implemented"
-        )
     padded, tp = config.data.padded_vocab_size, parallel.tensor_model_parallel_size
     if padded is not None and padded % tp:
         raise ValueError(

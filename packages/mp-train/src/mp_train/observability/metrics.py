@@ -35,9 +35,9 @@ from mp_train.observability.tensorboard import TensorBoard
 
 __all__ = [
     "MetricsLogger",
+    "cpu_peak_tflops",
     "known_peak_tflops",
     "logged_lr",
-    "cpu_peak_tflops",
     "measure_peak_tflops",
     "model_flops_utilization",
 ]
@@ -49,7 +49,10 @@ _GPU_PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "L40S": 362.0, 
 
 
 def measure_peak_tflops(
-    n: int = 1024, repeats: int = 5, dtype: torch.dtype = torch.bfloat16, rounds: int = 3,
+    n: int = 1024,
+    repeats: int = 5,
+    dtype: torch.dtype = torch.bfloat16,
+    rounds: int = 3,
     device: torch.device | str = "cpu",
 ) -> float:
     """An n x n matmul's best TFLOP/s on `device`: the fastest of `rounds` rounds of
