@@ -114,7 +114,7 @@ DROP = {
                         "--fp8-param-gather": 0},
     "Mixtral-8x7B": {},
     "gpt-oss": {"--fp8-amax-history-len": 1, "--fp8-amax-compute-algo": 1,
-                "--fp8-param-gather": 0, "--moe-per-layer-logging": 0},
+                "--fp8-param-gather": 0},
 }  # fmt: skip
 
 # example -> what stands for its data arguments where the script has no mock-data branch

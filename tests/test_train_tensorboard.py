@@ -137,3 +137,37 @@ def test_interval_and_moe_tags(tmp_path):
         assert [step for step, _ in got[tag]] == [1, 2, 3, 4], tag
         assert [v for _, v in got[tag]] == [np.float32(r[tag]) for r in records], tag
     assert [v for _, v in got["lm loss"]] == [np.float32(r["lm loss"]) for r in records[1::2]]
+
+
+def test_moe_per_layer_tags(tmp_path):
+    """--moe-per-layer-logging: each layer's auxiliary losses every iteration, under
+    Megatron's tags (`moe/<name>_layer_<i>`, 0 for the dense first layer, the MTP module's
+    layer numbered 4), summing to the averages times the MoE layers; at PP2 (the layers
+    on two stages) the same values; the printed line keeps the averages."""
+    flags = ["--moe-per-layer-logging", "--moe-layer-freq", "[0,1,1,1]", "--mtp-num-layers",
+             "1", "--log-interval", "1"]  # fmt: skip
+    runs = {}
+    for name, ranks, layout in (
+        ("one", 1, []),
+        ("pp2", 2, ["--pipeline-model-parallel-size", "2"]),
+    ):
+        run_dir = tmp_path / name
+        argv = tiny_moe_options(run_dir, "--tensorboard-dir", str(run_dir / "tb"), *flags,
+                                *layout)  # fmt: skip
+        printed = run_on_ranks(train_printed_on_rank, ranks, argv, timeout=300)[-1]
+        assert "load_balancing_loss" in printed and "_layer_" not in printed
+        runs[name] = scalars(run_dir / "tb"), metrics_records(run_dir)
+    got, records = runs["one"]
+    for loss in ("load_balancing_loss", "z_loss"):
+        tags = [f"moe/{loss}_layer_{i}" for i in range(5)]
+        assert set(tags) <= got.keys()
+        for tag in tags:
+            assert [step for step, _ in got[tag]] == [1, 2, 3, 4], tag
+            assert [v for _, v in got[tag]] == [np.float32(r[tag]) for r in records], tag
+        for record in records:
+            layers = [record[tag] for tag in tags]
+            assert layers[0] == 0 and all(v > 0 for v in layers[1:]), (loss, layers)
+            assert sum(layers) / 4 == pytest.approx(record[loss], rel=1e-6)
+        for tag in tags:
+            pp2 = [v for _, v in runs["pp2"][0][tag]]
+            assert pp2 == pytest.approx([v for _, v in got[tag]], rel=1e-5), tag

@@ -49,6 +49,7 @@ class TransformerLayer(torch.nn.Module):
         self.config = config
         self.rng_tracker = rng_tracker
         self.tp_group = groups.tp
+        self.layer_number = layer_number
         kind = hybrid_layer_kinds(config)[layer_number]
         self.input_layernorm = self.self_attention = self.pre_mlp_layernorm = self.mlp = None
         if kind in ("transformer", "attention"):

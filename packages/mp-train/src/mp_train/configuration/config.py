@@ -183,6 +183,12 @@ class LoggingConfig:
     tensorboard_log_interval: int = 1
     """Write the per-iteration TensorBoard scalars every this many iterations."""
 
+    moe_per_layer_logging: bool = False
+    """Also write each layer's MoE auxiliary losses to TensorBoard and W&B every iteration,
+    as `moe/<name>_layer_<i>` (Megatron's tags: i the layer's 0-based number in the model,
+    0 for a layer without experts; the MTP modules' layers after the model's), beside the
+    averages; the printed line keeps the averages only."""
+
     tensorboard_queue_size: int = 1000
     """Events TensorBoard's writer holds before one of them forces a write to disk."""
 

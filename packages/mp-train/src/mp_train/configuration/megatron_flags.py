@@ -162,11 +162,6 @@ REFUSED: dict[str, tuple[bool, str]] = {
         False,
         "mp computes the embedding's weight gradient in its backward, not deferred: drop it",
     ),
-    "moe_per_layer_logging": (
-        False,
-        "per-layer MoE auxiliary losses are not logged: mp logs each one averaged over the "
-        "MoE layers, as Megatron does without it: drop it",
-    ),
     "microbatch_group_size_per_virtual_pipeline_stage": (
         True,
         "mp's interleaved schedule groups pipeline_model_parallel_size micro-batches: drop it",

@@ -15,7 +15,10 @@ knows nothing of them):
   up to the global batch's loss, as in Megatron) and over the model's MoE layers (the
   MTP modules' included):
   `load_balancing_loss` (or `seq_load_balancing_loss`, `global_load_balancing_loss`)
-  and `z_loss`, beside `lm loss`.
+  and `z_loss`, beside `lm loss`; with moe_per_layer_logging also each layer's,
+  `moe/<name>_layer_<i>` (Megatron's tags: i the layer's 0-based number in the model, the
+  MTP modules' layers numbered after the model's; 0 for a layer without experts), reduced
+  as the averages but not divided by the number of MoE layers.
 """
 
 from __future__ import annotations
@@ -24,9 +27,14 @@ import torch
 import torch.distributed as dist
 
 from mp_layers import TransformerConfig, moe
+from mp_layers.transformer.layer import TransformerLayer
+from mp_layers.transformer.multi_token_prediction import MultiTokenPrediction
 from mp_state import ParallelState
 
-__all__ = ["MoEStep", "aux_loss_names"]
+__all__ = ["PER_LAYER_PREFIX", "MoEStep", "aux_loss_names", "router_layers"]
+
+PER_LAYER_PREFIX = "moe/"
+"""The tags of the per-layer auxiliary losses (moe_per_layer_logging) begin so."""
 
 _BALANCING_NAMES = {
     "aux_loss": "load_balancing_loss",
@@ -50,8 +58,11 @@ def aux_loss_names(model: TransformerConfig) -> list[str]:
 
 class MoEStep:
     def __init__(self, model_config: TransformerConfig, chunks, state: ParallelState,
-                 fp16: bool, per_token: bool = False) -> None:  # fmt: skip
+                 fp16: bool, per_token: bool = False, per_layer: bool = False) -> None:  # fmt: skip
         self.routers = moe.routers_of(chunks)
+        # With per_layer: each router's layer number, and how many layers are logged.
+        self.router_layers = router_layers(chunks, model_config) if per_layer else None
+        self.logged_layers = model_config.num_layers + (model_config.mtp_num_layers or 0)
         self.per_token = per_token
         self.names = aux_loss_names(model_config)
         pattern = model_config.moe_layer_pattern()
@@ -83,8 +94,17 @@ class MoEStep:
         """The logged auxiliary losses of the step (collective over every rank)."""
         if not self.names:
             return {}
+        per_layer = None
+        if self.router_layers is not None:  # before take_metrics resets the routers' sums
+            per_layer = torch.zeros(len(self.names), self.logged_layers)
+            for router, layer in zip(self.routers, self.router_layers, strict=True):
+                for i, name in enumerate(self.names):
+                    if name in router.metrics:
+                        per_layer[i, layer] += router.metrics[name].cpu()
         taken = moe.take_metrics(self.routers)
         values = torch.stack([taken.get(n, torch.zeros(())).float() for n in self.names])
+        if per_layer is not None:  # reduced together with the totals: one collective
+            values = torch.cat([values[:, None], per_layer], dim=1)
         if dist.get_backend() == "nccl":
             values = values.cuda()
         for group in (self.state.tp_cp, self.state.pp):
@@ -94,6 +114,30 @@ class MoEStep:
         if dp.size > 1:
             dist.all_reduce(values, group=dp.group)
         summed = torch.tensor([n == "global_load_balancing_loss" for n in self.names])
-        values = values.cpu() / torch.where(summed, 1, dp.size)
+        values = values.cpu() / torch.where(summed, 1, dp.size).view(-1, *[1] * (values.dim() - 1))
+        if per_layer is not None:
+            values, per_layer = values[:, 0], values[:, 1:] / num_microbatches
         values = values / (num_microbatches * self.moe_layers)
-        return {name: float(v) for name, v in zip(self.names, values, strict=True)}
+        logged = {name: float(v) for name, v in zip(self.names, values, strict=True)}
+        if per_layer is not None:
+            for name, row in zip(self.names, per_layer, strict=True):
+                for layer, value in enumerate(row.tolist()):
+                    logged[f"{PER_LAYER_PREFIX}{name}_layer_{layer}"] = value
+        return logged
+
+
+def router_layers(chunks, model_config: TransformerConfig) -> list[int]:
+    """The 0-based layer number of each router of moe.routers_of(chunks), in its order:
+    the decoder layer's own, num_layers + k for the k-th multi-token prediction module."""
+    number: dict[int, int] = {}
+    for chunk in chunks:
+        for module in chunk.modules():
+            if isinstance(module, TransformerLayer):
+                for router in moe.routers_of([module]):
+                    number[id(router)] = module.layer_number
+        for module in chunk.modules():  # after: an MTP module's layer is built as the last one
+            if isinstance(module, MultiTokenPrediction):
+                for k, layer in enumerate(module.layers):
+                    for router in moe.routers_of([layer]):
+                        number[id(router)] = model_config.num_layers + k
+    return [number[id(router)] for router in moe.routers_of(chunks)]

@@ -197,7 +197,8 @@ class _Step:
         self.run, self.forward_step_func = run, forward_step_func
         self.schedule = _schedule(run)
         self.experts = MoEStep(config.model, run.model, run.state, config.optimizer.fp16,
-                               config.optimizer.calculate_per_token_loss)  # fmt: skip
+                               config.optimizer.calculate_per_token_loss,
+                               config.logging.moe_per_layer_logging)  # fmt: skip
         self.skips = SkipPolicy(config.training, run.train)
         self.barrier = config.logging.barrier_with_L1_time
 

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from mp_optim import counted_in_grad_norm, is_expert_parallel
 from mp_train.estimate import estimate
-from mp_train.loop.moe_step import aux_loss_names
+from mp_train.loop.moe_step import PER_LAYER_PREFIX, aux_loss_names
 from mp_train.loop.mtp_step import mtp_loss_names
 from mp_train.loop.setup import Run
 from mp_train.observability.stragglers import STRAGGLER_TIMER, straggler_line
@@ -176,7 +176,8 @@ class MetricsLogger:
         loss_scale = float(run.optimizer.get_loss_scale())
         grad_norm = result.grad_norm if result is not None else None
         for name, value in losses.items():
-            self._sums[name] = self._sums.get(name, 0.0) + value
+            if not name.startswith(PER_LAYER_PREFIX):  # per-layer values: not printed
+                self._sums[name] = self._sums.get(name, 0.0) + value
         if self._metrics_file is not None:
             record = {
                 "iteration": iteration, "consumed_samples": consumed,
@@ -197,11 +198,14 @@ class MetricsLogger:
         params_norm = None
         if self.config.log_params_norm and (printing or boarding):
             params_norm = parameters_norm(run)  # collective: every rank decides alike
-        # MoE auxiliary losses every iteration, without a vs-samples series (Megatron's
-        # MoE metrics tracker); the rest every tensorboard_log_interval.
-        self.board.add(iteration, {k: v for k, v in losses.items() if k in self._aux_names})
+        # MoE auxiliary losses (and with moe_per_layer_logging each layer's) every
+        # iteration, without a vs-samples series (Megatron's MoE metrics tracker); the rest
+        # every tensorboard_log_interval.
+        every = {k: v for k, v in losses.items()
+                 if k in self._aux_names or k.startswith(PER_LAYER_PREFIX)}  # fmt: skip
+        self.board.add(iteration, every)
         if boarding:
-            values = {k: v for k, v in losses.items() if k not in self._aux_names}
+            values = {k: v for k, v in losses.items() if k not in every}
             if self.config.log_learning_rate_to_tensorboard:
                 values = {"learning-rate": lr, **values}
             if self.config.log_batch_size_to_tensorboard:

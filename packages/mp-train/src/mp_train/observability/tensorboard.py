@@ -9,7 +9,8 @@ log_memory_to_tensorboard, against the iteration only: `mem-reserved-bytes`,
 `mem-allocated-bytes`, `mem-max-allocated-bytes`, `mem-allocated-count`.
 
 Every iteration, against it (Megatron's MoE metrics tracker): the MoE
-auxiliary losses `load_balancing_loss` or `seq_load_balancing_loss`, `z_loss`.
+auxiliary losses `load_balancing_loss` or `seq_load_balancing_loss`, `z_loss`,
+and with moe_per_layer_logging each layer's, `moe/<name>_layer_<i>`.
 
 Every log_interval with log_timers_to_tensorboard, averaged over the
 interval: `iteration-time` (s), `throughput` (TFLOP/s per rank, with
