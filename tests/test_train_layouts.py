@@ -58,3 +58,16 @@ def test_same_loss_curve(tmp_path, reference, tp, pp, dp):
     assert len(curve) == ITERATIONS
     for iteration, (got, want) in enumerate(zip(curve, reference, strict=True), start=1):
         assert abs(got - want) <= 1e-4 * abs(want), f"iteration {iteration}: {got} vs {want}"
+
+
+def test_interleaved_groups_of_all_micro_batches_train_alike(tmp_path, reference):
+    """PP2 with two virtual stages per rank, the 4 micro-batches of an iteration in one
+    group per chunk (--microbatch-group-size-per-virtual-pipeline-stage 4, Megatron's;
+    the default groups 2): the one-rank curve."""
+    flags = [*options(tmp_path, 1, 2), "--num-layers-per-virtual-pipeline-stage", "1",
+             "--microbatch-group-size-per-virtual-pipeline-stage", "4"]  # fmt: skip
+    run_on_ranks(train_on_rank, 2, flags, timeout=300)
+    curve = losses(tmp_path)
+    assert len(curve) == ITERATIONS
+    for iteration, (got, want) in enumerate(zip(curve, reference, strict=True), start=1):
+        assert abs(got - want) <= 1e-4 * abs(want), f"iteration {iteration}: {got} vs {want}"

@@ -1,5 +1,9 @@
 """1F1B and interleaved 1F1B equal no pipelining on a stack of linear layers.
 
+The interleaved schedule also runs its micro-batches in groups other than the pipeline
+size (microbatch_group_size_per_vp_stage), with numbers of micro-batches that are not a
+multiple of it.
+
 Eight tanh(Linear) layers of width H, boundary tensors [S, B, H], an MSE loss
 on the last stage. The same global weights are cut into pipeline stages (and
 virtual stages); each layout's losses and gradients must equal
@@ -15,6 +19,7 @@ from mp_pipeline import (
     PipelineConfig,
     forward_backward_no_pipelining,
     get_forward_backward_func,
+    schedule_table,
     stage_layers,
 )
 from mp_pipeline.testing import TanhStack
@@ -49,8 +54,9 @@ def forward_step(data_iterator, model):
     return model(x), loss_func
 
 
-def config() -> PipelineConfig:
-    return PipelineConfig(seq_length=S, micro_batch_size=B, hidden_size=H)
+def config(group: int | None = None) -> PipelineConfig:
+    return PipelineConfig(seq_length=S, micro_batch_size=B, hidden_size=H,
+                          microbatch_group_size_per_vp_stage=group)  # fmt: skip
 
 
 def reference(m: int, forward_only: bool = False):
@@ -66,7 +72,7 @@ def reference(m: int, forward_only: bool = False):
     return [r["loss"] for r in losses], grads
 
 
-def pipeline_body(pp: int, vpp: int | None, m: int, forward_only: bool):
+def pipeline_body(pp: int, vpp: int | None, m: int, forward_only: bool, group: int | None = None):
     torch.set_num_threads(1)
     state = mp_state.initialize(ParallelConfig(pipeline_model_parallel_size=pp))
     chunks, offsets = [], []
@@ -80,7 +86,7 @@ def pipeline_body(pp: int, vpp: int | None, m: int, forward_only: bool):
     schedule = get_forward_backward_func(pp, vpp)
     losses = schedule(
         forward_step_func=forward_step, data_iterator=iterators if vpp else iterators[0],
-        model=chunks if vpp else chunks[0], num_microbatches=m, config=config(),
+        model=chunks if vpp else chunks[0], num_microbatches=m, config=config(group),
         pp_group=state.pp, forward_only=forward_only,
     )  # fmt: skip
     grads = {}
@@ -96,12 +102,25 @@ def pipeline_body(pp: int, vpp: int | None, m: int, forward_only: bool):
 
 LAYOUTS = [(2, None, 4), (4, None, 4), (4, None, 8), (4, None, 2), (2, 2, 4), (2, 2, 2),
            (2, 4, 4), (4, 2, 8)]  # fmt: skip
+# (pp, vpp, m, microbatch_group_size_per_vp_stage): groups larger than p, a last group
+# shorter than the others, m not a multiple of p, one group of all m
+GROUPED = [(2, 2, 5, 3), (2, 2, 6, 4), (2, 2, 3, 3), (4, 2, 6, 6), (2, 4, 7, 4)]
 
 
 @pytest.mark.parametrize("pp,vpp,m", LAYOUTS, ids=[f"pp{p}-vpp{v}-m{m}" for p, v, m in LAYOUTS])
 def test_pipelining_equals_no_pipelining(pp, vpp, m):
+    assert_equals_no_pipelining(pp, vpp, m)
+
+
+@pytest.mark.parametrize("pp,vpp,m,group", GROUPED,
+                         ids=[f"pp{p}-vpp{v}-m{m}-g{g}" for p, v, m, g in GROUPED])  # fmt: skip
+def test_interleaved_groups_of_other_sizes_equal_no_pipelining(pp, vpp, m, group):
+    assert_equals_no_pipelining(pp, vpp, m, group)
+
+
+def assert_equals_no_pipelining(pp: int, vpp: int | None, m: int, group: int | None = None):
     want_losses, want_grads = reference(m)
-    results = run_on_ranks(pipeline_body, pp, pp, vpp, m, False, timeout=120)
+    results = run_on_ranks(pipeline_body, pp, pp, vpp, m, False, group, timeout=120)
     got_grads = {}
     for _, grads in results:
         got_grads.update(grads)
@@ -112,20 +131,39 @@ def test_pipelining_equals_no_pipelining(pp, vpp, m):
     assert all(losses == [] for losses, _ in results[:-1])  # losses on the last stage only
 
 
-@pytest.mark.parametrize("pp,vpp,m", [(2, None, 4), (4, None, 2), (2, 2, 4)])
-def test_forward_only_gives_the_same_losses(pp, vpp, m):
+@pytest.mark.parametrize("pp,vpp,m,group", [(2, None, 4, None), (4, None, 2, None),
+                                            (2, 2, 4, None), (2, 2, 5, 3)])  # fmt: skip
+def test_forward_only_gives_the_same_losses(pp, vpp, m, group):
     want_losses, _ = reference(m, forward_only=True)
-    results = run_on_ranks(pipeline_body, pp, pp, vpp, m, True, timeout=120)
+    results = run_on_ranks(pipeline_body, pp, pp, vpp, m, True, group, timeout=120)
     torch.testing.assert_close(results[-1][0], want_losses, rtol=1e-5, atol=1e-7)
 
 
-def test_interleaved_needs_a_multiple_of_p_before_communicating():
-    group = RankGroup("pp", (0, 1), 0, None)  # no process group: any collective would fail
+def test_the_schedule_table_is_megatrons():
+    # Megatron's example (PP2, groups of 3, 5 micro-batches, 2 chunks): micro-batches
+    # 0 1 2 0 1 2 3 4 3 4 through chunks 0 0 0 1 1 1 0 0 1 1.
+    assert schedule_table(5, 2, 3) == [0, 0, 0, 1, 1, 1, 0, 0, 1, 1]
+    assert schedule_table(4, 2, 2) == [0, 0, 1, 1, 0, 0, 1, 1]
+
+
+@pytest.mark.parametrize(
+    "m,group,message",
+    [
+        (3, None, r"num_microbatches=3 in groups of microbatch_group_size_per_vp_stage=2 "
+                  r"leaves a last group of 1, fewer than pipeline_model_parallel_size=2"),
+        (4, 5, r"microbatch_group_size_per_vp_stage=5 per model chunk, which must lie "
+               r"between pipeline_model_parallel_size=2 and num_microbatches=4"),
+        (4, 1, r"microbatch_group_size_per_vp_stage=1 per model chunk, which must lie between"),
+    ],
+)  # fmt: skip
+def test_interleaved_refuses_bad_groups_before_communicating(m, group, message):
+    group_of_ranks = RankGroup("pp", (0, 1), 0, None)  # no process group: a collective fails
     schedule = get_forward_backward_func(2, 2)
     chunks = [stack(0, 2, True), stack(4, 2, False)]
-    with pytest.raises(ValueError, match=r"num_microbatches \(3\) to be a multiple of .*\(2\)"):
+    with pytest.raises(ValueError, match=message):
         schedule(forward_step_func=forward_step, data_iterator=[iter([]), iter([])],
-                 model=chunks, num_microbatches=3, config=config(), pp_group=group)  # fmt: skip
+                 model=chunks, num_microbatches=m, config=config(group),
+                 pp_group=group_of_ranks)  # fmt: skip
 
 
 def test_stage_layers():

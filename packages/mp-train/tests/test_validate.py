@@ -20,6 +20,9 @@ def _validate(*flags: str, world: int = 4) -> dict[str, int]:
 MOE = ["--num-experts", "4", "--moe-ffn-hidden-size", "32", "--disable-bias-linear"]
 # A hybrid model: a Mamba layer and an attention layer (the pattern gives num_layers 2)
 HYBRID = ["--hybrid-layer-pattern", "M*", "--mamba-num-heads", "8", "--mamba-head-dim", "8"]
+# PP2 with two virtual stages per rank, 3 micro-batches per iteration (at DP2)
+VPP = ["--num-layers", "4", "--pipeline-model-parallel-size", "2",
+       "--virtual-pipeline-model-parallel-size", "2", "--global-batch-size", "6"]  # fmt: skip
 # Llama 4's chunked attention, in blocks of half the sequence
 LLAMA4_CHUNKS = ["--position-embedding-type", "rope", "--attention-chunk-size", "16"]
 
@@ -35,6 +38,9 @@ def test_the_layouts_validate():
     assert _validate(*cp) == {"data_parallel_size": 2, "global_batch_size": 2,
                               "num_microbatches": 1}  # fmt: skip
     assert _validate(*cp, "--cp-comm-type", "a2a")
+    # The interleaved schedule with 3 micro-batches at PP2: in one group of 3.
+    assert _validate(*VPP, "--microbatch-group-size-per-virtual-pipeline-stage", "3") == {
+        "data_parallel_size": 2, "global_batch_size": 6, "num_microbatches": 3}  # fmt: skip
     # A hybrid model's Mamba layers take context parallelism and packed documents.
     assert _validate(*HYBRID, *cp, "--reset-attention-mask")["data_parallel_size"] == 2
     # Experts split over 2 of 4 data-parallel ranks; expert TP 1 beside TP 2 + SP.
@@ -96,6 +102,19 @@ def test_the_layouts_validate():
             [*LLAMA4_CHUNKS, "--reset-attention-mask"],
             4,
             r"^attention_chunk_size=16 below seq_length=32 with samples of several documents",
+        ),
+        (
+            VPP,
+            4,
+            r"^num_microbatches=3 in groups of microbatch_group_size_per_vp_stage=2 leaves a "
+            r"last group of 1, .* \(the micro-batches per iteration: 3 = global_batch_size 6 "
+            r"/ \(micro_batch_size 1 x dp 2\)\)$",
+        ),
+        (
+            ["--microbatch-group-size-per-virtual-pipeline-stage", "4"],
+            4,
+            r"^microbatch_group_size_per_virtual_pipeline_stage=4 sets the interleaved "
+            r"schedule's groups: it needs virtual_pipeline_model_parallel_size$",
         ),
         (
             [

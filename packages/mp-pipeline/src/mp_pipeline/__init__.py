@@ -9,10 +9,12 @@ from mp_pipeline.finalize import finalize_model_grads
 from mp_pipeline.p2p import P2PCommunicator
 from mp_pipeline.partition import StageLayers, stage_layers
 from mp_pipeline.schedules import (
+    check_microbatch_group,
     forward_backward_no_pipelining,
     forward_backward_pipelining_with_interleaving,
     forward_backward_pipelining_without_interleaving,
     get_forward_backward_func,
+    schedule_table,
 )
 from mp_pipeline.step import set_input_tensor
 
@@ -20,11 +22,13 @@ __all__ = [
     "P2PCommunicator",
     "PipelineConfig",
     "StageLayers",
+    "check_microbatch_group",
     "finalize_model_grads",
     "forward_backward_no_pipelining",
     "forward_backward_pipelining_with_interleaving",
     "forward_backward_pipelining_without_interleaving",
     "get_forward_backward_func",
+    "schedule_table",
     "set_input_tensor",
     "stage_layers",
 ]

@@ -62,6 +62,11 @@ class PipelineConfig:
     (Megatron's --distributed-timeout-minutes default, 10 minutes): a stage that hangs
     or dies is an error on its neighbours, not a hang."""
 
+    microbatch_group_size_per_vp_stage: int | None = None
+    """The interleaved schedule's micro-batches per group run through one model chunk
+    (Megatron's; None: pipeline size). Between the pipeline size and the micro-batches;
+    the remainder of the micro-batches by it must be 0 or at least the pipeline size."""
+
     calculate_per_token_loss: bool = False
     """The loss function returns (loss sum, tokens, report); gradients are divided by
     the tokens of the global batch in finalize instead of by the micro-batch count."""

@@ -18,8 +18,9 @@ rank's stage, v the number of model chunks per rank (virtual stages).
   turn, then the remaining backwards. Stage r holds at most p - r micro-
   batches' activations at once.
 - Interleaved 1F1B: each rank holds v chunks (virtual stage c * p + r); the
-  micro-batches go through in groups of p per chunk, so that the bubble
-  shrinks v-fold. m must be a multiple of p.
+  micro-batches go through in groups of g per chunk (g =
+  microbatch_group_size_per_vp_stage, p by default; Megatron's schedule table), so
+  that the bubble shrinks v-fold. p <= g <= m, and m % g is 0 or at least p.
 
 docs/pipeline.md draws each as a timeline.
 """
@@ -37,10 +38,12 @@ from mp_pipeline.step import ForwardStepFunc, StepRunner
 from mp_state import RankGroup, select_device
 
 __all__ = [
+    "check_microbatch_group",
     "forward_backward_no_pipelining",
     "forward_backward_pipelining_with_interleaving",
     "forward_backward_pipelining_without_interleaving",
     "get_forward_backward_func",
+    "schedule_table",
 ]
 
 
@@ -185,17 +188,15 @@ def forward_backward_pipelining_with_interleaving(
         raise ValueError(f"the interleaved schedule needs >= 2 model chunks per rank, got {v}")
     if len(iterators) != v:
         raise ValueError(f"one data iterator per model chunk: {v} chunks, {len(iterators)}")
-    if m % p != 0:
-        raise ValueError(
-            f"the interleaved schedule needs num_microbatches ({m}) to be a multiple of "
-            f"pipeline_model_parallel_size ({p})"
-        )
+    group = config.microbatch_group_size_per_vp_stage or p
+    check_microbatch_group(m, p, group)
     comm = _communicator(pp_group, config)
     run = StepRunner(forward_step_func, iterators, chunks, m, config)
+    table = schedule_table(m, v, group)
     total = m * v
 
     def chunk_of(k: int, forward: bool) -> int:
-        c = (k % (p * v)) // p
+        c = table[k % total]
         return c if forward else v - 1 - c
 
     def is_first(c: int) -> bool:
@@ -204,19 +205,31 @@ def forward_backward_pipelining_with_interleaving(
     def is_last(c: int) -> bool:
         return r == p - 1 and c == v - 1
 
-    inputs: list[list[torch.Tensor | None]] = [[] for _ in range(v)]
+    def receives(k: int, forward: bool) -> tuple[bool, int]:
+        """Whether a tensor arrives after step k (forward: from the rank before; backward:
+        from the rank after), and the chunk it is for (Megatron's
+        recv_tensor_from_previous_stage). The leading stage (the first in forward, the last
+        in backward) receives what the other end of the ring sent p - 1 steps earlier."""
+        step = 1 if forward else -1
+        if r == (0 if forward else p - 1):
+            if k < p - 1:  # the other end has sent nothing yet
+                return False, chunk_of(k + 1, forward) + step
+            sent_by = chunk_of(k - (p - 1), forward)
+            return sent_by != (v - 1 if forward else 0), sent_by + step
+        return True, chunk_of(k + 1, forward)
+
+    arrived: list[list[torch.Tensor]] = [[] for _ in range(v)]  # received, not yet run
+    inputs: list[list[torch.Tensor | None]] = [[] for _ in range(v)]  # run, kept for backward
     outputs: list[list[torch.Tensor]] = [[] for _ in range(v)]
     output_grads: list[list[torch.Tensor | None]] = [[] for _ in range(v)]
 
     def forward_k(k: int) -> torch.Tensor:
         c = chunk_of(k, forward=True)
-        if is_first(c) and len(inputs[c]) == len(outputs[c]):
-            inputs[c].append(None)
-        output = run.forward(c, inputs[c][-1], is_last(c))
-        outputs[c].append(output)
-        if forward_only:  # nothing is kept for a backward
-            inputs[c].pop()
-            outputs[c].pop()
+        input_tensor = None if is_first(c) else arrived[c].pop(0)
+        output = run.forward(c, input_tensor, is_last(c))
+        if not forward_only:  # kept for the backward
+            inputs[c].append(input_tensor)
+            outputs[c].append(output)
         return output
 
     def backward_k(k: int) -> torch.Tensor | None:
@@ -227,19 +240,19 @@ def forward_backward_pipelining_with_interleaving(
             run.enable_grad_sync()
         return run.backward(inputs[c].pop(0), outputs[c].pop(0), output_grads[c].pop(0))
 
-    all_warmup = forward_only or m == p
-    warmup = total if all_warmup else min((p - r - 1) * 2 + (v - 1) * p, total)
+    # Megatron's warm-up: (p - r - 1) x 2 forwards, plus (v - 1) groups of micro-batches.
+    warmup = total if forward_only else min((p - r - 1) * 2 + (v - 1) * group, total)
     remaining = total - warmup
     if not forward_only:
         run.disable_grad_sync()
 
     if not is_first(0):
-        inputs[0].append(comm.recv_forward())
+        arrived[0].append(comm.recv_forward())
     for k in range(warmup):
         output = forward_k(k)
         c = chunk_of(k, forward=True)
-        next_c = chunk_of(k + 1, forward=True)
-        recv_prev = not (r == 0 and next_c == 0) and k != total - 1
+        recv_prev, next_c = receives(k, forward=True)
+        recv_prev = recv_prev and k != total - 1
         send = None if is_last(c) else output
         if k == warmup - 1 and not forward_only and remaining > 0:
             recv_next = r != p - 1
@@ -250,7 +263,7 @@ def forward_backward_pipelining_with_interleaving(
         else:
             from_prev, _ = comm.communicate(send_next=send, recv_prev=recv_prev)
         if recv_prev:
-            inputs[next_c].append(from_prev)
+            arrived[next_c].append(from_prev)
         if not forward_only:
             run.deallocate(output)
 
@@ -260,25 +273,10 @@ def forward_backward_pipelining_with_interleaving(
         fc = chunk_of(fk, forward=True)
         input_grad = backward_k(k)
         bc = chunk_of(k, forward=False)
-
         # What arrives this round: the rank before sends its next forward input, the
-        # rank after the next output gradient (Megatron's bookkeeping, ring included).
-        recv_prev = True
-        if r == 0:
-            next_fc = chunk_of(fk - (p - 1), forward=True)
-            if next_fc == v - 1:
-                recv_prev = False
-            next_fc += 1
-        else:
-            next_fc = chunk_of(fk + 1, forward=True)
-        recv_next = True
-        if r == p - 1:
-            next_bc = chunk_of(k - (p - 1), forward=False)
-            if next_bc == 0:
-                recv_next = False
-            next_bc -= 1
-        else:
-            next_bc = chunk_of(k + 1, forward=False)
+        # rank after the next output gradient (ring included).
+        recv_prev, next_fc = receives(fk, forward=True)
+        recv_next, next_bc = receives(k, forward=False)
         if k == remaining - 1:
             recv_prev = False
         from_prev, from_next = comm.communicate(
@@ -288,7 +286,7 @@ def forward_backward_pipelining_with_interleaving(
             recv_next=recv_next,
         )
         if recv_prev:
-            inputs[next_fc].append(from_prev)
+            arrived[next_fc].append(from_prev)
         if recv_next:
             output_grads[next_bc].append(from_next)
         run.deallocate(output)
@@ -299,8 +297,8 @@ def forward_backward_pipelining_with_interleaving(
         for k in range(remaining, total):
             input_grad = backward_k(k)
             bc = chunk_of(k, forward=False)
-            next_bc = chunk_of(k + 1, forward=False)
-            recv_next = not (r == p - 1 and next_bc == v - 1) and k != total - 1
+            recv_next, next_bc = receives(k, forward=False)
+            recv_next = recv_next and k != total - 1
             _, from_next = comm.communicate(
                 send_prev=None if is_first(bc) else input_grad, recv_next=recv_next
             )
@@ -308,6 +306,37 @@ def forward_backward_pipelining_with_interleaving(
                 output_grads[next_bc].append(from_next)
         run.finalize()
     return run.losses
+
+
+def schedule_table(m: int, v: int, group: int) -> list[int]:
+    """The model chunk of each of the m x v forward steps of a rank in the interleaved
+    schedule (Megatron's get_schedule_table): the micro-batches in groups of `group`, each
+    group through chunk 0, then chunk 1, ..., a short last group taking the rest. For m = 5,
+    v = 2, group = 3: chunks 0 0 0 1 1 1 0 0 1 1 for micro-batches 0 1 2 0 1 2 3 4 3 4."""
+    table = []
+    for start in range(0, m, group):
+        size = min(group, m - start)
+        table += [c for c in range(v) for _ in range(size)]
+    return table
+
+
+def check_microbatch_group(m: int, p: int, group: int) -> None:
+    """Megatron's rules for microbatch_group_size_per_vp_stage: between p and m, and a
+    last group (m % group micro-batches) of none or at least p (a shorter one would stall
+    the pipeline)."""
+    if not p <= group <= m:
+        raise ValueError(
+            f"the interleaved schedule runs micro-batches in groups of "
+            f"microbatch_group_size_per_vp_stage={group} per model chunk, which must lie "
+            f"between pipeline_model_parallel_size={p} and num_microbatches={m}"
+        )
+    if 0 < m % group < p:
+        raise ValueError(
+            f"num_microbatches={m} in groups of microbatch_group_size_per_vp_stage={group} "
+            f"leaves a last group of {m % group}, fewer than "
+            f"pipeline_model_parallel_size={p}: the pipeline would wait on it; choose a "
+            "group size dividing num_microbatches, or leaving at least p"
+        )
 
 
 def _as_lists(model, data_iterator) -> tuple[list[torch.nn.Module], list]:

@@ -27,6 +27,7 @@ from mp_ckpt import CheckpointConfig
 from mp_data import DataConfig
 from mp_layers import TransformerConfig
 from mp_optim import OptimizerConfig
+from mp_pipeline import check_microbatch_group
 from mp_state import ParallelConfig
 from mp_train.configuration.run_checks import (
     check_initialization,
@@ -73,6 +74,13 @@ class TrainingConfig:
     rampup_batch_size: list[int] | None = None
     """Start size, increment and ramp samples: the global batch grows from the start size by
     the increment, evenly over the ramp samples (Megatron's --rampup-batch-size)."""
+
+    microbatch_group_size_per_virtual_pipeline_stage: int | None = None
+    """The interleaved schedule (virtual pipeline stages) runs the micro-batches through
+    each model chunk in groups of this many (Megatron's flag; None: the pipeline size).
+    Between the pipeline size and the micro-batches per iteration, whose remainder by it
+    must be 0 or at least the pipeline size; so a number of micro-batches that is not a
+    multiple of the pipeline size runs with a group size that fits it."""
 
     train_iters: int | None = None
     """Iterations to train (or train_samples)."""
@@ -383,12 +391,20 @@ def validate(config: RunConfig, world_size: int) -> dict[str, int]:
             f"virtual_pipeline_model_parallel_size={vpp or 1}"
         )
     microbatches = gbs // (mbs * dp)
-    if vpp is not None and microbatches % pp:
+    group = training.microbatch_group_size_per_virtual_pipeline_stage
+    if group is not None and vpp is None:
         raise ValueError(
-            f"the interleaved schedule needs the micro-batches per iteration "
-            f"({microbatches} = global_batch_size {gbs} / (micro_batch_size {mbs} x dp {dp})) "
-            f"to be a multiple of pipeline_model_parallel_size={pp}"
+            f"microbatch_group_size_per_virtual_pipeline_stage={group} sets the interleaved "
+            "schedule's groups: it needs virtual_pipeline_model_parallel_size"
         )
+    if vpp is not None:
+        try:
+            check_microbatch_group(microbatches, pp, group or pp)
+        except ValueError as error:
+            raise ValueError(
+                f"{error} (the micro-batches per iteration: {microbatches} = "
+                f"global_batch_size {gbs} / (micro_batch_size {mbs} x dp {dp}))"
+            ) from None
     if config.gpt.transformer_impl == "transformer_engine":
         raise ValueError(
             "transformer_impl='transformer_engine' is not available: the Transformer Engine "

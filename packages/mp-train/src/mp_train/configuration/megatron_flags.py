@@ -162,10 +162,6 @@ REFUSED: dict[str, tuple[bool, str]] = {
         False,
         "mp computes the embedding's weight gradient in its backward, not deferred: drop it",
     ),
-    "microbatch_group_size_per_virtual_pipeline_stage": (
-        True,
-        "mp's interleaved schedule groups pipeline_model_parallel_size micro-batches: drop it",
-    ),
 }
 
 # flag (dest) -> (RunConfig part, field, type): another name (or an older spelling) of a field

@@ -229,6 +229,7 @@ def setup_run(
         finalize_model_grads_func=functools.partial(finalize_model_grads, state=state),
         calculate_per_token_loss=config.optimizer.calculate_per_token_loss,
         p2p_timeout_s=60.0 * config.parallel.distributed_timeout_minutes,
+        microbatch_group_size_per_vp_stage=training.microbatch_group_size_per_virtual_pipeline_stage,
     )  # fmt: skip
     calculator = MicroBatchCalculator(
         sizes["global_batch_size"], training.micro_batch_size, sizes["data_parallel_size"],
