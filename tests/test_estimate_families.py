@@ -124,6 +124,11 @@ HYBRIDS = {
                              normalization="LayerNorm", untie_embeddings_and_output_weights=True),
     "default-inner-width": dict(hybrid_layer_pattern="MM*E", **HYBRID_MOE,
                                 mamba_num_heads=None, add_bias_linear=True),
+    # Nemotron 3 Super's latent MoE: the experts at width 24, with and without biases
+    "latent-moe": dict(hybrid_layer_pattern="M*E-E", **HYBRID_MOE, moe_latent_size=24,
+                       moe_shared_expert_intermediate_size=48),
+    "latent-moe-biases": dict(hybrid_layer_pattern="ME*", **HYBRID_MOE, moe_latent_size=24,
+                              add_bias_linear=True),
 }  # fmt: skip
 """Mamba-hybrid models (Nemotron-H's layout) in the estimate's variants."""
 

@@ -110,6 +110,13 @@ CASES = {
         n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
         moe_shared_expert_intermediate_size=24, n_group=2, topk_group=1,
         routed_scaling_factor=2.5),
+    # Nemotron 3 Super-like: a latent MoE (the experts at width 12, projected from and
+    # back to the hidden 64), one group
+    "nemotron_h-latent": lambda: transformers.NemotronHConfig(
+        **NEMOTRON_H, layers_block_type=["mamba", "moe", "full_attention", "moe"],
+        n_routed_experts=8, num_experts_per_tok=3, moe_intermediate_size=16,
+        moe_shared_expert_intermediate_size=24, n_group=1, topk_group=1,
+        routed_scaling_factor=5.0, moe_latent_size=12),
 }  # fmt: skip
 
 

@@ -1,8 +1,10 @@
 """The model families of Megatron-LM's examples/post_training/modelopt/conf/ through
 apps/gpt's pretrain_gpt.py: each family's MODEL_ARGS, copied as Megatron-LM writes them
 (FAMILIES names the file), with the width shrunk (SHRINK) and a mock-data run's flags
-added, trains 3 iterations on one CPU rank with a finite loss: every family of the
-folder (Mamba-hybrid lines with their pattern shrunk to each kind of layer once).
+added, trains 3 iterations on one CPU rank with a finite loss: every model line of the
+folder, 24 (Mamba-hybrid lines with their pattern shrunk to each kind of layer once;
+moonshotai/kimi_k2_instruct*.sh only set a layout for Kimi-K2-Instruct.sh's model, and
+NVIDIA-Nemotron-Nano-9B-v2-Base.sh links to the 9B-v2 line).
 
 Every flag of these lines is honoured, accepted without effect (megatron_flags.IGNORED,
 with the reason in --help) or refused (megatron_flags.REFUSED): none is dropped silently.
@@ -346,13 +348,105 @@ FAMILIES = {
     --max-position-embeddings 8192 --export-model-type HybridModel
 """,
     ),
+    "Nemotron-H-4B": (
+        "nvidia/Nemotron-H-4B-Instruct.sh",
+        """
+    --trust-remote-code --save-interval 100000 --micro-batch-size 1 --bf16
+    --no-masked-softmax-fusion --disable-bias-linear
+    --untie-embeddings-and-output-weights --use-rotary-position-embeddings
+    --rotary-percent 0.5 --no-rope-fusion --no-position-embedding --normalization
+    RMSNorm --squared-relu --hidden-size 3072 --ffn-hidden-size 12288 --kv-channels 128
+    --num-attention-heads 32 --group-query-attention --num-query-groups 8
+    --hybrid-layer-pattern M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-
+    --mamba-head-dim 64 --mamba-num-heads 112 --mamba-num-groups 8 --mamba-state-dim 128
+    --seq-length 4096 --max-position-embeddings 8192 --tokenizer-type
+    HuggingFaceTokenizer --make-vocab-size-divisible-by 1 --use-mcore-models
+    --rotary-base 10000 --export-model-type HybridModel
+""",
+    ),
+    "Nemotron-H-47B": (
+        "nvidia/Nemotron-H-47B-Reasoning-128K.sh",
+        """
+    --trust-remote-code --save-interval 100000 --micro-batch-size 1 --bf16
+    --attention-backend flash --disable-bias-linear
+    --untie-embeddings-and-output-weights --position-embedding-type none --normalization
+    RMSNorm --squared-relu --hidden-size 8192 --ffn-hidden-size 30720
+    --num-attention-heads 64 --kv-channels 128 --group-query-attention
+    --num-query-groups 8 --hybrid-layer-pattern
+    M-M-M-M-M-M-M-M-M*-M-M-M-M-M-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-M-M---MM---M-M*-M-M-M-M-M-
+    --mamba-head-dim 64 --mamba-num-heads 256 --mamba-num-groups 8 --mamba-state-dim 256
+    --seq-length 8192 --max-position-embeddings 8192 --tokenizer-type
+    HuggingFaceTokenizer --use-mcore-models --export-model-type HybridModel
+""",
+    ),
+    "Nemotron-H-56B": (
+        "nvidia/Nemotron-H-56B-Base-8K.sh",
+        """
+    --trust-remote-code --save-interval 100000 --micro-batch-size 1 --attention-backend
+    flash --hybrid-layer-pattern
+    M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-
+    --mamba-state-dim 256 --tiktoken-pattern v2 --use-mcore-models
+    --untie-embeddings-and-output-weights --disable-bias-linear --init-method-std 0.0099
+    --position-embedding-type none --squared-relu --hidden-size 8192
+    --num-attention-heads 64 --group-query-attention --num-query-groups 8
+    --ffn-hidden-size 32768 --kv-channels 128 --normalization RMSNorm
+    --exit-duration-in-mins 230 --tensor-model-parallel-size 8
+    --pipeline-model-parallel-size 1 --seq-length 8192 --max-position-embeddings 8192
+    --tokenizer-type HuggingFaceTokenizer --bf16 --export-model-type HybridModel
+""",
+    ),
+    "Nemotron-3-Super-120B": (
+        "nvidia/NVIDIA-Nemotron-3-Super-120B-A12B-BF16.sh",
+        """
+    --trust-remote-code --save-interval 100000 --micro-batch-size 1
+    --enable-experimental --use-fused-weighted-squared-relu --cross-entropy-loss-fusion
+    --cross-entropy-fusion-impl native --num-experts 512 --moe-router-score-function
+    sigmoid --moe-grouped-gemm --moe-aux-loss-coeff 1e-4 --moe-router-topk 22
+    --moe-permute-fusion --moe-router-topk-scaling-factor 5.0
+    --moe-router-enable-expert-bias --moe-router-dtype fp32
+    --moe-router-load-balancing-type seq_aux_loss --moe-shared-expert-intermediate-size
+    5376 --moe-token-dispatcher-type alltoall --moe-latent-size 1024 --attention-backend
+    flash --disable-gloo-process-groups --is-hybrid-model --mamba-num-heads 128
+    --mamba-head-dim 64 --hybrid-layer-pattern
+    MEMEMEM*EMEMEMEM*EMEMEMEM*EMEMEMEMEM*EMEMEMEMEM*EMEMEMEMEM*EMEMEMEMEM*EMEMEMEM*EMEMEMEME
+    --use-mcore-models --untie-embeddings-and-output-weights --disable-bias-linear
+    --init-method-std 0.014 --position-embedding-type none --squared-relu --hidden-size
+    4096 --num-attention-heads 32 --group-query-attention --num-query-groups 2
+    --ffn-hidden-size 2688 --kv-channels 128 --normalization RMSNorm --attention-dropout
+    0.0 --hidden-dropout 0.0 --tokenizer-type HuggingFaceTokenizer --bf16 --seq-length
+    8192 --max-position-embeddings 8192 --export-model-type HybridModel
+""",
+    ),
+    "Nemotron-3-Ultra-550B": (
+        "nvidia/NVIDIA-Nemotron-3-Ultra-550B-A55B-BF16.sh",
+        """
+    --trust-remote-code --save-interval 100 --micro-batch-size 1 --enable-experimental
+    --use-fused-weighted-squared-relu --cross-entropy-loss-fusion
+    --cross-entropy-fusion-impl native --moe-permute-fusion --moe-latent-size 2048
+    --moe-router-score-function sigmoid --moe-grouped-gemm --num-experts 512
+    --moe-router-topk 22 --moe-shared-expert-intermediate-size 10240
+    --moe-aux-loss-coeff 1e-4 --moe-router-topk-scaling-factor 5.0
+    --moe-router-enable-expert-bias --moe-router-dtype fp32
+    --moe-router-load-balancing-type seq_aux_loss --moe-token-dispatcher-type alltoall
+    --attention-backend flash --disable-gloo-process-groups --is-hybrid-model
+    --mamba-num-heads 256 --mamba-head-dim 64 --hybrid-override-pattern
+    MEMEMEM*EMEMEM*EMEMEMEM*EMEMEMEM*EMEMEM*EMEMEMEM*EMEMEMEM*EMEMEM*EMEMEMEM*EMEMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME
+    --use-mcore-models --untie-embeddings-and-output-weights --disable-bias-linear
+    --init-method-std 0.0099 --position-embedding-type none --squared-relu --num-layers
+    108 --hidden-size 8192 --num-attention-heads 64 --group-query-attention
+    --num-query-groups 2 --ffn-hidden-size 5120 --kv-channels 128 --normalization
+    RMSNorm --tokenizer-type HuggingFaceTokenizer --bf16 --seq-length 8192
+    --max-position-embeddings 8192 --export-model-type HybridModel
+""",
+    ),
 }
 
 TRAINS = [
     "Llama-3.1-8B", "Llama-3.2-1B", "Qwen2.5-0.5B", "Qwen2.5-7B", "Qwen3-0.6B", "Qwen3-8B",
     "Qwen3-30B-A3B", "Qwen3-235B-A22B", "Nemotron-Mini-4B", "gpt-oss-20b", "gpt-oss-120b",
     "DeepSeek-V2-Lite", "DeepSeek-R1", "Kimi-K2", "Llama-4-Scout", "Llama-4-Maverick",
-    "Nemotron-H-8B", "Nemotron-Nano-9B-v2", "Nemotron-3-Nano-30B",
+    "Nemotron-H-8B", "Nemotron-Nano-9B-v2", "Nemotron-3-Nano-30B", "Nemotron-H-4B",
+    "Nemotron-H-47B", "Nemotron-H-56B", "Nemotron-3-Super-120B", "Nemotron-3-Ultra-550B",
 ]  # fmt: skip
 # The width shrunk to a few seconds per run: flag -> its value here.
 SHRINK = {
@@ -366,8 +460,10 @@ SHRINK = {
     "--qk-pos-emb-head-dim": "8", "--v-head-dim": "16",
     "--moe-router-num-groups": "2", "--moe-router-group-topk": "1", "--no-rope-freq": "2",
     "--mamba-num-heads": "8", "--mamba-head-dim": "8", "--mamba-num-groups": "2",
-    "--mamba-state-dim": "16",
+    "--mamba-state-dim": "16", "--moe-latent-size": "16", "--tensor-model-parallel-size": "1",
 }  # fmt: skip
+# The hybrid pattern flags (Megatron's name and its older one)
+PATTERN = {"--hybrid-layer-pattern", "--hybrid-override-pattern"}
 # Kept as given where smaller: Llama 4 routes each token to one expert (which
 # --export-moe-apply-probs-on-input needs).
 AT_MOST = {"--moe-router-topk"}
@@ -385,12 +481,19 @@ def shrunk(family: str) -> list[str]:
     out = []
     for i, word in enumerate(words):
         previous = words[i - 1] if i else ""
-        if previous == "--hybrid-layer-pattern":  # each kind of layer once, in order
+        if previous in PATTERN:  # each kind of layer once, in order
             word = "".join(dict.fromkeys(word))
+        elif previous == "--num-layers" and any(w in PATTERN for w in words):
+            pattern = words[next(j for j, w in enumerate(words) if w in PATTERN) + 1]
+            word = str(len(dict.fromkeys(pattern)))  # the shrunk pattern's length
         elif previous in SHRINK and not word.startswith("--"):
             small = SHRINK[previous]
             word = str(min(int(word), int(small))) if previous in AT_MOST else small
         out.append(word)
+    if any(w in PATTERN for w in words) and "--mamba-head-dim" not in words:
+        # Megatron's default mixer width 2h in heads of 64: 2 heads at the shrunk h = 64,
+        # fewer than the 8 groups; heads of 8 give 16
+        out += ["--mamba-head-dim", "8"]
     return out
 
 

@@ -44,11 +44,15 @@ FAMILIES = {
                "--moe-shared-expert-intermediate-size", "128", "--moe-z-loss-coeff", "0",
                "--untie-embeddings-and-output-weights"],
     # A Mamba-hybrid model (Nemotron 3's kinds of layers): a Mamba-2 mixer, attention,
-    # another mixer and a MoE MLP, one per layer; squared-ReLU experts with sigmoid routing
+    # another mixer and a MoE MLP, one per layer; squared-ReLU experts with sigmoid routing,
+    # running at a latent width of 48 (Nemotron 3 Super's latent MoE); weights drawn with
+    # std 0.1, so that the four projections in a row of the latent experts carry gradients
+    # that count (at 0.02 a missing reduction of their gradient over TP went unseen)
     "hybrid": ["--hybrid-layer-pattern", "M*ME", "--mamba-num-heads", "8",
                "--mamba-head-dim", "16", "--mamba-num-groups", "2", "--mamba-state-dim", "16",
                "--squared-relu", "--moe-router-score-function", "sigmoid",
-               "--moe-z-loss-coeff", "0", "--untie-embeddings-and-output-weights"],
+               "--moe-latent-size", "48", "--init-method-std", "0.1", "--moe-z-loss-coeff",
+               "0", "--untie-embeddings-and-output-weights"],
 }  # fmt: skip
 LAYOUTS = {
     "tp2": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],

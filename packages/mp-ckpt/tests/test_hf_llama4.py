@@ -174,6 +174,13 @@ def test_other_families_refuse_llama4s_settings():
     with pytest.raises(ValueError, match=r"rotary_interleaved=True: mixtral computes only"):
         family("mixtral").config(settings | {"moe_router_score_function": "softmax"},
                                  _shapes(settings), {}, "float32")  # fmt: skip
+    # nor a latent MoE (Nemotron 3's, which only nemotron_h writes)
+    plain = {"rotary_interleaved": False, "no_rope_freq": None, "qk_l2_norm": False,
+             "moe_apply_probs_on_input": False, "moe_router_score_function": "softmax",
+             "attention_chunk_size": None, "attn_temperature_floor_scale": None}  # fmt: skip
+    with pytest.raises(ValueError, match=r"moe_latent_size=16: mixtral computes only"):
+        family("mixtral").config(settings | plain | {"moe_latent_size": 16},
+                                 _shapes(settings), {}, "float32")  # fmt: skip
 
 
 def _hf_state() -> dict[str, torch.Tensor]:

@@ -61,7 +61,6 @@ def test_settings_of_the_current_and_the_older_config_json_agree():
     ({"mlp_hidden_act": "silu"}, "mlp_hidden_act"),
     ({"use_bias": True}, "use_bias=True"),
     ({"mamba_proj_bias": True}, "mamba_proj_bias=True"),
-    ({"moe_latent_size": 8}, "moe_latent_size=8"),
     ({"num_nextn_predict_layers": 1}, "multi-token prediction"),
     ({"time_step_limit": [0.01, 10.0]}, "does not clamp the time step"),
     ({"norm_topk_prob": False}, "norm_topk_prob=False"),

@@ -144,6 +144,8 @@ def test_what_export_refuses():
         _check(settings, {}, 1, 1, "torch", ep=2)
     with pytest.raises(ValueError, match="does not divide num_query_groups 2"):
         _check(settings | {"num_attention_heads": 8}, {}, 4, 1, "torch")
+    with pytest.raises(ValueError, match=r"^moe_latent_size=16: mp does not write latent MoE"):
+        _check(settings | {"num_moe_experts": 4, "moe_latent_size": 16}, {}, 1, 1, "torch")
     mla = settings | {"num_query_groups": 4, "multi_latent_attention": True, "q_lora_rank": 6,
                       "kv_lora_rank": 8, "qk_pos_emb_head_dim": 4}  # fmt: skip
     _check(mla, {}, 2, 1, "torch")

@@ -40,7 +40,8 @@ def make_config(*, pattern="M-M*", bf16=True, parallel=None, **model) -> RunConf
 
 
 def megatron_hybrid_flops(*, tokens, squares, h, attention, mamba, mlp, moe=0, N, P, G, H,
-                          a, g, d, f, swiglu=False, f_moe=0, f_shared=0, k=0, V):  # fmt: skip
+                          a, g, d, f, swiglu=False, f_moe=0, f_shared=0, k=0, V,
+                          latent=None):  # fmt: skip
     """megatron-core's num_floating_point_operations for a hybrid model (hybrid_flops and
     its mamba, attention, MLP and MoE layer functions), transcribed term by term."""
     scale = 3 / 2 if swiglu else 1
@@ -51,7 +52,11 @@ def megatron_hybrid_flops(*, tokens, squares, h, attention, mamba, mlp, moe=0, N
     p = d * a / h
     attention_layer = 4 * tokens * h * p * (h + h * (g / a)) + 2 * squares * h * p
     mlp_layer = 4 * (f / h) * scale * tokens * h**2
-    moe_layer = 4 * tokens * h * f_moe * k * scale + 4 * tokens * h * f_shared * scale
+    if latent is None:
+        routed = 4 * tokens * h * f_moe * k * scale
+    else:  # routed experts at the latent width, and the up and down projections
+        routed = 4 * tokens * latent * f_moe * k * scale + 4 * tokens * h * latent
+    moe_layer = routed + 4 * tokens * h * f_shared * scale
     forward = (attention * attention_layer + mlp * mlp_layer + mamba * mamba_layer
                + moe * moe_layer + 2 * tokens * h * V)  # fmt: skip
     return forward * 3
@@ -91,6 +96,25 @@ def test_flops_follow_megatrons_hybrid_formula():
         tokens=128, squares=4 * 32**2, h=64, attention=1, mamba=1, mlp=1, moe=1, N=16, P=16,
         G=2, H=8, a=4, g=4, d=16, f=moe.model.ffn_hidden_size, swiglu=True, f_moe=32,
         f_shared=48, k=2, V=128,
+    )  # fmt: skip
+
+
+def test_latent_moe_flops_follow_megatrons_formula():
+    # Nemotron 3 Super's latent MoE (L = 24): top-2 experts of width 32 at L, 6 k f_moe L x 2
+    # = 18432, the projections 12 h L = 18432, a shared expert of 48, 6 h f_shared x 2 =
+    # 36864: 73728 a token for the E layer.
+    moe = dict(num_moe_experts=4, moe_ffn_hidden_size=32, moe_router_topk=2,
+               moe_shared_expert_intermediate_size=48)  # fmt: skip
+    latent = make_config(pattern="M*E-", moe_latent_size=24, **moe)
+    plain = make_config(pattern="M*E-", **moe)
+    flops = estimate(latent, world_size=1)["flops_per_iteration"]
+    # the plain layer's experts at h instead: 6 k f_moe h x 2 = 49152
+    assert flops == estimate(plain, world_size=1)["flops_per_iteration"] + (
+        18432 + 18432 - 49152) * 128  # fmt: skip
+    assert flops == megatron_hybrid_flops(
+        tokens=128, squares=4 * 32**2, h=64, attention=1, mamba=1, mlp=1, moe=1, N=16, P=16,
+        G=2, H=8, a=4, g=4, d=16, f=latent.model.ffn_hidden_size, f_moe=32, f_shared=48, k=2,
+        V=128, latent=24,
     )  # fmt: skip
 
 

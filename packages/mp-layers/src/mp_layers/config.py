@@ -501,6 +501,13 @@ class TransformerConfig:
     Megatron's --moe-apply-probs-on-input): y = expert(p x) instead of p expert(x). Needs
     moe_router_topk 1, as in Megatron."""
 
+    moe_latent_size: int | None = None
+    """Latent MoE (Nemotron 3 Super and Ultra; Megatron's --moe-latent-size): the routed
+    experts run in a space of this width. The router sees the hidden state; fc1_latent_proj
+    projects it down before the dispatch and fc2_latent_proj projects the combined output
+    back up (both whole on every tensor-parallel rank); a shared expert runs on the hidden
+    state. None: the experts run at hidden_size."""
+
     moe_layer_recompute: bool = False
     """Recompute each MoE layer in backward from its input (under a full recompute: no-op)."""
 

@@ -23,6 +23,7 @@ _MOE_DEFAULTS = {
     "moe_router_num_groups": None,
     "moe_router_group_topk": None,
     "moe_apply_probs_on_input": False,
+    "moe_latent_size": None,
 }
 """Fields that mean something only in a MoE model: set without num_moe_experts, refused."""
 
@@ -50,6 +51,8 @@ def check_moe(config: TransformerConfig) -> None:
             f"{config.moe_router_topk}): the weights of several experts cannot all scale one "
             "input (Megatron's rule)"
         )
+    if config.moe_latent_size is not None:
+        positive("moe_latent_size", config.moe_latent_size)
     choice("moe_token_drop_policy", config.moe_token_drop_policy, ("probs", "position"))
     choice("moe_token_dispatcher_type", config.moe_token_dispatcher_type, ("alltoall", "allgather"))
     factor = config.moe_expert_capacity_factor

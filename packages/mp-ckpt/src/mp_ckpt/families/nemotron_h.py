@@ -22,6 +22,8 @@ Hugging Face (backbone.layers.{i}.; transformers' in-memory model.layers.{i}.)
     mixer.gate.e_score_correction_bias    mlp.router.expert_bias
     mixer.experts.{e}.up_proj / down_proj.weight    mlp.experts.linear_fc1 / linear_fc2.weight
     mixer.shared_experts.up_proj / down_proj.weight    mlp.shared_experts.linear_fc1 / fc2
+    mixer.fc1_latent_proj / fc2_latent_proj.weight    mlp.fc1_latent_proj / fc2_latent_proj.weight
+                                   (a latent MoE, Nemotron 3 Super and Ultra: moe_latent_size)
 backbone.embeddings.weight, backbone.norm_f.weight and lm_head.weight are
 embedding.word_embeddings.weight, decoder.final_layernorm.weight and output_layer.weight.
 transformers' NemotronHForCausalLM (5.x) never ties lm_head to the embedding, whatever
@@ -58,7 +60,7 @@ Refused (with the key and value): mamba_hidden_act other than silu, mlp_hidden_a
 than relu2, use_conv_bias false (mp's mixer always has a convolution bias), conv_kernel
 other than 4, use_bias / mamba_proj_bias / mlp_bias / attention_bias true (mp's
 add_bias_linear would give attention biases transformers' attention never has),
-sliding_window, moe_latent_size, multi-token prediction (num_nextn_predict_layers > 0), a
+sliding_window, multi-token prediction (num_nextn_predict_layers > 0), a
 time_step_limit other than (0, inf), and group-limited routing whose groups mp would rank
 otherwise (num_experts_per_tok // topk_group other than 2). residual_in_fp32 (unused by
 transformers' model), rescale_prenorm_residual (initialization only), expand (unused with
@@ -140,6 +142,10 @@ def _tied(settings: dict) -> bool:
     return not _untied(settings)
 
 
+def _latent(settings: dict) -> bool:
+    return settings.get("moe_latent_size") is not None
+
+
 _L = "backbone.layers.{i}."
 _M = _L + "mixer."
 RULES = (
@@ -179,6 +185,8 @@ RULES = (
     Rule(("mlp.shared_experts.linear_fc1.weight",), _M + "shared_experts.up_proj.weight", "moe"),
     Rule(("mlp.shared_experts.linear_fc2.weight",), _M + "shared_experts.down_proj.weight",
          "moe"),
+    *(Rule((f"mlp.{n}.weight",), f"{_M}{n}.weight", "moe", when=_latent)
+      for n in ("fc1_latent_proj", "fc2_latent_proj")),
 )  # fmt: skip
 
 _IN_MEMORY = re.compile(r"^model\.(.*)$")
@@ -239,8 +247,7 @@ def _settings(config: dict) -> dict:
     for key, supported in (("mamba_hidden_act", "silu"), ("mlp_hidden_act", "relu2"),
                            ("use_conv_bias", True), ("conv_kernel", 4), ("use_bias", False),
                            ("mamba_proj_bias", False), ("mlp_bias", False),
-                           ("attention_bias", False), ("sliding_window", None),
-                           ("moe_latent_size", None)):  # fmt: skip
+                           ("attention_bias", False), ("sliding_window", None)):  # fmt: skip
         refuse(config, key, supported)
     if config.get("num_nextn_predict_layers"):
         raise ValueError(f"config.json num_nextn_predict_layers="
@@ -298,17 +305,18 @@ def _routing(config: dict) -> dict:
         "moe_router_topk_scaling_factor":
             float(config.get("routed_scaling_factor", _DEFAULTS["routed_scaling_factor"])),
         "moe_router_load_balancing_type": "none", "moe_aux_loss_coeff": 0.0,
-        "moe_z_loss_coeff": None,
+        "moe_z_loss_coeff": None, "moe_latent_size": config.get("moe_latent_size"),
     }  # fmt: skip
 
 
 # --- settings -> config.json -------------------------------------------------------------
 
-_COMPUTES = LLAMA_STYLE | {"activation": "squared_relu", "position_embedding_type": "none",
-                           "add_bias_linear": False, "add_qkv_bias": False,
-                           "multi_latent_attention": False, "mtp_num_layers": None,
-                           "moe_shared_expert_gate": False,
-                           "moe_expert_capacity_factor": None}  # fmt: skip
+# A latent MoE (moe_latent_size) is Nemotron 3's own: the one family that writes it.
+_COMPUTES = {k: v for k, v in LLAMA_STYLE.items() if k != "moe_latent_size"} | {
+    "activation": "squared_relu", "position_embedding_type": "none", "add_bias_linear": False,
+    "add_qkv_bias": False, "multi_latent_attention": False, "mtp_num_layers": None,
+    "moe_shared_expert_gate": False, "moe_expert_capacity_factor": None,
+}  # fmt: skip
 _MOE_COMPUTES = {"moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True}
 _MOE_KEYS = (
     "n_routed_experts",
@@ -366,7 +374,8 @@ def _config(settings: dict, shapes: dict, tokens: dict, dtype: str) -> dict:
         "time_step_floor": 1e-4, "use_conv_bias": True,
         "chunk_size": settings.get("mamba_chunk_size") or _DEFAULTS["chunk_size"],
         "mamba_proj_bias": False, "mamba_ssm_cache_dtype": "float32",
-        "output_router_logits": False, "n_shared_experts": 1, "moe_latent_size": None,
+        "output_router_logits": False, "n_shared_experts": 1,
+        "moe_latent_size": settings.get("moe_latent_size"),
         "moe_shared_expert_overlap": True, **_moe_config(settings, shapes),
         "num_nextn_predict_layers": 0, "mtp_layers_block_type": ["full_attention", "moe"],
         "use_bias": False, "initializer_range": settings.get("init_method_std", 0.02),

@@ -244,6 +244,11 @@ def _moe_args(settings: dict, tp: int, ep: int) -> dict:
 def _check(settings: dict, keys: list[str], tp: int, pp: int, fmt: str, ep: int = 1) -> None:
     if fmt not in _FORMATS:
         raise ValueError(f"--ckpt-format {fmt!r}: expected torch_dist or torch")
+    if settings.get("moe_latent_size") is not None:
+        raise ValueError(
+            f"moe_latent_size={settings['moe_latent_size']!r}: mp does not write latent MoE "
+            "layers (their fc1_latent_proj and fc2_latent_proj) to Megatron-LM checkpoints"
+        )
     if settings.get("hybrid_layer_pattern") or any(".mixer." in k for k in keys):
         raise ValueError(
             f"hybrid_layer_pattern={settings.get('hybrid_layer_pattern')!r}: mp does not write "

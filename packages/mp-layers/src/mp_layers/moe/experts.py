@@ -49,12 +49,17 @@ __all__ = ["GroupedExperts", "grouped_matmul", "is_expert_key"]
 
 
 class GroupedExperts(torch.nn.Module):
-    def __init__(self, config: TransformerConfig, ep: RankGroup, etp: RankGroup) -> None:
+    def __init__(
+        self, config: TransformerConfig, ep: RankGroup, etp: RankGroup, width: int | None = None
+    ) -> None:  # fmt: skip
+        """width: of the tokens the experts take and give (a latent MoE's moe_latent_size);
+        None: hidden_size."""
         super().__init__()
         self.config = config
         self.ep, self.etp = ep, etp
         self.gated = config.gated_linear_unit
-        experts, f, h = config.num_moe_experts, config.moe_ffn_hidden_size, config.hidden_size
+        self.width = config.hidden_size if width is None else width
+        experts, f, h = config.num_moe_experts, config.moe_ffn_hidden_size, self.width
         self.num_local = experts // ep.size
         self.local_ffn = f // etp.size
         first = ep.rank * self.num_local
@@ -111,7 +116,7 @@ class GroupedExperts(torch.nn.Module):
 
     def sharded_state_dict(self, prefix: str = "") -> dict[str, ShardedTensor]:
         experts = self.config.num_moe_experts
-        f, h = self.config.moe_ffn_hidden_size, self.config.hidden_size
+        f, h = self.config.moe_ffn_hidden_size, self.width
         first, inner = self.ep.rank * self.num_local, self.etp.rank * self.local_ffn
         parts = ("linear_fc1.gate.", "linear_fc1.up.") if self.gated else ("linear_fc1.",)
         fc1, fc2 = self.linear_fc1, self.linear_fc2

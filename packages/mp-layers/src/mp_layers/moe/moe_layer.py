@@ -9,6 +9,10 @@ each tensor-parallel rank routes its own tokens); T = s b.
     y = dispatcher.combine(out)                    [T, h]           (expert_tp, ep / tp_ep)
     y += shared_experts(x) [* sigmoid(x w)]        every token      (tp, like a dense MLP)
 
+A latent MoE layer (moe_latent_size L) routes on x but dispatches fc1_latent_proj(x)
+[T, L], its experts run at width L, and fc2_latent_proj brings the combined [T, L] back
+to [T, h] before the shared expert's output is added (moe/latent.py).
+
 Returns (y [s, b, h], None): no bias to add with the residual.
 """
 
@@ -21,6 +25,7 @@ from mp_layers.config import TransformerConfig
 from mp_layers.groups import ModelGroups
 from mp_layers.moe.dispatcher import AllGatherDispatcher, AllToAllDispatcher
 from mp_layers.moe.experts import GroupedExperts
+from mp_layers.moe.latent import LatentProjection
 from mp_layers.moe.router import TopKRouter
 from mp_layers.transformer.eager import eager_when_compiled
 from mp_layers.transformer.mlp import MLP
@@ -32,7 +37,16 @@ class MoELayer(torch.nn.Module):
     def __init__(self, config: TransformerConfig, groups: ModelGroups) -> None:
         super().__init__()
         self.router = TopKRouter(config, groups.tp, groups.tp_dp_cp, groups.tp_cp)
-        self.experts = GroupedExperts(config, groups.ep, groups.expert_tp)
+        self.fc1_latent_proj = self.fc2_latent_proj = None
+        latent = config.moe_latent_size
+        if latent is not None:
+            h = config.hidden_size
+            self.fc1_latent_proj = LatentProjection(config, groups.tp, h, latent,
+                                                    config.init_method_std)  # fmt: skip
+        self.experts = GroupedExperts(config, groups.ep, groups.expert_tp, width=latent)
+        if latent is not None:
+            self.fc2_latent_proj = LatentProjection(config, groups.tp, latent, h,
+                                                    config.output_layer_init_std)  # fmt: skip
         if config.moe_token_dispatcher_type == "alltoall":
             self.dispatcher = AllToAllDispatcher(
                 config.num_moe_experts, groups.ep, groups.expert_tp
@@ -49,11 +63,15 @@ class MoELayer(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:
         s, b, h = x.shape
         probs, routing_map = self.router(x)
-        tokens, counts, weights, state = self.dispatcher.dispatch(
-            x.reshape(s * b, h), probs, routing_map
-        )
+        routed = x.reshape(s * b, h)
+        if self.fc1_latent_proj is not None:
+            routed = self.fc1_latent_proj(routed)
+        tokens, counts, weights, state = self.dispatcher.dispatch(routed, probs, routing_map)
         out = self.experts(tokens, counts, weights)
-        out = self.dispatcher.combine(out, state).view(s, b, h)
+        out = self.dispatcher.combine(out, state)
+        if self.fc2_latent_proj is not None:
+            out = self.fc2_latent_proj(out)
+        out = out.view(s, b, h)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out, None
@@ -61,6 +79,9 @@ class MoELayer(torch.nn.Module):
     def sharded_state_dict(self, prefix: str = "") -> dict[str, ShardedTensor]:
         pieces = self.router.sharded_state_dict(f"{prefix}router.")
         pieces |= self.experts.sharded_state_dict(f"{prefix}experts.")
+        for name in ("fc1_latent_proj", "fc2_latent_proj"):
+            if getattr(self, name) is not None:
+                pieces |= getattr(self, name).sharded_state_dict(f"{prefix}{name}.")
         if self.shared_experts is not None:
             pieces |= self.shared_experts.sharded_state_dict(f"{prefix}shared_experts.")
         return pieces

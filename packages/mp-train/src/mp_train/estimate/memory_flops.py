@@ -60,7 +60,8 @@ two inputs, 4sbh) and its own output layer's term. Under sequence parallelism ev
 is divided by t, otherwise only the split ones. Context parallelism stores s / c tokens
 per rank; the scores are a (s / c) s b. MoE layers replace f by k f_moe + f_shared
 (averaged over the stage's layers); the router's logits and the dispatcher's buffers are
-not counted. A hybrid model's layer (hybrid_layer_pattern) keeps its one sublayer's share:
+not counted, nor a latent MoE's narrower expert inputs and its projections' (counted as a
+MoE layer's). A hybrid model's layer (hybrid_layer_pattern) keeps its one sublayer's share:
 attention 5sbh whole and 8sbh + scores split, an MLP 5sbh whole and 4f/h sbh split, a Mamba
 layer what mp_train.estimate.hybrid counts (partly fp32 whatever the precision); the
 stage's layers are averaged.
@@ -76,7 +77,9 @@ FLOPs (Megatron-LM's num_floating_point_operations): forward + backward is 3 GEM
 weight and a GEMM of (m x n)(n x k) is 2mnk, so per token and layer
 6[h(ad + 2gd) + ad s + ad h] for attention (the causal mask halves QK^T and its product
 with V), 6hf x (3|2) for a dense MLP, 6h(k f_moe + f_shared) x (3|2) for a MoE one, and
-6hV for the logits; per MTP module one more layer of the last layer's kind, 6(3h + 2h^2)
+6hV for the logits (a latent MoE layer, moe_latent_size L: 6(k f_moe L + f_shared h) x
+(3|2) + 12hL, its experts at width L and its two projections, Megatron's terms); per MTP
+module one more layer of the last layer's kind, 6(3h + 2h^2)
 for its norms and eh_proj and 6hV for its logits; times B s (the router's 6hE per token
 and MoE layer is left out, as Megatron does). They are the model's FLOPs: recomputation
 (activation recompute, the chunked output loss's second logits GEMM) is not counted, as
@@ -372,13 +375,25 @@ def _flops(config: RunConfig, layout: dict, V: int) -> int:
     layers += layers[-1:] * mtp  # an MTP module's layer is of the last layer's kind
     kinds = [kind for kind, _ in layers]
     with_mlp = [moe for kind, moe in layers if kind in ("transformer", "mlp", "moe")]
-    mlp = sum(_mlp_width(m, moe) for moe in with_mlp) * gated
+    mlp = sum(_mlp_multiply_adds(m, moe, gated) for moe in with_mlp)
     attention = _attention_flops(m, s) * sum(kind in ("transformer", "attention") for kind in kinds)
     mtp_projections = mtp * (3 * h + 2 * h * h)  # its norms (Megatron's 3h) and eh_proj
     # fwd + 2 bwd GEMMs, 2 per multiply-add
-    per_token = 3 * 2 * (h * mlp + attention + mtp_projections + h * V * (1 + mtp))
+    per_token = 3 * 2 * (mlp + attention + mtp_projections + h * V * (1 + mtp))
     per_token += kinds.count("mamba") * mamba_flops(m)  # mp_train.estimate.hybrid
     return layout["gbs"] * s * per_token
+
+
+def _mlp_multiply_adds(m: TransformerConfig, moe: bool, gated: int) -> int:
+    """One MLP's multiply-adds per token: h f (3|2), h (k f_moe + f_shared) (3|2) for a MoE
+    one; a latent MoE's routed experts at its width L, k f_moe L (3|2), and its two
+    projections 2hL (Megatron's moe_latent_size terms)."""
+    h, latent = m.hidden_size, m.moe_latent_size
+    if not moe or latent is None:
+        return h * _mlp_width(m, moe) * gated
+    shared = m.moe_shared_expert_intermediate_size or 0
+    routed = m.moe_router_topk * m.moe_ffn_hidden_size * latent
+    return (routed + shared * h) * gated + 2 * h * latent
 
 
 def _attention_flops(m: TransformerConfig, s: int) -> float:

@@ -144,10 +144,14 @@ def _mlp(m: TransformerConfig, moe: bool, *, active: bool) -> Held:
     router = h * m.num_moe_experts + (m.num_moe_experts if m.add_bias_linear else 0)
     gate = h if m.moe_shared_expert_gate else 0
     f = m.moe_ffn_hidden_size
-    expert = Held(experts=h * f * gated)
-    if m.add_bias_linear:  # fc1's [(2|1) f] split like its weight, fc2's [h] per expert
-        expert += Held(experts=f * (gated - 1), expert_whole=h)
-    return Held(split=shared, whole=router + gate) + expert * E
+    width = m.moe_latent_size or h  # the routed experts' input and output
+    latent = 0  # a latent MoE's fc1_latent_proj and fc2_latent_proj, whole on every rank
+    if m.moe_latent_size is not None:
+        latent = 2 * h * width + ((width + h) if m.add_bias_linear else 0)
+    expert = Held(experts=width * f * gated)
+    if m.add_bias_linear:  # fc1's [(2|1) f] split like its weight, fc2's [width] per expert
+        expert += Held(experts=f * (gated - 1), expert_whole=width)
+    return Held(split=shared, whole=router + gate + latent) + expert * E
 
 
 def _mtp_module(m: TransformerConfig, *, active: bool = False) -> Held:
