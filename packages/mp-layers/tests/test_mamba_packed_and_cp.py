@@ -1,7 +1,8 @@
 """The Mamba-2 mixer over packed documents and across context-parallel ranks: the scan with
 documents against each document scanned alone; the mixer over packed samples against each
 document mixed alone; at CP2 (and TP2 x CP2), without packing and with samples split
-either way (by sample, by document), against one rank, outputs and gradients."""
+either way (by sample, by document), with whole groups per rank and with a group's heads
+shared out over the CP ranks, against one rank, outputs and gradients."""
 
 import pytest
 import torch
@@ -115,7 +116,7 @@ SPLITS = {
 }
 
 
-def cp_body(tp: int, split: str):
+def cp_body(tp: int, split: str, mamba_groups: int):
     import mp_state
 
     torch.set_num_threads(1)
@@ -124,7 +125,7 @@ def cp_body(tp: int, split: str):
         mp_state.ParallelConfig(tensor_model_parallel_size=tp, context_parallel_size=2)
     )
     groups = ModelGroups.of(state)
-    ours = mixer(groups).train()
+    ours = mixer(groups, mamba_num_groups=mamba_groups).train()
     x = torch.randn(S, 2, H, generator=torch.Generator().manual_seed(2))
     lengths = SPLITS[split]
     cp, rank = groups.cp.size, groups.cp.rank
@@ -142,17 +143,24 @@ def cp_body(tp: int, split: str):
     return (groups.tp.rank, groups.cp.rank), index, out.detach(), local.grad, grads
 
 
+# (tp, split, mamba_num_groups): 4 groups give each (TP x CP) rank whole groups; 1 group
+# at CP2, or 2 at TP2 x CP2, share a group's heads out over the CP ranks (its B and C
+# copied to each, its norm after the all-to-all back)
+CP_CASES = [*((1, split, GROUPS) for split in SPLITS), (2, "by-document", GROUPS),
+            (1, "by-sample", 1), (2, "unpacked", 2)]  # fmt: skip
+
+
 @pytest.mark.multirank
-@pytest.mark.parametrize(("tp", "split"), [(1, split) for split in SPLITS] + [(2, "by-document")])
-def test_cp2_equals_one_rank(monkeypatch, tp, split):
+@pytest.mark.parametrize(("tp", "split", "mamba_groups"), CP_CASES)
+def test_cp2_equals_one_rank(monkeypatch, tp, split, mamba_groups):
     monkeypatch.setattr(mamba_mixer, "SCAN_CHUNK", CHUNK)
-    one = mixer(ModelGroups.single()).train()
+    one = mixer(ModelGroups.single(), mamba_num_groups=mamba_groups).train()
     x = torch.randn(S, 2, H, generator=torch.Generator().manual_seed(2), requires_grad=True)
     lengths = SPLITS[split]
     packed = None if lengths is None else PackedSeqParams.from_document_ids(documents_of(lengths))
     want, _ = one(x, packed=packed)
     want.square().sum().backward()
-    ranks = run_on_ranks(cp_body, 2 * tp, tp, split, timeout=120)
+    ranks = run_on_ranks(cp_body, 2 * tp, tp, split, mamba_groups, timeout=120)
     samples = torch.arange(2)
     for _, index, out, grad, _ in ranks:
         torch.testing.assert_close(out, want.detach()[index, samples], rtol=1e-5, atol=1e-5)
@@ -171,8 +179,12 @@ def test_cp2_equals_one_rank(monkeypatch, tp, split):
                                    atol=1e-5 * scale, msg=name)  # fmt: skip
 
 
-def test_each_rank_mixes_whole_groups():
-    with pytest.raises(ValueError, match=r"mamba_num_groups=4 is not divisible by "
-                       r"tensor_model_parallel_size=2 x context_parallel_size=4"):  # fmt: skip
-        config().check_parallel(tensor_model_parallel_size=2, context_parallel_size=4)
-    config().check_parallel(tensor_model_parallel_size=2, context_parallel_size=2)
+def test_the_groups_and_the_cp_ranks_must_divide_one_another():
+    with pytest.raises(ValueError, match=r"mamba_num_groups=2, 12 Mamba heads at "
+                       r"tensor_model_parallel_size=1: 2 Mamba groups per tensor-parallel "
+                       r"rank and context_parallel_size=3: one must divide the other"):  # fmt: skip
+        config(mamba_num_groups=2, mamba_num_heads=12).check_parallel(1, context_parallel_size=3)
+    with pytest.raises(ValueError, match=r"4 Mamba heads per tensor-parallel rank are not "
+                       r"divisible by context_parallel_size=8"):  # fmt: skip
+        config().check_parallel(tensor_model_parallel_size=2, context_parallel_size=8)
+    config().check_parallel(tensor_model_parallel_size=2, context_parallel_size=4)

@@ -41,8 +41,11 @@ def test_the_layouts_validate():
     # The interleaved schedule with 3 micro-batches at PP2: in one group of 3.
     assert _validate(*VPP, "--microbatch-group-size-per-virtual-pipeline-stage", "3") == {
         "data_parallel_size": 2, "global_batch_size": 6, "num_microbatches": 3}  # fmt: skip
-    # A hybrid model's Mamba layers take context parallelism and packed documents.
+    # A hybrid model's Mamba layers take context parallelism and packed documents, also
+    # with fewer groups than TP x CP ranks (each CP rank a share of one group's heads).
     assert _validate(*HYBRID, *cp, "--reset-attention-mask")["data_parallel_size"] == 2
+    tp2 = ["--tensor-model-parallel-size", "2", "--mamba-num-groups", "2"]
+    assert _validate(*HYBRID, *cp, *tp2, world=4)["data_parallel_size"] == 1
     # Experts split over 2 of 4 data-parallel ranks; expert TP 1 beside TP 2 + SP.
     ep = [*MOE, "--expert-model-parallel-size", "2"]
     assert _validate(*ep)["data_parallel_size"] == 4
@@ -121,16 +124,17 @@ def test_the_layouts_validate():
                 *HYBRID,
                 "--context-parallel-size",
                 "2",
-                "--tensor-model-parallel-size",
-                "2",
                 "--mamba-num-groups",
-                "2",
+                "3",
+                "--mamba-num-heads",
+                "12",
                 "--attention-dropout",
                 "0",
             ],
             4,
-            r"^mamba_num_groups=2 is not divisible by tensor_model_parallel_size=2 x "
-            r"context_parallel_size=2: each rank mixes whole groups of Mamba heads$",
+            r"^mamba_num_groups=3, 12 Mamba heads at tensor_model_parallel_size=1: 3 Mamba "
+            r"groups per tensor-parallel rank and context_parallel_size=2: one must divide "
+            r"the other",
         ),
         (
             [*HYBRID, "--tensor-model-parallel-size", "4", "--mamba-num-groups", "2"],

@@ -116,12 +116,23 @@ def check_hybrid(config: TransformerConfig) -> None:
 
 def check_hybrid_parallel(config: TransformerConfig, tp: int, cp: int) -> None:
     """Tensor parallelism splits the Mamba mixers by whole groups of heads, and context
-    parallelism splits each tensor-parallel rank's groups again (mamba_mixer.py)."""
+    parallelism splits each tensor-parallel rank's heads again, by whole groups or a
+    group's heads (transformer/mamba_context_parallel.py)."""
     if config.hybrid_layer_pattern is None or "M" not in config.hybrid_layer_pattern:
         return
-    if config.mamba_num_groups % (tp * cp):
+    if config.mamba_num_groups % tp:
         raise ValueError(
             f"mamba_num_groups={config.mamba_num_groups} is not divisible by "
-            f"tensor_model_parallel_size={tp} x context_parallel_size={cp}: each rank mixes "
-            "whole groups of Mamba heads"
+            f"tensor_model_parallel_size={tp}: each rank holds whole groups of Mamba heads"
         )
+    if cp > 1:
+        from mp_layers.transformer.mamba_context_parallel import check_split
+
+        heads, _ = mamba_widths(config)
+        try:
+            check_split(config.mamba_num_groups // tp, heads // tp, cp)
+        except ValueError as error:
+            raise ValueError(
+                f"mamba_num_groups={config.mamba_num_groups}, {heads} Mamba heads at "
+                f"tensor_model_parallel_size={tp}: {error}"
+            ) from None

@@ -34,14 +34,16 @@ past a document's first position, and the scan's state restarts at 0 there (ssd.
 
 Context parallelism (Megatron's MambaContextParallel): the mixer needs the whole sequence,
 so an all-to-all after in_proj turns this rank's load-balanced chunks of every group into
-the whole sequence, in position order, of 1/cp of the groups (context_parallel/
+the whole sequence, in position order, of 1/cp of the heads (context_parallel/
 head_split.py: the fused in_proj output moves as [s, b, groups, rows of a group], so
 each group's z, x', B, C and dt travel together); the convolution, the scan and the norm
-run there with those groups' parameters, and a second all-to-all returns the output to
-the rank's chunks before out_proj. Each (TP x CP) rank mixes whole groups: mamba_num_groups
-must be divisible by tp x cp. The parameters stay whole on every CP rank, as attention's;
-each CP rank's gradient is nonzero only on its groups' slices, and the data-parallel
-reduction over CP sums them.
+run there with those heads' parameters, and a second all-to-all returns the output to
+the rank's chunks before out_proj. With fewer groups than CP ranks a group's heads are
+shared out with copies of its B and C, and its norm runs after the all-to-all back
+(mamba_context_parallel.py). The parameters stay whole on every CP rank, as attention's;
+each CP rank's gradient is nonzero only on its groups' slices (of in_proj and out_proj,
+its tokens' share), and the gradient reduction over dp x cp that attention's weights
+take combines them into the whole sequence's (test_mamba_packed_and_cp.py).
 
 Generation: with a KVCache the convolution starts from the layer's last K - 1 inputs and
 the scan from its state, both kept in the cache (kv_cache.py), so each new position costs
@@ -71,6 +73,7 @@ from mp_layers.groups import ModelGroups
 from mp_layers.tensor_parallel import ColumnParallelLinear, init_partitioned_weight
 from mp_layers.tensor_parallel.deferred_init import weight_device
 from mp_layers.transformer.kv_cache import KVCache
+from mp_layers.transformer.mamba_context_parallel import Split, check_split
 from mp_layers.transformer.mlp import residual_projection
 from mp_layers.transformer.packed import PackedSeqParams
 from mp_layers.transformer.ssd import chunked_scan
@@ -85,15 +88,17 @@ SCAN_CHUNK = 128
 
 
 class _Here(NamedTuple):
-    """The groups a rank mixes and their parameters (MambaMixer._here)."""
+    """The (virtual) groups a rank mixes and their parameters (MambaMixer._here)."""
 
     groups: int
+    per_group: int
     conv_weight: torch.Tensor
     conv_bias: torch.Tensor
     dt_bias: torch.Tensor
     A_log: torch.Tensor
     D: torch.Tensor
-    norm_weight: torch.Tensor
+    norm_weight: torch.Tensor | None
+    """None: the norm runs after the all-to-all back (a group's heads span CP ranks)."""
 
 
 class MambaMixer(torch.nn.Module):
@@ -101,7 +106,8 @@ class MambaMixer(torch.nn.Module):
         super().__init__()
         tp = groups.tp
         self.tp_group = tp
-        self.cp_group = groups.cp if groups.cp.size > 1 else None
+        cp = groups.cp
+        self.cp_group = cp if cp.size > 1 else None
         heads, inner = mamba_widths(config)
         self.p, self.n = config.mamba_head_dim, config.mamba_state_dim
         self.all_groups = config.mamba_num_groups
@@ -133,6 +139,13 @@ class MambaMixer(torch.nn.Module):
         """In training, keep only the convolution's inputs, dt and the gate for backward
         (module docstring); False keeps every tensor (ci/bench/bench_mamba_recompute.py's
         baseline)."""
+        self.split = None
+        if self.cp_group is not None:
+            check_split(self.groups, self.heads, cp.size)
+            self.split = Split(self.groups, self.per_group, self.p, self.n, cp.size, cp.rank)
+            conv_rows, head_rows = self.split.indices()
+            self.register_buffer("conv_rows", conv_rows, persistent=False)
+            self.register_buffer("head_rows", head_rows, persistent=False)
 
     def _sharded(self, shape: tuple[int, ...], init, dtype: torch.dtype) -> torch.nn.Parameter:
         """This rank's piece (split along dimension 0) of a tensor of `shape`."""
@@ -157,17 +170,18 @@ class MambaMixer(torch.nn.Module):
                 "MambaMixer with a KVCache (generation) takes neither packed documents nor "
                 "context parallelism"
             )
-        split = None
-        if self.cp_group is not None:
+        heads = None
+        if self.split is not None:
             order = None if packed is None else packed.order
-            split = HeadSplit(s, b, self.cp_group, x.device, order)
-            fused = split.to_heads(fused)  # [cp s, b, groups / cp, unit], in position order
+            heads = HeadSplit(s, b, self.cp_group, x.device, order)
+            # [cp s, b, virtual groups / cp, virtual unit], in position order
+            fused = heads.to_heads(self.split.spread(fused))
         documents, positions = self._documents(packed, fused.shape[:2])
         here = self._here()
         length = fused.shape[0]
-        g, hg, p, n = here.groups, self.per_group, self.p, self.n
+        g, hg, p, n = here.groups, here.per_group, self.p, self.n
         z, xs, B, C, dt = fused.split([hg * p, hg * p, n, n, hg], dim=-1)
-        xbc = torch.cat([xs, B, C], dim=-1).reshape(length, b, g * self.conv_unit).permute(1, 2, 0)
+        xbc = torch.cat([xs, B, C], dim=-1).reshape(length, b, -1).permute(1, 2, 0)
         dt = dt.float().reshape(length, b, g * hg).transpose(0, 1)
         dt = F.softplus(dt + here.dt_bias.float())
         history = initial = None
@@ -192,8 +206,10 @@ class MambaMixer(torch.nn.Module):
         if kv_cache is not None:
             kv_cache.set_mamba_states(layer, inputs[..., -(CONV_WIDTH - 1) :], state)
         y = y.transpose(0, 1)  # [length, b, g, hg p]
-        if split is not None:
-            y = split.to_sequence(y)
+        if heads is not None:
+            y = heads.to_sequence(y)
+        if here.norm_weight is None:  # the gated output, normalized per group here
+            y = self._norm(y.reshape(s, b, self.groups, -1), self.norm_weight).to(z.dtype)
         return self.out_proj(y.reshape(s, b, -1))
 
     def _documents(
@@ -214,19 +230,18 @@ class MambaMixer(torch.nn.Module):
 
     def _here(self) -> _Here:
         """The parameters of the groups this rank mixes: all of its own, or with context
-        parallelism those of its CP rank's share (Megatron's MambaContextParallel slices
-        them the same way)."""
-        if self.cp_group is None:
-            return _Here(self.groups, self.conv1d_weight, self.conv1d_bias, self.dt_bias,
-                         self.A_log, self.D, self.norm_weight)  # fmt: skip
-        g = self.groups // self.cp_group.size
-        first = self.cp_group.rank * g
-        heads, channels = g * self.per_group, g * self.per_group * self.p
-        conv = slice(first * self.conv_unit, (first + g) * self.conv_unit)
-        head = slice(first * self.per_group, first * self.per_group + heads)
-        inner = slice(head.start * self.p, head.start * self.p + channels)
-        return _Here(g, self.conv1d_weight[conv], self.conv1d_bias[conv], self.dt_bias[head],
-                     self.A_log[head], self.D[head], self.norm_weight[inner])  # fmt: skip
+        parallelism those of its CP rank's virtual groups (mamba_context_parallel.py)."""
+        if self.split is None:
+            return _Here(self.groups, self.per_group, self.conv1d_weight, self.conv1d_bias,
+                         self.dt_bias, self.A_log, self.D, self.norm_weight)  # fmt: skip
+        split, heads = self.split, self.head_rows
+        norm = None
+        if not split.norm_after:
+            channels = heads[:, None] * self.p + torch.arange(self.p, device=heads.device)
+            norm = self.norm_weight[channels.flatten()]
+        return _Here(split.here, split.hv, self.conv1d_weight[self.conv_rows],
+                     self.conv1d_bias[self.conv_rows], self.dt_bias[heads], self.A_log[heads],
+                     self.D[heads], norm)  # fmt: skip
 
     def _mix(
         self, inputs: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, z: torch.Tensor,
@@ -235,15 +250,18 @@ class MambaMixer(torch.nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """The convolution's inputs [b, channels, K - 1 + s], dt [b, s, heads], the gate z
         [s, b, groups, hg p] -> the gated, normalized scan output [b, s, groups, hg p] in
-        z's dtype, and the scan's final state (fp32)."""
+        z's dtype (gated only, in fp32, when here.norm_weight is None), and the scan's
+        final state (fp32)."""
         b, s = dt.shape[:2]
-        g, hg, p, n = here.groups, self.per_group, self.p, self.n
+        g, hg, p, n = here.groups, here.per_group, self.p, self.n
         xbc = self._convolve(inputs, here, positions)
-        xs, B, C = xbc.view(b, s, g, self.conv_unit).split([hg * p, n, n], dim=-1)
+        xs, B, C = xbc.view(b, s, g, hg * p + 2 * n).split([hg * p, n, n], dim=-1)
         y, state = chunked_scan(xs.reshape(b, s, g * hg, p), dt, A, B, C, here.D, SCAN_CHUNK,
                                 initial, documents)  # fmt: skip
-        y = self._gated_norm(y.reshape(b, s, g, hg * p), z.transpose(0, 1), here)
-        return y.to(z.dtype), state
+        gated = y.reshape(b, s, g, hg * p) * F.silu(z.transpose(0, 1).float())
+        if here.norm_weight is None:
+            return gated, state
+        return self._norm(gated, here.norm_weight).to(z.dtype), state
 
     def _convolve(
         self, inputs: torch.Tensor, here: _Here, positions: torch.Tensor | None
@@ -263,11 +281,12 @@ class MambaMixer(torch.nn.Module):
                 out = out + inputs[..., k : k + s] * weight[:, k, None] * inside
         return F.silu(out).transpose(1, 2)
 
-    def _gated_norm(self, y: torch.Tensor, z: torch.Tensor, here: _Here) -> torch.Tensor:
-        """RMS norm per group of y silu(z) (fp32) times norm_weight: [b, s, g, hg p]."""
-        gated = y.float() * F.silu(z.float())
+    def _norm(self, gated: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """RMS norm per group of the gated output [.., groups, hg p] (fp32) times `weight`
+        (the norm weight of those groups' channels)."""
+        gated = gated.float()
         normed = gated * torch.rsqrt(gated.pow(2).mean(-1, keepdim=True) + self.eps)
-        return normed * here.norm_weight.float().view(here.groups, -1)
+        return normed * weight.float().view(gated.shape[-2], -1)
 
     def sharded_state_dict(self, prefix: str = "") -> dict[str, ShardedTensor]:
         """Megatron's logical tensors (module docstring), each part of in_proj and conv1d a

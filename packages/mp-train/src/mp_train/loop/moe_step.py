@@ -26,9 +26,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from mp_layers import TransformerConfig, moe
-from mp_layers.transformer.layer import TransformerLayer
-from mp_layers.transformer.multi_token_prediction import MultiTokenPrediction
+from mp_layers import MultiTokenPrediction, TransformerConfig, TransformerLayer, moe
 from mp_state import ParallelState
 
 __all__ = ["PER_LAYER_PREFIX", "MoEStep", "aux_loss_names", "router_layers"]
