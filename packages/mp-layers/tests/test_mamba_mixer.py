@@ -1,6 +1,7 @@
 """The Mamba-2 mixer of hybrid models: the chunked scan against the recurrence position by
-position, the mixer against transformers' NemotronHMamba2Mixer (its torch path) with the
-same weights, and at TP2 (with and without sequence parallelism) against one rank."""
+position, and over packed documents against each document scanned alone; the mixer
+against transformers' NemotronHMamba2Mixer (its torch path) with the same weights, and at
+TP2 (with and without sequence parallelism) against one rank."""
 
 import functools
 import os
@@ -18,13 +19,20 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 H, HEADS, P, GROUPS, N = 32, 8, 8, 2, 16
 
 
-@pytest.mark.parametrize("chunk", [1, 4, 16])
-def test_the_chunked_scan_is_the_recurrence(chunk):
+def scan_inputs(s: int) -> tuple[torch.Tensor, ...]:
+    """x, dt, A, B, C, D and an initial state of 2 samples of s positions, 3 heads of 4
+    channels in one group, a state of 5."""
     torch.manual_seed(0)
-    b, s, h, p, n = 2, 11, 3, 4, 5
+    b, h, p, n = 2, 3, 4, 5
     x, B, C = torch.randn(b, s, h, p), torch.randn(b, s, 1, n), torch.randn(b, s, 1, n)
     dt, A, D = torch.rand(b, s, h), -torch.rand(h) * 2, torch.randn(h)
-    initial = torch.randn(b, h, p, n)
+    return x, dt, A, B, C, D, torch.randn(b, h, p, n)
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 16])
+def test_the_chunked_scan_is_the_recurrence(chunk):
+    x, dt, A, B, C, D, initial = scan_inputs(11)
+    s = x.shape[1]
     state, want = initial, []
     for t in range(s):
         y, state = recurrent_step(state, x[:, t], dt[:, t], A, B[:, t], C[:, t], D)
@@ -32,6 +40,31 @@ def test_the_chunked_scan_is_the_recurrence(chunk):
     got, final = chunked_scan(x, dt, A, B, C, D, chunk, initial)
     torch.testing.assert_close(got, torch.stack(want, dim=1), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(final, state, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 16])
+def test_the_scan_restarts_at_each_document(chunk):
+    x, dt, A, B, C, D, initial = scan_inputs(23)
+    # Documents as runs of ids; sample 1 uses an id twice (two documents, not one).
+    lengths = [[4, 1, 8, 10], [9, 7, 7]]
+    ids = [[7, 3, 9, 4], [5, 6, 5]]
+    documents = torch.stack([torch.tensor(row).repeat_interleave(torch.tensor(sizes))
+                             for row, sizes in zip(ids, lengths, strict=True)])  # fmt: skip
+    got, final = chunked_scan(x, dt, A, B, C, D, chunk, initial, documents)
+    for i, sizes in enumerate(lengths):
+        start = 0
+        for j, size in enumerate(sizes):
+            piece = slice(start, start + size)
+            first = initial[i : i + 1] if j == 0 else None  # the initial state: the first's
+            want, state = chunked_scan(x[i : i + 1, piece], dt[i : i + 1, piece], A,
+                                       B[i : i + 1, piece], C[i : i + 1, piece], D, chunk,
+                                       first)  # fmt: skip
+            torch.testing.assert_close(got[i : i + 1, piece], want, rtol=1e-5, atol=1e-5)
+            start += size
+        torch.testing.assert_close(final[i : i + 1], state, rtol=1e-5, atol=1e-5)
+    # Without the documents the state runs on across them.
+    whole, _ = chunked_scan(x, dt, A, B, C, D, chunk, initial)
+    assert (whole[0, 4:] - got[0, 4:]).abs().max() > 1e-2
 
 
 def config(**settings) -> TransformerConfig:

@@ -1,6 +1,6 @@
-"""The Mamba-2 mixer over packed documents and across context-parallel ranks: the scan with
-documents against each document scanned alone; the mixer over packed samples against each
-document mixed alone; at CP2 (and TP2 x CP2), without packing and with samples split
+"""The Mamba-2 mixer over packed documents and across context-parallel ranks (the scan over
+documents: test_mamba_mixer.py): the mixer over packed samples against each document
+mixed alone; at CP2 (and TP2 x CP2), without packing and with samples split
 either way (by sample, by document), with whole groups per rank and with a group's heads
 shared out over the CP ranks, against one rank, outputs and gradients."""
 
@@ -10,40 +10,10 @@ import torch
 from mp_layers import ModelGroups, PackedSeqParams, TransformerConfig
 from mp_layers.transformer import mamba_mixer
 from mp_layers.transformer.mamba_mixer import MambaMixer
-from mp_layers.transformer.ssd import chunked_scan
 from mp_state.testing import run_on_ranks
 
 H, HEADS, P, GROUPS, N = 32, 8, 8, 4, 16
 CHUNK = 8  # the mixers' scan chunk here: documents start inside chunks and at their edges
-
-
-@pytest.mark.parametrize("chunk", [1, 4, 16])
-def test_the_scan_restarts_at_each_document(chunk):
-    torch.manual_seed(0)
-    b, s, h, p, n = 2, 23, 3, 4, 5
-    x, B, C = torch.randn(b, s, h, p), torch.randn(b, s, 1, n), torch.randn(b, s, 1, n)
-    dt, A, D = torch.rand(b, s, h), -torch.rand(h) * 2, torch.randn(h)
-    initial = torch.randn(b, h, p, n)
-    # Documents as runs of ids; sample 1 uses an id twice (two documents, not one).
-    lengths = [[4, 1, 8, 10], [9, 7, 7]]
-    ids = [[7, 3, 9, 4], [5, 6, 5]]
-    documents = torch.stack([torch.tensor(row).repeat_interleave(torch.tensor(sizes))
-                             for row, sizes in zip(ids, lengths, strict=True)])  # fmt: skip
-    got, final = chunked_scan(x, dt, A, B, C, D, chunk, initial, documents)
-    for i, sizes in enumerate(lengths):
-        start = 0
-        for j, size in enumerate(sizes):
-            piece = slice(start, start + size)
-            first = initial[i : i + 1] if j == 0 else None  # the initial state: the first's
-            want, state = chunked_scan(x[i : i + 1, piece], dt[i : i + 1, piece], A,
-                                       B[i : i + 1, piece], C[i : i + 1, piece], D, chunk,
-                                       first)  # fmt: skip
-            torch.testing.assert_close(got[i : i + 1, piece], want, rtol=1e-5, atol=1e-5)
-            start += size
-        torch.testing.assert_close(final[i : i + 1], state, rtol=1e-5, atol=1e-5)
-    # Without the documents the state runs on across them.
-    whole, _ = chunked_scan(x, dt, A, B, C, D, chunk, initial)
-    assert (whole[0, 4:] - got[0, 4:]).abs().max() > 1e-2
 
 
 def config(**settings) -> TransformerConfig:

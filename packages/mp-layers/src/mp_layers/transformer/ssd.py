@@ -23,7 +23,7 @@ the state restarts at 0 at each document's first position, as if each document w
 scanned alone. Within a chunk the pairs of two documents are masked out of the quadratic
 form and out of the chunk's final state, a state carried into a chunk reaches only the
 positions of its own document, and it leaves the chunk only if no document starts there
-(test_mamba_packed_and_cp.py checks it against each document scanned alone).
+(test_mamba_mixer.py checks it against each document scanned alone).
 """
 
 from __future__ import annotations
