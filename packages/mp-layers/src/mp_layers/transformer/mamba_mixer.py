@@ -144,8 +144,10 @@ class MambaMixer(torch.nn.Module):
             check_split(self.groups, self.heads, cp.size)
             self.split = Split(self.groups, self.per_group, self.p, self.n, cp.size, cp.rank)
             conv_rows, head_rows = self.split.indices()
+            channels = (head_rows[:, None] * self.p + torch.arange(self.p)).flatten()
             self.register_buffer("conv_rows", conv_rows, persistent=False)
             self.register_buffer("head_rows", head_rows, persistent=False)
+            self.register_buffer("channel_rows", channels, persistent=False)
 
     def _sharded(self, shape: tuple[int, ...], init, dtype: torch.dtype) -> torch.nn.Parameter:
         """This rank's piece (split along dimension 0) of a tensor of `shape`."""
@@ -235,10 +237,7 @@ class MambaMixer(torch.nn.Module):
             return _Here(self.groups, self.per_group, self.conv1d_weight, self.conv1d_bias,
                          self.dt_bias, self.A_log, self.D, self.norm_weight)  # fmt: skip
         split, heads = self.split, self.head_rows
-        norm = None
-        if not split.norm_after:
-            channels = heads[:, None] * self.p + torch.arange(self.p, device=heads.device)
-            norm = self.norm_weight[channels.flatten()]
+        norm = None if split.norm_after else self.norm_weight[self.channel_rows]
         return _Here(split.here, split.hv, self.conv1d_weight[self.conv_rows],
                      self.conv1d_bias[self.conv_rows], self.dt_bias[heads], self.A_log[heads],
                      self.D[heads], norm)  # fmt: skip
