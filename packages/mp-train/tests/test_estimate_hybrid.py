@@ -41,7 +41,7 @@ def make_config(*, pattern="M-M*", bf16=True, parallel=None, **model) -> RunConf
 
 def megatron_hybrid_flops(*, tokens, squares, h, attention, mamba, mlp, moe=0, N, P, G, H,
                           a, g, d, f, swiglu=False, f_moe=0, f_shared=0, k=0, V,
-                          latent=None):  # fmt: skip
+                          latent=None, mtp=0):  # fmt: skip
     """megatron-core's num_floating_point_operations for a hybrid model (hybrid_flops and
     its mamba, attention, MLP and MoE layer functions), transcribed term by term."""
     scale = 3 / 2 if swiglu else 1
@@ -58,7 +58,7 @@ def megatron_hybrid_flops(*, tokens, squares, h, attention, mamba, mlp, moe=0, N
         routed = 4 * tokens * latent * f_moe * k * scale + 4 * tokens * h * latent
     moe_layer = routed + 4 * tokens * h * f_shared * scale
     forward = (attention * attention_layer + mlp * mlp_layer + mamba * mamba_layer
-               + moe * moe_layer + 2 * tokens * h * V)  # fmt: skip
+               + moe * moe_layer + 2 * tokens * h * V * (1 + mtp))  # fmt: skip
     return forward * 3
 
 
@@ -116,6 +116,20 @@ def test_latent_moe_flops_follow_megatrons_formula():
         G=2, H=8, a=4, g=4, d=16, f=latent.model.ffn_hidden_size, f_moe=32, f_shared=48, k=2,
         V=128, latent=24,
     )  # fmt: skip
+
+
+def test_multi_token_prediction_modules_count_their_layers():
+    # "M-M*/M*": one module of a Mamba and an attention layer (30424 + 16512), its three
+    # LayerNorms 3*2h = 384 and eh_proj 2h*h = 8192, beside test_parameters' 118576.
+    config = make_config(pattern="M-M*/M*", num_layers=4)
+    result = estimate(config, world_size=1)
+    assert result["num_parameters"] == 118576 + 30424 + 16512 + 384 + 8192
+    # Megatron's hybrid formula counts the module's layers and its logits; mp also counts
+    # eh_proj and the norms, 6 (3h + 2h^2) = 50304 a token.
+    assert result["flops_per_iteration"] == megatron_hybrid_flops(
+        tokens=128, squares=4 * 32**2, h=64, attention=2, mamba=3, mlp=1, N=16, P=16, G=2,
+        H=8, a=4, g=4, d=16, f=256, V=128, mtp=1,
+    ) + 50304 * 128  # fmt: skip
 
 
 def test_flops_take_the_mixers_own_inner_width():

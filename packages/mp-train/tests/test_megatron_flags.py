@@ -80,8 +80,28 @@ def test_hybrid_model_flags():
     config = parse_config([*hybrid, "--hybrid-override-pattern", "M*-M",
                            "--export-model-type", "HybridModel"])  # fmt: skip
     assert (config.model.hybrid_layer_pattern, config.model.num_layers) == ("M*-M", 4)
-    with pytest.raises(ValueError, match="hybrid_layer_pattern='M\\*' has 2 layers, num_layers=3"):
+    with pytest.raises(ValueError, match="hybrid_layer_pattern='M\\*' has 2 decoder layers, "
+                                         "num_layers=3"):  # fmt: skip
         parse_config([*hybrid, "--num-layers", "3", "--hybrid-layer-pattern", "M*"])
+
+
+def test_hybrid_multi_token_prediction_flags(capsys):
+    """The unified pattern's modules (the decoder's layers before "/"), and Megatron's older
+    --mtp-hybrid-override-pattern, which becomes them with --mtp-num-layers."""
+    hybrid = ["--hidden-size", "64", "--num-attention-heads", "4", "--mamba-num-heads", "8",
+              "--mamba-head-dim", "16", "--mamba-num-groups", "2",
+              "--position-embedding-type", "none"]  # fmt: skip
+    config = parse_config([*hybrid, "--hybrid-layer-pattern", "M*M-/*-/*-"])
+    assert (config.model.num_layers, config.model.mtp_num_layers) == (4, 2)
+    older = parse_config([*hybrid, "--hybrid-layer-pattern", "M*M-", "--mtp-num-layers", "2",
+                          "--mtp-hybrid-override-pattern", "*-"])  # fmt: skip
+    assert older.model == config.model
+    capsys.readouterr()
+    # Without --mtp-num-layers (or with a unified pattern) it changes nothing, as in Megatron.
+    plain = parse_config([*hybrid, "--hybrid-layer-pattern", "M*M-",
+                          "--mtp-hybrid-override-pattern", "*-"])  # fmt: skip
+    assert plain.model.hybrid_layer_pattern == "M*M-" and plain.model.mtp_num_layers is None
+    assert "without effect: --mtp-hybrid-override-pattern" in capsys.readouterr().err
 
 
 def test_padded_vocab_size_is_checked_against_tensor_parallelism():

@@ -12,6 +12,7 @@ ModelGroups and GPTModel.
 from mp_layers import context_parallel, moe, tensor_parallel
 from mp_layers.config import TransformerConfig
 from mp_layers.config_hybrid import hybrid_layer_kinds, mamba_widths
+from mp_layers.config_mtp import mtp_layer_kinds
 from mp_layers.context_parallel import shard_sequence
 from mp_layers.fp8 import check_fp8_device
 from mp_layers.gpt_model import GPTModel
@@ -83,6 +84,7 @@ __all__ = [
     "keeps_attention_probabilities",
     "mamba_widths",
     "moe",
+    "mtp_layer_kinds",
     "on_layer_built",
     "reduce_from_tensor_model_parallel_region",
     "reduce_scatter_to_sequence_parallel_region",

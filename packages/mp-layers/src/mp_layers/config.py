@@ -15,7 +15,12 @@ import torch
 
 from mp_layers.config_attention import check_attention_fields, check_attention_parallel
 from mp_layers.config_fp8 import check_fp8
-from mp_layers.config_hybrid import check_hybrid, check_hybrid_parallel
+from mp_layers.config_hybrid import (
+    check_hybrid,
+    check_hybrid_parallel,
+    infer_hybrid_mtp,
+    split_hybrid_pattern,
+)
 from mp_layers.config_mla import check_mla
 from mp_layers.config_moe import check_expert_parallel, check_moe
 from mp_layers.config_mtp import check_mtp
@@ -282,9 +287,11 @@ class TransformerConfig:
     """Multi-token prediction modules after the last layer (DeepSeek-V3 1): the k-th
     predicts the token k+1 positions ahead from the (k-1)-th's output and the embedding of
     the token k positions ahead, through its own norms, a projection and one transformer
-    layer shaped as the model's last, and the shared output layer. Training only: their
-    losses, scaled by mtp_loss_scaling_factor, add to the gradients; generation ignores
-    them. On the last pipeline stage, which then holds a copy of the word embedding."""
+    layer shaped as the model's last (in a hybrid model, the layers of the pattern's
+    multi-token prediction part: hybrid_layer_pattern), and the shared output layer.
+    Training only: their losses, scaled by mtp_loss_scaling_factor, add to the gradients;
+    generation ignores them. On the last pipeline stage, which then holds a copy of the
+    word embedding."""
 
     mtp_loss_scaling_factor: float = 0.1
     """Weight of the multi-token prediction losses: each module's mean loss counts
@@ -295,8 +302,9 @@ class TransformerConfig:
     """A hybrid model's layers, one symbol each (Megatron's --hybrid-layer-pattern; Nemotron-H,
     Nemotron-Nano-9B-v2, Nemotron 3): M a Mamba-2 mixer, * self-attention, - a dense MLP,
     E a mixture-of-experts MLP, each layer one of them behind its own norm
-    ("M-M-M*-..."); as many symbols as num_layers. None: every layer is attention then an
-    MLP."""
+    ("M-M-M*-..."); as many symbols as num_layers. Megatron's unified form
+    "<main>/<mtp>/<mtp>..." adds multi-token prediction modules, each of the layers after a
+    "/" (mtp_num_layers is their number). None: every layer is attention then an MLP."""
 
     mamba_num_heads: int | None = None
     """Heads of each Mamba mixer; None: Megatron's default, an inner width of 2 x
@@ -549,6 +557,7 @@ class TransformerConfig:
             )
         self._check_gated_activation()
         check_mla(self)
+        infer_hybrid_mtp(self)
         check_mtp(self)
         check_attention_fields(self)
         if self.layernorm_epsilon <= 0:
@@ -641,7 +650,7 @@ class TransformerConfig:
         if self.num_moe_experts is None:
             return [False] * self.num_layers
         if self.hybrid_layer_pattern is not None:
-            return [symbol == "E" for symbol in self.hybrid_layer_pattern]
+            return [symbol == "E" for symbol in split_hybrid_pattern(self.hybrid_layer_pattern)[0]]
         freq = self.moe_layer_freq
         if isinstance(freq, int) and not isinstance(freq, bool):
             freq = [freq]

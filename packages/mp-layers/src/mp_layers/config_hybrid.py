@@ -9,10 +9,16 @@ Nemotron 3) has one sublayer per layer, as its pattern says, each with its own p
     *   self-attention
     -   a dense MLP
     E   a mixture-of-experts MLP
+
+Multi-token prediction (Megatron's unified pattern): "<main>/<mtp>/<mtp>..." gives the
+decoder's layers, then the layers of each multi-token prediction module, one part per
+module, all alike ("M*M*/*E": four decoder layers, one module of attention then MoE);
+mtp_num_layers is the number of parts (`infer_hybrid_mtp`).
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import TYPE_CHECKING
 
 from mp_layers.config_rules import positive
@@ -21,7 +27,7 @@ if TYPE_CHECKING:
     from mp_layers.config import TransformerConfig
 
 __all__ = ["HYBRID_SYMBOLS", "check_hybrid", "check_hybrid_parallel", "hybrid_layer_kinds",
-           "mamba_widths"]  # fmt: skip
+           "infer_hybrid_mtp", "mamba_widths", "split_hybrid_pattern"]  # fmt: skip
 
 HYBRID_SYMBOLS = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
 """The layer kinds of a hybrid pattern, by Megatron's symbol."""
@@ -31,18 +37,51 @@ _OTHER_SYMBOLS = {
     "D": "DeepSeek sparse attention layers",
     "+": "multi-latent attention layers",
     "|": "pipeline stage boundaries in the pattern (give --pipeline-model-parallel-size)",
-    "/": "multi-token prediction patterns",
 }
 """Megatron's other symbols, which mp refuses naming what they stand for."""
 
 
+def split_hybrid_pattern(pattern: str) -> tuple[str, str | None, int]:
+    """(the decoder's pattern, one multi-token prediction module's or None, the number of
+    modules) of a unified pattern "<main>/<mtp>/<mtp>..."; parts after "/" that are all
+    empty give no modules (Megatron's reading)."""
+    main, *modules = pattern.split("/")
+    if not any(modules):
+        return main, None, 0
+    for k, part in enumerate(modules[1:], start=2):
+        if part != modules[0]:
+            raise ValueError(
+                f"hybrid_layer_pattern={pattern!r}: every multi-token prediction module's "
+                f"pattern must be alike; the first is {modules[0]!r}, module {k}'s {part!r}"
+            )
+    return main, modules[0], len(modules)
+
+
 def hybrid_layer_kinds(config: TransformerConfig) -> list[str]:
-    """Per layer of the whole model: "mamba", "attention", "mlp" or "moe" for a hybrid
-    model, "transformer" (attention then an MLP) for every layer otherwise."""
+    """Per decoder layer of the whole model: "mamba", "attention", "mlp" or "moe" for a
+    hybrid model, "transformer" (attention then an MLP) for every layer otherwise."""
     pattern = config.hybrid_layer_pattern
     if pattern is None:
         return ["transformer"] * config.num_layers
-    return [HYBRID_SYMBOLS[symbol] for symbol in pattern]
+    return [HYBRID_SYMBOLS[symbol] for symbol in split_hybrid_pattern(pattern)[0]]
+
+
+def infer_hybrid_mtp(config: TransformerConfig) -> None:
+    """mtp_num_layers from the pattern's multi-token prediction parts, as Megatron-LM infers
+    it: set when None, and when given otherwise replaced with a warning."""
+    pattern = config.hybrid_layer_pattern
+    if not isinstance(pattern, str) or "/" not in pattern:
+        return
+    _, module, depths = split_hybrid_pattern(pattern)
+    if module is None:
+        return
+    if config.mtp_num_layers is not None and config.mtp_num_layers != depths:
+        warnings.warn(
+            f"mtp_num_layers={config.mtp_num_layers} conflicts with the {depths} multi-token "
+            f"prediction modules of hybrid_layer_pattern={pattern!r}: using {depths}",
+            stacklevel=3,
+        )
+    config.mtp_num_layers = depths
 
 
 def mamba_widths(config: TransformerConfig) -> tuple[int, int]:
@@ -61,7 +100,8 @@ def check_hybrid(config: TransformerConfig) -> None:
         return
     if not isinstance(pattern, str) or not pattern:
         raise ValueError(f"hybrid_layer_pattern={pattern!r} must be a string of layer symbols")
-    for symbol in pattern:
+    main, module, _ = split_hybrid_pattern(pattern)
+    for symbol in main + (module or ""):
         if symbol in _OTHER_SYMBOLS:
             raise ValueError(
                 f"hybrid_layer_pattern={pattern!r}: {symbol!r} ({_OTHER_SYMBOLS[symbol]}) is "
@@ -71,10 +111,16 @@ def check_hybrid(config: TransformerConfig) -> None:
             raise ValueError(
                 f"hybrid_layer_pattern={pattern!r}: {symbol!r} is not a layer symbol (M, *, -, E)"
             )
-    if len(pattern) != config.num_layers:
+    if len(main) != config.num_layers:
         raise ValueError(
-            f"hybrid_layer_pattern={pattern!r} has {len(pattern)} layers, num_layers="
+            f"hybrid_layer_pattern={pattern!r} has {len(main)} decoder layers, num_layers="
             f"{config.num_layers}: one symbol per layer"
+        )
+    if config.mtp_num_layers and module is None:
+        raise ValueError(
+            f"mtp_num_layers={config.mtp_num_layers} in a hybrid model needs the layers of its "
+            f"modules in hybrid_layer_pattern={pattern!r}: '<main>/<mtp>', one '/<mtp>' per "
+            "module (e.g. 'M*M*/*E' for one module of attention then MoE)"
         )
     if "E" in pattern and config.num_moe_experts is None:
         raise ValueError(
@@ -90,11 +136,7 @@ def check_hybrid(config: TransformerConfig) -> None:
             f"moe_layer_freq={config.moe_layer_freq!r} with hybrid_layer_pattern: the "
             "pattern's E layers are the MoE layers"
         )
-    refused = {
-        "multi_latent_attention": config.multi_latent_attention,
-        "mtp_num_layers": config.mtp_num_layers,
-        "fp8": config.fp8,
-    }
+    refused = {"multi_latent_attention": config.multi_latent_attention, "fp8": config.fp8}
     for name, value in refused.items():
         if value:
             raise ValueError(f"{name}={value!r} with hybrid_layer_pattern is not implemented")

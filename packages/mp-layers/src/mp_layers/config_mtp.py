@@ -1,18 +1,30 @@
 """Validation of TransformerConfig's multi-token prediction fields (Megatron's
 --mtp-num-layers and --mtp-loss-scaling-factor): `check_mtp`, from __post_init__. Every
-message names the field and the value."""
+message names the field and the value. `mtp_layer_kinds` gives a module's layers."""
 
 from __future__ import annotations
 
 import math
 from typing import TYPE_CHECKING
 
+from mp_layers.config_hybrid import HYBRID_SYMBOLS, split_hybrid_pattern
 from mp_layers.config_rules import positive
 
 if TYPE_CHECKING:
     from mp_layers.config import TransformerConfig
 
-__all__ = ["check_mtp"]
+__all__ = ["check_mtp", "mtp_layer_kinds"]
+
+
+def mtp_layer_kinds(config: TransformerConfig) -> list[tuple[str, bool]]:
+    """(kind, whether a MoE layer) of each layer of one multi-token prediction module, kinds
+    as mp_layers.hybrid_layer_kinds: a hybrid model's are its pattern's part after "/",
+    otherwise one transformer layer shaped as the model's last."""
+    pattern = config.hybrid_layer_pattern
+    module = split_hybrid_pattern(pattern)[1] if pattern is not None else None
+    if module is None:
+        return [("transformer", config.moe_layer_pattern()[-1])]
+    return [(HYBRID_SYMBOLS[symbol], symbol == "E") for symbol in module]
 
 
 def check_mtp(config: TransformerConfig) -> None:

@@ -42,15 +42,19 @@ class TransformerLayer(torch.nn.Module):
         rng_tracker: RNGStatesTracker | None = None,
         spec: LayerSpec = LOCAL_SPEC,
         layer_number: int = 0,
+        kind: str | None = None,
     ) -> None:
-        """layer_number: the layer's index in the whole model (which layers are MoE)."""
+        """layer_number: the layer's index in the whole model (which layers are MoE); kind:
+        a hybrid layer's kind when it is not the decoder layer's ("attention", "mlp" or
+        "moe": a multi-token prediction module's layer)."""
         super().__init__()
         check_dropout_stream(config, rng_tracker)
         self.config = config
         self.rng_tracker = rng_tracker
         self.tp_group = groups.tp
         self.layer_number = layer_number
-        kind = hybrid_layer_kinds(config)[layer_number]
+        is_moe = config.moe_layer_pattern()[layer_number] if kind is None else kind == "moe"
+        kind = hybrid_layer_kinds(config)[layer_number] if kind is None else kind
         self.input_layernorm = self.self_attention = self.pre_mlp_layernorm = self.mlp = None
         if kind in ("transformer", "attention"):
             self.input_layernorm = spec.norm(config, None)
@@ -61,7 +65,6 @@ class TransformerLayer(torch.nn.Module):
             self.self_attention = attention(
                 config, groups, rng_tracker, spec=spec, layer_number=layer_number
             )
-        is_moe = config.moe_layer_pattern()[layer_number]
         if kind in ("transformer", "mlp", "moe"):
             self.pre_mlp_layernorm = spec.norm(config, None)
             self.mlp = spec.moe(config, groups) if is_moe else spec.mlp(config, groups.tp)

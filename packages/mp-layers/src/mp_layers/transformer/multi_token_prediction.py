@@ -20,7 +20,9 @@ context parallelism, whose rolls take each chunk's next token from the rank hold
 next chunk (`roll_left`). eh_proj is column-parallel (Megatron's layout: weight
 [h/tp, 2h]); its output is gathered over the tensor-parallel ranks (and split over the
 sequence again with sequence parallelism). The transformer layer is shaped as the model's
-last layer (a MoE layer when that one is).
+last layer (a MoE layer when that one is). A hybrid model's module has the layers of its
+pattern's part after "/" instead (Megatron's unified pattern, "M*M*/*E"): x runs through
+each in turn (mtp_model_layer.layers.{j}, Megatron's names), then final_layernorm.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import torch.distributed as dist
 
 from mp_ckpt import ShardedTensor
 from mp_layers.config import TransformerConfig
+from mp_layers.config_mtp import mtp_layer_kinds
 from mp_layers.context_parallel.layout import local_positions, shard_sequence
 from mp_layers.groups import ModelGroups
 from mp_layers.moe.aux_losses import AuxLossScale
@@ -43,6 +46,7 @@ from mp_layers.tensor_parallel import (
 )
 from mp_layers.transformer.layer import TransformerLayer
 from mp_layers.transformer.layer_hooks import building_layer, layer_built
+from mp_layers.transformer.mamba_layer import MambaLayer
 from mp_layers.transformer.recompute import checkpointed
 from mp_layers.transformer.rope import Rotary
 from mp_layers.transformer.seeded_init import seeded_init
@@ -90,7 +94,8 @@ def _roll_left_in_order(t: torch.Tensor, cp: RankGroup, order: torch.Tensor) -> 
 
 
 class MultiTokenPredictionLayer(torch.nn.Module):
-    """One MTP module: enorm, hnorm, eh_proj, a transformer layer and final_layernorm."""
+    """One MTP module: enorm, hnorm, eh_proj, a transformer layer (a hybrid model's layers of
+    its pattern's multi-token prediction part: mtp_model_layer.layers) and final_layernorm."""
 
     def __init__(
         self,
@@ -113,9 +118,22 @@ class MultiTokenPredictionLayer(torch.nn.Module):
                 init_method=functools.partial(torch.nn.init.normal_, std=config.init_method_std),
                 params_dtype=config.params_dtype,
             )  # fmt: skip
-        with building_layer():
-            layer = TransformerLayer(config, groups, rng_tracker, spec, config.num_layers - 1)
-        self.transformer_layer = layer_built(layer)
+        last = config.num_layers - 1  # the layers are shaped as the model's last
+        self.transformer_layer = self.mtp_model_layer = None
+        if config.hybrid_layer_pattern is None:
+            with building_layer():
+                layer = TransformerLayer(config, groups, rng_tracker, spec, last)
+            self.transformer_layer = layer_built(layer)
+        else:
+            layers = []
+            for kind, _ in mtp_layer_kinds(config):
+                cls = MambaLayer if kind == "mamba" else TransformerLayer
+                extra = {} if kind == "mamba" else {"kind": kind}
+                with building_layer():
+                    layer = cls(config, groups, rng_tracker, spec, last, **extra)
+                layers.append(layer_built(layer))
+            self.mtp_model_layer = torch.nn.Module()
+            self.mtp_model_layer.layers = torch.nn.ModuleList(layers)
         self.final_layernorm = spec.norm(config, None)
 
     def forward(
@@ -137,12 +155,23 @@ class MultiTokenPredictionLayer(torch.nn.Module):
         x = gather_from_tensor_model_parallel_region(x, self.tp_group)
         if self.config.sequence_parallel:
             x = scatter_to_sequence_parallel_region(x, self.tp_group)
-        x = self.transformer_layer(x, rotary, attention_mask)
+        for layer in self.layers():
+            x = layer(x, rotary, attention_mask)
         return self.final_layernorm(x)
+
+    def layers(self) -> list[torch.nn.Module]:
+        """The module's layers in order: its transformer layer, or a hybrid model's."""
+        if self.transformer_layer is not None:
+            return [self.transformer_layer]
+        return list(self.mtp_model_layer.layers)
 
     def sharded_state_dict(self, prefix: str = "") -> dict[str, ShardedTensor]:
         pieces = self.eh_proj.sharded_state_dict(f"{prefix}eh_proj.")
-        pieces |= self.transformer_layer.sharded_state_dict(f"{prefix}transformer_layer.")
+        if self.transformer_layer is not None:
+            pieces |= self.transformer_layer.sharded_state_dict(f"{prefix}transformer_layer.")
+        else:
+            for j, layer in enumerate(self.mtp_model_layer.layers):
+                pieces |= layer.sharded_state_dict(f"{prefix}mtp_model_layer.layers.{j}.")
         for name in ("enorm", "hnorm", "final_layernorm"):
             pieces |= replicated_state_dict(getattr(self, name), f"{prefix}{name}.", self.tp_group)
         return pieces

@@ -339,11 +339,12 @@ def _explicit(values: dict, defaults: dict, written: set) -> set[tuple[str, str]
 
 
 def _layers_of_hybrid_pattern(values: dict) -> None:
-    """A hybrid model's num_layers is its pattern's length when not given (Megatron-LM's
-    hybrid lines give no --num-layers); given, TransformerConfig checks the two agree."""
+    """A hybrid model's num_layers is its pattern's decoder layers when not given
+    (Megatron-LM's hybrid lines give no --num-layers; the multi-token prediction modules'
+    layers after "/" are not among them); given, TransformerConfig checks the two agree."""
     pattern = values["model"].get("hybrid_layer_pattern")
     if isinstance(pattern, str) and "num_layers" not in values["model"]:
-        values["model"]["num_layers"] = len(pattern)
+        values["model"]["num_layers"] = len(pattern.split("/")[0])
 
 
 def _require_model_fields(values: dict) -> None:

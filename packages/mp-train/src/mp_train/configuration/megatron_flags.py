@@ -186,6 +186,9 @@ _MODEL_TYPES = ("GPTModel", "HybridModel", "MambaModel")
 # The checkpoint format flags: mp writes and reads torch_dist-style checkpoints only (under
 # FSDP too, where Megatron-LM names its format fsdp_dtensor).
 _FORMATS = ("ckpt_format", "dist_ckpt_format")
+# Megatron-LM's older form of a hybrid model's multi-token prediction layers, one module's
+# pattern repeated --mtp-num-layers times after the decoder's (the unified pattern's "/").
+_MTP_PATTERN = "mtp_hybrid_override_pattern"
 _FORMAT_CHOICES = ("torch_dist", "torch", "torch_dcp", "zarr", "fsdp_dtensor")
 
 
@@ -211,6 +214,13 @@ def add_to(parser: argparse.ArgumentParser) -> None:
     for flag, field in _SPELLINGS.items():
         renamed.add_argument(f"--{flag}", dest=field, action="store_true",
                              default=argparse.SUPPRESS, help=f"Sets {field}.")  # fmt: skip
+    renamed.add_argument(
+        _option(_MTP_PATTERN), dest=_MTP_PATTERN, default=argparse.SUPPRESS, metavar="X",
+        help="Megatron-LM's older form of the multi-token prediction layers: with "
+        "--mtp-num-layers N and a --hybrid-layer-pattern without '/', the pattern becomes "
+        "'<pattern>/X/X...' (N times X); otherwise no effect (Megatron-LM keeps it for old "
+        "checkpoints).",
+    )  # fmt: skip
     refused.add_argument(
         _option(_MODEL_TYPE), dest=_MODEL_TYPE, choices=_MODEL_TYPES, default=argparse.SUPPRESS,
         help="GPTModel, or HybridModel / MambaModel with --hybrid-layer-pattern: what mp "
@@ -281,4 +291,18 @@ def apply(given: dict[str, Any], values: dict[str, dict[str, Any]]) -> list[str]
     if given.get("use_cpu_initialization") and device_draws:
         raise ValueError("--use-cpu-initialization and --use-device-initialization "
                          "disagree: give one")  # fmt: skip
-    return [_option(dest) for dest in IGNORED if given.pop(dest, None) is not None]
+    ignored = [_option(dest) for dest in IGNORED if given.pop(dest, None) is not None]
+    if _MTP_PATTERN in given and not _unify_mtp_pattern(given.pop(_MTP_PATTERN), given, values):
+        ignored.append(_option(_MTP_PATTERN))
+    return ignored
+
+
+def _unify_mtp_pattern(module: str, given: dict[str, Any], values: dict) -> bool:
+    """Megatron-LM's conversion of --mtp-hybrid-override-pattern into the unified pattern,
+    made when --mtp-num-layers is given and the pattern has no "/"; whether it was made."""
+    pattern = given.get("hybrid_layer_pattern", values["model"].get("hybrid_layer_pattern"))
+    depths = given.get("mtp_num_layers", values["model"].get("mtp_num_layers"))
+    if not depths or (pattern is not None and "/" in pattern):
+        return False
+    given["hybrid_layer_pattern"] = (pattern or "") + "".join(f"/{module}" for _ in range(depths))
+    return True

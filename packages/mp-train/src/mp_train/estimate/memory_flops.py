@@ -107,6 +107,7 @@ from mp_layers import (
     TransformerConfig,
     hybrid_layer_kinds,
     keeps_attention_probabilities,
+    mtp_layer_kinds,
     saved_probability_bytes,
 )
 from mp_pipeline import stage_layers
@@ -330,11 +331,11 @@ def _activation_bytes(
         tokens = min(s * b, m.output_loss_chunk_tokens or s * b)
         output = stored(4 * sbh, 4 * tokens * V)
         total += output
-        # Each MTP module: its layer, its norms' inputs (2sbh each) and eh_proj's (4sbh),
+        # Each MTP module: its layers, its norms' inputs (2sbh each) and eh_proj's (4sbh),
         # and its own logits; under a full recompute the module keeps only its two inputs
         # (the hidden state and the embedding, recomputed from them in backward).
-        mtp_layer = layer_bytes("transformer", m.moe_layer_pattern()[-1])
-        module = stored(4 * sbh, 0) if granularity == "full" else mtp_layer + stored(8 * sbh, 0)
+        mtp_layers = sum(layer_bytes(kind, moe) for kind, moe in mtp_layer_kinds(m))
+        module = stored(4 * sbh, 0) if granularity == "full" else mtp_layers + stored(8 * sbh, 0)
         total += (m.mtp_num_layers or 0) * (module + output)
     recompute = {None: "no recompute", "selective": "selective recompute"}.get(
         granularity, f"full recompute ({m.recompute_method})"
@@ -372,7 +373,7 @@ def _flops(config: RunConfig, layout: dict, V: int) -> int:
     gated = 3 if m.gated_linear_unit else 2
     mtp = m.mtp_num_layers or 0
     layers = list(zip(hybrid_layer_kinds(m), m.moe_layer_pattern(), strict=True))
-    layers += layers[-1:] * mtp  # an MTP module's layer is of the last layer's kind
+    layers += mtp_layer_kinds(m) * mtp  # the last layer's kind, or a hybrid pattern's
     kinds = [kind for kind, _ in layers]
     with_mlp = [moe for kind, moe in layers if kind in ("transformer", "mlp", "moe")]
     mlp = sum(_mlp_multiply_adds(m, moe, gated) for moe in with_mlp)

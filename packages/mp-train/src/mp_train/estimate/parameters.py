@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from mp_layers import TransformerConfig, hybrid_layer_kinds
+from mp_layers import TransformerConfig, hybrid_layer_kinds, mtp_layer_kinds
 from mp_pipeline import stage_layers
 from mp_train.configuration.config import RunConfig
 from mp_train.estimate.hybrid import mamba_parameters
@@ -156,11 +156,13 @@ def _mlp(m: TransformerConfig, moe: bool, *, active: bool) -> Held:
 
 def _mtp_module(m: TransformerConfig, *, active: bool = False) -> Held:
     """One multi-token prediction module: enorm, hnorm and its final norm, eh_proj
-    (column-parallel 2h -> h, no bias) and a layer of the model's last layer's kind."""
+    (column-parallel 2h -> h, no bias) and its layers (mp_layers.mtp_layer_kinds: one of
+    the model's last layer's kind, or a hybrid model's pattern's)."""
     h = m.hidden_size
-    last_is_moe = m.moe_layer_pattern()[-1]
-    last = _layer(m, "transformer", last_is_moe, active=active)
-    return Held(split=2 * h * h, whole=3 * h * _norm(m)) + last
+    module = Held(split=2 * h * h, whole=3 * h * _norm(m))
+    for kind, moe in mtp_layer_kinds(m):
+        module += _layer(m, kind, moe, active=active)
+    return module
 
 
 def _positions(config: RunConfig) -> int:

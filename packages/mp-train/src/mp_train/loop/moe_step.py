@@ -26,7 +26,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from mp_layers import MultiTokenPrediction, TransformerConfig, TransformerLayer, moe
+from mp_layers import (
+    MultiTokenPrediction,
+    TransformerConfig,
+    TransformerLayer,
+    moe,
+    mtp_layer_kinds,
+)
 from mp_state import ParallelState
 
 __all__ = ["PER_LAYER_PREFIX", "MoEStep", "aux_loss_names", "router_layers"]
@@ -63,9 +69,11 @@ class MoEStep:
         self.logged_layers = model_config.num_layers + (model_config.mtp_num_layers or 0)
         self.per_token = per_token
         self.names = aux_loss_names(model_config)
-        pattern = model_config.moe_layer_pattern()
-        # The MTP modules' layers are shaped as the last one (Megatron counts them too).
-        self.moe_layers = sum(pattern) + (model_config.mtp_num_layers or 0) * pattern[-1]
+        # The MTP modules' MoE layers count too (Megatron's): the last one's shape, or a
+        # hybrid model's pattern's.
+        module = sum(moe for _, moe in mtp_layer_kinds(model_config))
+        self.moe_layers = (sum(model_config.moe_layer_pattern())
+                           + (model_config.mtp_num_layers or 0) * module)  # fmt: skip
         self.state, self.fp16 = state, fp16
         # The factors the routers' and the MTP modules' losses get in backward, set each step.
         self.scale, self.mtp_scale = moe.AuxLossScale("moe"), moe.AuxLossScale("mtp")
