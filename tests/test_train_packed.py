@@ -13,9 +13,10 @@ layer, micro-batches of two samples, it trains with the one-rank curve too at CP
 a2a) and CP4 p2p (all_gather computes the same blocks as p2p:
 packages/mp-layers/tests/test_packed_context_parallel.py checks it).
 
-A Mamba-hybrid model (a Mamba-2 layer, then attention) trains packed documents with the
-one-rank curve at TP2 with sequence parallelism and at CP2 (p2p attention beside the
-Mamba layer's all-to-all), its curve differing from mixing across documents."""
+A Mamba-hybrid model (a Mamba-2 layer, then attention, and a multi-token prediction module
+of the same) trains packed documents with the one-rank curve, its MTP loss too, at TP2
+with sequence parallelism and at CP2 (p2p attention beside the Mamba layer's
+all-to-all), its curves differing from mixing across documents."""
 
 import numpy as np
 import pytest
@@ -109,8 +110,9 @@ def test_documents_split_by_document_train_alike(tmp_path):
 def test_a_hybrid_model_trains_packed_documents_alike(tmp_path):
     prefix = str(tmp_path / "docs")
     corpus(prefix)
-    flags = [*HYBRID_OPTIONS, "--no-mock-data", "--data-path", prefix, "--split", "1,0,0",
-             "--train-iters", "4"]  # fmt: skip
+    # with a multi-token prediction module of the same two layers (Megatron's unified pattern)
+    flags = [*HYBRID_OPTIONS, "--hybrid-layer-pattern", "M*/M*", "--no-mock-data",
+             "--data-path", prefix, "--split", "1,0,0", "--train-iters", "4"]  # fmt: skip
     layouts = {
         "one": (1, PACKED),
         "across": (1, []),
@@ -120,6 +122,7 @@ def test_a_hybrid_model_trains_packed_documents_alike(tmp_path):
     curves = train_layouts(tmp_path, layouts, flags)
     assert len(curves["one"]) == 4
     for name in ("tp2-sp", "cp2-p2p"):
-        assert_same_curve(curves[name], curves["one"], LOGGED, name)
-    first = curves["one"][0]["lm loss"], curves["across"][0]["lm loss"]
-    assert abs(first[0] - first[1]) > 1e-4 * abs(first[1]), first
+        assert_same_curve(curves[name], curves["one"], (*LOGGED, "mtp_1 loss"), name)
+    for key in ("lm loss", "mtp_1 loss"):
+        first = curves["one"][0][key], curves["across"][0][key]
+        assert abs(first[0] - first[1]) > 1e-4 * abs(first[1]), (key, first)
