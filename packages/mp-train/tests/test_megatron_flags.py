@@ -102,6 +102,9 @@ def test_hybrid_multi_token_prediction_flags(capsys):
                           "--mtp-hybrid-override-pattern", "*-"])  # fmt: skip
     assert plain.model.hybrid_layer_pattern == "M*M-" and plain.model.mtp_num_layers is None
     assert "without effect: --mtp-hybrid-override-pattern" in capsys.readouterr().err
+    gpt = parse_config([*MODEL, "--position-embedding-type", "rope", "--mtp-num-layers", "1",
+                        "--mtp-hybrid-override-pattern", "*-"])  # fmt: skip
+    assert gpt.model.hybrid_layer_pattern is None and gpt.model.mtp_num_layers == 1
 
 
 def test_padded_vocab_size_is_checked_against_tensor_parallelism():

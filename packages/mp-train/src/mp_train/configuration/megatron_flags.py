@@ -216,10 +216,10 @@ def add_to(parser: argparse.ArgumentParser) -> None:
                              default=argparse.SUPPRESS, help=f"Sets {field}.")  # fmt: skip
     renamed.add_argument(
         _option(_MTP_PATTERN), dest=_MTP_PATTERN, default=argparse.SUPPRESS, metavar="X",
-        help="Megatron-LM's older form of the multi-token prediction layers: with "
-        "--mtp-num-layers N and a --hybrid-layer-pattern without '/', the pattern becomes "
-        "'<pattern>/X/X...' (N times X); otherwise no effect (Megatron-LM keeps it for old "
-        "checkpoints).",
+        help="Megatron-LM's older form of a hybrid model's multi-token prediction layers: "
+        "with --mtp-num-layers N and a --hybrid-layer-pattern without '/', the pattern "
+        "becomes '<pattern>/X/X...' (N times X); otherwise no effect (Megatron-LM keeps it "
+        "for old checkpoints; a GPT model's modules are shaped as its last layer).",
     )  # fmt: skip
     refused.add_argument(
         _option(_MODEL_TYPE), dest=_MODEL_TYPE, choices=_MODEL_TYPES, default=argparse.SUPPRESS,
@@ -299,10 +299,12 @@ def apply(given: dict[str, Any], values: dict[str, dict[str, Any]]) -> list[str]
 
 def _unify_mtp_pattern(module: str, given: dict[str, Any], values: dict) -> bool:
     """Megatron-LM's conversion of --mtp-hybrid-override-pattern into the unified pattern,
-    made when --mtp-num-layers is given and the pattern has no "/"; whether it was made."""
+    made when --mtp-num-layers is given and the hybrid model's pattern has no "/" (a GPT
+    model's modules are shaped as its last layer: no pattern to convert); whether it was
+    made."""
     pattern = given.get("hybrid_layer_pattern", values["model"].get("hybrid_layer_pattern"))
     depths = given.get("mtp_num_layers", values["model"].get("mtp_num_layers"))
-    if not depths or (pattern is not None and "/" in pattern):
+    if pattern is None or not depths or "/" in pattern:
         return False
-    given["hybrid_layer_pattern"] = (pattern or "") + "".join(f"/{module}" for _ in range(depths))
+    given["hybrid_layer_pattern"] = pattern + "".join(f"/{module}" for _ in range(depths))
     return True
