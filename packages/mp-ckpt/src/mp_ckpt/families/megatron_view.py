@@ -84,6 +84,8 @@ def split_name(key: str) -> tuple[str, str, Where]:
 
 
 def _where(scope: Scope) -> Where:
+    if scope == "mtp_last":  # a multi-token prediction module's own tensor, as "mtp"
+        return "mtp"
     return scope if scope in ("model", "mtp") else "layer"
 
 

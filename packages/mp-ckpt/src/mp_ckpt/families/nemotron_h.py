@@ -32,6 +32,24 @@ tie_word_embeddings says: the import keeps lm_head.weight as a separate output l
 layer writes the embedding again as lm_head.weight, with tie_word_embeddings false.
 H Mamba heads of P channels (I = H P) in G groups (n_groups), N the state size.
 
+Multi-token prediction (Nemotron 3 Super: num_nextn_predict_layers D modules, each of the
+L layers mtp_layers_block_type lists, or, where that is absent or transformers' default
+["full_attention", "moe"], the older mtp_hybrid_override_pattern string): mp's
+hybrid_layer_pattern "<main>/<mtp>" with one "/<mtp>" per module (Megatron-LM's unified
+pattern) and mtp_num_layers D. Hugging Face numbers the sublayers of all modules in a row
+at top level: sublayer j of module k is mtp.layers.{k L + j}., holding norm.weight and mixer.*
+as a decoder layer of its kind does, mp's mtp.layers.{k}.mtp_model_layer.layers.{j}.
+(the family's mtp_sublayer; the same rules and transforms); besides
+
+    mtp.layers.{k L}.enorm.weight, hnorm.weight      mtp.layers.{k}.enorm.weight, hnorm.weight
+    mtp.layers.{k L}.eh_proj.weight [h, 2h]          mtp.layers.{k}.eh_proj.weight (both of
+                                                         cat(enorm(e), hnorm(h)))
+    mtp.layers.{k L + L - 1}.final_layernorm.weight  mtp.layers.{k}.final_layernorm.weight
+
+transformers builds no such layer (it ignores mtp.* on load) and leaves them out when it
+saves while config.json keeps counting them: weights without mtp.* tensors import as a
+model without modules.
+
 config.json -> settings: layers_block_type (or layer_types, or the older
 hybrid_override_pattern string) -> hybrid_layer_pattern; mamba_num_heads, mamba_head_dim,
 n_groups, ssm_state_size -> mamba_num_heads, mamba_head_dim, mamba_num_groups,
@@ -60,12 +78,11 @@ Refused (with the key and value): mamba_hidden_act other than silu, mlp_hidden_a
 than relu2, use_conv_bias false (mp's mixer always has a convolution bias), conv_kernel
 other than 4, use_bias / mamba_proj_bias / mlp_bias / attention_bias true (mp's
 add_bias_linear would give attention biases transformers' attention never has),
-sliding_window, multi-token prediction (num_nextn_predict_layers > 0), a
-time_step_limit other than (0, inf), and group-limited routing whose groups mp would rank
-otherwise (num_experts_per_tok // topk_group other than 2). residual_in_fp32 (unused by
-transformers' model), rescale_prenorm_residual (initialization only), expand (unused with
-mamba_num_heads), use_mamba_kernels and the cache settings are read as nothing and written
-as transformers' defaults.
+sliding_window, a time_step_limit other than (0, inf), and group-limited routing whose
+groups mp would rank otherwise (num_experts_per_tok // topk_group other than 2).
+residual_in_fp32 (unused by transformers' model), rescale_prenorm_residual (initialization
+only), expand (unused with mamba_num_heads), use_mamba_kernels and the cache settings are
+read as nothing and written as transformers' defaults.
 """
 
 from __future__ import annotations
@@ -76,7 +93,15 @@ import torch
 
 from mp_ckpt.families.hf_settings import LLAMA_STYLE, check_computes, refuse, token_ids
 from mp_ckpt.families.moe_settings import check_group_rank, positive, sigmoid_routing
-from mp_ckpt.families.table import Dims, Family, Rule, heads_flat, kv_heads, q_heads
+from mp_ckpt.families.table import (
+    Dims,
+    Family,
+    Rule,
+    heads_flat,
+    kv_heads,
+    q_heads,
+    split_hybrid_pattern,
+)
 
 __all__ = ["FAMILY"]
 
@@ -100,6 +125,8 @@ _LEGACY = {"mamba_n_groups": "n_groups", "mamba_d_conv": "conv_kernel", "mamba_e
 _SYMBOLS = {"linear_attention": "M", "mamba": "M", "full_attention": "*", "attention": "*",
             "mlp": "-", "moe": "E"}  # fmt: skip
 _LAYER_TYPES = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
+_MTP_DEFAULT = "*E"
+"""transformers' mtp_layers_block_type when config.json names none."""
 
 # --- rules -------------------------------------------------------------------------------
 
@@ -148,6 +175,7 @@ def _latent(settings: dict) -> bool:
 
 _L = "backbone.layers.{i}."
 _M = _L + "mixer."
+_MTP = "mtp.layers.{i}."
 RULES = (
     Rule(("embedding.word_embeddings.weight",), "backbone.embeddings.weight", "model"),
     Rule(("decoder.final_layernorm.weight",), "backbone.norm_f.weight", "model"),
@@ -187,6 +215,9 @@ RULES = (
          "moe"),
     *(Rule((f"mlp.{n}.weight",), f"{_M}{n}.weight", "moe", when=_latent)
       for n in ("fc1_latent_proj", "fc2_latent_proj")),
+    # a multi-token prediction module's own (its sublayers take the rules above)
+    *(Rule((f"{n}.weight",), f"{_MTP}{n}.weight", "mtp") for n in ("enorm", "hnorm", "eh_proj")),
+    Rule(("final_layernorm.weight",), _MTP + "final_layernorm.weight", "mtp_last"),
 )  # fmt: skip
 
 _IN_MEMORY = re.compile(r"^model\.(.*)$")
@@ -219,19 +250,39 @@ def _current(config: dict) -> dict:
 
 
 def _pattern(config: dict) -> str:
-    """hybrid_layer_pattern of layers_block_type (or layer_types, current or older names)
-    or of the older hybrid_override_pattern string."""
+    """The decoder's part of hybrid_layer_pattern: of layers_block_type (or layer_types,
+    current or older names) or of the older hybrid_override_pattern string."""
     kinds = config.get("layers_block_type") or config.get("layer_types")
-    if kinds is None:
-        pattern = config.get("hybrid_override_pattern")
-        if not isinstance(pattern, str) or not pattern:
-            raise ValueError("config.json names no layer types (layers_block_type, layer_types "
-                             "or hybrid_override_pattern)")  # fmt: skip
-        kinds = [_LAYER_TYPES.get(symbol, symbol) for symbol in pattern]
-    unknown = sorted({str(k) for k in kinds} - set(_SYMBOLS))
+    if kinds is not None:
+        return _symbols(kinds, "layers_block_type")
+    pattern = config.get("hybrid_override_pattern")
+    if not isinstance(pattern, str) or not pattern:
+        raise ValueError("config.json names no layer types (layers_block_type, layer_types "
+                         "or hybrid_override_pattern)")  # fmt: skip
+    return _symbols([_LAYER_TYPES.get(symbol, symbol) for symbol in pattern], "layers_block_type")
+
+
+def _mtp_pattern(config: dict) -> str:
+    """One multi-token prediction module's layers, as transformers reads them:
+    mtp_layers_block_type, unless it is absent or its default and the older
+    mtp_hybrid_override_pattern string says otherwise."""
+    kinds = config.get("mtp_layers_block_type")
+    pattern = _MTP_DEFAULT if kinds is None else _symbols(kinds, "mtp_layers_block_type")
+    older = config.get("mtp_hybrid_override_pattern")
+    if older is None or pattern != _MTP_DEFAULT:
+        return pattern
+    if not isinstance(older, str):
+        raise ValueError(f"config.json mtp_hybrid_override_pattern={older!r}: expected a "
+                         "string of layer symbols (M, *, -, E)")  # fmt: skip
+    return _symbols([_LAYER_TYPES.get(s, s) for s in older], "mtp_hybrid_override_pattern")
+
+
+def _symbols(kinds, key: str) -> str:
+    """The pattern of a list of layer type names (config.json's `key`)."""
+    unknown = sorted({str(k) for k in kinds} - set(_SYMBOLS)) if isinstance(kinds, list) else []
     if not isinstance(kinds, list) or not kinds or unknown:
         raise ValueError(
-            f"config.json layers_block_type={kinds!r}: mp converts the layer types "
+            f"config.json {key}={kinds!r}: mp converts the layer types "
             f"{', '.join(sorted(_SYMBOLS))}" + (f", not {', '.join(unknown)}" if unknown else "")
         )
     return "".join(_SYMBOLS[k] for k in kinds)
@@ -249,19 +300,20 @@ def _settings(config: dict) -> dict:
                            ("mamba_proj_bias", False), ("mlp_bias", False),
                            ("attention_bias", False), ("sliding_window", None)):  # fmt: skip
         refuse(config, key, supported)
-    if config.get("num_nextn_predict_layers"):
-        raise ValueError(f"config.json num_nextn_predict_layers="
-                         f"{config['num_nextn_predict_layers']!r}: mp does not convert "
-                         "Nemotron-H's multi-token prediction layers")  # fmt: skip
+    depths = config.get("num_nextn_predict_layers") or 0
+    if not isinstance(depths, int) or depths < 0:
+        raise ValueError(f"config.json num_nextn_predict_layers={depths!r}: expected a "
+                         "number of multi-token prediction modules (0 or more)")  # fmt: skip
     limit = config.get("time_step_limit", (0.0, float("inf")))
     if [_value(v) for v in limit] != [0.0, float("inf")]:
         raise ValueError(f"config.json time_step_limit={limit!r}: mp's Mamba mixer does not "
                          "clamp the time step (time_step_limit (0, inf))")  # fmt: skip
-    pattern = _pattern(config)
+    main = _pattern(config)
+    pattern = main + (f"/{_mtp_pattern(config)}" * depths if depths else "")
     heads = positive(config, "num_attention_heads", _DEFAULTS)
     hidden = positive(config, "hidden_size", _DEFAULTS)
     settings = {
-        "num_layers": len(pattern), "hybrid_layer_pattern": pattern, "hidden_size": hidden,
+        "num_layers": len(main), "hybrid_layer_pattern": pattern, "hidden_size": hidden,
         "num_attention_heads": heads,
         "num_query_groups": config.get("num_key_value_heads") or heads,
         "kv_channels": positive(config, "head_dim", _DEFAULTS),
@@ -282,7 +334,17 @@ def _settings(config: dict) -> dict:
         "mamba_state_dim": positive(config, "ssm_state_size", _DEFAULTS),
         "mamba_chunk_size": positive(config, "chunk_size", _DEFAULTS),
     }  # fmt: skip
+    if depths:
+        settings["mtp_num_layers"] = depths
     return settings | (_routing(config) if "E" in pattern else {})
+
+
+def _held(config: dict, names) -> dict:
+    """num_nextn_predict_layers 0 for weights without multi-token prediction tensors, as
+    transformers saves a model whose config.json counts them (module docstring)."""
+    if config.get("num_nextn_predict_layers") and not any(n.startswith("mtp.") for n in names):
+        return config | {"num_nextn_predict_layers": 0}
+    return config
 
 
 def _routing(config: dict) -> dict:
@@ -314,7 +376,7 @@ def _routing(config: dict) -> dict:
 # A latent MoE (moe_latent_size) is Nemotron 3's own: the one family that writes it.
 _COMPUTES = {k: v for k, v in LLAMA_STYLE.items() if k != "moe_latent_size"} | {
     "activation": "squared_relu", "position_embedding_type": "none", "add_bias_linear": False,
-    "add_qkv_bias": False, "multi_latent_attention": False, "mtp_num_layers": None,
+    "add_qkv_bias": False, "multi_latent_attention": False,
     "moe_shared_expert_gate": False, "moe_expert_capacity_factor": None,
 }  # fmt: skip
 _MOE_COMPUTES = {"moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True}
@@ -351,11 +413,16 @@ def _moe_config(settings: dict, shapes: dict) -> dict:
 def _config(settings: dict, shapes: dict, tokens: dict, dtype: str) -> dict:
     check_computes(settings, "nemotron_h", _COMPUTES)
     pattern = settings["hybrid_layer_pattern"]
+    main, module, depths = split_hybrid_pattern(pattern)
+    if (settings.get("mtp_num_layers") or 0) != depths:
+        raise ValueError(f"model_config mtp_num_layers={settings.get('mtp_num_layers')!r} with "
+                         f"hybrid_layer_pattern={pattern!r} of {depths} multi-token prediction "
+                         "modules")  # fmt: skip
     dims = Dims.of(settings | {"hybrid_layer_pattern": "M"})  # the widths, Mamba layers or not
     return {
         "architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h",
         "vocab_size": shapes["vocab"], "hidden_size": shapes["hidden"],
-        "layers_block_type": [_LAYER_TYPES[symbol] for symbol in pattern],
+        "layers_block_type": [_LAYER_TYPES[symbol] for symbol in main],
         "tie_word_embeddings": False, "use_cache": True, "num_logits_to_keep": 1,
         **token_ids(tokens),
         "num_attention_heads": shapes["heads"], "num_key_value_heads": shapes["groups"],
@@ -377,7 +444,8 @@ def _config(settings: dict, shapes: dict, tokens: dict, dtype: str) -> dict:
         "output_router_logits": False, "n_shared_experts": 1,
         "moe_latent_size": settings.get("moe_latent_size"),
         "moe_shared_expert_overlap": True, **_moe_config(settings, shapes),
-        "num_nextn_predict_layers": 0, "mtp_layers_block_type": ["full_attention", "moe"],
+        "num_nextn_predict_layers": depths,
+        "mtp_layers_block_type": [_LAYER_TYPES[symbol] for symbol in module or _MTP_DEFAULT],
         "use_bias": False, "initializer_range": settings.get("init_method_std", 0.02),
         "layer_norm_epsilon": settings.get("layernorm_epsilon", 1e-5),
         "residual_in_fp32": False, "hidden_dropout": settings.get("hidden_dropout", 0.0),
@@ -386,4 +454,4 @@ def _config(settings: dict, shapes: dict, tokens: dict, dtype: str) -> dict:
 
 
 FAMILY = Family("nemotron_h", "NemotronHForCausalLM", RULES, _settings, _config,
-                prepare=_prepare)  # fmt: skip
+                prepare=_prepare, held=_held, mtp_sublayer=(_L, _MTP))  # fmt: skip

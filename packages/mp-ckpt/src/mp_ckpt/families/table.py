@@ -20,7 +20,12 @@ layer number num_layers + k; the module's transformer layer takes the "layer" ru
 those of the last layer's MLP under "mtp.layers.{k}.transformer_layer."). A hybrid model
 (settings with a hybrid_layer_pattern) has one sublayer per layer: its layers take the rules
 of their kind alone, "mamba" (M), "attention" (*), "dense" (-) or "moe" (E), each with its
-own norm (`layer_scopes`). `when(settings)`
+own norm (`layer_scopes`). Its multi-token prediction modules are parts of the pattern,
+"<main>/<mtp>/<mtp>..." (Megatron-LM's unified pattern; `split_hybrid_pattern`): sublayer j
+of module k takes the rules of its kind under "mtp.layers.{k}.mtp_model_layer.layers.{j}.",
+their Hugging Face names moved by the family's `mtp_sublayer`, "{i}" numbering the
+sublayers of all modules in a row (k L + j, modules of L sublayers); the module's own rules
+take the number of its first sublayer ("mtp") or of its last ("mtp_last"). `when(settings)`
 says whether the model has the tensor at all (a bias, an untied output layer, ...).
 `keep_dtype` exempts a tensor from the export's cast to another dtype. `model_copy`
 marks a Hugging Face tensor that repeats the model-level mp tensor named (DeepSeek-V3's
@@ -57,12 +62,13 @@ __all__ = [
     "kv_heads",
     "layer_scopes",
     "q_heads",
+    "split_hybrid_pattern",
     "transposed",
 ]
 
 Tensors = Sequence[torch.Tensor]
 Transform = Callable[[Tensors, "Dims"], list[torch.Tensor]]
-Scope = Literal["model", "layer", "dense", "moe", "mtp", "mamba", "attention"]
+Scope = Literal["model", "layer", "dense", "moe", "mtp", "mtp_last", "mamba", "attention"]
 
 HYBRID_SCOPES: dict[str, Scope] = {"M": "mamba", "*": "attention", "-": "dense", "E": "moe"}
 """The scope of a hybrid layer's rules, by its symbol in hybrid_layer_pattern."""
@@ -99,9 +105,26 @@ class Dims:
         )
 
 
+def split_hybrid_pattern(pattern: str | None) -> tuple[str, str | None, int]:
+    """(the decoder's layers, one multi-token prediction module's or None, the number of
+    modules) of a hybrid_layer_pattern "<main>/<mtp>/<mtp>..." (Megatron-LM's unified
+    pattern: every module alike; parts after "/" all empty give no modules)."""
+    main, *modules = (pattern or "").split("/")
+    if not any(modules):
+        return main, None, 0
+    for k, part in enumerate(modules[1:], start=1):
+        if part != modules[0]:
+            raise ValueError(
+                f"hybrid_layer_pattern={pattern!r}: every multi-token prediction module's "
+                f"layers must be alike; module 0's are {modules[0]!r}, module {k}'s {part!r}"
+            )
+    return main, modules[0], len(modules)
+
+
 def _mamba_dims(settings: dict) -> dict:
     """The Mamba widths under TransformerConfig's defaults (mamba_num_heads None: an inner
-    width of 2 x hidden_size in heads of mamba_head_dim)."""
+    width of 2 x hidden_size in heads of mamba_head_dim), where a decoder layer or a
+    multi-token prediction module's layer is a Mamba mixer."""
     if "M" not in (settings.get("hybrid_layer_pattern") or ""):
         return {}
     head_dim = settings.get("mamba_head_dim") or 64
@@ -119,7 +142,7 @@ def is_moe_layer(settings: dict, i: int) -> bool:
         return False
     pattern = settings.get("hybrid_layer_pattern")
     if pattern:
-        return pattern[i] == "E"
+        return split_hybrid_pattern(pattern)[0][i] == "E"
     freq = settings.get("moe_layer_freq", [1])
     freq = [freq] if isinstance(freq, int) else list(freq)
     if len(freq) == 1 and settings["num_layers"] > 1:
@@ -132,7 +155,7 @@ def layer_scopes(settings: dict, i: int) -> tuple[Scope, ...]:
     layer's and those of its MLP (experts or not)."""
     pattern = settings.get("hybrid_layer_pattern")
     if pattern:
-        return (HYBRID_SCOPES[pattern[i]],)
+        return (HYBRID_SCOPES[split_hybrid_pattern(pattern)[0][i]],)
     return ("layer", "moe" if is_moe_layer(settings, i) else "dense")
 
 
@@ -194,6 +217,11 @@ class Family:
     """config.json as the weights (their names) show it, before its settings are read
     (DeepSeek-V3: num_nextn_predict_layers 0 for weights without multi-token prediction
     layers, which transformers neither builds nor saves but counts in config.json)."""
+    mtp_sublayer: tuple[str, str] | None = None
+    """A hybrid model's multi-token prediction sublayers: (the Hugging Face prefix of the
+    decoder layers' rules, the one a sublayer's tensors have instead), "{i}" numbering the
+    sublayers of all modules in a row (Nemotron-H: "backbone.layers.{i}." ->
+    "mtp.layers.{i}."). None: the family converts no such layers."""
 
     def rules_for(self, scope: Scope, settings: dict) -> list[Rule]:
         return [r for r in self.rules if r.scope == scope and r.applies(settings)]

@@ -13,7 +13,8 @@ checkpoint's common["model_config"] (Megatron names), completed by
 common["config"]["model"] (the training run's TransformerConfig); the shapes (of
 multi-latent attention: every width but the number of heads), an untied output layer,
 q/k/v biases, which layers have experts and the multi-token prediction modules come
-from the tensors; so do a hybrid model's layer pattern and Mamba widths.
+from the tensors; so do a hybrid model's layer pattern (its multi-token prediction
+modules' layers too) and Mamba widths.
 """
 
 from __future__ import annotations
@@ -46,6 +47,9 @@ __all__ = ["TensorSource", "export_hf", "write_hf"]
 _DEFAULT_SHARD_BYTES = 5 * 2**30
 _QKV = "self_attention.linear_qkv.q"
 _MLA = "decoder.layers.0.self_attention."
+_MTP_SUBLAYER = "mtp.layers.0.mtp_model_layer.layers.{j}."
+"""Sublayer j of a hybrid model's first multi-token prediction module."""
+_MTP_SUBLAYER_KEY = re.compile(r"^mtp\.layers\.0\.mtp_model_layer\.layers\.(\d+)\.")
 Producer = Callable[[], torch.Tensor]
 
 
@@ -137,26 +141,37 @@ def _layers(keys) -> int:
     return max(found) + 1 if found else 0
 
 
+def _mtp_sublayers(keys) -> list[str]:
+    """The prefixes of the layers of a hybrid model's first multi-token prediction module."""
+    found = {int(m.group(1)) for k in keys if (m := _MTP_SUBLAYER_KEY.match(k))}
+    return [_MTP_SUBLAYER.format(j=j) for j in range(max(found) + 1 if found else 0)]
+
+
 def _from_tensors(reader: TensorSource, keys: list[str], settings: dict) -> dict:
     """The settings with what the tensors show put over them."""
     layers = _layers(keys)
     routers = [f"decoder.layers.{i}.mlp.router.weight" in keys for i in range(layers)]
-    hybrid = bool(settings.get("hybrid_layer_pattern")) or any(".mixer." in k for k in keys)
-    # the first layer with attention (in a hybrid model, possibly none)
-    q = next((f"decoder.layers.{i}.{_QKV}" for i in range(layers)
-              if f"decoder.layers.{i}.{_QKV}.weight" in keys), None)  # fmt: skip
+    sublayers = _mtp_sublayers(keys)
+    hybrid = bool(settings.get("hybrid_layer_pattern") or sublayers) or any(
+        ".mixer." in k for k in keys
+    )
+    # the first layer with attention, or with experts (in a hybrid model, possibly none, or
+    # only a multi-token prediction module's)
+    prefixes = [f"decoder.layers.{i}." for i in range(layers)] + sublayers
+    q = next((p + _QKV for p in prefixes if f"{p}{_QKV}.weight" in keys), None)
+    router = next((p + "mlp.router.weight" for p in prefixes
+                   if f"{p}mlp.router.weight" in keys), None)  # fmt: skip
     shown = {
         "num_layers": layers,
         "untie_embeddings_and_output_weights": "output_layer.weight" in keys,
         "add_qkv_bias": q is not None and f"{q}.bias" in keys,
-        "num_moe_experts": reader.shape(
-            f"decoder.layers.{routers.index(True)}.mlp.router.weight")[0] if any(routers) else None,
+        "num_moe_experts": reader.shape(router)[0] if router else None,
         "moe_layer_freq": [1] if hybrid else [int(r) for r in routers],
         "mtp_num_layers": len({m.group(1) for k in keys
                                if (m := re.match(r"mtp\.layers\.(\d+)\.", k))}) or None,
     }  # fmt: skip
     if hybrid:
-        shown |= _hybrid_from_tensors(reader, keys, layers)
+        shown |= _hybrid_from_tensors(reader, keys, layers, sublayers, shown["mtp_num_layers"])
     if q is None and f"{_MLA}linear_kv_down_proj.weight" in keys:
         return settings | shown | _mla_from_tensors(reader, keys, settings)
     if q is not None:
@@ -171,24 +186,38 @@ _HYBRID_KINDS = (("mixer.A_log", "M"), ("self_attention.linear_proj.weight", "*"
 """A hybrid layer's kind by a tensor only that kind has."""
 
 
-def _hybrid_from_tensors(reader: TensorSource, keys: list[str], layers: int) -> dict:
-    """A hybrid model's hybrid_layer_pattern and Mamba widths: A_log [H], in_proj.z
-    [G, H P / G, h], in_proj.B [G, N, h]."""
-    pattern = ""
-    for i in range(layers):
-        kind = [s for name, s in _HYBRID_KINDS if f"decoder.layers.{i}.{name}" in keys]
-        if len(kind) != 1:
-            raise ValueError(f"decoder layer {i} holds no tensors of one hybrid layer kind "
-                             "(a Mamba mixer, attention, an MLP or experts)")  # fmt: skip
-        pattern += kind[0]
-    if "M" not in pattern:
+def _hybrid_from_tensors(reader: TensorSource, keys: list[str], layers: int,
+                         sublayers: list[str], depths: int | None) -> dict:  # fmt: skip
+    """A hybrid model's hybrid_layer_pattern, "<main>/<mtp>" with one "/<mtp>" for each of
+    its `depths` multi-token prediction modules (their layers, `sublayers`, read from the
+    first's), and Mamba widths: A_log [H], in_proj.z [G, H P / G, h], in_proj.B [G, N, h]."""
+    prefixes = {f"decoder.layers.{i}.": f"decoder layer {i}" for i in range(layers)}
+    main = "".join(_hybrid_kind(keys, p, what) for p, what in prefixes.items())
+    if depths and not sublayers:
+        raise ValueError("the multi-token prediction modules of a hybrid model hold no "
+                         "layers (mtp.layers.0.mtp_model_layer.layers.*)")  # fmt: skip
+    module = "".join(_hybrid_kind(keys, p, f"multi-token prediction layer {j}")
+                     for j, p in enumerate(sublayers))  # fmt: skip
+    pattern = main + f"/{module}" * (depths or 0)
+    prefixes = [*prefixes, *sublayers]
+    mamba = [p for p, symbol in zip(prefixes, main + module, strict=True) if symbol == "M"]
+    if not mamba:
         return {"hybrid_layer_pattern": pattern}
-    mixer = f"decoder.layers.{pattern.index('M')}.mixer."
+    mixer = mamba[0] + "mixer."
     (heads,) = reader.shape(mixer + "A_log")
     groups, rows, _ = reader.shape(mixer + "in_proj.z.weight")
     return {"hybrid_layer_pattern": pattern, "mamba_num_heads": heads,
             "mamba_head_dim": groups * rows // heads, "mamba_num_groups": groups,
             "mamba_state_dim": reader.shape(mixer + "in_proj.B.weight")[1]}  # fmt: skip
+
+
+def _hybrid_kind(keys: list[str], prefix: str, what: str) -> str:
+    """The symbol of the hybrid layer under `prefix`, by a tensor only its kind has."""
+    kind = [symbol for name, symbol in _HYBRID_KINDS if prefix + name in keys]
+    if len(kind) != 1:
+        raise ValueError(f"{what} holds no tensors of one hybrid layer kind (a Mamba mixer, "
+                         "attention, an MLP or experts)")  # fmt: skip
+    return kind[0]
 
 
 def _mla_from_tensors(reader: TensorSource, keys: list[str], settings: dict) -> dict:
@@ -238,11 +267,16 @@ def _shapes(reader: TensorSource, keys: list[str], settings: dict) -> dict:
               "sparse": [int(m) for m in moe]}  # fmt: skip
     if "embedding.position_embeddings.weight" in keys:
         shapes["positions"] = reader.shape("embedding.position_embeddings.weight")[0]
-    dense = [i for i in range(layers) if f"decoder.layers.{i}.mlp.linear_fc2.weight" in keys]
+    # (a hybrid model's MLP or experts may be its multi-token prediction modules' alone)
+    sublayers = _mtp_sublayers(keys)
+    dense = [p for p in [f"decoder.layers.{i}." for i in range(layers)] + sublayers
+             if f"{p}mlp.linear_fc2.weight" in keys]  # fmt: skip
     if dense:  # (every layer but an expert layer, unless the model is hybrid)
-        shapes["ffn"] = reader.shape(_fc1(keys, f"decoder.layers.{dense[0]}.mlp.linear_fc1."))[0]
-    if any(moe):
-        first = f"decoder.layers.{moe.index(True)}.mlp."
+        shapes["ffn"] = reader.shape(_fc1(keys, f"{dense[0]}mlp.linear_fc1."))[0]
+    experts = [f"decoder.layers.{i}." for i in range(layers) if moe[i]]
+    experts += [p for p in sublayers if f"{p}mlp.router.weight" in keys]
+    if experts:
+        first = f"{experts[0]}mlp."
         shapes["experts"], shapes["expert_ffn"], _ = reader.shape(
             _fc1(keys, first + "experts.linear_fc1."))  # fmt: skip
         shared = _fc1(keys, first + "shared_experts.linear_fc1.")

@@ -15,6 +15,7 @@ import json
 import os
 import re
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -24,7 +25,14 @@ from mp_ckpt.core.layout import checkpoint_dir
 from mp_ckpt.core.progress import progress as progress_reporter
 from mp_ckpt.core.sharding import ShardedTensor
 from mp_ckpt.families import family
-from mp_ckpt.families.table import Dims, Family, Rule, layer_scopes
+from mp_ckpt.families.table import (
+    HYBRID_SCOPES,
+    Dims,
+    Family,
+    Rule,
+    layer_scopes,
+    split_hybrid_pattern,
+)
 from mp_ckpt.hf.tokenizer import tokenizer_from_hf
 
 __all__ = [
@@ -152,15 +160,58 @@ def iter_logical_from_hf(
 def placed_rules(fam: Family, settings: dict) -> Iterator[tuple[Rule, int, str]]:
     """(rule, its Hugging Face layer number, mp's prefix) for each decoder layer, then
     each multi-token prediction module (its own rules, then its transformer layer's,
-    shaped as the last layer)."""
+    shaped as the last layer; in a hybrid model its sublayers', `_hybrid_mtp_rules`)."""
     layers = settings["num_layers"]
     for i in range(layers):
         yield from ((rule, i, f"decoder.layers.{i}.") for rule in _layer_rules(fam, settings, i))
+    pattern = settings.get("hybrid_layer_pattern")
+    _, mtp, depths = split_hybrid_pattern(pattern)
+    if mtp is not None:
+        yield from _hybrid_mtp_rules(fam, settings, mtp, depths)
+        return
+    if pattern and settings.get("mtp_num_layers"):
+        raise ValueError(
+            f"mtp_num_layers={settings['mtp_num_layers']} with hybrid_layer_pattern="
+            f"{pattern!r}: a hybrid model's multi-token prediction modules are the pattern's "
+            "parts after '/' ('<main>/<mtp>', one '/<mtp>' per module)"
+        )
     for k in range(settings.get("mtp_num_layers") or 0):
         module = f"mtp.layers.{k}."
         yield from ((rule, layers + k, module) for rule in fam.rules_for("mtp", settings))
         yield from ((rule, layers + k, f"{module}transformer_layer.")
                     for rule in _layer_rules(fam, settings, layers - 1))  # fmt: skip
+
+
+def _hybrid_mtp_rules(
+    fam: Family, settings: dict, module: str, depths: int
+) -> Iterator[tuple[Rule, int, str]]:
+    """The multi-token prediction modules of a hybrid model (table.py): module k's own rules
+    at its first sublayer's number, each sublayer j's the rules of its kind (a decoder
+    layer's, their Hugging Face names moved by the family's mtp_sublayer) at k L + j, and
+    the module's last rules at its last sublayer's number."""
+    if fam.mtp_sublayer is None:
+        raise ValueError(f"the {fam.model_type} family converts no multi-token prediction "
+                         "layers of a hybrid model")  # fmt: skip
+    kinds = {symbol: [_moved(rule, *fam.mtp_sublayer)
+                      for rule in fam.rules_for(HYBRID_SCOPES[symbol], settings)]
+             for symbol in set(module)}  # fmt: skip
+    size = len(module)
+    for k in range(depths):
+        first, own = k * size, f"mtp.layers.{k}."
+        yield from ((rule, first, own) for rule in fam.rules_for("mtp", settings))
+        for j, symbol in enumerate(module):
+            yield from ((rule, first + j, f"{own}mtp_model_layer.layers.{j}.")
+                        for rule in kinds[symbol])  # fmt: skip
+        yield from ((rule, first + size - 1, own) for rule in fam.rules_for("mtp_last", settings))
+
+
+def _moved(rule: Rule, decoder: str, sublayer: str) -> Rule:
+    """The rule with its Hugging Face names under `sublayer` instead of `decoder`."""
+    if not all(name.startswith(decoder) for name in rule.hf_names):
+        raise ValueError(f"{rule.mp}: its Hugging Face names {rule.hf_names} are not all "
+                         f"under {decoder!r}, the decoder layers' prefix")  # fmt: skip
+    names = tuple(sublayer + name.removeprefix(decoder) for name in rule.hf_names)
+    return replace(rule, hf=names[0] if isinstance(rule.hf, str) else names)
 
 
 def _layer_rules(fam: Family, settings: dict, i: int) -> list[Rule]:
