@@ -79,7 +79,7 @@ def infer_hybrid_mtp(config: TransformerConfig) -> None:
         warnings.warn(
             f"mtp_num_layers={config.mtp_num_layers} conflicts with the {depths} multi-token "
             f"prediction modules of hybrid_layer_pattern={pattern!r}: using {depths}",
-            stacklevel=3,
+            stacklevel=4,  # the caller of TransformerConfig(...)
         )
     config.mtp_num_layers = depths
 
