@@ -12,17 +12,10 @@ import os
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from mp_ckpt.cli import main
-from mp_gpt.testing import (
-    GIVEN_PEAK,
-    assert_exported_back,
-    greedy_on_rank,
-    imported_model,
-    reference_greedy,
-    write_hf_folder,
-)
+from mp_gpt.testing import GIVEN_PEAK, greedy_on_rank, imported_model, reference_greedy
 from mp_state.testing import run_on_ranks
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -247,7 +240,9 @@ def test_deepseek_v3_multi_token_prediction_imports_computes_as_deepseek_and_exp
     state["model.layers.2.shared_head.head.weight"] = state["lm_head.weight"].clone()
     config = json.loads((tmp_path / "three" / "config.json").read_text())
     config |= {"num_hidden_layers": 2, "num_nextn_predict_layers": 1}
-    write_hf_folder(tmp_path / "hf_in", config, state)
+    (tmp_path / "hf_in").mkdir()
+    (tmp_path / "hf_in" / "config.json").write_text(json.dumps(config))
+    save_file(state, str(tmp_path / "hf_in" / "model.safetensors"), metadata={"format": "pt"})
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf_in").eval()
 
     assert main(["import-hf", str(tmp_path / "hf_in"), str(tmp_path / "ckpt")]) == 0
@@ -281,7 +276,12 @@ def test_deepseek_v3_multi_token_prediction_imports_computes_as_deepseek_and_exp
         )
     assert abs(got.item() - want.item()) < 1e-5, (got, want)
 
-    reloaded = assert_exported_back(tmp_path / "ckpt", tmp_path / "hf_out", tmp_path / "hf_in",
-                                    state)  # fmt: skip
+    assert main(["export-hf", str(tmp_path / "ckpt"), str(tmp_path / "hf_out")]) == 0
+    assert hf_config_dict(tmp_path / "hf_out") == hf_config_dict(tmp_path / "hf_in")
+    exported = load_file(str(tmp_path / "hf_out" / "model.safetensors"))
+    assert exported.keys() == state.keys()
+    for name, tensor in state.items():
+        assert torch.equal(exported[name], tensor), name
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf_out").eval()
     with torch.no_grad():
         assert torch.equal(reloaded(x).logits, hf(x).logits)

@@ -14,10 +14,10 @@ import json
 
 import torch
 import transformers
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from mp_ckpt.cli import main
-from mp_gpt.testing import assert_exported_back, imported_model, write_hf_folder
+from mp_gpt.testing import imported_model
 
 SEQ = 16
 MAIN = ["mamba", "moe", "full_attention", "moe"]
@@ -70,7 +70,9 @@ def test_an_mtp_module_imports_computes_from_transformers_blocks_and_exports_bac
     config = json.loads((tmp_path / "longer" / "config.json").read_text())
     config |= {"layers_block_type": MAIN, "num_hidden_layers": len(MAIN),
                "num_nextn_predict_layers": 1, "mtp_layers_block_type": MODULE}  # fmt: skip
-    write_hf_folder(tmp_path / "hf_in", config, state)
+    (tmp_path / "hf_in").mkdir()
+    (tmp_path / "hf_in" / "config.json").write_text(json.dumps(config))
+    save_file(state, str(tmp_path / "hf_in" / "model.safetensors"), metadata={"format": "pt"})
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf_in").eval()
 
     assert main(["import-hf", str(tmp_path / "hf_in"), str(tmp_path / "ckpt")]) == 0
@@ -102,7 +104,16 @@ def test_an_mtp_module_imports_computes_from_transformers_blocks_and_exports_bac
         )
     assert abs(got - want.item()) < 1e-5, (got, want)
 
-    reloaded = assert_exported_back(tmp_path / "ckpt", tmp_path / "hf_out", tmp_path / "hf_in",
-                                    state)  # fmt: skip
+    assert main(["export-hf", str(tmp_path / "ckpt"), str(tmp_path / "hf_out")]) == 0
+    written, given = (transformers.AutoConfig.from_pretrained(tmp_path / d).to_dict()
+                      for d in ("hf_out", "hf_in"))  # fmt: skip
+    for name in ("_name_or_path", "transformers_version"):
+        written.pop(name, None), given.pop(name, None)
+    assert written == given and written["num_nextn_predict_layers"] == 1
+    exported = load_file(str(tmp_path / "hf_out" / "model.safetensors"))
+    assert exported.keys() == state.keys()
+    for name, tensor in state.items():
+        assert torch.equal(exported[name], tensor), name
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf_out").eval()
     with torch.no_grad():
         assert torch.equal(reloaded(x).logits, hf(x).logits)

@@ -22,7 +22,6 @@ __all__ = [
     "HYBRID_OPTIONS",
     "LOGGED_MOE",
     "TINY_CONFIG",
-    "assert_exported_back",
     "assert_same_curve",
     "complete_records",
     "greedy_on_rank",
@@ -37,7 +36,6 @@ __all__ = [
     "train_output_on_rank",
     "train_printed_on_rank",
     "train_run_on_rank",
-    "write_hf_folder",
 ]
 
 TINY_CONFIG = config_path("tiny.yaml")
@@ -158,37 +156,6 @@ def train_printed_on_rank(argv: list[str]) -> str:
     with contextlib.redirect_stdout(out):
         train_run_on_rank(argv)
     return out.getvalue()
-
-
-def write_hf_folder(folder: Path, config: dict, state: dict[str, torch.Tensor]) -> None:
-    """A Hugging Face model folder of `config` (config.json) and `state` (model.safetensors):
-    for weights transformers neither builds nor saves (multi-token prediction modules)."""
-    from safetensors.torch import save_file
-
-    folder.mkdir()
-    (folder / "config.json").write_text(json.dumps(config))
-    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
-
-
-def assert_exported_back(checkpoint: Path, out: Path, source: Path, state: dict):
-    """export-hf of `checkpoint` to `out` gives back `source`'s config.json (as transformers
-    reads both) and exactly `state`, its weights; transformers' model of the export, in
-    eval mode."""
-    import transformers
-    from safetensors.torch import load_file
-
-    from mp_ckpt.cli import main
-
-    assert main(["export-hf", str(checkpoint), str(out)]) == 0
-    written, given = (transformers.AutoConfig.from_pretrained(d).to_dict() for d in (out, source))
-    for name in ("_name_or_path", "transformers_version"):
-        written.pop(name, None), given.pop(name, None)
-    assert written == given
-    exported = load_file(str(out / "model.safetensors"))
-    assert exported.keys() == state.keys()
-    for name, tensor in state.items():
-        assert torch.equal(exported[name], tensor), name
-    return transformers.AutoModelForCausalLM.from_pretrained(out).eval()
 
 
 def imported_model(checkpoint) -> torch.nn.Module:
