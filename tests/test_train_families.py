@@ -1,7 +1,8 @@
 """Today's MoE families (Qwen3-MoE, gpt-oss, Llama 4, a Mamba hybrid with a multi-token
 prediction module) train with the one-rank loss curve at TP2 (with sequence parallelism),
 EP2, PP2, and the hybrid at CP2 (all-to-all), through apps/gpt's pretrain (fp32, dropout
-0): apps/gpt's tiny-moe config with each family's Megatron flags put over it."""
+0), and the hybrid split by its pattern's pipeline segments ("|") at PP2 and at PP2 x
+VPP2: apps/gpt's tiny-moe config with each family's Megatron flags put over it."""
 
 import pytest
 
@@ -63,13 +64,20 @@ LAYOUTS = {
     "pp2": ["--pipeline-model-parallel-size", "2"],
     # all-to-all context parallelism: the kind that takes gpt-oss's windows and sinks
     "cp2": ["--context-parallel-size", "2", "--cp-comm-type", "a2a"],
-}
-# Every family at every layout, except CP2: the hybrid's Mamba layers there (the attention
-# of the others across CP ranks is trained in test_train_context_parallel.py and
+    # Megatron's "|" pipeline segments of a hybrid pattern: three layers then one, and one
+    # segment per virtual stage (interleaved, two chunks per rank)
+    "pp2-segments": ["--pipeline-model-parallel-size", "2",
+                     "--hybrid-layer-pattern", "M*M|E/M*E"],
+    "pp2-vpp2-segments": ["--pipeline-model-parallel-size", "2",
+                          "--hybrid-layer-pattern", "M|*|M|E/M*E"],
+}  # fmt: skip
+HYBRID_ONLY = {"cp2", "pp2-segments", "pp2-vpp2-segments"}
+# Every family at every layout, except CP2 and the segments: the hybrid's alone (the
+# attention of the others across CP ranks is trained in test_train_context_parallel.py and
 # mp-layers' test_context_parallel_attention.py; Llama 4's chunks shorter than the
 # sequence are refused there, packages/mp-train/tests/test_validate.py).
 RUNS = [(family, layout) for family in sorted(FAMILIES) for layout in sorted(LAYOUTS)
-        if layout != "cp2" or family == "hybrid"]  # fmt: skip
+        if layout not in HYBRID_ONLY or family == "hybrid"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")

@@ -69,7 +69,9 @@ def test_defaults_follow_megatron():
         (dict(attn_temperature_scale=0.2), "attn_temperature_scale=0.2 needs attn_temperature_"),
         (dict(hybrid_layer_pattern="M*-G"), r"'G' \(gated delta net layers\) is not "
                                              "implemented"),
-        (dict(hybrid_layer_pattern="M*|-"), r"'\|' \(pipeline stage boundaries"),
+        (dict(hybrid_layer_pattern="M*||-"), "pipeline segment 1 holds no layers"),
+        (dict(hybrid_layer_pattern="M*-M/*|-", mtp_num_layers=1, position_embedding_type="none"),
+         "'\\|' separates the decoder's pipeline segments, not multi-token"),
         (dict(hybrid_layer_pattern="M*-x"), "'x' is not a layer symbol"),
         (dict(hybrid_layer_pattern="M*-"), "has 3 decoder layers, num_layers=4: one symbol"),
         (dict(hybrid_layer_pattern="M*-E"), "has E layers: they need num_moe_experts"),

@@ -5,7 +5,8 @@
   every gradient (an attention layer then an MLP layer are a transformer layer);
 - a module with a Mamba layer ("M*/M-") trains through the MTP loss, under Megatron's names;
 - the pattern gives mtp_num_layers (a conflicting one is replaced with a warning, as
-  Megatron-LM does) and its parts are checked.
+  Megatron-LM does) and its parts are checked; "|" splits the decoder's layers into
+  pipeline segments.
 """
 
 import re
@@ -13,7 +14,13 @@ import re
 import pytest
 import torch
 
-from mp_layers import GPTModel, ModelGroups, TransformerConfig, hybrid_layer_kinds
+from mp_layers import (
+    GPTModel,
+    ModelGroups,
+    TransformerConfig,
+    hybrid_layer_kinds,
+    hybrid_pipeline_segments,
+)
 from mp_layers.config_mtp import mtp_layer_kinds
 
 VOCAB, SEQ, BATCH = 64, 12, 2
@@ -121,3 +128,15 @@ def test_the_pattern_gives_the_modules():
         config(hybrid_layer_pattern="M*/*x", **dense)
     with pytest.raises(ValueError, match="E layers: they need num_moe_experts"):
         config(hybrid_layer_pattern="M*/*E", **dense)
+
+
+def test_pipeline_segments_split_the_decoder_layers_alone():
+    cfg = config(moe=False, num_layers=6, hybrid_layer_pattern="M*|M-*|-/*-", mtp_num_layers=None)
+    assert hybrid_pipeline_segments(cfg) == [2, 3, 1]
+    assert hybrid_layer_kinds(cfg) == ["mamba", "attention", "mamba", "mlp", "attention", "mlp"]
+    assert cfg.mtp_num_layers == 1 and mtp_layer_kinds(cfg) == [
+        ("attention", False),
+        ("mlp", False),
+    ]
+    plain = config(moe=False, hybrid_layer_pattern="M*/*-", mtp_num_layers=None)
+    assert hybrid_pipeline_segments(plain) is None

@@ -180,6 +180,23 @@ def test_stage_layers():
         stage_layers(6, 2, 0, virtual_pipeline_model_parallel_size=2)
     with pytest.raises(ValueError, match="would share 8 layers unevenly"):
         stage_layers(10, 4, 0, num_layers_in_first_pipeline_stage=2)
+    # Megatron's "|" segments: virtual stage c * pp + r holds segments[c * pp + r].
+    segments = [2, 1, 3, 1]
+    chunks = [[stage_layers(7, 2, r, virtual_pipeline_model_parallel_size=2, vp_stage=c,
+                            segments=segments) for c in range(2)] for r in range(2)]  # fmt: skip
+    assert [[(s.offset, s.count) for s in rank] for rank in chunks] == [
+        [(0, 2), (3, 3)], [(2, 1), (6, 1)]]  # fmt: skip
+    assert chunks[0][0].pre_process and chunks[1][1].post_process
+    assert not chunks[1][0].post_process and not chunks[0][1].pre_process
+    for wrong, message in (
+        ([2, 1, 3], "3 segments for pipeline_model_parallel_size=2 x"),
+        ([3, 0, 3, 1], "at least one layer each, num_layers=7 in all"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            stage_layers(7, 2, 0, virtual_pipeline_model_parallel_size=2, segments=wrong)
+    with pytest.raises(ValueError, match="num_layers_in_first_pipeline_stage=1 and"):
+        stage_layers(7, 2, 0, virtual_pipeline_model_parallel_size=2, segments=segments,
+                     num_layers_in_first_pipeline_stage=1)  # fmt: skip
 
 
 def test_interleaved_needs_one_iterator_per_chunk():

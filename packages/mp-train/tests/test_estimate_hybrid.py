@@ -20,6 +20,7 @@ from mp_optim import OptimizerConfig
 from mp_state import ParallelConfig
 from mp_train.configuration.config import GPTConfig, RunConfig, TrainingConfig
 from mp_train.estimate import estimate, main
+from mp_train.estimate.parameters import stage_layer_kinds
 
 MB = 2**20
 
@@ -130,6 +131,20 @@ def test_multi_token_prediction_modules_count_their_layers():
         tokens=128, squares=4 * 32**2, h=64, attention=2, mamba=3, mlp=1, N=16, P=16, G=2,
         H=8, a=4, g=4, d=16, f=256, V=128, mtp=1,
     ) + 50304 * 128  # fmt: skip
+
+
+def test_pipeline_segments_place_the_layers():
+    # "M-|M*" at PP2: stage 0 a Mamba layer and the MLP, stage 1 the other Mamba layer and
+    # attention; "M-M|*" puts three layers on stage 0.
+    even = make_config(pattern="M-|M*", num_layers=4, parallel={"pipeline_model_parallel_size": 2})
+    assert stage_layer_kinds(even, 0) == [("mamba", False), ("mlp", False)]
+    uneven = make_config(pattern="M-M|*", num_layers=4,
+                         parallel={"pipeline_model_parallel_size": 2})  # fmt: skip
+    assert stage_layer_kinds(uneven, 0) == [("mamba", False), ("mlp", False), ("mamba", False)]
+    assert stage_layer_kinds(uneven, 1) == [("attention", False)]
+    # the most loaded stage: 2 Mamba layers + the MLP's + the embedding, not even's 1
+    loaded = estimate(uneven, world_size=2)["parameters_on_most_loaded_shard"]
+    assert loaded == estimate(even, world_size=2)["parameters_on_most_loaded_shard"] + 30424
 
 
 def test_flops_take_the_mixers_own_inner_width():

@@ -5,7 +5,7 @@ import dataclasses
 
 import pytest
 
-from mp_train import ConfigError, build_parser, parse_config, validate
+from mp_train import ConfigError, build_parser, parse_config, pipeline_segments, validate
 from mp_train.configuration.megatron_aliases import PRESETS
 from mp_train.configuration.megatron_flags import IGNORED, REFUSED
 
@@ -140,3 +140,33 @@ def test_help_lists_them(capsys):
     text = capsys.readouterr().out
     assert "Megatron-LM flags accepted without effect" in text
     assert "--no-rope-fusion" in text and "--use-torch-fsdp2" in text
+
+
+def test_hybrid_pipeline_segments_give_the_virtual_stages():
+    """Megatron's "|" in the decoder's pattern: one segment per virtual pipeline stage."""
+    hybrid = ["--hidden-size", "64", "--num-attention-heads", "4", "--mamba-num-heads", "8",
+              "--mamba-head-dim", "16", "--mamba-num-groups", "2",
+              "--position-embedding-type", "none"]  # fmt: skip
+    pp2 = ["--pipeline-model-parallel-size", "2"]
+    two = parse_config([*hybrid, *pp2, "--hybrid-layer-pattern", "M*M|*", "--train-iters", "1",
+                        "--mock-data"])  # fmt: skip
+    assert two.model.num_layers == 4 and two.parallel.virtual_pipeline_model_parallel_size is None
+    assert pipeline_segments(two) == [3, 1]
+    validate(two, 2)
+    four = parse_config([*hybrid, *pp2, "--hybrid-layer-pattern", "M|*M|-|M*/*-"])
+    assert four.parallel.virtual_pipeline_model_parallel_size == 2
+    assert pipeline_segments(four) == [1, 2, 1, 2] and four.model.mtp_num_layers == 1
+    # one pipeline stage holds every segment (a checkpoint trained so loads on one rank)
+    one = parse_config([*hybrid, "--hybrid-layer-pattern", "M|*M|-|M*"])
+    assert (
+        pipeline_segments(one) is None and one.parallel.virtual_pipeline_model_parallel_size is None
+    )
+    for extra, message in (
+        (["--hybrid-layer-pattern", "M|*|M"], "has 3 pipeline segments: not a multiple of"),
+        (["--hybrid-layer-pattern", "M*|M*", "--decoder-first-pipeline-num-layers", "1"],
+         "drop --decoder-first-pipeline-num-layers"),
+        (["--hybrid-layer-pattern", "M*|M*", "--virtual-pipeline-model-parallel-size", "2"],
+         "virtual pipeline stages 1 per rank, not --virtual-pipeline-model-parallel-size 2"),
+    ):  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            parse_config([*hybrid, *pp2, *extra])

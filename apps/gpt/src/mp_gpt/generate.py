@@ -33,7 +33,7 @@ from mp_data import build_tokenizer, vocab_size_with_padding
 from mp_gpt.generation import Completion, Sampling, generate_batch
 from mp_layers import GPTModel, ModelGroups, building_on, skipping_draws
 from mp_pipeline import stage_layers
-from mp_train import launch_rank, parse_config
+from mp_train import launch_rank, parse_config, pipeline_segments
 
 __all__ = ["Generator", "main", "run_generation"]
 
@@ -70,6 +70,7 @@ class Generator:
                 config.model.num_layers, self.state.pp.size, self.state.pp.rank,
                 num_layers_in_first_pipeline_stage=parallel.decoder_first_pipeline_num_layers,
                 num_layers_in_last_pipeline_stage=parallel.decoder_last_pipeline_num_layers,
+                segments=pipeline_segments(config),
             )  # fmt: skip
             device = mp_state.select_device().device
             # Every weight comes from the checkpoint (a strict load: a key it lacks is an

@@ -11,7 +11,7 @@ ModelGroups and GPTModel.
 
 from mp_layers import context_parallel, moe, tensor_parallel
 from mp_layers.config import TransformerConfig
-from mp_layers.config_hybrid import hybrid_layer_kinds, mamba_widths
+from mp_layers.config_hybrid import hybrid_layer_kinds, hybrid_pipeline_segments, mamba_widths
 from mp_layers.config_mtp import mtp_layer_kinds
 from mp_layers.context_parallel import shard_sequence
 from mp_layers.fp8 import check_fp8_device
@@ -80,6 +80,7 @@ __all__ = [
     "gather_from_tensor_model_parallel_region",
     "get_layer_spec",
     "hybrid_layer_kinds",
+    "hybrid_pipeline_segments",
     "init_partitioned_weight",
     "keeps_attention_probabilities",
     "mamba_widths",

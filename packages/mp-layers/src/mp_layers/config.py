@@ -304,7 +304,9 @@ class TransformerConfig:
     E a mixture-of-experts MLP, each layer one of them behind its own norm
     ("M-M-M*-..."); as many symbols as num_layers. Megatron's unified form
     "<main>/<mtp>/<mtp>..." adds multi-token prediction modules, each of the layers after a
-    "/" (mtp_num_layers is their number). None: every layer is attention then an MLP."""
+    "/" (mtp_num_layers is their number), and "|" in the main part splits the layers into
+    pipeline segments, one per virtual pipeline stage. None: every layer is attention then
+    an MLP."""
 
     mamba_num_heads: int | None = None
     """Heads of each Mamba mixer; None: Megatron's default, an inner width of 2 x

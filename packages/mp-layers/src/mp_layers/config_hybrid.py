@@ -14,6 +14,10 @@ Multi-token prediction (Megatron's unified pattern): "<main>/<mtp>/<mtp>..." giv
 decoder's layers, then the layers of each multi-token prediction module, one part per
 module, all alike ("M*M*/*E": four decoder layers, one module of attention then MoE);
 mtp_num_layers is the number of parts (`infer_hybrid_mtp`).
+
+Pipeline segments (Megatron's "|" in the decoder's part): "M*M|*M*|M*" gives each virtual
+pipeline stage its layers, in virtual-stage order (`hybrid_pipeline_segments`); the run
+takes virtual_pipeline_model_parallel_size from their number.
 """
 
 from __future__ import annotations
@@ -27,7 +31,8 @@ if TYPE_CHECKING:
     from mp_layers.config import TransformerConfig
 
 __all__ = ["HYBRID_SYMBOLS", "check_hybrid", "check_hybrid_parallel", "hybrid_layer_kinds",
-           "infer_hybrid_mtp", "mamba_widths", "split_hybrid_pattern"]  # fmt: skip
+           "hybrid_pipeline_segments", "infer_hybrid_mtp", "mamba_widths",
+           "split_hybrid_pattern"]  # fmt: skip
 
 HYBRID_SYMBOLS = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
 """The layer kinds of a hybrid pattern, by Megatron's symbol."""
@@ -36,16 +41,17 @@ _OTHER_SYMBOLS = {
     "G": "gated delta net layers",
     "D": "DeepSeek sparse attention layers",
     "+": "multi-latent attention layers",
-    "|": "pipeline stage boundaries in the pattern (give --pipeline-model-parallel-size)",
 }
 """Megatron's other symbols, which mp refuses naming what they stand for."""
 
 
 def split_hybrid_pattern(pattern: str) -> tuple[str, str | None, int]:
-    """(the decoder's pattern, one multi-token prediction module's or None, the number of
-    modules) of a unified pattern "<main>/<mtp>/<mtp>..."; parts after "/" that are all
-    empty give no modules (Megatron's reading)."""
+    """(the decoder's layers, one multi-token prediction module's or None, the number of
+    modules) of a unified pattern "<main>/<mtp>/<mtp>..."; the decoder's without its
+    pipeline segments' "|"; parts after "/" that are all empty give no modules
+    (Megatron's reading)."""
     main, *modules = pattern.split("/")
+    main = main.replace("|", "")
     if not any(modules):
         return main, None, 0
     for k, part in enumerate(modules[1:], start=2):
@@ -55,6 +61,15 @@ def split_hybrid_pattern(pattern: str) -> tuple[str, str | None, int]:
                 f"pattern must be alike; the first is {modules[0]!r}, module {k}'s {part!r}"
             )
     return main, modules[0], len(modules)
+
+
+def hybrid_pipeline_segments(config: TransformerConfig) -> list[int] | None:
+    """The decoder layers of each "|"-separated segment of the pattern (one per virtual
+    pipeline stage, in their order); None without "|"."""
+    pattern = config.hybrid_layer_pattern
+    if pattern is None or "|" not in pattern.split("/")[0]:
+        return None
+    return [len(segment) for segment in pattern.split("/")[0].split("|")]
 
 
 def hybrid_layer_kinds(config: TransformerConfig) -> list[str]:
@@ -101,6 +116,14 @@ def check_hybrid(config: TransformerConfig) -> None:
     if not isinstance(pattern, str) or not pattern:
         raise ValueError(f"hybrid_layer_pattern={pattern!r} must be a string of layer symbols")
     main, module, _ = split_hybrid_pattern(pattern)
+    if "|" in pattern.partition("/")[2]:
+        raise ValueError(f"hybrid_layer_pattern={pattern!r}: '|' separates the decoder's "
+                         "pipeline segments, not multi-token prediction layers")  # fmt: skip
+    segments = hybrid_pipeline_segments(config)
+    if segments is not None and min(segments) == 0:
+        raise ValueError(f"hybrid_layer_pattern={pattern!r}: pipeline segment "
+                         f"{segments.index(0)} holds no layers (mp's pipeline stages hold one "
+                         "at least)")  # fmt: skip
     for symbol in main + (module or ""):
         if symbol in _OTHER_SYMBOLS:
             raise ValueError(

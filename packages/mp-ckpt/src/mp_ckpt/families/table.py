@@ -108,8 +108,10 @@ class Dims:
 def split_hybrid_pattern(pattern: str | None) -> tuple[str, str | None, int]:
     """(the decoder's layers, one multi-token prediction module's or None, the number of
     modules) of a hybrid_layer_pattern "<main>/<mtp>/<mtp>..." (Megatron-LM's unified
-    pattern: every module alike; parts after "/" all empty give no modules)."""
+    pattern: every module alike; parts after "/" all empty give no modules; the "|" of
+    the decoder's pipeline segments left out)."""
     main, *modules = (pattern or "").split("/")
+    main = main.replace("|", "")  # a run's pipeline segments: no part of the model
     if not any(modules):
         return main, None, 0
     for k, part in enumerate(modules[1:], start=1):

@@ -34,6 +34,7 @@ from mp_ckpt import CheckpointReader, is_hf_directory
 from mp_train.configuration import megatron_aliases, megatron_flags
 from mp_train.configuration.config import RunConfig
 from mp_train.configuration.hf_source import apply_hf_settings
+from mp_train.configuration.hybrid_pipeline import derive_virtual_stages
 from mp_train.configuration.yaml_config import (
     FieldType,
     field_owners,
@@ -323,6 +324,7 @@ def parse_config(
     _layers_of_hybrid_pattern(values)
     _require_model_fields(values)
     notes += megatron_aliases.settle(flags, given, values)
+    derive_virtual_stages(values)
     _apply_precision(values)
     if environ.get("RANK", "0") == "0":
         for note in notes:
@@ -341,10 +343,11 @@ def _explicit(values: dict, defaults: dict, written: set) -> set[tuple[str, str]
 def _layers_of_hybrid_pattern(values: dict) -> None:
     """A hybrid model's num_layers is its pattern's decoder layers when not given
     (Megatron-LM's hybrid lines give no --num-layers; the multi-token prediction modules'
-    layers after "/" are not among them); given, TransformerConfig checks the two agree."""
+    layers after "/" are not among them, nor the "|" of its pipeline segments); given,
+    TransformerConfig checks the two agree."""
     pattern = values["model"].get("hybrid_layer_pattern")
     if isinstance(pattern, str) and "num_layers" not in values["model"]:
-        values["model"]["num_layers"] = len(pattern.split("/")[0])
+        values["model"]["num_layers"] = len(pattern.split("/")[0].replace("|", ""))
 
 
 def _require_model_fields(values: dict) -> None:

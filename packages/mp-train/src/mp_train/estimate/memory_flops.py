@@ -112,6 +112,7 @@ from mp_layers import (
 )
 from mp_pipeline import stage_layers
 from mp_train.configuration.config import RunConfig
+from mp_train.configuration.hybrid_pipeline import pipeline_segments
 from mp_train.estimate.hybrid import mamba_activation, mamba_flops
 from mp_train.estimate.megatron_formula import MEGATRON_VERSION, megatron_estimate
 from mp_train.estimate.parameters import model_parameters, stage_layer_kinds, stage_parameters
@@ -197,7 +198,9 @@ def _layout(config: RunConfig, world_size: int) -> dict:
     model.check_parallel(tp, cp, ep, etp)
     first = parallel.decoder_first_pipeline_num_layers
     last = parallel.decoder_last_pipeline_num_layers
-    if first is None and last is None and model.num_layers % (pp * (vpp or 1)):
+    segments = pipeline_segments(config)
+    uneven = first is not None or last is not None or segments is not None
+    if not uneven and model.num_layers % (pp * (vpp or 1)):
         raise ValueError(
             f"num_layers={model.num_layers} is not divisible by pipeline_model_parallel_size="
             f"{pp} x virtual_pipeline_model_parallel_size={vpp or 1}"
@@ -206,7 +209,7 @@ def _layout(config: RunConfig, world_size: int) -> dict:
     for rank in range(pp):
         stage_layers(model.num_layers, pp, rank, virtual_pipeline_model_parallel_size=vpp,
                      num_layers_in_first_pipeline_stage=first,
-                     num_layers_in_last_pipeline_stage=last)  # fmt: skip
+                     num_layers_in_last_pipeline_stage=last, segments=segments)  # fmt: skip
     seq = config.gpt.seq_length
     if seq % cp:
         raise ValueError(f"context_parallel_size={cp} does not divide seq_length={seq}")

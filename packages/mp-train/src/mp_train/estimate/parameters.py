@@ -51,6 +51,7 @@ import dataclasses
 from mp_layers import TransformerConfig, hybrid_layer_kinds, mtp_layer_kinds
 from mp_pipeline import stage_layers
 from mp_train.configuration.config import RunConfig
+from mp_train.configuration.hybrid_pipeline import pipeline_segments
 from mp_train.estimate.hybrid import mamba_parameters
 
 __all__ = ["Held", "model_parameters", "stage_layer_kinds", "stage_parameters"]
@@ -205,6 +206,7 @@ def stage_layer_kinds(config: RunConfig, stage: int) -> list[tuple[str, bool]]:
             virtual_pipeline_model_parallel_size=vpp, vp_stage=chunk,
             num_layers_in_first_pipeline_stage=parallel.decoder_first_pipeline_num_layers,
             num_layers_in_last_pipeline_stage=parallel.decoder_last_pipeline_num_layers,
+            segments=pipeline_segments(config),
         )  # fmt: skip
         kinds += pattern[layers.offset : layers.offset + layers.count]
     return kinds

@@ -45,6 +45,7 @@ from mp_optim import (
 from mp_pipeline import PipelineConfig, finalize_model_grads, stage_layers
 from mp_state import ParallelState, RNGStatesTracker
 from mp_train.configuration.config import RunConfig, validate
+from mp_train.configuration.hybrid_pipeline import pipeline_segments
 from mp_train.loop.cpu_allocator import keep_freed_memory
 from mp_train.loop.microbatches import MicroBatchCalculator
 from mp_train.observability.log_setup import configure_logging
@@ -267,6 +268,7 @@ def _build_model(config, state, tracker, padded_vocab, model_provider) -> list:
             virtual_pipeline_model_parallel_size=vpp, vp_stage=vp_stage,
             num_layers_in_first_pipeline_stage=parallel.decoder_first_pipeline_num_layers,
             num_layers_in_last_pipeline_stage=parallel.decoder_last_pipeline_num_layers,
+            segments=pipeline_segments(config),
         )  # fmt: skip
         device = mp_state.select_device().device
         with contextlib.ExitStack() as building:

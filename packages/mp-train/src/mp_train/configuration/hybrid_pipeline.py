@@ -1,0 +1,60 @@
+"""A hybrid model's pipeline segments (Megatron's "|" in --hybrid-layer-pattern).
+
+"M*M|*M*|M*|-E" splits the decoder's layers into segments, one per virtual pipeline stage
+in virtual-stage order (mp_pipeline.stage_layers' `segments`): their number must be a
+multiple of pipeline_model_parallel_size, and virtual_pipeline_model_parallel_size is
+their number / pipeline_model_parallel_size when that is above 1 (Megatron-LM's rules).
+The flags that would also split the layers (--decoder-first-pipeline-num-layers,
+--decoder-last-pipeline-num-layers, --virtual-pipeline-model-parallel-size other than the
+segments') are refused beside them. At pipeline_model_parallel_size 1 the one stage holds
+every segment, so that a checkpoint trained with segments loads and generates on one
+rank.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from mp_layers import hybrid_pipeline_segments
+
+if TYPE_CHECKING:
+    from mp_train.configuration.config import RunConfig
+
+__all__ = ["derive_virtual_stages", "pipeline_segments"]
+
+
+def pipeline_segments(config: RunConfig) -> list[int] | None:
+    """The layers of each virtual pipeline stage the pattern gives, None where the layers
+    are split evenly (no "|", or one pipeline stage)."""
+    if config.parallel.pipeline_model_parallel_size == 1:
+        return None
+    return hybrid_pipeline_segments(config.model)
+
+
+def derive_virtual_stages(values: dict[str, dict[str, Any]]) -> None:
+    """Sets virtual_pipeline_model_parallel_size from the pattern's segments (module
+    docstring); raises a ValueError naming the flags that disagree with them."""
+    pattern = values["model"].get("hybrid_layer_pattern")
+    if not isinstance(pattern, str) or "|" not in pattern.split("/")[0]:
+        return
+    parallel = values["parallel"]
+    pp = parallel.get("pipeline_model_parallel_size") or 1
+    if pp == 1:
+        return
+    count = pattern.split("/")[0].count("|") + 1
+    given = f"--hybrid-layer-pattern {pattern!r} has {count} pipeline segments"
+    if count % pp:
+        raise ValueError(f"{given}: not a multiple of --pipeline-model-parallel-size {pp}")
+    for name in ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers"):
+        if parallel.get(name) is not None:
+            raise ValueError(f"{given}, which give every stage's layers: drop "
+                             f"--{name.replace('_', '-')}")  # fmt: skip
+    virtual = count // pp if count > pp else None
+    vpp = parallel.get("virtual_pipeline_model_parallel_size")
+    if vpp is not None and vpp != virtual:
+        raise ValueError(
+            f"{given} at --pipeline-model-parallel-size {pp}: virtual pipeline stages "
+            f"{virtual or 1} per rank, not --virtual-pipeline-model-parallel-size {vpp} (the "
+            "segments give them; drop the flag)"
+        )
+    parallel["virtual_pipeline_model_parallel_size"] = virtual
