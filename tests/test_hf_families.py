@@ -5,7 +5,8 @@ checkpoint remembers its family) gives back the config and every tensor; greedy
 generation equals generate(do_sample=False) over 32 new tokens (DeepSeek's through the
 cache of latents, Nemotron-H's through its Mamba layers' states); gpt-oss's also over 72
 at PP2, past its windowed layers' cache rings.
-DeepSeek-V3's multi-token prediction layers import, compute as DeepSeek's and export back."""
+DeepSeek-V3's and Nemotron 3 Super's multi-token prediction layers import, compute as
+their own blocks do and export back."""
 
 import json
 import os
@@ -214,6 +215,27 @@ def test_gpt_oss_generates_past_its_window_ring_through_two_stages_as_transforme
         assert got == want
 
 
+def hf_folder_with(folder, config: dict, state: dict):
+    """A Hugging Face folder of config.json and model.safetensors (weights transformers
+    neither builds nor saves: multi-token prediction modules); transformers' model of it."""
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config))
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+
+
+def assert_exported_back(tmp_path, state: dict):
+    """export-hf of tmp_path/ckpt gives back tmp_path/hf_in's config.json and exactly
+    `state`; transformers' model of the export."""
+    assert main(["export-hf", str(tmp_path / "ckpt"), str(tmp_path / "hf_out")]) == 0
+    assert hf_config_dict(tmp_path / "hf_out") == hf_config_dict(tmp_path / "hf_in")
+    exported = load_file(str(tmp_path / "hf_out" / "model.safetensors"))
+    assert exported.keys() == state.keys()
+    for name, tensor in state.items():
+        assert torch.equal(exported[name], tensor), name
+    return transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf_out").eval()
+
+
 def test_deepseek_v3_multi_token_prediction_imports_computes_as_deepseek_and_exports_back(
     tmp_path,
 ):
@@ -240,10 +262,7 @@ def test_deepseek_v3_multi_token_prediction_imports_computes_as_deepseek_and_exp
     state["model.layers.2.shared_head.head.weight"] = state["lm_head.weight"].clone()
     config = json.loads((tmp_path / "three" / "config.json").read_text())
     config |= {"num_hidden_layers": 2, "num_nextn_predict_layers": 1}
-    (tmp_path / "hf_in").mkdir()
-    (tmp_path / "hf_in" / "config.json").write_text(json.dumps(config))
-    save_file(state, str(tmp_path / "hf_in" / "model.safetensors"), metadata={"format": "pt"})
-    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf_in").eval()
+    hf = hf_folder_with(tmp_path / "hf_in", config, state)
 
     assert main(["import-hf", str(tmp_path / "hf_in"), str(tmp_path / "ckpt")]) == 0
     model = imported_model(tmp_path / "ckpt")
@@ -276,12 +295,85 @@ def test_deepseek_v3_multi_token_prediction_imports_computes_as_deepseek_and_exp
         )
     assert abs(got.item() - want.item()) < 1e-5, (got, want)
 
-    assert main(["export-hf", str(tmp_path / "ckpt"), str(tmp_path / "hf_out")]) == 0
-    assert hf_config_dict(tmp_path / "hf_out") == hf_config_dict(tmp_path / "hf_in")
-    exported = load_file(str(tmp_path / "hf_out" / "model.safetensors"))
-    assert exported.keys() == state.keys()
-    for name, tensor in state.items():
-        assert torch.equal(exported[name], tensor), name
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf_out").eval()
+    reloaded = assert_exported_back(tmp_path, state)
+    with torch.no_grad():
+        assert torch.equal(reloaded(x).logits, hf(x).logits)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def test_nemotron_3_multi_token_prediction_imports_computes_as_its_blocks_and_exports_back(
+    tmp_path,
+):
+    """Nemotron 3 Super's MTP module as its checkpoints hold it (mtp.layers.{j}.*, one per
+    layer of the module's pattern: each a decoder block's norm and mixer, the first also
+    enorm, hnorm and eh_proj, the last final_layernorm), which transformers' NemotronH
+    neither builds nor saves: here the extra blocks (Mamba, attention, latent MoE) of a
+    random model longer by them. import-hf makes the module mp's (hybrid_layer_pattern
+    "<main>/<mtp>"); the logits stay transformers'; mp's MTP loss equals the module
+    composed of transformers' blocks (h' = final_layernorm(blocks(eh_proj(cat(
+    enorm(embed(next tokens)), hnorm(h)))))), lm_head(h') against the labels one further);
+    export-hf gives back every tensor and config.json, and transformers loads the export."""
+    main_kinds, module_kinds = (
+        ["mamba", "moe", "full_attention", "moe"],
+        ["mamba", "full_attention", "moe"],
+    )
+    moe = dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
+               moe_shared_expert_intermediate_size=24, n_group=1, topk_group=1,
+               routed_scaling_factor=2.5, moe_latent_size=12)  # fmt: skip
+    longer = random_hf(transformers.NemotronHConfig(
+        **NEMOTRON_H, **moe, layers_block_type=main_kinds + module_kinds))  # fmt: skip
+    longer.save_pretrained(tmp_path / "longer")
+    state = {}
+    for name, tensor in load_file(str(tmp_path / "longer" / "model.safetensors")).items():
+        parts = name.split(".")
+        if parts[:2] == ["backbone", "layers"] and int(parts[2]) >= len(main_kinds):
+            name = ".".join(["mtp", "layers", str(int(parts[2]) - len(main_kinds)), *parts[3:]])
+        state[name] = tensor
+    h, gen = NEMOTRON_H["hidden_size"], torch.Generator().manual_seed(5)
+    module = {
+        "mtp.layers.0.enorm.weight": 1 + 0.1 * torch.randn(h, generator=gen),
+        "mtp.layers.0.hnorm.weight": 1 + 0.1 * torch.randn(h, generator=gen),
+        "mtp.layers.0.eh_proj.weight": 0.1 * torch.randn(h, 2 * h, generator=gen),
+        "mtp.layers.2.final_layernorm.weight": 1 + 0.1 * torch.randn(h, generator=gen),
+    }
+    state |= module  # fmt: skip
+    config = json.loads((tmp_path / "longer" / "config.json").read_text())
+    config |= {"layers_block_type": main_kinds, "num_hidden_layers": len(main_kinds),
+               "num_nextn_predict_layers": 1, "mtp_layers_block_type": module_kinds}  # fmt: skip
+    hf = hf_folder_with(tmp_path / "hf_in", config, state)
+
+    assert main(["import-hf", str(tmp_path / "hf_in"), str(tmp_path / "ckpt")]) == 0
+    model = imported_model(tmp_path / "ckpt")
+    assert model.config.hybrid_layer_pattern == "ME*E/M*E"
+    x, labels = torch.randint(0, NEMOTRON_H["vocab_size"], (2, 2, SEQ),
+                              generator=torch.Generator().manual_seed(3))  # fmt: skip
+    with torch.no_grad():
+        assert (model(x) - hf(x).logits).abs().max() < 1e-5
+    model.train()
+    model(x, labels=labels)
+    (got,) = model.mtp.take_losses().tolist()
+    eps = hf.config.layer_norm_epsilon
+    with torch.no_grad():
+        ahead = torch.roll(x, -1, 1)  # the next tokens (the last position counts nothing)
+        joined = torch.cat([
+            rms_norm(hf.model.embeddings(ahead), module["mtp.layers.0.enorm.weight"], eps),
+            rms_norm(hf.model(x).last_hidden_state, module["mtp.layers.0.hnorm.weight"], eps),
+        ], -1)  # fmt: skip
+        out = joined @ module["mtp.layers.0.eh_proj.weight"].t()
+        mask = torch.full((SEQ, SEQ), -torch.inf).triu(1)[None, None]
+        for block in longer.model.layers[len(main_kinds) :]:  # the Mamba block takes a 2D mask
+            causal = mask if block.block_type == "full_attention" else None
+            out = block(out, attention_mask=causal, position_ids=torch.arange(SEQ)[None])
+        out = rms_norm(out, module["mtp.layers.2.final_layernorm.weight"], eps)
+        logits = hf.lm_head(out)[:, :-1]
+        want = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), torch.roll(labels, -1, 1)[:, :-1].reshape(-1)
+        )
+    assert abs(got - want.item()) < 1e-5, (got, want)
+
+    reloaded = assert_exported_back(tmp_path, state)
     with torch.no_grad():
         assert torch.equal(reloaded(x).logits, hf(x).logits)
