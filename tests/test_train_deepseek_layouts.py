@@ -83,3 +83,17 @@ def test_checkpoint_at_pp2_resumes_at_tp2_on_the_same_curve(tmp_path, reference)
     run_on_ranks(train_on_rank, 2, options(second, *tp2), timeout=300)
     records = metrics_records(first) + metrics_records(second)
     assert_same_curve(records, reference, KEYS, "pp2 then tp2")
+
+
+def test_one_module_repeated_at_two_depths_trains_alike_at_tp2(tmp_path):
+    """--mtp-use-repeated-layer with --mtp-num-layers 2: one module makes both depths'
+    predictions; both depths' losses follow the one-rank curve at TP2 with sequence
+    parallelism."""
+    repeated = ["--mtp-num-layers", "2", "--mtp-use-repeated-layer", "--train-iters", "4"]
+    curves = {}
+    for name, ranks, layout in (("one", 1, []), ("tp2", 2, LAYOUTS["tp2-sp"][1])):
+        run_on_ranks(train_on_rank, ranks, options(tmp_path / name, *repeated, *layout),
+                     timeout=300)  # fmt: skip
+        curves[name] = metrics_records(tmp_path / name)
+    assert len(curves["one"]) == 4
+    assert_same_curve(curves["tp2"], curves["one"], (*KEYS, "mtp_2 loss"), "repeated tp2")

@@ -268,3 +268,28 @@ def test_deepseek_shaped_exports_are_megatrons_files(tmp_path):
         assert ours.keys() == theirs.keys()
         for key, value in theirs.items():
             assert value is None or torch.equal(ours[key], value), (folder.name, key)
+
+
+def test_a_repeated_mtp_module_goes_to_megatron_and_back(tmp_path):
+    """--mtp-use-repeated-layer: one module (mtp.layers.0) for mtp_num_layers depths, in
+    Megatron's args both ways; the same tensors without the flag are refused both ways,
+    naming the modules and the settings."""
+    src = _mp("mla_moe_mtp_torch_tp2_ep2", tmp_path)
+    _with_setting(src, "mtp_num_layers", 2)
+    _with_setting(src, "mtp_use_repeated_layer", True)
+    export_megatron(src, tmp_path / "meg", ckpt_format="torch_dist")
+    args = read_megatron(tmp_path / "meg").args
+    assert (args.mtp_num_layers, args.mtp_use_repeated_layer) == (2, True)
+    import_megatron(tmp_path / "meg", tmp_path / "back")
+    settings = _settings(tmp_path / "back")
+    assert (settings["mtp_num_layers"], settings["mtp_use_repeated_layer"]) == (2, True)
+    assert _tensors(tmp_path / "back").keys() == _tensors(src).keys()
+    from mp_ckpt.megatron.logical import logical_from_megatron
+
+    model = read_megatron(tmp_path / "meg")
+    model.args.mtp_use_repeated_layer = False  # args that disagree with the tensors
+    with pytest.raises(ValueError, match=r"modules \[0\], args mtp_num_layers=2"):
+        logical_from_megatron(model)
+    _with_setting(src, "mtp_use_repeated_layer", False)
+    with pytest.raises(ValueError, match="holds 1 multi-token prediction modules, its model_conf"):
+        export_megatron(src, tmp_path / "meg2", ckpt_format="torch_dist")

@@ -5,6 +5,8 @@
   k ahead, enorm/hnorm, eh_proj on [embedding, hidden], the module's layer, its final
   norm, the shared output layer against the labels k ahead under the rolled mask) with
   the language model's mean loss plus mtp_loss_scaling_factor / D times the modules'.
+- One module applied at both depths (mtp_use_repeated_layer) gives that formula with its
+  weights at both, and a checkpoint of mtp.layers.0 alone.
 - Evaluation and generation leave the modules out; the checkpoint keys are Megatron's.
 - A training step's shared scales reach the routers and the MTP modules: the MTP
   gradients follow the "mtp" scale set after the forward.
@@ -59,7 +61,8 @@ def reference_loss(model: GPTModel, ids, labels, mask, per_token: bool = False):
     tokens = mask.sum()
     total = (token_losses(hidden, labels) * mask).sum() / tokens
     modules = []
-    for k, layer in enumerate(model.mtp.layers, start=1):
+    for k in range(1, model.mtp.depths + 1):
+        layer = model.mtp.module(k - 1)
         shifted = torch.zeros_like(ids)
         shifted[:, :-k] = ids[:, k:]
         targets = torch.zeros_like(labels)
@@ -72,16 +75,19 @@ def reference_loss(model: GPTModel, ids, labels, mask, per_token: bool = False):
         hidden = layer.final_layernorm(layer.transformer_layer(x, rotary, None))
         loss = (token_losses(hidden, targets) * kept).sum() / kept.sum()
         modules.append(float(loss.detach()))
-        total = total + FACTOR / len(model.mtp.layers) * loss
+        total = total + FACTOR / model.mtp.depths * loss
     return (total * tokens if per_token else total), modules
 
 
-@pytest.mark.parametrize(("recompute", "per_token"), [(False, False), (True, False), (False, True)],
-                         ids=["", "full-recompute", "per-token-loss"])  # fmt: skip
-def test_mtp_losses_and_gradients_equal_deepseeks_formula(recompute, per_token):
+@pytest.mark.parametrize(("recompute", "per_token", "repeated"),
+                         [(False, False, False), (True, False, False), (False, True, False),
+                          (False, False, True)],
+                         ids=["", "full-recompute", "per-token-loss", "repeated"])  # fmt: skip
+def test_mtp_losses_and_gradients_equal_deepseeks_formula(recompute, per_token, repeated):
+    """repeated: one module makes both depths' predictions (mtp_use_repeated_layer)."""
     torch.manual_seed(0)
     full = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-    config = tiny_config(**(full if recompute else {}))
+    config = tiny_config(**(full if recompute else {}), mtp_use_repeated_layer=repeated)
     model = GPTModel(config, "local", VOCAB, SEQ, groups=ModelGroups.single(), init_seed=3,
                      calculate_per_token_loss=per_token)  # fmt: skip
     twin = GPTModel(config, "local", VOCAB, SEQ, groups=ModelGroups.single(), init_seed=3)
@@ -105,7 +111,10 @@ def test_mtp_losses_and_gradients_equal_deepseeks_formula(recompute, per_token):
         assert p.grad is not None and want is not None, name
         torch.testing.assert_close(p.grad, want, rtol=1e-4, atol=1e-6, msg=name)
     # The modules' layers and the token embedding copy train through the MTP loss alone.
-    assert model.mtp.layers[1].eh_proj.weight.grad.abs().sum() > 0
+    assert model.mtp.layers[-1].eh_proj.weight.grad.abs().sum() > 0
+    assert len(model.mtp.layers) == (1 if repeated else 2) and len(recorded) == 2
+    if repeated:
+        assert not any(k.startswith("mtp.layers.1.") for k in model.sharded_state_dict())
 
 
 def test_shared_scales_reach_the_routers_and_the_mtp_modules():
@@ -156,6 +165,8 @@ def test_refused_with_learned_positions():
         TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, mtp_num_layers=1)
     with pytest.raises(ValueError, match="mtp_num_layers=0"):
         tiny_config(mtp_num_layers=0)
+    with pytest.raises(ValueError, match="mtp_use_repeated_layer=True repeats a multi-token"):
+        tiny_config(mtp_num_layers=None, mtp_use_repeated_layer=True)
 
 
 def _roll_on_rank() -> list[bool]:

@@ -131,6 +131,14 @@ def test_multi_token_prediction_modules_count_their_layers():
         tokens=128, squares=4 * 32**2, h=64, attention=2, mamba=3, mlp=1, N=16, P=16, G=2,
         H=8, a=4, g=4, d=16, f=256, V=128, mtp=1,
     ) + 50304 * 128  # fmt: skip
+    # One module at two depths (mtp_use_repeated_layer): its weights once, its work twice.
+    repeated = make_config(pattern="M-M*/M*/M*", num_layers=4, mtp_use_repeated_layer=True)
+    twice = estimate(repeated, world_size=1)
+    assert twice["num_parameters"] == result["num_parameters"]
+    assert twice["flops_per_iteration"] == megatron_hybrid_flops(
+        tokens=128, squares=4 * 32**2, h=64, attention=3, mamba=4, mlp=1, N=16, P=16, G=2,
+        H=8, a=4, g=4, d=16, f=256, V=128, mtp=2,
+    ) + 2 * 50304 * 128  # fmt: skip
 
 
 def test_pipeline_segments_place_the_layers():

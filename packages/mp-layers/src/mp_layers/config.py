@@ -297,6 +297,11 @@ class TransformerConfig:
     """Weight of the multi-token prediction losses: each module's mean loss counts
     mtp_loss_scaling_factor / mtp_num_layers (Megatron's default 0.1)."""
 
+    mtp_use_repeated_layer: bool = False
+    """One multi-token prediction module applied mtp_num_layers times (Megatron's
+    --mtp-use-repeated-layer): its weights are shared by every depth, each depth's loss
+    logged and weighted as a module's; the checkpoint holds mtp.layers.0 alone."""
+
     # --- Mamba-hybrid models (Megatron's --hybrid-layer-pattern and --mamba-* options) ----
     hybrid_layer_pattern: str | None = None
     """A hybrid model's layers, one symbol each (Megatron's --hybrid-layer-pattern; Nemotron-H,

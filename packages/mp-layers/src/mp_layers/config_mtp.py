@@ -1,6 +1,7 @@
 """Validation of TransformerConfig's multi-token prediction fields (Megatron's
---mtp-num-layers and --mtp-loss-scaling-factor): `check_mtp`, from __post_init__. Every
-message names the field and the value. `mtp_layer_kinds` gives a module's layers."""
+--mtp-num-layers, --mtp-loss-scaling-factor, --mtp-use-repeated-layer): `check_mtp`,
+from __post_init__. Every message names the field and the value. `mtp_layer_kinds`
+gives a module's layers."""
 
 from __future__ import annotations
 
@@ -34,6 +35,9 @@ def check_mtp(config: TransformerConfig) -> None:
     if not (math.isfinite(factor) and factor >= 0):
         raise ValueError(f"mtp_loss_scaling_factor={factor} must be finite and >= 0")
     if n is None:
+        if config.mtp_use_repeated_layer:
+            raise ValueError("mtp_use_repeated_layer=True repeats a multi-token prediction "
+                             "module: it needs mtp_num_layers")  # fmt: skip
         return
     if isinstance(n, bool) or not isinstance(n, int):
         raise ValueError(f"mtp_num_layers={n!r} must be an integer")

@@ -288,7 +288,7 @@ class GPTModel(torch.nn.Module):
         mask = mask.float()
         # With a per-token loss the step divides by the batch's tokens: scale back to them.
         tokens = _per_rank_count(mask, cp) if self.calculate_per_token_loss else None
-        factor = self.config.mtp_loss_scaling_factor / len(self.mtp.layers)
+        factor = self.config.mtp_loss_scaling_factor / self.mtp.depths
         out, ids = hidden, input_ids
         # Packed documents: a position whose rolled token comes from the next document
         # (the last k of each document at depth k) predicts nothing, as Megatron rolls
@@ -297,12 +297,12 @@ class GPTModel(torch.nn.Module):
         if isinstance(attention_mask, PackedSeqParams):
             documents = rolled_documents = attention_mask.document_ids
             order = attention_mask.order
-        for k, layer in enumerate(self.mtp.layers):
+        for k in range(self.mtp.depths):
             ids, labels, mask = (roll_left(t, cp, order) for t in (ids, labels, mask))
             if documents is not None:
                 rolled_documents = roll_left(rolled_documents, cp, order)
                 mask = mask * (rolled_documents == documents)
-            out = layer(out, self._embed(ids, None), rotary, attention_mask)
+            out = self.mtp.module(k)(out, self._embed(ids, None), rotary, attention_mask)
             count = _per_rank_count(mask, cp)
             total = (self._token_loss(out, labels).float() * mask).sum()
             self.mtp.record(k, total.detach() / count)

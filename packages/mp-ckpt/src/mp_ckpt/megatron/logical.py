@@ -36,7 +36,7 @@ import torch
 from mp_ckpt.families.megatron_view import megatron_view, split_name
 from mp_ckpt.families.table import Dims
 from mp_ckpt.megatron.read import _LAYER, MegatronModel, MegatronTensors
-from mp_ckpt.megatron.settings import model_config_from_megatron
+from mp_ckpt.megatron.settings import held_mtp_modules, model_config_from_megatron
 
 __all__ = ["logical_from_megatron", "logical_plan", "stack_experts"]
 
@@ -109,10 +109,12 @@ def logical_plan(model: MegatronModel) -> tuple[dict[str, tuple], dict]:
             f"{settings['num_layers']}"
         )
     modules = {int(m.group(1)) for k in plan if (m := _MTP.match(k))}
-    if modules != set(range(settings.get("mtp_num_layers") or 0)):
+    held = held_mtp_modules(settings)
+    if modules != set(range(held)):
+        repeated = " with mtp_use_repeated_layer (one module)" if held == 1 else ""
         raise ValueError(
             f"{where}: the tensors hold multi-token prediction modules {sorted(modules)}, "
-            f"args mtp_num_layers={settings.get('mtp_num_layers')}"
+            f"args mtp_num_layers={settings.get('mtp_num_layers')}{repeated}"
         )
     return plan, settings
 

@@ -16,6 +16,7 @@ __all__ = [
     "MOE_COPIED",
     "YARN_ARGS",
     "gated",
+    "held_mtp_modules",
     "model_config_from_megatron",
     "moe_settings_from_megatron",
 ]
@@ -32,6 +33,13 @@ not read."""
 
 def _arg(args, name: str, default=None):
     return getattr(args, name, default)
+
+
+def held_mtp_modules(settings: dict) -> int:
+    """The multi-token prediction modules the tensors hold: mtp_num_layers, or one applied
+    at every depth with mtp_use_repeated_layer."""
+    depths = settings.get("mtp_num_layers") or 0
+    return 1 if depths and settings.get("mtp_use_repeated_layer") else depths
 
 
 def gated(args) -> bool:
@@ -109,6 +117,8 @@ def model_config_from_megatron(args, vocab_size: int, where: str = "args") -> di
     if _arg(args, "mtp_num_layers"):  # multi-token prediction (DeepSeek-V3)
         settings["mtp_num_layers"] = int(args.mtp_num_layers)
         settings["mtp_loss_scaling_factor"] = float(_arg(args, "mtp_loss_scaling_factor", 0.1))
+        if _arg(args, "mtp_use_repeated_layer", False):  # one module, at every depth
+            settings["mtp_use_repeated_layer"] = True
     if seq_length is not None:
         settings["seq_length"] = seq_length
     if settings["use_rope_scaling"]:

@@ -53,7 +53,14 @@ from mp_ckpt.core.reader import CheckpointReader
 from mp_ckpt.families.megatron_view import MegatronView, megatron_view, split_name
 from mp_ckpt.families.moe import is_moe_layer
 from mp_ckpt.megatron.read import _LAYER, latent_rows, tp_piece
-from mp_ckpt.megatron.settings import MLA_COPIED, MLA_YARN, MOE_COPIED, YARN_ARGS, gated
+from mp_ckpt.megatron.settings import (
+    MLA_COPIED,
+    MLA_YARN,
+    MOE_COPIED,
+    YARN_ARGS,
+    gated,
+    held_mtp_modules,
+)
 
 __all__ = ["export_megatron", "megatron_args", "megatron_from_logical"]
 
@@ -156,6 +163,7 @@ def megatron_args(settings: dict, *, ckpt_format: str, tp: int, pp: int, iterati
         "multi_latent_attention": bool(settings.get("multi_latent_attention", False)),
         "mtp_num_layers": settings.get("mtp_num_layers"),
         "mtp_loss_scaling_factor": settings.get("mtp_loss_scaling_factor", 0.1),
+        "mtp_use_repeated_layer": bool(settings.get("mtp_use_repeated_layer", False)),
         "consumed_train_samples": 0, "skipped_train_samples": 0, "consumed_valid_samples": 0,
         "data_parallel_random_init": False,
     }  # fmt: skip
@@ -256,6 +264,13 @@ def _check(settings: dict, keys: list[str], tp: int, pp: int, fmt: str, ep: int 
         )
     if tp < 1 or pp < 1 or ep < 1:
         raise ValueError(f"TP={tp}, PP={pp}, EP={ep}: each must be >= 1")
+    modules = {m.group(1) for k in keys if (m := re.match(r"mtp\.layers\.(\d+)\.", k))}
+    if len(modules) != held_mtp_modules(settings):
+        raise ValueError(
+            f"the checkpoint holds {len(modules)} multi-token prediction modules, its "
+            f"model_config mtp_num_layers={settings.get('mtp_num_layers')!r} and "
+            f"mtp_use_repeated_layer={bool(settings.get('mtp_use_repeated_layer'))}"
+        )
     experts = settings.get("num_moe_experts")
     if not experts and any(".mlp.experts." in k or ".mlp.router." in k for k in keys):
         raise ValueError("the checkpoint holds experts but its model_config no num_moe_experts")

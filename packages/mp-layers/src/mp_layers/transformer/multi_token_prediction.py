@@ -178,7 +178,8 @@ class MultiTokenPredictionLayer(torch.nn.Module):
 
 
 class MultiTokenPrediction(torch.nn.Module):
-    """The mtp_num_layers modules, and each one's training loss since the last `take_losses`
+    """The mtp_num_layers modules (one, applied at every depth, with
+    mtp_use_repeated_layer), and each depth's training loss since the last `take_losses`
     (per micro-batch: this rank's masked mean, summed over micro-batches)."""
 
     def __init__(
@@ -190,15 +191,22 @@ class MultiTokenPrediction(torch.nn.Module):
         init_seed: int | None = None,
     ) -> None:
         super().__init__()
+        self.depths = config.mtp_num_layers
+        """The modules' predictions, each a token further (one module applied that many
+        times with mtp_use_repeated_layer)."""
         layers = []
-        for k in range(config.mtp_num_layers):
+        for k in range(1 if config.mtp_use_repeated_layer else self.depths):
             with seeded_init(init_seed, f"mtp{k}"):
                 layers.append(MultiTokenPredictionLayer(config, groups, rng_tracker, spec))
         self.layers = torch.nn.ModuleList(layers)
-        self.losses = torch.zeros(len(layers))
+        self.losses = torch.zeros(self.depths)
         self.aux_loss_scale = AuxLossScale("mtp")
         """The factor the modules' losses get in backward (the training step shares its
         own: mp_layers.moe.share_aux_loss_scale)."""
+
+    def module(self, k: int) -> MultiTokenPredictionLayer:
+        """The module that makes depth k's prediction."""
+        return self.layers[k if len(self.layers) > 1 else 0]
 
     def record(self, k: int, loss: torch.Tensor) -> None:
         if self.losses.device != loss.device:

@@ -166,6 +166,12 @@ def _mtp_module(m: TransformerConfig, *, active: bool = False) -> Held:
     return module
 
 
+def _mtp_modules(m: TransformerConfig) -> int:
+    """The multi-token prediction modules that hold weights: one applied at every depth
+    with mtp_use_repeated_layer."""
+    return 1 if m.mtp_num_layers and m.mtp_use_repeated_layer else (m.mtp_num_layers or 0)
+
+
 def _positions(config: RunConfig) -> int:
     if config.model.position_embedding_type != "learned_absolute":
         return 0
@@ -183,8 +189,8 @@ def model_parameters(config: RunConfig, V: int) -> dict:
         active += _layer(m, kind, moe, active=True)
     beside = Held(whole=_norm(m) * m.hidden_size + _positions(config))
     beside += Held(split=m.hidden_size * V * (2 if m.untie_embeddings_and_output_weights else 1))
-    mtp = _mtp_module(m) * (m.mtp_num_layers or 0)
-    mtp_active = _mtp_module(m, active=True) * (m.mtp_num_layers or 0)
+    mtp = _mtp_module(m) * _mtp_modules(m)
+    mtp_active = _mtp_module(m, active=True) * _mtp_modules(m)
     total = layers + beside + mtp
     return {
         "total": total.total,
@@ -227,7 +233,7 @@ def stage_parameters(config: RunConfig, V: int, stage: int) -> Held:
     if stage == pp - 1:
         held += Held(whole=_norm(m) * h)  # the final norm
         mtp = m.mtp_num_layers or 0
-        held += _mtp_module(m) * mtp
+        held += _mtp_module(m) * _mtp_modules(m)
         # The output layer: its own weight when untied, a copy of the embedding when tied
         # across stages; MTP embeds with a copy of the word embedding on the last stage.
         copies = (1 if untied or pp > 1 else 0) + (1 if mtp and untied and pp > 1 else 0)
