@@ -129,3 +129,18 @@ def test_greedy_text_of_a_hybrid_checkpoint_is_the_same_at_tp_1_and_2(tmp_path):
     two = run_on_ranks(generate_body, 2, str(tmp_path), 2, timeout=120)
     assert one[0] == two[0] == two[1]
     assert one[0].startswith("1 2 3 ") and len(one[0].split()) == 3 + 12
+
+
+@pytest.mark.multirank
+def test_a_hybrid_checkpoint_with_pipeline_segments_generates_alike_at_pp_1_and_2(tmp_path):
+    """A hybrid pattern with pipeline segments and a multi-token prediction module,
+    "M*M|*/*M": trained on one rank (one stage holds both segments), it generates the same
+    text there and at PP2 (three layers, then one; the module left out)."""
+    layers = ["--num-layers", "4", "--hybrid-layer-pattern", "M*M|*/*M"]
+    assert run_on_ranks(train_body, 1, str(tmp_path), CONFIG, *HYBRID_OPTIONS, *layers,
+                        timeout=120) == [0]  # fmt: skip
+    one = run_on_ranks(generate_body, 1, str(tmp_path), 1, timeout=120)
+    two = run_on_ranks(generate_body, 2, str(tmp_path), 1, "--pipeline-model-parallel-size", "2",
+                       timeout=120)  # fmt: skip
+    assert one[0] == two[0] == two[1]
+    assert one[0].startswith("1 2 3 ") and len(one[0].split()) == 3 + 12
