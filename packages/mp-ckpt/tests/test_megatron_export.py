@@ -129,7 +129,7 @@ def test_cli_writes(tmp_path, capsys):
 
 
 def test_what_export_refuses():
-    from mp_ckpt.megatron.write import _check
+    from mp_ckpt.megatron.export_checks import check_exportable as _check
 
     settings = {"num_attention_heads": 4, "num_query_groups": 2, "num_layers": 2,
                 "vocab_size": 128, "ffn_hidden_size": 64}  # fmt: skip

@@ -1,0 +1,75 @@
+"""What export-megatron refuses, checked before any tensor is written (write.py):
+`check_exportable`, each refusal one line naming the setting or the size at fault."""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+from mp_ckpt.megatron.read import latent_rows
+from mp_ckpt.megatron.settings import MLA_COPIED, held_mtp_modules
+
+__all__ = ["FORMATS", "check_exportable"]
+
+FORMATS = ("torch_dist", "torch")
+"""The checkpoint formats export-megatron writes."""
+
+
+def check_exportable(
+    settings: dict, keys: list[str], tp: int, pp: int, fmt: str, ep: int = 1
+) -> None:
+    """Raises a one-line ValueError naming what the export cannot write: a format, the
+    model (a latent MoE, a hybrid model), multi-token prediction modules that disagree with
+    the settings, or sizes the layout does not divide."""
+    if fmt not in FORMATS:
+        raise ValueError(f"--ckpt-format {fmt!r}: expected torch_dist or torch")
+    if settings.get("moe_latent_size") is not None:
+        raise ValueError(
+            f"moe_latent_size={settings['moe_latent_size']!r}: mp does not write latent MoE "
+            "layers (their fc1_latent_proj and fc2_latent_proj) to Megatron-LM checkpoints"
+        )
+    if settings.get("hybrid_layer_pattern") or any(".mixer." in k for k in keys):
+        raise ValueError(
+            f"hybrid_layer_pattern={settings.get('hybrid_layer_pattern')!r}: mp does not write "
+            "Mamba-hybrid models as Megatron-LM checkpoints (its MambaModel names them otherwise)"
+        )
+    if tp < 1 or pp < 1 or ep < 1:
+        raise ValueError(f"TP={tp}, PP={pp}, EP={ep}: each must be >= 1")
+    modules = {m.group(1) for k in keys if (m := re.match(r"mtp\.layers\.(\d+)\.", k))}
+    if len(modules) != held_mtp_modules(settings):
+        raise ValueError(
+            f"the checkpoint holds {len(modules)} multi-token prediction modules, its "
+            f"model_config mtp_num_layers={settings.get('mtp_num_layers')!r} and "
+            f"mtp_use_repeated_layer={bool(settings.get('mtp_use_repeated_layer'))}"
+        )
+    experts = settings.get("num_moe_experts")
+    if not experts and any(".mlp.experts." in k or ".mlp.router." in k for k in keys):
+        raise ValueError("the checkpoint holds experts but its model_config no num_moe_experts")
+    if experts:
+        if experts % ep:
+            raise ValueError(f"--expert-model-parallel-size {ep} does not divide "
+                             f"num_moe_experts {experts}")  # fmt: skip
+        for name in ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size"):
+            if settings.get(name) and settings[name] % tp:
+                raise ValueError(f"--tensor-model-parallel-size {tp} does not divide {name} "
+                                 f"{settings[name]}")  # fmt: skip
+    elif ep != 1:
+        raise ValueError(f"--expert-model-parallel-size {ep}: the model has no experts")
+    heads, groups = settings["num_attention_heads"], settings["num_query_groups"]
+    layers, vocab = settings["num_layers"], settings["vocab_size"]
+    for what, n in (("num_attention_heads", heads), ("num_query_groups", groups),
+                    ("ffn_hidden_size", settings["ffn_hidden_size"]),
+                    ("the padded vocabulary", vocab)):  # fmt: skip
+        if n % tp:
+            raise ValueError(f"--tensor-model-parallel-size {tp} does not divide {what} {n}")
+    if layers % pp:
+        raise ValueError(f"--pipeline-model-parallel-size {pp} does not divide num_layers "
+                         f"{layers}")  # fmt: skip
+    if fmt == "torch" and settings.get("multi_latent_attention"):
+        # the local spec's down projections are column-parallel: TP splits their rows
+        rows = latent_rows(argparse.Namespace(**{**MLA_COPIED, **settings}))
+        for module, n in rows.items():
+            if n % tp:
+                raise ValueError(f"--tensor-model-parallel-size {tp} does not divide the "
+                                 f"{n} rows of {module} (legacy torch: Megatron's local "
+                                 "spec splits them)")  # fmt: skip
