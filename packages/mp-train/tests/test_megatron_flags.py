@@ -153,6 +153,9 @@ def test_hybrid_pipeline_segments_give_the_virtual_stages():
     assert two.model.num_layers == 4 and two.parallel.virtual_pipeline_model_parallel_size is None
     assert pipeline_segments(two) == [3, 1]
     validate(two, 2)
+    four_stages = dataclasses.replace(two.parallel, virtual_pipeline_model_parallel_size=2)
+    with pytest.raises(ValueError, match="has 2 pipeline segments, not one per virtual stage"):
+        validate(dataclasses.replace(two, parallel=four_stages), 2)
     four = parse_config([*hybrid, *pp2, "--hybrid-layer-pattern", "M|*M|-|M*/*-"])
     assert four.parallel.virtual_pipeline_model_parallel_size == 2
     assert pipeline_segments(four) == [1, 2, 1, 2] and four.model.mtp_num_layers == 1

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from mp_ckpt import CheckpointReader, is_hf_directory
+from mp_layers.config_hybrid import split_hybrid_pattern
 from mp_train.configuration import megatron_aliases, megatron_flags
 from mp_train.configuration.config import RunConfig
 from mp_train.configuration.hf_source import apply_hf_settings
@@ -347,7 +348,7 @@ def _layers_of_hybrid_pattern(values: dict) -> None:
     TransformerConfig checks the two agree."""
     pattern = values["model"].get("hybrid_layer_pattern")
     if isinstance(pattern, str) and "num_layers" not in values["model"]:
-        values["model"]["num_layers"] = len(pattern.split("/")[0].replace("|", ""))
+        values["model"]["num_layers"] = len(split_hybrid_pattern(pattern)[0])
 
 
 def _require_model_fields(values: dict) -> None:

@@ -29,7 +29,7 @@ from mp_layers import TransformerConfig
 from mp_optim import OptimizerConfig
 from mp_pipeline import check_microbatch_group
 from mp_state import ParallelConfig
-from mp_train.configuration.hybrid_pipeline import pipeline_segments
+from mp_train.configuration.hybrid_pipeline import check_segments
 from mp_train.configuration.run_checks import (
     check_initialization,
     check_schedule,
@@ -386,14 +386,8 @@ def validate(config: RunConfig, world_size: int) -> dict[str, int]:
     vpp = parallel.virtual_pipeline_model_parallel_size
     pp = parallel.pipeline_model_parallel_size
     layers = model.num_layers
-    segments = pipeline_segments(config)
-    if segments is not None and len(segments) != pp * (vpp or 1):
-        raise ValueError(
-            f"hybrid_layer_pattern={model.hybrid_layer_pattern!r} has {len(segments)} pipeline "
-            f"segments, not one per virtual stage: pipeline_model_parallel_size={pp} x "
-            f"virtual_pipeline_model_parallel_size={vpp or 1}"
-        )
-    if segments is None and layers % (pp * (vpp or 1)):
+    segmented = check_segments(config)
+    if not segmented and layers % (pp * (vpp or 1)):
         raise ValueError(
             f"num_layers={layers} is not divisible by pipeline_model_parallel_size={pp} x "
             f"virtual_pipeline_model_parallel_size={vpp or 1}"

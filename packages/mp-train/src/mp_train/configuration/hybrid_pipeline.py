@@ -20,7 +20,7 @@ from mp_layers import hybrid_pipeline_segments
 if TYPE_CHECKING:
     from mp_train.configuration.config import RunConfig
 
-__all__ = ["derive_virtual_stages", "pipeline_segments"]
+__all__ = ["check_segments", "derive_virtual_stages", "pipeline_segments"]
 
 
 def pipeline_segments(config: RunConfig) -> list[int] | None:
@@ -29,6 +29,24 @@ def pipeline_segments(config: RunConfig) -> list[int] | None:
     if config.parallel.pipeline_model_parallel_size == 1:
         return None
     return hybrid_pipeline_segments(config.model)
+
+
+def check_segments(config: RunConfig) -> bool:
+    """Whether the pattern's segments place the layers (pipeline_segments); raises a
+    ValueError unless there is one per virtual stage (a RunConfig not made by the parser,
+    whose derive_virtual_stages sees to it)."""
+    segments = pipeline_segments(config)
+    if segments is None:
+        return False
+    pp = config.parallel.pipeline_model_parallel_size
+    vpp = config.parallel.virtual_pipeline_model_parallel_size or 1
+    if len(segments) != pp * vpp:
+        raise ValueError(
+            f"hybrid_layer_pattern={config.model.hybrid_layer_pattern!r} has {len(segments)} "
+            f"pipeline segments, not one per virtual stage: pipeline_model_parallel_size={pp} "
+            f"x virtual_pipeline_model_parallel_size={vpp}"
+        )
+    return True
 
 
 def derive_virtual_stages(values: dict[str, dict[str, Any]]) -> None:
