@@ -11,7 +11,12 @@ ModelGroups and GPTModel.
 
 from mp_layers import context_parallel, moe, tensor_parallel
 from mp_layers.config import TransformerConfig
-from mp_layers.config_hybrid import hybrid_layer_kinds, hybrid_pipeline_segments, mamba_widths
+from mp_layers.config_hybrid import (
+    hybrid_layer_kinds,
+    hybrid_pipeline_segments,
+    mamba_widths,
+    split_hybrid_pattern,
+)
 from mp_layers.config_mtp import mtp_layer_kinds
 from mp_layers.context_parallel import shard_sequence
 from mp_layers.fp8 import check_fp8_device
@@ -94,6 +99,7 @@ __all__ = [
     "scatter_to_tensor_model_parallel_region",
     "shard_sequence",
     "skipping_draws",
+    "split_hybrid_pattern",
     "tensor_parallel",
     "tensor_parallel_dropout",
     "vocab_parallel_cross_entropy",

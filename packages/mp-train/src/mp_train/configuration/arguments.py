@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from mp_ckpt import CheckpointReader, is_hf_directory
-from mp_layers.config_hybrid import split_hybrid_pattern
+from mp_layers import split_hybrid_pattern
 from mp_train.configuration import megatron_aliases, megatron_flags
 from mp_train.configuration.config import RunConfig
 from mp_train.configuration.hf_source import apply_hf_settings
