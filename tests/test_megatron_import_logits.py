@@ -2,8 +2,9 @@
 megatron-core computed with it (packages/mp-ckpt/tests/assets/megatron/*/reference.pt),
 the DeepSeek-shaped ones (multi-latent attention, DeepSeek's MoE) and the Llama 4-shaped
 one (interleaved rotary pairs with Llama 3's scaling, NoPE layers, L2-normalized queries
-and keys, top-1 routing weights on the experts' input) too, and the losses of the
-multi-token prediction module one of them has."""
+and keys, top-1 routing weights on the experts' input) and the Nemotron-H-shaped hybrid
+(Mamba, attention, MLP and MoE layers) too, and the losses of the multi-token prediction
+module one of them has; exported to Hugging Face, transformers computes the same logits."""
 
 import dataclasses
 from pathlib import Path
@@ -25,7 +26,8 @@ ASSETS = Path(__file__).resolve().parents[1] / "packages/mp-ckpt/tests/assets/me
                                   "llama_torch_dist_tp2_dp2_distopt",
                                   "mla_moe_torch_dist_tp2",
                                   "mla_moe_mtp_torch_tp2_ep2",
-                                  "llama4_moe_torch_dist_tp2"])  # fmt: skip
+                                  "llama4_moe_torch_dist_tp2",
+                                  "hybrid_torch_dist_tp2", "hybrid_torch_tp2"])  # fmt: skip
 def test_imported_megatron_checkpoint_gives_megatron_logits(case, tmp_path):
     out = import_megatron(ASSETS / case, tmp_path / "mp")
     settings = torch.load(out / "common.pt", weights_only=False)["model_config"]
@@ -52,14 +54,19 @@ def test_imported_megatron_checkpoint_gives_megatron_logits(case, tmp_path):
 @pytest.mark.parametrize(("case", "arch"), [("llama_torch_dist_tp2_distopt", "llama"),
                                             ("llama_torch_pp2", "llama"),
                                             ("gpt2_torch_dist_tp1", "gpt2"),
-                                            ("moe_torch_dist_ep2", "qwen2_moe")])  # fmt: skip
+                                            ("moe_torch_dist_ep2", "qwen2_moe"),
+                                            ("hybrid_torch_tp2", "nemotron_h")])  # fmt: skip
 def test_an_imported_megatron_checkpoint_exports_to_transformers_with_megatron_logits(
     case, arch, tmp_path
 ):
     transformers = pytest.importorskip("transformers")
     import_megatron(ASSETS / case, tmp_path / "mp")
     export_hf(tmp_path / "mp", tmp_path / "hf", arch)
-    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    # transformers clamps a Mamba mixer's time step at time_step_min, megatron-core does not
+    # (nemotron_h.py): the fixture's dt + dt_bias falls below where the default 0.001 acts
+    unclamped = {"time_step_min": 0.0} if arch == "nemotron_h" else {}
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", **unclamped)
+    model.eval()
     reference = safe_load(ASSETS / case / "reference.pt")
     with torch.no_grad():
         logits = model(reference["tokens"]).logits

@@ -14,7 +14,7 @@ import re
 import pytest
 import torch
 
-from mp_ckpt import Checkpointer, ShardedTensor
+from mp_ckpt import Checkpointer, CheckpointReader, ShardedTensor, import_megatron
 from mp_ckpt.families import family, family_of
 from mp_ckpt.families.table import Dims, split_hybrid_pattern
 from mp_ckpt.hf import export_hf, logical_from_hf, model_config_from_hf
@@ -193,15 +193,22 @@ def test_a_tied_output_layer_exports_as_a_copy_of_the_embedding(tmp_path):
     assert torch.equal(back["output_layer.weight"], logical["embedding.word_embeddings.weight"])
 
 
-def test_the_megatron_conversions_refuse_hybrid_models(tmp_path):
+def test_a_nemotron_h_model_goes_to_megatron_and_back_exactly(tmp_path):
+    """Hugging Face -> mp -> Megatron-LM (torch_dist, HybridModel's files at TP2) -> mp."""
     settings = model_config_from_hf(CONFIG)
     logical = logical_from_hf(saved_state(CONFIG), CONFIG)
-    with pytest.raises(ValueError, match="Mamba-hybrid"):
-        export_megatron(checkpoint(tmp_path, logical, settings), tmp_path / "megatron")
-    args = argparse.Namespace(num_attention_heads=4, hidden_size=H, num_layers=4,
-                              is_hybrid_model=True, hybrid_override_pattern="M-*E")  # fmt: skip
-    with pytest.raises(ValueError, match="is_hybrid_model=True: mp does not import"):
-        model_config_from_megatron(args, VOCAB)
+    export_megatron(checkpoint(tmp_path, logical, settings), tmp_path / "megatron",
+                    tensor_model_parallel_size=2)  # fmt: skip
+    import_megatron(tmp_path / "megatron", tmp_path / "back")
+    reader = CheckpointReader(tmp_path / "back")
+    assert sorted(reader.keys) == sorted(logical)
+    for key, tensor in logical.items():
+        assert torch.equal(reader.read(key), tensor), key
+    back = torch.load(reader.directory / "common.pt", weights_only=False)["model_config"]
+    for name in ("hybrid_layer_pattern", "mamba_num_heads", "mamba_head_dim",
+                 "mamba_num_groups", "mamba_state_dim", "num_moe_experts",
+                 "moe_router_topk_scaling_factor", "moe_router_enable_expert_bias"):  # fmt: skip
+        assert back[name] == settings[name], name
 
 
 # --- multi-token prediction ---------------------------------------------------------------
@@ -320,7 +327,8 @@ def test_the_megatron_conversions_refuse_hybrid_models_with_multi_token_predicti
     config = mtp_config("*E", 1)
     settings = model_config_from_hf(config)
     logical = logical_from_hf(saved_state(CONFIG, "*E", 1), config)
-    with pytest.raises(ValueError, match=r"hybrid_layer_pattern='M-\*E/\*E'.*Mamba-hybrid"):
+    message = r"hybrid_layer_pattern='M-\*E/\*E': mp does not write a hybrid model's multi-token"
+    with pytest.raises(ValueError, match=message):
         export_megatron(checkpoint(tmp_path, logical, settings), tmp_path / "megatron")
     args = argparse.Namespace(num_attention_heads=4, hidden_size=H, num_layers=4,
                               mtp_num_layers=1, hybrid_layer_pattern="M-*E/*E")  # fmt: skip

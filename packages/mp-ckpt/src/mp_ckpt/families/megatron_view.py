@@ -25,12 +25,25 @@ v; E the experts, F an MLP's width, h the hidden size):
     "qkv"  linear_qkv [groups x (heads per group + 2) x d, ...]: per query group its
            query heads, then its key, then its value (Megatron's interleaving)
     "glu"  a gated fc1 [gate; up]: [2F, h] on dim 0, the experts' [E, 2F, h] on dim 1
+    "mamba" a Mamba mixer's in_proj [z; x; B; C; dt] or conv1d [x; B; C] (weight
+           [rows, 1, K] and bias): mp's parts mixer.in_proj.{z,x,B,C,dt}.weight and
+           mixer.conv1d.{x,B,C}.{weight,bias}, each [G, rows of a group, ...] (the same
+           memory order; conv1d's weight without its channel dim of 1). torch_dist keeps
+           the parts as keys of their own (X.z, X.x, ...; `split_parts`)
     None   one mp tensor, as it is (perhaps renamed)
 
 Transformer Engine's layer specs fuse a layer's norms into the next linear layer:
 input_layernorm is saved as self_attention.linear_qkv.layer_norm_*, pre_mlp_layernorm
 as mlp.linear_fc1.layer_norm_* (`te`). Megatron's local spec saves them under these
 names too in torch_dist (its sharded_state_dict_keys_map), so `dist` is `te`.
+
+A hybrid model (HybridModel, Transformer Engine's spec, the only one megatron-core builds
+it with by default) fuses each layer's norm into the next linear layer: a Mamba layer's
+norm.weight as mixer.in_proj.layer_norm_weight, an attention layer's and an MLP layer's
+as above, while a MoE layer keeps pre_mlp_layernorm apart. The local hybrid spec
+(post_training.modelopt) saves the layers' own names in the legacy format and the TE
+names in torch_dist. Both are read; a torch_dist export writes both names (`dist`), as
+for multi-latent attention.
 
 Multi-latent attention differs (megatron-core's gpt_layer_specs): the local spec keeps
 every module's own name in torch_dist (input_layernorm, pre_mlp_layernorm, q_layernorm,
@@ -58,15 +71,21 @@ from mp_ckpt.families.table import Dims, Family, Rule, Scope
 
 __all__ = ["MegatronTensor", "MegatronView", "megatron_name", "megatron_view", "split_name"]
 
-Fusion = Literal["qkv", "glu"]
+Fusion = Literal["qkv", "glu", "mamba"]
 Where = Literal["model", "layer", "mtp"]
 _LAYER_KEY = re.compile(r"^(decoder\.layers\.\d+\.|mtp\.layers\.\d+\.transformer_layer\.)(.+)$")
 _MTP_KEY = re.compile(r"^(mtp\.layers\.\d+\.)(.+)$")
-_FUSIONS: dict[tuple[str, ...], Fusion] = {("q", "k", "v"): "qkv", ("gate", "up"): "glu"}
+_FUSIONS: dict[tuple[str, ...], Fusion] = {
+    ("q", "k", "v"): "qkv", ("gate", "up"): "glu",
+    ("z", "x", "B", "C", "dt"): "mamba", ("x", "B", "C"): "mamba",
+}  # fmt: skip
 # mp keeps the experts stacked on dim 0: their [gate; up] is on dim 1
 _STACKED = "mlp.experts."
 _TE_NORMS = {"input_layernorm": "self_attention.linear_qkv.layer_norm_",
-             "pre_mlp_layernorm": "mlp.linear_fc1.layer_norm_"}  # fmt: skip
+             "pre_mlp_layernorm": "mlp.linear_fc1.layer_norm_",
+             "norm": "mixer.in_proj.layer_norm_"}  # fmt: skip
+"""A layer's norm -> the Transformer Engine linear layer it is fused into ("norm": a hybrid
+model's Mamba layer's; no other layer has one of that name)."""
 _MLA_TE_NORMS = {
     "pre_mlp_layernorm": "mlp.linear_fc1.layer_norm_",
     "self_attention.q_layernorm": "self_attention.linear_q_up_proj.layer_norm_",
@@ -114,11 +133,33 @@ class MegatronTensor:
     def dist_names(self) -> tuple[str, ...]:
         return self.dist or (self.name,)
 
+    @property
+    def split_parts(self) -> tuple[str, ...]:
+        """The parts torch_dist keeps as keys of their own, `name`.<part> (a Mamba mixer's
+        fused tensors); () for none."""
+        if self.fusion != "mamba":
+            return ()
+        return tuple(mp_name.rsplit(".", 2)[1] for mp_name in self.mp)
+
+    def part_rows(self, dims: Dims) -> list[int]:
+        """The rows of each part of a "mamba" fusion, in `mp` order."""
+        inner = dims.mamba_heads * dims.mamba_head_dim
+        states = dims.mamba_groups * dims.mamba_state
+        rows = {"z": inner, "x": inner, "B": states, "C": states, "dt": dims.mamba_heads}
+        return [rows[part] for part in self.split_parts]
+
     def mp_shapes(self, shape: Sequence[int], dims: Dims) -> list[tuple[int, ...]]:
         """The shapes of mp's tensors cut from a Megatron tensor of `shape`."""
         shape = tuple(shape)
         if self.fusion is None:
             return [shape]
+        if self.fusion == "mamba":
+            rows, groups = self.part_rows(dims), dims.mamba_groups
+            if shape[0] != sum(rows) or any(n % groups for n in rows):
+                raise ValueError(f"has {shape[0]} rows; the Mamba widths make {rows} in "
+                                 f"{groups} groups")  # fmt: skip
+            tail = _conv_tail(shape)
+            return [(groups, n // groups, *tail) for n in rows]
         if self.fusion == "glu":
             first, second = list(shape), list(shape)
             first[self.dim] -= shape[self.dim] // 2  # torch.chunk's first half
@@ -139,6 +180,9 @@ class MegatronTensor:
             return tensor
         if self.fusion == "glu":
             return tensor.chunk(2, dim=self.dim)[j]
+        if self.fusion == "mamba":
+            part = tensor.split(self.part_rows(dims))[j]
+            return part.reshape(dims.mamba_groups, -1, *_conv_tail(tensor.shape))
         fused = tensor.reshape(dims.groups, dims.per_group + 2, dims.head_dim, *tensor.shape[1:])
         return fused[:, : dims.per_group] if j == 0 else fused[:, dims.per_group + j - 1]
 
@@ -149,9 +193,21 @@ class MegatronTensor:
             return tensor
         if self.fusion == "glu":
             return torch.cat(list(tensors), dim=self.dim).contiguous()
+        if self.fusion == "mamba":
+            whole = torch.cat([t.reshape(-1, *t.shape[2:]) for t in tensors])
+            # conv1d's weight [channels, 1, K] (a depthwise Conv1d's)
+            conv = self.name.endswith("conv1d.weight") and whole.dim() == 2
+            return (whole.unsqueeze(1) if conv else whole).contiguous()
         q, k, v = tensors
         whole = torch.cat([q, k.unsqueeze(1), v.unsqueeze(1)], dim=1)
         return whole.reshape(-1, *q.shape[3:]).contiguous()
+
+
+def _conv_tail(shape: Sequence[int]) -> tuple[int, ...]:
+    """The dims after the rows of mp's part of a fused Mamba tensor of `shape`: conv1d's
+    weight [rows, 1, K] gives (K,), in_proj's weight [rows, h] gives (h,), a bias ()."""
+    tail = tuple(shape[1:])
+    return tail[1:] if len(tail) == 2 and tail[0] == 1 else tail
 
 
 class MegatronView:
@@ -198,24 +254,30 @@ def megatron_view(settings: dict, family: Family | None = None) -> MegatronView:
     for rule in rules:
         for mp_name in rule.mp:
             key = (_where(rule.scope), megatron_name(rule, mp_name))
-            grouped.setdefault(key, []).append((mp_name, rule.scope))
-    return MegatronView(tuple(_tensor(name, held, mla) for (_, name), held in grouped.items()))
+            held = grouped.setdefault(key, [])
+            if all(mp_name != name for name, _ in held):  # one tensor of several layer kinds
+                held.append((mp_name, rule.scope))
+    both = mla or bool(settings.get("hybrid_layer_pattern"))
+    return MegatronView(
+        tuple(_tensor(name, held, mla, both) for (_, name), held in grouped.items())
+    )
 
 
-def _tensor(name: str, held: list[tuple[str, Scope]], mla: bool) -> MegatronTensor:
+def _tensor(name: str, held: list[tuple[str, Scope]], mla: bool, both: bool) -> MegatronTensor:
+    """both: torch_dist holds a fused norm under both names (module docstring)."""
     scope = held[0][1]
     module, _, part = name.rpartition(".")
     te_norms = _MLA_TE_NORMS if mla else _TE_NORMS
     te = te_norms[module] + part if module in te_norms else None
     if len(held) == 1:
-        dist = (name, te) if mla and te else (te or name,)
+        dist = (name, te) if both and te else (te or name,)
         return MegatronTensor(name, (held[0][0],), scope, te=te, dist=dist)
     # the pieces of one fused tensor: <mp module>.<piece>.<part> each
     pieces = {mp_name.rsplit(".", 2)[1]: mp_name for mp_name, _ in held}
     order = next((o for o in _FUSIONS if set(o) == set(pieces) and len(o) == len(held)), None)
     if order is None:
         raise ValueError(f"Megatron's {name} would hold {sorted(pieces.values())}: neither "
-                         "q, k and v nor gate and up")  # fmt: skip
+                         "q, k and v, gate and up, nor a Mamba mixer's parts")  # fmt: skip
     mp = tuple(pieces[p] for p in order)
     dim = 1 if mp[0].startswith(_STACKED) else 0
     return MegatronTensor(name, mp, scope, _FUSIONS[order], dim)

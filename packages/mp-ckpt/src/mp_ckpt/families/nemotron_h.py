@@ -178,26 +178,28 @@ _M = _L + "mixer."
 _MTP = "mtp.layers.{i}."
 RULES = (
     Rule(("embedding.word_embeddings.weight",), "backbone.embeddings.weight", "model"),
-    Rule(("decoder.final_layernorm.weight",), "backbone.norm_f.weight", "model"),
+    Rule(("decoder.final_layernorm.weight",), "backbone.norm_f.weight", "model",
+         megatron="decoder.final_norm"),
     Rule(("output_layer.weight",), "lm_head.weight", "model", when=_untied),
     Rule(("embedding.word_embeddings.weight",), "lm_head.weight", "model", when=_tied,
          model_copy=True),
     # M: the Mamba mixer
     Rule(("norm.weight",), _L + "norm.weight", "mamba"),
     Rule(tuple(f"mixer.in_proj.{p}.weight" for p in _IN_PROJ), _M + "in_proj.weight", "mamba",
-         to_mp=_grouped(_IN_PROJ), to_hf=_fused()),
+         to_mp=_grouped(_IN_PROJ), to_hf=_fused(), megatron="mixer.in_proj"),
     Rule(tuple(f"mixer.conv1d.{p}.weight" for p in _CONV), _M + "conv1d.weight", "mamba",
-         to_mp=_grouped(_CONV), to_hf=_fused(conv=True)),
+         to_mp=_grouped(_CONV), to_hf=_fused(conv=True), megatron="mixer.conv1d"),
     Rule(tuple(f"mixer.conv1d.{p}.bias" for p in _CONV), _M + "conv1d.bias", "mamba",
-         to_mp=_grouped(_CONV), to_hf=_fused()),
+         to_mp=_grouped(_CONV), to_hf=_fused(), megatron="mixer.conv1d"),
     *(Rule((f"mixer.{n}",), _M + n, "mamba")
       for n in ("dt_bias", "A_log", "D", "norm.weight", "out_proj.weight")),
     # *: attention
     Rule(("input_layernorm.weight",), _L + "norm.weight", "attention"),
     Rule(("self_attention.linear_qkv.q.weight",), _M + "q_proj.weight", "attention",
-         to_mp=q_heads, to_hf=heads_flat),
+         to_mp=q_heads, to_hf=heads_flat, megatron="self_attention.linear_qkv"),
     *(Rule((f"self_attention.linear_qkv.{p}.weight",), f"{_M}{p}_proj.weight", "attention",
-           to_mp=kv_heads, to_hf=heads_flat) for p in "kv"),
+           to_mp=kv_heads, to_hf=heads_flat, megatron="self_attention.linear_qkv")
+      for p in "kv"),
     Rule(("self_attention.linear_proj.weight",), _M + "o_proj.weight", "attention"),
     # -: a dense MLP
     Rule(("pre_mlp_layernorm.weight",), _L + "norm.weight", "dense"),
@@ -208,8 +210,10 @@ RULES = (
     Rule(("mlp.router.weight",), _M + "gate.weight", "moe"),
     Rule(("mlp.router.expert_bias",), _M + "gate.e_score_correction_bias", "moe",
          keep_dtype=True),
-    Rule(("mlp.experts.linear_fc1.weight",), _M + "experts.{e}.up_proj.weight", "moe"),
-    Rule(("mlp.experts.linear_fc2.weight",), _M + "experts.{e}.down_proj.weight", "moe"),
+    Rule(("mlp.experts.linear_fc1.weight",), _M + "experts.{e}.up_proj.weight", "moe",
+         megatron="mlp.experts.experts.linear_fc1"),
+    Rule(("mlp.experts.linear_fc2.weight",), _M + "experts.{e}.down_proj.weight", "moe",
+         megatron="mlp.experts.experts.linear_fc2"),
     Rule(("mlp.shared_experts.linear_fc1.weight",), _M + "shared_experts.up_proj.weight", "moe"),
     Rule(("mlp.shared_experts.linear_fc2.weight",), _M + "shared_experts.down_proj.weight",
          "moe"),

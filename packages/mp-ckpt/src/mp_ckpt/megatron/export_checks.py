@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import re
 
+from mp_ckpt.families.table import Dims
 from mp_ckpt.megatron.read import latent_rows
 from mp_ckpt.megatron.settings import MLA_COPIED, held_mtp_modules
 
@@ -19,7 +20,8 @@ def check_exportable(
     settings: dict, keys: list[str], tp: int, pp: int, fmt: str, ep: int = 1
 ) -> None:
     """Raises a one-line ValueError naming what the export cannot write: a format, the
-    model (a latent MoE, a hybrid model), multi-token prediction modules that disagree with
+    model (a latent MoE, a hybrid model in the legacy format or with multi-token
+    prediction), multi-token prediction modules that disagree with
     the settings, or sizes the layout does not divide."""
     if fmt not in FORMATS:
         raise ValueError(f"--ckpt-format {fmt!r}: expected torch_dist or torch")
@@ -28,13 +30,10 @@ def check_exportable(
             f"moe_latent_size={settings['moe_latent_size']!r}: mp does not write latent MoE "
             "layers (their fc1_latent_proj and fc2_latent_proj) to Megatron-LM checkpoints"
         )
-    if settings.get("hybrid_layer_pattern") or any(".mixer." in k for k in keys):
-        raise ValueError(
-            f"hybrid_layer_pattern={settings.get('hybrid_layer_pattern')!r}: mp does not write "
-            "Mamba-hybrid models as Megatron-LM checkpoints (its MambaModel names them otherwise)"
-        )
     if tp < 1 or pp < 1 or ep < 1:
         raise ValueError(f"TP={tp}, PP={pp}, EP={ep}: each must be >= 1")
+    if settings.get("hybrid_layer_pattern") or any(".mixer." in k for k in keys):
+        _check_hybrid(settings, tp, fmt)
     modules = {m.group(1) for k in keys if (m := re.match(r"mtp\.layers\.(\d+)\.", k))}
     if len(modules) != held_mtp_modules(settings):
         raise ValueError(
@@ -73,3 +72,27 @@ def check_exportable(
                 raise ValueError(f"--tensor-model-parallel-size {tp} does not divide the "
                                  f"{n} rows of {module} (legacy torch: Megatron's local "
                                  "spec splits them)")  # fmt: skip
+
+
+def _check_hybrid(settings: dict, tp: int, fmt: str) -> None:
+    """A hybrid model goes to torch_dist (megatron-core's HybridModel loads the legacy files
+    only under its spec's module names), without multi-token prediction modules, its
+    Mamba heads and groups divided by TP (megatron-core's MambaMixer splits both)."""
+    pattern = settings.get("hybrid_layer_pattern")
+    if not pattern:
+        raise ValueError("the checkpoint holds Mamba mixers but its model_config no "
+                         "hybrid_layer_pattern")  # fmt: skip
+    if fmt != "torch_dist":
+        raise ValueError(f"hybrid_layer_pattern={pattern!r}: mp writes hybrid models as "
+                         "torch_dist Megatron-LM checkpoints, not legacy torch ones")  # fmt: skip
+    if "/" in pattern:
+        raise ValueError(
+            f"hybrid_layer_pattern={pattern!r}: mp does not write a hybrid model's "
+            "multi-token prediction modules to Megatron-LM checkpoints"
+        )
+    if "M" in pattern:
+        dims = Dims.of(settings)
+        for what, n in (("mamba_num_heads", dims.mamba_heads),
+                        ("mamba_num_groups", dims.mamba_groups)):  # fmt: skip
+            if n % tp:
+                raise ValueError(f"--tensor-model-parallel-size {tp} does not divide {what} {n}")

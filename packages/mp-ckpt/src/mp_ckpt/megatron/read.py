@@ -32,6 +32,14 @@ that takes one tensor at a time holds one tensor at a time:
   Megatron's local spec (joined on rows) and whole on every rank in the TE spec
   (a rank holding all q_lora_rank, or kv_lora_rank + qk_pos_emb_head_dim, rows).
 
+A hybrid model's (HybridModel's) Mamba mixers: torch_dist keeps the parts of in_proj
+(z, x, B, C, dt) and of conv1d (x, B, C) as keys of their own (mixer.in_proj.weight.z,
+...), which are joined here into the whole fused tensor, [z; x; B; C; dt] on rows; the
+legacy files hold each rank's [z_r; x_r; B_r; C_r; dt_r] (its heads' and groups' rows of
+each part) and conv1d as mixer.conv1d_weight / conv1d_bias, joined part by part and
+named mixer.conv1d.weight / .bias as in torch_dist; A_log, D, dt_bias and the gated norm
+are split on rows, out_proj on columns.
+
 - torch_dist reads one layer's chunks of a stacked key (DCP reads the stored
   chunks that overlap it straight into the tensor); legacy torch maps the rank
   files (torch.load mmap) and joins one tensor's TP pieces, paged in then.
@@ -65,6 +73,7 @@ __all__ = [
     "global_expert_name",
     "latent_rows",
     "legacy_rank_files",
+    "mamba_parts",
     "read_megatron",
     "resolve_megatron",
     "tp_piece",
@@ -89,7 +98,16 @@ _COLUMN = re.compile(
 )
 # Multi-latent attention's down projections: TP-split by the local spec, whole under TE's.
 _DOWN = re.compile(r"\.(linear_q_down_proj|linear_kv_down_proj)\.weight$")
-_ROW = re.compile(r"(linear_proj|linear_fc2)\.weight$")
+_ROW = re.compile(r"(linear_proj|linear_fc2|mixer\.out_proj)\.weight$")
+# A Mamba mixer's per-head (or per-channel) tensors, split on rows over TP
+_MAMBA_ROWS = re.compile(r"\.mixer\.(A_log|D|dt_bias|norm\.weight)$")
+# A Mamba mixer's fused tensors: in_proj and conv1d (each rank: [part_r; part_r; ...])
+_MAMBA_FUSED = re.compile(r"\.mixer\.(in_proj|conv1d)[._](weight|bias)$")
+# torch_dist's parts of them: mixer.in_proj.weight.z, mixer.conv1d.bias.x, ...
+_MAMBA_PART = re.compile(r"^(.+\.mixer\.(in_proj|conv1d)\.(?:weight|bias))\.(z|x|B|C|dt)$")
+_PART_ORDER = {"in_proj": ("z", "x", "B", "C", "dt"), "conv1d": ("x", "B", "C")}
+# The legacy files' names of conv1d's tensors (the mixer holds them itself)
+_LEGACY_CONV = re.compile(r"\.mixer\.conv1d_(weight|bias)$")
 
 
 class MegatronTensors(Mapping):
@@ -223,8 +241,36 @@ def _read_torch_dist(directory: Path, iteration: int) -> MegatronModel:
         else:
             read = functools.partial(_read_dist_box, directory, key, shape, dtype)
             tensors.add(key, shape, dtype, read)
-    return MegatronModel(directory, iteration, args, "torch_dist", tensors,
+    return MegatronModel(directory, iteration, args, "torch_dist", _join_mamba_parts(tensors),
                          common.get("checkpoint_version"))  # fmt: skip
+
+
+def _join_mamba_parts(tensors: MegatronTensors) -> MegatronTensors:
+    """The tensors with each Mamba mixer's in_proj and conv1d parts (torch_dist's keys
+    X.z, X.x, ...) joined into X, the parts on rows in their fused order."""
+    parts: dict[str, dict[str, str]] = {}
+    for key in tensors:
+        match = _MAMBA_PART.match(key)
+        if match:
+            parts.setdefault(match.group(1), {})[match.group(3)] = key
+    out = MegatronTensors()
+    for key in tensors:
+        match = _MAMBA_PART.match(key)
+        if match is None:
+            out.add(key, tensors.shape(key), tensors.dtype(key), lambda k=key: tensors[k])
+            continue
+        name, order = match.group(1), _PART_ORDER[match.group(2)]
+        if name in out:
+            continue
+        if sorted(parts[name]) != sorted(order):
+            raise ValueError(f"{name}: torch_dist holds its parts {sorted(parts[name])}, "
+                             f"expected {', '.join(order)}")  # fmt: skip
+        keys = [parts[name][p] for p in order]
+        shapes = [tensors.shape(k) for k in keys]
+        rows = sum(shape[0] for shape in shapes)
+        out.add(name, (rows, *shapes[0][1:]), tensors.dtype(keys[0]),
+                lambda ks=keys: torch.cat([tensors[k] for k in ks]))  # fmt: skip
+    return out
 
 
 def _read_dist_box(directory: Path, key: str, shape, dtype, layer: int | None = None):
@@ -304,6 +350,7 @@ def _read_torch(directory: Path, iteration: int) -> MegatronModel:
     local_experts = (getattr(args, "num_experts", None) or 0) // ep
     swiglu = gated(args)
     down_rows = latent_rows(args)
+    parts = mamba_parts(args)
     checkpoint_version = None
     tensors = MegatronTensors()
     offset = 0
@@ -332,12 +379,13 @@ def _read_torch(directory: Path, iteration: int) -> MegatronModel:
                 name = _MTP_MODEL_LAYER.sub(
                     r"\1transformer_layer.", global_expert_name(key, e, local_experts)
                 )
+                name = _LEGACY_CONV.sub(r".mixer.conv1d.\1", name)
                 match = _LAYER.match(name)
                 if match:
                     name = f"decoder.layers.{int(match.group(1)) + offset}.{match.group(2)}"
                 whole = _whole_rows(key, down_rows)
-                joined = _join(key, pieces, swiglu, whole)
-                read = functools.partial(_read_rank_tensor, paths, key, swiglu, whole)
+                joined = _join(key, pieces, swiglu, whole, parts)
+                read = functools.partial(_read_rank_tensor, paths, key, swiglu, whole, parts)
                 tensors.add(name, joined.shape, joined.dtype, read)
         offset += len(stage_layers)
     return MegatronModel(directory, iteration, args, "torch", tensors, checkpoint_version)
@@ -367,18 +415,38 @@ def latent_rows(args) -> dict[str, int]:
     return {"linear_kv_down_proj": kv} | ({"linear_q_down_proj": q} if q else {})
 
 
+def mamba_parts(args) -> dict[str, list[int]]:
+    """The rows of each part of a Mamba mixer's fused in_proj (z, x, B, C, dt) and conv1d
+    (x, B, C), all TP ranks together, under Megatron's defaults ({} without Mamba layers)."""
+    pattern = _arg_pattern(args)
+    if "M" not in pattern:
+        return {}
+    head_dim = getattr(args, "mamba_head_dim", None) or 64
+    heads = getattr(args, "mamba_num_heads", None) or 2 * args.hidden_size // head_dim
+    inner = heads * head_dim
+    states = (getattr(args, "mamba_num_groups", None) or 8) * (
+        getattr(args, "mamba_state_dim", None) or 128
+    )
+    return {"in_proj": [inner, inner, states, states, heads], "conv1d": [inner, states, states]}
+
+
+def _arg_pattern(args) -> str:
+    return (getattr(args, "hybrid_layer_pattern", None)
+            or getattr(args, "hybrid_override_pattern", None) or "")  # fmt: skip
+
+
 def _whole_rows(key: str, down_rows: dict[str, int]) -> int | None:
     match = _DOWN.search(key)
     return down_rows.get(match.group(1)) if match else None
 
 
 def _read_rank_tensor(
-    paths: list[Path], key: str, swiglu: bool, whole: int | None = None
+    paths: list[Path], key: str, swiglu: bool, whole: int | None = None, parts=None
 ) -> torch.Tensor:
     """One tensor joined from the TP ranks' files (mapped: only its pages are read; the
     mappings close when this returns)."""
     pieces = [safe_load(path, mmap=True)["model"][key] for path in paths]
-    joined = _join(key, pieces, swiglu, whole)
+    joined = _join(key, pieces, swiglu, whole, parts)
     if any(joined.untyped_storage().data_ptr() == p.untyped_storage().data_ptr()
            for p in pieces):  # fmt: skip
         joined = joined.clone()  # a view of a mapped file: a tensor of its own
@@ -388,30 +456,46 @@ def _read_rank_tensor(
 def _tp_split(key: str, swiglu: bool) -> int | str | None:
     """How tensor parallelism splits a Megatron tensor (its local spec): on rows (0: the
     column-parallel linear_qkv, linear_fc1 and MLA projections, the embedding and output
-    layer), on columns (1: the row-parallel weights), "glu" (a gated fc1: each rank
-    [gate_r; up_r]) or not (None)."""
+    layer, a Mamba mixer's per-head tensors), on columns (1: the row-parallel weights),
+    "glu" (a gated fc1: each rank [gate_r; up_r]), "parts" (a Mamba mixer's in_proj or
+    conv1d: each rank its rows of every part) or not (None)."""
     if swiglu and re.search(r"linear_fc1\.(weight|bias)$", key):
         return "glu"
-    if _COLUMN.search(key) or key.endswith(("word_embeddings.weight", "output_layer.weight")):
+    if _MAMBA_FUSED.search(key):
+        return "parts"
+    if (_COLUMN.search(key) or _MAMBA_ROWS.search(key)
+            or key.endswith(("word_embeddings.weight", "output_layer.weight"))):  # fmt: skip
         return 0
     return 1 if _ROW.search(key) else None
 
 
+def _part_rows(key: str, parts: dict[str, list[int]] | None) -> list[int]:
+    """The rows of each part of a Mamba mixer's fused tensor `key`, all ranks together."""
+    module = _MAMBA_FUSED.search(key).group(1)
+    if not parts:
+        raise ValueError(f"{key}: a Mamba mixer's tensor, but the args describe no Mamba layers")
+    return parts[module]
+
+
 def _join(
-    key: str, pieces: list[torch.Tensor], swiglu: bool, whole: int | None = None
+    key: str, pieces: list[torch.Tensor], swiglu: bool, whole: int | None = None, parts=None
 ) -> torch.Tensor:
     """One tensor from its TP pieces (rank order). whole: the rows of an MLA down
-    projection, which TE's spec keeps whole on every rank."""
+    projection, which TE's spec keeps whole on every rank; parts: mamba_parts(args)."""
     if len(pieces) == 1 or (whole is not None and pieces[0].shape[0] == whole):
         return pieces[0]
     split = _tp_split(key, swiglu)
     if split == "glu":
         halves = [p.chunk(2, dim=0) for p in pieces]
         return torch.cat([h[0] for h in halves] + [h[1] for h in halves])
+    if split == "parts":
+        rows = [n // len(pieces) for n in _part_rows(key, parts)]
+        split_pieces = [p.split(rows) for p in pieces]
+        return torch.cat([torch.cat([p[j] for p in split_pieces]) for j in range(len(rows))])
     return pieces[0] if split is None else torch.cat(pieces, dim=split)
 
 
-def tp_piece(key: str, tensor: torch.Tensor, rank: int, size: int, swiglu: bool):
+def tp_piece(key: str, tensor: torch.Tensor, rank: int, size: int, swiglu: bool, parts=None):
     """The TP rank's piece of a whole Megatron tensor (the inverse of _join)."""
     if size == 1:
         return tensor
@@ -419,4 +503,7 @@ def tp_piece(key: str, tensor: torch.Tensor, rank: int, size: int, swiglu: bool)
     if split == "glu":
         gate, up = tensor.chunk(2, dim=0)
         return torch.cat([gate.chunk(size, 0)[rank], up.chunk(size, 0)[rank]])
+    if split == "parts":
+        whole = tensor.split(_part_rows(key, parts))
+        return torch.cat([part.chunk(size, 0)[rank] for part in whole])
     return tensor if split is None else tensor.chunk(size, dim=split)[rank]

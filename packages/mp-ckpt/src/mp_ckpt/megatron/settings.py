@@ -5,12 +5,14 @@
 A setting mp does not compute the same way (input jitter, a residual after the
 norm, several load-balancing losses, ...) is refused with its name and value.
 Multi-latent attention's settings are its widths and rotary embeddings (_mla_settings);
-multi-token prediction's its number of modules and its loss scale.
+multi-token prediction's its number of modules and its loss scale; a hybrid model's
+its layer pattern and Mamba widths (_hybrid_settings).
 """
 
 from __future__ import annotations
 
 __all__ = [
+    "MAMBA_COPIED",
     "MLA_COPIED",
     "MLA_YARN",
     "MOE_COPIED",
@@ -26,9 +28,14 @@ _REFUSED = (
     ("apply_residual_connection_post_layernorm", False),
     ("heterogeneous_layers_config_path", None),
 )
-_HYBRID_ARGS = ("is_hybrid_model", "hybrid_override_pattern", "hybrid_layer_pattern")
-"""Megatron-LM's arguments of a Mamba-hybrid model (MambaModel), whose checkpoints mp does
-not read."""
+_HYBRID_SYMBOLS = "M*-E|"
+"""The layers of a hybrid_layer_pattern mp builds (Mamba, attention, MLP, MoE) and its
+pipeline segments' separator."""
+MAMBA_COPIED = {"mamba_num_heads": None, "mamba_head_dim": 64, "mamba_num_groups": 8,
+                 "mamba_state_dim": 128}  # fmt: skip
+"""A Mamba mixer's widths, under Megatron's defaults (mp's fields have its names)."""
+_MAMBA_NORM_EPSILON = 1e-5
+"""The epsilon of megatron-core's Mamba mixer's gated norm, whatever --norm-epsilon says."""
 
 
 def _arg(args, name: str, default=None):
@@ -58,10 +65,6 @@ def model_config_from_megatron(args, vocab_size: int, where: str = "args") -> di
 
     for name, supported in _REFUSED:
         refuse(name, supported)
-    hybrid = [n for n in _HYBRID_ARGS if _arg(args, n)]
-    if hybrid:
-        raise ValueError(f"{where}: {hybrid[0]}={_arg(args, hybrid[0])!r}: mp does not import "
-                         "Megatron-LM's Mamba-hybrid models (MambaModel)")  # fmt: skip
     heads = args.num_attention_heads
     groups = _arg(args, "num_query_groups") if _arg(args, "group_query_attention") else None
     normalization = _arg(args, "normalization", "LayerNorm")
@@ -119,13 +122,50 @@ def model_config_from_megatron(args, vocab_size: int, where: str = "args") -> di
         settings["mtp_loss_scaling_factor"] = float(_arg(args, "mtp_loss_scaling_factor", 0.1))
         if _arg(args, "mtp_use_repeated_layer", False):  # one module, at every depth
             settings["mtp_use_repeated_layer"] = True
+    settings |= _hybrid_settings(args, epsilon, where)
+    if settings.get("hybrid_layer_pattern"):  # modules only from the pattern's "/" parts
+        for name in ("mtp_num_layers", "mtp_loss_scaling_factor", "mtp_use_repeated_layer"):
+            settings.pop(name, None)
     if seq_length is not None:
         settings["seq_length"] = seq_length
     if settings["use_rope_scaling"]:
         settings["rope_scaling_factor"] = _arg(args, "rope_scaling_factor", 8.0)
     if _arg(args, "num_experts"):
         settings |= moe_settings_from_megatron(args, settings, where)
+        if settings.get("hybrid_layer_pattern"):  # the pattern's E layers are the MoE ones
+            settings["moe_layer_freq"] = [1]
     return settings
+
+
+def _hybrid_settings(args, epsilon: float, where: str) -> dict:
+    """A hybrid model's (HybridModel's) layers and Mamba widths; {} for a GPT model.
+    Megatron-LM reads the layers from hybrid_layer_pattern (the older
+    hybrid_override_pattern is the same string); a model whose layers came from
+    hybrid_attention_ratio / hybrid_mlp_ratio alone records no pattern and is refused."""
+    pattern = _arg(args, "hybrid_layer_pattern") or _arg(args, "hybrid_override_pattern")
+    if not pattern:
+        if _arg(args, "is_hybrid_model"):
+            raise ValueError(f"{where}: is_hybrid_model without hybrid_layer_pattern: mp reads "
+                             "a hybrid model's layers from its pattern")  # fmt: skip
+        return {}
+    main, *modules = pattern.split("/")
+    unknown = sorted(set(main) - set(_HYBRID_SYMBOLS))
+    if unknown:
+        raise ValueError(f"{where}: hybrid_layer_pattern={pattern!r}: mp builds the layers "
+                         f"M, *, - and E, not {', '.join(unknown)}")  # fmt: skip
+    if any(modules):
+        raise ValueError(
+            f"{where}: hybrid_layer_pattern={pattern!r}: mp does not import a hybrid model's "
+            "multi-token prediction modules from Megatron-LM checkpoints"
+        )
+    out = {"hybrid_layer_pattern": main}
+    out |= {name: _arg(args, name) or default for name, default in MAMBA_COPIED.items()}
+    if "M" in main and epsilon != _MAMBA_NORM_EPSILON:
+        raise ValueError(
+            f"{where}: norm_epsilon={epsilon!r}: megatron-core's Mamba mixers normalize with "
+            f"{_MAMBA_NORM_EPSILON} whatever it says, mp's with layernorm_epsilon"
+        )
+    return out
 
 
 # Megatron's args -> mp's field: YaRN (the command line drops the prefix of three).

@@ -26,6 +26,12 @@ linear_kv_up_proj.layer_norm_weight, pre_mlp_layernorm as linear_fc1.layer_norm_
 so that either spec loads it (megatron_view.py); the legacy files have the local spec's
 names and its layout (the down projections split on rows over TP).
 
+A hybrid model (torch_dist only) is written as megatron-core's HybridModel saves it: layer
+by layer (its layers differ), each Mamba mixer's in_proj and conv1d as their parts
+(mixer.in_proj.weight.z, ..., mixer.conv1d.weight.x, ...), the layers' norms under both
+the Transformer Engine spec's and the local spec's names (megatron_view.py), the final
+norm as decoder.final_norm.
+
 A mixture-of-experts model is written as Megatron's MoE layers save themselves:
 the experts' weights under mlp.experts.experts.* ([E, ...], global numbers) in
 torch_dist, the router (and its expert bias) and the shared expert under their
@@ -52,9 +58,11 @@ from mp_ckpt.core.progress import progress as progress_reporter
 from mp_ckpt.core.reader import CheckpointReader
 from mp_ckpt.families.megatron_view import MegatronView, megatron_view, split_name
 from mp_ckpt.families.moe import is_moe_layer
+from mp_ckpt.families.table import Dims
 from mp_ckpt.megatron.export_checks import check_exportable
 from mp_ckpt.megatron.read import _LAYER, tp_piece
 from mp_ckpt.megatron.settings import (
+    MAMBA_COPIED,
     MLA_COPIED,
     MLA_YARN,
     MOE_COPIED,
@@ -67,7 +75,8 @@ __all__ = ["export_megatron", "megatron_args", "megatron_from_logical"]
 CHECKPOINT_VERSION = 3.0
 _LINEAR_WEIGHT = re.compile(
     r"^((?:decoder|mtp)\.layers\..*\.(?:linear_qkv|linear_proj|linear_fc[12]|linear_q_proj"
-    r"|linear_q_down_proj|linear_q_up_proj|linear_kv_down_proj|linear_kv_up_proj|eh_proj))"
+    r"|linear_q_down_proj|linear_q_up_proj|linear_kv_down_proj|linear_kv_up_proj|eh_proj"
+    r"|mixer\.in_proj|mixer\.out_proj))"
     r"\.weight$"
 )
 # The experts' stacked tensors (torch_dist names): [E, ...]
@@ -163,6 +172,7 @@ def megatron_args(settings: dict, *, ckpt_format: str, tp: int, pp: int, iterati
         "mtp_num_layers": settings.get("mtp_num_layers"),
         "mtp_loss_scaling_factor": settings.get("mtp_loss_scaling_factor", 0.1),
         "mtp_use_repeated_layer": bool(settings.get("mtp_use_repeated_layer", False)),
+        **_hybrid_args(settings),
         "consumed_train_samples": 0, "skipped_train_samples": 0, "consumed_valid_samples": 0,
         "data_parallel_random_init": False,
     }  # fmt: skip
@@ -180,6 +190,16 @@ def megatron_args(settings: dict, *, ckpt_format: str, tp: int, pp: int, iterati
     if settings.get("num_moe_experts"):
         values |= _moe_args(settings, tp, ep)
     return argparse.Namespace(**values)
+
+
+def _hybrid_args(settings: dict) -> dict:
+    """A hybrid model's args (HybridModel's): its layer pattern and Mamba widths; a GPT
+    model's hybrid_layer_pattern is None."""
+    pattern = settings.get("hybrid_layer_pattern")
+    if not pattern:
+        return {"hybrid_layer_pattern": None, "is_hybrid_model": False}
+    widths = {name: settings.get(name, default) for name, default in MAMBA_COPIED.items()}
+    return {"hybrid_layer_pattern": pattern, "is_hybrid_model": True, **widths}
 
 
 def _llama4_args(settings: dict) -> dict:
@@ -227,8 +247,10 @@ def _mla_args(settings: dict) -> dict:
 
 def _moe_layer_freq(settings: dict) -> int | list[int]:
     """Megatron's moe_layer_freq: 1 when every layer is MoE (Megatron then stacks the layers
-    in torch_dist, as for a dense model), else one 0/1 per layer (saved layer by layer)."""
-
+    in torch_dist, as for a dense model), else one 0/1 per layer (saved layer by layer); a
+    hybrid model's 1, Megatron's default (its pattern's E layers are the MoE ones)."""
+    if settings.get("hybrid_layer_pattern"):
+        return 1
     pattern = [int(is_moe_layer(settings, i)) for i in range(settings["num_layers"])]
     return 1 if all(pattern) else pattern
 
@@ -298,7 +320,8 @@ def export_megatron(src: str | os.PathLike, dst: str | os.PathLike, *,
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir()
     if ckpt_format == "torch_dist":
-        _write_torch_dist(work, tensors, args, iteration, megatron_view(settings))
+        _write_torch_dist(work, tensors, args, iteration, megatron_view(settings),
+                          Dims.of(settings))  # fmt: skip
     else:
         _write_torch(work, tensors, args, iteration, tp, pp, ep)
     if final.exists():
@@ -333,7 +356,7 @@ def _writer_class():
 
 
 def _write_torch_dist(work: Path, tensors: dict[str, torch.Tensor], args, iteration: int,
-                      view: MegatronView) -> None:  # fmt: skip
+                      view: MegatronView, dims: Dims) -> None:  # fmt: skip
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
@@ -341,14 +364,21 @@ def _write_torch_dist(work: Path, tensors: dict[str, torch.Tensor], args, iterat
 
     _Writer = _writer_class()
     layers = args.num_layers
-    # Megatron stacks the layers on a leading axis unless they differ (some MoE, some dense)
+    # Megatron stacks the layers on a leading axis unless they differ (some MoE, some dense;
+    # a hybrid model's)
     stack = not isinstance(getattr(args, "moe_layer_freq", 1), list)
+    stack = stack and not args.hybrid_layer_pattern
     stacked: dict[str, list] = {}
     state: dict[str, object] = {}
     for key, tensor in tensors.items():
         prefix, rest, where = split_name(key)
         held = view.named(rest, where) if where == "layer" else None
         layer = _LAYER.match(key)  # a decoder layer's (a multi-token prediction's: apart)
+        if held is not None and held.split_parts:  # a Mamba mixer's in_proj or conv1d
+            for part, piece in zip(held.split_parts, tensor.split(held.part_rows(dims)),
+                                   strict=True):  # fmt: skip
+                state[f"{prefix}{held.name}.{part}"] = piece.contiguous()
+            continue
         # the names Megatron's sharded state dict gives it (a norm's TE names: megatron_view)
         for name in held.dist_names if held is not None else (rest,):
             if stack and layer is not None:
@@ -360,7 +390,10 @@ def _write_torch_dist(work: Path, tensors: dict[str, torch.Tensor], args, iterat
             raise ValueError(f"decoder.layers.*.{rest}: missing in some layers")
         state[f"decoder.layers.{rest}"] = torch.stack(per_layer).contiguous()
     experts = getattr(args, "num_experts", None) or 0
-    for module in _linear_modules(tensors):
+    modules = _linear_modules(tensors)
+    if args.hybrid_layer_pattern:  # HybridModel's output layer saves its extra state too
+        modules.append("output_layer")
+    for module in modules:
         # a None byte item per linear layer, named by its place in the [layers] (and, for
         # the experts, [experts]) grid Megatron shards it over
         match = _LAYER.match(module)

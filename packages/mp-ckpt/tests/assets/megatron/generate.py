@@ -6,7 +6,8 @@ Engine, no Apex), from anywhere:
     /tmp/mcore-data-venv/bin/python packages/mp-ckpt/tests/assets/megatron/generate.py [CASE ...]
 
 For each case (all by default) it starts ``tp * pp * dp`` gloo processes, builds a tiny GPTModel
-with megatron-core's *local* layer spec, wraps it in megatron's DistributedDataParallel and
+with megatron-core's *local* layer spec (a hybrid case: HybridModel, hybrid.py; its venv also
+needs einops), wraps it in megatron's DistributedDataParallel and
 optimizer (Adam, fp32), trains 2 steps on a fixed batch through megatron's
 forward-backward schedule (1F1B over gloo for the PP case), calls Megatron-LM's own
 ``megatron.training.checkpointing.save_checkpoint`` and writes, next to this file:
@@ -131,6 +132,27 @@ MTP = ("--mtp-num-layers", "1", "--mtp-loss-scaling-factor", "0.1")
 # Megatron trains MoE under TP only with sequence parallelism
 SP = ("--sequence-parallel",)
 
+# Nemotron-H-shaped hybrid (megatron-core's HybridModel, hybrid.py): a Mamba layer, an
+# attention layer, a squared-ReLU MLP layer and a MoE layer ("M*-E"), no positional
+# embeddings, weights drawn with std 0.1 (as MLA's). Mamba mixers of 8 heads of 8 channels
+# (inner width 64) in 2 groups, state size 8; attention 4 heads in 2 query groups; MoE of
+# 4 squared-ReLU experts of width 32, top-2 by sigmoid score with an expert bias, scaled
+# by 2, beside an ungated shared expert of width 32 (Nemotron 3's routing). The model only.
+HYBRID = ["--num-layers", "4", "--hybrid-layer-pattern", "M*-E", "--hidden-size", "32",
+          "--num-attention-heads", "4", "--group-query-attention", "--num-query-groups", "2",
+          "--ffn-hidden-size", "64", "--squared-relu", "--normalization", "RMSNorm",
+          "--norm-epsilon", "1e-5", "--no-persist-layer-norm", "--init-method-std", "0.1",
+          "--position-embedding-type", "none", "--untie-embeddings-and-output-weights",
+          "--disable-bias-linear", "--mamba-num-heads", "8", "--mamba-head-dim", "8",
+          "--mamba-num-groups", "2", "--mamba-state-dim", "8", "--disable-mamba-mem-eff-path",
+          "--num-experts", "4", "--moe-ffn-hidden-size", "32", "--moe-router-topk", "2",
+          "--moe-shared-expert-intermediate-size", "32", "--moe-router-score-function", "sigmoid",
+          "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "0.01",
+          "--moe-router-topk-scaling-factor", "2.0", "--moe-router-dtype", "fp32",
+          "--moe-token-dispatcher-type", "allgather",
+          "--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", "0.001",
+          "--no-save-optim", "--no-save-rng"]  # fmt: skip
+
 # Several distributed-optimizer buckets per grad buffer: Megatron-LM's training loop keeps
 # --ddp-bucket-size only with --overlap-grad-reduce (otherwise one bucket per buffer).
 BUCKETS = ("--overlap-grad-reduce", "--ddp-bucket-size", "2000")
@@ -175,6 +197,9 @@ CASES = {
     # TP2 with sequence parallelism (Megatron's MoE under TP), the experts split over the
     # expert TP (= TP 2): the query/key norms then see each TP rank's own heads
     "llama4_moe_torch_dist_tp2": Case(LLAMA4, "torch_dist", 2, 1, False, extra=SP),
+    # the hybrid at TP2 (sequence parallelism: MoE under TP) in both formats
+    "hybrid_torch_dist_tp2": Case(HYBRID, "torch_dist", 2, 1, False, extra=SP),
+    "hybrid_torch_tp2": Case(HYBRID, "torch", 2, 1, False, extra=SP),
 }
 
 
@@ -266,10 +291,12 @@ def megatron_args(name, case):
 
 
 def build(args, seed):
-    """GPTModel (local spec) + megatron DDP + optimizer + LR scheduler, all from ``args``."""
+    """GPTModel (local spec; HybridModel for a hybrid, hybrid.py) + megatron DDP + optimizer +
+    LR scheduler, all from ``args``."""
     import dataclasses
 
     import torch
+    from hybrid import hybrid_module
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt import GPTModel
@@ -305,20 +332,24 @@ def build(args, seed):
         if args.mtp_num_layers
         else None
     )
-    module = GPTModel(
-        config=config,
-        transformer_layer_spec=spec,
-        mtp_block_spec=mtp_spec,
-        vocab_size=args.padded_vocab_size,
-        max_sequence_length=args.max_position_embeddings,
-        pre_process=ps.is_pipeline_first_stage(),
-        post_process=ps.is_pipeline_last_stage(),
-        parallel_output=True,
-        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-        position_embedding_type=args.position_embedding_type,
-        rotary_percent=args.rotary_percent,
-        rotary_base=args.rotary_base,
-        rope_scaling=args.use_rope_scaling,  # as Megatron-LM's gpt_builder (no factor)
+    module = (
+        hybrid_module(args, config)
+        if args.hybrid_layer_pattern
+        else GPTModel(
+            config=config,
+            transformer_layer_spec=spec,
+            mtp_block_spec=mtp_spec,
+            vocab_size=args.padded_vocab_size,
+            max_sequence_length=args.max_position_embeddings,
+            pre_process=ps.is_pipeline_first_stage(),
+            post_process=ps.is_pipeline_last_stage(),
+            parallel_output=True,
+            share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+            position_embedding_type=args.position_embedding_type,
+            rotary_percent=args.rotary_percent,
+            rotary_base=args.rotary_base,
+            rope_scaling=args.use_rope_scaling,  # as Megatron-LM's gpt_builder (no factor)
+        )
     )
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=False,
@@ -409,6 +440,10 @@ def worker(rank, world, port, name):
 
     logging.disable(logging.WARNING)
     torch.set_num_threads(1)
+    if "--hybrid-layer-pattern" in CASES[name].model:
+        from hybrid import install_mamba_standins
+
+        install_mamba_standins()  # before megatron-core imports mamba_ssm
     torch.distributed.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
     )

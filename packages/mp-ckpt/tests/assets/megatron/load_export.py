@@ -28,6 +28,10 @@ def worker(rank, world, port, case, exported, fmt, tp, pp, ep):
     warnings.filterwarnings("ignore")
     logging.disable(logging.WARNING)
     torch.set_num_threads(1)
+    if "--hybrid-layer-pattern" in g.CASES[case].model:
+        from hybrid import install_mamba_standins
+
+        install_mamba_standins()  # before megatron-core imports mamba_ssm
     os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank))
     torch.distributed.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
