@@ -3,11 +3,11 @@ forms read alike, what mp does not compute refused, in_proj and conv1d split by 
 fused back exactly, transformers' in-memory names (model.*, fused experts) imported as the
 saved ones, a tied output layer exported as a copy, multi-token prediction layers (the
 unified pattern, each sublayer as a decoder layer of its kind, one and two modules) both
-ways, and the Megatron conversions refusing hybrid models. tests/test_hf_families.py checks
+ways, and such models to Megatron-LM and back (test_megatron_hybrid.py has megatron-core's
+own files). tests/test_hf_families.py checks
 the logits against transformers; here transformers only loads an export with multi-token
 prediction layers, which it ignores."""
 
-import argparse
 import json
 import re
 
@@ -19,7 +19,6 @@ from mp_ckpt.families import family, family_of
 from mp_ckpt.families.table import Dims, split_hybrid_pattern
 from mp_ckpt.hf import export_hf, logical_from_hf, model_config_from_hf
 from mp_ckpt.hf.importer import held_config, placed_rules
-from mp_ckpt.megatron.settings import model_config_from_megatron
 from mp_ckpt.megatron.write import export_megatron
 
 H, HEADS, P, G, N, VOCAB = 16, 4, 4, 2, 4, 32
@@ -323,17 +322,20 @@ def test_weights_without_multi_token_prediction_layers_import_without_them():
         logical_from_hf(saved_state(CONFIG, "*E", 1), mtp_config("*E", 2))
 
 
-def test_the_megatron_conversions_refuse_hybrid_models_with_multi_token_prediction(tmp_path):
-    config = mtp_config("*E", 1)
+def test_multi_token_prediction_layers_go_to_megatron_and_back_exactly(tmp_path):
+    """Two modules of a Mamba and a MoE sublayer: Hugging Face -> mp -> Megatron-LM (the
+    modules' layers under mtp.layers.{k}.mtp_model_layer.layers.{j}.) -> mp."""
+    config = mtp_config("ME", 2)
     settings = model_config_from_hf(config)
-    logical = logical_from_hf(saved_state(CONFIG, "*E", 1), config)
-    message = r"hybrid_layer_pattern='M-\*E/\*E': mp does not write a hybrid model's multi-token"
-    with pytest.raises(ValueError, match=message):
-        export_megatron(checkpoint(tmp_path, logical, settings), tmp_path / "megatron")
-    args = argparse.Namespace(num_attention_heads=4, hidden_size=H, num_layers=4,
-                              mtp_num_layers=1, hybrid_layer_pattern="M-*E/*E")  # fmt: skip
-    with pytest.raises(ValueError, match="hybrid_layer_pattern='M-\\*E/\\*E': mp does not import"):
-        model_config_from_megatron(args, VOCAB)
+    logical = logical_from_hf(saved_state(CONFIG, "ME", 2), config)
+    export_megatron(checkpoint(tmp_path, logical, settings), tmp_path / "megatron")
+    import_megatron(tmp_path / "megatron", tmp_path / "back")
+    reader = CheckpointReader(tmp_path / "back")
+    assert sorted(reader.keys) == sorted(logical)
+    for key, tensor in logical.items():
+        assert torch.equal(reader.read(key), tensor), key
+    back = torch.load(reader.directory / "common.pt", weights_only=False)["model_config"]
+    assert (back["hybrid_layer_pattern"], back["mtp_num_layers"]) == ("M-*E/ME/ME", 2)
 
 
 def test_transformers_loads_an_export_with_multi_token_prediction_layers_and_ignores_them(

@@ -1,9 +1,11 @@
 """Megatron-LM's hybrid models (megatron-core's HybridModel: Mamba, attention, MLP and MoE
 layers) to mp and back: the fixtures hybrid_torch_dist_tp2 and hybrid_torch_tp2 (one model,
-written by megatron-core at TP2 in both formats) import to the same tensors, export to
-torch_dist files that hold the fixture's keys and shapes, and come back tensor-exact;
-what the conversions refuse. (mp's logits from them: tests/test_megatron_import_logits.py;
-megatron-core loading the exports: assets/megatron/load_export.py, README.md.)"""
+written by megatron-core at TP2 in both formats), and hybrid_mtp_* (the same layers and two
+multi-token prediction modules of attention, Mamba and MoE layers), import to the same
+tensors from either format, export to torch_dist files that hold the fixture's keys and
+shapes, and come back tensor-exact; what the conversions refuse. (mp's logits from them:
+tests/test_megatron_import_logits.py; megatron-core loading the exports:
+assets/megatron/load_export.py, README.md.)"""
 
 import argparse
 from pathlib import Path
@@ -20,6 +22,12 @@ from mp_ckpt.megatron.write import export_megatron
 
 ASSETS = Path(__file__).parent / "assets" / "megatron"
 DIST, LEGACY = ASSETS / "hybrid_torch_dist_tp2", ASSETS / "hybrid_torch_tp2"
+MTP_DIST, MTP_LEGACY = ASSETS / "hybrid_mtp_torch_dist_tp2", ASSETS / "hybrid_mtp_torch_tp2"
+# A fused norm's name in megatron-core's torch_dist files -> its second name in an export
+_SECOND_NAMES = {"mixer.in_proj.layer_norm_weight": "norm.weight",
+                 "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+                 "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+                 "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}  # fmt: skip
 
 
 def _tensors(root: Path) -> dict[str, torch.Tensor]:
@@ -33,6 +41,22 @@ def _model_keys(folder: Path) -> dict[str, tuple | None]:
     entries = FileSystemReader(folder).read_metadata().state_dict_metadata
     return {k: tuple(v.size) if hasattr(v, "size") else None for k, v in entries.items()
             if not k.startswith(("optimizer.", "rng_state"))}  # fmt: skip
+
+
+def test_the_modules_import_from_both_formats_under_megatrons_layer_names():
+    dist, settings = logical_from_megatron(read_megatron(MTP_DIST))
+    legacy, legacy_settings = logical_from_megatron(read_megatron(MTP_LEGACY))
+    assert settings == legacy_settings
+    assert (settings["hybrid_layer_pattern"], settings["num_layers"]) == ("M*-E/*ME/*ME", 4)
+    assert (settings["mtp_num_layers"], settings["mtp_loss_scaling_factor"]) == (2, 0.1)
+    assert dist.keys() == legacy.keys()
+    for key, tensor in dist.items():
+        assert torch.equal(legacy[key], tensor), key
+    layer = "mtp.layers.1.mtp_model_layer.layers.{}."
+    for j, name in enumerate(("input_layernorm.weight", "mixer.in_proj.dt.weight",
+                              "mlp.experts.linear_fc1.weight")):  # fmt: skip
+        assert layer.format(j) + name in dist
+    assert {"mtp.layers.1.enorm.weight", "mtp.layers.1.final_layernorm.weight"} <= dist.keys()
 
 
 def test_both_formats_import_to_one_model_in_mps_names():
@@ -62,23 +86,23 @@ def test_both_formats_import_to_one_model_in_mps_names():
     assert torch.equal(dist["decoder.final_layernorm.weight"], whole["decoder.final_norm.weight"])
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_torch_dist_export_holds_megatrons_keys_and_comes_back_exact(tp, tmp_path):
-    import_megatron(DIST, tmp_path / "mp")
+@pytest.mark.parametrize(("fixture", "tp"), [(DIST, 1), (DIST, 2), (MTP_DIST, 2)])
+def test_torch_dist_export_holds_megatrons_keys_and_comes_back_exact(fixture, tp, tmp_path):
+    import_megatron(fixture, tmp_path / "mp")
     out = export_megatron(tmp_path / "mp", tmp_path / "meg", tensor_model_parallel_size=tp)
-    ours, theirs = _model_keys(out), _model_keys(DIST / "iter_0000002")
+    ours, theirs = _model_keys(out), _model_keys(fixture / "iter_0000002")
     # layer by layer, in_proj and conv1d as parts; each norm fused into a linear layer also
     # under the local spec's name (the MoE layer's pre-MLP norm also under an MLP's TE name)
-    assert set(ours) - set(theirs) == {
-        "decoder.layers.0.norm.weight", "decoder.layers.1.input_layernorm.weight",
-        "decoder.layers.2.pre_mlp_layernorm.weight",
-        "decoder.layers.3.mlp.linear_fc1.layer_norm_weight",
-    }  # fmt: skip
+    second = {key.removesuffix(te) + name for key in theirs
+              for te, name in _SECOND_NAMES.items() if key.endswith("." + te)}  # fmt: skip
+    assert "decoder.layers.0.norm.weight" in second
+    assert set(ours) - set(theirs) == second
     assert set(theirs) <= set(ours)
     for key, shape in theirs.items():
         assert ours[key] == shape, key
     model = read_megatron(tmp_path / "meg")
-    assert model.args.hybrid_layer_pattern == "M*-E" and model.args.mamba_num_groups == 2
+    assert model.args.hybrid_layer_pattern == read_megatron(fixture).args.hybrid_layer_pattern
+    assert model.args.mamba_num_groups == 2
     assert model.args.tensor_model_parallel_size == tp and model.args.moe_layer_freq == 1
     import_megatron(tmp_path / "meg", tmp_path / "back")
     before, after = _tensors(tmp_path / "mp"), _tensors(tmp_path / "back")
@@ -98,9 +122,8 @@ def test_what_the_hybrid_export_refuses():
     with pytest.raises(ValueError, match=r"^hybrid_layer_pattern='M\*-E': mp writes hybrid "
                                          r"models as torch_dist"):  # fmt: skip
         check_exportable(SETTINGS, [], 1, 1, "torch")
-    with pytest.raises(ValueError, match="multi-token prediction modules to Megatron-LM"):
-        check_exportable(SETTINGS | {"hybrid_layer_pattern": "M*-E/*E", "mtp_num_layers": 1},
-                         ["mtp.layers.0.enorm.weight"], 1, 1, "torch_dist")  # fmt: skip
+    check_exportable(SETTINGS | {"hybrid_layer_pattern": "M*-E/*E", "mtp_num_layers": 1},
+                     ["mtp.layers.0.enorm.weight"], 1, 1, "torch_dist")  # fmt: skip
     with pytest.raises(ValueError, match="does not divide mamba_num_groups 2"):
         check_exportable(SETTINGS | {"num_query_groups": 4}, [], 4, 1, "torch_dist")
     with pytest.raises(ValueError, match="Mamba mixers but its model_config no hybrid"):
@@ -117,6 +140,10 @@ def test_what_the_hybrid_import_refuses(tmp_path):
         import_megatron(DIST, tmp_path / "mp", with_optimizer=True)
     settings = model_config_from_megatron(argparse.Namespace(**ARGS), 128)
     assert (settings["mamba_num_heads"], settings["mamba_num_groups"]) == (None, 8)  # defaults
+    # --mtp-num-layers without "/" parts: Megatron-LM builds no module
+    assert "mtp_num_layers" not in model_config_from_megatron(
+        argparse.Namespace(**ARGS, mtp_num_layers=1), 128
+    )
     older = argparse.Namespace(**(ARGS | {"hybrid_layer_pattern": None,
                                           "hybrid_override_pattern": "M*-E"}))  # fmt: skip
     assert model_config_from_megatron(older, 128) == settings
@@ -124,8 +151,8 @@ def test_what_the_hybrid_import_refuses(tmp_path):
         ({"hybrid_layer_pattern": None, "is_hybrid_model": True},
          "is_hybrid_model without hybrid_layer_pattern"),
         ({"hybrid_layer_pattern": "M*G-"}, r"mp builds the layers M, \*, - and E, not G"),
-        ({"hybrid_layer_pattern": "M*-E/*E", "mtp_num_layers": 1},
-         "multi-token prediction modules from Megatron-LM checkpoints"),
+        ({"hybrid_layer_pattern": "M*-E/*E/*-"}, "modules' parts must be alike"),
+        ({"hybrid_layer_pattern": "M*-E/*G"}, r"not G"),
         ({"norm_epsilon": 1e-6}, "Mamba mixers normalize with 1e-05"),
     ]  # fmt: skip
     for change, message in refusals:

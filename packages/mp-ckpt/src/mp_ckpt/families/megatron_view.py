@@ -16,7 +16,8 @@ DeepSeek families add Hugging Face names and copies Megatron does not keep). A f
 rule for a tensor the settings' model cannot have (gate and up where the MLP is not
 gated) is left out. Names are relative to "decoder.layers.{i}." except in the "model"
 scope, as in the tables; `where` is "layer" (a decoder layer's, or a multi-token
-prediction module's transformer layer's, under "mtp.layers.{k}.transformer_layer."),
+prediction module's transformer layer's, under "mtp.layers.{k}.transformer_layer.", or
+a hybrid module's layer's, under "mtp.layers.{k}.mtp_model_layer.layers.{j}."),
 "mtp" (a multi-token prediction module's own, under "mtp.layers.{k}.") or "model".
 
 How mp's tensors are fused ([groups, heads per group, d, ...] q, [groups, d, ...] k and
@@ -73,7 +74,10 @@ __all__ = ["MegatronTensor", "MegatronView", "megatron_name", "megatron_view", "
 
 Fusion = Literal["qkv", "glu", "mamba"]
 Where = Literal["model", "layer", "mtp"]
-_LAYER_KEY = re.compile(r"^(decoder\.layers\.\d+\.|mtp\.layers\.\d+\.transformer_layer\.)(.+)$")
+_LAYER_KEY = re.compile(
+    r"^(decoder\.layers\.\d+\.|mtp\.layers\.\d+\.(?:transformer_layer|mtp_model_layer\.layers\.\d+)\.)"
+    r"(.+)$"
+)
 _MTP_KEY = re.compile(r"^(mtp\.layers\.\d+\.)(.+)$")
 _FUSIONS: dict[tuple[str, ...], Fusion] = {
     ("q", "k", "v"): "qkv", ("gate", "up"): "glu",

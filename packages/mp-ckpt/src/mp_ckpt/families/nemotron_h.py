@@ -26,6 +26,8 @@ Hugging Face (backbone.layers.{i}.; transformers' in-memory model.layers.{i}.)
                                    (a latent MoE, Nemotron 3 Super and Ultra: moe_latent_size)
 backbone.embeddings.weight, backbone.norm_f.weight and lm_head.weight are
 embedding.word_embeddings.weight, decoder.final_layernorm.weight and output_layer.weight.
+`megatron` gives megatron-core's HybridModel names where they differ from mp's (fused
+linear_qkv, in_proj and conv1d, the experts' stack, decoder.final_norm; megatron_view.py).
 transformers' NemotronHForCausalLM (5.x) never ties lm_head to the embedding, whatever
 tie_word_embeddings says: the import keeps lm_head.weight as a separate output layer
 (untie_embeddings_and_output_weights true), and the export of a model with a tied output

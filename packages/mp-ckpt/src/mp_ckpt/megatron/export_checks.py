@@ -20,8 +20,8 @@ def check_exportable(
     settings: dict, keys: list[str], tp: int, pp: int, fmt: str, ep: int = 1
 ) -> None:
     """Raises a one-line ValueError naming what the export cannot write: a format, the
-    model (a latent MoE, a hybrid model in the legacy format or with multi-token
-    prediction), multi-token prediction modules that disagree with
+    model (a latent MoE, a hybrid model in the legacy format), multi-token prediction
+    modules that disagree with
     the settings, or sizes the layout does not divide."""
     if fmt not in FORMATS:
         raise ValueError(f"--ckpt-format {fmt!r}: expected torch_dist or torch")
@@ -76,8 +76,8 @@ def check_exportable(
 
 def _check_hybrid(settings: dict, tp: int, fmt: str) -> None:
     """A hybrid model goes to torch_dist (megatron-core's HybridModel loads the legacy files
-    only under its spec's module names), without multi-token prediction modules, its
-    Mamba heads and groups divided by TP (megatron-core's MambaMixer splits both)."""
+    only under its spec's module names), its Mamba heads and groups divided by TP
+    (megatron-core's MambaMixer splits both)."""
     pattern = settings.get("hybrid_layer_pattern")
     if not pattern:
         raise ValueError("the checkpoint holds Mamba mixers but its model_config no "
@@ -85,11 +85,6 @@ def _check_hybrid(settings: dict, tp: int, fmt: str) -> None:
     if fmt != "torch_dist":
         raise ValueError(f"hybrid_layer_pattern={pattern!r}: mp writes hybrid models as "
                          "torch_dist Megatron-LM checkpoints, not legacy torch ones")  # fmt: skip
-    if "/" in pattern:
-        raise ValueError(
-            f"hybrid_layer_pattern={pattern!r}: mp does not write a hybrid model's "
-            "multi-token prediction modules to Megatron-LM checkpoints"
-        )
     if "M" in pattern:
         dims = Dims.of(settings)
         for what, n in (("mamba_num_heads", dims.mamba_heads),

@@ -43,7 +43,8 @@ __all__ = ["logical_from_megatron", "logical_plan", "stack_experts"]
 # One expert's tensor: the legacy format's local_experts.<e> (numbered globally by
 # read.py), or torch_dist's experts.experts.<e> (singleton_local_shards)
 _ONE_EXPERT = re.compile(
-    r"^((?:decoder\.layers\.\d+|mtp\.layers\.\d+\.transformer_layer)\.mlp\.experts\.)"
+    r"^((?:decoder\.layers\.\d+|mtp\.layers\.\d+\.(?:transformer_layer|mtp_model_layer\.layers\.\d+))"
+    r"\.mlp\.experts\.)"
     r"(?:local_experts|experts)\.(\d+)\.(.+)$"
 )
 _MTP = re.compile(r"^mtp\.layers\.(\d+)\.")

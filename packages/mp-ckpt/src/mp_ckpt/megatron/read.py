@@ -22,7 +22,8 @@ that takes one tensor at a time holds one tensor at a time:
   from the first stage (the last one holds a copy for multi-token prediction).
   A multi-token prediction module's layer, mtp.layers.<k>.mtp_model_layer.* in
   megatron-core's module names, is renamed transformer_layer as its torch_dist
-  keys have it. The saved args say
+  keys have it (a hybrid model's module keeps mtp_model_layer.layers.<j>.*, its
+  layers' name in both formats). The saved args say
   which of the folder's numbers is PP and which EP. Column-parallel tensors are joined on rows,
   row-parallel on columns; a SwiGLU fc1 is [gate_r; up_r] per rank and is
   regrouped into [gate; up]; QKV rows join as they are (each rank holds whole
@@ -83,11 +84,13 @@ _TRACKER = "latest_checkpointed_iteration.txt"
 _RANK_DIR = re.compile(r"^mp_rank_\d+(?:_\d+){0,2}$")
 # A legacy file's expert: decoder.layers.<i>.mlp.experts.local_experts.<local number>.<rest>
 _LOCAL_EXPERT = re.compile(
-    r"^((?:decoder\.layers\.\d+|mtp\.layers\.\d+\.(?:transformer_layer|mtp_model_layer))"
+    r"^((?:decoder\.layers\.\d+|mtp\.layers\.\d+\.(?:transformer_layer|mtp_model_layer"
+    r"(?:\.layers\.\d+)?))"
     r"\.mlp\.experts\.local_experts\.)(\d+)\.(.+)$"
 )
-# A multi-token prediction module's layer under its legacy module name
-_MTP_MODEL_LAYER = re.compile(r"^(mtp\.layers\.\d+\.)mtp_model_layer\.")
+# A multi-token prediction module's layer under its legacy module name (a GPT model's; a
+# hybrid model's module holds layers, mtp_model_layer.layers.<j>., under that name always)
+_MTP_MODEL_LAYER = re.compile(r"^(mtp\.layers\.\d+\.)mtp_model_layer\.(?!layers\.\d+\.)")
 # Transformer Engine's grouped experts: mlp.experts.linear_fc1.weight<local number>
 _GROUPED_EXPERT = re.compile(r"\.mlp\.experts\.linear_fc[12]\.(weight|bias)\d+$")
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")

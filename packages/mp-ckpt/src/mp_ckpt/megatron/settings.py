@@ -123,7 +123,8 @@ def model_config_from_megatron(args, vocab_size: int, where: str = "args") -> di
         if _arg(args, "mtp_use_repeated_layer", False):  # one module, at every depth
             settings["mtp_use_repeated_layer"] = True
     settings |= _hybrid_settings(args, epsilon, where)
-    if settings.get("hybrid_layer_pattern"):  # modules only from the pattern's "/" parts
+    if settings.get("hybrid_layer_pattern") and "/" not in settings["hybrid_layer_pattern"]:
+        # a hybrid model's modules come from the pattern's "/" parts alone
         for name in ("mtp_num_layers", "mtp_loss_scaling_factor", "mtp_use_repeated_layer"):
             settings.pop(name, None)
     if seq_length is not None:
@@ -140,7 +141,8 @@ def model_config_from_megatron(args, vocab_size: int, where: str = "args") -> di
 def _hybrid_settings(args, epsilon: float, where: str) -> dict:
     """A hybrid model's (HybridModel's) layers and Mamba widths; {} for a GPT model.
     Megatron-LM reads the layers from hybrid_layer_pattern (the older
-    hybrid_override_pattern is the same string); a model whose layers came from
+    hybrid_override_pattern is the same string), its multi-token prediction modules from
+    the "/" parts (mtp_num_layers: their number); a model whose layers came from
     hybrid_attention_ratio / hybrid_mlp_ratio alone records no pattern and is refused."""
     pattern = _arg(args, "hybrid_layer_pattern") or _arg(args, "hybrid_override_pattern")
     if not pattern:
@@ -149,16 +151,17 @@ def _hybrid_settings(args, epsilon: float, where: str) -> dict:
                              "a hybrid model's layers from its pattern")  # fmt: skip
         return {}
     main, *modules = pattern.split("/")
-    unknown = sorted(set(main) - set(_HYBRID_SYMBOLS))
+    unknown = sorted(set("".join([main, *modules])) - set(_HYBRID_SYMBOLS))
     if unknown:
         raise ValueError(f"{where}: hybrid_layer_pattern={pattern!r}: mp builds the layers "
                          f"M, *, - and E, not {', '.join(unknown)}")  # fmt: skip
-    if any(modules):
-        raise ValueError(
-            f"{where}: hybrid_layer_pattern={pattern!r}: mp does not import a hybrid model's "
-            "multi-token prediction modules from Megatron-LM checkpoints"
-        )
-    out = {"hybrid_layer_pattern": main}
+    out = {"hybrid_layer_pattern": pattern if any(modules) else main}
+    if any(modules):  # Megatron-LM's unified pattern: one module per "/" part
+        if len(set(modules)) != 1 or "|" in "".join(modules):
+            raise ValueError(f"{where}: hybrid_layer_pattern={pattern!r}: the multi-token "
+                             "prediction modules' parts must be alike, without '|'")  # fmt: skip
+        out["mtp_num_layers"] = len(modules)
+        out["mtp_loss_scaling_factor"] = float(_arg(args, "mtp_loss_scaling_factor", 0.1))
     out |= {name: _arg(args, name) or default for name, default in MAMBA_COPIED.items()}
     if "M" in main and epsilon != _MAMBA_NORM_EPSILON:
         raise ValueError(

@@ -81,7 +81,8 @@ _LINEAR_WEIGHT = re.compile(
 )
 # The experts' stacked tensors (torch_dist names): [E, ...]
 _STACKED_EXPERTS = re.compile(
-    r"^((?:decoder\.layers\.\d+|mtp\.layers\.\d+\.(?:transformer_layer|mtp_model_layer))"
+    r"^((?:decoder\.layers\.\d+|mtp\.layers\.\d+\.(?:transformer_layer|mtp_model_layer"
+    r"(?:\.layers\.\d+)?))"
     r"\.mlp\.experts\.)experts\.(.+)$"
 )
 # A multi-token prediction module's layer: megatron-core's module name in the legacy files

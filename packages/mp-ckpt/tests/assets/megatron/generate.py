@@ -152,6 +152,10 @@ HYBRID = ["--num-layers", "4", "--hybrid-layer-pattern", "M*-E", "--hidden-size"
           "--moe-token-dispatcher-type", "allgather",
           "--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", "0.001",
           "--no-save-optim", "--no-save-rng"]  # fmt: skip
+# The hybrid with two multi-token prediction modules of an attention, a Mamba and a MoE
+# layer each (Megatron-LM's unified pattern; --mtp-num-layers follows it), loss scale 0.1.
+HYBRID_MTP = ("--hybrid-layer-pattern", "M*-E/*ME/*ME", "--mtp-num-layers", "2",
+              "--mtp-loss-scaling-factor", "0.1")  # fmt: skip
 
 # Several distributed-optimizer buckets per grad buffer: Megatron-LM's training loop keeps
 # --ddp-bucket-size only with --overlap-grad-reduce (otherwise one bucket per buffer).
@@ -200,6 +204,8 @@ CASES = {
     # the hybrid at TP2 (sequence parallelism: MoE under TP) in both formats
     "hybrid_torch_dist_tp2": Case(HYBRID, "torch_dist", 2, 1, False, extra=SP),
     "hybrid_torch_tp2": Case(HYBRID, "torch", 2, 1, False, extra=SP),
+    "hybrid_mtp_torch_dist_tp2": Case(HYBRID, "torch_dist", 2, 1, False, extra=(*HYBRID_MTP, *SP)),
+    "hybrid_mtp_torch_tp2": Case(HYBRID, "torch", 2, 1, False, extra=(*HYBRID_MTP, *SP)),
 }
 
 
