@@ -97,3 +97,25 @@ def test_one_module_repeated_at_two_depths_trains_alike_at_tp2(tmp_path):
         curves[name] = metrics_records(tmp_path / name)
     assert len(curves["one"]) == 4
     assert_same_curve(curves["tp2"], curves["one"], (*KEYS, "mtp_2 loss"), "repeated tp2")
+
+
+def test_detached_heads_train_alike_at_pp2_with_their_own_grad_norm(tmp_path):
+    """--mtp-detach-heads: the MTP module (on the last of two pipeline stages) trains on
+    its loss alone and is clipped by its own gradient norm, which both stages compute
+    together: the language model's loss, the module's and both norms follow the one-rank
+    curve; the logged grad norm leaves the module out."""
+    detached = ["--mtp-detach-heads", "--train-iters", "4"]
+    curves = {}
+    for name, ranks, layout in (("one", 1, []), ("pp2", 2, LAYOUTS["pp2"][1]),
+                                ("attached", 1, ["--no-mtp-detach-heads"])):  # fmt: skip
+        run_on_ranks(train_on_rank, ranks, options(tmp_path / name, *detached, *layout),
+                     timeout=300)  # fmt: skip
+        curves[name] = metrics_records(tmp_path / name)
+    one, attached = curves["one"], curves["attached"]
+    assert len(one) == 4 and all(r["mtp_grad_norm"] > 0 for r in one)
+    assert "mtp_grad_norm" not in attached[0]
+    assert_same_curve(curves["pp2"], one, (*KEYS, "grad_norm", "mtp_grad_norm"), "detached pp2")
+    # the first step's language-model loss is the same; the updates then differ
+    assert one[0]["lm loss"] == attached[0]["lm loss"]
+    assert one[-1]["lm loss"] != attached[-1]["lm loss"]
+    assert one[0]["grad_norm"] < attached[0]["grad_norm"]

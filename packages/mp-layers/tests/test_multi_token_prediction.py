@@ -117,6 +117,39 @@ def test_mtp_losses_and_gradients_equal_deepseeks_formula(recompute, per_token, 
         assert not any(k.startswith("mtp.layers.1.") for k in model.sharded_state_dict())
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_detached_heads_train_the_modules_alone(tied):
+    """mtp_detach_heads: the modules' gradients are those without detaching (the same
+    losses through the same modules); every other parameter's is the language model's
+    loss alone (no MTP gradient reaches the decoder, the embedding or the output layer);
+    the modules' parameters carry grad_norm_group "mtp"."""
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator)
+    labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator)
+    untie = {"untie_embeddings_and_output_weights": not tied}
+    models = {}
+    for name, changes in (("detached", {"mtp_detach_heads": True}), ("attached", {}),
+                          ("none", {"mtp_num_layers": None})):  # fmt: skip
+        model = GPTModel(tiny_config(**changes, **untie), "local", VOCAB, SEQ,
+                         groups=ModelGroups.single(), init_seed=3)  # fmt: skip
+        model(ids, labels=labels).mean().backward()
+        models[name] = dict(model.named_parameters())
+    detached, attached, alone = models["detached"], models["attached"], models["none"]
+    assert detached.keys() == attached.keys()
+    moved = 0
+    for name, param in detached.items():
+        if name.startswith("mtp."):
+            assert param.grad_norm_group == "mtp", name
+            torch.testing.assert_close(param.grad, attached[name].grad, rtol=1e-5, atol=1e-7)
+        else:
+            assert getattr(param, "grad_norm_group", None) is None, name
+            torch.testing.assert_close(param.grad, alone[name].grad, rtol=1e-5, atol=1e-7)
+            moved += not torch.allclose(attached[name].grad, alone[name].grad)
+    assert moved > 10  # without detaching, the MTP losses reach the rest of the model
+    with pytest.raises(ValueError, match=r"mtp_detach_heads=True detaches .* mtp_num_layers"):
+        tiny_config(mtp_num_layers=None, mtp_detach_heads=True)
+
+
 def test_shared_scales_reach_the_routers_and_the_mtp_modules():
     config = tiny_config(mtp_num_layers=1)
     model = GPTModel(config, "local", VOCAB, SEQ, groups=ModelGroups.single(), init_seed=3)

@@ -58,10 +58,10 @@ def body(bf16: bool, compiled: bool = False):
         reference_step(1.0)  # the gradients are clipped already
         return real_step(*args, **kwargs)
 
-    def compiled_step(optimizer, views, scale):
-        assert optimizer is fused
+    def compiled_step(optimizer, views, scale, scales=None):
+        assert optimizer is fused and not scales  # no separate grad_norm_group here
         reference_step(scale)  # the update clips them
-        return real_compiled(optimizer, views, scale)
+        return real_compiled(optimizer, views, scale, scales)
 
     fused.step = step
     mp_optim.optimizer.adamw_step = compiled_step

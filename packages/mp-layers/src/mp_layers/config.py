@@ -302,6 +302,13 @@ class TransformerConfig:
     --mtp-use-repeated-layer): its weights are shared by every depth, each depth's loss
     logged and weighted as a module's; the checkpoint holds mtp.layers.0 alone."""
 
+    mtp_detach_heads: bool = False
+    """Train only the multi-token prediction modules with their losses (Megatron's
+    --mtp-detach-heads): the decoder's output, the embedding of the rolled tokens and the
+    output layer's weight reach the modules detached, so no MTP gradient flows into the
+    rest of the model; the modules' parameters are tagged grad_norm_group "mtp", which
+    mp-optim clips by their own gradient norm, apart from the reported one."""
+
     # --- Mamba-hybrid models (Megatron's --hybrid-layer-pattern and --mamba-* options) ----
     hybrid_layer_pattern: str | None = None
     """A hybrid model's layers, one symbol each (Megatron's --hybrid-layer-pattern; Nemotron-H,

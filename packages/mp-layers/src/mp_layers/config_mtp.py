@@ -38,6 +38,9 @@ def check_mtp(config: TransformerConfig) -> None:
         if config.mtp_use_repeated_layer:
             raise ValueError("mtp_use_repeated_layer=True repeats a multi-token prediction "
                              "module: it needs mtp_num_layers")  # fmt: skip
+        if config.mtp_detach_heads:
+            raise ValueError("mtp_detach_heads=True detaches the multi-token prediction "
+                             "modules' inputs: it needs mtp_num_layers")  # fmt: skip
         return
     if isinstance(n, bool) or not isinstance(n, int):
         raise ValueError(f"mtp_num_layers={n!r} must be an integer")

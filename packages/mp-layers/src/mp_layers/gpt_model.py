@@ -253,17 +253,21 @@ class GPTModel(torch.nn.Module):
             )
         return self._token_loss(hidden, labels)
 
-    def _token_loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """The output layer's cross entropy [b, s] of hidden [s, b, h] against labels [b, s]."""
+    def _token_loss(
+        self, hidden: torch.Tensor, labels: torch.Tensor, detach_weight: bool = False
+    ) -> torch.Tensor:
+        """The output layer's cross entropy [b, s] of hidden [s, b, h] against labels [b, s];
+        detach_weight: no gradient for the output layer's weight (mtp_detach_heads)."""
+        weight = self.output_layer.weight.detach() if detach_weight else None
         if self.config.output_loss_chunk_tokens:
             layer, chunk = self.output_layer, self.config.output_loss_chunk_tokens
             total = layer.matmul_input(hidden)  # [s, b, h], the whole sequence
             loss = chunked_linear_cross_entropy(
-                total, layer.weight, labels.t(), self.tp_group, chunk,
-                fused=self.config.cross_entropy_loss_fusion,
+                total, layer.weight if weight is None else weight, labels.t(), self.tp_group,
+                chunk, fused=self.config.cross_entropy_loss_fusion,
             )  # fmt: skip
             return loss.t().contiguous()
-        logits, _ = self.output_layer(hidden)  # [s, b, v/tp]
+        logits, _ = self.output_layer(hidden, weight)  # [s, b, v/tp]
         # The logits are not handed out: their memory takes their gradient in backward.
         grad_in_logits = logits.grad_fn is not None
         loss = vocab_parallel_cross_entropy(
@@ -289,7 +293,8 @@ class GPTModel(torch.nn.Module):
         # With a per-token loss the step divides by the batch's tokens: scale back to them.
         tokens = _per_rank_count(mask, cp) if self.calculate_per_token_loss else None
         factor = self.config.mtp_loss_scaling_factor / self.mtp.depths
-        out, ids = hidden, input_ids
+        detach = self.config.mtp_detach_heads  # the MTP losses train the modules alone
+        out, ids = (hidden.detach() if detach else hidden), input_ids
         # Packed documents: a position whose rolled token comes from the next document
         # (the last k of each document at depth k) predicts nothing, as Megatron rolls
         # within each sequence of cu_seqlens.
@@ -302,9 +307,11 @@ class GPTModel(torch.nn.Module):
             if documents is not None:
                 rolled_documents = roll_left(rolled_documents, cp, order)
                 mask = mask * (rolled_documents == documents)
-            out = self.mtp.module(k)(out, self._embed(ids, None), rotary, attention_mask)
+            embedded = self._embed(ids, None)
+            out = self.mtp.module(k)(out, embedded.detach() if detach else embedded, rotary,
+                                     attention_mask)  # fmt: skip
             count = _per_rank_count(mask, cp)
-            total = (self._token_loss(out, labels).float() * mask).sum()
+            total = (self._token_loss(out, labels, detach).float() * mask).sum()
             self.mtp.record(k, total.detach() / count)
             denominator = count if tokens is None else count / tokens
             hidden = attach(hidden, total * factor / denominator, self.mtp.aux_loss_scale)

@@ -9,14 +9,16 @@ inductor; one graph for every size), one kernel per main parameter does all thre
 reading the parameter, its gradient and both moments once and writing the parameter,
 the moments and the model's copy once.
 
-    adamw_step(optimizer, model_views, grad_scale)
+    adamw_step(optimizer, model_views, grad_scale, grad_scales=None)
 
 `optimizer` is the torch AdamW the plain step would run: its param_groups (lr and
 weight_decay, which the scheduler writes, betas, eps) and its state (step, exp_avg,
 exp_avg_sq, created as its fused implementation creates them) are read and written
 as it would, so checkpoints and a later plain step see the same optimizer.
 `model_views` maps each main parameter to the model tensor it is copied into (None:
-the main parameter is the model's own memory). The update is AdamW's (decoupled weight
+the main parameter is the model's own memory). `grad_scales` maps a main parameter to
+another scale than grad_scale (a separate grad_norm_group's, clipped by its own norm
+already: 1). The update is AdamW's (decoupled weight
 decay, bias-corrected moments):
 
     g = grad x grad_scale;  p *= 1 - lr wd;  m = b1 m + (1 - b1) g;  v = b2 v + (1 - b2) g^2
@@ -40,9 +42,12 @@ def adamw_step(
     optimizer: torch.optim.Optimizer,
     model_views: dict[int, torch.Tensor | None],
     grad_scale: float,
+    grad_scales: dict[int, float] | None = None,
 ) -> None:
     """One AdamW step over every main parameter of `optimizer` that has a gradient,
-    scaling the gradients by `grad_scale` on the way (see the module docstring)."""
+    scaling the gradients by `grad_scale` (or grad_scales[id(p)]) on the way (see the
+    module docstring)."""
+    grad_scales = grad_scales or {}
     for group in optimizer.param_groups:
         if group.get("amsgrad") or group.get("maximize"):
             raise ValueError("the compiled AdamW step has neither amsgrad nor maximize")
@@ -53,8 +58,12 @@ def adamw_step(
         device = params[0].device
         # Values the scheduler and the clipping change every step: tensors, so that the
         # compiled graph is not specialized (and recompiled) on each new value.
-        scalars = torch.tensor([group["lr"], group["weight_decay"], grad_scale],
-                               dtype=torch.float32).to(device, non_blocking=True)  # fmt: skip
+        by_scale = {}
+        for scale in {grad_scale, *(grad_scales.get(id(p), grad_scale) for p in params)}:
+            values = [group["lr"], group["weight_decay"], scale]
+            by_scale[scale] = torch.tensor(values, dtype=torch.float32).to(
+                device, non_blocking=True
+            )
         for p in params:
             state = optimizer.state[p]
             if not state:
@@ -67,6 +76,7 @@ def adamw_step(
             flat = (p.view(-1), p.grad.reshape(-1), state["exp_avg"].view(-1),
                     state["exp_avg_sq"].view(-1))  # fmt: skip
             constants = (beta1, beta2, group["eps"])
+            scalars = by_scale[grad_scales.get(id(p), grad_scale)]
             out = model_views.get(id(p))
             if out is None:
                 _compiled(False)(*flat, state["step"], scalars, *constants)

@@ -28,7 +28,9 @@ step():
   3. the global gradient norm (each logical element counted once: replicas
      named by the model's sharded_state_dict are left out, and each
      distributed-optimizer or FSDP shard counts on its own rank), clipping to
-     clip_grad, optionally the count of zeros;
+     clip_grad, optionally the count of zeros; parameters of a separate
+     grad_norm_group (grad_norm_groups.py: the multi-token prediction modules with
+     mtp_detach_heads) are left out of that norm and clipped by their own;
   4. the torch optimizer's step on the main parameters; main -> model copy;
      the distributed optimizer's parameter all-gather. With
      config.torch_compile_optimizer the clipping's scale, the AdamW update and the
@@ -44,6 +46,7 @@ added to the dense squares before the square root.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -59,6 +62,7 @@ from mp_optim.compiled_step import adamw_step
 from mp_optim.config import OptimizerConfig
 from mp_optim.ddp import is_expert_parallel
 from mp_optim.flat_ranges import locate
+from mp_optim.grad_norm_groups import grad_norm_group, groups_present
 from mp_optim.grad_scaler import ConstantGradScaler, DynamicGradScaler
 from mp_optim.optimizer_state import load_optimizer_state, optimizer_sharded_state_dict
 from mp_state import RankGroup
@@ -78,6 +82,10 @@ class StepResult:
 
     num_zeros_in_grad: int | None
     """Zero gradient elements (with log_num_zeros_in_grad), else None."""
+
+    grad_norms_by_group: dict[str, float] | None = None
+    """Each separate grad_norm_group's own gradient norm before clipping (grad_norm leaves
+    those parameters out); None without such groups or on a skipped step."""
 
 
 @dataclass(frozen=True)
@@ -101,6 +109,8 @@ class MainParamShard:
     model_dtype: torch.dtype | None = None
     """The dtype the model computes this parameter in when it is not model_view's (FSDP:
     the fp32 shards of a bf16 or fp16 model)."""
+    grad_norm_group: str | None = None
+    """The parameter's separate gradient-norm group (grad_norm_groups.py), or None."""
 
     @property
     def aliased(self) -> bool:
@@ -163,7 +173,7 @@ class MixedPrecisionOptimizer:
                     if s.data.numel():
                         self.shards[s.param] = [MainParamShard(
                             s.param, s.data, s.data, s.grad, s.start, s.counted,
-                            s.expert_parallel, s.dtype,
+                            s.expert_parallel, s.dtype, grad_norm_group(s.param, s.name),
                         )]  # fmt: skip
                 continue
             counted = counted_in_grad_norm(chunk.module)
@@ -183,6 +193,16 @@ class MixedPrecisionOptimizer:
                         self.shards.setdefault(param, []).append(
                             _main_shard(param, span, param in counted, buffer.expert_parallel)
                         )
+        names = {id(p): n for c in model_chunks for n, p in c.module.named_parameters()}
+        for param, pieces in self.shards.items():
+            group = grad_norm_group(param, names.get(id(param)))
+            if group is not None:
+                self.shards[param] = [dataclasses.replace(s, grad_norm_group=group)
+                                      for s in pieces]  # fmt: skip
+        self.grad_norm_groups = groups_present(
+            (s.grad_norm_group for s in self._all_shards()), (self.dp_group, self.mp_group)
+        )
+        """The separate gradient-norm groups of the run (the same on every rank)."""
         inner_groups = []
         for group in param_groups:
             mains = [s.main_param for p in group["params"] for s in self.shards.get(p, ())]
@@ -223,20 +243,24 @@ class MixedPrecisionOptimizer:
                 self.grad_scaler.update(found_inf)
                 if found_inf:
                     return StepResult(False, None, None)
-            norm_inputs = self._norm_inputs(shards)
-            grad_norm = get_grad_norm(**norm_inputs)
+            main = [s for s in shards if s.grad_norm_group is None]
+            grad_norm = get_grad_norm(**self._norm_inputs(main))
+            by_group = self._clip_separate_groups(shards)
             compiled = self.config.torch_compile_optimizer
             scale = 1.0
             if self.config.clip_grad > 0 and compiled:  # applied inside the update
                 scale = clip_coefficient(self.config.clip_grad, grad_norm)
             elif self.config.clip_grad > 0:
-                clip_grads_by_total_norm(grads, self.config.clip_grad, grad_norm)
+                main_grads = [s.main_param.grad for s in main]
+                clip_grads_by_total_norm(main_grads, self.config.clip_grad, grad_norm)
             zeros = None
             if self.config.log_num_zeros_in_grad:
-                zeros = count_zeros(**norm_inputs)
+                zeros = count_zeros(**self._norm_inputs(shards))
             if compiled:
                 views = {id(s.main_param): None if s.aliased else s.model_view for s in shards}
-                adamw_step(self.optimizer, views, scale)
+                # the separate groups' gradients are clipped already: unscale them back
+                scales = {id(s.main_param): 1.0 for s in shards if s.grad_norm_group}
+                adamw_step(self.optimizer, views, scale, scales)
             else:
                 self.optimizer.step()
                 for shard in shards:
@@ -247,7 +271,7 @@ class MixedPrecisionOptimizer:
                 shard.main_param.grad = None
         for chunk in self.model_chunks:
             chunk.start_param_sync()
-        return StepResult(True, grad_norm, zeros)
+        return StepResult(True, grad_norm, zeros, by_group)
 
     def state_dict(self) -> dict:
         """The torch optimizer's state, the fp32 main parameters and the loss scaler."""
@@ -289,6 +313,20 @@ class MixedPrecisionOptimizer:
 
     def _all_shards(self) -> list[MainParamShard]:
         return [s for shards in self.shards.values() for s in shards]
+
+    def _clip_separate_groups(self, shards: list[MainParamShard]) -> dict[str, float] | None:
+        """Each separate group's own norm (every rank joins each group's sums), its
+        gradients clipped by it in place."""
+        if not self.grad_norm_groups:
+            return None
+        norms = {}
+        for group in self.grad_norm_groups:
+            members = [s for s in shards if s.grad_norm_group == group]
+            norms[group] = get_grad_norm(**self._norm_inputs(members))
+            if self.config.clip_grad > 0:
+                grads = [s.main_param.grad for s in members]
+                clip_grads_by_total_norm(grads, self.config.clip_grad, norms[group])
+        return norms
 
     def _norm_inputs(self, shards: list[MainParamShard]) -> dict:
         """get_grad_norm's and count_zeros' arguments: each kind of gradient with the

@@ -143,17 +143,21 @@ class ColumnParallelLinear(torch.nn.Module):
         self.fp8_matmul = None
         """mp_layers.fp8.Fp8Matmul when the local GEMM computes in FP8 (mp_layers.fp8)."""
 
-    def forward(self, input: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """[s, b, in] (or [s/tp, b, in]) -> ([s, b, out/tp] or [s, b, out], bias or None)."""
+    def forward(
+        self, input: torch.Tensor, weight: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """[s, b, in] (or [s/tp, b, in]) -> ([s, b, out/tp] or [s, b, out], bias or None).
+        weight: used instead of self.weight (Megatron's; a detached copy, say)."""
         bias = None if self.skip_bias_add else self.bias
+        weight = self.weight if weight is None else weight
         if self.fp8_matmul is not None:
-            output = self.fp8_matmul(self.matmul_input(input), self.weight)
+            output = self.fp8_matmul(self.matmul_input(input), weight)
             if bias is not None:
                 output = output + bias
         elif self.sequence_parallel:
-            output = _SequenceParallelMatmul.apply(input, self.weight, bias, self.tp_group)
+            output = _SequenceParallelMatmul.apply(input, weight, bias, self.tp_group)
         else:
-            output = F.linear(self.matmul_input(input), self.weight, bias)
+            output = F.linear(self.matmul_input(input), weight, bias)
         if self.gather_output:
             output = gather_from_tensor_model_parallel_region(output, self.tp_group)
         return output, (self.bias if self.skip_bias_add else None)

@@ -23,6 +23,11 @@ sequence again with sequence parallelism). The transformer layer is shaped as th
 last layer (a MoE layer when that one is). A hybrid model's module has the layers of its
 pattern's part after "/" instead (Megatron's unified pattern, "M*M*/*E"): x runs through
 each in turn (mtp_model_layer.layers.{j}, Megatron's names), then final_layernorm.
+
+With mtp_detach_heads (Megatron's --mtp-detach-heads) the decoder's output, each
+module's embedding of the rolled tokens and the output layer's weight enter the modules
+detached: the MTP losses train the modules alone, whose parameters carry
+`grad_norm_group = "mtp"` so that the optimizer clips them by their own norm.
 """
 
 from __future__ import annotations
@@ -53,7 +58,10 @@ from mp_layers.transformer.seeded_init import seeded_init
 from mp_layers.transformer.spec import LayerSpec
 from mp_state import RankGroup, RNGStatesTracker
 
-__all__ = ["MultiTokenPrediction", "MultiTokenPredictionLayer", "roll_left"]
+__all__ = ["GRAD_NORM_GROUP", "MultiTokenPrediction", "MultiTokenPredictionLayer", "roll_left"]
+
+GRAD_NORM_GROUP = "mtp"
+"""The grad_norm_group of the modules' parameters with mtp_detach_heads (Megatron's)."""
 
 
 def roll_left(t: torch.Tensor, cp: RankGroup, order: torch.Tensor | None = None) -> torch.Tensor:
@@ -199,6 +207,9 @@ class MultiTokenPrediction(torch.nn.Module):
             with seeded_init(init_seed, f"mtp{k}"):
                 layers.append(MultiTokenPredictionLayer(config, groups, rng_tracker, spec))
         self.layers = torch.nn.ModuleList(layers)
+        if config.mtp_detach_heads:  # clipped apart by mp-optim (Megatron's tag)
+            for param in self.parameters():
+                param.grad_norm_group = GRAD_NORM_GROUP
         self.losses = torch.zeros(self.depths)
         self.aux_loss_scale = AuxLossScale("mtp")
         """The factor the modules' losses get in backward (the training step shares its

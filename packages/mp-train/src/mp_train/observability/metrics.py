@@ -175,6 +175,8 @@ class MetricsLogger:
         lr = logged_lr(run.optimizer.param_groups)
         loss_scale = float(run.optimizer.get_loss_scale())
         grad_norm = result.grad_norm if result is not None else None
+        # each separately clipped group's own norm (mtp_detach_heads: "mtp grad norm")
+        by_group = (result.grad_norms_by_group if result is not None else None) or {}
         for name, value in losses.items():
             if not name.startswith(PER_LAYER_PREFIX):  # per-layer values: not printed
                 self._sums[name] = self._sums.get(name, 0.0) + value
@@ -183,7 +185,7 @@ class MetricsLogger:
                 "iteration": iteration, "consumed_samples": consumed,
                 "global_batch_size": global_batch, "lr": lr, "loss_scale": loss_scale,
                 "grad_norm": grad_norm, "skipped": result is None or not result.update_successful,
-                **losses,
+                **{f"{group}_grad_norm": norm for group, norm in by_group.items()}, **losses,
             }  # fmt: skip
             self._metrics_file.write(json.dumps(record) + "\n")
             self._metrics_file.flush()
@@ -216,6 +218,7 @@ class MetricsLogger:
                 values["world-size"] = dist.get_world_size()
             if grad_norm is not None:
                 values["grad-norm"] = grad_norm
+            values |= {f"{group}-grad-norm": norm for group, norm in by_group.items()}
             if result is not None and result.num_zeros_in_grad is not None:
                 values["num-zeros"] = result.num_zeros_in_grad
             if params_norm is not None:
@@ -254,6 +257,8 @@ class MetricsLogger:
         }
         if result is not None and result.grad_norm is not None:
             values["grad norm"] = result.grad_norm
+        for group, norm in ((result.grad_norms_by_group if result else None) or {}).items():
+            values[f"{group} grad norm"] = norm
         if result is not None and result.num_zeros_in_grad is not None:
             values["zeros in grad"] = result.num_zeros_in_grad
         if params_norm is not None:

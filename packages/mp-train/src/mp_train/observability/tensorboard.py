@@ -4,7 +4,9 @@ Every tensorboard_log_interval iterations, each the iteration's own value,
 against the iteration and, as `<tag> vs samples`, against the consumed
 samples: `learning-rate`, `batch-size`, each reported loss (`lm loss`),
 `loss-scale`, `world-size` (log_world_size_to_tensorboard), `grad-norm`,
-`num-zeros` (log_num_zeros_in_grad), `params-norm` (log_params_norm). With
+`mtp-grad-norm` (with mtp_detach_heads: the multi-token prediction modules' own norm,
+which grad-norm leaves out), `num-zeros` (log_num_zeros_in_grad), `params-norm`
+(log_params_norm). With
 log_memory_to_tensorboard, against the iteration only: `mem-reserved-bytes`,
 `mem-allocated-bytes`, `mem-max-allocated-bytes`, `mem-allocated-count`.
 
