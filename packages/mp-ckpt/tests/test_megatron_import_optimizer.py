@@ -1,6 +1,8 @@
 """import-megatron --with-optimizer: each Megatron-LM fixture's Adam moments, fp32 main
 parameters, step count, scheduler and training position, in mp's optimizer-state keys,
-against the full tensors megatron-core recorded (reference.pt's "adam")."""
+against the full tensors megatron-core recorded (reference.pt's "adam"); the hybrid
+fixtures (Mamba, attention, MLP and MoE layers, the distributed optimizer at TP2 x DP2 in
+both formats) too."""
 
 import re
 import shutil
@@ -16,7 +18,8 @@ from mp_ckpt.megatron.read import read_megatron
 
 ASSETS = Path(__file__).parent / "assets" / "megatron"
 DISTOPT = ["llama_torch_dist_tp2_distopt", "llama_torch_dist_pp2_dp2_distopt",
-           "llama_torch_pp2_dp2_distopt", "llama_torch_dist_tp2_dp2_distopt"]  # fmt: skip
+           "llama_torch_pp2_dp2_distopt", "llama_torch_dist_tp2_dp2_distopt",
+           "hybrid_torch_dist_tp2_dp2_distopt", "hybrid_torch_tp2_dp2_distopt"]  # fmt: skip
 CASES = ["llama_torch_dist_tp1", "llama_torch_tp2", "llama_torch_pp2", "gpt2_torch_dist_tp1",
          "moe_torch_dist_ep2", "moe_torch_ep2", *DISTOPT]  # fmt: skip
 
@@ -27,6 +30,15 @@ def _fused(reader: CheckpointReader, state: str, name: str, swiglu: bool) -> tor
     prefix = "" if state is None else f"optimizer.{state}."
     name = name.replace("self_attention.linear_qkv.layer_norm_", "input_layernorm.")
     name = name.replace("mlp.linear_fc1.layer_norm_", "pre_mlp_layernorm.")
+    name = name.replace("decoder.final_norm.", "decoder.final_layernorm.")  # a hybrid's
+    mamba = re.match(r"(.+\.mixer\.)(in_proj\.weight|conv1d_weight)$", name)
+    if mamba:  # a Mamba mixer's fused tensor from mp's grouped parts
+        module, parts = ("in_proj", "z x B C dt") if "in_proj" in name else ("conv1d", "x B C")
+        pieces = [
+            reader.read(f"{prefix}{mamba.group(1)}{module}.{p}.weight") for p in parts.split()
+        ]
+        whole = torch.cat([p.reshape(-1, *p.shape[2:]) for p in pieces])
+        return whole.unsqueeze(1) if module == "conv1d" else whole
     expert = re.match(r"(.+\.mlp\.experts\.)local_experts\.(\d+)\.(.+)$", name)
     if expert:  # mp stacks the experts: [experts, ...]
         whole = _fused(reader, state, expert.group(1) + expert.group(3), swiglu)
@@ -144,6 +156,7 @@ def test_distributed_optimizer_map_is_megatrons(case):
                                                             case), strict=True):  # fmt: skip
             for te, norm in _LOCAL_NORMS.items():
                 name = name.replace(te, norm)
+            name = re.sub(r"\.mixer\.conv1d\.(weight|bias)$", r".mixer.conv1d_\1", name)
             offset = buckets[b][0] + start
             rebuilt[name] = (offset, offset + shape.numel(), b)
         assert rebuilt == recorded

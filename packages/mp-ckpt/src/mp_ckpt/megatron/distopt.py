@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 
 from mp_ckpt.megatron.order import megatron_param_order
-from mp_ckpt.megatron.read import _LAYER, MegatronModel, _join, tp_piece
+from mp_ckpt.megatron.read import _LAYER, MegatronModel, _join, mamba_parts, tp_piece
 from mp_ckpt.megatron.safe_pickle import safe_load
 from mp_ckpt.megatron.settings import gated
 
@@ -50,6 +50,7 @@ __all__ = ["ALIGN", "buffer_params", "megatron_buckets", "place", "read_distrib_
            "read_distributed_buckets"]  # fmt: skip
 
 STATES = ("exp_avg", "exp_avg_sq", "param")
+_BUFFERS = ("mlp.router.expert_bias",)  # model tensors that are buffers, not parameters
 ALIGN = 64  # every parameter starts at a multiple of 64 elements in its grad buffer
 # torch_dist names the local spec's norms as TE's fused ones; the modules are the norms.
 _LOCAL_NORMS = {
@@ -57,10 +58,14 @@ _LOCAL_NORMS = {
     "self_attention.linear_qkv.layer_norm_bias": "input_layernorm.bias",
     "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
     "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias",
+    "mixer.in_proj.layer_norm_weight": "norm.weight",  # a hybrid model's Mamba layer
 }
 # args that split the layers unevenly over the stages or into virtual stages
 _UNEVEN = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
            "num_layers_per_virtual_pipeline_stage", "pipeline_model_parallel_layout")  # fmt: skip
+# torch_dist's experts of a layer, stacked [E, ...] (the buffer holds one per expert)
+_STACKED_EXPERTS = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts\.)experts\.(.+)$")
+_ONE_EXPERT = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts\.)local_experts\.(\d+)\.(.+)$")
 _FLAT = re.compile(
     r"^optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.(dtype_.*)\.bucket_idx_(\d+)"
     r"\.(param|exp_avg|exp_avg_sq)$"
@@ -79,7 +84,9 @@ def _sizes(args) -> tuple[int, int, int]:
 
 def buffer_params(model: MegatronModel, stage: int, rank: int, where: str):
     """[(model.tensors name, TP-local shape)] of one pipeline stage and TP rank, in the
-    order Megatron packs its grad buffer (reverse module order)."""
+    order Megatron packs its grad buffer (reverse module order). torch_dist's stacked
+    experts [E, ...] are there expert by expert, under the legacy per-expert names
+    (mlp.experts.local_experts.<e>.*; _join_states stacks them back)."""
     args = model.args
     tp, pp, layers = _sizes(args)
     if layers % pp or any(getattr(args, a, None) for a in _UNEVEN):
@@ -91,9 +98,21 @@ def buffer_params(model: MegatronModel, stage: int, rank: int, where: str):
                          "stage's shared copy) are not imported")  # fmt: skip
     per_stage = layers // pp
     local_spec = getattr(args, "transformer_impl", "local") == "local"
-    swiglu = gated(args)
-    names = {}
+    swiglu, parts = gated(args), mamba_parts(args)
+    names, experts = {}, {}
     for name in model.tensors:
+        if name.endswith(_BUFFERS):
+            continue  # not a parameter: no place in the grad buffer
+        stacked = _STACKED_EXPERTS.match(name)
+        if stacked:
+            shape = _shape(model.tensors, name)
+            for e in range(shape[0]):
+                one = f"{stacked.group(1)}local_experts.{e}.{stacked.group(2)}"
+                experts[one] = shape[1:]
+            name_layer = int(_LAYER.match(name).group(1))
+            if name_layer // per_stage == stage:
+                names.update({one: one for one in experts if one.startswith(stacked.group(1))})
+            continue
         match = _LAYER.match(name)
         if match:
             if int(match.group(1)) // per_stage != stage:
@@ -111,8 +130,9 @@ def buffer_params(model: MegatronModel, stage: int, rank: int, where: str):
     out = []
     for name in reversed(megatron_param_order(names, where)):
         # the whole tensor's shape, not its data (MegatronTensors reads on lookup)
-        whole = torch.empty(_shape(model.tensors, names[name]), device="meta")
-        out.append((names[name], tp_piece(name, whole, rank, tp, swiglu).shape))
+        shape = experts.get(name) or _shape(model.tensors, names[name])
+        whole = torch.empty(shape, device="meta")
+        out.append((names[name], tp_piece(name, whole, rank, tp, swiglu, parts).shape))
     return out
 
 
@@ -161,9 +181,20 @@ def place(shapes: list, unpadded: list[int], where: str) -> list[tuple[int, int]
 
 def _join_states(model: MegatronModel, pieces: dict) -> dict:
     """{state: {name: whole tensor}} from {state: {name: [TP pieces in rank order]}}."""
-    swiglu = bool(getattr(model.args, "swiglu", False))
-    return {s: {n: _join(n, p, swiglu).contiguous() for n, p in by_name.items()}
-            for s, by_name in pieces.items()}  # fmt: skip
+    swiglu, parts = bool(getattr(model.args, "swiglu", False)), mamba_parts(model.args)
+    out = {}
+    for state, by_name in pieces.items():
+        joined = {n: _join(n, p, swiglu, None, parts).contiguous() for n, p in by_name.items()}
+        stacks: dict[str, dict[int, torch.Tensor]] = {}
+        for name in list(joined):
+            one = _ONE_EXPERT.match(name)
+            stacked = one and f"{one.group(1)}experts.{one.group(3)}"
+            if stacked and name not in model.tensors and stacked in model.tensors:
+                stacks.setdefault(stacked, {})[int(one.group(2))] = joined.pop(name)
+        for stacked, by_expert in stacks.items():
+            joined[stacked] = torch.stack([by_expert[e] for e in range(len(by_expert))])
+        out[state] = joined
+    return out
 
 
 def _only(value, key: str, where):

@@ -11,8 +11,8 @@ named (GPT-2 BPE, a local Hugging Face tokenizer) are kept when they are here.
 A setting mp does not compute the same way (input jitter, several
 load-balancing losses, ...) is refused with its name and value. With
 with_optimizer, optimizer.py reads the Adam state, which is renamed and
-unfused like the weights (not of multi-latent attention, multi-token
-prediction or a hybrid model: refused).
+unfused like the weights (not of multi-latent attention or multi-token
+prediction, nor a hybrid model's without the distributed optimizer: refused).
 """
 
 from __future__ import annotations
@@ -68,9 +68,12 @@ def import_megatron(
     common = {"iteration": 0, "model_config": None, "imported_from": str(model.directory),
               "source_iteration": model.iteration, "source_format": model.format}  # fmt: skip
     if with_optimizer:  # the Adam state is read whole, beside the weights
-        unread = [name for name in ("multi_latent_attention", "mtp_num_layers",
-                                    "hybrid_layer_pattern", "hybrid_override_pattern")
+        unread = [name for name in ("multi_latent_attention", "mtp_num_layers")
                   if getattr(model.args, name, None)]  # fmt: skip
+        hybrid = [name for name in ("hybrid_layer_pattern", "hybrid_override_pattern")
+                  if getattr(model.args, name, None)]  # fmt: skip
+        if hybrid and not getattr(model.args, "use_distributed_optimizer", False):
+            unread.append(f"{hybrid[0]} without the distributed optimizer")
         if unread:
             raise ValueError(
                 f"{model.directory}: --with-optimizer: the Adam state of a model with "

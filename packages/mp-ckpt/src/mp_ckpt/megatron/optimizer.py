@@ -40,7 +40,12 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
 from mp_ckpt.core.checkpointer import single_process_quiet
-from mp_ckpt.megatron.distopt import STATES, read_distrib_optim, read_distributed_buckets
+from mp_ckpt.megatron.distopt import (
+    _BUFFERS,
+    STATES,
+    read_distrib_optim,
+    read_distributed_buckets,
+)
 from mp_ckpt.megatron.logical import logical_from_megatron
 from mp_ckpt.megatron.order import megatron_param_order
 from mp_ckpt.megatron.read import (
@@ -57,8 +62,6 @@ from mp_ckpt.megatron.safe_pickle import safe_load
 
 __all__ = ["MegatronOptimizer", "megatron_param_order", "read_megatron_optimizer"]
 
-# Model tensors that are buffers, not parameters: no optimizer state.
-_BUFFERS = ("mlp.router.expert_bias",)
 # Keys of a Megatron parameter group mp's optimizer groups take back.
 _GROUP_KEYS = ("lr", "weight_decay", "wd_mult", "lr_mult", "max_lr", "min_lr", "betas", "eps")
 

@@ -152,6 +152,8 @@ HYBRID = ["--num-layers", "4", "--hybrid-layer-pattern", "M*-E", "--hidden-size"
           "--moe-token-dispatcher-type", "allgather",
           "--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", "0.001",
           "--no-save-optim", "--no-save-rng"]  # fmt: skip
+# The hybrid trained with the distributed optimizer, its Adam state and RNG state saved.
+HYBRID_STATE = [a for a in HYBRID if a not in ("--no-save-optim", "--no-save-rng")]
 # The hybrid with two multi-token prediction modules of an attention, a Mamba and a MoE
 # layer each (Megatron-LM's unified pattern; --mtp-num-layers follows it), loss scale 0.1.
 HYBRID_MTP = ("--hybrid-layer-pattern", "M*-E/*ME/*ME", "--mtp-num-layers", "2",
@@ -162,7 +164,7 @@ HYBRID_MTP = ("--hybrid-layer-pattern", "M*-E/*ME/*ME", "--mtp-num-layers", "2",
 BUCKETS = ("--overlap-grad-reduce", "--ddp-bucket-size", "2000")
 # Cases whose reference.pt also records one more training step on NEXT_BATCH_SEED's batch,
 # taken after the save and after everything else is recorded (the rest stays the same).
-NEXT_STEP = {"llama_torch_dist_tp2_distopt"}
+NEXT_STEP = {"llama_torch_dist_tp2_distopt", "hybrid_torch_dist_tp2_dp2_distopt"}
 NEXT_BATCH_SEED = 11
 
 
@@ -205,6 +207,13 @@ CASES = {
     "hybrid_torch_dist_tp2": Case(HYBRID, "torch_dist", 2, 1, False, extra=SP),
     "hybrid_torch_tp2": Case(HYBRID, "torch", 2, 1, False, extra=SP),
     "hybrid_mtp_torch_dist_tp2": Case(HYBRID, "torch_dist", 2, 1, False, extra=(*HYBRID_MTP, *SP)),
+    # 4 ranks: TP2 x DP2, the distributed optimizer in several buckets
+    "hybrid_torch_dist_tp2_dp2_distopt": Case(
+        HYBRID_STATE, "torch_dist", 2, 1, True, dp=2, extra=(*SP, *BUCKETS)
+    ),
+    "hybrid_torch_tp2_dp2_distopt": Case(
+        HYBRID_STATE, "torch", 2, 1, True, dp=2, extra=(*SP, *BUCKETS)
+    ),
     "hybrid_mtp_torch_tp2": Case(HYBRID, "torch", 2, 1, False, extra=(*HYBRID_MTP, *SP)),
 }
 

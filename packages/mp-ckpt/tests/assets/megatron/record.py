@@ -21,6 +21,14 @@ TRACKED = [
     "decoder.layers.0.mlp.experts.local_experts.3.linear_fc2.weight",
     "decoder.layers.0.mlp.shared_experts.linear_fc1.weight",
     "decoder.layers.0.mlp.shared_experts.gate_weight",
+    # the hybrid's (HybridModel, local spec names): its Mamba layer 0, attention layer 1
+    "decoder.layers.0.mixer.in_proj.weight",
+    "decoder.layers.0.mixer.conv1d_weight",
+    "decoder.layers.0.mixer.A_log",
+    "decoder.layers.0.mixer.out_proj.weight",
+    "decoder.layers.0.norm.weight",
+    "decoder.layers.1.self_attention.linear_qkv.weight",
+    "decoder.final_norm.weight",
 ]
 
 # reference.pt["args"]: the Megatron args an importer needs, as plain values
@@ -103,8 +111,28 @@ ARG_NAMES = [
 ]
 
 
-def tp_gather(t, param):
-    """Full tensor from this rank's TP shard of ``param`` (layout of a TP1 model)."""
+def mamba_parts(name):
+    """The rows of each part of a Mamba mixer's fused tensor `name` on one TP rank
+    ([z; x; B; C; dt] for in_proj, [x; B; C] for conv1d), or None for another tensor."""
+    from megatron.core import parallel_state as ps
+    from megatron.training import get_args
+
+    if not name or ".mixer." not in name or not ("in_proj.weight" in name or "conv1d" in name):
+        return None
+    args, tp = get_args(), ps.get_tensor_model_parallel_world_size()
+    head_dim = args.mamba_head_dim
+    heads = args.mamba_num_heads or 2 * args.hidden_size // head_dim
+    inner, states = heads * head_dim // tp, args.mamba_num_groups * args.mamba_state_dim // tp
+    return (
+        [inner, inner, states, states, heads // tp]
+        if "in_proj" in name
+        else [inner, states, states]
+    )
+
+
+def tp_gather(t, param, name=None):
+    """Full tensor from this rank's TP shard of ``param`` (layout of a TP1 model; a Mamba
+    mixer's in_proj or conv1d, `name`, regrouped part by part)."""
     import torch
     from megatron.core import parallel_state as ps
 
@@ -115,6 +143,11 @@ def tp_gather(t, param):
     torch.distributed.all_gather(
         parts, t.detach().contiguous(), group=ps.get_tensor_model_parallel_group()
     )
+    rows = mamba_parts(name)
+    if rows is not None:  # each rank [z_r; x_r; B_r; C_r; dt_r]: the parts joined over ranks
+        split = [p.view(-1, *param.shape[1:]).split(rows) for p in parts]
+        joined = [torch.cat([s[j] for s in split]) for j in range(len(rows))]
+        return torch.cat(joined).view(-1) if t.dim() == 1 else torch.cat(joined)
     if getattr(param, "partition_stride", 1) == 2:
         # SwiGLU fc1: each rank holds [gate_r; up_r]; a TP1 model holds [gate; up]
         halves = [p.chunk(2, dim=0) for p in parts]
@@ -176,7 +209,9 @@ def adam_state(model, optimizer):
                     "exp_avg_sq": st["exp_avg_sq"],
                 }
             step = opt.optimizer.state[opt.optimizer.param_groups[0]["params"][0]]["step"]
-            out[name] = {k: tp_gather(local[k], p) for k in ("param", "exp_avg", "exp_avg_sq")}
+            out[name] = {
+                k: tp_gather(local[k], p, name) for k in ("param", "exp_avg", "exp_avg_sq")
+            }
             out[name]["step"] = int(step)
     return out
 
