@@ -57,7 +57,8 @@ def body(argv, load):
 @pytest.mark.multirank
 @pytest.mark.parametrize("case", ["llama_torch_dist_tp2_distopt", "llama_torch_tp2",
                                   "llama_torch_pp2_dp2_distopt", "moe_torch_ep2",
-                                  "hybrid_torch_tp2_dp2_distopt"])  # fmt: skip
+                                  "hybrid_torch_tp2_dp2_distopt",
+                                  "hybrid_optim_torch_dist_tp2"])  # fmt: skip
 def test_a_run_resumes_with_megatrons_adam_state(case, tmp_path):
     reference = safe_load(ASSETS / case / "reference.pt")
     load = tmp_path / "mp"

@@ -2,7 +2,7 @@
 parameters, step count, scheduler and training position, in mp's optimizer-state keys,
 against the full tensors megatron-core recorded (reference.pt's "adam"); the hybrid
 fixtures (Mamba, attention, MLP and MoE layers, the distributed optimizer at TP2 x DP2 in
-both formats) too."""
+both formats, and without it) too."""
 
 import re
 import shutil
@@ -21,7 +21,8 @@ DISTOPT = ["llama_torch_dist_tp2_distopt", "llama_torch_dist_pp2_dp2_distopt",
            "llama_torch_pp2_dp2_distopt", "llama_torch_dist_tp2_dp2_distopt",
            "hybrid_torch_dist_tp2_dp2_distopt", "hybrid_torch_tp2_dp2_distopt"]  # fmt: skip
 CASES = ["llama_torch_dist_tp1", "llama_torch_tp2", "llama_torch_pp2", "gpt2_torch_dist_tp1",
-         "moe_torch_dist_ep2", "moe_torch_ep2", *DISTOPT]  # fmt: skip
+         "moe_torch_dist_ep2", "moe_torch_ep2", "hybrid_optim_torch_dist_tp2",
+         "hybrid_optim_torch_tp2", *DISTOPT]  # fmt: skip
 
 
 def _fused(reader: CheckpointReader, state: str, name: str, swiglu: bool) -> torch.Tensor:
@@ -96,16 +97,19 @@ def test_imported_adam_state_is_megatrons(case, tmp_path):
     assert groups[0]["lr"] == pytest.approx(reference["lr_next"])
 
 
-@pytest.mark.parametrize("case", ["llama_torch_tp2", "llama_torch_pp2", "moe_torch_ep2"])
+@pytest.mark.parametrize("case", ["llama_torch_tp2", "llama_torch_pp2", "moe_torch_ep2",
+                                  "hybrid_optim_torch_tp2"])  # fmt: skip
 def test_legacy_state_order_is_megatrons_parameter_order(case):
     """The rule (decayed parameters, then the others, each in module order; with experts
-    the dense optimizer's, then the expert optimizer's) gives the order megatron-core
-    recorded for every rank's optimizer state indices."""
+    under expert parallelism the dense optimizer's, then the expert optimizer's: EP2 chains
+    two, EP1 one) gives the order megatron-core recorded for every rank's optimizer state
+    indices; the hybrid's Mamba layers in their module order too."""
     reference = safe_load(ASSETS / case / "reference.pt")
     directory = ASSETS / case / "iter_0000002"
     for rank, layout in enumerate(reference["optimizer_layout_per_rank"]):
         files = sorted(directory.glob("mp_rank_*/model_optim_rng.pt"))
-        model = safe_load(files[rank])["model"]
+        saved = safe_load(files[rank])
+        model = saved["model"]
         weights = {k: v for k, v in model.items() if isinstance(v, torch.Tensor)
                    and "_extra_state" not in k and not k.endswith("expert_bias")}  # fmt: skip
 
@@ -114,7 +118,8 @@ def test_legacy_state_order_is_megatrons_parameter_order(case):
             return decayed + [n for n in names if n not in decayed]
 
         order = megatron_param_order(weights)
-        experts = [n for n in order if ".local_experts." in n]
+        chained = isinstance(saved["optimizer"], list)  # the dense, then the expert one
+        experts = [n for n in order if ".local_experts." in n] if chained else []
         dense = [n for n in order if n not in experts]
         assert decayed_first(dense) + decayed_first(experts) == layout["param_order"]
 

@@ -12,7 +12,7 @@ A setting mp does not compute the same way (input jitter, several
 load-balancing losses, ...) is refused with its name and value. With
 with_optimizer, optimizer.py reads the Adam state, which is renamed and
 unfused like the weights (not of multi-latent attention or multi-token
-prediction, nor a hybrid model's without the distributed optimizer: refused).
+prediction: refused).
 """
 
 from __future__ import annotations
@@ -70,10 +70,6 @@ def import_megatron(
     if with_optimizer:  # the Adam state is read whole, beside the weights
         unread = [name for name in ("multi_latent_attention", "mtp_num_layers")
                   if getattr(model.args, name, None)]  # fmt: skip
-        hybrid = [name for name in ("hybrid_layer_pattern", "hybrid_override_pattern")
-                  if getattr(model.args, name, None)]  # fmt: skip
-        if hybrid and not getattr(model.args, "use_distributed_optimizer", False):
-            unread.append(f"{hybrid[0]} without the distributed optimizer")
         if unread:
             raise ValueError(
                 f"{model.directory}: --with-optimizer: the Adam state of a model with "

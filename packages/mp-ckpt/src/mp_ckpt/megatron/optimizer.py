@@ -55,8 +55,10 @@ from mp_ckpt.megatron.read import (
     _join,
     _RawBytesPlanner,
     _SafeReader,
-    global_expert_name,
+    join_mamba_parts,
+    legacy_name,
     legacy_rank_files,
+    mamba_parts,
 )
 from mp_ckpt.megatron.safe_pickle import safe_load
 
@@ -185,6 +187,7 @@ def _read_torch_dist(model: MegatronModel) -> MegatronOptimizer:
             if state is None:
                 raise ValueError(f"{directory}: {key}: unknown optimizer state {name!r}")
             states[state].update(_unstack(model_key, value))
+        states = {s: join_mamba_parts(by_name) for s, by_name in states.items()}
         saved = common.get("optimizer") or {}
         # several optimizers (dense, experts) are saved as {0: state dict, 1: ...}
         chained = [saved[k] for k in sorted(saved)] if saved and all(
@@ -230,7 +233,7 @@ def _read_torch(model: MegatronModel) -> MegatronOptimizer:
             raise ValueError(f"{directory}: distrib_optim.pt with expert parallelism "
                              f"(EP {ep}) is not imported")  # fmt: skip
         return _read_torch_distopt(model, {(p, t): f for (p, _, t), f in files.items()})
-    swiglu = bool(getattr(model.args, "swiglu", False))
+    swiglu, parts = bool(getattr(model.args, "swiglu", False)), mamba_parts(model.args)
     states: dict[str, dict[str, torch.Tensor]] = {s: {} for s in STATES}
     steps, groups, first = [], [], None
     offset = 0
@@ -255,11 +258,11 @@ def _read_torch(model: MegatronModel) -> MegatronOptimizer:
                     if e > 0 and not _LOCAL_EXPERT.match(name):
                         continue  # every EP rank holds the same copy of what is not an expert
                     pieces = [r[state_name][name] for r in per_rank]
-                    glob = global_expert_name(name, e, local_experts)
+                    glob = legacy_name(name, e, local_experts)
                     match = _LAYER.match(glob)
                     if match:
                         glob = f"decoder.layers.{int(match.group(1)) + offset}.{match.group(2)}"
-                    states[state_name][glob] = _join(name, pieces, swiglu)
+                    states[state_name][glob] = _join(name, pieces, swiglu, None, parts)
         offset += len(layers)
     where = str(directory)
     return MegatronOptimizer(states, _step(steps, where), _groups(groups, where),

@@ -24,7 +24,8 @@ _LAYER_ORDER = (
     "mlp.linear_fc1.", "mlp.linear_fc2.", "mlp.router.", "mlp.experts.",
     "mlp.shared_experts.gate_", "mlp.shared_experts.linear_fc1.",
     "mlp.shared_experts.linear_fc2.",
-    "mixer.conv1d.", "mixer.dt_bias", "mixer.A_log", "mixer.D", "mixer.in_proj.",
+    "mixer.conv1d.", "mixer.conv1d_weight", "mixer.conv1d_bias",  # (the legacy files' names)
+    "mixer.dt_bias", "mixer.A_log", "mixer.D", "mixer.in_proj.",
     "mixer.norm.", "mixer.out_proj.", "norm.",
 )  # fmt: skip
 # An expert's parameters, in the order of its number then its module (legacy names).

@@ -72,7 +72,9 @@ __all__ = [
     "MegatronModel",
     "MegatronTensors",
     "global_expert_name",
+    "join_mamba_parts",
     "latent_rows",
+    "legacy_name",
     "legacy_rank_files",
     "mamba_parts",
     "read_megatron",
@@ -248,6 +250,15 @@ def _read_torch_dist(directory: Path, iteration: int) -> MegatronModel:
                          common.get("checkpoint_version"))  # fmt: skip
 
 
+def join_mamba_parts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """_join_mamba_parts of tensors held in memory (an optimizer state's, say)."""
+    lazy = MegatronTensors()
+    for name, tensor in tensors.items():
+        lazy.add(name, tensor.shape, tensor.dtype, lambda t=tensor: t)
+    joined = _join_mamba_parts(lazy)
+    return {name: joined[name] for name in joined}
+
+
 def _join_mamba_parts(tensors: MegatronTensors) -> MegatronTensors:
     """The tensors with each Mamba mixer's in_proj and conv1d parts (torch_dist's keys
     X.z, X.x, ...) joined into X, the parts on rows in their fused order."""
@@ -345,6 +356,16 @@ def global_expert_name(key: str, ep_rank: int, local_experts: int) -> str:
     return f"{match.group(1)}{index}.{match.group(3)}"
 
 
+def legacy_name(key: str, ep_rank: int, local_experts: int) -> str:
+    """A legacy file's key under the names torch_dist gives it: an expert's global number,
+    a GPT model's multi-token prediction layer as transformer_layer, a Mamba mixer's
+    conv1d_weight / conv1d_bias as conv1d.weight / .bias (the stage's layer numbers are
+    the caller's)."""
+    name = global_expert_name(key, ep_rank, local_experts)
+    name = _MTP_MODEL_LAYER.sub(r"\1transformer_layer.", name)
+    return _LEGACY_CONV.sub(r".mixer.conv1d.\1", name)
+
+
 def _read_torch(directory: Path, iteration: int) -> MegatronModel:
     args, files = legacy_rank_files(directory)
     tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
@@ -379,10 +400,7 @@ def _read_torch(directory: Path, iteration: int) -> MegatronModel:
                 pieces = [s.get(key) for s in shapes]
                 if any(p is None for p in pieces):
                     raise ValueError(f"{directory}: {key} is missing on some TP ranks")
-                name = _MTP_MODEL_LAYER.sub(
-                    r"\1transformer_layer.", global_expert_name(key, e, local_experts)
-                )
-                name = _LEGACY_CONV.sub(r".mixer.conv1d.\1", name)
+                name = legacy_name(key, e, local_experts)
                 match = _LAYER.match(name)
                 if match:
                     name = f"decoder.layers.{int(match.group(1)) + offset}.{match.group(2)}"

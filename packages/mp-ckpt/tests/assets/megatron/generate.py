@@ -211,6 +211,9 @@ CASES = {
     "hybrid_torch_dist_tp2_dp2_distopt": Case(
         HYBRID_STATE, "torch_dist", 2, 1, True, dp=2, extra=(*SP, *BUCKETS)
     ),
+    # its Adam state without the distributed optimizer (2 ranks, TP2)
+    "hybrid_optim_torch_dist_tp2": Case(HYBRID_STATE, "torch_dist", 2, 1, False, extra=SP),
+    "hybrid_optim_torch_tp2": Case(HYBRID_STATE, "torch", 2, 1, False, extra=SP),
     "hybrid_torch_tp2_dp2_distopt": Case(
         HYBRID_STATE, "torch", 2, 1, True, dp=2, extra=(*SP, *BUCKETS)
     ),
