@@ -2,8 +2,10 @@
 loading, its iteration, consumed samples, learning rate, Adam step and Adam moments are
 the ones megatron-core saved, and its next step on Megatron's next batch gives Megatron's
 weights and moments after that step (packages/mp-ckpt/tests/assets/megatron/*/reference.pt),
-for a Llama-style model and a hybrid (Mamba) one."""
+for a Llama-style model, a hybrid (Mamba) one and a DeepSeek-shaped one with multi-token
+prediction."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -16,14 +18,15 @@ from mp_state.testing import run_on_ranks
 ASSETS = Path(__file__).resolve().parents[1] / "packages/mp-ckpt/tests/assets/megatron"
 
 
-def _argv(load: Path) -> list[str]:
+def _argv(load: Path, case: str = "") -> list[str]:
     """A run that loads `load` and takes no step (it is at iteration 2 of 2), with the
     fixtures' optimizer settings. The fixture's vocabulary: 100 ids (+ NullTokenizer's eod)
-    padded to 128."""
+    padded to 128; the DeepSeek-shaped ones' 60 padded to 64."""
+    vocab = ("60", "32") if case.startswith("mla") else ("100", "64")
     return [
         "--config", str(TINY_CONFIG), "--mock-data", *GIVEN_PEAK,
         "--tokenizer-type", "NullTokenizer",
-        "--vocab-size", "100", "--make-vocab-size-divisible-by", "64",
+        "--vocab-size", vocab[0], "--make-vocab-size-divisible-by", vocab[1],
         "--load", str(load), "--use-checkpoint-args", "--use-checkpoint-opt-param-scheduler",
         "--micro-batch-size", "2", "--global-batch-size", "2", "--train-iters", "2",
         "--lr", "1e-3", "--min-lr", "1e-4", "--lr-warmup-iters", "0", "--weight-decay", "0.01",
@@ -57,16 +60,16 @@ def body(argv, load):
 @pytest.mark.multirank
 @pytest.mark.parametrize("case", ["llama_torch_dist_tp2_distopt", "llama_torch_tp2",
                                   "llama_torch_pp2_dp2_distopt", "moe_torch_ep2",
-                                  "hybrid_torch_tp2_dp2_distopt",
-                                  "hybrid_optim_torch_dist_tp2"])  # fmt: skip
+                                  "hybrid_torch_tp2_dp2_distopt", "hybrid_optim_torch_dist_tp2",
+                                  "mla_mtp_optim_torch_tp2"])  # fmt: skip
 def test_a_run_resumes_with_megatrons_adam_state(case, tmp_path):
     reference = safe_load(ASSETS / case / "reference.pt")
     load = tmp_path / "mp"
     import_megatron(ASSETS / case, load, with_optimizer=True)
-    got = run_on_ranks(body, 1, _argv(load), str(load), timeout=180)[0]
+    got = run_on_ranks(body, 1, _argv(load, case), str(load), timeout=180)[0]
     assert got["iteration"] == 2
     # the model the args describe (the hybrid's layer 3 is MoE)
-    assert (got["expert_params"] > 0) == case.startswith(("moe", "hybrid"))
+    assert (got["expert_params"] > 0) == case.startswith(("moe", "hybrid", "mla"))
     assert got["consumed"] == 2 * reference["args"]["global_batch_size"]
     for lr in got["lrs"]:
         assert lr == pytest.approx(reference["lr_next"], rel=1e-6)
@@ -80,6 +83,8 @@ def test_a_run_resumes_with_megatrons_adam_state(case, tmp_path):
     assert got["state"] and all(k.startswith("optimizer.exp_avg") for k in got["state"])
     for key, value in got["state"].items():
         torch.testing.assert_close(value, reader.read(key), rtol=0, atol=0, msg=key)
+    if case.startswith("mla"):  # multi-latent attention: no fused qkv
+        return
     layer = 1 if case.startswith("hybrid") else 0  # the hybrid's attention layer
     qkv = f"optimizer.exp_avg.decoder.layers.{layer}.self_attention.linear_qkv.k.weight"
     fused = reference["adam"][f"decoder.layers.{layer}.self_attention.linear_qkv.weight"]
@@ -89,22 +94,28 @@ def test_a_run_resumes_with_megatrons_adam_state(case, tmp_path):
 
 def step_body(argv, load, data):
     """The run loaded from `load` takes one training step on `data` (Megatron's fixed
-    batch, all tokens counted) as its training loop would: its weights and Adam state by
-    logical key afterwards, the lr it used, its loss and gradient norm."""
+    batch, all tokens counted) as its training loop would (with the factors its MoE
+    routers' and MTP modules' losses get in backward, and the expert biases' update):
+    its weights and Adam state by logical key afterwards, the lr it used, its loss and
+    gradient norm."""
     from mp_gpt.gpt import forward_step
     from mp_pipeline import get_forward_backward_func
+    from mp_train.loop.moe_step import MoEStep
 
     run = train_run_on_rank(argv)
     item = {**data, "loss_mask": torch.ones(data["tokens"].shape)}
     for chunk in run.model:
         chunk.train()
+    experts = MoEStep(run.config.model, run.model, run.state, fp16=False)
     run.optimizer.zero_grad()
+    experts.before(run.optimizer, num_microbatches=1)
     lr = run.optimizer.param_groups[0]["lr"]
     schedule = get_forward_backward_func(run.state.pp.size, None)
     reports = schedule(
         forward_step_func=forward_step, data_iterator=iter([item]), model=run.model,
         num_microbatches=1, config=run.pipeline, pp_group=run.state.pp,
     )  # fmt: skip
+    experts.after_backward()
     result = run.optimizer.step()
     total, tokens = reports[0]["lm loss"].tolist()
     weights = {k: t.data.clone() for k, t in run.model[0].sharded_state_dict().items()}
@@ -124,6 +135,10 @@ def _logical(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
     in_proj and conv1d: each part by group, [2, rows / 2, ...])."""
     if name == "decoder.final_norm.weight":
         return {"decoder.final_layernorm.weight": tensor}
+    name = name.replace(".mtp_model_layer.", ".transformer_layer.")  # an MTP module's layer
+    expert = re.match(r"(.+\.mlp\.experts\.)local_experts\.(\d+)\.(.+)$", name)
+    if expert:  # mp stacks the experts: [experts, ...] (no SwiGLU fc2 to split)
+        return {f"{expert.group(1)}{expert.group(3)}[{expert.group(2)}]": tensor}
     for fused, (module, rows) in _MAMBA.items():
         if name.endswith(".mixer." + fused):
             base = name.removesuffix(fused) + module
@@ -143,7 +158,8 @@ def _logical(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("case", ["llama_torch_dist_tp2_distopt",
-                                  "hybrid_torch_dist_tp2_dp2_distopt"])  # fmt: skip
+                                  "hybrid_torch_dist_tp2_dp2_distopt",
+                                  "mla_mtp_torch_dist_tp1_distopt"])  # fmt: skip
 def test_the_step_after_resuming_is_megatrons(case, tmp_path):
     """One more step in mp from the imported checkpoint, on the batch Megatron took its
     third step on, gives Megatron's weights and Adam moments after that step.
@@ -157,14 +173,16 @@ def test_the_step_after_resuming_is_megatrons(case, tmp_path):
     loaded moments or step count would miss by. The hybrid (a Mamba, an attention, an MLP
     and a MoE layer; the distributed optimizer's buckets at TP2 x DP2): gradient norm 3.50
     within 1.5e-8 relative, the same loss, weights within 3.0e-8, exp_avg 3.8e-9,
-    exp_avg_sq 1.8e-10 (measured), for steps of 9e-4, 9e-3 and 4e-4.
+    exp_avg_sq 1.8e-10 (measured), for steps of 9e-4, 9e-3 and 4e-4. The DeepSeek-shaped
+    one (multi-latent attention, DeepSeek's MoE, an MTP module; TP1): gradient norm within
+    1.2e-7 relative, weights 3.0e-8, exp_avg 2.8e-9, exp_avg_sq 2.1e-10 (measured).
     """
     reference = safe_load(ASSETS / case / "reference.pt")
     step = reference["next_step"]
     load = tmp_path / "mp"
     import_megatron(ASSETS / case, load, with_optimizer=True)
     data = {k: step[k] for k in ("tokens", "labels", "position_ids")}
-    got = run_on_ranks(step_body, 1, _argv(load), str(load), data, timeout=180)[0]
+    got = run_on_ranks(step_body, 1, _argv(load, case), str(load), data, timeout=180)[0]
     assert got["lr"] == step["lr"]
     assert got["loss"] == pytest.approx(step["loss"], rel=1e-6)
     assert got["grad_norm"] == pytest.approx(step["grad_norm"], rel=1e-5)
@@ -177,7 +195,10 @@ def test_the_step_after_resuming_is_megatrons(case, tmp_path):
             for logical, expected in _logical(name, recorded[state]).items():
                 # the step moved every tensor: an unchanged one would not prove the update
                 assert not torch.equal(expected, _logical(name, before[state])[logical])
-                torch.testing.assert_close(held[key + logical], expected, rtol=0, atol=atol,
+                stacked = re.match(r"(.+)\[(\d+)\]$", logical)  # one expert of a stack
+                value = (held[key + stacked.group(1)][int(stacked.group(2))] if stacked
+                         else held[key + logical])  # fmt: skip
+                torch.testing.assert_close(value, expected, rtol=0, atol=atol,
                                            msg=f"{state} {logical}")  # fmt: skip
                 compared += 1
-    assert compared == 3 * (10 if case.startswith("llama") else 17)
+    assert compared == 3 * {"llama": 10, "hybrid": 17, "mla": 15}[case.split("_")[0]]

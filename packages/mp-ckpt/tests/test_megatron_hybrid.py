@@ -138,7 +138,7 @@ ARGS = {"num_attention_heads": 4, "hidden_size": 32, "num_layers": 4, "norm_epsi
 def test_what_the_hybrid_import_refuses(tmp_path):
     with pytest.raises(ValueError, match="saved without optimizer state"):
         import_megatron(DIST, tmp_path / "mp", with_optimizer=True)
-    with pytest.raises(ValueError, match="Adam state of a model with mtp_num_layers"):
+    with pytest.raises(ValueError, match="saved without optimizer state"):
         import_megatron(MTP_DIST, tmp_path / "mtp", with_optimizer=True)
     settings = model_config_from_megatron(argparse.Namespace(**ARGS), 128)
     assert (settings["mamba_num_heads"], settings["mamba_num_groups"]) == (None, 8)  # defaults

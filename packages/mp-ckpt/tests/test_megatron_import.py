@@ -203,7 +203,7 @@ def test_multi_latent_attention_under_the_te_specs_names_and_layout(tmp_path):
     import_megatron(tmp_path / "te" / "iter_0000002", tmp_path / "te_mp")
     want, got = _tensors(tmp_path / "local"), _tensors(tmp_path / "te_mp")
     assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
-    with pytest.raises(ValueError, match="--with-optimizer: the Adam state of a model with multi"):
+    with pytest.raises(ValueError, match="optimizer: no torch optimizer state"):  # model only
         import_megatron(ASSETS / case, tmp_path / "adam", with_optimizer=True)
 
 

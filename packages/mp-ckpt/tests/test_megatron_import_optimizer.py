@@ -2,7 +2,9 @@
 parameters, step count, scheduler and training position, in mp's optimizer-state keys,
 against the full tensors megatron-core recorded (reference.pt's "adam"); the hybrid
 fixtures (Mamba, attention, MLP and MoE layers, the distributed optimizer at TP2 x DP2 in
-both formats, and without it) too."""
+both formats, and without it) and the DeepSeek-shaped ones with their multi-token
+prediction module (multi-latent attention, DeepSeek's MoE; with and without the
+distributed optimizer) too."""
 
 import re
 import shutil
@@ -19,10 +21,11 @@ from mp_ckpt.megatron.read import read_megatron
 ASSETS = Path(__file__).parent / "assets" / "megatron"
 DISTOPT = ["llama_torch_dist_tp2_distopt", "llama_torch_dist_pp2_dp2_distopt",
            "llama_torch_pp2_dp2_distopt", "llama_torch_dist_tp2_dp2_distopt",
-           "hybrid_torch_dist_tp2_dp2_distopt", "hybrid_torch_tp2_dp2_distopt"]  # fmt: skip
+           "hybrid_torch_dist_tp2_dp2_distopt", "hybrid_torch_tp2_dp2_distopt",
+           "mla_mtp_torch_dist_tp2_dp2_distopt", "mla_mtp_torch_dist_tp1_distopt"]  # fmt: skip
 CASES = ["llama_torch_dist_tp1", "llama_torch_tp2", "llama_torch_pp2", "gpt2_torch_dist_tp1",
          "moe_torch_dist_ep2", "moe_torch_ep2", "hybrid_optim_torch_dist_tp2",
-         "hybrid_optim_torch_tp2", *DISTOPT]  # fmt: skip
+         "hybrid_optim_torch_tp2", "mla_mtp_optim_torch_tp2", *DISTOPT]  # fmt: skip
 
 
 def _fused(reader: CheckpointReader, state: str, name: str, swiglu: bool) -> torch.Tensor:
@@ -32,6 +35,7 @@ def _fused(reader: CheckpointReader, state: str, name: str, swiglu: bool) -> tor
     name = name.replace("self_attention.linear_qkv.layer_norm_", "input_layernorm.")
     name = name.replace("mlp.linear_fc1.layer_norm_", "pre_mlp_layernorm.")
     name = name.replace("decoder.final_norm.", "decoder.final_layernorm.")  # a hybrid's
+    name = name.replace(".mtp_model_layer.", ".transformer_layer.")  # an MTP module's layer
     mamba = re.match(r"(.+\.mixer\.)(in_proj\.weight|conv1d_weight)$", name)
     if mamba:  # a Mamba mixer's fused tensor from mp's grouped parts
         module, parts = ("in_proj", "z x B C dt") if "in_proj" in name else ("conv1d", "x B C")
@@ -98,12 +102,13 @@ def test_imported_adam_state_is_megatrons(case, tmp_path):
 
 
 @pytest.mark.parametrize("case", ["llama_torch_tp2", "llama_torch_pp2", "moe_torch_ep2",
-                                  "hybrid_optim_torch_tp2"])  # fmt: skip
+                                  "hybrid_optim_torch_tp2", "mla_mtp_optim_torch_tp2"])  # fmt: skip
 def test_legacy_state_order_is_megatrons_parameter_order(case):
     """The rule (decayed parameters, then the others, each in module order; with experts
     under expert parallelism the dense optimizer's, then the expert optimizer's: EP2 chains
     two, EP1 one) gives the order megatron-core recorded for every rank's optimizer state
-    indices; the hybrid's Mamba layers in their module order too."""
+    indices; the hybrid's Mamba layers, multi-latent attention and a multi-token prediction
+    module in their module order too."""
     reference = safe_load(ASSETS / case / "reference.pt")
     directory = ASSETS / case / "iter_0000002"
     for rank, layout in enumerate(reference["optimizer_layout_per_rank"]):
@@ -162,6 +167,7 @@ def test_distributed_optimizer_map_is_megatrons(case):
             for te, norm in _LOCAL_NORMS.items():
                 name = name.replace(te, norm)
             name = re.sub(r"\.mixer\.conv1d\.(weight|bias)$", r".mixer.conv1d_\1", name)
+            name = name.replace(".transformer_layer.", ".mtp_model_layer.")
             offset = buckets[b][0] + start
             rebuilt[name] = (offset, offset + shape.numel(), b)
         assert rebuilt == recorded
@@ -170,6 +176,22 @@ def test_distributed_optimizer_map_is_megatrons(case):
     if "dp2" in case:  # the first stage of these fixtures is cut into 4 or 5 buckets
         first = reference["optimizer_layout_per_rank"][0]["grad_buffer"][0]
         assert len(first["bucket_indices"]) >= 4
+
+
+def test_multi_token_prediction_under_pipeline_parallelism_is_refused(tmp_path, monkeypatch):
+    """The last stage's copy of the embedding beside the MTP modules: not read."""
+    import mp_ckpt.megatron.importer as importer
+    from mp_ckpt.megatron.distopt import buffer_params
+
+    model = read_megatron(ASSETS / "mla_mtp_torch_dist_tp1_distopt")
+    model.args.pipeline_model_parallel_size = 2
+    with pytest.raises(ValueError, match="multi-token prediction under pipeline parallelism"):
+        buffer_params(model, 0, 0, "here")
+    monkeypatch.setattr(importer, "read_megatron", lambda src, iteration=None: model)
+    with pytest.raises(ValueError, match=r"multi-token prediction modules under pipeline "
+                                         r"parallelism \(PP 2"):  # fmt: skip
+        import_megatron(ASSETS / "mla_mtp_torch_dist_tp1_distopt", tmp_path / "mp",
+                        with_optimizer=True)  # fmt: skip
 
 
 def test_a_bucket_of_another_size_is_refused(tmp_path):

@@ -64,8 +64,11 @@ _LOCAL_NORMS = {
 _UNEVEN = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
            "num_layers_per_virtual_pipeline_stage", "pipeline_model_parallel_layout")  # fmt: skip
 # torch_dist's experts of a layer, stacked [E, ...] (the buffer holds one per expert)
-_STACKED_EXPERTS = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts\.)experts\.(.+)$")
-_ONE_EXPERT = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts\.)local_experts\.(\d+)\.(.+)$")
+_LAYER_OF_EXPERTS = (
+    r"^((?:decoder\.layers\.\d+|mtp\.layers\.\d+\.transformer_layer)\.mlp\.experts\.)"
+)
+_STACKED_EXPERTS = re.compile(_LAYER_OF_EXPERTS + r"experts\.(.+)$")
+_ONE_EXPERT = re.compile(_LAYER_OF_EXPERTS + r"local_experts\.(\d+)\.(.+)$")
 _FLAT = re.compile(
     r"^optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.(dtype_.*)\.bucket_idx_(\d+)"
     r"\.(param|exp_avg|exp_avg_sq)$"
@@ -96,6 +99,9 @@ def buffer_params(model: MegatronModel, stage: int, rank: int, where: str):
     if pp > 1 and not untied:
         raise ValueError(f"{where}: tied embeddings under pipeline parallelism (the last "
                          "stage's shared copy) are not imported")  # fmt: skip
+    if pp > 1 and getattr(args, "mtp_num_layers", None):
+        raise ValueError(f"{where}: multi-token prediction under pipeline parallelism (the "
+                         "last stage's copy of the embedding) is not imported")  # fmt: skip
     per_stage = layers // pp
     local_spec = getattr(args, "transformer_impl", "local") == "local"
     swiglu, parts = gated(args), mamba_parts(args)
@@ -109,8 +115,8 @@ def buffer_params(model: MegatronModel, stage: int, rank: int, where: str):
             for e in range(shape[0]):
                 one = f"{stacked.group(1)}local_experts.{e}.{stacked.group(2)}"
                 experts[one] = shape[1:]
-            name_layer = int(_LAYER.match(name).group(1))
-            if name_layer // per_stage == stage:
+            layer = _LAYER.match(name)  # a multi-token prediction module's: the last stage
+            if (int(layer.group(1)) // per_stage if layer else pp - 1) == stage:
                 names.update({one: one for one in experts if one.startswith(stacked.group(1))})
             continue
         match = _LAYER.match(name)

@@ -11,8 +11,8 @@ named (GPT-2 BPE, a local Hugging Face tokenizer) are kept when they are here.
 A setting mp does not compute the same way (input jitter, several
 load-balancing losses, ...) is refused with its name and value. With
 with_optimizer, optimizer.py reads the Adam state, which is renamed and
-unfused like the weights (not of multi-latent attention or multi-token
-prediction: refused).
+unfused like the weights (not of multi-token prediction modules under pipeline
+parallelism: refused).
 """
 
 from __future__ import annotations
@@ -68,13 +68,12 @@ def import_megatron(
     common = {"iteration": 0, "model_config": None, "imported_from": str(model.directory),
               "source_iteration": model.iteration, "source_format": model.format}  # fmt: skip
     if with_optimizer:  # the Adam state is read whole, beside the weights
-        unread = [name for name in ("multi_latent_attention", "mtp_num_layers")
-                  if getattr(model.args, name, None)]  # fmt: skip
-        if unread:
+        pp = int(getattr(model.args, "pipeline_model_parallel_size", 1) or 1)
+        if getattr(model.args, "mtp_num_layers", None) and pp > 1:
             raise ValueError(
-                f"{model.directory}: --with-optimizer: the Adam state of a model with "
-                f"{' and '.join(unread)} is not read (no megatron-core checkpoint with it "
-                "checks Megatron's order of those parameters); import the weights without it"
+                f"{model.directory}: --with-optimizer: the Adam state of multi-token "
+                f"prediction modules under pipeline parallelism (PP {pp}: the last stage's "
+                "copy of the embedding) is not read; import the weights without it"
             )
         logical, settings = logical_from_megatron(model)
         states, entries = mp_optimizer_state(model, logical)

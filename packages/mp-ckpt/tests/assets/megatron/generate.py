@@ -127,6 +127,8 @@ LLAMA4 = [*LLAMA, "--num-layers", "4", "--init-method-std", "0.1",  # (the last 
           "--moe-token-dispatcher-type", "allgather",
           "--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", "0.001",
           "--no-save-optim", "--no-save-rng"]  # fmt: skip
+# The DeepSeek-shaped model with its Adam and RNG states saved.
+MLA_STATE = [a for a in MLA if a not in ("--no-save-optim", "--no-save-rng")]
 # One multi-token prediction module (DeepSeek-V3's MTP), its layer shaped as the last (MoE).
 MTP = ("--mtp-num-layers", "1", "--mtp-loss-scaling-factor", "0.1")
 # Megatron trains MoE under TP only with sequence parallelism
@@ -164,7 +166,8 @@ HYBRID_MTP = ("--hybrid-layer-pattern", "M*-E/*ME/*ME", "--mtp-num-layers", "2",
 BUCKETS = ("--overlap-grad-reduce", "--ddp-bucket-size", "2000")
 # Cases whose reference.pt also records one more training step on NEXT_BATCH_SEED's batch,
 # taken after the save and after everything else is recorded (the rest stays the same).
-NEXT_STEP = {"llama_torch_dist_tp2_distopt", "hybrid_torch_dist_tp2_dp2_distopt"}
+NEXT_STEP = {"llama_torch_dist_tp2_distopt", "hybrid_torch_dist_tp2_dp2_distopt",
+             "mla_mtp_torch_dist_tp1_distopt"}  # fmt: skip
 NEXT_BATCH_SEED = 11
 
 
@@ -203,6 +206,15 @@ CASES = {
     # TP2 with sequence parallelism (Megatron's MoE under TP), the experts split over the
     # expert TP (= TP 2): the query/key norms then see each TP rank's own heads
     "llama4_moe_torch_dist_tp2": Case(LLAMA4, "torch_dist", 2, 1, False, extra=SP),
+    # The DeepSeek-shaped model with one MTP module and its Adam state: the distributed
+    # optimizer at TP2 x DP2 in buckets and at TP1 (torch_dist), and the plain one (legacy)
+    "mla_mtp_torch_dist_tp2_dp2_distopt": Case(
+        MLA_STATE, "torch_dist", 2, 1, True, dp=2, extra=(*MLA_Q_LORA_YARN, *MTP, *SP, *BUCKETS)
+    ),
+    "mla_mtp_torch_dist_tp1_distopt": Case(
+        MLA_STATE, "torch_dist", 1, 1, True, extra=(*MLA_Q_LORA_YARN, *MTP)
+    ),
+    "mla_mtp_optim_torch_tp2": Case(MLA_STATE, "torch", 2, 1, False, extra=(*MLA_ROPE, *MTP, *SP)),
     # the hybrid at TP2 (sequence parallelism: MoE under TP) in both formats
     "hybrid_torch_dist_tp2": Case(HYBRID, "torch_dist", 2, 1, False, extra=SP),
     "hybrid_torch_tp2": Case(HYBRID, "torch", 2, 1, False, extra=SP),

@@ -29,6 +29,17 @@ TRACKED = [
     "decoder.layers.0.norm.weight",
     "decoder.layers.1.self_attention.linear_qkv.weight",
     "decoder.final_norm.weight",
+    # the DeepSeek-shaped model's: multi-latent attention, a routed expert, the MTP module
+    "decoder.layers.0.self_attention.linear_q_down_proj.weight",
+    "decoder.layers.0.self_attention.linear_q_proj.weight",
+    "decoder.layers.0.self_attention.linear_kv_up_proj.weight",
+    "decoder.layers.0.self_attention.kv_layernorm.weight",
+    "decoder.layers.1.mlp.experts.local_experts.5.linear_fc2.weight",
+    "mtp.layers.0.enorm.weight",
+    "mtp.layers.0.eh_proj.weight",
+    "mtp.layers.0.mtp_model_layer.self_attention.linear_kv_down_proj.weight",
+    "mtp.layers.0.mtp_model_layer.mlp.router.weight",
+    "mtp.layers.0.final_layernorm.weight",
 ]
 
 # reference.pt["args"]: the Megatron args an importer needs, as plain values
