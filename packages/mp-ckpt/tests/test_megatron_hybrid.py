@@ -3,7 +3,8 @@ layers) to mp and back: the fixtures hybrid_torch_dist_tp2 and hybrid_torch_tp2 
 written by megatron-core at TP2 in both formats), and hybrid_mtp_* (the same layers and two
 multi-token prediction modules of attention, Mamba and MoE layers), import to the same
 tensors from either format, export to torch_dist files that hold the fixture's keys and
-shapes, and come back tensor-exact; what the conversions refuse. (mp's logits from them:
+shapes and to legacy files equal to megatron-core's, and come back tensor-exact; what the
+conversions refuse. (mp's logits from them:
 tests/test_megatron_import_logits.py; megatron-core loading the exports:
 assets/megatron/load_export.py, README.md.)"""
 
@@ -117,11 +118,34 @@ SETTINGS = {"num_attention_heads": 4, "num_query_groups": 2, "num_layers": 4, "v
             "mamba_state_dim": 8}  # fmt: skip
 
 
+@pytest.mark.parametrize("fixture", [LEGACY, MTP_LEGACY])
+def test_the_legacy_export_is_megatrons_files(fixture, tmp_path):
+    """Exported at TP2 in the legacy format, the hybrid fixtures (with MTP modules too)
+    equal megatron-core's own files, tensor for tensor and key for key (the local spec's
+    names: norm, conv1d_weight, mtp_model_layer.layers.<j>); at TP1 they import back
+    exactly."""
+    from mp_ckpt import safe_load
+
+    import_megatron(fixture, tmp_path / "mp")
+    out = export_megatron(tmp_path / "mp", tmp_path / "meg", ckpt_format="torch",
+                          tensor_model_parallel_size=2)  # fmt: skip
+    for rank in range(2):
+        folder = f"mp_rank_{rank:02d}"
+        ours = safe_load(out / folder / "model_optim_rng.pt")["model"]
+        theirs = safe_load(fixture / "iter_0000002" / folder / "model_optim_rng.pt")["model"]
+        assert ours.keys() == theirs.keys()
+        for key, value in theirs.items():
+            assert value is None or torch.equal(ours[key], value), (folder, key)
+    export_megatron(tmp_path / "mp", tmp_path / "tp1", ckpt_format="torch")
+    import_megatron(tmp_path / "tp1", tmp_path / "back")
+    before, after = _tensors(tmp_path / "mp"), _tensors(tmp_path / "back")
+    assert before.keys() == after.keys()
+    assert all(torch.equal(after[k], t) for k, t in before.items())
+
+
 def test_what_the_hybrid_export_refuses():
     check_exportable(SETTINGS, [], 2, 1, "torch_dist")
-    with pytest.raises(ValueError, match=r"^hybrid_layer_pattern='M\*-E': mp writes hybrid "
-                                         r"models as torch_dist"):  # fmt: skip
-        check_exportable(SETTINGS, [], 1, 1, "torch")
+    check_exportable(SETTINGS, [], 2, 1, "torch")
     check_exportable(SETTINGS | {"hybrid_layer_pattern": "M*-E/*E", "mtp_num_layers": 1},
                      ["mtp.layers.0.enorm.weight"], 1, 1, "torch_dist")  # fmt: skip
     with pytest.raises(ValueError, match="does not divide mamba_num_groups 2"):

@@ -20,8 +20,7 @@ def check_exportable(
     settings: dict, keys: list[str], tp: int, pp: int, fmt: str, ep: int = 1
 ) -> None:
     """Raises a one-line ValueError naming what the export cannot write: a format, the
-    model (a latent MoE, a hybrid model in the legacy format), multi-token prediction
-    modules that disagree with
+    model (a latent MoE), multi-token prediction modules that disagree with
     the settings, or sizes the layout does not divide."""
     if fmt not in FORMATS:
         raise ValueError(f"--ckpt-format {fmt!r}: expected torch_dist or torch")
@@ -33,7 +32,7 @@ def check_exportable(
     if tp < 1 or pp < 1 or ep < 1:
         raise ValueError(f"TP={tp}, PP={pp}, EP={ep}: each must be >= 1")
     if settings.get("hybrid_layer_pattern") or any(".mixer." in k for k in keys):
-        _check_hybrid(settings, tp, fmt)
+        _check_hybrid(settings, tp)
     modules = {m.group(1) for k in keys if (m := re.match(r"mtp\.layers\.(\d+)\.", k))}
     if len(modules) != held_mtp_modules(settings):
         raise ValueError(
@@ -74,17 +73,13 @@ def check_exportable(
                                  "spec splits them)")  # fmt: skip
 
 
-def _check_hybrid(settings: dict, tp: int, fmt: str) -> None:
-    """A hybrid model goes to torch_dist (megatron-core's HybridModel loads the legacy files
-    only under its spec's module names), its Mamba heads and groups divided by TP
-    (megatron-core's MambaMixer splits both)."""
+def _check_hybrid(settings: dict, tp: int) -> None:
+    """A hybrid model's Mamba heads and groups divided by TP (megatron-core's MambaMixer
+    splits both)."""
     pattern = settings.get("hybrid_layer_pattern")
     if not pattern:
         raise ValueError("the checkpoint holds Mamba mixers but its model_config no "
                          "hybrid_layer_pattern")  # fmt: skip
-    if fmt != "torch_dist":
-        raise ValueError(f"hybrid_layer_pattern={pattern!r}: mp writes hybrid models as "
-                         "torch_dist Megatron-LM checkpoints, not legacy torch ones")  # fmt: skip
     if "M" in pattern:
         dims = Dims.of(settings)
         for what, n in (("mamba_num_heads", dims.mamba_heads),

@@ -26,11 +26,13 @@ linear_kv_up_proj.layer_norm_weight, pre_mlp_layernorm as linear_fc1.layer_norm_
 so that either spec loads it (megatron_view.py); the legacy files have the local spec's
 names and its layout (the down projections split on rows over TP).
 
-A hybrid model (torch_dist only) is written as megatron-core's HybridModel saves it: layer
+A hybrid model is written as megatron-core's HybridModel saves it: in torch_dist layer
 by layer (its layers differ), each Mamba mixer's in_proj and conv1d as their parts
 (mixer.in_proj.weight.z, ..., mixer.conv1d.weight.x, ...), the layers' norms under both
 the Transformer Engine spec's and the local spec's names (megatron_view.py), the final
-norm as decoder.final_norm.
+norm as decoder.final_norm; in the legacy files under the local spec's names (norm,
+input_layernorm, pre_mlp_layernorm; mixer.conv1d_weight and conv1d_bias), each TP rank's
+in_proj and conv1d its rows of every part.
 
 A mixture-of-experts model is written as Megatron's MoE layers save themselves:
 the experts' weights under mlp.experts.experts.* ([E, ...], global numbers) in
@@ -60,7 +62,7 @@ from mp_ckpt.families.megatron_view import MegatronView, megatron_view, split_na
 from mp_ckpt.families.moe import is_moe_layer
 from mp_ckpt.families.table import Dims
 from mp_ckpt.megatron.export_checks import check_exportable
-from mp_ckpt.megatron.read import _LAYER, tp_piece
+from mp_ckpt.megatron.read import _LAYER, mamba_parts, tp_piece
 from mp_ckpt.megatron.settings import (
     MAMBA_COPIED,
     MLA_COPIED,
@@ -85,6 +87,8 @@ _STACKED_EXPERTS = re.compile(
     r"(?:\.layers\.\d+)?))"
     r"\.mlp\.experts\.)experts\.(.+)$"
 )
+# A Mamba mixer's convolution: torch_dist's names; the legacy files' are conv1d_weight / _bias
+_CONV = re.compile(r"\.mixer\.conv1d\.(weight|bias)$")
 # A multi-token prediction module's layer: megatron-core's module name in the legacy files
 _MTP_LAYER = re.compile(r"^(mtp\.layers\.\d+\.)transformer_layer\.")
 
@@ -448,7 +452,7 @@ def _expert_pieces(model: dict, ep_rank: int, ep: int) -> dict:
 def _write_torch(work: Path, tensors: dict[str, torch.Tensor], args, iteration: int,
                  tp: int, pp: int, ep: int) -> None:  # fmt: skip
     per_stage = args.num_layers // pp
-    swiglu = gated(args)
+    swiglu, parts = gated(args), mamba_parts(args)
     tied = not args.untie_embeddings_and_output_weights
     for stage in range(pp):
         first, last = stage == 0, stage == pp - 1
@@ -478,7 +482,11 @@ def _write_torch(work: Path, tensors: dict[str, torch.Tensor], args, iteration: 
                 local_model["output_layer._extra_state"] = None
             for rank in range(tp):
                 local = {
-                    k: v if v is None else tp_piece(k, v, rank, tp, swiglu).clone().contiguous()
+                    _CONV.sub(r".mixer.conv1d_\1", k): (
+                        v
+                        if v is None
+                        else tp_piece(k, v, rank, tp, swiglu, parts).clone().contiguous()
+                    )
                     for k, v in local_model.items()
                 }
                 name = (f"mp_rank_{rank:02d}" + (f"_{stage:03d}" if pp > 1 else "")
