@@ -192,18 +192,24 @@ def test_a_tied_output_layer_exports_as_a_copy_of_the_embedding(tmp_path):
     assert torch.equal(back["output_layer.weight"], logical["embedding.word_embeddings.weight"])
 
 
-def test_a_nemotron_h_model_goes_to_megatron_and_back_exactly(tmp_path):
-    """Hugging Face -> mp -> Megatron-LM (torch_dist, HybridModel's files at TP2) -> mp."""
-    settings = model_config_from_hf(CONFIG)
-    logical = logical_from_hf(saved_state(CONFIG), CONFIG)
+def through_megatron(tmp_path, logical: dict, settings: dict, tp: int = 1) -> dict:
+    """mp -> export-megatron (torch_dist at `tp`) -> import-megatron: the tensors come back
+    exactly; returns the settings recorded by the import."""
     export_megatron(checkpoint(tmp_path, logical, settings), tmp_path / "megatron",
-                    tensor_model_parallel_size=2)  # fmt: skip
+                    tensor_model_parallel_size=tp)  # fmt: skip
     import_megatron(tmp_path / "megatron", tmp_path / "back")
     reader = CheckpointReader(tmp_path / "back")
     assert sorted(reader.keys) == sorted(logical)
     for key, tensor in logical.items():
         assert torch.equal(reader.read(key), tensor), key
-    back = torch.load(reader.directory / "common.pt", weights_only=False)["model_config"]
+    return torch.load(reader.directory / "common.pt", weights_only=False)["model_config"]
+
+
+def test_a_nemotron_h_model_goes_to_megatron_and_back_exactly(tmp_path):
+    """Hugging Face -> mp -> Megatron-LM (torch_dist, HybridModel's files at TP2) -> mp."""
+    settings = model_config_from_hf(CONFIG)
+    logical = logical_from_hf(saved_state(CONFIG), CONFIG)
+    back = through_megatron(tmp_path, logical, settings, tp=2)
     for name in ("hybrid_layer_pattern", "mamba_num_heads", "mamba_head_dim",
                  "mamba_num_groups", "mamba_state_dim", "num_moe_experts",
                  "moe_router_topk_scaling_factor", "moe_router_enable_expert_bias"):  # fmt: skip
@@ -328,13 +334,7 @@ def test_multi_token_prediction_layers_go_to_megatron_and_back_exactly(tmp_path)
     config = mtp_config("ME", 2)
     settings = model_config_from_hf(config)
     logical = logical_from_hf(saved_state(CONFIG, "ME", 2), config)
-    export_megatron(checkpoint(tmp_path, logical, settings), tmp_path / "megatron")
-    import_megatron(tmp_path / "megatron", tmp_path / "back")
-    reader = CheckpointReader(tmp_path / "back")
-    assert sorted(reader.keys) == sorted(logical)
-    for key, tensor in logical.items():
-        assert torch.equal(reader.read(key), tensor), key
-    back = torch.load(reader.directory / "common.pt", weights_only=False)["model_config"]
+    back = through_megatron(tmp_path, logical, settings)
     assert (back["hybrid_layer_pattern"], back["mtp_num_layers"]) == ("M-*E/ME/ME", 2)
 
 

@@ -488,11 +488,7 @@ def worker(rank, world, port, name):
         pipeline_model_parallel_size=case.pp,
         expert_model_parallel_size=case.ep,
     )
-    patches.patch_cuda_calls()
-    patches.patch_megatron_rng_tracker()
-    patches.patch_psutil()
-    patches.patch_local_attention_for_mla()
-    patches.patch_torch_norm_sequence_parallel()
+    patches.patch_all()
     tensor_parallel.model_parallel_cuda_manual_seed(SEED)
     args = megatron_args(name, case)
     from megatron.training.checkpointing import load_checkpoint, save_checkpoint

@@ -44,11 +44,7 @@ def worker(rank, world, port, name, out):
 
     case = g.CASES[name]
     ps.initialize_model_parallel(tensor_model_parallel_size=case.tp)
-    patches.patch_cuda_calls()
-    patches.patch_megatron_rng_tracker()
-    patches.patch_psutil()
-    patches.patch_local_attention_for_mla()
-    patches.patch_torch_norm_sequence_parallel()
+    patches.patch_all()
     tensor_parallel.model_parallel_cuda_manual_seed(g.SEED)
     args = g.megatron_args(name, case)
     model, _, _ = g.build(args, g.SEED)

@@ -46,11 +46,7 @@ def worker(rank, world, port, case, exported, fmt, tp, pp, ep):
         pipeline_model_parallel_size=pp,
         expert_model_parallel_size=ep,
     )
-    patches.patch_cuda_calls()
-    patches.patch_megatron_rng_tracker()
-    patches.patch_psutil()
-    patches.patch_local_attention_for_mla()
-    patches.patch_torch_norm_sequence_parallel()
+    patches.patch_all()
     tensor_parallel.model_parallel_cuda_manual_seed(g.SEED)
     args = g.megatron_args(exported, layout)
     args.load = exported

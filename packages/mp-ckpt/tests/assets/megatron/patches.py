@@ -25,6 +25,17 @@ class _InertStream:
         pass
 
 
+def patch_all():
+    """The stand-ins every worker applies after initializing megatron-core's parallel state
+    (generate.py, load_export.py, grad_probe.py); patch_distopt_legacy_step is applied
+    only where it is needed."""
+    patch_cuda_calls()
+    patch_megatron_rng_tracker()
+    patch_psutil()
+    patch_local_attention_for_mla()
+    patch_torch_norm_sequence_parallel()
+
+
 def patch_cuda_calls():
     """Module-level replacements in ``torch.cuda`` (process-wide, applied once per worker).
 
