@@ -42,9 +42,10 @@ from pathlib import Path
 import torch
 
 from mp_ckpt.megatron.order import megatron_param_order
-from mp_ckpt.megatron.read import _LAYER, MegatronModel, _join, mamba_parts, tp_piece
+from mp_ckpt.megatron.read import _LAYER, MegatronModel
 from mp_ckpt.megatron.safe_pickle import safe_load
 from mp_ckpt.megatron.settings import gated
+from mp_ckpt.megatron.tp_layout import join_pieces, mamba_parts, tp_piece
 
 __all__ = ["ALIGN", "buffer_params", "megatron_buckets", "place", "read_distrib_optim",
            "read_distributed_buckets"]  # fmt: skip
@@ -190,7 +191,9 @@ def _join_states(model: MegatronModel, pieces: dict) -> dict:
     swiglu, parts = bool(getattr(model.args, "swiglu", False)), mamba_parts(model.args)
     out = {}
     for state, by_name in pieces.items():
-        joined = {n: _join(n, p, swiglu, None, parts).contiguous() for n, p in by_name.items()}
+        joined = {
+            n: join_pieces(n, p, swiglu, None, parts).contiguous() for n, p in by_name.items()
+        }
         stacks: dict[str, dict[int, torch.Tensor]] = {}
         for name in list(joined):
             one = _ONE_EXPERT.match(name)

@@ -7,8 +7,8 @@ import argparse
 import re
 
 from mp_ckpt.families.table import Dims
-from mp_ckpt.megatron.read import latent_rows
 from mp_ckpt.megatron.settings import MLA_COPIED, held_mtp_modules
+from mp_ckpt.megatron.tp_layout import latent_rows
 
 __all__ = ["FORMATS", "check_exportable"]
 

@@ -52,15 +52,14 @@ from mp_ckpt.megatron.read import (
     _LAYER,
     _LOCAL_EXPERT,
     MegatronModel,
-    _join,
     _RawBytesPlanner,
     _SafeReader,
     join_mamba_parts,
     legacy_name,
     legacy_rank_files,
-    mamba_parts,
 )
 from mp_ckpt.megatron.safe_pickle import safe_load
+from mp_ckpt.megatron.tp_layout import join_pieces, mamba_parts
 
 __all__ = ["MegatronOptimizer", "megatron_param_order", "read_megatron_optimizer"]
 
@@ -262,7 +261,7 @@ def _read_torch(model: MegatronModel) -> MegatronOptimizer:
                     match = _LAYER.match(glob)
                     if match:
                         glob = f"decoder.layers.{int(match.group(1)) + offset}.{match.group(2)}"
-                    states[state_name][glob] = _join(name, pieces, swiglu, None, parts)
+                    states[state_name][glob] = join_pieces(name, pieces, swiglu, None, parts)
         offset += len(layers)
     where = str(directory)
     return MegatronOptimizer(states, _step(steps, where), _groups(groups, where),

@@ -24,7 +24,8 @@ that takes one tensor at a time holds one tensor at a time:
   megatron-core's module names, is renamed transformer_layer as its torch_dist
   keys have it (a hybrid model's module keeps mtp_model_layer.layers.<j>.*, its
   layers' name in both formats). The saved args say
-  which of the folder's numbers is PP and which EP. Column-parallel tensors are joined on rows,
+  which of the folder's numbers is PP and which EP. TP pieces join as tp_layout.py says:
+  column-parallel tensors are joined on rows,
   row-parallel on columns; a SwiGLU fc1 is [gate_r; up_r] per rank and is
   regrouped into [gate; up]; QKV rows join as they are (each rank holds whole
   query groups, so the concatenation is the interleaved whole), and so do
@@ -67,19 +68,17 @@ from mp_ckpt.core.box_reads import read_boxes
 from mp_ckpt.core.checkpointer import single_process_quiet
 from mp_ckpt.megatron.safe_pickle import safe_load, safe_unpickle
 from mp_ckpt.megatron.settings import gated
+from mp_ckpt.megatron.tp_layout import join_pieces, latent_rows, mamba_parts, whole_rows
 
 __all__ = [
     "MegatronModel",
     "MegatronTensors",
     "global_expert_name",
     "join_mamba_parts",
-    "latent_rows",
     "legacy_name",
     "legacy_rank_files",
-    "mamba_parts",
     "read_megatron",
     "resolve_megatron",
-    "tp_piece",
 ]
 
 _TRACKER = "latest_checkpointed_iteration.txt"
@@ -96,18 +95,6 @@ _MTP_MODEL_LAYER = re.compile(r"^(mtp\.layers\.\d+\.)mtp_model_layer\.(?!layers\
 # Transformer Engine's grouped experts: mlp.experts.linear_fc1.weight<local number>
 _GROUPED_EXPERT = re.compile(r"\.mlp\.experts\.linear_fc[12]\.(weight|bias)\d+$")
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
-# Per-layer tensors split over TP on rows (0) or columns (1); the rest are whole per rank.
-_COLUMN = re.compile(
-    r"(linear_qkv|linear_fc1|linear_q_proj|linear_q_up_proj|linear_kv_up_proj"
-    r"|linear_q_down_proj|linear_kv_down_proj|eh_proj)\.(weight|bias)$"
-)
-# Multi-latent attention's down projections: TP-split by the local spec, whole under TE's.
-_DOWN = re.compile(r"\.(linear_q_down_proj|linear_kv_down_proj)\.weight$")
-_ROW = re.compile(r"(linear_proj|linear_fc2|mixer\.out_proj)\.weight$")
-# A Mamba mixer's per-head (or per-channel) tensors, split on rows over TP
-_MAMBA_ROWS = re.compile(r"\.mixer\.(A_log|D|dt_bias|norm\.weight)$")
-# A Mamba mixer's fused tensors: in_proj and conv1d (each rank: [part_r; part_r; ...])
-_MAMBA_FUSED = re.compile(r"\.mixer\.(in_proj|conv1d)[._](weight|bias)$")
 # torch_dist's parts of them: mixer.in_proj.weight.z, mixer.conv1d.bias.x, ...
 _MAMBA_PART = re.compile(r"^(.+\.mixer\.(in_proj|conv1d)\.(?:weight|bias))\.(z|x|B|C|dt)$")
 _PART_ORDER = {"in_proj": ("z", "x", "B", "C", "dt"), "conv1d": ("x", "B", "C")}
@@ -404,8 +391,8 @@ def _read_torch(directory: Path, iteration: int) -> MegatronModel:
                 match = _LAYER.match(name)
                 if match:
                     name = f"decoder.layers.{int(match.group(1)) + offset}.{match.group(2)}"
-                whole = _whole_rows(key, down_rows)
-                joined = _join(key, pieces, swiglu, whole, parts)
+                whole = whole_rows(key, down_rows)
+                joined = join_pieces(key, pieces, swiglu, whole, parts)
                 read = functools.partial(_read_rank_tensor, paths, key, swiglu, whole, parts)
                 tensors.add(name, joined.shape, joined.dtype, read)
         offset += len(stage_layers)
@@ -427,104 +414,14 @@ def _meta_shapes(path: Path) -> dict:
     return shapes | {"checkpoint_version": state.get("checkpoint_version")}
 
 
-def latent_rows(args) -> dict[str, int]:
-    """The rows of multi-latent attention's down projections, by module ({} without it)."""
-    if not getattr(args, "multi_latent_attention", False):
-        return {}
-    kv = args.kv_lora_rank + args.qk_pos_emb_head_dim
-    q = getattr(args, "q_lora_rank", None)
-    return {"linear_kv_down_proj": kv} | ({"linear_q_down_proj": q} if q else {})
-
-
-def mamba_parts(args) -> dict[str, list[int]]:
-    """The rows of each part of a Mamba mixer's fused in_proj (z, x, B, C, dt) and conv1d
-    (x, B, C), all TP ranks together, under Megatron's defaults ({} without Mamba layers)."""
-    pattern = _arg_pattern(args)
-    if "M" not in pattern:
-        return {}
-    head_dim = getattr(args, "mamba_head_dim", None) or 64
-    heads = getattr(args, "mamba_num_heads", None) or 2 * args.hidden_size // head_dim
-    inner = heads * head_dim
-    states = (getattr(args, "mamba_num_groups", None) or 8) * (
-        getattr(args, "mamba_state_dim", None) or 128
-    )
-    return {"in_proj": [inner, inner, states, states, heads], "conv1d": [inner, states, states]}
-
-
-def _arg_pattern(args) -> str:
-    return (getattr(args, "hybrid_layer_pattern", None)
-            or getattr(args, "hybrid_override_pattern", None) or "")  # fmt: skip
-
-
-def _whole_rows(key: str, down_rows: dict[str, int]) -> int | None:
-    match = _DOWN.search(key)
-    return down_rows.get(match.group(1)) if match else None
-
-
 def _read_rank_tensor(
     paths: list[Path], key: str, swiglu: bool, whole: int | None = None, parts=None
 ) -> torch.Tensor:
     """One tensor joined from the TP ranks' files (mapped: only its pages are read; the
     mappings close when this returns)."""
     pieces = [safe_load(path, mmap=True)["model"][key] for path in paths]
-    joined = _join(key, pieces, swiglu, whole, parts)
+    joined = join_pieces(key, pieces, swiglu, whole, parts)
     if any(joined.untyped_storage().data_ptr() == p.untyped_storage().data_ptr()
            for p in pieces):  # fmt: skip
         joined = joined.clone()  # a view of a mapped file: a tensor of its own
     return joined
-
-
-def _tp_split(key: str, swiglu: bool) -> int | str | None:
-    """How tensor parallelism splits a Megatron tensor (its local spec): on rows (0: the
-    column-parallel linear_qkv, linear_fc1 and MLA projections, the embedding and output
-    layer, a Mamba mixer's per-head tensors), on columns (1: the row-parallel weights),
-    "glu" (a gated fc1: each rank [gate_r; up_r]), "parts" (a Mamba mixer's in_proj or
-    conv1d: each rank its rows of every part) or not (None)."""
-    if swiglu and re.search(r"linear_fc1\.(weight|bias)$", key):
-        return "glu"
-    if _MAMBA_FUSED.search(key):
-        return "parts"
-    if (_COLUMN.search(key) or _MAMBA_ROWS.search(key)
-            or key.endswith(("word_embeddings.weight", "output_layer.weight"))):  # fmt: skip
-        return 0
-    return 1 if _ROW.search(key) else None
-
-
-def _part_rows(key: str, parts: dict[str, list[int]] | None) -> list[int]:
-    """The rows of each part of a Mamba mixer's fused tensor `key`, all ranks together."""
-    module = _MAMBA_FUSED.search(key).group(1)
-    if not parts:
-        raise ValueError(f"{key}: a Mamba mixer's tensor, but the args describe no Mamba layers")
-    return parts[module]
-
-
-def _join(
-    key: str, pieces: list[torch.Tensor], swiglu: bool, whole: int | None = None, parts=None
-) -> torch.Tensor:
-    """One tensor from its TP pieces (rank order). whole: the rows of an MLA down
-    projection, which TE's spec keeps whole on every rank; parts: mamba_parts(args)."""
-    if len(pieces) == 1 or (whole is not None and pieces[0].shape[0] == whole):
-        return pieces[0]
-    split = _tp_split(key, swiglu)
-    if split == "glu":
-        halves = [p.chunk(2, dim=0) for p in pieces]
-        return torch.cat([h[0] for h in halves] + [h[1] for h in halves])
-    if split == "parts":
-        rows = [n // len(pieces) for n in _part_rows(key, parts)]
-        split_pieces = [p.split(rows) for p in pieces]
-        return torch.cat([torch.cat([p[j] for p in split_pieces]) for j in range(len(rows))])
-    return pieces[0] if split is None else torch.cat(pieces, dim=split)
-
-
-def tp_piece(key: str, tensor: torch.Tensor, rank: int, size: int, swiglu: bool, parts=None):
-    """The TP rank's piece of a whole Megatron tensor (the inverse of _join)."""
-    if size == 1:
-        return tensor
-    split = _tp_split(key, swiglu)
-    if split == "glu":
-        gate, up = tensor.chunk(2, dim=0)
-        return torch.cat([gate.chunk(size, 0)[rank], up.chunk(size, 0)[rank]])
-    if split == "parts":
-        whole = tensor.split(_part_rows(key, parts))
-        return torch.cat([part.chunk(size, 0)[rank] for part in whole])
-    return tensor if split is None else tensor.chunk(size, dim=split)[rank]

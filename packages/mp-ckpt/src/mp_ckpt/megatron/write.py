@@ -62,7 +62,7 @@ from mp_ckpt.families.megatron_view import MegatronView, megatron_view, split_na
 from mp_ckpt.families.moe import is_moe_layer
 from mp_ckpt.families.table import Dims
 from mp_ckpt.megatron.export_checks import check_exportable
-from mp_ckpt.megatron.read import _LAYER, mamba_parts, tp_piece
+from mp_ckpt.megatron.read import _LAYER
 from mp_ckpt.megatron.settings import (
     MAMBA_COPIED,
     MLA_COPIED,
@@ -71,6 +71,7 @@ from mp_ckpt.megatron.settings import (
     YARN_ARGS,
     gated,
 )
+from mp_ckpt.megatron.tp_layout import mamba_parts, tp_piece
 
 __all__ = ["export_megatron", "megatron_args", "megatron_from_logical"]
 
