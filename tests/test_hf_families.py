@@ -3,7 +3,8 @@ downloads): `mp-ckpt import-hf` gives transformers' fp32 logits within 1e-5 in G
 (built from the imported settings alone); `mp-ckpt export-hf` without --arch (the
 checkpoint remembers its family) gives back the config and every tensor; greedy
 generation equals generate(do_sample=False) over 32 new tokens (DeepSeek's through the
-cache of latents, Nemotron-H's through its Mamba layers' states); gpt-oss's also over 72
+cache of latents, Nemotron-H's through its Mamba layers' states, Qwen3-Next's through its
+gated DeltaNet layers'); gpt-oss's also over 72
 at PP2, past its windowed layers' cache rings.
 DeepSeek-V3's and Nemotron 3 Super's multi-token prediction layers import, compute as
 their own blocks do and export back."""
@@ -57,6 +58,15 @@ NEMOTRON_H = dict(vocab_size=96, hidden_size=64, num_attention_heads=4, num_key_
                   head_dim=16, mamba_num_heads=8, mamba_head_dim=8, n_groups=2,
                   ssm_state_size=16, chunk_size=8, intermediate_size=80,
                   max_position_embeddings=64, initializer_range=0.1)  # fmt: skip
+# Qwen3-Next: gated DeltaNet layers (2 key heads of 8 channels, 4 value heads of 12) and
+# gated attention with a quarter of each head rotated, experts beside a gated shared expert;
+# weights of std 0.02 (at SMALL's 0.1 the model's own fp32 rounding reaches 1.2e-5 in its
+# logits, mp's and transformers' alike against mp in fp64)
+QWEN3_NEXT = dict(SMALL, initializer_range=0.02, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, intermediate_size=96, linear_key_head_dim=8,
+                  linear_value_head_dim=12, linear_num_key_heads=2, linear_num_value_heads=4,
+                  num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                  shared_expert_intermediate_size=48)  # fmt: skip
 CASES = {
     # Qwen2.5: q/k/v biases; the small sizes tie the output layer
     "qwen2": lambda: transformers.Qwen2Config(**SMALL, intermediate_size=96),
@@ -118,6 +128,14 @@ CASES = {
         n_routed_experts=8, num_experts_per_tok=3, moe_intermediate_size=16,
         moe_shared_expert_intermediate_size=24, n_group=1, topk_group=1,
         routed_scaling_factor=5.0, moe_latent_size=12),
+    # Qwen3-Next: three DeltaNet layers then attention (full_attention_interval 4), layer 1
+    # a dense MLP
+    "qwen3_next": lambda: transformers.Qwen3NextConfig(**QWEN3_NEXT, mlp_only_layers=[1]),
+    # its layer types given, the full softmax's top-k weights, half of each head rotated
+    "qwen3_next-layer-types": lambda: transformers.Qwen3NextConfig(
+        **QWEN3_NEXT, norm_topk_prob=False, partial_rotary_factor=0.5,
+        layer_types=["full_attention", "linear_attention", "linear_attention",
+                     "full_attention"]),
 }  # fmt: skip
 
 

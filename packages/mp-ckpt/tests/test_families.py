@@ -19,6 +19,7 @@ from mp_ckpt.families.table import Dims, Rule
 from mp_ckpt.hf import logical_from_hf, model_config_from_hf
 from mp_ckpt.megatron.logical import logical_plan
 from mp_ckpt.megatron.read import MegatronModel
+from mp_ckpt.megatron.settings import model_config_from_megatron
 from mp_ckpt.megatron.write import megatron_args, megatron_from_logical
 
 FOLDER = Path(__file__).resolve().parents[1] / "src" / "mp_ckpt" / "families"
@@ -56,11 +57,17 @@ CONFIGS = {
                    "ssm_state_size": 4, "hybrid_override_pattern": "M*-E",
                    "n_routed_experts": 4, "moe_intermediate_size": 8,
                    "moe_shared_expert_intermediate_size": 8},
+    "qwen3_next": {"model_type": "qwen3_next", **LLAMA_STYLE, "num_hidden_layers": 4,
+                   "head_dim": 4, "linear_key_head_dim": 4, "linear_value_head_dim": 4,
+                   "linear_num_key_heads": 2, "linear_num_value_heads": 4, "num_experts": 4,
+                   "moe_intermediate_size": 8, "shared_expert_intermediate_size": 8,
+                   "num_experts_per_tok": 2},
 }  # fmt: skip
 MEGATRON = [name for name in ARCHITECTURES if not name.startswith("deepseek")
-            and name != "nemotron_h"]  # fmt: skip
-"""The families with a Megatron-LM conversion (multi-latent attention and Mamba-hybrid
-models have none yet)."""
+            and name not in ("nemotron_h", "qwen3_next")]  # fmt: skip
+"""The families whose tables these tests check against the Megatron-LM conversion (multi-
+latent attention's and Mamba-hybrid models' are tested with their megatron-core fixtures;
+Qwen3-Next's gated DeltaNet layers have none yet)."""
 MEGATRON_RUNS = {"llama4_text": {"attention_chunk_size": None, "attn_temperature_floor_scale": None,
                                   "qk_l2_norm_layers": "all"}}  # fmt: skip
 """Where Megatron-LM computes a family otherwise: its Llama 4 has no chunked attention or
@@ -308,3 +315,14 @@ def test_the_megatron_view_of_multi_latent_attention_and_multi_token_prediction(
     llama = megatron_view(family("llama").settings(CONFIGS["llama"]))
     assert llama.named("input_layernorm.weight", "layer").dist_names == (
         "self_attention.linear_qkv.layer_norm_weight",)  # fmt: skip
+
+
+def test_the_megatron_conversion_refuses_gated_delta_net_models_both_ways():
+    settings = family("qwen3_next").settings(CONFIGS["qwen3_next"])
+    with pytest.raises(ValueError, match=r"experimental_attention_variant='gdn': .* export-hf"):
+        megatron_view(settings)
+    args = megatron_args(family("llama").settings(CONFIGS["llama"]), ckpt_format="torch",
+                         tp=1, pp=1, iteration=1)  # fmt: skip
+    args.experimental_attention_variant = "gated_delta_net"
+    with pytest.raises(ValueError, match=r"experimental_attention_variant='gated_delta_net'"):
+        model_config_from_megatron(args, 32)

@@ -21,6 +21,10 @@ from mp_layers.config_hybrid import (
     infer_hybrid_mtp,
     split_hybrid_pattern,
 )
+from mp_layers.config_linear_attention import (
+    check_linear_attention,
+    check_linear_attention_parallel,
+)
 from mp_layers.config_mla import check_mla
 from mp_layers.config_moe import check_expert_parallel, check_moe
 from mp_layers.config_mtp import check_mtp
@@ -230,6 +234,13 @@ class TransformerConfig:
     (Megatron's --rotary-interleaved): the layout of Meta's original Llama code and of
     Llama 4, whose checkpoints keep it. Not with multi_latent_attention, as in Megatron."""
 
+    attention_output_gate: bool = False
+    """Gated attention (Megatron's --attention-output-gate; Qwen3-Next): the QKV projection
+    also gives a gate per query channel, and attention's output is multiplied by
+    sigmoid(gate) before the output projection. linear_qkv then holds, group by group,
+    the group's query heads, as many gate heads, its key head and its value head
+    (Megatron's order); the checkpoint names the gate linear_qkv.gate."""
+
     no_rope_freq: int | list[int] | None = None
     """Layers without rotary embeddings (NoPE; Llama 4's interleaved NoPE layers, Megatron's
     --no-rope-freq): an integer N, the layers numbered n % N == 0 (1-based; N must divide
@@ -281,6 +292,35 @@ class TransformerConfig:
 
     v_head_dim: int = 128
     """MLA: value channels per head."""
+
+    # --- Linear attention (Megatron's --experimental-attention-variant, --linear-*) -------
+    experimental_attention_variant: Literal["gdn", "gated_delta_net"] | None = None
+    """The attention of the linear_attention_freq layers (Megatron's
+    --experimental-attention-variant; Qwen3-Next): "gdn" (or its alias "gated_delta_net")
+    a gated DeltaNet (Yang et al. 2024, transformer/gated_delta_net.py). None: every layer
+    has softmax attention. Megatron's "gdn2" and "dsa" are refused, naming them."""
+
+    linear_attention_freq: int | list[int] | None = None
+    """Which layers take the linear attention (Megatron's --linear-attention-freq): an
+    integer N, N - 1 linear-attention layers then one softmax-attention layer, repeated
+    (Qwen3-Next: 4); or one value per layer, 1 linear and 0 softmax attention ("([1]*3+[0])*12"
+    on the command line). Needed with experimental_attention_variant."""
+
+    linear_conv_kernel_dim: int = 4
+    """The gated DeltaNet's causal convolution width over q, k and v (Megatron's)."""
+
+    linear_key_head_dim: int = 128
+    """Channels of each gated DeltaNet query and key head."""
+
+    linear_value_head_dim: int = 128
+    """Channels of each gated DeltaNet value (and output gate) head."""
+
+    linear_num_key_heads: int = 16
+    """Gated DeltaNet query and key heads; each serves linear_num_value_heads /
+    linear_num_key_heads consecutive value heads."""
+
+    linear_num_value_heads: int = 32
+    """Gated DeltaNet value heads, each with its own decay and write strength."""
 
     # --- Multi-token prediction (Megatron's --mtp-num-layers, DeepSeek-V3) -------------
     mtp_num_layers: int | None = None
@@ -597,6 +637,7 @@ class TransformerConfig:
         self._check_recompute()
         check_moe(self)
         check_hybrid(self)
+        check_linear_attention(self)
 
     def _check_recompute(self) -> None:
         granularity, method, n = (
@@ -699,6 +740,7 @@ class TransformerConfig:
             raise ValueError("sequence_parallel=True needs tensor_model_parallel_size > 1, got 1")
         check_attention_parallel(self, tp, cp)
         check_hybrid_parallel(self, tp, cp)
+        check_linear_attention_parallel(self, tp, cp)
 
     @property
     def rotary_head_dim(self) -> int:

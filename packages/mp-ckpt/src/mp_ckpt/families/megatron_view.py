@@ -241,6 +241,16 @@ class MegatronView:
 def megatron_view(settings: dict, family: Family | None = None) -> MegatronView:
     """The Megatron view of `family` (default: the one the settings describe) completed by
     the generic GPT table, for a model with these settings."""
+    for field, plain in (
+        ("experimental_attention_variant", None),
+        ("attention_output_gate", False),
+    ):
+        if settings.get(field, plain) != plain:
+            raise ValueError(
+                f"model_config {field}={settings[field]!r}: mp-ckpt does not convert gated "
+                "DeltaNet layers or gated attention (Qwen3-Next) to or from Megatron-LM's "
+                "layout yet; export-hf converts them"
+            )
     mla = bool(settings.get("multi_latent_attention"))
     if family is None and not mla:
         family = families.family(families.family_of(settings))

@@ -14,7 +14,9 @@ for E tensors that mp keeps stacked on dim 0. `to_mp` takes the Hugging Face ten
 both also get the model's `Dims`. Absent, the tensor passes unchanged.
 
 `scope` says where a rule applies: "model" once, "layer" every layer, "dense" a
-layer with a plain MLP, "moe" a mixture-of-experts layer, "mtp" each multi-token
+layer with a plain MLP, "moe" a mixture-of-experts layer, "linear_attention" and
+"full_attention" the layers of a model with gated DeltaNet layers (Qwen3-Next) whose
+attention is one or softmax attention (`is_linear_attention_layer`), "mtp" each multi-token
 prediction module (mp's names relative to "mtp.layers.{k}.", "{i}" the Hugging Face
 layer number num_layers + k; the module's transformer layer takes the "layer" rules and
 those of the last layer's MLP under "mtp.layers.{k}.transformer_layer."). A hybrid model
@@ -58,6 +60,7 @@ __all__ = [
     "Rule",
     "flat",
     "heads_flat",
+    "is_linear_attention_layer",
     "is_moe_layer",
     "kv_heads",
     "layer_scopes",
@@ -68,7 +71,18 @@ __all__ = [
 
 Tensors = Sequence[torch.Tensor]
 Transform = Callable[[Tensors, "Dims"], list[torch.Tensor]]
-Scope = Literal["model", "layer", "dense", "moe", "mtp", "mtp_last", "mamba", "attention"]
+Scope = Literal[
+    "model",
+    "layer",
+    "dense",
+    "moe",
+    "mtp",
+    "mtp_last",
+    "mamba",
+    "attention",
+    "linear_attention",
+    "full_attention",
+]
 
 HYBRID_SCOPES: dict[str, Scope] = {"M": "mamba", "*": "attention", "-": "dense", "E": "moe"}
 """The scope of a hybrid layer's rules, by its symbol in hybrid_layer_pattern."""
@@ -78,7 +92,8 @@ HYBRID_SCOPES: dict[str, Scope] = {"M": "mamba", "*": "attention", "-": "dense",
 class Dims:
     """The shapes a transform needs: query heads, key/value groups, head dim, hidden; in a
     hybrid model also the Mamba mixers' heads, channels per head, groups and state size
-    (0 without Mamba layers)."""
+    (0 without Mamba layers); with gated DeltaNet layers their key heads, key channels,
+    value heads and value channels (0 without)."""
 
     heads: int
     groups: int
@@ -88,6 +103,10 @@ class Dims:
     mamba_head_dim: int = 0
     mamba_groups: int = 0
     mamba_state: int = 0
+    linear_key_heads: int = 0
+    linear_key_dim: int = 0
+    linear_value_heads: int = 0
+    linear_value_dim: int = 0
 
     @property
     def per_group(self) -> int:
@@ -102,6 +121,7 @@ class Dims:
             head_dim=settings.get("kv_channels") or settings["hidden_size"] // heads,
             hidden=settings["hidden_size"],
             **_mamba_dims(settings),
+            **_linear_dims(settings),
         )
 
 
@@ -136,6 +156,28 @@ def _mamba_dims(settings: dict) -> dict:
             "mamba_state": settings.get("mamba_state_dim") or 128}  # fmt: skip
 
 
+def _linear_dims(settings: dict) -> dict:
+    """The gated DeltaNet widths (TransformerConfig's defaults for those not given)."""
+    if not settings.get("experimental_attention_variant"):
+        return {}
+    return {"linear_key_heads": settings.get("linear_num_key_heads") or 16,
+            "linear_key_dim": settings.get("linear_key_head_dim") or 128,
+            "linear_value_heads": settings.get("linear_num_value_heads") or 32,
+            "linear_value_dim": settings.get("linear_value_head_dim") or 128}  # fmt: skip
+
+
+def is_linear_attention_layer(settings: dict, i: int) -> bool:
+    """Whether layer i's attention is a gated DeltaNet, read as TransformerConfig reads
+    linear_attention_freq: an integer N makes layer i softmax attention where (i + 1) % N
+    is 0; else a 0/1 entry per layer."""
+    if not settings.get("experimental_attention_variant"):
+        return False
+    freq = settings.get("linear_attention_freq")
+    if isinstance(freq, int):
+        return (i + 1) % freq != 0
+    return bool(freq[i])
+
+
 def is_moe_layer(settings: dict, i: int) -> bool:
     """Whether layer i is a mixture of experts, read as TransformerConfig reads it: an E in
     a hybrid_layer_pattern; else under moe_layer_freq, N or [N] (with more than one layer)
@@ -154,11 +196,18 @@ def is_moe_layer(settings: dict, i: int) -> bool:
 
 def layer_scopes(settings: dict, i: int) -> tuple[Scope, ...]:
     """The scopes of the rules of decoder layer i: its kind's in a hybrid model, else every
-    layer's and those of its MLP (experts or not)."""
+    layer's, with gated DeltaNet layers those of its attention ("linear_attention" or
+    "full_attention"), and those of its MLP (experts or not)."""
     pattern = settings.get("hybrid_layer_pattern")
     if pattern:
         return (HYBRID_SCOPES[split_hybrid_pattern(pattern)[0][i]],)
-    return ("layer", "moe" if is_moe_layer(settings, i) else "dense")
+    mlp: Scope = "moe" if is_moe_layer(settings, i) else "dense"
+    if settings.get("experimental_attention_variant"):
+        attention: Scope = (
+            "linear_attention" if is_linear_attention_layer(settings, i) else "full_attention"
+        )
+        return ("layer", attention, mlp)
+    return ("layer", mlp)
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,8 @@ __all__ = [
 _REFUSED = (
     ("apply_residual_connection_post_layernorm", False),
     ("heterogeneous_layers_config_path", None),
+    ("experimental_attention_variant", None),  # gated DeltaNet layers (Qwen3-Next): not yet
+    ("attention_output_gate", False),
 )
 _HYBRID_SYMBOLS = "M*-E|"
 """The layers of a hybrid_layer_pattern mp builds (Mamba, attention, MLP, MoE) and its

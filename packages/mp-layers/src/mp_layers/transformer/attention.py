@@ -7,7 +7,10 @@ column split over the TP group therefore gives each rank ng/tp whole groups,
 and the layout (hence the model) does not depend on the TP size.
 sharded_state_dict describes q, k and v as logical tensors
 [ng, qg, d, h], [ng, d, h], [ng, d, h] (strided views of the fused weight),
-so that checkpoints and conversions never see the fused layout.
+so that checkpoints and conversions never see the fused layout. With
+attention_output_gate (Megatron's; Qwen3-Next) each group also holds qg gate heads after
+its query heads (gate [ng, qg, d, h]), and attention's output [s, b, heads d] is
+multiplied by sigmoid(gate) before linear_proj.
 
 With softmax_type "learnable", core attention's softmax_offset [heads on this rank]
 (Megatron's name) is split over the TP group with the heads and described as
@@ -80,7 +83,9 @@ class SelfAttention(torch.nn.Module):
         self.d = config.kv_channels
         self.groups = config.num_query_groups // tp_group.size  # on this rank
         self.per_group = config.num_attention_heads // config.num_query_groups
-        width = config.num_query_groups * (self.per_group + 2) * self.d
+        self.gated = config.attention_output_gate
+        self.gates = self.per_group if self.gated else 0  # gate heads per group
+        width = config.num_query_groups * (self.per_group + self.gates + 2) * self.d
         self.linear_qkv = ColumnParallelLinear(
             config.hidden_size, width, tp_group=tp_group,
             bias=config.add_bias_linear or config.add_qkv_bias,
@@ -132,10 +137,12 @@ class SelfAttention(torch.nn.Module):
         queries attend to all of them (attention_mask: the cache's)."""
         mixed, _ = self.linear_qkv(x)
         s, b = mixed.shape[:2]
-        mixed = mixed.view(s, b, self.groups, self.per_group + 2, self.d)
-        q = mixed[:, :, :, : self.per_group].reshape(s, b, self.groups * self.per_group, self.d)
-        k = mixed[:, :, :, self.per_group]
-        v = mixed[:, :, :, self.per_group + 1]
+        qg, gates = self.per_group, self.gates
+        mixed = mixed.view(s, b, self.groups, qg + gates + 2, self.d)
+        q = mixed[:, :, :, :qg].reshape(s, b, self.groups * qg, self.d)
+        gate = mixed[:, :, :, qg : qg + gates].reshape(s, b, -1) if self.gated else None
+        k = mixed[:, :, :, qg + gates]
+        v = mixed[:, :, :, qg + gates + 1]
         if self.q_layernorm is not None:
             q, k = self.q_layernorm(q), self.k_layernorm(k)
         if rotary is not None and self.rotates:
@@ -153,8 +160,12 @@ class SelfAttention(torch.nn.Module):
         if self.recompute_core_attention and self.training and torch.is_grad_enabled():
             attend = functools.partial(checkpointed, self.core_attention, self.rng_tracker)
         if self.chunk is not None and kv_cache is None and s * self.cp_size > self.chunk:
-            return self.linear_proj(self._attend_in_blocks(attend, q, k, v, attention_mask))
-        return self.linear_proj(attend(q, k, v, attention_mask))
+            out = self._attend_in_blocks(attend, q, k, v, attention_mask)
+        else:
+            out = attend(q, k, v, attention_mask)
+        if gate is not None:  # Megatron's output gate, in fp32
+            out = (out.float() * torch.sigmoid(gate.float())).to(out.dtype)
+        return self.linear_proj(out)
 
     def _attend_in_blocks(self, attend, q, k, v, attention_mask) -> torch.Tensor:
         """Chunked attention (chunked_attention.py) over a sequence longer than a block."""
@@ -180,12 +191,11 @@ class SelfAttention(torch.nn.Module):
             if local is None:
                 continue
             tail = tuple(local.shape[1:])  # (h,) for the weight, () for the bias
-            fused = local.view(self.groups, self.per_group + 2, self.d, *tail)
-            parts = {
-                "q": fused[:, : self.per_group],
-                "k": fused[:, self.per_group],
-                "v": fused[:, self.per_group + 1],
-            }
+            qg, gates = self.per_group, self.gates
+            fused = local.view(self.groups, qg + gates + 2, self.d, *tail)
+            parts = {"q": fused[:, :qg], "k": fused[:, qg + gates], "v": fused[:, qg + gates + 1]}
+            if self.gated:
+                parts["gate"] = fused[:, qg : qg + gates]
             for part, data in parts.items():
                 key = f"{prefix}linear_qkv.{part}.{name}"
                 shape = (ng, *data.shape[1:])

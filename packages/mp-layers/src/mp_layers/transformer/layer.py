@@ -8,7 +8,9 @@ dropout and residual adds run on each rank's slice of the sequence).
 
 Hidden dropout: residual.py. In a hybrid model (TransformerConfig.hybrid_layer_pattern)
 a layer has one sublayer: attention (*), a dense MLP (-) or a MoE MLP (E) with its norm,
-or a Mamba mixer (M: mamba_layer.py, built here by the block).
+or a Mamba mixer (M: mamba_layer.py, built here by the block). With
+experimental_attention_variant the attention of the linear_attention_freq layers is a gated
+DeltaNet (gated_delta_net.py).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 from mp_ckpt import ShardedTensor
 from mp_layers.config import TransformerConfig
 from mp_layers.config_hybrid import hybrid_layer_kinds
+from mp_layers.config_linear_attention import linear_attention_layer_pattern
 from mp_layers.fp8 import apply_fp8
 from mp_layers.groups import ModelGroups
 from mp_layers.tensor_parallel import replicated_state_dict
@@ -54,12 +57,15 @@ class TransformerLayer(torch.nn.Module):
         self.tp_group = groups.tp
         self.layer_number = layer_number
         is_moe = config.moe_layer_pattern()[layer_number] if kind is None else kind == "moe"
+        # the pattern's (a multi-token prediction module's layer is shaped as the last's)
+        linear = kind is None and linear_attention_layer_pattern(config)[layer_number]
         kind = hybrid_layer_kinds(config)[layer_number] if kind is None else kind
         self.input_layernorm = self.self_attention = self.pre_mlp_layernorm = self.mlp = None
         if kind in ("transformer", "attention"):
             self.input_layernorm = spec.norm(config, None)
             attention = (
                 spec.multi_latent_attention if config.multi_latent_attention
+                else spec.linear_attention if linear and kind == "transformer"
                 else spec.self_attention
             )  # fmt: skip
             self.self_attention = attention(

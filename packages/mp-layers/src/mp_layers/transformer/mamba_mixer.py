@@ -72,6 +72,7 @@ from mp_layers.context_parallel.head_split import HeadSplit
 from mp_layers.groups import ModelGroups
 from mp_layers.tensor_parallel import ColumnParallelLinear, init_partitioned_weight
 from mp_layers.tensor_parallel.deferred_init import weight_device
+from mp_layers.transformer.causal_conv import causal_conv_silu
 from mp_layers.transformer.kv_cache import KVCache
 from mp_layers.transformer.mamba_context_parallel import Split, check_split
 from mp_layers.transformer.mlp import residual_projection
@@ -253,7 +254,7 @@ class MambaMixer(torch.nn.Module):
         final state (fp32)."""
         b, s = dt.shape[:2]
         g, hg, p, n = here.groups, here.per_group, self.p, self.n
-        xbc = self._convolve(inputs, here, positions)
+        xbc = causal_conv_silu(inputs, here.conv_weight, here.conv_bias, positions)
         xs, B, C = xbc.view(b, s, g, hg * p + 2 * n).split([hg * p, n, n], dim=-1)
         y, state = chunked_scan(xs.reshape(b, s, g * hg, p), dt, A, B, C, here.D, SCAN_CHUNK,
                                 initial, documents)  # fmt: skip
@@ -261,24 +262,6 @@ class MambaMixer(torch.nn.Module):
         if here.norm_weight is None:
             return gated, state
         return self._norm(gated, here.norm_weight).to(z.dtype), state
-
-    def _convolve(
-        self, inputs: torch.Tensor, here: _Here, positions: torch.Tensor | None
-    ) -> torch.Tensor:
-        """[b, channels, K - 1 + s] (the K - 1 earlier inputs first) -> silu of the causal
-        depthwise convolution at the s new positions, [b, s, channels]. positions [b, s]
-        (packed documents): each position's place in its document; a tap reaching back
-        past its document's first position is left out."""
-        weight, bias = here.conv_weight.to(inputs.dtype), here.conv_bias.to(inputs.dtype)
-        if positions is None:
-            out = F.conv1d(inputs, weight[:, None, :], bias, groups=inputs.shape[1])
-        else:
-            s = positions.shape[1]
-            out = bias[:, None]
-            for k in range(CONV_WIDTH):  # tap k reaches K - 1 - k positions back
-                inside = (positions >= CONV_WIDTH - 1 - k)[:, None, :]
-                out = out + inputs[..., k : k + s] * weight[:, k, None] * inside
-        return F.silu(out).transpose(1, 2)
 
     def _norm(self, gated: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """RMS norm per group of the gated output [.., groups, hg p] (fp32) times `weight`

@@ -19,6 +19,7 @@ from mp_layers.config import TransformerConfig
 from mp_layers.moe.moe_layer import MoELayer
 from mp_layers.transformer.attention import SelfAttention
 from mp_layers.transformer.core_attention import CoreAttention
+from mp_layers.transformer.gated_delta_net import GatedDeltaNet
 from mp_layers.transformer.mlp import MLP
 from mp_layers.transformer.multi_latent_attention import MultiLatentAttention
 from mp_layers.transformer.norms import build_norm
@@ -36,6 +37,10 @@ class LayerSpec:
     multi_latent_attention: type = MultiLatentAttention
     """The attention of a layer with TransformerConfig.multi_latent_attention; built and
     called as self_attention."""
+
+    linear_attention: type = GatedDeltaNet
+    """The attention of the layers TransformerConfig.experimental_attention_variant turns to
+    linear attention (linear_attention_layer_pattern); built and called as self_attention."""
 
     core_attention: type = CoreAttention
     """Built as cls(attention_dropout, rng_tracker, attention_backend, cp_group=...,

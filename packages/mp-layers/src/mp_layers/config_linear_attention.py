@@ -1,0 +1,100 @@
+"""Validation of TransformerConfig's linear-attention fields (Megatron's
+--experimental-attention-variant, --linear-attention-freq and --linear-*: Qwen3-Next's
+gated DeltaNet layers), and `linear_attention_layer_pattern`, which layers take it.
+
+A model with experimental_attention_variant "gdn" is a GPT model whose layers are
+attention then an MLP (or MoE), as every other; the attention of the linear_attention_freq
+layers is a gated DeltaNet (transformer/gated_delta_net.py), the others' softmax
+attention. A multi-token prediction module's layer is shaped as the model's last.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from mp_layers.config_rules import positive
+
+if TYPE_CHECKING:
+    from mp_layers.config import TransformerConfig
+
+__all__ = ["check_linear_attention", "check_linear_attention_parallel",
+           "linear_attention_layer_pattern"]  # fmt: skip
+
+_REFUSED = {
+    "gdn2": "the gated DeltaNet-2 variant",
+    "dsa": "DeepSeek sparse attention",
+}
+"""Megatron's other variants, refused naming what they are."""
+
+
+def linear_attention_layer_pattern(config: TransformerConfig) -> list[bool]:
+    """Per decoder layer: whether its attention is the linear attention (Megatron's rule: an
+    integer N makes layer i softmax attention where (i + 1) % N == 0)."""
+    freq, n = config.linear_attention_freq, config.num_layers
+    if config.experimental_attention_variant is None:
+        return [False] * n
+    if isinstance(freq, int) and not isinstance(freq, bool):
+        return [(i + 1) % freq != 0 for i in range(n)]
+    return [bool(x) for x in freq]
+
+
+def check_linear_attention(config: TransformerConfig) -> None:
+    variant, freq = config.experimental_attention_variant, config.linear_attention_freq
+    if variant is None:
+        if freq is not None:
+            raise ValueError(f"linear_attention_freq={freq!r} needs "
+                             "experimental_attention_variant='gdn'")  # fmt: skip
+        return
+    if variant in _REFUSED:
+        raise ValueError(f"experimental_attention_variant={variant!r} ({_REFUSED[variant]}) is "
+                         "not implemented; mp builds 'gdn' (gated DeltaNet)")  # fmt: skip
+    if variant == "gated_delta_net":  # Megatron's deprecated alias
+        config.experimental_attention_variant = variant = "gdn"
+    if variant != "gdn":
+        raise ValueError(f"experimental_attention_variant={variant!r} must be 'gdn' "
+                         "(or its alias 'gated_delta_net')")  # fmt: skip
+    if freq is None:
+        raise ValueError(
+            "experimental_attention_variant='gdn' needs linear_attention_freq (e.g. 4: three "
+            "gated DeltaNet layers, then softmax attention)"
+        )
+    if isinstance(freq, int) and not isinstance(freq, bool):
+        positive("linear_attention_freq", freq)
+    elif (not isinstance(freq, list | tuple) or len(freq) != config.num_layers
+          or any(x not in (0, 1) or isinstance(x, bool) for x in freq)):  # fmt: skip
+        raise ValueError(f"linear_attention_freq={freq!r} must be a positive integer or "
+                         f"{config.num_layers} values (num_layers) of 0 or 1")  # fmt: skip
+    for name in ("linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
+                 "linear_num_key_heads", "linear_num_value_heads"):  # fmt: skip
+        positive(name, getattr(config, name))
+    if config.linear_num_value_heads % config.linear_num_key_heads:
+        raise ValueError(
+            f"linear_num_key_heads={config.linear_num_key_heads} does not divide "
+            f"linear_num_value_heads={config.linear_num_value_heads}: each key head serves "
+            "whole value heads"
+        )
+    refused = {"multi_latent_attention": config.multi_latent_attention,
+               "hybrid_layer_pattern": config.hybrid_layer_pattern}  # fmt: skip
+    for name, value in refused.items():
+        if value:
+            raise ValueError(f"{name}={value!r} with experimental_attention_variant='gdn' is "
+                             "not implemented")  # fmt: skip
+
+
+def check_linear_attention_parallel(config: TransformerConfig, tp: int, cp: int) -> None:
+    """Tensor parallelism splits a gated DeltaNet by whole key heads (with their value
+    heads); context parallelism would need Megatron's all-to-all of heads, which mp does
+    not build."""
+    if not any(linear_attention_layer_pattern(config)):
+        return
+    if config.linear_num_key_heads % tp:
+        raise ValueError(
+            f"linear_num_key_heads={config.linear_num_key_heads} is not divisible by "
+            f"tensor_model_parallel_size={tp}: each rank holds whole gated DeltaNet key heads"
+        )
+    if cp > 1:
+        raise ValueError(
+            f"context_parallel_size={cp} with gated DeltaNet layers is not implemented: they "
+            "would need the whole sequence of a share of the heads on each rank (Megatron's "
+            "all-to-all); use context_parallel_size=1"
+        )

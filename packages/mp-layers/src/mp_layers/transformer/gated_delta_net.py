@@ -1,0 +1,216 @@
+"""GatedDeltaNet: the linear attention of Qwen3-Next's layers (Megatron's GatedDeltaNet,
+experimental_attention_variant "gdn"; Hugging Face's Qwen3NextGatedDeltaNet), tensor-parallel
+by whole key heads. It stands where a layer's self-attention would, built and called alike.
+
+Shapes: x [s, b, h] ([s/tp, b, h] with sequence parallelism); Hk query/key heads of dk
+channels, Hv = r Hk value heads of dv channels (each key head serves r consecutive value
+heads), K the convolution's width (linear_conv_kernel_dim):
+
+    q, k, v, z, beta, alpha = in_proj(x)     q, k [.., Hk dk]; v, z [.., Hv dv]; beta,
+                                             alpha [.., Hv]
+    q, k, v = silu(conv1d(q, k, v))          a causal depthwise convolution over K positions
+    q, k = l2norm(q), l2norm(k)              per head (eps 1e-6, as FLA's and transformers')
+    g = -exp(A_log) softplus(alpha + dt_bias)          the log-decay, fp32
+    o = delta_rule(q, k, v, g, sigmoid(beta))          delta_rule.py, per value head, fp32
+    o = out_norm(o) silu(z)                  an RMS norm per value head over its dv channels
+    out = out_proj(o)
+
+Layout. The checkpoint holds Megatron's logical tensors (no biases, as Megatron's layer has
+none): in_proj.{query,key,value,z,beta,alpha}.weight, conv1d.{query,key,value}.weight, each a
+view [Hk, rows of one key head, ...] of the fused local tensor; dt_bias and A_log [Hv];
+out_norm.weight [dv]; out_proj [h, Hv dv]. Here in_proj's rows and conv1d's channels are
+ordered by key head (each key head's q, k, v, z, beta, alpha rows; its q, k, v channels), so
+a tensor-parallel rank's contiguous piece is whole key heads with their value heads, and a
+seed draws the same model at every TP size. out_norm's weight is shared by every head: its
+gradient is a partial sum on each TP rank, marked (`sequence_parallel`) for the all-reduce
+over the TP group that mp-pipeline's finalize step gives norms.
+
+Packed documents (an attention_mask that is a PackedSeqParams): each document is mixed as if
+alone (the convolution's taps and the state stop at its first position). Generation: with a
+KVCache the convolution starts from the layer's last K - 1 inputs and the rule from its
+state, both kept in the cache (kv_cache.py's mamba states), padding slots leaving them as
+they were. Context parallelism is refused (config_linear_attention.py).
+
+Initialization, Megatron's: in_proj normal(init_method_std), out_proj the scaled output-layer
+std; conv1d uniform(-1/sqrt(K), 1/sqrt(K)) (torch's Conv1d default); dt_bias ones; A_log =
+ln(uniform(1, 16)); out_norm ones (zeros with apply_layernorm_1p).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from mp_ckpt import ShardedTensor
+from mp_layers.config import TransformerConfig
+from mp_layers.groups import ModelGroups
+from mp_layers.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    init_partitioned_weight,
+    replicated_state_dict,
+)
+from mp_layers.tensor_parallel.deferred_init import weight_device
+from mp_layers.transformer.causal_conv import causal_conv_silu
+from mp_layers.transformer.delta_rule import chunked_delta_rule
+from mp_layers.transformer.kv_cache import KVCache
+from mp_layers.transformer.packed import PackedSeqParams
+from mp_layers.transformer.rope import Rotary
+from mp_state import RNGStatesTracker
+
+if TYPE_CHECKING:
+    from mp_layers.transformer.spec import LayerSpec
+
+__all__ = ["DELTA_CHUNK", "L2_EPS", "GatedDeltaNet"]
+
+DELTA_CHUNK = 64
+"""Positions per chunk of the delta rule (Megatron's chunk_size)."""
+
+L2_EPS = 1e-6
+"""The L2 norm of queries and keys: x / sqrt(sum(x^2) + eps) (FLA's and transformers')."""
+
+_PARTS = ("query", "key", "value", "z", "beta", "alpha")
+_CONV_PARTS = ("query", "key", "value")
+
+
+class GatedDeltaNet(torch.nn.Module):
+    def __init__(
+        self,
+        config: TransformerConfig,
+        groups: ModelGroups,
+        rng_tracker: RNGStatesTracker | None = None,
+        *,
+        spec: LayerSpec,
+        layer_number: int = 0,
+    ) -> None:
+        super().__init__()
+        tp = groups.tp
+        config.check_parallel(tp.size, groups.cp.size)
+        self.tp_group = tp
+        self.layer_number = layer_number
+        self.dk, self.dv = config.linear_key_head_dim, config.linear_value_head_dim
+        self.all_heads = config.linear_num_key_heads
+        self.heads = self.all_heads // tp.size  # key heads on this rank
+        self.r = config.linear_num_value_heads // config.linear_num_key_heads
+        self.width = config.linear_conv_kernel_dim
+        self.rows = {"query": self.dk, "key": self.dk, "value": self.r * self.dv,
+                     "z": self.r * self.dv, "beta": self.r, "alpha": self.r}  # fmt: skip
+        self.unit = sum(self.rows.values())  # in_proj rows per key head
+        self.conv_unit = 2 * self.dk + self.r * self.dv  # conv1d channels per key head
+        self.in_proj = ColumnParallelLinear(
+            config.hidden_size, self.all_heads * self.unit, tp_group=tp,
+            bias=False, sequence_parallel=config.sequence_parallel,
+            init_method=functools.partial(torch.nn.init.normal_, std=config.init_method_std),
+            params_dtype=config.params_dtype,
+        )  # fmt: skip
+        bound = 1 / math.sqrt(self.width)
+        conv_init = functools.partial(torch.nn.init.uniform_, a=-bound, b=bound)
+        self.conv1d_weight = self._sharded((self.all_heads * self.conv_unit, self.width),
+                                           conv_init, config.params_dtype)  # fmt: skip
+        value_heads = config.linear_num_value_heads
+        self.dt_bias = self._sharded((value_heads,), torch.nn.init.ones_, config.params_dtype)
+        self.A_log = self._sharded((value_heads,), _draw_a_log, config.params_dtype)
+        self.out_norm = spec.norm(config, self.dv)
+        for param in self.out_norm.parameters():  # a partial sum on each TP rank's heads
+            param.sequence_parallel = True
+        self.out_proj = RowParallelLinear(
+            value_heads * self.dv, config.hidden_size, tp_group=tp, bias=False,
+            input_is_parallel=True, skip_bias_add=True, sequence_parallel=config.sequence_parallel,
+            init_method=functools.partial(torch.nn.init.normal_, std=config.output_layer_init_std),
+            params_dtype=config.params_dtype,
+        )  # fmt: skip
+
+    def _sharded(self, shape: tuple[int, ...], init, dtype: torch.dtype) -> torch.nn.Parameter:
+        """This rank's piece (split along dimension 0) of a tensor of `shape`."""
+        local = (shape[0] // self.tp_group.size, *shape[1:])
+        param = torch.nn.Parameter(torch.empty(local, dtype=dtype, device=weight_device(None)))
+        init_partitioned_weight(param, shape, 0, self.tp_group, init)
+        return param
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rotary: Rotary | None = None,
+        attention_mask: torch.Tensor | None = None,
+        kv_cache: KVCache | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x [s, b, h] -> (output, out_proj's bias or None). rotary and a causal mask do not
+        concern it; a PackedSeqParams gives the documents; with a kv_cache, x holds the next
+        positions and the layer goes on from the cache's states, which it replaces."""
+        packed = attention_mask if isinstance(attention_mask, PackedSeqParams) else None
+        if kv_cache is not None and packed is not None:
+            raise ValueError("GatedDeltaNet with a KVCache (generation) takes no packed documents")
+        fused, _ = self.in_proj(x)  # [s, b, heads * unit]
+        s, b = fused.shape[:2]
+        hk, r, dk, dv = self.heads, self.r, self.dk, self.dv
+        q, k, v, z, beta, alpha = fused.view(s, b, hk, self.unit).split(
+            [self.rows[p] for p in _PARTS], dim=-1
+        )
+        qkv = torch.cat([q, k, v], dim=-1).reshape(s, b, -1).permute(1, 2, 0)  # [b, ch, s]
+        wide = torch.promote_types(x.dtype, torch.float32)  # fp32, or fp64 for fp64 inputs
+        g = -self.A_log.to(wide).exp() * F.softplus(
+            alpha.to(wide).reshape(s, b, -1) + self.dt_bias.to(wide)
+        )
+        beta = beta.to(wide).reshape(s, b, -1).sigmoid()
+        g, beta = g.transpose(0, 1), beta.transpose(0, 1)  # [b, s, value heads]
+        history = initial = documents = positions = None
+        if kv_cache is not None:
+            padded = kv_cache.padded(s, x.device)  # [b, s]: no input, no decay, no write
+            qkv = qkv.masked_fill(padded[:, None, :], 0)
+            g, beta = g.masked_fill(padded[..., None], 0), beta.masked_fill(padded[..., None], 0)
+            history, initial = kv_cache.mamba_states(self.layer_number) or (None, None)
+        if packed is not None:
+            whole = packed.whole()
+            positions = whole.positions
+            ids = whole.document_ids
+            documents = F.pad((ids[:, 1:] != ids[:, :-1]).cumsum(1), (1, 0))  # runs
+        if history is None:
+            history = qkv.new_zeros(b, qkv.shape[1], self.width - 1)
+        inputs = torch.cat([history, qkv], dim=-1)
+        mixed = causal_conv_silu(inputs, self.conv1d_weight, None, positions)  # [b, s, ch]
+        q, k, v = mixed.view(b, s, hk, self.conv_unit).split([dk, dk, r * dv], dim=-1)
+        q, k = (_l2norm(t.to(wide)).repeat_interleave(r, dim=2) for t in (q, k))
+        v = v.reshape(b, s, hk * r, dv)
+        out, state = chunked_delta_rule(q, k, v, g, beta, DELTA_CHUNK, initial, documents)
+        if kv_cache is not None:
+            kv_cache.set_mamba_states(self.layer_number, inputs[..., -(self.width - 1) :], state)
+        gate = F.silu(z.to(wide)).transpose(0, 1).reshape(b, s, hk * r, dv)
+        out = (self.out_norm(out.to(x.dtype)).to(wide) * gate).to(x.dtype)
+        out = out.transpose(0, 1).reshape(s, b, -1)
+        return self.out_proj(out)
+
+    def sharded_state_dict(self, prefix: str = "") -> dict[str, ShardedTensor]:
+        """Megatron's logical tensors (module docstring), each part of in_proj and conv1d a
+        view [Hk, rows of a key head, ...] of the local fused tensor, at this rank's first
+        key head."""
+        pieces = self.out_proj.sharded_state_dict(f"{prefix}out_proj.")
+        rank, tp, hk = self.tp_group.rank, self.tp_group.size, self.heads
+        conv_rows = {p: self.rows[p] for p in _CONV_PARTS}
+        fused = (("in_proj", "weight", self.in_proj.weight, self.rows, self.unit),
+                 ("conv1d", "weight", self.conv1d_weight, conv_rows, self.conv_unit))  # fmt: skip
+        for module, kind, local, rows, unit in fused:
+            grouped = local.view(hk, unit, *local.shape[1:])
+            start = 0
+            for part, count in rows.items():
+                data = grouped[:, start : start + count]
+                start += count
+                key = f"{prefix}{module}.{part}.{kind}"
+                offset = (rank * hk,) + (0,) * (data.dim() - 1)
+                pieces[key] = ShardedTensor(key, data, (hk * tp, *data.shape[1:]), offset)
+        for name, local in (("dt_bias", self.dt_bias), ("A_log", self.A_log)):
+            pieces[prefix + name] = ShardedTensor.from_rank(prefix + name, local, 0, rank, tp)
+        return pieces | replicated_state_dict(self.out_norm, f"{prefix}out_norm.", self.tp_group)
+
+
+def _l2norm(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + L2_EPS)
+
+
+def _draw_a_log(t: torch.Tensor) -> torch.Tensor:
+    """ln(A) for A uniform in [1, 16] (Megatron's A_init_range)."""
+    with torch.no_grad():
+        return t.copy_(torch.log(torch.empty_like(t).uniform_(1, 16)))
