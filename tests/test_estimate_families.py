@@ -45,6 +45,10 @@ FAMILIES = {
                        layers_block_type=["mamba", "mlp", "attention", "moe"],
                        n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                        moe_shared_expert_intermediate_size=48),
+    "qwen3_next": dict(SMALL, **MOE, num_hidden_layers=4, num_experts=4, head_dim=16,
+                       shared_expert_intermediate_size=48, mlp_only_layers=[1],
+                       linear_key_head_dim=8, linear_value_head_dim=12,
+                       linear_num_key_heads=2, linear_num_value_heads=4),
 }  # fmt: skip
 
 
@@ -147,16 +151,22 @@ def hybrid(name: str, **more) -> dict:
      (dict(MLA, q_lora_rank=48, qk_layernorm=True, add_bias_linear=True), None),
      (dict(LAYOUT, untie_embeddings_and_output_weights=True), None),
      (dict(MLA, q_lora_rank=48, mtp_num_layers=1, **MOE_TP), None),
-     *((hybrid(name, sequence_parallel=True), 1) for name in HYBRIDS)],
+     *((hybrid(name, sequence_parallel=True), 1) for name in HYBRIDS),
+     (dict(LAYOUT, num_layers=3, num_query_groups=2, kv_channels=16, activation="swiglu",
+           normalization="RMSNorm", add_bias_linear=False, attention_output_gate=True,
+           experimental_attention_variant="gdn", linear_attention_freq=[1, 0, 1],
+           linear_key_head_dim=8, linear_value_head_dim=12, linear_num_key_heads=2,
+           linear_num_value_heads=4, mtp_num_layers=1, position_embedding_type="rope"),
+      None)],
     ids=["gqa-biases-sinks-moe", "shared-expert-gate-expert-tp2", "mla", "gpt2-untied",
-         "mla-moe-mtp", *(f"hybrid-{name}" for name in HYBRIDS)],
+         "mla-moe-mtp", *(f"hybrid-{name}" for name in HYBRIDS), "gated-delta-net-mtp"],
 )  # fmt: skip
 def test_estimate_holds_what_a_tensor_parallel_rank_allocates(fields, etp):
     """At TP 2 (EP 2 with experts) one rank's parameters are GPTModel's on rank 0: the
     pieces split over the ranks, the norms, row-parallel biases, routers, MLA's down
     projections and learned positions whole, the experts over EP x expert-TP; in hybrid
     models the Mamba mixers by whole groups of heads, their layer's norm and out_proj's
-    bias whole."""
+    bias whole; gated DeltaNets by whole key heads, their output norm whole."""
     model = TransformerConfig(**fields)
     ep = 2 if model.num_moe_experts else 1
     parallel = ParallelConfig(tensor_model_parallel_size=2, expert_model_parallel_size=ep,

@@ -17,6 +17,7 @@ from mp_layers.config_hybrid import (
     mamba_widths,
     split_hybrid_pattern,
 )
+from mp_layers.config_linear_attention import linear_attention_layer_pattern
 from mp_layers.config_mtp import mtp_layer_kinds
 from mp_layers.context_parallel import shard_sequence
 from mp_layers.fp8 import check_fp8_device
@@ -88,6 +89,7 @@ __all__ = [
     "hybrid_pipeline_segments",
     "init_partitioned_weight",
     "keeps_attention_probabilities",
+    "linear_attention_layer_pattern",
     "mamba_widths",
     "moe",
     "mtp_layer_kinds",

@@ -105,7 +105,6 @@ import torch
 
 from mp_layers import (
     TransformerConfig,
-    hybrid_layer_kinds,
     keeps_attention_probabilities,
     mtp_layer_kinds,
     saved_probability_bytes,
@@ -114,6 +113,7 @@ from mp_pipeline import stage_layers
 from mp_train.configuration.config import RunConfig
 from mp_train.configuration.hybrid_pipeline import pipeline_segments
 from mp_train.estimate.hybrid import mamba_activation, mamba_flops
+from mp_train.estimate.linear_attention import gdn_activation, gdn_flops, layer_kinds
 from mp_train.estimate.megatron_formula import MEGATRON_VERSION, megatron_estimate
 from mp_train.estimate.parameters import model_parameters, stage_layer_kinds, stage_parameters
 
@@ -298,12 +298,15 @@ def _activation_bytes(
         if kind == "mamba":
             whole, split, fp32 = mamba_activation(m, s, b)
             return stored(whole, split) + fp32 / tp / width
-        whole = split = 0.0
+        whole = split = extra = 0.0
         if kind in ("transformer", "attention"):
             whole, split = 5 * sbh, 8 * sbh + scores
-        if kind in ("transformer", "mlp", "moe"):
+        if kind == "gdn":  # mp_train.estimate.linear_attention's
+            whole, split, fp32 = gdn_activation(m, s, b)
+            extra = fp32 / tp / width
+        if kind in ("transformer", "gdn", "mlp", "moe"):
             whole, split = whole + 5 * sbh, split + 4 * _mlp_width(m, moe) / h * sbh
-        return stored(whole, split)
+        return stored(whole, split) + extra
 
     layer = sum(layer_bytes(kind, moe) for kind, moe in kinds) / len(kinds)  # the mean
     transient = 0.0
@@ -375,16 +378,19 @@ def _flops(config: RunConfig, layout: dict, V: int) -> int:
     s, h = config.gpt.seq_length, m.hidden_size
     gated = 3 if m.gated_linear_unit else 2
     mtp = m.mtp_num_layers or 0
-    layers = list(zip(hybrid_layer_kinds(m), m.moe_layer_pattern(), strict=True))
-    layers += mtp_layer_kinds(m) * mtp  # the last layer's kind, or a hybrid pattern's
+    layers = list(zip(layer_kinds(m), m.moe_layer_pattern(), strict=True))
+    last = layer_kinds(m)[-1]  # a module's transformer layer is shaped as the last
+    layers += [(last if kind == "transformer" else kind, moe)
+               for kind, moe in mtp_layer_kinds(m)] * mtp  # or a hybrid pattern's  # fmt: skip
     kinds = [kind for kind, _ in layers]
-    with_mlp = [moe for kind, moe in layers if kind in ("transformer", "mlp", "moe")]
+    with_mlp = [moe for kind, moe in layers if kind in ("transformer", "gdn", "mlp", "moe")]
     mlp = sum(_mlp_multiply_adds(m, moe, gated) for moe in with_mlp)
     attention = _attention_flops(m, s) * sum(kind in ("transformer", "attention") for kind in kinds)
     mtp_projections = mtp * (3 * h + 2 * h * h)  # its norms (Megatron's 3h) and eh_proj
     # fwd + 2 bwd GEMMs, 2 per multiply-add
     per_token = 3 * 2 * (mlp + attention + mtp_projections + h * V * (1 + mtp))
     per_token += kinds.count("mamba") * mamba_flops(m)  # mp_train.estimate.hybrid
+    per_token += kinds.count("gdn") * gdn_flops(m)  # mp_train.estimate.linear_attention
     return layout["gbs"] * s * per_token
 
 
@@ -407,7 +413,8 @@ def _attention_flops(m: TransformerConfig, s: int) -> float:
     if not m.multi_latent_attention:
         q = m.kv_channels * a
         kv = m.kv_channels * m.num_query_groups
-        return m.hidden_size * (q + 2 * kv) + q * s + q * m.hidden_size
+        gate = q if m.attention_output_gate else 0  # the gate's projection
+        return m.hidden_size * (q + gate + 2 * kv) + q * s + q * m.hidden_size
     h, r = m.hidden_size, m.kv_lora_rank
     dn, dr, dv = m.qk_head_dim, m.qk_pos_emb_head_dim, m.v_head_dim
     # Megatron's MLA terms, each latent norm counted as one multiply-add per channel.

@@ -12,9 +12,10 @@ parallel sizes.
 A layer's parameters (each norm x 2 for LayerNorm, its bias; checked against GPTModel's
 count, tests/test_estimate_families.py):
 
-    attention    2hd(a + g) (Q, K, V, out); biases d(a + 2g) with add_bias_linear or
-                 add_qkv_bias, h (out's) with add_bias_linear; qk-layernorm 2d (none under
-                 qk_l2_norm, which has no weights); a sink
+    attention    2hd(a + g) (Q, K, V, out), hda more with attention_output_gate; biases
+                 d(a + 2g) with add_bias_linear or add_qkv_bias, h (out's) with
+                 add_bias_linear; qk-layernorm 2d (none under qk_l2_norm, which has no
+                 weights); a sink
                  per head with softmax_type learnable
     MLA          queries r_q(h + a(dn + dr)) (ha(dn + dr) without r_q), keys and values
                  r(h + a(dn + dv)) + h dr, out a dv h (+ h bias), the latent norms r_q and r
@@ -24,7 +25,9 @@ count, tests/test_estimate_families.py):
                  bias), E routed experts of h f_moe x (3|2) (+ f_moe x (2|1) + h biases)
     norms        2h
 
-A hybrid model's layer (hybrid_layer_pattern) holds one sublayer and its norm h: attention
+A layer whose attention is a gated DeltaNet (experimental_attention_variant) counts it as
+mp_train.estimate.linear_attention does. A hybrid model's layer (hybrid_layer_pattern)
+holds one sublayer and its norm h: attention
 (*), an MLP (-) or a MoE MLP (E) as above, or a Mamba mixer (M: mp_train.estimate.hybrid).
 Beside the layers the final norm, the word embedding hV, the output layer hV when
 untied, learned positions h x max_position_embeddings, and per multi-token prediction
@@ -48,11 +51,12 @@ from __future__ import annotations
 
 import dataclasses
 
-from mp_layers import TransformerConfig, hybrid_layer_kinds, mtp_layer_kinds
+from mp_layers import TransformerConfig, mtp_layer_kinds
 from mp_pipeline import stage_layers
 from mp_train.configuration.config import RunConfig
 from mp_train.configuration.hybrid_pipeline import pipeline_segments
 from mp_train.estimate.hybrid import mamba_parameters
+from mp_train.estimate.linear_attention import gdn_parameters, layer_kinds
 
 __all__ = ["Held", "model_parameters", "stage_layer_kinds", "stage_parameters"]
 
@@ -109,6 +113,8 @@ def _attention(m: TransformerConfig) -> Held:
         return Held(split=split, whole=query_down + h * (r + dr) + latent_norms + out_bias)
     d, g = m.kv_channels, m.num_query_groups
     split = 2 * h * d * (a + g)  # Q, K, V and out
+    if m.attention_output_gate:
+        split += h * d * a  # a gate per query channel
     if m.add_bias_linear or m.add_qkv_bias:
         split += d * (a + 2 * g)
     if m.softmax_type == "learnable":
@@ -118,7 +124,8 @@ def _attention(m: TransformerConfig) -> Held:
 
 
 def _layer(m: TransformerConfig, kind: str, moe: bool, *, active: bool = False) -> Held:
-    """One layer of a kind of mp_layers.hybrid_layer_kinds ("transformer": attention then an MLP),
+    """One layer of a kind of linear_attention.layer_kinds ("transformer": attention then an
+    MLP, "gdn": a gated DeltaNet then an MLP),
     its norms included; `active`: the k routed experts a token passes through instead of
     all E."""
     norm = Held(whole=m.hidden_size * _norm(m))
@@ -128,7 +135,10 @@ def _layer(m: TransformerConfig, kind: str, moe: bool, *, active: bool = False) 
     layer = Held()
     if kind in ("transformer", "attention"):
         layer += _attention(m) + norm
-    if kind in ("transformer", "mlp", "moe"):
+    if kind == "gdn":
+        split, whole = gdn_parameters(m, _norm(m))
+        layer += Held(split=split, whole=whole) + norm
+    if kind in ("transformer", "gdn", "mlp", "moe"):
         layer += _mlp(m, moe, active=active) + norm
     return layer
 
@@ -162,6 +172,8 @@ def _mtp_module(m: TransformerConfig, *, active: bool = False) -> Held:
     h = m.hidden_size
     module = Held(split=2 * h * h, whole=3 * h * _norm(m))
     for kind, moe in mtp_layer_kinds(m):
+        if kind == "transformer":  # shaped as the last layer (a gated DeltaNet's too)
+            kind = layer_kinds(m)[-1]
         module += _layer(m, kind, moe, active=active)
     return module
 
@@ -184,7 +196,7 @@ def model_parameters(config: RunConfig, V: int) -> dict:
     m = config.model
     layers = Held()
     active = Held()
-    for kind, moe in zip(hybrid_layer_kinds(m), m.moe_layer_pattern(), strict=True):
+    for kind, moe in zip(layer_kinds(m), m.moe_layer_pattern(), strict=True):
         layers += _layer(m, kind, moe)
         active += _layer(m, kind, moe, active=True)
     beside = Held(whole=_norm(m) * m.hidden_size + _positions(config))
@@ -204,7 +216,7 @@ def stage_layer_kinds(config: RunConfig, stage: int) -> list[tuple[str, bool]]:
     chunks), the kinds of mp_layers.hybrid_layer_kinds."""
     m, parallel = config.model, config.parallel
     vpp = parallel.virtual_pipeline_model_parallel_size
-    pattern = list(zip(hybrid_layer_kinds(m), m.moe_layer_pattern(), strict=True))
+    pattern = list(zip(layer_kinds(m), m.moe_layer_pattern(), strict=True))
     kinds = []
     for chunk in range(vpp or 1):
         layers = stage_layers(
