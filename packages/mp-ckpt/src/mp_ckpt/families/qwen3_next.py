@@ -27,9 +27,10 @@ Hugging Face (model.layers.{i}.)           mp (decoder.layers.{i}.)
     mlp.gate / experts / shared_expert / shared_expert_gate    as Qwen2-MoE's (moe.py)
 Hk key heads of dk channels, Hv = r Hk value heads of dv channels, K the convolution width.
 
-Multi-token prediction: Qwen3-Next's released weights hold mtp.* tensors, which
-transformers neither builds nor loads; the import refuses them by name (mp's modules take
-Megatron's and DeepSeek-V3's layout) rather than drop them silently.
+Multi-token prediction: Qwen3-Next's released weights hold a module's mtp.* tensors, which
+transformers neither builds nor loads. The import leaves them out as transformers does and
+says so on stderr, naming how many (mp's modules are not mapped to Qwen3-Next's layout
+yet); the imported model has no multi-token prediction module.
 
 config.json -> settings: layer_types (or full_attention_interval, transformers' default 4)
 -> linear_attention_freq; linear_conv_kernel_dim, linear_{key,value}_head_dim,
@@ -38,6 +39,8 @@ or at the top, default 0.25) -> rotary_percent; num_experts 0 (a dense model) is
 """
 
 from __future__ import annotations
+
+import sys
 
 import torch
 
@@ -250,5 +253,19 @@ def _config(settings: dict, shapes: dict, tokens: dict, dtype: str) -> dict:
     }  # fmt: skip
 
 
+_unfuse = unfuse_experts(*_EXPERTS)
+
+
+def _prepare(state: dict, config: dict) -> dict:
+    """transformers' fused experts unfused; the multi-token prediction module left out, as
+    transformers leaves it (module docstring), with a line on stderr."""
+    mtp = [name for name in state if name.startswith("mtp.")]
+    if mtp:
+        print(f"import-hf: leaving out Qwen3-Next's multi-token prediction module ({len(mtp)} "
+              "mtp.* tensors), as transformers does: mp does not map its layout yet",
+              file=sys.stderr)  # fmt: skip
+    return _unfuse({k: v for k, v in state.items() if not k.startswith("mtp.")}, config)
+
+
 FAMILY = Family("qwen3_next", "Qwen3NextForCausalLM", RULES, _settings, _config,
-                prepare=unfuse_experts(*_EXPERTS))  # fmt: skip
+                prepare=_prepare)  # fmt: skip
