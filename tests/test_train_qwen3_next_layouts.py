@@ -2,8 +2,9 @@
 then gated softmax attention with qk-layernorm; MoE layers with a gated shared expert;
 zero-centred norms) trains through pretrain_gpt to the one-rank curve at TP2 with sequence
 parallelism (which experts at TP need; the DeltaNet's output norm is shared by heads split
-over the ranks: its gradient is summed over TP), at PP2 and at EP2: the language-model loss and the balancing loss, every iteration of 6, within 1e-5
-relative (fp32, no dropout, mock data)."""
+over the ranks: its gradient is summed over TP), at PP2 and at EP2: the language-model
+loss, the balancing loss and the gradient norm, every iteration of 6, within 1e-5 relative
+(fp32, no dropout, mock data)."""
 
 from pathlib import Path
 
