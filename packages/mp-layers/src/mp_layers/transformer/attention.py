@@ -23,6 +23,10 @@ Rotary embeddings rotate q and k after the QK norm (Megatron's order; an L2 norm
 no weight, commutes with the rotation, so Llama 4's rotate-then-normalize is the same),
 in the pairs rotary_interleaved says, on the layers no_rope_freq leaves them
 (rope_layer_pattern). qk_l2_norm's norm holds no weights: nothing enters the checkpoint.
+The query and key norms' weights are shared by every head, so at TP > 1 each rank's
+gradient is a partial sum over its heads: they are marked `sequence_parallel`, which has
+mp-pipeline's finalize step sum them over the TP group, with or without sequence
+parallelism.
 Llama 4's rotary layers attend within blocks of attention_chunk_size positions
 (chunked_attention.py; with a KVCache through the cache's block mask), and its other
 layers' queries take Rotary.query_scale (attn_temperature_floor_scale).
@@ -104,6 +108,11 @@ class SelfAttention(torch.nn.Module):
         else:
             self.q_layernorm = spec.norm(config, self.d) if config.qk_layernorm else None
             self.k_layernorm = spec.norm(config, self.d) if config.qk_layernorm else None
+            for norm in (self.q_layernorm, self.k_layernorm):
+                for param in norm.parameters() if norm is not None else ():
+                    # shared by every head, each TP rank's heads giving a partial sum: summed
+                    # over TP with the sequence-parallel norms' (Megatron sums them by name)
+                    param.sequence_parallel = True
         windowed = window_layer_pattern(config)[layer_number]
         self.window = config.window_size[0] if windowed else None
         self.core_attention = spec.core_attention(

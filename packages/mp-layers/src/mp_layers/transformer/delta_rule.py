@@ -60,8 +60,9 @@ def chunked_delta_rule(
     documents: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """As recurrent_delta_rule, over chunks of `chunk` positions (module docstring).
-    documents [b, s]: each position's document id; a document's first position starts
-    from a zero state (not with an initial state)."""
+    documents [b, s]: each position's document id, a document a run of equal ids (an id
+    may come back for another document); a document's first position starts from a zero
+    state (not with an initial state)."""
     if documents is not None and initial is not None:
         raise ValueError("chunked_delta_rule takes an initial state or documents, not both")
     b, s, h, dk = k.shape
@@ -80,6 +81,7 @@ def chunked_delta_rule(
     decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(~lower, float("-inf")).exp()
     carry = None  # [b, 1, n, C]: the position continues the document running at the chunk's start
     if documents is not None:
+        documents = F.pad((documents[:, 1:] != documents[:, :-1]).cumsum(1), (1, 0))  # runs
         docs = torch.cat([documents, documents[:, -1:].expand(b, pad)], dim=1)  # the last's
         docs = docs.reshape(b, 1, n, chunk)
         same = docs[..., :, None] == docs[..., None, :]

@@ -166,8 +166,7 @@ class GatedDeltaNet(torch.nn.Module):
         if packed is not None:
             whole = packed.whole()
             positions = whole.positions
-            ids = whole.document_ids
-            documents = F.pad((ids[:, 1:] != ids[:, :-1]).cumsum(1), (1, 0))  # runs
+            documents = whole.document_ids
         if history is None:
             history = qkv.new_zeros(b, qkv.shape[1], self.width - 1)
         inputs = torch.cat([history, qkv], dim=-1)
