@@ -28,7 +28,8 @@ ASSETS = Path(__file__).resolve().parents[1] / "packages/mp-ckpt/tests/assets/me
                                   "mla_moe_mtp_torch_tp2_ep2",
                                   "llama4_moe_torch_dist_tp2",
                                   "hybrid_torch_dist_tp2", "hybrid_torch_tp2",
-                                  "hybrid_mtp_torch_dist_tp2", "hybrid_mtp_torch_tp2"])  # fmt: skip
+                                  "hybrid_mtp_torch_dist_tp2", "hybrid_mtp_torch_tp2",
+                                  "qwen3_next_torch_dist_tp2", "qwen3_next_torch_tp2"])  # fmt: skip
 def test_imported_megatron_checkpoint_gives_megatron_logits(case, tmp_path):
     out = import_megatron(ASSETS / case, tmp_path / "mp")
     settings = torch.load(out / "common.pt", weights_only=False)["model_config"]

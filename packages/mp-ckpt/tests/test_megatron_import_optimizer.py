@@ -4,7 +4,8 @@ against the full tensors megatron-core recorded (reference.pt's "adam"); the hyb
 fixtures (Mamba, attention, MLP and MoE layers, the distributed optimizer at TP2 x DP2 in
 both formats, and without it) and the DeepSeek-shaped ones with their multi-token
 prediction module (multi-latent attention, DeepSeek's MoE; with and without the
-distributed optimizer) too."""
+distributed optimizer) and the Qwen3-Next-shaped ones (a gated DeltaNet layer, gated
+attention; with and without it) too."""
 
 import re
 import shutil
@@ -22,10 +23,12 @@ ASSETS = Path(__file__).parent / "assets" / "megatron"
 DISTOPT = ["llama_torch_dist_tp2_distopt", "llama_torch_dist_pp2_dp2_distopt",
            "llama_torch_pp2_dp2_distopt", "llama_torch_dist_tp2_dp2_distopt",
            "hybrid_torch_dist_tp2_dp2_distopt", "hybrid_torch_tp2_dp2_distopt",
-           "mla_mtp_torch_dist_tp2_dp2_distopt", "mla_mtp_torch_dist_tp1_distopt"]  # fmt: skip
+           "mla_mtp_torch_dist_tp2_dp2_distopt", "mla_mtp_torch_dist_tp1_distopt",
+           "qwen3_next_torch_dist_tp2_dp2_distopt"]  # fmt: skip
 CASES = ["llama_torch_dist_tp1", "llama_torch_tp2", "llama_torch_pp2", "gpt2_torch_dist_tp1",
          "moe_torch_dist_ep2", "moe_torch_ep2", "hybrid_optim_torch_dist_tp2",
-         "hybrid_optim_torch_tp2", "mla_mtp_optim_torch_tp2", *DISTOPT]  # fmt: skip
+         "hybrid_optim_torch_tp2", "mla_mtp_optim_torch_tp2", "qwen3_next_optim_torch_tp2",
+         *DISTOPT]  # fmt: skip
 
 
 def _fused(reader: CheckpointReader, state: str, name: str, swiglu: bool) -> torch.Tensor:
@@ -36,6 +39,13 @@ def _fused(reader: CheckpointReader, state: str, name: str, swiglu: bool) -> tor
     name = name.replace("mlp.linear_fc1.layer_norm_", "pre_mlp_layernorm.")
     name = name.replace("decoder.final_norm.", "decoder.final_layernorm.")  # a hybrid's
     name = name.replace(".mtp_model_layer.", ".transformer_layer.")  # an MTP module's layer
+    gdn = re.match(r"(.+\.self_attention\.)(in_proj|conv1d)\.weight$", name)
+    if gdn:  # a gated DeltaNet's fused tensor from mp's parts by key head
+        parts = "query key value z beta alpha" if gdn.group(2) == "in_proj" else "query key value"
+        pieces = [reader.read(f"{prefix}{gdn.group(1)}{gdn.group(2)}.{p}.weight")
+                  for p in parts.split()]  # fmt: skip
+        whole = torch.cat([p.reshape(-1, *p.shape[2:]) for p in pieces])
+        return whole.unsqueeze(1) if gdn.group(2) == "conv1d" else whole
     mamba = re.match(r"(.+\.mixer\.)(in_proj\.weight|conv1d_weight)$", name)
     if mamba:  # a Mamba mixer's fused tensor from mp's grouped parts
         module, parts = ("in_proj", "z x B C dt") if "in_proj" in name else ("conv1d", "x B C")
@@ -51,7 +61,9 @@ def _fused(reader: CheckpointReader, state: str, name: str, swiglu: bool) -> tor
     if ".linear_qkv." in name:
         base, part = name.rsplit(".", 1)
         q, k, v = (reader.read(f"{prefix}{base}.{x}.{part}") for x in "qkv")
-        fused = torch.cat([q, k.unsqueeze(1), v.unsqueeze(1)], dim=1)
+        gated = f"{prefix}{base}.gate.{part}" in reader.keys  # attention's output gate
+        heads = [q, reader.read(f"{prefix}{base}.gate.{part}")] if gated else [q]
+        fused = torch.cat([*heads, k.unsqueeze(1), v.unsqueeze(1)], dim=1)
         return fused.reshape(-1, *q.shape[3:])
     if ".linear_fc1." in name and swiglu:
         base, part = name.rsplit(".", 1)
@@ -102,7 +114,8 @@ def test_imported_adam_state_is_megatrons(case, tmp_path):
 
 
 @pytest.mark.parametrize("case", ["llama_torch_tp2", "llama_torch_pp2", "moe_torch_ep2",
-                                  "hybrid_optim_torch_tp2", "mla_mtp_optim_torch_tp2"])  # fmt: skip
+                                  "hybrid_optim_torch_tp2", "mla_mtp_optim_torch_tp2",
+                                  "qwen3_next_optim_torch_tp2"])  # fmt: skip
 def test_legacy_state_order_is_megatrons_parameter_order(case):
     """The rule (decayed parameters, then the others, each in module order; with experts
     under expert parallelism the dense optimizer's, then the expert optimizer's: EP2 chains

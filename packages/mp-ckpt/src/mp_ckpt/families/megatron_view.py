@@ -26,17 +26,26 @@ v; E the experts, F an MLP's width, h the hidden size):
     "qkv"  linear_qkv [groups x (heads per group + 2) x d, ...]: per query group its
            query heads, then its key, then its value (Megatron's interleaving)
     "glu"  a gated fc1 [gate; up]: [2F, h] on dim 0, the experts' [E, 2F, h] on dim 1
+           (with attention_output_gate: its query heads, as many gate heads, k, v)
     "mamba" a Mamba mixer's in_proj [z; x; B; C; dt] or conv1d [x; B; C] (weight
            [rows, 1, K] and bias): mp's parts mixer.in_proj.{z,x,B,C,dt}.weight and
            mixer.conv1d.{x,B,C}.{weight,bias}, each [G, rows of a group, ...] (the same
            memory order; conv1d's weight without its channel dim of 1). torch_dist keeps
            the parts as keys of their own (X.z, X.x, ...; `split_parts`)
+    "gdn"  a gated DeltaNet's in_proj [query; key; value; z; beta; alpha] or conv1d
+           [query; key; value], each part whole over its heads: mp's parts
+           self_attention.in_proj.<part>.weight and self_attention.conv1d.<part>.weight,
+           each [Hk, rows of a key head, ...]; torch_dist keeps the parts apart as for
+           "mamba"
     None   one mp tensor, as it is (perhaps renamed)
 
 Transformer Engine's layer specs fuse a layer's norms into the next linear layer:
 input_layernorm is saved as self_attention.linear_qkv.layer_norm_*, pre_mlp_layernorm
-as mlp.linear_fc1.layer_norm_* (`te`). Megatron's local spec saves them under these
-names too in torch_dist (its sharded_state_dict_keys_map), so `dist` is `te`.
+as mlp.linear_fc1.layer_norm_* (`te`); a gated DeltaNet layer's input_layernorm as
+self_attention.in_proj.layer_norm_* (an alias: a torch_dist export writes it beside the
+attention layers' name, which Megatron's load leaves where it does not ask for it).
+Megatron's local spec saves them under these names too in torch_dist (its
+sharded_state_dict_keys_map), so `dist` is `te`.
 
 A hybrid model (HybridModel, Transformer Engine's spec, the only one megatron-core builds
 it with by default) fuses each layer's norm into the next linear layer: a Mamba layer's
@@ -72,7 +81,7 @@ from mp_ckpt.families.table import Dims, Family, Rule, Scope
 
 __all__ = ["MegatronTensor", "MegatronView", "megatron_name", "megatron_view", "split_name"]
 
-Fusion = Literal["qkv", "glu", "mamba"]
+Fusion = Literal["qkv", "glu", "mamba", "gdn"]
 Where = Literal["model", "layer", "mtp"]
 _LAYER_KEY = re.compile(
     r"^(decoder\.layers\.\d+\.|mtp\.layers\.\d+\.(?:transformer_layer|mtp_model_layer\.layers\.\d+)\.)"
@@ -82,6 +91,8 @@ _MTP_KEY = re.compile(r"^(mtp\.layers\.\d+\.)(.+)$")
 _FUSIONS: dict[tuple[str, ...], Fusion] = {
     ("q", "k", "v"): "qkv", ("gate", "up"): "glu",
     ("z", "x", "B", "C", "dt"): "mamba", ("x", "B", "C"): "mamba",
+    ("q", "gate", "k", "v"): "qkv",
+    ("query", "key", "value", "z", "beta", "alpha"): "gdn", ("query", "key", "value"): "gdn",
 }  # fmt: skip
 # mp keeps the experts stacked on dim 0: their [gate; up] is on dim 1
 _STACKED = "mlp.experts."
@@ -130,6 +141,9 @@ class MegatronTensor:
     """The dim a "glu" fusion stacks gate and up on."""
     te: str | None = None
     """Transformer Engine's name for it (a norm fused into the next linear layer)."""
+    aliases: tuple[str, ...] = ()
+    """More names it is read under, each layer kind's own (a gated DeltaNet layer's input
+    norm: self_attention.in_proj.layer_norm_*, where an attention layer's is te)."""
     dist: tuple[str, ...] = ()
     """The names a torch_dist save holds it under (module docstring); () for `name`."""
 
@@ -140,27 +154,40 @@ class MegatronTensor:
     @property
     def split_parts(self) -> tuple[str, ...]:
         """The parts torch_dist keeps as keys of their own, `name`.<part> (a Mamba mixer's
-        fused tensors); () for none."""
-        if self.fusion != "mamba":
+        or a gated DeltaNet's fused tensors); () for none."""
+        if self.fusion not in ("mamba", "gdn"):
             return ()
         return tuple(mp_name.rsplit(".", 2)[1] for mp_name in self.mp)
 
     def part_rows(self, dims: Dims) -> list[int]:
-        """The rows of each part of a "mamba" fusion, in `mp` order."""
+        """The rows of each part of a "mamba" or "gdn" fusion, in `mp` order."""
+        if self.fusion == "gdn":
+            keys = dims.linear_key_heads * dims.linear_key_dim
+            values = dims.linear_value_heads * dims.linear_value_dim
+            heads = dims.linear_value_heads
+            rows = {"query": keys, "key": keys, "value": values, "z": values, "beta": heads,
+                    "alpha": heads}  # fmt: skip
+            return [rows[part] for part in self.split_parts]
         inner = dims.mamba_heads * dims.mamba_head_dim
         states = dims.mamba_groups * dims.mamba_state
         rows = {"z": inner, "x": inner, "B": states, "C": states, "dt": dims.mamba_heads}
         return [rows[part] for part in self.split_parts]
+
+    def _groups(self, dims: Dims) -> int:
+        """The groups mp's parts of a "mamba" or "gdn" fusion are viewed by: the Mamba
+        groups, or the DeltaNet's key heads."""
+        return dims.linear_key_heads if self.fusion == "gdn" else dims.mamba_groups
 
     def mp_shapes(self, shape: Sequence[int], dims: Dims) -> list[tuple[int, ...]]:
         """The shapes of mp's tensors cut from a Megatron tensor of `shape`."""
         shape = tuple(shape)
         if self.fusion is None:
             return [shape]
-        if self.fusion == "mamba":
-            rows, groups = self.part_rows(dims), dims.mamba_groups
+        if self.fusion in ("mamba", "gdn"):
+            rows, groups = self.part_rows(dims), self._groups(dims)
             if shape[0] != sum(rows) or any(n % groups for n in rows):
-                raise ValueError(f"has {shape[0]} rows; the Mamba widths make {rows} in "
+                kind = "Mamba" if self.fusion == "mamba" else "gated DeltaNet"
+                raise ValueError(f"has {shape[0]} rows; the {kind} widths make {rows} in "
                                  f"{groups} groups")  # fmt: skip
             tail = _conv_tail(shape)
             return [(groups, n // groups, *tail) for n in rows]
@@ -170,13 +197,16 @@ class MegatronTensor:
             second[self.dim] = shape[self.dim] // 2
             return [tuple(first), tuple(second)]
         groups, per_group, d, tail = dims.groups, dims.per_group, dims.head_dim, shape[1:]
-        expected = groups * (per_group + 2) * d
+        gates = per_group if len(self.mp) == 4 else 0  # attention's output gate
+        expected = groups * (per_group + gates + 2) * d
         if shape[0] != expected:
+            what = " (+ as many gates, k, v)" if gates else " (+ k, v)"
             raise ValueError(
-                f"has {shape[0]} rows; {groups} query groups of {per_group} heads (+ k, v) "
+                f"has {shape[0]} rows; {groups} query groups of {per_group} heads{what} "
                 f"of {d} channels make {expected}"
             )
-        return [(groups, per_group, d, *tail), (groups, d, *tail), (groups, d, *tail)]
+        heads = [(groups, per_group, d, *tail)] * (2 if gates else 1)
+        return [*heads, (groups, d, *tail), (groups, d, *tail)]
 
     def cut(self, tensor: torch.Tensor, j: int, dims: Dims) -> torch.Tensor:
         """mp's j-th tensor (a view) of the Megatron tensor."""
@@ -184,11 +214,17 @@ class MegatronTensor:
             return tensor
         if self.fusion == "glu":
             return tensor.chunk(2, dim=self.dim)[j]
-        if self.fusion == "mamba":
+        if self.fusion in ("mamba", "gdn"):
             part = tensor.split(self.part_rows(dims))[j]
-            return part.reshape(dims.mamba_groups, -1, *_conv_tail(tensor.shape))
-        fused = tensor.reshape(dims.groups, dims.per_group + 2, dims.head_dim, *tensor.shape[1:])
-        return fused[:, : dims.per_group] if j == 0 else fused[:, dims.per_group + j - 1]
+            return part.reshape(self._groups(dims), -1, *_conv_tail(tensor.shape))
+        pg = dims.per_group
+        gates = pg if len(self.mp) == 4 else 0
+        fused = tensor.reshape(dims.groups, pg + gates + 2, dims.head_dim, *tensor.shape[1:])
+        if j == 0:
+            return fused[:, :pg]
+        if gates and j == 1:
+            return fused[:, pg : pg + gates]
+        return fused[:, pg + gates + j - (2 if gates else 1)]
 
     def fuse(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         """The Megatron tensor from mp's (in `mp` order); the inverse of `cut`."""
@@ -197,14 +233,14 @@ class MegatronTensor:
             return tensor
         if self.fusion == "glu":
             return torch.cat(list(tensors), dim=self.dim).contiguous()
-        if self.fusion == "mamba":
+        if self.fusion in ("mamba", "gdn"):
             whole = torch.cat([t.reshape(-1, *t.shape[2:]) for t in tensors])
             # conv1d's weight [channels, 1, K] (a depthwise Conv1d's)
             conv = self.name.endswith("conv1d.weight") and whole.dim() == 2
             return (whole.unsqueeze(1) if conv else whole).contiguous()
-        q, k, v = tensors
-        whole = torch.cat([q, k.unsqueeze(1), v.unsqueeze(1)], dim=1)
-        return whole.reshape(-1, *q.shape[3:]).contiguous()
+        *heads, k, v = tensors  # q, or q and the gate
+        whole = torch.cat([*heads, k.unsqueeze(1), v.unsqueeze(1)], dim=1)
+        return whole.reshape(-1, *heads[0].shape[3:]).contiguous()
 
 
 def _conv_tail(shape: Sequence[int]) -> tuple[int, ...]:
@@ -223,7 +259,7 @@ class MegatronView:
         self._holding: dict[tuple[Where, str], tuple[MegatronTensor, int]] = {}
         for tensor in self.tensors:
             where = _where(tensor.scope)
-            for name in (tensor.name, tensor.te):
+            for name in (tensor.name, tensor.te, *tensor.aliases):
                 if name is not None:
                     self._named[(where, name)] = tensor
             for j, mp_name in enumerate(tensor.mp):
@@ -241,16 +277,6 @@ class MegatronView:
 def megatron_view(settings: dict, family: Family | None = None) -> MegatronView:
     """The Megatron view of `family` (default: the one the settings describe) completed by
     the generic GPT table, for a model with these settings."""
-    for field, plain in (
-        ("experimental_attention_variant", None),
-        ("attention_output_gate", False),
-    ):
-        if settings.get(field, plain) != plain:
-            raise ValueError(
-                f"model_config {field}={settings[field]!r}: mp-ckpt does not convert gated "
-                "DeltaNet layers or gated attention (Qwen3-Next) to or from Megatron-LM's "
-                "layout yet; export-hf converts them"
-            )
     mla = bool(settings.get("multi_latent_attention"))
     if family is None and not mla:
         family = families.family(families.family_of(settings))
@@ -272,26 +298,35 @@ def megatron_view(settings: dict, family: Family | None = None) -> MegatronView:
             if all(mp_name != name for name, _ in held):  # one tensor of several layer kinds
                 held.append((mp_name, rule.scope))
     both = mla or bool(settings.get("hybrid_layer_pattern"))
+    gdn = bool(settings.get("experimental_attention_variant"))
     return MegatronView(
-        tuple(_tensor(name, held, mla, both) for (_, name), held in grouped.items())
+        tuple(_tensor(name, held, mla, both, gdn) for (_, name), held in grouped.items())
     )
 
 
-def _tensor(name: str, held: list[tuple[str, Scope]], mla: bool, both: bool) -> MegatronTensor:
-    """both: torch_dist holds a fused norm under both names (module docstring)."""
+def _tensor(
+    name: str, held: list[tuple[str, Scope]], mla: bool, both: bool, gdn: bool = False
+) -> MegatronTensor:
+    """both: torch_dist holds a fused norm under both names (module docstring); gdn: the
+    model has gated DeltaNet layers, whose input norm TE fuses into in_proj."""
     scope = held[0][1]
     module, _, part = name.rpartition(".")
     te_norms = _MLA_TE_NORMS if mla else _TE_NORMS
     te = te_norms[module] + part if module in te_norms else None
     if len(held) == 1:
         dist = (name, te) if both and te else (te or name,)
-        return MegatronTensor(name, (held[0][0],), scope, te=te, dist=dist)
+        aliases = ()
+        if gdn and module == "input_layernorm":  # a DeltaNet layer's TE name as well
+            aliases = (f"self_attention.in_proj.layer_norm_{part}",)
+            dist = (*dist, *aliases)
+        return MegatronTensor(name, (held[0][0],), scope, te=te, dist=dist, aliases=aliases)
     # the pieces of one fused tensor: <mp module>.<piece>.<part> each
     pieces = {mp_name.rsplit(".", 2)[1]: mp_name for mp_name, _ in held}
     order = next((o for o in _FUSIONS if set(o) == set(pieces) and len(o) == len(held)), None)
     if order is None:
         raise ValueError(f"Megatron's {name} would hold {sorted(pieces.values())}: neither "
-                         "q, k and v, gate and up, nor a Mamba mixer's parts")  # fmt: skip
+                         "q, k and v (and a gate), gate and up, nor a Mamba mixer's or gated "
+                         "DeltaNet's parts")  # fmt: skip
     mp = tuple(pieces[p] for p in order)
     dim = 1 if mp[0].startswith(_STACKED) else 0
     return MegatronTensor(name, mp, scope, _FUSIONS[order], dim)

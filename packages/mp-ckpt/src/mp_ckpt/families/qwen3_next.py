@@ -132,6 +132,10 @@ def _plus_one(t, dims: Dims) -> list[torch.Tensor]:
     return [t[0] + 1]
 
 
+def _gated(settings: dict) -> bool:
+    return bool(settings.get("attention_output_gate"))
+
+
 _ATTN = "model.layers.{i}.self_attn."
 _LIN = "model.layers.{i}.linear_attn."
 _QKV = "self_attention.linear_qkv"
@@ -140,21 +144,23 @@ RULES = (
     *model_rules(), *norm_rules(), *dense_mlp_rules(), *expert_rules(*_EXPERTS),
     *shared_expert_rules(),
     Rule((f"{_QKV}.q.weight", f"{_QKV}.gate.weight"), _ATTN + "q_proj.weight", "full_attention",
-         to_mp=_q_and_gate, to_hf=_q_proj),
+         to_mp=_q_and_gate, to_hf=_q_proj, megatron=_QKV, when=_gated),
     Rule((f"{_QKV}.k.weight",), _ATTN + "k_proj.weight", "full_attention", to_mp=kv_heads,
-         to_hf=heads_flat),
+         to_hf=heads_flat, megatron=_QKV),
     Rule((f"{_QKV}.v.weight",), _ATTN + "v_proj.weight", "full_attention", to_mp=kv_heads,
-         to_hf=heads_flat),
+         to_hf=heads_flat, megatron=_QKV),
     Rule(("self_attention.linear_proj.weight",), _ATTN + "o_proj.weight", "full_attention"),
     *(Rule((f"self_attention.{p}_layernorm.weight",), f"{_ATTN}{p}_norm.weight",
            "full_attention") for p in "qk"),
     Rule(tuple(f"{_IN}.{p}.weight" for p in ("query", "key", "value", "z")),
          _LIN + "in_proj_qkvz.weight", "linear_attention", to_mp=_per_key_head(_qkvz_rows),
-         to_hf=_joined),
+         to_hf=_joined, megatron=_IN),
     Rule((f"{_IN}.beta.weight", f"{_IN}.alpha.weight"), _LIN + "in_proj_ba.weight",
-         "linear_attention", to_mp=_per_key_head(lambda d: [_ratio(d)] * 2), to_hf=_joined),
+         "linear_attention", to_mp=_per_key_head(lambda d: [_ratio(d)] * 2), to_hf=_joined,
+         megatron=_IN),
     Rule(tuple(f"self_attention.conv1d.{p}.weight" for p in ("query", "key", "value")),
-         _LIN + "conv1d.weight", "linear_attention", to_mp=_conv_to_mp, to_hf=_conv_to_hf),
+         _LIN + "conv1d.weight", "linear_attention", to_mp=_conv_to_mp, to_hf=_conv_to_hf,
+         megatron="self_attention.conv1d"),
     Rule(("self_attention.dt_bias",), _LIN + "dt_bias", "linear_attention"),
     Rule(("self_attention.A_log",), _LIN + "A_log", "linear_attention"),
     Rule(("self_attention.out_norm.weight",), _LIN + "norm.weight", "linear_attention",

@@ -60,6 +60,7 @@ _LOCAL_NORMS = {
     "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
     "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias",
     "mixer.in_proj.layer_norm_weight": "norm.weight",  # a hybrid model's Mamba layer
+    "self_attention.in_proj.layer_norm_weight": "input_layernorm.weight",  # a gated DeltaNet's
 }
 # args that split the layers unevenly over the stages or into virtual stages
 _UNEVEN = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",

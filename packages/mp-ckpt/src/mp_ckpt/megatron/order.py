@@ -24,9 +24,14 @@ __all__ = ["megatron_param_order"]
 # linear_q_down_proj and linear_q_up_proj; linear_kv_down_proj, linear_kv_up_proj), then its
 # latent norms. A hybrid model's Mamba layer: its mixer's own parameters (conv1d's, dt_bias,
 # A_log, D) before its modules' (in_proj, the gated norm, out_proj), then the layer's norm
-# (the local spec's; Transformer Engine's is in_proj's layer_norm_weight).
+# (the local spec's; Transformer Engine's is in_proj's layer_norm_weight). A gated
+# DeltaNet (a layer's self_attention) registers dt_bias and A_log itself, before its modules
+# in_proj, conv1d, out_norm and out_proj.
 _LAYER_ORDER = (
-    "input_layernorm.", "self_attention.linear_proj.", "self_attention.linear_qkv.",
+    "input_layernorm.",
+    "self_attention.dt_bias", "self_attention.A_log", "self_attention.in_proj.",
+    "self_attention.conv1d.", "self_attention.out_norm.", "self_attention.out_proj.",
+    "self_attention.linear_proj.", "self_attention.linear_qkv.",
     "self_attention.linear_q_proj.", "self_attention.linear_q_down_proj.",
     "self_attention.linear_q_up_proj.", "self_attention.linear_kv_down_proj.",
     "self_attention.linear_kv_up_proj.",

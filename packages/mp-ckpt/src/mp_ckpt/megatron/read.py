@@ -96,8 +96,15 @@ _MTP_MODEL_LAYER = re.compile(r"^(mtp\.layers\.\d+\.)mtp_model_layer\.(?!layers\
 _GROUPED_EXPERT = re.compile(r"\.mlp\.experts\.linear_fc[12]\.(weight|bias)\d+$")
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 # torch_dist's parts of them: mixer.in_proj.weight.z, mixer.conv1d.bias.x, ...
-_MAMBA_PART = re.compile(r"^(.+\.mixer\.(in_proj|conv1d)\.(?:weight|bias))\.(z|x|B|C|dt)$")
-_PART_ORDER = {"in_proj": ("z", "x", "B", "C", "dt"), "conv1d": ("x", "B", "C")}
+# A Mamba mixer's or a gated DeltaNet's fused tensor's parts (torch_dist's keys X.<part>)
+_MAMBA_PART = re.compile(
+    r"^(.+\.(mixer|self_attention)\.(in_proj|conv1d)\.(?:weight|bias))"
+    r"\.(z|x|B|C|dt|query|key|value|beta|alpha)$"
+)
+_PART_ORDER = {("mixer", "in_proj"): ("z", "x", "B", "C", "dt"),
+               ("mixer", "conv1d"): ("x", "B", "C"),
+               ("self_attention", "in_proj"): ("query", "key", "value", "z", "beta", "alpha"),
+               ("self_attention", "conv1d"): ("query", "key", "value")}  # fmt: skip
 # The legacy files' names of conv1d's tensors (the mixer holds them itself)
 _LEGACY_CONV = re.compile(r"\.mixer\.conv1d_(weight|bias)$")
 
@@ -247,20 +254,21 @@ def join_mamba_parts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
 
 
 def _join_mamba_parts(tensors: MegatronTensors) -> MegatronTensors:
-    """The tensors with each Mamba mixer's in_proj and conv1d parts (torch_dist's keys
-    X.z, X.x, ...) joined into X, the parts on rows in their fused order."""
+    """The tensors with each Mamba mixer's and gated DeltaNet's in_proj and conv1d parts
+    (torch_dist's keys X.z, X.x, ..., X.query, ...) joined into X, the parts on rows in
+    their fused order."""
     parts: dict[str, dict[str, str]] = {}
     for key in tensors:
         match = _MAMBA_PART.match(key)
         if match:
-            parts.setdefault(match.group(1), {})[match.group(3)] = key
+            parts.setdefault(match.group(1), {})[match.group(4)] = key
     out = MegatronTensors()
     for key in tensors:
         match = _MAMBA_PART.match(key)
         if match is None:
             out.add(key, tensors.shape(key), tensors.dtype(key), lambda k=key: tensors[k])
             continue
-        name, order = match.group(1), _PART_ORDER[match.group(2)]
+        name, order = match.group(1), _PART_ORDER[match.group(2), match.group(3)]
         if name in out:
             continue
         if sorted(parts[name]) != sorted(order):

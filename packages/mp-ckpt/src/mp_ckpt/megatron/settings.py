@@ -11,6 +11,8 @@ its layer pattern and Mamba widths (_hybrid_settings).
 
 from __future__ import annotations
 
+from mp_ckpt.megatron.linear_attention import linear_attention_settings
+
 __all__ = [
     "MAMBA_COPIED",
     "MLA_COPIED",
@@ -27,8 +29,6 @@ __all__ = [
 _REFUSED = (
     ("apply_residual_connection_post_layernorm", False),
     ("heterogeneous_layers_config_path", None),
-    ("experimental_attention_variant", None),  # gated DeltaNet layers (Qwen3-Next): not yet
-    ("attention_output_gate", False),
 )
 _HYBRID_SYMBOLS = "M*-E|"
 """The layers of a hybrid_layer_pattern mp builds (Mamba, attention, MLP, MoE) and its
@@ -125,6 +125,7 @@ def model_config_from_megatron(args, vocab_size: int, where: str = "args") -> di
         if _arg(args, "mtp_use_repeated_layer", False):  # one module, at every depth
             settings["mtp_use_repeated_layer"] = True
     settings |= _hybrid_settings(args, epsilon, where)
+    settings |= linear_attention_settings(args, where)  # gated DeltaNet layers (Qwen3-Next)
     if settings.get("hybrid_layer_pattern") and "/" not in settings["hybrid_layer_pattern"]:
         # a hybrid model's modules come from the pattern's "/" parts alone
         for name in ("mtp_num_layers", "mtp_loss_scaling_factor", "mtp_use_repeated_layer"):

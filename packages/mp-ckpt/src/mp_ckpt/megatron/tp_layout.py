@@ -5,10 +5,10 @@ local spec), and how the TP ranks' pieces join again:
     tp_piece(key, tensor, rank, size, swiglu, parts)   one rank's piece (the inverse)
 
 Column-parallel tensors are cut on rows, row-parallel ones on columns; a gated fc1 is
-[gate_r; up_r] per rank; a Mamba mixer's in_proj and conv1d hold each rank's rows of every
-part (mamba_parts(args)); multi-latent attention's down projections are whole on every
-rank under Transformer Engine's spec (latent_rows(args), whole_rows). read.py, distopt.py,
-optimizer.py and write.py use it.
+[gate_r; up_r] per rank; a Mamba mixer's and a gated DeltaNet's in_proj and conv1d hold
+each rank's rows of every part (mamba_parts(args)); multi-latent attention's down
+projections are whole on every rank under Transformer Engine's spec (latent_rows(args),
+whole_rows). read.py, distopt.py, optimizer.py and write.py use it.
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ from __future__ import annotations
 import re
 
 import torch
+
+from mp_ckpt.megatron.linear_attention import gdn_parts
 
 __all__ = ["join_pieces", "latent_rows", "mamba_parts", "tp_piece", "whole_rows"]
 
@@ -26,11 +28,14 @@ _COLUMN = re.compile(
 )
 # Multi-latent attention's down projections: TP-split by the local spec, whole under TE's.
 _DOWN = re.compile(r"\.(linear_q_down_proj|linear_kv_down_proj)\.weight$")
-_ROW = re.compile(r"(linear_proj|linear_fc2|mixer\.out_proj)\.weight$")
-# A Mamba mixer's per-head (or per-channel) tensors, split on rows over TP
-_MAMBA_ROWS = re.compile(r"\.mixer\.(A_log|D|dt_bias|norm\.weight)$")
-# A Mamba mixer's fused tensors: in_proj and conv1d (each rank: [part_r; part_r; ...])
-_MAMBA_FUSED = re.compile(r"\.mixer\.(in_proj|conv1d)[._](weight|bias)$")
+_ROW = re.compile(r"(linear_proj|linear_fc2|mixer\.out_proj|self_attention\.out_proj)\.weight$")
+# A Mamba mixer's or a gated DeltaNet's per-head (or per-channel) tensors, split on rows
+_MAMBA_ROWS = re.compile(
+    r"\.(mixer\.(A_log|D|dt_bias|norm\.weight)|self_attention\.(A_log|dt_bias))$"
+)
+# A Mamba mixer's or a gated DeltaNet's fused tensors: in_proj and conv1d (each rank:
+# [part_r; part_r; ...])
+_MAMBA_FUSED = re.compile(r"\.(?:mixer|self_attention)\.(in_proj|conv1d)[._](weight|bias)$")
 
 
 def latent_rows(args) -> dict[str, int]:
@@ -44,10 +49,11 @@ def latent_rows(args) -> dict[str, int]:
 
 def mamba_parts(args) -> dict[str, list[int]]:
     """The rows of each part of a Mamba mixer's fused in_proj (z, x, B, C, dt) and conv1d
-    (x, B, C), all TP ranks together, under Megatron's defaults ({} without Mamba layers)."""
+    (x, B, C), all TP ranks together, under Megatron's defaults; a gated DeltaNet's
+    (linear_attention.gdn_parts) in a model with them; {} without either."""
     pattern = _arg_pattern(args)
     if "M" not in pattern:
-        return {}
+        return gdn_parts(args)
     head_dim = getattr(args, "mamba_head_dim", None) or 64
     heads = getattr(args, "mamba_num_heads", None) or 2 * args.hidden_size // head_dim
     inner = heads * head_dim

@@ -62,6 +62,7 @@ from mp_ckpt.families.megatron_view import MegatronView, megatron_view, split_na
 from mp_ckpt.families.moe import is_moe_layer
 from mp_ckpt.families.table import Dims
 from mp_ckpt.megatron.export_checks import check_exportable
+from mp_ckpt.megatron.linear_attention import linear_attention_args
 from mp_ckpt.megatron.read import _LAYER
 from mp_ckpt.megatron.settings import (
     MAMBA_COPIED,
@@ -79,7 +80,7 @@ CHECKPOINT_VERSION = 3.0
 _LINEAR_WEIGHT = re.compile(
     r"^((?:decoder|mtp)\.layers\..*\.(?:linear_qkv|linear_proj|linear_fc[12]|linear_q_proj"
     r"|linear_q_down_proj|linear_q_up_proj|linear_kv_down_proj|linear_kv_up_proj|eh_proj"
-    r"|mixer\.in_proj|mixer\.out_proj))"
+    r"|mixer\.in_proj|mixer\.out_proj|self_attention\.in_proj|self_attention\.out_proj))"
     r"\.weight$"
 )
 # The experts' stacked tensors (torch_dist names): [E, ...]
@@ -179,6 +180,7 @@ def megatron_args(settings: dict, *, ckpt_format: str, tp: int, pp: int, iterati
         "mtp_loss_scaling_factor": settings.get("mtp_loss_scaling_factor", 0.1),
         "mtp_use_repeated_layer": bool(settings.get("mtp_use_repeated_layer", False)),
         **_hybrid_args(settings),
+        **linear_attention_args(settings),
         "consumed_train_samples": 0, "skipped_train_samples": 0, "consumed_valid_samples": 0,
         "data_parallel_random_init": False,
     }  # fmt: skip
@@ -371,9 +373,9 @@ def _write_torch_dist(work: Path, tensors: dict[str, torch.Tensor], args, iterat
     _Writer = _writer_class()
     layers = args.num_layers
     # Megatron stacks the layers on a leading axis unless they differ (some MoE, some dense;
-    # a hybrid model's)
+    # a hybrid model's; some with gated DeltaNets)
     stack = not isinstance(getattr(args, "moe_layer_freq", 1), list)
-    stack = stack and not args.hybrid_layer_pattern
+    stack = stack and not args.hybrid_layer_pattern and not args.experimental_attention_variant
     stacked: dict[str, list] = {}
     state: dict[str, object] = {}
     for key, tensor in tensors.items():

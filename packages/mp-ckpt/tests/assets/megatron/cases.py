@@ -121,6 +121,26 @@ HYBRID_STATE = [a for a in HYBRID if a not in ("--no-save-optim", "--no-save-rng
 HYBRID_MTP = ("--hybrid-layer-pattern", "M*-E/*ME/*ME", "--mtp-num-layers", "2",
               "--mtp-loss-scaling-factor", "0.1")  # fmt: skip
 
+# Qwen3-Next-shaped (gated DeltaNet layers, gdn.py): layer 0 a gated DeltaNet (2 key heads
+# of 8 channels, 4 value heads of 8, convolution width 4), layer 1 softmax attention with an
+# output gate and per-head query/key norms, half of each head rotated; layer 0's
+# MLP a MoE (4 experts of width 32, top-2 of the softmax, a gated shared expert of width
+# 64), layer 1's dense; weights drawn with std 0.1 (as MLA's). Megatron's torch norm has no
+# zero-centred gamma (Qwen3-Next's --apply-layernorm-1p): plain RMSNorm. The model only.
+QWEN3_NEXT = [*LLAMA, "--init-method-std", "0.1", "--rotary-percent", "0.5",
+              "--experimental-attention-variant", "gated_delta_net", "--linear-attention-freq", "2",
+              "--linear-conv-kernel-dim", "4", "--linear-key-head-dim", "8",
+              "--linear-value-head-dim", "8", "--linear-num-key-heads", "2",
+              "--linear-num-value-heads", "4", "--attention-output-gate", "--qk-layernorm",
+              "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32",
+              "--moe-shared-expert-intermediate-size", "64", "--moe-shared-expert-gate",
+              "--moe-layer-freq", "2", "--moe-token-dispatcher-type", "allgather",
+              "--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", "0.01",
+              "--no-save-optim", "--no-save-rng"]  # fmt: skip
+
+# The Qwen3-Next-shaped model with its Adam and RNG states saved.
+QWEN3_NEXT_STATE = [a for a in QWEN3_NEXT if a not in ("--no-save-optim", "--no-save-rng")]
+
 # Several distributed-optimizer buckets per grad buffer: Megatron-LM's training loop keeps
 # --ddp-bucket-size only with --overlap-grad-reduce (otherwise one bucket per buffer).
 BUCKETS = ("--overlap-grad-reduce", "--ddp-bucket-size", "2000")
@@ -190,4 +210,13 @@ CASES = {
         HYBRID_STATE, "torch", 2, 1, True, dp=2, extra=(*SP, *BUCKETS)
     ),
     "hybrid_mtp_torch_tp2": Case(HYBRID, "torch", 2, 1, False, extra=(*HYBRID_MTP, *SP)),
+    # the Qwen3-Next-shaped model at TP2 (sequence parallelism: MoE under TP), both formats
+    "qwen3_next_torch_dist_tp2": Case(QWEN3_NEXT, "torch_dist", 2, 1, False, extra=SP),
+    "qwen3_next_torch_tp2": Case(QWEN3_NEXT, "torch", 2, 1, False, extra=SP),
+    # its Adam state: without the distributed optimizer (legacy), and with it at TP2 x DP2
+    # in several buckets (torch_dist)
+    "qwen3_next_optim_torch_tp2": Case(QWEN3_NEXT_STATE, "torch", 2, 1, False, extra=SP),
+    "qwen3_next_torch_dist_tp2_dp2_distopt": Case(
+        QWEN3_NEXT_STATE, "torch_dist", 2, 1, True, dp=2, extra=(*SP, *BUCKETS)
+    ),
 }

@@ -147,6 +147,7 @@ def build(args, seed):
     import dataclasses
 
     import torch
+    from gdn import gdn_decoder_spec
     from hybrid import hybrid_module
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -167,7 +168,9 @@ def build(args, seed):
 
     torch.manual_seed(seed)  # use_cpu_initialization draws the full weights from this generator
     config = core_transformer_config_from_args(args)
-    if args.num_experts:  # per-layer specs (MoE or dense), as pretrain_gpt.py builds them
+    if args.experimental_attention_variant:  # gated DeltaNet layers (gdn.py)
+        spec = gdn_decoder_spec(config, args.normalization)
+    elif args.num_experts:  # per-layer specs (MoE or dense), as pretrain_gpt.py builds them
         spec = get_gpt_decoder_block_spec(
             config,
             use_transformer_engine=False,
@@ -295,6 +298,10 @@ def worker(rank, world, port, name):
         from hybrid import install_mamba_standins
 
         install_mamba_standins()  # before megatron-core imports mamba_ssm
+    if "--experimental-attention-variant" in CASES[name].model:
+        from gdn import install_fla_standins
+
+        install_fla_standins()  # before megatron-core imports FLA
     torch.distributed.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
     )

@@ -32,6 +32,10 @@ def worker(rank, world, port, case, exported, fmt, tp, pp, ep):
         from hybrid import install_mamba_standins
 
         install_mamba_standins()  # before megatron-core imports mamba_ssm
+    if "--experimental-attention-variant" in g.CASES[case].model:
+        from gdn import install_fla_standins
+
+        install_fla_standins()  # before megatron-core imports FLA
     os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank))
     torch.distributed.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world

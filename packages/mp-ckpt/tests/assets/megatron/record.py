@@ -29,6 +29,14 @@ TRACKED = [
     "decoder.layers.0.norm.weight",
     "decoder.layers.1.self_attention.linear_qkv.weight",
     "decoder.final_norm.weight",
+    # the Qwen3-Next-shaped model's gated DeltaNet layer 0 (layer 1's linear_qkv: above)
+    "decoder.layers.0.self_attention.in_proj.weight",
+    "decoder.layers.0.self_attention.conv1d.weight",
+    "decoder.layers.0.self_attention.A_log",
+    "decoder.layers.0.self_attention.dt_bias",
+    "decoder.layers.0.self_attention.out_norm.weight",
+    "decoder.layers.0.self_attention.out_proj.weight",
+    "decoder.layers.1.self_attention.q_layernorm.weight",
     # the DeepSeek-shaped model's: multi-latent attention, a routed expert, the MTP module
     "decoder.layers.0.self_attention.linear_q_down_proj.weight",
     "decoder.layers.0.self_attention.linear_q_proj.weight",
@@ -124,13 +132,21 @@ ARG_NAMES = [
 
 def mamba_parts(name):
     """The rows of each part of a Mamba mixer's fused tensor `name` on one TP rank
-    ([z; x; B; C; dt] for in_proj, [x; B; C] for conv1d), or None for another tensor."""
+    ([z; x; B; C; dt] for in_proj, [x; B; C] for conv1d), or a gated DeltaNet's ([query;
+    key; value; z; beta; alpha], [query; key; value]), or None for another tensor."""
     from megatron.core import parallel_state as ps
     from megatron.training import get_args
 
-    if not name or ".mixer." not in name or not ("in_proj.weight" in name or "conv1d" in name):
-        return None
+    fused = name and ("in_proj.weight" in name or "conv1d" in name)
     args, tp = get_args(), ps.get_tensor_model_parallel_world_size()
+    if fused and ".self_attention." in name and args.experimental_attention_variant:
+        keys = args.linear_num_key_heads * args.linear_key_head_dim // tp
+        values = args.linear_num_value_heads * args.linear_value_head_dim // tp
+        heads = args.linear_num_value_heads // tp
+        return ([keys, keys, values, values, heads, heads] if "in_proj" in name
+                else [keys, keys, values])  # fmt: skip
+    if not fused or ".mixer." not in name:
+        return None
     head_dim = args.mamba_head_dim
     heads = args.mamba_num_heads or 2 * args.hidden_size // head_dim
     inner, states = heads * head_dim // tp, args.mamba_num_groups * args.mamba_state_dim // tp

@@ -1,0 +1,66 @@
+"""Megatron-LM's args of gated DeltaNet layers and gated attention (Qwen3-Next's), both
+ways: `linear_attention_settings(args)` reads them into mp's settings (Megatron's names;
+experimental_attention_variant "gated_delta_net", megatron-core 0.19's name, read as
+mp's "gdn"), `linear_attention_args(settings)` writes them back ("gated_delta_net", which
+megatron-core 0.19 and later read). `gdn_parts(args)` gives the rows of each part of a
+DeltaNet's fused in_proj (query, key, value, z, beta, alpha) and conv1d (query, key,
+value), all TP ranks together.
+"""
+
+from __future__ import annotations
+
+__all__ = ["gdn_parts", "linear_attention_args", "linear_attention_settings"]
+
+_WIDTHS = {"linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+           "linear_num_key_heads": 16, "linear_num_value_heads": 32}  # fmt: skip
+"""The DeltaNet widths, under Megatron's defaults."""
+_VARIANTS = {"gated_delta_net": "gdn", "gdn": "gdn"}
+
+
+def linear_attention_settings(args, where: str = "args") -> dict:
+    """The settings of a model with gated DeltaNet layers or gated attention ({} without)."""
+    settings = {}
+    if getattr(args, "attention_output_gate", False):
+        settings["attention_output_gate"] = True
+    variant = getattr(args, "experimental_attention_variant", None)
+    if variant is None:
+        return settings
+    if variant not in _VARIANTS:
+        raise ValueError(f"{where}: experimental_attention_variant={variant!r}: mp imports "
+                         "only gated_delta_net (gdn)")  # fmt: skip
+    freq = getattr(args, "linear_attention_freq", None)
+    if freq is None:
+        raise ValueError(f"{where}: experimental_attention_variant={variant!r} without "
+                         "linear_attention_freq")  # fmt: skip
+    widths = {name: int(getattr(args, name, None) or default)
+              for name, default in _WIDTHS.items()}  # fmt: skip
+    return settings | widths | {
+        "experimental_attention_variant": _VARIANTS[variant],
+        "linear_attention_freq": freq if isinstance(freq, int) else [int(x) for x in freq],
+    }  # fmt: skip
+
+
+def linear_attention_args(settings: dict) -> dict:
+    """Megatron's args of the settings' gated DeltaNet layers and gated attention."""
+    values = {"attention_output_gate": bool(settings.get("attention_output_gate", False)),
+              "experimental_attention_variant": None, "linear_attention_freq": None}  # fmt: skip
+    if not settings.get("experimental_attention_variant"):
+        return values
+    return values | {
+        "experimental_attention_variant": "gated_delta_net",
+        "linear_attention_freq": settings["linear_attention_freq"],
+        **{name: settings.get(name, default) for name, default in _WIDTHS.items()},
+    }  # fmt: skip
+
+
+def gdn_parts(args) -> dict[str, list[int]]:
+    """The rows of each part of a DeltaNet's in_proj and conv1d ({} without DeltaNets)."""
+    if getattr(args, "experimental_attention_variant", None) is None:
+        return {}
+    widths = {name: int(getattr(args, name, None) or default)
+              for name, default in _WIDTHS.items()}  # fmt: skip
+    keys = widths["linear_num_key_heads"] * widths["linear_key_head_dim"]
+    values = widths["linear_num_value_heads"] * widths["linear_value_head_dim"]
+    heads = widths["linear_num_value_heads"]
+    return {"in_proj": [keys, keys, values, values, heads, heads],
+            "conv1d": [keys, keys, values]}  # fmt: skip

@@ -1,0 +1,114 @@
+"""Megatron-LM's gated DeltaNet layers and gated attention (Qwen3-Next's) to mp and back:
+the fixtures qwen3_next_torch_dist_tp2 and qwen3_next_torch_tp2 (one model written by
+megatron-core at TP2 in both formats: a DeltaNet layer with MoE, a gated softmax layer with
+query/key norms) import to the same tensors, export to torch_dist files holding the
+fixture's keys and shapes and to legacy files equal to megatron-core's, and come back
+tensor-exact. (mp's logits from them: tests/test_megatron_import_logits.py; megatron-core
+loading the exports: assets/megatron/load_export.py, README.md.)"""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from mp_ckpt import CheckpointReader, import_megatron, safe_load
+from mp_ckpt.megatron.logical import logical_from_megatron
+from mp_ckpt.megatron.read import read_megatron
+from mp_ckpt.megatron.write import export_megatron
+
+ASSETS = Path(__file__).parent / "assets" / "megatron"
+DIST, LEGACY = ASSETS / "qwen3_next_torch_dist_tp2", ASSETS / "qwen3_next_torch_tp2"
+# A fused input norm's name in megatron-core's torch_dist files -> the name an export adds:
+# every layer's under both layer kinds' TE names (a load reads the one its layer asks for)
+_MORE_NAMES = {
+    "self_attention.in_proj.layer_norm_weight": ("self_attention.linear_qkv.layer_norm_weight",),
+    "self_attention.linear_qkv.layer_norm_weight": ("self_attention.in_proj.layer_norm_weight",),
+}  # fmt: skip
+
+
+def _tensors(root: Path) -> dict[str, torch.Tensor]:
+    reader = CheckpointReader(root)
+    return {k: reader.read(k) for k in reader.keys}
+
+
+def _model_keys(folder: Path) -> dict[str, tuple | None]:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    entries = FileSystemReader(folder).read_metadata().state_dict_metadata
+    return {k: tuple(v.size) if hasattr(v, "size") else None for k, v in entries.items()
+            if not k.startswith(("optimizer.", "rng_state"))}  # fmt: skip
+
+
+def test_both_formats_import_to_one_model_in_mps_names():
+    """The DeltaNet's in_proj and conv1d by key head (torch_dist's parts and the legacy
+    ranks' [query_r; key_r; ...] alike), the gate beside the queries, the settings."""
+    dist, settings = logical_from_megatron(read_megatron(DIST))
+    legacy, legacy_settings = logical_from_megatron(read_megatron(LEGACY))
+    assert settings == legacy_settings
+    assert (settings["experimental_attention_variant"], settings["linear_attention_freq"],
+            settings["attention_output_gate"]) == ("gdn", 2, True)  # fmt: skip
+    assert (
+        settings["linear_num_key_heads"],
+        settings["linear_num_value_heads"],
+        settings["linear_key_head_dim"],
+        settings["linear_value_head_dim"],
+    ) == (2, 4, 8, 8)
+    assert dist.keys() == legacy.keys()
+    for key, tensor in dist.items():
+        assert torch.equal(legacy[key], tensor), key
+    gdn, attention = "decoder.layers.0.self_attention.", "decoder.layers.1.self_attention."
+    assert dist[gdn + "in_proj.query.weight"].shape == (2, 8, 32)  # [Hk, dk, h]
+    assert dist[gdn + "in_proj.z.weight"].shape == (2, 16, 32)  # [Hk, r dv, h]
+    assert dist[gdn + "in_proj.alpha.weight"].shape == (2, 2, 32)  # [Hk, r, h]
+    assert dist[gdn + "conv1d.value.weight"].shape == (2, 16, 4)
+    assert dist[attention + "linear_qkv.gate.weight"].shape == (2, 2, 8, 32)
+    whole = read_megatron(DIST).tensors
+    assert torch.equal(dist[gdn + "in_proj.value.weight"].reshape(32, 32),
+                       whole[gdn + "in_proj.weight"][32:64])  # fmt: skip
+    # [q (2 heads), gate (2 heads), k, v] per query group of 8 channels a head
+    qkv = whole[attention + "linear_qkv.weight"].reshape(2, 6, 8, 32)
+    assert torch.equal(dist[attention + "linear_qkv.gate.weight"], qkv[:, 2:4])
+    assert torch.equal(dist["decoder.layers.0.input_layernorm.weight"],
+                       whole[gdn + "in_proj.layer_norm_weight"])  # fmt: skip
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_torch_dist_export_holds_megatrons_keys_and_comes_back_exact(tp, tmp_path):
+    import_megatron(DIST, tmp_path / "mp")
+    out = export_megatron(tmp_path / "mp", tmp_path / "meg", tensor_model_parallel_size=tp)
+    ours, theirs = _model_keys(out), _model_keys(DIST / "iter_0000002")
+    more = {key.removesuffix(te) + name for key in theirs
+            for te, names in _MORE_NAMES.items() if key.endswith("." + te)
+            for name in names}  # fmt: skip
+    assert set(ours) - set(theirs) == more
+    assert set(theirs) <= set(ours)
+    for key, shape in theirs.items():
+        assert ours[key] == shape, key
+    model = read_megatron(tmp_path / "meg")
+    assert model.args.experimental_attention_variant == "gated_delta_net"
+    assert model.args.tensor_model_parallel_size == tp and model.args.attention_output_gate
+    import_megatron(tmp_path / "meg", tmp_path / "back")
+    before, after = _tensors(tmp_path / "mp"), _tensors(tmp_path / "back")
+    assert before.keys() == after.keys()
+    for key, tensor in before.items():
+        assert torch.equal(after[key], tensor), key
+
+
+def test_the_legacy_export_is_megatrons_files(tmp_path):
+    """Exported at TP2 in the legacy format, the fixture equals megatron-core's own files,
+    tensor for tensor and key for key; at TP1 it imports back exactly."""
+    import_megatron(LEGACY, tmp_path / "mp")
+    out = export_megatron(tmp_path / "mp", tmp_path / "meg", ckpt_format="torch",
+                          tensor_model_parallel_size=2)  # fmt: skip
+    for rank in range(2):
+        folder = f"mp_rank_{rank:02d}"
+        ours = safe_load(out / folder / "model_optim_rng.pt")["model"]
+        theirs = safe_load(LEGACY / "iter_0000002" / folder / "model_optim_rng.pt")["model"]
+        assert ours.keys() == theirs.keys()
+        for key, value in theirs.items():
+            assert value is None or torch.equal(ours[key], value), (folder, key)
+    export_megatron(tmp_path / "mp", tmp_path / "tp1", ckpt_format="torch")
+    import_megatron(tmp_path / "tp1", tmp_path / "back")
+    before, after = _tensors(tmp_path / "mp"), _tensors(tmp_path / "back")
+    assert before.keys() == after.keys()
+    assert all(torch.equal(after[k], t) for k, t in before.items())
