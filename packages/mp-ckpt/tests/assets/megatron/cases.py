@@ -147,7 +147,7 @@ BUCKETS = ("--overlap-grad-reduce", "--ddp-bucket-size", "2000")
 # Cases whose reference.pt also records one more training step on NEXT_BATCH_SEED's batch,
 # taken after the save and after everything else is recorded (the rest stays the same).
 NEXT_STEP = {"llama_torch_dist_tp2_distopt", "hybrid_torch_dist_tp2_dp2_distopt",
-             "mla_mtp_torch_dist_tp1_distopt"}  # fmt: skip
+             "mla_mtp_torch_dist_tp1_distopt", "qwen3_next_torch_dist_tp2_dp2_distopt"}  # fmt: skip
 NEXT_BATCH_SEED = 11
 
 
