@@ -2,7 +2,8 @@
 then gated softmax attention with qk-layernorm; MoE layers with a gated shared expert;
 zero-centred norms) trains through pretrain_gpt to the one-rank curve at TP2 with sequence
 parallelism (which experts at TP need; the DeltaNet's output norm is shared by heads split
-over the ranks: its gradient is summed over TP), at PP2 and at EP2: the language-model
+over the ranks: its gradient is summed over TP), at PP2, at EP2 and at CP2 (the DeltaNet's
+all-to-all of key heads): the language-model
 loss, the balancing loss and the gradient norm, every iteration of 6, within 1e-5 relative
 (fp32, no dropout, mock data)."""
 
@@ -34,6 +35,7 @@ LAYOUTS = {
     "tp2-sp": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
     "pp2": (2, ["--pipeline-model-parallel-size", "2"]),
     "ep2": (2, ["--expert-model-parallel-size", "2"]),
+    "cp2": (2, ["--context-parallel-size", "2"]),
 }  # fmt: skip
 
 

@@ -275,6 +275,4 @@ def test_the_config_refuses_what_it_cannot_build():
     message = r"linear_num_key_heads=3 is not divisible by tensor_model_parallel_size=2"
     with pytest.raises(ValueError, match=message):
         odd.check_parallel(2)
-    with pytest.raises(ValueError, match=r"context_parallel_size=2 with gated DeltaNet"):
-        config().check_parallel(1, 2)
-    config().check_parallel(2, 1)
+    config().check_parallel(2, 1)  # (context parallelism: test_gated_delta_net_cp.py)

@@ -83,8 +83,8 @@ def check_linear_attention(config: TransformerConfig) -> None:
 
 def check_linear_attention_parallel(config: TransformerConfig, tp: int, cp: int) -> None:
     """Tensor parallelism splits a gated DeltaNet by whole key heads (with their value
-    heads); context parallelism would need Megatron's all-to-all of heads, which mp does
-    not build."""
+    heads), and context parallelism each tensor-parallel rank's key heads again (the
+    all-to-all of gated_delta_net.py): Megatron's rule, key heads divisible by tp x cp."""
     if not any(linear_attention_layer_pattern(config)):
         return
     if config.linear_num_key_heads % tp:
@@ -92,9 +92,9 @@ def check_linear_attention_parallel(config: TransformerConfig, tp: int, cp: int)
             f"linear_num_key_heads={config.linear_num_key_heads} is not divisible by "
             f"tensor_model_parallel_size={tp}: each rank holds whole gated DeltaNet key heads"
         )
-    if cp > 1:
+    if config.linear_num_key_heads % (tp * cp):
         raise ValueError(
-            f"context_parallel_size={cp} with gated DeltaNet layers is not implemented: they "
-            "would need the whole sequence of a share of the heads on each rank (Megatron's "
-            "all-to-all); use context_parallel_size=1"
+            f"linear_num_key_heads={config.linear_num_key_heads} is not divisible by "
+            f"tensor_model_parallel_size x context_parallel_size={tp * cp}: each context-"
+            "parallel rank mixes whole gated DeltaNet key heads of the whole sequence"
         )

@@ -29,7 +29,17 @@ Packed documents (an attention_mask that is a PackedSeqParams): each document is
 alone (the convolution's taps and the state stop at its first position). Generation: with a
 KVCache the convolution starts from the layer's last K - 1 inputs and the rule from its
 state, both kept in the cache (kv_cache.py's mamba states), padding slots leaving them as
-they were. Context parallelism is refused (config_linear_attention.py).
+they were.
+
+Context parallelism (Megatron's): the rule needs the whole sequence, so an all-to-all after
+in_proj turns this rank's load-balanced chunks of every key head into the whole sequence,
+in position order, of 1/cp of the key heads (context_parallel/head_split.py; in_proj's
+output moves as [s, b, key heads, rows of a key head], so each head's q, k, v, z, beta and
+alpha travel together); the convolution, the rule and the gated norm run there with those
+heads' parameters, and a second all-to-all returns the output to the rank's chunks before
+out_proj. linear_num_key_heads must divide by tp x cp (Megatron's rule). The parameters
+stay whole on every CP rank; each CP rank's gradient holds its heads' share, which the
+gradient reduction over dp x cp sums, as for the Mamba mixers.
 
 Initialization, Megatron's: in_proj normal(init_method_std), out_proj the scaled output-layer
 std; conv1d uniform(-1/sqrt(K), 1/sqrt(K)) (torch's Conv1d default); dt_bias ones; A_log =
@@ -47,6 +57,7 @@ import torch.nn.functional as F
 
 from mp_ckpt import ShardedTensor
 from mp_layers.config import TransformerConfig
+from mp_layers.context_parallel.head_split import HeadSplit
 from mp_layers.groups import ModelGroups
 from mp_layers.tensor_parallel import (
     ColumnParallelLinear,
@@ -91,6 +102,7 @@ class GatedDeltaNet(torch.nn.Module):
         tp = groups.tp
         config.check_parallel(tp.size, groups.cp.size)
         self.tp_group = tp
+        self.cp_group = groups.cp if groups.cp.size > 1 else None
         self.layer_number = layer_number
         self.dk, self.dv = config.linear_key_head_dim, config.linear_value_head_dim
         self.all_heads = config.linear_num_key_heads
@@ -142,45 +154,64 @@ class GatedDeltaNet(torch.nn.Module):
         concern it; a PackedSeqParams gives the documents; with a kv_cache, x holds the next
         positions and the layer goes on from the cache's states, which it replaces."""
         packed = attention_mask if isinstance(attention_mask, PackedSeqParams) else None
-        if kv_cache is not None and packed is not None:
-            raise ValueError("GatedDeltaNet with a KVCache (generation) takes no packed documents")
+        if kv_cache is not None and (packed is not None or self.cp_group is not None):
+            raise ValueError("GatedDeltaNet with a KVCache (generation) takes neither packed "
+                             "documents nor context parallelism")  # fmt: skip
         fused, _ = self.in_proj(x)  # [s, b, heads * unit]
         s, b = fused.shape[:2]
-        hk, r, dk, dv = self.heads, self.r, self.dk, self.dv
-        q, k, v, z, beta, alpha = fused.view(s, b, hk, self.unit).split(
-            [self.rows[p] for p in _PARTS], dim=-1
-        )
-        qkv = torch.cat([q, k, v], dim=-1).reshape(s, b, -1).permute(1, 2, 0)  # [b, ch, s]
+        fused = fused.view(s, b, self.heads, self.unit)
+        heads = None
+        if self.cp_group is not None:  # the whole sequence of 1/cp of the key heads
+            heads = HeadSplit(
+                s, b, self.cp_group, x.device, None if packed is None else packed.order
+            )
+            fused = heads.to_heads(fused)
+        length, hk = fused.shape[0], fused.shape[2]  # here
+        conv_weight, A_log, dt_bias = self._here(hk)
+        r, dk, dv = self.r, self.dk, self.dv
+        q, k, v, z, beta, alpha = fused.split([self.rows[p] for p in _PARTS], dim=-1)
+        qkv = torch.cat([q, k, v], dim=-1).reshape(length, b, -1).permute(1, 2, 0)  # [b, ch, L]
         wide = torch.promote_types(x.dtype, torch.float32)  # fp32, or fp64 for fp64 inputs
-        g = -self.A_log.to(wide).exp() * F.softplus(
-            alpha.to(wide).reshape(s, b, -1) + self.dt_bias.to(wide)
+        g = -A_log.to(wide).exp() * F.softplus(
+            alpha.to(wide).reshape(length, b, -1) + dt_bias.to(wide)
         )
-        beta = beta.to(wide).reshape(s, b, -1).sigmoid()
-        g, beta = g.transpose(0, 1), beta.transpose(0, 1)  # [b, s, value heads]
+        beta = beta.to(wide).reshape(length, b, -1).sigmoid()
+        g, beta = g.transpose(0, 1), beta.transpose(0, 1)  # [b, L, value heads]
         history = initial = documents = positions = None
         if kv_cache is not None:
             padded = kv_cache.padded(s, x.device)  # [b, s]: no input, no decay, no write
             qkv = qkv.masked_fill(padded[:, None, :], 0)
             g, beta = g.masked_fill(padded[..., None], 0), beta.masked_fill(padded[..., None], 0)
             history, initial = kv_cache.mamba_states(self.layer_number) or (None, None)
-        if packed is not None:
+        if packed is not None:  # the whole samples' documents, in position order
             whole = packed.whole()
-            positions = whole.positions
-            documents = whole.document_ids
+            positions, documents = whole.positions, whole.document_ids
         if history is None:
             history = qkv.new_zeros(b, qkv.shape[1], self.width - 1)
         inputs = torch.cat([history, qkv], dim=-1)
-        mixed = causal_conv_silu(inputs, self.conv1d_weight, None, positions)  # [b, s, ch]
-        q, k, v = mixed.view(b, s, hk, self.conv_unit).split([dk, dk, r * dv], dim=-1)
+        mixed = causal_conv_silu(inputs, conv_weight, None, positions)  # [b, L, ch]
+        q, k, v = mixed.view(b, length, hk, self.conv_unit).split([dk, dk, r * dv], dim=-1)
         q, k = (_l2norm(t.to(wide)).repeat_interleave(r, dim=2) for t in (q, k))
-        v = v.reshape(b, s, hk * r, dv)
+        v = v.reshape(b, length, hk * r, dv)
         out, state = chunked_delta_rule(q, k, v, g, beta, DELTA_CHUNK, initial, documents)
         if kv_cache is not None:
             kv_cache.set_mamba_states(self.layer_number, inputs[..., -(self.width - 1) :], state)
-        gate = F.silu(z.to(wide)).transpose(0, 1).reshape(b, s, hk * r, dv)
+        gate = F.silu(z.to(wide)).transpose(0, 1).reshape(b, length, hk * r, dv)
         out = (self.out_norm(out.to(x.dtype)).to(wide) * gate).to(x.dtype)
-        out = out.transpose(0, 1).reshape(s, b, -1)
-        return self.out_proj(out)
+        out = out.transpose(0, 1).reshape(length, b, hk, r * dv)
+        if heads is not None:
+            out = heads.to_sequence(out)
+        return self.out_proj(out.reshape(s, b, -1))
+
+    def _here(self, hk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """conv1d's weight, A_log and dt_bias of the hk key heads this rank mixes: all of
+        its own, or with context parallelism its CP rank's share of them."""
+        if self.cp_group is None:
+            return self.conv1d_weight, self.A_log, self.dt_bias
+        first = self.cp_group.rank * hk
+        conv = self.conv1d_weight.view(self.heads, self.conv_unit, -1)[first : first + hk]
+        values = slice(first * self.r, (first + hk) * self.r)
+        return conv.reshape(-1, self.width), self.A_log[values], self.dt_bias[values]
 
     def sharded_state_dict(self, prefix: str = "") -> dict[str, ShardedTensor]:
         """Megatron's logical tensors (module docstring), each part of in_proj and conv1d a
