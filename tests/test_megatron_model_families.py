@@ -4,7 +4,9 @@ apps/gpt's pretrain_gpt.py: each family's MODEL_ARGS, copied as Megatron-LM writ
 added, trains 3 iterations on one CPU rank with a finite loss: every model line of the
 folder, 24 (Mamba-hybrid lines with their pattern shrunk to each kind of layer once;
 moonshotai/kimi_k2_instruct*.sh only set a layout for Kimi-K2-Instruct.sh's model, and
-NVIDIA-Nemotron-Nano-9B-v2-Base.sh links to the 9B-v2 line).
+NVIDIA-Nemotron-Nano-9B-v2-Base.sh links to the 9B-v2 line), and Megatron-LM's gated
+DeltaNet line (Qwen3-Next's layers), which the folder does not have yet, from its
+functional tests (a DeltaNet and a softmax layer at the shrunk depth).
 
 Every flag of these lines is honoured, accepted without effect (megatron_flags.IGNORED,
 with the reason in --help) or refused (megatron_flags.REFUSED): none is dropped silently.
@@ -439,6 +441,29 @@ FAMILIES = {
     --max-position-embeddings 8192 --export-model-type HybridModel
 """,
     ),
+    # Megatron-LM's own gated DeltaNet line (Qwen3-Next's layers): its functional test's
+    # MODEL_ARGS, tests/functional_tests/test_cases/gpt/gpt3_mcore_te_tp2_pp1_gdn/
+    # model_config.yaml, without its data, logging and checkpoint paths
+    "Qwen3-Next-GDN": (
+        "../../../../tests/functional_tests/test_cases/gpt/gpt3_mcore_te_tp2_pp1_gdn/"
+        "model_config.yaml",
+        """
+    --untie-embeddings-and-output-weights --num-layers 6 --hidden-size 512
+    --num-attention-heads 8 --group-query-attention --num-query-groups 2 --swiglu
+    --position-embedding-type rope --rotary-percent 0.5 --no-rope-fusion --apply-layernorm-1p
+    --apply-wd-to-qk-layernorm --attention-output-gate
+    --experimental-attention-variant gated_delta_net --linear-attention-freq 3
+    --linear-conv-kernel-dim 4 --linear-key-head-dim 64 --linear-value-head-dim 64
+    --linear-num-key-heads 4 --linear-num-value-heads 8 --num-experts 32
+    --moe-ffn-hidden-size 64 --moe-shared-expert-intermediate-size 64 --moe-shared-expert-gate
+    --moe-router-load-balancing-type aux_loss --moe-router-topk 8 --disable-bias-linear
+    --moe-router-dtype fp32 --micro-batch-size 4 --seq-length 1024
+    --max-position-embeddings 1024 --tensor-model-parallel-size 2
+    --pipeline-model-parallel-size 1 --sequence-parallel --deterministic-mode
+    --no-gradient-accumulation-fusion --attention-softmax-in-fp32 --use-mcore-models
+    --ckpt-format torch_dist --bf16 --attention-backend unfused
+""",
+    ),
 }
 
 TRAINS = [
@@ -447,6 +472,7 @@ TRAINS = [
     "DeepSeek-V2-Lite", "DeepSeek-R1", "Kimi-K2", "Llama-4-Scout", "Llama-4-Maverick",
     "Nemotron-H-8B", "Nemotron-Nano-9B-v2", "Nemotron-3-Nano-30B", "Nemotron-H-4B",
     "Nemotron-H-47B", "Nemotron-H-56B", "Nemotron-3-Super-120B", "Nemotron-3-Ultra-550B",
+    "Qwen3-Next-GDN",
 ]  # fmt: skip
 # The width shrunk to a few seconds per run: flag -> its value here.
 SHRINK = {
@@ -461,6 +487,9 @@ SHRINK = {
     "--moe-router-num-groups": "2", "--moe-router-group-topk": "1", "--no-rope-freq": "2",
     "--mamba-num-heads": "8", "--mamba-head-dim": "8", "--mamba-num-groups": "2",
     "--mamba-state-dim": "16", "--moe-latent-size": "16", "--tensor-model-parallel-size": "1",
+    "--linear-attention-freq": "2", "--linear-key-head-dim": "16",
+    "--linear-value-head-dim": "16", "--linear-num-key-heads": "2",
+    "--linear-num-value-heads": "4", "--micro-batch-size": "1",
 }  # fmt: skip
 # The hybrid pattern flags (Megatron's name and its older one)
 PATTERN = {"--hybrid-layer-pattern", "--hybrid-override-pattern"}

@@ -84,6 +84,25 @@ def test_param_groups_exclude_biases_and_norms_from_weight_decay():
     assert [g["wd_mult"] for g in custom] == [1.0]
 
 
+def test_apply_wd_to_qk_layernorm_decays_the_query_and_key_norms_alone():
+    """Megatron's rule with apply_wd_to_qk_layernorm (Qwen3-Next's): the 1-D weights of
+    q_layernorm and k_layernorm are decayed, every other norm and bias is not."""
+    attention = torch.nn.Module()
+    attention.q_layernorm, attention.k_layernorm = torch.nn.RMSNorm(4), torch.nn.RMSNorm(4)
+    attention.linear_proj = torch.nn.Linear(4, 4)
+    model = torch.nn.Module()
+    model.self_attention, model.input_layernorm = attention, torch.nn.RMSNorm(4)
+    named = dict(model.named_parameters())
+    for apply, decayed in ((False, ["self_attention.linear_proj.weight"]),
+                           (True, ["self_attention.q_layernorm.weight",
+                                   "self_attention.k_layernorm.weight",
+                                   "self_attention.linear_proj.weight"])):  # fmt: skip
+        config = OptimizerConfig(lr=1e-3, weight_decay=0.1, apply_wd_to_qk_layernorm=apply)
+        groups = {g["wd_mult"]: g["params"] for g in get_param_groups([model], config)}
+        assert [id(p) for p in groups[1.0]] == [id(named[n]) for n in decayed]
+        assert id(named["input_layernorm.weight"]) in {id(p) for p in groups[0.0]}
+
+
 def test_a_decoupled_lr_gives_the_marked_weights_groups_of_their_own_and_their_schedule():
     # Megatron's decoupled learning rate: the weights a model marks (its word embedding and
     # output layer) get their own groups, max_lr = decoupled_lr, min_lr = decoupled_min_lr

@@ -173,3 +173,16 @@ def test_hybrid_pipeline_segments_give_the_virtual_stages():
     ):  # fmt: skip
         with pytest.raises(ValueError, match=message):
             parse_config([*hybrid, *pp2, *extra])
+
+
+def test_weight_decay_of_the_query_and_key_norms_both_spellings():
+    """--apply-wd-to-qk-layernorm and Megatron's --no-weight-decay-cond-type
+    apply_wd_to_qk_layernorm set the same field (Qwen3-Next's functional test line)."""
+    assert not parse_config(MODEL).optimizer.apply_wd_to_qk_layernorm
+    for flags in (["--apply-wd-to-qk-layernorm"],
+                  ["--no-weight-decay-cond-type", "apply_wd_to_qk_layernorm"]):  # fmt: skip
+        assert parse_config([*MODEL, *flags]).optimizer.apply_wd_to_qk_layernorm
+    with pytest.raises(ValueError, match="disagree"):
+        parse_config([*MODEL, "--no-apply-wd-to-qk-layernorm", "--no-weight-decay-cond-type",
+                      "apply_wd_to_qk_layernorm"])  # fmt: skip
+    assert parse_config([*MODEL, "--deterministic-mode"]).training.deterministic_mode

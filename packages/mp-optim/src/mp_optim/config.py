@@ -46,6 +46,12 @@ class OptimizerConfig:
     weight_decay: float = 0.01
     """Weight-decay coefficient (decoupled for adam, L2 for sgd)."""
 
+    apply_wd_to_qk_layernorm: bool = False
+    """Decay the query and key norms' weights too (Megatron's --apply-wd-to-qk-layernorm,
+    its no_weight_decay_cond_type "apply_wd_to_qk_layernorm"; Qwen3-Next's, whose
+    zero-centred norms decay towards a scale of 1), which the default rule leaves undecayed
+    with every other 1-D parameter."""
+
     adam_beta1: float = 0.9
     """Adam's first-moment decay."""
 

@@ -6,8 +6,9 @@
     scheduler = get_optimizer_param_scheduler(config, optimizer, global_batch_size=..., ...)
 
 Parameter groups follow Megatron: biases and other 1-D parameters (norm
-weights) get no weight decay (wd_mult 0) unless no_weight_decay_cond says
-otherwise; parameters selected by scale_lr_cond get lr_mult. With
+weights) get no weight decay (wd_mult 0), but for the query and key norms with
+config.apply_wd_to_qk_layernorm, unless no_weight_decay_cond says otherwise;
+parameters selected by scale_lr_cond get lr_mult. With
 config.decoupled_lr, the input embedding's and the output layer's weights (those
 the model marks `is_embedding_or_output_parameter`, Megatron's attribute) get
 groups of their own, `decoupled_lr: True`, whose schedule runs to max_lr =
@@ -37,6 +38,12 @@ def default_no_weight_decay(name: str, param: torch.nn.Parameter) -> bool:
     return name.endswith(".bias") or param.dim() == 1
 
 
+def _decaying_qk_norms(name: str, param: torch.nn.Parameter) -> bool:
+    """Megatron's rule with apply_wd_to_qk_layernorm: the query and key norms decayed."""
+    qk_norm = "q_layernorm." in name or "k_layernorm." in name
+    return default_no_weight_decay(name, param) and not qk_norm
+
+
 def get_param_groups(
     model_chunks: list[torch.nn.Module],
     config: OptimizerConfig,
@@ -48,6 +55,8 @@ def get_param_groups(
     """Groups of model parameters with wd_mult, lr_mult and their initial lr / weight_decay
     (and the decoupled schedule's ends, see above)."""
     no_wd = no_weight_decay_cond or default_no_weight_decay
+    if config.apply_wd_to_qk_layernorm and no_weight_decay_cond is None:
+        no_wd = _decaying_qk_norms
     decoupling = config.decoupled_lr is not None
     groups: dict[tuple[float, float, bool], list[torch.nn.Parameter]] = {}
     for chunk in model_chunks:

@@ -8,6 +8,7 @@ torch.distributed, held in one ParallelState) -> seeds and RNG streams.
 
 from mp_state import testing
 from mp_state.config import ParallelConfig
+from mp_state.determinism import apply_deterministic_mode
 from mp_state.devices import (
     DEVICE_ENV,
     DeviceInfo,
@@ -49,6 +50,7 @@ __all__ = [
     "RNGStatesTracker",
     "RankGenerator",
     "RankGroup",
+    "apply_deterministic_mode",
     "current",
     "default_embedding_ranks",
     "default_position_embedding_ranks",

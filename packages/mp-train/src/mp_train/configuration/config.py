@@ -117,6 +117,14 @@ class TrainingConfig:
     seed: int = 1234
     """Random seed of the run."""
 
+    deterministic_mode: bool = False
+    """Bit-exact repeatable execution (Megatron's --deterministic-mode): NCCL_ALGO,
+    CUBLAS_WORKSPACE_CONFIG and NVTE_ALLOW_NONDETERMINISTIC_ALGO checked and, where unset,
+    given Megatron's deterministic values before the process group forms, and
+    torch.use_deterministic_algorithms on, so an operation without a deterministic
+    implementation raises naming itself (mp_state.apply_deterministic_mode). mp's model
+    code has no faster nondeterministic variant to leave out."""
+
     lazy_mpu_init: bool = False
     """Megatron's --lazy-mpu-init: mp_train.initialize() does not start torch.distributed,
     the rank groups and the seeds; it returns a function that does, for a launcher that

@@ -190,6 +190,8 @@ _FORMATS = ("ckpt_format", "dist_ckpt_format")
 # pattern repeated --mtp-num-layers times after the decoder's (the unified pattern's "/").
 _MTP_PATTERN = "mtp_hybrid_override_pattern"
 _FORMAT_CHOICES = ("torch_dist", "torch", "torch_dcp", "zarr", "fsdp_dtensor")
+# Megatron-LM's other spelling of --apply-wd-to-qk-layernorm (its one choice)
+_WD_COND = "no_weight_decay_cond_type"
 
 
 def _option(dest: str) -> str:
@@ -220,6 +222,12 @@ def add_to(parser: argparse.ArgumentParser) -> None:
         "with --mtp-num-layers N and a --hybrid-layer-pattern without '/', the pattern "
         "becomes '<pattern>/X/X...' (N times X); otherwise no effect (Megatron-LM keeps it "
         "for old checkpoints; a GPT model's modules are shaped as its last layer).",
+    )  # fmt: skip
+    renamed.add_argument(
+        _option(_WD_COND), dest=_WD_COND, choices=("apply_wd_to_qk_layernorm",),
+        default=argparse.SUPPRESS,
+        help="apply_wd_to_qk_layernorm: sets apply_wd_to_qk_layernorm (Megatron-LM's other "
+        "spelling of --apply-wd-to-qk-layernorm).",
     )  # fmt: skip
     refused.add_argument(
         _option(_MODEL_TYPE), dest=_MODEL_TYPE, choices=_MODEL_TYPES, default=argparse.SUPPRESS,
@@ -291,6 +299,11 @@ def apply(given: dict[str, Any], values: dict[str, dict[str, Any]]) -> list[str]
     if given.get("use_cpu_initialization") and device_draws:
         raise ValueError("--use-cpu-initialization and --use-device-initialization "
                          "disagree: give one")  # fmt: skip
+    if given.pop(_WD_COND, None) is not None:
+        if given.get("apply_wd_to_qk_layernorm") is False:
+            raise ValueError(f"{_option(_WD_COND)} apply_wd_to_qk_layernorm and "
+                             "--no-apply-wd-to-qk-layernorm disagree: give one")  # fmt: skip
+        values["optimizer"]["apply_wd_to_qk_layernorm"] = True
     ignored = [_option(dest) for dest in IGNORED if given.pop(dest, None) is not None]
     if _MTP_PATTERN in given and not _unify_mtp_pattern(given.pop(_MTP_PATTERN), given, values):
         ignored.append(_option(_MTP_PATTERN))

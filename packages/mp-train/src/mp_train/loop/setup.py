@@ -142,6 +142,8 @@ def initialize(config: RunConfig) -> Initialized | Callable[[], Initialized]:
     With config.training.lazy_mpu_init, nothing is initialized now: the returned
     function does it when called, after the caller (an external process-group manager)
     has started torch.distributed its own way."""
+    if config.training.deterministic_mode:  # before any communicator or cuBLAS handle
+        mp_state.apply_deterministic_mode()
     if config.training.lazy_mpu_init:
         return functools.partial(_initialize_now, config)
     return _initialize_now(config)
