@@ -30,6 +30,11 @@ what the run holds instead:
   sbh(10 + 24/t) a layer (f = 4h, the scores not stored, as flash attention or
   selective recompute would leave them), its own output-layer term and a 5% margin.
 - FLOPs: mp's own count (see mp_train.estimate), computed in Megatron's floating point.
+- Gated DeltaNet layers and the attention output gate (Qwen3-Next): megatron-core 0.19.2's
+  report has no term for either and counts each such layer as softmax attention without a
+  gate (the parameters above), and so does this; mp's own estimate counts what the layers
+  hold (mp_train.estimate.linear_attention), and the FLOPs here are mp's own, theirs
+  included.
 - Hybrid models (hybrid_layer_pattern): refused. report_theoretical_memory prints "not yet
   supported for hybrid Mamba-Transformer models" and reports nothing; mp's own estimate
   counts their layers, with Megatron's hybrid FLOPs (mp_train.estimate.hybrid).
