@@ -28,22 +28,31 @@ pytestmark = pytest.mark.multirank
 SEQ = 32
 
 
-def qwen3_folder(folder):
+def qwen3_folder(folder, family: str = "qwen3"):
     """A random Qwen3 (grouped-query attention, qk-layernorm, a head dim of its own, untied
-    output layer) saved by transformers with a chat tokenizer (mp_data.sft_example's, saved
-    again by transformers, which keeps its chat template in chat_template.jinja); its
-    embedding has rows past the tokenizer's (as Qwen's do), a multiple of 8."""
+    output layer; or a Qwen3-Next: a gated DeltaNet layer, then gated attention, experts
+    beside a gated shared expert) saved by transformers with a chat tokenizer
+    (mp_data.sft_example's, saved again by transformers, which keeps its chat template in
+    chat_template.jinja); its embedding has rows past the tokenizer's (as Qwen's do), a
+    multiple of 8."""
     write_chat_tokenizer(str(folder))
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
     tokenizer.save_pretrained(folder)
-    config = transformers.Qwen3Config(
-        vocab_size=-(-len(tokenizer) // 8) * 8, hidden_size=64, intermediate_size=96,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        max_position_embeddings=SEQ, tie_word_embeddings=False, initializer_range=0.1,
-        eos_token_id=tokenizer.eos_token_id,
-    )  # fmt: skip
+    shape = dict(vocab_size=-(-len(tokenizer) // 8) * 8, hidden_size=64, intermediate_size=96,
+                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                 max_position_embeddings=SEQ, tie_word_embeddings=False,
+                 initializer_range=0.1, eos_token_id=tokenizer.eos_token_id)  # fmt: skip
+    if family == "qwen3_next":
+        config = transformers.Qwen3NextConfig(
+            **shape, layer_types=["linear_attention", "full_attention"], linear_key_head_dim=8,
+            linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
+            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+            shared_expert_intermediate_size=32,
+        )  # fmt: skip
+    else:
+        config = transformers.Qwen3Config(**shape)
     torch.manual_seed(0)
-    model = transformers.Qwen3ForCausalLM(config).eval()
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():  # norms start at 1: give them values to map
         for name, param in model.named_parameters():
             if "norm" in name:
@@ -52,7 +61,7 @@ def qwen3_folder(folder):
     return model
 
 
-def options(hf_dir, run_dir, data_dir, *extra):
+def options(hf_dir, run_dir, data_dir, *extra: str):
     """Fine-tuning on data_dir/chat.jsonl (SFT: packed conversations, loss on the
     assistant's tokens) rendered with the directory's own chat template."""
     return [
@@ -67,14 +76,18 @@ def options(hf_dir, run_dir, data_dir, *extra):
     ]  # fmt: skip
 
 
-def test_finetune_a_hugging_face_model_at_tp2_and_export_it(tmp_path):
-    hf_dir, run_dir = tmp_path / "qwen3", tmp_path / "run"
-    qwen3_folder(hf_dir)
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_next"])
+def test_finetune_a_hugging_face_model_at_tp2_and_export_it(tmp_path, family):
+    """Qwen3-Next's gated DeltaNet layer mixes the packed conversations document by document;
+    its experts under TP need sequence parallelism (Megatron's rule)."""
+    hf_dir, run_dir = tmp_path / family, tmp_path / "run"
+    qwen3_folder(hf_dir, family)
+    sp = ["--sequence-parallel"] if family == "qwen3_next" else []
     write_chat_corpus(str(tmp_path / "chat.jsonl"), 200)
     only_export = options(hf_dir, tmp_path, tmp_path, "--skip-train", "--train-iters", "1",
-                          "--no-initialization",
+                          "--no-initialization", *sp,
                           "--export-hf-dir", str(tmp_path / "same"))  # fmt: skip
-    finetune = options(hf_dir, run_dir, tmp_path, "--train-iters", "6",
+    finetune = options(hf_dir, run_dir, tmp_path, "--train-iters", "6", *sp,
                        "--save", str(run_dir / "ckpt"),
                        "--export-hf-dir", str(tmp_path / "tuned"))  # fmt: skip
     run_on_ranks(runs_on_rank, 2, only_export, finetune, timeout=300)
@@ -91,9 +104,12 @@ def test_finetune_a_hugging_face_model_at_tp2_and_export_it(tmp_path):
     assert len(losses) == 6 and losses[-1] < losses[0] - 0.5, losses
 
     tuned = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "tuned").eval()
-    assert type(tuned).__name__ == "Qwen3ForCausalLM"
+    assert (
+        type(tuned).__name__
+        == {"qwen3": "Qwen3ForCausalLM", "qwen3_next": "Qwen3NextForCausalLM"}[family]
+    )
     ours, common = saved_model(run_dir / "ckpt", SEQ)
-    assert common["family"] == "qwen3" and "tokenizer.json" in common["tokenizer"]["files"]
+    assert common["family"] == family and "tokenizer.json" in common["tokenizer"]["files"]
     generator = torch.Generator().manual_seed(0)
     x = torch.randint(0, tuned.config.vocab_size, (2, SEQ), generator=generator)
     with torch.no_grad():

@@ -181,7 +181,8 @@ def imported_model(checkpoint) -> torch.nn.Module:
 
 def saved_model(checkpoint, max_length: int) -> tuple[torch.nn.Module, dict]:
     """(GPTModel on one rank with the settings and weights of a training run's save, in
-    eval mode, dropout 0; the save's common.pt) for tests comparing a run's result."""
+    eval mode, dropout 0, without the run's sequence parallelism; the save's common.pt)
+    for tests comparing a run's result."""
     import dataclasses
 
     from mp_ckpt import CheckpointReader, load_checkpoint
@@ -189,7 +190,7 @@ def saved_model(checkpoint, max_length: int) -> tuple[torch.nn.Module, dict]:
 
     common = torch.load(CheckpointReader(checkpoint).directory / "common.pt", weights_only=False)
     fields = {f.name for f in dataclasses.fields(TransformerConfig)}
-    skipped = ("params_dtype", "hidden_dropout", "attention_dropout")
+    skipped = ("params_dtype", "hidden_dropout", "attention_dropout", "sequence_parallel")
     kept = {k: v for k, v in common["config"]["model"].items()
             if k in fields and k not in skipped}  # fmt: skip
     config = TransformerConfig(**kept, hidden_dropout=0.0, attention_dropout=0.0)
