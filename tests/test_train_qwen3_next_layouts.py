@@ -2,8 +2,9 @@
 then gated softmax attention with qk-layernorm; MoE layers with a gated shared expert;
 zero-centred norms) trains through pretrain_gpt to the one-rank curve at TP2 with sequence
 parallelism (which experts at TP need; the DeltaNet's output norm is shared by heads split
-over the ranks: its gradient is summed over TP), at PP2, at EP2 and at CP2 (the DeltaNet's
-all-to-all of key heads): the language-model
+over the ranks: its gradient is summed over TP), at PP2, at EP2, at CP2 (the DeltaNet's
+all-to-all of key heads) and at DP2 under ZeRO-3 with every layer recomputed: the
+language-model
 loss, the balancing loss and the gradient norm, every iteration of 6, within 1e-5 relative
 (fp32, no dropout, mock data)."""
 
@@ -36,6 +37,10 @@ LAYOUTS = {
     "pp2": (2, ["--pipeline-model-parallel-size", "2"]),
     "ep2": (2, ["--expert-model-parallel-size", "2"]),
     "cp2": (2, ["--context-parallel-size", "2"]),
+    "dp2-zero3-recompute": (2, ["--use-megatron-fsdp", "--data-parallel-sharding-strategy",
+                                "optim_grads_params", "--recompute-granularity", "full",
+                                "--recompute-method", "uniform", "--recompute-num-layers",
+                                "1"]),
 }  # fmt: skip
 
 
