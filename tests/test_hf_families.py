@@ -318,6 +318,80 @@ def test_deepseek_v3_multi_token_prediction_imports_computes_as_deepseek_and_exp
         assert torch.equal(reloaded(x).logits, hf(x).logits)
 
 
+def test_qwen3_next_multi_token_prediction_imports_computes_as_its_blocks_and_exports_back(
+    tmp_path,
+):
+    """Qwen3-Next's MTP module as its released weights hold it (mtp.fc, pre_fc_norm_embedding,
+    pre_fc_norm_hidden, norm, and mtp.layers.0.* a gated-attention decoder layer), which
+    transformers' model neither builds nor loads: here the extra last layer of a random
+    model longer by it, with random norms and fc. import-hf makes it mp's mtp.layers.0 (from
+    the weights alone: config.json names no module); the logits stay transformers'; mp's MTP
+    loss equals the module composed of transformers' blocks as vLLM computes it (h' =
+    layer(fc(cat(pre_fc_norm_embedding(embed(next tokens)), pre_fc_norm_hidden(h)))),
+    lm_head(norm(h')) against the labels one further); export-hf gives back every tensor."""
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRMSNorm
+
+    types = ["linear_attention", "full_attention", "linear_attention", "full_attention"]
+    longer = random_hf(
+        transformers.Qwen3NextConfig(
+            **QWEN3_NEXT | {"num_hidden_layers": 5}, layer_types=[*types, "full_attention"]
+        )
+    )
+    longer.save_pretrained(tmp_path / "longer")
+    state = {}
+    for name, tensor in load_file(str(tmp_path / "longer" / "model.safetensors")).items():
+        state[name.replace("model.layers.4.", "mtp.layers.0.")] = tensor
+    h, gen = QWEN3_NEXT["hidden_size"], torch.Generator().manual_seed(5)
+    module = {name: 0.1 * torch.randn(h, generator=gen)  # (1 + w: zero-centred norms)
+              for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")}  # fmt: skip
+    module["fc"] = 0.1 * torch.randn(h, 2 * h, generator=gen)
+    state |= {f"mtp.{name}.weight": w for name, w in module.items()}
+    config = json.loads((tmp_path / "longer" / "config.json").read_text())
+    config |= {"num_hidden_layers": 4, "layer_types": types}
+    hf = hf_folder_with(tmp_path / "hf_without_key", config, state)
+    assert main(["import-hf", str(tmp_path / "hf_without_key"), str(tmp_path / "ckpt")]) == 0
+    model = imported_model(tmp_path / "ckpt")
+    assert model.mtp is not None and len(model.mtp.layers) == 1
+    x, labels = torch.randint(0, hf.config.vocab_size, (2, 2, SEQ),
+                              generator=torch.Generator().manual_seed(3))  # fmt: skip
+    with torch.no_grad():
+        assert (model(x) - hf(x).logits).abs().max() < 1e-5
+    model.train()
+    model(x, labels=labels)
+    got = model.mtp.take_losses()[0]
+    with torch.no_grad():
+        norms = {}
+        for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+            norms[name] = Qwen3NextRMSNorm(h, hf.config.rms_norm_eps)
+            norms[name].weight.copy_(module[name])
+        ahead = torch.roll(x, -1, 1)  # the next tokens (the last position counts nothing)
+        joined = torch.cat(
+            [
+                norms["pre_fc_norm_embedding"](hf.model.embed_tokens(ahead)),
+                norms["pre_fc_norm_hidden"](hf.model(x).last_hidden_state),
+            ],
+            -1,
+        )
+        positions = torch.arange(SEQ)[None]
+        mask = torch.full((SEQ, SEQ), -torch.inf).triu(1)[None, None]
+        out = longer.model.layers[4](
+            joined @ module["fc"].t(), attention_mask=mask, position_ids=positions,
+            position_embeddings=hf.model.rotary_emb(joined, positions),
+        )  # fmt: skip
+        logits = hf.lm_head(norms["norm"](out))[:, :-1]
+        want = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), torch.roll(labels, -1, 1)[:, :-1].reshape(-1)
+        )
+    assert abs(got.item() - want.item()) < 1e-5, (got, want)
+
+    (tmp_path / "hf_without_key").rename(tmp_path / "hf_in")  # the export names the module
+    config_path = tmp_path / "hf_in" / "config.json"
+    config_path.write_text(json.dumps(config | {"num_nextn_predict_layers": 1}))
+    reloaded = assert_exported_back(tmp_path, state)
+    with torch.no_grad():
+        assert torch.equal(reloaded(x).logits, hf(x).logits)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 

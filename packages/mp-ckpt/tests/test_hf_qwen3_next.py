@@ -1,7 +1,7 @@
 """Qwen3-Next <-> mp without transformers: config.json's forms (layer_types or
 full_attention_interval, partial_rotary_factor in rope_parameters or at the top), its
-refusals, and the released weights' multi-token prediction tensors left out on import with
-a line saying so. Logits, greedy tokens and the export against transformers' model:
+refusals, and what the multi-token prediction tensors must be. Logits, greedy tokens, the
+module's loss and the export against transformers' model and blocks:
 tests/test_hf_families.py -k qwen3_next."""
 
 import pytest
@@ -9,7 +9,6 @@ import torch
 
 from mp_ckpt.families.table import Dims
 from mp_ckpt.hf import logical_from_hf, model_config_from_hf
-from mp_ckpt.hf.importer import iter_logical_from_hf
 
 CONFIG = {
     "model_type": "qwen3_next", "hidden_size": 16, "num_hidden_layers": 4,
@@ -51,21 +50,27 @@ def test_refusals_name_the_key(change, message):
         model_config_from_hf(CONFIG | change)
 
 
-def test_the_multi_token_prediction_tensors_are_left_out_with_a_line(capsys):
-    """The released weights' mtp.* (which transformers ignores) do not stop the import;
-    stderr says how many were left out; the model's tensors import as without them."""
+def test_multi_token_prediction_modules_come_from_the_weights():
+    """config.json names no module: the weights' mtp.* do (one module, its layer softmax
+    attention, as the model's last); a module missing a tensor is refused naming it, and
+    so are two modules and a last layer that is a DeltaNet."""
     settings = model_config_from_hf(CONFIG)
     generator = torch.Generator().manual_seed(0)
-    state = {}
-    for name, tensor in hf_shapes(settings).items():
-        state[name] = torch.randn(tensor, generator=generator)
-    plain = logical_from_hf(dict(state), CONFIG)
-    with_mtp = state | {"mtp.fc.weight": torch.zeros(16, 32), "mtp.norm.weight": torch.zeros(16)}
-    assert capsys.readouterr().err == ""
-    got = dict(iter_logical_from_hf(with_mtp, CONFIG))
-    assert "2 mtp.* tensors" in capsys.readouterr().err
-    assert got.keys() == plain.keys()
-    assert all(torch.equal(got[k], plain[k]) for k in plain)
+    state = {name: torch.randn(shape, generator=generator)
+             for name, shape in hf_shapes(settings).items()}  # fmt: skip
+    assert "mtp_num_layers" not in logical_from_hf(dict(state), CONFIG) and not any(
+        k.startswith("mtp.") for k in logical_from_hf(dict(state), CONFIG)
+    )
+    module = {"mtp.fc.weight": torch.zeros(16, 32), "mtp.norm.weight": torch.zeros(16)}
+    with pytest.raises(KeyError, match=r"no tensor 'mtp\.pre_fc_norm_embedding\.weight'"):
+        logical_from_hf(state | module, CONFIG)
+    two = CONFIG | {"num_nextn_predict_layers": 2}
+    with pytest.raises(ValueError, match=r"num_nextn_predict_layers=2: Qwen3-Next's layout"):
+        model_config_from_hf(two)
+    types = ["full_attention"] + ["linear_attention"] * 3
+    linear_last = CONFIG | {"num_nextn_predict_layers": 1, "layer_types": types}
+    with pytest.raises(ValueError, match=r"shaped as the model's last layer"):
+        model_config_from_hf(linear_last)
 
 
 def hf_shapes(settings) -> dict[str, tuple[int, ...]]:

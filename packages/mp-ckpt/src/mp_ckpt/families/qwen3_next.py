@@ -27,10 +27,19 @@ Hugging Face (model.layers.{i}.)           mp (decoder.layers.{i}.)
     mlp.gate / experts / shared_expert / shared_expert_gate    as Qwen2-MoE's (moe.py)
 Hk key heads of dk channels, Hv = r Hk value heads of dv channels, K the convolution width.
 
-Multi-token prediction: Qwen3-Next's released weights hold a module's mtp.* tensors, which
-transformers neither builds nor loads. The import leaves them out as transformers does and
-says so on stderr, naming how many (mp's modules are not mapped to Qwen3-Next's layout
-yet); the imported model has no multi-token prediction module.
+Multi-token prediction (Qwen3-Next's released weights hold one module, which transformers
+neither builds nor loads; vLLM computes it as h' = layer(fc(cat(pre_fc_norm_embedding(e),
+pre_fc_norm_hidden(h)))), logits lm_head(norm(h'))): mp's mtp.layers.0 (mtp_num_layers 1,
+from the weights: `held`), its transformer layer shaped as the model's last, a gated
+softmax-attention layer:
+
+    mtp.pre_fc_norm_embedding.weight, pre_fc_norm_hidden.weight    enorm, hnorm
+    mtp.fc.weight [h, 2h]                                           eh_proj (cat(e, h))
+    mtp.layers.0.<a decoder layer's names>                          transformer_layer.*
+    mtp.norm.weight                                                 final_layernorm
+
+Refused: a model whose last layer is a gated DeltaNet (the module's layer is softmax
+attention), and more than one module (Qwen3-Next's layout has one fc and set of norms).
 
 config.json -> settings: layer_types (or full_attention_interval, transformers' default 4)
 -> linear_attention_freq; linear_conv_kernel_dim, linear_{key,value}_head_dim,
@@ -40,7 +49,7 @@ or at the top, default 0.25) -> rotary_percent; num_experts 0 (a dense model) is
 
 from __future__ import annotations
 
-import sys
+import re
 
 import torch
 
@@ -143,6 +152,10 @@ _IN = "self_attention.in_proj"
 RULES = (
     *model_rules(), *norm_rules(), *dense_mlp_rules(), *expert_rules(*_EXPERTS),
     *shared_expert_rules(),
+    Rule(("enorm.weight",), "mtp.pre_fc_norm_embedding.weight", "mtp"),
+    Rule(("hnorm.weight",), "mtp.pre_fc_norm_hidden.weight", "mtp"),
+    Rule(("eh_proj.weight",), "mtp.fc.weight", "mtp"),
+    Rule(("final_layernorm.weight",), "mtp.norm.weight", "mtp"),
     Rule((f"{_QKV}.q.weight", f"{_QKV}.gate.weight"), _ATTN + "q_proj.weight", "full_attention",
          to_mp=_q_and_gate, to_hf=_q_proj, megatron=_QKV, when=_gated),
     Rule((f"{_QKV}.k.weight",), _ATTN + "k_proj.weight", "full_attention", to_mp=kv_heads,
@@ -207,6 +220,17 @@ def _settings(config: dict) -> dict:
     base = llama_settings(config | {"intermediate_size": ffn, "rope_parameters": rope},
                           rope_theta=10000.0, max_positions=32768)  # fmt: skip
     linear = [int(t == "linear_attention") for t in _layer_types(config)]
+    mtp = config.get("num_nextn_predict_layers") or 0
+    if mtp > 1:
+        raise ValueError(
+            f"config.json num_nextn_predict_layers={mtp}: Qwen3-Next's layout holds one "
+            "multi-token prediction module (one fc and its norms)"
+        )
+    if mtp and linear[-1]:
+        raise ValueError(
+            "Qwen3-Next's multi-token prediction layer is gated softmax attention; mp's is "
+            "shaped as the model's last layer, here linear_attention"
+        )
     return base | routing(config, "num_experts", _DEFAULTS) | {
         "qk_layernorm": True, "apply_layernorm_1p": True, "attention_output_gate": True,
         "rotary_percent": _partial_rotary(config),
@@ -217,7 +241,7 @@ def _settings(config: dict) -> dict:
         "moe_shared_expert_intermediate_size": positive(
             config, "shared_expert_intermediate_size", _DEFAULTS),
         "moe_shared_expert_gate": True,
-        "moe_layer_freq": sparse_layers(config),
+        "moe_layer_freq": sparse_layers(config), "mtp_num_layers": mtp or None,
     }  # fmt: skip
 
 
@@ -256,22 +280,29 @@ def _config(settings: dict, shapes: dict, tokens: dict, dtype: str) -> dict:
         "norm_topk_prob": not settings.get("moe_router_pre_softmax", False),
         "attention_bias": False, "layer_types": types,
         **{key: settings.get(key, _DEFAULTS[key]) for key in _LINEAR},
-    }  # fmt: skip
+    } | _mtp_keys(settings)  # fmt: skip
 
 
-_unfuse = unfuse_experts(*_EXPERTS)
+def _mtp_keys(settings: dict) -> dict:
+    """num_nextn_predict_layers where the model has a module (vLLM's key; no key without)."""
+    mtp = settings.get("mtp_num_layers") or 0
+    if mtp > 1 or (mtp and settings.get("mtp_use_repeated_layer")):
+        raise ValueError(f"model_config mtp_num_layers={mtp}: Qwen3-Next's layout holds one "
+                         "multi-token prediction module")  # fmt: skip
+    return {"num_nextn_predict_layers": mtp} if mtp else {}
 
 
-def _prepare(state: dict, config: dict) -> dict:
-    """transformers' fused experts unfused; the multi-token prediction module left out, as
-    transformers leaves it (module docstring), with a line on stderr."""
-    mtp = [name for name in state if name.startswith("mtp.")]
-    if mtp:
-        print(f"import-hf: leaving out Qwen3-Next's multi-token prediction module ({len(mtp)} "
-              "mtp.* tensors), as transformers does: mp does not map its layout yet",
-              file=sys.stderr)  # fmt: skip
-    return _unfuse({k: v for k, v in state.items() if not k.startswith("mtp.")}, config)
+_MTP_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.")
+
+
+def _held(config: dict, names) -> dict:
+    """config.json with num_nextn_predict_layers as the weights hold modules (transformers'
+    Qwen3-Next config has no such key; a module's tensors are mtp.*)."""
+    modules = {int(m.group(1)) for name in names if (m := _MTP_LAYER.match(name))}
+    held = len(modules) or int(any(name.startswith("mtp.") for name in names))
+    return config | {"num_nextn_predict_layers": held}
 
 
 FAMILY = Family("qwen3_next", "Qwen3NextForCausalLM", RULES, _settings, _config,
-                prepare=_prepare)  # fmt: skip
+                prepare=unfuse_experts(*_EXPERTS), held=_held,
+                mtp_sublayer=("model.layers.{i}.", "mtp.layers.{i}."))  # fmt: skip

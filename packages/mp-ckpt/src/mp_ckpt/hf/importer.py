@@ -160,7 +160,8 @@ def iter_logical_from_hf(
 def placed_rules(fam: Family, settings: dict) -> Iterator[tuple[Rule, int, str]]:
     """(rule, its Hugging Face layer number, mp's prefix) for each decoder layer, then
     each multi-token prediction module (its own rules, then its transformer layer's,
-    shaped as the last layer; in a hybrid model its sublayers', `_hybrid_mtp_rules`)."""
+    shaped as the last layer, under the family's mtp_sublayer names where it has them;
+    in a hybrid model its sublayers', `_hybrid_mtp_rules`)."""
     layers = settings["num_layers"]
     for i in range(layers):
         yield from ((rule, i, f"decoder.layers.{i}.") for rule in _layer_rules(fam, settings, i))
@@ -178,8 +179,12 @@ def placed_rules(fam: Family, settings: dict) -> Iterator[tuple[Rule, int, str]]
     for k in range(settings.get("mtp_num_layers") or 0):
         module = f"mtp.layers.{k}."
         yield from ((rule, layers + k, module) for rule in fam.rules_for("mtp", settings))
-        yield from ((rule, layers + k, f"{module}transformer_layer.")
-                    for rule in _layer_rules(fam, settings, layers - 1))  # fmt: skip
+        if fam.mtp_sublayer is None:  # a decoder layer's names, numbered after the decoder's
+            yield from ((rule, layers + k, f"{module}transformer_layer.")
+                        for rule in _layer_rules(fam, settings, layers - 1))  # fmt: skip
+        else:  # names of their own (Qwen3-Next's mtp.layers.{k}.), numbered from 0
+            yield from ((_moved(rule, *fam.mtp_sublayer), k, f"{module}transformer_layer.")
+                        for rule in _layer_rules(fam, settings, layers - 1))  # fmt: skip
 
 
 def _hybrid_mtp_rules(
