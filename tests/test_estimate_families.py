@@ -5,6 +5,7 @@ import-hf reads them) become the run's TransformerConfig."""
 import dataclasses
 
 import pytest
+import torch
 
 from mp_ckpt import model_config_from_hf
 from mp_data import DataConfig
@@ -202,3 +203,39 @@ def test_estimate_counts_a_hybrid_models_parameters(name):
     width is 2h. (At TP 2 the mixers split by whole groups of heads:
     test_estimate_holds_what_a_tensor_parallel_rank_allocates.)"""
     counted_on_one_rank(TransformerConfig(**hybrid(name)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_gated_delta_net_activations_are_the_tensors_it_keeps(dtype):
+    """mp_train.estimate.linear_attention's count of a gated DeltaNet's activations (less its
+    layer's input norm's input, which the layer keeps) against the bytes of the tensors the
+    module saves for backward in training (its parameters left out), within 2% (the
+    convolution's K - 1 positions of history per sample)."""
+    from mp_layers.transformer.gated_delta_net import GatedDeltaNet
+    from mp_layers.transformer.spec import LOCAL_SPEC
+    from mp_train.estimate.linear_attention import gdn_activation
+
+    s, b, h = 256, 2, 128
+    config = TransformerConfig(
+        num_layers=1, hidden_size=h, num_attention_heads=4, normalization="RMSNorm",
+        add_bias_linear=False, params_dtype=dtype, experimental_attention_variant="gdn",
+        linear_attention_freq=[1], linear_key_head_dim=16, linear_value_head_dim=24,
+        linear_num_key_heads=4, linear_num_value_heads=8,
+    )  # fmt: skip
+    layer = GatedDeltaNet(config, ModelGroups.single(), spec=LOCAL_SPEC).train()
+    params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+    kept: dict[int, int] = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            kept[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    x = torch.randn(s, b, h, dtype=dtype, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        layer(x)
+    whole, split, fp32 = gdn_activation(config, s, b)
+    width = 2 if dtype == torch.float32 else 1  # the 16-bit counts in this precision
+    counted = (whole / 2 + split) * width + fp32
+    assert abs(sum(kept.values()) / counted - 1) < 0.02, (sum(kept.values()), counted)

@@ -31,6 +31,16 @@ KVCache the convolution starts from the layer's last K - 1 inputs and the rule f
 state, both kept in the cache (kv_cache.py's mamba states), padding slots leaving them as
 they were.
 
+Memory: in training the layer keeps for backward only the convolution's inputs, the gates
+(g and beta, fp32) and z, and computes the convolution, the rule's chunks and the gated
+norm again in backward (torch.utils.checkpoint), as FLA's chunked kernel keeps only its
+inputs and the chunks' states: the rule's C x C products per chunk and head would
+otherwise be most of the layer's activations. Measured on this CPU (fp32, h 512, 8 key
+and 16 value heads of 64, 1,024 tokens, one sample, 2 threads, forward and backward 5
+times alternating): 27 kB a token kept instead of 138 kB, for 0.417 s instead of 0.345 s
+(best; median 0.433 and 0.350), 21% more time. mp_train.estimate.linear_attention counts
+what it keeps (checked against the saved tensors in tests/test_estimate_families.py).
+
 Context parallelism (Megatron's): the rule needs the whole sequence, so an all-to-all after
 in_proj turns this rank's load-balanced chunks of every key head into the whole sequence,
 in position order, of 1/cp of the key heads (context_parallel/head_split.py; in_proj's
@@ -54,6 +64,7 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 from mp_ckpt import ShardedTensor
 from mp_layers.config import TransformerConfig
@@ -129,6 +140,10 @@ class GatedDeltaNet(torch.nn.Module):
         self.out_norm = spec.norm(config, self.dv)
         for param in self.out_norm.parameters():  # a partial sum on each TP rank's heads
             param.sequence_parallel = True
+        self.recompute = True
+        """In training, keep only the convolution's inputs, the gates and z for backward and
+        compute the convolution, the rule and the gated norm again there (module
+        docstring); False keeps every tensor."""
         self.out_proj = RowParallelLinear(
             value_heads * self.dv, config.hidden_size, tp_group=tp, bias=False,
             input_is_parallel=True, skip_bias_add=True, sequence_parallel=config.sequence_parallel,
@@ -168,7 +183,7 @@ class GatedDeltaNet(torch.nn.Module):
             fused = heads.to_heads(fused)
         length, hk = fused.shape[0], fused.shape[2]  # here
         conv_weight, A_log, dt_bias = self._here(hk)
-        r, dk, dv = self.r, self.dk, self.dv
+        r, dv = self.r, self.dv
         q, k, v, z, beta, alpha = fused.split([self.rows[p] for p in _PARTS], dim=-1)
         qkv = torch.cat([q, k, v], dim=-1).reshape(length, b, -1).permute(1, 2, 0)  # [b, ch, L]
         wide = torch.promote_types(x.dtype, torch.float32)  # fp32, or fp64 for fp64 inputs
@@ -189,19 +204,38 @@ class GatedDeltaNet(torch.nn.Module):
         if history is None:
             history = qkv.new_zeros(b, qkv.shape[1], self.width - 1)
         inputs = torch.cat([history, qkv], dim=-1)
-        mixed = causal_conv_silu(inputs, conv_weight, None, positions)  # [b, L, ch]
-        q, k, v = mixed.view(b, length, hk, self.conv_unit).split([dk, dk, r * dv], dim=-1)
-        q, k = (_l2norm(t.to(wide)).repeat_interleave(r, dim=2) for t in (q, k))
-        v = v.reshape(b, length, hk * r, dv)
-        out, state = chunked_delta_rule(q, k, v, g, beta, DELTA_CHUNK, initial, documents)
+        args = (inputs, conv_weight, g, beta, z, initial, positions, documents)
+        if self.recompute and self.training and torch.is_grad_enabled():
+            # keep the convolution's inputs, the gates and z; compute the convolution, the
+            # rule's chunks and the gated norm again in backward
+            out, state = torch.utils.checkpoint.checkpoint(self._mix, *args, use_reentrant=False)
+        else:
+            out, state = self._mix(*args)
         if kv_cache is not None:
             kv_cache.set_mamba_states(self.layer_number, inputs[..., -(self.width - 1) :], state)
-        gate = F.silu(z.to(wide)).transpose(0, 1).reshape(b, length, hk * r, dv)
-        out = (self.out_norm(out.to(x.dtype)).to(wide) * gate).to(x.dtype)
         out = out.transpose(0, 1).reshape(length, b, hk, r * dv)
         if heads is not None:
             out = heads.to_sequence(out)
         return self.out_proj(out.reshape(s, b, -1))
+
+    def _mix(
+        self, inputs: torch.Tensor, conv_weight: torch.Tensor, g: torch.Tensor,
+        beta: torch.Tensor, z: torch.Tensor, initial: torch.Tensor | None,
+        positions: torch.Tensor | None, documents: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """The convolution's inputs [b, channels, K - 1 + L], the gates g and beta [b, L,
+        value heads] (fp32), z [L, b, key heads, r dv] -> the gated, normalized output
+        [b, L, value heads, dv] in z's dtype, and the rule's final state."""
+        b, length = g.shape[:2]
+        hk, r, dk, dv = z.shape[2], self.r, self.dk, self.dv
+        wide = g.dtype
+        mixed = causal_conv_silu(inputs, conv_weight, None, positions)  # [b, L, channels]
+        q, k, v = mixed.view(b, length, hk, self.conv_unit).split([dk, dk, r * dv], dim=-1)
+        q, k = (_l2norm(t.to(wide)).repeat_interleave(r, dim=2) for t in (q, k))
+        v = v.reshape(b, length, hk * r, dv)
+        out, state = chunked_delta_rule(q, k, v, g, beta, DELTA_CHUNK, initial, documents)
+        gate = F.silu(z.to(wide)).transpose(0, 1).reshape(b, length, hk * r, dv)
+        return (self.out_norm(out.to(z.dtype)).to(wide) * gate).to(z.dtype), state
 
     def _here(self, hk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """conv1d's weight, A_log and dt_bias of the hk key heads this rank mixes: all of

@@ -19,21 +19,20 @@ FLOPs per token, forward (Megatron-LM's gdn_layer_flops, megatron/training/train
 delta rule's 4 Hv dv^2 is Megatron's; mp's chunked form also computes the C x C products
 of each chunk, Hv C (dk + dv) more a token, left out as Megatron leaves them out.
 
-Activations: an estimate of what GatedDeltaNet keeps for backward, counted from its code
-(not measured): its input and the in_proj output (h + W, 16-bit), the convolution's
-inputs and outputs (2X), and in fp32 the normalized q and k repeated per value head, v,
-the gates, the chunk's decays and triangular systems (Hv (2dk + 2dv + 3C)) and the gated
-norm's input and gate (2V).
+Activations: what GatedDeltaNet keeps for backward in training, where it computes the
+convolution, the rule and the gated norm again in backward (mp_layers' gated_delta_net.py):
+in the run's precision in_proj's input h (whole, as attention's), in_proj's output W (z
+and the gates' inputs are views of it), the convolution's inputs X and out_proj's input V
+(split over t); in fp32 the gates g and beta and two of their intermediate tensors, 4 Hv.
+Checked against the saved tensors themselves (tests/test_estimate_families.py), and the
+layer's input norm's input h whole as for attention.
 """
 
 from __future__ import annotations
 
 from mp_layers import TransformerConfig, hybrid_layer_kinds, linear_attention_layer_pattern
 
-__all__ = ["DELTA_CHUNK", "gdn_activation", "gdn_flops", "gdn_parameters", "layer_kinds"]
-
-DELTA_CHUNK = 64
-"""C, the delta rule's chunk (mp_layers.transformer.gated_delta_net.DELTA_CHUNK)."""
+__all__ = ["gdn_activation", "gdn_flops", "gdn_parameters", "layer_kinds"]
 
 
 def layer_kinds(m: TransformerConfig) -> list[str]:
@@ -70,9 +69,11 @@ def gdn_flops(m: TransformerConfig) -> int:
 
 def gdn_activation(m: TransformerConfig, s: float, b: int) -> tuple[float, float, float]:
     """(whole, split, split fp32) bytes one gated DeltaNet keeps for a micro-batch of b
-    sequences of s tokens (module docstring): the first two in the 16-bit units of the
-    activation formula, the third in fp32 whatever the precision."""
+    sequences of s tokens (module docstring) with its input norm: the first two in the
+    16-bit units of the activation formula, the third in fp32 whatever the precision."""
     _, v, width, conv = _widths(m)
-    hv, dk, dv = m.linear_num_value_heads, m.linear_key_head_dim, m.linear_value_head_dim
-    fp32 = s * b * 4 * (hv * (2 * dk + 2 * dv + 3 * DELTA_CHUNK) + 2 * v)
-    return 2 * s * b * m.hidden_size, s * b * 2 * (width + 2 * conv), fp32
+    return (
+        2 * 2 * s * b * m.hidden_size,
+        2 * s * b * (width + conv + v),
+        s * b * 4 * 4 * (m.linear_num_value_heads),
+    )
