@@ -35,11 +35,11 @@ Memory: in training the layer keeps for backward only the convolution's inputs, 
 (g and beta, fp32) and z, and computes the convolution, the rule's chunks and the gated
 norm again in backward (torch.utils.checkpoint), as FLA's chunked kernel keeps only its
 inputs and the chunks' states: the rule's C x C products per chunk and head would
-otherwise be most of the layer's activations. Measured on this CPU (fp32, h 512, 8 key
-and 16 value heads of 64, 1,024 tokens, one sample, 2 threads, forward and backward 5
-times alternating): 27 kB a token kept instead of 138 kB, for 0.417 s instead of 0.345 s
-(best; median 0.433 and 0.350), 21% more time. mp_train.estimate.linear_attention counts
-what it keeps (checked against the saved tensors in tests/test_estimate_families.py).
+otherwise be most of the layer's activations. ci/bench/bench_gdn_recompute.py (h 512, 8
+key and 16 value heads of 64, 1,024 tokens, one thread of this CPU): 25.0 kB a token kept
+instead of 135.8 kB in fp32 (12.6 instead of 113.2 in bf16), for 1.24x the forward and
+backward time in fp32 (best of 3: 731 ms against 591). mp_train.estimate.linear_attention
+counts what it keeps (checked against the saved tensors in tests/test_estimate_families.py).
 
 Context parallelism (Megatron's): the rule needs the whole sequence, so an all-to-all after
 in_proj turns this rank's load-balanced chunks of every key head into the whole sequence,
