@@ -134,6 +134,11 @@ HYBRIDS = {
                        moe_shared_expert_intermediate_size=48),
     "latent-moe-biases": dict(hybrid_layer_pattern="ME*", **HYBRID_MOE, moe_latent_size=24,
                               add_bias_linear=True),
+    # gated DeltaNet (G) layers beside Mamba, attention and MoE ones (Megatron's HybridModel)
+    "gated-delta-net": dict(hybrid_layer_pattern="MG*GE", **HYBRID_MOE, activation="swiglu",
+                            linear_key_head_dim=8,
+                            linear_value_head_dim=16, linear_num_key_heads=2,
+                            linear_num_value_heads=4),
 }  # fmt: skip
 """Mamba-hybrid models (Nemotron-H's layout) in the estimate's variants."""
 
@@ -218,7 +223,8 @@ def test_the_gated_delta_net_activations_are_the_tensors_it_keeps(dtype):
     s, b, h = 256, 2, 128
     config = TransformerConfig(
         num_layers=1, hidden_size=h, num_attention_heads=4, normalization="RMSNorm",
-        add_bias_linear=False, params_dtype=dtype, experimental_attention_variant="gdn",
+        activation="swiglu", add_bias_linear=False, params_dtype=dtype,
+        experimental_attention_variant="gdn",
         linear_attention_freq=[1], linear_key_head_dim=16, linear_value_head_dim=24,
         linear_num_key_heads=4, linear_num_value_heads=8,
     )  # fmt: skip

@@ -2,7 +2,8 @@
 prediction module) train with the one-rank loss curve at TP2 (with sequence parallelism),
 EP2, PP2, and the hybrid at CP2 (all-to-all), through apps/gpt's pretrain (fp32, dropout
 0), and the hybrid split by its pattern's pipeline segments ("|") at PP2 and at PP2 x
-VPP2: apps/gpt's tiny-moe config with each family's Megatron flags put over it."""
+VPP2; a hybrid with gated DeltaNet (G) layers at TP2 and CP2: apps/gpt's tiny-moe config
+with each family's Megatron flags put over it."""
 
 import pytest
 
@@ -17,7 +18,7 @@ from mp_state.testing import run_on_ranks
 pytestmark = pytest.mark.multirank
 
 LOGGED = ("lm loss", "load_balancing_loss", "grad_norm")
-ALSO_LOGGED = {"hybrid": ("mtp_1 loss",)}
+ALSO_LOGGED = {"hybrid": ("mtp_1 loss",), "hybrid_gdn": ("mtp_1 loss",)}
 
 FAMILIES = {
     # Qwen3-MoE: qk-layernorm, a head dim (64) other than hidden / heads (32), the top-k
@@ -57,6 +58,15 @@ FAMILIES = {
                "--squared-relu", "--moe-router-score-function", "sigmoid",
                "--moe-latent-size", "48", "--init-method-std", "0.1", "--moe-z-loss-coeff",
                "0", "--untie-embeddings-and-output-weights"],
+    # The hybrid with gated DeltaNet (G) layers in place of its second mixer and in its
+    # module (Megatron's HybridModel), SwiGLU experts (the DeltaNet's activation)
+    "hybrid_gdn": ["--hybrid-layer-pattern", "M*GE/G*E", "--mamba-num-heads", "8",
+                   "--mamba-head-dim", "16", "--mamba-num-groups", "2",
+                   "--mamba-state-dim", "16", "--linear-num-key-heads", "2",
+                   "--linear-num-value-heads", "4", "--linear-key-head-dim", "16",
+                   "--linear-value-head-dim", "16", "--swiglu",
+                   "--moe-router-score-function", "sigmoid", "--init-method-std", "0.1",
+                   "--moe-z-loss-coeff", "0", "--untie-embeddings-and-output-weights"],
 }  # fmt: skip
 LAYOUTS = {
     "tp2": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
@@ -77,7 +87,10 @@ HYBRID_ONLY = {"cp2", "pp2-segments", "pp2-vpp2-segments"}
 # mp-layers' test_context_parallel_attention.py; Llama 4's chunks shorter than the
 # sequence are refused there, packages/mp-train/tests/test_validate.py).
 RUNS = [(family, layout) for family in sorted(FAMILIES) for layout in sorted(LAYOUTS)
-        if layout not in HYBRID_ONLY or family == "hybrid"]  # fmt: skip
+        if (layout not in HYBRID_ONLY or family == "hybrid")
+        and family != "hybrid_gdn"]  # fmt: skip
+# the gated DeltaNet hybrid where its heads are split: TP2 and CP2 (all-to-all)
+RUNS += [("hybrid_gdn", "tp2"), ("hybrid_gdn", "cp2")]
 
 
 @pytest.fixture(scope="module")

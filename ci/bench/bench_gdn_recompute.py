@@ -31,7 +31,8 @@ def build(dtype):
 
     config = TransformerConfig(
         num_layers=1, hidden_size=512, num_attention_heads=4, normalization="RMSNorm",
-        add_bias_linear=False, params_dtype=dtype, experimental_attention_variant="gdn",
+        activation="swiglu", add_bias_linear=False, params_dtype=dtype,
+        experimental_attention_variant="gdn",
         linear_attention_freq=[1], linear_key_head_dim=64, linear_value_head_dim=64,
         linear_num_key_heads=8, linear_num_value_heads=16,
     )  # fmt: skip

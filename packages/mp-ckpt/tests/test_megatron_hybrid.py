@@ -176,9 +176,9 @@ def test_what_the_hybrid_import_refuses(tmp_path):
     refusals = [
         ({"hybrid_layer_pattern": None, "is_hybrid_model": True},
          "is_hybrid_model without hybrid_layer_pattern"),
-        ({"hybrid_layer_pattern": "M*G-"}, r"mp builds the layers M, \*, - and E, not G"),
+        ({"hybrid_layer_pattern": "M*D-"}, r"mp builds the layers M, G, \*, - and E, not D"),
         ({"hybrid_layer_pattern": "M*-E/*E/*-"}, "modules' parts must be alike"),
-        ({"hybrid_layer_pattern": "M*-E/*G"}, r"not G"),
+        ({"hybrid_layer_pattern": "M*-E/*+"}, r"not \+"),
         ({"norm_epsilon": 1e-6}, "Mamba mixers normalize with 1e-05"),
     ]  # fmt: skip
     for change, message in refusals:

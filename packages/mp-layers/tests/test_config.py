@@ -67,8 +67,12 @@ def test_defaults_follow_megatron():
          "attn_temperature_floor_scale=8 scales the queries of the layers without rotary "
          "embeddings: it needs no_rope_freq"),
         (dict(attn_temperature_scale=0.2), "attn_temperature_scale=0.2 needs attn_temperature_"),
-        (dict(hybrid_layer_pattern="M*-G"), r"'G' \(gated delta net layers\) is not "
-                                             "implemented"),
+        (dict(hybrid_layer_pattern="M*-D"), r"'D' \(DeepSeek sparse attention layers\) is "
+                                             "not implemented"),
+        (dict(hybrid_layer_pattern="M*-G", activation="swiglu", linear_num_value_heads=6),
+         "linear_num_key_heads=16 does not divide linear_num_value_heads=6"),
+        (dict(hybrid_layer_pattern="M*-G"), "activation='gelu' with gated DeltaNet layers: "
+                                            "Megatron's GatedDeltaNet"),
         (dict(hybrid_layer_pattern="M*||-"), "pipeline segment 1 holds no layers"),
         (dict(hybrid_layer_pattern="M*-M/*|-", mtp_num_layers=1, position_embedding_type="none"),
          "'\\|' separates the decoder's pipeline segments, not multi-token"),

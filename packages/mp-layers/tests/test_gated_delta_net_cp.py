@@ -28,6 +28,7 @@ def layer(groups: ModelGroups) -> GatedDeltaNet:
     """The same weights at every layout (a seed draws the same model at every TP size),
     A_log drawn to slow decays so that states carry far."""
     settings = dict(num_layers=1, hidden_size=H, num_attention_heads=4, normalization="RMSNorm",
+                    activation="swiglu",
                     add_bias_linear=False, init_method_std=0.2, attention_dropout=0.0,
                     experimental_attention_variant="gdn", linear_attention_freq=[1],
                     linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=KEY_HEADS,
@@ -114,7 +115,8 @@ def test_the_key_heads_must_divide_over_tp_and_cp():
 
 def layer_config() -> TransformerConfig:
     return TransformerConfig(num_layers=1, hidden_size=H, num_attention_heads=4,
-                             attention_dropout=0.0, experimental_attention_variant="gdn",
+                             attention_dropout=0.0, activation="swiglu",
+                             experimental_attention_variant="gdn",
                              linear_attention_freq=[1],
                              linear_num_key_heads=KEY_HEADS,
                              linear_num_value_heads=2 * KEY_HEADS)  # fmt: skip

@@ -6,6 +6,7 @@ A hybrid model (Megatron's HybridModel / MambaModel: Nemotron-H, Nemotron-Nano-9
 Nemotron 3) has one sublayer per layer, as its pattern says, each with its own pre-norm:
 
     M   a Mamba-2 mixer (transformer/mamba_mixer.py)
+    G   a gated DeltaNet (transformer/gated_delta_net.py; its widths the linear_* fields)
     *   self-attention
     -   a dense MLP
     E   a mixture-of-experts MLP
@@ -34,11 +35,10 @@ __all__ = ["HYBRID_SYMBOLS", "check_hybrid", "check_hybrid_parallel", "hybrid_la
            "hybrid_pipeline_segments", "infer_hybrid_mtp", "mamba_widths",
            "split_hybrid_pattern"]  # fmt: skip
 
-HYBRID_SYMBOLS = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
+HYBRID_SYMBOLS = {"M": "mamba", "G": "gdn", "*": "attention", "-": "mlp", "E": "moe"}
 """The layer kinds of a hybrid pattern, by Megatron's symbol."""
 
 _OTHER_SYMBOLS = {
-    "G": "gated delta net layers",
     "D": "DeepSeek sparse attention layers",
     "+": "multi-latent attention layers",
 }
@@ -73,8 +73,8 @@ def hybrid_pipeline_segments(config: TransformerConfig) -> list[int] | None:
 
 
 def hybrid_layer_kinds(config: TransformerConfig) -> list[str]:
-    """Per decoder layer of the whole model: "mamba", "attention", "mlp" or "moe" for a
-    hybrid model, "transformer" (attention then an MLP) for every layer otherwise."""
+    """Per decoder layer of the whole model: "mamba", "gdn", "attention", "mlp" or "moe" for
+    a hybrid model, "transformer" (attention then an MLP) for every layer otherwise."""
     pattern = config.hybrid_layer_pattern
     if pattern is None:
         return ["transformer"] * config.num_layers
@@ -128,11 +128,13 @@ def check_hybrid(config: TransformerConfig) -> None:
         if symbol in _OTHER_SYMBOLS:
             raise ValueError(
                 f"hybrid_layer_pattern={pattern!r}: {symbol!r} ({_OTHER_SYMBOLS[symbol]}) is "
-                "not implemented; mp builds M (Mamba), * (attention), - (MLP) and E (MoE)"
+                "not implemented; mp builds M (Mamba), G (gated DeltaNet), * (attention), - "
+                "(MLP) and E (MoE)"
             )
         if symbol not in HYBRID_SYMBOLS:
             raise ValueError(
-                f"hybrid_layer_pattern={pattern!r}: {symbol!r} is not a layer symbol (M, *, -, E)"
+                f"hybrid_layer_pattern={pattern!r}: {symbol!r} is not a layer symbol "
+                "(M, G, *, -, E)"
             )
     if len(main) != config.num_layers:
         raise ValueError(

@@ -5,7 +5,9 @@ gated DeltaNet layers), and `linear_attention_layer_pattern`, which layers take 
 A model with experimental_attention_variant "gdn" is a GPT model whose layers are
 attention then an MLP (or MoE), as every other; the attention of the linear_attention_freq
 layers is a gated DeltaNet (transformer/gated_delta_net.py), the others' softmax
-attention. A multi-token prediction module's layer is shaped as the model's last.
+attention. A multi-token prediction module's layer is shaped as the model's last. A hybrid
+model's G layers (config_hybrid.py) are gated DeltaNets too, of the same linear_* widths,
+without experimental_attention_variant (Megatron's HybridModel).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from mp_layers.config_rules import positive
 if TYPE_CHECKING:
     from mp_layers.config import TransformerConfig
 
-__all__ = ["check_linear_attention", "check_linear_attention_parallel",
+__all__ = ["check_linear_attention", "check_linear_attention_parallel", "has_gated_delta_nets",
            "linear_attention_layer_pattern"]  # fmt: skip
 
 _REFUSED = {
@@ -25,6 +27,13 @@ _REFUSED = {
     "dsa": "DeepSeek sparse attention",
 }
 """Megatron's other variants, refused naming what they are."""
+
+
+def has_gated_delta_nets(config: TransformerConfig) -> bool:
+    """Whether the model has gated DeltaNets: linear_attention_freq layers, or a hybrid
+    pattern's G layers (decoder or multi-token prediction modules)."""
+    pattern = config.hybrid_layer_pattern
+    return any(linear_attention_layer_pattern(config)) or bool(pattern and "G" in pattern)
 
 
 def linear_attention_layer_pattern(config: TransformerConfig) -> list[bool]:
@@ -44,6 +53,8 @@ def check_linear_attention(config: TransformerConfig) -> None:
         if freq is not None:
             raise ValueError(f"linear_attention_freq={freq!r} needs "
                              "experimental_attention_variant='gdn'")  # fmt: skip
+        if has_gated_delta_nets(config):  # a hybrid pattern's G layers
+            _check_widths(config)
         return
     if variant in _REFUSED:
         raise ValueError(f"experimental_attention_variant={variant!r} ({_REFUSED[variant]}) is "
@@ -64,6 +75,24 @@ def check_linear_attention(config: TransformerConfig) -> None:
           or any(x not in (0, 1) or isinstance(x, bool) for x in freq)):  # fmt: skip
         raise ValueError(f"linear_attention_freq={freq!r} must be a positive integer or "
                          f"{config.num_layers} values (num_layers) of 0 or 1")  # fmt: skip
+    _check_widths(config)
+    refused = {"multi_latent_attention": config.multi_latent_attention,
+               "hybrid_layer_pattern": config.hybrid_layer_pattern}  # fmt: skip
+    for name, value in refused.items():
+        if value:
+            raise ValueError(f"{name}={value!r} with experimental_attention_variant='gdn' is "
+                             "not implemented")  # fmt: skip
+
+
+def _check_widths(config: TransformerConfig) -> None:
+    """The DeltaNets' widths, and the activation: Megatron's GatedDeltaNet convolves with the
+    model's activation function and accepts silu alone (swiglu's), as mp's does."""
+    if config.activation != "swiglu":
+        raise ValueError(
+            f"activation={config.activation!r} with gated DeltaNet layers: Megatron's "
+            "GatedDeltaNet convolves q, k and v with the model's activation function and "
+            "accepts only silu (activation='swiglu')"
+        )
     for name in ("linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
                  "linear_num_key_heads", "linear_num_value_heads"):  # fmt: skip
         positive(name, getattr(config, name))
@@ -73,19 +102,13 @@ def check_linear_attention(config: TransformerConfig) -> None:
             f"linear_num_value_heads={config.linear_num_value_heads}: each key head serves "
             "whole value heads"
         )
-    refused = {"multi_latent_attention": config.multi_latent_attention,
-               "hybrid_layer_pattern": config.hybrid_layer_pattern}  # fmt: skip
-    for name, value in refused.items():
-        if value:
-            raise ValueError(f"{name}={value!r} with experimental_attention_variant='gdn' is "
-                             "not implemented")  # fmt: skip
 
 
 def check_linear_attention_parallel(config: TransformerConfig, tp: int, cp: int) -> None:
     """Tensor parallelism splits a gated DeltaNet by whole key heads (with their value
     heads), and context parallelism each tensor-parallel rank's key heads again (the
     all-to-all of gated_delta_net.py): Megatron's rule, key heads divisible by tp x cp."""
-    if not any(linear_attention_layer_pattern(config)):
+    if not has_gated_delta_nets(config):
         return
     if config.linear_num_key_heads % tp:
         raise ValueError(

@@ -7,6 +7,10 @@ Hugging Face side: `hf` is empty.
 mp (decoder.layers.{i}.)                       Megatron-LM, where it differs
     input_layernorm.{weight,bias}
     self_attention.linear_qkv.{q,k,v}.{weight,bias}  self_attention.linear_qkv.*, fused
+    self_attention.linear_qkv.gate.{weight,bias}     (attention_output_gate)
+    self_attention.in_proj.{query,key,value,z,beta,alpha}.weight   a gated DeltaNet's:
+    self_attention.conv1d.{query,key,value}.weight     in_proj.*, conv1d.*, fused
+    self_attention.{dt_bias,A_log,out_norm.weight,out_proj.weight}
     self_attention.linear_proj.{weight,bias}
     self_attention.{q,k}_layernorm.{weight,bias}
     self_attention.linear_q_proj.weight, or linear_q_down_proj.weight and
@@ -44,6 +48,8 @@ _QKV = "self_attention.linear_qkv"
 _MLA = ("linear_q_proj", "linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj",
         "linear_kv_up_proj")  # fmt: skip
 _PARTS = ("weight", "bias")
+# a gated DeltaNet's in_proj parts (conv1d's: the first three)
+_GDN_IN = ("query", "key", "value", "z", "beta", "alpha")
 
 
 def gated(settings: dict) -> bool:
@@ -54,6 +60,10 @@ def gated(settings: dict) -> bool:
 
 def _plain(settings: dict) -> bool:
     return not gated(settings)
+
+
+def _output_gate(settings: dict) -> bool:
+    return bool(settings.get("attention_output_gate"))
 
 
 def _same(names, scope) -> tuple[Rule, ...]:
@@ -78,6 +88,13 @@ RULES = (
             *_both("decoder.final_layernorm"), "output_layer.weight"], "model"),
     *_same(_both("input_layernorm"), "layer"),
     *(Rule((f"{_QKV}.{p}.{part}",), (), megatron=_QKV) for p in "qkv" for part in _PARTS),
+    *(Rule((f"{_QKV}.gate.{part}",), (), megatron=_QKV, when=_output_gate) for part in _PARTS),
+    *(Rule((f"self_attention.in_proj.{p}.weight",), (), "linear_attention",
+           megatron="self_attention.in_proj") for p in _GDN_IN),
+    *(Rule((f"self_attention.conv1d.{p}.weight",), (), "linear_attention",
+           megatron="self_attention.conv1d") for p in _GDN_IN[:3]),
+    *_same(["self_attention.dt_bias", "self_attention.A_log", "self_attention.out_norm.weight",
+            "self_attention.out_proj.weight"], "linear_attention"),
     *_same([*_both("self_attention.linear_proj", "self_attention.q_layernorm",
                    "self_attention.k_layernorm"),
             "self_attention.core_attention.softmax_offset", *_both("pre_mlp_layernorm")],

@@ -298,7 +298,9 @@ def megatron_view(settings: dict, family: Family | None = None) -> MegatronView:
             if all(mp_name != name for name, _ in held):  # one tensor of several layer kinds
                 held.append((mp_name, rule.scope))
     both = mla or bool(settings.get("hybrid_layer_pattern"))
-    gdn = bool(settings.get("experimental_attention_variant"))
+    gdn = bool(settings.get("experimental_attention_variant")) or "G" in (
+        settings.get("hybrid_layer_pattern") or ""
+    )
     return MegatronView(
         tuple(_tensor(name, held, mla, both, gdn) for (_, name), held in grouped.items())
     )

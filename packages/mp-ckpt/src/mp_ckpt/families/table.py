@@ -84,7 +84,8 @@ Scope = Literal[
     "full_attention",
 ]
 
-HYBRID_SCOPES: dict[str, Scope] = {"M": "mamba", "*": "attention", "-": "dense", "E": "moe"}
+HYBRID_SCOPES: dict[str, Scope] = {"M": "mamba", "G": "linear_attention", "*": "attention",
+                                   "-": "dense", "E": "moe"}  # fmt: skip
 """The scope of a hybrid layer's rules, by its symbol in hybrid_layer_pattern."""
 
 
@@ -157,8 +158,10 @@ def _mamba_dims(settings: dict) -> dict:
 
 
 def _linear_dims(settings: dict) -> dict:
-    """The gated DeltaNet widths (TransformerConfig's defaults for those not given)."""
-    if not settings.get("experimental_attention_variant"):
+    """The gated DeltaNet widths (TransformerConfig's defaults for those not given), where
+    the model has DeltaNets (Qwen3-Next's layers, a hybrid pattern's G layers)."""
+    pattern = settings.get("hybrid_layer_pattern") or ""
+    if not settings.get("experimental_attention_variant") and "G" not in pattern:
         return {}
     return {"linear_key_heads": settings.get("linear_num_key_heads") or 16,
             "linear_key_dim": settings.get("linear_key_head_dim") or 128,

@@ -32,7 +32,7 @@ from mp_ckpt.core.progress import progress as progress_reporter
 from mp_ckpt.core.reader import CheckpointReader
 from mp_ckpt.core.regions import Region
 from mp_ckpt.families import family, family_of
-from mp_ckpt.families.table import Dims, Family, Rule, is_moe_layer
+from mp_ckpt.families.table import HYBRID_SCOPES, Dims, Family, Rule, is_moe_layer
 from mp_ckpt.hf.importer import placed_rules
 from mp_ckpt.hf.safetensors_writer import ShardedSafetensorsWriter
 from mp_ckpt.hf.tokenizer import (
@@ -106,6 +106,7 @@ def write_hf(
     settings = _from_tensors(source, keys, dict(run_model) | dict(common.get("model_config") or {}))
     arch = arch or common.get("family") or family_of(settings)
     fam = family(arch)
+    _check_layer_kinds(fam, settings)
     tensors = _plan(fam, source, settings, dtype)
     _check_keys(arch, keys, tensors, where)
     # What may be refused is computed before any tensor is read (by every rank alike).
@@ -181,8 +182,9 @@ def _from_tensors(reader: TensorSource, keys: list[str], settings: dict) -> dict
     return settings | shown
 
 
-_HYBRID_KINDS = (("mixer.A_log", "M"), ("self_attention.linear_proj.weight", "*"),
-                 ("mlp.router.weight", "E"), ("mlp.linear_fc2.weight", "-"))  # fmt: skip
+_HYBRID_KINDS = (("mixer.A_log", "M"), ("self_attention.A_log", "G"),
+                 ("self_attention.linear_proj.weight", "*"), ("mlp.router.weight", "E"),
+                 ("mlp.linear_fc2.weight", "-"))  # fmt: skip
 """A hybrid layer's kind by a tensor only that kind has."""
 
 
@@ -253,6 +255,16 @@ def _mla_from_tensors(reader: TensorSource, keys: list[str], settings: dict) -> 
             "num_query_groups": heads, "hidden_size": h, "q_lora_rank": q_lora,
             "kv_lora_rank": r, "qk_head_dim": dn, "qk_pos_emb_head_dim": dr, "v_head_dim": dv,
             "qk_layernorm": f"{_MLA}kv_layernorm.weight" in keys}  # fmt: skip
+
+
+def _check_layer_kinds(fam: Family, settings: dict) -> None:
+    """Refuses a hybrid model with a kind of layer the family has no names for."""
+    pattern = settings.get("hybrid_layer_pattern") or ""
+    for symbol in sorted(set(pattern) - set("/|")):
+        scope = HYBRID_SCOPES.get(symbol)
+        if scope is None or not fam.rules_for(scope, settings):
+            raise ValueError(f"model_config hybrid_layer_pattern={pattern!r}: {fam.model_type} "
+                             f"has no {scope or symbol} layers ({symbol!r})")  # fmt: skip
 
 
 def _shapes(reader: TensorSource, keys: list[str], settings: dict) -> dict:

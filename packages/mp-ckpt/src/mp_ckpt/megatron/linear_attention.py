@@ -23,8 +23,8 @@ def linear_attention_settings(args, where: str = "args") -> dict:
     if getattr(args, "attention_output_gate", False):
         settings["attention_output_gate"] = True
     variant = getattr(args, "experimental_attention_variant", None)
-    if variant is None:
-        return settings
+    if variant is None:  # a hybrid model's G layers have the widths alone
+        return settings | (_widths(args) if _hybrid_gdn(args) else {})
     if variant not in _VARIANTS:
         raise ValueError(f"{where}: experimental_attention_variant={variant!r}: mp imports "
                          "only gated_delta_net (gdn)")  # fmt: skip
@@ -32,12 +32,21 @@ def linear_attention_settings(args, where: str = "args") -> dict:
     if freq is None:
         raise ValueError(f"{where}: experimental_attention_variant={variant!r} without "
                          "linear_attention_freq")  # fmt: skip
-    widths = {name: int(getattr(args, name, None) or default)
-              for name, default in _WIDTHS.items()}  # fmt: skip
-    return settings | widths | {
+    return settings | _widths(args) | {
         "experimental_attention_variant": _VARIANTS[variant],
         "linear_attention_freq": freq if isinstance(freq, int) else [int(x) for x in freq],
     }  # fmt: skip
+
+
+def _widths(args) -> dict:
+    return {name: int(getattr(args, name, None) or default) for name, default in _WIDTHS.items()}
+
+
+def _hybrid_gdn(args) -> bool:
+    """Whether a hybrid model's pattern (args or settings) has gated DeltaNet (G) layers."""
+    pattern = (args.get("hybrid_layer_pattern") if isinstance(args, dict)
+               else getattr(args, "hybrid_layer_pattern", None))  # fmt: skip
+    return "G" in (pattern or "")
 
 
 def linear_attention_args(settings: dict) -> dict:
@@ -45,6 +54,8 @@ def linear_attention_args(settings: dict) -> dict:
     values = {"attention_output_gate": bool(settings.get("attention_output_gate", False)),
               "experimental_attention_variant": None, "linear_attention_freq": None}  # fmt: skip
     if not settings.get("experimental_attention_variant"):
+        if _hybrid_gdn(settings):  # a hybrid model's G layers: the widths alone
+            values |= {name: settings.get(name, default) for name, default in _WIDTHS.items()}
         return values
     return values | {
         "experimental_attention_variant": "gated_delta_net",
@@ -55,12 +66,11 @@ def linear_attention_args(settings: dict) -> dict:
 
 def gdn_parts(args) -> dict[str, list[int]]:
     """The rows of each part of a DeltaNet's in_proj and conv1d ({} without DeltaNets)."""
-    if getattr(args, "experimental_attention_variant", None) is None:
+    if getattr(args, "experimental_attention_variant", None) is None and not _hybrid_gdn(args):
         return {}
-    widths = {name: int(getattr(args, name, None) or default)
-              for name, default in _WIDTHS.items()}  # fmt: skip
+    widths = _widths(args)
     keys = widths["linear_num_key_heads"] * widths["linear_key_head_dim"]
     values = widths["linear_num_value_heads"] * widths["linear_value_head_dim"]
     heads = widths["linear_num_value_heads"]
-    return {"in_proj": [keys, keys, values, values, heads, heads],
-            "conv1d": [keys, keys, values]}  # fmt: skip
+    return {"self_attention.in_proj": [keys, keys, values, values, heads, heads],
+            "self_attention.conv1d": [keys, keys, values]}  # fmt: skip

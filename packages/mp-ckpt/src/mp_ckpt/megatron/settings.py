@@ -30,7 +30,7 @@ _REFUSED = (
     ("apply_residual_connection_post_layernorm", False),
     ("heterogeneous_layers_config_path", None),
 )
-_HYBRID_SYMBOLS = "M*-E|"
+_HYBRID_SYMBOLS = "MG*-E|"
 """The layers of a hybrid_layer_pattern mp builds (Mamba, attention, MLP, MoE) and its
 pipeline segments' separator."""
 MAMBA_COPIED = {"mamba_num_heads": None, "mamba_head_dim": 64, "mamba_num_groups": 8,
@@ -157,7 +157,7 @@ def _hybrid_settings(args, epsilon: float, where: str) -> dict:
     unknown = sorted(set("".join([main, *modules])) - set(_HYBRID_SYMBOLS))
     if unknown:
         raise ValueError(f"{where}: hybrid_layer_pattern={pattern!r}: mp builds the layers "
-                         f"M, *, - and E, not {', '.join(unknown)}")  # fmt: skip
+                         f"M, G, *, - and E, not {', '.join(unknown)}")  # fmt: skip
     out = {"hybrid_layer_pattern": pattern if any(modules) else main}
     if any(modules):  # Megatron-LM's unified pattern: one module per "/" part
         if len(set(modules)) != 1 or "|" in "".join(modules):

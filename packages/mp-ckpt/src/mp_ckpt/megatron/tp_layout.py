@@ -35,7 +35,7 @@ _MAMBA_ROWS = re.compile(
 )
 # A Mamba mixer's or a gated DeltaNet's fused tensors: in_proj and conv1d (each rank:
 # [part_r; part_r; ...])
-_MAMBA_FUSED = re.compile(r"\.(?:mixer|self_attention)\.(in_proj|conv1d)[._](weight|bias)$")
+_MAMBA_FUSED = re.compile(r"\.((?:mixer|self_attention)\.(?:in_proj|conv1d))[._](weight|bias)$")
 
 
 def latent_rows(args) -> dict[str, int]:
@@ -60,7 +60,8 @@ def mamba_parts(args) -> dict[str, list[int]]:
     states = (getattr(args, "mamba_num_groups", None) or 8) * (
         getattr(args, "mamba_state_dim", None) or 128
     )
-    return {"in_proj": [inner, inner, states, states, heads], "conv1d": [inner, states, states]}
+    return {"mixer.in_proj": [inner, inner, states, states, heads],
+            "mixer.conv1d": [inner, states, states]} | gdn_parts(args)  # fmt: skip
 
 
 def _arg_pattern(args) -> str:
@@ -92,10 +93,12 @@ def _tp_split(key: str, swiglu: bool) -> int | str | None:
 
 
 def _part_rows(key: str, parts: dict[str, list[int]] | None) -> list[int]:
-    """The rows of each part of a Mamba mixer's fused tensor `key`, all ranks together."""
+    """The rows of each part of a Mamba mixer's or gated DeltaNet's fused tensor `key`, all
+    ranks together."""
     module = _MAMBA_FUSED.search(key).group(1)
-    if not parts:
-        raise ValueError(f"{key}: a Mamba mixer's tensor, but the args describe no Mamba layers")
+    if module not in (parts or {}):
+        raise ValueError(f"{key}: a Mamba mixer's or gated DeltaNet's tensor, but the args "
+                         "describe no such layers")  # fmt: skip
     return parts[module]
 
 

@@ -114,6 +114,14 @@ HYBRID = ["--num-layers", "4", "--hybrid-layer-pattern", "M*-E", "--hidden-size"
           "--moe-token-dispatcher-type", "allgather",
           "--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", "0.001",
           "--no-save-optim", "--no-save-rng"]  # fmt: skip
+# The hybrid with a gated DeltaNet (Megatron's G: 2 key heads of 8, 4 value heads of 8) in
+# place of its MLP layer: "MG*E" (gdn.py's stand-ins for FLA's kernels), its experts SwiGLU
+# (megatron-core's GatedDeltaNet convolves with the model's activation and accepts silu
+# alone). The model only.
+HYBRID_GDN = [*(a if a != "--squared-relu" else "--swiglu" for a in HYBRID),
+              "--hybrid-layer-pattern", "MG*E", "--linear-conv-kernel-dim", "4",
+              "--linear-key-head-dim", "8", "--linear-value-head-dim", "8",
+              "--linear-num-key-heads", "2", "--linear-num-value-heads", "4"]  # fmt: skip
 # The hybrid trained with the distributed optimizer, its Adam state and RNG state saved.
 HYBRID_STATE = [a for a in HYBRID if a not in ("--no-save-optim", "--no-save-rng")]
 # The hybrid with two multi-token prediction modules of an attention, a Mamba and a MoE
@@ -210,6 +218,9 @@ CASES = {
         HYBRID_STATE, "torch", 2, 1, True, dp=2, extra=(*SP, *BUCKETS)
     ),
     "hybrid_mtp_torch_tp2": Case(HYBRID, "torch", 2, 1, False, extra=(*HYBRID_MTP, *SP)),
+    # the hybrid with a gated DeltaNet layer at TP2, both formats
+    "hybrid_gdn_torch_dist_tp2": Case(HYBRID_GDN, "torch_dist", 2, 1, False, extra=SP),
+    "hybrid_gdn_torch_tp2": Case(HYBRID_GDN, "torch", 2, 1, False, extra=SP),
     # the Qwen3-Next-shaped model at TP2 (sequence parallelism: MoE under TP), both formats
     "qwen3_next_torch_dist_tp2": Case(QWEN3_NEXT, "torch_dist", 2, 1, False, extra=SP),
     "qwen3_next_torch_tp2": Case(QWEN3_NEXT, "torch", 2, 1, False, extra=SP),

@@ -298,7 +298,7 @@ def worker(rank, world, port, name):
         from hybrid import install_mamba_standins
 
         install_mamba_standins()  # before megatron-core imports mamba_ssm
-    if "--experimental-attention-variant" in CASES[name].model:
+    if {"--experimental-attention-variant", "--linear-num-key-heads"} & set(CASES[name].model):
         from gdn import install_fla_standins
 
         install_fla_standins()  # before megatron-core imports FLA

@@ -32,7 +32,7 @@ def worker(rank, world, port, case, exported, fmt, tp, pp, ep):
         from hybrid import install_mamba_standins
 
         install_mamba_standins()  # before megatron-core imports mamba_ssm
-    if "--experimental-attention-variant" in g.CASES[case].model:
+    if {"--experimental-attention-variant", "--linear-num-key-heads"} & set(g.CASES[case].model):
         from gdn import install_fla_standins
 
         install_fla_standins()  # before megatron-core imports FLA

@@ -7,8 +7,8 @@ dropout and residual adds run on each rank's slice of the sequence).
     x = x + dropout(mlp(norm(x)))
 
 Hidden dropout: residual.py. In a hybrid model (TransformerConfig.hybrid_layer_pattern)
-a layer has one sublayer: attention (*), a dense MLP (-) or a MoE MLP (E) with its norm,
-or a Mamba mixer (M: mamba_layer.py, built here by the block). With
+a layer has one sublayer: attention (*), a gated DeltaNet (G), a dense MLP (-) or a MoE MLP
+(E) with its norm, or a Mamba mixer (M: mamba_layer.py, built here by the block). With
 experimental_attention_variant the attention of the linear_attention_freq layers is a gated
 DeltaNet (gated_delta_net.py).
 """
@@ -48,8 +48,8 @@ class TransformerLayer(torch.nn.Module):
         kind: str | None = None,
     ) -> None:
         """layer_number: the layer's index in the whole model (which layers are MoE); kind:
-        a hybrid layer's kind when it is not the decoder layer's ("attention", "mlp" or
-        "moe": a multi-token prediction module's layer)."""
+        a hybrid layer's kind when it is not the decoder layer's ("attention", "gdn", "mlp"
+        or "moe": a multi-token prediction module's layer)."""
         super().__init__()
         check_dropout_stream(config, rng_tracker)
         self.config = config
@@ -61,6 +61,11 @@ class TransformerLayer(torch.nn.Module):
         linear = kind is None and linear_attention_layer_pattern(config)[layer_number]
         kind = hybrid_layer_kinds(config)[layer_number] if kind is None else kind
         self.input_layernorm = self.self_attention = self.pre_mlp_layernorm = self.mlp = None
+        if kind == "gdn":  # a hybrid model's G layer: a gated DeltaNet and its norm
+            self.input_layernorm = spec.norm(config, None)
+            self.self_attention = spec.linear_attention(
+                config, groups, rng_tracker, spec=spec, layer_number=layer_number
+            )
         if kind in ("transformer", "attention"):
             self.input_layernorm = spec.norm(config, None)
             attention = (

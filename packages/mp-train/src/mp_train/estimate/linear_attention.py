@@ -1,7 +1,8 @@
-"""Gated DeltaNet layers (TransformerConfig.experimental_attention_variant "gdn": Qwen3-Next)
-in mp's estimate: which layers are, and a gated DeltaNet's parameters, FLOPs and
-activations. Such a layer is a transformer layer whose attention is the DeltaNet: its norms
-and its MLP count as a transformer layer's (parameters.py, memory_flops.py).
+"""Gated DeltaNet layers (TransformerConfig.experimental_attention_variant "gdn": Qwen3-Next;
+a hybrid model's G layers) in mp's estimate: which layers are, and a gated DeltaNet's
+parameters, FLOPs and activations. A "linear" layer is a transformer layer whose attention
+is the DeltaNet: its norms and its MLP count as a transformer layer's; a hybrid G layer
+("gdn") is the DeltaNet and its norm (parameters.py, memory_flops.py).
 
 Symbols as in mp_train.estimate, and for the DeltaNet (mp_layers' GatedDeltaNet) Hk key
 heads of dk channels, Hv value heads of dv channels (linear_num_{key,value}_heads,
@@ -36,10 +37,11 @@ __all__ = ["gdn_activation", "gdn_flops", "gdn_parameters", "layer_kinds"]
 
 
 def layer_kinds(m: TransformerConfig) -> list[str]:
-    """mp_layers.hybrid_layer_kinds, with "gdn" for a transformer layer whose attention is
-    a gated DeltaNet."""
+    """mp_layers.hybrid_layer_kinds (a hybrid model's G layer "gdn": a gated DeltaNet and
+    its norm), with "linear" for a transformer layer whose attention is a gated DeltaNet
+    (then an MLP)."""
     linear = linear_attention_layer_pattern(m)
-    return ["gdn" if is_linear else kind
+    return ["linear" if is_linear else kind
             for kind, is_linear in zip(hybrid_layer_kinds(m), linear, strict=True)]  # fmt: skip
 
 

@@ -301,10 +301,10 @@ def _activation_bytes(
         whole = split = extra = 0.0
         if kind in ("transformer", "attention"):
             whole, split = 5 * sbh, 8 * sbh + scores
-        if kind == "gdn":  # mp_train.estimate.linear_attention's
+        if kind in ("linear", "gdn"):  # mp_train.estimate.linear_attention's
             whole, split, fp32 = gdn_activation(m, s, b)
             extra = fp32 / tp / width
-        if kind in ("transformer", "gdn", "mlp", "moe"):
+        if kind in ("transformer", "linear", "mlp", "moe"):
             whole, split = whole + 5 * sbh, split + 4 * _mlp_width(m, moe) / h * sbh
         return stored(whole, split) + extra
 
@@ -383,14 +383,14 @@ def _flops(config: RunConfig, layout: dict, V: int) -> int:
     layers += [(last if kind == "transformer" else kind, moe)
                for kind, moe in mtp_layer_kinds(m)] * mtp  # or a hybrid pattern's  # fmt: skip
     kinds = [kind for kind, _ in layers]
-    with_mlp = [moe for kind, moe in layers if kind in ("transformer", "gdn", "mlp", "moe")]
+    with_mlp = [moe for kind, moe in layers if kind in ("transformer", "linear", "mlp", "moe")]
     mlp = sum(_mlp_multiply_adds(m, moe, gated) for moe in with_mlp)
     attention = _attention_flops(m, s) * sum(kind in ("transformer", "attention") for kind in kinds)
     mtp_projections = mtp * (3 * h + 2 * h * h)  # its norms (Megatron's 3h) and eh_proj
     # fwd + 2 bwd GEMMs, 2 per multiply-add
     per_token = 3 * 2 * (mlp + attention + mtp_projections + h * V * (1 + mtp))
     per_token += kinds.count("mamba") * mamba_flops(m)  # mp_train.estimate.hybrid
-    per_token += kinds.count("gdn") * gdn_flops(m)  # mp_train.estimate.linear_attention
+    per_token += (kinds.count("gdn") + kinds.count("linear")) * gdn_flops(m)  # linear_attention
     return layout["gbs"] * s * per_token
 
 

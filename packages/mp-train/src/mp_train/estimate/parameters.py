@@ -125,7 +125,7 @@ def _attention(m: TransformerConfig) -> Held:
 
 def _layer(m: TransformerConfig, kind: str, moe: bool, *, active: bool = False) -> Held:
     """One layer of a kind of linear_attention.layer_kinds ("transformer": attention then an
-    MLP, "gdn": a gated DeltaNet then an MLP),
+    MLP, "linear": a gated DeltaNet then an MLP, "gdn": a gated DeltaNet alone),
     its norms included; `active`: the k routed experts a token passes through instead of
     all E."""
     norm = Held(whole=m.hidden_size * _norm(m))
@@ -135,10 +135,10 @@ def _layer(m: TransformerConfig, kind: str, moe: bool, *, active: bool = False) 
     layer = Held()
     if kind in ("transformer", "attention"):
         layer += _attention(m) + norm
-    if kind == "gdn":
+    if kind in ("linear", "gdn"):
         split, whole = gdn_parameters(m, _norm(m))
         layer += Held(split=split, whole=whole) + norm
-    if kind in ("transformer", "gdn", "mlp", "moe"):
+    if kind in ("transformer", "linear", "mlp", "moe"):
         layer += _mlp(m, moe, active=active) + norm
     return layer
 
