@@ -15,11 +15,9 @@ rounds; best and median of each.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
-from bench_mamba_recompute import kept_bytes_per_token
-from harness import context, emit
+from bench_mamba_recompute import measure_recompute, report
+from harness import context
 
 
 def build(dtype):
@@ -42,9 +40,16 @@ def build(dtype):
     return layer, x
 
 
-def _output_of(torch):
+def main() -> None:
+    import torch
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+
     class Output(torch.nn.Module):
-        """The layer's output alone (it returns (output, bias)), for kept_bytes_per_token."""
+        """The layer's output alone (it returns (output, bias))."""
 
         def __init__(self, layer) -> None:
             super().__init__()
@@ -53,48 +58,11 @@ def _output_of(torch):
         def forward(self, x):
             return self.layer(x)[0]
 
-    return Output
-
-
-def step(layer, x) -> None:
-    out, _ = layer(x)
-    out.sum().backward()
-
-
-def main() -> None:
-    import torch
-
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--repeats", type=int, default=5)
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-    global _Output
-    _Output = _output_of(torch)
     ctx = context()
     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         layer, x = build(dtype)
-        kept, times = {}, {"recompute": [], "keep": []}
-        for side in times:
-            layer.recompute = side == "recompute"
-            kept[side] = kept_bytes_per_token(_Output(layer), x)
-            step(layer, x)  # warm-up
-        order = list(times)
-        for _ in range(args.repeats):
-            for side in order:
-                layer.recompute = side == "recompute"
-                start = time.perf_counter()
-                step(layer, x)
-                times[side].append(time.perf_counter() - start)
-            order.reverse()
-        best = {side: min(t) for side, t in times.items()}
-        emit("gdn_recompute", {
-            "dtype": name, "tokens": 1024,
-            "kept_bytes_per_token": {s: round(v) for s, v in kept.items()},
-            "best_ms": {s: round(v * 1e3, 1) for s, v in best.items()},
-            "median_ms": {s: round(statistics.median(t) * 1e3, 1) for s, t in times.items()},
-            "time_recompute_over_keep": round(best["recompute"] / best["keep"], 2),
-            "kept_keep_over_recompute": round(kept["keep"] / kept["recompute"], 1),
-        }, ctx)  # fmt: skip
+        kept, times = measure_recompute(Output(layer), layer, x, args.repeats)
+        report("gdn_recompute", name, 1024, kept, times, ctx)
 
 
 if __name__ == "__main__":

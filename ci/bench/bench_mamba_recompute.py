@@ -54,6 +54,38 @@ def kept_bytes_per_token(layer, x) -> float:
     return sum(n for ptr, n in storages.items() if ptr not in own) / (x.shape[0] * x.shape[1])
 
 
+def measure_recompute(module, owner, x, repeats: int) -> tuple[dict, dict]:
+    """(kept bytes per token, forward + backward times) of `module` on `x` with
+    owner.recompute on ("recompute") and off ("keep"): a warm-up call each, then the two
+    sides alternating, the order flipped every round, `repeats` rounds."""
+    kept, times = {}, {"recompute": [], "keep": []}
+    for side in times:
+        owner.recompute = side == "recompute"
+        kept[side] = kept_bytes_per_token(module, x)
+        module(x).sum().backward()  # warm-up
+    order = list(times)
+    for _ in range(repeats):
+        for side in order:
+            owner.recompute = side == "recompute"
+            start = time.perf_counter()
+            module(x).sum().backward()
+            times[side].append(time.perf_counter() - start)
+        order.reverse()
+    return kept, times
+
+
+def report(measure: str, dtype: str, tokens: int, kept: dict, times: dict, ctx) -> None:
+    best = {side: min(t) for side, t in times.items()}
+    emit(measure, {
+        "dtype": dtype, "tokens": tokens,
+        "kept_bytes_per_token": {s: round(v) for s, v in kept.items()},
+        "best_ms": {s: round(v * 1e3, 1) for s, v in best.items()},
+        "median_ms": {s: round(statistics.median(t) * 1e3, 1) for s, t in times.items()},
+        "time_recompute_over_keep": round(best["recompute"] / best["keep"], 2),
+        "kept_keep_over_recompute": round(kept["keep"] / kept["recompute"], 1),
+    }, ctx)  # fmt: skip
+
+
 def main() -> None:
     import torch
 
@@ -64,28 +96,8 @@ def main() -> None:
     ctx = context()
     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         layer, x = build(dtype)
-        kept, times = {}, {"recompute": [], "keep": []}
-        for side in times:
-            layer.mixer.recompute = side == "recompute"
-            kept[side] = kept_bytes_per_token(layer, x)
-            layer(x).sum().backward()  # warm-up
-        order = list(times)
-        for _ in range(args.repeats):
-            for side in order:
-                layer.mixer.recompute = side == "recompute"
-                start = time.perf_counter()
-                layer(x).sum().backward()
-                times[side].append(time.perf_counter() - start)
-            order.reverse()
-        best = {side: min(t) for side, t in times.items()}
-        emit("mamba_recompute", {
-            "dtype": name, "tokens": 2048,
-            "kept_bytes_per_token": {s: round(v) for s, v in kept.items()},
-            "best_ms": {s: round(v * 1e3, 1) for s, v in best.items()},
-            "median_ms": {s: round(statistics.median(t) * 1e3, 1) for s, t in times.items()},
-            "time_recompute_over_keep": round(best["recompute"] / best["keep"], 2),
-            "kept_keep_over_recompute": round(kept["keep"] / kept["recompute"], 1),
-        }, ctx)  # fmt: skip
+        kept, times = measure_recompute(layer, layer.mixer, x, args.repeats)
+        report("mamba_recompute", name, 2048, kept, times, ctx)
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ from mp_layers.tensor_parallel.initialization import (
     InitMethod,
     building_on,
     init_partitioned_weight,
+    row_sharded_parameter,
     skipping_draws,
 )
 from mp_layers.tensor_parallel.mappings import (
@@ -66,6 +67,7 @@ __all__ = [
     "reduce_from_tensor_model_parallel_region",
     "reduce_scatter_to_sequence_parallel_region",
     "replicated_state_dict",
+    "row_sharded_parameter",
     "scatter_to_sequence_parallel_region",
     "scatter_to_tensor_model_parallel_region",
     "skipping_draws",

@@ -50,6 +50,7 @@ __all__ = [
     "draw_device",
     "draws_skipped",
     "init_partitioned_weight",
+    "row_sharded_parameter",
     "skipping_draws",
 ]
 
@@ -146,3 +147,16 @@ def draw_device() -> torch.device:
 def draws_skipped() -> bool:
     """Whether weights are built undrawn (inside skipping_draws())."""
     return _skipped.get()
+
+
+def row_sharded_parameter(
+    shape: tuple[int, ...], init: InitMethod, dtype: torch.dtype, group: RankGroup
+) -> torch.nn.Parameter:
+    """This rank's piece of a tensor of `shape` split along dimension 0 over `group` (a Mamba
+    mixer's or a gated DeltaNet's per-head tensors), drawn as init_partitioned_weight draws
+    (on the meta device under deferred_weights)."""
+    local = (shape[0] // group.size, *shape[1:])
+    device = deferred_init.weight_device(None)
+    param = torch.nn.Parameter(torch.empty(local, dtype=dtype, device=device))
+    init_partitioned_weight(param, shape, 0, group, init)
+    return param

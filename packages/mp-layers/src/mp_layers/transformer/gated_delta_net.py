@@ -73,10 +73,9 @@ from mp_layers.groups import ModelGroups
 from mp_layers.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
-    init_partitioned_weight,
     replicated_state_dict,
+    row_sharded_parameter,
 )
-from mp_layers.tensor_parallel.deferred_init import weight_device
 from mp_layers.transformer.causal_conv import causal_conv_silu
 from mp_layers.transformer.delta_rule import chunked_delta_rule
 from mp_layers.transformer.kv_cache import KVCache
@@ -153,10 +152,7 @@ class GatedDeltaNet(torch.nn.Module):
 
     def _sharded(self, shape: tuple[int, ...], init, dtype: torch.dtype) -> torch.nn.Parameter:
         """This rank's piece (split along dimension 0) of a tensor of `shape`."""
-        local = (shape[0] // self.tp_group.size, *shape[1:])
-        param = torch.nn.Parameter(torch.empty(local, dtype=dtype, device=weight_device(None)))
-        init_partitioned_weight(param, shape, 0, self.tp_group, init)
-        return param
+        return row_sharded_parameter(shape, init, dtype, self.tp_group)
 
     def forward(
         self,

@@ -70,8 +70,7 @@ from mp_layers.config import TransformerConfig
 from mp_layers.config_hybrid import mamba_widths
 from mp_layers.context_parallel.head_split import HeadSplit
 from mp_layers.groups import ModelGroups
-from mp_layers.tensor_parallel import ColumnParallelLinear, init_partitioned_weight
-from mp_layers.tensor_parallel.deferred_init import weight_device
+from mp_layers.tensor_parallel import ColumnParallelLinear, row_sharded_parameter
 from mp_layers.transformer.causal_conv import causal_conv_silu
 from mp_layers.transformer.kv_cache import KVCache
 from mp_layers.transformer.mamba_context_parallel import Split, check_split
@@ -152,10 +151,7 @@ class MambaMixer(torch.nn.Module):
 
     def _sharded(self, shape: tuple[int, ...], init, dtype: torch.dtype) -> torch.nn.Parameter:
         """This rank's piece (split along dimension 0) of a tensor of `shape`."""
-        local = (shape[0] // self.tp_group.size, *shape[1:])
-        param = torch.nn.Parameter(torch.empty(local, dtype=dtype, device=weight_device(None)))
-        init_partitioned_weight(param, shape, 0, self.tp_group, init)
-        return param
+        return row_sharded_parameter(shape, init, dtype, self.tp_group)
 
     def forward(
         self, x: torch.Tensor, kv_cache: KVCache | None = None, layer: int = 0,
