@@ -1,4 +1,5 @@
-"""Activation recompute gives the same loss and gradients as none, dropout included."""
+"""Activation recompute gives the same loss and gradients as none, dropout included; the
+modules it names (recompute_modules, Megatron's) run again in backward, and no other."""
 
 import pytest
 import torch
@@ -8,6 +9,7 @@ from mp_layers import GPTModel, ModelGroups, TransformerConfig
 from mp_layers.moe import MoELayer
 from mp_layers.transformer.core_attention import CoreAttention
 from mp_layers.transformer.layer import TransformerLayer
+from mp_layers.transformer.mlp import MLP
 from mp_state import TENSOR_PARALLEL_RNG, ParallelConfig, RNGStatesTracker
 from mp_state.testing import run_on_ranks
 
@@ -31,6 +33,9 @@ RECOMPUTE = {
                          recompute_num_layers=2),
     "selective": dict(recompute_granularity="selective"),
     "moe_layer": dict(moe_layer_recompute=True),
+    # Megatron's --recompute-modules: the dense MLPs with core attention; the MoE layers alone
+    "modules_mlp": dict(recompute_granularity="selective", recompute_modules=["core_attn", "mlp"]),
+    "modules_moe": dict(recompute_granularity="selective", recompute_modules=["moe"]),
 }  # fmt: skip
 
 
@@ -44,9 +49,10 @@ def step(style: str, recompute: str, groups=None, tracker=None, **extra):
         tracker.add(TENSOR_PARALLEL_RNG, 77)
     groups = groups or ModelGroups.single()
     model = GPTModel(config, "local", VOCAB, SEQ, groups=groups, rng_tracker=tracker).train()
-    calls = {"layer": 0, "core_attention": 0, "moe": 0}
+    calls = {"layer": 0, "core_attention": 0, "moe": 0, "mlp": 0}
     for module in model.modules():
-        kinds = {TransformerLayer: "layer", CoreAttention: "core_attention", MoELayer: "moe"}
+        kinds = {TransformerLayer: "layer", CoreAttention: "core_attention", MoELayer: "moe",
+                 MLP: "mlp"}  # fmt: skip
         kind = kinds.get(type(module))
         if kind:
             # A pre-hook: a recomputation stops as soon as it has rebuilt every saved
@@ -61,9 +67,11 @@ def step(style: str, recompute: str, groups=None, tracker=None, **extra):
     return loss.detach(), grads, calls
 
 
+_MOE_ONLY = {"moe_layer", "modules_moe"}
 CASES = [(style, recompute) for style in STYLES for recompute in RECOMPUTE
-         if recompute != "none" and (recompute == "moe_layer") == (style == "moe")]  # fmt: skip
-CASES.append(("moe", "full_uniform_1"))
+         if recompute not in ("none", "modules_mlp")
+         and (recompute in _MOE_ONLY) == (style == "moe")]  # fmt: skip
+CASES += [("moe", "full_uniform_1"), ("llama", "modules_mlp")]
 
 
 @pytest.mark.parametrize(("style", "recompute"), CASES)
@@ -74,11 +82,16 @@ def test_recompute_equals_no_recompute(style, recompute):
     for name, grad in want_grads.items():
         torch.testing.assert_close(grads[name], grad, rtol=1e-6, atol=1e-7, msg=name)
     # The recomputation really happened: layers (or core attention) ran again in backward.
-    recomputed = {"full_uniform_1": ("layer", 3), "full_uniform_2": ("layer", 3),
-                  "full_block_2": ("layer", 2), "selective": ("core_attention", 3),
-                  "moe_layer": ("moe", 2)}  # fmt: skip
-    kind, again = recomputed[recompute]
-    assert calls[kind] == plain_calls[kind] + again
+    recomputed = {"full_uniform_1": {"layer": 3}, "full_uniform_2": {"layer": 3},
+                  "full_block_2": {"layer": 2}, "selective": {"core_attention": 3},
+                  "moe_layer": {"moe": 2}, "modules_mlp": {"core_attention": 3, "mlp": 3},
+                  "modules_moe": {"moe": 2}}  # fmt: skip
+    if recompute.startswith(("full", "moe_layer")):  # (a layer's modules run again with it)
+        kind, again = next(iter(recomputed[recompute].items()))
+        assert calls[kind] == plain_calls[kind] + again
+    else:  # these modules run again, no other
+        again = recomputed[recompute]
+        assert {k: calls[k] - plain_calls[k] for k in calls} == {k: again.get(k, 0) for k in calls}
 
 
 def test_dropout_masks_follow_the_seeds():

@@ -186,3 +186,12 @@ def test_weight_decay_of_the_query_and_key_norms_both_spellings():
         parse_config([*MODEL, "--no-apply-wd-to-qk-layernorm", "--no-weight-decay-cond-type",
                       "apply_wd_to_qk_layernorm"])  # fmt: skip
     assert parse_config([*MODEL, "--deterministic-mode"]).training.deterministic_mode
+
+
+def test_recompute_modules_take_megatrons_list():
+    """--recompute-modules takes Megatron's space-separated names."""
+    line = [*MODEL, "--recompute-granularity", "selective", "--recompute-modules", "core_attn",
+            "mlp"]  # fmt: skip
+    model = parse_config(line).model
+    assert model.recompute_modules == ["core_attn", "mlp"] and model.recomputes("mlp")
+    assert not parse_config(MODEL).model.recomputes("core_attn")  # no selective recompute

@@ -24,6 +24,7 @@ from mp_layers.config_hybrid import (
 from mp_layers.config_linear_attention import (
     check_linear_attention,
     check_linear_attention_parallel,
+    check_recompute_modules,
 )
 from mp_layers.config_mla import check_mla
 from mp_layers.config_moe import check_expert_parallel, check_moe
@@ -467,6 +468,15 @@ class TransformerConfig:
     recompute_num_layers: int | None = None
     """Layers per recompute group (uniform) or recomputed layers per stage (block)."""
 
+    recompute_modules: list[str] | None = None
+    """What selective recompute recomputes (Megatron's --recompute-modules): "core_attn"
+    (core attention), "mlp" (a dense MLP), "moe" (a MoE layer, as moe_layer_recompute),
+    "gdn_norm_out" (a gated DeltaNet's output norm, which mp's DeltaNet always computes
+    again with its rule in training: accepted, no change). None: ["core_attn"], Megatron's
+    default. As in Megatron it changes nothing without recompute_granularity='selective'.
+    Megatron's "moe_act", "layernorm", "mla_up_proj", "shared_experts", "gdp_in_proj",
+    "gdp_qkv" and "mhc" are refused, naming them."""
+
     # --- Mixture of experts (Megatron's --num-experts and --moe-* options) ---------------
 
     num_moe_experts: int | None = field(
@@ -638,6 +648,12 @@ class TransformerConfig:
         check_moe(self)
         check_hybrid(self)
         check_linear_attention(self)
+        check_recompute_modules(self)
+
+    def recomputes(self, module: str) -> bool:
+        """Whether selective recompute covers `module` (a name of recompute_modules)."""
+        modules = ["core_attn"] if self.recompute_modules is None else self.recompute_modules
+        return self.recompute_granularity == "selective" and module in modules
 
     def _check_recompute(self) -> None:
         granularity, method, n = (

@@ -106,7 +106,9 @@ def _check_router(config: TransformerConfig) -> None:
         ("aux_loss", "seq_aux_loss", "global_aux_loss", "none"),
     )  # fmt: skip
     if config.moe_router_load_balancing_type == "global_aux_loss" and (
-        config.recompute_granularity == "full" or config.moe_layer_recompute
+        config.recompute_granularity == "full"
+        or config.moe_layer_recompute
+        or config.recomputes("moe")
     ):
         raise ValueError(
             "moe_router_load_balancing_type='global_aux_loss' with a recomputed router "

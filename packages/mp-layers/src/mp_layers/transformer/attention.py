@@ -128,7 +128,7 @@ class SelfAttention(torch.nn.Module):
             )  # fmt: skip
         # Selective recompute (Korthikanti et al.): core attention's activations grow with
         # s^2 but cost little to recompute, so only they are recomputed in backward.
-        self.recompute_core_attention = config.recompute_granularity == "selective"
+        self.recompute_core_attention = config.recomputes("core_attn")
         self.rng_tracker = rng_tracker
         self.linear_proj = residual_projection(
             config, tp_group, config.num_attention_heads * self.d

@@ -80,8 +80,10 @@ class TransformerLayer(torch.nn.Module):
             self.pre_mlp_layernorm = spec.norm(config, None)
             self.mlp = spec.moe(config, groups) if is_moe else spec.mlp(config, groups.tp)
         # Megatron's --moe-layer-recompute; a full recompute reruns the whole layer already.
-        self.recompute_mlp = (
-            is_moe and config.moe_layer_recompute and config.recompute_granularity != "full"
+        # and selective recompute's "mlp" and "moe" (recompute_modules)
+        moe_recompute = config.moe_layer_recompute or config.recomputes("moe")
+        self.recompute_mlp = config.recompute_granularity != "full" and (
+            (is_moe and moe_recompute) or (not is_moe and config.recomputes("mlp"))
         )
 
     def forward(

@@ -141,7 +141,7 @@ class MultiLatentAttention(torch.nn.Module):
             softmax_scale=mla_softmax_scale(config), params_dtype=config.params_dtype,
         )  # fmt: skip
         # Selective recompute (Korthikanti et al.): core attention only, as SelfAttention.
-        self.recompute_core_attention = config.recompute_granularity == "selective"
+        self.recompute_core_attention = config.recomputes("core_attn")
         self.rng_tracker = rng_tracker
         self.linear_proj = residual_projection(config, tp_group, n * self.dv)
 
