@@ -30,6 +30,7 @@ ASSETS = Path(__file__).resolve().parents[1] / "packages/mp-ckpt/tests/assets/me
                                   "hybrid_torch_dist_tp2", "hybrid_torch_tp2",
                                   "hybrid_mtp_torch_dist_tp2", "hybrid_mtp_torch_tp2",
                                   "qwen3_next_torch_dist_tp2", "qwen3_next_torch_tp2",
+                                  "qwen3_next_mtp_torch_dist_tp2",
                                   "hybrid_gdn_torch_dist_tp2", "hybrid_gdn_torch_tp2"])  # fmt: skip
 def test_imported_megatron_checkpoint_gives_megatron_logits(case, tmp_path):
     out = import_megatron(ASSETS / case, tmp_path / "mp")

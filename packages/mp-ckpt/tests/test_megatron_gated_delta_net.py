@@ -1,10 +1,11 @@
 """Megatron-LM's gated DeltaNet layers and gated attention to mp and back: the fixtures
 qwen3_next_torch_dist_tp2 and qwen3_next_torch_tp2 (one GPT model written by megatron-core
 at TP2 in both formats: a DeltaNet layer with MoE, a gated softmax layer with query/key
-norms), and hybrid_gdn_* (a HybridModel "MG*E": Mamba, gated DeltaNet, attention and MoE
-layers), import to the same tensors from either format, export to torch_dist files
-holding the fixture's keys and shapes and to legacy files equal to megatron-core's, and
-come back tensor-exact. (mp's logits from them: tests/test_megatron_import_logits.py; megatron-core
+norms; qwen3_next_mtp_torch_dist_tp2 with a multi-token prediction module), and
+hybrid_gdn_* (a HybridModel "MG*E": Mamba, gated DeltaNet, attention and MoE layers),
+import to the same tensors from either format, export to torch_dist files holding the
+fixture's keys and shapes and to legacy files equal to megatron-core's, and come back
+tensor-exact. (mp's logits from them: tests/test_megatron_import_logits.py; megatron-core
 loading the exports: assets/megatron/load_export.py, README.md.)"""
 
 from pathlib import Path
@@ -20,6 +21,7 @@ from mp_ckpt.megatron.write import export_megatron
 ASSETS = Path(__file__).parent / "assets" / "megatron"
 DIST, LEGACY = ASSETS / "qwen3_next_torch_dist_tp2", ASSETS / "qwen3_next_torch_tp2"
 HYBRID_DIST, HYBRID_LEGACY = ASSETS / "hybrid_gdn_torch_dist_tp2", ASSETS / "hybrid_gdn_torch_tp2"
+MTP_DIST = ASSETS / "qwen3_next_mtp_torch_dist_tp2"  # DIST's model with an MTP module
 _IN_PROJ, _QKV = (
     "self_attention.in_proj.layer_norm_weight",
     "self_attention.linear_qkv.layer_norm_weight",
@@ -29,6 +31,7 @@ _IN_PROJ, _QKV = (
 # for); a hybrid model's norms also under the local spec's names
 _MORE_NAMES = {
     DIST: {_IN_PROJ: (_QKV,), _QKV: (_IN_PROJ,)},
+    MTP_DIST: {_IN_PROJ: (_QKV,), _QKV: (_IN_PROJ,)},
     HYBRID_DIST: {_IN_PROJ: (_QKV, "input_layernorm.weight"),
                   _QKV: (_IN_PROJ, "input_layernorm.weight"),
                   "mixer.in_proj.layer_norm_weight": ("norm.weight",),
@@ -98,7 +101,8 @@ def test_both_formats_import_to_one_model_in_mps_names():
                        whole[gdn + "in_proj.layer_norm_weight"])  # fmt: skip
 
 
-@pytest.mark.parametrize(("fixture", "tp"), [(DIST, 1), (DIST, 2), (HYBRID_DIST, 2)])
+@pytest.mark.parametrize(("fixture", "tp"),
+                         [(DIST, 1), (DIST, 2), (HYBRID_DIST, 2), (MTP_DIST, 2)])  # fmt: skip
 def test_torch_dist_export_holds_megatrons_keys_and_comes_back_exact(fixture, tp, tmp_path):
     import_megatron(fixture, tmp_path / "mp")
     out = export_megatron(tmp_path / "mp", tmp_path / "meg", tensor_model_parallel_size=tp)
@@ -112,7 +116,7 @@ def test_torch_dist_export_holds_megatrons_keys_and_comes_back_exact(fixture, tp
         assert ours[key] == shape, key
     model = read_megatron(tmp_path / "meg")
     assert model.args.tensor_model_parallel_size == tp
-    if fixture == DIST:
+    if fixture in (DIST, MTP_DIST):
         assert model.args.experimental_attention_variant == "gated_delta_net"
         assert model.args.attention_output_gate
     else:  # a hybrid model's G layers: the widths alone

@@ -224,6 +224,8 @@ CASES = {
     # the Qwen3-Next-shaped model at TP2 (sequence parallelism: MoE under TP), both formats
     "qwen3_next_torch_dist_tp2": Case(QWEN3_NEXT, "torch_dist", 2, 1, False, extra=SP),
     "qwen3_next_torch_tp2": Case(QWEN3_NEXT, "torch", 2, 1, False, extra=SP),
+    # with one multi-token prediction module (its layer shaped as the last: gated attention)
+    "qwen3_next_mtp_torch_dist_tp2": Case(QWEN3_NEXT, "torch_dist", 2, 1, False, extra=(*MTP, *SP)),
     # its Adam state: without the distributed optimizer (legacy), and with it at TP2 x DP2
     # in several buckets (torch_dist)
     "qwen3_next_optim_torch_tp2": Case(QWEN3_NEXT_STATE, "torch", 2, 1, False, extra=SP),
