@@ -118,12 +118,7 @@ class TrainingConfig:
     """Random seed of the run."""
 
     deterministic_mode: bool = False
-    """Bit-exact repeatable execution (Megatron's --deterministic-mode): NCCL_ALGO,
-    CUBLAS_WORKSPACE_CONFIG and NVTE_ALLOW_NONDETERMINISTIC_ALGO checked and, where unset,
-    given Megatron's deterministic values before the process group forms, and
-    torch.use_deterministic_algorithms on, so an operation without a deterministic
-    implementation raises naming itself (mp_state.apply_deterministic_mode). mp's model
-    code has no faster nondeterministic variant to leave out."""
+    """Megatron's --deterministic-mode, at start-up (mp_state.apply_deterministic_mode)."""
 
     lazy_mpu_init: bool = False
     """Megatron's --lazy-mpu-init: mp_train.initialize() does not start torch.distributed,

@@ -171,10 +171,9 @@ def _mtp_module(m: TransformerConfig, *, active: bool = False) -> Held:
     the model's last layer's kind, or a hybrid model's pattern's)."""
     h = m.hidden_size
     module = Held(split=2 * h * h, whole=3 * h * _norm(m))
+    last = layer_kinds(m)[-1]  # a transformer layer is shaped as the last (a DeltaNet's too)
     for kind, moe in mtp_layer_kinds(m):
-        if kind == "transformer":  # shaped as the last layer (a gated DeltaNet's too)
-            kind = layer_kinds(m)[-1]
-        module += _layer(m, kind, moe, active=active)
+        module += _layer(m, last if kind == "transformer" else kind, moe, active=active)
     return module
 
 
