@@ -1,12 +1,12 @@
 """The tiny DeepSeek-V3 (apps/gpt/configs/tiny-deepseek-v3.yaml: MLA with a query latent
 and YaRN, a dense and a MoE layer with sigmoid group-limited routing, the expert bias and
 a shared expert, one MTP module) trains through pretrain_gpt to the one-rank curve at
-every layout (CP2 with p2p and a2a; MLA's all_gather is checked layer by layer in
-packages/mp-layers/tests/test_mla_layouts.py): the language model's loss, the MTP
-module's and the per-sequence balancing loss, every iteration of 8, within 1e-5
-relative (fp32, no dropout, mock data); and from a checkpoint saved at PP2 and resumed
-at TP2. The MTP loss reaches
-TensorBoard under Megatron's tag, `mtp_1 loss`, every iteration."""
+every layout (CP2 with p2p and a2a; TP2 with Megatron's fine-grained recompute; MLA's
+all_gather is checked layer by layer in packages/mp-layers/tests/test_mla_layouts.py):
+the language model's loss, the MTP module's and the per-sequence balancing loss, every
+iteration of 8, within 1e-5 relative (fp32, no dropout, mock data); and from a checkpoint
+saved at PP2 and resumed at TP2. The MTP loss reaches TensorBoard under Megatron's tag,
+`mtp_1 loss`, every iteration."""
 
 from pathlib import Path
 
@@ -43,6 +43,11 @@ LAYOUTS = {
     "cp2-p2p": (2, ["--context-parallel-size", "2", "--cp-comm-type", "p2p"]),
     "cp2-a2a": (2, ["--context-parallel-size", "2", "--cp-comm-type", "a2a"]),
     "dp2-distopt": (2, ["--use-distributed-optimizer"]),
+    # Megatron's fine-grained recompute of DeepSeek-V3 (outputs discarded and rebuilt)
+    "tp2-sp-recompute-modules": (2, [
+        "--tensor-model-parallel-size", "2", "--sequence-parallel",
+        "--recompute-granularity", "selective", "--recompute-modules", "mla_up_proj",
+        "layernorm", "moe_act", "shared_experts"]),
 }  # fmt: skip
 
 

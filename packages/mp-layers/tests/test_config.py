@@ -67,10 +67,15 @@ def test_defaults_follow_megatron():
          "attn_temperature_floor_scale=8 scales the queries of the layers without rotary "
          "embeddings: it needs no_rope_freq"),
         (dict(attn_temperature_scale=0.2), "attn_temperature_scale=0.2 needs attn_temperature_"),
-        (dict(recompute_modules=["core_attn", "layernorm"]),
-         r"recompute_modules: 'layernorm' \(the norms alone\) is not implemented"),
+        (dict(recompute_modules=["core_attn", "mhc"]),
+         r"recompute_modules: 'mhc' \(hyper-connections\) is not implemented"),
         (dict(recompute_modules=["attention"]), "recompute_modules: 'attention' is not one of"),
-        (dict(recompute_modules=["gdn_norm_out"]), "'gdn_norm_out' needs gated DeltaNet"),
+        (dict(recompute_granularity="selective", recompute_modules=["gdn_norm_out"]),
+         "'gdn_norm_out' needs gated DeltaNet"),
+        (dict(recompute_granularity="selective", recompute_modules=["moe_act"]),
+         r"'moe_act' needs moe_grouped_gemm \(--moe-grouped-gemm\)"),
+        (dict(recompute_granularity="selective", recompute_modules=["mla_up_proj"]),
+         r"'mla_up_proj' needs multi_latent_attention"),
         (dict(hybrid_layer_pattern="M*-D"), r"'D' \(DeepSeek sparse attention layers\) is "
                                              "not implemented"),
         (dict(hybrid_layer_pattern="M*-G", activation="swiglu", linear_num_value_heads=6),

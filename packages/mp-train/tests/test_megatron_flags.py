@@ -195,3 +195,15 @@ def test_recompute_modules_take_megatrons_list():
     model = parse_config(line).model
     assert model.recompute_modules == ["core_attn", "mlp"] and model.recomputes("mlp")
     assert not parse_config(MODEL).model.recomputes("core_attn")  # no selective recompute
+
+
+def test_shared_experts_recompute_refuses_the_overlap_flag():
+    """Megatron-LM's rule: --recompute-modules shared_experts and --moe-shared-expert-overlap
+    exclude each other (the overlap flag alone is accepted without effect)."""
+    moe = [*MODEL, "--num-experts", "4", "--moe-shared-expert-intermediate-size", "32",
+           "--disable-bias-linear",
+           "--recompute-granularity", "selective", "--moe-shared-expert-overlap"]  # fmt: skip
+    assert parse_config([*moe, "--recompute-modules", "layernorm"]).model.recomputes(
+        "layernorm")  # fmt: skip
+    with pytest.raises(ValueError, match="shared_experts cannot work with --moe-shared-expert"):
+        parse_config([*moe, "--recompute-modules", "shared_experts"])

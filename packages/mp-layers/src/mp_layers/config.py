@@ -24,11 +24,11 @@ from mp_layers.config_hybrid import (
 from mp_layers.config_linear_attention import (
     check_linear_attention,
     check_linear_attention_parallel,
-    check_recompute_modules,
 )
 from mp_layers.config_mla import check_mla
 from mp_layers.config_moe import check_expert_parallel, check_moe
 from mp_layers.config_mtp import check_mtp
+from mp_layers.config_recompute import check_recompute_modules
 from mp_layers.config_rules import choice as _choice
 from mp_layers.config_rules import positive as _positive
 
@@ -471,11 +471,14 @@ class TransformerConfig:
     recompute_modules: list[str] | None = None
     """What selective recompute recomputes (Megatron's --recompute-modules): "core_attn"
     (core attention), "mlp" (a dense MLP), "moe" (a MoE layer, as moe_layer_recompute),
-    "gdn_norm_out" (a gated DeltaNet's output norm, which mp's DeltaNet always computes
-    again with its rule in training: accepted, no change). None: ["core_attn"], Megatron's
-    default. As in Megatron it changes nothing without recompute_granularity='selective'.
-    Megatron's "moe_act", "layernorm", "mla_up_proj", "shared_experts", "gdp_in_proj",
-    "gdp_qkv" and "mhc" are refused, naming them."""
+    "shared_experts" (a MoE layer's shared experts); with their outputs discarded too
+    (config_recompute.py): "layernorm" (a layer's input and pre-MLP norms), "moe_act" (the
+    experts' activation; needs moe_grouped_gemm), "mla_up_proj" (multi-latent attention's
+    up projections and rotary embeddings); "gdn_norm_out" (a gated DeltaNet's output
+    norm, which mp's DeltaNet always computes again with its rule in training: accepted,
+    no change). None: ["core_attn"], Megatron's default. As in Megatron it changes nothing
+    without recompute_granularity='selective'. Megatron's "gdp_in_proj", "gdp_qkv" and
+    "mhc" are refused, naming them."""
 
     # --- Mixture of experts (Megatron's --num-experts and --moe-* options) ---------------
 

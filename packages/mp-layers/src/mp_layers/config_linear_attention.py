@@ -20,21 +20,7 @@ if TYPE_CHECKING:
     from mp_layers.config import TransformerConfig
 
 __all__ = ["check_linear_attention", "check_linear_attention_parallel",
-           "check_recompute_modules", "has_gated_delta_nets",
-           "linear_attention_layer_pattern"]  # fmt: skip
-
-RECOMPUTE_MODULES = ("core_attn", "mlp", "moe", "gdn_norm_out")
-"""The names of recompute_modules mp honours (TransformerConfig.recompute_modules)."""
-_REFUSED_RECOMPUTE = {
-    "moe_act": "the experts' activation alone",
-    "layernorm": "the norms alone",
-    "mla_up_proj": "multi-latent attention's up projections alone",
-    "shared_experts": "the shared experts alone",
-    "gdp_in_proj": "gated DeltaProduct layers",
-    "gdp_qkv": "gated DeltaProduct layers",
-    "mhc": "hyper-connections",
-}
-"""Megatron's other recompute_modules, refused naming what they would recompute."""
+           "has_gated_delta_nets", "linear_attention_layer_pattern"]  # fmt: skip
 
 _REFUSED = {
     "gdn2": "the gated DeltaNet-2 variant",
@@ -59,27 +45,6 @@ def linear_attention_layer_pattern(config: TransformerConfig) -> list[bool]:
     if isinstance(freq, int) and not isinstance(freq, bool):
         return [(i + 1) % freq != 0 for i in range(n)]
     return [bool(x) for x in freq]
-
-
-def check_recompute_modules(config: TransformerConfig) -> None:
-    """recompute_modules' names (Megatron's rules: gdn_norm_out needs gated DeltaNets)."""
-    modules = config.recompute_modules
-    if modules is None:
-        return
-    if isinstance(modules, str) or not all(isinstance(m, str) for m in modules):
-        raise ValueError(f"recompute_modules={modules!r} must be a list of module names")
-    for module in modules:
-        if module in _REFUSED_RECOMPUTE:
-            raise ValueError(
-                f"recompute_modules: {module!r} ({_REFUSED_RECOMPUTE[module]}) is not "
-                f"implemented; mp recomputes {', '.join(RECOMPUTE_MODULES)}"
-            )
-        if module not in RECOMPUTE_MODULES:
-            raise ValueError(f"recompute_modules: {module!r} is not one of "
-                             f"{', '.join(RECOMPUTE_MODULES)}")  # fmt: skip
-    if "gdn_norm_out" in modules and not has_gated_delta_nets(config):
-        raise ValueError("recompute_modules: 'gdn_norm_out' needs gated DeltaNet layers "
-                         "(Megatron's rule)")  # fmt: skip
 
 
 def check_linear_attention(config: TransformerConfig) -> None:

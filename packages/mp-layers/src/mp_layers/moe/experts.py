@@ -43,6 +43,7 @@ from mp_ckpt import ShardedTensor
 from mp_layers.config import TransformerConfig
 from mp_layers.tensor_parallel import deferred_init, initialization
 from mp_layers.transformer.mlp import activate
+from mp_layers.transformer.output_recompute import OutputRecompute
 from mp_state import RankGroup
 
 __all__ = ["GroupedExperts", "grouped_matmul", "is_expert_key"]
@@ -58,6 +59,9 @@ class GroupedExperts(torch.nn.Module):
         self.config = config
         self.ep, self.etp = ep, etp
         self.gated = config.gated_linear_unit
+        # selective "moe_act": the activation's output (fc2's input) discarded once fc2
+        # saved it (output_recompute.py)
+        self.recompute_activation = config.recomputes("moe_act")
         self.width = config.hidden_size if width is None else width
         experts, f, h = config.num_moe_experts, config.moe_ffn_hidden_size, self.width
         self.num_local = experts // ep.size
@@ -108,11 +112,16 @@ class GroupedExperts(torch.nn.Module):
         inner = grouped_matmul(tokens, fc1.weight.transpose(1, 2), counts, grouped)
         if fc1.bias is not None:
             inner = inner + _per_copy(fc1.bias, counts)
-        weighted = activate(self.config, inner) * p
+        kept = OutputRecompute(self.recompute_activation and self.training)
+        weighted = kept.run(self._activate, inner, p)
         out = grouped_matmul(weighted, fc2.weight.transpose(1, 2), counts, grouped)
+        kept.discard(out)
         if fc2.bias is not None:
             out = out + _AddedOnce.apply(_per_copy(fc2.bias, counts), self.etp.rank == 0) * p
         return out
+
+    def _activate(self, inner: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        return activate(self.config, inner) * p
 
     def sharded_state_dict(self, prefix: str = "") -> dict[str, ShardedTensor]:
         experts = self.config.num_moe_experts

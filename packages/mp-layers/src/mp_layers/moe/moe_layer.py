@@ -29,6 +29,7 @@ from mp_layers.moe.latent import LatentProjection
 from mp_layers.moe.router import TopKRouter
 from mp_layers.transformer.eager import eager_when_compiled
 from mp_layers.transformer.mlp import MLP
+from mp_layers.transformer.recompute import checkpointed
 
 __all__ = ["MoELayer", "SharedExperts"]
 
@@ -56,6 +57,7 @@ class MoELayer(torch.nn.Module):
         self.shared_experts = None
         if config.moe_shared_expert_intermediate_size is not None:
             self.shared_experts = SharedExperts(config, groups)
+        self.recompute_shared = config.recomputes("shared_experts")  # (no random draws)
 
     # Eager inside a compiled layer: the tokens each expert receives depend on the
     # routing (data-dependent shapes, a recompile or graph break every iteration).
@@ -73,7 +75,10 @@ class MoELayer(torch.nn.Module):
             out = self.fc2_latent_proj(out)
         out = out.view(s, b, h)
         if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
+            if self.recompute_shared and self.training and torch.is_grad_enabled():
+                out = out + checkpointed(self.shared_experts, None, x)
+            else:
+                out = out + self.shared_experts(x)
         return out, None
 
     def sharded_state_dict(self, prefix: str = "") -> dict[str, ShardedTensor]:

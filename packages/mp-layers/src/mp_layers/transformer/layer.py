@@ -27,6 +27,7 @@ from mp_layers.tensor_parallel import replicated_state_dict
 from mp_layers.transformer.kv_cache import KVCache
 from mp_layers.transformer.layer_hooks import building_layer, layer_built
 from mp_layers.transformer.mamba_layer import MambaLayer
+from mp_layers.transformer.output_recompute import OutputRecompute
 from mp_layers.transformer.recompute import checkpointed
 from mp_layers.transformer.residual import check_dropout_stream, hidden_dropout
 from mp_layers.transformer.rope import Rotary
@@ -85,6 +86,9 @@ class TransformerLayer(torch.nn.Module):
         self.recompute_mlp = config.recompute_granularity != "full" and (
             (is_moe and moe_recompute) or (not is_moe and config.recomputes("mlp"))
         )
+        # selective "layernorm": both norms' outputs discarded once attention and the MLP
+        # saved them (output_recompute.py)
+        self.recompute_norms = config.recomputes("layernorm")
 
     def forward(
         self,
@@ -93,17 +97,22 @@ class TransformerLayer(torch.nn.Module):
         attention_mask: torch.Tensor | None = None,
         kv_cache: KVCache | None = None,
     ) -> torch.Tensor:
+        norms = self.recompute_norms and self.training
         if self.self_attention is not None:
-            normed = self.input_layernorm(x)
+            kept = OutputRecompute(norms)
+            normed = kept.run(self.input_layernorm, x)
             out, bias = self.self_attention(normed, rotary, attention_mask, kv_cache)
+            kept.discard(out)
             x = x + self._dropout(out if bias is None else out + bias)
         if self.mlp is None:
             return x
-        mlp_input = self.pre_mlp_layernorm(x)
+        kept = OutputRecompute(norms)
+        mlp_input = kept.run(self.pre_mlp_layernorm, x)
         if self.recompute_mlp and self.training and torch.is_grad_enabled():
             out, bias = checkpointed(self.mlp, self.rng_tracker, mlp_input)
         else:
             out, bias = self.mlp(mlp_input)
+        kept.discard(out)
         return x + self._dropout(out if bias is None else out + bias)
 
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:

@@ -63,6 +63,7 @@ from mp_layers.tensor_parallel import (
 )
 from mp_layers.transformer.kv_cache import KVCache
 from mp_layers.transformer.mlp import residual_projection
+from mp_layers.transformer.output_recompute import OutputRecompute
 from mp_layers.transformer.recompute import checkpointed
 from mp_layers.transformer.rope import Rotary, apply_rotary_pos_emb, yarn_mscale, yarn_scaling
 from mp_state import RankGroup, RNGStatesTracker
@@ -142,6 +143,7 @@ class MultiLatentAttention(torch.nn.Module):
         )  # fmt: skip
         # Selective recompute (Korthikanti et al.): core attention only, as SelfAttention.
         self.recompute_core_attention = config.recomputes("core_attn")
+        self.recompute_up_proj = config.recomputes("mla_up_proj")
         self.rng_tracker = rng_tracker
         self.linear_proj = residual_projection(config, tp_group, n * self.dv)
 
@@ -160,13 +162,9 @@ class MultiLatentAttention(torch.nn.Module):
                 "multi-latent attention needs rotary embeddings of qk_pos_emb_head_dim "
                 "channels (GPTModel's with position_embedding_type 'rope')"
             )
-        if self.linear_q_proj is not None:
-            q, _ = self.linear_q_proj(x)
-        else:
-            q, _ = self.linear_q_up_proj(self.q_layernorm(self.linear_q_down_proj(x)[0]))
-        s, b = q.shape[:2]
-        q = q.view(s, b, self.heads, self.dn + self.dr)
-        q_nope, q_rope = q.split([self.dn, self.dr], dim=-1)
+        # the queries' input: x, or their latent after q_layernorm
+        q_in = x if self.linear_q_proj is not None else self.q_layernorm(
+            self.linear_q_down_proj(x)[0])  # fmt: skip
         latent, _ = self.linear_kv_down_proj(x)  # [s(/tp), b, r + dr]
         c, k_rope = latent.split([self.r, self.dr], dim=-1)
         c = self.kv_layernorm(c)
@@ -174,20 +172,43 @@ class MultiLatentAttention(torch.nn.Module):
             k_rope = gather_from_sequence_parallel_region(k_rope, self.tp_group)
         else:
             k_rope = copy_to_tensor_model_parallel_region(k_rope, self.tp_group)
-        q_rope = apply_rotary_pos_emb(_pairs_as_halves(q_rope), rotary)
-        k_rope = apply_rotary_pos_emb(_pairs_as_halves(k_rope)[:, :, None], rotary)
         if kv_cache is not None:
+            q_nope, q_rope = self._queries(q_in, rotary)
+            k_rope = apply_rotary_pos_emb(_pairs_as_halves(k_rope)[:, :, None], rotary)
             return self._attend_latents(q_nope, q_rope, c, k_rope, attention_mask, kv_cache)
-        kv, _ = self.linear_kv_up_proj(c)
-        k_nope, v = kv.view(s, b, self.heads, self.dn + self.dv).split([self.dn, self.dv], -1)
-        query = torch.cat([q_nope, q_rope], dim=-1)
-        key = torch.cat([k_nope, k_rope.expand(s, b, self.heads, self.dr)], dim=-1)
+        # selective "mla_up_proj": the queries, keys and values discarded once core
+        # attention saved them (output_recompute.py)
+        kept = OutputRecompute(self.recompute_up_proj and self.training)
+        query, key, v = kept.run(functools.partial(self._up_projections, rotary=rotary),
+                                 q_in, c, k_rope)  # fmt: skip
         if self.recompute_core_attention and self.training and torch.is_grad_enabled():
             context = checkpointed(self.core_attention, self.rng_tracker, query, key, v,
                                    attention_mask)  # fmt: skip
         else:
             context = self.core_attention(query, key, v, attention_mask)
+        kept.discard(context)
         return self.linear_proj(context)
+
+    def _queries(self, q_in: torch.Tensor, rotary: Rotary) -> tuple[torch.Tensor, torch.Tensor]:
+        """q_in [s(/tp), b, rq or h] -> q_nope [s, b, nl, dn], rotated q_rope [s, b, nl, dr]."""
+        up = self.linear_q_proj if self.linear_q_proj is not None else self.linear_q_up_proj
+        q, _ = up(q_in)
+        s, b = q.shape[:2]
+        q_nope, q_rope = q.view(s, b, self.heads, self.dn + self.dr).split([self.dn, self.dr], -1)
+        return q_nope, apply_rotary_pos_emb(_pairs_as_halves(q_rope), rotary)
+
+    def _up_projections(self, q_in, c, k_rope, rotary: Rotary):
+        """The up projections and rotary embeddings: q_in, c [s(/tp), b, r], k_rope
+        [s, b, dr] (gathered) -> query [s, b, nl, dn + dr], key [s, b, nl, dn + dr],
+        value [s, b, nl, dv]."""
+        q_nope, q_rope = self._queries(q_in, rotary)
+        s, b = q_nope.shape[:2]
+        k_rope = apply_rotary_pos_emb(_pairs_as_halves(k_rope)[:, :, None], rotary)
+        kv, _ = self.linear_kv_up_proj(c)
+        k_nope, v = kv.view(s, b, self.heads, self.dn + self.dv).split([self.dn, self.dv], -1)
+        query = torch.cat([q_nope, q_rope], dim=-1)
+        key = torch.cat([k_nope, k_rope.expand(s, b, self.heads, self.dr)], dim=-1)
+        return query, key, v
 
     def _attend_latents(self, q_nope, q_rope, c, k_rope, attention_mask, kv_cache: KVCache):
         """Attention of the new positions over the cache's latents (module docstring):

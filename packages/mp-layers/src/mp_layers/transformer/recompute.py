@@ -18,9 +18,17 @@ import torch
 from mp_layers.transformer.eager import eager_when_compiled
 from mp_state import RNGStatesTracker
 
-__all__ = ["checkpointed", "recomputing"]
+__all__ = ["checkpointed", "inside_checkpoint", "recomputing"]
 
 _reruns = 0
+_inside = 0
+
+
+def inside_checkpoint() -> bool:
+    """Whether a checkpointed function is running (its first run or its rerun): what it
+    calls keeps nothing for backward but through the checkpoint, so an output-discarding
+    recompute inside it (output_recompute.py) stands aside."""
+    return _inside > 0
 
 
 def recomputing() -> bool:
@@ -39,14 +47,20 @@ def checkpointed(function: Callable, rng_tracker: RNGStatesTracker | None, *args
 
     @contextlib.contextmanager
     def first_run() -> Iterator[None]:
+        global _inside
         if rng_tracker is not None:
             snapshot.update(rng_tracker.get_states())
-        yield
+        _inside += 1
+        try:
+            yield
+        finally:
+            _inside -= 1
 
     @contextlib.contextmanager
     def rerun() -> Iterator[None]:
-        global _reruns
+        global _reruns, _inside
         _reruns += 1
+        _inside += 1
         try:
             if rng_tracker is None:
                 yield
@@ -59,6 +73,7 @@ def checkpointed(function: Callable, rng_tracker: RNGStatesTracker | None, *args
                 rng_tracker.set_states(advanced)
         finally:
             _reruns -= 1
+            _inside -= 1
 
     return torch.utils.checkpoint.checkpoint(
         function, *args, use_reentrant=False, preserve_rng_state=True,

@@ -299,6 +299,7 @@ def apply(given: dict[str, Any], values: dict[str, dict[str, Any]]) -> list[str]
     if given.get("use_cpu_initialization") and device_draws:
         raise ValueError("--use-cpu-initialization and --use-device-initialization "
                          "disagree: give one")  # fmt: skip
+    _check_shared_expert_overlap(given, values["model"])
     if given.pop(_WD_COND, None) is not None:
         if given.get("apply_wd_to_qk_layernorm") is False:
             raise ValueError(f"{_option(_WD_COND)} apply_wd_to_qk_layernorm and "
@@ -308,6 +309,21 @@ def apply(given: dict[str, Any], values: dict[str, dict[str, Any]]) -> list[str]
     if _MTP_PATTERN in given and not _unify_mtp_pattern(given.pop(_MTP_PATTERN), given, values):
         ignored.append(_option(_MTP_PATTERN))
     return ignored
+
+
+def _check_shared_expert_overlap(given: dict[str, Any], model: dict[str, Any]) -> None:
+    """Megatron-LM's refusal of --moe-shared-expert-overlap with the shared experts
+    recomputed (their recompute cannot run beside the token dispatch there)."""
+
+    def value(field: str) -> Any:
+        return given.get(field, model.get(field))
+
+    if (given.get("moe_shared_expert_overlap")
+            and value("recompute_granularity") == "selective"
+            and "shared_experts" in (value("recompute_modules") or ())
+            and value("moe_shared_expert_intermediate_size") is not None):  # fmt: skip
+        raise ValueError("--recompute-modules shared_experts cannot work with "
+                         "--moe-shared-expert-overlap (Megatron-LM's rule): drop one")  # fmt: skip
 
 
 def _unify_mtp_pattern(module: str, given: dict[str, Any], values: dict) -> bool:

@@ -1,0 +1,64 @@
+"""Validation of TransformerConfig.recompute_modules (Megatron's --recompute-modules under
+--recompute-granularity selective) and the rules Megatron-LM sets on its names.
+
+Two kinds of recompute stand behind the names:
+
+- torch's activation checkpointing (transformer/recompute.py), which keeps a module's
+  inputs and runs it again in backward: "core_attn", "mlp", "moe", "shared_experts";
+- output-discarding recompute (transformer/output_recompute.py): a cheap function's output
+  is freed after the next module saved it and rebuilt when backward reaches that module:
+  "layernorm" (a layer's input and pre-MLP norms), "moe_act" (the experts' activation
+  and routing weight), "mla_up_proj" (multi-latent attention's up projections and
+  rotary embeddings).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from mp_layers.config_linear_attention import has_gated_delta_nets
+
+if TYPE_CHECKING:
+    from mp_layers.config import TransformerConfig
+
+__all__ = ["RECOMPUTE_MODULES", "check_recompute_modules"]
+
+RECOMPUTE_MODULES = ("core_attn", "mlp", "moe", "shared_experts", "layernorm", "moe_act",
+                     "mla_up_proj", "gdn_norm_out")  # fmt: skip
+"""The names of recompute_modules mp honours (TransformerConfig.recompute_modules)."""
+_REFUSED_RECOMPUTE = {
+    "gdp_in_proj": "gated DeltaProduct layers",
+    "gdp_qkv": "gated DeltaProduct layers",
+    "mhc": "hyper-connections",
+}
+"""Megatron's other recompute_modules, refused naming what they would recompute."""
+
+
+def check_recompute_modules(config: TransformerConfig) -> None:
+    """recompute_modules' names, with Megatron's rules: gdn_norm_out needs gated DeltaNets,
+    moe_act grouped experts (moe_grouped_gemm), mla_up_proj multi-latent attention."""
+    modules = config.recompute_modules
+    if modules is None:
+        return
+    if isinstance(modules, str) or not all(isinstance(m, str) for m in modules):
+        raise ValueError(f"recompute_modules={modules!r} must be a list of module names")
+    for module in modules:
+        if module in _REFUSED_RECOMPUTE:
+            raise ValueError(
+                f"recompute_modules: {module!r} ({_REFUSED_RECOMPUTE[module]}) is not "
+                f"implemented; mp recomputes {', '.join(RECOMPUTE_MODULES)}"
+            )
+        if module not in RECOMPUTE_MODULES:
+            raise ValueError(f"recompute_modules: {module!r} is not one of "
+                             f"{', '.join(RECOMPUTE_MODULES)}")  # fmt: skip
+    if config.recompute_granularity != "selective":
+        return  # as in Megatron, the names are not checked further without selective
+    rules = {
+        "gdn_norm_out": (has_gated_delta_nets(config), "gated DeltaNet layers"),
+        "moe_act": (config.moe_grouped_gemm, "moe_grouped_gemm (--moe-grouped-gemm)"),
+        "mla_up_proj": (config.multi_latent_attention,
+                        "multi_latent_attention (--multi-latent-attention)"),
+    }  # fmt: skip
+    for module, (holds, what) in rules.items():
+        if module in modules and not holds:
+            raise ValueError(f"recompute_modules: {module!r} needs {what} (Megatron's rule)")
