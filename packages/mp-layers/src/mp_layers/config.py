@@ -460,7 +460,8 @@ class TransformerConfig:
     """Split norms, dropouts and residuals along the sequence over the TP group (needs TP > 1)."""
 
     recompute_granularity: Literal["full", "selective"] | None = None
-    """Recompute activations in backward: whole layers, or only core attention."""
+    """Recompute activations in backward: whole layers, or the modules recompute_modules
+    names (core attention unless it names others)."""
 
     recompute_method: Literal["uniform", "block"] | None = None
     """With full recompute: checkpoint groups of layers (uniform) or the first N layers (block)."""

@@ -40,7 +40,8 @@ Activations (Korthikanti et al. 2022, "Reducing Activation Recomputation in Larg
 Transformer Models", Table 2, with f generalised as Megatron does): one layer and
 micro-batch stores 10sbh that tensor parallelism leaves whole (norm inputs, QKV and fc1
 inputs, dropout masks), sbh(8 + 4f/h) it splits, and the attention scores 5as^2b unless
-core attention is recomputed (selective):
+core attention is recomputed (selective, with core_attn among recompute_modules, the
+default):
 
     sequence parallel + selective   sbh(18 + 4f/h) / t         Megatron's compute_activation_memory
     sequence parallel               (sbh(18 + 4f/h) + 5as^2b) / t
@@ -48,6 +49,12 @@ core attention is recomputed (selective):
     no recompute                    sbh(10 + (8 + 4f/h) / t) + 5as^2b / t
     full recompute                  2sbh (/ t with sequence parallel) per checkpointed input,
                                     plus one recomputed group's activations during backward
+
+Selective recompute's other modules leave out what they rebuild in backward (Megatron's
+--recompute-modules): "layernorm" each norm's output 2sbh (whole), "mla_up_proj" the
+queries, keys and values 6sbh of attention's 8sbh, "mlp" and "moe" a recomputed MLP's
+split part, "moe_act" the routed experts' activation output 2kf_moe/h sbh,
+"shared_experts" the shared expert's 4f_shared/h sbh.
 
 The first stage keeps its layers with p micro-batches in flight (L layers' worth with
 an even split), plus the embedding's 8sb + sbh per in-flight micro-batch; all of it x (1
@@ -294,7 +301,8 @@ def _activation_bytes(
     def layer_bytes(kind: str, moe: bool) -> float:
         """Attention 5sbh whole, 8sbh + scores split; an MLP 5sbh whole, 4f/h sbh split
         (Korthikanti et al.'s 10sbh and (8 + 4f/h)sbh by sublayer); a Mamba layer
-        mp_train.estimate.hybrid's (its fp32 part / width: the total is x width below)."""
+        mp_train.estimate.hybrid's (its fp32 part / width: the total is x width below);
+        less what selective recompute's modules leave out (_recomputed_share)."""
         if kind == "mamba":
             whole, split, fp32 = mamba_activation(m, s, b)
             return stored(whole, split) + fp32 / tp / width
@@ -306,7 +314,8 @@ def _activation_bytes(
             extra = fp32 / tp / width
         if kind in ("transformer", "linear", "mlp", "moe"):
             whole, split = whole + 5 * sbh, split + 4 * _mlp_width(m, moe) / h * sbh
-        return stored(whole, split) + extra
+        less_whole, less_split = _recomputed_share(m, kind, moe, sbh)
+        return stored(whole - less_whole, split - less_split) + extra
 
     layer = sum(layer_bytes(kind, moe) for kind, moe in kinds) / len(kinds)  # the mean
     transient = 0.0
@@ -343,11 +352,44 @@ def _activation_bytes(
         mtp_layers = sum(layer_bytes(kind, moe) for kind, moe in mtp_layer_kinds(m))
         module = stored(4 * sbh, 0) if granularity == "full" else mtp_layers + stored(8 * sbh, 0)
         total += (m.mtp_num_layers or 0) * (module + output)
-    recompute = {None: "no recompute", "selective": "selective recompute"}.get(
+    selective = "selective recompute"
+    if m.recompute_modules is not None:  # (None: core_attn, Megatron's default)
+        selective += f" ({' '.join(m.recompute_modules)})"
+    recompute = {None: "no recompute", "selective": selective}.get(
         granularity, f"full recompute ({m.recompute_method})"
     )
     formula = ("sequence parallel, " if sp else "") + recompute
     return (total + transient) * width, formula
+
+
+def _recomputed_share(m, kind: str, moe: bool, sbh: float) -> tuple[float, float]:
+    """(whole, split) of layer_bytes' terms that selective recompute's modules
+    (recompute_modules) do not keep: "layernorm" each norm's output (2sbh, the next
+    projection's input), "mla_up_proj" multi-latent attention's queries, keys and values
+    (6sbh of its 8sbh split), "mlp" / "moe" a recomputed MLP's split part (it keeps its
+    input, the norm's output), "moe_act" the routed experts' activation output (2 k
+    f_moe / h sbh, fc2's input), "shared_experts" the shared expert's 4 f_shared / h sbh
+    (m.recomputes names none of them without selective recompute; moe_layer_recompute
+    counts unless the recompute is full, which _activation_bytes counts itself)."""
+    if m.recompute_granularity == "full":
+        return 0.0, 0.0
+    whole = split = 0.0
+    sublayers = {"transformer": 2, "linear": 2, "attention": 1, "gdn": 1, "mlp": 1, "moe": 1}
+    if m.recomputes("layernorm"):
+        whole += 2 * sbh * sublayers[kind]
+    if kind in ("transformer", "attention") and m.recomputes("mla_up_proj"):
+        split += 6 * sbh
+    if kind in ("transformer", "linear", "mlp", "moe"):
+        h = m.hidden_size
+        whole_mlp = m.recomputes("moe") or m.moe_layer_recompute if moe else m.recomputes("mlp")
+        if whole_mlp:  # the MLP keeps its input only
+            split += 4 * _mlp_width(m, moe) / h * sbh
+        elif moe:
+            if m.recomputes("moe_act"):
+                split += 2 * m.moe_router_topk * m.moe_ffn_hidden_size / h * sbh
+            if m.recomputes("shared_experts"):
+                split += 4 * (m.moe_shared_expert_intermediate_size or 0) / h * sbh
+    return whole, split
 
 
 def _score_bytes(config: RunConfig, layout: dict, b: int, device_type: str) -> float:
@@ -356,7 +398,7 @@ def _score_bytes(config: RunConfig, layout: dict, b: int, device_type: str) -> f
     dropout output, mask: Megatron's 5as^2b), 2 without; none where the core attention
     keeps none (see the module docstring)."""
     m = config.model
-    if m.recompute_granularity == "selective":
+    if m.recomputes("core_attn"):
         return 0.0
     cp, tp = layout["cp"], layout["tp"]
     if cp > 1 and m.cp_comm_type != "a2a":
