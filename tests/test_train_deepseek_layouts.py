@@ -1,8 +1,8 @@
 """The tiny DeepSeek-V3 (apps/gpt/configs/tiny-deepseek-v3.yaml: MLA with a query latent
 and YaRN, a dense and a MoE layer with sigmoid group-limited routing, the expert bias and
 a shared expert, one MTP module) trains through pretrain_gpt to the one-rank curve at
-every layout (CP2 with p2p and a2a; TP2 with Megatron's fine-grained recompute; MLA's
-all_gather is checked layer by layer in packages/mp-layers/tests/test_mla_layouts.py):
+every layout (CP2 with p2p and a2a; TP2+SP and ZeRO-3 at DP2 with Megatron's fine-grained
+recompute; MLA's all_gather is checked layer by layer in test_mla_layouts.py of mp-layers):
 the language model's loss, the MTP module's and the per-sequence balancing loss, every
 iteration of 8, within 1e-5 relative (fp32, no dropout, mock data); and from a checkpoint
 saved at PP2 and resumed at TP2. The MTP loss reaches TensorBoard under Megatron's tag,
@@ -48,6 +48,11 @@ LAYOUTS = {
         "--tensor-model-parallel-size", "2", "--sequence-parallel",
         "--recompute-granularity", "selective", "--recompute-modules", "mla_up_proj",
         "layernorm", "moe_act", "shared_experts"]),
+    # Megatron-LM's DeepSeek-V3 line under its FSDP (examples/megatron_fsdp)
+    "dp2-zero3-recompute-modules": (2, [
+        "--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params",
+        "--recompute-granularity", "selective", "--recompute-modules", "mlp", "moe",
+        "mla_up_proj", "layernorm"]),
 }  # fmt: skip
 
 
