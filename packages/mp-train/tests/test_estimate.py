@@ -177,6 +177,13 @@ def test_distributed_optimizer():
         parallel={"context_parallel_size": 2}, attention_dropout=0.0,
     )  # fmt: skip
     assert estimate(with_cp, world_size=8)["bytes_per_parameter"] == 7.5
+    # The precision-aware optimizer's bf16 moments: 6 + (4 + 2 + 2)/4 = 8; bf16 main
+    # gradients too: 2 + 2 + 8/4 = 6.
+    aware = {"use_distributed_optimizer": True, "use_precision_aware_optimizer": True,
+             "exp_avg_dtype": "bf16", "exp_avg_sq_dtype": "bf16"}  # fmt: skip
+    assert estimate(make_config(gbs=8, optimizer=aware), world_size=4)["bytes_per_parameter"] == 8
+    bf16_grads = make_config(gbs=8, optimizer=aware | {"main_grads_dtype": "bf16"})
+    assert estimate(bf16_grads, world_size=4)["bytes_per_parameter"] == 6
 
 
 def test_context_parallel_splits_the_sequence():

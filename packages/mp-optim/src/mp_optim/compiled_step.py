@@ -67,9 +67,12 @@ def adamw_step(
         for p in params:
             state = optimizer.state[p]
             if not state:
+                dtypes = getattr(optimizer, "dtypes", {})  # LowPrecisionAdamW's moments
                 state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                for name in ("exp_avg", "exp_avg_sq"):
+                    state[name] = torch.zeros_like(
+                        p, dtype=dtypes.get(name, p.dtype), memory_format=torch.preserve_format
+                    )
         torch._foreach_add_([optimizer.state[p]["step"] for p in params], 1.0)  # one launch
         for p in params:
             state = optimizer.state[p]
@@ -88,8 +91,16 @@ def _update(param, grad, exp_avg, exp_avg_sq, step, scalars, beta1, beta2, eps):
     lr, weight_decay, grad_scale = scalars[0], scalars[1], scalars[2]
     g = grad * grad_scale
     param.mul_(1 - lr * weight_decay)
+    # Moments stored in a lower precision (LowPrecisionAdamW's) are updated in fp32 and
+    # rounded back; fp32 ones in place.
+    stored_m, stored_v = exp_avg, exp_avg_sq
+    exp_avg, exp_avg_sq = exp_avg.float(), exp_avg_sq.float()
     exp_avg.lerp_(g, 1 - beta1)
     exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    if stored_m.dtype != torch.float32:
+        stored_m.copy_(exp_avg)
+    if stored_v.dtype != torch.float32:
+        stored_v.copy_(exp_avg_sq)
     # 1 - beta^t as -expm1(t log beta): the direct form cancels in fp32 (1 - 0.999^t
     # loses three of its seven digits); the logarithms are taken in fp64.
     bias_correction1 = -torch.expm1(step * math.log(beta1))

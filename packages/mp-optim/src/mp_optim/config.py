@@ -77,6 +77,28 @@ class OptimizerConfig:
     log_num_zeros_in_grad: bool = False
     """Count the zero elements of the gradients at every step."""
 
+    # Megatron's precision-aware optimizer (its OptimizerConfig's fields).
+
+    use_precision_aware_optimizer: bool = False
+    """Let the dtypes below differ from fp32 (Megatron's --use-precision-aware-optimizer,
+    which needs the distributed optimizer or FSDP, and adam): Adam's moments stored in
+    exp_avg_dtype and exp_avg_sq_dtype, updated in fp32 (low_precision_adam.py)."""
+
+    exp_avg_dtype: Literal["fp32", "bf16", "fp16", "fp8"] = "fp32"
+    """Storage dtype of Adam's first moment; computed in fp32 every step. fp16 and fp8
+    (Transformer Engine's scaled states) are refused."""
+
+    exp_avg_sq_dtype: Literal["fp32", "bf16", "fp16", "fp8"] = "fp32"
+    """Storage dtype of Adam's second moment (as exp_avg_dtype)."""
+
+    main_params_dtype: Literal["fp32", "fp16"] = "fp32"
+    """dtype of the main parameters the optimizer updates: fp32 (fp16, Transformer Engine's
+    FusedAdam with remainder bits, is refused)."""
+
+    main_grads_dtype: Literal["fp32", "bf16"] = "fp32"
+    """dtype gradients are accumulated and reduced in: fp32, or bf16 (with bf16: the same
+    as grad_reduce_in_bf16, which it sets, as Megatron's bf16 main gradients)."""
+
     # Mixed precision.
 
     fp16: bool = False
@@ -256,6 +278,7 @@ class OptimizerConfig:
         if self.bucket_size is not None and self.bucket_size < 1:
             raise ValueError(f"bucket_size={self.bucket_size} must be >= 1")
         self._check_sharding()
+        self._check_precision_aware()
         if self.overlap_param_gather and not (
             self.use_distributed_optimizer or self.use_megatron_fsdp
         ):
@@ -298,6 +321,58 @@ class OptimizerConfig:
         if self.lr_warmup_init > high:
             raise ValueError(f"lr_warmup_init={self.lr_warmup_init} must be <= "
                              f"decoupled_lr={high}: both schedules warm up from it")  # fmt: skip
+
+    def _check_precision_aware(self) -> None:
+        """Megatron's rules for its precision-aware optimizer's dtypes."""
+        dtypes = {
+            "exp_avg_dtype": ("fp32", "bf16", "fp16", "fp8"),
+            "exp_avg_sq_dtype": ("fp32", "bf16", "fp16", "fp8"),
+            "main_params_dtype": ("fp32", "fp16"),
+            "main_grads_dtype": ("fp32", "bf16"),
+        }
+        for name, choices in dtypes.items():
+            _choice(name, getattr(self, name), choices)
+        if not self.use_precision_aware_optimizer:
+            for name in dtypes:
+                if getattr(self, name) != "fp32":
+                    raise ValueError(
+                        f"{name}={getattr(self, name)!r} needs "
+                        "use_precision_aware_optimizer=True (as in Megatron)"
+                    )
+            return
+        if self.optimizer != "adam":
+            raise ValueError(f"use_precision_aware_optimizer=True with optimizer="
+                             f"{self.optimizer!r}: adam only (as in Megatron)")  # fmt: skip
+        if not (self.use_distributed_optimizer or self.fully_sharded):
+            raise ValueError(
+                "use_precision_aware_optimizer=True needs the distributed "
+                "optimizer (use_distributed_optimizer) or FSDP, as in Megatron"
+            )
+        for name in ("exp_avg_dtype", "exp_avg_sq_dtype"):
+            if getattr(self, name) in ("fp16", "fp8"):
+                raise ValueError(
+                    f"{name}={getattr(self, name)!r}: moments in {getattr(self, name)} need "
+                    "a scale per tensor (Transformer Engine's FusedAdam); mp stores them in "
+                    "fp32 or bf16"
+                )
+        if self.main_params_dtype == "fp16":
+            raise ValueError("main_params_dtype='fp16' needs Transformer Engine's FusedAdam "
+                             "(fp16 main parameters with their remainder bits); mp keeps "
+                             "fp32 main parameters")  # fmt: skip
+        if self.main_grads_dtype == "bf16":
+            if not self.bf16:
+                raise ValueError("main_grads_dtype='bf16' needs bf16=True")
+            if self.accumulate_allreduce_grads_in_fp32:
+                raise ValueError("main_grads_dtype='bf16' and "
+                                 "accumulate_allreduce_grads_in_fp32=True are exclusive (as "
+                                 "in Megatron): choose one")  # fmt: skip
+            self.grad_reduce_in_bf16 = True
+
+    @property
+    def moment_dtypes(self) -> dict[str, torch.dtype]:
+        """Adam's moments' storage dtypes (exp_avg_dtype, exp_avg_sq_dtype)."""
+        names = {"fp32": torch.float32, "bf16": torch.bfloat16}
+        return {"exp_avg": names[self.exp_avg_dtype], "exp_avg_sq": names[self.exp_avg_sq_dtype]}
 
     def _check_sharding(self) -> None:
         """Megatron's rules for the FSDP flags; the strategy sets use_distributed_optimizer."""

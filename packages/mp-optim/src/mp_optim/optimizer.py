@@ -64,6 +64,7 @@ from mp_optim.ddp import is_expert_parallel
 from mp_optim.flat_ranges import locate
 from mp_optim.grad_norm_groups import grad_norm_group, groups_present
 from mp_optim.grad_scaler import ConstantGradScaler, DynamicGradScaler
+from mp_optim.low_precision_adam import LowPrecisionAdamW
 from mp_optim.optimizer_state import load_optimizer_state, optimizer_sharded_state_dict
 from mp_state import RankGroup
 
@@ -434,6 +435,13 @@ def _make_grad_scaler(config: OptimizerConfig):
 
 
 def _make_torch_optimizer(config: OptimizerConfig, groups: list[dict]) -> torch.optim.Optimizer:
+    if config.optimizer == "adam" and config.use_precision_aware_optimizer:
+        return LowPrecisionAdamW(
+            groups, exp_avg_dtype=config.moment_dtypes["exp_avg"],
+            exp_avg_sq_dtype=config.moment_dtypes["exp_avg_sq"], lr=config.lr,
+            betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
+            weight_decay=config.weight_decay,
+        )  # fmt: skip
     if config.optimizer == "adam":
         # The fused kernel: one pass over every parameter and state (measured on the
         # 56M-parameter benchmark model on CPU: 184 ms -> 27 ms per step).

@@ -142,8 +142,10 @@ def init_state(optimizer: MixedPrecisionOptimizer) -> None:
         state = optimizer.optimizer.state[main]
         if all(name in state for name in names):
             continue
+        dtypes = optimizer.config.moment_dtypes if optimizer.config.optimizer == "adam" else {}
         for name in names:
-            state[name] = torch.zeros_like(main, memory_format=torch.preserve_format)
+            state[name] = torch.zeros_like(main, dtype=dtypes.get(name, main.dtype),
+                                           memory_format=torch.preserve_format)  # fmt: skip
         if optimizer.config.optimizer == "adam":
             state["step"] = torch.tensor(0.0, device=main.device)
 

@@ -30,7 +30,8 @@ instead of all E.
 Bytes per parameter: weight + gradient + optimizer state (fp32 main copy under mixed
 precision, Adam's two moments or SGD's momentum). bf16/fp16 with fp32 gradients and Adam
 is Megatron's 2 + 4 + 12 = 18, and 6 + 12 / dp with the distributed optimizer, which
-shards only the optimizer state, over dp x c ranks (experts: their data-parallel ranks).
+shards only the optimizer state (the precision-aware optimizer's bf16 moments: 2 bytes
+each, 6 + 8 / dp), over dp x c ranks (experts: their data-parallel ranks).
 
 The most loaded rank: of the first and the last pipeline stage, the one whose weights,
 optimizer state and activations add up to more (pipeline_stage says which; one stage
@@ -267,7 +268,9 @@ def _bytes_per_parameter(config: RunConfig) -> tuple[int, int, int]:
     weight = 2 if mixed else 4
     grad = 4 if optimizer.grad_reduce_in_fp32 or not mixed else 2
     sgd_moments = 4 if optimizer.sgd_momentum > 0 else 0
-    moments = 8 if optimizer.optimizer == "adam" else sgd_moments
+    # Adam's two moments in their storage dtypes (the precision-aware optimizer's bf16: 2)
+    adam = sum(t.itemsize for t in optimizer.moment_dtypes.values())
+    moments = adam if optimizer.optimizer == "adam" else sgd_moments
     return weight, grad, (4 if mixed else 0) + moments
 
 

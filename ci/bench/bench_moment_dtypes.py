@@ -1,0 +1,101 @@
+"""Benchmark: the optimizer step with Adam's moments in bf16 (Megatron's precision-aware
+optimizer: --use-precision-aware-optimizer --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16)
+beside fp32 moments, and the bytes the moments take.
+
+MixedPrecisionOptimizer.step() with the distributed optimizer on one rank over bf16
+parameters (fp32 main parameters, clipping at 1.0 active): `fp32` is torch's fused AdamW
+over fp32 moments, `bf16` LowPrecisionAdamW (the moments widened to fp32 a chunk at a
+time, the fused AdamW, rounded back), `bf16_compiled` the same with
+--torch-compile-optimizer (the widening and rounding inside the compiled kernel). The
+parameters: --layers square linear layers of --width (weights and biases), on this
+machine's device. Each side is warmed up (compilation included), then --rounds rounds of
+--iters timed steps, the sides alternating, their order reversed every round; figures:
+the best and the median step, each over fp32's, and the moments' bytes.
+
+    uv run python ci/bench/bench_moment_dtypes.py [--layers 12] [--width 2048]
+        [--rounds 4] [--iters 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from harness import context, emit
+
+import mp_state
+from mp_optim import DistributedDataParallel, OptimizerConfig, get_optimizer
+from mp_state import ParallelConfig
+
+SIDES = {"fp32": ("fp32", False), "bf16": ("bf16", False), "bf16_compiled": ("bf16", True)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--width", type=int, default=2048)
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--iters", type=int, default=2)
+    args = parser.parse_args()
+    device = mp_state.init_distributed().device  # a one-rank world
+    state = mp_state.initialize(ParallelConfig())
+    try:
+        steps, moment_bytes, params = {}, {}, 0
+        for name, (dtype, compiled) in SIDES.items():
+            step, optimizer, params = _side(args, state, device, dtype, compiled)
+            step()  # warm-up (and compilation)
+            step()
+            steps[name] = step
+            moment_bytes[name] = sum(t.numel() * t.element_size()
+                                     for s in optimizer.optimizer.state.values()
+                                     for k, t in s.items() if k != "step")  # fmt: skip
+        times = _race(steps, args, device)
+    finally:
+        mp_state.destroy()
+    best = {name: min(t) for name, t in times.items()}
+    median = {name: statistics.median(t) for name, t in times.items()}
+    emit("moment_dtypes_step", {
+        "device": str(device), "parameters": params,
+        "best_ms": {n: round(v * 1e3, 1) for n, v in best.items()},
+        "median_ms": {n: round(v * 1e3, 1) for n, v in median.items()},
+        "best_over_fp32": {n: round(v / best["fp32"], 3) for n, v in best.items()},
+        "moment_bytes": moment_bytes,
+    }, context())  # fmt: skip
+
+
+def _side(args, state, device, dtype: str, compiled: bool):
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(args.width, args.width) for _ in range(args.layers)]
+    module = torch.nn.Sequential(*layers).to(device=device, dtype=torch.bfloat16)
+    config = OptimizerConfig(lr=1e-4, weight_decay=0.1, clip_grad=1.0, bf16=True,
+                             use_distributed_optimizer=True,
+                             use_precision_aware_optimizer=dtype != "fp32",
+                             exp_avg_dtype=dtype, exp_avg_sq_dtype=dtype,
+                             torch_compile_optimizer=compiled)  # fmt: skip
+    model = DistributedDataParallel(config, module, dp_group=state.dp)
+    optimizer = get_optimizer(config, [model], mp_group=state.mp)
+    for p in module.parameters():
+        p.main_grad.normal_()  # norm ~ sqrt(parameters): clipping scales every step
+    return optimizer.step, optimizer, sum(p.numel() for p in module.parameters())
+
+
+def _race(steps: dict, args, device) -> dict[str, list[float]]:
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for round_ in range(args.rounds):
+        order = list(steps) if round_ % 2 == 0 else list(reversed(steps))
+        for name in order:
+            for _ in range(args.iters):
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                start = time.perf_counter()
+                steps[name]()
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                times[name].append(time.perf_counter() - start)
+    return times
+
+
+if __name__ == "__main__":
+    main()
