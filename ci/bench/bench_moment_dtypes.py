@@ -4,8 +4,8 @@ beside fp32 moments, and the bytes the moments take.
 
 MixedPrecisionOptimizer.step() with the distributed optimizer on one rank over bf16
 parameters (fp32 main parameters, clipping at 1.0 active): `fp32` is torch's fused AdamW
-over fp32 moments, `bf16` LowPrecisionAdamW (the moments widened to fp32 a chunk at a
-time, the fused AdamW, rounded back), `bf16_compiled` the same with
+over fp32 moments, `bf16` LowPrecisionAdamW (the moments widened to fp32 a piece at a
+time, the fused AdamW, rounded back), `fp32_compiled` and `bf16_compiled` the same with
 --torch-compile-optimizer (the widening and rounding inside the compiled kernel). The
 parameters: --layers square linear layers of --width (weights and biases), on this
 machine's device. Each side is warmed up (compilation included), then --rounds rounds of
@@ -29,7 +29,12 @@ import mp_state
 from mp_optim import DistributedDataParallel, OptimizerConfig, get_optimizer
 from mp_state import ParallelConfig
 
-SIDES = {"fp32": ("fp32", False), "bf16": ("bf16", False), "bf16_compiled": ("bf16", True)}
+SIDES = {
+    "fp32": ("fp32", False),
+    "bf16": ("bf16", False),
+    "fp32_compiled": ("fp32", True),
+    "bf16_compiled": ("bf16", True),
+}
 
 
 def main() -> None:

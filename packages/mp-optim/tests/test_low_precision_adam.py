@@ -81,14 +81,22 @@ def test_bf16_moments_follow_the_fp32_trajectory_closely():
     assert all(t.dtype == torch.bfloat16 for t in moments) and len(moments) == 6
 
 
-def test_chunks_change_nothing(monkeypatch):
+@pytest.mark.parametrize("limit", [7, 40])
+def test_pieces_change_nothing(monkeypatch, limit):
+    """Parameters cut into ranges (7: the 35 and 24 elements' in 5 and 4) or batched
+    together (40: the first two) step exactly as whole, each counting one step."""
     whole, _ = run(lambda g: LowPrecisionAdamW(g, **BF16, **HYPER))
-    monkeypatch.setattr(low, "CHUNK_ELEMENTS", 7)  # one parameter or two at a time
-    assert [len(c) for c in low._chunks(parameters(), 7)] == [1, 1, 1]
-    assert [len(c) for c in low._chunks(parameters(), 40)] == [2, 1]
-    chunked, _ = run(lambda g: LowPrecisionAdamW(g, **BF16, **HYPER))
-    for a, b in zip(whole, chunked, strict=True):
+    monkeypatch.setitem(low.CHUNK_ELEMENTS, "cpu", limit)
+    cut, optimizer = run(lambda g: LowPrecisionAdamW(g, **BF16, **HYPER))
+    for a, b in zip(whole, cut, strict=True):
         assert torch.equal(a, b)
+    assert {float(s["step"]) for s in optimizer.state.values()} == {6.0}
+    params = [p.requires_grad_() for p in parameters()]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    states = [LowPrecisionAdamW(groups(params), **BF16, **HYPER).init_moments(p) for p in params]
+    sizes = [sum(t.numel() for t in piece["param"]) for piece in low._pieces(params, states, limit)]
+    assert sizes == ([7] * 5 + [5, 7, 7, 7, 3] if limit == 7 else [40, 24])
 
 
 def test_state_dict_round_trip_keeps_the_moments_dtypes():
