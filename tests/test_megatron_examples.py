@@ -105,6 +105,48 @@ EXAMPLES = {
     --moe-per-layer-logging --no-load-optim --no-load-rng --log-throughput
 """,
     ),
+    "DeepSeek-V3, Megatron-FSDP": (
+        "megatron_fsdp/sbatch_mfsdp_deepseek_v3.sh",
+        """
+    --distributed-timeout-minutes 60 --tensor-model-parallel-size 1
+    --expert-model-parallel-size 8 --expert-tensor-parallel-size 1 --context-parallel-size 1
+    --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather
+    --use-mcore-models --sequence-parallel --use-flash-attn --disable-bias-linear
+    --micro-batch-size 4 --global-batch-size 2048 --train-samples 585937500
+    --exit-duration-in-mins 220 --no-check-for-nan-in-loss-and-grad --manual-gc
+    --manual-gc-interval 10 --recompute-granularity selective
+    --recompute-modules mlp moe mla_up_proj layernorm --transformer-impl transformer_engine
+    --seq-length 4096 --no-mmap-bin-files --no-create-attention-mask-in-dataloader
+    --num-workers 6 --num-layers 61 --hidden-size 7168 --ffn-hidden-size 18432
+    --num-attention-heads 128 --kv-channels 128 --max-position-embeddings 4096
+    --position-embedding-type rope --rotary-base 10000 --make-vocab-size-divisible-by 3232
+    --normalization RMSNorm --norm-epsilon 1e-6 --swiglu --untie-embeddings-and-output-weights
+    --multi-latent-attention --attention-dropout 0.0 --hidden-dropout 0.0 --clip-grad 1.0
+    --weight-decay 0.1 --qk-layernorm --lr-decay-samples 584765624
+    --lr-warmup-samples 1536000 --lr-warmup-init 3.9e-7 --lr 3.9e-6 --min-lr 3.9e-7
+    --lr-decay-style cosine --adam-beta1 0.9 --adam-beta2 0.95 --num-experts 256
+    --moe-layer-freq [0]*3+[1]*58 --moe-ffn-hidden-size 2048
+    --moe-shared-expert-intermediate-size 2048 --moe-router-load-balancing-type seq_aux_loss
+    --moe-router-topk 8 --moe-token-dispatcher-type flex --moe-flex-dispatcher-backend hybridep
+    --moe-router-pre-softmax --moe-grouped-gemm --moe-aux-loss-coeff 1e-4
+    --moe-router-group-topk 4 --moe-router-num-groups 8 --moe-router-topk-scaling-factor 2.5
+    --moe-router-score-function sigmoid --moe-router-enable-expert-bias
+    --moe-router-bias-update-rate 1e-3 --moe-router-dtype fp32 --moe-permute-fusion
+    --moe-router-force-load-balancing --q-lora-rank 1536 --kv-lora-rank 512
+    --qk-head-dim 128 --qk-pos-emb-head-dim 64 --v-head-dim 128 --rotary-scaling-factor 40
+    --mscale 1.0 --mscale-all-dim 1.0 --mtp-num-layers 1 --mtp-loss-scaling-factor 0.1
+    --eval-iters 32 --eval-interval 100 --auto-detect-ckpt-format --save-interval 100
+    --dist-ckpt-strictness log_all --init-method-std 0.02 --log-timers-to-tensorboard
+    --log-memory-to-tensorboard --log-num-zeros-in-grad --log-params-norm
+    --log-validation-ppl-to-tensorboard --log-throughput --log-interval 1 --logging-level 40
+    --bf16 --enable-experimental
+    --use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params
+    --no-gradient-accumulation-fusion --use-distributed-optimizer --calculate-per-token-loss
+    --init-model-with-meta-device --ckpt-format fsdp_dtensor --fsdp-double-buffer
+    --use-nccl-ub --megatron-fsdp-grad-comm-dtype bf16 --megatron-fsdp-main-grads-dtype bf16
+    --wandb-project your_own_wandb_project --wandb-exp-name DeepSeek-V3-TP1EP8-MBS4GBS2048-
+""",
+    ),
 }
 
 # example -> the flags mp refuses in its line, each with what it takes (the first given in
@@ -115,12 +157,20 @@ DROP = {
     "Mixtral-8x7B": {},
     "gpt-oss": {"--fp8-amax-history-len": 1, "--fp8-amax-compute-algo": 1,
                 "--fp8-param-gather": 0},
+    "DeepSeek-V3, Megatron-FSDP": {"--moe-flex-dispatcher-backend": 1,
+                                   "--dist-ckpt-strictness": 1,
+                                   "--moe-token-dispatcher-type": 1},
 }  # fmt: skip
+# example -> the refused flag its line as written is stopped at (REFUSED's order)
+FIRST_REFUSED = {"Llama-3-8B, FP8": "--fp8-amax-history-len", "gpt-oss": "--fp8-amax-history-len",
+                 "DeepSeek-V3, Megatron-FSDP": "--moe-flex-dispatcher-backend"}  # fmt: skip
 
 # example -> what stands for its data arguments where the script has no mock-data branch
 MOCK_DATA = {
     "Mixtral-8x7B": ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000",
                      "--num-workers", "0"],
+    "DeepSeek-V3, Megatron-FSDP": ["--mock-data", "--tokenizer-type", "NullTokenizer",
+                                   "--vocab-size", "1000"],
 }  # fmt: skip
 
 # What a CPU cannot run, refused on this machine only: FP8 (no FP8 tensor cores) and
@@ -141,6 +191,10 @@ SHRINK = {
     "--lr-warmup-samples": "2", "--train-iters": "3", "--lr-decay-iters": "3",
     "--lr-warmup-iters": "1", "--pipeline-model-parallel-size": "1",
     "--expert-model-parallel-size": "1", "--eval-iters": "1", "--num-workers": "0",
+    "--micro-batch-size": "1", "--moe-layer-freq": "([0]+[1]*1)", "--moe-router-topk": "2",
+    "--moe-shared-expert-intermediate-size": "32", "--moe-router-num-groups": "2",
+    "--moe-router-group-topk": "1", "--q-lora-rank": "48", "--kv-lora-rank": "32",
+    "--qk-head-dim": "16", "--qk-pos-emb-head-dim": "8", "--v-head-dim": "16",
 }  # fmt: skip
 
 
@@ -174,7 +228,7 @@ def test_the_line_as_written_names_the_first_flag_mp_refuses(tmp_path, capsys, e
     lines = capsys.readouterr().err.strip().splitlines()  # notes on accepted flags may come first
     errors = [line for line in lines if line.startswith("error: ")]
     assert len(errors) == 1 and errors[0] == lines[-1], lines
-    assert errors[0].startswith("error: --fp8-amax-history-len: "), errors[0]
+    assert errors[0].startswith(f"error: {FIRST_REFUSED[example]}: "), errors[0]
 
 
 @pytest.mark.parametrize("example", list(EXAMPLES))

@@ -112,6 +112,26 @@ def train_runs_on_rank(argv: list[str], runs: int) -> None:
         train(load_config(argv))
 
 
+def params_norm_on_rank(argv: list[str]) -> float:
+    from mp_gpt.testing import train_run_on_rank
+    from mp_train.observability.metrics import parameters_norm
+
+    return parameters_norm(train_run_on_rank(argv))
+
+
+def test_params_norm_over_shards_is_ddps(tmp_path):
+    """--log-params-norm under ZeRO-3 at DP2 x TP2: the norm of every rank's rows of the
+    fp32 parameters, each element once, equals DDP's norm of the whole parameters after
+    the same 3 steps (and the run, which logs it every iteration, is not refused)."""
+    norms = {}
+    for name, extra in (("ddp", []), ("zero3", ZERO3)):
+        argv = tiny_options(tmp_path / name, "--train-iters", "3", "--log-params-norm",
+                            "--log-interval", "1", *TP2, *extra)  # fmt: skip
+        norms[name] = run_on_ranks(params_norm_on_rank, 4, argv, timeout=300)
+    assert len(set(norms["zero3"])) == 1  # every rank reports the same norm
+    assert norms["zero3"][0] == pytest.approx(norms["ddp"][0], rel=1e-6)
+
+
 @pytest.mark.cuda
 def test_zero2_and_zero3_train_as_ddp_on_cuda(tmp_path):
     """One rank on the GPU (NCCL, FSDP2's own streams), bf16: the DDP run's curve."""

@@ -288,3 +288,32 @@ def test_router_dtype_computes_the_scores_in_that_precision():
     torch.testing.assert_close(
         weights["fp64"], want.float().to(torch.bfloat16).float().expand(3, 2)
     )
+
+
+def test_forced_load_balancing_routes_by_random_logits_from_the_expert_stream():
+    """moe_router_force_load_balancing: the logits are normal draws of the tracker's
+    expert-parallel stream, whatever the weights (a router that sends every token to
+    expert 0 spreads them evenly), the same draws again from the same state; the
+    gradient reaches the router's weight through the draws."""
+    from mp_state import EXPERT_PARALLEL_RNG, RNGStatesTracker
+
+    x = torch.randn(256, 1, H, generator=torch.Generator().manual_seed(0))
+    routes = []
+    for seed in (7, 7, 8):
+        tracker = RNGStatesTracker("cpu")
+        tracker.add(EXPERT_PARALLEL_RNG, seed)
+        settings = dict(moe_router_force_load_balancing=True, moe_router_topk=1,
+                        moe_router_score_function="sigmoid")  # fmt: skip
+        router = TopKRouter(config(**settings), ALONE.tp, rng_tracker=tracker)
+        with torch.no_grad():
+            router.weight.zero_()
+            router.weight[0] = 10.0  # every token's logit for expert 0 is the largest
+        before = torch.get_rng_state()
+        probs, routing_map = router(x)
+        assert torch.equal(torch.get_rng_state(), before)  # the default stream is untouched
+        routes.append(routing_map)
+    assert torch.equal(routes[0], routes[1]) and not torch.equal(routes[0], routes[2])
+    per_expert = routes[0].sum(0)
+    assert per_expert.sum() == 256 and per_expert.min() > 40, per_expert  # ~64 each
+    probs.sum().backward()  # sigmoid(draw): the draws' gradient reaches the weight
+    assert router.weight.grad.abs().sum() > 0

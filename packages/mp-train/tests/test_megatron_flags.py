@@ -207,3 +207,28 @@ def test_shared_experts_recompute_refuses_the_overlap_flag():
         "layernorm")  # fmt: skip
     with pytest.raises(ValueError, match="shared_experts cannot work with --moe-shared-expert"):
         parse_config([*moe, "--recompute-modules", "shared_experts"])
+
+
+def test_megatron_fsdp_gradient_dtypes_set_grad_reduce_in_bf16():
+    """--megatron-fsdp-main-grads-dtype / --megatron-fsdp-grad-comm-dtype: one dtype for
+    accumulating and reducing (auto: the model's for main, main's for comm)."""
+    fsdp = [*MODEL, "--use-megatron-fsdp", "--bf16"]
+    main, comm = "--megatron-fsdp-main-grads-dtype", "--megatron-fsdp-grad-comm-dtype"
+    cases = {(main, "bf16", comm, "bf16"): True, (main, "fp32"): False, (comm, "auto"): True,
+             (main, "fp32", comm, "fp32"): False}  # fmt: skip
+    for extra, bf16 in cases.items():
+        assert parse_config([*fsdp, *extra]).optimizer.grad_reduce_in_bf16 is bf16, extra
+    for extra, message in {
+        (main, "fp32", comm, "bf16"): "in one dtype, fp32 or bf16",
+        (main, "fp16"): "in one dtype",
+        (main, "bf16", "--no-grad-reduce-in-bf16"): "disagree",
+    }.items():  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            parse_config([*fsdp, *extra])
+    with pytest.raises(ValueError, match="need --use-megatron-fsdp"):
+        parse_config([*MODEL, "--bf16", main, "bf16"])
+
+
+def test_flex_dispatcher_is_refused_naming_alltoall():
+    with pytest.raises(ValueError, match=r"'flex' needs DeepEP or HybridEP .* use 'alltoall'"):
+        parse_config([*MODEL, "--num-experts", "4", "--moe-token-dispatcher-type", "flex"])

@@ -67,7 +67,6 @@ def test_gradients_reduce_in_fp32_unless_asked():
         ([*FSDP, "--init-model-with-meta-device", "--data-parallel-random-init"],
          "--init-model-with-meta-device with --data-parallel-random-init: the broadcast"),
         ([*FSDP, "--torch-compile"], "--torch-compile with --use-megatron-fsdp: compiling"),
-        ([*FSDP, "--log-params-norm"], "--log-params-norm with --use-megatron-fsdp:"),
         ([*FSDP, "--pipeline-model-parallel-size", "2",
           "--num-layers-per-virtual-pipeline-stage", "1", "--global-batch-size", "4"],
          "--virtual-pipeline-model-parallel-size with --use-megatron-fsdp: the interleaved"),

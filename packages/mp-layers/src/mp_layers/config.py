@@ -561,9 +561,10 @@ class TransformerConfig:
     """Which layers are MoE: one value N, every N-th (layer i when i % N == 0); or one 0/1
     per layer (num_layers values), also as Megatron's "([0]+[1]*26)". An int N is [N]."""
 
-    moe_token_dispatcher_type: Literal["alltoall", "allgather"] = "allgather"
+    moe_token_dispatcher_type: Literal["alltoall", "allgather", "flex"] = "allgather"
     """How tokens reach experts on other expert-parallel ranks: an all-to-all of each
-    expert's tokens, or an all-gather of every token."""
+    expert's tokens, or an all-gather of every token. Megatron's "flex" (DeepEP or
+    HybridEP kernels) is refused."""
 
     moe_grouped_gemm: bool = False
     """Compute the local experts with torch's grouped matmul (torch._grouped_mm) instead of
@@ -571,6 +572,12 @@ class TransformerConfig:
 
     moe_router_dtype: Literal["fp32", "fp64"] | None = None
     """Precision of the router's logits and scores; None: the activations' dtype."""
+
+    moe_router_force_load_balancing: bool = False
+    """For benchmarks only (Megatron's --moe-router-force-load-balancing): the router's
+    logits are replaced by standard normal draws (the expert-parallel RNG stream, a
+    different one per expert shard), so tokens spread evenly over the experts whatever the
+    weights; the gradient passes through to the logits unchanged."""
 
     moe_apply_probs_on_input: bool = False
     """Multiply each expert's input, not its output, by the token's routing weight (Llama 4;

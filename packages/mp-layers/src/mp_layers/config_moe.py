@@ -54,6 +54,10 @@ def check_moe(config: TransformerConfig) -> None:
     if config.moe_latent_size is not None:
         positive("moe_latent_size", config.moe_latent_size)
     choice("moe_token_drop_policy", config.moe_token_drop_policy, ("probs", "position"))
+    if config.moe_token_dispatcher_type == "flex":
+        raise ValueError("moe_token_dispatcher_type='flex' needs DeepEP or HybridEP (CUDA "
+                         "kernels mp does not have): use 'alltoall', which moves the same "
+                         "tokens")  # fmt: skip
     choice("moe_token_dispatcher_type", config.moe_token_dispatcher_type, ("alltoall", "allgather"))
     factor = config.moe_expert_capacity_factor
     if factor is not None and factor <= 0:

@@ -329,20 +329,25 @@ class MixedPrecisionOptimizer:
                 clip_grads_by_total_norm(grads, self.config.clip_grad, norms[group])
         return norms
 
-    def _norm_inputs(self, shards: list[MainParamShard]) -> dict:
-        """get_grad_norm's and count_zeros' arguments: each kind of gradient with the
-        groups of ranks that split it."""
+    def main_params_norm(self) -> float:
+        """The L2 norm of the main parameters (collective), each logical element counted
+        once as the gradient norm counts them: replicas left out, every shard on its rank."""
+        return get_grad_norm(**self._norm_inputs(self._all_shards(), of=lambda s: s.main_param))
+
+    def _norm_inputs(self, shards: list[MainParamShard], of=lambda s: s.main_param.grad) -> dict:
+        """get_grad_norm's and count_zeros' arguments: each kind of gradient (or what `of`
+        takes of a shard) with the groups of ranks that split it."""
         counted = [s for s in shards if s.counted]
         sharded = self.distributed or self.fully_sharded  # each dp rank counts its own shard
         inputs = {
-            "grads": [s.main_param.grad for s in counted if not s.expert_parallel],
+            "grads": [of(s) for s in counted if not s.expert_parallel],
             "groups": [self.dp_group, self.mp_group] if sharded else [self.mp_group],
         }
         if self.expert_mp_group is not None:
             expert_groups = [self.expert_mp_group]
             if sharded and self.expert_dp_group is not None:
                 expert_groups.insert(0, self.expert_dp_group)
-            inputs["expert_grads"] = [s.main_param.grad for s in counted if s.expert_parallel]
+            inputs["expert_grads"] = [of(s) for s in counted if s.expert_parallel]
             inputs["expert_groups"] = expert_groups
         return inputs
 

@@ -30,14 +30,17 @@ from mp_layers.moe.router import TopKRouter
 from mp_layers.transformer.eager import eager_when_compiled
 from mp_layers.transformer.mlp import MLP
 from mp_layers.transformer.recompute import checkpointed
+from mp_state import RNGStatesTracker
 
 __all__ = ["MoELayer", "SharedExperts"]
 
 
 class MoELayer(torch.nn.Module):
-    def __init__(self, config: TransformerConfig, groups: ModelGroups) -> None:
+    def __init__(self, config: TransformerConfig, groups: ModelGroups,
+                 rng_tracker: RNGStatesTracker | None = None) -> None:  # fmt: skip
+        """rng_tracker: the router's (moe_router_force_load_balancing draws from it)."""
         super().__init__()
-        self.router = TopKRouter(config, groups.tp, groups.tp_dp_cp, groups.tp_cp)
+        self.router = TopKRouter(config, groups.tp, groups.tp_dp_cp, groups.tp_cp, rng_tracker)
         self.fc1_latent_proj = self.fc2_latent_proj = None
         latent = config.moe_latent_size
         if latent is not None:

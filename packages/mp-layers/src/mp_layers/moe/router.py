@@ -38,7 +38,7 @@ from mp_layers.moe import aux_losses
 from mp_layers.tensor_parallel import deferred_init
 from mp_layers.tensor_parallel.initialization import init_partitioned_weight
 from mp_layers.transformer.recompute import recomputing
-from mp_state import RankGroup
+from mp_state import EXPERT_PARALLEL_RNG, RankGroup, RNGStatesTracker
 
 __all__ = [
     "TopKRouter",
@@ -61,9 +61,13 @@ class TopKRouter(torch.nn.Module):
     def __init__(
         self, config: TransformerConfig, tp_group: RankGroup,
         balance_group: RankGroup | None = None, token_group: RankGroup | None = None,
+        rng_tracker: RNGStatesTracker | None = None,
     ) -> None:  # fmt: skip
+        """rng_tracker: draws moe_router_force_load_balancing's logits (its expert-parallel
+        stream; None or without it: the default generator)."""
         super().__init__()
         self.config = config
+        self.rng_tracker = rng_tracker
         self.tp_group = tp_group
         self.token_group = tp_group if token_group is None else token_group
         self.balance_group = balance_group
@@ -107,6 +111,8 @@ class TopKRouter(torch.nn.Module):
         dtype = _DTYPES.get(self.config.moe_router_dtype, x.dtype)
         bias = None if self.bias is None else self.bias.to(dtype)
         logits = F.linear(x.reshape(s * b, h).to(dtype), self.weight.to(dtype), bias)  # [T, E]
+        if self.config.moe_router_force_load_balancing:
+            logits = _RandomLogits.apply(logits, self.rng_tracker)
         training = self.training and torch.is_grad_enabled()
         # A recomputation for backward routes again; what the first run counted stays.
         counting = training and not recomputing()
@@ -252,6 +258,22 @@ class TopKRouter(torch.nn.Module):
 def expert_capacity(tokens: int, topk: int, experts: int, factor: float) -> int:
     """Megatron's get_capacity: ceil(tokens * topk / experts * factor)."""
     return math.ceil(tokens * topk / experts * factor)
+
+
+class _RandomLogits(torch.autograd.Function):
+    """Standard normal logits in the shape of `logits` (moe_router_force_load_balancing);
+    backward passes the gradient through (a straight-through estimator, as Megatron's)."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, tracker: RNGStatesTracker | None) -> torch.Tensor:
+        if tracker is not None and EXPERT_PARALLEL_RNG in tracker.names:
+            with tracker.fork(EXPERT_PARALLEL_RNG):
+                return torch.randn_like(logits)
+        return torch.randn_like(logits)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
 
 
 def capacity_mask(

@@ -79,7 +79,8 @@ class TransformerLayer(torch.nn.Module):
             )
         if kind in ("transformer", "mlp", "moe"):
             self.pre_mlp_layernorm = spec.norm(config, None)
-            self.mlp = spec.moe(config, groups) if is_moe else spec.mlp(config, groups.tp)
+            self.mlp = (spec.moe(config, groups, rng_tracker) if is_moe
+                        else spec.mlp(config, groups.tp))  # fmt: skip
         # Megatron's --moe-layer-recompute; a full recompute reruns the whole layer already.
         # and selective recompute's "mlp" and "moe" (recompute_modules)
         moe_recompute = config.moe_layer_recompute or config.recomputes("moe")

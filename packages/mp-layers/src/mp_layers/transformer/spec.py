@@ -52,7 +52,7 @@ class LayerSpec:
 
     moe: type = MoELayer
     """The MLP of a mixture-of-experts layer (TransformerConfig.moe_layer_pattern), built as
-    cls(config, groups); called as (x) -> (output, bias)."""
+    cls(config, groups, rng_tracker); called as (x) -> (output, bias)."""
 
     norm: Callable[[TransformerConfig, int | None], torch.nn.Module] = build_norm
     """norm(config, hidden_size) for the layer norms, the final norm and QK norms."""

@@ -116,6 +116,22 @@ IGNORED: dict[str, tuple[bool, str]] = {
         "the split pattern of --tokenizer-type TikTokenizer, which mp does not have (that "
         "type is refused); Megatron-LM reads it for no other tokenizer either",
     ),
+    "fsdp_double_buffer": (
+        False,
+        "double-buffers Megatron-FSDP's communication buffers (for NCCL user buffers); mp's "
+        "FSDP is torch's FSDP2, which allocates and reuses its own",
+    ),
+    "use_nccl_ub": (
+        False,
+        "registers the data-parallel buffers as NCCL user buffers (fewer SMs for the "
+        "collectives); mp's collectives use torch's buffers, with the same results",
+    ),
+    "auto_detect_ckpt_format": (
+        False,
+        "Megatron-LM tells its legacy and distributed formats apart on load; mp loads its "
+        "own format only (a Megatron-LM checkpoint converts with `mp-ckpt import-megatron`), "
+        "so there is nothing to detect",
+    ),
     "mla_down_proj_fusion": (
         False,
         "fuses MLA's query and key/value down projections (and the input norm) where the "
@@ -158,6 +174,17 @@ REFUSED: dict[str, tuple[bool, str]] = {
         False,
         "mp's schedules do not overlap pipeline sends and receives with compute: drop it",
     ),
+    "moe_flex_dispatcher_backend": (
+        True,
+        "picks the flex dispatcher's kernels (DeepEP, HybridEP), which mp does not have: "
+        "drop it and use --moe-token-dispatcher-type alltoall, which moves the same tokens",
+    ),
+    "dist_ckpt_strictness": (
+        True,
+        "mp's load raises on any missing or unexpected tensor (--strict-load, the default) "
+        "or, with --no-strict-load, leaves missing ones as initialized: drop it and choose "
+        "one of those",
+    ),
     "defer_embedding_wgrad_compute": (
         False,
         "mp computes the embedding's weight gradient in its backward, not deferred: drop it",
@@ -192,6 +219,9 @@ _MTP_PATTERN = "mtp_hybrid_override_pattern"
 _FORMAT_CHOICES = ("torch_dist", "torch", "torch_dcp", "zarr", "fsdp_dtensor")
 # Megatron-LM's other spelling of --apply-wd-to-qk-layernorm (its one choice)
 _WD_COND = "no_weight_decay_cond_type"
+# Megatron-FSDP's gradient dtypes (its --megatron-fsdp-main-grads-dtype and
+# --megatron-fsdp-grad-comm-dtype): mp's FSDP accumulates and reduces in one dtype.
+_FSDP_GRADS = ("megatron_fsdp_main_grads_dtype", "megatron_fsdp_grad_comm_dtype")
 
 
 def _option(dest: str) -> str:
@@ -229,6 +259,15 @@ def add_to(parser: argparse.ArgumentParser) -> None:
         help="apply_wd_to_qk_layernorm: sets apply_wd_to_qk_layernorm (Megatron-LM's other "
         "spelling of --apply-wd-to-qk-layernorm).",
     )  # fmt: skip
+    for dest in _FSDP_GRADS:
+        renamed.add_argument(
+            _option(dest), dest=dest, choices=("fp32", "bf16", "fp16", "auto"),
+            default=argparse.SUPPRESS,
+            help="With --use-megatron-fsdp: the dtype gradients are accumulated in (main) or "
+            "reduced in (comm; auto: the main one). mp's FSDP does both in one dtype: fp32, "
+            "or bf16 (--grad-reduce-in-bf16); auto is the model's dtype; fp16 and two "
+            "different dtypes are refused.",
+        )  # fmt: skip
     refused.add_argument(
         _option(_MODEL_TYPE), dest=_MODEL_TYPE, choices=_MODEL_TYPES, default=argparse.SUPPRESS,
         help="GPTModel, or HybridModel / MambaModel with --hybrid-layer-pattern: what mp "
@@ -300,6 +339,7 @@ def apply(given: dict[str, Any], values: dict[str, dict[str, Any]]) -> list[str]
         raise ValueError("--use-cpu-initialization and --use-device-initialization "
                          "disagree: give one")  # fmt: skip
     _check_shared_expert_overlap(given, values["model"])
+    _megatron_fsdp_grads(given, values)
     if given.pop(_WD_COND, None) is not None:
         if given.get("apply_wd_to_qk_layernorm") is False:
             raise ValueError(f"{_option(_WD_COND)} apply_wd_to_qk_layernorm and "
@@ -324,6 +364,35 @@ def _check_shared_expert_overlap(given: dict[str, Any], model: dict[str, Any]) -
             and value("moe_shared_expert_intermediate_size") is not None):  # fmt: skip
         raise ValueError("--recompute-modules shared_experts cannot work with "
                          "--moe-shared-expert-overlap (Megatron-LM's rule): drop one")  # fmt: skip
+
+
+def _megatron_fsdp_grads(given: dict[str, Any], values: dict) -> None:
+    """Megatron-FSDP's gradient dtypes as grad_reduce_in_bf16 (see add_to's help)."""
+    main, comm = (given.pop(dest, None) for dest in _FSDP_GRADS)
+    if main is None and comm is None:
+        return
+    optimizer = values["optimizer"]
+
+    def value(field: str) -> Any:
+        return given.get(field, optimizer.get(field))
+
+    flags = " and ".join(f"{_option(d)} {v}" for d, v in zip(_FSDP_GRADS, (main, comm),
+                                                              strict=True) if v)  # fmt: skip
+    if not value("use_megatron_fsdp"):
+        raise ValueError(f"{flags}: Megatron-FSDP's gradient dtypes need --use-megatron-fsdp "
+                         "(otherwise --grad-reduce-in-bf16 sets bf16 gradients)")  # fmt: skip
+    model = "bf16" if value("bf16") else "fp16" if value("fp16") else "fp32"
+    main = model if main in (None, "auto") else main
+    comm = main if comm in (None, "auto") else comm
+    if "fp16" in (main, comm) or main != comm:
+        raise ValueError(f"{flags}: mp's FSDP accumulates and reduces gradients in one dtype, "
+                         "fp32 or bf16: give one of those (or auto) to both")  # fmt: skip
+    bf16 = main == "bf16"
+    if bf16 and not value("bf16"):
+        raise ValueError(f"{flags}: bf16 gradients need --bf16")
+    if "grad_reduce_in_bf16" in given and given["grad_reduce_in_bf16"] != bf16:
+        raise ValueError(f"{flags} and --grad-reduce-in-bf16 disagree: give one")
+    given["grad_reduce_in_bf16"] = bf16
 
 
 def _unify_mtp_pattern(module: str, given: dict[str, Any], values: dict) -> bool:

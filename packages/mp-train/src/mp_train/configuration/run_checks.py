@@ -149,8 +149,6 @@ def check_sharding(config) -> None:
         ),
         "--torch-compile": (config.training.torch_compile, "compiling FSDP-sharded layers"),
         "--fp8-format": (config.model.fp8 is not None, "FP8 GEMMs on FSDP-sharded weights"),
-        "--log-params-norm": (config.logging.log_params_norm,
-                              "the parameter norm over FSDP shards"),
     }  # fmt: skip
     for option, (given, what) in later.items():
         if given:

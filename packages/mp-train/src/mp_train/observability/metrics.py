@@ -347,8 +347,11 @@ def parameters_norm(run: Run) -> float:
 
     Dense squares are summed over the model-parallel ranks, those of expert
     parameters over the ranks that split them (the optimizer's expert_mp_group,
-    expert tp x ep x pp).
+    expert tp x ep x pp). Under FSDP each rank holds its rows of every parameter: the
+    optimizer's fp32 main parameters, whose norm it takes over the data-parallel ranks too.
     """
+    if getattr(run.optimizer, "fully_sharded", False):
+        return run.optimizer.main_params_norm()
     totals = {kind: torch.zeros((), dtype=torch.float64) for kind in ("dense", "expert")}
     for chunk in run.model:
         for param in counted_in_grad_norm(chunk.module):
