@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
+from bench_fused_step import race
 from harness import context, emit
 
 import mp_state
@@ -50,13 +50,11 @@ def main() -> None:
         steps, moment_bytes, params = {}, {}, 0
         for name, (dtype, compiled) in SIDES.items():
             step, optimizer, params = _side(args, state, device, dtype, compiled)
-            step()  # warm-up (and compilation)
-            step()
             steps[name] = step
             moment_bytes[name] = sum(t.numel() * t.element_size()
                                      for s in optimizer.optimizer.state.values()
                                      for k, t in s.items() if k != "step")  # fmt: skip
-        times = _race(steps, args, device)
+        times = race(steps, args, device)  # (two warm-up steps each, compilation included)
     finally:
         mp_state.destroy()
     best = {name: min(t) for name, t in times.items()}
@@ -84,22 +82,6 @@ def _side(args, state, device, dtype: str, compiled: bool):
     for p in module.parameters():
         p.main_grad.normal_()  # norm ~ sqrt(parameters): clipping scales every step
     return optimizer.step, optimizer, sum(p.numel() for p in module.parameters())
-
-
-def _race(steps: dict, args, device) -> dict[str, list[float]]:
-    times: dict[str, list[float]] = {name: [] for name in steps}
-    for round_ in range(args.rounds):
-        order = list(steps) if round_ % 2 == 0 else list(reversed(steps))
-        for name in order:
-            for _ in range(args.iters):
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                start = time.perf_counter()
-                steps[name]()
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                times[name].append(time.perf_counter() - start)
-    return times
 
 
 if __name__ == "__main__":
