@@ -158,7 +158,6 @@ DROP = {
     "gpt-oss": {"--fp8-amax-history-len": 1, "--fp8-amax-compute-algo": 1,
                 "--fp8-param-gather": 0},
     "DeepSeek-V3, Megatron-FSDP": {"--moe-flex-dispatcher-backend": 1,
-                                   "--dist-ckpt-strictness": 1,
                                    "--moe-token-dispatcher-type": 1},
 }  # fmt: skip
 # example -> the refused flag its line as written is stopped at (REFUSED's order)

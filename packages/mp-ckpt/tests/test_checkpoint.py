@@ -194,6 +194,36 @@ def test_strict_and_non_strict_keys_and_shape_changes(tmp_path):
         load_checkpoint(tmp_path, wider, strict=False)
 
 
+@pytest.mark.parametrize(
+    ("mismatch", "raises", "logged"),
+    [
+        (("raise", "raise"), True, 0),  # Megatron's raise_all
+        (("raise", "ignore"), True, 0),  # assume_ok_unexpected, raise_unexpected
+        (("log", "ignore"), False, 1),  # log_unexpected
+        (("log", "log"), False, 2),  # log_all
+        (("ignore", "ignore"), False, 0),  # ignore_all
+    ],
+)
+def test_mismatch_policies(tmp_path, caplog, mismatch, raises, logged):
+    """mismatch=(an asked key not saved, a saved key not asked for): raise, log or ignore;
+    a missing piece keeps its values, the rest loads."""
+    Checkpointer(tmp_path).save(1, pieces_for(0, 1))
+    asked = empty_like(pieces_for(0, 1))
+    asked["extra"] = ShardedTensor("extra", torch.full((2,), 7.0), (2,), (0,))
+    del asked["m"]
+    if raises:
+        with pytest.raises(KeyError, match=r"missing keys \['extra'\]"):
+            load_checkpoint(tmp_path, asked, mismatch=mismatch)
+        return
+    with caplog.at_level("WARNING", logger="mp_ckpt.core.loader"):
+        load_checkpoint(tmp_path, asked, mismatch=mismatch)
+    messages = [r.getMessage() for r in caplog.records if r.name == "mp_ckpt.core.loader"]
+    assert len(messages) == logged, messages
+    assert all("extra" in m or "'m'" in m for m in messages)
+    torch.testing.assert_close(asked["w"].data, W, rtol=0, atol=0)
+    assert torch.equal(asked["extra"].data, torch.full((2,), 7.0))
+
+
 def test_metadata_is_readable_json(tmp_path):
     Checkpointer(tmp_path).save(5, pieces_for(0, 1), layout={"tp": 1, "pp": 1})
     meta = json.loads((checkpoint_dir(tmp_path, 5) / "mp_metadata.json").read_text())

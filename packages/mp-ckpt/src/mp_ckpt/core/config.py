@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 __all__ = ["CheckpointConfig"]
 
@@ -65,10 +66,50 @@ class CheckpointConfig:
     strict_load: bool = True
     """Every tensor the model asks for must be in the checkpoint and every saved one asked for."""
 
+    dist_ckpt_strictness: (
+        Literal["assume_ok_unexpected", "log_unexpected", "log_all", "raise_unexpected",
+                "raise_all", "return_unexpected", "return_all", "ignore_all"] | None
+    ) = None  # fmt: skip
+    """Megatron's --dist-ckpt-strictness, instead of strict_load: what a tensor the run asks
+    for that the checkpoint lacks ("unexpected" in Megatron's words) and a saved one nobody
+    asks for ("missing" there) do. raise_all raises on either (strict_load's rule);
+    assume_ok_unexpected and raise_unexpected raise on the first and pass over the second;
+    log_unexpected logs the first, log_all both, and the load goes on without them;
+    ignore_all passes over both (--no-strict-load's rule). return_unexpected and return_all
+    hand them to a caller of Megatron's load and are refused (log_unexpected / log_all
+    report them). None: strict_load."""
+
+    @property
+    def load_mismatch(self) -> tuple[str, str] | None:
+        """dist_ckpt_strictness as load_checkpoint's mismatch (None: strict_load's rule)."""
+        return None if self.dist_ckpt_strictness is None else _MISMATCH[self.dist_ckpt_strictness]
+
     def __post_init__(self) -> None:
+        strictness = self.dist_ckpt_strictness
+        if strictness is not None:
+            if strictness not in _MISMATCH:
+                raise ValueError(f"dist_ckpt_strictness={strictness!r}: mp's load reports "
+                                 "mismatches itself, returns none; use log_unexpected or "
+                                 "log_all")  # fmt: skip
+            if not self.strict_load:
+                raise ValueError(
+                    f"dist_ckpt_strictness={strictness!r} and strict_load=False "
+                    "(--no-strict-load) both say how strict a load is: give one"
+                )
         if self.save_interval is not None and self.save_interval < 1:
             raise ValueError(f"save_interval={self.save_interval} must be >= 1")
         if self.ckpt_keep_last is not None and self.ckpt_keep_last < 1:
             raise ValueError(f"ckpt_keep_last={self.ckpt_keep_last} must be >= 1")
         if self.ckpt_step is not None and self.ckpt_step < 0:
             raise ValueError(f"ckpt_step={self.ckpt_step} must be >= 0")
+
+
+# dist_ckpt_strictness -> (an asked tensor the checkpoint lacks, a saved one nobody asks for)
+_MISMATCH = {
+    "assume_ok_unexpected": ("raise", "ignore"),
+    "raise_unexpected": ("raise", "ignore"),
+    "log_unexpected": ("log", "ignore"),
+    "log_all": ("log", "log"),
+    "raise_all": ("raise", "raise"),
+    "ignore_all": ("ignore", "ignore"),
+}

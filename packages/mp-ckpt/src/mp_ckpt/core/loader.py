@@ -21,6 +21,7 @@ load_checkpoint returns (also when the read itself failed on it).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 from collections.abc import Mapping
@@ -37,6 +38,8 @@ from mp_ckpt.core.integrity import CheckpointCorrupted, recorded_files, verify_f
 from mp_ckpt.core.layout import checkpoint_dir, read_tracker
 from mp_ckpt.core.regions import Region, copy_shared, local_box
 from mp_ckpt.core.sharding import ShardedTensor
+
+log = logging.getLogger(__name__)
 
 __all__ = ["LoadedCheckpoint", "load_checkpoint", "read_metadata"]
 
@@ -87,10 +90,17 @@ def load_checkpoint(
     verify: bool = True,
     finetune: bool = False,
     every_key_saved: bool = False,
+    mismatch: tuple[str, str] | None = None,
+    unasked_optimizer: bool = False,
 ) -> LoadedCheckpoint:
     """Fills `pieces` from a checkpoint under load_dir (see the module docstring).
 
     strict: every asked key must be saved and every saved key asked for.
+    mismatch: instead of strict, what an asked key that is not saved and a saved key
+    nobody asked for each do: "raise", "log" (a warning naming them; a missing piece keeps
+    its values) or "ignore" (strict: ("raise", "raise"); not strict: ("ignore", "ignore")).
+    unasked_optimizer: saved optimizer states ("optimizer." keys) are not expected (a load
+    without the optimizer).
     every_key_saved: every asked key must be saved, whatever `strict` says (for pieces
     that hold no values before the load: a model built without drawing its weights).
     finetune: model only: saved optimizer states ("optimizer." keys) are not
@@ -111,7 +121,7 @@ def load_checkpoint(
     everyone_asked = set().union(*_gather(sorted(asked), distributed, world))
     missing = sorted(asked - set(meta["tensors"]))
     unexpected = sorted(set(meta["tensors"]) - everyone_asked)
-    if finetune:
+    if finetune or unasked_optimizer:
         unexpected = [k for k in unexpected if not k.startswith("optimizer.")]
     mismatched = [
         f"{p.key}: saved {tuple(meta['tensors'][p.key]['shape'])}, now {tuple(p.global_shape)}"
@@ -125,11 +135,19 @@ def load_checkpoint(
             f"{directory}: {len(all_mismatched)} tensors cannot be resharded (their global "
             "shapes differ):\n  " + "\n  ".join(all_mismatched)
         )
-    if (strict and (all_missing or unexpected)) or (every_key_saved and all_missing):
+    on_missing, on_unexpected = mismatch or (("raise",) * 2 if strict else ("ignore",) * 2)
+    raising = (on_missing == "raise" and all_missing) or (on_unexpected == "raise" and unexpected)
+    if raising or (every_key_saved and all_missing):
         raise KeyError(
             f"{directory}: missing keys {all_missing[:20]}{' ...' if len(all_missing) > 20 else ''}"
             f"; unexpected keys {unexpected[:20]}{' ...' if len(unexpected) > 20 else ''}"
         )
+    if rank == 0:
+        for kind, keys, policy in (("missing", all_missing, on_missing),
+                                   ("unexpected", unexpected, on_unexpected)):  # fmt: skip
+            if keys and policy == "log":
+                log.warning("%s: %d %s keys (loaded without them): %s%s", directory, len(keys),
+                            kind, keys[:20], " ..." if len(keys) > 20 else "")  # fmt: skip
 
     # Where a saved box overlaps a wanted box, DCP reads the overlap straight into its
     # place in the piece. Flattened ranges (the distributed optimizer's) are read whole

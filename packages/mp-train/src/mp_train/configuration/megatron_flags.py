@@ -179,12 +179,6 @@ REFUSED: dict[str, tuple[bool, str]] = {
         "picks the flex dispatcher's kernels (DeepEP, HybridEP), which mp does not have: "
         "drop it and use --moe-token-dispatcher-type alltoall, which moves the same tokens",
     ),
-    "dist_ckpt_strictness": (
-        True,
-        "mp's load raises on any missing or unexpected tensor (--strict-load, the default) "
-        "or, with --no-strict-load, leaves missing ones as initialized: drop it and choose "
-        "one of those",
-    ),
     "defer_embedding_wgrad_compute": (
         False,
         "mp computes the embedding's weight gradient in its backward, not deferred: drop it",

@@ -269,6 +269,7 @@ def load_run_checkpoint(run: Run) -> str | None:
         loaded = load_checkpoint(
             path, pieces, iteration=ckpt.ckpt_step, finetune=finetune,
             strict=ckpt.strict_load and with_optimizer, every_key_saved=undrawn,
+            mismatch=ckpt.load_mismatch, unasked_optimizer=not with_optimizer,
         )  # fmt: skip
     except CheckpointCorrupted as error:
         iteration = ckpt.ckpt_step if ckpt.ckpt_step is not None else read_tracker(path)
