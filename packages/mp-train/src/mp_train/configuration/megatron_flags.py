@@ -132,6 +132,22 @@ IGNORED: dict[str, tuple[bool, str]] = {
         "own format only (a Megatron-LM checkpoint converts with `mp-ckpt import-megatron`), "
         "so there is nothing to detect",
     ),
+    "use_persistent_ckpt_worker": (
+        False,
+        "Megatron-LM's --async-save needs its persistent writer (without it, it drops "
+        "--async-save); mp's asynchronous save writes from a background thread of the "
+        "training process, its host buffers kept from one save to the next",
+    ),
+    "async_strategy": (
+        True,
+        "chooses Megatron-LM's asynchronous writer (nvrx or mcore); mp has one (--async-save)",
+    ),
+    "dist_ckpt_optim_fully_reshardable": (
+        False,
+        "mp saves the optimizer state as logical tensors, like the weights: it loads under "
+        "any TP, PP, EP and DP already (tests/test_checkpoint_reshard.py, "
+        "test_train_moe_reshard.py)",
+    ),
     "mla_down_proj_fusion": (
         False,
         "fuses MLA's query and key/value down projections (and the input norm) where the "
