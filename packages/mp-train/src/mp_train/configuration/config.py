@@ -171,6 +171,10 @@ class TrainingConfig:
     check_for_nan_in_loss_and_grad: bool = True
     """Stop, naming the rank, when the loss is nan or inf."""
 
+    check_weight_hash_across_dp_replicas_interval: int | None = None
+    """Every N iterations, stop naming the parameters whose bytes differ between data-parallel
+    replicas (Megatron's; loop/replica_check.py; refused under FSDP). None: never."""
+
     skip_nan_loss_iterations: bool = False
     """Instead of stopping, skip the optimizer step of an iteration with a nan or inf loss."""
 

@@ -142,6 +142,10 @@ def check_sharding(config) -> None:
                                   "--use-megatron-fsdp composes with it")  # fmt: skip
     else:
         name = "--use-megatron-fsdp"
+    if config.training.check_weight_hash_across_dp_replicas_interval:
+        raise ConfigError(f"--check-weight-hash-across-dp-replicas-interval with {name}: the "
+                          "data-parallel ranks hold different rows of each parameter, no "
+                          "replicas to compare; drop it")  # fmt: skip
     later = {
         "--virtual-pipeline-model-parallel-size": (
             parallel.virtual_pipeline_model_parallel_size is not None,

@@ -53,6 +53,7 @@ from mp_train.loop.checkpointing import (
 from mp_train.loop.hang_watchdog import HangWatchdog
 from mp_train.loop.moe_step import MoEStep
 from mp_train.loop.mtp_step import mtp_losses
+from mp_train.loop.replica_check import check_weight_replicas
 from mp_train.loop.setup import SETUP_TIMERS, Initialized, ModelProvider, Run, setup_run
 from mp_train.loop.skip_policy import SkipPolicy
 from mp_train.observability.metrics import MetricsLogger
@@ -169,6 +170,7 @@ def _train(run: Run, forward_step_func, train_iter, valid_iter, checkpointer,
             metrics.iteration_finished(*step(train_iter))
             profiler.iteration_finished(run.train.iteration)
             watchdog.beat(run.train.iteration)
+            _check_replicas(run, metrics)
             due = cadence.after_iteration(run.train)
             if due.collect_garbage:
                 gc.collect()
@@ -185,6 +187,15 @@ def _train(run: Run, forward_step_func, train_iter, valid_iter, checkpointer,
                 metrics.print(f"exiting at iteration {run.train.iteration}: {stop.reason}")
                 return stop
     return None
+
+
+def _check_replicas(run: Run, metrics: MetricsLogger) -> None:
+    """--check-weight-hash-across-dp-replicas-interval's check, when due."""
+    interval = run.config.training.check_weight_hash_across_dp_replicas_interval
+    if interval and run.train.iteration % interval == 0:
+        check_weight_replicas(run.model)
+        metrics.print(f"weight hashes match across data-parallel replicas after "
+                      f"{run.train.iteration} iterations")  # fmt: skip
 
 
 class _Step:
