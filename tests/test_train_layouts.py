@@ -71,3 +71,14 @@ def test_interleaved_groups_of_all_micro_batches_train_alike(tmp_path, reference
     assert len(curve) == ITERATIONS
     for iteration, (got, want) in enumerate(zip(curve, reference, strict=True), start=1):
         assert abs(got - want) <= 1e-4 * abs(want), f"iteration {iteration}: {got} vs {want}"
+
+
+def test_megatrons_tp_pp_dp_mapping_trains_alike(tmp_path, reference):
+    """--use-tp-pp-dp-mapping (Megatron's order tp-cp-ep-pp-dp: pipeline stages on
+    neighbouring ranks, replicas far apart) at PP2 x DP2 gives the one-rank curve."""
+    flags = [*options(tmp_path, 1, 2), "--use-tp-pp-dp-mapping"]
+    run_on_ranks(train_on_rank, 4, flags, timeout=300)
+    curve = losses(tmp_path)
+    assert len(curve) == ITERATIONS
+    for iteration, (got, want) in enumerate(zip(curve, reference, strict=True), start=1):
+        assert abs(got - want) <= 1e-4 * abs(want), f"iteration {iteration}: {got} vs {want}"

@@ -89,7 +89,7 @@ def test_layouts_that_do_not_fit_the_world(kwargs, world, message):
             r"virtual_pipeline_model_parallel_size=2 needs pipeline_model_parallel_size > 1",
         ),
         (
-            dict(order="tp-ep-cp-dp-pp"),
+            dict(order="tp-ep-cp-dp-pp", expert_model_parallel_size=2),
             r"order='tp-ep-cp-dp-pp': 'ep' must stand next to 'dp'",
         ),
         (dict(order="tp-cp-xp-dp-pp"), r"order='tp-cp-xp-dp-pp' has unknown token\(s\) \['xp'\]"),

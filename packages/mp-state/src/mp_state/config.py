@@ -96,7 +96,7 @@ class ParallelConfig:
         sizes["tp"] = max(sizes["tp"], self.expert_tensor_parallel_size)
         axes = parse_order(self.order, sizes)
         tokens = self.order.lower().split("-")
-        if "ep" in tokens:
+        if "ep" in tokens and self.expert_model_parallel_size > 1:
             ep_at = axes.index("ep")
             if "dp" not in tokens or abs(ep_at - axes.index("dp")) != 1:
                 raise ValueError(

@@ -229,6 +229,8 @@ _MTP_PATTERN = "mtp_hybrid_override_pattern"
 _FORMAT_CHOICES = ("torch_dist", "torch", "torch_dcp", "zarr", "fsdp_dtensor")
 # Megatron-LM's other spelling of --apply-wd-to-qk-layernorm (its one choice)
 _WD_COND = "no_weight_decay_cond_type"
+# Megatron-LM's other rank order: tp-cp-ep-pp-dp instead of its default tp-cp-ep-dp-pp
+_TP_PP_DP = "use_tp_pp_dp_mapping"
 # Megatron-FSDP's gradient dtypes (its --megatron-fsdp-main-grads-dtype and
 # --megatron-fsdp-grad-comm-dtype): mp's FSDP accumulates and reduces in one dtype.
 _FSDP_GRADS = ("megatron_fsdp_main_grads_dtype", "megatron_fsdp_grad_comm_dtype")
@@ -268,6 +270,11 @@ def add_to(parser: argparse.ArgumentParser) -> None:
         default=argparse.SUPPRESS,
         help="apply_wd_to_qk_layernorm: sets apply_wd_to_qk_layernorm (Megatron-LM's other "
         "spelling of --apply-wd-to-qk-layernorm).",
+    )  # fmt: skip
+    renamed.add_argument(
+        _option(_TP_PP_DP), dest=_TP_PP_DP, action="store_true", default=argparse.SUPPRESS,
+        help="Sets order to tp-cp-ep-pp-dp (pipeline stages vary faster than data-parallel "
+        "replicas), as Megatron-LM's flag does.",
     )  # fmt: skip
     for dest in _FSDP_GRADS:
         renamed.add_argument(
@@ -350,6 +357,11 @@ def apply(given: dict[str, Any], values: dict[str, dict[str, Any]]) -> list[str]
                          "disagree: give one")  # fmt: skip
     _check_shared_expert_overlap(given, values["model"])
     _megatron_fsdp_grads(given, values)
+    if given.pop(_TP_PP_DP, False):
+        order = given.get("order", values["parallel"].get("order"))
+        if order not in (None, "tp-cp-ep-pp-dp"):
+            raise ValueError(f"{_option(_TP_PP_DP)} and --order {order} disagree: give one")
+        given["order"] = "tp-cp-ep-pp-dp"
     if given.pop(_WD_COND, None) is not None:
         if given.get("apply_wd_to_qk_layernorm") is False:
             raise ValueError(f"{_option(_WD_COND)} apply_wd_to_qk_layernorm and "
