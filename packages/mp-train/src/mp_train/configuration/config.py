@@ -199,6 +199,11 @@ class LoggingConfig:
     tensorboard_log_interval: int = 1
     """Write the per-iteration TensorBoard scalars every this many iterations."""
 
+    log_progress: bool = False
+    """Append job starts, saves (with job and cumulative TFLOP/s per rank, operations and
+    tokens) and deletions to progress.txt in the save directory, as Megatron-LM does
+    (observability/progress_log.py)."""
+
     moe_per_layer_logging: bool = False
     """Also write each layer's MoE auxiliary losses to TensorBoard and W&B every iteration,
     as `moe/<name>_layer_<i>` (Megatron's tags: i the layer's 0-based number in the model,

@@ -112,10 +112,15 @@ def save_run_checkpoint(run: Run, checkpointer: Checkpointer) -> None:
     if not ckpt.no_save_rng:
         rank_state = {"position": _rng_position(run),
                       "rng_state": mp_state.get_rng_state(run.rng_tracker)}  # fmt: skip
+    # An async save's line comes before its writer starts, whose commit line follows it.
+    if checkpointer.async_save:
+        _progress_saved(run, async_save=True)
     start = time.perf_counter()
     checkpointer.save(run.train.iteration, pieces, common=common, rank_state=rank_state,
                       layout=_layout(run))  # fmt: skip
     took = time.perf_counter() - start
+    if not checkpointer.async_save:
+        _progress_saved(run, async_save=False)
     if not run.is_first_rank:
         return
     if checkpointer.async_save:
@@ -124,6 +129,13 @@ def save_run_checkpoint(run: Run, checkpointer: Checkpointer) -> None:
     else:
         log.info("saved checkpoint of iteration %d to %s in %.3f s", run.train.iteration,
                  ckpt.save, took)  # fmt: skip
+
+
+def _progress_saved(run: Run, async_save: bool) -> None:
+    if run.progress is not None:
+        tokens = run.train.consumed_train_samples * run.config.gpt.seq_length
+        run.progress.saved(run.train.iteration, run.train.floating_point_operations_so_far,
+                           tokens, async_save)  # fmt: skip
 
 
 def _model_common(run: Run) -> dict:

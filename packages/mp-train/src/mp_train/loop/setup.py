@@ -49,6 +49,7 @@ from mp_train.configuration.hybrid_pipeline import pipeline_segments
 from mp_train.loop.cpu_allocator import keep_freed_memory
 from mp_train.loop.microbatches import MicroBatchCalculator
 from mp_train.observability.log_setup import configure_logging
+from mp_train.observability.progress_log import ProgressLog
 from mp_train.observability.timers import Timers
 
 __all__ = ["Initialized", "ModelProvider", "Run", "TrainState", "initialize", "setup_run"]
@@ -103,6 +104,8 @@ class Run:
     """The tokenizer files and generation settings (common["tokenizer"],
     common["generation_config"]) of the Hugging Face model the run started from, when
     the run's tokenizer is that model's: its saves and its export carry them."""
+    progress: ProgressLog | None = None
+    """The progress log (log_progress with a save directory), which saves report to."""
 
     @property
     def is_last_rank(self) -> bool:

@@ -30,6 +30,7 @@ divided): the loss function averages them over data-parallel ranks.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import logging
 from collections.abc import Callable, Iterator
@@ -58,6 +59,7 @@ from mp_train.loop.setup import SETUP_TIMERS, Initialized, ModelProvider, Run, s
 from mp_train.loop.skip_policy import SkipPolicy
 from mp_train.observability.metrics import MetricsLogger
 from mp_train.observability.profiling import StepProfiler
+from mp_train.observability.progress_log import ProgressLog
 from mp_train.observability.stragglers import timed_forward_step
 
 __all__ = ["evaluate", "pretrain"]
@@ -133,10 +135,17 @@ def _checkpointer(run: Run, metrics: MetricsLogger) -> Checkpointer | None:
     """The run's checkpoint under `load` restored; the checkpointer that saves to `save`."""
     config = run.config
     checkpointer = None
-    if config.checkpoint.save is not None:
-        checkpointer = Checkpointer(config.checkpoint.save, async_save=config.checkpoint.async_save,
-                                    keep_last=config.checkpoint.ckpt_keep_last)  # fmt: skip
+    ckpt = config.checkpoint
+    if ckpt.save is not None:
+        if config.logging.log_progress:
+            run.progress = ProgressLog(ckpt.save, dist.get_world_size(), dist.get_rank() == 0)
+        committed = None if run.progress is None else functools.partial(
+            run.progress.committed, async_save=ckpt.async_save)  # fmt: skip
+        checkpointer = Checkpointer(ckpt.save, async_save=ckpt.async_save,
+                                    keep_last=ckpt.ckpt_keep_last, on_commit=committed)  # fmt: skip
     loaded = load_run_checkpoint(run)
+    if run.progress is not None:
+        run.progress.job_started(run.train.floating_point_operations_so_far)
     if loaded is not None and run.train.iteration == 0:
         metrics.print(f"fine-tuning from {loaded}")
     elif loaded is not None:
