@@ -142,6 +142,22 @@ def test_tracker_moves_only_after_a_complete_save_and_keep_last(tmp_path):
     load_checkpoint(tmp_path, empty_like(pieces_for(0, 1)))
 
 
+@pytest.mark.parametrize(("keep_last", "kept"), [(None, [4, 8, 10]), (2, [4, 8, 9, 10])])
+def test_retain_interval_keeps_its_multiples_beside_the_newest(tmp_path, keep_last, kept):
+    """Megatron's --save-retain-interval 4: the multiples of 4 stay, with the newest
+    keep_last (or the newest alone); each commit reports what it deleted."""
+    reported = []
+    checkpointer = Checkpointer(tmp_path, keep_last=keep_last, retain_interval=4,
+                                on_commit=lambda i, gone: reported.append((i, gone)))  # fmt: skip
+    for iteration in range(1, 11):
+        checkpointer.save(iteration, pieces_for(0, 1))
+    names = sorted(p.name for p in tmp_path.iterdir() if p.is_dir())
+    assert names == [f"iter_{i:07d}" for i in kept]
+    assert [i for i, _ in reported] == list(range(1, 11))
+    gone = sorted(i for _, deleted in reported for i in deleted)
+    assert gone == sorted(set(range(1, 11)) - set(kept))
+
+
 def test_checksums_taken_while_writing_match_the_files(tmp_path):
     big = {f"t{i}": ShardedTensor(f"t{i}", torch.randn(300, 700), (300, 700), (0, 0))
            for i in range(5)}  # fmt: skip

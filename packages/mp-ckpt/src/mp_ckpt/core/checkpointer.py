@@ -70,18 +70,21 @@ class Checkpointer:
         save_dir: the checkpoint root (Megatron's --save).
         async_save: write in a background thread after staging on the host.
         keep_last: keep only this many newest checkpoints (None: all).
+        retain_interval: keep also those whose iteration is a multiple of it (with
+            keep_last None: those and the newest).
         on_commit: called on rank 0 once a checkpoint is committed, with its iteration and
             the iterations keep_last deleted (from the writing thread when async).
     """
 
     def __init__(self, save_dir: str | os.PathLike, *, async_save: bool = False,
-                 keep_last: int | None = None,
+                 keep_last: int | None = None, retain_interval: int | None = None,
                  on_commit: Callable[[int, list[int]], None] | None = None) -> None:  # fmt: skip
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"keep_last={keep_last} must be >= 1")
         self.save_dir = Path(save_dir)
         self.async_save = async_save
         self.keep_last = keep_last
+        self.retain_interval = retain_interval
         self.on_commit = on_commit
         self._distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self._distributed else 0
@@ -222,9 +225,8 @@ class Checkpointer:
         if self.rank == 0:
             replace_dir(tmp, final)
             write_tracker(self.save_dir, iteration)
-            deleted = []
-            if self.keep_last is not None:
-                deleted = remove_old_checkpoints(self.save_dir, self.keep_last)
+            deleted = remove_old_checkpoints(self.save_dir, self.keep_last,
+                                             self.retain_interval)  # fmt: skip
             if self.on_commit is not None:
                 self.on_commit(iteration, deleted)
         self._barrier()

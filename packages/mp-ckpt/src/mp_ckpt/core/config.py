@@ -38,6 +38,11 @@ class CheckpointConfig:
     ckpt_keep_last: int | None = None
     """Keep only this many newest checkpoints under save (None: all)."""
 
+    save_retain_interval: int | None = None
+    """Keep every checkpoint whose iteration is a multiple of this, beside the newest
+    ckpt_keep_last (or, without it, the newest one alone): the others are deleted as each
+    save commits (Megatron's --save-retain-interval). None: ckpt_keep_last alone decides."""
+
     no_save_optim: bool = False
     """Do not save the optimizer state."""
 
@@ -100,6 +105,8 @@ class CheckpointConfig:
             raise ValueError(f"save_interval={self.save_interval} must be >= 1")
         if self.ckpt_keep_last is not None and self.ckpt_keep_last < 1:
             raise ValueError(f"ckpt_keep_last={self.ckpt_keep_last} must be >= 1")
+        if self.save_retain_interval is not None and self.save_retain_interval < 1:
+            raise ValueError(f"save_retain_interval={self.save_retain_interval} must be >= 1")
         if self.ckpt_step is not None and self.ckpt_step < 0:
             raise ValueError(f"ckpt_step={self.ckpt_step} must be >= 0")
 

@@ -81,13 +81,20 @@ def list_iterations(root: str | os.PathLike) -> list[int]:
     return sorted(found)
 
 
-def remove_old_checkpoints(root: str | os.PathLike, keep_last: int) -> list[int]:
-    """Deletes all but the newest keep_last checkpoints (never the tracker's); returns them."""
-    if keep_last < 1:
+def remove_old_checkpoints(root: str | os.PathLike, keep_last: int | None,
+                           retain_interval: int | None = None) -> list[int]:  # fmt: skip
+    """Deletes all but the newest keep_last checkpoints (None: the newest one, when a
+    retain_interval is given; else nothing), never the tracker's nor those whose iteration
+    is a multiple of retain_interval; returns the iterations deleted."""
+    if keep_last is not None and keep_last < 1:
         raise ValueError(f"keep_last={keep_last} must be >= 1")
+    if keep_last is None and retain_interval is None:
+        return []
     current = read_tracker(root)
     iterations = list_iterations(root)
-    doomed = [i for i in iterations[:-keep_last] if i != current]
+    newest = iterations[-(keep_last or 1) :]
+    doomed = [i for i in iterations if i not in newest and i != current
+              and not (retain_interval and i % retain_interval == 0)]  # fmt: skip
     for iteration in doomed:
         shutil.rmtree(checkpoint_dir(root, iteration), ignore_errors=True)
     return doomed

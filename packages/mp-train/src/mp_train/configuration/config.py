@@ -261,6 +261,12 @@ class LoggingConfig:
     wandb_exp_name: str | None = None
     """The run's name in Weights & Biases."""
 
+    wandb_entity: str | None = None
+    """The Weights & Biases entity (team or user) the project belongs to."""
+
+    wandb_save_dir: str | None = None
+    """Where Weights & Biases keeps its local files (its `dir`)."""
+
     metrics_file: str | None = None
     """Append every iteration's reported losses, learning rate and gradient norm here as
     JSON lines, at full precision (last rank)."""

@@ -148,6 +148,20 @@ IGNORED: dict[str, tuple[bool, str]] = {
         "any TP, PP, EP and DP already (tests/test_checkpoint_reshard.py, "
         "test_train_moe_reshard.py)",
     ),
+    "verify_integrity": (
+        False,
+        "mp records every checkpoint file's sha256 on save and checks it on every load already",
+    ),
+    "te_rng_tracker": (
+        False,
+        "selects Transformer Engine's random-state tracker (for CUDA graphs); mp's own "
+        "tracker serves every random stream",
+    ),
+    "use_flashinfer_fused_rope": (
+        False,
+        "a FlashInfer kernel for rotary embeddings in inference; mp applies them unfused, "
+        "with the same result",
+    ),
     "mla_down_proj_fusion": (
         False,
         "fuses MLA's query and key/value down projections (and the input norm) where the "
@@ -206,6 +220,11 @@ RENAMED: dict[str, tuple[str, str, Any]] = {
     "norm_epsilon": ("model", "layernorm_epsilon", float),
     "hybrid_override_pattern": ("model", "hybrid_layer_pattern", str),
     "ddp_bucket_size": ("optimizer", "bucket_size", int),
+    "num_virtual_stages_per_pipeline_rank": (
+        "parallel",
+        "virtual_pipeline_model_parallel_size",
+        int,
+    ),
 }
 # Other names of switches mp has: Megatron's spellings with an underscore inside the flag
 # name, and ModelOpt's export names of Llama 4's features (megatron/post_training/
@@ -215,6 +234,7 @@ _SPELLINGS = {
     "use-checkpoint-opt_param-scheduler": "use_checkpoint_opt_param_scheduler",
     "export-qk-l2-norm": "qk_l2_norm",
     "export-moe-apply-probs-on-input": "moe_apply_probs_on_input",
+    "ddp-average-in-collective": "average_in_collective",
 }
 # ModelOpt's --export-model-type: GPTModel, or a Mamba-hybrid model (HybridModel, MambaModel),
 # which --hybrid-layer-pattern describes.

@@ -142,7 +142,9 @@ def _checkpointer(run: Run, metrics: MetricsLogger) -> Checkpointer | None:
         committed = None if run.progress is None else functools.partial(
             run.progress.committed, async_save=ckpt.async_save)  # fmt: skip
         checkpointer = Checkpointer(ckpt.save, async_save=ckpt.async_save,
-                                    keep_last=ckpt.ckpt_keep_last, on_commit=committed)  # fmt: skip
+                                    keep_last=ckpt.ckpt_keep_last,
+                                    retain_interval=ckpt.save_retain_interval,
+                                    on_commit=committed)  # fmt: skip
     loaded = load_run_checkpoint(run)
     if run.progress is not None:
         run.progress.job_started(run.train.floating_point_operations_so_far)

@@ -114,6 +114,8 @@ class MetricsLogger:
             else:
                 wandb_run = wandb.init(project=self.config.wandb_project,
                                        name=self.config.wandb_exp_name,
+                                       entity=self.config.wandb_entity,
+                                       dir=self.config.wandb_save_dir,
                                        config=run.config.as_dict())  # fmt: skip
         self.board = TensorBoard(self.config, run.is_last_rank, wandb_run)
         self._aux_names = set(aux_loss_names(run.config.model) + mtp_loss_names(run.config.model))
