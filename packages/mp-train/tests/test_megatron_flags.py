@@ -227,6 +227,11 @@ def test_megatron_fsdp_gradient_dtypes_set_grad_reduce_in_bf16():
             parse_config([*fsdp, *extra])
     with pytest.raises(ValueError, match="need --use-megatron-fsdp"):
         parse_config([*MODEL, "--bf16", main, "bf16"])
+    params = "--megatron-fsdp-main-params-dtype"
+    parse_config([*fsdp, params, "fp32"])  # mp's own
+    for value in ("bf16", "auto"):  # auto: the bf16 model's dtype
+        with pytest.raises(ValueError, match="mp's FSDP steps fp32 main parameters"):
+            parse_config([*fsdp, params, value])
 
 
 def test_flex_dispatcher_is_refused_naming_alltoall():

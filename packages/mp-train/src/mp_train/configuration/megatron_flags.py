@@ -254,6 +254,8 @@ _TP_PP_DP = "use_tp_pp_dp_mapping"
 # Megatron-FSDP's gradient dtypes (its --megatron-fsdp-main-grads-dtype and
 # --megatron-fsdp-grad-comm-dtype): mp's FSDP accumulates and reduces in one dtype.
 _FSDP_GRADS = ("megatron_fsdp_main_grads_dtype", "megatron_fsdp_grad_comm_dtype")
+# and its main parameters' dtype: mp's FSDP steps fp32 main parameters
+_FSDP_PARAMS = "megatron_fsdp_main_params_dtype"
 
 
 def _option(dest: str) -> str:
@@ -290,6 +292,12 @@ def add_to(parser: argparse.ArgumentParser) -> None:
         default=argparse.SUPPRESS,
         help="apply_wd_to_qk_layernorm: sets apply_wd_to_qk_layernorm (Megatron-LM's other "
         "spelling of --apply-wd-to-qk-layernorm).",
+    )  # fmt: skip
+    renamed.add_argument(
+        _option(_FSDP_PARAMS), dest=_FSDP_PARAMS, choices=("fp32", "bf16", "fp16", "auto"),
+        default=argparse.SUPPRESS,
+        help="With --use-megatron-fsdp: the dtype of the parameters the optimizer steps. mp's "
+        "FSDP keeps them in fp32 (fp32, or auto for an fp32 model); the others are refused.",
     )  # fmt: skip
     renamed.add_argument(
         _option(_TP_PP_DP), dest=_TP_PP_DP, action="store_true", default=argparse.SUPPRESS,
@@ -409,7 +417,15 @@ def _check_shared_expert_overlap(given: dict[str, Any], model: dict[str, Any]) -
 
 
 def _megatron_fsdp_grads(given: dict[str, Any], values: dict) -> None:
-    """Megatron-FSDP's gradient dtypes as grad_reduce_in_bf16 (see add_to's help)."""
+    """Megatron-FSDP's gradient dtypes as grad_reduce_in_bf16, and its main parameters'
+    dtype checked (see add_to's help)."""
+    params = given.pop(_FSDP_PARAMS, None)
+    if params is not None:
+        half = given.get("bf16", values["optimizer"].get("bf16")) or given.get(
+            "fp16", values["optimizer"].get("fp16"))  # fmt: skip
+        if params in ("bf16", "fp16") or (params == "auto" and half):
+            raise ValueError(f"{_option(_FSDP_PARAMS)} {params}: mp's FSDP steps fp32 main "
+                             "parameters; give fp32 or drop the flag")  # fmt: skip
     main, comm = (given.pop(dest, None) for dest in _FSDP_GRADS)
     if main is None and comm is None:
         return
