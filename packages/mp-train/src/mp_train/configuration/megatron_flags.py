@@ -162,6 +162,22 @@ IGNORED: dict[str, tuple[bool, str]] = {
         "a FlashInfer kernel for rotary embeddings in inference; mp applies them unfused, "
         "with the same result",
     ),
+    "moe_router_fusion": (
+        False,
+        "fuses the routing's top-k and auxiliary losses into Transformer Engine kernels; mp "
+        "computes them with torch's operations, with the same result",
+    ),
+    "overlap_moe_expert_parallel_comm": (
+        False,
+        "overlaps the expert-parallel all-to-alls with another micro-batch's computation on "
+        "CUDA streams; mp runs each micro-batch's one after the other, with the same result",
+    ),
+    "overlap_param_gather_with_optimizer_step": (
+        False,
+        "starts the first bucket's parameter all-gather inside the optimizer step; mp starts "
+        "every gather after the step (under --overlap-param-gather they overlap the next "
+        "forward), with the same result",
+    ),
     "mla_down_proj_fusion": (
         False,
         "fuses MLA's query and key/value down projections (and the input norm) where the "
