@@ -1,8 +1,8 @@
 """The layers of a Mamba-hybrid model (TransformerConfig.hybrid_layer_pattern: Nemotron-H,
 Nemotron-Nano-9B-v2, Nemotron 3) in mp's estimate: which kind each layer is, and a Mamba
 layer's parameters, FLOPs and activations. The other kinds count their one sublayer as a
-transformer layer counts it (parameters.py, memory_flops.py): * attention and its norm,
-- a dense MLP and its norm, E a MoE MLP and its norm.
+transformer layer counts it (parameters.py, activations.py, memory_flops.py): * attention
+and its norm, - a dense MLP and its norm, E a MoE MLP and its norm.
 
 Symbols as in mp_train.estimate, and for the Mamba mixers (mp_layers' MambaMixer) H heads
 of P channels (mamba_num_heads, mamba_head_dim; without mamba_num_heads Megatron's inner

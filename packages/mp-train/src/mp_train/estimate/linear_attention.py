@@ -2,7 +2,7 @@
 a hybrid model's G layers) in mp's estimate: which layers are, and a gated DeltaNet's
 parameters, FLOPs and activations. A "linear" layer is a transformer layer whose attention
 is the DeltaNet: its norms and its MLP count as a transformer layer's; a hybrid G layer
-("gdn") is the DeltaNet and its norm (parameters.py, memory_flops.py).
+("gdn") is the DeltaNet and its norm (parameters.py, activations.py, memory_flops.py).
 
 Symbols as in mp_train.estimate, and for the DeltaNet (mp_layers' GatedDeltaNet) Hk key
 heads of dk channels, Hv value heads of dv channels (linear_num_{key,value}_heads,
