@@ -254,6 +254,40 @@ def assert_exported_back(tmp_path, state: dict):
     return transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf_out").eval()
 
 
+def imported_mtp_loss(hf_dir, ckpt, hf):
+    """import-hf of hf_dir into ckpt: the model's logits are transformers' (1e-5); returns
+    (inputs, labels, mp's MTP loss in a training forward)."""
+    assert main(["import-hf", str(hf_dir), str(ckpt)]) == 0
+    model = imported_model(ckpt)
+    assert model.mtp is not None and len(model.mtp.layers) == 1
+    x, labels = torch.randint(0, hf.config.vocab_size, (2, 2, SEQ),
+                              generator=torch.Generator().manual_seed(3))  # fmt: skip
+    with torch.no_grad():
+        assert (model(x) - hf(x).logits).abs().max() < 1e-5
+    model.train()
+    model(x, labels=labels)
+    return x, labels, model.mtp.take_losses()[0]
+
+
+@torch.no_grad()
+def reference_mtp_loss(hf, x, labels, embedding_norm, hidden_norm, projection, layer,
+                       final_norm) -> torch.Tensor:  # fmt: skip
+    """An MTP module composed of transformers' blocks: h' = layer(projection(cat(
+    embedding_norm(embed(next tokens)), hidden_norm(h)))), lm_head(final_norm(h')) against
+    the labels one further (the last position counts nothing)."""
+    ahead = torch.roll(x, -1, 1)
+    joined = torch.cat([embedding_norm(hf.model.embed_tokens(ahead)),
+                        hidden_norm(hf.model(x).last_hidden_state)], -1)  # fmt: skip
+    positions = torch.arange(SEQ)[None]
+    mask = torch.full((SEQ, SEQ), -torch.inf).triu(1)[None, None]
+    out = layer(joined @ projection.t(), attention_mask=mask, position_ids=positions,
+                position_embeddings=hf.model.rotary_emb(joined, positions))  # fmt: skip
+    logits = hf.lm_head(final_norm(out))[:, :-1]
+    return torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), torch.roll(labels, -1, 1)[:, :-1].reshape(-1)
+    )
+
+
 def test_deepseek_v3_multi_token_prediction_imports_computes_as_deepseek_and_exports_back(
     tmp_path,
 ):
@@ -281,36 +315,14 @@ def test_deepseek_v3_multi_token_prediction_imports_computes_as_deepseek_and_exp
     config = json.loads((tmp_path / "three" / "config.json").read_text())
     config |= {"num_hidden_layers": 2, "num_nextn_predict_layers": 1}
     hf = hf_folder_with(tmp_path / "hf_in", config, state)
-
-    assert main(["import-hf", str(tmp_path / "hf_in"), str(tmp_path / "ckpt")]) == 0
-    model = imported_model(tmp_path / "ckpt")
-    assert model.mtp is not None and len(model.mtp.layers) == 1
-    x, labels = torch.randint(0, hf.config.vocab_size, (2, 2, SEQ),
-                              generator=torch.Generator().manual_seed(3))  # fmt: skip
-    with torch.no_grad():
-        assert (model(x) - hf(x).logits).abs().max() < 1e-5
-    model.train()
-    model(x, labels=labels)
-    got = model.mtp.take_losses()[0]
-    with torch.no_grad():
-        norms = {}
-        for name, weight in mtp.items():
-            if name != "eh_proj":
-                norms[name] = DeepseekV3RMSNorm(h, hf.config.rms_norm_eps)
-                norms[name].weight.copy_(weight)
-        ahead = torch.roll(x, -1, 1)  # the next tokens (the last position counts nothing)
-        joined = torch.cat([norms["enorm"](hf.model.embed_tokens(ahead)),
-                            norms["hnorm"](hf.model(x).last_hidden_state)], -1)  # fmt: skip
-        positions = torch.arange(SEQ)[None]
-        mask = torch.full((SEQ, SEQ), -torch.inf).triu(1)[None, None]
-        out = three.model.layers[2](
-            joined @ mtp["eh_proj"].t(), attention_mask=mask, position_ids=positions,
-            position_embeddings=hf.model.rotary_emb(joined, positions),
-        )  # fmt: skip
-        logits = hf.lm_head(norms["shared_head.norm"](out))[:, :-1]
-        want = torch.nn.functional.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]), torch.roll(labels, -1, 1)[:, :-1].reshape(-1)
-        )
+    x, labels, got = imported_mtp_loss(tmp_path / "hf_in", tmp_path / "ckpt", hf)
+    norms = {}
+    for name, weight in mtp.items():
+        if name != "eh_proj":
+            norms[name] = DeepseekV3RMSNorm(h, hf.config.rms_norm_eps)
+            norms[name].weight.data.copy_(weight)
+    want = reference_mtp_loss(hf, x, labels, norms["enorm"], norms["hnorm"], mtp["eh_proj"],
+                              three.model.layers[2], norms["shared_head.norm"])  # fmt: skip
     assert abs(got.item() - want.item()) < 1e-5, (got, want)
 
     reloaded = assert_exported_back(tmp_path, state)
@@ -349,39 +361,14 @@ def test_qwen3_next_multi_token_prediction_imports_computes_as_its_blocks_and_ex
     config = json.loads((tmp_path / "longer" / "config.json").read_text())
     config |= {"num_hidden_layers": 4, "layer_types": types}
     hf = hf_folder_with(tmp_path / "hf_without_key", config, state)
-    assert main(["import-hf", str(tmp_path / "hf_without_key"), str(tmp_path / "ckpt")]) == 0
-    model = imported_model(tmp_path / "ckpt")
-    assert model.mtp is not None and len(model.mtp.layers) == 1
-    x, labels = torch.randint(0, hf.config.vocab_size, (2, 2, SEQ),
-                              generator=torch.Generator().manual_seed(3))  # fmt: skip
-    with torch.no_grad():
-        assert (model(x) - hf(x).logits).abs().max() < 1e-5
-    model.train()
-    model(x, labels=labels)
-    got = model.mtp.take_losses()[0]
-    with torch.no_grad():
-        norms = {}
-        for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
-            norms[name] = Qwen3NextRMSNorm(h, hf.config.rms_norm_eps)
-            norms[name].weight.copy_(module[name])
-        ahead = torch.roll(x, -1, 1)  # the next tokens (the last position counts nothing)
-        joined = torch.cat(
-            [
-                norms["pre_fc_norm_embedding"](hf.model.embed_tokens(ahead)),
-                norms["pre_fc_norm_hidden"](hf.model(x).last_hidden_state),
-            ],
-            -1,
-        )
-        positions = torch.arange(SEQ)[None]
-        mask = torch.full((SEQ, SEQ), -torch.inf).triu(1)[None, None]
-        out = longer.model.layers[4](
-            joined @ module["fc"].t(), attention_mask=mask, position_ids=positions,
-            position_embeddings=hf.model.rotary_emb(joined, positions),
-        )  # fmt: skip
-        logits = hf.lm_head(norms["norm"](out))[:, :-1]
-        want = torch.nn.functional.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]), torch.roll(labels, -1, 1)[:, :-1].reshape(-1)
-        )
+    x, labels, got = imported_mtp_loss(tmp_path / "hf_without_key", tmp_path / "ckpt", hf)
+    norms = {}
+    for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        norms[name] = Qwen3NextRMSNorm(h, hf.config.rms_norm_eps)
+        norms[name].weight.data.copy_(module[name])
+    want = reference_mtp_loss(hf, x, labels, norms["pre_fc_norm_embedding"],
+                              norms["pre_fc_norm_hidden"], module["fc"], longer.model.layers[4],
+                              norms["norm"])  # fmt: skip
     assert abs(got.item() - want.item()) < 1e-5, (got, want)
 
     (tmp_path / "hf_without_key").rename(tmp_path / "hf_in")  # the export names the module
