@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mp_ckpt import CheckpointReader, export_hf, import_megatron, safe_load
+from mp_ckpt import CheckpointReader, export_hf, import_megatron
 from mp_ckpt.megatron.logical import logical_from_megatron
 from mp_ckpt.megatron.read import read_megatron
 from mp_ckpt.megatron.write import export_megatron
@@ -131,24 +131,10 @@ def test_torch_dist_export_holds_megatrons_keys_and_comes_back_exact(fixture, tp
 
 
 @pytest.mark.parametrize("fixture", [LEGACY, HYBRID_LEGACY])
-def test_the_legacy_export_is_megatrons_files(fixture, tmp_path):
+def test_the_legacy_export_is_megatrons_files(fixture, legacy_export_is_megatrons):
     """Exported at TP2 in the legacy format, the fixture equals megatron-core's own files,
     tensor for tensor and key for key; at TP1 it imports back exactly."""
-    import_megatron(fixture, tmp_path / "mp")
-    out = export_megatron(tmp_path / "mp", tmp_path / "meg", ckpt_format="torch",
-                          tensor_model_parallel_size=2)  # fmt: skip
-    for rank in range(2):
-        folder = f"mp_rank_{rank:02d}"
-        ours = safe_load(out / folder / "model_optim_rng.pt")["model"]
-        theirs = safe_load(fixture / "iter_0000002" / folder / "model_optim_rng.pt")["model"]
-        assert ours.keys() == theirs.keys()
-        for key, value in theirs.items():
-            assert value is None or torch.equal(ours[key], value), (folder, key)
-    export_megatron(tmp_path / "mp", tmp_path / "tp1", ckpt_format="torch")
-    import_megatron(tmp_path / "tp1", tmp_path / "back")
-    before, after = _tensors(tmp_path / "mp"), _tensors(tmp_path / "back")
-    assert before.keys() == after.keys()
-    assert all(torch.equal(after[k], t) for k, t in before.items())
+    legacy_export_is_megatrons(fixture)
 
 
 def test_a_hybrid_with_delta_net_layers_has_no_hugging_face_layout(tmp_path):

@@ -119,28 +119,12 @@ SETTINGS = {"num_attention_heads": 4, "num_query_groups": 2, "num_layers": 4, "v
 
 
 @pytest.mark.parametrize("fixture", [LEGACY, MTP_LEGACY])
-def test_the_legacy_export_is_megatrons_files(fixture, tmp_path):
+def test_the_legacy_export_is_megatrons_files(fixture, legacy_export_is_megatrons):
     """Exported at TP2 in the legacy format, the hybrid fixtures (with MTP modules too)
     equal megatron-core's own files, tensor for tensor and key for key (the local spec's
     names: norm, conv1d_weight, mtp_model_layer.layers.<j>); at TP1 they import back
     exactly."""
-    from mp_ckpt import safe_load
-
-    import_megatron(fixture, tmp_path / "mp")
-    out = export_megatron(tmp_path / "mp", tmp_path / "meg", ckpt_format="torch",
-                          tensor_model_parallel_size=2)  # fmt: skip
-    for rank in range(2):
-        folder = f"mp_rank_{rank:02d}"
-        ours = safe_load(out / folder / "model_optim_rng.pt")["model"]
-        theirs = safe_load(fixture / "iter_0000002" / folder / "model_optim_rng.pt")["model"]
-        assert ours.keys() == theirs.keys()
-        for key, value in theirs.items():
-            assert value is None or torch.equal(ours[key], value), (folder, key)
-    export_megatron(tmp_path / "mp", tmp_path / "tp1", ckpt_format="torch")
-    import_megatron(tmp_path / "tp1", tmp_path / "back")
-    before, after = _tensors(tmp_path / "mp"), _tensors(tmp_path / "back")
-    assert before.keys() == after.keys()
-    assert all(torch.equal(after[k], t) for k, t in before.items())
+    legacy_export_is_megatrons(fixture)
 
 
 def test_what_the_hybrid_export_refuses():
