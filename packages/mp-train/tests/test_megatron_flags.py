@@ -186,6 +186,14 @@ def test_weight_decay_of_the_query_and_key_norms_both_spellings():
         parse_config([*MODEL, "--no-apply-wd-to-qk-layernorm", "--no-weight-decay-cond-type",
                       "apply_wd_to_qk_layernorm"])  # fmt: skip
     assert parse_config([*MODEL, "--deterministic-mode"]).training.deterministic_mode
+    other = parse_config([*MODEL, "--pipeline-model-parallel-size", "2",
+                          "--num-virtual-stages-per-pipeline-rank", "2",
+                          "--ddp-average-in-collective", "--use-tp-pp-dp-mapping"])  # fmt: skip
+    assert other.parallel.virtual_pipeline_model_parallel_size == 2
+    assert other.optimizer.average_in_collective
+    assert other.parallel.order == "tp-cp-ep-pp-dp"
+    with pytest.raises(ValueError, match="--use-tp-pp-dp-mapping and --order tp-cp-ep-dp-pp"):
+        parse_config([*MODEL, "--use-tp-pp-dp-mapping", "--order", "tp-cp-ep-dp-pp"])
 
 
 def test_recompute_modules_take_megatrons_list():
