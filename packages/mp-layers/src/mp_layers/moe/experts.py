@@ -42,6 +42,7 @@ import torch
 from mp_ckpt import ShardedTensor
 from mp_layers.config import TransformerConfig
 from mp_layers.tensor_parallel import deferred_init, initialization
+from mp_layers.tensor_parallel.partition import mark_partitioned
 from mp_layers.transformer.mlp import activate
 from mp_layers.transformer.output_recompute import OutputRecompute
 from mp_state import RankGroup
@@ -83,6 +84,7 @@ class GroupedExperts(torch.nn.Module):
             )
             deferred_init.attach(self.linear_fc1.weight, draws.of_fc(1))
             deferred_init.attach(self.linear_fc2.weight, draws.of_fc(2))
+            self._mark_partitioned()
             return
         if initialization.draws_skipped():  # a checkpoint fills them
             self.linear_fc1, self.linear_fc2 = (
@@ -90,6 +92,7 @@ class GroupedExperts(torch.nn.Module):
                                config.params_dtype)
                 for shape in shapes
             )  # fmt: skip
+            self._mark_partitioned()
             return
         fc1, fc2 = [], []
         for expert in range(experts):
@@ -100,6 +103,13 @@ class GroupedExperts(torch.nn.Module):
                 fc2.append(w2[:, rows])
         self.linear_fc1 = _ExpertWeights(torch.stack(fc1), bias, config.params_dtype)
         self.linear_fc2 = _ExpertWeights(torch.stack(fc2), bias, config.params_dtype)
+        self._mark_partitioned()
+
+    def _mark_partitioned(self) -> None:
+        """Each expert's fc1 is split by rows over etp, its fc2 by columns (for optimizers
+        that need whole matrices, mp_optim's Muon)."""
+        mark_partitioned(self.linear_fc1.weight, 1, self.etp)
+        mark_partitioned(self.linear_fc2.weight, 2, self.etp)
 
     def forward(self, tokens: torch.Tensor, counts: list[int], probs: torch.Tensor) -> torch.Tensor:
         """tokens [N, h] sorted by local expert, counts [El], probs [N] -> the weighted

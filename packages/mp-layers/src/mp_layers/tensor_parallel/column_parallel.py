@@ -39,7 +39,7 @@ from mp_layers.tensor_parallel.mappings import (
     gather_from_sequence_parallel_region,
     gather_from_tensor_model_parallel_region,
 )
-from mp_layers.tensor_parallel.partition import divide
+from mp_layers.tensor_parallel.partition import divide, mark_partitioned
 from mp_state import RankGroup
 
 __all__ = ["ColumnParallelLinear"]
@@ -136,6 +136,7 @@ class ColumnParallelLinear(torch.nn.Module):
             )
         )
         init_partitioned_weight(self.weight, (output_size, input_size), 0, tp_group, init_method)
+        mark_partitioned(self.weight, 0, tp_group)
         if bias:
             self.bias = torch.nn.Parameter(torch.zeros(self.output_size_per_partition, **factory))
         else:

@@ -8,9 +8,11 @@ argument's name and value, a size that does not divide.
 
 from __future__ import annotations
 
+import torch
+
 from mp_state import RankGroup
 
-__all__ = ["divide", "partition_range"]
+__all__ = ["divide", "mark_partitioned", "partition_range"]
 
 
 def divide(value: int, group: RankGroup, name: str) -> int:
@@ -33,3 +35,14 @@ def partition_range(size_per_rank: int, rank: int) -> tuple[int, int]:
     """[start, end) of rank's contiguous piece when each rank holds size_per_rank."""
     start = rank * size_per_rank
     return start, start + size_per_rank
+
+
+def mark_partitioned(param: torch.nn.Parameter, dim: int, group: RankGroup) -> None:
+    """Marks `param` as this rank's piece of a matrix split along `dim` over `group`, for an
+    optimizer that needs whole matrices (mp_optim's Muon): Megatron's `partition_dim`, and
+    mp's `partition_group_kind` (the group's kind, "tp" or "expert_tp", which the
+    optimizer is given). Nothing is marked when the group is one rank. The parameter
+    holds no process group, so it still pickles."""
+    if group.size > 1:
+        param.partition_dim = dim
+        param.partition_group_kind = group.kind

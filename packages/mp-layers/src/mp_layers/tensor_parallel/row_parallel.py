@@ -34,7 +34,7 @@ from mp_layers.tensor_parallel.mappings import (
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
-from mp_layers.tensor_parallel.partition import divide
+from mp_layers.tensor_parallel.partition import divide, mark_partitioned
 from mp_state import RankGroup
 
 __all__ = ["RowParallelLinear"]
@@ -101,6 +101,7 @@ class RowParallelLinear(torch.nn.Module):
             )
         )
         init_partitioned_weight(self.weight, (output_size, input_size), 1, tp_group, init_method)
+        mark_partitioned(self.weight, 1, tp_group)
         if bias:
             self.bias = torch.nn.Parameter(torch.zeros(output_size, **factory))
             self.bias.sequence_parallel = sequence_parallel

@@ -97,6 +97,10 @@ class SelfAttention(torch.nn.Module):
             init_method=functools.partial(torch.nn.init.normal_, std=config.init_method_std),
             params_dtype=config.params_dtype,
         )  # fmt: skip
+        # the rows of each part in one query group: q, [gate,] k, v (Muon orthogonalizes
+        # them apart, as Megatron's --muon-split-qkv does)
+        parts = (self.per_group, self.gates, 1, 1) if self.gated else (self.per_group, 1, 1)
+        self.linear_qkv.weight.qkv_rows = tuple(n * self.d for n in parts)
         self.rotates = rope_layer_pattern(config)[layer_number]
         self.interleaved = config.rotary_interleaved
         self.chunk = config.attention_chunk_size if self.rotates else None

@@ -133,6 +133,9 @@ class GatedDeltaNet(torch.nn.Module):
         conv_init = functools.partial(torch.nn.init.uniform_, a=-bound, b=bound)
         self.conv1d_weight = self._sharded((self.all_heads * self.conv_unit, self.width),
                                            conv_init, config.params_dtype)  # fmt: skip
+        # a depthwise convolution's kernels, not a matrix (Megatron's is [C, 1, width]):
+        # Muon leaves it to its scalar optimizer
+        self.conv1d_weight.use_muon = False
         value_heads = config.linear_num_value_heads
         self.dt_bias = self._sharded((value_heads,), torch.nn.init.ones_, config.params_dtype)
         self.A_log = self._sharded((value_heads,), _draw_a_log, config.params_dtype)

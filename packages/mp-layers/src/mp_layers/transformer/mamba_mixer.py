@@ -128,6 +128,10 @@ class MambaMixer(torch.nn.Module):
         conv_init = functools.partial(torch.nn.init.uniform_, a=-bound, b=bound)
         self.conv1d_weight = self._sharded((self.all_groups * self.conv_unit, CONV_WIDTH),
                                            conv_init, config.params_dtype)  # fmt: skip
+        # Muon leaves these to its scalar optimizer, as Megatron does: in_proj (its rule) and
+        # the depthwise convolution's kernels (Megatron's are [C, 1, width], no matrix)
+        self.in_proj.weight.use_muon = False
+        self.conv1d_weight.use_muon = False
         self.conv1d_bias = self._sharded((self.all_groups * self.conv_unit,), conv_init,
                                          config.params_dtype)  # fmt: skip
         self.dt_bias = self._sharded((heads,), _draw_dt_bias, config.params_dtype)
