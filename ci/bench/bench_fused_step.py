@@ -72,17 +72,26 @@ def main() -> None:
 def _optimizer_sides(args, state, device):
     sides = {}
     for name, compiled in (("plain", False), ("compiled", True)):
-        torch.manual_seed(0)
-        layers = [torch.nn.Linear(args.width, args.width) for _ in range(args.layers)]
-        module = torch.nn.Sequential(*layers).to(device=device, dtype=torch.bfloat16)
-        config = OptimizerConfig(lr=1e-4, weight_decay=0.1, clip_grad=1.0, bf16=True,
-                                 torch_compile_optimizer=compiled)  # fmt: skip
-        model = DistributedDataParallel(config, module, dp_group=state.dp)
-        optimizer = get_optimizer(config, [model], mp_group=state.mp)
-        for p in module.parameters():
-            p.main_grad.normal_()  # norm ~ sqrt(parameters): clipping scales every step
+        optimizer, params = linear_stack_optimizer(args, state, device,
+                                                   torch_compile_optimizer=compiled)  # fmt: skip
         sides[name] = optimizer.step
-    return sides, sum(p.numel() for p in module.parameters())
+    return sides, params
+
+
+def linear_stack_optimizer(args, state, device, **settings):
+    """(the optimizer, its parameters' count) of --layers bf16 linear layers of --width on
+    one rank: OptimizerConfig(lr=1e-4, weight_decay=0.1, clip_grad=1.0, bf16=True,
+    **settings), DDP buffers, the gradients drawn (their norm ~ sqrt(parameters), so the
+    clipping scales every step). The benchmarks of the optimizer step share it."""
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(args.width, args.width) for _ in range(args.layers)]
+    module = torch.nn.Sequential(*layers).to(device=device, dtype=torch.bfloat16)
+    config = OptimizerConfig(lr=1e-4, weight_decay=0.1, clip_grad=1.0, bf16=True, **settings)
+    model = DistributedDataParallel(config, module, dp_group=state.dp)
+    optimizer = get_optimizer(config, [model], mp_group=state.mp)
+    for p in module.parameters():
+        p.main_grad.normal_()
+    return optimizer, sum(p.numel() for p in module.parameters())
 
 
 def _loss_sides(args, device):

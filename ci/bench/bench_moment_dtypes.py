@@ -21,12 +21,10 @@ from __future__ import annotations
 import argparse
 import statistics
 
-import torch
-from bench_fused_step import race
+from bench_fused_step import linear_stack_optimizer, race
 from harness import context, emit
 
 import mp_state
-from mp_optim import DistributedDataParallel, OptimizerConfig, get_optimizer
 from mp_state import ParallelConfig
 
 SIDES = {
@@ -69,19 +67,12 @@ def main() -> None:
 
 
 def _side(args, state, device, dtype: str, compiled: bool):
-    torch.manual_seed(0)
-    layers = [torch.nn.Linear(args.width, args.width) for _ in range(args.layers)]
-    module = torch.nn.Sequential(*layers).to(device=device, dtype=torch.bfloat16)
-    config = OptimizerConfig(lr=1e-4, weight_decay=0.1, clip_grad=1.0, bf16=True,
-                             use_distributed_optimizer=True,
-                             use_precision_aware_optimizer=dtype != "fp32",
-                             exp_avg_dtype=dtype, exp_avg_sq_dtype=dtype,
-                             torch_compile_optimizer=compiled)  # fmt: skip
-    model = DistributedDataParallel(config, module, dp_group=state.dp)
-    optimizer = get_optimizer(config, [model], mp_group=state.mp)
-    for p in module.parameters():
-        p.main_grad.normal_()  # norm ~ sqrt(parameters): clipping scales every step
-    return optimizer.step, optimizer, sum(p.numel() for p in module.parameters())
+    optimizer, params = linear_stack_optimizer(
+        args, state, device, use_distributed_optimizer=True,
+        use_precision_aware_optimizer=dtype != "fp32", exp_avg_dtype=dtype,
+        exp_avg_sq_dtype=dtype, torch_compile_optimizer=compiled,
+    )  # fmt: skip
+    return optimizer.step, optimizer, params
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 DistributedDataParallel (contiguous gradient buffers, bucketed and
 overlapped reductions), the optimizer wrapper (fp32 / bf16 / fp16 with fp32
 main parameters, loss scaling, global gradient clipping, the distributed
-optimizer), FullyShardedDataParallel (ZeRO-2/3 on torch's FSDP2) and the
+optimizer; Adam, SGD or Muon), FullyShardedDataParallel (ZeRO-2/3 on torch's FSDP2) and the
 learning-rate / weight-decay schedule. Expert parameters
 of mixture-of-experts layers (`param.expert_parallel = True`) are reduced,
 sharded and normed over their own groups.
@@ -22,6 +22,7 @@ from mp_optim.fsdp import FullyShardedDataParallel, LocalShard
 from mp_optim.fsdp_sharding import FsdpSharding
 from mp_optim.grad_buffer import Bucket, GradBuffer, ParamRange
 from mp_optim.grad_scaler import ConstantGradScaler, DynamicGradScaler
+from mp_optim.muon import MatrixLayout, Muon, newton_schulz
 from mp_optim.optimizer import (
     MainParamShard,
     MixedPrecisionOptimizer,
@@ -40,7 +41,9 @@ __all__ = [
     "GradBuffer",
     "LocalShard",
     "MainParamShard",
+    "MatrixLayout",
     "MixedPrecisionOptimizer",
+    "Muon",
     "OptimizerConfig",
     "OptimizerParamScheduler",
     "ParamRange",
@@ -56,4 +59,5 @@ __all__ = [
     "get_param_groups",
     "is_embedding_or_output",
     "is_expert_parallel",
+    "newton_schulz",
 ]

@@ -13,6 +13,8 @@ from typing import Literal
 
 import torch
 
+from mp_optim.config_muon import MuonConfig
+
 __all__ = ["OptimizerConfig"]
 
 _DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
@@ -22,11 +24,12 @@ _SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params"
 
 
 @dataclass(kw_only=True)
-class OptimizerConfig:
+class OptimizerConfig(MuonConfig):
     # The optimizer.
 
-    optimizer: Literal["adam", "sgd"] = "adam"
-    """adam (Adam with decoupled weight decay, i.e. AdamW, as Megatron's fused Adam) or sgd."""
+    optimizer: Literal["adam", "sgd", "muon"] = "adam"
+    """adam (Adam with decoupled weight decay, i.e. AdamW, as Megatron's fused Adam), sgd,
+    or muon (matrices by Muon, the other parameters by adam; the muon_* fields)."""
 
     lr: float | None = None
     """Peak learning rate (reached at the end of warm-up)."""
@@ -236,7 +239,7 @@ class OptimizerConfig:
     """Use the schedule stored in a checkpoint, ignoring this config's."""
 
     def __post_init__(self) -> None:
-        _choice("optimizer", self.optimizer, ("adam", "sgd"))
+        _choice("optimizer", self.optimizer, ("adam", "sgd", "muon"))
         _choice("lr_decay_style", self.lr_decay_style, _DECAY_STYLES)
         _choice("lr_wsd_decay_style", self.lr_wsd_decay_style, _WSD_STYLES)
         _choice("weight_decay_incr_style", self.weight_decay_incr_style, _WD_STYLES)
@@ -279,6 +282,7 @@ class OptimizerConfig:
             raise ValueError(f"bucket_size={self.bucket_size} must be >= 1")
         self._check_sharding()
         self._check_precision_aware()
+        self._check_muon()
         if self.overlap_param_gather and not (
             self.use_distributed_optimizer or self.use_megatron_fsdp
         ):

@@ -94,6 +94,8 @@ def get_optimizer(
     no_weight_decay_cond: ParamCondition | None = None,
     scale_lr_cond: ParamCondition | None = None,
     lr_mult: float = 1.0,
+    tp_group: RankGroup | None = None,
+    expert_tp_group: RankGroup | None = None,
 ) -> MixedPrecisionOptimizer:
     """The optimizer for this rank's model chunks (see optimizer.py for what it does).
 
@@ -109,6 +111,8 @@ def get_optimizer(
             decay; default: biases and 1-D parameters.
         scale_lr_cond, lr_mult: (name, param) -> True for parameters whose lr is
             multiplied by lr_mult.
+        tp_group, expert_tp_group: `state.tp` and `state.expert_tp`, for Muon, which
+            orthogonalizes a matrix split over them whole.
     """
     if config.lr is None:
         raise ValueError("OptimizerConfig.lr is not set")
@@ -133,5 +137,6 @@ def get_optimizer(
         scale_lr_cond=scale_lr_cond, lr_mult=lr_mult,
     )  # fmt: skip
     return MixedPrecisionOptimizer(
-        config, model_chunks, groups, mp_group=mp_group, expert_mp_group=expert_mp_group
-    )
+        config, model_chunks, groups, mp_group=mp_group, expert_mp_group=expert_mp_group,
+        tp_group=tp_group, expert_tp_group=expert_tp_group,
+    )  # fmt: skip

@@ -1,9 +1,9 @@
 """The optimizer step over DDP-wrapped model chunks: mixed precision, loss scaling,
 clipping, and the distributed optimizer.
 
-The torch optimizer (AdamW or SGD) never sees the model's parameters
-directly: it steps fp32 *main* parameters, one per piece of a model
-parameter this rank updates.
+The torch optimizer (AdamW, SGD, or Muon beside AdamW: optimizer_chain.py) never
+sees the model's parameters directly: it steps fp32 *main* parameters, one per
+piece of a model parameter this rank updates.
 
     mode                          main parameter                      its gradient
     fp32, plain                   the model parameter itself          .main_grad
@@ -12,6 +12,8 @@ parameter this rank updates.
     distributed, bf16 / fp16      an fp32 copy of this rank's shard   that shard (as fp32)
     FSDP (fsdp.py), any dtype     this rank's rows of the DTensor     their reduced gradient
                                   (fp32; FSDP2 casts for compute)     (.main_grad)
+    layer-wise (Muon's)           as plain, for the parameters this   .main_grad
+                                  rank owns only (layer_wise.py)      (all-reduced)
 
 The distributed optimizer (ZeRO-1) splits every bucket of the DDP buffers
 into dp contiguous shards (grad_buffer.py); a parameter may be cut between
@@ -64,7 +66,9 @@ from mp_optim.ddp import is_expert_parallel
 from mp_optim.flat_ranges import locate
 from mp_optim.grad_norm_groups import grad_norm_group, groups_present
 from mp_optim.grad_scaler import ConstantGradScaler, DynamicGradScaler
+from mp_optim.layer_wise import assign_owners, broadcast_from_owners
 from mp_optim.low_precision_adam import LowPrecisionAdamW
+from mp_optim.muon_groups import make_muon_optimizer
 from mp_optim.optimizer_state import load_optimizer_state, optimizer_sharded_state_dict
 from mp_state import RankGroup
 
@@ -140,6 +144,9 @@ class MixedPrecisionOptimizer:
             expert x pipeline ranks, `state.tp_ep_pp`); needed when the chunks hold
             expert parameters. Given, the gradient norm sums expert squares over it
             (and over expert dp for the distributed optimizer and FSDP) on every rank.
+        tp_group, expert_tp_group: the tensor-parallel and expert-tensor-parallel groups
+            (`state.tp`, `state.expert_tp`), over which Muon orthogonalizes a split
+            matrix whole; needed with Muon when a parameter is split over them.
     """
 
     def __init__(
@@ -150,6 +157,8 @@ class MixedPrecisionOptimizer:
         *,
         mp_group: RankGroup,
         expert_mp_group: RankGroup | None = None,
+        tp_group: RankGroup | None = None,
+        expert_tp_group: RankGroup | None = None,
     ) -> None:
         if not model_chunks:
             raise ValueError("model_chunks is empty: pass this rank's DDP-wrapped chunks")
@@ -166,6 +175,12 @@ class MixedPrecisionOptimizer:
         self.fully_sharded = config.fully_sharded
         self.grad_scaler = _make_grad_scaler(config)
 
+        self.layer_wise = config.use_layer_wise_distributed_optimizer
+        self.owners = self._layer_wise_owners() if self.layer_wise else []
+        """With the layer-wise distributed optimizer: (parameters, their owners, group)
+        for the dense and the expert parameters (layer_wise.py)."""
+        mine = {id(p) for params, owners, group in self.owners
+                for p, o in zip(params, owners, strict=True) if o == group.rank}  # fmt: skip
         self.shards: dict[torch.nn.Parameter, list[MainParamShard]] = {}
         for chunk in model_chunks:
             if self.fully_sharded:
@@ -181,6 +196,8 @@ class MixedPrecisionOptimizer:
             for buffer in chunk.buffers:
                 for bucket in buffer.buckets:
                     for param in bucket.params:
+                        if self.layer_wise and id(param) not in mine:
+                            continue
                         where = buffer.ranges[param]
                         if self.distributed:
                             group = chunk.reduce_group(bucket)
@@ -208,7 +225,12 @@ class MixedPrecisionOptimizer:
         for group in param_groups:
             mains = [s.main_param for p in group["params"] for s in self.shards.get(p, ())]
             inner_groups.append({**group, "params": mains})
-        self.optimizer = _make_torch_optimizer(config, inner_groups)
+        if config.optimizer == "muon":
+            owners = {id(s.main_param): p for p, pieces in self.shards.items() for s in pieces}
+            split = {g.kind: g for g in (tp_group, expert_tp_group) if g is not None}
+            self.optimizer = make_muon_optimizer(config, inner_groups, owners, split, names)
+        else:
+            self.optimizer = _make_torch_optimizer(config, inner_groups)
 
     # --- the training loop's calls -------------------------------------------------------
 
@@ -270,9 +292,16 @@ class MixedPrecisionOptimizer:
         finally:
             for shard in shards:
                 shard.main_param.grad = None
-        for chunk in self.model_chunks:
-            chunk.start_param_sync()
+        self.sync_model_params()
         return StepResult(True, grad_norm, zeros, by_group)
+
+    def sync_model_params(self, *, force_sync: bool = False) -> None:
+        """Every rank's model parameters from the ranks that updated them: the distributed
+        optimizer's all-gather (DDP.start_param_sync), the layer-wise owners' broadcasts."""
+        for params, owners, group in self.owners:
+            broadcast_from_owners(params, owners, group)
+        for chunk in self.model_chunks:
+            chunk.start_param_sync(force_sync=force_sync)
 
     def state_dict(self) -> dict:
         """The torch optimizer's state, the fp32 main parameters and the loss scaler."""
@@ -298,8 +327,7 @@ class MixedPrecisionOptimizer:
                     shard.model_view.copy_(saved)
         if self.grad_scaler is not None and state["grad_scaler"] is not None:
             self.grad_scaler.load_state_dict(state["grad_scaler"])
-        for chunk in self.model_chunks:
-            chunk.start_param_sync(force_sync=True)
+        self.sync_model_params(force_sync=True)
 
     def sharded_state_dict(self) -> dict:
         """The state as sharding descriptions, loadable under another layout
@@ -311,6 +339,17 @@ class MixedPrecisionOptimizer:
         load_optimizer_state(self, saved)
 
     # --- internals -------------------------------------------------------------------------
+
+    def _layer_wise_owners(self) -> list[tuple[list, list[int], RankGroup]]:
+        """Each parameter's owner, dense ones over dp, expert ones over expert dp."""
+        params = [p for chunk in self.model_chunks for buffer in chunk.buffers
+                  for bucket in buffer.buckets for p in bucket.params]  # fmt: skip
+        out = []
+        for expert, group in ((False, self.dp_group), (True, self.expert_dp_group)):
+            kind = [p for p in params if is_expert_parallel(p) == expert]
+            if kind:
+                out.append((kind, assign_owners(kind, group.size), group))
+        return out
 
     def _all_shards(self) -> list[MainParamShard]:
         return [s for shards in self.shards.values() for s in shards]
@@ -329,6 +368,7 @@ class MixedPrecisionOptimizer:
                 clip_grads_by_total_norm(grads, self.config.clip_grad, norms[group])
         return norms
 
+    @torch.no_grad()
     def main_params_norm(self) -> float:
         """The L2 norm of the main parameters (collective), each logical element counted
         once as the gradient norm counts them: replicas left out, every shard on its rank."""
@@ -338,7 +378,8 @@ class MixedPrecisionOptimizer:
         """get_grad_norm's and count_zeros' arguments: each kind of gradient (or what `of`
         takes of a shard) with the groups of ranks that split it."""
         counted = [s for s in shards if s.counted]
-        sharded = self.distributed or self.fully_sharded  # each dp rank counts its own shard
+        # each dp rank counts its own shard (its own parameters, layer-wise)
+        sharded = self.distributed or self.fully_sharded or self.layer_wise
         inputs = {
             "grads": [of(s) for s in counted if not s.expert_parallel],
             "groups": [self.dp_group, self.mp_group] if sharded else [self.mp_group],

@@ -1,7 +1,7 @@
 """The optimizer's state as sharding descriptions, loadable under another layout.
 
-Each state tensor of a main parameter (Adam's exp_avg and exp_avg_sq, SGD's
-momentum_buffer, and the fp32 main parameter itself when it is a copy of a
+Each state tensor of a main parameter (Adam's exp_avg and exp_avg_sq, SGD's and
+Muon's momentum_buffer, and the fp32 main parameter itself when it is a copy of a
 bf16 / fp16 parameter) is described like the model parameter it belongs to:
 for every piece of the model's sharded_state_dict (a logical tensor such as
 linear_qkv.q.weight, a view into a fused parameter) the same view of the
@@ -33,6 +33,7 @@ import torch
 
 from mp_ckpt import ShardedTensor
 from mp_optim.flat_ranges import flat_range_piece, locate, overlap
+from mp_optim.muon import Muon
 from mp_optim.scheduler import settled
 
 if TYPE_CHECKING:
@@ -40,7 +41,11 @@ if TYPE_CHECKING:
 
 __all__ = ["load_optimizer_state", "optimizer_sharded_state_dict"]
 
-STATE_NAMES = {"adam": ("exp_avg", "exp_avg_sq"), "sgd": ("momentum_buffer",)}
+STATE_NAMES = {
+    "adam": ("exp_avg", "exp_avg_sq"),
+    "sgd": ("momentum_buffer",),
+    "muon": ("momentum_buffer",),
+}
 _Writer = Callable[[torch.Tensor], None]
 
 
@@ -84,8 +89,7 @@ def load_optimizer_state(optimizer: MixedPrecisionOptimizer, saved: dict) -> Non
             for shard in shards:
                 if not shard.aliased:
                     shard.model_view.copy_(shard.main_param)
-    for chunk in optimizer.model_chunks:
-        chunk.start_param_sync(force_sync=True)
+    optimizer.sync_model_params(force_sync=True)
 
 
 _SCHEDULE_ENDS = ("max_lr", "min_lr")
@@ -137,17 +141,25 @@ def _checked_hyper(group: dict, hyper: dict, config) -> dict:
 
 def init_state(optimizer: MixedPrecisionOptimizer) -> None:
     """Creates the state a first step would create (zeros), so that it can be loaded into."""
-    names = STATE_NAMES[optimizer.config.optimizer]
     for main in _main_params(optimizer):
+        kind = _kind(optimizer, main)
+        names = STATE_NAMES[kind]
         state = optimizer.optimizer.state[main]
         if all(name in state for name in names):
             continue
-        dtypes = optimizer.config.moment_dtypes if optimizer.config.optimizer == "adam" else {}
+        dtypes = optimizer.config.moment_dtypes if kind == "adam" else {}
         for name in names:
             state[name] = torch.zeros_like(main, dtype=dtypes.get(name, main.dtype),
                                            memory_format=torch.preserve_format)  # fmt: skip
-        if optimizer.config.optimizer == "adam":
+        if kind == "adam":
             state["step"] = torch.tensor(0.0, device=main.device)
+
+
+def _kind(optimizer: MixedPrecisionOptimizer, main: torch.Tensor) -> str:
+    """Which optimizer steps `main`: adam or sgd, and under muon muon or adam."""
+    if optimizer.config.optimizer != "muon":
+        return optimizer.config.optimizer
+    return "muon" if isinstance(optimizer.optimizer.owner(main), Muon) else "adam"
 
 
 def _main_params(optimizer: MixedPrecisionOptimizer) -> list[torch.Tensor]:
@@ -172,13 +184,13 @@ def _described_states(
     optimizer: MixedPrecisionOptimizer,
 ) -> Iterator[tuple[str, ShardedTensor, _Writer]]:
     """(key, piece, writer) for every state tensor piece of this rank."""
-    names = STATE_NAMES[optimizer.config.optimizer]
     flat = optimizer.distributed or optimizer.fully_sharded  # each rank holds flat ranges
     for chunk in optimizer.model_chunks:
         params = [p for p in chunk.module.parameters() if p in optimizer.shards]
         for piece, param, offset in _model_pieces(chunk, params):
             for shard in optimizer.shards[param]:
                 dp = optimizer.expert_dp_group if shard.expert_parallel else optimizer.dp_group
+                names = STATE_NAMES[_kind(optimizer, shard.main_param)]
                 tensors = {n: optimizer.optimizer.state[shard.main_param][n] for n in names}
                 if shard.keeps_copy:
                     tensors["fp32_param"] = shard.main_param
@@ -196,7 +208,10 @@ def _described_states(
                         view = tensor.as_strided(
                             piece.data.size(), piece.data.stride(), tensor.storage_offset() + offset
                         )
-                        replica = piece.replica_id * dp.size + dp.rank
+                        # layer-wise: the owner alone holds (and saves) the state
+                        replica = piece.replica_id * dp.size + (
+                            0 if optimizer.layer_wise else dp.rank
+                        )
                         yield (
                             key,
                             ShardedTensor(
