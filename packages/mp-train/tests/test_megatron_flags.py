@@ -44,6 +44,25 @@ def test_renamed_flags_set_our_fields():
     assert config.optimizer.override_opt_param_scheduler
 
 
+def test_muon_flags_set_the_optimizer_fields():
+    muon = ["--optimizer", "muon", "--muon-momentum", "0.95", "--muon-nesterov",
+            "--muon-no-split-qkv", "--muon-scale-mode", "unit_rms_norm",
+            "--muon-extra-scale-factor", "0.2", "--muon-num-ns-steps", "6",
+            "--muon-coefficient-type", "polar_express", "--muon-fp32-matmul-prec", "high",
+            "--muon-tp-mode", "distributed", "--use-distributed-optimizer"]  # fmt: skip
+    optimizer = parse_config([*MODEL, *muon]).optimizer
+    assert optimizer.optimizer == "muon" and optimizer.muon_momentum == 0.95
+    assert optimizer.muon_nesterov and not optimizer.muon_split_qkv
+    assert (optimizer.muon_scale_mode, optimizer.muon_extra_scale_factor) == ("unit_rms_norm", 0.2)
+    assert (optimizer.muon_num_ns_steps, optimizer.muon_coefficient_type) == (6, "polar_express")
+    assert (optimizer.muon_fp32_matmul_prec, optimizer.muon_tp_mode) == ("high", "distributed")
+    # Megatron's rule: the distributed optimizer of Muon is the layer-wise one
+    assert optimizer.use_layer_wise_distributed_optimizer
+    assert not optimizer.use_distributed_optimizer
+    with pytest.raises(ValueError, match="torch has no such float32 matmul precision"):
+        parse_config([*MODEL, "--optimizer", "muon", "--muon-fp32-matmul-prec", "low"])
+
+
 def test_no_position_embedding_keeps_rope_as_megatron_does():
     # Llama 3.x's lines: the deprecated flag beside RoPE leaves RoPE on (and its scaling).
     for rope in (["--use-rotary-position-embeddings"], ["--position-embedding-type", "rope"]):

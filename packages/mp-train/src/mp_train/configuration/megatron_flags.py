@@ -178,6 +178,17 @@ IGNORED: dict[str, tuple[bool, str]] = {
         "every gather after the step (under --overlap-param-gather they overlap the next "
         "forward), with the same result",
     ),
+    "muon_use_syrk": (
+        False,
+        "computes Muon's Gram matrices with a Triton SYRK kernel (only the triangle); mp "
+        "computes them with a matmul, the same matrices",
+    ),
+    "no_use_layer_wise_param_layout": (
+        False,
+        "picks how Megatron's layer-wise distributed optimizer lays its gradient buffers "
+        "out; mp's (optimizer muon with the distributed optimizer) all-reduces DDP's own "
+        "buffers and broadcasts whole parameters, the same update either way",
+    ),
     "mla_down_proj_fusion": (
         False,
         "fuses MLA's query and key/value down projections (and the input norm) where the "
@@ -252,6 +263,8 @@ _SPELLINGS = {
     "export-moe-apply-probs-on-input": "moe_apply_probs_on_input",
     "ddp-average-in-collective": "average_in_collective",
 }
+# Megatron's negative spellings of switches mp has (store_false into the field)
+_NEGATIONS = {"muon-no-split-qkv": "muon_split_qkv"}
 # ModelOpt's --export-model-type: GPTModel, or a Mamba-hybrid model (HybridModel, MambaModel),
 # which --hybrid-layer-pattern describes.
 _MODEL_TYPE = "export_model_type"
@@ -296,6 +309,9 @@ def add_to(parser: argparse.ArgumentParser) -> None:
     for flag, field in _SPELLINGS.items():
         renamed.add_argument(f"--{flag}", dest=field, action="store_true",
                              default=argparse.SUPPRESS, help=f"Sets {field}.")  # fmt: skip
+    for flag, field in _NEGATIONS.items():
+        renamed.add_argument(f"--{flag}", dest=field, action="store_false",
+                             default=argparse.SUPPRESS, help=f"Clears {field}.")  # fmt: skip
     renamed.add_argument(
         _option(_MTP_PATTERN), dest=_MTP_PATTERN, default=argparse.SUPPRESS, metavar="X",
         help="Megatron-LM's older form of a hybrid model's multi-token prediction layers: "

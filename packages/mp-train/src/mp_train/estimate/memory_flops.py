@@ -78,7 +78,7 @@ from mp_train.estimate.activations import activation_bytes, mlp_width
 from mp_train.estimate.hybrid import mamba_flops
 from mp_train.estimate.linear_attention import gdn_flops, layer_kinds
 from mp_train.estimate.megatron_formula import MEGATRON_VERSION, megatron_estimate
-from mp_train.estimate.parameters import model_parameters, stage_parameters
+from mp_train.estimate.parameters import model_parameters, stage_embeddings, stage_parameters
 
 __all__ = ["estimate", "main", "padded_vocab_size"]
 
@@ -202,17 +202,24 @@ def _weight_and_optimizer(config: RunConfig, layout: dict, V: int, stage: int) -
     held = stage_parameters(config, V, stage)
     shard, expert_shard = held.on_rank(layout["tp"], layout["ep"], layout["etp"])
     weight, grad, state = _bytes_per_parameter(config)
-    if config.optimizer.use_distributed_optimizer:
+    optimizer = config.optimizer
+    dense_div = expert_div = 1
+    if optimizer.use_distributed_optimizer or optimizer.use_layer_wise_distributed_optimizer:
         # Megatron shards over the data-parallel group that includes the context ranks.
-        dense_bytes = weight + grad + state / (layout["dp"] * layout["cp"])
-        expert_bytes = weight + grad + state / layout["edp"]
-    else:
-        dense_bytes = expert_bytes = weight + grad + state
+        dense_div, expert_div = layout["dp"] * layout["cp"], layout["edp"]
+    dense_bytes = weight + grad + state / dense_div
+    expert_bytes = weight + grad + state / expert_div
+    total = shard * dense_bytes + expert_shard * expert_bytes
+    if optimizer.optimizer == "muon":
+        # Muon's momentum on the matrices, Adam's two moments on the embedding and output
+        # weights (norms and biases are counted as matrices: a small share)
+        adam = stage_embeddings(config, V, stage) / layout["tp"]
+        total += adam * 4 / dense_div
     return {
         "shard": shard,
         "expert_shard": expert_shard,
         "bytes_per_parameter": dense_bytes,
-        "bytes": shard * dense_bytes + expert_shard * expert_bytes,
+        "bytes": total,
     }
 
 
@@ -225,7 +232,8 @@ def _bytes_per_parameter(config: RunConfig) -> tuple[int, int, int]:
     sgd_moments = 4 if optimizer.sgd_momentum > 0 else 0
     # Adam's two moments in their storage dtypes (the precision-aware optimizer's bf16: 2)
     adam = sum(t.itemsize for t in optimizer.moment_dtypes.values())
-    moments = adam if optimizer.optimizer == "adam" else sgd_moments
+    muon = 4  # its momentum (the embedding's Adam moments: _weight_and_optimizer)
+    moments = {"adam": adam, "sgd": sgd_moments, "muon": muon}[optimizer.optimizer]
     return weight, grad, (4 if mixed else 0) + moments
 
 

@@ -237,16 +237,25 @@ def stage_parameters(config: RunConfig, V: int, stage: int) -> Held:
     held = Held()
     for kind, moe in stage_layer_kinds(config, stage):
         held += _layer(m, kind, moe)
-    h, embedding = m.hidden_size, m.hidden_size * V
-    untied = m.untie_embeddings_and_output_weights
+    h = m.hidden_size
     if stage == 0:
-        held += Held(split=embedding, whole=_positions(config))
+        held += Held(whole=_positions(config))
     if stage == pp - 1:
         held += Held(whole=_norm(m) * h)  # the final norm
-        mtp = m.mtp_num_layers or 0
         held += _mtp_module(m) * _mtp_modules(m)
+    return held + Held(split=stage_embeddings(config, V, stage))
+
+
+def stage_embeddings(config: RunConfig, V: int, stage: int) -> int:
+    """The word-embedding and output-layer weights stage `stage` holds (split over the
+    tensor-parallel ranks)."""
+    m = config.model
+    pp = config.parallel.pipeline_model_parallel_size
+    embedding, untied = m.hidden_size * V, m.untie_embeddings_and_output_weights
+    copies = 1 if stage == 0 else 0
+    if stage == pp - 1:
         # The output layer: its own weight when untied, a copy of the embedding when tied
         # across stages; MTP embeds with a copy of the word embedding on the last stage.
-        copies = (1 if untied or pp > 1 else 0) + (1 if mtp and untied and pp > 1 else 0)
-        held += Held(split=embedding * copies)
-    return held
+        mtp = m.mtp_num_layers or 0
+        copies += (1 if untied or pp > 1 else 0) + (1 if mtp and untied and pp > 1 else 0)
+    return embedding * copies
