@@ -1,11 +1,21 @@
 """--decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers: the tiny
 model's 4 layers split 1 + 3 and 3 + 1 over two pipeline stages train to the one-stage
-loss curve, and the checkpoint of an uneven run loads at an even layout."""
+loss curve, and the checkpoint of an uneven run loads at an even layout. Megatron-LM's
+--pipeline-model-parallel-layout places them as written (3 + 1, and four virtual stages
+on two ranks), with the same curve; what it cannot place is refused before any rank
+starts."""
 
 import pytest
 
-from mp_gpt.testing import assert_same_curve, metrics_records, tiny_options, train_on_rank
+from mp_gpt.testing import (
+    assert_same_curve,
+    metrics_records,
+    tiny_options,
+    train_on_rank,
+    train_run_on_rank,
+)
 from mp_state.testing import run_on_ranks
+from mp_train import parse_config
 
 pytestmark = pytest.mark.multirank
 
@@ -46,3 +56,41 @@ def test_the_split_must_fit():
         ParallelConfig(decoder_first_pipeline_num_layers=1)
     with pytest.raises(ValueError):
         stage_layers(4, 2, 0, num_layers_in_first_pipeline_stage=5)
+
+
+def layers_on_rank(argv: list[str]) -> list[list[int]]:
+    """The decoder layers (model-wide indices) of each of this rank's chunks, after the run."""
+    run = train_run_on_rank(argv)
+    return [[layer.layer_number for layer in chunk.module.decoder.layers] for chunk in run.model]
+
+
+@pytest.mark.parametrize("layout,held", [
+    ("Ettt|tL", [[[0, 1, 2]], [[3]]]),
+    ("Et|t|tt|L", None),  # refused: the last stage holds no decoder layer
+    ("Et|t|t|tL", [[[0], [2]], [[1], [3]]]),  # chunk c of rank r: virtual stage c * 2 + r
+])  # fmt: skip
+def test_a_megatron_layout_places_the_layers(tmp_path, monkeypatch, reference, layout, held):
+    monkeypatch.setenv("MP_RUN_DIR", str(tmp_path))  # tiny.yaml's data path, unread
+    flags = ["--pipeline-model-parallel-size", "2", "--pipeline-model-parallel-layout", layout]
+    if held is None:
+        with pytest.raises(ValueError, match=r"stage 3 \('L'\) holds no decoder layer"):
+            parse_config(tiny_options(tmp_path, *flags))
+        return
+    got = run_on_ranks(layers_on_rank, 2, tiny_options(tmp_path, *flags), timeout=300)
+    assert got == held
+    assert_same_curve(metrics_records(tmp_path), reference, LOGGED, layout)
+
+
+def test_a_layout_refuses_the_flags_that_also_split_the_layers(tmp_path, monkeypatch):
+    monkeypatch.setenv("MP_RUN_DIR", str(tmp_path))
+    layout = ["--pipeline-model-parallel-size", "2", "--pipeline-model-parallel-layout",
+              "Et|t|t|tL"]  # fmt: skip
+    config = parse_config(tiny_options(tmp_path, *layout))
+    assert config.parallel.virtual_pipeline_model_parallel_size == 2
+    for extra, message in (
+        (["--decoder-first-pipeline-num-layers", "1"], "drop --decoder-first-pipeline"),
+        (["--virtual-pipeline-model-parallel-size", "4"], "not --virtual-pipeline-model"),
+        (["--hybrid-layer-pattern", "*-*-"], "beside --hybrid-layer-pattern"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            parse_config(tiny_options(tmp_path, *layout, *extra))

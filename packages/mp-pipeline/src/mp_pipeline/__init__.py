@@ -6,6 +6,7 @@ iterator and the number of micro-batches; it knows nothing of the model.
 
 from mp_pipeline.config import PipelineConfig
 from mp_pipeline.finalize import finalize_model_grads
+from mp_pipeline.layout import layout_segments, parse_layout
 from mp_pipeline.p2p import P2PCommunicator
 from mp_pipeline.partition import StageLayers, stage_layers
 from mp_pipeline.schedules import (
@@ -28,6 +29,8 @@ __all__ = [
     "forward_backward_pipelining_with_interleaving",
     "forward_backward_pipelining_without_interleaving",
     "get_forward_backward_func",
+    "layout_segments",
+    "parse_layout",
     "schedule_table",
     "set_input_tensor",
     "stage_layers",

@@ -41,6 +41,13 @@ class ParallelConfig:
     """Layers of the last pipeline stage (beside the output layer and the loss); as
     decoder_first_pipeline_num_layers."""
 
+    pipeline_model_parallel_layout: str | None = None
+    """What each virtual pipeline stage holds, Megatron's layout string (e.g.
+    "Et*3|(tt|)*6tmL": E embedding, t decoder layer, m multi-token prediction, L loss, "|"
+    between stages; mp_pipeline.layout): the stages, a multiple of
+    pipeline_model_parallel_size, give virtual_pipeline_model_parallel_size. None: the
+    layers split evenly (or by decoder_first/last_pipeline_num_layers)."""
+
     order: str = "tp-cp-ep-dp-pp"
     """Axes of the rank grid from fastest- to slowest-varying rank (Megatron's order string)."""
 

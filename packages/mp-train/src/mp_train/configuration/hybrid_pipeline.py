@@ -1,4 +1,5 @@
-"""A hybrid model's pipeline segments (Megatron's "|" in --hybrid-layer-pattern).
+"""Pipeline segments: a hybrid model's (Megatron's "|" in --hybrid-layer-pattern), or
+Megatron's --pipeline-model-parallel-layout (mp_pipeline.layout) for any model.
 
 "M*M|*M*|M*|-E" splits the decoder's layers into segments, one per virtual pipeline stage
 in virtual-stage order (mp_pipeline.stage_layers' `segments`): their number must be a
@@ -8,7 +9,9 @@ The flags that would also split the layers (--decoder-first-pipeline-num-layers,
 --decoder-last-pipeline-num-layers, --virtual-pipeline-model-parallel-size other than the
 segments') are refused beside them. At pipeline_model_parallel_size 1 the one stage holds
 every segment, so that a checkpoint trained with segments loads and generates on one
-rank.
+rank. The layout string gives the same segments (its stages' decoder layers), under the
+same rules; beside a hybrid pattern it is refused, as in Megatron-LM (the pattern's "|"
+place the stages there).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from mp_layers import hybrid_pipeline_segments
+from mp_pipeline import layout_segments, parse_layout
 
 if TYPE_CHECKING:
     from mp_train.configuration.config import RunConfig
@@ -26,9 +30,15 @@ __all__ = ["check_segments", "derive_virtual_stages", "pipeline_segments"]
 def pipeline_segments(config: RunConfig) -> list[int] | None:
     """The layers of each virtual pipeline stage the pattern gives, None where the layers
     are split evenly (no "|", or one pipeline stage)."""
-    if config.parallel.pipeline_model_parallel_size == 1:
+    parallel, model = config.parallel, config.model
+    if parallel.pipeline_model_parallel_layout is not None:
+        pp = parallel.pipeline_model_parallel_size
+        segments = layout_segments(parallel.pipeline_model_parallel_layout, model.num_layers,
+                                   model.mtp_num_layers, pp)  # fmt: skip
+        return segments if pp > 1 else None
+    if parallel.pipeline_model_parallel_size == 1:
         return None
-    return hybrid_pipeline_segments(config.model)
+    return hybrid_pipeline_segments(model)
 
 
 def check_segments(config: RunConfig) -> bool:
@@ -50,17 +60,31 @@ def check_segments(config: RunConfig) -> bool:
 
 
 def derive_virtual_stages(values: dict[str, dict[str, Any]]) -> None:
-    """Sets virtual_pipeline_model_parallel_size from the pattern's segments (module
-    docstring); raises a ValueError naming the flags that disagree with them."""
+    """Sets virtual_pipeline_model_parallel_size from the pattern's or the layout's
+    segments (module docstring); raises a ValueError naming the flags that disagree with
+    them."""
     pattern = values["model"].get("hybrid_layer_pattern")
-    if not isinstance(pattern, str) or "|" not in pattern.split("/")[0]:
-        return
     parallel = values["parallel"]
+    layout = parallel.get("pipeline_model_parallel_layout")
+    if layout is not None:
+        if pattern is not None:
+            raise ValueError("--pipeline-model-parallel-layout beside --hybrid-layer-pattern: "
+                             "the pattern's '|' place a hybrid model's stages (Megatron-LM "
+                             "refuses the pair too); give one")  # fmt: skip
+        count = len(parse_layout(layout))
+        given = f"--pipeline-model-parallel-layout {layout!r} has {count} stages"
+        model = values["model"]
+        if model.get("num_layers") is not None:  # what the layout places, checked early
+            pp = parallel.get("pipeline_model_parallel_size") or 1
+            layout_segments(layout, model["num_layers"], model.get("mtp_num_layers"), pp)
+    elif isinstance(pattern, str) and "|" in pattern.split("/")[0]:
+        count = pattern.split("/")[0].count("|") + 1
+        given = f"--hybrid-layer-pattern {pattern!r} has {count} pipeline segments"
+    else:
+        return
     pp = parallel.get("pipeline_model_parallel_size") or 1
     if pp == 1:
         return
-    count = pattern.split("/")[0].count("|") + 1
-    given = f"--hybrid-layer-pattern {pattern!r} has {count} pipeline segments"
     if count % pp:
         raise ValueError(f"{given}: not a multiple of --pipeline-model-parallel-size {pp}")
     for name in ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers"):
