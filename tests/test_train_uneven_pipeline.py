@@ -1,9 +1,11 @@
 """--decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers: the tiny
 model's 4 layers split 1 + 3 and 3 + 1 over two pipeline stages train to the one-stage
 loss curve, and the checkpoint of an uneven run loads at an even layout. Megatron-LM's
---pipeline-model-parallel-layout places them as written (3 + 1, and four virtual stages
-on two ranks), with the same curve; what it cannot place is refused before any rank
-starts."""
+--pipeline-model-parallel-layout places them as written (3 + 1; four virtual stages on
+two ranks, with and without the embedding and the loss alone on a stage) with the same
+curve; DeepSeek-V3's last stage of the multi-token prediction module and the loss alone
+trains as one rank does and its checkpoint loads at an even split; flags that also split
+the layers are refused before any rank starts."""
 
 import pytest
 
@@ -66,19 +68,31 @@ def layers_on_rank(argv: list[str]) -> list[list[int]]:
 
 @pytest.mark.parametrize("layout,held", [
     ("Ettt|tL", [[[0, 1, 2]], [[3]]]),
-    ("Et|t|tt|L", None),  # refused: the last stage holds no decoder layer
     ("Et|t|t|tL", [[[0], [2]], [[1], [3]]]),  # chunk c of rank r: virtual stage c * 2 + r
+    ("E|tt|tt|L", [[[], [2, 3]], [[0, 1], []]]),  # the embedding, the loss alone
 ])  # fmt: skip
-def test_a_megatron_layout_places_the_layers(tmp_path, monkeypatch, reference, layout, held):
-    monkeypatch.setenv("MP_RUN_DIR", str(tmp_path))  # tiny.yaml's data path, unread
+def test_a_megatron_layout_places_the_layers(tmp_path, reference, layout, held):
     flags = ["--pipeline-model-parallel-size", "2", "--pipeline-model-parallel-layout", layout]
-    if held is None:
-        with pytest.raises(ValueError, match=r"stage 3 \('L'\) holds no decoder layer"):
-            parse_config(tiny_options(tmp_path, *flags))
-        return
     got = run_on_ranks(layers_on_rank, 2, tiny_options(tmp_path, *flags), timeout=300)
     assert got == held
     assert_same_curve(metrics_records(tmp_path), reference, LOGGED, layout)
+
+
+def test_a_last_stage_of_mtp_and_loss_alone(tmp_path):
+    mtp = ["--mtp-num-layers", "1"]
+    run_on_ranks(train_on_rank, 1, tiny_options(tmp_path / "one", *mtp), timeout=300)
+    flags = ["--pipeline-model-parallel-size", "2", "--pipeline-model-parallel-layout",
+             "Etttt|mL", "--save", str(tmp_path / "ckpt"), "--save-interval", "4"]  # fmt: skip
+    got = run_on_ranks(layers_on_rank, 2, tiny_options(tmp_path / "pp2", *mtp, *flags),
+                       timeout=300)  # fmt: skip
+    assert got == [[[0, 1, 2, 3]], [[]]]
+    want = metrics_records(tmp_path / "one")
+    assert_same_curve(metrics_records(tmp_path / "pp2"), want, LOGGED, "Etttt|mL")
+    resumed = tmp_path / "resumed"  # at an even split, from the checkpoint of iteration 4
+    flags = ["--pipeline-model-parallel-size", "2", "--train-iters", "5",
+             "--use-checkpoint-opt-param-scheduler", "--load", str(tmp_path / "ckpt")]  # fmt: skip
+    run_on_ranks(train_on_rank, 2, tiny_options(resumed, *mtp, *flags), timeout=300)
+    assert [r["iteration"] for r in metrics_records(resumed)] == [5]
 
 
 def test_a_layout_refuses_the_flags_that_also_split_the_layers(tmp_path, monkeypatch):

@@ -190,10 +190,15 @@ def test_stage_layers():
     assert not chunks[1][0].post_process and not chunks[0][1].pre_process
     for wrong, message in (
         ([2, 1, 3], "3 segments for pipeline_model_parallel_size=2 x"),
-        ([3, 0, 3, 1], "at least one layer each, num_layers=7 in all"),
+        ([3, 1, 3, 1], "must hold num_layers=7 layers in all, none below zero"),
+        ([4, -1, 3, 1], "must hold num_layers=7 layers in all, none below zero"),
     ):
         with pytest.raises(ValueError, match=message):
             stage_layers(7, 2, 0, virtual_pipeline_model_parallel_size=2, segments=wrong)
+    # a stage may hold no layer (the embedding or the loss alone: a pipeline layout's)
+    empty = stage_layers(7, 2, 1, virtual_pipeline_model_parallel_size=2, vp_stage=1,
+                         segments=[3, 1, 3, 0])  # fmt: skip
+    assert (empty.offset, empty.count, empty.post_process) == (7, 0, True)
     with pytest.raises(ValueError, match="num_layers_in_first_pipeline_stage=1 and"):
         stage_layers(7, 2, 0, virtual_pipeline_model_parallel_size=2, segments=segments,
                      num_layers_in_first_pipeline_stage=1)  # fmt: skip

@@ -9,8 +9,10 @@ pipeline_model_parallel_size (their quotient is the virtual stages per rank), E 
 first and L last, each once, the decoder layers number num_layers, the m's
 mtp_num_layers, after every decoder layer.
 
-mp's stages each hold at least one decoder layer, the multi-token prediction modules sit
-on the last stage with the loss (layout_segments refuses the rest, naming the stage).
+A stage may hold no decoder layer (DeepSeek-V3's "...|mL": the multi-token prediction
+modules and the loss alone; "E|..." the embedding alone). mp runs the multi-token
+prediction modules on the last stage, beside the loss: Megatron's standalone MTP stages
+are refused, naming the stage.
 """
 
 from __future__ import annotations
@@ -73,10 +75,5 @@ def layout_segments(layout: str, num_layers: int, mtp_num_layers: int | None,
                 f"{where}: stage {k} ({stage!r}) holds multi-token prediction modules; mp "
                 "runs them on the last stage, beside the loss (Megatron's standalone MTP "
                 "stages are not supported)"
-            )
-        if "t" not in stage:
-            raise ValueError(
-                f"{where}: stage {k} ({stage!r}) holds no decoder layer; mp's pipeline "
-                "stages each hold at least one (move a t there, e.g. 'tmL' for the last)"
             )
     return [stage.count("t") for stage in stages]

@@ -7,7 +7,9 @@ out in virtual-stage order: chunk c of rank r is virtual stage c * pp + r, so
 it follows chunk c of rank r - 1 and, on rank 0, chunk c - 1 of the last rank.
 The embedding belongs to virtual stage 0, the output layer and loss to the
 last virtual stage. `segments` gives each virtual stage's layers instead (Megatron's
-"|"-separated hybrid pattern): virtual stage c * pp + r holds segments[c * pp + r].
+"|"-separated hybrid pattern, or its pipeline layout string, layout.py): virtual stage
+c * pp + r holds segments[c * pp + r], which may be none (the embedding, or the loss,
+alone on a stage).
 """
 
 from __future__ import annotations
@@ -83,9 +85,9 @@ def _segment(num_layers: int, pp: int, v: int, rank: int, vp_stage: int, segment
             f"{len(segments)} segments for pipeline_model_parallel_size={pp} x "
             f"virtual_pipeline_model_parallel_size={v}: one per virtual stage"
         )
-    if sum(segments) != num_layers or min(segments) < 1:
-        raise ValueError(f"segments={segments} must hold at least one layer each, "
-                         f"num_layers={num_layers} in all")  # fmt: skip
+    if sum(segments) != num_layers or min(segments) < 0:
+        raise ValueError(f"segments={segments} must hold num_layers={num_layers} layers in "
+                         "all, none below zero")  # fmt: skip
     index = vp_stage * pp + rank
     return StageLayers(
         offset=sum(segments[:index]), count=segments[index],

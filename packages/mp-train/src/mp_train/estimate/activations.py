@@ -111,9 +111,10 @@ def activation_bytes(
         less_whole, less_split = _recomputed_share(m, kind, moe, sbh)
         return stored(whole - less_whole, split - less_split) + extra
 
-    layer = sum(layer_bytes(kind, moe) for kind, moe in kinds) / len(kinds)  # the mean
+    # the mean (a stage of a pipeline layout may hold none: embedding or loss alone)
+    layer = sum(layer_bytes(kind, moe) for kind, moe in kinds) / len(kinds) if kinds else 0.0
     transient = 0.0
-    if granularity == "full":
+    if granularity == "full" and kinds:
         chunk = len(kinds) // (vpp or 1)  # layers of one model chunk
         n = min(m.recompute_num_layers, chunk)
         checkpoint = stored(2 * sbh, 0)  # each recomputed group keeps only its input
