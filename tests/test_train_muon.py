@@ -2,8 +2,9 @@
 (--muon-fp32-matmul-prec high) the tiny model trains to the one-rank curve at DP2 under
 the distributed optimizer (Megatron's layer-wise one: whole parameters per rank), at
 TP2+SP in the duplicated and distributed modes and at PP2, and the tiny MoE at EP2 and
-TP2 x ETP2. The layer-wise state is split over the ranks, and its checkpoint resumes
-exactly and loads at another layout; Megatron-LM's own Muon functional test line trains."""
+TP2 x ETP2. The layer-wise state is split over the ranks, and its checkpoint resumes on
+the one-rank curve and loads at another layout; Megatron-LM's own Muon functional-test
+line trains."""
 
 import pytest
 import torch
@@ -74,7 +75,7 @@ def state_on_rank(argv: list[str]) -> dict:
     return held
 
 
-def test_layer_wise_state_is_split_and_resumes_exactly(tmp_path):
+def test_layer_wise_state_is_split_and_resumes_on_the_curve(tmp_path):
     decay = [*MUON, "--lr-decay-iters", "8"]  # one schedule for the 6 and 8 iterations
     longer = tmp_path / "longer"
     (plain,) = run_on_ranks(state_on_rank, 1, tiny_options(longer, *decay, "--train-iters", "8"),

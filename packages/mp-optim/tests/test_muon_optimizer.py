@@ -22,6 +22,7 @@ SINGLE = RankGroup("single", (0,), 0, None)
 @pytest.mark.parametrize("settings,message", [
     (dict(fp16=True), "Muon takes fp32 or bf16"),
     (dict(use_megatron_fsdp=True), "Muon needs whole matrices, FSDP shards each one"),
+    (dict(use_megatron_fsdp=True, data_parallel_sharding_strategy="optim"), "under FSDP"),
     (dict(muon_fp32_matmul_prec="low"), "torch has no such float32 matmul precision"),
     (dict(muon_scalar_optimizer="lion"), "mp has no Lion optimizer"),
     (dict(muon_coefficient_type="custom"), "muon_coefficient_type='custom'"),

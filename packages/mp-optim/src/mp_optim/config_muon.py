@@ -82,11 +82,12 @@ class MuonConfig:
         if self.fp16:
             raise ValueError("optimizer='muon' with fp16=True: Muon takes fp32 or bf16 "
                              "(as in Megatron); use bf16")  # fmt: skip
-        if self.fully_sharded:
+        if self.fully_sharded or self.use_megatron_fsdp or self.use_torch_fsdp2:
             raise ValueError(
-                "optimizer='muon' under FSDP: Muon needs whole matrices, FSDP shards each "
-                "one over the data-parallel ranks (Megatron refuses the pair too); use the "
-                "distributed optimizer or plain data parallelism"
+                "optimizer='muon' under FSDP (use_megatron_fsdp, use_torch_fsdp2): Muon needs "
+                "whole matrices, FSDP shards each one over the data-parallel ranks (Megatron "
+                "refuses the pair too, at any sharding strategy); use the distributed "
+                "optimizer or plain data parallelism"
             )
         if self.use_distributed_optimizer:  # Megatron's rule: whole parameters per rank
             self.use_distributed_optimizer = False
