@@ -3,7 +3,8 @@ loading, its iteration, consumed samples, learning rate, Adam step and Adam mome
 the ones megatron-core saved, and its next step on Megatron's next batch gives Megatron's
 weights and moments after that step (packages/mp-ckpt/tests/assets/megatron/*/reference.pt),
 for a Llama-style model, a hybrid (Mamba) one, a DeepSeek-shaped one with multi-token
-prediction and a Qwen3-Next-shaped one (gated DeltaNet and gated attention layers)."""
+prediction and a Qwen3-Next-shaped one (gated DeltaNet and gated attention layers); and a
+run with --optimizer muon from a Megatron run trained with Muon (its momentum buffers)."""
 
 import re
 from pathlib import Path
@@ -234,3 +235,49 @@ def test_the_step_after_resuming_is_megatrons(case, tmp_path):
                                            msg=f"{state} {logical}")  # fmt: skip
                 compared += 1
     assert compared == 3 * {"llama": 10, "hybrid": 17, "mla": 15, "qwen3": 29}[family]
+
+
+_MUON = ["--optimizer", "muon", "--muon-tp-mode", "duplicated", "--muon-fp32-matmul-prec", "high"]
+"""llama_muon_torch_dist_tp2's Muon settings (its cases.py's MUON: Megatron's defaults but
+the whole matrix orthogonalized at TP2, in fp32)."""
+_MUON_TOLERANCES = {"param": 5e-8, "momentum_buffer": 5e-9, "exp_avg": 5e-8, "exp_avg_sq": 2e-9}
+
+
+@pytest.mark.multirank
+def test_the_step_after_resuming_megatrons_muon_run_is_megatrons(tmp_path):
+    """A run with --optimizer muon loads the import of a Megatron-LM run trained with Muon
+    (the Llama model at TP2: momentum buffers for the matrices, Adam's moments for the
+    embedding, the output layer and the norms), and its next step on the batch Megatron
+    took its third step on gives Megatron's weights, momentum buffers and moments.
+
+    Measured: the same loss, the gradient norm (1.55) within 1e-7 relative, weights within
+    2.0e-8, momentum buffers 1.2e-9, exp_avg 2.8e-9, exp_avg_sq 2.6e-10, for steps of at
+    least 2.2e-3 (Muon's weights), 2.3e-4 (momentum), 9e-4 (Adam's weights), 1e-4 and 5e-8:
+    a step from a momentum buffer or moments not loaded would miss by about the step."""
+    case = "llama_muon_torch_dist_tp2"
+    reference = safe_load(ASSETS / case / "reference.pt")
+    step = reference["next_step"]
+    load = tmp_path / "mp"
+    import_megatron(ASSETS / case, load, with_optimizer=True)
+    data = {k: step[k] for k in ("tokens", "labels", "position_ids")}
+    argv = [*_argv(load, case), *_MUON]
+    got = run_on_ranks(step_body, 1, argv, str(load), data, timeout=180)[0]
+    assert got["lr"] == step["lr"]
+    assert got["loss"] == pytest.approx(step["loss"], rel=1e-6)
+    assert got["grad_norm"] == pytest.approx(step["grad_norm"], rel=1e-5)
+    compared = 0
+    for kind, states in (("muon", ("param", "momentum_buffer")),
+                         ("adam", ("param", "exp_avg", "exp_avg_sq"))):  # fmt: skip
+        for name, recorded in step[kind].items():
+            for state in states:
+                held = got["weights"] if state == "param" else got["state"]
+                key = "" if state == "param" else f"optimizer.{state}."
+                before = _logical(name, reference[kind][name][state])
+                for logical, expected in _logical(name, recorded[state]).items():
+                    assert not torch.equal(expected, before[logical])  # the step moved it
+                    torch.testing.assert_close(held[key + logical], expected, rtol=0,
+                                               atol=_MUON_TOLERANCES[state],
+                                               msg=f"{state} {logical}")  # fmt: skip
+                    compared += 1
+    assert compared == 2 * 10 + 3 * 3  # qkv as q, k, v and fc1 as gate, up
+    assert not any(k.startswith("optimizer.exp_avg.") and ".linear_" in k for k in got["state"])

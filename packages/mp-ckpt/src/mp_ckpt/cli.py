@@ -91,7 +91,7 @@ def _parser() -> argparse.ArgumentParser:
     megatron.add_argument(
         "--with-optimizer",
         action="store_true",
-        help="also the Adam state, scheduler and iteration (at the source iteration)",
+        help="also the Adam (and Muon) state, scheduler and iteration (at the source iteration)",
     )
     megatron.set_defaults(run=_import_megatron)
 

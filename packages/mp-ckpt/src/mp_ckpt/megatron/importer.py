@@ -10,7 +10,8 @@ The model's settings come from the saved args, under the names mp uses
 named (GPT-2 BPE, a local Hugging Face tokenizer) are kept when they are here.
 A setting mp does not compute the same way (input jitter, several
 load-balancing losses, ...) is refused with its name and value. With
-with_optimizer, optimizer.py reads the Adam state, which is renamed and
+with_optimizer, optimizer.py reads the Adam state (and, from a run with
+--optimizer muon, Muon's momentum buffers: muon.py), which is renamed and
 unfused like the weights (not of multi-token prediction modules under pipeline
 parallelism: refused).
 """
@@ -60,10 +61,11 @@ def import_megatron(
     """Writes an mp checkpoint (iteration 0, model only, as import-hf does) from a
     Megatron-LM training checkpoint (torch_dist or legacy torch, any TP x PP).
     common.pt holds the model's settings (common["model_config"]) and where it came
-    from (imported_from, source_iteration). with_optimizer: also the Adam state, the
-    scheduler and the training position (optimizer.py), at the source iteration,
-    as mp's training checkpoints hold them, for a resume. progress: report the tensors
-    written on stderr (progress.py; not with_optimizer, which saves them at once)."""
+    from (imported_from, source_iteration). with_optimizer: also the Adam (and Muon)
+    state, the scheduler and the training position (optimizer.py), at the source
+    iteration, as mp's training checkpoints hold them, for a resume. progress: report
+    the tensors written on stderr (progress.py; not with_optimizer, which saves them at
+    once)."""
     model = read_megatron(src, iteration)
     common = {"iteration": 0, "model_config": None, "imported_from": str(model.directory),
               "source_iteration": model.iteration, "source_format": model.format}  # fmt: skip

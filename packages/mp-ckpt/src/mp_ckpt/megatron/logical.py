@@ -50,9 +50,13 @@ _ONE_EXPERT = re.compile(
 _MTP = re.compile(r"^mtp\.layers\.(\d+)\.")
 
 
-def logical_from_megatron(model: MegatronModel) -> tuple[dict[str, torch.Tensor], dict]:
-    """(mp's logical tensors, mp's model settings) of a Megatron checkpoint read whole."""
-    plan, settings = logical_plan(model)
+def logical_from_megatron(
+    model: MegatronModel, sources: dict[str, str] | None = None
+) -> tuple[dict[str, torch.Tensor], dict]:
+    """(mp's logical tensors, mp's model settings) of a Megatron checkpoint read whole;
+    `sources`, when given, is filled with each logical key's Megatron key (the experts'
+    stacked under torch_dist's name)."""
+    plan, settings = logical_plan(model, sources)
     return {key: produce() for key, (_, _, produce) in plan.items()}, settings
 
 
@@ -64,10 +68,12 @@ def _dtype(tensors, key: str) -> torch.dtype:
     return tensors.dtype(key) if isinstance(tensors, MegatronTensors) else tensors[key].dtype
 
 
-def logical_plan(model: MegatronModel) -> tuple[dict[str, tuple], dict]:
+def logical_plan(
+    model: MegatronModel, sources: dict[str, str] | None = None
+) -> tuple[dict[str, tuple], dict]:
     """({mp's logical key: (shape, dtype, produce)}, mp's model settings): produce() reads
     the one Megatron tensor the logical tensor comes from and cuts it, so that the tensors
-    can be made (and written) one at a time."""
+    can be made (and written) one at a time; `sources` as logical_from_megatron's."""
     where = str(model.directory)
     tensors = stack_experts(model.tensors, where)
     if "embedding.word_embeddings.weight" not in tensors:
@@ -77,7 +83,7 @@ def logical_plan(model: MegatronModel) -> tuple[dict[str, tuple], dict]:
     view, dims = megatron_view(settings), Dims.of(settings)
     tied = not settings["untie_embeddings_and_output_weights"]
     plan: dict[str, tuple] = {}
-    sources: dict[str, str] = {}  # logical key -> the Megatron key it is read from
+    sources = {} if sources is None else sources  # logical key -> the Megatron key read
 
     def add(name: str, key: str, shape, cut=None) -> None:
         def produce() -> torch.Tensor:

@@ -1,10 +1,11 @@
-"""A Megatron-LM checkpoint's Adam state and training position, for import-megatron.
+"""A Megatron-LM checkpoint's Adam (and Muon) state and training position, for
+import-megatron.
 
     read_megatron_optimizer(model) -> MegatronOptimizer(states, step, param_groups,
                                                         scheduler, train_state)
 
-`states` maps each state name ("exp_avg", "exp_avg_sq", "param" for an fp32
-main parameter that is a copy) to tensors named and laid out like
+`states` maps each state name ("exp_avg", "exp_avg_sq", "momentum_buffer" of
+Muon, "param" for an fp32 main parameter that is a copy) to tensors named and laid out like
 MegatronModel.tensors (whole, one entry per layer), so that
 megatron.logical_from_megatron renames and unfuses them exactly as it does the
 weights. The layouts Megatron writes:
@@ -13,6 +14,9 @@ weights. The layouts Megatron writes:
   stacked and chunked like the model key (fp32 copies: "fp32_param"). With
   experts, Megatron chains a dense and an expert optimizer: common_state's
   "optimizer" is then {0: ..., 1: ...}, their parameter groups merge by kind.
+  With --optimizer muon (muon.py) the chain holds Muon's optimizer too, whose
+  matrices have "optimizer.state.momentum_buffer.<model key>" instead of Adam's
+  moments.
 - legacy torch, no distributed optimizer: each rank's "optimizer" holds
   torch's state dict, indexed by the parameter's place in the param groups.
   Megatron's groups are the weight-decayed parameters (not a bias, more than
@@ -26,7 +30,9 @@ weights. The layouts Megatron writes:
   step): read by distopt.py, which maps each stage's and TP rank's flat grad
   buffer back to parameters, across buckets and data-parallel ranks.
 
-A layout that cannot be mapped is refused with the file and key that could not be read.
+A layout that cannot be mapped is refused with the file and key that could not be read;
+an optimizer other than Adam and Muon, and Muon's state in another layout than
+torch_dist without the distributed optimizer, are refused.
 """
 
 from __future__ import annotations
@@ -46,7 +52,8 @@ from mp_ckpt.megatron.distopt import (
     read_distrib_optim,
     read_distributed_buckets,
 )
-from mp_ckpt.megatron.logical import logical_from_megatron
+from mp_ckpt.megatron.logical import logical_from_megatron, stack_experts
+from mp_ckpt.megatron.muon import chained_groups, is_muon_part, refuse_muon_layout
 from mp_ckpt.megatron.order import megatron_param_order
 from mp_ckpt.megatron.read import (
     _LAYER,
@@ -64,7 +71,8 @@ from mp_ckpt.megatron.tp_layout import join_pieces, mamba_parts
 __all__ = ["MegatronOptimizer", "megatron_param_order", "read_megatron_optimizer"]
 
 # Keys of a Megatron parameter group mp's optimizer groups take back.
-_GROUP_KEYS = ("lr", "weight_decay", "wd_mult", "lr_mult", "max_lr", "min_lr", "betas", "eps")
+_GROUP_KEYS = ("lr", "weight_decay", "wd_mult", "lr_mult", "max_lr", "min_lr", "betas", "eps",
+               "momentum")  # fmt: skip
 
 
 @dataclasses.dataclass
@@ -81,6 +89,7 @@ def _decayed(name: str, tensor: torch.Tensor) -> bool:
 
 
 def read_megatron_optimizer(model: MegatronModel) -> MegatronOptimizer:
+    refuse_muon_layout(model)
     if model.format == "torch_dist":
         return _read_torch_dist(model)
     return _read_torch(model)
@@ -177,11 +186,12 @@ def _read_torch_dist(model: MegatronModel) -> MegatronOptimizer:
     tensors, raw = _load_dist(directory, plain + distributed + common_keys, entries)
     common = _one(raw[common_keys[0]]) if common_keys else safe_load(directory / "common.pt")
     where = f"{directory}"
-    states: dict[str, dict[str, torch.Tensor]] = {s: {} for s in STATES}
+    states: dict[str, dict[str, torch.Tensor]] = {s: {} for s in (*STATES, "momentum_buffer")}
     if plain:
         for key, value in tensors.items():
             name, _, model_key = key.removeprefix("optimizer.state.").partition(".")
             state = {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq",
+                     "momentum_buffer": "momentum_buffer",
                      "fp32_param": "param"}.get(name)  # fmt: skip
             if state is None:
                 raise ValueError(f"{directory}: {key}: unknown optimizer state {name!r}")
@@ -191,18 +201,28 @@ def _read_torch_dist(model: MegatronModel) -> MegatronOptimizer:
         # several optimizers (dense, experts) are saved as {0: state dict, 1: ...}
         chained = [saved[k] for k in sorted(saved)] if saved and all(
             isinstance(k, int) for k in saved) else [saved]  # fmt: skip
-        groups, steps = [], []
+        groups, muon_groups, steps = [], [], []
         for part in chained:
             if part.get("param_groups") is None:
                 raise ValueError(f"{directory}: common_state: no optimizer.param_groups")
+            if is_muon_part(part):  # Muon's groups (its state holds no step)
+                muon_groups += part["param_groups"]
+                continue
             groups += part["param_groups"]
             step_value = (part.get("state") or {}).get("common_step")
             steps += [step_value] if step_value is not None else [
                 g.get("step") for g in part["param_groups"]]  # fmt: skip
         step = _step(steps, f"{where} common_state")
+        if bool(muon_groups) != bool(states["momentum_buffer"]):
+            raise ValueError(f"{where}: common_state: {len(muon_groups)} Muon parameter groups "
+                             f"and {len(states['momentum_buffer'])} momentum buffers")  # fmt: skip
     else:
+        muon_groups = []
         states, groups, step = _distributed(model, tensors, raw)
-    return MegatronOptimizer(states, step, _groups(groups, where), _scheduler(common, where),
+    param_groups = _groups(groups, where)
+    if muon_groups:  # mp's order: Muon's groups, then Adam's, one of each kind
+        param_groups = chained_groups(_groups(muon_groups, where), param_groups, where)
+    return MegatronOptimizer(states, step, param_groups, _scheduler(common, where),
                              _train_state(model, common))  # fmt: skip
 
 
@@ -369,24 +389,47 @@ def _torch_optimizer_state(optimizer: dict, weights: dict, path: Path, local: di
 # --- mp's form ------------------------------------------------------------------------------
 
 
+def _check_coverage(model: MegatronModel, states: dict, params: set[str]) -> None:
+    """Every parameter has Adam's two moments or (under Muon) a momentum buffer."""
+    adam, squares = set(states["exp_avg"]), set(states["exp_avg_sq"])
+    muon = set(states.get("momentum_buffer") or {})
+    if adam != squares:
+        raise ValueError(f"{model.directory}: {sorted(adam ^ squares)[0]} has only one of "
+                         "exp_avg and exp_avg_sq")  # fmt: skip
+    if adam & muon:
+        raise ValueError(f"{model.directory}: {sorted(adam & muon)[0]} has both Adam's "
+                         "moments and Muon's momentum_buffer")  # fmt: skip
+    missing = sorted(params - adam - muon)
+    if missing:
+        held = "exp_avg nor momentum_buffer" if muon else "exp_avg"
+        raise ValueError(f"{model.directory}: no {held} for {missing[0]}")
+
+
 def mp_optimizer_state(model: MegatronModel, weights: dict[str, torch.Tensor]):
     """({"optimizer.<state>.<logical key>": tensor}, common entries) as mp's training
     checkpoints hold them; `weights` are mp's logical weights (fp32 copies equal to them
-    are not written: the main parameters are the weights)."""
+    are not written: the main parameters are the weights). Under Muon a matrix has a
+    momentum_buffer, every other parameter Adam's moments."""
     read = read_megatron_optimizer(model)
+    params = {k for k in model.tensors if not k.endswith(_BUFFERS)}
+    _check_coverage(model, read.states, params)
     tensors: dict[str, torch.Tensor] = {}
     for state, name in (("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq"),
+                        ("momentum_buffer", "momentum_buffer"),
                         ("param", "fp32_param")):  # fmt: skip
-        by_name = read.states[state]
-        if not by_name:
+        held = read.states.get(state)
+        if not held:
             continue
-        missing = sorted(k for k in set(model.tensors) - set(by_name) if not k.endswith(_BUFFERS))
-        if missing and state != "param":
-            raise ValueError(f"{model.directory}: no {state} for {missing[0]}")
-        if missing:  # some fp32 copies only: the others are the weights
-            by_name = {**{k: model.tensors[k] for k in missing}, **by_name}
-        logical, _ = logical_from_megatron(dataclasses.replace(model, tensors=by_name))
+        missing = sorted(params - set(held))
+        # the parameters another optimizer steps (Muon's beside Adam's) or fp32 copies
+        # that are the weights: the weights stand in for them, to unfuse the rest
+        by_name = {**{k: model.tensors[k] for k in missing}, **held}
+        owned = set(stack_experts(held, str(model.directory)))
+        sources: dict[str, str] = {}
+        logical, _ = logical_from_megatron(dataclasses.replace(model, tensors=by_name), sources)
         for key, tensor in logical.items():
+            if state != "param" and sources[key] not in owned:
+                continue
             if name == "fp32_param" and torch.equal(tensor, weights[key].to(tensor.dtype)):
                 continue
             tensors[f"optimizer.{name}.{key}"] = tensor.float().contiguous()

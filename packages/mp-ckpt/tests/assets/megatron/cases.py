@@ -149,13 +149,23 @@ QWEN3_NEXT = [*LLAMA, "--init-method-std", "0.1", "--rotary-percent", "0.5",
 # The Qwen3-Next-shaped model with its Adam and RNG states saved.
 QWEN3_NEXT_STATE = [a for a in QWEN3_NEXT if a not in ("--no-save-optim", "--no-save-rng")]
 
+# Megatron's Muon (megatron-core's TensorParallelMuon over emerging-optimizers) for the
+# matrices, Adam for the embedding, the output layer and the norms, as Megatron routes
+# them; Megatron's Muon defaults (momentum 0.9, no Nesterov, quintic coefficients, 5
+# iterations, spectral scale, split QKV) except the tensor-parallel mode (duplicated, not
+# 0.19.2's default blockwise: the update of a split matrix is then the whole matrix's, at
+# any TP size) and fp32 iterations (not "medium", bf16 ones), so that the step after the
+# save does not depend on the TP size. Needs emerging-optimizers (README.md).
+MUON = ("--optimizer", "muon", "--muon-tp-mode", "duplicated", "--muon-fp32-matmul-prec", "high")
+
 # Several distributed-optimizer buckets per grad buffer: Megatron-LM's training loop keeps
 # --ddp-bucket-size only with --overlap-grad-reduce (otherwise one bucket per buffer).
 BUCKETS = ("--overlap-grad-reduce", "--ddp-bucket-size", "2000")
 # Cases whose reference.pt also records one more training step on NEXT_BATCH_SEED's batch,
 # taken after the save and after everything else is recorded (the rest stays the same).
 NEXT_STEP = {"llama_torch_dist_tp2_distopt", "hybrid_torch_dist_tp2_dp2_distopt",
-             "mla_mtp_torch_dist_tp1_distopt", "qwen3_next_torch_dist_tp2_dp2_distopt"}  # fmt: skip
+             "mla_mtp_torch_dist_tp1_distopt", "qwen3_next_torch_dist_tp2_dp2_distopt",
+             "llama_muon_torch_dist_tp2"}  # fmt: skip
 NEXT_BATCH_SEED = 11
 
 
@@ -232,4 +242,7 @@ CASES = {
     "qwen3_next_torch_dist_tp2_dp2_distopt": Case(
         QWEN3_NEXT_STATE, "torch_dist", 2, 1, True, dp=2, extra=(*SP, *BUCKETS)
     ),
+    # the Llama model trained with Muon (its matrices) and Adam (the rest), TP2, without the
+    # distributed optimizer (with it Megatron's Muon is its layer-wise optimizer)
+    "llama_muon_torch_dist_tp2": Case(LLAMA, "torch_dist", 2, 1, False, extra=MUON),
 }

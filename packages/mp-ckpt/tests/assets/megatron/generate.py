@@ -368,7 +368,8 @@ def worker(rank, world, port, name):
         d_state = max(
             (state[n][k] - state2[n][k]).abs().max().item()
             for n in state
-            for k in ("param", "exp_avg", "exp_avg_sq")
+            for k in state[n]
+            if k != "step"
         )
         lr2 = optimizer2.param_groups[0]["lr"]
     assert iteration == ITERATIONS, iteration
@@ -399,9 +400,9 @@ def worker(rank, world, port, name):
             logits=logits,
             loss=loss,
             args=plain_args(args),
-            adam=state,
+            adam=adam_only(state),
             iteration=ITERATIONS,
-            optimizer_step=next(iter(state.values()))["step"] if state else None,
+            optimizer_step=next((v["step"] for v in state.values() if "step" in v), None),
             scheduler=sched_state,
             optimizer_layout_per_rank=layouts,
             lr_next=lr_next,
@@ -415,6 +416,8 @@ def worker(rank, world, port, name):
                 lr_next_after_load=lr2,
             ),
         )
+        if args.optimizer == "muon":  # the matrices' state, beside Adam's of the others
+            ref["muon"] = muon_only(state)
         if next_step is not None:
             ref["next_step"] = next_step
         if mtp_losses is not None:
@@ -431,7 +434,8 @@ def worker(rank, world, port, name):
 
 def one_more_step(args, model, optimizer, scheduler):
     """Iteration 3 from the saved state on a known batch: {tokens, position_ids, labels,
-    lr, loss, grad_norm, adam (the TRACKED params' state after it, as in reference.pt)}."""
+    lr, loss, grad_norm, adam (the TRACKED params' state after it, as in reference.pt),
+    and under Muon muon}."""
     import torch
 
     data = batch(args, seed=NEXT_BATCH_SEED)
@@ -449,8 +453,19 @@ def one_more_step(args, model, optimizer, scheduler):
         lr=lr,
         loss=next(e["loss"] for e in everything if e["loss"] is not None),
         grad_norm=grad_norm,
-        adam={n: merged[n] for n in TRACKED if n in merged},
+        adam=adam_only({n: merged[n] for n in TRACKED if n in merged}),
+        **({"muon": muon_only(merged)} if args.optimizer == "muon" else {}),
     )
+
+
+def adam_only(state):
+    """The tracked parameters Adam steps (all of them but under --optimizer muon)."""
+    return {n: v for n, v in state.items() if "momentum_buffer" not in v}
+
+
+def muon_only(state):
+    """The tracked parameters Muon steps: {name: {param, momentum_buffer}}, TRACKED order."""
+    return {n: state[n] for n in TRACKED if n in state and "momentum_buffer" in state[n]}
 
 
 def free_port():

@@ -211,7 +211,8 @@ def get_args_num_layers():
 
 def adam_state(model, optimizer):
     """{name: {param, exp_avg, exp_avg_sq, step}} for TRACKED params, as full global tensors
-    (collective: every rank of the run calls it)."""
+    (collective: every rank of the run calls it); a parameter Muon steps (--optimizer
+    muon): {param, momentum_buffer}."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     inner = getattr(optimizer, "chained_optimizers", [optimizer])
@@ -230,16 +231,14 @@ def adam_state(model, optimizer):
                 if p not in opt.optimizer.state:
                     continue
                 st = opt.optimizer.state[p]
-                local = {
-                    "param": p.detach(),
-                    "exp_avg": st["exp_avg"],
-                    "exp_avg_sq": st["exp_avg_sq"],
-                }
-            step = opt.optimizer.state[opt.optimizer.param_groups[0]["params"][0]]["step"]
-            out[name] = {
-                k: tp_gather(local[k], p, name) for k in ("param", "exp_avg", "exp_avg_sq")
-            }
-            out[name]["step"] = int(step)
+                states = (
+                    ("momentum_buffer",) if "momentum_buffer" in st else ("exp_avg", "exp_avg_sq")
+                )
+                local = {"param": p.detach(), **{k: st[k] for k in states}}
+            out[name] = {k: tp_gather(v, p, name) for k, v in local.items()}
+            first = opt.optimizer.state[opt.optimizer.param_groups[0]["params"][0]]
+            if "step" in first:  # Adam's (Muon keeps no step count)
+                out[name]["step"] = int(first["step"])
     return out
 
 
