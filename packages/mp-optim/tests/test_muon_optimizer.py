@@ -66,6 +66,17 @@ def optimizer_of(**settings):
     return model, get_optimizer(config, [model], mp_group=SINGLE)
 
 
+def two_steps(model, optimizer, steps: int = 2):
+    """Two (or `steps`) steps on one batch; the last StepResult."""
+    ids = torch.randint(0, 16, (4, 5), generator=torch.Generator().manual_seed(1))
+    for _ in range(steps):
+        optimizer.zero_grad()
+        model(ids).backward()
+        model.finish_grad_sync()
+        result = optimizer.step()
+    return result
+
+
 def test_every_muon_field_reaches_the_update():
     settings = dict(muon_momentum=0.8, muon_nesterov=True, muon_split_qkv=False,
                     muon_scale_mode="unit_rms_norm", muon_extra_scale_factor=0.2,
@@ -89,12 +100,7 @@ def test_muon_takes_the_matrix_and_adam_the_rest():
     matrices = [p for g in muon.param_groups for p in g["params"]]
     assert [p is model.module.linear.weight for p in matrices] == [True]
     assert len([p for g in adam.param_groups for p in g["params"]]) == 3
-    ids = torch.randint(0, 16, (4, 5), generator=torch.Generator().manual_seed(1))
-    for _ in range(2):
-        optimizer.zero_grad()
-        model(ids).backward()
-        model.finish_grad_sync()
-        assert optimizer.step().update_successful
+    assert two_steps(model, optimizer).update_successful
     state = optimizer.optimizer.state
     assert set(state[model.module.linear.weight]) == {"momentum_buffer"}
     assert set(state[model.module.norm]) == {"exp_avg", "exp_avg_sq", "step"}
@@ -108,10 +114,7 @@ def test_muon_takes_the_matrix_and_adam_the_rest():
     model2.module.load_state_dict(model.module.state_dict())
     optimizer2.load_state_dict(saved)
     for m, o in ((model, optimizer), (model2, optimizer2)):
-        o.zero_grad()
-        m(ids).backward()
-        m.finish_grad_sync()
-        o.step()
+        two_steps(m, o, steps=1)
     for a, b in zip(model.module.parameters(), model2.module.parameters(), strict=True):
         assert torch.equal(a, b)
 
@@ -154,12 +157,7 @@ def layer_wise_on_rank() -> tuple[list[torch.Tensor], float, float, int]:
     model = DistributedDataParallel(config, Toy(), dp_group=dp)
     optimizer = get_optimizer(config, [model], mp_group=SINGLE)
     params_norm = optimizer.main_params_norm()
-    ids = torch.randint(0, 16, (4, 5), generator=torch.Generator().manual_seed(1))
-    for _ in range(2):
-        optimizer.zero_grad()
-        model(ids).backward()
-        model.finish_grad_sync()
-        result = optimizer.step()
+    result = two_steps(model, optimizer)
     owned = len(optimizer._all_shards())
     return [p.detach() for p in model.module.parameters()], params_norm, result.grad_norm, owned
 
@@ -168,12 +166,7 @@ def layer_wise_on_rank() -> tuple[list[torch.Tensor], float, float, int]:
 def test_layer_wise_steps_as_one_rank_does():
     model, optimizer = optimizer_of()
     params_norm = optimizer.main_params_norm()
-    ids = torch.randint(0, 16, (4, 5), generator=torch.Generator().manual_seed(1))
-    for _ in range(2):
-        optimizer.zero_grad()
-        model(ids).backward()
-        model.finish_grad_sync()
-        result = optimizer.step()
+    result = two_steps(model, optimizer)
     ranks = run_on_ranks(layer_wise_on_rank, 2)
     # the embedding (128 elements) on one rank, the matrix (96), bias and norm (12 each) on
     # the other
