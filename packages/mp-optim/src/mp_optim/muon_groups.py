@@ -76,7 +76,7 @@ def make_muon_optimizer(
                 layouts[id(main)] = layout_of(param, partition_groups, name)
             else:
                 others.append(main)
-        matrix_groups.append({**group, "params": matrices, "momentum": config.muon_momentum})
+        matrix_groups.append({**group, "params": matrices})
         other_groups.append({**group, "params": others})
     muon = Muon(
         matrix_groups, lr=config.lr, momentum=config.muon_momentum,
