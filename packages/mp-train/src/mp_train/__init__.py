@@ -13,7 +13,7 @@ from mp_train.configuration.config import (
     TrainingConfig,
     validate,
 )
-from mp_train.configuration.hybrid_pipeline import pipeline_segments
+from mp_train.configuration.pipeline_segments import pipeline_segments
 from mp_train.configuration.yaml_config import load_yaml_config
 from mp_train.entry_point import load_config
 from mp_train.errors import ConfigError, launch_rank, report

@@ -35,7 +35,7 @@ from mp_layers import split_hybrid_pattern
 from mp_train.configuration import megatron_aliases, megatron_flags
 from mp_train.configuration.config import RunConfig
 from mp_train.configuration.hf_source import apply_hf_settings
-from mp_train.configuration.hybrid_pipeline import derive_virtual_stages
+from mp_train.configuration.pipeline_segments import derive_virtual_stages
 from mp_train.configuration.yaml_config import (
     FieldType,
     field_owners,

@@ -29,7 +29,7 @@ from mp_layers import TransformerConfig
 from mp_optim import OptimizerConfig
 from mp_pipeline import check_microbatch_group
 from mp_state import ParallelConfig
-from mp_train.configuration.hybrid_pipeline import check_segments
+from mp_train.configuration.pipeline_segments import check_segments
 from mp_train.configuration.run_checks import (
     check_initialization,
     check_schedule,

@@ -73,7 +73,7 @@ from mp_layers import (
 )
 from mp_pipeline import stage_layers
 from mp_train.configuration.config import RunConfig
-from mp_train.configuration.hybrid_pipeline import pipeline_segments
+from mp_train.configuration.pipeline_segments import pipeline_segments
 from mp_train.estimate.activations import activation_bytes, mlp_width
 from mp_train.estimate.hybrid import mamba_flops
 from mp_train.estimate.linear_attention import gdn_flops, layer_kinds

@@ -54,7 +54,7 @@ import dataclasses
 from mp_layers import TransformerConfig, mtp_layer_kinds
 from mp_pipeline import stage_layers
 from mp_train.configuration.config import RunConfig
-from mp_train.configuration.hybrid_pipeline import pipeline_segments
+from mp_train.configuration.pipeline_segments import pipeline_segments
 from mp_train.estimate.hybrid import mamba_parameters
 from mp_train.estimate.linear_attention import gdn_parameters, layer_kinds
 

@@ -45,7 +45,7 @@ from mp_optim import (
 from mp_pipeline import PipelineConfig, finalize_model_grads, stage_layers
 from mp_state import ParallelState, RNGStatesTracker
 from mp_train.configuration.config import RunConfig, validate
-from mp_train.configuration.hybrid_pipeline import pipeline_segments
+from mp_train.configuration.pipeline_segments import pipeline_segments
 from mp_train.loop.cpu_allocator import keep_freed_memory
 from mp_train.loop.microbatches import MicroBatchCalculator
 from mp_train.observability.log_setup import configure_logging
