@@ -1,4 +1,6 @@
-"""A nan or inf loss stops the run naming the rank, or is skipped by option."""
+"""With reruns disabled, a nan or inf loss stops the run naming the rank; by option it is
+skipped. (With rerun_mode validate_results, the default, the iteration is run again
+first: tests/test_train_rerun.py.)"""
 
 from pathlib import Path
 
@@ -26,7 +28,7 @@ def body(argv):
 @pytest.mark.multirank
 def test_a_nan_loss_stops_every_rank_naming_one():
     with pytest.raises(RankFailure, match=r"rank \d: loss .* is nan or inf at iteration \d+"):
-        run_on_ranks(body, 2, DIVERGING, timeout=120)
+        run_on_ranks(body, 2, [*DIVERGING, "--rerun-mode", "disabled"], timeout=120)
 
 
 @pytest.mark.multirank

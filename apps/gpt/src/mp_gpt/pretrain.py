@@ -36,12 +36,13 @@ def train(config: RunConfig):
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Runs `pretrain_gpt.py ARGV`; returns the exit status: 0, or 2 for a configuration
-    mistake (one line from rank 0, the same mistake found by every rank). Any other error
+    """Runs `pretrain_gpt.py ARGV`; returns the exit status: 0, 2 for a configuration
+    mistake (one line from rank 0, the same mistake found by every rank), or the rerun
+    engine's 16 (resume on other hardware) or 17 (a loss failed result validation). Any other error
     is printed as `error: rank N: MESSAGE` and raised, so that the rank exits non-zero at
     once with its traceback."""
     try:
-        train(load_config(argv))
+        run = train(load_config(argv))
     except ConfigError as error:
         # Every rank found the same mistake: the collective teardown below meets them all.
         status = report(error)
@@ -56,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: rank {rank}: {failure_line(error, rank)}", file=sys.stderr, flush=True)
         raise
     else:
-        status = 0
+        status = run.exit_code  # 0, or the rerun engine's 16 or 17
     mp_state.destroy()
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -30,6 +30,7 @@ from mp_optim import OptimizerConfig
 from mp_pipeline import check_microbatch_group
 from mp_state import ParallelConfig
 from mp_train.configuration.pipeline_segments import check_segments
+from mp_train.configuration.rerun_config import RerunConfig
 from mp_train.configuration.run_checks import (
     check_initialization,
     check_schedule,
@@ -65,7 +66,9 @@ class GPTConfig:
 
 
 @dataclass(kw_only=True)
-class TrainingConfig:
+class TrainingConfig(RerunConfig):
+    # The rerun engine's fields (result validation, iterations to skip): rerun_config.py.
+
     micro_batch_size: int = 1
     """Samples per micro-batch on one data-parallel rank."""
 
@@ -169,7 +172,9 @@ class TrainingConfig:
     fragmentation for slower steps. No effect on a CPU, which has no caching allocator."""
 
     check_for_nan_in_loss_and_grad: bool = True
-    """Stop, naming the rank, when the loss is nan or inf."""
+    """Check each micro-batch's loss for nan and inf. With rerun_mode validate_results (the
+    default) a failed check from the job's second iteration on runs the iteration again
+    (rerun_mode); otherwise the run stops, naming the rank."""
 
     check_weight_hash_across_dp_replicas_interval: int | None = None
     """Every N iterations, stop naming the parameters whose bytes differ between data-parallel

@@ -52,6 +52,9 @@ class Stop:
 
     reason: str
     save: bool
+    exit_code: int = 0
+    """Non-zero: the run ends with this exit code (the rerun engine's), without the final
+    evaluation and save."""
 
 
 class Cadence:
@@ -145,6 +148,8 @@ class Cadence:
         training = self.training
         evaluate = training.eval_interval is not None and stopped is None
         save = self.saving and not training.skip_train
+        if stopped is not None and stopped.exit_code:
+            save = False
         if save:
             save = iteration not in (last_saved, read_tracker(self.save_dir))
         return Due(evaluate=evaluate and self.has_valid_data, save=save)

@@ -7,6 +7,9 @@ unless no_save_optim, the optimizer's. Common (rank 0): the iteration and consum
 samples, the scheduler, the optimizer's plain state, the run's configuration
 (and the model's settings under Megatron's names, for `mp-ckpt export-hf`).
 
+The rerun engine's state (loop/rerun.py), when it has some: a pending rerun in common
+and in each rank's rank_state, the spiky-loss check's reference in rank_state.
+
 Per rank (mp-ckpt's rank_state, one file per rank), unless no_save_rng: every
 generator the rank draws from (python, numpy, torch's CPU and CUDA ones, and
 the tracker's streams), keyed by the rank's position: its rank and size in
@@ -112,6 +115,11 @@ def save_run_checkpoint(run: Run, checkpointer: Checkpointer) -> None:
     if not ckpt.no_save_rng:
         rank_state = {"position": _rng_position(run),
                       "rng_state": mp_state.get_rng_state(run.rng_tracker)}  # fmt: skip
+    rerun_common, rerun_mine = (None, None) if run.rerun is None else run.rerun.saved_state()
+    if rerun_common is not None:
+        common["rerun"] = rerun_common
+    if rerun_mine is not None:
+        rank_state = (rank_state or {}) | {"rerun": {"position": _rng_position(run)} | rerun_mine}
     # An async save's line comes before its writer starts, whose commit line follows it.
     if checkpointer.async_save:
         _progress_saved(run, async_save=True)
@@ -312,6 +320,8 @@ def load_run_checkpoint(run: Run) -> str | None:
         run.scheduler.load_state_dict(common["scheduler"])
         if not ckpt.no_load_rng:
             _restore_rng(run, loaded)
+        if run.rerun is not None:
+            _restore_rerun(run, loaded)
     log.info("loaded %s (iteration %d)", loaded.directory, loaded.iteration)
     return path
 
@@ -372,6 +382,22 @@ def _restore_rng(run: Run, loaded) -> None:
             _rng_mismatch(run, read_metadata(loaded.directory), status),
             run.config.training.seed,
         )  # fmt: skip
+
+
+def _restore_rerun(run: Run, loaded) -> None:
+    """The rerun engine's state (loop/rerun.py): a pending rerun of an iteration, which
+    every rank must find saved at its own position (collective then), and the spiky-loss
+    check's reference, kept where the rank's position is the same."""
+    pending = loaded.common.get("rerun")
+    saved = (loaded.rank_state or {}).get("rerun")
+    fits = saved is not None and saved.get("position") == _rng_position(run)
+    if pending is not None:
+        flag = torch.tensor([float(fits)])
+        if dist.get_backend() == "nccl":
+            flag = flag.cuda()
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        fits = bool(flag.item() > 0)
+    run.rerun.load_state(pending, saved if fits else None)
 
 
 def _rng_mismatch(run: Run, metadata: dict, status: int) -> str:

@@ -93,6 +93,14 @@ class MoEStep:
         for router in self.routers:
             router.reset_global_counts()
 
+    def discard(self) -> None:
+        """Drops what the routers summed so far, for the log and for the expert biases'
+        update (an iteration's run to be redone: only the run that counts is kept)."""
+        moe.take_metrics(self.routers)
+        for router in self.routers:
+            if router.expert_bias is not None:
+                router.local_tokens_per_expert.zero_()
+
     def after_backward(self) -> None:
         moe.update_expert_biases(self.routers, self.state.tp_dp_cp)
 

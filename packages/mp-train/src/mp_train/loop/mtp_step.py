@@ -13,7 +13,7 @@ import torch.distributed as dist
 from mp_layers import MultiTokenPrediction, TransformerConfig
 from mp_state import ParallelState
 
-__all__ = ["mtp_loss_names", "mtp_losses"]
+__all__ = ["discard_mtp_losses", "mtp_loss_names", "mtp_losses"]
 
 
 def mtp_loss_names(model: TransformerConfig) -> list[str]:
@@ -38,3 +38,10 @@ def mtp_losses(
             dist.all_reduce(values, group=group.group)
     values = values.cpu() / (state.dp_cp.size * num_microbatches)
     return {name: float(v) for name, v in zip(names, values, strict=True)}
+
+
+def discard_mtp_losses(chunks) -> None:
+    """Drops the MTP losses the modules summed so far (an iteration's run to be redone)."""
+    for module in (m for chunk in chunks for m in chunk.modules()):
+        if isinstance(module, MultiTokenPrediction):
+            module.take_losses()

@@ -72,6 +72,8 @@ class TrainState:
     consumed_valid_samples: int = 0
     skipped_iterations: int = 0
     nan_iterations: int = 0
+    skipped_train_samples: int = 0
+    """The samples of the iterations skipped by iterations_to_skip (not trained on)."""
     floating_point_operations_so_far: float = 0.0
 
 
@@ -106,6 +108,10 @@ class Run:
     the run's tokenizer is that model's: its saves and its export carry them."""
     progress: ProgressLog | None = None
     """The progress log (log_progress with a save directory), which saves report to."""
+    rerun: Any = None
+    """The rerun engine (loop/rerun.py's RerunMachine), made by pretrain()."""
+    exit_code: int = 0
+    """The exit code the run asks for: 16 or 17 when the rerun engine ended it."""
 
     @property
     def is_last_rank(self) -> bool:

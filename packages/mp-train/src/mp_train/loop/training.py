@@ -8,10 +8,12 @@
 3. datasets from datasets_provider(run, [train, valid, test] sample counts)
    and loaders that start after the consumed samples (mp-data);
 4. iterations until train_iters / train_samples, each a step (`_Step`: the pipeline
-   schedule's forward and backward (mp-pipeline), the MoE parts around it (moe_step.py),
-   the NaN/skip policy (skip_policy.py), the optimizer step, the scheduler by the global
-   batch), then its log (observability: every log_interval, TensorBoard every
-   tensorboard_log_interval, the profiler's window) and what the cadence (cadence.py)
+   schedule's forward and backward (mp-pipeline), run again when the rerun engine
+   (rerun.py) asks, the MoE parts around it (moe_step.py), the NaN/skip policy
+   (skip_policy.py), the optimizer step, the scheduler by the global batch; an iteration
+   of iterations_to_skip only drops its batch), then its log (observability: every
+   log_interval, TensorBoard every tensorboard_log_interval, the profiler's window) and
+   what the cadence (cadence.py)
    says is due: evaluation every eval_interval, saves every save_interval, an exit at
    exit_interval, exit_duration_in_mins or SIGTERM (every rank agrees, saves and
    returns);
@@ -53,8 +55,10 @@ from mp_train.loop.checkpointing import (
 )
 from mp_train.loop.hang_watchdog import HangWatchdog
 from mp_train.loop.moe_step import MoEStep
-from mp_train.loop.mtp_step import mtp_losses
+from mp_train.loop.mtp_step import discard_mtp_losses, mtp_losses
 from mp_train.loop.replica_check import check_weight_replicas
+from mp_train.loop.rerun import RerunMachine
+from mp_train.loop.rerun_records import iterations_to_skip
 from mp_train.loop.setup import SETUP_TIMERS, Initialized, ModelProvider, Run, setup_run
 from mp_train.loop.skip_policy import SkipPolicy
 from mp_train.observability.metrics import MetricsLogger
@@ -80,6 +84,8 @@ def pretrain(
     """Trains (see the module docstring); returns the run at its end (collective).
     `initialized`: what initialize() set up, when the caller initialized first."""
     run = setup_run(config, model_provider, initialized)
+    run.rerun = RerunMachine(config.training, dist.get_rank(), run.device, run.rng_tracker,
+                             can_save=config.checkpoint.save is not None)  # fmt: skip
     metrics = MetricsLogger(run)
     metrics.print_start()
     checkpointer = _checkpointer(run, metrics)
@@ -173,12 +179,20 @@ def _train(run: Run, forward_step_func, train_iter, valid_iter, checkpointer,
     if config.logging.log_straggler:  # evaluation's forward steps stay untimed
         train_step_func = timed_forward_step(forward_step_func, run.timers)
     step = _Step(run, train_step_func)
+    train_iter = run.rerun.wrap(train_iter)
     profiler = StepProfiler(config.logging, dist.get_rank(), run.device)
     with cadence.during_training(), contextlib.closing(profiler):
         while not cadence.finished(run.train):
             profiler.iteration_started(run.train.iteration + 1)
             metrics.iteration_started()
-            metrics.iteration_finished(*step(train_iter))
+            done = step(train_iter)
+            if step.exit is not None:
+                return _rerun_exit(run, step.exit, checkpointer, metrics, watchdog)
+            if done is None:
+                metrics.print(f"iteration {run.train.iteration} skipped (iterations_to_skip): "
+                              "its global batch was read and not trained on")  # fmt: skip
+            else:
+                metrics.iteration_finished(*done)
             profiler.iteration_finished(run.train.iteration)
             watchdog.beat(run.train.iteration)
             _check_replicas(run, metrics)
@@ -198,6 +212,19 @@ def _train(run: Run, forward_step_func, train_iter, valid_iter, checkpointer,
                 metrics.print(f"exiting at iteration {run.train.iteration}: {stop.reason}")
                 return stop
     return None
+
+
+def _rerun_exit(run: Run, leaving, checkpointer, metrics, watchdog) -> Stop:
+    """The rerun engine ends the run before the iteration's optimizer step (rerun.py),
+    saving the iteration before first when the failure is to be run on other hardware."""
+    if leaving.save:
+        with watchdog.paused():
+            save_run_checkpoint(run, checkpointer)
+        run.rerun.saved()
+    run.exit_code = leaving.code
+    metrics.print(f"exiting with code {leaving.code} after iteration {run.train.iteration}: "
+                  f"{leaving.reason}")  # fmt: skip
+    return Stop(leaving.reason, save=False, exit_code=leaving.code)
 
 
 def _check_replicas(run: Run, metrics: MetricsLogger) -> None:
@@ -223,23 +250,50 @@ class _Step:
                                config.logging.moe_per_layer_logging)  # fmt: skip
         self.skips = SkipPolicy(config.training, run.train)
         self.barrier = config.logging.barrier_with_L1_time
+        self.rerun = run.rerun
+        self.exit = None  # the rerun engine's Exit, when it ends the run
+        self.skipped = set(config.training.iterations_to_skip)
+        tracked = config.training.result_rejected_tracker_filename
+        if tracked is not None:
+            from_file = iterations_to_skip(tracked)
+            if from_file and dist.get_rank() == 0:
+                log.warning("%s: iterations %s failed their checks repeatably: skipping them",
+                            tracked, from_file)  # fmt: skip
+            self.skipped |= set(from_file)
 
-    def __call__(self, train_iter) -> tuple[dict[str, float], Any, int, int]:
+    def __call__(self, train_iter) -> tuple[dict[str, float], Any, int, int] | None:
         """Runs it; returns the losses, the optimizer step's result (None: skipped), the
-        global batch and its micro-batches."""
+        global batch and its micro-batches. None: the iteration was skipped
+        (iterations_to_skip), or the rerun engine ends the run (`exit`)."""
         run, timers, barrier = self.run, self.run.timers, self.barrier
         global_batch = run.calculator.global_batch(run.train.consumed_train_samples)
         num_microbatches = run.calculator.num_microbatches(run.train.consumed_train_samples)
-        run.optimizer.zero_grad()
-        self.experts.before(run.optimizer, num_microbatches)
-        timers("forward-backward", log_level=1).start(barrier=barrier)
-        reports = self.schedule(
-            forward_step_func=self.forward_step_func, data_iterator=train_iter,
-            model=run.model, num_microbatches=num_microbatches, config=run.pipeline,
-            pp_group=run.state.pp,
-        )  # fmt: skip
-        timers("forward-backward", log_level=1).stop()
-        empty_unused_memory(run, level=1)
+        if run.train.iteration + 1 in self.skipped:
+            _drop_batch(train_iter, num_microbatches)
+            run.train.iteration += 1
+            run.train.consumed_train_samples += global_batch
+            run.train.skipped_train_samples += global_batch
+            return None
+        for attempt in self.rerun.attempts(run.train.iteration + 1):
+            if attempt.number > 1:  # the first run's logged losses are not this one's
+                self.experts.discard()
+                discard_mtp_losses(run.model)
+            step_func = self.forward_step_func
+            if self.rerun.watching:
+                step_func = attempt.watch(step_func)
+            run.optimizer.zero_grad()
+            self.experts.before(run.optimizer, num_microbatches)
+            timers("forward-backward", log_level=1).start(barrier=barrier)
+            reports = self.schedule(
+                forward_step_func=step_func, data_iterator=train_iter,
+                model=run.model, num_microbatches=num_microbatches, config=run.pipeline,
+                pp_group=run.state.pp,
+            )  # fmt: skip
+            timers("forward-backward", log_level=1).stop()
+            empty_unused_memory(run, level=1)
+        self.exit = self.rerun.exit
+        if self.exit is not None:
+            return None
         self.experts.after_backward()
         losses = reduce_reports(reports) | self.experts.aux_losses(num_microbatches)
         losses |= mtp_losses(run.model, run.config.model, run.state, num_microbatches)
@@ -254,6 +308,15 @@ class _Step:
         if self.skips.updated(result):
             run.scheduler.step(increment=global_batch)
         return losses, result, global_batch, num_microbatches
+
+
+def _drop_batch(train_iter, num_microbatches: int) -> None:
+    """Reads a global batch's micro-batches and drops them (every chunk's iterator with
+    virtual stages; nothing on a rank that reads no data)."""
+    for iterator in train_iter if isinstance(train_iter, list) else [train_iter]:
+        if iterator is not None:
+            for _ in range(num_microbatches):
+                next(iterator)
 
 
 def evaluate(run: Run, forward_step_func, valid_iter, metrics, final: bool = False,
