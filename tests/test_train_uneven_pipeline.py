@@ -4,8 +4,11 @@ loss curve, and the checkpoint of an uneven run loads at an even layout. Megatro
 --pipeline-model-parallel-layout places them as written (3 + 1; four virtual stages on
 two ranks, with and without the embedding and the loss alone on a stage) with the same
 curve; DeepSeek-V3's last stage of the multi-token prediction module and the loss alone
-trains as one rank does and its checkpoint loads at an even split; flags that also split
-the layers are refused before any rank starts."""
+trains as one rank does and its checkpoint loads at an even split. With
+--account-for-embedding-in-pipeline-split and --account-for-loss-in-pipeline-split the
+embedding and the loss count as a layer each (1 + 2 + 1 on three stages; six virtual
+stages on two ranks, the first and the last without a decoder layer) with the same
+curve. Flags that also split the layers are refused before any rank starts."""
 
 import pytest
 
@@ -17,7 +20,7 @@ from mp_gpt.testing import (
     train_run_on_rank,
 )
 from mp_state.testing import run_on_ranks
-from mp_train import parse_config
+from mp_train import parse_config, validate
 
 pytestmark = pytest.mark.multirank
 
@@ -108,3 +111,32 @@ def test_a_layout_refuses_the_flags_that_also_split_the_layers(tmp_path, monkeyp
     ):
         with pytest.raises(ValueError, match=message):
             parse_config(tiny_options(tmp_path, *layout, *extra))
+
+
+ACCOUNTED = ["--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split"]
+
+
+@pytest.mark.parametrize("ranks,layout,held", [
+    (3, [], [[[0]], [[1, 2]], [[3]]]),
+    (2, ["--virtual-pipeline-model-parallel-size", "3"], [[[], [1], [3]], [[0], [2], []]]),
+])  # fmt: skip
+def test_the_embedding_and_the_loss_counted_as_layers(tmp_path, reference, ranks, layout, held):
+    flags = ["--pipeline-model-parallel-size", str(ranks), *layout, *ACCOUNTED]
+    got = run_on_ranks(layers_on_rank, ranks, tiny_options(tmp_path, *flags), timeout=300)
+    assert got == held
+    assert_same_curve(metrics_records(tmp_path), reference, LOGGED, f"counted, PP{ranks}")
+
+
+def test_counting_the_embedding_refuses_the_other_splits(tmp_path, monkeypatch):
+    monkeypatch.setenv("MP_RUN_DIR", str(tmp_path))
+    pp2 = ["--pipeline-model-parallel-size", "2", *ACCOUNTED]
+    for extra, message in (
+        (["--decoder-last-pipeline-num-layers", "1"], "both place the layers on the stages"),
+        (["--pipeline-model-parallel-layout", "Ett|ttL"], "both place the layers"),
+        (["--hybrid-layer-pattern", "*-*-"], "placed by the pattern's '|'"),
+        (["--virtual-pipeline-model-parallel-size", "2"], "3 per pipeline stage, are not "
+                                                          "divisible by virtual"),
+    ):  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            config = parse_config(tiny_options(tmp_path, *pp2, *extra))
+            validate(config, 2)

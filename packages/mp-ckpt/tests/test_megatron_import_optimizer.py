@@ -279,6 +279,8 @@ def test_cli_with_optimizer_and_what_it_refuses(tmp_path, capsys):
     ("untie_embeddings_and_output_weights", False, "tied embeddings under pipeline parallelism"),
     ("decoder_first_pipeline_num_layers", 1, "only an even pipeline split of 2 layers"),
     ("num_layers_per_virtual_pipeline_stage", 1, "without virtual stages"),
+    ("account_for_embedding_in_pipeline_split", True, "only an even pipeline split"),
+    ("account_for_loss_in_pipeline_split", True, "only an even pipeline split"),
 ])  # fmt: skip
 def test_a_distributed_optimizer_layout_it_cannot_map_is_refused(setting, value, message):
     import argparse

@@ -6,7 +6,7 @@ loss) refused naming what is wrong, and the segments placed in virtual-stage ord
 
 import pytest
 
-from mp_pipeline import layout_segments, parse_layout, stage_layers
+from mp_pipeline import accounted_segments, layout_segments, parse_layout, stage_layers
 
 
 def test_repetitions_unroll_as_megatrons_parser_does():
@@ -57,3 +57,27 @@ def test_segments_are_in_virtual_stage_order():
     assert [(held[r, c].offset, held[r, c].count) for r, c in
             [(0, 0), (1, 0), (0, 1), (1, 1)]] == [(0, 1), (1, 2), (3, 1), (4, 1)]  # fmt: skip
     assert held[0, 0].pre_process and held[1, 1].post_process
+
+
+@pytest.mark.parametrize("layers,pp,vpp,embedding,loss,segments", [
+    (6, 4, 2, True, True, [0, 1, 1, 1, 1, 1, 1, 0]),  # Megatron-LM's functional test
+    (4, 3, None, True, True, [1, 2, 1]),
+    (3, 2, None, True, False, [1, 2]),
+    (5, 2, None, False, True, [3, 2]),
+    (4, 2, 3, True, True, [0, 1, 1, 1, 1, 0]),
+])  # fmt: skip
+def test_the_embedding_and_the_loss_counted_as_layers(layers, pp, vpp, embedding, loss,
+                                                      segments):  # fmt: skip
+    assert accounted_segments(layers, pp, vpp, embedding, loss) == segments
+    assert sum(segments) == layers
+
+
+@pytest.mark.parametrize("layers,pp,vpp,message", [
+    (4, 4, None, "num_layers . the embedding . the loss = 6 layers are not divisible by "
+                 "pipeline_model_parallel_size=4"),
+    (4, 2, 2, "6 layers, 3 per pipeline stage, are not divisible by "
+              "virtual_pipeline_model_parallel_size=2"),
+])  # fmt: skip
+def test_counted_layers_must_divide(layers, pp, vpp, message):
+    with pytest.raises(ValueError, match=message):
+        accounted_segments(layers, pp, vpp, True, True)

@@ -6,7 +6,7 @@ iterator and the number of micro-batches; it knows nothing of the model.
 
 from mp_pipeline.config import PipelineConfig
 from mp_pipeline.finalize import finalize_model_grads
-from mp_pipeline.layout import layout_segments, parse_layout
+from mp_pipeline.layout import accounted_segments, layout_segments, parse_layout
 from mp_pipeline.p2p import P2PCommunicator
 from mp_pipeline.partition import StageLayers, stage_layers
 from mp_pipeline.schedules import (
@@ -23,6 +23,7 @@ __all__ = [
     "P2PCommunicator",
     "PipelineConfig",
     "StageLayers",
+    "accounted_segments",
     "check_microbatch_group",
     "finalize_model_grads",
     "forward_backward_no_pipelining",

@@ -13,13 +13,18 @@ A stage may hold no decoder layer (DeepSeek-V3's "...|mL": the multi-token predi
 modules and the loss alone; "E|..." the embedding alone). mp runs the multi-token
 prediction modules on the last stage, beside the loss: Megatron's standalone MTP stages
 are refused, naming the stage.
+
+Megatron-LM's --account-for-embedding-in-pipeline-split and
+--account-for-loss-in-pipeline-split give segments too (`accounted_segments`): the
+embedding and the loss each count as one layer of an even split, and the first (last)
+virtual stage holds one decoder layer fewer.
 """
 
 from __future__ import annotations
 
 import re
 
-__all__ = ["layout_segments", "parse_layout"]
+__all__ = ["accounted_segments", "layout_segments", "parse_layout"]
 
 _GROUP = re.compile(r"\(([^()]+)\)\*(\d+)")
 _SYMBOL = re.compile(r"(.)\*(\d+)")
@@ -77,3 +82,25 @@ def layout_segments(layout: str, num_layers: int, mtp_num_layers: int | None,
                 "stages are not supported)"
             )
     return [stage.count("t") for stage in stages]
+
+
+def accounted_segments(num_layers: int, pp: int, vpp: int | None, embedding: bool,
+                       loss: bool) -> list[int]:  # fmt: skip
+    """The decoder layers of each virtual stage, in virtual-stage order, when the embedding
+    and/or the loss count as a layer each (Megatron-LM's rule): the layers plus those
+    split evenly over pp x vpp virtual stages, the first stage holding one fewer for the
+    embedding, the last one fewer for the loss. A ValueError when they do not divide."""
+    counted = num_layers + int(embedding) + int(loss)
+    what = " + ".join(["num_layers", *["the embedding"] * embedding, *["the loss"] * loss])
+    if counted % pp:
+        raise ValueError(f"{what} = {counted} layers are not divisible by "
+                         f"pipeline_model_parallel_size={pp}")  # fmt: skip
+    per_rank = counted // pp
+    if per_rank % (vpp or 1):
+        raise ValueError(f"{what} = {counted} layers, {per_rank} per pipeline stage, are not "
+                         f"divisible by virtual_pipeline_model_parallel_size={vpp}")  # fmt: skip
+    per_stage = per_rank // (vpp or 1)
+    segments = [per_stage] * (pp * (vpp or 1))
+    segments[0] -= int(embedding)
+    segments[-1] -= int(loss)
+    return segments

@@ -41,6 +41,14 @@ class ParallelConfig:
     """Layers of the last pipeline stage (beside the output layer and the loss); as
     decoder_first_pipeline_num_layers."""
 
+    account_for_embedding_in_pipeline_split: bool = False
+    """The input embedding counts as one decoder layer when the layers are split evenly over
+    the (virtual) pipeline stages: the first stage holds one layer fewer (Megatron's)."""
+
+    account_for_loss_in_pipeline_split: bool = False
+    """The output layer and the loss count as one decoder layer of the even split: the last
+    stage holds one layer fewer (Megatron's)."""
+
     pipeline_model_parallel_layout: str | None = None
     """What each virtual pipeline stage holds, Megatron's layout string (e.g.
     "Et*3|(tt|)*6tmL": E embedding, t decoder layer, m multi-token prediction, L loss, "|"
@@ -83,6 +91,17 @@ class ParallelConfig:
             if self.pipeline_model_parallel_size == 1:
                 raise ValueError(f"{name}={getattr(self, name)} needs "
                                  "pipeline_model_parallel_size > 1, got 1")  # fmt: skip
+        accounted = [name for name in ("account_for_embedding_in_pipeline_split",
+                                       "account_for_loss_in_pipeline_split")
+                     if getattr(self, name)]  # fmt: skip
+        others = [name for name in ("decoder_first_pipeline_num_layers",
+                                    "decoder_last_pipeline_num_layers",
+                                    "pipeline_model_parallel_layout")
+                  if getattr(self, name) is not None]  # fmt: skip
+        if accounted and others:
+            raise ValueError(f"{' and '.join(accounted)} with {' and '.join(others)}: both "
+                             "place the layers on the stages; give one (Megatron-LM refuses "
+                             "the pair too)")  # fmt: skip
         vpp = self.virtual_pipeline_model_parallel_size
         if vpp is not None:
             _require_positive_int("virtual_pipeline_model_parallel_size", vpp)

@@ -64,7 +64,9 @@ _LOCAL_NORMS = {
 }
 # args that split the layers unevenly over the stages or into virtual stages
 _UNEVEN = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
-           "num_layers_per_virtual_pipeline_stage", "pipeline_model_parallel_layout")  # fmt: skip
+           "num_layers_per_virtual_pipeline_stage", "pipeline_model_parallel_layout",
+           "account_for_embedding_in_pipeline_split",
+           "account_for_loss_in_pipeline_split")  # fmt: skip
 # torch_dist's experts of a layer, stacked [E, ...] (the buffer holds one per expert)
 _LAYER_OF_EXPERTS = (
     r"^((?:decoder\.layers\.\d+|mtp\.layers\.\d+\.transformer_layer)\.mlp\.experts\.)"

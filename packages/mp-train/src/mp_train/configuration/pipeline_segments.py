@@ -1,5 +1,7 @@
 """Pipeline segments: a hybrid model's (Megatron's "|" in --hybrid-layer-pattern), or
-Megatron's --pipeline-model-parallel-layout (mp_pipeline.layout) for any model.
+Megatron's --pipeline-model-parallel-layout (mp_pipeline.layout) or
+--account-for-embedding/loss-in-pipeline-split (mp_pipeline.accounted_segments) for any
+model.
 
 "M*M|*M*|M*|-E" splits the decoder's layers into segments, one per virtual pipeline stage
 in virtual-stage order (mp_pipeline.stage_layers' `segments`): their number must be a
@@ -19,7 +21,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from mp_layers import hybrid_pipeline_segments
-from mp_pipeline import layout_segments, parse_layout
+from mp_pipeline import accounted_segments, layout_segments, parse_layout
 
 if TYPE_CHECKING:
     from mp_train.configuration.config import RunConfig
@@ -38,6 +40,12 @@ def pipeline_segments(config: RunConfig) -> list[int] | None:
         return segments if pp > 1 else None
     if parallel.pipeline_model_parallel_size == 1:
         return None
+    embedding = parallel.account_for_embedding_in_pipeline_split
+    loss = parallel.account_for_loss_in_pipeline_split
+    if embedding or loss:
+        return accounted_segments(model.num_layers, parallel.pipeline_model_parallel_size,
+                                  parallel.virtual_pipeline_model_parallel_size, embedding,
+                                  loss)  # fmt: skip
     return hybrid_pipeline_segments(model)
 
 
@@ -66,6 +74,11 @@ def derive_virtual_stages(values: dict[str, dict[str, Any]]) -> None:
     pattern = values["model"].get("hybrid_layer_pattern")
     parallel = values["parallel"]
     layout = parallel.get("pipeline_model_parallel_layout")
+    for name in ("account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split"):
+        if parallel.get(name) and pattern is not None:
+            raise ValueError(f"--{name.replace('_', '-')} beside --hybrid-layer-pattern: a "
+                             "hybrid model's stages are placed by the pattern's '|'; drop "
+                             "the flag")  # fmt: skip
     if layout is not None:
         if pattern is not None:
             raise ValueError("--pipeline-model-parallel-layout beside --hybrid-layer-pattern: "
@@ -80,6 +93,7 @@ def derive_virtual_stages(values: dict[str, dict[str, Any]]) -> None:
     elif isinstance(pattern, str) and "|" in pattern.split("/")[0]:
         count = pattern.split("/")[0].count("|") + 1
         given = f"--hybrid-layer-pattern {pattern!r} has {count} pipeline segments"
+
     else:
         return
     pp = parallel.get("pipeline_model_parallel_size") or 1
