@@ -78,3 +78,29 @@ def test_disable_bf16_reduced_precision_matmul_sets_torchs_switch_with_bf16_on_c
         assert not matmul.allow_bf16_reduced_precision_reduction
     finally:
         matmul.allow_bf16_reduced_precision_reduction = before
+
+
+def test_a_step_batch_size_schedule():
+    from mp_train.loop.microbatches import parse_batch_schedule
+
+    # Megatron-LM's release line at seq 4096: thresholds in tokens, samples rounded down
+    entries = parse_batch_schedule("0:384 200B:768 400B:1152", 4096)
+    assert entries == [(0, 384), (48828125, 768), (97656250, 1152)]
+    assert parse_batch_schedule("10K:8, 0:4 1.5k:6", 100) == [(0, 4), (15, 6), (100, 8)]
+    calculator = MicroBatchCalculator(2 * 4, 2, 4, schedule=[(0, 8), (20, 16), (40, 24)])
+    assert calculator.global_batch_size == 24  # the largest, for the sample counts
+    sizes = [calculator.global_batch(n) for n in (0, 19, 20, 39, 40, 10**9)]
+    assert sizes == [8, 8, 16, 16, 24, 24]
+    assert calculator.num_microbatches(25) == 2
+    assert calculator.samples_for(5) == 8 + 8 + 8 + 16 + 24  # from 0, 8, 16, 24, 40 consumed
+    late = MicroBatchCalculator(8, 2, 4, schedule=[(0, 8), (100, 12)])
+    assert late.num_microbatches(99) == 1  # a size is checked when it is reached
+    with pytest.raises(ValueError, match=r"global batch 12 from sample 100 on \(consumed: 100"):
+        late.num_microbatches(100)
+    for text, message in (("4:8", "the first threshold must be 0"),
+                          ("0:8 5:16 5:24", "the thresholds must increase"),
+                          ("0:8 1x:16", "'1X' is not a number"),
+                          ("0:8 16", "'16' is not THRESHOLD:BATCH_SIZE"),
+                          ("0:0", "batch sizes must be >= 1")):  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            parse_batch_schedule(text, 1)

@@ -170,3 +170,18 @@ def test_device_initialization_refuses_the_meta_device_build_and_cpu_initializat
     with pytest.raises(ValueError, match="--use-cpu-initialization and --use-device-init"):
         _validate("--use-device-initialization", "--use-cpu-initialization")
     assert _validate("--use-cpu-initialization")  # mp's default: accepted without effect
+
+
+def test_a_step_batch_size_schedule_gives_the_global_batch():
+    schedule = ["--step-batch-size-schedule", "0:4 64:8"]  # 2 samples of 32 tokens
+    assert _validate(*schedule)["global_batch_size"] == 8  # the largest
+    for flags, message in (
+        (["--global-batch-size", "8"], "step_batch_size_schedule with global_batch_size"),
+        (["--rampup-batch-size", "4", "4", "8"], "with rampup_batch_size"),
+        (["--step-batch-size-schedule", "32:4"], "the first threshold must be 0"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            _validate(*schedule, *flags)
+    # with virtual stages, each size that divides must give a usable micro-batch count
+    with pytest.raises(ValueError, match="micro-batches per iteration: 3 = global_batch_size 6"):
+        _validate(*VPP[:-2], "--step-batch-size-schedule", "0:4 64:6")

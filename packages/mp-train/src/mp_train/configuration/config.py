@@ -29,6 +29,7 @@ from mp_layers import TransformerConfig
 from mp_optim import OptimizerConfig
 from mp_pipeline import check_microbatch_group
 from mp_state import ParallelConfig
+from mp_train.configuration.batch_schedule import parse_batch_schedule
 from mp_train.configuration.pipeline_segments import check_segments
 from mp_train.configuration.rerun_config import RerunConfig
 from mp_train.configuration.run_checks import (
@@ -78,6 +79,12 @@ class TrainingConfig(RerunConfig):
     rampup_batch_size: list[int] | None = None
     """Start size, increment and ramp samples: the global batch grows from the start size by
     the increment, evenly over the ramp samples (Megatron's --rampup-batch-size)."""
+
+    step_batch_size_schedule: str | None = None
+    """The global batch by consumed tokens, "THRESHOLD:SIZE ..." with K, M, B, T suffixes
+    (Megatron's; "0:384 200B:768 400B:1152": 384 samples per iteration, 768 from 200
+    billion tokens on, ...). Not with global_batch_size or rampup_batch_size. A size must
+    divide by micro_batch_size x dp when the run reaches it."""
 
     microbatch_group_size_per_virtual_pipeline_stage: int | None = None
     """The interleaved schedule (virtual pipeline stages) runs the micro-batches through
@@ -377,8 +384,12 @@ def validate(config: RunConfig, world_size: int) -> dict[str, int]:
     mbs = training.micro_batch_size
     if mbs < 1:
         raise ValueError(f"micro_batch_size={mbs} must be >= 1")
-    gbs = training.global_batch_size if training.global_batch_size is not None else mbs * dp
-    if gbs % (mbs * dp):
+    schedule = _batch_schedule(config)
+    if schedule is not None:
+        gbs = max(size for _, size in schedule)
+    else:
+        gbs = training.global_batch_size if training.global_batch_size is not None else mbs * dp
+    if schedule is None and gbs % (mbs * dp):
         raise ValueError(
             f"global_batch_size={gbs} is not divisible by micro_batch_size={mbs} x "
             f"data_parallel_size={dp}"
@@ -423,13 +434,15 @@ def validate(config: RunConfig, world_size: int) -> dict[str, int]:
             "schedule's groups: it needs virtual_pipeline_model_parallel_size"
         )
     if vpp is not None:
-        try:
-            check_microbatch_group(microbatches, pp, group or pp)
-        except ValueError as error:
-            raise ValueError(
-                f"{error} (the micro-batches per iteration: {microbatches} = "
-                f"global_batch_size {gbs} / (micro_batch_size {mbs} x dp {dp}))"
-            ) from None
+        sizes = [gbs] if schedule is None else [n for _, n in schedule if n % (mbs * dp) == 0]
+        for size in sizes:
+            try:
+                check_microbatch_group(size // (mbs * dp), pp, group or pp)
+            except ValueError as error:
+                raise ValueError(
+                    f"{error} (the micro-batches per iteration: {size // (mbs * dp)} = "
+                    f"global_batch_size {size} / (micro_batch_size {mbs} x dp {dp}))"
+                ) from None
     if config.gpt.transformer_impl == "transformer_engine":
         raise ValueError(
             "transformer_impl='transformer_engine' is not available: the Transformer Engine "
@@ -452,6 +465,18 @@ def validate(config: RunConfig, world_size: int) -> dict[str, int]:
     check_sharding(config)
     check_initialization(config)
     return {"data_parallel_size": dp, "global_batch_size": gbs, "num_microbatches": microbatches}
+
+
+def _batch_schedule(config: RunConfig) -> list[tuple[int, int]] | None:
+    """step_batch_size_schedule's entries (samples, global batch), checked; None without."""
+    training = config.training
+    if training.step_batch_size_schedule is None:
+        return None
+    for name in ("global_batch_size", "rampup_batch_size"):
+        if getattr(training, name) is not None:
+            raise ValueError(f"step_batch_size_schedule with {name}: the schedule gives the "
+                             "global batch; drop one (Megatron-LM refuses the pair)")  # fmt: skip
+    return parse_batch_schedule(training.step_batch_size_schedule, config.gpt.seq_length)
 
 
 def hang_timeout_minutes(config: RunConfig) -> float:

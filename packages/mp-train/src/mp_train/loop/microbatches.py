@@ -5,24 +5,38 @@ rampup_batch_size = [start, increment, ramp_samples] the global batch starts
 at `start` and grows by `increment` every ramp_samples / ((global - start) /
 increment) consumed samples, reaching global_batch_size once ramp_samples
 are consumed. Every size must be a multiple of micro_batch_size x dp.
+
+With step_batch_size_schedule ("0:384 200B:768 400B:1152", Megatron-LM's): from each
+threshold of consumed tokens on (K, M, B, T: 1e3 .. 1e12; tokens / seq_length samples,
+rounded down) the global batch is that entry's. A size must be a multiple of
+micro_batch_size x dp when it is used, not before (a run resumed at a larger layout may
+have left sizes that no longer divide behind it).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["MicroBatchCalculator"]
+from mp_train.configuration.batch_schedule import parse_batch_schedule
+
+__all__ = ["MicroBatchCalculator", "parse_batch_schedule"]
 
 
 @dataclass
 class MicroBatchCalculator:
     global_batch_size: int
+    """The global batch; with a schedule, its largest (for the sample counts)."""
     micro_batch_size: int
     data_parallel_size: int
     rampup_batch_size: list[int] | None = None
+    schedule: list[tuple[int, int]] | None = None
+    """parse_batch_schedule's entries."""
 
     def __post_init__(self) -> None:
         self.per_microbatch = self.micro_batch_size * self.data_parallel_size
+        if self.schedule is not None:
+            self.global_batch_size = max(size for _, size in self.schedule)
+            return
         if self.global_batch_size % self.per_microbatch:
             raise ValueError(
                 f"global_batch_size={self.global_batch_size} is not divisible by "
@@ -52,6 +66,8 @@ class MicroBatchCalculator:
 
     def global_batch(self, consumed_samples: int) -> int:
         """The global batch size after `consumed_samples` training samples."""
+        if self.schedule is not None:
+            return [size for start, size in self.schedule if consumed_samples >= start][-1]
         if self.rampup_batch_size is None:
             return self.global_batch_size
         start, increment, ramp_samples = self.rampup_batch_size
@@ -61,4 +77,22 @@ class MicroBatchCalculator:
         return min(start + steps * increment, self.global_batch_size)
 
     def num_microbatches(self, consumed_samples: int) -> int:
-        return self.global_batch(consumed_samples) // self.per_microbatch
+        size = self.global_batch(consumed_samples)
+        if size % self.per_microbatch:
+            start = next(s for s, n in reversed(self.schedule or []) if consumed_samples >= s)
+            raise ValueError(
+                f"step_batch_size_schedule: the global batch {size} from sample {start} on "
+                f"(consumed: {consumed_samples}) is not divisible by micro_batch_size="
+                f"{self.micro_batch_size} x data_parallel_size={self.data_parallel_size}"
+            )
+        return size // self.per_microbatch
+
+    def samples_for(self, iterations: int) -> int:
+        """The training samples `iterations` iterations from the start consume (at most,
+        under a ramp-up: the final batch's)."""
+        if self.schedule is None:
+            return iterations * self.global_batch_size
+        consumed = 0
+        for _ in range(iterations):
+            consumed += self.global_batch(consumed)
+        return consumed

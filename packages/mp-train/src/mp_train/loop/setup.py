@@ -47,7 +47,7 @@ from mp_state import ParallelState, RNGStatesTracker
 from mp_train.configuration.config import RunConfig, validate
 from mp_train.configuration.pipeline_segments import pipeline_segments
 from mp_train.loop.cpu_allocator import keep_freed_memory
-from mp_train.loop.microbatches import MicroBatchCalculator
+from mp_train.loop.microbatches import MicroBatchCalculator, parse_batch_schedule
 from mp_train.observability.log_setup import configure_logging
 from mp_train.observability.progress_log import ProgressLog
 from mp_train.observability.timers import Timers
@@ -244,9 +244,17 @@ def setup_run(
         p2p_timeout_s=60.0 * config.parallel.distributed_timeout_minutes,
         microbatch_group_size_per_vp_stage=training.microbatch_group_size_per_virtual_pipeline_stage,
     )  # fmt: skip
+    schedule = None
+    if training.step_batch_size_schedule is not None:
+        seq = config.gpt.seq_length
+        schedule = parse_batch_schedule(training.step_batch_size_schedule, seq)
+        if torch.distributed.get_rank() == 0:
+            log.info("step batch size schedule: the global batch is %s", ", ".join(
+                f"{size} from sample {start:,} ({start * seq:,} tokens)"
+                for start, size in schedule))  # fmt: skip
     calculator = MicroBatchCalculator(
         sizes["global_batch_size"], training.micro_batch_size, sizes["data_parallel_size"],
-        training.rampup_batch_size,
+        training.rampup_batch_size, schedule,
     )  # fmt: skip
     timers(SETUP_TIMERS[0]).stop()
     return Run(

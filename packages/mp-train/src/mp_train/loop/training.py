@@ -385,6 +385,7 @@ def _data_iterators(run: Run, datasets_provider,
         counts = train_valid_test_num_samples(
             training.train_iters, gbs, training.eval_interval or 0, training.eval_iters
         )
+        counts[0] = run.calculator.samples_for(training.train_iters)  # a batch schedule's
     else:
         evaluations = (training.train_samples // gbs // training.eval_interval + 1
                        if training.eval_interval else 0)  # fmt: skip
