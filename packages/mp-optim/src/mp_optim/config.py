@@ -144,6 +144,12 @@ class OptimizerConfig(MuonConfig):
     """Elements per gradient bucket; None: max(40M, 1M x dp) with overlap_grad_reduce,
     otherwise one bucket per dtype."""
 
+    num_buckets: int | None = None
+    """With overlap_grad_reduce, the gradient buckets' size is this rank's parameters /
+    num_buckets instead (Megatron's --ddp-num-buckets; not with bucket_size; no effect
+    without overlap_grad_reduce, as in Megatron, nor under FSDP, whose units are the
+    layers)."""
+
     accumulate_allreduce_grads_in_fp32: bool = False
     """Accumulate and reduce gradients in fp32 whatever the parameters' dtype (implied by bf16)."""
 
@@ -280,6 +286,12 @@ class OptimizerConfig(MuonConfig):
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         if self.bucket_size is not None and self.bucket_size < 1:
             raise ValueError(f"bucket_size={self.bucket_size} must be >= 1")
+        if self.num_buckets is not None:
+            if self.num_buckets < 1:
+                raise ValueError(f"num_buckets={self.num_buckets} must be >= 1")
+            if self.bucket_size is not None:
+                raise ValueError(f"num_buckets={self.num_buckets} with bucket_size="
+                                 f"{self.bucket_size}: give one (Megatron's rule)")  # fmt: skip
         self._check_sharding()
         self._check_precision_aware()
         self._check_muon()

@@ -72,6 +72,7 @@ RENAMED: dict[str, tuple[str, str, Any]] = {
     "norm_epsilon": ("model", "layernorm_epsilon", float),
     "hybrid_override_pattern": ("model", "hybrid_layer_pattern", str),
     "ddp_bucket_size": ("optimizer", "bucket_size", int),
+    "ddp_num_buckets": ("optimizer", "num_buckets", int),
     "num_virtual_stages_per_pipeline_rank": (
         "parallel",
         "virtual_pipeline_model_parallel_size",

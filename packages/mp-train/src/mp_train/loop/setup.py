@@ -13,6 +13,7 @@ the optimizer and the scheduler. Nothing is kept in module globals: the loop's m
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import time
@@ -317,7 +318,21 @@ def _build_model(config, state, tracker, padded_vocab, model_provider) -> list:
         if tied and ends and state.embedding is not None and state.pp.size > 1:
             module.sync_tied_embeddings(state.embedding)
     # Wrapped once the replicas agree: FSDP shards what each rank holds.
-    return [_wrap(config.optimizer, module, state, sharding) for module in chunks]
+    wrapping = _resolved_buckets(config.optimizer, chunks)
+    return [_wrap(wrapping, module, state, sharding) for module in chunks]
+
+
+def _resolved_buckets(optimizer, chunks: list):
+    """The optimizer config DDP is made with: num_buckets (with overlap_grad_reduce) as
+    the bucket size it gives, this rank's parameters (every chunk's) / num_buckets, as
+    Megatron resolves it."""
+    if optimizer.num_buckets is None:
+        return optimizer
+    size = None
+    if optimizer.overlap_grad_reduce:
+        params = sum(p.numel() for chunk in chunks for p in chunk.parameters())
+        size = max(1, params // optimizer.num_buckets)
+    return dataclasses.replace(optimizer, bucket_size=size, num_buckets=None)
 
 
 def _wrap(config, module, state, sharding):
