@@ -292,6 +292,11 @@ class LoggingConfig:
     log_memory: bool = True
     """Log current and peak memory."""
 
+    log_memory_interval: int | None = None
+    """Also print the memory report (peak measured beside the theoretical estimate), which
+    comes after the first log_interval iterations, every this many iterations: a multiple
+    of log_interval (Megatron's rule). Needs log_memory."""
+
     peak_tflops: float | None = None
     """The device's peak TFLOP/s per rank for MFU; None: looked up on known GPUs, else
     measured (on a CPU the faster of a bf16 and an fp32 matmul, the best of 3 rounds;
@@ -328,6 +333,13 @@ class LoggingConfig:
                      "straggler_minmax_count"):  # fmt: skip
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        every = self.log_memory_interval
+        if every is not None and (every < 1 or every % self.log_interval):
+            raise ValueError(f"log_memory_interval={every} must be a multiple of "
+                             f"log_interval={self.log_interval}")  # fmt: skip
+        if every is not None and not self.log_memory:
+            raise ValueError(f"log_memory_interval={every} reports memory: it needs "
+                             "log_memory (drop --no-log-memory)")  # fmt: skip
         if not self.profile:
             return
         if not self.tensorboard_dir:

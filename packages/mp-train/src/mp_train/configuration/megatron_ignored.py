@@ -191,4 +191,11 @@ IGNORED: dict[str, tuple[bool, str]] = {
         "fuses MLA's query and key/value down projections (and the input norm) where the "
         "backend supports it; mp runs them as two linear layers, with the same result",
     ),
+    "async_ckpt_use_cpu_shm": (
+        False,
+        "copies the tensors to CPU shared memory before Megatron's asynchronous checkpoint "
+        "worker process takes them (no CUDA IPC handles across processes); mp's "
+        "asynchronous save copies them to the training process's own host memory and "
+        "writes them from a thread of that process, with no worker process to hand them to",
+    ),
 }

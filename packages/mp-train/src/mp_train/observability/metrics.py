@@ -300,7 +300,9 @@ class MetricsLogger:
         self.print(line if self.config.timing_log_level == 0 else f"{line}\n{timing}")
         if forward_steps is not None:
             self.print(straggler_line(forward_steps, self.config.straggler_minmax_count))
-        if iteration == self.config.log_interval and self.config.log_memory:
+        every = self.config.log_memory_interval
+        if self.config.log_memory and (iteration == self.config.log_interval
+                                       or (every and iteration % every == 0)):  # fmt: skip
             self.print(
                 f"memory after {iteration} iterations: peak {values.get('peak memory MB', 0):.1f} "
                 f"MB measured, {self.estimate['total_mb']:.1f} MB theoretical (weights, "
