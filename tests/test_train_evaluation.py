@@ -35,3 +35,46 @@ def test_validation_lines_carry_the_loss():
 @pytest.mark.multirank
 def test_eval_iters_zero_evaluates_nothing():
     assert run_on_ranks(body, 1, [*ARGV, "--eval-iters", "0"], timeout=120)[0] == []
+
+
+def evaluation_steps(argv) -> tuple[int, int]:
+    """(the evaluation's forward steps, the validation samples consumed) of a run."""
+    import mp_gpt.pretrain
+    from mp_gpt.testing import train_run_on_rank
+
+    real, steps = mp_gpt.pretrain.forward_step, []
+
+    def counted(data_iterator, model, **kwargs):
+        if not model.training:
+            steps.append(1)
+        return real(data_iterator, model, **kwargs)
+
+    mp_gpt.pretrain.forward_step = counted
+    run = train_run_on_rank(argv)
+    return len(steps), run.train.consumed_valid_samples
+
+
+@pytest.mark.multirank
+def test_the_evaluation_batch_is_its_own():
+    """Two evaluations (iterations 2 and 4) of one iteration each: --eval-global-batch-size 4
+    reads 8 samples, in 8 micro-batches of --eval-micro-batch-size 1 or 4 of the training's
+    2; without them, the training's batch (2 samples, one micro-batch)."""
+    four = [*ARGV, "--eval-iters", "1", "--eval-global-batch-size", "4"]
+    by_one = run_on_ranks(evaluation_steps, 1, [*four, "--eval-micro-batch-size", "1"],
+                          timeout=120)[0]  # fmt: skip
+    assert by_one == (8, 8)
+    assert run_on_ranks(evaluation_steps, 1, four, timeout=120)[0] == (4, 8)
+    assert run_on_ranks(evaluation_steps, 1, [*ARGV, "--eval-iters", "1"], timeout=120)[0] == (2, 4)
+
+
+def test_the_evaluation_batch_must_fit(monkeypatch, tmp_path):
+    from mp_train import parse_config, validate
+
+    monkeypatch.setenv("MP_RUN_DIR", str(tmp_path))
+    for flags, message in (
+        (["--eval-global-batch-size", "3"], "eval_global_batch_size=3 is not divisible by "
+                                            "eval_micro_batch_size=2 x data_parallel_size=1"),
+        (["--eval-micro-batch-size", "3"], "the global batch is not divisible"),
+    ):  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            validate(parse_config([*ARGV, *flags]), 1)

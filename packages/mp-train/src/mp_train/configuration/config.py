@@ -105,6 +105,13 @@ class TrainingConfig(RerunConfig):
     eval_iters: int = 100
     """Iterations (global batches) per evaluation."""
 
+    eval_micro_batch_size: int | None = None
+    """Samples per micro-batch in evaluation (Megatron's); None: micro_batch_size."""
+
+    eval_global_batch_size: int | None = None
+    """Samples per evaluation iteration over all data-parallel ranks (Megatron's); a multiple
+    of eval_micro_batch_size x dp. None: the training's global batch at that point."""
+
     skip_train: bool = False
     """Only evaluate."""
 
@@ -460,6 +467,7 @@ def validate(config: RunConfig, world_size: int) -> dict[str, int]:
             "transformer_impl='transformer_engine' is not available: the Transformer Engine "
             "layer spec needs CUDA and transformer-engine; use transformer_impl='local'"
         )
+    _check_eval_batch(training, gbs if schedule is None else None, dp, pp, vpp)
     if training.eval_interval is not None and training.eval_interval < 1:
         raise ValueError(f"eval_interval={training.eval_interval} must be >= 1 (or None)")
     hang = training.hang_timeout_minutes
@@ -477,6 +485,38 @@ def validate(config: RunConfig, world_size: int) -> dict[str, int]:
     check_sharding(config)
     check_initialization(config)
     return {"data_parallel_size": dp, "global_batch_size": gbs, "num_microbatches": microbatches}
+
+
+def _check_eval_batch(training: TrainingConfig, gbs: int | None, dp: int, pp: int,
+                      vpp: int | None) -> None:  # fmt: skip
+    """The evaluation's batch (eval_micro_batch_size, eval_global_batch_size) fits the
+    layout; `gbs`: the training's constant global batch (None under a schedule)."""
+    mbs = training.eval_micro_batch_size
+    size = training.eval_global_batch_size
+    if mbs is None and size is None:
+        return
+    mbs = mbs or training.micro_batch_size
+    if mbs < 1:
+        raise ValueError(f"eval_micro_batch_size={mbs} must be >= 1")
+    if size is None:
+        if gbs is None or training.rampup_batch_size is not None:
+            raise ValueError("eval_micro_batch_size with a global batch that changes "
+                             "(rampup_batch_size, step_batch_size_schedule): give "
+                             "eval_global_batch_size too")  # fmt: skip
+        size, name = gbs, "the global batch"
+    else:
+        name = f"eval_global_batch_size={size}"
+    if size < 1 or size % (mbs * dp):
+        raise ValueError(f"{name} is not divisible by eval_micro_batch_size={mbs} x "
+                         f"data_parallel_size={dp}")  # fmt: skip
+    if vpp is not None:
+        try:
+            check_microbatch_group(size // (mbs * dp), pp, pp)
+        except ValueError as error:
+            raise ValueError(
+                f"{error} (the evaluation's micro-batches: {size // (mbs * dp)} "
+                f"= {name} / (eval_micro_batch_size {mbs} x dp {dp}))"
+            ) from None
 
 
 def _batch_schedule(config: RunConfig) -> list[tuple[int, int]] | None:

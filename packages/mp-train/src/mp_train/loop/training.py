@@ -32,6 +32,7 @@ divided): the loss function averages them over data-parallel ranks.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import gc
 import logging
@@ -326,14 +327,18 @@ def evaluate(run: Run, forward_step_func, valid_iter, metrics, final: bool = Fal
     for chunk in run.model:
         chunk.eval()
     schedule = _schedule(run)
+    training = run.config.training
+    mbs = training.eval_micro_batch_size or training.micro_batch_size
+    pipeline = dataclasses.replace(run.pipeline, micro_batch_size=mbs)
     gathered: list = []
     with torch.no_grad():
-        for _ in range(run.config.training.eval_iters):
-            global_batch = run.calculator.global_batch(run.train.consumed_train_samples)
+        for _ in range(training.eval_iters):
+            global_batch = training.eval_global_batch_size or run.calculator.global_batch(
+                run.train.consumed_train_samples)  # fmt: skip
             gathered += schedule(
                 forward_step_func=forward_step_func, data_iterator=valid_iter, model=run.model,
-                num_microbatches=run.calculator.num_microbatches(run.train.consumed_train_samples),
-                config=run.pipeline, pp_group=run.state.pp, forward_only=True,
+                num_microbatches=global_batch // (mbs * run.data_parallel_size),
+                config=pipeline, pp_group=run.state.pp, forward_only=True,
             )  # fmt: skip
             run.train.consumed_valid_samples += global_batch
             empty_unused_memory(run, level=1)
@@ -381,27 +386,28 @@ def _data_iterators(run: Run, datasets_provider,
     with it), for the caller to close."""
     training, data = run.config.training, run.config.data
     gbs = run.calculator.global_batch_size
+    eval_gbs = training.eval_global_batch_size or gbs
     if training.train_iters is not None:
         counts = train_valid_test_num_samples(
-            training.train_iters, gbs, training.eval_interval or 0, training.eval_iters
+            training.train_iters, eval_gbs, training.eval_interval or 0, training.eval_iters
         )
         counts[0] = run.calculator.samples_for(training.train_iters)  # a batch schedule's
     else:
         evaluations = (training.train_samples // gbs // training.eval_interval + 1
                        if training.eval_interval else 0)  # fmt: skip
-        counts = [training.train_samples, evaluations * training.eval_iters * gbs,
-                  training.eval_iters * gbs]  # fmt: skip
+        counts = [training.train_samples, evaluations * training.eval_iters * eval_gbs,
+                  training.eval_iters * eval_gbs]  # fmt: skip
     train_ds, valid_ds, _ = datasets_provider(run, counts)
     # Context-parallel ranks read the same samples (each keeps its part of every
     # sequence): the loaders split over data-parallel ranks only.
     dp = run.state.dp
 
-    def start(dataset, consumed, kind):
+    def start(dataset, consumed, kind, micro_batch_size=training.micro_batch_size):
         if dataset is None:
             return None
         loader = build_pretraining_data_loader(
             dataset, consumed, dataloader_type=kind,
-            micro_batch_size=training.micro_batch_size, data_parallel_rank=dp.rank,
+            micro_batch_size=micro_batch_size, data_parallel_rank=dp.rank,
             data_parallel_size=dp.size, num_workers=data.num_workers,
         )  # fmt: skip
         iterator = iter(loader)
@@ -422,7 +428,9 @@ def _data_iterators(run: Run, datasets_provider,
     vpp = run.config.parallel.virtual_pipeline_model_parallel_size
     train = [start(train_ds, run.train.consumed_train_samples, data.dataloader_type)
              for _ in range(vpp or 1)]  # fmt: skip
-    valid = [start(valid_ds, run.train.consumed_valid_samples, "cyclic") for _ in range(vpp or 1)]
+    eval_mbs = training.eval_micro_batch_size or training.micro_batch_size
+    valid = [start(valid_ds, run.train.consumed_valid_samples, "cyclic", eval_mbs)
+             for _ in range(vpp or 1)]  # fmt: skip
     if vpp is None:
         return train[0], valid[0]
     return train, (valid if valid_ds is not None else None)
