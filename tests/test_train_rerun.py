@@ -12,7 +12,9 @@ numbers or read other data would show.
 - an injected transient fault at TP2 ends with 17 and saves nothing;
 - report_stats trains exactly as a run without reruns and logs the agreement;
 - a spike (injected) is logged and training goes on;
-- --iterations-to-skip, and the tracker file's repeated failures, drop their batches.
+- --iterations-to-skip, and the tracker file's repeated failures, drop their batches;
+- with the gradient checks, a real nan gradient and an injected one take the same paths,
+  and report_stats compares the bucket norms.
 """
 
 from pathlib import Path
@@ -56,7 +58,7 @@ def test_a_real_nan_is_saved_for_other_hardware_which_finds_it_correct(tmp_path)
                            "--save", str(save), "--load", str(save))  # fmt: skip
     statuses, text = run(options)
     assert statuses == {16}, text
-    assert "micro-batch 1's loss nan failed the nan loss check" in text
+    assert "iteration 2: micro-batch 1: loss nan failed the nan loss check" in text
     assert "reproducible on this hardware" in text
     assert read_tracker(save) == 1 and pending(save) == {"iteration": 2,
                                                          "mode": "validate_results"}  # fmt: skip
@@ -136,3 +138,26 @@ def test_skipped_iterations_drop_their_batch(tmp_path):
     assert given[0]["lm loss"] == every[0]["lm loss"]
     # the schedule did not advance over the skipped batch
     assert given[1]["lr"] == every[1]["lr"] and tracked[2]["lr"] == every[2]["lr"]
+
+
+GRADS_ONLY = ["--no-check-for-nan-in-loss-and-grad", "--check-for-nan-in-grad"]
+
+
+def test_a_nan_gradient_is_run_again_under_ddp(tmp_path):
+    """Only the gradients checked: the diverging run's nan comes back in the rerun's
+    bucket norm (no save directory: exit 17); an injected transient one does not."""
+    statuses, text = run(tiny_options(tmp_path / "real", *DIVERGING, *GRADS_ONLY))
+    assert statuses == {17}, text
+    assert "bucket 0: gradient norm nan failed the nan grads check" in text
+    assert "without a save directory" in text
+    statuses, text = run(tiny_options(tmp_path / "injected", *GRADS_ONLY, "--overlap-grad-reduce",
+                                      "--error-injection-rate", "1"))  # fmt: skip
+    assert statuses == {17} and "failed the nan grads check (injected)" in text
+    assert "a transient fault" in text
+
+
+def test_report_stats_compares_the_gradient_norms(tmp_path):
+    checks = ["--check-for-nan-in-grad", "--check-for-large-grads"]
+    statuses, text = run(tiny_options(tmp_path, "--rerun-mode", "report_stats", *checks))
+    assert statuses == {0}
+    assert "the gradient buckets' norms of every rank: 4 compared, all identical" in text

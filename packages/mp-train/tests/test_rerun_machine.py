@@ -18,8 +18,10 @@ pytestmark = pytest.mark.multirank
 NAN = math.nan
 
 
-def machine(can_save: bool = True, **fields) -> RerunMachine:
-    return RerunMachine(TrainingConfig(**fields), 0, torch.device("cpu"), None, can_save)
+def machine(can_save: bool = True, nan_grads: bool = False, large_grads: bool = False,
+            **fields) -> RerunMachine:  # fmt: skip
+    return RerunMachine(TrainingConfig(**fields), 0, torch.device("cpu"), None, can_save,
+                        nan_grads=nan_grads, large_grads=large_grads)  # fmt: skip
 
 
 def iteration(engine: RerunMachine, number: int, script: list[list[float]], data=None) -> list:
@@ -66,10 +68,12 @@ def test_a_failed_loss_reruns_the_iteration_with_its_data_and_draws(tmp_path):
     common, mine = out["state"]
     assert common == {"iteration": 3, "mode": "validate_results"}
     failure = mine["failure"]
-    assert (failure["check"], failure["microbatch"], failure["fatal"]) == ("nan loss", 1, True)
+    assert (failure["check"], failure["where"], failure["fatal"]) == ("nan loss", "micro-batch 2",
+                                                                       True)  # fmt: skip
     assert math.isnan(failure["result"]) and mine["injected"] is None
     statuses = [line.split(" status=")[1].split()[0] for line in tracker.read_text().splitlines()]
-    assert statuses == ["initial_run", "first_rerun_reproducible"]
+    # the first iteration's nan, not validated (reruns start at the second), is recorded
+    assert statuses == ["rerun_disabled", "initial_run", "first_rerun_reproducible"]
 
 
 def verdicts() -> dict:
@@ -83,7 +87,7 @@ def verdicts() -> dict:
     iteration(unsaved, 2, [[NAN], [NAN]])
     out["unsaved"] = unsaved.exit
     spiky = machine(check_for_spiky_loss=True)
-    spiky.spikes.samples = 2
+    spiky.checks["loss"][-1].detector.samples = 2
     for number, losses in enumerate([[1.0], [1.0], [2.0]], start=1):
         iteration(spiky, number, [losses])
     out["spike_runs"] = len(iteration(spiky, 4, [[50.0], [50.0]]))
@@ -121,7 +125,7 @@ def test_the_rerun_from_a_checkpoint_tells_hardware_from_result(tmp_path):
     _, faulty = run_on_ranks(from_checkpoint, 1, saved, True, 2.5, str(tracker))[0]
     assert correct.code == faulty.code == rerun.EXIT_VALIDATION_FAILED
     statuses = [line.split(" status=")[1].split()[0] for line in tracker.read_text().splitlines()]
-    assert statuses[2:] == ["second_rerun_reproducible", "second_rerun_not_reproducible"]
+    assert statuses[3:] == ["second_rerun_reproducible", "second_rerun_not_reproducible"]
 
 
 def injected(kind: str) -> list:
@@ -168,7 +172,7 @@ def test_report_stats_runs_every_iteration_twice_and_disabled_once(tmp_path):
     (out,) = run_on_ranks(other_modes, 1, str(tracker))
     first, second = out["stats_runs"]
     assert first == second
-    assert out["stats"] == [0.0, pytest.approx(0.5 / 2.25)]
+    assert out["stats"] == {"loss": [0.0, pytest.approx(0.5 / 2.25)], "grads": []}
     assert out["disabled_runs"] == 2 and out["disabled_exit"] is None and out["unwrapped"]
     assert " iteration=2 status=rerun_disabled result=nan " in tracker.read_text()
 
@@ -203,4 +207,49 @@ def test_a_reproducible_failure_on_one_rank_outranks_a_transient_one_on_another(
     (code0, kept0), (code1, kept1) = run_on_ranks(disagreeing, 2)
     assert code0 == code1 == rerun.EXIT_RESUME_ELSEWHERE
     assert kept0 is None  # rank 0's transient failure is not rerun elsewhere
-    assert kept1["check"] == "nan loss" and kept1["microbatch"] == 0
+    assert kept1["check"] == "nan loss" and kept1["where"] == "micro-batch 1"
+
+
+def gradients(engine: RerunMachine, number: int, script: list[list[float]]) -> int:
+    """Runs iteration `number` whose attempt k reports bucket norms script[k - 1] (one
+    gradient element each); returns how many runs it took."""
+    runs = 0
+    for attempt in engine.attempts(number):
+        for bucket, norm in enumerate(script[attempt.number - 1]):
+            attempt.gradient(0, bucket, torch.tensor([norm]))
+        runs += 1
+    return runs
+
+
+def gradient_checks() -> dict:
+    out = {}
+    first = machine(nan_grads=True)
+    try:
+        gradients(first, 1, [[1.0, NAN]])
+    except FloatingPointError as error:  # the first iteration: no rerun, the run stops
+        out["first"] = str(error)
+    nan = machine(nan_grads=True)
+    gradients(nan, 1, [[1.0, 1.0]])
+    out["nan_runs"] = gradients(nan, 2, [[1.0, NAN], [1.0, NAN]])
+    out["nan_exit"], out["nan_failure"] = nan.exit, nan.saved_state()[1]["failure"]
+    large = machine(large_grads=True)
+    large.checks["grads"][-1].detector.samples = 2
+    gradients(large, 1, [[1.0, 2.0]])
+    # 100 > 10 x 2: run again; 100.05 is within 0.1% of it, the same result: not fatal
+    out["large_runs"] = gradients(large, 2, [[100.0, 1.0], [100.05, 1.0]])
+    out["large_exit"] = large.exit
+    disabled = machine(rerun_mode="disabled", nan_grads=True, large_grads=True)
+    out["disabled_checks"] = [c.name for c in disabled.checks["grads"]]
+    return out
+
+
+def test_gradient_norms_are_validated_with_a_tolerance():
+    (out,) = run_on_ranks(gradient_checks, 1)
+    assert out["first"] == ("rank 0: iteration 1: chunk 0 bucket 1: gradient norm nan failed "
+                            "the nan grads check (before the data-parallel reduction)")  # fmt: skip
+    assert out["nan_runs"] == 2 and out["nan_exit"].code == rerun.EXIT_RESUME_ELSEWHERE
+    assert out["nan_failure"]["where"] == "chunk 0 bucket 1"
+    assert out["nan_failure"]["kind"] == "grads" and out["nan_failure"]["check"] == "nan grads"
+    assert out["large_runs"] == 2 and out["large_exit"] is None
+    # with reruns disabled DDP raises on a nan gradient itself: only large ones are checked
+    assert out["disabled_checks"] == ["large grads"]

@@ -165,7 +165,13 @@ class OptimizerConfig(MuonConfig):
 
     check_for_nan_in_grad: bool = False
     """Raise, naming the rank, when a gradient holds nan or inf before the reduction (under
-    FSDP: after it, in this rank's gradient shards)."""
+    FSDP: after it, in this rank's gradient shards). Under mp-train's rerun_mode
+    validate_results, each bucket's gradient norm is validated instead (DDP)."""
+
+    check_for_large_grads: bool = False
+    """Check each gradient bucket's norm before its reduction against 10 x the largest of
+    the first 100 seen (Megatron's); a large one is run again and logged (mp-train's rerun
+    engine), never fatal. DDP only: refused under FSDP."""
 
     # Sharded data parallelism (Megatron's --use-megatron-fsdp, --use-torch-fsdp2).
 
@@ -293,6 +299,9 @@ class OptimizerConfig(MuonConfig):
                 raise ValueError(f"num_buckets={self.num_buckets} with bucket_size="
                                  f"{self.bucket_size}: give one (Megatron's rule)")  # fmt: skip
         self._check_sharding()
+        if self.check_for_large_grads and self.fully_sharded:
+            raise ValueError("check_for_large_grads checks DDP's gradient buckets, which FSDP "
+                             "(ZeRO-2/3) does not have: drop it")  # fmt: skip
         self._check_precision_aware()
         self._check_muon()
         if self.overlap_param_gather and not (

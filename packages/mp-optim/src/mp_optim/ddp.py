@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -140,6 +140,13 @@ class DistributedDataParallel(ChunkWrapper):
         kinds = sorted({b.buffer.expert_parallel for b in self.buckets})
         self._lanes = [[b for b in self.buckets if b.buffer.expert_parallel == k] for k in kinds]
         self._lane_of = {b: i for i, lane in enumerate(self._lanes) for b in lane}
+
+        self._bucket_index = {b: i for i, b in enumerate(self.buckets)}
+        self.grad_observer: Callable[[int, torch.Tensor], None] | None = None
+        """Called with (the bucket's index, its local gradient) before each bucket's
+        reduction (mp-train's rerun engine validates their norms)."""
+        self.raise_on_nonfinite = config.check_for_nan_in_grad
+        """check_for_nan_in_grad's raise, unless an observer validates the gradients."""
 
         self._sync_enabled = True
         self._empty: set[torch.nn.Parameter] = set(params)  # .main_grad still all zero
@@ -286,7 +293,9 @@ class DistributedDataParallel(ChunkWrapper):
         # The reduction writes the whole bucket: a parameter that had no gradient here
         # may hold other ranks' from now on, so only a zero_grad_buffer() empties it again.
         self._empty.difference_update(bucket.params)
-        if self.config.check_for_nan_in_grad and not torch.isfinite(grad).all():
+        if self.grad_observer is not None:
+            self.grad_observer(self._bucket_index[bucket], grad)
+        if self.raise_on_nonfinite and not torch.isfinite(grad).all():
             names = [self._names[p] for p in bucket.params if not p.main_grad.isfinite().all()]
             raise RuntimeError(
                 f"rank {group.global_rank}: non-finite gradient before the data-parallel "

@@ -4,8 +4,11 @@ rerun_mode; RerunConfig has the flags).
 Each micro-batch's loss on the last pipeline stage (the local sum over its tokens, before
 any reduction over ranks) goes through the checks in order: nan, inf (both with
 check_for_nan_in_loss_and_grad, unless skip_nan_loss_iterations skips such iterations
-instead), then a spike (check_for_spiky_loss). The first that fails on a rank is that
-rank's failure. With rerun_mode:
+instead), then a spike (check_for_spiky_loss). Under DDP each gradient bucket's norm
+before its reduction does too: nan and inf with check_for_nan_in_grad (which then no
+longer raises in DDP), large (10 x the first 100) with check_for_large_grads; a rerun's
+norm within 0.1% counts as the same. The first check that fails on a rank, in the order
+the values came, is that rank's failure (rerun_checks.py). With rerun_mode:
 
 - validate_results, from the job's second iteration on: if any rank failed, every rank
   takes back the random states the iteration started with, reads the same micro-batches
@@ -18,12 +21,12 @@ rank's failure. With rerun_mode:
   hardware); another means a persistent fault of the first hardware; either ends with
   exit code 17, and a resume on the same hardware with 16 again. A spike (not fatal)
   is logged with its verdict and training goes on. In a job's first iteration nothing is
-  validated (there is no checkpoint to come back to); a nan or inf loss there stops the
-  run as with reruns disabled (skip_policy.py).
+  validated (there is no checkpoint to come back to); a nan or inf loss or gradient there
+  stops the run as with reruns disabled.
 - report_stats: every iteration runs twice; every second iteration rank 0 logs how often
   the two runs' losses agreed and how far they differed.
-- disabled: one run per iteration. A nan or inf loss stops the run (skip_policy.py), a
-  spike is logged.
+- disabled: one run per iteration. A nan or inf loss stops the run (skip_policy.py), as
+  does a nan or inf gradient (DDP raises); a spike or large gradients are logged.
 
 With result_rejected_tracker_filename, each rank appends a line per failed check and per
 verdict (rerun_records.py). error_injection_rate / error_injection_type make checks fail
@@ -35,12 +38,10 @@ run exits with code 17 at once. Evaluation is never validated.
 
 from __future__ import annotations
 
-import copy
 import logging
-import math
 import os
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -49,7 +50,15 @@ import torch.distributed as dist
 
 import mp_state
 from mp_train.configuration.config import TrainingConfig
-from mp_train.loop.rerun_records import SpikeDetector, Tracker, relative_difference, summarize
+from mp_train.loop.rerun_checks import (
+    TOLERANCE,
+    Attempt,
+    Check,
+    Event,
+    ReplayIterator,
+    checks_for,
+)
+from mp_train.loop.rerun_records import Tracker, relative_difference, summarize
 
 __all__ = [
     "EXIT_RESUME_ELSEWHERE",
@@ -89,106 +98,47 @@ class Exit:
 
 @dataclass(frozen=True)
 class _Failure:
-    check: str  # "nan loss", "inf loss" or "spiky loss"
-    microbatch: int  # its index in the iteration, from 0
+    check: str  # "nan loss", "large grads", ... (rerun_checks.Check.name)
+    kind: str  # "loss" or "grads"
+    where: str  # "micro-batch 2", "chunk 0 bucket 3"
     result: float
     fatal: bool
 
-
-class ReplayIterator:
-    """An iterator over a loader that keeps the current iteration's items, to hand them out
-    again after rewind(). A dict or list item is handed out as a shallow copy, so that a
-    forward step changing a batch's dict leaves the kept one alone."""
-
-    def __init__(self, source: Iterator) -> None:
-        self.source = source
-        self.kept: list = []
-        self.replaying, self.position = False, 0
-
-    def __iter__(self) -> ReplayIterator:
-        return self
-
-    def __next__(self):
-        if self.replaying:
-            if self.position == len(self.kept):
-                raise RuntimeError(
-                    "the rerun of an iteration asked for more micro-batches than its first run"
-                )
-            item = self.kept[self.position]
-            self.position += 1
-            return _shallow(item)
-        item = next(self.source)
-        self.kept.append(item)
-        return _shallow(item)
-
-    def start(self) -> None:
-        """A new iteration: forget the last one's items."""
-        self.kept, self.replaying, self.position = [], False, 0
-
-    def rewind(self) -> None:
-        """Hand out this iteration's items again, from the first."""
-        self.replaying, self.position = True, 0
-
-
-def _shallow(item):
-    return copy.copy(item) if isinstance(item, dict | list) else item
-
-
-class Attempt:
-    """One run of an iteration's forward and backward; `number` 1 is the first. `watch`
-    wraps the forward step function so that the losses of this rank's micro-batches are
-    recorded, in order."""
-
-    def __init__(self, number: int) -> None:
-        self.number = number
-        self._losses: list[torch.Tensor] = []
-
-    def watch(self, forward_step_func: Callable) -> Callable:
-        def step(*args, **kwargs):
-            output, loss_func = forward_step_func(*args, **kwargs)
-
-            def recorded(*largs, **lkwargs):
-                result = loss_func(*largs, **lkwargs)
-                self._losses.append(torch.as_tensor(result[0]).detach().reshape(()))
-                return result
-
-            return output, recorded
-
-        return step
-
-    def losses(self) -> list[float]:
-        """This rank's micro-batch losses (none off the last pipeline stage)."""
-        if not self._losses:
-            return []
-        return torch.stack(self._losses).float().cpu().tolist()  # one copy to the host
+    def again(self, events: list[Event]) -> float | None:
+        """The same value in a rerun's events (None: it did not come)."""
+        for event in events:
+            if (event.kind, event.where) == (self.kind, self.where):
+                return event.value
+        return None
 
 
 class RerunMachine:
     """The rerun engine of one rank (see the module docstring). Per iteration the loop runs
-    each Attempt that `attempts(iteration)` yields, then reads `exit`."""
+    each Attempt that `attempts(iteration)` yields, then reads `exit`. `nan_grads`,
+    `large_grads`: the optimizer's check_for_nan_in_grad and check_for_large_grads."""
 
     def __init__(self, training: TrainingConfig, rank: int, device: torch.device,
-                 rng_tracker, can_save: bool) -> None:  # fmt: skip
+                 rng_tracker, can_save: bool, nan_grads: bool = False,
+                 large_grads: bool = False) -> None:  # fmt: skip
         self.mode = training.rerun_mode
         self.rank, self.device, self.rng_tracker = rank, device, rng_tracker
         self.can_save = can_save
         nan = training.check_for_nan_in_loss_and_grad and not training.skip_nan_loss_iterations
-        self.spikes = SpikeDetector() if training.check_for_spiky_loss else None
-        self.checks: list[tuple[str, bool, Callable[[float], bool]]] = []
-        if nan:
-            self.checks += [("nan loss", True, math.isnan), ("inf loss", True, math.isinf)]
-        if self.spikes is not None:
-            self.checks.append(("spiky loss", False, self.spikes.is_spike))
+        # With reruns disabled DDP raises on a nan gradient itself.
+        nan_grads = nan_grads and self.mode != "disabled"
+        self.checks = checks_for(nan, training.check_for_spiky_loss, nan_grads, large_grads)
+        self.validating_grads = nan_grads
         self.injection_rate = training.error_injection_rate
         self.injection_type = training.error_injection_type
         self._draws = random.Random(training.seed)
         self.injected: str | None = None  # the kind of failure injected, until consumed
         self.tracker = Tracker(training.result_rejected_tracker_filename, rank, str(device))
         self.replays: list[ReplayIterator] = []
+        self.current: Attempt | None = None  # the run under way, which gradients go to
         self.validated_before = False  # the job's first iteration is not validated
         self.from_checkpoint: dict | None = None  # the saved failure to run again
         self.pending: dict | None = None  # what the exit's checkpoint records
-        self.stats: list[float] = []
+        self.stats: dict[str, list[float]] = {"loss": [], "grads": []}
         self.exit: Exit | None = None
         if self.mode != "disabled" and rank == 0:
             log.info("result validation: rerun_mode=%s", self.mode)
@@ -196,7 +146,26 @@ class RerunMachine:
     @property
     def watching(self) -> bool:
         """Whether the losses are looked at, so that the forward step is wrapped."""
-        return bool(self.checks) or self.mode == "report_stats"
+        return bool(self.checks["loss"]) or self.mode == "report_stats"
+
+    def watch_gradients(self, chunks: list) -> None:
+        """Each DDP chunk reports its buckets' gradients before their reduction, when they
+        are checked (or compared, with report_stats); a nan is then this engine's to judge,
+        not DDP's to raise."""
+        if not (self.checks["grads"] or (self.mode == "report_stats" and any(
+                getattr(c, "raise_on_nonfinite", False) for c in chunks))):  # fmt: skip
+            return
+        for number, chunk in enumerate(chunks):
+            if not hasattr(chunk, "grad_observer"):
+                continue  # FSDP: no buckets (check_for_nan_in_grad checks its shards)
+            chunk.grad_observer = lambda bucket, grad, number=number: self._gradient(
+                number, bucket, grad)  # fmt: skip
+            if self.validating_grads or self.mode == "report_stats":
+                chunk.raise_on_nonfinite = False
+
+    def _gradient(self, chunk: int, bucket: int, grad: torch.Tensor) -> None:
+        if self.current is not None:
+            self.current.gradient(chunk, bucket, grad)
 
     def wrap(self, data):
         """The training data iterator (or a list of them, or None) as the loop uses it:
@@ -217,37 +186,50 @@ class RerunMachine:
         self.exit, self.iteration = None, iteration
         for replay in self.replays:
             replay.start()
+        try:
+            yield from self._runs(iteration)
+        finally:
+            self.current = None
+
+    def _run(self, number: int) -> Attempt:
+        self.current = Attempt(number)
+        return self.current
+
+    def _runs(self, iteration: int) -> Iterator[Attempt]:
         if self.mode == "disabled":
-            first = Attempt(1)
+            first = self._run(1)
             yield first
-            self._check_without_reruns(first.losses())
+            self._check_without_reruns(first.events())
             return
         if self.from_checkpoint is not None:
-            first = Attempt(1)
+            first = self._run(1)
             yield first
-            self._second_verdict(first.losses())
+            self._second_verdict(first.events())
             return
         started = mp_state.get_rng_state(self.rng_tracker)
-        first = Attempt(1)
+        first = self._run(1)
         yield first
-        initial = first.losses()
+        initial = first.events()
         if self.mode == "report_stats":
             self._rewind(started)
-            second = Attempt(2)
+            second = self._run(2)
             yield second
-            self._record_stats(initial, second.losses())
+            self._record_stats(initial, second.events())
             return
-        failure = self._validate(initial) if self.validated_before else None
-        self.validated_before = True
+        if not self.validated_before:
+            self.validated_before = True
+            self._check_without_reruns(initial)
+            return
+        failure = self._validate(initial)
         if not _any_rank([failure is not None])[0]:
             return
         if self.rank == 0:
-            log.warning("iteration %d: a loss failed its check: running the iteration again "
-                        "with the same data and random states", iteration)  # fmt: skip
+            log.warning("iteration %d: a check failed: running the iteration again with the "
+                        "same data and random states", iteration)  # fmt: skip
         self._rewind(started)
-        second = Attempt(2)
+        second = self._run(2)
         yield second
-        self._first_verdict(failure, second.losses())
+        self._first_verdict(failure, second.events())
         if self.exit is not None and self.exit.save:
             # The checkpoint holds the random states the iteration starts with, as the
             # run on other hardware must draw what the first run drew.
@@ -257,15 +239,6 @@ class RerunMachine:
         mp_state.set_rng_state(started, self.rng_tracker)
         for replay in self.replays:
             replay.rewind()
-
-    def _failed(self, value: float) -> tuple[str, bool, bool] | None:
-        """The first check `value` fails: (its name, fatal, injected), or None."""
-        for name, fatal, test in self.checks:
-            if self._inject():
-                return name, fatal, True
-            if test(value):
-                return name, fatal, False
-        return None
 
     def _inject(self) -> bool:
         if self.injection_rate == 0 or self.injected is not None:
@@ -277,35 +250,41 @@ class RerunMachine:
                     self.iteration, self.injection_type)  # fmt: skip
         return True
 
-    def _validate(self, losses: list[float]) -> _Failure | None:
-        for index, value in enumerate(losses):
-            failed = self._failed(value)
-            if failed is None:
-                continue
-            name, fatal, injected = failed
-            self.tracker.write(self.iteration, "initial_run", value, name)
-            log.error("rank %d: iteration %d: micro-batch %d's loss %r failed the %s check%s",
-                      self.rank, self.iteration, index + 1, value, name,
-                      " (injected)" if injected else "")  # fmt: skip
-            return _Failure(name, index, value, fatal)
+    def _validate(self, events: list[Event]) -> _Failure | None:
+        """This rank's first failed check, in the order the values came (with injection)."""
+        for event in events:
+            for check in self.checks[event.kind]:
+                injected = self._inject()
+                if not (injected or check.test(event.value)):
+                    continue
+                self.tracker.write(self.iteration, "initial_run", event.value, check.name)
+                log.error("rank %d: iteration %d: %s: %s %r failed the %s check%s", self.rank,
+                          self.iteration, event.where, _noun(event.kind), event.value,
+                          check.name, " (injected)" if injected else "")  # fmt: skip
+                return _Failure(check.name, event.kind, event.where, event.value, check.fatal)
         return None
 
-    def _check_without_reruns(self, losses: list[float]) -> None:
-        """rerun_mode=disabled: failed checks are recorded and spikes logged; a nan or inf
-        loss then stops the run in skip_policy.py."""
-        for index, value in enumerate(losses):
-            for name, fatal, test in self.checks:
-                if test(value):
-                    self.tracker.write(self.iteration, "rerun_disabled", value, name)
-                    if not fatal:
-                        log.warning("rank %d: iteration %d: micro-batch %d's loss %r failed "
-                                    "the %s check", self.rank, self.iteration, index + 1,
-                                    value, name)  # fmt: skip
-                    break
+    def _check_without_reruns(self, events: list[Event]) -> None:
+        """Without a rerun (rerun_mode=disabled, or the job's first iteration): failed
+        checks are recorded; a nan or inf gradient stops the run here, a nan or inf loss in
+        skip_policy.py; a spike or large gradients are logged."""
+        for event in events:
+            check = _first_failed(self.checks[event.kind], event.value)
+            if check is None:
+                continue
+            self.tracker.write(self.iteration, "rerun_disabled", event.value, check.name)
+            what = (
+                f"rank {self.rank}: iteration {self.iteration}: {event.where}: "
+                f"{_noun(event.kind)} {event.value!r} failed the {check.name} check"
+            )
+            if check.fatal and event.kind == "grads":
+                raise FloatingPointError(f"{what} (before the data-parallel reduction)")
+            if not check.fatal:
+                log.warning("%s", what)
 
-    def _differs(self, failure: _Failure, losses: list[float], second_rerun: bool) -> bool:
-        """Whether the rerun's loss differs from the failed one (an injected failure
-        decides for itself)."""
+    def _differs(self, failure: _Failure, again: float | None, second_rerun: bool) -> bool:
+        """Whether the rerun's value differs from the failed one beyond the tolerance (an
+        injected failure decides for itself)."""
         injected = self.injected
         if injected is not None:
             if not second_rerun:
@@ -315,15 +294,17 @@ class RerunMachine:
                 return False
             self.injected = None
             return injected == "persistent_error"
-        again = losses[failure.microbatch] if failure.microbatch < len(losses) else math.nan
-        return relative_difference(failure.result, again) > 0.0
+        if again is None:
+            return True
+        return relative_difference(failure.result, again) > TOLERANCE[failure.kind]
 
-    def _first_verdict(self, failure: _Failure | None, losses: list[float]) -> None:
+    def _first_verdict(self, failure: _Failure | None, events: list[Event]) -> None:
         transient = reproducible = False
         if failure is not None:
-            again = losses[failure.microbatch] if failure.microbatch < len(losses) else None
-            where = f"rank {self.rank}: iteration {self.iteration}: the rerun's loss {again!r}"
-            if self._differs(failure, losses, second_rerun=False):
+            again = failure.again(events)
+            where = (f"rank {self.rank}: iteration {self.iteration}: {failure.where}: the "
+                     f"rerun's {_noun(failure.kind)} {again!r}")  # fmt: skip
+            if self._differs(failure, again, second_rerun=False):
                 self.tracker.write(self.iteration, "first_rerun_not_reproducible", again,
                                    failure.check)  # fmt: skip
                 log.error("%s differs from the first run's %r: a transient fault (%s)", where,
@@ -350,70 +331,77 @@ class RerunMachine:
                 "injected": self.injected,
             }
             self.exit = Exit(EXIT_RESUME_ELSEWHERE, save=True, reason=(
-                f"a loss of iteration {self.iteration} failed its check and came out the "
+                f"a check of iteration {self.iteration} failed and its value came out the "
                 "same when run again: resume from this checkpoint on other hardware, which "
                 "runs the iteration once more to tell a correct result from a faulty "
                 "device"))  # fmt: skip
         elif reproducible:
             self.exit = Exit(EXIT_VALIDATION_FAILED, save=False, reason=(
-                f"a loss of iteration {self.iteration} failed its check and came out the "
+                f"a check of iteration {self.iteration} failed and its value came out the "
                 "same when run again; without a save directory it cannot be run again on "
                 "other hardware"))  # fmt: skip
         elif transient:
             self.exit = Exit(EXIT_VALIDATION_FAILED, save=False, reason=(
-                f"a loss of iteration {self.iteration} failed its check and did not come out "
-                "the same when run again (a transient fault); resume from the last "
+                f"a check of iteration {self.iteration} failed and its value did not come "
+                "out the same when run again (a transient fault); resume from the last "
                 "checkpoint"))  # fmt: skip
         elif self.rank == 0:
             log.warning("iteration %d: the failed check is not fatal: training goes on",
                         self.iteration)  # fmt: skip
 
-    def _second_verdict(self, losses: list[float]) -> None:
+    def _second_verdict(self, events: list[Event]) -> None:
         saved, self.from_checkpoint = self.from_checkpoint, None
         again_elsewhere = False
         if saved["failure"] is not None:
             failure = _Failure(**saved["failure"])
-            where = f"rank {self.rank}: iteration {self.iteration}"
+            where = f"rank {self.rank}: iteration {self.iteration}: {failure.where}"
+            noun = _noun(failure.kind)
             if list(hardware(self.device)) == saved["hardware"]:
                 node, device = saved["hardware"]
-                log.error("%s: resumed on the hardware that reproduced the failed loss (%s, "
-                          "%s): resume again on other hardware", where, node, device)  # fmt: skip
+                log.error(
+                    "%s: resumed on the hardware that reproduced the failed %s (%s, %s): "
+                    "resume again on other hardware", where, noun, node, device,
+                )  # fmt: skip
                 again_elsewhere = True
             else:
-                again = losses[failure.microbatch] if failure.microbatch < len(losses) else None
-                if self._differs(failure, losses, second_rerun=True):
+                again = failure.again(events)
+                if self._differs(failure, again, second_rerun=True):
                     self.tracker.write(self.iteration, "second_rerun_not_reproducible", again,
                                        failure.check)  # fmt: skip
-                    log.error("%s: the loss on other hardware is %r, not %r: the first "
+                    node, device = saved["hardware"]
+                    log.error("%s: the %s on other hardware is %r, not %r: the first "
                               "hardware (%s, %s) computed wrongly, a persistent fault", where,
-                              again, failure.result, *saved["hardware"])  # fmt: skip
+                              noun, again, failure.result, node, device)  # fmt: skip
                 else:
                     self.tracker.write(self.iteration, "second_rerun_reproducible", again,
                                        failure.check)  # fmt: skip
-                    log.error("%s: the loss on other hardware is the same, %r: a correct "
+                    log.error("%s: the %s on other hardware is the same, %r: a correct "
                               "result (the data or the model, not the hardware)", where,
-                              again)  # fmt: skip
+                              noun, again)  # fmt: skip
         if _any_rank([again_elsewhere])[0]:
             self.exit = Exit(EXIT_RESUME_ELSEWHERE, save=False, reason=(
                 f"the rerun of iteration {self.iteration} ran on the hardware that "
-                "reproduced its failed loss: resume from the same checkpoint on other "
+                "reproduced its failed check: resume from the same checkpoint on other "
                 "hardware"))  # fmt: skip
         else:
             self.exit = Exit(EXIT_VALIDATION_FAILED, save=False, reason=(
                 f"the rerun of iteration {self.iteration} on other hardware finished its "
                 "diagnosis (in the log); the checkpoint stays for examination"))  # fmt: skip
 
-    def _record_stats(self, first: list[float], second: list[float]) -> None:
-        self.stats += [relative_difference(a, b) for a, b in zip(first, second, strict=True)]
+    def _record_stats(self, first: list[Event], second: list[Event]) -> None:
+        for a, b in zip(first, second, strict=True):
+            self.stats[a.kind].append(relative_difference(a.value, b.value))
         if self.iteration % _REPORT_EVERY:
             return
         everyone: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, self.stats)
         if self.rank == 0:
-            merged = [d for stats in everyone for d in stats]
-            log.info("determinism after iteration %d (every iteration run twice), the "
-                     "micro-batch losses of every rank: %s", self.iteration,
-                     summarize(merged))  # fmt: skip
+            for kind in ("loss", "grads"):
+                merged = [d for stats in everyone for d in stats[kind]]
+                if merged:
+                    log.info("determinism after iteration %d (every iteration run twice), "
+                             "the %s of every rank: %s", self.iteration, _PLURAL[kind],
+                             summarize(merged))  # fmt: skip
 
     # Checkpoints (loop/checkpointing.py keys the per-rank part by the rank's position).
 
@@ -425,8 +413,9 @@ class RerunMachine:
         if self.pending is not None:
             common = {"iteration": self.iteration, "mode": self.mode}
             mine |= self.pending
-        if self.spikes is not None:
-            mine["spikes"] = self.spikes.state_dict()
+        spikes = _spike_detectors(self.checks)
+        if spikes:
+            mine["spikes"] = {name: d.state_dict() for name, d in spikes.items()}
         return common, mine or None
 
     def saved(self) -> None:
@@ -436,8 +425,10 @@ class RerunMachine:
     def load_state(self, common: dict | None, mine: dict | None) -> None:
         """Takes back a checkpoint's state (mine: None when the rank's part is missing or
         was saved at another position)."""
-        if mine is not None and self.spikes is not None and "spikes" in mine:
-            self.spikes.load_state_dict(mine["spikes"])
+        if mine is not None:
+            for name, detector in _spike_detectors(self.checks).items():
+                if name in mine.get("spikes", {}):
+                    detector.load_state_dict(mine["spikes"][name])
         if common is None:
             return
         if self.mode == "disabled":
@@ -466,3 +457,20 @@ def _any_rank(flags: list[bool]) -> list[bool]:
         values = values.cuda()
     dist.all_reduce(values, op=dist.ReduceOp.MAX)
     return [bool(v > 0) for v in values.tolist()]
+
+
+_PLURAL = {"loss": "micro-batch losses", "grads": "gradient buckets' norms"}
+
+
+def _noun(kind: str) -> str:
+    return {"loss": "loss", "grads": "gradient norm"}[kind]
+
+
+def _first_failed(checks: list[Check], value: float) -> Check | None:
+    return next((check for check in checks if check.test(value)), None)
+
+
+def _spike_detectors(checks: dict[str, list[Check]]) -> dict:
+    """The spike detectors behind the checks, by check name (their state is saved)."""
+    return {check.name: check.detector for kind in checks.values() for check in kind
+            if check.detector is not None}  # fmt: skip

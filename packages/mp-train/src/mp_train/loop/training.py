@@ -86,7 +86,10 @@ def pretrain(
     `initialized`: what initialize() set up, when the caller initialized first."""
     run = setup_run(config, model_provider, initialized)
     run.rerun = RerunMachine(config.training, dist.get_rank(), run.device, run.rng_tracker,
-                             can_save=config.checkpoint.save is not None)  # fmt: skip
+                             can_save=config.checkpoint.save is not None,
+                             nan_grads=config.optimizer.check_for_nan_in_grad,
+                             large_grads=config.optimizer.check_for_large_grads)  # fmt: skip
+    run.rerun.watch_gradients(run.model)
     metrics = MetricsLogger(run)
     metrics.print_start()
     checkpointer = _checkpointer(run, metrics)
