@@ -72,7 +72,7 @@ def test_a_persistent_fault_is_found_and_its_checkpoint_resumes_exactly(tmp_path
     layout = [*DROPOUT, "--pipeline-model-parallel-size", "2"]
     run(tiny_options(tmp_path / "whole", *layout, "--rerun-mode", "disabled"))
     save = tmp_path / "ck"
-    ckpt = ["--save", str(save), "--load", str(save)]
+    ckpt = ["--save", str(save), "--load", str(save), "--async-save"]  # committed before exit
     faulty = tiny_options(tmp_path / "faulty", *layout, *ckpt, "--error-injection-rate", "1",
                           "--error-injection-type", "persistent_error")  # fmt: skip
     statuses, text = run(faulty)
