@@ -24,7 +24,8 @@ the values came, is that rank's failure (rerun_checks.py). With rerun_mode:
   validated (there is no checkpoint to come back to); a nan or inf loss or gradient there
   stops the run as with reruns disabled.
 - report_stats: every iteration runs twice; every second iteration rank 0 logs how often
-  the two runs' losses agreed and how far they differed.
+  the two runs' losses (and gradient bucket norms, with a gradient check) agreed and how
+  far they differed. Nothing is validated: a nan stops the run as with reruns disabled.
 - disabled: one run per iteration. A nan or inf loss stops the run (skip_policy.py), as
   does a nan or inf gradient (DDP raises); a spike or large gradients are logged.
 
@@ -124,10 +125,11 @@ class RerunMachine:
         self.rank, self.device, self.rng_tracker = rank, device, rng_tracker
         self.can_save = can_save
         nan = training.check_for_nan_in_loss_and_grad and not training.skip_nan_loss_iterations
-        # With reruns disabled DDP raises on a nan gradient itself.
-        nan_grads = nan_grads and self.mode != "disabled"
-        self.checks = checks_for(nan, training.check_for_spiky_loss, nan_grads, large_grads)
-        self.validating_grads = nan_grads
+        # DDP raises on a nan gradient itself unless this engine validates it.
+        self.validating_grads = nan_grads and self.mode == "validate_results"
+        self.checks = checks_for(nan, training.check_for_spiky_loss, self.validating_grads,
+                                 large_grads)  # fmt: skip
+        self.comparing_grads = self.mode == "report_stats" and (nan_grads or large_grads)
         self.injection_rate = training.error_injection_rate
         self.injection_type = training.error_injection_type
         self._draws = random.Random(training.seed)
@@ -150,17 +152,16 @@ class RerunMachine:
 
     def watch_gradients(self, chunks: list) -> None:
         """Each DDP chunk reports its buckets' gradients before their reduction, when they
-        are checked (or compared, with report_stats); a nan is then this engine's to judge,
-        not DDP's to raise."""
-        if not (self.checks["grads"] or (self.mode == "report_stats" and any(
-                getattr(c, "raise_on_nonfinite", False) for c in chunks))):  # fmt: skip
+        are checked (or compared, with report_stats); under validate_results a nan is then
+        this engine's to judge, not DDP's to raise."""
+        if not (self.checks["grads"] or self.comparing_grads):
             return
         for number, chunk in enumerate(chunks):
             if not hasattr(chunk, "grad_observer"):
                 continue  # FSDP: no buckets (check_for_nan_in_grad checks its shards)
             chunk.grad_observer = lambda bucket, grad, number=number: self._gradient(
                 number, bucket, grad)  # fmt: skip
-            if self.validating_grads or self.mode == "report_stats":
+            if self.validating_grads:
                 chunk.raise_on_nonfinite = False
 
     def _gradient(self, chunk: int, bucket: int, grad: torch.Tensor) -> None:
