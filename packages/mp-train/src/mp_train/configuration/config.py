@@ -495,7 +495,7 @@ def _check_eval_batch(training: TrainingConfig, gbs: int | None, dp: int, pp: in
     size = training.eval_global_batch_size
     if mbs is None and size is None:
         return
-    mbs = mbs or training.micro_batch_size
+    mbs = training.micro_batch_size if mbs is None else mbs
     if mbs < 1:
         raise ValueError(f"eval_micro_batch_size={mbs} must be >= 1")
     if size is None:
