@@ -29,7 +29,7 @@ from mp_layers import TransformerConfig
 from mp_optim import OptimizerConfig
 from mp_pipeline import check_microbatch_group
 from mp_state import ParallelConfig
-from mp_train.configuration.batch_schedule import parse_batch_schedule
+from mp_train.configuration.batch_sizes import batch_schedule, check_eval_batch
 from mp_train.configuration.pipeline_segments import check_segments
 from mp_train.configuration.rerun_config import RerunConfig
 from mp_train.configuration.run_checks import (
@@ -403,7 +403,7 @@ def validate(config: RunConfig, world_size: int) -> dict[str, int]:
     mbs = training.micro_batch_size
     if mbs < 1:
         raise ValueError(f"micro_batch_size={mbs} must be >= 1")
-    schedule = _batch_schedule(config)
+    schedule = batch_schedule(config)
     if schedule is not None:
         gbs = max(size for _, size in schedule)
     else:
@@ -467,7 +467,7 @@ def validate(config: RunConfig, world_size: int) -> dict[str, int]:
             "transformer_impl='transformer_engine' is not available: the Transformer Engine "
             "layer spec needs CUDA and transformer-engine; use transformer_impl='local'"
         )
-    _check_eval_batch(training, gbs if schedule is None else None, dp, pp, vpp)
+    check_eval_batch(training, gbs if schedule is None else None, dp, pp, vpp)
     if training.eval_interval is not None and training.eval_interval < 1:
         raise ValueError(f"eval_interval={training.eval_interval} must be >= 1 (or None)")
     hang = training.hang_timeout_minutes
@@ -485,50 +485,6 @@ def validate(config: RunConfig, world_size: int) -> dict[str, int]:
     check_sharding(config)
     check_initialization(config)
     return {"data_parallel_size": dp, "global_batch_size": gbs, "num_microbatches": microbatches}
-
-
-def _check_eval_batch(training: TrainingConfig, gbs: int | None, dp: int, pp: int,
-                      vpp: int | None) -> None:  # fmt: skip
-    """The evaluation's batch (eval_micro_batch_size, eval_global_batch_size) fits the
-    layout; `gbs`: the training's constant global batch (None under a schedule)."""
-    mbs = training.eval_micro_batch_size
-    size = training.eval_global_batch_size
-    if mbs is None and size is None:
-        return
-    mbs = training.micro_batch_size if mbs is None else mbs
-    if mbs < 1:
-        raise ValueError(f"eval_micro_batch_size={mbs} must be >= 1")
-    if size is None:
-        if gbs is None or training.rampup_batch_size is not None:
-            raise ValueError("eval_micro_batch_size with a global batch that changes "
-                             "(rampup_batch_size, step_batch_size_schedule): give "
-                             "eval_global_batch_size too")  # fmt: skip
-        size, name = gbs, "the global batch"
-    else:
-        name = f"eval_global_batch_size={size}"
-    if size < 1 or size % (mbs * dp):
-        raise ValueError(f"{name} is not divisible by eval_micro_batch_size={mbs} x "
-                         f"data_parallel_size={dp}")  # fmt: skip
-    if vpp is not None:
-        try:
-            check_microbatch_group(size // (mbs * dp), pp, pp)
-        except ValueError as error:
-            raise ValueError(
-                f"{error} (the evaluation's micro-batches: {size // (mbs * dp)} "
-                f"= {name} / (eval_micro_batch_size {mbs} x dp {dp}))"
-            ) from None
-
-
-def _batch_schedule(config: RunConfig) -> list[tuple[int, int]] | None:
-    """step_batch_size_schedule's entries (samples, global batch), checked; None without."""
-    training = config.training
-    if training.step_batch_size_schedule is None:
-        return None
-    for name in ("global_batch_size", "rampup_batch_size"):
-        if getattr(training, name) is not None:
-            raise ValueError(f"step_batch_size_schedule with {name}: the schedule gives the "
-                             "global batch; drop one (Megatron-LM refuses the pair)")  # fmt: skip
-    return parse_batch_schedule(training.step_batch_size_schedule, config.gpt.seq_length)
 
 
 def hang_timeout_minutes(config: RunConfig) -> float:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mp_train.configuration.batch_schedule import parse_batch_schedule
+from mp_train.configuration.batch_sizes import parse_batch_schedule
 
 __all__ = ["MicroBatchCalculator", "parse_batch_schedule"]
 
