@@ -72,6 +72,7 @@ from mp_layers import (
     mtp_layer_kinds,
 )
 from mp_pipeline import stage_layers
+from mp_train.configuration.batch_sizes import parse_batch_schedule
 from mp_train.configuration.config import RunConfig
 from mp_train.configuration.pipeline_segments import pipeline_segments
 from mp_train.estimate.activations import activation_bytes, mlp_width
@@ -178,6 +179,8 @@ def _layout(config: RunConfig, world_size: int) -> dict:
         raise ValueError(f"context_parallel_size={cp} does not divide seq_length={seq}")
     mbs = training.micro_batch_size
     gbs = training.global_batch_size if training.global_batch_size is not None else mbs * dp
+    if training.step_batch_size_schedule is not None:  # the run's first global batch
+        gbs = parse_batch_schedule(training.step_batch_size_schedule, seq)[0][1]
     if mbs < 1 or gbs % (mbs * dp):
         raise ValueError(
             f"global_batch_size={gbs} is not divisible by micro_batch_size={mbs} x "
