@@ -38,7 +38,8 @@ def train(config: RunConfig):
 def main(argv: list[str] | None = None) -> int:
     """Runs `pretrain_gpt.py ARGV`; returns the exit status: 0, 2 for a configuration
     mistake (one line from rank 0, the same mistake found by every rank), or the rerun
-    engine's 16 (resume on other hardware) or 17 (a loss failed result validation). Any other error
+    engine's 16 (resume on other hardware) or 17 (a loss or gradient failed result
+    validation). Any other error
     is printed as `error: rank N: MESSAGE` and raised, so that the rank exits non-zero at
     once with its traceback."""
     try:

@@ -12,7 +12,7 @@ the values came, is that rank's failure (rerun_checks.py). With rerun_mode:
 
 - validate_results, from the job's second iteration on: if any rank failed, every rank
   takes back the random states the iteration started with, reads the same micro-batches
-  again (ReplayIterator) and runs forward and backward again. Where the failed loss
+  again (ReplayIterator) and runs forward and backward again. Where the failed value
   comes out otherwise, the fault was transient: exit code 17, no save (resume from the
   last checkpoint). Where it comes out the same and its check is fatal (nan, inf), the
   run saves a checkpoint of the iteration before, marked to rerun this one, and exits
