@@ -253,3 +253,23 @@ def test_gradient_norms_are_validated_with_a_tolerance():
     assert out["large_runs"] == 2 and out["large_exit"] is None
     # with reruns disabled DDP raises on a nan gradient itself: only large ones are checked
     assert out["disabled_checks"] == ["large grads"]
+
+
+def warnings_on_load(rng_restored: bool) -> list[str]:
+    import logging
+
+    seen: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logging.getLogger("mp_train").addHandler(handler)
+    mine = {"failure": None, "hardware": ["n", "cpu"], "injected": None}
+    machine().load_state({"iteration": 3, "mode": "validate_results"}, mine,
+                         rng_restored=rng_restored)  # fmt: skip
+    return seen
+
+
+def test_a_rerun_without_its_random_states_says_so():
+    (without,) = run_on_ranks(warnings_on_load, 1, False)
+    (with_them,) = run_on_ranks(warnings_on_load, 1, True)
+    assert any("the saved random states were not taken back" in m for m in without)
+    assert not any("random states" in m for m in with_them)

@@ -318,10 +318,9 @@ def load_run_checkpoint(run: Run) -> str | None:
     if not finetune:
         run.train = TrainState(**common["train_state"])
         run.scheduler.load_state_dict(common["scheduler"])
-        if not ckpt.no_load_rng:
-            _restore_rng(run, loaded)
+        restored = not ckpt.no_load_rng and _restore_rng(run, loaded)
         if run.rerun is not None:
-            _restore_rerun(run, loaded)
+            _restore_rerun(run, loaded, rng_restored=restored)
     log.info("loaded %s (iteration %d)", loaded.directory, loaded.iteration)
     return path
 
@@ -357,9 +356,9 @@ def export_run_hf(run: Run) -> None:
 _RNG_FITS, _RNG_ELSEWHERE, _RNG_MISSING = 0, 1, 2
 
 
-def _restore_rng(run: Run, loaded) -> None:
+def _restore_rng(run: Run, loaded) -> bool:
     """Every rank takes back the RNG states saved at its position, or none does and rank 0
-    warns (collective)."""
+    warns (collective); whether they did."""
     saved = loaded.rank_state
     if saved is None or "position" not in saved:
         status = _RNG_MISSING
@@ -374,7 +373,7 @@ def _restore_rng(run: Run, loaded) -> None:
     status = int(flag.item())
     if status == _RNG_FITS:
         mp_state.set_rng_state(saved["rng_state"], run.rng_tracker)
-        return
+        return True
     if dist.get_rank() == 0:
         log.warning(
             "%s: RNG states not restored: %s; the generators keep this run's seeding "
@@ -382,12 +381,15 @@ def _restore_rng(run: Run, loaded) -> None:
             _rng_mismatch(run, read_metadata(loaded.directory), status),
             run.config.training.seed,
         )  # fmt: skip
+    return False
 
 
-def _restore_rerun(run: Run, loaded) -> None:
+def _restore_rerun(run: Run, loaded, rng_restored: bool) -> None:
     """The rerun engine's state (loop/rerun.py): a pending rerun of an iteration, which
-    every rank must find saved at its own position (collective then), and the spiky-loss
-    check's reference, kept where the rank's position is the same."""
+    every rank must find saved at its own position (collective then), and the spike
+    checks' references, kept where the rank's position is the same. `rng_restored`:
+    whether the run took back the saved random states (the rerun draws the first run's
+    numbers only then)."""
     pending = loaded.common.get("rerun")
     saved = (loaded.rank_state or {}).get("rerun")
     fits = saved is not None and saved.get("position") == _rng_position(run)
@@ -397,7 +399,7 @@ def _restore_rerun(run: Run, loaded) -> None:
             flag = flag.cuda()
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
         fits = bool(flag.item() > 0)
-    run.rerun.load_state(pending, saved if fits else None)
+    run.rerun.load_state(pending, saved if fits else None, rng_restored=rng_restored)
 
 
 def _rng_mismatch(run: Run, metadata: dict, status: int) -> str:

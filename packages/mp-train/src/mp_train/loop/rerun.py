@@ -423,9 +423,11 @@ class RerunMachine:
         """The exit's checkpoint is written: nothing pending any more."""
         self.pending = None
 
-    def load_state(self, common: dict | None, mine: dict | None) -> None:
+    def load_state(self, common: dict | None, mine: dict | None,
+                   rng_restored: bool = True) -> None:  # fmt: skip
         """Takes back a checkpoint's state (mine: None when the rank's part is missing or
-        was saved at another position)."""
+        was saved at another position; rng_restored: whether the run took back the saved
+        random states)."""
         if mine is not None:
             for name, detector in _spike_detectors(self.checks).items():
                 if name in mine.get("spikes", {}):
@@ -449,6 +451,12 @@ class RerunMachine:
         if self.rank == 0:
             log.warning("the checkpoint was saved to run iteration %d again: running it on "
                         "this hardware", common["iteration"])  # fmt: skip
+            if not rng_restored:
+                log.warning(
+                    "the saved random states were not taken back (no_load_rng, or saved "
+                    "with no_save_rng): with dropout the rerun draws other numbers than the "
+                    "first run, and may differ for that alone"
+                )
 
 
 def _any_rank(flags: list[bool]) -> list[bool]:
