@@ -29,6 +29,16 @@ RULES = [
     (dict(loss_scale_window=0), "loss_scale_window=0 must be >= 1"),
     (dict(hysteresis=0), "hysteresis=0 must be >= 1"),
     (dict(bucket_size=0), "bucket_size=0 must be >= 1"),
+    (dict(num_buckets=0), "num_buckets=0 must be >= 1"),
+    (dict(num_buckets=4, bucket_size=100), "num_buckets=4 with bucket_size=100: give one"),
+    (
+        dict(
+            check_for_large_grads=True,
+            use_megatron_fsdp=True,
+            data_parallel_sharding_strategy="optim_grads",
+        ),
+        "check_for_large_grads checks DDP's gradient buckets, which FSDP",
+    ),
     (dict(overlap_param_gather=True), "overlap_param_gather=True needs use_distributed_optimizer"),
     (dict(lr_warmup_fraction=1.5), r"lr_warmup_fraction=1.5 must be in \[0, 1\]"),
     (

@@ -273,3 +273,15 @@ def test_a_rerun_without_its_random_states_says_so():
     (with_them,) = run_on_ranks(warnings_on_load, 1, True)
     assert any("the saved random states were not taken back" in m for m in without)
     assert not any("random states" in m for m in with_them)
+
+
+def nothing_to_check() -> tuple:
+    engine = machine(check_for_nan_in_loss_and_grad=False)
+    data = iter(range(10))
+    runs = iteration(engine, 1, [[1.0]]) + iteration(engine, 2, [[NAN]])
+    return len(runs), engine.wrap(data) is data, engine.exit
+
+
+def test_validation_with_nothing_to_check_runs_each_iteration_once():
+    (out,) = run_on_ranks(nothing_to_check, 1)
+    assert out == (2, True, None)

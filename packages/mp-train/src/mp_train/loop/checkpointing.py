@@ -44,6 +44,7 @@ from mp_ckpt import (
     read_tracker,
 )
 from mp_layers.moe import is_expert_key
+from mp_train.loop.any_rank import any_rank
 from mp_train.loop.hf_start import export_hf, load_hf_start
 from mp_train.loop.setup import Run, TrainState
 
@@ -393,12 +394,8 @@ def _restore_rerun(run: Run, loaded, rng_restored: bool) -> None:
     pending = loaded.common.get("rerun")
     saved = (loaded.rank_state or {}).get("rerun")
     fits = saved is not None and saved.get("position") == _rng_position(run)
-    if pending is not None:
-        flag = torch.tensor([float(fits)])
-        if dist.get_backend() == "nccl":
-            flag = flag.cuda()
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-        fits = bool(flag.item() > 0)
+    if pending is not None:  # every rank's part, or none
+        fits = not any_rank([not fits])[0]
     run.rerun.load_state(pending, saved if fits else None, rng_restored=rng_restored)
 
 

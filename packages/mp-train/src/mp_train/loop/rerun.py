@@ -51,6 +51,7 @@ import torch.distributed as dist
 
 import mp_state
 from mp_train.configuration.config import TrainingConfig
+from mp_train.loop.any_rank import any_rank
 from mp_train.loop.rerun_checks import (
     TOLERANCE,
     Attempt,
@@ -130,6 +131,9 @@ class RerunMachine:
         self.checks = checks_for(nan, training.check_for_spiky_loss, self.validating_grads,
                                  large_grads)  # fmt: skip
         self.comparing_grads = self.mode == "report_stats" and (nan_grads or large_grads)
+        # validate_results with nothing to check runs each iteration once, as disabled does
+        # (no random states kept, no micro-batches kept, no flag agreed).
+        self.idle = self.mode == "validate_results" and not any(self.checks.values())
         self.injection_rate = training.error_injection_rate
         self.injection_type = training.error_injection_type
         self._draws = random.Random(training.seed)
@@ -140,7 +144,8 @@ class RerunMachine:
         self.validated_before = False  # the job's first iteration is not validated
         self.from_checkpoint: dict | None = None  # the saved failure to run again
         self.pending: dict | None = None  # what the exit's checkpoint records
-        self.stats: dict[str, list[float]] = {"loss": [], "grads": []}
+        self.stats: dict[str, list[float]] = {"loss": [], "grads": []}  # since the report
+        self.reported: dict[str, list[float]] = {"loss": [], "grads": []}  # rank 0: all
         self.exit: Exit | None = None
         if self.mode != "disabled" and rank == 0:
             log.info("result validation: rerun_mode=%s", self.mode)
@@ -171,7 +176,7 @@ class RerunMachine:
     def wrap(self, data):
         """The training data iterator (or a list of them, or None) as the loop uses it:
         replayable when an iteration may run twice."""
-        if self.mode == "disabled" or data is None:
+        if self.mode == "disabled" or self.idle or data is None:
             return data
         if isinstance(data, list):
             return [self.wrap(d) for d in data]
@@ -197,7 +202,7 @@ class RerunMachine:
         return self.current
 
     def _runs(self, iteration: int) -> Iterator[Attempt]:
-        if self.mode == "disabled":
+        if self.mode == "disabled" or self.idle:
             first = self._run(1)
             yield first
             self._check_without_reruns(first.events())
@@ -222,7 +227,7 @@ class RerunMachine:
             self._check_without_reruns(initial)
             return
         failure = self._validate(initial)
-        if not _any_rank([failure is not None])[0]:
+        if not any_rank([failure is not None])[0]:
             return
         if self.rank == 0:
             log.warning("iteration %d: a check failed: running the iteration again with the "
@@ -324,7 +329,7 @@ class RerunMachine:
             self.injected = None  # a spike's injection ends with its verdict
         # Ranks may disagree: a reproducible fatal failure is taken elsewhere (as in
         # Megatron-LM), before a transient one ends the run; a fatal one before a spike.
-        transient, reproducible = _any_rank([transient, reproducible])
+        transient, reproducible = any_rank([transient, reproducible])
         if reproducible and self.can_save:
             self.pending = {  # this rank's failure, when it reproduced
                 "failure": asdict(failure) if mine_reproduced else None,
@@ -379,7 +384,7 @@ class RerunMachine:
                     log.error("%s: the %s on other hardware is the same, %r: a correct "
                               "result (the data or the model, not the hardware)", where,
                               noun, again)  # fmt: skip
-        if _any_rank([again_elsewhere])[0]:
+        if any_rank([again_elsewhere])[0]:
             self.exit = Exit(EXIT_RESUME_ELSEWHERE, save=False, reason=(
                 f"the rerun of iteration {self.iteration} ran on the hardware that "
                 "reproduced its failed check: resume from the same checkpoint on other "
@@ -394,15 +399,18 @@ class RerunMachine:
             self.stats[a.kind].append(relative_difference(a.value, b.value))
         if self.iteration % _REPORT_EVERY:
             return
-        everyone: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, self.stats)
-        if self.rank == 0:
-            for kind in ("loss", "grads"):
-                merged = [d for stats in everyone for d in stats[kind]]
-                if merged:
-                    log.info("determinism after iteration %d (every iteration run twice), "
-                             "the %s of every rank: %s", self.iteration, _PLURAL[kind],
-                             summarize(merged))  # fmt: skip
+        # Each rank hands rank 0 the differences since the last report; rank 0 keeps them all.
+        everyone: list[Any] | None = [None] * dist.get_world_size() if self.rank == 0 else None
+        dist.gather_object(self.stats, everyone, dst=0)
+        self.stats = {"loss": [], "grads": []}
+        if everyone is None:
+            return
+        for kind in ("loss", "grads"):
+            self.reported[kind] += [d for stats in everyone for d in stats[kind]]
+            if self.reported[kind]:
+                log.info("determinism after iteration %d (every iteration run twice), "
+                         "the %s of every rank: %s", self.iteration, _PLURAL[kind],
+                         summarize(self.reported[kind]))  # fmt: skip
 
     # Checkpoints (loop/checkpointing.py keys the per-rank part by the rank's position).
 
@@ -457,15 +465,6 @@ class RerunMachine:
                     "with no_save_rng): with dropout the rerun draws other numbers than the "
                     "first run, and may differ for that alone"
                 )
-
-
-def _any_rank(flags: list[bool]) -> list[bool]:
-    """Each flag: whether it is set on any rank (collective)."""
-    values = torch.tensor([float(f) for f in flags])
-    if dist.get_backend() == "nccl":
-        values = values.cuda()
-    dist.all_reduce(values, op=dist.ReduceOp.MAX)
-    return [bool(v > 0) for v in values.tolist()]
 
 
 _PLURAL = {"loss": "micro-batch losses", "grads": "gradient buckets' norms"}

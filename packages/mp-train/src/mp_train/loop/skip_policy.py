@@ -20,10 +20,10 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-import torch
 import torch.distributed as dist
 
 from mp_train.configuration.config import TrainingConfig
+from mp_train.loop.any_rank import any_rank
 from mp_train.loop.setup import TrainState
 
 __all__ = ["SkipPolicy"]
@@ -72,8 +72,4 @@ class SkipPolicy:
 
 
 def _any_rank(flag: bool) -> bool:
-    value = torch.tensor([1.0 if flag else 0.0])
-    if dist.get_backend() == "nccl":
-        value = value.cuda()
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
-    return bool(value.item() > 0)
+    return any_rank([flag])[0]
