@@ -4,7 +4,9 @@ the DeepSeek-shaped ones (multi-latent attention, DeepSeek's MoE) and the Llama 
 one (interleaved rotary pairs with Llama 3's scaling, NoPE layers, L2-normalized queries
 and keys, top-1 routing weights on the experts' input) and the Nemotron-H-shaped hybrid
 (Mamba, attention, MLP and MoE layers) too, and the losses of the multi-token prediction
-module one of them has; exported to Hugging Face, transformers computes the same logits."""
+module one of them has, and a muP model's (--use-mup: the embedding's and the logits'
+multipliers, the attention scale); exported to Hugging Face, transformers computes the
+same logits (a muP model's export is refused)."""
 
 import dataclasses
 from pathlib import Path
@@ -31,7 +33,8 @@ ASSETS = Path(__file__).resolve().parents[1] / "packages/mp-ckpt/tests/assets/me
                                   "hybrid_mtp_torch_dist_tp2", "hybrid_mtp_torch_tp2",
                                   "qwen3_next_torch_dist_tp2", "qwen3_next_torch_tp2",
                                   "qwen3_next_mtp_torch_dist_tp2",
-                                  "hybrid_gdn_torch_dist_tp2", "hybrid_gdn_torch_tp2"])  # fmt: skip
+                                  "hybrid_gdn_torch_dist_tp2", "hybrid_gdn_torch_tp2",
+                                  "llama_mup_torch_tp2"])  # fmt: skip
 def test_imported_megatron_checkpoint_gives_megatron_logits(case, tmp_path):
     out = import_megatron(ASSETS / case, tmp_path / "mp")
     settings = torch.load(out / "common.pt", weights_only=False)["model_config"]
@@ -76,3 +79,11 @@ def test_an_imported_megatron_checkpoint_exports_to_transformers_with_megatron_l
         logits = model(reference["tokens"]).logits
     vocab = logits.shape[-1]
     torch.testing.assert_close(logits, reference["logits"][..., :vocab], rtol=0, atol=1e-5)
+
+
+def test_a_mup_model_is_not_exported_to_transformers(tmp_path):
+    """Hugging Face's Llama has no muP multipliers: its logits would not be the model's."""
+    import_megatron(ASSETS / "llama_mup_torch_tp2", tmp_path / "mp")
+    with pytest.raises(ValueError, match="use_mup=True: llama's Hugging Face model has no muP"):
+        export_hf(tmp_path / "mp", tmp_path / "hf", "llama")
+    assert not (tmp_path / "hf").exists()

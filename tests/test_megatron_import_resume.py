@@ -3,8 +3,9 @@ loading, its iteration, consumed samples, learning rate, Adam step and Adam mome
 the ones megatron-core saved, and its next step on Megatron's next batch gives Megatron's
 weights and moments after that step (packages/mp-ckpt/tests/assets/megatron/*/reference.pt),
 for a Llama-style model, a hybrid (Mamba) one, a DeepSeek-shaped one with multi-token
-prediction and a Qwen3-Next-shaped one (gated DeltaNet and gated attention layers); and a
-run with --optimizer muon from a Megatron run trained with Muon (its momentum buffers)."""
+prediction and a Qwen3-Next-shaped one (gated DeltaNet and gated attention layers); a
+run with --optimizer muon from a Megatron run trained with Muon (its momentum buffers);
+and a muP run (--use-mup: the hidden matrices' own learning rate and Adam eps)."""
 
 import re
 from pathlib import Path
@@ -101,11 +102,15 @@ def step_body(argv, load, data):
     routers' and MTP modules' losses get in backward, and the expert biases' update):
     its weights and Adam state by logical key afterwards, the lr it used, its loss and
     gradient norm."""
+    return _one_step(train_run_on_rank(argv), data)
+
+
+def _one_step(run, data):
+    """step_body's step of the loaded run."""
     from mp_gpt.gpt import forward_step
     from mp_pipeline import get_forward_backward_func
     from mp_train.loop.moe_step import MoEStep
 
-    run = train_run_on_rank(argv)
     item = {**data, "loss_mask": torch.ones(data["tokens"].shape)}
     for chunk in run.model:
         chunk.train()
@@ -281,3 +286,58 @@ def test_the_step_after_resuming_megatrons_muon_run_is_megatrons(tmp_path):
                     compared += 1
     assert compared == 2 * 10 + 3 * 3  # qkv as q, k, v and fc1 as gate, up
     assert not any(k.startswith("optimizer.exp_avg.") and ".linear_" in k for k in got["state"])
+
+
+@pytest.mark.multirank
+def test_the_step_after_resuming_megatrons_mup_run_is_megatrons(tmp_path):
+    """The import of a Megatron-LM run trained with muP (the Llama model at TP2, hidden 32
+    over a base of 16: width multiplier 2) resumes with Megatron's three parameter groups
+    (the norms; the embedding and output layer at lr 1e-3 and eps 1e-8; the hidden
+    matrices at 5e-4 and 5e-9), and its next step gives Megatron's weights and moments.
+
+    Measured: the same loss, the gradient norm (0.96) within 5e-9 relative, weights within
+    3.0e-8, exp_avg 2.3e-9, exp_avg_sq 1.3e-10, for steps of at least 4.6e-4, 1.4e-4 and
+    9e-8; a hidden matrix stepped at the base lr would move twice as far (Adam's step is
+    proportional to the lr), and an optimizer without muP's groups refuses the checkpoint
+    (3 groups saved, 2 built)."""
+    case = "llama_mup_torch_tp2"
+    reference = safe_load(ASSETS / case / "reference.pt")
+    step = reference["next_step"]
+    load = tmp_path / "mp"
+    import_megatron(ASSETS / case, load, with_optimizer=True)
+    got = run_on_ranks(mup_body, 1, _argv(load, case), str(load),
+                       {k: step[k] for k in ("tokens", "labels", "position_ids")},
+                       timeout=180)[0]  # fmt: skip
+    saved = {(g["wd_mult"], g["max_lr"]): g for g in reference["param_groups"]}
+    assert got["groups"] == [
+        (0.0, False, saved[0.0, 1e-3]["max_lr"], saved[0.0, 1e-3]["eps"]),
+        (1.0, False, saved[1.0, 1e-3]["max_lr"], saved[1.0, 1e-3]["eps"]),
+        (1.0, True, saved[1.0, 5e-4]["max_lr"], saved[1.0, 5e-4]["eps"]),
+    ]
+    assert got["mup_width_mult"] == reference["mup"]["width_mult"] == 2.0
+    step_got = got["step"]
+    assert step_got["lr"] == step["lr"]
+    assert step_got["loss"] == pytest.approx(step["loss"], rel=1e-6)
+    assert step_got["grad_norm"] == pytest.approx(step["grad_norm"], rel=1e-5)
+    compared = 0
+    for name, recorded in step["adam"].items():
+        for (state, key), atol in zip((("param", ""), ("exp_avg", "optimizer.exp_avg."),
+                                       ("exp_avg_sq", "optimizer.exp_avg_sq.")),
+                                      (5e-8, 5e-8, 2e-9), strict=True):  # fmt: skip
+            held = step_got["weights"] if state == "param" else step_got["state"]
+            before = _logical(name, reference["adam"][name][state])
+            for logical, expected in _logical(name, recorded[state]).items():
+                assert not torch.equal(expected, before[logical])  # the step moved it
+                torch.testing.assert_close(held[key + logical], expected, rtol=0, atol=atol,
+                                           msg=f"{state} {logical}")  # fmt: skip
+                compared += 1
+    assert compared == 3 * 13  # 8 tracked tensors: each qkv as q, k, v, fc1 as gate, up
+
+
+def mup_body(argv, load, data):
+    """step_body's step, and the loaded optimizer's groups (wd_mult, muP, max_lr, eps)."""
+    run = train_run_on_rank(argv)
+    groups = [(g["wd_mult"], bool(g.get("mup")), g.get("max_lr", run.scheduler.max_lr),
+               g["eps"]) for g in run.optimizer.param_groups]  # fmt: skip
+    return {"groups": groups, "mup_width_mult": run.config.model.mup_width_mult,
+            "step": _one_step(run, data)}  # fmt: skip

@@ -70,6 +70,13 @@ def test_settings_that_disagree_are_refused_by_name(tmp_path):
         parse_config(["--load", str(folder), *RUN, "--tensor-model-parallel-size", "3"])
 
 
+def test_a_hugging_face_model_is_not_trained_under_mup(tmp_path):
+    """Its weights are a model without muP's multipliers: --use-mup would be another one."""
+    folder = hf_dir(tmp_path)
+    with pytest.raises(ValueError, match=r"use_mup: .*config.json False, given True"):
+        parse_config(["--load", str(folder), *RUN, "--use-mup"])
+
+
 def test_a_directory_without_tokenizer_needs_one_named(tmp_path):
     folder = hf_dir(tmp_path, tokenizer=False)
     with pytest.raises(ValueError, match=r"holds no tokenizer\.json: name the tokenizer"):

@@ -28,6 +28,7 @@ from mp_layers.config_linear_attention import (
 from mp_layers.config_mla import check_mla
 from mp_layers.config_moe import check_expert_parallel, check_moe
 from mp_layers.config_mtp import check_mtp
+from mp_layers.config_mup import MupConfig, check_mup
 from mp_layers.config_recompute import check_recompute_modules
 from mp_layers.config_rules import choice as _choice
 from mp_layers.config_rules import positive as _positive
@@ -39,7 +40,7 @@ ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
 
 
 @dataclass(kw_only=True)
-class TransformerConfig:
+class TransformerConfig(MupConfig):
     num_layers: int
     """Transformer layers of the whole model (all pipeline stages)."""
 
@@ -652,6 +653,7 @@ class TransformerConfig:
             raise ValueError(f"output_loss_chunk_tokens={chunk!r} must be an integer >= 0")
         if self.init_method_std <= 0:
             raise ValueError(f"init_method_std={self.init_method_std} must be > 0")
+        check_mup(self)
         if self.bf16 and self.fp16:
             raise ValueError("bf16=True and fp16=True are exclusive: choose one")
         check_fp8(self)
@@ -774,8 +776,3 @@ class TransformerConfig:
         """The channels of each head that rotary embeddings see (rotary_percent of them are
         rotated): kv_channels, or multi-latent attention's qk_pos_emb_head_dim."""
         return self.qk_pos_emb_head_dim if self.multi_latent_attention else self.kv_channels
-
-    @property
-    def output_layer_init_std(self) -> float:
-        """Megatron's scaled init of the projections into the residual: std / sqrt(2 * layers)."""
-        return self.init_method_std / math.sqrt(2.0 * self.num_layers)

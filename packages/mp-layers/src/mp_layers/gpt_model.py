@@ -96,7 +96,12 @@ class GPTModel(torch.nn.Module):
         self.embedding_on_last_stage = share or bool(config.mtp_num_layers)
         mtp_here = post_process and bool(config.mtp_num_layers)
         self._input_tensor: torch.Tensor | None = None
-        init = functools.partial(torch.nn.init.normal_, std=config.init_method_std)
+        init = functools.partial(torch.nn.init.normal_, std=config.embedding_init_std)
+        # The output layer's: init_method_std, or under muP an untied one's the embedding's.
+        output_std = config.init_method_std
+        if config.use_mup and not share:
+            output_std = config.embedding_init_std
+        output_init = functools.partial(torch.nn.init.normal_, std=output_std)
         # The embedding and output weights may be drawn shard by shard (FSDP,
         # deferred_init) unless a copy on another stage is made equal to them after
         # construction (sync_tied_embeddings: a tied output layer, MTP's embedding on the
@@ -158,7 +163,7 @@ class GPTModel(torch.nn.Module):
                 self.output_layer = ColumnParallelLinear(
                     config.hidden_size, vocab_size, tp_group=tp_group, bias=False,
                     gather_output=not parallel_output, sequence_parallel=config.sequence_parallel,
-                    init_method=init, params_dtype=config.params_dtype,
+                    init_method=output_init, params_dtype=config.params_dtype,
                 )  # fmt: skip
             if share and (pre_process or mtp_here):
                 self.output_layer.weight = self.embedding.weight
@@ -177,6 +182,11 @@ class GPTModel(torch.nn.Module):
         for owner in (getattr(self, "embedding", None), getattr(self, "output_layer", None)):
             if owner is not None:
                 owner.weight.is_embedding_or_output_parameter = True
+        # And muP's embedding-class parameters (vector-like: base lr and eps; mp_optim).
+        for owner in (getattr(self, "embedding", None), self.position_embeddings,
+                      getattr(self, "output_layer", None)):  # fmt: skip
+            if owner is not None:
+                owner.weight.is_embedding_parameter = True
 
     def set_input_tensor(self, tensor: torch.Tensor | None) -> None:
         """The pipeline schedules' hand-over: the previous stage's output [s, b, h], used
@@ -246,7 +256,7 @@ class GPTModel(torch.nn.Module):
             raise ValueError("the loss needs parallel_output=True (vocabulary-parallel logits)")
         if labels is None:
             logits, _ = self.output_layer(hidden)  # [s, b, v/tp]
-            return logits.transpose(0, 1).contiguous()
+            return self._scale_logits(logits).transpose(0, 1).contiguous()
         if self.mtp is not None and self.training and torch.is_grad_enabled():
             hidden = self._multi_token_prediction(
                 hidden, input_ids, labels, loss_mask, rotary, attention_mask
@@ -262,12 +272,15 @@ class GPTModel(torch.nn.Module):
         if self.config.output_loss_chunk_tokens:
             layer, chunk = self.output_layer, self.config.output_loss_chunk_tokens
             total = layer.matmul_input(hidden)  # [s, b, h], the whole sequence
+            if self.config.logit_multiplier != 1.0:  # muP: (c h) W = c (h W), no bias
+                total = total * self.config.logit_multiplier
             loss = chunked_linear_cross_entropy(
                 total, layer.weight if weight is None else weight, labels.t(), self.tp_group,
                 chunk, fused=self.config.cross_entropy_loss_fusion,
             )  # fmt: skip
             return loss.t().contiguous()
         logits, _ = self.output_layer(hidden, weight)  # [s, b, v/tp]
+        logits = self._scale_logits(logits)
         # The logits are not handed out: their memory takes their gradient in backward.
         grad_in_logits = logits.grad_fn is not None
         loss = vocab_parallel_cross_entropy(
@@ -275,6 +288,12 @@ class GPTModel(torch.nn.Module):
             fused=self.config.cross_entropy_loss_fusion,
         )  # fmt: skip
         return loss.t().contiguous()
+
+    def _scale_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """The logits times muP's output multiplier (config.logit_multiplier), as Megatron
+        scales them, after the output layer."""
+        multiplier = self.config.logit_multiplier
+        return logits if multiplier == 1.0 else logits * multiplier
 
     def _multi_token_prediction(self, hidden, input_ids, labels, loss_mask, rotary,
                                 attention_mask):  # fmt: skip
@@ -376,6 +395,8 @@ class GPTModel(torch.nn.Module):
             if self.config.sequence_parallel:
                 positions = positions.chunk(self.tp_group.size)[self.tp_group.rank]
             hidden = hidden + self.position_embeddings(positions)
+        if self.config.embedding_multiplier != 1.0:  # muP's mup_embedding_mult
+            hidden = hidden * self.config.embedding_multiplier
         p = self.config.hidden_dropout
         if self.training and p > 0:
             sharded = self.config.sequence_parallel

@@ -17,6 +17,7 @@ from mp_optim.factory import (
     get_optimizer,
     get_param_groups,
     is_embedding_or_output,
+    is_vector_like,
 )
 from mp_optim.fsdp import FullyShardedDataParallel, LocalShard
 from mp_optim.fsdp_sharding import FsdpSharding
@@ -59,5 +60,6 @@ __all__ = [
     "get_param_groups",
     "is_embedding_or_output",
     "is_expert_parallel",
+    "is_vector_like",
     "newton_schulz",
 ]

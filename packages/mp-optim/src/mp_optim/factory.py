@@ -12,8 +12,17 @@ parameters selected by scale_lr_cond get lr_mult. With
 config.decoupled_lr, the input embedding's and the output layer's weights (those
 the model marks `is_embedding_or_output_parameter`, Megatron's attribute) get
 groups of their own, `decoupled_lr: True`, whose schedule runs to max_lr =
-decoupled_lr and min_lr = decoupled_min_lr (or min_lr). Parameters with the same
-(wd_mult, lr_mult, decoupled) share a group; the groups are in that order.
+decoupled_lr and min_lr = decoupled_min_lr (or min_lr).
+
+With a muP width multiplier m != 1 (mp_layers' use_mup: hidden_size /
+mup_base_hidden_size), Megatron's muP rules: the hidden matrices (parameters of two
+or more dimensions that are not embedding-class: the model marks its embeddings and
+output layer `is_embedding_parameter`, Megatron's attribute) get groups of their own,
+`mup: True`: under adam their max_lr, min_lr and eps are divided by m, under muon the
+matrices Adam steps get the lr divided by m (Muon's keep theirs); under sgd the
+vector-like parameters (embedding-class, biases, norms) get max_lr and min_lr times m.
+A decoupled group keeps its decoupled_lr. Parameters with the same (wd_mult, lr_mult,
+decoupled, mup) share a group; the groups are in that order.
 """
 
 from __future__ import annotations
@@ -25,10 +34,17 @@ import torch
 from mp_optim.config import OptimizerConfig
 from mp_optim.ddp import DistributedDataParallel
 from mp_optim.fsdp import FullyShardedDataParallel
+from mp_optim.muon_groups import takes_muon
 from mp_optim.optimizer import MixedPrecisionOptimizer
 from mp_state import RankGroup
 
-__all__ = ["default_no_weight_decay", "get_optimizer", "get_param_groups", "is_embedding_or_output"]
+__all__ = [
+    "default_no_weight_decay",
+    "get_optimizer",
+    "get_param_groups",
+    "is_embedding_or_output",
+    "is_vector_like",
+]
 
 ParamCondition = Callable[[str, torch.nn.Parameter], bool]
 
@@ -51,14 +67,15 @@ def get_param_groups(
     no_weight_decay_cond: ParamCondition | None = None,
     scale_lr_cond: ParamCondition | None = None,
     lr_mult: float = 1.0,
+    mup_width_mult: float = 1.0,
 ) -> list[dict]:
     """Groups of model parameters with wd_mult, lr_mult and their initial lr / weight_decay
-    (and the decoupled schedule's ends, see above)."""
+    (and the decoupled schedule's ends, and muP's, see above)."""
     no_wd = no_weight_decay_cond or default_no_weight_decay
     if config.apply_wd_to_qk_layernorm and no_weight_decay_cond is None:
         no_wd = _decaying_qk_norms
     decoupling = config.decoupled_lr is not None
-    groups: dict[tuple[float, float, bool], list[torch.nn.Parameter]] = {}
+    groups: dict[tuple[float, float, bool, bool], list[torch.nn.Parameter]] = {}
     for chunk in model_chunks:
         for name, param in chunk.named_parameters():
             if not param.requires_grad:
@@ -66,17 +83,48 @@ def get_param_groups(
             wd_mult = 0.0 if no_wd(name, param) else 1.0
             scale = lr_mult if scale_lr_cond is not None and scale_lr_cond(name, param) else 1.0
             decoupled = decoupling and is_embedding_or_output(param)
-            groups.setdefault((wd_mult, scale, decoupled), []).append(param)
+            mup = mup_width_mult != 1.0 and not decoupled and _mup_scaled(config, param)
+            groups.setdefault((wd_mult, scale, decoupled, mup), []).append(param)
     out = []
-    for (wd_mult, scale, decoupled), params in sorted(groups.items()):
+    for (wd_mult, scale, decoupled, mup), params in sorted(groups.items()):
         group = {"params": params, "wd_mult": wd_mult, "lr_mult": scale, "lr": config.lr * scale,
                  "weight_decay": config.weight_decay * wd_mult}  # fmt: skip
         if decoupled:
             low = config.min_lr if config.decoupled_min_lr is None else config.decoupled_min_lr
             group |= {"decoupled_lr": True, "max_lr": config.decoupled_lr, "min_lr": low,
                       "lr": config.decoupled_lr * scale}  # fmt: skip
+        if mup:
+            group |= _mup_hyper(config, mup_width_mult, scale)
         out.append(group)
     return out
+
+
+def is_vector_like(param: torch.nn.Parameter) -> bool:
+    """muP's vector-like parameters: embedding-class (the model marks its embeddings and
+    output layer `is_embedding_parameter`; a copy of the embedding on another stage is
+    `shared_embedding`) or of at most one dimension."""
+    marked = getattr(param, "is_embedding_parameter", False)
+    return bool(marked or getattr(param, "shared_embedding", False)) or param.dim() <= 1
+
+
+def _mup_scaled(config: OptimizerConfig, param: torch.nn.Parameter) -> bool:
+    """muP changes this parameter's schedule: a hidden matrix under adam, one Adam steps
+    under muon, a vector-like parameter under sgd."""
+    if config.optimizer == "sgd":
+        return is_vector_like(param)
+    if is_vector_like(param):
+        return False
+    return config.optimizer == "adam" or not takes_muon(param)
+
+
+def _mup_hyper(config: OptimizerConfig, width: float, lr_mult: float) -> dict:
+    """A muP group's schedule ends (and Adam eps): see the module docstring."""
+    factor = width if config.optimizer == "sgd" else 1.0 / width
+    hyper = {"mup": True, "max_lr": config.lr * factor, "min_lr": config.min_lr * factor,
+             "lr": config.lr * factor * lr_mult}  # fmt: skip
+    if config.optimizer == "adam":
+        hyper["eps"] = config.adam_eps / width
+    return hyper
 
 
 def is_embedding_or_output(param: torch.nn.Parameter) -> bool:
@@ -96,6 +144,7 @@ def get_optimizer(
     lr_mult: float = 1.0,
     tp_group: RankGroup | None = None,
     expert_tp_group: RankGroup | None = None,
+    mup_width_mult: float = 1.0,
 ) -> MixedPrecisionOptimizer:
     """The optimizer for this rank's model chunks (see optimizer.py for what it does).
 
@@ -113,6 +162,8 @@ def get_optimizer(
             multiplied by lr_mult.
         tp_group, expert_tp_group: `state.tp` and `state.expert_tp`, for Muon, which
             orthogonalizes a matrix split over them whole.
+        mup_width_mult: muP's width multiplier (the model config's mup_width_mult):
+            the learning rates and Adam eps of muP (module docstring); 1: none.
     """
     if config.lr is None:
         raise ValueError("OptimizerConfig.lr is not set")
@@ -134,7 +185,7 @@ def get_optimizer(
             )
     groups = get_param_groups(
         model_chunks, config, no_weight_decay_cond=no_weight_decay_cond,
-        scale_lr_cond=scale_lr_cond, lr_mult=lr_mult,
+        scale_lr_cond=scale_lr_cond, lr_mult=lr_mult, mup_width_mult=mup_width_mult,
     )  # fmt: skip
     return MixedPrecisionOptimizer(
         config, model_chunks, groups, mp_group=mp_group, expert_mp_group=expert_mp_group,

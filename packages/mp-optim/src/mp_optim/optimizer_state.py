@@ -97,29 +97,29 @@ _SCHEDULE_ENDS = ("max_lr", "min_lr")
 
 def _group_kind(group: dict) -> tuple:
     return (group.get("wd_mult", 1.0), group.get("lr_mult", 1.0),
-            bool(group.get("decoupled_lr", False)))  # fmt: skip
+            bool(group.get("decoupled_lr", False)), bool(group.get("mup", False)))  # fmt: skip
 
 
 def _kinds(groups: list[dict]) -> str:
-    """The groups' (wd_mult, lr_mult, decoupled) for an error message."""
+    """The groups' (wd_mult, lr_mult, decoupled, muP) for an error message."""
     return ", ".join(
-        f"wd_mult {w:g} lr_mult {m:g}{' decoupled lr' if d else ''}"
-        for w, m, d in map(_group_kind, groups)
+        f"wd_mult {w:g} lr_mult {m:g}{' decoupled lr' if d else ''}{' muP' if u else ''}"
+        for w, m, d, u in map(_group_kind, groups)
     )
 
 
 def _checked_hyper(group: dict, hyper: dict, config) -> dict:
     """The checkpoint's hyper-parameters of `group`, after checking that they belong to
     a group of the same kind. The ends of the lr schedule: a group without its own
-    follows the scheduler's (which settles them with the checkpoint's); a decoupled
-    group's are settled as the scheduler settles its own: the command line's with
+    follows the scheduler's (which settles them with the checkpoint's); a decoupled or
+    muP group's are settled as the scheduler settles its own: the command line's with
     override_opt_param_scheduler, the checkpoint's with
     use_checkpoint_opt_param_scheduler, else they must agree."""
     if _group_kind(group) != _group_kind(hyper):
         raise ValueError(
             f"the checkpoint's parameter group ({_kinds([hyper])}) stands where this "
             f"optimizer has ({_kinds([group])}): the checkpoint was saved with other "
-            "weight-decay rules or another --decoupled-lr setting"
+            "weight-decay rules or another --decoupled-lr or muP (--use-mup) setting"
         )
     hyper = dict(hyper)
     for key in _SCHEDULE_ENDS:
@@ -128,11 +128,16 @@ def _checked_hyper(group: dict, hyper: dict, config) -> dict:
             continue
         if key not in hyper:
             continue
-        flag = "decoupled_lr" if key == "max_lr" else "decoupled_min_lr"
+        if group.get("decoupled_lr"):
+            kind = "decoupled learning rate group"
+            flag = "decoupled_lr" if key == "max_lr" else "decoupled_min_lr"
+        else:
+            kind = "muP group"
+            flag = ("lr" if key == "max_lr" else "min_lr") + " and the muP width multiplier"
         hyper[key] = settled(
             group[key], hyper[key], override=config.override_opt_param_scheduler,
             use_checkpoint=config.use_checkpoint_opt_param_scheduler,
-            mismatch=f"the checkpoint's decoupled learning rate group has {key}={hyper[key]}, "
+            mismatch=f"the checkpoint's {kind} has {key}={hyper[key]}, "
             f"this run {group[key]} ({flag}): pass --override-opt-param-scheduler to use "
             "this run's or --use-checkpoint-opt-param-scheduler to keep the checkpoint's",
         )  # fmt: skip

@@ -107,6 +107,11 @@ def write_hf(
     arch = arch or common.get("family") or family_of(settings)
     fam = family(arch)
     _check_layer_kinds(fam, settings)
+    if settings.get("use_mup"):
+        raise ValueError(
+            f"model_config use_mup=True: {arch}'s Hugging Face model has no muP multipliers "
+            "(the logits', the embedding's, the attention scale), so its logits would differ"
+        )
     tensors = _plan(fam, source, settings, dtype)
     _check_keys(arch, keys, tensors, where)
     # What may be refused is computed before any tensor is read (by every rank alike).

@@ -116,8 +116,8 @@ def _train_state(model: MegatronModel, common: dict) -> dict:
 
 def _groups(groups: list[dict], where: str) -> list[dict]:
     """Megatron's parameter groups as mp orders and names them: by (wd_mult, lr_mult,
-    decoupled), a group of the decoupled learning rate (`is_decoupled_lr`) marked
-    `decoupled_lr` as mp's are."""
+    decoupled, muP), a group of the decoupled learning rate (`is_decoupled_lr`) marked
+    `decoupled_lr` as mp's are, one muP changes (`mup`, below) marked `mup`."""
     out = []
     for group in groups:
         hyper = {k: group[k] for k in _GROUP_KEYS if group.get(k) is not None}
@@ -125,17 +125,34 @@ def _groups(groups: list[dict], where: str) -> list[dict]:
         hyper.setdefault("lr_mult", 1.0)
         if group.get("is_decoupled_lr"):
             hyper["decoupled_lr"] = True
+        elif _mup_group(group):
+            hyper["mup"] = True
         if "betas" in hyper:
             hyper["betas"] = tuple(hyper["betas"])
         out.append(hyper)
     merged: dict[tuple, dict] = {}
     for group in out:  # the dense and the expert optimizers' groups of the same kind merge
-        key = (group["wd_mult"], group["lr_mult"], group.get("decoupled_lr", False))
+        key = (group["wd_mult"], group["lr_mult"], group.get("decoupled_lr", False),
+               group.get("mup", False))  # fmt: skip
         if merged.setdefault(key, group) != group:
             raise ValueError(f"{where}: optimizer param_groups: two groups with wd_mult, "
-                             f"lr_mult, decoupled {key} differ: {merged[key]} and "
+                             f"lr_mult, decoupled, muP {key} differ: {merged[key]} and "
                              f"{group}")  # fmt: skip
     return [merged[k] for k in sorted(merged)]
+
+
+def _mup_hidden(name: str, weight: torch.Tensor) -> bool:
+    """muP's hidden matrix under Megatron's rule: not embedding-class (the embeddings, the
+    output layer) and of two or more dimensions."""
+    return weight.dim() >= 2 and "embedding" not in name and name != "output_layer.weight"
+
+
+def _mup_group(group: dict) -> bool:
+    """A group whose learning rate muP changed: Megatron marks a group with its own lr
+    schedule `default_config: False`; with lr_mult 1 and not decoupled, only muP's
+    overrides (--use-mup) give one (scale_lr_cond, which sets lr_mult, has no flag)."""
+    own_schedule = group.get("default_config") is False
+    return own_schedule and group.get("lr_mult", 1.0) == 1.0 and not group.get("is_decoupled_lr")
 
 
 def _step(values, where: str) -> float:
@@ -352,16 +369,25 @@ def _torch_optimizer_state(optimizer: dict, weights: dict, path: Path, local: di
             "with --decoupled-lr), whose parameters this format does not name: convert a "
             "torch_dist or distributed-optimizer checkpoint of it instead"
         )
-    decayed = [n for n in megatron_param_order(weights, str(path)) if _decayed(n, weights[n])]
-    others = [n for n in megatron_param_order(weights, str(path)) if not _decayed(n, weights[n])]
+    order = megatron_param_order(weights, str(path))
+    decayed = [n for n in order if _decayed(n, weights[n])]
+    others = [n for n in order if not _decayed(n, weights[n])]
+    # muP (Adam): the decayed hidden matrices have a group of their own
+    mup = any(_mup_group(group) for group in inner["param_groups"])
+    hidden = [n for n in decayed if mup and _mup_hidden(n, weights[n])]
     by_group = []
     for i, group in enumerate(inner["param_groups"]):
         wd = group.get("wd_mult", 1.0 if group.get("weight_decay") else 0.0)
         names = decayed if wd else others
+        what = "decayed" if wd else "non-decayed"
+        if wd and mup:
+            scaled = _mup_group(group)
+            names = hidden if scaled else [n for n in decayed if n not in hidden]
+            what = "muP hidden matrix" if scaled else "decayed vector-like"
         if len(group["params"]) != len(names):
             raise ValueError(
                 f"{path}: optimizer.param_groups[{i}] holds {len(group['params'])} parameters; "
-                f"the model has {len(names)} {'decayed' if wd else 'non-decayed'} ones"
+                f"the model has {len(names)} {what} ones"
             )
         by_group.append((group["params"], names))
     if sum(len(p) for p, _ in by_group) != len(weights):

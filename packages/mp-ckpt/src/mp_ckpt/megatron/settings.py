@@ -44,6 +44,27 @@ def _arg(args, name: str, default=None):
     return getattr(args, name, default)
 
 
+_MUP_COPIED = {"mup_base_hidden_size": None, "mup_embedding_mult": 1.0, "mup_output_mult": 1.0,
+               "mup_base_head_dim": None, "mup_attn_scale_power": 1.0}  # fmt: skip
+"""Maximal Update Parameterization's settings, under Megatron's defaults (mp's names)."""
+
+
+def _mup_settings(args) -> dict:
+    """muP's settings (the logits', the embedding's and the attention's multipliers follow
+    from them) and the embedding's init std; only those that differ from the defaults."""
+    settings = {}
+    if _arg(args, "embedding_init_method_std") is not None:
+        settings["embedding_init_method_std"] = float(args.embedding_init_method_std)
+    if not _arg(args, "use_mup", False):
+        return settings
+    settings["use_mup"] = True
+    for name, default in _MUP_COPIED.items():
+        value = _arg(args, name, default)
+        if value != default:
+            settings[name] = value
+    return settings
+
+
 def held_mtp_modules(settings: dict) -> int:
     """The multi-token prediction modules the tensors hold: mtp_num_layers, or one applied
     at every depth with mtp_use_repeated_layer."""
@@ -118,6 +139,7 @@ def model_config_from_megatron(args, vocab_size: int, where: str = "args") -> di
         "max_position_embeddings": _arg(args, "max_position_embeddings") or seq_length,
     }  # fmt: skip
     settings |= _attention_settings(args, position)
+    settings |= _mup_settings(args)
     settings |= _mla_settings(args, where)
     if _arg(args, "mtp_num_layers"):  # multi-token prediction (DeepSeek-V3)
         settings["mtp_num_layers"] = int(args.mtp_num_layers)

@@ -158,6 +158,15 @@ QWEN3_NEXT_STATE = [a for a in QWEN3_NEXT if a not in ("--no-save-optim", "--no-
 # save does not depend on the TP size. Needs emerging-optimizers (README.md).
 MUON = ("--optimizer", "muon", "--muon-tp-mode", "duplicated", "--muon-fp32-matmul-prec", "high")
 
+# μP (Maximal Update Parameterization) on the Llama model: base width 16 (hidden 32: width
+# multiplier 2), so the logits are multiplied by 0.5 (megatron-core sets mup_output_mult to
+# 1 / width multiplier), the word embeddings' output by 2, the softmax scale is
+# sqrt(4) / 8 = 0.25 (base head dim 4, attention scale power 1), weights drawn with
+# megatron-core's μP init from std 0.1; the optimizer built as Megatron-LM's training loop
+# builds it under --use-mup (the hidden matrices' Adam lr and eps halved, README.md "μP").
+MUP = [*LLAMA, "--use-mup", "--mup-base-hidden-size", "16", "--mup-embedding-mult", "2.0",
+       "--mup-base-head-dim", "4", "--init-method-std", "0.1"]  # fmt: skip
+
 # Several distributed-optimizer buckets per grad buffer: Megatron-LM's training loop keeps
 # --ddp-bucket-size only with --overlap-grad-reduce (otherwise one bucket per buffer).
 BUCKETS = ("--overlap-grad-reduce", "--ddp-bucket-size", "2000")
@@ -165,7 +174,7 @@ BUCKETS = ("--overlap-grad-reduce", "--ddp-bucket-size", "2000")
 # taken after the save and after everything else is recorded (the rest stays the same).
 NEXT_STEP = {"llama_torch_dist_tp2_distopt", "hybrid_torch_dist_tp2_dp2_distopt",
              "mla_mtp_torch_dist_tp1_distopt", "qwen3_next_torch_dist_tp2_dp2_distopt",
-             "llama_muon_torch_dist_tp2"}  # fmt: skip
+             "llama_muon_torch_dist_tp2", "llama_mup_torch_tp2"}  # fmt: skip
 NEXT_BATCH_SEED = 11
 
 
@@ -245,4 +254,6 @@ CASES = {
     # the Llama model trained with Muon (its matrices) and Adam (the rest), TP2, without the
     # distributed optimizer (with it Megatron's Muon is its layer-wise optimizer)
     "llama_muon_torch_dist_tp2": Case(LLAMA, "torch_dist", 2, 1, False, extra=MUON),
+    # the Llama model under μP, its Adam state, TP2, legacy format
+    "llama_mup_torch_tp2": Case(MUP, "torch", 2, 1, False),
 }

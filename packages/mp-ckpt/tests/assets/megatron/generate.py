@@ -49,7 +49,9 @@ from record import (  # noqa: E402
     adam_state,
     full_logits,
     mtp_losses_of,
+    mup_of,
     optimizer_layout,
+    param_groups_of,
     plain_args,
 )
 
@@ -143,7 +145,8 @@ def megatron_args(name, case):
 
 def build(args, seed):
     """GPTModel (local spec; HybridModel for a hybrid, hybrid.py) + megatron DDP + optimizer +
-    LR scheduler, all from ``args``."""
+    LR scheduler, all from ``args`` (under --use-mup the optimizer's parameter groups as
+    Megatron-LM's training loop makes them)."""
     import dataclasses
 
     import torch
@@ -157,9 +160,15 @@ def build(args, seed):
         get_gpt_layer_local_spec,
         get_gpt_mtp_block_spec,
     )
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer import (
+        OptimizerConfig,
+        get_megatron_optimizer,
+        get_mup_config_overrides,
+    )
+    from megatron.core.utils import get_model_config
     from megatron.training.argument_utils import core_transformer_config_from_args
     from megatron.training.training import (
+        get_megatron_optimizer_config,
         get_optimizer_param_scheduler,
         resolve_ddp_bucket_size,
         wrap_model_chunks_with_ddp,
@@ -221,13 +230,27 @@ def build(args, seed):
         sum(p.numel() for p in module.parameters()),
     )
     bucket_size = None if ps.get_pipeline_model_parallel_rank() > 0 else ddp_config.bucket_size
-    opt_fields = {f.name for f in dataclasses.fields(OptimizerConfig)}
-    opt_config = OptimizerConfig(**{k: v for k, v in vars(args).items() if k in opt_fields})
+    if args.use_mup:
+        # as Megatron-LM's setup_model_and_optimizer under --use-mup: the standard overrides
+        # (no weight decay on 1-D parameters and biases) merged with megatron-core's μP ones
+        # (per-parameter lr and Adam eps from the model's width multiplier)
+        opt_config, config_overrides = get_megatron_optimizer_config(args)
+        mup_overrides = get_mup_config_overrides(
+            config=opt_config,
+            mup_width_mult=get_model_config(module).mup_width_mult,
+            optimizer_type=opt_config.optimizer,
+        )
+        if mup_overrides:
+            config_overrides = {**(config_overrides or {}), **mup_overrides}
+    else:
+        opt_fields = {f.name for f in dataclasses.fields(OptimizerConfig)}
+        opt_config = OptimizerConfig(**{k: v for k, v in vars(args).items() if k in opt_fields})
+        config_overrides = None  # get_megatron_optimizer's default: the standard overrides
     with cuda_as_cpu():
         (model,) = wrap_model_chunks_with_ddp(
             [module], config, ddp_config, DP=DistributedDataParallel, bucket_sizes=[bucket_size]
         )
-        optimizer = get_megatron_optimizer(opt_config, [model])
+        optimizer = get_megatron_optimizer(opt_config, [model], config_overrides=config_overrides)
     scheduler = get_optimizer_param_scheduler(optimizer)
     return model, optimizer, scheduler
 
@@ -322,6 +345,11 @@ def worker(rank, world, port, name):
     from megatron.training.checkpointing import load_checkpoint, save_checkpoint
 
     model, optimizer, scheduler = build(args, SEED)
+    if args.use_mup:  # what megatron-core derives from the μP flags (cases.py's MUP)
+        mup = mup_of(model.module.config)
+        if rank == 0:
+            print(f"[{name}] mup {mup}", flush=True)
+        assert (mup["width_mult"], mup["output_mult"], mup["softmax_scale"]) == (2.0, 0.5, 0.25)
     train_data = batch(args, seed=0)
     losses = []
     for _ in range(ITERATIONS):
@@ -338,6 +366,7 @@ def worker(rank, world, port, name):
     mtp_losses = mtp_losses_of(model, ref_data) if args.mtp_num_layers else None
     state = adam_state(model, optimizer)
     lr_next = optimizer.param_groups[0]["lr"]
+    groups = param_groups_of(model, optimizer) if args.use_mup else None
     layouts = [None] * world
     torch.distributed.all_gather_object(layouts, optimizer_layout(model, optimizer))
     sched_state = scheduler.state_dict()
@@ -373,6 +402,8 @@ def worker(rank, world, port, name):
         )
         lr2 = optimizer2.param_groups[0]["lr"]
     assert iteration == ITERATIONS, iteration
+    # under μP the reloaded optimizer's groups (schedules, eps, members) equal the saved ones
+    assert groups is None or param_groups_of(model2, optimizer2) == groups
     assert d_logits == 0.0 and d_state == 0.0 and lr2 == lr_next, (d_logits, d_state, lr2, lr_next)
 
     # merge what the ranks hold (PP: logits on the last stage, params spread over stages)
@@ -420,6 +451,9 @@ def worker(rank, world, port, name):
             ref["muon"] = muon_only(state)
         if next_step is not None:
             ref["next_step"] = next_step
+        if groups is not None:  # μP: the optimizer's parameter groups and the model's values
+            ref["param_groups"] = groups
+            ref["mup"] = mup
         if mtp_losses is not None:
             ref["mtp_losses"] = mtp_losses
         torch.save(ref, os.path.join(name, "reference.pt"))

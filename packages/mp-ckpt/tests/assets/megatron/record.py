@@ -299,6 +299,37 @@ def optimizer_layout(model, optimizer):
     return out
 
 
+def param_groups_of(model, optimizer):
+    """Every optimizer parameter group of this rank (the chained optimizers' in order) as
+    plain values: its schedule (max_lr, min_lr, the current lr), Adam eps (where the group
+    has one), wd_mult, lr_mult, weight_decay, default_config, and the sorted names of its
+    parameters (``model.module.named_parameters()`` names, local to the rank)."""
+    names = {p: n for n, p in model.module.named_parameters()}
+    out = []
+    for o in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for g in o.optimizer.param_groups:
+            group = {
+                k: float(g[k]) for k in ("max_lr", "min_lr", "lr", "wd_mult", "lr_mult",
+                                         "weight_decay")
+            }  # fmt: skip
+            if "eps" in g:
+                group["eps"] = float(g["eps"])
+            group["default_config"] = bool(g["default_config"])
+            group["names"] = sorted(names[p] for p in g["params"])
+            out.append(group)
+    return out
+
+
+def mup_of(config):
+    """The μP values megatron-core computed into the model's TransformerConfig."""
+    return dict(
+        width_mult=float(config.mup_width_mult),
+        output_mult=float(config.mup_output_mult),
+        embedding_mult=float(config.mup_embedding_mult),
+        softmax_scale=float(config.softmax_scale),
+    )
+
+
 def full_logits(model, data):
     import torch
     from megatron.core import parallel_state as ps

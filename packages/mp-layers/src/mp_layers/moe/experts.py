@@ -75,7 +75,7 @@ class GroupedExperts(torch.nn.Module):
                   (self.num_local, h, self.local_ffn))  # fmt: skip
         if deferred_init.deferring():  # filled shard by shard once sharded (_ExpertDraws)
             draws = _ExpertDraws(experts, parts, f, h, first, rows,
-                                 (config.init_method_std, config.output_layer_init_std),
+                                 (config.hidden_init_std, config.output_layer_init_std),
                                  torch.get_rng_state())  # fmt: skip
             draws.advance()
             self.linear_fc1, self.linear_fc2 = (
@@ -96,7 +96,7 @@ class GroupedExperts(torch.nn.Module):
             return
         fc1, fc2 = [], []
         for expert in range(experts):
-            w1 = torch.empty(parts * f, h).normal_(std=config.init_method_std)
+            w1 = torch.empty(parts * f, h).normal_(std=config.hidden_init_std)
             w2 = torch.empty(h, f).normal_(std=config.output_layer_init_std)
             if first <= expert < first + self.num_local:
                 fc1.append(torch.cat([part[rows] for part in w1.chunk(parts)]))

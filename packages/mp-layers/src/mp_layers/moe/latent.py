@@ -6,7 +6,7 @@ Whole on every tensor-parallel rank (Megatron's parallel_mode="duplicated"): eac
 projects its own tokens (MoE layers under tensor parallelism run with sequence
 parallelism), so the weights' gradients are partial sums, reduced over tp as the other
 sequence-parallel replicated weights are (the `sequence_parallel` attribute). Drawn the
-same on every rank as the router's weight: fc1 normal(init_method_std), fc2 the scaled
+same on every rank as the router's weight: fc1 normal(hidden_init_std), fc2 the scaled
 output-layer std; a bias (add_bias_linear) starts at 0.
 """
 

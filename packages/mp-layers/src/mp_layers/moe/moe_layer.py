@@ -46,7 +46,7 @@ class MoELayer(torch.nn.Module):
         if latent is not None:
             h = config.hidden_size
             self.fc1_latent_proj = LatentProjection(config, groups.tp, h, latent,
-                                                    config.init_method_std)  # fmt: skip
+                                                    config.hidden_init_std)  # fmt: skip
         self.experts = GroupedExperts(config, groups.ep, groups.expert_tp, width=latent)
         if latent is not None:
             self.fc2_latent_proj = LatentProjection(config, groups.tp, latent, h,
@@ -104,7 +104,7 @@ class SharedExperts(MLP):
         super().__init__(config, groups.tp, config.moe_shared_expert_intermediate_size)
         self.gate_weight = None
         if config.moe_shared_expert_gate:
-            weight = torch.empty(1, config.hidden_size).normal_(std=config.init_method_std)
+            weight = torch.empty(1, config.hidden_size).normal_(std=config.hidden_init_std)
             self.gate_weight = torch.nn.Parameter(weight.to(config.params_dtype))
             self.gate_weight.sequence_parallel = config.sequence_parallel
 

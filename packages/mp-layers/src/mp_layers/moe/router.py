@@ -78,11 +78,11 @@ class TopKRouter(torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.empty(
             shape, dtype=config.params_dtype, device=deferred_init.weight_device(None)
         ))  # fmt: skip
-        normal = functools.partial(torch.nn.init.normal_, std=config.init_method_std)
+        normal = functools.partial(torch.nn.init.normal_, std=config.hidden_init_std)
         init_partitioned_weight(self.weight, shape, None, tp_group, normal)
         self.bias = None
         if config.add_bias_linear:  # Megatron's TopKRouter: normal, as the weight
-            bias = torch.empty(self.experts).normal_(std=config.init_method_std)
+            bias = torch.empty(self.experts).normal_(std=config.hidden_init_std)
             self.bias = torch.nn.Parameter(bias.to(config.params_dtype))
         for param in self.parameters():
             param.sequence_parallel = config.sequence_parallel

@@ -94,7 +94,7 @@ class SelfAttention(torch.nn.Module):
             config.hidden_size, width, tp_group=tp_group,
             bias=config.add_bias_linear or config.add_qkv_bias,
             sequence_parallel=config.sequence_parallel,
-            init_method=functools.partial(torch.nn.init.normal_, std=config.init_method_std),
+            init_method=functools.partial(torch.nn.init.normal_, std=config.hidden_init_std),
             params_dtype=config.params_dtype,
         )  # fmt: skip
         # the rows of each part in one query group: q, [gate,] k, v (Muon orthogonalizes
@@ -124,11 +124,12 @@ class SelfAttention(torch.nn.Module):
             cp_group=groups.cp, cp_comm_type=config.cp_comm_type,
             softmax_type=config.softmax_type, window=self.window,
             heads=self.groups * self.per_group, params_dtype=config.params_dtype,
+            softmax_scale=config.softmax_scale,  # muP's; None: 1 / sqrt(kv_channels)
         )  # fmt: skip
         if config.softmax_type == "learnable":  # the same sinks whatever the TP size
             init_partitioned_weight(
                 self.core_attention.softmax_offset, (config.num_attention_heads,), 0, tp_group,
-                functools.partial(torch.nn.init.normal_, std=config.init_method_std),
+                functools.partial(torch.nn.init.normal_, std=config.hidden_init_std),
             )  # fmt: skip
         # Selective recompute (Korthikanti et al.): core attention's activations grow with
         # s^2 but cost little to recompute, so only they are recomputed in backward.

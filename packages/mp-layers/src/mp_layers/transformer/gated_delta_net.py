@@ -51,7 +51,7 @@ out_proj. linear_num_key_heads must divide by tp x cp (Megatron's rule). The par
 stay whole on every CP rank; each CP rank's gradient holds its heads' share, which the
 gradient reduction over dp x cp sums, as for the Mamba mixers.
 
-Initialization, Megatron's: in_proj normal(init_method_std), out_proj the scaled output-layer
+Initialization, Megatron's: in_proj normal(hidden_init_std), out_proj the scaled output-layer
 std; conv1d uniform(-1/sqrt(K), 1/sqrt(K)) (torch's Conv1d default); dt_bias ones; A_log =
 ln(uniform(1, 16)); out_norm ones (zeros with apply_layernorm_1p).
 """
@@ -126,7 +126,7 @@ class GatedDeltaNet(torch.nn.Module):
         self.in_proj = ColumnParallelLinear(
             config.hidden_size, self.all_heads * self.unit, tp_group=tp,
             bias=False, sequence_parallel=config.sequence_parallel,
-            init_method=functools.partial(torch.nn.init.normal_, std=config.init_method_std),
+            init_method=functools.partial(torch.nn.init.normal_, std=config.hidden_init_std),
             params_dtype=config.params_dtype,
         )  # fmt: skip
         bound = 1 / math.sqrt(self.width)

@@ -49,7 +49,7 @@ Generation: with a KVCache the convolution starts from the layer's last K - 1 in
 the scan from its state, both kept in the cache (kv_cache.py), so each new position costs
 the same whatever came before.
 
-Initialization, Megatron's: in_proj normal(init_method_std), out_proj the scaled
+Initialization, Megatron's: in_proj normal(hidden_init_std), out_proj the scaled
 output-layer std; conv1d and its bias uniform(-1/sqrt(K), 1/sqrt(K)) (torch's Conv1d
 default); dt_bias the inverse softplus of dt drawn log-uniformly in [0.001, 0.1] (at
 least 1e-4); A_log = ln(uniform(1, 16)); D and norm.weight ones.
@@ -121,7 +121,7 @@ class MambaMixer(torch.nn.Module):
         self.in_proj = ColumnParallelLinear(
             config.hidden_size, self.all_groups * self.unit, tp_group=tp,
             bias=config.add_bias_linear, sequence_parallel=config.sequence_parallel,
-            init_method=functools.partial(torch.nn.init.normal_, std=config.init_method_std),
+            init_method=functools.partial(torch.nn.init.normal_, std=config.hidden_init_std),
             params_dtype=config.params_dtype,
         )  # fmt: skip
         bound = 1 / math.sqrt(CONV_WIDTH)

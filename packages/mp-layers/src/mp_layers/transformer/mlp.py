@@ -37,7 +37,7 @@ class MLP(torch.nn.Module):
         self.gated = config.gated_linear_unit
         self.tp_group = tp_group
         f = ffn_hidden_size or config.ffn_hidden_size
-        init = functools.partial(torch.nn.init.normal_, std=config.init_method_std)
+        init = functools.partial(torch.nn.init.normal_, std=config.hidden_init_std)
         fc1_init = GatedRows(init, tp_group.size) if self.gated else init
         self.linear_fc1 = ColumnParallelLinear(
             config.hidden_size, 2 * f if self.gated else f, tp_group=tp_group,

@@ -105,7 +105,7 @@ class MultiLatentAttention(torch.nn.Module):
         self.heads = n // tp_group.size  # on this rank
         self.dn, self.dr = config.qk_head_dim, config.qk_pos_emb_head_dim
         self.dv, self.r = config.v_head_dim, config.kv_lora_rank
-        normal = functools.partial(torch.nn.init.normal_, std=config.init_method_std)
+        normal = functools.partial(torch.nn.init.normal_, std=config.hidden_init_std)
         column = functools.partial(
             ColumnParallelLinear, tp_group=tp_group, bias=False,
             sequence_parallel=config.sequence_parallel, init_method=normal,

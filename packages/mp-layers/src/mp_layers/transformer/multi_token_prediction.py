@@ -123,7 +123,7 @@ class MultiTokenPredictionLayer(torch.nn.Module):
             self.eh_proj = ColumnParallelLinear(
                 2 * h, h, tp_group=groups.tp, bias=False, gather_output=False,
                 sequence_parallel=config.sequence_parallel,
-                init_method=functools.partial(torch.nn.init.normal_, std=config.init_method_std),
+                init_method=functools.partial(torch.nn.init.normal_, std=config.hidden_init_std),
                 params_dtype=config.params_dtype,
             )  # fmt: skip
         last = config.num_layers - 1  # the layers are shaped as the model's last

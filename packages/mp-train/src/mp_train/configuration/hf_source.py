@@ -77,7 +77,7 @@ def apply_hf_settings(values: dict, explicit: set[tuple[str, str]]) -> None:
     path = hf_source(checkpoint.get("load"), checkpoint.get("pretrained_checkpoint"))
     if path is None:
         return
-    _, settings = hf_directory_settings(path)
+    settings = _with_mp_defaults(hf_directory_settings(path)[1])
     differing = []
     for (part, name), value in model_fields_of(settings).items():
         if (part, name) not in explicit or name in RUN_CHOICES:
@@ -111,11 +111,17 @@ def apply_hf_settings(values: dict, explicit: set[tuple[str, str]]) -> None:
     data["tokenizer_model"] = path
 
 
+def _with_mp_defaults(settings: dict) -> dict:
+    """A Hugging Face model's settings with what none of its families has said outright:
+    no muP (its logits, embedding and attention have no muP multipliers)."""
+    return {"use_mup": False} | settings
+
+
 def hf_differences(config, settings: dict) -> list[str]:
     """The fields of a RunConfig that differ from a Hugging Face directory's settings
     (the run's own choices aside), as `field: directory's, run's` lines."""
     differing = []
-    for (part, name), value in model_fields_of(settings).items():
+    for (part, name), value in model_fields_of(_with_mp_defaults(settings)).items():
         if name in RUN_CHOICES or (part, name) == ("data", "padded_vocab_size"):
             continue
         have = getattr(getattr(config, part), name)

@@ -198,4 +198,9 @@ IGNORED: dict[str, tuple[bool, str]] = {
         "asynchronous save copies them to the training process's own host memory and "
         "writes them from a thread of that process, with no worker process to hand them to",
     ),
+    "mup_width_mult": (
+        True,
+        "Megatron-LM overwrites it with hidden_size / mup_base_hidden_size under --use-mup "
+        "and reads it nowhere else; mp computes the same multiplier from those two",
+    ),
 }

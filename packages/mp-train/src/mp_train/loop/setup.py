@@ -224,6 +224,7 @@ def setup_run(
         config.optimizer, model, mp_group=state.mp,
         expert_mp_group=state.tp_ep_pp if experts else None,
         tp_group=state.tp, expert_tp_group=state.expert_tp,
+        mup_width_mult=config.model.mup_width_mult,
     )  # fmt: skip
     training = config.training
     scheduler = get_optimizer_param_scheduler(

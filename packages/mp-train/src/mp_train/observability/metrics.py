@@ -341,8 +341,10 @@ class MetricsLogger:
 
 def logged_lr(param_groups: list[dict]) -> float:
     """The learning rate the log shows: the first group's that follows lr (not a
-    decoupled learning rate's group, as Megatron logs its default-schedule group's)."""
-    followers = [g for g in param_groups if not g.get("decoupled_lr")] or param_groups
+    decoupled learning rate's or a muP-scaled group, as Megatron logs its default-schedule
+    group's)."""
+    followers = [g for g in param_groups if not (g.get("decoupled_lr") or g.get("mup"))]
+    followers = followers or param_groups
     return followers[0]["lr"] if followers else 0.0
 
 
