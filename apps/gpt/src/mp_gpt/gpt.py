@@ -23,9 +23,12 @@ from mp_data import (
     BlendedMegatronDatasetBuilder,
     GPTDataset,
     GPTDatasetConfig,
+    GPTFIMDataset,
+    GPTFIMDatasetConfig,
     MockGPTDataset,
     SFTDataset,
     SFTTokenizer,
+    fim_dataset_fields,
     get_blend_from_list,
 )
 from mp_layers import GPTModel, ModelGroups, PackedSeqParams, broadcast_data, shard_sequence
@@ -68,16 +71,18 @@ def datasets_provider(run, counts: list[int]):
         if data.train_data_path or data.valid_data_path or data.test_data_path:
             paths = (data.train_data_path, data.valid_data_path, data.test_data_path)
             per_split = [get_blend_from_list(p) for p in paths]
-    dataset_config = GPTDatasetConfig(
+    fim = fim_dataset_fields(data) if data.fim_data else {}
+    dataset_config = (GPTFIMDatasetConfig if fim else GPTDatasetConfig)(
         random_seed=config.training.seed, sequence_length=config.gpt.seq_length,
         blend=blend, blend_per_split=per_split,
         split=data.split if per_split is None else None, path_to_cache=data.data_cache_path,
         tokenizer=tokenizer, reset_position_ids=data.reset_position_ids,
         reset_attention_mask=data.reset_attention_mask, eod_mask_loss=data.eod_mask_loss,
         create_attention_mask=data.batches_carry_documents,
-        context_parallel_size=config.parallel.context_parallel_size,
+        context_parallel_size=config.parallel.context_parallel_size, **fim,
     )  # fmt: skip
     cls = SFTDataset if data.sft else MockGPTDataset if data.mock_data else GPTDataset
+    cls = GPTFIMDataset if fim else cls
     return BlendedMegatronDatasetBuilder(cls, counts, reads_data, dataset_config).build()
 
 

@@ -1,8 +1,9 @@
 """mp-data: Megatron-compatible data for pretraining, from text to batches.
 
 .bin/.idx indexed datasets (byte-compatible with Megatron-LM's MMIDIDX), native
-index builders, GPT, mock and blended datasets with Megatron's sampling, SFT
-datasets (chat JSONL packed into loss-masked samples), the
+index builders, GPT, mock and blended datasets with Megatron's sampling, FIM
+datasets (fill-in-the-middle samples), SFT datasets (chat JSONL packed into
+loss-masked samples), the
 dataset builder, samplers and the data loader, tokenizers, and the `mp-data`
 command (mp_data.cli). docs/data.md explains the pipeline.
 
@@ -22,6 +23,9 @@ _EXPORTS = {
     "build_pretraining_data_loader": "mp_data.data_loader",
     "GPTDatasetConfig": "mp_data.gpt_config",
     "GPTDataset": "mp_data.gpt_dataset",
+    "GPTFIMDataset": "mp_data.fim_dataset",
+    "GPTFIMDatasetConfig": "mp_data.fim_dataset",
+    "fim_dataset_fields": "mp_data.fim_config",
     "ltor_masks_and_position_ids": "mp_data.gpt_dataset",
     "build_blending_indices": "mp_data.index_builders",
     "build_exhaustive_blending_indices": "mp_data.index_builders",
@@ -79,6 +83,8 @@ __all__ = [
     "GPT2BPETokenizer",
     "GPTDataset",
     "GPTDatasetConfig",
+    "GPTFIMDataset",
+    "GPTFIMDatasetConfig",
     "HuggingFaceTokenizer",
     "IndexedDataset",
     "IndexedDatasetBuilder",
@@ -98,6 +104,7 @@ __all__ = [
     "build_pretraining_data_loader",
     "build_sample_idx",
     "build_tokenizer",
+    "fim_dataset_fields",
     "get_bin_path",
     "get_blend_from_list",
     "get_idx_path",

@@ -12,6 +12,8 @@ import json
 from dataclasses import dataclass
 from typing import Literal, get_args
 
+from mp_data.fim_config import FimDataConfig, check_fim
+
 __all__ = ["DataConfig"]
 
 SFTPromptFormat = Literal["default", "nemotron-h-aligned", "nemotron-nano-v2", "identity"]
@@ -19,7 +21,7 @@ SFTPromptFormat = Literal["default", "nemotron-h-aligned", "nemotron-nano-v2", "
 
 
 @dataclass(kw_only=True)
-class DataConfig:
+class DataConfig(FimDataConfig):
     data_path: list[str] | None = None
     """Datasets as [weight] prefix pairs or prefixes (Megatron's blend), each the path of a
     .bin/.idx pair without the extension."""
@@ -135,6 +137,7 @@ class DataConfig:
         if self.sft and self.mock_data:
             raise ValueError("sft=True reads JSONL conversations; mock_data=True has none: "
                              "give one of them")  # fmt: skip
+        check_fim(self)
         self._read_data_args()
         if self.data_path and self.train_data_path:
             raise ValueError("data_path and train_data_path are exclusive: give one")

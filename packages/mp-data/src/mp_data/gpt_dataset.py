@@ -132,10 +132,14 @@ class GPTDataset(MegatronDataset):
             parts = [sequence(first, first_offset)]
             parts += [sequence(k) for k in range(first + 1, last)]
             parts.append(sequence(last, 0, end))
-        text = np.concatenate(parts).astype(np.int64, copy=False)
+        text = self._transform(np.concatenate(parts).astype(np.int64, copy=False), idx)
         missing = self.config.sequence_length + self._extra - len(text)
         if missing > 0:  # only the last sample, when it is kept partial
             text = np.concatenate([text, np.full(missing, self._pad, np.int64)])
+        return text
+
+    def _transform(self, text: np.ndarray, idx: int) -> np.ndarray:
+        """Sample idx's tokens as read, before any padding: a subclass's hook (FIM)."""
         return text
 
     def __getitem__(self, idx: int | None) -> dict[str, torch.Tensor]:
