@@ -1,6 +1,7 @@
 """Context parallelism end to end: apps/gpt's tiny config (GQA, RoPE, fp32, dropout 0) at
 sequence 256 trains with the one-rank loss curve, gradient norms and consumed samples at
-CP2 (every comm type), CP2 x TP2 with sequence parallelism, CP2 x PP2 (also with virtual
+CP2 (every comm type), CP4 hierarchically (a2a+p2p, 2 x 2) and CP2 as 2 x 1, CP2 x TP2
+with sequence parallelism, CP2 x PP2 (also with virtual
 stages) and CP2 x DP2 (also with the distributed optimizer)."""
 
 from pathlib import Path
@@ -50,6 +51,22 @@ LAYOUTS = {
             "--num-layers-per-virtual-pipeline-stage",
             "1",
         ],
+    ),
+    "cp4-a2a+p2p": (
+        4,
+        [
+            "--context-parallel-size",
+            "4",
+            "--cp-comm-type",
+            "a2a+p2p",
+            "--hierarchical-context-parallel-sizes",
+            "2",
+            "2",
+        ],
+    ),
+    "cp2-a2a+p2p-2x1": (
+        2,
+        [*CP2, "--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes", "2", "1"],
     ),
     "cp2-dp2": (4, CP2),
     "cp2-dp2-distopt": (4, [*CP2, "--use-distributed-optimizer"]),

@@ -1,7 +1,8 @@
 """Context-parallel attention equals causal attention over the whole sequence on one rank:
 outputs and the gradients of q, k and v, for every comm type, with GQA, at cp = 1, 2
-and 4; and the pieces it is made of (the load-balanced layout, the block plan, the
-log-sum-exp merge) on their own."""
+and 4, and hierarchically (a2a+p2p) at 2 x 2, 4 x 1, 1 x 4 and 2 x 1; and the pieces it
+is made of (the load-balanced layout, the block plan, the log-sum-exp merge) on their
+own."""
 
 from __future__ import annotations
 
@@ -121,14 +122,16 @@ def _inputs():
     return q, k, v, grad
 
 
-def compare_on_ranks(comm_type: str) -> float:
+def compare_on_ranks(comm_type: str, levels: list[int] | None = None) -> float:
     import mp_state
     from mp_layers.context_parallel import context_parallel_attention
+    from mp_layers.context_parallel.hierarchical import hierarchical_attention
     from mp_layers.context_parallel.ulysses import ulysses_attention
 
     torch.set_num_threads(1)
     cp = torch.distributed.get_world_size()
-    state = mp_state.initialize(mp_state.ParallelConfig(context_parallel_size=cp))
+    state = mp_state.initialize(mp_state.ParallelConfig(
+        context_parallel_size=cp, hierarchical_context_parallel_sizes=levels))  # fmt: skip
     group = state.cp
     q, k, v, grad = _inputs()
     expected = _reference(q, k, v, grad)
@@ -136,6 +139,9 @@ def compare_on_ranks(comm_type: str) -> float:
     local = [t.clone().requires_grad_() for t in local]
     if comm_type == "a2a":
         out = ulysses_attention(*local, group, causal_attention)
+    elif comm_type == "a2a+p2p":
+        out = hierarchical_attention(*local, group, (state.cp_a2a, state.cp_p2p),
+                                     1 / math.sqrt(D), causal_attention)  # fmt: skip
     else:
         scale = 1 / math.sqrt(D)
         out = context_parallel_attention(*local, group, scale=scale, comm_type=comm_type)
@@ -153,6 +159,16 @@ def compare_on_ranks(comm_type: str) -> float:
 @pytest.mark.parametrize("cp", [1, 2, 4])
 def test_context_parallel_attention_equals_one_rank(cp, comm_type):
     errors = run_on_ranks(compare_on_ranks, cp, comm_type, timeout=120)
+    assert max(errors) < 1e-5, errors
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("levels", [[2, 2], [4, 1], [1, 4], [2, 1]])
+def test_hierarchical_context_parallel_attention_equals_one_rank(levels):
+    """cp_comm_type a2a+p2p: an all-to-all over the inner groups (consecutive CP ranks),
+    the ring over the outer ones, at 2 x 2 and with either level of one rank."""
+    cp = levels[0] * levels[1]
+    errors = run_on_ranks(compare_on_ranks, cp, "a2a+p2p", levels, timeout=120)
     assert max(errors) < 1e-5, errors
 
 

@@ -111,6 +111,15 @@ def test_layouts_that_do_not_fit_the_world(kwargs, world, message):
             dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=0),
             r"virtual_pipeline_model_parallel_size=0",
         ),
+        (
+            dict(context_parallel_size=4, hierarchical_context_parallel_sizes=[2, 1]),
+            r"hierarchical_context_parallel_sizes=\[2, 1\]: their product must be "
+            r"context_parallel_size=4",
+        ),
+        (
+            dict(context_parallel_size=8, hierarchical_context_parallel_sizes=[2, 2, 2]),
+            r"has two levels, \[all-to-all, ring\]",
+        ),
     ],
 )
 def test_invalid_configs(kwargs, message):
@@ -149,3 +158,18 @@ def test_embedding_rank_function_must_pick_stage_ranks():
         plan_groups(config, 2, embedding_ranks=lambda pp_ranks: [99])
     with pytest.raises(ValueError, match=r"position embedding ranks \[\]"):
         plan_groups(config, 2, position_embedding_ranks=lambda pp_ranks: [])
+
+
+def test_hierarchical_context_parallel_groups_are_megatrons():
+    """Megatron's create_hierarchical_groups over each CP group: the inner (all-to-all)
+    groups of consecutive CP ranks, the outer (ring) ones of ranks `inner` apart."""
+    config = ParallelConfig(tensor_model_parallel_size=2, context_parallel_size=4,
+                            hierarchical_context_parallel_sizes=[2, 2])  # fmt: skip
+    plan = plan_groups(config, 16)
+    assert plan.groups["cp"][:2] == [(0, 2, 4, 6), (1, 3, 5, 7)]
+    assert plan.groups["cp_a2a"][:4] == [(0, 2), (4, 6), (1, 3), (5, 7)]
+    assert plan.groups["cp_p2p"][:4] == [(0, 4), (2, 6), (1, 5), (3, 7)]
+    for kind in ("cp_a2a", "cp_p2p"):
+        ranks = sorted(r for group in plan.groups[kind] for r in group)
+        assert ranks == list(range(16))
+    assert "cp_a2a" not in plan_groups(ParallelConfig(context_parallel_size=4), 4).groups

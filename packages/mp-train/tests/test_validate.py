@@ -141,6 +141,49 @@ def test_the_layouts_validate():
             4,
             r"^mamba_num_groups=2 is not divisible by tensor_model_parallel_size=4",
         ),
+        (
+            [
+                "--context-parallel-size",
+                "4",
+                "--cp-comm-type",
+                "a2a+p2p",
+                "--attention-dropout",
+                "0",
+            ],
+            4,
+            r"^cp_comm_type='a2a\+p2p' needs hierarchical_context_parallel_sizes",
+        ),
+        (
+            [
+                "--context-parallel-size",
+                "4",
+                "--hierarchical-context-parallel-sizes",
+                "2",
+                "2",
+                "--attention-dropout",
+                "0",
+            ],
+            4,
+            r"^hierarchical_context_parallel_sizes=\[2, 2\] applies to cp_comm_type="
+            r"'a2a\+p2p', not 'p2p'",
+        ),
+        (
+            [
+                "--context-parallel-size",
+                "4",
+                "--cp-comm-type",
+                "a2a+p2p",
+                "--hierarchical-context-parallel-sizes",
+                "4",
+                "1",
+                "--num-query-groups",
+                "2",
+                "--attention-dropout",
+                "0",
+            ],
+            4,
+            r"^cp_comm_type='a2a\+p2p' splits each tensor-parallel rank's num_query_groups=2 ",
+        ),
     ],
 )
 def test_what_cannot_run_is_refused(flags, world, message):

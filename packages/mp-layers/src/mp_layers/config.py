@@ -125,8 +125,9 @@ class TransformerConfig(MupConfig):
     context_parallel_size > 1): "p2p" passes them around a ring, overlapping each transfer
     with the previous block's compute; "all_gather" gathers them all at once; "a2a"
     (Ulysses) trades the sequence split for a head split before attention and back after
-    (the query groups must divide over the ranks). "a2a+p2p" (hierarchical) is refused: it
-    is not implemented."""
+    (the query groups must divide over the ranks). "a2a+p2p" (hierarchical) runs "a2a"
+    within the inner groups of mp-state's hierarchical_context_parallel_sizes, then "p2p"
+    across the outer ones (context_parallel/hierarchical.py)."""
 
     softmax_type: Literal["vanilla", "off-by-one", "learnable"] = "vanilla"
     """Attention sinks: "off-by-one" adds a logit 0 to each softmax row (softmax_1), "learnable"

@@ -51,14 +51,9 @@ def check_attention_fields(config: TransformerConfig) -> None:
     factor = config.rotary_seq_len_interpolation_factor
     if factor is not None and factor < 1.0:
         raise ValueError(f"rotary_seq_len_interpolation_factor={factor} must be >= 1")
-    if config.cp_comm_type == "a2a+p2p":
+    if config.cp_comm_type not in ("p2p", "all_gather", "a2a", "a2a+p2p"):
         raise ValueError(
-            "cp_comm_type='a2a+p2p' (hierarchical context parallelism) is not implemented: "
-            "choose p2p, all_gather or a2a"
-        )
-    if config.cp_comm_type not in ("p2p", "all_gather", "a2a"):
-        raise ValueError(
-            f"cp_comm_type={config.cp_comm_type!r} must be one of p2p, all_gather, a2a"
+            f"cp_comm_type={config.cp_comm_type!r} must be one of p2p, all_gather, a2a, a2a+p2p"
         )
     _check_rope_scaling(config)
     _check_yarn(config)

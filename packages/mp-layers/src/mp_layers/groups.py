@@ -48,12 +48,18 @@ class ModelGroups:
     """tp x dp x cp: every rank of this pipeline stage; the global load-balancing loss
     counts its tokens over it."""
 
+    cp_levels: tuple[RankGroup, RankGroup] | None = None
+    """Hierarchical context parallelism (cp_comm_type "a2a+p2p"): the inner CP group
+    (consecutive CP ranks, an all-to-all by heads) and the outer one (a ring); None
+    without mp-state's hierarchical_context_parallel_sizes."""
+
     @classmethod
     def of(cls, state: ParallelState) -> ModelGroups:
         """This rank's groups in an initialized ParallelState."""
+        levels = None if state.cp_a2a is None else (state.cp_a2a, state.cp_p2p)
         return cls(
             tp=state.tp, cp=state.cp, ep=state.ep, expert_tp=state.expert_tp, tp_ep=state.tp_ep,
-            tp_cp=state.tp_cp, tp_dp_cp=state.tp_dp_cp,
+            tp_cp=state.tp_cp, tp_dp_cp=state.tp_dp_cp, cp_levels=levels,
         )  # fmt: skip
 
     @classmethod

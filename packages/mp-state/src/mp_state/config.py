@@ -26,6 +26,12 @@ class ParallelConfig:
     context_parallel_size: int = 1
     """Ranks that split each sequence (CP)."""
 
+    hierarchical_context_parallel_sizes: list[int] | None = None
+    """Two levels of context parallelism, [inner, outer] with inner x outer =
+    context_parallel_size (Megatron's, for cp_comm_type "a2a+p2p"): consecutive CP ranks
+    form the inner groups (cp_a2a: an all-to-all by heads, within a node), ranks inner
+    apart the outer ones (cp_p2p: a ring, across nodes)."""
+
     expert_model_parallel_size: int = 1
     """Ranks that split the experts of a MoE layer (EP)."""
 
@@ -80,6 +86,7 @@ class ParallelConfig:
             "distributed_timeout_minutes",
         ):
             _require_positive_int(name, getattr(self, name))
+        self._check_hierarchical_context_parallel()
         if self.expert_tensor_parallel_size is None:
             self.expert_tensor_parallel_size = self.tensor_model_parallel_size
         _require_positive_int("expert_tensor_parallel_size", self.expert_tensor_parallel_size)
@@ -129,6 +136,20 @@ class ParallelConfig:
                     f"order={self.order!r}: 'ep' must stand next to 'dp' (as in 'ep-dp' or "
                     "'dp-ep'), because expert-parallel ranks are carved out of data-parallel ones"
                 )
+
+    def _check_hierarchical_context_parallel(self) -> None:
+        sizes = self.hierarchical_context_parallel_sizes
+        if sizes is None:
+            return
+        sizes = self.hierarchical_context_parallel_sizes = list(sizes)
+        for size in sizes:
+            _require_positive_int("hierarchical_context_parallel_sizes", size)
+        if len(sizes) != 2:
+            raise ValueError(f"hierarchical_context_parallel_sizes={sizes}: mp's hierarchical "
+                             "context parallelism has two levels, [all-to-all, ring]")  # fmt: skip
+        if sizes[0] * sizes[1] != self.context_parallel_size:
+            raise ValueError(f"hierarchical_context_parallel_sizes={sizes}: their product must "
+                             f"be context_parallel_size={self.context_parallel_size}")  # fmt: skip
 
     def data_parallel_size(self, world_size: int) -> int:
         """The data-parallel size left for `world_size` ranks (Megatron's derivation)."""

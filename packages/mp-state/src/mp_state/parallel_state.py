@@ -105,6 +105,11 @@ class ParallelState:
     """None on ranks that hold no word embedding (middle pipeline stages)."""
     position_embedding: RankGroup | None
     """None on ranks that hold no position embedding."""
+    cp_a2a: RankGroup | None = None
+    """With hierarchical_context_parallel_sizes: the inner CP group (consecutive CP ranks,
+    all-to-all by heads); else None."""
+    cp_p2p: RankGroup | None = None
+    """With hierarchical_context_parallel_sizes: the outer CP group (a ring); else None."""
 
     @property
     def world_size(self) -> int:

@@ -114,11 +114,24 @@ def plan_groups(
             f"(tensor_model_parallel_size={tp}, expert_tensor_parallel_size="
             f"{config.expert_tensor_parallel_size}); put 'pp' last in the order"
         )
+    if config.hierarchical_context_parallel_sizes is not None:
+        groups |= _hierarchical_cp(groups["cp"], config.hierarchical_context_parallel_sizes)
     groups["embedding"] = [_stage_subset(p, embedding_ranks, "embedding") for p in groups["pp"]]
     groups["position_embedding"] = [
         _stage_subset(p, position_embedding_ranks, "position embedding") for p in groups["pp"]
     ]
     return GroupPlan(world_size, dp, edp, groups)
+
+
+def _hierarchical_cp(cp_groups: list[tuple[int, ...]], sizes: list[int]) -> dict:
+    """Megatron's hierarchical context-parallel groups of each CP group (its
+    create_hierarchical_groups): "cp_a2a", `inner` consecutive CP ranks; "cp_p2p", the
+    ranks `inner` apart."""
+    inner, outer = sizes
+    return {
+        "cp_a2a": [g[i * inner : (i + 1) * inner] for g in cp_groups for i in range(outer)],
+        "cp_p2p": [g[i::inner] for g in cp_groups for i in range(inner)],
+    }
 
 
 def _tuples(groups: list[list[int]]) -> list[tuple[int, ...]]:

@@ -25,14 +25,32 @@ __all__ = ["HeadSplit"]
 class HeadSplit:
     """The reordering for samples of `s` positions here (cp x s in all), `b` of them, on
     `device`. order: [b, cp x s], the sample position at each place of the chunk order
-    (None: the positions themselves)."""
+    (None: the positions themselves).
+
+    Over part of the context-parallel ranks (hierarchical context parallelism's inner
+    group): `levels` = (the whole CP group, the outer group's size and this rank's place
+    in it); the group's members are consecutive CP ranks, whose chunks make up the outer
+    rank's two chunks of the sequence, and the gathered positions are put in that rank's
+    local order (layout.py at the outer size) instead of position order."""
 
     def __init__(
         self, s: int, b: int, cp_group: RankGroup, device: torch.device,
-        order: torch.Tensor | None = None,
+        order: torch.Tensor | None = None, levels: tuple[RankGroup, int, int] | None = None,
     ) -> None:  # fmt: skip
         self.cp_group = cp_group
         cp = cp_group.size
+        if levels is not None:
+            whole, outer, outer_rank = levels
+            total = s * whole.size
+            members = [whole.ranks.index(r) for r in cp_group.ranks]
+            arrived = torch.cat([local_positions(total, whole.size, r) for r in members])
+            wanted = local_positions(total, outer, outer_rank)
+            place = torch.full((total,), -1, dtype=torch.long)
+            place[arrived] = torch.arange(len(arrived))
+            self._in = (place[wanted].to(device),)  # gathered index of each wanted position
+            place[wanted] = torch.arange(len(wanted))
+            self._out = (place[arrived].to(device),)
+            return
         # The place in the chunk order of each gathered position, and its inverse.
         arrived = torch.cat([local_positions(s * cp, cp, r) for r in range(cp)]).to(device)
         if order is None:

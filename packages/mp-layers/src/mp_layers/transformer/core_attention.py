@@ -41,6 +41,7 @@ import torch.nn.functional as F
 
 from mp_layers.config import ATTENTION_BACKENDS
 from mp_layers.context_parallel import context_parallel_attention
+from mp_layers.context_parallel.hierarchical import hierarchical_attention
 from mp_layers.context_parallel.ulysses import ulysses_attention
 from mp_layers.transformer.banded_attention import banded_attention
 from mp_layers.transformer.blocked_attention import blocked_attention, saved_probability_bytes
@@ -75,11 +76,14 @@ class CoreAttention(torch.nn.Module):
         heads: int | None = None,
         params_dtype: torch.dtype = torch.float32,
         softmax_scale: float | None = None,
+        cp_levels: tuple[RankGroup, RankGroup] | None = None,
     ) -> None:
         """softmax_type, window (the earlier keys each query sees; None: all) and heads
         (this rank's query heads, for the sinks): module docstring. softmax_scale
-        multiplies the logits q k^T (None: 1 / sqrt(d), d the query's width)."""
+        multiplies the logits q k^T (None: 1 / sqrt(d), d the query's width). cp_levels:
+        the inner and outer context-parallel groups of cp_comm_type "a2a+p2p"."""
         super().__init__()
+        self.cp_levels = cp_levels
         self.softmax_scale = softmax_scale
         self.softmax_type = softmax_type
         self.window = window
@@ -161,6 +165,8 @@ class CoreAttention(torch.nn.Module):
                     f"cp_comm_type={self.cp_comm_type!r}: sinks and windows across "
                     "context-parallel ranks need cp_comm_type='a2a'"
                 )
+            if self.cp_comm_type == "a2a+p2p":
+                return self._attend_hierarchical(q, k, v, packed)
             documents = chunks = None
             if packed is not None and packed.split == "document":
                 chunks = packed.chunk_segments
@@ -171,6 +177,20 @@ class CoreAttention(torch.nn.Module):
                 documents=documents, document_chunks=chunks,
             )  # fmt: skip
         return self._attend(q, k, v, attention_mask, sink=self.softmax_offset)
+
+    def _attend_hierarchical(self, q, k, v, packed) -> torch.Tensor:
+        """cp_comm_type "a2a+p2p": context_parallel/hierarchical.py."""
+        if self.cp_levels is None:
+            raise ValueError(
+                "cp_comm_type='a2a+p2p' needs the hierarchical context-parallel groups: set "
+                "hierarchical_context_parallel_sizes (Megatron's "
+                "--hierarchical-context-parallel-sizes)"
+            )
+        if packed is not None:
+            raise ValueError("packed documents with cp_comm_type='a2a+p2p' are not "
+                             "implemented: use p2p, all_gather or a2a")  # fmt: skip
+        return hierarchical_attention(q, k, v, self.cp_group, self.cp_levels, self._scale(q),
+                                      lambda *qkv: self._attend(*qkv))  # fmt: skip
 
     def _attend(
         self,

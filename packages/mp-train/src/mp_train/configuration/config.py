@@ -30,6 +30,7 @@ from mp_optim import OptimizerConfig
 from mp_pipeline import check_microbatch_group
 from mp_state import ParallelConfig
 from mp_train.configuration.batch_sizes import batch_schedule, check_eval_batch
+from mp_train.configuration.context_parallel_checks import check_hierarchical_context_parallel
 from mp_train.configuration.pipeline_segments import check_segments
 from mp_train.configuration.rerun_config import RerunConfig
 from mp_train.configuration.run_checks import (
@@ -509,6 +510,7 @@ def _check_model_parallel(config: RunConfig) -> None:
             "num_moe_experts (a MoE model); leave it unset"
         )
     _check_chunked_attention(config)
+    check_hierarchical_context_parallel(config)
     padded, tp = config.data.padded_vocab_size, parallel.tensor_model_parallel_size
     if padded is not None and padded % tp:
         raise ValueError(
