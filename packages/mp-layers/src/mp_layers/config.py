@@ -29,6 +29,7 @@ from mp_layers.config_mla import check_mla
 from mp_layers.config_moe import check_expert_parallel, check_moe
 from mp_layers.config_mtp import check_mtp
 from mp_layers.config_mup import MupConfig, check_mup
+from mp_layers.config_qk_clip import QkClipConfig, check_qk_clip
 from mp_layers.config_recompute import check_recompute_modules
 from mp_layers.config_rules import choice as _choice
 from mp_layers.config_rules import positive as _positive
@@ -40,7 +41,7 @@ ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
 
 
 @dataclass(kw_only=True)
-class TransformerConfig(MupConfig):
+class TransformerConfig(MupConfig, QkClipConfig):
     num_layers: int
     """Transformer layers of the whole model (all pipeline stages)."""
 
@@ -655,6 +656,7 @@ class TransformerConfig(MupConfig):
         if self.init_method_std <= 0:
             raise ValueError(f"init_method_std={self.init_method_std} must be > 0")
         check_mup(self)
+        check_qk_clip(self)
         if self.bf16 and self.fp16:
             raise ValueError("bf16=True and fp16=True are exclusive: choose one")
         check_fp8(self)

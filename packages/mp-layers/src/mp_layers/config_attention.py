@@ -286,6 +286,12 @@ def check_attention_parallel(config: TransformerConfig, tp: int, cp: int) -> Non
         )
     if comm == "a2a":
         return
+    if config.tracks_max_attention_logit:
+        raise ValueError(
+            f"qk_clip / log_max_attention_logit with context parallelism (cp_comm_type="
+            f"{comm!r}): the largest logit is taken over whole sequences; use "
+            "cp_comm_type='a2a'"
+        )
     if config.window_size is not None:
         raise ValueError(
             f"window_size={config.window_size} with context parallelism "

@@ -30,6 +30,7 @@ from mp_optim.optimizer import (
     StepResult,
     counted_in_grad_norm,
 )
+from mp_optim.param_scaling import scale_rows
 from mp_optim.scheduler import OptimizerParamScheduler, get_optimizer_param_scheduler
 
 __all__ = [
@@ -62,4 +63,5 @@ __all__ = [
     "is_expert_parallel",
     "is_vector_like",
     "newton_schulz",
+    "scale_rows",
 ]

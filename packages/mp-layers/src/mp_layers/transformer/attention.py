@@ -122,6 +122,7 @@ class SelfAttention(torch.nn.Module):
         self.core_attention = spec.core_attention(
             config.attention_dropout, rng_tracker, config.attention_backend,
             cp_group=groups.cp, cp_comm_type=config.cp_comm_type, cp_levels=groups.cp_levels,
+            track_max_logits=config.tracks_max_attention_logit,
             softmax_type=config.softmax_type, window=self.window,
             heads=self.groups * self.per_group, params_dtype=config.params_dtype,
             softmax_scale=config.softmax_scale,  # muP's; None: 1 / sqrt(kv_channels)

@@ -45,6 +45,8 @@ from mp_layers.context_parallel.hierarchical import hierarchical_attention
 from mp_layers.context_parallel.ulysses import ulysses_attention
 from mp_layers.transformer.banded_attention import banded_attention
 from mp_layers.transformer.blocked_attention import blocked_attention, saved_probability_bytes
+from mp_layers.transformer.eager import eager_when_compiled
+from mp_layers.transformer.max_logits import max_attention_logits
 from mp_layers.transformer.packed import PackedSeqParams
 from mp_state import TENSOR_PARALLEL_RNG, RankGroup, RNGStatesTracker
 
@@ -77,13 +79,19 @@ class CoreAttention(torch.nn.Module):
         params_dtype: torch.dtype = torch.float32,
         softmax_scale: float | None = None,
         cp_levels: tuple[RankGroup, RankGroup] | None = None,
+        track_max_logits: bool = False,
     ) -> None:
         """softmax_type, window (the earlier keys each query sees; None: all) and heads
         (this rank's query heads, for the sinks): module docstring. softmax_scale
         multiplies the logits q k^T (None: 1 / sqrt(d), d the query's width). cp_levels:
-        the inner and outer context-parallel groups of cp_comm_type "a2a+p2p"."""
+        the inner and outer context-parallel groups of cp_comm_type "a2a+p2p".
+        track_max_logits: in training, keep each head's largest logit (max_logits)."""
         super().__init__()
         self.cp_levels = cp_levels
+        self.track_max_logits = track_max_logits
+        self.max_logits: torch.Tensor | None = None
+        """[heads] fp32: the largest logit of each of this rank's heads since the last
+        reset (mp_layers.qk_clip takes and resets it), with track_max_logits."""
         self.softmax_scale = softmax_scale
         self.softmax_type = softmax_type
         self.window = window
@@ -131,6 +139,7 @@ class CoreAttention(torch.nn.Module):
             raise ValueError(f"{nq} query heads cannot share {k.shape[2]} key/value heads")
         packed = attention_mask if isinstance(attention_mask, PackedSeqParams) else None
         if packed is not None and self.cp_group is None:
+            self._record(q, k, documents=packed.document_ids)
             return self._attend_packed(q, k, v, packed, sink=self.softmax_offset)
         if self.cp_group is not None:
             if attention_mask is not None and packed is None:
@@ -150,15 +159,21 @@ class CoreAttention(torch.nn.Module):
                 sink = self.softmax_offset
                 if sink is not None:  # this rank attends with heads piece cp_rank (ulysses.py)
                     sink = sink.view(self.cp_group.size, -1)[self.cp_group.rank]
+                piece = (self.cp_group.rank, self.cp_group.size)
                 if packed is not None:  # whole sequences after the all-to-all
                     whole = packed.whole()
-                    return ulysses_attention(
-                        q, k, v, self.cp_group,
-                        lambda *qkv: self._attend_packed(*qkv, whole, sink=sink), packed.order,
-                    )  # fmt: skip
-                return ulysses_attention(
-                    q, k, v, self.cp_group, lambda *qkv: self._attend(*qkv, sink=sink)
-                )
+
+                    def attend_packed(q, k, v):
+                        self._record(q, k, piece, documents=whole.document_ids)
+                        return self._attend_packed(q, k, v, whole, sink=sink)
+
+                    return ulysses_attention(q, k, v, self.cp_group, attend_packed, packed.order)
+
+                def attend(q, k, v):
+                    self._record(q, k, piece)
+                    return self._attend(q, k, v, sink=sink)
+
+                return ulysses_attention(q, k, v, self.cp_group, attend)
             if self.softmax_offset is not None or self.window is not None:
                 raise ValueError(
                     f"softmax_type={self.softmax_type!r}, window={self.window} with "
@@ -176,7 +191,24 @@ class CoreAttention(torch.nn.Module):
                 q, k, v, self.cp_group, scale=self._scale(q), comm_type=self.cp_comm_type,
                 documents=documents, document_chunks=chunks,
             )  # fmt: skip
+        self._record(q, k, attention_mask=attention_mask)
         return self._attend(q, k, v, attention_mask, sink=self.softmax_offset)
+
+    @eager_when_compiled
+    def _record(self, q, k, piece: tuple[int, int] | None = None, **masks) -> None:
+        """With track_max_logits in training, folds these queries' and keys' largest
+        logits into max_logits; piece (index, count): the heads are that piece of this
+        rank's (the all-to-all's), the others' get -inf."""
+        if not (self.track_max_logits and self.training) or q.shape[0] < k.shape[0]:
+            return
+        found = max_attention_logits(q, k, self._scale(q), window=self.window, **masks)
+        if piece is not None:
+            index, count = piece
+            heads = torch.full((count * found.numel(),), -torch.inf, device=found.device)
+            heads[index * found.numel() : (index + 1) * found.numel()] = found
+            found = heads
+        self.max_logits = found if self.max_logits is None else torch.maximum(
+            self.max_logits, found)  # fmt: skip
 
     def _attend_hierarchical(self, q, k, v, packed) -> torch.Tensor:
         """cp_comm_type "a2a+p2p": context_parallel/hierarchical.py."""

@@ -139,6 +139,7 @@ class MultiLatentAttention(torch.nn.Module):
         self.core_attention = spec.core_attention(
             config.attention_dropout, rng_tracker, config.attention_backend,
             cp_group=groups.cp, cp_comm_type=config.cp_comm_type, cp_levels=groups.cp_levels,
+            track_max_logits=config.tracks_max_attention_logit,
             softmax_scale=mla_softmax_scale(config), params_dtype=config.params_dtype,
         )  # fmt: skip
         # Selective recompute (Korthikanti et al.): core attention only, as SelfAttention.

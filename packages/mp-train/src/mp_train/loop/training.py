@@ -57,6 +57,7 @@ from mp_train.loop.checkpointing import (
 from mp_train.loop.hang_watchdog import HangWatchdog
 from mp_train.loop.moe_step import MoEStep
 from mp_train.loop.mtp_step import discard_mtp_losses, mtp_losses
+from mp_train.loop.qk_clip_step import clip_after_step
 from mp_train.loop.replica_check import check_weight_replicas
 from mp_train.loop.rerun import RerunMachine
 from mp_train.loop.rerun_records import iterations_to_skip
@@ -306,6 +307,9 @@ class _Step:
             timers("optimizer", log_level=1).start(barrier=barrier)
             result = run.optimizer.step()
             timers("optimizer", log_level=1).stop()
+        largest = clip_after_step(run, stepped=result is not None and result.update_successful)
+        if largest is not None:
+            losses["max_attention_logit"] = largest
         empty_unused_memory(run, level=2)
         run.train.iteration += 1
         run.train.consumed_train_samples += global_batch
