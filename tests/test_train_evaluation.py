@@ -78,3 +78,19 @@ def test_the_evaluation_batch_must_fit(monkeypatch, tmp_path):
     ):  # fmt: skip
         with pytest.raises(ValueError, match=message):
             validate(parse_config([*ARGV, *flags]), 1)
+
+
+@pytest.mark.multirank
+def test_evaluation_starts_at_start_eval_at_iter():
+    """--eval-interval 1 --start-eval-at-iter 3 over 5 iterations: validations at 3 and 4,
+    the final one at 5 (Megatron's rule), and the validation samples built for those."""
+    argv = [*ARGV, "--eval-iters", "1", "--eval-interval", "1", "--train-iters", "5",
+            "--start-eval-at-iter", "3"]  # fmt: skip
+    lines = run_on_ranks(body, 1, argv, timeout=120)[0]
+    assert [line.split(" | ")[0] for line in lines] == [
+        "validation at iteration 3",
+        "validation at iteration 4",
+        "final validation",
+    ]
+    steps, consumed = run_on_ranks(evaluation_steps, 1, argv, timeout=120)[0]
+    assert (steps, consumed) == (3, 6)

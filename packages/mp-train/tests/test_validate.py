@@ -142,6 +142,11 @@ def test_the_layouts_validate():
             r"^mamba_num_groups=2 is not divisible by tensor_model_parallel_size=4",
         ),
         (
+            ["--eval-interval", "none", "--start-eval-at-iter", "3"],
+            1,
+            r"^start_eval_at_iter=3 must be >= 0 and needs eval_interval \(given None\)",
+        ),
+        (
             [
                 "--context-parallel-size",
                 "4",

@@ -582,6 +582,11 @@ class TransformerConfig(MupConfig, QkClipConfig):
     different one per expert shard), so tokens spread evenly over the experts whatever the
     weights; the gradient passes through to the logits unchanged."""
 
+    moe_input_jitter_eps: float | None = None
+    """Multiply the router's input by uniform noise in [1 - eps, 1 + eps] in training
+    (Switch Transformer's jitter; Megatron's --moe-input-jitter-eps), only the router's:
+    the experts see the tokens unchanged."""
+
     moe_apply_probs_on_input: bool = False
     """Multiply each expert's input, not its output, by the token's routing weight (Llama 4;
     Megatron's --moe-apply-probs-on-input): y = expert(p x) instead of p expert(x). Needs

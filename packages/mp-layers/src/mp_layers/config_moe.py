@@ -24,6 +24,7 @@ _MOE_DEFAULTS = {
     "moe_router_group_topk": None,
     "moe_apply_probs_on_input": False,
     "moe_latent_size": None,
+    "moe_input_jitter_eps": None,
 }
 """Fields that mean something only in a MoE model: set without num_moe_experts, refused."""
 
@@ -35,6 +36,9 @@ def check_moe(config: TransformerConfig) -> None:
         left_default(config, _MOE_DEFAULTS, "num_moe_experts")
         return
     positive("num_moe_experts", config.num_moe_experts)
+    eps = config.moe_input_jitter_eps
+    if eps is not None and not 0.0 < eps < 1.0:
+        raise ValueError(f"moe_input_jitter_eps={eps} must be in (0, 1)")
     if config.moe_ffn_hidden_size is None:
         config.moe_ffn_hidden_size = config.ffn_hidden_size
     positive("moe_ffn_hidden_size", config.moe_ffn_hidden_size)

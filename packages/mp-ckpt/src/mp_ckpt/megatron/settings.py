@@ -2,8 +2,8 @@
 
     model_config_from_megatron(args, vocab_size)    the settings import-megatron records
 
-A setting mp does not compute the same way (input jitter, a residual after the
-norm, several load-balancing losses, ...) is refused with its name and value.
+A setting mp does not compute the same way (a residual after the norm, several
+load-balancing losses, ...) is refused with its name and value.
 Multi-latent attention's settings are its widths and rotary embeddings (_mla_settings);
 multi-token prediction's its number of modules and its loss scale; a hybrid model's
 its layer pattern and Mamba widths (_hybrid_settings).
@@ -265,7 +265,7 @@ def _mla_settings(args, where: str) -> dict:
 
 # Megatron MoE settings that change the computation in ways mp does not implement.
 _MOE_REFUSED = (
-    ("moe_input_jitter_eps", None), ("moe_latent_size", None),
+    ("moe_latent_size", None),
     ("moe_router_force_load_balancing", False), ("moe_use_legacy_grouped_gemm", False),
 )  # fmt: skip
 # Copied as they are (mp's TransformerConfig has Megatron's names and meanings).
@@ -278,7 +278,7 @@ MOE_COPIED = {
     "moe_shared_expert_intermediate_size": None, "moe_shared_expert_gate": False,
     "moe_grouped_gemm": False, "moe_router_dtype": None,
     "moe_router_num_groups": None, "moe_router_group_topk": None,
-    "moe_apply_probs_on_input": False,
+    "moe_apply_probs_on_input": False, "moe_input_jitter_eps": None,
 }  # fmt: skip
 
 

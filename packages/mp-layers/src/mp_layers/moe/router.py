@@ -108,6 +108,11 @@ class TopKRouter(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         s, b, h = x.shape
+        eps = self.config.moe_input_jitter_eps
+        if eps is not None and self.training and torch.is_grad_enabled():
+            # from the default generator, the same on the tensor-parallel ranks (which
+            # route the same tokens without sequence parallelism)
+            x = x * torch.empty_like(x).uniform_(1.0 - eps, 1.0 + eps)
         dtype = _DTYPES.get(self.config.moe_router_dtype, x.dtype)
         bias = None if self.bias is None else self.bias.to(dtype)
         logits = F.linear(x.reshape(s * b, h).to(dtype), self.weight.to(dtype), bias)  # [T, E]

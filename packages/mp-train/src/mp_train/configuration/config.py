@@ -103,6 +103,11 @@ class TrainingConfig(RerunConfig):
     eval_interval: int | None = 1000
     """Evaluate every this many iterations (None: never)."""
 
+    start_eval_at_iter: int | None = None
+    """Evaluate during training only from this iteration on (Megatron's): the evaluations
+    of earlier multiples of eval_interval are skipped (and their samples not built); the
+    final evaluation stays. None: from the first eval_interval."""
+
     eval_iters: int = 100
     """Iterations (global batches) per evaluation."""
 
@@ -471,6 +476,10 @@ def validate(config: RunConfig, world_size: int) -> dict[str, int]:
     check_eval_batch(training, gbs if schedule is None else None, dp, pp, vpp)
     if training.eval_interval is not None and training.eval_interval < 1:
         raise ValueError(f"eval_interval={training.eval_interval} must be >= 1 (or None)")
+    start = training.start_eval_at_iter
+    if start is not None and (start < 0 or training.eval_interval is None):
+        raise ValueError(f"start_eval_at_iter={start} must be >= 0 and needs eval_interval "
+                         f"(given {training.eval_interval})")  # fmt: skip
     hang = training.hang_timeout_minutes
     if hang is not None and hang < 0:
         raise ValueError(f"hang_timeout_minutes={hang} must be >= 0 (0: no hang detection)")

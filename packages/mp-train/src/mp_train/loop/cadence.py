@@ -105,6 +105,7 @@ class Cadence:
                 training.eval_interval
                 and self.has_valid_data
                 and iteration % training.eval_interval == 0
+                and iteration >= (training.start_eval_at_iter or 0)
                 and not self.finished(train)
             ),
             save=bool(self.saving and _every(self.save_interval, iteration)),

@@ -399,11 +399,17 @@ def _data_iterators(run: Run, datasets_provider,
             training.train_iters, eval_gbs, training.eval_interval or 0, training.eval_iters
         )
         counts[0] = run.calculator.samples_for(training.train_iters)  # a batch schedule's
+        iterations = training.train_iters
     else:
         evaluations = (training.train_samples // gbs // training.eval_interval + 1
                        if training.eval_interval else 0)  # fmt: skip
         counts = [training.train_samples, evaluations * training.eval_iters * eval_gbs,
                   training.eval_iters * eval_gbs]  # fmt: skip
+        iterations = training.train_samples // gbs
+    if training.start_eval_at_iter and training.eval_interval:  # Megatron's count
+        evaluations = max(0, iterations // training.eval_interval + 1
+                          - training.start_eval_at_iter // training.eval_interval)  # fmt: skip
+        counts[1] = evaluations * training.eval_iters * eval_gbs
     train_ds, valid_ds, _ = datasets_provider(run, counts)
     # Context-parallel ranks read the same samples (each keeps its part of every
     # sequence): the loaders split over data-parallel ranks only.
