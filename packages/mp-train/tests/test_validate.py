@@ -233,3 +233,18 @@ def test_a_step_batch_size_schedule_gives_the_global_batch():
     # with virtual stages, each size that divides must give a usable micro-batch count
     with pytest.raises(ValueError, match="micro-batches per iteration: 3 = global_batch_size 6"):
         _validate(*VPP[:-2], "--step-batch-size-schedule", "0:4 64:6")
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--multiple-validation-sets", "--valid-data-path", "a", "b"],
+     r"^multiple_validation_sets needs full_validation"),
+    (["--multiple-validation-sets", "--full-validation", "--valid-data-path", "1", "a", "1", "b"],
+     r"^multiple_validation_sets needs valid_data_path of two or more prefixes without weights"),
+    (["--multiple-validation-sets", "--full-validation", "--valid-data-path", "a", "b",
+      "--validation-set-names", "x"],
+     r"^validation_set_names has 1 names for the 2 datasets of valid_data_path"),
+    (["--validation-set-names", "x"], r"^validation_set_names=\['x'\] needs multiple_validation"),
+])  # fmt: skip
+def test_the_validation_sets_rules(flags, message):
+    with pytest.raises(ValueError, match=message):
+        _validate(*flags, world=1)

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -83,7 +84,19 @@ def datasets_provider(run, counts: list[int]):
     )  # fmt: skip
     cls = SFTDataset if data.sft else MockGPTDataset if data.mock_data else GPTDataset
     cls = GPTFIMDataset if fim else cls
-    return BlendedMegatronDatasetBuilder(cls, counts, reads_data, dataset_config).build()
+    if not config.training.multiple_validation_sets:
+        return BlendedMegatronDatasetBuilder(cls, counts, reads_data, dataset_config).build()
+    # Each validation dataset on its own (Megatron's --multiple-validation-sets).
+    sets = per_split[1][0]
+    per_split[1] = None
+    train, _, test = BlendedMegatronDatasetBuilder(
+        cls, counts, reads_data, dataclasses.replace(dataset_config, blend_per_split=per_split)
+    ).build()  # fmt: skip
+    valid = [BlendedMegatronDatasetBuilder(
+        cls, counts, reads_data,
+        dataclasses.replace(dataset_config, blend_per_split=[None, ([prefix], None), None]),
+    ).build()[1] for prefix in sets]  # fmt: skip
+    return train, (valid if all(v is not None for v in valid) else None), test
 
 
 _INT_KEYS = ["tokens", "labels", "position_ids"]

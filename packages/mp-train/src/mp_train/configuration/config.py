@@ -38,6 +38,7 @@ from mp_train.configuration.run_checks import (
     check_schedule,
     check_sharding,
 )
+from mp_train.configuration.validation_config import ValidationConfig, check_validation
 from mp_train.observability.log_setup import parse_level
 
 __all__ = [
@@ -68,8 +69,9 @@ class GPTConfig:
 
 
 @dataclass(kw_only=True)
-class TrainingConfig(RerunConfig):
-    # The rerun engine's fields (result validation, iterations to skip): rerun_config.py.
+class TrainingConfig(RerunConfig, ValidationConfig):
+    # The rerun engine's fields (result validation, iterations to skip): rerun_config.py;
+    # when and over what evaluation runs: validation_config.py.
 
     micro_batch_size: int = 1
     """Samples per micro-batch on one data-parallel rank."""
@@ -102,11 +104,6 @@ class TrainingConfig(RerunConfig):
 
     eval_interval: int | None = 1000
     """Evaluate every this many iterations (None: never)."""
-
-    start_eval_at_iter: int | None = None
-    """Evaluate during training only from this iteration on (Megatron's): the evaluations
-    of earlier multiples of eval_interval are skipped (and their samples not built); the
-    final evaluation stays. None: from the first eval_interval."""
 
     eval_iters: int = 100
     """Iterations (global batches) per evaluation."""
@@ -476,10 +473,7 @@ def validate(config: RunConfig, world_size: int) -> dict[str, int]:
     check_eval_batch(training, gbs if schedule is None else None, dp, pp, vpp)
     if training.eval_interval is not None and training.eval_interval < 1:
         raise ValueError(f"eval_interval={training.eval_interval} must be >= 1 (or None)")
-    start = training.start_eval_at_iter
-    if start is not None and (start < 0 or training.eval_interval is None):
-        raise ValueError(f"start_eval_at_iter={start} must be >= 0 and needs eval_interval "
-                         f"(given {training.eval_interval})")  # fmt: skip
+    check_validation(training, config.data)
     hang = training.hang_timeout_minutes
     if hang is not None and hang < 0:
         raise ValueError(f"hang_timeout_minutes={hang} must be >= 0 (0: no hang detection)")

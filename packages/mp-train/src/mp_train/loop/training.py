@@ -54,6 +54,7 @@ from mp_train.loop.checkpointing import (
     prepare_run_checkpointer,
     save_run_checkpoint,
 )
+from mp_train.loop.full_validation import FullValidation
 from mp_train.loop.hang_watchdog import HangWatchdog
 from mp_train.loop.moe_step import MoEStep
 from mp_train.loop.mtp_step import discard_mtp_losses, mtp_losses
@@ -331,6 +332,31 @@ def evaluate(run: Run, forward_step_func, valid_iter, metrics, final: bool = Fal
              watchdog: HangWatchdog | None = None) -> dict:  # fmt: skip
     """eval_iters forward-only global batches; logs and returns the averaged reports.
     Each is progress for the hang watchdog, when given."""
+    if not isinstance(valid_iter, FullValidation):
+        results = _evaluate(run, forward_step_func, valid_iter, run.config.training.eval_iters,
+                            watchdog)  # fmt: skip
+        metrics.evaluation(results, final=final)
+        return results
+    for index, (suffix, _) in enumerate(valid_iter.sets):  # each set whole, from its start
+        iterators = valid_iter.iterators(run, index)
+        try:
+            iterator = iterators if len(iterators) > 1 else iterators[0]
+            results = _evaluate(run, forward_step_func, iterator, valid_iter.batches[index],
+                                watchdog, global_batch=valid_iter.global_batch)  # fmt: skip
+        finally:
+            for opened in iterators:
+                if opened is not None:
+                    opened.close()
+        metrics.evaluation(results, final=final, suffix=suffix)
+    return results
+
+
+def _evaluate(run: Run, forward_step_func, valid_iter, iterations: int,
+              watchdog: HangWatchdog | None, global_batch: int | None = None) -> dict:  # fmt: skip
+    """`iterations` forward-only global batches of valid_iter; the averaged reports. They
+    advance consumed_valid_samples, unless `global_batch` is given (full validation's,
+    which restarts each time; the batch it padded its sets to)."""
+    fixed = global_batch
     for chunk in run.model:
         chunk.eval()
     schedule = _schedule(run)
@@ -339,23 +365,22 @@ def evaluate(run: Run, forward_step_func, valid_iter, metrics, final: bool = Fal
     pipeline = dataclasses.replace(run.pipeline, micro_batch_size=mbs)
     gathered: list = []
     with torch.no_grad():
-        for _ in range(training.eval_iters):
-            global_batch = training.eval_global_batch_size or run.calculator.global_batch(
+        for _ in range(iterations):
+            global_batch = fixed or training.eval_global_batch_size or run.calculator.global_batch(
                 run.train.consumed_train_samples)  # fmt: skip
             gathered += schedule(
                 forward_step_func=forward_step_func, data_iterator=valid_iter, model=run.model,
                 num_microbatches=global_batch // (mbs * run.data_parallel_size),
                 config=pipeline, pp_group=run.state.pp, forward_only=True,
             )  # fmt: skip
-            run.train.consumed_valid_samples += global_batch
+            if fixed is None:
+                run.train.consumed_valid_samples += global_batch
             empty_unused_memory(run, level=1)
             if watchdog is not None:
                 watchdog.step()
     for chunk in run.model:
         chunk.train()
-    results = reduce_reports(gathered)
-    metrics.evaluation(results, final=final)
-    return results
+    return reduce_reports(gathered)
 
 
 def empty_unused_memory(run: Run, level: int) -> None:
@@ -410,6 +435,8 @@ def _data_iterators(run: Run, datasets_provider,
         evaluations = max(0, iterations // training.eval_interval + 1
                           - training.start_eval_at_iter // training.eval_interval)  # fmt: skip
         counts[1] = evaluations * training.eval_iters * eval_gbs
+    if training.full_validation:
+        counts[1] = None  # one epoch of each validation set, read whole each time
     train_ds, valid_ds, _ = datasets_provider(run, counts)
     # Context-parallel ranks read the same samples (each keeps its part of every
     # sequence): the loaders split over data-parallel ranks only.
@@ -430,17 +457,23 @@ def _data_iterators(run: Run, datasets_provider,
 
     # Ranks that read no data (tensor-parallel ranks > 0, middle stages) have no datasets
     # but take part in every step: rank 0, which reads, tells them what exists.
+    full = training.full_validation
+    if full and valid_ds is not None and not isinstance(valid_ds, list):
+        valid_ds = [valid_ds]
     flags = torch.tensor([float(train_ds is not None), float(valid_ds is not None)])
     if dist.get_backend() == "nccl":
         flags = flags.cuda()
     dist.broadcast(flags, src=0)
     # As Megatron's do_valid: no evaluation without validation data or with eval_iters=0.
     run.has_train_data = bool(flags[0])
-    run.has_valid_data = bool(flags[1]) and training.eval_iters > 0
+    run.has_valid_data = bool(flags[1]) and (full or training.eval_iters > 0)
     # With virtual stages each chunk draws the same micro-batches: a loader per chunk.
     vpp = run.config.parallel.virtual_pipeline_model_parallel_size
     train = [start(train_ds, run.train.consumed_train_samples, data.dataloader_type)
              for _ in range(vpp or 1)]  # fmt: skip
+    if full:  # each evaluation reads the sets from their start (full_validation.py)
+        return (train[0] if vpp is None else train), (
+            FullValidation(run, valid_ds) if run.has_valid_data else None)  # fmt: skip
     eval_mbs = training.eval_micro_batch_size or training.micro_batch_size
     valid = [start(valid_ds, run.train.consumed_valid_samples, "cyclic", eval_mbs)
              for _ in range(vpp or 1)]  # fmt: skip

@@ -69,13 +69,14 @@ class TensorBoard:
             self.wandb.log(dict(values), step=iteration)
 
     def validation(self, results: dict[str, float], iteration: int,
-                   consumed_samples: int) -> None:  # fmt: skip
-        """`<name> validation` (and its perplexity, exp(min(20, value)), as Megatron)."""
+                   consumed_samples: int, suffix: str = "") -> None:  # fmt: skip
+        """`<name> validation<suffix>` (and its perplexity, exp(min(20, value)), as
+        Megatron; suffix "-<set>" with multiple_validation_sets)."""
         values = {}
         for name, value in results.items():
-            values[f"{name} validation"] = value
+            values[f"{name} validation{suffix}"] = value
             if self.config.log_validation_ppl_to_tensorboard:
-                values[f"{name} validation ppl"] = math.exp(min(20.0, value))
+                values[f"{name} validation{suffix} ppl"] = math.exp(min(20.0, value))
         self.add(iteration, values, consumed_samples)
 
     def close(self) -> None:
