@@ -56,6 +56,8 @@ from mp_layers.transformer.multi_token_prediction import MultiTokenPrediction
 from mp_layers.transformer.packed import PackedSeqParams
 from mp_layers.transformer.spec import LOCAL_SPEC, LayerSpec, get_layer_spec
 
+from mp_layers import qk_clip  # noqa: E402  (after the layers it walks)
+
 __all__ = [
     "CONV_WIDTH",
     "LOCAL_SPEC",
@@ -94,6 +96,7 @@ __all__ = [
     "moe",
     "mtp_layer_kinds",
     "on_layer_built",
+    "qk_clip",
     "reduce_from_tensor_model_parallel_region",
     "reduce_scatter_to_sequence_parallel_region",
     "saved_probability_bytes",

@@ -139,7 +139,8 @@ class CoreAttention(torch.nn.Module):
             raise ValueError(f"{nq} query heads cannot share {k.shape[2]} key/value heads")
         packed = attention_mask if isinstance(attention_mask, PackedSeqParams) else None
         if packed is not None and self.cp_group is None:
-            self._record(q, k, documents=packed.document_ids)
+            if self.track_max_logits:
+                self._record(q, k, documents=packed.document_ids)
             return self._attend_packed(q, k, v, packed, sink=self.softmax_offset)
         if self.cp_group is not None:
             if attention_mask is not None and packed is None:
@@ -164,13 +165,15 @@ class CoreAttention(torch.nn.Module):
                     whole = packed.whole()
 
                     def attend_packed(q, k, v):
-                        self._record(q, k, piece, documents=whole.document_ids)
+                        if self.track_max_logits:
+                            self._record(q, k, piece, documents=whole.document_ids)
                         return self._attend_packed(q, k, v, whole, sink=sink)
 
                     return ulysses_attention(q, k, v, self.cp_group, attend_packed, packed.order)
 
                 def attend(q, k, v):
-                    self._record(q, k, piece)
+                    if self.track_max_logits:
+                        self._record(q, k, piece)
                     return self._attend(q, k, v, sink=sink)
 
                 return ulysses_attention(q, k, v, self.cp_group, attend)
@@ -191,7 +194,8 @@ class CoreAttention(torch.nn.Module):
                 q, k, v, self.cp_group, scale=self._scale(q), comm_type=self.cp_comm_type,
                 documents=documents, document_chunks=chunks,
             )  # fmt: skip
-        self._record(q, k, attention_mask=attention_mask)
+        if self.track_max_logits:  # (a call to an eager function breaks a compiled graph)
+            self._record(q, k, attention_mask=attention_mask)
         return self._attend(q, k, v, attention_mask, sink=self.softmax_offset)
 
     @eager_when_compiled
