@@ -9,7 +9,12 @@ and block in mp_layers.transformer), FP8 GEMMs through torchao (mp_layers.fp8),
 ModelGroups and GPTModel.
 """
 
-from mp_layers import context_parallel, moe, tensor_parallel
+from mp_layers import (
+    context_parallel,
+    moe,
+    qk_clip,
+    tensor_parallel,
+)
 from mp_layers.config import TransformerConfig
 from mp_layers.config_hybrid import (
     hybrid_layer_kinds,
@@ -55,8 +60,6 @@ from mp_layers.transformer.mamba_mixer import CONV_WIDTH, SCAN_CHUNK, MambaMixer
 from mp_layers.transformer.multi_token_prediction import MultiTokenPrediction
 from mp_layers.transformer.packed import PackedSeqParams
 from mp_layers.transformer.spec import LOCAL_SPEC, LayerSpec, get_layer_spec
-
-from mp_layers import qk_clip  # noqa: E402  (after the layers it walks)
 
 __all__ = [
     "CONV_WIDTH",
