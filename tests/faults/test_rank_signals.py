@@ -1,7 +1,7 @@
 """A signal to one rank of a running job, as a scheduler or the kernel sends it.
 
-- SIGTERM (a preemption notice; --exit-signal-handler): every rank saves at the same
-  iteration and the job exits 0, within seconds.
+- SIGTERM (a preemption notice; --exit-signal-handler), or SIGUSR1 with --exit-signal
+  SIGUSR1: every rank saves at the same iteration and the job exits 0, within seconds.
 - SIGKILL (the out-of-memory killer), without restarts: the job ends within its bound,
   torchrun names the killed rank and the signal, and the checkpoints committed before are
   whole.
@@ -32,19 +32,22 @@ def target(run_dir: Path, *extra: str) -> list[str]:
 
 
 @pytest.mark.multirank
-def test_sigterm_to_one_rank_saves_and_exits_zero(tmp_path):
-    with TorchrunJob(target(tmp_path, "--exit-signal-handler"), tmp_path) as job:
+@pytest.mark.parametrize("name", ["SIGTERM", "SIGUSR1"])
+def test_sigterm_to_one_rank_saves_and_exits_zero(tmp_path, name):
+    """SIGTERM, or with --exit-signal SIGUSR1 (a scheduler's early warning) that one."""
+    flags = ["--exit-signal-handler", "--exit-signal", name]
+    with TorchrunJob(target(tmp_path, *flags), tmp_path) as job:
         job.wait_for(lambda: len(complete_records(tmp_path)) >= 3, "three iterations")
-        os.kill(job.workers()[1], signal.SIGTERM)
+        os.kill(job.workers()[1], signal.Signals[name])
         took = job.wait(timeout=BOUND_S)
     output = job.output()
     assert job.returncode == 0, output[-4000:]
-    assert "SIGTERM received" in output
+    assert f"{name} received" in output
     saved = read_tracker(tmp_path / "ckpt")
     # The save is of the last iteration trained: nothing done is lost.
     assert saved is not None and saved == complete_records(tmp_path)[-1]["iteration"]
     assert CheckpointReader(tmp_path / "ckpt").verify() == []
-    print(f"figure: SIGTERM to rank 1: saved iteration {saved}, exit 0, {took:.1f} s")
+    print(f"figure: {name} to rank 1: saved iteration {saved}, exit 0, {took:.1f} s")
 
 
 @pytest.mark.multirank

@@ -248,3 +248,10 @@ def test_a_step_batch_size_schedule_gives_the_global_batch():
 def test_the_validation_sets_rules(flags, message):
     with pytest.raises(ValueError, match=message):
         _validate(*flags, world=1)
+
+
+def test_the_exit_signal_is_one_a_process_can_handle():
+    with pytest.raises(ValueError, match="exit_signal='SIGKILL' must be a signal a process"):
+        _validate("--exit-signal", "SIGKILL", world=1)
+    with pytest.raises(ValueError, match="exit_signal='TERM' must be"):
+        _validate("--exit-signal", "TERM", world=1)

@@ -39,6 +39,7 @@ from mp_train.configuration.run_checks import (
     check_sharding,
 )
 from mp_train.configuration.validation_config import ValidationConfig, check_validation
+from mp_train.loop.signals import check_exit_signal
 from mp_train.observability.log_setup import parse_level
 
 __all__ = [
@@ -125,7 +126,11 @@ class TrainingConfig(RerunConfig, ValidationConfig):
     """Exit (saving first) once the run has lasted this long."""
 
     exit_signal_handler: bool = False
-    """On SIGTERM every rank finishes its iteration, saves and exits 0."""
+    """On exit_signal (SIGTERM) every rank finishes its iteration, saves and exits 0."""
+
+    exit_signal: str = "SIGTERM"
+    """The signal exit_signal_handler acts on, by name (Megatron's --exit-signal): SIGTERM,
+    SIGUSR1 (a scheduler's early warning, e.g. SLURM's --signal=USR1@120), SIGINT, ..."""
 
     hang_timeout_minutes: float | None = None
     """When no rank has finished an iteration for this long, log which rank is stuck, dump
@@ -474,6 +479,7 @@ def validate(config: RunConfig, world_size: int) -> dict[str, int]:
     if training.eval_interval is not None and training.eval_interval < 1:
         raise ValueError(f"eval_interval={training.eval_interval} must be >= 1 (or None)")
     check_validation(training, config.data)
+    check_exit_signal(training.exit_signal)
     hang = training.hang_timeout_minutes
     if hang is not None and hang < 0:
         raise ValueError(f"hang_timeout_minutes={hang} must be >= 0 (0: no hang detection)")

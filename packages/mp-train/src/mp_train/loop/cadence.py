@@ -32,7 +32,7 @@ import torch.distributed as dist
 from mp_ckpt import CheckpointConfig, read_tracker
 from mp_train.configuration.config import TrainingConfig
 from mp_train.loop.setup import TrainState
-from mp_train.loop.signals import DistributedSignalHandler
+from mp_train.loop.signals import DistributedSignalHandler, check_exit_signal
 
 __all__ = ["Cadence", "Due", "Stop"]
 
@@ -79,7 +79,7 @@ class Cadence:
         self.has_valid_data = has_valid_data
         self._handler = None
         if signal_received is None and self.training.exit_signal_handler:
-            self._handler = DistributedSignalHandler()
+            self._handler = DistributedSignalHandler(check_exit_signal(training.exit_signal))
             signal_received = self._handler.received
         self.signal_received = signal_received
         self.minutes_elapsed = minutes_elapsed or self._slowest_clock
@@ -125,7 +125,7 @@ class Cadence:
     def _stop_reason(self, iteration: int) -> str | None:
         training = self.training
         if self.signal_received is not None and self.signal_received():
-            return "SIGTERM received"
+            return f"{self.training.exit_signal} received"
         if _every(training.exit_interval, iteration):
             return f"exit_interval={training.exit_interval}"
         limit = training.exit_duration_in_mins

@@ -1,4 +1,5 @@
-"""SIGTERM handled by every rank together (Megatron's DistributedSignalHandler).
+"""SIGTERM (or another exit_signal) handled by every rank together (Megatron's
+DistributedSignalHandler).
 
 A scheduler (SLURM, Kubernetes) may send SIGTERM to one rank or to all, at
 any moment. The handler only records it; once per iteration the loop asks
@@ -13,7 +14,18 @@ import signal
 import torch
 import torch.distributed as dist
 
-__all__ = ["DistributedSignalHandler"]
+__all__ = ["DistributedSignalHandler", "check_exit_signal"]
+
+_UNCATCHABLE = ("SIGKILL", "SIGSTOP")
+
+
+def check_exit_signal(name: str) -> int:
+    """The number of the signal `name` (exit_signal), or a ValueError naming the choices."""
+    valid = sorted(s.name for s in signal.Signals if s.name not in _UNCATCHABLE)
+    if name not in valid:
+        raise ValueError(f"exit_signal={name!r} must be a signal a process can handle, one of "
+                         f"{', '.join(valid)}")  # fmt: skip
+    return int(signal.Signals[name])
 
 
 class DistributedSignalHandler:
