@@ -324,3 +324,17 @@ def test_the_megatron_import_refuses_other_linear_attention_variants():
     args.experimental_attention_variant = "gdn2"
     with pytest.raises(ValueError, match=r"experimental_attention_variant='gdn2': mp imports"):
         model_config_from_megatron(args, 32)
+
+
+def test_the_megatron_import_takes_what_megatron_core_ignores_and_refuses_what_it_lacks():
+    """apply_residual_connection_post_layernorm changes nothing in megatron-core (read
+    nowhere): imported as the same model; a heterogeneous layers file is refused."""
+    args = megatron_args(family("llama").settings(CONFIGS["llama"]),
+                         ckpt_format="torch", tp=1, pp=1, iteration=1)  # fmt: skip
+    plain = model_config_from_megatron(args, 32)
+    args.apply_residual_connection_post_layernorm = True
+    assert model_config_from_megatron(args, 32) == plain
+    args.moe_input_jitter_eps = 0.01  # a dense model: MoE settings are not read
+    args.heterogeneous_layers_config_path = "layers.json"
+    with pytest.raises(ValueError, match=r"heterogeneous_layers_config_path='layers\.json'"):
+        model_config_from_megatron(args, 32)

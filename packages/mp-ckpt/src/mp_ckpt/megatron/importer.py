@@ -8,7 +8,7 @@ mp's logical tensors, and settings.py reads the model's settings from the args.
 The model's settings come from the saved args, under the names mp uses
 (common["model_config"], as import-hf writes it); the tokenizer files the run
 named (GPT-2 BPE, a local Hugging Face tokenizer) are kept when they are here.
-A setting mp does not compute the same way (a residual after the norm, several
+A setting mp does not compute the same way (heterogeneous layers, several
 load-balancing losses, ...) is refused with its name and value. With
 with_optimizer, optimizer.py reads the Adam state (and, from a run with
 --optimizer muon, Muon's momentum buffers: muon.py), which is renamed and

@@ -2,8 +2,8 @@
 
     model_config_from_megatron(args, vocab_size)    the settings import-megatron records
 
-A setting mp does not compute the same way (a residual after the norm, several
-load-balancing losses, ...) is refused with its name and value.
+A setting mp does not compute the same way (heterogeneous layers, several load-balancing
+losses, ...) is refused with its name and value.
 Multi-latent attention's settings are its widths and rotary embeddings (_mla_settings);
 multi-token prediction's its number of modules and its loss scale; a hybrid model's
 its layer pattern and Mamba widths (_hybrid_settings).
@@ -26,10 +26,9 @@ __all__ = [
 ]
 
 # Megatron settings that change the computation in ways mp does not implement.
-_REFUSED = (
-    ("apply_residual_connection_post_layernorm", False),
-    ("heterogeneous_layers_config_path", None),
-)
+_REFUSED = (("heterogeneous_layers_config_path", None),)
+"""(apply_residual_connection_post_layernorm is not one: megatron-core reads it nowhere, its
+layers add the residual from before the norm whatever it says.)"""
 _HYBRID_SYMBOLS = "MG*-E|"
 """The layers of a hybrid_layer_pattern mp builds (Mamba, attention, MLP, MoE) and its
 pipeline segments' separator."""

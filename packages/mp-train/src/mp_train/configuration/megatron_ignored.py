@@ -198,6 +198,12 @@ IGNORED: dict[str, tuple[bool, str]] = {
         "asynchronous save copies them to the training process's own host memory and "
         "writes them from a thread of that process, with no worker process to hand them to",
     ),
+    "apply_residual_connection_post_layernorm": (
+        False,
+        "megatron-core reads it nowhere: its GPT and hybrid layers add the residual from "
+        "before the norm whatever it says (only Megatron's removed legacy models read it); "
+        "mp computes what megatron-core computes",
+    ),
     "mup_width_mult": (
         True,
         "Megatron-LM overwrites it with hidden_size / mup_base_hidden_size under --use-mup "
