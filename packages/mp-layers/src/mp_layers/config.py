@@ -599,6 +599,11 @@ class TransformerConfig(MupConfig, QkClipConfig):
     back up (both whole on every tensor-parallel rank); a shared expert runs on the hidden
     state. None: the experts run at hidden_size."""
 
+    mlp_chunks_for_training: int = 1
+    """In training, run each dense MLP on this many pieces of the sequence one after another
+    (Megatron's --mlp-chunks-for-training): the same result, a smaller peak of the MLP's
+    temporaries (its saved activations are the same). Refused in a MoE model."""
+
     moe_layer_recompute: bool = False
     """Recompute each MoE layer in backward from its input (under a full recompute: no-op)."""
 
@@ -661,6 +666,13 @@ class TransformerConfig(MupConfig, QkClipConfig):
         if self.init_method_std <= 0:
             raise ValueError(f"init_method_std={self.init_method_std} must be > 0")
         check_mup(self)
+        _positive("mlp_chunks_for_training", self.mlp_chunks_for_training)
+        if self.mlp_chunks_for_training > 1 and self.num_moe_experts is not None:
+            raise ValueError(
+                f"mlp_chunks_for_training={self.mlp_chunks_for_training} in a MoE model: "
+                "routing a piece of the sequence at a time changes the load-balancing "
+                "losses; leave it at 1"
+            )
         check_qk_clip(self)
         if self.bf16 and self.fp16:
             raise ValueError("bf16=True and fp16=True are exclusive: choose one")

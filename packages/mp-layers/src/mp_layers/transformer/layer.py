@@ -109,8 +109,12 @@ class TransformerLayer(torch.nn.Module):
             return x
         kept = OutputRecompute(norms)
         mlp_input = kept.run(self.pre_mlp_layernorm, x)
+        chunks = min(self.config.mlp_chunks_for_training, mlp_input.shape[0])
         if self.recompute_mlp and self.training and torch.is_grad_enabled():
             out, bias = checkpointed(self.mlp, self.rng_tracker, mlp_input)
+        elif chunks > 1 and self.training:  # a piece of the sequence at a time (position-wise)
+            outs = [self.mlp(piece) for piece in mlp_input.chunk(chunks, dim=0)]
+            out, bias = torch.cat([o for o, _ in outs]), outs[0][1]
         else:
             out, bias = self.mlp(mlp_input)
         kept.discard(out)

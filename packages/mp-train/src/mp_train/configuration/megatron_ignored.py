@@ -204,6 +204,11 @@ IGNORED: dict[str, tuple[bool, str]] = {
         "before the norm whatever it says (only Megatron's removed legacy models read it); "
         "mp computes what megatron-core computes",
     ),
+    "mlp_chunks_for_prefill": (
+        True,
+        "runs each MLP on pieces of a prompt in inference's prefill to lower its peak "
+        "memory; mp's generation runs the MLP on the whole prompt, with the same result",
+    ),
     "mup_width_mult": (
         True,
         "Megatron-LM overwrites it with hidden_size / mup_base_hidden_size under --use-mup "
