@@ -330,8 +330,9 @@ def _drop_batch(train_iter, num_microbatches: int) -> None:
 
 def evaluate(run: Run, forward_step_func, valid_iter, metrics, final: bool = False,
              watchdog: HangWatchdog | None = None) -> dict:  # fmt: skip
-    """eval_iters forward-only global batches; logs and returns the averaged reports.
-    Each is progress for the hang watchdog, when given."""
+    """eval_iters forward-only global batches (with full validation, every validation set
+    whole, each logged on its own: full_validation.py); logs and returns the averaged
+    reports (the last set's). Each batch is progress for the hang watchdog, when given."""
     if not isinstance(valid_iter, FullValidation):
         results = _evaluate(run, forward_step_func, valid_iter, run.config.training.eval_iters,
                             watchdog)  # fmt: skip
