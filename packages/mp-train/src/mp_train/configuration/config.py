@@ -34,12 +34,12 @@ from mp_train.configuration.context_parallel_checks import check_hierarchical_co
 from mp_train.configuration.pipeline_segments import check_segments
 from mp_train.configuration.rerun_config import RerunConfig
 from mp_train.configuration.run_checks import (
+    check_exit_signal,
     check_initialization,
     check_schedule,
     check_sharding,
 )
 from mp_train.configuration.validation_config import ValidationConfig, check_validation
-from mp_train.loop.signals import check_exit_signal
 from mp_train.observability.log_setup import parse_level
 
 __all__ = [

@@ -10,6 +10,7 @@ rank: in the user's terms (the flags they gave, in iterations when they gave ite
                               export_hf_dir can take an export
     check_backend(config)     --distributed-backend nccl has CUDA devices to run on, and
                               --fp8-format a GPU with FP8 tensor cores (and torchao)
+    check_exit_signal(name)   --exit-signal names a signal a process can handle
 
 validate() applies the first three; an entry point applies the others (load_config),
 before torch.distributed starts: the library's own callers may build their tokenizer
@@ -19,6 +20,7 @@ and datasets their own way.
 from __future__ import annotations
 
 import os
+import signal
 
 from mp_ckpt import check_export_target
 from mp_data import TOKENIZER_TYPES, get_blend_from_list
@@ -29,6 +31,7 @@ SFT_TOKENIZER_TYPES = ("HuggingFaceTokenizer", "SFTTokenizer")
 
 __all__ = [
     "check_backend",
+    "check_exit_signal",
     "check_initialization",
     "check_input_files",
     "check_schedule",
@@ -222,3 +225,15 @@ def _named_by(data, name: str) -> str:
     listed_in = "data_args_path" if name == "data_path" else "per_split_data_args_path"
     path = getattr(data, listed_in, None)
     return flag(name) if path is None else f"{flag(listed_in)} {path} lists"
+
+
+_UNCATCHABLE = ("SIGKILL", "SIGSTOP")
+
+
+def check_exit_signal(name: str) -> int:
+    """The number of the signal `name` (exit_signal), or a ValueError naming the choices."""
+    valid = sorted(s.name for s in signal.Signals if s.name not in _UNCATCHABLE)
+    if name not in valid:
+        raise ValueError(f"exit_signal={name!r} must be a signal a process can handle, one of "
+                         f"{', '.join(valid)}")  # fmt: skip
+    return int(signal.Signals[name])

@@ -31,8 +31,9 @@ import torch.distributed as dist
 
 from mp_ckpt import CheckpointConfig, read_tracker
 from mp_train.configuration.config import TrainingConfig
+from mp_train.configuration.run_checks import check_exit_signal
 from mp_train.loop.setup import TrainState
-from mp_train.loop.signals import DistributedSignalHandler, check_exit_signal
+from mp_train.loop.signals import DistributedSignalHandler
 
 __all__ = ["Cadence", "Due", "Stop"]
 

@@ -14,18 +14,7 @@ import signal
 import torch
 import torch.distributed as dist
 
-__all__ = ["DistributedSignalHandler", "check_exit_signal"]
-
-_UNCATCHABLE = ("SIGKILL", "SIGSTOP")
-
-
-def check_exit_signal(name: str) -> int:
-    """The number of the signal `name` (exit_signal), or a ValueError naming the choices."""
-    valid = sorted(s.name for s in signal.Signals if s.name not in _UNCATCHABLE)
-    if name not in valid:
-        raise ValueError(f"exit_signal={name!r} must be a signal a process can handle, one of "
-                         f"{', '.join(valid)}")  # fmt: skip
-    return int(signal.Signals[name])
+__all__ = ["DistributedSignalHandler"]
 
 
 class DistributedSignalHandler:
