@@ -10,6 +10,7 @@ import pytest
 from mp_gpt.testing import (
     assert_same_curve,
     metrics_records,
+    tiny_curve,
     tiny_options,
     train_on_rank,
     train_output_on_rank,
@@ -31,15 +32,13 @@ LAYOUTS = {
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("one-rank")
-    run_on_ranks(train_on_rank, 1, tiny_options(run_dir, *MUP), timeout=300)
-    return metrics_records(run_dir)
+    return tiny_curve(tmp_path_factory.mktemp("one-rank"), 1, *MUP)
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_mup_trains_as_one_rank_in_every_layout(tmp_path, reference, name):
-    run_on_ranks(train_on_rank, 2, tiny_options(tmp_path, *MUP, *LAYOUTS[name]), timeout=300)
-    assert_same_curve(metrics_records(tmp_path), reference, ("lm loss", "grad_norm"), name)
+    curve = tiny_curve(tmp_path, 2, *MUP, *LAYOUTS[name])
+    assert_same_curve(curve, reference, ("lm loss", "grad_norm"), name)
 
 
 def _groups_on_rank(argv):

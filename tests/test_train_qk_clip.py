@@ -8,7 +8,13 @@ under the threshold within a few steps; --log-max-attention-logit logs without c
 
 import pytest
 
-from mp_gpt.testing import assert_same_curve, metrics_records, tiny_options, train_on_rank
+from mp_gpt.testing import (
+    assert_same_curve,
+    metrics_records,
+    tiny_curve,
+    tiny_options,
+    train_on_rank,
+)
 from mp_state.testing import run_on_ranks
 
 pytestmark = pytest.mark.multirank
@@ -26,24 +32,19 @@ LAYOUTS = {
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("one-rank")
-    run_on_ranks(train_on_rank, 1, tiny_options(run_dir, *CLIP), timeout=300)
-    return metrics_records(run_dir)
+    return tiny_curve(tmp_path_factory.mktemp("one-rank"), 1, *CLIP)
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_qk_clip_trains_as_one_rank_in_every_layout(tmp_path, reference, name):
-    run_on_ranks(train_on_rank, 2, tiny_options(tmp_path, *CLIP, *LAYOUTS[name]), timeout=300)
-    assert_same_curve(metrics_records(tmp_path), reference, LOGGED, name)
+    assert_same_curve(tiny_curve(tmp_path, 2, *CLIP, *LAYOUTS[name]), reference, LOGGED, name)
 
 
 def test_with_muon_the_layer_wise_optimizer_clips_as_one_rank(tmp_path):
     muon = ("--optimizer", "muon", "--muon-fp32-matmul-prec", "high")
-    run_on_ranks(train_on_rank, 1, tiny_options(tmp_path / "one", *CLIP, *muon), timeout=300)
-    layer_wise = tiny_options(tmp_path / "two", *CLIP, *muon, "--use-distributed-optimizer")
-    run_on_ranks(train_on_rank, 2, layer_wise, timeout=300)
-    assert_same_curve(metrics_records(tmp_path / "two"), metrics_records(tmp_path / "one"),
-                      LOGGED, "muon dp2")  # fmt: skip
+    one = tiny_curve(tmp_path / "one", 1, *CLIP, *muon)
+    layer_wise = tiny_curve(tmp_path / "two", 2, *CLIP, *muon, "--use-distributed-optimizer")
+    assert_same_curve(layer_wise, one, LOGGED, "muon dp2")
 
 
 def test_the_clip_alone_brings_the_logits_under_the_threshold(tmp_path, reference):

@@ -92,6 +92,15 @@ def metrics_records(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def tiny_curve(run_dir: Path, ranks: int, *extra: str) -> list[dict]:
+    """tiny_options(run_dir, *extra) trained on `ranks` of the test launcher's ranks
+    (mp_state.testing); its metrics records."""
+    from mp_state.testing import run_on_ranks
+
+    run_on_ranks(train_on_rank, ranks, tiny_options(run_dir, *extra), timeout=300)
+    return metrics_records(run_dir)
+
+
 def complete_records(run_dir: Path) -> list[dict]:
     """The records of run_dir/metrics.jsonl written whole, in order: a line a kill cut
     short is not one (for runs a test kills)."""
