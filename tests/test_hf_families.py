@@ -195,7 +195,7 @@ def finetune_body(load: str, save: str) -> None:
     pretrain([
         "--load", load, "--use-checkpoint-args", "--finetune", "--save", save,
         "--mock-data", *GIVEN_PEAK,
-        "--tokenizer-type", "NullTokenizer", "--vocab-size", "95",  # and its EOD: 96
+        "--tokenizer-type", "NullTokenizer", "--vocab-size", "96",  # its EOD: 95
         "--make-vocab-size-divisible-by", "1", "--seq-length", str(SEQ),
         "--micro-batch-size", "2", "--global-batch-size", "2", "--train-iters", "1",
         "--lr", "1e-4", "--lr-warmup-iters", "0", "--eval-interval", "none",

@@ -22,8 +22,8 @@ ASSETS = Path(__file__).resolve().parents[1] / "packages/mp-ckpt/tests/assets/me
 
 def _argv(load: Path, case: str = "") -> list[str]:
     """A run that loads `load` and takes no step (it is at iteration 2 of 2), with the
-    fixtures' optimizer settings. The fixture's vocabulary: 100 ids (+ NullTokenizer's eod)
-    padded to 128; the DeepSeek-shaped ones' 60 padded to 64."""
+    fixtures' optimizer settings. The fixture's vocabulary: 100 ids padded
+    to 128; the DeepSeek-shaped ones' 60 padded to 64."""
     vocab = ("60", "32") if case.startswith("mla") else ("100", "64")
     return [
         "--config", str(TINY_CONFIG), "--mock-data", *GIVEN_PEAK,

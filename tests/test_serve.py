@@ -24,8 +24,8 @@ from mp_gpt.testing import GIVEN_PEAK
 from mp_state.testing import TorchrunJob, run_on_ranks
 
 CONFIG = Path(__file__).resolve().parents[1] / "apps" / "gpt" / "configs" / "tiny.yaml"
-EOD = 1000  # NullTokenizer(vocab_size=1000)
-PROMPTS = ["1 2 3", "7", "40 41", "5 6 7 8", "999", "12 0"]
+EOD = 999  # NullTokenizer(vocab_size=1000)
+PROMPTS = ["1 2 3", "7", "40 41", "5 6 7 8", "998", "12 0"]
 TOKENS = [6, 9, 3, 12, 1, 7]  # new tokens asked for each prompt
 SLOW = {"prompts": ["1 2 3"] * 16, "tokens_to_generate": 1000, "top_k": 1}  # seconds on a CPU
 

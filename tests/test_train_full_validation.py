@@ -15,14 +15,15 @@ from mp_state.testing import run_on_ranks
 pytestmark = pytest.mark.multirank
 
 VOCAB = 1000
+EOD = VOCAB - 1  # NullTokenizer's
 
 
 def corpus(prefix: str, seed: int, documents: int) -> None:
     rng = np.random.default_rng(seed)
     with IndexedDatasetBuilder(prefix + ".bin", np.int32) as builder:
         for _ in range(documents):
-            top = 200 if seed % 2 else VOCAB  # the odd corpora use fewer ids
-            builder.add_item(np.append(rng.integers(0, top, rng.integers(20, 90)), VOCAB))
+            top = 200 if seed % 2 else EOD  # the odd corpora use fewer ids
+            builder.add_item(np.append(rng.integers(0, top, rng.integers(20, 90)), EOD))
             builder.end_document()
         builder.finalize(prefix + ".idx")
 

@@ -33,7 +33,8 @@ from mp_state.testing import run_on_ranks
 
 pytestmark = pytest.mark.multirank
 
-VOCAB = 1000  # NullTokenizer: ids 0 .. 999, the end-of-document id 1000
+VOCAB = 1000  # NullTokenizer: ids 0 .. 999, the last one (999) the end-of-document id
+EOD = VOCAB - 1
 PACKED = ["--reset-attention-mask", "--reset-position-ids"]
 LOGGED = ("lm loss", "grad_norm")
 ITERATIONS = 6
@@ -50,7 +51,7 @@ def corpus(prefix: str, multiple: int = 1) -> None:
     with IndexedDatasetBuilder(prefix + ".bin", np.int32) as builder:
         for _ in range(400):
             n = rng.integers(1, 41) if multiple == 1 else multiple * rng.integers(1, 6) - 1
-            builder.add_item(np.append(rng.integers(0, VOCAB, n), VOCAB))
+            builder.add_item(np.append(rng.integers(0, EOD, n), EOD))
             builder.end_document()
         builder.finalize(prefix + ".idx")
 

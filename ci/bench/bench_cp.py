@@ -2,8 +2,8 @@
 both cores, side by side: tokens/s, peak memory per rank, the ring's exposed waits.
 
 The model is the Llama-style shape of bench_gpt.py (hidden 512, 8 layers, 8 heads in 4
-query groups of 64 channels, ffn 1376, SwiGLU, RMSNorm, RoPE, vocabulary 32,000 padded
-to 32,128, dropout 0; about 56M parameters), trained in bf16 (bf16 parameters, fp32
+query groups of 64 channels, ffn 1376, SwiGLU, RMSNorm, RoPE, vocabulary 32,000 (a
+multiple of 128: not padded), dropout 0; about 56M parameters), trained in bf16 (bf16 parameters, fp32
 gradients and main parameters, Megatron's mixed precision) on mock data, micro-batch 1 =
 global batch, at each sequence length asked for.
 

@@ -17,8 +17,8 @@ scheduler.step(). AdamW (fused), lr 1e-4, clipping at 1.0.
 
 `memory`: a Llama-shaped model of about 200M parameters (hidden 1024, 12 layers, 16
 heads in 4 query groups of 64 channels, ffn 2816, SwiGLU, RMSNorm, RoPE, untied
-embeddings, vocabulary 32,000: 32,001 with the end-of-document id, padded to 32,128;
-201,090,048 parameters), sequence 128, micro-batch 1, in bf16 (bf16 parameters,
+embeddings, vocabulary 32,000 (NullTokenizer's, its end-of-document id the last; not
+padded); 200,827,904 parameters), sequence 128, micro-batch 1, in bf16 (bf16 parameters,
 fp32 gradients and main parameters: Megatron's mixed precision) and in fp32. Each
 level runs in fresh ranks and takes `--steps` steps (so that Adam's moments exist);
 then each rank counts the bytes it holds, each storage once (untyped_storage, by
@@ -49,7 +49,7 @@ ranks in bf16 hold about 16 GiB together, more than a shared 24 GiB machine shou
 give one benchmark.
 
 `speed`: ZeRO-3 against DDP at dp 2, in bf16, on the ~56M-parameter Llama shape of
-bench_gpt.py (harness.LLAMA_SHAPE: vocabulary padded to 32,128, 56,107,520
+bench_gpt.py (harness.LLAMA_SHAPE: vocabulary 32,000, 55,976,448
 parameters), sequence 256, at each micro-batch of `--speed-batch` (2: about a second
 per step; 8). Both sides live in the same two processes (one mp_state, two
 setup_runs), built from the same seed and fed the same data. Correctness first: their

@@ -4,9 +4,9 @@ transformers' LlamaForCausalLM.
 One process, all cores (torch.set_num_threads(os.cpu_count())). The model is the
 Llama-style shape of bench_layers.py: hidden 512, 8 layers, 8 heads in 4 query
 groups of 64 channels, ffn 1376 (SwiGLU), RMSNorm, RoPE, no biases, untied
-embeddings, vocabulary 32,000 (NullTokenizer: 32,001 with the end-of-document
-id, padded to 32,128 as Megatron pads it), sequence 512, micro-batch 4 = global
-batch, dropout 0; about 56M parameters.
+embeddings, vocabulary 32,000 (NullTokenizer's, the last id its end of document;
+a multiple of 128, so Megatron's padding keeps it), sequence 512, micro-batch 4 =
+global batch, dropout 0; about 56M parameters.
 
 Ours is the real run: `mp_train.parse_config` of Megatron flags (`--bf16
 --mock-data ...`) and `mp_gpt.pretrain.train(config)` in this process (a
@@ -437,7 +437,7 @@ def _loader(config):
 
 
 def padded_vocab(config) -> int:
-    """The loop's vocabulary: NullTokenizer's ids and its end-of-document id, padded."""
+    """The loop's vocabulary: NullTokenizer's ids (its end-of-document id among them), padded."""
     tokenizer = build_tokenizer("NullTokenizer", vocab_size=config.data.vocab_size)
     return vocab_size_with_padding(tokenizer.vocab_size, config.data.make_vocab_size_divisible_by)
 

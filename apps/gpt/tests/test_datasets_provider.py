@@ -3,9 +3,11 @@ and no data file is read."""
 
 from __future__ import annotations
 
+import warnings
 from types import SimpleNamespace
 
 import numpy as np
+import torch
 
 from mp_data import MockGPTDataset, build_tokenizer
 from mp_gpt.gpt import datasets_provider
@@ -32,3 +34,34 @@ def test_mock_data_splits_evenly_as_megatron():
         assert isinstance(dataset, MockGPTDataset)
         assert dataset.config.split == "1,1,1"
         np.testing.assert_array_equal(dataset.indices, np.arange(lo, hi))
+
+
+def test_mock_data_ends_documents_with_the_null_tokenizers_eod():
+    """megatron-core's NullTokenizer: --vocab-size 1000 ends each mock document with 999;
+    a pad shared with it masks those labels only with --allow-ambiguous-pad-tokens."""
+    argv = [
+        "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+        "--seq-length", "32", "--micro-batch-size", "1", "--train-iters", "10", "--mock-data",
+        "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000",
+        "--null-tokenizer-pad-id", "999",
+    ]  # fmt: skip
+    first_rank = SimpleNamespace(rank=0, size=1)
+    labels, masks = [], []
+    for allow in ([], ["--allow-ambiguous-pad-tokens"]):
+        config = parse_config(argv + allow)
+        tokenizer = build_tokenizer("NullTokenizer", vocab_size=1000, null_tokenizer_pad_id=999)
+        assert (tokenizer.eod, tokenizer.pad) == (999, 999)
+        run = SimpleNamespace(config=config, state=SimpleNamespace(pp=first_rank, tp=first_rank),
+                              tokenizer=tokenizer)  # fmt: skip
+        with warnings.catch_warnings(record=True) as warned:
+            warnings.simplefilter("always")
+            train = datasets_provider(run, [400, 4, 4])[0]
+        assert bool(warned) == bool(allow)  # the shared pad is named when it is used
+        document = train.dataset[1]  # 1 .. n-1 (mod 1000), then the eod
+        assert document[-1] == 999
+        assert document[:-1].tolist() == [i % 1000 for i in range(1, len(document))]
+        labels.append(torch.stack([train[i]["labels"] for i in range(400)]))
+        masks.append(torch.stack([train[i]["loss_mask"] for i in range(400)]))
+    eods = labels[0] == 999
+    assert eods.any() and masks[0].all()
+    assert torch.equal(masks[1] == 0, eods)

@@ -7,7 +7,7 @@ from mp_data import build_tokenizer
 from mp_gpt.generation import Completion, Sampling
 from mp_gpt.serve_request import RequestError, Vocabulary, parse_request, response
 
-NULL = build_tokenizer("NullTokenizer", vocab_size=100)  # eod 100
+NULL = build_tokenizer("NullTokenizer", vocab_size=101)  # eod 100
 VOCABULARY = Vocabulary(NULL, NULL.eod, max_length=16)
 
 

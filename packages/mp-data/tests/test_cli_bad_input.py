@@ -104,17 +104,17 @@ def test_all_lines_bad_and_skipped_is_an_error(tmp_path, capsys):
 
 def test_an_id_outside_the_vocabulary_names_the_line(tmp_path, capsys):
     null = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "100"]
-    lines = ['{"text": "1 2 3"}', '{"text": "4 100 5"}', '{"text": "6 101"}', '{"text": "x"}']
+    lines = ['{"text": "1 2 3"}', '{"text": "4 99 5"}', '{"text": "6 100"}', '{"text": "x"}']
     assert run(tmp_path, lines, tokenizer=null) == 1
     err = capsys.readouterr().err
-    assert "in.jsonl:3: the tokenizer rejects the text: NullTokenizer: id 101 is outside" in err
+    assert "in.jsonl:3: the tokenizer rejects the text: NullTokenizer: id 100 is outside" in err
     assert outputs(tmp_path) == []
-    # 100 is the eod of NullTokenizer(100): in the vocabulary. "x" is no id at all.
+    # 99 is the eod of NullTokenizer(100): in the vocabulary. "x" is no id at all.
     assert run(tmp_path, lines, "--skip-bad-lines", tokenizer=null) == 0
     out = capsys.readouterr().out
     assert "2 bad lines skipped" in out and ": 3, 4 (line 3:" in out
     dataset = IndexedDataset(str(tmp_path / "out_text_document"))
-    assert [s.tolist() for s in dataset] == [[1, 2, 3], [4, 100, 5]]
+    assert [s.tolist() for s in dataset] == [[1, 2, 3], [4, 99, 5]]
 
 
 def test_missing_files_are_clear_errors(tmp_path, capsys):

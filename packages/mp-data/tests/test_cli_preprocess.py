@@ -146,11 +146,17 @@ def test_null_tokenizer_writes_the_ids_it_is_given(tmp_path):
     source = write_jsonl(tmp_path / "in.jsonl", [{"text": "1 2 3"}, {"text": "70000 4"}])
     prefix = tmp_path / "out"
     args = ["preprocess", "--input", str(source), "--output-prefix", str(prefix)]
-    null = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "70001"]
+    null = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "70002"]
     assert main([*args, *null, "--append-eod"]) == 0
     dataset = IndexedDataset(f"{prefix}_text_document")
     assert dataset.dtype == np.int32  # 70,002 ids do not fit uint16
     assert [s.tolist() for s in dataset] == [[1, 2, 3, 70001], [70000, 4, 70001]]
+    # Megatron's --null-tokenizer-eod-id names another end-of-document id.
+    assert main([*args, *null, "--append-eod", "--null-tokenizer-eod-id", "0"]) == 0
+    dataset = IndexedDataset(f"{prefix}_text_document")
+    assert [s.tolist() for s in dataset] == [[1, 2, 3, 0], [70000, 4, 0]]
+    gpt2 = ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "v", "--merge-file", "m"]
+    assert main([*args, *gpt2, "--null-tokenizer-eod-id", "0"]) == 1
 
 
 def test_progress_is_a_bar_on_a_terminal_and_log_lines_otherwise(tmp_path, monkeypatch, capsys):

@@ -123,6 +123,27 @@ def test_kept_partial_validation_sample_is_padded(corpus, tmp_path):
     assert (item["labels"][real:] == 0).all()
 
 
+def test_a_pad_shared_with_eod_is_used_only_when_allowed(corpus, tmp_path):
+    """megatron-core's rule: a pad id that is also the eod (or bos) masks nothing, unless
+    allow_ambiguous_pad_tokens keeps it, and then every eod label loses its loss."""
+    shared = SimpleNamespace(vocab_size=VOCAB, eod=EOD, pad=EOD)
+    item = make(corpus, tmp_path, tokenizer=shared)[0]
+    assert item["loss_mask"].all() and (item["labels"] == EOD).any()
+    with pytest.warns(UserWarning, match="pad id 0 is also its eod or bos"):
+        gpt = make(corpus, tmp_path, tokenizer=shared, allow_ambiguous_pad_tokens=True)
+    item = gpt[0]
+    eod_labels = make(corpus, tmp_path)[0]["labels"] == EOD
+    assert eod_labels.any() and torch.equal(item["loss_mask"], (~eod_labels).float())
+    # A pad that is the bos is no pad either; one of its own masks its labels.
+    fives = torch.stack([make(corpus, tmp_path)[i]["labels"] == 5 for i in range(8)])
+    assert fives.any()
+    for bos, masked in ((5, False), (None, True)):
+        tokenizer = SimpleNamespace(vocab_size=VOCAB, eod=EOD, pad=5, bos=bos)
+        gpt = make(corpus, tmp_path, tokenizer=tokenizer)
+        loss = torch.stack([gpt[i]["loss_mask"] for i in range(8)])
+        assert torch.equal(loss == 0, fives & masked)
+
+
 def test_without_the_extra_token_the_last_label_is_masked(corpus, tmp_path):
     item = make(corpus, tmp_path, add_extra_token_to_sequence=False)[0]
     assert item["loss_mask"][-1] == 0 and item["labels"][-1] == 0

@@ -108,3 +108,13 @@ def test_data_config_attention_mask_rules():
     with pytest.raises(ValueError, match="reset_attention_mask=True needs "
                                          "create_attention_mask_in_dataloader=True"):  # fmt: skip
         DataConfig(reset_attention_mask=True, create_attention_mask_in_dataloader=False)
+
+
+def test_data_config_null_tokenizer_ids():
+    assert DataConfig(vocab_size=10, null_tokenizer_eod_id=0, null_tokenizer_pad_id=9)
+    assert DataConfig(tokenizer_type="NullTokenizer", vocab_size=10, null_tokenizer_eod_id=0)
+    refused = "null_tokenizer_eod_id=0 set NullTokenizer's ids; tokenizer_type=GPT2BPETokenizer"
+    with pytest.raises(ValueError, match=refused):
+        DataConfig(tokenizer_type="GPT2BPETokenizer", null_tokenizer_eod_id=0)
+    with pytest.raises(ValueError, match="null_tokenizer_pad_id=-2 must be an id, or -1"):
+        DataConfig(vocab_size=10, null_tokenizer_pad_id=-2)

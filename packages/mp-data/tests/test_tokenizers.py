@@ -302,21 +302,34 @@ def test_huggingface_errors(tmp_path):
 
 
 def test_null_tokenizer_is_megatrons():
+    # megatron.core's NullTokenizer: N ids, the last the eod, no pad (pad_id -1).
     null = NullTokenizer(1000)
-    assert (null.vocab_size, null.eod, null.pad, null.bos) == (1001, 1000, None, None)
+    assert (null.vocab_size, null.eod, null.pad, null.bos) == (1000, 999, None, None)
     assert null.tokenize("5 17\t999\n 0") == [5, 17, 999, 0]
-    assert null.detokenize([5, 17, 1000]) == "5 17 1000"
+    assert null.detokenize([5, 17, 999]) == "5 17 999"
     assert null.tokenize(null.detokenize([3, 1, 2])) == [3, 1, 2]
     assert null.tokenize("") == []
     assert null.identity != NullTokenizer(999).identity
-    assert NullTokenizer(__import__("numpy").int64(7)).eod == 7
+    assert NullTokenizer(__import__("numpy").int64(7)).eod == 6
+    named = NullTokenizer(1000, eod_id=0, pad_id=998)
+    assert (named.vocab_size, named.eod, named.pad) == (1000, 0, 998)
+    assert NullTokenizer(1000, pad_id=-1).pad is None
+    # The ids shape the data (eod appended, pad masked), so they shape its cache key.
+    identities = {t.identity for t in (null, named, NullTokenizer(1000, eod_id=0))}
+    assert len(identities) == 3
 
 
 def test_null_tokenizer_errors():
     with pytest.raises(ValueError, match="'x' is not an integer id"):
         NullTokenizer(10).tokenize("1 x 2")
-    with pytest.raises(ValueError, match=r"id 11 is outside the vocabulary 0\.\.10"):
-        NullTokenizer(10).tokenize("1 11")
+    with pytest.raises(ValueError, match=r"id 10 is outside the vocabulary 0\.\.9"):
+        NullTokenizer(10).tokenize("1 10")
+    with pytest.raises(ValueError, match=r"eod_id=10 is outside the vocabulary 0\.\.9"):
+        NullTokenizer(10, eod_id=10)
+    with pytest.raises(ValueError, match=r"pad_id=-2 is outside the vocabulary 0\.\.9"):
+        NullTokenizer(10, pad_id=-2)
+    with pytest.raises(ValueError, match="pad_id must be an integer"):
+        NullTokenizer(10, pad_id=1.5)
     for size in (0, -3, 2.5, "8", True):
         with pytest.raises(ValueError, match="NullTokenizer: vocab_size"):
             NullTokenizer(size)
@@ -338,6 +351,10 @@ def test_build_tokenizer_each_type(tmp_path):
         "SFTTokenizer": build_tokenizer("SFTTokenizer", tokenizer_model=tmp_path),
         "NullTokenizer": build_tokenizer("NullTokenizer", vocab_size=50),
     }
+    null = build_tokenizer(
+        "NullTokenizer", vocab_size=50, null_tokenizer_eod_id=3, null_tokenizer_pad_id=4
+    )
+    assert (null.vocab_size, null.eod, null.pad) == (50, 3, 4)
     assert set(built) == set(TOKENIZER_TYPES)
     for name, tokenizer in built.items():
         assert type(tokenizer).__name__ == name
@@ -355,6 +372,17 @@ def test_build_tokenizer_each_type(tmp_path):
         ("NullTokenizer", {}, "'NullTokenizer' requires vocab_size"),
         ("SentencePieceTokenizer", {}, "'SentencePieceTokenizer' is not supported; choose one of"),
         ("gpt2", {}, "'gpt2' is not supported"),
+        (
+            "BertWordPieceCase",
+            {"vocab_file": "v", "null_tokenizer_eod_id": 0},
+            "NullTokenizer's ids; tokenizer_type 'BertWordPieceCase' has its own",
+        ),
+        (
+            "HuggingFaceTokenizer",
+            {"tokenizer_model": "t", "null_tokenizer_pad_id": 3},
+            "NullTokenizer's ids",
+        ),
+        ("NullTokenizer", {"vocab_size": 8, "null_tokenizer_eod_id": 8}, "eod_id=8 is outside"),
     ],
 )
 def test_build_tokenizer_errors(tokenizer_type, kwargs, message):

@@ -234,10 +234,14 @@ def _tokenizer_and_vocabulary(load: str, tp: int):
     common = torch.load(CheckpointReader(load).directory / "common.pt", weights_only=False)
     data = (common.get("config") or {}).get("data")
     if data is not None:  # saved by mp's training: the run's tokenizer settings
+        kind, vocab_size = data["tokenizer_type"] or "NullTokenizer", data["vocab_size"]
+        if kind == "NullTokenizer" and "null_tokenizer_eod_id" not in data:
+            vocab_size += 1  # saved when NullTokenizer's eod was vocab_size, after the ids
         tokenizer = build_tokenizer(
-            data["tokenizer_type"] or "NullTokenizer", vocab_file=data["vocab_file"],
-            merge_file=data["merge_file"], tokenizer_model=data["tokenizer_model"],
-            vocab_size=data["vocab_size"],
+            kind, vocab_file=data["vocab_file"], merge_file=data["merge_file"],
+            tokenizer_model=data["tokenizer_model"], vocab_size=vocab_size,
+            null_tokenizer_eod_id=data.get("null_tokenizer_eod_id"),
+            null_tokenizer_pad_id=data.get("null_tokenizer_pad_id", -1),
         )  # fmt: skip
         divisible = data["make_vocab_size_divisible_by"]
         return tokenizer, vocab_size_with_padding(tokenizer.vocab_size, divisible, tp)

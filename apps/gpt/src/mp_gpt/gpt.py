@@ -80,6 +80,7 @@ def datasets_provider(run, counts: list[int]):
         tokenizer=tokenizer, reset_position_ids=data.reset_position_ids,
         reset_attention_mask=data.reset_attention_mask, eod_mask_loss=data.eod_mask_loss,
         create_attention_mask=data.batches_carry_documents,
+        allow_ambiguous_pad_tokens=data.allow_ambiguous_pad_tokens,
         context_parallel_size=config.parallel.context_parallel_size, **fim,
     )  # fmt: skip
     cls = SFTDataset if data.sft else MockGPTDataset if data.mock_data else GPTDataset

@@ -66,7 +66,21 @@ class DataConfig(FimDataConfig):
     """The BPE merges (GPT2BPETokenizer's merges.txt)."""
 
     vocab_size: int | None = None
-    """The vocabulary size of NullTokenizer (and of mock data without a tokenizer)."""
+    """The vocabulary size of NullTokenizer (and of mock data without a tokenizer): ids
+    0 .. vocab_size - 1, the last one its end-of-document id unless
+    null_tokenizer_eod_id names another (megatron.core's NullTokenizer)."""
+
+    null_tokenizer_eod_id: int | None = None
+    """NullTokenizer's end-of-document id; None: vocab_size - 1."""
+
+    null_tokenizer_pad_id: int = -1
+    """NullTokenizer's pad id (labels equal to it get no loss: choose an id the data does
+    not hold); -1: none."""
+
+    allow_ambiguous_pad_tokens: bool = False
+    """Keep the tokenizer's pad id even when it is also its eod or bos, so those tokens get
+    no loss (Megatron's flag, for a tokenizer whose pad is wrongly shared); off, such a pad
+    is not used."""
 
     make_vocab_size_divisible_by: int = 128
     """Pad the vocabulary to a multiple of this times the tensor-parallel size."""
@@ -125,6 +139,7 @@ class DataConfig(FimDataConfig):
             raise ValueError(f"padded_vocab_size={self.padded_vocab_size} must be >= 1")
         if self.vocab_size is not None and self.vocab_size < 1:
             raise ValueError(f"vocab_size={self.vocab_size} must be >= 1")
+        self._check_null_tokenizer_ids()
         if self.reset_attention_mask and not self.create_attention_mask_in_dataloader:
             raise ValueError(
                 "reset_attention_mask=True needs create_attention_mask_in_dataloader=True: the "
@@ -174,6 +189,21 @@ class DataConfig(FimDataConfig):
                 raise ValueError(f"per_split_data_args_path {path}: {split!r} must be a list "
                                  "of weights and prefixes or one string of them")  # fmt: skip
             setattr(self, f"{split}_data_path", [str(p) for p in paths] or None)
+
+    def _check_null_tokenizer_ids(self) -> None:
+        given = [f"{name}={value}" for name, value, unset in (
+            ("null_tokenizer_eod_id", self.null_tokenizer_eod_id, None),
+            ("null_tokenizer_pad_id", self.null_tokenizer_pad_id, -1),
+        ) if value != unset]  # fmt: skip
+        if given and self.tokenizer_type not in (None, "NullTokenizer"):
+            raise ValueError(
+                f"{' and '.join(given)} set NullTokenizer's ids; tokenizer_type="
+                f"{self.tokenizer_type} has its own"
+            )
+        if self.null_tokenizer_pad_id < -1:
+            raise ValueError(
+                f"null_tokenizer_pad_id={self.null_tokenizer_pad_id} must be an id, or -1 (none)"
+            )
 
     @property
     def batches_carry_documents(self) -> bool:

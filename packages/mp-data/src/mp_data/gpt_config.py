@@ -95,6 +95,11 @@ class GPTDatasetConfig:
     drop_last_partial_validation_sequence: bool = True
     """Drop (else pad) the last, incomplete validation sample."""
 
+    allow_ambiguous_pad_tokens: bool = False
+    """Keep the tokenizer's pad id even when it is also its eod or bos (Megatron's
+    --allow-ambiguous-pad-tokens): labels equal to it get no loss, those special tokens
+    included. False: such a pad is not used, so the data's special tokens keep their loss."""
+
     split_matrix: list[tuple[float, float] | None] | None = field(init=False, default=None)
     """Derived from `split`: the (start, end) fraction of each split."""
 

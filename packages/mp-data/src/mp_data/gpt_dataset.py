@@ -14,6 +14,7 @@ of length s = sequence_length:
 from __future__ import annotations
 
 import os
+import warnings
 
 import numpy as np
 import torch
@@ -46,8 +47,7 @@ class GPTDataset(MegatronDataset):
         config = self.config
         self._extra = int(config.add_extra_token_to_sequence)
         self._eod = config.tokenizer.eod if config.tokenizer is not None else None
-        pad = getattr(config.tokenizer, "pad", None)
-        self._pad = _NO_PAD if pad is None or pad == self._eod else int(pad)
+        self._pad = _pad_id(config)
         self._drop_last = (
             config.drop_last_partial_validation_sequence
             if self.index_split == Split.valid
@@ -186,6 +186,26 @@ class GPTDataset(MegatronDataset):
             else:
                 item["attention_mask"] = attention_mask
         return item
+
+
+def _pad_id(config: GPTDatasetConfig) -> int:
+    """The pad id whose labels get no loss: the tokenizer's, unless it is also its eod or
+    bos (megatron-core's rule; then none) and allow_ambiguous_pad_tokens is off."""
+    tokenizer = config.tokenizer
+    pad = getattr(tokenizer, "pad", None)
+    if pad is None:
+        return _NO_PAD
+    special = {getattr(tokenizer, "eod", None), getattr(tokenizer, "bos", None)} - {None}
+    if int(pad) not in special:
+        return int(pad)
+    if not config.allow_ambiguous_pad_tokens:
+        return _NO_PAD
+    warnings.warn(
+        f"the tokenizer's pad id {pad} is also its eod or bos, and allow_ambiguous_pad_tokens "
+        "is set: those tokens get no loss, which may hurt convergence",
+        stacklevel=3,
+    )
+    return int(pad)
 
 
 def document_ids(tokens: np.ndarray, eod: int | None) -> np.ndarray:

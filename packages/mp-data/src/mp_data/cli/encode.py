@@ -52,6 +52,7 @@ class EncodeOptions:
     merge_file: str | None = None
     tokenizer_model: str | None = None
     vocab_size: int | None = None
+    null_tokenizer_eod_id: int | None = None
     append_eod: bool = False
     split_sentences: bool = False
     keep_newlines: bool = False
@@ -66,6 +67,7 @@ class EncodeOptions:
             tokenizer_model=self.tokenizer_model,
             vocab_size=self.vocab_size,
             special_tokens_as_text=self.special_tokens_as_text,
+            null_tokenizer_eod_id=self.null_tokenizer_eod_id,
         )
 
 

@@ -94,7 +94,12 @@ def add_parser(subparsers) -> None:
         metavar="PATH",
         help="tokenizer.json, or the folder holding it (HuggingFaceTokenizer)",
     )
-    t.add_argument("--vocab-size", type=int, metavar="N", help="ids 0..N-1, eod N (NullTokenizer)")
+    t.add_argument(
+        "--vocab-size", type=int, metavar="N", help="ids 0..N-1, eod N-1 (NullTokenizer)"
+    )
+    t.add_argument(
+        "--null-tokenizer-eod-id", type=int, metavar="ID", help="NullTokenizer's eod (default N-1)"
+    )
     e = p.add_argument_group("encoding")
     e.add_argument(
         "--append-eod",
@@ -175,6 +180,7 @@ def run(args: argparse.Namespace) -> None:
         merge_file=args.merge_file,
         tokenizer_model=args.tokenizer_model,
         vocab_size=args.vocab_size,
+        null_tokenizer_eod_id=args.null_tokenizer_eod_id,
         append_eod=args.append_eod,
         split_sentences=args.split_sentences,
         keep_newlines=args.keep_newlines,

@@ -1,8 +1,9 @@
 """A tokenizer from Megatron's --tokenizer-type and file arguments, and the padded vocabulary size.
 
 `build_tokenizer` takes Megatron's type names and argument names
-(--vocab-file, --merge-file, --tokenizer-model, --vocab-size), so a Megatron
-command line or YAML maps over; each type reads only the arguments it needs.
+(--vocab-file, --merge-file, --tokenizer-model, --vocab-size,
+--null-tokenizer-eod-id, --null-tokenizer-pad-id), so a Megatron command line or
+YAML maps over; each type reads only the arguments it needs.
 
 `vocab_size_with_padding` is Megatron's _vocab_size_with_padding: the
 embedding table is rounded up to a multiple of make_vocab_size_divisible_by
@@ -19,7 +20,7 @@ from mp_data.tokenizers.base import Tokenizer, positive_int
 from mp_data.tokenizers.bert import BertWordPieceCase, BertWordPieceLowerCase
 from mp_data.tokenizers.gpt2 import GPT2BPETokenizer
 from mp_data.tokenizers.huggingface import HuggingFaceTokenizer
-from mp_data.tokenizers.null import NullTokenizer
+from mp_data.tokenizers.null import NO_PAD, NullTokenizer
 
 __all__ = ["TOKENIZER_TYPES", "build_tokenizer", "vocab_size_with_padding"]
 
@@ -43,6 +44,8 @@ def build_tokenizer(
     vocab_size: int | None = None,
     special_tokens_as_text: bool = False,
     sft_tokenizer_prompt_format: str = "nemotron-h-aligned",
+    null_tokenizer_eod_id: int | None = None,
+    null_tokenizer_pad_id: int = NO_PAD,
 ) -> Tokenizer:
     """The tokenizer of `tokenizer_type`, built from the arguments it requires.
 
@@ -50,7 +53,8 @@ def build_tokenizer(
     text instead of matching it (base.py); NullTokenizer has no special text.
     "SFTTokenizer" (Megatron's, for --sft) is a HuggingFaceTokenizer that also renders
     conversations in `sft_tokenizer_prompt_format` (mp_data.sft_tokenizer; it needs
-    transformers).
+    transformers). NullTokenizer's eod is vocab_size - 1 unless `null_tokenizer_eod_id`
+    names another, and it has a pad only when `null_tokenizer_pad_id` is not -1.
     """
     if tokenizer_type not in TOKENIZER_TYPES:
         raise ValueError(
@@ -64,6 +68,12 @@ def build_tokenizer(
         "tokenizer_model": tokenizer_model,
         "vocab_size": vocab_size,
     }
+    null_ids = null_tokenizer_eod_id is not None or null_tokenizer_pad_id != NO_PAD
+    if null_ids and tokenizer_type != "NullTokenizer":
+        raise ValueError(
+            f"null_tokenizer_eod_id and null_tokenizer_pad_id are NullTokenizer's ids; "
+            f"tokenizer_type {tokenizer_type!r} has its own"
+        )
     missing = [name for name in TOKENIZER_TYPES[tokenizer_type] if given[name] is None]
     if missing:
         raise ValueError(f"tokenizer_type {tokenizer_type!r} requires {' and '.join(missing)}")
@@ -80,7 +90,7 @@ def build_tokenizer(
         from mp_data.sft_tokenizer import SFTTokenizer
 
         return SFTTokenizer(tokenizer_model, sft_tokenizer_prompt_format)
-    return NullTokenizer(vocab_size)
+    return NullTokenizer(vocab_size, null_tokenizer_eod_id, null_tokenizer_pad_id)
 
 
 def vocab_size_with_padding(

@@ -197,13 +197,15 @@ def setup_run(
     data = config.data
     kind = data.tokenizer_type
     if kind is None and data.vocab_size is not None:
-        kind = "NullTokenizer"  # token ids given as they are, plus an end-of-document id
+        kind = "NullTokenizer"  # token ids given as they are, the last one end-of-document
     if kind is None:
         raise ValueError("the vocabulary is unknown: set tokenizer_type (or vocab_size)")
     tokenizer = build_tokenizer(
         kind, vocab_file=data.vocab_file, merge_file=data.merge_file,
         tokenizer_model=data.tokenizer_model, vocab_size=data.vocab_size,
         sft_tokenizer_prompt_format=data.sft_tokenizer_prompt_format,
+        null_tokenizer_eod_id=data.null_tokenizer_eod_id,
+        null_tokenizer_pad_id=data.null_tokenizer_pad_id,
     )  # fmt: skip
     vocab = tokenizer.vocab_size
     padded = data.padded_vocab_size or vocab_size_with_padding(
