@@ -3,9 +3,9 @@ both cores, side by side: tokens/s, peak memory per rank, the ring's exposed wai
 
 The model is the Llama-style shape of bench_gpt.py (hidden 512, 8 layers, 8 heads in 4
 query groups of 64 channels, ffn 1376, SwiGLU, RMSNorm, RoPE, vocabulary 32,000 (a
-multiple of 128: not padded), dropout 0; about 56M parameters), trained in bf16 (bf16 parameters, fp32
-gradients and main parameters, Megatron's mixed precision) on mock data, micro-batch 1 =
-global batch, at each sequence length asked for.
+multiple of 128: not padded), dropout 0; about 56M parameters), trained in bf16 (bf16
+parameters, fp32 gradients and main parameters, Megatron's mixed precision) on mock data,
+micro-batch 1 = global batch, at each sequence length asked for.
 
 Both runs are apps/gpt's real training loop (`mp_gpt.pretrain.train` of Megatron flags),
 each in fresh processes started for the measurement (mp_state.testing.run_on_ranks,

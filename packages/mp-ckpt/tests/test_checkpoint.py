@@ -12,6 +12,7 @@ from mp_ckpt import (
     Checkpointer,
     ShardedTensor,
     checkpoint_dir,
+    list_iterations,
     load_checkpoint,
     read_metadata,
     read_tracker,
@@ -126,6 +127,31 @@ def test_prepare_allocates_the_staging_buffers_saves_reuse(tmp_path):
     load_checkpoint(tmp_path, target)
     torch.testing.assert_close(target["w"].data, W + 1.0, rtol=0, atol=0)
     Checkpointer(tmp_path / "sync").prepare(pieces)  # nothing to prepare: no staging
+
+
+def test_a_sibling_saves_elsewhere_sharing_the_staging_and_the_save_in_flight(tmp_path):
+    pieces = pieces_for(0, 1)
+    checkpointer = Checkpointer(tmp_path / "main", async_save=True, keep_last=5)
+    sibling = checkpointer.sibling(tmp_path / "frequent", keep_last=1)
+    assert (sibling.async_save, sibling.keep_last, checkpointer.keep_last) == (True, 1, 5)
+    checkpointer.prepare(pieces)
+    staged = {name: buffer.data_ptr() for name, buffer in checkpointer._staging.items()}
+    for iteration in (1, 2, 3):
+        pieces["w"].data.add_(1.0)
+        sibling.save(iteration, pieces)
+    checkpointer.save(4, pieces)  # waits for the sibling's save 3 to commit first
+    assert read_tracker(tmp_path / "frequent") == 3
+    sibling.finalize()  # either waits for the save in flight, whoever began it
+    assert read_tracker(tmp_path / "main") == 4
+    assert {n: b.data_ptr() for n, b in sibling._staging.items()} == staged
+    assert list_iterations(tmp_path / "frequent") == [3] and read_tracker(tmp_path / "main") == 4
+    assert (sibling.last_saved, checkpointer.last_saved) == (3, 4)
+    for root, iteration in (("frequent", 3), ("main", 4)):
+        target = empty_like(pieces_for(0, 1))
+        assert load_checkpoint(tmp_path / root, target).iteration == iteration
+        torch.testing.assert_close(target["w"].data, W + 3.0, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="keep_last=0 must be >= 1"):
+        checkpointer.sibling(tmp_path / "x", keep_last=0)
 
 
 def test_tracker_moves_only_after_a_complete_save_and_keep_last(tmp_path):

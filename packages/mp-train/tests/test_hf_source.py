@@ -104,6 +104,30 @@ def test_which_directory_a_run_loads(tmp_path):
         start("--load", str(empty), "--pretrained-checkpoint", str(empty), *model)
 
 
+def test_a_run_loads_the_newer_of_its_non_persistent_and_persistent_checkpoints(tmp_path):
+    load, fast = tmp_path / "load", tmp_path / "fast"
+    model = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"]
+
+    def start(*argv):
+        return starting_point(parse_config([*model, *argv, *RUN]).checkpoint)
+
+    Checkpointer(load).save(6, {}, common={"iteration": 6})
+    kind = ("--non-persistent-ckpt-type", "global")
+    assert start("--load", str(load), *kind) == (str(load), False)  # none under load/non_persistent
+    Checkpointer(load / "non_persistent").save(6, {}, common={"iteration": 6})
+    assert start("--load", str(load), *kind) == (str(load / "non_persistent"), False)  # a tie
+    assert start("--load", str(load)) == (str(load), False)  # not looked for without the type
+    assert start("--load", str(load), *kind, "--ckpt-step", "6") == (str(load), False)
+    Checkpointer(fast).save(5, {}, common={"iteration": 5})
+    elsewhere = ("--non-persistent-global-ckpt-dir", str(fast))
+    assert start("--load", str(load), *kind, *elsewhere) == (str(load), False)  # older
+    Checkpointer(fast).save(9, {}, common={"iteration": 9})
+    assert start("--load", str(load), *kind, *elsewhere) == (str(fast), False)
+    # With nothing under load (a first start, say), the non-persistent one is the start.
+    empty = str(tmp_path / "empty")
+    assert start("--load", empty, *kind, *elsewhere, "--finetune") == (str(fast), True)
+
+
 def test_an_export_directory_must_be_new_empty_or_an_earlier_export(tmp_path):
     folder = hf_dir(tmp_path)
     (tmp_path / "other").mkdir()

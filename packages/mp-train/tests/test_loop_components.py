@@ -135,6 +135,32 @@ def test_cadence_decisions_per_iteration(tmp_path):
     assert (train.iteration, train.consumed_train_samples) == (3, 12)
 
 
+def test_non_persistent_saves_come_between_the_saves(tmp_path):
+    checkpoint = CheckpointConfig(save=str(tmp_path), save_interval=4,
+                                  non_persistent_save_interval=3,
+                                  non_persistent_ckpt_type="global")  # fmt: skip
+    train = TrainState()
+    cadence = Cadence(TrainingConfig(train_iters=12, exit_interval=9), checkpoint, False,
+                      signal_received=lambda: False)  # fmt: skip
+    due, stops = {}, {}
+    while not cadence.finished(train):
+        train.iteration += 1
+        now = cadence.after_iteration(train)
+        due[train.iteration] = (now.save, now.save_non_persistent)
+        stop = cadence.stop(train.iteration, saved=now.save or now.save_non_persistent)
+        if stop is not None:
+            stops[train.iteration] = stop.save
+            break
+    saves = {i: d for i, d in due.items() if d != (False, False)}
+    # 3, 6 and 9 non-persistent; 4 and 8 persistent. The exit at 9 counts 9 saved.
+    assert saves == {3: (False, True), 4: (True, False), 6: (False, True), 8: (True, False),
+                     9: (False, True)}  # fmt: skip
+    assert stops == {9: False}
+    # Not saving (no save), none at all.
+    plain = Cadence(TrainingConfig(train_iters=12), CheckpointConfig(), False)
+    assert not plain.after_iteration(TrainState(iteration=3)).save_non_persistent
+
+
 def test_cadence_at_end(tmp_path):
     save = str(tmp_path)
     cadence, _ = cadence_of(eval_interval=4, save=save)

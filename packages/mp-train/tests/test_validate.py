@@ -255,3 +255,16 @@ def test_the_exit_signal_is_one_a_process_can_handle():
         _validate("--exit-signal", "SIGKILL", world=1)
     with pytest.raises(ValueError, match="exit_signal='TERM' must be"):
         _validate("--exit-signal", "TERM", world=1)
+
+
+def test_override_ckpt_iteration_needs_a_constant_global_batch():
+    assert _validate("--override-ckpt-iteration", "3", "--global-batch-size", "4", world=1)
+    with pytest.raises(ValueError, match=r"^--override-ckpt-iteration 3 counts the samples "
+                       r"consumed by then as 3 x --global-batch-size, which "
+                       r"--rampup-batch-size does not consume"):  # fmt: skip
+        _validate("--override-ckpt-iteration", "3", "--rampup-batch-size", "2", "2", "8",
+                  "--global-batch-size", "8", "--train-iters", "none", "--train-samples",
+                  "100", "--lr-decay-samples", "80", world=1)  # fmt: skip
+    with pytest.raises(ValueError, match="which --step-batch-size-schedule does not consume"):
+        _validate("--override-ckpt-iteration", "3", "--step-batch-size-schedule", "0:4 64:8",
+                  world=1)  # fmt: skip

@@ -91,12 +91,31 @@ class Checkpointer:
         self.world_size = dist.get_world_size() if self._distributed else 1
         # A gloo group of our own: a background save's collectives stay off the
         # groups the training loop uses.
-        self._group = dist.new_group(backend="gloo") if self._distributed else None
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
-        self._staging: dict[str, torch.Tensor] = {}
+        group = dist.new_group(backend="gloo") if self._distributed else None
+        self._flight = _InFlight()
+        self._group, self._staging = group, {}
         self.last_saved: int | None = None
         """The iteration of the latest save begun (committed, or in flight when async)."""
+
+    def sibling(
+        self,
+        save_dir: str | os.PathLike,
+        *,
+        keep_last: int | None = None,
+        retain_interval: int | None = None,
+        on_commit: Callable[[int, list[int]], None] | None = None,
+    ) -> Checkpointer:
+        """A checkpointer saving under another root with its own keep_last (Megatron's
+        non-persistent checkpoints, say), sharing this one's host staging buffers, gloo
+        group and save in flight: a save by either waits for the other's to commit, so
+        one host copy of the pieces serves both. Not collective (no group is created)."""
+        other = copy.copy(self)
+        other.save_dir = Path(save_dir)
+        if keep_last is not None and keep_last < 1:
+            raise ValueError(f"keep_last={keep_last} must be >= 1")
+        other.keep_last, other.retain_interval = keep_last, retain_interval
+        other.on_commit, other.last_saved = on_commit, None
+        return other
 
     def save(
         self,
@@ -118,11 +137,11 @@ class Checkpointer:
         staged = {k: self._stage(k, p) for k, p in saved.items()}
         # The plain state too is taken now: the loop may change it while the thread writes.
         common, rank_state = copy.deepcopy(common), copy.deepcopy(rank_state)
-        self._thread = threading.Thread(
+        self._flight.thread = threading.Thread(
             target=self._write_in_background, args=(iteration, staged, common, rank_state, layout),
             name=f"mp-ckpt-save-{iteration}", daemon=True,
         )  # fmt: skip
-        self._thread.start()
+        self._flight.thread.start()
 
     def prepare(self, pieces: Mapping[str, ShardedTensor]) -> None:
         """Allocates and touches the host buffers an async save of these pieces stages
@@ -134,11 +153,12 @@ class Checkpointer:
 
     def finalize(self) -> None:
         """Waits for a save in flight; raises if it failed."""
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        if self._error is not None:
-            error, self._error = self._error, None
+        flight = self._flight
+        if flight.thread is not None:
+            flight.thread.join()
+            flight.thread = None
+        if flight.error is not None:
+            error, flight.error = flight.error, None
             raise CheckpointSaveError(
                 f"the asynchronous checkpoint save failed: {failure_line(error, self.rank)}"
             ) from error
@@ -170,7 +190,7 @@ class Checkpointer:
         try:
             self._write(*args)
         except BaseException as error:  # surfaced by the next save or finalize
-            self._error = error
+            self._flight.error = error
 
     def _write(self, iteration: int, saved: dict[str, ShardedTensor], common, rank_state,
                layout) -> None:  # fmt: skip
@@ -241,6 +261,14 @@ class Checkpointer:
         out = [None] * self.world_size
         dist.all_gather_object(out, value, group=self._group)
         return out
+
+
+class _InFlight:
+    """The background save in flight (one at a time), and its error until surfaced."""
+
+    def __init__(self) -> None:
+        self.thread: threading.Thread | None = None
+        self.error: BaseException | None = None
 
 
 def _save_failure(rank: int, iteration: int, tmp: Path, needed: int, error: BaseException) -> str:

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["CheckpointConfig"]
+__all__ = ["NON_PERSISTENT_SUBDIR", "CheckpointConfig"]
+
+NON_PERSISTENT_SUBDIR = "non_persistent"
+"""Megatron's folder of non-persistent checkpoints under save (and load)."""
 
 
 @dataclass(kw_only=True)
@@ -31,6 +35,28 @@ class CheckpointConfig:
 
     save_interval: int | None = None
     """Save every this many iterations (and at the end of training)."""
+
+    non_persistent_save_interval: int | None = None
+    """Also save every this many iterations as a non-persistent checkpoint (Megatron's):
+    under non_persistent_global_ckpt_dir, where only the newest is kept, for frequent,
+    cheap restart points. Needs save and non_persistent_ckpt_type global."""
+
+    non_persistent_ckpt_type: Literal["global", "local", "in_memory"] | None = None
+    """global: non-persistent checkpoints are whole checkpoints under
+    non_persistent_global_ckpt_dir, and a run resumes from the newer of it and load (the
+    non-persistent one on a tie, as Megatron; ckpt_step picks from load alone). local and
+    in_memory, per-rank checkpoints kept by NVIDIA Resiliency Extension's manager, are
+    refused. None: no non-persistent checkpoints are saved or looked for."""
+
+    non_persistent_global_ckpt_dir: str | None = None
+    """Where global non-persistent checkpoints live; None: <save>/non_persistent for saves
+    and <load>/non_persistent for loads (Megatron's default)."""
+
+    override_ckpt_iteration: int | None = None
+    """Resume as if the loaded checkpoint were of this iteration (Megatron's flag, to
+    rewind or replay the data): the iteration and the consumed training samples (this
+    iteration x global_batch_size, which must be the checkpoint's) are set from it, the
+    weights, optimizer and scheduler are the checkpoint's. Not with finetune."""
 
     async_save: bool = False
     """Write checkpoints in the background after staging them on the host."""
@@ -109,6 +135,56 @@ class CheckpointConfig:
             raise ValueError(f"save_retain_interval={self.save_retain_interval} must be >= 1")
         if self.ckpt_step is not None and self.ckpt_step < 0:
             raise ValueError(f"ckpt_step={self.ckpt_step} must be >= 0")
+        self._check_non_persistent()
+        if self.override_ckpt_iteration is not None:
+            if self.override_ckpt_iteration < 0:
+                raise ValueError(
+                    f"override_ckpt_iteration={self.override_ckpt_iteration} must be >= 0"
+                )
+            if self.finetune:
+                raise ValueError("override_ckpt_iteration sets the iteration of a resumed "
+                                 "run; finetune starts at 0: give one")  # fmt: skip
+
+    def non_persistent_dir(self, root: str | None) -> str | None:
+        """Where the global non-persistent checkpoints of the run saving to (or loading
+        from) `root` live; None without non_persistent_ckpt_type."""
+        if self.non_persistent_ckpt_type is None:
+            return None
+        if self.non_persistent_global_ckpt_dir is not None:
+            return self.non_persistent_global_ckpt_dir
+        return None if root is None else os.path.join(root, NON_PERSISTENT_SUBDIR)
+
+    def _check_non_persistent(self) -> None:
+        kind, interval = self.non_persistent_ckpt_type, self.non_persistent_save_interval
+        where = self.non_persistent_global_ckpt_dir
+        for name in ("save", "load"):
+            root = getattr(self, name)
+            if where is not None and root is not None and _same_dir(where, root):
+                raise ValueError(
+                    f"non_persistent_global_ckpt_dir={where} is {name}: its checkpoints would "
+                    f"replace {name}'s (only the newest non-persistent one is kept); give "
+                    "another directory"
+                )
+        if kind is not None and kind != "global":
+            raise ValueError(
+                f"non_persistent_ckpt_type={kind!r}: per-rank local checkpoints need NVIDIA "
+                "Resiliency Extension's checkpoint manager, which mp does not have; use "
+                "global (whole checkpoints, the newest kept)"
+            )
+        if interval is None:
+            return
+        if interval < 1:
+            raise ValueError(f"non_persistent_save_interval={interval} must be >= 1")
+        if kind is None:
+            raise ValueError(f"non_persistent_save_interval={interval} needs "
+                             "non_persistent_ckpt_type global")  # fmt: skip
+        if self.save is None:
+            raise ValueError(f"non_persistent_save_interval={interval} saves only beside "
+                             "save: set save")  # fmt: skip
+
+
+def _same_dir(a: str, b: str) -> bool:
+    return os.path.realpath(a) == os.path.realpath(b)
 
 
 # dist_ckpt_strictness -> (an asked tensor the checkpoint lacks, a saved one nobody asks for)

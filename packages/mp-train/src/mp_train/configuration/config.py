@@ -36,6 +36,7 @@ from mp_train.configuration.rerun_config import RerunConfig
 from mp_train.configuration.run_checks import (
     check_exit_signal,
     check_initialization,
+    check_resume,
     check_schedule,
     check_sharding,
 )
@@ -494,6 +495,7 @@ def validate(config: RunConfig, world_size: int) -> dict[str, int]:
     check_schedule(config)
     check_sharding(config)
     check_initialization(config)
+    check_resume(config)
     return {"data_parallel_size": dp, "global_batch_size": gbs, "num_microbatches": microbatches}
 
 

@@ -65,6 +65,22 @@ REFUSED: dict[str, tuple[bool, str]] = {
         False,
         "mp computes the embedding's weight gradient in its backward, not deferred: drop it",
     ),
+    # Megatron-LM's own refusals of its deprecated flags.
+    "batch_size": (True, "no longer valid in Megatron-LM either: use --micro-batch-size"),
+    "warmup": (
+        True,
+        "Megatron-LM's old warm-up flag, no longer valid there either: use "
+        "--lr-warmup-iters, --lr-warmup-samples or --lr-warmup-fraction",
+    ),
+    "model_parallel_size": (
+        True,
+        "no longer valid in Megatron-LM either: use --tensor-model-parallel-size",
+    ),
+    "checkpoint_activations": (
+        False,
+        "no longer valid in Megatron-LM either: use --recompute-activations, or "
+        "--recompute-granularity and --recompute-method",
+    ),
 }
 
 # flag (dest) -> (RunConfig part, field, type): another name (or an older spelling) of a field

@@ -209,6 +209,15 @@ IGNORED: dict[str, tuple[bool, str]] = {
         "runs each MLP on pieces of a prompt in inference's prefill to lower its peak "
         "memory; mp's generation runs the MLP on the whole prompt, with the same result",
     ),
+    "non_persistent_local_ckpt_dir": (
+        True,
+        "read only with --non-persistent-ckpt-type local, which mp refuses (global "
+        "non-persistent checkpoints go to --non-persistent-global-ckpt-dir)",
+    ),
+    "non_persistent_local_ckpt_algo": (
+        True,
+        "read only with --non-persistent-ckpt-type local, which mp refuses",
+    ),
     "mup_width_mult": (
         True,
         "Megatron-LM overwrites it with hidden_size / mup_base_hidden_size under --use-mup "

@@ -5,6 +5,7 @@ rank: in the user's terms (the flags they gave, in iterations when they gave ite
     check_sharding(config)    FSDP (ZeRO-2/3) with what it composes with, or the refusal
     check_initialization(config)  no_initialization with a checkpoint to load, and
                               device draws not with meta-device shards
+    check_resume(config)      override_ckpt_iteration with a constant global batch
     check_tokenizer(config)   a tokenizer type mp has, with the arguments it requires
     check_input_files(config) the data prefixes and tokenizer files exist, and
                               export_hf_dir can take an export
@@ -12,7 +13,7 @@ rank: in the user's terms (the flags they gave, in iterations when they gave ite
                               --fp8-format a GPU with FP8 tensor cores (and torchao)
     check_exit_signal(name)   --exit-signal names a signal a process can handle
 
-validate() applies the first three; an entry point applies the others (load_config),
+validate() applies the first four; an entry point applies the others (load_config),
 before torch.distributed starts: the library's own callers may build their tokenizer
 and datasets their own way.
 """
@@ -34,6 +35,7 @@ __all__ = [
     "check_exit_signal",
     "check_initialization",
     "check_input_files",
+    "check_resume",
     "check_schedule",
     "check_sharding",
     "check_tokenizer",
@@ -84,6 +86,21 @@ def check_schedule(config) -> None:
         raise ConfigError(
             f"{flag(warmup_name)} {warmup} is not below {decay_flag}: warm up for fewer "
             f"{words} or decay over more"
+        )
+
+
+def check_resume(config) -> None:
+    """override_ckpt_iteration counts the consumed samples as the iteration x the global
+    batch size (Megatron's rule): not under a batch-size ramp or schedule."""
+    target, training = config.checkpoint.override_ckpt_iteration, config.training
+    if target is None:
+        return
+    varying = [flag(name) for name in ("rampup_batch_size", "step_batch_size_schedule")
+               if getattr(training, name) is not None]  # fmt: skip
+    if varying:
+        raise ConfigError(
+            f"--override-ckpt-iteration {target} counts the samples consumed by then as "
+            f"{target} x --global-batch-size, which {varying[0]} does not consume: drop one"
         )
 
 

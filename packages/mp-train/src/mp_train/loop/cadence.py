@@ -6,11 +6,13 @@ After each iteration the loop asks, in Megatron's order:
 
 1. `after_iteration(train)`: evaluate (every eval_interval, with validation data, not
    after the last iteration, which the final evaluation covers), save (every
-   save_interval, when saving), collect garbage (manual_gc every manual_gc_interval);
+   save_interval, when saving; else a non-persistent one every
+   non_persistent_save_interval), collect garbage (manual_gc every manual_gc_interval);
 2. `stop(iteration, saved=...)`, once the evaluation and save are done (they take time,
    and a signal may come meanwhile): why the run stops after this iteration, if it does
    (SIGTERM on any rank, exit_interval, exit_duration_in_mins on the slowest rank's
-   clock), and whether it saves first (when saving and not saved already);
+   clock), and whether it saves first (when saving and not saved already, a
+   non-persistent save counting, as in Megatron);
 3. at the end, `at_end(...)`: the final evaluation (with eval_interval, unless the run
    stopped early, having saved) and the final save (unless that iteration is saved
    already).
@@ -44,6 +46,8 @@ class Due:
 
     evaluate: bool = False
     save: bool = False
+    save_non_persistent: bool = False
+    """A non-persistent checkpoint (non_persistent_save_interval), when no save is due."""
     collect_garbage: bool = False
 
 
@@ -75,6 +79,7 @@ class Cadence:
     ) -> None:
         self.training = training
         self.save_interval = checkpoint.save_interval
+        self.non_persistent_interval = checkpoint.non_persistent_save_interval
         self.save_dir = checkpoint.save
         self.saving = self.save_dir is not None
         self.has_valid_data = has_valid_data
@@ -101,6 +106,7 @@ class Cadence:
     def after_iteration(self, train: TrainState) -> Due:
         """What follows the iteration `train` has just counted."""
         iteration, training = train.iteration, self.training
+        save = bool(self.saving and _every(self.save_interval, iteration))
         return Due(
             evaluate=bool(
                 training.eval_interval
@@ -109,7 +115,10 @@ class Cadence:
                 and iteration >= (training.start_eval_at_iter or 0)
                 and not self.finished(train)
             ),
-            save=bool(self.saving and _every(self.save_interval, iteration)),
+            save=save,
+            save_non_persistent=bool(
+                self.saving and not save and _every(self.non_persistent_interval, iteration)
+            ),
             collect_garbage=bool(
                 training.manual_gc and _every(training.manual_gc_interval, iteration)
             ),

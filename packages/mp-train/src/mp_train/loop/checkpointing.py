@@ -101,8 +101,9 @@ def _pieces_to_save(run: Run) -> tuple[dict, dict | None]:
     return pieces, optimizer_state
 
 
-def save_run_checkpoint(run: Run, checkpointer: Checkpointer) -> None:
-    """Saves the run at its current iteration (collective)."""
+def save_run_checkpoint(run: Run, checkpointer: Checkpointer, *, persistent: bool = True) -> None:
+    """Saves the run at its current iteration (collective). Not `persistent`: a
+    non-persistent checkpoint, which the progress log does not count."""
     ckpt = run.config.checkpoint
     pieces, optimizer_state = _pieces_to_save(run)
     common = {
@@ -122,22 +123,23 @@ def save_run_checkpoint(run: Run, checkpointer: Checkpointer) -> None:
     if rerun_mine is not None:
         rank_state = (rank_state or {}) | {"rerun": {"position": _rng_position(run)} | rerun_mine}
     # An async save's line comes before its writer starts, whose commit line follows it.
-    if checkpointer.async_save:
+    if checkpointer.async_save and persistent:
         _progress_saved(run, async_save=True)
     start = time.perf_counter()
     checkpointer.save(run.train.iteration, pieces, common=common, rank_state=rank_state,
                       layout=_layout(run))  # fmt: skip
     took = time.perf_counter() - start
-    if not checkpointer.async_save:
+    if not checkpointer.async_save and persistent:
         _progress_saved(run, async_save=False)
     if not run.is_first_rank:
         return
+    what = "checkpoint" if persistent else "non-persistent checkpoint"
     if checkpointer.async_save:
-        log.info("checkpoint of iteration %d staged in %.3f s; writing it to %s in the "
-                 "background", run.train.iteration, took, ckpt.save)  # fmt: skip
+        log.info("%s of iteration %d staged in %.3f s; writing it to %s in the background",
+                 what, run.train.iteration, took, checkpointer.save_dir)  # fmt: skip
     else:
-        log.info("saved checkpoint of iteration %d to %s in %.3f s", run.train.iteration,
-                 ckpt.save, took)  # fmt: skip
+        log.info("saved %s of iteration %d to %s in %.3f s", what, run.train.iteration,
+                 checkpointer.save_dir, took)  # fmt: skip
 
 
 def _progress_saved(run: Run, async_save: bool) -> None:
@@ -245,6 +247,9 @@ def starting_point(ckpt) -> tuple[str, bool] | None:
     scratch. Megatron-LM's rule: load when it holds a checkpoint, else
     pretrained_checkpoint with finetune; a Hugging Face directory is always a fine-tuning
     start (it holds no optimizer, scheduler or iteration)."""
+    newer = _newer_non_persistent(ckpt)
+    if newer is not None:
+        return newer, ckpt.finetune
     if _holds_checkpoint(ckpt.load, ckpt.ckpt_step):
         return ckpt.load, ckpt.finetune or is_hf_directory(ckpt.load)
     if ckpt.pretrained_checkpoint is None:
@@ -257,6 +262,26 @@ def starting_point(ckpt) -> tuple[str, bool] | None:
             f"{ckpt.pretrained_checkpoint} (an mp checkpoint or a Hugging Face directory)"
         )
     return ckpt.pretrained_checkpoint, True
+
+
+def _newer_non_persistent(ckpt) -> str | None:
+    """The non-persistent checkpoints' directory when its newest is at least as new as
+    load's (Megatron's rule), or there is none under load; None otherwise, and when
+    ckpt_step asks for an iteration of load."""
+    where = ckpt.non_persistent_dir(ckpt.load)
+    if where is None or ckpt.ckpt_step is not None:
+        return None
+    newest = read_tracker(where)
+    if newest is None:
+        return None
+    persistent = None
+    if ckpt.load is not None and not is_hf_directory(ckpt.load):
+        persistent = read_tracker(ckpt.load)
+    if persistent is not None and persistent > newest:
+        log.info("the non-persistent checkpoint %s (iteration %d) is older than load's "
+                 "(iteration %d)", where, newest, persistent)  # fmt: skip
+        return None
+    return where
 
 
 def load_run_checkpoint(run: Run) -> str | None:
@@ -318,12 +343,35 @@ def load_run_checkpoint(run: Run) -> str | None:
         _model_only_loaded(run, pieces)
     if not finetune:
         run.train = TrainState(**common["train_state"])
+        if ckpt.override_ckpt_iteration is not None:
+            _override_iteration(run, common, loaded.directory)
         run.scheduler.load_state_dict(common["scheduler"])
         restored = not ckpt.no_load_rng and _restore_rng(run, loaded)
         if run.rerun is not None:
             _restore_rerun(run, loaded, rng_restored=restored)
     log.info("loaded %s (iteration %d)", loaded.directory, loaded.iteration)
     return path
+
+
+def _override_iteration(run: Run, common: dict, directory) -> None:
+    """override_ckpt_iteration: the run resumes as at that iteration, its data replayed
+    from there (Megatron's rule: consumed samples = iteration x global batch size, which
+    must be the checkpoint's)."""
+    target = run.config.checkpoint.override_ckpt_iteration
+    training = run.config.training
+    saved = ((common.get("config") or {}).get("training") or {}).get("global_batch_size")
+    if saved is not None and saved != training.global_batch_size:
+        raise ValueError(
+            f"override_ckpt_iteration={target}: {directory} was saved with global_batch_size="
+            f"{saved}, this run has {training.global_batch_size}; the samples consumed by "
+            f"iteration {target} would be counted at the wrong batch size"
+        )
+    run.train.iteration = target
+    run.train.consumed_train_samples = target * training.global_batch_size
+    run.train.skipped_train_samples = 0
+    if run.is_first_rank:
+        log.info("override_ckpt_iteration: resuming as at iteration %d (%d samples consumed)",
+                 target, run.train.consumed_train_samples)  # fmt: skip
 
 
 _TOKENIZER_FIELDS = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file")

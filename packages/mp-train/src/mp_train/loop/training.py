@@ -95,6 +95,7 @@ def pretrain(
     metrics = MetricsLogger(run)
     metrics.print_start()
     checkpointer = _checkpointer(run, metrics)
+    non_persistent = _non_persistent(run, checkpointer)
     opened: list = []  # the loaders' iterators, closed however the run ends
     try:
         # Starting a DataLoader draws its base seed from torch's default generator: undone,
@@ -110,9 +111,14 @@ def pretrain(
         with watching as watchdog:
             stopped = None
             if not config.training.skip_train:
-                stopped = _train(run, forward_step_func, train_iter, valid_iter, checkpointer,
-                                 cadence, metrics, watchdog)  # fmt: skip
+                stopped = _train(run, forward_step_func, train_iter, valid_iter,
+                                 (checkpointer, non_persistent), cadence, metrics,
+                                 watchdog)  # fmt: skip
             last_saved = None if checkpointer is None else checkpointer.last_saved
+            # A run stopping on a non-persistent save stops saved (Megatron's rule).
+            np_saved = None if non_persistent is None else non_persistent.last_saved
+            if stopped is not None and np_saved == run.train.iteration:
+                last_saved = run.train.iteration
             end = cadence.at_end(run.train.iteration, stopped, last_saved)
             if end.evaluate:
                 evaluate(run, forward_step_func, valid_iter, metrics, final=True,
@@ -172,9 +178,20 @@ def _checkpointer(run: Run, metrics: MetricsLogger) -> Checkpointer | None:
     return checkpointer
 
 
-def _train(run: Run, forward_step_func, train_iter, valid_iter, checkpointer,
+def _non_persistent(run: Run, checkpointer: Checkpointer | None) -> Checkpointer | None:
+    """The checkpointer of non_persistent_save_interval's saves: the newest one kept, the
+    run's staging buffers shared."""
+    ckpt = run.config.checkpoint
+    if checkpointer is None or ckpt.non_persistent_save_interval is None:
+        return None
+    return checkpointer.sibling(ckpt.non_persistent_dir(ckpt.save), keep_last=1)
+
+
+def _train(run: Run, forward_step_func, train_iter, valid_iter, checkpointers,
            cadence: Cadence, metrics, watchdog) -> Stop | None:  # fmt: skip
-    """The iterations; returns why it stopped early, or None at the end of training."""
+    """The iterations; returns why it stopped early, or None at the end of training.
+    `checkpointers`: the run's and the non-persistent one (or None)."""
+    checkpointer, non_persistent = checkpointers
     config = run.config
     if config.training.manual_gc:
         gc.disable()
@@ -207,10 +224,13 @@ def _train(run: Run, forward_step_func, train_iter, valid_iter, checkpointer,
                 gc.collect()
             if due.evaluate:
                 evaluate(run, forward_step_func, valid_iter, metrics, watchdog=watchdog)
-            if due.save:
+            if due.save or due.save_non_persistent:
                 with watchdog.paused():
-                    save_run_checkpoint(run, checkpointer)
-            stop = cadence.stop(run.train.iteration, saved=due.save)
+                    if due.save:
+                        save_run_checkpoint(run, checkpointer)
+                    else:
+                        save_run_checkpoint(run, non_persistent, persistent=False)
+            stop = cadence.stop(run.train.iteration, saved=due.save or due.save_non_persistent)
             if stop is not None:
                 if stop.save:
                     with watchdog.paused():
