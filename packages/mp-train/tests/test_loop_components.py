@@ -8,6 +8,7 @@ import pytest
 from mp_ckpt import CheckpointConfig
 from mp_train import TrainingConfig, TrainState
 from mp_train.loop.cadence import Cadence, Due, Stop
+from mp_train.loop.phases import phase_samples
 from mp_train.loop.skip_policy import SkipPolicy
 
 NAN, INF = float("nan"), float("inf")
@@ -177,3 +178,28 @@ def test_cadence_at_end(tmp_path):
     assert cadence.at_end(0, None, None) == Due(evaluate=True)
     cadence, _ = cadence_of(eval_interval=5, valid=False)
     assert cadence.at_end(10, None, None) == Due()
+
+
+def test_each_phase_reads_its_own_samples_from_its_start():
+    # Transitions at 3 and 7, 4 samples a step, 40 samples in all (10 iterations).
+    assert phase_samples((3, 7), 4, 40, 0) == (12, 0)
+    assert phase_samples((3, 7), 4, 40, 2) == (12, 8)
+    assert phase_samples((3, 7), 4, 40, 3) == (16, 0)  # resumed at the transition
+    assert phase_samples((3, 7), 4, 40, 5) == (16, 8)
+    assert phase_samples((3, 7), 4, 40, 7) == (12, 0)
+    assert phase_samples((3, 7), 4, 40, 10) == (12, 12)  # finished
+    with pytest.raises(ValueError, match=r"sample 28, at or past the end of training \(20\)"):
+        phase_samples((3, 7), 4, 20, 0)
+
+
+def test_a_phase_ends_with_a_save_and_an_exit(tmp_path):
+    cadence, train = cadence_of(eval_interval=None, save=str(tmp_path), save_interval=4,
+                                phase_transition_iterations="6,4")  # fmt: skip
+    assert decisions(cadence, train) == {
+        4: (False, True, False, "iteration 4 ends a training phase "
+                                "(phase_transition_iterations)", False),
+    }  # fmt: skip
+    cadence, train = cadence_of(eval_interval=None, save=str(tmp_path),
+                                phase_transition_iterations="6,4")  # fmt: skip
+    train.iteration = 4  # resumed at the end of the first phase: on to the second's end
+    assert list(decisions(cadence, train)) == [6]

@@ -268,3 +268,17 @@ def test_override_ckpt_iteration_needs_a_constant_global_batch():
     with pytest.raises(ValueError, match="which --step-batch-size-schedule does not consume"):
         _validate("--override-ckpt-iteration", "3", "--step-batch-size-schedule", "0:4 64:8",
                   world=1)  # fmt: skip
+
+
+def test_the_phase_transitions_rules():
+    assert _validate("--phase-transition-iterations", "5,2", world=1)
+    for flags, message in (
+        (["--phase-transition-iterations", "2,x"], r"must be iterations separated by commas"),
+        (["--phase-transition-iterations", "0,5"], r"must be distinct and >= 1"),
+        (["--phase-transition-iterations", "5,5"], r"must be distinct and >= 1"),
+        (["--phase-transition-iterations", "10"], r"a phase must end before train_iters=10"),
+        (["--phase-transition-iterations", "5", "--step-batch-size-schedule", "0:4 64:8"],
+         r"counts each phase's samples in global batches: not with step_batch_size_schedule"),
+    ):  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            _validate(*flags, world=1)

@@ -31,6 +31,7 @@ from mp_pipeline import check_microbatch_group
 from mp_state import ParallelConfig
 from mp_train.configuration.batch_sizes import batch_schedule, check_eval_batch
 from mp_train.configuration.context_parallel_checks import check_hierarchical_context_parallel
+from mp_train.configuration.phase_config import PhaseConfig, check_phases
 from mp_train.configuration.pipeline_segments import check_segments
 from mp_train.configuration.rerun_config import RerunConfig
 from mp_train.configuration.run_checks import (
@@ -71,9 +72,9 @@ class GPTConfig:
 
 
 @dataclass(kw_only=True)
-class TrainingConfig(RerunConfig, ValidationConfig):
+class TrainingConfig(RerunConfig, ValidationConfig, PhaseConfig):
     # The rerun engine's fields (result validation, iterations to skip): rerun_config.py;
-    # when and over what evaluation runs: validation_config.py.
+    # when and over what evaluation runs: validation_config.py; phases: phase_config.py.
 
     micro_batch_size: int = 1
     """Samples per micro-batch on one data-parallel rank."""
@@ -480,6 +481,7 @@ def validate(config: RunConfig, world_size: int) -> dict[str, int]:
     if training.eval_interval is not None and training.eval_interval < 1:
         raise ValueError(f"eval_interval={training.eval_interval} must be >= 1 (or None)")
     check_validation(training, config.data)
+    check_phases(training)
     check_exit_signal(training.exit_signal)
     hang = training.hang_timeout_minutes
     if hang is not None and hang < 0:

@@ -10,7 +10,8 @@ After each iteration the loop asks, in Megatron's order:
    non_persistent_save_interval), collect garbage (manual_gc every manual_gc_interval);
 2. `stop(iteration, saved=...)`, once the evaluation and save are done (they take time,
    and a signal may come meanwhile): why the run stops after this iteration, if it does
-   (SIGTERM on any rank, exit_interval, exit_duration_in_mins on the slowest rank's
+   (SIGTERM on any rank, exit_interval, the end of a phase of
+   phase_transition_iterations, exit_duration_in_mins on the slowest rank's
    clock), and whether it saves first (when saving and not saved already, a
    non-persistent save counting, as in Megatron);
 3. at the end, `at_end(...)`: the final evaluation (with eval_interval, unless the run
@@ -80,6 +81,7 @@ class Cadence:
         self.training = training
         self.save_interval = checkpoint.save_interval
         self.non_persistent_interval = checkpoint.non_persistent_save_interval
+        self.phase_ends = set(training.phase_transitions)
         self.save_dir = checkpoint.save
         self.saving = self.save_dir is not None
         self.has_valid_data = has_valid_data
@@ -138,6 +140,8 @@ class Cadence:
             return f"{self.training.exit_signal} received"
         if _every(training.exit_interval, iteration):
             return f"exit_interval={training.exit_interval}"
+        if iteration in self.phase_ends:
+            return f"iteration {iteration} ends a training phase (phase_transition_iterations)"
         limit = training.exit_duration_in_mins
         if limit is not None and self.minutes_elapsed() > limit:
             return f"exit_duration_in_mins={limit}"

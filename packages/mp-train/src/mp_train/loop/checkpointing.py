@@ -345,6 +345,8 @@ def load_run_checkpoint(run: Run) -> str | None:
         run.train = TrainState(**common["train_state"])
         if ckpt.override_ckpt_iteration is not None:
             _override_iteration(run, common, loaded.directory)
+        if run.config.training.phase_transitions:
+            _check_batch_kept(run, common, loaded.directory, "phase_transition_iterations")
         run.scheduler.load_state_dict(common["scheduler"])
         restored = not ckpt.no_load_rng and _restore_rng(run, loaded)
         if run.rerun is not None:
@@ -359,19 +361,28 @@ def _override_iteration(run: Run, common: dict, directory) -> None:
     must be the checkpoint's)."""
     target = run.config.checkpoint.override_ckpt_iteration
     training = run.config.training
-    saved = ((common.get("config") or {}).get("training") or {}).get("global_batch_size")
-    if saved is not None and saved != training.global_batch_size:
-        raise ValueError(
-            f"override_ckpt_iteration={target}: {directory} was saved with global_batch_size="
-            f"{saved}, this run has {training.global_batch_size}; the samples consumed by "
-            f"iteration {target} would be counted at the wrong batch size"
-        )
+    _check_batch_kept(run, common, directory, f"override_ckpt_iteration={target}")
     run.train.iteration = target
     run.train.consumed_train_samples = target * training.global_batch_size
     run.train.skipped_train_samples = 0
     if run.is_first_rank:
         log.info("override_ckpt_iteration: resuming as at iteration %d (%d samples consumed)",
                  target, run.train.consumed_train_samples)  # fmt: skip
+
+
+def _check_batch_kept(run: Run, common: dict, directory, what: str) -> None:
+    """`what` counts consumed samples in global batches: the checkpoint's must be the run's
+    (as given, or what its counters show: samples consumed per iteration)."""
+    saved = ((common.get("config") or {}).get("training") or {}).get("global_batch_size")
+    counters = common.get("train_state") or {}
+    if saved is None and counters.get("iteration"):
+        saved = counters["consumed_train_samples"] / counters["iteration"]
+    now = run.calculator.global_batch_size
+    if saved is not None and saved != now:
+        raise ValueError(
+            f"{what}: {directory} was saved with global_batch_size={saved:g}, this run has "
+            f"{now}; its consumed samples would be counted at the wrong batch size"
+        )
 
 
 _TOKENIZER_FIELDS = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file")

@@ -58,6 +58,7 @@ from mp_train.loop.full_validation import FullValidation
 from mp_train.loop.hang_watchdog import HangWatchdog
 from mp_train.loop.moe_step import MoEStep
 from mp_train.loop.mtp_step import discard_mtp_losses, mtp_losses
+from mp_train.loop.phases import phase_samples
 from mp_train.loop.qk_clip_step import clip_after_step
 from mp_train.loop.replica_check import check_weight_replicas
 from mp_train.loop.rerun import RerunMachine
@@ -458,6 +459,10 @@ def _data_iterators(run: Run, datasets_provider,
         counts[1] = evaluations * training.eval_iters * eval_gbs
     if training.full_validation:
         counts[1] = None  # one epoch of each validation set, read whole each time
+    consumed = run.train.consumed_train_samples
+    if training.phase_transitions:  # this phase's samples, read from its start
+        counts[0], consumed = phase_samples(training.phase_transitions, gbs, counts[0],
+                                            run.train.iteration)  # fmt: skip
     train_ds, valid_ds, _ = datasets_provider(run, counts)
     # Context-parallel ranks read the same samples (each keeps its part of every
     # sequence): the loaders split over data-parallel ranks only.
@@ -490,8 +495,7 @@ def _data_iterators(run: Run, datasets_provider,
     run.has_valid_data = bool(flags[1]) and (full or training.eval_iters > 0)
     # With virtual stages each chunk draws the same micro-batches: a loader per chunk.
     vpp = run.config.parallel.virtual_pipeline_model_parallel_size
-    train = [start(train_ds, run.train.consumed_train_samples, data.dataloader_type)
-             for _ in range(vpp or 1)]  # fmt: skip
+    train = [start(train_ds, consumed, data.dataloader_type) for _ in range(vpp or 1)]
     if full:  # each evaluation reads the sets from their start (full_validation.py)
         return (train[0] if vpp is None else train), (
             FullValidation(run, valid_ds) if run.has_valid_data else None)  # fmt: skip
