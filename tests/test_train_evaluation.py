@@ -94,3 +94,40 @@ def test_evaluation_starts_at_start_eval_at_iter():
     ]
     steps, consumed = run_on_ranks(evaluation_steps, 1, argv, timeout=120)[0]
     assert (steps, consumed) == (3, 6)
+
+
+def collections_around_evaluations(argv) -> list:
+    """The gc.collect calls of a run, in order, with an evaluation's start and end marked."""
+    import gc
+
+    import mp_train.loop.training as loop
+    from mp_gpt.testing import train_printed_on_rank
+
+    calls, real_collect, real_evaluate = [], gc.collect, loop.evaluate
+
+    def collect(generation=2):
+        calls.append(generation)
+        return real_collect(generation)
+
+    def evaluate(*args, **kwargs):
+        calls.append("evaluate")
+        return real_evaluate(*args, **kwargs)
+
+    gc.collect, loop.evaluate = collect, evaluate
+    try:
+        train_printed_on_rank(argv)
+    finally:
+        gc.collect, loop.evaluate = real_collect, real_evaluate
+    return calls
+
+
+@pytest.mark.multirank
+def test_manual_gc_collects_around_each_evaluation_unless_told_not_to():
+    argv = [*ARGV, "--eval-iters", "1", "--manual-gc", "--eval-interval", "2"]
+    calls = run_on_ranks(collections_around_evaluations, 1, argv, timeout=120)[0]
+    # The collection at start, then Megatron's around the evaluation at iteration 2 (the
+    # final one, after iteration 4, is outside the loop).
+    assert calls[:4] == [2, 2, "evaluate", 0]
+    calls = run_on_ranks(collections_around_evaluations, 1, [*argv, "--no-manual-gc-eval"],
+                         timeout=120)[0]  # fmt: skip
+    assert calls[:2] == [2, "evaluate"] and 0 not in calls

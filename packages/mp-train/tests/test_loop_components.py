@@ -180,6 +180,18 @@ def test_cadence_at_end(tmp_path):
     assert cadence.at_end(10, None, None) == Due()
 
 
+def test_the_device_is_waited_for_every_train_sync_interval():
+    cadence, train = cadence_of(eval_interval=None, train_sync_interval=4)
+    waits = []
+    while not cadence.finished(train):
+        train.iteration += 1
+        if cadence.after_iteration(train).synchronize:
+            waits.append(train.iteration)
+    assert waits == [4, 8]
+    cadence, train = cadence_of(eval_interval=None)
+    assert not cadence.after_iteration(TrainState(iteration=4)).synchronize
+
+
 def test_each_phase_reads_its_own_samples_from_its_start():
     # Transitions at 3 and 7, 4 samples a step, 40 samples in all (10 iterations).
     assert phase_samples((3, 7), 4, 40, 0) == (12, 0)

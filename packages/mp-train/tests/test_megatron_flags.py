@@ -44,6 +44,20 @@ def test_renamed_flags_set_our_fields():
     assert config.optimizer.override_opt_param_scheduler
 
 
+def test_megatrons_negative_spellings_clear_our_switches():
+    config = parse_config(MODEL)
+    assert config.training.manual_gc_eval and config.logging.barrier_with_L1_time
+    assert config.logging.log_loss_scale_to_tensorboard and config.model.fp8_wgrad
+    for flags in (["--no-manual-gc-eval"], ["--disable-manual-gc-eval"]):
+        assert not parse_config([*MODEL, *flags]).training.manual_gc_eval
+    negated = ["--no-barrier-with-level-1-timing", "--disable-log-loss-scale-to-tensorboard"]
+    config = parse_config([*MODEL, *negated])
+    assert not config.logging.barrier_with_L1_time
+    assert not config.logging.log_loss_scale_to_tensorboard
+    with pytest.raises(ValueError, match="fp8_wgrad=False needs fp8"):  # it did clear it
+        parse_config([*MODEL, "--disable-fp8-wgrad"])
+
+
 def test_muon_flags_set_the_optimizer_fields():
     muon = ["--optimizer", "muon", "--muon-momentum", "0.95", "--muon-nesterov",
             "--muon-no-split-qkv", "--muon-scale-mode", "unit_rms_norm",

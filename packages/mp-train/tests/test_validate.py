@@ -282,3 +282,9 @@ def test_the_phase_transitions_rules():
     ):  # fmt: skip
         with pytest.raises(ValueError, match=message):
             _validate(*flags, world=1)
+
+
+def test_the_device_sync_interval_is_positive():
+    assert _validate("--train-sync-interval", "5", world=1)
+    with pytest.raises(ValueError, match="train_sync_interval=0 must be >= 1"):
+        _validate("--train-sync-interval", "0", world=1)

@@ -189,6 +189,14 @@ class TrainingConfig(RerunConfig, ValidationConfig, PhaseConfig):
     manual_gc_interval: int = 0
     """Iterations between manual collections (0: none after the one at the start)."""
 
+    manual_gc_eval: bool = True
+    """With manual_gc, collect before each evaluation during training and collect its
+    youngest generation after it (Megatron's)."""
+
+    train_sync_interval: int | None = None
+    """Wait for the GPU every this many iterations (torch.cuda.synchronize, Megatron's), so
+    the host never runs far ahead of it. A CPU run has nothing to wait for."""
+
     empty_unused_memory_level: Literal[0, 1, 2] = 0
     """Hand the CUDA caching allocator's unused blocks back to the device
     (torch.cuda.empty_cache), as Megatron does: 1 after each iteration's forward and
@@ -483,6 +491,8 @@ def validate(config: RunConfig, world_size: int) -> dict[str, int]:
     check_validation(training, config.data)
     check_phases(training)
     check_exit_signal(training.exit_signal)
+    if training.train_sync_interval is not None and training.train_sync_interval < 1:
+        raise ValueError(f"train_sync_interval={training.train_sync_interval} must be >= 1")
     hang = training.hang_timeout_minutes
     if hang is not None and hang < 0:
         raise ValueError(f"hang_timeout_minutes={hang} must be >= 0 (0: no hang detection)")

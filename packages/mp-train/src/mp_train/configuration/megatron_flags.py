@@ -106,7 +106,13 @@ _SPELLINGS = {
     "ddp-average-in-collective": "average_in_collective",
 }
 # Megatron's negative spellings of switches mp has (store_false into the field)
-_NEGATIONS = {"muon-no-split-qkv": "muon_split_qkv"}
+_NEGATIONS = {
+    "muon-no-split-qkv": "muon_split_qkv",
+    "disable-manual-gc-eval": "manual_gc_eval",
+    "no-barrier-with-level-1-timing": "barrier_with_L1_time",
+    "disable-log-loss-scale-to-tensorboard": "log_loss_scale_to_tensorboard",
+    "disable-fp8-wgrad": "fp8_wgrad",
+}
 # ModelOpt's --export-model-type: GPTModel, or a Mamba-hybrid model (HybridModel, MambaModel),
 # which --hybrid-layer-pattern describes.
 _MODEL_TYPE = "export_model_type"

@@ -7,7 +7,8 @@ After each iteration the loop asks, in Megatron's order:
 1. `after_iteration(train)`: evaluate (every eval_interval, with validation data, not
    after the last iteration, which the final evaluation covers), save (every
    save_interval, when saving; else a non-persistent one every
-   non_persistent_save_interval), collect garbage (manual_gc every manual_gc_interval);
+   non_persistent_save_interval), collect garbage (manual_gc every manual_gc_interval),
+   wait for the device (every train_sync_interval);
 2. `stop(iteration, saved=...)`, once the evaluation and save are done (they take time,
    and a signal may come meanwhile): why the run stops after this iteration, if it does
    (SIGTERM on any rank, exit_interval, the end of a phase of
@@ -50,6 +51,8 @@ class Due:
     save_non_persistent: bool = False
     """A non-persistent checkpoint (non_persistent_save_interval), when no save is due."""
     collect_garbage: bool = False
+    synchronize: bool = False
+    """Wait for the device (train_sync_interval)."""
 
 
 @dataclass(frozen=True)
@@ -124,6 +127,7 @@ class Cadence:
             collect_garbage=bool(
                 training.manual_gc and _every(training.manual_gc_interval, iteration)
             ),
+            synchronize=_every(training.train_sync_interval, iteration),
         )
 
     def stop(self, iteration: int, saved: bool) -> Stop | None:

@@ -36,7 +36,7 @@ import dataclasses
 import functools
 import gc
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -44,7 +44,6 @@ import torch.distributed as dist
 
 import mp_state
 from mp_ckpt import Checkpointer
-from mp_data import build_pretraining_data_loader, train_valid_test_num_samples
 from mp_pipeline import get_forward_backward_func
 from mp_train.configuration.config import RunConfig, hang_timeout_minutes
 from mp_train.loop.cadence import Cadence, Stop
@@ -54,11 +53,11 @@ from mp_train.loop.checkpointing import (
     prepare_run_checkpointer,
     save_run_checkpoint,
 )
+from mp_train.loop.data_iterators import data_iterators
 from mp_train.loop.full_validation import FullValidation
 from mp_train.loop.hang_watchdog import HangWatchdog
 from mp_train.loop.moe_step import MoEStep
 from mp_train.loop.mtp_step import discard_mtp_losses, mtp_losses
-from mp_train.loop.phases import phase_samples
 from mp_train.loop.qk_clip_step import clip_after_step
 from mp_train.loop.replica_check import check_weight_replicas
 from mp_train.loop.rerun import RerunMachine
@@ -103,7 +102,7 @@ def pretrain(
         # so that the first iteration draws what the checkpoint (or the seeding) left there.
         run.timers(SETUP_TIMERS[1]).start(barrier=True)
         with mp_state.rng_state_kept(run.rng_tracker):
-            train_iter, valid_iter = _data_iterators(run, datasets_provider, opened)
+            train_iter, valid_iter = data_iterators(run, datasets_provider, opened)
         run.timers(SETUP_TIMERS[1]).stop()
         metrics.print(run.timers.report(list(SETUP_TIMERS)))  # collective
         cadence = Cadence(config.training, config.checkpoint, run.has_valid_data)
@@ -221,10 +220,17 @@ def _train(run: Run, forward_step_func, train_iter, valid_iter, checkpointers,
             watchdog.beat(run.train.iteration)
             _check_replicas(run, metrics)
             due = cadence.after_iteration(run.train)
+            if due.synchronize and run.device.type == "cuda":
+                torch.cuda.synchronize()
             if due.collect_garbage:
                 gc.collect()
             if due.evaluate:
+                collect = config.training.manual_gc and config.training.manual_gc_eval
+                if collect:  # every object, before; what the evaluation made, after
+                    gc.collect()
                 evaluate(run, forward_step_func, valid_iter, metrics, watchdog=watchdog)
+                if collect:
+                    gc.collect(generation=0)
             if due.save or due.save_non_persistent:
                 with watchdog.paused():
                     if due.save:
@@ -431,77 +437,3 @@ def reduce_reports(reports: list[dict]) -> dict[str, float]:
 def _schedule(run: Run):
     vpp = run.config.parallel.virtual_pipeline_model_parallel_size
     return get_forward_backward_func(run.state.pp.size, vpp)
-
-
-def _data_iterators(run: Run, datasets_provider,
-                    opened: list) -> tuple[Iterator | list | None, Iterator | None]:  # fmt: skip
-    """Train and validation iterators: one per model chunk with virtual stages. Each
-    iterator of a loader mp-data built is appended to `opened` as it starts (its workers
-    with it), for the caller to close."""
-    training, data = run.config.training, run.config.data
-    gbs = run.calculator.global_batch_size
-    eval_gbs = training.eval_global_batch_size or gbs
-    if training.train_iters is not None:
-        counts = train_valid_test_num_samples(
-            training.train_iters, eval_gbs, training.eval_interval or 0, training.eval_iters
-        )
-        counts[0] = run.calculator.samples_for(training.train_iters)  # a batch schedule's
-        iterations = training.train_iters
-    else:
-        evaluations = (training.train_samples // gbs // training.eval_interval + 1
-                       if training.eval_interval else 0)  # fmt: skip
-        counts = [training.train_samples, evaluations * training.eval_iters * eval_gbs,
-                  training.eval_iters * eval_gbs]  # fmt: skip
-        iterations = training.train_samples // gbs
-    if training.start_eval_at_iter and training.eval_interval:  # Megatron's count
-        evaluations = max(0, iterations // training.eval_interval + 1
-                          - training.start_eval_at_iter // training.eval_interval)  # fmt: skip
-        counts[1] = evaluations * training.eval_iters * eval_gbs
-    if training.full_validation:
-        counts[1] = None  # one epoch of each validation set, read whole each time
-    consumed = run.train.consumed_train_samples
-    if training.phase_transitions:  # this phase's samples, read from its start
-        counts[0], consumed = phase_samples(training.phase_transitions, gbs, counts[0],
-                                            run.train.iteration)  # fmt: skip
-    train_ds, valid_ds, _ = datasets_provider(run, counts)
-    # Context-parallel ranks read the same samples (each keeps its part of every
-    # sequence): the loaders split over data-parallel ranks only.
-    dp = run.state.dp
-
-    def start(dataset, consumed, kind, micro_batch_size=training.micro_batch_size):
-        if dataset is None:
-            return None
-        loader = build_pretraining_data_loader(
-            dataset, consumed, dataloader_type=kind,
-            micro_batch_size=micro_batch_size, data_parallel_rank=dp.rank,
-            data_parallel_size=dp.size, num_workers=data.num_workers,
-        )  # fmt: skip
-        iterator = iter(loader)
-        if kind != "external":  # an external dataset is the caller's own
-            opened.append(iterator)
-        return iterator
-
-    # Ranks that read no data (tensor-parallel ranks > 0, middle stages) have no datasets
-    # but take part in every step: rank 0, which reads, tells them what exists.
-    full = training.full_validation
-    if full and valid_ds is not None and not isinstance(valid_ds, list):
-        valid_ds = [valid_ds]
-    flags = torch.tensor([float(train_ds is not None), float(valid_ds is not None)])
-    if dist.get_backend() == "nccl":
-        flags = flags.cuda()
-    dist.broadcast(flags, src=0)
-    # As Megatron's do_valid: no evaluation without validation data or with eval_iters=0.
-    run.has_train_data = bool(flags[0])
-    run.has_valid_data = bool(flags[1]) and (full or training.eval_iters > 0)
-    # With virtual stages each chunk draws the same micro-batches: a loader per chunk.
-    vpp = run.config.parallel.virtual_pipeline_model_parallel_size
-    train = [start(train_ds, consumed, data.dataloader_type) for _ in range(vpp or 1)]
-    if full:  # each evaluation reads the sets from their start (full_validation.py)
-        return (train[0] if vpp is None else train), (
-            FullValidation(run, valid_ds) if run.has_valid_data else None)  # fmt: skip
-    eval_mbs = training.eval_micro_batch_size or training.micro_batch_size
-    valid = [start(valid_ds, run.train.consumed_valid_samples, "cyclic", eval_mbs)
-             for _ in range(vpp or 1)]  # fmt: skip
-    if vpp is None:
-        return train[0], valid[0]
-    return train, (valid if valid_ds is not None else None)

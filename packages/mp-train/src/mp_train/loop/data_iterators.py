@@ -1,0 +1,92 @@
+"""A run's training and validation iterators: datasets_provider(run, [train, valid,
+test] sample counts) and mp-data's loaders, which start after the consumed samples (of
+the current phase, with phase_transition_iterations: phases.py), one per model chunk
+with virtual stages; rank 0 tells the ranks that read no data what exists."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+
+from mp_data import build_pretraining_data_loader, train_valid_test_num_samples
+from mp_train.loop.full_validation import FullValidation
+from mp_train.loop.phases import phase_samples
+from mp_train.loop.setup import Run
+
+__all__ = ["data_iterators"]
+
+
+def data_iterators(run: Run, datasets_provider,
+                   opened: list) -> tuple[Iterator | list | None, Iterator | None]:  # fmt: skip
+    """Train and validation iterators: one per model chunk with virtual stages. Each
+    iterator of a loader mp-data built is appended to `opened` as it starts (its workers
+    with it), for the caller to close."""
+    training, data = run.config.training, run.config.data
+    gbs = run.calculator.global_batch_size
+    eval_gbs = training.eval_global_batch_size or gbs
+    if training.train_iters is not None:
+        counts = train_valid_test_num_samples(
+            training.train_iters, eval_gbs, training.eval_interval or 0, training.eval_iters
+        )
+        counts[0] = run.calculator.samples_for(training.train_iters)  # a batch schedule's
+        iterations = training.train_iters
+    else:
+        evaluations = (training.train_samples // gbs // training.eval_interval + 1
+                       if training.eval_interval else 0)  # fmt: skip
+        counts = [training.train_samples, evaluations * training.eval_iters * eval_gbs,
+                  training.eval_iters * eval_gbs]  # fmt: skip
+        iterations = training.train_samples // gbs
+    if training.start_eval_at_iter and training.eval_interval:  # Megatron's count
+        evaluations = max(0, iterations // training.eval_interval + 1
+                          - training.start_eval_at_iter // training.eval_interval)  # fmt: skip
+        counts[1] = evaluations * training.eval_iters * eval_gbs
+    if training.full_validation:
+        counts[1] = None  # one epoch of each validation set, read whole each time
+    consumed = run.train.consumed_train_samples
+    if training.phase_transitions:  # this phase's samples, read from its start
+        counts[0], consumed = phase_samples(training.phase_transitions, gbs, counts[0],
+                                            run.train.iteration)  # fmt: skip
+    train_ds, valid_ds, _ = datasets_provider(run, counts)
+    # Context-parallel ranks read the same samples (each keeps its part of every
+    # sequence): the loaders split over data-parallel ranks only.
+    dp = run.state.dp
+
+    def start(dataset, consumed, kind, micro_batch_size=training.micro_batch_size):
+        if dataset is None:
+            return None
+        loader = build_pretraining_data_loader(
+            dataset, consumed, dataloader_type=kind,
+            micro_batch_size=micro_batch_size, data_parallel_rank=dp.rank,
+            data_parallel_size=dp.size, num_workers=data.num_workers,
+        )  # fmt: skip
+        iterator = iter(loader)
+        if kind != "external":  # an external dataset is the caller's own
+            opened.append(iterator)
+        return iterator
+
+    # Ranks that read no data (tensor-parallel ranks > 0, middle stages) have no datasets
+    # but take part in every step: rank 0, which reads, tells them what exists.
+    full = training.full_validation
+    if full and valid_ds is not None and not isinstance(valid_ds, list):
+        valid_ds = [valid_ds]
+    flags = torch.tensor([float(train_ds is not None), float(valid_ds is not None)])
+    if dist.get_backend() == "nccl":
+        flags = flags.cuda()
+    dist.broadcast(flags, src=0)
+    # As Megatron's do_valid: no evaluation without validation data or with eval_iters=0.
+    run.has_train_data = bool(flags[0])
+    run.has_valid_data = bool(flags[1]) and (full or training.eval_iters > 0)
+    # With virtual stages each chunk draws the same micro-batches: a loader per chunk.
+    vpp = run.config.parallel.virtual_pipeline_model_parallel_size
+    train = [start(train_ds, consumed, data.dataloader_type) for _ in range(vpp or 1)]
+    if full:  # each evaluation reads the sets from their start (full_validation.py)
+        return (train[0] if vpp is None else train), (
+            FullValidation(run, valid_ds) if run.has_valid_data else None)  # fmt: skip
+    eval_mbs = training.eval_micro_batch_size or training.micro_batch_size
+    valid = [start(valid_ds, run.train.consumed_valid_samples, "cyclic", eval_mbs)
+             for _ in range(vpp or 1)]  # fmt: skip
+    if vpp is None:
+        return train[0], valid[0]
+    return train, (valid if valid_ds is not None else None)
