@@ -317,3 +317,38 @@ def test_forced_load_balancing_routes_by_random_logits_from_the_expert_stream():
     assert per_expert.sum() == 256 and per_expert.min() > 40, per_expert  # ~64 each
     probs.sum().backward()  # sigmoid(draw): the draws' gradient reaches the weight
     assert router.weight.grad.abs().sum() > 0
+
+
+def test_forced_bias_tilts_the_random_routing_the_same_way_on_every_rank():
+    """moe_router_force_biased S: the random logits of force_load_balancing plus a bias per
+    expert from N(0, |S|), drawn from the data-parallel stream (seeded alike on every
+    rank, so every rank favours the same experts): anew each forward for S > 0, once for
+    S < 0."""
+    from mp_state import DATA_PARALLEL_RNG, EXPERT_PARALLEL_RNG, RNGStatesTracker
+
+    x = torch.randn(512, 1, H, generator=torch.Generator().manual_seed(0))
+
+    def router_of(std, expert_seed):
+        tracker = RNGStatesTracker("cpu")
+        tracker.add(EXPERT_PARALLEL_RNG, expert_seed)  # differs between expert shards
+        tracker.add(DATA_PARALLEL_RNG, 5)  # the same on every rank
+        settings = dict(moe_router_force_biased=std, moe_router_topk=1,
+                        moe_router_score_function="sigmoid")  # fmt: skip
+        return TopKRouter(config(**settings), ALONE.tp, rng_tracker=tracker)
+
+    counts = {seed: router_of(3.0, seed)(x)[1].sum(0) for seed in (7, 8)}
+    # A bias of std 3 over 4 experts: the favoured expert takes most tokens on both ranks.
+    assert counts[7].argmax() == counts[8].argmax() and counts[7].max() > 256, counts
+    assert not torch.equal(counts[7], counts[8])  # their own random logits
+    drawn = router_of(3.0, 7)
+    first = drawn(x)[1].sum(0)
+    kept, elsewhere = router_of(-3.0, 7), router_of(-3.0, 8)
+    assert torch.equal(kept(x)[1].sum(0), first)  # the same first draw
+    elsewhere(x)
+    assert torch.equal(kept._kept_bias, elsewhere._kept_bias)  # every rank's
+    # S > 0 draws from the data-parallel stream at each forward, S < 0 at the first only.
+    for router, draws in ((drawn, True), (kept, False)):
+        state = router.rng_tracker.get_states()[DATA_PARALLEL_RNG].clone()
+        router(x)
+        moved = not torch.equal(router.rng_tracker.get_states()[DATA_PARALLEL_RNG], state)
+        assert moved == draws

@@ -582,6 +582,13 @@ class TransformerConfig(MupConfig, QkClipConfig):
     different one per expert shard), so tokens spread evenly over the experts whatever the
     weights; the gradient passes through to the logits unchanged."""
 
+    moe_router_force_biased: float | None = None
+    """For benchmarks only (Megatron's --moe-router-force-biased S): as
+    moe_router_force_load_balancing, then a per-expert bias drawn from N(0, |S|) added to the
+    random logits, the same on every rank (the data-parallel RNG stream), so some experts
+    get more tokens: an imbalance to measure. S > 0 draws a new bias at each forward; S < 0
+    draws one per layer and keeps it."""
+
     moe_input_jitter_eps: float | None = None
     """Multiply the router's input by uniform noise in [1 - eps, 1 + eps] in training
     (Switch Transformer's jitter; Megatron's --moe-input-jitter-eps), only the router's:

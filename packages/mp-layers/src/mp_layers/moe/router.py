@@ -38,7 +38,7 @@ from mp_layers.moe import aux_losses
 from mp_layers.tensor_parallel import deferred_init
 from mp_layers.tensor_parallel.initialization import init_partitioned_weight
 from mp_layers.transformer.recompute import recomputing
-from mp_state import EXPERT_PARALLEL_RNG, RankGroup, RNGStatesTracker
+from mp_state import DATA_PARALLEL_RNG, EXPERT_PARALLEL_RNG, RankGroup, RNGStatesTracker
 
 __all__ = [
     "TopKRouter",
@@ -116,8 +116,11 @@ class TopKRouter(torch.nn.Module):
         dtype = _DTYPES.get(self.config.moe_router_dtype, x.dtype)
         bias = None if self.bias is None else self.bias.to(dtype)
         logits = F.linear(x.reshape(s * b, h).to(dtype), self.weight.to(dtype), bias)  # [T, E]
-        if self.config.moe_router_force_load_balancing:
+        forced = self.config.moe_router_force_biased
+        if self.config.moe_router_force_load_balancing or forced is not None:
             logits = _RandomLogits.apply(logits, self.rng_tracker)
+        if forced is not None:
+            logits = logits + self._forced_bias(forced, logits)
         training = self.training and torch.is_grad_enabled()
         # A recomputation for backward routes again; what the first run counted stays.
         counting = training and not recomputing()
@@ -142,6 +145,16 @@ class TopKRouter(torch.nn.Module):
             with torch.no_grad():
                 self.local_tokens_per_expert += routing_map.sum(dim=0)
         return probs.to(x.dtype), routing_map
+
+    def _forced_bias(self, std: float, logits: torch.Tensor) -> torch.Tensor:
+        """moe_router_force_biased's bias: drawn anew each forward (std > 0), or once and
+        kept (std < 0)."""
+        if std >= 0:
+            return _draw_bias(std, logits, self.rng_tracker)
+        kept = getattr(self, "_kept_bias", None)
+        if kept is None:
+            kept = self._kept_bias = _draw_bias(-std, logits, self.rng_tracker)
+        return kept
 
     def _topk(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         config = self.config
@@ -258,6 +271,16 @@ class TopKRouter(torch.nn.Module):
             )
             for name, data in tensors.items()
         }
+
+
+def _draw_bias(std: float, like: torch.Tensor, tracker: RNGStatesTracker | None):
+    """[E] from N(0, std), the same on every rank: the data-parallel stream (seeded alike
+    everywhere; the default generator without a tracker)."""
+    bias = torch.empty(like.shape[-1], dtype=like.dtype, device=like.device)
+    if tracker is not None and DATA_PARALLEL_RNG in tracker.names:
+        with tracker.fork(DATA_PARALLEL_RNG):
+            return bias.normal_(std=std)
+    return bias.normal_(std=std)
 
 
 def expert_capacity(tokens: int, topk: int, experts: int, factor: float) -> int:

@@ -209,6 +209,17 @@ IGNORED: dict[str, tuple[bool, str]] = {
         "runs each MLP on pieces of a prompt in inference's prefill to lower its peak "
         "memory; mp's generation runs the MLP on the whole prompt, with the same result",
     ),
+    "moe_router_padding_for_quantization": (
+        False,
+        "pads each expert's tokens to a multiple of 16 or 32 for FP8/FP4 grouped GEMM "
+        "kernels, the added tokens with routing weight 0 (the same output); mp's experts "
+        "compute the tokens routed to them",
+    ),
+    "moe_router_padding_for_fp8": (
+        False,
+        "Megatron-LM's older name of --moe-router-padding-for-quantization, which pads "
+        "tokens of routing weight 0 for FP8 grouped GEMM kernels (the same output)",
+    ),
     "non_persistent_local_ckpt_dir": (
         True,
         "read only with --non-persistent-ckpt-type local, which mp refuses (global "
