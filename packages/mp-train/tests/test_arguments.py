@@ -367,6 +367,40 @@ def test_use_checkpoint_args_takes_the_model_from_the_checkpoint(tmp_path):
     assert model.bf16 and model.params_dtype == torch.bfloat16
 
 
+def test_use_checkpoint_args_takes_the_tokenizer_and_on_request_the_layout(tmp_path):
+    _save_checkpoint(tmp_path, [
+        *MODEL, "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", "/tok",
+        "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+        "--expert-model-parallel-size", "1",
+    ])  # fmt: skip
+    resume = ["--load", str(tmp_path), "--use-checkpoint-args"]
+    config = parse_config(resume)
+    assert (config.data.tokenizer_type, config.data.tokenizer_model) == (
+        "HuggingFaceTokenizer", "/tok")  # fmt: skip
+    assert config.parallel.tensor_model_parallel_size == 1  # the run's own layout
+    for off in ("--no-use-tokenizer-model-from-checkpoint-args",
+                "--disable-use-tokenizer-model-from-checkpoint-args"):  # fmt: skip
+        assert parse_config([*resume, off]).data.tokenizer_model is None
+    # A tokenizer given otherwise is refused, not overridden as Megatron-LM does.
+    with pytest.raises(ValueError, match=r"tokenizer_model='/other' differs from the "
+                       r"checkpoint's '/tok' .* drop tokenizer_model, or set "
+                       r"use_tokenizer_model_from_checkpoint_args=False"):  # fmt: skip
+        parse_config([*resume, "--tokenizer-model", "/other"])
+    assert parse_config([*resume, "--tokenizer-model", "/tok"]).data.tokenizer_model == "/tok"
+    layout = parse_config([*resume, "--use-mp-args-from-checkpoint-args"]).parallel
+    assert (layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size) == (2, 2)
+    with pytest.raises(ValueError, match="tensor_model_parallel_size=4 differs from the "
+                                         "checkpoint's 2"):  # fmt: skip
+        parse_config([*resume, "--use-mp-args-from-checkpoint-args",
+                      "--tensor-model-parallel-size", "4"])  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match="use_mp_args_from_checkpoint_args=True reads the "
+        "checkpoint's settings: it needs use_checkpoint_args",
+    ):
+        parse_config([*MODEL, "--use-mp-args-from-checkpoint-args"])
+
+
 def test_use_checkpoint_args_takes_an_imported_checkpoints_model_settings(tmp_path):
     settings = {"num_layers": 3, "hidden_size": 64, "num_attention_heads": 8,
                 "num_query_groups": 4, "activation": "swiglu", "normalization": "RMSNorm",
@@ -382,6 +416,9 @@ def test_use_checkpoint_args_takes_an_imported_checkpoints_model_settings(tmp_pa
     assert model.use_rope_scaling and model.rope_scaling_factor == 32.0
     assert model.hidden_dropout != 0.3  # how this run trains stays its own
     assert (config.gpt.max_position_embeddings, config.gpt.seq_length) == (128, 64)
+    with pytest.raises(ValueError, match=r"records no parallel sizes \(an imported checkpoint"):
+        parse_config(["--load", str(tmp_path), "--use-checkpoint-args",
+                      "--use-mp-args-from-checkpoint-args"])  # fmt: skip
 
 
 def test_use_checkpoint_args_needs_a_saved_config(tmp_path):

@@ -91,6 +91,14 @@ class CheckpointConfig:
     use_checkpoint_args: bool = False
     """Take the model's settings from the checkpoint being loaded."""
 
+    use_tokenizer_model_from_checkpoint_args: bool = True
+    """With use_checkpoint_args, also take its tokenizer_type and tokenizer_model
+    (Megatron's default; a different one given is refused)."""
+
+    use_mp_args_from_checkpoint_args: bool = False
+    """With use_checkpoint_args, also take its tensor, pipeline (and virtual), expert
+    parallel sizes (a different one given is refused)."""
+
     exit_on_missing_checkpoint: bool = False
     """Fail when load is set but holds no checkpoint (instead of starting from scratch)."""
 

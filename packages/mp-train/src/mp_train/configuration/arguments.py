@@ -24,15 +24,14 @@ import functools
 import inspect
 import os
 import sys
-import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
-from mp_ckpt import CheckpointReader, is_hf_directory
 from mp_layers import split_hybrid_pattern
 from mp_train.configuration import megatron_aliases, megatron_flags
+from mp_train.configuration.checkpoint_args import apply_checkpoint_args
 from mp_train.configuration.config import RunConfig
 from mp_train.configuration.hf_source import apply_hf_settings
 from mp_train.configuration.pipeline_segments import derive_virtual_stages
@@ -320,7 +319,7 @@ def parse_config(
         for part in field_owners()[name]:
             values[part][name] = value
     megatron_aliases.apply(flags, given, values)
-    _apply_checkpoint_args(values)
+    apply_checkpoint_args(values, _explicit(values, defaults, written))
     apply_hf_settings(values, _explicit(values, defaults, written))
     _layers_of_hybrid_pattern(values)
     _require_model_fields(values)
@@ -381,69 +380,3 @@ def _apply_precision(values: dict) -> None:
 
 # Model fields that describe how this run trains, not the architecture it loads: with
 # --use-checkpoint-args they still come from the command line / YAML.
-_RUN_MODEL_FIELDS = frozenset({
-    "bf16", "fp16", "params_dtype", "hidden_dropout", "attention_dropout", "sequence_parallel",
-    "recompute_granularity", "recompute_method", "recompute_num_layers",
-})  # fmt: skip
-
-
-def _saved_run_config(common: object) -> dict | None:
-    """The saved run config ({"model": ..., "gpt": ...}) of a checkpoint's common.pt. One
-    without a run config but with model settings under Megatron's names (`mp-ckpt
-    import-hf` writes them) gives those and its max_position_embeddings."""
-    if not isinstance(common, dict):
-        return None
-    saved = common.get("config")
-    if isinstance(saved, dict) and isinstance(saved.get("model"), dict):
-        return saved
-    settings = common.get("model_config")
-    if not isinstance(settings, dict):
-        return None
-    gpt = {"max_position_embeddings": settings["max_position_embeddings"]}
-    return {"model": settings, "gpt": gpt if "max_position_embeddings" in settings else {}}
-
-
-def _apply_checkpoint_args(values: dict) -> None:
-    """--use-checkpoint-args: the model's architecture, seq_length and
-    max_position_embeddings from the config saved in the checkpoint's common.pt."""
-    settings = values["checkpoint"]
-    if not settings.get("use_checkpoint_args"):
-        return
-    load = settings.get("load")
-    if load is None:
-        raise ValueError("use_checkpoint_args=True needs load (the checkpoint to read)")
-    if is_hf_directory(load):
-        return  # its config.json gives the settings (apply_hf_settings)
-    try:
-        reader = CheckpointReader(load, iteration=settings.get("ckpt_step"))
-    except FileNotFoundError as error:
-        if settings.get("exit_on_missing_checkpoint"):
-            raise FileNotFoundError(
-                f"use_checkpoint_args=True: no checkpoint under load={load}: {error}"
-            ) from error
-        warnings.warn(
-            f"use_checkpoint_args=True but no checkpoint under load={load} ({error}); "
-            "using the given model settings", stacklevel=3,
-        )  # fmt: skip
-        return
-    path = reader.directory / "common.pt"
-    common = torch.load(path, weights_only=False)
-    saved = _saved_run_config(common)
-    if saved is None:
-        raise ValueError(
-            f"{path} holds no run config (common['config']['model']) nor model settings "
-            "(common['model_config']): the checkpoint cannot provide the model's settings; "
-            "drop use_checkpoint_args"
-        )
-    taken = [("model", n) for n in saved["model"] if n not in _RUN_MODEL_FIELDS]
-    taken += [("gpt", n) for n in ("seq_length", "max_position_embeddings")
-              if n in saved.get("gpt", {})]  # fmt: skip
-    for part, name in taken:
-        kind = field_types(run_parts()[part]).get(name)
-        if kind is None:  # a field this version does not have
-            continue
-        value = saved[part][name]
-        try:
-            values[part][name] = kind.convert(value)
-        except ValueError as error:
-            raise ValueError(f"{path}: config {part}.{name}={value!r}: {error}") from None

@@ -112,6 +112,7 @@ _NEGATIONS = {
     "no-barrier-with-level-1-timing": "barrier_with_L1_time",
     "disable-log-loss-scale-to-tensorboard": "log_loss_scale_to_tensorboard",
     "disable-fp8-wgrad": "fp8_wgrad",
+    "disable-use-tokenizer-model-from-checkpoint-args": "use_tokenizer_model_from_checkpoint_args",
 }
 # ModelOpt's --export-model-type: GPTModel, or a Mamba-hybrid model (HybridModel, MambaModel),
 # which --hybrid-layer-pattern describes.
