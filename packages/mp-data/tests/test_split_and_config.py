@@ -118,3 +118,13 @@ def test_data_config_null_tokenizer_ids():
         DataConfig(tokenizer_type="GPT2BPETokenizer", null_tokenizer_eod_id=0)
     with pytest.raises(ValueError, match="null_tokenizer_pad_id=-2 must be an id, or -1"):
         DataConfig(vocab_size=10, null_tokenizer_pad_id=-2)
+
+
+def test_data_config_vocabulary_padding_and_blend_surplus():
+    assert DataConfig(pad_vocab_size=False, padded_vocab_size=96).padded_vocab_size == 96
+    with pytest.raises(ValueError, match="pad_vocab_size=False leaves the embedding's rows "
+                                         "unknown: give padded_vocab_size"):  # fmt: skip
+        DataConfig(pad_vocab_size=False)
+    assert DataConfig(mid_level_dataset_surplus=0.05).mid_level_dataset_surplus == 0.05
+    with pytest.raises(ValueError, match=r"mid_level_dataset_surplus=-0\.1 must be >= 0"):
+        DataConfig(mid_level_dataset_surplus=-0.1)

@@ -85,10 +85,18 @@ class DataConfig(FimDataConfig):
     make_vocab_size_divisible_by: int = 128
     """Pad the vocabulary to a multiple of this times the tensor-parallel size."""
 
+    pad_vocab_size: bool = True
+    """Pad the vocabulary by make_vocab_size_divisible_by when padded_vocab_size is not
+    given (Megatron's); False needs padded_vocab_size (the embedding's rows as given)."""
+
     padded_vocab_size: int | None = None
     """The embedding table's rows as given (Megatron's --padded-vocab-size): at least the
     tokenizer's vocabulary and divisible by the tensor-parallel size; None: the vocabulary
     padded by make_vocab_size_divisible_by."""
+
+    mid_level_dataset_surplus: float = 0.005
+    """The extra fraction of samples each dataset of a blend builds, so that the blend never
+    runs short of one (Megatron's)."""
 
     dataloader_type: Literal["single", "cyclic"] = "single"
     """single: one pass in order; cyclic: reshuffled every epoch."""
@@ -139,6 +147,13 @@ class DataConfig(FimDataConfig):
             raise ValueError(f"padded_vocab_size={self.padded_vocab_size} must be >= 1")
         if self.vocab_size is not None and self.vocab_size < 1:
             raise ValueError(f"vocab_size={self.vocab_size} must be >= 1")
+        if not self.pad_vocab_size and self.padded_vocab_size is None:
+            raise ValueError("pad_vocab_size=False leaves the embedding's rows unknown: give "
+                             "padded_vocab_size")  # fmt: skip
+        if self.mid_level_dataset_surplus < 0:
+            raise ValueError(
+                f"mid_level_dataset_surplus={self.mid_level_dataset_surplus} must be >= 0"
+            )
         self._check_null_tokenizer_ids()
         if self.reset_attention_mask and not self.create_attention_mask_in_dataloader:
             raise ValueError(

@@ -113,6 +113,7 @@ _NEGATIONS = {
     "disable-log-loss-scale-to-tensorboard": "log_loss_scale_to_tensorboard",
     "disable-fp8-wgrad": "fp8_wgrad",
     "disable-use-tokenizer-model-from-checkpoint-args": "use_tokenizer_model_from_checkpoint_args",
+    "disable-pad-vocab-size": "pad_vocab_size",
 }
 # ModelOpt's --export-model-type: GPTModel, or a Mamba-hybrid model (HybridModel, MambaModel),
 # which --hybrid-layer-pattern describes.
