@@ -131,3 +131,23 @@ def test_manual_gc_collects_around_each_evaluation_unless_told_not_to():
     calls = run_on_ranks(collections_around_evaluations, 1, [*argv, "--no-manual-gc-eval"],
                          timeout=120)[0]  # fmt: skip
     assert calls[:2] == [2, "evaluate"] and 0 not in calls
+
+
+def iteration_lines(argv) -> list[str]:
+    from mp_gpt.testing import train_printed_on_rank
+
+    return [line for line in train_printed_on_rank(argv).splitlines()
+            if line.startswith("iteration")]  # fmt: skip
+
+
+@pytest.mark.multirank
+def test_the_log_line_carries_the_device_memory_in_use_when_asked():
+    argv = [*ARGV, "--eval-iters", "0", "--log-interval", "2"]
+    plain = run_on_ranks(iteration_lines, 1, argv, timeout=120)[0]
+    asked = run_on_ranks(iteration_lines, 1, [*argv, "--log-device-memory-used"],
+                         timeout=120)[0]  # fmt: skip
+    assert len(plain) == len(asked) == 2
+    assert all("device memory used MB" not in line for line in plain)
+    for line in asked:
+        used = float(line.split("device memory used MB ")[1].split()[0])
+        assert used > 0

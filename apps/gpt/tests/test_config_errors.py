@@ -116,6 +116,18 @@ MISTAKES = {
 }
 
 
+def test_device_memory_that_cannot_be_measured_is_one_line(capsys, monkeypatch):
+    def unmeasured(device):
+        raise RuntimeError("log_device_memory_used needs NVML's Python bindings")
+
+    monkeypatch.setattr("mp_train.observability.memory.device_memory_used", unmeasured)
+    monkeypatch.setenv("MP_RUN_DIR", "/nonexistent")
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert main([*BASE, "--log-device-memory-used"]) == 2
+    assert capsys.readouterr().err == "error: log_device_memory_used needs NVML's Python bindings\n"
+
+
 @pytest.mark.parametrize("name", MISTAKES)
 def test_a_mistake_is_one_line_and_status_2(name, capsys, monkeypatch):
     flags, line = MISTAKES[name]

@@ -87,7 +87,7 @@ def test_megatron_defaults_and_flags():
 
 
 def test_memory_tags_on_cpu():
-    from mp_train.observability.metrics import memory_bytes
+    from mp_train.observability.memory import memory_bytes
 
     got = memory_bytes(torch.device("cpu"))
     assert sorted(got) == ["mem-allocated-bytes", "mem-max-allocated-bytes"]
@@ -96,7 +96,7 @@ def test_memory_tags_on_cpu():
 
 @pytest.mark.cuda
 def test_memory_tags_and_profile_on_cuda(tmp_path):
-    from mp_train.observability.metrics import memory_bytes
+    from mp_train.observability.memory import memory_bytes
 
     device = torch.device("cuda")
     kept = torch.ones(1024, device=device)
@@ -113,3 +113,19 @@ def test_memory_tags_and_profile_on_cuda(tmp_path):
     (trace,) = tmp_path.glob("rank0.*.pt.trace.json")
     events = json.loads(trace.read_text())["traceEvents"]
     assert any(e.get("cat") == "kernel" for e in events)  # CUDA activity recorded
+
+
+def test_device_memory_used_on_cpu_is_the_hosts_memory_in_use(monkeypatch):
+    from mp_train.observability import memory
+
+    used = memory.device_memory_used(torch.device("cpu"))
+    with open("/proc/meminfo") as f:
+        total = int(f.readline().split()[1]) * 1024  # MemTotal, the first line
+    assert 0 < used < total  # every process's, not this one's resident memory alone
+
+    def no_meminfo(*args, **kwargs):
+        raise FileNotFoundError("/proc/meminfo")
+
+    monkeypatch.setattr("builtins.open", no_meminfo)
+    with pytest.raises(RuntimeError, match="reads /proc/meminfo, which this system does not"):
+        memory.device_memory_used(torch.device("cpu"))

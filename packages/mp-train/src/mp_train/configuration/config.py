@@ -317,6 +317,11 @@ class LoggingConfig:
     log_memory: bool = True
     """Log current and peak memory."""
 
+    log_device_memory_used: bool = False
+    """Also log the memory in use on the whole device, by every process (Megatron's: what
+    nvidia-smi shows, torch.cuda.device_memory_used); on a CPU the host's memory in use
+    (MemTotal - MemAvailable of /proc/meminfo)."""
+
     log_memory_interval: int | None = None
     """Also print the memory report (peak measured beside the theoretical estimate), which
     comes after the first log_interval iterations, every this many iterations: a multiple

@@ -9,8 +9,9 @@ rank: in the user's terms (the flags they gave, in iterations when they gave ite
     check_tokenizer(config)   a tokenizer type mp has, with the arguments it requires
     check_input_files(config) the data prefixes and tokenizer files exist, and
                               export_hf_dir can take an export
-    check_backend(config)     --distributed-backend nccl has CUDA devices to run on, and
-                              --fp8-format a GPU with FP8 tensor cores (and torchao)
+    check_backend(config)     --distributed-backend nccl has CUDA devices to run on,
+                              --fp8-format a GPU with FP8 tensor cores (and torchao),
+                              --log-device-memory-used a measure of the device's memory
     check_exit_signal(name)   --exit-signal names a signal a process can handle
 
 validate() applies the first four; an entry point applies the others (load_config),
@@ -51,6 +52,10 @@ def check_backend(config) -> None:
     try:
         device = mp_state.select_device(config.parallel.distributed_backend).device
         check_fp8_device(config.model, device)
+        if config.logging.log_device_memory_used:
+            from mp_train.observability.memory import device_memory_used
+
+            device_memory_used(device)
     except (ValueError, RuntimeError) as error:
         raise ConfigError(str(error)) from None
 

@@ -17,8 +17,6 @@ import json
 import logging
 import math
 import os
-import resource
-import sys
 import time
 from collections.abc import Callable
 
@@ -30,6 +28,7 @@ from mp_train.estimate import estimate
 from mp_train.loop.moe_step import PER_LAYER_PREFIX, aux_loss_names
 from mp_train.loop.mtp_step import mtp_loss_names
 from mp_train.loop.setup import Run
+from mp_train.observability.memory import device_memory_used, memory_bytes, memory_mb
 from mp_train.observability.stragglers import STRAGGLER_TIMER, straggler_line
 from mp_train.observability.tensorboard import TensorBoard
 
@@ -286,6 +285,8 @@ class MetricsLogger:
                 )
         if self.config.log_memory:
             values.update(memory_mb(run.device))
+        if self.config.log_device_memory_used:
+            values["device memory used MB"] = device_memory_used(run.device) / 2**20
         line = (
             f"iteration {iteration:>8} | consumed samples {run.train.consumed_train_samples:>10} "
             f"| ms/iteration {per_iteration_ms:.1f} | "
@@ -375,47 +376,6 @@ def parameters_norm(run: Run) -> float:
             totals[kind] = totals[kind].to(run.device)
             dist.all_reduce(totals[kind], group=group.group)
     return float((totals["dense"].cpu() + totals["expert"].cpu()).sqrt())
-
-
-def memory_mb(device: torch.device) -> dict[str, float]:
-    """The log line's memory: allocated and peak CUDA memory, or the process's resident
-    and peak resident memory on CPUs."""
-    if device.type == "cuda":
-        return {
-            "memory MB": torch.cuda.memory_allocated(device) / 2**20,
-            "peak memory MB": torch.cuda.max_memory_allocated(device) / 2**20,
-        }
-    current, peak = _process_memory_bytes()
-    return {"memory MB": current / 2**20, "peak memory MB": peak / 2**20}
-
-
-def memory_bytes(device: torch.device) -> dict[str, int]:
-    """Megatron's mem-* TensorBoard tags from CUDA's memory statistics; on CPUs the
-    process's resident and peak resident bytes as the allocated and peak allocated."""
-    if device.type == "cuda":
-        stats = torch.cuda.memory_stats(device)
-        return {
-            "mem-reserved-bytes": stats["reserved_bytes.all.current"],
-            "mem-allocated-bytes": stats["allocated_bytes.all.current"],
-            "mem-max-allocated-bytes": stats["allocated_bytes.all.peak"],
-            "mem-allocated-count": stats["allocation.all.current"],
-        }
-    current, peak = _process_memory_bytes()
-    return {"mem-allocated-bytes": current, "mem-max-allocated-bytes": peak}
-
-
-def _process_memory_bytes() -> tuple[int, int]:
-    """This process's resident and peak resident bytes."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-    if sys.platform == "darwin":
-        peak //= 1024  # bytes on macOS
-    current = peak
-    try:
-        with open(f"/proc/{os.getpid()}/statm") as f:
-            current = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except OSError:
-        pass
-    return current, max(current, peak)  # the kernel's peak may lag the current
 
 
 def known_peak_tflops(device: torch.device) -> float | None:
