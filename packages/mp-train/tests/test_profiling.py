@@ -34,6 +34,35 @@ def profiled(tmp_path, start: int, end: int, iterations: range, rank: int = 0,
     return ranges
 
 
+def test_shapes_call_stacks_and_the_execution_trace_when_asked(tmp_path):
+    config = LoggingConfig(tensorboard_dir=str(tmp_path), profile=True, profile_step_start=1,
+                           profile_step_end=2, pytorch_profiler_collect_shapes=True,
+                           pytorch_profiler_collect_callstack=True,
+                           pytorch_profiler_collect_chakra=True)  # fmt: skip
+    profiler = StepProfiler(config, 3, torch.device("cpu"))
+    profiler.iteration_started(1)
+    torch.ones(8, 4) @ torch.ones(4, 2)
+    profiler.iteration_finished(1)
+    (trace,) = tmp_path.glob("rank3.*.pt.trace.json")
+    events = json.loads(trace.read_text())["traceEvents"]
+    (matmul,) = [e for e in events if e.get("name") == "aten::mm"]
+    assert matmul["args"]["Input Dims"] == [[8, 4], [4, 2]]
+    assert any("test_profiling.py" in e.get("name", "") for e in events)  # the Python stack
+    nodes = json.loads((tmp_path / "chakra" / "rank3.json").read_text())["nodes"]
+    assert any(node["name"] == "aten::mm" for node in nodes)
+    plain = tmp_path / "plain"
+    config = LoggingConfig(tensorboard_dir=str(plain), profile=True, profile_step_start=1,
+                           profile_step_end=2)  # fmt: skip
+    profiler = StepProfiler(config, 3, torch.device("cpu"))
+    profiler.iteration_started(1)
+    torch.ones(8, 4) @ torch.ones(4, 2)
+    profiler.iteration_finished(1)
+    (trace,) = plain.glob("rank3.*.pt.trace.json")
+    events = json.loads(trace.read_text())["traceEvents"]
+    (matmul,) = [e for e in events if e.get("name") == "aten::mm"]
+    assert "Input Dims" not in matmul.get("args", {}) and not (plain / "chakra").exists()
+
+
 def test_profiles_start_to_end_exclusive(tmp_path):
     assert profiled(tmp_path, 3, 5, range(1, 8)) == [{"iteration 3", "iteration 4"}]
 

@@ -283,6 +283,16 @@ class LoggingConfig:
     """Megatron-LM's choice of torch.profiler for --profile; accepted, and changes nothing:
     mp profiles with torch.profiler only (for Nsight Systems, run under nsys)."""
 
+    pytorch_profiler_collect_shapes: bool = False
+    """With profile, record the operators' input shapes in the trace (record_shapes)."""
+
+    pytorch_profiler_collect_callstack: bool = False
+    """With profile, record each operator's Python call stack in the trace (with_stack)."""
+
+    pytorch_profiler_collect_chakra: bool = False
+    """With profile, also write the profiled iterations' execution trace (torch's
+    ExecutionTraceObserver, the graph Chakra reads) to tensorboard_dir/chakra/rank<N>.json."""
+
     profile_step_start: int = 10
     """The first iteration profiled (with profile)."""
 

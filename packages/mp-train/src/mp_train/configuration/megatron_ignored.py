@@ -209,6 +209,17 @@ IGNORED: dict[str, tuple[bool, str]] = {
         "runs each MLP on pieces of a prompt in inference's prefill to lower its peak "
         "memory; mp's generation runs the MLP on the whole prompt, with the same result",
     ),
+    "record_shapes": (
+        False,
+        "records shapes in the NVTX ranges of Megatron-LM's Nsight Systems path (--profile "
+        "without --use-pytorch-profiler), which mp does not have: its --profile is "
+        "torch.profiler, whose shapes --pytorch-profiler-collect-shapes records",
+    ),
+    "nvtx_ranges": (
+        False,
+        "adds NVTX ranges around Megatron-LM's regions for Nsight Systems; mp emits none (its "
+        "--profile is torch.profiler, with a range per iteration); training is the same",
+    ),
     "moe_router_padding_for_quantization": (
         False,
         "pads each expert's tokens to a multiple of 16 or 32 for FP8/FP4 grouped GEMM "

@@ -11,9 +11,15 @@ window profiles from its first iteration. Each profiled iteration is a
 tensorboard_dir through torch.profiler.tensorboard_trace_handler, as
 `rank<N>.<time>.pt.trace.json` (TensorBoard's profiler plugin, or
 chrome://tracing / Perfetto, read it). Activities: the CPU, and CUDA on GPUs.
+Megatron's options: pytorch_profiler_collect_shapes (the operators' input shapes),
+pytorch_profiler_collect_callstack (their Python stacks) and
+pytorch_profiler_collect_chakra (an execution trace of the same iterations, as
+chakra/rank<N>.json under tensorboard_dir).
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import torch
 
@@ -29,6 +35,7 @@ class StepProfiler:
         self.first = max(config.profile_step_start, 1)
         self.end = config.profile_step_end
         self._profiler: torch.profiler.profile | None = None
+        self._observer: torch.profiler.ExecutionTraceObserver | None = None
         self._range: torch.profiler.record_function | None = None
 
     def iteration_started(self, iteration: int) -> None:
@@ -53,8 +60,7 @@ class StepProfiler:
             self._range = None
         self._profiler.step()
         if iteration >= self.end - 1:
-            self._profiler.stop()
-            self._profiler = None
+            self._stop()
             self.enabled = False
 
     def close(self) -> None:
@@ -63,8 +69,15 @@ class StepProfiler:
         if self._profiler is not None:
             if self._range is not None:
                 self._range.__exit__(None, None, None)
-            self._profiler.stop()
-            self._profiler = None
+            self._stop()
+
+    def _stop(self) -> None:
+        """Writes the trace (and ends the execution trace's file) and stops."""
+        self._profiler.stop()
+        self._profiler = None
+        if self._observer is not None:
+            self._observer.unregister_callback()
+            self._observer = None
 
     def _start(self, warmup: int, active: int) -> torch.profiler.profile:
         activities = [torch.profiler.ProfilerActivity.CPU]
@@ -73,10 +86,21 @@ class StepProfiler:
         handler = torch.profiler.tensorboard_trace_handler(
             self.config.tensorboard_dir, worker_name=f"rank{self.rank}"
         )
+        observer = None
+        if self.config.pytorch_profiler_collect_chakra:
+            folder = Path(self.config.tensorboard_dir) / "chakra"
+            folder.mkdir(parents=True, exist_ok=True)
+            observer = torch.profiler.ExecutionTraceObserver().register_callback(
+                str(folder / f"rank{self.rank}.json")
+            )
+            self._observer = observer
         profiler = torch.profiler.profile(
             activities=activities,
             schedule=torch.profiler.schedule(wait=0, warmup=warmup, active=active, repeat=1),
             on_trace_ready=handler,
+            record_shapes=self.config.pytorch_profiler_collect_shapes,
+            with_stack=self.config.pytorch_profiler_collect_callstack,
+            execution_trace_observer=observer,
         )
         profiler.start()
         return profiler
