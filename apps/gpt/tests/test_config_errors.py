@@ -108,6 +108,11 @@ MISTAKES = {
         "capability 8.9+: L4, L40S, H100, H200, B200); this rank computes on cpu "
         "(--fp8-emulate checks FP8 numerics without one, slowly)",
     ),
+    "memory history without a GPU": (
+        ["--record-memory-history"],
+        "error: --record-memory-history records the CUDA caching allocator's history: it "
+        "needs a CUDA device; this rank computes on cpu",
+    ),
     "backend": (
         ["--distributed-backend", "nccl"],
         "error: --distributed-backend nccl needs CUDA devices and MP_DEVICE=cpu keeps this "

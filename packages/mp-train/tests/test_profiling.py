@@ -158,3 +158,50 @@ def test_device_memory_used_on_cpu_is_the_hosts_memory_in_use(monkeypatch):
     monkeypatch.setattr("builtins.open", no_meminfo)
     with pytest.raises(RuntimeError, match="reads /proc/meminfo, which this system does not"):
         memory.device_memory_used(torch.device("cpu"))
+
+
+def test_memory_history_records_on_its_ranks_and_snapshots_atomically(tmp_path, monkeypatch):
+    """record_memory_history's calls into torch (CUDA's allocator is faked here; the test
+    below runs it on a GPU): recording starts on the profile_ranks with an out-of-memory
+    observer that writes that rank's snapshot; a dump is written whole or not at all."""
+    from mp_train.observability import memory
+
+    calls = []
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history",
+                        lambda **kwargs: calls.append(("record", kwargs)))  # fmt: skip
+    monkeypatch.setattr(torch._C, "_cuda_attach_out_of_memory_observer",
+                        lambda fn: calls.append(("observer", fn)))  # fmt: skip
+    monkeypatch.setattr(torch.cuda.memory, "_snapshot", lambda: {"segments": [1, 2]})
+    path = str(tmp_path / "mem" / "snap.pickle")
+    config = LoggingConfig(record_memory_history=True, memory_snapshot_path=path,
+                           profile_ranks=[1])  # fmt: skip
+    cuda = torch.device("cuda")
+    assert not memory.start_memory_history(config, 0, cuda)  # not a profile rank
+    assert not memory.start_memory_history(config, 1, torch.device("cpu"))
+    assert calls == []
+    assert memory.start_memory_history(config, 1, cuda)
+    assert calls[0] == ("record", {"max_entries": 100_000})
+    calls[1][1](0, 0, 0, 0)  # the allocator runs out of memory
+    oom = tmp_path / "mem" / "snap_oom_rank-1.pickle"
+    assert __import__("pickle").loads(oom.read_bytes()) == {"segments": [1, 2]}
+    memory.dump_memory_snapshot(path)
+    assert sorted(p.name for p in (tmp_path / "mem").iterdir()) == [
+        "snap.pickle", "snap_oom_rank-1.pickle"]  # fmt: skip
+
+
+@pytest.mark.cuda
+def test_memory_history_snapshot_on_cuda(tmp_path):
+    import pickle
+
+    from mp_train.observability import memory
+
+    path = tmp_path / "snap.pickle"
+    config = LoggingConfig(record_memory_history=True, memory_snapshot_path=str(path))
+    assert memory.start_memory_history(config, 0, torch.device("cuda"))
+    try:
+        kept = torch.ones(1 << 20, device="cuda")
+        memory.dump_memory_snapshot(str(path))
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    snapshot = pickle.loads(path.read_bytes())
+    assert kept.numel() and snapshot["device_traces"][0]  # the allocation's event

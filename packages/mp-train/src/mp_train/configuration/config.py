@@ -332,6 +332,16 @@ class LoggingConfig:
     nvidia-smi shows, torch.cuda.device_memory_used); on a CPU the host's memory in use
     (MemTotal - MemAvailable of /proc/meminfo)."""
 
+    record_memory_history: bool = False
+    """Record the CUDA caching allocator's history (allocations and frees with their Python
+    stacks, the newest 100,000) from before the model is built, on the profile_ranks
+    (empty: every rank); the last rank writes it to memory_snapshot_path at every
+    log_interval, and a rank that runs out of memory writes its own beside it
+    (<name>_oom_rank-<N><ext>), for torch's memory_viz. Needs a CUDA device."""
+
+    memory_snapshot_path: str = "snapshot.pickle"
+    """Where record_memory_history's snapshot goes."""
+
     log_memory_interval: int | None = None
     """Also print the memory report (peak measured beside the theoretical estimate), which
     comes after the first log_interval iterations, every this many iterations: a multiple

@@ -11,7 +11,8 @@ rank: in the user's terms (the flags they gave, in iterations when they gave ite
                               export_hf_dir can take an export
     check_backend(config)     --distributed-backend nccl has CUDA devices to run on,
                               --fp8-format a GPU with FP8 tensor cores (and torchao),
-                              --log-device-memory-used a measure of the device's memory
+                              --log-device-memory-used a measure of the device's memory,
+                              --record-memory-history a CUDA device
     check_exit_signal(name)   --exit-signal names a signal a process can handle
 
 validate() applies the first four; an entry point applies the others (load_config),
@@ -52,6 +53,11 @@ def check_backend(config) -> None:
     try:
         device = mp_state.select_device(config.parallel.distributed_backend).device
         check_fp8_device(config.model, device)
+        if config.logging.record_memory_history and device.type != "cuda":
+            raise ValueError(
+                "--record-memory-history records the CUDA caching allocator's history: it "
+                f"needs a CUDA device; this rank computes on {device.type}"
+            )
         if config.logging.log_device_memory_used:
             from mp_train.observability.memory import device_memory_used
 

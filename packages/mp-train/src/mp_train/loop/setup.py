@@ -50,6 +50,7 @@ from mp_train.configuration.pipeline_segments import pipeline_segments
 from mp_train.loop.cpu_allocator import keep_freed_memory
 from mp_train.loop.microbatches import MicroBatchCalculator, parse_batch_schedule
 from mp_train.observability.log_setup import configure_logging
+from mp_train.observability.memory import start_memory_history
 from mp_train.observability.progress_log import ProgressLog
 from mp_train.observability.timers import Timers
 
@@ -217,6 +218,8 @@ def setup_run(
         )
     timers = Timers(config.logging.timing_log_level, config.logging.timing_log_option)
     timers(SETUP_TIMERS[0]).start(barrier=True)
+    # Before the model: its allocations are in the history too.
+    start_memory_history(config.logging, torch.distributed.get_rank(), initialized.device)
     model = _build_model(config, state, tracker, padded, model_provider)
     compiled = 0
     if config.training.torch_compile:  # regional: each layer in place, inside DDP's wrapper

@@ -5,12 +5,22 @@ the process's resident memory on a CPU), and what the whole device holds
 from __future__ import annotations
 
 import os
+import pickle
 import resource
 import sys
 
 import torch
 
-__all__ = ["device_memory_used", "memory_bytes", "memory_mb"]
+__all__ = [
+    "device_memory_used",
+    "dump_memory_snapshot",
+    "memory_bytes",
+    "memory_mb",
+    "start_memory_history",
+]
+
+HISTORY_ENTRIES = 100_000
+"""The allocator events record_memory_history keeps (Megatron's number)."""
 
 
 def memory_mb(device: torch.device) -> dict[str, float]:
@@ -73,3 +83,35 @@ def _process_memory_bytes() -> tuple[int, int]:
     except OSError:
         pass
     return current, max(current, peak)  # the kernel's peak may lag the current
+
+
+def start_memory_history(config, rank: int, device: torch.device) -> bool:
+    """record_memory_history on this rank (one of the profile_ranks, or any when none are
+    named): the CUDA caching allocator records its events with their stacks from now on,
+    and running out of memory writes this rank's snapshot. Whether it records."""
+    if not config.record_memory_history or device.type != "cuda":
+        return False
+    if config.profile_ranks and rank not in config.profile_ranks:
+        return False
+    torch.cuda.memory._record_memory_history(max_entries=HISTORY_ENTRIES)
+    base, ext = os.path.splitext(config.memory_snapshot_path)
+    oom_path = f"{base}_oom_rank-{rank}{ext}"
+
+    def on_out_of_memory(device_index, allocated, device_allocated, device_free):
+        dump_memory_snapshot(oom_path)
+
+    torch._C._cuda_attach_out_of_memory_observer(on_out_of_memory)
+    return True
+
+
+def dump_memory_snapshot(path: str) -> None:
+    """The allocator's snapshot, history included, pickled to `path` (written under a
+    temporary name, then renamed)."""
+    snapshot = torch.cuda.memory._snapshot()
+    folder = os.path.dirname(path)
+    if folder:
+        os.makedirs(folder, exist_ok=True)
+    partial = f"{path}.tmp{os.getpid()}"
+    with open(partial, "wb") as f:
+        pickle.dump(snapshot, f)
+    os.replace(partial, path)

@@ -28,7 +28,12 @@ from mp_train.estimate import estimate
 from mp_train.loop.moe_step import PER_LAYER_PREFIX, aux_loss_names
 from mp_train.loop.mtp_step import mtp_loss_names
 from mp_train.loop.setup import Run
-from mp_train.observability.memory import device_memory_used, memory_bytes, memory_mb
+from mp_train.observability.memory import (
+    device_memory_used,
+    dump_memory_snapshot,
+    memory_bytes,
+    memory_mb,
+)
 from mp_train.observability.stragglers import STRAGGLER_TIMER, straggler_line
 from mp_train.observability.tensorboard import TensorBoard
 
@@ -229,6 +234,8 @@ class MetricsLogger:
                 self.board.add(iteration, memory_bytes(run.device))
         if printing:
             self._print_interval(lr, loss_scale, result, global_batch, params_norm)
+            if self.config.record_memory_history and run.is_last_rank:
+                dump_memory_snapshot(self.config.memory_snapshot_path)
         if run.compiled_layers and not self._compile_reported:
             self._compile_reported = True
             self._print_compile_time(seconds)
