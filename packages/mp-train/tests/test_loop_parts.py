@@ -104,3 +104,10 @@ def test_a_step_batch_size_schedule():
                           ("0:0", "batch sizes must be >= 1")):  # fmt: skip
         with pytest.raises(ValueError, match=message):
             parse_batch_schedule(text, 1)
+
+
+def test_a_decreased_batch_counts_the_rest_as_skipped():
+    calculator = MicroBatchCalculator(4, 1, 4, requested_global_batch_size=6)
+    assert (calculator.global_batch(100), calculator.num_microbatches(100)) == (4, 1)
+    assert calculator.shortfall == 2
+    assert MicroBatchCalculator(8, 2, 4).shortfall == 0

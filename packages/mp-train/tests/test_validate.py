@@ -36,11 +36,12 @@ def test_the_layouts_validate():
     # Context-parallel ranks are not data-parallel ones: 4 ranks at CP 2 are DP 2.
     cp = ["--context-parallel-size", "2", "--attention-dropout", "0"]
     assert _validate(*cp) == {"data_parallel_size": 2, "global_batch_size": 2,
-                              "num_microbatches": 1}  # fmt: skip
+                              "running_global_batch_size": 2, "num_microbatches": 1}  # fmt: skip
     assert _validate(*cp, "--cp-comm-type", "a2a")
     # The interleaved schedule with 3 micro-batches at PP2: in one group of 3.
     assert _validate(*VPP, "--microbatch-group-size-per-virtual-pipeline-stage", "3") == {
-        "data_parallel_size": 2, "global_batch_size": 6, "num_microbatches": 3}  # fmt: skip
+        "data_parallel_size": 2, "global_batch_size": 6, "running_global_batch_size": 6,
+        "num_microbatches": 3}  # fmt: skip
     # A hybrid model's Mamba layers take context parallelism and packed documents, also
     # with fewer groups than TP x CP ranks (each CP rank a share of one group's heads).
     assert _validate(*HYBRID, *cp, "--reset-attention-mask")["data_parallel_size"] == 2
@@ -288,3 +289,24 @@ def test_the_device_sync_interval_is_positive():
     assert _validate("--train-sync-interval", "5", world=1)
     with pytest.raises(ValueError, match="train_sync_interval=0 must be >= 1"):
         _validate("--train-sync-interval", "0", world=1)
+
+
+def test_a_global_batch_the_layout_does_not_divide_is_decreased_when_asked():
+    with pytest.raises(ValueError, match="global_batch_size=6 is not divisible by "
+                                         "micro_batch_size=1 x data_parallel_size=4"):  # fmt: skip
+        _validate("--global-batch-size", "6")
+    sizes = _validate("--global-batch-size", "6", "--decrease-batch-size-if-needed")
+    assert (sizes["global_batch_size"], sizes["running_global_batch_size"]) == (6, 4)
+    assert sizes["num_microbatches"] == 1
+    assert (
+        _validate("--global-batch-size", "8", "--decrease-batch-size-if-needed")[
+            "running_global_batch_size"
+        ]
+        == 8
+    )
+    with pytest.raises(ValueError, match="global_batch_size=3 is below micro_batch_size=1 x "
+                                         "data_parallel_size=4"):  # fmt: skip
+        _validate("--global-batch-size", "3", "--decrease-batch-size-if-needed")
+    with pytest.raises(ValueError, match="decreases a constant global batch: not with "
+                                         "step_batch_size_schedule"):  # fmt: skip
+        _validate("--decrease-batch-size-if-needed", "--step-batch-size-schedule", "0:4 64:8")

@@ -2,7 +2,7 @@
 --step-batch-size-schedule ("0:384 200B:768 400B:1152" gives the global batch from each
 threshold of consumed tokens on; loop/microbatches.py applies it), and the evaluation's
 own batch (--eval-global-batch-size, --eval-micro-batch-size), checked against the
-layout."""
+layout; and the global batch a run trains with under --decrease-batch-size-if-needed."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import itertools
 
 from mp_pipeline import check_microbatch_group
 
-__all__ = ["batch_schedule", "check_eval_batch", "parse_batch_schedule"]
+__all__ = ["batch_schedule", "check_eval_batch", "parse_batch_schedule", "running_global_batch"]
 
 _SUFFIXES = {"K": 10**3, "M": 10**6, "B": 10**9, "T": 10**12}
 
@@ -94,3 +94,24 @@ def batch_schedule(config) -> list[tuple[int, int]] | None:
             raise ValueError(f"step_batch_size_schedule with {name}: the schedule gives the "
                              "global batch; drop one (Megatron-LM refuses the pair)")  # fmt: skip
     return parse_batch_schedule(training.step_batch_size_schedule, config.gpt.seq_length)
+
+
+def running_global_batch(training, gbs: int, dp: int) -> int:
+    """The global batch trained with: `gbs`, or under decrease_batch_size_if_needed the
+    largest multiple of micro_batch_size x dp below it (Megatron's rule, for a run restarted
+    on fewer data-parallel ranks; a layout that divides it again restores it)."""
+    mbs = training.micro_batch_size
+    if gbs % (mbs * dp) == 0:
+        return gbs
+    if not training.decrease_batch_size_if_needed:
+        raise ValueError(
+            f"global_batch_size={gbs} is not divisible by micro_batch_size={mbs} x "
+            f"data_parallel_size={dp}"
+        )
+    running = gbs // (mbs * dp) * (mbs * dp)
+    if running == 0:
+        raise ValueError(
+            f"decrease_batch_size_if_needed: global_batch_size={gbs} is below "
+            f"micro_batch_size={mbs} x data_parallel_size={dp}"
+        )
+    return running

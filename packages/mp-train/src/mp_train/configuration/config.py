@@ -29,7 +29,11 @@ from mp_layers import TransformerConfig
 from mp_optim import OptimizerConfig
 from mp_pipeline import check_microbatch_group
 from mp_state import ParallelConfig
-from mp_train.configuration.batch_sizes import batch_schedule, check_eval_batch
+from mp_train.configuration.batch_sizes import (
+    batch_schedule,
+    check_eval_batch,
+    running_global_batch,
+)
 from mp_train.configuration.context_parallel_checks import check_hierarchical_context_parallel
 from mp_train.configuration.phase_config import PhaseConfig, check_phases
 from mp_train.configuration.pipeline_segments import check_segments
@@ -192,6 +196,13 @@ class TrainingConfig(RerunConfig, ValidationConfig, PhaseConfig):
     manual_gc_eval: bool = True
     """With manual_gc, collect before each evaluation during training and collect its
     youngest generation after it (Megatron's)."""
+
+    decrease_batch_size_if_needed: bool = False
+    """Train with the largest multiple of micro_batch_size x the data-parallel size below
+    global_batch_size when that does not divide it (a restart on fewer ranks; Megatron's):
+    the learning-rate schedule keeps global_batch_size's sample counts, each iteration
+    consumes the smaller batch and counts the rest as skipped samples. Not with a batch-size
+    ramp or step schedule."""
 
     train_sync_interval: int | None = None
     """Wait for the GPU every this many iterations (torch.cuda.synchronize, Megatron's), so
@@ -426,7 +437,9 @@ class RunConfig:
 
 def validate(config: RunConfig, world_size: int) -> dict[str, int]:
     """Checks the rules spanning parts; returns the derived sizes (data_parallel_size,
-    global_batch_size, num_microbatches). Raises ValueError naming fields and values."""
+    global_batch_size, running_global_batch_size: the one trained with, smaller under
+    decrease_batch_size_if_needed; num_microbatches). Raises ValueError naming fields and
+    values."""
     parallel, training = config.parallel, config.training
     _check_model_parallel(config)
     model_parallel = (
@@ -451,11 +464,14 @@ def validate(config: RunConfig, world_size: int) -> dict[str, int]:
         gbs = max(size for _, size in schedule)
     else:
         gbs = training.global_batch_size if training.global_batch_size is not None else mbs * dp
-    if schedule is None and gbs % (mbs * dp):
+    if training.decrease_batch_size_if_needed and (schedule or training.rampup_batch_size):
         raise ValueError(
-            f"global_batch_size={gbs} is not divisible by micro_batch_size={mbs} x "
-            f"data_parallel_size={dp}"
+            "decrease_batch_size_if_needed decreases a constant global batch: not with "
+            + ("step_batch_size_schedule" if schedule else "rampup_batch_size")
         )
+    requested = gbs
+    if schedule is None:
+        gbs = running_global_batch(training, gbs, dp)
     if (training.train_iters is None) == (training.train_samples is None):
         raise ValueError(
             "give exactly one of train_iters and train_samples, got "
@@ -533,7 +549,8 @@ def validate(config: RunConfig, world_size: int) -> dict[str, int]:
     check_sharding(config)
     check_initialization(config)
     check_resume(config)
-    return {"data_parallel_size": dp, "global_batch_size": gbs, "num_microbatches": microbatches}
+    return {"data_parallel_size": dp, "global_batch_size": requested,
+            "running_global_batch_size": gbs, "num_microbatches": microbatches}  # fmt: skip
 
 
 def hang_timeout_minutes(config: RunConfig) -> float:

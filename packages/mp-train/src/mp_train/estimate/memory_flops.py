@@ -72,7 +72,7 @@ from mp_layers import (
     mtp_layer_kinds,
 )
 from mp_pipeline import stage_layers
-from mp_train.configuration.batch_sizes import parse_batch_schedule
+from mp_train.configuration.batch_sizes import parse_batch_schedule, running_global_batch
 from mp_train.configuration.config import RunConfig
 from mp_train.configuration.pipeline_segments import pipeline_segments
 from mp_train.estimate.activations import activation_bytes, mlp_width
@@ -181,11 +181,12 @@ def _layout(config: RunConfig, world_size: int) -> dict:
     gbs = training.global_batch_size if training.global_batch_size is not None else mbs * dp
     if training.step_batch_size_schedule is not None:  # the run's first global batch
         gbs = parse_batch_schedule(training.step_batch_size_schedule, seq)[0][1]
-    if mbs < 1 or gbs % (mbs * dp):
-        raise ValueError(
-            f"global_batch_size={gbs} is not divisible by micro_batch_size={mbs} x "
-            f"data_parallel_size={dp} (world size {world_size})"
-        )
+    if mbs < 1:
+        raise ValueError(f"micro_batch_size={mbs} must be >= 1")
+    try:  # the batch trained with (smaller under decrease_batch_size_if_needed)
+        gbs = running_global_batch(training, gbs, dp)
+    except ValueError as error:
+        raise ValueError(f"{error} (world size {world_size})") from None
     if config.optimizer.bf16 != model.bf16 or config.optimizer.fp16 != model.fp16:
         raise ValueError(
             f"the model (bf16={model.bf16}, fp16={model.fp16}) and the optimizer "

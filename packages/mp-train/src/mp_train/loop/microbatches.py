@@ -31,6 +31,16 @@ class MicroBatchCalculator:
     rampup_batch_size: list[int] | None = None
     schedule: list[tuple[int, int]] | None = None
     """parse_batch_schedule's entries."""
+    requested_global_batch_size: int | None = None
+    """The global batch asked for, when decrease_batch_size_if_needed trains with a smaller
+    global_batch_size; None: the same."""
+
+    @property
+    def shortfall(self) -> int:
+        """Samples per iteration below the batch asked for (decrease_batch_size_if_needed):
+        counted as skipped, as Megatron counts them."""
+        requested = self.requested_global_batch_size
+        return 0 if requested is None else requested - self.global_batch_size
 
     def __post_init__(self) -> None:
         self.per_microbatch = self.micro_batch_size * self.data_parallel_size

@@ -259,9 +259,16 @@ def setup_run(
             log.info("step batch size schedule: the global batch is %s", ", ".join(
                 f"{size} from sample {start:,} ({start * seq:,} tokens)"
                 for start, size in schedule))  # fmt: skip
+    running = sizes.get("running_global_batch_size", sizes["global_batch_size"])
+    if running != sizes["global_batch_size"] and torch.distributed.get_rank() == 0:
+        log.info("decrease_batch_size_if_needed: training with global batches of %d, not %d, "
+                 "which micro_batch_size=%d x data_parallel_size=%d does not divide", running,
+                 sizes["global_batch_size"], training.micro_batch_size,
+                 sizes["data_parallel_size"])  # fmt: skip
     calculator = MicroBatchCalculator(
-        sizes["global_batch_size"], training.micro_batch_size, sizes["data_parallel_size"],
+        running, training.micro_batch_size, sizes["data_parallel_size"],
         training.rampup_batch_size, schedule,
+        requested_global_batch_size=sizes["global_batch_size"],
     )  # fmt: skip
     timers(SETUP_TIMERS[0]).stop()
     return Run(

@@ -341,6 +341,7 @@ class _Step:
         empty_unused_memory(run, level=2)
         run.train.iteration += 1
         run.train.consumed_train_samples += global_batch
+        run.train.skipped_train_samples += run.calculator.shortfall
         if self.skips.updated(result):
             run.scheduler.step(increment=global_batch)
         return losses, result, global_batch, num_microbatches
