@@ -31,14 +31,28 @@ def target(run_dir: Path, *extra: str) -> list[str]:
     )]  # fmt: skip
 
 
+def children(pid: int) -> list[int]:
+    """The child processes of `pid` (a rank's data-loader workers)."""
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(child) for child in f.read().split()]
+
+
 @pytest.mark.multirank
 @pytest.mark.parametrize("name", ["SIGTERM", "SIGUSR1"])
 def test_sigterm_to_one_rank_saves_and_exits_zero(tmp_path, name):
-    """SIGTERM, or with --exit-signal SIGUSR1 (a scheduler's early warning) that one."""
+    """SIGTERM, or with --exit-signal SIGUSR1 (a scheduler's early warning) that one. The
+    SIGTERM run reads with a loader worker per loader, and rank 1's get the signal too (as
+    SLURM signals every process of a job step): they ignore it, and the rank saves."""
     flags = ["--exit-signal-handler", "--exit-signal", name]
+    if name == "SIGTERM":
+        flags += ["--num-workers", "1"]
     with TorchrunJob(target(tmp_path, *flags), tmp_path) as job:
         job.wait_for(lambda: len(complete_records(tmp_path)) >= 3, "three iterations")
-        os.kill(job.workers()[1], signal.Signals[name])
+        rank = job.workers()[1]
+        loaders = children(rank) if name == "SIGTERM" else []  # training's and validation's
+        assert bool(loaders) == (name == "SIGTERM")
+        for pid in [*loaders, rank]:
+            os.kill(pid, signal.Signals[name])
         took = job.wait(timeout=BOUND_S)
     output = job.output()
     assert job.returncode == 0, output[-4000:]

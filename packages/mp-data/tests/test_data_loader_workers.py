@@ -60,6 +60,29 @@ def test_the_next_batch_names_the_killed_worker_and_the_signal():
         next(batches)
 
 
+def test_workers_ignore_the_signal_their_caller_handles():
+    """worker_ignored_signal: a SIGTERM sent to every process (a scheduler's) leaves the
+    workers to the caller, which stops them itself."""
+    batches = iter(build_pretraining_data_loader(
+        Numbers(), 0, dataloader_type="single", micro_batch_size=2, data_parallel_rank=0,
+        data_parallel_size=1, num_workers=2, worker_ignored_signal=signal.SIGTERM,
+    ))  # fmt: skip
+    try:
+        # Batches come from the workers in turn: the second is worker 1's, so both have
+        # started (set the signal aside) before it is sent.
+        first, _ = next(batches), next(batches)
+        workers = batches._iterator._workers
+        for worker in workers:
+            os.kill(worker.pid, signal.SIGTERM)
+        # Both workers go on making batches (each has to, for 200 of them in order).
+        drawn = [next(batches) for _ in range(200)]
+        assert all(worker.is_alive() for worker in workers)
+        assert torch.equal(drawn[-1], first + 2 * 201)
+    finally:
+        batches.close()
+    assert not any(worker.is_alive() for worker in workers)
+
+
 SIGCHLD_RUN = """
 import faulthandler, os, signal, sys
 faulthandler.dump_traceback_later(50, exit=True)  # the stacks, should it ever hang

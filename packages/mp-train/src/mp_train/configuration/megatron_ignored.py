@@ -209,6 +209,11 @@ IGNORED: dict[str, tuple[bool, str]] = {
         "runs each MLP on pieces of a prompt in inference's prefill to lower its peak "
         "memory; mp's generation runs the MLP on the whole prompt, with the same result",
     ),
+    "exit_signal_handler_for_dataloader": (
+        False,
+        "megatron-core 0.19.2 reads it nowhere (its loader workers follow "
+        "--exit-signal-handler, as mp's do)",
+    ),
     "record_shapes": (
         False,
         "records shapes in the NVTX ranges of Megatron-LM's Nsight Systems path (--profile "

@@ -4,7 +4,9 @@ DistributedSignalHandler).
 A scheduler (SLURM, Kubernetes) may send SIGTERM to one rank or to all, at
 any moment. The handler only records it; once per iteration the loop asks
 `received()`, an all-reduce over every rank, so that all of them agree to
-stop after the same iteration, save, and exit 0.
+stop after the same iteration, save, and exit 0. The data loaders' worker processes,
+which a scheduler may signal too (SLURM signals every process of a job step), ignore
+the exit signal (`workers_ignored_signal`): the loop stops them when the run ends.
 """
 
 from __future__ import annotations
@@ -14,7 +16,14 @@ import signal
 import torch
 import torch.distributed as dist
 
-__all__ = ["DistributedSignalHandler"]
+from mp_train.configuration.run_checks import check_exit_signal
+
+__all__ = ["DistributedSignalHandler", "workers_ignored_signal"]
+
+
+def workers_ignored_signal(training) -> int | None:
+    """The signal the loaders' workers ignore: exit_signal under exit_signal_handler."""
+    return check_exit_signal(training.exit_signal) if training.exit_signal_handler else None
 
 
 class DistributedSignalHandler:
