@@ -61,11 +61,11 @@ def test_the_next_batch_names_the_killed_worker_and_the_signal():
 
 
 def test_workers_ignore_the_signal_their_caller_handles():
-    """worker_ignored_signal: a SIGTERM sent to every process (a scheduler's) leaves the
+    """worker_ignored_signals: a SIGTERM sent to every process (a scheduler's) leaves the
     workers to the caller, which stops them itself."""
     batches = iter(build_pretraining_data_loader(
         Numbers(), 0, dataloader_type="single", micro_batch_size=2, data_parallel_rank=0,
-        data_parallel_size=1, num_workers=2, worker_ignored_signal=signal.SIGTERM,
+        data_parallel_size=1, num_workers=2, worker_ignored_signals=[signal.SIGTERM],
     ))  # fmt: skip
     try:
         # Batches come from the workers in turn: the second is worker 1's, so both have

@@ -310,3 +310,12 @@ def test_a_global_batch_the_layout_does_not_divide_is_decreased_when_asked():
     with pytest.raises(ValueError, match="decreases a constant global batch: not with "
                                          "step_batch_size_schedule"):  # fmt: skip
         _validate("--decrease-batch-size-if-needed", "--step-batch-size-schedule", "0:4 64:8")
+
+
+def test_two_handlers_of_one_signal_are_refused():
+    assert _validate("--exit-signal-handler-for-training", world=1)
+    assert _validate("--exit-signal-handler-for-training", "--exit-signal-handler",
+                     "--exit-signal", "SIGUSR1", world=1)  # fmt: skip
+    with pytest.raises(ValueError, match="exit_signal_handler_for_training and "
+                                         "exit_signal_handler both act on SIGTERM"):  # fmt: skip
+        _validate("--exit-signal-handler-for-training", "--exit-signal-handler", world=1)

@@ -23,7 +23,15 @@ import torch.distributed as dist
 import mp_state
 from mp_ckpt import failure_line
 from mp_gpt.gpt import datasets_provider, forward_step, model_provider
-from mp_train import ConfigError, RunConfig, launch_rank, load_config, pretrain, report
+from mp_train import (
+    ConfigError,
+    RunConfig,
+    TrainingShutdown,
+    launch_rank,
+    load_config,
+    pretrain,
+    report,
+)
 
 __all__ = ["main", "train"]
 
@@ -47,6 +55,10 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as error:
         # Every rank found the same mistake: the collective teardown below meets them all.
         status = report(error)
+    except TrainingShutdown as stop:  # exit_signal_handler_for_training
+        print(f"rank {launch_rank()}: {stop.reason}: the run ends here without a save "
+              "(exit_signal_handler_for_training)", file=sys.stderr, flush=True)  # fmt: skip
+        return 0  # no teardown: the other ranks may be in a collective this one left
     except BaseException as error:  # torch's CheckpointException is a BaseException
         if isinstance(error, KeyboardInterrupt | SystemExit):
             raise

@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import multiprocessing.connection
 import signal
+from collections.abc import Sequence
 
 import torch
 
@@ -48,17 +49,17 @@ def build_pretraining_data_loader(
     data_sharding: bool = True,
     drop_last: bool = True,
     pin_memory: bool = False,
-    worker_ignored_signal: int | None = None,
+    worker_ignored_signals: Sequence[int] = (),
 ):
     """A DataLoader yielding this rank's micro-batches after consumed_samples; None for no dataset.
 
     data_sharding applies to "cyclic" only, drop_last to "single" only (the
     cyclic sampler always drops a short last micro-batch). The loader's iterators have
     close(), which stops their worker processes (not for "external": the dataset itself).
-    worker_ignored_signal: a signal the worker processes ignore, for a caller that handles
-    it and then stops them (mp-train's exit_signal: a scheduler that signals every process
+    worker_ignored_signals: signals the worker processes ignore, for a caller that handles
+    them and then stops the workers (mp-train's exit_signal: a scheduler that signals every process
     of a job would otherwise kill the workers under the training that is saving). Each
-    worker sets it aside as it starts (worker_init_fn); one signalled while still
+    worker sets them aside as it starts (worker_init_fn); one signalled while still
     starting ends as before.
     """
     # Checked before the None case, so a misspelt type fails on every rank
@@ -103,15 +104,16 @@ def build_pretraining_data_loader(
         # (as in Megatron-LM).
         persistent_workers=num_workers > 0,
         worker_init_fn=(
-            None
-            if worker_ignored_signal is None
-            else functools.partial(_ignore_signal, worker_ignored_signal)
+            functools.partial(_ignore_signals, tuple(worker_ignored_signals))
+            if worker_ignored_signals
+            else None
         ),
     )
 
 
-def _ignore_signal(sig: int, worker_id: int) -> None:
-    signal.signal(sig, signal.SIG_IGN)
+def _ignore_signals(signals: tuple[int, ...], worker_id: int) -> None:
+    for sig in signals:
+        signal.signal(sig, signal.SIG_IGN)
 
 
 class DataLoaderWorkerError(RuntimeError):

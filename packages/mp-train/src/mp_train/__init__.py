@@ -20,6 +20,7 @@ from mp_train.errors import ConfigError, launch_rank, report
 from mp_train.estimate import estimate
 from mp_train.loop.microbatches import MicroBatchCalculator
 from mp_train.loop.setup import Initialized, Run, TrainState, initialize, setup_run
+from mp_train.loop.signals import TrainingShutdown
 from mp_train.loop.training import evaluate, pretrain
 from mp_train.observability.timers import Timers
 
@@ -35,6 +36,7 @@ __all__ = [
     "Timers",
     "TrainState",
     "TrainingConfig",
+    "TrainingShutdown",
     "build_parser",
     "estimate",
     "evaluate",

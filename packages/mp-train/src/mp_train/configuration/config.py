@@ -138,6 +138,11 @@ class TrainingConfig(RerunConfig, ValidationConfig, PhaseConfig):
     """The signal exit_signal_handler acts on, by name (Megatron's --exit-signal): SIGTERM,
     SIGUSR1 (a scheduler's early warning, e.g. SLURM's --signal=USR1@120), SIGINT, ..."""
 
+    exit_signal_handler_for_training: bool = False
+    """SIGINT or SIGTERM ends the rank at once, with one line and exit status 0, instead of
+    a traceback or a kill (Megatron's orderly shutdown: no save, for that see
+    exit_signal_handler); a background save in flight is finished first."""
+
     hang_timeout_minutes: float | None = None
     """When no rank has finished an iteration for this long, log which rank is stuck, dump
     every rank's Python stacks and end the job (exit code 1); below
@@ -532,6 +537,16 @@ def validate(config: RunConfig, world_size: int) -> dict[str, int]:
     check_validation(training, config.data)
     check_phases(training)
     check_exit_signal(training.exit_signal)
+    if (
+        training.exit_signal_handler_for_training
+        and training.exit_signal_handler
+        and (training.exit_signal in ("SIGINT", "SIGTERM"))
+    ):
+        raise ValueError(
+            f"exit_signal_handler_for_training and exit_signal_handler both act on "
+            f"{training.exit_signal}: the first ends the run at once, the second saves "
+            "first; give one (or another exit_signal)"
+        )
     if training.train_sync_interval is not None and training.train_sync_interval < 1:
         raise ValueError(f"train_sync_interval={training.train_sync_interval} must be >= 1")
     hang = training.hang_timeout_minutes

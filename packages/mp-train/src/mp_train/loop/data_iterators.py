@@ -14,7 +14,7 @@ from mp_data import build_pretraining_data_loader, train_valid_test_num_samples
 from mp_train.loop.full_validation import FullValidation
 from mp_train.loop.phases import phase_samples
 from mp_train.loop.setup import Run
-from mp_train.loop.signals import workers_ignored_signal
+from mp_train.loop.signals import workers_ignored_signals
 
 __all__ = ["data_iterators"]
 
@@ -54,7 +54,7 @@ def data_iterators(run: Run, datasets_provider,
     # sequence): the loaders split over data-parallel ranks only.
     dp = run.state.dp
 
-    ignored = workers_ignored_signal(training)  # the training handles it (signals.py)
+    ignored = workers_ignored_signals(training)  # the training handles them (signals.py)
 
     def start(dataset, consumed, kind, micro_batch_size=training.micro_batch_size):
         if dataset is None:
@@ -63,7 +63,7 @@ def data_iterators(run: Run, datasets_provider,
             dataset, consumed, dataloader_type=kind,
             micro_batch_size=micro_batch_size, data_parallel_rank=dp.rank,
             data_parallel_size=dp.size, num_workers=data.num_workers,
-            worker_ignored_signal=ignored,
+            worker_ignored_signals=ignored,
         )  # fmt: skip
         iterator = iter(loader)
         if kind != "external":  # an external dataset is the caller's own

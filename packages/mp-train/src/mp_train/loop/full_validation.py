@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from mp_data import PaddedToBatches, build_pretraining_data_loader
-from mp_train.loop.signals import workers_ignored_signal
+from mp_train.loop.signals import workers_ignored_signals
 
 __all__ = ["FullValidation"]
 
@@ -59,5 +59,5 @@ class FullValidation:
             dataset, 0, dataloader_type="single", micro_batch_size=self.micro_batch,
             data_parallel_rank=dp.rank, data_parallel_size=dp.size,
             num_workers=run.config.data.num_workers,
-            worker_ignored_signal=workers_ignored_signal(run.config.training),
+            worker_ignored_signals=workers_ignored_signals(run.config.training),
         )) for _ in range(chunks)]  # fmt: skip

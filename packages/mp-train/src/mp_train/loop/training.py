@@ -63,6 +63,7 @@ from mp_train.loop.replica_check import check_weight_replicas
 from mp_train.loop.rerun import RerunMachine
 from mp_train.loop.rerun_records import iterations_to_skip
 from mp_train.loop.setup import SETUP_TIMERS, Initialized, ModelProvider, Run, setup_run
+from mp_train.loop.signals import shutdown_on_signals
 from mp_train.loop.skip_policy import SkipPolicy
 from mp_train.observability.metrics import MetricsLogger
 from mp_train.observability.profiling import StepProfiler
@@ -85,7 +86,15 @@ def pretrain(
     initialized: Initialized | None = None,
 ) -> Run:
     """Trains (see the module docstring); returns the run at its end (collective).
-    `initialized`: what initialize() set up, when the caller initialized first."""
+    `initialized`: what initialize() set up, when the caller initialized first. Under
+    exit_signal_handler_for_training SIGINT and SIGTERM raise TrainingShutdown."""
+    with shutdown_on_signals(config.training.exit_signal_handler_for_training):
+        return _pretrain(config, model_provider, datasets_provider, forward_step_func,
+                         initialized)  # fmt: skip
+
+
+def _pretrain(config: RunConfig, model_provider, datasets_provider, forward_step_func,
+              initialized) -> Run:  # fmt: skip
     run = setup_run(config, model_provider, initialized)
     run.rerun = RerunMachine(config.training, dist.get_rank(), run.device, run.rng_tracker,
                              can_save=config.checkpoint.save is not None,
