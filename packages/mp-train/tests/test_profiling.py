@@ -34,33 +34,33 @@ def profiled(tmp_path, start: int, end: int, iterations: range, rank: int = 0,
     return ranges
 
 
-def test_shapes_call_stacks_and_the_execution_trace_when_asked(tmp_path):
-    config = LoggingConfig(tensorboard_dir=str(tmp_path), profile=True, profile_step_start=1,
-                           profile_step_end=2, pytorch_profiler_collect_shapes=True,
-                           pytorch_profiler_collect_callstack=True,
-                           pytorch_profiler_collect_chakra=True)  # fmt: skip
+def one_matmul_profiled(folder, **options) -> tuple[dict, list[dict]]:
+    """The trace's aten::mm event, and all its events, of one profiled 8x4 @ 4x2."""
+    config = LoggingConfig(tensorboard_dir=str(folder), profile=True, profile_step_start=1,
+                           profile_step_end=2, **options)  # fmt: skip
     profiler = StepProfiler(config, 3, torch.device("cpu"))
     profiler.iteration_started(1)
     torch.ones(8, 4) @ torch.ones(4, 2)
     profiler.iteration_finished(1)
-    (trace,) = tmp_path.glob("rank3.*.pt.trace.json")
+    (trace,) = folder.glob("rank3.*.pt.trace.json")
     events = json.loads(trace.read_text())["traceEvents"]
     (matmul,) = [e for e in events if e.get("name") == "aten::mm"]
+    return matmul, events
+
+
+def test_shapes_call_stacks_and_the_execution_trace_when_asked(tmp_path):
+    matmul, events = one_matmul_profiled(
+        tmp_path, pytorch_profiler_collect_shapes=True, pytorch_profiler_collect_callstack=True,
+        pytorch_profiler_collect_chakra=True,
+    )  # fmt: skip
     assert matmul["args"]["Input Dims"] == [[8, 4], [4, 2]]
     assert any("test_profiling.py" in e.get("name", "") for e in events)  # the Python stack
     nodes = json.loads((tmp_path / "chakra" / "rank3.json").read_text())["nodes"]
     assert any(node["name"] == "aten::mm" for node in nodes)
     plain = tmp_path / "plain"
-    config = LoggingConfig(tensorboard_dir=str(plain), profile=True, profile_step_start=1,
-                           profile_step_end=2)  # fmt: skip
-    profiler = StepProfiler(config, 3, torch.device("cpu"))
-    profiler.iteration_started(1)
-    torch.ones(8, 4) @ torch.ones(4, 2)
-    profiler.iteration_finished(1)
-    (trace,) = plain.glob("rank3.*.pt.trace.json")
-    events = json.loads(trace.read_text())["traceEvents"]
-    (matmul,) = [e for e in events if e.get("name") == "aten::mm"]
+    matmul, events = one_matmul_profiled(plain)
     assert "Input Dims" not in matmul.get("args", {}) and not (plain / "chakra").exists()
+    assert not any("test_profiling.py" in e.get("name", "") for e in events)
 
 
 def test_profiles_start_to_end_exclusive(tmp_path):
