@@ -360,10 +360,10 @@ def _override_iteration(run: Run, common: dict, directory) -> None:
     from there (Megatron's rule: consumed samples = iteration x global batch size, which
     must be the checkpoint's)."""
     target = run.config.checkpoint.override_ckpt_iteration
-    training = run.config.training
     _check_batch_kept(run, common, directory, f"override_ckpt_iteration={target}")
     run.train.iteration = target
-    run.train.consumed_train_samples = target * training.global_batch_size
+    # The global batch trained with (global_batch_size may be left to its default).
+    run.train.consumed_train_samples = target * run.calculator.global_batch_size
     run.train.skipped_train_samples = 0
     if run.is_first_rank:
         log.info("override_ckpt_iteration: resuming as at iteration %d (%d samples consumed)",
