@@ -41,6 +41,27 @@ except ImportError:  # not installed: no bars, no monitor
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    _long_modules_first(items)
+    _skip_cuda_without_a_device(items)
+
+
+def _long_modules_first(items: list[pytest.Item]) -> None:
+    """Puts the modules with a `multirank` or `long` test before the others, each group in
+    collection order and each module whole (its module-scoped fixtures are made once).
+
+    Under -n, pytest-xdist's worksteal gives each worker a contiguous part of this list
+    and an idle worker takes the end of a busy one's queue: with the long tests first,
+    the run ends on the many short ones, which the workers share out evenly, instead
+    of on one worker still running a 20-second test while the other has nothing left."""
+    long_modules = {
+        getattr(item, "module", None)
+        for item in items
+        if item.get_closest_marker("multirank") or item.get_closest_marker("long")
+    }
+    items.sort(key=lambda item: getattr(item, "module", None) not in long_modules)  # a stable sort
+
+
+def _skip_cuda_without_a_device(items: list[pytest.Item]) -> None:
     marked = [item for item in items if item.get_closest_marker("cuda")]
     if not marked:
         return

@@ -10,10 +10,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from mp_ckpt import Checkpointer, CheckpointReader
 from mp_layers import GPTModel, ModelGroups, TransformerConfig
+
+pytestmark = pytest.mark.long  # conftest.py runs it first
 
 ROOT = Path(__file__).resolve().parents[1]
 ONE_PROCESS = """

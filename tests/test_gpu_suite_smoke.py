@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.long  # conftest.py runs it first
+
 SUITE = Path(__file__).resolve().parents[1] / "ci" / "bench" / "gpu_suite.py"
 
 

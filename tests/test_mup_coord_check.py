@@ -9,10 +9,13 @@ batch; the RMS change of the logits): standard 0.60, 1.03, 1.85, 2.60; muP 0.60,
 within 0.82x of the base's.
 """
 
+import pytest
 import torch
 
 from mp_layers import GPTModel, ModelGroups, TransformerConfig
 from mp_optim import OptimizerConfig, get_param_groups
+
+pytestmark = pytest.mark.long  # conftest.py runs it first
 
 VOCAB, SEQ, BATCH, LR, STEPS = 128, 32, 8, 1e-2, 5
 

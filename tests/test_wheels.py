@@ -29,6 +29,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.long  # conftest.py runs it first
+
 ROOT = Path(__file__).resolve().parents[1]
 LICENSE = (ROOT / "LICENSE").read_bytes()
 TORCH_FREE_HELP = {"mp-ckpt": "mp_ckpt.cli", "mp-data": "mp_data.cli"}

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.long  # conftest.py runs it first
+
 SCRIPT = Path(__file__).resolve().parents[1] / "pretrain_gpt.py"
 
 # Run in a child: `mp_gpt.gpt`'s import records whether the collector is on (an import
