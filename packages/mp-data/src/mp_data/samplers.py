@@ -193,8 +193,12 @@ class MegatronPretrainingRandomSampler:
             )
         return epoch, in_epoch
 
-    def _epoch_indices(self, epoch: int, in_epoch: int) -> list[int]:
-        """This rank's remaining sample indices of the epoch, in reading order."""
+    def _epoch_indices(self, epoch: int, in_epoch: int) -> torch.Tensor:
+        """This rank's remaining sample indices of the epoch, in reading order (int64).
+
+        Kept as a tensor: each micro-batch becomes a list only when it is yielded. A
+        list of the whole epoch (Megatron-LM's) costs 36 bytes a sample, 3.6 GB for 100
+        million samples, and 30 ms for the 3.2 million of a short test run."""
         generator = torch.Generator()
         generator.manual_seed(epoch)
         if self.data_sharding:
@@ -202,10 +206,10 @@ class MegatronPretrainingRandomSampler:
             bucket_start = self.data_parallel_rank * bucket_size
             order = torch.randperm(bucket_size, generator=generator)
             # Each rank has read in_epoch / dp samples of its own bucket.
-            return (order[in_epoch // self.data_parallel_size :] + bucket_start).tolist()
+            return order[in_epoch // self.data_parallel_size :] + bucket_start
         full_bucket_size = (self.total_samples // self.micro_batch_size) * self.micro_batch_size
         order = torch.randperm(full_bucket_size, generator=generator)
-        return order[in_epoch:][self.data_parallel_rank :: self.data_parallel_size].tolist()
+        return order[in_epoch:][self.data_parallel_rank :: self.data_parallel_size]
 
     def __iter__(self) -> Iterator[list[int]]:
         # Everything up to the first batch runs now, not lazily in the
@@ -216,8 +220,8 @@ class MegatronPretrainingRandomSampler:
             self.dataset.set_epoch(self.epoch)
         return self._batches(self._epoch_indices(self.epoch, in_epoch))
 
-    def _batches(self, indices: list[int]) -> Iterator[list[int]]:
+    def _batches(self, indices: torch.Tensor) -> Iterator[list[int]]:
         mbs = self.micro_batch_size
         for first in range(0, len(indices) - mbs + 1, mbs):  # a short last batch is dropped
             self.consumed_samples += self.global_batch_size
-            yield indices[first : first + mbs]
+            yield indices[first : first + mbs].tolist()
