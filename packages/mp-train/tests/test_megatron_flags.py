@@ -7,6 +7,7 @@ import pytest
 
 from mp_train import ConfigError, build_parser, parse_config, pipeline_segments, validate
 from mp_train.configuration.megatron_aliases import PRESETS
+from mp_train.configuration.megatron_flag_names import MEGATRON_FLAGS
 from mp_train.configuration.megatron_flags import IGNORED, REFUSED
 
 MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"]
@@ -100,6 +101,37 @@ def test_a_refused_flag_is_named_before_unknown_flags():
         parse_config(line, exit_on_error=False)
     with pytest.raises(ConfigError, match="unrecognized arguments: --mamba-unknown-size 3"):
         parse_config(line[:-1], exit_on_error=False)
+
+
+def test_a_megatron_flag_mp_lacks_is_named_as_one_and_a_typo_is_not():
+    # Flags of megatron-core 0.19.2's parser that mp does not take (megatron_flag_names.py).
+    lacking = ["--fp32-residual-connection", "--dsa-indexer-topk=8", "--freeze-all-layers"]
+    for flag in lacking:
+        name = flag.split("=")[0]
+        assert name in MEGATRON_FLAGS
+        assert not any(name in action.option_strings for action in build_parser()._actions)
+    with pytest.raises(ConfigError) as raised:
+        parse_config([*MODEL, "--mamba-unknown-size", "3", *lacking], exit_on_error=False)
+    assert str(raised.value).startswith(
+        "unrecognized arguments: --mamba-unknown-size 3 --fp32-residual-connection "
+        "--dsa-indexer-topk=8 --freeze-all-layers (--fp32-residual-connection, "
+        "--dsa-indexer-topk, --freeze-all-layers: Megatron-LM flags that mp does not "
+        "implement; docs/migrating-from-megatron.md lists the ones it takes)"
+    )
+    with pytest.raises(ConfigError, match=r"--fp32-residual-connection: a Megatron-LM flag "):
+        parse_config([*MODEL, "--fp32-residual-connection"], exit_on_error=False)
+    with pytest.raises(ConfigError) as raised:  # not Megatron's: argparse's message alone
+        parse_config([*MODEL, "--fp32-residual"], exit_on_error=False)
+    assert "Megatron-LM" not in str(raised.value)
+
+
+def test_the_megatron_flag_list_holds_flags_mp_takes_under_megatrons_names():
+    taken = {name for action in build_parser()._actions for name in action.option_strings}
+    assert len(MEGATRON_FLAGS) > 800
+    for name in ("--tensor-model-parallel-size", "--use-distributed-optimizer",
+                 "--tp-comm-overlap", "--use-mcore-models", "--mock-data"):  # fmt: skip
+        assert name in MEGATRON_FLAGS and name in taken, name
+    assert "--config" not in MEGATRON_FLAGS  # mp's own (Megatron's is --yaml-cfg)
 
 
 def test_hybrid_model_flags():

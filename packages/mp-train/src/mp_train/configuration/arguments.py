@@ -34,6 +34,7 @@ from mp_train.configuration import megatron_aliases, megatron_flags
 from mp_train.configuration.checkpoint_args import apply_checkpoint_args
 from mp_train.configuration.config import RunConfig
 from mp_train.configuration.hf_source import apply_hf_settings
+from mp_train.configuration.megatron_flag_names import MEGATRON_FLAGS
 from mp_train.configuration.pipeline_segments import derive_virtual_stages
 from mp_train.configuration.yaml_config import (
     FieldType,
@@ -277,6 +278,20 @@ def _build(prog: str) -> tuple[argparse.ArgumentParser, dict[str, ArgumentGroupF
     return parser, factories
 
 
+def _unknown_message(unknown: list[str]) -> str:
+    """argparse's message for options it does not know, naming those that are Megatron-LM
+    flags (megatron_flag_names.py) as such: a launch line from Megatron-LM is not a typo."""
+    message = f"unrecognized arguments: {' '.join(unknown)}"
+    megatron = [a.split("=", 1)[0] for a in unknown if a.split("=", 1)[0] in MEGATRON_FLAGS]
+    if not megatron:
+        return message
+    which = "a Megatron-LM flag" if len(megatron) == 1 else "Megatron-LM flags"
+    return (
+        f"{message} ({', '.join(megatron)}: {which} that mp does not implement; "
+        "docs/migrating-from-megatron.md lists the ones it takes)"
+    )
+
+
 def parse_config(
     argv: list[str] | None = None,
     *,
@@ -296,7 +311,7 @@ def parse_config(
     # of the same model family.
     megatron_flags.refuse(given)
     if unknown:
-        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+        parser.error(_unknown_message(unknown))
     config_path = given.pop("config", None)
     flags = megatron_aliases.take(given)
 
