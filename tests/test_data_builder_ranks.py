@@ -1,4 +1,5 @@
-"""mp-data's builder under torch.distributed: rank 0 builds, the others read its cache."""
+"""mp-data's builder under torch.distributed: rank 0 builds, the others read its cache, with
+one builder thread per rank and with several (--num-dataset-builder-threads)."""
 
 import hashlib
 from types import SimpleNamespace
@@ -27,11 +28,11 @@ def write_corpus(prefix: str, seed: int) -> None:
     builder.finalize(prefix + ".idx")
 
 
-def build_on_ranks(prefixes: list[str], cache: str, skip_rank: int | None):
+def build_on_ranks(prefixes: list[str], cache: str, skip_rank: int | None, threads: int):
     config = GPTDatasetConfig(
         random_seed=5, sequence_length=8, blend=(prefixes, [1.0, 3.0]), split="9,1,0",
         tokenizer=SimpleNamespace(vocab_size=100, eod=0, pad=1), path_to_cache=cache,
-        create_attention_mask=False,
+        create_attention_mask=False, num_dataset_builder_threads=threads,
     )  # fmt: skip
     rank = dist.get_rank()
     train, valid, _ = BlendedMegatronDatasetBuilder(
@@ -45,11 +46,13 @@ def build_on_ranks(prefixes: list[str], cache: str, skip_rank: int | None):
     return digest.hexdigest(), isinstance(train.dataset_index, np.memmap), len(valid)
 
 
-def test_rank_zero_builds_and_the_others_read_its_cache(tmp_path):
+@pytest.mark.parametrize("threads", [1, 3])
+def test_rank_zero_builds_and_the_others_read_its_cache(tmp_path, threads):
     prefixes = [str(tmp_path / "a"), str(tmp_path / "b")]
     for seed, prefix in enumerate(prefixes):
         write_corpus(prefix, seed)
-    results = run_on_ranks(build_on_ranks, 3, prefixes, str(tmp_path / "cache"), 2, timeout=120)
+    cache = str(tmp_path / "cache")
+    results = run_on_ranks(build_on_ranks, 3, prefixes, cache, 2, threads, timeout=120)
     assert results[2] is None  # not built on that rank, yet it joined every barrier
     (digest0, mapped0, valid0), (digest1, mapped1, valid1) = results[0], results[1]
     assert digest0 == digest1 and valid0 == valid1

@@ -1,6 +1,8 @@
 """BlendedDataset and BlendedMegatronDatasetBuilder."""
 
 import math
+import threading
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -145,6 +147,50 @@ def test_builder_mock(tmp_path):
     ).build()
     assert isinstance(train, MockGPTDataset) and len(train) >= 100 and test is None
     assert isinstance(valid, MockGPTDataset) and len(valid) >= 10
+
+
+@pytest.mark.parametrize("weights", [[0.25, 0.5, 0.25], None])
+def test_builder_threads_build_the_same_datasets(corpora, tmp_path, monkeypatch, weights):
+    built_by = []
+    low_level = GPTDataset.build_low_level_dataset
+
+    def recorded(prefix, config):
+        built_by.append(threading.current_thread().name)
+        return low_level(prefix, config)
+
+    monkeypatch.setattr(GPTDataset, "build_low_level_dataset", staticmethod(recorded))
+    runs = {}
+    for threads in (1, 3):
+        cfg = config(tmp_path / str(threads), blend=(corpora, weights), split="8,1,1",
+                     num_dataset_builder_threads=threads)  # fmt: skip
+        built_by.clear()
+        runs[threads] = BlendedMegatronDatasetBuilder(
+            GPTDataset, [300, 40, 20], lambda: True, cfg
+        ).build()
+        # The prefixes' datasets are built by the pool's threads, or by this one.
+        pool = [name.startswith("mp-data-builder") for name in built_by]
+        assert len(pool) == 3 and all(pool) == (threads > 1) and any(pool) == (threads > 1)
+    for one, three in zip(runs[1], runs[3], strict=True):
+        assert len(one) == len(three)
+        assert np.array_equal(one.dataset_index, three.dataset_index)
+        assert np.array_equal(one.dataset_sample_index, three.dataset_sample_index)
+        for a, b in zip(one.datasets, three.datasets, strict=True):
+            assert a.dataset.path_prefix == b.dataset.path_prefix
+            assert np.array_equal(a.shuffle_index, b.shuffle_index)
+        for i in range(0, len(one), 7):
+            assert np.array_equal(one[i]["tokens"], three[i]["tokens"])
+
+
+def test_a_builder_thread_failure_names_the_file(corpora, tmp_path):
+    broken = str(tmp_path / "broken")
+    Path(broken + ".bin").write_bytes(b"")
+    Path(broken + ".idx").write_bytes(b"not an index")
+    cfg = config(tmp_path, blend=([corpora[0], broken, corpora[2]], None), split="8,1,1",
+                 num_dataset_builder_threads=3)  # fmt: skip
+    with pytest.raises(ValueError, match=r"broken\.idx: 12 bytes is too short"):
+        BlendedMegatronDatasetBuilder(GPTDataset, [10, 10, 10], lambda: True, cfg).build()
+    with pytest.raises(ValueError, match="num_dataset_builder_threads=0 must be >= 1"):
+        config(tmp_path, blend=(corpora, None), split="8,1,1", num_dataset_builder_threads=0)
 
 
 def test_builder_errors(corpora, tmp_path):

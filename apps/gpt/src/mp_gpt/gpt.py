@@ -82,6 +82,7 @@ def datasets_provider(run, counts: list[int]):
         create_attention_mask=data.batches_carry_documents,
         allow_ambiguous_pad_tokens=data.allow_ambiguous_pad_tokens,
         mid_level_dataset_surplus=data.mid_level_dataset_surplus,
+        num_dataset_builder_threads=data.num_dataset_builder_threads,
         context_parallel_size=config.parallel.context_parallel_size, **fim,
     )  # fmt: skip
     cls = SFTDataset if data.sft else MockGPTDataset if data.mock_data else GPTDataset

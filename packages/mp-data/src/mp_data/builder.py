@@ -16,12 +16,19 @@ Under torch.distributed every rank calls build(): rank 0 builds each dataset
 (and its cached indices) first, a barrier, then the other ranks build the
 same datasets, which finds the cache. `is_built_on_rank` lets ranks that need
 no data (middle pipeline stages) skip the work but not the barriers.
+
+With num_dataset_builder_threads above 1 (Megatron's --num-dataset-builder-threads),
+the datasets of a blend's prefixes are built by that many threads: rank 0 builds all
+of them, a barrier, then the other ranks, each in the blend's order (the datasets are
+the same as one thread's). Megatron-LM doubles rank 0's threads on a node with two or
+more GPUs; mp keeps the number given (mp-data does not ask CUDA about devices).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch.distributed as dist
@@ -95,7 +102,7 @@ class BlendedMegatronDatasetBuilder:
             asked = [[_ceil(_ceil(n, w), 1 + surplus) for n in sizes] for w in weights]
         else:
             targets = asked = [[None] * len(Split) for _ in prefixes]
-        per_dataset = [self._splits(p, matrix, a) for p, a in zip(prefixes, asked, strict=True)]
+        per_dataset = self._per_dataset(prefixes, matrix, asked)
         result: list = [None] * len(Split)
         for s in splits:
             i = s.value
@@ -110,10 +117,29 @@ class BlendedMegatronDatasetBuilder:
             result[i] = self._build(BlendedDataset, parts, blend_weights, size, self.config)
         return result
 
-    def _splits(self, prefix: str | None, matrix, sizes: list[int | None]) -> list:
-        """The datasets of one prefix: one per split of the matrix, None for the others."""
+    def _per_dataset(self, prefixes: list[str], matrix, asked: list[list[int | None]]) -> list:
+        """`_splits` of each prefix, in order: one by one, each on rank 0 first; or, with
+        several threads, all of them on rank 0 first, then all on the other ranks."""
+        threads = min(self.config.num_dataset_builder_threads, len(prefixes))
+        if threads == 1:
+            return [self._splits(p, matrix, a) for p, a in zip(prefixes, asked, strict=True)]
+
+        def build_all() -> list:
+            with ThreadPoolExecutor(threads, thread_name_prefix="mp-data-builder") as pool:
+                built = pool.map(lambda p, a: self._splits(p, matrix, a, build=_call),
+                                 prefixes, asked)  # fmt: skip
+                return list(built)
+
+        built = self._build(build_all)
+        return built if built is not None else [[None] * len(Split) for _ in prefixes]
+
+    def _splits(self, prefix: str | None, matrix, sizes: list[int | None],
+                build: Callable | None = None) -> list:  # fmt: skip
+        """The datasets of one prefix: one per split of the matrix, None for the others.
+        `build(cls, *args)` makes each (by default `_build`: on rank 0 first)."""
+        build = build or self._build
         # Rank 0 first: a low-level dataset may build a cache the others then read (SFT).
-        low_level = self._build(self.cls.build_low_level_dataset, prefix, self.config)
+        low_level = build(self.cls.build_low_level_dataset, prefix, self.config)
         ids = [None] * len(Split)
         if low_level is not None:
             ids = split_indices(matrix, self.cls.numel_low_level_dataset(low_level))
@@ -123,7 +149,7 @@ class BlendedMegatronDatasetBuilder:
                 result.append(None)
                 continue
             args = (low_level, prefix, ids[split.value], sizes[split.value], split, self.config)
-            result.append(self._build(self.cls, *args))
+            result.append(build(self.cls, *args))
         return result
 
     def _build(self, cls: Callable, *args):
@@ -144,6 +170,11 @@ class BlendedMegatronDatasetBuilder:
         if rank != 0 and self.is_built_on_rank():
             dataset = cls(*args)
         return dataset
+
+
+def _call(cls: Callable, *args):
+    """cls(*args), here and now (a builder thread's: its rank's turn came already)."""
+    return cls(*args)
 
 
 def _ceil(n: int | None, factor: float) -> int | None:

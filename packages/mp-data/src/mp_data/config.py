@@ -98,6 +98,11 @@ class DataConfig(FimDataConfig):
     """The extra fraction of samples each dataset of a blend builds, so that the blend never
     runs short of one (Megatron's)."""
 
+    num_dataset_builder_threads: int = 1
+    """Threads per rank that build the datasets of a blend's prefixes (Megatron's): rank 0
+    builds them all, then the other ranks, which read the indices rank 0 cached; the
+    datasets are the same with any number."""
+
     dataloader_type: Literal["single", "cyclic"] = "single"
     """single: one pass in order; cyclic: reshuffled every epoch."""
 
@@ -154,6 +159,9 @@ class DataConfig(FimDataConfig):
             raise ValueError(
                 f"mid_level_dataset_surplus={self.mid_level_dataset_surplus} must be >= 0"
             )
+        threads = self.num_dataset_builder_threads
+        if isinstance(threads, bool) or threads < 1:
+            raise ValueError(f"num_dataset_builder_threads={threads} must be >= 1")
         self._check_null_tokenizer_ids()
         if self.reset_attention_mask and not self.create_attention_mask_in_dataloader:
             raise ValueError(

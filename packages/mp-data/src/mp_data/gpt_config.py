@@ -68,6 +68,10 @@ class GPTDatasetConfig:
     mid_level_dataset_surplus: float = 0.005
     """Extra fraction of samples each blended dataset builds, so blending never runs short."""
 
+    num_dataset_builder_threads: int = 1
+    """Threads that build the datasets of a blend's prefixes on each rank (Megatron's
+    --num-dataset-builder-threads); the datasets are the same with any number."""
+
     reset_position_ids: bool = False
     """Restart position ids after every end-of-document token."""
 
@@ -112,6 +116,9 @@ class GPTDatasetConfig:
             raise ValueError(
                 f"mid_level_dataset_surplus={self.mid_level_dataset_surplus} must be >= 0"
             )
+        threads = self.num_dataset_builder_threads
+        if isinstance(threads, bool) or threads < 1:
+            raise ValueError(f"num_dataset_builder_threads={threads} must be >= 1")
         if self.blend_per_split is not None and any(self.blend_per_split):
             if self.blend is not None:
                 raise ValueError("blend and blend_per_split are exclusive: give one of them")
