@@ -135,6 +135,19 @@ def _package(cls: type) -> str:
     return f"`{cls.__module__.split('.')[0]}`"
 
 
+def _reading_order(cls: type) -> list[dataclasses.Field]:
+    """The fields of `cls`, those its own body declares first, then each base's in the
+    order of its bases (a dataclass lists the bases' first: TransformerConfig's MoE, FP8
+    and other groups of fields, which its bases hold, would come before num_layers)."""
+    fields = dataclasses.fields(cls)
+    rank = {klass: i for i, klass in enumerate(cls.__mro__)}
+
+    def declared_in(f: dataclasses.Field) -> int:
+        return min(rank[k] for k in cls.__mro__ if f.name in vars(k).get("__annotations__", {}))
+
+    return sorted(fields, key=declared_in)  # a stable sort keeps each class's own order
+
+
 def _part_section(part: str, cls: type, options: dict[str, list[str]]) -> list[str]:
     where = f"YAML section `{_SECTIONS[part]}:`" if part in _SECTIONS else "YAML: top-level keys"
     lines = [f"## {part}", "", f"`config.{part}`: `{cls.__name__}` from {_package(cls)}; {where}."]
@@ -143,7 +156,7 @@ def _part_section(part: str, cls: type, options: dict[str, list[str]]) -> list[s
         lines += ["", " ".join(intro.split())]
     lines += ["", "| field | option | type | default | description |", "|---|---|---|---|---|"]
     docs, kinds, owners = field_docs(cls), field_types(cls), field_owners()
-    for f in dataclasses.fields(cls):
+    for f in _reading_order(cls):
         if not f.init:
             continue
         doc = docs.get(f.name, "")

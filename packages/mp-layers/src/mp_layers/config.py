@@ -2,7 +2,9 @@
 
 Rules that hold whatever the layout are checked in __post_init__; those that
 depend on the tensor-parallel size in `check_parallel`. Every message names
-the field and the value.
+the field and the value. The fields of mixture of experts, multi-latent attention,
+linear attention, multi-token prediction, Mamba-hybrid models, FP8, muP and QK-clip are
+in its bases (MoeConfig, ...), each in the config_*.py module that checks them.
 """
 
 from __future__ import annotations
@@ -14,20 +16,22 @@ from typing import Literal
 import torch
 
 from mp_layers.config_attention import check_attention_fields, check_attention_parallel
-from mp_layers.config_fp8 import check_fp8
+from mp_layers.config_fp8 import Fp8Config, check_fp8
 from mp_layers.config_hybrid import (
+    HybridConfig,
     check_hybrid,
     check_hybrid_parallel,
     infer_hybrid_mtp,
     split_hybrid_pattern,
 )
 from mp_layers.config_linear_attention import (
+    LinearAttentionConfig,
     check_linear_attention,
     check_linear_attention_parallel,
 )
-from mp_layers.config_mla import check_mla
-from mp_layers.config_moe import check_expert_parallel, check_moe
-from mp_layers.config_mtp import check_mtp
+from mp_layers.config_mla import MlaConfig, check_mla
+from mp_layers.config_moe import MoeConfig, check_expert_parallel, check_moe
+from mp_layers.config_mtp import MtpConfig, check_mtp
 from mp_layers.config_mup import MupConfig, check_mup
 from mp_layers.config_qk_clip import QkClipConfig, check_qk_clip
 from mp_layers.config_recompute import check_recompute_modules
@@ -41,7 +45,16 @@ ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
 
 
 @dataclass(kw_only=True)
-class TransformerConfig(MupConfig, QkClipConfig):
+class TransformerConfig(
+    MoeConfig,
+    MlaConfig,
+    LinearAttentionConfig,
+    MtpConfig,
+    HybridConfig,
+    Fp8Config,
+    MupConfig,
+    QkClipConfig,
+):
     num_layers: int
     """Transformer layers of the whole model (all pipeline stages)."""
 
@@ -270,114 +283,6 @@ class TransformerConfig(MupConfig, QkClipConfig):
     """The slope of attn_temperature_floor_scale's query scaling (Hugging Face's
     attn_scale)."""
 
-    # --- Multi-latent attention (Megatron's --multi-latent-attention and MLA options) ----
-
-    multi_latent_attention: bool = False
-    """Multi-latent attention (DeepSeek-V2/V3, Kimi K2; Megatron's MLASelfAttention): queries
-    from a latent of q_lora_rank channels, keys and values from a shared latent of
-    kv_lora_rank channels (all a KVCache keeps), each head's query and key a
-    qk_head_dim part and a rotated qk_pos_emb_head_dim part whose key is shared by all
-    heads, values of v_head_dim. Needs position_embedding_type "rope" (rope_type picks
-    YaRN, the default, or plain RoPE); no query groups, sinks, windows or QKV bias."""
-
-    q_lora_rank: int | None = None
-    """MLA: channels of the query latent (linear_q_down_proj, q_layernorm,
-    linear_q_up_proj; DeepSeek-V3 1536); None: queries projected from the hidden state
-    at once (linear_q_proj; DeepSeek-V2-Lite)."""
-
-    kv_lora_rank: int = 32
-    """MLA: channels of the key/value latent (DeepSeek 512)."""
-
-    qk_head_dim: int = 128
-    """MLA: query and key channels per head without rotary embeddings."""
-
-    qk_pos_emb_head_dim: int = 64
-    """MLA: rotary channels per head of the queries and of the one key all heads share."""
-
-    v_head_dim: int = 128
-    """MLA: value channels per head."""
-
-    # --- Linear attention (Megatron's --experimental-attention-variant, --linear-*) -------
-    experimental_attention_variant: Literal["gdn", "gated_delta_net"] | None = None
-    """The attention of the linear_attention_freq layers (Megatron's
-    --experimental-attention-variant; Qwen3-Next): "gdn" (or its alias "gated_delta_net")
-    a gated DeltaNet (Yang et al. 2024, transformer/gated_delta_net.py). None: every layer
-    has softmax attention. Megatron's "gdn2" and "dsa" are refused, naming them."""
-
-    linear_attention_freq: int | list[int] | None = None
-    """Which layers take the linear attention (Megatron's --linear-attention-freq): an
-    integer N, N - 1 linear-attention layers then one softmax-attention layer, repeated
-    (Qwen3-Next: 4); or one value per layer, 1 linear and 0 softmax attention ("([1]*3+[0])*12"
-    on the command line). Needed with experimental_attention_variant."""
-
-    linear_conv_kernel_dim: int = 4
-    """The gated DeltaNet's causal convolution width over q, k and v (Megatron's)."""
-
-    linear_key_head_dim: int = 128
-    """Channels of each gated DeltaNet query and key head."""
-
-    linear_value_head_dim: int = 128
-    """Channels of each gated DeltaNet value (and output gate) head."""
-
-    linear_num_key_heads: int = 16
-    """Gated DeltaNet query and key heads; each serves linear_num_value_heads /
-    linear_num_key_heads consecutive value heads."""
-
-    linear_num_value_heads: int = 32
-    """Gated DeltaNet value heads, each with its own decay and write strength."""
-
-    # --- Multi-token prediction (Megatron's --mtp-num-layers, DeepSeek-V3) -------------
-    mtp_num_layers: int | None = None
-    """Multi-token prediction modules after the last layer (DeepSeek-V3 1): the k-th
-    predicts the token k+1 positions ahead from the (k-1)-th's output and the embedding of
-    the token k positions ahead, through its own norms, a projection and one transformer
-    layer shaped as the model's last (in a hybrid model, the layers of the pattern's
-    multi-token prediction part: hybrid_layer_pattern), and the shared output layer.
-    Training only: their losses, scaled by mtp_loss_scaling_factor, add to the gradients;
-    generation ignores them. On the last pipeline stage, which then holds a copy of the
-    word embedding."""
-
-    mtp_loss_scaling_factor: float = 0.1
-    """Weight of the multi-token prediction losses: each module's mean loss counts
-    mtp_loss_scaling_factor / mtp_num_layers (Megatron's default 0.1)."""
-
-    mtp_use_repeated_layer: bool = False
-    """One multi-token prediction module applied mtp_num_layers times (Megatron's
-    --mtp-use-repeated-layer): its weights are shared by every depth, each depth's loss
-    logged and weighted as a module's; the checkpoint holds mtp.layers.0 alone."""
-
-    mtp_detach_heads: bool = False
-    """Train only the multi-token prediction modules with their losses (Megatron's
-    --mtp-detach-heads): the decoder's output, the embedding of the rolled tokens and the
-    output layer's weight reach the modules detached, so no MTP gradient flows into the
-    rest of the model; the modules' parameters are tagged grad_norm_group "mtp", which
-    mp-optim clips by their own gradient norm, apart from the reported one."""
-
-    # --- Mamba-hybrid models (Megatron's --hybrid-layer-pattern and --mamba-* options) ----
-    hybrid_layer_pattern: str | None = None
-    """A hybrid model's layers, one symbol each (Megatron's --hybrid-layer-pattern; Nemotron-H,
-    Nemotron-Nano-9B-v2, Nemotron 3): M a Mamba-2 mixer, * self-attention, - a dense MLP,
-    E a mixture-of-experts MLP, each layer one of them behind its own norm
-    ("M-M-M*-..."); as many symbols as num_layers. Megatron's unified form
-    "<main>/<mtp>/<mtp>..." adds multi-token prediction modules, each of the layers after a
-    "/" (mtp_num_layers is their number), and "|" in the main part splits the layers into
-    pipeline segments, one per virtual pipeline stage. None: every layer is attention then
-    an MLP."""
-
-    mamba_num_heads: int | None = None
-    """Heads of each Mamba mixer; None: Megatron's default, an inner width of 2 x
-    hidden_size divided into heads of mamba_head_dim."""
-
-    mamba_head_dim: int = 64
-    """Channels of each Mamba head (Megatron's default 64)."""
-
-    mamba_num_groups: int = 8
-    """Groups of Mamba heads sharing their B and C projections (Megatron's default 8); the
-    tensor-parallel size must divide it."""
-
-    mamba_state_dim: int = 128
-    """The state size n of each Mamba head's channels (Megatron's default 128)."""
-
     init_method_std: float = 0.02
     """Standard deviation of the normal initialization of weights."""
 
@@ -421,44 +326,6 @@ class TransformerConfig(MupConfig, QkClipConfig):
     precision steps (the run sets torch.backends.cuda.matmul.
     allow_bf16_reduced_precision_reduction=False, as Megatron does). No effect on a CPU."""
 
-    # --- FP8 (Megatron's --fp8-* options), through torchao's float8 training -------------
-
-    fp8: Literal["e4m3", "hybrid"] | None = field(
-        default=None, metadata={"argparse_meta": {"names": ["--fp8-format"]}}
-    )
-    """FP8 GEMMs in the transformer layers' linear layers (Megatron's --fp8-format), through
-    torchao's float8 training (pip install 'mp-layers[fp8]'): e4m3 for every FP8 tensor, or
-    hybrid: e4m3 for activations and weights, e5m2 for the output gradients. Needs bf16 and a
-    CUDA GPU with FP8 tensor cores (compute capability 8.9+); the embedding, the output layer,
-    norms, attention and routed experts stay in bf16, and parameters, gradients and
-    checkpoints keep their dtypes. None: no FP8."""
-
-    fp8_recipe: Literal["tensorwise", "rowwise", "delayed", "mxfp8", "blockwise", "custom"] = (
-        "tensorwise"
-    )
-    """How FP8 tensors are scaled, from their current absolute maximum: one scale per tensor,
-    or one per row (torchao's rowwise recipe, e4m3 only). Megatron's default, delayed scaling
-    from an amax history, is Transformer Engine's and is refused, as are mxfp8, blockwise
-    and custom."""
-
-    fp8_wgrad: bool = True
-    """Compute the weight gradients' GEMMs in FP8 too; --no-fp8-wgrad keeps them in bf16."""
-
-    fp8_emulate: bool = False
-    """Emulate the FP8 casts and GEMMs (torchao's emulate: FP8 rounding, matmuls in high
-    precision) on any device, a CPU included: slow, for checking FP8 numerics and layouts on a
-    machine without an FP8 GPU."""
-
-    first_last_layers_bf16: bool = False
-    """Keep the first num_layers_at_start_in_bf16 and the last num_layers_at_end_in_bf16
-    transformer layers of the model in bf16 under --fp8-format."""
-
-    num_layers_at_start_in_bf16: int = 1
-    """Layers at the start of the model kept in bf16 with first_last_layers_bf16."""
-
-    num_layers_at_end_in_bf16: int = 1
-    """Layers at the end of the model kept in bf16 with first_last_layers_bf16."""
-
     sequence_parallel: bool = False
     """Split norms, dropouts and residuals along the sequence over the TP group (needs TP > 1)."""
 
@@ -483,128 +350,6 @@ class TransformerConfig(MupConfig, QkClipConfig):
     no change). None: ["core_attn"], Megatron's default. As in Megatron it changes nothing
     without recompute_granularity='selective'. Megatron's "gdp_in_proj", "gdp_qkv" and
     "mhc" are refused, naming them."""
-
-    # --- Mixture of experts (Megatron's --num-experts and --moe-* options) ---------------
-
-    num_moe_experts: int | None = field(
-        default=None, metadata={"argparse_meta": {"names": ["--num-experts"]}}
-    )
-    """Routed experts of each MoE layer (Megatron's --num-experts); None: a dense model."""
-
-    moe_ffn_hidden_size: int | None = None
-    """Inner width of each routed expert; None: ffn_hidden_size."""
-
-    moe_router_topk: int = 2
-    """Experts each token is sent to."""
-
-    moe_router_score_function: Literal["softmax", "sigmoid"] = "softmax"
-    """How the router turns its logits into scores."""
-
-    moe_router_pre_softmax: bool = False
-    """With softmax scores: the softmax over all experts, then the top k (their weights do
-    not sum to 1); False: the top k logits, then a softmax over those k. No effect with
-    sigmoid scores (as in Megatron, which accepts it there)."""
-
-    moe_router_num_groups: int | None = None
-    """Group-limited routing (DeepSeek-V2/V3's device- or node-limited routing): the
-    experts are split into this many equal groups (consecutive expert indices); None: no
-    groups. Needs moe_router_group_topk."""
-
-    moe_router_group_topk: int | None = None
-    """Group-limited routing: the groups each token may use, those with the highest sum of
-    their top (topk / group_topk) scores (with the expert bias, if any); the top k experts
-    are then chosen within them. Needs moe_router_num_groups."""
-
-    moe_router_topk_scaling_factor: float | None = None
-    """Multiplies the routing weights of the chosen experts."""
-
-    moe_router_load_balancing_type: Literal[
-        "aux_loss", "seq_aux_loss", "global_aux_loss", "none"
-    ] = field(default="aux_loss", metadata={"argparse_meta": {"nargs": "+"}})
-    """The auxiliary load-balancing loss: over the micro-batch's tokens (Switch
-    Transformer), per sequence (DeepSeek-V2/V3), over the global batch (token counts
-    summed over the tp x dp x cp ranks and averaged over the step's micro-batches so far),
-    or none. One type: Megatron's list of several (with a list of coefficients) is
-    refused."""
-
-    moe_aux_loss_coeff: float = field(default=0.0, metadata={"argparse_meta": {"nargs": "+"}})
-    """Weight of the load-balancing loss (0: not computed); one value (Megatron's list of
-    one per balancing type is refused with more than one)."""
-
-    moe_z_loss_coeff: float | None = None
-    """Weight of the router z-loss mean(logsumexp(logits)^2) (ST-MoE); None: none."""
-
-    moe_router_enable_expert_bias: bool = False
-    """Auxiliary-loss-free balancing (DeepSeek-V3): a per-expert bias added to the scores
-    when choosing experts (not to the weights), moved after each step towards the
-    experts that received fewer tokens than the mean."""
-
-    moe_router_bias_update_rate: float = 1e-3
-    """Step of the expert bias update: bias += rate * sign(mean load - load)."""
-
-    moe_expert_capacity_factor: float | None = None
-    """Each expert takes at most ceil(tokens * topk / experts * factor) tokens of a
-    micro-batch (per rank); the others are dropped (their weight is 0). None: no limit."""
-
-    moe_pad_expert_input_to_capacity: bool = False
-    """With a capacity factor: every expert computes exactly its capacity, padded."""
-
-    moe_token_drop_policy: Literal["probs", "position"] = "probs"
-    """Which tokens an expert over capacity keeps: the highest routing weights, or the
-    earliest positions."""
-
-    moe_shared_expert_intermediate_size: int | None = None
-    """Inner width of the shared expert every token passes through; None: none."""
-
-    moe_shared_expert_gate: bool = False
-    """Scale the shared expert's output by sigmoid(x . w) with a learned w [1, h]
-    (Qwen2-MoE's shared_expert_gate)."""
-
-    moe_layer_freq: list[int] = field(default_factory=lambda: [1])
-    """Which layers are MoE: one value N, every N-th (layer i when i % N == 0); or one 0/1
-    per layer (num_layers values), also as Megatron's "([0]+[1]*26)". An int N is [N]."""
-
-    moe_token_dispatcher_type: Literal["alltoall", "allgather", "flex"] = "allgather"
-    """How tokens reach experts on other expert-parallel ranks: an all-to-all of each
-    expert's tokens, or an all-gather of every token. Megatron's "flex" (DeepEP or
-    HybridEP kernels) is refused."""
-
-    moe_grouped_gemm: bool = False
-    """Compute the local experts with torch's grouped matmul (torch._grouped_mm) instead of
-    one matmul per expert."""
-
-    moe_router_dtype: Literal["fp32", "fp64"] | None = None
-    """Precision of the router's logits and scores; None: the activations' dtype."""
-
-    moe_router_force_load_balancing: bool = False
-    """For benchmarks only (Megatron's --moe-router-force-load-balancing): the router's
-    logits are replaced by standard normal draws (the expert-parallel RNG stream, a
-    different one per expert shard), so tokens spread evenly over the experts whatever the
-    weights; the gradient passes through to the logits unchanged."""
-
-    moe_router_force_biased: float | None = None
-    """For benchmarks only (Megatron's --moe-router-force-biased S): as
-    moe_router_force_load_balancing, then a per-expert bias drawn from N(0, |S|) added to the
-    random logits, the same on every rank (the data-parallel RNG stream), so some experts
-    get more tokens: an imbalance to measure. S > 0 draws a new bias at each forward; S < 0
-    draws one per layer and keeps it."""
-
-    moe_input_jitter_eps: float | None = None
-    """Multiply the router's input by uniform noise in [1 - eps, 1 + eps] in training
-    (Switch Transformer's jitter; Megatron's --moe-input-jitter-eps), only the router's:
-    the experts see the tokens unchanged."""
-
-    moe_apply_probs_on_input: bool = False
-    """Multiply each expert's input, not its output, by the token's routing weight (Llama 4;
-    Megatron's --moe-apply-probs-on-input): y = expert(p x) instead of p expert(x). Needs
-    moe_router_topk 1, as in Megatron."""
-
-    moe_latent_size: int | None = None
-    """Latent MoE (Nemotron 3 Super and Ultra; Megatron's --moe-latent-size): the routed
-    experts run in a space of this width. The router sees the hidden state; fc1_latent_proj
-    projects it down before the dispatch and fc2_latent_proj projects the combined output
-    back up (both whole on every tensor-parallel rank); a shared expert runs on the hidden
-    state. None: the experts run at hidden_size."""
 
     mlp_chunks_for_training: int = 1
     """In training, run each dense MLP on this many pieces of the sequence one after another

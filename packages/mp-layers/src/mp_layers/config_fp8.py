@@ -5,14 +5,58 @@ Every message names the field and the value."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
 
 from mp_layers.config_rules import choice, left_default
 
 if TYPE_CHECKING:
     from mp_layers.config import TransformerConfig
 
-__all__ = ["check_fp8"]
+__all__ = ["Fp8Config", "check_fp8"]
+
+
+@dataclass(kw_only=True)
+class Fp8Config:
+    """FP8 (Megatron's --fp8-* options), through torchao's float8 training: a base of
+    TransformerConfig, checked by `check_fp8`."""
+
+    fp8: Literal["e4m3", "hybrid"] | None = field(
+        default=None, metadata={"argparse_meta": {"names": ["--fp8-format"]}}
+    )
+    """FP8 GEMMs in the transformer layers' linear layers (Megatron's --fp8-format), through
+    torchao's float8 training (pip install 'mp-layers[fp8]'): e4m3 for every FP8 tensor, or
+    hybrid: e4m3 for activations and weights, e5m2 for the output gradients. Needs bf16 and a
+    CUDA GPU with FP8 tensor cores (compute capability 8.9+); the embedding, the output layer,
+    norms, attention and routed experts stay in bf16, and parameters, gradients and
+    checkpoints keep their dtypes. None: no FP8."""
+
+    fp8_recipe: Literal["tensorwise", "rowwise", "delayed", "mxfp8", "blockwise", "custom"] = (
+        "tensorwise"
+    )
+    """How FP8 tensors are scaled, from their current absolute maximum: one scale per tensor,
+    or one per row (torchao's rowwise recipe, e4m3 only). Megatron's default, delayed scaling
+    from an amax history, is Transformer Engine's and is refused, as are mxfp8, blockwise
+    and custom."""
+
+    fp8_wgrad: bool = True
+    """Compute the weight gradients' GEMMs in FP8 too; --no-fp8-wgrad keeps them in bf16."""
+
+    fp8_emulate: bool = False
+    """Emulate the FP8 casts and GEMMs (torchao's emulate: FP8 rounding, matmuls in high
+    precision) on any device, a CPU included: slow, for checking FP8 numerics and layouts on a
+    machine without an FP8 GPU."""
+
+    first_last_layers_bf16: bool = False
+    """Keep the first num_layers_at_start_in_bf16 and the last num_layers_at_end_in_bf16
+    transformer layers of the model in bf16 under --fp8-format."""
+
+    num_layers_at_start_in_bf16: int = 1
+    """Layers at the start of the model kept in bf16 with first_last_layers_bf16."""
+
+    num_layers_at_end_in_bf16: int = 1
+    """Layers at the end of the model kept in bf16 with first_last_layers_bf16."""
+
 
 _REFUSED_RECIPES = {
     "delayed": "delayed scaling (an amax history) is Transformer Engine's and torchao's "

@@ -24,6 +24,7 @@ takes virtual_pipeline_model_parallel_size from their number.
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from mp_layers.config_rules import positive
@@ -31,9 +32,48 @@ from mp_layers.config_rules import positive
 if TYPE_CHECKING:
     from mp_layers.config import TransformerConfig
 
-__all__ = ["HYBRID_SYMBOLS", "check_hybrid", "check_hybrid_parallel", "hybrid_layer_kinds",
-           "hybrid_pipeline_segments", "infer_hybrid_mtp", "mamba_widths",
-           "split_hybrid_pattern"]  # fmt: skip
+__all__ = [
+    "HYBRID_SYMBOLS",
+    "HybridConfig",
+    "check_hybrid",
+    "check_hybrid_parallel",
+    "hybrid_layer_kinds",
+    "hybrid_pipeline_segments",
+    "infer_hybrid_mtp",
+    "mamba_widths",
+    "split_hybrid_pattern",
+]
+
+
+@dataclass(kw_only=True)
+class HybridConfig:
+    """Mamba-hybrid models (Megatron's --hybrid-layer-pattern and --mamba-* options): a
+    base of TransformerConfig, checked by `check_hybrid`."""
+
+    hybrid_layer_pattern: str | None = None
+    """A hybrid model's layers, one symbol each (Megatron's --hybrid-layer-pattern; Nemotron-H,
+    Nemotron-Nano-9B-v2, Nemotron 3): M a Mamba-2 mixer, * self-attention, - a dense MLP,
+    E a mixture-of-experts MLP, each layer one of them behind its own norm
+    ("M-M-M*-..."); as many symbols as num_layers. Megatron's unified form
+    "<main>/<mtp>/<mtp>..." adds multi-token prediction modules, each of the layers after a
+    "/" (mtp_num_layers is their number), and "|" in the main part splits the layers into
+    pipeline segments, one per virtual pipeline stage. None: every layer is attention then
+    an MLP."""
+
+    mamba_num_heads: int | None = None
+    """Heads of each Mamba mixer; None: Megatron's default, an inner width of 2 x
+    hidden_size divided into heads of mamba_head_dim."""
+
+    mamba_head_dim: int = 64
+    """Channels of each Mamba head (Megatron's default 64)."""
+
+    mamba_num_groups: int = 8
+    """Groups of Mamba heads sharing their B and C projections (Megatron's default 8); the
+    tensor-parallel size must divide it."""
+
+    mamba_state_dim: int = 128
+    """The state size n of each Mamba head's channels (Megatron's default 128)."""
+
 
 HYBRID_SYMBOLS = {"M": "mamba", "G": "gdn", "*": "attention", "-": "mlp", "E": "moe"}
 """The layer kinds of a hybrid pattern, by Megatron's symbol."""

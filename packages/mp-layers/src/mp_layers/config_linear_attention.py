@@ -12,15 +12,56 @@ without experimental_attention_variant (Megatron's HybridModel).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
 
 from mp_layers.config_rules import positive
 
 if TYPE_CHECKING:
     from mp_layers.config import TransformerConfig
 
-__all__ = ["check_linear_attention", "check_linear_attention_parallel",
-           "has_gated_delta_nets", "linear_attention_layer_pattern"]  # fmt: skip
+__all__ = [
+    "LinearAttentionConfig",
+    "check_linear_attention",
+    "check_linear_attention_parallel",
+    "has_gated_delta_nets",
+    "linear_attention_layer_pattern",
+]
+
+
+@dataclass(kw_only=True)
+class LinearAttentionConfig:
+    """Linear attention (Megatron's --experimental-attention-variant, --linear-*): a base
+    of TransformerConfig, checked by `check_linear_attention`."""
+
+    experimental_attention_variant: Literal["gdn", "gated_delta_net"] | None = None
+    """The attention of the linear_attention_freq layers (Megatron's
+    --experimental-attention-variant; Qwen3-Next): "gdn" (or its alias "gated_delta_net")
+    a gated DeltaNet (Yang et al. 2024, transformer/gated_delta_net.py). None: every layer
+    has softmax attention. Megatron's "gdn2" and "dsa" are refused, naming them."""
+
+    linear_attention_freq: int | list[int] | None = None
+    """Which layers take the linear attention (Megatron's --linear-attention-freq): an
+    integer N, N - 1 linear-attention layers then one softmax-attention layer, repeated
+    (Qwen3-Next: 4); or one value per layer, 1 linear and 0 softmax attention ("([1]*3+[0])*12"
+    on the command line). Needed with experimental_attention_variant."""
+
+    linear_conv_kernel_dim: int = 4
+    """The gated DeltaNet's causal convolution width over q, k and v (Megatron's)."""
+
+    linear_key_head_dim: int = 128
+    """Channels of each gated DeltaNet query and key head."""
+
+    linear_value_head_dim: int = 128
+    """Channels of each gated DeltaNet value (and output gate) head."""
+
+    linear_num_key_heads: int = 16
+    """Gated DeltaNet query and key heads; each serves linear_num_value_heads /
+    linear_num_key_heads consecutive value heads."""
+
+    linear_num_value_heads: int = 32
+    """Gated DeltaNet value heads, each with its own decay and write strength."""
+
 
 _REFUSED = {
     "gdn2": "the gated DeltaNet-2 variant",

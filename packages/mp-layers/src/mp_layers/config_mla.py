@@ -7,6 +7,7 @@ the value."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from mp_layers.config_rules import choice, left_default, positive
@@ -14,7 +15,39 @@ from mp_layers.config_rules import choice, left_default, positive
 if TYPE_CHECKING:
     from mp_layers.config import TransformerConfig
 
-__all__ = ["check_mla"]
+__all__ = ["MlaConfig", "check_mla"]
+
+
+@dataclass(kw_only=True)
+class MlaConfig:
+    """Multi-latent attention (Megatron's --multi-latent-attention and MLA options): a
+    base of TransformerConfig, checked by `check_mla`."""
+
+    multi_latent_attention: bool = False
+    """Multi-latent attention (DeepSeek-V2/V3, Kimi K2; Megatron's MLASelfAttention): queries
+    from a latent of q_lora_rank channels, keys and values from a shared latent of
+    kv_lora_rank channels (all a KVCache keeps), each head's query and key a
+    qk_head_dim part and a rotated qk_pos_emb_head_dim part whose key is shared by all
+    heads, values of v_head_dim. Needs position_embedding_type "rope" (rope_type picks
+    YaRN, the default, or plain RoPE); no query groups, sinks, windows or QKV bias."""
+
+    q_lora_rank: int | None = None
+    """MLA: channels of the query latent (linear_q_down_proj, q_layernorm,
+    linear_q_up_proj; DeepSeek-V3 1536); None: queries projected from the hidden state
+    at once (linear_q_proj; DeepSeek-V2-Lite)."""
+
+    kv_lora_rank: int = 32
+    """MLA: channels of the key/value latent (DeepSeek 512)."""
+
+    qk_head_dim: int = 128
+    """MLA: query and key channels per head without rotary embeddings."""
+
+    qk_pos_emb_head_dim: int = 64
+    """MLA: rotary channels per head of the queries and of the one key all heads share."""
+
+    v_head_dim: int = 128
+    """MLA: value channels per head."""
+
 
 _MLA_ONLY = {
     "q_lora_rank": None,

@@ -1,18 +1,147 @@
-"""Validation of TransformerConfig's mixture-of-experts fields (Megatron's --num-experts
-and --moe-* options): the rules that hold whatever the layout (`check_moe`, from
-__post_init__) and those that depend on the parallel sizes (`check_expert_parallel`, from
-check_parallel). Every message names the field and the value."""
+"""TransformerConfig's mixture-of-experts fields (MoeConfig, one of its bases; Megatron's
+--num-experts and --moe-* options) and their validation: the rules that hold whatever the
+layout (`check_moe`, from __post_init__) and those that depend on the parallel sizes
+(`check_expert_parallel`, from check_parallel). Every message names the field and the
+value."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
 
 from mp_layers.config_rules import choice, left_default, positive
 
 if TYPE_CHECKING:
     from mp_layers.config import TransformerConfig
 
-__all__ = ["check_expert_parallel", "check_moe"]
+__all__ = ["MoeConfig", "check_expert_parallel", "check_moe"]
+
+
+@dataclass(kw_only=True)
+class MoeConfig:
+    """Mixture of experts (Megatron's --num-experts and --moe-* options): a base of
+    TransformerConfig, checked by `check_moe` and `check_expert_parallel`."""
+
+    num_moe_experts: int | None = field(
+        default=None, metadata={"argparse_meta": {"names": ["--num-experts"]}}
+    )
+    """Routed experts of each MoE layer (Megatron's --num-experts); None: a dense model."""
+
+    moe_ffn_hidden_size: int | None = None
+    """Inner width of each routed expert; None: ffn_hidden_size."""
+
+    moe_router_topk: int = 2
+    """Experts each token is sent to."""
+
+    moe_router_score_function: Literal["softmax", "sigmoid"] = "softmax"
+    """How the router turns its logits into scores."""
+
+    moe_router_pre_softmax: bool = False
+    """With softmax scores: the softmax over all experts, then the top k (their weights do
+    not sum to 1); False: the top k logits, then a softmax over those k. No effect with
+    sigmoid scores (as in Megatron, which accepts it there)."""
+
+    moe_router_num_groups: int | None = None
+    """Group-limited routing (DeepSeek-V2/V3's device- or node-limited routing): the
+    experts are split into this many equal groups (consecutive expert indices); None: no
+    groups. Needs moe_router_group_topk."""
+
+    moe_router_group_topk: int | None = None
+    """Group-limited routing: the groups each token may use, those with the highest sum of
+    their top (topk / group_topk) scores (with the expert bias, if any); the top k experts
+    are then chosen within them. Needs moe_router_num_groups."""
+
+    moe_router_topk_scaling_factor: float | None = None
+    """Multiplies the routing weights of the chosen experts."""
+
+    moe_router_load_balancing_type: Literal[
+        "aux_loss", "seq_aux_loss", "global_aux_loss", "none"
+    ] = field(default="aux_loss", metadata={"argparse_meta": {"nargs": "+"}})
+    """The auxiliary load-balancing loss: over the micro-batch's tokens (Switch
+    Transformer), per sequence (DeepSeek-V2/V3), over the global batch (token counts
+    summed over the tp x dp x cp ranks and averaged over the step's micro-batches so far),
+    or none. One type: Megatron's list of several (with a list of coefficients) is
+    refused."""
+
+    moe_aux_loss_coeff: float = field(default=0.0, metadata={"argparse_meta": {"nargs": "+"}})
+    """Weight of the load-balancing loss (0: not computed); one value (Megatron's list of
+    one per balancing type is refused with more than one)."""
+
+    moe_z_loss_coeff: float | None = None
+    """Weight of the router z-loss mean(logsumexp(logits)^2) (ST-MoE); None: none."""
+
+    moe_router_enable_expert_bias: bool = False
+    """Auxiliary-loss-free balancing (DeepSeek-V3): a per-expert bias added to the scores
+    when choosing experts (not to the weights), moved after each step towards the
+    experts that received fewer tokens than the mean."""
+
+    moe_router_bias_update_rate: float = 1e-3
+    """Step of the expert bias update: bias += rate * sign(mean load - load)."""
+
+    moe_expert_capacity_factor: float | None = None
+    """Each expert takes at most ceil(tokens * topk / experts * factor) tokens of a
+    micro-batch (per rank); the others are dropped (their weight is 0). None: no limit."""
+
+    moe_pad_expert_input_to_capacity: bool = False
+    """With a capacity factor: every expert computes exactly its capacity, padded."""
+
+    moe_token_drop_policy: Literal["probs", "position"] = "probs"
+    """Which tokens an expert over capacity keeps: the highest routing weights, or the
+    earliest positions."""
+
+    moe_shared_expert_intermediate_size: int | None = None
+    """Inner width of the shared expert every token passes through; None: none."""
+
+    moe_shared_expert_gate: bool = False
+    """Scale the shared expert's output by sigmoid(x . w) with a learned w [1, h]
+    (Qwen2-MoE's shared_expert_gate)."""
+
+    moe_layer_freq: list[int] = field(default_factory=lambda: [1])
+    """Which layers are MoE: one value N, every N-th (layer i when i % N == 0); or one 0/1
+    per layer (num_layers values), also as Megatron's "([0]+[1]*26)". An int N is [N]."""
+
+    moe_token_dispatcher_type: Literal["alltoall", "allgather", "flex"] = "allgather"
+    """How tokens reach experts on other expert-parallel ranks: an all-to-all of each
+    expert's tokens, or an all-gather of every token. Megatron's "flex" (DeepEP or
+    HybridEP kernels) is refused."""
+
+    moe_grouped_gemm: bool = False
+    """Compute the local experts with torch's grouped matmul (torch._grouped_mm) instead of
+    one matmul per expert."""
+
+    moe_router_dtype: Literal["fp32", "fp64"] | None = None
+    """Precision of the router's logits and scores; None: the activations' dtype."""
+
+    moe_router_force_load_balancing: bool = False
+    """For benchmarks only (Megatron's --moe-router-force-load-balancing): the router's
+    logits are replaced by standard normal draws (the expert-parallel RNG stream, a
+    different one per expert shard), so tokens spread evenly over the experts whatever the
+    weights; the gradient passes through to the logits unchanged."""
+
+    moe_router_force_biased: float | None = None
+    """For benchmarks only (Megatron's --moe-router-force-biased S): as
+    moe_router_force_load_balancing, then a per-expert bias drawn from N(0, |S|) added to the
+    random logits, the same on every rank (the data-parallel RNG stream), so some experts
+    get more tokens: an imbalance to measure. S > 0 draws a new bias at each forward; S < 0
+    draws one per layer and keeps it."""
+
+    moe_input_jitter_eps: float | None = None
+    """Multiply the router's input by uniform noise in [1 - eps, 1 + eps] in training
+    (Switch Transformer's jitter; Megatron's --moe-input-jitter-eps), only the router's:
+    the experts see the tokens unchanged."""
+
+    moe_apply_probs_on_input: bool = False
+    """Multiply each expert's input, not its output, by the token's routing weight (Llama 4;
+    Megatron's --moe-apply-probs-on-input): y = expert(p x) instead of p expert(x). Needs
+    moe_router_topk 1, as in Megatron."""
+
+    moe_latent_size: int | None = None
+    """Latent MoE (Nemotron 3 Super and Ultra; Megatron's --moe-latent-size): the routed
+    experts run in a space of this width. The router sees the hidden state; fc1_latent_proj
+    projects it down before the dispatch and fc2_latent_proj projects the combined output
+    back up (both whole on every tensor-parallel rank); a shared expert runs on the hidden
+    state. None: the experts run at hidden_size."""
+
 
 _MOE_DEFAULTS = {
     "moe_shared_expert_intermediate_size": None,

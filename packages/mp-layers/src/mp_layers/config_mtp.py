@@ -6,6 +6,7 @@ gives a module's layers."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from mp_layers.config_hybrid import HYBRID_SYMBOLS, split_hybrid_pattern
@@ -14,7 +15,39 @@ from mp_layers.config_rules import positive
 if TYPE_CHECKING:
     from mp_layers.config import TransformerConfig
 
-__all__ = ["check_mtp", "mtp_layer_kinds"]
+__all__ = ["MtpConfig", "check_mtp", "mtp_layer_kinds"]
+
+
+@dataclass(kw_only=True)
+class MtpConfig:
+    """Multi-token prediction (Megatron's --mtp-num-layers, DeepSeek-V3): a base of
+    TransformerConfig, checked by `check_mtp`."""
+
+    mtp_num_layers: int | None = None
+    """Multi-token prediction modules after the last layer (DeepSeek-V3 1): the k-th
+    predicts the token k+1 positions ahead from the (k-1)-th's output and the embedding of
+    the token k positions ahead, through its own norms, a projection and one transformer
+    layer shaped as the model's last (in a hybrid model, the layers of the pattern's
+    multi-token prediction part: hybrid_layer_pattern), and the shared output layer.
+    Training only: their losses, scaled by mtp_loss_scaling_factor, add to the gradients;
+    generation ignores them. On the last pipeline stage, which then holds a copy of the
+    word embedding."""
+
+    mtp_loss_scaling_factor: float = 0.1
+    """Weight of the multi-token prediction losses: each module's mean loss counts
+    mtp_loss_scaling_factor / mtp_num_layers (Megatron's default 0.1)."""
+
+    mtp_use_repeated_layer: bool = False
+    """One multi-token prediction module applied mtp_num_layers times (Megatron's
+    --mtp-use-repeated-layer): its weights are shared by every depth, each depth's loss
+    logged and weighted as a module's; the checkpoint holds mtp.layers.0 alone."""
+
+    mtp_detach_heads: bool = False
+    """Train only the multi-token prediction modules with their losses (Megatron's
+    --mtp-detach-heads): the decoder's output, the embedding of the rolled tokens and the
+    output layer's weight reach the modules detached, so no MTP gradient flows into the
+    rest of the model; the modules' parameters are tagged grad_norm_group "mtp", which
+    mp-optim clips by their own gradient norm, apart from the reported one."""
 
 
 def mtp_layer_kinds(config: TransformerConfig) -> list[tuple[str, bool]]:
