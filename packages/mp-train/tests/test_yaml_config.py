@@ -114,6 +114,17 @@ def test_an_unknown_key_is_named_with_file_and_line(tmp_path):
     assert "did you mean 'hidden_size'" in message
 
 
+def test_a_megatron_setting_mp_lacks_is_named_as_one(tmp_path):
+    path = _write(tmp_path, "language_model:\n  fp32_residual_connection: true\n")
+    with pytest.raises(ValueError) as caught:
+        load_yaml_config(path)
+    assert str(caught.value) == (
+        f"{path}:2: language_model.fp32_residual_connection: unknown key: no part of the run "
+        "has a field 'fp32_residual_connection' (a Megatron-LM setting that mp does not "
+        "implement)"
+    )
+
+
 def test_an_unknown_key_in_a_section(tmp_path):
     path = _write(tmp_path, "language_model:\n  num_layers: 2\n  flash: true\n")
     with pytest.raises(ValueError, match=re.escape(f"{path}:3: language_model.flash")):

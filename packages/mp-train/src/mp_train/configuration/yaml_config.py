@@ -43,6 +43,7 @@ import yaml
 
 from mp_train.configuration.config import RunConfig
 from mp_train.configuration.int_lists import parse_int_list, parse_int_or_list
+from mp_train.configuration.megatron_flag_names import MEGATRON_FLAGS
 
 __all__ = [
     "DTYPE_NAMES",
@@ -347,6 +348,8 @@ def load_yaml_config(
         if name not in owners:
             close = difflib.get_close_matches(name, owners, n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
+            if f"--{name.replace('_', '-')}" in MEGATRON_FLAGS:
+                hint = " (a Megatron-LM setting that mp does not implement)"
             raise ValueError(f"{where}: unknown key: no part of the run has a field {name!r}{hint}")
         if name in seen:
             raise ValueError(f"{where}: {name} is set twice (first at line {seen[name]})")
