@@ -67,6 +67,28 @@ def test_a_progress_bar_lock_held_in_the_parent_does_not_stop_a_forked_rank():
         holder.join(30)
 
 
+def test_inductors_compile_pool_from_the_parent_does_not_stop_a_forked_rank(monkeypatch):
+    # A test process that compiled in-process with several compile threads holds
+    # inductor's ThreadPoolExecutor (AsyncCompile.pool), whose threads a forked rank does
+    # not have: a rank's compile, or its load of a kernel from the cache, submitted to it
+    # and waited forever (seen in test_train_precision_aware.py's compiled case).
+    import torch._inductor.config
+    from torch._inductor.async_compile import AsyncCompile
+
+    monkeypatch.setattr(torch._inductor.config, "compile_threads", 2)
+    AsyncCompile.pool.cache_clear()  # a pool of this test's own, made below
+    try:
+        assert AsyncCompile.pool().submit(lambda: 1).result(timeout=30) == 1  # idle threads
+
+        def compile_job():
+            return AsyncCompile.pool().submit(lambda: 2).result(timeout=10)
+
+        assert run_on_ranks(compile_job, 1, timeout=60) == [2]
+    finally:
+        AsyncCompile.pool().shutdown()
+        AsyncCompile.pool.cache_clear()
+
+
 def raise_on_rank_2():
     if dist.get_rank() == 2:
         raise ValueError("bad shard on purpose")

@@ -27,7 +27,8 @@ CUDA ranks are spawned: once the parent has asked torch about CUDA at all
 forked child inherits the parent's OpenMP thread pool in a broken state: its
 first multi-threaded op would wait for threads that do not exist, so each
 child calls torch.set_num_threads(1) before anything else (ranks on one
-machine share its cores anyway). Spawn can be forced with
+machine share its cores anyway). For the same reason it drops inductor's compile
+thread pool, if the parent made one (`_own_compile_pool`). Spawn can be forced with
 `start_method="spawn"` or MP_TEST_START_METHOD=spawn. A spawned rank imports
 the function by its module and name, so it must live in an importable module
 (a test file under pytest's importlib mode is not one), and its arguments and
@@ -215,10 +216,22 @@ def _own_progress_bar_locks() -> None:
             cls._lock = lock
 
 
+def _own_compile_pool() -> None:
+    """Drops inductor's compile thread pool inherited from the parent. torch's own
+    after-fork hook resets inductor's process pools but not AsyncCompile.pool(), a
+    ThreadPoolExecutor that a parent which compiled with several compile threads holds:
+    its threads are not in the child, so a rank's first compile, or its load of a kernel
+    from the cache, waited forever on work nobody ran. The rank makes its own pool."""
+    async_compile = sys.modules.get("torch._inductor.async_compile")
+    if async_compile is not None:
+        async_compile.AsyncCompile.pool.cache_clear()
+
+
 def _rank_main(spec: _RankSpec, conn: Connection, fn: Callable, args: tuple, kwargs: dict):
     # First, before any torch op: a forked child cannot use the parent's thread pool.
     torch.set_num_threads(1)
     _own_progress_bar_locks()
+    _own_compile_pool()
     stack_file = open(spec.stack_path, "w")  # noqa: SIM115 (kept open for faulthandler)
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
     os.environ.update(
