@@ -1,7 +1,7 @@
-"""Validation of TransformerConfig's FP8 fields (Megatron's --fp8-* options, computed with
-torchao's float8 training): the rules that hold whatever the device (`check_fp8`, from
-__post_init__). Whether this rank's device can run FP8 is `mp_layers.fp8.check_fp8_device`.
-Every message names the field and the value."""
+"""TransformerConfig's FP8 fields (Fp8Config, a base of it; Megatron's --fp8-* options,
+computed with torchao's float8 training) and the rules that hold whatever the device
+(`check_fp8`, from __post_init__). Whether this rank's device can run FP8 is
+`mp_layers.fp8.check_fp8_device`. Every message names the field and the value."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
-"""Validation of TransformerConfig's Mamba-hybrid fields (Megatron's --hybrid-layer-pattern
-and --mamba-* options): the pattern's symbols and length, the Mamba mixers' widths, and
-what hybrid models do not take. `hybrid_layer_kinds` gives each layer's kind.
+"""TransformerConfig's Mamba-hybrid fields (HybridConfig, a base of it; Megatron's
+--hybrid-layer-pattern and --mamba-* options) and their checks: the pattern's symbols and
+length, the Mamba mixers' widths, and what hybrid models do not take. `hybrid_layer_kinds`
+gives each layer's kind.
 
 A hybrid model (Megatron's HybridModel / MambaModel: Nemotron-H, Nemotron-Nano-9B-v2,
 Nemotron 3) has one sublayer per layer, as its pattern says, each with its own pre-norm:
@@ -18,8 +19,7 @@ mtp_num_layers is the number of parts (`infer_hybrid_mtp`).
 
 Pipeline segments (Megatron's "|" in the decoder's part): "M*M|*M*|M*" gives each virtual
 pipeline stage its layers, in virtual-stage order (`hybrid_pipeline_segments`); the run
-takes virtual_pipeline_model_parallel_size from their number.
-"""
+takes virtual_pipeline_model_parallel_size from their number."""
 
 from __future__ import annotations
 

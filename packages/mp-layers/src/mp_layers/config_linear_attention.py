@@ -1,4 +1,4 @@
-"""Validation of TransformerConfig's linear-attention fields (Megatron's
+"""TransformerConfig's linear-attention fields (LinearAttentionConfig, a base of it; Megatron's
 --experimental-attention-variant, --linear-attention-freq and --linear-*: Qwen3-Next's
 gated DeltaNet layers), and `linear_attention_layer_pattern`, which layers take it.
 
@@ -7,8 +7,7 @@ attention then an MLP (or MoE), as every other; the attention of the linear_atte
 layers is a gated DeltaNet (transformer/gated_delta_net.py), the others' softmax
 attention. A multi-token prediction module's layer is shaped as the model's last. A hybrid
 model's G layers (config_hybrid.py) are gated DeltaNets too, of the same linear_* widths,
-without experimental_attention_variant (Megatron's HybridModel).
-"""
+without experimental_attention_variant (Megatron's HybridModel)."""
 
 from __future__ import annotations
 

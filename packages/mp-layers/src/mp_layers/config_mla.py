@@ -1,6 +1,7 @@
-"""Validation of TransformerConfig's multi-latent attention fields (Megatron's
+"""TransformerConfig's multi-latent attention fields (MlaConfig, a base of it; Megatron's
 --multi-latent-attention, --q-lora-rank, --kv-lora-rank, --qk-head-dim,
---qk-pos-emb-head-dim, --v-head-dim and --rope-type): `check_mla`, from __post_init__.
+--qk-pos-emb-head-dim, --v-head-dim and --rope-type) and their checks:
+`check_mla`, from __post_init__.
 The tensor- and context-parallel rules of MLA are those of standard attention (the heads
 divide over the tensor-parallel ranks; check_parallel). Every message names the field and
 the value."""

@@ -1,6 +1,6 @@
-"""Validation of TransformerConfig's multi-token prediction fields (Megatron's
---mtp-num-layers, --mtp-loss-scaling-factor, --mtp-use-repeated-layer): `check_mtp`,
-from __post_init__. Every message names the field and the value. `mtp_layer_kinds`
+"""TransformerConfig's multi-token prediction fields (MtpConfig, a base of it; Megatron's
+--mtp-num-layers, --mtp-loss-scaling-factor, --mtp-use-repeated-layer) and their checks:
+`check_mtp`, from __post_init__. Every message names the field and the value. `mtp_layer_kinds`
 gives a module's layers."""
 
 from __future__ import annotations
