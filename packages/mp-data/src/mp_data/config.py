@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Literal, get_args
 
 from mp_data.fim_config import FimDataConfig, check_fim
+from mp_data.gpt_config import check_builder_settings
 
 __all__ = ["DataConfig"]
 
@@ -155,13 +156,7 @@ class DataConfig(FimDataConfig):
         if not self.pad_vocab_size and self.padded_vocab_size is None:
             raise ValueError("pad_vocab_size=False leaves the embedding's rows unknown: give "
                              "padded_vocab_size")  # fmt: skip
-        if self.mid_level_dataset_surplus < 0:
-            raise ValueError(
-                f"mid_level_dataset_surplus={self.mid_level_dataset_surplus} must be >= 0"
-            )
-        threads = self.num_dataset_builder_threads
-        if isinstance(threads, bool) or threads < 1:
-            raise ValueError(f"num_dataset_builder_threads={threads} must be >= 1")
+        check_builder_settings(self.mid_level_dataset_surplus, self.num_dataset_builder_threads)
         self._check_null_tokenizer_ids()
         if self.reset_attention_mask and not self.create_attention_mask_in_dataloader:
             raise ValueError(

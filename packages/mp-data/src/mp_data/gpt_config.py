@@ -112,13 +112,7 @@ class GPTDatasetConfig:
             raise ValueError(f"sequence_length={self.sequence_length} must be >= 1")
         if isinstance(self.context_parallel_size, bool) or self.context_parallel_size < 1:
             raise ValueError(f"context_parallel_size={self.context_parallel_size} must be >= 1")
-        if self.mid_level_dataset_surplus < 0:
-            raise ValueError(
-                f"mid_level_dataset_surplus={self.mid_level_dataset_surplus} must be >= 0"
-            )
-        threads = self.num_dataset_builder_threads
-        if isinstance(threads, bool) or threads < 1:
-            raise ValueError(f"num_dataset_builder_threads={threads} must be >= 1")
+        check_builder_settings(self.mid_level_dataset_surplus, self.num_dataset_builder_threads)
         if self.blend_per_split is not None and any(self.blend_per_split):
             if self.blend is not None:
                 raise ValueError("blend and blend_per_split are exclusive: give one of them")
@@ -164,3 +158,12 @@ def _check_blend(name: str, blend) -> None:
         raise ValueError(f"{name}: weights must be >= 0, got {negative}")
     if sum(weights) <= 0:
         raise ValueError(f"{name}: weights sum to {sum(weights)}; at least one must be positive")
+
+
+def check_builder_settings(mid_level_dataset_surplus: float, num_dataset_builder_threads: int):
+    """The blend builder's settings, as GPTDatasetConfig and mp_data.DataConfig take them."""
+    if mid_level_dataset_surplus < 0:
+        raise ValueError(f"mid_level_dataset_surplus={mid_level_dataset_surplus} must be >= 0")
+    threads = num_dataset_builder_threads
+    if isinstance(threads, bool) or threads < 1:
+        raise ValueError(f"num_dataset_builder_threads={threads} must be >= 1")
