@@ -20,7 +20,7 @@ def test_mock_data_splits_evenly_as_megatron():
         "--seq-length", "32", "--micro-batch-size", "1", "--train-iters", "10", "--mock-data",
         "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000", "--split", "969,30,1",
         "--data-path", "/nonexistent/corpus_text_document",  # a YAML file's, say: not read
-        "--mid-level-dataset-surplus", "0.02",
+        "--mid-level-dataset-surplus", "0.02", "--num-dataset-builder-threads", "3",
     ])  # fmt: skip
     first_rank = SimpleNamespace(rank=0, size=1)
     run = SimpleNamespace(
@@ -35,6 +35,7 @@ def test_mock_data_splits_evenly_as_megatron():
         assert isinstance(dataset, MockGPTDataset)
         assert dataset.config.split == "1,1,1"
         assert dataset.config.mid_level_dataset_surplus == 0.02
+        assert dataset.config.num_dataset_builder_threads == 3
         np.testing.assert_array_equal(dataset.indices, np.arange(lo, hi))
 
 
