@@ -27,8 +27,14 @@ def test_newton_schulz_equals_megatrons(reference):
         with _matmul_precision(case["precision"]):
             out = newton_schulz(case["x"], case["steps"], case["coefficient_type"])
         what = (case["coefficient_type"], case["steps"], case["precision"], case["x"].shape)
-        # the same operations in the same order: bit for bit, bf16 iterations too
-        assert torch.equal(out, case["out"]), what
+        if case["precision"] == "highest":
+            # the same fp32 operations in the same order: bit for bit
+            assert torch.equal(out, case["out"]), what
+        else:
+            # bf16 iterations: the CPU's bf16 matmul kernel sums in its own order (AVX2
+            # and AVX-512 BF16 machines differ in up to two thirds of the elements, by
+            # one bf16 step of the value), so within two of those steps
+            torch.testing.assert_close(out, case["out"], rtol=2**-7, atol=2**-8, msg=str(what))
 
 
 def test_scale_factors_equal_megatrons(reference):
