@@ -38,6 +38,8 @@ _EXPORTS = {
     "get_bin_path": "mp_data.indexed_format",
     "get_idx_path": "mp_data.indexed_format",
     "MockGPTDataset": "mp_data.mock_dataset",
+    "INDICES_KEPT": "mp_data.built_indices",
+    "kept_indices": "mp_data.built_indices",
     "PaddedToBatches": "mp_data.padded_dataset",
     "MegatronPretrainingRandomSampler": "mp_data.samplers",
     "MegatronPretrainingSampler": "mp_data.samplers",
@@ -72,6 +74,7 @@ _EXPORTS = {
 
 __all__ = [
     "DATALOADER_TYPES",
+    "INDICES_KEPT",
     "SFT_PROMPT_FORMATS",
     "TOKENIZER_TYPES",
     "BertWordPieceCase",
@@ -110,6 +113,7 @@ __all__ = [
     "get_bin_path",
     "get_blend_from_list",
     "get_idx_path",
+    "kept_indices",
     "ltor_masks_and_position_ids",
     "merge_datasets",
     "pack_conversations",

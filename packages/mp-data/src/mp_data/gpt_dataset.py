@@ -20,8 +20,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from mp_data.built_indices import built_in_memory
 from mp_data.gpt_config import GPTDatasetConfig, tokenizer_identity
-from mp_data.gpt_indices import GPTIndices, build_gpt_indices
+from mp_data.gpt_indices import GPTIndices, build_gpt_indices, epochs_needed, separate_final_epoch
 from mp_data.index_cache import IndexCache
 from mp_data.indexed_dataset import IndexedDataset
 from mp_data.megatron_dataset import MegatronDataset
@@ -107,11 +108,27 @@ class GPTDataset(MegatronDataset):
             name = f"{type(self).__name__}_indices"
             folder = os.path.join(self.dataset.path_prefix, "cache", name)
         if folder is None:
-            return GPTIndices(**build())
+            plan = self._plan()
+            if plan is None:  # the build names what is wrong
+                return GPTIndices(**build())
+            return GPTIndices(**built_in_memory({**self.description(), **plan}, build))
         name = f"{type(self).__name__}-{self.index_split.name}"
         cache = IndexCache(folder, name, self.description(), _INDEX_ARRAYS)
         may_build = not dist.is_initialized() or dist.get_rank() == 0
         return GPTIndices(**cache.load_or_build(build, may_build))
+
+    def _plan(self) -> dict | None:
+        """What the sample count decides of the arrays (the epochs, and whether the last
+        is shuffled apart), in place of the count; None when the count cannot be had."""
+        lengths = np.asarray(self.dataset.sequence_lengths)
+        tokens = int(np.sum(lengths[self.indices], dtype=np.int64))
+        length, count = self.config.sequence_length, self.num_samples
+        try:
+            epochs = epochs_needed(tokens, count, length, self._extra)
+            separate = separate_final_epoch(epochs, tokens, count, length, self._extra)
+        except ValueError:
+            return None
+        return {"num_samples": None, "epochs": epochs, "separate_final_epoch": separate}
 
     def __len__(self) -> int:
         return self.sample_index.shape[0] - 1

@@ -22,7 +22,6 @@ nothing on other C libraries (macOS, musl) or GPU runs.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 
 __all__ = ["keep_freed_memory"]
@@ -48,11 +47,10 @@ def keep_freed_memory() -> str:
 
 
 def _mallopt():
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return None
     try:
-        libc = ctypes.CDLL(name)
+        # The process's own symbols: the C library it runs on, found without
+        # ctypes.util.find_library's `ldconfig -p` child process.
+        libc = ctypes.CDLL(None)
         mallopt = libc.mallopt
         libc.gnu_get_libc_version  # noqa: B018 - glibc only
     except (OSError, AttributeError):
