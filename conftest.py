@@ -14,12 +14,21 @@ again, about 3 s each. Those processes instead write and read their bytecode und
 cache folder outside the repository (PYTHONPYCACHEPREFIX, in the temporary directory),
 so the first compiles and the others reuse it; the source tree stays free of it.
 
+The cyclic garbage collector is off while the tests are collected: importing them (torch,
+transformers, every package) makes some million objects that live as long as the
+process, and the collector would scan them over and over while they come, about 1 s of a
+worker's CPU. They are then frozen out of later collections and the collector is on
+again for the tests (the launcher unfreezes them at its first fork, as it does its own
+freeze: mp_state.testing), and unfrozen at the end, where frozen objects would outlive
+the interpreter's last collection (triton's bindings then report them as leaked).
+
 No progress-bar monitor thread: tqdm (transformers' save and load bars, torch.fx's
 interpreter) would start one in a test process, and it takes the bars' locks every 10 s;
 a rank or worker forked while it held them would wait forever at its first bar
 (mp_state.testing's launcher also gives its ranks fresh locks).
 """
 
+import gc
 import os
 import tempfile
 
@@ -38,6 +47,20 @@ try:
     tqdm.tqdm.monitor_interval = 0
 except ImportError:  # not installed: no bars, no monitor
     pass
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_collection(session: pytest.Session):
+    gc.disable()
+    try:
+        return (yield)
+    finally:
+        gc.freeze()
+        gc.enable()
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    gc.unfreeze()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -20,6 +20,13 @@ and answer, stops the other ranks and exits 0. docs/serving.md has the details.
 
 from __future__ import annotations
 
+import gc
+
+if __name__ == "__main__":
+    # As mp_gpt.pretrain: the imports' objects, which live as long as the server, are
+    # made with the cyclic collector off and frozen out of its later collections.
+    gc.disable()
+
 import argparse
 import asyncio
 import json
@@ -187,4 +194,10 @@ def _generate(generator: Generator, vocabulary: Vocabulary,
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    gc.freeze()
+    gc.enable()
+    try:
+        status = main()
+    finally:
+        gc.unfreeze()  # as in mp_gpt.pretrain
+    sys.exit(status)
