@@ -5,16 +5,12 @@ torchrun --nproc-per-node 2 apps/gpt/pretrain_gpt.py --config apps/gpt/configs/t
 
 from __future__ import annotations
 
-import gc
 import sys
 
+from mp_gpt import program
+
 if __name__ == "__main__":
-    # Started as a program (`python -m mp_gpt.pretrain`, each rank under torchrun): the
-    # imports below make some 290,000 objects that live as long as the process, and the
-    # cyclic collector would scan them over and over while they come: 0.3 s of the 3 s
-    # of CPU that `--help` takes on a 2-core machine. Before the run (the end of this
-    # file) they are frozen out of its collections, and the collector is on again.
-    gc.disable()
+    program.imports_begin()  # started as a program: mp_gpt.program says why
 
 import functools
 
@@ -78,13 +74,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # Frozen, the imports' objects are never scanned again: left in the youngest
-    # generation, every collection of the run's first steps went through all of them
-    # (0.55 s of a tiny run's 3.8 s of CPU under torchrun).
-    gc.freeze()
-    gc.enable()
-    try:
-        status = main()
-    finally:
-        gc.unfreeze()  # frozen objects outlive the last collection: triton calls them leaks
-    sys.exit(status)
+    sys.exit(program.run(main))

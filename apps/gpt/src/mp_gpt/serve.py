@@ -20,12 +20,10 @@ and answer, stops the other ranks and exits 0. docs/serving.md has the details.
 
 from __future__ import annotations
 
-import gc
+from mp_gpt import program
 
 if __name__ == "__main__":
-    # As mp_gpt.pretrain: the imports' objects, which live as long as the server, are
-    # made with the cyclic collector off and frozen out of its later collections.
-    gc.disable()
+    program.imports_begin()  # started as a program: mp_gpt.program says why
 
 import argparse
 import asyncio
@@ -194,10 +192,4 @@ def _generate(generator: Generator, vocabulary: Vocabulary,
 
 
 if __name__ == "__main__":
-    gc.freeze()
-    gc.enable()
-    try:
-        status = main()
-    finally:
-        gc.unfreeze()  # as in mp_gpt.pretrain
-    sys.exit(status)
+    sys.exit(program.run(main))
