@@ -228,9 +228,10 @@ def test_a_bucket_of_another_size_is_refused(tmp_path):
 
     case = "llama_torch_dist_pp2_dp2_distopt"
     model = read_megatron(ASSETS / case)
-    entries = _SafeReader(model.directory).read_metadata().state_dict_metadata
+    storage = _SafeReader(model.directory)
+    entries = storage.read_metadata().state_dict_metadata
     keys = [k for k in entries if k.startswith("optimizer.distributed.")]
-    tensors, raw = _load_dist(model.directory, keys, entries)
+    tensors, raw = _load_dist(storage, keys, entries)
     sizes_key = "optimizer.distributed.dp_group_idx_0.per_bucket_numel_unpadded/shard_0_1"
     (sizes,) = raw[sizes_key][0][0].values()
     sizes[2] -= 64

@@ -2,6 +2,7 @@
 without reading them, a hostile file is refused with mmap as without, and every
 logical tensor of logical_plan has the shape and dtype it announced."""
 
+import collections
 import os
 from pathlib import Path
 
@@ -51,3 +52,31 @@ def test_a_mapped_file_passes_the_allow_list_too(tmp_path):
     assert not marker.exists()
     torch.save({"w": torch.arange(4.0)}, path)
     assert torch.equal(safe_load(path, mmap=True)["w"], torch.arange(4.0))
+
+
+@pytest.mark.parametrize("case", ["llama_torch_dist_tp2_distopt", "llama_torch_pp2"])
+def test_each_file_is_parsed_once_for_all_its_tensors(case, monkeypatch):
+    """torch_dist: the .metadata pickle once for every tensor read; legacy: each rank
+    file's pickle once for the tensors of its pipeline stage, read one after another."""
+    from mp_ckpt.megatron import read
+
+    parsed = []  # the files unpickled (a pickle held in memory is not one)
+
+    def load(source, *args, **kwargs):
+        if not isinstance(source, bytes):
+            parsed.append(source)
+        return safe_load(source, *args, **kwargs)
+
+    monkeypatch.setattr(read, "safe_load", load)
+    parse = read._SafeReader.parse_metadata
+    monkeypatch.setattr(read._SafeReader, "parse_metadata",
+                        lambda self, path: parsed.append(path) or parse(self, path))  # fmt: skip
+    model = read_megatron(ASSETS / case)
+    opened = len(parsed)
+    tensors = [model.tensors[name] for name in model.tensors]
+    during_reads = collections.Counter(Path(p).name for p in parsed[opened:])
+    if case.startswith("llama_torch_dist"):
+        assert parsed == [ASSETS / case / "iter_0000002" / ".metadata"] and not during_reads
+    else:  # two stages, a file each
+        assert during_reads == {"model_optim_rng.pt": 2}, parsed[opened:]
+    assert len(tensors) > 10

@@ -7,27 +7,60 @@ destination is a tensor (often a view into a larger one) of the box's shape.
 DCP reads each stored tensor, cuts the box and copies it into the
 destination: no buffer holds the stored tensors between the read and the copy,
 so a load needs little memory beyond its targets.
+
+Every DCP load starts by parsing the checkpoint's .metadata (a pickle naming every
+stored chunk): a reader that reads a checkpoint piece by piece passes one
+KeptMetadataReader to all its loads, which parses it once.
 """
 
 from __future__ import annotations
 
 import os
+import pickle
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from mp_ckpt.core.checkpointer import single_process_quiet
 from mp_ckpt.core.regions import Region
 
-__all__ = ["Box", "BoxReads", "read_boxes", "stored_buffer"]
+__all__ = ["Box", "BoxReads", "KeptMetadataReader", "read_boxes", "stored_buffer"]
 
 Box = tuple[slice, ...]
 BoxReads = dict[str, list[tuple[Box, torch.Tensor]]]
 """Stored tensor name -> [(box in its coordinates, destination of the box's shape)]."""
+
+
+class KeptMetadataReader(dcp.FileSystemReader):
+    """DCP's FileSystemReader that parses the checkpoint's .metadata at its first load
+    and gives the same parsed object to every later one (DCP's own parses it again at
+    each: a whole tensor read piece by piece re-read it per piece). One reader serves
+    one thread's loads, one after the other, of a checkpoint that does not change."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        super().__init__(path)
+        self._parsed: dict[Any, Metadata] = {}
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        rank = kwargs.get("rank")
+        if rank not in self._parsed:
+            metadata = self.parse_metadata(self._get_metadata_path(rank))
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            self._parsed[rank] = metadata
+        metadata = self._parsed[rank]
+        metadata.storage_meta.load_id = self.load_id  # this load's, as DCP's reader sets it
+        return metadata
+
+    def parse_metadata(self, path: str | os.PathLike) -> Metadata:
+        """The .metadata file at `path`, unpickled."""
+        with self.fs.create_stream(path, "rb") as stream:
+            return pickle.load(stream)
 
 
 def stored_buffer(chunk: dict) -> tuple[torch.Tensor, Box]:
@@ -43,7 +76,8 @@ def read_boxes(directory: str | os.PathLike, reads: BoxReads, *, distributed: bo
                storage_reader: dcp.StorageReader | None = None) -> None:  # fmt: skip
     """Fills every destination (collective when distributed: every rank calls it, with
     its own reads, possibly none). storage_reader: DCP's FileSystemReader(directory)
-    unless given."""
+    unless given (a KeptMetadataReader, for a caller that reads one checkpoint in many
+    calls)."""
     for name, boxes in reads.items():
         for box, destination in boxes:
             shape = tuple(s.stop - s.start for s in box)

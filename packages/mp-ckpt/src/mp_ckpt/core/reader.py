@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from mp_ckpt.core.box_reads import read_boxes, stored_buffer
+from mp_ckpt.core.box_reads import KeptMetadataReader, read_boxes, stored_buffer
 from mp_ckpt.core.integrity import recorded_files, verify_files
 from mp_ckpt.core.loader import read_metadata, resolve
 from mp_ckpt.core.regions import Region, copy_shared, local_box
@@ -31,6 +31,7 @@ class CheckpointReader:
         else:
             _, self.directory = resolve(path, iteration)
         self.metadata = read_metadata(self.directory)
+        self._storage = KeptMetadataReader(self.directory)  # DCP's .metadata, parsed once
         self.chunks: dict[str, list[dict]] = {}
         for chunk in self.metadata["chunks"]:
             self.chunks.setdefault(chunk["key"], []).append(chunk)
@@ -66,6 +67,7 @@ class CheckpointReader:
         )
         out = torch.empty(out_shape, dtype=self.dtype(key))
         copied = 0
+        boxes: dict[str, list] = {}  # read together, in one load
         for chunk in self.chunks[key]:
             source = Region.from_chunk(chunk)
             shared = source.box_overlap(region)
@@ -74,14 +76,16 @@ class CheckpointReader:
             if source.flattened_range is None and region.flattened_range is None:
                 # Only the shared box is read, straight into its place in `out`.
                 target = out[local_box(shared, region)]
-                read_boxes(self.directory, {chunk["storage_key"]: [(local_box(shared, source),
-                                                                   target)]},
-                           distributed=False)  # fmt: skip
+                boxes.setdefault(chunk["storage_key"], []).append(
+                    (local_box(shared, source), target)
+                )
                 copied += target.numel()
                 continue
             data = self._load_chunk(chunk)
             copied += copy_shared(data, source, out, region)
             del data
+        if boxes:
+            read_boxes(self.directory, boxes, distributed=False, storage_reader=self._storage)
         if copied != out.numel():
             raise ValueError(
                 f"{self.directory}: {key}: the saved pieces cover {copied} of {out.numel()} "
@@ -97,5 +101,6 @@ class CheckpointReader:
 
     def _load_chunk(self, chunk: dict) -> torch.Tensor:
         buffer, whole = stored_buffer(chunk)
-        read_boxes(self.directory, {chunk["storage_key"]: [(whole, buffer)]}, distributed=False)
+        read_boxes(self.directory, {chunk["storage_key"]: [(whole, buffer)]}, distributed=False,
+                   storage_reader=self._storage)  # fmt: skip
         return buffer

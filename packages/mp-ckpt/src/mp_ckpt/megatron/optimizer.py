@@ -165,7 +165,7 @@ def _step(values, where: str) -> float:
 # --- torch_dist -----------------------------------------------------------------------------
 
 
-def _load_dist(directory: Path, keys: list[str], entries) -> tuple[dict, dict]:
+def _load_dist(storage: _SafeReader, keys: list[str], entries) -> tuple[dict, dict]:
     wanted: dict[str, object] = {}
     for key in keys:
         entry = entries[key]
@@ -175,8 +175,8 @@ def _load_dist(directory: Path, keys: list[str], entries) -> tuple[dict, dict]:
             wanted[key] = torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
     planner = _RawBytesPlanner()
     with single_process_quiet():
-        dcp.load(wanted, storage_reader=_SafeReader(directory), planner=planner, no_dist=True)
-    raw = {k: safe_load(v, name=f"{directory}:{k}") for k, v in planner.raw.items()}
+        dcp.load(wanted, storage_reader=storage, planner=planner, no_dist=True)
+    raw = {k: safe_load(v, name=f"{storage.path}:{k}") for k, v in planner.raw.items()}
     return {k: v for k, v in wanted.items() if isinstance(v, torch.Tensor)}, raw
 
 
@@ -193,14 +193,15 @@ def _one(value):
 
 def _read_torch_dist(model: MegatronModel) -> MegatronOptimizer:
     directory = model.directory
-    entries = _SafeReader(directory).read_metadata().state_dict_metadata
+    storage = _SafeReader(directory)
+    entries = storage.read_metadata().state_dict_metadata
     common_keys = [k for k in entries if k.startswith("common_state")]
     plain = [k for k in entries if k.startswith("optimizer.state.")]
     distributed = [k for k in entries if k.startswith("optimizer.distributed.")]
     if not plain and not distributed:
         raise ValueError(f"{directory}: no optimizer.state.* nor optimizer.distributed.* keys "
                          "(saved without optimizer state)")  # fmt: skip
-    tensors, raw = _load_dist(directory, plain + distributed + common_keys, entries)
+    tensors, raw = _load_dist(storage, plain + distributed + common_keys, entries)
     common = _one(raw[common_keys[0]]) if common_keys else safe_load(directory / "common.pt")
     where = f"{directory}"
     states: dict[str, dict[str, torch.Tensor]] = {s: {} for s in (*STATES, "momentum_buffer")}

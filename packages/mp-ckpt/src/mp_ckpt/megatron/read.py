@@ -62,9 +62,9 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, StorageMeta
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
-from mp_ckpt.core.box_reads import read_boxes
+from mp_ckpt.core.box_reads import KeptMetadataReader, read_boxes
 from mp_ckpt.core.checkpointer import single_process_quiet
 from mp_ckpt.megatron.safe_pickle import safe_load, safe_unpickle
 from mp_ckpt.megatron.settings import gated
@@ -185,16 +185,12 @@ def read_megatron(src: str | os.PathLike, iteration: int | None = None) -> Megat
 # --- torch_dist -------------------------------------------------------------------------
 
 
-class _SafeReader(dcp.FileSystemReader):
-    """DCP's reader, with .metadata unpickled through the allow-list."""
+class _SafeReader(KeptMetadataReader):
+    """DCP's reader, with .metadata unpickled through the allow-list, once per reader."""
 
-    def read_metadata(self, *args, **kwargs):
-        path = Path(self._get_metadata_path(kwargs.get("rank")))
-        metadata = safe_unpickle(path.read_bytes(), name=str(path))
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
+    def parse_metadata(self, path):
+        path = Path(path)
+        return safe_unpickle(path.read_bytes(), name=str(path))
 
 
 class _RawBytesPlanner(DefaultLoadPlanner):
@@ -209,14 +205,14 @@ class _RawBytesPlanner(DefaultLoadPlanner):
 
 
 def _read_torch_dist(directory: Path, iteration: int) -> MegatronModel:
-    metadata = _SafeReader(directory).read_metadata()
-    entries = metadata.state_dict_metadata
+    storage = _SafeReader(directory)  # every read of this checkpoint's tensors goes through it
+    entries = storage.read_metadata().state_dict_metadata
     common_keys = [k for k in entries if k.startswith("common_state")]
     if common_keys:
         planner = _RawBytesPlanner()
         with single_process_quiet():
-            dcp.load({common_keys[0]: io.BytesIO()}, storage_reader=_SafeReader(directory),
-                     planner=planner, no_dist=True)  # fmt: skip
+            dcp.load({common_keys[0]: io.BytesIO()}, storage_reader=storage, planner=planner,
+                     no_dist=True)  # fmt: skip
         common = safe_load(planner.raw[common_keys[0]], name=f"{directory}:{common_keys[0]}")
         if isinstance(common, list) and common:  # a ShardedObject: one entry per saving rank
             common = common[0]
@@ -235,10 +231,10 @@ def _read_torch_dist(directory: Path, iteration: int) -> MegatronModel:
         rest = key.removeprefix("decoder.layers.")
         if rest != key and not _LAYER.match(key):  # stacked: [layers, ...]
             for i in range(shape[0]):
-                read = functools.partial(_read_dist_box, directory, key, shape, dtype, i)
+                read = functools.partial(_read_dist_box, storage, key, shape, dtype, i)
                 tensors.add(f"decoder.layers.{i}.{rest}", shape[1:], dtype, read)
         else:
-            read = functools.partial(_read_dist_box, directory, key, shape, dtype)
+            read = functools.partial(_read_dist_box, storage, key, shape, dtype)
             tensors.add(key, shape, dtype, read)
     return MegatronModel(directory, iteration, args, "torch_dist", _join_mamba_parts(tensors),
                          common.get("checkpoint_version"))  # fmt: skip
@@ -282,7 +278,7 @@ def _join_mamba_parts(tensors: MegatronTensors) -> MegatronTensors:
     return out
 
 
-def _read_dist_box(directory: Path, key: str, shape, dtype, layer: int | None = None):
+def _read_dist_box(storage: _SafeReader, key: str, shape, dtype, layer: int | None = None):
     """The stored tensor `key` whole, or its slice `layer` of the leading dimension."""
     if layer is None:
         out = torch.empty(shape, dtype=dtype)
@@ -291,8 +287,7 @@ def _read_dist_box(directory: Path, key: str, shape, dtype, layer: int | None = 
         out = torch.empty(shape[1:], dtype=dtype)
         target = out.unsqueeze(0)
         box = (slice(layer, layer + 1), *(slice(0, n) for n in shape[1:]))
-    read_boxes(directory, {key: [(box, target)]}, distributed=False,
-               storage_reader=_SafeReader(directory))  # fmt: skip
+    read_boxes(storage.path, {key: [(box, target)]}, distributed=False, storage_reader=storage)
     return out
 
 
@@ -372,6 +367,7 @@ def _read_torch(directory: Path, iteration: int) -> MegatronModel:
     parts = mamba_parts(args)
     checkpoint_version = None
     tensors = MegatronTensors()
+    mapped = _MappedRankFiles()
     offset = 0
     for stage in range(pp):
         stage_layers: set[int] = set()
@@ -401,7 +397,8 @@ def _read_torch(directory: Path, iteration: int) -> MegatronModel:
                     name = f"decoder.layers.{int(match.group(1)) + offset}.{match.group(2)}"
                 whole = whole_rows(key, down_rows)
                 joined = join_pieces(key, pieces, swiglu, whole, parts)
-                read = functools.partial(_read_rank_tensor, paths, key, swiglu, whole, parts)
+                read = functools.partial(_read_rank_tensor, mapped, paths, key, swiglu, whole,
+                                         parts)  # fmt: skip
                 tensors.add(name, joined.shape, joined.dtype, read)
         offset += len(stage_layers)
     return MegatronModel(directory, iteration, args, "torch", tensors, checkpoint_version)
@@ -422,12 +419,31 @@ def _meta_shapes(path: Path) -> dict:
     return shapes | {"checkpoint_version": state.get("checkpoint_version")}
 
 
+class _MappedRankFiles:
+    """The models of one group of TP ranks' files, mapped (nothing is paged in but the
+    pickles), kept from one tensor's read to the next: the tensors of one pipeline
+    stage are read one after another, and each file's pickle, which names all its
+    tensors, is parsed once for them rather than once each. Another group's read
+    closes the mappings held."""
+
+    def __init__(self) -> None:
+        self._paths: list[Path] = []
+        self._models: list[dict] = []
+
+    def models(self, paths: list[Path]) -> list[dict]:
+        if paths != self._paths:
+            self._paths, self._models = [], []  # the old mappings go first
+            self._models = [safe_load(path, mmap=True)["model"] for path in paths]
+            self._paths = list(paths)
+        return self._models
+
+
 def _read_rank_tensor(
-    paths: list[Path], key: str, swiglu: bool, whole: int | None = None, parts=None
-) -> torch.Tensor:
-    """One tensor joined from the TP ranks' files (mapped: only its pages are read; the
-    mappings close when this returns)."""
-    pieces = [safe_load(path, mmap=True)["model"][key] for path in paths]
+    mapped: _MappedRankFiles, paths: list[Path], key: str, swiglu: bool,
+    whole: int | None = None, parts=None,
+) -> torch.Tensor:  # fmt: skip
+    """One tensor joined from the TP ranks' files (mapped: only its pages are read)."""
+    pieces = [model[key] for model in mapped.models(paths)]
     joined = join_pieces(key, pieces, swiglu, whole, parts)
     if any(joined.untyped_storage().data_ptr() == p.untyped_storage().data_ptr()
            for p in pieces):  # fmt: skip
