@@ -51,11 +51,15 @@ Every pickle goes through safe_pickle's allow-list; .metadata too.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import functools
 import io
+import mmap
 import os
 import re
+import sys
+import zipfile
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
@@ -424,18 +428,44 @@ class _MappedRankFiles:
     pickles), kept from one tensor's read to the next: the tensors of one pipeline
     stage are read one after another, and each file's pickle, which names all its
     tensors, is parsed once for them rather than once each. Another group's read
-    closes the mappings held."""
+    closes the mappings held.
+
+    A page read through a mapping stays in the process's memory while the mapping
+    lives, so `release` gives back, once a tensor is copied out, the pages of the
+    pieces it was read from (Linux: madvise MADV_DONTNEED; the mapping is private and
+    never written, so a later read pages them in from the file again). Elsewhere the
+    pages stay until the group's mappings close."""
 
     def __init__(self) -> None:
         self._paths: list[Path] = []
         self._models: list[dict] = []
+        self._mapped: list[bool] = []  # a file in torch's old format is read whole
 
     def models(self, paths: list[Path]) -> list[dict]:
+        """The files' models, in the order of `paths`."""
         if paths != self._paths:
             self._paths, self._models = [], []  # the old mappings go first
             self._models = [safe_load(path, mmap=True)["model"] for path in paths]
+            self._mapped = [zipfile.is_zipfile(path) for path in paths]
             self._paths = list(paths)
         return self._models
+
+    def release(self, pieces: list[torch.Tensor]) -> None:
+        """Gives back the pages of `pieces`, one per file of the last `models(paths)`."""
+        if _MADVISE is None:
+            return
+        page = mmap.PAGESIZE
+        for piece, mapped in zip(pieces, self._mapped, strict=True):
+            if not mapped:
+                continue  # memory of its own: nothing to give back to a file
+            storage = piece.untyped_storage()
+            start = storage.data_ptr() // page * page
+            end = storage.data_ptr() + storage.nbytes()
+            _MADVISE(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_DONTNEED)
+
+
+_MADV_DONTNEED = 4  # Linux's value
+_MADVISE = ctypes.CDLL(None).madvise if sys.platform == "linux" else None
 
 
 def _read_rank_tensor(
@@ -448,4 +478,5 @@ def _read_rank_tensor(
     if any(joined.untyped_storage().data_ptr() == p.untyped_storage().data_ptr()
            for p in pieces):  # fmt: skip
         joined = joined.clone()  # a view of a mapped file: a tensor of its own
+    mapped.release(pieces)
     return joined
