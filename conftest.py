@@ -22,6 +22,13 @@ again for the tests (the launcher unfreezes them at its first fork, as it does i
 freeze: mp_state.testing), and unfrozen at the end, where frozen objects would outlive
 the interpreter's last collection (triton's bindings then report them as leaked).
 
+Under pytest-xdist each worker computes with its share of the cores (cores // workers
+torch threads, at least one): with torch's default, a thread per core in every worker,
+two workers on two cores ran four compute threads, and each small operation's thread
+team waited for a thread that was off running the other worker's test. The processes
+the tests start choose their own (the forked ranks one thread each, torchrun jobs and
+subprocesses OMP_NUM_THREADS=1).
+
 No progress-bar monitor thread: tqdm (transformers' save and load bars, torch.fx's
 interpreter) would start one in a test process, and it takes the bars' locks every 10 s;
 a rank or worker forked while it held them would wait forever at its first bar
@@ -47,6 +54,21 @@ try:
     tqdm.tqdm.monitor_interval = 0
 except ImportError:  # not installed: no bars, no monitor
     pass
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers:
+        import torch
+
+        torch.set_num_threads(worker_threads(workers))
+
+
+def worker_threads(workers: int) -> int:
+    """The torch threads of one of `workers` pytest-xdist workers: its share of the cores
+    this process may run on."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (cores or 1) // workers)
 
 
 @pytest.hookimpl(wrapper=True)
