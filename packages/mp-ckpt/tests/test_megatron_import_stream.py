@@ -73,6 +73,10 @@ def test_each_file_is_parsed_once_for_all_its_tensors(case, monkeypatch):
     parse = read._SafeReader.parse_metadata
     monkeypatch.setattr(read._SafeReader, "parse_metadata",
                         lambda self, path: parsed.append(path) or parse(self, path))  # fmt: skip
+    given_back = []  # the pages given back to the mapped files (Linux)
+    if read._MADVISE is not None:
+        madvise = read._MADVISE
+        monkeypatch.setattr(read, "_MADVISE", lambda *a: given_back.append(a) or madvise(*a))
     model = read_megatron(ASSETS / case)
     opened = len(parsed)
     tensors = [model.tensors[name] for name in model.tensors]
@@ -81,6 +85,8 @@ def test_each_file_is_parsed_once_for_all_its_tensors(case, monkeypatch):
         assert parsed == [ASSETS / case / "iter_0000002" / ".metadata"] and not during_reads
     else:  # two stages, a file each
         assert during_reads == {"model_optim_rng.pt": 2}, parsed[opened:]
+        if read._MADVISE is not None:  # one piece per tensor (TP 1), each given back
+            assert len(given_back) == len(model.tensors)
     assert len(tensors) > 10
     # Legacy: the pages each read came from were given back; read again from the file,
     # they hold the same values.

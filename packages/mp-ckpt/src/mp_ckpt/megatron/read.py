@@ -59,7 +59,6 @@ import mmap
 import os
 import re
 import sys
-import zipfile
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
@@ -433,20 +432,22 @@ class _MappedRankFiles:
     A page read through a mapping stays in the process's memory while the mapping
     lives, so `release` gives back, once a tensor is copied out, the pages of the
     pieces it was read from (Linux: madvise MADV_DONTNEED; the mapping is private and
-    never written, so a later read pages them in from the file again). Elsewhere the
-    pages stay until the group's mappings close."""
+    never written, so a later read pages them in from the file again). Only pages that
+    /proc/self/maps shows mapped from the piece's own file are given back: memory of
+    the process's own (a file in torch's old format, read whole) would be zeroed.
+    Elsewhere the pages stay until the group's mappings close."""
 
     def __init__(self) -> None:
         self._paths: list[Path] = []
         self._models: list[dict] = []
-        self._mapped: list[bool] = []  # a file in torch's old format is read whole
+        self._spans: list[list[tuple[int, int]]] = []  # each file's mapped address ranges
 
     def models(self, paths: list[Path]) -> list[dict]:
         """The files' models, in the order of `paths`."""
         if paths != self._paths:
             self._paths, self._models = [], []  # the old mappings go first
             self._models = [safe_load(path, mmap=True)["model"] for path in paths]
-            self._mapped = [zipfile.is_zipfile(path) for path in paths]
+            self._spans = _file_mappings(paths) if _MADVISE is not None else []
             self._paths = list(paths)
         return self._models
 
@@ -455,17 +456,29 @@ class _MappedRankFiles:
         if _MADVISE is None:
             return
         page = mmap.PAGESIZE
-        for piece, mapped in zip(pieces, self._mapped, strict=True):
-            if not mapped:
-                continue  # memory of its own: nothing to give back to a file
+        for piece, spans in zip(pieces, self._spans, strict=True):
             storage = piece.untyped_storage()
             start = storage.data_ptr() // page * page
             end = storage.data_ptr() + storage.nbytes()
-            _MADVISE(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_DONTNEED)
+            if any(low <= start and end <= high for low, high in spans):
+                _MADVISE(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_DONTNEED)
 
 
 _MADV_DONTNEED = 4  # Linux's value
 _MADVISE = ctypes.CDLL(None).madvise if sys.platform == "linux" else None
+
+
+def _file_mappings(paths: list[Path]) -> list[list[tuple[int, int]]]:
+    """For each file, the address ranges /proc/self/maps shows mapped from it."""
+    wanted = {os.path.realpath(path): i for i, path in enumerate(paths)}
+    spans: list[list[tuple[int, int]]] = [[] for _ in paths]
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and fields[5].rstrip("\n") in wanted:
+                low, high = (int(x, 16) for x in fields[0].split("-"))
+                spans[wanted[fields[5].rstrip("\n")]].append((low, high))
+    return spans
 
 
 def _read_rank_tensor(
