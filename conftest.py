@@ -29,6 +29,12 @@ team waited for a thread that was off running the other worker's test. The proce
 the tests start choose their own (the forked ranks one thread each, torchrun jobs and
 subprocesses OMP_NUM_THREADS=1).
 
+DCP's call logger records nothing below INFO in the test processes. It logs every DCP
+call at DEBUG (a dict of the call's arguments) to a logger that does not propagate, and
+pytest attaches its capture handlers to such loggers too, so each save and load was
+formatted three times over: about a quarter of the pytest time of the checkpoint tests
+that call DCP most. The ranks forked from a test process inherit the level.
+
 No progress-bar monitor thread: tqdm (transformers' save and load bars, torch.fx's
 interpreter) would start one in a test process, and it takes the bars' locks every 10 s;
 a rank or worker forked while it held them would wait forever at its first bar
@@ -36,6 +42,7 @@ a rank or worker forked while it held them would wait forever at its first bar
 """
 
 import gc
+import logging
 import os
 import tempfile
 
@@ -62,6 +69,16 @@ def pytest_configure(config: pytest.Config) -> None:
         import torch
 
         torch.set_num_threads(worker_threads(workers))
+    if workers or not getattr(config.option, "numprocesses", None):  # not xdist's controller
+        _quiet_dcp_call_records()
+
+
+def _quiet_dcp_call_records() -> None:
+    import torch.distributed.checkpoint.logger as dcp_logging
+
+    logger = getattr(dcp_logging, "_dcp_logger", None)  # tests/test_test_processes.py
+    if logger is not None:
+        logger.setLevel(logging.INFO)
 
 
 def worker_threads(workers: int) -> int:
