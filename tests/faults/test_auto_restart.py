@@ -67,6 +67,12 @@ def test_killed_rank_restarts_and_resumes_bitwise(tmp_path, saving):
     # torchrun started the workers twice: each rank initialized twice.
     assert output.count("torch.distributed initialized") == 4, output[-3000:]
     assert "RNG states not restored" not in output
+    # torchrun's logs of both attempts in the run's folder (by default, a folder of /tmp
+    # that it leaves)
+    assert sorted(p.name for p in (run_dir / "torchrun-logs").glob("*/attempt_*")) == [
+        "attempt_0",
+        "attempt_1",
+    ]
 
     written = complete_records(run_dir)
     # The records up to the kill, then those after the restart.

@@ -104,11 +104,13 @@ except RuntimeError as error:
 """
 
 
-def test_the_sigchld_handler_says_the_same():
+def test_the_sigchld_handler_says_the_same(tmp_path):
     # torch's handler raises wherever the main thread is when SIGCHLD arrives: in a
     # process of its own, not in the test run.
+    # TMPDIR: the folder its os._exit leaves (test_a_killed_worker_leaves_no_folder_behind)
+    env = os.environ | {"TMPDIR": str(tmp_path)}
     done = subprocess.run([sys.executable, "-c", SIGCHLD_RUN, __file__], capture_output=True,
-                          text=True, timeout=60)  # fmt: skip
+                          text=True, timeout=60, env=env)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     pid, said = done.stdout.split(" ", 1)
     assert re.fullmatch(SAID.format(pid=pid), said.strip()), said
@@ -150,3 +152,28 @@ def test_close_returns_when_a_killed_process_held_the_workers_lock():
         signal.signal(signal.SIGCHLD, torch_handler)
     assert not closing.is_alive(), "close() waits on the dead process's lock"
     assert not any(w.is_alive() for w in workers)
+
+
+KILLED_WORKER_RUN = """
+import os, signal, sys
+sys.path.insert(0, os.path.dirname(sys.argv[1]))
+from test_data_loader_workers import loader
+batches = iter(loader())
+next(batches), next(batches)  # each worker has sent a batch: a socket in its folder
+signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # torch's handler would raise at the kill
+workers = batches._iterator._workers
+os.kill(workers[0].pid, signal.SIGKILL)
+workers[0].join(timeout=30)
+batches.close()
+"""
+
+
+def test_a_killed_worker_leaves_no_folder_behind(tmp_path):
+    # A worker shares each batch's memory through a socket in a temporary folder; one
+    # killed cannot remove it. The workers use their caller's folder, which goes when the
+    # caller exits.
+    done = subprocess.run([sys.executable, "-c", KILLED_WORKER_RUN, __file__],
+                          capture_output=True, text=True, timeout=60,
+                          env=os.environ | {"TMPDIR": str(tmp_path)})  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert list(tmp_path.iterdir()) == []

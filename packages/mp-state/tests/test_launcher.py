@@ -3,6 +3,7 @@
 import io
 import os
 import signal
+import subprocess
 import sys
 import time
 
@@ -165,3 +166,22 @@ def test_world_size_must_be_positive_and_the_device_known(monkeypatch):
     assert default_start_method("cuda") == "spawn"
     if sys.platform == "linux":
         assert default_start_method() == "fork"
+
+
+RANKS_WITH_A_FOLDER = """
+import multiprocessing.util
+from mp_state.testing import run_on_ranks
+# each rank makes multiprocessing's folder (a loader worker's socket would go there)
+folders = run_on_ranks(multiprocessing.util.get_temp_dir, 2, init_process_group=False)
+assert folders == [multiprocessing.util.get_temp_dir()] * 2, folders
+"""
+
+
+def test_ranks_leave_no_temporary_folder_behind(tmp_path):
+    """A rank ends with os._exit, which removes nothing: its ranks use the caller's
+    multiprocessing folder, which goes when the caller exits."""
+    env = os.environ | {"TMPDIR": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", RANKS_WITH_A_FOLDER], capture_output=True,
+                          text=True, timeout=120, env=env)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert not list(tmp_path.glob("pymp-*"))  # (torch's compiler makes a cache folder)

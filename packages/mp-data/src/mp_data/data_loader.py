@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import multiprocessing.connection
+import multiprocessing.util
 import signal
 from collections.abc import Sequence
 
@@ -121,9 +122,16 @@ class DataLoaderWorkerError(RuntimeError):
 
 
 class _PretrainingDataLoader(torch.utils.data.DataLoader):
-    """A DataLoader whose iterators say which worker died and how."""
+    """A DataLoader whose iterators say which worker died and how, and whose workers
+    leave no temporary folder behind."""
 
     def __iter__(self):
+        if self.num_workers > 0:
+            # A worker hands each batch's memory over through a socket in a temporary
+            # folder (multiprocessing's, made at first use), which it removes as it
+            # exits, but not when it is killed. Made here first, the folder is the
+            # caller's: the workers inherit it, and it goes when the caller exits.
+            multiprocessing.util.get_temp_dir()
         return _WorkerWatch(super().__iter__(), self)
 
 

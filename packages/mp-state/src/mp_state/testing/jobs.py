@@ -30,10 +30,10 @@ __all__ = ["TorchrunJob"]
 
 
 class TorchrunJob:
-    """`python -m torch.distributed.run --standalone --nproc-per-node N [launcher_args]
-    TARGET...` with OMP_NUM_THREADS=1, MP_RUN_DIR=run_dir and MP_DEVICE=device (cpu by
-    default: gloo, even on a machine with GPUs; cuda: one GPU per worker, NCCL), output
-    in run_dir/output.log."""
+    """`python -m torch.distributed.run --standalone --nproc-per-node N --log-dir
+    run_dir/torchrun-logs [launcher_args] TARGET...` with OMP_NUM_THREADS=1,
+    MP_RUN_DIR=run_dir and MP_DEVICE=device (cpu by default: gloo, even on a machine with
+    GPUs; cuda: one GPU per worker, NCCL), output in run_dir/output.log."""
 
     def __init__(self, target: list[str], run_dir: Path, *, nproc: int = 2,
                  launcher_args: tuple[str, ...] = (), env: dict | None = None,
@@ -42,8 +42,11 @@ class TorchrunJob:
             raise ValueError(f"device={device!r}: expected cpu or cuda")
         run_dir.mkdir(parents=True, exist_ok=True)
         self.log = run_dir / "output.log"
+        # torchrun's log folder in run_dir: by default it makes one under /tmp and
+        # leaves it there.
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   f"--nproc-per-node={nproc}", *launcher_args, *target]  # fmt: skip
+                   f"--nproc-per-node={nproc}", "--log-dir", str(run_dir / "torchrun-logs"),
+                   *launcher_args, *target]  # fmt: skip
         environment = {**os.environ, "MP_RUN_DIR": str(run_dir), "OMP_NUM_THREADS": "1",
                        DEVICE_ENV: device, **(env or {})}  # fmt: skip
         with self.log.open("a") as log:

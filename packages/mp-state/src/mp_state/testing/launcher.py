@@ -47,6 +47,7 @@ import faulthandler
 import functools
 import gc
 import multiprocessing
+import multiprocessing.util
 import os
 import pickle
 import signal
@@ -146,6 +147,10 @@ def run_on_ranks(
     method = start_method or default_start_method(device)
     if method == "fork":
         _warm_imports()
+    # The ranks, and the loader workers they start, share this process's multiprocessing
+    # folder (made here at first use, removed when this process exits): a rank ends with
+    # os._exit, which would leave a folder of its own behind.
+    multiprocessing.util.get_temp_dir()
     ctx = multiprocessing.get_context(method)
     with tempfile.TemporaryDirectory(prefix="mp-ranks-") as tmp:
         ranks = []
