@@ -66,8 +66,6 @@ def test_gradients_reduce_in_fp32_unless_asked():
          "--init-model-with-meta-device needs ZeRO-2/3"),
         ([*FSDP, "--init-model-with-meta-device", "--data-parallel-random-init"],
          "--init-model-with-meta-device with --data-parallel-random-init: the broadcast"),
-        ([*FSDP, "--bf16", "--fp8-format", "hybrid"],
-         "--fp8-format with --use-megatron-fsdp: FP8 GEMMs"),
         ([*FSDP, "--pipeline-model-parallel-size", "2",
           "--num-layers-per-virtual-pipeline-stage", "1", "--global-batch-size", "4"],
          "--virtual-pipeline-model-parallel-size with --use-megatron-fsdp: the interleaved"),

@@ -182,7 +182,6 @@ def check_sharding(config) -> None:
             parallel.virtual_pipeline_model_parallel_size is not None,
             "the interleaved schedule over FSDP-sharded chunks",
         ),
-        "--fp8-format": (config.model.fp8 is not None, "FP8 GEMMs on FSDP-sharded weights"),
     }  # fmt: skip
     for option, (given, what) in later.items():
         if given:
