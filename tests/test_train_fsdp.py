@@ -166,11 +166,19 @@ def test_params_norm_over_shards_is_ddps(tmp_path):
 
 
 @pytest.mark.cuda
-def test_zero2_and_zero3_train_as_ddp_on_cuda(tmp_path):
-    """One rank on the GPU (NCCL, FSDP2's own streams), bf16: the DDP run's curve."""
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_zero2_and_zero3_train_as_ddp_on_cuda(tmp_path, precision):
+    """One rank on the GPU (NCCL, FSDP2's own streams), bf16, and with FP8 GEMMs (needs
+    torchao and FP8 tensor cores): the DDP run's curve."""
+    flags = ["--bf16"]
+    if precision == "fp8":
+        pytest.importorskip("torchao", reason="FP8 needs torchao")
+        if torch.cuda.get_device_capability() < (8, 9):
+            pytest.skip("FP8 needs FP8 tensor cores (compute capability 8.9+)")
+        flags += ["--fp8-format", "hybrid"]
     curves = {}
     for run, sharding in (("ddp", []), ("zero3", ZERO3), ("zero2", ZERO2)):
-        argv = tiny_options(tmp_path / run, *QUICK, "--bf16", *sharding)
+        argv = tiny_options(tmp_path / run, *QUICK, *flags, *sharding)
         run_on_ranks(train_on_rank, 1, argv, device="cuda", timeout=300)
         curves[run] = metrics_records(tmp_path / run)
     assert len(curves["ddp"]) == ITERATIONS
