@@ -46,6 +46,10 @@ TP2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--data-paral
 CP2 = ["--context-parallel-size", "2", "--calculate-per-token-loss"]
 PP2 = ["--pipeline-model-parallel-size", "2", "--mtp-num-layers", "1", *EVALUATE]
 EP2 = ["--expert-model-parallel-size", "2", "--average-in-collective"]
+# interleaved 1F1B, a layer per chunk, 4 micro-batches per rank: each chunk's last
+# backward, not the step's last, reduces its gradients
+VPP2 = ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
+        "--global-batch-size", "8"]  # fmt: skip
 BY_LAYER = ["--init-model-with-meta-device"]  # each layer sharded as soon as it is built
 
 # name -> (tiny MoE config, settings of all three runs, ZeRO-3's extra, ZeRO-2's extra)
@@ -54,6 +58,7 @@ LAYOUTS = {
     "dp2-tp2-sp": (False, TP2, [], []),
     "dp2-cp2": (False, CP2, [], []),
     "dp2-pp2": (False, PP2, [*BY_LAYER, *OVERLAP], []),
+    "dp2-pp2-vpp2": (False, VPP2, [], []),
     "dp4-ep2": (True, EP2, [*BY_LAYER, *OVERLAP], []),
 }
 

@@ -10,6 +10,9 @@ virtual stages); each layout's losses and gradients must equal
 forward_backward_no_pipelining over the same micro-batches (fp32, 1e-5).
 """
 
+import contextlib
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -202,6 +205,52 @@ def test_stage_layers():
     with pytest.raises(ValueError, match="num_layers_in_first_pipeline_stage=1 and"):
         stage_layers(7, 2, 0, virtual_pipeline_model_parallel_size=2, segments=segments,
                      num_layers_in_first_pipeline_stage=1)  # fmt: skip
+
+
+class SyncLog:
+    """A chunk's no_sync context, and whether it was held at each of the chunk's backwards."""
+
+    def __init__(self) -> None:
+        self.held, self.backwards = False, []
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        self.held = True
+        try:
+            yield
+        finally:
+            self.held = False
+
+
+def sync_body(pp: int, vpp: int, m: int, group: int | None) -> list[list[bool]]:
+    torch.set_num_threads(1)
+    state = mp_state.initialize(ParallelConfig(pipeline_model_parallel_size=pp))
+    chunks, logs = [], []
+    for vp_stage in range(vpp):
+        where = stage_layers(
+            LAYERS, pp, state.pp.rank, virtual_pipeline_model_parallel_size=vpp, vp_stage=vp_stage
+        )
+        chunk, log = stack(where.offset, where.count, where.pre_process), SyncLog()
+        chunk.layers[0].weight.register_hook(lambda grad, log=log: log.backwards.append(log.held))
+        chunks.append(chunk)
+        logs.append(log)
+    settings = dataclasses.replace(config(group), no_sync_func=[log.no_sync for log in logs])
+    get_forward_backward_func(pp, vpp)(
+        forward_step_func=forward_step, data_iterator=[iter(micro_batches(m)) for _ in chunks],
+        model=chunks, num_microbatches=m, config=settings, pp_group=state.pp,
+    )  # fmt: skip
+    mp_state.destroy()
+    return [log.backwards for log in logs]
+
+
+@pytest.mark.parametrize("pp,vpp,m,group", [(2, 2, 4, None), (2, 2, 5, 3), (2, 4, 4, None)])
+def test_interleaved_each_chunk_reduces_in_its_own_last_backward(pp, vpp, m, group):
+    """Each chunk's no_sync is held for its first m - 1 backwards and left before its
+    last, wherever that falls in the schedule: a sharded chunk (FSDP2) reduces its
+    gradients in that backward or never."""
+    for rank, chunks in enumerate(run_on_ranks(sync_body, pp, pp, vpp, m, group, timeout=120)):
+        for chunk, held in enumerate(chunks):
+            assert held == [True] * (m - 1) + [False], (rank, chunk, held)
 
 
 def test_interleaved_needs_one_iterator_per_chunk():

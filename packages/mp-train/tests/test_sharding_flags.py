@@ -66,9 +66,6 @@ def test_gradients_reduce_in_fp32_unless_asked():
          "--init-model-with-meta-device needs ZeRO-2/3"),
         ([*FSDP, "--init-model-with-meta-device", "--data-parallel-random-init"],
          "--init-model-with-meta-device with --data-parallel-random-init: the broadcast"),
-        ([*FSDP, "--pipeline-model-parallel-size", "2",
-          "--num-layers-per-virtual-pipeline-stage", "1", "--global-batch-size", "4"],
-         "--virtual-pipeline-model-parallel-size with --use-megatron-fsdp: the interleaved"),
         (["--use-torch-fsdp2", "--pipeline-model-parallel-size", "2"],
          "--use-torch-fsdp2 with --pipeline-model-parallel-size 2: not supported, as in "
          "Megatron-LM; --use-megatron-fsdp composes with it"),

@@ -232,12 +232,15 @@ def forward_backward_pipelining_with_interleaving(
             outputs[c].append(output)
         return output
 
+    backwards_left = [m] * v
+
     def backward_k(k: int) -> torch.Tensor | None:
         c = chunk_of(k, forward=False)
         if is_last(c):
             output_grads[c].append(None)
-        if k == total - 1:
-            run.enable_grad_sync()
+        backwards_left[c] -= 1
+        if backwards_left[c] == 0:  # the chunk's last micro-batch: its gradients reduce
+            run.enable_grad_sync(c)
         return run.backward(inputs[c].pop(0), outputs[c].pop(0), output_grads[c].pop(0))
 
     # Megatron's warm-up: (p - r - 1) x 2 forwards, plus (v - 1) groups of micro-batches.

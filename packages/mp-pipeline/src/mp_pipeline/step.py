@@ -65,7 +65,8 @@ class StepRunner:
         # Tokens counted by the last stage's loss functions (zero elsewhere); handed
         # to finalize on every rank when the loss is normalized per token.
         self.num_tokens = torch.zeros((), dtype=torch.int64)
-        self._no_sync: contextlib.ExitStack | None = None
+        # One stack per no_sync context (per model chunk when no_sync_func is a list).
+        self._no_sync: list[contextlib.ExitStack] | None = None
 
     def forward(self, chunk: int, input_tensor: torch.Tensor | None, last_stage: bool):
         model = self.model_chunks[chunk]
@@ -125,14 +126,25 @@ class StepRunner:
         funcs = self.config.no_sync_func
         if funcs is None or self._no_sync is not None:
             return
-        self._no_sync = contextlib.ExitStack()
+        self._no_sync = []
         for func in funcs if isinstance(funcs, list) else [funcs]:
-            self._no_sync.enter_context(func())
+            stack = contextlib.ExitStack()
+            stack.enter_context(func())
+            self._no_sync.append(stack)
 
-    def enable_grad_sync(self) -> None:
-        if self._no_sync is not None:
-            self._no_sync.close()
-            self._no_sync = None
+    def enable_grad_sync(self, chunk: int | None = None) -> None:
+        """Leaves no_sync: of every chunk, or of model chunk `chunk` alone when
+        no_sync_func has one context per chunk (the interleaved schedule, before a
+        chunk's last backward: a sharded chunk (FSDP2) reduces its gradients in that
+        backward, or never)."""
+        if self._no_sync is None:
+            return
+        if chunk is not None and len(self._no_sync) == len(self.model_chunks):
+            self._no_sync[chunk].close()
+            return
+        for stack in self._no_sync:
+            stack.close()
+        self._no_sync = None
 
     def finalize(self) -> None:
         self.enable_grad_sync()

@@ -140,8 +140,8 @@ def check_initialization(config) -> None:
 
 def check_sharding(config) -> None:
     """FSDP (use_megatron_fsdp's optim_grads / optim_grads_params, use_torch_fsdp2) with
-    what is not built for it yet refused by name, and use_torch_fsdp2 with Megatron's own
-    refusals (docs/fsdp.md lists both)."""
+    what it cannot run refused by name, and use_torch_fsdp2 with Megatron's own refusals
+    (docs/fsdp.md lists both)."""
     optimizer, parallel = config.optimizer, config.parallel
     if config.training.init_model_with_meta_device:
         if not optimizer.fully_sharded:
@@ -177,15 +177,6 @@ def check_sharding(config) -> None:
         raise ConfigError(f"--check-weight-hash-across-dp-replicas-interval with {name}: the "
                           "data-parallel ranks hold different rows of each parameter, no "
                           "replicas to compare; drop it")  # fmt: skip
-    later = {
-        "--virtual-pipeline-model-parallel-size": (
-            parallel.virtual_pipeline_model_parallel_size is not None,
-            "the interleaved schedule over FSDP-sharded chunks",
-        ),
-    }  # fmt: skip
-    for option, (given, what) in later.items():
-        if given:
-            raise ConfigError(f"{option} with {name}: {what} is not implemented yet")
 
 
 def check_tokenizer(config) -> None:
