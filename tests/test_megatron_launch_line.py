@@ -58,7 +58,8 @@ def test_a_megatron_launch_line_trains_on_two_cpu_ranks(tmp_path):
             "--tensorboard-dir", str(tmp_path / "tb"),
             "--metrics-file", str(tmp_path / "metrics.jsonl")]  # fmt: skip
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node=2", "-m", "mp_gpt.pretrain", *argv]  # fmt: skip
+               "--nproc-per-node=2", "--log-dir", str(tmp_path / "torchrun-logs"),
+               "-m", "mp_gpt.pretrain", *argv]  # fmt: skip
     environment = {**os.environ, "OMP_NUM_THREADS": "1", "MP_RUN_DIR": str(tmp_path)}
     process = subprocess.Popen(command, env=environment, start_new_session=True, text=True,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip

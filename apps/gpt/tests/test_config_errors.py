@@ -204,12 +204,13 @@ def test_two_ranks_find_the_mistake_and_rank_0_alone_prints():
     assert rank1 == [(2, "", "")] * len(names)
 
 
-def test_under_torchrun():
+def test_under_torchrun(tmp_path):
     """torchrun adds its own report of the ranks' exit statuses (with its launcher's
     traceback, and exits 1); the ranks print one line and no traceback."""
     flags, line = MISTAKES["precision"]
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node=2", *_entry_point(*flags)[1:]]  # fmt: skip
+               "--nproc-per-node=2", "--log-dir", str(tmp_path / "torchrun-logs"),
+               *_entry_point(*flags)[1:]]  # fmt: skip
     done = subprocess.run(command, env=_environment(), capture_output=True, text=True,
                           timeout=180)  # fmt: skip
     output = done.stdout + done.stderr

@@ -112,7 +112,7 @@ def torchrun(tmp_path, script: str, nproc: int, **env: str) -> str:
     path.write_text(textwrap.dedent(script))
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone",
-         f"--nproc-per-node={nproc}", str(path)],
+         f"--nproc-per-node={nproc}", "--log-dir", str(tmp_path / "torchrun-logs"), str(path)],
         capture_output=True, text=True, timeout=240,
         env={**os.environ, "OMP_NUM_THREADS": "1", **env},
     )  # fmt: skip
