@@ -83,7 +83,7 @@ def test_zero2_and_zero3_train_as_ddp(tmp_path, name):
 
 
 HALF = {
-    "bf16-zero3": ["--bf16", *ZERO3],
+    "bf16-zero3": ["--bf16", *ZERO3, *BY_LAYER],
     # From 2^32 every step of the first 30 would overflow and be skipped, under DDP too.
     "fp16-zero2": ["--fp16", "--initial-loss-scale", "4096", *ZERO2],
 }
@@ -91,8 +91,10 @@ HALF = {
 
 @pytest.mark.parametrize("name", list(HALF))
 def test_half_precision_trains(tmp_path, name):
-    """...and in bf16 a second run in the same processes (as a notebook would start one)
-    repeats the first: FSDP's meshes over the new groups, not stale ones."""
+    """...and in bf16 (ZeRO-3 built layer by layer) a second run in the same processes (as
+    a notebook would start one) repeats the first: FSDP's meshes over the new groups, and
+    each sharded parameter on its own run's mesh (DTensor's caches compare meshes by
+    ranks and dimension names, not by process group)."""
     argv = tiny_options(tmp_path, "--train-iters", "6", *HALF[name])
     runs = 2 if name == "bf16-zero3" else 1
     run_on_ranks(train_runs_on_rank, 2, argv, runs, timeout=300)

@@ -234,10 +234,15 @@ def _check_torch() -> None:
 
 
 def _mesh(group: RankGroup, device_type: str):
-    """The 1-D DeviceMesh over one of mp's groups."""
+    """The 1-D DeviceMesh over one of mp's groups, its dimension named after the process
+    group (e.g. "dp_cp 6"). A DeviceMesh equals another over the same ranks with the same
+    names, whatever its process group, and DTensor's caches answer by that equality: after
+    mp_state's groups were destroyed and made again (a second run in one process), a
+    sharded parameter was handed the earlier run's mesh, whose group no longer exists."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    return DeviceMesh.from_group(group.group, device_type)
+    name = f"{group.kind} {group.group.group_name}"
+    return DeviceMesh.from_group(group.group, device_type, mesh_dim_names=(name,))
 
 
 def _expert_units(module: torch.nn.Module) -> list[torch.nn.Module]:
