@@ -222,24 +222,33 @@ class SyncLog:
             self.held = False
 
 
-def sync_body(pp: int, vpp: int, m: int, group: int | None) -> list[list[bool]]:
+def sync_body(pp: int, vpp: int, m: int, group: int | None, shared: bool) -> list[list[bool]]:
+    """Each chunk's backwards: whether its no_sync (one per chunk, or one `shared` by the
+    chunks, a single context) was held at each."""
     torch.set_num_threads(1)
     state = mp_state.initialize(ParallelConfig(pipeline_model_parallel_size=pp))
     chunks, logs = [], []
+    one = SyncLog()
     for vp_stage in range(vpp):
         where = stage_layers(
             LAYERS, pp, state.pp.rank, virtual_pipeline_model_parallel_size=vpp, vp_stage=vp_stage
         )
-        chunk, log = stack(where.offset, where.count, where.pre_process), SyncLog()
+        chunk, log = (
+            stack(where.offset, where.count, where.pre_process),
+            one if shared else SyncLog(),
+        )
         chunk.layers[0].weight.register_hook(lambda grad, log=log: log.backwards.append(log.held))
         chunks.append(chunk)
         logs.append(log)
-    settings = dataclasses.replace(config(group), no_sync_func=[log.no_sync for log in logs])
+    funcs = one.no_sync if shared else [log.no_sync for log in logs]
+    settings = dataclasses.replace(config(group), no_sync_func=funcs)
     get_forward_backward_func(pp, vpp)(
         forward_step_func=forward_step, data_iterator=[iter(micro_batches(m)) for _ in chunks],
         model=chunks, num_microbatches=m, config=settings, pp_group=state.pp,
     )  # fmt: skip
     mp_state.destroy()
+    if shared:  # the chunks' backwards in the order they ran
+        return [one.backwards]
     return [log.backwards for log in logs]
 
 
@@ -247,10 +256,14 @@ def sync_body(pp: int, vpp: int, m: int, group: int | None) -> list[list[bool]]:
 def test_interleaved_each_chunk_reduces_in_its_own_last_backward(pp, vpp, m, group):
     """Each chunk's no_sync is held for its first m - 1 backwards and left before its
     last, wherever that falls in the schedule: a sharded chunk (FSDP2) reduces its
-    gradients in that backward or never."""
-    for rank, chunks in enumerate(run_on_ranks(sync_body, pp, pp, vpp, m, group, timeout=120)):
+    gradients in that backward or never. A context shared by the chunks is held until the
+    last backward of all."""
+    ranks = run_on_ranks(sync_body, pp, pp, vpp, m, group, False, timeout=120)
+    for rank, chunks in enumerate(ranks):
         for chunk, held in enumerate(chunks):
             assert held == [True] * (m - 1) + [False], (rank, chunk, held)
+    for rank, [held] in enumerate(run_on_ranks(sync_body, pp, pp, vpp, m, group, True)):
+        assert held == [True] * (m * vpp - 1) + [False], (rank, held)
 
 
 def test_interleaved_needs_one_iterator_per_chunk():

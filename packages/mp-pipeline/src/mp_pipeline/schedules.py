@@ -241,6 +241,8 @@ def forward_backward_pipelining_with_interleaving(
         backwards_left[c] -= 1
         if backwards_left[c] == 0:  # the chunk's last micro-batch: its gradients reduce
             run.enable_grad_sync(c)
+        if k == total - 1:
+            run.enable_grad_sync()
         return run.backward(inputs[c].pop(0), outputs[c].pop(0), output_grads[c].pop(0))
 
     # Megatron's warm-up: (p - r - 1) x 2 forwards, plus (v - 1) groups of micro-batches.

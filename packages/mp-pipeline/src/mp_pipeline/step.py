@@ -133,14 +133,16 @@ class StepRunner:
             self._no_sync.append(stack)
 
     def enable_grad_sync(self, chunk: int | None = None) -> None:
-        """Leaves no_sync: of every chunk, or of model chunk `chunk` alone when
-        no_sync_func has one context per chunk (the interleaved schedule, before a
-        chunk's last backward: a sharded chunk (FSDP2) reduces its gradients in that
-        backward, or never)."""
+        """Leaves no_sync: of every chunk; or, given `chunk`, of that model chunk alone
+        when no_sync_func has one context per chunk, and else nothing (a context shared by
+        the chunks is left before the last backward of all). The interleaved schedule
+        leaves each chunk's before that chunk's last backward: a FSDP2 chunk reduces its
+        gradients in a backward run outside no_sync, and never later."""
         if self._no_sync is None:
             return
-        if chunk is not None and len(self._no_sync) == len(self.model_chunks):
-            self._no_sync[chunk].close()
+        if chunk is not None:
+            if len(self._no_sync) == len(self.model_chunks):
+                self._no_sync[chunk].close()
             return
         for stack in self._no_sync:
             stack.close()

@@ -26,9 +26,10 @@ What the compiled graph holds, and what stays eager (a graph break at each):
   recompute checkpoints the compiled layers from outside;
 - dropout drawn from the tensor-parallel RNG stream (attention dropout, hidden dropout
   under sequence parallelism) runs eagerly where the stream is forked.
-- a layer sharded by FSDP2 (ZeRO-2/3) gathers its parameters and reduces its gradients
-  in FSDP2's hooks, which torch marks not to be traced: they run eagerly around the
-  compiled layer, without a graph break.
+
+A layer sharded by FSDP2 (ZeRO-2/3) gathers its parameters and reduces its gradients in
+FSDP2's hooks, which torch marks not to be traced: they run eagerly around the compiled
+layer, without a graph break.
 
 Options: shapes are static (dynamic=False: sequence and micro-batch are fixed in
 training; another shape, such as evaluation in no-grad mode, compiles once more), and
