@@ -1,8 +1,9 @@
 """Fully sharded data parallelism end to end: apps/gpt's tiny config (fp32, dropout 0) for
 6 iterations under ZeRO-2 and ZeRO-3 (--use-megatron-fsdp with optim_grads and
 optim_grads_params) has the DDP run's losses and gradient norms (1e-5 relative) at DP4,
-DP2 x TP2 with sequence parallelism, DP2 x CP2, DP2 x PP2 (1F1B) and, on the tiny MoE
-config, EP2 with four data-parallel ranks (experts sharded over expert dp 2). Each
+DP2 x TP2 with sequence parallelism, DP2 x CP2, DP2 x PP2 (1F1B), DP2 x PP2 x VPP2
+(interleaved) and, on the tiny MoE config, EP2 with four data-parallel ranks (experts
+sharded over expert dp 2). Each
 layout's three runs share its settings, which also take in what FSDP composes with:
 random initialization per data-parallel rank (TP2), per-token loss normalization (CP2),
 a multi-token prediction layer on the last stage, its loss compared too, and an
@@ -13,8 +14,9 @@ and EP2 ZeRO-3 builds its chunks layer by layer (--init-model-with-meta-device: 
 weights). ZeRO-2 and ZeRO-3
 differ only in when parameters are gathered, so their curves are equal exactly.
 Then a few iterations in bf16 (ZeRO-3, gradients reduced in fp32) and in fp16 (ZeRO-2,
-dynamic loss scaling) train with finite, decreasing losses. On a GPU, one rank in bf16
-under ZeRO-2 and ZeRO-3 has the DDP run's curve."""
+dynamic loss scaling) train with finite, decreasing losses, and FP8 GEMMs (emulated) at
+DP2 under ZeRO-3 follow DDP's. On a GPU, one rank in bf16, and with FP8, under ZeRO-2
+and ZeRO-3 has the DDP run's curve."""
 
 import math
 import os
