@@ -2,9 +2,11 @@
 
 apps/gpt/configs/tiny.yaml (mock data, a shorter sequence and batch so that
 eight ranks fit two cores) for 10 iterations at TP1 PP1 DP1, DP2, TP2, PP2
-and TP2 x PP2 x DP2: every iteration's loss within 1e-4 relative (fp32).
-The same global model at every layout comes from the init seed (weights
-drawn per layer) and a vocabulary padded alike at TP 1 and 2.
+and TP2 x PP2 x DP2, and PP2 x DP2 with the distributed optimizer (the tied
+embedding's two copies on two stages, each sharded over dp): every iteration's
+loss within 1e-4 relative (fp32). The same global model at every layout comes
+from the init seed (weights drawn per layer) and a vocabulary padded alike at
+TP 1 and 2.
 """
 
 import json
@@ -20,7 +22,7 @@ pytestmark = pytest.mark.multirank
 ITERATIONS = 10
 
 
-def options(run_dir: Path, tp: int, pp: int) -> list[str]:
+def options(run_dir: Path, tp: int, pp: int, *extra: str) -> list[str]:
     return [
         "--config", str(TINY_CONFIG), "--mock-data", *GIVEN_PEAK,
         "--tokenizer-type", "NullTokenizer",
@@ -30,7 +32,7 @@ def options(run_dir: Path, tp: int, pp: int) -> list[str]:
         "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
         "--save", "none", "--load", "none", "--tensorboard-dir", "none",
         "--metrics-file", str(run_dir / "metrics.jsonl"), "--num-workers", "0",
-        "--lr-warmup-iters", "2",
+        "--lr-warmup-iters", "2", *extra,
     ]  # fmt: skip
 
 
@@ -40,6 +42,7 @@ def losses(run_dir: Path) -> list[float]:
 
 
 LAYOUTS = [(1, 1, 2), (2, 1, 1), (1, 2, 1), (2, 2, 2)]
+DISTRIBUTED = ["--use-distributed-optimizer"]
 
 
 @pytest.fixture(scope="module")
@@ -51,9 +54,15 @@ def reference(tmp_path_factory):
     return curve
 
 
-@pytest.mark.parametrize("tp,pp,dp", LAYOUTS, ids=[f"tp{t}-pp{p}-dp{d}" for t, p, d in LAYOUTS])
-def test_same_loss_curve(tmp_path, reference, tp, pp, dp):
-    run_on_ranks(train_on_rank, tp * pp * dp, options(tmp_path, tp, pp), timeout=300)
+RUNS = [(*layout, []) for layout in LAYOUTS] + [(1, 2, 2, DISTRIBUTED)]
+
+
+@pytest.mark.parametrize(
+    "tp,pp,dp,extra", RUNS,
+    ids=[f"tp{t}-pp{p}-dp{d}{'-distopt' if e else ''}" for t, p, d, e in RUNS],
+)  # fmt: skip
+def test_same_loss_curve(tmp_path, reference, tp, pp, dp, extra):
+    run_on_ranks(train_on_rank, tp * pp * dp, options(tmp_path, tp, pp, *extra), timeout=300)
     curve = losses(tmp_path)
     assert len(curve) == ITERATIONS
     for iteration, (got, want) in enumerate(zip(curve, reference, strict=True), start=1):

@@ -63,3 +63,27 @@ def test_one_dtype_per_buffer():
     mixed = [torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2).half())]
     with pytest.raises(ValueError, match="one parameter dtype"):
         GradBuffer(mixed, torch.float32, bucket_size=None, dp_size=1, shard_for_dp=False)
+
+
+def test_a_tied_embedding_has_a_bucket_of_its_own_when_sharded():
+    """The first stage's embedding and the last stage's copy, each among other parameters
+    in its buffer: sharded over dp, each copy's bucket holds it alone, so both shard it
+    alike (dp rank r holds the same elements of each); the embedding group's all-reduce
+    after the reduce-scatter sums reduced rows with reduced rows. Unsharded (DDP's
+    all-reduce), the buckets stay as they were."""
+    first = params((3, 40), (300,), (5, 5))  # layers..., the embedding (backward order)
+    last = params((300,), (2, 2), (7,))  # the output layer's copy, layers...
+    dp, shards = 4, []
+    for ps, tied, buckets in ((first, first[1], 3), (last, last[0], 2)):
+        tied.shared_embedding = True
+        buffer = GradBuffer(ps, torch.float32, bucket_size=None, dp_size=dp, shard_for_dp=True)
+        assert len(buffer.buckets) == buckets, buffer.buckets
+        bucket = buffer.bucket_of[tied]
+        assert len(bucket.params) == 1 and buffer.ranges[tied].start == bucket.offset
+        shards.append([(bucket.shard(r, dp).start - bucket.offset,
+                        bucket.shard(r, dp).end - bucket.offset) for r in range(dp)])  # fmt: skip
+    assert shards[0] == shards[1]
+    again = params((3, 40), (300,), (5, 5))
+    again[1].shared_embedding = True
+    plain = GradBuffer(again, torch.float32, bucket_size=None, dp_size=dp, shard_for_dp=False)
+    assert len(plain.buckets) == 1

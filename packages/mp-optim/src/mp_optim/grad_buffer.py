@@ -110,15 +110,28 @@ class GradBuffer:
         bucket_params: list[list[torch.nn.Parameter]] = [[]]
         bucket_bounds: list[tuple[int, int]] = []
         start = bucket_start = 0
+
+        def close() -> None:
+            nonlocal start, bucket_start
+            start = _round_up(start, pad_to)
+            bucket_bounds.append((bucket_start, start))
+            bucket_start = start
+            bucket_params.append([])
+
         for param in params:
+            # Sharded, a tied embedding's two copies (first and last pipeline stage) get a
+            # bucket each of their own, as in Megatron-LM: laid out alike, the same dp rank
+            # holds the same rows of both after the reduce-scatter, which the embedding
+            # group's all-reduce then sums; in a shared bucket each copy's shard fell at
+            # another offset, and rows reduced over dp were summed with unreduced ones.
+            alone = shard_for_dp and getattr(param, "shared_embedding", False)
+            if alone and bucket_params[-1]:
+                close()
             self.ranges[param] = ParamRange(start, start + param.numel())
             start += param.numel()
             bucket_params[-1].append(param)
-            if bucket_size is not None and start - bucket_start >= bucket_size:
-                start = _round_up(start, pad_to)
-                bucket_bounds.append((bucket_start, start))
-                bucket_start = start
-                bucket_params.append([])
+            if alone or (bucket_size is not None and start - bucket_start >= bucket_size):
+                close()
         if bucket_params[-1]:
             start = _round_up(start, pad_to)
             bucket_bounds.append((bucket_start, start))
