@@ -11,7 +11,9 @@ never stopped (1e-5 relative; the layouts' own curves agree that closely, see
 test_train_fsdp.py). In bf16, where each rank's shards are the fp32 main parameters and
 the checkpoint keeps the model's bf16 weights beside them: a ZeRO-3 run resumed at its own
 layout continues the uninterrupted curve exactly, and the same checkpoint resumes at DP2
-with the distributed optimizer (its fp32 main parameters loaded)."""
+with the distributed optimizer (its fp32 main parameters loaded). A ZeRO-3 checkpoint of
+DP2 x PP2 x VPP2 (two FSDP2 roots per rank) resumes at its own layout and under DDP at
+TP2 x DP2."""
 
 import shutil
 from pathlib import Path
@@ -85,3 +87,18 @@ def test_a_bf16_zero3_checkpoint_keeps_the_fp32_main_parameters(tmp_path):
     other = resumed(tmp_path, "distopt", tmp_path / "whole" / "ckpt", 2, *bf16, *DISTOPT)
     for mine, reference in zip(other, whole[2:], strict=True):
         assert mine["lm loss"] == pytest.approx(reference["lm loss"], rel=2e-3), mine
+
+
+VPP2 = ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
+        "--global-batch-size", "8"]  # fmt: skip
+
+
+def test_a_zero3_checkpoint_of_virtual_stages_loads_under_ddp_and_at_its_own_layout(tmp_path):
+    """DP2 x PP2 x VPP2 under ZeRO-3: each rank's two chunks, each its own FSDP2 root,
+    saved at iteration 2 and resumed on the uninterrupted curve at the same layout and
+    under DDP at TP2 x DP2."""
+    whole = train(tmp_path / "zero3", 4, tmp_path / "zero3" / "ckpt", *ZERO3, *VPP2)
+    saved = tmp_path / "zero3" / "ckpt"
+    for name, flags in (("again", [*ZERO3, *VPP2]), ("tp2-ddp", [*TP2_DDP, *VPP2[-2:]])):
+        got = resumed(tmp_path, name, saved, 4, *flags)
+        assert_same_curve(got, whole[2:], LOGGED, name)
