@@ -133,10 +133,8 @@ class GradBuffer:
             if alone or (bucket_size is not None and start - bucket_start >= bucket_size):
                 close()
         if bucket_params[-1]:
-            start = _round_up(start, pad_to)
-            bucket_bounds.append((bucket_start, start))
-        else:
-            bucket_params.pop()
+            close()
+        bucket_params.pop()  # the empty bucket the last close() opened
         self.numel = start
         self.numel_unpadded = sum(p.numel() for p in params)
 
