@@ -35,6 +35,15 @@ pytest attaches its capture handlers to such loggers too, so each save and load 
 formatted three times over: about a quarter of the pytest time of the checkpoint tests
 that call DCP most. The ranks forked from a test process inherit the level.
 
+One compile cache for the run: torch.compile's kernels (Inductor's cache, and Triton's
+on a GPU) go to a folder of the run's own (`inductor/` in pytest's base temporary folder,
+which xdist's workers share), so every run compiles from a cold cache, as on a fresh
+machine, and compiles each kernel once however many tests and ranks ask for it. Before,
+three tests kept a cold folder each and the others used torch's default
+(`/tmp/torchinductor_<user>`), warm from earlier runs on a developer's machine and cold
+on a fresh one, which the suite filled and left behind (2.2 GB on one machine). A
+TORCHINDUCTOR_CACHE_DIR set before pytest starts is kept.
+
 No progress-bar monitor thread: tqdm (transformers' save and load bars, torch.fx's
 interpreter) would start one in a test process, and it takes the bars' locks every 10 s;
 a rank or worker forked while it held them would wait forever at its first bar
@@ -49,6 +58,9 @@ import tempfile
 import pytest
 
 os.environ["MP_DEVICE"] = "cpu"
+_COMPILE_CACHES_GIVEN = {
+    name: os.environ.get(name, "") for name in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
+}
 if os.environ.pop("PYTHONDONTWRITEBYTECODE", None):
     os.environ.setdefault(
         "PYTHONPYCACHEPREFIX", os.path.join(tempfile.gettempdir(), f"mp-pycache-{os.getuid()}")
@@ -79,6 +91,16 @@ def _quiet_dcp_call_records() -> None:
     logger = getattr(dcp_logging, "_dcp_logger", None)  # tests/test_test_processes.py
     if logger is not None:
         logger.setLevel(logging.INFO)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _run_compile_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent  # the controller's folder, shared by the workers
+    for name, folder in (("TORCHINDUCTOR_CACHE_DIR", "inductor"), ("TRITON_CACHE_DIR", "triton")):
+        # torch writes its default into the environment at its first use of the cache
+        os.environ[name] = _COMPILE_CACHES_GIVEN.get(name) or str(base / folder)
 
 
 def worker_threads(workers: int) -> int:

@@ -1,6 +1,7 @@
 """The test processes' own settings (conftest.py). Under pytest-xdist a worker computes
 with its share of the cores: two workers on two cores, one torch thread each, not a
-thread per core in both. DCP's call logger makes no DEBUG records."""
+thread per core in both. DCP's call logger makes no DEBUG records. torch.compile's
+caches are the run's own."""
 
 import os
 
@@ -24,3 +25,19 @@ def test_dcp_call_records_below_info_are_not_made():
     from torch.distributed.checkpoint.logger import _dcp_logger
 
     assert not _dcp_logger.isEnabledFor(logging.DEBUG)
+
+
+def test_compile_caches_are_the_runs_own(tmp_path_factory):
+    """Inductor's cache (and Triton's) in the run's base temporary folder, shared by
+    xdist's workers, unless the caller gave one: not torch's default in /tmp, warm from
+    other runs and left behind."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir, triton_cache_dir
+
+    import conftest
+
+    run = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        run = run.parent
+    given = conftest._COMPILE_CACHES_GIVEN
+    assert cache_dir() == (given["TORCHINDUCTOR_CACHE_DIR"] or str(run / "inductor"))
+    assert triton_cache_dir(0) == (given["TRITON_CACHE_DIR"] or str(run / "triton"))

@@ -11,8 +11,8 @@ error_on_recompile), log its first iteration's time, and keep the model's state_
 and sharding keys. Losses agree within 2e-4 relative and gradient norms within 1e-3:
 bf16 rounds each element to 2^-8 relative, and the compiled kernels round and fuse
 differently; measured here, the losses differed by at most 2.5e-5 relative and the
-gradient norms by 1.5e-4 (the gradients are bf16). Inductor compiles into a cache folder of the
-test's own (a cold cache, as on a fresh machine), shared by the ranks.
+gradient norms by 1.5e-4 (the gradients are bf16). Inductor compiles into the run's cache folder
+(conftest.py: cold at the start of every run, as on a fresh machine), shared by the ranks.
 """
 
 import contextlib
@@ -79,8 +79,7 @@ def eager_then_compiled(run_dir: str, layout: list[str], *more: list[str]) -> di
     }
 
 
-def test_compiled_layers_train_as_eager(tmp_path, monkeypatch):
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+def test_compiled_layers_train_as_eager(tmp_path):
     ranks = run_on_ranks(eager_then_compiled, 4, str(tmp_path), LAYOUT, timeout=600)
     for rank, seen in enumerate(ranks):
         assert seen["compiled_layers"] == [1], rank  # a stage's layer
@@ -96,11 +95,10 @@ ZERO2_RECOMPUTE = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "
                    "--recompute-num-layers", "1"]  # fmt: skip
 
 
-def test_compiled_layers_under_fsdp_train_as_eager(tmp_path, monkeypatch):
+def test_compiled_layers_under_fsdp_train_as_eager(tmp_path):
     """DP2: eager ZeRO-3, compiled ZeRO-3, then compiled ZeRO-2 with every layer
     recomputed (the same graph serves: no recompile), all on eager ZeRO-3's curve (ZeRO-2
     and ZeRO-3 train alike exactly: test_train_fsdp.py)."""
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     ranks = run_on_ranks(eager_then_compiled, 2, str(tmp_path), ZERO3, ZERO2_RECOMPUTE,
                          timeout=600)  # fmt: skip
     for rank, seen in enumerate(ranks):

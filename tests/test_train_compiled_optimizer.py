@@ -57,8 +57,7 @@ def plain_then_fused(run_dir: str) -> dict:
     return graphs
 
 
-def test_compiled_update_and_fused_loss_train_as_the_plain_path(tmp_path, monkeypatch):
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+def test_compiled_update_and_fused_loss_train_as_the_plain_path(tmp_path):
     for graphs in run_on_ranks(plain_then_fused, 2, str(tmp_path), timeout=400):
         # The loss's two passes and the update (with the copy into bf16) ran compiled;
         # under FSDP the loss's graphs serve again, and the update of the fp32 shards
