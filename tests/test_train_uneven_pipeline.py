@@ -1,6 +1,7 @@
 """--decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers: the tiny
-model's 4 layers split 1 + 3 and 3 + 1 over two pipeline stages train to the one-stage
-loss curve, and the checkpoint of an uneven run loads at an even layout. Megatron-LM's
+model's 4 layers split 1 + 3 and 3 + 1 over two pipeline stages, and 2 + 1 + 1 over
+three, train to the one-stage loss curve (a split that does not fit is named before any
+rank starts), and the checkpoint of an uneven run loads at an even layout. Megatron-LM's
 --pipeline-model-parallel-layout places them as written (3 + 1; four virtual stages on
 two ranks, with and without the embedding and the loss alone on a stage) with the same
 curve; DeepSeek-V3's last stage of the multi-token prediction module and the loss alone
@@ -51,6 +52,29 @@ def test_an_uneven_split_trains_like_one_stage(tmp_path, reference, first, last)
     argv = tiny_options(resumed, *flags)
     run_on_ranks(train_on_rank, 2, argv, timeout=300)
     assert [r["iteration"] for r in metrics_records(resumed)] == [5]
+
+
+def test_three_stages_of_2_1_1_layers_train_like_one_stage(tmp_path, reference):
+    """4 layers on 3 stages: a split Megatron-LM takes (the first stage's 2, then 1 on each
+    of the others), though 4 is not divisible by 3."""
+    flags = ["--pipeline-model-parallel-size", "3", "--decoder-first-pipeline-num-layers", "2"]
+    got = run_on_ranks(layers_on_rank, 3, tiny_options(tmp_path, *flags), timeout=300)
+    assert got == [[[0, 1]], [[2]], [[3]]]
+    assert_same_curve(metrics_records(tmp_path), reference, LOGGED, "PP3 2/None")
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--decoder-first-pipeline-num-layers", "3"], "the other 2 stages would share 1 layers"),
+    (["--decoder-first-pipeline-num-layers", "2", "--decoder-last-pipeline-num-layers", "3"],
+     "the other 1 stages would share -1 layers"),
+    (["--decoder-first-pipeline-num-layers", "2", "--virtual-pipeline-model-parallel-size", "2"],
+     "stage 1 holds 1 layers, not divisible by virtual"),
+])  # fmt: skip
+def test_an_uneven_split_that_does_not_fit_is_named(tmp_path, monkeypatch, flags, message):
+    monkeypatch.setenv("MP_RUN_DIR", str(tmp_path))
+    config = parse_config(tiny_options(tmp_path, "--pipeline-model-parallel-size", "3", *flags))
+    with pytest.raises(ValueError, match=f"^decoder_first_pipeline_num_layers=.*{message}"):
+        validate(config, 3)
 
 
 def test_the_split_must_fit():

@@ -27,7 +27,7 @@ from mp_ckpt import CheckpointConfig
 from mp_data import DataConfig
 from mp_layers import TransformerConfig
 from mp_optim import OptimizerConfig
-from mp_pipeline import check_microbatch_group
+from mp_pipeline import check_microbatch_group, stage_layers
 from mp_state import ParallelConfig
 from mp_train.configuration.batch_sizes import (
     batch_schedule,
@@ -326,7 +326,19 @@ def validate(config: RunConfig, world_size: int) -> dict[str, int]:
     pp = parallel.pipeline_model_parallel_size
     layers = model.num_layers
     segmented = check_segments(config)
-    if not segmented and layers % (pp * (vpp or 1)):
+    first = parallel.decoder_first_pipeline_num_layers
+    last = parallel.decoder_last_pipeline_num_layers
+    if not segmented and (first is not None or last is not None):
+        try:  # the given ends, the rest evenly over the middle stages (Megatron's rule)
+            stage_layers(layers, pp, 0, virtual_pipeline_model_parallel_size=vpp,
+                         num_layers_in_first_pipeline_stage=first,
+                         num_layers_in_last_pipeline_stage=last)  # fmt: skip
+        except ValueError as error:
+            raise ValueError(
+                f"decoder_first_pipeline_num_layers={first} and "
+                f"decoder_last_pipeline_num_layers={last}: {error}"
+            ) from None
+    elif not segmented and layers % (pp * (vpp or 1)):
         raise ValueError(
             f"num_layers={layers} is not divisible by pipeline_model_parallel_size={pp} x "
             f"virtual_pipeline_model_parallel_size={vpp or 1}"
