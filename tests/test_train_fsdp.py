@@ -3,7 +3,8 @@
 optim_grads_params) has the DDP run's losses and gradient norms (1e-5 relative) at DP4,
 DP2 x TP2 with sequence parallelism, DP2 x CP2, DP2 x PP2 (1F1B), DP2 x PP2 x VPP2
 (interleaved) and, on the tiny MoE config, EP2 with four data-parallel ranks (experts
-sharded over expert dp 2). Each
+sharded over expert dp 2) and EP4 (each expert on one rank, its expert dp group of one).
+Each
 layout's three runs share its settings, which also take in what FSDP composes with:
 random initialization per data-parallel rank (TP2), per-token loss normalization (CP2),
 a multi-token prediction layer on the last stage, its loss compared too, and an
@@ -62,6 +63,8 @@ LAYOUTS = {
     "dp2-pp2": (False, PP2, [*BY_LAYER, *OVERLAP], []),
     "dp2-pp2-vpp2": (False, VPP2, [], []),
     "dp4-ep2": (True, EP2, [*BY_LAYER, *OVERLAP], []),
+    # every expert on one rank: each expert module is "sharded" over a group of one
+    "dp4-ep4": (True, ["--expert-model-parallel-size", "4"], [], []),
 }
 
 

@@ -27,6 +27,8 @@ Reduction: gradients end as the mean over dp_group, expert ones too (ddp.py says
 experts divide by dp, not by their own group's size): summed by the collective, then
 divided by dp (average_in_collective: ReduceOp.AVG where dp is the group's size); with
 calculate_per_token_loss they end as the sum, which finalize divides by the tokens.
+Experts sharded over a group of one rank (expert dp 1) are divided by dp in
+finish_grad_sync instead (FSDP2 divides twice there).
 Accumulation and reduction run in the dtype DDP would use (fp32 with bf16), in bf16
 with grad_reduce_in_bf16.
 
@@ -144,6 +146,7 @@ class FullyShardedDataParallel(ChunkWrapper):
                 unit.set_modules_to_forward_prefetch([following])
             if sharding.device_type == "cpu":
                 _gather_asynchronously(module)
+        self._divided_here: list[torch.nn.Module] = []  # (_set_reduction)
         for sharded in self._fsdp_modules():
             self._set_reduction(sharded)
 
@@ -199,6 +202,10 @@ class FullyShardedDataParallel(ChunkWrapper):
                 else:
                     shard.grad.copy_(grad.to_local())
                 shard.param.grad = persistent
+            divided = {id(p) for module in self._divided_here for p in module.parameters()}
+            for shard in self.shards:
+                if id(shard.param) in divided:  # sharded over a group of one
+                    shard.grad.div_(self.dp_group.size)
         if self.config.check_for_nan_in_grad:
             bad = [s.name for s in self.shards if not torch.isfinite(s.grad).all()]
             if bad:
@@ -318,6 +325,12 @@ class FullyShardedDataParallel(ChunkWrapper):
         group = self.expert_dp_group if expert else self.dp_group
         config = self.config
         divisor = 1.0 if config.calculate_per_token_loss else float(self.dp_group.size)
+        if group.size == 1 and divisor != 1.0:
+            # A group of one (each expert on one rank: expert dp 1) has nothing to reduce,
+            # and there FSDP2 (torch 2.15's foreach_reduce) divides a sum-forced reduction
+            # twice, by divisor squared: it divides by nothing, finish_grad_sync by dp.
+            self._divided_here.append(sharded)
+            divisor = 1.0
         sharded.set_gradient_divide_factor(divisor)
         # ReduceOp.AVG divides by the group's size only; another divisor (an expert group
         # smaller than dp) is a sum, then a division, on every backend.
