@@ -1,7 +1,7 @@
 """generate.py gives the same greedy text at TP 1 and TP 2 from one checkpoint (also a
-Mamba-hybrid one), and at EP 1 and EP 2 from a mixture-of-experts checkpoint trained at
-EP 2; a prompt in a batch continues as it does alone, and a stop string ends its
-sequence."""
+Mamba-hybrid one), and at EP 1, EP 2, TP 2 and TP 2 x EP 2 from a mixture-of-experts
+checkpoint trained at EP 2; a prompt in a batch continues as it does alone, and a stop
+string ends its sequence."""
 
 from pathlib import Path
 
@@ -53,14 +53,19 @@ def test_greedy_text_is_the_same_at_tp_1_and_2(tmp_path):
 
 
 @pytest.mark.multirank
-def test_greedy_text_of_a_moe_checkpoint_is_the_same_at_ep_1_and_2(tmp_path):
+def test_greedy_text_of_a_moe_checkpoint_is_the_same_at_ep_1_and_2_and_tp_2(tmp_path):
     moe = CONFIG.with_name("tiny-moe.yaml")
     run_on_ranks(train_body, 2, str(tmp_path), moe, "--expert-model-parallel-size", "2",
                  "--global-batch-size", "4", timeout=120)  # fmt: skip
     one = run_on_ranks(generate_body, 1, str(tmp_path), 1, timeout=120)
     two = run_on_ranks(generate_body, 2, str(tmp_path), 1, "--expert-model-parallel-size", "2",
                        timeout=120)  # fmt: skip
-    assert one[0] == two[0] == two[1]
+    # TP2 (generation runs without sequence parallelism: each tensor-parallel rank routes
+    # a share of the tokens), and TP2 x EP2
+    tp2 = run_on_ranks(generate_body, 2, str(tmp_path), 2, timeout=120)
+    tp2_ep2 = run_on_ranks(generate_body, 4, str(tmp_path), 2, "--expert-model-parallel-size",
+                           "2", timeout=120)  # fmt: skip
+    assert one[0] == two[0] == two[1] == tp2[0] == tp2[1] == tp2_ep2[0]
     assert len(one[0].split()) == 3 + 12
 
 

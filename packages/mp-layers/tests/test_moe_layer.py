@@ -260,7 +260,6 @@ def test_moe_settings_are_checked(settings, message):
     [
         ((1, 1, 3, 1), {}, "expert_model_parallel_size=3 does not divide num_moe_experts=4"),
         ((1, 1, 1, 3), {}, "expert_tensor_parallel_size=3 does not divide moe_ffn"),
-        ((2, 1, 1, 2), {}, "needs sequence_parallel=True"),
         ((1, 1, 2, 1), dict(num_moe_experts=None), "expert_model_parallel_size=2 needs"),
     ],
 )

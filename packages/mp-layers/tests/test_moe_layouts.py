@@ -168,3 +168,60 @@ def test_every_expert_layout_gives_one_process_losses_and_gradients(name):
         )
     expert_grad = reference["decoder.layers.1.mlp.experts.linear_fc2.weight"]
     assert (expert_grad.flatten(1).abs().sum(1) > 0).all(), "every expert gets tokens"
+
+
+NO_SP = {  # (tp, ep, etp, settings): a MoE model at TP2 without sequence parallelism
+    "EP2xTP2": LAYOUTS["EP2xTP2"],
+    "EP2xTP2xETP2-allgather": LAYOUTS["EP2xTP2xETP2-allgather"],
+    "gpt-oss-EP2xTP2xETP2": LAYOUTS["gpt-oss-EP2xTP2xETP2"],
+}
+
+
+def logits_without_sequence_parallelism(name: str, lengths: list[int]):
+    """This rank's full-vocabulary logits, in eval mode, of one sequence of each length;
+    then whether a training step was refused."""
+    torch.set_num_threads(1)
+    tp, ep, etp, settings = NO_SP[name]
+    state = mp_state.initialize(ParallelConfig(
+        tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
+    ))  # fmt: skip
+    config = TransformerConfig(**MODEL | settings, sequence_parallel=False)
+    model = GPTModel(config, "local", VOCAB, SEQ, groups=ModelGroups.of(state), init_seed=11,
+                     parallel_output=False)  # fmt: skip
+    set_biases(model)
+    return _eval_logits(model, lengths), _training_refused(model)
+
+
+def _eval_logits(model: GPTModel, lengths: list[int]) -> list[torch.Tensor]:
+    model.eval()
+    with torch.no_grad():
+        return [model(batch()[0][:1, :n]) for n in lengths]
+
+
+def _training_refused(model: GPTModel) -> bool:
+    model.train()
+    try:
+        model(batch()[0][:1, :4]).sum().backward()
+    except RuntimeError as error:
+        return "trains only with sequence_parallel=True" in str(error)
+    return False
+
+
+@pytest.mark.parametrize("name", list(NO_SP))
+def test_without_sequence_parallelism_each_tensor_parallel_rank_routes_a_share(name):
+    """Generation runs without sequence parallelism: at TP2 every rank holds all tokens
+    and routes ceil(T / 2) of them, the last rank fewer (T = 3), or none (T = 1, a decode
+    step of one sequence); the logits are one process's. A training step is refused."""
+    lengths = [1, 3, SEQ]
+    model = GPTModel(TransformerConfig(**MODEL | NO_SP[name][3]), "local", VOCAB, SEQ,
+                     groups=ModelGroups.single(), init_seed=11)  # fmt: skip
+    set_biases(model)
+    want = _eval_logits(model, lengths)
+    for got, refused in run_on_ranks(logits_without_sequence_parallelism, WORLD, name, lengths,
+                                     timeout=180):  # fmt: skip
+        assert refused
+        for length, a, b in zip(lengths, got, want, strict=True):
+            torch.testing.assert_close(
+                a, b, rtol=1e-5, atol=1e-6, msg=lambda m, n=length: f"T={n}: {m}"
+            )

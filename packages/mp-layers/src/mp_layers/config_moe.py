@@ -314,8 +314,3 @@ def check_expert_parallel(config: TransformerConfig, tp: int, cp: int, ep: int, 
             f"expert_tensor_parallel_size={etp} does not divide "
             f"moe_ffn_hidden_size={config.moe_ffn_hidden_size}"
         )
-    if tp > 1 and not config.sequence_parallel:
-        raise ValueError(
-            f"num_moe_experts with tensor_model_parallel_size={tp} needs "
-            "sequence_parallel=True (each tensor-parallel rank routes its own tokens)"
-        )

@@ -13,6 +13,14 @@ A latent MoE layer (moe_latent_size L) routes on x but dispatches fc1_latent_pro
 [T, L], its experts run at width L, and fc2_latent_proj brings the combined [T, L] back
 to [T, h] before the shared expert's output is added (moe/latent.py).
 
+Without sequence parallelism at tp > 1 (generation, which runs without it) every
+tensor-parallel rank holds all T tokens: each routes its own ceil(T / tp) of them, as it
+would its sequence-parallel part, and the routed outputs are all-gathered over tp before
+the shared expert's (a dense tensor-parallel MLP on all T) is added. A training step
+there is refused: the router's replicated weights would need their gradients summed over
+tp (Megatron-LM refuses MoE with tensor parallelism but no sequence parallelism in
+training too).
+
 Returns (y [s, b, h], None): no bias to add with the residual.
 """
 
@@ -27,6 +35,7 @@ from mp_layers.moe.dispatcher import AllGatherDispatcher, AllToAllDispatcher
 from mp_layers.moe.experts import GroupedExperts
 from mp_layers.moe.latent import LatentProjection
 from mp_layers.moe.router import TopKRouter
+from mp_layers.tensor_parallel.mappings import gather_from_sequence_parallel_region
 from mp_layers.transformer.eager import eager_when_compiled
 from mp_layers.transformer.mlp import MLP
 from mp_layers.transformer.recompute import checkpointed
@@ -61,21 +70,16 @@ class MoELayer(torch.nn.Module):
         if config.moe_shared_expert_intermediate_size is not None:
             self.shared_experts = SharedExperts(config, groups)
         self.recompute_shared = config.recomputes("shared_experts")  # (no random draws)
+        self.tp_group = groups.tp
+        self.splits_tokens = groups.tp.size > 1 and not config.sequence_parallel
+        """Every tensor-parallel rank holds all tokens: each routes its share (docstring)."""
 
     # Eager inside a compiled layer: the tokens each expert receives depend on the
     # routing (data-dependent shapes, a recompile or graph break every iteration).
     @eager_when_compiled
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:
         s, b, h = x.shape
-        probs, routing_map = self.router(x)
-        routed = x.reshape(s * b, h)
-        if self.fc1_latent_proj is not None:
-            routed = self.fc1_latent_proj(routed)
-        tokens, counts, weights, state = self.dispatcher.dispatch(routed, probs, routing_map)
-        out = self.experts(tokens, counts, weights)
-        out = self.dispatcher.combine(out, state)
-        if self.fc2_latent_proj is not None:
-            out = self.fc2_latent_proj(out)
+        out = self._routed_share(x.reshape(s * b, h)) if self.splits_tokens else self._routed(x)
         out = out.view(s, b, h)
         if self.shared_experts is not None:
             if self.recompute_shared and self.training and torch.is_grad_enabled():
@@ -83,6 +87,43 @@ class MoELayer(torch.nn.Module):
             else:
                 out = out + self.shared_experts(x)
         return out, None
+
+    def _routed(self, x: torch.Tensor, pad: int = 0) -> torch.Tensor:
+        """The routed experts' output [T + pad, h] for this rank's tokens x [s, b, h] (T = s
+        b), with `pad` rows of zeros after them that go to no expert."""
+        s, b, h = x.shape
+        probs, routing_map = self.router(x)
+        routed = x.reshape(s * b, h)
+        if pad:
+            routed = torch.cat([routed, routed.new_zeros(pad, h)])
+            probs = torch.cat([probs, probs.new_zeros(pad, probs.shape[1])])
+            routing_map = torch.cat([routing_map, routing_map.new_zeros(pad, probs.shape[1])])
+        if self.fc1_latent_proj is not None:
+            routed = self.fc1_latent_proj(routed)
+        tokens, counts, weights, state = self.dispatcher.dispatch(routed, probs, routing_map)
+        out = self.experts(tokens, counts, weights)
+        out = self.dispatcher.combine(out, state)
+        if self.fc2_latent_proj is not None:
+            out = self.fc2_latent_proj(out)
+        return out
+
+    def _routed_share(self, rows: torch.Tensor) -> torch.Tensor:
+        """The routed experts' output [T, h] for all T tokens `rows` [T, h], which every
+        tensor-parallel rank holds: this rank routes rows [r c, (r + 1) c), c = ceil(T /
+        tp) (the last ranks fewer, or none, padded to c with rows routed nowhere), and the
+        outputs are all-gathered over tp."""
+        if self.training and torch.is_grad_enabled():
+            raise RuntimeError(
+                f"a MoE layer at tensor_model_parallel_size={self.tp_group.size} trains only "
+                "with sequence_parallel=True (each tensor-parallel rank routes its own "
+                "tokens); without it, it runs in eval mode or without gradients (generation)"
+            )
+        total = rows.shape[0]
+        share = -(-total // self.tp_group.size)
+        start = min(self.tp_group.rank * share, total)
+        mine = rows[start : start + share]
+        out = self._routed(mine.unsqueeze(1), pad=share - mine.shape[0])
+        return gather_from_sequence_parallel_region(out, self.tp_group)[:total]
 
     def sharded_state_dict(self, prefix: str = "") -> dict[str, ShardedTensor]:
         pieces = self.router.sharded_state_dict(f"{prefix}router.")

@@ -416,6 +416,12 @@ def _check_model_parallel(config: RunConfig) -> None:
         parallel.tensor_model_parallel_size, cp, parallel.expert_model_parallel_size,
         parallel.expert_tensor_parallel_size,
     )  # fmt: skip
+    tp = parallel.tensor_model_parallel_size
+    if config.model.num_moe_experts is not None and tp > 1 and not config.model.sequence_parallel:
+        raise ValueError(  # Megatron-LM's rule for training (generation runs without SP)
+            f"num_moe_experts with tensor_model_parallel_size={tp} needs "
+            "sequence_parallel=True (each tensor-parallel rank routes its own tokens)"
+        )
     if parallel.expert_tensor_parallel_size != parallel.tensor_model_parallel_size and (
         config.model.num_moe_experts is None
     ):
