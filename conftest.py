@@ -41,8 +41,7 @@ which xdist's workers share), so every run compiles from a cold cache, as on a f
 machine, and compiles each kernel once however many tests and ranks ask for it. Before,
 three tests kept a cold folder each and the others used torch's default
 (`/tmp/torchinductor_<user>`), warm from earlier runs on a developer's machine and cold
-on a fresh one, which the suite filled and left behind (2.2 GB on one machine). A
-TORCHINDUCTOR_CACHE_DIR set before pytest starts is kept.
+on a fresh one, which the suite filled and left behind (2.2 GB on one machine).
 
 No progress-bar monitor thread: tqdm (transformers' save and load bars, torch.fx's
 interpreter) would start one in a test process, and it takes the bars' locks every 10 s;
@@ -58,9 +57,6 @@ import tempfile
 import pytest
 
 os.environ["MP_DEVICE"] = "cpu"
-_COMPILE_CACHES_GIVEN = {
-    name: os.environ.get(name, "") for name in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
-}
 if os.environ.pop("PYTHONDONTWRITEBYTECODE", None):
     os.environ.setdefault(
         "PYTHONPYCACHEPREFIX", os.path.join(tempfile.gettempdir(), f"mp-pycache-{os.getuid()}")
@@ -98,9 +94,8 @@ def _run_compile_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
     base = tmp_path_factory.getbasetemp()
     if os.environ.get("PYTEST_XDIST_WORKER"):
         base = base.parent  # the controller's folder, shared by the workers
-    for name, folder in (("TORCHINDUCTOR_CACHE_DIR", "inductor"), ("TRITON_CACHE_DIR", "triton")):
-        # torch writes its default into the environment at its first use of the cache
-        os.environ[name] = _COMPILE_CACHES_GIVEN.get(name) or str(base / folder)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(base / "inductor")
+    os.environ["TRITON_CACHE_DIR"] = str(base / "triton")
 
 
 def worker_threads(workers: int) -> int:

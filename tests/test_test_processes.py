@@ -29,15 +29,11 @@ def test_dcp_call_records_below_info_are_not_made():
 
 def test_compile_caches_are_the_runs_own(tmp_path_factory):
     """Inductor's cache (and Triton's) in the run's base temporary folder, shared by
-    xdist's workers, unless the caller gave one: not torch's default in /tmp, warm from
-    other runs and left behind."""
+    xdist's workers: not torch's default in /tmp, warm from other runs and left behind."""
     from torch._inductor.runtime.cache_dir_utils import cache_dir, triton_cache_dir
-
-    import conftest
 
     run = tmp_path_factory.getbasetemp()
     if os.environ.get("PYTEST_XDIST_WORKER"):
         run = run.parent
-    given = conftest._COMPILE_CACHES_GIVEN
-    assert cache_dir() == (given["TORCHINDUCTOR_CACHE_DIR"] or str(run / "inductor"))
-    assert triton_cache_dir(0) == (given["TRITON_CACHE_DIR"] or str(run / "triton"))
+    assert cache_dir() == str(run / "inductor")
+    assert triton_cache_dir(0) == str(run / "triton")
