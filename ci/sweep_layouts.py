@@ -1,0 +1,181 @@
+"""Trains each tiny model at many parallel layouts and compares each with its one-rank run.
+
+    uv run python ci/sweep_layouts.py                   # every group (about 3 minutes)
+    uv run python ci/sweep_layouts.py moe deepseek      # some groups
+    uv run python ci/sweep_layouts.py --list            # the groups and their layouts
+
+Each group is a tiny model (apps/gpt's tiny configs, fp32, dropout 0, mock data) trained
+3 iterations of 8 sequences: once on one rank, then at each of its layouts on forked gloo
+ranks (mp_state.testing.run_on_ranks). A layout passes when every iteration's loss and
+gradient norm are within 1e-5 relative of the one-rank run's. The gradient norm is what
+shows a gradient scaled wrongly: Adam's update hardly changes when one parameter's
+gradient is scaled, so the losses alone would not.
+
+The tests check a representative layout of each feature; this crosses them (8 ranks
+where it takes them) and is run by hand after a change to the groups, the schedules, the
+optimizers or the sharding. It found the distributed optimizer's tied-embedding buckets,
+FSDP's expert gradients over a group of one and the uneven pipeline split refused at three
+stages (mp-optim's and mp-train's CHANGELOGs). Exit status 1 when a layout differs or fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from tempfile import TemporaryDirectory
+
+from mp_gpt.config_files import config_path
+from mp_gpt.testing import (
+    GIVEN_PEAK,
+    HYBRID_OPTIONS,
+    metrics_records,
+    tiny_moe_options,
+    tiny_options,
+    train_on_rank,
+)
+from mp_state.testing import run_on_ranks
+
+TOLERANCE = 1e-5
+RUN = ["--global-batch-size", "8", "--train-iters", "3"]
+TP2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+PP2 = ["--pipeline-model-parallel-size", "2"]
+VPP2 = [*PP2, "--num-layers-per-virtual-pipeline-stage", "1"]
+CP2 = ["--context-parallel-size", "2"]
+EP2 = ["--expert-model-parallel-size", "2"]
+EP4 = ["--expert-model-parallel-size", "4"]
+DISTOPT = ["--use-distributed-optimizer"]
+OVERLAP = ["--overlap-grad-reduce", "--overlap-param-gather", "--ddp-bucket-size", "20000"]
+ZERO3 = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params"]
+ZERO2 = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads"]
+
+
+def _small(config: str):
+    """Options of a tiny config written for one rank (64 tokens, micro-batches of one)."""
+
+    def options(run_dir: Path, *extra: str) -> list[str]:
+        return [
+            "--config", str(config_path(config)), "--mock-data", *GIVEN_PEAK,
+            "--seq-length", "64", "--micro-batch-size", "1", "--eval-interval", "none",
+            "--save", "none", "--load", "none", "--tensorboard-dir", "none",
+            "--lr-warmup-iters", "1", "--metrics-file", str(run_dir / "metrics.jsonl"), *extra,
+        ]  # fmt: skip
+
+    return options
+
+
+# group -> (options(run_dir, *extra), the group's own flags, [(layout, ranks, flags)])
+GROUPS = {
+    "dense": (tiny_options, [], [
+        ("pp4 x dp2, distopt, overlap", 8, ["--pipeline-model-parallel-size", "4", *DISTOPT,
+                                            *OVERLAP]),
+        ("tp2+sp x pp2 x vpp2 x dp2, distopt, overlap", 8, [*TP2, *VPP2, *DISTOPT, *OVERLAP]),
+        ("cp2 x tp2+sp x pp2, distopt", 8, [*CP2, *TP2, *PP2, *DISTOPT]),
+        ("cp2 a2a x pp2 x dp2, distopt", 8, [*CP2, "--cp-comm-type", "a2a", *PP2, *DISTOPT]),
+        ("cp4 a2a+p2p (2 x 2)", 4, ["--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p",
+                                    "--hierarchical-context-parallel-sizes", "2", "2"]),
+        ("pp3 (2 + 1 + 1) x dp2", 6, ["--pipeline-model-parallel-size", "3",
+                                      "--decoder-first-pipeline-num-layers", "2"]),
+        ("zero3 x tp2+sp x cp2", 8, [*ZERO3, *TP2, *CP2]),
+        ("pp2 x vpp2 x dp2, full recompute, distopt, tp2", 8, [
+            *VPP2, *TP2, *DISTOPT, "--recompute-granularity", "full",
+            "--recompute-method", "uniform", "--recompute-num-layers", "1"]),
+    ]),
+    "untied": (tiny_options, ["--untie-embeddings-and-output-weights"], [
+        ("pp2 x vpp2 x dp2, distopt, overlap", 4, [*VPP2, *DISTOPT, *OVERLAP]),
+        ("tp2+sp x pp2 x dp2, zero2", 8, [*TP2, *PP2, *ZERO2]),
+    ]),
+    "mtp": (tiny_options, ["--mtp-num-layers", "1"], [
+        ("tp2+sp x pp2 x dp2, distopt", 8, [*TP2, *PP2, *DISTOPT]),
+        ("pp2 x vpp2 x dp2, distopt, overlap", 4, [*VPP2, *DISTOPT, *OVERLAP]),
+        ("cp2 x pp2 x dp2, zero3", 8, [*CP2, *PP2, *ZERO3]),
+    ]),
+    "moe": (tiny_moe_options, [], [
+        ("ep2 x tp2+sp x pp2, distopt", 8, [*EP2, *TP2, *PP2, *DISTOPT]),
+        ("ep2 x etp1 x tp2+sp x pp2 x vpp2", 8, [*EP2, "--expert-tensor-parallel-size", "1",
+                                                 *TP2, *VPP2]),
+        ("ep2 x cp2 x pp2", 8, [*EP2, *CP2, *PP2]),
+        ("ep2 x tp2+sp, allgather dispatcher", 4, [*EP2, *TP2, "--moe-token-dispatcher-type",
+                                                   "allgather"]),
+        ("ep4 x dp4, zero3 (expert dp 1)", 4, [*EP4, *ZERO3]),
+        ("ep4 x dp4, distopt, overlap", 4, [*EP4, *DISTOPT, *OVERLAP]),
+    ]),
+    "hybrid": (tiny_options, list(HYBRID_OPTIONS), [
+        ("tp2+sp x pp2 x dp2, distopt", 8, [*TP2, *PP2, *DISTOPT]),
+        ("cp2 x tp2+sp x dp2", 8, [*CP2, *TP2]),
+    ]),
+    "deepseek": (_small("tiny-deepseek-v3.yaml"), [], [
+        ("tp2+sp x pp2 x ep2, distopt", 8, [*TP2, *PP2, *EP2, *DISTOPT]),
+        ("cp2 x pp2 x ep2 x dp2", 8, [*CP2, *PP2, *EP2]),
+        ("tp2+sp x ep2, zero3 (expert dp 1)", 4, [*TP2, *EP2, *ZERO3]),
+    ]),
+    "qwen3-next": (_small("tiny-qwen3-next.yaml"), [], [
+        ("tp2+sp x pp2 x dp2, distopt", 8, [*TP2, *PP2, *DISTOPT]),
+        ("cp2 x ep2, zero3", 4, [*CP2, *EP2, *ZERO3]),
+    ]),
+}  # fmt: skip
+
+
+def _curve(run_dir: Path) -> list[tuple[float, float]]:
+    return [(r["lm loss"], r["grad_norm"]) for r in metrics_records(run_dir)]
+
+
+def _difference(got: list[tuple[float, float]], want: list[tuple[float, float]]) -> float:
+    if len(got) != len(want):
+        return float("inf")
+    pairs = zip(got, want, strict=True)
+    return max(abs(a - b) / abs(b) for g, w in pairs for a, b in zip(g, w, strict=True))
+
+
+def sweep(groups: list[str], folder: Path) -> int:
+    failed = 0
+    for group in groups:
+        options, own, layouts = GROUPS[group]
+        run_on_ranks(train_on_rank, 1, options(folder / group / "one", *RUN, *own), timeout=900)
+        want = _curve(folder / group / "one")
+        for index, (layout, ranks, flags) in enumerate(layouts):
+            run_dir = folder / group / str(index)
+            start = time.monotonic()
+            try:
+                run_on_ranks(train_on_rank, ranks, options(run_dir, *RUN, *own, *flags),
+                             timeout=900)  # fmt: skip
+                worst = _difference(_curve(run_dir), want)
+                verdict = "ok" if worst <= TOLERANCE else "DIFFERS"
+                detail = f"largest difference {worst:.1e}"
+            except Exception as error:  # a refusal or a failed rank: reported, the sweep goes on
+                verdict, detail = "FAILED", str(error).strip().splitlines()[-1][:300]
+            failed += verdict != "ok"
+            seconds = time.monotonic() - start
+            print(f"{group:11} {layout:48} {ranks} ranks {seconds:5.1f} s  {verdict:7} {detail}",
+                  flush=True)  # fmt: skip
+    return failed
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "groups",
+        nargs="*",
+        metavar="GROUP",
+        help=f"the groups to run (default: all): {', '.join(GROUPS)}",
+    )
+    parser.add_argument("--list", action="store_true", help="print the layouts and stop")
+    args = parser.parse_args(argv)
+    unknown = [g for g in args.groups if g not in GROUPS]
+    if unknown:
+        parser.error(f"unknown group {', '.join(unknown)}: choose from {', '.join(GROUPS)}")
+    groups = args.groups or list(GROUPS)
+    if args.list:
+        for group in groups:
+            for layout, ranks, _ in GROUPS[group][2]:
+                print(f"{group:11} {layout:48} {ranks} ranks")
+        return 0
+    with TemporaryDirectory(prefix="mp-sweep-") as folder:
+        failed = sweep(groups, Path(folder))
+    print(f"{failed} of {sum(len(GROUPS[g][2]) for g in groups)} layouts differ or failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
