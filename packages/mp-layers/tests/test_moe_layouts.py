@@ -174,6 +174,8 @@ NO_SP = {  # (tp, ep, etp, settings): a MoE model at TP2 without sequence parall
     "EP2xTP2": LAYOUTS["EP2xTP2"],
     "EP2xTP2xETP2-allgather": LAYOUTS["EP2xTP2xETP2-allgather"],
     "gpt-oss-EP2xTP2xETP2": LAYOUTS["gpt-oss-EP2xTP2xETP2"],
+    # DeepSeek's group-limited routing, which takes no empty batch of tokens
+    "EP2xTP2-sigmoid-seq-aux-groups": (2, 2, 1, LAYOUTS["EP2-sigmoid-seq-aux-groups"][3]),
 }
 
 
@@ -212,7 +214,8 @@ def _training_refused(model: GPTModel) -> bool:
 def test_without_sequence_parallelism_each_tensor_parallel_rank_routes_a_share(name):
     """Generation runs without sequence parallelism: at TP2 every rank holds all tokens
     and routes ceil(T / 2) of them, the last rank fewer (T = 3), or none (T = 1, a decode
-    step of one sequence); the logits are one process's. A training step is refused."""
+    step of one sequence: a zero row routed nowhere); the logits are one process's. A
+    training step is refused."""
     lengths = [1, 3, SEQ]
     model = GPTModel(TransformerConfig(**MODEL | NO_SP[name][3]), "local", VOCAB, SEQ,
                      groups=ModelGroups.single(), init_seed=11)  # fmt: skip

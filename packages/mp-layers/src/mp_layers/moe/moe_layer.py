@@ -88,11 +88,14 @@ class MoELayer(torch.nn.Module):
                 out = out + self.shared_experts(x)
         return out, None
 
-    def _routed(self, x: torch.Tensor, pad: int = 0) -> torch.Tensor:
+    def _routed(self, x: torch.Tensor, pad: int = 0, *, tokens: bool = True) -> torch.Tensor:
         """The routed experts' output [T + pad, h] for this rank's tokens x [s, b, h] (T = s
-        b), with `pad` rows of zeros after them that go to no expert."""
+        b), with `pad` rows of zeros after them that go to no expert; tokens=False: x holds
+        no token (a row the router's shapes need), which goes to no expert either."""
         s, b, h = x.shape
         probs, routing_map = self.router(x)
+        if not tokens:
+            probs, routing_map = torch.zeros_like(probs), torch.zeros_like(routing_map)
         routed = x.reshape(s * b, h)
         if pad:
             routed = torch.cat([routed, routed.new_zeros(pad, h)])
@@ -122,7 +125,10 @@ class MoELayer(torch.nn.Module):
         share = -(-total // self.tp_group.size)
         start = min(self.tp_group.rank * share, total)
         mine = rows[start : start + share]
-        out = self._routed(mine.unsqueeze(1), pad=share - mine.shape[0])
+        if mine.shape[0]:
+            out = self._routed(mine.unsqueeze(1), pad=share - mine.shape[0])
+        else:  # no token here (one sequence's decode step at tp 2): a zero row, routed nowhere
+            out = self._routed(rows.new_zeros(1, 1, rows.shape[1]), pad=share - 1, tokens=False)
         return gather_from_sequence_parallel_region(out, self.tp_group)[:total]
 
     def sharded_state_dict(self, prefix: str = "") -> dict[str, ShardedTensor]:
