@@ -88,13 +88,13 @@ class MoELayer(torch.nn.Module):
                 out = out + self.shared_experts(x)
         return out, None
 
-    def _routed(self, x: torch.Tensor, pad: int = 0, *, tokens: bool = True) -> torch.Tensor:
+    def _routed(self, x: torch.Tensor, pad: int = 0, *, empty: bool = False) -> torch.Tensor:
         """The routed experts' output [T + pad, h] for this rank's tokens x [s, b, h] (T = s
-        b), with `pad` rows of zeros after them that go to no expert; tokens=False: x holds
-        no token (a row the router's shapes need), which goes to no expert either."""
+        b), with `pad` rows of zeros after them that go to no expert; empty: x holds no
+        token (a row the router's shapes need), which goes to no expert either."""
         s, b, h = x.shape
         probs, routing_map = self.router(x)
-        if not tokens:
+        if empty:
             probs, routing_map = torch.zeros_like(probs), torch.zeros_like(routing_map)
         routed = x.reshape(s * b, h)
         if pad:
@@ -128,7 +128,7 @@ class MoELayer(torch.nn.Module):
         if mine.shape[0]:
             out = self._routed(mine.unsqueeze(1), pad=share - mine.shape[0])
         else:  # no token here (one sequence's decode step at tp 2): a zero row, routed nowhere
-            out = self._routed(rows.new_zeros(1, 1, rows.shape[1]), pad=share - 1, tokens=False)
+            out = self._routed(rows.new_zeros(1, 1, rows.shape[1]), pad=share - 1, empty=True)
         return gather_from_sequence_parallel_region(out, self.tp_group)[:total]
 
     def sharded_state_dict(self, prefix: str = "") -> dict[str, ShardedTensor]:
