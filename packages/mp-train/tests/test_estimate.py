@@ -493,6 +493,9 @@ def test_errors_name_the_setting():
         estimate(make_config(parallel={"expert_model_parallel_size": 3}, **MOE), world_size=3)
     with pytest.raises(ValueError, match="expert_model_parallel_size=2 needs num_moe_experts"):
         estimate(make_config(parallel=EP2), world_size=2)
+    # a training run's rule, as validate's (a MoE model at tp 2 generates without it)
+    with pytest.raises(ValueError, match="tensor_model_parallel_size=2 needs sequence_par"):
+        estimate(make_config(parallel={"tensor_model_parallel_size": 2}, **MOE), world_size=2)
 
 
 def _stub_parse_config(monkeypatch, config: RunConfig) -> list[list[str]]:

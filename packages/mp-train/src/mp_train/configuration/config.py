@@ -268,7 +268,7 @@ def validate(config: RunConfig, world_size: int) -> dict[str, int]:
     decrease_batch_size_if_needed; num_microbatches). Raises ValueError naming fields and
     values."""
     parallel, training = config.parallel, config.training
-    _check_model_parallel(config)
+    check_model_parallel(config)
     model_parallel = (
         parallel.tensor_model_parallel_size
         * parallel.pipeline_model_parallel_size
@@ -409,7 +409,10 @@ def hang_timeout_minutes(config: RunConfig) -> float:
     return config.parallel.distributed_timeout_minutes / 2 if hang is None else hang
 
 
-def _check_model_parallel(config: RunConfig) -> None:
+def check_model_parallel(config: RunConfig) -> None:
+    """The rules of the tensor, context and expert parallel sizes for a training run (the
+    model's own, TransformerConfig.check_parallel, and those of training); raises
+    ValueError naming them."""
     parallel = config.parallel
     cp = parallel.context_parallel_size
     config.model.check_parallel(

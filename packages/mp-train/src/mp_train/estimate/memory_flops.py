@@ -73,7 +73,7 @@ from mp_layers import (
 )
 from mp_pipeline import stage_layers
 from mp_train.configuration.batch_sizes import parse_batch_schedule, running_global_batch
-from mp_train.configuration.config import RunConfig
+from mp_train.configuration.config import RunConfig, check_model_parallel
 from mp_train.configuration.pipeline_segments import pipeline_segments
 from mp_train.estimate.activations import activation_bytes, mlp_width
 from mp_train.estimate.hybrid import mamba_flops
@@ -159,7 +159,7 @@ def _layout(config: RunConfig, world_size: int) -> dict:
     vpp = parallel.virtual_pipeline_model_parallel_size
     ep, etp = parallel.expert_model_parallel_size, parallel.expert_tensor_parallel_size
     dp = parallel.data_parallel_size(world_size)
-    model.check_parallel(tp, cp, ep, etp)
+    check_model_parallel(config)
     first = parallel.decoder_first_pipeline_num_layers
     last = parallel.decoder_last_pipeline_num_layers
     segments = pipeline_segments(config)
