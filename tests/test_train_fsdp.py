@@ -4,8 +4,7 @@ optim_grads_params) has the DDP run's losses and gradient norms (1e-5 relative) 
 DP2 x TP2 with sequence parallelism, DP2 x CP2, DP2 x PP2 (1F1B), DP2 x PP2 x VPP2
 (interleaved) and, on the tiny MoE config, EP2 with four data-parallel ranks (experts
 sharded over expert dp 2) and EP4 (each expert on one rank, its expert dp group of one).
-Each
-layout's three runs share its settings, which also take in what FSDP composes with:
+Each layout's three runs share its settings, which also take in what FSDP composes with:
 random initialization per data-parallel rank (TP2), per-token loss normalization (CP2),
 a multi-token prediction layer on the last stage, its loss compared too, and an
 evaluation every 5 iterations (PP2), averaging in the collective (EP2); and at DP4, DP2
