@@ -4,9 +4,8 @@ downloads): `mp-ckpt import-hf` gives transformers' fp32 logits within 1e-5 in G
 checkpoint remembers its family) gives back the config and every tensor; greedy
 generation equals generate(do_sample=False) over 32 new tokens (DeepSeek's through the
 cache of latents, Nemotron-H's through its Mamba layers' states, Qwen3-Next's through its
-gated DeltaNet layers'); gpt-oss's also over 72
-at PP2, past its windowed layers' cache rings.
-DeepSeek-V3's and Nemotron 3 Super's multi-token prediction layers import, compute as
+gated DeltaNet layers'); gpt-oss's also over 72 at PP2, past its windowed layers' cache
+rings, and DeepSeek-V3's and Qwen3-MoE's at TP2 x EP2. DeepSeek-V3's and Nemotron 3 Super's multi-token prediction layers import, compute as
 their own blocks do and export back."""
 
 import json
@@ -231,6 +230,25 @@ def test_gpt_oss_generates_past_its_window_ring_through_two_stages_as_transforme
     for got in run_on_ranks(greedy_on_rank, 2, str(tmp_path / "ckpt"), layout, PROMPTS, new,
                             timeout=240):  # fmt: skip
         assert got == want
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("case", ["deepseek_v3", "qwen3_moe"])
+def test_moe_families_generate_at_tp2_x_ep2_as_transformers(tmp_path, case):
+    """Generation runs without sequence parallelism: at TP2 each tensor-parallel rank routes
+    a share of the tokens (mp_layers' MoELayer), and at TP2 x EP2 greedy tokens equal
+    transformers' generate, for the batch of three prompts and for one prompt alone, whose
+    decode steps leave one tensor-parallel rank without a token (DeepSeek-V3's
+    group-limited routing then routes a zero row nowhere)."""
+    hf = random_hf(CASES[case]())
+    hf.save_pretrained(tmp_path / "hf")
+    assert main(["import-hf", str(tmp_path / "hf"), str(tmp_path / "ckpt")]) == 0
+    layout = ["--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2"]
+    for prompts in (PROMPTS, PROMPTS[:1]):
+        want = reference_greedy(hf, prompts, NEW)
+        for got in run_on_ranks(greedy_on_rank, 4, str(tmp_path / "ckpt"), layout, prompts,
+                                NEW, timeout=240):  # fmt: skip
+            assert got == want
 
 
 def hf_folder_with(folder, config: dict, state: dict):
