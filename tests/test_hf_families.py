@@ -3,10 +3,11 @@ downloads): `mp-ckpt import-hf` gives transformers' fp32 logits within 1e-5 in G
 (built from the imported settings alone); `mp-ckpt export-hf` without --arch (the
 checkpoint remembers its family) gives back the config and every tensor; greedy
 generation equals generate(do_sample=False) over 32 new tokens (DeepSeek's through the
-cache of latents, Nemotron-H's through its Mamba layers' states, Qwen3-Next's through its
-gated DeltaNet layers'); gpt-oss's also over 72 at PP2, past its windowed layers' cache
-rings, and DeepSeek-V3's and Qwen3-MoE's at TP2 x EP2. DeepSeek-V3's and Nemotron 3 Super's multi-token prediction layers import, compute as
-their own blocks do and export back."""
+cache of latents, Nemotron-H's through its Mamba layers' states, Qwen3-Next's through
+its gated DeltaNet layers'); gpt-oss's also over 72 at PP2, past its windowed layers'
+cache rings, and DeepSeek-V3's and Qwen3-MoE's at TP2 x EP2. DeepSeek-V3's and Nemotron
+3 Super's multi-token prediction layers import, compute as their own blocks do and
+export back."""
 
 import json
 import os
