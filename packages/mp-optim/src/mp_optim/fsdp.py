@@ -146,9 +146,7 @@ class FullyShardedDataParallel(ChunkWrapper):
                 unit.set_modules_to_forward_prefetch([following])
             if sharding.device_type == "cpu":
                 _gather_asynchronously(module)
-        self._divided_here: list[torch.nn.Module] = []  # (_set_reduction)
-        for sharded in self._fsdp_modules():
-            self._set_reduction(sharded)
+        divided_here = [m for m in self._fsdp_modules() if self._set_reduction(m)]
 
         counted = self._counted()
         self.shards: list[LocalShard] = []
@@ -168,6 +166,9 @@ class FullyShardedDataParallel(ChunkWrapper):
                     getattr(param, "unsharded_dtype", param.dtype),
                 ))  # fmt: skip
         self._shard_of = {id(s.param): s for s in self.shards}
+        self._divided_here = [self._shard_of[id(p)] for m in divided_here for p in m.parameters()
+                              if id(p) in self._shard_of]  # fmt: skip
+        """Shards over a group of one: finish_grad_sync divides their gradients by dp."""
 
     # --- the training loop's calls (as DistributedDataParallel's) ---------------------------
 
@@ -202,10 +203,8 @@ class FullyShardedDataParallel(ChunkWrapper):
                 else:
                     shard.grad.copy_(grad.to_local())
                 shard.param.grad = persistent
-            divided = {id(p) for module in self._divided_here for p in module.parameters()}
-            for shard in self.shards:
-                if id(shard.param) in divided:  # sharded over a group of one
-                    shard.grad.div_(self.dp_group.size)
+            for shard in self._divided_here:
+                shard.grad.div_(self.dp_group.size)
         if self.config.check_for_nan_in_grad:
             bad = [s.name for s in self.shards if not torch.isfinite(s.grad).all()]
             if bad:
@@ -318,18 +317,19 @@ class FullyShardedDataParallel(ChunkWrapper):
 
         return [m for m in self.module.modules() if isinstance(m, FSDPModule)]
 
-    def _set_reduction(self, sharded) -> None:
-        """Every gradient ends as the mean over dp_group (the sum with a per-token loss)."""
+    def _set_reduction(self, sharded) -> bool:
+        """Every gradient ends as the mean over dp_group (the sum with a per-token loss);
+        True where finish_grad_sync divides (a group of one)."""
         params = list(sharded.parameters())
         expert = bool(params) and all(is_expert_parallel(p) for p in params)
         group = self.expert_dp_group if expert else self.dp_group
         config = self.config
         divisor = 1.0 if config.calculate_per_token_loss else float(self.dp_group.size)
-        if group.size == 1 and divisor != 1.0:
-            # A group of one (each expert on one rank: expert dp 1) has nothing to reduce,
-            # and there FSDP2 (torch 2.15's foreach_reduce) divides a sum-forced reduction
-            # twice, by divisor squared: it divides by nothing, finish_grad_sync by dp.
-            self._divided_here.append(sharded)
+        # A group of one (each expert on one rank: expert dp 1) has nothing to reduce, and
+        # there FSDP2 (torch 2.15's foreach_reduce) divides a sum-forced reduction twice,
+        # by divisor squared: it divides by nothing, finish_grad_sync by dp.
+        divided_later = group.size == 1 and divisor != 1.0
+        if divided_later:
             divisor = 1.0
         sharded.set_gradient_divide_factor(divisor)
         # ReduceOp.AVG divides by the group's size only; another divisor (an expert group
@@ -341,6 +341,7 @@ class FullyShardedDataParallel(ChunkWrapper):
         # Older torch (2.11) lacks the switch: mp's layers give every parameter a gradient.
         if hasattr(sharded, "set_reduce_scatter_unused_params"):
             sharded.set_reduce_scatter_unused_params(True, recurse=False)
+        return divided_later
 
 
 _WHOLE_STATE = (
