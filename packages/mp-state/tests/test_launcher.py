@@ -68,26 +68,32 @@ def test_a_progress_bar_lock_held_in_the_parent_does_not_stop_a_forked_rank():
         holder.join(30)
 
 
-def test_inductors_compile_pool_from_the_parent_does_not_stop_a_forked_rank(monkeypatch):
+def test_inductors_compile_pool_from_the_parent_does_not_stop_a_forked_rank():
     # A test process that compiled in-process with several compile threads holds
     # inductor's ThreadPoolExecutor (AsyncCompile.pool), whose threads a forked rank does
     # not have: a rank's compile, or its load of a kernel from the cache, submitted to it
     # and waited forever (seen in test_train_precision_aware.py's compiled case).
+    # The setting goes through inductor's own patch(): pytest's monkeypatch undoes it by
+    # deleting the attribute, which hides it in torch's config module for the rest of the
+    # worker process, so that a later compile there, or in a rank it forks, failed with
+    # "torch._inductor.config.compile_threads does not exist".
     import torch._inductor.config
     from torch._inductor.async_compile import AsyncCompile
 
-    monkeypatch.setattr(torch._inductor.config, "compile_threads", 2)
+    threads = torch._inductor.config.compile_threads
     AsyncCompile.pool.cache_clear()  # a pool of this test's own, made below
     try:
-        assert AsyncCompile.pool().submit(lambda: 1).result(timeout=30) == 1  # idle threads
+        with torch._inductor.config.patch(compile_threads=2):
+            assert AsyncCompile.pool().submit(lambda: 1).result(timeout=30) == 1  # idle
 
-        def compile_job():
-            return AsyncCompile.pool().submit(lambda: 2).result(timeout=10)
+            def compile_job():
+                return AsyncCompile.pool().submit(lambda: 2).result(timeout=10)
 
-        assert run_on_ranks(compile_job, 1, timeout=60) == [2]
+            assert run_on_ranks(compile_job, 1, timeout=60) == [2]
     finally:
         AsyncCompile.pool().shutdown()
         AsyncCompile.pool.cache_clear()
+    assert torch._inductor.config.compile_threads == threads  # restored, and readable
 
 
 def raise_on_rank_2():
