@@ -32,32 +32,37 @@ def loader():
     )  # fmt: skip
 
 
-def test_the_next_batch_names_the_killed_worker_and_the_signal():
-    # Without torch's SIGCHLD handler, its check at the next batch finds the worker gone
-    # (within its 5 s poll) and names only the pid, or the batch the worker was sending
-    # fails with a reset connection. The handler is put back once every worker is gone,
-    # so that it cannot raise into the test run.
-    # The iterator is closed before the test ends: the error's traceback (held by
-    # `raised`) keeps it alive, and left to the garbage collector its workers would be
-    # shut down during some later test, waiting there on locks the killed one may hold.
-    torch_handler = signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-    batches = iter(loader())
+class Unsendable(str):
+    """A sample the default collate passes through as is, and that cannot be pickled."""
+
+    def __reduce__(self):
+        raise OSError("this sample cannot leave its worker")
+
+
+class Texts(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 100
+
+    def __getitem__(self, index: int) -> str:
+        return Unsendable(index)
+
+
+@pytest.mark.timeout(120)  # without the worker's exit, the loader waited for good
+def test_a_batch_its_worker_cannot_send_ends_the_worker_and_is_named(capfd):
+    batches = iter(build_pretraining_data_loader(
+        Texts(), 0, dataloader_type="single", micro_batch_size=2, data_parallel_rank=0,
+        data_parallel_size=1, num_workers=2,
+    ))  # fmt: skip
     try:
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the first iterator installs it
-        next(batches)
-        workers = batches._iterator._workers
-        pid = workers[0].pid
-        os.kill(pid, signal.SIGKILL)
-        with pytest.raises(DataLoaderWorkerError, match=SAID.format(pid=pid)) as raised:
-            for _ in range(10_000):
-                next(batches)
-        assert not isinstance(raised.value.__cause__, DataLoaderWorkerError)
+        with pytest.raises(DataLoaderWorkerError) as raised:
+            next(batches)
     finally:
         batches.close()
-        signal.signal(signal.SIGCHLD, torch_handler)
-    assert not any(w.is_alive() for w in workers)
-    with pytest.raises(StopIteration):
-        next(batches)
+    said = r"DataLoader worker \(pid \d+\) exited unexpectedly with exit code 74: it could "
+    assert re.match(
+        said + r"not send a batch \(its error is on standard error\)\.", str(raised.value)
+    )
+    assert "OSError: this sample cannot leave its worker" in capfd.readouterr().err
 
 
 def test_workers_ignore_the_signal_their_caller_handles():
@@ -83,37 +88,49 @@ def test_workers_ignore_the_signal_their_caller_handles():
     assert not any(worker.is_alive() for worker in workers)
 
 
-SIGCHLD_RUN = """
+KILL_A_WORKER_RUN = """
 import faulthandler, os, signal, sys
 faulthandler.dump_traceback_later(50, exit=True)  # the stacks, should it ever hang
 sys.path.insert(0, os.path.dirname(sys.argv[1]))
 from test_data_loader_workers import loader
 batches = iter(loader())
+if sys.argv[2] == "next batch":
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # torch's handler, which iter() installed
 next(batches)
-pid = batches._iterator._workers[0].pid
+workers = batches._iterator._workers
+pid = workers[0].pid
 try:
     os.kill(pid, signal.SIGKILL)
     for _ in range(10_000):
         next(batches)
 except RuntimeError as error:
-    print(pid, error, flush=True)
-    for worker in batches._iterator._workers:  # os._exit leaves them, else orphaned
-        worker.kill()
-        worker.join()
-    os._exit(0)
+    print(pid, type(error).__name__, type(error.__cause__).__name__, error, flush=True)
+batches.close()
+print(sum(w.is_alive() for w in workers), "alive", flush=True)
+print(next(batches, "stopped"), flush=True)
 """
 
 
-def test_the_sigchld_handler_says_the_same(tmp_path):
-    # torch's handler raises wherever the main thread is when SIGCHLD arrives: in a
-    # process of its own, not in the test run.
-    # TMPDIR: the folder its os._exit leaves (test_a_killed_worker_leaves_no_folder_behind)
+@pytest.mark.parametrize("check", ["next batch", "SIGCHLD handler"])
+def test_a_killed_worker_is_named_with_its_signal(tmp_path, check):
+    # torch's SIGCHLD handler raises wherever the main thread is when SIGCHLD arrives;
+    # without it, torch's check at the next batch finds the worker gone (within its 5 s
+    # poll) and names only the pid, or the batch the worker was sending fails with a reset
+    # connection. Either way the error names the worker and the signal. Then close() stops
+    # the other worker (without the handler raising into it), and the iterator is done.
+    # In a process of its own: the handler raises there, not in the test run, and the
+    # loader's workers are forked from a process with nothing of other tests in it.
+    # TMPDIR: the folder its workers use (test_a_killed_worker_leaves_no_folder_behind)
     env = os.environ | {"TMPDIR": str(tmp_path)}
-    done = subprocess.run([sys.executable, "-c", SIGCHLD_RUN, __file__], capture_output=True,
-                          text=True, timeout=60, env=env)  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", KILL_A_WORKER_RUN, __file__, check],
+                          capture_output=True, text=True, timeout=60, env=env)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    pid, said = done.stdout.split(" ", 1)
-    assert re.fullmatch(SAID.format(pid=pid), said.strip()), said
+    raised, alive, after = done.stdout.splitlines()
+    pid, kind, cause, said = raised.split(" ", 3)
+    assert re.fullmatch(SAID.format(pid=pid), said.strip()), said  # (torch ends it in a space)
+    if check == "next batch":  # (the handler may raise outside the loader's iterator)
+        assert kind == "DataLoaderWorkerError" and cause != "DataLoaderWorkerError"
+    assert (alive, after) == ("0 alive", "stopped")
 
 
 def _hold_and_die(event) -> None:

@@ -13,7 +13,9 @@ A worker that dies (killed, out of memory) is reported by the next batch drawn, 
 torch's SIGCHLD handler in the main thread wherever it is, both as
 `DataLoader worker (pid N) is killed by signal: Killed.`: torch's own check at the next
 batch names only the pid (or raises a reset connection to the dead worker), so the
-loader's iterator says which worker ended and how.
+loader's iterator says which worker ended and how. A worker that cannot send a batch
+(multiprocessing's queue would print the error, drop the batch and leave the loader
+waiting for it for ever) exits with status 74, reported as such.
 
 Its iterator's `close()` stops the worker processes at once (a no-op without workers),
 however far it was read: left to the garbage collector, an iterator held by an error's
@@ -25,8 +27,12 @@ from __future__ import annotations
 
 import functools
 import multiprocessing.connection
+import multiprocessing.queues
 import multiprocessing.util
+import os
 import signal
+import sys
+import traceback
 from collections.abc import Sequence
 
 import torch
@@ -104,17 +110,31 @@ def build_pretraining_data_loader(
         # RandomSeedDataset in them stays at the epoch the loader started in
         # (as in Megatron-LM).
         persistent_workers=num_workers > 0,
-        worker_init_fn=(
-            functools.partial(_ignore_signals, tuple(worker_ignored_signals))
-            if worker_ignored_signals
-            else None
-        ),
+        worker_init_fn=functools.partial(_start_worker, tuple(worker_ignored_signals)),
     )
 
 
-def _ignore_signals(signals: tuple[int, ...], worker_id: int) -> None:
-    for sig in signals:
+# The status of a worker that could not send a batch (sysexits' EX_IOERR).
+_SEND_FAILED = 74
+
+
+def _start_worker(ignored_signals: tuple[int, ...], worker_id: int) -> None:
+    """Each worker's worker_init_fn: sets the ignored signals aside, and makes a batch the
+    worker cannot send end the worker. multiprocessing's queue sends from a thread of its
+    own, which prints the error and drops the batch (a socket that cannot be made for its
+    memory, a file-descriptor limit reached, an object that cannot be pickled): torch's
+    iterator, which takes the batches in order, would then wait for it for ever, seeing
+    the worker alive. Ended, the worker is reported at the next batch drawn."""
+    for sig in ignored_signals:
         signal.signal(sig, signal.SIG_IGN)
+    multiprocessing.queues.Queue._on_queue_feeder_error = staticmethod(_exit_on_send_error)
+
+
+def _exit_on_send_error(error: Exception, obj) -> None:
+    traceback.print_exception(error)
+    print(f"DataLoader worker (pid {os.getpid()}) could not send a batch: {error!r}",
+          file=sys.stderr, flush=True)  # fmt: skip
+    os._exit(_SEND_FAILED)
 
 
 class DataLoaderWorkerError(RuntimeError):
@@ -193,8 +213,13 @@ def _stop_after_a_death(iterator, workers: list) -> None:
     every check, and a worker killed while holding it leaves the lock taken for good (the
     shutdown then waits forever). The others are killed and reaped instead, the queues
     closed without waiting for their feeder threads, and the iterator marked shut down so
-    that its own shutdown (at garbage collection) does nothing."""
+    that its own shutdown (at garbage collection) does nothing. The workers leave torch's
+    SIGCHLD bookkeeping first: its handler would raise again, inside this close(), at
+    each worker killed here while the dead one is still listed."""
     iterator._shutdown = True
+    if getattr(iterator, "_worker_pids_set", False):
+        torch.utils.data._utils.signal_handling._remove_worker_pids(id(iterator))
+        iterator._worker_pids_set = False
     if hasattr(iterator, "_pin_memory_thread"):  # a thread: its event is no process's
         iterator._pin_memory_thread_done_event.set()
         iterator._pin_memory_thread.join(timeout=10.0)
@@ -206,9 +231,6 @@ def _stop_after_a_death(iterator, workers: list) -> None:
     for queue in [*getattr(iterator, "_index_queues", ()), iterator._worker_result_queue]:
         queue.cancel_join_thread()
         queue.close()
-    if getattr(iterator, "_worker_pids_set", False):  # torch's SIGCHLD bookkeeping
-        torch.utils.data._utils.signal_handling._remove_worker_pids(id(iterator))
-        iterator._worker_pids_set = False
 
 
 def _how_it_ended(worker) -> str | None:
@@ -218,6 +240,9 @@ def _how_it_ended(worker) -> str | None:
     code, said = worker.exitcode, f"DataLoader worker (pid {worker.pid})"
     if code < 0:
         return f"{said} is killed by signal: {signal.strsignal(-code)}."
+    if code == _SEND_FAILED:
+        return (f"{said} exited unexpectedly with exit code {code}: it could not send a "
+                "batch (its error is on standard error).")  # fmt: skip
     if code > 0:
         return f"{said} exited unexpectedly with exit code {code}."
     return None
