@@ -14,6 +14,11 @@ import torch
 
 from mp_data import DataLoaderWorkerError, build_pretraining_data_loader
 
+# A loader that waits for a batch no worker sends waits for good (torch's iterator sees
+# its workers alive): each test here takes seconds, so one that hangs fails in 2 minutes,
+# with its stack, rather than at the suite's 15.
+pytestmark = pytest.mark.timeout(120)
+
 SAID = r"DataLoader worker \(pid {pid}\) is killed by signal: Killed\."
 
 
@@ -47,7 +52,6 @@ class Texts(torch.utils.data.Dataset):
         return Unsendable(index)
 
 
-@pytest.mark.timeout(120)  # without the worker's exit, the loader waited for good
 def test_a_batch_its_worker_cannot_send_ends_the_worker_and_is_named(capfd):
     batches = iter(build_pretraining_data_loader(
         Texts(), 0, dataloader_type="single", micro_batch_size=2, data_parallel_rank=0,
