@@ -153,15 +153,17 @@ def test_a_rank_that_raises_fails_every_rank_within_the_group_timeout(tmp_path, 
     results = run_on_ranks(failing_body, 4, 2, 5.0, timeout=60, init_process_group=False)
     for rank, (outcome, elapsed) in enumerate(results):
         assert outcome != "finished", f"rank {rank} finished a schedule another rank left"
-        assert elapsed < 5.0 + 3.0, f"rank {rank} took {elapsed:.1f} s to fail"
+        # Within the group timeout, give or take a loaded machine's delays: under twice it.
+        assert elapsed < 2 * 5.0, f"rank {rank} took {elapsed:.1f} s to fail"
     assert "injected failure" in results[2][0]
 
 
 def test_a_rank_that_hangs_makes_its_peers_fail_at_the_group_timeout(tmp_path, monkeypatch):
     monkeypatch.setenv("MP_FAIL_STORE", str(tmp_path / "store"))
-    results = run_on_ranks(failing_body, 4, 2, 2.0, True, timeout=60, init_process_group=False)
+    results = run_on_ranks(failing_body, 4, 2, 3.0, True, timeout=60, init_process_group=False)
     for rank, (outcome, _) in enumerate(results):
         assert outcome != "finished", f"rank {rank} finished a schedule another rank left"
-    assert "timed out after 2 s" in results[3][0], results[3]
-    # The neighbours of the hanging rank give up at the 2 s group timeout, not later.
-    assert 1.5 < results[3][1] < 2.0 + 1.5, results[3]
+    assert "timed out after 3 s" in results[3][0], results[3]
+    # The neighbours of the hanging rank give up at the 3 s group timeout, not later (a
+    # second wait would take twice that); a loaded machine may add a few seconds.
+    assert 2.5 < results[3][1] < 2 * 3.0, results[3]
