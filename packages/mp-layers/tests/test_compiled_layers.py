@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch._dynamo
 
-from mp_layers import GPTModel, ModelGroups, TransformerConfig, compile_layers
+from mp_layers import GPTModel, ModelGroups, PackedSeqParams, TransformerConfig, compile_layers
 
 VOCAB, SEQ = 64, 16
 
@@ -88,3 +88,40 @@ def test_a_hybrid_models_mamba_layers_compile_and_equal_eager(fresh_dynamo):
     # attention, eager by design.
     for reason in torch._dynamo.utils.counters["graph_break"]:
         assert "blocked_attention" in reason, reason
+
+
+def packed_steps(compiled: bool, steps: int = 4):
+    """(losses, gradients) of `steps` batches whose documents end at new places each time."""
+    config = TransformerConfig(
+        num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+        position_embedding_type="rope", normalization="RMSNorm", activation="swiglu",
+        ffn_hidden_size=64, add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = GPTModel(config, "local", VOCAB, SEQ, groups=ModelGroups.single()).train()
+    if compiled:
+        compile_layers(model, backend="eager")
+    generator = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(steps):
+        ids = torch.randint(0, VOCAB, (2, SEQ), generator=generator)
+        ends = torch.randperm(SEQ - 1, generator=generator)[:3] + 1
+        documents = (torch.arange(SEQ)[None, :, None] >= ends.view(1, 1, -1)).sum(-1)
+        packed = PackedSeqParams.from_document_ids(documents.expand(2, SEQ))
+        loss = model(ids, attention_mask=packed, labels=ids.roll(-1, 1)).mean()
+        loss.backward()
+        losses.append(loss.detach())
+    return losses, {n: p.grad for n, p in model.named_parameters()}
+
+
+def test_packed_documents_compile_once_whatever_their_bounds(fresh_dynamo):
+    """Each batch's documents end elsewhere: the packed attention stays eager inside the
+    compiled layer, which compiled attends document by document with new lengths each
+    batch (a recompile at each, until torch's limit of 8 left it eager)."""
+    torch._dynamo.utils.counters.clear()
+    want = packed_steps(compiled=False)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        got = packed_steps(compiled=True)
+    torch.testing.assert_close(got, want)
+    for reason in torch._dynamo.utils.counters["graph_break"]:
+        assert "_attend_packed" in reason, reason

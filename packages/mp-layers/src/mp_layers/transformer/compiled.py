@@ -19,6 +19,9 @@ What the compiled graph holds, and what stays eager (a graph break at each):
 - a mixture-of-experts MLP (moe_layer.py) runs eagerly: routing gives data-dependent
   token counts per expert (a recompile or a break every iteration); the layer's
   attention, norms and residuals are compiled around it;
+- the attention over packed documents (core_attention's _attend_packed) runs eagerly:
+  the documents' bounds are each batch's own, so compiled it recompiled at each new
+  document length (until torch's recompile limit of 8 left it eager, with a warning);
 - the blocked attention (blocked_attention.py, with its own backward) runs eagerly:
   it was faster so than compiled on the CPU measured (docs/training.md);
 - activation recompute (recompute.checkpointed) runs eagerly around its function:

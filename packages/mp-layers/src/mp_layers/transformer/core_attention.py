@@ -268,6 +268,7 @@ class CoreAttention(torch.nn.Module):
             out = F.scaled_dot_product_attention(q_, k_, v_, **kwargs)
         return out.permute(2, 0, 1, 3).reshape(s, b, nq * v.shape[-1])
 
+    @eager_when_compiled
     def _attend_packed(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed: PackedSeqParams,
         *, sink: torch.Tensor | None = None,
@@ -275,7 +276,10 @@ class CoreAttention(torch.nn.Module):
         """Each document of each sample attended as a sequence of its own (causal), so
         that no score crosses documents and none is computed for pairs of them: on a GPU
         in one variable-length flash kernel where it applies (_varlen_fits), otherwise
-        one document at a time through _attend."""
+        one document at a time through _attend. Eager in a compiled layer: the documents'
+        bounds are each batch's own (the kernel's longest document, the lengths of the
+        pieces), which compiled would recompile the attention at every new one until
+        torch's recompile limit left it eager anyway."""
         s, b = q.shape[:2]
         if tuple(packed.document_ids.shape) != (b, s):
             raise ValueError(
