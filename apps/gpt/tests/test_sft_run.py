@@ -3,6 +3,7 @@ cannot run with is refused before any rank starts."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -67,6 +68,39 @@ def test_sft_run_at_cp2_pads_conversations_for_the_document_split(tmp_path, mode
     assert len(losses) == 8 and losses[-1] < losses[0] - 1.0, losses
     [train] = [line for line in outputs[0][1].splitlines() if "SFTDataset train" in line]
     assert "each conversation padded to a multiple of 4 tokens" in train
+
+
+@pytest.mark.multirank
+def test_samples_whose_answers_were_cut_off_train_without_a_nan(tmp_path):
+    """Every other conversation opens with a prompt longer than a sample: truncated, its
+    sample holds no answer, so no loss token. Such a micro-batch adds nothing to the step,
+    as in Megatron-LM; its 0 / 0 made the step's gradients NaN and stopped the run."""
+    write_chat_tokenizer(str(tmp_path / "tokenizer"))
+    write_chat_corpus(str(tmp_path / "chat.jsonl"), 40, long_every=2, long_words=80)
+    options = sft_options(tmp_path, "--micro-batch-size", "1", "--global-batch-size", "2",
+                          "--train-iters", "4")  # fmt: skip
+    [(status, out)] = run_on_ranks(train_output_on_rank, 1, options, timeout=180)
+    assert status == 0, out
+    records = metrics_records(tmp_path)
+    assert len(records) == 4
+    assert all(math.isfinite(r["grad_norm"]) and math.isfinite(r["lm loss"]) for r in records)
+
+
+@pytest.mark.multirank
+def test_a_global_batch_without_loss_tokens_steps_with_zero_gradients(tmp_path):
+    """Every conversation opens with a prompt longer than a sample: no sample holds a loss
+    token. As in Megatron-LM the steps go on with zero gradients, the loss (0 / 0) logged
+    nan; the nan check, which stopped the run at the first iteration, leaves it alone."""
+    write_chat_tokenizer(str(tmp_path / "tokenizer"))
+    write_chat_corpus(str(tmp_path / "chat.jsonl"), 40, long_every=1, long_words=80)
+    options = sft_options(tmp_path, "--micro-batch-size", "1", "--global-batch-size", "2",
+                          "--train-iters", "2")  # fmt: skip
+    [(status, out)] = run_on_ranks(train_output_on_rank, 1, options, timeout=180)
+    assert status == 0, out
+    records = metrics_records(tmp_path)
+    assert [r["grad_norm"] for r in records] == [0.0, 0.0]
+    assert all(math.isnan(r["lm loss"]) for r in records)
+    assert "iteration 2: the global batch holds no loss tokens" in out
 
 
 def test_sft_refusals(tmp_path):

@@ -14,7 +14,8 @@ In order:
    over the embedding group, so both copies take the same step;
 4. with per-token loss normalization, the gradients are divided by the
    tokens of the whole global batch: the last stage's count, broadcast over
-   the pipeline and summed over data-parallel ranks.
+   the pipeline and summed over data-parallel ranks (at least 1: a batch without
+   loss tokens keeps its zero gradients, as in Megatron-LM).
 
 A parameter's gradient is its `.main_grad` when a data-parallel wrapper keeps
 one there, else `.grad`.
@@ -72,8 +73,8 @@ def _scale_by_tokens(params, num_tokens: torch.Tensor, state: ParallelState) -> 
         dist.broadcast(tokens, src=state.pp.ranks[-1], group=state.pp.group)
     if state.dp_cp.size > 1:
         dist.all_reduce(tokens, group=state.dp_cp.group)
-    total = float(tokens[0])
-    if total <= 0:
-        raise ValueError(f"the global batch holds {total:g} loss tokens: nothing to average")
+    # A global batch without loss tokens (every conversation of an SFT batch cut before
+    # its answer) has zero gradients: divided by 1, as Megatron-LM clamps the count.
+    total = max(float(tokens[0]), 1.0)
     for grad in filter(lambda g: g is not None, map(_grad, params)):
         grad.div_(total)

@@ -10,9 +10,11 @@ The forward-step function is Megatron's:
     loss_func(output) -> (loss, report)               # loss averaged over the micro-batch
                       or (loss, num_tokens, report)   # per-token normalization
 
-On the last stage the loss is divided by the number of micro-batches (or,
-with calculate_per_token_loss, left as a sum for finalize to divide by the
-global batch's tokens) and the report is collected. Before a stage's forward
+On the last stage the loss is divided by the number of micro-batches, a
+(loss, num_tokens) sum first by its token count (at least 1, as in Megatron-LM:
+a micro-batch without loss tokens adds nothing); with calculate_per_token_loss
+it is left a sum for finalize to divide by the global batch's tokens. The
+report is collected. Before a stage's forward
 its input tensor (received from the previous stage, None on the first) is
 handed to the model with `set_input_tensor`.
 """
@@ -80,7 +82,9 @@ class StepRunner:
             tokens = torch.as_tensor(tokens).detach()
             self.num_tokens = self.num_tokens + tokens.to(torch.int64)
             if not self.config.calculate_per_token_loss:
-                loss = loss / tokens / self.num_microbatches
+                # A micro-batch without loss tokens (an SFT sample cut before its answer)
+                # adds 0 to the loss, not 0 / 0: the count is at least 1 (Megatron-LM's).
+                loss = loss / tokens.clamp(min=1) / self.num_microbatches
         elif len(result) == 2:
             loss, report = result
             loss = loss / self.num_microbatches

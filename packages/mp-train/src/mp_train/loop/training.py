@@ -339,8 +339,16 @@ class _Step:
         self.experts.after_backward()
         losses = reduce_reports(reports) | self.experts.aux_losses(num_microbatches)
         losses |= mtp_losses(run.model, run.config.model, run.state, num_microbatches)
+        # A global batch without loss tokens has zero gradients and steps, as in
+        # Megatron-LM; its loss (0 / 0) is logged nan, but is no nan loss to stop at.
+        uncounted = counted_nothing(reports)
+        if uncounted and run.is_last_rank:
+            log.warning("iteration %d: the global batch holds no loss tokens (every sample's "
+                        "loss mask is 0): its gradients are zero, its %s logged as nan",
+                        run.train.iteration + 1, ", ".join(sorted(uncounted)))  # fmt: skip
+        checked = {name: value for name, value in losses.items() if name not in uncounted}
         result = None
-        if self.skips.takes_step(losses, run.train.iteration + 1):
+        if self.skips.takes_step(checked, run.train.iteration + 1):
             timers("optimizer", log_level=1).start(barrier=barrier)
             result = run.optimizer.step()
             timers("optimizer", log_level=1).stop()
@@ -442,6 +450,19 @@ def reduce_reports(reports: list[dict]) -> dict[str, float]:
         else:
             out[name] = float(torch.stack([v.reshape(()) for v in values]).mean())
     return out
+
+
+def counted_nothing(reports: list[dict]) -> set[str]:
+    """The reported [sum, count] values whose count over the global batch is 0, which
+    reduce_reports makes nan."""
+    if not reports:
+        return set()
+    pairs = [name for name in reports[0] if torch.as_tensor(reports[0][name]).numel() == 2]
+
+    def count(name: str) -> float:
+        return sum(float(torch.as_tensor(r[name]).reshape(-1)[1]) for r in reports)
+
+    return {name for name in pairs if count(name) == 0}
 
 
 def _schedule(run: Run):
