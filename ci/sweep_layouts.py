@@ -4,7 +4,8 @@
     uv run python ci/sweep_layouts.py moe deepseek      # some groups
     uv run python ci/sweep_layouts.py --list            # the groups and their layouts
 
-Each group is a tiny model (apps/gpt's tiny configs, fp32, dropout 0, mock data) trained
+Each group is a tiny model (apps/gpt's tiny configs, fp32, dropout 0, mock data; the sft
+groups on packed chat conversations, each attending to itself alone) trained
 3 iterations of 8 sequences: once on one rank, then at each of its layouts on forked gloo
 ranks (mp_state.testing.run_on_ranks). A layout passes when every iteration's loss and
 gradient norm are within 1e-5 relative of the one-rank run's. The gradient norm is what
@@ -26,6 +27,7 @@ import time
 from pathlib import Path
 from tempfile import TemporaryDirectory
 
+from mp_data import write_chat_corpus, write_chat_tokenizer
 from mp_gpt.config_files import config_path
 from mp_gpt.testing import (
     GIVEN_PEAK,
@@ -51,15 +53,42 @@ ZERO3 = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grad
 ZERO2 = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads"]
 
 
+def _run(config: str, run_dir: Path) -> list[str]:
+    """A tiny config's run (64 tokens, micro-batches of one, metrics to run_dir), no data."""
+    return [
+        "--config", str(config_path(config)), *GIVEN_PEAK,
+        "--seq-length", "64", "--micro-batch-size", "1", "--eval-interval", "none",
+        "--save", "none", "--load", "none", "--tensorboard-dir", "none",
+        "--lr-warmup-iters", "1", "--metrics-file", str(run_dir / "metrics.jsonl"),
+    ]  # fmt: skip
+
+
 def _small(config: str):
-    """Options of a tiny config written for one rank (64 tokens, micro-batches of one)."""
+    """Options of a tiny config written for one rank, on mock data."""
 
     def options(run_dir: Path, *extra: str) -> list[str]:
+        return [*_run(config, run_dir), "--mock-data", *extra]
+
+    return options
+
+
+def _sft(config: str):
+    """Options of a tiny config trained with --sft on packed chat conversations (made once,
+    in the sweep's folder): 64 tokens, micro-batches of one, no loss on the prompts. The
+    vocabulary (1,119 ids) padded to a multiple of 64 at one rank is 1,152, a multiple of
+    128 too: the same model at TP2, which pads to a multiple of 64 x tp."""
+
+    def options(run_dir: Path, *extra: str) -> list[str]:
+        data = run_dir.parent.parent / "chat"  # the sweep's folder / group / run
+        if not (data / "chat.jsonl").exists():
+            write_chat_tokenizer(str(data / "tokenizer"))
+            write_chat_corpus(str(data / "chat.jsonl"), 200, long_every=50, long_words=60)
         return [
-            "--config", str(config_path(config)), "--mock-data", *GIVEN_PEAK,
-            "--seq-length", "64", "--micro-batch-size", "1", "--eval-interval", "none",
-            "--save", "none", "--load", "none", "--tensorboard-dir", "none",
-            "--lr-warmup-iters", "1", "--metrics-file", str(run_dir / "metrics.jsonl"), *extra,
+            *_run(config, run_dir), "--sft", "--sft-tokenizer-prompt-format", "default",
+            "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model",
+            str(data / "tokenizer"), "--data-path", str(data / "chat.jsonl"), "--split",
+            "90,10,0", "--data-cache-path", str(run_dir / "cache"),
+            "--make-vocab-size-divisible-by", "64", *extra,
         ]  # fmt: skip
 
     return options
@@ -110,6 +139,18 @@ GROUPS = {
         ("cp2 x pp2 x ep2 x dp2", 8, [*CP2, *PP2, *EP2]),
         ("tp2+sp x ep2, zero3 (expert dp 1)", 4, [*TP2, *EP2, *ZERO3]),
     ]),
+    # packed conversations: each attends to itself alone, whatever the layout
+    "sft": (_sft("tiny.yaml"), [], [
+        ("tp2+sp x pp2 x dp2, distopt", 8, [*TP2, *PP2, *DISTOPT]),
+        ("pp2 x vpp2 x dp2, zero2", 4, [*VPP2, *ZERO2]),
+        ("zero3 x tp2+sp x dp2", 4, [*ZERO3, *TP2]),
+    ]),
+    "sft-deepseek": (_sft("tiny-deepseek-v3.yaml"), [], [
+        ("tp2+sp x pp2 x ep2", 8, [*TP2, *PP2, *EP2]),
+    ]),
+    "sft-qwen3-next": (_sft("tiny-qwen3-next.yaml"), [], [
+        ("tp2+sp x pp2 x dp2", 8, [*TP2, *PP2]),
+    ]),
     "qwen3-next": (_small("tiny-qwen3-next.yaml"), [], [
         ("tp2+sp x pp2 x dp2, distopt", 8, [*TP2, *PP2, *DISTOPT]),
         ("cp2 x ep2, zero3", 4, [*CP2, *EP2, *ZERO3]),
@@ -147,7 +188,7 @@ def sweep(groups: list[str], folder: Path) -> int:
                 verdict, detail = "FAILED", str(error).strip().splitlines()[-1][:300]
             failed += verdict != "ok"
             seconds = time.monotonic() - start
-            print(f"{group:11} {layout:48} {ranks} ranks {seconds:5.1f} s  {verdict:7} {detail}",
+            print(f"{group:14} {layout:48} {ranks} ranks {seconds:5.1f} s  {verdict:7} {detail}",
                   flush=True)  # fmt: skip
     return failed
 
@@ -169,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.list:
         for group in groups:
             for layout, ranks, _ in GROUPS[group][2]:
-                print(f"{group:11} {layout:48} {ranks} ranks")
+                print(f"{group:14} {layout:48} {ranks} ranks")
         return 0
     with TemporaryDirectory(prefix="mp-sweep-") as folder:
         failed = sweep(groups, Path(folder))
