@@ -37,6 +37,20 @@ def test_eval_iters_zero_evaluates_nothing():
     assert run_on_ranks(body, 1, [*ARGV, "--eval-iters", "0"], timeout=120)[0] == []
 
 
+@pytest.mark.multirank
+def test_every_data_parallel_size_evaluates_the_same_samples():
+    """The validation split is read in the training's order ("single": in order), as in
+    Megatron-LM: one rank and two report the same validation losses. Read shuffled per
+    data-parallel bucket, as it was, two ranks evaluated other samples (6.936 against 6.926)."""
+    argv = [*ARGV, "--eval-iters", "2", "--global-batch-size", "4", "--micro-batch-size", "1"]
+    one = run_on_ranks(body, 1, argv, timeout=120)[0]
+    two = run_on_ranks(body, 2, argv, timeout=120)[-1]  # (the last rank prints them)
+    losses = [[float(line.split(" | lm loss ")[1].split(" | ")[0]) for line in lines]
+              for lines in (one, two)]  # fmt: skip
+    assert len(losses[0]) == 2
+    assert losses[1] == pytest.approx(losses[0], rel=1e-5), losses
+
+
 def evaluation_steps(argv) -> tuple[int, int]:
     """(the evaluation's forward steps, the validation samples consumed) of a run."""
     import mp_gpt.pretrain

@@ -88,8 +88,12 @@ def data_iterators(run: Run, datasets_provider,
     if full:  # each evaluation reads the sets from their start (full_validation.py)
         return (train[0] if vpp is None else train), (
             FullValidation(run, valid_ds) if run.has_valid_data else None)  # fmt: skip
+    # The validation split is read with the training's sampler, as in Megatron-LM ("single":
+    # in order, each evaluation where the last stopped), so that every layout evaluates on
+    # the same samples; it is sized for every evaluation of the run (train_valid_test_num_
+    # samples). The shuffled sampler's order depends on the data-parallel size.
     eval_mbs = training.eval_micro_batch_size or training.micro_batch_size
-    valid = [start(valid_ds, run.train.consumed_valid_samples, "cyclic", eval_mbs)
+    valid = [start(valid_ds, run.train.consumed_valid_samples, data.dataloader_type, eval_mbs)
              for _ in range(vpp or 1)]  # fmt: skip
     if vpp is None:
         return train[0], valid[0]
