@@ -92,8 +92,10 @@ def data_iterators(run: Run, datasets_provider,
     # in order, each evaluation where the last stopped), so that every layout evaluates on
     # the same samples; it is sized for every evaluation of the run (train_valid_test_num_
     # samples). The shuffled sampler's order depends on the data-parallel size.
+    # An evaluation-only run (skip_train) reads it from its start, as Megatron's does.
     eval_mbs = training.eval_micro_batch_size or training.micro_batch_size
-    valid = [start(valid_ds, run.train.consumed_valid_samples, data.dataloader_type, eval_mbs)
+    consumed_valid = 0 if training.skip_train else run.train.consumed_valid_samples
+    valid = [start(valid_ds, consumed_valid, data.dataloader_type, eval_mbs)
              for _ in range(vpp or 1)]  # fmt: skip
     if vpp is None:
         return train[0], valid[0]
