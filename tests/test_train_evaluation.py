@@ -37,18 +37,32 @@ def test_eval_iters_zero_evaluates_nothing():
     assert run_on_ranks(body, 1, [*ARGV, "--eval-iters", "0"], timeout=120)[0] == []
 
 
+def validation_losses(ranks: int, *extra: str) -> list[float]:
+    """The validation losses a run prints (on its last rank), 4 samples a batch."""
+    argv = [*ARGV, "--eval-iters", "2", "--global-batch-size", "4", "--micro-batch-size", "1"]
+    lines = run_on_ranks(body, ranks, [*argv, *extra], timeout=120)[-1]
+    return [float(line.split(" | lm loss ")[1].split(" | ")[0]) for line in lines]
+
+
 @pytest.mark.multirank
 def test_every_data_parallel_size_evaluates_the_same_samples():
     """The validation split is read in the training's order ("single": in order), as in
     Megatron-LM: one rank and two report the same validation losses. Read shuffled per
     data-parallel bucket, as it was, two ranks evaluated other samples (6.936 against 6.926)."""
-    argv = [*ARGV, "--eval-iters", "2", "--global-batch-size", "4", "--micro-batch-size", "1"]
-    one = run_on_ranks(body, 1, argv, timeout=120)[0]
-    two = run_on_ranks(body, 2, argv, timeout=120)[-1]  # (the last rank prints them)
-    losses = [[float(line.split(" | lm loss ")[1].split(" | ")[0]) for line in lines]
-              for lines in (one, two)]  # fmt: skip
-    assert len(losses[0]) == 2
-    assert losses[1] == pytest.approx(losses[0], rel=1e-5), losses
+    one = validation_losses(1)
+    assert len(one) == 2
+    assert validation_losses(2) == pytest.approx(one, rel=1e-5)
+
+
+@pytest.mark.multirank
+def test_virtual_pipeline_stages_evaluate_on_ranks_that_read_no_data():
+    """With virtual stages each model chunk takes an iterator; the ranks that read no data
+    (tensor-parallel ranks > 0) took none at all for validation, and the first evaluation
+    of a TP2 x PP2 x VPP2 run failed there (the others waited for them)."""
+    layout = ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+              "--pipeline-model-parallel-size", "2",
+              "--num-layers-per-virtual-pipeline-stage", "1"]  # fmt: skip
+    assert validation_losses(4, *layout) == pytest.approx(validation_losses(1), rel=1e-5)
 
 
 def evaluation_steps(argv) -> tuple[int, int]:

@@ -99,4 +99,4 @@ def data_iterators(run: Run, datasets_provider,
              for _ in range(vpp or 1)]  # fmt: skip
     if vpp is None:
         return train[0], valid[0]
-    return train, (valid if valid_ds is not None else None)
+    return train, valid  # None in each chunk's place where this rank reads no data
