@@ -5,23 +5,27 @@
     uv run python ci/sweep_layouts.py --list            # the groups and their layouts
 
 Each group is a tiny model (apps/gpt's tiny configs, fp32, dropout 0, mock data; the sft
-groups on packed chat conversations, each attending to itself alone) trained
-3 iterations of 8 sequences: once on one rank, then at each of its layouts on forked gloo
-ranks (mp_state.testing.run_on_ranks). A layout passes when every iteration's loss and
-gradient norm are within 1e-5 relative of the one-rank run's. The gradient norm is what
-shows a gradient scaled wrongly: Adam's update hardly changes when one parameter's
-gradient is scaled, so the losses alone would not.
+groups on packed chat conversations, each attending to itself alone) trained 3
+iterations of 8 sequences, with two evaluations: once on one rank, then at each of its
+layouts on forked gloo ranks (mp_state.testing.run_on_ranks). A layout passes when every
+iteration's loss and gradient norm, and each evaluation's validation loss, are within
+1e-5 relative of the one-rank run's. The gradient norm is what shows a gradient scaled
+wrongly: Adam's update hardly changes when one parameter's gradient is scaled, so the
+losses alone would not.
 
 The tests check a representative layout of each feature; this crosses them (8 ranks
 where it takes them) and is run by hand after a change to the groups, the schedules, the
 optimizers or the sharding. It found the distributed optimizer's tied-embedding buckets,
-FSDP's expert gradients over a group of one and the uneven pipeline split refused at three
-stages (mp-optim's and mp-train's CHANGELOGs). Exit status 1 when a layout differs or fails.
+FSDP's expert gradients over a group of one, the uneven pipeline split refused at three
+stages, and the validation iterators missing with virtual stages on ranks that read no
+data (mp-optim's and mp-train's CHANGELOGs). Exit status 1 when a layout differs or
+fails.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
 from pathlib import Path
@@ -35,12 +39,15 @@ from mp_gpt.testing import (
     metrics_records,
     tiny_moe_options,
     tiny_options,
-    train_on_rank,
+    train_output_on_rank,
 )
 from mp_state.testing import run_on_ranks
 
 TOLERANCE = 1e-5
-RUN = ["--global-batch-size", "8", "--train-iters", "3"]
+# Two evaluations (at iteration 2 and the final one) of 2 global batches each; a rank that
+# waits for a peer gives up after a minute.
+RUN = ["--global-batch-size", "8", "--train-iters", "3", "--eval-interval", "2",
+       "--eval-iters", "2", "--distributed-timeout-minutes", "1"]  # fmt: skip
 TP2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
 PP2 = ["--pipeline-model-parallel-size", "2"]
 VPP2 = [*PP2, "--num-layers-per-virtual-pipeline-stage", "1"]
@@ -158,8 +165,16 @@ GROUPS = {
 }  # fmt: skip
 
 
-def _curve(run_dir: Path) -> list[tuple[float, float]]:
-    return [(r["lm loss"], r["grad_norm"]) for r in metrics_records(run_dir)]
+def _curve(group: str, ranks: int, argv: list[str], run_dir: Path) -> list[tuple]:
+    """Trains argv on `ranks` ranks: each iteration's (loss, gradient norm), then each
+    evaluation's (validation loss,) as the last rank printed it."""
+    outputs = run_on_ranks(train_output_on_rank, ranks, argv, timeout=900)
+    for rank, (status, printed) in enumerate(outputs):
+        if status != 0:
+            raise RuntimeError(f"{group}: rank {rank} exited with {status}: {printed[-300:]}")
+    validation = re.findall(r"validation[^\n]* \| lm loss ([-+.e0-9]+)", outputs[-1][1])
+    curve = [(r["lm loss"], r["grad_norm"]) for r in metrics_records(run_dir)]
+    return curve + [(float(loss),) for loss in validation]
 
 
 def _difference(got: list[tuple[float, float]], want: list[tuple[float, float]]) -> float:
@@ -173,15 +188,14 @@ def sweep(groups: list[str], folder: Path) -> int:
     failed = 0
     for group in groups:
         options, own, layouts = GROUPS[group]
-        run_on_ranks(train_on_rank, 1, options(folder / group / "one", *RUN, *own), timeout=900)
-        want = _curve(folder / group / "one")
+        one = folder / group / "one"
+        want = _curve(group, 1, options(one, *RUN, *own), one)
         for index, (layout, ranks, flags) in enumerate(layouts):
             run_dir = folder / group / str(index)
             start = time.monotonic()
             try:
-                run_on_ranks(train_on_rank, ranks, options(run_dir, *RUN, *own, *flags),
-                             timeout=900)  # fmt: skip
-                worst = _difference(_curve(run_dir), want)
+                got = _curve(group, ranks, options(run_dir, *RUN, *own, *flags), run_dir)
+                worst = _difference(got, want)
                 verdict = "ok" if worst <= TOLERANCE else "DIFFERS"
                 detail = f"largest difference {worst:.1e}"
             except Exception as error:  # a refusal or a failed rank: reported, the sweep goes on
