@@ -453,16 +453,16 @@ def reduce_reports(reports: list[dict]) -> dict[str, float]:
 
 
 def counted_nothing(reports: list[dict]) -> set[str]:
-    """The reported [sum, count] values whose count over the global batch is 0, which
-    reduce_reports makes nan."""
+    """The reported [sum, count] values whose count over the global batch is 0 (and sum
+    0: a nan there is a nan loss all the same), which reduce_reports makes nan."""
     if not reports:
         return set()
     pairs = [name for name in reports[0] if torch.as_tensor(reports[0][name]).numel() == 2]
 
-    def count(name: str) -> float:
-        return sum(float(torch.as_tensor(r[name]).reshape(-1)[1]) for r in reports)
+    def total(name: str) -> torch.Tensor:
+        return sum(torch.as_tensor(r[name]).detach().double().cpu().reshape(2) for r in reports)
 
-    return {name for name in pairs if count(name) == 0}
+    return {name for name in pairs if total(name).tolist() == [0.0, 0.0]}
 
 
 def _schedule(run: Run):
