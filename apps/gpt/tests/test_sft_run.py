@@ -70,34 +70,35 @@ def test_sft_run_at_cp2_pads_conversations_for_the_document_split(tmp_path, mode
     assert "each conversation padded to a multiple of 4 tokens" in train
 
 
-@pytest.mark.multirank
-def test_samples_whose_answers_were_cut_off_train_without_a_nan(tmp_path):
-    """Every other conversation opens with a prompt longer than a sample: truncated, its
-    sample holds no answer, so no loss token. Such a micro-batch adds nothing to the step,
-    as in Megatron-LM; its 0 / 0 made the step's gradients NaN and stopped the run."""
-    write_chat_tokenizer(str(tmp_path / "tokenizer"))
-    write_chat_corpus(str(tmp_path / "chat.jsonl"), 40, long_every=2, long_words=80)
-    options = sft_options(tmp_path, "--micro-batch-size", "1", "--global-batch-size", "2",
-                          "--train-iters", "4")  # fmt: skip
+def run_with_long_prompts(folder: Path, long_every: int, iterations: int):
+    """One rank's SFT run on 40 conversations, every `long_every`-th opening with a prompt
+    longer than a sample (80 words: truncated, its sample holds no answer, so no loss
+    token), in micro-batches of one and global batches of two: (what it printed, its
+    metrics records)."""
+    write_chat_tokenizer(str(folder / "tokenizer"))
+    write_chat_corpus(str(folder / "chat.jsonl"), 40, long_every=long_every, long_words=80)
+    options = sft_options(folder, "--micro-batch-size", "1", "--global-batch-size", "2",
+                          "--train-iters", str(iterations))  # fmt: skip
     [(status, out)] = run_on_ranks(train_output_on_rank, 1, options, timeout=180)
     assert status == 0, out
-    records = metrics_records(tmp_path)
+    return out, metrics_records(folder)
+
+
+@pytest.mark.multirank
+def test_samples_whose_answers_were_cut_off_train_without_a_nan(tmp_path):
+    """Every other sample holds no loss token. Such a micro-batch adds nothing to the step,
+    as in Megatron-LM; its 0 / 0 made the step's gradients NaN and stopped the run."""
+    _, records = run_with_long_prompts(tmp_path, long_every=2, iterations=4)
     assert len(records) == 4
     assert all(math.isfinite(r["grad_norm"]) and math.isfinite(r["lm loss"]) for r in records)
 
 
 @pytest.mark.multirank
 def test_a_global_batch_without_loss_tokens_steps_with_zero_gradients(tmp_path):
-    """Every conversation opens with a prompt longer than a sample: no sample holds a loss
-    token. As in Megatron-LM the steps go on with zero gradients, the loss (0 / 0) logged
-    nan; the nan check, which stopped the run at the first iteration, leaves it alone."""
-    write_chat_tokenizer(str(tmp_path / "tokenizer"))
-    write_chat_corpus(str(tmp_path / "chat.jsonl"), 40, long_every=1, long_words=80)
-    options = sft_options(tmp_path, "--micro-batch-size", "1", "--global-batch-size", "2",
-                          "--train-iters", "2")  # fmt: skip
-    [(status, out)] = run_on_ranks(train_output_on_rank, 1, options, timeout=180)
-    assert status == 0, out
-    records = metrics_records(tmp_path)
+    """No sample holds a loss token. As in Megatron-LM the steps go on with zero gradients,
+    the loss (0 / 0) logged nan; the nan check, which stopped the run at the first
+    iteration, leaves it alone."""
+    out, records = run_with_long_prompts(tmp_path, long_every=1, iterations=2)
     assert [r["grad_norm"] for r in records] == [0.0, 0.0]
     assert all(math.isnan(r["lm loss"]) for r in records)
     assert "iteration 2: the global batch holds no loss tokens" in out
