@@ -100,7 +100,7 @@ from test_data_loader_workers import loader
 batches = iter(loader())
 if sys.argv[2] == "next batch":
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # torch's handler, which iter() installed
-next(batches)
+next(batches), next(batches)  # each worker has sent a batch: a socket for its memory
 workers = batches._iterator._workers
 pid = workers[0].pid
 try:
@@ -124,7 +124,9 @@ def test_a_killed_worker_is_named_with_its_signal(tmp_path, check):
     # the other worker (without the handler raising into it), and the iterator is done.
     # In a process of its own: the handler raises there, not in the test run, and the
     # loader's workers are forked from a process with nothing of other tests in it.
-    # TMPDIR: the folder its workers use (test_a_killed_worker_leaves_no_folder_behind)
+    # A worker shares each batch's memory through a socket in a temporary folder, which
+    # one killed cannot remove: the workers use their caller's folder (under TMPDIR here),
+    # which goes when the caller exits.
     env = os.environ | {"TMPDIR": str(tmp_path)}
     done = subprocess.run([sys.executable, "-c", KILL_A_WORKER_RUN, __file__, check],
                           capture_output=True, text=True, timeout=60, env=env)  # fmt: skip
@@ -135,6 +137,7 @@ def test_a_killed_worker_is_named_with_its_signal(tmp_path, check):
     if check == "next batch":  # (the handler may raise outside the loader's iterator)
         assert kind == "DataLoaderWorkerError" and cause != "DataLoaderWorkerError"
     assert (alive, after) == ("0 alive", "stopped")
+    assert list(tmp_path.iterdir()) == []
 
 
 def _hold_and_die(event) -> None:
@@ -173,28 +176,3 @@ def test_close_returns_when_a_killed_process_held_the_workers_lock():
         signal.signal(signal.SIGCHLD, torch_handler)
     assert not closing.is_alive(), "close() waits on the dead process's lock"
     assert not any(w.is_alive() for w in workers)
-
-
-KILLED_WORKER_RUN = """
-import os, signal, sys
-sys.path.insert(0, os.path.dirname(sys.argv[1]))
-from test_data_loader_workers import loader
-batches = iter(loader())
-next(batches), next(batches)  # each worker has sent a batch: a socket in its folder
-signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # torch's handler would raise at the kill
-workers = batches._iterator._workers
-os.kill(workers[0].pid, signal.SIGKILL)
-workers[0].join(timeout=30)
-batches.close()
-"""
-
-
-def test_a_killed_worker_leaves_no_folder_behind(tmp_path):
-    # A worker shares each batch's memory through a socket in a temporary folder; one
-    # killed cannot remove it. The workers use their caller's folder, which goes when the
-    # caller exits.
-    done = subprocess.run([sys.executable, "-c", KILLED_WORKER_RUN, __file__],
-                          capture_output=True, text=True, timeout=60,
-                          env=os.environ | {"TMPDIR": str(tmp_path)})  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert list(tmp_path.iterdir()) == []
