@@ -20,27 +20,34 @@ import torch
 
 __all__ = ["arm_eager_functions", "eager_when_compiled"]
 
-_marked: list[Callable] = []
-_disabled: dict[Callable, Callable] = {}
+_arms: list[Callable[[], None]] = []
 
 
 def eager_when_compiled(function: Callable) -> Callable:
     """`function`, run eagerly when a compiled region calls it."""
+    # Each wrapper holds its own disabled function in a closure cell, which Dynamo reads
+    # and guards as the wrapper's own. Looked up in a table keyed by the function, as it
+    # was, Dynamo took the first lookup's result for every later wrapper of one compiled
+    # region (torch 2.15): the second eager function called the first.
+    eager = None
+
+    def arm() -> None:
+        nonlocal eager
+        if eager is None:
+            eager = torch.compiler.disable(function)
 
     @functools.wraps(function)
     def wrapper(*args, **kwargs):
         if torch.compiler.is_compiling():
             # Not armed (a layer compiled by other means): disabled now, at trace time.
-            eager = _disabled.get(function) or torch.compiler.disable(function)
-            return eager(*args, **kwargs)
+            return (eager or torch.compiler.disable(function))(*args, **kwargs)
         return function(*args, **kwargs)
 
-    _marked.append(function)
+    _arms.append(arm)
     return wrapper
 
 
 def arm_eager_functions() -> None:
     """Makes the disabled versions of the functions marked eager_when_compiled."""
-    for function in _marked:
-        if function not in _disabled:
-            _disabled[function] = torch.compiler.disable(function)
+    for arm in _arms:
+        arm()
