@@ -6,10 +6,10 @@
 
 Each group is a tiny model (apps/gpt's tiny configs, fp32, dropout 0, mock data; the sft
 groups on packed chat conversations, each attending to itself alone) trained 3
-iterations of 8 sequences, with two evaluations: once on one rank, then at each of its
-layouts on forked gloo ranks (mp_state.testing.run_on_ranks). A layout passes when every
-iteration's loss and gradient norm, and each evaluation's validation loss, are within
-1e-5 relative of the one-rank run's. The gradient norm is what shows a gradient scaled
+iterations of 8 sequences, with two evaluations and the test split's at the end: once on
+one rank, then at each of its layouts on forked gloo ranks (mp_state.testing.run_on_ranks).
+A layout passes when every iteration's loss and gradient norm, and each evaluation's loss,
+are within 1e-5 relative of the one-rank run's. The gradient norm is what shows a gradient scaled
 wrongly: Adam's update hardly changes when one parameter's gradient is scaled, so the
 losses alone would not.
 
@@ -94,7 +94,7 @@ def _sft(config: str):
             *_run(config, run_dir), "--sft", "--sft-tokenizer-prompt-format", "default",
             "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model",
             str(data / "tokenizer"), "--data-path", str(data / "chat.jsonl"), "--split",
-            "90,10,0", "--data-cache-path", str(run_dir / "cache"),
+            "90,5,5", "--data-cache-path", str(run_dir / "cache"),
             "--make-vocab-size-divisible-by", "64", *extra,
         ]  # fmt: skip
 
@@ -167,12 +167,13 @@ GROUPS = {
 
 def _curve(group: str, ranks: int, argv: list[str], run_dir: Path) -> list[tuple]:
     """Trains argv on `ranks` ranks: each iteration's (loss, gradient norm), then each
-    evaluation's (validation loss,) as the last rank printed it."""
+    evaluation's (validation or test loss,) as the last rank printed it."""
     outputs = run_on_ranks(train_output_on_rank, ranks, argv, timeout=900)
     for rank, (status, printed) in enumerate(outputs):
         if status != 0:
             raise RuntimeError(f"{group}: rank {rank} exited with {status}: {printed[-300:]}")
-    validation = re.findall(r"validation[^\n]* \| lm loss ([-+.e0-9]+)", outputs[-1][1])
+    evaluated = r"(?:validation[^\n]*|test at iteration \d+) \| lm loss ([-+.e0-9]+)"
+    validation = re.findall(evaluated, outputs[-1][1])
     curve = [(r["lm loss"], r["grad_norm"]) for r in metrics_records(run_dir)]
     return curve + [(float(loss),) for loss in validation]
 

@@ -1,5 +1,6 @@
 """Evaluation runs and reports what it measured; with eval_iters=0 there is none (Megatron's
-do_valid), and no empty "validation |" line."""
+do_valid and do_test), and no empty "validation |" line. The test split (mock data has
+one) is evaluated once, at the end, from its start."""
 
 from pathlib import Path
 
@@ -19,7 +20,9 @@ ARGV = [
 
 
 def body(argv):
-    return [line for line in train_printed_on_rank(argv).splitlines() if "validation" in line]
+    """The evaluation lines of a run: validation's and the test split's."""
+    return [line for line in train_printed_on_rank(argv).splitlines()
+            if "validation" in line or line.startswith("test at")]  # fmt: skip
 
 
 @pytest.mark.multirank
@@ -28,8 +31,10 @@ def test_validation_lines_carry_the_loss():
     assert [line.split(" | ")[0] for line in lines] == [
         "validation at iteration 2",
         "final validation",  # the last iteration's evaluation is the final one
+        "test at iteration 4",  # Megatron's "iteration 4 on test set"
     ]
     assert all(" | lm loss " in line for line in lines)
+    assert len({line.split(" | lm loss ")[1] for line in lines}) == 3  # three losses
 
 
 @pytest.mark.multirank
@@ -38,7 +43,7 @@ def test_eval_iters_zero_evaluates_nothing():
 
 
 def validation_losses(ranks: int, *extra: str) -> list[float]:
-    """The validation losses a run prints (on its last rank), 4 samples a batch."""
+    """The validation and test losses a run prints (on its last rank), 4 samples a batch."""
     argv = [*ARGV, "--eval-iters", "2", "--global-batch-size", "4", "--micro-batch-size", "1"]
     lines = run_on_ranks(body, ranks, [*argv, *extra], timeout=120)[-1]
     return [float(line.split(" | lm loss ")[1].split(" | ")[0]) for line in lines]
@@ -50,7 +55,7 @@ def test_every_data_parallel_size_evaluates_the_same_samples():
     Megatron-LM: one rank and two report the same validation losses. Read shuffled per
     data-parallel bucket, as it was, two ranks evaluated other samples (6.936 against 6.926)."""
     one = validation_losses(1)
-    assert len(one) == 2
+    assert len(one) == 3  # two validations, the test split
     assert validation_losses(2) == pytest.approx(one, rel=1e-5)
 
 
@@ -90,9 +95,12 @@ def test_the_evaluation_batch_is_its_own():
     four = [*ARGV, "--eval-iters", "1", "--eval-global-batch-size", "4"]
     by_one = run_on_ranks(evaluation_steps, 1, [*four, "--eval-micro-batch-size", "1"],
                           timeout=120)[0]  # fmt: skip
-    assert by_one == (8, 8)
-    assert run_on_ranks(evaluation_steps, 1, four, timeout=120)[0] == (4, 8)
-    assert run_on_ranks(evaluation_steps, 1, [*ARGV, "--eval-iters", "1"], timeout=120)[0] == (2, 4)
+    # The test split's evaluation at the end reads one such batch more, and counts no
+    # validation samples.
+    assert by_one == (8 + 4, 8)
+    assert run_on_ranks(evaluation_steps, 1, four, timeout=120)[0] == (4 + 2, 8)
+    plain = run_on_ranks(evaluation_steps, 1, [*ARGV, "--eval-iters", "1"], timeout=120)[0]
+    assert plain == (2 + 1, 4)
 
 
 def test_the_evaluation_batch_must_fit(monkeypatch, tmp_path):
@@ -119,9 +127,10 @@ def test_evaluation_starts_at_start_eval_at_iter():
         "validation at iteration 3",
         "validation at iteration 4",
         "final validation",
+        "test at iteration 5",
     ]
     steps, consumed = run_on_ranks(evaluation_steps, 1, argv, timeout=120)[0]
-    assert (steps, consumed) == (3, 6)
+    assert (steps, consumed) == (3 + 1, 6)
 
 
 def collections_around_evaluations(argv) -> list:

@@ -3,7 +3,8 @@ reads the whole validation set from its start, each sample once (the last global
 padded with samples that count no loss), so its loss is the set's mean whatever the
 evaluation batch, and every evaluation of an unchanged model (lr 0) gives the same value;
 several validation sets are evaluated and logged each under its name, each with the loss
-it has alone."""
+it has alone. The test split, evaluated once at the end, is read from its start (whole,
+with full validation)."""
 
 import numpy as np
 import pytest
@@ -35,6 +36,14 @@ def validations(argv) -> list[tuple[str, float]]:
             for line in lines]  # fmt: skip
 
 
+def evaluations(argv) -> list[tuple[str, float]]:
+    """(label, lm loss) of each validation and test line the run printed."""
+    lines = [line for line in train_printed_on_rank(argv).splitlines()
+             if "validation" in line or line.startswith("test at")]  # fmt: skip
+    return [(line.split(" | ")[0], float(line.split(" | lm loss ")[1].split(" |")[0]))
+            for line in lines]  # fmt: skip
+
+
 def options(tmp_path, name, *extra):
     """tiny_options over per-split data paths: tiny.yaml's data_path left out."""
     config = tmp_path / "tiny-per-split.yaml"
@@ -44,7 +53,7 @@ def options(tmp_path, name, *extra):
     train = str(tmp_path / "train")
     return tiny_options(tmp_path / name, "--config", str(config), "--no-mock-data",
                         "--train-data-path", train,
-                        "--test-data-path", train, "--lr", "0", "--min-lr", "0",
+                        "--test-data-path", str(tmp_path / "b"), "--lr", "0", "--min-lr", "0",
                         "--eval-interval", "2", *extra)  # fmt: skip
 
 
@@ -96,3 +105,23 @@ def test_each_validation_set_is_evaluated_under_its_name(data):
     assert lines[0][1] == pytest.approx(alone["a"], rel=1e-6)
     assert lines[1][1] == pytest.approx(alone["b"], rel=1e-6)
     assert lines[0][1] != lines[1][1]  # two sets, two losses
+
+
+def test_the_test_split_is_read_from_its_start_at_the_end(data):
+    """Over the validation set, at lr 0: the test evaluation at the end reads from its
+    start, so it gives the first validation's loss, not the final one's (which reads on);
+    with full validation it reads the set whole, as the validation does. (Set b holds
+    ~17 samples: one epoch for either split's sample count, so both shuffle it alike.)"""
+    same = ["--valid-data-path", str(data / "b"), "--test-data-path", str(data / "b")]
+    lines = run_on_ranks(evaluations, 1, options(data, "test", *same, "--eval-iters", "1"))[0]
+    assert [label for label, _ in lines] == [
+        "validation at iteration 2",
+        "final validation",
+        "test at iteration 4",
+    ]
+    assert lines[2][1] == lines[0][1] != lines[1][1]
+    full = run_on_ranks(evaluations, 2, options(data, "test-full", *same, "--full-validation",
+                                                "--eval-global-batch-size", "2"))[-1]  # fmt: skip
+    assert [label for label, _ in full][2] == "test at iteration 4"
+    assert full[2][1] == pytest.approx(full[1][1], rel=1e-6)
+    assert full[2][1] != lines[2][1]  # the whole set, not its first batch

@@ -4,10 +4,10 @@ A tiny PP2 run on two gloo ranks (the last rank writes) with every TensorBoard
 switch on, read back with TensorBoard's EventAccumulator: the exact tag set,
 each tag's steps (per-iteration tags at 1..N, their `vs samples` series at the
 consumed samples, timing tags every log_interval, validation at each
-evaluation) and the values the run logged (the metrics file, exact in
-float32; the printed validation line). The same run profiles iteration 2 on
-rank 0 only. A one-rank MoE run checks tensorboard_log_interval and the MoE
-auxiliary-loss tags.
+evaluation, the test split's at the end, under its own tags) and the values the
+run logged (the metrics file, exact in float32; the printed evaluation lines). The
+same run profiles iteration 2 on rank 0 only. A one-rank MoE run checks
+tensorboard_log_interval and the MoE auxiliary-loss tags.
 """
 
 import json
@@ -37,6 +37,7 @@ PER_ITERATION = ["learning-rate", "lm loss", "batch-size", "loss-scale", "world-
 TIMING = ["iteration-time", "throughput", "forward-backward-time", "optimizer-time"]
 MEMORY = ["mem-allocated-bytes", "mem-max-allocated-bytes"]  # on CPUs
 VALIDATION = ["lm loss validation", "lm loss validation ppl"]
+TEST = ["lm loss test", "lm loss test ppl"]  # Megatron-LM writes it under VALIDATION
 
 
 def options(run_dir: Path) -> list[str]:
@@ -77,7 +78,7 @@ def pp2_run(tmp_path_factory):
 def test_tags_steps_and_values(pp2_run):
     run_dir, printed = pp2_run
     got = scalars(run_dir / "tb")
-    validation = [*VALIDATION, *(f"{t} vs samples" for t in VALIDATION)]
+    validation = [*VALIDATION, *TEST, *(f"{t} vs samples" for t in [*VALIDATION, *TEST])]
     per_iteration = [*PER_ITERATION, *(f"{t} vs samples" for t in PER_ITERATION)]
     assert sorted(got) == sorted([*per_iteration, *MEMORY, *TIMING, *validation])
 
@@ -111,6 +112,16 @@ def test_tags_steps_and_values(pp2_run):
     for (_, loss), (_, ppl) in zip(got["lm loss validation"], got["lm loss validation ppl"],
                                    strict=True):  # fmt: skip
         assert ppl == pytest.approx(math.exp(loss), rel=1e-6)
+    # The test split's, once, at the end.
+    line = next(line for line in printed[1].splitlines() if line.startswith("test at "))
+    assert line.startswith(f"test at iteration {ITERATIONS} | ")
+    assert got["lm loss test vs samples"] == [
+        (ITERATIONS * GLOBAL_BATCH, got["lm loss test"][0][1])
+    ]
+    [(step, loss)], [(_, ppl)] = got["lm loss test"], got["lm loss test ppl"]  # one each
+    assert step == ITERATIONS
+    assert loss == pytest.approx(float(re.search(r"\| lm loss (\S+)", line).group(1)), rel=1e-5)
+    assert ppl == pytest.approx(math.exp(loss), rel=1e-6)
 
 
 def test_profile_traces_the_given_iterations_on_the_given_ranks(pp2_run):

@@ -60,13 +60,13 @@ def test_skip_policy_counts_nan_and_skipped_iterations():
 
 
 def cadence_of(valid=True, signal_at=(), minutes=lambda it: 0.0, save=None, save_interval=None,
-               **training) -> tuple[Cadence, TrainState]:  # fmt: skip
+               test=False, **training) -> tuple[Cadence, TrainState]:  # fmt: skip
     """A cadence over `training` (train_iters 10 unless given) whose SIGTERM arrives at the
     iterations `signal_at` and whose clock says minutes(iteration)."""
     training.setdefault("train_iters", 10)
     checkpoint = CheckpointConfig(save=save, save_interval=save_interval)
     train = TrainState()
-    cadence = Cadence(TrainingConfig(**training), checkpoint, valid,
+    cadence = Cadence(TrainingConfig(**training), checkpoint, valid, has_test_data=test,
                       signal_received=lambda: train.iteration in signal_at,
                       minutes_elapsed=lambda: minutes(train.iteration))  # fmt: skip
     return cadence, train
@@ -178,6 +178,18 @@ def test_cadence_at_end(tmp_path):
     assert cadence.at_end(0, None, None) == Due(evaluate=True)
     cadence, _ = cadence_of(eval_interval=5, valid=False)
     assert cadence.at_end(10, None, None) == Due()
+
+
+def test_the_test_split_is_evaluated_at_the_end_as_the_validation_is():
+    cadence, _ = cadence_of(eval_interval=4, test=True)
+    assert cadence.at_end(10, None, None) == Due(evaluate=True, test=True)
+    assert cadence.at_end(6, Stop("exit_interval=6", True), 6) == Due()
+    cadence, _ = cadence_of(eval_interval=4, valid=False, test=True)
+    assert cadence.at_end(10, None, None) == Due(test=True)
+    cadence, _ = cadence_of(eval_interval=None, test=True)
+    assert cadence.at_end(10, None, None) == Due()
+    cadence, _ = cadence_of(eval_interval=5, skip_train=True, test=True)
+    assert cadence.at_end(0, None, None) == Due(evaluate=True, test=True)
 
 
 def test_the_device_is_waited_for_every_train_sync_interval():

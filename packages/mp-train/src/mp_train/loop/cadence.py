@@ -16,8 +16,9 @@ After each iteration the loop asks, in Megatron's order:
    clock), and whether it saves first (when saving and not saved already, a
    non-persistent save counting, as in Megatron);
 3. at the end, `at_end(...)`: the final evaluation (with eval_interval, unless the run
-   stopped early, having saved) and the final save (unless that iteration is saved
-   already).
+   stopped early, having saved), the final save (unless that iteration is saved
+   already) and the evaluation on the test split (as the final evaluation's, after the
+   save).
 
 `stop` is collective (SIGTERM and the elapsed time are agreed over every rank), so every
 rank stops after the same iteration.
@@ -48,6 +49,8 @@ class Due:
 
     evaluate: bool = False
     save: bool = False
+    test: bool = False
+    """Evaluate on the test split (at the end only)."""
     save_non_persistent: bool = False
     """A non-persistent checkpoint (non_persistent_save_interval), when no save is due."""
     collect_garbage: bool = False
@@ -67,10 +70,10 @@ class Stop:
 
 
 class Cadence:
-    """`has_valid_data`: whether any rank has validation data (Megatron's do_valid).
-    `signal_received()` and `minutes_elapsed()` are by default a SIGTERM handler and the
-    time since training started, both installed by `during_training()` and agreed over
-    every rank; a test may give its own."""
+    """`has_valid_data`, `has_test_data`: whether any rank has validation or test data
+    (Megatron's do_valid and do_test). `signal_received()` and `minutes_elapsed()` are by
+    default a SIGTERM handler and the time since training started, both installed by
+    `during_training()` and agreed over every rank; a test may give its own."""
 
     def __init__(
         self,
@@ -78,6 +81,7 @@ class Cadence:
         checkpoint: CheckpointConfig,
         has_valid_data: bool,
         *,
+        has_test_data: bool = False,
         signal_received: Callable[[], bool] | None = None,
         minutes_elapsed: Callable[[], float] | None = None,
     ) -> None:
@@ -88,6 +92,7 @@ class Cadence:
         self.save_dir = checkpoint.save
         self.saving = self.save_dir is not None
         self.has_valid_data = has_valid_data
+        self.has_test_data = has_test_data
         self._handler = None
         if signal_received is None and self.training.exit_signal_handler:
             self._handler = DistributedSignalHandler(check_exit_signal(training.exit_signal))
@@ -161,9 +166,9 @@ class Cadence:
         return float(elapsed)
 
     def at_end(self, iteration: int, stopped: Stop | None, last_saved: int | None) -> Due:
-        """The final evaluation and save, after training (or instead of it, with
-        skip_train): no save of an iteration saved already, by this run (`last_saved`) or
-        in `save` (its tracker)."""
+        """The final evaluation, save and test evaluation, after training (or instead of
+        it, with skip_train): no save of an iteration saved already, by this run
+        (`last_saved`) or in `save` (its tracker)."""
         training = self.training
         evaluate = training.eval_interval is not None and stopped is None
         save = self.saving and not training.skip_train
@@ -171,7 +176,8 @@ class Cadence:
             save = False
         if save:
             save = iteration not in (last_saved, read_tracker(self.save_dir))
-        return Due(evaluate=evaluate and self.has_valid_data, save=save)
+        return Due(evaluate=evaluate and self.has_valid_data, save=save,
+                   test=evaluate and self.has_test_data)  # fmt: skip
 
 
 def _every(interval: int | None, iteration: int) -> bool:

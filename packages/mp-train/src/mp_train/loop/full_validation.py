@@ -1,5 +1,6 @@
 """Full validation (Megatron's --full-validation, --multiple-validation-sets): each
-evaluation reads every validation set whole, from its start, each sample once.
+evaluation reads every validation set whole, from its start, each sample once; the test
+split, evaluated once at the end, is read whole too.
 
 A set is the validation split (or, with multiple_validation_sets, one dataset of
 valid_data_path, built on its own), built as one epoch; it is read in global batches of
@@ -20,17 +21,27 @@ import torch.distributed as dist
 from mp_data import PaddedToBatches, build_pretraining_data_loader
 from mp_train.loop.signals import workers_ignored_signals
 
-__all__ = ["FullValidation"]
+__all__ = ["FullValidation", "validation_suffixes"]
+
+
+def validation_suffixes(run) -> list[str]:
+    """Each validation set's suffix in the log and TensorBoard: "" for the one set, or
+    "-<name>" (validation_set_names, else its index) with multiple_validation_sets."""
+    training = run.config.training
+    if not training.multiple_validation_sets:
+        return [""]
+    names = training.validation_set_names
+    return [f"-{names[i] if names else i}" for i in range(len(run.config.data.valid_data_path))]
 
 
 class FullValidation:
-    """The validation sets of a run with full_validation: `sets` (log suffix, padded
-    dataset or None on ranks that read none), `batches` (each set's global batches)."""
+    """Sets read whole with full_validation: `sets` (log suffix, padded dataset or None on
+    ranks that read none), `batches` (each set's global batches). `suffixes`: one per set,
+    alike on every rank; `datasets`: rank 0's (None on ranks that read no data)."""
 
-    def __init__(self, run, datasets: list | None) -> None:
+    def __init__(self, run, datasets: list | None, suffixes: list[str]) -> None:
         training = run.config.training
-        names = training.validation_set_names
-        count = len(run.config.data.valid_data_path) if training.multiple_validation_sets else 1
+        count = len(suffixes)
         self.global_batch = training.eval_global_batch_size or run.calculator.global_batch_size
         self.micro_batch = training.eval_micro_batch_size or training.micro_batch_size
         lengths = torch.zeros(count, dtype=torch.float64)
@@ -40,8 +51,6 @@ class FullValidation:
             lengths = lengths.cuda()
         dist.broadcast(lengths, src=0)  # rank 0 builds the datasets
         self.batches = [math.ceil(n / self.global_batch) for n in lengths.tolist()]
-        suffixes = [""] if not training.multiple_validation_sets else [
-            f"-{names[i] if names else i}" for i in range(count)]  # fmt: skip
         padded = [None] * count if datasets is None else [
             PaddedToBatches(d, self.global_batch) for d in datasets]  # fmt: skip
         self.sets = list(zip(suffixes, padded, strict=True))

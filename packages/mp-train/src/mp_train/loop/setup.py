@@ -98,6 +98,7 @@ class Run:
     start_time: float = field(default_factory=time.time)
     has_train_data: bool = False
     has_valid_data: bool = False
+    has_test_data: bool = False
     compiled_layers: int = 0
     """The transformer layers this rank compiled (torch_compile)."""
     family: str | None = None

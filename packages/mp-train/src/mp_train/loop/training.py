@@ -111,10 +111,11 @@ def _pretrain(config: RunConfig, model_provider, datasets_provider, forward_step
         # so that the first iteration draws what the checkpoint (or the seeding) left there.
         run.timers(SETUP_TIMERS[1]).start(barrier=True)
         with mp_state.rng_state_kept(run.rng_tracker):
-            train_iter, valid_iter = data_iterators(run, datasets_provider, opened)
+            train_iter, valid_iter, open_test = data_iterators(run, datasets_provider, opened)
         run.timers(SETUP_TIMERS[1]).stop()
         metrics.print(run.timers.report(list(SETUP_TIMERS)))  # collective
-        cadence = Cadence(config.training, config.checkpoint, run.has_valid_data)
+        cadence = Cadence(config.training, config.checkpoint, run.has_valid_data,
+                          has_test_data=run.has_test_data)  # fmt: skip
         watching = HangWatchdog.for_run(hang_timeout_minutes(config), dist.get_rank(),
                                         dist.get_world_size())  # fmt: skip
         with watching as watchdog:
@@ -135,6 +136,11 @@ def _pretrain(config: RunConfig, model_provider, datasets_provider, forward_step
             if end.save:
                 with watchdog.paused():
                     save_run_checkpoint(run, checkpointer)
+            if end.test:  # its loaders start now, their seeds drawn off the run's generator
+                with mp_state.rng_state_kept(run.rng_tracker):
+                    test_iter = open_test()
+                evaluate(run, forward_step_func, test_iter, metrics, final=True,
+                         watchdog=watchdog, test=True)  # fmt: skip
             if config.checkpoint.export_hf_dir is not None:
                 _export(run, stopped, metrics, watchdog)
     finally:
@@ -374,14 +380,16 @@ def _drop_batch(train_iter, num_microbatches: int) -> None:
 
 
 def evaluate(run: Run, forward_step_func, valid_iter, metrics, final: bool = False,
-             watchdog: HangWatchdog | None = None) -> dict:  # fmt: skip
+             watchdog: HangWatchdog | None = None, test: bool = False) -> dict:  # fmt: skip
     """eval_iters forward-only global batches (with full validation, every validation set
     whole, each logged on its own: full_validation.py); logs and returns the averaged
-    reports (the last set's). Each batch is progress for the hang watchdog, when given."""
+    reports (the last set's). Each batch is progress for the hang watchdog, when given.
+    test: valid_iter reads the test split (at the end, logged as such; the validation's
+    consumed samples stay)."""
     if not isinstance(valid_iter, FullValidation):
         results = _evaluate(run, forward_step_func, valid_iter, run.config.training.eval_iters,
-                            watchdog)  # fmt: skip
-        metrics.evaluation(results, final=final)
+                            watchdog, counted=not test)  # fmt: skip
+        metrics.evaluation(results, final=final, test=test)
         return results
     for index, (suffix, _) in enumerate(valid_iter.sets):  # each set whole, from its start
         iterators = valid_iter.iterators(run, index)
@@ -393,16 +401,18 @@ def evaluate(run: Run, forward_step_func, valid_iter, metrics, final: bool = Fal
             for opened in iterators:
                 if opened is not None:
                     opened.close()
-        metrics.evaluation(results, final=final, suffix=suffix)
+        metrics.evaluation(results, final=final, suffix=suffix, test=test)
     return results
 
 
 def _evaluate(run: Run, forward_step_func, valid_iter, iterations: int,
-              watchdog: HangWatchdog | None, global_batch: int | None = None) -> dict:  # fmt: skip
+              watchdog: HangWatchdog | None, global_batch: int | None = None,
+              counted: bool = True) -> dict:  # fmt: skip
     """`iterations` forward-only global batches of valid_iter; the averaged reports. They
-    advance consumed_valid_samples, unless `global_batch` is given (full validation's,
-    which restarts each time; the batch it padded its sets to)."""
+    advance consumed_valid_samples when `counted`, unless `global_batch` is given (full
+    validation's, which restarts each time; the batch it padded its sets to)."""
     fixed = global_batch
+    counted = counted and fixed is None
     for chunk in run.model:
         chunk.eval()
     schedule = _schedule(run)
@@ -419,7 +429,7 @@ def _evaluate(run: Run, forward_step_func, valid_iter, iterations: int,
                 num_microbatches=global_batch // (mbs * run.data_parallel_size),
                 config=pipeline, pp_group=run.state.pp, forward_only=True,
             )  # fmt: skip
-            if fixed is None:
+            if counted:
                 run.train.consumed_valid_samples += global_batch
             empty_unused_memory(run, level=1)
             if watchdog is not None:

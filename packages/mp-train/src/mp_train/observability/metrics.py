@@ -326,22 +326,24 @@ class MetricsLogger:
         self._interval_start = time.perf_counter()
         self._sums, self._count, self._tokens, self._flops = {}, 0, 0, 0.0
 
-    def evaluation(self, results: dict[str, float], final: bool, suffix: str = "") -> None:
+    def evaluation(self, results: dict[str, float], final: bool, suffix: str = "",
+                   test: bool = False) -> None:  # fmt: skip
         """The evaluation's line and TensorBoard values; suffix: one validation set's
-        ("-<name>", multiple_validation_sets)."""
+        ("-<name>", multiple_validation_sets); test: the test split's, at the end."""
         iteration = self.run.train.iteration
         parts = []
         for name, value in results.items():
             parts.append(f"{name} {value:.6g}")
             if "loss" in name and math.isfinite(value) and value < 50:
                 parts.append(f"{name} PPL {math.exp(value):.6g}")
-        label = (f"final validation{suffix}" if final
+        label = (f"test at iteration {iteration}" if test
+                 else f"final validation{suffix}" if final
                  else f"validation{suffix} at iteration {iteration}")  # fmt: skip
         self.print(f"{label} | " + " | ".join(parts))
         # As Megatron: an evaluation-only run (skip_train) writes nothing to TensorBoard.
         if not self.run.config.training.skip_train:
             self.board.validation(results, iteration, self.run.train.consumed_train_samples,
-                                  suffix)  # fmt: skip
+                                  suffix, split="test" if test else "validation")  # fmt: skip
 
     def close(self) -> None:
         if self._metrics_file is not None:

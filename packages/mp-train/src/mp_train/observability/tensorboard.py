@@ -21,7 +21,9 @@ timers of timing_log_level.
 
 Each evaluation: `<name> validation` and, with
 log_validation_ppl_to_tensorboard, `<name> validation ppl` (exp(min(20, v))),
-each also `vs samples`.
+each also `vs samples`. The test split's evaluation, at the end: `<name> test` (and
+`<name> test ppl`), where Megatron-LM writes it under the validation tags, at the step of
+the final validation.
 
 Tags whose switch is off or whose value does not exist (no grad norm on a
 skipped step) are not written. With wandb_project the same tags, without the
@@ -68,15 +70,16 @@ class TensorBoard:
         if self.wandb is not None and values:
             self.wandb.log(dict(values), step=iteration)
 
-    def validation(self, results: dict[str, float], iteration: int,
-                   consumed_samples: int, suffix: str = "") -> None:  # fmt: skip
+    def validation(self, results: dict[str, float], iteration: int, consumed_samples: int,
+                   suffix: str = "", split: str = "validation") -> None:  # fmt: skip
         """`<name> validation<suffix>` (and its perplexity, exp(min(20, value)), as
-        Megatron; suffix "-<set>" with multiple_validation_sets)."""
+        Megatron; suffix "-<set>" with multiple_validation_sets); split "test": the test
+        split's, `<name> test`."""
         values = {}
         for name, value in results.items():
-            values[f"{name} validation{suffix}"] = value
+            values[f"{name} {split}{suffix}"] = value
             if self.config.log_validation_ppl_to_tensorboard:
-                values[f"{name} validation{suffix} ppl"] = math.exp(min(20.0, value))
+                values[f"{name} {split}{suffix} ppl"] = math.exp(min(20.0, value))
         self.add(iteration, values, consumed_samples)
 
     def close(self) -> None:
