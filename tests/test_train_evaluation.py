@@ -188,3 +188,41 @@ def test_the_log_line_carries_the_device_memory_in_use_when_asked():
     for line in asked:
         used = float(line.split("device memory used MB ")[1].split()[0])
         assert used > 0
+
+
+def cut_evaluation(argv) -> tuple[list[str], int]:
+    """(the lines a run printed about evaluating and exiting, its consumed validation
+    samples)."""
+    import contextlib
+    import io
+
+    from mp_gpt.testing import train_run_on_rank
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        run = train_run_on_rank(argv)
+    words = ("validation", "final validation", "evaluation", "test at", "exiting")
+    lines = [line for line in out.getvalue().splitlines() if line.startswith(words)]
+    return lines, run.train.consumed_valid_samples
+
+
+@pytest.mark.multirank
+def test_an_evaluation_stops_when_the_time_limit_passes():
+    """As Megatron's: exit_duration_in_mins is checked after each evaluation batch, so a
+    long evaluation does not keep the run from saving in time. Passed after the first
+    iteration here: its evaluation stops after one of three batches, unreported, and
+    the run exits there (no final or test evaluation). With time left, all three."""
+    argv = [*ARGV, "--eval-iters", "3", "--eval-interval", "1", "--global-batch-size", "4"]
+    lines, consumed = run_on_ranks(cut_evaluation, 2, [*argv, "--exit-duration-in-mins",
+                                                       "1e-9"], timeout=120)[-1]  # fmt: skip
+    assert lines == [
+        "evaluation stopped at iteration 1: exit_duration_in_mins=1e-09 has passed",
+        "exiting at iteration 1: exit_duration_in_mins=1e-09",
+    ]
+    assert consumed == 4  # one global batch
+    lines, consumed = run_on_ranks(cut_evaluation, 2, [*argv, "--exit-duration-in-mins",
+                                                       "1000"], timeout=120)[-1]  # fmt: skip
+    assert [line.split(" | ")[0] for line in lines] == [
+        "validation at iteration 1", "validation at iteration 2", "validation at iteration 3",
+        "final validation", "test at iteration 4"]  # fmt: skip
+    assert consumed == 4 * 3 * 4  # the three evaluations during training, the final one

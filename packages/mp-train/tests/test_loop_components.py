@@ -130,6 +130,10 @@ def test_cadence_decisions_per_iteration(tmp_path):
     assert decisions(cadence, train) == {
         7: (False, False, False, "exit_duration_in_mins=2.5", False)
     }
+    # 0 sets no limit, as Megatron's `if args.exit_duration_in_mins`.
+    cadence, train = cadence_of(eval_interval=None, exit_duration_in_mins=0,
+                                minutes=lambda it: it * 0.4)  # fmt: skip
+    assert decisions(cadence, train) == {} and not cadence.time_is_up()
     # train_samples: finished by samples, 4 a step.
     cadence, train = cadence_of(train_iters=None, train_samples=10, eval_interval=2)
     assert decisions(cadence, train, samples=4) == {2: (True, False, False, None, None)}

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from mp_train import MicroBatchCalculator, Timers
+from mp_train.loop.forward_backward import empty_unused_memory
 from mp_train.loop.setup import set_matmul_precision
-from mp_train.loop.training import empty_unused_memory
 from mp_train.observability.metrics import logged_lr
 
 

@@ -18,10 +18,11 @@ from mp_train.configuration.yaml_config import load_yaml_config
 from mp_train.entry_point import load_config
 from mp_train.errors import ConfigError, launch_rank, report
 from mp_train.estimate import estimate
+from mp_train.loop.evaluation import evaluate
 from mp_train.loop.microbatches import MicroBatchCalculator
 from mp_train.loop.setup import Initialized, Run, TrainState, initialize, setup_run
 from mp_train.loop.signals import TrainingShutdown
-from mp_train.loop.training import evaluate, pretrain
+from mp_train.loop.training import pretrain
 from mp_train.observability.timers import Timers
 
 __all__ = [

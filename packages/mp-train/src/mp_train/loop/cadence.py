@@ -151,10 +151,15 @@ class Cadence:
             return f"exit_interval={training.exit_interval}"
         if iteration in self.phase_ends:
             return f"iteration {iteration} ends a training phase (phase_transition_iterations)"
-        limit = training.exit_duration_in_mins
-        if limit is not None and self.minutes_elapsed() > limit:
-            return f"exit_duration_in_mins={limit}"
+        if self.time_is_up():
+            return f"exit_duration_in_mins={training.exit_duration_in_mins}"
         return None
+
+    def time_is_up(self) -> bool:
+        """Whether exit_duration_in_mins have passed since training started on the slowest
+        rank's clock (collective when it is set; 0 sets no limit, as in Megatron)."""
+        limit = self.training.exit_duration_in_mins
+        return bool(limit) and self.minutes_elapsed() > limit
 
     def _slowest_clock(self) -> float:
         """Minutes since training started on the rank whose clock says the most

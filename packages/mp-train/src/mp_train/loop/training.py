@@ -17,8 +17,8 @@
    says is due: evaluation every eval_interval, saves every save_interval, an exit at
    exit_interval, exit_duration_in_mins or SIGTERM (every rank agrees, saves and
    returns);
-5. a final evaluation and save, and, with export_hf_dir, the model written as a Hugging
-   Face directory (hf_start.py).
+5. a final evaluation and save, the test split's evaluation, and, with export_hf_dir,
+   the model written as a Hugging Face directory (hf_start.py).
 
 From the first iteration to the final save, each finished iteration is a heartbeat of
 the hang watchdog (hang_timeout_minutes; hang_watchdog.py).
@@ -32,7 +32,6 @@ divided): the loss function averages them over data-parallel ranks.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import gc
 import logging
@@ -44,7 +43,6 @@ import torch.distributed as dist
 
 import mp_state
 from mp_ckpt import Checkpointer
-from mp_pipeline import get_forward_backward_func
 from mp_train.configuration.config import RunConfig, hang_timeout_minutes
 from mp_train.loop.cadence import Cadence, Stop
 from mp_train.loop.checkpointing import (
@@ -54,12 +52,14 @@ from mp_train.loop.checkpointing import (
     save_run_checkpoint,
 )
 from mp_train.loop.data_iterators import data_iterators
-from mp_train.loop.full_validation import FullValidation
+from mp_train.loop.evaluation import evaluate
+from mp_train.loop.forward_backward import empty_unused_memory, schedule_of
 from mp_train.loop.hang_watchdog import HangWatchdog
 from mp_train.loop.moe_step import MoEStep
 from mp_train.loop.mtp_step import discard_mtp_losses, mtp_losses
 from mp_train.loop.qk_clip_step import clip_after_step
 from mp_train.loop.replica_check import check_weight_replicas
+from mp_train.loop.reports import counted_nothing, reduce_reports
 from mp_train.loop.rerun import RerunMachine
 from mp_train.loop.rerun_records import iterations_to_skip
 from mp_train.loop.setup import SETUP_TIMERS, Initialized, ModelProvider, Run, setup_run
@@ -70,7 +70,7 @@ from mp_train.observability.profiling import StepProfiler
 from mp_train.observability.progress_log import ProgressLog
 from mp_train.observability.stragglers import timed_forward_step
 
-__all__ = ["evaluate", "pretrain"]
+__all__ = ["pretrain"]
 
 log = logging.getLogger("mp_train")
 
@@ -132,7 +132,7 @@ def _pretrain(config: RunConfig, model_provider, datasets_provider, forward_step
             end = cadence.at_end(run.train.iteration, stopped, last_saved)
             if end.evaluate:
                 evaluate(run, forward_step_func, valid_iter, metrics, final=True,
-                         watchdog=watchdog)  # fmt: skip
+                         watchdog=watchdog, time_is_up=cadence.time_is_up)  # fmt: skip
             if end.save:
                 with watchdog.paused():
                     save_run_checkpoint(run, checkpointer)
@@ -140,7 +140,7 @@ def _pretrain(config: RunConfig, model_provider, datasets_provider, forward_step
                 with mp_state.rng_state_kept(run.rng_tracker):
                     test_iter = open_test()
                 evaluate(run, forward_step_func, test_iter, metrics, final=True,
-                         watchdog=watchdog, test=True)  # fmt: skip
+                         watchdog=watchdog, test=True, time_is_up=cadence.time_is_up)  # fmt: skip
             if config.checkpoint.export_hf_dir is not None:
                 _export(run, stopped, metrics, watchdog)
     finally:
@@ -243,7 +243,8 @@ def _train(run: Run, forward_step_func, train_iter, valid_iter, checkpointers,
                 collect = config.training.manual_gc and config.training.manual_gc_eval
                 if collect:  # every object, before; what the evaluation made, after
                     gc.collect()
-                evaluate(run, forward_step_func, valid_iter, metrics, watchdog=watchdog)
+                evaluate(run, forward_step_func, valid_iter, metrics, watchdog=watchdog,
+                         time_is_up=cadence.time_is_up)  # fmt: skip
                 if collect:
                     gc.collect(generation=0)
             if due.save or due.save_non_persistent:
@@ -292,7 +293,7 @@ class _Step:
     def __init__(self, run: Run, forward_step_func) -> None:
         config = run.config
         self.run, self.forward_step_func = run, forward_step_func
-        self.schedule = _schedule(run)
+        self.schedule = schedule_of(run)
         self.experts = MoEStep(config.model, run.model, run.state, config.optimizer.fp16,
                                config.optimizer.calculate_per_token_loss,
                                config.logging.moe_per_layer_logging)  # fmt: skip
@@ -377,107 +378,3 @@ def _drop_batch(train_iter, num_microbatches: int) -> None:
         if iterator is not None:
             for _ in range(num_microbatches):
                 next(iterator)
-
-
-def evaluate(run: Run, forward_step_func, valid_iter, metrics, final: bool = False,
-             watchdog: HangWatchdog | None = None, test: bool = False) -> dict:  # fmt: skip
-    """eval_iters forward-only global batches (with full validation, every validation set
-    whole, each logged on its own: full_validation.py); logs and returns the averaged
-    reports (the last set's). Each batch is progress for the hang watchdog, when given.
-    test: valid_iter reads the test split (at the end, logged as such; the validation's
-    consumed samples stay)."""
-    if not isinstance(valid_iter, FullValidation):
-        results = _evaluate(run, forward_step_func, valid_iter, run.config.training.eval_iters,
-                            watchdog, counted=not test)  # fmt: skip
-        metrics.evaluation(results, final=final, test=test)
-        return results
-    for index, (suffix, _) in enumerate(valid_iter.sets):  # each set whole, from its start
-        iterators = valid_iter.iterators(run, index)
-        try:
-            iterator = iterators if len(iterators) > 1 else iterators[0]
-            results = _evaluate(run, forward_step_func, iterator, valid_iter.batches[index],
-                                watchdog, global_batch=valid_iter.global_batch)  # fmt: skip
-        finally:
-            for opened in iterators:
-                if opened is not None:
-                    opened.close()
-        metrics.evaluation(results, final=final, suffix=suffix, test=test)
-    return results
-
-
-def _evaluate(run: Run, forward_step_func, valid_iter, iterations: int,
-              watchdog: HangWatchdog | None, global_batch: int | None = None,
-              counted: bool = True) -> dict:  # fmt: skip
-    """`iterations` forward-only global batches of valid_iter; the averaged reports. They
-    advance consumed_valid_samples when `counted`, unless `global_batch` is given (full
-    validation's, which restarts each time; the batch it padded its sets to)."""
-    fixed = global_batch
-    counted = counted and fixed is None
-    for chunk in run.model:
-        chunk.eval()
-    schedule = _schedule(run)
-    training = run.config.training
-    mbs = training.eval_micro_batch_size or training.micro_batch_size
-    pipeline = dataclasses.replace(run.pipeline, micro_batch_size=mbs)
-    gathered: list = []
-    with torch.no_grad():
-        for _ in range(iterations):
-            global_batch = fixed or training.eval_global_batch_size or run.calculator.global_batch(
-                run.train.consumed_train_samples)  # fmt: skip
-            gathered += schedule(
-                forward_step_func=forward_step_func, data_iterator=valid_iter, model=run.model,
-                num_microbatches=global_batch // (mbs * run.data_parallel_size),
-                config=pipeline, pp_group=run.state.pp, forward_only=True,
-            )  # fmt: skip
-            if counted:
-                run.train.consumed_valid_samples += global_batch
-            empty_unused_memory(run, level=1)
-            if watchdog is not None:
-                watchdog.step()
-    for chunk in run.model:
-        chunk.train()
-    return reduce_reports(gathered)
-
-
-def empty_unused_memory(run: Run, level: int) -> None:
-    """torch.cuda.empty_cache() where empty_unused_memory_level asks for it at `level`
-    (Megatron's points: 1 after forward-backward and each evaluation step, 2 after the
-    optimizer step too); nothing on a CPU."""
-    if run.config.training.empty_unused_memory_level >= level and run.device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
-def reduce_reports(reports: list[dict]) -> dict[str, float]:
-    """Averages each reported value over micro-batches ([sum, count] pairs: sum / count)."""
-    if not reports:
-        return {}
-    pairs, out = _pair_totals(reports), {}
-    for name in reports[0]:
-        if name in pairs:
-            total, count = pairs[name].tolist()
-            out[name] = total / count if count > 0 else float("nan")
-        else:
-            values = [torch.as_tensor(r[name]).detach().double().cpu() for r in reports]
-            out[name] = float(torch.stack([v.reshape(()) for v in values]).mean())
-    return out
-
-
-def counted_nothing(reports: list[dict]) -> set[str]:
-    """The reported [sum, count] values whose count over the global batch is 0 (and sum
-    0: a nan there is a nan loss all the same), which reduce_reports makes nan."""
-    return {name for name, total in _pair_totals(reports).items() if total.tolist() == [0, 0]}
-
-
-def _pair_totals(reports: list[dict]) -> dict[str, torch.Tensor]:
-    """Each reported [sum, count] pair summed over the micro-batches (float64, CPU)."""
-    if not reports:
-        return {}
-    pairs = [name for name in reports[0] if torch.as_tensor(reports[0][name]).numel() == 2]
-    return {name: torch.stack([torch.as_tensor(r[name]).detach().double().cpu().reshape(2)
-                               for r in reports]).sum(0)
-            for name in pairs}  # fmt: skip
-
-
-def _schedule(run: Run):
-    vpp = run.config.parallel.virtual_pipeline_model_parallel_size
-    return get_forward_backward_func(run.state.pp.size, vpp)
