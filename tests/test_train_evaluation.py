@@ -226,3 +226,23 @@ def test_an_evaluation_stops_when_the_time_limit_passes():
         "validation at iteration 1", "validation at iteration 2", "validation at iteration 3",
         "final validation", "test at iteration 4"]  # fmt: skip
     assert consumed == 4 * 3 * 4  # the three evaluations during training, the final one
+
+
+def after_a_slow_start(argv) -> tuple[list[str], int]:
+    """cut_evaluation, its rank having spent 3 s before training starts."""
+    import time
+
+    time.sleep(3)
+    return cut_evaluation(argv)
+
+
+@pytest.mark.multirank
+def test_the_time_limit_counts_from_the_start_of_the_job():
+    """As Megatron's: exit_duration_in_mins counts from the process's start (the earliest
+    rank's), so that set-up counts against a scheduler's limit. A limit of 2.4 s has passed
+    when training starts 3 s after the ranks did: the run stops after its first
+    iteration, where counting from the loop's start let it train on."""
+    argv = [*ARGV, "--train-iters", "1000", "--eval-interval", "none", "--global-batch-size", "4",
+            "--exit-duration-in-mins", "0.04"]  # fmt: skip
+    lines, _ = run_on_ranks(after_a_slow_start, 2, argv, timeout=120)[-1]
+    assert lines == ["exiting at iteration 1: exit_duration_in_mins=0.04"]

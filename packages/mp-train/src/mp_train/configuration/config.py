@@ -129,8 +129,9 @@ class TrainingConfig(RerunConfig, ValidationConfig, PhaseConfig):
     """Exit after an iteration divisible by this (saving first)."""
 
     exit_duration_in_mins: float | None = None
-    """Exit (saving first) once the run has lasted this long, also checked after each
-    evaluation batch (an evaluation cut short is not reported). 0: no limit (Megatron's)."""
+    """Exit (saving first) once the job has run this long, counted from its processes'
+    start as Megatron's (set-up included); also checked after each evaluation batch (an
+    evaluation cut short is not reported). 0: no limit (Megatron's)."""
 
     exit_signal_handler: bool = False
     """On exit_signal (SIGTERM) every rank finishes its iteration, saves and exits 0."""

@@ -72,8 +72,9 @@ class Stop:
 class Cadence:
     """`has_valid_data`, `has_test_data`: whether any rank has validation or test data
     (Megatron's do_valid and do_test). `signal_received()` and `minutes_elapsed()` are by
-    default a SIGTERM handler and the time since training started, both installed by
-    `during_training()` and agreed over every rank; a test may give its own."""
+    default a SIGTERM handler (installed by `during_training()`) and the time since
+    `started` (a time.time(); by default the cadence's making; the loop gives the job's
+    start, process_clock.py), both agreed over every rank; a test may give its own."""
 
     def __init__(
         self,
@@ -82,6 +83,7 @@ class Cadence:
         has_valid_data: bool,
         *,
         has_test_data: bool = False,
+        started: float | None = None,
         signal_received: Callable[[], bool] | None = None,
         minutes_elapsed: Callable[[], float] | None = None,
     ) -> None:
@@ -99,12 +101,11 @@ class Cadence:
             signal_received = self._handler.received
         self.signal_received = signal_received
         self.minutes_elapsed = minutes_elapsed or self._slowest_clock
-        self._start = time.time()
+        self._start = time.time() if started is None else started
 
     def during_training(self) -> contextlib.AbstractContextManager:
-        """For the training loop: starts exit_duration_in_mins's clock and installs the
-        SIGTERM handler (with exit_signal_handler)."""
-        self._start = time.time()
+        """For the training loop: installs the SIGTERM handler (with
+        exit_signal_handler)."""
         return self._handler or contextlib.nullcontext()
 
     def finished(self, train: TrainState) -> bool:
@@ -162,8 +163,7 @@ class Cadence:
         return bool(limit) and self.minutes_elapsed() > limit
 
     def _slowest_clock(self) -> float:
-        """Minutes since training started on the rank whose clock says the most
-        (collective)."""
+        """Minutes since `started` on the rank whose clock says the most (collective)."""
         elapsed = torch.tensor([(time.time() - self._start) / 60.0])
         if dist.get_backend() == "nccl":
             elapsed = elapsed.cuda()

@@ -57,6 +57,7 @@ from mp_train.loop.forward_backward import empty_unused_memory, schedule_of
 from mp_train.loop.hang_watchdog import HangWatchdog
 from mp_train.loop.moe_step import MoEStep
 from mp_train.loop.mtp_step import discard_mtp_losses, mtp_losses
+from mp_train.loop.process_clock import earliest_start
 from mp_train.loop.qk_clip_step import clip_after_step
 from mp_train.loop.replica_check import check_weight_replicas
 from mp_train.loop.reports import counted_nothing, reduce_reports
@@ -115,7 +116,7 @@ def _pretrain(config: RunConfig, model_provider, datasets_provider, forward_step
         run.timers(SETUP_TIMERS[1]).stop()
         metrics.print(run.timers.report(list(SETUP_TIMERS)))  # collective
         cadence = Cadence(config.training, config.checkpoint, run.has_valid_data,
-                          has_test_data=run.has_test_data)  # fmt: skip
+                          has_test_data=run.has_test_data, started=earliest_start())  # fmt: skip
         watching = HangWatchdog.for_run(hang_timeout_minutes(config), dist.get_rank(),
                                         dist.get_world_size())  # fmt: skip
         with watching as watchdog:
