@@ -157,8 +157,8 @@ class Cadence:
         return None
 
     def time_is_up(self) -> bool:
-        """Whether exit_duration_in_mins have passed since training started on the slowest
-        rank's clock (collective when it is set; 0 sets no limit, as in Megatron)."""
+        """Whether exit_duration_in_mins have passed since `started` on the slowest rank's
+        clock (collective when it is set; 0 sets no limit, as in Megatron)."""
         limit = self.training.exit_duration_in_mins
         return bool(limit) and self.minutes_elapsed() > limit
 
