@@ -16,7 +16,6 @@ import contextlib
 import dataclasses
 import functools
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -95,7 +94,6 @@ class Run:
     pipeline: PipelineConfig
     timers: Timers
     train: TrainState = field(default_factory=TrainState)
-    start_time: float = field(default_factory=time.time)
     has_train_data: bool = False
     has_valid_data: bool = False
     has_test_data: bool = False
