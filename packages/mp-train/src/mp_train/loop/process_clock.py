@@ -17,9 +17,10 @@ _SANE_AGE_S = 30 * 24 * 3600
 
 
 def process_start_time() -> float:
-    """When this process started, on time.time()'s scale: Linux's /proc (the boot time
-    plus the process's start in clock ticks, within a second); elsewhere, or if that says
-    something impossible, when mp_train was imported."""
+    """When this process started (a forked one: when it was forked), on time.time()'s
+    scale: Linux's /proc (the boot time plus the process's start in clock ticks, within a
+    second); elsewhere, or if that says something impossible, when mp_train was
+    imported."""
     try:
         with open("/proc/self/stat") as stat:
             fields = stat.read().rsplit(")", 1)[1].split()
@@ -30,7 +31,7 @@ def process_start_time() -> float:
     except (OSError, ValueError, IndexError, StopIteration):
         return _IMPORTED
     now = time.time()
-    return started if now - _SANE_AGE_S < started <= min(now, _IMPORTED) + 1 else _IMPORTED
+    return started if now - _SANE_AGE_S < started <= now + 1 else _IMPORTED
 
 
 def earliest_start() -> float:
