@@ -27,8 +27,9 @@ def eager_when_compiled(function: Callable) -> Callable:
     """`function`, run eagerly when a compiled region calls it."""
     # Each wrapper holds its own disabled function in a closure cell, which Dynamo reads
     # and guards as the wrapper's own. Looked up in a table keyed by the function, as it
-    # was, Dynamo took the first lookup's result for every later wrapper of one compiled
-    # region (torch 2.15): the second eager function called the first.
+    # was, Dynamo (torch 2.15) took the first lookup's result for every later wrapper of
+    # one compiled region whose function shared its code (closures of one factory): the
+    # second such function's call ran the first.
     eager = None
 
     def arm() -> None:
