@@ -246,3 +246,37 @@ def test_the_time_limit_counts_from_the_start_of_the_job():
             "--exit-duration-in-mins", "0.04"]  # fmt: skip
     lines, _ = run_on_ranks(after_a_slow_start, 2, argv, timeout=120)[-1]
     assert lines == ["exiting at iteration 1: exit_duration_in_mins=0.04"]
+
+
+def first_interval_ms(argv) -> float:
+    """The ms/iteration of a run's first log line, its datasets' set-up, each evaluation
+    and each save taking 1 s more."""
+    import time
+
+    import mp_train.loop.training as loop
+    from mp_gpt.testing import train_printed_on_rank
+
+    def slowly(function):
+        def slow(*args, **kwargs):
+            time.sleep(1.0)
+            return function(*args, **kwargs)
+
+        return slow
+
+    for name in ("data_iterators", "evaluate", "save_run_checkpoint"):
+        setattr(loop, name, slowly(getattr(loop, name)))
+    lines = train_printed_on_rank(argv).splitlines()
+    return float(next(line for line in lines if line.startswith("iteration ")).split(
+        "ms/iteration ")[1].split()[0])  # fmt: skip
+
+
+@pytest.mark.multirank
+def test_the_log_lines_time_leaves_out_set_up_evaluations_and_saves(tmp_path):
+    """As Megatron's interval timer: the first log line's interval starts with training,
+    and an evaluation or a save inside an interval is not in its time (nor in tokens/s
+    and MFU). The interval of iterations 1 and 2 holds 3 s of them (the set-up before,
+    iteration 1's evaluation and save); counted in, they alone would make 1,500
+    ms/iteration, where the tiny model's iterations take a few ms."""
+    argv = [*ARGV, "--train-iters", "2", "--log-interval", "2", "--eval-interval", "1",
+            "--eval-iters", "1", "--save", str(tmp_path), "--save-interval", "1"]  # fmt: skip
+    assert run_on_ranks(first_interval_ms, 1, argv, timeout=120)[0] < 500

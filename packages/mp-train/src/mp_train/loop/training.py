@@ -220,6 +220,7 @@ def _train(run: Run, forward_step_func, train_iter, valid_iter, checkpointers,
     step = _Step(run, train_step_func)
     train_iter = run.rerun.wrap(train_iter)
     profiler = StepProfiler(config.logging, dist.get_rank(), run.device)
+    metrics.training_started()
     with cadence.during_training(), contextlib.closing(profiler):
         while not cadence.finished(run.train):
             profiler.iteration_started(run.train.iteration + 1)
@@ -244,12 +245,13 @@ def _train(run: Run, forward_step_func, train_iter, valid_iter, checkpointers,
                 collect = config.training.manual_gc and config.training.manual_gc_eval
                 if collect:  # every object, before; what the evaluation made, after
                     gc.collect()
-                evaluate(run, forward_step_func, valid_iter, metrics, watchdog=watchdog,
-                         time_is_up=cadence.time_is_up)  # fmt: skip
+                with metrics.paused():  # not in the log line's time, as Megatron's
+                    evaluate(run, forward_step_func, valid_iter, metrics, watchdog=watchdog,
+                             time_is_up=cadence.time_is_up)  # fmt: skip
                 if collect:
                     gc.collect(generation=0)
             if due.save or due.save_non_persistent:
-                with watchdog.paused():
+                with watchdog.paused(), metrics.paused():
                     if due.save:
                         save_run_checkpoint(run, checkpointer)
                     else:

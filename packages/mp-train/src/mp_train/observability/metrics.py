@@ -12,13 +12,14 @@ measured peak memory stands beside them.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
 import math
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -171,8 +172,25 @@ class MetricsLogger:
             f"iteration; MFU reference {self.peak_tflops:.3g} TFLOP/s per rank"
         )
 
+    def training_started(self) -> None:
+        """Starts the first log line's interval: the set-up before it (the datasets, a
+        checkpoint load) is not in its time, as Megatron starts its interval timer when
+        training starts."""
+        self._interval_start = time.perf_counter()
+
     def iteration_started(self) -> None:
         self._iteration_start = time.perf_counter()
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Leaves what runs inside (an evaluation, a save) out of the time of the log
+        line's interval (ms/iteration, tokens/s, TFLOP/s, MFU, TensorBoard's
+        iteration-time), as Megatron stops its interval timer around them."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._interval_start += time.perf_counter() - start
 
     def iteration_finished(self, losses, result, global_batch: int, microbatches: int) -> None:
         run = self.run
