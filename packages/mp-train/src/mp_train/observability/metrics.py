@@ -144,8 +144,9 @@ class MetricsLogger:
                 self._metrics_file.seek(self._metrics_file.tell() - 1)
                 if self._metrics_file.read(1) != "\n":  # a line cut by a killed run
                     self._metrics_file.write("\n")
-        self._sums: dict[str, float] = {}
-        self._count = 0
+        self._sums: dict[str, float] = {}  # the reported values of the steps taken
+        self._count = 0  # iterations since the last line
+        self._advanced = 0  # of which their optimizer step was taken
         self._tokens = 0
         self._flops = 0.0
 
@@ -201,14 +202,17 @@ class MetricsLogger:
         grad_norm = result.grad_norm if result is not None else None
         # each separately clipped group's own norm (mtp_detach_heads: "mtp grad norm")
         by_group = (result.grad_norms_by_group if result is not None else None) or {}
-        for name, value in losses.items():
-            if not name.startswith(PER_LAYER_PREFIX):  # per-layer values: not printed
-                self._sums[name] = self._sums.get(name, 0.0) + value
+        skipped = result is None or not result.update_successful
+        if not skipped:  # as Megatron's: the printed averages are the steps taken
+            self._advanced += 1
+            for name, value in losses.items():
+                if not name.startswith(PER_LAYER_PREFIX):  # per-layer values: not printed
+                    self._sums[name] = self._sums.get(name, 0.0) + value
         if self._metrics_file is not None:
             record = {
                 "iteration": iteration, "consumed_samples": consumed,
                 "global_batch_size": global_batch, "lr": lr, "loss_scale": loss_scale,
-                "grad_norm": grad_norm, "skipped": result is None or not result.update_successful,
+                "grad_norm": grad_norm, "skipped": skipped,
                 **{f"{group}_grad_norm": norm for group, norm in by_group.items()}, **losses,
             }  # fmt: skip
             self._metrics_file.write(json.dumps(record) + "\n")
@@ -278,7 +282,7 @@ class MetricsLogger:
         values = {
             "lr": lr,
             "global batch": global_batch,
-            **{name: total / self._count for name, total in self._sums.items()},
+            **{name: total / self._advanced for name, total in self._sums.items()},
             "loss scale": loss_scale,
         }
         if result is not None and result.grad_norm is not None:
@@ -342,7 +346,7 @@ class MetricsLogger:
             timed.update({f"{name}-time": max(ms) / 1000.0 for name, ms in times.items()})
             self.board.add(iteration, timed)
         self._interval_start = time.perf_counter()
-        self._sums, self._count, self._tokens, self._flops = {}, 0, 0, 0.0
+        self._sums, self._count, self._advanced, self._tokens, self._flops = {}, 0, 0, 0, 0.0
 
     def evaluation(self, results: dict[str, float], final: bool, suffix: str = "",
                    test: bool = False) -> None:  # fmt: skip
