@@ -56,7 +56,7 @@ def test_the_log_line_averages_the_losses_of_the_steps_taken(tmp_path):
     """As Megatron's: a skipped step's loss is left out of the line's average (a nan
     loss skipped here made the whole line's loss nan), and a line whose steps were all
     skipped shows no loss. Each line's loss is the mean of its taken steps' recorded
-    losses."""
+    losses, and its skipped and nan iterations are those of its interval."""
     argv = [*DIVERGING, "--skip-nan-loss-iterations", "--log-interval", "5",
             "--metrics-file", str(tmp_path / "metrics.jsonl")]  # fmt: skip
     printed, records = run_on_ranks(printed_and_recorded, 1, argv, timeout=120)[0]
@@ -64,8 +64,12 @@ def test_the_log_line_averages_the_losses_of_the_steps_taken(tmp_path):
     assert len(lines) == 6 and len(records) == 30
     mixed = 0
     for index, line in enumerate(lines):
-        taken = [r["lm loss"] for r in records[5 * index : 5 * index + 5] if not r["skipped"]]
+        interval = records[5 * index : 5 * index + 5]
+        taken = [r["lm loss"] for r in interval if not r["skipped"]]
         mixed += 0 < len(taken) < 5
+        # the interval's skipped steps (all for a nan loss here), not the run's so far
+        skipped = len(interval) - len(taken)
+        assert f" | skipped iterations {skipped} | nan iterations {skipped} | " in line, line
         if taken:
             shown = float(line.split(" | lm loss ")[1].split(" |")[0])
             assert shown == pytest.approx(sum(taken) / len(taken), rel=1e-3), line

@@ -147,6 +147,7 @@ class MetricsLogger:
         self._sums: dict[str, float] = {}  # the reported values of the steps taken
         self._count = 0  # iterations since the last line
         self._advanced = 0  # of which their optimizer step was taken
+        self._counted = (0, 0)  # the run's skipped and nan iterations at the last line
         self._tokens = 0
         self._flops = 0.0
 
@@ -178,6 +179,7 @@ class MetricsLogger:
         checkpoint load) is not in its time, as Megatron starts its interval timer when
         training starts."""
         self._interval_start = time.perf_counter()
+        self._counted = (self.run.train.skipped_iterations, self.run.train.nan_iterations)
 
     def iteration_started(self) -> None:
         self._iteration_start = time.perf_counter()
@@ -293,8 +295,11 @@ class MetricsLogger:
             values["zeros in grad"] = result.num_zeros_in_grad
         if params_norm is not None:
             values["params norm"] = params_norm
-        values["skipped iterations"] = run.train.skipped_iterations
-        values["nan iterations"] = run.train.nan_iterations
+        # Those of the interval, as Megatron's "number of skipped iterations" (and nan).
+        counted = (run.train.skipped_iterations, run.train.nan_iterations)
+        values["skipped iterations"] = counted[0] - self._counted[0]
+        values["nan iterations"] = counted[1] - self._counted[1]
+        self._counted = counted
         tflops = self._flops / elapsed / dist.get_world_size() / 1e12
         if self.config.log_throughput:
             values["tokens/s"] = self._tokens / elapsed
