@@ -5,7 +5,10 @@ Each line: iteration, consumed samples, ms per iteration, learning rate,
 global batch, the reported losses, loss scale, gradient norm, optional
 parameter norm, skipped and nan iterations, tokens/s, TFLOP/s per rank and
 MFU, current and peak memory; with log_straggler a second line, each rank's forward-step
-time across ranks (mp_train.observability.stragglers). At start the theoretical memory and FLOPs
+time across ranks (mp_train.observability.stragglers). As Megatron's line, it describes
+the iterations since the previous one: their time without the evaluations and saves
+between them (the first from the start of training), the losses averaged over the steps
+taken, the skipped and nan iterations among them. At start the theoretical memory and FLOPs
 (mp_train.estimate) are printed; after the first logged iterations the
 measured peak memory stands beside them.
 """
