@@ -104,7 +104,8 @@ def _pretrain(config: RunConfig, model_provider, datasets_provider, forward_step
     run.rerun.watch_gradients(run.model)
     metrics = MetricsLogger(run)
     metrics.print_start()
-    checkpointer = _checkpointer(run, metrics)
+    started = earliest_start()  # the job's: its earliest rank's process start
+    checkpointer = _checkpointer(run, metrics, started)
     non_persistent = _non_persistent(run, checkpointer)
     opened: list = []  # the loaders' iterators, closed however the run ends
     try:
@@ -116,7 +117,7 @@ def _pretrain(config: RunConfig, model_provider, datasets_provider, forward_step
         run.timers(SETUP_TIMERS[1]).stop()
         metrics.print(run.timers.report(list(SETUP_TIMERS)))  # collective
         cadence = Cadence(config.training, config.checkpoint, run.has_valid_data,
-                          has_test_data=run.has_test_data, started=earliest_start())  # fmt: skip
+                          has_test_data=run.has_test_data, started=started)  # fmt: skip
         watching = HangWatchdog.for_run(hang_timeout_minutes(config), dist.get_rank(),
                                         dist.get_world_size())  # fmt: skip
         with watching as watchdog:
@@ -165,8 +166,9 @@ def _export(run: Run, stopped: Stop | None, metrics: MetricsLogger, watchdog) ->
         export_run_hf(run)
 
 
-def _checkpointer(run: Run, metrics: MetricsLogger) -> Checkpointer | None:
-    """The run's checkpoint under `load` restored; the checkpointer that saves to `save`."""
+def _checkpointer(run: Run, metrics: MetricsLogger, started: float) -> Checkpointer | None:
+    """The run's checkpoint under `load` restored; the checkpointer that saves to `save`.
+    `started`: the job's start, for the progress log's job throughput."""
     config = run.config
     checkpointer = None
     ckpt = config.checkpoint
@@ -181,7 +183,7 @@ def _checkpointer(run: Run, metrics: MetricsLogger) -> Checkpointer | None:
                                     on_commit=committed)  # fmt: skip
     loaded = load_run_checkpoint(run)
     if run.progress is not None:
-        run.progress.job_started(run.train.floating_point_operations_so_far)
+        run.progress.job_started(run.train.floating_point_operations_so_far, started)
     if loaded is not None and run.train.iteration == 0:
         metrics.print(f"fine-tuning from {loaded}")
     elif loaded is not None:

@@ -11,9 +11,10 @@ line per event, in Megatron's format so that its readers parse it:
 
 The job ID is $SLURM_JOB_ID (empty elsewhere); "# GPUs" is the world size. Job throughput
 counts this job's floating-point operations (the loop's model FLOPs) over its time since
-it started; cumulative throughput the operations since the first job of the file that ran
-at this world size (a restart at another size starts a new count), from the operations
-of the last checkpoint committed before it. Only global rank 0 writes: a synchronous
+its processes started (set-up included, as Megatron's); cumulative throughput the
+operations since the first job of the file that ran at this world size (a restart at
+another size starts a new count), from the operations of the last checkpoint committed
+before it. Only global rank 0 writes: a synchronous
 save's line after the save, an asynchronous one's before its writer starts (so that
 the commit's line, which the writer adds, follows it).
 """
@@ -39,9 +40,11 @@ class ProgressLog:
         self._started = time.time()
         self._flops_at_start = 0.0
 
-    def job_started(self, flops_so_far: float) -> None:
-        """The job's start, after its checkpoint (if any) was loaded."""
-        self._started, self._flops_at_start = time.time(), flops_so_far
+    def job_started(self, flops_so_far: float, started: float | None = None) -> None:
+        """Once the job's checkpoint (if any) is loaded: its operations so far, and when
+        its processes started (a time.time(); by default now)."""
+        self._started = time.time() if started is None else started
+        self._flops_at_start = flops_so_far
         self._append("Starting job")
 
     def saved(self, iteration: int, flops_so_far: float, tokens: int, async_save: bool) -> None:
