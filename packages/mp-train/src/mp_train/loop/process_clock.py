@@ -1,6 +1,7 @@
-"""When the job started, for exit_duration_in_mins: as Megatron-LM's, the time counts
-from the process's start (the earliest rank's), so that setting up (imports, the model,
-a checkpoint load, the datasets) counts against a scheduler's limit as training does."""
+"""When the job started, for exit_duration_in_mins and the progress log's job throughput:
+as Megatron-LM's, the time counts from the process's start (the earliest rank's), so that
+setting up (imports, the model, a checkpoint load, the datasets) counts against a
+scheduler's limit, and in the throughput, as training does."""
 
 from __future__ import annotations
 
