@@ -29,19 +29,17 @@ def corpus(prefix: str, seed: int, documents: int) -> None:
         builder.finalize(prefix + ".idx")
 
 
-def validations(argv) -> list[tuple[str, float]]:
-    """(label, lm loss) of each validation line the run printed."""
-    lines = [line for line in train_printed_on_rank(argv).splitlines() if "validation" in line]
-    return [(line.split(" | ")[0], float(line.split(" | lm loss ")[1].split(" |")[0]))
-            for line in lines]  # fmt: skip
-
-
 def evaluations(argv) -> list[tuple[str, float]]:
     """(label, lm loss) of each validation and test line the run printed."""
     lines = [line for line in train_printed_on_rank(argv).splitlines()
              if "validation" in line or line.startswith("test at")]  # fmt: skip
     return [(line.split(" | ")[0], float(line.split(" | lm loss ")[1].split(" |")[0]))
             for line in lines]  # fmt: skip
+
+
+def validations(argv) -> list[tuple[str, float]]:
+    """(label, lm loss) of each validation line the run printed."""
+    return [(label, loss) for label, loss in evaluations(argv) if "validation" in label]
 
 
 def options(tmp_path, name, *extra):

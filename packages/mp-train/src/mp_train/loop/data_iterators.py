@@ -91,31 +91,29 @@ def data_iterators(run: Run, datasets_provider, opened: list
     # With virtual stages each chunk draws the same micro-batches: a loader per chunk.
     vpp = run.config.parallel.virtual_pipeline_model_parallel_size
     train = [start(train_ds, consumed, data.dataloader_type) for _ in range(vpp or 1)]
+    eval_mbs = training.eval_micro_batch_size or training.micro_batch_size
+
+    def open_test():
+        """The test split's iterators, from its start, as Megatron's (whole with full
+        validation), opened at the end."""
+        if full:
+            return FullValidation(run, None if test_ds is None else [test_ds], [""])
+        chunks = [start(test_ds, 0, data.dataloader_type, eval_mbs) for _ in range(vpp or 1)]
+        return chunks[0] if vpp is None else chunks
+
+    test = open_test if run.has_test_data else None
     if full:  # each evaluation reads the sets from their start (full_validation.py)
         valid = (FullValidation(run, valid_ds, validation_suffixes(run))
                  if run.has_valid_data else None)  # fmt: skip
-
-        def open_test():  # read whole too
-            return FullValidation(run, None if test_ds is None else [test_ds], [""])
-
-        return (train[0] if vpp is None else train), valid, (
-            open_test if run.has_test_data else None)  # fmt: skip
+        return (train[0] if vpp is None else train), valid, test
     # The validation split is read with the training's sampler, as in Megatron-LM ("single":
     # in order, each evaluation where the last stopped), so that every layout evaluates on
     # the same samples; it is sized for every evaluation of the run (train_valid_test_num_
     # samples). The shuffled sampler's order depends on the data-parallel size.
     # An evaluation-only run (skip_train) reads it from its start, as Megatron's does.
-    # The test split, evaluated once at the end, is read from its start, as Megatron's.
-    eval_mbs = training.eval_micro_batch_size or training.micro_batch_size
     consumed_valid = 0 if training.skip_train else run.train.consumed_valid_samples
     valid = [start(valid_ds, consumed_valid, data.dataloader_type, eval_mbs)
              for _ in range(vpp or 1)]  # fmt: skip
-
-    def open_test():
-        chunks = [start(test_ds, 0, data.dataloader_type, eval_mbs) for _ in range(vpp or 1)]
-        return chunks[0] if vpp is None else chunks
-
-    test = open_test if run.has_test_data else None
     if vpp is None:
         return train[0], valid[0], test
     return train, valid, test  # None in each chunk's place where this rank reads no data
