@@ -118,13 +118,19 @@ def test_cadence_decisions_per_iteration(tmp_path):
     assert decisions(cadence, train) == {4: (False, False, False, "exit_interval=4", True)}
     cadence, train = cadence_of(eval_interval=None, exit_interval=4)
     assert decisions(cadence, train) == {4: (False, False, False, "exit_interval=4", False)}
-    # SIGTERM before exit_interval before exit_duration_in_mins (past 2.5 minutes at iteration 7).
-    cadence, train = cadence_of(eval_interval=None, exit_interval=5, signal_at={5},
+    # Megatron's order of reasons: SIGTERM, then exit_duration_in_mins (past 2.5 minutes at
+    # iteration 7), then exit_interval and the end of a phase.
+    cadence, train = cadence_of(eval_interval=None, exit_interval=7, signal_at={7},
                                 exit_duration_in_mins=2.5, minutes=lambda it: it * 0.4)  # fmt: skip
-    assert decisions(cadence, train) == {5: (False, False, False, "SIGTERM received", False)}
+    assert decisions(cadence, train) == {7: (False, False, False, "SIGTERM received", False)}
     cadence, train = cadence_of(eval_interval=None, exit_interval=7, exit_duration_in_mins=2.5,
+                                phase_transition_iterations="7", minutes=lambda it: it * 0.4)  # fmt: skip
+    assert decisions(cadence, train) == {
+        7: (False, False, False, "exit_duration_in_mins=2.5", False)
+    }
+    cadence, train = cadence_of(eval_interval=None, exit_interval=6, exit_duration_in_mins=2.5,
                                 minutes=lambda it: it * 0.4)  # fmt: skip
-    assert decisions(cadence, train) == {7: (False, False, False, "exit_interval=7", False)}
+    assert decisions(cadence, train) == {6: (False, False, False, "exit_interval=6", False)}
     cadence, train = cadence_of(eval_interval=None, exit_duration_in_mins=2.5,
                                 minutes=lambda it: it * 0.4)  # fmt: skip
     assert decisions(cadence, train) == {

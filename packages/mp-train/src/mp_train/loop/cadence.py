@@ -11,9 +11,9 @@ After each iteration the loop asks, in Megatron's order:
    wait for the device (every train_sync_interval);
 2. `stop(iteration, saved=...)`, once the evaluation and save are done (they take time,
    and a signal may come meanwhile): why the run stops after this iteration, if it does
-   (SIGTERM on any rank, exit_interval, the end of a phase of
-   phase_transition_iterations, exit_duration_in_mins on the slowest rank's
-   clock), and whether it saves first (when saving and not saved already, a
+   (the first of, in Megatron's order: SIGTERM on any rank, exit_duration_in_mins on
+   the slowest rank's clock, exit_interval or the end of a phase of
+   phase_transition_iterations), and whether it saves first (when saving and not saved already, a
    non-persistent save counting, as in Megatron);
 3. at the end, `at_end(...)`: the final evaluation (with eval_interval, unless the run
    stopped early, having saved), the final save (unless that iteration is saved
@@ -148,12 +148,12 @@ class Cadence:
         training = self.training
         if self.signal_received is not None and self.signal_received():
             return f"{self.training.exit_signal} received"
+        if self.time_is_up():
+            return f"exit_duration_in_mins={training.exit_duration_in_mins}"
         if _every(training.exit_interval, iteration):
             return f"exit_interval={training.exit_interval}"
         if iteration in self.phase_ends:
             return f"iteration {iteration} ends a training phase (phase_transition_iterations)"
-        if self.time_is_up():
-            return f"exit_duration_in_mins={training.exit_duration_in_mins}"
         return None
 
     def time_is_up(self) -> bool:
