@@ -51,8 +51,22 @@ MISTAKES = {
         "error: --lr-warmup-iters 100 is not below --lr-decay-iters 50: warm up for fewer "
         "iterations or decay over more",
     ),
+    "warmup unit": (
+        ["--train-iters", "none", "--train-samples", "100", "--lr-warmup-iters", "2"],
+        "error: --lr-warmup-iters in a --train-samples run: the schedule counts samples; "
+        "give --lr-warmup-samples or --lr-warmup-fraction",
+    ),
     "warmup samples": (
-        ["--train-iters", "none", "--train-samples", "6400", "--lr-warmup-samples", "6400"],
+        [
+            "--train-iters",
+            "none",
+            "--train-samples",
+            "6400",
+            "--lr-warmup-iters",
+            "0",
+            "--lr-warmup-samples",
+            "6400",
+        ],
         "error: --lr-warmup-samples 6400 is not below --train-samples 6400 (the decay length "
         "without --lr-decay-samples): warm up for fewer samples or decay over more",
     ),

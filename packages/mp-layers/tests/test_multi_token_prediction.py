@@ -193,9 +193,20 @@ def test_evaluation_and_generation_leave_the_modules_out():
         assert layer + name in keys, (name, sorted(k for k in keys if k.startswith(layer)))
 
 
-def test_refused_with_learned_positions():
-    with pytest.raises(ValueError, match="mtp_num_layers=1 with position_embedding_type"):
+def test_refused_with_learned_positions_and_yarn():
+    """Megatron-LM's rule: rope or none (an MLA model's YaRN is rope_type under rope)."""
+    with pytest.raises(
+        ValueError,
+        match="mtp_num_layers=1 with position_embedding_type="
+        "'learned_absolute': multi-token prediction takes 'rope' or 'none'",
+    ):
         TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, mtp_num_layers=1)
+    plain = dict(num_layers=1, hidden_size=8, num_attention_heads=2, mtp_num_layers=1)
+    with pytest.raises(ValueError, match="position_embedding_type='yarn': multi-token"):
+        TransformerConfig(**plain, position_embedding_type="yarn")
+    for position in ("rope", "none"):
+        assert TransformerConfig(**plain, position_embedding_type=position).mtp_num_layers
+    assert tiny_config(rope_type="yarn").mtp_num_layers  # MLA's YaRN
     with pytest.raises(ValueError, match="mtp_num_layers=0"):
         tiny_config(mtp_num_layers=0)
     with pytest.raises(ValueError, match="mtp_use_repeated_layer=True repeats a multi-token"):

@@ -312,6 +312,50 @@ def test_layers_per_virtual_stage():
         parse_config([*argv, "--num-layers-per-virtual-pipeline-stage", "3"])
 
 
+def test_virtual_stages_as_megatron_derives_them():
+    """Megatron-LM's arithmetic: the embedding and the loss count as layers where they are
+    accounted for in the split, and one virtual stage per rank is none."""
+    argv = ["--hidden-size", "64", "--num-attention-heads", "4",
+            "--pipeline-model-parallel-size", "2"]  # fmt: skip
+
+    def vpp(*flags: str) -> int | None:
+        return parse_config([*argv, *flags]).parallel.virtual_pipeline_model_parallel_size
+
+    # (2 layers + embedding + loss) / 2 stages / 1 layer: 2 virtual stages, not 1.
+    assert vpp("--num-layers", "2", "--num-layers-per-virtual-pipeline-stage", "1",
+               "--account-for-embedding-in-pipeline-split",
+               "--account-for-loss-in-pipeline-split") == 2  # fmt: skip
+    assert vpp("--num-layers", "7", "--num-layers-per-virtual-pipeline-stage", "2",
+               "--account-for-embedding-in-pipeline-split") == 2  # fmt: skip
+    assert vpp("--num-layers", "8", "--num-layers-per-virtual-pipeline-stage", "4") is None
+    assert vpp("--num-layers", "8", "--num-virtual-stages-per-pipeline-rank", "1") is None
+    assert vpp("--num-layers", "8", "--num-virtual-stages-per-pipeline-rank", "2") == 2
+
+
+@pytest.mark.parametrize(
+    "flags, said",
+    [(["--num-layers-per-virtual-pipeline-stage", "1", "--num-virtual-stages-per-pipeline-rank",
+       "2"], "got --num-layers-per-virtual-pipeline-stage and --num-virtual-stages-per-"),
+     (["--num-virtual-stages-per-pipeline-rank", "2", "--pipeline-model-parallel-layout",
+       "Et|tt|tt|tt|tL"], "got --num-virtual-stages-per-pipeline-rank and --pipeline-model-"),
+     (["--num-layers-per-virtual-pipeline-stage", "2", "--decoder-first-pipeline-num-layers",
+       "2"], "uneven pipeline split takes its virtual stages from --num-virtual-stages-per-"),
+     (["--hybrid-layer-pattern", "M*M*M*M*", "--num-layers-per-virtual-pipeline-stage", "1"],
+      "--num-layers-per-virtual-pipeline-stage with --hybrid-layer-pattern: a hybrid model's"),
+     (["--hybrid-override-pattern", "M*M*M*M*", "--num-virtual-stages-per-pipeline-rank", "2"],
+      "--num-virtual-stages-per-pipeline-rank with --hybrid-layer-pattern")],
+)  # fmt: skip
+def test_virtual_stages_given_twice_or_beside_a_pattern_are_refused(flags, said):
+    """Megatron-LM's refusals: one way at most of giving the virtual stages, and a hybrid
+    model's come from its pattern's '|' segments. Before, the per-stage count silently won
+    over --num-virtual-stages-per-pipeline-rank."""
+    argv = ["--num-layers", "8", "--hidden-size", "64", "--num-attention-heads", "4",
+            "--pipeline-model-parallel-size", "2", "--mamba-num-heads", "8",
+            "--mamba-head-dim", "8"]  # fmt: skip
+    with pytest.raises(ValueError, match=re.escape(said)):
+        parse_config([*argv, *flags])
+
+
 def test_an_alias_contradicting_its_field_is_refused():
     with pytest.raises(ValueError, match="--swiglu sets activation='swiglu'"):
         parse_config([*MODEL, "--swiglu", "--activation", "gelu"])

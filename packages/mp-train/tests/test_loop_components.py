@@ -124,7 +124,8 @@ def test_cadence_decisions_per_iteration(tmp_path):
                                 exit_duration_in_mins=2.5, minutes=lambda it: it * 0.4)  # fmt: skip
     assert decisions(cadence, train) == {7: (False, False, False, "SIGTERM received", False)}
     cadence, train = cadence_of(eval_interval=None, exit_interval=7, exit_duration_in_mins=2.5,
-                                phase_transition_iterations="7", minutes=lambda it: it * 0.4)  # fmt: skip
+                                phase_transition_iterations="7",
+                                minutes=lambda it: it * 0.4)  # fmt: skip
     assert decisions(cadence, train) == {
         7: (False, False, False, "exit_duration_in_mins=2.5", False)
     }

@@ -95,6 +95,24 @@ def test_sequence_parallel_is_off_without_tensor_parallelism(capsys):
     assert two.model.sequence_parallel
 
 
+def test_fp16s_dynamic_loss_scale_leaves_the_nan_check_to_the_scaler(capsys):
+    """Megatron-LM's rule: under dynamic loss scaling an inf or nan is the scaler's signal,
+    so check_for_nan_in_loss_and_grad is off; a static --loss-scale keeps it."""
+    assert not parse_config([*MODEL, "--fp16"]).training.check_for_nan_in_loss_and_grad
+    assert "check_for_nan_in_loss_and_grad is off" in capsys.readouterr().err
+    static = parse_config([*MODEL, "--fp16", "--loss-scale", "1024"])
+    assert static.training.check_for_nan_in_loss_and_grad
+    assert parse_config([*MODEL, "--bf16"]).training.check_for_nan_in_loss_and_grad
+
+
+def test_skipping_training_loads_no_optimizer_state(capsys):
+    """Megatron-LM's rule: --skip-train sets --no-load-optim (a checkpoint saved with
+    --no-save-optim evaluates)."""
+    assert parse_config([*MODEL, "--skip-train"]).checkpoint.no_load_optim
+    assert "no_load_optim is on" in capsys.readouterr().err
+    assert not parse_config(MODEL).checkpoint.no_load_optim
+
+
 def test_a_refused_flag_is_named_before_unknown_flags():
     line = [*MODEL, "--mamba-unknown-size", "3", "--tp-comm-overlap"]
     with pytest.raises(ValueError, match="--tp-comm-overlap: needs Transformer Engine"):

@@ -319,3 +319,52 @@ def test_two_handlers_of_one_signal_are_refused():
     with pytest.raises(ValueError, match="exit_signal_handler_for_training and "
                                          "exit_signal_handler both act on SIGTERM"):  # fmt: skip
         _validate("--exit-signal-handler-for-training", "--exit-signal-handler", world=1)
+
+
+@pytest.mark.parametrize(
+    "flags, world, message",
+    [(["--global-batch-size", "0"], 1, r"^global_batch_size=0 must be >= 1$"),
+     (["--global-batch-size", "-2"], 2, r"^global_batch_size=-2 must be >= 1$"),
+     (["--max-position-embeddings", "16"], 1,
+      r"^max_position_embeddings=16 is below seq_length=32: the model's positions must cover"),
+     (["--overlap-param-gather", "--use-distributed-optimizer"], 2,
+      r"^overlap_param_gather=True needs overlap_grad_reduce=True"),
+     (["--deterministic-mode", "--cross-entropy-loss-fusion"], 1,
+      r"^deterministic_mode=True needs cross_entropy_loss_fusion=False"),
+     (["--save", "/nonexistent/run", "--save-interval", "4", "--save-retain-interval", "6"], 1,
+      r"^save_retain_interval=6 is not a multiple of save_interval=4"),
+     (["--lr-decay-samples", "100"], 1,
+      r"^--lr-decay-samples in a --train-iters run: the schedule counts iterations; give "
+      r"--lr-decay-iters$"),
+     (["--lr-warmup-samples", "2"], 1,
+      r"^--lr-warmup-samples in a --train-iters run: .* give --lr-warmup-iters or "),
+     (["--train-iters", "none", "--train-samples", "100", "--lr-decay-iters", "10"], 1,
+      r"^--lr-decay-iters in a --train-samples run: the schedule counts samples"),
+     (["--train-iters", "none", "--train-samples", "100", "--lr-warmup-iters", "2"], 1,
+      r"^--lr-warmup-iters in a --train-samples run"),
+     (["--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "2"], 1,
+      r"^--lr-warmup-fraction 0.1 and --lr-warmup-iters 2 both give the warm-up: give one$"),
+     (["--train-iters", "none", "--train-samples", "100", "--lr-warmup-fraction", "0.1",
+       "--lr-warmup-samples", "2"], 1, r"and --lr-warmup-samples 2 both give the warm-up")],
+)  # fmt: skip
+def test_what_megatron_refuses_is_refused(flags, world, message):
+    """Megatron-LM's validate_args refusals of flags mp keeps: each was accepted before, the
+    scheduler then ignoring the option of the other unit, a positions table too short
+    failing in the first forward, a zero global batch failing late on another field."""
+    with pytest.raises(ValueError, match=message) as error:
+        _validate(*flags, world=world)
+    assert "\n" not in str(error.value)
+    # Megatron spares a run that only evaluates the schedule's rules.
+    if "--lr-decay-samples" in flags:
+        assert _validate(*flags, "--skip-train", world=world)
+
+
+def test_the_forms_megatron_allows_pass():
+    assert _validate("--max-position-embeddings", "32", world=1)
+    assert _validate("--overlap-param-gather", "--use-distributed-optimizer",
+                     "--overlap-grad-reduce", world=2)  # fmt: skip
+    assert _validate("--save", "/nonexistent/run", "--save-interval", "4",
+                     "--save-retain-interval", "8", world=1)  # fmt: skip
+    assert _validate("--lr-warmup-fraction", "0.1", world=1)
+    assert _validate("--train-iters", "none", "--train-samples", "100", "--lr-decay-samples",
+                     "80", "--lr-warmup-samples", "8", world=1)  # fmt: skip

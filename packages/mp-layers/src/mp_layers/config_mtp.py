@@ -78,9 +78,10 @@ def check_mtp(config: TransformerConfig) -> None:
     if isinstance(n, bool) or not isinstance(n, int):
         raise ValueError(f"mtp_num_layers={n!r} must be an integer")
     positive("mtp_num_layers", n)
-    if config.position_embedding_type == "learned_absolute":
+    position = config.position_embedding_type
+    if position not in ("rope", "none"):
         raise ValueError(
-            f"mtp_num_layers={n} with position_embedding_type='learned_absolute': "
-            "multi-token prediction would need the position embeddings on the last pipeline "
-            "stage, which mp does not build; use 'rope', 'yarn' or 'none'"
+            f"mtp_num_layers={n} with position_embedding_type={position!r}: multi-token "
+            "prediction takes 'rope' or 'none' (Megatron-LM's rule; an MLA model's YaRN is "
+            "rope_type='yarn' under 'rope')"
         )

@@ -209,19 +209,20 @@ class OptimizerConfig(MuonConfig):
     """Shape of the decay after warm-up."""
 
     lr_decay_iters: int | None = None
-    """Iterations to decay over; None: train_iters."""
+    """Iterations to decay over (iteration-based runs only); None: train_iters."""
 
     lr_decay_samples: int | None = None
-    """Samples to decay over (sample-based runs); None: train_samples."""
+    """Samples to decay over (sample-based runs only); None: train_samples."""
 
     lr_warmup_fraction: float | None = None
-    """Warm-up as a fraction of the decay steps; overrides lr_warmup_iters/samples."""
+    """Warm-up as a fraction of the decay steps; not with lr_warmup_iters/samples
+    (Megatron-LM's rule)."""
 
     lr_warmup_iters: int = 0
     """Iterations of linear warm-up from lr_warmup_init to lr."""
 
     lr_warmup_samples: int = 0
-    """Samples of linear warm-up (sample-based runs)."""
+    """Samples of linear warm-up (sample-based runs only)."""
 
     lr_warmup_init: float = 0.0
     """Learning rate at the start of warm-up."""

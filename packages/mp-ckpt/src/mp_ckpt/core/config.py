@@ -139,8 +139,15 @@ class CheckpointConfig:
             raise ValueError(f"save_interval={self.save_interval} must be >= 1")
         if self.ckpt_keep_last is not None and self.ckpt_keep_last < 1:
             raise ValueError(f"ckpt_keep_last={self.ckpt_keep_last} must be >= 1")
-        if self.save_retain_interval is not None and self.save_retain_interval < 1:
-            raise ValueError(f"save_retain_interval={self.save_retain_interval} must be >= 1")
+        retain = self.save_retain_interval
+        if retain is not None and retain < 1:
+            raise ValueError(f"save_retain_interval={retain} must be >= 1")
+        if retain is not None and self.save_interval and retain % self.save_interval:
+            raise ValueError(
+                f"save_retain_interval={retain} is not a multiple of save_interval="
+                f"{self.save_interval}: the checkpoints it keeps must be saved "
+                "(Megatron-LM's rule)"
+            )
         if self.ckpt_step is not None and self.ckpt_step < 0:
             raise ValueError(f"ckpt_step={self.ckpt_step} must be >= 0")
         self._check_non_persistent()

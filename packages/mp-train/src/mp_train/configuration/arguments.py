@@ -326,6 +326,7 @@ def parse_config(
         for part, settings in load_yaml_config(config_path, environ).items():
             values[part].update(settings)
             written |= {(part, name) for name in settings}
+    megatron_aliases.check_virtual_stage_flags(flags, given, values)
     ignored = megatron_flags.apply(given, values)
     written |= {(part, name) for name in given for part in field_owners()[name]}
     notes = [f"Megatron-LM flags accepted without effect: {' '.join(ignored)} (--help says "

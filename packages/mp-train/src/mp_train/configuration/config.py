@@ -73,6 +73,12 @@ class GPTConfig:
             raise ValueError(f"seq_length={self.seq_length} must be >= 1")
         if self.max_position_embeddings is not None and self.max_position_embeddings < 1:
             raise ValueError(f"max_position_embeddings={self.max_position_embeddings} must be >= 1")
+        if (self.max_position_embeddings or self.seq_length) < self.seq_length:
+            raise ValueError(
+                f"max_position_embeddings={self.max_position_embeddings} is below "
+                f"seq_length={self.seq_length}: the model's positions must cover a sample "
+                "(Megatron-LM's rule)"
+            )
 
 
 @dataclass(kw_only=True)
@@ -123,7 +129,8 @@ class TrainingConfig(RerunConfig, ValidationConfig, PhaseConfig):
     of eval_micro_batch_size x dp. None: the training's global batch at that point."""
 
     skip_train: bool = False
-    """Only evaluate."""
+    """Only evaluate (the optimizer's state is not loaded: it sets no_load_optim, as
+    Megatron-LM does)."""
 
     exit_interval: int | None = None
     """Exit after an iteration divisible by this (saving first)."""
@@ -224,7 +231,8 @@ class TrainingConfig(RerunConfig, ValidationConfig, PhaseConfig):
     check_for_nan_in_loss_and_grad: bool = True
     """Check each micro-batch's loss for nan and inf. With rerun_mode validate_results (the
     default) a failed check from the job's second iteration on runs the iteration again
-    (rerun_mode); otherwise the run stops, naming the rank."""
+    (rerun_mode); otherwise the run stops, naming the rank. Off under fp16 with dynamic
+    loss scaling (no loss_scale), whose scaler skips such steps (Megatron-LM's rule)."""
 
     check_weight_hash_across_dp_replicas_interval: int | None = None
     """Every N iterations, stop naming the parameters whose bytes differ between data-parallel
@@ -298,6 +306,8 @@ def validate(config: RunConfig, world_size: int) -> dict[str, int]:
             "decrease_batch_size_if_needed decreases a constant global batch: not with "
             + ("step_batch_size_schedule" if schedule else "rampup_batch_size")
         )
+    if gbs < 1:
+        raise ValueError(f"global_batch_size={gbs} must be >= 1")
     requested = gbs
     if schedule is None:
         gbs = running_global_batch(training, gbs, dp)
@@ -324,6 +334,12 @@ def validate(config: RunConfig, world_size: int) -> dict[str, int]:
         )
     if optimizer.bf16 and not (optimizer.grad_reduce_in_fp32 or optimizer.grad_reduce_in_bf16):
         raise ValueError("bf16 needs gradients accumulated in fp32")
+    if training.deterministic_mode and model.cross_entropy_loss_fusion:
+        raise ValueError("deterministic_mode=True needs cross_entropy_loss_fusion=False "
+                         "(Megatron-LM's rule): drop --cross-entropy-loss-fusion")  # fmt: skip
+    if optimizer.overlap_param_gather and not optimizer.overlap_grad_reduce:
+        raise ValueError("overlap_param_gather=True needs overlap_grad_reduce=True (Megatron-LM's "
+                         "rule for a training run)")  # fmt: skip
     vpp = parallel.virtual_pipeline_model_parallel_size
     pp = parallel.pipeline_model_parallel_size
     layers = model.num_layers

@@ -1,13 +1,16 @@
 """Megatron-LM's flags that stand for settings of mp's fields: `--swiglu` for
 activation=swiglu, `--group-query-attention`, the deprecated rotary spellings, a
 per-virtual-stage layer count, and the rules Megatron's validation applies to
-them (sequence parallelism switched off without tensor parallelism).
+them and to the values it derives (sequence parallelism switched off without tensor
+parallelism, the nan check off under fp16's dynamic loss scaling, no optimizer state
+loaded when skipping training; one way at most of giving virtual pipeline stages).
 
 `add_to(parser)` adds them to the run's parser; `take(given)` removes them from
 the parsed options; `apply(flags, given, values)` sets what they stand for in
 `values` (part -> field -> value), before a checkpoint's settings are read;
 `settle(flags, given, values)` applies the rules that need the final values and
-returns the notes rank 0 prints.
+returns the notes rank 0 prints; `check_virtual_stage_flags(flags, given, values)`, before
+megatron_flags.apply, refuses two ways of giving the virtual pipeline stages.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from typing import Any
 
 from mp_train.configuration.yaml_config import FieldType, run_parts
 
-__all__ = ["add_to", "apply", "expand_presets", "settle", "take"]
+__all__ = ["add_to", "apply", "check_virtual_stage_flags", "expand_presets", "settle", "take"]
 
 # flag (dest) -> help
 _HELP = {
@@ -55,6 +58,8 @@ _SETS = {
     ),
 }
 _PER_STAGE = "num_layers_per_virtual_pipeline_stage"
+_STAGES_PER_RANK = "num_virtual_stages_per_pipeline_rank"  # megatron_flags.RENAMED
+_ACCOUNTED = ("account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split")
 
 # Flags that stand for several others, appended after the command line so that they win
 # over it, as Megatron-LM sets them over the arguments. --enable-gpt-oss is ModelOpt's
@@ -151,14 +156,30 @@ def settle(flags: dict, given: dict, values: dict) -> list[str]:
             "Megatron-LM's deprecated spelling, allowed only with rope (which it keeps); give "
             "--position-embedding-type none (or rope) instead"
         )
+    notes = []
     # Megatron-LM switches sequence parallelism off without tensor parallelism, to keep the
     # numerics of TP 1.
     tp = _current(values, "parallel", "tensor_model_parallel_size")
     if tp == 1 and _current(values, "model", "sequence_parallel"):
         values["model"]["sequence_parallel"] = False
-        return ["sequence_parallel=True with tensor_model_parallel_size=1: sequence "
-                "parallelism is off (as in Megatron-LM)"]  # fmt: skip
-    return []
+        notes.append("sequence_parallel=True with tensor_model_parallel_size=1: sequence "
+                     "parallelism is off (as in Megatron-LM)")  # fmt: skip
+    # Under dynamic loss scaling an inf or nan gradient is the scaler's signal (it skips
+    # the step and lowers the scale), not a fault: Megatron-LM stops checking for them.
+    fp16 = _current(values, "optimizer", "fp16") and not _current(values, "optimizer", "bf16")
+    dynamic = fp16 and _current(values, "optimizer", "loss_scale") is None
+    if dynamic and _current(values, "training", "check_for_nan_in_loss_and_grad"):
+        values["training"]["check_for_nan_in_loss_and_grad"] = False
+        notes.append("fp16 with dynamic loss scaling (no loss_scale): "
+                     "check_for_nan_in_loss_and_grad is off, the loss scaler skipping the "
+                     "steps whose gradients are not finite (as in Megatron-LM)")  # fmt: skip
+    # A run that only evaluates has no use for the optimizer's state.
+    if _current(values, "training", "skip_train") and not _current(
+            values, "checkpoint", "no_load_optim"):  # fmt: skip
+        values["checkpoint"]["no_load_optim"] = True
+        notes.append("skip_train: no_load_optim is on, the optimizer's state is not loaded "
+                     "(as in Megatron-LM)")  # fmt: skip
+    return notes
 
 
 def _set_from_flag(flag: str, part: str, name: str, value, given: dict, values: dict) -> None:
@@ -181,16 +202,66 @@ def _current(values: dict, part: str, name: str) -> Any:
 
 
 def _apply_layers_per_stage(flags: dict, given: dict, values: dict) -> None:
+    """Megatron-LM's --num-layers-per-virtual-pipeline-stage N: the layers of a pipeline
+    stage (the embedding and the loss counted as layers with
+    --account-for-embedding/loss-in-pipeline-split) / N virtual stages per rank, none when
+    that is 1."""
     if _PER_STAGE not in flags:
         return
     per_stage = flags[_PER_STAGE]
     layers = values["model"]["num_layers"]
+    parallel = values["parallel"]
+    uneven = [_option(name) for name in ("decoder_first_pipeline_num_layers",
+                                         "decoder_last_pipeline_num_layers")
+              if parallel.get(name) is not None]  # fmt: skip
+    if uneven:
+        raise ValueError(
+            f"{_option(_PER_STAGE)} with {' and '.join(uneven)}: an uneven pipeline split "
+            "takes its virtual stages from --num-virtual-stages-per-pipeline-rank (as in "
+            "Megatron-LM)"
+        )
+    counted = layers + sum(bool(parallel.get(name)) for name in _ACCOUNTED)
     pp = _current(values, "parallel", "pipeline_model_parallel_size")
-    if per_stage < 1 or layers % pp or (layers // pp) % per_stage:
+    if per_stage < 1 or counted % pp or (counted // pp) % per_stage:
+        extra = f" + {counted - layers} (accounted for)" if counted != layers else ""
         raise ValueError(
             f"{_PER_STAGE}={per_stage} must divide the layers of each pipeline stage: "
-            f"num_layers={layers} / pipeline_model_parallel_size={pp}"
+            f"num_layers={layers}{extra} / pipeline_model_parallel_size={pp}"
         )
-    vpp = layers // pp // per_stage
-    _set_from_flag(_PER_STAGE, "parallel", "virtual_pipeline_model_parallel_size", vpp,
-                   given, values)  # fmt: skip
+    vpp = counted // pp // per_stage
+    _set_from_flag(_PER_STAGE, "parallel", "virtual_pipeline_model_parallel_size",
+                   vpp if vpp > 1 else None, given, values)  # fmt: skip
+
+
+def check_virtual_stage_flags(flags: dict, given: dict, values: dict) -> None:
+    """Megatron-LM's rules for its three ways of giving virtual pipeline stages
+    (--num-layers-per-virtual-pipeline-stage, --num-virtual-stages-per-pipeline-rank,
+    --pipeline-model-parallel-layout): one at most, and the first two not with a hybrid
+    pattern, whose "|" place the stages. Before megatron_flags.apply takes the second;
+    --num-virtual-stages-per-pipeline-rank 1 means none, as in Megatron-LM."""
+    named = [_option(_PER_STAGE)] if _PER_STAGE in flags else []
+    if given.get(_STAGES_PER_RANK) is not None:
+        named.append(_option(_STAGES_PER_RANK))
+        if given[_STAGES_PER_RANK] == 1:
+            given[_STAGES_PER_RANK] = None
+    layout = given.get("pipeline_model_parallel_layout",
+                       values["parallel"].get("pipeline_model_parallel_layout"))  # fmt: skip
+    if layout is not None:
+        named.append("--pipeline-model-parallel-layout")
+    if len(named) > 1:
+        raise ValueError(
+            "no more than one of --num-layers-per-virtual-pipeline-stage, "
+            "--num-virtual-stages-per-pipeline-rank and --pipeline-model-parallel-layout "
+            f"may be given (as in Megatron-LM); got {' and '.join(named)}"
+        )
+    pattern = next((given[name] for name in ("hybrid_layer_pattern", "hybrid_override_pattern")
+                    if given.get(name) is not None),
+                   values["model"].get("hybrid_layer_pattern"))  # fmt: skip
+    if layout is not None:
+        return  # derive_virtual_stages refuses the layout beside a pattern
+    if named and pattern is not None:
+        raise ValueError(
+            f"{named[0]} with --hybrid-layer-pattern: a hybrid model's virtual pipeline "
+            "stages are the pattern's '|' segments, a multiple of "
+            "--pipeline-model-parallel-size (as in Megatron-LM); drop the flag"
+        )

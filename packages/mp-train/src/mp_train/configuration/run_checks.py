@@ -1,7 +1,8 @@
 """Checks of a run's settings that would otherwise fail late, deep in the setup, on every
 rank: in the user's terms (the flags they gave, in iterations when they gave iterations).
 
-    check_schedule(config)    the learning-rate warm-up ends before the decay does
+    check_schedule(config)    the learning-rate schedule in the run's unit (iterations
+                              or samples), its warm-up ending before the decay does
     check_sharding(config)    FSDP (ZeRO-2/3) with what it composes with, or the refusal
     check_initialization(config)  no_initialization with a checkpoint to load, and
                               device draws not with meta-device shards
@@ -71,6 +72,8 @@ def check_schedule(config) -> None:
     is built, in samples), said in iterations or samples as the run counts."""
     optimizer, training = config.optimizer, config.training
     unit = "iters" if training.train_iters is not None else "samples"
+    if not training.skip_train:
+        _check_schedule_unit(optimizer, unit)
     decay_name = f"lr_decay_{unit}"
     decay = getattr(optimizer, decay_name)
     if decay is None:
@@ -97,6 +100,31 @@ def check_schedule(config) -> None:
         raise ConfigError(
             f"{flag(warmup_name)} {warmup} is not below {decay_flag}: warm up for fewer "
             f"{words} or decay over more"
+        )
+
+
+def _check_schedule_unit(optimizer, unit: str) -> None:
+    """The schedule is said in the run's unit (Megatron-LM's rule, which a run that skips
+    training is spared): the other unit's options, which the scheduler would not read,
+    are refused, and so is a warm-up given both as a fraction and as a length."""
+    other = "samples" if unit == "iters" else "iters"
+    run = f"{flag(f'train_{unit}')} run"
+    counts = "iterations" if unit == "iters" else "samples"
+    if getattr(optimizer, f"lr_decay_{other}") is not None:
+        raise ConfigError(
+            f"{flag(f'lr_decay_{other}')} in a {run}: the schedule counts {counts}; give "
+            f"{flag(f'lr_decay_{unit}')}"
+        )
+    if getattr(optimizer, f"lr_warmup_{other}"):
+        raise ConfigError(
+            f"{flag(f'lr_warmup_{other}')} in a {run}: the schedule counts {counts}; "
+            f"give {flag(f'lr_warmup_{unit}')} or --lr-warmup-fraction"
+        )
+    warmup = getattr(optimizer, f"lr_warmup_{unit}")
+    if optimizer.lr_warmup_fraction is not None and warmup:
+        raise ConfigError(
+            f"--lr-warmup-fraction {optimizer.lr_warmup_fraction} and "
+            f"{flag(f'lr_warmup_{unit}')} {warmup} both give the warm-up: give one"
         )
 
 
