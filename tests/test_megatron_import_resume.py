@@ -22,7 +22,8 @@ ASSETS = Path(__file__).resolve().parents[1] / "packages/mp-ckpt/tests/assets/me
 
 def _argv(load: Path, case: str = "") -> list[str]:
     """A run that loads `load` and takes no step (it is at iteration 2 of 2), with the
-    fixtures' optimizer settings. The fixture's vocabulary: 100 ids padded
+    fixtures' optimizer settings and sequence length (their max_position_embeddings, which
+    --use-checkpoint-args takes). The fixture's vocabulary: 100 ids padded
     to 128; the DeepSeek-shaped ones' 60 padded to 64."""
     vocab = ("60", "32") if case.startswith("mla") else ("100", "64")
     return [
@@ -30,7 +31,8 @@ def _argv(load: Path, case: str = "") -> list[str]:
         "--tokenizer-type", "NullTokenizer",
         "--vocab-size", vocab[0], "--make-vocab-size-divisible-by", vocab[1],
         "--load", str(load), "--use-checkpoint-args", "--use-checkpoint-opt-param-scheduler",
-        "--micro-batch-size", "2", "--global-batch-size", "2", "--train-iters", "2",
+        "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "2",
+        "--train-iters", "2",
         "--lr", "1e-3", "--min-lr", "1e-4", "--lr-warmup-iters", "0", "--weight-decay", "0.01",
         "--clip-grad", "1.0", "--adam-beta1", "0.9", "--adam-beta2", "0.95",
         "--adam-eps", "1e-8",

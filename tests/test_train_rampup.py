@@ -30,6 +30,7 @@ def options(run_dir: Path) -> list[str]:
         "--seq-length", "64", "--micro-batch-size", "2", "--global-batch-size", "12",
         "--rampup-batch-size", "4", "4", "24", "--train-samples", "60",
         "--train-iters", "none", "--lr-decay-samples", "60", "--lr-warmup-samples", "8",
+        "--lr-warmup-iters", "0",
         "--eval-interval", "none", "--log-interval", "4", "--save", "none", "--load", "none",
         "--tensorboard-dir", "none", "--metrics-file", str(run_dir / "metrics.jsonl"),
         "--num-workers", "0",

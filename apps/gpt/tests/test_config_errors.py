@@ -54,7 +54,8 @@ MISTAKES = {
     "warmup unit": (
         ["--train-iters", "none", "--train-samples", "100", "--lr-warmup-iters", "2"],
         "error: --lr-warmup-iters in a --train-samples run: the schedule counts samples; "
-        "give --lr-warmup-samples or --lr-warmup-fraction",
+        "give --lr-warmup-samples or --lr-warmup-fraction (and --lr-warmup-iters 0 where a "
+        "--config file sets it)",
     ),
     "warmup samples": (
         [

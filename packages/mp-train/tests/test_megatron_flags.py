@@ -105,6 +105,16 @@ def test_fp16s_dynamic_loss_scale_leaves_the_nan_check_to_the_scaler(capsys):
     assert parse_config([*MODEL, "--bf16"]).training.check_for_nan_in_loss_and_grad
 
 
+def test_a_hybrid_pattern_gives_the_layers_and_no_experts_is_dense(capsys):
+    """Megatron-LM's rules: the pattern's layer count wins over --num-layers (with a
+    warning, a note here; mp refused the pair), and --num-experts 0 is a dense model."""
+    mamba = ["--mamba-num-heads", "8", "--mamba-head-dim", "8"]
+    config = parse_config([*MODEL, *mamba, "--hybrid-layer-pattern", "M*M*"])  # MODEL: 2
+    assert config.model.num_layers == 4
+    assert "num_layers=2 is ignored for the pattern's 4 decoder layers" in capsys.readouterr().err
+    assert parse_config([*MODEL, "--num-experts", "0"]).model.num_moe_experts is None
+
+
 def test_skipping_training_loads_no_optimizer_state(capsys):
     """Megatron-LM's rule: --skip-train sets --no-load-optim (a checkpoint saved with
     --no-save-optim evaluates)."""
@@ -163,9 +173,9 @@ def test_hybrid_model_flags():
     config = parse_config([*hybrid, "--hybrid-override-pattern", "M*-M",
                            "--export-model-type", "HybridModel"])  # fmt: skip
     assert (config.model.hybrid_layer_pattern, config.model.num_layers) == ("M*-M", 4)
-    with pytest.raises(ValueError, match="hybrid_layer_pattern='M\\*' has 2 decoder layers, "
-                                         "num_layers=3"):  # fmt: skip
-        parse_config([*hybrid, "--num-layers", "3", "--hybrid-layer-pattern", "M*"])
+    # The pattern's count wins over --num-layers, with a note (Megatron-LM warns).
+    config = parse_config([*hybrid, "--num-layers", "3", "--hybrid-layer-pattern", "M*"])
+    assert config.model.num_layers == 2
 
 
 def test_hybrid_multi_token_prediction_flags(capsys):

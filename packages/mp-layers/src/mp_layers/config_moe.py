@@ -25,7 +25,8 @@ class MoeConfig:
     num_moe_experts: int | None = field(
         default=None, metadata={"argparse_meta": {"names": ["--num-experts"]}}
     )
-    """Routed experts of each MoE layer (Megatron's --num-experts); None: a dense model."""
+    """Routed experts of each MoE layer (Megatron's --num-experts); None: a dense model
+    (the command line's 0 too, as in Megatron-LM)."""
 
     moe_ffn_hidden_size: int | None = None
     """Inner width of each routed expert; None: ffn_hidden_size."""

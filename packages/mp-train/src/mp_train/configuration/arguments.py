@@ -337,7 +337,7 @@ def parse_config(
     megatron_aliases.apply(flags, given, values)
     apply_checkpoint_args(values, _explicit(values, defaults, written))
     apply_hf_settings(values, _explicit(values, defaults, written))
-    _layers_of_hybrid_pattern(values)
+    notes += _layers_of_hybrid_pattern(values)
     _require_model_fields(values)
     notes += megatron_aliases.settle(flags, given, values)
     derive_virtual_stages(values)
@@ -356,14 +356,20 @@ def _explicit(values: dict, defaults: dict, written: set) -> set[tuple[str, str]
                       or settings[name] != defaults[part, name]}  # fmt: skip
 
 
-def _layers_of_hybrid_pattern(values: dict) -> None:
-    """A hybrid model's num_layers is its pattern's decoder layers when not given
-    (Megatron-LM's hybrid lines give no --num-layers; the multi-token prediction modules'
-    layers after "/" are not among them, nor the "|" of its pipeline segments); given,
-    TransformerConfig checks the two agree."""
+def _layers_of_hybrid_pattern(values: dict) -> list[str]:
+    """A hybrid model's num_layers is its pattern's decoder layers (Megatron-LM's hybrid
+    lines give no --num-layers; the multi-token prediction modules' layers after "/" are
+    not among them, nor the "|" of its pipeline segments). A num_layers that disagrees
+    gives way to the pattern with a note, as in Megatron-LM (which warns): returns it."""
     pattern = values["model"].get("hybrid_layer_pattern")
-    if isinstance(pattern, str) and "num_layers" not in values["model"]:
-        values["model"]["num_layers"] = len(split_hybrid_pattern(pattern)[0])
+    if not isinstance(pattern, str):
+        return []
+    layers, given = len(split_hybrid_pattern(pattern)[0]), values["model"].get("num_layers")
+    values["model"]["num_layers"] = layers
+    if given is None or given == layers:
+        return []
+    return [f"hybrid_layer_pattern={pattern!r} is set: num_layers={given} is ignored for the "
+            f"pattern's {layers} decoder layers (as in Megatron-LM)"]  # fmt: skip
 
 
 def _require_model_fields(values: dict) -> None:

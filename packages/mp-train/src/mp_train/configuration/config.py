@@ -73,12 +73,6 @@ class GPTConfig:
             raise ValueError(f"seq_length={self.seq_length} must be >= 1")
         if self.max_position_embeddings is not None and self.max_position_embeddings < 1:
             raise ValueError(f"max_position_embeddings={self.max_position_embeddings} must be >= 1")
-        if (self.max_position_embeddings or self.seq_length) < self.seq_length:
-            raise ValueError(
-                f"max_position_embeddings={self.max_position_embeddings} is below "
-                f"seq_length={self.seq_length}: the model's positions must cover a sample "
-                "(Megatron-LM's rule)"
-            )
 
 
 @dataclass(kw_only=True)
@@ -308,6 +302,12 @@ def validate(config: RunConfig, world_size: int) -> dict[str, int]:
         )
     if gbs < 1:
         raise ValueError(f"global_batch_size={gbs} must be >= 1")
+    positions, length = config.gpt.max_position_embeddings, config.gpt.seq_length
+    if positions is not None and positions < length:
+        raise ValueError(
+            f"max_position_embeddings={positions} is below seq_length={length}: the model's "
+            "positions must cover a sample (Megatron-LM's rule)"
+        )
     requested = gbs
     if schedule is None:
         gbs = running_global_batch(training, gbs, dp)

@@ -157,6 +157,9 @@ def settle(flags: dict, given: dict, values: dict) -> list[str]:
             "--position-embedding-type none (or rope) instead"
         )
     notes = []
+    # Megatron-LM reads --num-experts 0 as a dense model.
+    if values["model"].get("num_moe_experts") == 0:
+        values["model"]["num_moe_experts"] = None
     # Megatron-LM switches sequence parallelism off without tensor parallelism, to keep the
     # numerics of TP 1.
     tp = _current(values, "parallel", "tensor_model_parallel_size")

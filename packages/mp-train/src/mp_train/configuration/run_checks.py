@@ -118,7 +118,8 @@ def _check_schedule_unit(optimizer, unit: str) -> None:
     if getattr(optimizer, f"lr_warmup_{other}"):
         raise ConfigError(
             f"{flag(f'lr_warmup_{other}')} in a {run}: the schedule counts {counts}; "
-            f"give {flag(f'lr_warmup_{unit}')} or --lr-warmup-fraction"
+            f"give {flag(f'lr_warmup_{unit}')} or --lr-warmup-fraction (and "
+            f"{flag(f'lr_warmup_{other}')} 0 where a --config file sets it)"
         )
     warmup = getattr(optimizer, f"lr_warmup_{unit}")
     if optimizer.lr_warmup_fraction is not None and warmup:
