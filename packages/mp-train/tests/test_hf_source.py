@@ -13,7 +13,7 @@ from mp_ckpt import Checkpointer
 from mp_train import parse_config
 from mp_train.configuration.run_checks import check_input_files
 from mp_train.errors import ConfigError
-from mp_train.loop.checkpointing import starting_point
+from mp_train.loop.starting_point import starting_point
 
 QWEN3 = {
     "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 64,

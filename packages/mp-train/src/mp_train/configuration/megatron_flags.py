@@ -94,6 +94,7 @@ RENAMED: dict[str, tuple[str, str, Any]] = {
         "virtual_pipeline_model_parallel_size",
         int,
     ),
+    "persistent_save_interval": ("checkpoint", "save_interval", int),
 }
 # Other names of switches mp has: Megatron's spellings with an underscore inside the flag
 # name, and ModelOpt's export names of Llama 4's features (megatron/post_training/

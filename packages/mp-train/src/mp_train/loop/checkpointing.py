@@ -47,6 +47,7 @@ from mp_layers.moe import is_expert_key
 from mp_train.loop.any_rank import any_rank
 from mp_train.loop.hf_start import export_hf, load_hf_start
 from mp_train.loop.setup import Run, TrainState
+from mp_train.loop.starting_point import starting_point
 
 __all__ = [
     "export_run_hf",
@@ -54,7 +55,6 @@ __all__ = [
     "prepare_run_checkpointer",
     "run_pieces",
     "save_run_checkpoint",
-    "starting_point",
 ]
 
 log = logging.getLogger("mp_train")
@@ -196,12 +196,16 @@ _SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_
                  "qk_pos_emb_head_dim", "v_head_dim")  # fmt: skip
 
 
-def _check_model_matches(run: Run, load: str, iteration: int | None) -> None:
-    """Raises, listing every differing field, when the saved model has another shape."""
+def _check_model_matches(run: Run, load: str, iteration: int | None, optimizer: bool) -> None:
+    """Raises, listing every differing field, when the saved model has another shape, and
+    when the `optimizer` state to load was not saved."""
     path = CheckpointReader(load, iteration=iteration).directory / "common.pt"
     if not path.exists():
         raise CheckpointCorrupted(f"{path.parent} failed its integrity check: {path}: missing")
     common = torch.load(path, weights_only=False)
+    if optimizer and "optimizer" in common and common["optimizer"] is None:
+        raise ValueError(f"{path.parent} holds no optimizer state (saved with no_save_optim): "
+                         "load it with --no-load-optim or --finetune")  # fmt: skip
     saved = (common.get("config") or {}).get("model")
     if saved is None:
         return  # not saved by the training loop (an imported checkpoint): tensors decide
@@ -235,55 +239,6 @@ def _earlier_checkpoints(load: str, iteration: int) -> str:
             f"with --ckpt-step {older[0]} (it is checked the same way as it loads)")  # fmt: skip
 
 
-def _holds_checkpoint(path: str | None, step: int | None = None) -> bool:
-    """Whether `path` holds something to load: an mp checkpoint (its tracker, or the
-    iteration asked for) or a Hugging Face model directory."""
-    return path is not None and (step is not None or is_hf_directory(path)
-                                 or read_tracker(path) is not None)  # fmt: skip
-
-
-def starting_point(ckpt) -> tuple[str, bool] | None:
-    """(the directory a run loads, whether as a fine-tuning start), or None to start from
-    scratch. Megatron-LM's rule: load when it holds a checkpoint, else
-    pretrained_checkpoint with finetune; a Hugging Face directory is always a fine-tuning
-    start (it holds no optimizer, scheduler or iteration)."""
-    newer = _newer_non_persistent(ckpt)
-    if newer is not None:
-        return newer, ckpt.finetune
-    if _holds_checkpoint(ckpt.load, ckpt.ckpt_step):
-        return ckpt.load, ckpt.finetune or is_hf_directory(ckpt.load)
-    if ckpt.pretrained_checkpoint is None:
-        if ckpt.load is not None and ckpt.exit_on_missing_checkpoint:
-            raise FileNotFoundError(f"load={ckpt.load} holds no checkpoint")
-        return None
-    if not _holds_checkpoint(ckpt.pretrained_checkpoint):
-        raise FileNotFoundError(
-            f"no checkpoint under load={ckpt.load} nor under pretrained_checkpoint="
-            f"{ckpt.pretrained_checkpoint} (an mp checkpoint or a Hugging Face directory)"
-        )
-    return ckpt.pretrained_checkpoint, True
-
-
-def _newer_non_persistent(ckpt) -> str | None:
-    """The non-persistent checkpoints' directory when its newest is at least as new as
-    load's (Megatron's rule), or there is none under load; None otherwise, and when
-    ckpt_step asks for an iteration of load."""
-    where = ckpt.non_persistent_dir(ckpt.load)
-    if where is None or ckpt.ckpt_step is not None:
-        return None
-    newest = read_tracker(where)
-    if newest is None:
-        return None
-    persistent = None
-    if ckpt.load is not None and not is_hf_directory(ckpt.load):
-        persistent = read_tracker(ckpt.load)
-    if persistent is not None and persistent > newest:
-        log.info("the non-persistent checkpoint %s (iteration %d) is older than load's "
-                 "(iteration %d)", where, newest, persistent)  # fmt: skip
-        return None
-    return where
-
-
 def load_run_checkpoint(run: Run) -> str | None:
     """Loads the run's starting point (starting_point: `checkpoint.load`, else
     `checkpoint.pretrained_checkpoint`) into the run; returns the directory loaded, or
@@ -292,6 +247,8 @@ def load_run_checkpoint(run: Run) -> str | None:
     undrawn = run.config.training.no_initialization  # every model key must be loaded
     start = starting_point(ckpt)
     if start is None:
+        if ckpt.load is not None and run.is_first_rank:  # Megatron-LM's warning
+            log.warning("load=%s holds no checkpoint: training starts from scratch", ckpt.load)
         if undrawn:
             raise ValueError(
                 f"--no-initialization: --load {ckpt.load} holds no checkpoint and no "
@@ -311,7 +268,7 @@ def load_run_checkpoint(run: Run) -> str | None:
     with_optimizer = not (ckpt.no_load_optim or finetune)
     pieces = run_pieces(run, with_optimizer=with_optimizer)
     try:
-        _check_model_matches(run, path, ckpt.ckpt_step)
+        _check_model_matches(run, path, ckpt.ckpt_step, with_optimizer)
         loaded = load_checkpoint(
             path, pieces, iteration=ckpt.ckpt_step, finetune=finetune,
             strict=ckpt.strict_load and with_optimizer, every_key_saved=undrawn,
@@ -347,7 +304,8 @@ def load_run_checkpoint(run: Run) -> str | None:
             _override_iteration(run, common, loaded.directory)
         if run.config.training.phase_transitions:
             _check_batch_kept(run, common, loaded.directory, "phase_transition_iterations")
-        run.scheduler.load_state_dict(common["scheduler"])
+        if with_optimizer:  # Megatron-LM loads the scheduler with the optimizer
+            run.scheduler.load_state_dict(common["scheduler"])
         restored = not ckpt.no_load_rng and _restore_rng(run, loaded)
         if run.rerun is not None:
             _restore_rerun(run, loaded, rng_restored=restored)
