@@ -26,14 +26,16 @@ def options(run_dir: Path, *extra: str) -> list[str]:
 
 
 def _warnings() -> list[str]:
-    """Collects what mp_train warns about, from now on, in this process."""
+    """Collects what mp_train warns about the RNG states, from now on, in this process
+    (not, say, that a first run's --load holds no checkpoint yet)."""
     import logging
 
     seen: list[str] = []
 
     class Collect(logging.Handler):
         def emit(self, record: logging.LogRecord) -> None:
-            seen.append(record.getMessage())
+            if "RNG" in record.getMessage():
+                seen.append(record.getMessage())
 
     logging.getLogger("mp_train").addHandler(Collect(logging.WARNING))
     return seen
