@@ -68,3 +68,23 @@ def test_nothing_to_load_starts_from_scratch(tmp_path):
     status, said = run_on_ranks(train_output_on_rank, 1, argv, timeout=120)[0]
     assert status == 0
     assert f"load={tmp_path / 'empty'} holds no checkpoint: training starts from scratch" in said
+
+
+def test_a_fine_tuning_start_needs_every_tensor_its_model_asks_for(tmp_path):
+    """--finetune (or --no-load-optim) passes over saved tensors the model does not ask
+    for, and refuses a model whose tensors the checkpoint lacks, as Megatron-LM's default
+    assume_ok_unexpected: multi-token prediction modules are not left at their random
+    draw."""
+    save = tmp_path / "ckpt"
+    tiny_curve(tmp_path / "first", 1, "--train-iters", "2", "--save", str(save))
+    argv = tiny_options(tmp_path / "mtp", "--train-iters", "2", "--load", str(save),
+                        "--finetune", "--mtp-num-layers", "1")  # fmt: skip
+    with pytest.raises(RankFailure, match=r"missing keys \['mtp\.layers\.0\."):
+        run_on_ranks(train_on_rank, 1, argv, timeout=120)
+    # The other way round, a checkpoint with the modules fine-tunes a model without them.
+    with_mtp = tmp_path / "with_mtp"
+    tiny_curve(tmp_path / "second", 1, "--train-iters", "2", "--save", str(with_mtp),
+               "--mtp-num-layers", "1")  # fmt: skip
+    again = tiny_curve(tmp_path / "again", 1, "--train-iters", "2", "--load", str(with_mtp),
+                       "--finetune")  # fmt: skip
+    assert [r["iteration"] for r in again] == [1, 2]

@@ -13,8 +13,8 @@ After each iteration the loop asks, in Megatron's order:
    and a signal may come meanwhile): why the run stops after this iteration, if it does
    (the first of, in Megatron's order: SIGTERM on any rank, exit_duration_in_mins on
    the slowest rank's clock, exit_interval or the end of a phase of
-   phase_transition_iterations), and whether it saves first (when saving and not saved already, a
-   non-persistent save counting, as in Megatron);
+   phase_transition_iterations), and whether it saves first (when saving and not saved
+   already, a non-persistent save counting, as in Megatron);
 3. at the end, `at_end(...)`: the final evaluation (with eval_interval, unless the run
    stopped early, having saved), the final save (unless that iteration is saved
    already) and the evaluation on the test split (as the final evaluation's, after the

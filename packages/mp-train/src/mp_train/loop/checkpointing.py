@@ -269,10 +269,14 @@ def load_run_checkpoint(run: Run) -> str | None:
     pieces = run_pieces(run, with_optimizer=with_optimizer)
     try:
         _check_model_matches(run, path, ckpt.ckpt_step, with_optimizer)
+        # Without the optimizer (finetune, no_load_optim) a saved tensor the model does
+        # not ask for is passed over, and one it asks for that is not saved still raises:
+        # Megatron-LM's assume_ok_unexpected.
+        lenient = ("raise", "ignore") if ckpt.strict_load and not with_optimizer else None
         loaded = load_checkpoint(
             path, pieces, iteration=ckpt.ckpt_step, finetune=finetune,
             strict=ckpt.strict_load and with_optimizer, every_key_saved=undrawn,
-            mismatch=ckpt.load_mismatch, unasked_optimizer=not with_optimizer,
+            mismatch=ckpt.load_mismatch or lenient, unasked_optimizer=not with_optimizer,
         )  # fmt: skip
     except CheckpointCorrupted as error:
         iteration = ckpt.ckpt_step if ckpt.ckpt_step is not None else read_tracker(path)
