@@ -260,7 +260,11 @@ def test_moe_settings_are_checked(settings, message):
     [
         ((1, 1, 3, 1), {}, "expert_model_parallel_size=3 does not divide num_moe_experts=4"),
         ((1, 1, 1, 3), {}, "expert_tensor_parallel_size=3 does not divide moe_ffn"),
-        ((1, 1, 2, 1), dict(num_moe_experts=None), "expert_model_parallel_size=2 needs"),
+        (
+            (1, 1, 2, 1),
+            dict(num_moe_experts=None, moe_ffn_hidden_size=None),
+            "expert_model_parallel_size=2 needs",
+        ),
     ],
 )
 def test_expert_layouts_are_checked(sizes, settings, message):

@@ -107,12 +107,17 @@ def test_fp16s_dynamic_loss_scale_leaves_the_nan_check_to_the_scaler(capsys):
 
 def test_a_hybrid_pattern_gives_the_layers_and_no_experts_is_dense(capsys):
     """Megatron-LM's rules: the pattern's layer count wins over --num-layers (with a
-    warning, a note here; mp refused the pair), and --num-experts 0 is a dense model."""
+    warning, a note here; mp refused the pair), --num-experts 0 is a dense model and a
+    negative capacity factor none."""
     mamba = ["--mamba-num-heads", "8", "--mamba-head-dim", "8"]
     config = parse_config([*MODEL, *mamba, "--hybrid-layer-pattern", "M*M*"])  # MODEL: 2
     assert config.model.num_layers == 4
     assert "num_layers=2 is ignored for the pattern's 4 decoder layers" in capsys.readouterr().err
     assert parse_config([*MODEL, "--num-experts", "0"]).model.num_moe_experts is None
+    # A negative capacity factor is no capacity: no token is dropped.
+    moe = [*MODEL, "--num-experts", "4", "--disable-bias-linear"]
+    uncapped = parse_config([*moe, "--moe-expert-capacity-factor", "-1"]).model
+    assert uncapped.moe_expert_capacity_factor is None
 
 
 def test_skipping_training_loads_no_optimizer_state(capsys):

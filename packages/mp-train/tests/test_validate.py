@@ -329,6 +329,19 @@ def test_two_handlers_of_one_signal_are_refused():
       r"^max_position_embeddings=16 is below seq_length=32: the model's positions must cover"),
      (["--overlap-param-gather", "--use-distributed-optimizer"], 2,
       r"^overlap_param_gather=True needs overlap_grad_reduce=True"),
+     ([*MOE, "--moe-router-topk", "1"], 1,
+      r"^moe_router_topk=1 with softmax scores needs moe_router_pre_softmax=True"),
+     (["--moe-ffn-hidden-size", "32"], 1, r"^moe_ffn_hidden_size=32 needs num_moe_experts$"),
+     (["--multi-latent-attention", "--q-lora-rank", "32", "--kv-lora-rank", "32",
+       "--qk-head-dim", "16", "--qk-pos-emb-head-dim", "16", "--v-head-dim", "16",
+       "--position-embedding-type", "rope", "--attention-output-gate"], 1,
+      r"^attention_output_gate=True with multi_latent_attention"),
+     (["--pipeline-model-parallel-size", "2", "--num-layers", "4",
+       "--decoder-first-pipeline-num-layers", "4"], 2,
+      r"leave 0 of num_layers=4 for the other 1 pipeline stage: each needs a layer"),
+     (["--pipeline-model-parallel-size", "3", "--num-layers", "4",
+       "--decoder-first-pipeline-num-layers", "2", "--decoder-last-pipeline-num-layers", "2"],
+      3, r"leave 0 of num_layers=4 for the other 1 pipeline stage"),
      (["--deterministic-mode", "--cross-entropy-loss-fusion"], 1,
       r"^deterministic_mode=True needs cross_entropy_loss_fusion=False"),
      (["--save", "/nonexistent/run", "--save-interval", "4", "--save-retain-interval", "6"], 1,
@@ -360,6 +373,12 @@ def test_what_megatron_refuses_is_refused(flags, world, message):
 
 
 def test_the_forms_megatron_allows_pass():
+    assert _validate(*MOE, "--moe-router-topk", "1", "--moe-router-pre-softmax", world=1)
+    assert _validate(*MOE, "--moe-router-topk", "1", "--moe-router-score-function", "sigmoid",
+                     world=1)  # fmt: skip
+    assert _validate("--pipeline-model-parallel-size", "3", "--num-layers", "5",
+                     "--decoder-first-pipeline-num-layers", "2",
+                     "--decoder-last-pipeline-num-layers", "2", world=3)  # fmt: skip
     assert _validate("--max-position-embeddings", "32", world=1)
     assert _validate("--overlap-param-gather", "--use-distributed-optimizer",
                      "--overlap-grad-reduce", world=2)  # fmt: skip

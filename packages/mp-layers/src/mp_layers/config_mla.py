@@ -92,6 +92,10 @@ def check_mla(config: TransformerConfig) -> None:
         return
     for name in ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"):
         positive(name, getattr(config, name))
+    if config.attention_output_gate:
+        raise ValueError("attention_output_gate=True with multi_latent_attention: "
+                         "multi-latent attention has no output gate (Megatron-LM refuses "
+                         "the pair too)")  # fmt: skip
     if config.q_lora_rank is not None:
         positive("q_lora_rank", config.q_lora_rank)
     if config.qk_pos_emb_head_dim % 2:

@@ -163,7 +163,7 @@ def check_moe(config: TransformerConfig) -> None:
     """Fills moe_ffn_hidden_size and checks the MoE fields; a dense model must leave them."""
     _one_balancing_loss(config)
     if config.num_moe_experts is None:
-        left_default(config, _MOE_DEFAULTS, "num_moe_experts")
+        left_default(config, {**_MOE_DEFAULTS, "moe_ffn_hidden_size": None}, "num_moe_experts")
         return
     positive("num_moe_experts", config.num_moe_experts)
     eps = config.moe_input_jitter_eps
@@ -179,6 +179,14 @@ def check_moe(config: TransformerConfig) -> None:
             f"num_moe_experts={config.num_moe_experts}"
         )
     _check_router(config)
+    if (config.moe_router_topk == 1 and config.moe_router_score_function == "softmax"
+            and not config.moe_router_pre_softmax
+            and config.moe_router_load_balancing_type != "sinkhorn"):  # fmt: skip
+        raise ValueError(
+            "moe_router_topk=1 with softmax scores needs moe_router_pre_softmax=True "
+            "(--moe-router-pre-softmax): a softmax over the one chosen logit is 1, and the "
+            "router would get no gradient (Megatron-LM's rule)"
+        )
     if config.moe_apply_probs_on_input and config.moe_router_topk != 1:
         raise ValueError(
             f"moe_apply_probs_on_input=True needs moe_router_topk=1 (got "

@@ -356,6 +356,14 @@ def validate(config: RunConfig, world_size: int) -> dict[str, int]:
                 f"decoder_first_pipeline_num_layers={first} and "
                 f"decoder_last_pipeline_num_layers={last}: {error}"
             ) from None
+        free = pp - (first is not None) - (last is not None)
+        rest = layers - (first or 0) - (last or 0)
+        if free and rest < free:  # Megatron-LM's rule: every stage holds a layer
+            raise ValueError(
+                f"decoder_first_pipeline_num_layers={first} and decoder_last_pipeline_num_"
+                f"layers={last} leave {rest} of num_layers={layers} for the other {free} "
+                f"pipeline stage{'s' * (free > 1)}: each needs a layer (Megatron-LM's rule)"
+            )
     elif not segmented and layers % (pp * (vpp or 1)):
         raise ValueError(
             f"num_layers={layers} is not divisible by pipeline_model_parallel_size={pp} x "

@@ -157,9 +157,13 @@ def settle(flags: dict, given: dict, values: dict) -> list[str]:
             "--position-embedding-type none (or rope) instead"
         )
     notes = []
-    # Megatron-LM reads --num-experts 0 as a dense model.
+    # Megatron-LM reads --num-experts 0 as a dense model, and a negative
+    # --moe-expert-capacity-factor as no capacity (no token dropped).
     if values["model"].get("num_moe_experts") == 0:
         values["model"]["num_moe_experts"] = None
+    factor = values["model"].get("moe_expert_capacity_factor")
+    if factor is not None and factor < 0:
+        values["model"]["moe_expert_capacity_factor"] = None
     # Megatron-LM switches sequence parallelism off without tensor parallelism, to keep the
     # numerics of TP 1.
     tp = _current(values, "parallel", "tensor_model_parallel_size")
