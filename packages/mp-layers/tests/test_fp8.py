@@ -14,7 +14,7 @@ from mp_layers import (
     all_reduce_sequence_parallel_grads,
     check_fp8_device,
 )
-from mp_layers.fp8 import Fp8Matmul, apply_fp8
+from mp_layers.fp8 import Fp8Matmul, apply_fp8, fp8_layer_numbers
 from mp_state import ParallelConfig
 from mp_state.testing import run_on_ranks
 
@@ -41,10 +41,10 @@ FP8 = dict(fp8="e4m3", fp8_emulate=True)
             dict(
                 fp8="e4m3",
                 first_last_layers_bf16=True,
-                num_layers_at_start_in_bf16=2,
-                num_layers_at_end_in_bf16=2,
+                num_layers_at_start_in_bf16=4,
+                num_layers_at_end_in_bf16=0,
             ),
-            "exceed num_layers=3",
+            "num_layers_at_start_in_bf16=4 exceeds num_layers=3",
         ),
         (dict(fp8="e5m2"), "fp8='e5m2' must be one of e4m3, hybrid"),
     ],
@@ -52,6 +52,15 @@ FP8 = dict(fp8="e4m3", fp8_emulate=True)
 def test_fp8_settings_are_refused_with_the_field_at_fault(fields, message):
     with pytest.raises(ValueError, match=message):
         TransformerConfig(**{**LLAMA, **fields})
+
+
+def test_the_bf16_ends_may_overlap_as_in_megatron():
+    """Megatron-LM bounds each count, not their sum: overlapping ends keep every layer in
+    bf16."""
+    config = TransformerConfig(**{**LLAMA, "fp8": "e4m3", "first_last_layers_bf16": True,
+                                  "num_layers_at_start_in_bf16": 2,
+                                  "num_layers_at_end_in_bf16": 2})  # fmt: skip
+    assert list(fp8_layer_numbers(config)) == []
 
 
 def test_fp8_on_a_cpu_is_refused_in_one_line_unless_emulated():

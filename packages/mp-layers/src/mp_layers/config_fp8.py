@@ -49,7 +49,8 @@ class Fp8Config:
 
     first_last_layers_bf16: bool = False
     """Keep the first num_layers_at_start_in_bf16 and the last num_layers_at_end_in_bf16
-    transformer layers of the model in bf16 under --fp8-format."""
+    transformer layers of the model in bf16 under --fp8-format. Each count is at most a
+    pipeline stage's layers, and the two may overlap (Megatron-LM's bounds)."""
 
     num_layers_at_start_in_bf16: int = 1
     """Layers at the start of the model kept in bf16 with first_last_layers_bf16."""
@@ -96,14 +97,11 @@ def check_fp8(config: TransformerConfig) -> None:
             f"fp8={config.fp8!r} needs bf16=True: the FP8 GEMMs take and give bf16 activations"
         )
     if config.first_last_layers_bf16:
+        # Megatron-LM's bounds: each at most a pipeline stage's layers (mp-train checks the
+        # stage's; the model's here); the two may overlap, every layer then in bf16.
         for name in ("num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16"):
             value = getattr(config, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name}={value!r} must be an integer >= 0")
-        kept = config.num_layers_at_start_in_bf16 + config.num_layers_at_end_in_bf16
-        if kept > config.num_layers:
-            raise ValueError(
-                f"num_layers_at_start_in_bf16={config.num_layers_at_start_in_bf16} plus "
-                f"num_layers_at_end_in_bf16={config.num_layers_at_end_in_bf16} exceed "
-                f"num_layers={config.num_layers}"
-            )
+            if value > config.num_layers:
+                raise ValueError(f"{name}={value} exceeds num_layers={config.num_layers}")

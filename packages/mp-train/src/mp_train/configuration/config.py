@@ -334,6 +334,14 @@ def validate(config: RunConfig, world_size: int) -> dict[str, int]:
         )
     if optimizer.bf16 and not (optimizer.grad_reduce_in_fp32 or optimizer.grad_reduce_in_bf16):
         raise ValueError("bf16 needs gradients accumulated in fp32")
+    if model.fp8 is not None and model.first_last_layers_bf16:
+        per_stage = model.num_layers // parallel.pipeline_model_parallel_size
+        for name in ("num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16"):
+            if getattr(model, name) > per_stage:
+                raise ValueError(
+                    f"{name}={getattr(model, name)} exceeds a pipeline stage's "
+                    f"{per_stage} layers (Megatron-LM's bound)"
+                )
     if training.deterministic_mode and model.cross_entropy_loss_fusion:
         raise ValueError("deterministic_mode=True needs cross_entropy_loss_fusion=False "
                          "(Megatron-LM's rule): drop --cross-entropy-loss-fusion")  # fmt: skip
