@@ -45,6 +45,7 @@ from mp_train.configuration.run_checks import (
     check_resume,
     check_schedule,
     check_sharding,
+    check_training_rules,
 )
 from mp_train.configuration.validation_config import ValidationConfig, check_validation
 
@@ -302,12 +303,6 @@ def validate(config: RunConfig, world_size: int) -> dict[str, int]:
         )
     if gbs < 1:
         raise ValueError(f"global_batch_size={gbs} must be >= 1")
-    positions, length = config.gpt.max_position_embeddings, config.gpt.seq_length
-    if positions is not None and positions < length:
-        raise ValueError(
-            f"max_position_embeddings={positions} is below seq_length={length}: the model's "
-            "positions must cover a sample (Megatron-LM's rule)"
-        )
     requested = gbs
     if schedule is None:
         gbs = running_global_batch(training, gbs, dp)
@@ -334,20 +329,7 @@ def validate(config: RunConfig, world_size: int) -> dict[str, int]:
         )
     if optimizer.bf16 and not (optimizer.grad_reduce_in_fp32 or optimizer.grad_reduce_in_bf16):
         raise ValueError("bf16 needs gradients accumulated in fp32")
-    if model.fp8 is not None and model.first_last_layers_bf16:
-        per_stage = model.num_layers // parallel.pipeline_model_parallel_size
-        for name in ("num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16"):
-            if getattr(model, name) > per_stage:
-                raise ValueError(
-                    f"{name}={getattr(model, name)} exceeds a pipeline stage's "
-                    f"{per_stage} layers (Megatron-LM's bound)"
-                )
-    if training.deterministic_mode and model.cross_entropy_loss_fusion:
-        raise ValueError("deterministic_mode=True needs cross_entropy_loss_fusion=False "
-                         "(Megatron-LM's rule): drop --cross-entropy-loss-fusion")  # fmt: skip
-    if optimizer.overlap_param_gather and not optimizer.overlap_grad_reduce:
-        raise ValueError("overlap_param_gather=True needs overlap_grad_reduce=True (Megatron-LM's "
-                         "rule for a training run)")  # fmt: skip
+    check_training_rules(config)
     vpp = parallel.virtual_pipeline_model_parallel_size
     pp = parallel.pipeline_model_parallel_size
     layers = model.num_layers

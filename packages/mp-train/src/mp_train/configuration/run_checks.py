@@ -4,6 +4,10 @@ rank: in the user's terms (the flags they gave, in iterations when they gave ite
     check_schedule(config)    the learning-rate schedule in the run's unit (iterations
                               or samples), its warm-up ending before the decay does
     check_sharding(config)    FSDP (ZeRO-2/3) with what it composes with, or the refusal
+    check_training_rules(config)  Megatron-LM's rules of a training run's settings:
+                              positions that cover a sample, FP8's bf16 ends within a
+                              pipeline stage, no fused loss in deterministic mode, the
+                              parameters' all-gather overlapped only with the gradients'
     check_initialization(config)  no_initialization with a checkpoint to load, and
                               device draws not with meta-device shards
     check_resume(config)      override_ckpt_iteration with a constant global batch
@@ -16,7 +20,7 @@ rank: in the user's terms (the flags they gave, in iterations when they gave ite
                               --record-memory-history a CUDA device
     check_exit_signal(name)   --exit-signal names a signal a process can handle
 
-validate() applies the first four; an entry point applies the others (load_config),
+validate() applies the first five; an entry point applies the others (load_config),
 before torch.distributed starts: the library's own callers may build their tokenizer
 and datasets their own way.
 """
@@ -42,6 +46,7 @@ __all__ = [
     "check_schedule",
     "check_sharding",
     "check_tokenizer",
+    "check_training_rules",
 ]
 
 
@@ -101,6 +106,32 @@ def check_schedule(config) -> None:
             f"{flag(warmup_name)} {warmup} is not below {decay_flag}: warm up for fewer "
             f"{words} or decay over more"
         )
+
+
+def check_training_rules(config) -> None:
+    """Megatron-LM's argument rules for a training run (its validate_args and
+    TransformerConfig) that no one part's dataclass can check alone."""
+    gpt, model, optimizer = config.gpt, config.model, config.optimizer
+    positions, length = gpt.max_position_embeddings, gpt.seq_length
+    if positions is not None and positions < length:
+        raise ConfigError(
+            f"max_position_embeddings={positions} is below seq_length={length}: the model's "
+            "positions must cover a sample (Megatron-LM's rule)"
+        )
+    if model.fp8 is not None and model.first_last_layers_bf16:
+        per_stage = model.num_layers // config.parallel.pipeline_model_parallel_size
+        for name in ("num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16"):
+            if getattr(model, name) > per_stage:
+                raise ConfigError(
+                    f"{name}={getattr(model, name)} exceeds a pipeline stage's "
+                    f"{per_stage} layers (Megatron-LM's bound)"
+                )
+    if config.training.deterministic_mode and model.cross_entropy_loss_fusion:
+        raise ConfigError("deterministic_mode=True needs cross_entropy_loss_fusion=False "
+                          "(Megatron-LM's rule): drop --cross-entropy-loss-fusion")  # fmt: skip
+    if optimizer.overlap_param_gather and not optimizer.overlap_grad_reduce:
+        raise ConfigError("overlap_param_gather=True needs overlap_grad_reduce=True "
+                          "(Megatron-LM's rule for a training run)")  # fmt: skip
 
 
 def _check_schedule_unit(optimizer, unit: str) -> None:
