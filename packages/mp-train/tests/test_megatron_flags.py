@@ -118,6 +118,11 @@ def test_a_hybrid_pattern_gives_the_layers_and_no_experts_is_dense(capsys):
     moe = [*MODEL, "--num-experts", "4", "--disable-bias-linear"]
     uncapped = parse_config([*moe, "--moe-expert-capacity-factor", "-1"]).model
     assert uncapped.moe_expert_capacity_factor is None
+    # Without experts, a MoE width beside a dense layer pattern is dropped with a note.
+    for freq in ("2", "([0,1]*1)"):
+        dense = parse_config([*MODEL, "--moe-ffn-hidden-size", "32", "--moe-layer-freq", freq])
+        assert dense.model.moe_ffn_hidden_size is None
+    assert "moe_ffn_hidden_size=32 without num_moe_experts: dropped" in capsys.readouterr().err
 
 
 def test_skipping_training_loads_no_optimizer_state(capsys):
@@ -178,6 +183,9 @@ def test_hybrid_model_flags():
     config = parse_config([*hybrid, "--hybrid-override-pattern", "M*-M",
                            "--export-model-type", "HybridModel"])  # fmt: skip
     assert (config.model.hybrid_layer_pattern, config.model.num_layers) == ("M*-M", 4)
+    with pytest.raises(ValueError, match="--hybrid-override-pattern and --hybrid-layer-pattern: "
+                                         "give one"):  # fmt: skip
+        parse_config([*hybrid, "--hybrid-override-pattern", "M*", "--hybrid-layer-pattern", "M*"])
     # The pattern's count wins over --num-layers, with a note (Megatron-LM warns).
     config = parse_config([*hybrid, "--num-layers", "3", "--hybrid-layer-pattern", "M*"])
     assert config.model.num_layers == 2

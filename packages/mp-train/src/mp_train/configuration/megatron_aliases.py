@@ -164,6 +164,16 @@ def settle(flags: dict, given: dict, values: dict) -> list[str]:
     factor = values["model"].get("moe_expert_capacity_factor")
     if factor is not None and factor < 0:
         values["model"]["moe_expert_capacity_factor"] = None
+    # Without experts, moe_ffn_hidden_size is refused, unless moe_layer_freq names dense
+    # layers: Megatron-LM then takes it for a mixed model's dense layer and drops it.
+    freq = _current(values, "model", "moe_layer_freq")
+    freq = freq if isinstance(freq, list) else [freq]
+    mixed = 0 in freq or (len(freq) == 1 and freq[0] > 1)
+    unused = values["model"].get("moe_ffn_hidden_size")
+    if values["model"].get("num_moe_experts") is None and unused is not None and mixed:
+        values["model"]["moe_ffn_hidden_size"] = None
+        notes.append(f"moe_ffn_hidden_size={unused} without num_moe_experts: dropped, the "
+                     "layers being dense (as in Megatron-LM)")  # fmt: skip
     # Megatron-LM switches sequence parallelism off without tensor parallelism, to keep the
     # numerics of TP 1.
     tp = _current(values, "parallel", "tensor_model_parallel_size")

@@ -226,6 +226,10 @@ def refuse(given: dict[str, Any]) -> None:
     for dest, (_, why) in REFUSED.items():
         if dest in given:
             raise ValueError(f"{_option(dest)}: {why}")
+    if "hybrid_layer_pattern" in given and "hybrid_override_pattern" in given:
+        raise ValueError("--hybrid-override-pattern and --hybrid-layer-pattern: give one "
+                         "(the first is the second's deprecated name; Megatron-LM refuses "
+                         "both)")  # fmt: skip
     model_type = given.pop(_MODEL_TYPE, "GPTModel")
     pattern = given.get("hybrid_layer_pattern", given.get("hybrid_override_pattern"))
     if model_type != "GPTModel" and pattern is None:
