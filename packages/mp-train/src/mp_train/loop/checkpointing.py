@@ -196,14 +196,15 @@ _SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_
                  "qk_pos_emb_head_dim", "v_head_dim")  # fmt: skip
 
 
-def _check_model_matches(run: Run, load: str, iteration: int | None, optimizer: bool) -> None:
+def _check_checkpoint_fits(run: Run, load: str, iteration: int | None, optimizer: bool) -> None:
     """Raises, listing every differing field, when the saved model has another shape, and
-    when the `optimizer` state to load was not saved."""
+    when the `optimizer` state to load was not saved (no_save_optim, or an import without
+    it)."""
     path = CheckpointReader(load, iteration=iteration).directory / "common.pt"
     if not path.exists():
         raise CheckpointCorrupted(f"{path.parent} failed its integrity check: {path}: missing")
     common = torch.load(path, weights_only=False)
-    if optimizer and "optimizer" in common and common["optimizer"] is None:
+    if optimizer and common.get("optimizer") is None:
         raise ValueError(f"{path.parent} holds no optimizer state (saved with no_save_optim): "
                          "load it with --no-load-optim or --finetune")  # fmt: skip
     saved = (common.get("config") or {}).get("model")
@@ -268,14 +269,14 @@ def load_run_checkpoint(run: Run) -> str | None:
     with_optimizer = not (ckpt.no_load_optim or finetune)
     pieces = run_pieces(run, with_optimizer=with_optimizer)
     try:
-        _check_model_matches(run, path, ckpt.ckpt_step, with_optimizer)
+        _check_checkpoint_fits(run, path, ckpt.ckpt_step, with_optimizer)
         # Without the optimizer (finetune, no_load_optim) a saved tensor the model does
         # not ask for is passed over, and one it asks for that is not saved still raises:
         # Megatron-LM's assume_ok_unexpected.
         lenient = ("raise", "ignore") if ckpt.strict_load and not with_optimizer else None
         loaded = load_checkpoint(
             path, pieces, iteration=ckpt.ckpt_step, finetune=finetune,
-            strict=ckpt.strict_load and with_optimizer, every_key_saved=undrawn,
+            strict=ckpt.strict_load, every_key_saved=undrawn,
             mismatch=ckpt.load_mismatch or lenient, unasked_optimizer=not with_optimizer,
         )  # fmt: skip
     except CheckpointCorrupted as error:
@@ -293,10 +294,6 @@ def load_run_checkpoint(run: Run) -> str | None:
         for chunk in run.model:  # FSDP's pieces are copies of its shards
             chunk.restore_pieces(pieces)
         template = run.optimizer.sharded_state_dict()
-        if common.get("optimizer") is None:
-            raise ValueError(
-                f"{loaded.directory} holds no optimizer state: load with no_load_optim"
-            )
         run.optimizer.load_sharded_state_dict(
             {"state": {k: pieces[k] for k in template["state"]}, "common": common["optimizer"]}
         )
