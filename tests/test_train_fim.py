@@ -55,5 +55,9 @@ def test_fim_samples_train_alike_whoever_reads_them(tmp_path):
     assert len(curves["one"]) == 4
     for name in ("workers", "dp2"):
         assert_same_curve(curves[name], curves["one"], ("lm loss", "grad_norm"), name)
-    first = curves["one"][0]["lm loss"], curves["plain"][0]["lm loss"]
-    assert abs(first[0] - first[1]) > 1e-4 * abs(first[1]), first
+    # The FIM draws are seeded by the dataset's path (a temporary one here), so a single
+    # step's loss may land near the plain one by chance; over the whole curve they part.
+    parted = max(abs(fim[key] - plain[key]) / abs(plain[key])
+                 for fim, plain in zip(curves["one"], curves["plain"], strict=True)
+                 for key in ("lm loss", "grad_norm"))  # fmt: skip
+    assert parted > 1e-2, (curves["one"], curves["plain"])
