@@ -10,7 +10,13 @@ import numpy as np
 import pytest
 
 from mp_data import HuggingFaceTokenizer, IndexedDatasetBuilder
-from mp_gpt.testing import assert_same_curve, metrics_records, tiny_options, train_on_rank
+from mp_gpt.testing import (
+    assert_same_curve,
+    curves_part,
+    metrics_records,
+    tiny_options,
+    train_on_rank,
+)
 from mp_state.testing import run_on_ranks
 
 pytestmark = pytest.mark.multirank
@@ -55,9 +61,6 @@ def test_fim_samples_train_alike_whoever_reads_them(tmp_path):
     assert len(curves["one"]) == 4
     for name in ("workers", "dp2"):
         assert_same_curve(curves[name], curves["one"], ("lm loss", "grad_norm"), name)
-    # The FIM draws are seeded by the dataset's path (a temporary one here), so a single
-    # step's loss may land near the plain one by chance; over the whole curve they part.
-    parted = max(abs(fim[key] - plain[key]) / abs(plain[key])
-                 for fim, plain in zip(curves["one"], curves["plain"], strict=True)
-                 for key in ("lm loss", "grad_norm"))  # fmt: skip
-    assert parted > 1e-2, (curves["one"], curves["plain"])
+    # The FIM draws follow the dataset's path (a temporary one here): the curve parts
+    # from the plain one by a few percent, by how much varies from run to run.
+    assert curves_part(curves["one"], curves["plain"], ("lm loss", "grad_norm")) > 1e-2

@@ -25,6 +25,7 @@ from mp_data import IndexedDatasetBuilder
 from mp_gpt.testing import (
     HYBRID_OPTIONS,
     assert_same_curve,
+    curves_part,
     metrics_records,
     tiny_options,
     train_on_rank,
@@ -86,8 +87,7 @@ def test_packed_documents_train_alike_at_every_layout(tmp_path):
     assert len(curves["one"]) == ITERATIONS
     for name in layouts.keys() - {"one", "across"}:
         assert_same_curve(curves[name], curves["one"], LOGGED, name)
-    first = curves["one"][0]["lm loss"], curves["across"][0]["lm loss"]
-    assert abs(first[0] - first[1]) > 1e-4 * abs(first[1]), first
+    assert curves_part(curves["one"], curves["across"], LOGGED) > 1e-2
 
 
 def test_documents_split_by_document_train_alike(tmp_path):
@@ -125,5 +125,5 @@ def test_a_hybrid_model_trains_packed_documents_alike(tmp_path):
     for name in ("tp2-sp", "cp2-p2p"):
         assert_same_curve(curves[name], curves["one"], (*LOGGED, "mtp_1 loss"), name)
     for key in ("lm loss", "mtp_1 loss"):
-        first = curves["one"][0][key], curves["across"][0][key]
-        assert abs(first[0] - first[1]) > 1e-4 * abs(first[1]), (key, first)
+        # the pattern's one attention layer is all the masks reach: the curves part little
+        assert curves_part(curves["one"], curves["across"], (key,)) > 1e-4, key

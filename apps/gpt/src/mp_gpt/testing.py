@@ -25,6 +25,7 @@ __all__ = [
     "TINY_CONFIG",
     "assert_same_curve",
     "complete_records",
+    "curves_part",
     "greedy_on_rank",
     "imported_model",
     "metrics_records",
@@ -135,6 +136,15 @@ def assert_same_curve(got: list[dict], want: list[dict], keys, name: str) -> Non
         for key in keys:
             difference = abs(mine[key] - reference[key])
             assert difference <= 1e-5 * abs(reference[key]), (where, key, mine, reference)
+
+
+def curves_part(one: list[dict], other: list[dict], keys) -> float:
+    """The largest relative difference between two runs' values of `keys`, over their
+    iterations: how far a change to the data or the model moved the curve (one step's
+    loss at initialization may land near the other run's by chance)."""
+    assert [r["iteration"] for r in one] == [r["iteration"] for r in other]
+    return max(abs(mine[key] - theirs[key]) / abs(theirs[key])
+               for mine, theirs in zip(one, other, strict=True) for key in keys)  # fmt: skip
 
 
 def train_on_rank(argv: list[str]) -> int:
