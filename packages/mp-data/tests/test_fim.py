@@ -5,6 +5,7 @@ end-of-document token kept, samples that do not depend on the reading order, and
 refusals."""
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -181,6 +182,22 @@ def test_a_sample_does_not_depend_on_the_reading_order(corpus, tmp_path):
     assert all(len(t) == 64 for t in ahead)
     with_fim = sum(TOKENS["prefix"] in t for t in ahead)
     assert with_fim == len(ahead)  # every sample has a piece, every piece is transformed
+
+
+def test_a_sample_does_not_depend_on_the_folder(corpus, tmp_path):
+    """The same files under another folder (moved, or mounted elsewhere on a resume) give
+    the same samples; under another file name, other draws."""
+    samples, moved, renamed = {}, "moved/code_text_document", "renamed/other_text_document"
+    for where in (moved, renamed):
+        prefix = tmp_path / where
+        prefix.parent.mkdir()
+        for suffix in (".bin", ".idx"):
+            shutil.copy(corpus + suffix, str(prefix) + suffix)
+        data = fim_dataset(str(prefix), tmp_path / where.split("/")[0])
+        samples[where] = [data[i]["tokens"].tolist() for i in range(len(data))]
+    here = fim_dataset(corpus, tmp_path)
+    assert [here[i]["tokens"].tolist() for i in range(len(here))] == samples[moved]
+    assert samples[renamed] != samples[moved]
 
 
 def test_at_rate_zero_the_samples_are_gpt_datasets(corpus, tmp_path):

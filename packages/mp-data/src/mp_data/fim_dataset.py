@@ -8,13 +8,16 @@ Pieces are decoded without their special tokens and their parts encoded without 
 ones (no beginning-of-sequence token in the middle of a sample).
 
 Sample idx of a split draws from its own generator, seeded by (random_seed, the split,
-the dataset's path, idx): a sample is the same whatever order the loader's workers read
-it in, and after a resume. Megatron-LM draws from one stream per dataset, so its samples
-depend on the order they are read in.
+the dataset's file name, idx): a sample is the same whatever order the loader's workers
+read it in, after a resume, and wherever the files were moved or mounted (the folder is
+not part of the seed; datasets of one blend that share a file name share their draws,
+as every dataset does in Megatron-LM). Megatron-LM draws from one stream per dataset,
+seeded alike for all, so its samples depend on the order they are read in.
 """
 
 from __future__ import annotations
 
+import os
 import zlib
 from dataclasses import dataclass
 
@@ -76,7 +79,7 @@ class GPTFIMDataset(GPTDataset):
         super().__init__(*args)
         self._codec = _Codec(self.config.tokenizer)
         self._spec = _spec(self.config, self._codec)
-        self._stream = zlib.crc32(str(self.dataset_path).encode())
+        self._stream = zlib.crc32(os.path.basename(str(self.dataset_path)).encode())
 
     def _transform(self, text: np.ndarray, idx: int) -> np.ndarray:
         seed = [self.config.random_seed, self.index_split.value, self._stream, idx]
