@@ -3,15 +3,17 @@
     uv run python ci/sweep_layouts.py                   # every group (about 3 minutes)
     uv run python ci/sweep_layouts.py moe deepseek      # some groups
     uv run python ci/sweep_layouts.py --list            # the groups and their layouts
+    uv run python ci/sweep_layouts.py --with "--calculate-per-token-loss"   # every run
 
 Each group is a tiny model (apps/gpt's tiny configs, fp32, dropout 0, mock data; the sft
 groups on packed chat conversations, each attending to itself alone) trained 3
 iterations of 8 sequences, with two evaluations and the test split's at the end: once on
 one rank, then at each of its layouts on forked gloo ranks (mp_state.testing.run_on_ranks).
 A layout passes when every iteration's loss and gradient norm, and each evaluation's loss,
-are within 1e-5 relative of the one-rank run's. The gradient norm is what shows a gradient scaled
-wrongly: Adam's update hardly changes when one parameter's gradient is scaled, so the
-losses alone would not.
+are within 1e-5 relative of the one-rank run's (--tolerance). --with adds flags to every
+run, the one-rank ones included, to cross a feature with every layout. The gradient norm
+is what shows a gradient scaled wrongly: Adam's update hardly changes when one
+parameter's gradient is scaled, so the losses alone would not.
 
 The tests check a representative layout of each feature; this crosses them (8 ranks
 where it takes them) and is run by hand after a change to the groups, the schedules, the
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -178,26 +181,36 @@ def _curve(group: str, ranks: int, argv: list[str], run_dir: Path) -> list[tuple
     return curve + [(float(loss),) for loss in validation]
 
 
-def _difference(got: list[tuple[float, float]], want: list[tuple[float, float]]) -> float:
+def _difference(got: list[tuple], want: list[tuple]) -> float:
     if len(got) != len(want):
         return float("inf")
     pairs = zip(got, want, strict=True)
     return max(abs(a - b) / abs(b) for g, w in pairs for a, b in zip(g, w, strict=True))
 
 
-def sweep(groups: list[str], folder: Path) -> int:
+def sweep(groups: list[str], folder: Path, extra: list[str] = (), tolerance: float = TOLERANCE
+          ) -> int:  # fmt: skip
+    """Runs each group's layouts (with `extra` flags in every run); how many differ or
+    failed, a group whose one-rank run fails counting all its layouts."""
     failed = 0
     for group in groups:
         options, own, layouts = GROUPS[group]
+        own = [*own, *extra]
         one = folder / group / "one"
-        want = _curve(group, 1, options(one, *RUN, *own), one)
+        try:
+            want = _curve(group, 1, options(one, *RUN, *own), one)
+        except Exception as error:  # refused or failed at one rank: no reference to compare
+            detail = str(error).strip().splitlines()[-1][:300]
+            print(f"{group:14} {'one rank':48} 1 ranks          FAILED  {detail}", flush=True)
+            failed += len(layouts)
+            continue
         for index, (layout, ranks, flags) in enumerate(layouts):
             run_dir = folder / group / str(index)
             start = time.monotonic()
             try:
                 got = _curve(group, ranks, options(run_dir, *RUN, *own, *flags), run_dir)
                 worst = _difference(got, want)
-                verdict = "ok" if worst <= TOLERANCE else "DIFFERS"
+                verdict = "ok" if worst <= tolerance else "DIFFERS"
                 detail = f"largest difference {worst:.1e}"
             except Exception as error:  # a refusal or a failed rank: reported, the sweep goes on
                 verdict, detail = "FAILED", str(error).strip().splitlines()[-1][:300]
@@ -217,6 +230,14 @@ def main(argv: list[str] | None = None) -> int:
         help=f"the groups to run (default: all): {', '.join(GROUPS)}",
     )
     parser.add_argument("--list", action="store_true", help="print the layouts and stop")
+    parser.add_argument(
+        "--with", dest="extra", default="", metavar="FLAGS",
+        help="flags added to every run, one string (shell words)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--tolerance", type=float, default=TOLERANCE,
+        help=f"the largest relative difference that passes ({TOLERANCE:g})",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     unknown = [g for g in args.groups if g not in GROUPS]
     if unknown:
@@ -228,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{group:14} {layout:48} {ranks} ranks")
         return 0
     with TemporaryDirectory(prefix="mp-sweep-") as folder:
-        failed = sweep(groups, Path(folder))
+        failed = sweep(groups, Path(folder), shlex.split(args.extra), args.tolerance)
     print(f"{failed} of {sum(len(GROUPS[g][2]) for g in groups)} layouts differ or failed")
     return 1 if failed else 0
 

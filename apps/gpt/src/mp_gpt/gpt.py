@@ -144,16 +144,21 @@ def forward_step(data_iterator, model, *, documents: bool = False):
         return model(None, attention_mask=packed), functools.partial(loss_func, None)
     output = model(batch["tokens"], batch["position_ids"], packed, labels=batch["labels"],
                    loss_mask=batch["loss_mask"])  # fmt: skip
-    return output, functools.partial(loss_func, batch["loss_mask"])
+    token_sum = _unwrap(model).calculate_per_token_loss
+    return output, functools.partial(loss_func, batch["loss_mask"], token_sum=token_sum)
 
 
-def loss_func(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
+def loss_func(loss_mask: torch.Tensor, per_token_loss: torch.Tensor, *, token_sum: bool = False):
     """(masked loss sum, its token count, {"lm loss": [sum, count] over data-parallel ranks}).
 
-    With context parallelism each rank holds part of every sequence: the count is the whole
-    sequences' (summed over the cp group) and the sum is scaled by cp, so that after the
-    schedule divides by the count and the gradients are averaged over dp x cp, they are the
-    gradients of the whole sequences' mean loss, whatever each rank's share of the mask.
+    With context parallelism each rank holds part of every sequence. For a mean loss (the
+    schedule divides each micro-batch's sum by its count, and the gradients are averaged
+    over dp x cp) the count is the whole sequences' (summed over the cp group) and the sum
+    is scaled by cp: the gradients are those of the whole sequences' mean loss, whatever
+    each rank's share of the mask. With token_sum (calculate_per_token_loss: the
+    gradients are summed and divided by the counts summed over every rank), each rank
+    gives its own sum and count, as in Megatron-LM: the counts then add up to the batch's
+    tokens, by which the MTP and MoE losses are scaled back too.
     """
     losses = per_token_loss.float().reshape(-1)
     mask = loss_mask.reshape(-1).float()
@@ -163,7 +168,7 @@ def loss_func(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
     state = mp_state.current()
     if state.dp_cp.size > 1:
         dist.all_reduce(reported, group=state.dp_cp.group)
-    if state.cp.size > 1:
+    if state.cp.size > 1 and not token_sum:
         tokens = tokens.detach().clone()
         dist.all_reduce(tokens, group=state.cp.group)
         total = total * state.cp.size

@@ -62,12 +62,17 @@ def aux_loss_names(model: TransformerConfig) -> list[str]:
 
 class MoEStep:
     def __init__(self, model_config: TransformerConfig, chunks, state: ParallelState,
-                 fp16: bool, per_token: bool = False, per_layer: bool = False) -> None:  # fmt: skip
+                 fp16: bool, per_token: bool = False, per_layer: bool = False,
+                 microbatch_tokens: int = 1) -> None:  # fmt: skip
+        """per_token: the step sums the losses and divides the gradients by the batch's
+        tokens (calculate_per_token_loss); microbatch_tokens: the positions of one
+        micro-batch (micro-batch size x sequence length), by which the routers' losses
+        are then scaled back."""
         self.routers = moe.routers_of(chunks)
         # With per_layer: each router's layer number, and how many layers are logged.
         self.router_layers = router_layers(chunks, model_config) if per_layer else None
         self.logged_layers = model_config.num_layers + (model_config.mtp_num_layers or 0)
-        self.per_token = per_token
+        self.per_token, self.microbatch_tokens = per_token, microbatch_tokens
         self.names = aux_loss_names(model_config)
         # The MTP modules' MoE layers count too (Megatron's): the last one's shape, or a
         # hybrid model's pattern's.
@@ -82,12 +87,17 @@ class MoEStep:
 
     def before(self, optimizer, num_microbatches: int) -> None:
         scale = optimizer.get_loss_scale() if self.fp16 else 1.0
-        # With a per-token loss the main loss is not divided by the micro-batches (finalize
-        # divides every gradient by the batch's tokens): neither are the auxiliary losses.
         # Each context-parallel rank's balancing loss is its tokens' part of the sequences'
-        # loss, and the gradients are averaged over cp: times cp, as in Megatron.
+        # loss, and the gradients are averaged over cp: times cp, as in Megatron. With a
+        # per-token loss the gradients are summed over dp x cp and finalize divides them by
+        # the batch's tokens (micro-batches x dp x a micro-batch's positions when every
+        # position counts): the routers' losses are scaled by a micro-batch's positions,
+        # which leaves them the mean path's 1 / (micro-batches x dp), as in Megatron.
         cp = self.state.cp.size
-        self.scale.set(scale if self.per_token else scale * cp / num_microbatches)
+        if self.per_token:
+            self.scale.set(scale * self.microbatch_tokens)
+        else:
+            self.scale.set(scale * cp / num_microbatches)
         # Multi-token prediction's losses: a mean per rank, the main loss's factor.
         self.mtp_scale.set(scale if self.per_token else scale / num_microbatches)
         for router in self.routers:

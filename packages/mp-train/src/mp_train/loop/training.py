@@ -299,9 +299,10 @@ class _Step:
         config = run.config
         self.run, self.forward_step_func = run, forward_step_func
         self.schedule = schedule_of(run)
+        microbatch_tokens = config.training.micro_batch_size * config.gpt.seq_length
         self.experts = MoEStep(config.model, run.model, run.state, config.optimizer.fp16,
                                config.optimizer.calculate_per_token_loss,
-                               config.logging.moe_per_layer_logging)  # fmt: skip
+                               config.logging.moe_per_layer_logging, microbatch_tokens)  # fmt: skip
         self.skips = SkipPolicy(config.training, run.train)
         self.barrier = config.logging.barrier_with_L1_time
         self.rerun = run.rerun
