@@ -63,11 +63,16 @@ def aux_loss_names(model: TransformerConfig) -> list[str]:
 class MoEStep:
     def __init__(self, model_config: TransformerConfig, chunks, state: ParallelState,
                  fp16: bool, per_token: bool = False, per_layer: bool = False,
-                 microbatch_tokens: int = 1) -> None:  # fmt: skip
+                 microbatch_tokens: int | None = None) -> None:  # fmt: skip
         """per_token: the step sums the losses and divides the gradients by the batch's
-        tokens (calculate_per_token_loss); microbatch_tokens: the positions of one
-        micro-batch (micro-batch size x sequence length), by which the routers' losses
-        are then scaled back."""
+        tokens (calculate_per_token_loss); microbatch_tokens, needed then: the positions
+        of one micro-batch (micro-batch size x sequence length), by which the routers'
+        losses are scaled back."""
+        if per_token and not microbatch_tokens:
+            raise ValueError(
+                "MoEStep(per_token=True) needs microbatch_tokens (micro-batch size x "
+                "sequence length), by which the routers' losses are scaled back"
+            )
         self.routers = moe.routers_of(chunks)
         # With per_layer: each router's layer number, and how many layers are logged.
         self.router_layers = router_layers(chunks, model_config) if per_layer else None
