@@ -3,7 +3,7 @@
     uv run python ci/sweep_layouts.py                   # every group (about 3 minutes)
     uv run python ci/sweep_layouts.py moe deepseek      # some groups
     uv run python ci/sweep_layouts.py --list            # the groups and their layouts
-    uv run python ci/sweep_layouts.py --with "--calculate-per-token-loss"   # every run
+    uv run python ci/sweep_layouts.py --with="--calculate-per-token-loss"   # every run
 
 Each group is a tiny model (apps/gpt's tiny configs, fp32, dropout 0, mock data; the sft
 groups on packed chat conversations, each attending to itself alone) trained 3
