@@ -4,6 +4,7 @@
     uv run python ci/sweep_layouts.py moe deepseek      # some groups
     uv run python ci/sweep_layouts.py --list            # the groups and their layouts
     uv run python ci/sweep_layouts.py --with="--calculate-per-token-loss"   # every run
+    uv run python ci/sweep_layouts.py --resume          # checkpoints across layouts
 
 Each group is a tiny model (apps/gpt's tiny configs, fp32, dropout 0, mock data; the sft
 groups on packed chat conversations, each attending to itself alone) trained 3
@@ -15,13 +16,19 @@ run, the one-rank ones included, to cross a feature with every layout. The gradi
 is what shows a gradient scaled wrongly: Adam's update hardly changes when one
 parameter's gradient is scaled, so the losses alone would not.
 
+--resume checks checkpoints across layouts instead: the one-rank run trains 4 iterations,
+saving at 2 and 4; each layout trains 2 iterations and saves, that checkpoint resumes on
+one rank, and the one-rank run's save of iteration 2 resumes at the layout. Both resumed
+runs' iterations 3 and 4, and their evaluations, must be the one-rank run's.
+
 The tests check a representative layout of each feature; this crosses them (8 ranks
 where it takes them) and is run by hand after a change to the groups, the schedules, the
 optimizers or the sharding. It found the distributed optimizer's tied-embedding buckets,
 FSDP's expert gradients over a group of one, the uneven pipeline split refused at three
-stages, and the validation iterators missing with virtual stages on ranks that read no
-data (mp-optim's and mp-train's CHANGELOGs). Exit status 1 when a layout differs or
-fails.
+stages, the validation iterators missing with virtual stages on ranks that read no
+data, and FSDP's checkpoints saved after an evaluation without the optimizer state of the
+parameters it had left gathered (mp-optim's and mp-train's CHANGELOGs). Exit status 1
+when a layout differs or fails.
 """
 
 from __future__ import annotations
@@ -59,6 +66,8 @@ EP2 = ["--expert-model-parallel-size", "2"]
 EP4 = ["--expert-model-parallel-size", "4"]
 DISTOPT = ["--use-distributed-optimizer"]
 OVERLAP = ["--overlap-grad-reduce", "--overlap-param-gather", "--ddp-bucket-size", "20000"]
+# --resume: 4 iterations, saved every 2, evaluated at 2 and 4 (and the test split's at the end)
+RESUME_RUN = [*RUN, "--train-iters", "4", "--save-interval", "2"]
 ZERO3 = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params"]
 ZERO2 = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads"]
 
@@ -188,17 +197,40 @@ def _difference(got: list[tuple], want: list[tuple]) -> float:
     return max(abs(a - b) / abs(b) for g, w in pairs for a, b in zip(g, w, strict=True))
 
 
-def sweep(groups: list[str], folder: Path, extra: list[str] = (), tolerance: float = TOLERANCE
-          ) -> int:  # fmt: skip
+def _resumed(group: str, options, own: list[str], ranks: int, flags: list[str], want: list,
+             run_dir: Path) -> float:  # fmt: skip
+    """Resumes across the layout both ways, against the one-rank run's last two iterations
+    and its evaluations from the second on: trained 2 iterations at the layout, saved and
+    resumed on one rank; then the one-rank run's iteration-2 checkpoint (in the folder
+    "one" beside run_dir) resumed at the layout. The larger difference of the two."""
+    saved, on_one, at_layout = (
+        run_dir.with_name(f"{run_dir.name}-{part}") for part in ("saved", "on-one", "at-layout")
+    )
+    _curve(group, ranks, options(saved, *RESUME_RUN, *own, *flags, "--save", str(saved / "ckpt"),
+                                 "--exit-interval", "2"), saved)  # fmt: skip
+    tail = want[2:4] + want[5:]
+    got = _curve(group, 1, options(on_one, *RESUME_RUN, *own, "--load", str(saved / "ckpt")),
+                 on_one)  # fmt: skip
+    worst = _difference(got, tail)
+    checkpoint = run_dir.parent / "one" / "ckpt"
+    got = _curve(group, ranks, options(at_layout, *RESUME_RUN, *own, *flags, "--load",
+                                       str(checkpoint), "--ckpt-step", "2"), at_layout)  # fmt: skip
+    return max(worst, _difference(got, tail))
+
+
+def sweep(groups: list[str], folder: Path, extra: list[str] = (), tolerance: float = TOLERANCE,
+          resume: bool = False) -> int:  # fmt: skip
     """Runs each group's layouts (with `extra` flags in every run); how many differ or
-    failed, a group whose one-rank run fails counting all its layouts."""
+    failed, a group whose one-rank run fails counting all its layouts. With `resume`, each
+    layout's checkpoints resume on one rank and one rank's at the layout (_resumed)."""
     failed = 0
     for group in groups:
         options, own, layouts = GROUPS[group]
         own = [*own, *extra]
         one = folder / group / "one"
+        reference = [*RESUME_RUN, "--save", str(one / "ckpt")] if resume else RUN
         try:
-            want = _curve(group, 1, options(one, *RUN, *own), one)
+            want = _curve(group, 1, options(one, *reference, *own), one)
         except Exception as error:  # refused or failed at one rank: no reference to compare
             detail = str(error).strip().splitlines()[-1][:300]
             print(f"{group:14} {'one rank':48} 1 ranks          FAILED  {detail}", flush=True)
@@ -208,8 +240,11 @@ def sweep(groups: list[str], folder: Path, extra: list[str] = (), tolerance: flo
             run_dir = folder / group / str(index)
             start = time.monotonic()
             try:
-                got = _curve(group, ranks, options(run_dir, *RUN, *own, *flags), run_dir)
-                worst = _difference(got, want)
+                if resume:
+                    worst = _resumed(group, options, own, ranks, flags, want, run_dir)
+                else:
+                    got = _curve(group, ranks, options(run_dir, *RUN, *own, *flags), run_dir)
+                    worst = _difference(got, want)
                 verdict = "ok" if worst <= tolerance else "DIFFERS"
                 detail = f"largest difference {worst:.1e}"
             except Exception as error:  # a refusal or a failed rank: reported, the sweep goes on
@@ -238,6 +273,10 @@ def main(argv: list[str] | None = None) -> int:
         "--tolerance", type=float, default=TOLERANCE,
         help=f"the largest relative difference that passes ({TOLERANCE:g})",
     )  # fmt: skip
+    parser.add_argument(
+        "--resume", action="store_true",
+        help="resume each layout's checkpoint on one rank and one rank's at the layout",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     unknown = [g for g in args.groups if g not in GROUPS]
     if unknown:
@@ -249,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{group:14} {layout:48} {ranks} ranks")
         return 0
     with TemporaryDirectory(prefix="mp-sweep-") as folder:
-        failed = sweep(groups, Path(folder), shlex.split(args.extra), args.tolerance)
+        failed = sweep(groups, Path(folder), shlex.split(args.extra), args.tolerance, args.resume)
     print(f"{failed} of {sum(len(GROUPS[g][2]) for g in groups)} layouts differ or failed")
     return 1 if failed else 0
 

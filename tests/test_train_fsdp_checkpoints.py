@@ -3,17 +3,16 @@ reverse, optimizer state included (apps/gpt's tiny config, fp32, 4 iterations, s
 iteration 2).
 
 A checkpoint saved under ZeRO-3 at DP4 (written in the background, `--ckpt-format
-fsdp_dtensor`; the uninterrupted run's save of iteration 2) resumes at TP2 x DP2 with
-DDP and at DP2 with the distributed optimizer;
-checkpoints saved at those two layouts resume under ZeRO-3 and ZeRO-2 at DP4. Iterations
-3 and 4 of every resumed run have the losses and gradient norms of the ZeRO-3 run that
-never stopped (1e-5 relative; the layouts' own curves agree that closely, see
-test_train_fsdp.py). In bf16, where each rank's shards are the fp32 main parameters and
-the checkpoint keeps the model's bf16 weights beside them: a ZeRO-3 run resumed at its own
-layout continues the uninterrupted curve exactly, and the same checkpoint resumes at DP2
-with the distributed optimizer (its fp32 main parameters loaded). A ZeRO-3 checkpoint of
-DP2 x PP2 x VPP2 (two FSDP2 roots per rank) resumes at its own layout and under DDP at
-TP2 x DP2."""
+fsdp_dtensor`, just after an evaluation; the uninterrupted run's save of iteration 2)
+resumes at TP2 x DP2 with DDP and at DP2 with the distributed optimizer; checkpoints
+saved at those two layouts resume under ZeRO-3 and ZeRO-2 at DP4. Iterations 3 and 4 of
+every resumed run have the losses and gradient norms of the ZeRO-3 run that never stopped
+(1e-5 relative; the layouts' own curves agree that closely, see test_train_fsdp.py). In
+bf16, where each rank's shards are the fp32 main parameters and the checkpoint keeps the
+model's bf16 weights beside them: a ZeRO-3 run resumed at its own layout continues the
+uninterrupted curve exactly, and the same checkpoint resumes at DP2 with the distributed
+optimizer (its fp32 main parameters loaded). A ZeRO-3 checkpoint of DP2 x PP2 x VPP2 (two
+FSDP2 roots per rank) resumes at its own layout and under DDP at TP2 x DP2."""
 
 import shutil
 from pathlib import Path
@@ -55,8 +54,10 @@ def resumed(tmp_path: Path, name: str, saved: Path, ranks: int, *extra: str) -> 
 
 def test_zero3_checkpoints_load_under_ddp_and_the_distributed_optimizer_and_back(tmp_path):
     # The run that never stops saves at iterations 2 and 4: its save of iteration 2 is
-    # ZeRO-3's checkpoint to resume from elsewhere.
-    zero3 = [*ZERO3, "--async-save", "--ckpt-format", "fsdp_dtensor"]
+    # ZeRO-3's checkpoint to resume from elsewhere. It evaluates just before each save,
+    # which once left the root's parameters gathered and its optimizer state unsaved.
+    zero3 = [*ZERO3, "--async-save", "--ckpt-format", "fsdp_dtensor", "--eval-interval", "2",
+             "--eval-iters", "1"]  # fmt: skip
     whole = train(tmp_path / "zero3", 4, tmp_path / "zero3" / "ckpt", *zero3)
     want = whole[2:]
     stop = ["--exit-interval", "2"]

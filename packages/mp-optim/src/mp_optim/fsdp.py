@@ -170,6 +170,21 @@ class FullyShardedDataParallel(ChunkWrapper):
                               if id(p) in self._shard_of]  # fmt: skip
         """Shards over a group of one: finish_grad_sync divides their gradients by dp."""
 
+    def forward(self, *args, **kwargs):
+        output = self.module(*args, **kwargs)
+        if not torch.is_grad_enabled():
+            # No backward follows to free what the forward gathered (evaluation): the
+            # root, and with ZeRO-2 every unit, would stay whole, their parameters plain
+            # tensors the optimizer and the checkpoint do not know.
+            self.reshard()
+        return output
+
+    def reshard(self) -> None:
+        """Shards every gathered parameter again, as between steps (FSDP2's reshard of
+        each sharded module; nothing where all are sharded)."""
+        for sharded in self._fsdp_modules():
+            sharded.reshard()
+
     # --- the training loop's calls (as DistributedDataParallel's) ---------------------------
 
     @contextlib.contextmanager
@@ -189,8 +204,7 @@ class FullyShardedDataParallel(ChunkWrapper):
     def finish_grad_sync(self) -> None:
         """After the last backward: every parameter sharded again, its reduced gradient
         in its shard's `.main_grad`."""
-        for sharded in self._fsdp_modules():
-            sharded.reshard()
+        self.reshard()
         with torch.no_grad():
             for shard, persistent in zip(self.shards, self._grads, strict=True):
                 grad = shard.param.grad
@@ -259,7 +273,9 @@ class FullyShardedDataParallel(ChunkWrapper):
         """(key, piece, parameter, offset) for every piece of the module's
         sharded_state_dict as the whole (unsharded) parameters give it: the piece's data
         is a view of a meta tensor standing in for `parameter` (the sharded one), starting
-        at element `offset` of it; for a buffer's piece, parameter is None."""
+        at element `offset` of it; for a buffer's piece, parameter is None. Gathered
+        parameters are sharded again first (reshard)."""
+        self.reshard()
         stand_ins: dict[int, torch.nn.Parameter] = {}
         swapped = []
         for module in self.module.modules():

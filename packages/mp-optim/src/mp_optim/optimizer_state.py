@@ -191,8 +191,7 @@ def _described_states(
     """(key, piece, writer) for every state tensor piece of this rank."""
     flat = optimizer.distributed or optimizer.fully_sharded  # each rank holds flat ranges
     for chunk in optimizer.model_chunks:
-        params = [p for p in chunk.module.parameters() if p in optimizer.shards]
-        for piece, param, offset in _model_pieces(chunk, params):
+        for piece, param, offset in _model_pieces(chunk, optimizer.shards):
             for shard in optimizer.shards[param]:
                 dp = optimizer.expert_dp_group if shard.expert_parallel else optimizer.dp_group
                 names = STATE_NAMES[_kind(optimizer, shard.main_param)]
@@ -226,14 +225,16 @@ def _described_states(
                         )
 
 
-def _model_pieces(chunk, params: list[torch.nn.Parameter]):
-    """(piece, parameter, element offset of the piece's view in the parameter)."""
+def _model_pieces(chunk, owned: dict):
+    """(piece, parameter, element offset of the piece's view in the parameter) for the
+    chunk's parameters among `owned`'s keys."""
     if hasattr(chunk, "piece_layout"):  # FSDP: the pieces as the whole parameters give them
-        wanted = {id(p) for p in params}
+        # (its parameters listed only now: piece_layout shards gathered ones again first)
         for _, piece, param, offset in chunk.piece_layout():
-            if id(param) in wanted:
+            if param is not None and param in owned:
                 yield piece, param, offset
         return
+    params = [p for p in chunk.module.parameters() if p in owned]
     module = chunk.module
     if hasattr(module, "sharded_state_dict"):
         pieces = chunk.sharded_state_dict()
