@@ -1,6 +1,7 @@
 """Evaluation runs and reports what it measured; with eval_iters=0 there is none (Megatron's
 do_valid and do_test), and no empty "validation |" line. The test split (mock data has
-one) is evaluated once, at the end, from its start."""
+one) is evaluated once, at the end, from its start. An evaluation leaves the training
+curve as it was."""
 
 from pathlib import Path
 
@@ -280,3 +281,25 @@ def test_the_log_lines_time_leaves_out_set_up_evaluations_and_saves(tmp_path):
     argv = [*ARGV, "--train-iters", "2", "--log-interval", "2", "--eval-interval", "1",
             "--eval-iters", "1", "--save", str(tmp_path), "--save-interval", "1"]  # fmt: skip
     assert run_on_ranks(first_interval_ms, 1, argv, timeout=120)[0] < 500
+
+
+@pytest.mark.multirank
+def test_evaluations_leave_the_training_curve_alone(tmp_path):
+    # Dropout (eval mode must draw no random numbers) and the MoE router's expert bias
+    # (updated from the tokens each expert got in training, not in evaluation): the
+    # training losses and gradient norms with an evaluation after every iteration are
+    # those without any, bitwise.
+    from mp_gpt.testing import metrics_records, tiny_moe_options, train_on_rank
+
+    flags = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1",
+             "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+             "--moe-router-bias-update-rate", "0.01"]  # fmt: skip
+    curves = []
+    for name, evaluations in (("every", ["--eval-interval", "1", "--eval-iters", "2"]),
+                              ("none", ["--eval-interval", "none"])):  # fmt: skip
+        run_dir = tmp_path / name
+        run_on_ranks(train_on_rank, 1, tiny_moe_options(run_dir, *flags, *evaluations),
+                     timeout=120)  # fmt: skip
+        curves.append([(r["lm loss"], r["grad_norm"]) for r in metrics_records(run_dir)])
+    assert len(curves[0]) == 4
+    assert curves[0] == curves[1]
