@@ -5,6 +5,7 @@
     uv run python ci/sweep_layouts.py --list            # the groups and their layouts
     uv run python ci/sweep_layouts.py --with="--calculate-per-token-loss"   # every run
     uv run python ci/sweep_layouts.py --resume          # checkpoints across layouts
+    uv run python ci/sweep_layouts.py --resume-here --tolerance 0 --with="--hidden-dropout 0.1"
 
 Each group is a tiny model (apps/gpt's tiny configs, fp32, dropout 0, mock data; the sft
 groups on packed chat conversations, each attending to itself alone) trained 3
@@ -20,6 +21,9 @@ parameter's gradient is scaled, so the losses alone would not.
 saving at 2 and 4; each layout trains 2 iterations and saves, that checkpoint resumes on
 one rank, and the one-rank run's save of iteration 2 resumes at the layout. Both resumed
 runs' iterations 3 and 4, and their evaluations, must be the one-rank run's.
+--resume-here resumes each layout's own save of iteration 2 at the layout against that
+run's iterations 3 and 4 (no one-rank run): with --tolerance 0 and dropout, that each rank
+takes back its random streams and the data where it stopped.
 
 The tests check a representative layout of each feature; this crosses them (8 ranks
 where it takes them) and is run by hand after a change to the groups, the schedules, the
@@ -218,19 +222,34 @@ def _resumed(group: str, options, own: list[str], ranks: int, flags: list[str], 
     return max(worst, _difference(got, tail))
 
 
+def _resumed_here(group: str, options, own: list[str], ranks: int, flags: list[str],
+                  run_dir: Path) -> float:  # fmt: skip
+    """A layout's own 4 iterations (saved at 2 and 4) against its save of iteration 2
+    resumed at the layout: iterations 3 and 4 and the evaluations from the second on."""
+    whole = _curve(group, ranks, options(run_dir, *RESUME_RUN, *own, *flags, "--save",
+                                         str(run_dir / "ckpt")), run_dir)  # fmt: skip
+    again = run_dir.with_name(f"{run_dir.name}-resumed")
+    saved = ["--load", str(run_dir / "ckpt"), "--ckpt-step", "2"]
+    got = _curve(group, ranks, options(again, *RESUME_RUN, *own, *flags, *saved), again)
+    return _difference(got, whole[2:4] + whole[5:])
+
+
 def sweep(groups: list[str], folder: Path, extra: list[str] = (), tolerance: float = TOLERANCE,
-          resume: bool = False) -> int:  # fmt: skip
+          mode: str = "curve") -> int:  # fmt: skip
     """Runs each group's layouts (with `extra` flags in every run); how many differ or
-    failed, a group whose one-rank run fails counting all its layouts. With `resume`, each
-    layout's checkpoints resume on one rank and one rank's at the layout (_resumed)."""
+    failed, a group whose one-rank run fails counting all its layouts. mode "curve"
+    compares each layout's curve with one rank's; "resume" resumes each layout's
+    checkpoint on one rank and one rank's at the layout (_resumed); "here" resumes each
+    layout's checkpoint at the layout (_resumed_here)."""
     failed = 0
     for group in groups:
         options, own, layouts = GROUPS[group]
         own = [*own, *extra]
         one = folder / group / "one"
-        reference = [*RESUME_RUN, "--save", str(one / "ckpt")] if resume else RUN
+        reference = [*RESUME_RUN, "--save", str(one / "ckpt")] if mode == "resume" else RUN
         try:
-            want = _curve(group, 1, options(one, *reference, *own), one)
+            want = None if mode == "here" else _curve(group, 1, options(one, *reference, *own),
+                                                      one)  # fmt: skip
         except Exception as error:  # refused or failed at one rank: no reference to compare
             detail = str(error).strip().splitlines()[-1][:300]
             print(f"{group:14} {'one rank':48} 1 ranks          FAILED  {detail}", flush=True)
@@ -240,8 +259,10 @@ def sweep(groups: list[str], folder: Path, extra: list[str] = (), tolerance: flo
             run_dir = folder / group / str(index)
             start = time.monotonic()
             try:
-                if resume:
+                if mode == "resume":
                     worst = _resumed(group, options, own, ranks, flags, want, run_dir)
+                elif mode == "here":
+                    worst = _resumed_here(group, options, own, ranks, flags, run_dir)
                 else:
                     got = _curve(group, ranks, options(run_dir, *RUN, *own, *flags), run_dir)
                     worst = _difference(got, want)
@@ -273,9 +294,14 @@ def main(argv: list[str] | None = None) -> int:
         "--tolerance", type=float, default=TOLERANCE,
         help=f"the largest relative difference that passes ({TOLERANCE:g})",
     )  # fmt: skip
-    parser.add_argument(
-        "--resume", action="store_true",
+    resume = parser.add_mutually_exclusive_group()
+    resume.add_argument(
+        "--resume", dest="mode", action="store_const", const="resume", default="curve",
         help="resume each layout's checkpoint on one rank and one rank's at the layout",
+    )  # fmt: skip
+    resume.add_argument(
+        "--resume-here", dest="mode", action="store_const", const="here",
+        help="resume each layout's checkpoint at the layout, against its own run",
     )  # fmt: skip
     args = parser.parse_args(argv)
     unknown = [g for g in args.groups if g not in GROUPS]
@@ -288,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{group:14} {layout:48} {ranks} ranks")
         return 0
     with TemporaryDirectory(prefix="mp-sweep-") as folder:
-        failed = sweep(groups, Path(folder), shlex.split(args.extra), args.tolerance, args.resume)
+        failed = sweep(groups, Path(folder), shlex.split(args.extra), args.tolerance, args.mode)
     print(f"{failed} of {sum(len(GROUPS[g][2]) for g in groups)} layouts differ or failed")
     return 1 if failed else 0
 
