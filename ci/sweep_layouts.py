@@ -45,7 +45,9 @@ import time
 from pathlib import Path
 from tempfile import TemporaryDirectory
 
-from mp_data import write_chat_corpus, write_chat_tokenizer
+import numpy as np
+
+from mp_data import IndexedDatasetBuilder, write_chat_corpus, write_chat_tokenizer
 from mp_gpt.config_files import config_path
 from mp_gpt.testing import (
     GIVEN_PEAK,
@@ -117,6 +119,37 @@ def _sft(config: str):
     return options
 
 
+def _blend(config: str):
+    """Options of a tiny config trained on a blend of two indexed corpora (made once, in the
+    sweep's folder; documents of 20 to 90 tokens, NullTokenizer's ids), split 90/5/5:
+    the datasets, their blend and the sampler as a run on files reads them."""
+
+    def options(run_dir: Path, *extra: str) -> list[str]:
+        data = run_dir.parent.parent / "blend"  # the sweep's folder / group / run
+        if not (data / "b.idx").exists():
+            data.mkdir(parents=True, exist_ok=True)
+            for seed, name in enumerate("ab"):
+                _corpus(str(data / name), seed, 300)
+        return [
+            *_run(config, run_dir), "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000",
+            "--make-vocab-size-divisible-by", "512", "--data-path", "0.3", str(data / "a"),
+            "0.7", str(data / "b"), "--split", "90,5,5", "--data-cache-path",
+            str(run_dir / "cache"), *extra,
+        ]  # fmt: skip
+
+    return options
+
+
+def _corpus(prefix: str, seed: int, documents: int) -> None:
+    """An indexed corpus of random documents, each ending with NullTokenizer's EOD (999)."""
+    rng = np.random.default_rng(seed)
+    with IndexedDatasetBuilder(prefix + ".bin", np.int32) as builder:
+        for _ in range(documents):
+            builder.add_item(np.append(rng.integers(0, 999, rng.integers(20, 90)), 999))
+            builder.end_document()
+        builder.finalize(prefix + ".idx")
+
+
 # group -> (options(run_dir, *extra), the group's own flags, [(layout, ranks, flags)])
 GROUPS = {
     "dense": (tiny_options, [], [
@@ -167,6 +200,13 @@ GROUPS = {
         ("tp2+sp x pp2 x dp2, distopt", 8, [*TP2, *PP2, *DISTOPT]),
         ("pp2 x vpp2 x dp2, zero2", 4, [*VPP2, *ZERO2]),
         ("zero3 x tp2+sp x dp2", 4, [*ZERO3, *TP2]),
+    ]),
+    # two indexed corpora blended, documents marked by EOD: each attends to itself alone
+    "blend": (_blend("tiny.yaml"), ["--reset-attention-mask", "--reset-position-ids",
+                                    "--eod-mask-loss"], [
+        ("tp2+sp x pp2 x dp2, distopt", 8, [*TP2, *PP2, *DISTOPT]),
+        ("pp2 x vpp2 x dp2, zero2", 4, [*VPP2, *ZERO2]),
+        ("cp2 x dp2, zero3", 4, [*CP2, *ZERO3]),
     ]),
     "sft-deepseek": (_sft("tiny-deepseek-v3.yaml"), [], [
         ("tp2+sp x pp2 x ep2", 8, [*TP2, *PP2, *EP2]),

@@ -1,5 +1,7 @@
 """TransformerConfig: defaults and every validation rule."""
 
+import warnings
+
 import pytest
 import torch
 
@@ -122,6 +124,18 @@ def test_rules_that_depend_on_the_tensor_parallel_size(kwargs, tp, message):
     config = TransformerConfig(**(BASE | kwargs))
     with pytest.raises(ValueError, match=message):
         config.check_parallel(tp)
+
+
+def test_moe_fields_given_to_a_dense_model_are_named_as_changing_nothing():
+    # Megatron-LM accepts them without experts; the ones that would make a model a MoE
+    # one (a shared expert, a capacity, the aux loss, ...) are refused above.
+    with pytest.warns(UserWarning, match=r"^moe_router_topk=4, moe_token_dispatcher_type="
+                      r"'alltoall' without num_moe_experts: .* change nothing"):  # fmt: skip
+        TransformerConfig(**BASE, moe_router_topk=4, moe_token_dispatcher_type="alltoall")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        TransformerConfig(**BASE)  # every MoE field at its default: nothing to say
+        TransformerConfig(**BASE, num_moe_experts=4, moe_router_topk=4)
 
 
 def test_valid_layouts_pass():

@@ -6,7 +6,8 @@ value."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import warnings
+from dataclasses import MISSING, dataclass, field, fields
 from typing import TYPE_CHECKING, Literal
 
 from mp_layers.config_rules import choice, left_default, positive
@@ -159,11 +160,31 @@ _MOE_DEFAULTS = {
 """Fields that mean something only in a MoE model: set without num_moe_experts, refused."""
 
 
+def _unused_moe_fields(config: TransformerConfig) -> list[str]:
+    """The other MoE fields (name=value) a dense model was given away from their defaults."""
+    given = []
+    for item in fields(MoeConfig):
+        if item.name in _MOE_DEFAULTS or not item.name.startswith("moe_"):
+            continue
+        default = item.default_factory() if item.default is MISSING else item.default
+        value = getattr(config, item.name)
+        if value != default:
+            given.append(f"{item.name}={value!r}")
+    return given
+
+
 def check_moe(config: TransformerConfig) -> None:
     """Fills moe_ffn_hidden_size and checks the MoE fields; a dense model must leave them."""
     _one_balancing_loss(config)
     if config.num_moe_experts is None:
         left_default(config, {**_MOE_DEFAULTS, "moe_ffn_hidden_size": None}, "num_moe_experts")
+        unused = _unused_moe_fields(config)
+        if unused:
+            warnings.warn(
+                f"{', '.join(unused)} without num_moe_experts: a dense model has no MoE layer "
+                "to apply them to, so they change nothing (Megatron-LM accepts them there too)",
+                stacklevel=4,  # the caller of TransformerConfig(...)
+            )
         return
     positive("num_moe_experts", config.num_moe_experts)
     eps = config.moe_input_jitter_eps
