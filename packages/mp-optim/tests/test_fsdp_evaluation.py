@@ -30,24 +30,17 @@ class Unit(torch.nn.Module):
         return torch.tanh(self.linear(x))
 
 
-class Chunk(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.units = torch.nn.ModuleList(Unit() for _ in range(2))
-        self.head = torch.nn.Linear(8, 1)  # the root's own parameters
+class Chunk(torch.nn.Sequential):
+    """Two units, then a linear layer of the root's own."""
 
-    def forward(self, x):
-        for unit in self.units:
-            x = unit(x)
-        return self.head(x)
+    def __init__(self) -> None:
+        torch.manual_seed(0)
+        super().__init__(Unit(), Unit(), torch.nn.Linear(8, 1))
 
     def sharded_state_dict(self, prefix=""):
+        whole = {prefix + name: p for name, p in self.named_parameters()}
         return {
-            f"{prefix}{name}": ShardedTensor(
-                f"{prefix}{name}", p.data, tuple(p.shape), (0,) * p.dim()
-            )
-            for name, p in self.named_parameters()
+            k: ShardedTensor(k, p.data, tuple(p.shape), (0,) * p.dim()) for k, p in whole.items()
         }
 
 
@@ -77,8 +70,8 @@ def after_evaluation(strategy: str) -> tuple[list[str], dict, dict]:
 
 @pytest.mark.parametrize("strategy", ["optim_grads_params", "optim_grads"])
 def test_a_checkpoint_after_an_evaluation_holds_every_shard_and_its_state(strategy):
-    names = {"head.bias", "head.weight", "units.0.linear.bias", "units.0.linear.weight",
-             "units.1.linear.bias", "units.1.linear.weight"}  # fmt: skip
+    names = {"0.linear.bias", "0.linear.weight", "1.linear.bias", "1.linear.weight", "2.bias",
+             "2.weight"}  # fmt: skip
     held, states = set(), set()
     for rank, (whole, pieces, optimizer_pieces) in enumerate(
         run_on_ranks(after_evaluation, 2, strategy, timeout=120)
