@@ -8,7 +8,8 @@
     uv run python ci/sweep_layouts.py --resume-here --tolerance 0 --with="--hidden-dropout 0.1"
 
 Each group is a tiny model (apps/gpt's tiny configs, fp32, dropout 0, mock data; the sft
-groups on packed chat conversations, each attending to itself alone) trained 3
+groups on packed chat conversations and the blend group on two indexed corpora, each
+conversation or document attending to itself alone) trained 3
 iterations of 8 sequences, with two evaluations and the test split's at the end: once on
 one rank, then at each of its layouts on forked gloo ranks (mp_state.testing.run_on_ranks).
 A layout passes when every iteration's loss and gradient norm, and each evaluation's loss,
