@@ -65,6 +65,9 @@ TOLERANCE = 1e-5
 # waits for a peer gives up after a minute.
 RUN = ["--global-batch-size", "8", "--train-iters", "3", "--eval-interval", "2",
        "--eval-iters", "2", "--distributed-timeout-minutes", "1"]  # fmt: skip
+# --resume and --resume-here: 4 iterations, saved every 2, evaluated at 2 and 4 (and the
+# test split's at the end)
+RESUME_RUN = [*RUN, "--train-iters", "4", "--save-interval", "2"]
 TP2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
 PP2 = ["--pipeline-model-parallel-size", "2"]
 VPP2 = [*PP2, "--num-layers-per-virtual-pipeline-stage", "1"]
@@ -73,8 +76,6 @@ EP2 = ["--expert-model-parallel-size", "2"]
 EP4 = ["--expert-model-parallel-size", "4"]
 DISTOPT = ["--use-distributed-optimizer"]
 OVERLAP = ["--overlap-grad-reduce", "--overlap-param-gather", "--ddp-bucket-size", "20000"]
-# --resume: 4 iterations, saved every 2, evaluated at 2 and 4 (and the test split's at the end)
-RESUME_RUN = [*RUN, "--train-iters", "4", "--save-interval", "2"]
 ZERO3 = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params"]
 ZERO2 = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads"]
 
