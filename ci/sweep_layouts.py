@@ -5,6 +5,7 @@
     uv run python ci/sweep_layouts.py --list            # the groups and their layouts
     uv run python ci/sweep_layouts.py --with="--calculate-per-token-loss"   # every run
     uv run python ci/sweep_layouts.py --resume          # checkpoints across layouts
+    uv run python ci/sweep_layouts.py --export          # exports for transformers too
     uv run python ci/sweep_layouts.py --resume-here --tolerance 0 --with="--hidden-dropout 0.1"
 
 Each group is a tiny model (apps/gpt's tiny configs, fp32, dropout 0, mock data; the sft
@@ -22,6 +23,11 @@ parameter's gradient is scaled, so the losses alone would not.
 saving at 2 and 4; each layout trains 2 iterations and saves, that checkpoint resumes on
 one rank, and the one-rank run's save of iteration 2 resumes at the layout. Both resumed
 runs' iterations 3 and 4, and their evaluations, must be the one-rank run's.
+--export adds --export-hf-dir to every run: besides the curve, each layout's export (the
+model gathered from its shards at the end of training, as transformers reads it) must hold
+the files, config.json and tensors of one rank's, each tensor within EXPORT_TOLERANCE;
+some groups take flags that make their model one transformers has (EXPORT_FLAGS), the MTP
+group none (NOT_EXPORTED).
 --resume-here resumes each layout's own save of iteration 2 at the layout against that
 run's iterations 3 and 4 (no one-rank run): with --tolerance 0 and dropout, that each rank
 takes back its random streams and the data where it stopped.
@@ -39,6 +45,7 @@ when a layout differs or fails.
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import shlex
 import sys
@@ -47,6 +54,7 @@ from pathlib import Path
 from tempfile import TemporaryDirectory
 
 import numpy as np
+from safetensors.torch import load_file
 
 from mp_data import IndexedDatasetBuilder, write_chat_corpus, write_chat_tokenizer
 from mp_gpt.config_files import config_path
@@ -276,19 +284,89 @@ def _resumed_here(group: str, options, own: list[str], ranks: int, flags: list[s
     return _difference(got, whole[2:4] + whole[5:])
 
 
+EXPORT_TOLERANCE = 1e-4
+"""--export: the largest relative difference (a tensor's norm) between a layout's export and
+one rank's. Weights agree less closely than the curves: Adam's first steps divide each
+gradient by its own magnitude, so an element whose gradient is a sum that nearly cancels
+moves by what its rounding decides (7e-5 measured: Qwen3-Next's in_proj_ba at TP2 x PP2,
+whose export is the one-rank export of the same checkpoint bit for bit). A piece placed
+wrong, scaled or summed twice differs by far more."""
+
+EXPORT_FLAGS = {
+    # transformers' DeepSeek-V3 ranks an expert group by its 2 best scores, mp's router by
+    # topk // group_topk: 4 of 8 experts from 2 of 4 groups
+    "deepseek": ["--moe-router-topk", "4", "--norm-epsilon", "1e-6"],
+    "sft-deepseek": ["--moe-router-topk", "4", "--norm-epsilon", "1e-6"],
+    # transformers' Nemotron-H computes squared-ReLU MLPs
+    "hybrid": ["--squared-relu", "--position-embedding-type", "none"],
+}
+"""--export: each group's flags that make its model one transformers has."""
+
+NOT_EXPORTED = {"mtp": "transformers' Llama has no multi-token prediction layers"}
+
+
+def _export(run_dir: Path) -> list[str]:
+    return ["--export-hf-dir", str(run_dir / "hf")]
+
+
+def _exported_difference(got: Path, want: Path) -> float:
+    """The largest relative difference (a tensor's norm) between two Hugging Face
+    directories that must hold the same tensors: the same files, config.json equal, the
+    same tensor names, shapes and dtypes, or ValueError naming what differs."""
+    files = {p.name for p in got.iterdir()}, {p.name for p in want.iterdir()}
+    if files[0] != files[1]:
+        raise ValueError(f"export: files {sorted(files[0] ^ files[1])} in one directory only")
+    if json.loads((got / "config.json").read_text()) != json.loads(
+        (want / "config.json").read_text()
+    ):
+        raise ValueError("export: config.json differs")
+    tensors = [_safetensors(folder) for folder in (got, want)]
+    if tensors[0].keys() != tensors[1].keys():
+        raise ValueError(f"export: tensors {sorted(tensors[0].keys() ^ tensors[1].keys())} "
+                         "in one directory only")  # fmt: skip
+    worst = 0.0
+    for name, expected in tensors[1].items():
+        tensor = tensors[0][name]
+        if tensor.shape != expected.shape or tensor.dtype != expected.dtype:
+            raise ValueError(f"export: {name} is {tensor.dtype} {list(tensor.shape)}, one "
+                             f"rank's {expected.dtype} {list(expected.shape)}")  # fmt: skip
+        scale = expected.double().norm().item() or 1.0
+        worst = max(worst, (tensor.double() - expected.double()).norm().item() / scale)
+    return worst
+
+
+def _safetensors(folder: Path) -> dict:
+    found = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        found.update(load_file(path))
+    if not found:
+        raise ValueError(f"export: no safetensors in {folder}")
+    return found
+
+
 def sweep(groups: list[str], folder: Path, extra: list[str] = (), tolerance: float = TOLERANCE,
-          mode: str = "curve") -> int:  # fmt: skip
+          mode: str = "curve") -> tuple[int, int]:  # fmt: skip
     """Runs each group's layouts (with `extra` flags in every run); how many differ or
-    failed, a group whose one-rank run fails counting all its layouts. mode "curve"
-    compares each layout's curve with one rank's; "resume" resumes each layout's
-    checkpoint on one rank and one rank's at the layout (_resumed); "here" resumes each
-    layout's checkpoint at the layout (_resumed_here)."""
-    failed = 0
+    failed (a group whose one-rank run fails counting all its layouts), and how many
+    ran. mode "curve" compares each layout's curve with one rank's; "export" that too
+    and, each run exporting its model for transformers at the end, each layout's export
+    with one rank's (_exported_difference); "resume" resumes each layout's checkpoint on
+    one rank and one rank's at the layout (_resumed); "here" resumes each layout's
+    checkpoint at the layout (_resumed_here)."""
+    failed = ran = 0
     for group in groups:
         options, own, layouts = GROUPS[group]
         own = [*own, *extra]
+        if mode == "export":
+            if group in NOT_EXPORTED:
+                print(f"{group:14} skipped: {NOT_EXPORTED[group]}", flush=True)
+                continue
+            own = [*own, *EXPORT_FLAGS.get(group, [])]
+        ran += len(layouts)
         one = folder / group / "one"
         reference = [*RESUME_RUN, "--save", str(one / "ckpt")] if mode == "resume" else RUN
+        if mode == "export":
+            reference = [*RUN, *_export(one)]
         try:
             want = None if mode == "here" else _curve(group, 1, options(one, *reference, *own),
                                                       one)  # fmt: skip
@@ -301,22 +379,30 @@ def sweep(groups: list[str], folder: Path, extra: list[str] = (), tolerance: flo
             run_dir = folder / group / str(index)
             start = time.monotonic()
             try:
+                exported = None
                 if mode == "resume":
                     worst = _resumed(group, options, own, ranks, flags, want, run_dir)
                 elif mode == "here":
                     worst = _resumed_here(group, options, own, ranks, flags, run_dir)
+                elif mode == "export":
+                    argv = options(run_dir, *RUN, *own, *flags, *_export(run_dir))
+                    worst = _difference(_curve(group, ranks, argv, run_dir), want)
+                    exported = _exported_difference(run_dir / "hf", one / "hf")
                 else:
                     got = _curve(group, ranks, options(run_dir, *RUN, *own, *flags), run_dir)
                     worst = _difference(got, want)
-                verdict = "ok" if worst <= tolerance else "DIFFERS"
+                same = worst <= tolerance and (exported is None or exported <= EXPORT_TOLERANCE)
+                verdict = "ok" if same else "DIFFERS"
                 detail = f"largest difference {worst:.1e}"
+                if exported is not None:
+                    detail += f", export {exported:.1e}"
             except Exception as error:  # a refusal or a failed rank: reported, the sweep goes on
                 verdict, detail = "FAILED", str(error).strip().splitlines()[-1][:300]
             failed += verdict != "ok"
             seconds = time.monotonic() - start
             print(f"{group:14} {layout:48} {ranks} ranks {seconds:5.1f} s  {verdict:7} {detail}",
                   flush=True)  # fmt: skip
-    return failed
+    return failed, ran
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -342,6 +428,10 @@ def main(argv: list[str] | None = None) -> int:
         help="resume each layout's checkpoint on one rank and one rank's at the layout",
     )  # fmt: skip
     resume.add_argument(
+        "--export", dest="mode", action="store_const", const="export",
+        help="each run also exports its model for transformers: compare the exports too",
+    )  # fmt: skip
+    resume.add_argument(
         "--resume-here", dest="mode", action="store_const", const="here",
         help="resume each layout's checkpoint at the layout, against its own run",
     )  # fmt: skip
@@ -356,8 +446,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{group:14} {layout:48} {ranks} ranks")
         return 0
     with TemporaryDirectory(prefix="mp-sweep-") as folder:
-        failed = sweep(groups, Path(folder), shlex.split(args.extra), args.tolerance, args.mode)
-    print(f"{failed} of {sum(len(GROUPS[g][2]) for g in groups)} layouts differ or failed")
+        failed, ran = sweep(groups, Path(folder), shlex.split(args.extra), args.tolerance,
+                            args.mode)  # fmt: skip
+    print(f"{failed} of {ran} layouts differ or failed")
     return 1 if failed else 0
 
 
