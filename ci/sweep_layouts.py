@@ -218,6 +218,16 @@ GROUPS = {
         ("pp2 x vpp2 x dp2, zero2", 4, [*VPP2, *ZERO2]),
         ("cp2 x dp2, zero3", 4, [*CP2, *ZERO3]),
     ]),
+    # the global batch ramps up from 4 to 8 sequences over the first 8 samples (Megatron's
+    # --rampup-batch-size needs --train-samples): iterations of 4, 4, 8 and 8 sequences
+    "rampup": (tiny_options, ["--train-iters", "none", "--train-samples", "24",
+                              "--rampup-batch-size", "4", "4", "8", "--lr-warmup-iters", "0",
+                              "--lr-warmup-samples", "4"], [
+        ("dp2", 2, []),
+        ("tp2+sp x pp2 x dp2, distopt", 8, [*TP2, *PP2, *DISTOPT]),
+        ("pp2 x vpp2 x dp2, zero2", 4, [*VPP2, *ZERO2]),
+        ("cp2 x dp2, zero3", 4, [*CP2, *ZERO3]),
+    ]),
     "sft-deepseek": (_sft("tiny-deepseek-v3.yaml"), [], [
         ("tp2+sp x pp2 x ep2", 8, [*TP2, *PP2, *EP2]),
     ]),
