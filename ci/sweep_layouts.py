@@ -25,9 +25,10 @@ one rank, and the one-rank run's save of iteration 2 resumes at the layout. Both
 runs' iterations 3 and 4, and their evaluations, must be the one-rank run's.
 --export adds --export-hf-dir to every run: besides the curve, each layout's export (the
 model gathered from its shards at the end of training, as transformers reads it) must hold
-the files, config.json and tensors of one rank's, each tensor within EXPORT_TOLERANCE;
-some groups take flags that make their model one transformers has (EXPORT_FLAGS), the MTP
-group none (NOT_EXPORTED).
+the files, config.json and tensors of one rank's, each tensor within EXPORT_TOLERANCE, and
+mp-ckpt's export of the run's final checkpoint must be it bit for bit; some groups take
+flags that make their model one transformers has (EXPORT_FLAGS), the MTP group none
+(NOT_EXPORTED).
 --resume-here resumes each layout's own save of iteration 2 at the layout against that
 run's iterations 3 and 4 (no one-rank run): with --tolerance 0 and dropout, that each rank
 takes back its random streams and the data where it stopped.
@@ -56,6 +57,7 @@ from tempfile import TemporaryDirectory
 import numpy as np
 from safetensors.torch import load_file
 
+from mp_ckpt import export_hf
 from mp_data import IndexedDatasetBuilder, write_chat_corpus, write_chat_tokenizer
 from mp_gpt.config_files import config_path
 from mp_gpt.testing import (
@@ -316,7 +318,18 @@ NOT_EXPORTED = {"mtp": "transformers' Llama has no multi-token prediction layers
 
 
 def _export(run_dir: Path) -> list[str]:
-    return ["--export-hf-dir", str(run_dir / "hf")]
+    """A run's export for transformers at the end (run_dir/hf), and its final save."""
+    return ["--export-hf-dir", str(run_dir / "hf"), "--save", str(run_dir / "ckpt")]
+
+
+def _exported_offline(run_dir: Path) -> None:
+    """The run's final checkpoint exported by mp-ckpt alone (reading the layout's shards
+    from disk) must be its export at the end of training, bit for bit."""
+    offline = run_dir / "hf-offline"
+    export_hf(run_dir / "ckpt", offline)
+    if _exported_difference(offline, run_dir / "hf") != 0.0:
+        raise ValueError("export: mp-ckpt export-hf of the final checkpoint differs from "
+                         "the run's own export")  # fmt: skip
 
 
 def _exported_difference(got: Path, want: Path) -> float:
@@ -398,6 +411,7 @@ def sweep(groups: list[str], folder: Path, extra: list[str] = (), tolerance: flo
                     argv = options(run_dir, *RUN, *own, *flags, *_export(run_dir))
                     worst = _difference(_curve(group, ranks, argv, run_dir), want)
                     exported = _exported_difference(run_dir / "hf", one / "hf")
+                    _exported_offline(run_dir)
                 else:
                     got = _curve(group, ranks, options(run_dir, *RUN, *own, *flags), run_dir)
                     worst = _difference(got, want)
