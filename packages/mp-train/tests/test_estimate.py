@@ -280,6 +280,28 @@ def test_activation_full_recompute():
     assert estimate(block, world_size=1)["activation_mb"] * MB == pytest.approx(expected)
 
 
+def test_full_recompute_with_a_chunk_of_the_embedding_or_the_loss_alone():
+    # L=4, t=2 + SP, p=2, the embedding and the loss counted as layers: 6 over v=3 chunks
+    # a stage, one each. Stage 0's chunks hold 0 (the embedding), 1 and 1 layers, stage
+    # 1's 1, 1 and 0 (the loss); the recompute groups are counted chunk by chunk.
+    parallel = {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2,
+                "virtual_pipeline_model_parallel_size": 3,
+                "account_for_embedding_in_pipeline_split": True,
+                "account_for_loss_in_pipeline_split": True}  # fmt: skip
+    for method in ("uniform", "block"):  # one layer a chunk: either keeps its input
+        config = make_config(gbs=4, parallel=parallel, num_layers=4, sequence_parallel=True,
+                             recompute_granularity="full", recompute_method=method,
+                             recompute_num_layers=1)  # fmt: skip
+        result = estimate(config, world_size=4)
+        # A layer keeps its input 2 sbh / t = 4096; the layer recomputed in backward stores
+        # (10 sbh + 24 sbh + 5 a s^2 b) / t = (139264 + 40960) / 2 = 90112. The last stage:
+        # 2 layers over 3 chunks, (v - 1) p + 1 = 5 chunks in flight: 4096 * 2/3 * 5 =
+        # 13653.3; the output layer (4sbh + 4sbV) / t = 40960: 144725.3 in all. (The first:
+        # (2 * 4096 * 2 + 4608) * (1 + 1/6) + 90112 = 114602.7.)
+        assert result["pipeline_stage"] == 1
+        assert result["activation_mb"] * MB == pytest.approx(4096 * 2 / 3 * 5 + 40960 + 90112)
+
+
 def test_interleaved_pipeline_penalty():
     # L=4, t=2, p=2, v=2, dp=1, B=4: m = 2; sequence parallel + selective; V = 256.
     parallel = {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2}

@@ -60,7 +60,7 @@ from mp_layers import (
 from mp_train.configuration.config import RunConfig
 from mp_train.estimate.hybrid import mamba_activation
 from mp_train.estimate.linear_attention import gdn_activation
-from mp_train.estimate.parameters import stage_layer_kinds
+from mp_train.estimate.parameters import stage_chunk_layers, stage_layer_kinds
 
 __all__ = ["activation_bytes", "mlp_width"]
 
@@ -115,13 +115,17 @@ def activation_bytes(
     layer = sum(layer_bytes(kind, moe) for kind, moe in kinds) / len(kinds) if kinds else 0.0
     transient = 0.0
     if granularity == "full" and kinds:
-        chunk = len(kinds) // (vpp or 1)  # layers of one model chunk
-        n = min(m.recompute_num_layers, chunk)
+        # each model chunk's layers (uneven where segments place them; none in a chunk of
+        # the embedding or the loss alone), recomputed chunk by chunk
+        chunks = [count for count in stage_chunk_layers(config, stage) if count]
+        groups = [min(m.recompute_num_layers, count) for count in chunks]
         checkpoint = stored(2 * sbh, 0)  # each recomputed group keeps only its input
-        if m.recompute_method == "uniform":
-            per_layer = checkpoint * math.ceil(chunk / n) / chunk
+        if m.recompute_method == "uniform":  # groups of n layers, each keeping its input
+            kept = sum(math.ceil(count / n) for count, n in zip(chunks, groups, strict=True))
+            per_layer = checkpoint * kept / len(kinds)
+            n = max(groups)
         else:  # block: the first n layers of each chunk, one layer at a time
-            per_layer = (n * checkpoint + (chunk - n) * layer) / chunk
+            per_layer = (sum(groups) * checkpoint + (len(kinds) - sum(groups)) * layer) / len(kinds)
             n = 1
         transient = n * layer  # the group being recomputed, one micro-batch
         layer = per_layer

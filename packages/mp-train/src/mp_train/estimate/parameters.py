@@ -213,20 +213,34 @@ def model_parameters(config: RunConfig, V: int) -> dict:
 def stage_layer_kinds(config: RunConfig, stage: int) -> list[tuple[str, bool]]:
     """(kind, whether MoE) of each layer of pipeline stage `stage` (all its virtual
     chunks), the kinds of mp_layers.hybrid_layer_kinds."""
-    m, parallel = config.model, config.parallel
-    vpp = parallel.virtual_pipeline_model_parallel_size
+    m = config.model
     pattern = list(zip(layer_kinds(m), m.moe_layer_pattern(), strict=True))
     kinds = []
+    for layers in _stage_chunks(config, stage):
+        kinds += pattern[layers.offset : layers.offset + layers.count]
+    return kinds
+
+
+def stage_chunk_layers(config: RunConfig, stage: int) -> list[int]:
+    """How many decoder layers each virtual chunk of pipeline stage `stage` holds, in chunk
+    order: uneven where segments place them (a chunk of the embedding or the loss alone
+    holds none)."""
+    return [layers.count for layers in _stage_chunks(config, stage)]
+
+
+def _stage_chunks(config: RunConfig, stage: int) -> list:
+    m, parallel = config.model, config.parallel
+    vpp = parallel.virtual_pipeline_model_parallel_size
+    chunks = []
     for chunk in range(vpp or 1):
-        layers = stage_layers(
+        chunks.append(stage_layers(
             m.num_layers, parallel.pipeline_model_parallel_size, stage,
             virtual_pipeline_model_parallel_size=vpp, vp_stage=chunk,
             num_layers_in_first_pipeline_stage=parallel.decoder_first_pipeline_num_layers,
             num_layers_in_last_pipeline_stage=parallel.decoder_last_pipeline_num_layers,
             segments=pipeline_segments(config),
-        )  # fmt: skip
-        kinds += pattern[layers.offset : layers.offset + layers.count]
-    return kinds
+        ))  # fmt: skip
+    return chunks
 
 
 def stage_parameters(config: RunConfig, V: int, stage: int) -> Held:
