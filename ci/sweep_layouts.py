@@ -318,8 +318,8 @@ NOT_EXPORTED = {"mtp": "transformers' Llama has no multi-token prediction layers
 
 
 def _export(run_dir: Path) -> list[str]:
-    """A run's export for transformers at the end (run_dir/hf), and its final save."""
-    return ["--export-hf-dir", str(run_dir / "hf"), "--save", str(run_dir / "ckpt")]
+    """A run's export for transformers at the end (run_dir/hf)."""
+    return ["--export-hf-dir", str(run_dir / "hf")]
 
 
 def _exported_offline(run_dir: Path) -> None:
@@ -387,9 +387,8 @@ def sweep(groups: list[str], folder: Path, extra: list[str] = (), tolerance: flo
             own = [*own, *EXPORT_FLAGS.get(group, [])]
         ran += len(layouts)
         one = folder / group / "one"
-        reference = [*RESUME_RUN, "--save", str(one / "ckpt")] if mode == "resume" else RUN
-        if mode == "export":
-            reference = [*RUN, *_export(one)]
+        reference = {"resume": [*RESUME_RUN, "--save", str(one / "ckpt")],
+                     "export": [*RUN, *_export(one)]}.get(mode, RUN)  # fmt: skip
         try:
             want = None if mode == "here" else _curve(group, 1, options(one, *reference, *own),
                                                       one)  # fmt: skip
@@ -408,7 +407,8 @@ def sweep(groups: list[str], folder: Path, extra: list[str] = (), tolerance: flo
                 elif mode == "here":
                     worst = _resumed_here(group, options, own, ranks, flags, run_dir)
                 elif mode == "export":
-                    argv = options(run_dir, *RUN, *own, *flags, *_export(run_dir))
+                    saved = ["--save", str(run_dir / "ckpt")]  # the final save, for mp-ckpt
+                    argv = options(run_dir, *RUN, *own, *flags, *_export(run_dir), *saved)
                     worst = _difference(_curve(group, ranks, argv, run_dir), want)
                     exported = _exported_difference(run_dir / "hf", one / "hf")
                     _exported_offline(run_dir)
