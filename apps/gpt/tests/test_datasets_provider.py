@@ -14,14 +14,17 @@ from mp_gpt.gpt import datasets_provider
 from mp_train import parse_config
 
 
-def test_mock_data_splits_evenly_as_megatron():
+def test_mock_data_splits_evenly_as_megatron(tmp_path):
+    settings = tmp_path / "run.yaml"  # its data path is not read under --mock-data
+    settings.write_text("data_path: [/nonexistent/corpus_text_document]\n")
     config = parse_config([
+        "--config", str(settings),
         "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
         "--seq-length", "32", "--micro-batch-size", "1", "--train-iters", "10", "--mock-data",
         "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000", "--split", "969,30,1",
-        "--data-path", "/nonexistent/corpus_text_document",  # a YAML file's, say: not read
         "--mid-level-dataset-surplus", "0.02", "--num-dataset-builder-threads", "3",
     ])  # fmt: skip
+    assert config.data.data_path == ["/nonexistent/corpus_text_document"]
     first_rank = SimpleNamespace(rank=0, size=1)
     run = SimpleNamespace(
         config=config,

@@ -112,7 +112,8 @@ def test_sft_refusals(tmp_path):
         (["--tokenizer-type", "NullTokenizer", "--vocab-size", "100"],
          "--sft with --tokenizer-type NullTokenizer"),
         (["--data-path", str(tmp_path / "missing.jsonl")], "missing.jsonl: no such file"),
-        (["--mock-data"], "reads JSONL conversations; --mock-data has none"),
+        (["--mock-data", "--data-path", "a"], "--mock-data and --data-path: give a single"),
+        (["--mock-data", "--data-path", "none"], "reads JSONL conversations; --mock-data has"),
     ]  # fmt: skip
     for extra, message in cases:
         environ = {"MP_RUN_DIR": "/nonexistent"}

@@ -98,8 +98,8 @@ def test_defaults_follow_megatron():
          "mamba_head_dim=48 does not divide the Mamba inner width 512"),
         (dict(bf16=True, fp16=True), "bf16=True and fp16=True are exclusive"),
         (dict(recompute_granularity="full"), "needs recompute_method"),
-        (dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=5),
-         r"recompute_num_layers=5 must be in 1\.\.num_layers=4"),
+        (dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=0),
+         r"recompute_num_layers=0 must be >= 1"),
         (dict(recompute_granularity="selective", recompute_method="block"),
          "apply only to recompute_granularity='full'"),
         (dict(recompute_method="diagonal"), "recompute_method='diagonal' must be one of"),
@@ -124,6 +124,19 @@ def test_rules_that_depend_on_the_tensor_parallel_size(kwargs, tp, message):
     config = TransformerConfig(**(BASE | kwargs))
     with pytest.raises(ValueError, match=message):
         config.check_parallel(tp)
+
+
+def test_moe_layer_recompute_is_selective_recompute_with_moe_added():
+    """As Megatron-LM's TransformerConfig reads its deprecated flag."""
+    moe = dict(BASE, num_moe_experts=4, moe_layer_recompute=True)
+    plain = TransformerConfig(**moe)
+    assert plain.recompute_granularity == "selective"
+    assert plain.recompute_modules == ["core_attn", "moe"]
+    given = TransformerConfig(**moe, recompute_granularity="selective", recompute_modules=["mlp"])
+    assert given.recompute_modules == ["mlp", "moe"]
+    with pytest.raises(ValueError, match="moe_layer_recompute=True with recompute_granularity"):
+        TransformerConfig(**moe, recompute_granularity="full", recompute_method="uniform",
+                          recompute_num_layers=1)  # fmt: skip
 
 
 def test_moe_fields_given_to_a_dense_model_are_named_as_changing_nothing():

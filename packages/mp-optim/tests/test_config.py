@@ -47,6 +47,10 @@ RULES = [
     ),
     (dict(start_weight_decay=-0.1, weight_decay_incr_style="linear"), "must be >= 0"),
     (
+        dict(start_weight_decay=0.0, weight_decay_incr_style="cosine"),
+        "weight_decay_incr_style='cosine' needs start_weight_decay and end_weight_decay",
+    ),
+    (
         dict(start_weight_decay=0.0, end_weight_decay=0.1),
         "weight_decay_incr_style='constant' needs start_weight_decay == end_weight_decay",
     ),

@@ -236,6 +236,10 @@ def test_a_step_batch_size_schedule_gives_the_global_batch():
         _validate(*VPP[:-2], "--step-batch-size-schedule", "0:4 64:6")
 
 
+# Per-split paths instead of BASE's mock data: one data source (Megatron-LM's rule).
+SPLITS = ["--no-mock-data", "--train-data-path", "t"]
+
+
 @pytest.mark.parametrize(("flags", "message"), [
     (["--multiple-validation-sets", "--valid-data-path", "a", "b"],
      r"^multiple_validation_sets needs full_validation"),
@@ -248,7 +252,7 @@ def test_a_step_batch_size_schedule_gives_the_global_batch():
 ])  # fmt: skip
 def test_the_validation_sets_rules(flags, message):
     with pytest.raises(ValueError, match=message):
-        _validate(*flags, world=1)
+        _validate(*SPLITS, *flags, world=1)
 
 
 def test_the_exit_signal_is_one_a_process_can_handle():

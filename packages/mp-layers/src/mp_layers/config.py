@@ -337,7 +337,8 @@ class TransformerConfig(
     """With full recompute: checkpoint groups of layers (uniform) or the first N layers (block)."""
 
     recompute_num_layers: int | None = None
-    """Layers per recompute group (uniform) or recomputed layers per stage (block)."""
+    """Layers per recompute group (uniform) or recomputed layers per stage (block); more
+    than a stage holds takes them all."""
 
     recompute_modules: list[str] | None = None
     """What selective recompute recomputes (Megatron's --recompute-modules): "core_attn"
@@ -357,7 +358,9 @@ class TransformerConfig(
     temporaries (its saved activations are the same). Refused in a MoE model."""
 
     moe_layer_recompute: bool = False
-    """Recompute each MoE layer in backward from its input (under a full recompute: no-op)."""
+    """Megatron-LM's deprecated switch for selective recompute with "moe" added to
+    recompute_modules (core attention, the default module, stays in); refused under a
+    full recompute, as in Megatron-LM."""
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_attention_heads"):
@@ -429,6 +432,7 @@ class TransformerConfig(
         if self.bf16 and self.fp16:
             raise ValueError("bf16=True and fp16=True are exclusive: choose one")
         check_fp8(self)
+        self._apply_moe_layer_recompute()
         self._check_recompute()
         check_moe(self)
         check_hybrid(self)
@@ -439,6 +443,19 @@ class TransformerConfig(
         """Whether selective recompute covers `module` (a name of recompute_modules)."""
         modules = ["core_attn"] if self.recompute_modules is None else self.recompute_modules
         return self.recompute_granularity == "selective" and module in modules
+
+    def _apply_moe_layer_recompute(self) -> None:
+        """Megatron-LM's reading of moe_layer_recompute (TransformerConfig)."""
+        if not self.moe_layer_recompute:
+            return
+        if self.recompute_granularity == "full":
+            raise ValueError("moe_layer_recompute=True with recompute_granularity='full': full "
+                             "recompute takes whole layers already (Megatron-LM refuses the "
+                             "pair)")  # fmt: skip
+        self.recompute_granularity = "selective"
+        modules = ["core_attn"] if self.recompute_modules is None else self.recompute_modules
+        if "moe" not in modules:
+            self.recompute_modules = [*modules, "moe"]
 
     def _check_recompute(self) -> None:
         granularity, method, n = (
@@ -454,10 +471,10 @@ class TransformerConfig(
                     "recompute_granularity='full' needs recompute_method ('uniform' or 'block') "
                     f"and recompute_num_layers, got {method!r} and {n!r}"
                 )
-            if not 1 <= n <= self.num_layers:
-                raise ValueError(
-                    f"recompute_num_layers={n} must be in 1..num_layers={self.num_layers}"
-                )
+            # Above a stage's layers it takes them all, as in Megatron-LM: "uniform" one
+            # group of the stage, "block" every layer of it.
+            if n < 1:
+                raise ValueError(f"recompute_num_layers={n} must be >= 1")
         elif method is not None or n is not None:
             raise ValueError(
                 f"recompute_method={method!r} and recompute_num_layers={n!r} apply only to "

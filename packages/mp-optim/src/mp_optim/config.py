@@ -243,7 +243,8 @@ class OptimizerConfig(MuonConfig):
     """Weight decay at the end of training; None: weight_decay."""
 
     weight_decay_incr_style: Literal["constant", "linear", "cosine"] = "constant"
-    """How weight decay goes from start_weight_decay to end_weight_decay."""
+    """How weight decay goes from start_weight_decay to end_weight_decay (both needed
+    unless constant, as in Megatron-LM)."""
 
     override_opt_param_scheduler: bool = False
     """Use this config's schedule, ignoring the one in a checkpoint."""
@@ -322,6 +323,13 @@ class OptimizerConfig(MuonConfig):
         start, end = self.start_wd, self.end_wd
         if start < 0 or end < 0:
             raise ValueError(f"start_weight_decay={start} and end_weight_decay={end} must be >= 0")
+        style = self.weight_decay_incr_style
+        if style != "constant" and None in (self.start_weight_decay, self.end_weight_decay):
+            raise ValueError(
+                f"weight_decay_incr_style={style!r} needs start_weight_decay and "
+                "end_weight_decay (as in Megatron-LM): without them the decay would stay at "
+                "weight_decay"
+            )
         if self.weight_decay_incr_style == "constant" and start != end:
             raise ValueError(
                 f"weight_decay_incr_style='constant' needs start_weight_decay == "

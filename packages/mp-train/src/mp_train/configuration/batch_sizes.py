@@ -89,10 +89,16 @@ def batch_schedule(config) -> list[tuple[int, int]] | None:
     training = config.training
     if training.step_batch_size_schedule is None:
         return None
-    for name in ("global_batch_size", "rampup_batch_size"):
+    # Megatron-LM refuses the schedule beside --global-batch-size, and ignores
+    # --rampup-batch-size (deprecated there); mp would ramp, so it refuses that pair too.
+    megatron = {
+        "global_batch_size": "Megatron-LM refuses the pair",
+        "rampup_batch_size": "Megatron-LM ignores rampup_batch_size beside it",
+    }
+    for name, why in megatron.items():
         if getattr(training, name) is not None:
             raise ValueError(f"step_batch_size_schedule with {name}: the schedule gives the "
-                             "global batch; drop one (Megatron-LM refuses the pair)")  # fmt: skip
+                             f"global batch; drop one ({why})")  # fmt: skip
     return parse_batch_schedule(training.step_batch_size_schedule, config.gpt.seq_length)
 
 

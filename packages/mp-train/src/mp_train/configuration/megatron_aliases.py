@@ -136,6 +136,10 @@ def take(given: dict[str, Any]) -> dict[str, Any]:
 
 def apply(flags: dict, given: dict, values: dict) -> None:
     """Sets the fields the alias flags stand for (after the options and the YAML file)."""
+    # Megatron-LM's TransformerConfig refuses the two MLPs at once.
+    if "swiglu" in flags and "squared_relu" in flags:
+        raise ValueError("--swiglu and --squared-relu each choose the MLP's activation: "
+                         "give one (Megatron-LM refuses both)")  # fmt: skip
     for flag, (part, name, value) in _SETS.items():
         if flag in flags:
             _set_from_flag(flag, part, name, value, given, values)

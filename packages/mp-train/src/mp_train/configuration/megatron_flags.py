@@ -226,6 +226,7 @@ def refuse(given: dict[str, Any]) -> None:
     for dest, (_, why) in REFUSED.items():
         if dest in given:
             raise ValueError(f"{_option(dest)}: {why}")
+    _refuse_two_data_sources(given)
     if "hybrid_layer_pattern" in given and "hybrid_override_pattern" in given:
         raise ValueError("--hybrid-override-pattern and --hybrid-layer-pattern: give one "
                          "(the first is the second's deprecated name; Megatron-LM refuses "
@@ -237,6 +238,26 @@ def refuse(given: dict[str, Any]) -> None:
             f"{_option(_MODEL_TYPE)} {model_type}: a hybrid model needs its layers, "
             "--hybrid-layer-pattern (M Mamba, * attention, - MLP, E MoE per layer)"
         )
+
+
+def _refuse_two_data_sources(given: dict[str, Any]) -> None:
+    """Megatron-LM's rule: one data source on the command line, mock data, a blend
+    (--data-path) or per-split paths. A --mock-data over a YAML file's data path stays a
+    way of trying that file's run without its data (docs/configuration.md)."""
+
+    def named(value) -> bool:  # a path, not "none" (the flag's way of clearing one)
+        words = value if isinstance(value, list) else [value]
+        return bool(value) and [str(w).lower() for w in words] not in (["none"], ["null"])
+
+    splits = ("train_data_path", "valid_data_path", "test_data_path")
+    sources = [flag for flag, given_one in (
+        ("--mock-data", given.get("mock_data")),
+        ("--data-path", named(given.get("data_path"))),
+        ("--train/valid/test-data-path", any(named(given.get(name)) for name in splits)),
+    ) if given_one]  # fmt: skip
+    if len(sources) > 1:
+        raise ValueError(f"{' and '.join(sources)}: give a single data source (as "
+                         "Megatron-LM asks)")  # fmt: skip
 
 
 def apply(given: dict[str, Any], values: dict[str, dict[str, Any]]) -> list[str]:

@@ -1,0 +1,133 @@
+"""mp refuses, before a run starts, the Megatron-LM command lines that Megatron-LM refuses,
+and accepts the ones it accepts (assets/megatron_refusals/cases.json, written by its
+generate.py with megatron-core 0.19.2: parse_args, validate_args, then the model's
+TransformerConfig). Where the two differ on purpose, DIFFERENCES says how and why.
+
+mp's verdict is mp_train.parse_config then mp_train.validate at the case's world size: a
+refusal is a one-line error (ValueError or ConfigError), or argparse's exit naming the
+flag."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from mp_train import parse_config, validate
+
+CASES = json.loads((Path(__file__).parent / "assets/megatron_refusals/cases.json").read_text())
+
+EARLIER = "earlier"
+"""mp refuses before the run what Megatron-LM's set-up takes and fails on later."""
+STRICTER = "stricter"
+"""mp refuses a value, or a flag, that Megatron-LM reads as another or ignores."""
+LIMITATION = "limitation"
+"""mp refuses what Megatron-LM runs: a feature mp lacks, named in the error."""
+EXTENSION = "extension"
+"""mp runs what Megatron-LM refuses."""
+
+DIFFERENCES: dict[str, tuple[str, str]] = {
+    # mp refuses; Megatron-LM's set-up takes it
+    "vpp-microbatches-not-a-multiple-of-pp": (EARLIER, "Megatron-LM's interleaved schedule "
+        "raises at the first step (schedules.py: the last group of micro-batches)"),
+    "moe-router-topk-above-experts": (EARLIER, "5 of 4 experts: the router's top-k has no "
+        "5 to pick at the first forward"),
+    "moe-layer-freq-list-of-wrong-length": (EARLIER, "Megatron-LM's layer specs assert the "
+        "pattern's length when they build the layers (gpt_layer_specs.py)"),
+    "gqa-groups-not-dividing-heads": (EARLIER, "4 query heads do not share 3 key/value "
+        "groups: no attention is built of it"),
+    "cp-a2a-with-heads-not-divisible": (EARLIER, "the all-to-all splits each rank's 2 "
+        "key/value heads over 4 context-parallel ranks at the first forward"),
+    "gated-delta-net-without-its-sizes": (EARLIER, "Megatron-LM's GatedDeltaNet asserts a "
+        "silu activation in its convolution (gated_delta_net/gdn.py), at the first forward"),
+    "rotary-percent-above-one": (STRICTER, "Megatron-LM shortens the rotary dimension only "
+        "below 1, so 1.5 rotates the whole head"),
+    "rampup-and-step-schedule": (STRICTER, "Megatron-LM ignores --rampup-batch-size "
+        "(deprecated there); mp ramps with it, and two batch schedules are one too many"),
+    "moe-without-sp-at-tp2": (EARLIER, "Megatron-LM's MoE layer raises at its first "
+        "training forward under tensor parallelism without sequence parallelism "
+        "(moe_layer.py)"),
+    "moe-ep-with-tp-without-sp": (EARLIER, "as moe-without-sp-at-tp2"),
+    "muon-with-fp16": (EARLIER, "Megatron-LM refuses Muon (an emerging optimizer) in fp16 "
+        "when it builds the optimizer"),
+    "apply-query-key-layer-scaling": (LIMITATION, "fp16's query-key layer scaling is not "
+        "implemented"),
+    "relative-positions": (LIMITATION, "T5's relative position bias is not implemented"),
+    "mla-without-rope": (LIMITATION, "Megatron-LM adds learned absolute positions to MLA's "
+        "own rotary channels; mp's MLA takes its rotary settings from "
+        "position_embedding_type"),
+    "gqa-groups-not-divisible-by-tp": (LIMITATION, "Megatron-LM replicates key/value heads "
+        "over tensor-parallel ranks when they are fewer; mp splits the groups"),
+    "cp-with-sliding-window": (LIMITATION, "attention over context-parallel ranks has no "
+        "dropout in mp, and Megatron-LM's default is 0.1"),
+    "cp-with-attention-dropout": (LIMITATION, "attention over context-parallel ranks has no "
+        "dropout in mp"),
+    "cp-with-sliding-window-without-dropout": (LIMITATION, "a sliding window under p2p "
+        "context parallelism is not implemented (a2a's is)"),
+    "fp8-with-fp16": (LIMITATION, "mp's FP8 GEMMs (torchao's) take and give bf16"),
+    "moe-aux-loss-coefficients-per-type": (LIMITATION, "mp's routers compute one "
+        "load-balancing loss each"),
+    # mp runs; Megatron-LM refuses
+    "megatron-fsdp": (EXTENSION, "Megatron-FSDP saves only as fsdp_dtensor; mp's one "
+        "checkpoint format serves FSDP and every other layout"),
+    "overlap-param-gather-with-optimizer-step-without-vpp": (EXTENSION, "mp takes the flag "
+        "without effect (docs/migrating-from-megatron.md), so no layout needs refusing"),
+    "save-without-interval": (EXTENSION, "mp saves at the end of training (and on an exit "
+        "signal) without an interval"),
+    "attention-backend-local": (EXTENSION, "Megatron-LM asks for its local layer spec "
+        "(--spec local); mp's --attention-backend local is its unfused attention in either "
+        "layer implementation"),
+    "moe-shared-expert-overlap-with-allgather": (EXTENSION, "mp takes "
+        "--moe-shared-expert-overlap without effect, so no dispatcher needs refusing"),
+    "squared-relu": (EXTENSION, "Megatron-LM's bias-activation fusion, on by default, has "
+        "no squared-ReLU kernel; mp has no fusion to refuse it (--no-bias-gelu-fusion is a "
+        "no-op)"),
+    "moe-bias-with-etp2": (EXTENSION, "mp's grouped experts add fc2's bias once, after the "
+        "expert-tensor-parallel reduction (moe/experts.py; test_moe_layouts.py)"),
+    "decrease-batch-size-if-needed": (EXTENSION, "without eval_global_batch_size mp "
+        "evaluates with the decreased global batch; Megatron-LM checks the requested one"),
+}  # fmt: skip
+"""case -> (how mp differs from Megatron-LM, why). mp's verdict is the other one."""
+
+
+def mp_verdict(command_line: str, world_size: int) -> tuple[str, str]:
+    """("accepted", "") or ("refused", the error's text)."""
+    printed = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(printed):
+            validate(parse_config(command_line.split()), world_size)
+    except SystemExit:
+        return "refused", printed.getvalue().strip().splitlines()[-1]
+    except ValueError as error:  # ConfigError is one
+        return "refused", str(error)
+    return "accepted", ""
+
+
+OTHER = {"accepted": "refused", "refused": "accepted"}
+CLAIMS = re.compile(r"as in Megatron|Megatron(-LM)? (refuses|asks)")
+"""What a refusal says of Megatron-LM that a case Megatron-LM accepts belies."""
+
+
+@pytest.mark.parametrize("name", sorted(CASES["cases"]))
+def test_refused_as_megatron_refuses(name):
+    case = CASES["cases"][name]
+    verdict, error = mp_verdict(case["command_line"], case["world_size"])
+    kind = DIFFERENCES.get(name, (None,))[0]
+    want = OTHER[case["verdict"]] if kind else case["verdict"]
+    assert verdict == want, (case, error)
+    if kind in (EARLIER, STRICTER, LIMITATION):
+        assert case["verdict"] == "accepted"
+    elif kind == EXTENSION:
+        assert case["verdict"] == "refused"
+    if verdict == "refused":
+        assert "\n" not in error.strip(), error
+        if kind in (STRICTER, LIMITATION):  # Megatron-LM runs it
+            assert not CLAIMS.search(error), error
+
+
+def test_every_difference_is_a_case():
+    assert set(DIFFERENCES) <= set(CASES["cases"])
