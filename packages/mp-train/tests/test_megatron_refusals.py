@@ -1,11 +1,14 @@
 """mp refuses, before a run starts, the Megatron-LM command lines that Megatron-LM refuses,
 and accepts the ones it accepts (assets/megatron_refusals/cases.json, written by its
-generate.py with megatron-core 0.19.2: parse_args, validate_args, then the model's
-TransformerConfig). Where the two differ on purpose, DIFFERENCES says how and why.
+generate.py with megatron-core 0.19.2: parse_args, validate_args, then the micro-batch
+calculator and the TransformerConfig, OptimizerConfig and DistributedDataParallelConfig
+its training builds). Where the two differ on purpose, DIFFERENCES says how and why.
 
 mp's verdict is mp_train.parse_config then mp_train.validate at the case's world size: a
 refusal is a one-line error (ValueError or ConfigError), or argparse's exit naming the
-flag."""
+flag. A command line both accept must come to the settings Megatron-LM derives from it
+(the model's fields, the layout, the batch, the optimizer's; DERIVED_DIFFERENCES names
+the two fields that differ on purpose)."""
 
 from __future__ import annotations
 
@@ -131,3 +134,57 @@ def test_refused_as_megatron_refuses(name):
 
 def test_every_difference_is_a_case():
     assert set(DIFFERENCES) <= set(CASES["cases"])
+
+
+# field -> (when it may differ, why); docs/migrating-from-megatron.md
+DERIVED_DIFFERENCES = {
+    "eval_interval": (lambda config: True, "mp's default is 1000, Megatron-LM's before 0.19; "
+                      "0.19's is none (Defaults that differ)"),
+    "use_distributed_optimizer": (lambda config: config.optimizer.use_megatron_fsdp,
+                                  "Megatron-LM sets it under Megatron-FSDP, whose code runs "
+                                  "through its distributed optimizer's; mp's FSDP shards the "
+                                  "optimizer state itself and leaves the field as given"),
+}  # fmt: skip
+
+
+def mp_derived(config, validated: dict, name: str):
+    """mp's value of a field of Megatron-LM's `derived` record."""
+    if name in validated:  # data_parallel_size, global_batch_size, num_microbatches
+        return validated[name]
+    model, optimizer = config.model, config.optimizer
+    if name == "add_qkv_bias":  # Megatron-LM's is on whenever add_bias_linear is
+        return model.add_bias_linear or model.add_qkv_bias
+    if name == "recompute_modules":
+        return model.recompute_modules or ["core_attn"]
+    if name == "accumulate_allreduce_grads_in_fp32":  # as Megatron-LM derives it for bf16
+        return optimizer.grad_reduce_in_fp32
+    for part in ("model", "parallel", "gpt", "optimizer", "training"):
+        if hasattr(getattr(config, part), name):
+            value = getattr(getattr(config, part), name)
+            return list(value) if isinstance(value, tuple) else value
+    raise AssertionError(f"no field {name} in mp's RunConfig")
+
+
+ACCEPTED = sorted(
+    name
+    for name, case in CASES["cases"].items()
+    if case["verdict"] == "accepted" and name not in DIFFERENCES
+)
+"""The cases both accept (an EXTENSION is one Megatron-LM refuses)."""
+
+
+@pytest.mark.parametrize("name", ACCEPTED)
+def test_an_accepted_command_line_comes_to_megatrons_settings(name):
+    """What a command line both accept comes to: the model's fields, the layout, the batch
+    and the optimizer's settings as Megatron-LM derives them (its `derived` record)."""
+    case = CASES["cases"][name]
+    with contextlib.redirect_stderr(io.StringIO()):
+        config = parse_config(case["command_line"].split())
+    validated = validate(config, case["world_size"])
+    differ = {}
+    for field, want in zip(CASES["derived"], case["derived"], strict=True):
+        got = mp_derived(config, validated, field)
+        allowed = DERIVED_DIFFERENCES.get(field)
+        if got != want and not (allowed and allowed[0](config)):
+            differ[field] = (got, want)
+    assert not differ, differ

@@ -10,7 +10,10 @@ a world size. Megatron's own parse_args and validate_args read them (the world s
 WORLD_SIZE, as torchrun gives it), then what Megatron's training sets up from them
 before it builds anything, each with checks of its own: the micro-batch calculator
 (set_global_variables' call), the model's TransformerConfig, the OptimizerConfig and the
-DistributedDataParallelConfig. The case records "accepted", or the stage that refused it
+DistributedDataParallelConfig. The case records "accepted" with what the command line
+came to (`derived`: fields of the TransformerConfig and of the arguments after
+validate_args, and the micro-batches per iteration, in the order of the document's
+"derived" names), or the stage that refused it
 ("parse_args", "validate_args", "microbatches", "TransformerConfig", "OptimizerConfig",
 "DistributedDataParallelConfig") with the error's first line.
 
@@ -25,6 +28,7 @@ needs Transformer Engine's kernel (mp ignores the flag).
 from __future__ import annotations
 
 import contextlib
+import enum
 import io
 import json
 import os
@@ -39,6 +43,7 @@ torch.cuda.get_device_capability = lambda *_, **__: (9, 0)
 
 import megatron.training.arguments as megatron_arguments  # noqa: E402
 from megatron.core.num_microbatches_calculator import (  # noqa: E402
+    get_num_microbatches,
     init_num_microbatches_calculator,
     unset_num_microbatches_calculator,
 )
@@ -361,6 +366,26 @@ CASES = [
     ("precision-aware-bf16-moments", "--bf16 --use-precision-aware-optimizer "
      "--use-distributed-optimizer --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16", 2),
     ("precision-aware-without-distopt", "--bf16 --use-precision-aware-optimizer", 1),
+    # --- accepted lines whose derived settings are compared
+    ("moe-layer-recompute", f"{MOE} --moe-layer-recompute", 1),
+    ("recompute-activations", "--recompute-activations", 1),
+    ("bf16", "--bf16", 1),
+    ("group-query-attention-without-groups", "--group-query-attention", 1),
+    ("rmsnorm-with-norm-epsilon", "--normalization RMSNorm --norm-epsilon 1e-6 --qk-layernorm",
+     1),
+    ("no-position-embedding-with-rope", "--position-embedding-type rope "
+     "--no-position-embedding", 1),
+    ("sample-based-schedule", "--train-samples 100 --lr-decay-samples 50 "
+     "--lr-warmup-samples 10", 1),
+    ("vpp-stages-per-rank", f"{PP2} --num-virtual-stages-per-pipeline-rank 2 "
+     "--global-batch-size 4", 2),
+    ("layout-with-virtual-stages", f"{PP2} --pipeline-model-parallel-layout Et|tt|t|tL "
+     "--global-batch-size 4", 2),
+    ("data-parallel-accumulation", "--global-batch-size 8", 4),
+    ("disable-bias-linear", "--disable-bias-linear --swiglu --untie-embeddings-and-output-weights",
+     1),
+    ("moe-alltoall-top1", f"{MOE} --moe-token-dispatcher-type alltoall --moe-router-topk 1 "
+     "--moe-router-pre-softmax --moe-aux-loss-coeff 0.01", 1),
     ("check-weight-hash-under-zero3", f"{FSDP} --ckpt-format fsdp_dtensor "
      "--check-weight-hash-across-dp-replicas-interval 10", 2),
 ]  # fmt: skip
@@ -393,6 +418,84 @@ def transformer_engine_adam():
                 sys.modules.pop(name, None)
             else:
                 sys.modules[name] = module
+
+
+# What an accepted command line comes to: the model's TransformerConfig fields, then the
+# arguments' (after validate_args has derived its values), then the micro-batches.
+CONFIG_FIELDS = (
+    "num_layers",
+    "hidden_size",
+    "ffn_hidden_size",
+    "kv_channels",
+    "num_attention_heads",
+    "num_query_groups",
+    "sequence_parallel",
+    "recompute_granularity",
+    "recompute_method",
+    "recompute_num_layers",
+    "recompute_modules",
+    "gated_linear_unit",
+    "add_bias_linear",
+    "add_qkv_bias",
+    "num_moe_experts",
+    "moe_ffn_hidden_size",
+    "moe_router_topk",
+    "moe_router_load_balancing_type",
+    "moe_aux_loss_coeff",
+    "moe_token_dispatcher_type",
+    "moe_router_score_function",
+    "moe_router_pre_softmax",
+    "hidden_dropout",
+    "attention_dropout",
+    "normalization",
+    "layernorm_epsilon",
+    "multi_latent_attention",
+    "qk_layernorm",
+    "rotary_interleaved",
+    "window_size",
+    "softmax_type",
+    "init_method_std",
+    "mtp_num_layers",
+    "bf16",
+    "fp16",
+    "tensor_model_parallel_size",
+    "pipeline_model_parallel_size",
+    "virtual_pipeline_model_parallel_size",
+    "context_parallel_size",
+    "expert_model_parallel_size",
+    "expert_tensor_parallel_size",
+    "calculate_per_token_loss",
+)
+ARGS_FIELDS = (
+    "data_parallel_size", "global_batch_size", "micro_batch_size", "position_embedding_type",
+    "rotary_percent", "rotary_base", "untie_embeddings_and_output_weights",
+    "accumulate_allreduce_grads_in_fp32", "check_for_nan_in_loss_and_grad", "train_iters",
+    "train_samples", "lr_warmup_iters", "lr_decay_iters", "seq_length",
+    "max_position_embeddings", "use_distributed_optimizer", "overlap_grad_reduce",
+    "overlap_param_gather", "lr", "min_lr", "weight_decay", "clip_grad", "adam_beta1",
+    "adam_beta2", "adam_eps", "lr_decay_style", "eval_iters", "eval_interval",
+)  # fmt: skip
+
+
+def plain(value):
+    """A value as JSON holds it: enums by name, tuples as lists, dtypes as text."""
+    if isinstance(value, enum.Enum):
+        return value.name
+    if isinstance(value, tuple | list):
+        return [plain(v) for v in value]
+    if isinstance(value, torch.dtype):
+        return str(value).removeprefix("torch.")
+    return value
+
+
+DERIVED = (*CONFIG_FIELDS, *ARGS_FIELDS, "num_microbatches")
+"""The names of a `derived` record's values, in order."""
+
+
+def derived(args, config) -> list:
+    values = [plain(getattr(config, name)) for name in CONFIG_FIELDS]
+    values += [plain(getattr(args, name)) for name in ARGS_FIELDS]
+    return [*values, get_num_microbatches()]
 
 
 def command_line(flags: str) -> list[str]:
@@ -430,7 +533,7 @@ def verdict(flags: str, world_size: int) -> dict:
                 seq_length=args.seq_length,
             )  # fmt: skip
             stage = "TransformerConfig"
-            core_transformer_config_from_args(args)
+            config = core_transformer_config_from_args(args)
             stage = "OptimizerConfig"
             with transformer_engine_adam():
                 get_megatron_optimizer_config(args)
@@ -444,7 +547,7 @@ def verdict(flags: str, world_size: int) -> dict:
         first = text[0] if text else ""
         return {"verdict": "refused", "stage": stage,
                 "error": f"{type(error).__name__}: {first}"[:300]}  # fmt: skip
-    return {"verdict": "accepted"}
+    return {"verdict": "accepted", "derived": derived(args, config)}
 
 
 def main() -> None:
@@ -459,8 +562,13 @@ def main() -> None:
     out = Path(__file__).with_name("cases.json")
     for case in cases.values():
         case["command_line"] = " ".join(command_line(case["flags"]))
-    document = {"megatron_core": megatron.core.__version__, "cases": cases}
-    out.write_text(json.dumps(document, indent=1) + "\n")
+    # A case a line, its derived values listed in the order of "derived".
+    lines = [f" {json.dumps(name)}: {json.dumps(case)}" for name, case in cases.items()]
+    out.write_text(
+        f'{{"megatron_core": {json.dumps(megatron.core.__version__)},\n'
+        f'"derived": {json.dumps(list(DERIVED))},\n'
+        '"cases": {\n' + ",\n".join(lines) + "\n}}\n"
+    )
     refused = sum(case["verdict"] == "refused" for case in cases.values())
     print(f"{len(cases)} cases ({refused} refused) -> {out}")
 
