@@ -34,7 +34,11 @@ from mp_layers.config_moe import MoeConfig, check_expert_parallel, check_moe
 from mp_layers.config_mtp import MtpConfig, check_mtp
 from mp_layers.config_mup import MupConfig, check_mup
 from mp_layers.config_qk_clip import QkClipConfig, check_qk_clip
-from mp_layers.config_recompute import check_recompute_modules
+from mp_layers.config_recompute import (
+    apply_moe_layer_recompute,
+    check_recompute,
+    check_recompute_modules,
+)
 from mp_layers.config_rules import choice as _choice
 from mp_layers.config_rules import positive as _positive
 
@@ -432,8 +436,8 @@ class TransformerConfig(
         if self.bf16 and self.fp16:
             raise ValueError("bf16=True and fp16=True are exclusive: choose one")
         check_fp8(self)
-        self._apply_moe_layer_recompute()
-        self._check_recompute()
+        apply_moe_layer_recompute(self)
+        check_recompute(self)
         check_moe(self)
         check_hybrid(self)
         check_linear_attention(self)
@@ -443,43 +447,6 @@ class TransformerConfig(
         """Whether selective recompute covers `module` (a name of recompute_modules)."""
         modules = ["core_attn"] if self.recompute_modules is None else self.recompute_modules
         return self.recompute_granularity == "selective" and module in modules
-
-    def _apply_moe_layer_recompute(self) -> None:
-        """Megatron-LM's reading of moe_layer_recompute (TransformerConfig)."""
-        if not self.moe_layer_recompute:
-            return
-        if self.recompute_granularity == "full":
-            raise ValueError("moe_layer_recompute=True with recompute_granularity='full': full "
-                             "recompute takes whole layers already (Megatron-LM refuses the "
-                             "pair)")  # fmt: skip
-        self.recompute_granularity = "selective"
-        modules = ["core_attn"] if self.recompute_modules is None else self.recompute_modules
-        if "moe" not in modules:
-            self.recompute_modules = [*modules, "moe"]
-
-    def _check_recompute(self) -> None:
-        granularity, method, n = (
-            self.recompute_granularity, self.recompute_method, self.recompute_num_layers
-        )  # fmt: skip
-        if granularity is not None:
-            _choice("recompute_granularity", granularity, ("full", "selective"))
-        if method is not None:
-            _choice("recompute_method", method, ("uniform", "block"))
-        if granularity == "full":
-            if method is None or n is None:
-                raise ValueError(
-                    "recompute_granularity='full' needs recompute_method ('uniform' or 'block') "
-                    f"and recompute_num_layers, got {method!r} and {n!r}"
-                )
-            # Above a stage's layers it takes them all, as in Megatron-LM: "uniform" one
-            # group of the stage, "block" every layer of it.
-            if n < 1:
-                raise ValueError(f"recompute_num_layers={n} must be >= 1")
-        elif method is not None or n is not None:
-            raise ValueError(
-                f"recompute_method={method!r} and recompute_num_layers={n!r} apply only to "
-                f"recompute_granularity='full', got {granularity!r}"
-            )
 
     @property
     def gated_linear_unit(self) -> bool:

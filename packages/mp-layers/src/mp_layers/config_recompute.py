@@ -1,5 +1,8 @@
-"""Validation of TransformerConfig.recompute_modules (Megatron's --recompute-modules under
---recompute-granularity selective) and the rules Megatron-LM sets on its names.
+"""TransformerConfig's recompute fields: recompute_granularity, recompute_method and
+recompute_num_layers (check_recompute), Megatron-LM's reading of the deprecated
+moe_layer_recompute (apply_moe_layer_recompute), and recompute_modules (Megatron's
+--recompute-modules under --recompute-granularity selective) with the rules Megatron-LM
+sets on its names.
 
 Two kinds of recompute stand behind the names:
 
@@ -17,11 +20,17 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from mp_layers.config_linear_attention import has_gated_delta_nets
+from mp_layers.config_rules import choice
 
 if TYPE_CHECKING:
     from mp_layers.config import TransformerConfig
 
-__all__ = ["RECOMPUTE_MODULES", "check_recompute_modules"]
+__all__ = [
+    "RECOMPUTE_MODULES",
+    "apply_moe_layer_recompute",
+    "check_recompute",
+    "check_recompute_modules",
+]
 
 RECOMPUTE_MODULES = ("core_attn", "mlp", "moe", "shared_experts", "layernorm", "moe_act",
                      "mla_up_proj", "gdn_norm_out")  # fmt: skip
@@ -32,6 +41,47 @@ _REFUSED_RECOMPUTE = {
     "mhc": "hyper-connections",
 }
 """Megatron's other recompute_modules, refused naming what they would recompute."""
+
+
+def apply_moe_layer_recompute(config: TransformerConfig) -> None:
+    """Megatron-LM's reading of moe_layer_recompute (its TransformerConfig): selective
+    recompute with "moe" added to recompute_modules; refused under full recompute."""
+    if not config.moe_layer_recompute:
+        return
+    if config.recompute_granularity == "full":
+        raise ValueError("moe_layer_recompute=True with recompute_granularity='full': full "
+                         "recompute takes whole layers already (Megatron-LM refuses the "
+                         "pair)")  # fmt: skip
+    config.recompute_granularity = "selective"
+    modules = ["core_attn"] if config.recompute_modules is None else config.recompute_modules
+    if "moe" not in modules:
+        config.recompute_modules = [*modules, "moe"]
+
+
+def check_recompute(config: TransformerConfig) -> None:
+    """recompute_granularity, recompute_method and recompute_num_layers, as Megatron-LM
+    checks them."""
+    granularity = config.recompute_granularity
+    method, n = config.recompute_method, config.recompute_num_layers
+    if granularity is not None:
+        choice("recompute_granularity", granularity, ("full", "selective"))
+    if method is not None:
+        choice("recompute_method", method, ("uniform", "block"))
+    if granularity == "full":
+        if method is None or n is None:
+            raise ValueError(
+                "recompute_granularity='full' needs recompute_method ('uniform' or 'block') "
+                f"and recompute_num_layers, got {method!r} and {n!r}"
+            )
+        # Above a stage's layers it takes them all, as in Megatron-LM: "uniform" one group
+        # of the stage, "block" every layer of it.
+        if n < 1:
+            raise ValueError(f"recompute_num_layers={n} must be >= 1")
+    elif method is not None or n is not None:
+        raise ValueError(
+            f"recompute_method={method!r} and recompute_num_layers={n!r} apply only to "
+            f"recompute_granularity='full', got {granularity!r}"
+        )
 
 
 def check_recompute_modules(config: TransformerConfig) -> None:
