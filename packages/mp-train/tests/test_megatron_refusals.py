@@ -8,7 +8,7 @@ mp's verdict is mp_train.parse_config then mp_train.validate at the case's world
 refusal is a one-line error (ValueError or ConfigError), or argparse's exit naming the
 flag. A command line both accept must come to the settings Megatron-LM derives from it
 (the model's fields, the layout, the batch, the optimizer's; DERIVED_DIFFERENCES names
-the two fields that differ on purpose)."""
+the three fields that differ on purpose)."""
 
 from __future__ import annotations
 
@@ -136,11 +136,16 @@ def test_every_difference_is_a_case():
     assert set(DIFFERENCES) <= set(CASES["cases"])
 
 
-# field -> (when it may differ, why); docs/migrating-from-megatron.md
+# field -> (when it may differ: of the case's flags and mp's config, why);
+# docs/migrating-from-megatron.md
 DERIVED_DIFFERENCES = {
-    "eval_interval": (lambda config: True, "mp's default is 1000, Megatron-LM's before 0.19; "
-                      "0.19's is none (Defaults that differ)"),
-    "use_distributed_optimizer": (lambda config: config.optimizer.use_megatron_fsdp,
+    "eval_interval": (lambda flags, config: "--eval-interval" not in flags,
+                      "mp's default is 1000, Megatron-LM's before 0.19; 0.19's is none "
+                      "(Defaults that differ)"),
+    "fp8_recipe": (lambda flags, config: "--fp8-recipe" not in flags,
+                   "mp's default is tensorwise, Megatron-LM's delayed (Transformer Engine's, "
+                   "refused by mp; Defaults that differ)"),
+    "use_distributed_optimizer": (lambda flags, config: config.optimizer.use_megatron_fsdp,
                                   "Megatron-LM sets it under Megatron-FSDP, whose code runs "
                                   "through its distributed optimizer's; mp's FSDP shards the "
                                   "optimizer state itself and leaves the field as given"),
@@ -158,6 +163,11 @@ def mp_derived(config, validated: dict, name: str):
         return model.recompute_modules or ["core_attn"]
     if name == "accumulate_allreduce_grads_in_fp32":  # as Megatron-LM derives it for bf16
         return optimizer.grad_reduce_in_fp32
+    if name == "embedding_init_method_std":  # Megatron-LM's is init_method_std when unset
+        return model.embedding_init_std
+    if name == "experimental_attention_variant":  # mp's name for Megatron-LM's variant
+        variant = model.experimental_attention_variant
+        return "gated_delta_net" if variant == "gdn" else variant
     for part in ("model", "parallel", "gpt", "optimizer", "training"):
         if hasattr(getattr(config, part), name):
             value = getattr(getattr(config, part), name)
@@ -185,6 +195,6 @@ def test_an_accepted_command_line_comes_to_megatrons_settings(name):
     for field, want in zip(CASES["derived"], case["derived"], strict=True):
         got = mp_derived(config, validated, field)
         allowed = DERIVED_DIFFERENCES.get(field)
-        if got != want and not (allowed and allowed[0](config)):
+        if got != want and not (allowed and allowed[0](case["flags"].split(), config)):
             differ[field] = (got, want)
     assert not differ, differ
