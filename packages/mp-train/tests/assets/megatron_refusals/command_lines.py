@@ -333,6 +333,22 @@ CASES = [
      1),
     ("moe-alltoall-top1", f"{MOE} --moe-token-dispatcher-type alltoall --moe-router-topk 1 "
      "--moe-router-pre-softmax --moe-aux-loss-coeff 0.01", 1),
+    ("fp16-dynamic-loss-scale", "--fp16", 1),
+    ("fp16-static-loss-scale", "--fp16 --loss-scale 1024", 1),
+    ("skip-train", "--skip-train", 1),
+    ("finetune-without-optimizer-state", "--finetune --no-load-optim --no-load-rng", 1),
+    ("wsd-schedule", "--lr-decay-style WSD --lr-wsd-decay-style cosine "
+     "--lr-wsd-decay-iters 5", 1),
+    ("weight-decay-linear", "--start-weight-decay 0 --end-weight-decay 0.1 "
+     "--weight-decay-incr-style linear", 1),
+    ("decoupled-lr", "--decoupled-lr 2e-3 --decoupled-min-lr 1e-4", 1),
+    ("sgd", "--optimizer sgd --sgd-momentum 0.8", 1),
+    ("manual-gc", "--manual-gc --manual-gc-interval 5", 1),
+    ("eval-batches", "--eval-global-batch-size 4 --eval-micro-batch-size 2 --eval-iters 3 "
+     "--eval-interval 5", 2),
+    ("warmup-fraction", "--lr-warmup-fraction 0.1 --lr-warmup-init 1e-5", 1),
+    ("packed-documents", "--reset-position-ids --reset-attention-mask --eod-mask-loss", 1),
+    ("split-and-seed", "--split 90,5,5 --seed 7 --make-vocab-size-divisible-by 64", 1),
     ("check-weight-hash-under-zero3", f"{FSDP} --ckpt-format fsdp_dtensor "
      "--check-weight-hash-across-dp-replicas-interval 10", 2),
 ]  # fmt: skip

@@ -126,7 +126,17 @@ ARGS_FIELDS = (
     "train_samples", "lr_warmup_iters", "lr_decay_iters", "seq_length",
     "max_position_embeddings", "use_distributed_optimizer", "overlap_grad_reduce",
     "overlap_param_gather", "lr", "min_lr", "weight_decay", "clip_grad", "adam_beta1",
-    "adam_beta2", "adam_eps", "lr_decay_style", "eval_iters", "eval_interval",
+    "adam_beta2", "adam_eps", "lr_decay_style", "eval_iters", "eval_interval", "no_load_optim",
+    "no_load_rng", "finetune", "loss_scale", "initial_loss_scale", "min_loss_scale",
+    "loss_scale_window", "hysteresis", "log_interval", "exit_interval", "seed", "split",
+    "skip_train", "use_checkpoint_args", "exit_on_missing_checkpoint", "save_interval",
+    "decoupled_lr", "decoupled_min_lr", "lr_warmup_fraction", "lr_warmup_init",
+    "lr_wsd_decay_style", "lr_wsd_decay_iters", "start_weight_decay", "end_weight_decay",
+    "weight_decay_incr_style", "optimizer", "sgd_momentum", "manual_gc", "manual_gc_interval",
+    "data_parallel_random_init", "distributed_timeout_minutes", "eval_global_batch_size",
+    "eval_micro_batch_size", "full_validation", "make_vocab_size_divisible_by",
+    "reset_position_ids", "reset_attention_mask", "eod_mask_loss",
+    "create_attention_mask_in_dataloader", "num_workers",
 )  # fmt: skip
 
 
