@@ -155,6 +155,10 @@ DERIVED_DIFFERENCES = {
 }  # fmt: skip
 
 
+PARTS = ("model", "parallel", "gpt", "optimizer", "training", "checkpoint", "data", "logging")
+"""The parts of mp's RunConfig, in the order a field's name is looked for."""
+
+
 def mp_derived(config, validated: dict, name: str):
     """mp's value of a field of Megatron-LM's `derived` record."""
     if name in validated:  # data_parallel_size, global_batch_size, num_microbatches
@@ -178,16 +182,7 @@ def mp_derived(config, validated: dict, name: str):
     if name == "experimental_attention_variant":  # mp's name for Megatron-LM's variant
         variant = model.experimental_attention_variant
         return "gated_delta_net" if variant == "gdn" else variant
-    for part in (
-        "model",
-        "parallel",
-        "gpt",
-        "optimizer",
-        "training",
-        "checkpoint",
-        "data",
-        "logging",
-    ):
+    for part in PARTS:
         if hasattr(getattr(config, part), name):
             value = getattr(getattr(config, part), name)
             return list(value) if isinstance(value, tuple) else value
@@ -204,8 +199,9 @@ ACCEPTED = sorted(
 
 @pytest.mark.parametrize("name", ACCEPTED)
 def test_an_accepted_command_line_comes_to_megatrons_settings(name):
-    """What a command line both accept comes to: the model's fields, the layout, the batch
-    and the optimizer's settings as Megatron-LM derives them (its `derived` record)."""
+    """What a command line both accept comes to: the model's fields, the layout, the batch,
+    the schedule, the optimizer's and the checkpoint's settings as Megatron-LM derives them
+    (its `derived` record)."""
     case = CASES["cases"][name]
     with contextlib.redirect_stderr(io.StringIO()):
         config = parse_config(case["command_line"].split())
