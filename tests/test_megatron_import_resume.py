@@ -24,8 +24,10 @@ def _argv(load: Path, case: str = "") -> list[str]:
     """A run that loads `load` and takes no step (it is at iteration 2 of 2), with the
     fixtures' optimizer settings and sequence length (their max_position_embeddings, which
     --use-checkpoint-args takes). The fixture's vocabulary: 100 ids padded
-    to 128; the DeepSeek-shaped ones' 60 padded to 64."""
+    to 128 (to 256 at Megatron's TP4: 64 x 4); the DeepSeek-shaped ones' 60 padded to 64."""
     vocab = ("60", "32") if case.startswith("mla") else ("100", "64")
+    if case.endswith("_tp4"):
+        vocab = ("100", "256")
     return [
         "--config", str(TINY_CONFIG), "--mock-data", *GIVEN_PEAK,
         "--tokenizer-type", "NullTokenizer",
@@ -63,6 +65,7 @@ def body(argv, load):
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("case", ["llama_torch_dist_tp2_distopt", "llama_torch_tp2",
+                                  "llama_torch_tp4",
                                   "llama_torch_pp2_dp2_distopt", "moe_torch_ep2",
                                   "hybrid_torch_tp2_dp2_distopt", "hybrid_optim_torch_dist_tp2",
                                   "mla_mtp_optim_torch_tp2",

@@ -1,6 +1,7 @@
 """--qk-clip (MuonClip's QK-clip) through the real loop: the tiny model, clipped at a
 threshold below its attention logits (0.24 at the start), trains with the one-rank loss
-curve, gradient norms and logged max_attention_logit at TP2 (one query group per rank),
+curve, gradient norms and logged max_attention_logit at TP2 (one query group per rank,
+and one group shared by both ranks),
 PP2, CP2 with the all-to-all, DP2 with the distributed optimizer, DP2 with ZeRO-3 and with
 Muon (its layer-wise distributed optimizer): the clip reaches the model and the
 optimizer's main parameters alike everywhere. At lr 0 the clip alone brings the logits
@@ -38,6 +39,15 @@ def reference(tmp_path_factory):
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_qk_clip_trains_as_one_rank_in_every_layout(tmp_path, reference, name):
     assert_same_curve(tiny_curve(tmp_path, 2, *CLIP, *LAYOUTS[name]), reference, LOGGED, name)
+
+
+def test_a_query_group_shared_by_two_ranks_clips_as_one_rank(tmp_path):
+    """One query group at TP2: each rank holds half the group's query heads, so the group's
+    largest logit is taken over both ranks before either scales its rows."""
+    one_group = (*CLIP, "--num-query-groups", "1")
+    one = tiny_curve(tmp_path / "one", 1, *one_group)
+    shared = tiny_curve(tmp_path / "tp2", 2, *one_group, "--tensor-model-parallel-size", "2")
+    assert_same_curve(shared, one, LOGGED, "tp2, one group")
 
 
 def test_with_muon_the_layer_wise_optimizer_clips_as_one_rank(tmp_path):

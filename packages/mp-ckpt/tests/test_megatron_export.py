@@ -65,6 +65,13 @@ def test_round_trip_is_tensor_exact(case, fmt, tp, pp, tmp_path):
     _round_trip(case, fmt, tp, pp, 1, tmp_path)
 
 
+@pytest.mark.parametrize("fmt", ["torch_dist", "torch"])
+def test_fewer_query_groups_than_tp_ranks_round_trip(fmt, tmp_path):
+    """The llama fixture's 2 query groups at TP4: Megatron-LM's files hold each rank's
+    contiguous quarter of the fused QKV weight, half a group each."""
+    _round_trip("llama_torch_dist_tp1", fmt, 4, 1, 1, tmp_path)
+
+
 def test_torch_dist_files_mirror_megatron(tmp_path):
     from torch.distributed.checkpoint import FileSystemReader
 
@@ -142,8 +149,9 @@ def test_what_export_refuses():
         _check(settings | {"num_moe_experts": 4, "moe_ffn_hidden_size": 6}, {}, 4, 1, "torch")
     with pytest.raises(ValueError, match="the model has no experts"):
         _check(settings, {}, 1, 1, "torch", ep=2)
-    with pytest.raises(ValueError, match="does not divide num_query_groups 2"):
-        _check(settings | {"num_attention_heads": 8}, {}, 4, 1, "torch")
+    _check(settings | {"num_attention_heads": 8}, {}, 4, 1, "torch")  # 2 ranks per group
+    with pytest.raises(ValueError, match="neither divides num_query_groups 6 nor is a mult"):
+        _check(settings | {"num_attention_heads": 12, "num_query_groups": 6}, {}, 4, 1, "torch")
     with pytest.raises(ValueError, match=r"^moe_latent_size=16: mp does not write latent MoE"):
         _check(settings | {"num_moe_experts": 4, "moe_latent_size": 16}, {}, 1, 1, "torch")
     mla = settings | {"num_query_groups": 4, "multi_latent_attention": True, "q_lora_rank": 6,

@@ -13,7 +13,7 @@ from mp_ckpt.cli import main
 
 ASSETS = Path(__file__).parent / "assets" / "megatron"
 CASES = ["llama_torch_dist_tp1", "llama_torch_dist_tp2_distopt", "llama_torch_tp2",
-         "gpt2_torch_dist_tp1"]  # fmt: skip
+         "llama_torch_tp4", "gpt2_torch_dist_tp1"]  # fmt: skip
 
 
 class _Hostile:

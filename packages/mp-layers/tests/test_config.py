@@ -115,7 +115,22 @@ def test_invalid_configs(kwargs, message):
     ("kwargs", "tp", "message"),
     [
         (dict(), 3, "tensor_model_parallel_size=3 does not divide num_attention_heads=8"),
-        (dict(num_query_groups=2), 4, "does not divide num_query_groups=2"),
+        (
+            dict(num_attention_heads=12, num_query_groups=6, kv_channels=16),
+            4,
+            "tensor_model_parallel_size=4 does not divide num_query_groups=6",
+        ),
+        # fewer groups than ranks: each group shared by tp / groups ranks
+        (
+            dict(num_attention_heads=12, num_query_groups=3, kv_channels=16),
+            4,
+            "num_query_groups=3 is fewer than tensor_model_parallel_size=4 and does not divide",
+        ),
+        (
+            dict(num_query_groups=1, kv_channels=4),
+            8,
+            "kv_channels=4: the 8 tensor-parallel ranks sharing each of num_query_groups=1",
+        ),
         (dict(ffn_hidden_size=1002), 4, "does not divide ffn_hidden_size=1002"),
         (dict(sequence_parallel=True), 1, "sequence_parallel=True needs tensor_model_parallel"),
     ],
@@ -124,6 +139,13 @@ def test_rules_that_depend_on_the_tensor_parallel_size(kwargs, tp, message):
     config = TransformerConfig(**(BASE | kwargs))
     with pytest.raises(ValueError, match=message):
         config.check_parallel(tp)
+
+
+def test_fewer_query_groups_than_ranks_are_shared():
+    """Megatron-LM's rule: tp a multiple of num_query_groups (and here kv_channels split
+    over the ranks sharing a group)."""
+    for groups, tp in ((1, 2), (1, 8), (2, 4), (4, 8)):
+        TransformerConfig(**BASE, num_query_groups=groups).check_parallel(tp)
 
 
 def test_moe_layer_recompute_is_selective_recompute_with_moe_added():
@@ -191,8 +213,11 @@ def test_context_parallel_rules():
         TransformerConfig(**base, cp_comm_type="ring")
     a2a = TransformerConfig(**base, cp_comm_type="a2a", attention_dropout=0.0)
     a2a.check_parallel(2, 2)  # 4 groups / tp 2 = 2 per rank, split over cp 2
-    with pytest.raises(ValueError, match=r"num_query_groups=4 / tensor_model_parallel_size=2 "):
+    with pytest.raises(ValueError, match=r"rank's 2 of num_query_groups=4 \(tensor_model_paral"):
         a2a.check_parallel(2, 4)
+    a2a.check_parallel(8, 1)  # each group shared by two ranks: one key/value head per rank
+    with pytest.raises(ValueError, match=r"rank's 1 of num_query_groups=4 \(tensor_model_paral"):
+        a2a.check_parallel(8, 2)
     ring = TransformerConfig(**base)  # attention_dropout 0.1, Megatron's default
     ring.check_parallel(1)
     with pytest.raises(ValueError, match=r"attention_dropout=0\.1 with context_parallel_size=2"):

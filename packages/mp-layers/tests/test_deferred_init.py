@@ -12,7 +12,14 @@ import torch
 
 from mp_layers import TransformerConfig
 from mp_layers.moe import GroupedExperts, TopKRouter
-from mp_layers.tensor_parallel.deferred_init import GatedRows, deferred_weights, fill_rows, record
+from mp_layers.tensor_parallel.deferred_init import (
+    GatedRows,
+    RowOrder,
+    deferred_weights,
+    fill_rows,
+    record,
+)
+from mp_layers.transformer.shared_query_groups import SharedGroup
 from mp_state import RankGroup
 
 NORMAL = functools.partial(torch.nn.init.normal_, std=0.02)
@@ -58,6 +65,25 @@ def test_the_gated_layout_is_filled_as_drawn(f, h, tp):
         gated = GatedRows(NORMAL, tp)
         piece, out, same_state = whole_then_deferred((2 * f, h), 0, tp, rank, gated)
         assert same_state and torch.equal(out, piece), (f, h, tp, rank)
+
+
+@pytest.mark.parametrize(("groups", "gated", "tp"), [(1, False, 2), (2, True, 4), (1, False, 4)])
+def test_a_shared_query_groups_layout_is_filled_as_drawn(groups, gated, tp):
+    """The QKV weight of query groups shared by TP ranks (8 heads of 8 channels, hidden 16):
+    each rank's rows of the master drawn in the TP = 1 order, block by block."""
+    for rank in range(tp):
+        shared = SharedGroup(groups, 8 // groups, gated, 8, tp, rank)
+        rows = groups * (8 // groups * (2 if gated else 1) + 2) * 8
+        order = shared.init_method(NORMAL)
+        assert isinstance(order, RowOrder)
+        piece, out, same_state = whole_then_deferred((rows, 16), 0, tp, rank, order, pieces=5)
+        assert same_state and torch.equal(out, piece), (groups, gated, tp, rank)
+        torch.manual_seed(3)
+        canonical = torch.empty(rows, 16)
+        NORMAL(canonical)
+        assert torch.equal(
+            piece, canonical[shared.in_rank_order()].narrow(0, rank * len(out), len(out))
+        )
 
 
 def test_other_init_methods_are_drawn_whole_with_the_same_values():

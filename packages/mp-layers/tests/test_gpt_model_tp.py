@@ -1,4 +1,5 @@
-"""GPTModel at TP 1, 2, 4, with and without sequence parallelism: same loss, same gradients.
+"""GPTModel at TP 1, 2, 4, with and without sequence parallelism: same loss, same gradients;
+also with fewer query groups than TP ranks (each group shared by 2 or 4 ranks).
 
 On a CPU, attention_backend "auto" runs the blocked attention at these sizes;
 the Llama style is also run through SDPA ("flash")."""
@@ -21,6 +22,15 @@ STYLES = {
                   kv_channels=8, position_embedding_type="rope", normalization="RMSNorm",
                   activation="swiglu", ffn_hidden_size=96, add_bias_linear=False,
                   untie_embeddings_and_output_weights=True),
+    # fewer query groups than TP ranks: one group shared by 2 and by 4 ranks
+    "one-group": dict(num_layers=2, hidden_size=64, num_attention_heads=8, num_query_groups=1,
+                      kv_channels=8, position_embedding_type="rope", normalization="RMSNorm",
+                      add_qkv_bias=True),
+    # Qwen3-Next's attention (output gate, QK norm): two groups, each shared by 2 ranks at TP4
+    "gated-two-groups": dict(num_layers=2, hidden_size=64, num_attention_heads=8,
+                             num_query_groups=2, kv_channels=8, attention_output_gate=True,
+                             qk_layernorm=True, position_embedding_type="rope",
+                             normalization="RMSNorm", add_bias_linear=False),
 }  # fmt: skip
 LAYOUTS = [(1, False), (2, False), (4, False), (2, True), (4, True)]
 
@@ -53,8 +63,9 @@ def losses_and_grads(style: str, attention_backend: str) -> list:
         labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator)
         loss = model(ids, labels=labels)
         loss.mean().backward()
-        if sequence_parallel:
-            all_reduce_sequence_parallel_grads(model, state.tp)
+        # as mp-pipeline's finalize step: the sequence-parallel norms' and the QK norms'
+        # partial gradients summed over TP
+        all_reduce_sequence_parallel_grads(model, state.tp)
         results.append((loss.detach(), grad_pieces(model)))
         mp_state.destroy()
     return results
@@ -71,8 +82,10 @@ def assemble(pieces: list[ShardedTensor]) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize(
-    ("style", "attention_backend"), [("gpt2", "auto"), ("llama", "auto"), ("llama", "flash")]
-)
+    ("style", "attention_backend"),
+    [("gpt2", "auto"), ("llama", "auto"), ("llama", "flash"), ("one-group", "auto"),
+     ("gated-two-groups", "flash")],
+)  # fmt: skip
 def test_every_tensor_parallel_layout_gives_the_same_loss_and_gradients(style, attention_backend):
     torch.testing.assert_close(torch.zeros(1), torch.zeros(1))  # warm imports before forking
     per_rank = run_on_ranks(losses_and_grads, 4, style, attention_backend, timeout=180)

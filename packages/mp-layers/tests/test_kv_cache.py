@@ -5,7 +5,8 @@ step each sequence's logits of a full forward of that sequence alone; with rotar
 (whose cache holds latents; attention over them against the heads' keys of the full
 forward), Llama 4's attention (chunked, with NoPE layers and their query temperature:
 the cache's block mask against the full forward's blocks) and a Mamba-hybrid model (the
-cache holding each Mamba layer's states), at TP1 and TP2. The latent
+cache holding each Mamba layer's states), at TP1 and TP2 (with one key/value head at
+TP2 too: a group shared by both ranks). The latent
 cache's bytes per position and layer are r + dr elements."""
 
 import pytest
@@ -21,6 +22,9 @@ STYLES = {
                       position_embedding_type="rope", add_bias_linear=False,
                       untie_embeddings_and_output_weights=True),
     "gpt2": dict(num_attention_heads=4),
+    # one key/value head: at TP2 each rank holds half its rows and gathers the other half
+    "mqa": dict(num_attention_heads=4, num_query_groups=1, kv_channels=8,
+                position_embedding_type="rope", add_bias_linear=False),
     "mla": dict(num_attention_heads=4, multi_latent_attention=True, q_lora_rank=16,
                 kv_lora_rank=12, qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=6,
                 qk_layernorm=True, normalization="RMSNorm", position_embedding_type="rope",
@@ -92,7 +96,7 @@ def tp_body() -> dict[str, float]:
     torch.set_num_threads(1)
     state = mp_state.initialize(mp_state.ParallelConfig(tensor_model_parallel_size=2))
     return {style: check_cached_equals_recomputed(style, ModelGroups.of(state))
-            for style in ("llama-gqa", "mla", "llama4", "hybrid")}  # fmt: skip
+            for style in ("llama-gqa", "mqa", "mla", "llama4", "hybrid")}  # fmt: skip
 
 
 @pytest.mark.multirank

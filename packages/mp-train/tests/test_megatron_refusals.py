@@ -63,8 +63,6 @@ DIFFERENCES: dict[str, tuple[str, str]] = {
     "mla-without-rope": (LIMITATION, "Megatron-LM adds learned absolute positions to MLA's "
         "own rotary channels; mp's MLA takes its rotary settings from "
         "position_embedding_type"),
-    "gqa-groups-not-divisible-by-tp": (LIMITATION, "Megatron-LM replicates key/value heads "
-        "over tensor-parallel ranks when they are fewer; mp splits the groups"),
     "cp-with-sliding-window": (LIMITATION, "attention over context-parallel ranks has no "
         "dropout in mp, and Megatron-LM's default is 0.1"),
     "cp-with-attention-dropout": (LIMITATION, "attention over context-parallel ranks has no "

@@ -15,7 +15,11 @@ from typing import Literal
 
 import torch
 
-from mp_layers.config_attention import check_attention_fields, check_attention_parallel
+from mp_layers.config_attention import (
+    check_attention_fields,
+    check_attention_parallel,
+    check_query_groups_parallel,
+)
 from mp_layers.config_fp8 import Fp8Config, check_fp8
 from mp_layers.config_hybrid import (
     HybridConfig,
@@ -73,7 +77,9 @@ class TransformerConfig(
     int(4 * hidden_size * 2 / 3 / 64) * 64."""
 
     num_query_groups: int | None = None
-    """Key/value heads for grouped-query attention; None: num_attention_heads (MHA)."""
+    """Key/value heads for grouped-query attention; None: num_attention_heads (MHA). Split
+    over the tensor-parallel ranks, or, when fewer than them, each shared by tp /
+    num_query_groups ranks (tp a multiple of it, as in Megatron-LM)."""
 
     kv_channels: int | None = None
     """Width of each attention head; None: hidden_size / num_attention_heads. Unused with
@@ -517,10 +523,11 @@ class TransformerConfig(
         check_expert_parallel(
             self, tp, cp, expert_model_parallel_size, expert_tensor_parallel_size or tp
         )
-        for name in ("num_attention_heads", "num_query_groups", "ffn_hidden_size"):
+        for name in ("num_attention_heads", "ffn_hidden_size"):
             value = getattr(self, name)
             if value % tp:
                 raise ValueError(f"tensor_model_parallel_size={tp} does not divide {name}={value}")
+        check_query_groups_parallel(self, tp)
         if self.sequence_parallel and tp == 1:
             raise ValueError("sequence_parallel=True needs tensor_model_parallel_size > 1, got 1")
         check_attention_parallel(self, tp, cp)

@@ -265,6 +265,41 @@ def qk_l2_norm_layer_pattern(config: TransformerConfig) -> list[bool]:
     return rope_layer_pattern(config)
 
 
+def kv_heads_per_rank(config: TransformerConfig, tp: int) -> int:
+    """The key/value heads (query groups) a tensor-parallel rank attends with: its
+    num_query_groups / tp, or the one group it shares with tp / num_query_groups - 1 other
+    ranks when the groups are fewer than the ranks (transformer/attention.py)."""
+    groups = config.num_query_groups
+    return groups // tp if groups >= tp else 1
+
+
+def check_query_groups_parallel(config: TransformerConfig, tp: int) -> None:
+    """num_query_groups split over tp ranks, or, when fewer, each group shared by tp / groups
+    ranks (Megatron-LM's rule): each of them computes its share of the group's query heads
+    and kv_channels / (tp / groups) of its key and value rows, then gathers the rest of its
+    group's keys and values."""
+    groups, d = config.num_query_groups, config.kv_channels
+    if groups >= tp:
+        if groups % tp:
+            raise ValueError(
+                f"tensor_model_parallel_size={tp} does not divide num_query_groups={groups}"
+            )
+        return
+    if tp % groups:
+        raise ValueError(
+            f"num_query_groups={groups} is fewer than tensor_model_parallel_size={tp} and does "
+            f"not divide it: each group is shared by tensor_model_parallel_size / "
+            "num_query_groups ranks"
+        )
+    share = tp // groups
+    if d % share:
+        raise ValueError(
+            f"kv_channels={d}: the {share} tensor-parallel ranks sharing each of "
+            f"num_query_groups={groups} hold kv_channels / {share} rows of its key and value "
+            "heads each; use a tensor_model_parallel_size that makes that whole"
+        )
+
+
 def check_attention_parallel(config: TransformerConfig, tp: int, cp: int) -> None:
     """The attention rules that depend on the tensor- and context-parallel sizes. Sinks and
     windows across context-parallel ranks: "a2a" gathers whole sequences per head and
@@ -273,11 +308,12 @@ def check_attention_parallel(config: TransformerConfig, tp: int, cp: int) -> Non
     if cp == 1:
         return
     comm = config.cp_comm_type
-    if comm == "a2a" and (config.num_query_groups // tp) % cp:
+    if comm == "a2a" and kv_heads_per_rank(config, tp) % cp:
         raise ValueError(
-            f"cp_comm_type='a2a' splits each tensor-parallel rank's num_query_groups="
-            f"{config.num_query_groups} / tensor_model_parallel_size={tp} over "
-            f"context_parallel_size={cp}, which does not divide it"
+            f"cp_comm_type='a2a' splits each tensor-parallel rank's "
+            f"{kv_heads_per_rank(config, tp)} of num_query_groups={config.num_query_groups} "
+            f"(tensor_model_parallel_size={tp}) over context_parallel_size={cp}, which does "
+            "not divide it"
         )
     if config.attention_dropout > 0:
         raise ValueError(

@@ -72,6 +72,8 @@ def qk_clip_scales(layer: torch.nn.Module, max_logits: torch.Tensor,
         query = layer.linear_q_proj or layer.linear_q_up_proj
         return [(query.weight, q_rows), (layer.linear_kv_up_proj.weight, kv_rows)]
     groups = max_logits.view(layer.groups, -1).amax(dim=1)  # a group's heads share its key
+    if layer.shared:  # and the ranks that share the group
+        groups = _over_shared_group(groups, layer)
     eta = _eta(groups, t)
     if eta is None:
         return []
@@ -80,6 +82,16 @@ def qk_clip_scales(layer: torch.nn.Module, max_logits: torch.Tensor,
                eta ** (1 - alpha), torch.ones_like(eta)]  # fmt: skip
     rows = torch.stack(factors, dim=1).repeat_interleave(torch.tensor(parts), dim=1)
     return [(layer.linear_qkv.weight, rows.reshape(-1))]
+
+
+def _over_shared_group(maximum: torch.Tensor, layer: SelfAttention) -> torch.Tensor:
+    """The largest of this rank's group's logits over the ranks sharing the group ([1]).
+    Collective over the layer's TP group."""
+    group, share = layer.tp_group, layer.shared.share
+    every = torch.empty(group.size, dtype=maximum.dtype, device=maximum.device)
+    dist.all_gather_into_tensor(every, maximum.contiguous(), group=group.group)
+    first = group.rank // share * share
+    return every[first : first + share].amax().view(1)
 
 
 def _eta(maxima: torch.Tensor, threshold: float) -> torch.Tensor | None:

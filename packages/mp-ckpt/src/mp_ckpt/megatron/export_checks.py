@@ -55,11 +55,15 @@ def check_exportable(
         raise ValueError(f"--expert-model-parallel-size {ep}: the model has no experts")
     heads, groups = settings["num_attention_heads"], settings["num_query_groups"]
     layers, vocab = settings["num_layers"], settings["vocab_size"]
-    for what, n in (("num_attention_heads", heads), ("num_query_groups", groups),
+    for what, n in (("num_attention_heads", heads),
                     ("ffn_hidden_size", settings["ffn_hidden_size"]),
                     ("the padded vocabulary", vocab)):  # fmt: skip
         if n % tp:
             raise ValueError(f"--tensor-model-parallel-size {tp} does not divide {what} {n}")
+    # Megatron-LM shares each of fewer query groups than ranks among tp / groups ranks
+    if groups % tp and tp % groups:
+        raise ValueError(f"--tensor-model-parallel-size {tp} neither divides num_query_groups "
+                         f"{groups} nor is a multiple of it")  # fmt: skip
     if layers % pp:
         raise ValueError(f"--pipeline-model-parallel-size {pp} does not divide num_layers "
                          f"{layers}")  # fmt: skip

@@ -197,6 +197,9 @@ CASES = {
     "llama_torch_dist_tp1": Case(LLAMA, "torch_dist", 1, 1, False),
     "llama_torch_dist_tp2_distopt": Case(LLAMA, "torch_dist", 2, 1, True),
     "llama_torch_tp2": Case(LLAMA, "torch", 2, 1, False),
+    # 4 ranks over the 2 query groups: Megatron-LM shares each group between two ranks, each
+    # rank's file a contiguous quarter of the fused QKV weight (half a group)
+    "llama_torch_tp4": Case(LLAMA, "torch", 4, 1, False),
     "gpt2_torch_dist_tp1": Case(GPT2, "torch_dist", 1, 1, False),
     "llama_torch_pp2": Case(LLAMA, "torch", 1, 2, False),
     "moe_torch_dist_ep2": Case(MOE, "torch_dist", 1, 1, False, dp=2, ep=2),

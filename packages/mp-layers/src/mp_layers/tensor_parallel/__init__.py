@@ -36,6 +36,7 @@ from mp_layers.tensor_parallel.initialization import (
     skipping_draws,
 )
 from mp_layers.tensor_parallel.mappings import (
+    all_gather_last_dim_from_tensor_parallel_region,
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
     gather_from_tensor_model_parallel_region,
@@ -55,6 +56,7 @@ __all__ = [
     "InitMethod",
     "RowParallelLinear",
     "VocabParallelEmbedding",
+    "all_gather_last_dim_from_tensor_parallel_region",
     "all_reduce_sequence_parallel_grads",
     "broadcast_data",
     "building_on",

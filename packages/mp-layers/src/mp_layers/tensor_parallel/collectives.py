@@ -24,6 +24,7 @@ __all__ = [
     "gather_first",
     "gather_last",
     "reduce_scatter_first",
+    "reduce_scatter_last",
     "split_first",
     "split_last",
 ]
@@ -87,3 +88,16 @@ def reduce_scatter_first(x: torch.Tensor, group: RankGroup) -> torch.Tensor:
     out = torch.empty((piece, *x.shape[1:]), dtype=x.dtype, device=x.device)
     dist.reduce_scatter_tensor(out, x.contiguous(), group=group.group)
     return out
+
+
+def reduce_scatter_last(x: torch.Tensor, group: RankGroup) -> torch.Tensor:
+    """[.., h] -> [.., h/tp]: this rank's piece of the last dimension of the sum over the
+    group."""
+    if group.size == 1:
+        return x
+    piece = divide(x.shape[-1], group, "input.shape[-1]")
+    # [.., tp * piece] -> [tp, .., piece]: each rank's piece contiguous, in rank order
+    stacked = x.reshape(*x.shape[:-1], group.size, piece).movedim(-2, 0).contiguous()
+    out = torch.empty((1, *stacked.shape[1:]), dtype=x.dtype, device=x.device)
+    dist.reduce_scatter_tensor(out, stacked, group=group.group)
+    return out[0]

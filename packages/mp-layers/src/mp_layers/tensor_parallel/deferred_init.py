@@ -16,9 +16,10 @@ fills a contiguous tensor of at least 16 elements with one uniform number per el
 in order, transformed in groups of 16, and redraws the last 16 when the count is not a
 multiple of 16. Blocks whose sizes are multiples of 16 (the last one at least 16) draw
 the same numbers as the whole tensor and leave the generator in the same state. Init
-methods that are `functools.partial(torch.nn.init.normal_, ...)` are drawn so, and so is
-`GatedRows` (a fused gate/up weight: rows of one logical draw, reordered per rank); any
-other is drawn whole (in one scratch master per weight), which gives the same values.
+methods that are `functools.partial(torch.nn.init.normal_, ...)` are drawn so, and so are
+`GatedRows` (a fused gate/up weight: rows of one logical draw, reordered per rank) and
+`RowOrder` (any reordering of a logical draw's rows); any other is drawn whole (in one
+scratch master per weight), which gives the same values.
 
 Other weights drawn with `normal_` follow the same pattern with recipes of their own
 (`attach`): the MoE router's weight goes through init_partitioned_weight (not split), and
@@ -41,6 +42,7 @@ import torch
 __all__ = [
     "DeferredInit",
     "GatedRows",
+    "RowOrder",
     "attach",
     "deferred_weights",
     "deferring",
@@ -171,16 +173,42 @@ class GatedRows:
         return segments
 
 
+class RowOrder:
+    """The init method of a weight whose master holds the rows of one logical draw in
+    another order: master row j is row order[j] of `init`'s draw (a query group shared
+    by tensor-parallel ranks: transformer/shared_query_groups.py)."""
+
+    def __init__(self, init: Callable[[torch.Tensor], object], order: torch.Tensor) -> None:
+        self.init, self.order = init, order
+
+    def __call__(self, master: torch.Tensor) -> None:
+        self.init(master)
+        with torch.no_grad():
+            master.copy_(master[self.order.to(master.device)])
+
+    def logical_rows(self, rows: int, first: int, last: int) -> list[tuple[int, int, int]]:
+        """(drawn start, drawn end, offset from `first`) of the master's rows [first, last)."""
+        drawn = self.order[first:last].tolist()
+        segments, at = [], 0
+        while at < len(drawn):
+            end = at + 1
+            while end < len(drawn) and drawn[end] == drawn[end - 1] + 1:
+                end += 1
+            segments.append((drawn[at], drawn[end - 1] + 1, at))
+            at = end
+        return segments
+
+
 def _drawn_rows(init_method, rows: int, first: int, last: int) -> list[tuple[int, int, int]]:
     """Which rows of the draw the master's rows [first, last) are (fill_rows' segments)."""
-    if isinstance(init_method, GatedRows):
+    if isinstance(init_method, GatedRows | RowOrder):
         return init_method.logical_rows(rows, first, last)
     return [(first, last, 0)]
 
 
 def _plain(init_method):
-    """The init method the rows are drawn with (a gated layout's logical one)."""
-    return init_method.init if isinstance(init_method, GatedRows) else init_method
+    """The init method the rows are drawn with (a reordered layout's logical one)."""
+    return init_method.init if isinstance(init_method, GatedRows | RowOrder) else init_method
 
 
 def _blocks(shape: tuple[int, ...], init_method,

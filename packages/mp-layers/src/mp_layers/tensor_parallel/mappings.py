@@ -16,6 +16,7 @@ every rank an all-reduce, and so on):
     reduce_from_tensor_model_parallel_region     all-reduce             identity
     scatter_to_tensor_model_parallel_region      [.., h] -> [.., h/tp]  all-gather last dim
     gather_from_tensor_model_parallel_region     [.., h/tp] -> [.., h]  split last dim
+    all_gather_last_dim_from_tensor_parallel_region  [.., h/tp] -> [.., h]  reduce-scatter last dim
     scatter_to_sequence_parallel_region          [s, ..] -> [s/tp, ..]  all-gather first dim
     gather_from_sequence_parallel_region         [s/tp, ..] -> [s, ..]  reduce-scatter (or split)
     reduce_scatter_to_sequence_parallel_region   [s, ..] -> [s/tp, ..]  all-gather first dim
@@ -34,12 +35,14 @@ from mp_layers.tensor_parallel.collectives import (
     gather_first,
     gather_last,
     reduce_scatter_first,
+    reduce_scatter_last,
     split_first,
     split_last,
 )
 from mp_state import RankGroup
 
 __all__ = [
+    "all_gather_last_dim_from_tensor_parallel_region",
     "copy_to_tensor_model_parallel_region",
     "gather_from_sequence_parallel_region",
     "gather_from_tensor_model_parallel_region",
@@ -94,6 +97,17 @@ class _GatherFromTensorParallel(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return split_last(grad, ctx.group), None
+
+
+class _AllGatherLastDim(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return gather_last(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return reduce_scatter_last(grad, ctx.group), None
 
 
 class _ScatterToSequenceParallel(torch.autograd.Function):
@@ -163,6 +177,17 @@ def scatter_to_tensor_model_parallel_region(x: torch.Tensor, group: RankGroup) -
 def gather_from_tensor_model_parallel_region(x: torch.Tensor, group: RankGroup) -> torch.Tensor:
     """[.., h/tp] -> [.., h]: all-gathers the last dimension; backward keeps this rank's piece."""
     return _GatherFromTensorParallel.apply(x, group)
+
+
+def all_gather_last_dim_from_tensor_parallel_region(
+    x: torch.Tensor, group: RankGroup
+) -> torch.Tensor:
+    """[.., h/tp] -> [.., h]: all-gathers the last dimension for computation that differs
+    from rank to rank (each rank reads its own part of the gathered tensor), so the
+    backward sums the ranks' gradients and keeps this rank's piece (Megatron's name)."""
+    if group.size == 1:
+        return x
+    return _AllGatherLastDim.apply(x, group)
 
 
 def scatter_to_sequence_parallel_region(x: torch.Tensor, group: RankGroup) -> torch.Tensor:

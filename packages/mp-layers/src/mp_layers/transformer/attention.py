@@ -4,7 +4,8 @@ Shapes: x [s, b, h]; ng query groups (key/value heads), qg = heads per group,
 d = kv_channels. The QKV weight is [ng * (qg + 2) * d, h]; group by group it
 holds qg query heads, then the group's key head, then its value head. A
 column split over the TP group therefore gives each rank ng/tp whole groups,
-and the layout (hence the model) does not depend on the TP size.
+and the layout (hence the model) does not depend on the TP size. With fewer groups
+than TP ranks, each group is shared by tp/ng ranks (shared_query_groups.py).
 sharded_state_dict describes q, k and v as logical tensors
 [ng, qg, d, h], [ng, d, h], [ng, d, h] (strided views of the fused weight),
 so that checkpoints and conversions never see the fused layout. With
@@ -59,6 +60,7 @@ from mp_layers.transformer.norms import L2Norm
 from mp_layers.transformer.packed import PackedSeqParams
 from mp_layers.transformer.recompute import checkpointed
 from mp_layers.transformer.rope import Rotary, apply_rotary_pos_emb
+from mp_layers.transformer.shared_query_groups import SharedGroup
 from mp_state import RNGStatesTracker
 
 if TYPE_CHECKING:
@@ -85,22 +87,30 @@ class SelfAttention(torch.nn.Module):
         config.check_parallel(tp_group.size, groups.cp.size)
         self.tp_group = tp_group
         self.d = config.kv_channels
-        self.groups = config.num_query_groups // tp_group.size  # on this rank
-        self.per_group = config.num_attention_heads // config.num_query_groups
+        ng, tp = config.num_query_groups, tp_group.size
         self.gated = config.attention_output_gate
+        # fewer groups than ranks: each group shared by tp / ng ranks (shared_query_groups.py)
+        self.shared = None
+        if ng < tp:
+            self.shared = SharedGroup(ng, config.num_attention_heads // ng, self.gated, self.d,
+                                      tp, tp_group.rank)  # fmt: skip
+        self.groups = 1 if self.shared else ng // tp  # on this rank
+        self.per_group = config.num_attention_heads // tp // self.groups  # on this rank
         self.gates = self.per_group if self.gated else 0  # gate heads per group
-        width = config.num_query_groups * (self.per_group + self.gates + 2) * self.d
+        width = ng * (config.num_attention_heads // ng * (2 if self.gated else 1) + 2) * self.d
+        draw = functools.partial(torch.nn.init.normal_, std=config.hidden_init_std)
         self.linear_qkv = ColumnParallelLinear(
             config.hidden_size, width, tp_group=tp_group,
             bias=config.add_bias_linear or config.add_qkv_bias,
             sequence_parallel=config.sequence_parallel,
-            init_method=functools.partial(torch.nn.init.normal_, std=config.hidden_init_std),
+            init_method=self.shared.init_method(draw) if self.shared else draw,
             params_dtype=config.params_dtype,
         )  # fmt: skip
-        # the rows of each part in one query group: q, [gate,] k, v (Muon orthogonalizes
-        # them apart, as Megatron's --muon-split-qkv does)
+        # the rows of each part in one query group on this rank: q, [gate,] k, v (Muon
+        # orthogonalizes them apart, as Megatron's --muon-split-qkv does)
         parts = (self.per_group, self.gates, 1, 1) if self.gated else (self.per_group, 1, 1)
-        self.linear_qkv.weight.qkv_rows = tuple(n * self.d for n in parts)
+        rows = tuple(n * self.d for n in parts)
+        self.linear_qkv.weight.qkv_rows = self.shared.rows if self.shared else rows
         self.rotates = rope_layer_pattern(config)[layer_number]
         self.interleaved = config.rotary_interleaved
         self.chunk = config.attention_chunk_size if self.rotates else None
@@ -153,11 +163,14 @@ class SelfAttention(torch.nn.Module):
         mixed, _ = self.linear_qkv(x)
         s, b = mixed.shape[:2]
         qg, gates = self.per_group, self.gates
-        mixed = mixed.view(s, b, self.groups, qg + gates + 2, self.d)
-        q = mixed[:, :, :, :qg].reshape(s, b, self.groups * qg, self.d)
-        gate = mixed[:, :, :, qg : qg + gates].reshape(s, b, -1) if self.gated else None
-        k = mixed[:, :, :, qg + gates]
-        v = mixed[:, :, :, qg + gates + 1]
+        if self.shared:
+            q, gate, k, v = self.shared.split(mixed, self.tp_group)
+        else:
+            mixed = mixed.view(s, b, self.groups, qg + gates + 2, self.d)
+            q = mixed[:, :, :, :qg].reshape(s, b, self.groups * qg, self.d)
+            gate = mixed[:, :, :, qg : qg + gates].reshape(s, b, -1) if self.gated else None
+            k = mixed[:, :, :, qg + gates]
+            v = mixed[:, :, :, qg + gates + 1]
         if self.q_layernorm is not None:
             q, k = self.q_layernorm(q), self.k_layernorm(k)
         if rotary is not None and self.rotates:
@@ -204,6 +217,9 @@ class SelfAttention(torch.nn.Module):
         params = {"weight": self.linear_qkv.weight, "bias": self.linear_qkv.bias}
         for name, local in params.items():
             if local is None:
+                continue
+            if self.shared:
+                pieces |= self.shared.pieces(prefix, name, local)
                 continue
             tail = tuple(local.shape[1:])  # (h,) for the weight, () for the bias
             qg, gates = self.per_group, self.gates

@@ -3,6 +3,8 @@ parallelism (validate calls `check_hierarchical_context_parallel`)."""
 
 from __future__ import annotations
 
+from mp_layers.config_attention import kv_heads_per_rank
+
 __all__ = ["check_hierarchical_context_parallel"]
 
 
@@ -20,12 +22,12 @@ def check_hierarchical_context_parallel(config) -> None:
     if comm != "a2a+p2p":
         raise ValueError(f"hierarchical_context_parallel_sizes={sizes} applies to "
                          f"cp_comm_type='a2a+p2p', not {comm!r}")  # fmt: skip
-    groups = model.num_query_groups // parallel.tensor_model_parallel_size
+    groups = kv_heads_per_rank(model, parallel.tensor_model_parallel_size)
     if groups % sizes[0]:
         raise ValueError(
-            f"cp_comm_type='a2a+p2p' splits each tensor-parallel rank's num_query_groups="
-            f"{model.num_query_groups} / tensor_model_parallel_size="
-            f"{parallel.tensor_model_parallel_size} over the inner context-parallel size "
+            f"cp_comm_type='a2a+p2p' splits each tensor-parallel rank's {groups} of "
+            f"num_query_groups={model.num_query_groups} (tensor_model_parallel_size="
+            f"{parallel.tensor_model_parallel_size}) over the inner context-parallel size "
             f"{sizes[0]} (hierarchical_context_parallel_sizes={sizes}), which does not "
             "divide it"
         )
