@@ -1,5 +1,6 @@
 """A gpt-oss-style GPTModel (learnable sinks, a sliding window on every other layer, YaRN)
-at TP2 and at CP2 with all-to-all gives the one-rank losses and gradients, through the
+at TP2 and at CP2 with all-to-all, the ring and all-gather gives the one-rank losses and
+gradients, through the
 blocked ("local") and the banded ("flash") attention paths; the sinks' gradient included,
 assembled from each TP rank's heads by their sharding description."""
 
@@ -18,7 +19,9 @@ pytestmark = pytest.mark.multirank
 
 VOCAB, SEQ, BATCH = 64, 16, 2
 SINK = "decoder.layers.{}.self_attention.core_attention.softmax_offset"
-LAYOUTS = [(1, 1), (2, 1), (1, 2)]  # (tp, cp); cp with cp_comm_type "a2a"
+LAYOUTS = [(1, 1, "a2a"), (2, 1, "a2a"), (1, 2, "a2a"), (1, 2, "p2p"), (1, 2, "all_gather")]
+"""(tp, cp, cp_comm_type): at CP2 the 16 positions are chunks of 4, so the window of 3
+keys back masks some blocks in part and skips others."""
 
 
 def grad_pieces(model: GPTModel) -> dict[str, ShardedTensor]:
@@ -37,7 +40,7 @@ def grad_pieces(model: GPTModel) -> dict[str, ShardedTensor]:
 def run(backend: str) -> list:
     torch.set_num_threads(1)
     results = []
-    for tp, cp in LAYOUTS:
+    for tp, cp, comm in LAYOUTS:
         parallel = ParallelConfig(tensor_model_parallel_size=tp, context_parallel_size=cp)
         state = mp_state.initialize(parallel)
         config = TransformerConfig(
@@ -45,7 +48,7 @@ def run(backend: str) -> list:
             kv_channels=8, normalization="RMSNorm", add_bias_linear=True,
             softmax_type="learnable", window_size=(3, 0), window_attn_skip_freq=2,
             position_embedding_type="yarn", yarn_rotary_scaling_factor=4.0,
-            yarn_original_max_position_embeddings=8, cp_comm_type="a2a",
+            yarn_original_max_position_embeddings=8, cp_comm_type=comm,
             hidden_dropout=0.0, attention_dropout=0.0, attention_backend=backend,
             init_method_std=0.05,
         )  # fmt: skip
@@ -77,14 +80,14 @@ def assemble(pieces: list[ShardedTensor]) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def test_sinks_windows_and_yarn_at_tp2_and_cp2_a2a_equal_one_rank():
+def test_sinks_windows_and_yarn_at_tp2_and_every_cp2_equal_one_rank():
     per_rank = run_on_ranks(both_backends, 2, timeout=120)
     for backend in ("local", "flash"):
         _, reference_loss, reference_pieces = per_rank[0][backend][0]
         reference = assemble(list(reference_pieces.values()))
         assert reference[SINK.format(0)].abs().sum() > 0 and SINK.format(1) in reference
-        for i, (tp, cp) in enumerate(LAYOUTS):
-            where = f"{backend} TP{tp} CP{cp}"
+        for i, (tp, cp, comm) in enumerate(LAYOUTS):
+            where = f"{backend} TP{tp} CP{cp} {comm}"
             for rank in range(2):
                 cp_rank, loss, _ = per_rank[rank][backend][i]
                 want = shard_sequence(reference_loss, cp, cp_rank, dim=1)

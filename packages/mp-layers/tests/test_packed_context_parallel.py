@@ -3,7 +3,7 @@ all_gather, a2a) and CP4 (p2p, a2a) each rank's per-token losses are the one-ran
 of its tokens and the gradients summed over the group are the one-rank gradients (fp32,
 1e-5), for samples whose documents all divide into 2 x cp chunks (split by document,
 Megatron's packed-sequence layout) and for documents cut anywhere (split by sample,
-blocks masked to documents)."""
+blocks masked to documents), those also with gpt-oss's sinks and sliding windows."""
 
 import pytest
 import torch
@@ -31,7 +31,11 @@ def document_ids(lengths: list[list[int]]) -> torch.Tensor:
     ])  # fmt: skip
 
 
-def losses_and_grads(lengths) -> list:
+# gpt-oss's attention: learnable sinks, a window of 5 keys back on every other layer
+SINKS_AND_WINDOWS = dict(softmax_type="learnable", window_size=(5, 0), window_attn_skip_freq=2)
+
+
+def losses_and_grads(lengths, attention: dict) -> list:
     results = []
     ids = document_ids(lengths)
     for cp, comm_type in LAYOUTS:
@@ -42,7 +46,7 @@ def losses_and_grads(lengths) -> list:
             kv_channels=8, position_embedding_type="rope", normalization="RMSNorm",
             activation="swiglu", ffn_hidden_size=96, add_bias_linear=False,
             hidden_dropout=0.0, attention_dropout=0.0, cp_comm_type=comm_type,
-            init_method_std=0.05,
+            init_method_std=0.05, **attention,
         )  # fmt: skip
         model = GPTModel(config, "local", VOCAB, SEQ, groups=ModelGroups.of(state),
                          rng_tracker=tracker, init_seed=7)  # fmt: skip
@@ -63,9 +67,14 @@ def losses_and_grads(lengths) -> list:
     return results
 
 
-@pytest.mark.parametrize(("lengths", "split"), [(ALIGNED, "document"), (CUT_ANYWHERE, "sample")])
-def test_packed_documents_under_context_parallelism_match_one_rank(lengths, split):
-    per_rank = run_on_ranks(losses_and_grads, 4, lengths, timeout=240)
+@pytest.mark.parametrize(
+    ("lengths", "split", "attention"),
+    [(ALIGNED, "document", {}), (CUT_ANYWHERE, "sample", {}),
+     (CUT_ANYWHERE, "sample", SINKS_AND_WINDOWS)],
+    ids=["by-document", "by-sample", "by-sample-sinks-windows"],
+)  # fmt: skip
+def test_packed_documents_under_context_parallelism_match_one_rank(lengths, split, attention):
+    per_rank = run_on_ranks(losses_and_grads, 4, lengths, attention, timeout=240)
     _, _, reference_loss, reference_grads = per_rank[0][0]
     for i, (cp, comm_type) in enumerate(LAYOUTS[1:], start=1):
         where = f"CP{cp} {comm_type}"

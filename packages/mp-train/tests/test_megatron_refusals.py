@@ -67,8 +67,6 @@ DIFFERENCES: dict[str, tuple[str, str]] = {
         "dropout in mp, and Megatron-LM's default is 0.1"),
     "cp-with-attention-dropout": (LIMITATION, "attention over context-parallel ranks has no "
         "dropout in mp"),
-    "cp-with-sliding-window-without-dropout": (LIMITATION, "a sliding window under p2p "
-        "context parallelism is not implemented (a2a's is)"),
     "fp8-with-fp16": (LIMITATION, "mp's FP8 GEMMs (torchao's) take and give bf16"),
     "moe-aux-loss-coefficients-per-type": (LIMITATION, "mp's routers compute one "
         "load-balancing loss each"),

@@ -302,9 +302,9 @@ def check_query_groups_parallel(config: TransformerConfig, tp: int) -> None:
 
 def check_attention_parallel(config: TransformerConfig, tp: int, cp: int) -> None:
     """The attention rules that depend on the tensor- and context-parallel sizes. Sinks and
-    windows across context-parallel ranks: "a2a" gathers whole sequences per head and
-    supports both; the ring ("p2p") and "all_gather" merge blocks of keys without them,
-    so they refuse."""
+    windows across context-parallel ranks: "a2a" gathers whole sequences per head, the
+    ring ("p2p") and "all_gather" mask their blocks of keys to the window (skipping those
+    outside it) and add the sinks when the blocks are merged; "a2a+p2p" refuses them."""
     if cp == 1:
         return
     comm = config.cp_comm_type
@@ -328,13 +328,15 @@ def check_attention_parallel(config: TransformerConfig, tp: int, cp: int) -> Non
             f"{comm!r}): the largest logit is taken over whole sequences; use "
             "cp_comm_type='a2a'"
         )
+    if comm != "a2a+p2p":
+        return
     if config.window_size is not None:
         raise ValueError(
-            f"window_size={config.window_size} with context parallelism "
-            f"(cp_comm_type={comm!r}) is not implemented; use cp_comm_type='a2a'"
+            f"window_size={config.window_size} with cp_comm_type='a2a+p2p' is not "
+            "implemented; use a2a, p2p or all_gather"
         )
     if config.softmax_type != "vanilla":
         raise ValueError(
-            f"softmax_type={config.softmax_type!r} with context parallelism "
-            f"(cp_comm_type={comm!r}) is not implemented; use cp_comm_type='a2a'"
+            f"softmax_type={config.softmax_type!r} with cp_comm_type='a2a+p2p' is not "
+            "implemented; use a2a, p2p or all_gather"
         )

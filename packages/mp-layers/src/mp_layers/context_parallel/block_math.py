@@ -35,7 +35,7 @@ import functools
 
 import torch
 
-__all__ = ["block_backward", "block_forward", "heads_first", "merge_into"]
+__all__ = ["block_backward", "block_forward", "heads_first", "merge_into", "sink_per_row"]
 
 
 def heads_first(x: torch.Tensor) -> torch.Tensor:
@@ -43,6 +43,11 @@ def heads_first(x: torch.Tensor) -> torch.Tensor:
     (a copy unless b * ng is 1)."""
     s, b, ng, d = x.shape
     return x.permute(1, 2, 0, 3).reshape(b * ng, s, d)
+
+
+def sink_per_row(sink: torch.Tensor, b: int, ng: int, qg: int) -> torch.Tensor:
+    """A sink logit per head [nq] -> [B, qg, 1] fp32: each row's head's (B = b x ng)."""
+    return sink.float().view(1, ng, qg).expand(b, ng, qg).reshape(b * ng, qg, 1)
 
 
 def _scores(

@@ -54,6 +54,7 @@ from mp_layers.context_parallel.block_math import (
     block_forward,
     heads_first,
     merge_into,
+    sink_per_row,
 )
 from mp_layers.context_parallel.layout import attention_blocks, local_chunks
 from mp_layers.tensor_parallel.collectives import gather_first, reduce_scatter_first
@@ -107,13 +108,17 @@ def context_parallel_attention(
     comm_type: str = "p2p",
     documents: torch.Tensor | None = None,
     document_chunks: list[list[tuple[int, int]]] | None = None,
+    window: int | None = None,
+    sink: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of this rank's queries over the whole split sequence. Packed
     sequences (module docstring), either documents: the whole samples' document ids
     [b, cp x s] in the chunk order (position order for the layout above): a query sees
     the earlier keys of its own document only, and a block of two chunks that no
     document spans is skipped; or document_chunks: per sample, the [start, end) of each
-    document within a chunk, the same in each."""
+    document within a chunk, the same in each. window: each query sees at most `window`
+    earlier keys besides its own (a block wholly outside is skipped); sink [nq]: each
+    head's sink logit (gpt-oss's learnable softmax offset), in the softmax's sum."""
     if comm_type not in CP_COMM_TYPES:
         raise ValueError(f"cp_comm_type={comm_type!r} must be one of {', '.join(CP_COMM_TYPES)}")
     s, _, nq, _ = q.shape
@@ -131,19 +136,26 @@ def context_parallel_attention(
         raise ValueError("give the packed documents as documents or document_chunks, not both")
     if document_chunks is not None:
         _check_document_chunks(document_chunks, q.shape[1], s // 2)
-    plan = _Plan(documents, document_chunks, s // 2, k.shape[2], q.dtype)
+        if window is not None:
+            raise ValueError(
+                f"a sliding window (window={window}) over documents split into chunks of "
+                "their own is not implemented: pack with the samples split as a whole"
+            )
+    if sink is not None and tuple(sink.shape) != (nq,):
+        raise ValueError(f"sink of shape {tuple(sink.shape)} for {nq} query heads")
+    plan = _Plan(documents, document_chunks, s // 2, k.shape[2], q.dtype, q.device, window)
     if d == dv:
-        return _ContextParallelAttention.apply(q, k, v, cp_group, scale, comm_type, plan)
+        return _ContextParallelAttention.apply(q, k, v, sink, cp_group, scale, comm_type, plan)
     # Keys and values travel stacked in one tensor, so of one width (module docstring).
     width = max(d, dv)
     q, k, v = (F.pad(t, (0, width - t.shape[-1])) for t in (q, k, v))
-    out = _ContextParallelAttention.apply(q, k, v, cp_group, scale, comm_type, plan)
+    out = _ContextParallelAttention.apply(q, k, v, sink, cp_group, scale, comm_type, plan)
     return out.view(s, out.shape[1], nq, width)[..., :dv].reshape(s, out.shape[1], nq * dv)
 
 
 class _ContextParallelAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cp_group: RankGroup, scale: float, comm_type: str, plan):
+    def forward(ctx, q, k, v, sink, cp_group: RankGroup, scale: float, comm_type: str, plan):
         s, b, nq, d = q.shape
         ng = k.shape[2]
         rows = q.reshape(s, b, ng, nq // ng, d).permute(1, 2, 3, 0, 4).contiguous()
@@ -163,14 +175,18 @@ class _ContextParallelAttention(torch.autograd.Function):
                     block_out = block_out.masked_fill(piece.keyless.unsqueeze(-1), 0.0)
                     block_lse = block_lse.masked_fill(piece.keyless, -torch.inf)
                 merge_into(out[r, :, qs], lse[r, :, qs], block_out, block_lse)
-        ctx.save_for_backward(rows, kv, out, lse)
+        if sink is not None:  # one more term in each row's softmax sum
+            merged = torch.logaddexp(lse, sink_per_row(sink, b, ng, nq // ng))
+            out.mul_(torch.exp(lse - merged).unsqueeze(-1))
+            lse = merged
+        ctx.save_for_backward(rows, kv, out, lse, sink)
         ctx.cp_group, ctx.scale, ctx.comm_type, ctx.plan = cp_group, scale, comm_type, plan
         ctx.shape = (s, b, nq, d, ng)
         return _unflat_rows(out.to(q.dtype), s, b, nq, d)
 
     @staticmethod
     def backward(ctx, grad_out):
-        rows, kv, out, lse = ctx.saved_tensors
+        rows, kv, out, lse, sink = ctx.saved_tensors
         group, scale = ctx.cp_group, ctx.scale
         s, b, nq, d, ng = ctx.shape
         dout = grad_out.reshape(s, b, ng, nq // ng, d).permute(1, 2, 3, 0, 4)  # [B, qg, s, d]
@@ -209,9 +225,16 @@ class _ContextParallelAttention(torch.autograd.Function):
                     dkv += pending.wait_result()
                 pending = _Exchange(dkv, group, tag=_GRAD_TAG)
             dkv = pending.wait_result()
+        dsink = None
+        if sink is not None and ctx.needs_input_grad[3]:
+            delta = (dout.float() * out).sum(dim=-1)  # [B, qg, s]
+            p_sink = torch.exp(sink_per_row(sink, b, ng, nq // ng) - lse)
+            # this rank's queries' part: the data-parallel reduction over dp x cp sums them
+            dsink = -(p_sink * delta).view(b, ng, nq // ng, s).sum(dim=(0, 3)).reshape(nq)
+            dsink = dsink.to(sink.dtype)
         dk, dv = (_unflat(t.to(kv.dtype), s, b, ng, d) for t in dkv)
         dq = _unflat_rows(dq.to(rows.dtype), s, b, nq, d).view(s, b, nq, d)
-        return dq, dk, dv, None, None, None, None
+        return dq, dk, dv, dsink, None, None, None, None
 
 
 class _Piece(NamedTuple):
@@ -229,12 +252,15 @@ class _Piece(NamedTuple):
 
 class _Plan:
     """The pieces to compute between this rank's query chunks and the chunks of a k/v
-    block: the layout's blocks, masked to documents (`documents`), cut into documents
-    (`document_chunks`), or whole (neither)."""
+    block: the layout's blocks, masked to documents (`documents`) and to a sliding
+    `window`, cut into documents (`document_chunks`), or whole."""
 
-    def __init__(self, documents, document_chunks, chunk: int, ng: int, dtype) -> None:
-        self.chunk, self.ng = chunk, ng
-        self.masks = None if documents is None else _DocumentMasks(documents, chunk, ng, dtype)
+    def __init__(self, documents, document_chunks, chunk: int, ng: int, dtype, device,
+                 window: int | None = None) -> None:  # fmt: skip
+        self.chunk, self.ng, self.window = chunk, ng, window
+        self.masks = None
+        if documents is not None or window is not None:
+            self.masks = _BlockMasks(documents, window, chunk, ng, dtype, device)
         self.document_chunks = document_chunks
 
     def pieces(self, q_chunks: tuple[int, int], kv_chunks: tuple[int, int]):
@@ -253,35 +279,52 @@ class _Plan:
                 yield _Piece(every, whole_q, whole_kv, causal)
                 continue
             a, b = q_chunks[block.q_half], kv_chunks[block.kv_half]
+            if self.masks.whole(a, b):  # every pair of the block within the window
+                yield _Piece(every, whole_q, whole_kv, causal)
+                continue
             bias = self.masks.bias(a, b, causal)
             if bias is not None:  # causality is folded into the bias
                 keyless = self.masks.keyless(a, b, causal)
                 yield _Piece(every, whole_q, whole_kv, False, bias, keyless)
 
 
-class _DocumentMasks:
-    """Which keys each query sees between two chunks of packed samples: its document's,
-    and only earlier ones on the diagonal."""
+class _BlockMasks:
+    """Which keys each query sees between two chunks: its document's (packed samples), at
+    most `window` positions back (a sliding window), and only earlier ones on the
+    diagonal. Without documents the masks are the samples' common [1, c, c]."""
 
-    def __init__(self, documents: torch.Tensor, chunk: int, ng: int, dtype: torch.dtype) -> None:
-        self.documents, self.chunk, self.ng, self.dtype = documents, chunk, ng, dtype
+    def __init__(self, documents: torch.Tensor | None, window: int | None, chunk: int,
+                 ng: int, dtype: torch.dtype, device: torch.device) -> None:  # fmt: skip
+        self.documents, self.window, self.chunk, self.ng = documents, window, chunk, ng
+        self.dtype, self.device = dtype, device
         self._allowed: dict[tuple[int, int, bool], torch.Tensor] = {}
 
+    def whole(self, q_chunk: int, kv_chunk: int) -> bool:
+        """Whether the block needs no mask beyond causality: no documents, and every key
+        of the chunk within the window of every query of the other."""
+        if self.documents is not None:
+            return False
+        return self.window is None or (q_chunk - kv_chunk + 1) * self.chunk - 1 <= self.window
+
     def allowed(self, q_chunk: int, kv_chunk: int, causal: bool) -> torch.Tensor:
-        """[b, c, c] bool: query i of chunk q_chunk sees key j of chunk kv_chunk."""
+        """[b or 1, c, c] bool: query i of chunk q_chunk sees key j of chunk kv_chunk."""
         key = (q_chunk, kv_chunk, causal)
         if key not in self._allowed:
             c = self.chunk
-            q_ids = self.documents[:, q_chunk * c : (q_chunk + 1) * c]
-            kv_ids = self.documents[:, kv_chunk * c : (kv_chunk + 1) * c]
-            allowed = q_ids[:, :, None] == kv_ids[:, None, :]
-            if causal:
-                allowed &= torch.ones(c, c, dtype=torch.bool, device=allowed.device).tril_()
+            queries = torch.arange(q_chunk * c, (q_chunk + 1) * c, device=self.device)[:, None]
+            keys = torch.arange(kv_chunk * c, (kv_chunk + 1) * c, device=self.device)[None, :]
+            allowed = (keys <= queries)[None]
+            if self.window is not None:
+                allowed &= (keys >= queries - self.window)[None]
+            if self.documents is not None:
+                q_ids = self.documents[:, q_chunk * c : (q_chunk + 1) * c]
+                kv_ids = self.documents[:, kv_chunk * c : (kv_chunk + 1) * c]
+                allowed = allowed & (q_ids[:, :, None] == kv_ids[:, None, :])
             self._allowed[key] = allowed
         return self._allowed[key]
 
     def bias(self, q_chunk: int, kv_chunk: int, causal: bool) -> torch.Tensor | None:
-        """[B, 1, c, c] (0 or -inf) over the block's scores, B = b x ng; None when no
+        """[B or 1, 1, c, c] (0 or -inf) over the block's scores, B = b x ng; None when no
         query sees any key (the block is skipped)."""
         allowed = self.allowed(q_chunk, kv_chunk, causal)
         if not bool(allowed.any()):
@@ -289,12 +332,16 @@ class _DocumentMasks:
         b, c, _ = allowed.shape
         bias = torch.zeros(allowed.shape, dtype=self.dtype, device=allowed.device)
         bias.masked_fill_(~allowed, -torch.inf)
+        if b == 1:  # the same for every sample and head
+            return bias[0]
         return bias[:, None, None].expand(b, self.ng, 1, c, c).reshape(b * self.ng, 1, c, c)
 
     def keyless(self, q_chunk: int, kv_chunk: int, causal: bool) -> torch.Tensor:
-        """[B, 1, c] bool: the queries that see no key of the block."""
+        """[B or 1, 1, c] bool: the queries that see no key of the block."""
         empty = ~self.allowed(q_chunk, kv_chunk, causal).any(-1)  # [b, c]
         b, c = empty.shape
+        if b == 1:
+            return empty.view(1, 1, c)
         return empty[:, None, None].expand(b, self.ng, 1, c).reshape(b * self.ng, 1, c)
 
 

@@ -27,7 +27,12 @@ import functools
 
 import torch
 
-from mp_layers.context_parallel.block_math import block_backward, block_forward, heads_first
+from mp_layers.context_parallel.block_math import (
+    block_backward,
+    block_forward,
+    heads_first,
+    sink_per_row,
+)
 
 __all__ = ["BAND_BLOCK", "band_bias", "banded_attention"]
 
@@ -86,7 +91,7 @@ class _BandedAttention(torch.autograd.Function):
                 scale, bias,
             )  # fmt: skip
         if sink is not None:
-            z = _per_row(sink, b, ng, qg)  # [B, qg, 1]
+            z = sink_per_row(sink, b, ng, qg)  # [B, qg, 1]
             merged = torch.logaddexp(lse, z)
             out.mul_(torch.exp(lse - merged).unsqueeze(-1))
             lse = merged
@@ -116,17 +121,12 @@ class _BandedAttention(torch.autograd.Function):
         dsink = None
         if sink is not None and ctx.needs_input_grad[3]:
             delta = (dout.float() * out).sum(dim=-1)  # [B, qg, s]
-            p_sink = torch.exp(_per_row(sink, b, ng, qg) - lse)
+            p_sink = torch.exp(sink_per_row(sink, b, ng, qg) - lse)
             dsink = -(p_sink * delta).view(b, ng, qg, s).sum(dim=(0, 3)).reshape(nq)
             dsink = dsink.to(sink.dtype)
         dq = dq.to(rows.dtype).view(b, ng, qg, s, d).permute(3, 0, 1, 2, 4).reshape(s, b, nq, d)
         dk, dv = (t.to(keys.dtype).view(b, ng, s, d).permute(2, 0, 1, 3) for t in (dk, dv))
         return dq, dk, dv, dsink, None, None, None
-
-
-def _per_row(sink: torch.Tensor, b: int, ng: int, qg: int) -> torch.Tensor:
-    """[nq] -> [B, qg, 1] fp32: each row's head's sink."""
-    return sink.float().view(1, ng, qg).expand(b, ng, qg).reshape(b * ng, qg, 1)
 
 
 @functools.lru_cache(maxsize=64)

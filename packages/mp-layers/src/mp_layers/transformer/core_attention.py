@@ -177,13 +177,13 @@ class CoreAttention(torch.nn.Module):
                     return self._attend(q, k, v, sink=sink)
 
                 return ulysses_attention(q, k, v, self.cp_group, attend)
-            if self.softmax_offset is not None or self.window is not None:
-                raise ValueError(
-                    f"softmax_type={self.softmax_type!r}, window={self.window} with "
-                    f"cp_comm_type={self.cp_comm_type!r}: sinks and windows across "
-                    "context-parallel ranks need cp_comm_type='a2a'"
-                )
             if self.cp_comm_type == "a2a+p2p":
+                if self.softmax_offset is not None or self.window is not None:
+                    raise ValueError(
+                        f"softmax_type={self.softmax_type!r}, window={self.window} with "
+                        "cp_comm_type='a2a+p2p' is not implemented: use a2a, p2p or "
+                        "all_gather"
+                    )
                 return self._attend_hierarchical(q, k, v, packed)
             documents = chunks = None
             if packed is not None and packed.split == "document":
@@ -192,7 +192,8 @@ class CoreAttention(torch.nn.Module):
                 documents = packed.whole_document_ids
             return context_parallel_attention(
                 q, k, v, self.cp_group, scale=self._scale(q), comm_type=self.cp_comm_type,
-                documents=documents, document_chunks=chunks,
+                documents=documents, document_chunks=chunks, window=self.window,
+                sink=self.softmax_offset,
             )  # fmt: skip
         if self.track_max_logits:  # (a call to an eager function breaks a compiled graph)
             self._record(q, k, attention_mask=attention_mask)
