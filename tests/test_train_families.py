@@ -1,8 +1,8 @@
 """Today's MoE families (Qwen3-MoE, gpt-oss, Llama 4, a Mamba hybrid with a multi-token
 prediction module) train with the one-rank loss curve at TP2 (with sequence parallelism),
-EP2, PP2, and the hybrid at CP2 (all-to-all), through apps/gpt's pretrain (fp32, dropout
-0), and the hybrid split by its pattern's pipeline segments ("|") at PP2 and at PP2 x
-VPP2; a hybrid with gated DeltaNet (G) layers at TP2 and CP2: apps/gpt's tiny-moe config
+EP2, PP2, the hybrid at CP2 (all-to-all) and gpt-oss at CP2 (the ring), through
+apps/gpt's pretrain (fp32, dropout 0), and the hybrid split by its pattern's pipeline
+segments ("|") at PP2 and at PP2 x VPP2; a hybrid with gated DeltaNet (G) layers at TP2 and CP2: apps/gpt's tiny-moe config
 with each family's Megatron flags put over it."""
 
 import pytest
@@ -72,8 +72,11 @@ LAYOUTS = {
     "tp2": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
     "ep2": ["--expert-model-parallel-size", "2"],
     "pp2": ["--pipeline-model-parallel-size", "2"],
-    # all-to-all context parallelism: the kind that takes gpt-oss's windows and sinks
+    # all-to-all context parallelism
     "cp2": ["--context-parallel-size", "2", "--cp-comm-type", "a2a"],
+    # the ring: gpt-oss's window of 16 over chunks of 16 positions masks the blocks of
+    # neighbouring chunks in part and skips the others
+    "cp2-p2p": ["--context-parallel-size", "2", "--cp-comm-type", "p2p"],
     # Megatron's "|" pipeline segments of a hybrid pattern: three layers then one, and one
     # segment per virtual stage (interleaved, two chunks per rank)
     "pp2-segments": ["--pipeline-model-parallel-size", "2",
@@ -88,9 +91,10 @@ HYBRID_ONLY = {"cp2", "pp2-segments", "pp2-vpp2-segments"}
 # sequence are refused there, packages/mp-train/tests/test_validate.py).
 RUNS = [(family, layout) for family in sorted(FAMILIES) for layout in sorted(LAYOUTS)
         if (layout not in HYBRID_ONLY or family == "hybrid")
-        and family != "hybrid_gdn"]  # fmt: skip
-# the gated DeltaNet hybrid where its heads are split: TP2 and CP2 (all-to-all)
-RUNS += [("hybrid_gdn", "tp2"), ("hybrid_gdn", "cp2")]
+        and family != "hybrid_gdn" and layout != "cp2-p2p"]  # fmt: skip
+# the gated DeltaNet hybrid where its heads are split: TP2 and CP2 (all-to-all); gpt-oss's
+# sinks and windows over the ring
+RUNS += [("hybrid_gdn", "tp2"), ("hybrid_gdn", "cp2"), ("gpt_oss", "cp2-p2p")]
 
 
 @pytest.fixture(scope="module")
