@@ -2,8 +2,8 @@
 prediction module) train with the one-rank loss curve at TP2 (with sequence parallelism),
 EP2, PP2, the hybrid at CP2 (all-to-all) and gpt-oss at CP2 (the ring), through
 apps/gpt's pretrain (fp32, dropout 0), and the hybrid split by its pattern's pipeline
-segments ("|") at PP2 and at PP2 x VPP2; a hybrid with gated DeltaNet (G) layers at TP2 and CP2: apps/gpt's tiny-moe config
-with each family's Megatron flags put over it."""
+segments ("|") at PP2 and at PP2 x VPP2; a hybrid with gated DeltaNet (G) layers at TP2
+and CP2: apps/gpt's tiny-moe config with each family's Megatron flags put over it."""
 
 import pytest
 
