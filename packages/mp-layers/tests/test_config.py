@@ -219,6 +219,7 @@ def test_context_parallel_rules():
     with pytest.raises(ValueError, match=r"rank's 1 of num_query_groups=4 \(tensor_model_paral"):
         a2a.check_parallel(8, 2)
     ring = TransformerConfig(**base)  # attention_dropout 0.1, Megatron's default
-    ring.check_parallel(1)
-    with pytest.raises(ValueError, match=r"attention_dropout=0\.1 with context_parallel_size=2"):
-        ring.check_parallel(1, 2)
+    ring.check_parallel(1, 2)
+    hierarchical = TransformerConfig(**base, cp_comm_type="a2a+p2p")
+    with pytest.raises(ValueError, match=r"attention_dropout=0\.1 with cp_comm_type='a2a\+p2p'"):
+        hierarchical.check_parallel(1, 4)

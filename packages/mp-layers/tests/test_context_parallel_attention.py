@@ -1,8 +1,9 @@
 """Context-parallel attention equals causal attention over the whole sequence on one rank:
 outputs and the gradients of q, k and v, for every comm type, with GQA, at cp = 1, 2
-and 4, and hierarchically (a2a+p2p) at 2 x 2, 4 x 1, 1 x 4 and 2 x 1; and the pieces it
-is made of (the load-balanced layout, the block plan, the log-sum-exp merge) on their
-own."""
+and 4, and hierarchically (a2a+p2p) at 2 x 2, 4 x 1, 1 x 4 and 2 x 1; with attention
+dropout over the ring and the all-gather, a one-rank softmax under the same masks; and the
+pieces it is made of (the load-balanced layout, the block plan, the log-sum-exp merge) on
+their own."""
 
 from __future__ import annotations
 
@@ -216,3 +217,81 @@ def test_all_to_all_needs_heads_divisible_by_cp():
     message = r"num_query_groups=2 \(with num_attention_heads=4\) is not divisible"
     with pytest.raises(RankFailure, match=message):
         run_on_ranks(refuse_on_ranks, 3, timeout=60)
+
+
+DROPOUT, SEED = 0.25, 12345
+
+
+def dropped_reference(q, k, v, grad, cp: int):
+    """Causal attention on one rank in fp64 with the dropout masks the ranks draw: the
+    sequence's 2 x cp chunks, each pair's masks from dropout_keep (a softmax written out,
+    so that the masks multiply its probabilities)."""
+    from mp_layers.context_parallel import dropout_keep
+
+    s, b, nq, d = q.shape
+    ng, c = k.shape[2], s // (2 * cp)
+    keep = torch.ones(b * ng, nq // ng, s, s, dtype=torch.float64)
+    for a in range(2 * cp):
+        for kv in range(a + 1):
+            block = dropout_keep(SEED, a, kv, (b * ng, nq // ng, c, c), DROPOUT, q.device)
+            keep[:, :, a * c : (a + 1) * c, kv * c : (kv + 1) * c] = block
+    keep = keep.view(b, ng, nq // ng, s, s).reshape(b, nq, s, s)  # [b, nq, s, s]
+    q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
+    qh, kh, vh = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n, s, d]
+    kh, vh = (t.repeat_interleave(nq // ng, dim=1) for t in (kh, vh))
+    scores = qh @ kh.transpose(-1, -2) / math.sqrt(d)
+    causal = torch.ones(s, s, dtype=torch.bool).tril()
+    probs = torch.softmax(scores.masked_fill(~causal, -torch.inf), dim=-1)
+    out = (probs * keep) @ vh  # [b, nq, s, d]
+    out = out.permute(2, 0, 1, 3).flatten(2)
+    out.backward(grad.double())
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def dropout_on_ranks(comm_type: str) -> float:
+    import mp_state
+    from mp_layers.context_parallel import context_parallel_attention
+
+    torch.set_num_threads(1)
+    cp = torch.distributed.get_world_size()
+    state = mp_state.initialize(mp_state.ParallelConfig(context_parallel_size=cp))
+    q, k, v, grad = _inputs()
+    expected = dropped_reference(q, k, v, grad, cp)
+    local = [shard_sequence(t, cp, state.cp.rank, dim=0) for t in (q, k, v)]
+    local = [t.clone().requires_grad_() for t in local]
+    out = context_parallel_attention(
+        *local,
+        state.cp,
+        scale=1 / math.sqrt(D),
+        comm_type=comm_type,
+        dropout=DROPOUT,
+        dropout_seed=SEED,
+    )
+    out.backward(shard_sequence(grad, cp, state.cp.rank, dim=0))
+    worst = 0.0
+    for got, want in zip((out, *(t.grad for t in local)), expected, strict=True):
+        want = shard_sequence(want, cp, state.cp.rank, dim=0).float()
+        worst = max(worst, ((got - want).abs().max() / want.abs().max()).item())
+    return worst
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize(("cp", "comm_type"), [(1, "p2p"), (2, "p2p"), (2, "all_gather")])
+def test_attention_dropout_equals_one_rank_with_the_same_masks(cp, comm_type):
+    """Attention dropout over the ring and the all-gather: outputs and the gradients of q,
+    k and v equal a one-rank softmax whose probabilities are multiplied by the masks each
+    pair of chunks draws (dropout_keep), which are drawn again, the same, in backward."""
+    errors = run_on_ranks(dropout_on_ranks, cp, comm_type, timeout=120)
+    assert max(errors) < 1e-5, errors
+
+
+def test_dropout_masks_drop_about_p_and_depend_on_the_seed_and_pair():
+    from mp_layers.context_parallel import dropout_keep
+
+    shape = (8, 4, 32, 32)
+    keep = dropout_keep(SEED, 3, 1, shape, DROPOUT, torch.device("cpu"))
+    assert keep.unique().tolist() == [0.0, torch.tensor(1 / (1 - DROPOUT)).item()]
+    assert abs((keep == 0).float().mean().item() - DROPOUT) < 0.02
+    assert torch.equal(keep, dropout_keep(SEED, 3, 1, shape, DROPOUT, torch.device("cpu")))
+    for other in ((SEED + 1, 3, 1), (SEED, 1, 3), (SEED, 3, 2)):
+        assert not torch.equal(keep, dropout_keep(*other, shape, DROPOUT, torch.device("cpu")))

@@ -63,10 +63,6 @@ DIFFERENCES: dict[str, tuple[str, str]] = {
     "mla-without-rope": (LIMITATION, "Megatron-LM adds learned absolute positions to MLA's "
         "own rotary channels; mp's MLA takes its rotary settings from "
         "position_embedding_type"),
-    "cp-with-sliding-window": (LIMITATION, "attention over context-parallel ranks has no "
-        "dropout in mp, and Megatron-LM's default is 0.1"),
-    "cp-with-attention-dropout": (LIMITATION, "attention over context-parallel ranks has no "
-        "dropout in mp"),
     "fp8-with-fp16": (LIMITATION, "mp's FP8 GEMMs (torchao's) take and give bf16"),
     "moe-aux-loss-coefficients-per-type": (LIMITATION, "mp's routers compute one "
         "load-balancing loss each"),

@@ -79,9 +79,17 @@ def test_the_layouts_validate():
             r"^seq_length=32 is not divisible by 2 x context_parallel_size=3: ",
         ),
         (
-            ["--context-parallel-size", "2"],
+            [
+                "--context-parallel-size",
+                "4",
+                "--cp-comm-type",
+                "a2a+p2p",
+                "--hierarchical-context-parallel-sizes",
+                "2",
+                "2",
+            ],
             4,
-            r"^attention_dropout=0\.1 with context_parallel_size=2: ",
+            r"^attention_dropout=0\.1 with cp_comm_type='a2a\+p2p' is not implemented",
         ),
         (
             [
@@ -93,8 +101,8 @@ def test_the_layouts_validate():
                 "a2a",
             ],
             8,
-            r"^cp_comm_type='a2a' splits .* num_query_groups=4 / tensor_model_parallel_size=2 "
-            r"over context_parallel_size=4",
+            r"^cp_comm_type='a2a' splits each tensor-parallel rank's 2 of num_query_groups=4 "
+            r"\(tensor_model_parallel_size=2\) over context_parallel_size=4",
         ),
         (
             [*LLAMA4_CHUNKS, "--context-parallel-size", "2", "--attention-dropout", "0"],
@@ -188,7 +196,8 @@ def test_the_layouts_validate():
                 "0",
             ],
             4,
-            r"^cp_comm_type='a2a\+p2p' splits each tensor-parallel rank's num_query_groups=2 ",
+            r"^cp_comm_type='a2a\+p2p' splits each tensor-parallel rank's 2 of "
+            r"num_query_groups=2 ",
         ),
     ],
 )

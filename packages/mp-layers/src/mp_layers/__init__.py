@@ -16,6 +16,7 @@ from mp_layers import (
     tensor_parallel,
 )
 from mp_layers.config import TransformerConfig
+from mp_layers.config_attention import kv_heads_per_rank
 from mp_layers.config_hybrid import (
     hybrid_layer_kinds,
     hybrid_pipeline_segments,
@@ -94,6 +95,7 @@ __all__ = [
     "hybrid_pipeline_segments",
     "init_partitioned_weight",
     "keeps_attention_probabilities",
+    "kv_heads_per_rank",
     "linear_attention_layer_pattern",
     "mamba_widths",
     "moe",

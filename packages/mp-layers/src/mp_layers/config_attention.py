@@ -315,10 +315,10 @@ def check_attention_parallel(config: TransformerConfig, tp: int, cp: int) -> Non
             f"(tensor_model_parallel_size={tp}) over context_parallel_size={cp}, which does "
             "not divide it"
         )
-    if config.attention_dropout > 0:
+    if config.attention_dropout > 0 and comm == "a2a+p2p":
         raise ValueError(
-            f"attention_dropout={config.attention_dropout} with context_parallel_size={cp}: "
-            "attention across context-parallel ranks has no dropout; set attention_dropout=0"
+            f"attention_dropout={config.attention_dropout} with cp_comm_type='a2a+p2p' is not "
+            "implemented: use a2a, p2p or all_gather, or set attention_dropout=0"
         )
     if comm == "a2a":
         return

@@ -11,6 +11,7 @@ from mp_layers.context_parallel.ring_attention import (
     CP_COMM_TYPES,
     RingWaits,
     context_parallel_attention,
+    dropout_keep,
     timed_ring_waits,
 )
 
@@ -19,6 +20,7 @@ __all__ = [
     "RingWaits",
     "attention_blocks",
     "context_parallel_attention",
+    "dropout_keep",
     "local_chunks",
     "local_positions",
     "shard_sequence",

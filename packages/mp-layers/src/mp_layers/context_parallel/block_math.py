@@ -86,9 +86,13 @@ def block_forward(
     causal: bool,
     scale: float,
     bias: torch.Tensor | None = None,
+    keep: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The block's output [B, qg, c, d] and log-sum-exp [B, qg, c], both fp32."""
-    if _flash(q):
+    """The block's output [B, qg, c, d] and log-sum-exp [B, qg, c], both fp32. keep [B, qg,
+    c, c_k] fp32 (attention dropout: 0 for a dropped probability, 1 / (1 - p) for a kept
+    one) multiplies the probabilities before they weigh the values; the log-sum-exp is
+    the undropped scores'."""
+    if _flash(q) and keep is None:
         qg = q.shape[1]
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, _per_query_head(k, qg), _per_query_head(v, qg), 0.0, causal, attn_mask=bias,
@@ -98,6 +102,8 @@ def block_forward(
     scores = _scores(q, k, causal, scale, bias)
     lse = torch.logsumexp(scores, dim=-1)
     probs = scores.sub_(lse.unsqueeze(-1)).exp_()
+    if keep is not None:
+        probs.mul_(keep)
     b, qg, c, ck = probs.shape
     out = torch.bmm(probs.view(b, qg * c, ck).to(v.dtype), v).float()
     return out.view(b, qg, c, -1), lse
@@ -127,12 +133,15 @@ def block_backward(
     causal: bool,
     scale: float,
     bias: torch.Tensor | None = None,
+    keep: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq [B, qg, c, d], dk and dv [B, c_k, d] (fp32) of this block, from the final output
     `out` [B, qg, c, d] and lse [B, qg, c] (fp32) of its query rows: the attention over
-    every block, not this block's alone."""
+    every block, not this block's alone; keep: block_forward's dropout multipliers.
+    With dropout, dP = keep (dO V^T) and delta = rowsum(dO O) of the dropped output
+    (Dao, 2023)."""
     b, qg, c, d = q.shape
-    if _flash(q):
+    if _flash(q) and keep is None:
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout.to(q.dtype), q, _per_query_head(k, qg), _per_query_head(v, qg),
             out.to(q.dtype), lse.to(torch.float64 if q.dtype == torch.float64 else torch.float32),
@@ -142,10 +151,13 @@ def block_backward(
     ck = k.shape[1]
     delta = (dout.float() * out).sum(dim=-1)  # [B, qg, c]
     probs = _scores(q, k, causal, scale, bias).sub_(lse.unsqueeze(-1)).exp_()  # [B, qg, c, ck]
-    rows = probs.view(b, qg * c, ck)
+    kept = probs if keep is None else probs * keep
+    rows = kept.view(b, qg * c, ck)
     dout_rows = dout.reshape(b, qg * c, d).float()
     dv = torch.bmm(rows.transpose(1, 2), dout_rows)
     dprobs = torch.bmm(dout_rows, v.float().transpose(1, 2)).view(b, qg, c, ck)
+    if keep is not None:
+        dprobs.mul_(keep)
     dscores = probs.mul_(dprobs.sub_(delta.unsqueeze(-1))).mul_(scale).view(b, qg * c, ck)
     dq = torch.bmm(dscores, k.float()).view(b, qg, c, d)
     dk = torch.bmm(dscores.transpose(1, 2), q.reshape(b, qg * c, d).float())

@@ -61,7 +61,13 @@ from mp_layers.tensor_parallel.collectives import gather_first, reduce_scatter_f
 from mp_layers.transformer.eager import eager_when_compiled
 from mp_state import RankGroup
 
-__all__ = ["CP_COMM_TYPES", "RingWaits", "context_parallel_attention", "timed_ring_waits"]
+__all__ = [
+    "CP_COMM_TYPES",
+    "RingWaits",
+    "context_parallel_attention",
+    "dropout_keep",
+    "timed_ring_waits",
+]
 
 CP_COMM_TYPES = ("p2p", "all_gather")
 # Keys and values and their gradients are in flight at once in backward: own tags keep
@@ -110,6 +116,8 @@ def context_parallel_attention(
     document_chunks: list[list[tuple[int, int]]] | None = None,
     window: int | None = None,
     sink: torch.Tensor | None = None,
+    dropout: float = 0.0,
+    dropout_seed: int = 0,
 ) -> torch.Tensor:
     """Causal attention of this rank's queries over the whole split sequence. Packed
     sequences (module docstring), either documents: the whole samples' document ids
@@ -118,7 +126,9 @@ def context_parallel_attention(
     document spans is skipped; or document_chunks: per sample, the [start, end) of each
     document within a chunk, the same in each. window: each query sees at most `window`
     earlier keys besides its own (a block wholly outside is skipped); sink [nq]: each
-    head's sink logit (gpt-oss's learnable softmax offset), in the softmax's sum."""
+    head's sink logit (gpt-oss's learnable softmax offset), in the softmax's sum. dropout:
+    attention dropout's probability, the masks of each pair of chunks drawn from
+    `dropout_seed` and the pair (`dropout_keep`), again in backward."""
     if comm_type not in CP_COMM_TYPES:
         raise ValueError(f"cp_comm_type={comm_type!r} must be one of {', '.join(CP_COMM_TYPES)}")
     s, _, nq, _ = q.shape
@@ -144,6 +154,9 @@ def context_parallel_attention(
     if sink is not None and tuple(sink.shape) != (nq,):
         raise ValueError(f"sink of shape {tuple(sink.shape)} for {nq} query heads")
     plan = _Plan(documents, document_chunks, s // 2, k.shape[2], q.dtype, q.device, window)
+    if not 0.0 <= dropout < 1.0:
+        raise ValueError(f"dropout={dropout} must be in [0, 1)")
+    plan.dropout, plan.dropout_seed = dropout, dropout_seed
     if d == dv:
         return _ContextParallelAttention.apply(q, k, v, sink, cp_group, scale, comm_type, plan)
     # Keys and values travel stacked in one tensor, so of one width (module docstring).
@@ -169,12 +182,13 @@ class _ContextParallelAttention(torch.autograd.Function):
                 r, qs, ks = piece.rows, piece.q, piece.kv
                 block_out, block_lse = block_forward(
                     rows[r, :, qs], step_kv[0][r, ks], step_kv[1][r, ks], piece.causal, scale,
-                    piece.bias,
+                    piece.bias, plan.keep(piece, rows.shape),
                 )  # fmt: skip
                 if piece.keyless is not None:  # rows without a key of their document here
                     block_out = block_out.masked_fill(piece.keyless.unsqueeze(-1), 0.0)
                     block_lse = block_lse.masked_fill(piece.keyless, -torch.inf)
                 merge_into(out[r, :, qs], lse[r, :, qs], block_out, block_lse)
+            plan.forget_keeps()  # a pair's dropout masks serve one step: at most 4 held
         if sink is not None:  # one more term in each row's softmax sum
             merged = torch.logaddexp(lse, sink_per_row(sink, b, ng, nq // ng))
             out.mul_(torch.exp(lse - merged).unsqueeze(-1))
@@ -200,10 +214,12 @@ class _ContextParallelAttention(torch.autograd.Function):
                 dq_, dk_, dv_ = block_backward(
                     rows[r, :, qs], step_kv[0][r, ks], step_kv[1][r, ks], dout[r, :, qs],
                     out[r, :, qs], lse[r, :, qs], piece.causal, scale, piece.bias,
+                    ctx.plan.keep(piece, rows.shape),
                 )  # fmt: skip
                 dq[r, :, qs] += dq_
                 dkv[0][r, ks] += dk_
                 dkv[1][r, ks] += dv_
+            ctx.plan.forget_keeps()
 
         if ctx.comm_type == "all_gather":
             gathered = _all_gather(kv, group)
@@ -248,6 +264,21 @@ class _Piece(NamedTuple):
     bias: torch.Tensor | None = None
     keyless: torch.Tensor | None = None
     """[B', 1, c] bool: the rows that see no key of the piece (their output is none)."""
+    chunks: tuple[int, int, int, int] = (0, 0, 0, 0)
+    """(query chunk, key chunk, local position of each): the global chunks the piece lies
+    in and where they start in the local q and in the k/v block."""
+
+
+def dropout_keep(seed: int, q_chunk: int, kv_chunk: int, shape: tuple[int, ...], p: float,
+                 device: torch.device) -> torch.Tensor:  # fmt: skip
+    """Attention dropout's multipliers [B, qg, c, c] fp32 (0 dropped, 1 / (1 - p) kept)
+    between global chunks q_chunk and kv_chunk of a sequence cut into 2 x cp chunks of c
+    positions, drawn from `seed` and the pair alone: the same in forward and backward,
+    whatever rank computes the pair."""
+    generator = torch.Generator(device=device)
+    generator.manual_seed((seed * 1_000_003 + q_chunk * 65_537 + kv_chunk) % (1 << 63))
+    kept = torch.empty(shape, device=device).bernoulli_(1.0 - p, generator=generator)
+    return kept.mul_(1.0 / (1.0 - p))
 
 
 class _Plan:
@@ -258,34 +289,57 @@ class _Plan:
     def __init__(self, documents, document_chunks, chunk: int, ng: int, dtype, device,
                  window: int | None = None) -> None:  # fmt: skip
         self.chunk, self.ng, self.window = chunk, ng, window
+        self.dropout, self.dropout_seed, self.device = 0.0, 0, device
+        self._keeps: dict[tuple[int, int], torch.Tensor] = {}
         self.masks = None
         if documents is not None or window is not None:
             self.masks = _BlockMasks(documents, window, chunk, ng, dtype, device)
         self.document_chunks = document_chunks
+
+    def keep(self, piece: _Piece, rows_shape: torch.Size) -> torch.Tensor | None:
+        """The piece's dropout multipliers (dropout_keep of its pair of chunks, cut to the
+        piece), or None without dropout."""
+        if self.dropout == 0:
+            return None
+        a, c_kv, q0, kv0 = piece.chunks
+        if (a, c_kv) not in self._keeps:
+            shape = (*rows_shape[:2], self.chunk, self.chunk)  # [B, qg, c, c]
+            self._keeps[(a, c_kv)] = dropout_keep(self.dropout_seed, a, c_kv, shape,
+                                                  self.dropout, self.device)  # fmt: skip
+        keep = self._keeps[(a, c_kv)]
+        qs = slice(piece.q.start - q0, piece.q.stop - q0)
+        ks = slice(piece.kv.start - kv0, piece.kv.stop - kv0)
+        return keep[piece.rows, :, qs, ks]
+
+    def forget_keeps(self) -> None:
+        """Frees the dropout multipliers drawn so far (they are drawn again on demand)."""
+        self._keeps.clear()
 
     def pieces(self, q_chunks: tuple[int, int], kv_chunks: tuple[int, int]):
         c, every = self.chunk, slice(None)
         for block in attention_blocks(q_chunks, kv_chunks):
             causal = block.kind == "causal"
             q0, kv0 = block.q_half * c, block.kv_half * c
+            where = (q_chunks[block.q_half], kv_chunks[block.kv_half], q0, kv0)
             if self.document_chunks is not None:
                 for i, documents in enumerate(self.document_chunks):
                     rows = slice(i * self.ng, (i + 1) * self.ng)
                     for a, e in documents:
-                        yield _Piece(rows, slice(q0 + a, q0 + e), slice(kv0 + a, kv0 + e), causal)
+                        q, kv = slice(q0 + a, q0 + e), slice(kv0 + a, kv0 + e)
+                        yield _Piece(rows, q, kv, causal, chunks=where)
                 continue
             whole_q, whole_kv = slice(q0, q0 + c), slice(kv0, kv0 + c)
             if self.masks is None:
-                yield _Piece(every, whole_q, whole_kv, causal)
+                yield _Piece(every, whole_q, whole_kv, causal, chunks=where)
                 continue
             a, b = q_chunks[block.q_half], kv_chunks[block.kv_half]
             if self.masks.whole(a, b):  # every pair of the block within the window
-                yield _Piece(every, whole_q, whole_kv, causal)
+                yield _Piece(every, whole_q, whole_kv, causal, chunks=where)
                 continue
             bias = self.masks.bias(a, b, causal)
             if bias is not None:  # causality is folded into the bias
                 keyless = self.masks.keyless(a, b, causal)
-                yield _Piece(every, whole_q, whole_kv, False, bias, keyless)
+                yield _Piece(every, whole_q, whole_kv, False, bias, keyless, where)
 
 
 class _BlockMasks:

@@ -32,9 +32,11 @@ would run or where an explicit mask or dropout is given.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import math
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -154,8 +156,10 @@ class CoreAttention(torch.nn.Module):
                     f"context-parallel group of {self.cp_group.size}: make it with "
                     "from_document_ids(whole samples' ids, cp_size, cp_rank)"
                 )
-            if self.training and self.attention_dropout > 0:
-                raise ValueError("attention across context-parallel ranks has no dropout")
+            dropout = self.attention_dropout if self.training else 0.0
+            if dropout > 0 and self.cp_comm_type == "a2a+p2p":
+                raise ValueError("attention dropout with cp_comm_type='a2a+p2p' is not "
+                                 "implemented: use a2a, p2p or all_gather")  # fmt: skip
             if self.cp_comm_type == "a2a":
                 sink = self.softmax_offset
                 if sink is not None:  # this rank attends with heads piece cp_rank (ulysses.py)
@@ -167,14 +171,16 @@ class CoreAttention(torch.nn.Module):
                     def attend_packed(q, k, v):
                         if self.track_max_logits:
                             self._record(q, k, piece, documents=whole.document_ids)
-                        return self._attend_packed(q, k, v, whole, sink=sink)
+                        with self._per_cp_rank_dropout(dropout):
+                            return self._attend_packed(q, k, v, whole, sink=sink)
 
                     return ulysses_attention(q, k, v, self.cp_group, attend_packed, packed.order)
 
                 def attend(q, k, v):
                     if self.track_max_logits:
                         self._record(q, k, piece)
-                    return self._attend(q, k, v, sink=sink)
+                    with self._per_cp_rank_dropout(dropout):
+                        return self._attend(q, k, v, sink=sink)
 
                 return ulysses_attention(q, k, v, self.cp_group, attend)
             if self.cp_comm_type == "a2a+p2p":
@@ -193,11 +199,39 @@ class CoreAttention(torch.nn.Module):
             return context_parallel_attention(
                 q, k, v, self.cp_group, scale=self._scale(q), comm_type=self.cp_comm_type,
                 documents=documents, document_chunks=chunks, window=self.window,
-                sink=self.softmax_offset,
+                sink=self.softmax_offset, dropout=dropout,
+                dropout_seed=self._dropout_seed(q.device) if dropout > 0 else 0,
             )  # fmt: skip
         if self.track_max_logits:  # (a call to an eager function breaks a compiled graph)
             self._record(q, k, attention_mask=attention_mask)
         return self._attend(q, k, v, attention_mask, sink=self.softmax_offset)
+
+    @contextlib.contextmanager
+    def _per_cp_rank_dropout(self, dropout: float) -> Iterator[None]:
+        """Inside, with dropout, the tensor-parallel stream is one of this context-parallel
+        rank's own, seeded from a number the stream draws (the same on every CP rank): after
+        the all-to-all each CP rank attends with other heads, which must not share one
+        rank's masks. The stream goes on after the block as if the block had drawn that
+        one number, on every CP rank alike (and again when recomputed)."""
+        if dropout == 0:
+            yield
+            return
+        seed = self._dropout_seed(torch.device(self.rng_tracker.device))
+        own = torch.Generator(device=self.rng_tracker.device)
+        own.manual_seed((seed * 1_000_003 + self.cp_group.rank) % (1 << 63))
+        stream = self.rng_tracker.get_states()[TENSOR_PARALLEL_RNG]
+        self.rng_tracker.set_states({TENSOR_PARALLEL_RNG: own.get_state()})
+        try:
+            yield
+        finally:
+            self.rng_tracker.set_states({TENSOR_PARALLEL_RNG: stream})
+
+    def _dropout_seed(self, device: torch.device) -> int:
+        """A seed for the dropout masks of attention across context-parallel ranks, drawn
+        from the tensor-parallel stream (each TP rank's heads their own masks; a recomputed
+        forward draws it again from the restored stream)."""
+        with self.rng_tracker.fork(TENSOR_PARALLEL_RNG):
+            return int(torch.randint(1 << 62, (1,), device=device).item())
 
     @eager_when_compiled
     def _record(self, q, k, piece: tuple[int, int] | None = None, **masks) -> None:

@@ -3,7 +3,7 @@ parallelism (validate calls `check_hierarchical_context_parallel`)."""
 
 from __future__ import annotations
 
-from mp_layers.config_attention import kv_heads_per_rank
+from mp_layers import kv_heads_per_rank
 
 __all__ = ["check_hierarchical_context_parallel"]
 
