@@ -153,10 +153,10 @@ def context_parallel_attention(
             )
     if sink is not None and tuple(sink.shape) != (nq,):
         raise ValueError(f"sink of shape {tuple(sink.shape)} for {nq} query heads")
-    plan = _Plan(documents, document_chunks, s // 2, k.shape[2], q.dtype, q.device, window)
     if not 0.0 <= dropout < 1.0:
         raise ValueError(f"dropout={dropout} must be in [0, 1)")
-    plan.dropout, plan.dropout_seed = dropout, dropout_seed
+    plan = _Plan(documents, document_chunks, s // 2, k.shape[2], q.dtype, q.device, window,
+                 (dropout, dropout_seed))  # fmt: skip
     if d == dv:
         return _ContextParallelAttention.apply(q, k, v, sink, cp_group, scale, comm_type, plan)
     # Keys and values travel stacked in one tensor, so of one width (module docstring).
@@ -287,9 +287,11 @@ class _Plan:
     `window`, cut into documents (`document_chunks`), or whole."""
 
     def __init__(self, documents, document_chunks, chunk: int, ng: int, dtype, device,
-                 window: int | None = None) -> None:  # fmt: skip
+                 window: int | None = None,
+                 dropout: tuple[float, int] = (0.0, 0)) -> None:  # fmt: skip
+        """dropout: (probability, seed)."""
         self.chunk, self.ng, self.window = chunk, ng, window
-        self.dropout, self.dropout_seed, self.device = 0.0, 0, device
+        (self.dropout, self.dropout_seed), self.device = dropout, device
         self._keeps: dict[tuple[int, int], torch.Tensor] = {}
         self.masks = None
         if documents is not None or window is not None:

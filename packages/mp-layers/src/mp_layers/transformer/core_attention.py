@@ -226,10 +226,12 @@ class CoreAttention(torch.nn.Module):
         finally:
             self.rng_tracker.set_states({TENSOR_PARALLEL_RNG: stream})
 
+    @eager_when_compiled
     def _dropout_seed(self, device: torch.device) -> int:
         """A seed for the dropout masks of attention across context-parallel ranks, drawn
         from the tensor-parallel stream (each TP rank's heads their own masks; a recomputed
-        forward draws it again from the restored stream)."""
+        forward draws it again from the restored stream). Eager in a compiled layer: the
+        number leaves the device."""
         with self.rng_tracker.fork(TENSOR_PARALLEL_RNG):
             return int(torch.randint(1 << 62, (1,), device=device).item())
 
