@@ -97,12 +97,12 @@ def test_one_query_group_shared_by_two_ranks_trains_alike(tmp_path):
     """One query group (key/value head) at TP2 with sequence parallelism: each rank computes
     half the query heads and half the key and value rows, then gathers the rest of the
     group's keys and values; the one-rank curve of the same model."""
-    one_group = ["--num-query-groups", "1"]
+    one_group = ["--num-query-groups", "1", "--train-iters", "4"]
     curves = []
     for tp, extra in ((1, []), (2, ["--sequence-parallel"])):
         run_dir = tmp_path / f"tp{tp}"
         run_on_ranks(train_on_rank, tp, options(run_dir, tp, 1, *one_group, *extra), timeout=300)
         curves.append(losses(run_dir))
-    assert len(curves[0]) == ITERATIONS and curves[0][-1] < curves[0][0] - 0.5
+    assert len(curves[0]) == 4 and curves[0][-1] < curves[0][0] - 0.1, curves[0]
     for iteration, (got, want) in enumerate(zip(*reversed(curves), strict=True), start=1):
         assert abs(got - want) <= 1e-4 * abs(want), f"iteration {iteration}: {got} vs {want}"
