@@ -70,8 +70,8 @@ def losses_and_grads(lengths, attention: dict) -> list:
 @pytest.mark.parametrize(
     ("lengths", "split", "attention"),
     [(ALIGNED, "document", {}), (CUT_ANYWHERE, "sample", {}),
-     (CUT_ANYWHERE, "sample", SINKS_AND_WINDOWS)],
-    ids=["by-document", "by-sample", "by-sample-sinks-windows"],
+     (ALIGNED, "document", SINKS_AND_WINDOWS), (CUT_ANYWHERE, "sample", SINKS_AND_WINDOWS)],
+    ids=["by-document", "by-sample", "by-document-sinks-windows", "by-sample-sinks-windows"],
 )  # fmt: skip
 def test_packed_documents_under_context_parallelism_match_one_rank(lengths, split, attention):
     per_rank = run_on_ranks(losses_and_grads, 4, lengths, attention, timeout=240)

@@ -146,11 +146,6 @@ def context_parallel_attention(
         raise ValueError("give the packed documents as documents or document_chunks, not both")
     if document_chunks is not None:
         _check_document_chunks(document_chunks, q.shape[1], s // 2)
-        if window is not None:
-            raise ValueError(
-                f"a sliding window (window={window}) over documents split into chunks of "
-                "their own is not implemented: pack with the samples split as a whole"
-            )
     if sink is not None and tuple(sink.shape) != (nq,):
         raise ValueError(f"sink of shape {tuple(sink.shape)} for {nq} query heads")
     if not 0.0 <= dropout < 1.0:
@@ -281,6 +276,10 @@ def dropout_keep(seed: int, q_chunk: int, kv_chunk: int, shape: tuple[int, ...],
     return kept.mul_(1.0 / (1.0 - p))
 
 
+_WHOLE = object()
+"""A document's piece that the window does not cut (_Plan._document_band)."""
+
+
 class _Plan:
     """The pieces to compute between this rank's query chunks and the chunks of a k/v
     block: the layout's blocks, masked to documents (`documents`) and to a sliding
@@ -293,6 +292,7 @@ class _Plan:
         self.chunk, self.ng, self.window = chunk, ng, window
         (self.dropout, self.dropout_seed), self.device = dropout, device
         self._keeps: dict[tuple[int, int], torch.Tensor] = {}
+        self._bands: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self.masks = None
         if documents is not None or window is not None:
             self.masks = _BlockMasks(documents, window, chunk, ng, dtype, device)
@@ -313,6 +313,28 @@ class _Plan:
         ks = slice(piece.kv.start - kv0, piece.kv.stop - kv0)
         return keep[piece.rows, :, qs, ks]
 
+    def _document_band(self, q_chunk: int, kv_chunk: int, n: int):
+        """A document's piece between its chunks q_chunk and kv_chunk (n positions each: the
+        document cut into 2 x cp chunks of its own) under the window: _WHOLE where every
+        pair is within it (or there is no window), None where none is, else (bias [n, n],
+        keyless [1, 1, n]), the pairs at most `window` positions apart and not later."""
+        if self.window is None:
+            return _WHOLE
+        gap = (q_chunk - kv_chunk) * n  # how far the key chunk starts before the query's
+        if gap - (n - 1) > self.window:
+            return None
+        if gap + n - 1 <= self.window:
+            return _WHOLE
+        key = (gap, n)
+        if key not in self._bands:
+            i = torch.arange(n, device=self.device)
+            apart = gap + i[:, None] - i[None, :]
+            allowed = (apart >= 0) & (apart <= self.window)
+            bias = torch.zeros((n, n), dtype=self.masks.dtype, device=self.device)
+            bias.masked_fill_(~allowed, -torch.inf)
+            self._bands[key] = (bias, ~allowed.any(-1).view(1, 1, n))
+        return self._bands[key]
+
     def forget_keeps(self) -> None:
         """Frees the dropout multipliers drawn so far (they are drawn again on demand)."""
         self._keeps.clear()
@@ -328,7 +350,13 @@ class _Plan:
                     rows = slice(i * self.ng, (i + 1) * self.ng)
                     for a, e in documents:
                         q, kv = slice(q0 + a, q0 + e), slice(kv0 + a, kv0 + e)
-                        yield _Piece(rows, q, kv, causal, chunks=where)
+                        band = self._document_band(where[0], where[1], e - a)
+                        if band is None:  # the window does not reach into the block
+                            continue
+                        if band is _WHOLE:
+                            yield _Piece(rows, q, kv, causal, chunks=where)
+                        else:  # causality is folded into the band
+                            yield _Piece(rows, q, kv, False, *band, chunks=where)
                 continue
             whole_q, whole_kv = slice(q0, q0 + c), slice(kv0, kv0 + c)
             if self.masks is None:
