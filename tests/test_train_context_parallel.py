@@ -3,7 +3,7 @@ sequence 256 trains with the one-rank loss curve, gradient norms and consumed sa
 CP2 (every comm type), CP4 hierarchically (a2a+p2p, 2 x 2) and CP2 as 2 x 1, CP2 x TP2
 with sequence parallelism, CP2 x PP2 (also with virtual
 stages) and CP2 x DP2 (also with the distributed optimizer); with attention dropout over
-the ring and the all-to-all, recomputed alike."""
+the ring, the all-to-all and the two together, recomputed alike."""
 
 from pathlib import Path
 
@@ -89,14 +89,23 @@ def test_context_parallel_trains_as_one_rank(tmp_path, reference, name):
     assert_same_curve(metrics_records(tmp_path), reference, ("lm loss", "grad_norm"), name)
 
 
-@pytest.mark.parametrize("comm_type", ["p2p", "a2a"])
+DROPOUT_LAYOUTS = {
+    "p2p": ["--cp-comm-type", "p2p"],
+    "a2a": ["--cp-comm-type", "a2a"],
+    # the ring over an outer group of 2, each rank's heads its own masks
+    "a2a+p2p-1x2": ["--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes", "1",
+                    "2"],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("comm_type", list(DROPOUT_LAYOUTS))
 def test_attention_dropout_trains_and_recomputes_the_same_masks(tmp_path, reference, comm_type):
     """Attention dropout 0.1 (Megatron-LM's default) at CP2: the run trains off the
     dropout-free curve, and with core attention recomputed in backward (selective
     recompute) it has the same losses and gradient norms exactly: the recomputed forward
     draws the same masks (p2p: from the same seed; a2a: the one-rank kernel's, from the
     restored tensor-parallel stream)."""
-    dropout = [*CP2, "--cp-comm-type", comm_type, "--attention-dropout", "0.1"]
+    dropout = [*CP2, *DROPOUT_LAYOUTS[comm_type], "--attention-dropout", "0.1"]
     curves = {}
     for name, extra in (("plain", []), ("recompute", ["--recompute-granularity", "selective"])):
         run_on_ranks(train_on_rank, 2, options(tmp_path / name, *dropout, *extra), timeout=300)

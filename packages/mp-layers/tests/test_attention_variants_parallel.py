@@ -1,6 +1,6 @@
 """A gpt-oss-style GPTModel (learnable sinks, a sliding window on every other layer, YaRN)
-at TP2 and at CP2 with all-to-all, the ring and all-gather gives the one-rank losses and
-gradients, through the
+at TP2 and at CP2 with all-to-all, the ring, all-gather and hierarchically (a2a+p2p, as
+2 x 1 and 1 x 2) gives the one-rank losses and gradients, through the
 blocked ("local") and the banded ("flash") attention paths; the sinks' gradient included,
 assembled from each TP rank's heads by their sharding description."""
 
@@ -19,9 +19,11 @@ pytestmark = pytest.mark.multirank
 
 VOCAB, SEQ, BATCH = 64, 16, 2
 SINK = "decoder.layers.{}.self_attention.core_attention.softmax_offset"
-LAYOUTS = [(1, 1, "a2a"), (2, 1, "a2a"), (1, 2, "a2a"), (1, 2, "p2p"), (1, 2, "all_gather")]
-"""(tp, cp, cp_comm_type): at CP2 the 16 positions are chunks of 4, so the window of 3
-keys back masks some blocks in part and skips others."""
+LAYOUTS = [(1, 1, "a2a", None), (2, 1, "a2a", None), (1, 2, "a2a", None),
+           (1, 2, "p2p", None), (1, 2, "all_gather", None), (1, 2, "a2a+p2p", [2, 1]),
+           (1, 2, "a2a+p2p", [1, 2])]  # fmt: skip
+"""(tp, cp, cp_comm_type, hierarchical sizes): at CP2 the 16 positions are chunks of 4, so
+the window of 3 keys back masks some blocks in part and skips others."""
 
 
 def grad_pieces(model: GPTModel) -> dict[str, ShardedTensor]:
@@ -40,8 +42,9 @@ def grad_pieces(model: GPTModel) -> dict[str, ShardedTensor]:
 def run(backend: str) -> list:
     torch.set_num_threads(1)
     results = []
-    for tp, cp, comm in LAYOUTS:
-        parallel = ParallelConfig(tensor_model_parallel_size=tp, context_parallel_size=cp)
+    for tp, cp, comm, levels in LAYOUTS:
+        parallel = ParallelConfig(tensor_model_parallel_size=tp, context_parallel_size=cp,
+                                  hierarchical_context_parallel_sizes=levels)  # fmt: skip
         state = mp_state.initialize(parallel)
         config = TransformerConfig(
             num_layers=2, hidden_size=64, num_attention_heads=8, num_query_groups=4,
@@ -86,8 +89,8 @@ def test_sinks_windows_and_yarn_at_tp2_and_every_cp2_equal_one_rank():
         _, reference_loss, reference_pieces = per_rank[0][backend][0]
         reference = assemble(list(reference_pieces.values()))
         assert reference[SINK.format(0)].abs().sum() > 0 and SINK.format(1) in reference
-        for i, (tp, cp, comm) in enumerate(LAYOUTS):
-            where = f"{backend} TP{tp} CP{cp} {comm}"
+        for i, (tp, cp, comm, levels) in enumerate(LAYOUTS):
+            where = f"{backend} TP{tp} CP{cp} {comm} {levels}"
             for rank in range(2):
                 cp_rank, loss, _ = per_rank[rank][backend][i]
                 want = shard_sequence(reference_loss, cp, cp_rank, dim=1)

@@ -80,19 +80,6 @@ def test_the_layouts_validate():
         ),
         (
             [
-                "--context-parallel-size",
-                "4",
-                "--cp-comm-type",
-                "a2a+p2p",
-                "--hierarchical-context-parallel-sizes",
-                "2",
-                "2",
-            ],
-            4,
-            r"^attention_dropout=0\.1 with cp_comm_type='a2a\+p2p' is not implemented",
-        ),
-        (
-            [
                 "--tensor-model-parallel-size",
                 "2",
                 "--context-parallel-size",

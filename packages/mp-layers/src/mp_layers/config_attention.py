@@ -304,7 +304,8 @@ def check_attention_parallel(config: TransformerConfig, tp: int, cp: int) -> Non
     """The attention rules that depend on the tensor- and context-parallel sizes. Sinks and
     windows across context-parallel ranks: "a2a" gathers whole sequences per head, the
     ring ("p2p") and "all_gather" mask their blocks of keys to the window (skipping those
-    outside it) and add the sinks when the blocks are merged; "a2a+p2p" refuses them."""
+    outside it) and add the sinks when the blocks are merged, and "a2a+p2p" does one, then
+    the other."""
     if cp == 1:
         return
     comm = config.cp_comm_type
@@ -315,11 +316,6 @@ def check_attention_parallel(config: TransformerConfig, tp: int, cp: int) -> Non
             f"(tensor_model_parallel_size={tp}) over context_parallel_size={cp}, which does "
             "not divide it"
         )
-    if config.attention_dropout > 0 and comm == "a2a+p2p":
-        raise ValueError(
-            f"attention_dropout={config.attention_dropout} with cp_comm_type='a2a+p2p' is not "
-            "implemented: use a2a, p2p or all_gather, or set attention_dropout=0"
-        )
     if comm == "a2a":
         return
     if config.tracks_max_attention_logit:
@@ -327,16 +323,4 @@ def check_attention_parallel(config: TransformerConfig, tp: int, cp: int) -> Non
             f"qk_clip / log_max_attention_logit with context parallelism (cp_comm_type="
             f"{comm!r}): the largest logit is taken over whole sequences; use "
             "cp_comm_type='a2a'"
-        )
-    if comm != "a2a+p2p":
-        return
-    if config.window_size is not None:
-        raise ValueError(
-            f"window_size={config.window_size} with cp_comm_type='a2a+p2p' is not "
-            "implemented; use a2a, p2p or all_gather"
-        )
-    if config.softmax_type != "vanilla":
-        raise ValueError(
-            f"softmax_type={config.softmax_type!r} with cp_comm_type='a2a+p2p' is not "
-            "implemented; use a2a, p2p or all_gather"
         )

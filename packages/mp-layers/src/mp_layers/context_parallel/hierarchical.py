@@ -33,10 +33,18 @@ def hierarchical_attention(
     levels: tuple[RankGroup, RankGroup],
     scale: float,
     attention: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+    *,
+    window: int | None = None,
+    sink: torch.Tensor | None = None,
+    dropout: float = 0.0,
+    dropout_seed: int = 0,
 ) -> torch.Tensor:
     """Causal attention over the sequence split across `cp_group`, through its `levels`
     (inner, outer). attention(q, k, v): causal attention over whole sequences ([S, b, n, d]
-    -> [S, b, n * d]), for an outer group of one rank."""
+    -> [S, b, n * d]) with this rank's share of the heads (their sinks, the window and
+    dropout its own), for an outer group of one rank. Otherwise the ring takes the window,
+    the sinks of this rank's heads [nq / inner] out of `sink` [nq], and dropout with masks
+    of its own (the seed mixed with the inner rank: each share of the heads its own)."""
     inner, outer = levels
     nq, ng = q.shape[2], k.shape[2]
     if ng % inner.size:
@@ -52,7 +60,11 @@ def hierarchical_attention(
     def ring(q, k, v):
         if outer.size == 1:
             return attention(q, k, v)
-        return context_parallel_attention(q, k, v, outer, scale=scale, comm_type="p2p")
+        mine = None if sink is None else sink.view(inner.size, -1)[inner.rank]
+        return context_parallel_attention(
+            q, k, v, outer, scale=scale, comm_type="p2p", window=window, sink=mine,
+            dropout=dropout, dropout_seed=(dropout_seed * 1_000_003 + inner.rank) % (1 << 62),
+        )  # fmt: skip
 
     if inner.size == 1:
         return ring(q, k, v)

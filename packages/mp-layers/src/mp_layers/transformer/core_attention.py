@@ -157,9 +157,6 @@ class CoreAttention(torch.nn.Module):
                     "from_document_ids(whole samples' ids, cp_size, cp_rank)"
                 )
             dropout = self.attention_dropout if self.training else 0.0
-            if dropout > 0 and self.cp_comm_type == "a2a+p2p":
-                raise ValueError("attention dropout with cp_comm_type='a2a+p2p' is not "
-                                 "implemented: use a2a, p2p or all_gather")  # fmt: skip
             if self.cp_comm_type == "a2a":
                 sink = self.softmax_offset
                 if sink is not None:  # this rank attends with heads piece cp_rank (ulysses.py)
@@ -184,13 +181,7 @@ class CoreAttention(torch.nn.Module):
 
                 return ulysses_attention(q, k, v, self.cp_group, attend)
             if self.cp_comm_type == "a2a+p2p":
-                if self.softmax_offset is not None or self.window is not None:
-                    raise ValueError(
-                        f"softmax_type={self.softmax_type!r}, window={self.window} with "
-                        "cp_comm_type='a2a+p2p' is not implemented: use a2a, p2p or "
-                        "all_gather"
-                    )
-                return self._attend_hierarchical(q, k, v, packed)
+                return self._attend_hierarchical(q, k, v, packed, dropout)
             documents = chunks = None
             if packed is not None and packed.split == "document":
                 chunks = packed.chunk_segments
@@ -251,7 +242,7 @@ class CoreAttention(torch.nn.Module):
         self.max_logits = found if self.max_logits is None else torch.maximum(
             self.max_logits, found)  # fmt: skip
 
-    def _attend_hierarchical(self, q, k, v, packed) -> torch.Tensor:
+    def _attend_hierarchical(self, q, k, v, packed, dropout: float) -> torch.Tensor:
         """cp_comm_type "a2a+p2p": context_parallel/hierarchical.py."""
         if self.cp_levels is None:
             raise ValueError(
@@ -262,8 +253,19 @@ class CoreAttention(torch.nn.Module):
         if packed is not None:
             raise ValueError("packed documents with cp_comm_type='a2a+p2p' are not "
                              "implemented: use p2p, all_gather or a2a")  # fmt: skip
-        return hierarchical_attention(q, k, v, self.cp_group, self.cp_levels, self._scale(q),
-                                      lambda *qkv: self._attend(*qkv))  # fmt: skip
+        inner, outer = self.cp_levels
+        sink = self.softmax_offset
+        mine = None if sink is None else sink.view(inner.size, -1)[inner.rank]
+
+        def attend(q, k, v):  # an outer group of one rank: this rank's heads, whole sequences
+            with self._per_cp_rank_dropout(dropout):
+                return self._attend(q, k, v, sink=mine)
+
+        seed = self._dropout_seed(q.device) if dropout > 0 and outer.size > 1 else 0
+        return hierarchical_attention(
+            q, k, v, self.cp_group, self.cp_levels, self._scale(q), attend, window=self.window,
+            sink=sink, dropout=dropout, dropout_seed=seed,
+        )  # fmt: skip
 
     def _attend(
         self,
