@@ -57,8 +57,6 @@ DIFFERENCES: dict[str, tuple[str, str]] = {
     "moe-ep-with-tp-without-sp": (EARLIER, "as moe-without-sp-at-tp2"),
     "muon-with-fp16": (EARLIER, "Megatron-LM refuses Muon (an emerging optimizer) in fp16 "
         "when it builds the optimizer"),
-    "apply-query-key-layer-scaling": (LIMITATION, "fp16's query-key layer scaling is not "
-        "implemented"),
     "relative-positions": (LIMITATION, "T5's relative position bias is not implemented"),
     "mla-without-rope": (LIMITATION, "Megatron-LM adds learned absolute positions to MLA's "
         "own rotary channels; mp's MLA takes its rotary settings from "

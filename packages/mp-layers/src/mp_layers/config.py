@@ -153,6 +153,15 @@ class TransformerConfig(
     within the inner groups of mp-state's hierarchical_context_parallel_sizes, then "p2p"
     across the outer ones (context_parallel/hierarchical.py)."""
 
+    apply_query_key_layer_scaling: bool = False
+    """Megatron-LM's guard for fp16 scores: where attention computes its scores as one
+    matmul in the input precision (the blocked attention: attention_backend "local" or
+    "unfused", an explicit mask, attention dropout), the matmul gives them divided by the
+    layer's number (1-based) and the softmax takes them back times it in fp32; the same
+    attention. The flash kernels keep their scores in fp32 and are unchanged (as
+    Transformer Engine's fused attention ignores it); so are the context-parallel ring's
+    blocks and generation's cached attention."""
+
     softmax_type: Literal["vanilla", "off-by-one", "learnable"] = "vanilla"
     """Attention sinks: "off-by-one" adds a logit 0 to each softmax row (softmax_1), "learnable"
     a learned logit per head (softmax_offset, gpt-oss's sinks; init normal(0,

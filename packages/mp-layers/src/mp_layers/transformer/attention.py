@@ -66,7 +66,16 @@ from mp_state import RNGStatesTracker
 if TYPE_CHECKING:
     from mp_layers.transformer.spec import LayerSpec
 
-__all__ = ["SelfAttention"]
+__all__ = ["SelfAttention", "layer_scaling"]
+
+
+def layer_scaling(config: TransformerConfig, layer_number: int) -> dict[str, int]:
+    """Core attention's score_divisor under apply_query_key_layer_scaling: the layer's
+    number, 1-based as Megatron-LM counts (layer_number: the 0-based index); nothing
+    otherwise, so that a spec's own core attention need not take it."""
+    if not config.apply_query_key_layer_scaling:
+        return {}
+    return {"score_divisor": layer_number + 1}
 
 
 class SelfAttention(torch.nn.Module):
@@ -136,6 +145,7 @@ class SelfAttention(torch.nn.Module):
             softmax_type=config.softmax_type, window=self.window,
             heads=self.groups * self.per_group, params_dtype=config.params_dtype,
             softmax_scale=config.softmax_scale,  # muP's; None: 1 / sqrt(kv_channels)
+            **layer_scaling(config, layer_number),
         )  # fmt: skip
         if config.softmax_type == "learnable":  # the same sinks whatever the TP size
             init_partitioned_weight(

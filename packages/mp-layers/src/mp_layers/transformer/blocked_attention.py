@@ -67,9 +67,13 @@ def blocked_attention(
     block: int = DEFAULT_BLOCK,
     window: int | None = None,
     sink: torch.Tensor | None = None,
+    score_divisor: int | None = None,
 ) -> torch.Tensor:
     """attention_mask: [b or 1, 1, s, s] bool, True = masked; None = causal. window: the
     earlier keys each query sees besides its own (None: all). sink: [nq] logits.
+    score_divisor: Megatron-LM's query-key layer scaling (the layer's number): the scores
+    come out of their matmul, in the input precision, divided by it, and are multiplied
+    back in fp32 before the softmax; the same attention, with fp16 scores in range.
 
     With an explicit mask every block sees all s keys (the mask may allow any
     of them); a row the mask leaves no key gives 0, as torch's SDPA does.
@@ -78,6 +82,7 @@ def blocked_attention(
     draws the same masks.
     """
     plan = _Plan(q, k, v, attention_mask, scale, dropout, rng_tracker, block, window, sink)
+    plan.score_divisor = score_divisor
     inputs = (q, k, v) if sink is None else (q, k, v, sink)
     if torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
         return _BlockedAttention.apply(plan, q, k, v, sink)
@@ -96,6 +101,7 @@ class _Plan:
         self.sink = sink is not None
         self.sink_dtype = None if sink is None else sink.dtype
         self.dtype, self.device = q.dtype, q.device
+        self.score_divisor: int | None = None
 
     def blocks(self):
         """(lo, hi, the keys seen, bias [b * ng, qg * c, keys (+ 1 with a sink)], keep) per
@@ -158,7 +164,7 @@ def _forward(plan: _Plan, q, k, v, sink, keep_for_backward: bool):
                              dim=-1).view(b * ng, qg * c, d + 1)  # fmt: skip
             block_keys_t = torch.cat([padded_keys[:, seen], sink_key], dim=1).transpose(1, 2)
             block_values = torch.cat([block_values, no_value], dim=1)
-        probs = _bmm(rows, block_keys_t, bias=bias, alpha=scale).softmax(dim=-1)
+        probs = _probabilities(plan, rows, block_keys_t, bias)
         if keep is not None:
             probs.mul_(keep)
         dropped = None
@@ -222,6 +228,17 @@ class _BlockedAttention(torch.autograd.Function):
         dv = dv.view(b, ng, s, d_v).permute(2, 0, 1, 3)
         dsink = None if dsink is None else dsink.flatten().to(plan.sink_dtype)
         return None, dq, dk, dv, dsink
+
+
+def _probabilities(plan: _Plan, rows, keys_t, bias) -> torch.Tensor:
+    """softmax(scale rows @ keys_t + bias) in the input dtype; with a score divisor L the
+    matmul gives the scores divided by L and the softmax takes them back times L in fp32
+    (Megatron-LM's query-key layer scaling, its softmax in fp32)."""
+    divisor = plan.score_divisor
+    if not divisor or divisor == 1:
+        return _bmm(rows, keys_t, bias=bias, alpha=plan.scale).softmax(dim=-1)
+    scores = _bmm(rows, keys_t, bias=bias, alpha=plan.scale / divisor)
+    return scores.float().mul_(divisor).softmax(dim=-1).to(scores.dtype)
 
 
 def _whole(t: torch.Tensor) -> bool:

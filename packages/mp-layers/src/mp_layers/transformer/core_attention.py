@@ -82,13 +82,17 @@ class CoreAttention(torch.nn.Module):
         softmax_scale: float | None = None,
         cp_levels: tuple[RankGroup, RankGroup] | None = None,
         track_max_logits: bool = False,
+        score_divisor: int | None = None,
     ) -> None:
         """softmax_type, window (the earlier keys each query sees; None: all) and heads
         (this rank's query heads, for the sinks): module docstring. softmax_scale
         multiplies the logits q k^T (None: 1 / sqrt(d), d the query's width). cp_levels:
         the inner and outer context-parallel groups of cp_comm_type "a2a+p2p".
-        track_max_logits: in training, keep each head's largest logit (max_logits)."""
+        track_max_logits: in training, keep each head's largest logit (max_logits).
+        score_divisor: the layer's number under apply_query_key_layer_scaling (blocked
+        attention's scores divided by it in their matmul, multiplied back in fp32)."""
         super().__init__()
+        self.score_divisor = score_divisor
         self.cp_levels = cp_levels
         self.track_max_logits = track_max_logits
         self.max_logits: torch.Tensor | None = None
@@ -291,6 +295,7 @@ class CoreAttention(torch.nn.Module):
             return blocked_attention(
                 q, k, v, attention_mask, scale=scale, dropout=dropout,
                 rng_tracker=self.rng_tracker, window=self.window, sink=sink,
+                score_divisor=self.score_divisor,
             )  # fmt: skip
         # SDPA wants [b, n, s, d]; it shares each key/value head among its group's
         # query heads itself (enable_gqa), without materializing repeated k and v.

@@ -61,6 +61,7 @@ from mp_layers.tensor_parallel import (
     gather_from_sequence_parallel_region,
     replicated_state_dict,
 )
+from mp_layers.transformer.attention import layer_scaling
 from mp_layers.transformer.kv_cache import KVCache
 from mp_layers.transformer.mlp import residual_projection
 from mp_layers.transformer.output_recompute import OutputRecompute
@@ -141,6 +142,7 @@ class MultiLatentAttention(torch.nn.Module):
             cp_group=groups.cp, cp_comm_type=config.cp_comm_type, cp_levels=groups.cp_levels,
             track_max_logits=config.tracks_max_attention_logit,
             softmax_scale=mla_softmax_scale(config), params_dtype=config.params_dtype,
+            **layer_scaling(config, layer_number),
         )  # fmt: skip
         # Selective recompute (Korthikanti et al.): core attention only, as SelfAttention.
         self.recompute_core_attention = config.recomputes("core_attn")

@@ -32,10 +32,6 @@ REFUSED: dict[str, tuple[bool, str]] = {
         False,
         "needs Transformer Engine's userbuffers, which mp does not use: drop it",
     ),
-    "apply_query_key_layer_scaling": (
-        False,
-        "fp16 query-key layer scaling is not implemented: drop it (use bf16)",
-    ),
     "fp8_margin": (True, _FP8_DELAYED),
     "fp8_amax_history_len": (True, _FP8_DELAYED),
     "fp8_amax_compute_algo": (True, _FP8_DELAYED),
