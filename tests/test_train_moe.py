@@ -5,7 +5,8 @@ dispatch), EP2 x TP2 with sequence parallelism (expert TP 1 and 2), EP2 x DP2 (a
 the distributed optimizer), EP2 x PP2, EP2 x CP2 and EP2 with every layer recomputed in
 backward.
 One rank runs the global batch as micro-batches of one sequence, as each data-parallel
-rank does. gpt-oss's MLP (biases everywhere) trains the same at EP2 x TP2 x expert-TP2."""
+rank does. gpt-oss's MLP (biases everywhere) trains the same at EP2 x TP2 x expert-TP2, and
+Sinkhorn routing at EP2."""
 
 import pytest
 
@@ -79,3 +80,20 @@ def test_gpt_oss_mlp_trains_as_one_rank_at_ep2_tp2_etp2(tmp_path):
     got = metrics_records(tmp_path / "four")
     assert len(reference) == ITERATIONS
     assert_same_curve(got, reference, LOGGED_MOE, "gpt-oss ep2-tp2-etp2")
+
+
+SINKHORN = ["--moe-router-load-balancing-type", "sinkhorn", "--moe-aux-loss-coeff", "0",
+            "--moe-router-topk", "1"]  # fmt: skip
+
+
+def test_sinkhorn_routing_trains_as_one_rank_at_ep2(tmp_path):
+    """S-BASE routing (top-1, Megatron-LM's GPT-3 MoE functional tests): each router call
+    balances its own micro-batch's tokens, one sequence on one rank as on each of two, so
+    EP2 has the one-rank curve."""
+    curves = []
+    for ranks, layout in ((1, []), (2, EP2)):
+        options = tiny_moe_options(tmp_path / f"ranks{ranks}", *SINKHORN, *layout)
+        run_on_ranks(train_on_rank, ranks, options, timeout=300)
+        curves.append(metrics_records(tmp_path / f"ranks{ranks}"))
+    assert len(curves[0]) == ITERATIONS
+    assert_same_curve(curves[1], curves[0], ("lm loss", "grad_norm"), "sinkhorn ep2")

@@ -220,3 +220,19 @@ def test_context_parallel_rules():
         a2a.check_parallel(8, 2)
     for comm_type in ("p2p", "all_gather", "a2a+p2p"):  # attention_dropout 0.1, Megatron's
         TransformerConfig(**base, cp_comm_type=comm_type).check_parallel(1, 4)
+
+
+def test_sinkhorn_routing_refuses_what_it_would_not_read():
+    moe = dict(BASE, num_moe_experts=4, moe_router_topk=1,
+               moe_router_load_balancing_type="sinkhorn")  # fmt: skip
+    TransformerConfig(**moe)  # top-1 without pre-softmax: sinkhorn weighs by the sigmoid
+    for extra, message in (
+        (dict(moe_aux_loss_coeff=0.01), "balances without a loss"),
+        (dict(moe_expert_capacity_factor=1.0), "only works with aux_loss, seq_aux_loss"),
+        (dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True),
+         "moe_router_enable_expert_bias=True with moe_router_load_balancing_type='sinkhorn'"),
+        (dict(moe_router_topk_scaling_factor=2.0), "moe_router_topk_scaling_factor=2.0 with"),
+    ):  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            TransformerConfig(**(moe | extra))
+

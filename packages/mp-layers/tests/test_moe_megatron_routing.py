@@ -2,7 +2,8 @@
 (assets/megatron_moe/routing.pt, written by assets/megatron_moe/generate.py with
 megatron-core installed): top-k choice and weights for every score-function setting,
 with and without group-limited routing, the tokens kept under an expert capacity with
-both drop policies, and the auxiliary losses."""
+both drop policies, the auxiliary losses, and Sinkhorn routing (S-BASE) with its
+balancing."""
 
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import torch
 from mp_layers import ModelGroups, TransformerConfig
 from mp_layers.moe import TopKRouter, capacity_mask
 from mp_layers.moe.aux_losses import load_balancing_loss, z_loss
+from mp_layers.moe.router import sinkhorn
 
 FIXTURE = torch.load(Path(__file__).parent / "assets" / "megatron_moe" / "routing.pt")
 TOKENS, HIDDEN = FIXTURE["x"].shape
@@ -83,3 +85,33 @@ def test_auxiliary_losses_equal_megatrons():
     got = load_balancing_loss(scores, counts, TOKENS, TOPK, EXPERTS, 0.01)
     torch.testing.assert_close(got, FIXTURE["load_balancing_loss"])
     torch.testing.assert_close(z_loss(logits, 0.001), FIXTURE["z_loss"])
+
+
+def test_sinkhorn_balancing_equals_megatrons():
+    balanced = sinkhorn(FIXTURE["sinkhorn_logits"].float())
+    torch.testing.assert_close(balanced, FIXTURE["sinkhorn_balanced"])
+    # every expert's column carries about T / E of the tokens' unit rows
+    torch.testing.assert_close(balanced.sum(0), torch.full((EXPERTS,), 1 / EXPERTS), atol=1e-3,
+                               rtol=0)  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(FIXTURE["sinkhorn"]), ids=str)
+def test_sinkhorn_routing_equals_megatrons(case):
+    """S-BASE routing of logits that favour expert 0: in training the balanced logits
+    choose (no expert takes most tokens), in evaluation the weights; the weights are the
+    sigmoid of the logits at top-1, their softmax at top-2."""
+    topk, training = case
+    config = TransformerConfig(
+        num_layers=1, hidden_size=HIDDEN, num_attention_heads=2, add_bias_linear=False,
+        num_moe_experts=EXPERTS, moe_router_topk=topk,
+        moe_router_load_balancing_type="sinkhorn",
+    )  # fmt: skip
+    module = TopKRouter(config, ModelGroups.single().tp).train(training)
+    with torch.no_grad():
+        probs, routing_map = module._topk(FIXTURE["sinkhorn_logits"])
+    want = FIXTURE["sinkhorn"][case]
+    assert torch.equal(routing_map, want["routing_map"])
+    torch.testing.assert_close(probs, want["probs"].float())
+    if training:  # balanced: plain top-k would give expert 0 most of the tokens
+        plain = FIXTURE["sinkhorn_logits"].topk(topk).indices
+        assert routing_map.sum(0).max() < torch.bincount(plain.flatten()).max()

@@ -57,13 +57,16 @@ class MoeConfig:
     """Multiplies the routing weights of the chosen experts."""
 
     moe_router_load_balancing_type: Literal[
-        "aux_loss", "seq_aux_loss", "global_aux_loss", "none"
+        "aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"
     ] = field(default="aux_loss", metadata={"argparse_meta": {"nargs": "+"}})
     """The auxiliary load-balancing loss: over the micro-batch's tokens (Switch
     Transformer), per sequence (DeepSeek-V2/V3), over the global batch (token counts
     summed over the tp x dp x cp ranks and averaged over the step's micro-batches so far),
-    or none. One type: Megatron's list of several (with a list of coefficients) is
-    refused."""
+    or none; or "sinkhorn" (S-BASE, Megatron-LM's): in training the experts are chosen by
+    the Sinkhorn-Knopp balancing of the micro-batch's logits (no loss, so
+    moe_aux_loss_coeff 0), weighted by the sigmoid (top-1) or softmax of the logits, not
+    renormalized, whatever moe_router_score_function says; in evaluation by those weights.
+    One type: Megatron's list of several (with a list of coefficients) is refused."""
 
     moe_aux_loss_coeff: float = field(default=0.0, metadata={"argparse_meta": {"nargs": "+"}})
     """Weight of the load-balancing loss (0: not computed); one value (Megatron's list of
@@ -260,6 +263,34 @@ def _one_balancing_loss(config: TransformerConfig) -> None:
         config.moe_aux_loss_coeff = float(coeffs[0])
 
 
+def _check_sinkhorn(config: TransformerConfig) -> None:
+    """Sinkhorn routing chooses and weighs the experts its own way: the fields that would
+    change that (which Megatron-LM's sinkhorn path leaves unread) are refused."""
+    if config.moe_aux_loss_coeff:
+        raise ValueError(
+            f"moe_router_load_balancing_type='sinkhorn' with moe_aux_loss_coeff="
+            f"{config.moe_aux_loss_coeff}: Sinkhorn routing balances without a loss (as in "
+            "Megatron-LM, which asserts it); set moe_aux_loss_coeff=0"
+        )
+    if config.moe_expert_capacity_factor is not None:
+        raise ValueError(
+            "moe_expert_capacity_factor only works with aux_loss, seq_aux_loss, "
+            "global_aux_loss or none load balancing (Megatron-LM's rule), not sinkhorn"
+        )
+    ignored = {
+        "moe_router_enable_expert_bias": config.moe_router_enable_expert_bias,
+        "moe_router_num_groups": config.moe_router_num_groups,
+        "moe_router_topk_scaling_factor": config.moe_router_topk_scaling_factor,
+    }
+    for name, value in ignored.items():
+        if value:
+            raise ValueError(
+                f"{name}={value!r} with moe_router_load_balancing_type='sinkhorn': Sinkhorn "
+                "routing chooses and weighs the experts without it (Megatron-LM's reads "
+                "none of them); drop it"
+            )
+
+
 def _check_router(config: TransformerConfig) -> None:
     # Megatron accepts moe_router_pre_softmax with sigmoid scores, where it has no effect.
     choice("moe_router_score_function", config.moe_router_score_function, ("softmax", "sigmoid"))
@@ -270,8 +301,10 @@ def _check_router(config: TransformerConfig) -> None:
         )
     choice(
         "moe_router_load_balancing_type", config.moe_router_load_balancing_type,
-        ("aux_loss", "seq_aux_loss", "global_aux_loss", "none"),
+        ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"),
     )  # fmt: skip
+    if config.moe_router_load_balancing_type == "sinkhorn":
+        _check_sinkhorn(config)
     if config.moe_router_load_balancing_type == "global_aux_loss" and (
         config.recompute_granularity == "full"
         or config.moe_layer_recompute

@@ -302,9 +302,9 @@ def moe_settings_from_megatron(args, settings: dict, where: str) -> dict:
             raise ValueError(f"{where}: moe_router_load_balancing_type={balancing!r}: mp "
                              "computes one load-balancing loss")  # fmt: skip
         balancing, coeff = balancing[0], coeff[0] if isinstance(coeff, list) else coeff
-    if balancing not in ("aux_loss", "seq_aux_loss", "global_aux_loss", "none"):
+    if balancing not in ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"):
         raise ValueError(f"{where}: moe_router_load_balancing_type={balancing!r}: mp computes "
-                         "aux_loss, seq_aux_loss, global_aux_loss and none")  # fmt: skip
+                         "aux_loss, seq_aux_loss, global_aux_loss, sinkhorn and none")  # fmt: skip
     out["moe_router_load_balancing_type"] = balancing
     out["moe_aux_loss_coeff"] = float(coeff or 0.0)
     dispatcher = _arg(args, "moe_token_dispatcher_type", "allgather")

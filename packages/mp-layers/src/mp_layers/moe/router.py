@@ -158,6 +158,8 @@ class TopKRouter(torch.nn.Module):
 
     def _topk(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         config = self.config
+        if config.moe_router_load_balancing_type == "sinkhorn":
+            return self._sinkhorn(logits)
         if config.moe_router_score_function == "softmax":
             if config.moe_router_pre_softmax:
                 scores = torch.softmax(logits, -1, dtype=torch.float32)
@@ -177,6 +179,22 @@ class TopKRouter(torch.nn.Module):
         probs = torch.zeros_like(logits, dtype=torch.float32).scatter(1, chosen, weights)
         routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter(1, chosen, True)
         return probs, routing_map
+
+    def _sinkhorn(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """S-BASE routing (Megatron-LM's sinkhorn): in training the top k of the logits'
+        Sinkhorn-Knopp balancing choose, in evaluation the top k of the weights; the weights
+        are the sigmoid of the logits at top-1, their softmax above, not renormalized."""
+        if self.topk == 1:
+            weights = torch.sigmoid(logits.float())
+        else:
+            weights = torch.softmax(logits, -1, dtype=torch.float32)
+        if self.training:
+            with torch.no_grad():
+                chosen = sinkhorn(logits.float()).topk(self.topk, dim=1).indices
+        else:
+            chosen = weights.topk(self.topk, dim=1).indices
+        routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter(1, chosen, True)
+        return weights * routing_map, routing_map
 
     def _choose(self, ranking: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The top k of ranking [T, E] (values, indices [T, k]); with groups, among the
@@ -281,6 +299,23 @@ def _draw_bias(std: float, like: torch.Tensor, tracker: RNGStatesTracker | None)
         with tracker.fork(DATA_PARALLEL_RNG):
             return bias.normal_(std=std)
     return bias.normal_(std=std)
+
+
+def sinkhorn(cost: torch.Tensor, tol: float = 1e-4) -> torch.Tensor:
+    """The Sinkhorn-Knopp balancing of exp(cost) [T, E]: row and column scalings d0, d1
+    updated in turn until d1 moves by less than `tol` on average (Megatron-LM's
+    tolerance and eps), so that every expert's column sums to about T / E of the rows'
+    unit mass; returns d1 exp(cost) d0."""
+    cost = torch.exp(cost)
+    rows = torch.ones(cost.shape[0], dtype=cost.dtype, device=cost.device)
+    columns = torch.ones(cost.shape[1], dtype=cost.dtype, device=cost.device)
+    eps, error = 1e-8, float("inf")
+    while error > tol:
+        rows = 1 / (cost.shape[0] * ((columns * cost).sum(1) + eps))
+        updated = 1 / (cost.shape[1] * ((rows.unsqueeze(1) * cost).sum(0) + eps))
+        error = float((updated - columns).abs().mean())
+        columns = updated
+    return columns * cost * rows.unsqueeze(1)
 
 
 def expert_capacity(tokens: int, topk: int, experts: int, factor: float) -> int:

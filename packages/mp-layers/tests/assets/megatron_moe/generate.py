@@ -7,15 +7,20 @@ nothing here needs CUDA):
 Cases: the top-k choice and weights of every score function setting (with and without
 group-limited routing; a case's "topk" overrides TOPK), expert capacity
 with both drop policies (with and without padding to capacity), the load-balancing loss
-and the z-loss. Inputs: x [T, h] and the router weight [E, h] (logits = x w^T).
+and the z-loss; Sinkhorn routing (TopKRouter.sinkhorn_load_balancing, called on a stand-in
+router holding what it reads) at top-1 and top-2 in training and in evaluation, over
+logits that favour one expert, and moe_utils.sinkhorn's balancing of them. Inputs: x
+[T, h] and the router weight [E, h] (logits = x w^T).
 """
 
 from __future__ import annotations
 
+import types
 from pathlib import Path
 
 import torch
 from megatron.core.transformer.moe import moe_utils
+from megatron.core.transformer.moe.router import TopKRouter
 
 TOKENS, HIDDEN, EXPERTS, TOPK = 24, 16, 8, 2
 
@@ -75,6 +80,19 @@ def main() -> None:
         scores, scores_map.sum(0), TOKENS, TOPK, EXPERTS, 0.01
     )
     out["z_loss"] = moe_utils.z_loss_func(logits, 0.001)
+    # Sinkhorn: logits that send most tokens to expert 0 when ranked plainly
+    skewed = logits + torch.tensor([2.0] + [0.0] * (EXPERTS - 1))
+    out["sinkhorn_logits"] = skewed
+    out["sinkhorn_balanced"] = moe_utils.sinkhorn(skewed.float())
+    out["sinkhorn"] = {}
+    for topk in (1, 2):
+        for training in (True, False):
+            stand_in = types.SimpleNamespace(
+                topk=topk, training=training,
+                config=types.SimpleNamespace(moe_aux_loss_coeff=0.0),
+            )  # fmt: skip
+            probs, routing_map = TopKRouter.sinkhorn_load_balancing(stand_in, skewed)
+            out["sinkhorn"][(topk, training)] = {"probs": probs, "routing_map": routing_map}
     torch.save(out, Path(__file__).with_name("routing.pt"))
 
 
