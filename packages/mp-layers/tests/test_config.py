@@ -235,4 +235,3 @@ def test_sinkhorn_routing_refuses_what_it_would_not_read():
     ):  # fmt: skip
         with pytest.raises(ValueError, match=message):
             TransformerConfig(**(moe | extra))
-
