@@ -59,11 +59,6 @@ def test_the_layouts_validate():
     [
         (["--expert-model-parallel-size", "2"], 4, r"^expert_model_parallel_size=2 needs num_moe"),
         (
-            ["--tensor-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"],
-            4,
-            r"^expert_tensor_parallel_size=1 needs num_moe_experts",
-        ),
-        (
             [*MOE, "--expert-model-parallel-size", "3"],
             6,
             r"^expert_model_parallel_size=3 does not divide num_moe_experts=4",
@@ -391,3 +386,12 @@ def test_the_forms_megatron_allows_pass():
     assert _validate("--lr-warmup-fraction", "0.1", world=1)
     assert _validate("--train-iters", "none", "--train-samples", "100", "--lr-decay-samples",
                      "80", "--lr-warmup-samples", "8", world=1)  # fmt: skip
+
+
+def test_an_expert_tensor_parallel_size_on_a_dense_model_warns_that_it_changes_nothing():
+    """As Megatron-LM's own test lines set it (gpt3_mcore_te_tp2_pp2_cp2_etp4_...): the
+    groups are built, with their divisibility rule, and unused."""
+    flags = ["--tensor-model-parallel-size", "2", "--expert-tensor-parallel-size", "4"]
+    with pytest.warns(UserWarning, match=r"expert_tensor_parallel_size=4 without num_moe_exp"):
+        assert _validate(*flags, world=4)["data_parallel_size"] == 2
+

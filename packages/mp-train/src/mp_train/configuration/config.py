@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import typing
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -444,9 +445,13 @@ def check_model_parallel(config: RunConfig) -> None:
     if parallel.expert_tensor_parallel_size != parallel.tensor_model_parallel_size and (
         config.model.num_moe_experts is None
     ):
-        raise ValueError(
-            f"expert_tensor_parallel_size={parallel.expert_tensor_parallel_size} needs "
-            "num_moe_experts (a MoE model); leave it unset"
+        # Megatron-LM's own test lines set it on dense models: it builds the expert groups
+        # (mp-state too, with the same divisibility rule) and uses them nowhere.
+        warnings.warn(
+            f"expert_tensor_parallel_size={parallel.expert_tensor_parallel_size} without "
+            "num_moe_experts: a dense model has no experts, so it changes nothing "
+            "(Megatron-LM accepts it there too)",
+            stacklevel=2,
         )
     _check_chunked_attention(config)
     check_hierarchical_context_parallel(config)
