@@ -394,4 +394,3 @@ def test_an_expert_tensor_parallel_size_on_a_dense_model_warns_that_it_changes_n
     flags = ["--tensor-model-parallel-size", "2", "--expert-tensor-parallel-size", "4"]
     with pytest.warns(UserWarning, match=r"expert_tensor_parallel_size=4 without num_moe_exp"):
         assert _validate(*flags, world=4)["data_parallel_size"] == 2
-
