@@ -235,3 +235,13 @@ def test_sinkhorn_routing_refuses_what_it_would_not_read():
     ):  # fmt: skip
         with pytest.raises(ValueError, match=message):
             TransformerConfig(**(moe | extra))
+
+
+def test_recompute_method_and_layers_without_a_granularity_warn_that_they_change_nothing():
+    """As Megatron-LM reads them (one of its own test lines gives --recompute-num-layers
+    alone): nothing is recomputed."""
+    for extra in (dict(recompute_num_layers=1), dict(recompute_method="uniform")):
+        with pytest.warns(UserWarning, match="without recompute_granularity: nothing is"):
+            config = TransformerConfig(**BASE, **extra)
+        assert config.recompute_granularity is None
+

@@ -17,6 +17,8 @@ Two kinds of recompute stand behind the names:
 
 from __future__ import annotations
 
+import warnings
+
 from typing import TYPE_CHECKING
 
 from mp_layers.config_linear_attention import has_gated_delta_nets
@@ -77,6 +79,14 @@ def check_recompute(config: TransformerConfig) -> None:
         # of the stage, "block" every layer of it.
         if n < 1:
             raise ValueError(f"recompute_num_layers={n} must be >= 1")
+    elif granularity is None and (method is not None or n is not None):
+        # Megatron-LM's own test lines give them without a granularity: it reads them not
+        warnings.warn(
+            f"recompute_method={method!r} and recompute_num_layers={n!r} without "
+            "recompute_granularity: nothing is recomputed, so they change nothing "
+            "(Megatron-LM accepts them there too)",
+            stacklevel=2,
+        )
     elif method is not None or n is not None:
         raise ValueError(
             f"recompute_method={method!r} and recompute_num_layers={n!r} apply only to "

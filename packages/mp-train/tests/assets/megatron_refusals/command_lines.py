@@ -140,6 +140,8 @@ CASES = [
     ("distribute-saved-activations-selective", f"{TP2} --distribute-saved-activations "
      "--recompute-granularity selective", 2),
     ("selective-with-method", "--recompute-granularity selective --recompute-method uniform", 1),
+    ("recompute-method-without-granularity", "--recompute-method uniform", 1),
+    ("recompute-layers-without-granularity", "--recompute-num-layers 1", 1),
     ("full-without-method", "--recompute-granularity full", 1),
     # --- saving and logging
     ("save-without-interval", "--save /tmp/x", 1),
