@@ -18,7 +18,6 @@ Two kinds of recompute stand behind the names:
 from __future__ import annotations
 
 import warnings
-
 from typing import TYPE_CHECKING
 
 from mp_layers.config_linear_attention import has_gated_delta_nets
