@@ -244,4 +244,3 @@ def test_recompute_method_and_layers_without_a_granularity_warn_that_they_change
         with pytest.warns(UserWarning, match="without recompute_granularity: nothing is"):
             config = TransformerConfig(**BASE, **extra)
         assert config.recompute_granularity is None
-
