@@ -57,10 +57,6 @@ REFUSED: dict[str, tuple[bool, str]] = {
         "picks the flex dispatcher's kernels (DeepEP, HybridEP), which mp does not have: "
         "drop it and use --moe-token-dispatcher-type alltoall, which moves the same tokens",
     ),
-    "defer_embedding_wgrad_compute": (
-        False,
-        "mp computes the embedding's weight gradient in its backward, not deferred: drop it",
-    ),
     # Megatron-LM's own refusals of its deprecated flags.
     "batch_size": (True, "no longer valid in Megatron-LM either: use --micro-batch-size"),
     "warmup": (

@@ -26,6 +26,15 @@ IGNORED: dict[str, tuple[bool, str]] = {
         "a CUDA kernel fusion: mp computes bias + dropout + residual unfused",
     ),
     "no_rope_fusion": (False, "a CUDA kernel fusion: mp applies rotary embeddings unfused"),
+    "defer_embedding_wgrad_compute": (
+        False,
+        "when to compute the output layer's weight gradient (Megatron-LM defers it to the "
+        "pipeline flush to overlap it): mp computes the same product in the backward",
+    ),
+    "wgrad_deferral_limit": (
+        True,
+        "how many micro-batches --defer-embedding-wgrad-compute defers, which mp does not",
+    ),
     "enable_experimental": (
         False,
         "unlocks Megatron-LM's experimental APIs; mp has no such lock (what it implements "
