@@ -1,6 +1,7 @@
 """Context parallelism: a sequence split across ranks (Megatron's load-balanced chunks) and
 attention over the whole of it."""
 
+from mp_layers.context_parallel.block_plan import dropout_keep, mixed_seed
 from mp_layers.context_parallel.layout import (
     attention_blocks,
     local_chunks,
@@ -11,7 +12,6 @@ from mp_layers.context_parallel.ring_attention import (
     CP_COMM_TYPES,
     RingWaits,
     context_parallel_attention,
-    dropout_keep,
     timed_ring_waits,
 )
 
@@ -23,6 +23,7 @@ __all__ = [
     "dropout_keep",
     "local_chunks",
     "local_positions",
+    "mixed_seed",
     "shard_sequence",
     "timed_ring_waits",
 ]

@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 import torch
 
+from mp_layers.context_parallel.block_plan import mixed_seed
 from mp_layers.context_parallel.head_split import HeadSplit
 from mp_layers.context_parallel.ring_attention import context_parallel_attention
 from mp_state import RankGroup
@@ -63,7 +64,7 @@ def hierarchical_attention(
         mine = None if sink is None else sink.view(inner.size, -1)[inner.rank]
         return context_parallel_attention(
             q, k, v, outer, scale=scale, comm_type="p2p", window=window, sink=mine,
-            dropout=dropout, dropout_seed=(dropout_seed * 1_000_003 + inner.rank) % (1 << 62),
+            dropout=dropout, dropout_seed=mixed_seed(dropout_seed, inner.rank),
         )  # fmt: skip
 
     if inner.size == 1:

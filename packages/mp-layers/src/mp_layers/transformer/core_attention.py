@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from mp_layers.config import ATTENTION_BACKENDS
-from mp_layers.context_parallel import context_parallel_attention
+from mp_layers.context_parallel import context_parallel_attention, mixed_seed
 from mp_layers.context_parallel.hierarchical import hierarchical_attention
 from mp_layers.context_parallel.ulysses import ulysses_attention
 from mp_layers.transformer.banded_attention import banded_attention
@@ -213,7 +213,7 @@ class CoreAttention(torch.nn.Module):
             return
         seed = self._dropout_seed(torch.device(self.rng_tracker.device))
         own = torch.Generator(device=self.rng_tracker.device)
-        own.manual_seed((seed * 1_000_003 + self.cp_group.rank) % (1 << 63))
+        own.manual_seed(mixed_seed(seed, self.cp_group.rank))
         stream = self.rng_tracker.get_states()[TENSOR_PARALLEL_RNG]
         self.rng_tracker.set_states({TENSOR_PARALLEL_RNG: own.get_state()})
         try:
