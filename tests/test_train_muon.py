@@ -1,7 +1,8 @@
 """Muon through the loop (--optimizer muon): with the Newton-Schulz iterations in fp32
 (--muon-fp32-matmul-prec high) the tiny model trains to the one-rank curve at DP2 under
 the distributed optimizer (Megatron's layer-wise one: whole parameters per rank), at
-TP2+SP in the duplicated and distributed modes and at PP2, and the tiny MoE at EP2 and
+TP2+SP in the duplicated and distributed modes (also with one query group shared by both
+ranks) and at PP2, and the tiny MoE at EP2 and
 TP2 x ETP2. The layer-wise state is split over the ranks, and its checkpoint resumes on
 the one-rank curve and loads at another layout; Megatron-LM's own Muon functional-test
 line trains."""
@@ -47,6 +48,18 @@ def one_rank(tmp_path_factory) -> list[dict]:
 def test_dense_layouts_train_to_the_one_rank_curve(tmp_path, one_rank, layout):
     run_on_ranks(train_on_rank, 2, tiny_options(tmp_path, *MUON, *DENSE[layout]), timeout=300)
     assert_same_curve(metrics_records(tmp_path), one_rank, KEYS, layout)
+
+
+def test_a_query_group_shared_by_two_ranks_orthogonalizes_as_one_rank(tmp_path):
+    """One query group at TP2 (each rank half the group's query heads and key and value
+    rows): --muon-split-qkv's q, k and v parts, gathered over TP in the distributed mode,
+    are the one-rank parts, and the curve is the one-rank curve."""
+    one_group = [*MUON, "--num-query-groups", "1"]
+    run_on_ranks(train_on_rank, 1, tiny_options(tmp_path / "one", *one_group), timeout=300)
+    layout = [*one_group, *TP2, "--muon-tp-mode", "distributed"]
+    run_on_ranks(train_on_rank, 2, tiny_options(tmp_path / "tp2", *layout), timeout=300)
+    want = metrics_records(tmp_path / "one")
+    assert_same_curve(metrics_records(tmp_path / "tp2"), want, KEYS, "tp2 one group")
 
 
 MOE = {"ep2-distopt": ["--expert-model-parallel-size", "2", *DISTOPT],

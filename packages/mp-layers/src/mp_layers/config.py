@@ -158,9 +158,9 @@ class TransformerConfig(
     matmul in the input precision (the blocked attention: attention_backend "local" or
     "unfused", an explicit mask, attention dropout), the matmul gives them divided by the
     layer's number (1-based) and the softmax takes them back times it in fp32; the same
-    attention. The flash kernels keep their scores in fp32 and are unchanged (as
-    Transformer Engine's fused attention ignores it); so are the context-parallel ring's
-    blocks and generation's cached attention."""
+    attention. The flash kernels, which never write the scores out in the input
+    precision, are unchanged; so are the context-parallel ring's blocks and generation's
+    cached attention."""
 
     softmax_type: Literal["vanilla", "off-by-one", "learnable"] = "vanilla"
     """Attention sinks: "off-by-one" adds a logit 0 to each softmax row (softmax_1), "learnable"
