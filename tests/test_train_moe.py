@@ -2,8 +2,8 @@
 load-balancing and z-losses on; fp32, dropout 0) trains with the one-rank loss curve,
 auxiliary losses, gradient norms and consumed samples at EP2 (all-to-all and all-gather
 dispatch), EP2 x TP2 with sequence parallelism (expert TP 1 and 2), EP2 x DP2 (also with
-the distributed optimizer), EP2 x PP2, EP2 x CP2 and EP2 with every layer recomputed in
-backward.
+the distributed optimizer), EP2 x PP2, EP2 x CP2, EP2 x CP2 x PP2 x DP2 in Megatron's
+--use-tp-pp-dp-mapping order and EP2 with every layer recomputed in backward.
 One rank runs the global batch as micro-batches of one sequence, as each data-parallel
 rank does. gpt-oss's MLP (biases everywhere) trains the same at EP2 x TP2 x expert-TP2, and
 Sinkhorn routing at EP2."""
@@ -34,6 +34,11 @@ LAYOUTS = {
     "ep2-dp2-distopt": (4, [*EP2, "--use-distributed-optimizer"]),
     "ep2-pp2": (4, [*EP2, "--pipeline-model-parallel-size", "2"]),
     "ep2-cp2": (4, [*EP2, "--context-parallel-size", "2"]),
+    # Megatron's other rank order (its dp_last MoE functional test): pipeline stages on
+    # neighbouring ranks, replicas 4 apart, each CP pair the EP pair of the experts.
+    "ep2-cp2-pp2-dp2-tp-pp-dp-mapping": (8, [*EP2, "--context-parallel-size", "2",
+                                             "--pipeline-model-parallel-size", "2",
+                                             "--use-tp-pp-dp-mapping"]),
     "ep2-recompute": (
         2,
         [

@@ -88,10 +88,6 @@ def test_layouts_that_do_not_fit_the_world(kwargs, world, message):
             dict(virtual_pipeline_model_parallel_size=2),
             r"virtual_pipeline_model_parallel_size=2 needs pipeline_model_parallel_size > 1",
         ),
-        (
-            dict(order="tp-ep-cp-dp-pp", expert_model_parallel_size=2),
-            r"order='tp-ep-cp-dp-pp': 'ep' must stand next to 'dp'",
-        ),
         (dict(order="tp-cp-xp-dp-pp"), r"order='tp-cp-xp-dp-pp' has unknown token\(s\) \['xp'\]"),
         (dict(order="tp-dp-tp-pp"), r"order='tp-dp-tp-pp' repeats token\(s\) \['tp'\]"),
         (
@@ -150,6 +146,29 @@ def test_pp_not_last_needs_equal_dense_and_expert_data_parallel_sizes():
     )
     with pytest.raises(ValueError, match=r"does not put 'pp' last.*size \(2\).*size \(4\)"):
         plan_groups(bad, 16)
+
+
+def test_expert_parallelism_under_megatrons_tp_pp_dp_mapping():
+    """--use-tp-pp-dp-mapping (order tp-cp-ep-pp-dp) with CP2 x EP2 x PP2 on 8 ranks, as
+    Megatron-LM's functional test moe/gpt3_mcore_cp2_pp2_ep2_..._dp_last runs it: the
+    experts split over the context-parallel pairs, each replica 4 ranks away; the groups
+    are megatron-core 0.19.2's RankGenerator's for the same sizes."""
+    config = ParallelConfig(
+        context_parallel_size=2,
+        pipeline_model_parallel_size=2,
+        expert_model_parallel_size=2,
+        order="tp-cp-ep-pp-dp",
+    )
+    plan = plan_groups(config, 8)
+    pairs = [(0, 1), (2, 3), (4, 5), (6, 7)]
+    replicas = [(0, 4), (1, 5), (2, 6), (3, 7)]
+    assert plan.data_parallel_size == plan.expert_data_parallel_size == 2
+    assert plan.groups["cp"] == pairs
+    assert plan.groups["ep"] == pairs
+    assert plan.groups["pp"] == [(0, 2), (1, 3), (4, 6), (5, 7)]
+    assert plan.groups["dp"] == replicas
+    assert plan.groups["expert_dp"] == replicas
+    assert plan.groups["dp_cp"] == [(0, 1, 4, 5), (2, 3, 6, 7)]
 
 
 def test_embedding_rank_function_must_pick_stage_ranks():

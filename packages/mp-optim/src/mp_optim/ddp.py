@@ -34,11 +34,12 @@ Expert parameters (`param.expert_parallel = True`: the routed experts of a
 mixture-of-experts layer, split over the expert-parallel ranks) have buffers
 of their own, reduced (and, for the distributed optimizer, sharded and
 gathered) over `expert_dp_group`, which with expert parallelism is smaller
-than dp: the ep ranks are carved out of the data-parallel ones. Their result
-is still the mean over all dp ranks, as for dense gradients: the all-to-all
-brings each expert the tokens of every micro-batch of its ep group, so its
-local gradient already sums ep ranks' losses, and the sum over expert_dp
-then covers every data-parallel rank once. The factor is therefore 1/dp for
+than the dense dp_cp group: the expert layers re-divide each stage's
+tp x cp x dp ranks as expert tp x ep x expert dp. Their result is still the
+mean over all dp ranks, as for dense gradients: the all-to-all brings each
+expert the tokens of every micro-batch of its ep group, so its local
+gradient already sums ep ranks' losses, and the sum over expert_dp then
+covers every data-parallel rank once. The factor is therefore 1/dp for
 both kinds; with average_in_collective an expert bucket is first multiplied
 by expert_dp/dp and then averaged over expert_dp. Dense and expert buckets
 are started in two independent sequences, each in the same order on every

@@ -126,16 +126,10 @@ class ParallelConfig:
             "pp": self.pipeline_model_parallel_size,
         }
         # The expert grid uses the same order with tp = expert_tp: that size must fit too.
+        # Megatron's further rules (a pp-last order, or equal dense and expert data-parallel
+        # sizes; the same pipeline groups) need the world size: plan_groups checks them.
         sizes["tp"] = max(sizes["tp"], self.expert_tensor_parallel_size)
-        axes = parse_order(self.order, sizes)
-        tokens = self.order.lower().split("-")
-        if "ep" in tokens and self.expert_model_parallel_size > 1:
-            ep_at = axes.index("ep")
-            if "dp" not in tokens or abs(ep_at - axes.index("dp")) != 1:
-                raise ValueError(
-                    f"order={self.order!r}: 'ep' must stand next to 'dp' (as in 'ep-dp' or "
-                    "'dp-ep'), because expert-parallel ranks are carved out of data-parallel ones"
-                )
+        parse_order(self.order, sizes)
 
     def _check_hierarchical_context_parallel(self) -> None:
         sizes = self.hierarchical_context_parallel_sizes

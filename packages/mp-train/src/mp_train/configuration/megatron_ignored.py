@@ -80,7 +80,11 @@ IGNORED: dict[str, tuple[bool, str]] = {
     "no_ckpt_fully_parallel_save": (False, "every rank of mp writes its own pieces"),
     "ckpt_fully_parallel_load": (False, "every rank of mp reads only the pieces it needs"),
     "ckpt_assume_constant_structure": (False, "a save-planning cache mp does not need"),
-    "no_query_key_layer_scaling": (False, "mp scales attention scores by 1/sqrt(d) only"),
+    "no_query_key_layer_scaling": (
+        False,
+        "the default: mp divides attention scores by the layer number only under "
+        "--apply-query-key-layer-scaling",
+    ),
     "no_overlap_p2p_communication": (
         False,
         "mp batches each exchange's pipeline sends and receives and waits for them together",
