@@ -108,8 +108,6 @@ STANDARD = dict(multi_latent_attention=False, position_embedding_type="rope")
         (dict(STANDARD, kv_lora_rank=64), r"kv_lora_rank=64 needs multi_latent_attention"),
         (dict(STANDARD, rope_type="yarn"), r"rope_type='yarn' applies to multi-latent attention"),
         (dict(num_query_groups=2), r"num_query_groups=2 with multi_latent_attention"),
-        (dict(position_embedding_type="learned_absolute"),
-         r"position_embedding_type='learned_absolute' with multi_latent_attention"),
         (dict(qk_pos_emb_head_dim=5), r"qk_pos_emb_head_dim=5 must be even"),
         (dict(q_lora_rank=0), r"q_lora_rank=0 must be a positive integer"),
         (dict(window_size=(4, 0)), r"window_size=\(4, 0\) is not implemented with multi_latent"),

@@ -58,9 +58,6 @@ DIFFERENCES: dict[str, tuple[str, str]] = {
     "muon-with-fp16": (EARLIER, "Megatron-LM refuses Muon (an emerging optimizer) in fp16 "
         "when it builds the optimizer"),
     "relative-positions": (LIMITATION, "T5's relative position bias is not implemented"),
-    "mla-without-rope": (LIMITATION, "Megatron-LM adds learned absolute positions to MLA's "
-        "own rotary channels; mp's MLA takes its rotary settings from "
-        "position_embedding_type"),
     "fp8-with-fp16": (LIMITATION, "mp's FP8 GEMMs (torchao's) take and give bf16"),
     "moe-aux-loss-coefficients-per-type": (LIMITATION, "mp's routers compute one "
         "load-balancing loss each"),

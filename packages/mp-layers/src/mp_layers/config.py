@@ -181,8 +181,9 @@ class TransformerConfig(
         "learned_absolute"
     )
     """Position information: a learned table, rotary embeddings (plain, or YaRN's scaling of
-    Peng et al. 2023 with the yarn_* fields), or none. Multi-latent attention takes "rope"
-    (Megatron's DeepSeek lines), its rope_type choosing plain or YaRN."""
+    Peng et al. 2023 with the yarn_* fields), or none. Multi-latent attention rotates
+    under each (its rope_type choosing plain or YaRN; Megatron's DeepSeek lines give
+    "rope"), "learned_absolute" adding the table."""
 
     rope_type: Literal["rope", "yarn"] | None = None
     """Multi-latent attention's rotary embeddings (Megatron's --rope-type): plain, or YaRN

@@ -90,11 +90,11 @@ def _check_rope_scaling(config: TransformerConfig) -> None:
 
 def uses_yarn(config: TransformerConfig) -> bool:
     """Whether the rotary embeddings are YaRN's: position_embedding_type "yarn", or
-    multi-latent attention with "rope" and rope_type "yarn" (None: Megatron's MLA default)."""
+    multi-latent attention with rope_type "yarn" (None: Megatron's MLA default) under any
+    other position_embedding_type."""
     if config.position_embedding_type == "yarn":
         return True
-    mla_yarn = config.rope_type in (None, "yarn")
-    return config.multi_latent_attention and config.position_embedding_type == "rope" and mla_yarn
+    return config.multi_latent_attention and config.rope_type in (None, "yarn")
 
 
 def _check_yarn(config: TransformerConfig) -> None:

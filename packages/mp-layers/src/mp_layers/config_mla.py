@@ -29,8 +29,10 @@ class MlaConfig:
     from a latent of q_lora_rank channels, keys and values from a shared latent of
     kv_lora_rank channels (all a KVCache keeps), each head's query and key a
     qk_head_dim part and a rotated qk_pos_emb_head_dim part whose key is shared by all
-    heads, values of v_head_dim. Needs position_embedding_type "rope" (rope_type picks
-    YaRN, the default, or plain RoPE); no query groups, sinks, windows or QKV bias."""
+    heads, values of v_head_dim. It rotates whatever position_embedding_type is (rope_type
+    picks YaRN, the default, or plain RoPE), as Megatron's MLA does: "learned_absolute"
+    (Megatron's default) adds the learned table at the input as well. No query groups,
+    sinks, windows or QKV bias."""
 
     q_lora_rank: int | None = None
     """MLA: channels of the query latent (linear_q_down_proj, q_layernorm,
@@ -109,14 +111,9 @@ def check_mla(config: TransformerConfig) -> None:
             f"no query groups (each of the num_attention_heads={config.num_attention_heads} "
             "heads has its own key and value); leave num_query_groups unset"
         )
-    position = config.position_embedding_type
-    if position not in ("rope", "yarn"):
-        raise ValueError(
-            f"position_embedding_type={position!r} with multi_latent_attention: MLA rotates "
-            "its qk_pos_emb_head_dim channels; set position_embedding_type='rope' (rope_type "
-            "picks YaRN or plain RoPE)"
-        )
-    if position == "yarn" and rope_type == "rope":
+    # MLA rotates its qk_pos_emb_head_dim channels whatever position_embedding_type is;
+    # "learned_absolute" (Megatron's default) adds the learned table at the input too.
+    if config.position_embedding_type == "yarn" and rope_type == "rope":
         raise ValueError(
             "position_embedding_type='yarn' and rope_type='rope' disagree: give one of them"
         )

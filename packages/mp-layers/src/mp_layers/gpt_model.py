@@ -131,7 +131,9 @@ class GPTModel(torch.nn.Module):
                 init(self.position_embeddings.weight)
             self.position_embeddings.weight.sequence_parallel = config.sequence_parallel
         self.rotary = None
-        if config.position_embedding_type in ("rope", "yarn"):
+        # Multi-latent attention rotates its qk_pos_emb_head_dim channels under any
+        # position_embedding_type (beside a learned table: Megatron's default).
+        if config.position_embedding_type in ("rope", "yarn") or config.multi_latent_attention:
             self.rotary = RotaryEmbedding(
                 config.rotary_head_dim, config.rotary_percent, config.rotary_base,
                 config.rotary_seq_len_interpolation_factor,

@@ -68,6 +68,11 @@ MLA = ["--num-layers", "2", "--hidden-size", "16", "--num-attention-heads", "2",
 MLA_Q_LORA_YARN = ("--q-lora-rank", "8", "--qk-layernorm", "--rotary-scaling-factor", "4",
                    "--mscale", "0.707", "--mscale-all-dim", "1.0")  # fmt: skip
 MLA_ROPE = ("--rope-type", "rope")
+# Megatron's default position_embedding_type (learned_absolute) under MLA: the learned table
+# added to the embeddings, and MLA's own rotary channels still turned (YaRN here), as
+# Megatron-LM's MLA functional test (gpt3_mcore_te_tp2_pp2_mla) trains.
+_ROPE_AT = MLA.index("--position-embedding-type")
+MLA_LEARNED = MLA[:_ROPE_AT] + MLA[_ROPE_AT + 2 :]
 # Llama 4's features on the Llama model, 4 layers, weights drawn with std 0.1 (as MLA's):
 # rotary pairs (2i, 2i+1) (--rotary-interleaved) with Llama 3's frequency scaling (factor 8,
 # Llama 4's; Megatron-LM's gpt_builder passes --use-rope-scaling to GPTModel but not
@@ -209,6 +214,9 @@ CASES = {
     "llama_torch_pp2_dp2_distopt": Case(LLAMA, "torch", 1, 2, True, dp=2, extra=BUCKETS),
     "llama_torch_dist_tp2_dp2_distopt": Case(LLAMA, "torch_dist", 2, 1, True, dp=2, extra=BUCKETS),
     "mla_moe_torch_dist_tp2": Case(MLA, "torch_dist", 2, 1, False, extra=(*MLA_Q_LORA_YARN, *SP)),
+    "mla_learned_positions_torch_dist_tp1": Case(
+        MLA_LEARNED, "torch_dist", 1, 1, False, extra=MLA_Q_LORA_YARN
+    ),
     # 4 ranks: TP2 x DP2, the experts over EP2 (each EP rank's experts split over TP2)
     "mla_moe_mtp_torch_tp2_ep2": Case(
         MLA, "torch", 2, 1, False, dp=2, ep=2, extra=(*MLA_ROPE, *MTP, *SP)

@@ -163,7 +163,7 @@ class MultiLatentAttention(torch.nn.Module):
         if rotary is None:
             raise ValueError(
                 "multi-latent attention needs rotary embeddings of qk_pos_emb_head_dim "
-                "channels (GPTModel's with position_embedding_type 'rope')"
+                "channels (GPTModel's)"
             )
         # the queries' input: x, or their latent after q_layernorm
         q_in = x if self.linear_q_proj is not None else self.q_layernorm(
