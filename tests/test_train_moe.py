@@ -36,9 +36,17 @@ LAYOUTS = {
     "ep2-cp2": (4, [*EP2, "--context-parallel-size", "2"]),
     # Megatron's other rank order (its dp_last MoE functional test): pipeline stages on
     # neighbouring ranks, replicas 4 apart, each CP pair the EP pair of the experts.
-    "ep2-cp2-pp2-dp2-tp-pp-dp-mapping": (8, [*EP2, "--context-parallel-size", "2",
-                                             "--pipeline-model-parallel-size", "2",
-                                             "--use-tp-pp-dp-mapping"]),
+    "ep2-cp2-pp2-dp2-tp-pp-dp-mapping": (
+        8,
+        [
+            *EP2,
+            "--context-parallel-size",
+            "2",
+            "--pipeline-model-parallel-size",
+            "2",
+            "--use-tp-pp-dp-mapping",
+        ],
+    ),
     "ep2-recompute": (
         2,
         [

@@ -171,6 +171,33 @@ def test_expert_parallelism_under_megatrons_tp_pp_dp_mapping():
     assert plan.groups["dp_cp"] == [(0, 1, 4, 5), (2, 3, 6, 7)]
 
 
+def test_distributed_optimizer_instances_slice_the_data_parallel_groups():
+    """num_distributed_optimizer_instances=2 at TP2 x DP4 x EP2 on 8 ranks: Megatron's
+    partial distributed-optimizer groups, consecutive slices of each dp_cp group and the
+    ranks one slice apart; the expert dp groups sliced alike."""
+    config = ParallelConfig(
+        tensor_model_parallel_size=2,
+        expert_model_parallel_size=2,
+        expert_tensor_parallel_size=1,
+        num_distributed_optimizer_instances=2,
+    )
+    plan = plan_groups(config, 8)
+    assert plan.groups["dp_cp"] == [(0, 2, 4, 6), (1, 3, 5, 7)]
+    assert plan.groups["intra_dp_cp"] == [(0, 2), (4, 6), (1, 3), (5, 7)]
+    assert plan.groups["inter_dp_cp"] == [(0, 4), (2, 6), (1, 5), (3, 7)]
+    # expert TP 1 x EP 2: the experts split over (0, 1), (2, 3), ...; their replicas
+    assert plan.groups["expert_dp"] == [(0, 2, 4, 6), (1, 3, 5, 7)]
+    assert plan.groups["intra_expert_dp"] == [(0, 2), (4, 6), (1, 3), (5, 7)]
+    assert plan.groups["inter_expert_dp"] == [(0, 4), (2, 6), (1, 5), (3, 7)]
+    assert "intra_dp_cp" not in plan_groups(ParallelConfig(), 8).groups
+    with pytest.raises(
+        ValueError,
+        match=r"num_distributed_optimizer_instances=3 must divide "
+        r"the data-parallel x context-parallel size \(4\)",
+    ):
+        plan_groups(ParallelConfig(num_distributed_optimizer_instances=3), 4)
+
+
 def test_embedding_rank_function_must_pick_stage_ranks():
     config = ParallelConfig(pipeline_model_parallel_size=2)
     with pytest.raises(ValueError, match=r"embedding ranks \[99\]"):

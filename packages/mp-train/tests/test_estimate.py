@@ -177,6 +177,12 @@ def test_distributed_optimizer():
         parallel={"context_parallel_size": 2}, attention_dropout=0.0,
     )  # fmt: skip
     assert estimate(with_cp, world_size=8)["bytes_per_parameter"] == 7.5
+    # Two distributed-optimizer instances: the state shards over half of them, 6 + 12/2.
+    halves = make_config(
+        gbs=8, optimizer={"use_distributed_optimizer": True},
+        parallel={"num_distributed_optimizer_instances": 2},
+    )  # fmt: skip
+    assert estimate(halves, world_size=4)["bytes_per_parameter"] == 12
     # The precision-aware optimizer's bf16 moments: 6 + (4 + 2 + 2)/4 = 8; bf16 main
     # gradients too: 2 + 2 + 8/4 = 6.
     aware = {"use_distributed_optimizer": True, "use_precision_aware_optimizer": True,

@@ -11,7 +11,12 @@ sharded and normed over their own groups.
 
 from mp_optim.clip_grads import clip_grads_by_total_norm, count_zeros, get_grad_norm
 from mp_optim.config import OptimizerConfig
-from mp_optim.ddp import DistributedDataParallel, broadcast_params, is_expert_parallel
+from mp_optim.ddp import (
+    DistributedDataParallel,
+    InstanceGroups,
+    broadcast_params,
+    is_expert_parallel,
+)
 from mp_optim.factory import (
     default_no_weight_decay,
     get_optimizer,
@@ -41,6 +46,7 @@ __all__ = [
     "FsdpSharding",
     "FullyShardedDataParallel",
     "GradBuffer",
+    "InstanceGroups",
     "LocalShard",
     "MainParamShard",
     "MatrixLayout",

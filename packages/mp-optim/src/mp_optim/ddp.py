@@ -44,6 +44,13 @@ both kinds; with average_in_collective an expert bucket is first multiplied
 by expert_dp/dp and then averaged over expert_dp. Dense and expert buckets
 are started in two independent sequences, each in the same order on every
 rank of its group.
+
+With several distributed-optimizer instances (Megatron's
+--num-distributed-optimizer-instances; `InstanceGroups`, from mp-state's intra_* and
+inter_* groups) a bucket is reduce-scattered over the rank's slice of its data-parallel
+group only ("intra"), then each shard is all-reduced over the ranks holding the same shard
+in the other slices ("inter"): the same sum in a different order. The optimizer shards
+over the slice, and the parameters are gathered within it.
 """
 
 from __future__ import annotations
@@ -51,6 +58,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections.abc import Callable, Iterator
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -59,7 +67,7 @@ from mp_optim.config import OptimizerConfig
 from mp_optim.grad_buffer import Bucket, GradBuffer
 from mp_state import RankGroup
 
-__all__ = ["DistributedDataParallel", "broadcast_params", "is_expert_parallel"]
+__all__ = ["DistributedDataParallel", "InstanceGroups", "broadcast_params", "is_expert_parallel"]
 
 _DEFAULT_OVERLAP_BUCKET = 40_000_000
 
@@ -82,6 +90,16 @@ class ChunkWrapper(torch.nn.Module):
         parameter (FSDP's are not)."""
 
 
+class InstanceGroups(NamedTuple):
+    """A data-parallel group cut into distributed-optimizer instances: this rank's slice
+    (`intra`, the ranks its optimizer shards over) and the ranks holding its shard in the
+    other slices (`inter`); mp-state's intra_dp_cp and inter_dp_cp (or intra_expert_dp and
+    inter_expert_dp)."""
+
+    intra: RankGroup
+    inter: RankGroup
+
+
 class DistributedDataParallel(ChunkWrapper):
     """Wraps `module`; its parameters' gradients go to buffers reduced over `dp_group`.
 
@@ -95,6 +113,9 @@ class DistributedDataParallel(ChunkWrapper):
         expert_dp_group: the group that reduces expert parameters' gradients
             (`state.expert_dp`); needed only when the module has parameters
             marked `expert_parallel = True`.
+        instances, expert_instances: with the distributed optimizer, dp_group's and
+            expert_dp_group's distributed-optimizer instances (module docstring), or
+            None for one instance.
     """
 
     def __init__(
@@ -104,12 +125,17 @@ class DistributedDataParallel(ChunkWrapper):
         *,
         dp_group: RankGroup,
         expert_dp_group: RankGroup | None = None,
+        instances: InstanceGroups | None = None,
+        expert_instances: InstanceGroups | None = None,
     ) -> None:
         super().__init__()
         self.config = config
         self.module = module
         self.dp_group = dp_group
         self.expert_dp_group = expert_dp_group
+        self._instances = {False: instances, True: expert_instances}
+        if (instances or expert_instances) and not config.use_distributed_optimizer:
+            raise ValueError("distributed-optimizer instances need use_distributed_optimizer")
         bucket_size = config.bucket_size
         if bucket_size is None and config.overlap_grad_reduce:
             bucket_size = max(_DEFAULT_OVERLAP_BUCKET, 1_000_000 * dp_group.size)
@@ -132,7 +158,7 @@ class DistributedDataParallel(ChunkWrapper):
         shard = config.use_distributed_optimizer
         self.buffers = [
             GradBuffer(members, grad_dtype, bucket_size=bucket_size, shard_for_dp=shard,
-                       dp_size=self._group_of(expert).size, expert_parallel=expert)
+                       dp_size=self.shard_group(expert).size, expert_parallel=expert)
             for (expert, _, grad_dtype), members in by_kind.items()
         ]  # fmt: skip
         self.buckets: list[Bucket] = [b for buffer in self.buffers for b in buffer.buckets]
@@ -167,8 +193,21 @@ class DistributedDataParallel(ChunkWrapper):
 
     def reduce_group(self, bucket: Bucket) -> RankGroup:
         """The group that reduces `bucket` (and shards it, for the distributed optimizer):
-        expert_dp_group for expert-parallel buckets, else dp_group."""
-        return self._group_of(bucket.buffer.expert_parallel)
+        expert_dp_group for expert-parallel buckets, else dp_group; with several
+        distributed-optimizer instances, this rank's slice of it."""
+        return self.shard_group(bucket.buffer.expert_parallel)
+
+    def shard_group(self, expert: bool) -> RankGroup:
+        """The group the distributed optimizer shards expert (or dense) parameters over:
+        expert_dp_group (dp_group), or with several instances this rank's slice of it."""
+        instances = self._instances[expert]
+        return instances.intra if instances else self._group_of(expert)
+
+    def replica_group(self, expert: bool) -> RankGroup | None:
+        """With several distributed-optimizer instances, the ranks holding this rank's
+        optimizer shard of expert (or dense) parameters in the other instances; else None."""
+        instances = self._instances[expert]
+        return instances.inter if instances else None
 
     # --- the training loop's calls -------------------------------------------------------
 
@@ -192,9 +231,19 @@ class DistributedDataParallel(ChunkWrapper):
     def finish_grad_sync(self) -> None:
         """Waits until every bucket is reduced (starting those not yet started)."""
         self.start_grad_sync()
-        for bucket, (work, received) in self._grad_work.items():
+        across = []  # the sums across distributed-optimizer instances
+        # lane by lane, each in launch order: every rank of an inter group issues the same
+        for bucket in (b for lane in self._lanes for b in lane if b in self._grad_work):
+            work, received = self._grad_work[bucket]
             if work is not None:
                 work.wait()
+            inter = self.replica_group(bucket.buffer.expert_parallel)
+            if received is not None and inter is not None and inter.size > 1:
+                op = dist.ReduceOp.AVG if self._averages(bucket) else dist.ReduceOp.SUM
+                across.append(dist.all_reduce(received, op=op, group=inter.group, async_op=True))
+        for work in across:
+            work.wait()
+        for bucket, (_, received) in self._grad_work.items():
             if received is not None:
                 group = self.reduce_group(bucket)
                 shard = bucket.shard(group.rank, group.size)
@@ -266,6 +315,13 @@ class DistributedDataParallel(ChunkWrapper):
     def _group_of(self, expert: bool) -> RankGroup:
         return self.expert_dp_group if expert else self.dp_group
 
+    def _averages(self, bucket: Bucket) -> bool:
+        """Whether `bucket`'s collectives average (average_in_collective) or sum."""
+        return (
+            self.config.average_in_collective
+            and self._group_of(bucket.buffer.expert_parallel).size > 1
+        )
+
     def _on_grad(self, param: torch.nn.Parameter) -> None:
         """After the backward accumulated param.grad: move it into the buffer."""
         if param in self._empty:
@@ -303,21 +359,28 @@ class DistributedDataParallel(ChunkWrapper):
                 f"reduction over {group.kind} in {', '.join(names)}"
             )
         # Both kinds end as the mean over dp_group (the module docstring says why experts
-        # too): 1/dp before a sum, or group/dp before an average over the group. With a
-        # per-token loss they end as the sum, which finalize divides by the batch's tokens.
-        average = self.config.average_in_collective and group.size > 1
+        # too): 1/dp before a sum, or group/dp before an average over the group (over the
+        # slice, then across the instances: the same mean). With a per-token loss they end
+        # as the sum, which finalize divides by the batch's tokens.
+        whole = self._group_of(bucket.buffer.expert_parallel)
+        average = self._averages(bucket)
         if self.config.calculate_per_token_loss:
             scale = 1.0
         elif average:
-            scale = group.size / self.dp_group.size
+            scale = whole.size / self.dp_group.size
         else:
             scale = 1.0 / self.dp_group.size
         if scale != 1.0:
             grad.mul_(scale)
-        if group.size == 1:
-            self._grad_work[bucket] = (None, None)
-            return
         op = dist.ReduceOp.AVG if average else dist.ReduceOp.SUM
+        if group.size == 1:
+            inter = self.replica_group(bucket.buffer.expert_parallel)
+            if inter is not None and inter.size > 1:  # a slice of one rank: only across
+                work = dist.all_reduce(grad, op=op, group=inter.group, async_op=True)
+                self._grad_work[bucket] = (work, None)
+            else:
+                self._grad_work[bucket] = (None, None)
+            return
         if self.config.use_distributed_optimizer:
             received = torch.empty(bucket.numel // group.size, dtype=grad.dtype, device=grad.device)
             work = dist.reduce_scatter_tensor(

@@ -168,6 +168,18 @@ class MixedPrecisionOptimizer:
         self.model_chunks = model_chunks
         self.dp_group = model_chunks[0].dp_group
         self.expert_dp_group = model_chunks[0].expert_dp_group
+        # DDP's distributed-optimizer instances: the optimizer shards over a slice of the
+        # data-parallel group and the other slices hold replicas of its shards.
+        sliced = getattr(model_chunks[0], "shard_group", None)
+        self.dp_shard_group = sliced(False) if sliced else self.dp_group
+        self.expert_dp_shard_group = (
+            sliced(True) if sliced and self.expert_dp_group else self.expert_dp_group
+        )
+        self.dp_replica_groups = {
+            expert: getattr(model_chunks[0], "replica_group", lambda _: None)(expert)
+            for expert in (False, True)
+        }
+        """expert -> the ranks holding replicas of this rank's optimizer shards, or None."""
         self.mp_group = mp_group
         self.expert_mp_group = expert_mp_group
         _check_groups(model_chunks, expert_mp_group)
@@ -176,6 +188,9 @@ class MixedPrecisionOptimizer:
         self.grad_scaler = _make_grad_scaler(config)
 
         self.layer_wise = config.use_layer_wise_distributed_optimizer
+        if any(self.dp_replica_groups.values()) and (self.layer_wise or self.fully_sharded):
+            raise ValueError("distributed-optimizer instances shard the distributed "
+                             "optimizer only (not the layer-wise one or FSDP)")  # fmt: skip
         self.owners = self._layer_wise_owners() if self.layer_wise else []
         """With the layer-wise distributed optimizer: (parameters, their owners, group)
         for the dense and the expert parameters (layer_wise.py)."""
@@ -382,12 +397,12 @@ class MixedPrecisionOptimizer:
         sharded = self.distributed or self.fully_sharded or self.layer_wise
         inputs = {
             "grads": [of(s) for s in counted if not s.expert_parallel],
-            "groups": [self.dp_group, self.mp_group] if sharded else [self.mp_group],
+            "groups": [self.dp_shard_group, self.mp_group] if sharded else [self.mp_group],
         }
         if self.expert_mp_group is not None:
             expert_groups = [self.expert_mp_group]
-            if sharded and self.expert_dp_group is not None:
-                expert_groups.insert(0, self.expert_dp_group)
+            if sharded and self.expert_dp_shard_group is not None:
+                expert_groups.insert(0, self.expert_dp_shard_group)
             inputs["expert_grads"] = [of(s) for s in counted if s.expert_parallel]
             inputs["expert_groups"] = expert_groups
         return inputs

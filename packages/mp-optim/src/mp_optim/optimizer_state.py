@@ -26,6 +26,7 @@ saved under one expert-parallel size loads under another.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
@@ -204,10 +205,14 @@ def _described_states(
                     part = overlap(piece, param.numel(), offset, lo, lo + shard.main_param.numel())
                     if part is None:
                         continue
+                # the other distributed-optimizer instances hold copies of this range
+                copies = optimizer.dp_replica_groups[shard.expert_parallel]
+                described = piece if copies is None else dataclasses.replace(
+                    piece, replica_id=piece.replica_id * copies.size + copies.rank)  # fmt: skip
                 for name, tensor in tensors.items():
                     key = f"optimizer.{name}.{piece.key}"
                     if part is not None:
-                        yield (key, *flat_range_piece(key, piece, part, tensor))
+                        yield (key, *flat_range_piece(key, described, part, tensor))
                     else:
                         view = tensor.as_strided(
                             piece.data.size(), piece.data.stride(), tensor.storage_offset() + offset

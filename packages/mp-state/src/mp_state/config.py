@@ -62,6 +62,14 @@ class ParallelConfig:
     pipeline_model_parallel_size, give virtual_pipeline_model_parallel_size. None: the
     layers split evenly (or by decoder_first/last_pipeline_num_layers)."""
 
+    num_distributed_optimizer_instances: int = 1
+    """Instances of the distributed optimizer (Megatron's --num-distributed-optimizer-
+    instances): each data-parallel (x context-parallel) group, and each expert
+    data-parallel group, is cut into this many consecutive slices; the optimizer shards
+    its state over a slice ("intra" groups) and the slices hold replicas of it, their
+    gradients summed across slices ("inter" groups: the ranks at one position of every
+    slice). Fewer ranks in each reduce-scatter and all-gather, more memory per rank."""
+
     order: str = "tp-cp-ep-dp-pp"
     """Axes of the rank grid from fastest- to slowest-varying rank (Megatron's order string)."""
 
@@ -84,6 +92,7 @@ class ParallelConfig:
             "context_parallel_size",
             "expert_model_parallel_size",
             "distributed_timeout_minutes",
+            "num_distributed_optimizer_instances",
         ):
             _require_positive_int(name, getattr(self, name))
         self._check_hierarchical_context_parallel()

@@ -110,6 +110,16 @@ class ParallelState:
     all-to-all by heads); else None."""
     cp_p2p: RankGroup | None = None
     """With hierarchical_context_parallel_sizes: the outer CP group (a ring); else None."""
+    intra_dp_cp: RankGroup | None = None
+    """With num_distributed_optimizer_instances > 1: this rank's slice of dp_cp, over
+    which the distributed optimizer shards dense parameters; else None."""
+    inter_dp_cp: RankGroup | None = None
+    """With num_distributed_optimizer_instances > 1: the ranks at this rank's position in
+    every slice of dp_cp (its replicas of the optimizer shard); else None."""
+    intra_expert_dp: RankGroup | None = None
+    """As intra_dp_cp, of expert_dp."""
+    inter_expert_dp: RankGroup | None = None
+    """As inter_dp_cp, of expert_dp."""
 
     @property
     def world_size(self) -> int:

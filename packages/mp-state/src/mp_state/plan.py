@@ -116,6 +116,10 @@ def plan_groups(
         )
     if config.hierarchical_context_parallel_sizes is not None:
         groups |= _hierarchical_cp(groups["cp"], config.hierarchical_context_parallel_sizes)
+    instances = config.num_distributed_optimizer_instances
+    if instances > 1:
+        groups |= _optimizer_instances(groups["dp_cp"], instances, "dp_cp")
+        groups |= _optimizer_instances(groups["expert_dp"], instances, "expert_dp")
     groups["embedding"] = [_stage_subset(p, embedding_ranks, "embedding") for p in groups["pp"]]
     groups["position_embedding"] = [
         _stage_subset(p, position_embedding_ranks, "position embedding") for p in groups["pp"]
@@ -132,6 +136,23 @@ def _hierarchical_cp(cp_groups: list[tuple[int, ...]], sizes: list[int]) -> dict
         "cp_a2a": [g[i * inner : (i + 1) * inner] for g in cp_groups for i in range(outer)],
         "cp_p2p": [g[i::inner] for g in cp_groups for i in range(inner)],
     }
+
+
+def _optimizer_instances(replicas: list[tuple[int, ...]], instances: int, kind: str) -> dict:
+    """Megatron's partial distributed-optimizer groups of each `kind` group: "intra_<kind>",
+    `instances` consecutive slices of it; "inter_<kind>", the ranks one slice apart."""
+    size = len(replicas[0])
+    if size % instances:
+        what = "data-parallel x context-parallel" if kind == "dp_cp" else "expert data-parallel"
+        raise ValueError(
+            f"num_distributed_optimizer_instances={instances} must divide the {what} size ({size})"
+        )
+    inner = size // instances
+    return {
+        f"intra_{kind}": [g[i * inner : (i + 1) * inner] for g in replicas
+                          for i in range(instances)],
+        f"inter_{kind}": [g[i::inner] for g in replicas for i in range(inner)],
+    }  # fmt: skip
 
 
 def _tuples(groups: list[list[int]]) -> list[tuple[int, ...]]:

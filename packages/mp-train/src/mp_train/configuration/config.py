@@ -29,7 +29,7 @@ from mp_data import DataConfig
 from mp_layers import TransformerConfig
 from mp_optim import OptimizerConfig
 from mp_pipeline import check_microbatch_group, stage_layers
-from mp_state import ParallelConfig
+from mp_state import ParallelConfig, plan_groups
 from mp_train.configuration.batch_sizes import (
     batch_schedule,
     check_eval_batch,
@@ -289,6 +289,8 @@ def validate(config: RunConfig, world_size: int) -> dict[str, int]:
             "or lower these sizes"
         )
     dp = world_size // model_parallel
+    if parallel.num_distributed_optimizer_instances > 1:
+        plan_groups(parallel, world_size)  # each data-parallel group divides into them
     mbs = training.micro_batch_size
     if mbs < 1:
         raise ValueError(f"micro_batch_size={mbs} must be >= 1")

@@ -180,14 +180,6 @@ IGNORED: dict[str, tuple[bool, str]] = {
         "every gather after the step (under --overlap-param-gather they overlap the next "
         "forward), with the same result",
     ),
-    "num_distributed_optimizer_instances": (
-        True,
-        "splits the distributed optimizer into N instances, each sharding over dp / N ranks "
-        "and replicated across the others (a reduce-scatter inside an instance, an "
-        "all-reduce between instances: less traffic between nodes at scale); mp shards over "
-        "the whole data-parallel group, one instance: the same update, less memory per "
-        "rank, its reduce-scatter spanning every data-parallel rank",
-    ),
     "muon_use_syrk": (
         False,
         "computes Muon's Gram matrices with a Triton SYRK kernel (only the triangle); mp "

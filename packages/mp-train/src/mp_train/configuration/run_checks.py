@@ -201,8 +201,21 @@ def check_initialization(config) -> None:
 def check_sharding(config) -> None:
     """FSDP (use_megatron_fsdp's optim_grads / optim_grads_params, use_torch_fsdp2) with
     what it cannot run refused by name, and use_torch_fsdp2 with Megatron's own refusals
-    (docs/fsdp.md lists both)."""
+    (docs/fsdp.md lists both); distributed-optimizer instances with what they need."""
     optimizer, parallel = config.optimizer, config.parallel
+    instances = parallel.num_distributed_optimizer_instances
+    if instances > 1:
+        flag = f"--num-distributed-optimizer-instances {instances}"
+        if optimizer.use_megatron_fsdp or optimizer.use_torch_fsdp2:
+            raise ConfigError(f"{flag} with FSDP: Megatron-FSDP's hybrid sharding (an outer "
+                              "data-parallel group) is not implemented in mp; use the "
+                              "distributed optimizer (--use-distributed-optimizer)")  # fmt: skip
+        if optimizer.use_layer_wise_distributed_optimizer:
+            raise ConfigError(f"{flag} with the layer-wise distributed optimizer: not "
+                              "supported, as in Megatron-LM")  # fmt: skip
+        if not optimizer.use_distributed_optimizer:
+            raise ConfigError(f"{flag} splits the distributed optimizer: it needs "
+                              "--use-distributed-optimizer (as in Megatron-LM)")  # fmt: skip
     if config.training.init_model_with_meta_device:
         if not optimizer.fully_sharded:
             raise ConfigError(

@@ -209,8 +209,11 @@ def _weight_and_optimizer(config: RunConfig, layout: dict, V: int, stage: int) -
     optimizer = config.optimizer
     dense_div = expert_div = 1
     if optimizer.use_distributed_optimizer or optimizer.use_layer_wise_distributed_optimizer:
-        # Megatron shards over the data-parallel group that includes the context ranks.
-        dense_div, expert_div = layout["dp"] * layout["cp"], layout["edp"]
+        # Megatron shards over the data-parallel group that includes the context ranks, or
+        # over a slice of it with several distributed-optimizer instances.
+        instances = config.parallel.num_distributed_optimizer_instances
+        dense_div = layout["dp"] * layout["cp"] // instances
+        expert_div = layout["edp"] // instances
     dense_bytes = weight + grad + state / dense_div
     expert_bytes = weight + grad + state / expert_div
     total = shard * dense_bytes + expert_shard * expert_bytes

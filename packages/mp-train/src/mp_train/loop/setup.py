@@ -35,6 +35,7 @@ from mp_optim import (
     DistributedDataParallel,
     FsdpSharding,
     FullyShardedDataParallel,
+    InstanceGroups,
     MixedPrecisionOptimizer,
     OptimizerParamScheduler,
     broadcast_params,
@@ -353,4 +354,7 @@ def _wrap(config, module, state, sharding):
     if config.fully_sharded:
         return FullyShardedDataParallel(config, module, units=(TransformerLayer,),
                                         sharding=sharding, **groups)  # fmt: skip
+    if state.intra_dp_cp is not None:  # several distributed-optimizer instances
+        groups["instances"] = InstanceGroups(state.intra_dp_cp, state.inter_dp_cp)
+        groups["expert_instances"] = InstanceGroups(state.intra_expert_dp, state.inter_expert_dp)
     return DistributedDataParallel(config, module, **groups)
