@@ -351,3 +351,26 @@ def test_megatron_fsdp_gradient_dtypes_set_grad_reduce_in_bf16():
 def test_flex_dispatcher_is_refused_naming_alltoall():
     with pytest.raises(ValueError, match=r"'flex' needs DeepEP or HybridEP .* use 'alltoall'"):
         parse_config([*MODEL, "--num-experts", "4", "--moe-token-dispatcher-type", "flex"])
+
+
+def test_distributed_optimizer_instances_and_megatron_fsdps_outer_level():
+    """--num-distributed-optimizer-instances needs the distributed optimizer or FSDP (then
+    hybrid: replicated across the instances, Megatron-FSDP's --outer-dp-sharding-strategy
+    no_shard, which is taken; optim is refused) and not the layer-wise optimizer."""
+    run = [*MODEL, "--seq-length", "16", "--max-position-embeddings", "16",
+           "--micro-batch-size", "1", "--lr", "1e-3", "--train-iters", "2", "--mock-data",
+           "--tokenizer-type", "NullTokenizer", "--vocab-size", "100",
+           "--num-distributed-optimizer-instances", "2"]  # fmt: skip
+    zero3 = ["--use-megatron-fsdp", "--outer-dp-sharding-strategy", "no_shard"]
+    for flags in (["--use-distributed-optimizer"], zero3):
+        config = parse_config([*run, *flags])
+        assert config.parallel.num_distributed_optimizer_instances == 2
+        assert validate(config, 4)["data_parallel_size"] == 4
+    with pytest.raises(ConfigError, match="needs --use-distributed-optimizer, or FSDP"):
+        validate(parse_config(run), 4)
+    with pytest.raises(ConfigError, match="layer-wise distributed optimizer: not supported"):
+        validate(parse_config([*run, "--optimizer", "muon", "--use-distributed-optimizer"]), 4)
+    with pytest.raises(ValueError, match="instances=2 must divide the data-parallel x "):
+        validate(parse_config([*run, "--use-distributed-optimizer"]), 3)
+    with pytest.raises(ValueError, match="--outer-dp-sharding-strategy optim: mp's hybrid"):
+        parse_config([*run, "--use-megatron-fsdp", "--outer-dp-sharding-strategy", "optim"])

@@ -56,6 +56,7 @@ layout; restore_pieces() writes loaded values back into the shards.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import logging
 import warnings
@@ -66,7 +67,7 @@ import torch
 
 from mp_ckpt import ShardedTensor
 from mp_optim.config import OptimizerConfig
-from mp_optim.ddp import ChunkWrapper, is_expert_parallel
+from mp_optim.ddp import ChunkWrapper, InstanceGroups, is_expert_parallel
 from mp_optim.flat_ranges import Overlap, flat_range_piece, overlap
 from mp_optim.fsdp_sharding import FsdpSharding, is_dtensor, is_sharded
 from mp_optim.optimizer import counted_of
@@ -109,6 +110,9 @@ class FullyShardedDataParallel(ChunkWrapper):
         expert_dp_group: the group expert parameters are sharded over (`state.expert_dp`);
             needed when the module has parameters marked `expert_parallel = True`.
         units: module types each gathered and freed as one (the transformer layer).
+        instances, expert_instances: distributed-optimizer instances (ddp.InstanceGroups):
+            hybrid sharding, each parameter sharded over the rank's slice of its group
+            and replicated across the slices (FSDP2's HSDP); None for none.
     """
 
     def __init__(
@@ -120,6 +124,8 @@ class FullyShardedDataParallel(ChunkWrapper):
         expert_dp_group: RankGroup | None = None,
         units: tuple[type[torch.nn.Module], ...] = (),
         sharding: FsdpSharding | None = None,
+        instances: InstanceGroups | None = None,
+        expert_instances: InstanceGroups | None = None,
     ) -> None:
         super().__init__()
         # FSDP2 warns when a root returns a view (GPTModel's [b, s] loss at b = 1): its
@@ -130,8 +136,12 @@ class FullyShardedDataParallel(ChunkWrapper):
         self.module = module
         self.dp_group = dp_group
         self.expert_dp_group = expert_dp_group
+        self._instances = {False: instances, True: expert_instances}
         if sharding is None:
-            sharding = FsdpSharding(config, dp_group, expert_dp_group)
+            sharding = FsdpSharding(config, dp_group, expert_dp_group, instances,
+                                    expert_instances)  # fmt: skip
+        elif (sharding.instances, sharding.expert_instances) != (instances, expert_instances):
+            raise ValueError("the FsdpSharding and the wrapper were given other instances")
         self.unit_modules = [
             m for m in module.modules() if isinstance(m, units) and m is not module
         ]
@@ -161,13 +171,13 @@ class FullyShardedDataParallel(ChunkWrapper):
                 param.main_grad = param.grad.to_local()
                 self.shards.append(LocalShard(
                     name, param, local, param.main_grad,
-                    _flat_start(param, self._group_of(param)),
+                    _flat_start(param, self.shard_group(is_expert_parallel(param))),
                     param in counted, is_expert_parallel(param),
                     getattr(param, "unsharded_dtype", param.dtype),
                 ))  # fmt: skip
         self._shard_of = {id(s.param): s for s in self.shards}
-        self._divided_here = [self._shard_of[id(p)] for m in divided_here for p in m.parameters()
-                              if id(p) in self._shard_of]  # fmt: skip
+        self._divided_here = [self._shard_of[id(p)] for m in divided_here
+                              for p in _own_parameters(m) if id(p) in self._shard_of]  # fmt: skip
         """Shards over a group of one: finish_grad_sync divides their gradients by dp."""
 
     def forward(self, *args, **kwargs):
@@ -245,8 +255,8 @@ class FullyShardedDataParallel(ChunkWrapper):
         the flattened range of its box that this rank's rows hold (see flat_ranges.py), in
         the model's dtype (a copy where that is not fp32 or the range is not contiguous in
         the shard: restore_pieces writes loaded values back). Shards of different
-        data-parallel ranks are disjoint, so none is a replica. Buffers' pieces are the
-        module's own."""
+        data-parallel ranks are disjoint, so none is a replica (but for the other
+        distributed-optimizer instances' copies). Buffers' pieces are the module's own."""
         pieces = {}
         for key, piece, param, offset in self.piece_layout(prefix):
             if param is None:
@@ -255,6 +265,11 @@ class FullyShardedDataParallel(ChunkWrapper):
             cut = self._cut(piece, param, offset)
             if cut is not None:
                 shard, part = cut
+                copies = self.replica_group(shard.expert_parallel)  # the other slices'
+                if copies is not None:
+                    piece = dataclasses.replace(
+                        piece, replica_id=piece.replica_id * copies.size + copies.rank
+                    )
                 pieces[key], _ = flat_range_piece(key, piece, part, shard.data, shard.dtype)
         return pieces
 
@@ -309,9 +324,19 @@ class FullyShardedDataParallel(ChunkWrapper):
 
     # --- internals -------------------------------------------------------------------------
 
-    def _group_of(self, param) -> RankGroup:
-        """The group `param` is sharded over: expert dp for a routed expert's, else dp."""
-        return self.expert_dp_group if is_expert_parallel(param) else self.dp_group
+    def shard_group(self, expert: bool) -> RankGroup:
+        """The group expert (or dense) parameters are sharded over: expert dp (dp), or with
+        distributed-optimizer instances this rank's slice of it."""
+        instances = self._instances[expert]
+        if instances is not None:
+            return instances.intra
+        return self.expert_dp_group if expert else self.dp_group
+
+    def replica_group(self, expert: bool) -> RankGroup | None:
+        """With distributed-optimizer instances, the ranks holding this rank's shards of
+        expert (or dense) parameters in the other slices; else None."""
+        instances = self._instances[expert]
+        return instances.inter if instances else None
 
     def _counted(self) -> set[torch.nn.Parameter]:
         """The parameters counted in the gradient norm (optimizer.counted_of's rule over
@@ -338,7 +363,7 @@ class FullyShardedDataParallel(ChunkWrapper):
         True where finish_grad_sync divides (a group of one)."""
         params = list(sharded.parameters())
         expert = bool(params) and all(is_expert_parallel(p) for p in params)
-        group = self.expert_dp_group if expert else self.dp_group
+        group = self.shard_group(expert)  # the reduce-scatter's (then, HSDP, an all-reduce)
         config = self.config
         divisor = 1.0 if config.calculate_per_token_loss else float(self.dp_group.size)
         # A group of one (each expert on one rank: expert dp 1) has nothing to reduce, and
@@ -350,7 +375,8 @@ class FullyShardedDataParallel(ChunkWrapper):
         sharded.set_gradient_divide_factor(divisor)
         # ReduceOp.AVG divides by the group's size only; another divisor (an expert group
         # smaller than dp) is a sum, then a division, on every backend.
-        averaged = config.average_in_collective and divisor == group.size
+        averaged = (config.average_in_collective and divisor == group.size
+                    and self._instances[expert] is None)  # fmt: skip
         sharded.set_force_sum_reduction_for_comms(not averaged)
         # A parameter without a gradient on this rank joins the reduction with zeros, so
         # every rank issues the same collectives (as DDP's buffers reduce every parameter).
@@ -366,6 +392,16 @@ _WHOLE_STATE = (
 )
 
 _VIEW_WARNING = r"FSDP2-wrapped module \(.*\) returned a view tensor"
+
+
+def _own_parameters(sharded: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The parameters `sharded` (an FSDP2 module) reduces itself: its own, not those of
+    the sharded modules inside it (a chunk's embedding and output layer, not its layers')."""
+    from torch.distributed.fsdp import FSDPModule
+
+    inner = {id(p) for m in sharded.modules() if m is not sharded and isinstance(m, FSDPModule)
+             for p in m.parameters()}  # fmt: skip
+    return [p for p in sharded.parameters() if id(p) not in inner]
 
 
 def _flat_start(param, group: RankGroup) -> int:

@@ -9,7 +9,10 @@ and on the CPU a reduce-scatter gloo runs faster.
 
 A module holding only routed experts' parameters is sharded over expert dp, the rest
 over dp; fully_shard runs bottom-up (the expert modules inside a unit before the unit,
-the units before the chunk).
+the units before the chunk). With distributed-optimizer instances (`InstanceGroups`,
+Megatron-FSDP's hybrid sharding with an unsharded outer level) the mesh is 2-D, the
+instances by the rank's slice: FSDP2's HSDP shards over the slice and all-reduces the
+reduced shards across the slices.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from mp_optim.config import OptimizerConfig
-from mp_optim.ddp import is_expert_parallel
+from mp_optim.ddp import InstanceGroups, is_expert_parallel
 from mp_state import RankGroup, select_device
 
 __all__ = ["FsdpSharding", "is_dtensor", "is_sharded"]
@@ -34,7 +37,8 @@ class FsdpSharding:
 
     def __init__(
         self, config: OptimizerConfig, dp_group: RankGroup,
-        expert_dp_group: RankGroup | None = None,
+        expert_dp_group: RankGroup | None = None, instances: InstanceGroups | None = None,
+        expert_instances: InstanceGroups | None = None,
     ) -> None:  # fmt: skip
         if not config.fully_sharded:
             raise ValueError(
@@ -54,7 +58,9 @@ class FsdpSharding:
             cast_forward_inputs=False,  # mp's layers cast what they need, as under DDP
         )
         self.device_type = select_device().device.type
-        self.dense_mesh = _mesh(dp_group, self.device_type)
+        self.instances = instances
+        self.expert_instances = expert_instances
+        self.dense_mesh = _mesh(dp_group, self.device_type, instances)
         self._expert_mesh = None
         # (id of the owning module, parameter name) -> the attributes to keep
         self._attributes: dict[tuple[int, str], dict] = {}
@@ -73,7 +79,9 @@ class FsdpSharding:
                     "expert_dp_group=state.expert_dp"
                 )
             if self._expert_mesh is None:
-                self._expert_mesh = _mesh(self.expert_dp_group, self.device_type)
+                self._expert_mesh = _mesh(
+                    self.expert_dp_group, self.device_type, self.expert_instances
+                )
             self._fully_shard(unit, self._expert_mesh, self.config.reshard_after_forward)
         reshard = self.config.reshard_after_forward
         if root:
@@ -233,16 +241,25 @@ def _check_torch() -> None:
         )
 
 
-def _mesh(group: RankGroup, device_type: str):
+def _mesh(group: RankGroup, device_type: str, instances: InstanceGroups | None = None):
     """The 1-D DeviceMesh over one of mp's groups, its dimension named after the process
-    group (e.g. "dp_cp 6"). A DeviceMesh equals another over the same ranks with the same
-    names, whatever its process group, and DTensor's caches answer by that equality: after
-    mp_state's groups were destroyed and made again (a second run in one process), a
-    sharded parameter was handed the earlier run's mesh, whose group no longer exists."""
+    group (e.g. "dp_cp 6"); with `instances`, the 2-D mesh [instance, rank in the slice]
+    of the group's ranks over their inter and intra groups (FSDP2 replicates over the
+    first dimension, shards over the second). A DeviceMesh equals another over the same
+    ranks with the same names, whatever its process group, and DTensor's caches answer by
+    that equality: after mp_state's groups were destroyed and made again (a second run in
+    one process), a sharded parameter was handed the earlier run's mesh, whose group no
+    longer exists."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    name = f"{group.kind} {group.group.group_name}"
-    return DeviceMesh.from_group(group.group, device_type, mesh_dim_names=(name,))
+    if instances is None:
+        name = f"{group.kind} {group.group.group_name}"
+        return DeviceMesh.from_group(group.group, device_type, mesh_dim_names=(name,))
+    inter, intra = instances.inter, instances.intra
+    ranks = torch.tensor(group.ranks, dtype=torch.int).view(inter.size, intra.size)
+    names = tuple(f"{g.kind} {g.group.group_name}" for g in (inter, intra))
+    return DeviceMesh.from_group([inter.group, intra.group], device_type, mesh=ranks,
+                                 mesh_dim_names=names)  # fmt: skip
 
 
 def _expert_units(module: torch.nn.Module) -> list[torch.nn.Module]:

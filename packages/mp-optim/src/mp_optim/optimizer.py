@@ -188,9 +188,9 @@ class MixedPrecisionOptimizer:
         self.grad_scaler = _make_grad_scaler(config)
 
         self.layer_wise = config.use_layer_wise_distributed_optimizer
-        if any(self.dp_replica_groups.values()) and (self.layer_wise or self.fully_sharded):
-            raise ValueError("distributed-optimizer instances shard the distributed "
-                             "optimizer only (not the layer-wise one or FSDP)")  # fmt: skip
+        if any(self.dp_replica_groups.values()) and self.layer_wise:
+            raise ValueError("distributed-optimizer instances with the layer-wise distributed "
+                             "optimizer: not supported (as in Megatron-LM)")  # fmt: skip
         self.owners = self._layer_wise_owners() if self.layer_wise else []
         """With the layer-wise distributed optimizer: (parameters, their owners, group)
         for the dense and the expert parameters (layer_wise.py)."""

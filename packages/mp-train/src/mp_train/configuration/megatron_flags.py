@@ -133,6 +133,9 @@ _TP_PP_DP = "use_tp_pp_dp_mapping"
 _FSDP_GRADS = ("megatron_fsdp_main_grads_dtype", "megatron_fsdp_grad_comm_dtype")
 # and its main parameters' dtype: mp's FSDP steps fp32 main parameters
 _FSDP_PARAMS = "megatron_fsdp_main_params_dtype"
+# and what it shards across distributed-optimizer instances (the outer level of its hybrid
+# sharding): mp's shards nothing there
+_FSDP_OUTER = "outer_dp_sharding_strategy"
 
 
 def _option(dest: str) -> str:
@@ -178,6 +181,14 @@ def add_to(parser: argparse.ArgumentParser) -> None:
         default=argparse.SUPPRESS,
         help="With --use-megatron-fsdp: the dtype of the parameters the optimizer steps. mp's "
         "FSDP keeps them in fp32 (fp32, or auto for an fp32 model); the others are refused.",
+    )  # fmt: skip
+    renamed.add_argument(
+        _option(_FSDP_OUTER), dest=_FSDP_OUTER, choices=("no_shard", "optim"),
+        default=argparse.SUPPRESS,
+        help="With --use-megatron-fsdp and --num-distributed-optimizer-instances: what is "
+        "sharded across the instances. mp's hybrid sharding replicates there (no_shard, "
+        "Megatron's default: FSDP2's HSDP); optim (the optimizer state sharded across them "
+        "too) is refused.",
     )  # fmt: skip
     renamed.add_argument(
         _option(_TP_PP_DP), dest=_TP_PP_DP, action="store_true", default=argparse.SUPPRESS,
@@ -300,6 +311,10 @@ def apply(given: dict[str, Any], values: dict[str, dict[str, Any]]) -> list[str]
             raise ValueError(f"{_option(_WD_COND)} apply_wd_to_qk_layernorm and "
                              "--no-apply-wd-to-qk-layernorm disagree: give one")  # fmt: skip
         values["optimizer"]["apply_wd_to_qk_layernorm"] = True
+    if given.pop(_FSDP_OUTER, "no_shard") != "no_shard":
+        raise ValueError(f"{_option(_FSDP_OUTER)} optim: mp's hybrid FSDP replicates across "
+                         "the distributed-optimizer instances (no_shard); give no_shard or "
+                         "drop the flag")  # fmt: skip
     ignored = [_option(dest) for dest in IGNORED if given.pop(dest, None) is not None]
     if _MTP_PATTERN in given and not _unify_mtp_pattern(given.pop(_MTP_PATTERN), given, values):
         ignored.append(_option(_MTP_PATTERN))

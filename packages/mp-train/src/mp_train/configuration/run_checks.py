@@ -206,16 +206,13 @@ def check_sharding(config) -> None:
     instances = parallel.num_distributed_optimizer_instances
     if instances > 1:
         flag = f"--num-distributed-optimizer-instances {instances}"
-        if optimizer.use_megatron_fsdp or optimizer.use_torch_fsdp2:
-            raise ConfigError(f"{flag} with FSDP: Megatron-FSDP's hybrid sharding (an outer "
-                              "data-parallel group) is not implemented in mp; use the "
-                              "distributed optimizer (--use-distributed-optimizer)")  # fmt: skip
         if optimizer.use_layer_wise_distributed_optimizer:
             raise ConfigError(f"{flag} with the layer-wise distributed optimizer: not "
                               "supported, as in Megatron-LM")  # fmt: skip
-        if not optimizer.use_distributed_optimizer:
+        if not (optimizer.use_distributed_optimizer or optimizer.fully_sharded):
             raise ConfigError(f"{flag} splits the distributed optimizer: it needs "
-                              "--use-distributed-optimizer (as in Megatron-LM)")  # fmt: skip
+                              "--use-distributed-optimizer, or FSDP (ZeRO-2/3, then "
+                              "sharded hybridly), as in Megatron-LM")  # fmt: skip
     if config.training.init_model_with_meta_device:
         if not optimizer.fully_sharded:
             raise ConfigError(

@@ -294,7 +294,8 @@ def _build_model(config, state, tracker, padded_vocab, model_provider) -> list:
     vpp = parallel.virtual_pipeline_model_parallel_size
     sharding = None
     if config.optimizer.fully_sharded:
-        sharding = FsdpSharding(config.optimizer, state.dp_cp, state.expert_dp)
+        sharding = FsdpSharding(config.optimizer, state.dp_cp, state.expert_dp,
+                                **_instances(state))  # fmt: skip
     chunks = []
     for vp_stage in range(vpp or 1):
         stage = stage_layers(
@@ -350,11 +351,18 @@ def _resolved_buckets(optimizer, chunks: list):
 
 def _wrap(config, module, state, sharding):
     """DDP (with or without the distributed optimizer), or FSDP for ZeRO-2/3."""
-    groups = {"dp_group": state.dp_cp, "expert_dp_group": state.expert_dp}
+    groups = {"dp_group": state.dp_cp, "expert_dp_group": state.expert_dp, **_instances(state)}
     if config.fully_sharded:
         return FullyShardedDataParallel(config, module, units=(TransformerLayer,),
                                         sharding=sharding, **groups)  # fmt: skip
-    if state.intra_dp_cp is not None:  # several distributed-optimizer instances
-        groups["instances"] = InstanceGroups(state.intra_dp_cp, state.inter_dp_cp)
-        groups["expert_instances"] = InstanceGroups(state.intra_expert_dp, state.inter_expert_dp)
     return DistributedDataParallel(config, module, **groups)
+
+
+def _instances(state) -> dict:
+    """The distributed-optimizer instances of DDP's and FSDP's groups (none: empty)."""
+    if state.intra_dp_cp is None:
+        return {}
+    return {
+        "instances": InstanceGroups(state.intra_dp_cp, state.inter_dp_cp),
+        "expert_instances": InstanceGroups(state.intra_expert_dp, state.inter_expert_dp),
+    }
