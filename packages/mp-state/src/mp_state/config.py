@@ -63,12 +63,13 @@ class ParallelConfig:
     layers split evenly (or by decoder_first/last_pipeline_num_layers)."""
 
     num_distributed_optimizer_instances: int = 1
-    """Instances of the distributed optimizer (Megatron's --num-distributed-optimizer-
-    instances): each data-parallel (x context-parallel) group, and each expert
-    data-parallel group, is cut into this many consecutive slices; the optimizer shards
-    its state over a slice ("intra" groups) and the slices hold replicas of it, their
-    gradients summed across slices ("inter" groups: the ranks at one position of every
-    slice). Fewer ranks in each reduce-scatter and all-gather, more memory per rank."""
+    """Instances of the distributed optimizer (Megatron's
+    --num-distributed-optimizer-instances): each data-parallel (x context-parallel) group,
+    and each expert data-parallel group, is cut into this many consecutive slices; the
+    optimizer shards its state over a slice ("intra" groups) and the slices hold replicas
+    of it, their gradients summed across slices ("inter" groups: the ranks at one position
+    of every slice); under FSDP the parameters shard hybridly over the same slices. Fewer
+    ranks in each reduce-scatter and all-gather, more memory per rank."""
 
     order: str = "tp-cp-ep-dp-pp"
     """Axes of the rank grid from fastest- to slowest-varying rank (Megatron's order string)."""
