@@ -183,6 +183,15 @@ def test_distributed_optimizer():
         parallel={"num_distributed_optimizer_instances": 2},
     )  # fmt: skip
     assert estimate(halves, world_size=4)["bytes_per_parameter"] == 12
+    # ZeRO-2/3: fp32 rows (the main parameters), fp32 gradients and Adam, all over dp:
+    # 16 / 4 (docs/fsdp.md measured 4 bytes per parameter at DP4), and with two instances
+    # (hybrid sharding) over the slice of 2.
+    for strategy in ("optim_grads", "optim_grads_params"):
+        zero = {"use_megatron_fsdp": True, "data_parallel_sharding_strategy": strategy}
+        for instances, want in ((1, 4), (2, 8)):
+            sliced = {"num_distributed_optimizer_instances": instances}
+            config = make_config(gbs=8, optimizer=zero, parallel=sliced)
+            assert estimate(config, world_size=4)["bytes_per_parameter"] == want
     # The precision-aware optimizer's bf16 moments: 6 + (4 + 2 + 2)/4 = 8; bf16 main
     # gradients too: 2 + 2 + 8/4 = 6.
     aware = {"use_distributed_optimizer": True, "use_precision_aware_optimizer": True,

@@ -208,14 +208,22 @@ def _weight_and_optimizer(config: RunConfig, layout: dict, V: int, stage: int) -
     weight, grad, state = _bytes_per_parameter(config)
     optimizer = config.optimizer
     dense_div = expert_div = 1
-    if optimizer.use_distributed_optimizer or optimizer.use_layer_wise_distributed_optimizer:
+    sharded = optimizer.use_distributed_optimizer or optimizer.use_layer_wise_distributed_optimizer
+    if sharded or optimizer.fully_sharded:
         # Megatron shards over the data-parallel group that includes the context ranks, or
         # over a slice of it with several distributed-optimizer instances.
         instances = config.parallel.num_distributed_optimizer_instances
         dense_div = layout["dp"] * layout["cp"] // instances
         expert_div = layout["edp"] // instances
-    dense_bytes = weight + grad + state / dense_div
-    expert_bytes = weight + grad + state / expert_div
+    if optimizer.fully_sharded:
+        # ZeRO-2/3 (mp's FSDP): each rank holds its fp32 rows of every parameter, which are
+        # the optimizer's main parameters, their fp32 gradients and the optimizer state,
+        # all divided (a layer is whole only while it computes: activations' share).
+        rows = 4 + 4 + state - (4 if optimizer.bf16 or optimizer.fp16 else 0)
+        dense_bytes, expert_bytes = rows / dense_div, rows / expert_div
+    else:
+        dense_bytes = weight + grad + state / dense_div
+        expert_bytes = weight + grad + state / expert_div
     total = shard * dense_bytes + expert_shard * expert_bytes
     if optimizer.optimizer == "muon":
         # Muon's momentum on the matrices, Adam's two moments on the embedding and output
