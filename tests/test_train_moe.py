@@ -6,7 +6,7 @@ the distributed optimizer), EP2 x PP2, EP2 x CP2, EP2 x CP2 x PP2 x DP2 in Megat
 --use-tp-pp-dp-mapping order and EP2 with every layer recomputed in backward.
 One rank runs the global batch as micro-batches of one sequence, as each data-parallel
 rank does. gpt-oss's MLP (biases everywhere) trains the same at EP2 x TP2 x expert-TP2, and
-Sinkhorn routing at EP2."""
+Sinkhorn routing and two load-balancing losses at once at EP2."""
 
 import pytest
 
@@ -110,3 +110,22 @@ def test_sinkhorn_routing_trains_as_one_rank_at_ep2(tmp_path):
         curves.append(metrics_records(tmp_path / f"ranks{ranks}"))
     assert len(curves[0]) == ITERATIONS
     assert_same_curve(curves[1], curves[0], ("lm loss", "grad_norm"), "sinkhorn ep2")
+
+
+TWO_LOSSES = ["--moe-router-load-balancing-type", "aux_loss", "seq_aux_loss",
+              "--moe-aux-loss-coeff", "0.01", "0.001"]  # fmt: skip
+
+
+def test_two_balancing_losses_train_as_one_rank_at_ep2(tmp_path):
+    """Megatron's lists of load-balancing types and coefficients: the micro-batch's loss
+    and the per-sequence one, each with its coefficient and logged apart; EP2 has the
+    one-rank curve of both."""
+    curves = []
+    for ranks, layout in ((1, []), (2, EP2)):
+        options = tiny_moe_options(tmp_path / f"ranks{ranks}", *TWO_LOSSES, *layout)
+        run_on_ranks(train_on_rank, ranks, options, timeout=300)
+        curves.append(metrics_records(tmp_path / f"ranks{ranks}"))
+    assert len(curves[0]) == ITERATIONS
+    assert all(r["seq_load_balancing_loss"] > 0 for r in curves[0])
+    logged = (*LOGGED_MOE, "seq_load_balancing_loss")
+    assert_same_curve(curves[1], curves[0], logged, "two losses ep2")

@@ -59,8 +59,6 @@ DIFFERENCES: dict[str, tuple[str, str]] = {
         "when it builds the optimizer"),
     "relative-positions": (LIMITATION, "T5's relative position bias is not implemented"),
     "fp8-with-fp16": (LIMITATION, "mp's FP8 GEMMs (torchao's) take and give bf16"),
-    "moe-aux-loss-coefficients-per-type": (LIMITATION, "mp's routers compute one "
-        "load-balancing loss each"),
     # mp runs; Megatron-LM refuses
     "megatron-fsdp": (EXTENSION, "Megatron-FSDP saves only as fsdp_dtensor; mp's one "
         "checkpoint format serves FSDP and every other layout"),

@@ -24,6 +24,7 @@ from mp_layers.config_hybrid import (
     split_hybrid_pattern,
 )
 from mp_layers.config_linear_attention import linear_attention_layer_pattern
+from mp_layers.config_moe import balancing_losses
 from mp_layers.config_mtp import mtp_layer_kinds
 from mp_layers.context_parallel import shard_sequence
 from mp_layers.fp8 import check_fp8_device
@@ -81,6 +82,7 @@ __all__ = [
     "TransformerLayer",
     "VocabParallelEmbedding",
     "all_reduce_sequence_parallel_grads",
+    "balancing_losses",
     "broadcast_data",
     "building_on",
     "check_fp8_device",

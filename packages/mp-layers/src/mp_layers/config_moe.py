@@ -15,7 +15,17 @@ from mp_layers.config_rules import choice, left_default, positive
 if TYPE_CHECKING:
     from mp_layers.config import TransformerConfig
 
-__all__ = ["MoeConfig", "check_expert_parallel", "check_moe"]
+__all__ = [
+    "BALANCING_LOSSES",
+    "MoeConfig",
+    "balancing_losses",
+    "check_expert_parallel",
+    "check_moe",
+]
+
+
+BalancingType = Literal["aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"]
+"""A router's load balancing: a loss type, Sinkhorn routing, or none."""
 
 
 @dataclass(kw_only=True)
@@ -56,9 +66,9 @@ class MoeConfig:
     moe_router_topk_scaling_factor: float | None = None
     """Multiplies the routing weights of the chosen experts."""
 
-    moe_router_load_balancing_type: Literal[
-        "aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"
-    ] = field(default="aux_loss", metadata={"argparse_meta": {"nargs": "+"}})
+    moe_router_load_balancing_type: BalancingType | list[BalancingType] = field(
+        default="aux_loss", metadata={"argparse_meta": {"nargs": "+"}}
+    )
     """The auxiliary load-balancing loss: over the micro-batch's tokens (Switch
     Transformer), per sequence (DeepSeek-V2/V3), over the global batch (token counts
     summed over the tp x dp x cp ranks and averaged over the step's micro-batches so far),
@@ -66,11 +76,15 @@ class MoeConfig:
     the Sinkhorn-Knopp balancing of the micro-batch's logits (no loss, so
     moe_aux_loss_coeff 0), weighted by the sigmoid (top-1) or softmax of the logits, not
     renormalized, whatever moe_router_score_function says; in evaluation by those weights.
-    One type: Megatron's list of several (with a list of coefficients) is refused."""
+    Or a list of the loss types (Megatron's), each computed with its own coefficient of
+    the moe_aux_loss_coeff list and logged apart (load_balancing_loss,
+    seq_load_balancing_loss, global_load_balancing_loss); a list of one is that type."""
 
-    moe_aux_loss_coeff: float = field(default=0.0, metadata={"argparse_meta": {"nargs": "+"}})
-    """Weight of the load-balancing loss (0: not computed); one value (Megatron's list of
-    one per balancing type is refused with more than one)."""
+    moe_aux_loss_coeff: float | list[float] = field(
+        default=0.0, metadata={"argparse_meta": {"nargs": "+"}}
+    )
+    """Weight of the load-balancing loss (0: not computed); with a list of types, a list of
+    as many weights, one each."""
 
     moe_z_loss_coeff: float | None = None
     """Weight of the router z-loss mean(logsumexp(logits)^2) (ST-MoE); None: none."""
@@ -178,7 +192,7 @@ def _unused_moe_fields(config: TransformerConfig) -> list[str]:
 
 def check_moe(config: TransformerConfig) -> None:
     """Fills moe_ffn_hidden_size and checks the MoE fields; a dense model must leave them."""
-    _one_balancing_loss(config)
+    _balancing_lists(config)
     if config.num_moe_experts is None:
         left_default(config, {**_MOE_DEFAULTS, "moe_ffn_hidden_size": None}, "num_moe_experts")
         unused = _unused_moe_fields(config)
@@ -243,24 +257,46 @@ def check_moe(config: TransformerConfig) -> None:
     config.moe_layer_pattern()  # validates moe_layer_freq
 
 
-def _one_balancing_loss(config: TransformerConfig) -> None:
+BALANCING_LOSSES = ("aux_loss", "seq_aux_loss", "global_aux_loss")
+"""The load-balancing loss types, in the order a router computes them (Megatron's)."""
+
+
+def _balancing_lists(config: TransformerConfig) -> None:
     """Megatron's list form (`--moe-router-load-balancing-type a b` with one coefficient
-    each): a list of one is that one value; several losses at once are refused."""
+    each): a list of one is that one value (as Megatron-LM's arguments make it); several
+    need as many coefficients (Megatron's rule), each a loss type named once."""
     kinds, coeffs = config.moe_router_load_balancing_type, config.moe_aux_loss_coeff
-    if isinstance(kinds, (list, tuple)) and len(kinds) > 1:
+    if isinstance(kinds, (list, tuple)) and len(kinds) == 1:
+        kinds = config.moe_router_load_balancing_type = kinds[0]
+    if isinstance(coeffs, (list, tuple)) and len(coeffs) == 1:
+        coeffs = config.moe_aux_loss_coeff = float(coeffs[0])
+    several = isinstance(kinds, (list, tuple))
+    if several != isinstance(coeffs, (list, tuple)) or (several and len(kinds) != len(coeffs)):
         raise ValueError(
-            f"moe_router_load_balancing_type={list(kinds)!r}: mp computes one load-balancing "
-            "loss per router; give one type (and one moe_aux_loss_coeff)"
+            f"moe_aux_loss_coeff={coeffs!r} with moe_router_load_balancing_type={kinds!r}: "
+            "one coefficient per load-balancing type (Megatron's rule)"
         )
-    if isinstance(coeffs, (list, tuple)) and len(coeffs) > 1:
-        raise ValueError(
-            f"moe_aux_loss_coeff={list(coeffs)!r}: one coefficient per load-balancing type, "
-            "and mp computes one"
-        )
-    if isinstance(kinds, (list, tuple)) and kinds:
-        config.moe_router_load_balancing_type = kinds[0]
-    if isinstance(coeffs, (list, tuple)) and coeffs:
-        config.moe_aux_loss_coeff = float(coeffs[0])
+    if not several:
+        return
+    config.moe_router_load_balancing_type = list(kinds)
+    config.moe_aux_loss_coeff = [float(c) for c in coeffs]
+    for kind in kinds:
+        if kind == "sinkhorn":
+            raise ValueError(f"moe_router_load_balancing_type={list(kinds)!r}: Sinkhorn "
+                             "routing is a way to route, not a loss: it stands alone")  # fmt: skip
+        choice("moe_router_load_balancing_type", kind, (*BALANCING_LOSSES, "none"))
+    if len(set(kinds)) != len(kinds):
+        raise ValueError(f"moe_router_load_balancing_type={list(kinds)!r} names a type twice")
+
+
+def balancing_losses(config: TransformerConfig) -> dict[str, float]:
+    """The load-balancing losses a router computes in training: type -> coefficient, those
+    with a coefficient > 0, in BALANCING_LOSSES order."""
+    kinds, coeffs = config.moe_router_load_balancing_type, config.moe_aux_loss_coeff
+    if not isinstance(kinds, list):
+        kinds, coeffs = [kinds], [coeffs]
+    given = dict(zip(kinds, coeffs, strict=True))
+    return {kind: given[kind] for kind in BALANCING_LOSSES if given.get(kind, 0) > 0}
 
 
 def _check_sinkhorn(config: TransformerConfig) -> None:
@@ -299,13 +335,14 @@ def _check_router(config: TransformerConfig) -> None:
             "moe_router_enable_expert_bias=True needs moe_router_score_function='sigmoid' "
             f"(got {config.moe_router_score_function!r}), as in Megatron"
         )
-    choice(
-        "moe_router_load_balancing_type", config.moe_router_load_balancing_type,
-        ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"),
-    )  # fmt: skip
+    if not isinstance(config.moe_router_load_balancing_type, list):
+        choice(
+            "moe_router_load_balancing_type", config.moe_router_load_balancing_type,
+            (*BALANCING_LOSSES, "sinkhorn", "none"),
+        )  # fmt: skip
     if config.moe_router_load_balancing_type == "sinkhorn":
         _check_sinkhorn(config)
-    if config.moe_router_load_balancing_type == "global_aux_loss" and (
+    if "global_aux_loss" in balancing_losses(config) and (
         config.recompute_granularity == "full"
         or config.moe_layer_recompute
         or config.recomputes("moe")
@@ -319,8 +356,11 @@ def _check_router(config: TransformerConfig) -> None:
     _check_groups(config)
     if config.moe_router_dtype is not None:
         choice("moe_router_dtype", config.moe_router_dtype, ("fp32", "fp64"))
-    for name in ("moe_aux_loss_coeff", "moe_router_bias_update_rate"):
-        if getattr(config, name) < 0:
+    coeffs = config.moe_aux_loss_coeff
+    lowest = min(coeffs) if isinstance(coeffs, list) else coeffs
+    rate = config.moe_router_bias_update_rate
+    for name, value in (("moe_aux_loss_coeff", lowest), ("moe_router_bias_update_rate", rate)):
+        if value < 0:
             raise ValueError(f"{name}={getattr(config, name)} must be >= 0")
     if config.moe_z_loss_coeff is not None and config.moe_z_loss_coeff < 0:
         raise ValueError(f"moe_z_loss_coeff={config.moe_z_loss_coeff} must be >= 0")

@@ -191,7 +191,10 @@ def _balancing(settings: dict) -> dict:
     """DeepSeek's aux_loss_alpha and seq_aux, written only for a loss it describes."""
     kind = settings.get("moe_router_load_balancing_type", "aux_loss")
     coeff = settings.get("moe_aux_loss_coeff", 0.0)
-    kind, coeff = (v[0] if isinstance(v, (list, tuple)) else v for v in (kind, coeff))
+    if isinstance(kind, (list, tuple)):  # several losses: DeepSeek's keys describe one
+        given = dict(zip(kind, coeff, strict=True))
+        kind = "seq_aux_loss" if given.get("seq_aux_loss") else "aux_loss"
+        coeff = given.get(kind, 0.0)
     if not coeff or kind not in ("aux_loss", "seq_aux_loss"):
         return {}
     return {"aux_loss_alpha": coeff, "seq_aux": kind == "seq_aux_loss"}

@@ -104,9 +104,11 @@ def check_routing(settings: dict, arch: str, pre_softmax: bool | None,
 
 
 def _aux_loss_coef(settings: dict) -> float:
-    if settings.get("moe_router_load_balancing_type", "aux_loss") == "none":
-        return 0.0
-    return settings.get("moe_aux_loss_coeff", 0.0)
+    kind = settings.get("moe_router_load_balancing_type", "aux_loss")
+    coeff = settings.get("moe_aux_loss_coeff", 0.0)
+    if isinstance(kind, list):  # several losses: the Switch-style one's, which the model has
+        return dict(zip(kind, coeff, strict=True)).get("aux_loss", 0.0)
+    return 0.0 if kind == "none" else coeff
 
 
 def sparse_step(sparse: list[int]) -> tuple[int, list[int]]:

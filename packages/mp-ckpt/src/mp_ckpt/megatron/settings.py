@@ -297,16 +297,18 @@ def moe_settings_from_megatron(args, settings: dict, where: str) -> dict:
             out[name] = default
     balancing = _arg(args, "moe_router_load_balancing_type", "aux_loss")
     coeff = _arg(args, "moe_aux_loss_coeff", 0.0)
-    if isinstance(balancing, list):  # one entry per loss: mp computes one
-        if len(balancing) != 1:
-            raise ValueError(f"{where}: moe_router_load_balancing_type={balancing!r}: mp "
-                             "computes one load-balancing loss")  # fmt: skip
+    if isinstance(balancing, list) and len(balancing) == 1:  # Megatron's list of one
         balancing, coeff = balancing[0], coeff[0] if isinstance(coeff, list) else coeff
-    if balancing not in ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"):
-        raise ValueError(f"{where}: moe_router_load_balancing_type={balancing!r}: mp computes "
-                         "aux_loss, seq_aux_loss, global_aux_loss, sinkhorn and none")  # fmt: skip
+    losses = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
+    known = losses if isinstance(balancing, list) else (*losses, "sinkhorn")
+    for kind in balancing if isinstance(balancing, list) else [balancing]:
+        if kind not in known:
+            raise ValueError(f"{where}: moe_router_load_balancing_type={balancing!r}: mp "
+                             f"computes {', '.join(known)}")  # fmt: skip
     out["moe_router_load_balancing_type"] = balancing
-    out["moe_aux_loss_coeff"] = float(coeff or 0.0)
+    out["moe_aux_loss_coeff"] = (
+        [float(c) for c in coeff] if isinstance(coeff, list) else float(coeff or 0.0)
+    )
     dispatcher = _arg(args, "moe_token_dispatcher_type", "allgather")
     # flex is all-to-all through another communication library: the same tokens move
     out["moe_token_dispatcher_type"] = "alltoall" if dispatcher == "flex" else dispatcher

@@ -94,6 +94,12 @@ LLAMA4 = [*LLAMA, "--num-layers", "4", "--init-method-std", "0.1",  # (the last 
           "--no-save-optim", "--no-save-rng"]  # fmt: skip
 # The DeepSeek-shaped model with its Adam and RNG states saved.
 MLA_STATE = [a for a in MLA if a not in ("--no-save-optim", "--no-save-rng")]
+# and with two load-balancing losses (Megatron's lists): the Switch-style one over the
+# micro-batch (0.01) beside the sequence-level one (0.001), each with its own coefficient
+_LOSS_AT = MLA_STATE.index("--moe-router-load-balancing-type")
+MLA_TWO_LOSSES = [*MLA_STATE[:_LOSS_AT], "--moe-router-load-balancing-type", "aux_loss",
+                  "seq_aux_loss", "--moe-aux-loss-coeff", "0.01", "0.001",
+                  *MLA_STATE[_LOSS_AT + 4 :]]  # fmt: skip
 # One multi-token prediction module (DeepSeek-V3's MTP), its layer shaped as the last (MoE).
 MTP = ("--mtp-num-layers", "1", "--mtp-loss-scaling-factor", "0.1")
 # Megatron trains MoE under TP only with sequence parallelism
@@ -179,6 +185,7 @@ BUCKETS = ("--overlap-grad-reduce", "--ddp-bucket-size", "2000")
 # taken after the save and after everything else is recorded (the rest stays the same).
 NEXT_STEP = {"llama_torch_dist_tp2_distopt", "hybrid_torch_dist_tp2_dp2_distopt",
              "mla_mtp_torch_dist_tp1_distopt", "qwen3_next_torch_dist_tp2_dp2_distopt",
+             "mla_two_losses_torch_dist_tp1_distopt",
              "llama_muon_torch_dist_tp2", "llama_mup_torch_tp2"}  # fmt: skip
 NEXT_BATCH_SEED = 11
 
@@ -231,6 +238,9 @@ CASES = {
     ),
     "mla_mtp_torch_dist_tp1_distopt": Case(
         MLA_STATE, "torch_dist", 1, 1, True, extra=(*MLA_Q_LORA_YARN, *MTP)
+    ),
+    "mla_two_losses_torch_dist_tp1_distopt": Case(
+        MLA_TWO_LOSSES, "torch_dist", 1, 1, True, extra=(*MLA_Q_LORA_YARN, *MTP)
     ),
     "mla_mtp_optim_torch_tp2": Case(MLA_STATE, "torch", 2, 1, False, extra=(*MLA_ROPE, *MTP, *SP)),
     # the hybrid at TP2 (sequence parallelism: MoE under TP) in both formats

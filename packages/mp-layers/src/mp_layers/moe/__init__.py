@@ -6,6 +6,7 @@ from mp_layers.moe.dispatcher import AllGatherDispatcher, AllToAllDispatcher
 from mp_layers.moe.experts import GroupedExperts, grouped_matmul, is_expert_key
 from mp_layers.moe.moe_layer import MoELayer, SharedExperts
 from mp_layers.moe.router import (
+    BALANCING_LOSS_NAMES,
     TopKRouter,
     capacity_mask,
     expert_capacity,
@@ -15,6 +16,7 @@ from mp_layers.moe.router import (
 )
 
 __all__ = [
+    "BALANCING_LOSS_NAMES",
     "AllGatherDispatcher",
     "AllToAllDispatcher",
     "AuxLossScale",

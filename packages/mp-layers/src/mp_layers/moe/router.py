@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 from mp_ckpt import ShardedTensor
 from mp_layers.config import TransformerConfig
+from mp_layers.config_moe import balancing_losses
 from mp_layers.moe import aux_losses
 from mp_layers.tensor_parallel import deferred_init
 from mp_layers.tensor_parallel.initialization import init_partitioned_weight
@@ -93,7 +94,9 @@ class TopKRouter(torch.nn.Module):
             )
         else:
             self.expert_bias = None
-        if config.moe_router_load_balancing_type == "global_aux_loss":
+        self.balancing_losses = balancing_losses(config)
+        """Type -> coefficient of the load-balancing losses computed in training."""
+        if "global_aux_loss" in self.balancing_losses:
             # Counts over balance_group, summed over the micro-batches since the last reset
             # (Megatron's global_tokens_per_expert and ga_steps).
             self.register_buffer("global_tokens_per_expert", torch.zeros(self.experts),
@@ -139,8 +142,8 @@ class TopKRouter(torch.nn.Module):
             if not self.config.moe_pad_expert_input_to_capacity:
                 keep = keep & routing_map
             probs, routing_map = probs * keep, keep
-        if training and self.config.moe_aux_loss_coeff > 0:
-            probs = self._attach_balancing_loss(probs, logits, s, b, counting)
+        if training and self.balancing_losses:
+            probs = self._attach_balancing_losses(probs, logits, s, b, counting)
         if counting and self.expert_bias is not None:
             with torch.no_grad():
                 self.local_tokens_per_expert += routing_map.sum(dim=0)
@@ -210,9 +213,10 @@ class TopKRouter(torch.nn.Module):
         allowed = allowed.unsqueeze(-1).expand_as(per_group).reshape(tokens, -1)
         return ranking.masked_fill(~allowed, float("-inf")).topk(self.topk)
 
-    def _attach_balancing_loss(self, probs, logits, s: int, b: int, counting: bool):
-        """The load-balancing loss over this micro-batch's tokens (or per sequence), from
-        the scores of every expert and the top-k choice they make (no bias, no drop)."""
+    def _attach_balancing_losses(self, probs, logits, s: int, b: int, counting: bool):
+        """The load-balancing losses (each type with its coefficient, Megatron's order) over
+        this micro-batch's tokens, per sequence or over the global batch, from the scores of
+        every expert and the top-k choice they make (no bias, no drop)."""
         if self.config.moe_router_score_function == "softmax":
             scores = torch.softmax(logits, -1, dtype=torch.float32)
         else:
@@ -221,37 +225,30 @@ class TopKRouter(torch.nn.Module):
         chosen = torch.zeros_like(scores, dtype=torch.bool).scatter(
             1, scores.topk(self.topk)[1], True
         )
-        coeff, group = self.config.moe_aux_loss_coeff, self.token_group
-        if self.config.moe_router_load_balancing_type == "seq_aux_loss":
+        for kind, coeff in self.balancing_losses.items():
+            loss = self._balancing_loss(kind, coeff, scores, chosen, s, b)
+            if counting:
+                self._record(BALANCING_LOSS_NAMES[kind], loss / coeff)
+            probs = aux_losses.attach(probs, loss, self.aux_loss_scale)
+        return probs
+
+    def _balancing_loss(self, kind: str, coeff: float, scores, chosen, s: int, b: int):
+        group = self.token_group
+        if kind == "seq_aux_loss":
             # Sequences side by side as b E "experts": the sum of b per-sequence losses.
             scores, chosen = scores.reshape(s, -1), chosen.reshape(s, -1)
             counts = _summed(chosen.sum(0).float(), group)
             total = s * group.size
-            loss = (
-                aux_losses.load_balancing_loss(
-                    scores, counts, total, self.topk, self.experts, coeff
-                )
-                / b
-            )  # the mean over the sequences
-            name = "seq_load_balancing_loss"
-        elif self.config.moe_router_load_balancing_type == "global_aux_loss":
-            counts, total = self._global_counts(chosen)
             loss = aux_losses.load_balancing_loss(
                 scores, counts, total, self.topk, self.experts, coeff
             )
-            name = "global_load_balancing_loss"
-        elif self.config.moe_router_load_balancing_type == "aux_loss":
+            return loss / b  # the mean over the sequences
+        if kind == "global_aux_loss":
+            counts, total = self._global_counts(chosen)
+        else:  # aux_loss
             counts = _summed(chosen.sum(0).float(), group)
             total = scores.shape[0] * group.size
-            loss = aux_losses.load_balancing_loss(
-                scores, counts, total, self.topk, self.experts, coeff
-            )
-            name = "load_balancing_loss"
-        else:
-            return probs
-        if counting:
-            self._record(name, loss / coeff)
-        return aux_losses.attach(probs, loss, self.aux_loss_scale)
+        return aux_losses.load_balancing_loss(scores, counts, total, self.topk, self.experts, coeff)
 
     def _global_counts(self, chosen: torch.Tensor) -> tuple[torch.Tensor, int]:
         """Megatron's global load balancing: this micro-batch's counts summed over
@@ -269,7 +266,7 @@ class TopKRouter(torch.nn.Module):
 
     def reset_global_counts(self) -> None:
         """A new step: the global load-balancing loss counts from zero again."""
-        if self.config.moe_router_load_balancing_type == "global_aux_loss":
+        if "global_aux_loss" in self.balancing_losses:
             self.global_tokens_per_expert.zero_()
             self.global_steps.zero_()
 
@@ -289,6 +286,14 @@ class TopKRouter(torch.nn.Module):
             )
             for name, data in tensors.items()
         }
+
+
+BALANCING_LOSS_NAMES = {
+    "aux_loss": "load_balancing_loss",
+    "seq_aux_loss": "seq_load_balancing_loss",
+    "global_aux_loss": "global_load_balancing_loss",
+}
+"""The name each load-balancing loss is logged under (Megatron's)."""
 
 
 def _draw_bias(std: float, like: torch.Tensor, tracker: RNGStatesTracker | None):

@@ -30,6 +30,7 @@ from mp_layers import (
     MultiTokenPrediction,
     TransformerConfig,
     TransformerLayer,
+    balancing_losses,
     moe,
     mtp_layer_kinds,
 )
@@ -40,21 +41,12 @@ __all__ = ["PER_LAYER_PREFIX", "MoEStep", "aux_loss_names", "router_layers"]
 PER_LAYER_PREFIX = "moe/"
 """The tags of the per-layer auxiliary losses (moe_per_layer_logging) begin so."""
 
-_BALANCING_NAMES = {
-    "aux_loss": "load_balancing_loss",
-    "seq_aux_loss": "seq_load_balancing_loss",
-    "global_aux_loss": "global_load_balancing_loss",
-}
-
 
 def aux_loss_names(model: TransformerConfig) -> list[str]:
     """The auxiliary losses a model's routers record in training, in log order."""
     if model.num_moe_experts is None:
         return []
-    names = []
-    balancing = model.moe_router_load_balancing_type
-    if model.moe_aux_loss_coeff > 0 and balancing != "none":
-        names.append(_BALANCING_NAMES[balancing])
+    names = [moe.BALANCING_LOSS_NAMES[kind] for kind in balancing_losses(model)]
     if model.moe_z_loss_coeff:
         names.append("z_loss")
     return names
