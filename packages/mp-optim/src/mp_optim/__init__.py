@@ -27,14 +27,10 @@ from mp_optim.factory import (
 from mp_optim.fsdp import FullyShardedDataParallel, LocalShard
 from mp_optim.fsdp_sharding import FsdpSharding
 from mp_optim.grad_buffer import Bucket, GradBuffer, ParamRange
+from mp_optim.grad_norm_counting import counted_in_grad_norm
 from mp_optim.grad_scaler import ConstantGradScaler, DynamicGradScaler
 from mp_optim.muon import MatrixLayout, Muon, newton_schulz
-from mp_optim.optimizer import (
-    MainParamShard,
-    MixedPrecisionOptimizer,
-    StepResult,
-    counted_in_grad_norm,
-)
+from mp_optim.optimizer import MainParamShard, MixedPrecisionOptimizer, StepResult
 from mp_optim.param_scaling import scale_rows
 from mp_optim.scheduler import OptimizerParamScheduler, get_optimizer_param_scheduler
 

@@ -70,7 +70,7 @@ from mp_optim.config import OptimizerConfig
 from mp_optim.ddp import ChunkWrapper, InstanceGroups, is_expert_parallel
 from mp_optim.flat_ranges import Overlap, flat_range_piece, overlap
 from mp_optim.fsdp_sharding import FsdpSharding, is_dtensor, is_sharded
-from mp_optim.optimizer import counted_of
+from mp_optim.grad_norm_counting import counted_of
 from mp_state import RankGroup
 
 __all__ = ["FullyShardedDataParallel", "LocalShard"]
@@ -339,7 +339,7 @@ class FullyShardedDataParallel(ChunkWrapper):
         return instances.inter if instances else None
 
     def _counted(self) -> set[torch.nn.Parameter]:
-        """The parameters counted in the gradient norm (optimizer.counted_of's rule over
+        """The parameters counted in the gradient norm (grad_norm_counting.counted_of's rule over
         the pieces of the whole parameters)."""
         located = ((piece, param, offset) for _, piece, param, offset in self.piece_layout()
                    if param is not None)  # fmt: skip

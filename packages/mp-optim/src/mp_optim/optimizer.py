@@ -63,7 +63,7 @@ from mp_optim.clip_grads import (
 from mp_optim.compiled_step import adamw_step
 from mp_optim.config import OptimizerConfig
 from mp_optim.ddp import is_expert_parallel
-from mp_optim.flat_ranges import locate
+from mp_optim.grad_norm_counting import counted_in_grad_norm
 from mp_optim.grad_norm_groups import grad_norm_group, groups_present
 from mp_optim.grad_scaler import ConstantGradScaler, DynamicGradScaler
 from mp_optim.layer_wise import assign_owners, broadcast_from_owners
@@ -72,7 +72,7 @@ from mp_optim.muon_groups import make_muon_optimizer
 from mp_optim.optimizer_state import load_optimizer_state, optimizer_sharded_state_dict
 from mp_state import RankGroup
 
-__all__ = ["MainParamShard", "MixedPrecisionOptimizer", "StepResult", "counted_in_grad_norm"]
+__all__ = ["MainParamShard", "MixedPrecisionOptimizer", "StepResult"]
 
 
 @dataclass(frozen=True)
@@ -419,33 +419,6 @@ class MixedPrecisionOptimizer:
             if group.size > 1:
                 dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group.group)
         return bool(found > 0)
-
-
-def counted_in_grad_norm(module: torch.nn.Module) -> set[torch.nn.Parameter]:
-    """The parameters of `module` whose gradients count in the global norm.
-
-    A parameter whose pieces in module.sharded_state_dict() all have
-    replica_id > 0 is a copy of one counted elsewhere (a norm weight on
-    tensor-parallel ranks > 0, the last stage's tied embedding) and is left
-    out. Parameters the description does not mention, and every parameter of
-    a module without sharded_state_dict, count.
-    """
-    params = list(module.parameters())
-    describe = getattr(module, "sharded_state_dict", None)
-    if describe is None:
-        return set(params)
-    return counted_of(locate(describe().values(), params), params)
-
-
-def counted_of(located, params: list[torch.nn.Parameter]) -> set[torch.nn.Parameter]:
-    """counted_in_grad_norm's rule over (piece, parameter, offset) triples: the parameters
-    with a piece of replica_id 0, and those no piece describes."""
-    described, counted = set(), set()
-    for piece, param, _ in located:
-        described.add(param)
-        if piece.replica_id == 0:
-            counted.add(param)
-    return counted | (set(params) - described)
 
 
 def _check_groups(chunks: list, expert_mp_group: RankGroup | None) -> None:

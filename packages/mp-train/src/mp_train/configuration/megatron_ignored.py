@@ -174,6 +174,22 @@ IGNORED: dict[str, tuple[bool, str]] = {
         "overlaps the expert-parallel all-to-alls with another micro-batch's computation on "
         "CUDA streams; mp runs each micro-batch's one after the other, with the same result",
     ),
+    "delay_wgrad_compute": (
+        False,
+        "in --overlap-moe-expert-parallel-comm's schedule, computes the weight gradients "
+        "after the next micro-batch's all-to-all; mp computes every gradient in its own "
+        "backward, the same values",
+    ),
+    "ep_overlap_early_attn_memory_release": (
+        False,
+        "in --overlap-moe-expert-parallel-comm's schedule, frees attention's activations "
+        "earlier; mp keeps what autograd keeps, the same values",
+    ),
+    "overlap_dispatch_backward_with_experts_wgrad": (
+        False,
+        "overlaps the dispatch's backward all-to-all with the experts' weight gradients on "
+        "CUDA streams; mp runs them one after the other, with the same result",
+    ),
     "overlap_param_gather_with_optimizer_step": (
         False,
         "starts the first bucket's parameter all-gather inside the optimizer step; mp starts "
