@@ -4,6 +4,7 @@
     uv run python ci/sweep_layouts.py moe deepseek      # some groups
     uv run python ci/sweep_layouts.py --list            # the groups and their layouts
     uv run python ci/sweep_layouts.py --with="--calculate-per-token-loss"   # every run
+    uv run python ci/sweep_layouts.py --with-layouts="--num-distributed-optimizer-instances 2"
     uv run python ci/sweep_layouts.py --resume          # checkpoints across layouts
     uv run python ci/sweep_layouts.py --export          # exports for transformers too
     uv run python ci/sweep_layouts.py --resume-here --tolerance 0 --with="--hidden-dropout 0.1"
@@ -15,7 +16,9 @@ iterations of 8 sequences, with two evaluations and the test split's at the end:
 one rank, then at each of its layouts on forked gloo ranks (mp_state.testing.run_on_ranks).
 A layout passes when every iteration's loss and gradient norm, and each evaluation's loss,
 are within 1e-5 relative of the one-rank run's (--tolerance). --with adds flags to every
-run, the one-rank ones included, to cross a feature with every layout. The gradient norm
+run, the one-rank ones included, to cross a feature with every layout; --with-layouts adds
+them to the layouts' runs only (a feature one rank refuses, such as
+--num-distributed-optimizer-instances). The gradient norm
 is what shows a gradient scaled wrongly: Adam's update hardly changes when one
 parameter's gradient is scaled, so the losses alone would not.
 
@@ -368,8 +371,9 @@ def _safetensors(folder: Path) -> dict:
 
 
 def sweep(groups: list[str], folder: Path, extra: list[str] = (), tolerance: float = TOLERANCE,
-          mode: str = "curve") -> tuple[int, int]:  # fmt: skip
-    """Runs each group's layouts (with `extra` flags in every run); how many differ or
+          mode: str = "curve", layout_extra: list[str] = ()) -> tuple[int, int]:  # fmt: skip
+    """Runs each group's layouts (with `extra` flags in every run, `layout_extra` in the
+    layouts' runs only); how many differ or
     failed (a group whose one-rank run fails counting all its layouts), and how many
     ran. mode "curve" compares each layout's curve with one rank's; "export" that too
     and, each run exporting its model for transformers at the end, each layout's export
@@ -398,6 +402,7 @@ def sweep(groups: list[str], folder: Path, extra: list[str] = (), tolerance: flo
             failed += len(layouts)
             continue
         for index, (layout, ranks, flags) in enumerate(layouts):
+            flags = [*flags, *layout_extra]
             run_dir = folder / group / str(index)
             start = time.monotonic()
             try:
@@ -443,6 +448,10 @@ def main(argv: list[str] | None = None) -> int:
         help="flags added to every run, one string (shell words)",
     )  # fmt: skip
     parser.add_argument(
+        "--with-layouts", dest="layout_extra", default="", metavar="FLAGS",
+        help="flags added to the layouts' runs only, not the one-rank ones (shell words)",
+    )  # fmt: skip
+    parser.add_argument(
         "--tolerance", type=float, default=TOLERANCE,
         help=f"the largest relative difference that passes ({TOLERANCE:g})",
     )  # fmt: skip
@@ -471,7 +480,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     with TemporaryDirectory(prefix="mp-sweep-") as folder:
         failed, ran = sweep(groups, Path(folder), shlex.split(args.extra), args.tolerance,
-                            args.mode)  # fmt: skip
+                            args.mode, shlex.split(args.layout_extra))  # fmt: skip
     print(f"{failed} of {ran} layouts differ or failed")
     return 1 if failed else 0
 
