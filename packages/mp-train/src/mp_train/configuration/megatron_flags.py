@@ -28,10 +28,6 @@ _FP8_DELAYED = (
 
 # flag (dest) -> why mp refuses it and what to do instead
 REFUSED: dict[str, tuple[bool, str]] = {
-    "tp_comm_overlap": (
-        False,
-        "needs Transformer Engine's userbuffers, which mp does not use: drop it",
-    ),
     "fp8_margin": (True, _FP8_DELAYED),
     "fp8_amax_history_len": (True, _FP8_DELAYED),
     "fp8_amax_compute_algo": (True, _FP8_DELAYED),
@@ -311,6 +307,12 @@ def apply(given: dict[str, Any], values: dict[str, dict[str, Any]]) -> list[str]
             raise ValueError(f"{_option(_WD_COND)} apply_wd_to_qk_layernorm and "
                              "--no-apply-wd-to-qk-layernorm disagree: give one")  # fmt: skip
         values["optimizer"]["apply_wd_to_qk_layernorm"] = True
+    if given.get("tp_comm_overlap") and not given.get(
+        "sequence_parallel", values["model"].get("sequence_parallel")
+    ):
+        raise ValueError("--tp-comm-overlap without --sequence-parallel: Megatron-LM overlaps "
+                         "tensor-parallel communication with GEMMs only under sequence "
+                         "parallelism and refuses it too")  # fmt: skip
     if given.pop(_FSDP_OUTER, "no_shard") != "no_shard":
         raise ValueError(f"{_option(_FSDP_OUTER)} optim: mp's hybrid FSDP replicates across "
                          "the distributed-optimizer instances (no_shard); give no_shard or "

@@ -174,6 +174,18 @@ IGNORED: dict[str, tuple[bool, str]] = {
         "overlaps the expert-parallel all-to-alls with another micro-batch's computation on "
         "CUDA streams; mp runs each micro-batch's one after the other, with the same result",
     ),
+    "tp_comm_overlap": (
+        False,
+        "overlaps the tensor-parallel all-gathers and reduce-scatters with the GEMMs through "
+        "Transformer Engine's userbuffers, which mp does not use; its collectives run before "
+        "and after each GEMM, the same values (it still needs --sequence-parallel, as in "
+        "Megatron-LM)",
+    ),
+    "tp_comm_overlap_cfg": (
+        True,
+        "the YAML of Transformer Engine's userbuffers for --tp-comm-overlap, which mp does "
+        "not use",
+    ),
     "delay_wgrad_compute": (
         False,
         "in --overlap-moe-expert-parallel-comm's schedule, computes the weight gradients "
