@@ -183,8 +183,7 @@ IGNORED: dict[str, tuple[bool, str]] = {
     ),
     "tp_comm_overlap_cfg": (
         True,
-        "configures Transformer Engine's userbuffers for --tp-comm-overlap, which mp "
-        "does not use",
+        "configures Transformer Engine's userbuffers for --tp-comm-overlap, which mp does not use",
     ),
     "delay_wgrad_compute": (
         False,
