@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from mp_optim import DistributedDataParallel, OptimizerConfig, get_optimizer
 from mp_optim.layer_wise import assign_owners, broadcast_from_owners
+from mp_optim.lion import Lion
 from mp_optim.muon import Muon
 from mp_state import RankGroup
 from mp_state.testing import run_on_ranks
@@ -24,7 +25,6 @@ SINGLE = RankGroup("single", (0,), 0, None)
     (dict(use_megatron_fsdp=True), "Muon needs whole matrices, FSDP shards each one"),
     (dict(use_megatron_fsdp=True, data_parallel_sharding_strategy="optim"), "under FSDP"),
     (dict(muon_fp32_matmul_prec="low"), "torch has no such float32 matmul precision"),
-    (dict(muon_scalar_optimizer="lion"), "mp has no Lion optimizer"),
     (dict(muon_coefficient_type="custom"), "muon_coefficient_type='custom'"),
     (dict(muon_num_ns_steps=0), "muon_num_ns_steps=0: at least 1"),
     (dict(use_distributed_optimizer=True, overlap_param_gather=True),
@@ -117,6 +117,27 @@ def test_muon_takes_the_matrix_and_adam_the_rest():
         two_steps(m, o, steps=1)
     for a, b in zip(model.module.parameters(), model2.module.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+def test_lion_takes_the_rest_with_muon_scalar_optimizer_lion():
+    """--muon-scalar-optimizer lion: Lion (its betas, one momentum) over what Muon does not
+    take, its state saved as exp_avg alone."""
+    model, optimizer = optimizer_of(weight_decay=0.1, muon_scalar_optimizer="lion",
+                                    lion_beta1=0.9, lion_beta2=0.99)  # fmt: skip
+    muon, lion = optimizer.optimizer.optimizers
+    assert isinstance(muon, Muon) and isinstance(lion, Lion)
+    assert lion.param_groups[0]["betas"] == (0.9, 0.99)
+    norm = model.module.norm
+    before = norm.detach().clone()
+    assert two_steps(model, optimizer).update_successful
+    assert set(optimizer.optimizer.state[norm]) == {"exp_avg"}
+    # each element moved by whole steps of the learning rate (the sign of its update;
+    # norms take no weight decay), as far as the schedule's first two steps go
+    lr = next(g["lr"] for g in lion.param_groups if any(p is norm for p in g["params"]))
+    steps = (norm.detach() - before).abs() / lr
+    assert torch.allclose(steps, steps.round(), atol=1e-4) and steps.max() > 0
+    keys = set(optimizer.sharded_state_dict()["state"])
+    assert "optimizer.exp_avg.norm" in keys and "optimizer.exp_avg_sq.norm" not in keys
 
 
 def test_owners_balance_whole_parameters():

@@ -27,9 +27,11 @@ _SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params"
 class OptimizerConfig(MuonConfig):
     # The optimizer.
 
-    optimizer: Literal["adam", "sgd", "muon"] = "adam"
+    optimizer: Literal["adam", "sgd", "muon", "lion"] = "adam"
     """adam (Adam with decoupled weight decay, i.e. AdamW, as Megatron's fused Adam), sgd,
-    or muon (matrices by Muon, the other parameters by adam; the muon_* fields)."""
+    muon (matrices by Muon, the other parameters by adam; the muon_* fields), or lion (the
+    sign of an interpolated momentum, decoupled weight decay, one state tensor: megatron-
+    core's Lion; the lion_* fields)."""
 
     lr: float | None = None
     """Peak learning rate (reached at the end of warm-up)."""
@@ -47,7 +49,7 @@ class OptimizerConfig(MuonConfig):
     """The end of the decoupled learning rate's decay; None: min_lr. Needs decoupled_lr."""
 
     weight_decay: float = 0.01
-    """Weight-decay coefficient (decoupled for adam, L2 for sgd)."""
+    """Weight-decay coefficient (decoupled for adam and lion, L2 for sgd)."""
 
     apply_wd_to_qk_layernorm: bool = False
     """Decay the query and key norms' weights too (Megatron's --apply-wd-to-qk-layernorm,
@@ -66,6 +68,12 @@ class OptimizerConfig(MuonConfig):
 
     sgd_momentum: float = 0.9
     """SGD momentum."""
+
+    lion_beta1: float = 0.95
+    """Lion's interpolation of the momentum and the gradient whose sign is the update."""
+
+    lion_beta2: float = 0.98
+    """Lion's momentum decay."""
 
     clip_grad: float = 1.0
     """Clip gradients to this global L2 norm; 0 disables clipping."""
@@ -253,7 +261,7 @@ class OptimizerConfig(MuonConfig):
     """Use the schedule stored in a checkpoint, ignoring this config's."""
 
     def __post_init__(self) -> None:
-        _choice("optimizer", self.optimizer, ("adam", "sgd", "muon"))
+        _choice("optimizer", self.optimizer, ("adam", "sgd", "muon", "lion"))
         _choice("lr_decay_style", self.lr_decay_style, _DECAY_STYLES)
         _choice("lr_wsd_decay_style", self.lr_wsd_decay_style, _WSD_STYLES)
         _choice("weight_decay_incr_style", self.weight_decay_incr_style, _WD_STYLES)
@@ -279,7 +287,7 @@ class OptimizerConfig(MuonConfig):
         for name in ("weight_decay", "clip_grad", "adam_eps", "sgd_momentum"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
-        for name in ("adam_beta1", "adam_beta2"):
+        for name in ("adam_beta1", "adam_beta2", "lion_beta1", "lion_beta2"):
             if not 0 <= getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be in [0, 1)")
         if self.loss_scale is not None and self.loss_scale <= 0:

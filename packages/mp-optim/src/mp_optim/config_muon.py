@@ -53,7 +53,8 @@ class MuonConfig:
 
     muon_scalar_optimizer: Literal["adam", "lion"] = "adam"
     """The optimizer of the parameters Muon does not take (embeddings, the output layer,
-    norms, biases, convolution kernels, Mamba's in_proj): adam; lion is refused."""
+    norms, biases, convolution kernels, Mamba's in_proj): adam, or lion (lion_beta1 and
+    lion_beta2)."""
 
     use_layer_wise_distributed_optimizer: bool = False
     """Each data-parallel rank steps whole parameters, the updated ones broadcast from
@@ -102,9 +103,4 @@ class MuonConfig:
             raise ValueError(
                 "muon_fp32_matmul_prec='low': torch has no such float32 matmul precision "
                 "(under Megatron-LM it changes nothing); use medium (bf16 iterations) or high"
-            )
-        if self.muon_scalar_optimizer != "adam":
-            raise ValueError(
-                f"muon_scalar_optimizer={self.muon_scalar_optimizer!r}: mp has no Lion "
-                "optimizer; use adam"
             )

@@ -108,13 +108,14 @@ def is_vector_like(param: torch.nn.Parameter) -> bool:
 
 
 def _mup_scaled(config: OptimizerConfig, param: torch.nn.Parameter) -> bool:
-    """muP changes this parameter's schedule: a hidden matrix under adam, one Adam steps
-    under muon, a vector-like parameter under sgd."""
+    """muP changes this parameter's schedule: a hidden matrix under adam or lion (whose
+    updates are normalized per element as Adam's), one Adam steps under muon, a vector-like
+    parameter under sgd."""
     if config.optimizer == "sgd":
         return is_vector_like(param)
     if is_vector_like(param):
         return False
-    return config.optimizer == "adam" or not takes_muon(param)
+    return config.optimizer in ("adam", "lion") or not takes_muon(param)
 
 
 def _mup_hyper(config: OptimizerConfig, width: float, lr_mult: float) -> dict:

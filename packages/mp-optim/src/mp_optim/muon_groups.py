@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from mp_optim.config import OptimizerConfig
+from mp_optim.lion import Lion
 from mp_optim.muon import MatrixLayout, Muon
 from mp_optim.optimizer_chain import ChainedOptimizer
 from mp_state import RankGroup
@@ -60,11 +61,11 @@ def make_muon_optimizer(
     partition_groups: dict[str, RankGroup],
     names: dict[int, str] | None = None,
 ) -> ChainedOptimizer:
-    """Muon over the main parameters whose model parameter it takes, fused AdamW over the
-    others; `groups` are the main parameters' groups (each split between the two, its
-    hyper-parameters kept), model_param_of maps id(main parameter) to its model
-    parameter, partition_groups a group kind to this rank's group (layout_of), names
-    id(model parameter) to its name (for errors)."""
+    """Muon over the main parameters whose model parameter it takes, fused AdamW (or Lion:
+    muon_scalar_optimizer) over the others; `groups` are the main parameters' groups (each
+    split between the two, its hyper-parameters kept), model_param_of maps id(main
+    parameter) to its model parameter, partition_groups a group kind to this rank's group
+    (layout_of), names id(model parameter) to its name (for errors)."""
     matrix_groups, other_groups, layouts = [], [], {}
     for group in groups:
         matrices, others = [], []
@@ -86,8 +87,12 @@ def make_muon_optimizer(
         matmul_precision=config.muon_fp32_matmul_prec, tp_mode=config.muon_tp_mode,
         split_qkv=config.muon_split_qkv, layouts=layouts,
     )  # fmt: skip
-    adam = torch.optim.AdamW(
-        other_groups, lr=config.lr, betas=(config.adam_beta1, config.adam_beta2),
-        eps=config.adam_eps, weight_decay=config.weight_decay, fused=True,
-    )  # fmt: skip
-    return ChainedOptimizer([muon, adam])
+    if config.muon_scalar_optimizer == "lion":
+        scalar = Lion(other_groups, lr=config.lr, betas=(config.lion_beta1, config.lion_beta2),
+                      weight_decay=config.weight_decay)  # fmt: skip
+    else:
+        scalar = torch.optim.AdamW(
+            other_groups, lr=config.lr, betas=(config.adam_beta1, config.adam_beta2),
+            eps=config.adam_eps, weight_decay=config.weight_decay, fused=True,
+        )  # fmt: skip
+    return ChainedOptimizer([muon, scalar])

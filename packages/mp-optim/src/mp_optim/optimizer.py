@@ -1,7 +1,7 @@
 """The optimizer step over DDP-wrapped model chunks: mixed precision, loss scaling,
 clipping, and the distributed optimizer.
 
-The torch optimizer (AdamW, SGD, or Muon beside AdamW: optimizer_chain.py) never
+The torch optimizer (AdamW, SGD, Lion, or Muon beside AdamW: optimizer_chain.py) never
 sees the model's parameters directly: it steps fp32 *main* parameters, one per
 piece of a model parameter this rank updates.
 
@@ -67,6 +67,7 @@ from mp_optim.grad_norm_counting import counted_in_grad_norm
 from mp_optim.grad_norm_groups import grad_norm_group, groups_present
 from mp_optim.grad_scaler import ConstantGradScaler, DynamicGradScaler
 from mp_optim.layer_wise import assign_owners, broadcast_from_owners
+from mp_optim.lion import Lion
 from mp_optim.low_precision_adam import LowPrecisionAdamW
 from mp_optim.muon_groups import make_muon_optimizer
 from mp_optim.optimizer_state import load_optimizer_state, optimizer_sharded_state_dict
@@ -483,6 +484,9 @@ def _make_torch_optimizer(config: OptimizerConfig, groups: list[dict]) -> torch.
             groups, lr=config.lr, betas=(config.adam_beta1, config.adam_beta2),
             eps=config.adam_eps, weight_decay=config.weight_decay, fused=True,
         )  # fmt: skip
+    if config.optimizer == "lion":
+        return Lion(groups, lr=config.lr, betas=(config.lion_beta1, config.lion_beta2),
+                    weight_decay=config.weight_decay)  # fmt: skip
     return torch.optim.SGD(
         groups, lr=config.lr, momentum=config.sgd_momentum, weight_decay=config.weight_decay
     )

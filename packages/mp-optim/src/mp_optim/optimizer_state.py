@@ -45,6 +45,7 @@ __all__ = ["load_optimizer_state", "optimizer_sharded_state_dict"]
 STATE_NAMES = {
     "adam": ("exp_avg", "exp_avg_sq"),
     "sgd": ("momentum_buffer",),
+    "lion": ("exp_avg",),
     "muon": ("momentum_buffer",),
 }
 _Writer = Callable[[torch.Tensor], None]
@@ -162,10 +163,16 @@ def init_state(optimizer: MixedPrecisionOptimizer) -> None:
 
 
 def _kind(optimizer: MixedPrecisionOptimizer, main: torch.Tensor) -> str:
-    """Which optimizer steps `main`: adam or sgd, and under muon muon or adam."""
-    if optimizer.config.optimizer != "muon":
-        return optimizer.config.optimizer
-    return "muon" if isinstance(optimizer.optimizer.owner(main), Muon) else "adam"
+    """Which optimizer steps `main`: adam, sgd or lion, and under muon muon or its scalar
+    optimizer (adam or lion)."""
+    config = optimizer.config
+    if config.optimizer != "muon":
+        return config.optimizer
+    return (
+        "muon"
+        if isinstance(optimizer.optimizer.owner(main), Muon)
+        else (config.muon_scalar_optimizer)
+    )
 
 
 def _main_params(optimizer: MixedPrecisionOptimizer) -> list[torch.Tensor]:

@@ -248,7 +248,8 @@ def _bytes_per_parameter(config: RunConfig) -> tuple[int, int, int]:
     # Adam's two moments in their storage dtypes (the precision-aware optimizer's bf16: 2)
     adam = sum(t.itemsize for t in optimizer.moment_dtypes.values())
     muon = 4  # its momentum (the embedding's Adam moments: _weight_and_optimizer)
-    moments = {"adam": adam, "sgd": sgd_moments, "muon": muon}[optimizer.optimizer]
+    lion = 4  # its momentum
+    moments = {"adam": adam, "sgd": sgd_moments, "muon": muon, "lion": lion}[optimizer.optimizer]
     return weight, grad, (4 if mixed else 0) + moments
 
 
