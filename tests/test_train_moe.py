@@ -129,3 +129,29 @@ def test_two_balancing_losses_train_as_one_rank_at_ep2(tmp_path):
     assert all(r["seq_load_balancing_loss"] > 0 for r in curves[0])
     logged = (*LOGGED_MOE, "seq_load_balancing_loss")
     assert_same_curve(curves[1], curves[0], logged, "two losses ep2")
+
+
+QUANTILE = ["--moe-router-load-balancing-type", "quantile_balancing", "--moe-aux-loss-coeff", "0",
+            "--moe-router-quantile-balancing-ema", "0.5"]  # fmt: skip
+
+
+def test_quantile_balancing_trains_as_one_rank_at_ep2_and_tp2(tmp_path):
+    """Megatron-LM's quantile balancing: each step's bias from the micro-batches' column
+    quantiles (over the tensor-parallel ranks' tokens gathered, then averaged over the
+    data-parallel ranks) routes the next step; one sequence per micro-batch on one rank as
+    on each of two, so EP2 and EP2 x TP2 (sequence parallelism) have the one-rank curve."""
+    curves = []
+    for ranks, layout in ((1, []), (2, EP2), (4, [*EP2, *TP2])):
+        options = tiny_moe_options(tmp_path / f"ranks{ranks}", *QUANTILE, *layout)
+        run_on_ranks(train_on_rank, ranks, options, timeout=300)
+        curves.append(metrics_records(tmp_path / f"ranks{ranks}"))
+    assert len(curves[0]) == ITERATIONS
+    for got, name in zip(curves[1:], ("ep2", "ep2-tp2"), strict=True):
+        assert_same_curve(got, curves[0], ("lm loss", "z_loss", "grad_norm"), name)
+    # the bias routes: from the second step on, the plain top-k's curve is another
+    plain = tiny_moe_options(tmp_path / "plain", "--moe-aux-loss-coeff", "0")
+    run_on_ranks(train_on_rank, 1, plain, timeout=300)
+    top_k = metrics_records(tmp_path / "plain")
+    assert top_k[0]["lm loss"] == curves[0][0]["lm loss"]
+    later = zip(top_k[2:], curves[0][2:], strict=True)
+    assert all(abs(a["lm loss"] - b["lm loss"]) > 1e-6 for a, b in later)

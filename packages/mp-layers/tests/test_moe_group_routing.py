@@ -79,7 +79,7 @@ def test_group_limited_sigmoid_routing_equals_transformers(experts, groups, grou
         (dict(moe_router_load_balancing_type=["seq_aux_loss", "global_aux_loss"]),
          "one coefficient per load-balancing type"),
         (dict(moe_router_load_balancing_type=["aux_loss", "sinkhorn"],
-              moe_aux_loss_coeff=[0.01, 0.0]), "Sinkhorn routing is a way to route"),
+              moe_aux_loss_coeff=[0.01, 0.0]), "sinkhorn is a way to route, not a loss"),
         (dict(moe_router_load_balancing_type=["aux_loss", "aux_loss"],
               moe_aux_loss_coeff=[0.01, 0.1]), "names a type twice"),
         (dict(moe_router_load_balancing_type="global_aux_loss", moe_aux_loss_coeff=0.01,

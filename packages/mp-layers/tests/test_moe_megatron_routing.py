@@ -2,8 +2,8 @@
 (assets/megatron_moe/routing.pt, written by assets/megatron_moe/generate.py with
 megatron-core installed): top-k choice and weights for every score-function setting,
 with and without group-limited routing, the tokens kept under an expert capacity with
-both drop policies, the auxiliary losses, and Sinkhorn routing (S-BASE) with its
-balancing."""
+both drop policies, the auxiliary losses, Sinkhorn routing (S-BASE) with its
+balancing, and quantile balancing (its experts, its column quantile, the weights)."""
 
 from pathlib import Path
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from mp_layers import ModelGroups, TransformerConfig
-from mp_layers.moe import TopKRouter, capacity_mask
+from mp_layers.moe import TopKRouter, capacity_mask, update_quantile_biases
 from mp_layers.moe.aux_losses import load_balancing_loss, z_loss
 from mp_layers.moe.router import sinkhorn
 
@@ -115,3 +115,53 @@ def test_sinkhorn_routing_equals_megatrons(case):
     if training:  # balanced: plain top-k would give expert 0 most of the tokens
         plain = FIXTURE["sinkhorn_logits"].topk(topk).indices
         assert routing_map.sum(0).max() < torch.bincount(plain.flatten()).max()
+
+
+@pytest.mark.parametrize("case", list(FIXTURE["quantile"]), ids=str)
+@pytest.mark.parametrize("score,pre", [("softmax", False), ("softmax", True), ("sigmoid", False)])
+def test_quantile_balancing_equals_megatrons(case, score, pre):
+    """In training the router takes Megatron's experts for its bias and adds Megatron's
+    column quantile to the step's; the weights of those experts are Megatron's."""
+    topk, _ = case
+    if topk == 1 and score == "softmax" and not pre:
+        pytest.skip("top-1 over a softmax of the chosen logit needs pre-softmax (refused)")
+    want = FIXTURE["quantile"][case]
+    config = TransformerConfig(
+        num_layers=1, hidden_size=HIDDEN, num_attention_heads=2, add_bias_linear=False,
+        num_moe_experts=EXPERTS, moe_router_topk=topk, moe_router_score_function=score,
+        moe_router_pre_softmax=pre, moe_router_load_balancing_type="quantile_balancing",
+    )  # fmt: skip
+    module = TopKRouter(config, ModelGroups.single().tp)
+    with torch.no_grad():
+        module.weight.copy_(FIXTURE["weight"])
+        module.qb_beta.copy_(want["beta"])
+        probs, routing_map = module(FIXTURE["x"].unsqueeze(1))
+    assert module.qb_beta_count == 0  # no gradient: evaluation, nothing counted
+    module.train()
+    logits = FIXTURE["x"] @ FIXTURE["weight"].t()
+    chosen = module._quantile_choice(logits, counting=True)
+    assert torch.equal(chosen, want["indices"])
+    torch.testing.assert_close(module.qb_beta_accum, want["quantile"], rtol=0, atol=0)
+    wanted = want["routing"][(score, pre)]
+    assert torch.equal(routing_map, wanted["routing_map"])
+    torch.testing.assert_close(probs, wanted["probs"])
+
+
+def test_quantile_bias_update_is_megatrons_rule():
+    """After a step: the mean of the micro-batches' quantiles (averaged over the
+    data-parallel ranks), blended with the bias by the EMA, centred."""
+    config = TransformerConfig(
+        num_layers=1, hidden_size=HIDDEN, num_attention_heads=2, add_bias_linear=False,
+        num_moe_experts=EXPERTS, moe_router_topk=2, moe_router_quantile_balancing_ema=0.25,
+        moe_router_load_balancing_type="quantile_balancing",
+    )  # fmt: skip
+    module = TopKRouter(config, ModelGroups.single().tp)
+    first, second = torch.randn(2, EXPERTS, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        module.qb_beta.copy_(first)
+        module.qb_beta_accum.copy_(first + second)
+        module.qb_beta_count.fill_(2)
+    update_quantile_biases([module], ModelGroups.single().tp)
+    blended = 0.25 * first + 0.75 * (first + second) / 2
+    torch.testing.assert_close(module.qb_beta, blended - blended.mean())
+    assert module.qb_beta_count == 0 and not module.qb_beta_accum.any()

@@ -24,8 +24,10 @@ __all__ = [
 ]
 
 
-BalancingType = Literal["aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"]
-"""A router's load balancing: a loss type, Sinkhorn routing, or none."""
+BalancingType = Literal[
+    "aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "quantile_balancing", "none"
+]
+"""A router's load balancing: a loss type, Sinkhorn routing, quantile balancing, or none."""
 
 
 @dataclass(kw_only=True)
@@ -76,6 +78,11 @@ class MoeConfig:
     the Sinkhorn-Knopp balancing of the micro-batch's logits (no loss, so
     moe_aux_loss_coeff 0), weighted by the sigmoid (top-1) or softmax of the logits, not
     renormalized, whatever moe_router_score_function says; in evaluation by those weights.
+    Or "quantile_balancing" (Megatron-LM's dual coordinate-descent quantile balancing): the
+    experts are the top k of the logits minus a per-expert bias, which each step sets to
+    the mean over the data-parallel ranks of its micro-batches' column quantiles (each
+    expert's share m k / E of the m tokens; moe_router_quantile_balancing_ema blends in
+    the previous bias), centred; no loss; the weights are the score function's.
     Or a list of the loss types (Megatron's), each computed with its own coefficient of
     the moe_aux_loss_coeff list and logged apart (load_balancing_loss,
     seq_load_balancing_loss, global_load_balancing_loss); a list of one is that type."""
@@ -96,6 +103,10 @@ class MoeConfig:
 
     moe_router_bias_update_rate: float = 1e-3
     """Step of the expert bias update: bias += rate * sign(mean load - load)."""
+
+    moe_router_quantile_balancing_ema: float = 0.0
+    """Quantile balancing's bias: ema x the previous one + (1 - ema) x the step's quantile
+    estimate (0: replaced each step, Megatron's default)."""
 
     moe_expert_capacity_factor: float | None = None
     """Each expert takes at most ceil(tokens * topk / experts * factor) tokens of a
@@ -281,9 +292,9 @@ def _balancing_lists(config: TransformerConfig) -> None:
     config.moe_router_load_balancing_type = list(kinds)
     config.moe_aux_loss_coeff = [float(c) for c in coeffs]
     for kind in kinds:
-        if kind == "sinkhorn":
-            raise ValueError(f"moe_router_load_balancing_type={list(kinds)!r}: Sinkhorn "
-                             "routing is a way to route, not a loss: it stands alone")  # fmt: skip
+        if kind in ("sinkhorn", "quantile_balancing"):
+            raise ValueError(f"moe_router_load_balancing_type={list(kinds)!r}: {kind} is a "
+                             "way to route, not a loss: it stands alone")  # fmt: skip
         choice("moe_router_load_balancing_type", kind, (*BALANCING_LOSSES, "none"))
     if len(set(kinds)) != len(kinds):
         raise ValueError(f"moe_router_load_balancing_type={list(kinds)!r} names a type twice")
@@ -327,6 +338,33 @@ def _check_sinkhorn(config: TransformerConfig) -> None:
             )
 
 
+def _check_quantile_balancing(config: TransformerConfig) -> None:
+    """Quantile balancing picks the experts by its own bias: Megatron-LM's rules (no
+    group-limited routing, no capacity), and the fields it would leave unread refused."""
+    ema = config.moe_router_quantile_balancing_ema
+    if not 0 <= ema < 1:
+        raise ValueError(f"moe_router_quantile_balancing_ema={ema} must be in [0, 1)")
+    if config.moe_router_load_balancing_type != "quantile_balancing":
+        if ema:
+            raise ValueError(f"moe_router_quantile_balancing_ema={ema} needs "
+                             "moe_router_load_balancing_type='quantile_balancing'")  # fmt: skip
+        return
+    refused = {
+        "moe_router_num_groups": config.moe_router_num_groups,  # Megatron-LM asserts
+        "moe_expert_capacity_factor": config.moe_expert_capacity_factor,  # and refuses
+        "moe_router_enable_expert_bias": config.moe_router_enable_expert_bias,
+        "moe_aux_loss_coeff": config.moe_aux_loss_coeff,
+    }
+    for name, value in refused.items():
+        if value:
+            raise ValueError(
+                f"{name}={value!r} with moe_router_load_balancing_type='quantile_balancing': "
+                "quantile balancing chooses the experts by its own bias and balances without "
+                "a loss (Megatron-LM refuses groups and capacity, and reads none of the "
+                "others); drop it"
+            )
+
+
 def _check_router(config: TransformerConfig) -> None:
     # Megatron accepts moe_router_pre_softmax with sigmoid scores, where it has no effect.
     choice("moe_router_score_function", config.moe_router_score_function, ("softmax", "sigmoid"))
@@ -338,10 +376,11 @@ def _check_router(config: TransformerConfig) -> None:
     if not isinstance(config.moe_router_load_balancing_type, list):
         choice(
             "moe_router_load_balancing_type", config.moe_router_load_balancing_type,
-            (*BALANCING_LOSSES, "sinkhorn", "none"),
+            (*BALANCING_LOSSES, "sinkhorn", "quantile_balancing", "none"),
         )  # fmt: skip
     if config.moe_router_load_balancing_type == "sinkhorn":
         _check_sinkhorn(config)
+    _check_quantile_balancing(config)
     if "global_aux_loss" in balancing_losses(config) and (
         config.recompute_granularity == "full"
         or config.moe_layer_recompute

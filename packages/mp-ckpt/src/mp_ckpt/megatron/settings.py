@@ -303,8 +303,8 @@ def moe_settings_from_megatron(args, settings: dict, where: str) -> dict:
     known = losses if isinstance(balancing, list) else (*losses, "sinkhorn")
     for kind in balancing if isinstance(balancing, list) else [balancing]:
         if kind not in known:
-            raise ValueError(f"{where}: moe_router_load_balancing_type={balancing!r}: mp "
-                             f"computes {', '.join(known)}")  # fmt: skip
+            raise ValueError(f"{where}: moe_router_load_balancing_type={balancing!r}: "
+                             f"import-megatron takes {', '.join(known)}")  # fmt: skip
     out["moe_router_load_balancing_type"] = balancing
     out["moe_aux_loss_coeff"] = (
         [float(c) for c in coeff] if isinstance(coeff, list) else float(coeff or 0.0)

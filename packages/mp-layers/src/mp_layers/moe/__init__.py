@@ -13,6 +13,7 @@ from mp_layers.moe.router import (
     routers_of,
     take_metrics,
     update_expert_biases,
+    update_quantile_biases,
 )
 
 __all__ = [
@@ -32,4 +33,5 @@ __all__ = [
     "share_aux_loss_scale",
     "take_metrics",
     "update_expert_biases",
+    "update_quantile_biases",
 ]

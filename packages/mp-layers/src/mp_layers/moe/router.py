@@ -94,6 +94,13 @@ class TopKRouter(torch.nn.Module):
             )
         else:
             self.expert_bias = None
+        if config.moe_router_load_balancing_type == "quantile_balancing":
+            # Quantile balancing's bias (checkpointed) and the step's quantiles so far.
+            self.register_buffer("qb_beta", torch.zeros(self.experts))
+            self.register_buffer("qb_beta_accum", torch.zeros(self.experts), persistent=False)
+            self.register_buffer("qb_beta_count", torch.zeros(()), persistent=False)
+        else:
+            self.qb_beta = None
         self.balancing_losses = balancing_losses(config)
         """Type -> coefficient of the load-balancing losses computed in training."""
         if "global_aux_loss" in self.balancing_losses:
@@ -133,7 +140,8 @@ class TopKRouter(torch.nn.Module):
             logits = aux_losses.attach(logits, loss, self.aux_loss_scale)
             if counting:
                 self._record("z_loss", loss / coeff)
-        probs, routing_map = self._topk(logits)
+        chosen = None if self.qb_beta is None else self._quantile_choice(logits, counting)
+        probs, routing_map = self._topk(logits, chosen)
         if self.config.moe_expert_capacity_factor is not None:
             keep = capacity_mask(
                 probs, routing_map, self.topk, self.config.moe_expert_capacity_factor,
@@ -159,21 +167,51 @@ class TopKRouter(torch.nn.Module):
             kept = self._kept_bias = _draw_bias(-std, logits, self.rng_tracker)
         return kept
 
-    def _topk(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _quantile_choice(self, logits: torch.Tensor, counting: bool) -> torch.Tensor:
+        """Quantile balancing's experts [T, k]: the top k of logits - qb_beta. Counting, it
+        also adds the micro-batch's column quantile to the step's (over the sequences'
+        tokens gathered from token_group: each expert's m k / E share of the m tokens)."""
+        with torch.no_grad():
+            local = logits.detach().float()
+            top = (local - self.qb_beta).topk(self.topk + 1, dim=1)
+            if not counting:
+                return top.indices[:, :-1]
+            group = self.token_group
+            full = local
+            if group.size > 1:
+                full = local.new_empty((local.shape[0] * group.size, local.shape[1]))
+                dist.all_gather_into_tensor(full, local.contiguous(), group=group.group)
+                top = (full - self.qb_beta).topk(self.topk + 1, dim=1)
+            tokens = full.shape[0]
+            if tokens * self.topk % self.experts:
+                raise ValueError(
+                    f"quantile balancing: {tokens} tokens x moe_router_topk={self.topk} "
+                    f"must divide over num_moe_experts={self.experts} (Megatron-LM's rule)"
+                )
+            share = tokens * self.topk // self.experts
+            quantile = (full - top.values[:, -1:]).topk(share + 1, dim=0).values[-1]
+            self.qb_beta_accum += quantile
+            self.qb_beta_count += 1
+            rows = local.shape[0]
+            return top.indices[group.rank * rows : (group.rank + 1) * rows, :-1]
+
+    def _topk(self, logits: torch.Tensor, chosen: torch.Tensor | None = None):
+        """(probs, routing_map) [T, E]: the score function's weights of the chosen experts
+        (the top k, or `chosen` [T, k] given by quantile balancing)."""
         config = self.config
         if config.moe_router_load_balancing_type == "sinkhorn":
             return self._sinkhorn(logits)
         if config.moe_router_score_function == "softmax":
             if config.moe_router_pre_softmax:
                 scores = torch.softmax(logits, -1, dtype=torch.float32)
-                weights, chosen = self._choose(scores)
+                weights, chosen = self._choose(scores, chosen)
             else:
-                top, chosen = self._choose(logits)
+                top, chosen = self._choose(logits, chosen)
                 weights = torch.softmax(top, -1, dtype=torch.float32)
         else:
             scores = torch.sigmoid(logits.float())
             ranking = scores if self.expert_bias is None else scores + self.expert_bias
-            chosen = self._choose(ranking)[1]
+            chosen = self._choose(ranking, chosen)[1]
             weights = scores.gather(1, chosen)
             if self.topk > 1:
                 weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
@@ -199,9 +237,11 @@ class TopKRouter(torch.nn.Module):
         routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter(1, chosen, True)
         return weights * routing_map, routing_map
 
-    def _choose(self, ranking: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _choose(self, ranking: torch.Tensor, chosen: torch.Tensor | None = None):
         """The top k of ranking [T, E] (values, indices [T, k]); with groups, among the
-        experts of each token's best moe_router_group_topk groups."""
+        experts of each token's best moe_router_group_topk groups; given `chosen`, those."""
+        if chosen is not None:
+            return ranking.gather(1, chosen), chosen
         groups, group_topk = self.config.moe_router_num_groups, self.config.moe_router_group_topk
         if groups is None:
             return ranking.topk(self.topk)
@@ -280,6 +320,8 @@ class TopKRouter(torch.nn.Module):
             tensors["bias"] = self.bias
         if self.expert_bias is not None:
             tensors["expert_bias"] = self.expert_bias
+        if self.qb_beta is not None:
+            tensors["qb_beta"] = self.qb_beta
         return {
             prefix + name: ShardedTensor.from_rank(
                 prefix + name, data, None, 0, 1, replica_id=self.tp_group.rank
@@ -384,6 +426,26 @@ def take_metrics(routers: list[TopKRouter]) -> dict[str, torch.Tensor]:
             totals[name] = totals[name] + value if name in totals else value
         router.metrics = {}
     return totals
+
+
+def update_quantile_biases(routers: list[TopKRouter], group: RankGroup) -> None:
+    """After a step's micro-batches (Megatron's _update_router_qb_beta): each quantile-
+    balancing router's mean quantile over them, averaged over `group` (the data-parallel
+    ranks with the context-parallel ones), blended with its bias by
+    moe_router_quantile_balancing_ema and centred, becomes the bias; the sums restart."""
+    routers = [r for r in routers if r.qb_beta is not None and r.training]
+    if not routers:
+        return
+    means = torch.stack([r.qb_beta_accum / r.qb_beta_count.clamp(min=1) for r in routers])
+    if group.size > 1:
+        dist.all_reduce(means, op=dist.ReduceOp.AVG, group=group.group)
+    with torch.no_grad():
+        for router, mean in zip(routers, means, strict=True):
+            ema = router.config.moe_router_quantile_balancing_ema
+            beta = ema * router.qb_beta + (1.0 - ema) * mean
+            router.qb_beta.copy_(beta - beta.mean())
+            router.qb_beta_accum.zero_()
+            router.qb_beta_count.zero_()
 
 
 def update_expert_biases(routers: list[TopKRouter], group: RankGroup) -> None:

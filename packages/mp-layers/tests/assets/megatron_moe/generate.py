@@ -9,8 +9,10 @@ group-limited routing; a case's "topk" overrides TOPK), expert capacity
 with both drop policies (with and without padding to capacity), the load-balancing loss
 and the z-loss; Sinkhorn routing (TopKRouter.sinkhorn_load_balancing, called on a stand-in
 router holding what it reads) at top-1 and top-2 in training and in evaluation, over
-logits that favour one expert, and moe_utils.sinkhorn's balancing of them. Inputs: x
-[T, h] and the router weight [E, h] (logits = x w^T).
+logits that favour one expert, and moe_utils.sinkhorn's balancing of them; quantile
+balancing (moe_utils.qb_dual_update: the experts and the column quantile, with a zero and
+a drawn bias, top-1 and top-2; the weights of its experts by each score function). Inputs:
+x [T, h] and the router weight [E, h] (logits = x w^T).
 """
 
 from __future__ import annotations
@@ -93,6 +95,19 @@ def main() -> None:
             )  # fmt: skip
             probs, routing_map = TopKRouter.sinkhorn_load_balancing(stand_in, skewed)
             out["sinkhorn"][(topk, training)] = {"probs": probs, "routing_map": routing_map}
+    out["quantile"] = {}
+    drawn = torch.randn(EXPERTS, generator=generator) * 0.5
+    for topk in (1, 2):
+        for name, beta in (("zero", torch.zeros(EXPERTS)), ("drawn", drawn)):
+            indices, quantile = moe_utils.qb_dual_update(logits.float(), topk, beta)
+            case = {"beta": beta, "indices": indices, "quantile": quantile, "routing": {}}
+            for score, pre in (("softmax", False), ("softmax", True), ("sigmoid", False)):
+                probs, routing_map = moe_utils.topk_routing_with_score_function(
+                    logits, topk, use_pre_softmax=pre, score_function=score,
+                    precomputed_indices=indices,
+                )  # fmt: skip
+                case["routing"][(score, pre)] = {"probs": probs, "routing_map": routing_map}
+            out["quantile"][(topk, name)] = case
     torch.save(out, Path(__file__).with_name("routing.pt"))
 
 

@@ -107,9 +107,13 @@ class MoEStep:
         for router in self.routers:
             if router.expert_bias is not None:
                 router.local_tokens_per_expert.zero_()
+            if router.qb_beta is not None:
+                router.qb_beta_accum.zero_()
+                router.qb_beta_count.zero_()
 
     def after_backward(self) -> None:
         moe.update_expert_biases(self.routers, self.state.tp_dp_cp)
+        moe.update_quantile_biases(self.routers, self.state.dp_cp)
 
     def aux_losses(self, num_microbatches: int) -> dict[str, float]:
         """The logged auxiliary losses of the step (collective over every rank)."""
