@@ -329,13 +329,8 @@ def _check_sinkhorn(config: TransformerConfig) -> None:
         "moe_router_num_groups": config.moe_router_num_groups,
         "moe_router_topk_scaling_factor": config.moe_router_topk_scaling_factor,
     }
-    for name, value in ignored.items():
-        if value:
-            raise ValueError(
-                f"{name}={value!r} with moe_router_load_balancing_type='sinkhorn': Sinkhorn "
-                "routing chooses and weighs the experts without it (Megatron-LM's reads "
-                "none of them); drop it"
-            )
+    _refuse_given(ignored, "sinkhorn", "Sinkhorn routing chooses and weighs the experts "
+                  "without it (Megatron-LM's reads none of them)")  # fmt: skip
 
 
 def _check_quantile_balancing(config: TransformerConfig) -> None:
@@ -355,13 +350,17 @@ def _check_quantile_balancing(config: TransformerConfig) -> None:
         "moe_router_enable_expert_bias": config.moe_router_enable_expert_bias,
         "moe_aux_loss_coeff": config.moe_aux_loss_coeff,
     }
-    for name, value in refused.items():
+    _refuse_given(refused, "quantile_balancing", "quantile balancing chooses the experts by "
+                  "its own bias and balances without a loss (Megatron-LM refuses groups and "
+                  "capacity, and reads none of the others)")  # fmt: skip
+
+
+def _refuse_given(fields: dict, kind: str, why: str) -> None:
+    """The first of `fields` (name -> value) given (truthy) is refused beside routing `kind`."""
+    for name, value in fields.items():
         if value:
             raise ValueError(
-                f"{name}={value!r} with moe_router_load_balancing_type='quantile_balancing': "
-                "quantile balancing chooses the experts by its own bias and balances without "
-                "a loss (Megatron-LM refuses groups and capacity, and reads none of the "
-                "others); drop it"
+                f"{name}={value!r} with moe_router_load_balancing_type={kind!r}: {why}; drop it"
             )
 
 
