@@ -100,9 +100,9 @@ MISTAKES = {
         "error: /nonexistent/run.yaml: No such file or directory",
     ),
     "refused Megatron flag": (
-        ["--tp-comm-overlap"],
-        "error: --tp-comm-overlap: needs Transformer Engine's userbuffers, which mp does not "
-        "use: drop it",
+        ["--overlap-p2p-communication"],
+        "error: --overlap-p2p-communication: mp's schedules do not overlap pipeline sends and "
+        "receives with compute: drop it",
     ),
     "checkpoint format": (
         ["--ckpt-format", "torch"],
