@@ -23,7 +23,7 @@ mp (decoder.layers.{i}.)                       Megatron-LM, where it differs
     mlp.linear_fc1.{gate,up}.{weight,bias}     mlp.linear_fc1.*, fused (gated MLP)
     mlp.linear_fc1.{weight,bias}               (other MLPs)
     mlp.linear_fc2.{weight,bias}
-    mlp.router.{weight,bias,expert_bias}
+    mlp.router.{weight,bias,expert_bias,qb_beta}
     mlp.experts.linear_fc1[.{gate,up}].{weight,bias}   mlp.experts.experts.linear_fc1.*
     mlp.experts.linear_fc2.{weight,bias}       mlp.experts.experts.linear_fc2.*
     mlp.shared_experts.linear_fc1[.{gate,up}].{weight,bias}, .linear_fc2.{weight,bias},
@@ -103,7 +103,7 @@ RULES = (
             *_both("self_attention.kv_layernorm")], "layer"),
     *_fc1("mlp.linear_fc1", None, "dense"),
     *_same(_both("mlp.linear_fc2"), "dense"),
-    *_same([*_both("mlp.router"), "mlp.router.expert_bias"], "moe"),
+    *_same([*_both("mlp.router"), "mlp.router.expert_bias", "mlp.router.qb_beta"], "moe"),
     *_fc1("mlp.experts.linear_fc1", "mlp.experts.experts.linear_fc1", "moe"),
     *(Rule((name,), (), "moe", megatron="mlp.experts.experts.linear_fc2")
       for name in _both("mlp.experts.linear_fc2")),

@@ -51,7 +51,8 @@ __all__ = ["ALIGN", "buffer_params", "megatron_buckets", "place", "read_distrib_
            "read_distributed_buckets"]  # fmt: skip
 
 STATES = ("exp_avg", "exp_avg_sq", "param")
-_BUFFERS = ("mlp.router.expert_bias",)  # model tensors that are buffers, not parameters
+# model tensors that are buffers, not parameters
+_BUFFERS = ("mlp.router.expert_bias", "mlp.router.qb_beta")
 ALIGN = 64  # every parameter starts at a multiple of 64 elements in its grad buffer
 # torch_dist names the local spec's norms as TE's fused ones; the modules are the norms.
 _LOCAL_NORMS = {

@@ -278,6 +278,7 @@ MOE_COPIED = {
     "moe_grouped_gemm": False, "moe_router_dtype": None,
     "moe_router_num_groups": None, "moe_router_group_topk": None,
     "moe_apply_probs_on_input": False, "moe_input_jitter_eps": None,
+    "moe_router_quantile_balancing_ema": 0.0,
 }  # fmt: skip
 
 
@@ -300,7 +301,7 @@ def moe_settings_from_megatron(args, settings: dict, where: str) -> dict:
     if isinstance(balancing, list) and len(balancing) == 1:  # Megatron's list of one
         balancing, coeff = balancing[0], coeff[0] if isinstance(coeff, list) else coeff
     losses = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
-    known = losses if isinstance(balancing, list) else (*losses, "sinkhorn")
+    known = losses if isinstance(balancing, list) else (*losses, "sinkhorn", "quantile_balancing")
     for kind in balancing if isinstance(balancing, list) else [balancing]:
         if kind not in known:
             raise ValueError(f"{where}: moe_router_load_balancing_type={balancing!r}: "

@@ -30,6 +30,14 @@ MOE = [*LLAMA, "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden
        "--moe-layer-freq", "2", "--moe-token-dispatcher-type", "allgather",
        "--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", "0.01"]  # fmt: skip
 
+# Megatron-LM's quantile balancing instead of the loss: the experts are the top 2 of the
+# logits minus a per-expert bias (qb_beta, a checkpointed buffer) that each step sets from
+# the micro-batches' column quantiles, half of the old one kept (EMA 0.5).
+MOE_QUANTILE = [*MOE[: MOE.index("--moe-router-load-balancing-type")],
+                "--moe-router-load-balancing-type", "quantile_balancing",
+                "--moe-aux-loss-coeff", "0",
+                "--moe-router-quantile-balancing-ema", "0.5"]  # fmt: skip
+
 # The legacy MoE case routes with sigmoid scores and a learned-free expert bias.
 MOE_SIGMOID = ("--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
                "--moe-router-bias-update-rate", "0.01")  # fmt: skip
@@ -216,6 +224,7 @@ CASES = {
     "llama_torch_pp2": Case(LLAMA, "torch", 1, 2, False),
     "moe_torch_dist_ep2": Case(MOE, "torch_dist", 1, 1, False, dp=2, ep=2),
     "moe_torch_ep2": Case(MOE, "torch", 1, 1, False, dp=2, ep=2, extra=MOE_SIGMOID),
+    "moe_quantile_torch_dist_ep2": Case(MOE_QUANTILE, "torch_dist", 1, 1, False, dp=2, ep=2),
     # 4 ranks; buckets of ~2000 elements (Megatron buckets only with --overlap-grad-reduce)
     "llama_torch_dist_pp2_dp2_distopt": Case(LLAMA, "torch_dist", 1, 2, True, dp=2, extra=BUCKETS),
     "llama_torch_pp2_dp2_distopt": Case(LLAMA, "torch", 1, 2, True, dp=2, extra=BUCKETS),
