@@ -29,13 +29,16 @@ from mp_data import DataConfig
 from mp_layers import TransformerConfig
 from mp_optim import OptimizerConfig
 from mp_pipeline import check_microbatch_group, stage_layers
-from mp_state import ParallelConfig, plan_groups
+from mp_state import ParallelConfig
 from mp_train.configuration.batch_sizes import (
     batch_schedule,
     check_eval_batch,
     running_global_batch,
 )
-from mp_train.configuration.context_parallel_checks import check_hierarchical_context_parallel
+from mp_train.configuration.context_parallel_checks import (
+    check_chunked_attention,
+    check_hierarchical_context_parallel,
+)
 from mp_train.configuration.logging_config import LoggingConfig
 from mp_train.configuration.phase_config import PhaseConfig, check_phases
 from mp_train.configuration.pipeline_segments import check_segments
@@ -43,6 +46,7 @@ from mp_train.configuration.rerun_config import RerunConfig
 from mp_train.configuration.run_checks import (
     check_exit_signal,
     check_initialization,
+    check_optimizer_instances,
     check_resume,
     check_schedule,
     check_sharding,
@@ -289,8 +293,6 @@ def validate(config: RunConfig, world_size: int) -> dict[str, int]:
             "or lower these sizes"
         )
     dp = world_size // model_parallel
-    if parallel.num_distributed_optimizer_instances > 1:
-        plan_groups(parallel, world_size)  # each data-parallel group divides into them
     mbs = training.micro_batch_size
     if mbs < 1:
         raise ValueError(f"micro_batch_size={mbs} must be >= 1")
@@ -415,6 +417,7 @@ def validate(config: RunConfig, world_size: int) -> dict[str, int]:
         raise ValueError("no training data: set data_path, train_data_path or mock_data")
     check_schedule(config)
     check_sharding(config)
+    check_optimizer_instances(config, world_size)
     check_initialization(config)
     check_resume(config)
     return {"data_parallel_size": dp, "global_batch_size": requested,
@@ -455,7 +458,7 @@ def check_model_parallel(config: RunConfig) -> None:
             "(Megatron-LM accepts it there too)",
             stacklevel=2,
         )
-    _check_chunked_attention(config)
+    check_chunked_attention(config)
     check_hierarchical_context_parallel(config)
     padded, tp = config.data.padded_vocab_size, parallel.tensor_model_parallel_size
     if padded is not None and padded % tp:
@@ -470,24 +473,6 @@ def check_model_parallel(config: RunConfig) -> None:
         raise ValueError(
             f"seq_length={seq} is not divisible by 2 x context_parallel_size={cp}: each "
             "context-parallel rank holds two equal chunks of every sequence"
-        )
-
-
-def _check_chunked_attention(config: RunConfig) -> None:
-    """Llama 4's chunked attention splits a sequence longer than attention_chunk_size into
-    blocks on one rank; documents (packed samples) and context-parallel chunks would cut
-    across them, which mp does not implement."""
-    chunk, seq = config.model.attention_chunk_size, config.gpt.seq_length
-    if chunk is None or seq <= chunk:
-        return
-    cp = config.parallel.context_parallel_size
-    documents = config.data.batches_carry_documents
-    if cp > 1 or documents:
-        what = (f"context_parallel_size={cp}" if cp > 1 else
-                "samples of several documents (--sft or --reset-attention-mask)")  # fmt: skip
-        raise ValueError(
-            f"attention_chunk_size={chunk} below seq_length={seq} with {what} is not "
-            f"implemented: use seq_length <= {chunk}"
         )
 
 

@@ -1,11 +1,13 @@
 """The rules between the model's cp_comm_type and mp-state's hierarchical context
-parallelism (validate calls `check_hierarchical_context_parallel`)."""
+parallelism, and of Llama 4's chunked attention beside context parallelism and packed
+documents (validate calls `check_hierarchical_context_parallel` and
+`check_chunked_attention`)."""
 
 from __future__ import annotations
 
 from mp_layers import kv_heads_per_rank
 
-__all__ = ["check_hierarchical_context_parallel"]
+__all__ = ["check_chunked_attention", "check_hierarchical_context_parallel"]
 
 
 def check_hierarchical_context_parallel(config) -> None:
@@ -30,4 +32,22 @@ def check_hierarchical_context_parallel(config) -> None:
             f"{parallel.tensor_model_parallel_size}) over the inner context-parallel size "
             f"{sizes[0]} (hierarchical_context_parallel_sizes={sizes}), which does not "
             "divide it"
+        )
+
+
+def check_chunked_attention(config) -> None:
+    """Llama 4's chunked attention splits a sequence longer than attention_chunk_size into
+    blocks on one rank; documents (packed samples) and context-parallel chunks would cut
+    across them, which mp does not implement."""
+    chunk, seq = config.model.attention_chunk_size, config.gpt.seq_length
+    if chunk is None or seq <= chunk:
+        return
+    cp = config.parallel.context_parallel_size
+    documents = config.data.batches_carry_documents
+    if cp > 1 or documents:
+        what = (f"context_parallel_size={cp}" if cp > 1 else
+                "samples of several documents (--sft or --reset-attention-mask)")  # fmt: skip
+        raise ValueError(
+            f"attention_chunk_size={chunk} below seq_length={seq} with {what} is not "
+            f"implemented: use seq_length <= {chunk}"
         )

@@ -4,6 +4,8 @@ rank: in the user's terms (the flags they gave, in iterations when they gave ite
     check_schedule(config)    the learning-rate schedule in the run's unit (iterations
                               or samples), its warm-up ending before the decay does
     check_sharding(config)    FSDP (ZeRO-2/3) with what it composes with, or the refusal
+    check_optimizer_instances(config, world_size)  distributed-optimizer instances with
+                              an optimizer that shards, dividing each data-parallel group
     check_training_rules(config)  Megatron-LM's rules of a training run's settings:
                               positions that cover a sample, FP8's bf16 ends within a
                               pipeline stage, no fused loss in deterministic mode, the
@@ -20,7 +22,7 @@ rank: in the user's terms (the flags they gave, in iterations when they gave ite
                               --record-memory-history a CUDA device
     check_exit_signal(name)   --exit-signal names a signal a process can handle
 
-validate() applies the first five; an entry point applies the others (load_config),
+validate() applies the first six; an entry point applies the others (load_config),
 before torch.distributed starts: the library's own callers may build their tokenizer
 and datasets their own way.
 """
@@ -32,6 +34,7 @@ import signal
 
 from mp_ckpt import check_export_target
 from mp_data import TOKENIZER_TYPES, get_blend_from_list
+from mp_state import plan_groups
 from mp_train.errors import ConfigError, flag
 
 SFT_TOKENIZER_TYPES = ("HuggingFaceTokenizer", "SFTTokenizer")
@@ -42,6 +45,7 @@ __all__ = [
     "check_exit_signal",
     "check_initialization",
     "check_input_files",
+    "check_optimizer_instances",
     "check_resume",
     "check_schedule",
     "check_sharding",
@@ -201,18 +205,8 @@ def check_initialization(config) -> None:
 def check_sharding(config) -> None:
     """FSDP (use_megatron_fsdp's optim_grads / optim_grads_params, use_torch_fsdp2) with
     what it cannot run refused by name, and use_torch_fsdp2 with Megatron's own refusals
-    (docs/fsdp.md lists both); distributed-optimizer instances with what they need."""
+    (docs/fsdp.md lists both)."""
     optimizer, parallel = config.optimizer, config.parallel
-    instances = parallel.num_distributed_optimizer_instances
-    if instances > 1:
-        flag = f"--num-distributed-optimizer-instances {instances}"
-        if optimizer.use_layer_wise_distributed_optimizer:
-            raise ConfigError(f"{flag} with the layer-wise distributed optimizer: not "
-                              "supported, as in Megatron-LM")  # fmt: skip
-        if not (optimizer.use_distributed_optimizer or optimizer.fully_sharded):
-            raise ConfigError(f"{flag} splits the distributed optimizer: it needs "
-                              "--use-distributed-optimizer, or FSDP (ZeRO-2/3, then "
-                              "sharded hybridly), as in Megatron-LM")  # fmt: skip
     if config.training.init_model_with_meta_device:
         if not optimizer.fully_sharded:
             raise ConfigError(
@@ -247,6 +241,25 @@ def check_sharding(config) -> None:
         raise ConfigError(f"--check-weight-hash-across-dp-replicas-interval with {name}: the "
                           "data-parallel ranks hold different rows of each parameter, no "
                           "replicas to compare; drop it")  # fmt: skip
+
+
+def check_optimizer_instances(config, world_size: int) -> None:
+    """num_distributed_optimizer_instances > 1: an optimizer that shards (the distributed
+    one, or FSDP, then sharded hybridly), not the layer-wise one, and instances that divide
+    each data-parallel group (mp-state's plan says which, naming its size)."""
+    optimizer, parallel = config.optimizer, config.parallel
+    instances = parallel.num_distributed_optimizer_instances
+    if instances == 1:
+        return
+    flag = f"--num-distributed-optimizer-instances {instances}"
+    if optimizer.use_layer_wise_distributed_optimizer:
+        raise ConfigError(f"{flag} with the layer-wise distributed optimizer: not "
+                          "supported, as in Megatron-LM")  # fmt: skip
+    if not (optimizer.use_distributed_optimizer or optimizer.fully_sharded):
+        raise ConfigError(f"{flag} splits the distributed optimizer: it needs "
+                          "--use-distributed-optimizer, or FSDP (ZeRO-2/3, then "
+                          "sharded hybridly), as in Megatron-LM")  # fmt: skip
+    plan_groups(parallel, world_size)
 
 
 def check_tokenizer(config) -> None:
