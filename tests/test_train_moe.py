@@ -95,6 +95,18 @@ def test_gpt_oss_mlp_trains_as_one_rank_at_ep2_tp2_etp2(tmp_path):
     assert_same_curve(got, reference, LOGGED_MOE, "gpt-oss ep2-tp2-etp2")
 
 
+def curves_at(tmp_path, flags: list[str], *layouts: tuple[int, list[str]]) -> list[list[dict]]:
+    """The metrics records of tiny-moe with `flags` on one rank, then at each (ranks,
+    layout flags) of `layouts`."""
+    curves = []
+    for ranks, layout in ((1, []), *layouts):
+        options = tiny_moe_options(tmp_path / f"ranks{ranks}", *flags, *layout)
+        run_on_ranks(train_on_rank, ranks, options, timeout=300)
+        curves.append(metrics_records(tmp_path / f"ranks{ranks}"))
+    assert len(curves[0]) == ITERATIONS
+    return curves
+
+
 SINKHORN = ["--moe-router-load-balancing-type", "sinkhorn", "--moe-aux-loss-coeff", "0",
             "--moe-router-topk", "1"]  # fmt: skip
 
@@ -103,12 +115,7 @@ def test_sinkhorn_routing_trains_as_one_rank_at_ep2(tmp_path):
     """S-BASE routing (top-1, Megatron-LM's GPT-3 MoE functional tests): each router call
     balances its own micro-batch's tokens, one sequence on one rank as on each of two, so
     EP2 has the one-rank curve."""
-    curves = []
-    for ranks, layout in ((1, []), (2, EP2)):
-        options = tiny_moe_options(tmp_path / f"ranks{ranks}", *SINKHORN, *layout)
-        run_on_ranks(train_on_rank, ranks, options, timeout=300)
-        curves.append(metrics_records(tmp_path / f"ranks{ranks}"))
-    assert len(curves[0]) == ITERATIONS
+    curves = curves_at(tmp_path, SINKHORN, (2, EP2))
     assert_same_curve(curves[1], curves[0], ("lm loss", "grad_norm"), "sinkhorn ep2")
 
 
@@ -120,12 +127,7 @@ def test_two_balancing_losses_train_as_one_rank_at_ep2(tmp_path):
     """Megatron's lists of load-balancing types and coefficients: the micro-batch's loss
     and the per-sequence one, each with its coefficient and logged apart; EP2 has the
     one-rank curve of both."""
-    curves = []
-    for ranks, layout in ((1, []), (2, EP2)):
-        options = tiny_moe_options(tmp_path / f"ranks{ranks}", *TWO_LOSSES, *layout)
-        run_on_ranks(train_on_rank, ranks, options, timeout=300)
-        curves.append(metrics_records(tmp_path / f"ranks{ranks}"))
-    assert len(curves[0]) == ITERATIONS
+    curves = curves_at(tmp_path, TWO_LOSSES, (2, EP2))
     assert all(r["seq_load_balancing_loss"] > 0 for r in curves[0])
     logged = (*LOGGED_MOE, "seq_load_balancing_loss")
     assert_same_curve(curves[1], curves[0], logged, "two losses ep2")
@@ -140,12 +142,7 @@ def test_quantile_balancing_trains_as_one_rank_at_ep2_and_tp2(tmp_path):
     quantiles (over the tensor-parallel ranks' tokens gathered, then averaged over the
     data-parallel ranks) routes the next step; one sequence per micro-batch on one rank as
     on each of two, so EP2 and EP2 x TP2 (sequence parallelism) have the one-rank curve."""
-    curves = []
-    for ranks, layout in ((1, []), (2, EP2), (4, [*EP2, *TP2])):
-        options = tiny_moe_options(tmp_path / f"ranks{ranks}", *QUANTILE, *layout)
-        run_on_ranks(train_on_rank, ranks, options, timeout=300)
-        curves.append(metrics_records(tmp_path / f"ranks{ranks}"))
-    assert len(curves[0]) == ITERATIONS
+    curves = curves_at(tmp_path, QUANTILE, (2, EP2), (4, [*EP2, *TP2]))
     for got, name in zip(curves[1:], ("ep2", "ep2-tp2"), strict=True):
         assert_same_curve(got, curves[0], ("lm loss", "z_loss", "grad_norm"), name)
     # the bias routes: from the second step on, the plain top-k's curve is another
