@@ -95,13 +95,19 @@ MLA = dict(num_layers=2, hidden_size=64, num_attention_heads=4, multi_latent_att
      dict(qk_layernorm=True, add_bias_linear=True), dict(q_lora_rank=48),
      dict(q_lora_rank=48, qk_layernorm=True, normalization="RMSNorm", add_bias_linear=False,
           num_moe_experts=4, moe_ffn_hidden_size=32, moe_layer_freq=[0, 1], mtp_num_layers=2,
-          untie_embeddings_and_output_weights=True)],
-    ids=["deepseek-v3", "v2-lite-layernorm-bias", "no-latent-norms", "deepseek-v3-mtp2"],
+          untie_embeddings_and_output_weights=True),
+     dict(q_lora_rank=48, qk_layernorm=True, normalization="RMSNorm", add_bias_linear=False,
+          experimental_attention_variant="dsa", dsa_indexer_n_heads=4, dsa_indexer_head_dim=16,
+          dsa_indexer_topk=8),
+     dict(add_bias_linear=False, experimental_attention_variant="dsa", dsa_indexer_n_heads=2,
+          dsa_indexer_head_dim=8, dsa_indexer_topk=8)],
+    ids=["deepseek-v3", "v2-lite-layernorm-bias", "no-latent-norms", "deepseek-v3-mtp2",
+         "deepseek-v3.2", "sparse-without-query-latent"],
 )  # fmt: skip
 def test_estimate_counts_multi_latent_attention(changes):
     """DeepSeek's attention in Megatron's variants besides the Hugging Face families': a
     query latent or none, latent norms (LayerNorm's biases included) or none, the output
-    projection's bias."""
+    projection's bias, the sparse-attention indexer."""
     counted_on_one_rank(TransformerConfig(**MLA | changes))
 
 
@@ -157,6 +163,8 @@ def hybrid(name: str, **more) -> dict:
      (dict(MLA, q_lora_rank=48, qk_layernorm=True, add_bias_linear=True), None),
      (dict(LAYOUT, untie_embeddings_and_output_weights=True), None),
      (dict(MLA, q_lora_rank=48, mtp_num_layers=1, **MOE_TP), None),
+     (dict(MLA, q_lora_rank=48, add_bias_linear=False, experimental_attention_variant="dsa",
+           dsa_indexer_n_heads=4, dsa_indexer_head_dim=16, dsa_indexer_topk=8), None),
      *((hybrid(name, sequence_parallel=True),
         1 if "E" in hybrid(name)["hybrid_layer_pattern"] else None) for name in HYBRIDS),
      (dict(LAYOUT, num_layers=3, num_query_groups=2, kv_channels=16, activation="swiglu",
@@ -166,14 +174,16 @@ def hybrid(name: str, **more) -> dict:
            linear_num_value_heads=4, mtp_num_layers=1, position_embedding_type="rope"),
       None)],
     ids=["gqa-biases-sinks-moe", "shared-expert-gate-expert-tp2", "mla", "gpt2-untied",
-         "mla-moe-mtp", *(f"hybrid-{name}" for name in HYBRIDS), "gated-delta-net-mtp"],
+         "mla-moe-mtp", "mla-sparse", *(f"hybrid-{name}" for name in HYBRIDS),
+         "gated-delta-net-mtp"],
 )  # fmt: skip
 def test_estimate_holds_what_a_tensor_parallel_rank_allocates(fields, etp):
     """At TP 2 (EP 2 with experts) one rank's parameters are GPTModel's on rank 0: the
     pieces split over the ranks, the norms, row-parallel biases, routers, MLA's down
-    projections and learned positions whole, the experts over EP x expert-TP; in hybrid
-    models the Mamba mixers by whole groups of heads, their layer's norm and out_proj's
-    bias whole; gated DeltaNets by whole key heads, their output norm whole."""
+    projections and sparse-attention indexer and learned positions whole, the experts over
+    EP x expert-TP; in hybrid models the Mamba mixers by whole groups of heads, their
+    layer's norm and out_proj's bias whole; gated DeltaNets by whole key heads, their
+    output norm whole."""
     model = TransformerConfig(**fields)
     ep = 2 if model.num_moe_experts else 1
     parallel = ParallelConfig(tensor_model_parallel_size=2, expert_model_parallel_size=ep,

@@ -262,8 +262,8 @@ def test_the_config_refuses_what_it_cannot_build():
         (dict(linear_attention_freq=None), r"'gdn' needs linear_attention_freq"),
         (dict(experimental_attention_variant="gdn2"),
          r"experimental_attention_variant='gdn2' \(the gated DeltaNet-2 variant\)"),
-        (dict(experimental_attention_variant="dsa"),
-         r"experimental_attention_variant='dsa' \(DeepSeek sparse attention\)"),
+        (dict(experimental_attention_variant="dsa"),  # DeepSeek's, for MLA layers
+         r"linear_attention_freq=2 needs experimental_attention_variant='gdn'"),
         (dict(linear_num_value_heads=6, linear_num_key_heads=4),
          r"linear_num_key_heads=4 does not divide linear_num_value_heads=6"),
         (dict(linear_attention_freq=[1, 0, 1]), r"linear_attention_freq=\[1, 0, 1\] must be"),

@@ -145,7 +145,7 @@ def test_a_refused_flag_is_named_before_unknown_flags():
 
 def test_a_megatron_flag_mp_lacks_is_named_as_one_and_a_typo_is_not():
     # Flags of megatron-core 0.19.2's parser that mp does not take (megatron_flag_names.py).
-    lacking = ["--fp32-residual-connection", "--dsa-indexer-topk=8", "--freeze-all-layers"]
+    lacking = ["--fp32-residual-connection", "--grpo-group-size=8", "--freeze-all-layers"]
     for flag in lacking:
         name = flag.split("=")[0]
         assert name in MEGATRON_FLAGS
@@ -154,8 +154,8 @@ def test_a_megatron_flag_mp_lacks_is_named_as_one_and_a_typo_is_not():
         parse_config([*MODEL, "--mamba-unknown-size", "3", *lacking], exit_on_error=False)
     assert str(raised.value).startswith(
         "unrecognized arguments: --mamba-unknown-size 3 --fp32-residual-connection "
-        "--dsa-indexer-topk=8 --freeze-all-layers (--fp32-residual-connection, "
-        "--dsa-indexer-topk, --freeze-all-layers: Megatron-LM flags that mp does not "
+        "--grpo-group-size=8 --freeze-all-layers (--fp32-residual-connection, "
+        "--grpo-group-size, --freeze-all-layers: Megatron-LM flags that mp does not "
         "implement; docs/migrating-from-megatron.md lists the ones it takes)"
     )
     with pytest.raises(ConfigError, match=r"--fp32-residual-connection: a Megatron-LM flag "):

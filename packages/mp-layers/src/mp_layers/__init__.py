@@ -61,6 +61,7 @@ from mp_layers.transformer.mamba_layer import MambaLayer
 from mp_layers.transformer.mamba_mixer import CONV_WIDTH, SCAN_CHUNK, MambaMixer
 from mp_layers.transformer.multi_token_prediction import MultiTokenPrediction
 from mp_layers.transformer.packed import PackedSeqParams
+from mp_layers.transformer.sparse_attention import LightningIndexer
 from mp_layers.transformer.spec import LOCAL_SPEC, LayerSpec, get_layer_spec
 
 __all__ = [
@@ -72,6 +73,7 @@ __all__ = [
     "InitMethod",
     "KVCache",
     "LayerSpec",
+    "LightningIndexer",
     "MambaLayer",
     "MambaMixer",
     "ModelGroups",

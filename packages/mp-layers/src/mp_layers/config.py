@@ -3,8 +3,9 @@
 Rules that hold whatever the layout are checked in __post_init__; those that
 depend on the tensor-parallel size in `check_parallel`. Every message names
 the field and the value. The fields of mixture of experts, multi-latent attention,
-linear attention, multi-token prediction, Mamba-hybrid models, FP8, muP and QK-clip are
-in its bases (MoeConfig, ...), each in the config_*.py module that checks them.
+linear attention, DeepSeek sparse attention, multi-token prediction, Mamba-hybrid models,
+FP8, muP and QK-clip are in its bases (MoeConfig, ...), each in the config_*.py module
+that checks them.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from mp_layers.config_attention import (
     check_attention_parallel,
     check_query_groups_parallel,
 )
+from mp_layers.config_dsa import DsaConfig, check_dsa, check_dsa_parallel
 from mp_layers.config_fp8 import Fp8Config, check_fp8
 from mp_layers.config_hybrid import (
     HybridConfig,
@@ -57,6 +59,7 @@ class TransformerConfig(
     MoeConfig,
     MlaConfig,
     LinearAttentionConfig,
+    DsaConfig,
     MtpConfig,
     HybridConfig,
     Fp8Config,
@@ -457,6 +460,7 @@ class TransformerConfig(
         check_moe(self)
         check_hybrid(self)
         check_linear_attention(self)
+        check_dsa(self)
         check_recompute_modules(self)
 
     def recomputes(self, module: str) -> bool:
@@ -543,6 +547,7 @@ class TransformerConfig(
         check_attention_parallel(self, tp, cp)
         check_hybrid_parallel(self, tp, cp)
         check_linear_attention_parallel(self, tp, cp)
+        check_dsa_parallel(self, cp)
 
     @property
     def rotary_head_dim(self) -> int:

@@ -33,11 +33,13 @@ class LinearAttentionConfig:
     """Linear attention (Megatron's --experimental-attention-variant, --linear-*): a base
     of TransformerConfig, checked by `check_linear_attention`."""
 
-    experimental_attention_variant: Literal["gdn", "gated_delta_net"] | None = None
-    """The attention of the linear_attention_freq layers (Megatron's
-    --experimental-attention-variant; Qwen3-Next): "gdn" (or its alias "gated_delta_net")
-    a gated DeltaNet (Yang et al. 2024, transformer/gated_delta_net.py). None: every layer
-    has softmax attention. Megatron's "gdn2" and "dsa" are refused, naming them."""
+    experimental_attention_variant: Literal["gdn", "gated_delta_net", "dsa"] | None = None
+    """Megatron's --experimental-attention-variant: "gdn" (or its alias "gated_delta_net")
+    makes the attention of the linear_attention_freq layers a gated DeltaNet (Qwen3-Next;
+    Yang et al. 2024, transformer/gated_delta_net.py); "dsa" gives every multi-latent
+    attention layer DeepSeek's sparse attention (DeepSeek-V3.2; the dsa_* fields,
+    config_dsa.py). None: every layer has softmax attention over all earlier positions.
+    Megatron's "gdn2" is refused, naming it."""
 
     linear_attention_freq: int | list[int] | None = None
     """Which layers take the linear attention (Megatron's --linear-attention-freq): an
@@ -64,7 +66,6 @@ class LinearAttentionConfig:
 
 _REFUSED = {
     "gdn2": "the gated DeltaNet-2 variant",
-    "dsa": "DeepSeek sparse attention",
 }
 """Megatron's other variants, refused naming what they are."""
 
@@ -80,7 +81,7 @@ def linear_attention_layer_pattern(config: TransformerConfig) -> list[bool]:
     """Per decoder layer: whether its attention is the linear attention (Megatron's rule: an
     integer N makes layer i softmax attention where (i + 1) % N == 0)."""
     freq, n = config.linear_attention_freq, config.num_layers
-    if config.experimental_attention_variant is None:
+    if config.experimental_attention_variant in (None, "dsa"):
         return [False] * n
     if isinstance(freq, int) and not isinstance(freq, bool):
         return [(i + 1) % freq != 0 for i in range(n)]
@@ -89,7 +90,7 @@ def linear_attention_layer_pattern(config: TransformerConfig) -> list[bool]:
 
 def check_linear_attention(config: TransformerConfig) -> None:
     variant, freq = config.experimental_attention_variant, config.linear_attention_freq
-    if variant is None:
+    if variant in (None, "dsa"):  # "dsa": config_dsa.py
         if freq is not None:
             raise ValueError(f"linear_attention_freq={freq!r} needs "
                              "experimental_attention_variant='gdn'")  # fmt: skip
@@ -98,12 +99,12 @@ def check_linear_attention(config: TransformerConfig) -> None:
         return
     if variant in _REFUSED:
         raise ValueError(f"experimental_attention_variant={variant!r} ({_REFUSED[variant]}) is "
-                         "not implemented; mp builds 'gdn' (gated DeltaNet)")  # fmt: skip
+                         "not implemented; mp builds 'gdn' (gated DeltaNet) and 'dsa'")  # fmt: skip
     if variant == "gated_delta_net":  # Megatron's deprecated alias
         config.experimental_attention_variant = variant = "gdn"
     if variant != "gdn":
         raise ValueError(f"experimental_attention_variant={variant!r} must be 'gdn' "
-                         "(or its alias 'gated_delta_net')")  # fmt: skip
+                         "(or its alias 'gated_delta_net') or 'dsa'")  # fmt: skip
     if freq is None:
         raise ValueError(
             "experimental_attention_variant='gdn' needs linear_attention_freq (e.g. 4: three "

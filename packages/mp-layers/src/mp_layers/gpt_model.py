@@ -48,6 +48,7 @@ from mp_layers.transformer.multi_token_prediction import MultiTokenPrediction, r
 from mp_layers.transformer.packed import PackedSeqParams
 from mp_layers.transformer.rope import Llama3Scaling, Rotary, RotaryEmbedding, yarn_scaling
 from mp_layers.transformer.seeded_init import seeded_init
+from mp_layers.transformer.sparse_attention import LightningIndexer
 from mp_layers.transformer.spec import LayerSpec, get_layer_spec
 from mp_state import TENSOR_PARALLEL_RNG, RankGroup, RNGStatesTracker
 
@@ -74,7 +75,7 @@ class GPTModel(torch.nn.Module):
         calculate_per_token_loss: bool = False,
     ) -> None:
         """calculate_per_token_loss: the training loss is a token sum that the step divides
-        by the global batch's tokens (Megatron's); the MTP losses follow it."""
+        by the global batch's tokens (Megatron's); the MTP and indexer losses follow it."""
         super().__init__()
         tp_group = groups.tp
         config.check_parallel(tp_group.size, groups.cp.size, groups.ep.size, groups.expert_tp.size)
@@ -155,6 +156,9 @@ class GPTModel(torch.nn.Module):
             self.mtp = MultiTokenPrediction(
                 config, groups, rng_tracker, get_layer_spec(spec), init_seed=init_seed
             )
+        for module in self.modules():  # the sparse-attention indexers' losses follow it too
+            if isinstance(module, LightningIndexer):
+                module.per_token_loss = calculate_per_token_loss
         if post_process:
             # A tied copy of the first stage's embedding is drawn from the embedding's seed:
             # the [vocab, hidden] master split by rows, as VocabParallelEmbedding's.

@@ -21,7 +21,9 @@ own with every router of the model chunks (`share_aux_loss_scale`) and sets it b
 each step's micro-batches: the loss scale / number of micro-batches, the same factor the
 main loss gets, times cp as in Megatron. The pipeline schedules need not know about them.
 Multi-token prediction's losses reach the gradients the same way, through the MTP
-modules' scale of kind "mtp" (Megatron's MTPLossAutoScaler, without the cp).
+modules' scale of kind "mtp" (Megatron's MTPLossAutoScaler, without the cp), and the
+sparse-attention indexers' losses through their scale of kind "dsa" (Megatron's
+DSAIndexerLossAutoScaler, the routers' factor).
 """
 
 from __future__ import annotations
@@ -36,12 +38,13 @@ __all__ = [
     "z_loss",
 ]
 
-KINDS = ("moe", "mtp")
+KINDS = ("moe", "mtp", "dsa")
 
 
 class AuxLossScale:
     """The factor the gradients of one kind of auxiliary loss get in backward: the
-    routers' ("moe") or multi-token prediction's ("mtp"). 1 until set."""
+    routers' ("moe"), multi-token prediction's ("mtp") or the sparse-attention indexers'
+    ("dsa"). 1 until set."""
 
     def __init__(self, kind: str = "moe", scale: float | torch.Tensor = 1.0) -> None:
         if kind not in KINDS:

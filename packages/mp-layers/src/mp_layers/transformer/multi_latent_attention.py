@@ -54,6 +54,7 @@ import torch
 
 from mp_ckpt import ShardedTensor
 from mp_layers.config import TransformerConfig
+from mp_layers.config_dsa import uses_dsa
 from mp_layers.groups import ModelGroups
 from mp_layers.tensor_parallel import (
     ColumnParallelLinear,
@@ -65,8 +66,15 @@ from mp_layers.transformer.attention import layer_scaling
 from mp_layers.transformer.kv_cache import KVCache
 from mp_layers.transformer.mlp import residual_projection
 from mp_layers.transformer.output_recompute import OutputRecompute
+from mp_layers.transformer.packed import PackedSeqParams
 from mp_layers.transformer.recompute import checkpointed
 from mp_layers.transformer.rope import Rotary, apply_rotary_pos_emb, yarn_mscale, yarn_scaling
+from mp_layers.transformer.sparse_attention import (
+    LightningIndexer,
+    chosen_positions,
+    index_scores,
+    indexer_loss,
+)
 from mp_state import RankGroup, RNGStatesTracker
 
 if TYPE_CHECKING:
@@ -149,6 +157,10 @@ class MultiLatentAttention(torch.nn.Module):
         self.recompute_up_proj = config.recomputes("mla_up_proj")
         self.rng_tracker = rng_tracker
         self.linear_proj = residual_projection(config, tp_group, n * self.dv)
+        # DeepSeek sparse attention (sparse_attention.py): the indexer picks the keys.
+        self.indexer = LightningIndexer(config, replicated) if uses_dsa(config) else None
+        self.topk = config.dsa_indexer_topk
+        self.softmax_scale = mla_softmax_scale(config)
 
     def forward(
         self,
@@ -175,10 +187,19 @@ class MultiLatentAttention(torch.nn.Module):
             k_rope = gather_from_sequence_parallel_region(k_rope, self.tp_group)
         else:
             k_rope = copy_to_tensor_model_parallel_region(k_rope, self.tp_group)
+        index = None if self.indexer is None else self._index(x, q_in, rotary)
         if kv_cache is not None:
             q_nope, q_rope = self._queries(q_in, rotary)
             k_rope = apply_rotary_pos_emb(_pairs_as_halves(k_rope)[:, :, None], rotary)
-            return self._attend_latents(q_nope, q_rope, c, k_rope, attention_mask, kv_cache)
+            return self._attend_latents(q_nope, q_rope, c, k_rope, attention_mask, kv_cache,
+                                        index)  # fmt: skip
+        valid = None
+        if index is not None:  # the mask of the chosen positions, True = masked
+            scores = index_scores(*index, relu=self.indexer.relu)
+            allowed = _allowed(attention_mask, scores.shape[1], scores.device)
+            chosen = chosen_positions(scores, allowed, self.topk)
+            valid = chosen if self.indexer.sparse_loss else allowed
+            attention_mask = ~chosen[:, None]
         # selective "mla_up_proj": the queries, keys and values discarded once core
         # attention saved them (output_recompute.py)
         kept = OutputRecompute(self.recompute_up_proj and self.training)
@@ -189,8 +210,23 @@ class MultiLatentAttention(torch.nn.Module):
                                    attention_mask)  # fmt: skip
         else:
             context = self.core_attention(query, key, v, attention_mask)
+        if valid is not None and scores.requires_grad:  # the indexer's loss
+            loss = indexer_loss(scores, query, key, self.softmax_scale, valid, self.tp_group,
+                                self.indexer.per_token_loss)  # fmt: skip
+            context = self.indexer.attach_loss(context, loss)
         kept.discard(context)
         return self.linear_proj(context)
+
+    def _index(self, x, q_in, rotary: Rotary):
+        """The indexer's q, k and w (sparse_attention.py) for whole sequences, from x and
+        q_in detached; with their graph only where the indexer loss trains it."""
+        x, q_in = x.detach(), q_in.detach()
+        if self.sequence_parallel:
+            x = gather_from_sequence_parallel_region(x, self.tp_group)
+            q_in = gather_from_sequence_parallel_region(q_in, self.tp_group)
+        trains = self.training and torch.is_grad_enabled() and self.indexer.loss_coeff > 0
+        with torch.set_grad_enabled(trains):
+            return self.indexer(x, q_in, rotary)
 
     def _queries(self, q_in: torch.Tensor, rotary: Rotary) -> tuple[torch.Tensor, torch.Tensor]:
         """q_in [s(/tp), b, rq or h] -> q_nope [s, b, nl, dn], rotated q_rope [s, b, nl, dr]."""
@@ -213,13 +249,23 @@ class MultiLatentAttention(torch.nn.Module):
         key = torch.cat([k_nope, k_rope.expand(s, b, self.heads, self.dr)], dim=-1)
         return query, key, v
 
-    def _attend_latents(self, q_nope, q_rope, c, k_rope, attention_mask, kv_cache: KVCache):
+    def _attend_latents(self, q_nope, q_rope, c, k_rope, attention_mask, kv_cache: KVCache,
+                        index=None):  # fmt: skip
         """Attention of the new positions over the cache's latents (module docstring):
-        q_nope [s, b, nl, dn], q_rope [s, b, nl, dr], c [s, b, r], k_rope [s, b, 1, dr]."""
+        q_nope [s, b, nl, dn], q_rope [s, b, nl, dr], c [s, b, r], k_rope [s, b, 1, dr];
+        index: the indexer's q, k and w, whose keys the cache keeps after the latents."""
         s, b = q_nope.shape[:2]
-        latents = kv_cache.update_latent(
-            self.layer_number, torch.cat([c[:, :, None], k_rope], dim=-1)
-        )  # [T, b, 1, r + dr]
+        kept = [c[:, :, None], k_rope] + ([] if index is None else [index[1][:, :, None]])
+        latents = kv_cache.update_latent(self.layer_number, torch.cat(kept, dim=-1))
+        if index is not None:  # [T, b, 1, r + dr + d]: the indexer's keys after the latents
+            q_i, _, w_i = index
+            scores = index_scores(q_i, latents[:, :, 0, self.r + self.dr :], w_i,
+                                  relu=self.indexer.relu)  # fmt: skip
+            t = scores.shape[-1]
+            allowed = (torch.ones(1, s, t, dtype=torch.bool, device=scores.device)
+                       if attention_mask is None else ~attention_mask[:, 0])  # fmt: skip
+            attention_mask = ~chosen_positions(scores, allowed, self.topk)[:, None]
+            latents = latents[..., : self.r + self.dr]
         up = self.linear_kv_up_proj.weight.to(q_nope.dtype)
         w_uk, w_uv = up.view(self.heads, self.dn + self.dv, self.r).split([self.dn, self.dv], 1)
         query = torch.cat([torch.einsum("sbnd,ndr->sbnr", q_nope, w_uk), q_rope], dim=-1)
@@ -236,7 +282,22 @@ class MultiLatentAttention(torch.nn.Module):
             if getattr(self, name) is not None:
                 pieces |= replicated_state_dict(getattr(self, name), f"{prefix}{name}.",
                                                 self.tp_group)  # fmt: skip
+        if self.indexer is not None:  # Megatron's DSAttention is its MLA's core attention
+            pieces |= replicated_state_dict(self.indexer, f"{prefix}core_attention.indexer.",
+                                            self.tp_group)  # fmt: skip
         return pieces
+
+
+def _allowed(attention_mask, s: int, device: torch.device) -> torch.Tensor:
+    """[b or 1, s, s] bool: the positions each query may attend to, True = allowed
+    (causal; within its document for a PackedSeqParams; an explicit mask's own)."""
+    if attention_mask is None or isinstance(attention_mask, PackedSeqParams):
+        causal = torch.ones(s, s, dtype=torch.bool, device=device).tril()[None]
+        if attention_mask is None:
+            return causal
+        documents = attention_mask.document_ids.to(device)
+        return causal & (documents[:, :, None] == documents[:, None, :])
+    return ~attention_mask[:, 0]
 
 
 def _pairs_as_halves(t: torch.Tensor) -> torch.Tensor:

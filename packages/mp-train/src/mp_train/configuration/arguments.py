@@ -3,16 +3,16 @@
     pretrain_gpt.py --num-layers 24 --hidden-size 1024 --num-attention-heads 16 \\
         --config run.yaml --bf16 --micro-batch-size 4 ...
 
-Each dataclass field becomes `--field-name`; its type picks the option's
-kind (a value, a `--x` / `--no-x` flag, a list, a choice) and the docstring
-under the field is its help. A field may adjust its option with
-`metadata={"argparse_meta": {...}}` (keys: names, type, nargs, default,
-choices, help). Options are absent from the parsed namespace unless given,
-so the command line overrides a YAML file (`--config`) only where it says
-something. Precedence: dataclass default < argparse_meta default < YAML <
-command line (< the checkpoint's model settings with --use-checkpoint-args). A
-Hugging Face directory at --load / --pretrained-checkpoint fills the model fields not
-given and refuses those given otherwise (hf_source.py).
+Each dataclass field becomes `--field-name`; its type picks the option's kind (a
+value, a `--x` / `--no-x` flag, a list, a choice) and the docstring under the field
+is its help. A field may adjust its option with `metadata={"argparse_meta": {...}}`
+(keys: names, type, nargs, default, choices, help; negatives: a flag's other
+spellings for False). Options are absent from the parsed namespace unless given, so
+the command line overrides a YAML file (`--config`) only where it says something.
+Precedence: dataclass default < argparse_meta default < YAML < command line (< the
+checkpoint's model settings with --use-checkpoint-args). A Hugging Face directory at
+--load / --pretrained-checkpoint fills the model fields not given and refuses those
+given otherwise (hf_source.py).
 """
 
 from __future__ import annotations
@@ -183,6 +183,7 @@ class ArgumentGroupFactory:
             negative = "--no-" + main.lstrip("-")
             # A field named no_x (Megatron's --no-save-optim) gets no --no-no-x.
             negatives = [] if f.name.startswith("no_") else [negative]
+            negatives += meta.get("negatives", ())  # Megatron's --disable-x beside --no-x
             return group.add_argument(*names, *negatives, action=_FlagAction,
                                       negatives=negatives, **kwargs)  # fmt: skip
         kwargs["type"] = meta.get("type") or _word_parser(kind)

@@ -19,7 +19,8 @@ count, tests/test_estimate_families.py):
                  per head with softmax_type learnable
     MLA          queries r_q(h + a(dn + dr)) (ha(dn + dr) without r_q), keys and values
                  r(h + a(dn + dv)) + h dr, out a dv h (+ h bias), the latent norms r_q and r
-                 with qk_layernorm
+                 with qk_layernorm; with DeepSeek's sparse attention its indexer of n heads
+                 of di channels, r_q n di (h n di without r_q) + h di + 2 di + h n
     MLP          hf x (3|2), biases f x (2|1) + h with add_bias_linear
     MoE MLP      the shared expert h f_shared x (3|2) and its gate h, the router hE (+ E
                  bias), E routed experts of h f_moe x (3|2) (+ f_moe x (2|1) + h biases)
@@ -37,10 +38,10 @@ build MTP modules yet: tests/test_estimate.py counts them by hand).
 
 How a rank holds them (what GPTModel allocates): the column- and row-parallel weights, the
 column-parallel biases and the sinks are split over t; the norms, the row-parallel
-biases (out's, fc2's), the router, the shared expert's gate, MLA's down projections and
-latent norms, the learned positions and a Mamba layer's norm and out_proj bias are whole
-on every tensor-parallel rank; the routed experts are split over e x expert-t, but for
-their fc2 biases, split over e only.
+biases (out's, fc2's), the router, the shared expert's gate, MLA's down projections,
+latent norms and sparse-attention indexer, the learned positions and a Mamba layer's
+norm and out_proj bias are whole on every tensor-parallel rank; the routed experts are
+split over e x expert-t, but for their fc2 biases, split over e only.
 The first pipeline stage holds its layers (every virtual chunk of it), the word embedding
 and the positions; the last its layers, the final norm, the output layer (with tied
 embeddings and p > 1 a copy of the word embedding) and the MTP modules (and, untied, a
@@ -110,7 +111,11 @@ def _attention(m: TransformerConfig) -> Held:
             query, query_down = m.q_lora_rank * a * (dn + dr), m.q_lora_rank * h
             latent_norms += m.q_lora_rank * norm if m.qk_layernorm else 0
         split = query + r * a * (dn + dv) + a * dv * h
-        return Held(split=split, whole=query_down + h * (r + dr) + latent_norms + out_bias)
+        whole = query_down + h * (r + dr) + latent_norms + out_bias
+        if m.experimental_attention_variant == "dsa":  # the lightning indexer, replicated
+            n, di = m.dsa_indexer_n_heads, m.dsa_indexer_head_dim
+            whole += (m.q_lora_rank or h) * n * di + h * di + 2 * di + h * n
+        return Held(split=split, whole=whole)
     d, g = m.kv_channels, m.num_query_groups
     split = 2 * h * d * (a + g)  # Q, K, V and out
     if m.attention_output_gate:

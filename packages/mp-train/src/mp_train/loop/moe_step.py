@@ -4,8 +4,10 @@ knows nothing of them):
 - before the micro-batches: the factor the routers' auxiliary losses get in backward,
   the one the main loss gets (the loss scale / the number of micro-batches, times cp;
   with a per-token loss the loss scale alone, as in Megatron), and the one the
-  multi-token prediction losses get (the same without the cp), each an AuxLossScale
-  this step holds and shares with the model chunks' routers or MTP modules;
+  multi-token prediction losses get (the same without the cp), and the one the
+  sparse-attention indexers' losses get (the main loss's, times cp), each an
+  AuxLossScale this step holds and shares with the model chunks' routers, MTP modules
+  or indexers;
   the global load-balancing loss's token counts start from zero;
 - after them: the expert biases of auxiliary-loss-free balancing move (their token
   counts summed over the stage's tp x dp x cp ranks, Megatron's finalize step);
@@ -79,7 +81,8 @@ class MoEStep:
         self.state, self.fp16 = state, fp16
         # The factors the routers' and the MTP modules' losses get in backward, set each step.
         self.scale, self.mtp_scale = moe.AuxLossScale("moe"), moe.AuxLossScale("mtp")
-        for scale in (self.scale, self.mtp_scale):
+        self.dsa_scale = moe.AuxLossScale("dsa")  # the sparse-attention indexers' loss
+        for scale in (self.scale, self.mtp_scale, self.dsa_scale):
             moe.share_aux_loss_scale(chunks, scale)
 
     def before(self, optimizer, num_microbatches: int) -> None:
@@ -97,6 +100,9 @@ class MoEStep:
             self.scale.set(scale * cp / num_microbatches)
         # Multi-token prediction's losses: a mean per rank, the main loss's factor.
         self.mtp_scale.set(scale if self.per_token else scale / num_microbatches)
+        # The indexers' loss: a mean per rank (a sum per token), the main loss's factor
+        # times cp as in Megatron (which DSA refuses: cp is 1).
+        self.dsa_scale.set(scale if self.per_token else scale * cp / num_microbatches)
         for router in self.routers:
             router.reset_global_counts()
 

@@ -52,6 +52,7 @@ from mp_train.loop.checkpointing import (
     save_run_checkpoint,
 )
 from mp_train.loop.data_iterators import data_iterators
+from mp_train.loop.dsa_step import discard_indexer_losses, indexer_losses
 from mp_train.loop.evaluation import evaluate
 from mp_train.loop.forward_backward import empty_unused_memory, schedule_of
 from mp_train.loop.hang_watchdog import HangWatchdog
@@ -333,6 +334,7 @@ class _Step:
             if attempt.number > 1:  # the first run's logged losses are not this one's
                 self.experts.discard()
                 discard_mtp_losses(run.model)
+                discard_indexer_losses(run.model)
             step_func = self.forward_step_func
             if self.rerun.watching:
                 step_func = attempt.watch(step_func)
@@ -352,6 +354,7 @@ class _Step:
         self.experts.after_backward()
         losses = reduce_reports(reports) | self.experts.aux_losses(num_microbatches)
         losses |= mtp_losses(run.model, run.config.model, run.state, num_microbatches)
+        losses |= indexer_losses(run.model, run.config.model, run.state, num_microbatches)
         # A global batch without loss tokens has zero gradients and steps, as in
         # Megatron-LM; its loss (0 / 0) is logged nan, but is no nan loss to stop at.
         uncounted = counted_nothing(reports)

@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from mp_optim import counted_in_grad_norm, is_expert_parallel
 from mp_train.estimate import estimate
+from mp_train.loop.dsa_step import indexer_loss_names
 from mp_train.loop.moe_step import PER_LAYER_PREFIX, aux_loss_names
 from mp_train.loop.mtp_step import mtp_loss_names
 from mp_train.loop.setup import Run
@@ -126,7 +127,9 @@ class MetricsLogger:
                                        dir=self.config.wandb_save_dir,
                                        config=run.config.as_dict())  # fmt: skip
         self.board = TensorBoard(self.config, run.is_last_rank, wandb_run)
-        self._aux_names = set(aux_loss_names(run.config.model) + mtp_loss_names(run.config.model))
+        model = run.config.model
+        self._aux_names = set(aux_loss_names(model) + mtp_loss_names(model)
+                              + indexer_loss_names(model))  # fmt: skip
         self.estimate = estimate(run.config, dist.get_world_size(),
                                  vocab_size=run.padded_vocab_size,
                                  device_type=run.device.type)  # fmt: skip
@@ -233,9 +236,9 @@ class MetricsLogger:
         params_norm = None
         if self.config.log_params_norm and (printing or boarding):
             params_norm = parameters_norm(run)  # collective: every rank decides alike
-        # MoE auxiliary losses (and with moe_per_layer_logging each layer's) every
-        # iteration, without a vs-samples series (Megatron's MoE metrics tracker); the rest
-        # every tensorboard_log_interval.
+        # MoE auxiliary losses (and with moe_per_layer_logging each layer's), the MTP and
+        # indexer losses every iteration, without a vs-samples series (Megatron's
+        # trackers); the rest every tensorboard_log_interval.
         every = {k: v for k, v in losses.items()
                  if k in self._aux_names or k.startswith(PER_LAYER_PREFIX)}  # fmt: skip
         self.board.add(iteration, every)

@@ -1,0 +1,170 @@
+"""DeepSeek sparse attention (DSA; DeepSeek-V3.2-Exp, DeepSeek-AI 2025): a lightning
+indexer picks, for each query, the dsa_indexer_topk earlier positions the multi-latent
+attention heads attend to (TransformerConfig.experimental_attention_variant "dsa";
+Megatron's DSAttention and DSAIndexer).
+
+Shapes: x [s, b, h] the layer's input (whole sequences: gathered under sequence
+parallelism), q_in [s, b, rq] the query latent after q_layernorm (x without
+q_lora_rank); the indexer's n heads of d channels.
+
+    q  = linear_wq_b(q_in)                          [s, b, n, d]
+    k  = k_norm(linear_wk(x))                       [s, b, d]    (a LayerNorm, one key)
+    w  = linear_weights_proj(x) / sqrt(n) / sqrt(d) [s, b, n]
+    score(i, j) = sum_h w[i, h] relu(q[i, h] . k[j])
+
+The first qk_pos_emb_head_dim channels of q and k are rotated with the layer's rotary
+embeddings, in halves (i, i + dr/2) by default (DeepSeek's indexer) or in interleaved
+pairs (dsa_indexer_rope_interleaved); with dsa_indexer_rotate_activation both are then
+multiplied by an orthonormal Hadamard matrix, which keeps q . k but for rounding. Query i
+attends to the dsa_indexer_topk positions j <= i of highest score (all of them when
+there are no more); the attention itself is the layer's, under that mask.
+
+The indexer takes x and q_in detached and the chosen positions carry no gradient, so the
+language-model loss does not train it. Its own loss (dsa_indexer_loss_coeff) is, per
+query, the KL divergence from the main attention's probabilities (each head's softmax of
+its logits, from the detached queries and keys, summed over the heads of every
+tensor-parallel rank and normalized) to the indexer's softmax over the same positions:
+every earlier position, or the chosen ones with dsa_indexer_use_sparse_loss. It is
+averaged over the micro-batch's queries (summed with calculate_per_token_loss) and
+attached to the attention's output (moe.aux_losses.attach), whose backward gives it the
+training step's factor (an AuxLossScale of kind "dsa"). The tensor-parallel ranks hold
+the same indexer and compute the same loss, so their gradients agree without a reduction.
+
+Memory: the scores of all heads, [b, s, n, s] in fp32, and with the loss the main
+attention's logits of this rank's heads, [b, heads, s, s]: as Megatron's reference path
+(no fused kernel).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.distributed as dist
+
+from mp_layers.config import TransformerConfig
+from mp_layers.moe.aux_losses import AuxLossScale, attach
+from mp_layers.transformer.rope import Rotary, apply_rotary_pos_emb
+from mp_state import RankGroup
+
+__all__ = ["LightningIndexer", "chosen_positions", "hadamard", "index_scores", "indexer_loss"]
+
+_EPS = 1e-10
+"""The floor of the target's sum and of its logarithm's argument (Megatron's)."""
+
+
+@functools.cache
+def _hadamard_matrix(d: int) -> torch.Tensor:
+    """The Sylvester Hadamard matrix of size d (a power of 2), divided by sqrt(d)."""
+    m = torch.ones(1, 1, dtype=torch.float64)
+    while m.shape[0] < d:
+        m = torch.cat([torch.cat([m, m], 1), torch.cat([m, -m], 1)], 0)
+    return m / d**0.5
+
+
+def hadamard(t: torch.Tensor) -> torch.Tensor:
+    """t [..., d] times the orthonormal Hadamard matrix of size d (a power of 2)."""
+    return t @ _hadamard_matrix(t.shape[-1]).to(t.device, t.dtype)
+
+
+class LightningIndexer(torch.nn.Module):
+    """The indexer's projections (module docstring), replicated on the tensor-parallel
+    ranks; `linear` builds a replicated linear layer (in, out) returning (y, bias)."""
+
+    def __init__(self, config: TransformerConfig, linear) -> None:
+        super().__init__()
+        self.n, self.d = config.dsa_indexer_n_heads, config.dsa_indexer_head_dim
+        self.dr = config.qk_pos_emb_head_dim
+        h = config.hidden_size
+        self.linear_wq_b = linear(config.q_lora_rank or h, self.n * self.d)
+        self.linear_wk = linear(h, self.d)
+        eps = config.dsa_indexer_k_norm_epsilon or config.layernorm_epsilon
+        self.k_norm = torch.nn.LayerNorm(self.d, eps=eps, dtype=config.params_dtype)
+        self.linear_weights_proj = linear(h, self.n)
+        self.interleaved = config.dsa_indexer_rope_interleaved
+        self.rotate = config.dsa_indexer_rotate_activation
+        self.relu = config.dsa_indexer_scoring_relu
+        self.k_norm_fp32 = config.dsa_indexer_k_norm_fp32
+        self.loss_coeff = config.dsa_indexer_loss_coeff or 0.0
+        self.sparse_loss = config.dsa_indexer_use_sparse_loss
+        self.per_token_loss = False
+        """Sum the loss over the queries instead of averaging it (GPTModel sets it with
+        calculate_per_token_loss)."""
+        self.aux_loss_scale = AuxLossScale("dsa")
+        """The factor the indexer loss gets in backward (the training step shares its own:
+        mp_layers.moe.share_aux_loss_scale)."""
+        self.loss_total = torch.zeros(())
+        """The indexer losses (times loss_coeff) since the last `take_loss`, for the log."""
+
+    def forward(self, x: torch.Tensor, q_in: torch.Tensor, rotary: Rotary):
+        """x [s, b, h], q_in [s, b, rq] -> q [s, b, n, d], k [s, b, d], w [s, b, n]."""
+        s, b = x.shape[:2]
+        q = self.linear_wq_b(q_in)[0].view(s, b, self.n, self.d)
+        k = self.linear_wk(x)[0]
+        k = self.k_norm(k.float()).to(k.dtype) if self.k_norm_fp32 else self.k_norm(k)
+        q, k = self._rope(q, rotary), self._rope(k[:, :, None], rotary)[:, :, 0]
+        if self.rotate:
+            q, k = hadamard(q), hadamard(k)
+        w = self.linear_weights_proj(x)[0] * (self.n**-0.5 * self.d**-0.5)
+        return q, k, w
+
+    def attach_loss(self, output: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+        """output unchanged; in backward, loss_coeff x loss gets the aux_loss_scale."""
+        loss = loss * self.loss_coeff
+        if self.loss_total.device != loss.device:
+            self.loss_total = self.loss_total.to(loss.device)
+        self.loss_total += loss.detach().float()
+        return attach(output, loss, self.aux_loss_scale)
+
+    def take_loss(self) -> torch.Tensor:
+        taken, self.loss_total = self.loss_total, torch.zeros_like(self.loss_total)
+        return taken
+
+    def _rope(self, t: torch.Tensor, rotary: Rotary) -> torch.Tensor:
+        """Rotates the first dr channels of t [s, b, heads, d] (module docstring)."""
+        rot, rest = t[..., : self.dr], t[..., self.dr :]
+        if self.interleaved:  # pairs (2i, 2i + 1) regrouped as halves, as MLA's
+            rot = torch.cat([rot[..., 0::2], rot[..., 1::2]], dim=-1)
+        return torch.cat([apply_rotary_pos_emb(rot, rotary), rest], dim=-1)
+
+
+def index_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, relu: bool) -> torch.Tensor:
+    """q [s, b, n, d], k [t, b, d], w [s, b, n] -> the indexer's scores [b, s, t], fp32."""
+    logits = torch.einsum("sbnd,tbd->bsnt", q.float(), k.float())
+    if relu:
+        logits = torch.relu(logits)
+    return torch.einsum("bsnt,sbn->bst", logits, w.float())
+
+
+def chosen_positions(scores: torch.Tensor, allowed: torch.Tensor, topk: int) -> torch.Tensor:
+    """scores [b, s, t], allowed [b or 1, s, t] bool -> [b, s, t] bool: the topk allowed
+    positions of highest score in each row (all allowed ones when there are fewer)."""
+    scores = scores.detach().masked_fill(~allowed, float("-inf"))
+    top = scores.topk(min(topk, scores.shape[-1]), dim=-1).indices
+    chosen = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
+    return chosen.scatter_(-1, top, True) & allowed
+
+
+def indexer_loss(
+    scores: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    softmax_scale: float,
+    valid: torch.Tensor,
+    tp_group: RankGroup,
+    per_token: bool,
+) -> torch.Tensor:
+    """KL(target || indexer) per query (module docstring), averaged over the queries
+    (summed: per_token). scores [b, s, t] the indexer's (with their gradient); query
+    [s, b, heads, dq] and key [t, b, heads, dq] this rank's heads (detached here); valid
+    [b or 1, s, t] bool, the positions both distributions cover."""
+    logits = torch.einsum("sbnd,tbnd->bnst", query.detach().float(), key.detach().float())
+    logits = (logits * softmax_scale).masked_fill(~valid[:, None], float("-inf"))
+    target = torch.softmax(logits, dim=-1).sum(dim=1)  # [b, s, t]
+    if tp_group.size > 1:  # the other ranks' heads
+        dist.all_reduce(target, group=tp_group.group)
+    target = target / target.sum(dim=-1, keepdim=True).clamp_min(_EPS)
+    log_p = torch.log_softmax(scores.masked_fill(~valid, float("-inf")), dim=-1)
+    log_p = torch.where(valid, log_p, 0.0)
+    kl = (target * (target.clamp_min(_EPS).log() - log_p)).sum(dim=-1)  # [b, s]
+    return kl.sum() if per_token else kl.mean()

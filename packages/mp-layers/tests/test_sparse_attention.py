@@ -1,0 +1,244 @@
+"""DeepSeek sparse attention (transformer/sparse_attention.py): multi-latent attention with
+the lightning indexer equals transformers' DeepseekV32Attention in fp32 with the same
+weights (YaRN included, a top-k smaller than the sequence so that it chooses), through the
+blocked attention and SDPA, with and without the Hadamard rotation; generation through a
+KVCache gives the whole sequence's outputs; the indexer loss is the KL divergence it names
+and trains the indexer alone; and the configuration is checked field by field."""
+
+import os
+
+import pytest
+import torch
+
+from mp_layers import LOCAL_SPEC, ModelGroups, TransformerConfig
+from mp_layers.moe.aux_losses import AuxLossScale
+from mp_layers.transformer.kv_cache import KVCache
+from mp_layers.transformer.multi_latent_attention import MultiLatentAttention
+from mp_layers.transformer.rope import RotaryEmbedding, yarn_scaling
+from mp_layers.transformer.sparse_attention import (
+    chosen_positions,
+    hadamard,
+    index_scores,
+)
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+transformers = pytest.importorskip("transformers")
+from transformers.models.deepseek_v32 import modeling_deepseek_v32  # noqa: E402
+
+H, HEADS, Q_LORA, KV_LORA, NOPE, ROPE, V, SEQ = 32, 4, 16, 12, 8, 4, 6, 24
+IDX_HEADS, IDX_DIM, TOPK = 4, 8, 5
+YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=16,
+            beta_fast=32.0, beta_slow=1.0, mscale=0.707, mscale_all_dim=0.9)  # fmt: skip
+
+
+def hf_attention():
+    torch.manual_seed(0)
+    config = transformers.DeepseekV32Config(
+        vocab_size=32, hidden_size=H, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=HEADS, num_key_value_heads=HEADS, q_lora_rank=Q_LORA,
+        kv_lora_rank=KV_LORA, qk_nope_head_dim=NOPE, qk_rope_head_dim=ROPE, v_head_dim=V,
+        index_n_heads=IDX_HEADS, index_head_dim=IDX_DIM, index_topk=TOPK,
+        max_position_embeddings=64, attention_dropout=0.0, rope_parameters=YARN,
+    )  # fmt: skip
+    config._attn_implementation = "eager"
+    attention = modeling_deepseek_v32.DeepseekV32Attention(config, layer_idx=0).eval()
+    rotary = modeling_deepseek_v32.DeepseekV32RotaryEmbedding(config)
+    with torch.no_grad():  # norms start at 1 (and 0): make them count
+        for norm in (attention.q_a_layernorm, attention.kv_a_layernorm, attention.indexer.k_norm):
+            norm.weight.uniform_(0.5, 1.5)
+        attention.indexer.k_norm.bias.uniform_(-0.5, 0.5)
+    return attention, rotary
+
+
+def mp_config(**changes) -> TransformerConfig:
+    settings = dict(
+        num_layers=2, hidden_size=H, num_attention_heads=HEADS, multi_latent_attention=True,
+        q_lora_rank=Q_LORA, kv_lora_rank=KV_LORA, qk_head_dim=NOPE, qk_pos_emb_head_dim=ROPE,
+        v_head_dim=V, qk_layernorm=True, normalization="RMSNorm", layernorm_epsilon=1e-6,
+        add_bias_linear=False, position_embedding_type="rope", rotary_base=10000,
+        yarn_rotary_scaling_factor=4.0, yarn_original_max_position_embeddings=16,
+        yarn_mscale=0.707, yarn_mscale_all_dim=0.9, hidden_dropout=0.0, attention_dropout=0.0,
+        experimental_attention_variant="dsa", dsa_indexer_n_heads=IDX_HEADS,
+        dsa_indexer_head_dim=IDX_DIM, dsa_indexer_topk=TOPK,
+    )  # fmt: skip
+    return TransformerConfig(**(settings | changes))
+
+
+NAMES = {
+    "q_a_proj": "linear_q_down_proj", "q_a_layernorm": "q_layernorm",
+    "q_b_proj": "linear_q_up_proj", "kv_a_proj_with_mqa": "linear_kv_down_proj",
+    "kv_a_layernorm": "kv_layernorm", "kv_b_proj": "linear_kv_up_proj", "o_proj": "linear_proj",
+    "indexer.wq_b": "indexer.linear_wq_b", "indexer.wk": "indexer.linear_wk",
+    "indexer.k_norm": "indexer.k_norm", "indexer.weights_proj": "indexer.linear_weights_proj",
+}  # fmt: skip
+
+
+def copy_weights(hf, ours) -> None:
+    theirs = dict(hf.named_parameters())
+    mine = dict(ours.named_parameters())
+    with torch.no_grad():
+        for hf_name, our_name in NAMES.items():
+            for kind in ("weight", "bias"):
+                if f"{hf_name}.{kind}" in theirs:
+                    mine.pop(f"{our_name}.{kind}").copy_(theirs[f"{hf_name}.{kind}"])
+    assert not mine, f"not copied: {sorted(mine)}"
+
+
+def inputs():
+    x = torch.randn(2, SEQ, H, generator=torch.Generator().manual_seed(1))
+    return x, torch.arange(SEQ)[None].expand(2, SEQ)
+
+
+@pytest.mark.parametrize("rotate", [False, True])
+@pytest.mark.parametrize("backend", ["local", "flash"])
+def test_dsa_equals_deepseek_v32_attention(backend, rotate):
+    hf, hf_rotary = hf_attention()
+    x, positions = inputs()
+    mask = torch.full((SEQ, SEQ), -torch.inf).triu(1)[None, None].expand(2, 1, SEQ, SEQ)
+    with torch.no_grad():
+        want = hf(x, hf_rotary(x, positions), mask)[0]
+        dense = hf.indexer.index_topk
+        hf.indexer.index_topk = SEQ  # every earlier position: the dense attention
+        want_dense = hf(x, hf_rotary(x, positions), mask)[0]
+        hf.indexer.index_topk = dense
+    config = mp_config(attention_backend=backend, dsa_indexer_rotate_activation=rotate)
+    ours = MultiLatentAttention(config, ModelGroups.single(), spec=LOCAL_SPEC).eval()
+    copy_weights(hf, ours)
+    rotary = RotaryEmbedding(ROPE, 1.0, 10000, yarn=yarn_scaling(config))(SEQ)
+    with torch.no_grad():
+        out, bias = ours(x.transpose(0, 1), rotary)
+    assert bias is None
+    torch.testing.assert_close(out.transpose(0, 1), want, rtol=1e-5, atol=1e-5)
+    # the indexer chose: the dense attention differs past the first TOPK positions
+    assert not torch.allclose(want[:, TOPK:], want_dense[:, TOPK:], atol=1e-3)
+    torch.testing.assert_close(want[:, :TOPK], want_dense[:, :TOPK], rtol=1e-5, atol=1e-5)
+
+
+def test_dsa_generation_through_a_cache_equals_the_whole_sequence():
+    config = mp_config()
+    torch.manual_seed(2)
+    ours = MultiLatentAttention(config, ModelGroups.single(), spec=LOCAL_SPEC).eval()
+    x = torch.randn(SEQ, 2, H, generator=torch.Generator().manual_seed(3))
+    embedding = RotaryEmbedding(ROPE, 1.0, 10000, yarn=yarn_scaling(config))
+    with torch.no_grad():
+        whole = ours(x, embedding(SEQ))[0]
+        cache = KVCache(torch.zeros(2, dtype=torch.long), SEQ)
+        prompt = 9
+        parts = [ours(x[:prompt], embedding(prompt), cache.attention_mask(prompt, "cpu"),
+                      kv_cache=cache)[0]]  # fmt: skip
+        cache.advance(prompt)
+        for i in range(prompt, SEQ):
+            rotary = embedding(i + 1)
+            rotary = type(rotary)(rotary.cos[i:], rotary.sin[i:])
+            parts.append(ours(x[i : i + 1], rotary, cache.attention_mask(1, "cpu"),
+                              kv_cache=cache)[0])  # fmt: skip
+            cache.advance(1)
+    torch.testing.assert_close(torch.cat(parts), whole, rtol=1e-5, atol=1e-5)
+
+
+def test_hadamard_is_orthonormal_and_chosen_positions_are_the_allowed_topk():
+    q = torch.randn(3, 16, dtype=torch.float64)
+    torch.testing.assert_close(hadamard(q) @ hadamard(q).T, q @ q.T)
+    scores = torch.tensor([[[3.0, 1.0, 2.0, 9.0], [0.0, 5.0, 4.0, 1.0]]])
+    allowed = torch.tensor([[[True, True, True, False], [True, True, False, False]]])
+    chosen = chosen_positions(scores, allowed, 2)
+    assert chosen.tolist() == [[[True, False, True, False], [True, True, False, False]]]
+
+
+def reference_indexer_loss(ours, x, rotary, sparse: bool) -> torch.Tensor:
+    """The KL divergence written out from the layer's parts, one query at a time."""
+    with torch.no_grad():
+        q_in = ours.q_layernorm(ours.linear_q_down_proj(x)[0])
+        c, k_rope = ours.linear_kv_down_proj(x)[0].split([KV_LORA, ROPE], -1)
+        query, key, _ = ours._up_projections(q_in, ours.kv_layernorm(c), k_rope, rotary)
+        scores = index_scores(*ours.indexer(x, q_in, rotary), relu=True)
+    causal = torch.ones(SEQ, SEQ, dtype=torch.bool).tril()[None]
+    chosen = chosen_positions(scores, causal, TOPK)
+    total = 0.0
+    for b in range(x.shape[1]):
+        for i in range(SEQ):
+            keep = chosen[b, i] if sparse else causal[0, i]
+            logits = torch.einsum("nd,tnd->nt", query[i, b], key[:, b]) * ours.softmax_scale
+            p = torch.softmax(logits[:, keep], -1).sum(0)
+            p = p / p.sum()
+            log_q = torch.log_softmax(scores[b, i, keep], -1)
+            total += float((p * (p.log() - log_q)).sum())
+    return torch.tensor(total / (x.shape[1] * SEQ))
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+def test_indexer_loss_is_the_kl_divergence_and_trains_the_indexer_alone(sparse):
+    config = mp_config(dsa_indexer_loss_coeff=0.5, dsa_indexer_use_sparse_loss=sparse)
+    torch.manual_seed(4)
+    ours = MultiLatentAttention(config, ModelGroups.single(), spec=LOCAL_SPEC).train()
+    x = torch.randn(SEQ, 2, H, generator=torch.Generator().manual_seed(5), requires_grad=True)
+    rotary = RotaryEmbedding(ROPE, 1.0, 10000, yarn=yarn_scaling(config))(SEQ)
+    ours.indexer.aux_loss_scale = AuxLossScale("dsa", 2.0)
+    out = ours(x, rotary)[0]
+    loss = ours.indexer.take_loss()
+    want = reference_indexer_loss(ours, x.detach(), rotary, sparse) * 0.5
+    torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-6)
+    # backward of a loss that ignores the output: only the indexer loss (times the
+    # scale 2) reaches any gradient, and only the indexer's
+    (out * 0).sum().backward()
+    indexer = {f"indexer.{n}" for n, _ in ours.indexer.named_parameters()}
+    for name, p in ours.named_parameters():
+        has = p.grad is not None and bool(p.grad.abs().sum() > 0)
+        assert has == (name in indexer), name
+    assert x.grad is None or not x.grad.abs().sum()
+    grads = {n: p.grad.clone() for n, p in ours.indexer.named_parameters()}
+    ours.zero_grad()
+    x.grad = None
+    ours.indexer.aux_loss_scale = AuxLossScale("dsa", 1.0)
+    (ours(x, rotary)[0] * 0).sum().backward()
+    for n, p in ours.indexer.named_parameters():
+        torch.testing.assert_close(grads[n], 2 * p.grad)
+
+
+def test_without_the_loss_the_indexer_keeps_no_graph():
+    ours = MultiLatentAttention(mp_config(), ModelGroups.single(), spec=LOCAL_SPEC).train()
+    x = torch.randn(SEQ, 2, H, requires_grad=True)
+    rotary = RotaryEmbedding(ROPE, 1.0, 10000)(SEQ)
+    ours(x, rotary)[0].sum().backward()
+    assert all(p.grad is None for p in ours.indexer.parameters())
+    assert float(ours.indexer.take_loss()) == 0.0
+
+
+def test_dsa_sharded_names_are_megatrons():
+    ours = MultiLatentAttention(mp_config(), ModelGroups.single(), spec=LOCAL_SPEC)
+    names = {n for n in ours.sharded_state_dict("a.") if "indexer" in n}
+    assert names == {f"a.core_attention.indexer.{n}" for n in (
+        "linear_wq_b.weight", "linear_wk.weight", "k_norm.weight", "k_norm.bias",
+        "linear_weights_proj.weight")}  # fmt: skip
+
+
+NO_YARN = dict(yarn_rotary_scaling_factor=1.0, yarn_original_max_position_embeddings=4096,
+               yarn_mscale=1.0, yarn_mscale_all_dim=0.0)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        (dict(multi_latent_attention=False, qk_layernorm=False, kv_lora_rank=32, qk_head_dim=128,
+              qk_pos_emb_head_dim=64, v_head_dim=128, q_lora_rank=None, **NO_YARN),
+         r"'dsa' needs multi_latent_attention=True"),
+        (dict(dsa_indexer_topk=None), r"'dsa' needs dsa_indexer_topk"),
+        (dict(dsa_indexer_n_heads=0), r"dsa_indexer_n_heads=0 must be a positive integer"),
+        (dict(dsa_indexer_head_dim=12), r"needs dsa_indexer_head_dim a power of 2"),
+        (dict(dsa_indexer_head_dim=2, dsa_indexer_rotate_activation=False),
+         r"dsa_indexer_head_dim=2 < qk_pos_emb_head_dim=4"),
+        (dict(dsa_kernel_backend="tilelang"), r"dsa_kernel_backend='tilelang' needs Megatron"),
+        (dict(dsa_indexer_topk_freq=2), r"dsa_indexer_topk_freq=2, .*which mp does not"),
+        (dict(dsa_indexer_loss_coeff=-1.0), r"dsa_indexer_loss_coeff=-1.0 must be >= 0"),
+        (dict(add_bias_linear=True), r"add_bias_linear=True with experimental_attention"),
+        (dict(experimental_attention_variant=None), r"dsa_indexer_n_heads=4 needs experimental"),
+    ],
+)  # fmt: skip
+def test_dsa_configuration_is_checked(changes, message):
+    with pytest.raises(ValueError, match=message):
+        mp_config(**changes)
+
+
+def test_dsa_refuses_context_parallelism():
+    with pytest.raises(ValueError, match=r"context_parallel_size=2 with experimental_"):
+        mp_config().check_parallel(1, 2)
