@@ -38,6 +38,8 @@ FAMILIES = {
                     sliding_window=8),
     "deepseek_v3": dict(DEEPSEEK, q_lora_rank=32, n_group=2, topk_group=1),
     "deepseek_v2": dict(DEEPSEEK, q_lora_rank=None),
+    "deepseek_v32": dict(DEEPSEEK, q_lora_rank=32, n_group=2, topk_group=1, index_n_heads=4,
+                         index_head_dim=16, index_topk=8),
     "llama4_text": dict(SMALL, head_dim=16, num_local_experts=4, num_experts_per_tok=1,
                         intermediate_size_mlp=80, interleave_moe_layer_step=2,
                         no_rope_layer_interval=3),

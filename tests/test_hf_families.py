@@ -3,11 +3,11 @@ downloads): `mp-ckpt import-hf` gives transformers' fp32 logits within 1e-5 in G
 (built from the imported settings alone); `mp-ckpt export-hf` without --arch (the
 checkpoint remembers its family) gives back the config and every tensor; greedy
 generation equals generate(do_sample=False) over 32 new tokens (DeepSeek's through the
-cache of latents, Nemotron-H's through its Mamba layers' states, Qwen3-Next's through
-its gated DeltaNet layers'); gpt-oss's also over 72 at PP2, past its windowed layers'
-cache rings, and DeepSeek-V3's and Qwen3-MoE's at TP2 x EP2. DeepSeek-V3's and Nemotron
-3 Super's multi-token prediction layers import, compute as their own blocks do and
-export back."""
+cache of latents, DeepSeek-V3.2's with its indexer's keys, Nemotron-H's through its Mamba
+layers' states, Qwen3-Next's through its gated DeltaNet layers'); gpt-oss's also over 72
+at PP2, past its windowed layers' cache rings, and DeepSeek-V3's, DeepSeek-V3.2's and
+Qwen3-MoE's at TP2 x EP2. DeepSeek-V3's and Nemotron 3 Super's multi-token prediction
+layers import, compute as their own blocks do and export back."""
 
 import json
 import os
@@ -46,6 +46,15 @@ DEEPSEEK = dict(SMALL, num_attention_heads=4, num_key_value_heads=4, intermediat
 DEEPSEEK_V3 = dict(DEEPSEEK, q_lora_rank=24, n_group=2, topk_group=1, n_shared_experts=1,
                    routed_scaling_factor=2.5, num_nextn_predict_layers=0,
                    scoring_func="sigmoid", topk_method="noaux_tc")  # fmt: skip
+# DeepSeek-V3.2: DeepSeek-V3's with a lightning indexer of 16 heads of 16 in each layer,
+# each query attending to the 4 earlier positions it scores best (of up to 16 here, 39 in
+# generation). A position whose every head's q . k is negative scores exactly 0 (the
+# ReLU's), and with few heads (4: one in 16 positions) several such positions tie for the
+# last places, which torch.topk breaks by the row's length: transformers' generate then
+# differs from its own forward over the same tokens. DeepseekV32Config counts no
+# multi-token prediction layers.
+DEEPSEEK_V32 = {k: v for k, v in DEEPSEEK_V3.items() if k != "num_nextn_predict_layers"} | dict(
+    index_n_heads=16, index_head_dim=16, index_topk=4)  # fmt: skip
 # Llama 4: 4 layers, experts of 32 beside a shared expert of 32, dense layers of 48
 LLAMA4 = dict(SMALL, num_hidden_layers=4, head_dim=16, intermediate_size=32,
               intermediate_size_mlp=48, num_local_experts=4, num_experts_per_tok=1)  # fmt: skip
@@ -96,6 +105,9 @@ CASES = {
     # DeepSeek-V3: a query latent, sigmoid routing within 1 of 2 groups of 4 experts by
     # score + the correction bias (random, below), weights scaled by 2.5, 1 shared expert
     "deepseek_v3": lambda: transformers.DeepseekV3Config(**DEEPSEEK_V3),
+    # DeepSeek-V3.2: DeepSeek-V3's layers and routing with sparse attention (YaRN scaling
+    # the indexer's rotated channels too)
+    "deepseek_v32": lambda: transformers.DeepseekV32Config(**DEEPSEEK_V32),
     # DeepSeek-V2-Lite: queries from the hidden state, softmax routing without groups or
     # renormalization, 2 shared experts
     "deepseek_v2": lambda: transformers.DeepseekV2Config(
@@ -234,13 +246,14 @@ def test_gpt_oss_generates_past_its_window_ring_through_two_stages_as_transforme
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("case", ["deepseek_v3", "qwen3_moe"])
+@pytest.mark.parametrize("case", ["deepseek_v3", "deepseek_v32", "qwen3_moe"])
 def test_moe_families_generate_at_tp2_x_ep2_as_transformers(tmp_path, case):
     """Generation runs without sequence parallelism: at TP2 each tensor-parallel rank routes
     a share of the tokens (mp_layers' MoELayer), and at TP2 x EP2 greedy tokens equal
     transformers' generate, for the batch of three prompts and for one prompt alone, whose
     decode steps leave one tensor-parallel rank without a token (DeepSeek-V3's
-    group-limited routing then routes a zero row nowhere)."""
+    group-limited routing then routes a zero row nowhere). DeepSeek-V3.2's indexer is
+    whole on each tensor-parallel rank, its heads' attention split."""
     hf = random_hf(CASES[case]())
     hf.save_pretrained(tmp_path / "hf")
     assert main(["import-hf", str(tmp_path / "hf"), str(tmp_path / "ckpt")]) == 0

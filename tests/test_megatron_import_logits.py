@@ -31,6 +31,7 @@ ASSETS = Path(__file__).resolve().parents[1] / "packages/mp-ckpt/tests/assets/me
                                   "llama_torch_dist_tp2_dp2_distopt",
                                   "mla_moe_torch_dist_tp2",
                                   "mla_learned_positions_torch_dist_tp1",
+                                  "mla_dsa_torch_dist_tp1",
                                   "mla_moe_mtp_torch_tp2_ep2",
                                   "llama4_moe_torch_dist_tp2",
                                   "hybrid_torch_dist_tp2", "hybrid_torch_tp2",

@@ -49,6 +49,9 @@ CONFIGS = {
     "deepseek_v2": {"model_type": "deepseek_v2", **MLA, "q_lora_rank": None},
     "deepseek_v3": {"model_type": "deepseek_v3", **MLA, "q_lora_rank": 8, "n_group": 1,
                     "topk_group": 1},
+    "deepseek_v32": {"model_type": "deepseek_v32", **MLA, "q_lora_rank": 8, "n_group": 1,
+                     "topk_group": 1, "index_n_heads": 2, "index_head_dim": 4,
+                     "index_topk": 4},
     "llama4_text": {"model_type": "llama4_text", **LLAMA_STYLE, "head_dim": 4,
                     "intermediate_size": 8, "intermediate_size_mlp": 24,
                     "num_local_experts": 4},
@@ -282,6 +285,9 @@ def test_multi_latent_attention_picks_a_deepseek_family():
     settings = {"position_embedding_type": "rope", "multi_latent_attention": True}
     assert family_of(settings) == "deepseek_v2"
     assert family_of(settings | {"moe_router_score_function": "sigmoid"}) == "deepseek_v3"
+    sparse = settings | {"moe_router_score_function": "sigmoid",
+                         "experimental_attention_variant": "dsa"}  # fmt: skip
+    assert family_of(sparse) == "deepseek_v32"
 
 
 def test_the_megatron_view_of_multi_latent_attention_and_multi_token_prediction():

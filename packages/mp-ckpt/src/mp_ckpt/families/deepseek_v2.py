@@ -83,7 +83,8 @@ def _settings(config: dict) -> dict:
 
 def _config(settings: dict, shapes: dict, tokens: dict, dtype: str) -> dict:
     topk = settings["moe_router_topk"]
-    check_computes(settings, "deepseek_v2", {"moe_router_score_function": "softmax",
+    check_computes(settings, "deepseek_v2", {"experimental_attention_variant": None,
+                                             "moe_router_score_function": "softmax",
                                              "moe_router_pre_softmax": True,
                                              "moe_router_enable_expert_bias": False})  # fmt: skip
     limit = groups_kept(settings)

@@ -44,9 +44,9 @@ from mp_ckpt.families.moe import unfuse_experts
 from mp_ckpt.families.moe_settings import check_group_rank, sigmoid_routing
 from mp_ckpt.families.table import Family, Rule
 
-__all__ = ["FAMILY"]
+__all__ = ["DEFAULTS", "FAMILY", "RULES", "v3_config", "v3_settings"]
 
-_DEFAULTS = {
+DEFAULTS = {
     "max_position_embeddings": 4096, "intermediate_size": 18432, "moe_intermediate_size": 2048,
     "first_k_dense_replace": 3, "q_lora_rank": 1536, "kv_lora_rank": 512,
     "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
@@ -71,12 +71,19 @@ RULES = (
 
 
 def _settings(config: dict) -> dict:
+    refuse(config, "rope_interleave", True)
+    return v3_settings(config, DEFAULTS, "DeepSeek-V3")
+
+
+def v3_settings(config: dict, defaults: dict, arch: str) -> dict:
+    """The settings of a config.json of DeepSeek-V3's layers, routing and multi-token
+    prediction (DeepSeek-V3.2's too: deepseek_v32.py); `defaults` are the family's for the
+    keys config.json may omit, `arch` its name in errors."""
     refuse(config, "scoring_func", "sigmoid")
     refuse(config, "topk_method", "noaux_tc")
-    refuse(config, "rope_interleave", True)
-    base = deepseek_settings(config, _DEFAULTS)
+    base = deepseek_settings(config, defaults)
     routing = sigmoid_routing(config, base["num_moe_experts"], base["moe_router_topk"],
-                              _DEFAULTS, "DeepSeek-V3")  # fmt: skip
+                              defaults, arch)  # fmt: skip
     mtp = config.get("num_nextn_predict_layers") or 0
     if mtp and not base["untie_embeddings_and_output_weights"]:
         raise ValueError(
@@ -109,19 +116,29 @@ def _held(config: dict, names) -> dict:
 
 
 def _config(settings: dict, shapes: dict, tokens: dict, dtype: str) -> dict:
-    check_computes(settings, "deepseek_v3", {"moe_router_score_function": "sigmoid",
-                                             "moe_router_enable_expert_bias": True})  # fmt: skip
-    groups, kept = check_group_rank(settings, "DeepSeek-V3")
+    # (DeepSeek's sparse attention, "dsa", is DeepSeek-V3.2's: deepseek_v32.py)
+    check_computes(settings, "deepseek_v3", {"experimental_attention_variant": None})
+    return v3_config(settings, shapes, tokens, dtype, "deepseek_v3", "DeepSeek-V3") | {
+        "architectures": ["DeepseekV3ForCausalLM"], "rope_interleave": True,
+    }  # fmt: skip
+
+
+def v3_config(settings: dict, shapes: dict, tokens: dict, dtype: str, model_type: str,
+              arch: str) -> dict:  # fmt: skip
+    """The config.json of DeepSeek-V3's layers, routing and multi-token prediction under
+    `model_type` (`arch`: its name in errors)."""
+    check_computes(settings, model_type, {"moe_router_score_function": "sigmoid",
+                                          "moe_router_enable_expert_bias": True})  # fmt: skip
+    groups, kept = check_group_rank(settings, arch)
     mtp = settings.get("mtp_num_layers") or 0
     if mtp and shapes["tied"]:
         raise ValueError(
             f"model_config mtp_num_layers={mtp} with a tied output layer: DeepSeek's "
             "multi-token prediction layers hold a copy of a separate one"
         )
-    return deepseek_config(settings, shapes, tokens, dtype, "deepseek_v3") | {
-        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
-        "n_group": groups, "topk_group": kept, "norm_topk_prob": settings["moe_router_topk"] > 1,
-        "rope_interleave": True, "num_nextn_predict_layers": mtp,
+    return deepseek_config(settings, shapes, tokens, dtype, model_type) | {
+        "model_type": model_type, "n_group": groups, "topk_group": kept,
+        "norm_topk_prob": settings["moe_router_topk"] > 1, "num_nextn_predict_layers": mtp,
         "scoring_func": "sigmoid", "topk_method": "noaux_tc",
     }  # fmt: skip
 

@@ -18,6 +18,9 @@ mp (decoder.layers.{i}.)                       Megatron-LM, where it differs
     self_attention.linear_kv_down_proj.weight   Megatron's local spec's; its TE spec's
     self_attention.linear_kv_up_proj.weight     names are aliases: megatron_view.py)
     self_attention.kv_layernorm.{weight,bias}
+    self_attention.core_attention.indexer.{linear_wq_b.weight, linear_wk.weight,
+        k_norm.{weight,bias}, linear_weights_proj.weight}   (DeepSeek's sparse attention's
+                                               indexer, whole on every TP rank)
     self_attention.core_attention.softmax_offset
     pre_mlp_layernorm.{weight,bias}
     mlp.linear_fc1.{gate,up}.{weight,bias}     mlp.linear_fc1.*, fused (gated MLP)
@@ -48,6 +51,10 @@ _QKV = "self_attention.linear_qkv"
 _MLA = ("linear_q_proj", "linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj",
         "linear_kv_up_proj")  # fmt: skip
 _PARTS = ("weight", "bias")
+# DeepSeek's sparse attention's indexer (mp_layers' and Megatron's names alike)
+_INDEXER = "self_attention.core_attention.indexer."
+_INDEXER_TENSORS = ("linear_wq_b.weight", "linear_wk.weight", "k_norm.weight", "k_norm.bias",
+                    "linear_weights_proj.weight")  # fmt: skip
 # a gated DeltaNet's in_proj parts (conv1d's: the first three)
 _GDN_IN = ("query", "key", "value", "z", "beta", "alpha")
 
@@ -101,6 +108,7 @@ RULES = (
            "layer"),
     *_same([*(f"self_attention.{m}.weight" for m in _MLA),
             *_both("self_attention.kv_layernorm")], "layer"),
+    *_same([_INDEXER + name for name in _INDEXER_TENSORS], "layer"),
     *_fc1("mlp.linear_fc1", None, "dense"),
     *_same(_both("mlp.linear_fc2"), "dense"),
     *_same([*_both("mlp.router"), "mlp.router.expert_bias", "mlp.router.qb_beta"], "moe"),

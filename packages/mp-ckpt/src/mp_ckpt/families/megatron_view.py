@@ -77,7 +77,7 @@ import torch
 
 from mp_ckpt import families
 from mp_ckpt.families import gpt_model
-from mp_ckpt.families.table import Dims, Family, Rule, Scope
+from mp_ckpt.families.table import Dims, Family, Rule, Scope, has_gated_delta_net_layers
 
 __all__ = ["MegatronTensor", "MegatronView", "megatron_name", "megatron_view", "split_name"]
 
@@ -298,9 +298,8 @@ def megatron_view(settings: dict, family: Family | None = None) -> MegatronView:
             if all(mp_name != name for name, _ in held):  # one tensor of several layer kinds
                 held.append((mp_name, rule.scope))
     both = mla or bool(settings.get("hybrid_layer_pattern"))
-    gdn = bool(settings.get("experimental_attention_variant")) or "G" in (
-        settings.get("hybrid_layer_pattern") or ""
-    )
+    pattern = settings.get("hybrid_layer_pattern") or ""
+    gdn = has_gated_delta_net_layers(settings) or "G" in pattern
     return MegatronView(
         tuple(_tensor(name, held, mla, both, gdn) for (_, name), held in grouped.items())
     )

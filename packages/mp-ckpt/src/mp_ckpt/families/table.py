@@ -59,6 +59,7 @@ __all__ = [
     "Family",
     "Rule",
     "flat",
+    "has_gated_delta_net_layers",
     "heads_flat",
     "is_linear_attention_layer",
     "is_moe_layer",
@@ -161,7 +162,7 @@ def _linear_dims(settings: dict) -> dict:
     """The gated DeltaNet widths (TransformerConfig's defaults for those not given), where
     the model has DeltaNets (Qwen3-Next's layers, a hybrid pattern's G layers)."""
     pattern = settings.get("hybrid_layer_pattern") or ""
-    if not settings.get("experimental_attention_variant") and "G" not in pattern:
+    if not has_gated_delta_net_layers(settings) and "G" not in pattern:
         return {}
     return {"linear_key_heads": settings.get("linear_num_key_heads") or 16,
             "linear_key_dim": settings.get("linear_key_head_dim") or 128,
@@ -169,11 +170,21 @@ def _linear_dims(settings: dict) -> dict:
             "linear_value_dim": settings.get("linear_value_head_dim") or 128}  # fmt: skip
 
 
+GATED_DELTA_NET = ("gdn", "gated_delta_net")
+"""experimental_attention_variant's names of gated DeltaNet layers (mp's, megatron-core's);
+its "dsa", DeepSeek's sparse attention, is softmax attention in every layer."""
+
+
+def has_gated_delta_net_layers(settings: dict) -> bool:
+    """Whether the settings' linear_attention_freq layers are gated DeltaNets."""
+    return settings.get("experimental_attention_variant") in GATED_DELTA_NET
+
+
 def is_linear_attention_layer(settings: dict, i: int) -> bool:
     """Whether layer i's attention is a gated DeltaNet, read as TransformerConfig reads
     linear_attention_freq: an integer N makes layer i softmax attention where (i + 1) % N
     is 0; else a 0/1 entry per layer."""
-    if not settings.get("experimental_attention_variant"):
+    if not has_gated_delta_net_layers(settings):
         return False
     freq = settings.get("linear_attention_freq")
     if isinstance(freq, int):
@@ -205,7 +216,7 @@ def layer_scopes(settings: dict, i: int) -> tuple[Scope, ...]:
     if pattern:
         return (HYBRID_SCOPES[split_hybrid_pattern(pattern)[0][i]],)
     mlp: Scope = "moe" if is_moe_layer(settings, i) else "dense"
-    if settings.get("experimental_attention_variant"):
+    if has_gated_delta_net_layers(settings):
         attention: Scope = (
             "linear_attention" if is_linear_attention_layer(settings, i) else "full_attention"
         )

@@ -11,10 +11,10 @@ else the one its settings describe (families.family_of). Settings the tensors do
 show (norm epsilon, activation, rotary base and scaling, ...) come from the
 checkpoint's common["model_config"] (Megatron names), completed by
 common["config"]["model"] (the training run's TransformerConfig); the shapes (of
-multi-latent attention: every width but the number of heads), an untied output layer,
-q/k/v biases, which layers have experts and the multi-token prediction modules come
-from the tensors; so do a hybrid model's layer pattern (its multi-token prediction
-modules' layers too) and Mamba widths.
+multi-latent attention: every width but the number of heads; of its indexer: all but
+the top k), an untied output layer, q/k/v biases, which layers have experts and the
+multi-token prediction modules come from the tensors; so do a hybrid model's layer
+pattern (its multi-token prediction modules' layers too) and Mamba widths.
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ __all__ = ["TensorSource", "export_hf", "write_hf"]
 _DEFAULT_SHARD_BYTES = 5 * 2**30
 _QKV = "self_attention.linear_qkv.q"
 _MLA = "decoder.layers.0.self_attention."
+_INDEXER = _MLA + "core_attention.indexer."
 _MTP_SUBLAYER = "mtp.layers.0.mtp_model_layer.layers.{j}."
 """Sublayer j of a hybrid model's first multi-token prediction module."""
 _MTP_SUBLAYER_KEY = re.compile(r"^mtp\.layers\.0\.mtp_model_layer\.layers\.(\d+)\.")
@@ -230,7 +231,8 @@ def _hybrid_kind(keys: list[str], prefix: str, what: str) -> str:
 def _mla_from_tensors(reader: TensorSource, keys: list[str], settings: dict) -> dict:
     """Multi-latent attention's widths from its tensors, given the number of heads n:
     linear_kv_down_proj [r + dr, h], linear_kv_up_proj [n (dn + dv), r], the query
-    projection [n (dn + dr), h or q_lora_rank], linear_proj [h, n dv]."""
+    projection [n (dn + dr), h or q_lora_rank], linear_proj [h, n dv]; and its sparse
+    attention's indexer, where it has one."""
     heads = settings.get("num_attention_heads")
     if not heads:
         raise ValueError("model_config has no num_attention_heads: the tensors of multi-latent "
@@ -256,10 +258,17 @@ def _mla_from_tensors(reader: TensorSource, keys: list[str], settings: dict) -> 
             f"query, {kv_rows // heads} key/value and {dv} value channels with "
             f"{dr} rotary channels"
         )
-    return {"multi_latent_attention": True, "num_attention_heads": heads,
-            "num_query_groups": heads, "hidden_size": h, "q_lora_rank": q_lora,
-            "kv_lora_rank": r, "qk_head_dim": dn, "qk_pos_emb_head_dim": dr, "v_head_dim": dv,
-            "qk_layernorm": f"{_MLA}kv_layernorm.weight" in keys}  # fmt: skip
+    shown = {"multi_latent_attention": True, "num_attention_heads": heads,
+             "num_query_groups": heads, "hidden_size": h, "q_lora_rank": q_lora,
+             "kv_lora_rank": r, "qk_head_dim": dn, "qk_pos_emb_head_dim": dr, "v_head_dim": dv,
+             "qk_layernorm": f"{_MLA}kv_layernorm.weight" in keys}  # fmt: skip
+    if f"{_INDEXER}linear_wk.weight" in keys:  # DeepSeek's sparse attention: wk [di, h],
+        # weights_proj [Hi, h] (its top k the tensors do not show)
+        shown |= {"experimental_attention_variant": "dsa",
+                  "dsa_indexer_head_dim": reader.shape(f"{_INDEXER}linear_wk.weight")[0],
+                  "dsa_indexer_n_heads":
+                      reader.shape(f"{_INDEXER}linear_weights_proj.weight")[0]}  # fmt: skip
+    return shown
 
 
 def _check_layer_kinds(fam: Family, settings: dict) -> None:

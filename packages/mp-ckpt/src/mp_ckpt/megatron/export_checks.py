@@ -67,6 +67,13 @@ def check_exportable(
     if layers % pp:
         raise ValueError(f"--pipeline-model-parallel-size {pp} does not divide num_layers "
                          f"{layers}")  # fmt: skip
+    if fmt == "torch" and tp > 1 and settings.get("experimental_attention_variant") == "dsa":
+        raise ValueError(
+            f"--ckpt-format torch at --tensor-model-parallel-size {tp} with "
+            "experimental_attention_variant 'dsa': megatron-core builds DeepSeek's sparse "
+            "attention with Transformer Engine's spec alone, whose down projections the legacy "
+            "files hold whole on every rank, where mp writes the local spec's; write torch_dist"
+        )
     if fmt == "torch" and settings.get("multi_latent_attention"):
         # the local spec's down projections are column-parallel: TP splits their rows
         rows = latent_rows(argparse.Namespace(**{**MLA_COPIED, **settings}))

@@ -4,10 +4,13 @@ experimental_attention_variant "gated_delta_net", megatron-core 0.19's name, rea
 mp's "gdn"), `linear_attention_args(settings)` writes them back ("gated_delta_net", which
 megatron-core 0.19 and later read). `gdn_parts(args)` gives the rows of each part of a
 DeltaNet's fused in_proj (query, key, value, z, beta, alpha) and conv1d (query, key,
-value), all TP ranks together.
+value), all TP ranks together. DeepSeek's sparse attention, the variant "dsa", is
+sparse_attention.py's.
 """
 
 from __future__ import annotations
+
+from mp_ckpt.families.table import has_gated_delta_net_layers
 
 __all__ = ["gdn_parts", "linear_attention_args", "linear_attention_settings"]
 
@@ -23,11 +26,11 @@ def linear_attention_settings(args, where: str = "args") -> dict:
     if getattr(args, "attention_output_gate", False):
         settings["attention_output_gate"] = True
     variant = getattr(args, "experimental_attention_variant", None)
-    if variant is None:  # a hybrid model's G layers have the widths alone
+    if variant in (None, "dsa"):  # a hybrid model's G layers have the widths alone
         return settings | (_widths(args) if _hybrid_gdn(args) else {})
     if variant not in _VARIANTS:
         raise ValueError(f"{where}: experimental_attention_variant={variant!r}: mp imports "
-                         "only gated_delta_net (gdn)")  # fmt: skip
+                         "gated_delta_net (gdn) and dsa")  # fmt: skip
     freq = getattr(args, "linear_attention_freq", None)
     if freq is None:
         raise ValueError(f"{where}: experimental_attention_variant={variant!r} without "
@@ -53,7 +56,7 @@ def linear_attention_args(settings: dict) -> dict:
     """Megatron's args of the settings' gated DeltaNet layers and gated attention."""
     values = {"attention_output_gate": bool(settings.get("attention_output_gate", False)),
               "experimental_attention_variant": None, "linear_attention_freq": None}  # fmt: skip
-    if not settings.get("experimental_attention_variant"):
+    if not has_gated_delta_net_layers(settings):  # (sparse_attention.py writes "dsa")
         if _hybrid_gdn(settings):  # a hybrid model's G layers: the widths alone
             values |= {name: settings.get(name, default) for name, default in _WIDTHS.items()}
         return values
@@ -66,7 +69,8 @@ def linear_attention_args(settings: dict) -> dict:
 
 def gdn_parts(args) -> dict[str, list[int]]:
     """The rows of each part of a DeltaNet's in_proj and conv1d ({} without DeltaNets)."""
-    if getattr(args, "experimental_attention_variant", None) is None and not _hybrid_gdn(args):
+    variant = getattr(args, "experimental_attention_variant", None)
+    if variant not in _VARIANTS and not _hybrid_gdn(args):
         return {}
     widths = _widths(args)
     keys = widths["linear_num_key_heads"] * widths["linear_key_head_dim"]

@@ -20,17 +20,23 @@ __all__ = ["megatron_param_order"]
 
 # Order of a layer's parameters in Megatron's modules (registration order). A prefix ending
 # in "." takes the suffixes of _SUFFIX_ORDER; another entry is a parameter's whole name.
-# Multi-latent attention registers linear_proj, then its projections (linear_q_proj, or
-# linear_q_down_proj and linear_q_up_proj; linear_kv_down_proj, linear_kv_up_proj), then its
-# latent norms. A hybrid model's Mamba layer: its mixer's own parameters (conv1d's, dt_bias,
-# A_log, D) before its modules' (in_proj, the gated norm, out_proj), then the layer's norm
-# (the local spec's; Transformer Engine's is in_proj's layer_norm_weight). A gated
-# DeltaNet (a layer's self_attention) registers dt_bias and A_log itself, before its modules
-# in_proj, conv1d, out_norm and out_proj.
+# Multi-latent attention registers its core attention (with DeepSeek's sparse attention, the
+# indexer: linear_wq_b, linear_wk, k_norm, linear_weights_proj), linear_proj, then its
+# projections (linear_q_proj, or linear_q_down_proj and linear_q_up_proj;
+# linear_kv_down_proj, linear_kv_up_proj), then its latent norms. A hybrid model's Mamba
+# layer: its mixer's own parameters (conv1d's, dt_bias, A_log, D) before its modules'
+# (in_proj, the gated norm, out_proj), then the layer's norm (the local spec's; Transformer
+# Engine's is in_proj's layer_norm_weight). A gated DeltaNet (a layer's self_attention)
+# registers dt_bias and A_log itself, before its modules in_proj, conv1d, out_norm and
+# out_proj.
 _LAYER_ORDER = (
     "input_layernorm.",
     "self_attention.dt_bias", "self_attention.A_log", "self_attention.in_proj.",
     "self_attention.conv1d.", "self_attention.out_norm.", "self_attention.out_proj.",
+    "self_attention.core_attention.indexer.linear_wq_b.",
+    "self_attention.core_attention.indexer.linear_wk.",
+    "self_attention.core_attention.indexer.k_norm.",
+    "self_attention.core_attention.indexer.linear_weights_proj.",
     "self_attention.linear_proj.", "self_attention.linear_qkv.",
     "self_attention.linear_q_proj.", "self_attention.linear_q_down_proj.",
     "self_attention.linear_q_up_proj.", "self_attention.linear_kv_down_proj.",

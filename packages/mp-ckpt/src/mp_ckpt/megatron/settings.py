@@ -4,7 +4,8 @@
 
 A setting mp does not compute the same way (heterogeneous layers, several load-balancing
 losses, ...) is refused with its name and value.
-Multi-latent attention's settings are its widths and rotary embeddings (_mla_settings);
+Multi-latent attention's settings are its widths and rotary embeddings (_mla_settings),
+with DeepSeek's sparse attention its indexer's (sparse_attention.py);
 multi-token prediction's its number of modules and its loss scale; a hybrid model's
 its layer pattern and Mamba widths (_hybrid_settings).
 """
@@ -12,6 +13,7 @@ its layer pattern and Mamba widths (_hybrid_settings).
 from __future__ import annotations
 
 from mp_ckpt.megatron.linear_attention import linear_attention_settings
+from mp_ckpt.megatron.sparse_attention import sparse_attention_settings
 
 __all__ = [
     "MAMBA_COPIED",
@@ -147,6 +149,7 @@ def model_config_from_megatron(args, vocab_size: int, where: str = "args") -> di
             settings["mtp_use_repeated_layer"] = True
     settings |= _hybrid_settings(args, epsilon, where)
     settings |= linear_attention_settings(args, where)  # gated DeltaNet layers (Qwen3-Next)
+    settings |= sparse_attention_settings(args, where)  # DeepSeek's sparse attention (V3.2)
     if settings.get("hybrid_layer_pattern") and "/" not in settings["hybrid_layer_pattern"]:
         # a hybrid model's modules come from the pattern's "/" parts alone
         for name in ("mtp_num_layers", "mtp_loss_scaling_factor", "mtp_use_repeated_layer"):

@@ -24,7 +24,10 @@ torch_dist its latent norms are written under the local spec's names and, beside
 the TE spec's (q_layernorm also as linear_q_up_proj.layer_norm_weight, kv_layernorm as
 linear_kv_up_proj.layer_norm_weight, pre_mlp_layernorm as linear_fc1.layer_norm_weight)
 so that either spec loads it (megatron_view.py); the legacy files have the local spec's
-names and its layout (the down projections split on rows over TP).
+names and its layout (the down projections split on rows over TP). DeepSeek's sparse
+attention adds its indexer (self_attention.core_attention.indexer.*), whole on every TP
+rank; megatron-core builds it with Transformer Engine's spec alone, so its legacy files
+are written at TP 1 only (export_checks.py).
 
 A hybrid model is written as megatron-core's HybridModel saves it: in torch_dist layer
 by layer (its layers differ), each Mamba mixer's in_proj and conv1d as their parts
@@ -72,6 +75,7 @@ from mp_ckpt.megatron.settings import (
     YARN_ARGS,
     gated,
 )
+from mp_ckpt.megatron.sparse_attention import sparse_attention_args
 from mp_ckpt.megatron.tp_layout import mamba_parts, tp_piece
 
 __all__ = ["export_megatron", "megatron_args", "megatron_from_logical"]
@@ -80,8 +84,8 @@ CHECKPOINT_VERSION = 3.0
 _LINEAR_WEIGHT = re.compile(
     r"^((?:decoder|mtp)\.layers\..*\.(?:linear_qkv|linear_proj|linear_fc[12]|linear_q_proj"
     r"|linear_q_down_proj|linear_q_up_proj|linear_kv_down_proj|linear_kv_up_proj|eh_proj"
-    r"|mixer\.in_proj|mixer\.out_proj|self_attention\.in_proj|self_attention\.out_proj))"
-    r"\.weight$"
+    r"|mixer\.in_proj|mixer\.out_proj|self_attention\.in_proj|self_attention\.out_proj"
+    r"|indexer\.linear_wq_b|indexer\.linear_wk|indexer\.linear_weights_proj))\.weight$"
 )
 # The experts' stacked tensors (torch_dist names): [E, ...]
 _STACKED_EXPERTS = re.compile(
@@ -181,6 +185,7 @@ def megatron_args(settings: dict, *, ckpt_format: str, tp: int, pp: int, iterati
         "mtp_use_repeated_layer": bool(settings.get("mtp_use_repeated_layer", False)),
         **_hybrid_args(settings),
         **linear_attention_args(settings),
+        **sparse_attention_args(settings),
         "consumed_train_samples": 0, "skipped_train_samples": 0, "consumed_valid_samples": 0,
         "data_parallel_random_init": False,
     }  # fmt: skip
@@ -375,7 +380,8 @@ def _write_torch_dist(work: Path, tensors: dict[str, torch.Tensor], args, iterat
     # Megatron stacks the layers on a leading axis unless they differ (some MoE, some dense;
     # a hybrid model's; some with gated DeltaNets)
     stack = not isinstance(getattr(args, "moe_layer_freq", 1), list)
-    stack = stack and not args.hybrid_layer_pattern and not args.experimental_attention_variant
+    stack = stack and not args.hybrid_layer_pattern
+    stack = stack and args.experimental_attention_variant != "gated_delta_net"
     stacked: dict[str, list] = {}
     state: dict[str, object] = {}
     for key, tensor in tensors.items():

@@ -100,6 +100,11 @@ LLAMA4 = [*LLAMA, "--num-layers", "4", "--init-method-std", "0.1",  # (the last 
           "--moe-token-dispatcher-type", "allgather",
           "--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", "0.001",
           "--no-save-optim", "--no-save-rng"]  # fmt: skip
+# DeepSeek-V3.2's sparse attention on the DeepSeek-shaped model: each layer's lightning
+# indexer (4 heads of 16 channels) chooses 6 of the 16 positions; the indexer loss trains it.
+DSA = ("--experimental-attention-variant", "dsa", "--dsa-indexer-n-heads", "4",
+       "--dsa-indexer-head-dim", "16", "--dsa-indexer-topk", "6",
+       "--dsa-indexer-loss-coeff", "0.01")  # fmt: skip
 # The DeepSeek-shaped model with its Adam and RNG states saved.
 MLA_STATE = [a for a in MLA if a not in ("--no-save-optim", "--no-save-rng")]
 # and with two load-balancing losses (Megatron's lists): the Switch-style one over the
@@ -230,6 +235,7 @@ CASES = {
     "llama_torch_pp2_dp2_distopt": Case(LLAMA, "torch", 1, 2, True, dp=2, extra=BUCKETS),
     "llama_torch_dist_tp2_dp2_distopt": Case(LLAMA, "torch_dist", 2, 1, True, dp=2, extra=BUCKETS),
     "mla_moe_torch_dist_tp2": Case(MLA, "torch_dist", 2, 1, False, extra=(*MLA_Q_LORA_YARN, *SP)),
+    "mla_dsa_torch_dist_tp1": Case(MLA, "torch_dist", 1, 1, False, extra=(*MLA_Q_LORA_YARN, *DSA)),
     "mla_learned_positions_torch_dist_tp1": Case(
         MLA_LEARNED, "torch_dist", 1, 1, False, extra=MLA_Q_LORA_YARN
     ),

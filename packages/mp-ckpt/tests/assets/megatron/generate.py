@@ -150,6 +150,7 @@ def build(args, seed):
     import dataclasses
 
     import torch
+    from dsa import dsa_decoder_spec, install_dsa_standins
     from gdn import gdn_decoder_spec
     from hybrid import hybrid_module
     from megatron.core import parallel_state as ps
@@ -177,7 +178,10 @@ def build(args, seed):
 
     torch.manual_seed(seed)  # use_cpu_initialization draws the full weights from this generator
     config = core_transformer_config_from_args(args)
-    if args.experimental_attention_variant:  # gated DeltaNet layers (gdn.py)
+    if args.experimental_attention_variant == "dsa":  # DeepSeek sparse attention (dsa.py)
+        install_dsa_standins()
+        spec = dsa_decoder_spec(config, args.normalization)
+    elif args.experimental_attention_variant:  # gated DeltaNet layers (gdn.py)
         spec = gdn_decoder_spec(config, args.normalization)
     elif args.num_experts:  # per-layer specs (MoE or dense), as pretrain_gpt.py builds them
         spec = get_gpt_decoder_block_spec(
