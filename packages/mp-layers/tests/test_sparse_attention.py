@@ -10,7 +10,8 @@ import os
 import pytest
 import torch
 
-from mp_layers import LOCAL_SPEC, ModelGroups, TransformerConfig
+from mp_layers import LOCAL_SPEC, GPTModel, ModelGroups, TransformerConfig
+from mp_layers.config_dsa import dsa_choice_source
 from mp_layers.moe.aux_losses import AuxLossScale
 from mp_layers.transformer.kv_cache import KVCache
 from mp_layers.transformer.multi_latent_attention import MultiLatentAttention
@@ -228,7 +229,9 @@ NO_YARN = dict(yarn_rotary_scaling_factor=1.0, yarn_original_max_position_embedd
         (dict(dsa_indexer_head_dim=2, dsa_indexer_rotate_activation=False),
          r"dsa_indexer_head_dim=2 < qk_pos_emb_head_dim=4"),
         (dict(dsa_kernel_backend="tilelang"), r"dsa_kernel_backend='tilelang' needs Megatron"),
-        (dict(dsa_indexer_topk_freq=2), r"dsa_indexer_topk_freq=2, .*which mp does not"),
+        (dict(dsa_indexer_topk_freq=2, mtp_num_layers=1),
+         r"dsa_indexer_topk_freq=2 with mtp_num_layers=1"),
+        (dict(dsa_indexer_skip_topk_offset=-1), r"dsa_indexer_skip_topk_offset=-1 must be"),
         (dict(dsa_indexer_loss_coeff=-1.0), r"dsa_indexer_loss_coeff=-1.0 must be >= 0"),
         (dict(add_bias_linear=True), r"add_bias_linear=True with experimental_attention"),
         (dict(experimental_attention_variant=None), r"dsa_indexer_n_heads=4 needs experimental"),
@@ -242,3 +245,65 @@ def test_dsa_configuration_is_checked(changes, message):
 def test_dsa_refuses_context_parallelism():
     with pytest.raises(ValueError, match=r"context_parallel_size=2 with experimental_"):
         mp_config().check_parallel(1, 2)
+
+
+def sharing_model(**changes) -> GPTModel:
+    """Four layers, the choice shared (freq 2, offset 1): layers 1 and 3 choose, 2 and 4
+    reuse 1's and 3's (1-based; Megatron's rule). 16 indexer heads, so that no key scores
+    exactly 0 in every head (chosen_positions: ties)."""
+    config = mp_config(num_layers=4, dsa_indexer_topk_freq=2, dsa_indexer_skip_topk_offset=1,
+                       init_method_std=0.2, dsa_indexer_n_heads=16, **changes)  # fmt: skip
+    torch.manual_seed(6)
+    return GPTModel(config, "local", 64, SEQ, groups=ModelGroups.single(),
+                    parallel_output=False).eval()  # fmt: skip
+
+
+def test_layers_that_share_attend_to_their_sources_choice():
+    assert [
+        dsa_choice_source(mp_config(dsa_indexer_topk_freq=3, dsa_indexer_skip_topk_offset=2), layer)
+        for layer in range(8)
+    ] == [0, 1, 1, 1, 4, 4, 4, 7]
+    gpt = sharing_model()
+    attentions = [layer.self_attention for layer in gpt.decoder.layers]
+    assert [a.indexer is not None for a in attentions] == [True, False, True, False]
+    names = {n for n in gpt.sharded_state_dict() if ".indexer." in n}
+    assert {int(n.split(".")[2]) for n in names} == {0, 2}
+    masks = {}
+    for i, attention in enumerate(attentions):
+        attention.core_attention.register_forward_pre_hook(
+            lambda module, args, i=i: masks.__setitem__(i, args[3])
+        )
+    tokens = torch.randint(0, 64, (2, SEQ), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        gpt(tokens)
+    assert torch.equal(masks[1], masks[0]) and torch.equal(masks[3], masks[2])
+    assert not torch.equal(masks[2], masks[0])  # layer 3 chose for itself
+    assert int((~masks[2][:, :, -1]).sum(-1).max()) == TOPK  # the last query: TOPK positions
+
+
+def test_shared_choices_generate_through_a_cache_as_the_whole_sequence():
+    gpt = sharing_model()
+    tokens = torch.randint(0, 64, (1, SEQ), generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        whole = gpt(tokens)[0]
+        cache = KVCache(torch.zeros(1, dtype=torch.long), SEQ)
+        steps = [gpt(tokens[:, :9], kv_cache=cache)[0, -1]]
+        steps += [gpt(tokens[:, i : i + 1], kv_cache=cache)[0, -1] for i in range(9, SEQ)]
+    torch.testing.assert_close(torch.stack(steps), whole[8:], rtol=1e-5, atol=1e-5)
+
+
+def test_a_stage_must_hold_the_layer_whose_choice_it_reuses():
+    config = mp_config(num_layers=4, dsa_indexer_topk_freq=2, dsa_indexer_skip_topk_offset=1)
+    with pytest.raises(ValueError, match=r"layer 2 reuses the positions layer 1 chooses"):
+        GPTModel(config, "local", 64, SEQ, groups=ModelGroups.single(), layer_offset=1,
+                 num_layers=2, pre_process=False)  # fmt: skip
+    GPTModel(
+        config,
+        "local",
+        64,
+        SEQ,
+        groups=ModelGroups.single(),
+        layer_offset=2,
+        num_layers=2,
+        pre_process=False,
+    )  # layers 3 and 4: 3 chooses

@@ -17,7 +17,15 @@ from mp_layers.config_rules import choice, left_default, positive
 if TYPE_CHECKING:
     from mp_layers.config import TransformerConfig
 
-__all__ = ["DsaConfig", "check_dsa", "check_dsa_parallel", "uses_dsa"]
+__all__ = [
+    "DsaConfig",
+    "check_dsa",
+    "check_dsa_parallel",
+    "check_dsa_sources",
+    "dsa_choice_source",
+    "shares_dsa_choice",
+    "uses_dsa",
+]
 
 
 @dataclass(kw_only=True)
@@ -37,11 +45,14 @@ class DsaConfig:
     indexer scores highest (DeepSeek-V3.2: 2048); needed with "dsa"."""
 
     dsa_indexer_topk_freq: int = 1
-    """Megatron's cross-layer sharing of the chosen positions (GLM-5): a value above 1 is
-    refused, naming what it needs."""
+    """Cross-layer sharing of the chosen positions (Megatron's; GLM-5's "shared" indexer
+    layers): with f > 1 and o = max(dsa_indexer_skip_topk_offset, 1), the layer of 1-based
+    number L > o has an indexer when (L - o) is a multiple of f, and the others attend to
+    the positions their last such layer (L - (L - o) mod f) chose, holding no indexer; the
+    layers up to o each have their own. 1: every layer its own."""
 
     dsa_indexer_skip_topk_offset: int = 0
-    """The first layer of that sharing (with dsa_indexer_topk_freq > 1, refused)."""
+    """The o of dsa_indexer_topk_freq's sharing: the layers up to it keep their indexers."""
 
     dsa_indexer_loss_coeff: float | None = None
     """The weight of the indexer's training loss: the KL divergence from the main
@@ -124,11 +135,13 @@ def check_dsa(config: TransformerConfig) -> None:
         )
     freq, offset = config.dsa_indexer_topk_freq, config.dsa_indexer_skip_topk_offset
     positive("dsa_indexer_topk_freq", freq)
-    if freq > 1 or offset:
+    if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
+        raise ValueError(f"dsa_indexer_skip_topk_offset={offset!r} must be an integer >= 0")
+    if freq > 1 and config.mtp_num_layers:
         raise ValueError(
-            f"dsa_indexer_topk_freq={freq}, dsa_indexer_skip_topk_offset={offset}: sharing "
-            "one layer's chosen positions with the next layers needs them carried per "
-            "micro-batch between layers, which mp does not implement; leave 1 and 0"
+            f"dsa_indexer_topk_freq={freq} with mtp_num_layers={config.mtp_num_layers}: a "
+            "multi-token prediction module's layer is shaped as the last decoder layer, "
+            "whose choice it would reuse across modules; not implemented"
         )
     head_dim = config.dsa_indexer_head_dim
     if head_dim < config.qk_pos_emb_head_dim:
@@ -157,6 +170,38 @@ def check_dsa(config: TransformerConfig) -> None:
         if value:
             raise ValueError(f"{name}={value!r} with experimental_attention_variant='dsa': "
                              f"{why}")  # fmt: skip
+
+
+def shares_dsa_choice(config: TransformerConfig) -> bool:
+    """Whether some layers reuse another layer's chosen positions (dsa_indexer_topk_freq)."""
+    return uses_dsa(config) and config.dsa_indexer_topk_freq > 1
+
+
+def dsa_choice_source(config: TransformerConfig, layer: int) -> int:
+    """The 0-based number of the layer whose chosen positions the 0-based `layer` attends
+    to: its own, or with dsa_indexer_topk_freq > 1 its source's (Megatron's rule, the
+    field's docstring)."""
+    freq, offset = config.dsa_indexer_topk_freq, max(config.dsa_indexer_skip_topk_offset, 1)
+    number = layer + 1
+    if freq == 1 or number <= offset:
+        return layer
+    return number - (number - offset) % freq - 1
+
+
+def check_dsa_sources(config: TransformerConfig, layers: list[int]) -> None:
+    """A model chunk of these 0-based layers holds each source its layers reuse (Megatron's
+    rule: a pipeline stage, or virtual chunk, starts on a layer with an indexer)."""
+    held = set(layers)
+    for layer in layers:
+        source = dsa_choice_source(config, layer)
+        if source not in held:
+            raise ValueError(
+                f"layer {layer + 1} reuses the positions layer {source + 1} chooses "
+                f"(dsa_indexer_topk_freq={config.dsa_indexer_topk_freq}, "
+                f"dsa_indexer_skip_topk_offset={config.dsa_indexer_skip_topk_offset}), "
+                "which another pipeline stage holds: split the stages so that each starts "
+                "on a layer with an indexer"
+            )
 
 
 def check_dsa_parallel(config: TransformerConfig, cp: int) -> None:

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 from mp_ckpt import ShardedTensor
 from mp_layers.config import TransformerConfig
+from mp_layers.config_dsa import check_dsa_sources, shares_dsa_choice
 from mp_layers.context_parallel import local_positions, shard_sequence
 from mp_layers.groups import ModelGroups
 from mp_layers.moe.aux_losses import attach
@@ -159,6 +160,8 @@ class GPTModel(torch.nn.Module):
         for module in self.modules():  # the sparse-attention indexers' losses follow it too
             if isinstance(module, LightningIndexer):
                 module.per_token_loss = calculate_per_token_loss
+        if shares_dsa_choice(config):  # each layer that reuses a choice, with its source
+            check_dsa_sources(config, [layer.layer_number for layer in self.decoder.layers])
         if post_process:
             # A tied copy of the first stage's embedding is drawn from the embedding's seed:
             # the [vocab, hidden] master split by rows, as VocabParallelEmbedding's.
@@ -245,12 +248,14 @@ class GPTModel(torch.nn.Module):
             rotary = None
         elif kv_cache is not None:
             # Cast once for every layer (apply_rotary_pos_emb casts to the activations' dtype).
-            cos, sin, query_scale = self.rotary.at(position_ids.t())
+            cos, sin, query_scale, _ = self.rotary.at(position_ids.t())
             rotary = Rotary(cos.to(hidden.dtype), sin.to(hidden.dtype), query_scale)
         elif isinstance(attention_mask, PackedSeqParams):  # positions restart per document
             rotary = self.rotary.at(attention_mask.positions.t())
         else:
             rotary = self._rotary(hidden.shape[0])
+        if rotary is not None and shares_dsa_choice(self.config):  # this forward's choices
+            rotary = rotary._replace(chosen={})
         hidden = self.decoder(hidden, rotary, attention_mask, kv_cache)
         if kv_cache is not None:
             kv_cache.advance(hidden.shape[0])

@@ -198,7 +198,7 @@ BUCKETS = ("--overlap-grad-reduce", "--ddp-bucket-size", "2000")
 # taken after the save and after everything else is recorded (the rest stays the same).
 NEXT_STEP = {"llama_torch_dist_tp2_distopt", "hybrid_torch_dist_tp2_dp2_distopt",
              "mla_mtp_torch_dist_tp1_distopt", "qwen3_next_torch_dist_tp2_dp2_distopt",
-             "mla_two_losses_torch_dist_tp1_distopt",
+             "mla_two_losses_torch_dist_tp1_distopt", "mla_dsa_torch_dist_tp1_distopt",
              "llama_muon_torch_dist_tp2", "llama_mup_torch_tp2"}  # fmt: skip
 NEXT_BATCH_SEED = 11
 
@@ -256,6 +256,10 @@ CASES = {
     ),
     "mla_two_losses_torch_dist_tp1_distopt": Case(
         MLA_TWO_LOSSES, "torch_dist", 1, 1, True, extra=(*MLA_Q_LORA_YARN, *MTP)
+    ),
+    # with DeepSeek's sparse attention (the MTP module's layer has an indexer too)
+    "mla_dsa_torch_dist_tp1_distopt": Case(
+        MLA_STATE, "torch_dist", 1, 1, True, extra=(*MLA_Q_LORA_YARN, *MTP, *DSA)
     ),
     "mla_mtp_optim_torch_tp2": Case(MLA_STATE, "torch", 2, 1, False, extra=(*MLA_ROPE, *MTP, *SP)),
     # the hybrid at TP2 (sequence parallelism: MoE under TP) in both formats

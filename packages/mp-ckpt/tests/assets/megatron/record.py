@@ -29,6 +29,9 @@ TRACKED = [
     "decoder.layers.0.norm.weight",
     "decoder.layers.1.self_attention.linear_qkv.weight",
     "decoder.final_norm.weight",
+    # DeepSeek's sparse attention: layer 0's indexer query and layer 1's head weights
+    "decoder.layers.0.self_attention.core_attention.indexer.linear_wq_b.weight",
+    "decoder.layers.1.self_attention.core_attention.indexer.linear_weights_proj.weight",
     # the Qwen3-Next-shaped model's gated DeltaNet layer 0 (layer 1's linear_qkv: above)
     "decoder.layers.0.self_attention.in_proj.weight",
     "decoder.layers.0.self_attention.conv1d.weight",

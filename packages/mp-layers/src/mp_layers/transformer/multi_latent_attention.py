@@ -54,7 +54,7 @@ import torch
 
 from mp_ckpt import ShardedTensor
 from mp_layers.config import TransformerConfig
-from mp_layers.config_dsa import uses_dsa
+from mp_layers.config_dsa import dsa_choice_source, uses_dsa
 from mp_layers.groups import ModelGroups
 from mp_layers.tensor_parallel import (
     ColumnParallelLinear,
@@ -157,8 +157,12 @@ class MultiLatentAttention(torch.nn.Module):
         self.recompute_up_proj = config.recomputes("mla_up_proj")
         self.rng_tracker = rng_tracker
         self.linear_proj = residual_projection(config, tp_group, n * self.dv)
-        # DeepSeek sparse attention (sparse_attention.py): the indexer picks the keys.
-        self.indexer = LightningIndexer(config, replicated) if uses_dsa(config) else None
+        # DeepSeek sparse attention (sparse_attention.py): the indexer picks the keys, this
+        # layer's or, shared across layers (dsa_indexer_topk_freq), its source layer's.
+        self.dsa = uses_dsa(config)
+        self.choice_source = dsa_choice_source(config, layer_number) if self.dsa else None
+        computes = self.dsa and self.choice_source == layer_number
+        self.indexer = LightningIndexer(config, replicated) if computes else None
         self.topk = config.dsa_indexer_topk
         self.softmax_scale = mla_softmax_scale(config)
 
@@ -192,14 +196,16 @@ class MultiLatentAttention(torch.nn.Module):
             q_nope, q_rope = self._queries(q_in, rotary)
             k_rope = apply_rotary_pos_emb(_pairs_as_halves(k_rope)[:, :, None], rotary)
             return self._attend_latents(q_nope, q_rope, c, k_rope, attention_mask, kv_cache,
-                                        index)  # fmt: skip
+                                        index, rotary)  # fmt: skip
         valid = None
         if index is not None:  # the mask of the chosen positions, True = masked
             scores = index_scores(*index, relu=self.indexer.relu)
             allowed = _allowed(attention_mask, scores.shape[1], scores.device)
-            chosen = chosen_positions(scores, allowed, self.topk)
+            chosen = self._share(rotary, chosen_positions(scores, allowed, self.topk))
             valid = chosen if self.indexer.sparse_loss else allowed
             attention_mask = ~chosen[:, None]
+        elif self.dsa:
+            attention_mask = ~self._shared(rotary)[:, None]
         # selective "mla_up_proj": the queries, keys and values discarded once core
         # attention saved them (output_recompute.py)
         kept = OutputRecompute(self.recompute_up_proj and self.training)
@@ -216,6 +222,23 @@ class MultiLatentAttention(torch.nn.Module):
             context = self.indexer.attach_loss(context, loss)
         kept.discard(context)
         return self.linear_proj(context)
+
+    def _share(self, rotary: Rotary, chosen: torch.Tensor) -> torch.Tensor:
+        """Keeps this layer's chosen positions [b, s, t] for the layers that reuse them."""
+        if rotary.chosen is not None:
+            rotary.chosen[self.layer_number] = chosen
+        return chosen
+
+    def _shared(self, rotary: Rotary) -> torch.Tensor:
+        """The positions this layer's source layer chose in this forward."""
+        held = rotary.chosen or {}
+        if self.choice_source not in held:
+            raise RuntimeError(
+                f"layer {self.layer_number + 1} reuses the positions layer "
+                f"{self.choice_source + 1} chooses, which did not run before it in this "
+                "forward (GPTModel carries them in its Rotary)"
+            )
+        return held[self.choice_source]
 
     def _index(self, x, q_in, rotary: Rotary):
         """The indexer's q, k and w (sparse_attention.py) for whole sequences, from x and
@@ -250,7 +273,7 @@ class MultiLatentAttention(torch.nn.Module):
         return query, key, v
 
     def _attend_latents(self, q_nope, q_rope, c, k_rope, attention_mask, kv_cache: KVCache,
-                        index=None):  # fmt: skip
+                        index=None, rotary: Rotary | None = None):  # fmt: skip
         """Attention of the new positions over the cache's latents (module docstring):
         q_nope [s, b, nl, dn], q_rope [s, b, nl, dr], c [s, b, r], k_rope [s, b, 1, dr];
         index: the indexer's q, k and w, whose keys the cache keeps after the latents."""
@@ -264,8 +287,11 @@ class MultiLatentAttention(torch.nn.Module):
             t = scores.shape[-1]
             allowed = (torch.ones(1, s, t, dtype=torch.bool, device=scores.device)
                        if attention_mask is None else ~attention_mask[:, 0])  # fmt: skip
-            attention_mask = ~chosen_positions(scores, allowed, self.topk)[:, None]
+            chosen = self._share(rotary, chosen_positions(scores, allowed, self.topk))
+            attention_mask = ~chosen[:, None]
             latents = latents[..., : self.r + self.dr]
+        elif self.dsa:
+            attention_mask = ~self._shared(rotary)[:, None]
         up = self.linear_kv_up_proj.weight.to(q_nope.dtype)
         w_uk, w_uv = up.view(self.heads, self.dn + self.dv, self.r).split([self.dn, self.dv], 1)
         query = torch.cat([torch.einsum("sbnd,ndr->sbnr", q_nope, w_uk), q_rope], dim=-1)

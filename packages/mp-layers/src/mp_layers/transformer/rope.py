@@ -141,6 +141,10 @@ class Rotary(NamedTuple):
     query_scale: torch.Tensor | None = None
     """[s, 1 or b, 1, 1] fp32: the factor of the queries of the layers without rotary
     embeddings (Llama 4's temperature tuning), or None."""
+    chosen: dict | None = None
+    """With DeepSeek sparse attention shared across layers (dsa_indexer_topk_freq > 1): the
+    positions each computing layer chose in this forward, by layer number, for the layers
+    that reuse them (GPTModel gives each forward a new dict); None otherwise."""
 
 
 class RotaryEmbedding(torch.nn.Module):

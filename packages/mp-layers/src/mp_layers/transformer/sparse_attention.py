@@ -138,7 +138,13 @@ def index_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, relu: bool) 
 
 def chosen_positions(scores: torch.Tensor, allowed: torch.Tensor, topk: int) -> torch.Tensor:
     """scores [b, s, t], allowed [b or 1, s, t] bool -> [b, s, t] bool: the topk allowed
-    positions of highest score in each row (all allowed ones when there are fewer)."""
+    positions of highest score in each row (all allowed ones when there are fewer), by
+    torch.topk as Megatron's and transformers' indexers choose. Among equal scores its
+    choice depends on the row's length: a key that the ReLU zeroes in every indexer head
+    (one in 2^n with n heads and random weights) scores exactly 0, and where such ties
+    straddle the top-k boundary a cached generation step may choose otherwise than the
+    whole sequence's forward, as in transformers. (A stable sort would break ties alike in
+    both, but otherwise than Megatron, whose checkpoints then would not give its logits.)"""
     scores = scores.detach().masked_fill(~allowed, float("-inf"))
     top = scores.topk(min(topk, scores.shape[-1]), dim=-1).indices
     chosen = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
