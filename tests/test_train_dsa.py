@@ -7,8 +7,8 @@ few 1e-6, all rounding):
 - choosing 16 positions on one rank, the language model's loss and the indexer's fall,
   the curve is not the dense one, and the indexer loss reaches TensorBoard under
   Megatron's tag, `indexer loss`, every iteration;
-- with every position chosen (dsa_indexer_topk 64), TP2 with sequence parallelism and PP2
-  follow the one-rank curves (lm loss, MTP loss, indexer loss, every iteration, within
+- with every position chosen (dsa_indexer_topk 64), TP2 with sequence parallelism, PP2
+  and CP2 follow the one-rank curves (lm loss, MTP loss, indexer loss, every iteration, within
   1e-5 relative), and so does a run saved at PP2 and resumed at TP2. The layouts are
   compared there because a choice of 16 is discrete: scores that tie within rounding,
   which differs between layouts, choose differently and the curves part (seen at TP2 on
@@ -48,6 +48,7 @@ def options(run_dir: Path, *layout: str) -> list[str]:
 LAYOUTS = {
     "tp2-sp": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
     "pp2": (2, ["--pipeline-model-parallel-size", "2"]),
+    "cp2": (2, ["--context-parallel-size", "2"]),
 }
 
 

@@ -242,9 +242,10 @@ def test_dsa_configuration_is_checked(changes, message):
         mp_config(**changes)
 
 
-def test_dsa_refuses_context_parallelism():
+def test_dsa_under_context_parallelism_refuses_tracking_the_largest_logit():
+    mp_config().check_parallel(1, 2)
     with pytest.raises(ValueError, match=r"context_parallel_size=2 with experimental_"):
-        mp_config().check_parallel(1, 2)
+        mp_config(log_max_attention_logit=True, cp_comm_type="a2a").check_parallel(1, 2)
 
 
 def sharing_model(**changes) -> GPTModel:

@@ -81,8 +81,8 @@ class DsaConfig:
 
     dsa_indexer_scoring_relu: bool = field(default=True, metadata={"argparse_meta": {
         "negatives": ["--disable-dsa-indexer-scoring-relu"]}})  # fmt: skip
-    """ReLU on each indexer head's q . k before the heads' weighted sum (DeepSeek-V3.2;
-    GLM-5 scores without it)."""
+    """ReLU on each indexer head's q . k before the heads' weighted sum (DeepSeek-V3.2's
+    and GLM-5's indexers); off: the plain products."""
 
     dsa_indexer_k_norm_epsilon: float | None = None
     """The epsilon of the LayerNorm of the indexer's key; None: layernorm_epsilon."""
@@ -205,11 +205,13 @@ def check_dsa_sources(config: TransformerConfig, layers: list[int]) -> None:
 
 
 def check_dsa_parallel(config: TransformerConfig, cp: int) -> None:
-    """Tensor and pipeline parallelism as for multi-latent attention (the indexer is
-    replicated on the tensor-parallel ranks); context parallelism is refused."""
-    if uses_dsa(config) and cp > 1:
+    """Tensor, pipeline and context parallelism as for multi-latent attention (the
+    indexer is replicated on the tensor-parallel ranks; under context parallelism each
+    rank's queries attend to the gathered keys, whatever cp_comm_type says). The largest
+    attention logit is not tracked there (qk_clip, log_max_attention_logit: refused)."""
+    if uses_dsa(config) and cp > 1 and config.tracks_max_attention_logit:
         raise ValueError(
-            f"context_parallel_size={cp} with experimental_attention_variant='dsa': the "
-            "indexer's keys and the chosen positions would have to be gathered over the "
-            "context-parallel ranks, which mp does not implement"
+            f"context_parallel_size={cp} with experimental_attention_variant='dsa' and "
+            "qk_clip or log_max_attention_logit: the sparse attention's largest logits are "
+            "not tracked under context parallelism"
         )

@@ -71,9 +71,12 @@ from mp_layers.transformer.recompute import checkpointed
 from mp_layers.transformer.rope import Rotary, apply_rotary_pos_emb, yarn_mscale, yarn_scaling
 from mp_layers.transformer.sparse_attention import (
     LightningIndexer,
+    causal_over_ranks,
     chosen_positions,
+    gather_sequence,
     index_scores,
     indexer_loss,
+    masked_attention,
 )
 from mp_state import RankGroup, RNGStatesTracker
 
@@ -145,8 +148,11 @@ class MultiLatentAttention(torch.nn.Module):
         for module in (self.linear_q_down_proj, self.linear_kv_down_proj):  # norms: their own
             for p in module.parameters() if module is not None else ():
                 p.sequence_parallel = config.sequence_parallel
+        self.dsa = uses_dsa(config)
+        self.cp_group = groups.cp
         self.core_attention = spec.core_attention(
-            config.attention_dropout, rng_tracker, config.attention_backend,
+            # DeepSeek sparse attention drops no probabilities (Megatron's DSAttention)
+            0.0 if self.dsa else config.attention_dropout, rng_tracker, config.attention_backend,
             cp_group=groups.cp, cp_comm_type=config.cp_comm_type, cp_levels=groups.cp_levels,
             track_max_logits=config.tracks_max_attention_logit,
             softmax_scale=mla_softmax_scale(config), params_dtype=config.params_dtype,
@@ -159,7 +165,6 @@ class MultiLatentAttention(torch.nn.Module):
         self.linear_proj = residual_projection(config, tp_group, n * self.dv)
         # DeepSeek sparse attention (sparse_attention.py): the indexer picks the keys, this
         # layer's or, shared across layers (dsa_indexer_topk_freq), its source layer's.
-        self.dsa = uses_dsa(config)
         self.choice_source = dsa_choice_source(config, layer_number) if self.dsa else None
         computes = self.dsa and self.choice_source == layer_number
         self.indexer = LightningIndexer(config, replicated) if computes else None
@@ -197,31 +202,57 @@ class MultiLatentAttention(torch.nn.Module):
             k_rope = apply_rotary_pos_emb(_pairs_as_halves(k_rope)[:, :, None], rotary)
             return self._attend_latents(q_nope, q_rope, c, k_rope, attention_mask, kv_cache,
                                         index, rotary)  # fmt: skip
-        valid = None
-        if index is not None:  # the mask of the chosen positions, True = masked
-            scores = index_scores(*index, relu=self.indexer.relu)
-            allowed = _allowed(attention_mask, scores.shape[1], scores.device)
-            chosen = self._share(rotary, chosen_positions(scores, allowed, self.topk))
-            valid = chosen if self.indexer.sparse_loss else allowed
-            attention_mask = ~chosen[:, None]
-        elif self.dsa:
-            attention_mask = ~self._shared(rotary)[:, None]
         # selective "mla_up_proj": the queries, keys and values discarded once core
         # attention saved them (output_recompute.py)
         kept = OutputRecompute(self.recompute_up_proj and self.training)
         query, key, v = kept.run(functools.partial(self._up_projections, rotary=rotary),
                                  q_in, c, k_rope)  # fmt: skip
-        if self.recompute_core_attention and self.training and torch.is_grad_enabled():
-            context = checkpointed(self.core_attention, self.rng_tracker, query, key, v,
-                                   attention_mask)  # fmt: skip
+        if self.dsa:
+            context = self._sparse_attention(query, key, v, index, attention_mask, rotary)
         else:
-            context = self.core_attention(query, key, v, attention_mask)
-        if valid is not None and scores.requires_grad:  # the indexer's loss
+            context = self._attend(self.core_attention, query, key, v, attention_mask)
+        kept.discard(context)
+        return self.linear_proj(context)
+
+    def _attend(self, attend, query, key, v, mask):
+        if self.recompute_core_attention and self.training and torch.is_grad_enabled():
+            return checkpointed(attend, self.rng_tracker, query, key, v, mask)
+        return attend(query, key, v, mask)
+
+    def _sparse_attention(self, query, key, v, index, attention_mask, rotary: Rotary):
+        """DeepSeek sparse attention (sparse_attention.py): query [s, b, nl, dq] over the
+        positions this layer's indexer (index: its q, k and w) or its source layer
+        chose, and the indexer's loss. Under context parallelism the queries are this
+        rank's chunks and the keys, values and indexer keys are gathered whole."""
+        cp = self.cp_group
+        if cp.size > 1:
+            if attention_mask is not None:
+                raise ValueError(
+                    "DeepSeek sparse attention under context parallelism attends whole "
+                    "sequences causally: packed documents or an explicit mask are not "
+                    "implemented"
+                )
+            key, v = gather_sequence(key, cp), gather_sequence(v, cp)
+        scores = valid = None
+        if index is not None:
+            q_i, k_i, w_i = index
+            k_i = gather_sequence(k_i, cp) if cp.size > 1 else k_i
+            scores = index_scores(q_i, k_i, w_i, relu=self.indexer.relu)
+            allowed = (causal_over_ranks(scores.shape[-1], cp, scores.device) if cp.size > 1
+                       else _allowed(attention_mask, scores.shape[1], scores.device))  # fmt: skip
+            chosen = self._share(rotary, chosen_positions(scores, allowed, self.topk))
+            valid = chosen if self.indexer.sparse_loss else allowed
+        else:
+            chosen = self._shared(rotary)
+        attend = self.core_attention
+        if cp.size > 1:  # the rank's queries over whole keys: no ring to run
+            attend = functools.partial(masked_attention, scale=self.softmax_scale)
+        context = self._attend(attend, query, key, v, ~chosen[:, None])
+        if scores is not None and scores.requires_grad:  # the indexer's loss
             loss = indexer_loss(scores, query, key, self.softmax_scale, valid, self.tp_group,
                                 self.indexer.per_token_loss)  # fmt: skip
             context = self.indexer.attach_loss(context, loss)
-        kept.discard(context)
-        return self.linear_proj(context)
+        return context
 
     def _share(self, rotary: Rotary, chosen: torch.Tensor) -> torch.Tensor:
         """Keeps this layer's chosen positions [b, s, t] for the layers that reuse them."""

@@ -41,13 +41,25 @@ import functools
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from mp_layers.config import TransformerConfig
+from mp_layers.context_parallel.layout import local_positions
 from mp_layers.moe.aux_losses import AuxLossScale, attach
+from mp_layers.tensor_parallel import gather_from_sequence_parallel_region
 from mp_layers.transformer.rope import Rotary, apply_rotary_pos_emb
 from mp_state import RankGroup
 
-__all__ = ["LightningIndexer", "chosen_positions", "hadamard", "index_scores", "indexer_loss"]
+__all__ = [
+    "LightningIndexer",
+    "causal_over_ranks",
+    "chosen_positions",
+    "gather_sequence",
+    "hadamard",
+    "index_scores",
+    "indexer_loss",
+    "masked_attention",
+]
 
 _EPS = 1e-10
 """The floor of the target's sum and of its logarithm's argument (Megatron's)."""
@@ -174,3 +186,29 @@ def indexer_loss(
     log_p = torch.where(valid, log_p, 0.0)
     kl = (target * (target.clamp_min(_EPS).log() - log_p)).sum(dim=-1)  # [b, s]
     return kl.sum() if per_token else kl.mean()
+
+
+def gather_sequence(t: torch.Tensor, cp: RankGroup) -> torch.Tensor:
+    """t [s/cp, ...], this context-parallel rank's two load-balanced chunks -> [s, ...], the
+    whole sequence in order; its backward sums the ranks' gradients into each chunk's
+    owner (an all-gather, then a reduce-scatter)."""
+    gathered = gather_from_sequence_parallel_region(t, cp)
+    s = gathered.shape[0]
+    held = torch.cat([local_positions(s, cp.size, rank) for rank in range(cp.size)])
+    return gathered[torch.argsort(held).to(t.device)]
+
+
+def causal_over_ranks(s: int, cp: RankGroup, device: torch.device) -> torch.Tensor:
+    """[1, s/cp, s] bool: the positions this context-parallel rank's queries (its chunks)
+    may attend to in the whole sequence of s, True = allowed."""
+    queries = local_positions(s, cp.size, cp.rank).to(device)
+    return (queries[:, None] >= torch.arange(s, device=device)[None])[None]
+
+
+def masked_attention(q, k, v, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [s, b, n, d] over k [t, b, n, d] and v [t, b, n, dv] under mask [b, 1, s, t] bool
+    (True = masked) -> [s, b, n dv]: torch's SDPA, no dropout."""
+    s, b, n = q.shape[:3]
+    q_, k_, v_ = (x.permute(1, 2, 0, 3) for x in (q, k, v))
+    out = F.scaled_dot_product_attention(q_, k_, v_, attn_mask=~mask, scale=scale)
+    return out.permute(2, 0, 1, 3).reshape(s, b, n * v.shape[-1])

@@ -20,7 +20,8 @@ count, tests/test_estimate_families.py):
     MLA          queries r_q(h + a(dn + dr)) (ha(dn + dr) without r_q), keys and values
                  r(h + a(dn + dv)) + h dr, out a dv h (+ h bias), the latent norms r_q and r
                  with qk_layernorm; with DeepSeek's sparse attention its indexer of n heads
-                 of di channels, r_q n di (h n di without r_q) + h di + 2 di + h n
+                 of di channels, r_q n di (h n di without r_q) + h di + 2 di + h n (none
+                 in a layer that reuses another's choice: dsa_indexer_topk_freq)
     MLP          hf x (3|2), biases f x (2|1) + h with add_bias_linear
     MoE MLP      the shared expert h f_shared x (3|2) and its gate h, the router hE (+ E
                  bias), E routed experts of h f_moe x (3|2) (+ f_moe x (2|1) + h biases)
@@ -53,6 +54,7 @@ from __future__ import annotations
 import dataclasses
 
 from mp_layers import TransformerConfig, mtp_layer_kinds
+from mp_layers.config_dsa import dsa_choice_source, shares_dsa_choice
 from mp_pipeline import stage_layers
 from mp_train.configuration.config import RunConfig
 from mp_train.configuration.pipeline_segments import pipeline_segments
@@ -112,10 +114,7 @@ def _attention(m: TransformerConfig) -> Held:
             latent_norms += m.q_lora_rank * norm if m.qk_layernorm else 0
         split = query + r * a * (dn + dv) + a * dv * h
         whole = query_down + h * (r + dr) + latent_norms + out_bias
-        if m.experimental_attention_variant == "dsa":  # the lightning indexer, replicated
-            n, di = m.dsa_indexer_n_heads, m.dsa_indexer_head_dim
-            whole += (m.q_lora_rank or h) * n * di + h * di + 2 * di + h * n
-        return Held(split=split, whole=whole)
+        return Held(split=split, whole=whole + _indexer(m))
     d, g = m.kv_channels, m.num_query_groups
     split = 2 * h * d * (a + g)  # Q, K, V and out
     if m.attention_output_gate:
@@ -194,6 +193,23 @@ def _positions(config: RunConfig) -> int:
     return config.model.hidden_size * (config.gpt.max_position_embeddings or config.gpt.seq_length)
 
 
+def _indexer(m: TransformerConfig) -> int:
+    """A sparse-attention layer's lightning indexer, replicated (0 without DSA)."""
+    if m.experimental_attention_variant != "dsa":
+        return 0
+    h, n, di = m.hidden_size, m.dsa_indexer_n_heads, m.dsa_indexer_head_dim
+    return (m.q_lora_rank or h) * n * di + h * di + 2 * di + h * n
+
+
+def _shared_choices(m: TransformerConfig, layers) -> Held:
+    """The indexers the layers of these 0-based numbers lack: those that reuse another
+    layer's choice (dsa_indexer_topk_freq), counted in _attention, taken back."""
+    if not shares_dsa_choice(m):
+        return Held()
+    shared = sum(dsa_choice_source(m, layer) != layer for layer in layers)
+    return Held(whole=-shared * _indexer(m))
+
+
 def model_parameters(config: RunConfig, V: int) -> dict:
     """{"total", "active", "experts"}: every parameter of the model (MTP modules
     included), those one token passes through, and the routed experts'."""
@@ -203,6 +219,8 @@ def model_parameters(config: RunConfig, V: int) -> dict:
     for kind, moe in zip(layer_kinds(m), m.moe_layer_pattern(), strict=True):
         layers += _layer(m, kind, moe)
         active += _layer(m, kind, moe, active=True)
+    layers += _shared_choices(m, range(m.num_layers))
+    active += _shared_choices(m, range(m.num_layers))
     beside = Held(whole=_norm(m) * m.hidden_size + _positions(config))
     beside += Held(split=m.hidden_size * V * (2 if m.untie_embeddings_and_output_weights else 1))
     mtp = _mtp_module(m) * _mtp_modules(m)
@@ -256,6 +274,8 @@ def stage_parameters(config: RunConfig, V: int, stage: int) -> Held:
     held = Held()
     for kind, moe in stage_layer_kinds(config, stage):
         held += _layer(m, kind, moe)
+    chunks = _stage_chunks(config, stage)
+    held += _shared_choices(m, [i for c in chunks for i in range(c.offset, c.offset + c.count)])
     h = m.hidden_size
     if stage == 0:
         held += Held(whole=_positions(config))

@@ -3,7 +3,8 @@ DSAIndexerLossLoggingHelper): `indexer loss`, each layer's indexer loss (times
 dsa_indexer_loss_coeff) summed over the step's micro-batches and divided by their
 number, summed over the layers of every pipeline stage and divided by their number (the
 multi-token prediction modules' layers included: num_layers + mtp_num_layers), averaged
-over data-parallel ranks (the tensor-parallel ranks compute the same loss).
+over data- and context-parallel ranks (each context-parallel rank's is the mean over its
+own queries; the tensor-parallel ranks compute the same loss).
 Logged with dsa_indexer_loss_coeff > 0, beside the MoE and multi-token prediction
 losses. The factor the loss gets in backward is the step's (moe_step.MoEStep)."""
 
@@ -37,11 +38,11 @@ def indexer_losses(
         value += indexer.take_loss().cpu()
     if dist.get_backend() == "nccl":
         value = value.cuda()
-    for group in (state.pp, state.dp):
+    for group in (state.pp, state.dp_cp):
         if group.size > 1:
             dist.all_reduce(value, group=group.group)
     layers = model.num_layers + (model.mtp_num_layers or 0)
-    value = value.cpu() / (state.dp.size * num_microbatches * layers)
+    value = value.cpu() / (state.dp_cp.size * num_microbatches * layers)
     return {"indexer loss": float(value)}
 
 

@@ -5,9 +5,8 @@ knows nothing of them):
   the one the main loss gets (the loss scale / the number of micro-batches, times cp;
   with a per-token loss the loss scale alone, as in Megatron), and the one the
   multi-token prediction losses get (the same without the cp), and the one the
-  sparse-attention indexers' losses get (the main loss's, times cp), each an
-  AuxLossScale this step holds and shares with the model chunks' routers, MTP modules
-  or indexers;
+  sparse-attention indexers' losses get (the MTP losses'), each an AuxLossScale this
+  step holds and shares with the model chunks' routers, MTP modules or indexers;
   the global load-balancing loss's token counts start from zero;
 - after them: the expert biases of auxiliary-loss-free balancing move (their token
   counts summed over the stage's tp x dp x cp ranks, Megatron's finalize step);
@@ -100,9 +99,11 @@ class MoEStep:
             self.scale.set(scale * cp / num_microbatches)
         # Multi-token prediction's losses: a mean per rank, the main loss's factor.
         self.mtp_scale.set(scale if self.per_token else scale / num_microbatches)
-        # The indexers' loss: a mean per rank (a sum per token), the main loss's factor
-        # times cp as in Megatron (which DSA refuses: cp is 1).
-        self.dsa_scale.set(scale if self.per_token else scale * cp / num_microbatches)
+        # The indexers' loss: each rank's mean over its own queries (a sum per token), so
+        # that the gradients' average over dp x cp is the whole sequences': the MTP
+        # losses' factor. (Megatron multiplies by cp too, which would weigh the loss cp
+        # times under context parallelism; mp's layouts follow the one-rank curve.)
+        self.dsa_scale.set(scale if self.per_token else scale / num_microbatches)
         for router in self.routers:
             router.reset_global_counts()
 
