@@ -17,6 +17,7 @@ from mp_layers import (
 )
 from mp_layers.config import TransformerConfig
 from mp_layers.config_attention import kv_heads_per_rank
+from mp_layers.config_dsa import dsa_choice_source, shares_dsa_choice
 from mp_layers.config_hybrid import (
     hybrid_layer_kinds,
     hybrid_pipeline_segments,
@@ -92,6 +93,7 @@ __all__ = [
     "compile_layers",
     "context_parallel",
     "copy_to_tensor_model_parallel_region",
+    "dsa_choice_source",
     "gather_from_sequence_parallel_region",
     "gather_from_tensor_model_parallel_region",
     "get_layer_spec",
@@ -112,6 +114,7 @@ __all__ = [
     "scatter_to_sequence_parallel_region",
     "scatter_to_tensor_model_parallel_region",
     "shard_sequence",
+    "shares_dsa_choice",
     "skipping_draws",
     "split_hybrid_pattern",
     "tensor_parallel",

@@ -53,8 +53,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from mp_layers import TransformerConfig, mtp_layer_kinds
-from mp_layers.config_dsa import dsa_choice_source, shares_dsa_choice
+from mp_layers import TransformerConfig, dsa_choice_source, mtp_layer_kinds, shares_dsa_choice
 from mp_pipeline import stage_layers
 from mp_train.configuration.config import RunConfig
 from mp_train.configuration.pipeline_segments import pipeline_segments
