@@ -40,6 +40,8 @@ FAMILIES = {
     "deepseek_v2": dict(DEEPSEEK, q_lora_rank=None),
     "deepseek_v32": dict(DEEPSEEK, q_lora_rank=32, n_group=2, topk_group=1, index_n_heads=4,
                          index_head_dim=16, index_topk=8),
+    "glm_moe_dsa": dict(DEEPSEEK, q_lora_rank=32, index_n_heads=4, index_head_dim=16,
+                        index_topk=8, rms_norm_eps=1e-6),
     "llama4_text": dict(SMALL, head_dim=16, num_local_experts=4, num_experts_per_tok=1,
                         intermediate_size_mlp=80, interleave_moe_layer_step=2,
                         no_rope_layer_interval=3),
@@ -102,9 +104,12 @@ MLA = dict(num_layers=2, hidden_size=64, num_attention_heads=4, multi_latent_att
           experimental_attention_variant="dsa", dsa_indexer_n_heads=4, dsa_indexer_head_dim=16,
           dsa_indexer_topk=8),
      dict(add_bias_linear=False, experimental_attention_variant="dsa", dsa_indexer_n_heads=2,
-          dsa_indexer_head_dim=8, dsa_indexer_topk=8)],
+          dsa_indexer_head_dim=8, dsa_indexer_topk=8),
+     dict(num_layers=5, q_lora_rank=48, add_bias_linear=False,
+          experimental_attention_variant="dsa", dsa_indexer_n_heads=4, dsa_indexer_head_dim=16,
+          dsa_indexer_topk=8, dsa_indexer_topk_freq=2, dsa_indexer_skip_topk_offset=1)],
     ids=["deepseek-v3", "v2-lite-layernorm-bias", "no-latent-norms", "deepseek-v3-mtp2",
-         "deepseek-v3.2", "sparse-without-query-latent"],
+         "deepseek-v3.2", "sparse-without-query-latent", "sparse-shared-choice"],
 )  # fmt: skip
 def test_estimate_counts_multi_latent_attention(changes):
     """DeepSeek's attention in Megatron's variants besides the Hugging Face families': a
@@ -166,7 +171,8 @@ def hybrid(name: str, **more) -> dict:
      (dict(LAYOUT, untie_embeddings_and_output_weights=True), None),
      (dict(MLA, q_lora_rank=48, mtp_num_layers=1, **MOE_TP), None),
      (dict(MLA, q_lora_rank=48, add_bias_linear=False, experimental_attention_variant="dsa",
-           dsa_indexer_n_heads=4, dsa_indexer_head_dim=16, dsa_indexer_topk=8), None),
+           dsa_indexer_n_heads=4, dsa_indexer_head_dim=16, dsa_indexer_topk=8,
+           dsa_indexer_topk_freq=2, dsa_indexer_skip_topk_offset=1), None),
      *((hybrid(name, sequence_parallel=True),
         1 if "E" in hybrid(name)["hybrid_layer_pattern"] else None) for name in HYBRIDS),
      (dict(LAYOUT, num_layers=3, num_query_groups=2, kv_channels=16, activation="swiglu",

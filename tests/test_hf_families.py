@@ -3,11 +3,12 @@ downloads): `mp-ckpt import-hf` gives transformers' fp32 logits within 1e-5 in G
 (built from the imported settings alone); `mp-ckpt export-hf` without --arch (the
 checkpoint remembers its family) gives back the config and every tensor; greedy
 generation equals generate(do_sample=False) over 32 new tokens (DeepSeek's through the
-cache of latents, DeepSeek-V3.2's with its indexer's keys, Nemotron-H's through its Mamba
-layers' states, Qwen3-Next's through its gated DeltaNet layers'); gpt-oss's also over 72
-at PP2, past its windowed layers' cache rings, and DeepSeek-V3's, DeepSeek-V3.2's and
-Qwen3-MoE's at TP2 x EP2. DeepSeek-V3's and Nemotron 3 Super's multi-token prediction
-layers import, compute as their own blocks do and export back."""
+cache of latents, DeepSeek-V3.2's with its indexer's keys, GLM-5's also where layers
+reuse another layer's choice of positions, Nemotron-H's through its Mamba layers' states,
+Qwen3-Next's through its gated DeltaNet layers'); gpt-oss's also over 72 at PP2, past its
+windowed layers' cache rings, and DeepSeek-V3's, DeepSeek-V3.2's, GLM-5's (layers
+sharing a choice) and Qwen3-MoE's at TP2 x EP2. DeepSeek-V3's and Nemotron 3 Super's
+multi-token prediction layers import, compute as their own blocks do and export back."""
 
 import json
 import os
@@ -55,6 +56,9 @@ DEEPSEEK_V3 = dict(DEEPSEEK, q_lora_rank=24, n_group=2, topk_group=1, n_shared_e
 # multi-token prediction layers.
 DEEPSEEK_V32 = {k: v for k, v in DEEPSEEK_V3.items() if k != "num_nextn_predict_layers"} | dict(
     index_n_heads=16, index_head_dim=16, index_topk=4)  # fmt: skip
+# GLM-5: DeepSeek-V3.2's, its indexer rotating in interleaved pairs; GlmMoeDsaConfig's
+# rms_norm_eps (1e-5) is refused (transformers' latent norms keep 1e-6)
+GLM_MOE_DSA = DEEPSEEK_V32 | dict(rms_norm_eps=1e-6)
 # Llama 4: 4 layers, experts of 32 beside a shared expert of 32, dense layers of 48
 LLAMA4 = dict(SMALL, num_hidden_layers=4, head_dim=16, intermediate_size=32,
               intermediate_size_mlp=48, num_local_experts=4, num_experts_per_tok=1)  # fmt: skip
@@ -108,6 +112,12 @@ CASES = {
     # DeepSeek-V3.2: DeepSeek-V3's layers and routing with sparse attention (YaRN scaling
     # the indexer's rotated channels too)
     "deepseek_v32": lambda: transformers.DeepseekV32Config(**DEEPSEEK_V32),
+    # GLM-5: the indexer's positional channels turned in interleaved pairs
+    "glm_moe_dsa": lambda: transformers.GlmMoeDsaConfig(**GLM_MOE_DSA),
+    # its indexer shared across layers: layers 0, 1 and 3 choose their positions, layer 2
+    # attends to those layer 1 chose (index_topk_freq 2 after the first 2 layers)
+    "glm_moe_dsa-shared": lambda: transformers.GlmMoeDsaConfig(
+        **GLM_MOE_DSA | dict(num_hidden_layers=4, index_topk_freq=2, index_skip_topk_offset=2)),
     # DeepSeek-V2-Lite: queries from the hidden state, softmax routing without groups or
     # renormalization, 2 shared experts
     "deepseek_v2": lambda: transformers.DeepseekV2Config(
@@ -246,14 +256,16 @@ def test_gpt_oss_generates_past_its_window_ring_through_two_stages_as_transforme
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("case", ["deepseek_v3", "deepseek_v32", "qwen3_moe"])
+@pytest.mark.parametrize("case", ["deepseek_v3", "deepseek_v32", "glm_moe_dsa-shared",
+                                  "qwen3_moe"])  # fmt: skip
 def test_moe_families_generate_at_tp2_x_ep2_as_transformers(tmp_path, case):
     """Generation runs without sequence parallelism: at TP2 each tensor-parallel rank routes
     a share of the tokens (mp_layers' MoELayer), and at TP2 x EP2 greedy tokens equal
     transformers' generate, for the batch of three prompts and for one prompt alone, whose
     decode steps leave one tensor-parallel rank without a token (DeepSeek-V3's
     group-limited routing then routes a zero row nowhere). DeepSeek-V3.2's indexer is
-    whole on each tensor-parallel rank, its heads' attention split."""
+    whole on each tensor-parallel rank, its heads' attention split; GLM-5's layer without
+    an indexer reuses the positions an earlier layer chose on the same rank."""
     hf = random_hf(CASES[case]())
     hf.save_pretrained(tmp_path / "hf")
     assert main(["import-hf", str(tmp_path / "hf"), str(tmp_path / "ckpt")]) == 0

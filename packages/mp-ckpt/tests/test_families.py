@@ -52,6 +52,9 @@ CONFIGS = {
     "deepseek_v32": {"model_type": "deepseek_v32", **MLA, "q_lora_rank": 8, "n_group": 1,
                      "topk_group": 1, "index_n_heads": 2, "index_head_dim": 4,
                      "index_topk": 4},
+    "glm_moe_dsa": {"model_type": "glm_moe_dsa", **MLA, "q_lora_rank": 8, "n_group": 1,
+                    "topk_group": 1, "index_n_heads": 2, "index_head_dim": 4,
+                    "index_topk": 4, "rms_norm_eps": 1e-6},
     "llama4_text": {"model_type": "llama4_text", **LLAMA_STYLE, "head_dim": 4,
                     "intermediate_size": 8, "intermediate_size_mlp": 24,
                     "num_local_experts": 4},
@@ -67,7 +70,7 @@ CONFIGS = {
                    "num_experts_per_tok": 2},
 }  # fmt: skip
 MEGATRON = [name for name in ARCHITECTURES if not name.startswith("deepseek")
-            and name != "nemotron_h"]  # fmt: skip
+            and name not in ("glm_moe_dsa", "nemotron_h")]  # fmt: skip
 """The families whose tables these tests check against the Megatron-LM conversion (multi-
 latent attention's and Mamba-hybrid models' are tested with their megatron-core fixtures)."""
 MEGATRON_RUNS = {"llama4_text": {"attention_chunk_size": None, "attn_temperature_floor_scale": None,
@@ -288,6 +291,7 @@ def test_multi_latent_attention_picks_a_deepseek_family():
     sparse = settings | {"moe_router_score_function": "sigmoid",
                          "experimental_attention_variant": "dsa"}  # fmt: skip
     assert family_of(sparse) == "deepseek_v32"
+    assert family_of(sparse | {"dsa_indexer_rope_interleaved": True}) == "glm_moe_dsa"
 
 
 def test_the_megatron_view_of_multi_latent_attention_and_multi_token_prediction():

@@ -23,7 +23,8 @@ __all__ = ["ALIASES", "ARCHITECTURES", "REFUSED", "family", "family_of"]
 
 ARCHITECTURES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "nemotron", "mixtral",
                  "qwen2_moe", "qwen3_moe", "gpt_oss", "deepseek_v2", "deepseek_v3",
-                 "deepseek_v32", "llama4_text", "nemotron_h", "qwen3_next")  # fmt: skip
+                 "deepseek_v32", "glm_moe_dsa", "llama4_text", "nemotron_h",
+                 "qwen3_next")  # fmt: skip
 
 
 ALIASES = {"kimi_k2": "deepseek_v3"}
@@ -51,9 +52,10 @@ def family(model_type: str):
 def family_of(settings: dict) -> str:
     """The family whose layers the settings describe (the first that fits, most specific
     first): a hybrid layer pattern (Mamba layers) is Nemotron-H; gated DeltaNet layers
-    Qwen3-Next; multi-latent attention is DeepSeek-V3.2 with DeepSeek's sparse attention
-    (experimental_attention_variant "dsa"), DeepSeek-V3 with sigmoid router scores, else
-    DeepSeek-V2; learned positions are GPT-2; L2-normalized queries and keys, layers
+    Qwen3-Next; multi-latent attention is GLM-5 with DeepSeek's sparse attention
+    (experimental_attention_variant "dsa") whose indexer rotates in interleaved pairs,
+    DeepSeek-V3.2 with other sparse attention, DeepSeek-V3 with sigmoid router scores,
+    else DeepSeek-V2; learned positions are GPT-2; L2-normalized queries and keys, layers
     without rotary embeddings, routing weights on the experts' input, or interleaved
     rotary embeddings with experts are Llama 4; experts with quick GEGLU or sinks gpt-oss,
     with a shared expert Qwen2-MoE, with qk-layernorm Qwen3-MoE, else Mixtral; dense with
@@ -66,7 +68,7 @@ def family_of(settings: dict) -> str:
         return "qwen3_next"
     if settings.get("multi_latent_attention"):
         if variant == "dsa":
-            return "deepseek_v32"
+            return "glm_moe_dsa" if settings.get("dsa_indexer_rope_interleaved") else "deepseek_v32"
         sigmoid = settings.get("moe_router_score_function") == "sigmoid"
         return "deepseek_v3" if sigmoid else "deepseek_v2"
     if settings.get("position_embedding_type", "learned_absolute") == "learned_absolute":

@@ -16,7 +16,9 @@ both also get the model's `Dims`. Absent, the tensor passes unchanged.
 `scope` says where a rule applies: "model" once, "layer" every layer, "dense" a
 layer with a plain MLP, "moe" a mixture-of-experts layer, "linear_attention" and
 "full_attention" the layers of a model with gated DeltaNet layers (Qwen3-Next) whose
-attention is one or softmax attention (`is_linear_attention_layer`), "mtp" each multi-token
+attention is one or softmax attention (`is_linear_attention_layer`), "indexer" the layers
+of a model with DeepSeek's sparse attention that choose their own positions (all of them
+but those that reuse another layer's choice: `has_dsa_indexer`), "mtp" each multi-token
 prediction module (mp's names relative to "mtp.layers.{k}.", "{i}" the Hugging Face
 layer number num_layers + k; the module's transformer layer takes the "layer" rules and
 those of the last layer's MLP under "mtp.layers.{k}.transformer_layer."). A hybrid model
@@ -59,6 +61,7 @@ __all__ = [
     "Family",
     "Rule",
     "flat",
+    "has_dsa_indexer",
     "has_gated_delta_net_layers",
     "heads_flat",
     "is_linear_attention_layer",
@@ -83,6 +86,7 @@ Scope = Literal[
     "attention",
     "linear_attention",
     "full_attention",
+    "indexer",
 ]
 
 HYBRID_SCOPES: dict[str, Scope] = {"M": "mamba", "G": "linear_attention", "*": "attention",
@@ -192,6 +196,20 @@ def is_linear_attention_layer(settings: dict, i: int) -> bool:
     return bool(freq[i])
 
 
+def has_dsa_indexer(settings: dict, i: int) -> bool:
+    """Whether layer i (0-based) of a model with DeepSeek's sparse attention chooses its own
+    positions, holding an indexer, read as TransformerConfig reads dsa_indexer_topk_freq
+    (Megatron-LM's rule): with f > 1 and o = max(dsa_indexer_skip_topk_offset, 1), the
+    1-based layer L does when L <= o or (L - o) is a multiple of f; the others reuse the
+    choice of the last layer before them that does."""
+    if settings.get("experimental_attention_variant") != "dsa":
+        return False
+    freq = settings.get("dsa_indexer_topk_freq") or 1
+    offset = max(settings.get("dsa_indexer_skip_topk_offset") or 0, 1)
+    number = i + 1
+    return freq == 1 or number <= offset or (number - offset) % freq == 0
+
+
 def is_moe_layer(settings: dict, i: int) -> bool:
     """Whether layer i is a mixture of experts, read as TransformerConfig reads it: an E in
     a hybrid_layer_pattern; else under moe_layer_freq, N or [N] (with more than one layer)
@@ -211,7 +229,8 @@ def is_moe_layer(settings: dict, i: int) -> bool:
 def layer_scopes(settings: dict, i: int) -> tuple[Scope, ...]:
     """The scopes of the rules of decoder layer i: its kind's in a hybrid model, else every
     layer's, with gated DeltaNet layers those of its attention ("linear_attention" or
-    "full_attention"), and those of its MLP (experts or not)."""
+    "full_attention"), with DeepSeek's sparse attention its indexer's where it has one
+    ("indexer"), and those of its MLP (experts or not)."""
     pattern = settings.get("hybrid_layer_pattern")
     if pattern:
         return (HYBRID_SCOPES[split_hybrid_pattern(pattern)[0][i]],)
@@ -221,6 +240,8 @@ def layer_scopes(settings: dict, i: int) -> tuple[Scope, ...]:
             "linear_attention" if is_linear_attention_layer(settings, i) else "full_attention"
         )
         return ("layer", attention, mlp)
+    if has_dsa_indexer(settings, i):
+        return ("layer", "indexer", mlp)
     return ("layer", mlp)
 
 
