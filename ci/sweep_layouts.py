@@ -210,6 +210,13 @@ GROUPS = {
         ("cp2 x pp2 x ep2 x dp2", 8, [*CP2, *PP2, *EP2]),
         ("tp2+sp x ep2, zero3 (expert dp 1)", 4, [*TP2, *EP2, *ZERO3]),
     ]),
+    # DeepSeek sparse attention choosing all 64 positions (a choice of fewer is discrete:
+    # scores tying within the layouts' rounding choose differently, tests/test_train_dsa.py)
+    "deepseek-v32": (_small("tiny-deepseek-v32.yaml"), ["--dsa-indexer-topk", "64"], [
+        ("tp2+sp x pp2 x ep2, distopt", 8, [*TP2, *PP2, *EP2, *DISTOPT]),
+        ("cp2 x pp2 x ep2 x dp2", 8, [*CP2, *PP2, *EP2]),
+        ("tp2+sp x ep2, zero3 (expert dp 1)", 4, [*TP2, *EP2, *ZERO3]),
+    ]),
     # packed conversations: each attends to itself alone, whatever the layout
     "sft": (_sft("tiny.yaml"), [], [
         ("tp2+sp x pp2 x dp2, distopt", 8, [*TP2, *PP2, *DISTOPT]),
@@ -312,6 +319,7 @@ EXPORT_FLAGS = {
     # topk // group_topk: 4 of 8 experts from 2 of 4 groups
     "deepseek": ["--moe-router-topk", "4", "--norm-epsilon", "1e-6"],
     "sft-deepseek": ["--moe-router-topk", "4", "--norm-epsilon", "1e-6"],
+    "deepseek-v32": ["--moe-router-topk", "4", "--norm-epsilon", "1e-6"],
     # transformers' Nemotron-H computes squared-ReLU MLPs
     "hybrid": ["--squared-relu", "--position-embedding-type", "none"],
 }
