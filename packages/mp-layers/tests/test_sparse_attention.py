@@ -3,7 +3,9 @@ the lightning indexer equals transformers' DeepseekV32Attention in fp32 with the
 weights (YaRN included, a top-k smaller than the sequence so that it chooses), through the
 blocked attention and SDPA, with and without the Hadamard rotation; generation through a
 KVCache gives the whole sequence's outputs; the indexer loss is the KL divergence it names
-and trains the indexer alone; and the configuration is checked field by field."""
+and trains the indexer alone; computed in blocks of queries the scores, loss and gradients
+are those computed whole; layers that share a choice attend with their source's; and the
+configuration is checked field by field."""
 
 import os
 
@@ -13,6 +15,7 @@ import torch
 from mp_layers import LOCAL_SPEC, GPTModel, ModelGroups, TransformerConfig
 from mp_layers.config_dsa import dsa_choice_source
 from mp_layers.moe.aux_losses import AuxLossScale
+from mp_layers.transformer import sparse_attention
 from mp_layers.transformer.kv_cache import KVCache
 from mp_layers.transformer.multi_latent_attention import MultiLatentAttention
 from mp_layers.transformer.rope import RotaryEmbedding, yarn_scaling
@@ -308,3 +311,28 @@ def test_a_stage_must_hold_the_layer_whose_choice_it_reuses():
         num_layers=2,
         pre_process=False,
     )  # layers 3 and 4: 3 chooses
+
+
+def test_scores_and_loss_in_blocks_of_queries_equal_them_whole(monkeypatch):
+    """CHUNK_BYTES small enough for blocks of 3 queries: the same scores, loss and
+    gradients (the blocks' products recomputed in backward)."""
+    config = mp_config(dsa_indexer_loss_coeff=1.0, init_method_std=0.3)  # a loss well above
+    torch.manual_seed(9)  # the rounding of its near-uniform distributions
+    ours = MultiLatentAttention(config, ModelGroups.single(), spec=LOCAL_SPEC).train()
+    x = torch.randn(SEQ, 2, H, generator=torch.Generator().manual_seed(10))
+    rotary = RotaryEmbedding(ROPE, 1.0, 10000, yarn=yarn_scaling(config))(SEQ)
+    results = []
+    for chunk in (sparse_attention.CHUNK_BYTES, 4 * 2 * IDX_HEADS * SEQ * 3):
+        monkeypatch.setattr(sparse_attention, "CHUNK_BYTES", chunk)
+        ours.zero_grad()
+        out = ours(x, rotary)[0]
+        out.square().sum().backward()
+        grads = {n: p.grad.clone() for n, p in ours.named_parameters()}
+        results.append((out.detach(), ours.indexer.take_loss(), grads))
+    (out, loss, grads), (out_b, loss_b, grads_b) = results
+    assert sparse_attention._query_rows(2, IDX_HEADS, SEQ) == 3
+    torch.testing.assert_close(out_b, out, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(loss_b, loss, rtol=1e-6, atol=0)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grads_b[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+    assert grads["indexer.linear_wq_b.weight"].abs().sum() > 0

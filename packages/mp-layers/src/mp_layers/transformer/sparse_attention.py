@@ -30,9 +30,11 @@ attached to the attention's output (moe.aux_losses.attach), whose backward gives
 training step's factor (an AuxLossScale of kind "dsa"). The tensor-parallel ranks hold
 the same indexer and compute the same loss, so their gradients agree without a reduction.
 
-Memory: the scores of all heads, [b, s, n, s] in fp32, and with the loss the main
-attention's logits of this rank's heads, [b, heads, s, s]: as Megatron's reference path
-(no fused kernel).
+Memory: the scores [b, s, s] and the chosen positions; the per-head products behind them
+(the indexer's q . k, [b, s, n, s], and with the loss the main attention's logits of this
+rank's heads, [b, heads, s, s]) are computed CHUNK_BYTES at a time, a block of queries
+after another, and the indexer's recomputed in backward (Megatron's reference path
+computes them whole; its fused kernels avoid them).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ import functools
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from mp_layers.config import TransformerConfig
 from mp_layers.context_parallel.layout import local_positions
@@ -63,6 +66,10 @@ __all__ = [
 
 _EPS = 1e-10
 """The floor of the target's sum and of its logarithm's argument (Megatron's)."""
+CHUNK_BYTES = 256 * 2**20
+"""The fp32 bytes of per-head products (the indexer's q . k, the attention logits of the
+loss's target) computed at once: a block of queries at a time, so that a layer keeps the
+scores [b, s, t], not [b, s, n, t]."""
 
 
 @functools.cache
@@ -140,12 +147,33 @@ class LightningIndexer(torch.nn.Module):
         return torch.cat([apply_rotary_pos_emb(rot, rotary), rest], dim=-1)
 
 
-def index_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, relu: bool) -> torch.Tensor:
-    """q [s, b, n, d], k [t, b, d], w [s, b, n] -> the indexer's scores [b, s, t], fp32."""
+def _query_rows(b: int, heads: int, t: int) -> int:
+    """How many queries' [b, heads, t] fp32 products fit in CHUNK_BYTES (at least one)."""
+    return max(1, CHUNK_BYTES // (4 * b * heads * t))
+
+
+def _scores_block(q, k, w, relu: bool) -> torch.Tensor:
     logits = torch.einsum("sbnd,tbd->bsnt", q.float(), k.float())
     if relu:
         logits = torch.relu(logits)
     return torch.einsum("bsnt,sbn->bst", logits, w.float())
+
+
+def index_scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, relu: bool) -> torch.Tensor:
+    """q [s, b, n, d], k [t, b, d], w [s, b, n] -> the indexer's scores [b, s, t], fp32,
+    computed CHUNK_BYTES of per-head products at a time; where they have a graph, each
+    block's products are recomputed in backward instead of kept."""
+    s, b, n = q.shape[:3]
+    rows = _query_rows(b, n, k.shape[0])
+    if rows >= s:
+        return _scores_block(q, k, w, relu)
+    graph = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, w))
+    blocks = []
+    for a in range(0, s, rows):
+        part = (q[a : a + rows], k, w[a : a + rows], relu)
+        blocks.append(checkpoint(_scores_block, *part, use_reentrant=False) if graph
+                      else _scores_block(*part))  # fmt: skip
+    return torch.cat(blocks, dim=1)
 
 
 def chosen_positions(scores: torch.Tensor, allowed: torch.Tensor, topk: int) -> torch.Tensor:
@@ -176,9 +204,7 @@ def indexer_loss(
     (summed: per_token). scores [b, s, t] the indexer's (with their gradient); query
     [s, b, heads, dq] and key [t, b, heads, dq] this rank's heads (detached here); valid
     [b or 1, s, t] bool, the positions both distributions cover."""
-    logits = torch.einsum("sbnd,tbnd->bnst", query.detach().float(), key.detach().float())
-    logits = (logits * softmax_scale).masked_fill(~valid[:, None], float("-inf"))
-    target = torch.softmax(logits, dim=-1).sum(dim=1)  # [b, s, t]
+    target = _attention_target(query.detach(), key.detach(), softmax_scale, valid)
     if tp_group.size > 1:  # the other ranks' heads
         dist.all_reduce(target, group=tp_group.group)
     target = target / target.sum(dim=-1, keepdim=True).clamp_min(_EPS)
@@ -186,6 +212,21 @@ def indexer_loss(
     log_p = torch.where(valid, log_p, 0.0)
     kl = (target * (target.clamp_min(_EPS).log() - log_p)).sum(dim=-1)  # [b, s]
     return kl.sum() if per_token else kl.mean()
+
+
+@torch.no_grad()
+def _attention_target(query, key, softmax_scale: float, valid: torch.Tensor) -> torch.Tensor:
+    """Each head's attention probabilities summed over this rank's heads, [b, s, t] fp32,
+    computed CHUNK_BYTES of logits at a time (no graph: the target is a constant)."""
+    s, b, heads = query.shape[:3]
+    rows = _query_rows(b, heads, key.shape[0])
+    blocks = []
+    for a in range(0, s, rows):
+        logits = torch.einsum("sbnd,tbnd->bnst", query[a : a + rows].float(), key.float())
+        masked = (logits * softmax_scale).masked_fill(~valid[:, None, a : a + rows],
+                                                      float("-inf"))  # fmt: skip
+        blocks.append(torch.softmax(masked, dim=-1).sum(dim=1))
+    return torch.cat(blocks, dim=1)
 
 
 def gather_sequence(t: torch.Tensor, cp: RankGroup) -> torch.Tensor:
