@@ -56,9 +56,9 @@ DEEPSEEK_V3 = dict(DEEPSEEK, q_lora_rank=24, n_group=2, topk_group=1, n_shared_e
 # multi-token prediction layers.
 DEEPSEEK_V32 = {k: v for k, v in DEEPSEEK_V3.items() if k != "num_nextn_predict_layers"} | dict(
     index_n_heads=16, index_head_dim=16, index_topk=4)  # fmt: skip
-# GLM-5: DeepSeek-V3.2's, its indexer rotating in interleaved pairs; GlmMoeDsaConfig's
-# rms_norm_eps (1e-5) is refused (transformers' latent norms keep 1e-6)
-GLM_MOE_DSA = DEEPSEEK_V32 | dict(rms_norm_eps=1e-6)
+# GLM-5: DeepSeek-V3.2's, its indexer rotating in interleaved pairs, with GLM-5's
+# rms_norm_eps (1e-5), which transformers' latent norms leave at 1e-6 (latent_norm_epsilon)
+GLM_MOE_DSA = DEEPSEEK_V32 | dict(rms_norm_eps=1e-5)
 # Llama 4: 4 layers, experts of 32 beside a shared expert of 32, dense layers of 48
 LLAMA4 = dict(SMALL, num_hidden_layers=4, head_dim=16, intermediate_size=32,
               intermediate_size_mlp=48, num_local_experts=4, num_experts_per_tok=1)  # fmt: skip

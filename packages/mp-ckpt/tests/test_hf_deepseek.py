@@ -91,7 +91,6 @@ def test_settings_of_deepseek_v2_lite_and_back():
         (V2_LITE | {"norm_topk_prob": True}, r"norm_topk_prob=True: transformers' DeepseekV2"),
         (V2_LITE | {"topk_method": "noaux_tc"}, r"topk_method='noaux_tc'"),
         (V3 | {"num_key_value_heads": 2}, r"num_key_value_heads=2: multi-latent attention"),
-        (V3 | {"rms_norm_eps": 1e-5}, r"rms_norm_eps=1e-05: transformers' latent norms"),
         (V3 | {"first_k_dense_replace": 3}, r"first_k_dense_replace=3: expected 0 to"),
         (V3 | {"moe_layer_freq": 2}, r"moe_layer_freq=2: mp computes only moe_layer_freq=1"),
         (V3 | {"rope_scaling": {"type": "yarn", "factor": 4, "mscale_all_dim": 1.0}},

@@ -138,7 +138,6 @@ def test_settings_of_deepseek_v32_and_back():
                                 r"qk_rope_head_dim=8"),
         ({"index_topk": 0}, r"index_topk=0: expected a positive integer"),
         ({"scoring_func": "softmax"}, r"scoring_func='softmax': mp computes only"),
-        ({"rms_norm_eps": 1e-5}, r"rms_norm_eps=1e-05: transformers' latent norms"),
     ],
 )  # fmt: skip
 def test_what_mp_computes_otherwise_is_refused_on_import(changes, message):

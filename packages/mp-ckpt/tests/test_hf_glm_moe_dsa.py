@@ -26,8 +26,8 @@ CONFIG = {
     "rms_norm_eps": 1e-6, "max_position_embeddings": 64, "scoring_func": "sigmoid",
     "topk_method": "noaux_tc",
 }  # fmt: skip
-"""Three layers (a dense MLP, then experts); GlmMoeDsaConfig's rms_norm_eps (1e-5) would be
-refused: transformers' latent norms keep 1e-6 (deepseek.py)."""
+"""Three layers (a dense MLP, then experts). GlmMoeDsaConfig's own rms_norm_eps (1e-5):
+test_glm5s_norm_epsilon_leaves_the_latents_at_transformers_1e_6."""
 SHARED = {"index_topk_freq": 2, "index_skip_topk_offset": 1}
 """Layers full, shared, full."""
 SHAPES = {"vocab": 32, "hidden": 64, "layers": 3, "heads": 4, "groups": 4, "head_dim": 16,
@@ -139,7 +139,6 @@ def test_transformers_reads_the_written_keys_as_the_same_layers():
         ({"index_skip_topk_offset": -1}, r"index_skip_topk_offset=-1: expected an integer >= 0"),
         (SHARED | {"num_nextn_predict_layers": 1},
          r"num_nextn_predict_layers=1 with shared indexer layers: mp-layers does not share"),
-        ({"rms_norm_eps": ABSENT}, r"rms_norm_eps=1e-05: transformers' latent norms"),
         ({"q_lora_rank": None}, r"q_lora_rank=None: transformers' GlmMoeDsa always has"),
         ({"layer_types": ["indexed_attention"] * 2 + ["full_attention"]},
          r"GLM-5 has sparse attention \('indexed_attention'\) in every layer"),
@@ -238,3 +237,17 @@ def test_transformers_weights_import_and_export_back_exactly(tmp_path, sharing):
         settings = model_config_from_hf(CONFIG | sharing)
         for name in ("dsa_indexer_topk_freq", "dsa_indexer_rope_interleaved"):
             assert common[name] == settings[name], (fmt, name)
+
+
+def test_glm5s_norm_epsilon_leaves_the_latents_at_transformers_1e_6():
+    """GLM-5's rms_norm_eps of 1e-5 (its config.json's, and GlmMoeDsaConfig's default)
+    becomes layernorm_epsilon; transformers' latent norms keep 1e-6, latent_norm_epsilon;
+    the export writes rms_norm_eps back and refuses latents normalized otherwise."""
+    settings = model_config_from_hf(CONFIG | {"rms_norm_eps": 1e-5})
+    assert settings["layernorm_epsilon"] == 1e-5
+    assert settings["latent_norm_epsilon"] == 1e-6
+    assert "latent_norm_epsilon" not in model_config_from_hf(CONFIG)
+    fam = family("glm_moe_dsa")
+    assert fam.config(settings, SHAPES, {}, "float32")["rms_norm_eps"] == 1e-5
+    with pytest.raises(ValueError, match=r"latent_norm_epsilon=None \(layernorm_epsilon=1e-05"):
+        fam.config(settings | {"latent_norm_epsilon": None}, SHAPES, {}, "float32")

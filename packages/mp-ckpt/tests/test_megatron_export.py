@@ -158,6 +158,9 @@ def test_what_export_refuses():
                       "kv_lora_rank": 8, "qk_pos_emb_head_dim": 4}  # fmt: skip
     _check(mla, {}, 2, 1, "torch")
     _check(mla, {}, 4, 1, "torch_dist")  # global tensors: Megatron's load splits them
+    _check(mla | {"layernorm_epsilon": 1e-6, "latent_norm_epsilon": 1e-6}, {}, 1, 1, "torch")
+    with pytest.raises(ValueError, match=r"^latent_norm_epsilon=1e-06 beside layernorm_eps"):
+        _check(mla | {"layernorm_epsilon": 1e-5, "latent_norm_epsilon": 1e-6}, {}, 1, 1, "torch")
     with pytest.raises(ValueError, match="does not divide the 6 rows of linear_q_down_proj"):
         _check(mla, {}, 4, 1, "torch")
     from mp_ckpt.megatron.write import megatron_args

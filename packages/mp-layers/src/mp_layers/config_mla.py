@@ -51,6 +51,12 @@ class MlaConfig:
     v_head_dim: int = 128
     """MLA: value channels per head."""
 
+    latent_norm_epsilon: float | None = None
+    """MLA: the epsilon of the latent norms (q_layernorm, kv_layernorm); None:
+    layernorm_epsilon, as Megatron-LM has one epsilon. Not a Megatron setting:
+    transformers' DeepSeek and GLM models normalize the latents with 1e-6 whatever their
+    rms_norm_eps says (GLM-5's is 1e-5), which mp-ckpt's import sets here."""
+
 
 _MLA_ONLY = {
     "q_lora_rank": None,
@@ -58,6 +64,7 @@ _MLA_ONLY = {
     "qk_head_dim": 128,
     "qk_pos_emb_head_dim": 64,
     "v_head_dim": 128,
+    "latent_norm_epsilon": None,
 }
 """Fields that mean something only with multi_latent_attention (Megatron's defaults)."""
 
@@ -100,6 +107,9 @@ def check_mla(config: TransformerConfig) -> None:
                          "the pair too)")  # fmt: skip
     if config.q_lora_rank is not None:
         positive("q_lora_rank", config.q_lora_rank)
+    eps = config.latent_norm_epsilon
+    if eps is not None and not (isinstance(eps, float | int) and eps > 0):
+        raise ValueError(f"latent_norm_epsilon={eps!r} must be > 0")
     if config.qk_pos_emb_head_dim % 2:
         raise ValueError(
             f"qk_pos_emb_head_dim={config.qk_pos_emb_head_dim} must be even: rotary "

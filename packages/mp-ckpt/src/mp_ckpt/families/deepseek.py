@@ -24,6 +24,9 @@ config.json -> settings, both families (the routing is each family's own):
     qk_nope_head_dim, qk_rope_head_dim   qk_head_dim, qk_pos_emb_head_dim
     q_lora_rank (null: none), kv_lora_rank, v_head_dim    the same names
     (the latent norms, always there)     qk_layernorm true, multi_latent_attention true
+    rms_norm_eps                         layernorm_epsilon (and latent_norm_epsilon 1e-6
+                                         where it differs: transformers' latent norms
+                                         keep 1e-6 whatever it says)
     intermediate_size                    ffn_hidden_size (the dense layers)
     moe_intermediate_size                moe_ffn_hidden_size
     n_routed_experts, num_experts_per_tok    num_moe_experts, moe_router_topk
@@ -38,8 +41,7 @@ config.json -> settings, both families (the routing is each family's own):
 
 The router computes in fp32 as transformers' does (moe_router_dtype "fp32"). Refused:
 another activation, attention or MLP biases, num_key_value_heads other than
-num_attention_heads, rms_norm_eps other than 1e-6 (transformers' latent norms keep
-1e-6 whatever it says), DeepSeek's moe_layer_freq other than 1, no expert layer at all,
+num_attention_heads, DeepSeek's moe_layer_freq other than 1, no expert layer at all,
 a rope_type other than "default" and "yarn", and YaRN's mscale_all_dim without mscale
 (transformers then scales the softmax by mscale_all_dim's factor but the rotary
 embeddings by the factor alone, which mp's two mscales do not express).
@@ -58,7 +60,7 @@ __all__ = ["EXPERTS", "LATENT_EPS", "RULES", "deepseek_config", "deepseek_settin
 
 LATENT_EPS = 1e-6
 """The epsilon of transformers' latent norms (RMSNorm's default; rms_norm_eps is the
-other norms'): DeepSeek's rms_norm_eps, the only one mp converts."""
+other norms'): mp's latent_norm_epsilon where rms_norm_eps differs (GLM-5's 1e-5)."""
 EXPERTS = ("mlp", "gate_proj", "up_proj", "down_proj")
 """DeepSeek's expert names (expert_rules, unfuse_experts)."""
 
@@ -132,12 +134,8 @@ def deepseek_settings(config: dict, defaults: dict) -> dict:
     plain |= {"rope_parameters": {"rope_type": "default", "rope_theta": theta},
               "intermediate_size": positive(config, "intermediate_size", defaults)}  # fmt: skip
     base = llama_settings(plain, max_positions=max_positions)
-    if base["layernorm_epsilon"] != LATENT_EPS:
-        raise ValueError(
-            f"config.json rms_norm_eps={base['layernorm_epsilon']!r}: transformers' latent "
-            f"norms (q_a_layernorm, kv_a_layernorm) keep {LATENT_EPS} whatever it says, mp's "
-            f"norms share one layernorm_epsilon; mp converts rms_norm_eps={LATENT_EPS}"
-        )
+    if base["layernorm_epsilon"] != LATENT_EPS:  # transformers' latent norms keep theirs
+        base["latent_norm_epsilon"] = LATENT_EPS
     del base["kv_channels"]  # MLA's widths are its own fields
     layers = base["num_layers"]
     dense = config.get("first_k_dense_replace", defaults["first_k_dense_replace"])
@@ -204,11 +202,19 @@ def deepseek_config(settings: dict, shapes: dict, tokens: dict, dtype: str,
                     model_type: str) -> dict:  # fmt: skip
     """The config.json keys both families write but for the routing."""
     settings = {"layernorm_epsilon": 1e-5} | settings  # base_config's default when absent
+    latent = settings.get("latent_norm_epsilon")
+    if (settings["layernorm_epsilon"] if latent is None else latent) != LATENT_EPS:
+        given = ("None (layernorm_epsilon=" + repr(settings["layernorm_epsilon"]) + ")"
+                 if latent is None else repr(latent))  # fmt: skip
+        raise ValueError(
+            f"model_config latent_norm_epsilon={given}: transformers' {model_type} normalizes "
+            f"the latents (q_a_layernorm, kv_a_layernorm) with {LATENT_EPS} whatever "
+            "rms_norm_eps says"
+        )
     position = settings.get("position_embedding_type", "rope")
     computes = {"qk_layernorm": True, "multi_latent_attention": True,
                 "position_embedding_type": position if position in ("rope", "yarn") else "rope",
-                "moe_expert_capacity_factor": None, "moe_shared_expert_gate": False,
-                "layernorm_epsilon": LATENT_EPS}  # fmt: skip
+                "moe_expert_capacity_factor": None, "moe_shared_expert_gate": False}  # fmt: skip
     sparse = shapes["sparse"]
     dense = sparse.index(1) if 1 in sparse else len(sparse)
     if dense == len(sparse) or sparse != [0] * dense + [1] * (len(sparse) - dense):

@@ -31,6 +31,13 @@ def check_exportable(
         )
     if tp < 1 or pp < 1 or ep < 1:
         raise ValueError(f"TP={tp}, PP={pp}, EP={ep}: each must be >= 1")
+    latent = settings.get("latent_norm_epsilon")
+    if latent is not None and latent != settings.get("layernorm_epsilon", 1e-5):
+        raise ValueError(
+            f"latent_norm_epsilon={latent!r} beside layernorm_epsilon="
+            f"{settings.get('layernorm_epsilon', 1e-5)!r}: Megatron-LM normalizes MLA's "
+            "latents with its one layernorm_epsilon"
+        )
     if settings.get("hybrid_layer_pattern") or any(".mixer." in k for k in keys):
         _check_hybrid(settings, tp)
     modules = {m.group(1) for k in keys if (m := re.match(r"mtp\.layers\.(\d+)\.", k))}

@@ -131,7 +131,12 @@ class MultiLatentAttention(torch.nn.Module):
         )  # fmt: skip
 
         def latent_norm(size: int) -> torch.nn.Module:  # Megatron's IdentityOp without them
-            return spec.norm(config, size) if config.qk_layernorm else torch.nn.Identity()
+            if not config.qk_layernorm:
+                return torch.nn.Identity()
+            norm = spec.norm(config, size)
+            if config.latent_norm_epsilon is not None:
+                norm.eps = config.latent_norm_epsilon
+            return norm
 
         q_width = n * (self.dn + self.dr)
         self.linear_q_proj = self.linear_q_down_proj = self.linear_q_up_proj = None
