@@ -15,6 +15,7 @@ few 1e-6, all rounding):
   the third iteration). The layer's choice itself is checked against transformers' in
   packages/mp-layers/tests/test_sparse_attention.py.
 
+A layer that reuses another's choice trains alike with full and selective recompute.
 Megatron-LM's DSA functional-test line, shrunk, trains at its TP2 x PP2 with sequence
 parallelism in bf16."""
 
@@ -134,3 +135,25 @@ def test_megatrons_dsa_functional_test_line_trains(tmp_path):
     records = metrics_records(tmp_path)
     assert [r["iteration"] for r in records] == [1, 2, 3]
     assert all(np.isfinite(r["lm loss"]) and r["indexer loss"] > 0 for r in records)
+
+
+def test_shared_choices_train_alike_with_the_layers_recomputed(tmp_path):
+    """Layer 2 reuses layer 1's choice (--dsa-indexer-topk-freq 2, offset 1; no MTP module,
+    which refuses sharing): with every layer recomputed in backward (the choice carried by
+    the micro-batch's Rotary, so that the recomputed layer 2 reuses its own micro-batch's;
+    the indexer loss logged once, not again by the recompute), and with Megatron's
+    selective modules (the attention, MLA's up projections and the norms), the curves
+    are those of the run that keeps its activations."""
+    shared = ["--dsa-indexer-topk-freq", "2", "--dsa-indexer-skip-topk-offset", "1",
+              "--mtp-num-layers", "none", "--global-batch-size", "8"]  # fmt: skip
+    full = ["--recompute-granularity", "full", "--recompute-method", "uniform",
+            "--recompute-num-layers", "1"]  # fmt: skip
+    selective = ["--recompute-granularity", "selective", "--recompute-modules", "core_attn",
+                 "mla_up_proj", "layernorm"]  # fmt: skip
+    curves = {}
+    for name, extra in (("kept", []), ("full", full), ("selective", selective)):
+        run_on_ranks(train_on_rank, 1, options(tmp_path / name, *shared, *extra), timeout=300)
+        curves[name] = metrics_records(tmp_path / name)
+    assert len(curves["kept"]) == ITERATIONS
+    for name in ("full", "selective"):
+        assert_same_curve(curves[name], curves["kept"], ("lm loss", "indexer loss"), name)

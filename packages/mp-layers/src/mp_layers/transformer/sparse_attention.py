@@ -50,6 +50,7 @@ from mp_layers.config import TransformerConfig
 from mp_layers.context_parallel.layout import local_positions
 from mp_layers.moe.aux_losses import AuxLossScale, attach
 from mp_layers.tensor_parallel import gather_from_sequence_parallel_region
+from mp_layers.transformer.recompute import recomputing
 from mp_layers.transformer.rope import Rotary, apply_rotary_pos_emb
 from mp_state import RankGroup
 
@@ -128,11 +129,13 @@ class LightningIndexer(torch.nn.Module):
         return q, k, w
 
     def attach_loss(self, output: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
-        """output unchanged; in backward, loss_coeff x loss gets the aux_loss_scale."""
+        """output unchanged; in backward, loss_coeff x loss gets the aux_loss_scale. Counted
+        for the log once per forward: not again when a recompute reruns the layer."""
         loss = loss * self.loss_coeff
-        if self.loss_total.device != loss.device:
-            self.loss_total = self.loss_total.to(loss.device)
-        self.loss_total += loss.detach().float()
+        if not recomputing():
+            if self.loss_total.device != loss.device:
+                self.loss_total = self.loss_total.to(loss.device)
+            self.loss_total += loss.detach().float()
         return attach(output, loss, self.aux_loss_scale)
 
     def take_loss(self) -> torch.Tensor:
