@@ -12,12 +12,13 @@ import os
 import pytest
 import torch
 
-from mp_layers import LOCAL_SPEC, GPTModel, ModelGroups, TransformerConfig
+from mp_layers import LOCAL_SPEC, GPTModel, LightningIndexer, ModelGroups, TransformerConfig
 from mp_layers.config_dsa import dsa_choice_source
 from mp_layers.moe.aux_losses import AuxLossScale
 from mp_layers.transformer import sparse_attention
 from mp_layers.transformer.kv_cache import KVCache
 from mp_layers.transformer.multi_latent_attention import MultiLatentAttention
+from mp_layers.transformer.packed import PackedSeqParams
 from mp_layers.transformer.rope import RotaryEmbedding, yarn_scaling
 from mp_layers.transformer.sparse_attention import (
     chosen_positions,
@@ -336,3 +337,38 @@ def test_scores_and_loss_in_blocks_of_queries_equal_them_whole(monkeypatch):
     for name, grad in grads.items():
         torch.testing.assert_close(grads_b[name], grad, rtol=1e-5, atol=1e-7, msg=name)
     assert grads["indexer.linear_wq_b.weight"].abs().sum() > 0
+
+
+def test_packed_documents_choose_within_themselves_as_alone():
+    """Two documents packed into each sample (PackedSeqParams, positions restarting): each
+    query's choice stays within its document, and the logits of each document equal those
+    of the document run alone; the indexer's loss and gradients too."""
+    config = mp_config(num_layers=2, init_method_std=0.2, dsa_indexer_n_heads=16,
+                       dsa_indexer_loss_coeff=1.0)  # fmt: skip
+    torch.manual_seed(11)
+    gpt = GPTModel(config, "local", 64, SEQ, groups=ModelGroups.single(),
+                   parallel_output=False).train()  # fmt: skip
+    tokens = torch.randint(0, 64, (1, SEQ), generator=torch.Generator().manual_seed(12))
+    cut = 10
+    documents = (torch.arange(SEQ) >= cut).long()[None]
+    packed = PackedSeqParams.from_document_ids(documents)
+    indexers = [m for m in gpt.modules() if isinstance(m, LightningIndexer)]
+    whole = gpt(tokens, attention_mask=packed)
+    whole.square().mean().backward()
+    packed_loss = sum(i.take_loss() for i in indexers)
+    packed_grads = {n: p.grad.clone() for n, p in gpt.named_parameters()}
+    gpt.zero_grad()
+    alone, losses = [], []
+    for part in (tokens[:, :cut], tokens[:, cut:]):
+        alone.append(gpt(part))
+        losses.append(sum(i.take_loss() for i in indexers))
+    (torch.cat(alone, dim=1).square().mean()).backward()
+    torch.testing.assert_close(torch.cat(alone, dim=1), whole, rtol=1e-5, atol=1e-5)
+    # the packed loss is the mean over all queries: each document's mean by its share
+    shares = (losses[0] * cut + losses[1] * (SEQ - cut)) / SEQ
+    torch.testing.assert_close(packed_loss, shares, rtol=1e-5, atol=0)
+    assert float(packed_loss) > 0
+    for name, grad in packed_grads.items():
+        if ".indexer." not in name:
+            torch.testing.assert_close(gpt.get_parameter(name).grad, grad, rtol=1e-4,
+                                       atol=1e-6, msg=name)  # fmt: skip

@@ -36,6 +36,12 @@ projections hold each head's rows together (dn + dr, or dn + dv), as Megatron an
 Hugging Face store them, so the TP split gives whole heads and the logical tensor is the
 checkpoint's own.
 
+With experimental_attention_variant "dsa" (DeepSeek-V3.2, GLM-5) each query attends to
+the positions a lightning indexer chose (sparse_attention.py; the indexer's tensors under
+core_attention.indexer., Megatron's names): this layer's, or with dsa_indexer_topk_freq
+the last layer's that chose for it, carried in the forward's Rotary. Under context
+parallelism the rank's queries attend to the all-gathered keys and values.
+
 Generation with a KVCache keeps, per position, the latent (c, rope(k_rope)): r + dr
 channels instead of n (dn + dr + dv) keys and values. Attention runs in the latent space
 (the weight absorption of DeepSeek-V2's section 2.1.3): with W_uk [dn, r] and W_uv [dv, r]

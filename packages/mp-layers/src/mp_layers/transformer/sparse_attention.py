@@ -17,7 +17,8 @@ embeddings, in halves (i, i + dr/2) by default (DeepSeek's indexer) or in interl
 pairs (dsa_indexer_rope_interleaved); with dsa_indexer_rotate_activation both are then
 multiplied by an orthonormal Hadamard matrix, which keeps q . k but for rounding. Query i
 attends to the dsa_indexer_topk positions j <= i of highest score (all of them when
-there are no more); the attention itself is the layer's, under that mask.
+there are no more; within its document when the batch is packed: PackedSeqParams); the
+attention itself is the layer's, under that mask.
 
 The indexer takes x and q_in detached and the chosen positions carry no gradient, so the
 language-model loss does not train it. Its own loss (dsa_indexer_loss_coeff) is, per
@@ -29,6 +30,12 @@ averaged over the micro-batch's queries (summed with calculate_per_token_loss) a
 attached to the attention's output (moe.aux_losses.attach), whose backward gives it the
 training step's factor (an AuxLossScale of kind "dsa"). The tensor-parallel ranks hold
 the same indexer and compute the same loss, so their gradients agree without a reduction.
+
+Under context parallelism a rank's queries are its two load-balanced chunks: the indexer
+keys, and the attention's keys and values, are all-gathered in order (gather_sequence),
+the allowed positions causal by the queries' places in the whole sequence
+(causal_over_ranks), and the attention runs over them (masked_attention). Layers that
+reuse another's choice (dsa_indexer_topk_freq) hold no indexer (multi_latent_attention.py).
 
 Memory: the scores [b, s, s] and the chosen positions; the per-head products behind them
 (the indexer's q . k, [b, s, n, s], and with the loss the main attention's logits of this
