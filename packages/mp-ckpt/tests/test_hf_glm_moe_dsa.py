@@ -6,9 +6,11 @@ transformers' saved weights imported (the indexer in the full layers alone) and 
 back bit for bit, also through export-megatron and import-megatron
 (tests/test_hf_families.py compares the logits and tokens with transformers')."""
 
+import json
+
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from mp_ckpt import CheckpointReader, export_hf, import_hf, import_megatron
 from mp_ckpt.families import family, family_of
@@ -137,8 +139,9 @@ def test_transformers_reads_the_written_keys_as_the_same_layers():
         ({"indexer_types": ["full", "sparse", "full"]}, r"expected 'full' or 'shared'"),
         ({"index_topk_pattern": "FSX"}, r"index_topk_pattern='FSX': expected 'full' or 'shared'"),
         ({"index_skip_topk_offset": -1}, r"index_skip_topk_offset=-1: expected an integer >= 0"),
-        (SHARED | {"num_nextn_predict_layers": 1},
-         r"num_nextn_predict_layers=1 with shared indexer layers: mp-layers does not share"),
+        (SHARED | {"num_nextn_predict_layers": 2},
+         r"num_nextn_predict_layers=2 with shared indexer layers: multi-token prediction "
+         r"depth 2 would reuse"),
         ({"q_lora_rank": None}, r"q_lora_rank=None: transformers' GlmMoeDsa always has"),
         ({"layer_types": ["indexed_attention"] * 2 + ["full_attention"]},
          r"GLM-5 has sparse attention \('indexed_attention'\) in every layer"),
@@ -164,8 +167,9 @@ def test_what_mp_computes_otherwise_is_refused_on_import(changes, message):
          r"dsa_indexer_k_norm_epsilon=1e-05: transformers' GlmMoeDsa indexer"),
         ("glm_moe_dsa", {"dsa_indexer_topk_freq": 0}, r"dsa_indexer_topk_freq=0: expected an "
                                                       r"integer >= 1"),
-        ("glm_moe_dsa", {"dsa_indexer_topk_freq": 2, "mtp_num_layers": 1},
-         r"dsa_indexer_topk_freq=2 with mtp_num_layers=1"),
+        ("glm_moe_dsa", {"dsa_indexer_topk_freq": 2, "dsa_indexer_skip_topk_offset": 1,
+                         "mtp_num_layers": 2},
+         r"dsa_indexer_topk_freq=2 with mtp_num_layers=2: multi-token prediction depth 2"),
         ("glm_moe_dsa", {"experimental_attention_variant": None},
          r"experimental_attention_variant=None: glm_moe_dsa computes only"),
         ("glm_moe_dsa", {"dsa_indexer_topk": None}, r"the glm_moe_dsa export writes it as "
@@ -251,3 +255,44 @@ def test_glm5s_norm_epsilon_leaves_the_latents_at_transformers_1e_6():
     assert fam.config(settings, SHAPES, {}, "float32")["rms_norm_eps"] == 1e-5
     with pytest.raises(ValueError, match=r"latent_norm_epsilon=None \(layernorm_epsilon=1e-05"):
         fam.config(settings | {"latent_norm_epsilon": None}, SHAPES, {}, "float32")
+
+
+def test_a_multi_token_prediction_layer_after_a_shared_layer_brings_its_indexer(tmp_path):
+    """Layers full, full, shared (index_topk_freq 2, offset 2), then GLM-5's multi-token
+    prediction layer (model.layers.3): shaped as the last layer, which holds no indexer,
+    it chooses its own positions (Megatron numbers it 1), so its indexer is imported
+    (mtp.layers.0.transformer_layer...indexer.*) and exported back bit for bit."""
+    transformers = pytest.importorskip("transformers")
+    sharing = {"index_topk_freq": 2, "index_skip_topk_offset": 2}
+    config = {k: v for k, v in (CONFIG | sharing).items() if k != "model_type"}
+    torch.manual_seed(0)
+    transformers.GlmMoeDsaForCausalLM(transformers.GlmMoeDsaConfig(**config)).save_pretrained(
+        tmp_path / "hf")  # fmt: skip
+    state = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    gen = torch.Generator().manual_seed(1)
+    mtp = {n.replace("model.layers.2.", "model.layers.3."): t.clone()
+           for n, t in state.items() if n.startswith("model.layers.2.")}  # fmt: skip
+    for name, tensor in state.items():  # the indexer the shared layer 2 lacks: layer 1's
+        if name.startswith("model.layers.1.self_attn.indexer."):
+            mtp[name.replace("model.layers.1.", "model.layers.3.")] = torch.randn(
+                tensor.shape, generator=gen)  # fmt: skip
+    for name in ("enorm", "hnorm", "shared_head.norm"):
+        mtp[f"model.layers.3.{name}.weight"] = torch.randn(64, generator=gen)
+    mtp["model.layers.3.eh_proj.weight"] = torch.randn(64, 128, generator=gen)
+    mtp["model.layers.3.embed_tokens.weight"] = state["model.embed_tokens.weight"].clone()
+    mtp["model.layers.3.shared_head.head.weight"] = state["lm_head.weight"].clone()
+    state |= mtp
+    save_file(state, str(tmp_path / "hf" / "model.safetensors"))
+    written = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(
+        json.dumps(written | {"num_nextn_predict_layers": 1}))  # fmt: skip
+    import_hf(tmp_path / "hf", tmp_path / "ckpt")
+    reader = CheckpointReader(tmp_path / "ckpt")
+    assert {k for k in reader.keys if ".indexer.linear_wk." in k} == {
+        f"decoder.layers.{i}.{INDEXER}linear_wk.weight" for i in (0, 1)} | {
+        f"mtp.layers.0.transformer_layer.{INDEXER}linear_wk.weight"}  # fmt: skip
+    export_hf(tmp_path / "ckpt", tmp_path / "out")
+    exported = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert exported.keys() == state.keys()
+    for name, tensor in state.items():
+        assert torch.equal(exported[name], tensor), name

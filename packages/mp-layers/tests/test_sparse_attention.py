@@ -233,8 +233,8 @@ NO_YARN = dict(yarn_rotary_scaling_factor=1.0, yarn_original_max_position_embedd
         (dict(dsa_indexer_head_dim=2, dsa_indexer_rotate_activation=False),
          r"dsa_indexer_head_dim=2 < qk_pos_emb_head_dim=4"),
         (dict(dsa_kernel_backend="tilelang"), r"dsa_kernel_backend='tilelang' needs Megatron"),
-        (dict(dsa_indexer_topk_freq=2, mtp_num_layers=1),
-         r"dsa_indexer_topk_freq=2 with mtp_num_layers=1"),
+        (dict(dsa_indexer_topk_freq=2, mtp_num_layers=2),
+         r"mtp_num_layers=2: multi-token prediction depth 2 would reuse"),
         (dict(dsa_indexer_skip_topk_offset=-1), r"dsa_indexer_skip_topk_offset=-1 must be"),
         (dict(dsa_indexer_loss_coeff=-1.0), r"dsa_indexer_loss_coeff=-1.0 must be >= 0"),
         (dict(add_bias_linear=True), r"add_bias_linear=True with experimental_attention"),
@@ -372,3 +372,26 @@ def test_packed_documents_choose_within_themselves_as_alone():
         if ".indexer." not in name:
             torch.testing.assert_close(gpt.get_parameter(name).grad, grad, rtol=1e-4,
                                        atol=1e-6, msg=name)  # fmt: skip
+
+
+def test_a_multi_token_prediction_layer_chooses_its_own_positions():
+    """Sharing (freq 2, offset 1) makes the last decoder layer reuse the first's choice;
+    the MTP module's layer, shaped as the last, holds an indexer of its own and chooses
+    for itself (Megatron numbers the MTP layers apart: its first chooses), trained by its
+    loss; two MTP depths, the second of which the rule would share, are refused (above)."""
+    config = mp_config(dsa_indexer_topk_freq=2, dsa_indexer_skip_topk_offset=1,
+                       mtp_num_layers=1, dsa_indexer_loss_coeff=1.0, init_method_std=0.2,
+                       untie_embeddings_and_output_weights=True)  # fmt: skip
+    torch.manual_seed(13)
+    gpt = GPTModel(config, "local", 64, SEQ, groups=ModelGroups.single()).train()
+    assert gpt.decoder.layers[1].self_attention.indexer is None
+    mtp_attention = gpt.mtp.layers[0].transformer_layer.self_attention
+    assert mtp_attention.indexer is not None
+    names = {n for n in gpt.sharded_state_dict() if ".indexer.linear_wk." in n}
+    assert names == {"decoder.layers.0.self_attention.core_attention.indexer.linear_wk.weight",
+                     "mtp.layers.0.transformer_layer.self_attention.core_attention.indexer."
+                     "linear_wk.weight"}  # fmt: skip
+    tokens = torch.randint(0, 64, (2, SEQ), generator=torch.Generator().manual_seed(14))
+    gpt(tokens, labels=tokens.roll(-1, 1)).mean().backward()
+    assert float(mtp_attention.indexer.take_loss()) > 0
+    assert mtp_attention.indexer.linear_wq_b.weight.grad.abs().sum() > 0

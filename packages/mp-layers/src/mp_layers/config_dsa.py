@@ -49,7 +49,9 @@ class DsaConfig:
     layers): with f > 1 and o = max(dsa_indexer_skip_topk_offset, 1), the layer of 1-based
     number L > o has an indexer when (L - o) is a multiple of f, and the others attend to
     the positions their last such layer (L - (L - o) mod f) chose, holding no indexer; the
-    layers up to o each have their own. 1: every layer its own."""
+    layers up to o each have their own. 1: every layer its own. Multi-token prediction
+    modules number their layers 1, 2, ... apart (Megatron's): the first chooses for
+    itself; a depth the rule would make reuse another's is refused."""
 
     dsa_indexer_skip_topk_offset: int = 0
     """The o of dsa_indexer_topk_freq's sharing: the layers up to it keep their indexers."""
@@ -137,11 +139,14 @@ def check_dsa(config: TransformerConfig) -> None:
     positive("dsa_indexer_topk_freq", freq)
     if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
         raise ValueError(f"dsa_indexer_skip_topk_offset={offset!r} must be an integer >= 0")
-    if freq > 1 and config.mtp_num_layers:
+    depths = config.mtp_num_layers or 0
+    shared = [j + 1 for j in range(depths) if dsa_choice_source(config, j) != j]
+    if freq > 1 and shared:  # Megatron numbers the MTP modules' layers 1, 2, ... apart
         raise ValueError(
-            f"dsa_indexer_topk_freq={freq} with mtp_num_layers={config.mtp_num_layers}: a "
-            "multi-token prediction module's layer is shaped as the last decoder layer, "
-            "whose choice it would reuse across modules; not implemented"
+            f"dsa_indexer_topk_freq={freq}, dsa_indexer_skip_topk_offset={offset} with "
+            f"mtp_num_layers={depths}: multi-token prediction depth {shared[0]} would reuse "
+            "an earlier depth's choice, which mp does not implement (each module's layer "
+            "chooses its own positions)"
         )
     head_dim = config.dsa_indexer_head_dim
     if head_dim < config.qk_pos_emb_head_dim:

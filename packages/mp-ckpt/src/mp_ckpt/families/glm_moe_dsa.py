@@ -39,13 +39,15 @@ Defaults are GlmMoeDsaConfig's (rms_norm_eps 1e-5: refused, as deepseek.py says,
 config.json gives 1e-6; index_n_heads 32, n_group 1, ...).
 
 Refused besides deepseek_v32.py's: indexer_types that are not "full" or "shared" for each
-of num_hidden_layers layers, that begin with a shared layer (nothing to reuse: transformers
-fails there too) or that no f and o give (an arbitrary pattern); shared layers with
-multi-token prediction layers (mp-layers refuses dsa_indexer_topk_freq > 1 with
-mtp_num_layers). The export refuses an indexer transformers computes otherwise (halves,
-scores without relu, another key-norm epsilon) and writes deepseek_v32.py's keys with
-indexer_types, which transformers reads first, and, where layers share, index_topk_freq and
-index_skip_topk_offset (max(o, 1)), which give the same layers.
+of num_hidden_layers layers, that begin with a shared layer (nothing to reuse:
+transformers fails there too) or that no f and o give (an arbitrary pattern); shared
+layers with multi-token prediction layers of which a depth would reuse another's choice
+(Megatron numbers them 1, 2, ... apart: the first chooses for itself, with its own
+indexer, which mp-layers gives it; a later one is refused there). The export refuses an
+indexer transformers computes otherwise (halves, scores without relu, another key-norm
+epsilon) and writes deepseek_v32.py's keys with indexer_types, which transformers reads
+first, and, where layers share, index_topk_freq and index_skip_topk_offset (max(o, 1)),
+which give the same layers.
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ from __future__ import annotations
 from mp_ckpt.families import deepseek_v3
 from mp_ckpt.families.deepseek_v32 import RULES, dsa_config, dsa_settings
 from mp_ckpt.families.hf_settings import check_computes
-from mp_ckpt.families.table import Family, has_dsa_indexer
+from mp_ckpt.families.table import Family, has_dsa_indexer, shared_mtp_depth
 
 __all__ = ["FAMILY"]
 
@@ -129,14 +131,17 @@ def _settings(config: dict) -> dict:
     config = {"rms_norm_eps": _RMS_NORM_EPS} | config
     settings = dsa_settings(config, _DEFAULTS, _ARCH, _CLASS)
     freq, offset = _sharing(config, _indexer_types(config, settings["num_layers"]))
-    if freq > 1 and settings["mtp_num_layers"]:
+    settings = settings | _INDEXER | {"dsa_indexer_topk_freq": freq,
+                                      "dsa_indexer_skip_topk_offset": offset}  # fmt: skip
+    depth = shared_mtp_depth(settings)
+    if depth is not None:
         raise ValueError(
             f"config.json num_nextn_predict_layers={settings['mtp_num_layers']} with shared "
-            "indexer layers: mp-layers does not share a choice with multi-token prediction "
-            "layers (dsa_indexer_topk_freq > 1 with mtp_num_layers)"
+            f"indexer layers: multi-token prediction depth {depth} would reuse an earlier "
+            "depth's choice (Megatron's rule over the modules' own numbering), which "
+            "mp-layers does not implement"
         )
-    return settings | _INDEXER | {"dsa_indexer_topk_freq": freq,
-                                  "dsa_indexer_skip_topk_offset": offset}  # fmt: skip
+    return settings
 
 
 def _config(settings: dict, shapes: dict, tokens: dict, dtype: str) -> dict:
@@ -153,10 +158,12 @@ def _config(settings: dict, shapes: dict, tokens: dict, dtype: str) -> dict:
                                 ("dsa_indexer_skip_topk_offset", offset, 0)):  # fmt: skip
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
             raise ValueError(f"model_config {field}={value!r}: expected an integer >= {least}")
-    if freq > 1 and settings.get("mtp_num_layers"):
+    depth = shared_mtp_depth(settings)
+    if depth is not None:
         raise ValueError(
             f"model_config dsa_indexer_topk_freq={freq} with mtp_num_layers="
-            f"{settings['mtp_num_layers']}: mp-layers refuses the two together"
+            f"{settings['mtp_num_layers']}: multi-token prediction depth {depth} would reuse "
+            "an earlier depth's choice, which mp-layers refuses"
         )
     config = dsa_config(settings, shapes, tokens, dtype, "glm_moe_dsa", _ARCH, _CLASS, {})
     layers = range(shapes["layers"])

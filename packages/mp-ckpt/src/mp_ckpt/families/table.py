@@ -68,7 +68,9 @@ __all__ = [
     "is_moe_layer",
     "kv_heads",
     "layer_scopes",
+    "mtp_layer_scopes",
     "q_heads",
+    "shared_mtp_depth",
     "split_hybrid_pattern",
     "transposed",
 ]
@@ -208,6 +210,24 @@ def has_dsa_indexer(settings: dict, i: int) -> bool:
     offset = max(settings.get("dsa_indexer_skip_topk_offset") or 0, 1)
     number = i + 1
     return freq == 1 or number <= offset or (number - offset) % freq == 0
+
+
+def shared_mtp_depth(settings: dict) -> int | None:
+    """The first 1-based multi-token prediction depth that would reuse another depth's
+    choice under dsa_indexer_topk_freq (Megatron numbers the modules' layers 1, 2, ...
+    apart from the decoder's; mp-layers refuses such a depth), None if none does."""
+    depths = settings.get("mtp_num_layers") or 0
+    return next((k + 1 for k in range(depths) if not has_dsa_indexer(settings, k)), None)
+
+
+def mtp_layer_scopes(settings: dict) -> tuple[Scope, ...]:
+    """The scopes of a multi-token prediction module's transformer layer: the last decoder
+    layer's, with an indexer of its own under DeepSeek's sparse attention (its first
+    depth chooses for itself, whatever the last decoder layer does)."""
+    scopes = layer_scopes(settings, settings["num_layers"] - 1)
+    if settings.get("experimental_attention_variant") == "dsa" and "indexer" not in scopes:
+        scopes = (scopes[0], "indexer", *scopes[1:])
+    return scopes
 
 
 def is_moe_layer(settings: dict, i: int) -> bool:

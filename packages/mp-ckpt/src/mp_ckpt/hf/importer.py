@@ -31,6 +31,7 @@ from mp_ckpt.families.table import (
     Family,
     Rule,
     layer_scopes,
+    mtp_layer_scopes,
     split_hybrid_pattern,
 )
 from mp_ckpt.hf.tokenizer import tokenizer_from_hf
@@ -179,12 +180,13 @@ def placed_rules(fam: Family, settings: dict) -> Iterator[tuple[Rule, int, str]]
     for k in range(settings.get("mtp_num_layers") or 0):
         module = f"mtp.layers.{k}."
         yield from ((rule, layers + k, module) for rule in fam.rules_for("mtp", settings))
+        shaped = [r for scope in mtp_layer_scopes(settings)
+                  for r in fam.rules_for(scope, settings)]  # fmt: skip
         if fam.mtp_sublayer is None:  # a decoder layer's names, numbered after the decoder's
-            yield from ((rule, layers + k, f"{module}transformer_layer.")
-                        for rule in _layer_rules(fam, settings, layers - 1))  # fmt: skip
+            yield from ((rule, layers + k, f"{module}transformer_layer.") for rule in shaped)
         else:  # names of their own (Qwen3-Next's mtp.layers.{k}.), numbered from 0
             yield from ((_moved(rule, *fam.mtp_sublayer), k, f"{module}transformer_layer.")
-                        for rule in _layer_rules(fam, settings, layers - 1))  # fmt: skip
+                        for rule in shaped)  # fmt: skip
 
 
 def _hybrid_mtp_rules(

@@ -179,6 +179,7 @@ class MultiLatentAttention(torch.nn.Module):
         self.choice_source = dsa_choice_source(config, layer_number) if self.dsa else None
         computes = self.dsa and self.choice_source == layer_number
         self.indexer = LightningIndexer(config, replicated) if computes else None
+        self._new_indexer = functools.partial(LightningIndexer, config, replicated)
         self.topk = config.dsa_indexer_topk
         self.softmax_scale = mla_softmax_scale(config)
 
@@ -264,6 +265,13 @@ class MultiLatentAttention(torch.nn.Module):
                                 self.indexer.per_token_loss)  # fmt: skip
             context = self.indexer.attach_loss(context, loss)
         return context
+
+    def choose_own(self) -> None:
+        """With DeepSeek sparse attention, an indexer of this layer's own whatever its
+        number (a multi-token prediction module's layer: config_dsa)."""
+        if self.dsa and self.indexer is None:
+            self.indexer = self._new_indexer()
+            self.choice_source = self.layer_number
 
     def _share(self, rotary: Rotary, chosen: torch.Tensor) -> torch.Tensor:
         """Keeps this layer's chosen positions [b, s, t] for the layers that reuse them."""

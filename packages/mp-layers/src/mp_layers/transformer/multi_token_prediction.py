@@ -52,6 +52,7 @@ from mp_layers.tensor_parallel import (
 from mp_layers.transformer.layer import TransformerLayer
 from mp_layers.transformer.layer_hooks import building_layer, layer_built
 from mp_layers.transformer.mamba_layer import MambaLayer
+from mp_layers.transformer.multi_latent_attention import MultiLatentAttention
 from mp_layers.transformer.recompute import checkpointed
 from mp_layers.transformer.rope import Rotary
 from mp_layers.transformer.seeded_init import seeded_init
@@ -131,6 +132,11 @@ class MultiTokenPredictionLayer(torch.nn.Module):
         if config.hybrid_layer_pattern is None:
             with building_layer():
                 layer = TransformerLayer(config, groups, rng_tracker, spec, last)
+                # DeepSeek sparse attention: the layer chooses its own positions, though
+                # the last decoder layer may reuse another's (config_dsa)
+                attention = layer.self_attention
+                if isinstance(attention, MultiLatentAttention):
+                    attention.choose_own()
             self.transformer_layer = layer_built(layer)
         else:
             layers = []
