@@ -1,11 +1,13 @@
 """TransformerConfig's DeepSeek sparse attention fields (DsaConfig, a base of it; Megatron's
---experimental-attention-variant dsa and --dsa-*: DeepSeek-V3.2) and their checks:
-`check_dsa`, from __post_init__, and `check_dsa_parallel`, from check_parallel.
+--experimental-attention-variant dsa and --dsa-*: DeepSeek-V3.2, GLM-5) and their checks:
+`check_dsa`, from __post_init__, and `check_dsa_parallel`, from check_parallel; the
+cross-layer sharing rule (`dsa_choice_source`, `shares_dsa_choice`) and its pipeline check
+(`check_dsa_sources`, from GPTModel).
 
 A model with experimental_attention_variant "dsa" has multi-latent attention in every
-layer, each with a lightning indexer that picks, for every query, the dsa_indexer_topk
-earlier positions its heads attend to (transformer/sparse_attention.py). Every message
-names the field and the value."""
+layer, each attending to the dsa_indexer_topk earlier positions a lightning indexer picks
+for every query (transformer/sparse_attention.py): its own, or with dsa_indexer_topk_freq
+an earlier layer's. Every message names the field and the value."""
 
 from __future__ import annotations
 
