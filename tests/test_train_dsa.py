@@ -139,11 +139,12 @@ def test_megatrons_dsa_functional_test_line_trains(tmp_path):
 
 def test_shared_choices_train_alike_with_the_layers_recomputed(tmp_path):
     """Layer 2 reuses layer 1's choice (--dsa-indexer-topk-freq 2, offset 1; the MTP module
-    left out, its layer choosing for itself: test_sparse_attention.py): with every layer recomputed in backward (the choice carried by
-    the micro-batch's Rotary, so that the recomputed layer 2 reuses its own micro-batch's;
-    the indexer loss logged once, not again by the recompute), and with Megatron's
-    selective modules (the attention, MLA's up projections and the norms), the curves
-    are those of the run that keeps its activations."""
+    left out, its layer choosing for itself: test_sparse_attention.py): with every layer
+    recomputed in backward (the choice carried by the micro-batch's Rotary, so that the
+    recomputed layer 2 reuses its own micro-batch's; the indexer loss logged once, not
+    again by the recompute), and with Megatron's selective modules (the attention, MLA's
+    up projections and the norms), the curves are those of the run that keeps its
+    activations."""
     shared = ["--dsa-indexer-topk-freq", "2", "--dsa-indexer-skip-topk-offset", "1",
               "--mtp-num-layers", "none", "--global-batch-size", "8"]  # fmt: skip
     full = ["--recompute-granularity", "full", "--recompute-method", "uniform",
