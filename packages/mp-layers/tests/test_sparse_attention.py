@@ -395,3 +395,26 @@ def test_a_multi_token_prediction_layer_chooses_its_own_positions():
     gpt(tokens, labels=tokens.roll(-1, 1)).mean().backward()
     assert float(mtp_attention.indexer.take_loss()) > 0
     assert mtp_attention.indexer.linear_wq_b.weight.grad.abs().sum() > 0
+
+
+def test_the_key_norm_in_fp32_runs_on_bf16_weights_and_matches_fp32():
+    """dsa_indexer_k_norm_fp32 normalizes a bf16 layer's indexer key in fp32 (its bf16
+    norm parameters too): closer to the fp32 layer's key than the bf16 norm gets."""
+    torch.manual_seed(15)
+    fp32 = MultiLatentAttention(mp_config(), ModelGroups.single(), spec=LOCAL_SPEC).indexer
+    x = torch.randn(SEQ, 2, H)
+    q_in = torch.randn(SEQ, 2, Q_LORA)
+    rotary = RotaryEmbedding(ROPE, 1.0, 10000)(SEQ)
+    with torch.no_grad():
+        fp32.k_norm.weight.uniform_(0.5, 1.5)
+        fp32.k_norm.bias.uniform_(-0.5, 0.5)
+        want = fp32(x, q_in, rotary)[1]
+        keys = {}
+        for in_fp32 in (False, True):
+            config = mp_config(params_dtype=torch.bfloat16, bf16=True,
+                               dsa_indexer_k_norm_fp32=in_fp32)  # fmt: skip
+            bf16 = MultiLatentAttention(config, ModelGroups.single(), spec=LOCAL_SPEC).indexer
+            bf16.load_state_dict({k: v.bfloat16() for k, v in fp32.state_dict().items()})
+            keys[in_fp32] = bf16(x.bfloat16(), q_in.bfloat16(), rotary)[1].float()
+    errors = {f: float((k - want).abs().max()) for f, k in keys.items()}
+    assert errors[True] <= errors[False], errors

@@ -128,7 +128,12 @@ class LightningIndexer(torch.nn.Module):
         s, b = x.shape[:2]
         q = self.linear_wq_b(q_in)[0].view(s, b, self.n, self.d)
         k = self.linear_wk(x)[0]
-        k = self.k_norm(k.float()).to(k.dtype) if self.k_norm_fp32 else self.k_norm(k)
+        if self.k_norm_fp32:  # the norm's parameters taken to fp32 too
+            norm = self.k_norm
+            k = F.layer_norm(k.float(), norm.normalized_shape, norm.weight.float(),
+                             norm.bias.float(), norm.eps).to(k.dtype)  # fmt: skip
+        else:
+            k = self.k_norm(k)
         q, k = self._rope(q, rotary), self._rope(k[:, :, None], rotary)[:, :, 0]
         if self.rotate:
             q, k = hadamard(q), hadamard(k)
