@@ -22,6 +22,7 @@ accepts there.
 import copy
 
 import torch
+from block_spec import local_block_spec
 
 
 def _hadamard(d: int) -> torch.Tensor:
@@ -53,16 +54,9 @@ def dsa_decoder_spec(config, normalization: str):
     from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
         get_dsa_module_spec_for_backend,
     )
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.post_training.modelopt.layers import Linear
 
-    variant = config.experimental_attention_variant
-    config.experimental_attention_variant = None  # (which that builder asserts)
-    try:
-        block = get_gpt_decoder_block_spec(config, use_transformer_engine=False,
-                                           normalization=normalization)  # fmt: skip
-    finally:
-        config.experimental_attention_variant = variant
+    block = local_block_spec(config, normalization)
 
     class Backend(LocalSpecProvider):
         def linear(self):

@@ -24,6 +24,7 @@ import types
 
 import torch
 import torch.nn.functional as F
+from block_spec import local_block_spec
 
 
 def causal_conv1d(x, weight, bias=None, activation=None, initial_state=None,
@@ -90,20 +91,13 @@ def gdn_decoder_spec(config, normalization: str):
     from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
         get_linear_attention_pattern,
     )
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.ssm.gated_delta_net import GatedDeltaNet
     from megatron.core.ssm.gated_delta_net.common import GatedDeltaNetSubmodules
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-    variant = config.experimental_attention_variant
-    config.experimental_attention_variant = None  # (which that builder asserts)
-    try:
-        block = get_gpt_decoder_block_spec(config, use_transformer_engine=False,
-                                           normalization=normalization)  # fmt: skip
-    finally:
-        config.experimental_attention_variant = variant
+    block = local_block_spec(config, normalization)
     linear = ModuleSpec(
         module=GatedDeltaNet,
         submodules=GatedDeltaNetSubmodules(
