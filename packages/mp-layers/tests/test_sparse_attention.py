@@ -418,3 +418,16 @@ def test_the_key_norm_in_fp32_runs_on_bf16_weights_and_matches_fp32():
             keys[in_fp32] = bf16(x.bfloat16(), q_in.bfloat16(), rotary)[1].float()
     errors = {f: float((k - want).abs().max()) for f, k in keys.items()}
     assert errors[True] <= errors[False], errors
+
+
+def test_attention_dropout_does_nothing_in_a_dsa_layer():
+    """Megatron's DSAttention drops no probabilities: attention_dropout 0.5 in training
+    gives the output of dropout 0 with the same weights (documented as a no-op)."""
+    outputs = []
+    for dropout in (0.0, 0.5):
+        torch.manual_seed(16)
+        layer = MultiLatentAttention(mp_config(attention_dropout=dropout),
+                                     ModelGroups.single(), spec=LOCAL_SPEC).train()  # fmt: skip
+        x = torch.randn(SEQ, 2, H, generator=torch.Generator().manual_seed(17))
+        outputs.append(layer(x, RotaryEmbedding(ROPE, 1.0, 10000)(SEQ))[0])
+    torch.testing.assert_close(outputs[1], outputs[0], rtol=0, atol=0)
