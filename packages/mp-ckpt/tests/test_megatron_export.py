@@ -159,6 +159,11 @@ def test_what_export_refuses():
     _check(mla, {}, 2, 1, "torch")
     _check(mla, {}, 4, 1, "torch_dist")  # global tensors: Megatron's load splits them
     _check(mla | {"layernorm_epsilon": 1e-6, "latent_norm_epsilon": 1e-6}, {}, 1, 1, "torch")
+    dsa = mla | {"experimental_attention_variant": "dsa", "dsa_indexer_topk_freq": 2}
+    with pytest.raises(ValueError, match=r"^dsa_indexer_topk_freq=2 with layers megatron-co"):
+        _check(dsa, {}, 1, 1, "torch_dist")
+    _check(dsa, {}, 1, 1, "torch")
+    _check(dsa | {"moe_layer_freq": [0, 1]}, {}, 1, 1, "torch_dist")  # layers apart
     with pytest.raises(ValueError, match=r"^latent_norm_epsilon=1e-06 beside layernorm_eps"):
         _check(mla | {"layernorm_epsilon": 1e-5, "latent_norm_epsilon": 1e-6}, {}, 1, 1, "torch")
     with pytest.raises(ValueError, match="does not divide the 6 rows of linear_q_down_proj"):

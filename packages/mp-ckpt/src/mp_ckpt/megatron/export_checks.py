@@ -74,6 +74,16 @@ def check_exportable(
     if layers % pp:
         raise ValueError(f"--pipeline-model-parallel-size {pp} does not divide num_layers "
                          f"{layers}")  # fmt: skip
+    shared = (settings.get("experimental_attention_variant") == "dsa"
+              and (settings.get("dsa_indexer_topk_freq") or 1) > 1)  # fmt: skip
+    stacked = not isinstance(settings.get("moe_layer_freq", 1), list)
+    if fmt == "torch_dist" and shared and stacked:
+        raise ValueError(
+            f"dsa_indexer_topk_freq={settings['dsa_indexer_topk_freq']} with layers "
+            "megatron-core stacks (moe_layer_freq not a list): its stacked indexer tensors "
+            "would lack the layers that reuse another's choice, which mp does not write; "
+            "write --ckpt-format torch"
+        )
     if fmt == "torch" and tp > 1 and settings.get("experimental_attention_variant") == "dsa":
         raise ValueError(
             f"--ckpt-format torch at --tensor-model-parallel-size {tp} with "
