@@ -1,9 +1,12 @@
 """The test processes' own settings (conftest.py). Under pytest-xdist a worker computes
 with its share of the cores: two workers on two cores, one torch thread each, not a
 thread per core in both. DCP's call logger makes no DEBUG records. torch.compile's
-caches are the run's own."""
+caches are the run's own. The test processes, and the processes they start, run under
+SCHED_BATCH."""
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -37,3 +40,24 @@ def test_compile_caches_are_the_runs_own(tmp_path_factory):
         run = run.parent
     assert cache_dir() == str(run / "inductor")
     assert triton_cache_dir(0) == str(run / "triton")
+
+
+def _scheduling_policy() -> int:
+    return os.sched_getscheduler(0)
+
+
+@pytest.mark.multirank
+def test_the_tests_and_the_processes_they_start_run_under_sched_batch():
+    """conftest.py: the test process, a rank forked from it and a fresh subprocess run
+    under SCHED_BATCH, where gloo's loop thread does not preempt its rank's lock holder."""
+    if not hasattr(os, "SCHED_BATCH"):
+        pytest.skip("SCHED_BATCH is Linux's")
+    if os.environ.get("MP_TEST_BATCH_SCHEDULING") == "0":
+        pytest.skip("MP_TEST_BATCH_SCHEDULING=0: the default policy (asked for, or refused)")
+    from mp_state.testing import run_on_ranks
+
+    assert _scheduling_policy() == os.SCHED_BATCH
+    assert run_on_ranks(_scheduling_policy, 2) == [os.SCHED_BATCH] * 2
+    child = "import os; print(os.sched_getscheduler(0))"
+    out = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=60)
+    assert int(out.stdout) == os.SCHED_BATCH, out.stderr

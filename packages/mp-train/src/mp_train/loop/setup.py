@@ -48,6 +48,7 @@ from mp_state import ParallelState, RNGStatesTracker
 from mp_train.configuration.config import RunConfig, validate
 from mp_train.configuration.pipeline_segments import pipeline_segments
 from mp_train.loop.cpu_allocator import keep_freed_memory
+from mp_train.loop.cpu_scheduling import batch_scheduling
 from mp_train.loop.microbatches import MicroBatchCalculator, parse_batch_schedule
 from mp_train.observability.log_setup import configure_logging
 from mp_train.observability.memory import start_memory_history
@@ -163,6 +164,9 @@ def initialize(config: RunConfig) -> Initialized | Callable[[], Initialized]:
 def _initialize_now(config: RunConfig) -> Initialized:
     device_info = mp_state.init_distributed(config.parallel.distributed_timeout_minutes,
                                             config.parallel.distributed_backend)  # fmt: skip
+    on_cpu = device_info.device.type == "cpu"
+    # Before the rank groups: their gloo threads inherit the policy.
+    scheduling = batch_scheduling() if on_cpu and config.training.cpu_batch_scheduling else None
     sizes = validate(config, torch.distributed.get_world_size())
     world = torch.distributed.get_world_size()
     configure_logging(config.logging.logging_level, torch.distributed.get_rank(), world)
@@ -173,8 +177,9 @@ def _initialize_now(config: RunConfig) -> Initialized:
     )  # fmt: skip
     log.info("torch.distributed initialized: world size %d, backend %s, device %s; seed %d",
              world, device_info.backend, device_info.device, config.training.seed)  # fmt: skip
-    if device_info.device.type == "cpu":
+    if on_cpu:
         log.info("CPU memory allocator: %s", keep_freed_memory())
+        log.info("CPU scheduling: %s", scheduling or "left as it is (--no-cpu-batch-scheduling)")
     set_matmul_precision(config.model, device_info.device)
     return Initialized(state, device_info.device, tracker, sizes)
 
