@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from mp_gpt.testing import tiny_options, train_output_on_rank
+from mp_gpt.testing import tiny_options, train_on_rank, train_output_on_rank
 from mp_state.testing import run_on_ranks
 
 pytestmark = [
@@ -46,3 +46,29 @@ def test_a_cpu_run_schedules_its_threads_in_batch_and_says_so(tmp_path, flag):
         else:
             assert "CPU scheduling: SCHED_BATCH for the process's" in line, line
             assert policies == {os.SCHED_BATCH}  # the rank groups' gloo threads too
+
+
+def generator_from_the_default_policy(checkpoint: str, extra: list[str]):
+    from mp_gpt.generate import Generator
+
+    _default_policy_everywhere()
+    generator = Generator(checkpoint, ["--tensor-model-parallel-size", "2", *extra])
+    try:
+        return generator.scheduling, _policies()
+    finally:
+        generator.close()
+
+
+def test_a_cpu_generator_schedules_its_threads_in_batch(tmp_path):
+    """mp_gpt.generate's Generator (the generate command and the server) on the CPU at TP2:
+    each new token makes small collectives in every layer, as a training step does."""
+    ckpt = tmp_path / "ckpt"
+    argv = tiny_options(tmp_path, "--train-iters", "2", "--save", str(ckpt),
+                        "--save-interval", "2")  # fmt: skip
+    run_on_ranks(train_on_rank, 1, argv)
+    for said, policies in run_on_ranks(generator_from_the_default_policy, 2, str(ckpt), []):
+        assert said.startswith("SCHED_BATCH for the process's"), said
+        assert policies == {os.SCHED_BATCH}
+    flag = ["--no-cpu-batch-scheduling"]
+    for said, policies in run_on_ranks(generator_from_the_default_policy, 2, str(ckpt), flag):
+        assert said is None and policies == {os.SCHED_OTHER}

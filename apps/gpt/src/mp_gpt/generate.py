@@ -33,14 +33,16 @@ from mp_data import build_tokenizer, vocab_size_with_padding
 from mp_gpt.generation import Completion, Sampling, generate_batch
 from mp_layers import GPTModel, ModelGroups, building_on, skipping_draws
 from mp_pipeline import stage_layers
-from mp_train import launch_rank, parse_config, pipeline_segments
+from mp_train import batch_scheduling, launch_rank, parse_config, pipeline_segments
 
 __all__ = ["Generator", "main", "run_generation"]
 
 
 class Generator:
     """A checkpoint's model on this rank, ready to generate (collective: every rank of
-    the layout builds one and calls `complete` with the same arguments)."""
+    the layout builds one and calls `complete` with the same arguments). On a CPU its
+    threads go under SCHED_BATCH, as a training run's do (`scheduling`: what was done;
+    None on a GPU or with --no-cpu-batch-scheduling)."""
 
     def __init__(self, load: str, extra: Sequence[str] = ()) -> None:
         """extra: options for the run's settings (the layout: --tensor-model-parallel-size,
@@ -59,8 +61,13 @@ class Generator:
         # A world this generator starts (a command under torchrun) is ended by close(); a
         # caller's own stays up.
         self._owns_world = not dist.is_initialized()
-        mp_state.init_distributed(parallel.distributed_timeout_minutes,
-                                  parallel.distributed_backend)  # fmt: skip
+        info = mp_state.init_distributed(parallel.distributed_timeout_minutes,
+                                         parallel.distributed_backend)  # fmt: skip
+        # As a CPU training run does (each new token makes a few small collectives per
+        # layer); before the rank groups, whose gloo threads inherit the policy.
+        self.scheduling = None
+        if info.device.type == "cpu" and config.training.cpu_batch_scheduling:
+            self.scheduling = batch_scheduling()
         self.state = mp_state.initialize(parallel)
         try:
             self.tokenizer, padded = _tokenizer_and_vocabulary(load, self.state.tp.size)

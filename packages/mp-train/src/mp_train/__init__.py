@@ -18,6 +18,7 @@ from mp_train.configuration.yaml_config import load_yaml_config
 from mp_train.entry_point import load_config
 from mp_train.errors import ConfigError, launch_rank, report
 from mp_train.estimate import estimate
+from mp_train.loop.cpu_scheduling import batch_scheduling
 from mp_train.loop.evaluation import evaluate
 from mp_train.loop.microbatches import MicroBatchCalculator
 from mp_train.loop.setup import Initialized, Run, TrainState, initialize, setup_run
@@ -38,6 +39,7 @@ __all__ = [
     "TrainState",
     "TrainingConfig",
     "TrainingShutdown",
+    "batch_scheduling",
     "build_parser",
     "estimate",
     "evaluate",

@@ -171,7 +171,8 @@ class TrainingConfig(RerunConfig, ValidationConfig, PhaseConfig):
     threads, woken by a peer's data, then no longer preempt the rank's thread that holds
     the lock they need and spin until it runs again (loop/cpu_scheduling.py). A two-rank
     TP2 run of tiny.yaml on a 2-core CPU steps 1.3x to 1.9x faster. A policy set before
-    the run (chrt, a job scheduler) is kept; False keeps the process's policy always."""
+    the run (chrt, a job scheduler) is kept; False keeps the process's policy always.
+    apps/gpt's Generator (generation, the server) does the same on a CPU."""
 
     lazy_mpu_init: bool = False
     """Megatron's --lazy-mpu-init: mp_train.initialize() does not start torch.distributed,

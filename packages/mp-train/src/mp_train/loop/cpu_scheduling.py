@@ -19,7 +19,8 @@ the default group exist then), puts every thread of the process under SCHED_BATC
 threads and processes started afterwards (the rank groups' gloo threads, data-loader
 workers) inherit it. A policy other than SCHED_OTHER on the calling thread (set by
 `chrt`, a job scheduler or a test harness) is kept as it is; so is everything on
-systems without SCHED_BATCH. `--no-cpu-batch-scheduling` turns it off.
+systems without SCHED_BATCH. `--no-cpu-batch-scheduling` turns it off. apps/gpt's
+Generator (generation and the server) calls it too on a CPU.
 """
 
 from __future__ import annotations
