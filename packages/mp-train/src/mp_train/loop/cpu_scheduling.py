@@ -49,7 +49,8 @@ def batch_scheduling() -> str:
         except ProcessLookupError:  # the thread ended meanwhile
             continue
         except PermissionError as error:
-            return f"left as it is (SCHED_BATCH refused: {error.strerror})"
+            kept = f"; {batch} threads changed before" if batch else ""
+            return f"left as it is (SCHED_BATCH refused: {error.strerror}{kept})"
     return (f"SCHED_BATCH for the process's {batch} threads and those it starts (a woken "
             "gloo thread no longer preempts its rank's thread)")  # fmt: skip
 
