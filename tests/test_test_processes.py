@@ -52,8 +52,9 @@ def test_the_tests_and_the_processes_they_start_run_under_sched_batch():
     under SCHED_BATCH, where gloo's loop thread does not preempt its rank's lock holder."""
     if not hasattr(os, "SCHED_BATCH"):
         pytest.skip("SCHED_BATCH is Linux's")
-    if os.environ.get("MP_TEST_BATCH_SCHEDULING") == "0":
-        pytest.skip("MP_TEST_BATCH_SCHEDULING=0: the default policy (asked for, or refused)")
+    setting = os.environ.get("MP_TEST_BATCH_SCHEDULING", "1")
+    if setting != "1":
+        pytest.skip(f"MP_TEST_BATCH_SCHEDULING={setting}: the default policy")
     from mp_state.testing import run_on_ranks
 
     assert _scheduling_policy() == os.SCHED_BATCH
