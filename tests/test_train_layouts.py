@@ -106,3 +106,37 @@ def test_one_query_group_shared_by_two_ranks_trains_alike(tmp_path):
     assert len(curves[0]) == 4 and curves[0][-1] < curves[0][0] - 0.1, curves[0]
     for iteration, (got, want) in enumerate(zip(*reversed(curves), strict=True), start=1):
         assert abs(got - want) <= 1e-4 * abs(want), f"iteration {iteration}: {got} vs {want}"
+
+
+def train_counting_overlapped_exchanges(argv: list[str]) -> tuple[int, int]:
+    """train_on_rank, and how many exchanges the schedule left in flight while it computed
+    (those it hands to mp_pipeline's InFlight: none unless overlap_p2p_comm is on)."""
+    from mp_pipeline.p2p import InFlight
+
+    add, posted = InFlight.add, []
+
+    def counting_add(self, exchange, **kwargs):
+        posted.append(not exchange.done)
+        return add(self, exchange, **kwargs)
+
+    InFlight.add = counting_add
+    return train_on_rank(argv), sum(posted)
+
+
+def test_interleaved_exchanges_overlapped_or_waited_train_the_same_curve(tmp_path, reference):
+    """PP2 with two virtual stages per rank, each exchange waited for as it is posted
+    (--no-overlap-p2p-communication) or all of them overlapped with compute, warm-up and
+    flush included (--overlap-p2p-communication-warmup-flush): the same losses to the
+    last bit, the one-rank curve's within 1e-4."""
+    curves, overlapped = {}, {}
+    for name in ("--no-overlap-p2p-communication", "--overlap-p2p-communication-warmup-flush"):
+        run_dir = tmp_path / name.strip("-")
+        flags = [*options(run_dir, 1, 2), "--num-layers-per-virtual-pipeline-stage", "1", name]
+        ranks = run_on_ranks(train_counting_overlapped_exchanges, 2, flags, timeout=300)
+        curves[name], overlapped[name] = losses(run_dir), [count for _, count in ranks]
+    waited, flushed = curves.values()
+    assert waited == flushed and len(waited) == ITERATIONS
+    for iteration, (got, want) in enumerate(zip(waited, reference, strict=True), start=1):
+        assert abs(got - want) <= 1e-4 * abs(want), f"iteration {iteration}: {got} vs {want}"
+    assert overlapped["--no-overlap-p2p-communication"] == [0, 0]
+    assert min(overlapped["--overlap-p2p-communication-warmup-flush"]) > 0, overlapped

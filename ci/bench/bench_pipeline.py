@@ -209,9 +209,9 @@ class _Compute(torch.autograd.Function):
 class _Stage(torch.nn.Module):
     """One (virtual) pipeline stage: [s, b, h] -> [s, b, h] in t."""
 
-    def __init__(self, clock: _Clock, first: bool) -> None:
+    def __init__(self, clock: _Clock, first: bool, hidden: int = HIDDEN) -> None:
         super().__init__()
-        self.bias = torch.nn.Parameter(torch.zeros(HIDDEN))
+        self.bias = torch.nn.Parameter(torch.zeros(hidden))
         self.clock, self.first = clock, first
         self.input_tensor: torch.Tensor | None = None
 

@@ -100,9 +100,9 @@ MISTAKES = {
         "error: /nonexistent/run.yaml: No such file or directory",
     ),
     "refused Megatron flag": (
-        ["--overlap-p2p-communication"],
-        "error: --overlap-p2p-communication: mp's schedules do not overlap pipeline sends and "
-        "receives with compute: drop it",
+        ["--fp8-param-gather"],
+        "error: --fp8-param-gather: FP8 parameters and their all-gather need Transformer "
+        "Engine: mp keeps parameters in their dtype under --fp8-format",
     ),
     "checkpoint format": (
         ["--ckpt-format", "torch"],

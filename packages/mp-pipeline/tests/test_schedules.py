@@ -19,6 +19,8 @@ import torch.distributed as dist
 
 import mp_state
 from mp_pipeline import (
+    Exchange,
+    P2PCommunicator,
     PipelineConfig,
     forward_backward_no_pipelining,
     get_forward_backward_func,
@@ -57,9 +59,18 @@ def forward_step(data_iterator, model):
     return model(x), loss_func
 
 
-def config(group: int | None = None) -> PipelineConfig:
+# The interleaved schedule's exchanges: waited for as posted, overlapped in the steady
+# state (overlap_p2p_comm), and in the warm-up and flush too
+OVERLAP = {
+    None: {},
+    "overlap": {"overlap_p2p_comm": True},
+    "flush": {"overlap_p2p_comm": True, "overlap_p2p_comm_warmup_flush": True},
+}
+
+
+def config(group: int | None = None, **settings) -> PipelineConfig:
     return PipelineConfig(seq_length=S, micro_batch_size=B, hidden_size=H,
-                          microbatch_group_size_per_vp_stage=group)  # fmt: skip
+                          microbatch_group_size_per_vp_stage=group, **settings)  # fmt: skip
 
 
 def reference(m: int, forward_only: bool = False):
@@ -75,7 +86,8 @@ def reference(m: int, forward_only: bool = False):
     return [r["loss"] for r in losses], grads
 
 
-def pipeline_body(pp: int, vpp: int | None, m: int, forward_only: bool, group: int | None = None):
+def pipeline_body(pp: int, vpp: int | None, m: int, forward_only: bool, group: int | None = None,
+                  settings: dict | None = None, step=forward_step):  # fmt: skip
     torch.set_num_threads(1)
     state = mp_state.initialize(ParallelConfig(pipeline_model_parallel_size=pp))
     chunks, offsets = [], []
@@ -88,9 +100,9 @@ def pipeline_body(pp: int, vpp: int | None, m: int, forward_only: bool, group: i
     iterators = [iter(micro_batches(m)) for _ in chunks]
     schedule = get_forward_backward_func(pp, vpp)
     losses = schedule(
-        forward_step_func=forward_step, data_iterator=iterators if vpp else iterators[0],
-        model=chunks if vpp else chunks[0], num_microbatches=m, config=config(group),
-        pp_group=state.pp, forward_only=forward_only,
+        forward_step_func=step, data_iterator=iterators if vpp else iterators[0],
+        model=chunks if vpp else chunks[0], num_microbatches=m,
+        config=config(group, **settings or {}), pp_group=state.pp, forward_only=forward_only,
     )  # fmt: skip
     grads = {}
     if not forward_only:
@@ -121,9 +133,10 @@ def test_interleaved_groups_of_other_sizes_equal_no_pipelining(pp, vpp, m, group
     assert_equals_no_pipelining(pp, vpp, m, group)
 
 
-def assert_equals_no_pipelining(pp: int, vpp: int | None, m: int, group: int | None = None):
+def assert_equals_no_pipelining(pp: int, vpp: int | None, m: int, group: int | None = None,
+                                settings: dict | None = None):  # fmt: skip
     want_losses, want_grads = reference(m)
-    results = run_on_ranks(pipeline_body, pp, pp, vpp, m, False, group, timeout=120)
+    results = run_on_ranks(pipeline_body, pp, pp, vpp, m, False, group, settings, timeout=120)
     got_grads = {}
     for _, grads in results:
         got_grads.update(grads)
@@ -140,6 +153,111 @@ def test_forward_only_gives_the_same_losses(pp, vpp, m, group):
     want_losses, _ = reference(m, forward_only=True)
     results = run_on_ranks(pipeline_body, pp, pp, vpp, m, True, group, timeout=120)
     torch.testing.assert_close(results[-1][0], want_losses, rtol=1e-5, atol=1e-7)
+
+
+# (pp, vpp, m, group): a steady state on every rank, every micro-batch in the warm-up of
+# rank 0, four stages, a short last group, four chunks
+OVERLAPPED = [(2, 2, 4, None), (2, 2, 2, None), (4, 2, 8, None), (2, 2, 5, 3), (2, 4, 7, 4)]
+
+
+@pytest.mark.parametrize("mode", ["overlap", "flush"])
+@pytest.mark.parametrize("pp,vpp,m,group", OVERLAPPED,
+                         ids=[f"pp{p}-vpp{v}-m{m}-g{g}" for p, v, m, g in OVERLAPPED])  # fmt: skip
+def test_overlapped_exchanges_equal_no_pipelining(pp, vpp, m, group, mode):
+    assert_equals_no_pipelining(pp, vpp, m, group, OVERLAP[mode])
+
+
+@pytest.mark.parametrize("pp,vpp,m,group", [(2, 2, 4, None), (4, 2, 6, 6)])
+def test_overlapped_forward_only_gives_the_same_losses(pp, vpp, m, group):
+    want_losses, _ = reference(m, forward_only=True)
+    results = run_on_ranks(pipeline_body, pp, pp, vpp, m, True, group, OVERLAP["flush"],
+                           timeout=120)  # fmt: skip
+    torch.testing.assert_close(results[-1][0], want_losses, rtol=1e-5, atol=1e-7)
+
+
+def test_overlapped_exchanges_of_variable_shapes_equal_no_pipelining():
+    """Each exchange first sends its tensors' shapes (waited for), then the tensors."""
+    settings = {**OVERLAP["flush"], "variable_seq_lengths": True}
+    assert_equals_no_pipelining(2, 2, 4, None, settings)
+
+
+def timeline_body(pp: int, vpp: int, m: int) -> dict:
+    """Per overlap mode, this rank's events in order: "F" a forward step, "B" a chunk's
+    backward reaching its last layer's weights, ("post", n) and ("wait", n) exchange n
+    posted and waited for (an exchange with nothing to send or receive is not posted)."""
+    post, wait = P2PCommunicator.post, Exchange.wait
+    events: list = []
+
+    def logged_post(self, **kwargs):
+        exchange = post(self, **kwargs)
+        if not exchange.done:
+            exchange.number = len(events)
+            events.append(("post", exchange.number))
+        return exchange
+
+    def logged_wait(self):
+        if not self.done:
+            events.append(("wait", self.number))
+        return wait(self)
+
+    def step(data_iterator, model):
+        events.append("F")
+        if not getattr(model, "logged", False):
+            model.layers[-1].weight.register_hook(lambda grad: events.append("B"))
+            model.logged = True
+        return forward_step(data_iterator, model)
+
+    P2PCommunicator.post, Exchange.wait = logged_post, logged_wait
+    timelines = {}
+    for mode, settings in OVERLAP.items():
+        events.clear()
+        pipeline_body(pp, vpp, m, False, None, settings, step)
+        timelines[mode] = list(events)
+    return timelines
+
+
+def spans(events: list) -> list[str]:
+    """Per exchange, the computation ("F", "B") that ran between its post and its wait."""
+    opened, between = {}, []
+    for i, event in enumerate(events):
+        if event[0] == "post":
+            opened[event[1]] = i
+        elif event[0] == "wait":
+            between.append("".join(e for e in events[opened.pop(event[1]) : i] if e in ("F", "B")))
+    assert not opened, "an exchange posted was never waited for"
+    return between
+
+
+def test_overlapped_exchanges_travel_while_the_other_steps_compute():
+    """Waited for as posted, no exchange spans a computation. Under overlap_p2p_comm,
+    on every rank, a forward's exchange is in flight during a backward and a backward's
+    during a forward. With the warm-up and flush overlapped too, more exchanges span a
+    computation before the first backward, and after the last forward."""
+    for rank, timelines in enumerate(run_on_ranks(timeline_body, 2, 2, 2, 4, timeout=120)):
+        assert [s for s in spans(timelines[None]) if s] == [], rank
+        overlapped = spans(timelines["overlap"])
+        assert any(s.startswith("B") for s in overlapped), (rank, overlapped)
+        assert any(s.startswith("F") for s in overlapped), (rank, overlapped)
+        for mode in ("overlap", "flush"):
+            assert timelines[mode].count("F") == timelines[mode].count("B") == 8
+        warm_ups = {mode: _spans_in_warm_up_and_flush(timelines[mode]) for mode in OVERLAP}
+        assert warm_ups["flush"] > warm_ups["overlap"] >= warm_ups[None] == 0, (rank, warm_ups)
+
+
+def _spans_in_warm_up_and_flush(events: list) -> int:
+    """Exchanges spanning a computation, posted before the first backward or after the
+    last forward."""
+    first_b = events.index("B")
+    last_f = len(events) - 1 - events[::-1].index("F")
+    opened, count = {}, 0
+    for i, event in enumerate(events):
+        if event[0] == "post":
+            opened[event[1]] = i
+        elif event[0] == "wait":
+            start = opened.pop(event[1])
+            ran = any(e in ("F", "B") for e in events[start:i])
+            count += ran and (start < first_b or start > last_f)
+    return count
 
 
 def test_the_schedule_table_is_megatrons():

@@ -136,8 +136,8 @@ def test_skipping_training_loads_no_optimizer_state(capsys):
 
 
 def test_a_refused_flag_is_named_before_unknown_flags():
-    line = [*MODEL, "--mamba-unknown-size", "3", "--overlap-p2p-communication"]
-    with pytest.raises(ValueError, match="--overlap-p2p-communication: mp's schedules do not"):
+    line = [*MODEL, "--mamba-unknown-size", "3", "--fp8-param-gather"]
+    with pytest.raises(ValueError, match="--fp8-param-gather: FP8 parameters and their all-"):
         parse_config(line, exit_on_error=False)
     with pytest.raises(ConfigError, match="unrecognized arguments: --mamba-unknown-size 3"):
         parse_config(line[:-1], exit_on_error=False)

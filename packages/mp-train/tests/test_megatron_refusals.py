@@ -64,6 +64,9 @@ DIFFERENCES: dict[str, tuple[str, str]] = {
         "checkpoint format serves FSDP and every other layout"),
     "overlap-param-gather-with-optimizer-step-without-vpp": (EXTENSION, "mp takes the flag "
         "without effect (docs/migrating-from-megatron.md), so no layout needs refusing"),
+    "vpp-at-pp2-without-p2p-overlap": (EXTENSION, "Megatron-LM's batched exchange would pair "
+        "two messages with the one neighbour; mp's keep the two directions apart (gloo tags, "
+        "a fixed order) and run the interleaved schedule at PP2 without overlap"),
     "save-without-interval": (EXTENSION, "mp saves at the end of training (and on an exit "
         "signal) without an interval"),
     "attention-backend-local": (EXTENSION, "Megatron-LM asks for its local layer spec "

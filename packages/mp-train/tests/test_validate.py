@@ -42,6 +42,19 @@ def test_the_layouts_validate():
     assert _validate(*VPP, "--microbatch-group-size-per-virtual-pipeline-stage", "3") == {
         "data_parallel_size": 2, "global_batch_size": 6, "running_global_batch_size": 6,
         "num_microbatches": 3}  # fmt: skip
+    # Its exchanges overlapped with compute (the default, Megatron's older switch spells
+    # it), in the warm-up and flush too, or waited for as posted.
+    for flags, overlap, flush in (
+        ([], True, False),
+        (["--overlap-p2p-communication"], True, False),
+        (["--overlap-p2p-communication-warmup-flush"], True, True),
+        (["--no-overlap-p2p-communication"], False, False),
+    ):
+        config = parse_config([*BASE, *VPP, "--global-batch-size", "4", *flags])
+        assert validate(config, 4)["num_microbatches"] == 2
+        training = config.training
+        assert training.overlap_p2p_comm == overlap, flags
+        assert training.overlap_p2p_comm_warmup_flush == flush, flags
     # A hybrid model's Mamba layers take context parallelism and packed documents, also
     # with fewer groups than TP x CP ranks (each CP rank a share of one group's heads).
     assert _validate(*HYBRID, *cp, "--reset-attention-mask")["data_parallel_size"] == 2
@@ -109,6 +122,19 @@ def test_the_layouts_validate():
             4,
             r"^microbatch_group_size_per_virtual_pipeline_stage=4 sets the interleaved "
             r"schedule's groups: it needs virtual_pipeline_model_parallel_size$",
+        ),
+        (
+            ["--overlap-p2p-communication-warmup-flush"],
+            4,
+            r"^overlap_p2p_comm_warmup_flush overlaps the interleaved schedule's warm-up and "
+            r"flush exchanges .* it needs virtual_pipeline_model_parallel_size and "
+            r"overlap_p2p_comm \(Megatron-LM refuses it without them too\)$",
+        ),
+        (
+            [*VPP, "--no-overlap-p2p-communication", "--overlap-p2p-communication-warmup-flush"],
+            4,
+            r"^overlap_p2p_comm_warmup_flush overlaps .* it needs "
+            r"virtual_pipeline_model_parallel_size and overlap_p2p_comm",
         ),
         (
             [

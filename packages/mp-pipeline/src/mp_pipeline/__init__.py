@@ -7,7 +7,7 @@ iterator and the number of micro-batches; it knows nothing of the model.
 from mp_pipeline.config import PipelineConfig
 from mp_pipeline.finalize import finalize_model_grads
 from mp_pipeline.layout import accounted_segments, layout_segments, parse_layout
-from mp_pipeline.p2p import P2PCommunicator
+from mp_pipeline.p2p import Exchange, P2PCommunicator
 from mp_pipeline.partition import StageLayers, stage_layers
 from mp_pipeline.schedules import (
     check_microbatch_group,
@@ -20,6 +20,7 @@ from mp_pipeline.schedules import (
 from mp_pipeline.step import set_input_tensor
 
 __all__ = [
+    "Exchange",
     "P2PCommunicator",
     "PipelineConfig",
     "StageLayers",

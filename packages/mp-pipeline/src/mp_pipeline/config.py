@@ -67,9 +67,31 @@ class PipelineConfig:
     (Megatron's; None: pipeline size). Between the pipeline size and the micro-batches;
     the remainder of the micro-batches by it must be 0 or at least the pipeline size."""
 
+    overlap_p2p_comm: bool = False
+    """The interleaved schedule posts each exchange of its steady state after the step
+    that computes what it sends, and waits for it only before the step that needs what
+    it receives: the forward's activations travel while the backward computes, and the
+    backward's gradients while the next forward computes (Megatron-LM's; its training
+    default, off in its core config as here). The other schedules do not read it."""
+
+    overlap_p2p_comm_warmup_flush: bool = False
+    """With overlap_p2p_comm, the interleaved schedule's warm-up forwards and flush
+    backwards overlap their exchanges too: a rank posts the receive of its next step
+    before computing this one (the leading rank, the first in forward and the last in
+    backward, with its send after), and waits for a send only once the next is posted.
+    Without overlap_p2p_comm: refused, as in Megatron-LM."""
+
     calculate_per_token_loss: bool = False
     """The loss function returns (loss sum, tokens, report); gradients are divided by
     the tokens of the global batch in finalize instead of by the micro-batch count."""
+
+    def __post_init__(self) -> None:
+        if self.overlap_p2p_comm_warmup_flush and not self.overlap_p2p_comm:
+            raise ValueError(
+                "overlap_p2p_comm_warmup_flush overlaps the warm-up's and the flush's "
+                "exchanges as overlap_p2p_comm does the steady state's: it needs "
+                "overlap_p2p_comm=True (Megatron-LM refuses it alone too)"
+            )
 
     def tensor_shape(self) -> tuple[int, int, int] | None:
         """[s / (tp if sequence parallel) / cp, micro-batch, hidden], or None when unset."""

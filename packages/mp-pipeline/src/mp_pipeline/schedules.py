@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from mp_pipeline.config import PipelineConfig
-from mp_pipeline.p2p import P2PCommunicator
+from mp_pipeline.p2p import InFlight, P2PCommunicator
 from mp_pipeline.step import ForwardStepFunc, StepRunner
 from mp_state import RankGroup, select_device
 
@@ -250,16 +250,42 @@ def forward_backward_pipelining_with_interleaving(
     remaining = total - warmup
     if not forward_only:
         run.disable_grad_sync()
+    # Under overlap_p2p_comm each exchange of the steady state is posted after its step's
+    # compute and waited for before the step that needs it, so that it travels while the
+    # other direction's step computes; with overlap_p2p_comm_warmup_flush the warm-up's
+    # and the flush's too, a rank other than the leading one (the first in forward, the
+    # last in backward, as in Megatron-LM) posting the next receive before its step.
+    overlap = config.overlap_p2p_comm
+    flush = overlap and config.overlap_p2p_comm_warmup_flush
+    flight = InFlight()
+
+    def post(forward: bool, send: torch.Tensor | None, recv: bool) -> torch.Tensor | None:
+        """Posts one direction's exchange; returns its receive buffer, filled once
+        flight.ready(forward) has returned."""
+        if forward:
+            exchange = comm.post(send_next=send, recv_prev=recv)
+        else:
+            exchange = comm.post(send_prev=send, recv_next=recv)
+        flight.add(exchange, forward=forward, receives=recv, sends=send is not None)
+        return exchange.from_prev if forward else exchange.from_next
 
     if not is_first(0):
-        arrived[0].append(comm.recv_forward())
+        arrived[0].append(post(True, None, True) if flush else comm.recv_forward())
     for k in range(warmup):
-        output = forward_k(k)
         c = chunk_of(k, forward=True)
         recv_prev, next_c = receives(k, forward=True)
         recv_prev = recv_prev and k != total - 1
+        prefetch = flush and recv_prev and r != 0
+        if flush:
+            flight.ready(forward=True)
+            if prefetch:
+                arrived[next_c].append(post(True, None, True))
+        output = forward_k(k)
         send = None if is_last(c) else output
-        if k == warmup - 1 and not forward_only and remaining > 0:
+        first_backward_next = k == warmup - 1 and not forward_only and remaining > 0
+        if flush:
+            from_prev = post(True, send, recv_prev and not prefetch)
+        elif first_backward_next and not overlap:
             recv_next = r != p - 1
             from_prev, from_next = comm.communicate(send_next=send, recv_prev=recv_prev,
                                                     recv_next=recv_next)  # fmt: skip
@@ -267,16 +293,16 @@ def forward_backward_pipelining_with_interleaving(
                 output_grads[v - 1].append(from_next)
         else:
             from_prev, _ = comm.communicate(send_next=send, recv_prev=recv_prev)
-        if recv_prev:
+        if recv_prev and not prefetch:
             arrived[next_c].append(from_prev)
+        if first_backward_next and overlap and r != p - 1:
+            output_grads[v - 1].append(post(False, None, True))
         if not forward_only:
             run.deallocate(output)
 
     for k in range(remaining):
         fk = k + warmup
-        output = forward_k(fk)
         fc = chunk_of(fk, forward=True)
-        input_grad = backward_k(k)
         bc = chunk_of(k, forward=False)
         # What arrives this round: the rank before sends its next forward input, the
         # rank after the next output gradient (ring included).
@@ -284,31 +310,51 @@ def forward_backward_pipelining_with_interleaving(
         recv_next, next_bc = receives(k, forward=False)
         if k == remaining - 1:
             recv_prev = False
-        from_prev, from_next = comm.communicate(
-            send_next=None if is_last(fc) else output,
-            send_prev=None if is_first(bc) else input_grad,
-            recv_prev=recv_prev,
-            recv_next=recv_next,
-        )
+        if overlap:
+            flight.ready(forward=True)
+            output = forward_k(fk)
+            from_prev = post(True, None if is_last(fc) else output, recv_prev)
+            run.deallocate(output)
+            flight.ready(forward=False)
+            input_grad = backward_k(k)
+            from_next = post(False, None if is_first(bc) else input_grad, recv_next)
+        else:
+            output = forward_k(fk)
+            input_grad = backward_k(k)
+            from_prev, from_next = comm.communicate(
+                send_next=None if is_last(fc) else output,
+                send_prev=None if is_first(bc) else input_grad,
+                recv_prev=recv_prev,
+                recv_next=recv_next,
+            )
+            run.deallocate(output)
         if recv_prev:
             arrived[next_fc].append(from_prev)
         if recv_next:
             output_grads[next_bc].append(from_next)
-        run.deallocate(output)
 
     if not forward_only:
         if remaining == 0 and r != p - 1:
-            output_grads[v - 1].append(comm.recv_backward())
+            output_grads[v - 1].append(post(False, None, True) if flush else comm.recv_backward())
         for k in range(remaining, total):
-            input_grad = backward_k(k)
             bc = chunk_of(k, forward=False)
             recv_next, next_bc = receives(k, forward=False)
             recv_next = recv_next and k != total - 1
-            _, from_next = comm.communicate(
-                send_prev=None if is_first(bc) else input_grad, recv_next=recv_next
-            )
-            if recv_next:
+            prefetch = flush and recv_next and r != p - 1
+            if overlap:
+                flight.ready(forward=False)
+            if prefetch:
+                output_grads[next_bc].append(post(False, None, True))
+            input_grad = backward_k(k)
+            send = None if is_first(bc) else input_grad
+            if flush:
+                from_next = post(False, send, recv_next and not prefetch)
+            else:
+                _, from_next = comm.communicate(send_prev=send, recv_next=recv_next)
+            if recv_next and not prefetch:
                 output_grads[next_bc].append(from_next)
+    flight.drain()
+    if not forward_only:
         run.finalize()
     return run.losses
 

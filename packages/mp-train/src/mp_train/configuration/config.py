@@ -109,6 +109,29 @@ class TrainingConfig(RerunConfig, ValidationConfig, PhaseConfig):
     must be 0 or at least the pipeline size; so a number of micro-batches that is not a
     multiple of the pipeline size runs with a group size that fits it."""
 
+    overlap_p2p_comm: bool = field(
+        default=True,
+        metadata={"argparse_meta": {"names": ["--overlap-p2p-communication"],
+                                    "negatives": ["--no-overlap-p2p-communication"]}},
+    )  # fmt: skip
+    """The interleaved schedule (virtual pipeline stages) posts each exchange of its
+    steady state after the step that computes what it sends, and waits for it only
+    before the step that needs what it receives: a forward's activations travel while
+    the backward computes, its gradients while the next forward computes (Megatron-LM's,
+    on by default there too; --no-overlap-p2p-communication waits for each exchange as
+    it is posted). No effect without virtual stages, as in Megatron-LM: 1F1B waits for
+    each exchange. Megatron-LM refuses the interleaved schedule at pipeline size 2
+    without it (its exchanges there would pair two messages with one rank in one batch);
+    mp's exchanges keep the two directions apart and run it."""
+
+    overlap_p2p_comm_warmup_flush: bool = field(
+        default=False,
+        metadata={"argparse_meta": {"names": ["--overlap-p2p-communication-warmup-flush"]}},
+    )
+    """overlap_p2p_comm in the interleaved schedule's warm-up and flush too: a rank posts
+    the receive of its next step before computing this one (Megatron-LM's). Needs
+    overlap_p2p_comm and virtual pipeline stages."""
+
     train_iters: int | None = None
     """Iterations to train (or train_samples)."""
 
@@ -379,6 +402,13 @@ def validate(config: RunConfig, world_size: int) -> dict[str, int]:
         raise ValueError(
             f"microbatch_group_size_per_virtual_pipeline_stage={group} sets the interleaved "
             "schedule's groups: it needs virtual_pipeline_model_parallel_size"
+        )
+    if training.overlap_p2p_comm_warmup_flush and (vpp is None or not training.overlap_p2p_comm):
+        raise ValueError(
+            "overlap_p2p_comm_warmup_flush overlaps the interleaved schedule's warm-up and "
+            "flush exchanges as overlap_p2p_comm does its steady state's: it needs "
+            "virtual_pipeline_model_parallel_size and overlap_p2p_comm (Megatron-LM "
+            "refuses it without them too)"
         )
     if vpp is not None:
         sizes = [gbs] if schedule is None else [n for _, n in schedule if n % (mbs * dp) == 0]

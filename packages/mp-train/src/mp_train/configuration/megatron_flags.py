@@ -44,15 +44,6 @@ REFUSED: dict[str, tuple[bool, str]] = {
         False,
         "FP8 attention needs Transformer Engine: mp's attention stays in bf16 under --fp8-format",
     ),
-    "overlap_p2p_communication": (
-        False,
-        "mp's schedules do not overlap pipeline sends and receives with compute: drop it",
-    ),
-    "overlap_p2p_communication_warmup_flush": (
-        False,
-        "mp's schedules do not overlap pipeline sends and receives with compute, in the "
-        "warm-up and flush either: drop it",
-    ),
     "moe_flex_dispatcher_backend": (
         True,
         "picks the flex dispatcher's kernels (DeepEP, HybridEP), which mp does not have: "

@@ -85,10 +85,6 @@ IGNORED: dict[str, tuple[bool, str]] = {
         "the default: mp divides attention scores by the layer number only under "
         "--apply-query-key-layer-scaling",
     ),
-    "no_overlap_p2p_communication": (
-        False,
-        "mp batches each exchange's pipeline sends and receives and waits for them together",
-    ),
     "trust_remote_code": (
         False,
         "mp's HuggingFaceTokenizer reads tokenizer.json with the tokenizers library and never "

@@ -255,6 +255,8 @@ def setup_run(
         calculate_per_token_loss=config.optimizer.calculate_per_token_loss,
         p2p_timeout_s=60.0 * config.parallel.distributed_timeout_minutes,
         microbatch_group_size_per_vp_stage=training.microbatch_group_size_per_virtual_pipeline_stage,
+        overlap_p2p_comm=training.overlap_p2p_comm,
+        overlap_p2p_comm_warmup_flush=training.overlap_p2p_comm_warmup_flush,
     )  # fmt: skip
     schedule = None
     if training.step_batch_size_schedule is not None:

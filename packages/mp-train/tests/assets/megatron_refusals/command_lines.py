@@ -59,6 +59,18 @@ CASES = [
     ("vpp-microbatches-not-a-multiple-of-pp",
      f"{PP2} --num-layers-per-virtual-pipeline-stage 1 --global-batch-size 3", 2),
     ("vpp-without-pipeline", "--num-layers-per-virtual-pipeline-stage 1", 1),
+    ("vpp-at-pp2-without-p2p-overlap", f"{PP2} --num-layers-per-virtual-pipeline-stage 1 "
+     "--global-batch-size 4 --no-overlap-p2p-communication", 2),
+    ("vpp-at-pp4-without-p2p-overlap", "--pipeline-model-parallel-size 4 --num-layers 8 "
+     "--num-layers-per-virtual-pipeline-stage 1 --global-batch-size 4 "
+     "--no-overlap-p2p-communication", 4),
+    ("p2p-overlap-in-warmup-and-flush", f"{PP2} --num-layers-per-virtual-pipeline-stage 1 "
+     "--global-batch-size 4 --overlap-p2p-communication-warmup-flush", 2),
+    ("p2p-overlap-in-warmup-and-flush-without-vpp",
+     f"{PP2} --overlap-p2p-communication-warmup-flush", 2),
+    ("p2p-overlap-in-warmup-and-flush-without-overlap", f"{PP2} "
+     "--num-layers-per-virtual-pipeline-stage 1 --global-batch-size 4 "
+     "--overlap-p2p-communication-warmup-flush --no-overlap-p2p-communication", 2),
     # --- batch sizes
     ("global-batch-not-divisible", f"{TP2} --global-batch-size 3", 4),
     ("eval-global-batch-not-divisible", "--eval-global-batch-size 3", 2),
