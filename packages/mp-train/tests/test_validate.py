@@ -23,6 +23,8 @@ HYBRID = ["--hybrid-layer-pattern", "M*", "--mamba-num-heads", "8", "--mamba-hea
 # PP2 with two virtual stages per rank, 3 micro-batches per iteration (at DP2)
 VPP = ["--num-layers", "4", "--pipeline-model-parallel-size", "2",
        "--virtual-pipeline-model-parallel-size", "2", "--global-batch-size", "6"]  # fmt: skip
+# A MoE run started from a dense checkpoint
+UPCYCLED = ["--moe-use-upcycling", "--save", "/s", "--load", "/l"]
 # Llama 4's chunked attention, in blocks of half the sequence
 LLAMA4_CHUNKS = ["--position-embedding-type", "rope", "--attention-chunk-size", "16"]
 
@@ -122,6 +124,30 @@ def test_the_layouts_validate():
             4,
             r"^microbatch_group_size_per_virtual_pipeline_stage=4 sets the interleaved "
             r"schedule's groups: it needs virtual_pipeline_model_parallel_size$",
+        ),
+        (
+            UPCYCLED,
+            4,
+            r"^moe_use_upcycling turns a dense checkpoint into a MoE model: it needs "
+            r"num_moe_experts$",
+        ),
+        ([*MOE, "--moe-use-upcycling", "--load", "/l"], 4, r"^moe_use_upcycling .* needs save"),
+        (
+            [*MOE, "--moe-use-upcycling", "--save", "/s"],
+            4,
+            r"^moe_use_upcycling starts from a dense model's checkpoint: give it with load",
+        ),
+        (
+            [*MOE, *UPCYCLED, "--moe-upcycling-granularity", "3"],
+            4,
+            r"^moe_use_upcycling: num_moe_experts=4 is not a multiple of "
+            r"moe_upcycling_granularity=3",
+        ),
+        (
+            [*MOE, "--moe-upcycling-granularity", "2"],
+            4,
+            r"^moe_upcycling_granularity=2 cuts each dense MLP into experts when upcycling: "
+            r"it needs moe_use_upcycling$",
         ),
         (
             ["--overlap-p2p-communication-warmup-flush"],
@@ -420,3 +446,13 @@ def test_an_expert_tensor_parallel_size_on_a_dense_model_warns_that_it_changes_n
     flags = ["--tensor-model-parallel-size", "2", "--expert-tensor-parallel-size", "4"]
     with pytest.warns(UserWarning, match=r"expert_tensor_parallel_size=4 without num_moe_exp"):
         assert _validate(*flags, world=4)["data_parallel_size"] == 2
+
+
+def test_upcycling_loads_neither_the_optimizer_nor_the_rng_state(capsys):
+    """Megatron-LM's rule: an upcycled run starts from the dense model's weights alone."""
+    config = parse_config([*BASE, *MOE, *UPCYCLED])
+    assert config.checkpoint.no_load_optim and config.checkpoint.no_load_rng
+    assert validate(config, 4)["data_parallel_size"] == 4
+    printed = capsys.readouterr().err
+    assert "moe_use_upcycling: no_load_optim is on" in printed, printed
+    assert "moe_use_upcycling: no_load_rng is on" in printed, printed

@@ -52,6 +52,7 @@ from mp_train.configuration.run_checks import (
     check_sharding,
     check_training_rules,
 )
+from mp_train.configuration.upcycling_config import UpcyclingConfig, check_upcycling
 from mp_train.configuration.validation_config import ValidationConfig, check_validation
 
 __all__ = [
@@ -82,9 +83,10 @@ class GPTConfig:
 
 
 @dataclass(kw_only=True)
-class TrainingConfig(RerunConfig, ValidationConfig, PhaseConfig):
+class TrainingConfig(RerunConfig, ValidationConfig, PhaseConfig, UpcyclingConfig):
     # The rerun engine's fields (result validation, iterations to skip): rerun_config.py;
-    # when and over what evaluation runs: validation_config.py; phases: phase_config.py.
+    # when and over what evaluation runs: validation_config.py; phases: phase_config.py;
+    # a MoE model upcycled from a dense checkpoint: upcycling_config.py.
 
     micro_batch_size: int = 1
     """Samples per micro-batch on one data-parallel rank."""
@@ -430,6 +432,7 @@ def validate(config: RunConfig, world_size: int) -> dict[str, int]:
         raise ValueError(f"eval_interval={training.eval_interval} must be >= 1 (or None)")
     check_validation(training, config.data)
     check_phases(training)
+    check_upcycling(training, config.model, config.checkpoint)
     check_exit_signal(training.exit_signal)
     if (
         training.exit_signal_handler_for_training

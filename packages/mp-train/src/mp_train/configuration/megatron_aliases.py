@@ -200,6 +200,13 @@ def settle(flags: dict, given: dict, values: dict) -> list[str]:
         values["checkpoint"]["no_load_optim"] = True
         notes.append("skip_train: no_load_optim is on, the optimizer's state is not loaded "
                      "(as in Megatron-LM)")  # fmt: skip
+    # Upcycling starts a new run from a dense model's weights (Megatron-LM's rule).
+    if _current(values, "training", "moe_use_upcycling"):
+        for name, what in (("no_load_optim", "optimizer"), ("no_load_rng", "RNG")):
+            if not _current(values, "checkpoint", name):
+                values["checkpoint"][name] = True
+                notes.append(f"moe_use_upcycling: {name} is on, the dense checkpoint's "
+                             f"{what} state is not loaded (as in Megatron-LM)")  # fmt: skip
     return notes
 
 

@@ -52,6 +52,7 @@ from mp_train.loop.starting_point import starting_point
 __all__ = [
     "export_run_hf",
     "load_run_checkpoint",
+    "model_only_loaded",
     "prepare_run_checkpointer",
     "run_pieces",
     "save_run_checkpoint",
@@ -263,7 +264,7 @@ def load_run_checkpoint(run: Run) -> str | None:
                              f"{path}: it holds one model, without iterations")  # fmt: skip
         pieces = run_pieces(run, with_optimizer=False)
         load_hf_start(run, path, pieces)
-        _model_only_loaded(run, pieces)
+        model_only_loaded(run, pieces)
         log.info("loaded the Hugging Face model %s (fine-tuning from iteration 0)", path)
         return path
     with_optimizer = not (ckpt.no_load_optim or finetune)
@@ -298,7 +299,7 @@ def load_run_checkpoint(run: Run) -> str | None:
             {"state": {k: pieces[k] for k in template["state"]}, "common": common["optimizer"]}
         )
     else:
-        _model_only_loaded(run, pieces)
+        model_only_loaded(run, pieces)
     if not finetune:
         run.train = TrainState(**common["train_state"])
         if ckpt.override_ckpt_iteration is not None:
@@ -354,7 +355,7 @@ def _same_tokenizer(run: Run, common: dict) -> bool:
     return saved is not None and all(saved.get(k) == now.get(k) for k in _TOKENIZER_FIELDS)
 
 
-def _model_only_loaded(run: Run, pieces: dict[str, ShardedTensor]) -> None:
+def model_only_loaded(run: Run, pieces: dict[str, ShardedTensor]) -> None:
     """After the model's pieces were filled without the optimizer's: FSDP's shards take
     their pieces, and the optimizer's fp32 copies the loaded weights."""
     for chunk in run.model:  # FSDP's pieces are copies of its shards

@@ -67,6 +67,7 @@ from mp_train.loop.rerun_records import iterations_to_skip
 from mp_train.loop.setup import SETUP_TIMERS, Initialized, ModelProvider, Run, setup_run
 from mp_train.loop.signals import shutdown_on_signals
 from mp_train.loop.skip_policy import SkipPolicy
+from mp_train.loop.upcycling import upcycle_and_save
 from mp_train.observability.metrics import MetricsLogger
 from mp_train.observability.profiling import StepProfiler
 from mp_train.observability.progress_log import ProgressLog
@@ -182,11 +183,17 @@ def _checkpointer(run: Run, metrics: MetricsLogger, started: float) -> Checkpoin
                                     keep_last=ckpt.ckpt_keep_last,
                                     retain_interval=ckpt.save_retain_interval,
                                     on_commit=committed)  # fmt: skip
-    loaded = load_run_checkpoint(run)
+    if config.training.moe_use_upcycling:
+        loaded = upcycle_and_save(run, checkpointer)
+    else:
+        loaded = load_run_checkpoint(run)
     if run.progress is not None:
         run.progress.job_started(run.train.floating_point_operations_so_far, started)
     if loaded is not None and run.train.iteration == 0:
         metrics.print(f"fine-tuning from {loaded}")
+    elif loaded is not None and config.training.moe_use_upcycling:
+        metrics.print(f"upcycled {loaded} into a MoE model, saved at iteration 1 under "
+                      f"{ckpt.save}")  # fmt: skip
     elif loaded is not None:
         metrics.print(
             f"resumed from {loaded} at iteration {run.train.iteration} "
