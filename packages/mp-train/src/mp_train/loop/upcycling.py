@@ -44,7 +44,13 @@ from mp_train.loop.checkpointing import model_only_loaded, run_pieces, save_run_
 from mp_train.loop.setup import Run, TrainState
 from mp_train.loop.starting_point import starting_point
 
-__all__ = ["upcycle_and_save", "upcycle_run_start", "weight_scale"]
+__all__ = [
+    "expert_box",
+    "repeated_router",
+    "upcycle_and_save",
+    "upcycle_run_start",
+    "weight_scale",
+]
 
 log = logging.getLogger("mp_train")
 
@@ -115,10 +121,10 @@ def upcycle_run_start(run: Run, path: str) -> None:
     loaded = load_checkpoint(path, {**direct, **dense}, iteration=run.config.checkpoint.ckpt_step,
                              finetune=True)  # fmt: skip
     for piece, name, kind, dense_key in experts.values():
-        box = _expert_box(piece, name, kind, dense[dense_key].data, granularity, scale)
+        box = expert_box(piece, name, kind, dense[dense_key].data, granularity, scale)
         _fill(piece, box)
     for piece in routers if granularity > 1 else ():  # at 1 the router stays as drawn
-        _fill(piece, _router(piece, granularity))
+        _fill(piece, repeated_router(piece, granularity))
     model_only_loaded(run, pieces)
     flops = loaded.common.get("train_state", {}).get("floating_point_operations_so_far", 0.0)
     run.train = TrainState(iteration=1, floating_point_operations_so_far=flops)
@@ -163,7 +169,7 @@ def _box(piece: ShardedTensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return piece.global_offset, tuple(piece.local_shape or piece.data.shape)
 
 
-def _expert_box(piece: ShardedTensor, name: str, kind: str, dense: torch.Tensor,
+def expert_box(piece: ShardedTensor, name: str, kind: str, dense: torch.Tensor,
                 granularity: int, scale: float) -> torch.Tensor:  # fmt: skip
     """The values of an expert piece's box: for each of its experts, its slice of the
     dense tensor (scaled), or the dense linear_fc2 bias as it is."""
@@ -182,7 +188,7 @@ def _expert_box(piece: ShardedTensor, name: str, kind: str, dense: torch.Tensor,
     return box
 
 
-def _router(piece: ShardedTensor, granularity: int) -> torch.Tensor:
+def repeated_router(piece: ShardedTensor, granularity: int) -> torch.Tensor:
     """The router's weight [E, h] with its first E / G rows each repeated G times
     (G > 1)."""
     if piece.flattened_range is not None and granularity > 1:
