@@ -10,6 +10,7 @@ windowed layers' cache rings, and DeepSeek-V3's, DeepSeek-V3.2's, GLM-5's (layer
 sharing a choice) and Qwen3-MoE's at TP2 x EP2. DeepSeek-V3's and Nemotron 3 Super's
 multi-token prediction layers import, compute as their own blocks do and export back."""
 
+import importlib
 import json
 import os
 
@@ -59,6 +60,13 @@ DEEPSEEK_V32 = {k: v for k, v in DEEPSEEK_V3.items() if k != "num_nextn_predict_
 # GLM-5: DeepSeek-V3.2's, its indexer rotating in interleaved pairs, with GLM-5's
 # rms_norm_eps (1e-5), which transformers' latent norms leave at 1e-6 (latent_norm_epsilon)
 GLM_MOE_DSA = DEEPSEEK_V32 | dict(rms_norm_eps=1e-5)
+# GLM-4.5: grouped-query attention with biases, DeepSeek-V3's routing and shared expert;
+# transformers saves no multi-token prediction layer
+GLM4_MOE = dict(SMALL, num_hidden_layers=3, head_dim=16, intermediate_size=80,
+                moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=2,
+                n_group=2, topk_group=1, n_shared_experts=1, routed_scaling_factor=2.5,
+                first_k_dense_replace=1, attention_bias=True,
+                num_nextn_predict_layers=0)  # fmt: skip
 # Llama 4: 4 layers, experts of 32 beside a shared expert of 32, dense layers of 48
 LLAMA4 = dict(SMALL, num_hidden_layers=4, head_dim=16, intermediate_size=32,
               intermediate_size_mlp=48, num_local_experts=4, num_experts_per_tok=1)  # fmt: skip
@@ -112,6 +120,12 @@ CASES = {
     # DeepSeek-V3.2: DeepSeek-V3's layers and routing with sparse attention (YaRN scaling
     # the indexer's rotated channels too)
     "deepseek_v32": lambda: transformers.DeepseekV32Config(**DEEPSEEK_V32),
+    # GLM-4.5: q/k/v biases, half of each head rotated (in halves), layer 0 dense, then
+    # sigmoid routing within 1 of 2 groups of 4 experts by score + the correction bias
+    # (random, below), weights scaled by 2.5, a shared expert; GLM-4.6's query/key norms
+    "glm4_moe": lambda: transformers.Glm4MoeConfig(**GLM4_MOE),
+    "glm4_moe-qk-norm": lambda: transformers.Glm4MoeConfig(
+        **GLM4_MOE | dict(use_qk_norm=True, partial_rotary_factor=0.25, attention_bias=False)),
     # GLM-5: the indexer's positional channels turned in interleaved pairs
     "glm_moe_dsa": lambda: transformers.GlmMoeDsaConfig(**GLM_MOE_DSA),
     # its indexer shared across layers: layers 0, 1 and 3 choose their positions, layer 2
@@ -257,7 +271,7 @@ def test_gpt_oss_generates_past_its_window_ring_through_two_stages_as_transforme
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("case", ["deepseek_v3", "deepseek_v32", "glm_moe_dsa-shared",
-                                  "qwen3_moe"])  # fmt: skip
+                                  "glm4_moe", "qwen3_moe"])  # fmt: skip
 def test_moe_families_generate_at_tp2_x_ep2_as_transformers(tmp_path, case):
     """Generation runs without sequence parallelism: at TP2 each tensor-parallel rank routes
     a share of the tokens (mp_layers' MoELayer), and at TP2 x EP2 greedy tokens equal
@@ -332,21 +346,31 @@ def reference_mtp_loss(hf, x, labels, embedding_norm, hidden_norm, projection, l
     )
 
 
-def test_deepseek_v3_multi_token_prediction_imports_computes_as_deepseek_and_exports_back(
-    tmp_path,
+# family -> (its config class's name, its settings of 3 layers, its RMSNorm class's name)
+MTP_FAMILIES = {
+    "deepseek_v3": ("DeepseekV3Config", DEEPSEEK_V3 | {"num_hidden_layers": 3},
+                    "DeepseekV3RMSNorm"),
+    "glm4_moe": ("Glm4MoeConfig", GLM4_MOE, "Glm4MoeRMSNorm"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("family", sorted(MTP_FAMILIES))
+def test_deepseek_style_multi_token_prediction_imports_computes_as_its_blocks_and_exports_back(
+    tmp_path, family
 ):
-    """DeepSeek-V3's MTP module as its checkpoints hold it (model.layers.{L}.*: a decoder
-    layer's weights, enorm, hnorm, eh_proj, shared_head.norm, and copies of the embedding
-    and lm_head), which transformers' model neither builds nor saves: the third layer of
-    a random 3-layer model with random norms and projection, beside the first two layers.
+    """DeepSeek-V3's MTP module as its checkpoints hold it, and GLM-4.5's, laid out alike
+    (model.layers.{L}.*: a decoder layer's weights, enorm, hnorm, eh_proj,
+    shared_head.norm, and copies of the embedding and lm_head), which transformers' model
+    neither builds nor saves: the third layer of a random 3-layer model with random norms
+    and projection, beside the first two layers.
     import-hf makes it mp's mtp.layers.0, the logits stay transformers', mp's MTP loss
     equals the module computed from transformers' parts (h' = layer(eh_proj(cat(
     enorm(embed(next tokens)), hnorm(h)))), lm_head(shared_head.norm(h')) against the
     labels one further); export-hf gives back every tensor and num_nextn_predict_layers
     1, and transformers loads the export."""
-    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RMSNorm
-
-    three = random_hf(transformers.DeepseekV3Config(**DEEPSEEK_V3 | {"num_hidden_layers": 3}))
+    config_class, settings, norm_class = MTP_FAMILIES[family]
+    modeling = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    three = random_hf(getattr(transformers, config_class)(**settings))
     three.save_pretrained(tmp_path / "three")
     state = load_file(str(tmp_path / "three" / "model.safetensors"))
     h, gen = three.config.hidden_size, torch.Generator().manual_seed(5)
@@ -363,7 +387,7 @@ def test_deepseek_v3_multi_token_prediction_imports_computes_as_deepseek_and_exp
     norms = {}
     for name, weight in mtp.items():
         if name != "eh_proj":
-            norms[name] = DeepseekV3RMSNorm(h, hf.config.rms_norm_eps)
+            norms[name] = getattr(modeling, norm_class)(h, hf.config.rms_norm_eps)
             norms[name].weight.data.copy_(weight)
     want = reference_mtp_loss(hf, x, labels, norms["enorm"], norms["hnorm"], mtp["eh_proj"],
                               three.model.layers[2], norms["shared_head.norm"])  # fmt: skip

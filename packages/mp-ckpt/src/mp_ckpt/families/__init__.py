@@ -23,7 +23,7 @@ __all__ = ["ALIASES", "ARCHITECTURES", "REFUSED", "family", "family_of"]
 
 ARCHITECTURES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "nemotron", "mixtral",
                  "qwen2_moe", "qwen3_moe", "gpt_oss", "deepseek_v2", "deepseek_v3",
-                 "deepseek_v32", "glm_moe_dsa", "llama4_text", "nemotron_h",
+                 "deepseek_v32", "glm_moe_dsa", "glm4_moe", "llama4_text", "nemotron_h",
                  "qwen3_next")  # fmt: skip
 
 
@@ -58,9 +58,9 @@ def family_of(settings: dict) -> str:
     else DeepSeek-V2; learned positions are GPT-2; L2-normalized queries and keys, layers
     without rotary embeddings, routing weights on the experts' input, or interleaved
     rotary embeddings with experts are Llama 4; experts with quick GEGLU or sinks gpt-oss,
-    with a shared expert Qwen2-MoE, with qk-layernorm Qwen3-MoE, else Mixtral; dense with
-    qk-layernorm Qwen3, with LayerNorm1P Nemotron, with q/k/v biases Qwen2, with a sliding
-    window Mistral, else Llama."""
+    with sigmoid router scores GLM-4.5, with a shared expert Qwen2-MoE, with qk-layernorm
+    Qwen3-MoE, else Mixtral; dense with qk-layernorm Qwen3, with LayerNorm1P Nemotron, with
+    q/k/v biases Qwen2, with a sliding window Mistral, else Llama."""
     if settings.get("hybrid_layer_pattern"):
         return "nemotron_h"
     variant = settings.get("experimental_attention_variant")
@@ -78,6 +78,8 @@ def family_of(settings: dict) -> str:
     if settings.get("num_moe_experts"):
         if settings.get("quick_geglu") or settings.get("softmax_type", "vanilla") != "vanilla":
             return "gpt_oss"
+        if settings.get("moe_router_score_function") == "sigmoid":
+            return "glm4_moe"
         if settings.get("moe_shared_expert_intermediate_size"):
             return "qwen2_moe"
         return "qwen3_moe" if settings.get("qk_layernorm") else "mixtral"

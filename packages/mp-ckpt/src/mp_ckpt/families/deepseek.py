@@ -56,7 +56,16 @@ from mp_ckpt.families.moe_settings import positive
 from mp_ckpt.families.table import Rule
 from mp_ckpt.families.yarn import yarn_parameters, yarn_settings
 
-__all__ = ["EXPERTS", "LATENT_EPS", "RULES", "deepseek_config", "deepseek_settings", "groups_kept"]
+__all__ = [
+    "EXPERTS",
+    "LATENT_EPS",
+    "RULES",
+    "deepseek_config",
+    "deepseek_settings",
+    "dense_first_shared",
+    "expert_settings",
+    "groups_kept",
+]
 
 LATENT_EPS = 1e-6
 """The epsilon of transformers' latent norms (RMSNorm's default; rms_norm_eps is the
@@ -137,16 +146,31 @@ def deepseek_settings(config: dict, defaults: dict) -> dict:
     if base["layernorm_epsilon"] != LATENT_EPS:  # transformers' latent norms keep theirs
         base["latent_norm_epsilon"] = LATENT_EPS
     del base["kv_channels"]  # MLA's widths are its own fields
-    layers = base["num_layers"]
+    experts = expert_settings(config, defaults, base["num_layers"], "DeepSeek")
+    q_lora = config.get("q_lora_rank", defaults["q_lora_rank"])
+    if q_lora is not None:
+        q_lora = positive({"q_lora_rank": q_lora}, "q_lora_rank", {})
+    return base | rope | experts | {
+        "multi_latent_attention": True, "q_lora_rank": q_lora,
+        "kv_lora_rank": positive(config, "kv_lora_rank", defaults),
+        "qk_head_dim": positive(config, "qk_nope_head_dim", defaults),
+        "qk_pos_emb_head_dim": positive(config, "qk_rope_head_dim", defaults),
+        "v_head_dim": positive(config, "v_head_dim", defaults), "qk_layernorm": True,
+    }  # fmt: skip
+
+
+def expert_settings(config: dict, defaults: dict, layers: int, arch: str) -> dict:
+    """The expert settings of DeepSeek's layout (GLM-4.5's too): dense layers first
+    (first_k_dense_replace), then routed experts beside ungated shared experts; the router
+    in fp32, DeepSeek's balancing keys (absent: a sequence-level loss of weight 0).
+    `defaults` are the family's for the keys config.json may omit, `arch` its name in
+    errors."""
     dense = config.get("first_k_dense_replace", defaults["first_k_dense_replace"])
     if isinstance(dense, bool) or not isinstance(dense, int) or not 0 <= dense < layers:
         raise ValueError(
             f"config.json first_k_dense_replace={dense!r}: expected 0 to num_hidden_layers - 1 "
-            f"= {layers - 1} (mp converts DeepSeek models with expert layers)"
+            f"= {layers - 1} (mp converts {arch} models with expert layers)"
         )
-    q_lora = config.get("q_lora_rank", defaults["q_lora_rank"])
-    if q_lora is not None:
-        q_lora = positive({"q_lora_rank": q_lora}, "q_lora_rank", {})
     experts = positive(config, "n_routed_experts", defaults)
     topk = positive(config, "num_experts_per_tok", defaults)
     if topk > experts:
@@ -154,12 +178,7 @@ def deepseek_settings(config: dict, defaults: dict) -> dict:
             f"config.json num_experts_per_tok={topk}: more than n_routed_experts={experts}"
         )
     expert_ffn = positive(config, "moe_intermediate_size", defaults)
-    return base | rope | {
-        "multi_latent_attention": True, "q_lora_rank": q_lora,
-        "kv_lora_rank": positive(config, "kv_lora_rank", defaults),
-        "qk_head_dim": positive(config, "qk_nope_head_dim", defaults),
-        "qk_pos_emb_head_dim": positive(config, "qk_rope_head_dim", defaults),
-        "v_head_dim": positive(config, "v_head_dim", defaults), "qk_layernorm": True,
+    return {
         "num_moe_experts": experts, "moe_router_topk": topk, "moe_ffn_hidden_size": expert_ffn,
         "moe_shared_expert_intermediate_size":
             positive(config, "n_shared_experts", defaults) * expert_ffn,
@@ -198,6 +217,27 @@ def _balancing(settings: dict) -> dict:
     return {"aux_loss_alpha": coeff, "seq_aux": kind == "seq_aux_loss"}
 
 
+def dense_first_shared(shapes: dict, model_type: str) -> tuple[int, int]:
+    """(first_k_dense_replace, n_shared_experts) of a model whose dense layers come first,
+    then expert layers beside shared experts n x moe_ffn_hidden_size wide (DeepSeek's
+    layout, GLM-4.5's); raises for another."""
+    sparse = shapes["sparse"]
+    dense = sparse.index(1) if 1 in sparse else len(sparse)
+    if dense == len(sparse) or sparse != [0] * dense + [1] * (len(sparse) - dense):
+        raise ValueError(
+            f"model_config moe_layer_freq={sparse!r}: {model_type} has dense layers first, "
+            "then expert layers only (first_k_dense_replace)"
+        )
+    shared, rest = divmod(shapes.get("shared_ffn") or 0, shapes["expert_ffn"])
+    if not shared or rest:
+        raise ValueError(
+            f"model_config moe_shared_expert_intermediate_size={shapes.get('shared_ffn')!r}: "
+            f"{model_type}'s shared experts are n_shared_experts x moe_ffn_hidden_size="
+            f"{shapes['expert_ffn']} wide"
+        )
+    return dense, shared
+
+
 def deepseek_config(settings: dict, shapes: dict, tokens: dict, dtype: str,
                     model_type: str) -> dict:  # fmt: skip
     """The config.json keys both families write but for the routing."""
@@ -215,20 +255,7 @@ def deepseek_config(settings: dict, shapes: dict, tokens: dict, dtype: str,
     computes = {"qk_layernorm": True, "multi_latent_attention": True,
                 "position_embedding_type": position if position in ("rope", "yarn") else "rope",
                 "moe_expert_capacity_factor": None, "moe_shared_expert_gate": False}  # fmt: skip
-    sparse = shapes["sparse"]
-    dense = sparse.index(1) if 1 in sparse else len(sparse)
-    if dense == len(sparse) or sparse != [0] * dense + [1] * (len(sparse) - dense):
-        raise ValueError(
-            f"model_config moe_layer_freq={sparse!r}: {model_type} has dense layers first, "
-            "then expert layers only (first_k_dense_replace)"
-        )
-    shared, rest = divmod(shapes.get("shared_ffn") or 0, shapes["expert_ffn"])
-    if not shared or rest:
-        raise ValueError(
-            f"model_config moe_shared_expert_intermediate_size={shapes.get('shared_ffn')!r}: "
-            f"{model_type}'s shared experts are n_shared_experts x moe_ffn_hidden_size="
-            f"{shapes['expert_ffn']} wide"
-        )
+    dense, shared = dense_first_shared(shapes, model_type)
     ffn = shapes.get("ffn") or settings.get("ffn_hidden_size")
     config = base_config(settings, shapes | {"ffn": ffn}, tokens, dtype, model_type, **computes)
     if position == "yarn" or settings.get("rope_type") in (None, "yarn"):

@@ -44,7 +44,16 @@ from mp_ckpt.families.moe import unfuse_experts
 from mp_ckpt.families.moe_settings import check_group_rank, sigmoid_routing
 from mp_ckpt.families.table import Family, Rule
 
-__all__ = ["DEFAULTS", "FAMILY", "RULES", "v3_config", "v3_settings"]
+__all__ = [
+    "DEFAULTS",
+    "EXPERT_BIAS",
+    "FAMILY",
+    "MTP_RULES",
+    "RULES",
+    "held_mtp_layers",
+    "v3_config",
+    "v3_settings",
+]
 
 DEFAULTS = {
     "max_position_embeddings": 4096, "intermediate_size": 18432, "moe_intermediate_size": 2048,
@@ -56,10 +65,14 @@ DEFAULTS = {
 """transformers' DeepseekV3Config defaults, for a key config.json omits."""
 
 _MTP = "model.layers.{i}."
-RULES = (
-    *deepseek.RULES,
-    Rule(("mlp.router.expert_bias",), "model.layers.{i}.mlp.gate.e_score_correction_bias",
-         "moe", keep_dtype=True),
+EXPERT_BIAS = Rule(
+    ("mlp.router.expert_bias",),
+    "model.layers.{i}.mlp.gate.e_score_correction_bias",
+    "moe",
+    keep_dtype=True,
+)
+"""The router's correction bias (transformers' e_score_correction_bias)."""
+MTP_RULES = (
     Rule(("enorm.weight",), _MTP + "enorm.weight", "mtp"),
     Rule(("hnorm.weight",), _MTP + "hnorm.weight", "mtp"),
     Rule(("eh_proj.weight",), _MTP + "eh_proj.weight", "mtp"),
@@ -68,6 +81,8 @@ RULES = (
          model_copy=True),
     Rule(("output_layer.weight",), _MTP + "shared_head.head.weight", "mtp", model_copy=True),
 )  # fmt: skip
+"""The multi-token prediction modules' own tensors (GLM-4.5's too: glm4_moe.py)."""
+RULES = (*deepseek.RULES, EXPERT_BIAS, *MTP_RULES)
 
 
 def _settings(config: dict) -> dict:
@@ -99,7 +114,7 @@ def v3_settings(config: dict, defaults: dict, arch: str) -> dict:
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
-def _held(config: dict, names) -> dict:
+def held_mtp_layers(config: dict, names) -> dict:
     """num_nextn_predict_layers as the weights hold them (module docstring): the layers
     past num_hidden_layers, which must follow one another, and no more than config.json
     counts."""
@@ -144,4 +159,4 @@ def v3_config(settings: dict, shapes: dict, tokens: dict, dtype: str, model_type
 
 
 FAMILY = Family("deepseek_v3", "DeepseekV3ForCausalLM", RULES, _settings, _config,
-                prepare=unfuse_experts(*EXPERTS), held=_held)  # fmt: skip
+                prepare=unfuse_experts(*EXPERTS), held=held_mtp_layers)  # fmt: skip

@@ -42,8 +42,9 @@ def model_rules(*, norm_bias: bool = False) -> tuple[Rule, ...]:
 
 
 def attention_rules(*, qkv_bias: bool | None = False, proj_bias: bool = False,
-                    qk_norm: bool = False) -> tuple[Rule, ...]:  # fmt: skip
-    """qkv_bias: True always, None where the settings' add_qkv_bias says so."""
+                    qk_norm: bool | None = False) -> tuple[Rule, ...]:  # fmt: skip
+    """qkv_bias: True always, None where the settings' add_qkv_bias says so; qk_norm the
+    same, by qk_layernorm."""
     layer = "model.layers.{i}.self_attn."
     rules = [
         Rule((f"{_QKV}.q.weight",), layer + "q_proj.weight", to_mp=q_heads, to_hf=heads_flat,
@@ -63,9 +64,11 @@ def attention_rules(*, qkv_bias: bool | None = False, proj_bias: bool = False,
         ]  # fmt: skip
     if proj_bias:
         rules.append(Rule(("self_attention.linear_proj.bias",), layer + "o_proj.bias"))
-    if qk_norm:
+    if qk_norm is not False:
+        when = None if qk_norm else _has("qk_layernorm")
         rules += [
-            Rule((f"self_attention.{p}_layernorm.weight",), f"{layer}{p}_norm.weight") for p in "qk"
+            Rule((f"self_attention.{p}_layernorm.weight",), f"{layer}{p}_norm.weight", when=when)
+            for p in "qk"
         ]
     return tuple(rules)
 
