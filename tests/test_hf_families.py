@@ -67,6 +67,7 @@ GLM4_MOE = dict(SMALL, num_hidden_layers=3, head_dim=16, intermediate_size=80,
                 n_group=2, topk_group=1, n_shared_experts=1, routed_scaling_factor=2.5,
                 first_k_dense_replace=1, attention_bias=True,
                 num_nextn_predict_layers=0)  # fmt: skip
+SMOLLM3 = dict(SMALL, intermediate_size=96, head_dim=8, pad_token_id=None)
 # Llama 4: 4 layers, experts of 32 beside a shared expert of 32, dense layers of 48
 LLAMA4 = dict(SMALL, num_hidden_layers=4, head_dim=16, intermediate_size=32,
               intermediate_size_mlp=48, num_local_experts=4, num_experts_per_tok=1)  # fmt: skip
@@ -110,6 +111,11 @@ CASES = {
     "gpt_oss-no-truncate-full-layers": lambda: transformers.GptOssConfig(
         **GPT_OSS | {"layer_types": ["full_attention"] * 3,
                      "rope_parameters": YARN | {"truncate": False, "factor": 8.0}}),
+    # SmolLM3: Llama's layers, every 4th without rotary embeddings; a NoPE layer given
+    # as a list instead, tied as the released 3B (its pad id, 128004, past this vocabulary)
+    "smollm3": lambda: transformers.SmolLM3Config(**SMOLLM3 | {"num_hidden_layers": 4}),
+    "smollm3-listed-tied": lambda: transformers.SmolLM3Config(
+        **SMOLLM3, no_rope_layers=[0, 1], tie_word_embeddings=True),
     # Mistral: Llama's layers, a window (4096, the default) no sequence here reaches
     "mistral": lambda: transformers.MistralConfig(**SMALL, intermediate_size=96, head_dim=8),
     "mistral-no-window": lambda: transformers.MistralConfig(**SMALL, intermediate_size=96,

@@ -58,6 +58,7 @@ CONFIGS = {
     "glm4_moe": {"model_type": "glm4_moe", **LLAMA_STYLE, "n_routed_experts": 4,
                  "num_experts_per_tok": 2, "moe_intermediate_size": 8, "n_shared_experts": 1,
                  "first_k_dense_replace": 1, "attention_bias": True, "use_qk_norm": True},
+    "smollm3": {"model_type": "smollm3", **LLAMA_STYLE, "num_hidden_layers": 4},
     "llama4_text": {"model_type": "llama4_text", **LLAMA_STYLE, "head_dim": 4,
                     "intermediate_size": 8, "intermediate_size_mlp": 24,
                     "num_local_experts": 4},

@@ -222,12 +222,15 @@ def test_the_fused_experts_are_the_gate_then_the_up_columns_transposed():
 
 @pytest.mark.parametrize(
     "setting",
-    [{"qk_l2_norm": True}, {"no_rope_freq": [0, 1, 0, 1]}, {"moe_apply_probs_on_input": True},
-     {"rotary_interleaved": True, "num_moe_experts": 4}],
+    [{"qk_l2_norm": True}, {"no_rope_freq": [0, 1, 0, 1], "num_moe_experts": 4},
+     {"moe_apply_probs_on_input": True}, {"rotary_interleaved": True, "num_moe_experts": 4}],
 )  # fmt: skip
 def test_family_of_reads_llama4s_settings_as_llama4(setting):
     assert family_of({"position_embedding_type": "rope", **setting}) == "llama4_text"
     assert family_of({"position_embedding_type": "rope", "rotary_interleaved": True}) == "llama"
+    # NoPE layers in a dense model without Llama 4's other features: SmolLM3's
+    nope = {"position_embedding_type": "rope", "no_rope_freq": [0, 1, 0, 1]}
+    assert family_of(nope) == "smollm3"
 
 
 def test_megatron_args_carry_llama4s_settings_both_ways():

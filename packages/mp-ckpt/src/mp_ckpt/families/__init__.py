@@ -24,7 +24,7 @@ __all__ = ["ALIASES", "ARCHITECTURES", "REFUSED", "family", "family_of"]
 ARCHITECTURES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "nemotron", "mixtral",
                  "qwen2_moe", "qwen3_moe", "gpt_oss", "deepseek_v2", "deepseek_v3",
                  "deepseek_v32", "glm_moe_dsa", "glm4_moe", "llama4_text", "nemotron_h",
-                 "qwen3_next")  # fmt: skip
+                 "qwen3_next", "smollm3")  # fmt: skip
 
 
 ALIASES = {"kimi_k2": "deepseek_v3"}
@@ -55,12 +55,14 @@ def family_of(settings: dict) -> str:
     Qwen3-Next; multi-latent attention is GLM-5 with DeepSeek's sparse attention
     (experimental_attention_variant "dsa") whose indexer rotates in interleaved pairs,
     DeepSeek-V3.2 with other sparse attention, DeepSeek-V3 with sigmoid router scores,
-    else DeepSeek-V2; learned positions are GPT-2; L2-normalized queries and keys, layers
-    without rotary embeddings, routing weights on the experts' input, or interleaved
-    rotary embeddings with experts are Llama 4; experts with quick GEGLU or sinks gpt-oss,
-    with sigmoid router scores GLM-4.5, with a shared expert Qwen2-MoE, with qk-layernorm
-    Qwen3-MoE, else Mixtral; dense with qk-layernorm Qwen3, with LayerNorm1P Nemotron, with
-    q/k/v biases Qwen2, with a sliding window Mistral, else Llama."""
+    else DeepSeek-V2; learned positions are GPT-2; layers without rotary embeddings in a
+    dense model without Llama 4's other features are SmolLM3; L2-normalized queries and
+    keys, layers without rotary embeddings, routing weights on the experts' input, or
+    interleaved rotary embeddings with experts are Llama 4; experts with quick GEGLU or
+    sinks gpt-oss, with sigmoid router scores GLM-4.5, with a shared expert Qwen2-MoE,
+    with qk-layernorm Qwen3-MoE, else Mixtral; dense with qk-layernorm Qwen3, with
+    LayerNorm1P Nemotron, with q/k/v biases Qwen2, with a sliding window Mistral, else
+    Llama."""
     if settings.get("hybrid_layer_pattern"):
         return "nemotron_h"
     variant = settings.get("experimental_attention_variant")
@@ -73,6 +75,8 @@ def family_of(settings: dict) -> str:
         return "deepseek_v3" if sigmoid else "deepseek_v2"
     if settings.get("position_embedding_type", "learned_absolute") == "learned_absolute":
         return "gpt2"
+    if _smollm3(settings):
+        return "smollm3"
     if _llama4(settings):
         return "llama4_text"
     if settings.get("num_moe_experts"):
@@ -90,6 +94,13 @@ def family_of(settings: dict) -> str:
     if settings.get("add_qkv_bias"):
         return "qwen2"
     return "mistral" if settings.get("window_size") else "llama"
+
+
+def _smollm3(settings: dict) -> bool:
+    """NoPE layers in a dense model without Llama 4's other features."""
+    llama4 = ("num_moe_experts", "qk_l2_norm", "rotary_interleaved", "attention_chunk_size",
+              "attn_temperature_floor_scale")  # fmt: skip
+    return bool(settings.get("no_rope_freq")) and not any(settings.get(k) for k in llama4)
 
 
 def _llama4(settings: dict) -> bool:

@@ -46,6 +46,7 @@ from mp_ckpt.families.hf_settings import LLAMA_STYLE, llama_settings
 from mp_ckpt.families.llama_style import attention_rules, dense_mlp_rules, model_rules, norm_rules
 from mp_ckpt.families.moe import shared_expert_rules
 from mp_ckpt.families.moe_settings import moe_config, positive, routing
+from mp_ckpt.families.nope import interval_of, rotating_layers, rotating_of
 from mp_ckpt.families.table import Dims, Family, Rule
 
 __all__ = ["FAMILY"]
@@ -88,24 +89,6 @@ RULES = (
 )  # fmt: skip
 
 
-def _flags(config: dict, key: str, layers: int) -> list[int]:
-    value = config[key]
-    if not isinstance(value, list) or len(value) < layers or any(x not in (0, 1) for x in value):
-        raise ValueError(
-            f"config.json {key}={value!r}: expected a 0 or 1 for each of the "
-            f"num_hidden_layers={layers} layers"
-        )
-    return [int(x) for x in value[:layers]]
-
-
-def _rotating(config: dict, layers: int) -> list[int]:
-    """no_rope_layers (1: the layer rotates), as transformers completes it."""
-    if config.get("no_rope_layers"):
-        return _flags(config, "no_rope_layers", layers)
-    interval = positive(config, "no_rope_layer_interval", _DEFAULTS)
-    return [int((i + 1) % interval != 0) for i in range(layers)]
-
-
 def _sparse(config: dict, layers: int) -> list[int]:
     """moe_layer_freq (1: experts) of moe_layers, as transformers completes it."""
     chosen = config.get("moe_layers")
@@ -132,7 +115,7 @@ def _settings(config: dict) -> dict:
             "(moe_apply_probs_on_input needs moe_router_topk 1)"
         )
     layers = config["num_hidden_layers"]
-    rotating = _rotating(config, layers)
+    rotating = rotating_layers(config, layers, _DEFAULTS["no_rope_layer_interval"])
     kinds = ["chunked_attention" if r else "full_attention" for r in rotating]
     if config.get("layer_types") is not None and config["layer_types"] != kinds:
         raise ValueError(
@@ -164,26 +147,6 @@ def _settings(config: dict) -> dict:
 
 
 # --- export ------------------------------------------------------------------------------
-
-
-def _rotating_of(settings: dict, layers: int) -> list[int]:
-    """no_rope_layers of mp's no_rope_freq (an integer N: every N-th layer, 1-based)."""
-    freq = settings.get("no_rope_freq")
-    if freq is None:
-        return [1] * layers
-    if isinstance(freq, int):
-        return [int((i + 1) % freq != 0) for i in range(layers)]
-    if len(freq) != layers:
-        raise ValueError(f"model_config no_rope_freq={freq!r}: {layers} layers")
-    return [1 - int(x) for x in freq]
-
-
-def _step(chosen: list[int], layers: int, default: int) -> int:
-    """The interval whose every-N-th layers (0-based N - 1, 2N - 1, ...) are `chosen`:
-    `default` where it fits, else the smallest that does, else `default` (the explicit
-    list beside it says which)."""
-    fits = [n for n in range(1, layers + 1) if list(range(n - 1, layers, n)) == chosen]
-    return default if default in fits or not fits else fits[0]
 
 
 def _qk_norm(settings: dict, rotating: list[int]) -> bool:
@@ -220,7 +183,7 @@ def _config(settings: dict, shapes: dict, tokens: dict, dtype: str) -> dict:
             f"model_config moe_shared_expert_intermediate_size={shapes.get('shared_ffn')!r}: "
             f"Llama 4's shared expert is as wide as its experts ({shapes['expert_ffn']})"
         )
-    rotating = _rotating_of(settings, layers)
+    rotating = rotating_of(settings, layers)
     qk_norm = _qk_norm(settings, rotating)
     computes = {"rotary_interleaved": True, "no_rope_freq": settings.get("no_rope_freq"),
                 "qk_l2_norm": qk_norm, "moe_apply_probs_on_input": True, "moe_router_topk": 1,
@@ -235,8 +198,8 @@ def _config(settings: dict, shapes: dict, tokens: dict, dtype: str) -> dict:
         "intermediate_size": shapes["expert_ffn"],
         "intermediate_size_mlp": shapes.get("ffn") or settings.get("ffn_hidden_size"),
         "num_local_experts": shapes["experts"], "moe_layers": moe_layers,
-        "interleave_moe_layer_step": _step(moe_layers, layers, 1),
-        "no_rope_layers": rotating, "no_rope_layer_interval": _step(no_rope, layers, 4),
+        "interleave_moe_layer_step": interval_of(moe_layers, layers, 1),
+        "no_rope_layers": rotating, "no_rope_layer_interval": interval_of(no_rope, layers, 4),
         "layer_types": ["chunked_attention" if r else "full_attention" for r in rotating],
         "use_qk_norm": qk_norm, "attention_bias": False, "router_jitter_noise": 0.0,
         **_long_context(settings, config["max_position_embeddings"]),
