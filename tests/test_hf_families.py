@@ -68,6 +68,7 @@ GLM4_MOE = dict(SMALL, num_hidden_layers=3, head_dim=16, intermediate_size=80,
                 first_k_dense_replace=1, attention_bias=True,
                 num_nextn_predict_layers=0)  # fmt: skip
 SMOLLM3 = dict(SMALL, intermediate_size=96, head_dim=8, pad_token_id=None)
+PHI3 = dict(SMALL, intermediate_size=96, pad_token_id=None, original_max_position_embeddings=64)
 # Llama 4: 4 layers, experts of 32 beside a shared expert of 32, dense layers of 48
 LLAMA4 = dict(SMALL, num_hidden_layers=4, head_dim=16, intermediate_size=32,
               intermediate_size_mlp=48, num_local_experts=4, num_experts_per_tok=1)  # fmt: skip
@@ -116,6 +117,11 @@ CASES = {
     "smollm3": lambda: transformers.SmolLM3Config(**SMOLLM3 | {"num_hidden_layers": 4}),
     "smollm3-listed-tied": lambda: transformers.SmolLM3Config(
         **SMOLLM3, no_rope_layers=[0, 1], tie_word_embeddings=True),
+    # Phi-3 / Phi-4: q, k, v and gate, up fused; half of each head rotated and a window
+    # of 4 that the prompts cross, tied; Phi-4's full rotation without a window
+    "phi3": lambda: transformers.Phi3Config(**PHI3, partial_rotary_factor=0.5,
+                                            sliding_window=4, tie_word_embeddings=True),
+    "phi3-phi4": lambda: transformers.Phi3Config(**PHI3, rope_theta=250000.0),
     # Mistral: Llama's layers, a window (4096, the default) no sequence here reaches
     "mistral": lambda: transformers.MistralConfig(**SMALL, intermediate_size=96, head_dim=8),
     "mistral-no-window": lambda: transformers.MistralConfig(**SMALL, intermediate_size=96,
