@@ -122,6 +122,11 @@ CASES = {
     "phi3": lambda: transformers.Phi3Config(**PHI3, partial_rotary_factor=0.5,
                                             sliding_window=4, tie_word_embeddings=True),
     "phi3-phi4": lambda: transformers.Phi3Config(**PHI3, rope_theta=250000.0),
+    # Seed-OSS: q/k/v biases, its own head dim, dropouts (inactive in eval); without biases
+    "seed_oss": lambda: transformers.SeedOssConfig(**SMALL, intermediate_size=96, head_dim=16,
+                                                   pad_token_id=None),
+    "seed_oss-no-bias": lambda: transformers.SeedOssConfig(
+        **SMALL, intermediate_size=96, pad_token_id=None, attention_bias=False),
     # Mistral: Llama's layers, a window (4096, the default) no sequence here reaches
     "mistral": lambda: transformers.MistralConfig(**SMALL, intermediate_size=96, head_dim=8),
     "mistral-no-window": lambda: transformers.MistralConfig(**SMALL, intermediate_size=96,

@@ -60,6 +60,7 @@ CONFIGS = {
                  "first_k_dense_replace": 1, "attention_bias": True, "use_qk_norm": True},
     "smollm3": {"model_type": "smollm3", **LLAMA_STYLE, "num_hidden_layers": 4},
     "phi3": {"model_type": "phi3", **LLAMA_STYLE},
+    "seed_oss": {"model_type": "seed_oss", **LLAMA_STYLE, "head_dim": 8},
     "llama4_text": {"model_type": "llama4_text", **LLAMA_STYLE, "head_dim": 4,
                     "intermediate_size": 8, "intermediate_size_mlp": 24,
                     "num_local_experts": 4},
@@ -99,9 +100,10 @@ def test_each_parameter_is_named_once(name):
         assert len(names) == len(set(names)), (name, side)
 
 
-SETTINGS_ALIKE = {"phi3": "llama"}
-"""Families whose settings are another's (only their tensors differ: Phi-3's fused q/k/v
-and gate/up): without the family an import records, a checkpoint exports as the other."""
+SETTINGS_ALIKE = {"phi3": "llama", "seed_oss": "qwen2"}
+"""Families whose settings are another's (only their tensors or their training settings
+differ: Phi-3's fused q/k/v and gate/up, Seed-OSS's dropout after each sublayer): without
+the family an import records, a checkpoint exports as the other."""
 
 
 @pytest.mark.parametrize("name", ARCHITECTURES)
