@@ -122,6 +122,11 @@ CASES = {
     "phi3": lambda: transformers.Phi3Config(**PHI3, partial_rotary_factor=0.5,
                                             sliding_window=4, tie_word_embeddings=True),
     "phi3-phi4": lambda: transformers.Phi3Config(**PHI3, rope_theta=250000.0),
+    # ERNIE 4.5: channel pairs (2i, 2i + 1) rotated, its own head dim, tied; untied
+    "ernie4_5": lambda: transformers.Ernie4_5Config(**SMALL, intermediate_size=96, head_dim=16,
+                                                    pad_token_id=None),
+    "ernie4_5-untied": lambda: transformers.Ernie4_5Config(
+        **SMALL, intermediate_size=96, head_dim=8, pad_token_id=None, tie_word_embeddings=False),
     # Seed-OSS: q/k/v biases, its own head dim, dropouts (inactive in eval); without biases
     "seed_oss": lambda: transformers.SeedOssConfig(**SMALL, intermediate_size=96, head_dim=16,
                                                    pad_token_id=None),

@@ -61,6 +61,7 @@ CONFIGS = {
     "smollm3": {"model_type": "smollm3", **LLAMA_STYLE, "num_hidden_layers": 4},
     "phi3": {"model_type": "phi3", **LLAMA_STYLE},
     "seed_oss": {"model_type": "seed_oss", **LLAMA_STYLE, "head_dim": 8},
+    "ernie4_5": {"model_type": "ernie4_5", **LLAMA_STYLE, "head_dim": 4},
     "llama4_text": {"model_type": "llama4_text", **LLAMA_STYLE, "head_dim": 4,
                     "intermediate_size": 8, "intermediate_size_mlp": 24,
                     "num_local_experts": 4},

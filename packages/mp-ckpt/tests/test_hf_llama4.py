@@ -227,7 +227,9 @@ def test_the_fused_experts_are_the_gate_then_the_up_columns_transposed():
 )  # fmt: skip
 def test_family_of_reads_llama4s_settings_as_llama4(setting):
     assert family_of({"position_embedding_type": "rope", **setting}) == "llama4_text"
-    assert family_of({"position_embedding_type": "rope", "rotary_interleaved": True}) == "llama"
+    # a dense model rotating channel pairs: ERNIE 4.5's (Llama's export refuses the pairs)
+    dense = {"position_embedding_type": "rope", "rotary_interleaved": True}
+    assert family_of(dense) == "ernie4_5"
     # NoPE layers in a dense model without Llama 4's other features: SmolLM3's
     nope = {"position_embedding_type": "rope", "no_rope_freq": [0, 1, 0, 1]}
     assert family_of(nope) == "smollm3"
