@@ -376,3 +376,29 @@ def test_distributed_optimizer_instances_and_megatron_fsdps_outer_level():
         validate(parse_config([*run, "--use-distributed-optimizer"]), 3)
     with pytest.raises(ValueError, match="--outer-dp-sharding-strategy optim: mp's hybrid"):
         parse_config([*run, "--use-megatron-fsdp", "--outer-dp-sharding-strategy", "optim"])
+
+
+HYBRID_SPEC = ["--spec", "megatron.core.models.hybrid.hybrid_layer_specs", "hybrid_stack_spec"]
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [["local"], ["megatron.core.models.gpt.gpt_layer_specs", "get_gpt_layer_local_spec"],
+     ["megatron.core.models.gpt.gpt_layer_specs", "get_gpt_layer_with_transformer_engine_spec"]],
+)  # fmt: skip
+def test_megatrons_own_layer_specs_change_nothing(capsys, spec):
+    assert parse_config([*MODEL, "--spec", *spec]) == parse_config(MODEL)
+    assert "accepted without effect: --spec" in capsys.readouterr().err
+
+
+def test_the_hybrid_stack_spec_needs_a_hybrid_pattern_and_another_spec_is_refused(capsys):
+    """Megatron-LM's Mamba example passes its hybrid stack spec (examples/mamba/train.sh)."""
+    hybrid = [*MODEL, "--hybrid-layer-pattern", "M*", "--mamba-num-heads", "8",
+              "--mamba-head-dim", "8"]  # fmt: skip
+    assert parse_config([*hybrid, *HYBRID_SPEC]) == parse_config(hybrid)
+    unbuilt = r"hybrid_stack_spec: Megatron-LM's hybrid stack builds the layers of --hybrid-"
+    with pytest.raises(ValueError, match=unbuilt):
+        parse_config([*MODEL, *HYBRID_SPEC], exit_on_error=False)
+    custom = r"^--spec my.specs my_layer_spec: a layer spec of its own, code mp does not run"
+    with pytest.raises(ValueError, match=custom):
+        parse_config([*MODEL, "--spec", "my.specs", "my_layer_spec"], exit_on_error=False)
