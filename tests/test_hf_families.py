@@ -67,6 +67,10 @@ GLM4_MOE = dict(SMALL, num_hidden_layers=3, head_dim=16, intermediate_size=80,
                 n_group=2, topk_group=1, n_shared_experts=1, routed_scaling_factor=2.5,
                 first_k_dense_replace=1, attention_bias=True,
                 num_nextn_predict_layers=0)  # fmt: skip
+GLM4_MOE_LITE = {k: v for k, v in DEEPSEEK_V3.items()
+                 if k not in ("first_k_dense_replace", "num_nextn_predict_layers", "scoring_func",
+                              "topk_method")} | dict(mlp_layer_types=["dense", "sparse"],
+                                                     rms_norm_eps=1e-5)  # fmt: skip
 SMOLLM3 = dict(SMALL, intermediate_size=96, head_dim=8, pad_token_id=None)
 PHI3 = dict(SMALL, intermediate_size=96, pad_token_id=None, original_max_position_embeddings=64)
 # Llama 4: 4 layers, experts of 32 beside a shared expert of 32, dense layers of 48
@@ -148,6 +152,8 @@ CASES = {
     "glm4_moe": lambda: transformers.Glm4MoeConfig(**GLM4_MOE),
     "glm4_moe-qk-norm": lambda: transformers.Glm4MoeConfig(
         **GLM4_MOE | dict(use_qk_norm=True, partial_rotary_factor=0.25, attention_bias=False)),
+    # GLM-4.7-Flash: DeepSeek-V3's layers and routing, its dense and expert layers listed
+    "glm4_moe_lite": lambda: transformers.Glm4MoeLiteConfig(**GLM4_MOE_LITE),
     # GLM-5: the indexer's positional channels turned in interleaved pairs
     "glm_moe_dsa": lambda: transformers.GlmMoeDsaConfig(**GLM_MOE_DSA),
     # its indexer shared across layers: layers 0, 1 and 3 choose their positions, layer 2

@@ -52,6 +52,8 @@ CONFIGS = {
     "deepseek_v32": {"model_type": "deepseek_v32", **MLA, "q_lora_rank": 8, "n_group": 1,
                      "topk_group": 1, "index_n_heads": 2, "index_head_dim": 4,
                      "index_topk": 4},
+    "glm4_moe_lite": {"model_type": "glm4_moe_lite", **MLA, "q_lora_rank": 8, "n_group": 1,
+                      "topk_group": 1},
     "glm_moe_dsa": {"model_type": "glm_moe_dsa", **MLA, "q_lora_rank": 8, "n_group": 1,
                     "topk_group": 1, "index_n_heads": 2, "index_head_dim": 4,
                     "index_topk": 4, "rms_norm_eps": 1e-6},
@@ -101,7 +103,7 @@ def test_each_parameter_is_named_once(name):
         assert len(names) == len(set(names)), (name, side)
 
 
-SETTINGS_ALIKE = {"phi3": "llama", "seed_oss": "qwen2"}
+SETTINGS_ALIKE = {"phi3": "llama", "seed_oss": "qwen2", "glm4_moe_lite": "deepseek_v3"}
 """Families whose settings are another's (only their tensors or their training settings
 differ: Phi-3's fused q/k/v and gate/up, Seed-OSS's dropout after each sublayer): without
 the family an import records, a checkpoint exports as the other."""

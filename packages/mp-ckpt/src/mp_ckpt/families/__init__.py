@@ -24,7 +24,8 @@ __all__ = ["ALIASES", "ARCHITECTURES", "REFUSED", "family", "family_of"]
 ARCHITECTURES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "nemotron", "mixtral",
                  "qwen2_moe", "qwen3_moe", "gpt_oss", "deepseek_v2", "deepseek_v3",
                  "deepseek_v32", "glm_moe_dsa", "glm4_moe", "llama4_text", "nemotron_h",
-                 "qwen3_next", "smollm3", "phi3", "seed_oss", "ernie4_5")  # fmt: skip
+                 "qwen3_next", "smollm3", "phi3", "seed_oss", "ernie4_5",
+                 "glm4_moe_lite")  # fmt: skip
 
 
 ALIASES = {"kimi_k2": "deepseek_v3"}
