@@ -402,3 +402,18 @@ def test_the_hybrid_stack_spec_needs_a_hybrid_pattern_and_another_spec_is_refuse
     custom = r"^--spec my.specs my_layer_spec: a layer spec of its own, code mp does not run"
     with pytest.raises(ValueError, match=custom):
         parse_config([*MODEL, "--spec", "my.specs", "my_layer_spec"], exit_on_error=False)
+
+
+def test_no_cuda_graph_changes_nothing_and_a_capture_is_refused(capsys):
+    """--cuda-graph-impl none (Megatron-LM's default) and the flags tuning a capture change
+    nothing; a capture asked for, by --cuda-graph-impl or the deprecated switches, stops the
+    run naming it."""
+    tuning = ["--cuda-graph-impl", "none", "--cuda-graph-scope", "attn", "mlp",
+              "--cuda-graph-modules", "attn", "--cuda-graph-warmup-steps", "3"]  # fmt: skip
+    assert parse_config([*MODEL, *tuning]) == parse_config(MODEL)
+    assert "--cuda-graph-impl --cuda-graph-modules --cuda-graph-scope" in capsys.readouterr().err
+    for capture in (["--cuda-graph-impl", "local"], ["--cuda-graph-impl", "full_iteration"],
+                    ["--enable-cuda-graph"], ["--external-cuda-graph"]):  # fmt: skip
+        named = " ".join(capture)
+        with pytest.raises(ValueError, match=f"^{named}: a CUDA graph capture, which mp does "):
+            parse_config([*MODEL, *capture], exit_on_error=False)

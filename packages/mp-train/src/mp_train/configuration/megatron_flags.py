@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from mp_train.configuration import megatron_spec
+from mp_train.configuration import megatron_cuda_graphs, megatron_spec
 from mp_train.configuration.megatron_ignored import IGNORED
 
 __all__ = ["IGNORED", "REFUSED", "RENAMED", "add_to", "apply", "refuse"]
@@ -138,6 +138,7 @@ def add_to(parser: argparse.ArgumentParser) -> None:
     for dest, (valued, why) in IGNORED.items():
         _add(ignored, dest, valued, f"No effect: {why}.")
     megatron_spec.add_to(ignored)
+    megatron_cuda_graphs.add_to(ignored)
     refused = parser.add_argument_group("Megatron-LM flags refused", "Given, the run stops "
                                         "with the reason.")  # fmt: skip
     for dest, (valued, why) in REFUSED.items():
@@ -313,6 +314,7 @@ def apply(given: dict[str, Any], values: dict[str, dict[str, Any]]) -> list[str]
     ignored = [_option(dest) for dest in IGNORED if given.pop(dest, None) is not None]
     if megatron_spec.check(given, values):
         ignored.append("--spec")
+    ignored += megatron_cuda_graphs.check(given)
     if _MTP_PATTERN in given and not _unify_mtp_pattern(given.pop(_MTP_PATTERN), given, values):
         ignored.append(_option(_MTP_PATTERN))
     return ignored
