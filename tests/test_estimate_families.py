@@ -42,6 +42,7 @@ FAMILIES = {
                          index_head_dim=16, index_topk=8),
     "glm_moe_dsa": dict(DEEPSEEK, q_lora_rank=32, index_n_heads=4, index_head_dim=16,
                         index_topk=8, rms_norm_eps=1e-6),
+    "olmo2": SMALL,
     "llama4_text": dict(SMALL, head_dim=16, num_local_experts=4, num_experts_per_tok=1,
                         intermediate_size_mlp=80, interleave_moe_layer_step=2,
                         no_rope_layer_interval=3),
@@ -180,10 +181,12 @@ def hybrid(name: str, **more) -> dict:
            experimental_attention_variant="gdn", linear_attention_freq=[1, 0, 1],
            linear_key_head_dim=8, linear_value_head_dim=12, linear_num_key_heads=2,
            linear_num_value_heads=4, mtp_num_layers=1, position_embedding_type="rope"),
-      None)],
+      None),
+     (dict(LAYOUT, num_query_groups=2, kv_channels=16, normalization="RMSNorm",
+           qk_layernorm=True, qk_layernorm_scope="all_heads", sublayer_norm="both"), None)],
     ids=["gqa-biases-sinks-moe", "shared-expert-gate-expert-tp2", "mla", "gpt2-untied",
          "mla-moe-mtp", "mla-sparse", *(f"hybrid-{name}" for name in HYBRIDS),
-         "gated-delta-net-mtp"],
+         "gated-delta-net-mtp", "sandwich-all-heads-qk-norm"],
 )  # fmt: skip
 def test_estimate_holds_what_a_tensor_parallel_rank_allocates(fields, etp):
     """At TP 2 (EP 2 with experts) one rank's parameters are GPTModel's on rank 0: the

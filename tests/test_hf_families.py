@@ -136,6 +136,11 @@ CASES = {
                                                    pad_token_id=None),
     "seed_oss-no-bias": lambda: transformers.SeedOssConfig(
         **SMALL, intermediate_size=96, pad_token_id=None, attention_bias=False),
+    # OLMo 2: each sublayer's output normalized, queries and keys over all heads; MHA, tied
+    "olmo2": lambda: transformers.Olmo2Config(**SMALL, intermediate_size=96, pad_token_id=None),
+    "olmo2-mha-tied": lambda: transformers.Olmo2Config(
+        **SMALL | {"num_key_value_heads": 8}, intermediate_size=96, pad_token_id=None,
+        tie_word_embeddings=True),
     # Mistral: Llama's layers, a window (4096, the default) no sequence here reaches
     "mistral": lambda: transformers.MistralConfig(**SMALL, intermediate_size=96, head_dim=8),
     "mistral-no-window": lambda: transformers.MistralConfig(**SMALL, intermediate_size=96,
@@ -317,6 +322,20 @@ def test_moe_families_generate_at_tp2_x_ep2_as_transformers(tmp_path, case):
         for got in run_on_ranks(greedy_on_rank, 4, str(tmp_path / "ckpt"), layout, prompts,
                                 NEW, timeout=240):  # fmt: skip
             assert got == want
+
+
+@pytest.mark.multirank
+def test_olmo2_generates_at_tp2_as_transformers(tmp_path):
+    """OLMo 2's query and key norms span all heads: at TP2 each rank holds half of their
+    weights and the ranks add up their sums of squares; greedy tokens equal transformers'."""
+    hf = random_hf(CASES["olmo2"]())
+    hf.save_pretrained(tmp_path / "hf")
+    assert main(["import-hf", str(tmp_path / "hf"), str(tmp_path / "ckpt")]) == 0
+    want = reference_greedy(hf, PROMPTS, NEW)
+    for got in run_on_ranks(greedy_on_rank, 2, str(tmp_path / "ckpt"),
+                            ["--tensor-model-parallel-size", "2"], PROMPTS, NEW,
+                            timeout=240):  # fmt: skip
+        assert got == want
 
 
 def hf_folder_with(folder, config: dict, state: dict):

@@ -64,6 +64,7 @@ CONFIGS = {
     "phi3": {"model_type": "phi3", **LLAMA_STYLE},
     "seed_oss": {"model_type": "seed_oss", **LLAMA_STYLE, "head_dim": 8},
     "ernie4_5": {"model_type": "ernie4_5", **LLAMA_STYLE, "head_dim": 4},
+    "olmo2": {"model_type": "olmo2", **LLAMA_STYLE},
     "llama4_text": {"model_type": "llama4_text", **LLAMA_STYLE, "head_dim": 4,
                     "intermediate_size": 8, "intermediate_size_mlp": 24,
                     "num_local_experts": 4},
@@ -78,8 +79,11 @@ CONFIGS = {
                    "moe_intermediate_size": 8, "shared_expert_intermediate_size": 8,
                    "num_experts_per_tok": 2},
 }  # fmt: skip
+NOT_MEGATRON = ("olmo2",)
+"""Families Megatron-LM cannot compute (norms after the sublayers, queries and keys
+normalized over all heads): export-megatron refuses them."""
 MEGATRON = [name for name in ARCHITECTURES if not name.startswith("deepseek")
-            and name not in ("glm_moe_dsa", "nemotron_h")]  # fmt: skip
+            and name not in ("glm_moe_dsa", "nemotron_h", *NOT_MEGATRON)]  # fmt: skip
 """The families whose tables these tests check against the Megatron-LM conversion (multi-
 latent attention's and Mamba-hybrid models' are tested with their megatron-core fixtures)."""
 MEGATRON_RUNS = {"llama4_text": {"attention_chunk_size": None, "attn_temperature_floor_scale": None,
@@ -251,6 +255,15 @@ def test_the_family_table_names_every_megatron_tensor(name):
     assert back.keys() == logical.keys()
     for key, tensor in logical.items():
         assert torch.equal(back[key], tensor), key
+
+
+@pytest.mark.parametrize("name", NOT_MEGATRON)
+def test_megatron_export_refuses_what_megatron_cannot_compute(name):
+    fam = family(name)
+    settings = fam.settings(CONFIGS[name])
+    with pytest.raises(ValueError, match=r"model_config (sublayer_norm|qk_layernorm_scope)=.*"
+                                         r"Megatron-LM"):  # fmt: skip
+        megatron_from_logical(logical_tensors(fam, settings), settings)
 
 
 EXTRA = Rule(("self_attention.gain.weight",), "model.layers.{i}.self_attn.gain.weight",

@@ -69,6 +69,19 @@ def test_defaults_follow_megatron():
          "attn_temperature_floor_scale=8 scales the queries of the layers without rotary "
          "embeddings: it needs no_rope_freq"),
         (dict(attn_temperature_scale=0.2), "attn_temperature_scale=0.2 needs attn_temperature_"),
+        (dict(sublayer_norm="after"), "sublayer_norm='after' must be one of input, output"),
+        (dict(qk_layernorm_scope="all_heads"),
+         "qk_layernorm_scope='all_heads' needs qk_layernorm=True without qk_l2_norm"),
+        (dict(qk_layernorm=True, qk_layernorm_scope="all_heads", normalization="LayerNorm"),
+         "qk_layernorm_scope='all_heads' with normalization='LayerNorm': it is an RMSNorm"),
+        (dict(sublayer_norm="output", recompute_granularity="selective",
+              recompute_modules=["layernorm"]),
+         "recompute_modules 'layernorm' with sublayer_norm='output': the layers have no input"),
+        (dict(qk_layernorm=True, qk_layernorm_scope="all_heads", normalization="RMSNorm",
+              multi_latent_attention=True, position_embedding_type="rope"),
+         "qk_layernorm_scope='all_heads' with multi_latent_attention"),
+        (dict(sublayer_norm="both", hybrid_layer_pattern="M*M*"),
+         "sublayer_norm='both' with hybrid_layer_pattern"),
         (dict(recompute_modules=["core_attn", "mhc"]),
          r"recompute_modules: 'mhc' \(hyper-connections\) is not implemented"),
         (dict(recompute_modules=["attention"]), "recompute_modules: 'attention' is not one of"),
@@ -111,6 +124,10 @@ def test_invalid_configs(kwargs, message):
         TransformerConfig(**(BASE | kwargs))
 
 
+ALL_HEADS = dict(num_query_groups=2, qk_layernorm=True, qk_layernorm_scope="all_heads",
+                 normalization="RMSNorm")  # fmt: skip
+
+
 @pytest.mark.parametrize(
     ("kwargs", "tp", "message"),
     [
@@ -133,6 +150,11 @@ def test_invalid_configs(kwargs, message):
         ),
         (dict(ffn_hidden_size=1002), 4, "does not divide ffn_hidden_size=1002"),
         (dict(sequence_parallel=True), 1, "sequence_parallel=True needs tensor_model_parallel"),
+        (
+            ALL_HEADS,
+            4,
+            "qk_layernorm_scope='all_heads' with num_query_groups=2 < tensor_model_parallel_size",
+        ),
     ],
 )
 def test_rules_that_depend_on_the_tensor_parallel_size(kwargs, tp, message):

@@ -4,8 +4,8 @@ Rules that hold whatever the layout are checked in __post_init__; those that
 depend on the tensor-parallel size in `check_parallel`. Every message names
 the field and the value. The fields of mixture of experts, multi-latent attention,
 linear attention, DeepSeek sparse attention, multi-token prediction, Mamba-hybrid models,
-FP8, muP and QK-clip are in its bases (MoeConfig, ...), each in the config_*.py module
-that checks them.
+FP8, muP, QK-clip and norm placement are in its bases (MoeConfig, ...), each in the
+config_*.py module that checks them.
 """
 
 from __future__ import annotations
@@ -39,6 +39,11 @@ from mp_layers.config_mla import MlaConfig, check_mla
 from mp_layers.config_moe import MoeConfig, check_expert_parallel, check_moe
 from mp_layers.config_mtp import MtpConfig, check_mtp
 from mp_layers.config_mup import MupConfig, check_mup
+from mp_layers.config_norms import (
+    NormPlacementConfig,
+    check_norm_placement,
+    check_norm_placement_parallel,
+)
 from mp_layers.config_qk_clip import QkClipConfig, check_qk_clip
 from mp_layers.config_recompute import (
     apply_moe_layer_recompute,
@@ -65,6 +70,7 @@ class TransformerConfig(
     Fp8Config,
     MupConfig,
     QkClipConfig,
+    NormPlacementConfig,
 ):
     num_layers: int
     """Transformer layers of the whole model (all pipeline stages)."""
@@ -462,6 +468,7 @@ class TransformerConfig(
         check_linear_attention(self)
         check_dsa(self)
         check_recompute_modules(self)
+        check_norm_placement(self)
 
     def recomputes(self, module: str) -> bool:
         """Whether selective recompute covers `module` (a name of recompute_modules)."""
@@ -542,6 +549,7 @@ class TransformerConfig(
             if value % tp:
                 raise ValueError(f"tensor_model_parallel_size={tp} does not divide {name}={value}")
         check_query_groups_parallel(self, tp)
+        check_norm_placement_parallel(self, tp)
         if self.sequence_parallel and tp == 1:
             raise ValueError("sequence_parallel=True needs tensor_model_parallel_size > 1, got 1")
         check_attention_parallel(self, tp, cp)

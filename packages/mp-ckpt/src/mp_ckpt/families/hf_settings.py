@@ -116,7 +116,7 @@ LLAMA_STYLE = {
     "rotary_interleaved": False, "no_rope_freq": None, "qk_l2_norm": False,
     "moe_apply_probs_on_input": False, "attention_chunk_size": None,
     "attn_temperature_floor_scale": None, "attn_temperature_scale": 0.1,
-    "moe_latent_size": None,
+    "moe_latent_size": None, "sublayer_norm": "input", "qk_layernorm_scope": "head",
 }  # fmt: skip
 """What a Llama-style family computes, under TransformerConfig's names (and defaults)."""
 

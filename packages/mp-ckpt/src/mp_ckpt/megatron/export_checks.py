@@ -10,7 +10,7 @@ from mp_ckpt.families.table import Dims
 from mp_ckpt.megatron.settings import MLA_COPIED, held_mtp_modules
 from mp_ckpt.megatron.tp_layout import latent_rows
 
-__all__ = ["FORMATS", "check_exportable"]
+__all__ = ["FORMATS", "check_exportable", "refuse_norm_placement"]
 
 FORMATS = ("torch_dist", "torch")
 """The checkpoint formats export-megatron writes."""
@@ -114,3 +114,13 @@ def _check_hybrid(settings: dict, tp: int) -> None:
                         ("mamba_num_groups", dims.mamba_groups)):  # fmt: skip
             if n % tp:
                 raise ValueError(f"--tensor-model-parallel-size {tp} does not divide {what} {n}")
+
+
+def refuse_norm_placement(settings: dict) -> None:
+    """Megatron-LM normalizes each sublayer's input and each query and key head: a model
+    normalized otherwise (OLMo 2's, Gemma's) has no Megatron-LM form."""
+    for name, megatron in (("sublayer_norm", "input"), ("qk_layernorm_scope", "head")):
+        value = settings.get(name, megatron)
+        if value != megatron:
+            raise ValueError(f"model_config {name}={value!r}: Megatron-LM computes only "
+                             f"{name}={megatron!r}")  # fmt: skip

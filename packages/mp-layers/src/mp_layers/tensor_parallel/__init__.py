@@ -44,6 +44,7 @@ from mp_layers.tensor_parallel.mappings import (
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
+    sum_over_tensor_model_parallel_region,
 )
 from mp_layers.tensor_parallel.partition import divide
 from mp_layers.tensor_parallel.replicated import replicated_state_dict
@@ -73,6 +74,7 @@ __all__ = [
     "scatter_to_sequence_parallel_region",
     "scatter_to_tensor_model_parallel_region",
     "skipping_draws",
+    "sum_over_tensor_model_parallel_region",
     "tensor_parallel_dropout",
     "vocab_parallel_cross_entropy",
 ]

@@ -14,6 +14,7 @@ every rank an all-reduce, and so on):
     function                                     forward                backward
     copy_to_tensor_model_parallel_region         identity               all-reduce
     reduce_from_tensor_model_parallel_region     all-reduce             identity
+    sum_over_tensor_model_parallel_region        all-reduce             all-reduce
     scatter_to_tensor_model_parallel_region      [.., h] -> [.., h/tp]  all-gather last dim
     gather_from_tensor_model_parallel_region     [.., h/tp] -> [.., h]  split last dim
     all_gather_last_dim_from_tensor_parallel_region  [.., h/tp] -> [.., h]  reduce-scatter last dim
@@ -50,6 +51,7 @@ __all__ = [
     "reduce_scatter_to_sequence_parallel_region",
     "scatter_to_sequence_parallel_region",
     "scatter_to_tensor_model_parallel_region",
+    "sum_over_tensor_model_parallel_region",
 ]
 
 
@@ -75,6 +77,17 @@ class _ReduceFromTensorParallel(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad, None
+
+
+class _SumOverTensorParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_reduce(grad, ctx.group), None
 
 
 class _ScatterToTensorParallel(torch.autograd.Function):
@@ -167,6 +180,19 @@ def reduce_from_tensor_model_parallel_region(x: torch.Tensor, group: RankGroup) 
     if group.size == 1:
         return x
     return _ReduceFromTensorParallel.apply(x, group)
+
+
+def sum_over_tensor_model_parallel_region(x: torch.Tensor, group: RankGroup) -> torch.Tensor:
+    """All-reduce forward; all-reduce backward.
+
+    Sums per-rank partial results that every rank then uses in computation of its own
+    (a norm over channels split over the ranks: each rank scales its own channels by the
+    total): each rank's gradient of the sum is its part's contribution, so the backward
+    sums them, and every addend receives the whole.
+    """
+    if group.size == 1:
+        return x
+    return _SumOverTensorParallel.apply(x, group)
 
 
 def scatter_to_tensor_model_parallel_region(x: torch.Tensor, group: RankGroup) -> torch.Tensor:

@@ -27,7 +27,9 @@ in the pairs rotary_interleaved says, on the layers no_rope_freq leaves them
 The query and key norms' weights are shared by every head, so at TP > 1 each rank's
 gradient is a partial sum over its heads: they are marked `sequence_parallel`, which has
 mp-pipeline's finalize step sum them over the TP group, with or without sequence
-parallelism.
+parallelism. With qk_layernorm_scope "all_heads" (OLMo 2's) they normalize each
+position's queries, and its keys, over all heads together (all_heads_norm.py), a weight
+per channel split over the TP group with the heads.
 Llama 4's rotary layers attend within blocks of attention_chunk_size positions
 (chunked_attention.py; with a KVCache through the cache's block mask), and its other
 layers' queries take Rotary.query_scale (attn_temperature_floor_scale).
@@ -53,6 +55,7 @@ from mp_layers.tensor_parallel import (
     init_partitioned_weight,
     replicated_state_dict,
 )
+from mp_layers.transformer.all_heads_norm import AllHeadsRMSNorm
 from mp_layers.transformer.chunked_attention import attend_in_blocks, block_mask
 from mp_layers.transformer.kv_cache import KVCache
 from mp_layers.transformer.mlp import residual_projection
@@ -128,6 +131,13 @@ class SelfAttention(torch.nn.Module):
             l2 = qk_l2_norm_layer_pattern(config)[layer_number]
             self.q_layernorm = L2Norm(config.layernorm_epsilon) if l2 else None
             self.k_layernorm = self.q_layernorm
+        elif config.qk_layernorm and config.qk_layernorm_scope == "all_heads":
+            self.q_layernorm, self.k_layernorm = (
+                AllHeadsRMSNorm(n // tp * self.d, n * self.d, config.layernorm_epsilon, tp_group,
+                                one_p=config.apply_layernorm_1p,
+                                params_dtype=config.params_dtype)
+                for n in (config.num_attention_heads, ng)
+            )  # fmt: skip
         else:
             self.q_layernorm = spec.norm(config, self.d) if config.qk_layernorm else None
             self.k_layernorm = spec.norm(config, self.d) if config.qk_layernorm else None
@@ -246,7 +256,10 @@ class SelfAttention(torch.nn.Module):
             pieces[key] = ShardedTensor.from_rank(
                 key, self.core_attention.softmax_offset, 0, rank, self.tp_group.size
             )
-        if self.q_layernorm is not None and not isinstance(self.q_layernorm, L2Norm):
+        if isinstance(self.q_layernorm, AllHeadsRMSNorm):
+            for name in ("q_layernorm", "k_layernorm"):
+                pieces |= getattr(self, name).sharded_state_dict(f"{prefix}{name}.")
+        elif self.q_layernorm is not None and not isinstance(self.q_layernorm, L2Norm):
             for name in ("q_layernorm", "k_layernorm"):
                 pieces |= replicated_state_dict(getattr(self, name), f"{prefix}{name}.",
                                                 self.tp_group)  # fmt: skip

@@ -1,10 +1,16 @@
-"""TransformerLayer and TransformerBlock: pre-norm residual layers of one pipeline stage.
+"""TransformerLayer and TransformerBlock: the residual layers of one pipeline stage.
 
 Shapes: x [s, b, h], or [s/tp, b, h] with sequence parallelism (then norms,
 dropout and residual adds run on each rank's slice of the sequence).
 
     x = x + dropout(attention(norm(x)))
     x = x + dropout(mlp(norm(x)))
+
+with TransformerConfig.sublayer_norm "input" (pre-norm). "output" normalizes each
+sublayer's output instead (post_self_attn_layernorm, post_mlp_layernorm: OLMo 2),
+x = x + dropout(norm(attention(x))), and "both" normalizes input and output (Gemma's
+sandwich), x = x + dropout(norm(attention(norm(x)))). Selective "layernorm" recompute
+covers the input norms.
 
 Hidden dropout: residual.py. In a hybrid model (TransformerConfig.hybrid_layer_pattern)
 a layer has one sublayer: attention (*), a gated DeltaNet (G), a dense MLP (-) or a MoE MLP
@@ -62,13 +68,17 @@ class TransformerLayer(torch.nn.Module):
         linear = kind is None and linear_attention_layer_pattern(config)[layer_number]
         kind = hybrid_layer_kinds(config)[layer_number] if kind is None else kind
         self.input_layernorm = self.self_attention = self.pre_mlp_layernorm = self.mlp = None
+        self.post_self_attn_layernorm = self.post_mlp_layernorm = None
         if kind == "gdn":  # a hybrid model's G layer: a gated DeltaNet and its norm
             self.input_layernorm = spec.norm(config, None)
             self.self_attention = spec.linear_attention(
                 config, groups, rng_tracker, spec=spec, layer_number=layer_number
             )
+        normed_in = config.sublayer_norm != "output"
+        normed_out = config.sublayer_norm != "input"
         if kind in ("transformer", "attention"):
-            self.input_layernorm = spec.norm(config, None)
+            self.input_layernorm = spec.norm(config, None) if normed_in else None
+            self.post_self_attn_layernorm = spec.norm(config, None) if normed_out else None
             attention = (
                 spec.multi_latent_attention if config.multi_latent_attention
                 else spec.linear_attention if linear and kind == "transformer"
@@ -78,7 +88,8 @@ class TransformerLayer(torch.nn.Module):
                 config, groups, rng_tracker, spec=spec, layer_number=layer_number
             )
         if kind in ("transformer", "mlp", "moe"):
-            self.pre_mlp_layernorm = spec.norm(config, None)
+            self.pre_mlp_layernorm = spec.norm(config, None) if normed_in else None
+            self.post_mlp_layernorm = spec.norm(config, None) if normed_out else None
             self.mlp = (spec.moe(config, groups, rng_tracker) if is_moe
                         else spec.mlp(config, groups.tp))  # fmt: skip
         # Megatron's --moe-layer-recompute; a full recompute reruns the whole layer already.
@@ -101,14 +112,14 @@ class TransformerLayer(torch.nn.Module):
         norms = self.recompute_norms and self.training
         if self.self_attention is not None:
             kept = OutputRecompute(norms)
-            normed = kept.run(self.input_layernorm, x)
+            normed = _norm(kept, self.input_layernorm, x)
             out, bias = self.self_attention(normed, rotary, attention_mask, kv_cache)
             kept.discard(out)
-            x = x + self._dropout(out if bias is None else out + bias)
+            x = x + self._dropout(self._output(out, bias, self.post_self_attn_layernorm))
         if self.mlp is None:
             return x
         kept = OutputRecompute(norms)
-        mlp_input = kept.run(self.pre_mlp_layernorm, x)
+        mlp_input = _norm(kept, self.pre_mlp_layernorm, x)
         chunks = min(self.config.mlp_chunks_for_training, mlp_input.shape[0])
         if self.recompute_mlp and self.training and torch.is_grad_enabled():
             out, bias = checkpointed(self.mlp, self.rng_tracker, mlp_input)
@@ -118,7 +129,13 @@ class TransformerLayer(torch.nn.Module):
         else:
             out, bias = self.mlp(mlp_input)
         kept.discard(out)
-        return x + self._dropout(out if bias is None else out + bias)
+        return x + self._dropout(self._output(out, bias, self.post_mlp_layernorm))
+
+    @staticmethod
+    def _output(out: torch.Tensor, bias: torch.Tensor | None, norm) -> torch.Tensor:
+        """A sublayer's output with its bias, normalized where sublayer_norm says."""
+        out = out if bias is None else out + bias
+        return out if norm is None else norm(out)
 
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
         return hidden_dropout(self.config, self.rng_tracker, x, self.training)
@@ -128,12 +145,22 @@ class TransformerLayer(torch.nn.Module):
         for name in ("self_attention", "mlp"):
             if getattr(self, name) is not None:
                 pieces |= getattr(self, name).sharded_state_dict(f"{prefix}{name}.")
-        for norm_name in ("input_layernorm", "pre_mlp_layernorm"):
+        for norm_name in ("input_layernorm", "post_self_attn_layernorm", "pre_mlp_layernorm",
+                          "post_mlp_layernorm"):  # fmt: skip
             if getattr(self, norm_name) is not None:
                 pieces |= replicated_state_dict(
                     getattr(self, norm_name), f"{prefix}{norm_name}.", self.tp_group
                 )
         return pieces
+
+
+def _norm(kept: OutputRecompute, norm: torch.nn.Module | None, x: torch.Tensor) -> torch.Tensor:
+    """A sublayer's input: x normalized (recomputable), or x itself without an input norm
+    (then `kept` has nothing to discard)."""
+    if norm is None:
+        kept.active = False
+        return x
+    return kept.run(norm, x)
 
 
 class TransformerBlock(torch.nn.Module):

@@ -96,7 +96,8 @@ def activation_bytes(
         """Attention 5sbh whole, 8sbh + scores split; an MLP 5sbh whole, 4f/h sbh split
         (Korthikanti et al.'s 10sbh and (8 + 4f/h)sbh by sublayer); a Mamba layer
         mp_train.estimate.hybrid's (its fp32 part / width: the total is x width below);
-        less what selective recompute's modules leave out (_recomputed_share)."""
+        less what selective recompute's modules leave out (_recomputed_share); with
+        sublayer_norm "both" each output norm's input 2sbh more (whole)."""
         if kind == "mamba":
             whole, split, fp32 = mamba_activation(m, s, b)
             return stored(whole, split) + fp32 / tp / width
@@ -108,6 +109,8 @@ def activation_bytes(
             extra = fp32 / tp / width
         if kind in ("transformer", "linear", "mlp", "moe"):
             whole, split = whole + 5 * sbh, split + 4 * mlp_width(m, moe) / h * sbh
+        if m.sublayer_norm == "both":  # the output norms' inputs: one per sublayer
+            whole += 2 * sbh * (2 if kind in ("transformer", "linear") else 1)
         less_whole, less_split = _recomputed_share(m, kind, moe, sbh)
         return stored(whole - less_whole, split - less_split) + extra
 

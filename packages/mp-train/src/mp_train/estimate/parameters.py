@@ -15,8 +15,8 @@ count, tests/test_estimate_families.py):
     attention    2hd(a + g) (Q, K, V, out), hda more with attention_output_gate; biases
                  d(a + 2g) with add_bias_linear or add_qkv_bias, h (out's) with
                  add_bias_linear; qk-layernorm 2d (none under qk_l2_norm, which has no
-                 weights); a sink
-                 per head with softmax_type learnable
+                 weights; d(a + g), split like the heads, with qk_layernorm_scope
+                 "all_heads"); a sink per head with softmax_type learnable
     MLA          queries r_q(h + a(dn + dr)) (ha(dn + dr) without r_q), keys and values
                  r(h + a(dn + dv)) + h dr, out a dv h (+ h bias), the latent norms r_q and r
                  with qk_layernorm; with DeepSeek's sparse attention its indexer of n heads
@@ -25,7 +25,7 @@ count, tests/test_estimate_families.py):
     MLP          hf x (3|2), biases f x (2|1) + h with add_bias_linear
     MoE MLP      the shared expert h f_shared x (3|2) and its gate h, the router hE (+ E
                  bias), E routed experts of h f_moe x (3|2) (+ f_moe x (2|1) + h biases)
-    norms        2h
+    norms        2h (4h with sublayer_norm "both": input and output normalized)
 
 A layer whose attention is a gated DeltaNet (experimental_attention_variant) counts it as
 mp_train.estimate.linear_attention does. A hybrid model's layer (hybrid_layer_pattern)
@@ -123,6 +123,8 @@ def _attention(m: TransformerConfig) -> Held:
     if m.softmax_type == "learnable":
         split += a  # one sink logit per head
     qk_norms = 2 * d * norm if m.qk_layernorm and not m.qk_l2_norm else 0  # L2: no weights
+    if m.qk_layernorm and m.qk_layernorm_scope == "all_heads":  # a weight per channel
+        return Held(split=split + d * (a + g), whole=out_bias)
     return Held(split=split, whole=qk_norms + out_bias)
 
 
@@ -131,7 +133,8 @@ def _layer(m: TransformerConfig, kind: str, moe: bool, *, active: bool = False) 
     MLP, "linear": a gated DeltaNet then an MLP, "gdn": a gated DeltaNet alone),
     its norms included; `active`: the k routed experts a token passes through instead of
     all E."""
-    norm = Held(whole=m.hidden_size * _norm(m))
+    sides = 2 if m.sublayer_norm == "both" else 1  # a sublayer's input and output norms
+    norm = Held(whole=m.hidden_size * _norm(m) * sides)
     if kind == "mamba":
         split, whole = mamba_parameters(m, _norm(m))
         return Held(split=split, whole=whole)

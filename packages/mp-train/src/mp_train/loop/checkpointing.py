@@ -194,7 +194,8 @@ _SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_
                  "add_bias_linear", "add_qkv_bias", "qk_layernorm",
                  "untie_embeddings_and_output_weights", "position_embedding_type",
                  "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim",
-                 "qk_pos_emb_head_dim", "v_head_dim")  # fmt: skip
+                 "qk_pos_emb_head_dim", "v_head_dim", "sublayer_norm",
+                 "qk_layernorm_scope")  # fmt: skip
 
 
 def _check_checkpoint_fits(run: Run, load: str, iteration: int | None, optimizer: bool) -> None:
