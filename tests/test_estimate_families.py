@@ -43,6 +43,7 @@ FAMILIES = {
     "glm_moe_dsa": dict(DEEPSEEK, q_lora_rank=32, index_n_heads=4, index_head_dim=16,
                         index_topk=8, rms_norm_eps=1e-6),
     "olmo2": SMALL,
+    "olmoe": dict(SMALL, num_experts=4, num_experts_per_tok=2),
     "llama4_text": dict(SMALL, head_dim=16, num_local_experts=4, num_experts_per_tok=1,
                         intermediate_size_mlp=80, interleave_moe_layer_step=2,
                         no_rope_layer_interval=3),

@@ -71,6 +71,9 @@ GLM4_MOE_LITE = {k: v for k, v in DEEPSEEK_V3.items()
                  if k not in ("first_k_dense_replace", "num_nextn_predict_layers", "scoring_func",
                               "topk_method")} | dict(mlp_layer_types=["dense", "sparse"],
                                                      rms_norm_eps=1e-5)  # fmt: skip
+# OLMoE: experts of intermediate_size (32), no dense width
+OLMOE = {k: v for k, v in MOE.items() if k != "moe_intermediate_size"} | dict(
+    intermediate_size=32, pad_token_id=None)  # fmt: skip
 SMOLLM3 = dict(SMALL, intermediate_size=96, head_dim=8, pad_token_id=None)
 PHI3 = dict(SMALL, intermediate_size=96, pad_token_id=None, original_max_position_embeddings=64)
 # Llama 4: 4 layers, experts of 32 beside a shared expert of 32, dense layers of 48
@@ -141,6 +144,11 @@ CASES = {
     "olmo2-mha-tied": lambda: transformers.Olmo2Config(
         **SMALL | {"num_key_value_heads": 8}, intermediate_size=96, pad_token_id=None,
         tie_word_embeddings=True),
+    # OLMoE: OLMo 2's query and key norms in pre-norm layers of experts, the full
+    # softmax's top-k weights (as released); renormalized
+    "olmoe": lambda: transformers.OlmoeConfig(**OLMOE),
+    "olmoe-norm-topk": lambda: transformers.OlmoeConfig(**OLMOE | {"num_hidden_layers": 2},
+                                                        norm_topk_prob=True),
     # Mistral: Llama's layers, a window (4096, the default) no sequence here reaches
     "mistral": lambda: transformers.MistralConfig(**SMALL, intermediate_size=96, head_dim=8),
     "mistral-no-window": lambda: transformers.MistralConfig(**SMALL, intermediate_size=96,

@@ -65,6 +65,8 @@ CONFIGS = {
     "seed_oss": {"model_type": "seed_oss", **LLAMA_STYLE, "head_dim": 8},
     "ernie4_5": {"model_type": "ernie4_5", **LLAMA_STYLE, "head_dim": 4},
     "olmo2": {"model_type": "olmo2", **LLAMA_STYLE},
+    "olmoe": {"model_type": "olmoe", **LLAMA_STYLE, "num_experts": 4,
+              "num_experts_per_tok": 2},
     "llama4_text": {"model_type": "llama4_text", **LLAMA_STYLE, "head_dim": 4,
                     "intermediate_size": 8, "intermediate_size_mlp": 24,
                     "num_local_experts": 4},
@@ -79,7 +81,7 @@ CONFIGS = {
                    "moe_intermediate_size": 8, "shared_expert_intermediate_size": 8,
                    "num_experts_per_tok": 2},
 }  # fmt: skip
-NOT_MEGATRON = ("olmo2",)
+NOT_MEGATRON = ("olmo2", "olmoe")
 """Families Megatron-LM cannot compute (norms after the sublayers, queries and keys
 normalized over all heads): export-megatron refuses them."""
 MEGATRON = [name for name in ARCHITECTURES if not name.startswith("deepseek")

@@ -25,7 +25,7 @@ ARCHITECTURES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "nemotron", "mixt
                  "qwen2_moe", "qwen3_moe", "gpt_oss", "deepseek_v2", "deepseek_v3",
                  "deepseek_v32", "glm_moe_dsa", "glm4_moe", "llama4_text", "nemotron_h",
                  "qwen3_next", "smollm3", "phi3", "seed_oss", "ernie4_5",
-                 "glm4_moe_lite", "olmo2")  # fmt: skip
+                 "glm4_moe_lite", "olmo2", "olmoe")  # fmt: skip
 
 
 ALIASES = {"kimi_k2": "deepseek_v3"}
@@ -62,7 +62,8 @@ def family_of(settings: dict) -> str:
     keys, layers without rotary embeddings, routing weights on the experts' input, or
     interleaved rotary embeddings with experts are Llama 4; experts with quick GEGLU or
     sinks gpt-oss, with sigmoid router scores GLM-4.5, with a shared expert Qwen2-MoE,
-    with qk-layernorm Qwen3-MoE, else Mixtral; dense with interleaved rotary embeddings
+    with queries and keys normalized over all heads OLMoE, with qk-layernorm Qwen3-MoE,
+    else Mixtral; dense with interleaved rotary embeddings
     ERNIE 4.5 (the Hugging Face class that computes them; Llama's refuses them), with
     qk-layernorm Qwen3, with LayerNorm1P Nemotron, with q/k/v biases Qwen2, with a sliding
     window Mistral, else Llama."""
@@ -91,6 +92,8 @@ def family_of(settings: dict) -> str:
             return "glm4_moe"
         if settings.get("moe_shared_expert_intermediate_size"):
             return "qwen2_moe"
+        if settings.get("qk_layernorm_scope", "head") == "all_heads":
+            return "olmoe"
         return "qwen3_moe" if settings.get("qk_layernorm") else "mixtral"
     if settings.get("rotary_interleaved"):  # rotary pairs (2i, 2i + 1) in a dense model
         return "ernie4_5"
