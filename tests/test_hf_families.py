@@ -12,6 +12,7 @@ multi-token prediction layers import, compute as their own blocks do and export 
 
 import importlib
 import json
+import math
 import os
 
 import pytest
@@ -71,6 +72,8 @@ GLM4_MOE_LITE = {k: v for k, v in DEEPSEEK_V3.items()
                  if k not in ("first_k_dense_replace", "num_nextn_predict_layers", "scoring_func",
                               "topk_method")} | dict(mlp_layer_types=["dense", "sparse"],
                                                      rms_norm_eps=1e-5)  # fmt: skip
+OLMO3 = dict(SMALL, num_hidden_layers=4, intermediate_size=96, sliding_window=4,
+             pad_token_id=None)  # fmt: skip
 # OLMoE: experts of intermediate_size (32), no dense width
 OLMOE = {k: v for k, v in MOE.items() if k != "moe_intermediate_size"} | dict(
     intermediate_size=32, pad_token_id=None)  # fmt: skip
@@ -144,6 +147,16 @@ CASES = {
     "olmo2-mha-tied": lambda: transformers.Olmo2Config(
         **SMALL | {"num_key_value_heads": 8}, intermediate_size=96, pad_token_id=None,
         tie_word_embeddings=True),
+    # OLMo 3: OLMo 2's layers, a window of 4 on three layers in four (the default
+    # pattern), plain RoPE everywhere; the released long-context form: YaRN on the full
+    # layers (its attention factor written out), the sliding ones unscaled
+    "olmo3": lambda: transformers.Olmo3Config(**OLMO3),
+    "olmo3-yarn": lambda: transformers.Olmo3Config(**OLMO3, rope_parameters={
+        "sliding_attention": {"rope_type": "default", "rope_theta": 500000.0},
+        "full_attention": {"rope_type": "yarn", "rope_theta": 500000.0, "factor": 8.0,
+                           "original_max_position_embeddings": 8,
+                           "attention_factor": 0.1 * math.log(8.0) + 1, "beta_fast": 32,
+                           "beta_slow": 1}}),
     # OLMoE: OLMo 2's query and key norms in pre-norm layers of experts, the full
     # softmax's top-k weights (as released); renormalized
     "olmoe": lambda: transformers.OlmoeConfig(**OLMOE),

@@ -2,7 +2,9 @@
 and Gemma's sandwich (input and output normalized) train through apps/gpt's pretrain with
 the one-rank loss curve and gradient norm at TP2 with sequence parallelism (the output
 norms' gradients summed over the ranks, the all-heads norms' sums of squares added up)
-and at PP2: the tiny config, fp32, 4 iterations."""
+and at PP2; OLMo 3's layers (OLMo 2's with a window on every other layer, rotated by
+plain RoPE of their own base while the others take YaRN) at TP2+SP and CP2: the tiny
+config, fp32, 4 iterations."""
 
 import pytest
 
@@ -21,10 +23,16 @@ PLACEMENTS = {
     "olmo2": ["--sublayer-norm", "output", "--qk-layernorm", "--qk-layernorm-scope",
               "all_heads"],
     "sandwich": ["--sublayer-norm", "both", "--qk-layernorm", "--apply-layernorm-1p"],
+    "olmo3": ["--sublayer-norm", "output", "--qk-layernorm", "--qk-layernorm-scope",
+              "all_heads", "--window-size", "15,0", "--window-attn-skip-freq", "2",
+              "--window-rotary-base", "10000", "--rotary-base", "500000",
+              "--position-embedding-type", "yarn", "--rotary-scaling-factor", "4",
+              "--yarn-original-max-position-embeddings", "16"],
 }  # fmt: skip
 LAYOUTS = {
     "tp2-sp": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
     "pp2": ["--pipeline-model-parallel-size", "2"],
+    "cp2": ["--context-parallel-size", "2", "--cp-comm-type", "a2a"],
 }
 
 
@@ -47,7 +55,8 @@ def reference(request, tmp_path_factory):
     return request.param, metrics_records(run_dir)
 
 
-RUNS = [("olmo2", "tp2-sp"), ("olmo2", "pp2"), ("sandwich", "tp2-sp")]
+RUNS = [("olmo2", "tp2-sp"), ("olmo2", "pp2"), ("sandwich", "tp2-sp"), ("olmo3", "tp2-sp"),
+        ("olmo3", "cp2")]  # fmt: skip
 
 
 @pytest.mark.parametrize(("reference", "layout"), RUNS, indirect=["reference"])

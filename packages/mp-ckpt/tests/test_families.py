@@ -65,6 +65,8 @@ CONFIGS = {
     "seed_oss": {"model_type": "seed_oss", **LLAMA_STYLE, "head_dim": 8},
     "ernie4_5": {"model_type": "ernie4_5", **LLAMA_STYLE, "head_dim": 4},
     "olmo2": {"model_type": "olmo2", **LLAMA_STYLE},
+    "olmo3": {"model_type": "olmo3", **LLAMA_STYLE, "sliding_window": 4,
+              "layer_types": ["sliding_attention", "full_attention"]},
     "olmoe": {"model_type": "olmoe", **LLAMA_STYLE, "num_experts": 4,
               "num_experts_per_tok": 2},
     "llama4_text": {"model_type": "llama4_text", **LLAMA_STYLE, "head_dim": 4,
@@ -81,7 +83,7 @@ CONFIGS = {
                    "moe_intermediate_size": 8, "shared_expert_intermediate_size": 8,
                    "num_experts_per_tok": 2},
 }  # fmt: skip
-NOT_MEGATRON = ("olmo2", "olmoe")
+NOT_MEGATRON = ("olmo2", "olmo3", "olmoe")
 """Families Megatron-LM cannot compute (norms after the sublayers, queries and keys
 normalized over all heads): export-megatron refuses them."""
 MEGATRON = [name for name in ARCHITECTURES if not name.startswith("deepseek")
@@ -266,6 +268,10 @@ def test_megatron_export_refuses_what_megatron_cannot_compute(name):
     with pytest.raises(ValueError, match=r"model_config (sublayer_norm|qk_layernorm_scope)=.*"
                                          r"Megatron-LM"):  # fmt: skip
         megatron_from_logical(logical_tensors(fam, settings), settings)
+    windowed = {"window_size": (3, 0), "window_rotary_base": 10000}
+    with pytest.raises(ValueError, match=r"model_config window_rotary_base=10000: Megatron-LM"):
+        megatron_args(family("mistral").settings(CONFIGS["mistral"]) | windowed,
+                      ckpt_format="torch", tp=1, pp=1, iteration=0)  # fmt: skip
 
 
 EXTRA = Rule(("self_attention.gain.weight",), "model.layers.{i}.self_attn.gain.weight",

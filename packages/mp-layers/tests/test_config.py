@@ -69,6 +69,12 @@ def test_defaults_follow_megatron():
          "attn_temperature_floor_scale=8 scales the queries of the layers without rotary "
          "embeddings: it needs no_rope_freq"),
         (dict(attn_temperature_scale=0.2), "attn_temperature_scale=0.2 needs attn_temperature_"),
+        (dict(position_embedding_type="rope", window_rotary_base=10000),
+         "window_rotary_base=10000 needs window_size"),
+        (dict(window_size=(3, 0), window_rotary_base=10000),
+         "window_rotary_base=10000 needs position_embedding_type 'rope' or 'yarn'"),
+        (dict(position_embedding_type="rope", window_size=(3, 0), window_rotary_base=0),
+         "window_rotary_base=0 must be a positive integer"),
         (dict(sublayer_norm="after"), "sublayer_norm='after' must be one of input, output"),
         (dict(qk_layernorm_scope="all_heads"),
          "qk_layernorm_scope='all_heads' needs qk_layernorm=True without qk_l2_norm"),

@@ -49,7 +49,7 @@ def reference_loss(model: GPTModel, ids, labels, mask, per_token: bool = False):
     directly from the model's weights (its transformer layers as they are); per_token:
     all of it times the tokens (the language model's loss a sum), as Megatron's per-token
     loss has it."""
-    rotary = model._rotary(SEQ)
+    rotary = model._rotary(model.rotary, SEQ)
     hidden = model.decoder(model.embedding(ids.t()), rotary, None)  # normalized [s, b, h]
     weight_out, weight_in = model.output_layer.weight, model.embedding.weight
 

@@ -4,8 +4,8 @@ Rules that hold whatever the layout are checked in __post_init__; those that
 depend on the tensor-parallel size in `check_parallel`. Every message names
 the field and the value. The fields of mixture of experts, multi-latent attention,
 linear attention, DeepSeek sparse attention, multi-token prediction, Mamba-hybrid models,
-FP8, muP, QK-clip and norm placement are in its bases (MoeConfig, ...), each in the
-config_*.py module that checks them.
+FP8, muP, QK-clip, norm placement and the windowed layers' rotary base are in its bases
+(MoeConfig, ...), each in the config_*.py module that checks them.
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ from mp_layers.config_recompute import (
 )
 from mp_layers.config_rules import choice as _choice
 from mp_layers.config_rules import positive as _positive
+from mp_layers.config_window_rope import WindowRopeConfig, check_window_rope
 
 __all__ = ["ATTENTION_BACKENDS", "TransformerConfig"]
 
@@ -71,6 +72,7 @@ class TransformerConfig(
     MupConfig,
     QkClipConfig,
     NormPlacementConfig,
+    WindowRopeConfig,
 ):
     num_layers: int
     """Transformer layers of the whole model (all pipeline stages)."""
@@ -469,6 +471,7 @@ class TransformerConfig(
         check_dsa(self)
         check_recompute_modules(self)
         check_norm_placement(self)
+        check_window_rope(self)
 
     def recomputes(self, module: str) -> bool:
         """Whether selective recompute covers `module` (a name of recompute_modules)."""

@@ -148,6 +148,12 @@ class GPTModel(torch.nn.Module):
                 temperature=None if config.attn_temperature_floor_scale is None else (
                     config.attn_temperature_floor_scale, config.attn_temperature_scale),
             )  # fmt: skip
+        self.window_rotary = None  # the windowed layers' own (window_rotary_base)
+        if config.window_rotary_base is not None:
+            self.window_rotary = RotaryEmbedding(
+                config.rotary_head_dim, config.rotary_percent, config.window_rotary_base,
+                interleaved=config.rotary_interleaved,
+            )  # fmt: skip
         self.decoder = TransformerBlock(
             config, groups, rng_tracker, spec=get_layer_spec(spec), layer_offset=layer_offset,
             num_layers=num_layers, post_process=post_process, init_seed=init_seed,
@@ -244,16 +250,10 @@ class GPTModel(torch.nn.Module):
             )
         else:
             hidden = decoder_input
-        if self.rotary is None:
-            rotary = None
-        elif kv_cache is not None:
-            # Cast once for every layer (apply_rotary_pos_emb casts to the activations' dtype).
-            cos, sin, query_scale, _ = self.rotary.at(position_ids.t())
-            rotary = Rotary(cos.to(hidden.dtype), sin.to(hidden.dtype), query_scale)
-        elif isinstance(attention_mask, PackedSeqParams):  # positions restart per document
-            rotary = self.rotary.at(attention_mask.positions.t())
-        else:
-            rotary = self._rotary(hidden.shape[0])
+        rotary = self._rotations(self.rotary, hidden, position_ids, attention_mask, kv_cache)
+        if self.window_rotary is not None:
+            rotary = rotary._replace(window=self._rotations(
+                self.window_rotary, hidden, position_ids, attention_mask, kv_cache))  # fmt: skip
         if rotary is not None and shares_dsa_choice(self.config):  # this forward's choices
             rotary = rotary._replace(chosen={})
         hidden = self.decoder(hidden, rotary, attention_mask, kv_cache)
@@ -383,13 +383,27 @@ class GPTModel(torch.nn.Module):
         kv_cache.check_room(s)
         return kv_cache.position_ids(s, device), kv_cache.attention_mask(s, device)
 
-    def _rotary(self, local_positions: int) -> Rotary:
+    def _rotations(self, embedding: RotaryEmbedding | None, hidden, position_ids,
+                   attention_mask, kv_cache: KVCache | None) -> Rotary | None:  # fmt: skip
+        """The rotations `embedding` gives this forward's positions (None without one)."""
+        if embedding is None:
+            return None
+        if kv_cache is not None:
+            # Cast once for every layer (apply_rotary_pos_emb casts to the activations' dtype).
+            rotary = embedding.at(position_ids.t())
+            return rotary._replace(cos=rotary.cos.to(hidden.dtype),
+                                   sin=rotary.sin.to(hidden.dtype))  # fmt: skip
+        if isinstance(attention_mask, PackedSeqParams):  # positions restart per document
+            return embedding.at(attention_mask.positions.t())
+        return self._rotary(embedding, hidden.shape[0])
+
+    def _rotary(self, embedding: RotaryEmbedding, local_positions: int) -> Rotary:
         """The rotations of this rank's positions: of the whole sequence, then this rank's
         load-balanced chunks with context parallelism (Megatron's way: the true positions,
         whatever the position ids say)."""
         cp = self.groups.cp
         s = local_positions * (self.tp_group.size if self.config.sequence_parallel else 1)
-        rotary = self.rotary(s * cp.size)
+        rotary = embedding(s * cp.size)
         if cp.size == 1:
             return rotary
         return Rotary(*(None if t is None else shard_sequence(t, cp.size, cp.rank, dim=0)

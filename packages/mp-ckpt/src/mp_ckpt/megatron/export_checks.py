@@ -10,7 +10,7 @@ from mp_ckpt.families.table import Dims
 from mp_ckpt.megatron.settings import MLA_COPIED, held_mtp_modules
 from mp_ckpt.megatron.tp_layout import latent_rows
 
-__all__ = ["FORMATS", "check_exportable", "refuse_norm_placement"]
+__all__ = ["FORMATS", "check_exportable", "refuse_mp_only_settings"]
 
 FORMATS = ("torch_dist", "torch")
 """The checkpoint formats export-megatron writes."""
@@ -116,10 +116,14 @@ def _check_hybrid(settings: dict, tp: int) -> None:
                 raise ValueError(f"--tensor-model-parallel-size {tp} does not divide {what} {n}")
 
 
-def refuse_norm_placement(settings: dict) -> None:
-    """Megatron-LM normalizes each sublayer's input and each query and key head: a model
-    normalized otherwise (OLMo 2's, Gemma's) has no Megatron-LM form."""
-    for name, megatron in (("sublayer_norm", "input"), ("qk_layernorm_scope", "head")):
+def refuse_mp_only_settings(settings: dict) -> None:
+    """Megatron-LM normalizes each sublayer's input and each query and key head, and
+    rotates every layer alike: a model normalized otherwise (OLMo 2's, Gemma's) or whose
+    windowed layers rotate with a base of their own (OLMo 3's, Gemma 3's) has no
+    Megatron-LM form."""
+    megatron_values = (("sublayer_norm", "input"), ("qk_layernorm_scope", "head"),
+                       ("window_rotary_base", None))  # fmt: skip
+    for name, megatron in megatron_values:
         value = settings.get(name, megatron)
         if value != megatron:
             raise ValueError(f"model_config {name}={value!r}: Megatron-LM computes only "

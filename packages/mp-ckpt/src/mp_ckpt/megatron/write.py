@@ -64,7 +64,7 @@ from mp_ckpt.core.reader import CheckpointReader
 from mp_ckpt.families.megatron_view import MegatronView, megatron_view, split_name
 from mp_ckpt.families.moe import is_moe_layer
 from mp_ckpt.families.table import Dims
-from mp_ckpt.megatron.export_checks import check_exportable, refuse_norm_placement
+from mp_ckpt.megatron.export_checks import check_exportable, refuse_mp_only_settings
 from mp_ckpt.megatron.linear_attention import linear_attention_args
 from mp_ckpt.megatron.read import _LAYER
 from mp_ckpt.megatron.settings import (
@@ -102,7 +102,7 @@ _MTP_LAYER = re.compile(r"^(mtp\.layers\.\d+\.)transformer_layer\.")
 def megatron_from_logical(logical: dict[str, torch.Tensor],
                           settings: dict) -> dict[str, torch.Tensor]:  # fmt: skip
     """Megatron's whole tensors (per-layer keys, local-spec names) from mp's logical ones."""
-    refuse_norm_placement(settings)
+    refuse_mp_only_settings(settings)
     view = megatron_view(settings)
     out: dict[str, torch.Tensor] = {}
     fused: dict[str, tuple] = {}  # Megatron name -> (its MegatronTensor, {index: mp tensor})
@@ -137,7 +137,7 @@ def megatron_args(settings: dict, *, ckpt_format: str, tp: int, pp: int, iterati
     """Megatron's argument names for the model's settings (those Megatron's load checks
     and the ones a run needs to rebuild the same GPTModel); `data` is the training run's
     data settings (tokenizer_type and its files), when the mp checkpoint recorded them."""
-    refuse_norm_placement(settings)
+    refuse_mp_only_settings(settings)
     heads, groups = settings["num_attention_heads"], settings["num_query_groups"]
     activation = settings.get("activation", "gelu")
     position = settings.get("position_embedding_type", "learned_absolute")

@@ -18,7 +18,8 @@ With softmax_type "learnable", core attention's softmax_offset [heads on this ra
 core_attention.softmax_offset [num_attention_heads]. A layer that
 TransformerConfig.window_size applies to (window_layer_pattern) attends through the
 window; with a KVCache such a layer keeps only its window's latest keys
-(KVCache.update_window), and its mask is the cache's for them.
+(KVCache.update_window), and its mask is the cache's for them; with window_rotary_base it
+rotates with Rotary.window, plain RoPE of that base.
 
 Rotary embeddings rotate q and k after the QK norm (Megatron's order; an L2 norm, having
 no weight, commutes with the rotation, so Llama 4's rotate-then-normalize is the same),
@@ -180,6 +181,8 @@ class SelfAttention(torch.nn.Module):
         """x [s, b, h] -> (output [s, b, h], projection bias or None). With a kv_cache, x
         holds the next positions only: their keys and values join the cache's, and the
         queries attend to all of them (attention_mask: the cache's)."""
+        if rotary is not None and rotary.window is not None and self.window is not None:
+            rotary = rotary.window  # the windowed layers' own (window_rotary_base)
         mixed, _ = self.linear_qkv(x)
         s, b = mixed.shape[:2]
         qg, gates = self.per_group, self.gates

@@ -145,6 +145,9 @@ class Rotary(NamedTuple):
     """With DeepSeek sparse attention shared across layers (dsa_indexer_topk_freq > 1): the
     positions each computing layer chose in this forward, by layer number, for the layers
     that reuse them (GPTModel gives each forward a new dict); None otherwise."""
+    window: Rotary | None = None
+    """With window_rotary_base: the rotations of the layers that attend through the window
+    (plain RoPE of that base), which take them instead; None otherwise."""
 
 
 class RotaryEmbedding(torch.nn.Module):

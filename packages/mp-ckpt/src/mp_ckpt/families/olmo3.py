@@ -1,0 +1,112 @@
+"""OLMo 3 (model_type "olmo3", Olmo3ForCausalLM): OLMo 2's layers and tensors (olmo2.py)
+with sliding-window attention on the layers layer_types marks "sliding_attention" (three
+in four by default; mp's window_size and window_attn_skip_freq, window.py), and rotary
+parameters per layer type:
+
+    rope_parameters.full_attention      the model's rotary embeddings: plain RoPE, or YaRN
+                                        (position_embedding_type "yarn", yarn.py), as the
+                                        released long-context models scale them
+    rope_parameters.sliding_attention   plain RoPE: window_rotary_base when its base differs
+                                        or the full layers are scaled, else none
+
+An explicit YaRN attention_factor is read where it is the one mp derives (0.1 ln(factor)
++ 1, as the released configs hold it) and written back; another is refused.
+
+Refused besides OLMo 2's: a sliding layer's rope_type other than "default".
+"""
+
+from __future__ import annotations
+
+import math
+
+from mp_ckpt.families.hf_settings import base_config, llama_settings, rope_parameters
+from mp_ckpt.families.olmo2 import OLMO2_NORMS, RULES
+from mp_ckpt.families.table import Family
+from mp_ckpt.families.window import layer_types, sliding_window, window_settings
+from mp_ckpt.families.yarn import yarn_parameters, yarn_settings
+
+__all__ = ["FAMILY"]
+
+_THETA = 500000.0
+"""Olmo3Config's default rope_theta."""
+
+
+def _rope(config: dict) -> tuple[dict, dict]:
+    """(the full layers' rotary parameters, the sliding layers')."""
+    given = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if "full_attention" not in given and "sliding_attention" not in given:  # one set: both
+        full = {"rope_theta": config.get("rope_theta", _THETA)} | given
+        return full, {"rope_type": "default", "rope_theta": full["rope_theta"]}
+    default = {"rope_type": "default", "rope_theta": _THETA}
+    return given.get("full_attention") or default, given.get("sliding_attention") or default
+
+
+def _derived_attention_factor(factor: float) -> float:
+    return 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+
+def _settings(config: dict) -> dict:
+    full, local = _rope(config)
+    if local.get("rope_type", "default") != "default":
+        raise ValueError(
+            f"config.json rope_parameters.sliding_attention rope_type={local['rope_type']!r}: "
+            "mp rotates the sliding layers with plain RoPE"
+        )
+    theta = full.get("rope_theta", _THETA)
+    plain = {"rope_type": "default", "rope_theta": theta}
+    kind = full.get("rope_type", "default")
+    rope = plain if kind == "yarn" else full
+    base = llama_settings(config | {"rope_parameters": rope}, rope_theta=_THETA,
+                          rms_norm_eps=1e-5, max_positions=2048) | OLMO2_NORMS  # fmt: skip
+    if kind == "yarn":
+        yarn = {k: v for k, v in full.items() if k != "attention_factor"}
+        base |= yarn_settings(yarn, base["max_position_embeddings"])
+        factor = base["yarn_rotary_scaling_factor"]
+        given = full.get("attention_factor")
+        if given is not None and not math.isclose(given, _derived_attention_factor(factor),
+                                                  rel_tol=1e-9):  # fmt: skip
+            raise ValueError(
+                f"config.json rope_parameters.full_attention attention_factor={given!r}: mp "
+                f"derives {_derived_attention_factor(factor)!r} from factor={factor!r}"
+            )
+    layers = config["num_hidden_layers"]
+    default_types = ["full_attention" if (i + 1) % 4 == 0 else "sliding_attention"
+                     for i in range(layers)]  # fmt: skip
+    types = config.get("layer_types") or default_types
+    windows = window_settings(config.get("sliding_window"), types, layers)
+    local_theta = local.get("rope_theta", theta)
+    if "sliding_attention" in types and (kind != "default" or local_theta != theta):
+        if float(local_theta) != int(local_theta):
+            raise ValueError(f"config.json sliding_attention rope_theta={local_theta!r}: "
+                             "mp's window_rotary_base is an integer")  # fmt: skip
+        windows["window_rotary_base"] = int(local_theta)
+    return base | windows
+
+
+def _config(settings: dict, shapes: dict, tokens: dict, dtype: str) -> dict:
+    layers = shapes["layers"]
+    window = settings.get("window_size")
+    position = settings.get("position_embedding_type", "rope")
+    computes = {"window_size": tuple(window) if window else None,
+                "window_attn_skip_freq": settings.get("window_attn_skip_freq"),
+                "window_rotary_base": settings.get("window_rotary_base"),
+                "position_embedding_type": position}  # fmt: skip
+    config = base_config(settings, shapes, tokens, dtype, "olmo3", **OLMO2_NORMS, **computes)
+    if config["head_dim"] == shapes["hidden"] // shapes["heads"]:
+        del config["head_dim"]  # not a key of Olmo3Config (its head width: hidden / heads)
+    full = rope_parameters(settings)
+    if position == "yarn":
+        full = yarn_parameters(settings)
+        full["attention_factor"] = _derived_attention_factor(full["factor"])
+    local_theta = settings.get("window_rotary_base") or full["rope_theta"]
+    return config | {
+        "architectures": ["Olmo3ForCausalLM"], "model_type": "olmo3", "attention_bias": False,
+        "rope_parameters": {"sliding_attention": {"rope_type": "default",
+                                                  "rope_theta": float(local_theta)},
+                            "full_attention": full},
+        "sliding_window": sliding_window(settings, layers),
+        "layer_types": layer_types(settings, layers),
+    }  # fmt: skip
+
+
+FAMILY = Family("olmo3", "Olmo3ForCausalLM", RULES, _settings, _config)
