@@ -44,6 +44,8 @@ FAMILIES = {
                         index_topk=8, rms_norm_eps=1e-6),
     "olmo2": SMALL,
     "olmoe": dict(SMALL, num_experts=4, num_experts_per_tok=2),
+    "olmo3": dict(SMALL, sliding_window=8),
+    "gemma3_text": dict(SMALL, head_dim=16, sliding_window=8),
     "llama4_text": dict(SMALL, head_dim=16, num_local_experts=4, num_experts_per_tok=1,
                         intermediate_size_mlp=80, interleave_moe_layer_step=2,
                         no_rope_layer_interval=3),

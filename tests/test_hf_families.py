@@ -72,6 +72,12 @@ GLM4_MOE_LITE = {k: v for k, v in DEEPSEEK_V3.items()
                  if k not in ("first_k_dense_replace", "num_nextn_predict_layers", "scoring_func",
                               "topk_method")} | dict(mlp_layer_types=["dense", "sparse"],
                                                      rms_norm_eps=1e-5)  # fmt: skip
+GEMMA3 = dict(SMALL, num_hidden_layers=7, head_dim=16, intermediate_size=96, sliding_window=4,
+              query_pre_attn_scalar=12, pad_token_id=None, bos_token_id=None,
+              eos_token_id=None, rope_parameters={
+                  "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                  "full_attention": {"rope_type": "linear", "factor": 8.0,
+                                     "rope_theta": 1000000.0}})  # fmt: skip
 OLMO3 = dict(SMALL, num_hidden_layers=4, intermediate_size=96, sliding_window=4,
              pad_token_id=None)  # fmt: skip
 # OLMoE: experts of intermediate_size (32), no dense width
@@ -157,6 +163,18 @@ CASES = {
                            "original_max_position_embeddings": 8,
                            "attention_factor": 0.1 * math.log(8.0) + 1, "beta_fast": 32,
                            "beta_slow": 1}}),
+    # Gemma 3: sandwich norms of 1 + w, gated tanh-GELU, embeddings times sqrt(64), scores
+    # scaled by 1 / sqrt(query_pre_attn_scalar) (12, not the head width 16), a window of 4
+    # on five layers in six whose RoPE base (10,000) is not the full layers' (1e6, with
+    # linear scaling by 8 as the 4B and larger models); tied
+    "gemma3_text": lambda: transformers.Gemma3TextConfig(**GEMMA3),
+    # a 270M-like shape: one full layer in two given as layer_types, unscaled, MHA
+    "gemma3_text-layer-types": lambda: transformers.Gemma3TextConfig(
+        **GEMMA3 | {"num_hidden_layers": 2, "num_key_value_heads": 8,
+                    "layer_types": ["sliding_attention", "full_attention"],
+                    "rope_parameters": {
+                        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                        "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}}}),
     # OLMoE: OLMo 2's query and key norms in pre-norm layers of experts, the full
     # softmax's top-k weights (as released); renormalized
     "olmoe": lambda: transformers.OlmoeConfig(**OLMOE),

@@ -1,10 +1,11 @@
 """OLMo 2's norms (each sublayer's output normalized, queries and keys over all heads)
-and Gemma's sandwich (input and output normalized) train through apps/gpt's pretrain with
-the one-rank loss curve and gradient norm at TP2 with sequence parallelism (the output
-norms' gradients summed over the ranks, the all-heads norms' sums of squares added up)
-and at PP2; OLMo 3's layers (OLMo 2's with a window on every other layer, rotated by
-plain RoPE of their own base while the others take YaRN) at TP2+SP and CP2: the tiny
-config, fp32, 4 iterations."""
+train through apps/gpt's pretrain with the one-rank loss curve and gradient norm at PP2;
+OLMo 3's layers (OLMo 2's with a window on every other layer, rotated by plain RoPE of
+their own base while the others take YaRN) and Gemma 3's (sandwich norms of 1 + w,
+gated tanh-GELU, scaled embeddings and scores, windows with their own RoPE base beside
+linearly scaled full layers) at TP2 with sequence parallelism (the output norms'
+gradients summed over the ranks, the all-heads norms' sums of squares added up) and at
+CP2: the tiny config, fp32, 4 iterations."""
 
 import pytest
 
@@ -22,7 +23,11 @@ pytestmark = pytest.mark.multirank
 PLACEMENTS = {
     "olmo2": ["--sublayer-norm", "output", "--qk-layernorm", "--qk-layernorm-scope",
               "all_heads"],
-    "sandwich": ["--sublayer-norm", "both", "--qk-layernorm", "--apply-layernorm-1p"],
+    "gemma3": ["--sublayer-norm", "both", "--qk-layernorm", "--apply-layernorm-1p",
+               "--activation", "geglu", "--openai-gelu", "--scale-word-embeddings",
+               "--query-pre-attn-scalar", "24", "--window-size", "15,0",
+               "--window-attn-skip-freq", "2", "--window-rotary-base", "10000",
+               "--rotary-base", "1000000", "--rotary-seq-len-interpolation-factor", "8"],
     "olmo3": ["--sublayer-norm", "output", "--qk-layernorm", "--qk-layernorm-scope",
               "all_heads", "--window-size", "15,0", "--window-attn-skip-freq", "2",
               "--window-rotary-base", "10000", "--rotary-base", "500000",
@@ -55,8 +60,8 @@ def reference(request, tmp_path_factory):
     return request.param, metrics_records(run_dir)
 
 
-RUNS = [("olmo2", "tp2-sp"), ("olmo2", "pp2"), ("sandwich", "tp2-sp"), ("olmo3", "tp2-sp"),
-        ("olmo3", "cp2")]  # fmt: skip
+RUNS = [("olmo2", "pp2"), ("olmo3", "tp2-sp"), ("olmo3", "cp2"), ("gemma3", "tp2-sp"),
+        ("gemma3", "cp2")]  # fmt: skip
 
 
 @pytest.mark.parametrize(("reference", "layout"), RUNS, indirect=["reference"])

@@ -1,6 +1,6 @@
 """GPTModel at TP 1, 2, 4, with and without sequence parallelism: same loss, same gradients;
 also with fewer query groups than TP ranks (each group shared by 2 or 4 ranks), and with
-OLMo 2's and Gemma's norm placements.
+OLMo 2's and Gemma 3's layers.
 
 On a CPU, attention_backend "auto" runs the blocked attention at these sizes;
 the Llama style is also run through SDPA ("flash")."""
@@ -38,11 +38,13 @@ STYLES = {
                   kv_channels=8, position_embedding_type="rope", normalization="RMSNorm",
                   activation="swiglu", ffn_hidden_size=96, add_bias_linear=False,
                   qk_layernorm=True, qk_layernorm_scope="all_heads", sublayer_norm="output"),
-    # Gemma's sandwich: input and output normalized, zero-centred norm weights, head norms
-    "sandwich": dict(num_layers=2, hidden_size=64, num_attention_heads=8, num_query_groups=4,
-                     kv_channels=8, position_embedding_type="rope", normalization="RMSNorm",
-                     apply_layernorm_1p=True, add_bias_linear=False, qk_layernorm=True,
-                     sublayer_norm="both"),
+    # Gemma 3's layers: input and output normalized, zero-centred norm weights, head norms,
+    # gated tanh-GELU, scaled embeddings and scores
+    "gemma3": dict(num_layers=2, hidden_size=64, num_attention_heads=8, num_query_groups=4,
+                   kv_channels=8, position_embedding_type="rope", normalization="RMSNorm",
+                   apply_layernorm_1p=True, add_bias_linear=False, qk_layernorm=True,
+                   sublayer_norm="both", activation="geglu", openai_gelu=True,
+                   ffn_hidden_size=96, scale_word_embeddings=True, query_pre_attn_scalar=12),
 }  # fmt: skip
 LAYOUTS = [(1, False), (2, False), (4, False), (2, True), (4, True)]
 
@@ -96,7 +98,7 @@ def assemble(pieces: list[ShardedTensor]) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize(
     ("style", "attention_backend"),
     [("gpt2", "auto"), ("llama", "auto"), ("llama", "flash"), ("one-group", "auto"),
-     ("gated-two-groups", "flash"), ("olmo2", "auto"), ("sandwich", "auto")],
+     ("gated-two-groups", "flash"), ("olmo2", "auto"), ("gemma3", "auto")],
 )  # fmt: skip
 def test_every_tensor_parallel_layout_gives_the_same_loss_and_gradients(style, attention_backend):
     torch.testing.assert_close(torch.zeros(1), torch.zeros(1))  # warm imports before forking

@@ -4,8 +4,8 @@ Rules that hold whatever the layout are checked in __post_init__; those that
 depend on the tensor-parallel size in `check_parallel`. Every message names
 the field and the value. The fields of mixture of experts, multi-latent attention,
 linear attention, DeepSeek sparse attention, multi-token prediction, Mamba-hybrid models,
-FP8, muP, QK-clip, norm placement and the windowed layers' rotary base are in its bases
-(MoeConfig, ...), each in the config_*.py module that checks them.
+FP8, muP, QK-clip, norm placement, the windowed layers' rotary base and Gemma's scales
+are in its bases (MoeConfig, ...), each in the config_*.py module that checks them.
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ from mp_layers.config_recompute import (
 )
 from mp_layers.config_rules import choice as _choice
 from mp_layers.config_rules import positive as _positive
+from mp_layers.config_scales import ScalesConfig, check_scales
 from mp_layers.config_window_rope import WindowRopeConfig, check_window_rope
 
 __all__ = ["ATTENTION_BACKENDS", "TransformerConfig"]
@@ -73,6 +74,7 @@ class TransformerConfig(
     QkClipConfig,
     NormPlacementConfig,
     WindowRopeConfig,
+    ScalesConfig,
 ):
     num_layers: int
     """Transformer layers of the whole model (all pipeline stages)."""
@@ -109,13 +111,14 @@ class TransformerConfig(
     layernorm_epsilon: float = 1e-5
     """Epsilon of LayerNorm / RMSNorm."""
 
-    activation: Literal["gelu", "swiglu", "squared_relu"] = "gelu"
-    """MLP activation; swiglu gates with a second fc1 half (fused)."""
+    activation: Literal["gelu", "swiglu", "geglu", "squared_relu"] = "gelu"
+    """MLP activation; swiglu and geglu gate with a second fc1 half (fused): silu(g) u and
+    gelu(g) u (Gemma's gated GELU, mp's; Megatron-LM's flags have no gated GELU)."""
 
     openai_gelu: bool = False
-    """With activation="gelu": the tanh approximation
-    0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) of GPT-2 (Hugging Face's gelu_new)
-    instead of the exact x Phi(x) (Megatron's --openai-gelu)."""
+    """With activation="gelu" or "geglu": the tanh approximation
+    0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) of GPT-2 (Hugging Face's gelu_new,
+    gelu_pytorch_tanh) instead of the exact x Phi(x) (Megatron's --openai-gelu)."""
 
     quick_geglu: bool = False
     """Instead of activation="gelu": the gated quick GELU of gpt-oss (Megatron's
@@ -419,16 +422,15 @@ class TransformerConfig(
                 self.ffn_hidden_size = 4 * self.hidden_size
         _positive("ffn_hidden_size", self.ffn_hidden_size)
         _choice("normalization", self.normalization, ("LayerNorm", "RMSNorm"))
-        _choice("activation", self.activation, ("gelu", "swiglu", "squared_relu"))
+        _choice("activation", self.activation, ("gelu", "swiglu", "geglu", "squared_relu"))
         _choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _choice(
             "position_embedding_type", self.position_embedding_type,
             ("learned_absolute", "rope", "yarn", "none"),
         )  # fmt: skip
-        if self.openai_gelu and self.activation != "gelu":
-            raise ValueError(
-                f"openai_gelu=True applies to activation='gelu', got {self.activation!r}"
-            )
+        if self.openai_gelu and self.activation not in ("gelu", "geglu"):
+            gelus = "activation='gelu' or 'geglu'"
+            raise ValueError(f"openai_gelu=True applies to {gelus}, got {self.activation!r}")
         self._check_gated_activation()
         check_mla(self)
         infer_hybrid_mtp(self)
@@ -472,6 +474,7 @@ class TransformerConfig(
         check_recompute_modules(self)
         check_norm_placement(self)
         check_window_rope(self)
+        check_scales(self)
 
     def recomputes(self, module: str) -> bool:
         """Whether selective recompute covers `module` (a name of recompute_modules)."""
@@ -480,8 +483,9 @@ class TransformerConfig(
 
     @property
     def gated_linear_unit(self) -> bool:
-        """Whether fc1 gives a gate and a linear part (swiglu, quick_geglu): Megatron's name."""
-        return self.activation == "swiglu" or self.quick_geglu
+        """Whether fc1 gives a gate and a linear part (swiglu, geglu, quick_geglu):
+        Megatron's name."""
+        return self.activation in ("swiglu", "geglu") or self.quick_geglu
 
     def _check_gated_activation(self) -> None:
         clamp, offset = self.activation_func_clamp_value, self.glu_linear_offset
@@ -496,7 +500,8 @@ class TransformerConfig(
             ):  # fmt: skip
                 if value != default:
                     raise ValueError(
-                        f"{name}={value} applies to a gated activation (swiglu or quick_geglu), "
+                        f"{name}={value} applies to a gated activation (swiglu, geglu or "
+                        "quick_geglu), "
                         f"got activation={self.activation!r}"
                     )
             return

@@ -83,9 +83,11 @@ class MupConfig:
 
     @property
     def softmax_scale(self) -> float | None:
-        """Softmax attention's scale of q k^T under use_mup; None: 1 / sqrt(kv_channels)."""
+        """Softmax attention's scale of q k^T under use_mup, or 1 / sqrt(query_pre_attn_scalar)
+        (Gemma's); None: 1 / sqrt(kv_channels)."""
         if not self.use_mup:
-            return None
+            scalar = self.query_pre_attn_scalar
+            return None if scalar is None else scalar**-0.5
         base = 1.0 if self.mup_base_head_dim is None else math.sqrt(self.mup_base_head_dim)
         return base / self.kv_channels**self.mup_attn_scale_power
 

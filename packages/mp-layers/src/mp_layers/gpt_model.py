@@ -420,6 +420,8 @@ class GPTModel(torch.nn.Module):
             if self.config.sequence_parallel:
                 positions = positions.chunk(self.tp_group.size)[self.tp_group.rank]
             hidden = hidden + self.position_embeddings(positions)
+        if self.config.scale_word_embeddings:  # Gemma's sqrt(h), rounded to the dtype first
+            hidden = hidden * torch.tensor(self.config.hidden_size**0.5, dtype=hidden.dtype)
         if self.config.embedding_multiplier != 1.0:  # muP's mup_embedding_mult
             hidden = hidden * self.config.embedding_multiplier
         p = self.config.hidden_dropout

@@ -25,7 +25,7 @@ ARCHITECTURES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "nemotron", "mixt
                  "qwen2_moe", "qwen3_moe", "gpt_oss", "deepseek_v2", "deepseek_v3",
                  "deepseek_v32", "glm_moe_dsa", "glm4_moe", "llama4_text", "nemotron_h",
                  "qwen3_next", "smollm3", "phi3", "seed_oss", "ernie4_5",
-                 "glm4_moe_lite", "olmo2", "olmo3", "olmoe")  # fmt: skip
+                 "glm4_moe_lite", "olmo2", "olmo3", "olmoe", "gemma3_text")  # fmt: skip
 
 
 ALIASES = {"kimi_k2": "deepseek_v3"}
@@ -33,6 +33,8 @@ ALIASES = {"kimi_k2": "deepseek_v3"}
 architecture (DeepseekV3ForCausalLM, its layers and routing) under a model_type of its own."""
 
 REFUSED = {
+    "gemma3": "Gemma 3's image-and-text model (Gemma3ForConditionalGeneration): mp converts "
+    "its text model alone, a checkpoint of model_type 'gemma3_text' (Gemma3ForCausalLM)",
     "llama4": "Llama 4's image-and-text model (Llama4ForConditionalGeneration): mp converts "
     "its text model alone, a checkpoint of model_type 'llama4_text' (Llama4ForCausalLM)",
 }
@@ -56,8 +58,8 @@ def family_of(settings: dict) -> str:
     Qwen3-Next; multi-latent attention is GLM-5 with DeepSeek's sparse attention
     (experimental_attention_variant "dsa") whose indexer rotates in interleaved pairs,
     DeepSeek-V3.2 with other sparse attention, DeepSeek-V3 with sigmoid router scores,
-    else DeepSeek-V2; learned positions are GPT-2; normalized sublayer outputs OLMo 3
-    with a window, else OLMo 2;
+    else DeepSeek-V2; learned positions are GPT-2; normalized sublayer inputs and outputs
+    Gemma 3; normalized sublayer outputs OLMo 3 with a window, else OLMo 2;
     layers without rotary embeddings in a
     dense model without Llama 4's other features are SmolLM3; L2-normalized queries and
     keys, layers without rotary embeddings, routing weights on the experts' input, or
@@ -80,6 +82,8 @@ def family_of(settings: dict) -> str:
         return "deepseek_v3" if sigmoid else "deepseek_v2"
     if settings.get("position_embedding_type", "learned_absolute") == "learned_absolute":
         return "gpt2"
+    if settings.get("sublayer_norm", "input") == "both":
+        return "gemma3_text"
     if settings.get("sublayer_norm", "input") == "output":
         return "olmo3" if settings.get("window_size") else "olmo2"
     if _smollm3(settings):

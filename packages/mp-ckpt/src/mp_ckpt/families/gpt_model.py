@@ -62,7 +62,7 @@ _GDN_IN = ("query", "key", "value", "z", "beta", "alpha")
 def gated(settings: dict) -> bool:
     """Whether the settings' MLPs are gated: fc1 holds a gate and an up projection (swiglu,
     or gpt-oss's quick GEGLU)."""
-    return settings.get("activation") == "swiglu" or bool(settings.get("quick_geglu"))
+    return settings.get("activation") in ("swiglu", "geglu") or bool(settings.get("quick_geglu"))
 
 
 def _plain(settings: dict) -> bool:

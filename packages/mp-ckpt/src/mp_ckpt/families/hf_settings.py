@@ -117,7 +117,7 @@ LLAMA_STYLE = {
     "moe_apply_probs_on_input": False, "attention_chunk_size": None,
     "attn_temperature_floor_scale": None, "attn_temperature_scale": 0.1,
     "moe_latent_size": None, "sublayer_norm": "input", "qk_layernorm_scope": "head",
-    "window_rotary_base": None,
+    "window_rotary_base": None, "scale_word_embeddings": False, "query_pre_attn_scalar": None,
 }  # fmt: skip
 """What a Llama-style family computes, under TransformerConfig's names (and defaults)."""
 

@@ -12,7 +12,8 @@ parameters per layer type:
 An explicit YaRN attention_factor is read where it is the one mp derives (0.1 ln(factor)
 + 1, as the released configs hold it) and written back; another is refused.
 
-Refused besides OLMo 2's: a sliding layer's rope_type other than "default".
+Refused besides OLMo 2's: a sliding layer's rope_type other than "default"
+(layer_type_rope.py).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import math
 
 from mp_ckpt.families.hf_settings import base_config, llama_settings, rope_parameters
+from mp_ckpt.families.layer_type_rope import nested_rope, split_rope, window_base
 from mp_ckpt.families.olmo2 import OLMO2_NORMS, RULES
 from mp_ckpt.families.table import Family
 from mp_ckpt.families.window import layer_types, sliding_window, window_settings
@@ -31,28 +33,13 @@ _THETA = 500000.0
 """Olmo3Config's default rope_theta."""
 
 
-def _rope(config: dict) -> tuple[dict, dict]:
-    """(the full layers' rotary parameters, the sliding layers')."""
-    given = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    if "full_attention" not in given and "sliding_attention" not in given:  # one set: both
-        full = {"rope_theta": config.get("rope_theta", _THETA)} | given
-        return full, {"rope_type": "default", "rope_theta": full["rope_theta"]}
-    default = {"rope_type": "default", "rope_theta": _THETA}
-    return given.get("full_attention") or default, given.get("sliding_attention") or default
-
-
 def _derived_attention_factor(factor: float) -> float:
     return 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
 
 
 def _settings(config: dict) -> dict:
-    full, local = _rope(config)
-    if local.get("rope_type", "default") != "default":
-        raise ValueError(
-            f"config.json rope_parameters.sliding_attention rope_type={local['rope_type']!r}: "
-            "mp rotates the sliding layers with plain RoPE"
-        )
-    theta = full.get("rope_theta", _THETA)
+    full, local = split_rope(config, _THETA, _THETA)
+    theta = full["rope_theta"]
     plain = {"rope_type": "default", "rope_theta": theta}
     kind = full.get("rope_type", "default")
     rope = plain if kind == "yarn" else full
@@ -74,13 +61,7 @@ def _settings(config: dict) -> dict:
                      for i in range(layers)]  # fmt: skip
     types = config.get("layer_types") or default_types
     windows = window_settings(config.get("sliding_window"), types, layers)
-    local_theta = local.get("rope_theta", theta)
-    if "sliding_attention" in types and (kind != "default" or local_theta != theta):
-        if float(local_theta) != int(local_theta):
-            raise ValueError(f"config.json sliding_attention rope_theta={local_theta!r}: "
-                             "mp's window_rotary_base is an integer")  # fmt: skip
-        windows["window_rotary_base"] = int(local_theta)
-    return base | windows
+    return base | windows | window_base(types, full, local)
 
 
 def _config(settings: dict, shapes: dict, tokens: dict, dtype: str) -> dict:
@@ -98,12 +79,9 @@ def _config(settings: dict, shapes: dict, tokens: dict, dtype: str) -> dict:
     if position == "yarn":
         full = yarn_parameters(settings)
         full["attention_factor"] = _derived_attention_factor(full["factor"])
-    local_theta = settings.get("window_rotary_base") or full["rope_theta"]
     return config | {
         "architectures": ["Olmo3ForCausalLM"], "model_type": "olmo3", "attention_bias": False,
-        "rope_parameters": {"sliding_attention": {"rope_type": "default",
-                                                  "rope_theta": float(local_theta)},
-                            "full_attention": full},
+        "rope_parameters": nested_rope(settings, full),
         "sliding_window": sliding_window(settings, layers),
         "layer_types": layer_types(settings, layers),
     }  # fmt: skip

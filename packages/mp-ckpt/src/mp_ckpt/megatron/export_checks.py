@@ -119,10 +119,15 @@ def _check_hybrid(settings: dict, tp: int) -> None:
 def refuse_mp_only_settings(settings: dict) -> None:
     """Megatron-LM normalizes each sublayer's input and each query and key head, and
     rotates every layer alike: a model normalized otherwise (OLMo 2's, Gemma's) or whose
-    windowed layers rotate with a base of their own (OLMo 3's, Gemma 3's) has no
-    Megatron-LM form."""
+    windowed layers rotate with a base of their own (OLMo 3's, Gemma 3's) or with Gemma's
+    scales has no Megatron-LM form. Its gated GELU neither: Megatron-LM's flags gate silu
+    alone."""
+    if settings.get("activation") == "geglu":
+        raise ValueError("model_config activation='geglu': Megatron-LM's flags gate silu "
+                         "alone (--swiglu)")  # fmt: skip
     megatron_values = (("sublayer_norm", "input"), ("qk_layernorm_scope", "head"),
-                       ("window_rotary_base", None))  # fmt: skip
+                       ("window_rotary_base", None), ("scale_word_embeddings", False),
+                       ("query_pre_attn_scalar", None))  # fmt: skip
     for name, megatron in megatron_values:
         value = settings.get(name, megatron)
         if value != megatron:

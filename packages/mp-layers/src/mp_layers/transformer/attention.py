@@ -155,7 +155,7 @@ class SelfAttention(torch.nn.Module):
             track_max_logits=config.tracks_max_attention_logit,
             softmax_type=config.softmax_type, window=self.window,
             heads=self.groups * self.per_group, params_dtype=config.params_dtype,
-            softmax_scale=config.softmax_scale,  # muP's; None: 1 / sqrt(kv_channels)
+            softmax_scale=config.softmax_scale,  # muP's or Gemma's; None: 1 / sqrt(d)
             **layer_scaling(config, layer_number),
         )  # fmt: skip
         if config.softmax_type == "learnable":  # the same sinks whatever the TP size

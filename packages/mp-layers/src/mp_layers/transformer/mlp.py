@@ -4,7 +4,7 @@ Shapes: x [s, b, h] (or [s/tp, b, h] with sequence parallelism), the inner
 activation [s, b, f/tp] on each rank, f = ffn_hidden_size. fc1 is column-
 parallel, fc2 row-parallel: one reduction per direction (Megatron's MLP).
 
-A gated activation (swiglu, quick_geglu) uses one fused fc1 holding the gate and the
+A gated activation (swiglu, geglu, quick_geglu) uses one fused fc1 holding the gate and the
 up projection. Each rank computes act(gate_r x) * (up_r x) on its own f/tp channels, so its local
 fc1 rows must be [gate_r; up_r]. The fused weight is initialized from the
 logical [gate; up] drawn once, then laid out per rank, so that the model is
@@ -85,15 +85,21 @@ def activate(config: TransformerConfig, inner: torch.Tensor) -> torch.Tensor:
     """The MLP's activation of fc1's output [.., f], or [.., 2f] = [gate; up] when gated.
 
     Gated (Megatron's glu): with c = activation_func_clamp_value, gate = min(gate, c) and
-    up = clamp(up, -c, c); then act(gate) (up + glu_linear_offset), act silu (swiglu) or
-    quick GELU g sigmoid(1.702 g) (quick_geglu). gpt-oss is quick_geglu with c = 7 and
+    up = clamp(up, -c, c); then act(gate) (up + glu_linear_offset), act silu (swiglu),
+    GELU (geglu; tanh-approximated with openai_gelu) or quick GELU g sigmoid(1.702 g)
+    (quick_geglu). gpt-oss is quick_geglu with c = 7 and
     offset 1: Hugging Face's GptOssExperts, whose (up + 1) is this offset."""
     if config.gated_linear_unit:
         gate, up = inner.chunk(2, dim=-1)
         clamp = config.activation_func_clamp_value
         if clamp is not None:
             gate, up = gate.clamp(max=clamp), up.clamp(-clamp, clamp)
-        act = _quick_gelu(gate) if config.quick_geglu else F.silu(gate)
+        if config.quick_geglu:
+            act = _quick_gelu(gate)
+        elif config.activation == "geglu":  # Gemma's (gelu_pytorch_tanh with openai_gelu)
+            act = F.gelu(gate, approximate="tanh" if config.openai_gelu else "none")
+        else:
+            act = F.silu(gate)
         if config.glu_linear_offset:
             up = up + config.glu_linear_offset
         return act * up

@@ -13,7 +13,7 @@ what the run holds instead:
   distributed optimizer 6 + 12 / dp, dp being world / (t p c) (mp shards over the dp x c
   ranks the optimizer does). Expert parameters: 6 + 12 / (world / (expert-t e p)).
 - Parameters: the weights of attention (Q, K, V and out; MLA's projections and both
-  latent norms always), of the MLPs (x 3/2 with SwiGLU only: quick_geglu's gate is not
+  latent norms always), of the MLPs (x 3/2 with SwiGLU and GeGLU: quick_geglu's gate is not
   counted), the norms, the router (and its bias with add_bias_linear), the shared
   expert's gate and the embedding; no other bias, no learned position embedding. A
   multi-token prediction module counts its transformer layer only (not its two norms,
@@ -121,7 +121,7 @@ def _parameters(config: RunConfig, V: int, report: list[str]) -> dict:
     m = config.model
     h = m.hidden_size
     E = m.num_moe_experts
-    gated = 3 / 2 if m.activation == "swiglu" else 1
+    gated = 3 / 2 if m.activation in ("swiglu", "geglu") else 1
     shared = m.moe_shared_expert_intermediate_size or 0
     n_dense, n_moe, mtp_dense, mtp_moe = _layer_kinds(config)
     moe_f = m.moe_ffn_hidden_size if E is not None else 0
@@ -251,7 +251,7 @@ def _flops(config: RunConfig, gbs: int, V: int) -> float:
     layers = m.num_layers + mtp
     k = m.moe_router_topk if m.num_moe_experts is not None else 0
     shared = m.moe_shared_expert_intermediate_size or 0
-    gated = 3 if m.activation == "swiglu" else 2
+    gated = 3 if m.activation in ("swiglu", "geglu") else 2
     a = m.num_attention_heads
     if m.multi_latent_attention:
         projections = 3 * 2 * _attention(config, 1)
