@@ -1,12 +1,12 @@
-"""Fine-tuning a Hugging Face model in one command: `--load HF_DIR` (a random Qwen3 saved
-by transformers, with a chat tokenizer) at TP2 on 200 SFT conversations (JSONL rendered
-with the directory's chat template), each rank reading its own pieces from the
-safetensors, the model's settings and the tokenizer taken from the directory; the loss
-falls, and `--export-hf-dir` writes a directory transformers loads, whose logits equal
-mp's (the run's final save in one GPTModel), whose tokenizer keeps its chat template, and
-which generates. A run that only loads and exports (--skip-train), built undrawn
-(--no-initialization: the directory fills every weight), gives back every tensor of the
-directory exactly."""
+"""Fine-tuning a Hugging Face model in one command: `--load HF_DIR` (a random Qwen3,
+Qwen3-Next or Gemma 3 saved by transformers, with a chat tokenizer) at TP2 on 200 SFT
+conversations (JSONL rendered with the directory's chat template), each rank reading its
+own pieces from the safetensors, the model's settings and the tokenizer taken from the
+directory; the loss falls, and `--export-hf-dir` writes a directory transformers loads,
+whose logits equal mp's (the run's final save in one GPTModel), whose tokenizer keeps its
+chat template, and which generates. A run that only loads and exports (--skip-train),
+built undrawn (--no-initialization: the directory fills every weight), gives back every
+tensor of the directory exactly."""
 
 import json
 import os
@@ -34,7 +34,8 @@ def qwen3_folder(folder, family: str = "qwen3"):
     beside a gated shared expert) saved by transformers with a chat tokenizer
     (mp_data.sft_example's, saved again by transformers, which keeps its chat template in
     chat_template.jinja); its embedding has rows past the tokenizer's (as Qwen's do), a
-    multiple of 8."""
+    multiple of 8. Gemma 3: its sandwich norms, gated GELU, scales, a window of 8 on its
+    first layer with a RoPE base of its own, tied."""
     write_chat_tokenizer(str(folder))
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
     tokenizer.save_pretrained(folder)
@@ -48,6 +49,11 @@ def qwen3_folder(folder, family: str = "qwen3"):
             linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
             num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
             shared_expert_intermediate_size=32,
+        )  # fmt: skip
+    elif family == "gemma3_text":
+        config = transformers.Gemma3TextConfig(
+            **shape | {"tie_word_embeddings": True}, sliding_window=8, query_pre_attn_scalar=12,
+            layer_types=["sliding_attention", "full_attention"],
         )  # fmt: skip
     else:
         config = transformers.Qwen3Config(**shape)
@@ -76,13 +82,18 @@ def options(hf_dir, run_dir, data_dir, *extra: str):
     ]  # fmt: skip
 
 
-@pytest.mark.parametrize("family", ["qwen3", "qwen3_next"])
+ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen3_next": "Qwen3NextForCausalLM",
+                 "gemma3_text": "Gemma3ForCausalLM"}  # fmt: skip
+
+
+@pytest.mark.parametrize("family", sorted(ARCHITECTURES))
 def test_finetune_a_hugging_face_model_at_tp2_and_export_it(tmp_path, family):
     """Qwen3-Next's gated DeltaNet layer mixes the packed conversations document by document;
-    its experts under TP need sequence parallelism (Megatron's rule)."""
+    its experts under TP need sequence parallelism (Megatron's rule), which Gemma 3's
+    output norms run under too."""
     hf_dir, run_dir = tmp_path / family, tmp_path / "run"
     qwen3_folder(hf_dir, family)
-    sp = ["--sequence-parallel"] if family == "qwen3_next" else []
+    sp = ["--sequence-parallel"] if family != "qwen3" else []
     write_chat_corpus(str(tmp_path / "chat.jsonl"), 200)
     only_export = options(hf_dir, tmp_path, tmp_path, "--skip-train", "--train-iters", "1",
                           "--no-initialization", *sp,
@@ -104,17 +115,15 @@ def test_finetune_a_hugging_face_model_at_tp2_and_export_it(tmp_path, family):
     assert len(losses) == 6 and losses[-1] < losses[0] - 0.5, losses
 
     tuned = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "tuned").eval()
-    assert (
-        type(tuned).__name__
-        == {"qwen3": "Qwen3ForCausalLM", "qwen3_next": "Qwen3NextForCausalLM"}[family]
-    )
+    assert type(tuned).__name__ == ARCHITECTURES[family]
     ours, common = saved_model(run_dir / "ckpt", SEQ)
     assert common["family"] == family and "tokenizer.json" in common["tokenizer"]["files"]
     generator = torch.Generator().manual_seed(0)
     x = torch.randint(0, tuned.config.vocab_size, (2, SEQ), generator=generator)
     with torch.no_grad():
         assert (tuned(x).logits - ours(x)).abs().max() < 1e-5
-        assert not torch.equal(tuned.lm_head.weight, source["lm_head.weight"])
+        output = source.get("lm_head.weight", source["model.embed_tokens.weight"])  # tied
+        assert not torch.equal(tuned.lm_head.weight, output)
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "tuned")
     assert tokenizer.chat_template == CHAT_TEMPLATE  # the template went with the tokenizer

@@ -76,7 +76,7 @@ def test_defaults_follow_megatron():
          "window_rotary_base=10000 needs position_embedding_type 'rope' or 'yarn'"),
         (dict(position_embedding_type="rope", window_size=(3, 0), window_rotary_base=0),
          "window_rotary_base=0 must be a positive integer"),
-        (dict(query_pre_attn_scalar=0), "query_pre_attn_scalar=0 must be a number > 0"),
+        (dict(query_pre_attn_scalar=0), "query_pre_attn_scalar=0 must be a positive integer"),
         (dict(query_pre_attn_scalar=256, use_mup=True),
          "query_pre_attn_scalar=256 with use_mup: muP's attention scale"),
         (dict(position_embedding_type="rope", multi_latent_attention=True,

@@ -15,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from mp_layers.config_rules import positive
+
 if TYPE_CHECKING:
     from mp_layers.config import TransformerConfig
 
@@ -27,7 +29,7 @@ class ScalesConfig:
     """Multiply the word embeddings' output by sqrt(hidden_size), rounded to the
     parameters' dtype (Gemma's normalizer)."""
 
-    query_pre_attn_scalar: float | None = None
+    query_pre_attn_scalar: int | None = None
     """Scale softmax attention's scores by 1 / sqrt(query_pre_attn_scalar) (Gemma's) instead
     of 1 / sqrt(kv_channels). Not with use_mup (whose attention scale is its own) or
     multi-latent attention. None: 1 / sqrt(kv_channels)."""
@@ -37,8 +39,7 @@ def check_scales(config: TransformerConfig) -> None:
     scalar = config.query_pre_attn_scalar
     if scalar is None:
         return
-    if isinstance(scalar, bool) or not isinstance(scalar, (int, float)) or not scalar > 0:
-        raise ValueError(f"query_pre_attn_scalar={scalar!r} must be a number > 0")
+    positive("query_pre_attn_scalar", scalar)
     if config.use_mup:
         raise ValueError(
             f"query_pre_attn_scalar={scalar!r} with use_mup: muP's attention scale "
