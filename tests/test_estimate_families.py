@@ -45,6 +45,8 @@ FAMILIES = {
     "olmo2": SMALL,
     "olmoe": dict(SMALL, num_experts=4, num_experts_per_tok=2),
     "olmo3": dict(SMALL, sliding_window=8),
+    "minimax_m2": dict(SMALL, head_dim=16, rotary_dim=8, num_local_experts=4,
+                       num_experts_per_tok=2),
     "gemma3_text": dict(SMALL, head_dim=16, sliding_window=8),
     "llama4_text": dict(SMALL, head_dim=16, num_local_experts=4, num_experts_per_tok=1,
                         intermediate_size_mlp=80, interleave_moe_layer_step=2,

@@ -20,6 +20,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from mp_ckpt.cli import main
+from mp_ckpt.hf import logical_from_hf
 from mp_gpt.testing import GIVEN_PEAK, greedy_on_rank, imported_model, reference_greedy
 from mp_state.testing import run_on_ranks
 
@@ -175,6 +176,12 @@ CASES = {
                     "rope_parameters": {
                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                         "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}}}),
+    # MiniMax-M2: OLMo 2's query and key norms in pre-norm layers of experts routed by
+    # sigmoid scores + the correction bias (random, below), half of each head rotated
+    # (rotary_dim, as released)
+    "minimax_m2": lambda: transformers.MiniMaxM2Config(
+        **SMALL | {"num_hidden_layers": 3}, head_dim=16, rotary_dim=8, intermediate_size=32,
+        num_local_experts=8, num_experts_per_tok=2, bos_token_id=None, eos_token_id=None),
     # OLMoE: OLMo 2's query and key norms in pre-norm layers of experts, the full
     # softmax's top-k weights (as released); renormalized
     "olmoe": lambda: transformers.OlmoeConfig(**OLMOE),
@@ -361,6 +368,20 @@ def test_moe_families_generate_at_tp2_x_ep2_as_transformers(tmp_path, case):
         for got in run_on_ranks(greedy_on_rank, 4, str(tmp_path / "ckpt"), layout, prompts,
                                 NEW, timeout=240):  # fmt: skip
             assert got == want
+
+
+def test_minimax_m2_reads_transformers_in_memory_names_as_the_saved_ones(tmp_path):
+    """transformers' MiniMax-M2 holds its experts fused and its router bias under mlp.; it
+    saves them as the released checkpoints name them (block_sparse_moe.*): both import
+    alike."""
+    hf = random_hf(CASES["minimax_m2"]())
+    hf.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    saved = logical_from_hf(load_file(str(tmp_path / "model.safetensors")), config)
+    in_memory = logical_from_hf(hf.state_dict(), config)
+    assert in_memory.keys() == saved.keys()
+    for name, tensor in saved.items():
+        assert torch.equal(in_memory[name], tensor), name
 
 
 @pytest.mark.multirank

@@ -69,6 +69,8 @@ CONFIGS = {
               "layer_types": ["sliding_attention", "full_attention"]},
     "gemma3_text": {"model_type": "gemma3_text", **LLAMA_STYLE, "head_dim": 8,
                     "sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"]},
+    "minimax_m2": {"model_type": "minimax_m2", **LLAMA_STYLE, "head_dim": 8, "rotary_dim": 4,
+                   "num_local_experts": 4, "num_experts_per_tok": 2},
     "olmoe": {"model_type": "olmoe", **LLAMA_STYLE, "num_experts": 4,
               "num_experts_per_tok": 2},
     "llama4_text": {"model_type": "llama4_text", **LLAMA_STYLE, "head_dim": 4,
@@ -85,7 +87,7 @@ CONFIGS = {
                    "moe_intermediate_size": 8, "shared_expert_intermediate_size": 8,
                    "num_experts_per_tok": 2},
 }  # fmt: skip
-NOT_MEGATRON = ("olmo2", "olmo3", "olmoe", "gemma3_text")
+NOT_MEGATRON = ("olmo2", "olmo3", "olmoe", "gemma3_text", "minimax_m2")
 """Families Megatron-LM cannot compute (norms after the sublayers, queries and keys
 normalized over all heads): export-megatron refuses them."""
 MEGATRON = [name for name in ARCHITECTURES if not name.startswith("deepseek")

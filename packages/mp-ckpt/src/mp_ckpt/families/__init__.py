@@ -25,7 +25,8 @@ ARCHITECTURES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "nemotron", "mixt
                  "qwen2_moe", "qwen3_moe", "gpt_oss", "deepseek_v2", "deepseek_v3",
                  "deepseek_v32", "glm_moe_dsa", "glm4_moe", "llama4_text", "nemotron_h",
                  "qwen3_next", "smollm3", "phi3", "seed_oss", "ernie4_5",
-                 "glm4_moe_lite", "olmo2", "olmo3", "olmoe", "gemma3_text")  # fmt: skip
+                 "glm4_moe_lite", "olmo2", "olmo3", "olmoe", "gemma3_text",
+                 "minimax_m2")  # fmt: skip
 
 
 ALIASES = {"kimi_k2": "deepseek_v3"}
@@ -64,7 +65,8 @@ def family_of(settings: dict) -> str:
     dense model without Llama 4's other features are SmolLM3; L2-normalized queries and
     keys, layers without rotary embeddings, routing weights on the experts' input, or
     interleaved rotary embeddings with experts are Llama 4; experts with quick GEGLU or
-    sinks gpt-oss, with sigmoid router scores GLM-4.5, with a shared expert Qwen2-MoE,
+    sinks gpt-oss, with sigmoid router scores MiniMax-M2 where queries and keys are
+    normalized over all heads, else GLM-4.5, with a shared expert Qwen2-MoE,
     with queries and keys normalized over all heads OLMoE, with qk-layernorm Qwen3-MoE,
     else Mixtral; dense with interleaved rotary embeddings
     ERNIE 4.5 (the Hugging Face class that computes them; Llama's refuses them), with
@@ -93,11 +95,12 @@ def family_of(settings: dict) -> str:
     if settings.get("num_moe_experts"):
         if settings.get("quick_geglu") or settings.get("softmax_type", "vanilla") != "vanilla":
             return "gpt_oss"
+        all_heads = settings.get("qk_layernorm_scope", "head") == "all_heads"
         if settings.get("moe_router_score_function") == "sigmoid":
-            return "glm4_moe"
+            return "minimax_m2" if all_heads else "glm4_moe"
         if settings.get("moe_shared_expert_intermediate_size"):
             return "qwen2_moe"
-        if settings.get("qk_layernorm_scope", "head") == "all_heads":
+        if all_heads:
             return "olmoe"
         return "qwen3_moe" if settings.get("qk_layernorm") else "mixtral"
     if settings.get("rotary_interleaved"):  # rotary pairs (2i, 2i + 1) in a dense model
