@@ -79,6 +79,9 @@ GEMMA3 = dict(SMALL, num_hidden_layers=7, head_dim=16, intermediate_size=96, sli
                   "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                   "full_attention": {"rope_type": "linear", "factor": 8.0,
                                      "rope_theta": 1000000.0}})  # fmt: skip
+GLM4 = dict(SMALL, intermediate_size=96, head_dim=16, pad_token_id=None, eos_token_id=None)
+EXAONE4 = dict(SMALL, num_hidden_layers=4, intermediate_size=96, sliding_window=4,
+               bos_token_id=None, eos_token_id=None)  # fmt: skip
 OLMO3 = dict(SMALL, num_hidden_layers=4, intermediate_size=96, sliding_window=4,
              pad_token_id=None)  # fmt: skip
 # OLMoE: experts of intermediate_size (32), no dense width
@@ -182,6 +185,20 @@ CASES = {
     "minimax_m2": lambda: transformers.MiniMaxM2Config(
         **SMALL | {"num_hidden_layers": 3}, head_dim=16, rotary_dim=8, intermediate_size=32,
         num_local_experts=8, num_experts_per_tok=2, bos_token_id=None, eos_token_id=None),
+    # GLM-4 (dense, 0414): sandwich norms, q/k/v biases, half of each head rotated in
+    # neighbouring pairs, gate and up fused; without biases, a quarter rotated
+    "glm4": lambda: transformers.Glm4Config(**GLM4),
+    "glm4-no-bias": lambda: transformers.Glm4Config(
+        **GLM4, attention_bias=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                         "partial_rotary_factor": 0.25}),
+    # EXAONE 4.0 (32B's layout): each sublayer's output normalized, per-head query/key
+    # norms, a window of 4 on three layers in four, the fourth attending fully without
+    # rotary embeddings; the 1.2B's: no window, every layer rotating
+    "exaone4": lambda: transformers.Exaone4Config(**EXAONE4),
+    "exaone4-no-window": lambda: transformers.Exaone4Config(
+        **EXAONE4 | {"sliding_window": None, "num_hidden_layers": 2,
+                     "layer_types": ["full_attention"] * 2}),
     # OLMoE: OLMo 2's query and key norms in pre-norm layers of experts, the full
     # softmax's top-k weights (as released); renormalized
     "olmoe": lambda: transformers.OlmoeConfig(**OLMOE),

@@ -71,6 +71,9 @@ CONFIGS = {
                     "sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"]},
     "minimax_m2": {"model_type": "minimax_m2", **LLAMA_STYLE, "head_dim": 8, "rotary_dim": 4,
                    "num_local_experts": 4, "num_experts_per_tok": 2},
+    "glm4": {"model_type": "glm4", **LLAMA_STYLE},
+    "exaone4": {"model_type": "exaone4", **LLAMA_STYLE, "sliding_window": 4,
+                "layer_types": ["sliding_attention", "full_attention"]},
     "olmoe": {"model_type": "olmoe", **LLAMA_STYLE, "num_experts": 4,
               "num_experts_per_tok": 2},
     "llama4_text": {"model_type": "llama4_text", **LLAMA_STYLE, "head_dim": 4,
@@ -87,9 +90,9 @@ CONFIGS = {
                    "moe_intermediate_size": 8, "shared_expert_intermediate_size": 8,
                    "num_experts_per_tok": 2},
 }  # fmt: skip
-NOT_MEGATRON = ("olmo2", "olmo3", "olmoe", "gemma3_text", "minimax_m2")
+NOT_MEGATRON = ("olmo2", "olmo3", "olmoe", "gemma3_text", "minimax_m2", "glm4", "exaone4")
 """Families Megatron-LM cannot compute (norms after the sublayers, queries and keys
-normalized over all heads): export-megatron refuses them."""
+normalized over all heads, a gated GELU, Gemma's scales): export-megatron refuses them."""
 MEGATRON = [name for name in ARCHITECTURES if not name.startswith("deepseek")
             and name not in ("glm_moe_dsa", "nemotron_h", *NOT_MEGATRON)]  # fmt: skip
 """The families whose tables these tests check against the Megatron-LM conversion (multi-

@@ -18,9 +18,11 @@ embedding.word_embeddings.weight, decoder.final_layernorm.weight and output_laye
 
 from __future__ import annotations
 
+import torch
+
 from mp_ckpt.families.table import Rule, flat, heads_flat, kv_heads, q_heads
 
-__all__ = ["attention_rules", "dense_mlp_rules", "model_rules", "norm_rules"]
+__all__ = ["attention_rules", "dense_mlp_rules", "fused_mlp_rules", "model_rules", "norm_rules"]
 
 _QKV = "self_attention.linear_qkv"
 
@@ -81,6 +83,26 @@ def norm_rules(*, bias: bool = False) -> tuple[Rule, ...]:
         for ours, theirs in (("input_layernorm", "input_layernorm"),
                              ("pre_mlp_layernorm", "post_attention_layernorm"))
         for part in parts
+    )  # fmt: skip
+
+
+def _split_gate_up(t, dims) -> list:
+    return [part.contiguous() for part in t[0].chunk(2)]
+
+
+def _join_gate_up(t, dims) -> list:
+    return [torch.cat(list(t))]
+
+
+def fused_mlp_rules() -> tuple[Rule, ...]:
+    """A gated MLP whose gate and up projections are one tensor, mlp.gate_up_proj.weight
+    [2F, h] (the gate's F rows, then the up's: Phi-3's, GLM-4's), and mlp.down_proj."""
+    layer = "model.layers.{i}.mlp."
+    return (
+        Rule(("mlp.linear_fc1.gate.weight", "mlp.linear_fc1.up.weight"),
+             layer + "gate_up_proj.weight", "dense", to_mp=_split_gate_up, to_hf=_join_gate_up,
+             megatron="mlp.linear_fc1"),
+        Rule(("mlp.linear_fc2.weight",), layer + "down_proj.weight", "dense"),
     )  # fmt: skip
 
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from mp_ckpt.families.hf_settings import base_config, llama_settings
-from mp_ckpt.families.llama_style import model_rules, norm_rules
+from mp_ckpt.families.llama_style import fused_mlp_rules, model_rules, norm_rules
 from mp_ckpt.families.table import Dims, Family, Rule, kv_heads, q_heads
 from mp_ckpt.families.window import sliding_window, window_size
 
@@ -44,14 +44,6 @@ def _join_qkv(t, dims: Dims) -> list[torch.Tensor]:
     return [torch.cat([x.reshape(-1, dims.hidden) for x in t])]
 
 
-def _split_gate_up(t, dims: Dims) -> list[torch.Tensor]:
-    return [part.contiguous() for part in t[0].chunk(2)]
-
-
-def _join_gate_up(t, dims: Dims) -> list[torch.Tensor]:
-    return [torch.cat(list(t))]
-
-
 RULES = (
     *model_rules(),
     Rule((f"{_QKV}.q.weight", f"{_QKV}.k.weight", f"{_QKV}.v.weight"),
@@ -59,10 +51,7 @@ RULES = (
          megatron=_QKV),
     Rule(("self_attention.linear_proj.weight",), _LAYER + "self_attn.o_proj.weight"),
     *norm_rules(),
-    Rule(("mlp.linear_fc1.gate.weight", "mlp.linear_fc1.up.weight"),
-         _LAYER + "mlp.gate_up_proj.weight", "dense", to_mp=_split_gate_up,
-         to_hf=_join_gate_up, megatron="mlp.linear_fc1"),
-    Rule(("mlp.linear_fc2.weight",), _LAYER + "mlp.down_proj.weight", "dense"),
+    *fused_mlp_rules(),
 )  # fmt: skip
 
 
