@@ -199,6 +199,17 @@ CASES = {
     "exaone4-no-window": lambda: transformers.Exaone4Config(
         **EXAONE4 | {"sliding_window": None, "num_hidden_layers": 2,
                      "layer_types": ["full_attention"] * 2}),
+    # Arcee (AFM-4.5B): Llama's layers with an ungated squared-ReLU MLP, YaRN as released
+    # (its attention factor derived; the export writes beta_fast and beta_slow out);
+    # plain RoPE, tied
+    "arcee": lambda: transformers.ArceeConfig(
+        **SMALL, intermediate_size=96, head_dim=16, bos_token_id=None, eos_token_id=None,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                         "original_max_position_embeddings": 16, "beta_fast": 32.0,
+                         "beta_slow": 1.0}),
+    "arcee-tied": lambda: transformers.ArceeConfig(
+        **SMALL, intermediate_size=96, bos_token_id=None, eos_token_id=None,
+        tie_word_embeddings=True),
     # OLMoE: OLMo 2's query and key norms in pre-norm layers of experts, the full
     # softmax's top-k weights (as released); renormalized
     "olmoe": lambda: transformers.OlmoeConfig(**OLMOE),

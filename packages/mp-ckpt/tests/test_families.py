@@ -72,6 +72,7 @@ CONFIGS = {
     "minimax_m2": {"model_type": "minimax_m2", **LLAMA_STYLE, "head_dim": 8, "rotary_dim": 4,
                    "num_local_experts": 4, "num_experts_per_tok": 2},
     "glm4": {"model_type": "glm4", **LLAMA_STYLE},
+    "arcee": {"model_type": "arcee", **LLAMA_STYLE, "hidden_act": "relu2", "head_dim": 4},
     "exaone4": {"model_type": "exaone4", **LLAMA_STYLE, "sliding_window": 4,
                 "layer_types": ["sliding_attention", "full_attention"]},
     "olmoe": {"model_type": "olmoe", **LLAMA_STYLE, "num_experts": 4,
