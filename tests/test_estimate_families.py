@@ -46,6 +46,7 @@ FAMILIES = {
     "olmoe": dict(SMALL, num_experts=4, num_experts_per_tok=2),
     "olmo3": dict(SMALL, sliding_window=8),
     "glm4": dict(SMALL, head_dim=16),
+    "flex_olmo": dict(SMALL, num_experts=4, num_experts_per_tok=2),
     "arcee": dict(SMALL, head_dim=16),
     "exaone4": dict(SMALL, num_hidden_layers=4, sliding_window=8),
     "minimax_m2": dict(SMALL, head_dim=16, rotary_dim=8, num_local_experts=4,

@@ -210,6 +210,8 @@ CASES = {
     "arcee-tied": lambda: transformers.ArceeConfig(
         **SMALL, intermediate_size=96, bos_token_id=None, eos_token_id=None,
         tie_word_embeddings=True),
+    # FlexOlmo: OLMo 2's layers with OLMoE's experts (the full softmax's top-k weights)
+    "flex_olmo": lambda: transformers.FlexOlmoConfig(**OLMOE),
     # OLMoE: OLMo 2's query and key norms in pre-norm layers of experts, the full
     # softmax's top-k weights (as released); renormalized
     "olmoe": lambda: transformers.OlmoeConfig(**OLMOE),

@@ -72,6 +72,8 @@ CONFIGS = {
     "minimax_m2": {"model_type": "minimax_m2", **LLAMA_STYLE, "head_dim": 8, "rotary_dim": 4,
                    "num_local_experts": 4, "num_experts_per_tok": 2},
     "glm4": {"model_type": "glm4", **LLAMA_STYLE},
+    "flex_olmo": {"model_type": "flex_olmo", **LLAMA_STYLE, "num_experts": 4,
+                  "num_experts_per_tok": 2},
     "arcee": {"model_type": "arcee", **LLAMA_STYLE, "hidden_act": "relu2", "head_dim": 4},
     "exaone4": {"model_type": "exaone4", **LLAMA_STYLE, "sliding_window": 4,
                 "layer_types": ["sliding_attention", "full_attention"]},
@@ -91,7 +93,8 @@ CONFIGS = {
                    "moe_intermediate_size": 8, "shared_expert_intermediate_size": 8,
                    "num_experts_per_tok": 2},
 }  # fmt: skip
-NOT_MEGATRON = ("olmo2", "olmo3", "olmoe", "gemma3_text", "minimax_m2", "glm4", "exaone4")
+NOT_MEGATRON = ("olmo2", "olmo3", "olmoe", "flex_olmo", "gemma3_text", "minimax_m2", "glm4",
+                "exaone4")  # fmt: skip
 """Families Megatron-LM cannot compute (norms after the sublayers, queries and keys
 normalized over all heads, a gated GELU, Gemma's scales): export-megatron refuses them."""
 MEGATRON = [name for name in ARCHITECTURES if not name.startswith("deepseek")

@@ -26,7 +26,7 @@ ARCHITECTURES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "nemotron", "mixt
                  "deepseek_v32", "glm_moe_dsa", "glm4_moe", "llama4_text", "nemotron_h",
                  "qwen3_next", "smollm3", "phi3", "seed_oss", "ernie4_5",
                  "glm4_moe_lite", "olmo2", "olmo3", "olmoe", "gemma3_text",
-                 "minimax_m2", "glm4", "exaone4", "arcee")  # fmt: skip
+                 "minimax_m2", "glm4", "exaone4", "arcee", "flex_olmo")  # fmt: skip
 
 
 ALIASES = {"kimi_k2": "deepseek_v3"}
@@ -61,10 +61,11 @@ def family_of(settings: dict) -> str:
     DeepSeek-V3.2 with other sparse attention, DeepSeek-V3 with sigmoid router scores,
     else DeepSeek-V2; learned positions are GPT-2; normalized sublayer inputs and outputs
     Gemma 3 with scaled embeddings, else GLM-4; normalized sublayer outputs EXAONE 4.0
-    with per-head query/key norms, OLMo 3 with a window, else OLMo 2; layers without
-    rotary embeddings in a dense model without Llama 4's other features are SmolLM3;
-    L2-normalized queries and keys, layers without rotary embeddings, routing weights on
-    the experts' input, or interleaved rotary embeddings with experts are Llama 4; experts
+    with per-head query/key norms, FlexOlmo with experts, OLMo 3 with a window, else
+    OLMo 2; layers without rotary embeddings in a dense model without Llama 4's other
+    features are SmolLM3; L2-normalized queries and keys, layers without rotary
+    embeddings, routing weights on the experts' input, or interleaved rotary embeddings
+    with experts are Llama 4; experts
     with quick GEGLU or sinks gpt-oss, with sigmoid router scores MiniMax-M2 where queries
     and keys are normalized over all heads, else GLM-4.5, with a shared expert Qwen2-MoE,
     with queries and keys normalized over all heads OLMoE, with qk-layernorm Qwen3-MoE,
@@ -90,6 +91,8 @@ def family_of(settings: dict) -> str:
     if settings.get("sublayer_norm", "input") == "output":
         if settings.get("qk_layernorm_scope", "head") != "all_heads":
             return "exaone4"
+        if settings.get("num_moe_experts"):
+            return "flex_olmo"
         return "olmo3" if settings.get("window_size") else "olmo2"
     if _smollm3(settings):
         return "smollm3"

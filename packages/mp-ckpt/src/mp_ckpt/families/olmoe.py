@@ -18,13 +18,13 @@ from mp_ckpt.families.moe import expert_rules, unfuse_experts
 from mp_ckpt.families.moe_settings import moe_config, positive, routing
 from mp_ckpt.families.table import Family
 
-__all__ = ["FAMILY"]
+__all__ = ["EXPERTS", "FAMILY", "expert_config", "expert_layers"]
 
-_EXPERTS = ("mlp", "gate_proj", "up_proj", "down_proj")
+EXPERTS = ("mlp", "gate_proj", "up_proj", "down_proj")
 _DEFAULTS = {"num_experts": 64, "num_experts_per_tok": 8, "intermediate_size": 1024}
 _NORMS = {"qk_layernorm": True, "qk_layernorm_scope": "all_heads"}
 RULES = (*model_rules(), *attention_rules(qk_norm=True), *norm_rules(),
-         *expert_rules(*_EXPERTS))  # fmt: skip
+         *expert_rules(*EXPERTS))  # fmt: skip
 
 
 def _settings(config: dict) -> dict:
@@ -39,13 +39,21 @@ def _settings(config: dict) -> dict:
             f"config.json head_dim={config['head_dim']!r}: OLMoE's query norm spans "
             f"hidden_size, so its heads are hidden_size / num_attention_heads = {width} wide"
         )
-    ffn = positive(config, "intermediate_size", _DEFAULTS)
-    base = llama_settings(config | {"intermediate_size": ffn}, rms_norm_eps=1e-5,
-                          max_positions=4096)  # fmt: skip
+    return expert_layers(config, _DEFAULTS, rms_norm_eps=1e-5, rope_theta=10000.0) | _NORMS
+
+
+def expert_layers(config: dict, defaults: dict, *, rms_norm_eps: float,
+                  rope_theta: float) -> dict:  # fmt: skip
+    """The settings of OLMoE's layers (FlexOlmo's too) but their norms: Llama's attention,
+    every MLP num_experts experts of intermediate_size, softmax routing, the top k
+    renormalized only with norm_topk_prob."""
+    ffn = positive(config, "intermediate_size", defaults)
+    base = llama_settings(config | {"intermediate_size": ffn}, rms_norm_eps=rms_norm_eps,
+                          rope_theta=rope_theta, max_positions=4096)  # fmt: skip
     norm_topk = config.get("norm_topk_prob", False)
     if norm_topk not in (True, False):
         raise ValueError(f"config.json norm_topk_prob={norm_topk!r}: expected true or false")
-    return base | _NORMS | routing(config, "num_experts", _DEFAULTS) | {
+    return base | routing(config, "num_experts", defaults) | {
         "moe_ffn_hidden_size": ffn, "moe_router_pre_softmax": not norm_topk,
         "moe_shared_expert_intermediate_size": None, "moe_shared_expert_gate": False,
         "moe_layer_freq": [1],
@@ -58,17 +66,25 @@ def _config(settings: dict, shapes: dict, tokens: dict, dtype: str) -> dict:
             f"model_config kv_channels={shapes['head_dim']}: OLMoE's heads are hidden_size / "
             f"num_attention_heads = {shapes['hidden'] // shapes['heads']} wide"
         )
-    if not all(shapes["sparse"]):
-        raise ValueError("model_config moe_layer_freq: every OLMoE layer is a mixture of experts")
-    config = moe_config(settings, shapes, tokens, dtype, "olmoe", None, **_NORMS)
+    config = expert_config(settings, shapes, tokens, dtype, "olmoe", _NORMS)
     del config["head_dim"]  # not a key of OlmoeConfig
+    return config | {"architectures": ["OlmoeForCausalLM"], "clip_qkv": None}
+
+
+def expert_config(settings: dict, shapes: dict, tokens: dict, dtype: str, model_type: str,
+                  norms: dict) -> dict:  # fmt: skip
+    """config.json of expert_layers' settings with the family's `norms`."""
+    if not all(shapes["sparse"]):
+        raise ValueError(f"model_config moe_layer_freq: every {model_type} layer is a "
+                         "mixture of experts")  # fmt: skip
+    config = moe_config(settings, shapes, tokens, dtype, model_type, None, **norms)
     return config | {
-        "architectures": ["OlmoeForCausalLM"], "model_type": "olmoe",
-        "intermediate_size": shapes["expert_ffn"], "num_experts": shapes["experts"],
+        "model_type": model_type, "intermediate_size": shapes["expert_ffn"],
+        "num_experts": shapes["experts"],
         "norm_topk_prob": not settings.get("moe_router_pre_softmax", False),
-        "attention_bias": False, "clip_qkv": None,
+        "attention_bias": False,
     }  # fmt: skip
 
 
 FAMILY = Family("olmoe", "OlmoeForCausalLM", RULES, _settings, _config,
-                prepare=unfuse_experts(*_EXPERTS))  # fmt: skip
+                prepare=unfuse_experts(*EXPERTS))  # fmt: skip
