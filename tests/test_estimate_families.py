@@ -46,6 +46,8 @@ FAMILIES = {
     "olmoe": dict(SMALL, num_experts=4, num_experts_per_tok=2),
     "olmo3": dict(SMALL, sliding_window=8),
     "glm4": dict(SMALL, head_dim=16),
+    "granite": dict(SMALL, embedding_multiplier=12.0, attention_multiplier=0.0078125,
+                    residual_multiplier=0.22, logits_scaling=8.0),
     "flex_olmo": dict(SMALL, num_experts=4, num_experts_per_tok=2),
     "arcee": dict(SMALL, head_dim=16),
     "exaone4": dict(SMALL, num_hidden_layers=4, sliding_window=8),

@@ -212,6 +212,12 @@ CASES = {
         tie_word_embeddings=True),
     # FlexOlmo: OLMo 2's layers with OLMoE's experts (the full softmax's top-k weights)
     "flex_olmo": lambda: transformers.FlexOlmoConfig(**OLMOE),
+    # Granite 3.x: Llama's layers with the embeddings times 12, the softmax scale 1/128
+    # (not 1 / sqrt(16)), each sublayer's output times 0.22, the logits divided by 4
+    "granite": lambda: transformers.GraniteConfig(
+        **SMALL, intermediate_size=96, head_dim=16, bos_token_id=None, eos_token_id=None,
+        embedding_multiplier=12.0, attention_multiplier=0.0078125, residual_multiplier=0.22,
+        logits_scaling=4.0),
     # OLMoE: OLMo 2's query and key norms in pre-norm layers of experts, the full
     # softmax's top-k weights (as released); renormalized
     "olmoe": lambda: transformers.OlmoeConfig(**OLMOE),

@@ -72,6 +72,9 @@ CONFIGS = {
     "minimax_m2": {"model_type": "minimax_m2", **LLAMA_STYLE, "head_dim": 8, "rotary_dim": 4,
                    "num_local_experts": 4, "num_experts_per_tok": 2},
     "glm4": {"model_type": "glm4", **LLAMA_STYLE},
+    "granite": {"model_type": "granite", **LLAMA_STYLE, "embedding_multiplier": 12.0,
+                "attention_multiplier": 0.0078125, "residual_multiplier": 0.22,
+                "logits_scaling": 8.0},
     "flex_olmo": {"model_type": "flex_olmo", **LLAMA_STYLE, "num_experts": 4,
                   "num_experts_per_tok": 2},
     "arcee": {"model_type": "arcee", **LLAMA_STYLE, "hidden_act": "relu2", "head_dim": 4},
@@ -94,7 +97,7 @@ CONFIGS = {
                    "num_experts_per_tok": 2},
 }  # fmt: skip
 NOT_MEGATRON = ("olmo2", "olmo3", "olmoe", "flex_olmo", "gemma3_text", "minimax_m2", "glm4",
-                "exaone4")  # fmt: skip
+                "exaone4", "granite")  # fmt: skip
 """Families Megatron-LM cannot compute (norms after the sublayers, queries and keys
 normalized over all heads, a gated GELU, Gemma's scales): export-megatron refuses them."""
 MEGATRON = [name for name in ARCHITECTURES if not name.startswith("deepseek")
@@ -276,7 +279,10 @@ def test_the_family_table_names_every_megatron_tensor(name):
 def test_megatron_export_refuses_what_megatron_cannot_compute(name):
     fam = family(name)
     settings = fam.settings(CONFIGS[name])
-    refused = r"model_config (activation|sublayer_norm|qk_layernorm_scope)=.*Megatron-LM"
+    refused = (
+        r"model_config (activation|sublayer_norm|qk_layernorm_scope|"
+        r"query_pre_attn_scalar)=.*Megatron-LM"
+    )
     with pytest.raises(ValueError, match=refused):
         megatron_from_logical(logical_tensors(fam, settings), settings)
     windowed = {"window_size": (3, 0), "window_rotary_base": 10000}

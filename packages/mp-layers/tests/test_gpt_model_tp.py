@@ -1,6 +1,6 @@
 """GPTModel at TP 1, 2, 4, with and without sequence parallelism: same loss, same gradients;
 also with fewer query groups than TP ranks (each group shared by 2 or 4 ranks), and with
-OLMo 2's and Gemma 3's layers.
+OLMo 2's (with Granite's multipliers) and Gemma 3's layers.
 
 On a CPU, attention_backend "auto" runs the blocked attention at these sizes;
 the Llama style is also run through SDPA ("flash")."""
@@ -33,11 +33,13 @@ STYLES = {
                              qk_layernorm=True, position_embedding_type="rope",
                              normalization="RMSNorm", add_bias_linear=False),
     # OLMo 2's norms: each sublayer's output normalized, queries and keys over all heads
-    # (their sums of squares added up over the TP ranks, whose gradients come back summed)
+    # (their sums of squares added up over the TP ranks, whose gradients come back summed);
+    # with Granite's multipliers of the embeddings, the residual branches and the logits
     "olmo2": dict(num_layers=2, hidden_size=64, num_attention_heads=8, num_query_groups=4,
                   kv_channels=8, position_embedding_type="rope", normalization="RMSNorm",
                   activation="swiglu", ffn_hidden_size=96, add_bias_linear=False,
-                  qk_layernorm=True, qk_layernorm_scope="all_heads", sublayer_norm="output"),
+                  qk_layernorm=True, qk_layernorm_scope="all_heads", sublayer_norm="output",
+                  word_embedding_multiplier=3.0, residual_multiplier=0.5, logits_scaling=4.0),
     # Gemma 3's layers: input and output normalized, zero-centred norm weights, head norms,
     # gated tanh-GELU, scaled embeddings and scores
     "gemma3": dict(num_layers=2, hidden_size=64, num_attention_heads=8, num_query_groups=4,

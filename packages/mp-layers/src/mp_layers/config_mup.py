@@ -69,17 +69,18 @@ class MupConfig:
     @property
     def logit_multiplier(self) -> float:
         """What the logits are multiplied by: mup_output_mult, 1 / the width multiplier when
-        left at 1.0 (Megatron's rule); 1 without use_mup."""
+        left at 1.0 (Megatron's rule); without use_mup 1 / logits_scaling (Granite's)."""
         if not self.use_mup:
-            return 1.0
+            return 1.0 / self.logits_scaling
         if self.mup_output_mult == 1.0:
             return 1.0 / self.mup_width_mult
         return self.mup_output_mult
 
     @property
     def embedding_multiplier(self) -> float:
-        """What the embedding's output is multiplied by (1 without use_mup)."""
-        return self.mup_embedding_mult if self.use_mup else 1.0
+        """What the embedding's output is multiplied by: mup_embedding_mult with use_mup,
+        else word_embedding_multiplier (Granite's)."""
+        return self.mup_embedding_mult if self.use_mup else self.word_embedding_multiplier
 
     @property
     def softmax_scale(self) -> float | None:

@@ -422,7 +422,7 @@ class GPTModel(torch.nn.Module):
             hidden = hidden + self.position_embeddings(positions)
         if self.config.scale_word_embeddings:  # Gemma's sqrt(h), rounded to the dtype first
             hidden = hidden * torch.tensor(self.config.hidden_size**0.5, dtype=hidden.dtype)
-        if self.config.embedding_multiplier != 1.0:  # muP's mup_embedding_mult
+        if self.config.embedding_multiplier != 1.0:  # muP's mup_embedding_mult, Granite's
             hidden = hidden * self.config.embedding_multiplier
         p = self.config.hidden_dropout
         if self.training and p > 0:

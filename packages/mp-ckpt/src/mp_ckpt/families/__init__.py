@@ -26,7 +26,8 @@ ARCHITECTURES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "nemotron", "mixt
                  "deepseek_v32", "glm_moe_dsa", "glm4_moe", "llama4_text", "nemotron_h",
                  "qwen3_next", "smollm3", "phi3", "seed_oss", "ernie4_5",
                  "glm4_moe_lite", "olmo2", "olmo3", "olmoe", "gemma3_text",
-                 "minimax_m2", "glm4", "exaone4", "arcee", "flex_olmo")  # fmt: skip
+                 "minimax_m2", "glm4", "exaone4", "arcee", "flex_olmo",
+                 "granite")  # fmt: skip
 
 
 ALIASES = {"kimi_k2": "deepseek_v3"}
@@ -70,8 +71,8 @@ def family_of(settings: dict) -> str:
     and keys are normalized over all heads, else GLM-4.5, with a shared expert Qwen2-MoE,
     with queries and keys normalized over all heads OLMoE, with qk-layernorm Qwen3-MoE,
     else Mixtral; dense with interleaved rotary embeddings ERNIE 4.5 (the Hugging Face
-    class that computes them; Llama's refuses them), with squared ReLU and plain norm
-    weights Arcee, with qk-layernorm Qwen3, with
+    class that computes them; Llama's refuses them), with Granite's multipliers Granite,
+    with squared ReLU and plain norm weights Arcee, with qk-layernorm Qwen3, with
     LayerNorm1P Nemotron, with q/k/v biases Qwen2, with a sliding window Mistral, else
     Llama."""
     if settings.get("hybrid_layer_pattern"):
@@ -111,6 +112,8 @@ def family_of(settings: dict) -> str:
         return "qwen3_moe" if settings.get("qk_layernorm") else "mixtral"
     if settings.get("rotary_interleaved"):  # rotary pairs (2i, 2i + 1) in a dense model
         return "ernie4_5"
+    if any(settings.get(name, 1.0) != 1.0 for name in _GRANITE_SCALES):
+        return "granite"
     if settings.get("activation") == "squared_relu" and not settings.get("apply_layernorm_1p"):
         return "arcee"
     if settings.get("qk_layernorm"):
@@ -120,6 +123,9 @@ def family_of(settings: dict) -> str:
     if settings.get("add_qkv_bias"):
         return "qwen2"
     return "mistral" if settings.get("window_size") else "llama"
+
+
+_GRANITE_SCALES = ("word_embedding_multiplier", "residual_multiplier", "logits_scaling")
 
 
 def _smollm3(settings: dict) -> bool:

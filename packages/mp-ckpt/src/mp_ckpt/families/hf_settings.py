@@ -118,6 +118,7 @@ LLAMA_STYLE = {
     "attn_temperature_floor_scale": None, "attn_temperature_scale": 0.1,
     "moe_latent_size": None, "sublayer_norm": "input", "qk_layernorm_scope": "head",
     "window_rotary_base": None, "scale_word_embeddings": False, "query_pre_attn_scalar": None,
+    "word_embedding_multiplier": 1.0, "residual_multiplier": 1.0, "logits_scaling": 1.0,
 }  # fmt: skip
 """What a Llama-style family computes, under TransformerConfig's names (and defaults)."""
 

@@ -115,7 +115,7 @@ class TransformerLayer(torch.nn.Module):
             normed = _norm(kept, self.input_layernorm, x)
             out, bias = self.self_attention(normed, rotary, attention_mask, kv_cache)
             kept.discard(out)
-            x = x + self._dropout(self._output(out, bias, self.post_self_attn_layernorm))
+            x = x + self._to_residual(self._output(out, bias, self.post_self_attn_layernorm))
         if self.mlp is None:
             return x
         kept = OutputRecompute(norms)
@@ -129,7 +129,7 @@ class TransformerLayer(torch.nn.Module):
         else:
             out, bias = self.mlp(mlp_input)
         kept.discard(out)
-        return x + self._dropout(self._output(out, bias, self.post_mlp_layernorm))
+        return x + self._to_residual(self._output(out, bias, self.post_mlp_layernorm))
 
     @staticmethod
     def _output(out: torch.Tensor, bias: torch.Tensor | None, norm) -> torch.Tensor:
@@ -137,8 +137,11 @@ class TransformerLayer(torch.nn.Module):
         out = out if bias is None else out + bias
         return out if norm is None else norm(out)
 
-    def _dropout(self, x: torch.Tensor) -> torch.Tensor:
-        return hidden_dropout(self.config, self.rng_tracker, x, self.training)
+    def _to_residual(self, x: torch.Tensor) -> torch.Tensor:
+        """A sublayer's output after hidden dropout, times residual_multiplier (Granite's)."""
+        x = hidden_dropout(self.config, self.rng_tracker, x, self.training)
+        multiplier = self.config.residual_multiplier
+        return x if multiplier == 1.0 else x * multiplier
 
     def sharded_state_dict(self, prefix: str = "") -> dict[str, ShardedTensor]:
         pieces = {}

@@ -1,0 +1,60 @@
+"""Granite (model_type "granite", GraniteForCausalLM: IBM's Granite 3.x dense models):
+Llama's layers and tensors with four scales, each an mp setting:
+
+    embedding_multiplier    word_embedding_multiplier: the embeddings' output times it
+    attention_multiplier    the softmax scale itself: query_pre_attn_scalar 1 / m^2 (1/128
+                            is 16384), refused where that is not an integer giving m back
+    residual_multiplier     residual_multiplier: each sublayer's output times it
+    logits_scaling          logits_scaling: the logits divided by it
+
+Refused besides Llama's: attention_bias, mlp_bias.
+"""
+
+from __future__ import annotations
+
+from mp_ckpt.families.hf_settings import base_config, llama_settings
+from mp_ckpt.families.llama import RULES
+from mp_ckpt.families.table import Family
+
+__all__ = ["FAMILY"]
+
+_SCALES = ("word_embedding_multiplier", "residual_multiplier", "logits_scaling")
+_KEYS = ("embedding_multiplier", "residual_multiplier", "logits_scaling")
+"""config.json's keys of _SCALES, in order."""
+
+
+def _scalar(multiplier: float) -> int:
+    """query_pre_attn_scalar of a softmax scale (attention_multiplier)."""
+    scalar = round(multiplier**-2)
+    if scalar < 1 or scalar**-0.5 != multiplier:
+        raise ValueError(
+            f"config.json attention_multiplier={multiplier!r}: mp scales attention by "
+            "1 / sqrt(an integer) (query_pre_attn_scalar), which gives no exactly this"
+        )
+    return scalar
+
+
+def _settings(config: dict) -> dict:
+    base = llama_settings(config, rms_norm_eps=1e-6, max_positions=2048)
+    scales = {ours: float(config.get(key, 1.0)) for ours, key in zip(_SCALES, _KEYS, strict=True)}
+    return base | scales | {"query_pre_attn_scalar": _scalar(config.get("attention_multiplier",
+                                                                         1.0))}  # fmt: skip
+
+
+def _config(settings: dict, shapes: dict, tokens: dict, dtype: str) -> dict:
+    scalar = settings.get("query_pre_attn_scalar")
+    if scalar is None:
+        raise ValueError("model_config query_pre_attn_scalar=None: Granite's configs give the "
+                         "softmax scale (attention_multiplier)")  # fmt: skip
+    scales = {name: settings.get(name, 1.0) for name in _SCALES}
+    config = base_config(settings, shapes, tokens, dtype, "granite", **scales,
+                         query_pre_attn_scalar=scalar)  # fmt: skip
+    if config["head_dim"] == shapes["hidden"] // shapes["heads"]:
+        del config["head_dim"]  # not a key of GraniteConfig (its head width: hidden / heads)
+    return config | {key: float(scales[ours]) for ours, key in zip(_SCALES, _KEYS, strict=True)} | {
+        "architectures": ["GraniteForCausalLM"], "model_type": "granite",
+        "attention_multiplier": scalar**-0.5, "attention_bias": False, "mlp_bias": False,
+    }  # fmt: skip
+
+
+FAMILY = Family("granite", "GraniteForCausalLM", RULES, _settings, _config)
