@@ -10,7 +10,8 @@ with TransformerConfig.sublayer_norm "input" (pre-norm). "output" normalizes eac
 sublayer's output instead (post_self_attn_layernorm, post_mlp_layernorm: OLMo 2),
 x = x + dropout(norm(attention(x))), and "both" normalizes input and output (Gemma's
 sandwich), x = x + dropout(norm(attention(norm(x)))). Selective "layernorm" recompute
-covers the input norms.
+covers the input norms. With residual_multiplier m (Granite's) each sublayer's output
+joins the residual as m dropout(...).
 
 Hidden dropout: residual.py. In a hybrid model (TransformerConfig.hybrid_layer_pattern)
 a layer has one sublayer: attention (*), a gated DeltaNet (G), a dense MLP (-) or a MoE MLP
