@@ -3,8 +3,8 @@ MLP of squared ReLU (hidden_act "relu2": mp's activation "squared_relu", Nemotro
 up_proj mp's linear_fc1; rotary embeddings plain or YaRN-scaled (rope_type "yarn",
 position_embedding_type "yarn": the released model's 4k context extended to 64k).
 
-Refused besides Llama's: another hidden_act, mlp_bias, attention_bias, a YaRN
-attention_factor other than the one mp derives (yarn.py).
+Refused besides Llama's: another hidden_act, mlp_bias, attention_bias, an explicit YaRN
+attention_factor (yarn.py: mp derives it).
 """
 
 from __future__ import annotations

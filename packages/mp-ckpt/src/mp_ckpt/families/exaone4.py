@@ -19,7 +19,7 @@ no sliding_window.
 
 from __future__ import annotations
 
-from mp_ckpt.families.hf_settings import base_config, llama_settings
+from mp_ckpt.families.hf_settings import base_config, head_dim_where_it_differs, llama_settings
 from mp_ckpt.families.llama_style import attention_rules, dense_mlp_rules, model_rules
 from mp_ckpt.families.nope import rotating_of
 from mp_ckpt.families.olmo2 import output_norm_rules
@@ -64,8 +64,7 @@ def _config(settings: dict, shapes: dict, tokens: dict, dtype: str) -> dict:
                          "window_attn_skip_freq": settings.get("window_attn_skip_freq"),
                          "no_rope_freq": settings.get("no_rope_freq")}  # fmt: skip
     config = base_config(settings, shapes, tokens, dtype, "exaone4", **computes)
-    if config["head_dim"] == shapes["hidden"] // shapes["heads"]:
-        del config["head_dim"]  # not a key of Exaone4Config (its head width: hidden / heads)
+    config = head_dim_where_it_differs(config, shapes)  # Exaone4Config has none
     freq = settings.get("window_attn_skip_freq")
     pattern = freq if isinstance(freq, int) and not isinstance(freq, bool) else _PATTERN
     return config | {

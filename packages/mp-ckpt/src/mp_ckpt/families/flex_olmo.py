@@ -7,6 +7,7 @@ Refused besides OLMo 2's and OLMoE's: nothing more (FlexOlmo has no clip_qkv).
 
 from __future__ import annotations
 
+from mp_ckpt.families.hf_settings import head_dim_where_it_differs
 from mp_ckpt.families.llama_style import attention_rules, model_rules
 from mp_ckpt.families.moe import expert_rules, unfuse_experts
 from mp_ckpt.families.olmo2 import OLMO2_NORMS, output_norm_rules
@@ -27,9 +28,7 @@ def _settings(config: dict) -> dict:
 
 def _config(settings: dict, shapes: dict, tokens: dict, dtype: str) -> dict:
     config = expert_config(settings, shapes, tokens, dtype, "flex_olmo", OLMO2_NORMS)
-    if config["head_dim"] == shapes["hidden"] // shapes["heads"]:
-        del config["head_dim"]  # not a key of FlexOlmoConfig (its head width: hidden / heads)
-    return config | {"architectures": ["FlexOlmoForCausalLM"]}
+    return head_dim_where_it_differs(config, shapes) | {"architectures": ["FlexOlmoForCausalLM"]}
 
 
 FAMILY = Family("flex_olmo", "FlexOlmoForCausalLM", RULES, _settings, _config,

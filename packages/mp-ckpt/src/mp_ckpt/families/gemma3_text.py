@@ -60,7 +60,8 @@ def _settings(config: dict) -> dict:
     for key in ("attn_logit_softcapping", "final_logit_softcapping"):
         refuse(config, key, None)
     refuse(config, "use_bidirectional_attention", False)
-    config = {k: v for k, v in config.items() if k != "hidden_act"}  # Gemma 1's key
+    refuse(config, "hidden_act", "gelu_pytorch_tanh")  # Gemma 1's key, where given
+    config = {k: v for k, v in config.items() if k != "hidden_act"}
     full, local = split_rope(config, 1000000.0, 10000.0)
     base = llama_settings(config | {"rope_parameters": full}, rms_norm_eps=1e-6,
                           max_positions=131072)  # fmt: skip

@@ -12,7 +12,7 @@ Refused besides Llama's: attention_bias, mlp_bias.
 
 from __future__ import annotations
 
-from mp_ckpt.families.hf_settings import base_config, llama_settings
+from mp_ckpt.families.hf_settings import base_config, head_dim_where_it_differs, llama_settings
 from mp_ckpt.families.llama import RULES
 from mp_ckpt.families.table import Family
 
@@ -49,8 +49,7 @@ def _config(settings: dict, shapes: dict, tokens: dict, dtype: str) -> dict:
     scales = {name: settings.get(name, 1.0) for name in _SCALES}
     config = base_config(settings, shapes, tokens, dtype, "granite", **scales,
                          query_pre_attn_scalar=scalar)  # fmt: skip
-    if config["head_dim"] == shapes["hidden"] // shapes["heads"]:
-        del config["head_dim"]  # not a key of GraniteConfig (its head width: hidden / heads)
+    config = head_dim_where_it_differs(config, shapes)  # GraniteConfig has none
     return config | {key: float(scales[ours]) for ours, key in zip(_SCALES, _KEYS, strict=True)} | {
         "architectures": ["GraniteForCausalLM"], "model_type": "granite",
         "attention_multiplier": scalar**-0.5, "attention_bias": False, "mlp_bias": False,

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 __all__ = [
     "base_config",
+    "head_dim_where_it_differs",
     "llama_config",
     "llama_settings",
     "refuse",
@@ -156,6 +157,14 @@ def base_config(settings: dict, shapes: dict, tokens: dict, dtype: str, model_ty
         "initializer_range": settings.get("init_method_std", 0.02),
         "tie_word_embeddings": shapes["tied"], **token_ids(tokens), "dtype": dtype,
     }  # fmt: skip
+
+
+def head_dim_where_it_differs(config: dict, shapes: dict) -> dict:
+    """config without its head_dim where the heads are hidden / heads wide: the families
+    whose config.json has no head_dim, or writes it only where it differs."""
+    if shapes["head_dim"] * shapes["heads"] == shapes["hidden"]:
+        return {k: v for k, v in config.items() if k != "head_dim"}
+    return config
 
 
 def llama_config(settings: dict, shapes: dict, tokens: dict, dtype: str) -> dict:

@@ -25,7 +25,7 @@ from __future__ import annotations
 from mp_ckpt.families.hf_settings import base_config, check_computes, llama_settings, refuse
 from mp_ckpt.families.llama_style import attention_rules, model_rules, norm_rules
 from mp_ckpt.families.moe import expert_rules, unfuse_experts
-from mp_ckpt.families.moe_settings import positive, routing
+from mp_ckpt.families.moe_settings import aux_loss_coef, positive, routing
 from mp_ckpt.families.table import Family, Rule
 
 __all__ = ["FAMILY"]
@@ -90,13 +90,11 @@ def _config(settings: dict, shapes: dict, tokens: dict, dtype: str) -> dict:
     config = base_config(settings, shapes | {"ffn": shapes["expert_ffn"]}, tokens, dtype,
                          "minimax_m2", rotary_percent=partial, **_NORMS)  # fmt: skip
     config["rope_parameters"] = {**config["rope_parameters"], "partial_rotary_factor": partial}
-    kind = settings.get("moe_router_load_balancing_type", "aux_loss")
     return config | {
         "architectures": ["MiniMaxM2ForCausalLM"], "model_type": "minimax_m2",
         "rotary_dim": round(partial * shapes["head_dim"]),
         "num_local_experts": shapes["experts"], "num_experts_per_tok": topk,
-        "router_aux_loss_coef": settings.get("moe_aux_loss_coeff", 0.0) if kind != "none"
-        else 0.0,
+        "router_aux_loss_coef": aux_loss_coef(settings),
         "router_jitter_noise": 0.0, "use_cache": True, "output_router_logits": False,
     }  # fmt: skip
 

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 from mp_ckpt.families.hf_settings import base_config
 
-__all__ = ["GROUP_RANK", "check_group_rank", "check_routing", "moe_config", "positive",
-           "routing", "sigmoid_routing", "sparse_layers", "sparse_step"]  # fmt: skip
+__all__ = ["GROUP_RANK", "aux_loss_coef", "check_group_rank", "check_routing", "moe_config",
+           "positive", "routing", "sigmoid_routing", "sparse_layers", "sparse_step"]  # fmt: skip
 
 GROUP_RANK = 2
 """The best scores a group of experts is ranked by (transformers' topk(2) in DeepSeek-V3's
@@ -103,7 +103,8 @@ def check_routing(settings: dict, arch: str, pre_softmax: bool | None,
     return topk
 
 
-def _aux_loss_coef(settings: dict) -> float:
+def aux_loss_coef(settings: dict) -> float:
+    """config.json's router_aux_loss_coef: the Switch-style load-balancing loss's weight."""
     kind = settings.get("moe_router_load_balancing_type", "aux_loss")
     coeff = settings.get("moe_aux_loss_coeff", 0.0)
     if isinstance(kind, list):  # several losses: the Switch-style one's, which the model has
@@ -135,7 +136,7 @@ def moe_config(settings: dict, shapes: dict, tokens: dict, dtype: str, arch: str
     del config["intermediate_size"]
     return config | {
         "use_cache": True, "output_router_logits": False,
-        "router_aux_loss_coef": _aux_loss_coef(settings),
+        "router_aux_loss_coef": aux_loss_coef(settings),
         "num_experts_per_tok": check_routing(settings, arch, pre_softmax, score_function),
     }  # fmt: skip
 

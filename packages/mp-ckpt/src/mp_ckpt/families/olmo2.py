@@ -19,7 +19,7 @@ Refused besides Llama's: attention_bias (the released models have none).
 
 from __future__ import annotations
 
-from mp_ckpt.families.hf_settings import base_config, llama_settings
+from mp_ckpt.families.hf_settings import base_config, head_dim_where_it_differs, llama_settings
 from mp_ckpt.families.llama_style import attention_rules, dense_mlp_rules, model_rules
 from mp_ckpt.families.table import Family, Rule
 
@@ -49,9 +49,7 @@ def _settings(config: dict) -> dict:
 
 def _config(settings: dict, shapes: dict, tokens: dict, dtype: str) -> dict:
     config = base_config(settings, shapes, tokens, dtype, "olmo2", **OLMO2_NORMS)
-    if config["head_dim"] == shapes["hidden"] // shapes["heads"]:
-        del config["head_dim"]  # not a key of Olmo2Config (its head width: hidden / heads)
-    return config | {
+    return head_dim_where_it_differs(config, shapes) | {
         "architectures": ["Olmo2ForCausalLM"], "model_type": "olmo2", "attention_bias": False,
     }  # fmt: skip
 

@@ -20,21 +20,22 @@ from __future__ import annotations
 
 import math
 
-from mp_ckpt.families.hf_settings import base_config, llama_settings, rope_parameters
+from mp_ckpt.families.hf_settings import (
+    base_config,
+    head_dim_where_it_differs,
+    llama_settings,
+    rope_parameters,
+)
 from mp_ckpt.families.layer_type_rope import nested_rope, split_rope, window_base
 from mp_ckpt.families.olmo2 import OLMO2_NORMS, RULES
 from mp_ckpt.families.table import Family
 from mp_ckpt.families.window import layer_types, sliding_window, window_settings
-from mp_ckpt.families.yarn import yarn_parameters, yarn_settings
+from mp_ckpt.families.yarn import yarn_attention_factor, yarn_parameters, yarn_settings
 
 __all__ = ["FAMILY"]
 
 _THETA = 500000.0
 """Olmo3Config's default rope_theta."""
-
-
-def _derived_attention_factor(factor: float) -> float:
-    return 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
 
 
 def _settings(config: dict) -> dict:
@@ -48,13 +49,11 @@ def _settings(config: dict) -> dict:
     if kind == "yarn":
         yarn = {k: v for k, v in full.items() if k != "attention_factor"}
         base |= yarn_settings(yarn, base["max_position_embeddings"])
-        factor = base["yarn_rotary_scaling_factor"]
-        given = full.get("attention_factor")
-        if given is not None and not math.isclose(given, _derived_attention_factor(factor),
-                                                  rel_tol=1e-9):  # fmt: skip
+        derived, given = yarn_attention_factor(base), full.get("attention_factor")
+        if given is not None and not math.isclose(given, derived, rel_tol=1e-9):
             raise ValueError(
                 f"config.json rope_parameters.full_attention attention_factor={given!r}: mp "
-                f"derives {_derived_attention_factor(factor)!r} from factor={factor!r}"
+                f"derives {derived!r} from the factor and mscales"
             )
     layers = config["num_hidden_layers"]
     default_types = ["full_attention" if (i + 1) % 4 == 0 else "sliding_attention"
@@ -73,12 +72,11 @@ def _config(settings: dict, shapes: dict, tokens: dict, dtype: str) -> dict:
                 "window_rotary_base": settings.get("window_rotary_base"),
                 "position_embedding_type": position}  # fmt: skip
     config = base_config(settings, shapes, tokens, dtype, "olmo3", **OLMO2_NORMS, **computes)
-    if config["head_dim"] == shapes["hidden"] // shapes["heads"]:
-        del config["head_dim"]  # not a key of Olmo3Config (its head width: hidden / heads)
+    config = head_dim_where_it_differs(config, shapes)  # Olmo3Config has none
     full = rope_parameters(settings)
     if position == "yarn":
         full = yarn_parameters(settings)
-        full["attention_factor"] = _derived_attention_factor(full["factor"])
+        full["attention_factor"] = yarn_attention_factor(settings)
     return config | {
         "architectures": ["Olmo3ForCausalLM"], "model_type": "olmo3", "attention_bias": False,
         "rope_parameters": nested_rope(settings, full),

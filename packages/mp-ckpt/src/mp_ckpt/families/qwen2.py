@@ -4,7 +4,7 @@ tie the output layer to the embedding."""
 
 from __future__ import annotations
 
-from mp_ckpt.families.hf_settings import base_config, llama_settings
+from mp_ckpt.families.hf_settings import base_config, head_dim_where_it_differs, llama_settings
 from mp_ckpt.families.llama_style import attention_rules, dense_mlp_rules, model_rules, norm_rules
 from mp_ckpt.families.qwen_windows import qwen_window_keys, refuse_qwen_windows
 from mp_ckpt.families.table import Family
@@ -25,8 +25,7 @@ def _config(settings: dict, shapes: dict, tokens: dict, dtype: str) -> dict:
         raise ValueError("model_config add_qkv_bias=False: Qwen2 always has q/k/v biases; "
                          "export it as llama")  # fmt: skip
     config = base_config(settings, shapes, tokens, dtype, "qwen2") | qwen_window_keys(settings)
-    if shapes["head_dim"] * shapes["heads"] == shapes["hidden"]:
-        del config["head_dim"]  # Qwen2 writes it only where it differs
+    config = head_dim_where_it_differs(config, shapes)  # Qwen2 writes it only where it differs
     return config | {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}
 
 

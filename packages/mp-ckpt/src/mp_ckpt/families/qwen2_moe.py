@@ -10,7 +10,7 @@ then (sliding_window 0, max_window_layers 28, layer_types all "full_attention").
 
 from __future__ import annotations
 
-from mp_ckpt.families.hf_settings import llama_settings
+from mp_ckpt.families.hf_settings import head_dim_where_it_differs, llama_settings
 from mp_ckpt.families.llama_style import attention_rules, dense_mlp_rules, model_rules, norm_rules
 from mp_ckpt.families.moe import expert_rules, shared_expert_rules, unfuse_experts
 from mp_ckpt.families.moe_settings import moe_config, positive, routing, sparse_layers, sparse_step
@@ -58,9 +58,7 @@ def _config(settings: dict, shapes: dict, tokens: dict, dtype: str) -> dict:
         "sliding_window": 0, "max_window_layers": QWEN_MAX_WINDOW_LAYERS,
         "layer_types": ["full_attention"] * shapes["layers"],
     }  # fmt: skip
-    if shapes["head_dim"] * shapes["heads"] == shapes["hidden"]:
-        del config["head_dim"]  # Qwen2-MoE writes it only where it differs
-    return config
+    return head_dim_where_it_differs(config, shapes)  # written only where it differs
 
 
 FAMILY = Family("qwen2_moe", "Qwen2MoeForCausalLM", RULES, _settings, _config,

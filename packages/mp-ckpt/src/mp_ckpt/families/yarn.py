@@ -14,7 +14,9 @@ An explicit attention_factor is refused: mp derives it from the mscales.
 
 from __future__ import annotations
 
-__all__ = ["yarn_parameters", "yarn_settings"]
+import math
+
+__all__ = ["yarn_attention_factor", "yarn_parameters", "yarn_settings"]
 
 
 def yarn_settings(parameters: dict, max_positions: int) -> dict:
@@ -63,3 +65,17 @@ def yarn_parameters(settings: dict) -> dict:
             )
         parameters |= {"mscale": mscale, "mscale_all_dim": all_dim}
     return parameters
+
+
+def yarn_attention_factor(settings: dict) -> float:
+    """The attention factor mp derives from YaRN settings (rope.py's, transformers' where
+    attention_factor is absent): (0.1 mscale ln s + 1) / (0.1 mscale_all_dim ln s + 1), 1
+    for s <= 1; 0.1 ln s + 1 with the mscales' defaults."""
+
+    def mscale(weight: float) -> float:
+        return 1.0 if factor <= 1 else 0.1 * weight * math.log(factor) + 1.0
+
+    factor = settings.get("yarn_rotary_scaling_factor", 1.0)
+    return mscale(settings.get("yarn_mscale", 1.0)) / mscale(
+        settings.get("yarn_mscale_all_dim", 0.0)
+    )
