@@ -112,14 +112,14 @@ class TransformerLayer(torch.nn.Module):
     ) -> torch.Tensor:
         norms = self.recompute_norms and self.training
         if self.self_attention is not None:
-            kept = OutputRecompute(norms)
+            kept = OutputRecompute(norms and self.input_layernorm is not None)
             normed = _norm(kept, self.input_layernorm, x)
             out, bias = self.self_attention(normed, rotary, attention_mask, kv_cache)
             kept.discard(out)
             x = x + self._to_residual(self._output(out, bias, self.post_self_attn_layernorm))
         if self.mlp is None:
             return x
-        kept = OutputRecompute(norms)
+        kept = OutputRecompute(norms and self.pre_mlp_layernorm is not None)
         mlp_input = _norm(kept, self.pre_mlp_layernorm, x)
         chunks = min(self.config.mlp_chunks_for_training, mlp_input.shape[0])
         if self.recompute_mlp and self.training and torch.is_grad_enabled():
@@ -160,11 +160,8 @@ class TransformerLayer(torch.nn.Module):
 
 def _norm(kept: OutputRecompute, norm: torch.nn.Module | None, x: torch.Tensor) -> torch.Tensor:
     """A sublayer's input: x normalized (recomputable), or x itself without an input norm
-    (then `kept` has nothing to discard)."""
-    if norm is None:
-        kept.active = False
-        return x
-    return kept.run(norm, x)
+    (then `kept`, built inactive, has nothing to discard)."""
+    return x if norm is None else kept.run(norm, x)
 
 
 class TransformerBlock(torch.nn.Module):
