@@ -85,8 +85,6 @@ def test_defaults_follow_megatron():
         (dict(logits_scaling=2.0, use_mup=True), "logits_scaling=2.0 with use_mup: muP sets"),
         (dict(word_embedding_multiplier=12.0, use_mup=True),
          "word_embedding_multiplier=12.0 with use_mup"),
-        (dict(residual_multiplier=0.22, hybrid_layer_pattern="M*M*"),
-         "residual_multiplier=0.22 with hybrid_layer_pattern: a Mamba layer's residual"),
         (dict(sublayer_norm="after"), "sublayer_norm='after' must be one of input, output"),
         (dict(qk_layernorm_scope="all_heads"),
          "qk_layernorm_scope='all_heads' needs qk_layernorm=True without qk_l2_norm"),

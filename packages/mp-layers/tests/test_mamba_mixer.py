@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from mp_layers import ModelGroups, TransformerConfig
+from mp_layers.transformer.mamba_layer import MambaLayer
 from mp_layers.transformer.mamba_mixer import MambaMixer
 from mp_layers.transformer.ssd import chunked_scan, recurrent_step
 from mp_state.testing import run_on_ranks
@@ -191,3 +192,16 @@ def _keep(kept: list, t: torch.Tensor) -> torch.Tensor:
 
 def _same(t: torch.Tensor) -> torch.Tensor:
     return t
+
+
+def test_a_mamba_layers_mixer_output_joins_the_residual_times_the_multiplier():
+    """residual_multiplier (Granite 4's) scales the mixer's part of a Mamba layer, not the
+    residual it joins: x + m mixer(norm(x))."""
+    torch.manual_seed(0)
+    layer = MambaLayer(config(residual_multiplier=0.25), ModelGroups.single()).eval()
+    randomized(layer.mixer)
+    x = torch.randn(12, 2, H, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        mixed, _ = layer.mixer(layer.norm(x))
+        torch.testing.assert_close(layer(x), x + 0.25 * mixed, rtol=0, atol=1e-6)
+        assert not torch.allclose(layer(x), x + mixed, atol=1e-3)

@@ -14,7 +14,7 @@ the value.
                                heads are 256 wide; Granite's attention_multiplier 1/128 is
                                16384)
     residual_multiplier        each sublayer's output times it before the residual add
-                               (Granite's)
+                               (Granite's; a hybrid model's Mamba mixers' too, Granite 4's)
     logits_scaling             the logits divided by it (Granite's)
 """
 
@@ -48,8 +48,8 @@ class ScalesConfig:
     with use_mup, whose mup_embedding_mult it is."""
 
     residual_multiplier: float = 1.0
-    """Multiply each attention and MLP sublayer's output by it before the residual add
-    (Granite's)."""
+    """Multiply each sublayer's output (attention, MLP, and in a hybrid model the Mamba
+    mixers') by it before the residual add (Granite's)."""
 
     logits_scaling: float = 1.0
     """Divide the logits by it (Granite's). Not with use_mup, whose mup_output_mult sets
@@ -70,10 +70,6 @@ def check_scales(config: TransformerConfig) -> None:
             raise ValueError(f"{name}={getattr(config, name)!r} with use_mup: muP sets the "
                              "embedding's and the logits' multipliers (mup_embedding_mult, "
                              "mup_output_mult)")  # fmt: skip
-    if config.residual_multiplier != 1.0 and config.hybrid_layer_pattern is not None:
-        raise ValueError(f"residual_multiplier={config.residual_multiplier!r} with "
-                         "hybrid_layer_pattern: a Mamba layer's residual is not "
-                         "scaled")  # fmt: skip
     scalar = config.query_pre_attn_scalar
     if scalar is None:
         return

@@ -1,4 +1,5 @@
-"""MambaLayer: a hybrid model's M layer (Megatron's MambaLayer), x + dropout(mixer(norm(x))).
+"""MambaLayer: a hybrid model's M layer (Megatron's MambaLayer), x + dropout(mixer(norm(x))),
+the mixer's part times residual_multiplier where it is not 1 (Granite 4's).
 
 Shapes as TransformerLayer's: x [s, b, h], or [s/tp, b, h] with sequence parallelism. The
 mixer (mamba_mixer.py) runs over whole sequences, each document of packed samples on its
@@ -56,7 +57,9 @@ class MambaLayer(torch.nn.Module):
         packed = attention_mask if isinstance(attention_mask, PackedSeqParams) else None
         out, bias = self.mixer(self.norm(x), kv_cache, self.layer_number, packed)
         out = out if bias is None else out + bias
-        return x + hidden_dropout(self.config, self.rng_tracker, out, self.training)
+        out = hidden_dropout(self.config, self.rng_tracker, out, self.training)
+        multiplier = self.config.residual_multiplier
+        return x + (out if multiplier == 1.0 else out * multiplier)
 
     def sharded_state_dict(self, prefix: str = "") -> dict[str, ShardedTensor]:
         pieces = self.mixer.sharded_state_dict(f"{prefix}mixer.")
