@@ -23,6 +23,8 @@ MOE = dict(num_experts_per_tok=2, moe_intermediate_size=32)
 DEEPSEEK = dict(SMALL, num_attention_heads=4, num_key_value_heads=4, **MOE, n_routed_experts=4,
                 first_k_dense_replace=1, kv_lora_rank=16, qk_nope_head_dim=8,
                 qk_rope_head_dim=4, v_head_dim=8)  # fmt: skip
+GRANITE = dict(embedding_multiplier=12.0, attention_multiplier=0.0078125,
+               residual_multiplier=0.22, logits_scaling=8.0)  # fmt: skip
 FAMILIES = {
     "gpt2": dict(vocab_size=128, n_embd=64, n_layer=3, n_head=4, n_positions=64),
     "llama": dict(SMALL, tie_word_embeddings=True),
@@ -46,8 +48,13 @@ FAMILIES = {
     "olmoe": dict(SMALL, num_experts=4, num_experts_per_tok=2),
     "olmo3": dict(SMALL, sliding_window=8),
     "glm4": dict(SMALL, head_dim=16),
-    "granite": dict(SMALL, embedding_multiplier=12.0, attention_multiplier=0.0078125,
-                    residual_multiplier=0.22, logits_scaling=8.0),
+    "granite": dict(SMALL, **GRANITE),
+    "granitemoe": dict(SMALL, **GRANITE, num_local_experts=4, num_experts_per_tok=2),
+    "granitemoeshared": dict(SMALL, **GRANITE, num_local_experts=4, num_experts_per_tok=2,
+                             shared_intermediate_size=48),
+    "granitemoehybrid": dict(SMALL, **GRANITE, num_local_experts=4, num_experts_per_tok=2,
+                             shared_intermediate_size=48, mamba_n_heads=8, mamba_n_groups=2,
+                             mamba_d_state=16, layer_types=["mamba", "attention", "mamba"]),
     "flex_olmo": dict(SMALL, num_experts=4, num_experts_per_tok=2),
     "arcee": dict(SMALL, head_dim=16),
     "exaone4": dict(SMALL, num_hidden_layers=4, sliding_window=8),

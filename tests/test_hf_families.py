@@ -101,6 +101,18 @@ NEMOTRON_H = dict(vocab_size=96, hidden_size=64, num_attention_heads=4, num_key_
                   head_dim=16, mamba_num_heads=8, mamba_head_dim=8, n_groups=2,
                   ssm_state_size=16, chunk_size=8, intermediate_size=80,
                   max_position_embeddings=64, initializer_range=0.1)  # fmt: skip
+# Granite 3.0 MoE: Granite's four scales over Mixtral-like layers of 4 experts (stacked,
+# each one's gate and up projections fused)
+GRANITE_MOE = dict(SMALL, num_hidden_layers=3, intermediate_size=32, num_local_experts=4,
+                   num_experts_per_tok=2, bos_token_id=None, eos_token_id=None,
+                   embedding_multiplier=12.0, attention_multiplier=0.0078125,
+                   residual_multiplier=0.22, logits_scaling=4.0)  # fmt: skip
+# Granite 4: Nemotron-H's mixers (8 heads of 8 channels in 2 groups, chunks of 8) as
+# Granite's layers, each a mixer then the shared MLP (of 48), beside 4 experts or alone
+GRANITE_HYBRID = dict(GRANITE_MOE, num_hidden_layers=4, shared_intermediate_size=48,
+                      mamba_n_heads=8, mamba_d_head=8, mamba_n_groups=2, mamba_d_state=16,
+                      mamba_chunk_size=8, mamba_expand=1,
+                      layer_types=["mamba", "attention", "mamba", "mamba"])  # fmt: skip
 # Qwen3-Next: gated DeltaNet layers (2 key heads of 8 channels, 4 value heads of 12) and
 # gated attention with a quarter of each head rotated, experts beside a gated shared expert;
 # weights of std 0.02 (at SMALL's 0.1 the model's own fp32 rounding reaches 1.2e-5 in its
@@ -218,6 +230,19 @@ CASES = {
         **SMALL, intermediate_size=96, head_dim=16, bos_token_id=None, eos_token_id=None,
         embedding_multiplier=12.0, attention_multiplier=0.0078125, residual_multiplier=0.22,
         logits_scaling=4.0),
+    "granitemoe": lambda: transformers.GraniteMoeConfig(**GRANITE_MOE, tie_word_embeddings=True),
+    # with a shared MLP of 48 beside the experts
+    "granitemoeshared": lambda: transformers.GraniteMoeSharedConfig(
+        **GRANITE_MOE, shared_intermediate_size=48),
+    # Granite 4.0-H: Mamba and attention (without positional embeddings) mixers, each then
+    # experts beside the shared MLP
+    "granitemoehybrid": lambda: transformers.GraniteMoeHybridConfig(**GRANITE_HYBRID),
+    # Granite 4.0-H-Micro-like: the shared MLP alone; rotary embeddings in attention
+    "granitemoehybrid-dense": lambda: transformers.GraniteMoeHybridConfig(
+        **GRANITE_HYBRID | dict(num_local_experts=0, intermediate_size=48,
+                                position_embedding_type="rope",
+                                layer_types=["attention", "mamba", "attention"],
+                                num_hidden_layers=3)),
     # OLMoE: OLMo 2's query and key norms in pre-norm layers of experts, the full
     # softmax's top-k weights (as released); renormalized
     "olmoe": lambda: transformers.OlmoeConfig(**OLMOE),
@@ -304,7 +329,7 @@ def random_hf(config):
             # Mamba's time step: transformers clamps softplus(dt + dt_bias) at time_step_min
             # (0.001), Megatron and mp do not (nemotron_h.py); a dt_bias in [-1, 1] keeps
             # dt + dt_bias well above where the clamp would act
-            if name.endswith("mixer.dt_bias"):
+            if name.endswith(("mixer.dt_bias", "mamba.dt_bias")):
                 param.uniform_(-1.0, 1.0)
     return model
 
@@ -386,7 +411,7 @@ def test_gpt_oss_generates_past_its_window_ring_through_two_stages_as_transforme
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("case", ["deepseek_v3", "deepseek_v32", "glm_moe_dsa-shared",
-                                  "glm4_moe", "qwen3_moe"])  # fmt: skip
+                                  "glm4_moe", "qwen3_moe", "granitemoehybrid"])  # fmt: skip
 def test_moe_families_generate_at_tp2_x_ep2_as_transformers(tmp_path, case):
     """Generation runs without sequence parallelism: at TP2 each tensor-parallel rank routes
     a share of the tokens (mp_layers' MoELayer), and at TP2 x EP2 greedy tokens equal
@@ -394,7 +419,8 @@ def test_moe_families_generate_at_tp2_x_ep2_as_transformers(tmp_path, case):
     decode steps leave one tensor-parallel rank without a token (DeepSeek-V3's
     group-limited routing then routes a zero row nowhere). DeepSeek-V3.2's indexer is
     whole on each tensor-parallel rank, its heads' attention split; GLM-5's layer without
-    an indexer reuses the positions an earlier layer chose on the same rank."""
+    an indexer reuses the positions an earlier layer chose on the same rank. Granite 4's
+    Mamba mixers split by their groups of heads, one group on each rank."""
     hf = random_hf(CASES[case]())
     hf.save_pretrained(tmp_path / "hf")
     assert main(["import-hf", str(tmp_path / "hf"), str(tmp_path / "ckpt")]) == 0
@@ -406,11 +432,14 @@ def test_moe_families_generate_at_tp2_x_ep2_as_transformers(tmp_path, case):
             assert got == want
 
 
-def test_minimax_m2_reads_transformers_in_memory_names_as_the_saved_ones(tmp_path):
-    """transformers' MiniMax-M2 holds its experts fused and its router bias under mlp.; it
-    saves them as the released checkpoints name them (block_sparse_moe.*): both import
+@pytest.mark.parametrize("case", ["minimax_m2", "granitemoehybrid"])
+def test_transformers_in_memory_names_import_as_the_saved_ones(tmp_path, case):
+    """transformers' MiniMax-M2 holds its experts fused and its router bias under mlp.,
+    Granite's its experts as experts.gate_up_proj / down_proj and its router as
+    router.weight; both save them as the released checkpoints name them
+    (block_sparse_moe.*, input_linear, output_linear, router.layer): both forms import
     alike."""
-    hf = random_hf(CASES["minimax_m2"]())
+    hf = random_hf(CASES[case]())
     hf.save_pretrained(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
     saved = logical_from_hf(load_file(str(tmp_path / "model.safetensors")), config)

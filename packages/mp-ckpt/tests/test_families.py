@@ -28,6 +28,8 @@ LLAMA_STYLE = {"hidden_size": 16, "num_hidden_layers": 2, "num_attention_heads":
 MLA = {**LLAMA_STYLE, "num_key_value_heads": 4, "kv_lora_rank": 8, "qk_nope_head_dim": 4,
        "qk_rope_head_dim": 2, "v_head_dim": 4, "n_routed_experts": 4, "num_experts_per_tok": 2,
        "moe_intermediate_size": 8, "n_shared_experts": 1, "first_k_dense_replace": 1}  # fmt: skip
+GRANITE_SCALES = {"embedding_multiplier": 12.0, "attention_multiplier": 0.0078125,
+                  "residual_multiplier": 0.22, "logits_scaling": 8.0}  # fmt: skip
 CONFIGS = {
     "gpt2": {"model_type": "gpt2", "n_embd": 16, "n_layer": 2, "n_head": 4, "vocab_size": 32,
              "n_positions": 8},
@@ -75,6 +77,16 @@ CONFIGS = {
     "granite": {"model_type": "granite", **LLAMA_STYLE, "embedding_multiplier": 12.0,
                 "attention_multiplier": 0.0078125, "residual_multiplier": 0.22,
                 "logits_scaling": 8.0},
+    "granitemoe": {"model_type": "granitemoe", **LLAMA_STYLE, **GRANITE_SCALES,
+                   "num_local_experts": 4, "num_experts_per_tok": 2},
+    "granitemoeshared": {"model_type": "granitemoeshared", **LLAMA_STYLE, **GRANITE_SCALES,
+                         "num_local_experts": 4, "num_experts_per_tok": 2,
+                         "shared_intermediate_size": 8},
+    "granitemoehybrid": {"model_type": "granitemoehybrid", **LLAMA_STYLE, **GRANITE_SCALES,
+                         "num_local_experts": 4, "num_experts_per_tok": 2,
+                         "shared_intermediate_size": 8, "mamba_n_heads": 4,
+                         "mamba_n_groups": 2, "mamba_d_state": 4,
+                         "layer_types": ["mamba", "attention"]},
     "flex_olmo": {"model_type": "flex_olmo", **LLAMA_STYLE, "num_experts": 4,
                   "num_experts_per_tok": 2},
     "arcee": {"model_type": "arcee", **LLAMA_STYLE, "hidden_act": "relu2", "head_dim": 4},
@@ -97,7 +109,8 @@ CONFIGS = {
                    "num_experts_per_tok": 2},
 }  # fmt: skip
 NOT_MEGATRON = ("olmo2", "olmo3", "olmoe", "flex_olmo", "gemma3_text", "minimax_m2", "glm4",
-                "exaone4", "granite")  # fmt: skip
+                "exaone4", "granite", "granitemoe", "granitemoeshared",
+                "granitemoehybrid")  # fmt: skip
 """Families Megatron-LM cannot compute (norms after the sublayers, queries and keys
 normalized over all heads, a gated GELU, Gemma's scales): export-megatron refuses them."""
 MEGATRON = [name for name in ARCHITECTURES if not name.startswith("deepseek")

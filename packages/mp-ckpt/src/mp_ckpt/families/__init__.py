@@ -27,7 +27,7 @@ ARCHITECTURES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "nemotron", "mixt
                  "qwen3_next", "smollm3", "phi3", "seed_oss", "ernie4_5",
                  "glm4_moe_lite", "olmo2", "olmo3", "olmoe", "gemma3_text",
                  "minimax_m2", "glm4", "exaone4", "arcee", "flex_olmo",
-                 "granite")  # fmt: skip
+                 "granite", "granitemoe", "granitemoeshared", "granitemoehybrid")  # fmt: skip
 
 
 ALIASES = {"kimi_k2": "deepseek_v3"}
@@ -56,7 +56,8 @@ def family(model_type: str):
 
 def family_of(settings: dict) -> str:
     """The family whose layers the settings describe (the first that fits, most specific
-    first): a hybrid layer pattern (Mamba layers) is Nemotron-H; gated DeltaNet layers
+    first): a hybrid layer pattern (Mamba layers) is Granite 4 where its layers are a mixer
+    then a gated SiLU MLP, each layer's MLP of one kind, else Nemotron-H; gated DeltaNet layers
     Qwen3-Next; multi-latent attention is GLM-5 with DeepSeek's sparse attention
     (experimental_attention_variant "dsa") whose indexer rotates in interleaved pairs,
     DeepSeek-V3.2 with other sparse attention, DeepSeek-V3 with sigmoid router scores,
@@ -68,7 +69,8 @@ def family_of(settings: dict) -> str:
     embeddings, routing weights on the experts' input, or interleaved rotary embeddings
     with experts are Llama 4; experts
     with quick GEGLU or sinks gpt-oss, with sigmoid router scores MiniMax-M2 where queries
-    and keys are normalized over all heads, else GLM-4.5, with a shared expert Qwen2-MoE,
+    and keys are normalized over all heads, else GLM-4.5, with Granite's multipliers Granite
+    MoE (granitemoeshared with a shared expert), with a shared expert Qwen2-MoE,
     with queries and keys normalized over all heads OLMoE, with qk-layernorm Qwen3-MoE,
     else Mixtral; dense with interleaved rotary embeddings ERNIE 4.5 (the Hugging Face
     class that computes them; Llama's refuses them), with Granite's multipliers Granite,
@@ -76,7 +78,7 @@ def family_of(settings: dict) -> str:
     LayerNorm1P Nemotron, with q/k/v biases Qwen2, with a sliding window Mistral, else
     Llama."""
     if settings.get("hybrid_layer_pattern"):
-        return "nemotron_h"
+        return "granitemoehybrid" if _granite_hybrid(settings) else "nemotron_h"
     variant = settings.get("experimental_attention_variant")
     if variant in ("gdn", "gated_delta_net"):
         return "qwen3_next"
@@ -105,6 +107,9 @@ def family_of(settings: dict) -> str:
         all_heads = settings.get("qk_layernorm_scope", "head") == "all_heads"
         if settings.get("moe_router_score_function") == "sigmoid":
             return "minimax_m2" if all_heads else "glm4_moe"
+        if any(settings.get(name, 1.0) != 1.0 for name in _GRANITE_SCALES):
+            shared = settings.get("moe_shared_expert_intermediate_size")
+            return "granitemoeshared" if shared else "granitemoe"
         if settings.get("moe_shared_expert_intermediate_size"):
             return "qwen2_moe"
         if all_heads:
@@ -126,6 +131,16 @@ def family_of(settings: dict) -> str:
 
 
 _GRANITE_SCALES = ("word_embedding_multiplier", "residual_multiplier", "logits_scaling")
+
+
+def _granite_hybrid(settings: dict) -> bool:
+    """Granite 4's layers: gated SiLU MLPs, each after a mixer (M or *), the same MLP (- or
+    E) in every layer."""
+    main = settings["hybrid_layer_pattern"].split("/")[0].replace("|", "")
+    pairs = {main[k : k + 2] for k in range(0, len(main), 2)}
+    mixers_then_mlps = all(len(p) == 2 and p[0] in "M*" and p[1] in "-E" for p in pairs)
+    one_mlp = len({p[1:] for p in pairs}) == 1
+    return settings.get("activation") == "swiglu" and mixers_then_mlps and one_mlp
 
 
 def _smollm3(settings: dict) -> bool:

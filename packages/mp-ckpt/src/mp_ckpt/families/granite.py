@@ -16,7 +16,7 @@ from mp_ckpt.families.hf_settings import base_config, head_dim_where_it_differs,
 from mp_ckpt.families.llama import RULES
 from mp_ckpt.families.table import Family
 
-__all__ = ["FAMILY"]
+__all__ = ["FAMILY", "scale_keys", "scale_settings"]
 
 _SCALES = ("word_embedding_multiplier", "residual_multiplier", "logits_scaling")
 _KEYS = ("embedding_multiplier", "residual_multiplier", "logits_scaling")
@@ -34,25 +34,38 @@ def _scalar(multiplier: float) -> int:
     return scalar
 
 
-def _settings(config: dict) -> dict:
-    base = llama_settings(config, rms_norm_eps=1e-6, max_positions=2048)
+def scale_settings(config: dict) -> dict:
+    """The settings of config.json's four scales (the module docstring; Granite's MoE and
+    hybrid families have them too)."""
     scales = {ours: float(config.get(key, 1.0)) for ours, key in zip(_SCALES, _KEYS, strict=True)}
-    return base | scales | {"query_pre_attn_scalar": _scalar(config.get("attention_multiplier",
-                                                                         1.0))}  # fmt: skip
+    return scales | {"query_pre_attn_scalar": _scalar(config.get("attention_multiplier", 1.0))}
 
 
-def _config(settings: dict, shapes: dict, tokens: dict, dtype: str) -> dict:
+def scale_keys(settings: dict) -> tuple[dict, dict]:
+    """(the settings the scales are, to accept in check_computes; config.json's four
+    keys)."""
     scalar = settings.get("query_pre_attn_scalar")
     if scalar is None:
         raise ValueError("model_config query_pre_attn_scalar=None: Granite's configs give the "
                          "softmax scale (attention_multiplier)")  # fmt: skip
     scales = {name: settings.get(name, 1.0) for name in _SCALES}
-    config = base_config(settings, shapes, tokens, dtype, "granite", **scales,
-                         query_pre_attn_scalar=scalar)  # fmt: skip
+    keys = {key: float(scales[ours]) for ours, key in zip(_SCALES, _KEYS, strict=True)}
+    keys["attention_multiplier"] = scalar**-0.5
+    return scales | {"query_pre_attn_scalar": scalar}, keys
+
+
+def _settings(config: dict) -> dict:
+    base = llama_settings(config, rms_norm_eps=1e-6, max_positions=2048)
+    return base | scale_settings(config)
+
+
+def _config(settings: dict, shapes: dict, tokens: dict, dtype: str) -> dict:
+    computes, keys = scale_keys(settings)
+    config = base_config(settings, shapes, tokens, dtype, "granite", **computes)
     config = head_dim_where_it_differs(config, shapes)  # GraniteConfig has none
-    return config | {key: float(scales[ours]) for ours, key in zip(_SCALES, _KEYS, strict=True)} | {
+    return config | keys | {
         "architectures": ["GraniteForCausalLM"], "model_type": "granite",
-        "attention_multiplier": scalar**-0.5, "attention_bias": False, "mlp_bias": False,
+        "attention_bias": False, "mlp_bias": False,
     }  # fmt: skip
 
 

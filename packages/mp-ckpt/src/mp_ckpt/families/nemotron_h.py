@@ -91,9 +91,8 @@ from __future__ import annotations
 
 import re
 
-import torch
-
 from mp_ckpt.families.hf_settings import LLAMA_STYLE, check_computes, refuse, token_ids
+from mp_ckpt.families.mamba_rules import check_time_step_limit, mamba_rules
 from mp_ckpt.families.moe_settings import check_group_rank, positive, sigmoid_routing
 from mp_ckpt.families.table import (
     Dims,
@@ -132,36 +131,6 @@ _MTP_DEFAULT = "*E"
 
 # --- rules -------------------------------------------------------------------------------
 
-_IN_PROJ = ("z", "x", "B", "C", "dt")
-_CONV = ("x", "B", "C")
-
-
-def _rows(dims: Dims, parts: tuple[str, ...]) -> list[int]:
-    """The rows (in_proj) or channels (conv1d) of each part, all groups together."""
-    inner, gn = dims.mamba_heads * dims.mamba_head_dim, dims.mamba_groups * dims.mamba_state
-    return [{"z": inner, "x": inner, "B": gn, "C": gn, "dt": dims.mamba_heads}[p] for p in parts]
-
-
-def _grouped(parts: tuple[str, ...]):
-    """HF's fused [rows, ...] (conv1d's weight [rows, 1, K]) -> mp's parts [G, rows / G, ...]."""
-
-    def to_mp(t, dims: Dims) -> list[torch.Tensor]:
-        fused = t[0].reshape(t[0].shape[0], -1) if t[0].dim() == 3 else t[0]
-        return [part.reshape(dims.mamba_groups, -1, *part.shape[1:])
-                for part in fused.split(_rows(dims, parts))]  # fmt: skip
-
-    return to_mp
-
-
-def _fused(conv: bool = False):
-    """mp's parts [G, rows / G, ...] -> HF's fused tensor (conv1d's weight [rows, 1, K])."""
-
-    def to_hf(t, dims: Dims) -> list[torch.Tensor]:
-        fused = torch.cat([part.reshape(-1, *part.shape[2:]) for part in t])
-        return [fused[:, None, :] if conv and fused.dim() == 2 else fused]
-
-    return to_hf
-
 
 def _untied(settings: dict) -> bool:
     return bool(settings.get("untie_embeddings_and_output_weights"))
@@ -186,15 +155,7 @@ RULES = (
     Rule(("embedding.word_embeddings.weight",), "lm_head.weight", "model", when=_tied,
          model_copy=True),
     # M: the Mamba mixer
-    Rule(("norm.weight",), _L + "norm.weight", "mamba"),
-    Rule(tuple(f"mixer.in_proj.{p}.weight" for p in _IN_PROJ), _M + "in_proj.weight", "mamba",
-         to_mp=_grouped(_IN_PROJ), to_hf=_fused(), megatron="mixer.in_proj"),
-    Rule(tuple(f"mixer.conv1d.{p}.weight" for p in _CONV), _M + "conv1d.weight", "mamba",
-         to_mp=_grouped(_CONV), to_hf=_fused(conv=True), megatron="mixer.conv1d"),
-    Rule(tuple(f"mixer.conv1d.{p}.bias" for p in _CONV), _M + "conv1d.bias", "mamba",
-         to_mp=_grouped(_CONV), to_hf=_fused(), megatron="mixer.conv1d"),
-    *(Rule((f"mixer.{n}",), _M + n, "mamba")
-      for n in ("dt_bias", "A_log", "D", "norm.weight", "out_proj.weight")),
+    *mamba_rules(_M, _L + "norm.weight"),
     # *: attention
     Rule(("input_layernorm.weight",), _L + "norm.weight", "attention"),
     Rule(("self_attention.linear_qkv.q.weight",), _M + "q_proj.weight", "attention",
@@ -294,11 +255,6 @@ def _symbols(kinds, key: str) -> str:
     return "".join(_SYMBOLS[k] for k in kinds)
 
 
-def _value(number) -> float:
-    """A float of config.json, also as transformers 5 writes infinity ({"__float__": ...})."""
-    return float(number["__float__"]) if isinstance(number, dict) else float(number)
-
-
 def _settings(config: dict) -> dict:
     config = _current(config)
     for key, supported in (("mamba_hidden_act", "silu"), ("mlp_hidden_act", "relu2"),
@@ -310,10 +266,7 @@ def _settings(config: dict) -> dict:
     if not isinstance(depths, int) or depths < 0:
         raise ValueError(f"config.json num_nextn_predict_layers={depths!r}: expected a "
                          "number of multi-token prediction modules (0 or more)")  # fmt: skip
-    limit = config.get("time_step_limit", (0.0, float("inf")))
-    if [_value(v) for v in limit] != [0.0, float("inf")]:
-        raise ValueError(f"config.json time_step_limit={limit!r}: mp's Mamba mixer does not "
-                         "clamp the time step (time_step_limit (0, inf))")  # fmt: skip
+    check_time_step_limit(config)
     main = _pattern(config)
     pattern = main + (f"/{_mtp_pattern(config)}" * depths if depths else "")
     heads = positive(config, "num_attention_heads", _DEFAULTS)

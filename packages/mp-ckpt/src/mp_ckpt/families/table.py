@@ -328,6 +328,10 @@ class Family:
     decoder layers' rules, the one a sublayer's tensors have instead), "{i}" numbering the
     sublayers of all modules in a row (Nemotron-H: "backbone.layers.{i}." ->
     "mtp.layers.{i}."). None: the family converts no such layers."""
+    hf_layer: Callable[[dict, int], int] | None = None
+    """The Hugging Face layer number of mp's decoder layer i (settings, i), where the two
+    differ: Granite 4's Hugging Face layer j is two of mp's hybrid layers, 2j its mixer and
+    2j + 1 its MLP. None: the same number."""
 
     def rules_for(self, scope: Scope, settings: dict) -> list[Rule]:
         return [r for r in self.rules if r.scope == scope and r.applies(settings)]

@@ -159,13 +159,16 @@ def iter_logical_from_hf(
 
 
 def placed_rules(fam: Family, settings: dict) -> Iterator[tuple[Rule, int, str]]:
-    """(rule, its Hugging Face layer number, mp's prefix) for each decoder layer, then
-    each multi-token prediction module (its own rules, then its transformer layer's,
-    shaped as the last layer, under the family's mtp_sublayer names where it has them;
-    in a hybrid model its sublayers', `_hybrid_mtp_rules`)."""
+    """(rule, its Hugging Face layer number, mp's prefix) for each decoder layer (numbered
+    by the family's hf_layer where it has one), then each multi-token prediction module (its
+    own rules, then its transformer layer's, shaped as the last layer, under the family's
+    mtp_sublayer names where it has them; in a hybrid model its sublayers',
+    `_hybrid_mtp_rules`)."""
     layers = settings["num_layers"]
     for i in range(layers):
-        yield from ((rule, i, f"decoder.layers.{i}.") for rule in _layer_rules(fam, settings, i))
+        number = i if fam.hf_layer is None else fam.hf_layer(settings, i)
+        yield from ((rule, number, f"decoder.layers.{i}.")
+                    for rule in _layer_rules(fam, settings, i))  # fmt: skip
     pattern = settings.get("hybrid_layer_pattern")
     _, mtp, depths = split_hybrid_pattern(pattern)
     if mtp is not None:
