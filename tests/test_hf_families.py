@@ -113,6 +113,8 @@ GRANITE_HYBRID = dict(GRANITE_MOE, num_hidden_layers=4, shared_intermediate_size
                       mamba_n_heads=8, mamba_d_head=8, mamba_n_groups=2, mamba_d_state=16,
                       mamba_chunk_size=8, mamba_expand=1,
                       layer_types=["mamba", "attention", "mamba", "mamba"])  # fmt: skip
+BAMBA = dict(SMALL, intermediate_size=48, mamba_n_heads=8, mamba_d_head=8, mamba_n_groups=2,
+             mamba_d_state=16, mamba_chunk_size=8, mamba_expand=1)  # fmt: skip
 # Qwen3-Next: gated DeltaNet layers (2 key heads of 8 channels, 4 value heads of 12) and
 # gated attention with a quarter of each head rotated, experts beside a gated shared expert;
 # weights of std 0.02 (at SMALL's 0.1 the model's own fp32 rounding reaches 1.2e-5 in its
@@ -243,6 +245,15 @@ CASES = {
                                 position_embedding_type="rope",
                                 layer_types=["attention", "mamba", "attention"],
                                 num_hidden_layers=3)),
+    # Bamba: Granite 4's mixers (no multipliers) each then a SwiGLU MLP, half of each
+    # attention head rotated
+    "bamba": lambda: transformers.BambaConfig(
+        **BAMBA | dict(num_hidden_layers=4, attn_layer_indices=[1, 2])),
+    # Gemma (2B's shape): multi-query attention with heads of 16, zero-centred norms, the
+    # gated tanh-GELU (the released configs' hidden_act "gelu"), scaled embeddings, tied
+    "gemma": lambda: transformers.GemmaConfig(
+        **SMALL | dict(num_key_value_heads=1), head_dim=16, intermediate_size=96,
+        hidden_act="gelu"),
     # OLMoE: OLMo 2's query and key norms in pre-norm layers of experts, the full
     # softmax's top-k weights (as released); renormalized
     "olmoe": lambda: transformers.OlmoeConfig(**OLMOE),

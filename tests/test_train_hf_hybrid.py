@@ -1,9 +1,10 @@
-"""Fine-tuning a Hugging Face Mamba-hybrid model in one command: `--load HF_DIR` (a random
-Nemotron-H saved by transformers: Mamba, attention and MLP layers; a random Granite 4.0-H:
-Mamba and attention mixers each followed by experts beside a shared MLP, Granite's scales)
-at TP2, each rank reading its groups of Mamba heads; a run that only loads and exports
-gives back every tensor of the directory, and a run that trains exports a directory
-transformers loads, whose logits equal the run's final save."""
+"""Fine-tuning a Hugging Face Mamba-hybrid model in one command: `--load HF_DIR` at TP2 (a
+random Nemotron-H saved by transformers: Mamba, attention and MLP layers; a Granite 4.0-H:
+Mamba and attention mixers each followed by experts beside a shared MLP, Granite's scales;
+a Bamba: Mamba and attention mixers each followed by a SwiGLU MLP), each rank reading its
+groups of Mamba heads; a run that only loads and exports gives back every tensor of the
+directory, and a run that trains exports a directory transformers loads, whose logits
+equal the run's final save."""
 
 import json
 import os
@@ -37,13 +38,20 @@ CONFIGS = {
         mamba_n_groups=2, mamba_d_state=16, max_position_embeddings=128,
         embedding_multiplier=12.0, attention_multiplier=0.0078125, residual_multiplier=0.22,
         logits_scaling=4.0),
+    "bamba": lambda: transformers.BambaConfig(
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=3, attn_layer_indices=[1],
+        num_attention_heads=4, num_key_value_heads=2, intermediate_size=96, mamba_n_heads=8,
+        mamba_d_head=8, mamba_expand=1, mamba_n_groups=2, mamba_d_state=16,
+        max_position_embeddings=128),
 }  # fmt: skip
 MIXER = {"nemotron_h": "backbone.layers.0.mixer.in_proj.weight",
-         "granitemoehybrid": "model.layers.0.mamba.in_proj.weight"}  # fmt: skip
-LAYOUT = {"nemotron_h": [], "granitemoehybrid": ["--sequence-parallel"]}
+         "granitemoehybrid": "model.layers.0.mamba.in_proj.weight",
+         "bamba": "model.layers.0.mamba.in_proj.weight"}  # fmt: skip
+LAYOUT = {"nemotron_h": [], "granitemoehybrid": ["--sequence-parallel"], "bamba": []}
 """Experts under TP need sequence parallelism (each rank routes its share of the tokens)."""
 ARCHITECTURE = {"nemotron_h": "NemotronHForCausalLM",
-                "granitemoehybrid": "GraniteMoeHybridForCausalLM"}  # fmt: skip
+                "granitemoehybrid": "GraniteMoeHybridForCausalLM",
+                "bamba": "BambaForCausalLM"}  # fmt: skip
 
 
 def hybrid_folder(folder, family: str) -> None:

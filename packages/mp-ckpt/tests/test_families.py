@@ -87,6 +87,9 @@ CONFIGS = {
                          "shared_intermediate_size": 8, "mamba_n_heads": 4,
                          "mamba_n_groups": 2, "mamba_d_state": 4,
                          "layer_types": ["mamba", "attention"]},
+    "bamba": {"model_type": "bamba", **LLAMA_STYLE, "mamba_n_heads": 4, "mamba_n_groups": 2,
+              "mamba_d_state": 4, "attn_layer_indices": [1]},
+    "gemma": {"model_type": "gemma", **LLAMA_STYLE, "head_dim": 8},
     "flex_olmo": {"model_type": "flex_olmo", **LLAMA_STYLE, "num_experts": 4,
                   "num_experts_per_tok": 2},
     "arcee": {"model_type": "arcee", **LLAMA_STYLE, "hidden_act": "relu2", "head_dim": 4},
@@ -110,7 +113,7 @@ CONFIGS = {
 }  # fmt: skip
 NOT_MEGATRON = ("olmo2", "olmo3", "olmoe", "flex_olmo", "gemma3_text", "minimax_m2", "glm4",
                 "exaone4", "granite", "granitemoe", "granitemoeshared",
-                "granitemoehybrid")  # fmt: skip
+                "granitemoehybrid", "gemma")  # fmt: skip
 """Families Megatron-LM cannot compute (norms after the sublayers, queries and keys
 normalized over all heads, a gated GELU, Gemma's scales): export-megatron refuses them."""
 MEGATRON = [name for name in ARCHITECTURES if not name.startswith("deepseek")

@@ -27,7 +27,8 @@ ARCHITECTURES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "nemotron", "mixt
                  "qwen3_next", "smollm3", "phi3", "seed_oss", "ernie4_5",
                  "glm4_moe_lite", "olmo2", "olmo3", "olmoe", "gemma3_text",
                  "minimax_m2", "glm4", "exaone4", "arcee", "flex_olmo",
-                 "granite", "granitemoe", "granitemoeshared", "granitemoehybrid")  # fmt: skip
+                 "granite", "granitemoe", "granitemoeshared", "granitemoehybrid",
+                 "bamba", "gemma")  # fmt: skip
 
 
 ALIASES = {"kimi_k2": "deepseek_v3"}
@@ -56,8 +57,10 @@ def family(model_type: str):
 
 def family_of(settings: dict) -> str:
     """The family whose layers the settings describe (the first that fits, most specific
-    first): a hybrid layer pattern (Mamba layers) is Granite 4 where its layers are a mixer
-    then a gated SiLU MLP, each layer's MLP of one kind, else Nemotron-H; gated DeltaNet layers
+    first): a hybrid layer pattern (Mamba layers) whose layers are a mixer then a gated SiLU
+    MLP, each layer's MLP of one kind, is Bamba where the MLPs are dense, half of each head
+    rotates and Granite's multipliers are 1, else Granite 4; another hybrid pattern is
+    Nemotron-H; gated DeltaNet layers
     Qwen3-Next; multi-latent attention is GLM-5 with DeepSeek's sparse attention
     (experimental_attention_variant "dsa") whose indexer rotates in interleaved pairs,
     DeepSeek-V3.2 with other sparse attention, DeepSeek-V3 with sigmoid router scores,
@@ -72,13 +75,19 @@ def family_of(settings: dict) -> str:
     and keys are normalized over all heads, else GLM-4.5, with Granite's multipliers Granite
     MoE (granitemoeshared with a shared expert), with a shared expert Qwen2-MoE,
     with queries and keys normalized over all heads OLMoE, with qk-layernorm Qwen3-MoE,
-    else Mixtral; dense with interleaved rotary embeddings ERNIE 4.5 (the Hugging Face
+    else Mixtral; dense with scaled embeddings Gemma; with interleaved rotary embeddings
+    ERNIE 4.5 (the Hugging Face
     class that computes them; Llama's refuses them), with Granite's multipliers Granite,
     with squared ReLU and plain norm weights Arcee, with qk-layernorm Qwen3, with
     LayerNorm1P Nemotron, with q/k/v biases Qwen2, with a sliding window Mistral, else
     Llama."""
     if settings.get("hybrid_layer_pattern"):
-        return "granitemoehybrid" if _granite_hybrid(settings) else "nemotron_h"
+        if not _granite_hybrid(settings):
+            return "nemotron_h"
+        scaled = any(settings.get(name, 1.0) != 1.0 for name in _GRANITE_SCALES)
+        dense = "E" not in settings["hybrid_layer_pattern"]
+        partial = settings.get("rotary_percent", 1.0) == 0.5
+        return "bamba" if dense and partial and not scaled else "granitemoehybrid"
     variant = settings.get("experimental_attention_variant")
     if variant in ("gdn", "gated_delta_net"):
         return "qwen3_next"
@@ -115,6 +124,8 @@ def family_of(settings: dict) -> str:
         if all_heads:
             return "olmoe"
         return "qwen3_moe" if settings.get("qk_layernorm") else "mixtral"
+    if settings.get("scale_word_embeddings"):  # pre-norm layers with Gemma's embeddings
+        return "gemma"
     if settings.get("rotary_interleaved"):  # rotary pairs (2i, 2i + 1) in a dense model
         return "ernie4_5"
     if any(settings.get(name, 1.0) != 1.0 for name in _GRANITE_SCALES):
@@ -134,13 +145,12 @@ _GRANITE_SCALES = ("word_embedding_multiplier", "residual_multiplier", "logits_s
 
 
 def _granite_hybrid(settings: dict) -> bool:
-    """Granite 4's layers: gated SiLU MLPs, each after a mixer (M or *), the same MLP (- or
-    E) in every layer."""
-    main = settings["hybrid_layer_pattern"].split("/")[0].replace("|", "")
-    pairs = {main[k : k + 2] for k in range(0, len(main), 2)}
-    mixers_then_mlps = all(len(p) == 2 and p[0] in "M*" and p[1] in "-E" for p in pairs)
-    one_mlp = len({p[1:] for p in pairs}) == 1
-    return settings.get("activation") == "swiglu" and mixers_then_mlps and one_mlp
+    """Granite 4's (and Bamba's) layers: gated SiLU MLPs, each after a mixer (M or *), the
+    same MLP (- or E) in every layer."""
+    from mp_ckpt.families.mixer_pairs import is_mixer_pairs
+
+    pattern = settings["hybrid_layer_pattern"]
+    return settings.get("activation") == "swiglu" and is_mixer_pairs(pattern)
 
 
 def _smollm3(settings: dict) -> bool:

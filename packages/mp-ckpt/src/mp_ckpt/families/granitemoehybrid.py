@@ -22,24 +22,19 @@ Hugging Face (model.layers.{j}.)                mp
 config.json -> settings: layer_types (or layers_block_type; absent: every layer Mamba) ->
 hybrid_layer_pattern; position_embedding_type "rope" -> rope (rope_parameters), null or
 "nope" -> none (Granite 4.0-H: no positional embeddings; its rope_parameters kept to be
-written back); mamba_n_heads, mamba_d_head ("auto": mamba_expand x hidden_size /
-mamba_n_heads), mamba_n_groups, mamba_d_state -> mamba_num_heads, mamba_head_dim,
-mamba_num_groups, mamba_state_dim; rms_norm_eps (the mixers' gated norms' too) ->
-layernorm_epsilon; mamba_chunk_size kept to be written back (mp's scan is exact whatever
-the chunk); the experts as granitemoe's, shared_intermediate_size S the shared MLP's
-width (ffn_hidden_size), intermediate_size the experts'. A model without experts writes
-intermediate_size S and transformers' defaults for the routing keys it does not use;
-position_embedding_type "nope" is written as null (transformers reads both alike).
+written back); the Mamba mixers' keys as Bamba's (mamba_rules.py); rms_norm_eps (the
+mixers' gated norms' too) -> layernorm_epsilon; the experts as granitemoe's,
+shared_intermediate_size S the shared MLP's width (ffn_hidden_size), intermediate_size
+the experts'. A model without experts writes intermediate_size S and transformers'
+defaults for the routing keys it does not use; position_embedding_type "nope" is written
+as null (transformers reads both alike).
 
 Refused (with the key and value): hidden_act other than silu (the MLPs' and the mixers'),
-mamba_d_conv other than 4, mamba_conv_bias false, mamba_proj_bias true, attention_bias
-true, a time_step_limit other than (0, inf), shared_intermediate_size 0 (transformers'
-layers always add the shared MLP).
+attention_bias true, shared_intermediate_size 0 (transformers' layers always add the
+shared MLP), and the Mamba keys mamba_rules.py refuses.
 """
 
 from __future__ import annotations
-
-from dataclasses import replace
 
 from mp_ckpt.families.granite import scale_keys, scale_settings
 from mp_ckpt.families.granitemoe import (
@@ -53,18 +48,16 @@ from mp_ckpt.families.hf_settings import (
     base_config,
     head_dim_where_it_differs,
     llama_settings,
-    refuse,
 )
-from mp_ckpt.families.llama_style import attention_rules
-from mp_ckpt.families.mamba_rules import check_time_step_limit, mamba_rules
-from mp_ckpt.families.moe_settings import aux_loss_coef, check_routing, positive
-from mp_ckpt.families.table import Dims, Family, Rule, split_hybrid_pattern
+from mp_ckpt.families.llama_style import model_rules
+from mp_ckpt.families.mamba_rules import mamba_config, mamba_settings
+from mp_ckpt.families.mixer_pairs import mixer_rules, mixers, pair_layer
+from mp_ckpt.families.moe_settings import aux_loss_coef, check_routing
+from mp_ckpt.families.table import Family, Rule
 
 __all__ = ["FAMILY"]
 
-_DEFAULTS = {"mamba_n_heads": 128, "mamba_n_groups": 1, "mamba_d_state": 256,
-             "mamba_chunk_size": 256, "mamba_expand": 2, "num_local_experts": 8,
-             "num_experts_per_tok": 2, "router_aux_loss_coef": 0.001}  # fmt: skip
+_DEFAULTS = {"num_local_experts": 8, "num_experts_per_tok": 2, "router_aux_loss_coef": 0.001}
 """transformers' GraniteMoeHybridConfig defaults, for a key config.json omits."""
 
 _SYMBOLS = {"mamba": "M", "linear_attention": "M", "attention": "*", "full_attention": "*"}
@@ -72,23 +65,14 @@ _LAYER_TYPES = {"M": "linear_attention", "*": "full_attention"}
 
 _L = "model.layers.{i}."
 RULES = (
-    Rule(("embedding.word_embeddings.weight",), "model.embed_tokens.weight", "model"),
-    Rule(("decoder.final_layernorm.weight",), "model.norm.weight", "model"),
-    Rule(("output_layer.weight",), "lm_head.weight", "model",
-         when=lambda s: bool(s.get("untie_embeddings_and_output_weights"))),
-    *mamba_rules(_L + "mamba.", _L + "input_layernorm.weight"),
-    Rule(("input_layernorm.weight",), _L + "input_layernorm.weight", "attention"),
-    *(replace(rule, scope="attention") for rule in attention_rules()),
+    *model_rules(),
+    *mixer_rules(_L),
     Rule(("pre_mlp_layernorm.weight",), _L + "post_attention_layernorm.weight", "dense"),
     *shared_mlp_rules("mlp", "dense"),
     Rule(("pre_mlp_layernorm.weight",), _L + "post_attention_layernorm.weight", "moe"),
     *expert_rules("moe"),
     *shared_mlp_rules("mlp.shared_experts", "moe"),
 )  # fmt: skip
-
-
-def _hf_layer(settings: dict, i: int) -> int:
-    return i // 2
 
 
 # --- config.json -> settings -------------------------------------------------------------
@@ -116,24 +100,7 @@ def _positions(config: dict) -> str:
     return "rope" if kind == "rope" else "none"
 
 
-def _mamba(config: dict) -> dict:
-    heads = positive(config, "mamba_n_heads", _DEFAULTS)
-    head_dim = config.get("mamba_d_head", "auto")
-    if head_dim == "auto":
-        head_dim = positive(config, "mamba_expand", _DEFAULTS) * config["hidden_size"] // heads
-    return {
-        "mamba_num_heads": heads, "mamba_head_dim": positive({"d": head_dim}, "d", {}),
-        "mamba_num_groups": positive(config, "mamba_n_groups", _DEFAULTS),
-        "mamba_state_dim": positive(config, "mamba_d_state", _DEFAULTS),
-        "mamba_chunk_size": positive(config, "mamba_chunk_size", _DEFAULTS),
-    }  # fmt: skip
-
-
 def _settings(config: dict) -> dict:
-    for key, supported in (("mamba_d_conv", 4), ("mamba_conv_bias", True),
-                           ("mamba_proj_bias", False)):  # fmt: skip
-        refuse(config, key, supported)
-    check_time_step_limit(config)
     shared = shared_width(config, 1024)
     if not shared:
         raise ValueError("config.json shared_intermediate_size=0: Granite 4's layers always "
@@ -142,7 +109,7 @@ def _settings(config: dict) -> dict:
     pattern = _pattern(config, experts)
     base = llama_settings(config | {"intermediate_size": shared}, rms_norm_eps=1e-6,
                           max_positions=2048)  # fmt: skip
-    settings = base | scale_settings(config) | _mamba(config) | {
+    settings = base | scale_settings(config) | mamba_settings(config) | {
         "num_layers": len(pattern), "hybrid_layer_pattern": pattern,
         "position_embedding_type": _positions(config),
     }  # fmt: skip
@@ -154,42 +121,6 @@ def _settings(config: dict) -> dict:
 
 
 # --- settings -> config.json -------------------------------------------------------------
-
-
-def _mixers(settings: dict) -> tuple[str, bool]:
-    """(each Hugging Face layer's mixer symbol, whether its MLPs are experts) of the
-    pattern, refusing what is not a mixer then an MLP for each."""
-    pattern = settings["hybrid_layer_pattern"]
-    main, _, depths = split_hybrid_pattern(pattern)
-    pairs = [main[k : k + 2] for k in range(0, len(main), 2)]
-    mlps = {pair[1:] for pair in pairs}
-    if (
-        depths
-        or any(len(p) != 2 or p[0] not in "M*" for p in pairs)
-        or len(mlps) != 1
-        or not (mlps <= {"-", "E"})
-    ):
-        raise ValueError(
-            f"model_config hybrid_layer_pattern={pattern!r}: granitemoehybrid layers are a "
-            "mixer (M or *) then an MLP, the same kind (- or E) in every layer, without "
-            "multi-token prediction"
-        )
-    return "".join(p[0] for p in pairs), mlps == {"E"}
-
-
-def _mamba_keys(settings: dict, hidden: int) -> dict:
-    dims = Dims.of(settings | {"hybrid_layer_pattern": "M"})  # the widths, Mamba layers or not
-    inner = dims.mamba_heads * dims.mamba_head_dim
-    if inner % hidden:
-        raise ValueError(f"the Mamba mixers' width {inner} is not a multiple of hidden_size="
-                         f"{hidden} (config.json's mamba_expand)")  # fmt: skip
-    return {
-        "mamba_n_heads": dims.mamba_heads, "mamba_d_head": dims.mamba_head_dim,
-        "mamba_n_groups": dims.mamba_groups, "mamba_d_state": dims.mamba_state,
-        "mamba_chunk_size": settings.get("mamba_chunk_size") or _DEFAULTS["mamba_chunk_size"],
-        "mamba_expand": inner // hidden, "mamba_d_conv": 4, "mamba_conv_bias": True,
-        "mamba_proj_bias": False, "time_step_limit": [0.0, float("inf")],
-    }  # fmt: skip
 
 
 def _mlp_keys(settings: dict, shapes: dict, experts: bool) -> dict:
@@ -208,24 +139,25 @@ def _mlp_keys(settings: dict, shapes: dict, experts: bool) -> dict:
 
 
 def _config(settings: dict, shapes: dict, tokens: dict, dtype: str) -> dict:
-    mixers, experts = _mixers(settings)
+    symbols, mlp = mixers(settings, "granitemoehybrid", "-E")
+    experts = mlp == "E"
     positions = settings.get("position_embedding_type", "rope")
     if positions not in ("rope", "none"):
         raise ValueError(f"model_config position_embedding_type={positions!r}: "
                          "granitemoehybrid computes rope or none")  # fmt: skip
     computes, keys = scale_keys(settings)
-    config = base_config(settings, shapes | {"ffn": None, "layers": len(mixers)}, tokens, dtype,
+    config = base_config(settings, shapes | {"ffn": None, "layers": len(symbols)}, tokens, dtype,
                          "granitemoehybrid", **computes, position_embedding_type=positions,
                          moe_shared_expert_gate=False)  # fmt: skip
     config = head_dim_where_it_differs(config, shapes)  # GraniteMoeHybridConfig has none
-    return config | keys | _mamba_keys(settings, shapes["hidden"]) | _mlp_keys(
+    return config | keys | mamba_config(settings, shapes["hidden"]) | _mlp_keys(
         settings, shapes, experts) | {
         "architectures": ["GraniteMoeHybridForCausalLM"], "model_type": "granitemoehybrid",
-        "layer_types": [_LAYER_TYPES[symbol] for symbol in mixers],
+        "layer_types": [_LAYER_TYPES[symbol] for symbol in symbols],
         "position_embedding_type": "rope" if positions == "rope" else None,
         "attention_bias": False, "use_cache": True, "output_router_logits": False,
     }  # fmt: skip
 
 
 FAMILY = Family("granitemoehybrid", "GraniteMoeHybridForCausalLM", RULES, _settings, _config,
-                prepare=in_memory_names, hf_layer=_hf_layer)  # fmt: skip
+                prepare=in_memory_names, hf_layer=pair_layer)  # fmt: skip

@@ -13,15 +13,24 @@ Hugging Face (its mixer's prefix)                  mp (a hybrid M layer's, decod
 
 H Mamba heads of P channels (I = H P) in G groups, N the state size. `megatron` gives
 megatron-core's fused in_proj and conv1d.
+
+Bamba's config.json keys (Bamba, Granite 4: `mamba_settings`, `mamba_config`):
+mamba_n_heads, mamba_d_head ("auto": mamba_expand x hidden_size / mamba_n_heads),
+mamba_n_groups, mamba_d_state -> mamba_num_heads, mamba_head_dim, mamba_num_groups,
+mamba_state_dim; mamba_chunk_size kept to be written back (mp's scan is exact whatever
+the chunk); mamba_d_conv other than 4, mamba_conv_bias false, mamba_proj_bias true and a
+time_step_limit other than (0, inf) refused.
 """
 
 from __future__ import annotations
 
 import torch
 
+from mp_ckpt.families.hf_settings import refuse
+from mp_ckpt.families.moe_settings import positive
 from mp_ckpt.families.table import Dims, Rule
 
-__all__ = ["check_time_step_limit", "mamba_rules"]
+__all__ = ["check_time_step_limit", "mamba_config", "mamba_rules", "mamba_settings"]
 
 _IN_PROJ = ("z", "x", "B", "C", "dt")
 _CONV = ("x", "B", "C")
@@ -82,3 +91,44 @@ def check_time_step_limit(config: dict) -> None:
     if limit is not None and [_value(v) for v in limit] != [0.0, float("inf")]:
         raise ValueError(f"config.json time_step_limit={limit!r}: mp's Mamba mixer does not "
                          "clamp the time step (time_step_limit (0, inf))")  # fmt: skip
+
+
+_DEFAULTS = {"mamba_n_heads": 128, "mamba_n_groups": 1, "mamba_d_state": 256,
+             "mamba_chunk_size": 256, "mamba_expand": 2}  # fmt: skip
+"""transformers' BambaConfig and GraniteMoeHybridConfig defaults, for a key config.json
+omits."""
+
+
+def mamba_settings(config: dict) -> dict:
+    """The Mamba mixers' settings of Bamba's config.json keys (module docstring)."""
+    for key, supported in (("mamba_d_conv", 4), ("mamba_conv_bias", True),
+                           ("mamba_proj_bias", False)):  # fmt: skip
+        refuse(config, key, supported)
+    check_time_step_limit(config)
+    heads = positive(config, "mamba_n_heads", _DEFAULTS)
+    head_dim = config.get("mamba_d_head", "auto")
+    if head_dim == "auto":
+        head_dim = positive(config, "mamba_expand", _DEFAULTS) * config["hidden_size"] // heads
+    return {
+        "mamba_num_heads": heads, "mamba_head_dim": positive({"mamba_d_head": head_dim},
+                                                             "mamba_d_head", {}),
+        "mamba_num_groups": positive(config, "mamba_n_groups", _DEFAULTS),
+        "mamba_state_dim": positive(config, "mamba_d_state", _DEFAULTS),
+        "mamba_chunk_size": positive(config, "mamba_chunk_size", _DEFAULTS),
+    }  # fmt: skip
+
+
+def mamba_config(settings: dict, hidden: int) -> dict:
+    """Bamba's config.json keys of the Mamba mixers' settings."""
+    dims = Dims.of(settings | {"hybrid_layer_pattern": "M"})  # the widths, Mamba layers or not
+    inner = dims.mamba_heads * dims.mamba_head_dim
+    if inner % hidden:
+        raise ValueError(f"the Mamba mixers' width {inner} is not a multiple of hidden_size="
+                         f"{hidden} (config.json's mamba_expand)")  # fmt: skip
+    return {
+        "mamba_n_heads": dims.mamba_heads, "mamba_d_head": dims.mamba_head_dim,
+        "mamba_n_groups": dims.mamba_groups, "mamba_d_state": dims.mamba_state,
+        "mamba_chunk_size": settings.get("mamba_chunk_size") or _DEFAULTS["mamba_chunk_size"],
+        "mamba_expand": inner // hidden, "mamba_d_conv": 4, "mamba_conv_bias": True,
+        "mamba_proj_bias": False, "time_step_limit": [0.0, float("inf")],
+    }  # fmt: skip
