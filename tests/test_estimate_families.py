@@ -58,6 +58,7 @@ FAMILIES = {
     "bamba": dict(SMALL, mamba_n_heads=8, mamba_n_groups=2, mamba_d_state=16,
                   attn_layer_indices=[1]),
     "gemma": dict(SMALL, head_dim=16, num_key_value_heads=1),
+    "ministral3": dict(SMALL, head_dim=16),
     "flex_olmo": dict(SMALL, num_experts=4, num_experts_per_tok=2),
     "arcee": dict(SMALL, head_dim=16),
     "exaone4": dict(SMALL, num_hidden_layers=4, sliding_window=8),

@@ -115,6 +115,10 @@ GRANITE_HYBRID = dict(GRANITE_MOE, num_hidden_layers=4, shared_intermediate_size
                       layer_types=["mamba", "attention", "mamba", "mamba"])  # fmt: skip
 BAMBA = dict(SMALL, intermediate_size=48, mamba_n_heads=8, mamba_d_head=8, mamba_n_groups=2,
              mamba_d_state=16, mamba_chunk_size=8, mamba_expand=1)  # fmt: skip
+MINISTRAL3_ROPE = {"rope_type": "yarn", "type": "yarn", "rope_theta": 1000000.0, "factor": 4.0,
+                   "original_max_position_embeddings": 8, "max_position_embeddings": 64,
+                   "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                   "llama_4_scaling_beta": 0.5}  # fmt: skip
 # Qwen3-Next: gated DeltaNet layers (2 key heads of 8 channels, 4 value heads of 12) and
 # gated attention with a quarter of each head rotated, experts beside a gated shared expert;
 # weights of std 0.02 (at SMALL's 0.1 the model's own fp32 rounding reaches 1.2e-5 in its
@@ -254,6 +258,14 @@ CASES = {
     "gemma": lambda: transformers.GemmaConfig(
         **SMALL | dict(num_key_value_heads=1), head_dim=16, intermediate_size=96,
         hidden_act="gelu"),
+    # Ministral 3: YaRN (factor 4 over 8 positions) and the rotated queries scaled by
+    # 1 + 0.5 ln(1 + floor(p / 8)), which the prompts and generated tokens cross
+    "ministral3": lambda: transformers.Ministral3Config(
+        **SMALL, head_dim=16, intermediate_size=96, rope_parameters=MINISTRAL3_ROPE),
+    "ministral3-rope": lambda: transformers.Ministral3Config(
+        **SMALL, head_dim=16, intermediate_size=96, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                         "llama_4_scaling_beta": 0.5, "original_max_position_embeddings": 8}),
     # OLMoE: OLMo 2's query and key norms in pre-norm layers of experts, the full
     # softmax's top-k weights (as released); renormalized
     "olmoe": lambda: transformers.OlmoeConfig(**OLMOE),

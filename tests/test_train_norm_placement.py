@@ -5,7 +5,9 @@ their own base while the others take YaRN) and Gemma 3's (sandwich norms of 1 + 
 gated tanh-GELU, scaled embeddings and scores, windows with their own RoPE base beside
 linearly scaled full layers) at TP2 with sequence parallelism (the output norms'
 gradients summed over the ranks, the all-heads norms' sums of squares added up) and at
-CP2: the tiny config, fp32, 4 iterations."""
+CP2; Ministral 3's rotated queries scaled by their position (query_log_scale_beta, steps of
+16 positions) with YaRN at CP2, each rank scaling its load-balanced chunks by their true
+positions: the tiny config, fp32, 4 iterations."""
 
 import pytest
 
@@ -33,6 +35,9 @@ PLACEMENTS = {
               "--window-rotary-base", "10000", "--rotary-base", "500000",
               "--position-embedding-type", "yarn", "--rotary-scaling-factor", "4",
               "--yarn-original-max-position-embeddings", "16"],
+    "ministral3": ["--position-embedding-type", "yarn", "--rotary-scaling-factor", "4",
+                   "--yarn-original-max-position-embeddings", "16", "--query-log-scale-beta",
+                   "0.5", "--query-log-scale-length", "16"],
 }  # fmt: skip
 LAYOUTS = {
     "tp2-sp": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
@@ -61,7 +66,7 @@ def reference(request, tmp_path_factory):
 
 
 RUNS = [("olmo2", "pp2"), ("olmo3", "tp2-sp"), ("olmo3", "cp2"), ("gemma3", "tp2-sp"),
-        ("gemma3", "cp2")]  # fmt: skip
+        ("gemma3", "cp2"), ("ministral3", "cp2")]  # fmt: skip
 
 
 @pytest.mark.parametrize(("reference", "layout"), RUNS, indirect=["reference"])

@@ -90,6 +90,10 @@ CONFIGS = {
     "bamba": {"model_type": "bamba", **LLAMA_STYLE, "mamba_n_heads": 4, "mamba_n_groups": 2,
               "mamba_d_state": 4, "attn_layer_indices": [1]},
     "gemma": {"model_type": "gemma", **LLAMA_STYLE, "head_dim": 8},
+    "ministral3": {"model_type": "ministral3", **LLAMA_STYLE, "head_dim": 8,
+                   "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 16.0,
+                                       "original_max_position_embeddings": 16,
+                                       "llama_4_scaling_beta": 0.1}},
     "flex_olmo": {"model_type": "flex_olmo", **LLAMA_STYLE, "num_experts": 4,
                   "num_experts_per_tok": 2},
     "arcee": {"model_type": "arcee", **LLAMA_STYLE, "hidden_act": "relu2", "head_dim": 4},
@@ -113,9 +117,10 @@ CONFIGS = {
 }  # fmt: skip
 NOT_MEGATRON = ("olmo2", "olmo3", "olmoe", "flex_olmo", "gemma3_text", "minimax_m2", "glm4",
                 "exaone4", "granite", "granitemoe", "granitemoeshared",
-                "granitemoehybrid", "gemma")  # fmt: skip
+                "granitemoehybrid", "gemma", "ministral3")  # fmt: skip
 """Families Megatron-LM cannot compute (norms after the sublayers, queries and keys
-normalized over all heads, a gated GELU, Gemma's scales): export-megatron refuses them."""
+normalized over all heads, a gated GELU, Gemma's scales, Granite's multipliers, Ministral
+3's query scaling): export-megatron refuses them."""
 MEGATRON = [name for name in ARCHITECTURES if not name.startswith("deepseek")
             and name not in ("glm_moe_dsa", "nemotron_h", *NOT_MEGATRON)]  # fmt: skip
 """The families whose tables these tests check against the Megatron-LM conversion (multi-
@@ -297,7 +302,7 @@ def test_megatron_export_refuses_what_megatron_cannot_compute(name):
     settings = fam.settings(CONFIGS[name])
     refused = (
         r"model_config (activation|sublayer_norm|qk_layernorm_scope|"
-        r"query_pre_attn_scalar)=.*Megatron-LM"
+        r"query_pre_attn_scalar|query_log_scale_beta)=.*Megatron-LM"
     )
     with pytest.raises(ValueError, match=refused):
         megatron_from_logical(logical_tensors(fam, settings), settings)

@@ -182,6 +182,23 @@ def test_the_nope_layers_query_temperature_is_llama_4s():
     assert torch.equal(rotary(x, scaled)[0], rotary(x, rope._replace(query_scale=None))[0])
 
 
+def test_the_rotating_layers_query_log_scale_is_ministral_3s():
+    """1 + beta ln(1 + floor(p / length)) on the rotated queries: 1 before position length;
+    the layers without rotary embeddings take none of it."""
+    rope = RotaryEmbedding(8, interleaved=True, query_log_scale=(0.25, 4))(12)
+    p = torch.arange(12, dtype=torch.float64)
+    want = 1 + 0.25 * torch.log(1 + torch.floor(p / 4))
+    assert rope.rotated_query_scale.shape == (12, 1, 1, 1) and rope.query_scale is None
+    torch.testing.assert_close(rope.rotated_query_scale.flatten().double(), want)
+    assert rope.rotated_query_scale[:4].eq(1).all() and rope.rotated_query_scale[4] > 1
+    x = torch.randn(12, 2, 32)
+    rotary, nope = attention(0), attention(1)
+    plain = rope._replace(rotated_query_scale=None)
+    out, unscaled = rotary(x, rope)[0], rotary(x, plain)[0]
+    assert torch.equal(out[:4], unscaled[:4]) and not torch.allclose(out[4:], unscaled[4:])
+    assert torch.equal(nope(x, rope)[0], nope(x, plain)[0])
+
+
 @pytest.mark.parametrize("backend", ["flash", "local"])
 @pytest.mark.parametrize("s", [4, 11, 12])
 def test_chunked_attention_sees_only_its_block(backend, s):

@@ -45,6 +45,7 @@ from mp_layers.config_norms import (
     check_norm_placement_parallel,
 )
 from mp_layers.config_qk_clip import QkClipConfig, check_qk_clip
+from mp_layers.config_query_scale import QueryScaleConfig, check_query_scale
 from mp_layers.config_recompute import (
     apply_moe_layer_recompute,
     check_recompute,
@@ -75,6 +76,7 @@ class TransformerConfig(
     NormPlacementConfig,
     WindowRopeConfig,
     ScalesConfig,
+    QueryScaleConfig,
 ):
     num_layers: int
     """Transformer layers of the whole model (all pipeline stages)."""
@@ -475,6 +477,7 @@ class TransformerConfig(
         check_norm_placement(self)
         check_window_rope(self)
         check_scales(self)
+        check_query_scale(self)
 
     def recomputes(self, module: str) -> bool:
         """Whether selective recompute covers `module` (a name of recompute_modules)."""

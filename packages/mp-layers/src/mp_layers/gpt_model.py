@@ -147,6 +147,8 @@ class GPTModel(torch.nn.Module):
                 yarn=yarn_scaling(config), interleaved=config.rotary_interleaved,
                 temperature=None if config.attn_temperature_floor_scale is None else (
                     config.attn_temperature_floor_scale, config.attn_temperature_scale),
+                query_log_scale=None if config.query_log_scale_beta is None else (
+                    config.query_log_scale_beta, config.query_log_scale_length),
             )  # fmt: skip
         self.window_rotary = None  # the windowed layers' own (window_rotary_base)
         if config.window_rotary_base is not None:

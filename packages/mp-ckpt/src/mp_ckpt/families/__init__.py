@@ -28,7 +28,7 @@ ARCHITECTURES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "nemotron", "mixt
                  "glm4_moe_lite", "olmo2", "olmo3", "olmoe", "gemma3_text",
                  "minimax_m2", "glm4", "exaone4", "arcee", "flex_olmo",
                  "granite", "granitemoe", "granitemoeshared", "granitemoehybrid",
-                 "bamba", "gemma")  # fmt: skip
+                 "bamba", "gemma", "ministral3")  # fmt: skip
 
 
 ALIASES = {"kimi_k2": "deepseek_v3"}
@@ -75,7 +75,8 @@ def family_of(settings: dict) -> str:
     and keys are normalized over all heads, else GLM-4.5, with Granite's multipliers Granite
     MoE (granitemoeshared with a shared expert), with a shared expert Qwen2-MoE,
     with queries and keys normalized over all heads OLMoE, with qk-layernorm Qwen3-MoE,
-    else Mixtral; dense with scaled embeddings Gemma; with interleaved rotary embeddings
+    else Mixtral; dense with the rotated queries scaled by position Ministral 3, with scaled
+    embeddings Gemma, with interleaved rotary embeddings
     ERNIE 4.5 (the Hugging Face
     class that computes them; Llama's refuses them), with Granite's multipliers Granite,
     with squared ReLU and plain norm weights Arcee, with qk-layernorm Qwen3, with
@@ -124,6 +125,8 @@ def family_of(settings: dict) -> str:
         if all_heads:
             return "olmoe"
         return "qwen3_moe" if settings.get("qk_layernorm") else "mixtral"
+    if settings.get("query_log_scale_beta"):  # rotated queries scaled by their position
+        return "ministral3"
     if settings.get("scale_word_embeddings"):  # pre-norm layers with Gemma's embeddings
         return "gemma"
     if settings.get("rotary_interleaved"):  # rotary pairs (2i, 2i + 1) in a dense model

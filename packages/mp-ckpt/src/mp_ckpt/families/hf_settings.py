@@ -120,6 +120,7 @@ LLAMA_STYLE = {
     "moe_latent_size": None, "sublayer_norm": "input", "qk_layernorm_scope": "head",
     "window_rotary_base": None, "scale_word_embeddings": False, "query_pre_attn_scalar": None,
     "word_embedding_multiplier": 1.0, "residual_multiplier": 1.0, "logits_scaling": 1.0,
+    "query_log_scale_beta": None,
 }  # fmt: skip
 """What a Llama-style family computes, under TransformerConfig's names (and defaults)."""
 

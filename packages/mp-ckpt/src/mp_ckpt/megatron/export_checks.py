@@ -120,15 +120,16 @@ def refuse_mp_only_settings(settings: dict) -> None:
     """Megatron-LM normalizes each sublayer's input and each query and key head, and
     rotates every layer alike: a model normalized otherwise (OLMo 2's, Gemma's) or whose
     windowed layers rotate with a base of their own (OLMo 3's, Gemma 3's), or with Gemma's
-    scales or Granite's multipliers, has no Megatron-LM form. Nor has Gemma's gated GELU:
-    Megatron-LM's flags gate silu alone."""
+    scales, Granite's multipliers or Ministral 3's query scaling, has no Megatron-LM form.
+    Nor has Gemma's gated GELU: Megatron-LM's flags gate silu alone."""
     if settings.get("activation") == "geglu":
         raise ValueError("model_config activation='geglu': Megatron-LM's flags gate silu "
                          "alone (--swiglu)")  # fmt: skip
     megatron_values = (("sublayer_norm", "input"), ("qk_layernorm_scope", "head"),
                        ("window_rotary_base", None), ("scale_word_embeddings", False),
                        ("query_pre_attn_scalar", None), ("word_embedding_multiplier", 1.0),
-                       ("residual_multiplier", 1.0), ("logits_scaling", 1.0))  # fmt: skip
+                       ("residual_multiplier", 1.0), ("logits_scaling", 1.0),
+                       ("query_log_scale_beta", None))  # fmt: skip
     for name, megatron in megatron_values:
         value = settings.get(name, megatron)
         if value != megatron:

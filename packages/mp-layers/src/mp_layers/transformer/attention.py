@@ -33,7 +33,9 @@ position's queries, and its keys, over all heads together (all_heads_norm.py), a
 per channel split over the TP group with the heads.
 Llama 4's rotary layers attend within blocks of attention_chunk_size positions
 (chunked_attention.py; with a KVCache through the cache's block mask), and its other
-layers' queries take Rotary.query_scale (attn_temperature_floor_scale).
+layers' queries take Rotary.query_scale (attn_temperature_floor_scale); with
+query_log_scale_beta (Ministral 3's) the rotating layers' queries take
+Rotary.rotated_query_scale after their rotation.
 """
 
 from __future__ import annotations
@@ -199,6 +201,8 @@ class SelfAttention(torch.nn.Module):
         if rotary is not None and self.rotates:
             q = apply_rotary_pos_emb(q, rotary, self.interleaved)
             k = apply_rotary_pos_emb(k, rotary, self.interleaved)
+            if rotary.rotated_query_scale is not None:  # Ministral 3's query_log_scale_beta
+                q = (q * rotary.rotated_query_scale).to(q.dtype)
         elif rotary is not None and rotary.query_scale is not None:  # Llama 4's temperature
             q = (q * rotary.query_scale).to(q.dtype)
         if kv_cache is not None and self.window is None:

@@ -148,6 +148,9 @@ class Rotary(NamedTuple):
     window: Rotary | None = None
     """With window_rotary_base: the rotations of the layers that attend through the window
     (plain RoPE of that base), which take them instead; None otherwise."""
+    rotated_query_scale: torch.Tensor | None = None
+    """[s, 1 or b, 1, 1] fp32: the factor of the rotating layers' queries after their
+    rotation (query_log_scale_beta: Ministral 3's), or None."""
 
 
 class RotaryEmbedding(torch.nn.Module):
@@ -163,12 +166,15 @@ class RotaryEmbedding(torch.nn.Module):
         yarn: YarnScaling | None = None,
         interleaved: bool = False,
         temperature: tuple[int, float] | None = None,
+        query_log_scale: tuple[float, int] | None = None,
     ) -> None:
         """temperature: (floor_scale, attn_scale) of Llama 4's query scaling on the
-        layers without rotary embeddings (Rotary.query_scale), or None."""
+        layers without rotary embeddings (Rotary.query_scale), or None; query_log_scale:
+        (beta, length) of the rotating layers' (Rotary.rotated_query_scale), or None."""
         super().__init__()
         self.interleaved = interleaved
         self.temperature = temperature
+        self.query_log_scale = query_log_scale
         rot = int(kv_channels * rotary_percent)
         if rot < 2 or rot % 2:
             raise ValueError(
@@ -199,6 +205,11 @@ class RotaryEmbedding(torch.nn.Module):
             floor_scale, scale = self.temperature
             steps = torch.floor((positions + 1.0) / floor_scale)
             query_scale = (torch.log1p(steps) * scale + 1.0)[:, :, None, None]
+        rotated_query_scale = None
+        if self.query_log_scale is not None:  # 1 + beta ln(1 + floor(p / length))
+            beta, length = self.query_log_scale
+            steps = torch.floor(positions / length)
+            rotated_query_scale = (torch.log1p(steps) * beta + 1.0)[:, :, None, None]
         if self.seq_len_interpolation_factor is not None:
             positions = positions / self.seq_len_interpolation_factor
         angles = positions[..., None] * self.inv_freq  # [s, b, rot/2]
@@ -209,7 +220,7 @@ class RotaryEmbedding(torch.nn.Module):
         cos, sin = angles.cos(), angles.sin()
         if self.attention_factor != 1.0:
             cos, sin = cos * self.attention_factor, sin * self.attention_factor
-        return Rotary(cos, sin, query_scale)
+        return Rotary(cos, sin, query_scale, rotated_query_scale=rotated_query_scale)
 
 
 def apply_rotary_pos_emb(
