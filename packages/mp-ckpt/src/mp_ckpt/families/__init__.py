@@ -56,32 +56,28 @@ def family(model_type: str):
 
 
 def family_of(settings: dict) -> str:
-    """The family whose layers the settings describe (the first that fits, most specific
-    first): a hybrid layer pattern (Mamba layers) whose layers are a mixer then a gated SiLU
-    MLP, each layer's MLP of one kind, is Bamba where the MLPs are dense, half of each head
-    rotates and Granite's multipliers are 1, else Granite 4; another hybrid pattern is
-    Nemotron-H; gated DeltaNet layers
-    Qwen3-Next; multi-latent attention is GLM-5 with DeepSeek's sparse attention
+    """The family whose layers the settings describe (the first that fits, most specific first): a
+    hybrid layer pattern (Mamba layers) whose layers are a mixer then a gated SiLU MLP, each
+    layer's MLP of one kind, is Bamba where the MLPs are dense, half of each head rotates and
+    Granite's multipliers are 1, else Granite 4; another hybrid pattern is Nemotron-H; gated
+    DeltaNet layers Qwen3-Next; multi-latent attention is GLM-5 with DeepSeek's sparse attention
     (experimental_attention_variant "dsa") whose indexer rotates in interleaved pairs,
-    DeepSeek-V3.2 with other sparse attention, DeepSeek-V3 with sigmoid router scores,
-    else DeepSeek-V2; learned positions are GPT-2; normalized sublayer inputs and outputs
-    Gemma 3 with scaled embeddings, else GLM-4; normalized sublayer outputs EXAONE 4.0
-    with per-head query/key norms, FlexOlmo with experts, OLMo 3 with a window, else
-    OLMo 2; layers without rotary embeddings in a dense model without Llama 4's other
-    features are SmolLM3; L2-normalized queries and keys, layers without rotary
-    embeddings, routing weights on the experts' input, or interleaved rotary embeddings
-    with experts are Llama 4; experts
-    with quick GEGLU or sinks gpt-oss, with sigmoid router scores MiniMax-M2 where queries
-    and keys are normalized over all heads, else GLM-4.5, with Granite's multipliers Granite
-    MoE (granitemoeshared with a shared expert), with a shared expert Qwen2-MoE,
-    with queries and keys normalized over all heads OLMoE, with qk-layernorm Qwen3-MoE,
-    else Mixtral; dense with the rotated queries scaled by position Ministral 3, with scaled
-    embeddings Gemma, with interleaved rotary embeddings
-    ERNIE 4.5 (the Hugging Face
-    class that computes them; Llama's refuses them), with Granite's multipliers Granite,
-    with squared ReLU and plain norm weights Arcee, with qk-layernorm Qwen3, with
-    LayerNorm1P Nemotron, with q/k/v biases Qwen2, with a sliding window Mistral, else
-    Llama."""
+    DeepSeek-V3.2 with other sparse attention, DeepSeek-V3 with sigmoid router scores, else
+    DeepSeek-V2; learned positions are GPT-2; normalized sublayer inputs and outputs Gemma 3
+    with scaled embeddings, else GLM-4; normalized sublayer outputs EXAONE 4.0 with per-head
+    query/key norms, FlexOlmo with experts, OLMo 3 with a window, else OLMo 2; layers without
+    rotary embeddings in a dense model without Llama 4's other features are SmolLM3;
+    L2-normalized queries and keys, layers without rotary embeddings, routing weights on the
+    experts' input, or interleaved rotary embeddings with experts are Llama 4; experts with
+    quick GEGLU or sinks gpt-oss, with sigmoid router scores MiniMax-M2 where queries and keys
+    are normalized over all heads, else GLM-4.5, with Granite's multipliers Granite MoE
+    (granitemoeshared with a shared expert), with a shared expert Qwen2-MoE, with queries and
+    keys normalized over all heads OLMoE, with qk-layernorm Qwen3-MoE, else Mixtral; dense with
+    the rotated queries scaled by position Ministral 3, with scaled embeddings Gemma, with
+    interleaved rotary embeddings ERNIE 4.5 (the Hugging Face class that computes them; Llama's
+    refuses them), with Granite's multipliers Granite, with squared ReLU and plain norm weights
+    Arcee, with qk-layernorm Qwen3, with LayerNorm1P Nemotron, with q/k/v biases Qwen2, with a
+    sliding window Mistral, else Llama."""
     if settings.get("hybrid_layer_pattern"):
         if not _granite_hybrid(settings):
             return "nemotron_h"
