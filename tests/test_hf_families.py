@@ -327,6 +327,17 @@ CASES = {
         n_routed_experts=8, num_experts_per_tok=3, moe_intermediate_size=16,
         moe_shared_expert_intermediate_size=24, n_group=1, topk_group=1,
         routed_scaling_factor=5.0, moe_latent_size=12),
+    # Qwen3.5 (dense): Qwen3-Next's layers with a SwiGLU MLP in each, the DeltaNet's input
+    # projections apart, Qwen3-VL's multimodal rotary keys (text rotates as plain RoPE)
+    "qwen3_5_text": lambda: transformers.Qwen3_5TextConfig(
+        **{k: v for k, v in QWEN3_NEXT.items() if not k.startswith(("num_experts", "moe_",
+                                                                   "shared_expert"))},
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                         "partial_rotary_factor": 0.25, "mrope_section": [2, 1, 1],
+                         "mrope_interleaved": True}),
+    # Qwen3.5 MoE: its experts in every layer beside the gated shared expert
+    "qwen3_5_moe_text": lambda: transformers.Qwen3_5MoeTextConfig(
+        **{k: v for k, v in QWEN3_NEXT.items() if k != "intermediate_size"}),
     # Qwen3-Next: three DeltaNet layers then attention (full_attention_interval 4), layer 1
     # a dense MLP
     "qwen3_next": lambda: transformers.Qwen3NextConfig(**QWEN3_NEXT, mlp_only_layers=[1]),

@@ -30,6 +30,9 @@ MLA = {**LLAMA_STYLE, "num_key_value_heads": 4, "kv_lora_rank": 8, "qk_nope_head
        "moe_intermediate_size": 8, "n_shared_experts": 1, "first_k_dense_replace": 1}  # fmt: skip
 GRANITE_SCALES = {"embedding_multiplier": 12.0, "attention_multiplier": 0.0078125,
                   "residual_multiplier": 0.22, "logits_scaling": 8.0}  # fmt: skip
+QWEN3_5 = {"num_hidden_layers": 4, "head_dim": 4, "linear_key_head_dim": 4,
+           "linear_value_head_dim": 4, "linear_num_key_heads": 2,
+           "linear_num_value_heads": 4}  # fmt: skip
 CONFIGS = {
     "gpt2": {"model_type": "gpt2", "n_embd": 16, "n_layer": 2, "n_head": 4, "vocab_size": 32,
              "n_positions": 8},
@@ -94,6 +97,10 @@ CONFIGS = {
                    "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 16.0,
                                        "original_max_position_embeddings": 16,
                                        "llama_4_scaling_beta": 0.1}},
+    "qwen3_5_text": {"model_type": "qwen3_5_text", **LLAMA_STYLE, **QWEN3_5},
+    "qwen3_5_moe_text": {"model_type": "qwen3_5_moe_text", **LLAMA_STYLE, **QWEN3_5,
+                         "num_experts": 4, "moe_intermediate_size": 8,
+                         "shared_expert_intermediate_size": 8, "num_experts_per_tok": 2},
     "flex_olmo": {"model_type": "flex_olmo", **LLAMA_STYLE, "num_experts": 4,
                   "num_experts_per_tok": 2},
     "arcee": {"model_type": "arcee", **LLAMA_STYLE, "hidden_act": "relu2", "head_dim": 4},
@@ -146,10 +153,12 @@ def test_each_parameter_is_named_once(name):
         assert len(names) == len(set(names)), (name, side)
 
 
-SETTINGS_ALIKE = {"phi3": "llama", "seed_oss": "qwen2", "glm4_moe_lite": "deepseek_v3"}
+SETTINGS_ALIKE = {"phi3": "llama", "seed_oss": "qwen2", "glm4_moe_lite": "deepseek_v3",
+                  "qwen3_5_moe_text": "qwen3_next"}  # fmt: skip
 """Families whose settings are another's (only their tensors or their training settings
-differ: Phi-3's fused q/k/v and gate/up, Seed-OSS's dropout after each sublayer): without
-the family an import records, a checkpoint exports as the other."""
+differ: Phi-3's fused q/k/v and gate/up, Seed-OSS's dropout after each sublayer, Qwen3.5
+MoE's DeltaNet projections saved apart): without the family an import records, a
+checkpoint exports as the other."""
 
 
 @pytest.mark.parametrize("name", ARCHITECTURES)

@@ -28,7 +28,7 @@ ARCHITECTURES = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "nemotron", "mixt
                  "glm4_moe_lite", "olmo2", "olmo3", "olmoe", "gemma3_text",
                  "minimax_m2", "glm4", "exaone4", "arcee", "flex_olmo",
                  "granite", "granitemoe", "granitemoeshared", "granitemoehybrid",
-                 "bamba", "gemma", "ministral3")  # fmt: skip
+                 "bamba", "gemma", "ministral3", "qwen3_5_text", "qwen3_5_moe_text")  # fmt: skip
 
 
 ALIASES = {"kimi_k2": "deepseek_v3"}
@@ -40,6 +40,11 @@ REFUSED = {
     "its text model alone, a checkpoint of model_type 'gemma3_text' (Gemma3ForCausalLM)",
     "llama4": "Llama 4's image-and-text model (Llama4ForConditionalGeneration): mp converts "
     "its text model alone, a checkpoint of model_type 'llama4_text' (Llama4ForCausalLM)",
+    "qwen3_5": "Qwen3.5's image-and-text model (Qwen3_5ForConditionalGeneration): mp converts "
+    "its text model alone, a checkpoint of model_type 'qwen3_5_text' (Qwen3_5ForCausalLM)",
+    "qwen3_5_moe": "Qwen3.5 MoE's image-and-text model (Qwen3_5MoeForConditionalGeneration): "
+    "mp converts its text model alone, a checkpoint of model_type 'qwen3_5_moe_text' "
+    "(Qwen3_5MoeForCausalLM)",
 }
 """config.json model_types near a family's that mp does not convert, and why."""
 
@@ -60,17 +65,17 @@ def family_of(settings: dict) -> str:
     hybrid layer pattern (Mamba layers) whose layers are a mixer then a gated SiLU MLP, each
     layer's MLP of one kind, is Bamba where the MLPs are dense, half of each head rotates and
     Granite's multipliers are 1, else Granite 4; another hybrid pattern is Nemotron-H; gated
-    DeltaNet layers Qwen3-Next; multi-latent attention is GLM-5 with DeepSeek's sparse attention
-    (experimental_attention_variant "dsa") whose indexer rotates in interleaved pairs,
-    DeepSeek-V3.2 with other sparse attention, DeepSeek-V3 with sigmoid router scores, else
-    DeepSeek-V2; learned positions are GPT-2; normalized sublayer inputs and outputs Gemma 3
-    with scaled embeddings, else GLM-4; normalized sublayer outputs EXAONE 4.0 with per-head
-    query/key norms, FlexOlmo with experts, OLMo 3 with a window, else OLMo 2; layers without
-    rotary embeddings in a dense model without Llama 4's other features are SmolLM3;
-    L2-normalized queries and keys, layers without rotary embeddings, routing weights on the
-    experts' input, or interleaved rotary embeddings with experts are Llama 4; experts with
-    quick GEGLU or sinks gpt-oss, with sigmoid router scores MiniMax-M2 where queries and keys
-    are normalized over all heads, else GLM-4.5, with Granite's multipliers Granite MoE
+    DeltaNet layers Qwen3-Next with experts, else Qwen3.5; multi-latent attention is GLM-5 with
+    DeepSeek's sparse attention (experimental_attention_variant "dsa") whose indexer rotates in
+    interleaved pairs, DeepSeek-V3.2 with other sparse attention, DeepSeek-V3 with sigmoid
+    router scores, else DeepSeek-V2; learned positions are GPT-2; normalized sublayer inputs and
+    outputs Gemma 3 with scaled embeddings, else GLM-4; normalized sublayer outputs EXAONE 4.0
+    with per-head query/key norms, FlexOlmo with experts, OLMo 3 with a window, else OLMo 2;
+    layers without rotary embeddings in a dense model without Llama 4's other features are
+    SmolLM3; L2-normalized queries and keys, layers without rotary embeddings, routing weights
+    on the experts' input, or interleaved rotary embeddings with experts are Llama 4; experts
+    with quick GEGLU or sinks gpt-oss, with sigmoid router scores MiniMax-M2 where queries and
+    keys are normalized over all heads, else GLM-4.5, with Granite's multipliers Granite MoE
     (granitemoeshared with a shared expert), with a shared expert Qwen2-MoE, with queries and
     keys normalized over all heads OLMoE, with qk-layernorm Qwen3-MoE, else Mixtral; dense with
     the rotated queries scaled by position Ministral 3, with scaled embeddings Gemma, with
@@ -87,7 +92,7 @@ def family_of(settings: dict) -> str:
         return "bamba" if dense and partial and not scaled else "granitemoehybrid"
     variant = settings.get("experimental_attention_variant")
     if variant in ("gdn", "gated_delta_net"):
-        return "qwen3_next"
+        return "qwen3_next" if settings.get("num_moe_experts") else "qwen3_5_text"
     if settings.get("multi_latent_attention"):
         if variant == "dsa":
             return "glm_moe_dsa" if settings.get("dsa_indexer_rope_interleaved") else "deepseek_v32"

@@ -66,7 +66,8 @@ from mp_ckpt.families.table import (
     kv_heads,
 )
 
-__all__ = ["FAMILY"]
+__all__ = ["ATTENTION_RULES", "DELTA_NET_RULES", "FAMILY", "MTP_RULES", "check_layers", "held",
+           "layer_keys", "layer_settings"]  # fmt: skip
 
 _EXPERTS = ("mlp", "gate_proj", "up_proj", "down_proj")
 _DEFAULTS = {"num_experts": 512, "num_experts_per_tok": 10, "moe_intermediate_size": 512,
@@ -149,13 +150,7 @@ _ATTN = "model.layers.{i}.self_attn."
 _LIN = "model.layers.{i}.linear_attn."
 _QKV = "self_attention.linear_qkv"
 _IN = "self_attention.in_proj"
-RULES = (
-    *model_rules(), *norm_rules(), *dense_mlp_rules(), *expert_rules(*_EXPERTS),
-    *shared_expert_rules(),
-    Rule(("enorm.weight",), "mtp.pre_fc_norm_embedding.weight", "mtp"),
-    Rule(("hnorm.weight",), "mtp.pre_fc_norm_hidden.weight", "mtp"),
-    Rule(("eh_proj.weight",), "mtp.fc.weight", "mtp"),
-    Rule(("final_layernorm.weight",), "mtp.norm.weight", "mtp"),
+ATTENTION_RULES = (
     Rule((f"{_QKV}.q.weight", f"{_QKV}.gate.weight"), _ATTN + "q_proj.weight", "full_attention",
          to_mp=_q_and_gate, to_hf=_q_proj, megatron=_QKV, when=_gated),
     Rule((f"{_QKV}.k.weight",), _ATTN + "k_proj.weight", "full_attention", to_mp=kv_heads,
@@ -165,12 +160,9 @@ RULES = (
     Rule(("self_attention.linear_proj.weight",), _ATTN + "o_proj.weight", "full_attention"),
     *(Rule((f"self_attention.{p}_layernorm.weight",), f"{_ATTN}{p}_norm.weight",
            "full_attention") for p in "qk"),
-    Rule(tuple(f"{_IN}.{p}.weight" for p in ("query", "key", "value", "z")),
-         _LIN + "in_proj_qkvz.weight", "linear_attention", to_mp=_per_key_head(_qkvz_rows),
-         to_hf=_joined, megatron=_IN),
-    Rule((f"{_IN}.beta.weight", f"{_IN}.alpha.weight"), _LIN + "in_proj_ba.weight",
-         "linear_attention", to_mp=_per_key_head(lambda d: [_ratio(d)] * 2), to_hf=_joined,
-         megatron=_IN),
+)  # fmt: skip
+"""Gated softmax attention (Qwen3.5's too)."""
+DELTA_NET_RULES = (
     Rule(tuple(f"self_attention.conv1d.{p}.weight" for p in ("query", "key", "value")),
          _LIN + "conv1d.weight", "linear_attention", to_mp=_conv_to_mp, to_hf=_conv_to_hf,
          megatron="self_attention.conv1d"),
@@ -179,6 +171,24 @@ RULES = (
     Rule(("self_attention.out_norm.weight",), _LIN + "norm.weight", "linear_attention",
          to_mp=_minus_one, to_hf=_plus_one),
     Rule(("self_attention.out_proj.weight",), _LIN + "out_proj.weight", "linear_attention"),
+)  # fmt: skip
+"""A gated DeltaNet's tensors but its input projections (Qwen3.5's too)."""
+MTP_RULES = (
+    Rule(("enorm.weight",), "mtp.pre_fc_norm_embedding.weight", "mtp"),
+    Rule(("hnorm.weight",), "mtp.pre_fc_norm_hidden.weight", "mtp"),
+    Rule(("eh_proj.weight",), "mtp.fc.weight", "mtp"),
+    Rule(("final_layernorm.weight",), "mtp.norm.weight", "mtp"),
+)  # fmt: skip
+RULES = (
+    *model_rules(), *norm_rules(), *dense_mlp_rules(), *expert_rules(*_EXPERTS),
+    *shared_expert_rules(), *MTP_RULES, *ATTENTION_RULES,
+    Rule(tuple(f"{_IN}.{p}.weight" for p in ("query", "key", "value", "z")),
+         _LIN + "in_proj_qkvz.weight", "linear_attention", to_mp=_per_key_head(_qkvz_rows),
+         to_hf=_joined, megatron=_IN),
+    Rule((f"{_IN}.beta.weight", f"{_IN}.alpha.weight"), _LIN + "in_proj_ba.weight",
+         "linear_attention", to_mp=_per_key_head(lambda d: [_ratio(d)] * 2), to_hf=_joined,
+         megatron=_IN),
+    *DELTA_NET_RULES,
 )  # fmt: skip
 
 # --- config.json -------------------------------------------------------------------------
@@ -205,18 +215,14 @@ def _partial_rotary(config: dict) -> float:
                                 config.get("partial_rotary_factor", 0.25)))  # fmt: skip
 
 
-def _settings(config: dict) -> dict:
-    if config.get("num_experts", _DEFAULTS["num_experts"]) == 0:
-        raise ValueError("config.json num_experts=0 (a Qwen3-Next without experts): mp "
-                         "converts Qwen3-Next's mixture-of-experts layers")  # fmt: skip
+def layer_settings(config: dict, defaults: dict) -> dict:
+    """The settings of Qwen3-Next's layers but their experts (Qwen3.5's too): Llama's with
+    the gated DeltaNets where layer_types says, gated attention with zero-centred query and
+    key norms, a partial rotation, the multi-token prediction module."""
     refuse(config, "attention_bias", False)
-    if config.get("norm_topk_prob", True) not in (True, False):
-        raise ValueError(
-            f"config.json norm_topk_prob={config['norm_topk_prob']!r}: expected true or false"
-        )
     rope = {k: v for k, v in (config.get("rope_parameters") or {}).items()
             if k != "partial_rotary_factor"}  # fmt: skip
-    ffn = positive(config, "intermediate_size", _DEFAULTS)
+    ffn = positive(config, "intermediate_size", defaults)
     base = llama_settings(config | {"intermediate_size": ffn, "rope_parameters": rope},
                           rope_theta=10000.0, max_positions=32768)  # fmt: skip
     linear = [int(t == "linear_attention") for t in _layer_types(config)]
@@ -231,56 +237,72 @@ def _settings(config: dict) -> dict:
             "Qwen3-Next's multi-token prediction layer is gated softmax attention; mp's is "
             "shaped as the model's last layer, here linear_attention"
         )
-    return base | routing(config, "num_experts", _DEFAULTS) | {
+    return base | {
         "qk_layernorm": True, "apply_layernorm_1p": True, "attention_output_gate": True,
         "rotary_percent": _partial_rotary(config),
         "experimental_attention_variant": "gdn", "linear_attention_freq": linear,
-        **{key: positive(config, key, _DEFAULTS) for key in _LINEAR},
+        **{key: positive(config, key, defaults) for key in _LINEAR},
+        "mtp_num_layers": mtp or None,
+    }  # fmt: skip
+
+
+def _settings(config: dict) -> dict:
+    if config.get("num_experts", _DEFAULTS["num_experts"]) == 0:
+        raise ValueError("config.json num_experts=0 (a Qwen3-Next without experts): mp "
+                         "converts Qwen3-Next's mixture-of-experts layers")  # fmt: skip
+    if config.get("norm_topk_prob", True) not in (True, False):
+        raise ValueError(
+            f"config.json norm_topk_prob={config['norm_topk_prob']!r}: expected true or false"
+        )
+    return layer_settings(config, _DEFAULTS) | routing(config, "num_experts", _DEFAULTS) | {
         "moe_ffn_hidden_size": positive(config, "moe_intermediate_size", _DEFAULTS),
         "moe_router_pre_softmax": not config.get("norm_topk_prob", True),
         "moe_shared_expert_intermediate_size": positive(
             config, "shared_expert_intermediate_size", _DEFAULTS),
-        "moe_shared_expert_gate": True,
-        "moe_layer_freq": sparse_layers(config), "mtp_num_layers": mtp or None,
+        "moe_shared_expert_gate": True, "moe_layer_freq": sparse_layers(config),
     }  # fmt: skip
 
 
-def _config(settings: dict, shapes: dict, tokens: dict, dtype: str) -> dict:
-    for field, value in (
-        ("experimental_attention_variant", "gdn"),
-        ("attention_output_gate", True),
-        ("moe_shared_expert_gate", True),
-    ):
+def check_layers(settings: dict, model_type: str) -> None:
+    """Refuses settings whose layers are not Qwen3-Next's (nor Qwen3.5's)."""
+    for field, value in (("experimental_attention_variant", "gdn"),
+                         ("attention_output_gate", True)):  # fmt: skip
         if settings.get(field) != value:
-            raise ValueError(f"model_config {field}={settings.get(field)!r}: qwen3_next "
+            raise ValueError(f"model_config {field}={settings.get(field)!r}: {model_type} "
                              f"computes only {field}={value!r}")  # fmt: skip
+
+
+def layer_keys(settings: dict, layers: int, rope_parameters: dict) -> dict:
+    """config.json's keys of layer_settings: layer_types, the DeltaNet widths, the partial
+    rotation in rope_parameters, num_nextn_predict_layers."""
     partial = settings.get("rotary_percent", 1.0)
-    config = moe_config(
-        settings,
-        shapes,
-        tokens,
-        dtype,
-        "qwen3_next",
-        None,
-        qk_layernorm=True,
-        apply_layernorm_1p=True,
-        rotary_percent=partial,
-    )
-    step, dense = sparse_step(shapes["sparse"])
-    layers = shapes["layers"]
     types = ["linear_attention" if is_linear_attention_layer(settings, i) else "full_attention"
              for i in range(layers)]  # fmt: skip
-    config["rope_parameters"] = {**config["rope_parameters"], "partial_rotary_factor": partial}
-    return config | {
+    return {
+        "rope_parameters": {**rope_parameters, "partial_rotary_factor": partial},
+        "attention_bias": False, "layer_types": types,
+        **{key: settings.get(key, _DEFAULTS[key]) for key in _LINEAR},
+    } | _mtp_keys(settings)  # fmt: skip
+
+
+def _config(settings: dict, shapes: dict, tokens: dict, dtype: str) -> dict:
+    check_layers(settings, "qwen3_next")
+    if settings.get("moe_shared_expert_gate") is not True:
+        raise ValueError(f"model_config moe_shared_expert_gate="
+                         f"{settings.get('moe_shared_expert_gate')!r}: qwen3_next computes "
+                         "only moe_shared_expert_gate=True")  # fmt: skip
+    config = moe_config(settings, shapes, tokens, dtype, "qwen3_next", None, qk_layernorm=True,
+                        apply_layernorm_1p=True,
+                        rotary_percent=settings.get("rotary_percent", 1.0))  # fmt: skip
+    step, dense = sparse_step(shapes["sparse"])
+    return config | layer_keys(settings, shapes["layers"], config["rope_parameters"]) | {
         "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next",
         "intermediate_size": shapes.get("ffn") or settings.get("ffn_hidden_size"),
         "moe_intermediate_size": shapes["expert_ffn"],
         "shared_expert_intermediate_size": shapes["shared_ffn"],
         "num_experts": shapes["experts"], "decoder_sparse_step": step, "mlp_only_layers": dense,
         "norm_topk_prob": not settings.get("moe_router_pre_softmax", False),
-        "attention_bias": False, "layer_types": types,
-        **{key: settings.get(key, _DEFAULTS[key]) for key in _LINEAR},
-    } | _mtp_keys(settings)  # fmt: skip
+    }  # fmt: skip
 
 
 def _mtp_keys(settings: dict) -> dict:
@@ -295,7 +317,7 @@ def _mtp_keys(settings: dict) -> dict:
 _MTP_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.")
 
 
-def _held(config: dict, names) -> dict:
+def held(config: dict, names) -> dict:
     """config.json with num_nextn_predict_layers as the weights hold modules (transformers'
     Qwen3-Next config has no such key; a module's tensors are mtp.*)."""
     modules = {int(m.group(1)) for name in names if (m := _MTP_LAYER.match(name))}
@@ -304,5 +326,5 @@ def _held(config: dict, names) -> dict:
 
 
 FAMILY = Family("qwen3_next", "Qwen3NextForCausalLM", RULES, _settings, _config,
-                prepare=unfuse_experts(*_EXPERTS), held=_held,
+                prepare=unfuse_experts(*_EXPERTS), held=held,
                 mtp_sublayer=("model.layers.{i}.", "mtp.layers.{i}."))  # fmt: skip
