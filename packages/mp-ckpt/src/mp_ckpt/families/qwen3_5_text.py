@@ -77,17 +77,6 @@ LAYER_RULES = (*MTP_RULES, *ATTENTION_RULES, *IN_PROJ_RULES, *DELTA_NET_RULES)
 RULES = (*model_rules(), *norm_rules(), *dense_mlp_rules(), *LAYER_RULES)
 
 
-def mrope_keys(config: dict) -> dict:
-    """rope_parameters' multimodal keys, kept in the settings to be written back."""
-    rope = config.get("rope_parameters") or {}
-    return {"hf_" + key: rope[key] for key in _MROPE if key in rope}
-
-
-def written_mrope(settings: dict) -> dict:
-    """The multimodal rope_parameters keys mrope_keys kept."""
-    return {key: settings["hf_" + key] for key in _MROPE if "hf_" + key in settings}
-
-
 def _text_config(config: dict) -> dict:
     """config.json without rope_parameters' multimodal keys (read as plain RoPE)."""
     rope = {k: v for k, v in (config.get("rope_parameters") or {}).items() if k not in _MROPE}
