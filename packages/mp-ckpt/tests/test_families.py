@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from mp_ckpt import families
-from mp_ckpt.families import ARCHITECTURES, family, family_of
+from mp_ckpt.families import ARCHITECTURES, REFUSED, family, family_of
 from mp_ckpt.families.megatron_view import megatron_name, megatron_view, split_name
 from mp_ckpt.families.moe import is_moe_layer
 from mp_ckpt.families.table import Dims, Rule
@@ -178,6 +178,14 @@ def test_the_config_written_names_the_family(name):
               "sparse": [1] * settings["num_layers"]}  # fmt: skip
     config = fam.config(settings, shapes, {}, "float32")
     assert (config["architectures"], config["model_type"]) == ([fam.architecture], name)
+
+
+@pytest.mark.parametrize("model_type", sorted(REFUSED))
+def test_an_image_and_text_model_is_refused_naming_the_text_model_mp_converts(model_type):
+    with pytest.raises(ValueError, match=rf"model_type '{model_type}' is .+'s image-and-text "
+                       r"model \(\w+ForConditionalGeneration\): mp converts its text model "
+                       r"alone, a checkpoint of .*model_type '\w+'"):  # fmt: skip
+        family(model_type)
 
 
 def test_a_mistral_without_a_window_computes_as_llama():

@@ -40,6 +40,11 @@ REFUSED = {
     "its text model alone, a checkpoint of model_type 'gemma3_text' (Gemma3ForCausalLM)",
     "llama4": "Llama 4's image-and-text model (Llama4ForConditionalGeneration): mp converts "
     "its text model alone, a checkpoint of model_type 'llama4_text' (Llama4ForCausalLM)",
+    "mistral3": "Mistral 3's image-and-text model (Mistral3ForConditionalGeneration): mp "
+    "converts its text model alone, a checkpoint of model_type 'mistral' (Mistral Small 3.1, "
+    "3.2) or 'ministral3' (Ministral 3), as its text_config says",
+    "kimi_k25": "Kimi K2.5's image-and-text model (Kimi_K25ForConditionalGeneration): mp "
+    "converts its text model alone, a checkpoint of model_type 'deepseek_v3' (or 'kimi_k2')",
     "qwen3_5": "Qwen3.5's image-and-text model (Qwen3_5ForConditionalGeneration): mp converts "
     "its text model alone, a checkpoint of model_type 'qwen3_5_text' (Qwen3_5ForCausalLM)",
     "qwen3_5_moe": "Qwen3.5 MoE's image-and-text model (Qwen3_5MoeForConditionalGeneration): "
