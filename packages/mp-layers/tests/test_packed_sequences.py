@@ -1,10 +1,11 @@
-"""Packed sequences: documents of lengths 1, 7, 64 and 200 packed into 512 positions (the
-rest one more document of padding) give every document the logits and every parameter
-the gradients of running each document alone (fp32, 1e-5), with grouped-query attention,
-RoPE (positions restart per document), SDPA and the blocked path, a learnable softmax
-offset and a sliding window, and selective and full recompute; a multi-token
-prediction layer's loss over packed documents is each document's alone, pooled. Memory
-of packed attention at 16,384 positions: ci/bench/bench_packed_attention.py."""
+"""Packed sequences: documents of lengths 1, 7, 64 and 200 packed into 512 positions (the rest
+one more document of padding) give every document the logits and every parameter the
+gradients of running each document alone (fp32, 1e-5), with grouped-query attention, RoPE
+(positions restart per document, Ministral 3's query scaling by position too), SDPA and the
+blocked path, a learnable softmax offset and a sliding window, and selective and full
+recompute; a multi-token prediction layer's loss over packed documents is each document's
+alone, pooled. Memory of packed attention at 16,384 positions:
+ci/bench/bench_packed_attention.py."""
 
 import pytest
 import torch
@@ -18,6 +19,8 @@ VARIANTS = {
     "sdpa": {},
     "blocked": {"attention_backend": "local"},
     "sinks-window": {"softmax_type": "learnable", "window_size": (16, 0)},
+    # Ministral 3's query scaling, its steps of 16 positions counted within each document
+    "query-log-scale": {"query_log_scale_beta": 0.5, "query_log_scale_length": 16},
     "recompute": {"recompute_granularity": "selective"},
     "full-recompute": {
         "recompute_granularity": "full",
