@@ -25,11 +25,15 @@ from __future__ import annotations
 
 import re
 
-import torch
-
 from mp_ckpt.families.granite import scale_keys, scale_settings
 from mp_ckpt.families.hf_settings import head_dim_where_it_differs, llama_settings
-from mp_ckpt.families.llama_style import attention_rules, model_rules, norm_rules
+from mp_ckpt.families.llama_style import (
+    attention_rules,
+    join_gate_up,
+    model_rules,
+    norm_rules,
+    split_gate_up,
+)
 from mp_ckpt.families.moe_settings import moe_config, positive, routing
 from mp_ckpt.families.table import Family, Rule, Scope
 
@@ -42,22 +46,13 @@ _DEFAULTS = {"num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_siz
 _LAYER = "model.layers.{i}."
 
 
-def _halves(t, dims) -> list[torch.Tensor]:
-    """[..., 2F, h] -> its gate rows and its up rows (dim -2)."""
-    return [part.contiguous() for part in t[0].chunk(2, dim=-2)]
-
-
-def _joined(t, dims) -> list[torch.Tensor]:
-    return [torch.cat(list(t), dim=-2)]
-
-
 def expert_rules(scope: Scope = "moe") -> tuple[Rule, ...]:
     """The router and the stacked experts of block_sparse_moe."""
     block = _LAYER + "block_sparse_moe."
     return (
         Rule(("mlp.router.weight",), block + "router.layer.weight", scope),
         Rule(("mlp.experts.linear_fc1.gate.weight", "mlp.experts.linear_fc1.up.weight"),
-             block + "input_linear.weight", scope, to_mp=_halves, to_hf=_joined,
+             block + "input_linear.weight", scope, to_mp=split_gate_up, to_hf=join_gate_up,
              megatron="mlp.experts.experts.linear_fc1"),
         Rule(("mlp.experts.linear_fc2.weight",), block + "output_linear.weight", scope,
              megatron="mlp.experts.experts.linear_fc2"),
@@ -70,8 +65,8 @@ def shared_mlp_rules(module: str, scope: Scope, when=None) -> tuple[Rule, ...]:
     shared = _LAYER + "shared_mlp."
     return (
         Rule((f"{module}.linear_fc1.gate.weight", f"{module}.linear_fc1.up.weight"),
-             shared + "input_linear.weight", scope, to_mp=_halves, to_hf=_joined, when=when,
-             megatron=f"{module}.linear_fc1"),
+             shared + "input_linear.weight", scope, to_mp=split_gate_up, to_hf=join_gate_up,
+             when=when, megatron=f"{module}.linear_fc1"),
         Rule((f"{module}.linear_fc2.weight",), shared + "output_linear.weight", scope,
              when=when),
     )  # fmt: skip

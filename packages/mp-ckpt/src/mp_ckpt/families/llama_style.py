@@ -22,7 +22,8 @@ import torch
 
 from mp_ckpt.families.table import Rule, flat, heads_flat, kv_heads, q_heads
 
-__all__ = ["attention_rules", "dense_mlp_rules", "fused_mlp_rules", "model_rules", "norm_rules"]
+__all__ = ["attention_rules", "dense_mlp_rules", "fused_mlp_rules", "join_gate_up", "model_rules",
+           "norm_rules", "split_gate_up"]  # fmt: skip
 
 _QKV = "self_attention.linear_qkv"
 
@@ -86,12 +87,14 @@ def norm_rules(*, bias: bool = False) -> tuple[Rule, ...]:
     )  # fmt: skip
 
 
-def _split_gate_up(t, dims) -> list:
-    return [part.contiguous() for part in t[0].chunk(2)]
+def split_gate_up(t, dims) -> list:
+    """A fused gate/up weight [..., 2F, h] (the F gate rows, then the F up rows; stacked
+    experts [E, 2F, h] too) -> the gate's and the up's."""
+    return [part.contiguous() for part in t[0].chunk(2, dim=-2)]
 
 
-def _join_gate_up(t, dims) -> list:
-    return [torch.cat(list(t))]
+def join_gate_up(t, dims) -> list:
+    return [torch.cat(list(t), dim=-2)]
 
 
 def fused_mlp_rules() -> tuple[Rule, ...]:
@@ -100,7 +103,7 @@ def fused_mlp_rules() -> tuple[Rule, ...]:
     layer = "model.layers.{i}.mlp."
     return (
         Rule(("mlp.linear_fc1.gate.weight", "mlp.linear_fc1.up.weight"),
-             layer + "gate_up_proj.weight", "dense", to_mp=_split_gate_up, to_hf=_join_gate_up,
+             layer + "gate_up_proj.weight", "dense", to_mp=split_gate_up, to_hf=join_gate_up,
              megatron="mlp.linear_fc1"),
         Rule(("mlp.linear_fc2.weight",), layer + "down_proj.weight", "dense"),
     )  # fmt: skip
